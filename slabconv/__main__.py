@@ -1,0 +1,3 @@
+from slabconv.cli import run
+
+run()

@@ -1,0 +1,38 @@
+"""Exception types and their exit codes (DESIGN.md section 4: 0 done, 1 outputs differ, 2 bad input/usage).
+
+Every error a user can cause is a ``SlabconvError`` with a one-line message that says what is wrong, where,
+and what to do; the CLI prints that line and exits with ``exit_code``. Anything else is an internal error.
+"""
+
+from __future__ import annotations
+
+
+class SlabconvError(Exception):
+    """Base of all user-facing errors; ``exit_code`` is 2 unless a subclass says otherwise."""
+
+    exit_code = 2
+
+
+class InputError(SlabconvError):
+    """The input file cannot be read as a checkpoint (missing, empty, corrupt, unsafe pickle, bad keys)."""
+
+
+class UnsupportedModelError(SlabconvError):
+    """The model is not one slabconv can build or trace (unknown architecture, untraceable code)."""
+
+
+class UsageError(SlabconvError):
+    """A command-line or API argument is wrong (existing output without --force, bad path, bad option)."""
+
+
+class VerificationError(SlabconvError):
+    """The candidate's outputs differ from the reference beyond tolerance (exit code 1).
+
+    ``report`` holds the full report (with the per-check numbers) for the caller to show.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, report: dict | None = None):
+        super().__init__(message)
+        self.report = report or {}

@@ -1,0 +1,140 @@
+r"""The fold algebra: DESIGN.md section 2 as pure tensor functions.
+
+Eval-mode BatchNorm on channel c, with running mean :math:`\mu`, running variance :math:`v`, eps
+:math:`\varepsilon`, weight :math:`\gamma` and bias :math:`\beta` (:math:`\gamma = 1, \beta = 0` when
+``affine=False``), plus RepBN's scalar :math:`\eta` (``alpha`` in the official code):
+
+.. math::
+
+    \mathrm{RepBN}(x) = \gamma \frac{x - \mu}{\sqrt{v + \varepsilon}} + \beta + \eta x = s \odot x + t,
+    \qquad s = \frac{\gamma}{\sqrt{v + \varepsilon}} + \eta, \qquad t = \beta - \frac{\gamma \mu}{\sqrt{v + \varepsilon}}.
+
+This is Lemma 4.1 of the SLAB paper (ICML 2024): RepBN is a BatchNorm with rescale :math:`\gamma + \eta\sigma`
+and shift :math:`\beta + \eta\mu`, :math:`\sigma = \sqrt{v + \varepsilon}`. A plain BatchNorm is :math:`\eta = 0`.
+
+Forward fold into a consumer :math:`y = W z + b` (``W``: out x in): :math:`W' = W\,\mathrm{diag}(s)` (columns),
+:math:`b' = b + W t`. Backward fold into a producer whose output is the norm's input:
+:math:`W' = \mathrm{diag}(s)\,W` (rows / output channels), :math:`b' = s \odot b + t`.
+
+Every function computes in float64 and returns tensors in the dtype and on the device of the weight it
+was given. None of them mutates its arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def repbn_affine(
+    running_mean: Tensor,
+    running_var: Tensor,
+    eps: float,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    alpha: Tensor | float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The per-channel affine ``(scale, shift)`` that an eval-mode RepBN / BatchNorm computes (Lemma 4.1).
+
+    Args:
+        running_mean: ``(C,)`` BatchNorm ``running_mean``.
+        running_var: ``(C,)`` BatchNorm ``running_var`` (must be > -eps).
+        eps: BatchNorm ``eps`` (1e-5 for ``nn.BatchNorm1d``; 1e-6 in LLaMA-PRepBN).
+        weight: ``(C,)`` BatchNorm ``weight`` (gamma); None when ``affine=False``.
+        bias: ``(C,)`` BatchNorm ``bias`` (beta); None when ``affine=False``.
+        alpha: RepBN's scalar eta, a ``(1,)`` tensor or float; None for a plain BatchNorm.
+
+    Returns:
+        ``(scale, shift)``, each ``(C,)`` float64: ``s = gamma / sqrt(v + eps) + eta``,
+        ``t = beta - gamma * mu / sqrt(v + eps)``.
+    """
+    mean = running_mean.detach().to(torch.float64)
+    inv_std = torch.rsqrt(running_var.detach().to(torch.float64) + eps)
+    gamma = torch.ones_like(mean) if weight is None else weight.detach().to(torch.float64)
+    beta = torch.zeros_like(mean) if bias is None else bias.detach().to(torch.float64)
+    scale = gamma * inv_std
+    shift = beta - scale * mean
+    if alpha is not None:
+        eta = alpha.detach().to(torch.float64) if isinstance(alpha, Tensor) else torch.tensor(float(alpha))
+        scale = scale + eta.reshape(-1).to(scale.device)
+    return scale, shift
+
+
+def _cast(x: Tensor, like: Tensor) -> Tensor:
+    return x.to(dtype=like.dtype, device=like.device).contiguous()
+
+
+def fold_into_linear(
+    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Forward fold: a Linear that consumes ``s * x + t`` on its input (last) axis.
+
+    Args:
+        weight: ``(out, in)`` Linear weight.
+        bias: ``(out,)`` Linear bias, or None (the fold creates one).
+        scale: ``(in,)`` per-channel scale s.
+        shift: ``(in,)`` per-channel shift t (already multiplied by N for a sum over N tokens).
+
+    Returns:
+        ``(W diag(s), b + W t)`` in ``weight``'s dtype and device; the bias is always returned.
+    """
+    w = weight.detach().to(torch.float64)
+    b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
+    s, t = scale.to(w), shift.to(w)
+    return _cast(w * s, weight), _cast(b + w @ t, weight)
+
+
+def fold_into_conv(
+    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor, groups: int = 1
+) -> tuple[Tensor, Tensor]:
+    """Forward fold: a convolution (any spatial rank, no zero padding) that consumes ``s * x + t`` on axis 1.
+
+    Exact only when the conv pads nothing: a padded zero would become ``t`` after the fold.
+
+    Args:
+        weight: ``(out, in / groups, *kernel)`` conv weight.
+        bias: ``(out,)`` or None.
+        scale: ``(in,)`` per-input-channel scale.
+        shift: ``(in,)`` per-input-channel shift.
+        groups: the conv's ``groups``; input channel ``c`` belongs to group ``c // (in / groups)``.
+
+    Returns:
+        ``(W', b')``: ``W'[o, j, ...] = W[o, j, ...] * s[c]`` and ``b'[o] = b[o] + sum_{j,k} W[o, j, k] t[c]``
+        with ``c = g(o) * (in / groups) + j``; dtype and device of ``weight``.
+    """
+    w = weight.detach().to(torch.float64)
+    out_ch, in_per_group = w.shape[0], w.shape[1]
+    b = torch.zeros(out_ch, dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
+    # Per output channel, the input channels it reads: (out, in_per_group).
+    group_of_out = torch.arange(out_ch, device=w.device) // (out_ch // groups)
+    chan = group_of_out[:, None] * in_per_group + torch.arange(in_per_group, device=w.device)[None, :]
+    s = scale.to(w)[chan].reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
+    t = shift.to(w)[chan]
+    new_b = b + (w.sum(dim=tuple(range(2, w.dim()))) * t).sum(dim=1)
+    return _cast(w * s, weight), _cast(new_b, weight)
+
+
+def fold_into_producer(
+    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Backward fold: a Linear or conv whose output channels (dim 0 of the weight) feed the norm.
+
+    Args:
+        weight: ``(out, ...)``: Linear ``(out, in)`` or conv ``(out, in / groups, *kernel)``.
+        bias: ``(out,)`` or None (the fold creates one).
+        scale: ``(out,)`` per-channel scale s.
+        shift: ``(out,)`` per-channel shift t.
+
+    Returns:
+        ``(diag(s) W, s * b + t)`` in ``weight``'s dtype and device.
+    """
+    w = weight.detach().to(torch.float64)
+    b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
+    s, t = scale.to(w), shift.to(w)
+    return _cast(w * s.reshape(-1, *([1] * (w.dim() - 1))), weight), _cast(s * b + t, weight)
+
+
+def fits_dtype(*tensors: Tensor) -> bool:
+    """True when every tensor is finite (a fold that overflows float16 gives inf after the cast)."""
+    return all(bool(torch.isfinite(t).all()) for t in tensors)

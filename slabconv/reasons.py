@@ -1,0 +1,54 @@
+"""The stable reason strings for a norm that is not folded away on some path.
+
+These strings appear in ``report.json`` (``folds[].reason``), ``slabconv inspect`` and ``docs/reasons.md``;
+users grep for them, so they never change once released. Each is a case where the naive fold gives wrong
+numbers; ``docs/reasons.md`` shows the model pattern behind each one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ZERO_PADDING_AFTER_NORM = "zero-padding-after-norm"
+MASKED_AFTER_NORM = "masked-after-norm"
+RESIDUAL_READS_NORM = "residual-reads-norm"
+NONLINEAR = "nonlinear-before-consumer"
+CHANNEL_MIXING_RESHAPE = "channel-mixing-reshape"
+PADDED_CONV_CONSUMER = "padded-conv-consumer"
+NEGATIVE_SCALE_THROUGH_MAX = "negative-scale-through-max"
+BATCH_STATS_IN_EVAL = "batch-stats-in-eval"
+TRAIN_MODE = "train-mode"
+DYNAMIC_TOKEN_COUNT = "dynamic-token-count"
+CONCAT_WITH_UNNORMALIZED = "concat-with-unnormalized"
+FEEDS_OUTPUT = "feeds-model-output"
+SHARED_WEIGHT = "shared-consumer-weight"
+DTYPE_OVERFLOW = "dtype-overflow"
+UNSUPPORTED_PREFIX = "unsupported-op:"
+
+ALL = (
+    ZERO_PADDING_AFTER_NORM,
+    MASKED_AFTER_NORM,
+    RESIDUAL_READS_NORM,
+    NONLINEAR,
+    CHANNEL_MIXING_RESHAPE,
+    PADDED_CONV_CONSUMER,
+    NEGATIVE_SCALE_THROUGH_MAX,
+    BATCH_STATS_IN_EVAL,
+    TRAIN_MODE,
+    DYNAMIC_TOKEN_COUNT,
+    CONCAT_WITH_UNNORMALIZED,
+    FEEDS_OUTPUT,
+    SHARED_WEIGHT,
+    DTYPE_OVERFLOW,
+    UNSUPPORTED_PREFIX + "<aten op>",
+)
+
+
+def unsupported(node: Any) -> str:
+    """``unsupported-op:aten.<name>`` for an fx node whose op has no rule."""
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    namespace = getattr(target, "namespace", None)
+    if namespace:
+        name = f"{namespace}.{name.split('.')[0]}"
+    return UNSUPPORTED_PREFIX + name

@@ -1,0 +1,282 @@
+"""DeiT with PRepBN norms, in the official SLAB key layout.
+
+Paper: SLAB (Guo et al., ICML 2024), DeiT-PRepBN rows of Table 2; DeiT: Touvron et al., ICML 2021.
+Layout source: github xinghaochen/SLAB ``classification/models/deit.py`` (``VisionTransformer``,
+``deit_tiny_patch16_224_repbn`` with bare ``RepBN`` norms, ``deit_small_patch16_224_repbn`` with
+``LinearNorm(norm1=LayerNorm(eps=1e-6), norm2=RepBN)``). Written here from those facts; no code copied.
+
+Keys: ``patch_embed.proj.{weight,bias}``, ``cls_token (1, 1, C)``, ``pos_embed (1, 1 + N, C)``,
+``blocks.{i}.norm1``, ``blocks.{i}.attn.{qkv,proj}``, ``blocks.{i}.norm2``, ``blocks.{i}.mlp.{fc1,fc2}``,
+``norm``, ``head``. Each norm is ``RepBN`` (``norm1.bn.*``, ``norm1.alpha``) or ``LinearNorm``
+(``norm1.norm1.*`` LayerNorm, ``norm1.norm2.bn.*``, ``norm1.norm2.alpha``, ``norm1.{warm,iter,total_step}``).
+Where each norm feeds: norm1 -> attn.qkv, norm2 -> mlp.fc1, the final norm -> ``x[:, 0]`` -> head.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from slabconv.errors import UnsupportedModelError
+from slabconv.nn import LinearNorm, RepBN
+from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
+
+NormFactory = Callable[[int], nn.Module]
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention on ``(B, N, C)``; ``qkv`` is one Linear ``C -> 3C``."""
+
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool):
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = (q @ k.transpose(-2, -1)) * self.scale
+        attn = attn.softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2).reshape(b, n, c)
+        return self.proj(x)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, norm_layer: NormFactory):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = Attention(dim, num_heads, qkv_bias)
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """Image ``(B, in_chans, H, W)`` -> tokens ``(B, (H/p)*(W/p), C)`` by a stride-p conv."""
+
+    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int):
+        super().__init__()
+        self.num_patches = (img_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class VisionTransformer(nn.Module):
+    """DeiT-style ViT: patch embedding, cls token, ``depth`` pre-norm blocks, final norm, linear head.
+
+    Input: float ``(B, in_chans, img_size, img_size)``. Output: logits ``(B, num_classes)``.
+    ``global_pool='token'`` reads the cls token (DeiT); ``'avg'`` averages all tokens.
+    """
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 192,
+        depth: int = 12,
+        num_heads: int = 3,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        norm_layer: NormFactory = RepBN,
+        global_pool: str = "token",
+    ):
+        super().__init__()
+        self.global_pool = global_pool
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
+        hidden = int(embed_dim * mlp_ratio)
+        self.blocks = nn.Sequential(
+            *[Block(embed_dim, num_heads, hidden, qkv_bias, norm_layer) for _ in range(depth)]
+        )
+        self.norm = norm_layer(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        x = torch.cat((cls, x), dim=1) + self.pos_embed
+        x = self.blocks(x)
+        x = self.norm(x)
+        x = x[:, 0] if self.global_pool == "token" else x.mean(dim=1)
+        return self.head(x)
+
+
+def norm_factory(layout: str, eps: float = 1e-5) -> NormFactory:
+    """The norm constructor for a key layout: ``repbn``, ``linearnorm`` or ``identity`` (the norm-free bound).
+
+    ``linearnorm`` is the official ``partial(LinearNorm, norm1=LayerNorm(eps=1e-6), norm2=RepBN)``.
+    """
+    if layout == "repbn":
+        return partial(RepBN, eps=eps)
+    if layout == "linearnorm":
+        return partial(LinearNorm, norm1=partial(nn.LayerNorm, eps=1e-6), norm2=partial(RepBN, eps=eps))
+    if layout == "identity":
+        return lambda dim: nn.Identity()
+    raise ValueError(f"unknown norm layout {layout!r}")
+
+
+def norm_layout(state_dict: StateDict, prefix: str) -> str | None:
+    """``linearnorm`` / ``repbn`` from the keys under ``prefix`` (e.g. ``blocks.0.norm1``), else None."""
+    if f"{prefix}.norm2.bn.running_mean" in state_dict:
+        return "linearnorm"
+    if f"{prefix}.bn.running_mean" in state_dict:
+        return "repbn"
+    return None
+
+
+def vit_hparams(state_dict: StateDict) -> dict[str, Any]:
+    """Read the ViT hyperparameters that the weights determine: embed_dim, depth, patch, image size, ...
+
+    Raises:
+        UnsupportedModelError: a key the DeiT layout needs is missing.
+    """
+    try:
+        proj = state_dict["patch_embed.proj.weight"]  # (C, in_chans, p, p)
+        pos = state_dict["pos_embed"]  # (1, 1 + N, C)
+        head = state_dict["head.weight"]  # (num_classes, C)
+        fc1 = state_dict["blocks.0.mlp.fc1.weight"]  # (hidden, C)
+    except KeyError as err:
+        raise UnsupportedModelError(f"not a DeiT-layout checkpoint: key {err.args[0]!r} is missing") from None
+    depth = len({m.group(1) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.attn\.qkv\.weight$", k))})
+    embed_dim, in_chans, patch = proj.shape[0], proj.shape[1], proj.shape[2]
+    grid = math.isqrt(pos.shape[1] - 1)
+    return {
+        "embed_dim": embed_dim,
+        "depth": depth,
+        "patch_size": patch,
+        "in_chans": in_chans,
+        "img_size": grid * patch,
+        "num_classes": head.shape[0],
+        "mlp_ratio": fc1.shape[0] / embed_dim,
+        "qkv_bias": "blocks.0.attn.qkv.bias" in state_dict,
+    }
+
+
+def _register_deit(
+    name: str,
+    *,
+    embed_dim: int | None,
+    depth: int | None,
+    num_heads: int | None,
+    layout: str,
+    aliases: tuple[str, ...],
+    source: str,
+    description: str,
+) -> None:
+    """Register one DeiT preset. ``None`` sizes are read from the checkpoint (a custom-size DeiT)."""
+
+    def heads_for(sd: StateDict, config: Mapping[str, Any]) -> int:
+        model = config.get("MODEL", {}) if isinstance(config, Mapping) else {}
+        vit = model.get("VIT", {}) if isinstance(model, Mapping) else {}
+        if isinstance(vit, Mapping) and "NUM_HEADS" in vit:
+            return int(vit["NUM_HEADS"])
+        if num_heads is not None:
+            return num_heads
+        return max(1, vit_hparams(sd)["embed_dim"] // 64)  # the DeiT convention: 64 channels a head
+
+    def build(sd: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
+        hp = vit_hparams(sd)
+        found = norm_layout(sd, "blocks.0.norm1") or layout
+        return VisionTransformer(
+            **hp, num_heads=heads_for(sd, config), norm_layer=norm_factory(found if norm == "checkpoint" else norm)
+        )
+
+    def input_shape(sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
+        hp = vit_hparams(sd)
+        return (hp["in_chans"], hp["img_size"], hp["img_size"])
+
+    def matches(sd: StateDict, config: Mapping[str, Any]) -> bool:
+        if "cls_token" not in sd or "blocks.0.attn.qkv.weight" not in sd or "patch_embed.proj.weight" not in sd:
+            return False
+        if norm_layout(sd, "blocks.0.norm1") is None:
+            return False
+        size = (vit_hparams(sd)["embed_dim"], vit_hparams(sd)["depth"])
+        if embed_dim is None:  # the any-size preset takes only what no fixed-size preset takes
+            return size not in _FIXED_SIZES
+        return size == (embed_dim, depth)
+
+    register_arch(
+        ArchSpec(
+            name=name,
+            family="deit",
+            build=build,
+            input_shape=input_shape,
+            matches=matches,
+            aliases=aliases,
+            source=source,
+            description=description,
+        )
+    )
+
+
+# (embed_dim, depth) of the fixed-size presets below.
+_FIXED_SIZES = {(192, 12), (384, 12)}
+_SOURCE = "xinghaochen/SLAB classification/models/deit.py"
+
+_register_deit(
+    "deit_tiny_prepbn",
+    embed_dim=192,
+    depth=12,
+    num_heads=3,
+    layout="repbn",
+    aliases=("deit_t_prepbn", "deit_tiny_patch16_224_repbn"),
+    source=f"{_SOURCE} deit_tiny_patch16_224_repbn",
+    description="DeiT-Tiny, RepBN norms, cls-token head, 224x224",
+)
+_register_deit(
+    "deit_small_prepbn",
+    embed_dim=384,
+    depth=12,
+    num_heads=6,
+    layout="linearnorm",
+    aliases=("deit_s_prepbn", "deit_small_patch16_224_repbn"),
+    source=f"{_SOURCE} deit_small_patch16_224_repbn",
+    description="DeiT-Small, LinearNorm(LayerNorm->RepBN) norms, cls-token head, 224x224",
+)
+
+
+_register_deit(
+    "deit_prepbn",
+    embed_dim=None,
+    depth=None,
+    num_heads=None,
+    layout="linearnorm",
+    aliases=("deit_custom_prepbn",),
+    source=f"{_SOURCE} VisionTransformer (any size; heads from config MODEL.VIT.NUM_HEADS or embed_dim / 64)",
+    description="DeiT of another size with PRepBN norms (e.g. the digits fixture), sizes read from the weights",
+)
