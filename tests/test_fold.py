@@ -1,0 +1,130 @@
+"""The fold algebra (slabconv.fold) against PyTorch's own BatchNorm, Linear and Conv, for random parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from slabconv import fold
+
+CASES = [
+    # (dtype, eps, affine, alpha, bias)
+    (torch.float32, 1e-5, True, 0.7, True),
+    (torch.float32, 1e-6, True, -1.3, False),
+    (torch.float32, 1e-5, False, 0.0, True),
+    (torch.float64, 1e-6, False, 2.0, False),
+    (torch.float64, 1e-5, True, 1.0, True),
+]
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-10)}
+
+
+def _bn(c: int, eps: float, affine: bool, dtype: torch.dtype, seed: int) -> nn.BatchNorm1d:
+    gen = torch.Generator().manual_seed(seed)
+    bn = nn.BatchNorm1d(c, eps=eps, affine=affine).to(dtype).eval()
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(c, generator=gen) * 3)
+        bn.running_var.copy_(torch.rand(c, generator=gen) * 4 + 1e-3)
+        if affine:
+            bn.weight.copy_(torch.randn(c, generator=gen))
+            bn.bias.copy_(torch.randn(c, generator=gen))
+    return bn
+
+
+def _affine(bn: nn.BatchNorm1d, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return fold.repbn_affine(bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias, torch.tensor([alpha], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype,eps,affine,alpha,bias", CASES)
+def test_repbn_affine_matches_batchnorm_plus_alpha(dtype, eps, affine, alpha, bias):
+    bn = _bn(12, eps, affine, dtype, seed=1)
+    x = torch.randn(5, 12, dtype=dtype) * 4
+    scale, shift = _affine(bn, alpha)
+    expected = bn(x) + alpha * x
+    torch.testing.assert_close((x.double() * scale + shift).to(dtype), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,eps,affine,alpha,bias", CASES)
+def test_forward_fold_into_linear(dtype, eps, affine, alpha, bias):
+    bn = _bn(16, eps, affine, dtype, seed=2)
+    lin = nn.Linear(16, 7, bias=bias).to(dtype)
+    x = torch.randn(3, 9, 16, dtype=dtype)
+    expected = lin((bn(x.transpose(1, 2)) + alpha * x.transpose(1, 2)).transpose(1, 2))
+    w, b = fold.fold_into_linear(lin.weight, lin.bias, *_affine(bn, alpha))
+    assert w.dtype == dtype and b.dtype == dtype
+    torch.testing.assert_close(nn.functional.linear(x, w, b), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype,eps,affine,alpha,bias", CASES)
+def test_backward_fold_into_linear_producer(dtype, eps, affine, alpha, bias):
+    bn = _bn(16, eps, affine, dtype, seed=3)
+    lin = nn.Linear(10, 16, bias=bias).to(dtype)
+    x = torch.randn(4, 10, dtype=dtype)
+    h = lin(x)
+    expected = bn(h) + alpha * h
+    w, b = fold.fold_into_producer(lin.weight, lin.bias, *_affine(bn, alpha))
+    torch.testing.assert_close(nn.functional.linear(x, w, b), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_forward_fold_into_unpadded_conv(groups):
+    bn = _bn(8, 1e-5, True, torch.float64, seed=4)
+    conv = nn.Conv2d(8, 16, kernel_size=3, stride=2, groups=groups).double()
+    x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
+    alpha = 0.4
+    normed = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    expected = conv(normed + alpha * x)
+    w, b = fold.fold_into_conv(conv.weight, conv.bias, *_affine(bn, alpha), groups=groups)
+    got = nn.functional.conv2d(x, w, b, stride=2, groups=groups)
+    torch.testing.assert_close(got, expected, **TOL[torch.float64])
+
+
+def test_forward_fold_into_padded_conv_is_wrong():
+    """The reason padded convs are refused: the padded zeros are not shifted, so the folded conv differs."""
+    bn = _bn(4, 1e-5, True, torch.float64, seed=5)
+    conv = nn.Conv2d(4, 4, kernel_size=3, padding=1).double()
+    x = torch.randn(1, 4, 6, 6, dtype=torch.float64)
+    normed = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    w, b = fold.fold_into_conv(conv.weight, conv.bias, *_affine(bn, 0.0))
+    error = (nn.functional.conv2d(x, w, b, padding=1) - conv(normed)).abs().max()
+    assert error > 1e-3
+
+
+def test_backward_fold_into_conv_producer():
+    bn = _bn(6, 1e-5, True, torch.float64, seed=6)
+    conv = nn.Conv2d(3, 6, kernel_size=4, stride=4).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    h = conv(x)
+    alpha = -0.5
+    expected = torch.nn.functional.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    expected = expected + alpha * h
+    w, b = fold.fold_into_producer(conv.weight, conv.bias, *_affine(bn, alpha))
+    torch.testing.assert_close(nn.functional.conv2d(x, w, b, stride=4), expected, **TOL[torch.float64])
+
+
+def test_dropping_alpha_gives_a_different_fold():
+    """A fold that forgets RepBN's alpha (the bug the verify test catches) is measurably wrong."""
+    bn = _bn(16, 1e-5, True, torch.float32, seed=7)
+    lin = nn.Linear(16, 4)
+    x = torch.randn(8, 16)
+    right = nn.functional.linear(x, *fold.fold_into_linear(lin.weight, lin.bias, *_affine(bn, 1.0)))
+    wrong = nn.functional.linear(x, *fold.fold_into_linear(lin.weight, lin.bias, *_affine(bn, 0.0)))
+    assert (right - wrong).abs().max() / right.abs().max() > 1e-2
+
+
+def test_half_precision_fold_keeps_dtype_and_flags_overflow():
+    bn = _bn(4, 1e-5, True, torch.float16, seed=8)
+    lin = nn.Linear(4, 2).half()
+    w, b = fold.fold_into_linear(lin.weight, lin.bias, *_affine(bn, 1.0))
+    assert w.dtype == torch.float16 and fold.fits_dtype(w, b)
+    huge = torch.full((4,), 1e6, dtype=torch.float64)
+    w, b = fold.fold_into_linear(lin.weight * 100, lin.bias, huge, torch.zeros(4, dtype=torch.float64))
+    assert not fold.fits_dtype(w, b)
+
+
+def test_fold_functions_do_not_mutate_their_inputs():
+    lin = nn.Linear(4, 3)
+    before = lin.weight.detach().clone(), lin.bias.detach().clone()
+    fold.fold_into_linear(lin.weight, lin.bias, torch.full((4,), 2.0, dtype=torch.float64), torch.ones(4).double())
+    fold.fold_into_producer(lin.weight, lin.bias, torch.full((3,), 2.0, dtype=torch.float64), torch.ones(3).double())
+    assert torch.equal(lin.weight, before[0]) and torch.equal(lin.bias, before[1])

@@ -1,0 +1,85 @@
+"""Folding whole models: every norm found from the graph, folded away, outputs unchanged, and the fused ONNX
+has the op histogram of the same network with every norm replaced by identity (the norm-free bound)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slabconv import graph, io, plan
+from tests.conftest import op_histogram, small_vit
+
+
+def _fold(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[plan.Decision]]:
+    gm = graph.capture(model, x)
+    return gm, plan.fold_all(gm)
+
+
+@pytest.mark.parametrize("layout", ["repbn", "linearnorm"])
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_deit_folds_completely_and_exactly(layout, pool):
+    model = small_vit(layout, pool)
+    x = torch.randn(6, 1, 8, 8)
+    reference = model(x)
+    gm, decisions = _fold(model, x)
+    assert [d.norm for d in decisions] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"]
+    assert all(d.action == "folded-forward" and d.reason is None for d in decisions)
+    assert [d.into for d in decisions] == [
+        ["blocks.0.attn.qkv"],
+        ["blocks.0.mlp.fc1"],
+        ["blocks.1.attn.qkv"],
+        ["blocks.1.mlp.fc1"],
+        ["head"],
+    ]
+    assert not [n for n in gm.graph.nodes if n.target in graph.BN_OPS]
+    torch.testing.assert_close(gm(x), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+
+
+def test_fused_state_dict_has_no_norm_weights_and_loads_into_the_norm_free_model():
+    model = small_vit("linearnorm")
+    x = torch.randn(4, 1, 8, 8)
+    gm, _ = _fold(model, x)
+    fused = plan.fused_state_dict(gm)
+    assert not [k for k in fused if ".norm" in k or k.startswith("norm.")]
+    bare = small_vit("identity")
+    bare.load_state_dict(fused, strict=True)
+    torch.testing.assert_close(bare.eval()(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_onnx_reaches_the_norm_free_bound(tmp_path):
+    model = small_vit("repbn")
+    x = torch.randn(2, 1, 8, 8)
+    gm, _ = _fold(model, x)
+    io.export_onnx(gm, x, tmp_path / "fused.onnx")
+    io.export_onnx(small_vit("identity"), x, tmp_path / "bound.onnx")
+    io.export_onnx(model, x, tmp_path / "original.onnx")
+    fused, bound, original = (op_histogram(tmp_path / f"{n}.onnx") for n in ("fused", "bound", "original"))
+    assert fused["BatchNormalization"] == 0 and original["BatchNormalization"] == 5
+    assert fused == bound
+    assert original["Transpose"] > fused["Transpose"]
+
+
+def test_the_original_model_is_not_modified():
+    model = small_vit("repbn")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _fold(model, torch.randn(2, 1, 8, 8))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_unfinished_progressive_schedule_is_reported():
+    model = small_vit("linearnorm")
+    model.blocks[0].norm1.iter.fill_(120)
+    model.blocks[0].norm1.total_step.fill_(1000)
+    _, decisions = _fold(model, torch.randn(2, 1, 8, 8))
+    first = decisions[0]
+    assert first.action == "folded-forward"
+    assert len(first.warnings) == 1 and "iter=120" in first.warnings[0] and "0.12" in first.warnings[0]
+    assert not any(d.warnings for d in decisions[1:])
+
+
+def test_nan_statistics_are_refused():
+    model = small_vit("repbn")
+    model.blocks[1].norm2.bn.running_var[3] = float("nan")
+    with pytest.raises(Exception, match="blocks.1.norm2: running_var holds NaN"):
+        _fold(model, torch.randn(2, 1, 8, 8))
