@@ -7,6 +7,7 @@ write (``io``) -> verify (``verify``) -> report (a plain dict, the ``report.json
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,20 +17,35 @@ import numpy as np
 import torch
 from torch import nn
 
-from slabconv import __version__
+from slabconv import __version__, reasons
 from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError
 from slabconv.graph import capture
 from slabconv.io import (
     Checkpoint,
+    check_onnx_file,
     export_onnx,
     load_checkpoint,
+    onnx_files,
     quiet,
     save_safetensors,
     sha256_file,
     staging_dir,
+    staging_file,
 )
 from slabconv.plan import Decision, fold_all, fused_state_dict
-from slabconv.verify import DEFAULT_RTOL, Comparison, compare, onnx_runners, onnxruntime_version, run_batched
+from slabconv.verify import (
+    DEFAULT_RTOL,
+    IntegrityCheck,
+    Runtime,
+    Verification,
+    check_safetensors_reload,
+    compare_runtimes,
+    failure_line,
+    onnx_runtimes,
+    onnxruntime_version,
+    output_names,
+    run_batched,
+)
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 
 Progress = Callable[[str], None]
@@ -78,7 +94,7 @@ def _float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     return torch.float32
 
 
-def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: str) -> None:
+def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: str, path: Path | None = None) -> None:
     """``load_state_dict(strict=True)`` with one readable line for missing, unexpected and mis-shaped keys."""
     expected = model.state_dict()
     problems = []
@@ -94,25 +110,46 @@ def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: st
             shown = ", ".join(items[:4]) + (f", ... ({len(items) - 4} more)" if len(items) > 4 else "")
             problems.append(f"{label} ({len(items)}): {shown}")
     if problems:
-        raise InputError(f"the checkpoint does not fit architecture {arch!r}: " + "; ".join(problems))
+        where = f"{path}: " if path is not None else ""
+        raise InputError(
+            f"{where}the checkpoint does not fit architecture {arch!r}: "
+            + "; ".join(problems)
+            + " (a different model or a damaged file? check --arch, see `slabconv list`)"
+        )
     model.load_state_dict(state_dict, strict=True)
 
 
-def load_model(path: Path | str, arch: str | None = None, ema: bool = False) -> LoadedModel:
+def load_model(
+    path: Path | str,
+    arch: str | None = None,
+    ema: bool = False,
+    *,
+    trust_pickle: bool = False,
+    input_shape: tuple[int, ...] | None = None,
+) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 
     Args:
         path: checkpoint (``.pth``), a ``.pt2`` program, or a fused ``model.safetensors`` written by ``fuse``.
         arch: a registered architecture name or alias; detected from the checkpoint when None.
         ema: use the EMA weights of a training checkpoint.
+        trust_pickle: allow a pickle that names arbitrary globals, such as a whole ``nn.Module`` saved with
+            ``torch.save(model)`` (this runs code from the file; only for files you trust).
+        input_shape: one sample's input shape without the batch axis; required for a pickled ``nn.Module``
+            (nothing in the file records it), ignored otherwise.
 
     Raises:
-        InputError: unreadable file or weights that do not fit the architecture.
+        InputError: unreadable or unsafe file, weights that do not fit the architecture, a pickled module in
+            train mode.
         UnsupportedModelError: unknown or undetectable architecture.
+        UsageError: a pickled module without ``input_shape``.
     """
-    ckpt = load_checkpoint(path, ema=ema)
+    ckpt = load_checkpoint(path, ema=ema, trust_pickle=trust_pickle)
+    _check_values(ckpt)
     if ckpt.format == "torch.export":
         return _load_program(ckpt)
+    if ckpt.format == "pickled-module":
+        return _load_module(ckpt, input_shape)
     norm = "checkpoint"
     config = ckpt.config
     if ckpt.format == "safetensors" and "slabconv_version" in ckpt.metadata:
@@ -123,18 +160,69 @@ def load_model(path: Path | str, arch: str | None = None, ema: bool = False) -> 
         arch = arch or ckpt.metadata.get("arch")
         config = json.loads(ckpt.metadata.get("config", "{}"))
         norm = "identity"
-    spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
+    try:
+        spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
     try:
         model = spec.build(ckpt.state_dict, config, norm)
     except UnsupportedModelError:
         raise
     except (KeyError, ValueError, RuntimeError, IndexError) as err:
-        raise InputError(f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({err})") from None
+        raise InputError(
+            f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({type(err).__name__}: {err}); "
+            "it is another architecture: check --arch (see `slabconv list`)"
+        ) from None
     dtype = _float_dtype(ckpt.state_dict)
     model.to(dtype)
-    _load_strict(model, ckpt.state_dict, spec.name)
+    _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
     model.eval()
     return LoadedModel(model, ckpt, spec.name, tuple(spec.input_shape(ckpt.state_dict, config)), dtype)
+
+
+# Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
+_FINITE_SUFFIXES = ("weight", "bias", "running_mean", "running_var", "alpha")
+
+
+def _check_values(ckpt: Checkpoint) -> None:
+    """Refuse NaN anywhere, Inf in weights and norm statistics, and a negative ``running_var``, naming the first
+    tensor that has them (``plan`` checks ``running_var + eps > 0`` again for models built in memory).
+
+    Raises:
+        InputError: a damaged checkpoint.
+    """
+    for key, value in ckpt.state_dict.items():
+        if not value.is_floating_point() or value.numel() == 0:
+            continue
+        if bool(torch.isnan(value).any()) or (key.endswith(_FINITE_SUFFIXES) and not bool(torch.isfinite(value).all())):
+            raise InputError(
+                f"{ckpt.path}: tensor {key!r} holds NaN or Inf; the checkpoint is damaged (a diverged run or a bad "
+                "save): use an earlier or intact checkpoint"
+            )
+        if key.endswith("running_var") and bool((value < 0).any()):
+            raise InputError(
+                f"{ckpt.path}: tensor {key!r} has running_var < 0 (a variance cannot be negative); the checkpoint is "
+                "damaged: use an earlier or intact checkpoint"
+            )
+
+
+def _load_module(ckpt: Checkpoint, input_shape: tuple[int, ...] | None) -> LoadedModel:
+    """A whole ``nn.Module`` read with ``trust_pickle``: used as it is, traced like any model."""
+    model: nn.Module = ckpt.module
+    if input_shape is None:
+        raise UsageError(
+            f"{ckpt.path}: a pickled nn.Module does not record its input shape; pass --input-shape with one "
+            "sample's shape without the batch axis (e.g. --input-shape 3,224,224)"
+        )
+    in_train = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
+    norms = [name for name, m in model.named_modules() if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if in_train:
+        where = f"norm {norms[0]}" if norms else f"module {in_train[0]}"
+        raise InputError(
+            f"{ckpt.path}: {where} is in train mode (a norm would use batch statistics, not a fixed affine); "
+            "call model.eval() before torch.save(model)"
+        )
+    return LoadedModel(model, ckpt, None, tuple(int(s) for s in input_shape), _float_dtype(ckpt.state_dict))
 
 
 def _load_program(ckpt: Checkpoint) -> LoadedModel:
@@ -150,45 +238,70 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
     return LoadedModel(program.module(), ckpt, None, shape, val.dtype)
 
 
-def _inputs(loaded: LoadedModel, inputs: Path | str | None, samples: int, seed: int) -> tuple[np.ndarray, str]:
+def _inputs(
+    loaded: LoadedModel | None,
+    inputs: Path | str | None,
+    samples: int,
+    seed: int,
+    input_shape: tuple[int, ...] | None = None,
+) -> tuple[np.ndarray, str, str | None]:
     """The verification inputs: ``inputs`` (an ``.npz``), else ``holdout.npz`` beside the checkpoint, else
-    ``samples`` seeded standard-normal samples of the model's input shape."""
+    ``samples`` seeded standard-normal samples of the model's input shape.
+
+    Returns:
+        ``(x, label, sha256 of the .npz or None)``.
+
+    Raises:
+        UsageError: no input shape is known (dynamic ONNX axes) and no ``inputs`` were given.
+        InputError: an unreadable ``.npz`` or one of the wrong shape.
+    """
+    shape = loaded.input_shape if loaded is not None else input_shape
     path = Path(inputs) if inputs else None
-    if path is None and (loaded.checkpoint.path.parent / "holdout.npz").exists():
+    if path is None and loaded is not None and (loaded.checkpoint.path.parent / "holdout.npz").exists():
         path = loaded.checkpoint.path.parent / "holdout.npz"
     if path is None:
+        if shape is None:
+            raise UsageError("the input shape is not fixed by the models; pass --inputs NPZ or --input-shape C,H,W")
+        if samples < 1:
+            raise UsageError(f"--samples must be at least 1 (got {samples})")
         rng = np.random.default_rng(seed)
-        x = rng.standard_normal((samples, *loaded.input_shape)).astype(np.float32)
-        return x, f"random(seed={seed}, samples={samples})"
-    return load_npz_inputs(path, loaded.input_shape), str(path)
+        x = rng.standard_normal((samples, *shape)).astype(np.float32)
+        return x, f"random(seed={seed}, samples={samples})", None
+    if not path.is_file():
+        raise InputError(f"{path}: no such file (--inputs)")
+    return load_npz_inputs(path, shape), str(path), sha256_file(path)
 
 
-def load_npz_inputs(path: Path, input_shape: tuple[int, ...]) -> np.ndarray:
+def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None) -> np.ndarray:
     """The ``x`` array of an ``.npz`` (or its only array), checked against the model's input shape.
 
     Raises:
         InputError: unreadable file, no array, or a shape that is not ``(N, *input_shape)``.
     """
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             key = "x" if "x" in data.files else (data.files[0] if len(data.files) == 1 else None)
             if key is None:
                 raise InputError(f"{path}: expected an array named 'x' (found {', '.join(data.files)})")
             x = np.asarray(data[key], dtype=np.float32)
-    except (OSError, ValueError) as err:
-        raise InputError(f"{path}: not a readable .npz file ({err})") from None
-    if tuple(x.shape[1:]) != tuple(input_shape):
-        raise InputError(f"{path}: inputs have shape {x.shape}, the model takes (N, {', '.join(map(str, input_shape))})")
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
+    if x.ndim < 1 or len(x) == 0:
+        raise InputError(f"{path}: the input array is empty; give at least one sample")
+    if input_shape is not None and tuple(x.shape[1:]) != tuple(input_shape):
+        wanted = ", ".join(map(str, input_shape))
+        raise InputError(f"{path}: inputs have shape {x.shape}, the model takes (N, {wanted}); give matching inputs")
     return x
 
 
-def _torch_runner(model: nn.Module, dtype: torch.dtype) -> Callable[[np.ndarray], np.ndarray]:
-    def run(x: np.ndarray) -> np.ndarray:
+def _torch_runner(model: nn.Module, dtype: torch.dtype) -> Callable[[np.ndarray], list[np.ndarray]]:
+    """Run ``model`` on a float array, returning every tensor output (tuples, lists and dicts flattened)."""
+
+    def run(x: np.ndarray) -> list[np.ndarray]:
         with torch.no_grad():
             out = model(torch.from_numpy(x).to(dtype))
-        if isinstance(out, (tuple, list)):
-            out = out[0]
-        return out.float().numpy()
+        leaves = torch.utils._pytree.tree_leaves(out)
+        return [t.detach().float().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
 
     return run
 
@@ -202,28 +315,18 @@ def _rtol(dtype: torch.dtype, rtol: float | None) -> float:
     return rtol if rtol is not None else DEFAULT_RTOL.get(str(dtype).removeprefix("torch."), 1e-5)
 
 
-def _summarise(checks: list[Comparison], runtime: str, inputs: str) -> dict[str, Any]:
-    """The report's ``verification`` block: the worst numbers over every check, and each check."""
-    agreements = [c.top1_agreement for c in checks if c.top1_agreement is not None]
-    return {
-        "passed": all(c.passed for c in checks),
-        "samples": checks[0].samples if checks else 0,
-        "max_abs_err": max(c.max_abs_err for c in checks),
-        "max_rel_err": max(c.max_rel_err for c in checks),
-        "top1_agreement": min(agreements) if agreements else None,
-        "tolerance": checks[0].tolerance,
-        "runtime": runtime,
-        "inputs": inputs,
-        "checks": [c.to_dict() for c in checks],
-    }
-
-
 def _plan(loaded: LoadedModel, progress: Progress) -> tuple[torch.fx.GraphModule, list[Decision]]:
     progress("tracing the model with torch.export")
     with quiet():
         gm = capture(loaded.model, _example(loaded))
     progress("planning folds")
     decisions = fold_all(gm, progress=lambda name: progress(f"folded {name}"))
+    in_train = [d for d in decisions if d.action == "kept" and d.reason == reasons.TRAIN_MODE]
+    if in_train:
+        raise InputError(
+            f"{loaded.checkpoint.path}: norm {in_train[0].norm} is in train mode (it normalises with batch "
+            "statistics, not a fixed affine); put the model in eval mode (model.eval()) before saving or exporting it"
+        )
     return gm, decisions
 
 
@@ -240,13 +343,21 @@ def _base_report(loaded: LoadedModel, decisions: list[Decision]) -> dict[str, An
     }
 
 
-def inspect(path: Path | str, arch: str | None = None, ema: bool = False, progress: Progress = _no_progress) -> dict:
+def inspect(
+    path: Path | str,
+    arch: str | None = None,
+    ema: bool = False,
+    progress: Progress = _no_progress,
+    *,
+    trust_pickle: bool = False,
+    input_shape: tuple[int, ...] | None = None,
+) -> dict:
     """The fold plan for a checkpoint: one entry per norm (action, consumers, reason). Nothing is written.
 
     Raises:
-        InputError, UnsupportedModelError: as ``load_model``.
+        InputError, UnsupportedModelError, UsageError: as ``load_model``.
     """
-    loaded = load_model(path, arch=arch, ema=ema)
+    loaded = load_model(path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
     _, decisions = _plan(loaded, progress)
     return _base_report(loaded, decisions)
 
@@ -255,6 +366,8 @@ def _check_out(source: Path, out: Path) -> None:
     src, dst = source.resolve(), out.resolve()
     if dst == src or src.is_relative_to(dst):
         raise UsageError(f"the output folder {out} would replace the input {source}; choose another --out")
+    if dst.is_relative_to(src) and src.is_file():
+        raise UsageError(f"the output folder {out} is inside the input file {source}; choose another --out")
 
 
 def fuse(
@@ -270,7 +383,10 @@ def fuse(
     samples: int = 64,
     seed: int = 0,
     rtol: float | None = None,
+    atol: float = 0.0,
     progress: Progress = _no_progress,
+    trust_pickle: bool = False,
+    input_shape: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Fold every norm of a checkpoint and write ``model.safetensors``, ``model.onnx`` and ``report.json``.
 
@@ -285,10 +401,13 @@ def fuse(
         inputs: ``.npz`` of inputs for verification; default ``holdout.npz`` beside the checkpoint, else random.
         samples, seed: size and seed of the random inputs.
         rtol: relative tolerance; default by dtype (DESIGN.md section 5).
+        atol: an absolute tolerance also accepted (default 0: only the relative one counts).
         progress: called with a short message at each stage.
+        trust_pickle, input_shape: as ``load_model`` (a whole pickled ``nn.Module``).
 
     Returns:
-        The report (``report.json``).
+        The report (``report.json``). Outputs are written to a staging folder beside ``out`` and renamed
+        into place only after verification passed (with ``verify=False``, once writing completed).
 
     Raises:
         InputError, UnsupportedModelError, UsageError: bad input or options (exit code 2); nothing is written.
@@ -301,7 +420,7 @@ def fuse(
     if out_dir.exists() and not force:
         raise UsageError(f"{out_dir} already exists; pass --force to replace it")
     progress(f"loading {source}")
-    loaded = load_model(source, arch=arch, ema=ema)
+    loaded = load_model(source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
     gm, decisions = _plan(loaded, progress)
     report = _base_report(loaded, decisions)
     complete = all(d.action.startswith("folded") for d in decisions)
@@ -323,47 +442,60 @@ def fuse(
             outputs["onnx_info"] = export_onnx(gm, _example(loaded), tmp / "model.onnx")
         if verify:
             progress("verifying against the original model")
-            report["verification"] = _verify_fused(loaded, gm, tmp / "model.onnx" if onnx else None, inputs,
-                                                   samples, seed, rtol)
+            report["verification"] = _verify_fused(loaded, gm, tmp, onnx, metadata, inputs, samples, seed, rtol, atol)
         else:
             report["verification"] = None
-        outputs["sha256"] = {name: sha256_file(tmp / name) for name in ("model.safetensors", "model.onnx")
-                             if (tmp / name).exists()}
+        written = [tmp / "model.safetensors", *(onnx_files(tmp / "model.onnx") if onnx else [])]
+        outputs["sha256"] = {f.name: sha256_file(f) for f in written}
         report["outputs"] = outputs
         report["out_dir"] = str(out_dir)
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
         if verify and not report["verification"]["passed"]:
-            raise VerificationError(_failure_line(report["verification"]), report)
+            raise VerificationError(
+                "the fused model is not equivalent: " + failure_line(report["verification"]) + "; nothing was written",
+                report,
+            )
     return report
-
-
-def _failure_line(verification: dict[str, Any]) -> str:
-    worst = max(verification["checks"], key=lambda c: c["max_rel_err"])
-    return (
-        f"the fused model differs from the original: {worst['name']} max rel err {worst['max_rel_err']:.3g} "
-        f"(tolerance {worst['tolerance']:g}), top-1 agreement {worst['top1_agreement']}; nothing was written"
-    )
 
 
 def _verify_fused(
     loaded: LoadedModel,
     gm: torch.fx.GraphModule,
-    onnx_path: Path | None,
+    folder: Path,
+    onnx: bool,
+    metadata: dict[str, str],
     inputs: Path | str | None,
     samples: int,
     seed: int,
     rtol: float | None,
+    atol: float,
 ) -> dict[str, Any]:
-    x, label = _inputs(loaded, inputs, samples, seed)
+    """Check the staged outputs in ``folder``: the safetensors file reads back bit-equal (with its metadata),
+    ``model.onnx`` passes ``onnx.checker`` (full check), and its outputs under onnxruntime (optimisations off
+    and fully on) match the original model in PyTorch; without ONNX the fused graph runs in PyTorch."""
+    x, label, digest = _inputs(loaded, inputs, samples, seed)
     reference = run_batched(_torch_runner(loaded.model, loaded.dtype), x)
+    names = output_names(len(reference))
     tol = _rtol(loaded.dtype, rtol)
-    if onnx_path is None:
-        cand = run_batched(_torch_runner(gm, loaded.dtype), x)
-        return _summarise([compare("output @ pytorch", reference, cand, tol)], f"torch {torch.__version__}", label)
+    integrity = [check_safetensors_reload(folder / "model.safetensors", fused_state_dict(gm), metadata)]
+    if onnx:
+        passed, detail = check_onnx_file(folder / "model.onnx")
+        integrity.append(IntegrityCheck("onnx.checker[full_check] model.onnx", passed, detail))
+        runtimes = onnx_runtimes(folder / "model.onnx")
+    else:
+        runtimes = [Runtime(f"pytorch {torch.__version__} (fused graph)", _torch_runner(gm, loaded.dtype))]
     checks = []
-    for name, run in onnx_runners(onnx_path).items():
-        checks.append(compare(f"output @ {name}", reference, run_batched(run, x), tol))
-    return _summarise(checks, onnxruntime_version(), label)
+    for rt in runtimes:
+        candidate = run_batched(rt.run, x, fixed_batch=rt.fixed_batch)
+        checks += compare_runtimes(reference, names, candidate, rt.label, tol, atol)
+    return Verification(checks, integrity, _runtime_name(runtimes), label, digest).to_dict()
+
+
+def _runtime_name(runtimes: list[Runtime]) -> str:
+    """The report's ``runtime``: ``onnxruntime 1.x`` when the candidate ran there, else ``pytorch 2.x``."""
+    if any(rt.label.startswith("onnxruntime") for rt in runtimes):
+        return onnxruntime_version()
+    return f"pytorch {torch.__version__}"
 
 
 def export(
@@ -375,8 +507,13 @@ def export(
     fuse: bool = True,
     force: bool = False,
     progress: Progress = _no_progress,
+    trust_pickle: bool = False,
+    input_shape: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Write one ONNX file: the fused model, or with ``fuse=False`` the original one (norms as they are).
+
+    Weights over ``slabconv.io.ONNX_EXTERNAL_DATA_BYTES`` go to ``<onnx_path>.data`` beside it. The file is
+    written beside the target and moved into place only when complete.
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``fuse``.
@@ -386,47 +523,74 @@ def export(
         raise UsageError(f"--onnx {target} is the input file; choose another path")
     if target.exists() and not force:
         raise UsageError(f"{target} already exists; pass --force to replace it")
-    loaded = load_model(source, arch=arch, ema=ema)
+    loaded = load_model(source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
     decisions: list[Decision] = []
     model: nn.Module = loaded.model
     if fuse:
         model, decisions = _plan(loaded, progress)
     progress(f"exporting {target.name}")
-    with staging_dir(target.with_name(target.name + ".d"), force=True) as tmp:
+    with staging_file(target, force) as tmp:
         info = export_onnx(model, _example(loaded), tmp / target.name)
-        (tmp / target.name).replace(target)
+        digests = {f.name: sha256_file(f) for f in onnx_files(tmp / target.name)}
     report = _base_report(loaded, decisions)
-    report["outputs"] = {"onnx": str(target), "onnx_info": info, "sha256": {target.name: sha256_file(target)}}
+    report["outputs"] = {"onnx": str(target), "onnx_info": info, "sha256": digests}
     return report
 
 
 # --------------------------------------------------------------------------------------------- verify
 
 
-def _side(path: Path, arch: str | None, ema: bool) -> tuple[dict[str, Any], dict[str, Callable], LoadedModel | None]:
-    """Runners for one side of ``verify``: onnxruntime settings for ``.onnx``, PyTorch for anything else."""
+@dataclass
+class _Side:
+    """One side of ``verify``: what it is (the report entry), how to run it, and what it says about inputs."""
+
+    info: dict[str, Any]
+    runtimes: list[Runtime]
+    loaded: LoadedModel | None
+    input_shape: tuple[int, ...] | None
+    dtype: str
+    integrity: list[IntegrityCheck]
+
+
+def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_shape: tuple[int, ...] | None) -> _Side:
+    """An ``.onnx`` runs in onnxruntime (optimisations off and fully on) after ``onnx.checker``; anything else
+    is loaded as a model and runs in PyTorch."""
     if path.suffix == ".onnx":
-        if not path.exists():
-            raise InputError(f"{path}: no such file")
-        try:
-            runners = onnx_runners(path)
-        except Exception as err:  # noqa: BLE001 - onnxruntime raises its own types
-            raise InputError(f"{path}: onnxruntime cannot load it ({str(err).strip().splitlines()[0][:200]})") from None
-        info = {"path": str(path), "sha256": sha256_file(path), "format": "onnx", "arch": None}
-        return info, runners, None
-    loaded = load_model(path, arch=arch, ema=ema)
-    return loaded.source(), {f"pytorch {torch.__version__}": _torch_runner(loaded.model, loaded.dtype)}, loaded
+        passed, detail = check_onnx_file(path)
+        runtimes = onnx_runtimes(path)
+        shape, dtype = _onnx_input(path)
+        files = onnx_files(path)
+        info = {
+            "path": str(path),
+            "sha256": sha256_file(path),
+            "format": "onnx",
+            "arch": None,
+            "files_sha256": {f.name: sha256_file(f) for f in files},
+        }
+        check = IntegrityCheck(f"onnx.checker[full_check] {path.name}", passed, detail)
+        return _Side(info, runtimes, None, shape, dtype, [check])
+    loaded = load_model(path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
+    integrity = []
+    if loaded.checkpoint.format == "safetensors":
+        count = len(loaded.checkpoint.state_dict)
+        integrity.append(
+            IntegrityCheck(f"safetensors reload {path.name}", True, f"{count} tensors read, model built strictly")
+        )
+    runtime = Runtime(f"pytorch {torch.__version__}", _torch_runner(loaded.model, loaded.dtype))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return _Side(loaded.source(), [runtime], loaded, loaded.input_shape, dtype, integrity)
 
 
-def _onnx_input_shape(path: Path) -> tuple[tuple[int, ...], int | None]:
+def _onnx_input(path: Path) -> tuple[tuple[int, ...] | None, str]:
+    """One sample's input shape (None when an axis besides the batch is dynamic) and the input's dtype name."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    dims = model.graph.input[0].type.tensor_type.shape.dim
+    tensor_type = model.graph.input[0].type.tensor_type
+    dims = tensor_type.shape.dim
     shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
-    if any(s <= 0 for s in shape[1:]):
-        raise UsageError(f"{path}: the input has dynamic axes besides the batch; pass --inputs NPZ")
-    return shape[1:], (shape[0] if shape[0] > 0 else None)
+    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+    return (None if any(s <= 0 for s in shape[1:]) else shape[1:]), dtype
 
 
 def verify(
@@ -440,49 +604,120 @@ def verify(
     seed: int = 0,
     rtol: float | None = None,
     atol: float = 0.0,
+    trust_pickle: bool = False,
+    input_shape: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Compare a candidate model with a reference on the same inputs.
 
-    Each side is a checkpoint (``--arch`` or detection), a ``.pt2``, a fused ``model.safetensors`` or an
-    ``.onnx`` (run by onnxruntime with optimisations off and fully on: both must pass).
+    Each side is a checkpoint (``--arch`` or detection), a ``.pt2``, a fused ``model.safetensors`` (its
+    metadata names the architecture) or an ``.onnx`` (``onnx.checker`` full check, then onnxruntime with
+    optimisations off and fully on: both must pass). Inputs: ``inputs`` (``.npz``), else ``holdout.npz``
+    beside a checkpoint side, else ``samples`` seeded random samples of the model's input shape. The
+    tolerance defaults by the reference's dtype (DESIGN.md section 5).
 
     Returns:
         ``{"slabconv_version", "reference", "candidate", "verification"}``; ``verification.passed`` says
-        whether every check is within tolerance (the CLI exits 1 when not).
+        whether every check passed (the CLI exits 1 when not). ``verification.checks`` has one entry per
+        output and candidate runtime, ``verification.integrity`` one per file check.
 
     Raises:
-        InputError, UnsupportedModelError, UsageError: a side cannot be read or run (exit code 2).
+        InputError, UnsupportedModelError, UsageError: a side cannot be read or run, or the two sides are
+            not the same model (exit code 2).
     """
     ref_path, cand_path = Path(reference), Path(candidate)
-    ref_info, ref_runners, ref_loaded = _side(ref_path, arch, ema)
-    cand_info, cand_runners, cand_loaded = _side(cand_path, arch, ema)
-    loaded = ref_loaded or cand_loaded
-    fixed_batch = {}
-    for p in (ref_path, cand_path):
-        if p.suffix == ".onnx":
-            shape, fixed_batch[p] = _onnx_input_shape(p)
-    if loaded is not None:
-        x, label = _inputs(loaded, inputs, samples, seed)
-        dtype = loaded.dtype
-    else:
-        onnx_shape = _onnx_input_shape(ref_path)[0]
-        if inputs:
-            x, label = load_npz_inputs(Path(inputs), onnx_shape), str(inputs)
-        else:
-            x = np.random.default_rng(seed).standard_normal((samples, *onnx_shape)).astype(np.float32)
-            label = f"random(seed={seed}, samples={samples})"
-        dtype = torch.float32
-    ref_name, ref_run = next(iter(ref_runners.items()))
-    reference_out = run_batched(ref_run, x, fixed_batch=fixed_batch.get(ref_path))
-    tol = _rtol(dtype, rtol)
-    checks = [
-        compare(f"output @ {name}", reference_out, run_batched(run, x, fixed_batch=fixed_batch.get(cand_path)), tol, atol)
-        for name, run in cand_runners.items()
-    ]
-    runtime = ", ".join(cand_runners)
+    ref = _side(ref_path, arch, ema, trust_pickle, input_shape)
+    cand = _side(cand_path, arch, ema, trust_pickle, input_shape)
+    if ref.input_shape and cand.input_shape and ref.input_shape != cand.input_shape:
+        raise InputError(
+            f"{ref_path} takes inputs of shape {ref.input_shape} but {cand_path} takes {cand.input_shape}; "
+            "the two files are not the same model"
+        )
+    shape = tuple(input_shape) if input_shape else (ref.input_shape or cand.input_shape)
+    x, label, digest = _inputs(ref.loaded or cand.loaded, inputs, samples, seed, shape)
+    ref_runtime = ref.runtimes[0]
+    reference_out = run_batched(ref_runtime.run, x, fixed_batch=ref_runtime.fixed_batch)
+    names = output_names(len(reference_out), ref_runtime.output_names or cand.runtimes[0].output_names)
+    tol = rtol if rtol is not None else DEFAULT_RTOL.get(ref.dtype, 1e-5)
+    checks = []
+    for rt in cand.runtimes:
+        candidate_out = run_batched(rt.run, x, fixed_batch=rt.fixed_batch)
+        try:
+            checks += compare_runtimes(reference_out, names, candidate_out, rt.label, tol, atol)
+        except InputError as err:
+            raise InputError(f"{ref_path} vs {cand_path}: {err}") from None
+    verification = Verification(checks, ref.integrity + cand.integrity, _runtime_name(cand.runtimes), label, digest)
     return {
         "slabconv_version": __version__,
-        "reference": {**ref_info, "runtime": ref_name},
-        "candidate": cand_info,
-        "verification": _summarise(checks, runtime, label),
+        "reference": {**ref.info, "runtime": ref_runtime.label},
+        "candidate": cand.info,
+        "verification": verification.to_dict(),
+    }
+
+
+# --------------------------------------------------------------------------------------------- bench
+
+
+def bench(
+    path: Path | str,
+    *,
+    arch: str | None = None,
+    ema: bool = False,
+    batches: tuple[int, ...] = (1, 8, 64),
+    runtimes: tuple[str, ...] = ("pytorch", "onnxruntime"),
+    warmup: int = 5,
+    repeats: int = 20,
+    progress: Progress = _no_progress,
+) -> dict[str, Any]:
+    """Latency and throughput of the original, fused, norm-free and (if any) LayerNorm-branch models.
+
+    ``path`` is a checkpoint, or a folder written by ``fuse`` (its report names the checkpoint).
+    See ``slabconv.bench`` for what each variant is and how timings are taken.
+
+    Returns:
+        ``{"slabconv_version", "source", "timings": [...], "fused_over_norm_free": [...], "settings": {...}}``.
+    """
+    import copy
+    import platform
+
+    from slabconv import bench as bench_mod
+
+    source = Path(path)
+    if source.is_dir():
+        report_path = source / "report.json"
+        if not report_path.exists():
+            raise InputError(f"{source}: a folder without report.json; give a checkpoint or a fuse output folder")
+        source = Path(json.loads(report_path.read_text())["source"]["path"])
+        arch = arch or json.loads(report_path.read_text())["source"].get("arch")
+    loaded = load_model(source, arch=arch, ema=ema)
+    progress("tracing the model with torch.export")
+    with quiet():
+        original = capture(loaded.model, _example(loaded))
+    fused = copy.deepcopy(original)
+    progress("folding")
+    fold_all(fused)
+    variants: dict[str, nn.Module] = {
+        "original": original,
+        "fused": fused,
+        "norm-free": bench_mod.norm_free(original),
+    }
+    layernorm = bench_mod.layernorm_variant(loaded.model)
+    if layernorm is not None:
+        variants["layernorm"] = layernorm
+    timings = bench_mod.bench_models(
+        variants, loaded.input_shape, loaded.dtype, list(batches), list(runtimes), warmup, repeats, progress
+    )
+    return {
+        "slabconv_version": __version__,
+        "source": loaded.source(),
+        "timings": [t.to_dict() for t in timings],
+        "fused_over_norm_free": bench_mod.ratios(timings),
+        "settings": {
+            "batches": list(batches),
+            "runtimes": list(runtimes),
+            "warmup": warmup,
+            "repeats": repeats,
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+        },
     }

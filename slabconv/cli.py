@@ -20,10 +20,11 @@ from rich.console import Console
 from rich.table import Table
 
 from slabconv import __version__
-from slabconv.errors import SlabconvError, VerificationError
+from slabconv.errors import SlabconvError, UsageError, VerificationError
 
-EXIT_HELP = """Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance; 2 bad input, unsupported
-model or usage error (one line on stderr, nothing written; --debug shows the traceback)."""
+EXIT_HELP = """Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance (verification failed, nothing
+written); 2 bad input, unsupported model or usage error (one line on stderr, nothing written; --debug shows the
+traceback). Loading never runs code from a file unless --trust-pickle is given. Errors: docs/errors.md."""
 
 app = typer.Typer(
     name="slabconv",
@@ -42,12 +43,47 @@ app = typer.Typer(
 err_console = Console(stderr=True)
 out_console = Console(soft_wrap=True)
 
-Ckpt = Annotated[Path, typer.Argument(help="Checkpoint: .pth/.pt (training, release or state_dict), .pt2, or fused .safetensors.")]
-Arch = Annotated[str | None, typer.Option("--arch", help="Architecture name or alias (see `slabconv list`); detected when left out.")]
+Ckpt = Annotated[
+    Path, typer.Argument(help="Checkpoint: .pth/.pt (training, release or state_dict), .pt2, or fused .safetensors.")
+]
+Arch = Annotated[
+    str | None, typer.Option("--arch", help="Architecture name or alias (see `slabconv list`); detected when left out.")
+]
 Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the Python traceback on errors.")]
 Ema = Annotated[bool, typer.Option("--ema", help="Use the EMA weights (state_dict_ema) of a training checkpoint.")]
-Inputs = Annotated[Path | None, typer.Option("--inputs", help="An .npz whose 'x' array is the verification input (N, ...).")]
+Inputs = Annotated[
+    Path | None, typer.Option("--inputs", help="An .npz whose 'x' array is the verification input (N, ...).")
+]
+TrustPickle = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Load a pickle that names arbitrary Python globals, e.g. a whole nn.Module saved with torch.save(model). "
+        "This RUNS CODE from the file: only for files you trust. Without it loading is weights-only.",
+    ),
+]
+InputShape = Annotated[
+    str | None,
+    typer.Option(
+        "--input-shape",
+        help="One sample's input shape without the batch axis, e.g. 1,8,8. Needed for a pickled nn.Module "
+        "(--trust-pickle) and for ONNX models whose axes besides the batch are dynamic.",
+    ),
+]
+
+
+def _shape(value: str | None) -> tuple[int, ...] | None:
+    """``"1,8,8"`` -> ``(1, 8, 8)``; a ``UsageError`` (exit 2, one line) for anything else."""
+    if value is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(size <= 0 for size in shape):
+        raise UsageError(f"--input-shape {value!r}: expected positive sizes separated by commas, e.g. 1,8,8")
+    return shape
 
 
 def _version(value: bool) -> None:
@@ -58,7 +94,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
+    ] = False,
 ) -> None:
     """slabconv: fold SLAB RepBN norms exactly."""
 
@@ -69,7 +107,7 @@ def _errors(debug: bool) -> Iterator[None]:
     debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
     try:
         yield
-    except VerificationError:
+    except (VerificationError, typer.Exit):
         raise
     except SlabconvError as err:
         if debug:
@@ -125,9 +163,12 @@ def _verification_lines(v: dict[str, Any] | None) -> list[str]:
     for c in v["checks"]:
         top1 = "" if c["top1_agreement"] is None else f", top-1 agreement {c['top1_agreement']:.2%}"
         lines.append(
-            f"  {c['name']}: max abs err {c['max_abs_err']:.3g}, max rel err {c['max_rel_err']:.3g} "
-            f"(tolerance {c['tolerance']:g}){top1}"
+            f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']}: max abs err {c['max_abs_err']:.3g}, "
+            f"max rel err {c['max_rel_err']:.3g} (tolerance {c['tolerance']:g}){top1}, "
+            f"worst sample {c['worst_sample']}"
         )
+    for i in v.get("integrity", []):
+        lines.append(f"  {'ok  ' if i['passed'] else 'FAIL'} {i['name']}: {i['detail']}")
     return lines
 
 
@@ -143,8 +184,11 @@ def _render(report: dict[str, Any], as_json: bool) -> None:
             for w in f.get("warnings", []):
                 out_console.print(f"warning: {f['norm']}: {w}", markup=False, highlight=False)
     if "outputs" in report and report.get("out_dir"):
-        out_console.print(f"wrote {report['out_dir']}/: model.safetensors, "
-                          f"{'model.onnx, ' if report['outputs'].get('onnx') else ''}report.json", highlight=False)
+        out_console.print(
+            f"wrote {report['out_dir']}/: model.safetensors, "
+            f"{'model.onnx, ' if report['outputs'].get('onnx') else ''}report.json",
+            highlight=False,
+        )
     if "verification" in report:
         for line in _verification_lines(report["verification"]):
             out_console.print(line, markup=False, highlight=False)
@@ -161,15 +205,22 @@ def _fail_verification(err: VerificationError, as_json: bool) -> None:
 def fuse(
     ckpt: Ckpt,
     arch: Arch = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Output folder (default: <checkpoint stem>-fused beside it).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Output folder (default: <checkpoint stem>-fused beside it).")
+    ] = None,
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write safetensors only.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the equivalence check.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     inputs: Inputs = None,
     samples: Annotated[int, typer.Option("--samples", help="Random samples when no inputs are found.")] = 64,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
-    rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance (default by dtype: fp32 1e-5).")] = None,
+    rtol: Annotated[
+        float | None, typer.Option("--rtol", help="Relative tolerance (default by dtype: fp32 1e-5).")
+    ] = None,
+    atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance, also accepted (default 0).")] = 0.0,
     ema: Ema = False,
+    trust_pickle: TrustPickle = False,
+    input_shape: InputShape = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
@@ -185,16 +236,38 @@ def fuse(
     with _errors(debug):
         try:
             with _progress(not as_json) as progress:
-                report = api.fuse(ckpt, out, arch=arch, ema=ema, onnx=not no_onnx, verify=not no_verify,
-                                  force=force, inputs=inputs, samples=samples, seed=seed, rtol=rtol,
-                                  progress=progress)
+                report = api.fuse(
+                    ckpt,
+                    out,
+                    arch=arch,
+                    ema=ema,
+                    onnx=not no_onnx,
+                    verify=not no_verify,
+                    force=force,
+                    inputs=inputs,
+                    samples=samples,
+                    seed=seed,
+                    rtol=rtol,
+                    atol=atol,
+                    progress=progress,
+                    trust_pickle=trust_pickle,
+                    input_shape=_shape(input_shape),
+                )
         except VerificationError as err:
             _fail_verification(err, as_json)
         _render(report, as_json)
 
 
 @app.command()
-def inspect(ckpt: Ckpt, arch: Arch = None, ema: Ema = False, as_json: Json = False, debug: Debug = False) -> None:
+def inspect(
+    ckpt: Ckpt,
+    arch: Arch = None,
+    ema: Ema = False,
+    trust_pickle: TrustPickle = False,
+    input_shape: InputShape = None,
+    as_json: Json = False,
+    debug: Debug = False,
+) -> None:
     """Show the fold plan: for every norm, the action, the layers it folds into, and why it is kept if it is.
 
     Nothing is written. Example: slabconv inspect fixtures/digits-prepbn/checkpoint.pth --json
@@ -202,7 +275,9 @@ def inspect(ckpt: Ckpt, arch: Arch = None, ema: Ema = False, as_json: Json = Fal
     from slabconv import api
 
     with _errors(debug), _progress(not as_json) as progress:
-        report = api.inspect(ckpt, arch=arch, ema=ema, progress=progress)
+        report = api.inspect(
+            ckpt, arch=arch, ema=ema, progress=progress, trust_pickle=trust_pickle, input_shape=_shape(input_shape)
+        )
     _render(report, as_json)
 
 
@@ -214,17 +289,31 @@ def export(
     no_fuse: Annotated[bool, typer.Option("--no-fuse", help="Export the original model, norms as they are.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing file.")] = False,
     ema: Ema = False,
+    trust_pickle: TrustPickle = False,
+    input_shape: InputShape = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
     """Write one ONNX file (dynamic batch axis): the fused model, or the original with --no-fuse.
+
+    Weights over 1.5 GiB are written as ONNX external data, PATH.data beside PATH.
 
     Example: slabconv export ckpt.pth --onnx fused.onnx
     """
     from slabconv import api
 
     with _errors(debug), _progress(not as_json) as progress:
-        report = api.export(ckpt, onnx, arch=arch, ema=ema, fuse=not no_fuse, force=force, progress=progress)
+        report = api.export(
+            ckpt,
+            onnx,
+            arch=arch,
+            ema=ema,
+            fuse=not no_fuse,
+            force=force,
+            progress=progress,
+            trust_pickle=trust_pickle,
+            input_shape=_shape(input_shape),
+        )
     if as_json:
         _render(report, True)
         return
@@ -243,27 +332,126 @@ def verify(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
     rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance (default by dtype).")] = None,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance, also accepted.")] = 0.0,
-    junit: Annotated[Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")] = None,
+    junit: Annotated[
+        Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
+    ] = None,
     ema: Ema = False,
+    trust_pickle: TrustPickle = False,
+    input_shape: InputShape = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
-    """Compare CANDIDATE with REFERENCE on the same inputs; exit 1 when they differ beyond tolerance.
+    """Compare CANDIDATE with REFERENCE on the same inputs; exit 0 when equivalent, 1 when not, 2 on bad input.
 
-    An .onnx side runs in onnxruntime with graph optimisations off and fully on; both must pass.
+    Each side is a checkpoint (+ --arch), a .pt2, an .onnx or a fused model.safetensors. An .onnx side gets
+    onnx.checker's full check and runs in onnxruntime with graph optimisations off and fully on; both must pass.
+    Inputs: --inputs NPZ, else holdout.npz beside a checkpoint, else --samples seeded random samples.
+    Tolerance: --rtol (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2) or --atol; top-1 must agree.
+
     Example: slabconv verify ckpt.pth ckpt-fused/model.onnx --junit equivalence.xml
     """
     from slabconv import api
-    from slabconv.report import write_junit
+    from slabconv.report import check_report_path, write_junit
+    from slabconv.verify import failure_line
 
     with _errors(debug):
-        report = api.verify(reference, candidate, arch=arch, ema=ema, inputs=inputs, samples=samples, seed=seed,
-                            rtol=rtol, atol=atol)
+        if junit is not None:
+            check_report_path(junit, [reference, candidate, *([inputs] if inputs else [])])
+        report = api.verify(
+            reference,
+            candidate,
+            arch=arch,
+            ema=ema,
+            inputs=inputs,
+            samples=samples,
+            seed=seed,
+            rtol=rtol,
+            atol=atol,
+            trust_pickle=trust_pickle,
+            input_shape=_shape(input_shape),
+        )
         if junit is not None:
             write_junit(report, junit)
     _render(report, as_json)
     if not report["verification"]["passed"]:
+        err_console.print(
+            f"error: not equivalent: {failure_line(report['verification'])}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
+
+
+@app.command()
+def bench(
+    ckpt: Annotated[Path, typer.Argument(help="Checkpoint, or a folder written by `slabconv fuse`.")],
+    arch: Arch = None,
+    batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes.")] = "1,8,64",
+    runtime: Annotated[
+        str, typer.Option("--runtime", help="Comma-separated: pytorch, onnxruntime.")
+    ] = "pytorch,onnxruntime",
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed calls per variant first.")] = 5,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed calls per variant (interleaved).")] = 20,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart PNG (needs matplotlib).")] = None,
+    ema: Ema = False,
+    as_json: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Time the original, fused and norm-free models (and the LayerNorm branch, if the checkpoint has one).
+
+    The headline is fused / norm-free: a complete fold sits at 1.00. Example:
+    slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot bench.png
+    """
+    from slabconv import api
+
+    with _errors(debug):
+        try:
+            batches = tuple(int(b) for b in batch.split(",") if b.strip())
+        except ValueError:
+            raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
+        runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip())
+        unknown = set(runtimes) - {"pytorch", "onnxruntime"}
+        if unknown or not runtimes or not batches or min(batches) < 1 or repeats < 1:
+            raise UsageError("--runtime takes pytorch and/or onnxruntime; --batch and --repeats must be >= 1")
+        with _progress(not as_json) as progress:
+            report = api.bench(
+                ckpt,
+                arch=arch,
+                ema=ema,
+                batches=batches,
+                runtimes=runtimes,
+                warmup=warmup,
+                repeats=repeats,
+                progress=progress,
+            )
+        if plot is not None:
+            from slabconv.bench import Timing
+            from slabconv.bench import plot as draw
+
+            try:
+                draw([Timing(**t) for t in report["timings"]], plot)
+            except ImportError:
+                raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+            report["plot"] = str(plot)
+    if as_json:
+        _render(report, True)
+        return
+    table = Table(title=f"bench ({report['source'].get('arch') or report['source']['format']})")
+    for col in ("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"):
+        table.add_column(col)
+    for t in report["timings"]:
+        table.add_row(
+            t["runtime"],
+            str(t["batch"]),
+            t["variant"],
+            f"{t['median_ms']:.3f}",
+            f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
+            f"{t['throughput']:.0f}",
+        )
+    out_console.print(table)
+    for r in report["fused_over_norm_free"]:
+        out_console.print(f"fused / norm-free ({r['runtime']}, batch {r['batch']}): {r['ratio']:.2f}", highlight=False)
 
 
 @app.command("list")
@@ -271,8 +459,9 @@ def list_archs(as_json: Json = False) -> None:
     """List the registered architectures with their aliases."""
     from slabconv.zoo import list_archs as archs
 
-    rows = [{"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description}
-            for s in archs()]
+    rows = [
+        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description} for s in archs()
+    ]
     if as_json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
@@ -284,6 +473,14 @@ def list_archs(as_json: Json = False) -> None:
     out_console.print(table)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. SIGTERM (a cancelled CI job) is handled like Ctrl-C: staged outputs are
+    removed and nothing is written."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
     app()

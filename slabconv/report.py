@@ -1,32 +1,113 @@
-"""Machine-readable renderings of a report: JUnit XML for CI systems (one test case per check)."""
+"""Machine-readable renderings of a report: JUnit XML for CI systems.
+
+One ``<testcase>`` per numeric check (each output under each runtime setting, e.g. ``output @
+onnxruntime[all-optimizations]``) and per integrity check (``onnx.checker[full_check] model.onnx``,
+``safetensors reload model.safetensors``). A failing check is a ``<failure>`` whose message says what was
+measured and the tolerance it would have needed. The layout is the common subset that GitHub Actions test
+reporters, GitLab, Jenkins and Azure Pipelines read: ``testsuites > testsuite > testcase > failure``.
+"""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from slabconv.errors import UsageError
+
+
+def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
+    """Refuse a report path that is one of the input files (writing it would destroy an input).
+
+    Raises:
+        UsageError: ``path`` is one of ``inputs`` or an existing folder.
+    """
+    target = Path(path).resolve()
+    for item in inputs:
+        if Path(item).resolve() == target:
+            raise UsageError(f"--junit {path} is an input file; choose another report path")
+    if target.is_dir():
+        raise UsageError(f"--junit {path} is a folder; give a file path such as {Path(path) / 'equivalence.xml'}")
+
+
+def junit_tree(report: dict[str, Any]) -> ET.ElementTree:
+    """The JUnit XML tree of a verification report (``{"candidate", "verification", ...}``)."""
+    v = report["verification"]
+    checks, integrity = v["checks"], v.get("integrity", [])
+    candidate = report.get("candidate", {}).get("path") or report.get("out_dir") or "candidate"
+    classname = "slabconv.verify." + Path(str(candidate)).name.replace(".", "_")
+    failures = sum(not c["passed"] for c in checks) + sum(not i["passed"] for i in integrity)
+    root = ET.Element("testsuites", name="slabconv", tests=str(len(checks) + len(integrity)), failures=str(failures))
+    suite = ET.SubElement(
+        root,
+        "testsuite",
+        name="slabconv.verify",
+        tests=str(len(checks) + len(integrity)),
+        failures=str(failures),
+        errors="0",
+        skipped="0",
+    )
+    props = ET.SubElement(suite, "properties")
+    for key, value in (
+        ("slabconv_version", report.get("slabconv_version", "")),
+        ("reference", report.get("reference", {}).get("path", "")),
+        ("candidate", str(candidate)),
+        ("inputs", v.get("inputs", "")),
+        ("runtime", v.get("runtime", "")),
+    ):
+        ET.SubElement(props, "property", name=key, value=str(value))
+    for c in checks:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=c["name"], time="0")
+        top1 = "n/a" if c["top1_agreement"] is None else f"{c['top1_agreement']:.2%}"
+        measured = (
+            f"max_abs_err={c['max_abs_err']:.6g} max_rel_err={c['max_rel_err']:.6g} "
+            f"mean_abs_err={c['mean_abs_err']:.6g} top1_agreement={top1} worst_sample={c['worst_sample']} "
+            f"samples={c['samples']} rtol={c['tolerance']:g} atol={c['atol']:g}"
+        )
+        ET.SubElement(case, "system-out").text = measured
+        if not c["passed"]:
+            failure = ET.SubElement(
+                case,
+                "failure",
+                type="NotEquivalent",
+                message=(
+                    f"max rel err {c['max_rel_err']:.3g} > tolerance {c['tolerance']:g} or top-1 agreement {top1} "
+                    f"< 100%; it would have needed rtol >= {c['max_rel_err']:.3g} (worst sample {c['worst_sample']})"
+                ),
+            )
+            failure.text = measured
+    for i in integrity:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=i["name"], time="0")
+        ET.SubElement(case, "system-out").text = i["detail"]
+        if not i["passed"]:
+            ET.SubElement(case, "failure", type="IntegrityCheckFailed", message=i["detail"]).text = i["detail"]
+    return ET.ElementTree(root)
+
 
 def write_junit(report: dict[str, Any], path: Path) -> None:
-    """Write ``report['verification']['checks']`` as a JUnit XML test suite named ``slabconv.verify``.
+    """Write the JUnit XML of ``report`` to ``path`` atomically (a temporary file beside it, then a rename).
 
-    A failing check becomes a ``<failure>`` whose message gives the error and the tolerance it would have
-    needed. Readable by GitHub Actions test reporters, GitLab, Jenkins.
+    Raises:
+        UsageError: the folder of ``path`` cannot be written.
     """
-    checks = report["verification"]["checks"]
-    failures = sum(not c["passed"] for c in checks)
-    suite = ET.Element("testsuite", name="slabconv.verify", tests=str(len(checks)), failures=str(failures))
-    for c in checks:
-        case = ET.SubElement(suite, "testcase", classname="slabconv.verify", name=c["name"])
-        ET.SubElement(case, "system-out").text = (
-            f"max_abs_err={c['max_abs_err']:.6g} max_rel_err={c['max_rel_err']:.6g} "
-            f"top1_agreement={c['top1_agreement']} samples={c['samples']} tolerance={c['tolerance']:g}"
-        )
-        if not c["passed"]:
-            ET.SubElement(case, "failure", message=(
-                f"max rel err {c['max_rel_err']:.3g} > tolerance {c['tolerance']:g} or top-1 agreement "
-                f"{c['top1_agreement']}; worst sample {c['worst_sample']}"
-            ))
-    root = ET.Element("testsuites")
-    root.append(suite)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    path = Path(path)
+    tree = junit_tree(report)
+    ET.indent(tree)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    except OSError as err:
+        raise UsageError(f"cannot write the JUnit report {path}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            tree.write(f, encoding="utf-8", xml_declaration=True)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

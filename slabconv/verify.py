@@ -4,19 +4,43 @@ Relative error = max |candidate - reference| / max |reference| over an output. D
 reference's dtype: float32 1e-5, float16 1e-3, bfloat16 1e-2. Top-1 agreement (argmax over the last axis of
 a ``(B, K)`` output) must be 100%. NaN anywhere fails. A failing result says the tolerance that would have
 been needed, never widens its own.
+
+Besides the numbers, a verification holds integrity checks of the written files: ``onnx.checker`` with
+``full_check`` on every ONNX file, and a reload of every safetensors file (bit-equal to what was written).
+Every check, numeric or integrity, must pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from slabconv.errors import InputError
+
 DEFAULT_RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2, "float64": 1e-5}
 
-Runner = Callable[[np.ndarray], np.ndarray]
+Run = Callable[[np.ndarray], list[np.ndarray]]
+
+
+@dataclass
+class Runtime:
+    """One way of running a model: a label for the report and a function from inputs to outputs.
+
+    Attributes:
+        label: ``onnxruntime[no-optimizations]``, ``pytorch 2.13.0``, ...
+        run: takes a float32 array ``(B, ...)``, returns every output as a numpy array ``(B, ...)``.
+        output_names: names of the outputs when the format has them (ONNX), else None.
+        fixed_batch: the batch size the model requires when its batch axis is not dynamic.
+    """
+
+    label: str
+    run: Run
+    output_names: list[str] | None = None
+    fixed_batch: int | None = None
 
 
 @dataclass
@@ -25,7 +49,8 @@ class Comparison:
 
     Attributes:
         name: what was compared (``output @ onnxruntime[all-optimizations]``).
-        passed: relative error within ``tolerance``, top-1 agreement 1.0, no NaN.
+        passed: relative error within ``tolerance`` (or absolute error within ``atol``), top-1 agreement 1.0,
+            no NaN/Inf.
         samples: number of input samples.
         max_abs_err: max |candidate - reference|.
         max_rel_err: max_abs_err / max |reference| (DESIGN.md section 5).
@@ -59,9 +84,71 @@ class Comparison:
         return text
 
 
-def compare(
-    name: str, reference: np.ndarray, candidate: np.ndarray, rtol: float, atol: float = 0.0
-) -> Comparison:
+@dataclass
+class IntegrityCheck:
+    """A check of a written file that is not a number: ``onnx.checker``, a safetensors reload.
+
+    Attributes:
+        name: ``onnx.checker[full_check] model.onnx``, ``safetensors reload model.safetensors``.
+        passed: the check succeeded.
+        detail: one line: what was checked, or what is wrong.
+    """
+
+    name: str
+    passed: bool
+    detail: str
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class Verification:
+    """Every check of one verification run; ``to_dict`` is the report's ``verification`` block."""
+
+    checks: list[Comparison]
+    integrity: list[IntegrityCheck] = field(default_factory=list)
+    runtime: str = ""
+    inputs: str = ""
+    inputs_sha256: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks) and all(i.passed for i in self.integrity)
+
+    def to_dict(self) -> dict[str, Any]:
+        agreements = [c.top1_agreement for c in self.checks if c.top1_agreement is not None]
+        return {
+            "passed": self.passed,
+            "samples": self.checks[0].samples if self.checks else 0,
+            "max_abs_err": max((c.max_abs_err for c in self.checks), default=0.0),
+            "max_rel_err": max((c.max_rel_err for c in self.checks), default=0.0),
+            "top1_agreement": min(agreements) if agreements else None,
+            "tolerance": self.checks[0].tolerance if self.checks else None,
+            "atol": self.checks[0].atol if self.checks else 0.0,
+            "runtime": self.runtime,
+            "inputs": self.inputs,
+            "inputs_sha256": self.inputs_sha256,
+            "checks": [c.to_dict() for c in self.checks],
+            "integrity": [i.to_dict() for i in self.integrity],
+        }
+
+
+def failure_line(verification: Mapping[str, Any]) -> str:
+    """One line naming the worst failing check of a ``verification`` block and the tolerance it needed."""
+    bad_files = [i for i in verification.get("integrity", []) if not i["passed"]]
+    if bad_files:
+        return f"{bad_files[0]['name']} failed: {bad_files[0]['detail']}"
+    failing = [c for c in verification["checks"] if not c["passed"]] or verification["checks"]
+    worst = max(failing, key=lambda c: (np.nan_to_num(c["max_rel_err"], nan=np.inf), c["name"]))
+    top1 = "" if worst["top1_agreement"] is None else f", top-1 agreement {worst['top1_agreement']:.2%}"
+    return (
+        f"{worst['name']}: max rel err {worst['max_rel_err']:.3g} > tolerance {worst['tolerance']:g}{top1} "
+        f"(worst sample {worst['worst_sample']}); it would have needed rtol >= {worst['max_rel_err']:.3g}"
+    )
+
+
+def compare(name: str, reference: np.ndarray, candidate: np.ndarray, rtol: float, atol: float = 0.0) -> Comparison:
     """Compare two outputs of shape ``(B, ...)`` (float arrays, same shape).
 
     Raises:
@@ -76,7 +163,7 @@ def compare(
     max_abs = float(diff.max()) if diff.size else 0.0
     scale = float(np.abs(ref).max()) if ref.size else 0.0
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    per_sample = diff.reshape(diff.shape[0], -1).max(axis=1) if diff.ndim else diff.reshape(1)
+    per_sample = diff.reshape(diff.shape[0], -1).max(axis=1) if diff.ndim and diff.size else np.zeros(1)
     top1 = None
     if ref.ndim == 2 and ref.shape[1] > 1:
         top1 = float((ref.argmax(axis=1) == cand.argmax(axis=1)).mean())
@@ -87,24 +174,65 @@ def compare(
         samples=int(ref.shape[0]) if ref.ndim else 1,
         max_abs_err=max_abs if finite else float("nan"),
         max_rel_err=max_rel if finite else float("nan"),
-        mean_abs_err=float(diff.mean()) if diff.size else 0.0,
+        mean_abs_err=float(diff.mean()) if diff.size and finite else (0.0 if finite else float("nan")),
         top1_agreement=top1,
-        worst_sample=int(per_sample.argmax()) if per_sample.size else 0,
+        worst_sample=int(np.nan_to_num(per_sample, nan=np.inf).argmax()),
         tolerance=rtol,
         atol=atol,
     )
 
 
-def onnx_runners(path: Path) -> dict[str, Runner]:
+def compare_runtimes(
+    reference: Sequence[np.ndarray],
+    reference_names: Sequence[str],
+    candidate: Sequence[np.ndarray],
+    label: str,
+    rtol: float,
+    atol: float = 0.0,
+) -> list[Comparison]:
+    """One ``Comparison`` per output, named ``<output> @ <label>``.
+
+    Raises:
+        InputError: the two models have different numbers of outputs or different output shapes (they are
+            not the same model, e.g. a checkpoint of another architecture).
+    """
+    if len(reference) != len(candidate):
+        raise InputError(
+            f"the reference has {len(reference)} outputs but {label} gives {len(candidate)}; "
+            "compare two versions of the same model"
+        )
+    out = []
+    for name, ref, cand in zip(reference_names, reference, candidate, strict=True):
+        if ref.shape != cand.shape:
+            raise InputError(
+                f"output {name!r}: the reference gives shape {ref.shape} but {label} gives {cand.shape}; "
+                "the two files are not the same model (a different architecture or class count?)"
+            )
+        out.append(compare(f"{name} @ {label}", ref, cand, rtol, atol))
+    return out
+
+
+def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
+    """The names used in check names: the ONNX names when known, else ``output`` / ``output.<i>``."""
+    if names is not None and len(names) == count:
+        return list(names)
+    return ["output"] if count == 1 else [f"output.{i}" for i in range(count)]
+
+
+_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+def onnx_runtimes(path: Path) -> list[Runtime]:
     """onnxruntime on CPU with graph optimisations disabled and fully enabled (an optimiser can change numbers).
 
-    Returns:
-        ``{"onnxruntime[no-optimizations]": run, "onnxruntime[all-optimizations]": run}``; each ``run`` takes a
-        float array ``(B, ...)`` and returns the first output.
+    Each ``run`` casts the input to the model's input type and returns every output.
+
+    Raises:
+        InputError: onnxruntime cannot load the file or the model has more than one input.
     """
     import onnxruntime as ort
 
-    runners: dict[str, Runner] = {}
+    runtimes: list[Runtime] = []
     for label, level in (
         ("no-optimizations", ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
         ("all-optimizations", ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
@@ -112,29 +240,78 @@ def onnx_runners(path: Path) -> dict[str, Runner]:
         options = ort.SessionOptions()
         options.graph_optimization_level = level
         options.log_severity_level = 3
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        input_name = session.get_inputs()[0].name
-        runners[f"onnxruntime[{label}]"] = (
-            lambda x, s=session, n=input_name: np.asarray(s.run(None, {n: x})[0])  # type: ignore[misc]
+        try:
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # noqa: BLE001 - onnxruntime raises its own exception types
+            raise InputError(f"{path}: onnxruntime cannot load it ({_first_line(err)})") from None
+        inputs = session.get_inputs()
+        if len(inputs) != 1:
+            raise InputError(f"{path}: the model has {len(inputs)} inputs; slabconv verifies models with one input")
+        dtype = _ORT_DTYPES.get(inputs[0].type)
+        if dtype is None:
+            raise InputError(f"{path}: input type {inputs[0].type} is not supported (float32, float16, float64)")
+        batch = inputs[0].shape[0] if inputs[0].shape else None
+        runtimes.append(
+            Runtime(
+                label=f"onnxruntime[{label}]",
+                run=lambda x, s=session, n=inputs[0].name, d=dtype: [  # type: ignore[misc]
+                    np.asarray(o) for o in s.run(None, {n: x.astype(d, copy=False)})
+                ],
+                output_names=[o.name for o in session.get_outputs()],
+                fixed_batch=batch if isinstance(batch, int) and batch > 0 else None,
+            )
         )
-    return runners
+    return runtimes
 
 
-def run_batched(run: Runner, inputs: np.ndarray, batch: int = 64, fixed_batch: int | None = None) -> np.ndarray:
+def run_batched(run: Run, inputs: np.ndarray, batch: int = 64, fixed_batch: int | None = None) -> list[np.ndarray]:
     """Run ``run`` over ``inputs`` in chunks of ``batch`` samples (or exactly ``fixed_batch``, padding the last
-    chunk with copies of its first sample and dropping their outputs) and stack the outputs."""
+    chunk with copies of its first sample and dropping their outputs) and stack each output over the chunks."""
     step = fixed_batch or batch
-    outs = []
+    chunks: list[list[np.ndarray]] = []
     for start in range(0, len(inputs), step):
         chunk = inputs[start : start + step]
         n = len(chunk)
         if fixed_batch and n < fixed_batch:
             chunk = np.concatenate([chunk, np.repeat(chunk[:1], fixed_batch - n, axis=0)])
-        outs.append(run(np.ascontiguousarray(chunk))[:n])
-    return np.concatenate(outs)
+        chunks.append([np.asarray(o)[:n] for o in run(np.ascontiguousarray(chunk))])
+    return [np.concatenate(parts) for parts in zip(*chunks, strict=True)]
 
 
 def onnxruntime_version() -> str:
     import onnxruntime as ort
 
     return f"onnxruntime {ort.__version__}"
+
+
+def check_safetensors_reload(
+    path: Path, expected: Mapping[str, Any], expected_metadata: Mapping[str, str] | None = None
+) -> IntegrityCheck:
+    """Read ``path`` back and compare every tensor, bit for bit, with ``expected`` (name -> torch tensor), and
+    its string metadata with ``expected_metadata``."""
+    import torch
+    from safetensors.torch import load_file, safe_open
+
+    name = f"safetensors reload {path.name}"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        loaded = load_file(str(path))
+    except Exception as err:  # noqa: BLE001 - safetensors raises several types on a bad file
+        return IntegrityCheck(name, False, f"cannot read it back: {_first_line(err)}")
+    if expected_metadata is not None and metadata != dict(expected_metadata):
+        keys = sorted(k for k in set(metadata) | set(expected_metadata) if metadata.get(k) != expected_metadata.get(k))
+        return IntegrityCheck(name, False, f"metadata read back differs from what was written: {keys}")
+    if set(loaded) != set(expected):
+        diff = sorted(set(loaded) ^ set(expected))[:4]
+        return IntegrityCheck(name, False, f"tensor names differ from what was written: {diff}")
+    for key, value in expected.items():
+        got = loaded[key]
+        if got.dtype != value.dtype or got.shape != value.shape or not torch.equal(got, value.detach().cpu()):
+            return IntegrityCheck(name, False, f"tensor {key!r} read back differs from what was written")
+    return IntegrityCheck(name, True, f"{len(loaded)} tensors read back bit-equal")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__

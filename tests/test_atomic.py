@@ -1,0 +1,191 @@
+"""Nothing lost (issue #6 item 7): outputs are staged beside the target and renamed into place only after
+verification passed (with --no-verify, once written); a killed, interrupted or failed run leaves the previous
+output intact and no partial output; the input is never modified; report.json records every input's and
+output's sha256. A SIGKILLed run cannot remove its staging folder: the next run writing the same output does."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from slabconv import api, io
+from slabconv.cli import app
+from tests import tinyckpt
+from tests.conftest import ROOT
+from tests.tinyckpt import INPUT_SHAPE, snapshot
+
+tiny_fused = tinyckpt.tiny_fused
+runner = CliRunner()
+
+
+@pytest.fixture
+def previous(tiny_fused: Path, tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    """A checkpoint and a previous output folder beside it (from an earlier fuse), with its snapshot."""
+    ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
+    out = Path(shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "ckpt-fused"))
+    return ckpt, out, snapshot(out)
+
+
+def _staging(out: Path) -> list[Path]:
+    return sorted(p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _start_fuse(ckpt: Path, out: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(out), "--force", "--samples", "8"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_staged_file(proc: subprocess.Popen[str], out: Path, timeout: float = 240) -> Path:
+    """Poll until the run has written its first file into its staging folder; return that folder."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for folder in _staging(out):
+            if any(folder.iterdir()):
+                return folder
+        if proc.poll() is not None:
+            pytest.fail(f"fuse ended before it was caught writing: {proc.returncode} {proc.stderr.read()}")
+        time.sleep(0.005)
+    proc.kill()
+    pytest.fail("fuse never started writing")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_write_keeps_the_previous_output_and_the_next_run_cleans_up(previous) -> None:
+    ckpt, out, before = previous
+    ckpt_hash = io.sha256_file(ckpt)
+    proc = _start_fuse(ckpt, out)
+    staged = _wait_for_staged_file(proc, out)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert snapshot(out) == before, "the previous output changed"
+    assert staged.exists() and staged.name.startswith(f".{out.name}.tmp-{proc.pid}-")  # a hidden, named leftover
+    assert io.sha256_file(ckpt) == ckpt_hash
+    # The next run writing the same output removes the dead run's staging folder and publishes a full result.
+    report = api.fuse(ckpt, out, force=True, samples=8)
+    assert not staged.exists() and _staging(out) == []
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+    assert report["verification"]["passed"] is True
+
+
+@pytest.mark.slow
+def test_sigterm_mid_write_is_an_interruption_that_leaves_nothing(previous) -> None:
+    ckpt, out, before = previous
+    proc = _start_fuse(ckpt, out)
+    _wait_for_staged_file(proc, out)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
+    assert snapshot(out) == before and _staging(out) == []
+
+
+def test_a_swap_cut_short_is_undone_by_the_next_run(tmp_path: Path) -> None:
+    """Killed between moving the old output aside and moving the new one in: the old one comes back."""
+    out = tmp_path / "ckpt-fused"
+    pid = _dead_pid()
+    backup = tmp_path / f".ckpt-fused.old-{pid}"
+    backup.mkdir()
+    (backup / "model.safetensors").write_bytes(b"previous")
+    staged = tmp_path / f".ckpt-fused.tmp-{pid}-x1y2"
+    staged.mkdir()
+    (staged / "model.safetensors").write_bytes(b"new, never verified")
+    io.clean_stale(out)
+    assert (out / "model.safetensors").read_bytes() == b"previous"
+    assert not staged.exists() and not backup.exists()
+
+
+def test_staging_of_a_live_run_is_left_alone(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt-fused"
+    live = tmp_path / f".ckpt-fused.tmp-{os.getppid()}-abc"
+    other = tmp_path / f".other.tmp-{_dead_pid()}-abc"
+    live.mkdir()
+    other.mkdir()
+    assert io.clean_stale(out) == []
+    assert live.exists() and other.exists()
+
+
+def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, monkeypatch) -> None:
+    ckpt, out, before = previous
+    ckpt_hash = io.sha256_file(ckpt)
+    real_export = api.export_onnx
+
+    def wrong_export(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict:
+        wrong = copy.deepcopy(model)  # a fold that is off in one weight of the exported model only
+        with torch.no_grad():
+            next(p for n, p in wrong.named_parameters() if n.startswith("head")).view(-1)[0] += 0.5
+        return real_export(wrong, example, path)
+
+    monkeypatch.setattr(api, "export_onnx", wrong_export)
+    result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--samples", "8"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the fused model is not equivalent: output @ onnxruntime")
+    assert lines[0].endswith("nothing was written")
+    assert "verification: FAILED" in result.stdout
+    assert snapshot(out) == before and _staging(out) == []
+    assert io.sha256_file(ckpt) == ckpt_hash
+
+
+def test_an_interrupt_while_writing_keeps_the_previous_output(previous, monkeypatch) -> None:
+    ckpt, out, before = previous
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api, "save_safetensors", interrupted)
+    result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--no-onnx"])
+    assert result.exit_code == 2 and result.stderr.strip() == "interrupted; nothing was written"
+    assert snapshot(out) == before and _staging(out) == []
+
+
+def test_no_verify_publishes_once_written(previous) -> None:
+    ckpt, out, before = previous
+    result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--no-verify", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["verification"] is None
+    assert snapshot(out) != before and _staging(out) == []
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+
+
+def test_report_records_the_sha256_of_every_input_and_output_and_the_input_is_untouched(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).standard_normal((5, *INPUT_SHAPE)).astype(np.float32))
+    inputs_before = {p.name: io.sha256_file(p) for p in (ckpt, tmp_path / "x.npz")}
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--inputs", str(tmp_path / "x.npz")])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["source"]["sha256"] == inputs_before["ckpt.pth"]
+    assert report["verification"]["inputs_sha256"] == inputs_before["x.npz"]
+    assert report["outputs"]["sha256"] == {
+        "model.safetensors": io.sha256_file(out / "model.safetensors"),
+        "model.onnx": io.sha256_file(out / "model.onnx"),
+    }
+    assert {p.name: io.sha256_file(p) for p in (ckpt, tmp_path / "x.npz")} == inputs_before

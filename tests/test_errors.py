@@ -1,0 +1,378 @@
+"""The catalogue of bad inputs (issue #6 item 6): each exits 2 with one line on stderr that says what is wrong,
+where, and what to do; no traceback unless --debug; nothing is written. Every message is documented in
+docs/errors.md (checked here, case by case)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from slabconv import io
+from slabconv.cli import app
+from slabconv.zoo.deit import VisionTransformer, norm_factory
+from tests import tinyckpt
+from tests.conftest import ROOT, randomize_norms, small_vit
+from tests.tinyckpt import INPUT_SHAPE, MarkerPayload, hostile_program, save_ckpt, snapshot, tiny_state_dict
+
+tiny_fused = tinyckpt.tiny_fused
+
+ERRORS_DOC = (ROOT / "docs" / "errors.md").read_text()
+runner = CliRunner()
+
+Case = Callable[[Path, Path, pytest.MonkeyPatch], list[str]]
+
+
+def _ckpt_with(tmp: Path, name: str, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    state = tiny_state_dict()
+    change(state)
+    return save_ckpt(tmp / name, state)
+
+
+def empty_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "empty.pth").write_bytes(b"")
+    return ["inspect", str(tmp / "empty.pth")]
+
+
+def truncated_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    data = save_ckpt(tmp / "full.pth").read_bytes()
+    (tmp / "full.pth").unlink()
+    (tmp / "cut.pth").write_bytes(data[: len(data) * 2 // 3])
+    return ["fuse", str(tmp / "cut.pth"), "--no-onnx"]
+
+
+def random_bytes(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "noise.pth").write_bytes(np.random.default_rng(0).bytes(4096))
+    return ["inspect", str(tmp / "noise.pth")]
+
+
+def corrupt_safetensors_header(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    save_file({"w": torch.ones(4)}, str(tmp / "w.safetensors"))
+    data = bytearray((tmp / "w.safetensors").read_bytes())
+    data[8:16] = b"\x00garbage"  # inside the JSON header
+    (tmp / "w.safetensors").write_bytes(bytes(data))
+    return ["inspect", str(tmp / "w.safetensors")]
+
+
+def safetensors_header_length_lies(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    save_file({"w": torch.ones(4)}, str(tmp / "w.safetensors"))
+    data = bytearray((tmp / "w.safetensors").read_bytes())
+    data[:8] = struct.pack("<Q", 2**62)
+    (tmp / "w.safetensors").write_bytes(bytes(data))
+    return ["inspect", str(tmp / "w.safetensors")]
+
+
+def other_architecture(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save({"model": {"conv1.weight": torch.zeros(8, 3, 3, 3), "fc.weight": torch.zeros(10, 8)}}, tmp / "cnn.pth")
+    return ["inspect", str(tmp / "cnn.pth")]
+
+
+def other_architecture_forced(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--arch", "swin_tiny_prepbn"]
+
+
+def verify_two_different_models(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.manual_seed(0)
+    five = VisionTransformer(8, 2, 1, 5, 32, 1, 4, 2.0, norm_factory("linearnorm"))
+    save_ckpt(tmp / "five.pth", randomize_norms(five).state_dict())
+    return ["verify", str(save_ckpt(tmp / "ten.pth")), str(tmp / "five.pth"), "--samples", "4"]
+
+
+def missing_keys(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "missing.pth", lambda sd: sd.pop("blocks.0.attn.proj.bias"))
+    return ["inspect", str(ckpt), "--arch", "deit_prepbn"]
+
+
+def unexpected_keys(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "extra.pth", lambda sd: sd.update({"blocks.0.attn.extra": torch.zeros(3)}))
+    return ["inspect", str(ckpt), "--arch", "deit_prepbn"]
+
+
+def shape_mismatch(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "shape.pth", lambda sd: sd.update({"blocks.0.mlp.fc1.weight": torch.zeros(64, 31)}))
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
+def _set(key: str, index: int, value: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(sd: dict[str, torch.Tensor]) -> None:
+        sd[key].view(-1)[index] = value
+
+    return change
+
+
+def nan_running_mean(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "nan.pth", _set("blocks.0.norm1.norm2.bn.running_mean", 3, float("nan")))
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
+def inf_running_var(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "inf.pth", _set("blocks.0.norm2.norm2.bn.running_var", 0, float("inf")))
+    return ["inspect", str(ckpt)]
+
+
+def nan_in_a_weight(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "nanw.pth", _set("head.weight", 7, float("nan")))
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
+def inf_in_a_weight(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "infw.pth", _set("blocks.0.attn.qkv.weight", 0, float("-inf")))
+    return ["inspect", str(ckpt)]
+
+
+def negative_running_var(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "negvar.pth", _set("blocks.0.norm1.norm2.bn.running_var", 2, -3.0))
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
+def norm_in_train_mode_pt2(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    model = small_vit(layout="repbn", depth=1).train()
+    torch.export.save(torch.export.export(model, (torch.randn(2, *INPUT_SHAPE),)), tmp / "train.pt2")
+    return ["fuse", str(tmp / "train.pt2"), "--no-onnx"]
+
+
+def norm_in_train_mode_pickled_module(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(small_vit(layout="repbn", depth=1).train(), tmp / "module.pth")
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "1,8,8"]
+
+
+def unknown_arch(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--arch", "resnet50"]
+
+
+def output_is_the_input(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    return ["fuse", str(ckpt), "--out", str(ckpt), "--force", "--no-onnx"]
+
+
+def output_folder_contains_the_input(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    return ["fuse", str(ckpt), "--out", str(tmp), "--force", "--no-onnx"]
+
+
+def export_onto_the_input(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    return ["export", str(ckpt), "--onnx", str(ckpt), "--force"]
+
+
+def output_in_a_read_only_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    locked = tmp / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root ignores folder modes: make the refusal the kernel would give explicit
+        real = io.tempfile.mkdtemp
+
+        def refuse(*args: object, dir: str | os.PathLike[str] | None = None, **kwargs: object) -> str:
+            if dir is not None and Path(dir) == locked:
+                raise PermissionError(13, "Permission denied", str(dir))
+            return real(*args, dir=dir, **kwargs)  # type: ignore[arg-type]
+
+        mp.setattr(io.tempfile, "mkdtemp", refuse)
+    return ["fuse", str(ckpt), "--out", str(locked / "out"), "--no-onnx"]
+
+
+def existing_output_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    (tmp / "ckpt-fused").mkdir()
+    (tmp / "ckpt-fused" / "model.safetensors").write_bytes(b"previous result")
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
+def existing_onnx_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    (tmp / "model.onnx").write_bytes(b"previous result")
+    return ["export", str(ckpt), "--onnx", str(tmp / "model.onnx")]
+
+
+def onnx_over_2gb_in_one_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    shutil.copy(fused / "ckpt-fused" / "model.onnx", tmp / "big.onnx")
+    mp.setattr(io, "PROTOBUF_LIMIT_BYTES", (tmp / "big.onnx").stat().st_size - 1)  # this file is "over 2 GiB"
+    return ["verify", str(tmp / "big.onnx"), str(tmp / "big.onnx"), "--samples", "2"]
+
+
+def onnx_external_data_missing(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import onnx
+
+    model = onnx.load(str(fused / "ckpt-fused" / "model.onnx"))
+    onnx.save_model(
+        model, str(tmp / "ext.onnx"), save_as_external_data=True, location="ext.onnx.data", size_threshold=0
+    )
+    (tmp / "ext.onnx.data").unlink()
+    return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(tmp / "ext.onnx"), "--samples", "2"]
+
+
+def not_an_onnx_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "fake.onnx").write_bytes(b"\xff" * 64)
+    return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(tmp / "fake.onnx"), "--samples", "2"]
+
+
+def unsafe_global(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save({"model": tiny_state_dict(), "config": MarkerPayload(tmp / "MARKER")}, tmp / "evil.pth")
+    return ["inspect", str(tmp / "evil.pth")]
+
+
+def whole_pickled_module(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(small_vit(depth=1), tmp / "module.pth")
+    return ["fuse", str(tmp / "module.pth"), "--no-onnx"]
+
+
+def program_with_pickled_objects(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(hostile_program(tmp, tmp / "MARKER")), "--no-onnx"]
+
+
+def pickled_module_without_input_shape(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(small_vit(depth=1), tmp / "module.pth")
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle"]
+
+
+def bad_input_shape_option(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(small_vit(depth=1), tmp / "module.pth")
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "1x8x8"]
+
+
+def no_such_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(tmp / "nope.pth")]
+
+
+def a_folder_as_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "dir.pth").mkdir()
+    return ["inspect", str(tmp / "dir.pth")]
+
+
+def no_state_dict_inside(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save({"epoch": 3, "optimizer": {}}, tmp / "opt.pth")
+    return ["inspect", str(tmp / "opt.pth")]
+
+
+def inputs_of_the_wrong_shape(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    np.savez(tmp / "x.npz", x=np.zeros((4, 3, 8, 8), np.float32))
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    return ["verify", str(ckpt), str(ckpt), "--inputs", str(tmp / "x.npz")]
+
+
+def junit_onto_an_input(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
+    return ["verify", str(ckpt), str(ckpt), "--junit", str(ckpt), "--samples", "2"]
+
+
+def ema_without_ema_weights(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--ema"]
+
+
+# (case, a phrase of the message that docs/errors.md must also contain)
+CATALOGUE: list[tuple[Case, str]] = [
+    (empty_file, "the file is empty"),
+    (truncated_checkpoint, "not a readable PyTorch checkpoint"),
+    (random_bytes, "not a readable PyTorch checkpoint"),
+    (corrupt_safetensors_header, "not a readable safetensors file"),
+    (safetensors_header_length_lies, "not a readable safetensors file"),
+    (other_architecture, "could not detect the architecture"),
+    (other_architecture_forced, "cannot build"),
+    (verify_two_different_models, "not the same model"),
+    (missing_keys, "missing keys"),
+    (unexpected_keys, "unexpected keys"),
+    (shape_mismatch, "shape mismatch"),
+    (nan_running_mean, "holds NaN or Inf"),
+    (inf_running_var, "holds NaN or Inf"),
+    (nan_in_a_weight, "holds NaN or Inf"),
+    (inf_in_a_weight, "holds NaN or Inf"),
+    (negative_running_var, "running_var < 0"),
+    (norm_in_train_mode_pt2, "is in train mode"),
+    (norm_in_train_mode_pickled_module, "is in train mode"),
+    (unknown_arch, "unknown architecture"),
+    (output_is_the_input, "would replace the input"),
+    (output_folder_contains_the_input, "would replace the input"),
+    (export_onto_the_input, "is the input file"),
+    (output_in_a_read_only_folder, "cannot write to"),
+    (existing_output_without_force, "already exists; pass --force"),
+    (existing_onnx_without_force, "already exists; pass --force"),
+    (onnx_over_2gb_in_one_file, "over protobuf's 2 GiB limit"),
+    (onnx_external_data_missing, "external data file(s)"),
+    (not_an_onnx_file, "not a readable ONNX file"),
+    (unsafe_global, "which slabconv will not import"),
+    (whole_pickled_module, "holds a whole pickled nn.Module"),
+    (program_with_pickled_objects, "holds pickled Python objects"),
+    (pickled_module_without_input_shape, "does not record its input shape"),
+    (bad_input_shape_option, "--input-shape"),
+    (no_such_file, "no such file"),
+    (a_folder_as_checkpoint, "is a folder"),
+    (no_state_dict_inside, "no state_dict found"),
+    (inputs_of_the_wrong_shape, "inputs have shape"),
+    (junit_onto_an_input, "is an input file"),
+    (ema_without_ema_weights, "--ema was given"),
+]
+
+
+@pytest.mark.parametrize("case, phrase", CATALOGUE, ids=[c.__name__ for c, _ in CATALOGUE])
+def test_bad_input_exits_2_with_one_clear_line_and_writes_nothing(
+    case: Case, phrase: str, tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = case(tmp_path, tiny_fused, monkeypatch)
+    before = snapshot(tmp_path)
+    fused_before = snapshot(tiny_fused)
+    result = runner.invoke(app, args)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, (result.exit_code, result.stderr, result.stdout)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert phrase in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout and "internal error" not in lines[0]
+    assert result.stdout == ""
+    assert snapshot(tmp_path) == before, "an output or partial file was written"
+    assert snapshot(tiny_fused) == fused_before
+    assert not (tmp_path / "MARKER").exists()
+    assert phrase in ERRORS_DOC, f"docs/errors.md does not list the message {phrase!r}"
+
+
+def test_messages_name_the_file_or_key_and_say_what_to_do(tmp_path: Path, tiny_fused: Path, monkeypatch) -> None:
+    """Spot checks of the where and the what-to-do parts of a few messages."""
+    checks = {
+        missing_keys: ["missing.pth", "blocks.0.attn.proj.bias", "check --arch"],
+        shape_mismatch: ["blocks.0.mlp.fc1.weight", "(64, 31)", "(64, 32)"],
+        nan_in_a_weight: ["nanw.pth", "'head.weight'", "use an earlier or intact checkpoint"],
+        negative_running_var: ["negvar.pth", "blocks.0.norm1.norm2.bn.running_var"],
+        unsafe_global: ["evil.pth", "builtins.exec", "--trust-pickle"],
+        whole_pickled_module: ["VisionTransformer", "--trust-pickle", "torch.export.save"],
+        existing_output_without_force: ["ckpt-fused", "--force"],
+    }
+    for case, parts in checks.items():
+        folder = tmp_path / case.__name__
+        folder.mkdir()
+        result = runner.invoke(app, case(folder, tiny_fused, monkeypatch))
+        for part in parts:
+            assert part in result.stderr, (case.__name__, part, result.stderr)
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    (tmp_path / "empty.pth").write_bytes(b"")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "empty.pth"), "--debug"])
+    assert result.exit_code == 2
+    assert "Traceback" in result.stderr and "InputError" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_an_unexpected_bug_is_one_line_too_and_says_it_is_a_bug(tmp_path: Path, monkeypatch) -> None:
+    from slabconv import api
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(api, "load_model", broken)
+    result = runner.invoke(app, ["inspect", str(save_ckpt(tmp_path / "ckpt.pth"))])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "internal error: ZeroDivisionError: boom (a bug in slabconv; rerun with --debug and report it)"
+    ]
+
+
+def test_usage_errors_exit_2() -> None:
+    assert runner.invoke(app, ["fuse"]).exit_code == 2
+    assert runner.invoke(app, ["fuse", "x.pth", "--no-such-option"]).exit_code == 2

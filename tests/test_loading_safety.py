@@ -1,0 +1,248 @@
+"""Loading never executes code by default (issue #6 item 5, issue #4 item 1).
+
+- ``torch.load(weights_only=True)`` always comes first;
+- a pickle that would run code (``exec`` creating a marker file) is refused with the global's name and the
+  ``--trust-pickle`` hint, and the marker never appears, through every command;
+- the official training config, a yacs ``CfgNode``, is read as plain dicts by the allowlist without importing
+  yacs (proved in a subprocess where importing yacs raises);
+- a whole pickled ``nn.Module`` loads only with ``--trust-pickle`` (and ``--input-shape``) and is then folded
+  like any model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from slabconv import api, io
+from slabconv.cli import app
+from tests.conftest import ROOT, small_vit
+from tests.tinyckpt import CONFIG, MarkerPayload, hostile_program, rewrite_pickle, save_ckpt, tiny_state_dict
+
+runner = CliRunner()
+
+
+def test_the_payload_really_runs_code_when_unpickled(tmp_path: Path) -> None:
+    """The control: without slabconv's safe loading the payload does create its marker."""
+    marker = tmp_path / "control-marker"
+    pickle.loads(pickle.dumps(MarkerPayload(marker)))
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["inspect"],
+        ["fuse", "--no-onnx"],
+        ["export", "--onnx", "{tmp}/x.onnx"],
+        ["verify", "{ckpt}"],
+    ],
+    ids=["inspect", "fuse", "export", "verify"],
+)
+def test_a_code_running_pickle_is_refused_and_never_runs(tmp_path: Path, command: list[str]) -> None:
+    marker = tmp_path / "MARKER"
+    evil = tmp_path / "evil.pth"
+    torch.save({"model": tiny_state_dict(), "config": MarkerPayload(marker)}, evil)
+    good = save_ckpt(tmp_path / "good.pth")
+    name, *rest = command
+    args = [name, str(evil), *(a.format(tmp=tmp_path, ckpt=good) for a in rest)]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.stderr
+    assert "'builtins.exec'" in result.stderr and "--trust-pickle" in result.stderr
+    assert not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_loading_asks_torch_for_weights_only_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    real = torch.load
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "load", spy)
+    io.load_checkpoint(save_ckpt(tmp_path / "ckpt.pth"))
+    io.load_checkpoint(save_ckpt(tmp_path / "ckpt2.pth"), trust_pickle=True)  # safe file: no full load needed
+    assert calls == [True, True]
+
+
+def test_trust_pickle_is_the_only_way_the_payload_runs(tmp_path: Path) -> None:
+    """--trust-pickle really loads the pickle in full (so it must only be used on trusted files)."""
+    marker = tmp_path / "MARKER"
+    torch.save({"model": tiny_state_dict(), "config": MarkerPayload(marker)}, tmp_path / "evil.pth")
+    with pytest.raises(io.InputError):
+        io.load_checkpoint(tmp_path / "evil.pth")
+    assert not marker.exists()
+    ckpt = io.load_checkpoint(tmp_path / "evil.pth", trust_pickle=True)
+    assert marker.exists() and ckpt.state_dict.keys() == tiny_state_dict().keys()
+
+
+def test_a_global_outside_the_allowlist_with_a_yacs_name_is_still_refused(tmp_path: Path) -> None:
+    """Only the exact name ``yacs.config.CfgNode`` is allowlisted, and only as data."""
+    save_ckpt(tmp_path / "plain.pth", cfg=os.getcwd)  # pickled as the global ``posix.getcwd``
+    renamed = rewrite_pickle(
+        tmp_path / "plain.pth",
+        tmp_path / "ckpt.pth",
+        lambda pkl: pkl.replace(b"posix\ngetcwd", b"yacs.config\nload_cfg"),
+    )
+    with pytest.raises(io.InputError, match="'yacs.config.load_cfg'"):
+        io.load_checkpoint(renamed)
+
+
+# --------------------------------------------------------------------------------------------- yacs config
+
+
+def _yacs_checkpoint(path: Path) -> Path:
+    yacs = pytest.importorskip("yacs.config")
+    cfg = yacs.CfgNode()
+    cfg.MODEL = yacs.CfgNode()
+    cfg.MODEL.NAME = CONFIG["MODEL"]["NAME"]
+    cfg.MODEL.VIT = yacs.CfgNode()
+    cfg.MODEL.VIT.NUM_HEADS = 4
+    cfg.MODEL.VIT.QKV_BIAS = True
+    cfg.TRAIN = yacs.CfgNode()
+    cfg.TRAIN.BASE_LR = 5e-4
+    cfg.TRAIN.OPTIMIZER = yacs.CfgNode({"NAME": "adamw", "BETAS": (0.9, 0.999)})
+    cfg.AUG = yacs.CfgNode({"MIXUP": 0.8})
+    cfg.TAG = "default"
+    cfg.freeze()
+    torch.save({"model": tiny_state_dict(), "optimizer": {}, "epoch": 299, "max_accuracy": 81.2, "config": cfg}, path)
+    return path
+
+
+EXPECTED_CONFIG = {
+    "MODEL": {"NAME": "deit_prepbn", "VIT": {"NUM_HEADS": 4, "QKV_BIAS": True}},
+    "TRAIN": {"BASE_LR": 5e-4, "OPTIMIZER": {"NAME": "adamw", "BETAS": [0.9, 0.999]}},
+    "AUG": {"MIXUP": 0.8},
+    "TAG": "default",
+}
+
+
+def test_a_real_yacs_config_loads_as_plain_dicts_without_importing_yacs(tmp_path: Path) -> None:
+    ckpt = _yacs_checkpoint(tmp_path / "official.pth")
+    assert b"yacs.config\nCfgNode" in _pickle_of(ckpt)
+    blocker = tmp_path / "blocker" / "yacs"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('slabconv imported yacs while loading')\n")
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from slabconv import api
+        loaded = api.load_model(sys.argv[1])
+        ckpt = loaded.checkpoint
+        assert "yacs" not in sys.modules and "yacs.config" not in sys.modules
+        print(json.dumps({"config": ckpt.config, "format": ckpt.format, "arch": loaded.arch,
+                          "types": sorted({type(v).__name__ for v in ckpt.config.values()}), "extra": ckpt.extra}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": f"{blocker.parent}{os.pathsep}{ROOT}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(ckpt)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["config"] == EXPECTED_CONFIG
+    assert out["types"] == ["dict", "str"]
+    assert out["format"] == "training-checkpoint" and out["arch"] == "deit_prepbn"
+    assert out["extra"] == {"epoch": 299, "max_accuracy": 81.2, "weights": "model"}
+
+
+def test_the_blocker_really_blocks_yacs(tmp_path: Path) -> None:
+    """The control for the test above: with the blocker on the path, importing yacs fails."""
+    blocker = tmp_path / "yacs"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('blocked')\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import yacs.config"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "blocked" in proc.stderr
+
+
+def test_a_yacs_config_read_with_trust_pickle_is_the_same_plain_data(tmp_path: Path) -> None:
+    ckpt = _yacs_checkpoint(tmp_path / "official.pth")
+    assert io.load_checkpoint(ckpt, trust_pickle=True).config == EXPECTED_CONFIG
+
+
+def _pickle_of(path: Path) -> bytes:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+
+
+# --------------------------------------------------------------------------------------------- pickled module
+
+
+def test_a_whole_pickled_module_is_refused_without_trust_pickle(tmp_path: Path) -> None:
+    torch.save(small_vit(depth=1), tmp_path / "module.pth")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "module.pth")])
+    assert result.exit_code == 2
+    assert "whole pickled nn.Module" in result.stderr
+    assert "--trust-pickle" in result.stderr and "torch.export.save" in result.stderr
+
+
+def test_a_trusted_pickled_module_is_folded_like_any_model(tmp_path: Path) -> None:
+    model = small_vit(depth=1)
+    torch.save(model, tmp_path / "module.pth")
+    out = tmp_path / "module-fused"
+    args = ["fuse", str(tmp_path / "module.pth"), "--trust-pickle", "--input-shape", "1,8,8", "--samples", "8"]
+    result = runner.invoke(app, [*args, "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["source"]["format"] == "pickled-module" and report["source"]["input_shape"] == [1, 8, 8]
+    assert report["summary"]["folded"] == report["summary"]["norms"] == 3
+    assert report["verification"]["passed"] is True
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+    verdict = runner.invoke(
+        app,
+        ["verify", str(tmp_path / "module.pth"), str(out / "model.onnx"), "--trust-pickle", "--input-shape", "1,8,8"],
+    )
+    assert verdict.exit_code == 0, verdict.stderr
+
+
+def test_api_load_model_takes_trust_pickle_and_input_shape(tmp_path: Path) -> None:
+    torch.save(small_vit(depth=1), tmp_path / "module.pth")
+    with pytest.raises(io.InputError, match="whole pickled nn.Module"):
+        api.load_model(tmp_path / "module.pth")
+    with pytest.raises(api.UsageError, match="--input-shape"):
+        api.load_model(tmp_path / "module.pth", trust_pickle=True)
+    loaded = api.load_model(tmp_path / "module.pth", trust_pickle=True, input_shape=(1, 8, 8))
+    assert loaded.input_shape == (1, 8, 8) and loaded.arch is None and not loaded.model.training
+
+
+# --------------------------------------------------------------------------------------------- .pt2 programs
+
+
+def test_a_program_whose_pickles_would_run_code_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "MARKER"
+    evil = hostile_program(tmp_path, marker)
+    assert api.load_model(tmp_path / "ok.pt2").input_shape == (1, 8, 8)  # the untouched program loads
+    result = runner.invoke(app, ["inspect", str(evil)])
+    assert result.exit_code == 2
+    assert "holds pickled Python objects" in result.stderr and "--trust-pickle" in result.stderr
+    assert not marker.exists()
+
+
+def test_plain_torch_export_load_would_run_that_code(tmp_path: Path) -> None:
+    """The control for the test above: the payload is real, torch.export.load alone executes it."""
+    marker = tmp_path / "MARKER"
+    evil = hostile_program(tmp_path, marker)
+    with contextlib.suppress(Exception):
+        torch.export.load(evil)
+    assert marker.exists()
