@@ -32,7 +32,9 @@ def _bn(c: int, eps: float, affine: bool, dtype: torch.dtype, seed: int) -> nn.B
 
 
 def _affine(bn: nn.BatchNorm1d, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return fold.repbn_affine(bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias, torch.tensor([alpha], dtype=torch.float64))
+    return fold.repbn_affine(
+        bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias, torch.tensor([alpha], dtype=torch.float64)
+    )
 
 
 @pytest.mark.parametrize("dtype,eps,affine,alpha,bias", CASES)
@@ -96,7 +98,9 @@ def test_backward_fold_into_conv_producer():
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     h = conv(x)
     alpha = -0.5
-    expected = torch.nn.functional.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+    expected = torch.nn.functional.batch_norm(
+        h, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps
+    )
     expected = expected + alpha * h
     w, b = fold.fold_into_producer(conv.weight, conv.bias, *_affine(bn, alpha))
     torch.testing.assert_close(nn.functional.conv2d(x, w, b, stride=4), expected, **TOL[torch.float64])

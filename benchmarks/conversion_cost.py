@@ -1,0 +1,73 @@
+"""Conversion cost: `slabconv fuse` (fold + ONNX export + verification) against one bare `torch.onnx.export`.
+
+Builds a DeiT-Tiny-sized PRepBN checkpoint (224x224, 12 blocks, dim 192) with random norm statistics, then in
+fresh child processes measures wall time and peak RSS of
+
+  (a) bare:  load the checkpoint into the model, `torch.onnx.export(..., dynamo=True)` once;
+  (b) fuse:  `slabconv fuse CKPT` with its defaults (verification on 64 seeded random samples, two
+             onnxruntime settings) and with --no-verify;
+
+and prints the ratios fuse / bare. Then one in-process `slabconv.api.fuse` run with a progress hook shows where
+the time goes, stage by stage. Target (issue 7): fuse <= 1.5x bare.
+
+Run: .venv/bin/python benchmarks/conversion_cost.py [--arch deit_tiny_prepbn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import measure, zoo_checkpoint  # noqa: E402
+
+BARE = """
+import sys, torch
+from slabconv.api import load_model
+loaded = load_model(sys.argv[1])
+x = torch.randn(2, *loaded.input_shape)
+torch.onnx.export(loaded.model, (x,), sys.argv[2], dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},))
+"""
+
+
+def stages(ckpt: Path, out: Path) -> list[tuple[str, float]]:
+    """Seconds spent in each stage of one in-process fuse, from the progress messages."""
+    from slabconv import api
+
+    marks: list[tuple[str, float]] = []
+    api.fuse(ckpt, out, force=True, progress=lambda message: marks.append((message, time.perf_counter())))
+    end = time.perf_counter()
+    return [(m, (marks[i + 1][1] if i + 1 < len(marks) else end) - t) for i, (m, t) in enumerate(marks)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="deit_tiny_prepbn")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = zoo_checkpoint(args.arch, Path(tmp) / "ckpt.pth")
+        bare = measure([sys.executable, "-c", BARE, str(ckpt), str(Path(tmp) / "bare.onnx")])
+        fuse = measure([sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(Path(tmp) / "f1")])
+        fuse_nv = measure(
+            [sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(Path(tmp) / "f2"), "--no-verify"]
+        )
+        rows = {"bare torch.onnx.export": bare, "slabconv fuse": fuse, "slabconv fuse --no-verify": fuse_nv}
+        print(f"{'run':28s} {'wall s':>8s} {'peak RSS MiB':>13s} {'time x':>7s} {'RSS x':>6s}")
+        for name, r in rows.items():
+            print(
+                f"{name:28s} {r['wall_s']:8.1f} {r['peak_rss_mib']:13.0f} "
+                f"{r['wall_s'] / bare['wall_s']:7.2f} {r['peak_rss_mib'] / bare['peak_rss_mib']:6.2f}"
+            )
+        print("\nwhere the time goes (one in-process fuse):")
+        for message, seconds in stages(ckpt, Path(tmp) / "f3"):
+            print(f"  {seconds:7.2f} s  {message}")
+        print(json.dumps({"arch": args.arch, "runs": rows}))
+
+
+if __name__ == "__main__":
+    main()

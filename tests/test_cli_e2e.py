@@ -1,0 +1,162 @@
+"""The console script end to end on the real digits fixture (issue: the main job).
+
+One real subprocess run of `slabconv fuse` (module-scoped, reused by the checks below), then: exit code, the
+three files, the report's numbers, zero BatchNormalization nodes, the norm-free op histogram, the safetensors
+metadata, holdout accuracy of the fused ONNX; and a deliberately wrong fold (alpha dropped) caught by
+`slabconv verify` with exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from slabconv import io
+from slabconv.cli import app
+from slabconv.zoo import get_arch
+from tests.conftest import FIXTURE, op_histogram
+
+pytestmark = pytest.mark.slow
+
+
+def _slabconv(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "slabconv", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def fused(
+    tmp_path_factory: pytest.TempPathFactory, fixture_ckpt: Path
+) -> tuple[Path, dict, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("fuse") / "digits-fused"
+    proc = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--json")
+    report = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    return out, report, proc
+
+
+def test_fuse_exits_0_and_writes_the_three_files(fused):
+    out, report, proc = fused
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+    assert json.loads((out / "report.json").read_text()) == report
+
+
+def test_report_numbers_meet_the_tolerance_on_the_whole_holdout(fused, fixture_ckpt):
+    _, report, _ = fused
+    holdout = np.load(FIXTURE / "holdout.npz")
+    v = report["verification"]
+    assert v["passed"] is True
+    assert v["samples"] == len(holdout["y"]) and v["inputs"].endswith("holdout.npz")
+    assert v["max_rel_err"] <= 1e-5 and v["top1_agreement"] == 1.0
+    assert {c["name"] for c in v["checks"]} == {
+        "output @ onnxruntime[no-optimizations]",
+        "output @ onnxruntime[all-optimizations]",
+    }
+    assert report["source"]["sha256"] == io.sha256_file(fixture_ckpt)
+    assert report["source"]["arch"] == "deit_prepbn" and report["source"]["format"] == "training-checkpoint"
+    assert len(report["folds"]) == 9 and all(f["action"] == "folded-forward" for f in report["folds"])
+
+
+def test_fused_onnx_has_no_norm_left_and_matches_the_norm_free_bound(fused, fixture_ckpt, tmp_path):
+    out, _, _ = fused
+    ckpt = io.load_checkpoint(fixture_ckpt)
+    spec = get_arch("deit_prepbn")
+    bound = spec.build(ckpt.state_dict, ckpt.config, "identity").eval()
+    io.export_onnx(bound, torch.randn(2, 1, 8, 8), tmp_path / "bound.onnx")
+    fused_ops = op_histogram(out / "model.onnx")
+    assert fused_ops["BatchNormalization"] == 0
+    assert fused_ops == op_histogram(tmp_path / "bound.onnx")
+
+
+def test_fused_onnx_has_a_dynamic_batch_and_keeps_the_holdout_accuracy(fused, fixture_ckpt):
+    out, report, _ = fused
+    holdout = np.load(FIXTURE / "holdout.npz")
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert isinstance(session.get_inputs()[0].shape[0], str)  # a named, dynamic batch axis
+    logits = session.run(None, {session.get_inputs()[0].name: holdout["x"]})[0]
+    accuracy = float((logits.argmax(1) == holdout["y"]).mean())
+    assert accuracy >= 0.95
+    saved = torch.load(fixture_ckpt, weights_only=True)
+    assert abs(accuracy * 100 - saved["max_accuracy"]) < 1e-6
+
+
+def test_safetensors_carry_provenance_metadata_and_load_into_the_norm_free_model(fused, fixture_ckpt):
+    out, _, _ = fused
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        keys = set(f.keys())
+    assert meta["arch"] == "deit_prepbn" and meta["source_sha256"] == io.sha256_file(fixture_ckpt)
+    assert meta["slabconv_version"] and meta["complete"] == "true"
+    assert not [k for k in keys if ".norm" in k or k.startswith("norm.")]
+
+
+def test_verify_passes_on_the_fused_onnx_and_writes_junit(fused, fixture_ckpt, tmp_path):
+    out, _, _ = fused
+    result = CliRunner().invoke(
+        app, ["verify", str(fixture_ckpt), str(out / "model.onnx"), "--junit", str(tmp_path / "j.xml"), "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verification"]["passed"] is True
+    assert 'failures="0"' in (tmp_path / "j.xml").read_text()
+
+
+def test_a_fold_that_drops_alpha_is_caught_by_verify_with_exit_1(fixture_ckpt, tmp_path):
+    """Make the wrong fold a naive tool would: treat every RepBN as a plain BatchNorm (alpha dropped)."""
+    saved = torch.load(fixture_ckpt, weights_only=True)
+    saved["model"] = {k: torch.zeros_like(v) if k.endswith(".alpha") else v for k, v in saved["model"].items()}
+    wrong = tmp_path / "alpha-dropped" / "checkpoint.pth"
+    wrong.parent.mkdir()
+    torch.save(saved, wrong)
+    proc = _slabconv("fuse", str(wrong), "--out", str(tmp_path / "wrong"), "--no-verify")
+    assert proc.returncode == 0, proc.stderr
+    verdict = _slabconv("verify", str(fixture_ckpt), str(tmp_path / "wrong" / "model.onnx"), "--json")
+    assert verdict.returncode == 1, verdict.stderr
+    v = json.loads(verdict.stdout)["verification"]
+    assert v["passed"] is False and v["max_rel_err"] > 1e-2
+
+
+def test_inspect_prints_the_plan_and_writes_nothing(fixture_ckpt, tmp_path):
+    before = sorted(p.name for p in fixture_ckpt.parent.iterdir())
+    result = CliRunner().invoke(app, ["inspect", str(fixture_ckpt), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [f["into"] for f in report["folds"]][-1] == ["head"]
+    assert "outputs" not in report and "verification" not in report
+    assert sorted(p.name for p in fixture_ckpt.parent.iterdir()) == before
+
+
+def test_export_writes_fused_and_unfused_onnx(fixture_ckpt, tmp_path):
+    runner = CliRunner()
+    assert runner.invoke(app, ["export", str(fixture_ckpt), "--onnx", str(tmp_path / "f.onnx")]).exit_code == 0
+    assert (
+        runner.invoke(app, ["export", str(fixture_ckpt), "--onnx", str(tmp_path / "u.onnx"), "--no-fuse"]).exit_code
+        == 0
+    )
+    assert op_histogram(tmp_path / "f.onnx")["BatchNormalization"] == 0
+    assert op_histogram(tmp_path / "u.onnx")["BatchNormalization"] == 9
+    result = runner.invoke(
+        app,
+        [
+            "verify",
+            str(tmp_path / "u.onnx"),
+            str(tmp_path / "f.onnx"),
+            "--inputs",
+            str(FIXTURE / "holdout.npz"),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_list_names_the_fixture_architecture():
+    result = CliRunner().invoke(app, ["list", "--json"])
+    assert result.exit_code == 0
+    assert "deit_prepbn" in {row["name"] for row in json.loads(result.stdout)}
