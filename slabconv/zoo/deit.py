@@ -10,35 +10,28 @@ Keys: ``patch_embed.proj.{weight,bias}``, ``cls_token (1, 1, C)``, ``pos_embed (
 ``norm``, ``head``. Each norm is ``RepBN`` (``norm1.bn.*``, ``norm1.alpha``) or ``LinearNorm``
 (``norm1.norm1.*`` LayerNorm, ``norm1.norm2.bn.*``, ``norm1.norm2.alpha``, ``norm1.{warm,iter,total_step}``).
 Where each norm feeds: norm1 -> attn.qkv, norm2 -> mlp.fc1, the final norm -> ``x[:, 0]`` -> head.
+
+Official names: release files ``deit_tiny_prepbn.pth`` / ``deit_small_prepbn.pth``, README ``deit_t_prepbn`` /
+``deit_s_prepbn``, configs ``cfgs/deit_{t,s}_prepbn.yaml`` with ``MODEL.NAME`` the registered timm names above.
+The ``*_patch16_224_linear_repbn`` functions are SLAB-DeiT (``slabconv.zoo.slab_deit``), not these.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
-from functools import partial
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.nn import LinearNorm, RepBN
-from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
+from slabconv.nn import RepBN
+from slabconv.zoo.layers import Mlp, NormFactory, norm_factory, norm_layout
+from slabconv.zoo.registry import ArchSpec, StateDict, register_arch, resolve_image_size
 
-NormFactory = Callable[[int], nn.Module]
-
-
-class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+__all__ = ["Attention", "Block", "Mlp", "PatchEmbed", "VisionTransformer", "norm_factory", "norm_layout", "vit_hparams"]
 
 
 class Attention(nn.Module):
@@ -113,9 +106,7 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         hidden = int(embed_dim * mlp_ratio)
-        self.blocks = nn.Sequential(
-            *[Block(embed_dim, num_heads, hidden, qkv_bias, norm_layer) for _ in range(depth)]
-        )
+        self.blocks = nn.Sequential(*[Block(embed_dim, num_heads, hidden, qkv_bias, norm_layer) for _ in range(depth)])
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
@@ -134,29 +125,6 @@ class VisionTransformer(nn.Module):
         x = self.norm(x)
         x = x[:, 0] if self.global_pool == "token" else x.mean(dim=1)
         return self.head(x)
-
-
-def norm_factory(layout: str, eps: float = 1e-5) -> NormFactory:
-    """The norm constructor for a key layout: ``repbn``, ``linearnorm`` or ``identity`` (the norm-free bound).
-
-    ``linearnorm`` is the official ``partial(LinearNorm, norm1=LayerNorm(eps=1e-6), norm2=RepBN)``.
-    """
-    if layout == "repbn":
-        return partial(RepBN, eps=eps)
-    if layout == "linearnorm":
-        return partial(LinearNorm, norm1=partial(nn.LayerNorm, eps=1e-6), norm2=partial(RepBN, eps=eps))
-    if layout == "identity":
-        return lambda dim: nn.Identity()
-    raise ValueError(f"unknown norm layout {layout!r}")
-
-
-def norm_layout(state_dict: StateDict, prefix: str) -> str | None:
-    """``linearnorm`` / ``repbn`` from the keys under ``prefix`` (e.g. ``blocks.0.norm1``), else None."""
-    if f"{prefix}.norm2.bn.running_mean" in state_dict:
-        return "linearnorm"
-    if f"{prefix}.bn.running_mean" in state_dict:
-        return "repbn"
-    return None
 
 
 def vit_hparams(state_dict: StateDict) -> dict[str, Any]:
@@ -211,6 +179,7 @@ def _register_deit(
 
     def build(sd: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
         hp = vit_hparams(sd)
+        resolve_image_size(hp["img_size"], config, resizable=False, what=name)
         found = norm_layout(sd, "blocks.0.norm1") or layout
         return VisionTransformer(
             **hp, num_heads=heads_for(sd, config), norm_layer=norm_factory(found if norm == "checkpoint" else norm)
@@ -218,13 +187,14 @@ def _register_deit(
 
     def input_shape(sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
         hp = vit_hparams(sd)
-        return (hp["in_chans"], hp["img_size"], hp["img_size"])
+        side = resolve_image_size(hp["img_size"], config, resizable=False, what=name)
+        return (hp["in_chans"], side, side)
 
     def matches(sd: StateDict, config: Mapping[str, Any]) -> bool:
         if "cls_token" not in sd or "blocks.0.attn.qkv.weight" not in sd or "patch_embed.proj.weight" not in sd:
             return False
-        if norm_layout(sd, "blocks.0.norm1") is None:
-            return False
+        if norm_layout(sd, "blocks.0.norm1") is None or "blocks.0.attn.dwc.weight" in sd:
+            return False  # no norms, or SLAB-DeiT (simplified linear attention, ``slabconv.zoo.slab_deit``)
         size = (vit_hparams(sd)["embed_dim"], vit_hparams(sd)["depth"])
         if embed_dim is None:  # the any-size preset takes only what no fixed-size preset takes
             return size not in _FIXED_SIZES
@@ -240,6 +210,7 @@ def _register_deit(
             aliases=aliases,
             source=source,
             description=description,
+            image_size=224 if embed_dim is not None else None,
         )
     )
 

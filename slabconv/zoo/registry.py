@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,6 +33,16 @@ class ArchSpec:
         matches: ``matches(state_dict, config) -> bool``, True when the checkpoint is this architecture.
         aliases: other accepted names (official README names, registered ``MODEL.NAME`` names).
         source: provenance: the official file and function the layout comes from.
+        description: one line for ``slabconv list``.
+        extra: free-form per-arch facts.
+        image_size: the input side of the released weights (e.g. 224); None when read from the checkpoint.
+        resizable: True when the build honours ``image_size_override`` with a size other than the one the
+            weights were trained at (window attention with padding, interpolated position embeddings); False
+            when the weights fix the resolution (a token-count positional encoding).
+        input_dtype: the dtype of the model's input when it is not a float tensor in the weights' dtype (the
+            default, None: images); ``torch.int64`` for token ids ``(B, T)`` (causal language models).
+        example_input: ``example_input(state_dict, config, batch, seed) -> Tensor``: ``batch`` valid inputs
+            (e.g. token ids in ``[0, vocab_size)``); None: standard-normal samples of ``input_shape``.
     """
 
     name: str
@@ -43,6 +54,25 @@ class ArchSpec:
     source: str = ""
     description: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    image_size: int | None = None
+    resizable: bool = False
+    input_dtype: torch.dtype | None = None
+    example_input: Callable[[StateDict, Mapping[str, Any], int, int], torch.Tensor] | None = None
+
+    def example(
+        self,
+        state_dict: StateDict,
+        config: Mapping[str, Any],
+        batch: int,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """``batch`` seeded inputs for this architecture: ``example_input`` when set, else standard-normal samples of
+        ``input_shape`` in ``dtype`` (the weights' dtype). Token models return ``input_dtype`` whatever ``dtype``."""
+        if self.example_input is not None:
+            return self.example_input(state_dict, config, batch, seed)
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn((batch, *self.input_shape(state_dict, config)), generator=gen).to(dtype)
 
 
 _REGISTRY: dict[str, ArchSpec] = {}
@@ -57,6 +87,75 @@ def register_arch(spec: ArchSpec) -> ArchSpec:
         _ALIASES[key] = spec.name
     _REGISTRY[spec.name] = spec
     return spec
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named model of a family, for ``register_family``.
+
+    Attributes:
+        name: the canonical name (the official release file stem).
+        signature: what the family's ``signature(state_dict)`` returns for these weights (sizes, depths, attention
+            kinds); None for the family's any-size entry, which matches what no fixed preset matches.
+        aliases: official README, config (``MODEL.NAME``) and registered function names.
+        defaults: facts the weights do not show (attention heads, window size, ...); the saved config wins.
+        source: the official file and function.
+        description: one line for ``slabconv list``.
+        image_size: the released input side (None for the any-size entry).
+    """
+
+    name: str
+    signature: Any
+    aliases: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
+    description: str = ""
+    image_size: int | None = None
+
+
+def register_family(
+    family: str,
+    presets: list[Preset],
+    *,
+    signature: Callable[[StateDict], Any],
+    build: Callable[[Preset, StateDict, Mapping[str, Any], str], nn.Module],
+    input_shape: Callable[[Preset, StateDict, Mapping[str, Any]], tuple[int, ...]],
+    resizable: Callable[[Preset], bool] = lambda preset: False,
+) -> None:
+    """Register every preset of a family.
+
+    ``signature(state_dict)`` returns None for weights of another family (or without PRepBN norms); a fixed-size
+    preset matches its own signature, the any-size entry (``signature=None``) whatever no fixed preset matches.
+    ``build(preset, state_dict, config, norm)`` and ``input_shape(preset, state_dict, config)`` are the
+    ``ArchSpec`` callables with the preset first; ``resizable(preset)`` fills ``ArchSpec.resizable``.
+    """
+    fixed = {p.signature for p in presets if p.signature is not None}
+
+    def matcher(preset: Preset) -> Callable[[StateDict, Mapping[str, Any]], bool]:
+        def matches(sd: StateDict, config: Mapping[str, Any]) -> bool:
+            found = signature(sd)
+            if found is None:
+                return False
+            return found == preset.signature if preset.signature is not None else found not in fixed
+
+        return matches
+
+    for preset in presets:
+        register_arch(
+            ArchSpec(
+                name=preset.name,
+                family=family,
+                build=partial(build, preset),
+                input_shape=partial(input_shape, preset),
+                matches=matcher(preset),
+                aliases=preset.aliases,
+                source=preset.source,
+                description=preset.description,
+                extra={"preset": preset},
+                image_size=preset.image_size,
+                resizable=resizable(preset),
+            )
+        )
 
 
 def list_archs() -> list[ArchSpec]:
@@ -75,6 +174,46 @@ def get_arch(name: str) -> ArchSpec:
         known = ", ".join(sorted(_REGISTRY))
         raise UnsupportedModelError(f"unknown architecture {name!r}; known: {known} (see `slabconv list`)")
     return _REGISTRY[key]
+
+
+# The key of the build config that asks for another input resolution (the CLI's ``--image-size``); it rides in the
+# same config dict that the fused safetensors metadata keeps, so a fused model is rebuilt at the same size.
+IMAGE_SIZE_KEY = "slabconv_image_size"
+
+
+def with_image_size(config: Mapping[str, Any] | None, image_size: int | None) -> dict[str, Any]:
+    """A copy of ``config`` that asks ``ArchSpec.build`` / ``input_shape`` for ``image_size`` square inputs."""
+    out = dict(config or {})
+    if image_size is None:
+        out.pop(IMAGE_SIZE_KEY, None)
+    else:
+        out[IMAGE_SIZE_KEY] = int(image_size)
+    return out
+
+
+def image_size_override(config: Mapping[str, Any] | None) -> int | None:
+    """The input side asked for with ``with_image_size``, or None."""
+    value = config.get(IMAGE_SIZE_KEY) if isinstance(config, Mapping) else None
+    return int(value) if value is not None else None
+
+
+def resolve_image_size(trained: int, config: Mapping[str, Any] | None, *, resizable: bool, what: str) -> int:
+    """The input side to build for: the override when there is one, else ``trained``.
+
+    Raises:
+        UnsupportedModelError: an override other than ``trained`` for a model whose weights fix its resolution.
+    """
+    wanted = image_size_override(config)
+    if wanted is None or wanted == trained:
+        return trained
+    if not resizable:
+        raise UnsupportedModelError(
+            f"{what}: the weights fix the input at {trained}x{trained}; --image-size {wanted} would need "
+            "resampled position encodings, which changes the model"
+        )
+    if wanted <= 0:
+        raise UnsupportedModelError(f"--image-size must be positive, got {wanted}")
+    return wanted
 
 
 def config_model_name(config: Mapping[str, Any]) -> str | None:

@@ -1,0 +1,306 @@
+"""Hugging Face model folders: read the weights and ``config.json`` as data, write the same layout.
+
+A folder holds ``config.json`` and the weights in one of four layouts (what ``transformers``' ``save_pretrained``
+writes), looked for in this order:
+
+1. ``model.safetensors``
+2. ``model.safetensors.index.json`` + the shards its ``weight_map`` names
+3. ``pytorch_model.bin`` (a pickled state_dict)
+4. ``pytorch_model.bin.index.json`` + the shards its ``weight_map`` names
+
+Nothing in the folder is executed: ``config.json`` is parsed as JSON (its ``auto_map`` pointing at
+``modeling_*.py`` is ignored, never imported), safetensors files are read with ``safetensors``, and ``.bin`` files
+with ``torch.load(weights_only=True)``. ``transformers`` is not imported. Index files are followed only to
+plain file names inside the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slabconv.errors import InputError
+
+CONFIG = "config.json"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+# (file looked for, format name), in the order ``transformers`` prefers them.
+_LAYOUTS = (
+    (SAFETENSORS, "hf-safetensors"),
+    (SAFETENSORS_INDEX, "hf-safetensors-sharded"),
+    (BIN, "hf-bin"),
+    (BIN_INDEX, "hf-bin-sharded"),
+)
+
+
+@dataclass
+class HFFolder:
+    """What a Hugging Face folder holds.
+
+    Attributes:
+        state_dict: parameter and buffer name -> tensor, in the stored dtype (keys as saved, e.g.
+            ``model.layers.0.self_attn.q_proj.weight``).
+        config: ``config.json`` as a plain dict.
+        format: ``hf-safetensors``, ``hf-safetensors-sharded``, ``hf-bin`` or ``hf-bin-sharded``.
+        path: the folder.
+        files: the files read, in order: ``config.json``, the index (when sharded), the weight files.
+        metadata: safetensors string metadata of the (first) weight file; empty for ``.bin``.
+    """
+
+    state_dict: dict[str, torch.Tensor]
+    config: dict[str, Any]
+    format: str
+    path: Path
+    files: list[Path] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def sha256(self) -> str:
+        """One digest of the folder's contents: sha256 over ``<name> <sha256 of file>`` lines of ``files``."""
+        return files_sha256(self.files)
+
+
+def files_sha256(files: list[Path]) -> str:
+    """sha256 over one ``<file name> <hex sha256 of its bytes>\\n`` line per file, in the given order."""
+    outer = hashlib.sha256()
+    for path in files:
+        inner = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                inner.update(block)
+        outer.update(f"{path.name} {inner.hexdigest()}\n".encode())
+    return outer.hexdigest()
+
+
+def hf_weights_file(folder: Path | str) -> tuple[Path, str] | None:
+    """The weights entry file of a folder and its format name (see the module docstring), or None."""
+    folder = Path(folder)
+    for name, fmt in _LAYOUTS:
+        if (folder / name).is_file():
+            return folder / name, fmt
+    return None
+
+
+def is_hf_folder(path: Path | str) -> bool:
+    """True when ``path`` is a folder with ``config.json`` and weights in one of the four layouts."""
+    path = Path(path)
+    return path.is_dir() and (path / CONFIG).is_file() and hf_weights_file(path) is not None
+
+
+def read_hf_config(folder: Path | str) -> dict[str, Any]:
+    """``config.json`` of a folder as a dict.
+
+    Raises:
+        InputError: missing, unreadable, or not a JSON object.
+    """
+    path = Path(folder) / CONFIG
+    if not path.is_file():
+        raise InputError(f"{folder}: no {CONFIG} in this folder; a Hugging Face model folder needs one")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{path}: not readable JSON ({_first_line(err)})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    return config
+
+
+def read_hf_folder(folder: Path | str) -> HFFolder:
+    """Read a Hugging Face model folder's weights and ``config.json`` without running any of its code.
+
+    Args:
+        folder: the folder (``config.json`` plus ``model.safetensors``, a sharded ``model.safetensors.index.json``,
+            ``pytorch_model.bin`` or a sharded ``pytorch_model.bin.index.json``).
+
+    Returns:
+        An ``HFFolder`` with the merged state_dict (shards in index order), the config and the files read.
+
+    Raises:
+        InputError: not a folder, no ``config.json``, no weights, a damaged file, an index naming a missing shard
+            or a path outside the folder, shards that disagree with their index, a key in two shards, or a ``.bin``
+            that ``torch.load(weights_only=True)`` refuses.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder}: not a folder")
+    config = read_hf_config(folder)
+    found = hf_weights_file(folder)
+    if found is None:
+        names = ", ".join(name for name, _ in _LAYOUTS)
+        raise InputError(f"{folder}: no weights found; expected one of {names}")
+    entry, fmt = found
+    files = [folder / CONFIG]
+    if fmt.endswith("-sharded"):
+        shards = _shards(entry)
+        files += [entry, *shards]
+    else:
+        shards = [entry]
+        files.append(entry)
+    state: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        part, meta = _read_safetensors(shard) if shard.suffix == ".safetensors" else (_read_bin(shard), {})
+        if i == 0:
+            metadata = meta
+        twice = sorted(set(part) & set(state))
+        if twice:
+            raise InputError(f"{shard}: key {twice[0]!r} is also in an earlier shard; the folder is damaged")
+        state.update(part)
+    if fmt.endswith("-sharded"):
+        _check_index(entry, state)
+    if not state:
+        raise InputError(f"{entry}: holds no tensors")
+    return HFFolder(state, config, fmt, folder, files, metadata)
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InputError(f"{index}: not readable JSON ({_first_line(err)})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(f"{index}: no 'weight_map' (parameter name -> shard file); the index is damaged")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise InputError(f"{index}: shard {name!r} for {key!r} is not a file name inside the folder; refused")
+    return weight_map
+
+
+def _shards(index: Path) -> list[Path]:
+    """The shard files an index names, in first-mention order; each must exist beside the index."""
+    names = list(dict.fromkeys(_read_index(index).values()))
+    missing = [n for n in names if not (index.parent / n).is_file()]
+    if missing:
+        raise InputError(f"{index}: shard {missing[0]} is missing from the folder ({len(missing)} of {len(names)})")
+    return [index.parent / n for n in names]
+
+
+def _check_index(index: Path, state: Mapping[str, torch.Tensor]) -> None:
+    weight_map = _read_index(index)
+    absent = sorted(set(weight_map) - set(state))
+    extra = sorted(set(state) - set(weight_map))
+    if absent:
+        raise InputError(f"{index}: {absent[0]!r} is in the index but not in shard {weight_map[absent[0]]}")
+    if extra:
+        raise InputError(f"{index}: the shards hold {extra[0]!r}, which the index does not list; the folder is damaged")
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors.torch import load_file, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        return dict(load_file(str(path))), metadata
+    except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ValueError, ...
+        raise InputError(f"{path}: not a readable safetensors file ({_first_line(err)})") from None
+
+
+def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    """A ``pytorch_model.bin`` state_dict with ``torch.load(weights_only=True)`` on CPU."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise InputError(
+            f"{path}: the pickle names Python objects beyond tensors, which slabconv will not load (it could run "
+            f"code): {_first_line(err)}; re-save the weights as model.safetensors"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
+        raise InputError(f"{path}: not a readable PyTorch weights file ({_first_line(err)})") from None
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise InputError(f"{path}: expected a state_dict (name -> tensor), found {type(obj).__name__}")
+    return dict(obj)
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def write_hf_folder(
+    folder: Path | str,
+    state_dict: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    *,
+    weights: str = "safetensors",
+    max_shard_bytes: int | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> list[Path]:
+    """Write ``config.json`` and the weights in a layout ``read_hf_folder`` (and ``transformers``) reads.
+
+    Args:
+        folder: created if needed; existing files of the same names are replaced.
+        state_dict: name -> tensor (written as contiguous CPU copies in their dtype).
+        config: written as ``config.json`` (sorted keys, 2-space indent).
+        weights: ``safetensors`` (``model.safetensors``) or ``bin`` (``pytorch_model.bin``, ``torch.save``).
+        max_shard_bytes: shard when the tensors exceed this many bytes: ``model-00001-of-0000N.safetensors`` (or
+            ``pytorch_model-...bin``) plus the ``*.index.json`` with ``metadata.total_size`` and ``weight_map``.
+        metadata: safetensors string metadata (``{"format": "pt"}`` when None, as ``transformers`` writes).
+
+    Returns:
+        The files written: ``config.json``, then the index (when sharded), then the weight files.
+    """
+    if weights not in ("safetensors", "bin"):
+        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
+    config_path = folder / CONFIG
+    config_path.write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    shards = _split(tensors, max_shard_bytes)
+    stem, suffix = ("model", ".safetensors") if weights == "safetensors" else ("pytorch_model", ".bin")
+    if len(shards) == 1:
+        names = [f"{stem}{suffix}"]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
+    written = []
+    for name, shard in zip(names, shards, strict=True):
+        path = folder / name
+        if weights == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(shard, str(path), dict(metadata) if metadata is not None else {"format": "pt"})
+        else:
+            torch.save(shard, path)
+        written.append(path)
+    if len(shards) == 1:
+        return [config_path, *written]
+    index = folder / (SAFETENSORS_INDEX if weights == "safetensors" else BIN_INDEX)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return [config_path, index, *written]
+
+
+def _split(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most ``max_bytes`` each (a larger tensor gets a shard of its own)."""
+    if max_bytes is None:
+        return [tensors]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, value in tensors.items():
+        nbytes = value.numel() * value.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += nbytes
+    return shards
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else type(err).__name__

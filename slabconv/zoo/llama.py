@@ -1,0 +1,481 @@
+"""LLaMA causal language model with progressive RepBN norms (LLaMA-PRepBN), in the Hugging Face key layout.
+
+Paper: SLAB (Guo et al., ICML 2024), the LLaMA-350M rows with PRepBN; LLaMA: Touvron et al., 2023.
+Layout source: github xinghaochen/SLAB ``llama/modeling/llama-350M/modeling_llama.py`` (``LlamaForCausalLM`` with
+``linearnorm = partial(LinearNorm, norm1=LlamaRMSNorm, norm2=RepBN)``) and ``config.json`` beside it. Written here
+from those facts; no code copied, and a checkpoint folder's ``modeling_*.py`` is never imported or run.
+
+Keys (``i`` = 0 .. num_hidden_layers - 1; C hidden_size, I intermediate_size, V vocab_size, d = C / heads):
+
+- ``model.embed_tokens.weight`` (V, C), padding row ``pad_token_id``.
+- ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (C, C), no bias.
+- ``model.layers.{i}.self_attn.rotary_emb.inv_freq`` (d/2,): a persistent buffer in the official code (released
+  weights saved with that code carry it). It is loaded but, as in the official code, not read in eval: the
+  official rotary cache is computed once at construction from a fresh float32 ``inv_freq``, so this module
+  recomputes the same values in its forward (checkpoints without the key load too; see ``build``).
+- ``model.layers.{i}.mlp.{gate,up}_proj.weight`` (I, C), ``mlp.down_proj.weight`` (C, I), no bias.
+- ``model.layers.{i}.{input_layernorm,post_attention_layernorm}`` and ``model.norm``: the official ``LinearNorm``:
+  int64 scalar buffers ``num_step``, ``warm``, ``iter``, ``total_step``; ``norm1.weight`` (C,) (RMSNorm);
+  ``norm2.alpha`` (1,) and ``norm2.bn.{weight,bias,running_mean,running_var,num_batches_tracked}`` (RepBN).
+- ``lm_head.weight`` (V, C), no bias (``tie_word_embeddings`` false).
+
+Norm facts: both branches get ``eps = rms_norm_eps`` (1e-6 in config.json): the RMSNorm and the BatchNorm1d.
+RepBN runs BN over ``x.view(-1, C)`` (every token of every sequence is one BN sample) and adds ``alpha * x``;
+``alpha``, ``bn.weight`` and ``bn.bias`` start at 0. In eval ``LinearNorm`` is the RepBN alone. In training the
+counters move once every 16 forward calls (``num_step`` counts 0..15): ``warm`` calls of RMSNorm alone, then
+``lambda * RMSNorm + (1 - lambda) * RepBN`` with ``lambda = r0 * iter / total_step`` as ``iter`` counts down.
+
+Where each norm feeds: ``input_layernorm`` -> q_proj, k_proj, v_proj (one norm, three consumers);
+``post_attention_layernorm`` -> gate_proj, up_proj; ``model.norm`` -> lm_head. The residual stream reads the norm's
+input, never its output, so every norm folds forward and each of those six bias-free Linears gains a bias
+(``5 * num_hidden_layers + 1`` biases). The official ``merge_bn`` folds the decoder layers only; slabconv also folds
+``model.norm`` into ``lm_head``.
+
+Eval forward, as the official code computes it (no padding mask, positions ``0 .. T-1``): rotary cos/sin from
+``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` in float32, cast to the model dtype; ``q k^T / sqrt(d)`` plus a
+causal mask of ``finfo(dtype).min``; softmax in float32, cast back (the official clamp of the scores at
+``finfo.min`` changes no softmax output: a masked score gives exp(...) = 0 with or without it, and the diagonal is
+never masked); SiLU-gated MLP. Input: int64 token ids ``(B, T)``; output: logits ``(B, T, V)``. ``T`` is fixed at
+export (the batch axis stays dynamic); the code has no data-dependent branches in eval.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from slabconv.errors import UnsupportedModelError
+from slabconv.nn import LinearNorm, RepBN, RMSNorm
+from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
+
+__all__ = [
+    "DEFAULT_SEQ_LEN",
+    "SEQ_LEN_KEY",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaLinearNorm",
+    "llama_config",
+    "norm_factory",
+    "rope_cos_sin",
+    "seq_len",
+]
+
+NormFactory = Callable[[int], nn.Module]
+
+# The key of the build config that fixes the exported sequence length (the model takes (B, T) token ids with T
+# fixed and B dynamic). Without it: min(max_position_embeddings, DEFAULT_SEQ_LEN).
+SEQ_LEN_KEY = "slabconv_seq_len"
+DEFAULT_SEQ_LEN = 128
+
+_SOURCE = "xinghaochen/SLAB llama/modeling/llama-350M/modeling_llama.py"
+
+
+# --------------------------------------------------------------------------------------------- norms
+
+
+class LlamaLinearNorm(LinearNorm):
+    """The official LLaMA ``LinearNorm``: ``slabconv.nn.LinearNorm`` plus the int64 buffer ``num_step``.
+
+    In training the counters move once every ``every`` forward calls (16 in the official code, ``num_step``
+    cycling through 0 .. every-1): ``warm`` such periods of ``norm1`` alone, then the blend
+    ``lambda * norm1(x) + (1 - lambda) * norm2(x)`` with ``lambda = r0 * iter / total_step`` while ``iter`` counts
+    down to 0. In eval it is ``norm2(x)`` whatever the counters say (what slabconv folds).
+
+    Args:
+        dim: C.
+        norm1, norm2: factories called as ``norm(dim)`` (RMSNorm and RepBN, both with ``eps = rms_norm_eps``).
+        warm, step, r0: the schedule (official defaults 10000, 18000, 1.0).
+        every: forward calls per counter step (official: 16).
+    """
+
+    num_step: torch.Tensor
+    warm: torch.Tensor
+    iter: torch.Tensor
+    total_step: torch.Tensor
+
+    def __init__(
+        self,
+        dim: int,
+        norm1: NormFactory,
+        norm2: NormFactory,
+        warm: int = 10000,
+        step: int = 18000,
+        r0: float = 1.0,
+        every: int = 16,
+    ):
+        super().__init__(dim, norm1, norm2, warm=warm, step=step, r0=r0)
+        self.register_buffer("num_step", torch.tensor(0))
+        self.every = every
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.norm2(x)
+        tick = int(self.num_step) % self.every == 0
+        self.num_step.copy_((self.num_step + 1) % self.every)
+        if int(self.warm) > 0:
+            if tick:
+                self.warm.sub_(1)
+            return self.norm1(x)
+        lam = self.blend_weight()
+        if int(self.iter) > 0 and tick:
+            self.iter.sub_(1)
+        return lam * self.norm1(x) + (1.0 - lam) * self.norm2(x)
+
+
+def norm_factory(layout: str, eps: float = 1e-6, warm: int = 10000, step: int = 18000, every: int = 16) -> NormFactory:
+    """The norm constructor for a key layout.
+
+    Args:
+        layout: ``linearnorm`` (the official ``LinearNorm(RMSNorm -> RepBN)`` with ``num_step``), ``repbn`` (a bare
+            RepBN over ``x.view(-1, C)``, the official code's commented-out alternative) or ``identity`` (the
+            norm-free bound).
+        eps: ``rms_norm_eps``, used by both the RMSNorm and the BatchNorm.
+        warm, step, every: the progressive schedule (training only).
+    """
+    repbn = partial(RepBN, eps=eps, alpha_init=0.0, flatten_tokens=True)
+    if layout == "linearnorm":
+        return partial(LlamaLinearNorm, norm1=partial(RMSNorm, eps=eps), norm2=repbn, warm=warm, step=step, every=every)
+    if layout == "repbn":
+        return repbn
+    if layout == "identity":
+        return lambda dim: nn.Identity()
+    raise ValueError(f"unknown norm layout {layout!r}")
+
+
+def norm_layout(state_dict: StateDict, prefix: str) -> str | None:
+    """``linearnorm`` / ``repbn`` from the keys under ``prefix`` (e.g. ``model.norm``), else None."""
+    if f"{prefix}.norm2.bn.running_mean" in state_dict:
+        return "linearnorm"
+    if f"{prefix}.bn.running_mean" in state_dict:
+        return "repbn"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The hyperparameters, named as in a Hugging Face ``config.json`` (``model_type: llama``)."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_hidden_layers: int = 18
+    num_attention_heads: int = 8
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    pad_token_id: int | None = 0
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary ``cos``, ``sin`` of shape ``(T, d)`` for positions ``0 .. T-1``, as the official cache holds them.
+
+    ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` and ``freqs = t * inv_freq`` in float32, duplicated to ``d``
+    columns (``cat(freqs, freqs)``), cos/sin in float32, then cast to ``dtype``.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    t = torch.arange(seq_len, dtype=torch.float32)
+    freqs = t[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    """Holds the official ``inv_freq`` buffer (key layout only; ``rope_cos_sin`` computes what eval uses)."""
+
+    def __init__(self, head_dim: int, theta: float, persistent: bool = True):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=persistent)
+
+
+class LlamaAttention(nn.Module):
+    """Causal multi-head self-attention with rotary positions on ``(B, T, C)``; q/k/v/o without bias."""
+
+    def __init__(self, cfg: LlamaConfig, persistent_rope: bool = True):
+        super().__init__()
+        c, self.num_heads, self.head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        if self.head_dim * self.num_heads != c or self.head_dim % 2:
+            raise UnsupportedModelError(
+                f"hidden_size {c} must be num_attention_heads {self.num_heads} times an even head size"
+            )
+        self.q_proj = nn.Linear(c, c, bias=False)
+        self.k_proj = nn.Linear(c, c, bias=False)
+        self.v_proj = nn.Linear(c, c, bias=False)
+        self.o_proj = nn.Linear(c, c, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(self.head_dim, cfg.rope_theta, persistent_rope)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C); ``cos``/``sin`` (T, d) in x's dtype; ``mask`` (T, T) additive (0 or finfo.min)."""
+        b, t, c = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim) + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, c)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+
+    def __init__(self, cfg: LlamaConfig, norm_layer: NormFactory, persistent_rope: bool = True):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, persistent_rope)
+        self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = norm_layer(cfg.hidden_size)
+        self.post_attention_layernorm = norm_layer(cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Token embedding, decoder layers, final norm: ids ``(B, T)`` -> hidden states ``(B, T, C)``."""
+
+    def __init__(self, cfg: LlamaConfig, norm_layer: NormFactory, persistent_rope: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(cfg, norm_layer, persistent_rope) for _ in range(cfg.num_hidden_layers)]
+        )
+        self.norm = norm_layer(cfg.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        t = input_ids.shape[1]
+        cos, sin = rope_cos_sin(t, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        mask = torch.full((t, t), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """LLaMA-PRepBN: int64 token ids ``(B, T)`` -> next-token logits ``(B, T, vocab_size)``.
+
+    Args:
+        cfg: the hyperparameters (``llama_config`` reads them from a checkpoint and its config.json).
+        norm_layer: the norm constructor (``norm_factory``); default the official ``LinearNorm`` with
+            ``eps = cfg.rms_norm_eps``.
+        persistent_rope: keep ``rotary_emb.inv_freq`` in the state_dict, as the official code does.
+
+    Initialisation follows the official code: Linear and embedding weights N(0, 0.02), the padding row 0;
+    RepBN ``alpha``, ``bn.weight`` and ``bn.bias`` 0.
+    """
+
+    def __init__(self, cfg: LlamaConfig, norm_layer: NormFactory | None = None, persistent_rope: bool = True):
+        super().__init__()
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r}: the LLaMA-PRepBN MLP uses silu")
+        self.cfg = cfg
+        self.model = LlamaModel(cfg, norm_layer or norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Embedding) and m.padding_idx is not None:
+                with torch.no_grad():
+                    m.weight[m.padding_idx].zero_()
+            if isinstance(m, RepBN):
+                nn.init.zeros_(m.bn.weight)
+                nn.init.zeros_(m.bn.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids))
+
+
+# --------------------------------------------------------------------------------------------- reading weights
+
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight$")
+# config.json fields read (the sizes come from the weights), with their types.
+_CASTS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("num_attention_heads", int),
+    ("rms_norm_eps", float),
+    ("rope_theta", float),
+    ("max_position_embeddings", int),
+    ("hidden_act", str),
+    ("pad_token_id", int),
+)
+
+
+def llama_signature(state_dict: StateDict) -> tuple[int, int, int, int] | None:
+    """``(hidden_size, num_hidden_layers, intermediate_size, vocab_size)`` from the weights, None when they are not
+    LLaMA-layout. Reads only keys the fused weights keep too."""
+    try:
+        embed = state_dict["model.embed_tokens.weight"]  # (V, C)
+        gate = state_dict["model.layers.0.mlp.gate_proj.weight"]  # (I, C)
+        state_dict["lm_head.weight"]
+    except KeyError:
+        return None
+    depth = len({m.group(1) for k in state_dict if (m := _LAYER_KEY.match(k))})
+    return (int(embed.shape[1]), depth, int(gate.shape[0]), int(embed.shape[0]))
+
+
+def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: LlamaConfig | None = None) -> LlamaConfig:
+    """The hyperparameters: sizes from the weights, the rest from ``config`` (config.json), else ``defaults``.
+
+    Raises:
+        UnsupportedModelError: not LLaMA-layout weights; no head count known (the weights do not show it: give the
+            config.json); grouped-query attention (not in the official model).
+    """
+    sig = llama_signature(state_dict)
+    if sig is None:
+        raise UnsupportedModelError(
+            "not a LLaMA-layout checkpoint: model.embed_tokens / mlp.gate_proj / lm_head missing"
+        )
+    hidden, depth, inter, vocab = sig
+    config = config if isinstance(config, Mapping) else {}
+    if config.get("num_attention_heads") is None and defaults is None:
+        raise UnsupportedModelError(
+            "the LLaMA weights do not show the attention head count; read the model from its folder with "
+            "config.json (num_attention_heads)"
+        )
+    base = defaults or LlamaConfig()
+    values = {key: cast(config[key]) if config.get(key) is not None else getattr(base, key) for key, cast in _CASTS}
+    if "pad_token_id" in config and config["pad_token_id"] is None:
+        values["pad_token_id"] = None  # no padding row (the text fixture: byte 0 is a token like any other)
+    kv_heads = config.get("num_key_value_heads")
+    if kv_heads is not None and int(kv_heads) != values["num_attention_heads"]:
+        raise UnsupportedModelError(
+            "grouped-query attention (num_key_value_heads != num_attention_heads) is not supported"
+        )
+    return replace(
+        base, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=depth, **values
+    )
+
+
+def seq_len(config: Mapping[str, Any] | None, cfg: LlamaConfig) -> int:
+    """The fixed sequence length of the exported model: ``config[SEQ_LEN_KEY]``, else
+    ``min(max_position_embeddings, DEFAULT_SEQ_LEN)``."""
+    wanted = config.get(SEQ_LEN_KEY) if isinstance(config, Mapping) else None
+    if wanted is not None:
+        if int(wanted) < 1:
+            raise UnsupportedModelError(f"the sequence length must be positive, got {wanted}")
+        return int(wanted)
+    return min(cfg.max_position_embeddings, DEFAULT_SEQ_LEN)
+
+
+def _add_biases(model: nn.Module, state_dict: StateDict) -> None:
+    """Give every bias-free Linear whose ``<name>.bias`` the weights hold a bias (fused weights: the folds created
+    them on q/k/v, gate/up and lm_head)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and mod.bias is None and f"{name}.bias" in state_dict:
+            mod.bias = nn.Parameter(torch.zeros(mod.out_features, dtype=mod.weight.dtype, device=mod.weight.device))
+
+
+def build_llama(
+    state_dict: StateDict, config: Mapping[str, Any], norm: str, defaults: LlamaConfig | None = None
+) -> nn.Module:
+    """``ArchSpec.build`` for LLaMA-PRepBN: ``norm`` is ``checkpoint`` (the layout the weights carry) or
+    ``identity`` (the norm-free bound; Linears gain the biases the weights hold)."""
+    cfg = llama_config(state_dict, config, defaults)
+    layout = (
+        norm if norm != "checkpoint" else (norm_layout(state_dict, "model.layers.0.input_layernorm") or "linearnorm")
+    )
+    persistent = any(k.endswith("rotary_emb.inv_freq") for k in state_dict)
+    model = LlamaForCausalLM(cfg, norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
+    _add_biases(model, state_dict)
+    return model
+
+
+def _input_shape(defaults: LlamaConfig | None, state_dict: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
+    return (seq_len(config, llama_config(state_dict, config, defaults)),)
+
+
+def _example_input(
+    defaults: LlamaConfig | None, state_dict: StateDict, config: Mapping[str, Any], batch: int, seed: int
+) -> torch.Tensor:
+    """Seeded uniform token ids ``(batch, T)`` in ``[0, vocab_size)``, int64."""
+    cfg = llama_config(state_dict, config, defaults)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, seq_len(config, cfg)), generator=gen, dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------------------------- registry
+
+LLAMA_350M = LlamaConfig()  # config.json of llama/modeling/llama-350M
+_FIXED = {(LLAMA_350M.hidden_size, LLAMA_350M.num_hidden_layers, LLAMA_350M.intermediate_size, LLAMA_350M.vocab_size)}
+
+
+def _register(name: str, defaults: LlamaConfig | None, aliases: tuple[str, ...], source: str, description: str) -> None:
+    def matches(sd: StateDict, config: Mapping[str, Any]) -> bool:
+        sig = llama_signature(sd)
+        if sig is None or norm_layout(sd, "model.layers.0.input_layernorm") is None:
+            return False
+        if defaults is None:  # the any-size entry takes only what no fixed-size preset takes
+            return sig not in _FIXED
+        return sig == (
+            defaults.hidden_size,
+            defaults.num_hidden_layers,
+            defaults.intermediate_size,
+            defaults.vocab_size,
+        )
+
+    register_arch(
+        ArchSpec(
+            name=name,
+            family="llama",
+            build=partial(build_llama, defaults=defaults),
+            input_shape=partial(_input_shape, defaults),
+            matches=matches,
+            aliases=aliases,
+            source=source,
+            description=description,
+            input_dtype=torch.int64,
+            example_input=partial(_example_input, defaults),
+        )
+    )
+
+
+_register(
+    "llama_350m_prepbn",
+    LLAMA_350M,
+    aliases=("llama-350M", "llama_350m", "llama350m_prepbn"),
+    source=f"{_SOURCE} LlamaForCausalLM (hidden 1024, 18 layers, 8 heads, intermediate 4096, vocab 32000)",
+    description="LLaMA-350M, LinearNorm(RMSNorm->RepBN) norms, causal LM on int64 token ids (B, T)",
+)
+_register(
+    "llama_prepbn",
+    None,
+    aliases=("llama_custom_prepbn",),
+    source=f"{_SOURCE} LlamaForCausalLM (any size; heads, eps, rope_theta from config.json)",
+    description="LLaMA of another size with PRepBN norms (e.g. the text fixture); sizes from weights and config.json",
+)
