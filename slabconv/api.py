@@ -64,7 +64,11 @@ class LoadedModel:
         checkpoint: what was read from the file.
         arch: the registered architecture name (None for a ``.pt2``).
         input_shape: one sample's input shape, without the batch axis.
-        dtype: the floating dtype of the weights (and of the input).
+        dtype: the floating dtype of the weights (and of a float input).
+        input_dtype: the input's dtype when it is not a float tensor in ``dtype`` (``torch.int64`` token ids of
+            a language model), else None.
+        make_input: ``make_input(batch, seed) -> Tensor``: valid seeded inputs (token ids in range for a
+            language model); None: standard-normal samples of ``input_shape`` (zeros for integer inputs).
     """
 
     model: nn.Module
@@ -72,6 +76,22 @@ class LoadedModel:
     arch: str | None
     input_shape: tuple[int, ...]
     dtype: torch.dtype
+    input_dtype: torch.dtype | None = None
+    make_input: Callable[[int, int], torch.Tensor] | None = None
+
+    @property
+    def token_input(self) -> bool:
+        """True when the model takes integer ids (its logits' last axis is the vocabulary)."""
+        return self.input_dtype is not None and not self.input_dtype.is_floating_point
+
+    def example(self, batch: int, seed: int = 0) -> torch.Tensor:
+        """``batch`` seeded inputs of the model's input shape and dtype."""
+        if self.make_input is not None:
+            return self.make_input(batch, seed)
+        if self.token_input:
+            return torch.zeros((batch, *self.input_shape), dtype=self.input_dtype)
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn((batch, *self.input_shape), generator=gen).to(self.dtype)
 
     def source(self) -> dict[str, Any]:
         """The ``source`` block of the report."""
@@ -177,7 +197,13 @@ def load_model(
     model.to(dtype)
     _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
     model.eval()
-    return LoadedModel(model, ckpt, spec.name, tuple(spec.input_shape(ckpt.state_dict, config)), dtype)
+    shape = tuple(spec.input_shape(ckpt.state_dict, config))
+    state = ckpt.state_dict
+
+    def make_input(batch: int, seed: int) -> torch.Tensor:
+        return spec.example(state, config, batch, seed, dtype)
+
+    return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input)
 
 
 # Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
@@ -235,7 +261,9 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
     shape = tuple(int(s) if isinstance(s, int) else -1 for s in val.shape[1:])
     if any(s < 0 for s in shape):
         raise UnsupportedModelError(f"{ckpt.path}: only the batch axis of the input may be dynamic")
-    return LoadedModel(program.module(), ckpt, None, shape, val.dtype)
+    input_dtype = None if val.dtype.is_floating_point else val.dtype
+    weights_dtype = val.dtype if val.dtype.is_floating_point else _float_dtype(ckpt.state_dict)
+    return LoadedModel(program.module(), ckpt, None, shape, weights_dtype, input_dtype)
 
 
 def _inputs(
@@ -257,23 +285,32 @@ def _inputs(
     """
     shape = loaded.input_shape if loaded is not None else input_shape
     path = Path(inputs) if inputs else None
-    if path is None and loaded is not None and (loaded.checkpoint.path.parent / "holdout.npz").exists():
-        path = loaded.checkpoint.path.parent / "holdout.npz"
+    if path is None and loaded is not None:
+        ckpt_path = loaded.checkpoint.path
+        beside = (ckpt_path if ckpt_path.is_dir() else ckpt_path.parent) / "holdout.npz"
+        path = beside if beside.exists() else None
     if path is None:
         if shape is None:
             raise UsageError("the input shape is not fixed by the models; pass --inputs NPZ or --input-shape C,H,W")
         if samples < 1:
             raise UsageError(f"--samples must be at least 1 (got {samples})")
+        label = f"random(seed={seed}, samples={samples})"
+        if loaded is not None:
+            if loaded.token_input and loaded.make_input is None:
+                raise UsageError("the model takes token ids and their range is unknown; pass --inputs NPZ")
+            return loaded.example(samples, seed).numpy(), label, None
         rng = np.random.default_rng(seed)
-        x = rng.standard_normal((samples, *shape)).astype(np.float32)
-        return x, f"random(seed={seed}, samples={samples})", None
+        return rng.standard_normal((samples, *shape)).astype(np.float32), label, None
     if not path.is_file():
         raise InputError(f"{path}: no such file (--inputs)")
-    return load_npz_inputs(path, shape), str(path), sha256_file(path)
+    integer = loaded is not None and loaded.token_input
+    return load_npz_inputs(path, shape, integer=integer), str(path), sha256_file(path)
 
 
-def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None) -> np.ndarray:
+def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
     """The ``x`` array of an ``.npz`` (or its only array), checked against the model's input shape.
+
+    ``x`` is read as float32, or as int64 with ``integer`` (token ids of a language model).
 
     Raises:
         InputError: unreadable file, no array, or a shape that is not ``(N, *input_shape)``.
@@ -283,7 +320,7 @@ def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None) -> np.ndarr
             key = "x" if "x" in data.files else (data.files[0] if len(data.files) == 1 else None)
             if key is None:
                 raise InputError(f"{path}: expected an array named 'x' (found {', '.join(data.files)})")
-            x = np.asarray(data[key], dtype=np.float32)
+            x = np.asarray(data[key], dtype=np.int64 if integer else np.float32)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
     if x.ndim < 1 or len(x) == 0:
@@ -295,11 +332,13 @@ def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None) -> np.ndarr
 
 
 def _torch_runner(model: nn.Module, dtype: torch.dtype) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """Run ``model`` on a float array, returning every tensor output (tuples, lists and dicts flattened)."""
+    """Run ``model`` on an array (float inputs cast to ``dtype``, integer ids as they are), returning every
+    tensor output (tuples, lists and dicts flattened)."""
 
     def run(x: np.ndarray) -> list[np.ndarray]:
+        t = torch.from_numpy(x)
         with torch.no_grad():
-            out = model(torch.from_numpy(x).to(dtype))
+            out = model(t.to(dtype) if t.is_floating_point() else t)
         leaves = torch.utils._pytree.tree_leaves(out)
         return [t.detach().float().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
 
@@ -307,8 +346,7 @@ def _torch_runner(model: nn.Module, dtype: torch.dtype) -> Callable[[np.ndarray]
 
 
 def _example(loaded: LoadedModel, batch: int = 2) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(0)
-    return torch.randn((batch, *loaded.input_shape), generator=gen).to(loaded.dtype)
+    return loaded.example(batch, seed=0)
 
 
 def _rtol(dtype: torch.dtype, rtol: float | None) -> float:
@@ -487,7 +525,7 @@ def _verify_fused(
     checks = []
     for rt in runtimes:
         candidate = run_batched(rt.run, x, fixed_batch=rt.fixed_batch)
-        checks += compare_runtimes(reference, names, candidate, rt.label, tol, atol)
+        checks += compare_runtimes(reference, names, candidate, rt.label, tol, atol, loaded.token_input)
     return Verification(checks, integrity, _runtime_name(runtimes), label, digest).to_dict()
 
 
@@ -550,6 +588,7 @@ class _Side:
     input_shape: tuple[int, ...] | None
     dtype: str
     integrity: list[IntegrityCheck]
+    token_input: bool = False
 
 
 def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_shape: tuple[int, ...] | None) -> _Side:
@@ -558,7 +597,7 @@ def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_sha
     if path.suffix == ".onnx":
         passed, detail = check_onnx_file(path)
         runtimes = onnx_runtimes(path)
-        shape, dtype = _onnx_input(path)
+        shape, dtype, token_input = _onnx_input(path)
         files = onnx_files(path)
         info = {
             "path": str(path),
@@ -568,7 +607,7 @@ def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_sha
             "files_sha256": {f.name: sha256_file(f) for f in files},
         }
         check = IntegrityCheck(f"onnx.checker[full_check] {path.name}", passed, detail)
-        return _Side(info, runtimes, None, shape, dtype, [check])
+        return _Side(info, runtimes, None, shape, dtype, [check], token_input)
     loaded = load_model(path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
     integrity = []
     if loaded.checkpoint.format == "safetensors":
@@ -578,19 +617,24 @@ def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_sha
         )
     runtime = Runtime(f"pytorch {torch.__version__}", _torch_runner(loaded.model, loaded.dtype))
     dtype = str(loaded.dtype).removeprefix("torch.")
-    return _Side(loaded.source(), [runtime], loaded, loaded.input_shape, dtype, integrity)
+    return _Side(loaded.source(), [runtime], loaded, loaded.input_shape, dtype, integrity, loaded.token_input)
 
 
-def _onnx_input(path: Path) -> tuple[tuple[int, ...] | None, str]:
-    """One sample's input shape (None when an axis besides the batch is dynamic) and the input's dtype name."""
+def _onnx_input(path: Path) -> tuple[tuple[int, ...] | None, str, bool]:
+    """One sample's input shape (None when an axis besides the batch is dynamic), the dtype name that sets the
+    tolerance (the first output's: an int64 token input says nothing about precision), and whether the input
+    is integer token ids."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
     tensor_type = model.graph.input[0].type.tensor_type
     dims = tensor_type.shape.dim
     shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in dims)
-    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
-    return (None if any(s <= 0 for s in shape[1:]) else shape[1:]), dtype
+    input_dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+    output_type = model.graph.output[0].type.tensor_type.elem_type if model.graph.output else tensor_type.elem_type
+    dtype = str(onnx.helper.tensor_dtype_to_np_dtype(output_type))
+    token_input = bool(np.issubdtype(input_dtype, np.integer))
+    return (None if any(s <= 0 for s in shape[1:]) else shape[1:]), dtype, token_input
 
 
 def verify(
@@ -633,7 +677,12 @@ def verify(
             "the two files are not the same model"
         )
     shape = tuple(input_shape) if input_shape else (ref.input_shape or cand.input_shape)
+    token_input = ref.token_input or cand.token_input
+    if token_input and not inputs and ref.loaded is None and cand.loaded is None:
+        raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
     x, label, digest = _inputs(ref.loaded or cand.loaded, inputs, samples, seed, shape)
+    if token_input and not np.issubdtype(x.dtype, np.integer):
+        x = x.astype(np.int64)
     ref_runtime = ref.runtimes[0]
     reference_out = run_batched(ref_runtime.run, x, fixed_batch=ref_runtime.fixed_batch)
     names = output_names(len(reference_out), ref_runtime.output_names or cand.runtimes[0].output_names)
@@ -642,7 +691,7 @@ def verify(
     for rt in cand.runtimes:
         candidate_out = run_batched(rt.run, x, fixed_batch=rt.fixed_batch)
         try:
-            checks += compare_runtimes(reference_out, names, candidate_out, rt.label, tol, atol)
+            checks += compare_runtimes(reference_out, names, candidate_out, rt.label, tol, atol, token_input)
         except InputError as err:
             raise InputError(f"{ref_path} vs {cand_path}: {err}") from None
     verification = Verification(checks, ref.integrity + cand.integrity, _runtime_name(cand.runtimes), label, digest)
@@ -704,7 +753,7 @@ def bench(
     if layernorm is not None:
         variants["layernorm"] = layernorm
     timings = bench_mod.bench_models(
-        variants, loaded.input_shape, loaded.dtype, list(batches), list(runtimes), warmup, repeats, progress
+        variants, lambda batch: loaded.example(batch, seed=1), list(batches), list(runtimes), warmup, repeats, progress
     )
     return {
         "slabconv_version": __version__,

@@ -20,7 +20,7 @@ import copy
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,7 @@ def layernorm_variant(model: nn.Module) -> nn.Module | None:
     return out.eval()
 
 
-def _time_interleaved(runners: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, list[float]]:
+def _time_interleaved(runners: Mapping[str, Callable[..., Any]], warmup: int, repeats: int) -> dict[str, list[float]]:
     for run in runners.values():
         for _ in range(warmup):
             run()
@@ -100,8 +100,7 @@ def _summary(variant: str, runtime: str, batch: int, ms: list[float]) -> Timing:
 
 def bench_models(
     variants: dict[str, nn.Module],
-    input_shape: tuple[int, ...],
-    dtype: torch.dtype,
+    make_input: Callable[[int], torch.Tensor],
     batches: list[int],
     runtimes: list[str],
     warmup: int = 5,
@@ -111,15 +110,14 @@ def bench_models(
     """Time each model of ``variants`` on each runtime and batch size, interleaved.
 
     Args:
-        variants: name -> model (eval mode), all taking ``(B, *input_shape)``.
-        input_shape: one sample's shape.
-        dtype: input dtype.
+        variants: name -> model (eval mode), all taking the same input.
+        make_input: ``make_input(batch) -> Tensor``, a valid input of that batch size.
         batches: batch sizes.
         runtimes: ``pytorch`` (the torch.export graph module) and/or ``onnxruntime`` (CPU).
         warmup, repeats: calls before timing, and timed calls per variant.
     """
     timings: list[Timing] = []
-    example = torch.randn(2, *input_shape).to(dtype)
+    example = make_input(2)
     graphs = {name: model if isinstance(model, fx.GraphModule) else None for name, model in variants.items()}
     with quiet():
         for name, model in variants.items():
@@ -139,7 +137,7 @@ def bench_models(
                 options.log_severity_level = 3
                 sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         for batch in batches:
-            x = torch.randn(batch, *input_shape).to(dtype)
+            x = make_input(batch)
             if "pytorch" in runtimes:
                 progress(f"timing pytorch, batch {batch}")
                 with torch.inference_mode():

@@ -44,7 +44,12 @@ err_console = Console(stderr=True)
 out_console = Console(soft_wrap=True)
 
 Ckpt = Annotated[
-    Path, typer.Argument(help="Checkpoint: .pth/.pt (training, release or state_dict), .pt2, or fused .safetensors.")
+    Path,
+    typer.Argument(
+        metavar="CKPT",
+        help="Checkpoint: .pth/.pt (training, release or state_dict), .pt2, fused .safetensors, or a Hugging Face "
+        "style folder (config.json + weights).",
+    ),
 ]
 Arch = Annotated[
     str | None, typer.Option("--arch", help="Architecture name or alias (see `slabconv list`); detected when left out.")
@@ -324,8 +329,13 @@ def export(
 
 @app.command()
 def verify(
-    reference: Annotated[Path, typer.Argument(help="The reference: checkpoint, .pt2, fused .safetensors or .onnx.")],
-    candidate: Annotated[Path, typer.Argument(help="The candidate, any of the same kinds.")],
+    reference: Annotated[
+        Path,
+        typer.Argument(
+            metavar="REFERENCE", help="The reference: checkpoint, HF folder, .pt2, fused .safetensors or .onnx."
+        ),
+    ],
+    candidate: Annotated[Path, typer.Argument(metavar="CANDIDATE", help="The candidate, any of the same kinds.")],
     arch: Arch = None,
     inputs: Inputs = None,
     samples: Annotated[int, typer.Option("--samples", help="Random samples when no inputs are given.")] = 64,
@@ -385,7 +395,7 @@ def verify(
 
 @app.command()
 def bench(
-    ckpt: Annotated[Path, typer.Argument(help="Checkpoint, or a folder written by `slabconv fuse`.")],
+    ckpt: Annotated[Path, typer.Argument(metavar="CKPT", help="Checkpoint, or a folder written by `slabconv fuse`.")],
     arch: Arch = None,
     batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes.")] = "1,8,64",
     runtime: Annotated[
@@ -468,8 +478,8 @@ def list_archs(as_json: Json = False) -> None:
     table = Table(title="architectures")
     for col in ("name", "aliases", "description"):
         table.add_column(col)
-    for r in rows:
-        table.add_row(r["name"], ", ".join(r["aliases"]), r["description"])
+    for s in archs():
+        table.add_row(s.name, ", ".join(s.aliases), s.description)
     out_console.print(table)
 
 

@@ -206,7 +206,23 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
-        raise InputError(f"{path}: is a folder; give the checkpoint file inside it")
+        from slabconv import hf
+
+        if not hf.is_hf_folder(path):
+            raise InputError(
+                f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
+                "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
+            )
+        folder = hf.read_hf_folder(path)
+        return Checkpoint(
+            folder.state_dict,
+            folder.config,
+            folder.format,
+            folder.path,
+            folder.sha256(),
+            {"weights": folder.format},
+            metadata=folder.metadata,
+        )
     if path.stat().st_size == 0:
         raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
     digest = sha256_file(path)

@@ -83,6 +83,12 @@ class LinearNorm(nn.Module):
     which is what slabconv folds.
     """
 
+    warm: torch.Tensor
+    iter: torch.Tensor
+    total_step: torch.Tensor
+    norm1: nn.Module
+    norm2: nn.Module
+
     def __init__(
         self,
         dim: int,

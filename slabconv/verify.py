@@ -148,8 +148,18 @@ def failure_line(verification: Mapping[str, Any]) -> str:
     )
 
 
-def compare(name: str, reference: np.ndarray, candidate: np.ndarray, rtol: float, atol: float = 0.0) -> Comparison:
+def compare(
+    name: str,
+    reference: np.ndarray,
+    candidate: np.ndarray,
+    rtol: float,
+    atol: float = 0.0,
+    token_logits: bool = False,
+) -> Comparison:
     """Compare two outputs of shape ``(B, ...)`` (float arrays, same shape).
+
+    Top-1 agreement is taken over the last axis of a ``(B, K)`` output, and with ``token_logits`` (a language
+    model's ``(B, T, V)`` logits) over the last axis at every one of the ``B * T`` positions.
 
     Raises:
         ValueError: the shapes differ.
@@ -165,8 +175,8 @@ def compare(name: str, reference: np.ndarray, candidate: np.ndarray, rtol: float
     max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
     per_sample = diff.reshape(diff.shape[0], -1).max(axis=1) if diff.ndim and diff.size else np.zeros(1)
     top1 = None
-    if ref.ndim == 2 and ref.shape[1] > 1:
-        top1 = float((ref.argmax(axis=1) == cand.argmax(axis=1)).mean())
+    if (ref.ndim == 2 or (token_logits and ref.ndim >= 2)) and ref.shape[-1] > 1:
+        top1 = float((ref.argmax(axis=-1) == cand.argmax(axis=-1)).mean())
     passed = finite and (max_rel <= rtol or max_abs <= atol) and (top1 is None or top1 == 1.0)
     return Comparison(
         name=name,
@@ -189,6 +199,7 @@ def compare_runtimes(
     label: str,
     rtol: float,
     atol: float = 0.0,
+    token_logits: bool = False,
 ) -> list[Comparison]:
     """One ``Comparison`` per output, named ``<output> @ <label>``.
 
@@ -208,7 +219,7 @@ def compare_runtimes(
                 f"output {name!r}: the reference gives shape {ref.shape} but {label} gives {cand.shape}; "
                 "the two files are not the same model (a different architecture or class count?)"
             )
-        out.append(compare(f"{name} @ {label}", ref, cand, rtol, atol))
+        out.append(compare(f"{name} @ {label}", ref, cand, rtol, atol, token_logits))
     return out
 
 
@@ -219,7 +230,12 @@ def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
     return ["output"] if count == 1 else [f"output.{i}" for i in range(count)]
 
 
-_ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+_ORT_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+}
 
 
 def onnx_runtimes(path: Path) -> list[Runtime]:
