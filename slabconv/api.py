@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from slabconv.verify import (
     run_batched,
 )
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
+from slabconv.zoo.registry import with_image_size
 
 Progress = Callable[[str], None]
 
@@ -69,6 +70,7 @@ class LoadedModel:
             a language model), else None.
         make_input: ``make_input(batch, seed) -> Tensor``: valid seeded inputs (token ids in range for a
             language model); None: standard-normal samples of ``input_shape`` (zeros for integer inputs).
+        config: the config the model was built from (the saved one, plus an ``--image-size`` override).
     """
 
     model: nn.Module
@@ -78,6 +80,7 @@ class LoadedModel:
     dtype: torch.dtype
     input_dtype: torch.dtype | None = None
     make_input: Callable[[int, int], torch.Tensor] | None = None
+    config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def token_input(self) -> bool:
@@ -146,6 +149,7 @@ def load_model(
     *,
     trust_pickle: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    image_size: int | None = None,
 ) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 
@@ -157,6 +161,8 @@ def load_model(
             ``torch.save(model)`` (this runs code from the file; only for files you trust).
         input_shape: one sample's input shape without the batch axis; required for a pickled ``nn.Module``
             (nothing in the file records it), ignored otherwise.
+        image_size: build a zoo vision model for ``image_size`` square inputs (Swin pads its windows, PVT
+            resamples position embeddings; models whose weights fix the resolution refuse another size).
 
     Raises:
         InputError: unreadable or unsafe file, weights that do not fit the architecture, a pickled module in
@@ -180,6 +186,8 @@ def load_model(
         arch = arch or ckpt.metadata.get("arch")
         config = json.loads(ckpt.metadata.get("config", "{}"))
         norm = "identity"
+    if image_size is not None:
+        config = with_image_size(config, image_size)
     try:
         spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
     except UnsupportedModelError as err:
@@ -203,7 +211,7 @@ def load_model(
     def make_input(batch: int, seed: int) -> torch.Tensor:
         return spec.example(state, config, batch, seed, dtype)
 
-    return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input)
+    return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config))
 
 
 # Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
@@ -389,13 +397,16 @@ def inspect(
     *,
     trust_pickle: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    image_size: int | None = None,
 ) -> dict:
     """The fold plan for a checkpoint: one entry per norm (action, consumers, reason). Nothing is written.
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``.
     """
-    loaded = load_model(path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
+    loaded = load_model(
+        path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape, image_size=image_size
+    )
     _, decisions = _plan(loaded, progress)
     return _base_report(loaded, decisions)
 
@@ -425,6 +436,7 @@ def fuse(
     progress: Progress = _no_progress,
     trust_pickle: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    image_size: int | None = None,
 ) -> dict[str, Any]:
     """Fold every norm of a checkpoint and write ``model.safetensors``, ``model.onnx`` and ``report.json``.
 
@@ -458,7 +470,9 @@ def fuse(
     if out_dir.exists() and not force:
         raise UsageError(f"{out_dir} already exists; pass --force to replace it")
     progress(f"loading {source}")
-    loaded = load_model(source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
+    loaded = load_model(
+        source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape, image_size=image_size
+    )
     gm, decisions = _plan(loaded, progress)
     report = _base_report(loaded, decisions)
     complete = all(d.action.startswith("folded") for d in decisions)
@@ -468,7 +482,7 @@ def fuse(
         "arch": loaded.arch or "",
         "source_sha256": loaded.checkpoint.sha256,
         "complete": "true" if complete else "false",
-        "config": json.dumps(loaded.checkpoint.config),
+        "config": json.dumps(loaded.config),
     }
     with staging_dir(out_dir, force) as tmp:
         progress("writing model.safetensors")
@@ -547,6 +561,7 @@ def export(
     progress: Progress = _no_progress,
     trust_pickle: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    image_size: int | None = None,
 ) -> dict[str, Any]:
     """Write one ONNX file: the fused model, or with ``fuse=False`` the original one (norms as they are).
 
@@ -561,7 +576,9 @@ def export(
         raise UsageError(f"--onnx {target} is the input file; choose another path")
     if target.exists() and not force:
         raise UsageError(f"{target} already exists; pass --force to replace it")
-    loaded = load_model(source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
+    loaded = load_model(
+        source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape, image_size=image_size
+    )
     decisions: list[Decision] = []
     model: nn.Module = loaded.model
     if fuse:
@@ -591,7 +608,14 @@ class _Side:
     token_input: bool = False
 
 
-def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_shape: tuple[int, ...] | None) -> _Side:
+def _side(
+    path: Path,
+    arch: str | None,
+    ema: bool,
+    trust_pickle: bool,
+    input_shape: tuple[int, ...] | None,
+    image_size: int | None = None,
+) -> _Side:
     """An ``.onnx`` runs in onnxruntime (optimisations off and fully on) after ``onnx.checker``; anything else
     is loaded as a model and runs in PyTorch."""
     if path.suffix == ".onnx":
@@ -608,7 +632,9 @@ def _side(path: Path, arch: str | None, ema: bool, trust_pickle: bool, input_sha
         }
         check = IntegrityCheck(f"onnx.checker[full_check] {path.name}", passed, detail)
         return _Side(info, runtimes, None, shape, dtype, [check], token_input)
-    loaded = load_model(path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape)
+    loaded = load_model(
+        path, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape, image_size=image_size
+    )
     integrity = []
     if loaded.checkpoint.format == "safetensors":
         count = len(loaded.checkpoint.state_dict)
@@ -650,6 +676,7 @@ def verify(
     atol: float = 0.0,
     trust_pickle: bool = False,
     input_shape: tuple[int, ...] | None = None,
+    image_size: int | None = None,
 ) -> dict[str, Any]:
     """Compare a candidate model with a reference on the same inputs.
 
@@ -669,8 +696,8 @@ def verify(
             not the same model (exit code 2).
     """
     ref_path, cand_path = Path(reference), Path(candidate)
-    ref = _side(ref_path, arch, ema, trust_pickle, input_shape)
-    cand = _side(cand_path, arch, ema, trust_pickle, input_shape)
+    ref = _side(ref_path, arch, ema, trust_pickle, input_shape, image_size)
+    cand = _side(cand_path, arch, ema, trust_pickle, input_shape, image_size)
     if ref.input_shape and cand.input_shape and ref.input_shape != cand.input_shape:
         raise InputError(
             f"{ref_path} takes inputs of shape {ref.input_shape} but {cand_path} takes {cand.input_shape}; "
@@ -715,6 +742,7 @@ def bench(
     runtimes: tuple[str, ...] = ("pytorch", "onnxruntime"),
     warmup: int = 5,
     repeats: int = 20,
+    image_size: int | None = None,
     progress: Progress = _no_progress,
 ) -> dict[str, Any]:
     """Latency and throughput of the original, fused, norm-free and (if any) LayerNorm-branch models.
@@ -737,7 +765,7 @@ def bench(
             raise InputError(f"{source}: a folder without report.json; give a checkpoint or a fuse output folder")
         source = Path(json.loads(report_path.read_text())["source"]["path"])
         arch = arch or json.loads(report_path.read_text())["source"].get("arch")
-    loaded = load_model(source, arch=arch, ema=ema)
+    loaded = load_model(source, arch=arch, ema=ema, image_size=image_size)
     progress("tracing the model with torch.export")
     with quiet():
         original = capture(loaded.model, _example(loaded))

@@ -76,6 +76,15 @@ InputShape = Annotated[
         "(--trust-pickle) and for ONNX models whose axes besides the batch are dynamic.",
     ),
 ]
+ImageSize = Annotated[
+    int | None,
+    typer.Option(
+        "--image-size",
+        help="Build a zoo vision model for NxN inputs (default: the size its weights were trained at). Swin pads "
+        "its windows, PVT resamples position embeddings; SLA models (SLAB-DeiT/PVT/CSWin) are fixed at 224.",
+        min=1,
+    ),
+]
 
 
 def _shape(value: str | None) -> tuple[int, ...] | None:
@@ -226,6 +235,7 @@ def fuse(
     ema: Ema = False,
     trust_pickle: TrustPickle = False,
     input_shape: InputShape = None,
+    image_size: ImageSize = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
@@ -257,6 +267,7 @@ def fuse(
                     progress=progress,
                     trust_pickle=trust_pickle,
                     input_shape=_shape(input_shape),
+                    image_size=image_size,
                 )
         except VerificationError as err:
             _fail_verification(err, as_json)
@@ -270,6 +281,7 @@ def inspect(
     ema: Ema = False,
     trust_pickle: TrustPickle = False,
     input_shape: InputShape = None,
+    image_size: ImageSize = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
@@ -281,7 +293,13 @@ def inspect(
 
     with _errors(debug), _progress(not as_json) as progress:
         report = api.inspect(
-            ckpt, arch=arch, ema=ema, progress=progress, trust_pickle=trust_pickle, input_shape=_shape(input_shape)
+            ckpt,
+            arch=arch,
+            ema=ema,
+            progress=progress,
+            trust_pickle=trust_pickle,
+            input_shape=_shape(input_shape),
+            image_size=image_size,
         )
     _render(report, as_json)
 
@@ -296,6 +314,7 @@ def export(
     ema: Ema = False,
     trust_pickle: TrustPickle = False,
     input_shape: InputShape = None,
+    image_size: ImageSize = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
@@ -318,6 +337,7 @@ def export(
             progress=progress,
             trust_pickle=trust_pickle,
             input_shape=_shape(input_shape),
+            image_size=image_size,
         )
     if as_json:
         _render(report, True)
@@ -348,6 +368,7 @@ def verify(
     ema: Ema = False,
     trust_pickle: TrustPickle = False,
     input_shape: InputShape = None,
+    image_size: ImageSize = None,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
@@ -379,6 +400,7 @@ def verify(
             atol=atol,
             trust_pickle=trust_pickle,
             input_shape=_shape(input_shape),
+            image_size=image_size,
         )
         if junit is not None:
             write_junit(report, junit)
@@ -403,6 +425,7 @@ def bench(
     ] = "pytorch,onnxruntime",
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed calls per variant first.")] = 5,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed calls per variant (interleaved).")] = 20,
+    image_size: ImageSize = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart PNG (needs matplotlib).")] = None,
     ema: Ema = False,
     as_json: Json = False,
@@ -433,6 +456,7 @@ def bench(
                 runtimes=runtimes,
                 warmup=warmup,
                 repeats=repeats,
+                image_size=image_size,
                 progress=progress,
             )
         if plot is not None:
