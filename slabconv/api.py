@@ -306,7 +306,9 @@ def _inputs(
         if loaded is not None:
             if loaded.token_input and loaded.make_input is None:
                 raise UsageError("the model takes token ids and their range is unknown; pass --inputs NPZ")
-            return loaded.example(samples, seed).numpy(), label, None
+            x = loaded.example(samples, seed)
+            # numpy has no bfloat16: float inputs travel as float32 and each runner casts them to its dtype.
+            return (x.float() if x.is_floating_point() else x).numpy(), label, None
         rng = np.random.default_rng(seed)
         return rng.standard_normal((samples, *shape)).astype(np.float32), label, None
     if not path.is_file():

@@ -7,7 +7,8 @@ Eval-mode BatchNorm on channel c, with running mean :math:`\mu`, running varianc
 .. math::
 
     \mathrm{RepBN}(x) = \gamma \frac{x - \mu}{\sqrt{v + \varepsilon}} + \beta + \eta x = s \odot x + t,
-    \qquad s = \frac{\gamma}{\sqrt{v + \varepsilon}} + \eta, \qquad t = \beta - \frac{\gamma \mu}{\sqrt{v + \varepsilon}}.
+
+    s = \frac{\gamma}{\sqrt{v + \varepsilon}} + \eta, \qquad t = \beta - \frac{\gamma \mu}{\sqrt{v + \varepsilon}}.
 
 This is Lemma 4.1 of the SLAB paper (ICML 2024): RepBN is a BatchNorm with rescale :math:`\gamma + \eta\sigma`
 and shift :math:`\beta + \eta\mu`, :math:`\sigma = \sqrt{v + \varepsilon}`. A plain BatchNorm is :math:`\eta = 0`.
@@ -65,9 +66,7 @@ def _cast(x: Tensor, like: Tensor) -> Tensor:
     return x.to(dtype=like.dtype, device=like.device).contiguous()
 
 
-def fold_into_linear(
-    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor
-) -> tuple[Tensor, Tensor]:
+def fold_into_linear(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     """Forward fold: a Linear that consumes ``s * x + t`` on its input (last) axis.
 
     Args:
@@ -115,9 +114,7 @@ def fold_into_conv(
     return _cast(w * s, weight), _cast(new_b, weight)
 
 
-def fold_into_producer(
-    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor
-) -> tuple[Tensor, Tensor]:
+def fold_into_producer(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
     """Backward fold: a Linear or conv whose output channels (dim 0 of the weight) feed the norm.
 
     Args:
@@ -138,3 +135,24 @@ def fold_into_producer(
 def fits_dtype(*tensors: Tensor) -> bool:
     """True when every tensor is finite (a fold that overflows float16 gives inf after the cast)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def tile_channels(values: Tensor, inner: int, size: int) -> Tensor:
+    """Per-channel ``values`` laid out along an axis where index ``i`` holds channel ``(i // inner) % C``.
+
+    A reshape that merges the channel axis with token axes (``(B, C, P) -> (B, C * P)`` gives ``inner = P``;
+    ``(B, P, C) -> (B, P * C)`` gives ``inner = 1``) keeps every element on one channel; a Linear or conv that
+    contracts the merged axis then folds ``tile_channels(s)`` / ``tile_channels(t)`` exactly.
+
+    Args:
+        values: ``(C,)`` per-channel scale or shift.
+        inner: how many consecutive indices share a channel.
+        size: the axis length, a multiple of ``C * inner``.
+
+    Returns:
+        ``(size,)``: ``values.repeat_interleave(inner)`` repeated ``size / (C * inner)`` times.
+    """
+    block = values.repeat_interleave(inner)
+    if size % block.numel():
+        raise ValueError(f"axis of size {size} is not a whole number of {values.numel()} x {inner} channel blocks")
+    return block.repeat(size // block.numel())

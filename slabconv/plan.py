@@ -8,7 +8,11 @@ For each norm (``slabconv.graph.find_norms``) in topological order:
    else reads: scale its output rows, drop the norm. Exact on every path at once.
 3. ``kept-affine``: neither is possible. Consumers that can absorb the affine still get it; on each blocked
    path one per-channel ``x * scale + shift`` stays (no BN op, no transposes), with the reason.
-4. ``kept``: the norm is not a fixed affine at all (batch statistics, train mode); left as it is.
+4. ``kept``: the norm is not a fixed affine at all (batch statistics, train mode), or its affine does not fit
+   the model's dtype; the BN op is left as it is.
+
+The kept affine is inserted before the norm is removed and replaces only the blocked op's reads of the
+normalised tensor: a blocked op that also reads the norm's input (``x + bn(x)``) keeps that operand.
 
 Decisions are data (``Decision``); the report, ``inspect`` and the docs are rendered from them. The graph is
 then cleaned: transposes/reshapes that cancel out are removed, dead nodes and unused weights dropped.
@@ -27,6 +31,7 @@ from slabconv import fold, reasons
 from slabconv.errors import InputError
 from slabconv.graph import (
     BlockedEdge,
+    Chan,
     ConsumerUse,
     NormSite,
     Producer,
@@ -59,6 +64,8 @@ class Decision:
         into: the layers that absorbed the affine (module paths).
         reason: why an affine (or the norm) stays, None when folded away.
         kept_on: the ops in front of which an affine stays (``kept-affine``).
+        paths: every blocked path as ``{"before": <module>:<op>, "reason": <reason>}``, in graph order (the
+            ``reason`` field is the first of these).
         warnings: facts the user should know (unfinished progressive schedule, ...).
     """
 
@@ -68,6 +75,7 @@ class Decision:
     into: list[str] = field(default_factory=list)
     reason: str | None = None
     kept_on: list[str] = field(default_factory=list)
+    paths: list[dict[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,6 +86,7 @@ class Decision:
             "into": self.into,
             "reason": self.reason,
             "kept_on": self.kept_on,
+            "paths": self.paths,
             "warnings": self.warnings,
         }
 
@@ -88,7 +97,7 @@ def layer_name(node: fx.Node) -> str:
     if isinstance(weight, fx.Node) and weight.op != "get_attr":
         weight = weight.args[0]
     if isinstance(weight, fx.Node) and weight.op == "get_attr":
-        return weight.target.removesuffix(".weight")
+        return str(weight.target).removesuffix(".weight")
     return node.name
 
 
@@ -118,6 +127,42 @@ def _progressive_warnings(gm: fx.GraphModule, name: str) -> list[str]:
     ]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor) -> list[str]:
+    """A warning when a forward fold / kept affine in float16 or bfloat16 amplifies rounding past the tolerance.
+
+    The original BN computes ``s (x - mu) + E[y]`` (in float32 inside); the fold computes ``s x`` in the model's
+    dtype and adds ``t`` (in the consumer's weights or the kept affine). Rounding then scales with
+    ``|s| rms(x)`` instead of ``rms(y)``: by ``kappa = |s| sqrt(mu^2 + v) / sqrt((s mu + t)^2 + s^2 v)`` per
+    channel, large when a channel's running mean is many standard deviations from 0. Estimated relative error
+    ``kappa * eps/2`` is compared with DESIGN.md section 5's tolerance; the fold stays exact in exact arithmetic,
+    so this is a warning with the numbers (verification decides), not a refusal.
+    """
+    dtype = site.input.meta["val"].dtype
+    if dtype not in _HALF:
+        return []
+    from slabconv.verify import DEFAULT_RTOL
+
+    mean = site.params["running_mean"].detach().double()  # type: ignore[union-attr]
+    var = site.params["running_var"].detach().double().clamp_min(0)  # type: ignore[union-attr]
+    rms_sx = scale.abs() * torch.sqrt(mean**2 + var)
+    rms_y = torch.sqrt((scale * mean + shift) ** 2 + scale**2 * var).clamp_min(torch.finfo(torch.float64).tiny)
+    kappa = rms_sx / rms_y
+    worst = int(kappa.argmax())
+    estimate = float(kappa[worst]) * torch.finfo(dtype).eps / 2
+    tolerance = DEFAULT_RTOL[str(dtype).removeprefix("torch.")]
+    if estimate <= tolerance:
+        return []
+    ratio = float(mean[worst].abs() / var[worst].sqrt().clamp_min(1e-30))
+    return [
+        f"{str(dtype).removeprefix('torch.')} precision: channel {worst} has |running_mean| / std = {ratio:.3g}; "
+        f"computing s*x + t in {str(dtype).removeprefix('torch.')} amplifies rounding {float(kappa[worst]):.3g}x "
+        f"(estimated relative error {estimate:.2g} > tolerance {tolerance:g}); verification decides"
+    ]
+
+
 def _check_stats(site: NormSite) -> None:
     for key in ("running_mean", "running_var", "weight", "bias", "alpha"):
         t = site.params[key]
@@ -136,10 +181,13 @@ class _Fold:
     new_bias: tuple[fx.Node, torch.Tensor] | None = None
 
 
-def _weight_is_private(gm: fx.GraphModule, weight: fx.Node) -> bool:
-    """True when one layer alone reads this weight (a tied weight must not be rescaled for one reader)."""
-    same_target = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == weight.target]
-    return len(same_target) == 1 and len(weight.users) == 1
+def _is_private(gm: fx.GraphModule, param: fx.Node | None) -> bool:
+    """True when one layer alone reads this weight or bias (a tied tensor must not be rescaled for one reader).
+    A missing bias (None) is private: the fold creates a new one."""
+    if param is None:
+        return True
+    same_target = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == param.target]
+    return len(same_target) == 1 and len(param.users) == 1
 
 
 def _bias_of(node: fx.Node) -> fx.Node | None:
@@ -150,20 +198,28 @@ def _bias_of(node: fx.Node) -> fx.Node | None:
     return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")  # type: ignore[return-value]
 
 
+def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
+    """Per-channel ``values`` laid out along the axis ``chan`` names on ``src``."""
+    shape = shape_of(src)
+    assert shape is not None
+    return fold.tile_channels(values, chan.inner, int(shape[chan.axis]))
+
+
 def _forward_fold(gm: fx.GraphModule, use: ConsumerUse, scale: torch.Tensor, shift: torch.Tensor) -> _Fold:
     bias_node = _bias_of(use.node)
     weight = attr(gm, use.weight)
     bias = attr(gm, bias_node)
     assert weight is not None
+    s, t = _tiled(scale, use.chan, use.src), _tiled(shift * use.mult, use.chan, use.src)
     if use.kind == "linear":
-        w, b = fold.fold_into_linear(weight, bias, scale, shift * use.mult)
+        w, b = fold.fold_into_linear(weight, bias, s, t)
     else:
-        w, b = fold.fold_into_conv(weight, bias, scale, shift * use.mult, int(conv_params(use.node)["groups"]))
-    result = _Fold({use.weight.target: w})
+        w, b = fold.fold_into_conv(weight, bias, s, t, int(conv_params(use.node)["groups"]))
+    result = _Fold({str(use.weight.target): w})
     if bias_node is None:
         result.new_bias = (use.node, b)
     else:
-        result.updates[bias_node.target] = b  # type: ignore[union-attr]
+        result.updates[str(bias_node.target)] = b
     return result
 
 
@@ -171,17 +227,26 @@ def _backward_fold(gm: fx.GraphModule, producer: Producer, scale: torch.Tensor, 
     weight, bias = attr(gm, producer.weight), attr(gm, producer.bias)
     assert weight is not None
     w, b = fold.fold_into_producer(weight, bias, scale, shift)
-    result = _Fold({producer.weight.target: w})
+    result = _Fold({str(producer.weight.target): w})
     if producer.bias is None:
         result.new_bias = (producer.node, b)
     else:
-        result.updates[producer.bias.target] = b
+        result.updates[str(producer.bias.target)] = b
     return result
 
 
 def _fits(f: _Fold) -> bool:
     tensors = list(f.updates.values()) + ([f.new_bias[1]] if f.new_bias else [])
     return fold.fits_dtype(*tensors)
+
+
+def _affine_fits(site: NormSite, edges: list[BlockedEdge], scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    """True when the per-channel affine kept on each blocked edge is finite in that tensor's dtype."""
+    for edge in edges:
+        dtype = _base(site, edge).meta["val"].dtype
+        if not fold.fits_dtype(scale.to(dtype), (shift * edge.mult).to(dtype)):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------- rewriting
@@ -223,7 +288,7 @@ def _new_attr(gm: fx.GraphModule, wanted: str, value: torch.Tensor) -> fx.Node:
 
 
 def _attach_bias(gm: fx.GraphModule, layer: fx.Node, weight: fx.Node, bias: torch.Tensor) -> None:
-    stem = weight.target.removesuffix(".weight") if weight.target.endswith(".weight") else weight.target
+    stem = str(weight.target).removesuffix(".weight")
     node = _new_attr(gm, f"{stem}.bias", bias)
     if layer.target is aten.mm.default:
         layer.target = aten.addmm.default
@@ -253,30 +318,36 @@ def _weight_node(layer: fx.Node) -> fx.Node:
     return w
 
 
+def _base(site: NormSite, edge: BlockedEdge) -> fx.Node:
+    """The tensor the kept affine reads: the norm's input when the blocked op reads the norm's output itself."""
+    return site.input if edge.src is site.output else edge.src
+
+
 def _insert_affines(
     gm: fx.GraphModule, site: NormSite, edges: list[BlockedEdge], scale: torch.Tensor, shift: torch.Tensor
 ) -> None:
-    """One ``src * scale + shift`` per (source, axis, multiplier), fed to each blocked op."""
-    made: dict[tuple[fx.Node, int, float], fx.Node] = {}
+    """One ``x * scale + shift`` per (source, channel layout, multiplier), fed to each blocked op in place of
+    ``edge.src``. Runs before the norm is removed, so a blocked op that also reads the norm's input (``x + bn(x)``)
+    keeps that operand: only its reads of ``edge.src`` are rewired."""
+    made: dict[tuple[fx.Node, Chan, float], fx.Node] = {}
     for edge in edges:
-        src = site.input if edge.src is site.output else edge.src
-        key = (src, edge.axis, edge.mult)
+        base = _base(site, edge)
+        key = (edge.src, edge.chan, edge.mult)
         if key not in made:
-            val = src.meta["val"]
-            rank = val.dim()
-            bshape = (-1, *([1] * (rank - 1 - edge.axis)))
-            s = scale.to(val.dtype).reshape(bshape)
-            t = (shift * edge.mult).to(val.dtype).reshape(bshape)
+            val = base.meta["val"]
+            bshape = (-1, *([1] * (val.dim() - 1 - edge.chan.axis)))
+            s = _tiled(scale, edge.chan, base).to(device=val.device, dtype=val.dtype).reshape(bshape)
+            t = _tiled(shift * edge.mult, edge.chan, base).to(device=val.device, dtype=val.dtype).reshape(bshape)
             s_node = _new_attr(gm, f"{site.name}.scale", s)
             t_node = _new_attr(gm, f"{site.name}.shift", t)
-            with gm.graph.inserting_after(src):
-                mul = gm.graph.call_function(aten.mul.Tensor, (src, s_node))
+            with gm.graph.inserting_after(base):
+                mul = gm.graph.call_function(aten.mul.Tensor, (base, s_node))
             with gm.graph.inserting_after(mul):
                 add = gm.graph.call_function(aten.add.Tensor, (mul, t_node))
             mul.meta["val"] = add.meta["val"] = val
             mul.meta["nn_module_stack"] = add.meta["nn_module_stack"] = site.bn.meta.get("nn_module_stack", {})
             made[key] = add
-        edge.dst.replace_input_with(src, made[key])
+        edge.dst.replace_input_with(edge.src, made[key])
 
 
 def _remove_region(gm: fx.GraphModule, site: NormSite) -> None:
@@ -286,13 +357,24 @@ def _remove_region(gm: fx.GraphModule, site: NormSite) -> None:
             gm.graph.erase_node(node)
 
 
+def _graph_order(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
 def decide_and_apply(gm: fx.GraphModule, site: NormSite) -> Decision:
-    """Decide what to do with one norm and rewrite ``gm`` accordingly (weights and graph)."""
+    """Decide what to do with one norm and rewrite ``gm`` accordingly (weights and graph).
+
+    Order of preference: fold forward into every consumer (nothing blocked); else fold backward into the
+    producer (exact on every path at once); else fold forward where possible and keep one per-channel affine on
+    each blocked path. A norm that is not a fixed affine (batch statistics) stays as it is (``kept``), and so
+    does one whose kept affine would overflow its dtype.
+    """
     decision = Decision(norm=site.name, kind=site.kind, action=KEPT)
     decision.warnings += _progressive_warnings(gm, site.name)
     if site.training:
         has_stats = site.params["running_mean"] is not None
         decision.reason = reasons.TRAIN_MODE if has_stats else reasons.BATCH_STATS_IN_EVAL
+        decision.paths = [{"before": op_site(site.bn), "reason": decision.reason}]
         return decision
     _check_stats(site)
     assert site.params["running_mean"] is not None and site.params["running_var"] is not None
@@ -304,70 +386,65 @@ def decide_and_apply(gm: fx.GraphModule, site: NormSite) -> Decision:
         site.params["bias"],
         site.params["alpha"],
     )
-    flow = follow(site.output, site.channel_axis, positive_scale=bool((scale > 0).all()))
+    chan = Chan(site.channel_axis, site.channels)
+    flow = follow(site.output, chan, positive_scale=bool((scale > 0).all()))
     folds: list[tuple[ConsumerUse, _Fold]] = []
     blocked = list(flow.blocked)
     for use in flow.consumers:
-        if not _weight_is_private(gm, use.weight):
-            blocked.append(BlockedEdge(_input_of(use.node), use.node, 0, use.mult, reasons.SHARED_WEIGHT))
+        if not (_is_private(gm, use.weight) and _is_private(gm, _bias_of(use.node))):
+            blocked.append(BlockedEdge(use.src, use.node, use.chan, use.mult, reasons.SHARED_WEIGHT))
             continue
         f = _forward_fold(gm, use, scale, shift)
         if not _fits(f):
-            blocked.append(BlockedEdge(_input_of(use.node), use.node, 0, use.mult, reasons.DTYPE_OVERFLOW))
+            blocked.append(BlockedEdge(use.src, use.node, use.chan, use.mult, reasons.DTYPE_OVERFLOW))
             continue
         folds.append((use, f))
-    # A blocked edge made from a consumer needs the channel axis of that consumer's input.
-    blocked = [_with_axis(e) for e in blocked]
+    order = _graph_order(gm)
+    blocked.sort(key=lambda e: (order[e.dst], order[e.src]))
 
     if not blocked:
-        for use, f in folds:
+        for _, f in folds:
             _apply_fold(gm, f, _weight_node)
         _remove_region(gm, site)
         decision.action = FOLDED_FORWARD
         decision.into = sorted({layer_name(use.node) for use, _ in folds})
+        decision.warnings += _precision_warnings(site, scale, shift)
         return decision
 
     producer = find_producer(site)
-    if producer is not None and _weight_is_private(gm, producer.weight):
+    if producer is not None and _is_private(gm, producer.weight) and _is_private(gm, producer.bias):
         f = _backward_fold(gm, producer, scale, shift)
         if _fits(f):
             _apply_fold(gm, f, _weight_node)
             _remove_region(gm, site)
             decision.action = FOLDED_BACKWARD
             decision.into = [layer_name(producer.node)]
-            decision.reason = None
             return decision
 
-    for use, f in folds:
+    decision.paths = _paths(blocked)
+    if not _affine_fits(site, blocked, scale, shift):
+        decision.reason = reasons.DTYPE_OVERFLOW
+        return decision  # the BN stays as it is: its scale or shift is not representable in the model's dtype
+    for _, f in folds:
         _apply_fold(gm, f, _weight_node)
-    _remove_region(gm, site)
     _insert_affines(gm, site, blocked, scale, shift)
+    _remove_region(gm, site)
     decision.action = KEPT_AFFINE
     decision.into = sorted({layer_name(use.node) for use, _ in folds})
-    decision.reason = _main_reason(blocked)
+    decision.warnings += _precision_warnings(site, scale, shift)
+    decision.reason = blocked[0].reason
     decision.kept_on = sorted({op_site(e.dst) if e.dst.op != "output" else "<output>" for e in blocked})
     return decision
 
 
-def _input_of(node: fx.Node) -> fx.Node:
-    x = node.args[1] if node.target is aten.addmm.default else node.args[0]
-    assert isinstance(x, fx.Node)
-    return x
-
-
-def _with_axis(edge: BlockedEdge) -> BlockedEdge:
-    """Blocked edges made from a consumer carry axis 0 as a placeholder; put in the real channel axis."""
-    if edge.reason not in (reasons.SHARED_WEIGHT, reasons.DTYPE_OVERFLOW):
-        return edge
-    rank = edge.src.meta["val"].dim()
-    conv = edge.dst.target in (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default)
-    axis = 1 if conv else rank - 1
-    return BlockedEdge(edge.src, edge.dst, axis, edge.mult, edge.reason)
-
-
-def _main_reason(blocked: list[BlockedEdge]) -> str:
-    """The reason reported for a kept norm: the first blocked path's, in graph order (all are in kept_on)."""
-    return blocked[0].reason
+def _paths(blocked: list[BlockedEdge]) -> list[dict[str, str]]:
+    """``{"before": <module>:<op>, "reason": ...}`` for every blocked path, in graph order, without repeats."""
+    out: list[dict[str, str]] = []
+    for e in blocked:
+        entry = {"before": op_site(e.dst) if e.dst.op != "output" else "<output>", "reason": e.reason}
+        if entry not in out:
+            out.append(entry)
+    return out
 
 
 # --------------------------------------------------------------------------------------------- cleanup
@@ -383,18 +460,25 @@ def _perm(node: fx.Node) -> list[int] | None:
         return None
     rank = len(shape)
     if node.target is aten.permute.default:
-        return [d % rank for d in node.args[1]]  # type: ignore[union-attr]
+        dims: Any = node.args[1]
+        return [d % rank for d in dims]
     order = list(range(rank))
     if node.target is aten.t.default:
         return order[::-1] if rank == 2 else order
-    a, b = node.args[1] % rank, node.args[2] % rank  # type: ignore[operator]
+    args: Any = node.args
+    a, b = args[1] % rank, args[2] % rank
     order[a], order[b] = order[b], order[a]
     return order
 
 
 def _same_shape(a: fx.Node, b: fx.Node) -> bool:
     sa, sb = shape_of(a), shape_of(b)
-    return sa is not None and sb is not None and len(sa) == len(sb) and all(same_size(x, y) for x, y in zip(sa, sb))
+    return (
+        sa is not None
+        and sb is not None
+        and len(sa) == len(sb)
+        and all(same_size(x, y) for x, y in zip(sa, sb, strict=True))
+    )
 
 
 def cancel_inverse_views(gm: fx.GraphModule) -> int:
@@ -418,7 +502,7 @@ def cancel_inverse_views(gm: fx.GraphModule) -> int:
                     node.replace_all_uses_with(src.args[0])
                     removed += 1
                     changed = True
-            elif node.target in _VIEWS and src.target in _VIEWS and _same_shape(node, src.args[0]):
+            elif node.target in _VIEWS and src.target in _VIEWS and _same_shape(node, src.args[0]):  # type: ignore[arg-type]
                 node.replace_all_uses_with(src.args[0])
                 removed += 1
                 changed = True

@@ -23,6 +23,7 @@ CONCAT_WITH_UNNORMALIZED = "concat-with-unnormalized"
 FEEDS_OUTPUT = "feeds-model-output"
 SHARED_WEIGHT = "shared-consumer-weight"
 DTYPE_OVERFLOW = "dtype-overflow"
+CONSUMER_OFF_CHANNEL = "consumer-not-on-channel-axis"
 UNSUPPORTED_PREFIX = "unsupported-op:"
 
 ALL = (
@@ -40,6 +41,7 @@ ALL = (
     FEEDS_OUTPUT,
     SHARED_WEIGHT,
     DTYPE_OVERFLOW,
+    CONSUMER_OFF_CHANNEL,
     UNSUPPORTED_PREFIX + "<aten op>",
 )
 

@@ -280,7 +280,7 @@ def onnx_runtimes(path: Path) -> list[Runtime]:
     return runtimes
 
 
-def run_batched(run: Run, inputs: np.ndarray, batch: int = 64, fixed_batch: int | None = None) -> list[np.ndarray]:
+def run_batched(run: Run, inputs: np.ndarray, batch: int = 16, fixed_batch: int | None = None) -> list[np.ndarray]:
     """Run ``run`` over ``inputs`` in chunks of ``batch`` samples (or exactly ``fixed_batch``, padding the last
     chunk with copies of its first sample and dropping their outputs) and stack each output over the chunks."""
     step = fixed_batch or batch

@@ -22,7 +22,13 @@ def test_deit_folds_completely_and_exactly(layout, pool):
     x = torch.randn(6, 1, 8, 8)
     reference = model(x)
     gm, decisions = _fold(model, x)
-    assert [d.norm for d in decisions] == ["blocks.0.norm1", "blocks.0.norm2", "blocks.1.norm1", "blocks.1.norm2", "norm"]
+    assert [d.norm for d in decisions] == [
+        "blocks.0.norm1",
+        "blocks.0.norm2",
+        "blocks.1.norm1",
+        "blocks.1.norm2",
+        "norm",
+    ]
     assert all(d.action == "folded-forward" and d.reason is None for d in decisions)
     assert [d.into for d in decisions] == [
         ["blocks.0.attn.qkv"],

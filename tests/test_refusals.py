@@ -1,0 +1,495 @@
+"""Every named refusal matters: for each reason a tiny model where the naive fold (drop the norm, fold its affine
+into the nearest downstream layer, applied here anyway) is far off, while slabconv stays exact and names the
+reason. Structure is checked too: where an affine suffices no BN op is left, and the fused graph is the norm-free
+graph plus one multiply/add per kept path (no transposes left from the norm)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slabconv import graph, plan, reasons
+from slabconv.nn import RepBN
+from tests.foldcheck import (
+    NAIVE_MIN_ERR,
+    TOL,
+    RepBN_NLP,
+    affine_of,
+    assert_affine_only,
+    assert_half_close,
+    aten_ops,
+    bn_nodes,
+    exact,
+    fuse,
+    kept_affines,
+    naive_fold,
+    norm_free,
+    patchtst_norm,
+    randomize,
+    rel_err,
+)
+
+C, N, B = 8, 6, 4
+
+
+def tokens(n: int = N, c: int = C, seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, n, c, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
+
+
+def only(decisions: list[plan.Decision], norm: str = "norm") -> plan.Decision:
+    found = [d for d in decisions if d.norm == norm]
+    assert len(found) == 1, decisions
+    return found[0]
+
+
+def check_refusal(
+    model: nn.Module,
+    x: torch.Tensor,
+    reason: str,
+    *,
+    layer: str = "fc",
+    into: list[str] | None = None,
+    kept: int = 1,
+) -> tuple[torch.fx.GraphModule, plan.Decision]:
+    """The naive fold into ``layer`` is wrong, slabconv keeps an affine with ``reason`` and is exact."""
+    model = model.eval()
+    reference = model(x)
+    assert rel_err(naive_fold(model, "norm", layer)(x), reference) > NAIVE_MIN_ERR
+    bare_ops = aten_ops(norm_free(model, ["norm"]), x)
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert (d.action, d.reason) == ("kept-affine", reason)
+    assert d.paths[0]["reason"] == reason
+    assert d.into == (into or [])
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert_affine_only(gm, bare_ops, kept)
+    return gm, d
+
+
+# --------------------------------------------------------------------------------------------- the reasons
+
+
+class Plain(nn.Module):
+    """``fc(norm(x))``: folds forward whenever the norm is a fixed, representable affine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+class PadAfterNorm(nn.Module):
+    """Swin with a resolution that is not a multiple of the window: norm, then zero-pad the token grid."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN_NLP(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x).view(x.shape[0], 3, 3, C)
+        return self.fc(F.pad(y, (0, 0, 0, 1, 0, 1)))
+
+
+def test_zero_padding_after_norm():
+    model = randomize(PadAfterNorm())
+    check_refusal(model, tokens(9), reasons.ZERO_PADDING_AFTER_NORM)
+
+
+class MaskAfterNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+        self.register_buffer("pad_mask", torch.tensor([False, False, False, False, True, True]).view(1, N, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).masked_fill(self.pad_mask, 0.0))
+
+
+def test_masked_after_norm():
+    check_refusal(randomize(MaskAfterNorm()), tokens(), reasons.MASKED_AFTER_NORM)
+
+
+class ResidualReadsNorm(nn.Module):
+    """A post-norm residual: the normalised tensor is both the Linear's input and the skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN_NLP(C)
+        self.fc = nn.Linear(C, C)
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return self.head(y + self.fc(y))
+
+
+def test_residual_reads_norm_keeps_the_affine_on_the_skip_only():
+    gm, d = check_refusal(randomize(ResidualReadsNorm()), tokens(), reasons.RESIDUAL_READS_NORM, into=["fc"])
+    assert d.kept_on == ["<model>:aten.add"]
+    # the kept affine is applied to the raw input, on the skip path only
+    (mul,) = kept_affines(gm)
+    assert mul.args[0].op == "placeholder"
+
+
+class ResidualReadsInputAndNorm(nn.Module):
+    """``x + bn(x)``: the blocked op reads the norm's input *and* its output (a plain BatchNorm over (B, C))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(C)
+        self.fc = nn.Linear(C, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(x + self.norm(x)))
+
+
+def test_residual_reading_the_norms_input_keeps_that_operand():
+    """Regression: the affine used to replace *every* read of the norm's input in the blocked op, giving
+    ``affine(x) + affine(x)`` instead of ``x + affine(x)``."""
+    model = randomize(ResidualReadsInputAndNorm()).eval()
+    x = torch.randn(B, C) * 2
+    reference = model(x)
+    gm, decisions = fuse(model, x)
+    assert (only(decisions).action, only(decisions).reason) == ("kept-affine", reasons.RESIDUAL_READS_NORM)
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    (add,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and n.args[0].op == "placeholder"]
+    assert add.args[1].target is torch.ops.aten.add.Tensor  # x + (x * s + t)
+
+
+class NonlinearBeforeConsumer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.gelu(self.norm(x)))
+
+
+def test_nonlinear_before_consumer():
+    check_refusal(randomize(NonlinearBeforeConsumer()), tokens(), reasons.NONLINEAR)
+
+
+class ChannelMixingReshape(nn.Module):
+    """``(B, C, N)`` data reshaped (not transposed) to ``(B, N, C)``: each new row mixes channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN_NLP(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x).transpose(1, 2)
+        return self.fc(y.reshape(x.shape[0], N, C))
+
+
+def test_channel_mixing_reshape():
+    check_refusal(randomize(ChannelMixingReshape()), tokens(), reasons.CHANNEL_MIXING_RESHAPE)
+
+
+class PaddedConv(nn.Module):
+    def __init__(self, with_pointwise: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(C)
+        self.fc = nn.Conv2d(C, 4, 3, padding=1)
+        self.pw = nn.Conv2d(C, 4, 1) if with_pointwise else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        out = self.fc(y)
+        return out + self.pw(y) if self.pw is not None else out
+
+
+@pytest.mark.parametrize("with_pointwise", [False, True])
+def test_padded_conv_consumer_is_refused_on_that_path_only(with_pointwise):
+    x = torch.randn(B, C, 5, 5) + 0.5
+    model = randomize(PaddedConv(with_pointwise))
+    gm, d = check_refusal(model, x, reasons.PADDED_CONV_CONSUMER, into=["pw"] if with_pointwise else [])
+    assert d.kept_on == ["fc:aten.conv2d"]
+
+
+class MaxOverTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).amax(dim=1))
+
+
+def test_negative_scale_through_max():
+    model = randomize(MaxOverTokens(), positive=False)
+    scale, _ = affine_of(model.norm)
+    assert bool((scale < 0).any())
+    check_refusal(model, tokens(), reasons.NEGATIVE_SCALE_THROUGH_MAX)
+
+
+def test_max_over_tokens_folds_when_every_scale_is_positive():
+    model = randomize(MaxOverTokens(), positive=True).eval()
+    assert bool((affine_of(model.norm)[0] > 0).all())
+    x = tokens()
+    gm, decisions = fuse(model, x)
+    assert (only(decisions).action, only(decisions).into) == ("folded-forward", ["fc"])
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and not kept_affines(gm)
+
+
+class BatchStats(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.Sequential(
+            *patchtst_norm(C)[:1], nn.BatchNorm1d(C, track_running_stats=False), *patchtst_norm(C)[2:]
+        )
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+def test_batch_stats_in_eval_leaves_the_norm_as_it_is():
+    """``track_running_stats=False``: the BN normalises with the statistics of each batch, even in eval mode;
+    it is not a fixed affine, so no fold is exact. slabconv keeps the BN op (action ``kept``) and says why."""
+    model = randomize(BatchStats()).eval()
+    x = tokens()
+    reference = model(x)
+    assert rel_err(naive_fold(model, "norm", "fc")(x), reference) > NAIVE_MIN_ERR  # with mean 0, var 1
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert (d.action, d.reason, d.into) == ("kept", reasons.BATCH_STATS_IN_EVAL, [])
+    assert len(bn_nodes(gm)) == 1
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    x2 = tokens(seed=3) * 3 - 1  # another batch: still the model's own batch statistics
+    assert rel_err(gm(x2), model(x2)) <= TOL[torch.float32]
+
+
+def test_train_mode_leaves_the_norm_as_it_is():
+    """A model captured in train mode normalises with batch statistics: ``kept`` with ``train-mode``."""
+    model = randomize(Plain())
+    x = tokens()
+    naive = naive_fold(model.eval(), "norm", "fc")  # exact for the eval-mode model
+    assert rel_err(naive(x), model(x)) <= TOL[torch.float32]
+    model.train()
+    reference = copy.deepcopy(model)(x)
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+    gm = graph.capture(copy.deepcopy(model), x)
+    decisions = plan.fold_all(gm)
+    d = only(decisions)
+    assert (d.action, d.reason) == ("kept", reasons.TRAIN_MODE)
+    assert len(bn_nodes(gm)) == 1
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+class SumOverTokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).sum(dim=1))
+
+
+def test_dynamic_token_count_refuses_a_sum_over_tokens():
+    """With a dynamic sequence length the shift of a sum over tokens is ``N t`` with N known only at run time."""
+    model = randomize(SumOverTokens()).eval()
+    x = tokens()
+    reference = model(x)
+    assert rel_err(naive_fold(model, "norm", "fc")(x), reference) > NAIVE_MIN_ERR
+    seq = torch.export.Dim("seq", min=2, max=64)
+    gm = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch"), 1: seq},)).module()
+    d = only(plan.fold_all(gm))
+    assert (d.action, d.reason) == ("kept-affine", reasons.DYNAMIC_TOKEN_COUNT)
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    longer = tokens(n=11, seed=5)
+    assert rel_err(gm(longer), model(longer)) <= TOL[torch.float32]
+    assert not bn_nodes(gm)
+
+
+def test_sum_over_a_static_token_count_folds_with_the_shift_times_n():
+    model = randomize(SumOverTokens()).eval()
+    x = tokens()
+    reference = model(x)
+    assert rel_err(naive_fold(model, "norm", "fc", shift_mult=N)(x), reference) <= TOL[torch.float32]
+    gm, decisions = fuse(model, x)
+    assert (only(decisions).action, only(decisions).into) == ("folded-forward", ["fc"])
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+class ClsConcat(nn.Module):
+    """A class token concatenated after the norm: the naive fold would scale and shift it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, C))
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), self.norm(x)], dim=1)
+        return self.fc(y)
+
+
+def test_concat_with_unnormalized():
+    check_refusal(randomize(ClsConcat()), tokens(), reasons.CONCAT_WITH_UNNORMALIZED)
+
+
+class ConcatWithNonlinearBranch(nn.Module):
+    """``cat([y, relu(y)])``: both pieces come from the norm, but one is no longer an affine of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return self.fc(torch.cat([y, torch.relu(y)], dim=1))
+
+
+def test_concat_with_a_nonlinear_branch_of_the_same_norm():
+    """Regression: any cat whose inputs were all reachable from the norm used to pass, folding the affine into
+    ``fc`` a second time for the ``relu`` half."""
+    gm, d = check_refusal(randomize(ConcatWithNonlinearBranch()), tokens(), reasons.NONLINEAR)
+    assert {p["reason"] for p in d.paths} == {reasons.NONLINEAR, reasons.CONCAT_WITH_UNNORMALIZED}
+
+
+class ConcatSumAndMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return self.fc(torch.cat([y.sum(1, keepdim=True), y.mean(1, keepdim=True)], dim=1))
+
+
+def test_concat_of_pieces_with_different_shift_multipliers():
+    """Regression: ``cat([sum(y), mean(y)])`` carries shifts ``N t`` and ``t``; no single fold is exact."""
+    # one affine after the sum (shift N t) and one after the mean (shift t)
+    check_refusal(randomize(ConcatSumAndMean()), tokens(), reasons.UNSUPPORTED_PREFIX + "aten.cat", kept=2)
+
+
+class FeedsOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN_NLP(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.norm(x)
+        return self.fc(y), y
+
+
+def test_feeds_model_output():
+    gm, d = check_refusal(randomize(FeedsOutput()), tokens(), reasons.FEEDS_OUTPUT, into=["fc"])
+    assert d.kept_on == ["<output>"]
+
+
+class TiedConsumer(nn.Module):
+    """One weight read by two Linears, only one of which reads the norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, C)
+        self.other = nn.Linear(C, C)
+        self.other.weight = self.fc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x)) + self.other(x)
+
+
+def test_shared_consumer_weight():
+    check_refusal(randomize(TiedConsumer()), tokens(), reasons.SHARED_WEIGHT)
+
+
+class CumsumAfterNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cumsum(self.norm(x), dim=1))
+
+
+def test_unsupported_op_names_the_aten_op():
+    check_refusal(randomize(CumsumAfterNorm()), tokens(), reasons.UNSUPPORTED_PREFIX + "aten.cumsum")
+
+
+class LinearOverTime(nn.Module):
+    """BatchNorm1d over ``(B, C, L)`` feeding a Linear over L (time), not over the channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(C)
+        self.fc = nn.Linear(C, 5)  # L == C here, so the naive fold even has the right shapes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+def test_consumer_not_on_channel_axis():
+    check_refusal(randomize(LinearOverTime()), torch.randn(B, C, C) + 0.5, reasons.CONSUMER_OFF_CHANNEL)
+
+
+# --------------------------------------------------------------------------------------------- dtype overflow
+
+
+def _huge_scale(model: Plain, gamma: float) -> Plain:
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.norm.alpha.fill_(0.0)
+        model.norm.bn.weight.fill_(gamma)
+        model.norm.bn.running_var.fill_(1e-4)
+        model.norm.bn.running_mean.copy_(torch.randn(C, generator=gen) * 1e-3)
+        model.norm.bn.bias.copy_(torch.randn(C, generator=gen))
+        model.fc.weight.copy_(torch.randn(5, C, generator=gen) * 20)
+    return model
+
+
+def _tiny_tokens() -> torch.Tensor:
+    return (torch.randn(B, N, C, generator=torch.Generator().manual_seed(2)) * 1e-3).half()
+
+
+def test_dtype_overflow_in_a_consumer_keeps_the_affine_before_it():
+    """fp16: s ~ 3e4 fits, but 20 * s does not: folding into ``fc`` would give inf weights."""
+    model = _huge_scale(randomize(Plain()), 300.0).eval().half()
+    x = _tiny_tokens()
+    assert rel_err(naive_fold(model, "norm", "fc")(x), exact(model, x)) > NAIVE_MIN_ERR  # inf weights
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert (d.action, d.reason, d.into) == ("kept-affine", reasons.DTYPE_OVERFLOW, [])
+    assert_half_close(gm(x), model, x, torch.float16)
+    assert all(p.dtype == torch.float16 for p in gm.parameters())
+
+
+def test_dtype_overflow_of_the_affine_itself_leaves_the_norm():
+    """fp16: s ~ 9.5e4 is not representable at all; the BN (which computes in float32 inside) stays."""
+    model = _huge_scale(randomize(Plain()), 1000.0).eval().half()
+    x = _tiny_tokens()
+    assert rel_err(naive_fold(model, "norm", "fc")(x), exact(model, x)) > NAIVE_MIN_ERR
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert (d.action, d.reason) == ("kept", reasons.DTYPE_OVERFLOW)
+    assert len(bn_nodes(gm)) == 1
+    assert torch.equal(gm(x), model(x))  # the original ops, untouched
+
+
+def test_every_reason_is_documented():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "reasons.md").read_text()
+    for reason in reasons.ALL:
+        assert f"`{reason}`" in doc, reason
