@@ -8,26 +8,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
 
-
-def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random eval statistics, affine weights and alpha for every norm; progressive counters at 0."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                c = mod.num_features
-                mod.running_mean.copy_(torch.randn(c, generator=gen))
-                mod.running_var.copy_(torch.rand(c, generator=gen) * 2 + 0.2)
-                mod.weight.copy_(torch.randn(c, generator=gen))
-                mod.bias.copy_(torch.randn(c, generator=gen))
-            if isinstance(getattr(mod, "alpha", None), nn.Parameter):
-                mod.alpha.copy_(torch.randn(1, generator=gen))
-            for counter in ("warm", "iter"):
-                if isinstance(getattr(mod, counter, None), torch.Tensor):
-                    getattr(mod, counter).zero_()
-    return model.eval()
+from tests.conftest import randomize_norms
 
 
 def zoo_checkpoint(arch: str, path: Path, image_size: int = 224) -> Path:

@@ -22,7 +22,7 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
                 c = mod.num_features
                 mod.running_mean.copy_(torch.randn(c, generator=gen))
                 mod.running_var.copy_(torch.rand(c, generator=gen) * 2 + 0.2)

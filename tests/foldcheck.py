@@ -11,6 +11,7 @@ import torch
 from torch import fx, nn
 
 from slabconv import fold, graph, plan
+from tests.conftest import randomize_norms
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 """DESIGN.md section 5: max|candidate - reference| / max|reference| per output."""
@@ -52,20 +53,10 @@ def patchtst_norm(channels: int) -> nn.Sequential:
 
 
 def randomize(model: nn.Module, seed: int = 0, positive: bool | None = None) -> nn.Module:
-    """Random eval statistics for every BatchNorm and a random ``alpha`` for every RepBN (as
-    ``tests.conftest.randomize_norms``); ``positive=True`` / ``False`` forces every scale ``s`` > 0 / some < 0."""
-    gen = torch.Generator().manual_seed(seed)
+    """``tests.conftest.randomize_norms``, then ``positive=True`` / ``False`` forces every scale ``s`` > 0 /
+    some < 0."""
+    randomize_norms(model, seed)
     with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
-                c = mod.num_features
-                mod.running_mean.copy_(torch.randn(c, generator=gen))
-                mod.running_var.copy_(torch.rand(c, generator=gen) * 2 + 0.2)
-                if mod.affine:
-                    mod.weight.copy_(torch.randn(c, generator=gen))
-                    mod.bias.copy_(torch.randn(c, generator=gen))
-            if isinstance(getattr(mod, "alpha", None), nn.Parameter):
-                mod.alpha.copy_(torch.randn(1, generator=gen))
         if positive is not None:
             for mod in model.modules():
                 if isinstance(getattr(mod, "alpha", None), nn.Parameter):
