@@ -224,6 +224,14 @@ def fuse(
     ] = None,
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write safetensors only.")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip the equivalence check.")] = False,
+    stream: Annotated[
+        bool,
+        typer.Option(
+            "--stream",
+            help="Fold a sharded LLaMA-PRepBN safetensors folder shard by shard in bounded memory (needs --no-onnx; "
+            "verifies norm -> projection pairs of the first, middle and last layers).",
+        ),
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     inputs: Inputs = None,
     samples: Annotated[int, typer.Option("--samples", help="Random samples when no inputs are found.")] = 64,
@@ -249,8 +257,23 @@ def fuse(
     from slabconv import api
 
     with _errors(debug):
+        if stream:
+            from slabconv.stream import fuse_streaming
+
+            if not no_onnx:
+                raise UsageError(
+                    "--stream writes safetensors only: ONNX export of a multi-GB model is not supported in streaming "
+                    "mode; add --no-onnx"
+                )
+            if out is None:
+                raise UsageError("--stream needs --out")
         try:
             with _progress(not as_json) as progress:
+                if stream:
+                    assert out is not None  # checked above
+                    report = fuse_streaming(ckpt, out, force=force, samples=samples, seed=seed, progress=progress)
+                    _render(report, as_json)
+                    return
                 report = api.fuse(
                     ckpt,
                     out,

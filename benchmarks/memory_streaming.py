@@ -1,0 +1,147 @@
+"""Peak RSS of ``slabconv.stream.fuse_streaming`` on a sharded LLaMA-PRepBN checkpoint with random float16 weights.
+
+    python -m benchmarks.memory_streaming                      # LLaMA-350M shape (hidden 1024, 18 layers)
+    python -m benchmarks.memory_streaming --shape 7b --layers 2
+
+Builds the checkpoint layer by layer (official LinearNorm keys incl. ``num_step``) with ``write_hf_folder``
+(``--shard-mb`` shards) in a temporary folder, then measures the fold in a fresh child (``_common.measure``), and the
+fixed overhead: a child that only imports torch and slabconv.stream (``import_overhead``), and one that also
+imports the CLI and traces + folds the tiny planning instance (``fixed_overhead``: what every fold pays before
+touching a weight).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._common import measure  # noqa: E402
+
+SHAPES = {
+    "350m": {"hidden": 1024, "layers": 18, "intermediate": 4096, "vocab": 32000, "heads": 8},
+    "7b": {"hidden": 4096, "layers": 2, "intermediate": 11008, "vocab": 32000, "heads": 32},
+}
+
+
+def _linear_norm(prefix: str, c: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    out = {f"{prefix}.{k}": torch.tensor(0) for k in ("num_step", "warm", "iter", "total_step")}
+    out[f"{prefix}.norm1.weight"] = torch.ones(c, dtype=torch.float16)
+    out[f"{prefix}.norm2.alpha"] = torch.randn(1, generator=gen).half()
+    out[f"{prefix}.norm2.bn.weight"] = torch.randn(c, generator=gen).half()
+    out[f"{prefix}.norm2.bn.bias"] = torch.randn(c, generator=gen).half()
+    out[f"{prefix}.norm2.bn.running_mean"] = torch.randn(c, generator=gen).half()
+    out[f"{prefix}.norm2.bn.running_var"] = (torch.rand(c, generator=gen) * 2 + 0.2).half()
+    out[f"{prefix}.norm2.bn.num_batches_tracked"] = torch.tensor(1000)
+    return out
+
+
+def build_checkpoint(folder: Path, shape: dict[str, int], shard_bytes: int) -> int:
+    """Write the folder; return the weight bytes. Tensors are random float16 (values do not change the cost)."""
+    from slabconv import hf
+
+    c, inter, vocab, heads = shape["hidden"], shape["intermediate"], shape["vocab"], shape["heads"]
+    gen = torch.Generator().manual_seed(0)
+
+    def w(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * 0.02).half()
+
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(vocab, c)}
+    for i in range(shape["layers"]):
+        p = f"model.layers.{i}"
+        for proj in "qkvo":
+            sd[f"{p}.self_attn.{proj}_proj.weight"] = w(c, c)
+        sd[f"{p}.self_attn.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, c // heads, 2) / (c // heads)))
+        sd[f"{p}.mlp.gate_proj.weight"] = w(inter, c)
+        sd[f"{p}.mlp.down_proj.weight"] = w(c, inter)
+        sd[f"{p}.mlp.up_proj.weight"] = w(inter, c)
+        sd |= _linear_norm(f"{p}.input_layernorm", c, gen) | _linear_norm(f"{p}.post_attention_layernorm", c, gen)
+    sd |= _linear_norm("model.norm", c, gen)
+    sd["lm_head.weight"] = w(vocab, c)
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c,
+        "intermediate_size": inter,
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": heads,
+        "vocab_size": vocab,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "torch_dtype": "float16",
+    }
+    hf.write_hf_folder(folder, sd, config, max_shard_bytes=shard_bytes)
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="350m")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 18 for 350m, 2 for 7b)")
+    parser.add_argument("--shard-mb", type=int, default=200)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    shape = dict(SHAPES[args.shape])
+    if args.layers is not None:
+        shape["layers"] = args.layers
+    with tempfile.TemporaryDirectory(prefix="slabconv-stream-bench-") as tmp:
+        src, out = Path(tmp) / "src", Path(tmp) / "out"
+        t = time.perf_counter()
+        weight_bytes = build_checkpoint(src, shape, args.shard_mb * 10**6)
+        build_s = time.perf_counter() - t
+        shards = sorted(src.glob("model-*.safetensors"))
+        largest = max(p.stat().st_size for p in shards)
+        ckpt = sum(p.stat().st_size for p in shards)
+        base = measure([sys.executable, "-c", "import torch, slabconv.stream, safetensors"])
+        plan_only = (
+            "import json, sys; import slabconv.cli; from slabconv import stream; d = sys.argv[1]; "
+            "stream.make_plan(json.load(open(d + '/config.json')), "
+            "json.load(open(d + '/model.safetensors.index.json'))['weight_map'])"
+        )
+        fixed = measure([sys.executable, "-c", plan_only, str(src)])
+        run = measure([sys.executable, "-m", "slabconv", "fuse", str(src), "--stream", "--no-onnx", "--out", str(out)])
+        report = json.loads((out / "report.json").read_text())
+        mib = 2**20
+        result = {
+            "shape": args.shape,
+            "config": shape,
+            "shards": len(shards),
+            "checkpoint_mib": ckpt / mib,
+            "weight_mib": weight_bytes / mib,
+            "largest_shard_mib": largest / mib,
+            "build_s": build_s,
+            "fold_wall_s": run["wall_s"],
+            "peak_rss_mib": run["peak_rss_mib"],
+            "import_overhead_rss_mib": base["peak_rss_mib"],
+            "fixed_overhead_rss_mib": fixed["peak_rss_mib"],
+            "peak_rss_over_checkpoint": run["peak_rss_mib"] * mib / ckpt,
+            "peak_rss_over_largest_shard": run["peak_rss_mib"] * mib / largest,
+            "peak_minus_overhead_over_largest_shard_plus_10pct": (run["peak_rss_mib"] - fixed["peak_rss_mib"])
+            * mib
+            / (1.1 * largest),
+            "verification_max_rel_err": report["verification"]["max_rel_err"],
+            "verification_passed": report["verification"]["passed"],
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+        if args.shape == "350m":
+            met = result["peak_rss_over_checkpoint"] <= 1.3
+            print(f"target peak RSS / checkpoint <= 1.3: {'met' if met else 'MISSED'}")
+        else:
+            ok = result["peak_minus_overhead_over_largest_shard_plus_10pct"] <= 1.0
+            print(f"target (peak - import overhead) <= largest shard + 10%: {'met' if ok else 'MISSED'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
