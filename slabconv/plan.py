@@ -118,6 +118,12 @@ def _progressive_warnings(gm: fx.GraphModule, name: str) -> list[str]:
     if any(not isinstance(v, torch.Tensor) for v in counters.values()):
         return []
     warm, it, total = (int(counters[k]) for k in ("warm", "iter", "total_step"))  # type: ignore[arg-type]
+    return schedule_warnings(warm, it, total)
+
+
+def schedule_warnings(warm: int, it: int, total: int) -> list[str]:
+    """The warning for a ``LinearNorm`` whose counters (``warm``, ``iter``, ``total_step``) had not reached pure
+    RepBN, with the weight the LayerNorm/RMSNorm branch still had; empty when the schedule finished."""
     if warm <= 0 and it <= 0:
         return []
     lam = 1.0 if warm > 0 else it / max(total, 1)

@@ -326,18 +326,12 @@ def _check_stats(name: str, stats: dict[str, torch.Tensor | None], eps: float) -
 
 
 def _counter_warnings(shards: _Shards, norm: str) -> list[str]:
-    """As ``plan._progressive_warnings``: the LinearNorm schedule had not reached pure RepBN."""
+    """``plan.schedule_warnings`` for the counters stored under ``norm``."""
     keys = {k: f"{norm}.{k}" for k in ("warm", "iter", "total_step")}
     if not all(k in shards.weight_map for k in keys.values()):
         return []
     warm, it, total = (int(shards.get(keys[k])) for k in ("warm", "iter", "total_step"))
-    if warm <= 0 and it <= 0:
-        return []
-    lam = 1.0 if warm > 0 else it / max(total, 1)
-    return [
-        f"progressive schedule unfinished: warm={warm}, iter={it}, total_step={total}; the LayerNorm/RMSNorm "
-        f"branch still had weight {lam:.4g} in training, eval uses the RepBN branch alone (converted as eval)"
-    ]
+    return plan.schedule_warnings(warm, it, total)
 
 
 @dataclass
