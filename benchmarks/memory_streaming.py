@@ -32,39 +32,95 @@ SHAPES = {
 
 
 def _linear_norm(prefix: str, c: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Official LinearNorm keys with a finished schedule; RepBN statistics are set by ``_calibrate``."""
     out = {f"{prefix}.{k}": torch.tensor(0) for k in ("num_step", "warm", "iter", "total_step")}
     out[f"{prefix}.norm1.weight"] = torch.ones(c, dtype=torch.float16)
-    out[f"{prefix}.norm2.alpha"] = torch.randn(1, generator=gen).half()
-    out[f"{prefix}.norm2.bn.weight"] = torch.randn(c, generator=gen).half()
-    out[f"{prefix}.norm2.bn.bias"] = torch.randn(c, generator=gen).half()
-    out[f"{prefix}.norm2.bn.running_mean"] = torch.randn(c, generator=gen).half()
-    out[f"{prefix}.norm2.bn.running_var"] = (torch.rand(c, generator=gen) * 2 + 0.2).half()
+    out[f"{prefix}.norm2.alpha"] = (0.1 * torch.randn(1, generator=gen)).half()
+    out[f"{prefix}.norm2.bn.weight"] = (1 + 0.1 * torch.randn(c, generator=gen)).half()
+    out[f"{prefix}.norm2.bn.bias"] = (0.1 * torch.randn(c, generator=gen)).half()
+    out[f"{prefix}.norm2.bn.running_mean"] = torch.zeros(c, dtype=torch.float16)
+    out[f"{prefix}.norm2.bn.running_var"] = torch.ones(c, dtype=torch.float16)
     out[f"{prefix}.norm2.bn.num_batches_tracked"] = torch.tensor(1000)
     return out
 
 
+def _set_stats(sd: dict[str, torch.Tensor], prefix: str, x: torch.Tensor) -> None:
+    """Set the RepBN running statistics at ``prefix`` to those of ``x`` (B, T, C), as training would have."""
+    flat = x.reshape(-1, x.shape[-1]).double()
+    sd[f"{prefix}.norm2.bn.running_mean"] = flat.mean(0).half()
+    sd[f"{prefix}.norm2.bn.running_var"] = flat.var(0).clamp_min(1e-4).half()
+
+
+def _calibrate(sd: dict[str, torch.Tensor], cfg, ids: torch.Tensor) -> None:
+    """Give every RepBN the statistics of its real input on ``ids``, one decoder layer at a time.
+
+    Random weights with arbitrary statistics make activations grow without bound (the MLP is quadratic in its
+    input and a RepBN in eval does not renormalise), so a deep random model overflows float32. Statistics measured
+    on the model's own activations keep every norm's output near unit scale, as in a trained model.
+    """
+    from slabconv.zoo.llama import LlamaDecoderLayer, norm_factory, rope_cos_sin
+
+    t = ids.shape[1]
+    cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, torch.float32)
+    mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)
+    h = sd["model.embed_tokens.weight"][ids].float()
+    with torch.no_grad():
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}"
+            layer = LlamaDecoderLayer(cfg, norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope=False)
+            _set_stats(sd, f"{p}.input_layernorm", h)
+            state = {k[len(p) + 1 :]: v for k, v in sd.items() if k.startswith(p + ".") and "inv_freq" not in k}
+            layer.load_state_dict(state, strict=True)
+            layer.float().eval()
+            x = h + layer.self_attn(layer.input_layernorm(h), cos, sin, mask)
+            _set_stats(sd, f"{p}.post_attention_layernorm", x)
+            layer.post_attention_layernorm.load_state_dict(
+                {
+                    k[len(p) + len(".post_attention_layernorm") + 1 :]: v
+                    for k, v in sd.items()
+                    if k.startswith(f"{p}.post_attention_layernorm.")
+                }
+            )
+            h = x + layer.mlp(layer.post_attention_layernorm(x))
+            del layer
+        _set_stats(sd, "model.norm", h)
+
+
 def build_checkpoint(folder: Path, shape: dict[str, int], shard_bytes: int) -> int:
-    """Write the folder; return the weight bytes. Tensors are random float16 (values do not change the cost)."""
+    """Write the folder; return the weight bytes. Weights are random float16 (values do not change the cost); the
+    RepBN statistics are calibrated on 8 x 64 random tokens so that the model's activations stay finite."""
     from slabconv import hf
+    from slabconv.zoo.llama import LlamaConfig
 
     c, inter, vocab, heads = shape["hidden"], shape["intermediate"], shape["vocab"], shape["heads"]
     gen = torch.Generator().manual_seed(0)
 
-    def w(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen) * 0.02).half()
+    def w(*size: int, std: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * std).half()
 
-    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(vocab, c)}
+    out_std = 0.02 / (2 * shape["layers"]) ** 0.5  # residual-branch outputs scaled by depth, as GPT-2 initialises
+
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": w(vocab, c, std=1.0)}  # hidden states O(1)
     for i in range(shape["layers"]):
         p = f"model.layers.{i}"
-        for proj in "qkvo":
+        for proj in "qkv":
             sd[f"{p}.self_attn.{proj}_proj.weight"] = w(c, c)
+        sd[f"{p}.self_attn.o_proj.weight"] = w(c, c, std=out_std)
         sd[f"{p}.self_attn.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, c // heads, 2) / (c // heads)))
         sd[f"{p}.mlp.gate_proj.weight"] = w(inter, c)
-        sd[f"{p}.mlp.down_proj.weight"] = w(c, inter)
+        sd[f"{p}.mlp.down_proj.weight"] = w(c, inter, std=out_std)
         sd[f"{p}.mlp.up_proj.weight"] = w(inter, c)
         sd |= _linear_norm(f"{p}.input_layernorm", c, gen) | _linear_norm(f"{p}.post_attention_layernorm", c, gen)
     sd |= _linear_norm("model.norm", c, gen)
     sd["lm_head.weight"] = w(vocab, c)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=c,
+        intermediate_size=inter,
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=heads,
+    )
+    _calibrate(sd, cfg, torch.randint(0, vocab, (8, 64), generator=gen))
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],

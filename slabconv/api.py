@@ -178,7 +178,10 @@ def load_model(
         return _load_module(ckpt, input_shape)
     norm = "checkpoint"
     config = ckpt.config
-    if ckpt.format == "safetensors" and "slabconv_version" in ckpt.metadata:
+    if (
+        ckpt.format in ("safetensors", "hf-safetensors", "hf-safetensors-sharded")
+        and "slabconv_version" in ckpt.metadata
+    ):
         if ckpt.metadata.get("complete") != "true":
             raise UnsupportedModelError(
                 f"{ckpt.path}: this fused model keeps some norms as affines; verify the model.onnx beside it"
@@ -679,6 +682,7 @@ def verify(
     trust_pickle: bool = False,
     input_shape: tuple[int, ...] | None = None,
     image_size: int | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """Compare a candidate model with a reference on the same inputs.
 
@@ -687,6 +691,10 @@ def verify(
     optimisations off and fully on: both must pass). Inputs: ``inputs`` (``.npz``), else ``holdout.npz``
     beside a checkpoint side, else ``samples`` seeded random samples of the model's input shape. The
     tolerance defaults by the reference's dtype (DESIGN.md section 5).
+
+    With ``stream``, both sides are LLaMA-layout safetensors folders (sharded or not) compared one decoder layer
+    at a time in bounded memory (``layerwise.verify_folders``; ``samples`` token sequences), for models too big
+    to load whole.
 
     Returns:
         ``{"slabconv_version", "reference", "candidate", "verification"}``; ``verification.passed`` says
@@ -698,6 +706,8 @@ def verify(
             not the same model (exit code 2).
     """
     ref_path, cand_path = Path(reference), Path(candidate)
+    if stream:
+        return _verify_streaming(ref_path, cand_path, inputs, samples, seed, rtol, atol)
     ref = _side(ref_path, arch, ema, trust_pickle, input_shape, image_size)
     cand = _side(cand_path, arch, ema, trust_pickle, input_shape, image_size)
     if ref.input_shape and cand.input_shape and ref.input_shape != cand.input_shape:
@@ -728,6 +738,37 @@ def verify(
         "slabconv_version": __version__,
         "reference": {**ref.info, "runtime": ref_runtime.label},
         "candidate": cand.info,
+        "verification": verification.to_dict(),
+    }
+
+
+def _verify_streaming(
+    ref_path: Path,
+    cand_path: Path,
+    inputs: Path | str | None,
+    samples: int,
+    seed: int,
+    rtol: float | None,
+    atol: float,
+) -> dict[str, Any]:
+    from slabconv import hf, layerwise
+
+    if inputs is not None:
+        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    for path in (ref_path, cand_path):
+        if not path.is_dir():
+            raise UsageError(f"{path}: --stream compares Hugging Face style folders; give the folder, not a file")
+    verification = layerwise.verify_folders(ref_path, cand_path, sequences=samples, seed=seed, rtol=rtol, atol=atol)
+
+    def info(path: Path) -> dict[str, Any]:
+        found = hf.hf_weights_file(path)
+        assert found is not None  # LazyShards.open accepted the folder
+        return {"path": str(path), "format": found[1], "index_sha256": sha256_file(found[0]), "arch": "llama_prepbn"}
+
+    return {
+        "slabconv_version": __version__,
+        "reference": {**info(ref_path), "runtime": verification.runtime},
+        "candidate": info(cand_path),
         "verification": verification.to_dict(),
     }
 

@@ -198,8 +198,11 @@ def _render(report: dict[str, Any], as_json: bool) -> None:
             for w in f.get("warnings", []):
                 out_console.print(f"warning: {f['norm']}: {w}", markup=False, highlight=False)
     if "outputs" in report and report.get("out_dir"):
+        weights = report["outputs"].get("safetensors")
+        if isinstance(weights, list):  # a streamed fold: the shards and their index
+            weights = f"{report['outputs']['index']} + {len(weights)} shards"
         out_console.print(
-            f"wrote {report['out_dir']}/: model.safetensors, "
+            f"wrote {report['out_dir']}/: {weights or 'model.safetensors'}, "
             f"{'model.onnx, ' if report['outputs'].get('onnx') else ''}report.json",
             highlight=False,
         )
@@ -228,13 +231,18 @@ def fuse(
         bool,
         typer.Option(
             "--stream",
-            help="Fold a sharded LLaMA-PRepBN safetensors folder shard by shard in bounded memory (needs --no-onnx; "
-            "verifies norm -> projection pairs of the first, middle and last layers).",
+            help="Fold a sharded LLaMA-PRepBN safetensors folder shard by shard in bounded memory (needs --no-onnx and "
+            "--out; verifies one decoder layer at a time, --samples token sequences).",
         ),
     ] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")] = False,
     inputs: Inputs = None,
-    samples: Annotated[int, typer.Option("--samples", help="Random samples when no inputs are found.")] = 64,
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            "--samples", help="Random samples when no inputs are found (default 64; with --stream, 2 token sequences)."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
     rtol: Annotated[
         float | None, typer.Option("--rtol", help="Relative tolerance (default by dtype: fp32 1e-5).")
@@ -258,6 +266,7 @@ def fuse(
 
     with _errors(debug):
         if stream:
+            from slabconv import layerwise
             from slabconv.stream import fuse_streaming
 
             if not no_onnx:
@@ -271,7 +280,17 @@ def fuse(
             with _progress(not as_json) as progress:
                 if stream:
                     assert out is not None  # checked above
-                    report = fuse_streaming(ckpt, out, force=force, samples=samples, seed=seed, progress=progress)
+                    report = fuse_streaming(
+                        ckpt,
+                        out,
+                        force=force,
+                        verify=not no_verify,
+                        samples=samples if samples is not None else layerwise.DEFAULT_SEQUENCES,
+                        seed=seed,
+                        rtol=rtol,
+                        atol=atol,
+                        progress=progress,
+                    )
                     _render(report, as_json)
                     return
                 report = api.fuse(
@@ -283,7 +302,7 @@ def fuse(
                     verify=not no_verify,
                     force=force,
                     inputs=inputs,
-                    samples=samples,
+                    samples=samples if samples is not None else 64,
                     seed=seed,
                     rtol=rtol,
                     atol=atol,
@@ -381,7 +400,12 @@ def verify(
     candidate: Annotated[Path, typer.Argument(metavar="CANDIDATE", help="The candidate, any of the same kinds.")],
     arch: Arch = None,
     inputs: Inputs = None,
-    samples: Annotated[int, typer.Option("--samples", help="Random samples when no inputs are given.")] = 64,
+    samples: Annotated[
+        int | None,
+        typer.Option(
+            "--samples", help="Random samples when no inputs are given (default 64; with --stream, 2 token sequences)."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
     rtol: Annotated[float | None, typer.Option("--rtol", help="Relative tolerance (default by dtype).")] = None,
     atol: Annotated[float, typer.Option("--atol", help="Absolute tolerance, also accepted.")] = 0.0,
@@ -392,15 +416,25 @@ def verify(
     trust_pickle: TrustPickle = False,
     input_shape: InputShape = None,
     image_size: ImageSize = None,
+    stream: Annotated[
+        bool,
+        typer.Option(
+            "--stream",
+            help="Compare two LLaMA-PRepBN folders (sharded or not) one decoder layer at a time, in bounded memory.",
+        ),
+    ] = False,
     as_json: Json = False,
     debug: Debug = False,
 ) -> None:
     """Compare CANDIDATE with REFERENCE on the same inputs; exit 0 when equivalent, 1 when not, 2 on bad input.
 
-    Each side is a checkpoint (+ --arch), a .pt2, an .onnx or a fused model.safetensors. An .onnx side gets
-    onnx.checker's full check and runs in onnxruntime with graph optimisations off and fully on; both must pass.
+    Each side is a checkpoint (+ --arch), a Hugging Face folder, a .pt2, an .onnx or a fused model.safetensors
+    (or a fused folder). An .onnx side gets onnx.checker's full check and runs in onnxruntime with graph
+    optimisations off and fully on; both must pass.
     Inputs: --inputs NPZ, else holdout.npz beside a checkpoint, else --samples seeded random samples.
     Tolerance: --rtol (default by dtype: fp32 1e-5, fp16 1e-3, bf16 1e-2) or --atol; top-1 must agree.
+    --stream: for LLaMA folders too big to load whole (what `fuse --stream` writes): every decoder layer and the
+    logits are compared, one layer in memory at a time.
 
     Example: slabconv verify ckpt.pth ckpt-fused/model.onnx --junit equivalence.xml
     """
@@ -417,13 +451,14 @@ def verify(
             arch=arch,
             ema=ema,
             inputs=inputs,
-            samples=samples,
+            samples=samples if samples is not None else (2 if stream else 64),
             seed=seed,
             rtol=rtol,
             atol=atol,
             trust_pickle=trust_pickle,
             input_shape=_shape(input_shape),
             image_size=image_size,
+            stream=stream,
         )
         if junit is not None:
             write_junit(report, junit)

@@ -169,7 +169,12 @@ class NormSite:
         return int(shape[self.channel_axis])
 
 
-def _bn_args(node: fx.Node) -> tuple[Any, ...]:
+def is_batch_norm(node: fx.Node) -> bool:
+    """True for an aten batch-norm call (any of the ``_BN_LAYOUT`` overloads), in train or eval form."""
+    return node.op == "call_function" and node.target in _BN_LAYOUT
+
+
+def bn_args(node: fx.Node) -> tuple[Any, ...]:
     """``(input, weight, bias, running_mean, running_var, training, eps)`` of a BN node (see ``_BN_LAYOUT``)."""
     positions, training, eps, _ = _BN_LAYOUT[node.target]
     a = node.args
@@ -221,7 +226,7 @@ def find_norms(gm: fx.GraphModule) -> list[NormSite]:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in BN_OPS:
             continue
-        x, w, b, mean, var, training, eps = _bn_args(node)
+        x, w, b, mean, var, training, eps = bn_args(node)
         region = [node]
         out = node
         if _BN_LAYOUT[node.target][3]:

@@ -18,10 +18,10 @@ Plan on a small graph, apply to big weights:
    shard nor a whole large tensor is ever held: peak memory is the fixed overhead (torch, the tiny trace) plus a
    few blocks. Norm tensors and tensors the fused graph does not read (counters, ``rotary_emb.inv_freq``) are
    dropped.
-3. VERIFY. For the first, middle and last decoder layers and the final norm, each norm -> projection pair is
-   checked from the written files: ``fused_proj(x)`` against ``proj(RepBN(x))`` on seeded random hidden states
-   (float32 compute from the stored weights); max relative error ``max|c - r| / max|r|`` must be within the
-   dtype tolerance of DESIGN.md section 5 (float16: 1e-3).
+3. VERIFY. ``layerwise.verify_folders`` runs the original and the written folder one decoder layer at a time
+   (float32 compute, weights streamed in row blocks) on seeded random token sequences: every decoder layer's
+   output on the same input, and the logits end to end with next-token top-1 at every position; max relative
+   error ``max|c - r| / max|r|`` must be within the dtype tolerance of DESIGN.md section 5 (float16: 1e-3).
 
 Everything is written to a staging folder beside the output and renamed into place only when verification passed.
 """
@@ -31,18 +31,17 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn import functional as F  # noqa: N812
 
-from slabconv import __version__, fold, graph, hf, plan
+from slabconv import __version__, fold, graph, hf, layerwise, plan
 from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError
 from slabconv.io import quiet, sha256_file, staging_dir
-from slabconv.verify import DEFAULT_RTOL
+from slabconv.verify import failure_line
 
 Progress = Callable[[str], None]
 
@@ -53,19 +52,6 @@ _TINY = {"hidden_size": 16, "intermediate_size": 32, "vocab_size": 64, "num_atte
 # Elements per row block: fold_into_linear's float64 temporaries, copies and checks (rows are independent).
 _FOLD_BLOCK = 1 << 22
 _ROLES = ("weight", "bias", "running_mean", "running_var", "alpha")
-
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def _no_progress(message: str) -> None:
@@ -166,7 +152,7 @@ def make_plan(config: dict[str, Any], weight_map: dict[str, str]) -> StreamPlan:
         gm = graph.capture(model, example)
     sites = {}
     for site in graph.find_norms(gm):
-        _, w, b, mean, var, _, _ = graph._bn_args(site.bn)
+        _, w, b, mean, var, _, _ = graph.bn_args(site.bn)
         names = {
             "weight": w,
             "bias": b,
@@ -208,60 +194,6 @@ def make_plan(config: dict[str, Any], weight_map: dict[str, str]) -> StreamPlan:
 # --------------------------------------------------------------------------------------------- safetensors I/O
 
 
-class _Shards:
-    """Lazy reads from a sharded folder, each through its own short-lived ``safe_open`` handle (closing a handle
-    unmaps its pages, so nothing read stays resident beyond the tensor returned)."""
-
-    def __init__(self, folder: Path, weight_map: dict[str, str]):
-        self.folder, self.weight_map = folder, weight_map
-
-    def _open(self, key: str) -> Any:
-        from safetensors import safe_open
-
-        if key not in self.weight_map:
-            raise InputError(f"{self.folder / hf.SAFETENSORS_INDEX}: {key!r} is missing from the index")
-        path = self.folder / self.weight_map[key]
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
-            raise InputError(f"{path}: not a readable safetensors file ({err})") from None
-
-    def get(self, key: str) -> torch.Tensor:
-        """One whole tensor (small ones: norm statistics, biases, counters, 1-D buffers)."""
-        with self._open(key) as f:
-            return f.get_tensor(key)
-
-    def row_blocks(self, key: str, shape: list[int]) -> Iterator[torch.Tensor]:
-        """The tensor in blocks of rows (whole when it is small or 0/1-D), each read through its own handle with
-        ``get_slice``: only the pages of one block are ever mapped."""
-        rows = _block_rows(shape)
-        if len(shape) < 2 or shape[0] <= rows:
-            yield self.get(key)
-            return
-        for r in range(0, shape[0], rows):
-            with self._open(key) as f:
-                block = f.get_slice(key)[r : r + rows]
-            yield block
-
-    def shape(self, key: str) -> list[int]:
-        with self._open(key) as f:
-            return list(f.get_slice(key).get_shape())
-
-    def header(self, shard: str) -> tuple[list[str], dict[str, tuple[torch.dtype, list[int]]]]:
-        """The keys of a shard in file order and their (dtype, shape), from the header only."""
-        path = self.folder / shard
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            head = json.loads(f.read(n))
-        head.pop("__metadata__", None)
-        rev = {v: k for k, v in _ST_DTYPES.items()}
-        order = sorted(head, key=lambda k: head[k]["data_offsets"][0])
-        try:
-            return order, {k: (rev[head[k]["dtype"]], list(head[k]["shape"])) for k in order}
-        except KeyError as err:
-            raise InputError(f"{path}: unsupported safetensors dtype {err}") from None
-
-
 class _ShardWriter:
     """Write one safetensors file tensor by tensor: the header (all names, dtypes, shapes) first, then the bytes in
     the same order; nothing but the tensor being written is held."""
@@ -272,7 +204,11 @@ class _ShardWriter:
         self.expected: list[tuple[str, torch.dtype, list[int], int]] = []
         for name, dtype, shape in specs:
             nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": hf.SAFETENSORS_DTYPES[dtype],
+                "shape": shape,
+                "data_offsets": [offset, offset + nbytes],
+            }
             self.expected.append((name, dtype, shape, nbytes))
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -310,12 +246,6 @@ def _numel(shape: list[int]) -> int:
 # --------------------------------------------------------------------------------------------- apply
 
 
-def _block_rows(shape: list[int]) -> int:
-    """Rows per block so that a float64 copy of one block holds about ``_FOLD_BLOCK`` elements."""
-    inner = _numel(shape[1:]) if len(shape) > 1 else 1
-    return max(1, _FOLD_BLOCK // max(1, inner))
-
-
 def _check_stats(name: str, stats: dict[str, torch.Tensor | None], eps: float) -> None:
     for role, t in stats.items():
         if t is not None and not bool(torch.isfinite(t).all()):
@@ -325,7 +255,7 @@ def _check_stats(name: str, stats: dict[str, torch.Tensor | None], eps: float) -
         raise InputError(f"norm {name}: running_var + eps <= 0 for some channel; the checkpoint is damaged")
 
 
-def _counter_warnings(shards: _Shards, norm: str) -> list[str]:
+def _counter_warnings(shards: hf.LazyShards, norm: str) -> list[str]:
     """``plan.schedule_warnings`` for the counters stored under ``norm``."""
     keys = {k: f"{norm}.{k}" for k in ("warm", "iter", "total_step")}
     if not all(k in shards.weight_map for k in keys.values()):
@@ -390,8 +320,8 @@ def _read_source(folder: Path) -> tuple[dict[str, Any], Path, dict[str, str], li
             "fold it in memory without --stream"
         )
     index = found[0]
-    weight_map = hf._read_index(index)
-    shards = hf._shards(index)
+    weight_map = hf.read_index(index)
+    shards = hf.shard_paths(index)
     return config, index, weight_map, [s.name for s in shards]
 
 
@@ -400,9 +330,12 @@ def fuse_streaming(
     out_dir: Path | str,
     *,
     force: bool = False,
-    verify_layers: list[int] | None = None,
-    samples: int = 64,
+    verify: bool = True,
+    samples: int = layerwise.DEFAULT_SEQUENCES,
+    seq_len: int = layerwise.DEFAULT_SEQ_LEN,
     seed: int = 0,
+    rtol: float | None = None,
+    atol: float = 0.0,
     progress: Progress = _no_progress,
 ) -> dict[str, Any]:
     """Fold every norm of a sharded LLaMA-PRepBN safetensors folder into ``out_dir`` without loading it whole.
@@ -412,14 +345,14 @@ def fuse_streaming(
         out_dir: output folder: config.json, model.safetensors.index.json, shards (same names and boundaries as
             the input), report.json.
         force: replace an existing ``out_dir``.
-        verify_layers: decoder layers whose norm -> projection pairs are checked (default first, middle, last);
-            the final norm -> lm_head is always checked.
-        samples, seed: random hidden states per check.
+        verify: run ``layerwise.verify_folders`` on the written folder before it is moved into place.
+        samples, seq_len, seed: verification inputs: ``samples`` seeded random token sequences of ``seq_len``.
+        rtol, atol: verification tolerances (default rtol by dtype, DESIGN.md section 5).
         progress: called with a short message per stage.
 
     Returns:
         The report: ``folds`` (one entry per norm, as ``fuse``), ``source``, ``outputs`` (files and sha256),
-        ``verification`` (max relative error per checked pair).
+        ``verification`` (one check per decoder layer and one for the logits, as ``verify``).
 
     Raises:
         InputError, UnsupportedModelError, UsageError: bad input (exit 2); nothing is written.
@@ -433,6 +366,7 @@ def fuse_streaming(
         raise UsageError(f"{out_dir} already exists; pass --force to replace it")
     config, index, weight_map, shard_names = _read_source(folder)
     layers = _layers(weight_map)
+    hf.return_freed_blocks_to_the_os()
     progress("planning on a tiny instance of the architecture")
     splan = make_plan(config, weight_map)
 
@@ -450,7 +384,7 @@ def fuse_streaming(
         "source_sha256": source_sha,
         "config": json.dumps(config),
     }
-    shards = _Shards(folder, weight_map)
+    shards = hf.LazyShards(folder, weight_map, _FOLD_BLOCK)
     affines: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     warnings: dict[str, list[str]] = {}
     dtypes: set[str] = set()
@@ -535,8 +469,20 @@ def fuse_streaming(
             json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2) + "\n"
         )
         (tmp / hf.CONFIG).write_text((folder / hf.CONFIG).read_text(encoding="utf-8"), encoding="utf-8")
-        progress("verifying norm -> projection pairs layer by layer")
-        verification = verify_pairs(folder, tmp, norms, layers, verify_layers=verify_layers, samples=samples, seed=seed)
+        verification: dict[str, Any] | None = None
+        if verify:
+            progress("verifying one decoder layer at a time")
+            verification = layerwise.verify_folders(
+                folder,
+                tmp,
+                sequences=samples,
+                seq_len=seq_len,
+                seed=seed,
+                rtol=rtol,
+                atol=atol,
+                block_elements=_FOLD_BLOCK,
+                progress=progress,
+            ).to_dict()
         written = [tmp / hf.CONFIG, tmp / hf.SAFETENSORS_INDEX, *(tmp / s for s in shard_names)]
         folds = []
         for n in norms:
@@ -568,93 +514,8 @@ def fuse_streaming(
             "out_dir": str(out_dir),
         }
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-        if not verification["passed"]:
-            worst = max(verification["checks"], key=lambda c: c["max_rel_err"])
+        if verification is not None and not verification["passed"]:
             raise VerificationError(
-                f"the fused weights are not equivalent: {worst['name']} max rel err {worst['max_rel_err']:.3g} > "
-                f"tolerance {worst['tolerance']:g}; nothing was written",
-                report,
+                f"the fused weights are not equivalent: {failure_line(verification)}; nothing was written", report
             )
     return report
-
-
-# --------------------------------------------------------------------------------------------- verify
-
-
-def verify_pairs(
-    source: Path,
-    fused: Path,
-    norms: list[_Norm],
-    layers: int,
-    *,
-    verify_layers: list[int] | None = None,
-    samples: int = 64,
-    seed: int = 0,
-) -> dict[str, Any]:
-    """Check ``fused_proj(x) == proj(RepBN(x))`` for the norms of a few layers, reading both folders lazily.
-
-    The original side computes eval RepBN in float32 (``F.batch_norm`` + ``alpha * x``) and the projection with
-    the original weights; the fused side applies the folded weight and created bias to ``x`` directly. Error is
-    ``max|c - r| / max|r|`` per consumer.
-    """
-    chosen = sorted(set(verify_layers if verify_layers is not None else [0, layers // 2, layers - 1]))
-    picked = [
-        n
-        for n in norms
-        if (m := _LAYER.match(n.name)) is None or int(m.group(1)) in chosen  # the final norm is always checked
-    ]
-    src_map, out_map = hf._read_index(source / hf.SAFETENSORS_INDEX), hf._read_index(fused / hf.SAFETENSORS_INDEX)
-    src, out = _Shards(source, src_map), _Shards(fused, out_map)
-    gen = torch.Generator().manual_seed(seed)
-    checks, dtype_names = [], set()
-    for n in picked:
-        stats = {r: (src.get(k).float() if k else None) for r, k in n.keys.items()}
-        c = stats["running_mean"].numel()  # type: ignore[union-attr]
-        x = torch.randn(samples, c, generator=gen) * 2.0
-        y = F.batch_norm(
-            x, stats["running_mean"], stats["running_var"], stats["weight"], stats["bias"], False, 0.0, n.plan.eps
-        )
-        if stats["alpha"] is not None:
-            y = y + stats["alpha"] * x
-        for consumer in n.consumers:
-            wkey, bkey = f"{consumer}.weight", f"{consumer}.bias"
-            b = src.get(bkey) if bkey in src_map else None
-            b_new = out.get(bkey)
-            dtype_names.add(str(b_new.dtype).removeprefix("torch."))
-            abs_err = torch.zeros(samples, dtype=torch.float64)
-            ref_max, start = 0.0, 0
-            shape = [len(b_new), len(x[0])]
-            for w, w_new in zip(src.row_blocks(wkey, shape), out.row_blocks(wkey, shape), strict=True):
-                rows = slice(start, start + len(w))
-                ref = F.linear(y, w.float(), None if b is None else b[rows].float())
-                cand = F.linear(x, w_new.float(), b_new[rows].float())
-                abs_err = torch.maximum(abs_err, (cand.double() - ref.double()).abs().amax(dim=1))
-                ref_max = max(ref_max, ref.double().abs().max().item())
-                start += len(w)
-                del ref, cand
-            err = abs_err.max().item() / ref_max
-            tol = DEFAULT_RTOL.get(str(b_new.dtype).removeprefix("torch."), 1e-5)
-            checks.append(
-                {
-                    "name": f"{n.name} -> {consumer}",
-                    "max_abs_err": abs_err.max().item(),
-                    "max_rel_err": err,
-                    "tolerance": tol,
-                    "top1_agreement": None,
-                    "worst_sample": int(abs_err.argmax()),
-                    "passed": err <= tol,
-                }
-            )
-            del b_new
-    return {
-        "method": "per norm -> projection pair: fused_proj(x) vs proj(RepBN(x)), float32 compute from stored weights",
-        "layers": chosen,
-        "inputs": f"random hidden states N(0, 2^2), seed {seed}",
-        "runtime": "pytorch float32, layer by layer",
-        "samples": samples,
-        "seed": seed,
-        "dtypes": sorted(dtype_names),
-        "checks": checks,
-        "max_rel_err": max((float(c["max_rel_err"]) for c in checks), default=0.0),  # type: ignore[arg-type]
-        "passed": all(c["passed"] for c in checks),
-    }

@@ -268,6 +268,54 @@ def ema_without_ema_weights(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> l
     return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--ema"]
 
 
+def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) -> Path:
+    from slabconv import hf
+    from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=hidden,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=16,
+    )
+    sd = randomize_norms(LlamaForCausalLM(cfg), 0).half().state_dict()
+    config = {"model_type": "llama", "num_attention_heads": 4, "max_position_embeddings": 16, "rms_norm_eps": 1e-6}
+    hf.write_hf_folder(tmp / name, sd, config, max_shard_bytes=4096 if sharded else None)
+    return tmp / name
+
+
+def stream_without_no_onnx(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(_llama_folder(tmp, "src")), "--stream", "--out", str(tmp / "out")]
+
+
+def stream_an_unsharded_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(_llama_folder(tmp, "src", sharded=False)), "--stream", "--no-onnx", "--out", str(tmp / "o")]
+
+
+def stream_verify_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    src = _llama_folder(tmp, "src")
+    return ["verify", str(src), str(src / "config.json"), "--stream"]
+
+
+def stream_verify_with_inputs(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    src = _llama_folder(tmp, "src")
+    np.savez(tmp / "x.npz", x=np.zeros((2, 8), np.int64))
+    return ["verify", str(src), str(src), "--stream", "--inputs", str(tmp / "x.npz")]
+
+
+def stream_verify_of_another_size(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["verify", str(_llama_folder(tmp, "a")), str(_llama_folder(tmp, "b", hidden=16)), "--stream"]
+
+
+def stream_verify_of_a_vision_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    from slabconv import hf
+
+    hf.write_hf_folder(tmp / "vit", tiny_state_dict(), {"model_type": "vit"})
+    return ["verify", str(_llama_folder(tmp, "src")), str(tmp / "vit"), "--stream"]
+
+
 # (case, a phrase of the message that docs/errors.md must also contain)
 CATALOGUE: list[tuple[Case, str]] = [
     (empty_file, "the file is empty"),
@@ -309,6 +357,12 @@ CATALOGUE: list[tuple[Case, str]] = [
     (inputs_of_the_wrong_shape, "inputs have shape"),
     (junit_onto_an_input, "is an input file"),
     (ema_without_ema_weights, "--ema was given"),
+    (stream_without_no_onnx, "add --no-onnx"),
+    (stream_an_unsharded_folder, "--stream needs sharded safetensors"),
+    (stream_verify_of_a_file, "give the folder, not a file"),
+    (stream_verify_with_inputs, "--inputs is not supported"),
+    (stream_verify_of_another_size, "have different sizes"),
+    (stream_verify_of_a_vision_folder, "LLaMA-layout folders only"),
 ]
 
 
