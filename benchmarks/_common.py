@@ -12,17 +12,17 @@ import torch
 from tests.conftest import randomize_norms
 
 
-def zoo_checkpoint(arch: str, path: Path, image_size: int = 224) -> Path:
-    """Save a release-style ``{'model': state_dict}`` checkpoint of a registered architecture at its real size,
-    with random norm statistics (the timings do not depend on the values)."""
-    from slabconv.zoo.deit import VisionTransformer, norm_factory
+def zoo_checkpoint(arch: str, path: Path) -> Path:
+    """Save a release-style ``{'model': state_dict}`` checkpoint of a fixed-size zoo preset at its real size (its
+    official layout from ``tests/test_zoo.py``, its own initialisation, random norm statistics: the timings do not
+    depend on the values)."""
+    from slabconv.zoo import get_arch
+    from tests.test_zoo import OFFICIAL_LAYOUT
 
-    presets = {"deit_tiny_prepbn": (192, 3, "repbn"), "deit_small_prepbn": (384, 6, "linearnorm")}
-    dim, heads, layout = presets[arch]
+    with torch.device("meta"):
+        meta = {k: torch.empty(shape) for k, shape in OFFICIAL_LAYOUT[arch]().items()}
     torch.manual_seed(0)
-    model = VisionTransformer(
-        img_size=image_size, embed_dim=dim, depth=12, num_heads=heads, norm_layer=norm_factory(layout)
-    )
+    model = get_arch(arch).build(meta, {}, "checkpoint")
     randomize_norms(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"model": model.state_dict()}, path)

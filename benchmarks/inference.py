@@ -7,6 +7,12 @@ each batch size, and the headline ratio fused / norm-free, all measured in this 
 plot. The numbers depend on the machine and its load: rerun, don't copy.
 
 Run: .venv/bin/python benchmarks/inference.py [--batch 1,8,64] [--repeats 30] [--plot docs/bench.png]
+     .venv/bin/python benchmarks/inference.py --gpu     # on a CUDA machine: the fp16 GPU table
+
+``--gpu`` times DeiT-Tiny- and SLAB-DeiT-Tiny-sized zoo models (224x224) at batch 1 and 256 on the CUDA fp16
+runtimes this machine has (``pytorch-cuda-fp16``, ``pytorch-cuda-graphs-fp16``, ``onnxruntime-cuda-fp16`` with
+onnxruntime-gpu). ``--runtime`` picks runtimes by name (``slabconv.bench.RUNTIMES``); default: all this machine
+has.
 """
 
 from __future__ import annotations
@@ -44,16 +50,36 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,64")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--runtime", default=None, help="comma-separated runtime names (default: all available)")
+    parser.add_argument("--gpu", action="store_true", help="the fp16 GPU table: CUDA fp16 runtimes, batch 1,256")
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batch.split(","))
+    runtimes = tuple(args.runtime.split(",")) if args.runtime else None
     reports = {}
+    if args.gpu:
+        from slabconv.bench import default_runtimes
+
+        gpu = tuple(r for r in default_runtimes() if "cuda" in r and "fp16" in r)
+        if not gpu:
+            raise SystemExit("--gpu: no CUDA fp16 runtime on this machine (torch.cuda.is_available() is False)")
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in ("deit_tiny_prepbn", "slab_deit_tiny"):
+                ckpt = zoo_checkpoint(name, Path(tmp) / f"{name}.pth")
+                reports[f"{name} (224x224), GPU fp16"] = api.bench(
+                    ckpt, batches=(1, 256), runtimes=runtimes or gpu, repeats=args.repeats
+                )
+        for name, report in reports.items():
+            print(f"GPU: {report['settings']['cuda']}")
+            table(name, report)
+        print("\n" + json.dumps({k: v["fused_over_norm_free"] for k, v in reports.items()}))
+        return
     reports["digits fixture (deit_prepbn, 8x8)"] = api.bench(
-        ROOT / "fixtures" / "digits-prepbn" / "checkpoint.pth", batches=batches, repeats=args.repeats
+        ROOT / "fixtures" / "digits-prepbn" / "checkpoint.pth", batches=batches, runtimes=runtimes, repeats=args.repeats
     )
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = zoo_checkpoint("deit_small_prepbn", Path(tmp) / "deit_small.pth")
         reports["DeiT-Small-sized, LinearNorm (deit_small_prepbn, 224x224)"] = api.bench(
-            ckpt, batches=tuple(b for b in batches if b <= 8), repeats=max(5, args.repeats // 3)
+            ckpt, batches=tuple(b for b in batches if b <= 8), runtimes=runtimes, repeats=max(5, args.repeats // 3)
         )
     for name, report in reports.items():
         table(name, report)

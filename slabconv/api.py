@@ -782,7 +782,7 @@ def bench(
     arch: str | None = None,
     ema: bool = False,
     batches: tuple[int, ...] = (1, 8, 64),
-    runtimes: tuple[str, ...] = ("pytorch", "onnxruntime"),
+    runtimes: tuple[str, ...] | None = None,
     warmup: int = 5,
     repeats: int = 20,
     image_size: int | None = None,
@@ -791,12 +791,16 @@ def bench(
     """Latency and throughput of the original, fused, norm-free and (if any) LayerNorm-branch models.
 
     ``path`` is a checkpoint, or a folder written by ``fuse`` (its report names the checkpoint).
-    See ``slabconv.bench`` for what each variant is and how timings are taken.
+    ``runtimes``: names from ``slabconv.bench.RUNTIMES``; default every runtime this machine has (the CPU
+    pair, plus CUDA ones where a device is present). See ``slabconv.bench`` for what each variant is and how
+    timings are taken.
+
+    Raises:
+        UsageError: a runtime this machine cannot run (``--runtime pytorch-cuda`` without CUDA).
 
     Returns:
         ``{"slabconv_version", "source", "timings": [...], "fused_over_norm_free": [...], "settings": {...}}``.
     """
-    import copy
     import platform
 
     from slabconv import bench as bench_mod
@@ -809,22 +813,9 @@ def bench(
         source = Path(json.loads(report_path.read_text())["source"]["path"])
         arch = arch or json.loads(report_path.read_text())["source"].get("arch")
     loaded = load_model(source, arch=arch, ema=ema, image_size=image_size)
-    progress("tracing the model with torch.export")
-    with quiet():
-        original = capture(loaded.model, _example(loaded))
-    fused = copy.deepcopy(original)
-    progress("folding")
-    fold_all(fused)
-    variants: dict[str, nn.Module] = {
-        "original": original,
-        "fused": fused,
-        "norm-free": bench_mod.norm_free(original),
-    }
-    layernorm = bench_mod.layernorm_variant(loaded.model)
-    if layernorm is not None:
-        variants["layernorm"] = layernorm
+    chosen = list(runtimes) if runtimes else bench_mod.default_runtimes()
     timings = bench_mod.bench_models(
-        variants, lambda batch: loaded.example(batch, seed=1), list(batches), list(runtimes), warmup, repeats, progress
+        loaded.model, lambda batch: loaded.example(batch, seed=1), list(batches), chosen, warmup, repeats, progress
     )
     return {
         "slabconv_version": __version__,
@@ -833,7 +824,8 @@ def bench(
         "fused_over_norm_free": bench_mod.ratios(timings),
         "settings": {
             "batches": list(batches),
-            "runtimes": list(runtimes),
+            "runtimes": chosen,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "warmup": warmup,
             "repeats": repeats,
             "torch_threads": torch.get_num_threads(),

@@ -8,10 +8,18 @@ Variants, all built from the same checkpoint:
 - ``layernorm``: where the checkpoint carries the progressive LayerNorm/RMSNorm branch (``LinearNorm.norm1``),
   the same weights run with that branch: the model a user would ship without SLAB.
 
+Runtimes (``RUNTIMES``): ``pytorch`` and ``onnxruntime`` on the CPU, and where a CUDA device is present
+``pytorch-cuda`` (float32), ``pytorch-cuda-fp16``, ``pytorch-cuda-graphs-fp16`` (the fp16 model captured once
+in a CUDA graph and replayed: no Python or launch overhead), and with ``onnxruntime-gpu`` installed
+``onnxruntime-cuda`` / ``onnxruntime-cuda-fp16`` (CUDAExecutionProvider, inputs and outputs bound on the device
+with I/O binding). The default is every runtime this machine has (``default_runtimes``).
+
 For PyTorch every variant runs as the ``torch.export`` graph module of the model (so all four pay the same
-Python overhead); for onnxruntime every variant is exported by the same exporter. Timings are interleaved:
-each repeat runs every variant once, in turn, so a busy machine slows all of them alike. Medians and the
-inter-quartile range are reported; the headline is fused / norm-free (a complete fold sits at 1.00).
+Python overhead), traced and folded in the runtime's dtype on the CPU and then moved to its device
+(``to_device``); for onnxruntime every variant is exported by the same exporter. Timings are interleaved: each
+repeat runs every variant once, in turn, so a busy machine slows all of them alike; CUDA timings synchronise the
+device after each call. Medians and the inter-quartile range are reported; the headline is fused / norm-free (a
+complete fold sits at 1.00).
 """
 
 from __future__ import annotations
@@ -29,12 +37,109 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from slabconv.errors import UsageError
 from slabconv.graph import capture, find_norms
 from slabconv.io import export_onnx, quiet
 from slabconv.nn import LinearNorm
-from slabconv.plan import cancel_inverse_views, drop_unused_attrs
+from slabconv.plan import cancel_inverse_views, drop_unused_attrs, fold_all
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """One way of running the variants: framework, device, dtype, and whether PyTorch replays a CUDA graph."""
+
+    name: str
+    framework: str  # "pytorch" | "onnxruntime"
+    device: str  # "cpu" | "cuda"
+    dtype: torch.dtype
+    cuda_graphs: bool = False
+
+
+RUNTIMES: dict[str, RuntimeSpec] = {
+    s.name: s
+    for s in (
+        RuntimeSpec("pytorch", "pytorch", "cpu", torch.float32),
+        RuntimeSpec("onnxruntime", "onnxruntime", "cpu", torch.float32),
+        RuntimeSpec("pytorch-cuda", "pytorch", "cuda", torch.float32),
+        RuntimeSpec("pytorch-cuda-fp16", "pytorch", "cuda", torch.float16),
+        RuntimeSpec("pytorch-cuda-graphs-fp16", "pytorch", "cuda", torch.float16, cuda_graphs=True),
+        RuntimeSpec("onnxruntime-cuda", "onnxruntime", "cuda", torch.float32),
+        RuntimeSpec("onnxruntime-cuda-fp16", "onnxruntime", "cuda", torch.float16),
+    )
+}
+
+
+def unavailable(spec: RuntimeSpec) -> str | None:
+    """Why ``spec`` cannot run on this machine, or None when it can."""
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    if spec.framework == "onnxruntime" and spec.device == "cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
+    return None
+
+
+def default_runtimes() -> list[str]:
+    """Every runtime this machine can run: the CPU pair, plus the CUDA ones where a device (and for onnxruntime
+    the CUDA provider) is present."""
+    return [name for name, spec in RUNTIMES.items() if unavailable(spec) is None]
+
+
+def check_runtimes(names: list[str]) -> list[RuntimeSpec]:
+    """The specs of ``names``.
+
+    Raises:
+        UsageError: an unknown name, or a runtime this machine cannot run (with the reason).
+    """
+    unknown = [n for n in names if n not in RUNTIMES]
+    if unknown or not names:
+        raise UsageError(f"--runtime {','.join(unknown) or '(empty)'}: choose from {', '.join(RUNTIMES)}")
+    specs = [RUNTIMES[n] for n in names]
+    for spec in specs:
+        reason = unavailable(spec)
+        if reason is not None:
+            raise UsageError(f"--runtime {spec.name} cannot run here: {reason}")
+    return specs
+
+
+def to_device(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
+    """A copy of ``gm`` on ``device``: parameters, buffers and plain tensor attributes moved, and the ``device=``
+    arguments that ``torch.export`` recorded in the graph (``arange``, ``full``, ``zeros``... on the CPU)
+    rewritten, so that no op mixes devices."""
+    device = torch.device(device)
+    out = copy.deepcopy(gm).to(device)
+    for owner in out.modules():
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device != device:
+                setattr(owner, name, value.to(device))
+    for node in out.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+            node.update_kwarg("device", device)
+    out.recompile()
+    return out
+
+
+def build_variants(
+    model: nn.Module, example: torch.Tensor, dtype: torch.dtype, progress: Progress = lambda message: None
+) -> dict[str, fx.GraphModule]:
+    """The variants as ``torch.export`` graph modules in ``dtype``: ``original``, ``fused`` (``fold_all``),
+    ``norm-free`` and, for progressive norms, ``layernorm``. Traced on the CPU."""
+    model = copy.deepcopy(model).to(dtype).eval()
+    x = example.to(dtype) if example.is_floating_point() else example
+    progress(f"tracing the model ({str(dtype).removeprefix('torch.')})")
+    with quiet():
+        original = capture(model, x)
+        fused = copy.deepcopy(original)
+        fold_all(fused)
+        out = {"original": original, "fused": fused, "norm-free": norm_free(original)}
+        layernorm = layernorm_variant(model)
+        if layernorm is not None:
+            out["layernorm"] = capture(layernorm, x)
+    return out
 
 
 @dataclass
@@ -98,8 +203,55 @@ def _summary(variant: str, runtime: str, batch: int, ms: list[float]) -> Timing:
     return Timing(variant, runtime, batch, med, q[0], q[2], batch / (med / 1e3))
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if x.is_floating_point() else x
+
+
+def _torch_runner(gm: fx.GraphModule, x: torch.Tensor, spec: RuntimeSpec) -> Callable[[], Any]:
+    """A call of ``gm`` on ``x`` that returns when the device is done (CUDA: synchronised; with ``cuda_graphs``,
+    the graph captured once here and replayed)."""
+    if spec.device != "cuda":
+        return lambda: gm(x)
+    if not spec.cuda_graphs:
+
+        def run() -> None:
+            gm(x)
+            torch.cuda.synchronize()
+
+        return run
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up on a side stream, as CUDA graph capture requires
+            gm(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gm(x)  # x is the static input; outputs stay in the graph's pool
+
+    def replay() -> None:
+        graph.replay()
+        torch.cuda.synchronize()
+
+    return replay
+
+
+def _ort_runner(session: Any, feed: np.ndarray, spec: RuntimeSpec) -> Callable[[], Any]:
+    """``session.run`` on ``feed``; on CUDA, with the input copied to the device once and outputs bound there."""
+    name = session.get_inputs()[0].name
+    if spec.device != "cuda":
+        return lambda: session.run(None, {name: feed})
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(feed, "cuda", 0))
+    for out in session.get_outputs():
+        binding.bind_output(out.name, "cuda")
+    return lambda: session.run_with_iobinding(binding)
+
+
 def bench_models(
-    variants: dict[str, nn.Module],
+    model: nn.Module,
     make_input: Callable[[int], torch.Tensor],
     batches: list[int],
     runtimes: list[str],
@@ -107,51 +259,63 @@ def bench_models(
     repeats: int = 20,
     progress: Progress = lambda message: None,
 ) -> list[Timing]:
-    """Time each model of ``variants`` on each runtime and batch size, interleaved.
+    """Time each variant of ``model`` on each runtime and batch size, interleaved.
 
     Args:
-        variants: name -> model (eval mode), all taking the same input.
-        make_input: ``make_input(batch) -> Tensor``, a valid input of that batch size.
+        model: the loaded model (eval mode); ``build_variants`` makes the variants in each runtime's dtype.
+        make_input: ``make_input(batch) -> Tensor``, a valid float32 (or token id) input of that batch size.
         batches: batch sizes.
-        runtimes: ``pytorch`` (the torch.export graph module) and/or ``onnxruntime`` (CPU).
+        runtimes: names from ``RUNTIMES`` (``check_runtimes``).
         warmup, repeats: calls before timing, and timed calls per variant.
+
+    Raises:
+        UsageError: an unknown runtime or one this machine cannot run.
     """
-    timings: list[Timing] = []
+    specs = check_runtimes(runtimes)
     example = make_input(2)
-    graphs = {name: model if isinstance(model, fx.GraphModule) else None for name, model in variants.items()}
-    with quiet():
-        for name, model in variants.items():
-            if graphs[name] is None:
-                progress(f"tracing {name}")
-                graphs[name] = capture(model, example)
+    graphs = {dtype: build_variants(model, example, dtype, progress) for dtype in dict.fromkeys(s.dtype for s in specs)}
+    timings: list[Timing] = []
     with tempfile.TemporaryDirectory() as tmp:
-        sessions = {}
-        if "onnxruntime" in runtimes:
+        sessions: dict[str, dict[str, Any]] = {}
+        onnx_files: dict[torch.dtype, dict[str, Path]] = {}
+        for spec in specs:
+            if spec.framework != "onnxruntime":
+                continue
             import onnxruntime as ort
 
-            for name, gm in graphs.items():
-                progress(f"exporting {name} to ONNX")
-                path = Path(tmp) / f"{name}.onnx"
-                export_onnx(gm, example, path)  # type: ignore[arg-type]
-                options = ort.SessionOptions()
-                options.log_severity_level = 3
-                sessions[name] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            if spec.dtype not in onnx_files:
+                onnx_files[spec.dtype] = {}
+                for name, gm in graphs[spec.dtype].items():
+                    progress(f"exporting {name} ({str(spec.dtype).removeprefix('torch.')}) to ONNX")
+                    path = Path(tmp) / f"{name}-{str(spec.dtype).removeprefix('torch.')}.onnx"
+                    export_onnx(gm, _cast(example, spec.dtype), path)
+                    onnx_files[spec.dtype][name] = path
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            provider = "CUDAExecutionProvider" if spec.device == "cuda" else "CPUExecutionProvider"
+            sessions[spec.name] = {
+                name: ort.InferenceSession(str(path), options, providers=[provider])
+                for name, path in onnx_files[spec.dtype].items()
+            }
+        on_device = {
+            spec.name: {n: to_device(g, spec.device) for n, g in graphs[spec.dtype].items()}
+            for spec in specs
+            if spec.framework == "pytorch"
+        }
         for batch in batches:
             x = make_input(batch)
-            if "pytorch" in runtimes:
-                progress(f"timing pytorch, batch {batch}")
+            for spec in specs:
+                progress(f"timing {spec.name}, batch {batch}")
+                xs = _cast(x, spec.dtype)
                 with torch.inference_mode():
-                    runners = {n: (lambda g=g, x=x: g(x)) for n, g in graphs.items()}
+                    if spec.framework == "pytorch":
+                        xd = xs.to(spec.device)
+                        runners = {n: _torch_runner(g, xd, spec) for n, g in on_device[spec.name].items()}
+                    else:
+                        feed = np.ascontiguousarray(xs.numpy())
+                        runners = {n: _ort_runner(s, feed, spec) for n, s in sessions[spec.name].items()}
                     for name, ms in _time_interleaved(runners, warmup, repeats).items():
-                        timings.append(_summary(name, "pytorch", batch, ms))
-            if sessions:
-                progress(f"timing onnxruntime, batch {batch}")
-                feed = np.ascontiguousarray(x.numpy())
-                runners = {
-                    n: (lambda s=s, feed=feed: s.run(None, {s.get_inputs()[0].name: feed})) for n, s in sessions.items()
-                }
-                for name, ms in _time_interleaved(runners, warmup, repeats).items():
-                    timings.append(_summary(name, "onnxruntime", batch, ms))
+                        timings.append(_summary(name, spec.name, batch, ms))
     return timings
 
 

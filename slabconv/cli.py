@@ -479,8 +479,13 @@ def bench(
     arch: Arch = None,
     batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes.")] = "1,8,64",
     runtime: Annotated[
-        str, typer.Option("--runtime", help="Comma-separated: pytorch, onnxruntime.")
-    ] = "pytorch,onnxruntime",
+        str | None,
+        typer.Option(
+            "--runtime",
+            help="Comma-separated: pytorch, onnxruntime (CPU); pytorch-cuda, pytorch-cuda-fp16, "
+            "pytorch-cuda-graphs-fp16, onnxruntime-cuda, onnxruntime-cuda-fp16 (GPU). Default: all this machine has.",
+        ),
+    ] = None,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed calls per variant first.")] = 5,
     repeats: Annotated[int, typer.Option("--repeats", help="Timed calls per variant (interleaved).")] = 20,
     image_size: ImageSize = None,
@@ -501,10 +506,16 @@ def bench(
             batches = tuple(int(b) for b in batch.split(",") if b.strip())
         except ValueError:
             raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
-        runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip())
-        unknown = set(runtimes) - {"pytorch", "onnxruntime"}
-        if unknown or not runtimes or not batches or min(batches) < 1 or repeats < 1:
-            raise UsageError("--runtime takes pytorch and/or onnxruntime; --batch and --repeats must be >= 1")
+        from slabconv.bench import check_runtimes, default_runtimes
+
+        runtimes = (
+            tuple(r.strip() for r in runtime.split(",") if r.strip())
+            if runtime is not None
+            else tuple(default_runtimes())
+        )
+        check_runtimes(list(runtimes))
+        if not batches or min(batches) < 1 or repeats < 1:
+            raise UsageError("--batch and --repeats must be >= 1")
         with _progress(not as_json) as progress:
             report = api.bench(
                 ckpt,
