@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from slabconv import hf
-from slabconv.errors import InputError, UnsupportedModelError
+from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.verify import DEFAULT_RTOL, Comparison, IntegrityCheck, Verification, compare
 
 Progress = Callable[[str], None]
@@ -176,7 +176,10 @@ def verify_folders(
 
     Raises:
         InputError, UnsupportedModelError: not LLaMA-layout folders, different shapes or layer counts.
+        UsageError: fewer than one sequence or token.
     """
+    if sequences < 1 or seq_len < 1:
+        raise UsageError(f"--samples must be at least 1 (got {sequences}); seq_len too (got {seq_len})")
     ref, cand = _open_side(Path(reference), block_elements), _open_side(Path(candidate), block_elements)
     hf.return_freed_blocks_to_the_os()
     config = hf.read_hf_config(ref.path)

@@ -146,6 +146,8 @@ def test_verify_reads_fused_sharded_folders(folded):
         assert json.loads(result.stdout)["verification"]["passed"]
     result = CliRunner().invoke(app, ["verify", str(root / "src"), str(root / "out" / "report.json"), "--stream"])
     assert result.exit_code == 2 and "folder" in result.output
+    result = CliRunner().invoke(app, ["verify", str(root / "src"), str(root / "out"), "--stream", "--samples", "0"])
+    assert result.exit_code == 2 and "--samples must be at least 1" in result.output
 
 
 def test_folded_folder_builds_the_norm_free_model_with_the_original_outputs(folded):
