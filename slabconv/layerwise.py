@@ -73,10 +73,12 @@ class StreamedLinear(nn.Module):
 
 @dataclass
 class _Side:
-    """One folder: its reader, its norm layout (``linearnorm``, ``repbn`` or ``identity`` once folded), dtype."""
+    """One folder: its reader, every tensor's (dtype, shape) from the headers, its norm layout (``linearnorm``,
+    ``repbn`` or ``identity`` once folded), and the dtype name of its weights."""
 
     path: Path
     shards: hf.LazyShards
+    specs: dict[str, tuple[torch.dtype, list[int]]]
     layout: str
     dtype: str
 
@@ -92,8 +94,8 @@ def _open_side(folder: Path, block_elements: int) -> _Side:
             f"{folder}: layer-by-layer verification supports LLaMA-layout folders only (model.embed_tokens, lm_head)"
         )
     layout = norm_layout(shards.weight_map, "model.layers.0.input_layernorm") or "identity"  # type: ignore[arg-type]
-    dtype = str(shards.specs()["lm_head.weight"][0]).removeprefix("torch.")
-    return _Side(folder, shards, layout, dtype)
+    specs = shards.specs()
+    return _Side(folder, shards, specs, layout, str(specs["lm_head.weight"][0]).removeprefix("torch."))
 
 
 def _norm(side: _Side, prefix: str, eps: float, hidden: int) -> nn.Module:
@@ -140,7 +142,7 @@ def _embed(side: _Side, ids: torch.Tensor) -> torch.Tensor:
 def _config(side: _Side, config: dict[str, Any]) -> Any:
     from slabconv.zoo.llama import llama_config
 
-    meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in side.shards.specs().items()}
+    meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in side.specs.items()}
     return llama_config(meta, config)  # type: ignore[arg-type]  # shapes are all it reads
 
 
