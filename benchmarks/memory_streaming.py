@@ -89,8 +89,8 @@ def _calibrate(sd: dict[str, torch.Tensor], cfg, ids: torch.Tensor) -> None:
 def build_checkpoint(folder: Path, shape: dict[str, int], shard_bytes: int) -> int:
     """Write the folder; return the weight bytes. Weights are random float16 (values do not change the cost); the
     RepBN statistics are calibrated on 8 x 64 random tokens so that the model's activations stay finite."""
-    from slabconv import hf
     from slabconv.zoo.llama import LlamaConfig
+    from tests import hfwrite
 
     c, inter, vocab, heads = shape["hidden"], shape["intermediate"], shape["vocab"], shape["heads"]
     gen = torch.Generator().manual_seed(0)
@@ -133,7 +133,7 @@ def build_checkpoint(folder: Path, shape: dict[str, int], shard_bytes: int) -> i
         "max_position_embeddings": 2048,
         "torch_dtype": "float16",
     }
-    hf.write_hf_folder(folder, sd, config, max_shard_bytes=shard_bytes)
+    hfwrite.write_hf_folder(folder, sd, config, max_shard_bytes=shard_bytes)
     return sum(v.numel() * v.element_size() for v in sd.values())
 
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from slabconv import graph, plan  # noqa: E402
-from slabconv.io import quiet  # noqa: E402
+from slabconv.engine import graph, plan  # noqa: E402
+from slabconv.util import quiet  # noqa: E402
 from slabconv.zoo import get_arch  # noqa: E402
 from tests.conftest import randomize_norms  # noqa: E402
 from tests.test_zoo import OFFICIAL_LAYOUT  # noqa: E402

@@ -7,9 +7,8 @@ write (``io``) -> verify (``verify``) -> report (a plain dict, the ``report.json
 from __future__ import annotations
 
 import json
-import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,37 +16,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from slabconv import __version__, reasons
-from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError
-from slabconv.graph import capture
-from slabconv.io import (
-    Checkpoint,
-    check_onnx_file,
-    export_onnx,
-    load_checkpoint,
-    onnx_files,
-    quiet,
-    save_safetensors,
-    sha256_file,
-    staging_dir,
-    staging_file,
-)
-from slabconv.plan import Decision, fold_all, fused_state_dict
-from slabconv.verify import (
-    DEFAULT_RTOL,
-    IntegrityCheck,
-    Runtime,
-    Verification,
-    check_safetensors_reload,
-    compare_runtimes,
-    failure_line,
-    onnx_runtimes,
-    onnxruntime_version,
-    output_names,
-    run_batched,
-)
-from slabconv.zoo import ArchSpec, detect_arch, get_arch
-from slabconv.zoo.registry import with_image_size
+from slabconv import __version__
+from slabconv.engine import Decision, capture, fold_all, fused_state_dict, reasons
+from slabconv.errors import InputError, UsageError, VerificationError
+from slabconv.load.model import LoadedModel, load_model
+from slabconv.util import quiet, sha256_file
+from slabconv.verify.inputs import choose_inputs
+from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
+from slabconv.verify.policy import default_rtol
+from slabconv.verify.results import IntegrityCheck, Verification, compare_runtimes, failure_line, output_names
+from slabconv.verify.runtimes import Runtime, onnx_runtimes, onnxruntime_version, run_batched, torch_runner
+from slabconv.write.onnx import export_onnx, onnx_files
+from slabconv.write.safetensors import save_safetensors
+from slabconv.write.staging import staging_dir, staging_file
 
 Progress = Callable[[str], None]
 
@@ -56,314 +37,8 @@ def _no_progress(message: str) -> None:
     return None
 
 
-@dataclass
-class LoadedModel:
-    """A checkpoint built into a runnable model.
-
-    Attributes:
-        model: the network in eval mode (an ``nn.Module`` or the ``GraphModule`` of a ``.pt2``).
-        checkpoint: what was read from the file.
-        arch: the registered architecture name (None for a ``.pt2``).
-        input_shape: one sample's input shape, without the batch axis.
-        dtype: the floating dtype of the weights (and of a float input).
-        input_dtype: the input's dtype when it is not a float tensor in ``dtype`` (``torch.int64`` token ids of
-            a language model), else None.
-        make_input: ``make_input(batch, seed) -> Tensor``: valid seeded inputs (token ids in range for a
-            language model); None: standard-normal samples of ``input_shape`` (zeros for integer inputs).
-        config: the config the model was built from (the saved one, plus an ``--image-size`` override).
-    """
-
-    model: nn.Module
-    checkpoint: Checkpoint
-    arch: str | None
-    input_shape: tuple[int, ...]
-    dtype: torch.dtype
-    input_dtype: torch.dtype | None = None
-    make_input: Callable[[int, int], torch.Tensor] | None = None
-    config: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def token_input(self) -> bool:
-        """True when the model takes integer ids (its logits' last axis is the vocabulary)."""
-        return self.input_dtype is not None and not self.input_dtype.is_floating_point
-
-    def example(self, batch: int, seed: int = 0) -> torch.Tensor:
-        """``batch`` seeded inputs of the model's input shape and dtype."""
-        if self.make_input is not None:
-            return self.make_input(batch, seed)
-        if self.token_input:
-            return torch.zeros((batch, *self.input_shape), dtype=self.input_dtype)
-        gen = torch.Generator().manual_seed(seed)
-        return torch.randn((batch, *self.input_shape), generator=gen).to(self.dtype)
-
-    def source(self) -> dict[str, Any]:
-        """The ``source`` block of the report."""
-        ckpt = self.checkpoint
-        return {
-            "path": str(ckpt.path),
-            "sha256": ckpt.sha256,
-            "format": ckpt.format,
-            "arch": self.arch,
-            "weights": ckpt.extra.get("weights"),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "input_shape": list(self.input_shape),
-        }
-
-
-def _float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
-    for value in state_dict.values():
-        if value.is_floating_point():
-            return value.dtype
-    return torch.float32
-
-
-def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: str, path: Path | None = None) -> None:
-    """``load_state_dict(strict=True)`` with one readable line for missing, unexpected and mis-shaped keys."""
-    expected = model.state_dict()
-    problems = []
-    shapes = [
-        f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(expected[k].shape)}"
-        for k, v in state_dict.items()
-        if k in expected and tuple(v.shape) != tuple(expected[k].shape)
-    ]
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    for label, items in (("shape mismatch", shapes), ("missing keys", missing), ("unexpected keys", unexpected)):
-        if items:
-            shown = ", ".join(items[:4]) + (f", ... ({len(items) - 4} more)" if len(items) > 4 else "")
-            problems.append(f"{label} ({len(items)}): {shown}")
-    if problems:
-        where = f"{path}: " if path is not None else ""
-        raise InputError(
-            f"{where}the checkpoint does not fit architecture {arch!r}: "
-            + "; ".join(problems)
-            + " (a different model or a damaged file? check --arch, see `slabconv list`)"
-        )
-    model.load_state_dict(state_dict, strict=True)
-
-
-def load_model(
-    path: Path | str,
-    arch: str | None = None,
-    ema: bool = False,
-    *,
-    trust_pickle: bool = False,
-    input_shape: tuple[int, ...] | None = None,
-    image_size: int | None = None,
-) -> LoadedModel:
-    """Read a checkpoint and build the model it holds, in eval mode.
-
-    Args:
-        path: checkpoint (``.pth``), a ``.pt2`` program, or a fused ``model.safetensors`` written by ``fuse``.
-        arch: a registered architecture name or alias; detected from the checkpoint when None.
-        ema: use the EMA weights of a training checkpoint.
-        trust_pickle: allow a pickle that names arbitrary globals, such as a whole ``nn.Module`` saved with
-            ``torch.save(model)`` (this runs code from the file; only for files you trust).
-        input_shape: one sample's input shape without the batch axis; required for a pickled ``nn.Module``
-            (nothing in the file records it), ignored otherwise.
-        image_size: build a zoo vision model for ``image_size`` square inputs (Swin pads its windows, PVT
-            resamples position embeddings; models whose weights fix the resolution refuse another size).
-
-    Raises:
-        InputError: unreadable or unsafe file, weights that do not fit the architecture, a pickled module in
-            train mode.
-        UnsupportedModelError: unknown or undetectable architecture.
-        UsageError: a pickled module without ``input_shape``.
-    """
-    ckpt = load_checkpoint(path, ema=ema, trust_pickle=trust_pickle)
-    _check_values(ckpt)
-    if ckpt.format == "torch.export":
-        return _load_program(ckpt)
-    if ckpt.format == "pickled-module":
-        return _load_module(ckpt, input_shape)
-    norm = "checkpoint"
-    config = ckpt.config
-    if (
-        ckpt.format in ("safetensors", "hf-safetensors", "hf-safetensors-sharded")
-        and "slabconv_version" in ckpt.metadata
-    ):
-        if ckpt.metadata.get("complete") != "true":
-            raise UnsupportedModelError(
-                f"{ckpt.path}: this fused model keeps some norms as affines; verify the model.onnx beside it"
-            )
-        arch = arch or ckpt.metadata.get("arch")
-        config = json.loads(ckpt.metadata.get("config", "{}"))
-        norm = "identity"
-    if image_size is not None:
-        config = with_image_size(config, image_size)
-    try:
-        spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
-    except UnsupportedModelError as err:
-        raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
-    try:
-        model = spec.build(ckpt.state_dict, config, norm)
-    except UnsupportedModelError:
-        raise
-    except (KeyError, ValueError, RuntimeError, IndexError) as err:
-        raise InputError(
-            f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({type(err).__name__}: {err}); "
-            "it is another architecture: check --arch (see `slabconv list`)"
-        ) from None
-    dtype = _float_dtype(ckpt.state_dict)
-    model.to(dtype)
-    _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
-    model.eval()
-    shape = tuple(spec.input_shape(ckpt.state_dict, config))
-    state = ckpt.state_dict
-
-    def make_input(batch: int, seed: int) -> torch.Tensor:
-        return spec.example(state, config, batch, seed, dtype)
-
-    return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config))
-
-
-# Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
-_FINITE_SUFFIXES = ("weight", "bias", "running_mean", "running_var", "alpha")
-
-
-def _check_values(ckpt: Checkpoint) -> None:
-    """Refuse NaN anywhere, Inf in weights and norm statistics, and a negative ``running_var``, naming the first
-    tensor that has them (``plan`` checks ``running_var + eps > 0`` again for models built in memory).
-
-    Raises:
-        InputError: a damaged checkpoint.
-    """
-    for key, value in ckpt.state_dict.items():
-        if not value.is_floating_point() or value.numel() == 0:
-            continue
-        if bool(torch.isnan(value).any()) or (key.endswith(_FINITE_SUFFIXES) and not bool(torch.isfinite(value).all())):
-            raise InputError(
-                f"{ckpt.path}: tensor {key!r} holds NaN or Inf; the checkpoint is damaged (a diverged run or a bad "
-                "save): use an earlier or intact checkpoint"
-            )
-        if key.endswith("running_var") and bool((value < 0).any()):
-            raise InputError(
-                f"{ckpt.path}: tensor {key!r} has running_var < 0 (a variance cannot be negative); the checkpoint is "
-                "damaged: use an earlier or intact checkpoint"
-            )
-
-
-def _load_module(ckpt: Checkpoint, input_shape: tuple[int, ...] | None) -> LoadedModel:
-    """A whole ``nn.Module`` read with ``trust_pickle``: used as it is, traced like any model."""
-    model: nn.Module = ckpt.module
-    if input_shape is None:
-        raise UsageError(
-            f"{ckpt.path}: a pickled nn.Module does not record its input shape; pass --input-shape with one "
-            "sample's shape without the batch axis (e.g. --input-shape 3,224,224)"
-        )
-    in_train = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
-    norms = [name for name, m in model.named_modules() if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if in_train:
-        where = f"norm {norms[0]}" if norms else f"module {in_train[0]}"
-        raise InputError(
-            f"{ckpt.path}: {where} is in train mode (a norm would use batch statistics, not a fixed affine); "
-            "call model.eval() before torch.save(model)"
-        )
-    return LoadedModel(model, ckpt, None, tuple(int(s) for s in input_shape), _float_dtype(ckpt.state_dict))
-
-
-def _load_program(ckpt: Checkpoint) -> LoadedModel:
-    program = ckpt.program
-    user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
-    if len(user_inputs) != 1:
-        raise UnsupportedModelError(f"{ckpt.path}: slabconv handles programs with one tensor input")
-    node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == user_inputs[0])
-    val = node.meta["val"]
-    shape = tuple(int(s) if isinstance(s, int) else -1 for s in val.shape[1:])
-    if any(s < 0 for s in shape):
-        raise UnsupportedModelError(f"{ckpt.path}: only the batch axis of the input may be dynamic")
-    input_dtype = None if val.dtype.is_floating_point else val.dtype
-    weights_dtype = val.dtype if val.dtype.is_floating_point else _float_dtype(ckpt.state_dict)
-    return LoadedModel(program.module(), ckpt, None, shape, weights_dtype, input_dtype)
-
-
-def _inputs(
-    loaded: LoadedModel | None,
-    inputs: Path | str | None,
-    samples: int,
-    seed: int,
-    input_shape: tuple[int, ...] | None = None,
-) -> tuple[np.ndarray, str, str | None]:
-    """The verification inputs: ``inputs`` (an ``.npz``), else ``holdout.npz`` beside the checkpoint, else
-    ``samples`` seeded standard-normal samples of the model's input shape.
-
-    Returns:
-        ``(x, label, sha256 of the .npz or None)``.
-
-    Raises:
-        UsageError: no input shape is known (dynamic ONNX axes) and no ``inputs`` were given.
-        InputError: an unreadable ``.npz`` or one of the wrong shape.
-    """
-    shape = loaded.input_shape if loaded is not None else input_shape
-    path = Path(inputs) if inputs else None
-    if path is None and loaded is not None:
-        ckpt_path = loaded.checkpoint.path
-        beside = (ckpt_path if ckpt_path.is_dir() else ckpt_path.parent) / "holdout.npz"
-        path = beside if beside.exists() else None
-    if path is None:
-        if shape is None:
-            raise UsageError("the input shape is not fixed by the models; pass --inputs NPZ or --input-shape C,H,W")
-        if samples < 1:
-            raise UsageError(f"--samples must be at least 1 (got {samples})")
-        label = f"random(seed={seed}, samples={samples})"
-        if loaded is not None:
-            if loaded.token_input and loaded.make_input is None:
-                raise UsageError("the model takes token ids and their range is unknown; pass --inputs NPZ")
-            x = loaded.example(samples, seed)
-            # numpy has no bfloat16: float inputs travel as float32 and each runner casts them to its dtype.
-            return (x.float() if x.is_floating_point() else x).numpy(), label, None
-        rng = np.random.default_rng(seed)
-        return rng.standard_normal((samples, *shape)).astype(np.float32), label, None
-    if not path.is_file():
-        raise InputError(f"{path}: no such file (--inputs)")
-    integer = loaded is not None and loaded.token_input
-    return load_npz_inputs(path, shape, integer=integer), str(path), sha256_file(path)
-
-
-def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
-    """The ``x`` array of an ``.npz`` (or its only array), checked against the model's input shape.
-
-    ``x`` is read as float32, or as int64 with ``integer`` (token ids of a language model).
-
-    Raises:
-        InputError: unreadable file, no array, or a shape that is not ``(N, *input_shape)``.
-    """
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            key = "x" if "x" in data.files else (data.files[0] if len(data.files) == 1 else None)
-            if key is None:
-                raise InputError(f"{path}: expected an array named 'x' (found {', '.join(data.files)})")
-            x = np.asarray(data[key], dtype=np.int64 if integer else np.float32)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
-        raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
-    if x.ndim < 1 or len(x) == 0:
-        raise InputError(f"{path}: the input array is empty; give at least one sample")
-    if input_shape is not None and tuple(x.shape[1:]) != tuple(input_shape):
-        wanted = ", ".join(map(str, input_shape))
-        raise InputError(f"{path}: inputs have shape {x.shape}, the model takes (N, {wanted}); give matching inputs")
-    return x
-
-
-def _torch_runner(model: nn.Module, dtype: torch.dtype) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """Run ``model`` on an array (float inputs cast to ``dtype``, integer ids as they are), returning every
-    tensor output (tuples, lists and dicts flattened)."""
-
-    def run(x: np.ndarray) -> list[np.ndarray]:
-        t = torch.from_numpy(x)
-        with torch.no_grad():
-            out = model(t.to(dtype) if t.is_floating_point() else t)
-        leaves = torch.utils._pytree.tree_leaves(out)
-        return [t.detach().float().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
-
-    return run
-
-
 def _example(loaded: LoadedModel, batch: int = 2) -> torch.Tensor:
     return loaded.example(batch, seed=0)
-
-
-def _rtol(dtype: torch.dtype, rtol: float | None) -> float:
-    return rtol if rtol is not None else DEFAULT_RTOL.get(str(dtype).removeprefix("torch."), 1e-5)
 
 
 def _plan(loaded: LoadedModel, progress: Progress) -> tuple[torch.fx.GraphModule, list[Decision]]:
@@ -530,17 +205,17 @@ def _verify_fused(
     """Check the staged outputs in ``folder``: the safetensors file reads back bit-equal (with its metadata),
     ``model.onnx`` passes ``onnx.checker`` (full check), and its outputs under onnxruntime (optimisations off
     and fully on) match the original model in PyTorch; without ONNX the fused graph runs in PyTorch."""
-    x, label, digest = _inputs(loaded, inputs, samples, seed)
-    reference = run_batched(_torch_runner(loaded.model, loaded.dtype), x)
+    x, label, digest = choose_inputs(loaded, inputs, samples, seed)
+    reference = run_batched(torch_runner(loaded.model, loaded.dtype), x)
     names = output_names(len(reference))
-    tol = _rtol(loaded.dtype, rtol)
+    tol = default_rtol(str(loaded.dtype), rtol)
     integrity = [check_safetensors_reload(folder / "model.safetensors", fused_state_dict(gm), metadata)]
     if onnx:
         passed, detail = check_onnx_file(folder / "model.onnx")
         integrity.append(IntegrityCheck("onnx.checker[full_check] model.onnx", passed, detail))
         runtimes = onnx_runtimes(folder / "model.onnx")
     else:
-        runtimes = [Runtime(f"pytorch {torch.__version__} (fused graph)", _torch_runner(gm, loaded.dtype))]
+        runtimes = [Runtime(f"pytorch {torch.__version__} (fused graph)", torch_runner(gm, loaded.dtype))]
     checks = []
     for rt in runtimes:
         candidate = run_batched(rt.run, x, fixed_batch=rt.fixed_batch)
@@ -646,7 +321,7 @@ def _side(
         integrity.append(
             IntegrityCheck(f"safetensors reload {path.name}", True, f"{count} tensors read, model built strictly")
         )
-    runtime = Runtime(f"pytorch {torch.__version__}", _torch_runner(loaded.model, loaded.dtype))
+    runtime = Runtime(f"pytorch {torch.__version__}", torch_runner(loaded.model, loaded.dtype))
     dtype = str(loaded.dtype).removeprefix("torch.")
     return _Side(loaded.source(), [runtime], loaded, loaded.input_shape, dtype, integrity, loaded.token_input)
 
@@ -719,13 +394,13 @@ def verify(
     token_input = ref.token_input or cand.token_input
     if token_input and not inputs and ref.loaded is None and cand.loaded is None:
         raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
-    x, label, digest = _inputs(ref.loaded or cand.loaded, inputs, samples, seed, shape)
+    x, label, digest = choose_inputs(ref.loaded or cand.loaded, inputs, samples, seed, shape)
     if token_input and not np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.int64)
     ref_runtime = ref.runtimes[0]
     reference_out = run_batched(ref_runtime.run, x, fixed_batch=ref_runtime.fixed_batch)
     names = output_names(len(reference_out), ref_runtime.output_names or cand.runtimes[0].output_names)
-    tol = rtol if rtol is not None else DEFAULT_RTOL.get(ref.dtype, 1e-5)
+    tol = default_rtol(ref.dtype, rtol)
     checks = []
     for rt in cand.runtimes:
         candidate_out = run_batched(rt.run, x, fixed_batch=rt.fixed_batch)
@@ -751,7 +426,8 @@ def _verify_streaming(
     rtol: float | None,
     atol: float,
 ) -> dict[str, Any]:
-    from slabconv import hf, layerwise
+    from slabconv.load import hf
+    from slabconv.verify import layerwise
 
     if inputs is not None:
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")

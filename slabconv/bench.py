@@ -37,11 +37,12 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from slabconv.engine.graph import capture, find_norms
+from slabconv.engine.plan import cancel_inverse_views, drop_unused_attrs, fold_all
 from slabconv.errors import UsageError
-from slabconv.graph import capture, find_norms
-from slabconv.io import export_onnx, quiet
-from slabconv.nn import LinearNorm
-from slabconv.plan import cancel_inverse_views, drop_unused_attrs, fold_all
+from slabconv.util import quiet
+from slabconv.write.onnx import export_onnx
+from slabconv.zoo.norms import LinearNorm
 
 Progress = Callable[[str], None]
 

@@ -36,3 +36,11 @@ class VerificationError(SlabconvError):
     def __init__(self, message: str, report: dict | None = None):
         super().__init__(message)
         self.report = report or {}
+
+
+def first_line(err: BaseException | None, limit: int = 200) -> str:
+    """The first line of an exception's text (its type name when it has none), for one-line messages."""
+    if err is None:
+        return "unknown error"
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +37,15 @@ from typing import Any
 
 import torch
 
-from slabconv import __version__, fold, graph, hf, layerwise, plan
+from slabconv import __version__, fold
+from slabconv.engine import graph, plan
 from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError
-from slabconv.io import quiet, sha256_file, staging_dir
-from slabconv.verify import failure_line
+from slabconv.load import hf
+from slabconv.util import quiet, sha256_file
+from slabconv.verify import layerwise
+from slabconv.verify.results import failure_line
+from slabconv.write.shards import ShardWriter, numel
+from slabconv.write.staging import staging_dir
 
 Progress = Callable[[str], None]
 
@@ -192,55 +196,6 @@ def make_plan(config: dict[str, Any], weight_map: dict[str, str]) -> StreamPlan:
 
 
 # --------------------------------------------------------------------------------------------- safetensors I/O
-
-
-class _ShardWriter:
-    """Write one safetensors file tensor by tensor: the header (all names, dtypes, shapes) first, then the bytes in
-    the same order; nothing but the tensor being written is held."""
-
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]):
-        header: dict[str, Any] = {"__metadata__": metadata}
-        offset = 0
-        self.expected: list[tuple[str, torch.dtype, list[int], int]] = []
-        for name, dtype, shape in specs:
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {
-                "dtype": hf.SAFETENSORS_DTYPES[dtype],
-                "shape": shape,
-                "data_offsets": [offset, offset + nbytes],
-            }
-            self.expected.append((name, dtype, shape, nbytes))
-            offset += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in finish()
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
-        self.index, self.done = 0, 0
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Append ``tensor``, the whole entry ``name`` or its next block of rows (blocks in order)."""
-        want, dtype, shape, nbytes = self.expected[self.index]
-        if name != want or tensor.dtype != dtype or list(tensor.shape[1:]) != shape[1:]:
-            raise RuntimeError(f"shard writer: got {name} {tensor.dtype} {list(tensor.shape)}, expected {want} {shape}")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.file.write(memoryview(data))  # type: ignore[arg-type]  # a contiguous ndarray is a buffer
-        self.done += data.nbytes
-        if self.done > nbytes:
-            raise RuntimeError(f"shard writer: {name} got more bytes than its shape {shape} holds")
-        if self.done == nbytes:
-            self.index, self.done = self.index + 1, 0
-
-    def finish(self) -> None:
-        self.file.close()
-        if self.index != len(self.expected):
-            raise RuntimeError(f"shard writer: wrote {self.index} of {len(self.expected)} tensors")
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # --------------------------------------------------------------------------------------------- apply
@@ -424,7 +379,7 @@ def fuse_streaming(
                 if key in fold_of and bias_key not in weight_map:
                     plan_out.append((bias_key, dtype, [shape[0]]))  # created by the fold, beside its weight
                     created.add(bias_key)
-            writer = _ShardWriter(tmp / shard, plan_out, metadata)
+            writer = ShardWriter(tmp / shard, plan_out, metadata)
             try:
                 for key, dtype, _ in plan_out:
                     new_map[key] = shard
@@ -463,7 +418,7 @@ def fuse_streaming(
             finally:
                 writer.file.close()
             writer.finish()
-            total += sum(_numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan_out)
+            total += sum(numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan_out)
         new_map = {k: new_map[k] for k in sorted(new_map)}
         (tmp / hf.SAFETENSORS_INDEX).write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2) + "\n"

@@ -10,7 +10,8 @@ from collections.abc import Iterable
 import torch
 from torch import fx, nn
 
-from slabconv import fold, graph, plan
+from slabconv import fold
+from slabconv.engine import graph, plan
 from tests.conftest import randomize_norms
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}

@@ -20,8 +20,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from slabconv import api, io
+from slabconv import api
 from slabconv.cli import app
+from slabconv.util import sha256_file
+from slabconv.write import staging
 from tests import tinyckpt
 from tests.conftest import ROOT
 from tests.tinyckpt import INPUT_SHAPE, snapshot
@@ -75,7 +77,7 @@ def _wait_for_staged_file(proc: subprocess.Popen[str], out: Path, timeout: float
 @pytest.mark.slow
 def test_sigkill_mid_write_keeps_the_previous_output_and_the_next_run_cleans_up(previous) -> None:
     ckpt, out, before = previous
-    ckpt_hash = io.sha256_file(ckpt)
+    ckpt_hash = sha256_file(ckpt)
     proc = _start_fuse(ckpt, out)
     staged = _wait_for_staged_file(proc, out)
     proc.send_signal(signal.SIGKILL)
@@ -83,7 +85,7 @@ def test_sigkill_mid_write_keeps_the_previous_output_and_the_next_run_cleans_up(
     assert proc.returncode == -signal.SIGKILL
     assert snapshot(out) == before, "the previous output changed"
     assert staged.exists() and staged.name.startswith(f".{out.name}.tmp-{proc.pid}-")  # a hidden, named leftover
-    assert io.sha256_file(ckpt) == ckpt_hash
+    assert sha256_file(ckpt) == ckpt_hash
     # The next run writing the same output removes the dead run's staging folder and publishes a full result.
     report = api.fuse(ckpt, out, force=True, samples=8)
     assert not staged.exists() and _staging(out) == []
@@ -113,7 +115,7 @@ def test_a_swap_cut_short_is_undone_by_the_next_run(tmp_path: Path) -> None:
     staged = tmp_path / f".ckpt-fused.tmp-{pid}-x1y2"
     staged.mkdir()
     (staged / "model.safetensors").write_bytes(b"new, never verified")
-    io.clean_stale(out)
+    staging.clean_stale(out)
     assert (out / "model.safetensors").read_bytes() == b"previous"
     assert not staged.exists() and not backup.exists()
 
@@ -124,13 +126,13 @@ def test_staging_of_a_live_run_is_left_alone(tmp_path: Path) -> None:
     other = tmp_path / f".other.tmp-{_dead_pid()}-abc"
     live.mkdir()
     other.mkdir()
-    assert io.clean_stale(out) == []
+    assert staging.clean_stale(out) == []
     assert live.exists() and other.exists()
 
 
 def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, monkeypatch) -> None:
     ckpt, out, before = previous
-    ckpt_hash = io.sha256_file(ckpt)
+    ckpt_hash = sha256_file(ckpt)
     real_export = api.export_onnx
 
     def wrong_export(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict:
@@ -147,7 +149,7 @@ def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, m
     assert lines[0].endswith("nothing was written")
     assert "verification: FAILED" in result.stdout
     assert snapshot(out) == before and _staging(out) == []
-    assert io.sha256_file(ckpt) == ckpt_hash
+    assert sha256_file(ckpt) == ckpt_hash
 
 
 def test_an_interrupt_while_writing_keeps_the_previous_output(previous, monkeypatch) -> None:
@@ -177,7 +179,7 @@ def test_report_records_the_sha256_of_every_input_and_output_and_the_input_is_un
 ) -> None:
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
     np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).standard_normal((5, *INPUT_SHAPE)).astype(np.float32))
-    inputs_before = {p.name: io.sha256_file(p) for p in (ckpt, tmp_path / "x.npz")}
+    inputs_before = {p.name: sha256_file(p) for p in (ckpt, tmp_path / "x.npz")}
     out = tmp_path / "out"
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--inputs", str(tmp_path / "x.npz")])
     assert result.exit_code == 0, result.stderr
@@ -185,7 +187,7 @@ def test_report_records_the_sha256_of_every_input_and_output_and_the_input_is_un
     assert report["source"]["sha256"] == inputs_before["ckpt.pth"]
     assert report["verification"]["inputs_sha256"] == inputs_before["x.npz"]
     assert report["outputs"]["sha256"] == {
-        "model.safetensors": io.sha256_file(out / "model.safetensors"),
-        "model.onnx": io.sha256_file(out / "model.onnx"),
+        "model.safetensors": sha256_file(out / "model.safetensors"),
+        "model.onnx": sha256_file(out / "model.onnx"),
     }
-    assert {p.name: io.sha256_file(p) for p in (ckpt, tmp_path / "x.npz")} == inputs_before
+    assert {p.name: sha256_file(p) for p in (ckpt, tmp_path / "x.npz")} == inputs_before

@@ -132,7 +132,7 @@ def _normalise(command: str, env: dict[str, str]) -> str:
 
 
 def _sha(path: Path) -> str:
-    from slabconv.io import sha256_file
+    from slabconv.util import sha256_file
 
     return sha256_file(path)
 

@@ -20,8 +20,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from slabconv import io
 from slabconv.cli import app
+from slabconv.load.checkpoint import load_checkpoint
+from slabconv.util import sha256_file
+from slabconv.write.onnx import export_onnx
 from slabconv.zoo import get_arch
 from tests.conftest import FIXTURE, op_histogram
 
@@ -60,17 +62,17 @@ def test_report_numbers_meet_the_tolerance_on_the_whole_holdout(fused, fixture_c
         "output @ onnxruntime[no-optimizations]",
         "output @ onnxruntime[all-optimizations]",
     }
-    assert report["source"]["sha256"] == io.sha256_file(fixture_ckpt)
+    assert report["source"]["sha256"] == sha256_file(fixture_ckpt)
     assert report["source"]["arch"] == "deit_prepbn" and report["source"]["format"] == "training-checkpoint"
     assert len(report["folds"]) == 9 and all(f["action"] == "folded-forward" for f in report["folds"])
 
 
 def test_fused_onnx_has_no_norm_left_and_matches_the_norm_free_bound(fused, fixture_ckpt, tmp_path):
     out, _, _ = fused
-    ckpt = io.load_checkpoint(fixture_ckpt)
+    ckpt = load_checkpoint(fixture_ckpt)
     spec = get_arch("deit_prepbn")
     bound = spec.build(ckpt.state_dict, ckpt.config, "identity").eval()
-    io.export_onnx(bound, torch.randn(2, 1, 8, 8), tmp_path / "bound.onnx")
+    export_onnx(bound, torch.randn(2, 1, 8, 8), tmp_path / "bound.onnx")
     fused_ops = op_histogram(out / "model.onnx")
     assert fused_ops["BatchNormalization"] == 0
     assert fused_ops == op_histogram(tmp_path / "bound.onnx")
@@ -93,7 +95,7 @@ def test_safetensors_carry_provenance_metadata_and_load_into_the_norm_free_model
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         meta = f.metadata()
         keys = set(f.keys())
-    assert meta["arch"] == "deit_prepbn" and meta["source_sha256"] == io.sha256_file(fixture_ckpt)
+    assert meta["arch"] == "deit_prepbn" and meta["source_sha256"] == sha256_file(fixture_ckpt)
     assert meta["slabconv_version"] and meta["complete"] == "true"
     assert not [k for k in keys if ".norm" in k or k.startswith("norm.")]
 

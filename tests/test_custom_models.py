@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv import fold, plan, reasons
-from slabconv.nn import LinearNorm, RepBN
+from slabconv import fold
+from slabconv.engine import plan, reasons
+from slabconv.zoo.norms import LinearNorm, RepBN
 from tests.foldcheck import (
     NAIVE_MIN_ERR,
     TOL,

@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from slabconv import io
 from slabconv.cli import app
+from slabconv.verify import integrity
+from slabconv.write import staging
 from slabconv.zoo.deit import VisionTransformer, norm_factory
 from tests import tinyckpt
 from tests.conftest import ROOT, randomize_norms, small_vit
@@ -169,14 +170,14 @@ def output_in_a_read_only_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch)
     locked.mkdir()
     locked.chmod(0o555)
     if os.geteuid() == 0:  # root ignores folder modes: make the refusal the kernel would give explicit
-        real = io.tempfile.mkdtemp
+        real = staging.tempfile.mkdtemp
 
         def refuse(*args: object, dir: str | os.PathLike[str] | None = None, **kwargs: object) -> str:
             if dir is not None and Path(dir) == locked:
                 raise PermissionError(13, "Permission denied", str(dir))
             return real(*args, dir=dir, **kwargs)  # type: ignore[arg-type]
 
-        mp.setattr(io.tempfile, "mkdtemp", refuse)
+        mp.setattr(staging.tempfile, "mkdtemp", refuse)
     return ["fuse", str(ckpt), "--out", str(locked / "out"), "--no-onnx"]
 
 
@@ -195,7 +196,7 @@ def existing_onnx_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) 
 
 def onnx_over_2gb_in_one_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     shutil.copy(fused / "ckpt-fused" / "model.onnx", tmp / "big.onnx")
-    mp.setattr(io, "PROTOBUF_LIMIT_BYTES", (tmp / "big.onnx").stat().st_size - 1)  # this file is "over 2 GiB"
+    mp.setattr(integrity, "PROTOBUF_LIMIT_BYTES", (tmp / "big.onnx").stat().st_size - 1)  # this file is "over 2 GiB"
     return ["verify", str(tmp / "big.onnx"), str(tmp / "big.onnx"), "--samples", "2"]
 
 
@@ -269,8 +270,8 @@ def ema_without_ema_weights(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> l
 
 
 def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) -> Path:
-    from slabconv import hf
     from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM
+    from tests import hfwrite
 
     cfg = LlamaConfig(
         vocab_size=40,
@@ -282,7 +283,7 @@ def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) 
     )
     sd = randomize_norms(LlamaForCausalLM(cfg), 0).half().state_dict()
     config = {"model_type": "llama", "num_attention_heads": 4, "max_position_embeddings": 16, "rms_norm_eps": 1e-6}
-    hf.write_hf_folder(tmp / name, sd, config, max_shard_bytes=4096 if sharded else None)
+    hfwrite.write_hf_folder(tmp / name, sd, config, max_shard_bytes=4096 if sharded else None)
     return tmp / name
 
 
@@ -310,9 +311,9 @@ def stream_verify_of_another_size(tmp: Path, fused: Path, mp: pytest.MonkeyPatch
 
 
 def stream_verify_of_a_vision_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
-    from slabconv import hf
+    from tests import hfwrite
 
-    hf.write_hf_folder(tmp / "vit", tiny_state_dict(), {"model_type": "vit"})
+    hfwrite.write_hf_folder(tmp / "vit", tiny_state_dict(), {"model_type": "vit"})
     return ["verify", str(_llama_folder(tmp, "src")), str(tmp / "vit"), "--stream"]
 
 

@@ -15,11 +15,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from slabconv import graph, hf, io, plan
+from slabconv.engine import graph, plan
 from slabconv.errors import InputError, UnsupportedModelError
-from slabconv.nn import RepBN, RMSNorm
+from slabconv.load import hf
+from slabconv.write.onnx import export_onnx
 from slabconv.zoo import detect_arch, get_arch
 from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, LlamaLinearNorm, norm_factory
+from slabconv.zoo.norms import RepBN, RMSNorm
+from tests import hfwrite
 from tests.conftest import ROOT, op_histogram, randomize_norms
 
 TEXT_FIXTURE = ROOT / "fixtures" / "text-prepbn"
@@ -308,8 +311,8 @@ def test_fused_onnx_reaches_the_norm_free_bound_plus_one_bias_add_per_created_bi
     model, gm, _, x = folded()
     free = get_arch("llama_prepbn").build(model.state_dict(), TINY_CONFIG, "identity").eval()
     free.load_state_dict({k: v for k, v in model.state_dict().items() if k in free.state_dict()}, strict=True)
-    info = io.export_onnx(gm, x, tmp_path / "fused.onnx")
-    io.export_onnx(free, x, tmp_path / "free.onnx")
+    info = export_onnx(gm, x, tmp_path / "fused.onnx")
+    export_onnx(free, x, tmp_path / "free.onnx")
     fused, bound = op_histogram(tmp_path / "fused.onnx"), op_histogram(tmp_path / "free.onnx")
     assert fused["BatchNormalization"] == 0
     assert fused - bound == collections.Counter({"Add": 5 * TINY.num_hidden_layers + 1}) and not bound - fused
@@ -372,7 +375,7 @@ def test_text_fixture_fused_onnx_keeps_every_next_token_and_the_perplexity(text_
     assert x.dtype == y.dtype == np.int64 and x.shape == y.shape and x.shape[1:] == spec.input_shape(sd, config)
     gm = graph.capture(model, torch.from_numpy(x[:4]))
     assert all(d.action == "folded-forward" for d in plan.fold_all(gm))
-    io.export_onnx(gm, torch.from_numpy(x[:4]), tmp_path / "fused.onnx")
+    export_onnx(gm, torch.from_numpy(x[:4]), tmp_path / "fused.onnx")
     session = ort.InferenceSession(str(tmp_path / "fused.onnx"), providers=["CPUExecutionProvider"])
     with torch.no_grad():
         reference = torch.cat([model(torch.from_numpy(x[i : i + 256])) for i in range(0, len(x), 256)]).numpy()
@@ -403,7 +406,7 @@ def _sample_state() -> dict[str, torch.Tensor]:
 def test_hf_folder_round_trips(tmp_path, weights, shard, fmt, entry):
     sd = _sample_state()
     config = {**TINY_CONFIG, "torch_dtype": "float16", "auto_map": {"AutoModelForCausalLM": "modeling_llama.X"}}
-    written = hf.write_hf_folder(tmp_path, sd, config, weights=weights, max_shard_bytes=shard)
+    written = hfwrite.write_hf_folder(tmp_path, sd, config, weights=weights, max_shard_bytes=shard)
     loaded = hf.read_hf_folder(tmp_path)
     assert loaded.format == fmt and loaded.files == written and (tmp_path / entry).is_file()
     assert loaded.config == config
@@ -417,7 +420,7 @@ def test_hf_folder_round_trips(tmp_path, weights, shard, fmt, entry):
 
 
 def test_hf_reader_never_runs_the_folder_code(tmp_path):
-    hf.write_hf_folder(tmp_path, _sample_state(), {**TINY_CONFIG, "auto_map": {"AutoModel": "modeling_llama.M"}})
+    hfwrite.write_hf_folder(tmp_path, _sample_state(), {**TINY_CONFIG, "auto_map": {"AutoModel": "modeling_llama.M"}})
     marker = tmp_path / "ran"
     (tmp_path / "modeling_llama.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     hf.read_hf_folder(tmp_path)
@@ -433,7 +436,7 @@ def test_hf_reader_refuses_damaged_or_unsafe_folders(tmp_path):
         hf.read_hf_folder(tmp_path)
 
     sharded = tmp_path / "sharded"
-    hf.write_hf_folder(sharded, sd, TINY_CONFIG, max_shard_bytes=8192)
+    hfwrite.write_hf_folder(sharded, sd, TINY_CONFIG, max_shard_bytes=8192)
     index = sharded / hf.SAFETENSORS_INDEX
     data = json.loads(index.read_text())
     first = next(iter(data["weight_map"]))

@@ -24,8 +24,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from slabconv import api, io
+from slabconv import api
 from slabconv.cli import app
+from slabconv.load import checkpoint as ckpt_io
 from tests.conftest import ROOT, small_vit
 from tests.tinyckpt import CONFIG, MarkerPayload, hostile_program, rewrite_pickle, save_ckpt, tiny_state_dict
 
@@ -73,8 +74,8 @@ def test_loading_asks_torch_for_weights_only_first(tmp_path: Path, monkeypatch: 
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch, "load", spy)
-    io.load_checkpoint(save_ckpt(tmp_path / "ckpt.pth"))
-    io.load_checkpoint(save_ckpt(tmp_path / "ckpt2.pth"), trust_pickle=True)  # safe file: no full load needed
+    ckpt_io.load_checkpoint(save_ckpt(tmp_path / "ckpt.pth"))
+    ckpt_io.load_checkpoint(save_ckpt(tmp_path / "ckpt2.pth"), trust_pickle=True)  # safe file: no full load needed
     assert calls == [True, True]
 
 
@@ -82,10 +83,10 @@ def test_trust_pickle_is_the_only_way_the_payload_runs(tmp_path: Path) -> None:
     """--trust-pickle really loads the pickle in full (so it must only be used on trusted files)."""
     marker = tmp_path / "MARKER"
     torch.save({"model": tiny_state_dict(), "config": MarkerPayload(marker)}, tmp_path / "evil.pth")
-    with pytest.raises(io.InputError):
-        io.load_checkpoint(tmp_path / "evil.pth")
+    with pytest.raises(ckpt_io.InputError):
+        ckpt_io.load_checkpoint(tmp_path / "evil.pth")
     assert not marker.exists()
-    ckpt = io.load_checkpoint(tmp_path / "evil.pth", trust_pickle=True)
+    ckpt = ckpt_io.load_checkpoint(tmp_path / "evil.pth", trust_pickle=True)
     assert marker.exists() and ckpt.state_dict.keys() == tiny_state_dict().keys()
 
 
@@ -97,8 +98,8 @@ def test_a_global_outside_the_allowlist_with_a_yacs_name_is_still_refused(tmp_pa
         tmp_path / "ckpt.pth",
         lambda pkl: pkl.replace(b"posix\ngetcwd", b"yacs.config\nload_cfg"),
     )
-    with pytest.raises(io.InputError, match="'yacs.config.load_cfg'"):
-        io.load_checkpoint(renamed)
+    with pytest.raises(ckpt_io.InputError, match="'yacs.config.load_cfg'"):
+        ckpt_io.load_checkpoint(renamed)
 
 
 # --------------------------------------------------------------------------------------------- yacs config
@@ -176,7 +177,7 @@ def test_the_blocker_really_blocks_yacs(tmp_path: Path) -> None:
 
 def test_a_yacs_config_read_with_trust_pickle_is_the_same_plain_data(tmp_path: Path) -> None:
     ckpt = _yacs_checkpoint(tmp_path / "official.pth")
-    assert io.load_checkpoint(ckpt, trust_pickle=True).config == EXPECTED_CONFIG
+    assert ckpt_io.load_checkpoint(ckpt, trust_pickle=True).config == EXPECTED_CONFIG
 
 
 def _pickle_of(path: Path) -> bytes:
@@ -218,7 +219,7 @@ def test_a_trusted_pickled_module_is_folded_like_any_model(tmp_path: Path) -> No
 
 def test_api_load_model_takes_trust_pickle_and_input_shape(tmp_path: Path) -> None:
     torch.save(small_vit(depth=1), tmp_path / "module.pth")
-    with pytest.raises(io.InputError, match="whole pickled nn.Module"):
+    with pytest.raises(ckpt_io.InputError, match="whole pickled nn.Module"):
         api.load_model(tmp_path / "module.pth")
     with pytest.raises(api.UsageError, match="--input-shape"):
         api.load_model(tmp_path / "module.pth", trust_pickle=True)

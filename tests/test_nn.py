@@ -7,7 +7,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from slabconv.nn import LinearNorm, RepBN, RMSNorm
+from slabconv.zoo.norms import LinearNorm, RepBN, RMSNorm
 
 
 def test_repbn_keys_and_forward():

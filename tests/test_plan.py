@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slabconv import graph, io, plan
+from slabconv.engine import graph, plan
+from slabconv.write.onnx import export_onnx
 from tests.conftest import op_histogram, small_vit
 
 
@@ -56,9 +57,9 @@ def test_fused_onnx_reaches_the_norm_free_bound(tmp_path):
     model = small_vit("repbn")
     x = torch.randn(2, 1, 8, 8)
     gm, _ = _fold(model, x)
-    io.export_onnx(gm, x, tmp_path / "fused.onnx")
-    io.export_onnx(small_vit("identity"), x, tmp_path / "bound.onnx")
-    io.export_onnx(model, x, tmp_path / "original.onnx")
+    export_onnx(gm, x, tmp_path / "fused.onnx")
+    export_onnx(small_vit("identity"), x, tmp_path / "bound.onnx")
+    export_onnx(model, x, tmp_path / "original.onnx")
     fused, bound, original = (op_histogram(tmp_path / f"{n}.onnx") for n in ("fused", "bound", "original"))
     assert fused["BatchNormalization"] == 0 and original["BatchNormalization"] == 5
     assert fused == bound

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from slabconv import graph, plan, reasons
-from slabconv.nn import RepBN
+from slabconv.engine import graph, plan, reasons
+from slabconv.zoo.norms import RepBN
 from tests.foldcheck import TOL, RepBN_NLP, affine_of, bn_nodes, kept_affines, patchtst_norm, randomize, rel_err
 
 C, GRID = 8, 4  # tokens: a GRID x GRID grid

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv import graph, plan, reasons
-from slabconv.nn import RepBN
+from slabconv.engine import graph, plan, reasons
+from slabconv.zoo.norms import RepBN
 from tests.foldcheck import (
     NAIVE_MIN_ERR,
     TOL,

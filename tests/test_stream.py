@@ -8,10 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slabconv import api, hf, layerwise, stream
+from slabconv import api, stream
 from slabconv.errors import UnsupportedModelError, UsageError
+from slabconv.load import hf
+from slabconv.verify import layerwise
 from slabconv.zoo import get_arch
 from slabconv.zoo.llama import rope_cos_sin
+from tests import hfwrite
 from tests.test_llama import TINY, TINY_CONFIG, rel_err, tiny_model, tokens
 
 CONFIG = {**TINY_CONFIG, "torch_dtype": "float16"}
@@ -22,7 +25,7 @@ def folded(tmp_path_factory):
     root = tmp_path_factory.mktemp("stream")
     model = tiny_model().half()
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    hf.write_hf_folder(root / "src", sd, CONFIG, max_shard_bytes=8192)
+    hfwrite.write_hf_folder(root / "src", sd, CONFIG, max_shard_bytes=8192)
     report = stream.fuse_streaming(root / "src", root / "out")
     memory = api.fuse(root / "src", root / "mem", onnx=False, verify=False)
     return root, model, sd, report, memory
@@ -74,7 +77,7 @@ def test_layer_by_layer_verification_passes(folded):
 def test_layerwise_reference_chain_is_the_model(tmp_path):
     """The streamed, meta-built layers compute what the in-memory model computes, layer by layer and end to end."""
     model = tiny_model()
-    hf.write_hf_folder(tmp_path / "f", model.state_dict(), TINY_CONFIG, max_shard_bytes=4096)
+    hfwrite.write_hf_folder(tmp_path / "f", model.state_dict(), TINY_CONFIG, max_shard_bytes=4096)
     side = layerwise._open_side(tmp_path / "f", block_elements=100)  # several blocks per weight
     cfg = layerwise._config(side, TINY_CONFIG)
     x = tokens(batch=2, seq=8)
@@ -93,7 +96,7 @@ def test_layerwise_reference_chain_is_the_model(tmp_path):
 def test_layerwise_agrees_with_the_in_memory_fold(tmp_path):
     """Streamed verification of the in-memory fold's model.safetensors (another code path) passes in float32."""
     model = tiny_model()
-    hf.write_hf_folder(tmp_path / "src", model.state_dict(), TINY_CONFIG)
+    hfwrite.write_hf_folder(tmp_path / "src", model.state_dict(), TINY_CONFIG)
     api.fuse(tmp_path / "src", tmp_path / "mem", onnx=False, verify=False)
     v = layerwise.verify_folders(tmp_path / "src", tmp_path / "mem", sequences=3, seq_len=16)
     assert v.passed and all(c.tolerance == 1e-5 for c in v.checks), [c.summary() for c in v.checks]
@@ -112,7 +115,7 @@ def test_layerwise_names_the_layer_that_is_wrong(folded, tmp_path):
     out = hf.read_hf_folder(root / "out")
     bad = dict(out.state_dict)
     bad["model.layers.1.mlp.gate_proj.bias"] = torch.zeros_like(bad["model.layers.1.mlp.gate_proj.bias"])
-    hf.write_hf_folder(tmp_path / "bad", bad, out.config, max_shard_bytes=8192)
+    hfwrite.write_hf_folder(tmp_path / "bad", bad, out.config, max_shard_bytes=8192)
     v = layerwise.verify_folders(root / "src", tmp_path / "bad")
     assert [c.passed for c in v.checks[:2]] == [True, False] and not v.passed
     result = CliRunner().invoke(app, ["verify", str(root / "src"), str(tmp_path / "bad"), "--stream"])
@@ -168,11 +171,11 @@ def test_refusals(folded, tmp_path):
     with pytest.raises(UsageError, match="already exists"):
         stream.fuse_streaming(root / "src", root / "out")
     single = tmp_path / "single"
-    hf.write_hf_folder(single, sd, CONFIG)
+    hfwrite.write_hf_folder(single, sd, CONFIG)
     with pytest.raises(UsageError, match="sharded safetensors"):
         stream.fuse_streaming(single, tmp_path / "o")
     plain = tmp_path / "plain"
-    hf.write_hf_folder(plain, {k: v for k, v in sd.items() if "layernorm" not in k}, CONFIG, max_shard_bytes=8192)
+    hfwrite.write_hf_folder(plain, {k: v for k, v in sd.items() if "layernorm" not in k}, CONFIG, max_shard_bytes=8192)
     with pytest.raises(UnsupportedModelError, match="LLaMA-PRepBN"):
         stream.fuse_streaming(plain, tmp_path / "o")
     assert not (tmp_path / "o").exists()
@@ -208,7 +211,7 @@ def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
 def test_unfinished_schedule_is_reported(folded, tmp_path):
     _, _, sd, _, _ = folded
     sd = {**sd, "model.layers.1.input_layernorm.warm": torch.tensor(3)}
-    hf.write_hf_folder(tmp_path / "src", sd, CONFIG, max_shard_bytes=8192)
+    hfwrite.write_hf_folder(tmp_path / "src", sd, CONFIG, max_shard_bytes=8192)
     report = stream.fuse_streaming(tmp_path / "src", tmp_path / "out")
     warned = {f["norm"]: f["warnings"] for f in report["folds"] if f["warnings"]}
     assert list(warned) == ["model.layers.1.input_layernorm"] and "warm=3" in warned[list(warned)[0]][0]

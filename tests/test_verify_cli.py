@@ -19,8 +19,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from slabconv import api, io, verify
+from slabconv import api
 from slabconv.cli import app
+from slabconv.util import sha256_file
+from slabconv.verify import integrity, results
+from slabconv.write import onnx as onnx_writer
 from tests import tinyckpt
 from tests.conftest import small_vit
 from tests.tinyckpt import INPUT_SHAPE, save_ckpt, tiny_state_dict
@@ -64,8 +67,8 @@ def test_checkpoint_against_its_fused_onnx_passes_under_both_onnxruntime_setting
     assert [i["name"] for i in v["integrity"]] == ["onnx.checker[full_check] model.onnx"]
     assert all(i["passed"] for i in v["integrity"])
     assert v["runtime"].startswith("onnxruntime 1.") and v["tolerance"] == 1e-5
-    assert report["reference"]["sha256"] == io.sha256_file(tiny_fused / "ckpt.pth")
-    assert report["candidate"]["sha256"] == io.sha256_file(tiny_fused / "ckpt-fused" / "model.onnx")
+    assert report["reference"]["sha256"] == sha256_file(tiny_fused / "ckpt.pth")
+    assert report["candidate"]["sha256"] == sha256_file(tiny_fused / "ckpt-fused" / "model.onnx")
     for c in v["checks"]:
         assert set(c) == {
             "name", "passed", "samples", "max_abs_err", "max_rel_err", "mean_abs_err", "top1_agreement",
@@ -112,7 +115,7 @@ def test_inputs_npz_is_used_and_its_hash_recorded(tiny_fused: Path, tmp_path: Pa
     assert code == 0, err
     v = report["verification"]
     assert v["samples"] == 7 and v["inputs"] == str(tmp_path / "inputs.npz")
-    assert v["inputs_sha256"] == io.sha256_file(tmp_path / "inputs.npz")
+    assert v["inputs_sha256"] == sha256_file(tmp_path / "inputs.npz")
 
 
 def test_seeds_give_different_inputs_and_the_same_seed_the_same_numbers(tiny_fused: Path) -> None:
@@ -234,28 +237,28 @@ def test_exit_codes_are_documented_in_help() -> None:
 def test_compare_statistics_follow_design_section_5() -> None:
     ref = np.array([[1.0, 4.0, -2.0], [0.5, 0.0, 3.0]])
     cand = ref + np.array([[0.0, 0.0, 0.0], [0.0, 0.02, 0.0]])
-    c = verify.compare("out", ref, cand, rtol=1e-2)
+    c = results.compare("out", ref, cand, rtol=1e-2)
     assert c.max_abs_err == pytest.approx(0.02) and c.max_rel_err == pytest.approx(0.02 / 4.0)
     assert c.mean_abs_err == pytest.approx(0.02 / 6) and c.worst_sample == 1 and c.top1_agreement == 1.0
     assert c.passed
-    assert not verify.compare("out", ref, cand, rtol=1e-3).passed
-    assert verify.compare("out", ref, cand, rtol=1e-3, atol=0.03).passed
+    assert not results.compare("out", ref, cand, rtol=1e-3).passed
+    assert results.compare("out", ref, cand, rtol=1e-3, atol=0.03).passed
     flipped = ref.copy()
     flipped[0, 0] = 5.0  # argmax of sample 0 changes
-    assert verify.compare("out", ref, flipped, rtol=1.0).top1_agreement == 0.5
-    assert not verify.compare("out", ref, flipped, rtol=1.0).passed
+    assert results.compare("out", ref, flipped, rtol=1.0).top1_agreement == 0.5
+    assert not results.compare("out", ref, flipped, rtol=1.0).passed
     with_nan = cand.copy()
     with_nan[0, 0] = np.nan
-    assert not verify.compare("out", ref, with_nan, rtol=1.0, atol=1e9).passed
+    assert not results.compare("out", ref, with_nan, rtol=1.0, atol=1e9).passed
 
 
 def test_safetensors_reload_check_catches_a_changed_tensor_and_metadata(tmp_path: Path) -> None:
     tensors = {"a": torch.arange(4.0), "b": torch.ones(2, 2)}
     save_file(tensors, str(tmp_path / "m.safetensors"), {"arch": "x"})
-    assert verify.check_safetensors_reload(tmp_path / "m.safetensors", tensors, {"arch": "x"}).passed
+    assert integrity.check_safetensors_reload(tmp_path / "m.safetensors", tensors, {"arch": "x"}).passed
     changed = {**tensors, "a": torch.tensor([0.0, 1.0, 2.0, 3.0000002])}
-    assert not verify.check_safetensors_reload(tmp_path / "m.safetensors", changed, {"arch": "x"}).passed
-    assert not verify.check_safetensors_reload(tmp_path / "m.safetensors", tensors, {"arch": "y"}).passed
+    assert not integrity.check_safetensors_reload(tmp_path / "m.safetensors", changed, {"arch": "x"}).passed
+    assert not integrity.check_safetensors_reload(tmp_path / "m.safetensors", tensors, {"arch": "y"}).passed
     assert load_file(str(tmp_path / "m.safetensors")).keys() == tensors.keys()
 
 
@@ -265,7 +268,7 @@ def test_safetensors_reload_check_catches_a_changed_tensor_and_metadata(tmp_path
 def test_large_models_are_written_with_external_data_and_verify_loads_them(
     tiny_fused: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(io, "ONNX_EXTERNAL_DATA_BYTES", 1024)  # the tiny model counts as "over the limit"
+    monkeypatch.setattr(onnx_writer, "ONNX_EXTERNAL_DATA_BYTES", 1024)  # the tiny model counts as "over the limit"
     ckpt = shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth")
     report = api.fuse(ckpt, tmp_path / "out", samples=8)
     out = tmp_path / "out"
@@ -276,7 +279,7 @@ def test_large_models_are_written_with_external_data_and_verify_loads_them(
         "report.json",
     ]
     assert report["outputs"]["onnx_info"]["external_data"] == "model.onnx.data"
-    assert report["outputs"]["sha256"]["model.onnx.data"] == io.sha256_file(out / "model.onnx.data")
+    assert report["outputs"]["sha256"]["model.onnx.data"] == sha256_file(out / "model.onnx.data")
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
     largest = max(proto.graph.initializer, key=lambda t: np.prod(t.dims))
     assert onnx.external_data_helper.uses_external_data(largest) and not largest.raw_data

@@ -30,8 +30,10 @@ import pytest
 import torch
 from torch import nn
 
-from slabconv import graph, io, plan
+from slabconv.engine import graph, plan
 from slabconv.errors import UnsupportedModelError
+from slabconv.load.checkpoint import load_checkpoint
+from slabconv.write.onnx import export_onnx
 from slabconv.zoo import detect_arch, get_arch, list_archs
 from slabconv.zoo.cswin import CSWinTransformer
 from slabconv.zoo.deit import VisionTransformer
@@ -541,8 +543,8 @@ def test_fused_onnx_reaches_the_norm_free_bound(key, tmp_path):
     model, gm, _, x = folded(key)
     bound = get_arch(tiny.arch).build(plan.fused_state_dict(gm), tiny.config, "identity")
     bound.load_state_dict(plan.fused_state_dict(gm), strict=True)
-    info = io.export_onnx(gm, x, tmp_path / "fused.onnx")
-    io.export_onnx(bound.eval(), x, tmp_path / "bound.onnx")
+    info = export_onnx(gm, x, tmp_path / "fused.onnx")
+    export_onnx(bound.eval(), x, tmp_path / "bound.onnx")
     fused, free = op_histogram(tmp_path / "fused.onnx"), op_histogram(tmp_path / "bound.onnx")
     assert fused["BatchNormalization"] == 0
     assert fused == free
@@ -663,7 +665,7 @@ FIXTURES = sorted((ROOT / "fixtures").glob("*/checkpoint.pth"))
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.parent.name for p in FIXTURES])
 def test_real_fixture_is_detected_built_strictly_and_folds(path: Path):
-    ckpt = io.load_checkpoint(path)
+    ckpt = load_checkpoint(path)
     spec = detect_arch(ckpt.state_dict, ckpt.config)
     model = spec.build(ckpt.state_dict, ckpt.config, "checkpoint")
     model.load_state_dict(ckpt.state_dict, strict=True)

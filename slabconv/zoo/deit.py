@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.nn import RepBN
 from slabconv.zoo.layers import Mlp, NormFactory, norm_factory, norm_layout
+from slabconv.zoo.norms import RepBN
 from slabconv.zoo.registry import ArchSpec, StateDict, register_arch, resolve_image_size
 
 __all__ = ["Attention", "Block", "Mlp", "PatchEmbed", "VisionTransformer", "norm_factory", "norm_layout", "vit_hparams"]

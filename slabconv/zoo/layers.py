@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.nn import LinearNorm, RepBN
+from slabconv.zoo.norms import LinearNorm, RepBN
 
 NormFactory = Callable[[int], nn.Module]
 StateDictLike = Mapping[str, torch.Tensor]

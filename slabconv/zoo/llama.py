@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.nn import LinearNorm, RepBN, RMSNorm
+from slabconv.zoo.norms import LinearNorm, RepBN, RMSNorm
 from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
 
 __all__ = [

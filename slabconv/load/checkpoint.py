@@ -1,4 +1,4 @@
-"""Checkpoint formats in; safetensors and ONNX out, atomically.
+"""Checkpoint files in: every format slabconv reads, parsed without running code from the file.
 
 Loading never executes code unless asked: ``torch.load(weights_only=True)``, with a named allowlist that
 reads the official SLAB training config (a yacs ``CfgNode``) as plain data. Checkpoint hygiene follows the
@@ -11,14 +11,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
-import io
-import logging
-import os
 import pickle
 import re
-import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,19 +21,11 @@ from typing import Any
 
 import torch
 
-from slabconv.errors import InputError, UsageError
+from slabconv.errors import InputError, first_line
+from slabconv.util import sha256_file
 
 _PREFIXES = ("module.", "_orig_mod.")
 _WRAPPER_KEYS = ("model", "state_dict", "model_state", "module")
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class ConfigNode:
@@ -149,7 +135,7 @@ def _refusal(path: Path, err: BaseException) -> InputError:
             "if you trust this file"
         )
     detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-    reason = detail.group(1).strip()[:200] if detail else _first_line(err)
+    reason = detail.group(1).strip()[:200] if detail else first_line(err)
     return InputError(f"{path}: not a readable PyTorch checkpoint ({reason}); the file is damaged or not a checkpoint")
 
 
@@ -167,7 +153,7 @@ def _torch_load(path: Path, trust_pickle: bool = False) -> Any:
                 raise refusal from None
         except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
             raise InputError(
-                f"{path}: not a readable PyTorch checkpoint ({_first_line(err)}); the file is damaged, truncated "
+                f"{path}: not a readable PyTorch checkpoint ({first_line(err)}); the file is damaged, truncated "
                 "or not a checkpoint"
             ) from None
     try:
@@ -176,15 +162,8 @@ def _torch_load(path: Path, trust_pickle: bool = False) -> Any:
             return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - arbitrary code ran; report whatever it raised
         raise InputError(
-            f"{path}: loading the trusted pickle failed ({type(err).__name__}: {_first_line(err)})"
+            f"{path}: loading the trusted pickle failed ({type(err).__name__}: {first_line(err)})"
         ) from None
-
-
-def _first_line(err: BaseException | None) -> str:
-    if err is None:
-        return "unknown error"
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
@@ -206,7 +185,7 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     if not path.exists():
         raise InputError(f"{path}: no such file")
     if path.is_dir():
-        from slabconv import hf
+        from slabconv.load import hf
 
         if not hf.is_hf_folder(path):
             raise InputError(
@@ -271,7 +250,7 @@ def _load_safetensors(path: Path, digest: str) -> Checkpoint:
         tensors = load_file(str(path))
     except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ValueError, ...
         raise InputError(
-            f"{path}: not a readable safetensors file ({_first_line(err)}); the header or data is damaged"
+            f"{path}: not a readable safetensors file ({first_line(err)}); the header or data is damaged"
         ) from None
     if not tensors:
         raise InputError(f"{path}: the safetensors file holds no tensors")
@@ -328,264 +307,6 @@ def _load_program(path: Path, digest: str, trust_pickle: bool = False) -> Checkp
                 "could run code); re-export it with tensor weights only, or pass --trust-pickle if you trust this file"
             ) from None
         raise InputError(
-            f"{path}: not a readable torch.export program ({_first_line(err)}); re-save it with torch.export.save"
+            f"{path}: not a readable torch.export program ({first_line(err)}); re-save it with torch.export.save"
         ) from None
     return Checkpoint(dict(program.state_dict), {}, "torch.export", path, digest, program=program)
-
-
-# --------------------------------------------------------------------------------------------- writing
-
-# Staging folders are named ``.<final>.tmp-<pid>-<random>``; a swap's backup ``.<final>.old-<pid>``. A run that
-# is killed (SIGKILL) cannot remove its own; the next run writing the same output removes those whose process
-# is gone, and puts back a backup whose swap was cut short.
-_STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-[^/]*)?$")
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(OSError):
-            path.unlink()
-
-
-def clean_stale(final: Path) -> list[Path]:
-    """Remove staging leftovers of ``final`` from killed runs; restore a backup whose swap was interrupted.
-
-    Only siblings named ``.<final name>.tmp-<pid>-*`` / ``.<final name>.old-<pid>`` whose process no longer
-    runs are touched. Returns the paths removed.
-    """
-    removed: list[Path] = []
-    parent = final.parent
-    if not parent.is_dir():
-        return removed
-    leftovers = []
-    for item in parent.iterdir():
-        m = _STAGING.match(item.name)
-        if m and m["name"] == final.name and not _alive(int(m["pid"])):
-            leftovers.append((m["kind"], item))
-    for kind, item in sorted(leftovers, key=lambda pair: pair[0] != "old"):
-        if kind == "old" and not final.exists():
-            with contextlib.suppress(OSError):
-                item.rename(final)
-                continue
-        _remove(item)
-        removed.append(item)
-    return removed
-
-
-@contextlib.contextmanager
-def staging_dir(final: Path, force: bool) -> Iterator[Path]:
-    """A temporary folder beside ``final`` (same filesystem) that replaces it only when the block finishes.
-
-    Nothing is left behind on failure or interruption (KeyboardInterrupt included); an existing ``final``
-    stays intact until the swap, and is refused without ``force``. Leftovers of killed runs are cleaned first
-    (``clean_stale``).
-
-    Raises:
-        UsageError: ``final`` exists and ``force`` is False, or its parent folder is not writable.
-    """
-    final = final.absolute()
-    parent = final.parent
-    tmp = _make_staging(final, force)
-    try:
-        yield tmp
-        _publish_modes(tmp)
-        backup = None
-        if final.exists():
-            backup = parent / f".{final.name}.old-{os.getpid()}"
-            _remove(backup)
-            final.rename(backup)
-        tmp.rename(final)
-        if backup is not None:
-            _remove(backup)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _make_staging(final: Path, force: bool) -> Path:
-    """Check ``final`` may be written, clean stale leftovers, and create the staging folder beside it."""
-    if final.exists() and not force:
-        raise UsageError(f"{final} already exists; pass --force to replace it")
-    parent = final.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(final)
-        return Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=parent))
-    except OSError as err:
-        raise UsageError(
-            f"cannot write to {parent}: {err.strerror or err}; choose a writable output location"
-        ) from None
-
-
-@contextlib.contextmanager
-def staging_file(final: Path, force: bool) -> Iterator[Path]:
-    """A temporary folder beside ``final`` in which to write the file ``final.name`` and its side files (an
-    ONNX ``.data``); when the block finishes each is moved into place with ``os.replace`` (atomic on one
-    filesystem), ``final`` last. On failure nothing is moved and the folder is removed.
-
-    Raises:
-        UsageError: ``final`` exists and ``force`` is False, or its folder is not writable.
-    """
-    final = final.absolute()
-    tmp = _make_staging(final, force)
-    try:
-        yield tmp
-        if not (tmp / final.name).is_file():
-            raise RuntimeError(f"nothing was staged for {final}")
-        _publish_modes(tmp)
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == final.name):
-            os.replace(item, final.parent / item.name)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish_modes(folder: Path) -> None:
-    """Give the staged folder and its files the modes the user's umask asks for (mkdtemp makes them private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for item in folder.iterdir():
-        item.chmod(0o666 & ~umask)
-
-
-def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
-    """Write ``tensors`` (contiguous CPU copies, shared storage split) with string ``metadata``."""
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path), dict(metadata))
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence stdout, Python warnings and torch's exporter log lines (stdout may carry ``--json`` output)."""
-    torch_log = logging.getLogger("torch")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch_log.setLevel(level)
-
-
-# protobuf cannot serialise or parse one message over 2 GiB, so an ONNX file whose weights are inside it must
-# stay under that. Above this many bytes of weights (the threshold torch's exporter uses), the weights go to
-# ``<name>.onnx.data`` beside the ``.onnx`` (ONNX external data), which onnx and onnxruntime read from a path.
-ONNX_EXTERNAL_DATA_BYTES = 1536 * 1024 * 1024
-PROTOBUF_LIMIT_BYTES = 2**31 - 1
-
-
-def _weight_bytes(model: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
-    """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
-
-    Axis 0 (batch) is dynamic when the model allows it; otherwise the batch size of ``example`` is fixed and
-    the returned info says so. Weights over ``ONNX_EXTERNAL_DATA_BYTES`` go to external data
-    ``<path>.data`` beside ``path``.
-
-    Returns:
-        ``{"dynamic_batch": bool, "opset": int, "external_data": "<name>.data" or None}``.
-
-    Raises:
-        UnsupportedModelError: the exporter fails both with and without a dynamic batch axis.
-        UsageError: the file cannot be written.
-    """
-    from slabconv.errors import UnsupportedModelError
-
-    last: Exception | None = None
-    for dynamic in (True, False):
-        shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
-        try:
-            with quiet():
-                program = torch.onnx.export(
-                    model,
-                    (example,),
-                    dynamo=True,
-                    dynamic_shapes=shapes,
-                    input_names=["input"],
-                    output_names=["output"],
-                    verbose=False,
-                )
-            assert program is not None
-        except Exception as err:  # noqa: BLE001 - the exporter raises many types
-            last = err
-            continue
-        external = _weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
-        try:
-            with quiet():
-                program.save(str(path), external_data=external)
-        except OSError as err:
-            raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
-        opset = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-        return {
-            "dynamic_batch": dynamic,
-            "opset": int(opset),
-            "external_data": f"{path.name}.data" if external else None,
-        }
-    raise UnsupportedModelError(f"ONNX export failed: {_first_line(last)}")
-
-
-def onnx_files(path: Path) -> list[Path]:
-    """``path`` and the external data files it names (to hash and to move together)."""
-    import onnx
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
-
-    model = onnx.load(str(path), load_external_data=False)
-    names = {ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)}
-    return [path, *(path.parent / n for n in sorted(names))]
-
-
-def check_onnx_file(path: Path) -> tuple[bool, str]:
-    """Read an ONNX file and run ``onnx.checker`` with ``full_check`` (external data followed).
-
-    Returns:
-        ``(passed, one-line detail)``; a model the checker rejects is a failed check, not an error.
-
-    Raises:
-        InputError: missing file; one file over protobuf's 2 GiB limit (the case ONNX cannot represent
-            without external data); unreadable protobuf; external data files that are not beside it.
-    """
-    import onnx
-
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    size = path.stat().st_size
-    if size > PROTOBUF_LIMIT_BYTES:
-        raise InputError(
-            f"{path}: one ONNX file of {size / 2**30:.1f} GiB is over protobuf's 2 GiB limit and cannot be read; "
-            "re-save it with its weights as external data: onnx.save_model(model, path, save_as_external_data=True)"
-        )
-    try:
-        files = onnx_files(path)
-    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends
-        raise InputError(f"{path}: not a readable ONNX file ({_first_line(err)})") from None
-    missing = [f.name for f in files[1:] if not f.is_file()]
-    if missing:
-        raise InputError(
-            f"{path}: its weights are in external data file(s) {', '.join(missing)} that are not beside it; "
-            "copy them next to the .onnx"
-        )
-    try:
-        onnx.checker.check_model(str(path), full_check=True)
-    except Exception as err:  # noqa: BLE001 - ValidationError, InferenceError, ...
-        return False, _first_line(err)
-    return True, "onnx.checker full_check passed"

@@ -27,7 +27,7 @@ import sympy
 import torch
 from torch import fx
 
-from slabconv import reasons
+from slabconv.engine import reasons
 from slabconv.errors import UnsupportedModelError
 
 aten = torch.ops.aten

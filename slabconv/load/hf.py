@@ -16,7 +16,6 @@ plain file names inside the folder.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import struct
@@ -28,7 +27,8 @@ from typing import Any
 
 import torch
 
-from slabconv.errors import InputError
+from slabconv.errors import InputError, first_line
+from slabconv.util import files_sha256
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -84,18 +84,6 @@ class HFFolder:
         return files_sha256(self.files)
 
 
-def files_sha256(files: list[Path]) -> str:
-    """sha256 over one ``<file name> <hex sha256 of its bytes>\\n`` line per file, in the given order."""
-    outer = hashlib.sha256()
-    for path in files:
-        inner = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                inner.update(block)
-        outer.update(f"{path.name} {inner.hexdigest()}\n".encode())
-    return outer.hexdigest()
-
-
 def hf_weights_file(folder: Path | str) -> tuple[Path, str] | None:
     """The weights entry file of a folder and its format name (see the module docstring), or None."""
     folder = Path(folder)
@@ -123,7 +111,7 @@ def read_hf_config(folder: Path | str) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{path}: not readable JSON ({_first_line(err)})") from None
+        raise InputError(f"{path}: not readable JSON ({first_line(err)})") from None
     if not isinstance(config, dict):
         raise InputError(f"{path}: expected a JSON object, found {type(config).__name__}")
     return config
@@ -187,7 +175,7 @@ def read_index(index: Path) -> dict[str, str]:
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{index}: not readable JSON ({_first_line(err)})") from None
+        raise InputError(f"{index}: not readable JSON ({first_line(err)})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(f"{index}: no 'weight_map' (parameter name -> shard file); the index is damaged")
@@ -318,7 +306,7 @@ class LazyShards:
         except KeyError as err:
             raise InputError(f"{path}: unsupported safetensors dtype or a damaged header ({err})") from None
         except (OSError, struct.error, ValueError, TypeError, AttributeError) as err:
-            raise InputError(f"{path}: not a readable safetensors file ({_first_line(err)})") from None
+            raise InputError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
 
     def specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
         """Every tensor's (dtype, shape), from the shard headers (no tensor data is read)."""
@@ -346,7 +334,7 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
             metadata = dict(f.metadata() or {})
         return dict(load_file(str(path))), metadata
     except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ValueError, ...
-        raise InputError(f"{path}: not a readable safetensors file ({_first_line(err)})") from None
+        raise InputError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -358,94 +346,15 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
     except pickle.UnpicklingError as err:
         raise InputError(
             f"{path}: the pickle names Python objects beyond tensors, which slabconv will not load (it could run "
-            f"code): {_first_line(err)}; re-save the weights as model.safetensors"
+            f"code): {first_line(err)}; re-save the weights as model.safetensors"
         ) from None
     except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
-        raise InputError(f"{path}: not a readable PyTorch weights file ({_first_line(err)})") from None
+        raise InputError(f"{path}: not a readable PyTorch weights file ({first_line(err)})") from None
     if not isinstance(obj, Mapping) or not all(
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
     ):
         raise InputError(f"{path}: expected a state_dict (name -> tensor), found {type(obj).__name__}")
     return dict(obj)
-
-
-# --------------------------------------------------------------------------------------------- writing
-
-
-def write_hf_folder(
-    folder: Path | str,
-    state_dict: Mapping[str, torch.Tensor],
-    config: Mapping[str, Any],
-    *,
-    weights: str = "safetensors",
-    max_shard_bytes: int | None = None,
-    metadata: Mapping[str, str] | None = None,
-) -> list[Path]:
-    """Write ``config.json`` and the weights in a layout ``read_hf_folder`` (and ``transformers``) reads.
-
-    Args:
-        folder: created if needed; existing files of the same names are replaced.
-        state_dict: name -> tensor (written as contiguous CPU copies in their dtype).
-        config: written as ``config.json`` (sorted keys, 2-space indent).
-        weights: ``safetensors`` (``model.safetensors``) or ``bin`` (``pytorch_model.bin``, ``torch.save``).
-        max_shard_bytes: shard when the tensors exceed this many bytes: ``model-00001-of-0000N.safetensors`` (or
-            ``pytorch_model-...bin``) plus the ``*.index.json`` with ``metadata.total_size`` and ``weight_map``.
-        metadata: safetensors string metadata (``{"format": "pt"}`` when None, as ``transformers`` writes).
-
-    Returns:
-        The files written: ``config.json``, then the index (when sharded), then the weight files.
-    """
-    if weights not in ("safetensors", "bin"):
-        raise ValueError(f"weights must be 'safetensors' or 'bin', got {weights!r}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in state_dict.items()}
-    config_path = folder / CONFIG
-    config_path.write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    shards = _split(tensors, max_shard_bytes)
-    stem, suffix = ("model", ".safetensors") if weights == "safetensors" else ("pytorch_model", ".bin")
-    if len(shards) == 1:
-        names = [f"{stem}{suffix}"]
-    else:
-        names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}{suffix}" for i in range(len(shards))]
-    written = []
-    for name, shard in zip(names, shards, strict=True):
-        path = folder / name
-        if weights == "safetensors":
-            from safetensors.torch import save_file
-
-            save_file(shard, str(path), dict(metadata) if metadata is not None else {"format": "pt"})
-        else:
-            torch.save(shard, path)
-        written.append(path)
-    if len(shards) == 1:
-        return [config_path, *written]
-    index = folder / (SAFETENSORS_INDEX if weights == "safetensors" else BIN_INDEX)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    return [config_path, index, *written]
-
-
-def _split(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
-    """Consecutive groups of tensors of at most ``max_bytes`` each (a larger tensor gets a shard of its own)."""
-    if max_bytes is None:
-        return [tensors]
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, value in tensors.items():
-        nbytes = value.numel() * value.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = value
-        size += nbytes
-    return shards
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0][:200] if text else type(err).__name__
 
 
 def _numel(shape: list[int]) -> int:

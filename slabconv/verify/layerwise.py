@@ -33,9 +33,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from slabconv import hf
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
-from slabconv.verify import DEFAULT_RTOL, Comparison, IntegrityCheck, Verification, compare
+from slabconv.load import hf
+from slabconv.verify.policy import default_rtol
+from slabconv.verify.results import Comparison, IntegrityCheck, Verification, compare
 
 Progress = Callable[[str], None]
 
@@ -188,7 +189,7 @@ def verify_folders(
     cfg = _config(ref, config)
     if _config(cand, config) != cfg:
         raise InputError(f"{reference} and {candidate} have different sizes; they are not the same model")
-    tol = rtol if rtol is not None else DEFAULT_RTOL.get(ref.dtype, 1e-5)
+    tol = default_rtol(ref.dtype, rtol)
     t = max(1, min(seq_len, cfg.max_position_embeddings))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (sequences, t), generator=gen)

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from slabconv import fold, reasons
-from slabconv.errors import InputError
-from slabconv.graph import (
+from slabconv import fold
+from slabconv.engine import reasons
+from slabconv.engine.graph import (
     BlockedEdge,
     Chan,
     ConsumerUse,
@@ -44,6 +44,7 @@ from slabconv.graph import (
     same_size,
     shape_of,
 )
+from slabconv.errors import InputError
 
 aten = torch.ops.aten
 
@@ -149,7 +150,7 @@ def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor
     dtype = site.input.meta["val"].dtype
     if dtype not in _HALF:
         return []
-    from slabconv.verify import DEFAULT_RTOL
+    from slabconv.verify.policy import DEFAULT_RTOL
 
     mean = site.params["running_mean"].detach().double()  # type: ignore[union-attr]
     var = site.params["running_var"].detach().double().clamp_min(0)  # type: ignore[union-attr]

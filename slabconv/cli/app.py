@@ -266,7 +266,7 @@ def fuse(
 
     with _errors(debug):
         if stream:
-            from slabconv import layerwise
+            from slabconv.verify import layerwise
             from slabconv.stream import fuse_streaming
 
             if not no_onnx:
@@ -439,8 +439,8 @@ def verify(
     Example: slabconv verify ckpt.pth ckpt-fused/model.onnx --junit equivalence.xml
     """
     from slabconv import api
-    from slabconv.report import check_report_path, write_junit
-    from slabconv.verify import failure_line
+    from slabconv.report.junit import check_report_path, write_junit
+    from slabconv.verify.results import failure_line
 
     with _errors(debug):
         if junit is not None:

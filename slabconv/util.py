@@ -1,0 +1,43 @@
+"""Small helpers every stage uses: file digests and silencing library chatter."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def files_sha256(files: list[Path]) -> str:
+    """sha256 over one ``<file name> <hex sha256 of its bytes>\\n`` line per file, in the given order (one digest
+    for a folder of several files, e.g. a sharded checkpoint)."""
+    outer = hashlib.sha256()
+    for path in files:
+        outer.update(f"{path.name} {sha256_file(path)}\n".encode())
+    return outer.hexdigest()
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence stdout, Python warnings and torch's log lines (stdout may carry ``--json`` output)."""
+    torch_log = logging.getLogger("torch")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch_log.setLevel(level)

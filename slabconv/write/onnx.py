@@ -1,0 +1,77 @@
+"""ONNX export of a (fused) model with the dynamo exporter, external data above protobuf's limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.util import quiet
+
+# stay under that. Above this many bytes of weights (the threshold torch's exporter uses), the weights go to
+# ``<name>.onnx.data`` beside the ``.onnx`` (ONNX external data), which onnx and onnxruntime read from a path.
+ONNX_EXTERNAL_DATA_BYTES = 1536 * 1024 * 1024
+PROTOBUF_LIMIT_BYTES = 2**31 - 1
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
+    """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
+
+    Axis 0 (batch) is dynamic when the model allows it; otherwise the batch size of ``example`` is fixed and
+    the returned info says so. Weights over ``ONNX_EXTERNAL_DATA_BYTES`` go to external data
+    ``<path>.data`` beside ``path``.
+
+    Returns:
+        ``{"dynamic_batch": bool, "opset": int, "external_data": "<name>.data" or None}``.
+
+    Raises:
+        UnsupportedModelError: the exporter fails both with and without a dynamic batch axis.
+        UsageError: the file cannot be written.
+    """
+    last: Exception | None = None
+    for dynamic in (True, False):
+        shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+        try:
+            with quiet():
+                program = torch.onnx.export(
+                    model,
+                    (example,),
+                    dynamo=True,
+                    dynamic_shapes=shapes,
+                    input_names=["input"],
+                    output_names=["output"],
+                    verbose=False,
+                )
+            assert program is not None
+        except Exception as err:  # noqa: BLE001 - the exporter raises many types
+            last = err
+            continue
+        external = _weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
+        try:
+            with quiet():
+                program.save(str(path), external_data=external)
+        except OSError as err:
+            raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
+        opset = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+        return {
+            "dynamic_batch": dynamic,
+            "opset": int(opset),
+            "external_data": f"{path.name}.data" if external else None,
+        }
+    raise UnsupportedModelError(f"ONNX export failed: {first_line(last)}")
+
+
+def onnx_files(path: Path) -> list[Path]:
+    """``path`` and the external data files it names (to hash and to move together)."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    names = {ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)}
+    return [path, *(path.parent / n for n in sorted(names))]

@@ -1,0 +1,15 @@
+"""Fused weights as safetensors, with string metadata that records where they came from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:
+    """Write ``tensors`` (contiguous CPU copies, shared storage split) with string ``metadata``."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}, str(path), dict(metadata))
