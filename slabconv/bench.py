@@ -37,8 +37,7 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from slabconv.engine.graph import capture, find_norms
-from slabconv.engine.plan import cancel_inverse_views, drop_unused_attrs, fold_all
+from slabconv.engine import capture, fold_all, norm_free
 from slabconv.errors import UsageError
 from slabconv.util import quiet
 from slabconv.write.onnx import export_onnx
@@ -157,19 +156,6 @@ class Timing:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def norm_free(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` with every norm's output replaced by its input (weights untouched): the norm-free bound."""
-    out = copy.deepcopy(gm)
-    for site in find_norms(out):
-        site.output.replace_all_uses_with(site.input)
-    out.graph.eliminate_dead_code()
-    cancel_inverse_views(out)
-    out.graph.eliminate_dead_code()
-    drop_unused_attrs(out)
-    out.recompile()
-    return out
 
 
 def layernorm_variant(model: nn.Module) -> nn.Module | None:

@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from slabconv import __version__, fold
-from slabconv.engine import graph, plan
+from slabconv import __version__, engine, fold
 from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError
 from slabconv.load import hf
 from slabconv.util import quiet, sha256_file
@@ -153,24 +152,11 @@ def make_plan(config: dict[str, Any], weight_map: dict[str, str]) -> StreamPlan:
     known = {template(k) for k in model.state_dict()}
     example = torch.randint(0, _TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
     with quiet():
-        gm = graph.capture(model, example)
-    sites = {}
-    for site in graph.find_norms(gm):
-        _, w, b, mean, var, _, _ = graph.bn_args(site.bn)
-        names = {
-            "weight": w,
-            "bias": b,
-            "running_mean": mean,
-            "running_var": var,
-            "alpha": site.param_targets[4] if len(site.param_targets) > 4 else None,
-        }
-        sites[site.name] = (
-            {r: (str(v.target) if hasattr(v, "target") else v) for r, v in names.items()},
-            site.eps,
-        )
-    decisions = plan.fold_all(gm)
-    keep = {template(k) for k in plan.fused_state_dict(gm)}
-    refused = [d for d in decisions if d.action != plan.FOLDED_FORWARD]
+        gm = engine.capture(model, example)
+    sites = {site.name: (dict(site.param_names), site.eps) for site in engine.find_norms(gm)}
+    decisions = engine.fold_all(gm)
+    keep = {template(k) for k in engine.fused_state_dict(gm)}
+    refused = [d for d in decisions if d.action != engine.FOLDED_FORWARD]
     if refused:
         d = refused[0]
         raise UnsupportedModelError(
@@ -216,7 +202,7 @@ def _counter_warnings(shards: hf.LazyShards, norm: str) -> list[str]:
     if not all(k in shards.weight_map for k in keys.values()):
         return []
     warm, it, total = (int(shards.get(keys[k])) for k in ("warm", "iter", "total_step"))
-    return plan.schedule_warnings(warm, it, total)
+    return engine.schedule_warnings(warm, it, total)
 
 
 @dataclass

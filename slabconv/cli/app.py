@@ -266,8 +266,8 @@ def fuse(
 
     with _errors(debug):
         if stream:
-            from slabconv.verify import layerwise
             from slabconv.stream import fuse_streaming
+            from slabconv.verify import layerwise
 
             if not no_onnx:
                 raise UsageError(

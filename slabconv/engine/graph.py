@@ -148,6 +148,7 @@ class NormSite:
         training: the BN op runs in training mode (batch statistics).
         params: ``running_mean``, ``running_var``, ``weight``, ``bias``, ``alpha`` tensors (or None).
         eps: the BN eps stored in the graph.
+        param_names: the dotted name of the stored tensor behind each of ``params`` (None where absent).
     """
 
     name: str
@@ -160,7 +161,7 @@ class NormSite:
     training: bool
     params: dict[str, torch.Tensor | None]
     eps: float
-    param_targets: list[str] = field(default_factory=list)
+    param_names: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def channels(self) -> int:
@@ -266,10 +267,11 @@ def find_norms(gm: fx.GraphModule) -> list[NormSite]:
             raise UnsupportedModelError(
                 f"BatchNorm node {node.name}: its weight or statistics are computed, not stored parameters"
             ) from None
-        targets = [str(a.target) for a in (w, b, mean, var) if isinstance(a, fx.Node)]
+        roles = {"weight": w, "bias": b, "running_mean": mean, "running_var": var, "alpha": None}
         if alpha is not None:
             mul = region[-2]
-            targets += [str(a.target) for a in mul.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+            roles["alpha"] = next((a for a in mul.args if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+        names = {role: str(a.target) if isinstance(a, fx.Node) else None for role, a in roles.items()}
         name = _name_norm(gm, region, node.name)
         sites.append(
             NormSite(
@@ -283,7 +285,7 @@ def find_norms(gm: fx.GraphModule) -> list[NormSite]:
                 training=training,
                 params=params,
                 eps=eps,
-                param_targets=targets,
+                param_names=names,
             )
         )
     return sites

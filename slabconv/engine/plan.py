@@ -572,3 +572,19 @@ def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) 
     gm.graph.lint()
     gm.recompile()
     return decisions
+
+
+def norm_free(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with every norm's output replaced by its input (weights untouched): the norm-free bound,
+    the fastest a complete fold can make the model."""
+    import copy
+
+    out = copy.deepcopy(gm)
+    for site in find_norms(out):
+        site.output.replace_all_uses_with(site.input)
+    out.graph.eliminate_dead_code()
+    cancel_inverse_views(out)
+    out.graph.eliminate_dead_code()
+    drop_unused_attrs(out)
+    out.recompile()
+    return out
