@@ -1,10 +1,83 @@
-"""The tolerance policy: how close a candidate must be, by dtype (one place for every check that needs it)."""
+"""The verification policy: the one place that says how close is close enough, and why.
+
+Two questions (``docs/verification.md`` gives the reasoning):
+
+1. **Is the fold exact?** The fused graph in float64 with the fold's float64 weights against the original in
+   float64: in exact arithmetic they are equal, so the relative error must be at float64 rounding level
+   (``EXACT_RTOL``). For written files, each tensor must equal a fresh float64 fold rounded to its dtype within
+   ``ULPS`` units in the last place.
+2. **Are the written files as good as the original?** Each artifact in its own dtype and runtime, and the
+   original in its own dtype, against the float64 reference: pass when
+   ``e_fused <= max(tol_dtype, 2 * e_orig)``.
+
+Relative error of an output = ``max |candidate - reference| / max |reference|``. Top-1 is judged against the
+float64 reference only where the exact margin between the first and second logit exceeds
+``tol_dtype * max |logit|``; closer samples are near-ties: counted, not failed.
+"""
 
 from __future__ import annotations
 
-DEFAULT_RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2, "float64": 1e-5}
+import numpy as np
+
+TOL_DTYPE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
+"""Relative tolerance of an output computed in each dtype (float32 1e-5, float16 1e-3, bfloat16 1e-2)."""
+
+DEFAULT_RTOL = TOL_DTYPE  # the name earlier code imports
+
+EXACT_RTOL = 1e-9
+"""Question 1: the fused graph vs the original, both in float64 (float64 rounding is ~1e-16 per op)."""
+
+ULPS = 1
+"""Question 1 for written files: a stored tensor may differ from the fresh float64 fold by one rounding."""
+
+ORIGINAL_ERROR_FACTOR = 2.0
+"""Question 2: the fused artifact may be up to this many times the original's own error against float64."""
+
+
+def dtype_name(dtype: object) -> str:
+    """``torch.float16`` / ``np.float16`` / ``"float16"`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.").removeprefix("<class 'numpy.").removesuffix("'>")
+
+
+def tol_dtype(dtype: object) -> float:
+    """The relative tolerance of ``dtype`` (float32's for a dtype that is not a float, e.g. int64 token ids).
+
+    Raises:
+        Nothing; unknown names get float32's tolerance.
+    """
+    return TOL_DTYPE.get(dtype_name(dtype), TOL_DTYPE["float32"])
 
 
 def default_rtol(dtype: str, rtol: float | None = None) -> float:
-    """``rtol`` when given, else the tolerance of ``dtype`` (a name such as ``float16``; float32's when unknown)."""
-    return rtol if rtol is not None else DEFAULT_RTOL.get(dtype.removeprefix("torch."), 1e-5)
+    """``rtol`` when given (the user's ``--rtol`` overrides the dtype tolerance), else ``tol_dtype(dtype)``."""
+    return rtol if rtol is not None else tol_dtype(dtype)
+
+
+def fused_bound(dtype: object, e_orig: float, rtol: float | None = None) -> tuple[float, str]:
+    """The largest relative error a fused artifact in ``dtype`` may have, and which term set it.
+
+    Returns:
+        ``(bound, why)``: ``why`` is ``"tol_dtype"``, ``"2*e_orig"`` or ``"--rtol"``.
+    """
+    if rtol is not None:
+        return rtol, "--rtol"
+    base = tol_dtype(dtype)
+    doubled = ORIGINAL_ERROR_FACTOR * e_orig
+    return (doubled, "2*e_orig") if doubled > base else (base, "tol_dtype")
+
+
+def decisive(logits64: np.ndarray, dtype: object) -> np.ndarray:
+    """Which positions of exact (float64) logits ``(..., K)`` have a top-1 that a ``dtype`` model must keep.
+
+    A position is decisive when its margin between the largest and second-largest logit exceeds
+    ``tol_dtype(dtype) * max |logits|`` (the largest logit over the whole array); the others are near-ties.
+
+    Returns:
+        A boolean array of shape ``logits64.shape[:-1]``.
+    """
+    if logits64.shape[-1] < 2:
+        return np.zeros(logits64.shape[:-1], dtype=bool)
+    top2 = np.partition(logits64, -2, axis=-1)[..., -2:]
+    margin = top2[..., 1] - top2[..., 0]
+    scale = float(np.abs(logits64).max()) if logits64.size else 0.0
+    return margin > tol_dtype(dtype) * scale
