@@ -26,9 +26,9 @@ from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
 from slabconv.verify.policy import default_rtol
 from slabconv.verify.results import IntegrityCheck, Verification, compare_runtimes, failure_line, output_names
 from slabconv.verify.runtimes import Runtime, onnx_runtimes, onnxruntime_version, run_batched, torch_runner
-from slabconv.write.onnx import export_onnx, onnx_files
+from slabconv.write.onnx import export_onnx, onnx_files, written_by_slabconv
 from slabconv.write.safetensors import save_safetensors
-from slabconv.write.staging import staging_dir, staging_file
+from slabconv.write.staging import check_output_file, check_output_folder, staging_dir, staging_file
 
 Progress = Callable[[str], None]
 
@@ -91,14 +91,6 @@ def inspect(
     return _base_report(loaded, decisions)
 
 
-def _check_out(source: Path, out: Path) -> None:
-    src, dst = source.resolve(), out.resolve()
-    if dst == src or src.is_relative_to(dst):
-        raise UsageError(f"the output folder {out} would replace the input {source}; choose another --out")
-    if dst.is_relative_to(src) and src.is_file():
-        raise UsageError(f"the output folder {out} is inside the input file {source}; choose another --out")
-
-
 def fuse(
     path: Path | str,
     out: Path | str | None = None,
@@ -146,9 +138,7 @@ def fuse(
     """
     source = Path(path)
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
-    _check_out(source, out_dir)
-    if out_dir.exists() and not force:
-        raise UsageError(f"{out_dir} already exists; pass --force to replace it")
+    check_output_folder(out_dir, force=force, inputs=[source, *([Path(inputs)] if inputs else [])])
     progress(f"loading {source}")
     loaded = load_model(
         source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape, image_size=image_size
@@ -252,10 +242,7 @@ def export(
         InputError, UnsupportedModelError, UsageError: as ``fuse``.
     """
     source, target = Path(path), Path(onnx_path)
-    if target.resolve() == source.resolve():
-        raise UsageError(f"--onnx {target} is the input file; choose another path")
-    if target.exists() and not force:
-        raise UsageError(f"{target} already exists; pass --force to replace it")
+    check_output_file(target, force=force, inputs=[source], owned=written_by_slabconv)
     loaded = load_model(
         source, arch=arch, ema=ema, trust_pickle=trust_pickle, input_shape=input_shape, image_size=image_size
     )

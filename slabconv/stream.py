@@ -44,7 +44,7 @@ from slabconv.util import quiet, sha256_file
 from slabconv.verify import layerwise
 from slabconv.verify.results import failure_line
 from slabconv.write.shards import ShardWriter, numel
-from slabconv.write.staging import staging_dir
+from slabconv.write.staging import check_output_folder, staging_dir
 
 Progress = Callable[[str], None]
 
@@ -300,11 +300,7 @@ def fuse_streaming(
         VerificationError: a checked pair differs beyond tolerance (exit 1); nothing is written.
     """
     folder, out_dir = Path(folder), Path(out_dir)
-    src, dst = folder.resolve(), out_dir.resolve()
-    if dst == src or src.is_relative_to(dst) or dst.is_relative_to(src):
-        raise UsageError(f"the output folder {out_dir} overlaps the input {folder}; choose another --out")
-    if out_dir.exists() and not force:
-        raise UsageError(f"{out_dir} already exists; pass --force to replace it")
+    check_output_folder(out_dir, force=force, inputs=[folder])
     config, index, weight_map, shard_names = _read_source(folder)
     layers = _layers(weight_map)
     hf.return_freed_blocks_to_the_os()

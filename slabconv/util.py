@@ -41,3 +41,17 @@ def quiet() -> Iterator[None]:
             yield
     finally:
         torch_log.setLevel(level)
+
+
+@contextlib.contextmanager
+def silenced() -> Iterator[None]:
+    """``quiet`` plus every log record of every library: while an untrusted file is parsed, a library's own
+    warnings and tracebacks (torch.export logs one on a damaged .pt2) must not reach the user's terminal; the
+    error slabconv raises says what went wrong in one line."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with quiet():
+            yield
+    finally:
+        logging.disable(previous)

@@ -194,3 +194,141 @@ def test_mutated_safetensors_header_fields(
     text = json.dumps(header).encode()
     data = struct.pack("<Q", max(0, len(text) + header_len_delta)) + text + SAFETENSORS[8 + HEADER_LEN :]
     load_or_clear_error(workdir / "header.safetensors", data)
+
+
+# --------------------------------------------------------------------------------------------- .pt2 programs
+
+
+def _program_bytes() -> bytes:
+    from tests.conftest import small_vit
+
+    model = small_vit(depth=1).eval()
+    ep = torch.export.export(model, (torch.randn(2, 1, 8, 8),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    buffer = _io.BytesIO()
+    torch.export.save(ep, buffer)
+    return buffer.getvalue()
+
+
+PT2 = _program_bytes()
+with zipfile.ZipFile(_io.BytesIO(PT2)) as _z:
+    PT2_JSON = {n: json.loads(_z.read(n)) for n in _z.namelist() if n.endswith(".json")}
+MODEL_JSON = next(n for n in PT2_JSON if n.endswith("models/model.json"))
+WEIGHTS_JSON = next(n for n in PT2_JSON if n.endswith("_weights_config.json"))
+WEIGHT_NAMES = sorted(PT2_JSON[WEIGHTS_JSON]["config"])
+
+
+def _string_paths(document: object, path: tuple = ()) -> list[tuple]:
+    """Paths to every string value of a JSON document (node names, targets, shape expressions, metadata)."""
+    out: list[tuple] = []
+    if isinstance(document, dict):
+        for key, value in document.items():
+            out += _string_paths(value, (*path, key))
+    elif isinstance(document, list):
+        for i, value in enumerate(document):
+            out += _string_paths(value, (*path, i))
+    elif isinstance(document, str):
+        out.append(path)
+    return out
+
+
+STRING_PATHS = _string_paths(PT2_JSON[MODEL_JSON])
+EXPR_PATHS = [p for p in STRING_PATHS if p[-1] == "expr_str"]
+
+
+def _set(document: object, path: tuple, value: object) -> None:
+    for key in path[:-1]:
+        document = document[key]  # type: ignore[index]
+    document[path[-1]] = value  # type: ignore[index]
+
+
+def _repack(documents: dict[str, object]) -> bytes:
+    out = _io.BytesIO()
+    with zipfile.ZipFile(_io.BytesIO(PT2)) as zin, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = (
+                json.dumps(documents[info.filename]).encode() if info.filename in documents else zin.read(info.filename)
+            )
+            zout.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def load_program_or_clear_error(path: Path, data: bytes, canary: Path) -> None:
+    """Like ``load_or_clear_error`` for a .pt2, and the canary a payload would create never appears."""
+    load_or_clear_error(path, data)
+    assert not canary.exists(), "a payload in the program ran"
+
+
+def payloads(canary: Path) -> st.SearchStrategy[str]:
+    """Strings a hostile program could carry in an expression field, plus arbitrary text."""
+    write = f"open({str(canary)!r}, 'w').close()"
+    return st.one_of(
+        st.text(max_size=40),
+        st.sampled_from(
+            [
+                f"[{write}, Symbol('s77', positive=True, integer=True)][1]",
+                f"Symbol('s77', positive={write} or True)",
+                f"Integer(({write}, 2)[1])",
+                f"Max(1, __import__('os').system('touch {canary}'))",
+                "Pow(Integer(9), Integer(999999999))",
+                "s0.__class__.__mro__",
+                "Symbol('s0', **{'positive': True})",
+                "Add(Symbol('s77', positive=True, integer=True), Integer(1))",
+            ]
+        ),
+    )
+
+
+# A program load takes ~0.3 s: fewer examples than the byte-level targets keep the suite fast.
+PROGRAM_FUZZ = settings(FUZZ, max_examples=max(20, EXAMPLES // 4))
+
+
+@PROGRAM_FUZZ
+@given(data=st.data())
+def test_mutated_program_json_strings(workdir: Path, data: st.DataObject) -> None:
+    """Any string of the program's JSON (shape expressions first) replaced by arbitrary text or a payload."""
+    canary = workdir / "CANARY"
+    documents = json.loads(json.dumps(PT2_JSON))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(EXPR_PATHS) if data.draw(st.booleans()) else st.sampled_from(STRING_PATHS))
+        _set(documents[MODEL_JSON], path, data.draw(payloads(canary)))
+    load_program_or_clear_error(workdir / "strings.pt2", _repack(documents), canary)
+
+
+@PROGRAM_FUZZ
+@given(
+    name=st.sampled_from(WEIGHT_NAMES),
+    sizes=st.one_of(st.none(), st.lists(st.one_of(st.integers(0, 64), huge), max_size=4)),
+    strides=st.one_of(st.none(), st.lists(st.one_of(st.integers(0, 64), huge), max_size=4)),
+    offset=st.one_of(st.none(), st.integers(0, 64), huge),
+    dtype=st.one_of(st.none(), st.integers(-2, 40)),
+    use_pickle=st.booleans(),
+)
+def test_mutated_program_tensor_metadata(
+    workdir: Path,
+    name: str,
+    sizes: list[int] | None,
+    strides: list[int] | None,
+    offset: int | None,
+    dtype: int | None,
+    use_pickle: bool,
+) -> None:
+    """A weight's declared sizes, strides, storage offset, dtype and pickling changed: refused or loaded, never
+    an allocation the file cannot back."""
+    documents = json.loads(json.dumps(PT2_JSON))
+    meta = documents[WEIGHTS_JSON]["config"][name]
+    tensor = meta["tensor_meta"]
+    if sizes is not None:
+        tensor["sizes"] = [{"as_int": s} for s in sizes]
+    if strides is not None:
+        tensor["strides"] = [{"as_int": s} for s in strides]
+    if offset is not None:
+        tensor["storage_offset"] = {"as_int": offset}
+    if dtype is not None:
+        tensor["dtype"] = dtype
+    meta["use_pickle"] = use_pickle
+    load_program_or_clear_error(workdir / "meta.pt2", _repack(documents), workdir / "CANARY")
+
+
+def test_the_unmutated_program_loads(workdir: Path) -> None:
+    (workdir / "ok.pt2").write_bytes(_repack(json.loads(json.dumps(PT2_JSON))))
+    assert api.load_model(workdir / "ok.pt2").checkpoint.format == "torch.export"

@@ -67,13 +67,13 @@ def test_a_code_running_pickle_is_refused_and_never_runs(tmp_path: Path, command
 
 def test_loading_asks_torch_for_weights_only_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[object] = []
-    real = torch.load
+    real = torch.serialization.load
 
     def spy(*args: object, **kwargs: object) -> object:
         calls.append(kwargs.get("weights_only"))
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(torch, "load", spy)
+    monkeypatch.setattr(torch.serialization, "load", spy)
     ckpt_io.load_checkpoint(save_ckpt(tmp_path / "ckpt.pth"))
     ckpt_io.load_checkpoint(save_ckpt(tmp_path / "ckpt2.pth"), trust_pickle=True)  # safe file: no full load needed
     assert calls == [True, True]

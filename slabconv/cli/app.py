@@ -7,9 +7,11 @@ error (one line on stderr, no traceback unless ``--debug``, nothing written).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,6 +115,10 @@ def main(
     ] = False,
 ) -> None:
     """slabconv: fold SLAB RepBN norms exactly."""
+    if not os.environ.get("SLABCONV_DEBUG"):
+        # Library warnings and log lines are not slabconv's messages: stderr carries one line per failure.
+        warnings.simplefilter("ignore")
+        logging.getLogger("torch").setLevel(logging.ERROR)
 
 
 @contextmanager

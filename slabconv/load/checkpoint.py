@@ -9,12 +9,10 @@ runs; ``module.`` (DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import pickle
-import re
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,28 +20,11 @@ from typing import Any
 import torch
 
 from slabconv.errors import InputError, first_line
-from slabconv.util import sha256_file
+from slabconv.load import safety
+from slabconv.util import sha256_file, silenced
 
 _PREFIXES = ("module.", "_orig_mod.")
 _WRAPPER_KEYS = ("model", "state_dict", "model_state", "module")
-
-
-class ConfigNode:
-    """Stand-in for ``yacs.config.CfgNode`` when reading a checkpoint: plain data, nothing imported or run.
-
-    yacs pickles a ``CfgNode`` (a dict subclass) as ``NEWOBJ(CfgNode)``, its items (``SETITEMS``) and a
-    ``BUILD`` with yacs' own flags (``__immutable__``, ...). torch's weights-only unpickler fills only exact
-    ``dict``/``OrderedDict`` objects and builds only allowlisted types, so ``__new__`` hands it an
-    ``OrderedDict``: the items land in it, the flags land in its ``__dict__`` and are dropped by ``_plain``.
-    The name ``yacs.config.CfgNode`` is matched as a string; yacs itself is never imported.
-    """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - see the class docstring
-        return collections.OrderedDict()
-
-
-# ``module.Class`` names read as data: the official SLAB training config (yacs) and nothing else.
-SAFE_CONFIG_GLOBALS = {"yacs.config.CfgNode": ConfigNode}
 
 
 @dataclass
@@ -60,7 +41,7 @@ class Checkpoint:
         extra: ``epoch``, ``max_accuracy`` and which weights were taken (``model`` / ``state_dict_ema``).
         metadata: safetensors string metadata (fused outputs carry ``arch``).
         program: the ``torch.export.ExportedProgram`` for a ``.pt2``.
-        module: the ``nn.Module`` of a ``pickled-module``.
+        module: the ``nn.Module`` of a ``pickled-module``, or the ``GraphModule`` of a ``.pt2`` program.
     """
 
     state_dict: dict[str, torch.Tensor]
@@ -72,14 +53,6 @@ class Checkpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     program: Any = None
     module: Any = None
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_plain(v) for v in obj]
-    return obj if isinstance(obj, (str, int, float, bool, type(None))) else repr(obj)
 
 
 def _is_state_dict(obj: Any) -> bool:
@@ -104,58 +77,22 @@ def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _unsafe_globals(path: Path) -> list[str]:
-    """The ``module.name`` globals a pickle names outside torch's and slabconv's allowlists (read, not run)."""
-    try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # noqa: BLE001 - a damaged file: the caller reports the load error instead
-        return []
-    return [n for n in names if n not in SAFE_CONFIG_GLOBALS]
-
-
-def _refusal(path: Path, err: BaseException) -> InputError:
-    """The one-line error for a checkpoint that ``torch.load(weights_only=True)`` rejects."""
-    text = str(err)
-    first = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"GLOBAL ([\w.]+)", text)
-    unsafe = _unsafe_globals(path)
-    if first or unsafe:
-        named = first.group(1) if first else unsafe[0]
-        named = named if (named in unsafe or not unsafe) else unsafe[0]
-        if any(n.startswith("torch.nn.modules.") for n in unsafe) or named.startswith("torch.nn.modules."):
-            return InputError(
-                f"{path}: holds a whole pickled nn.Module ({named}), and loading one runs code from the file; "
-                "pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: "
-                "torch.export.save(torch.export.export(model.eval(), (example,)), 'model.pt2')"
-            )
-        others = [n for n in unsafe if n != named][:3]
-        also = f" (also: {', '.join(others)})" if others else ""
-        return InputError(
-            f"{path}: the pickle names the Python global {named!r}{also}, which slabconv will not import "
-            "(loading it could run code); re-save the weights as a plain state_dict, or pass --trust-pickle "
-            "if you trust this file"
-        )
-    detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
-    reason = detail.group(1).strip()[:200] if detail else first_line(err)
-    return InputError(f"{path}: not a readable PyTorch checkpoint ({reason}); the file is damaged or not a checkpoint")
-
-
 def _torch_load(path: Path, trust_pickle: bool = False) -> Any:
-    """``torch.load`` on CPU: weights-only with the config allowlist; with ``trust_pickle`` a file the
-    weights-only reader refuses is loaded in full (this runs code from the file)."""
-    allowed: list[Any] = [(cls, name) for name, cls in SAFE_CONFIG_GLOBALS.items()]
-    with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol N": the error, if any, says enough
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as err:
-            refusal = _refusal(path, err)
-            if not trust_pickle:
-                raise refusal from None
-        except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
-            raise InputError(
-                f"{path}: not a readable PyTorch checkpoint ({first_line(err)}); the file is damaged, truncated "
-                "or not a checkpoint"
-            ) from None
+    """A ``.pth`` through the one weights-only reader (``safety.weights_only_load``); with ``trust_pickle`` a file
+    that reader refuses is loaded in full (this runs code from the file)."""
+    try:
+        return safety.weights_only_load(path, str(path))
+    except InputError:
+        if not trust_pickle:
+            raise
+    except pickle.UnpicklingError as err:
+        if not trust_pickle:
+            raise safety.refusal(str(path), err, path) from None
+    except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
+        raise InputError(
+            f"{path}: not a readable PyTorch checkpoint ({first_line(err)}); the file is damaged, truncated "
+            "or not a checkpoint"
+        ) from None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -220,7 +157,7 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     if not isinstance(obj, Mapping):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a checkpoint dict or state_dict")
     if isinstance(obj.get("config"), Mapping):
-        config = _plain(obj["config"])
+        config = safety.plain(obj["config"])
     for key in ("epoch", "max_accuracy"):
         if isinstance(obj.get(key), (int, float)):
             extra[key] = obj[key]
@@ -257,51 +194,26 @@ def _load_safetensors(path: Path, digest: str) -> Checkpoint:
     return Checkpoint(dict(tensors), {}, "safetensors", path, digest, metadata=metadata)
 
 
-class _PickleRefused(pickle.UnpicklingError):
-    """Raised instead of unpickling a Python object inside a ``.pt2`` (see ``_no_code_from_pickles``)."""
-
-
-@contextlib.contextmanager
-def _no_code_from_pickles() -> Iterator[None]:
-    """While ``torch.export.load`` runs: every ``torch.load`` is weights-only (with the config allowlist), and
-    ``pickle.loads`` / ``torch._C._pickle_load_obj`` are refused.
-
-    A ``.pt2`` normally stores raw tensors and JSON, but torch's reader unpickles some entries with
-    ``weights_only=False`` (weights or constants marked ``use_pickle``, the sample inputs when the weights-only
-    reader refuses them) and opaque constants with ``pickle.loads``: a hostile file could run code there.
-    Patched process-wide for the duration of the call (slabconv loads one file at a time).
-    """
-    from unittest import mock
-
-    real_load = torch.load
-    allowed: list[Any] = [(cls, name) for name, cls in SAFE_CONFIG_GLOBALS.items()]
-
-    def weights_only_load(*args: Any, **kwargs: Any) -> Any:
-        kwargs["weights_only"] = True
-        kwargs.pop("pickle_module", None)
-        with torch.serialization.safe_globals(allowed):
-            return real_load(*args, **kwargs)
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise _PickleRefused("the program holds a pickled Python object")
-
-    with (
-        mock.patch.object(torch, "load", weights_only_load),
-        mock.patch.object(pickle, "loads", refuse),
-        mock.patch.object(torch._C, "_pickle_load_obj", refuse),
-    ):
-        yield
-
-
 def _load_program(path: Path, digest: str, trust_pickle: bool = False) -> Checkpoint:
-    guard = contextlib.nullcontext() if trust_pickle else _no_code_from_pickles()
+    """A ``.pt2`` read by ``torch.export.load`` after ``safety.check_program_archive``, with ``sympy.sympify``
+    guarded and every pickle inside weights-only (unless ``trust_pickle``); torch's log lines silenced."""
+    label = str(path)
+    safety.check_program_archive(path, trust_pickle)
+    size = path.stat().st_size
+    guards = contextlib.ExitStack()
+    guards.enter_context(silenced())
+    guards.enter_context(safety.guarded_sympify(label))
+    if not trust_pickle:
+        guards.enter_context(safety.no_code_from_pickles(label, size))
     try:
-        with warnings.catch_warnings(), guard:
-            warnings.simplefilter("ignore")
+        with guards:
             program = torch.export.load(path)
+            module = program.module()  # builds and compiles the graph: a damaged program can fail here too
+    except InputError:
+        raise
     except Exception as err:  # noqa: BLE001 - torch.export.load raises many types on bad files
         chain = [err, err.__cause__, err.__context__]
-        if any(isinstance(e, _PickleRefused) for e in chain) or "Weights only load failed" in str(err):
+        if any(isinstance(e, safety.PickleRefused) for e in chain) or "Weights only load failed" in str(err):
             raise InputError(
                 f"{path}: the program holds pickled Python objects, which slabconv will not load (loading them "
                 "could run code); re-export it with tensor weights only, or pass --trust-pickle if you trust this file"
@@ -309,4 +221,6 @@ def _load_program(path: Path, digest: str, trust_pickle: bool = False) -> Checkp
         raise InputError(
             f"{path}: not a readable torch.export program ({first_line(err)}); re-save it with torch.export.save"
         ) from None
-    return Checkpoint(dict(program.state_dict), {}, "torch.export", path, digest, program=program)
+    state = dict(program.state_dict)
+    safety.check_extents({"state_dict": state, "constants": dict(program.constants)}, size, label)
+    return Checkpoint(state, {}, "torch.export", path, digest, program=program, module=module)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from slabconv.errors import InputError, first_line
+from slabconv.load import safety
 from slabconv.util import files_sha256
 
 CONFIG = "config.json"
@@ -99,6 +99,19 @@ def is_hf_folder(path: Path | str) -> bool:
     return path.is_dir() and (path / CONFIG).is_file() and hf_weights_file(path) is not None
 
 
+def inside(folder: Path, path: Path) -> Path:
+    """``path`` after checking that it resolves inside ``folder`` (a symlink that leaves the folder is refused
+    like an index entry that names a path: the folder's files are the only ones slabconv reads).
+
+    Raises:
+        InputError: naming the file and where it points.
+    """
+    real, root = path.resolve(), folder.resolve()
+    if not real.is_relative_to(root):
+        raise InputError(f"{path}: a link to {real}, outside the folder {folder}; refused (copy the file in instead)")
+    return path
+
+
 def read_hf_config(folder: Path | str) -> dict[str, Any]:
     """``config.json`` of a folder as a dict.
 
@@ -106,6 +119,8 @@ def read_hf_config(folder: Path | str) -> dict[str, Any]:
         InputError: missing, unreadable, or not a JSON object.
     """
     path = Path(folder) / CONFIG
+    if path.is_file():
+        inside(Path(folder), path)
     if not path.is_file():
         raise InputError(f"{folder}: no {CONFIG} in this folder; a Hugging Face model folder needs one")
     try:
@@ -141,6 +156,7 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
         names = ", ".join(name for name, _ in _LAYOUTS)
         raise InputError(f"{folder}: no weights found; expected one of {names}")
     entry, fmt = found
+    inside(folder, entry)
     files = [folder / CONFIG]
     if fmt.endswith("-sharded"):
         shards = shard_paths(entry)
@@ -191,7 +207,7 @@ def shard_paths(index: Path) -> list[Path]:
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
         raise InputError(f"{index}: shard {missing[0]} is missing from the folder ({len(missing)} of {len(names)})")
-    return [index.parent / n for n in names]
+    return [inside(index.parent, index.parent / n) for n in names]
 
 
 _MMAP_THRESHOLD = 1 << 20
@@ -243,6 +259,9 @@ class LazyShards:
         """
         folder = Path(folder)
         index, single = folder / SAFETENSORS_INDEX, folder / SAFETENSORS
+        for item in (index, single):
+            if item.is_file():
+                inside(folder, item)
         if index.is_file():
             shard_paths(index)
             return cls(folder, read_index(index), block_elements)
@@ -338,16 +357,14 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
-    """A ``pytorch_model.bin`` state_dict with ``torch.load(weights_only=True)`` on CPU."""
+    """A ``pytorch_model.bin`` state_dict through the one weights-only reader (``safety.weights_only_load``): the
+    same allowlist, archive checks and size checks as a ``.pth``."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = safety.weights_only_load(path, str(path))
     except pickle.UnpicklingError as err:
-        raise InputError(
-            f"{path}: the pickle names Python objects beyond tensors, which slabconv will not load (it could run "
-            f"code): {first_line(err)}; re-save the weights as model.safetensors"
-        ) from None
+        raise safety.refusal(str(path), err, path) from None
+    except InputError:
+        raise
     except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
         raise InputError(f"{path}: not a readable PyTorch weights file ({first_line(err)})") from None
     if not isinstance(obj, Mapping) or not all(

@@ -18,7 +18,8 @@ from torch import nn
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load.checkpoint import Checkpoint, load_checkpoint
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
-from slabconv.zoo.registry import with_image_size
+from slabconv.zoo.llama import SEQ_LEN_KEY
+from slabconv.zoo.registry import IMAGE_SIZE_KEY, with_image_size
 
 
 @dataclass
@@ -156,6 +157,7 @@ def load_model(
         norm = "identity"
     if image_size is not None:
         config = with_image_size(config, image_size)
+    check_config_sizes(config, str(ckpt.path))
     try:
         spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
     except UnsupportedModelError as err:
@@ -182,8 +184,48 @@ def load_model(
     return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config))
 
 
+# Config values that size what a build allocates beyond the weights (inputs, masks, caches), with their bounds.
+# The other sizes come from the weights' shapes, which the file's own size bounds.
+_SIZE_LIMITS = {
+    "IMG_SIZE": 8192,
+    IMAGE_SIZE_KEY: 8192,
+    SEQ_LEN_KEY: 1 << 16,
+    "WINDOW_SIZE": 1024,
+    "PATCH_SIZE": 1024,
+    "max_position_embeddings": 1 << 24,
+    "num_attention_heads": 1 << 16,
+    "num_key_value_heads": 1 << 16,
+}
+
+
+def check_config_sizes(config: Any, label: str) -> None:
+    """Refuse a saved config (training config or ``config.json``) whose sizes would allocate an absurd model.
+
+    Raises:
+        InputError: naming the key and its value.
+    """
+    stack = [config]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                limit = _SIZE_LIMITS.get(str(key))
+                values = value if isinstance(value, list) else [value]
+                if limit is not None and any(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= limit for v in values
+                ):
+                    raise InputError(
+                        f"{label}: config {key} = {value} is outside 1..{limit}; a model of that size cannot be "
+                        "built from these weights (a damaged or hostile config)"
+                    )
+                stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 # Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
 _FINITE_SUFFIXES = ("weight", "bias", "running_mean", "running_var", "alpha")
+_FOLDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_values(ckpt: Checkpoint) -> None:
@@ -196,6 +238,11 @@ def _check_values(ckpt: Checkpoint) -> None:
     for key, value in ckpt.state_dict.items():
         if not value.is_floating_point() or value.numel() == 0:
             continue
+        if value.dtype not in _FOLDABLE_DTYPES:
+            raise InputError(
+                f"{ckpt.path}: tensor {key!r} is {str(value.dtype).removeprefix('torch.')}; slabconv folds float16, "
+                "bfloat16, float32 and float64 models: convert the checkpoint to one of those first"
+            )
         if bool(torch.isnan(value).any()) or (key.endswith(_FINITE_SUFFIXES) and not bool(torch.isfinite(value).all())):
             raise InputError(
                 f"{ckpt.path}: tensor {key!r} holds NaN or Inf; the checkpoint is damaged (a diverged run or a bad "
@@ -239,4 +286,4 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
         raise UnsupportedModelError(f"{ckpt.path}: only the batch axis of the input may be dynamic")
     input_dtype = None if val.dtype.is_floating_point else val.dtype
     weights_dtype = val.dtype if val.dtype.is_floating_point else _float_dtype(ckpt.state_dict)
-    return LoadedModel(program.module(), ckpt, None, shape, weights_dtype, input_dtype)
+    return LoadedModel(ckpt.module, ckpt, None, shape, weights_dtype, input_dtype)

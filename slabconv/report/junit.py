@@ -17,20 +17,30 @@ from pathlib import Path
 from typing import Any
 
 from slabconv.errors import UsageError
+from slabconv.write.staging import check_output_file
 
 
 def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
-    """Refuse a report path that is one of the input files (writing it would destroy an input).
+    """Check before the work that ``--junit PATH`` may be written: not an input, not a folder or a link, and if it
+    exists, a JUnit report slabconv wrote (a rerun replaces its own report, never another file).
 
     Raises:
-        UsageError: ``path`` is one of ``inputs`` or an existing folder.
+        UsageError: naming the path and what is there.
     """
-    target = Path(path).resolve()
-    for item in inputs:
-        if Path(item).resolve() == target:
-            raise UsageError(f"--junit {path} is an input file; choose another report path")
-    if target.is_dir():
-        raise UsageError(f"--junit {path} is a folder; give a file path such as {Path(path) / 'equivalence.xml'}")
+    try:
+        check_output_file(path, force=True, inputs=list(inputs), owned=written_by_slabconv)
+    except UsageError as err:
+        raise UsageError(f"--junit {err}") from None
+
+
+def written_by_slabconv(path: Path) -> bool:
+    """True when ``path`` is a JUnit XML file that slabconv wrote (its root is ``<testsuites name="slabconv">``)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return b'<testsuites name="slabconv"' in head
 
 
 def junit_tree(report: dict[str, Any]) -> ET.ElementTree:

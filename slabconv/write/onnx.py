@@ -7,12 +7,15 @@ from typing import Any
 
 import torch
 
+from slabconv import __version__
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
 
 # stay under that. Above this many bytes of weights (the threshold torch's exporter uses), the weights go to
 # ``<name>.onnx.data`` beside the ``.onnx`` (ONNX external data), which onnx and onnxruntime read from a path.
 ONNX_EXTERNAL_DATA_BYTES = 1536 * 1024 * 1024
+MARK = "slabconv_version"
+"""The ONNX ``metadata_props`` key every file slabconv writes carries (so ``--force`` replaces only those)."""
 PROTOBUF_LIMIT_BYTES = 2**31 - 1
 
 
@@ -55,6 +58,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> di
         external = _weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
         try:
             with quiet():
+                program.model.metadata_props[MARK] = __version__
                 program.save(str(path), external_data=external)
         except OSError as err:
             raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
@@ -75,3 +79,16 @@ def onnx_files(path: Path) -> list[Path]:
     model = onnx.load(str(path), load_external_data=False)
     names = {ExternalDataInfo(t).location for t in model.graph.initializer if uses_external_data(t)}
     return [path, *(path.parent / n for n in sorted(names))]
+
+
+def written_by_slabconv(path: Path) -> bool:
+    """True when ``path`` is an ONNX file whose ``metadata_props`` carry ``MARK`` (slabconv wrote it)."""
+    import onnx
+
+    if not path.is_file() or path.is_symlink() or path.stat().st_size > PROTOBUF_LIMIT_BYTES:
+        return False
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - anything protobuf cannot parse is not ours
+        return False
+    return any(p.key == MARK for p in model.metadata_props)

@@ -1,0 +1,609 @@
+"""Reading untrusted files without running code from them or allocating what they ask for.
+
+The threat model (``docs/security.md``): every input file is hostile until this module has parsed it. Four
+rules hold for every format slabconv reads:
+
+1. **Pickles are read by one weights-only reader** (``torch.load(weights_only=True)``) with one allowlist,
+   ``ALLOWED_GLOBALS``: the official SLAB training config (``yacs.config.CfgNode``) read as plain dicts. The same
+   reader serves ``.pth`` / ``.pt`` checkpoints, ``pytorch_model.bin`` files of Hugging Face folders and the
+   pickles inside ``.pt2`` programs. Only ``--trust-pickle`` lifts it (and runs code from the file).
+2. **Archives are checked before torch opens them** (``check_zip``): zip entries must be stored uncompressed (as
+   ``torch.save`` and ``torch.export.save`` write them; a compressed entry could expand a small file into
+   gigabytes), TorchScript archives (code inside) and pre-1.6 pickles (whose storage sizes cannot be checked
+   before they are allocated) are refused.
+3. **``.pt2`` programs are checked before ``torch.export.load``** (``check_program_archive``): no entry that
+   holds native code (AOTInductor, ExecuTorch) or an unknown kind; every symbolic-shape expression string
+   (``expr_str``), which torch hands to ``sympy.sympify`` (an ``eval``), matches a strict grammar
+   (``check_expression``: symbols, integers, arithmetic, comparisons and the sympy functions torch.export
+   writes), and the same check guards ``sympy.sympify`` while torch loads; every weight's declared size fits
+   the bytes stored for it.
+4. **Sizes are checked before memory is touched** (``check_extents``): a tensor can be a view whose size is far
+   larger than its storage (``torch.zeros(1).expand(10**6, 10**6)`` saves one float). The elements of every
+   tensor, as it would be materialised, must add up to at most ``EXPANSION`` times the file's size (plus
+   ``FLOOR_BYTES``); the first tensor over that is named.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import contextlib
+import json
+import math
+import pickle
+import re
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slabconv.errors import InputError
+
+EXPANSION = 4
+"""The materialised tensors of a file may take at most this many times its size (tied weights count twice)."""
+
+FLOOR_BYTES = 64 << 20
+"""...plus this much, so small files with a few expanded buffers (position ids) still load."""
+
+MAX_ZIP_ENTRIES = 200_000
+
+
+class ConfigNode:
+    """Stand-in for ``yacs.config.CfgNode`` when reading a checkpoint: plain data, nothing imported or run.
+
+    yacs pickles a ``CfgNode`` (a dict subclass) as ``NEWOBJ(CfgNode)``, its items (``SETITEMS``) and a
+    ``BUILD`` with yacs' own flags (``__immutable__``, ...). torch's weights-only unpickler fills only exact
+    ``dict``/``OrderedDict`` objects and builds only allowlisted types, so ``__new__`` hands it an
+    ``OrderedDict``: the items land in it, the flags land in its ``__dict__`` and are dropped by ``plain``.
+    The name ``yacs.config.CfgNode`` is matched as a string; yacs itself is never imported.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # noqa: D102 - see the class docstring
+        return collections.OrderedDict()
+
+
+ALLOWED_GLOBALS: dict[str, Any] = {"yacs.config.CfgNode": ConfigNode}
+"""``module.Class`` names the weights-only reader accepts beyond torch's own: the official SLAB training config
+(github xinghaochen/SLAB ``classification/utils.py`` saves ``config``, a yacs ``CfgNode``) and nothing else."""
+
+
+def plain(obj: Any) -> Any:
+    """Nested mappings and sequences as plain ``dict`` / ``list`` of JSON-like values (others as ``repr``)."""
+    if isinstance(obj, Mapping):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [plain(v) for v in obj]
+    return obj if isinstance(obj, (str, int, float, bool, type(None))) else repr(obj)
+
+
+# --------------------------------------------------------------------------------------------- archives
+
+
+def check_zip(source: Path | bytes, label: str) -> list[str]:
+    """The entry names of a torch zip archive, after checking it can be read without surprises.
+
+    Args:
+        source: a path or the archive's bytes (a pickle stored inside a ``.pt2``).
+        label: what to name in errors (the user's path).
+
+    Raises:
+        InputError: not a zip archive (a pre-1.6 pickle or not a torch file), a compressed or encrypted entry, an
+            entry name that leaves the archive, too many entries, a TorchScript archive.
+    """
+    opened = source if isinstance(source, Path) else _bytes_io(source)
+    try:
+        with zipfile.ZipFile(opened) as archive:
+            infos = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
+        raise _not_a_zip(source, label, str(err).strip() or type(err).__name__) from None
+    if len(infos) > MAX_ZIP_ENTRIES:
+        raise InputError(f"{label}: the archive has {len(infos)} entries; a checkpoint has far fewer")
+    relative = {i.filename.split("/", 1)[1] if "/" in i.filename else i.filename for i in infos}
+    if "constants.pkl" in relative or any(n.startswith("code/") for n in relative):
+        raise InputError(
+            f"{label}: a TorchScript archive (torch.jit.save), which holds code; slabconv reads weights only: "
+            "save model.state_dict() with torch.save, or export a program with torch.export.save"
+        )
+    names = []
+    for info in infos:
+        name = info.filename
+        if name.startswith(("/", "\\")) or ".." in Path(name).parts:
+            raise InputError(f"{label}: archive entry {name!r} points outside the archive; refused")
+        if info.flag_bits & 0x1:
+            raise InputError(f"{label}: archive entry {name!r} is encrypted; refused")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise InputError(
+                f"{label}: archive entry {name!r} is compressed, which torch.save and torch.export.save never do "
+                "(a compressed entry can expand a small file into gigabytes); refused: re-save the original"
+            )
+        names.append(name)
+    return names
+
+
+def _not_a_zip(source: Path | bytes, label: str, detail: str) -> InputError:
+    """The error for a file ``zipfile`` cannot open, by what its first bytes say it is."""
+    if isinstance(source, Path):
+        with open(source, "rb") as f:
+            head = f.read(4)
+    else:
+        head = source[:4]
+    if head.startswith(b"PK"):
+        return InputError(
+            f"{label}: not a readable PyTorch checkpoint (its zip archive is damaged or truncated: {detail}); "
+            "use an intact copy"
+        )
+    if head.startswith(b"\x80"):
+        return InputError(
+            f"{label}: a pickle in the pre-1.6 torch.save format, whose storage sizes cannot be checked before they "
+            "are allocated; re-save it with torch.save under torch >= 1.6 (or pass --trust-pickle if you trust it)"
+        )
+    return InputError(
+        f"{label}: not a readable PyTorch checkpoint (not a zip archive); the file is damaged or not a checkpoint"
+    )
+
+
+def _bytes_io(data: bytes) -> Any:
+    import io
+
+    return io.BytesIO(data)
+
+
+# --------------------------------------------------------------------------------------------- tensor sizes
+
+
+def materialised_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor takes once made contiguous: ``numel * element_size`` (a stride-0 view counts in full)."""
+    return int(t.numel()) * t.element_size()
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside nested dicts / lists / tuples, with a dotted path naming it."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix or "<tensor>", obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from iter_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from iter_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def check_extents(obj: Any, file_bytes: int, label: str) -> None:
+    """Refuse a loaded object whose tensors, materialised, would take more than the budget.
+
+    The budget is ``EXPANSION * file_bytes + FLOOR_BYTES``. torch itself checks that every view lies inside its
+    storage; what it does not check is a view much larger than its storage (stride 0), which costs nothing until
+    something copies it.
+
+    Raises:
+        InputError: naming the tensor that crosses the budget and its size.
+    """
+    budget = EXPANSION * file_bytes + FLOOR_BYTES
+    total = 0
+    for name, t in iter_tensors(obj):
+        size = materialised_bytes(t)
+        total += size
+        if total > budget:
+            shape = "x".join(str(s) for s in t.shape)
+            raise InputError(
+                f"{label}: tensor {name!r} ({shape} {str(t.dtype).removeprefix('torch.')}) would take "
+                f"{_human(size)} in memory, more than a {_human(file_bytes)} file can hold (a view much larger than "
+                "its stored data); refused before allocating it"
+            )
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------------------------- pickles
+
+
+def weights_only_load(source: Path | bytes, label: str, file_bytes: int | None = None) -> Any:
+    """``torch.load(weights_only=True)`` on CPU with ``ALLOWED_GLOBALS``, after ``check_zip``, then
+    ``check_extents``.
+
+    Args:
+        source: a path, or bytes (a pickle inside a ``.pt2``).
+        label: the user's path, for errors.
+        file_bytes: the size the extents are budgeted against (default: the source's own size).
+
+    Raises:
+        InputError: the archive checks fail, the pickle names a global outside the allowlist (message names it),
+            the file is damaged, or its tensors are too large for it.
+        pickle.UnpicklingError: re-raised for the caller to explain (``refusal``) when the weights-only reader
+            refuses the pickle.
+    """
+    import io
+    import warnings
+
+    check_zip(source, label)
+    size = (
+        file_bytes if file_bytes is not None else (source.stat().st_size if isinstance(source, Path) else len(source))
+    )
+    allowed: list[Any] = [(cls, name) for name, cls in ALLOWED_GLOBALS.items()]
+    target: Any = source if isinstance(source, Path) else io.BytesIO(source)
+    with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol N": the error, if any, says enough
+        # torch.serialization.load is torch.load itself; no_code_from_pickles replaces only the name torch.load.
+        obj = torch.serialization.load(target, map_location="cpu", weights_only=True)
+    check_extents(obj, size, label)
+    return obj
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """The ``module.name`` globals a pickle names outside torch's and slabconv's allowlists (read, not run)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - a damaged file: the caller reports the load error instead
+        return []
+    return [n for n in names if n not in ALLOWED_GLOBALS]
+
+
+def refusal(label: str, err: BaseException, path: Path | None = None) -> InputError:
+    """The one-line error for a pickle that the weights-only reader refused, naming the offending global."""
+    from slabconv.errors import first_line
+
+    text = str(err)
+    first = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"GLOBAL ([\w.]+)", text)
+    unsafe = unsafe_globals(path) if path is not None else []
+    if first or unsafe:
+        named = first.group(1) if first else unsafe[0]
+        named = named if (named in unsafe or not unsafe) else unsafe[0]
+        if any(n.startswith("torch.nn.modules.") for n in unsafe) or named.startswith("torch.nn.modules."):
+            return InputError(
+                f"{label}: holds a whole pickled nn.Module ({named}), and loading one runs code from the file; "
+                "pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: "
+                "torch.export.save(torch.export.export(model.eval(), (example,)), 'model.pt2')"
+            )
+        others = [n for n in unsafe if n != named][:3]
+        also = f" (also: {', '.join(others)})" if others else ""
+        return InputError(
+            f"{label}: the pickle names the Python global {named!r}{also}, which slabconv will not import "
+            "(loading it could run code); re-save the weights as a plain state_dict, or pass --trust-pickle "
+            "if you trust this file"
+        )
+    detail = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+    reason = detail.group(1).strip()[:200] if detail else first_line(err)
+    return InputError(f"{label}: not a readable PyTorch checkpoint ({reason}); the file is damaged or not a checkpoint")
+
+
+# --------------------------------------------------------------------------------------------- expressions
+
+# What torch.export writes into ``expr_str``: sympy's ``srepr`` of shape expressions, e.g.
+# ``Add(Mul(Integer(2), Symbol('s27', positive=True, integer=True)), Integer(12))``, built from sympy's core
+# classes and the functions of ``torch.utils._sympy.functions`` (the deserializer's own ``locals``).
+_SYMPY_NAMES = frozenset(
+    {"Add", "Mul", "Pow", "Integer", "Rational", "Float", "Symbol", "Max", "Min", "Mod", "Abs", "floor", "ceiling"}
+    | {"sqrt", "Eq", "Ne", "Lt", "Le", "Gt", "Ge", "Equality", "Unequality", "StrictLessThan", "LessThan"}
+    | {"StrictGreaterThan", "GreaterThan", "And", "Or", "Not", "Piecewise", "ExprCondPair", "ITE", "BooleanTrue"}
+    | {"BooleanFalse", "true", "false", "True", "False", "oo", "zoo", "nan", "Infinity", "NegativeInfinity", "NaN"}
+    | {"One", "Zero", "NegativeOne", "Half"}
+)
+_ASSUMPTIONS = frozenset(
+    {"positive", "negative", "integer", "real", "finite", "nonnegative", "nonpositive", "nonzero", "zero"}
+    | {"rational", "even", "odd", "prime", "composite", "extended_real", "commutative", "complex"}
+)
+_SYMBOL = re.compile(r"^[a-z]{1,3}\d{1,9}$")  # s0, u12, ... (the prefixes of torch.utils._sympy.symbol)
+_FLOAT_TEXT = re.compile(r"^-?\d{1,30}(\.\d{0,30})?(e-?\d{1,3})?$")
+_POWERS = frozenset({"Pow", "PowByNatural", "FloatPow", "LShift"})  # whose second argument could blow up
+_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+_CMPOPS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
+MAX_EXPRESSION_CHARS = 4096
+MAX_EXPRESSION_NODES = 2000
+MAX_EXPONENT = 64
+
+
+def _torch_sympy_functions() -> frozenset[str]:
+    try:
+        from torch.utils._sympy import functions
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return frozenset()
+    return frozenset(n for n in dir(functions) if not n.startswith("_") and n[:1].isupper())
+
+
+_FUNCTIONS = _SYMPY_NAMES | _torch_sympy_functions()
+
+
+def check_expression(text: object) -> None:
+    """Check one symbolic-shape expression string against the grammar torch.export writes.
+
+    Allowed: integer and float literals; shape symbols (``s0``, ``u3``); sympy core / ``torch.utils._sympy``
+    function names, called with allowed arguments; ``+ - * / // % **``, comparisons, ``and`` / ``or`` / ``not``.
+    A string literal only as the name in ``Symbol('s27', positive=True, integer=True)`` (keywords: sympy
+    assumptions set to True/False) or the digits in ``Float('1.5', precision=53)``. Exponents (``**``, ``Pow``,
+    ``PowByNatural``, ``FloatPow``, ``LShift``) only small integers, so evaluation cannot run for long. No
+    attributes, subscripts, lambdas, comprehensions, dunder names. Parsed with ``ast``, which runs nothing.
+
+    Raises:
+        ValueError: the string is not of that grammar (the message says which part).
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"expected a string, got {type(text).__name__}")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression of {len(text)} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ValueError("not an arithmetic expression") from None
+    if sum(1 for _ in ast.walk(tree)) > MAX_EXPRESSION_NODES:
+        raise ValueError("expression of too many parts")
+    _check(tree.body)
+
+
+def _small_integer(node: ast.AST) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        node = node.operand
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Integer":
+        node = node.args[0] if len(node.args) == 1 and not node.keywords else node
+    return isinstance(node, ast.Constant) and type(node.value) is int and abs(node.value) <= MAX_EXPONENT
+
+
+def _check(node: ast.AST) -> None:
+    """Recursive descent over the allowed node kinds (see ``check_expression``)."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if type(value) is bool or (type(value) is int and abs(value) <= 2**64):
+            return
+        if type(value) is float and math.isfinite(value):
+            return
+        raise ValueError(f"literal {str(value)[:20]!r}")
+    if isinstance(node, ast.Name):
+        if node.id in _FUNCTIONS or _SYMBOL.match(node.id):
+            return
+        raise ValueError(f"name {node.id[:30]!r}")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd, ast.Not)):
+        return _check(node.operand)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _BINOPS):
+        if isinstance(node.op, ast.Pow) and not _small_integer(node.right):
+            raise ValueError("a power whose exponent is not a small integer")
+        _check(node.left)
+        return _check(node.right)
+    if isinstance(node, ast.Compare) and all(isinstance(op, _CMPOPS) for op in node.ops):
+        for part in (node.left, *node.comparators):
+            _check(part)
+        return None
+    if isinstance(node, ast.BoolOp):
+        for part in node.values:
+            _check(part)
+        return None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
+        return _check_call(node.func.id, node)
+    raise ValueError(f"{type(node).__name__} syntax")
+
+
+def _check_call(name: str, node: ast.Call) -> None:
+    args = list(node.args)
+    if any(isinstance(a, ast.Starred) for a in args):
+        raise ValueError("a starred argument")
+    if name == "Symbol":
+        if len(args) != 1 or not (isinstance(args[0], ast.Constant) and isinstance(args[0].value, str)):
+            raise ValueError("a Symbol without one name")
+        if not _SYMBOL.match(args[0].value):
+            raise ValueError(f"symbol name {args[0].value[:30]!r}")
+        for kw in node.keywords:
+            if kw.arg not in _ASSUMPTIONS or not (isinstance(kw.value, ast.Constant) and type(kw.value.value) is bool):
+                raise ValueError(f"Symbol keyword {kw.arg!r}")
+        return None
+    if name == "Float":
+        if not args or not isinstance(args[0], ast.Constant):
+            raise ValueError("a Float without a value")
+        value = args[0].value
+        if isinstance(value, str) and not _FLOAT_TEXT.match(value):
+            raise ValueError(f"Float text {value[:30]!r}")
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool) or len(args) > 1:
+            raise ValueError("a Float of something other than a number")
+        for kw in node.keywords:
+            if (
+                kw.arg not in ("precision", "dps")
+                or not _small_integer(kw.value)
+                and not (
+                    isinstance(kw.value, ast.Constant) and type(kw.value.value) is int and 0 < kw.value.value <= 1024
+                )
+            ):
+                raise ValueError(f"Float keyword {kw.arg!r}")
+        return None
+    if node.keywords:
+        raise ValueError(f"keyword arguments to {name}")
+    if name in _POWERS and (len(args) != 2 or not _small_integer(args[1])):
+        raise ValueError(f"{name} whose exponent is not a small integer")
+    for a in args:
+        _check(a)
+    return None
+
+
+@contextlib.contextmanager
+def guarded_sympify(label: str) -> Iterator[None]:
+    """While a program loads, ``sympy.sympify`` accepts only strings that pass ``check_expression``."""
+    import sympy
+
+    real = sympy.sympify
+
+    def checked(a: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(a, str):
+            try:
+                check_expression(a)
+            except ValueError as err:
+                raise InputError(
+                    f"{label}: a symbolic shape in the program is not a shape expression ({err})"
+                ) from None
+        return real(a, *args, **kwargs)
+
+    sympy.sympify = checked  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sympy.sympify = real
+
+
+# --------------------------------------------------------------------------------------------- .pt2 archives
+
+# Entry kinds of a .pt2 (torch.export.pt2_archive), relative to the archive's root folder. Anything else is
+# refused: ``data/aotinductor/`` and ``data/executorch/`` hold native code that torch would load and run.
+_PT2_ALLOWED = re.compile(
+    r"^(archive_format|archive_version|byteorder|version|\.data/[\w.-]+|models/[\w.-]+\.json|"
+    r"data/(weights|constants|sample_inputs)/[\w.-]+|extra/[\w./-]+|extra_files/[\w./-]+|"
+    r"serialized_(exported_program|state_dict|constants)\.json|serialized_(state_dict|constants|example_inputs)\.pt)$"
+)
+
+
+def check_program_archive(path: Path, trust_pickle: bool = False) -> None:
+    """Check a ``.pt2`` before ``torch.export.load`` sees it (rules 2 and 3 of the module docstring).
+
+    Raises:
+        InputError: naming the entry, expression or tensor that breaks a rule.
+    """
+    label = str(path)
+    names = check_zip(path, label)
+    file_bytes = path.stat().st_size
+    with zipfile.ZipFile(path) as archive:
+        sizes = {info.filename: info.file_size for info in archive.infolist()}
+        roots = {n.split("/", 1)[0] for n in names if "/" in n}
+        for name in names:
+            rel = name.split("/", 1)[1] if "/" in name else name
+            if name.endswith("/"):
+                continue
+            if not _PT2_ALLOWED.match(rel):
+                what = (
+                    "native code (AOTInductor / ExecuTorch), which torch would load and run"
+                    if (rel.startswith(("data/aotinductor/", "data/executorch/", "data/mtia")))
+                    else "an entry of a kind slabconv does not read"
+                )
+                raise InputError(f"{label}: archive entry {rel!r} holds {what}; refused")
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            try:
+                document = json.loads(archive.read(name))
+            except (ValueError, UnicodeDecodeError) as err:
+                raise InputError(f"{label}: {name} is not valid JSON ({err}); the program is damaged") from None
+            _check_expressions(document, label, name)
+            if name.endswith(("_weights_config.json", "_constants_config.json")):
+                folder = name.rsplit("/", 1)[0]
+                _check_payloads(document, sizes, folder, label, file_bytes, trust_pickle)
+    if len(roots) > 1:
+        raise InputError(f"{label}: the archive has {len(roots)} root folders; a .pt2 has one")
+
+
+def _check_expressions(document: Any, label: str, entry: str) -> None:
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                if key == "expr_str":
+                    try:
+                        check_expression(value)
+                    except ValueError as err:
+                        shown = str(value)[:60]
+                        raise InputError(
+                            f"{label}: {entry} has a symbolic shape {shown!r} that is not a shape expression ({err}); "
+                            "torch would evaluate it as Python: refused"
+                        ) from None
+                else:
+                    stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _itemsize(code: Any) -> int:
+    """Bytes per element of a torch.export schema ``ScalarType`` code (16, the largest, if unknown)."""
+    from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
+
+    for key, dtype in _SERIALIZE_TO_TORCH_DTYPE.items():
+        if int(key) == int(code):
+            return torch.empty((), dtype=dtype).element_size()
+    return 16
+
+
+def _check_payloads(
+    document: Any, sizes: Mapping[str, int], folder: str, label: str, file_bytes: int, trust_pickle: bool
+) -> None:
+    """Weights / constants config: every tensor's declared extent fits its stored bytes, the total fits the file,
+    and nothing is a pickled Python object (unless trusted)."""
+    config = document.get("config") if isinstance(document, dict) else None
+    if not isinstance(config, dict):
+        raise InputError(f"{label}: {folder} has no payload config; the program is damaged")
+    total = 0
+    budget = EXPANSION * file_bytes + FLOOR_BYTES
+    for fqn, meta in config.items():
+        if not isinstance(meta, dict):
+            raise InputError(f"{label}: payload {fqn!r} is not described; the program is damaged")
+        path_name = str(meta.get("path_name", ""))
+        pickled = bool(meta.get("use_pickle")) or path_name.startswith(("custom_obj_", "opaque_obj_"))
+        if pickled and not trust_pickle:
+            raise InputError(
+                f"{label}: the program holds pickled Python objects ({fqn!r}), which slabconv will not load "
+                "(loading them could run code); re-export it with tensor weights only, or pass --trust-pickle "
+                "if you trust this file"
+            )
+        tmeta = meta.get("tensor_meta")
+        if pickled or not isinstance(tmeta, dict):
+            continue
+        try:
+            shape = [_as_int(s) for s in tmeta["sizes"]]
+            strides = [_as_int(s) for s in tmeta["strides"]]
+            offset = _as_int(tmeta["storage_offset"])
+            itemsize = _itemsize(tmeta["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"{label}: payload {fqn!r} has no static size; the program is damaged") from None
+        if any(s < 0 for s in shape) or any(s < 0 for s in strides) or offset < 0 or len(shape) != len(strides):
+            raise InputError(f"{label}: payload {fqn!r} has a negative or mismatched size; the program is damaged")
+        numel = math.prod(shape)
+        stored = sizes.get(f"{folder}/{path_name}")
+        if stored is None:
+            raise InputError(f"{label}: payload {fqn!r} names {path_name!r}, which the archive lacks")
+        extent = 0 if numel == 0 else offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+        if extent * itemsize > max(stored, 0) and not (numel == 0):
+            raise InputError(
+                f"{label}: payload {fqn!r} declares {shape} elements but {path_name!r} stores {stored} bytes; refused"
+            )
+        total += numel * itemsize
+        if total > budget:
+            raise InputError(
+                f"{label}: payload {fqn!r} ({shape}) would take {_human(numel * itemsize)} in memory, more than a "
+                f"{_human(file_bytes)} file can hold; refused before allocating it"
+            )
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, dict) and "as_int" in value and type(value["as_int"]) is int:
+        return int(value["as_int"])
+    raise ValueError("not a static size")
+
+
+class PickleRefused(pickle.UnpicklingError):
+    """Raised instead of unpickling a Python object inside a ``.pt2`` (see ``no_code_from_pickles``)."""
+
+
+@contextlib.contextmanager
+def no_code_from_pickles(label: str, file_bytes: int) -> Iterator[None]:
+    """While ``torch.export.load`` runs: every ``torch.load`` is ``weights_only_load`` (archive checks, allowlist,
+    extents), and ``pickle.loads`` / ``torch._C._pickle_load_obj`` are refused.
+
+    torch's reader unpickles some entries with ``weights_only=False`` (weights or constants marked ``use_pickle``,
+    the sample inputs when the weights-only reader refuses them) and opaque constants with ``pickle.loads``: a
+    hostile file could run code there. Patched process-wide for the duration of the call (slabconv loads one file
+    at a time).
+    """
+    from unittest import mock
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        data = f.getvalue() if hasattr(f, "getvalue") else f.read() if hasattr(f, "read") else Path(f).read_bytes()
+        return weights_only_load(bytes(data), label, file_bytes)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise PickleRefused("the program holds a pickled Python object")
+
+    with (
+        mock.patch.object(torch, "load", load),
+        mock.patch.object(pickle, "loads", refuse),
+        mock.patch.object(torch._C, "_pickle_load_obj", refuse),
+    ):
+        yield
