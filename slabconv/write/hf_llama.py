@@ -52,8 +52,8 @@ INSTALL_HINT = "pip install slabconv[hf]"
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
-_NORMS = ("input_layernorm", "post_attention_layernorm")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+_NORM = re.compile(r"(model\.norm|model\.layers\.\d+\.(?:input_layernorm|post_attention_layernorm))\.")
 _DTYPE_NAMES = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -97,8 +97,9 @@ def norm_free_layout(
             when the model has them).
 
     Returns:
-        ``{"num_hidden_layers", "num_key_value_heads", "head_dim", "projection_bias"}``, where ``projection_bias``
-        maps each of ``q_proj`` .. ``down_proj``, ``lm_head`` to whether it has a bias (the same in every layer);
+        ``{"num_hidden_layers", "num_key_value_heads", "head_dim", "projection_bias"}``, plus ``vocab_size``,
+        ``hidden_size``, ``intermediate_size`` when shapes were given; ``projection_bias`` maps each of ``q_proj``
+        .. ``down_proj``, ``lm_head`` to whether it has a bias (the same in every layer);
         ``num_key_value_heads``/``head_dim`` are None when only names were given and the config lacks them.
 
     Raises:
@@ -111,11 +112,11 @@ def norm_free_layout(
         {k: tuple(int(s) for s in v) for k, v in weight_shapes.items()} if isinstance(weight_shapes, Mapping) else None
     )
     keys = set(shapes) if shapes is not None else set(weight_shapes)
-    norms = sorted(k for k in keys if k.startswith("model.norm.") or any(f".{n}." in k for n in _NORMS))
+    norms = sorted((m.group(1), k) for k in keys if (m := _NORM.match(k)))
     if norms:
-        norm = norms[0].rsplit(".", 1)[0]
+        norm = norms[0][0]
         raise UnsupportedModelError(
-            f"{norm} was not folded ({len(norms)} tensors under norms remain, e.g. {norms[0]}): the norm-free "
+            f"{norm} was not folded ({len(norms)} tensors under norms remain, e.g. {norms[0][1]}): the norm-free "
             "LLaMA runs only weights with every norm folded (see the fuse report's folds)"
         )
     layers = sorted({int(m.group(1)) for k in keys if (m := _LAYER.match(k))})
@@ -151,11 +152,16 @@ def norm_free_layout(
     heads = int(config["num_attention_heads"]) if config.get("num_attention_heads") is not None else None
     kv_heads = int(config["num_key_value_heads"]) if config.get("num_key_value_heads") is not None else None
     head_dim = int(config["head_dim"]) if config.get("head_dim") is not None else None
+    sizes: dict[str, int] = {}
     if shapes is not None:
         kv_heads, head_dim = _check_shapes(shapes, config, len(layers), heads, kv_heads, head_dim)
+        vocab, hidden = shapes["model.embed_tokens.weight"]
+        inter = shapes["model.layers.0.mlp.gate_proj.weight"][0]
+        sizes = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter}
     elif head_dim is None and heads and config.get("hidden_size"):
         head_dim = int(config["hidden_size"]) // heads
     return {
+        **sizes,
         "num_hidden_layers": len(layers),
         "num_key_value_heads": kv_heads if kv_heads is not None else heads,
         "head_dim": head_dim,
@@ -323,6 +329,7 @@ def _write_config(folder: Path, config: Mapping[str, Any], layout: dict[str, Any
         architectures=[ARCHITECTURE],
         auto_map=dict(AUTO_MAP),
         model_type=MODEL_TYPE,
+        **{k: layout[k] for k in ("vocab_size", "hidden_size", "intermediate_size") if k in layout},
         num_hidden_layers=layout["num_hidden_layers"],
         num_key_value_heads=layout["num_key_value_heads"],
         head_dim=layout["head_dim"],

@@ -180,6 +180,8 @@ class SlabconvLlamaDecoderLayer(nn.Module):
 
 
 class SlabconvLlamaPreTrainedModel(PreTrainedModel):
+    """The transformers base of the norm-free LLaMA: its config class and loading rules."""
+
     config_class = SlabconvLlamaConfig
     config: SlabconvLlamaConfig
     base_model_prefix = "model"
