@@ -535,3 +535,23 @@ def test_a_fully_masked_row_stays_finite_in_float16():
     with torch.no_grad():
         out = attention(x, ones, zeros, mask, None)
     assert torch.isfinite(out).all()
+
+
+def test_the_modeling_file_refuses_a_transformers_older_than_it_needs(monkeypatch):
+    import importlib.util
+
+    import transformers
+
+    from slabconv.write import hf_llama
+
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    spec = importlib.util.spec_from_file_location(
+        "probe_modeling_slabconv_llama", ROOT / "slabconv" / "write" / "templates" / MODELING_FILE
+    )
+    assert spec is not None and spec.loader is not None
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.4 \(found 5\.3\.0\)"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    with pytest.raises(UsageError, match=r"transformers 5\.3\.0 is older than the fused LLaMA model needs \(5\.4\)"):
+        hf_llama.require_transformers()
+    monkeypatch.setattr(transformers, "__version__", "5.10.0.dev0")
+    assert hf_llama.require_transformers() is transformers

@@ -73,6 +73,13 @@ class DecoderWithPast(torch.nn.Module):
         return (out.logits, *presents)
 
 
+def _root_cause(err: BaseException) -> str:
+    """``Type: first line`` of the innermost exception (torch.onnx wraps torch.export's reason in its own)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {first_line(err)}"
+
+
 def export_decoder_onnx(
     folder: Path | str,
     path: Path | str | None = None,
@@ -154,7 +161,7 @@ def export_decoder_onnx(
             )
         assert program is not None
     except Exception as err:  # noqa: BLE001 - the exporter raises many types
-        raise UnsupportedModelError(f"decoder ONNX export failed: {first_line(err)}") from None
+        raise UnsupportedModelError(f"decoder ONNX export failed: {_root_cause(err)}") from None
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     external = weight_bytes > ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
     try:

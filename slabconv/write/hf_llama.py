@@ -49,6 +49,8 @@ AUTO_MAP = {
 }
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 INSTALL_HINT = "pip install slabconv[hf]"
+MIN_TRANSFORMERS = (5, 4)
+"""The oldest transformers the modeling file runs with (its own import check says the same)."""
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -65,10 +67,10 @@ _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def require_transformers() -> Any:
-    """The ``transformers`` module.
+    """The ``transformers`` module, at least ``MIN_TRANSFORMERS``.
 
     Raises:
-        UsageError: it is not installed (one line saying what to install).
+        UsageError: it is not installed, or too old (one line saying what to install).
     """
     try:
         import transformers
@@ -76,6 +78,12 @@ def require_transformers() -> Any:
         raise UsageError(
             f"running a fused LLaMA folder needs the Hugging Face transformers package: {INSTALL_HINT}"
         ) from None
+    major, minor = (transformers.__version__.split(".") + ["0"])[:2]
+    if (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)) < MIN_TRANSFORMERS:
+        raise UsageError(
+            f"transformers {transformers.__version__} is older than the fused LLaMA model needs "
+            f"({MIN_TRANSFORMERS[0]}.{MIN_TRANSFORMERS[1]}): {INSTALL_HINT} (or pip install -U transformers)"
+        )
     return transformers
 
 

@@ -23,11 +23,30 @@ any causal LM, with an ``attention_mask`` for left-padded batches.
 import math
 
 import torch
+import transformers
 from torch import nn
-from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+# The mask and config conventions used below are those of transformers 5.4 and later (create_causal_mask without
+# cache_position, dataclass configs); an older transformers would fail later with a less clear error, so the
+# version is checked before importing from it.
+MIN_TRANSFORMERS = (5, 4)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+if _major_minor(transformers.__version__) < MIN_TRANSFORMERS:
+    raise ImportError(
+        f"modeling_slabconv_llama needs transformers>={MIN_TRANSFORMERS[0]}.{MIN_TRANSFORMERS[1]} "
+        f"(found {transformers.__version__}): pip install -U transformers"
+    )
+
+from transformers import GenerationMixin, PreTrainedConfig, PreTrainedModel  # noqa: E402
+from transformers.cache_utils import Cache, DynamicCache  # noqa: E402
+from transformers.masking_utils import create_causal_mask  # noqa: E402
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
@@ -221,14 +240,14 @@ class SlabconvLlamaModel(SlabconvLlamaPreTrainedModel):
             positions = (torch.arange(x.shape[1], device=x.device) + seen)[None].expand(x.shape[0], -1)
         else:
             positions = position_ids
-        # Additive mask of 0 / finfo(dtype).min over (B, 1, T, past + T): causal and, with attention_mask, padding.
+        # Additive mask of 0 / finfo(dtype).min over (B, 1, T, past + T): causal and, with attention_mask, padding
+        # (the eager attention implementation always gets a materialised mask).
         mask = create_causal_mask(
             config=self.config,
             inputs_embeds=x,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             position_ids=positions,
-            allow_is_causal_skip=False,
         )
         theta = float((self.config.rope_parameters or {})["rope_theta"])
         head_dim = self.config.head_dim or self.config.hidden_size // self.config.num_attention_heads
