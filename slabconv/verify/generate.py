@@ -17,9 +17,10 @@ differ from there on, so later tokens have nothing to be compared with).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,22 @@ def _as_mask(attention_mask: ArrayLike | None, ids: torch.Tensor) -> torch.Tenso
     return mask
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (restored after); None leaves torch's setting."""
+    if threads is None:
+        yield
+        return
+    if threads < 1:
+        raise UsageError(f"threads must be at least 1, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _check_steps(steps: int) -> None:
     if steps < 1:
         raise UsageError(f"steps must be at least 1, got {steps}")
@@ -144,7 +161,13 @@ def _logits(out: Any) -> torch.Tensor:
 
 
 def greedy_original(
-    model: torch.nn.Module, prompts: ArrayLike, steps: int, *, name: str | None = None, keep_logits: bool = True
+    model: torch.nn.Module,
+    prompts: ArrayLike,
+    steps: int,
+    *,
+    name: str | None = None,
+    keep_logits: bool = True,
+    threads: int | None = None,
 ) -> GreedyRun:
     """Greedy tokens of the original model, without a cache: each step runs the whole prefix.
 
@@ -155,6 +178,7 @@ def greedy_original(
         steps: N, tokens to generate.
         name: the run's name; default ``original <dtype> (pytorch, no cache)``.
         keep_logits: keep the float64 next-token logits ``(B, N, V)`` (for a reference run).
+        threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
 
     Returns:
         A ``GreedyRun`` with tokens ``(B, N)`` (argmax, first index on exact ties).
@@ -169,7 +193,7 @@ def greedy_original(
     label = name or f"original {dtype_name(param.dtype) if param is not None else ''} (pytorch, no cache)"
     ids = ids.to(device)
     rows: list[torch.Tensor] = []
-    with torch.inference_mode():
+    with torch_threads(threads), torch.inference_mode():
         _logits(model(ids[:1]))  # warm-up, untimed
         start = time.perf_counter()
         for _ in range(steps):
@@ -190,6 +214,7 @@ def greedy_fused(
     attention_mask: ArrayLike | None = None,
     dtype: torch.dtype | None = None,
     name: str | None = None,
+    threads: int | None = None,
 ) -> GreedyRun:
     """Greedy tokens of the fused folder in transformers: ``generate(do_sample=False, use_cache=True)``.
 
@@ -201,6 +226,7 @@ def greedy_fused(
         attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
         dtype: load a folder in this dtype (default its ``torch_dtype``).
         name: the run's name; default ``fused <dtype> (transformers <version>, KV cache)``.
+        threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
 
     Returns:
         A ``GreedyRun`` with tokens ``(B, N)``.
@@ -223,8 +249,12 @@ def greedy_fused(
     ids, mask = ids.to(model.device), mask.to(model.device)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    # generate() fills every setting left None from the model's own generation_config, so an eos_token_id there
+    # would end sequences early; the model's copy is swapped for one without it during the run.
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(gen)
     try:
-        with torch.inference_mode():
+        with torch_threads(threads), torch.inference_mode():
             warm = copy.deepcopy(gen)
             warm.max_new_tokens = 1
             model.generate(ids[:1], attention_mask=mask[:1], generation_config=warm)  # warm-up, untimed
@@ -232,6 +262,7 @@ def greedy_fused(
             out = model.generate(ids, attention_mask=mask, generation_config=gen)
             seconds = time.perf_counter() - start
     finally:
+        model.generation_config = saved
         transformers.logging.set_verbosity(verbosity)
     tokens = out[:, ids.shape[1] :].cpu().numpy()
     if tokens.shape != (ids.shape[0], steps):
@@ -247,6 +278,7 @@ def greedy_onnx(
     attention_mask: ArrayLike | None = None,
     name: str | None = None,
     providers: Sequence[str] = ("CPUExecutionProvider",),
+    threads: int | None = None,
 ) -> GreedyRun:
     """Greedy tokens of the decoder ONNX in onnxruntime, the presents fed back as the next step's past.
 
@@ -261,6 +293,7 @@ def greedy_onnx(
         attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
         name: the run's name; default ``fused <dtype> (onnxruntime <version>, KV cache)``.
         providers: onnxruntime execution providers.
+        threads: onnxruntime intra-op threads; None keeps its default (one per core).
 
     Returns:
         A ``GreedyRun`` with tokens ``(B, N)``.
@@ -275,7 +308,12 @@ def greedy_onnx(
         raise UsageError(f"{path}: no such ONNX file")
     ids = _as_ids(prompts).numpy()
     mask = _as_mask(attention_mask, torch.from_numpy(ids)).numpy()
-    session = ort.InferenceSession(str(path), providers=list(providers))
+    options = ort.SessionOptions()
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"threads must be at least 1, got {threads}")
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=list(providers))
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     if not pasts:
         raise UsageError(f"{path}: no past_key_values.* inputs; not a decoder with past key/values")
@@ -388,6 +426,7 @@ def check_generation(
     steps: int = 32,
     *,
     onnx_path: Path | str | None = None,
+    threads: int | None = None,
 ) -> GenerationCheck:
     """Greedy generation of the original vs the fused folder (transformers) and, when given, the decoder ONNX.
 
@@ -401,6 +440,8 @@ def check_generation(
         prompts: int64 ``(B, T)``, unpadded.
         steps: N, tokens per prompt.
         onnx_path: the decoder ONNX (``export_decoder_onnx``), or None.
+        threads: intra-op threads of every runtime (torch and onnxruntime alike, for a like-for-like timing);
+            None keeps each library's default.
 
     Returns:
         A ``GenerationCheck``: tokens/s of each run, tokens compared, decisive mismatches, near-ties, ``passed``.
@@ -412,13 +453,12 @@ def check_generation(
 
     require_transformers()
     param = next(original.parameters())
-    reference = greedy_original(
-        copy.deepcopy(original).to(torch.float64), prompts, steps, name="original float64 (pytorch, reference)"
-    )
+    exact = copy.deepcopy(original).to(torch.float64)
+    reference = greedy_original(exact, prompts, steps, name="original float64 (pytorch, reference)", threads=threads)
     baselines = []
     if param.dtype != torch.float64:
-        baselines.append(greedy_original(original, prompts, steps, keep_logits=False))
-    candidates = [greedy_fused(folder, prompts, steps)]
+        baselines.append(greedy_original(original, prompts, steps, keep_logits=False, threads=threads))
+    candidates = [greedy_fused(folder, prompts, steps, threads=threads)]
     if onnx_path is not None:
-        candidates.append(greedy_onnx(onnx_path, prompts, steps))
+        candidates.append(greedy_onnx(onnx_path, prompts, steps, threads=threads))
     return compare_greedy(reference, candidates, param.dtype, baselines=baselines)
