@@ -429,15 +429,16 @@ def test_decoder_onnx_with_a_past_equals_transformers_on_the_whole_sequence(doc)
 # --------------------------------------------------------------------------------------------- it can fail
 
 
-def test_an_eos_token_does_not_end_the_compared_run(doc, tmp_path):
-    """generate() takes unset settings from the folder's generation_config.json; an eos_token_id there must not
-    stop the fused run early (the original runs all N steps)."""
+def test_the_folders_generation_settings_do_not_change_the_compared_run(doc, tmp_path):
+    """generate() takes unset settings from the folder's generation_config.json; an eos_token_id or a repetition
+    penalty there must not stop or steer the fused greedy run (the original runs plain argmax for N steps)."""
     prompts = _holdout_prompts()
     plain = greedy_fused(doc["out"], prompts, STEPS)
     folder = tmp_path / "eos"
     shutil.copytree(doc["out"], folder)
     eos = int(plain.tokens[0, 2])  # a token the run produces
-    config = json.loads((folder / "generation_config.json").read_text()) | {"eos_token_id": eos, "pad_token_id": 0}
+    config = json.loads((folder / "generation_config.json").read_text())
+    config |= {"eos_token_id": eos, "pad_token_id": 0, "repetition_penalty": 5.0}
     (folder / "generation_config.json").write_text(json.dumps(config))
     model = load_fused_llama(folder)
     assert model.generation_config.eos_token_id == eos

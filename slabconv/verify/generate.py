@@ -222,7 +222,8 @@ def greedy_fused(
         model: a fused LLaMA folder (loaded with ``slabconv.write.hf_llama.load_fused_llama``), or a model already
             loaded (e.g. ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``).
         prompts: int64 ``(B, T)``; left-padded when ``attention_mask`` is given.
-        steps: N, tokens to generate; exactly N (the end-of-sequence token does not stop the run).
+        steps: N, tokens to generate; exactly N. Plain greedy (the argmax of the logits at each step, as
+            ``greedy_original``): the folder's generation_config (eos, penalties, forced tokens) is not applied.
         attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
         dtype: load a folder in this dtype (default its ``torch_dtype``).
         name: the run's name; default ``fused <dtype> (transformers <version>, KV cache)``.
@@ -242,15 +243,21 @@ def greedy_fused(
     mask = _as_mask(attention_mask, ids)
     if isinstance(model, (str, Path)):
         model = load_fused_llama(model, dtype)
-    gen = copy.deepcopy(model.generation_config)
-    gen.do_sample, gen.num_beams, gen.use_cache = False, 1, True
-    gen.max_new_tokens, gen.min_new_tokens, gen.eos_token_id = steps, None, None
+    # Plain greedy: a fresh GenerationConfig, so no setting of the folder's own (repetition penalty, forced or
+    # suppressed tokens, eos) changes the argmax that the original runner takes.
+    gen = transformers.GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        use_cache=True,
+        max_new_tokens=steps,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
     label = name or f"fused {dtype_name(model.dtype)} (transformers {transformers.__version__}, KV cache)"
     ids, mask = ids.to(model.device), mask.to(model.device)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    # generate() fills every setting left None from the model's own generation_config, so an eos_token_id there
-    # would end sequences early; the model's copy is swapped for one without it during the run.
+    # generate() fills every setting left unset from the model's own generation_config (an eos_token_id there
+    # would end sequences early), so the model's copy is swapped for this one during the run.
     saved = model.generation_config
     model.generation_config = copy.deepcopy(gen)
     try:

@@ -386,7 +386,10 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
         A ``SlabconvLlamaForCausalLM``: ``input_ids`` int64 ``(B, T)`` -> ``.logits`` ``(B, T, V)``; ``generate``.
 
     Raises:
-        UsageError: transformers is not installed (``pip install slabconv[hf]``); the folder is not a fused LLaMA.
+        UsageError: transformers is not installed or older than 5.4 (``pip install slabconv[hf]``); the folder is
+            not a fused LLaMA (no ``config.json`` with ``model_type`` ``slabconv_llama``, no safetensors weights).
+        UnsupportedModelError: its weights are not norm-free (``norm_free_layout``).
+        InputError: a damaged safetensors header or index.
     """
     require_transformers()
     from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaForCausalLM
@@ -401,12 +404,13 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
     norm_free_layout(list(folder_weight_specs(folder)), {})  # refuse kept norms even in a folder written by hand
     from transformers.utils import logging as hf_logging
 
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         model = SlabconvLlamaForCausalLM.from_pretrained(folder, dtype=dtype if dtype is not None else "auto")
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.eval()
