@@ -1,0 +1,471 @@
+"""Greedy generation, checked end to end: the original model, the fused transformers folder and the decoder ONNX.
+
+Three runners produce greedy continuations of the same prompts and time them side by side:
+
+- ``greedy_original``: a ``torch.nn.Module`` mapping int64 ids ``(B, T)`` to logits ``(B, T, V)`` (the zoo's
+  ``LlamaForCausalLM``), with no cache: each step recomputes the whole prefix, as the official eval forward does;
+- ``greedy_fused``: the fused folder in transformers, ``generate`` with the key/value cache;
+- ``greedy_onnx``: the decoder ONNX (``slabconv.write.decoder_onnx``) in onnxruntime, the presents fed back as the
+  next step's past.
+
+``compare_greedy`` then requires every candidate to produce the reference's tokens, except where the reference's own
+next-token margin is a near-tie by the policy (``slabconv.verify.policy.decisive`` with the checkpoint dtype on the
+reference's float64 logits at that step). A sequence is compared up to its first differing token: on a decisive
+step that is a mismatch (failure); on a near-tie the rest of that sequence is reported, not failed (the prefixes
+differ from there on, so later tokens have nothing to be compared with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slabconv.errors import UsageError
+from slabconv.verify.policy import decisive, dtype_name
+
+ArrayLike = np.ndarray | torch.Tensor
+
+
+@dataclass
+class GreedyRun:
+    """Greedy tokens of one runtime.
+
+    Attributes:
+        name: which model in which runtime, e.g. ``original float32 (pytorch, no cache)``.
+        tokens: int64 ``(B, N)``: the N generated tokens of each prompt.
+        seconds: wall time of the generation loop (loading and one warm-up step excluded).
+        logits64: float64 ``(B, N, V)``: the next-token logits at each step (kept by ``greedy_original``, to judge
+            near-ties), else None.
+    """
+
+    name: str
+    tokens: np.ndarray
+    seconds: float
+    logits64: np.ndarray | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens (all sequences) per second of ``seconds``."""
+        return float(self.tokens.size / self.seconds) if self.seconds > 0 else float("inf")
+
+
+@dataclass
+class RuntimeComparison:
+    """One candidate's greedy tokens against the reference's.
+
+    Attributes:
+        name: the candidate run.
+        tokens_per_second: its throughput.
+        tokens_compared: steps compared over all sequences (each up to and including its first differing token).
+        decisive_mismatches: sequences whose first differing token is at a decisive step (failures).
+        near_ties: compared steps where the reference's margin is a near-tie.
+        near_tie_divergences: sequences whose first differing token is at a near-tie (the rest is not compared).
+        first_divergence: per sequence, the step of the first differing token, or None when all N agree.
+        decides: whether this comparison decides ``GenerationCheck.passed`` (False for the original's own run in its
+            dtype, reported as the baseline).
+        passed: no decisive mismatch.
+    """
+
+    name: str
+    tokens_per_second: float
+    tokens_compared: int
+    decisive_mismatches: int
+    near_ties: int
+    near_tie_divergences: int
+    first_divergence: list[int | None]
+    decides: bool = True
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.passed = self.decisive_mismatches == 0
+
+
+@dataclass
+class GenerationCheck:
+    """The end-to-end greedy check.
+
+    Attributes:
+        dtype: the checkpoint dtype whose tolerance judges near-ties (``policy.tol_dtype``).
+        steps: N, tokens generated per prompt.
+        sequences: B, prompts.
+        reference: the reference run's name.
+        tokens_per_second: run name -> tokens/s, the reference included, measured on the same prompts.
+        runs: one comparison per candidate (and baseline).
+        passed: every deciding candidate passed.
+    """
+
+    dtype: str
+    steps: int
+    sequences: int
+    reference: str
+    tokens_per_second: dict[str, float]
+    runs: list[RuntimeComparison]
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return asdict(self)
+
+
+def _as_ids(prompts: ArrayLike, what: str = "prompts") -> torch.Tensor:
+    ids = torch.as_tensor(np.asarray(prompts) if not isinstance(prompts, torch.Tensor) else prompts)
+    if ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.numel() == 0:
+        raise UsageError(
+            f"{what} must be integer token ids of shape (batch, length), got {tuple(ids.shape)} {ids.dtype}"
+        )
+    return ids.to(torch.int64)
+
+
+def _as_mask(attention_mask: ArrayLike | None, ids: torch.Tensor) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones_like(ids)
+    mask = _as_ids(attention_mask, "attention_mask")
+    if mask.shape != ids.shape:
+        raise UsageError(f"attention_mask has shape {tuple(mask.shape)}, the prompts {tuple(ids.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()) or not bool((mask[:, -1] == 1).all()):
+        raise UsageError("attention_mask must be 0/1 with left padding (every prompt's last position a real token)")
+    return mask
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (restored after); None leaves torch's setting."""
+    if threads is None:
+        yield
+        return
+    if threads < 1:
+        raise UsageError(f"threads must be at least 1, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_steps(steps: int) -> None:
+    if steps < 1:
+        raise UsageError(f"steps must be at least 1, got {steps}")
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def greedy_original(
+    model: torch.nn.Module,
+    prompts: ArrayLike,
+    steps: int,
+    *,
+    name: str | None = None,
+    keep_logits: bool = True,
+    threads: int | None = None,
+) -> GreedyRun:
+    """Greedy tokens of the original model, without a cache: each step runs the whole prefix.
+
+    Args:
+        model: ids int64 ``(B, T)`` -> logits ``(B, T, V)`` (a tensor, or an output with ``.logits``), in eval mode;
+            e.g. ``slabconv.zoo.llama.LlamaForCausalLM``. It has no padding mask, so the prompts are unpadded.
+        prompts: int64 ``(B, T)`` token ids, all of length T.
+        steps: N, tokens to generate.
+        name: the run's name; default ``original <dtype> (pytorch, no cache)``.
+        keep_logits: keep the float64 next-token logits ``(B, N, V)`` (for a reference run).
+        threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
+
+    Returns:
+        A ``GreedyRun`` with tokens ``(B, N)`` (argmax, first index on exact ties).
+
+    Raises:
+        UsageError: prompts not 2-D integer ids, or ``steps`` < 1.
+    """
+    _check_steps(steps)
+    ids = _as_ids(prompts)
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    label = name or f"original {dtype_name(param.dtype) if param is not None else ''} (pytorch, no cache)"
+    ids = ids.to(device)
+    rows: list[torch.Tensor] = []
+    with torch_threads(threads), torch.inference_mode():
+        _logits(model(ids[:1]))  # warm-up, untimed
+        start = time.perf_counter()
+        for _ in range(steps):
+            last = _logits(model(ids))[:, -1]
+            if keep_logits:
+                rows.append(last.to(torch.float64).cpu())
+            ids = torch.cat([ids, last.argmax(-1, keepdim=True)], dim=1)
+        seconds = time.perf_counter() - start
+    logits64 = torch.stack(rows, dim=1).numpy() if keep_logits else None
+    return GreedyRun(label, ids[:, -steps:].cpu().numpy(), seconds, logits64)
+
+
+def greedy_fused(
+    model: Any,
+    prompts: ArrayLike,
+    steps: int,
+    *,
+    attention_mask: ArrayLike | None = None,
+    dtype: torch.dtype | None = None,
+    name: str | None = None,
+    threads: int | None = None,
+) -> GreedyRun:
+    """Greedy tokens of the fused folder in transformers: ``generate(do_sample=False, use_cache=True)``.
+
+    Args:
+        model: a fused LLaMA folder (loaded with ``slabconv.write.hf_llama.load_fused_llama``), or a model already
+            loaded (e.g. ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``).
+        prompts: int64 ``(B, T)``; left-padded when ``attention_mask`` is given.
+        steps: N, tokens to generate; exactly N. Plain greedy (the argmax of the logits at each step, as
+            ``greedy_original``): the folder's generation_config (eos, penalties, forced tokens) is not applied.
+        attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
+        dtype: load a folder in this dtype (default its ``torch_dtype``).
+        name: the run's name; default ``fused <dtype> (transformers <version>, KV cache)``.
+        threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
+
+    Returns:
+        A ``GreedyRun`` with tokens ``(B, N)``.
+
+    Raises:
+        UsageError: transformers is not installed (``pip install slabconv[hf]``); bad prompts, mask or steps.
+    """
+    from slabconv.write.hf_llama import load_fused_llama, require_transformers
+
+    transformers = require_transformers()
+    _check_steps(steps)
+    ids = _as_ids(prompts)
+    mask = _as_mask(attention_mask, ids)
+    if isinstance(model, (str, Path)):
+        model = load_fused_llama(model, dtype)
+    # Plain greedy: a fresh GenerationConfig, so no setting of the folder's own (repetition penalty, forced or
+    # suppressed tokens, eos) changes the argmax that the original runner takes.
+    gen = transformers.GenerationConfig(
+        do_sample=False,
+        num_beams=1,
+        use_cache=True,
+        max_new_tokens=steps,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
+    label = name or f"fused {dtype_name(model.dtype)} (transformers {transformers.__version__}, KV cache)"
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    # generate() fills every setting left unset from the model's own generation_config (an eos_token_id there
+    # would end sequences early), so the model's copy is swapped for this one during the run.
+    saved = model.generation_config
+    model.generation_config = copy.deepcopy(gen)
+    try:
+        with torch_threads(threads), torch.inference_mode():
+            warm = copy.deepcopy(gen)
+            warm.max_new_tokens = 1
+            model.generate(ids[:1], attention_mask=mask[:1], generation_config=warm)  # warm-up, untimed
+            start = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generation_config=gen)
+            seconds = time.perf_counter() - start
+    finally:
+        model.generation_config = saved
+        transformers.logging.set_verbosity(verbosity)
+    tokens = out[:, ids.shape[1] :].cpu().numpy()
+    if tokens.shape != (ids.shape[0], steps):
+        raise RuntimeError(f"generate returned {tokens.shape[1]} new tokens, expected {steps}")
+    return GreedyRun(label, tokens, seconds)
+
+
+def greedy_onnx(
+    path: Path | str,
+    prompts: ArrayLike,
+    steps: int,
+    *,
+    attention_mask: ArrayLike | None = None,
+    name: str | None = None,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    threads: int | None = None,
+) -> GreedyRun:
+    """Greedy tokens of the decoder ONNX in onnxruntime, the presents fed back as the next step's past.
+
+    Step 1 feeds the prompts with empty pasts ``(B, K, 0, d)``; each later step feeds the last token ``(B, 1)``, the
+    mask grown by one column of ones and ``position_ids`` one past the last (positions are
+    ``cumsum(attention_mask) - 1``, 0 on padding, as transformers computes them).
+
+    Args:
+        path: the decoder ONNX (``export_decoder_onnx``).
+        prompts: int64 ``(B, T)``; left-padded when ``attention_mask`` is given.
+        steps: N, tokens to generate.
+        attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
+        name: the run's name; default ``fused <dtype> (onnxruntime <version>, KV cache)``.
+        providers: onnxruntime execution providers.
+        threads: onnxruntime intra-op threads; None keeps its default (one per core).
+
+    Returns:
+        A ``GreedyRun`` with tokens ``(B, N)``.
+
+    Raises:
+        UsageError: no such file, or bad prompts, mask or steps.
+    """
+    import onnxruntime as ort
+
+    _check_steps(steps)
+    if not Path(path).is_file():
+        raise UsageError(f"{path}: no such ONNX file")
+    ids = _as_ids(prompts).numpy()
+    mask = _as_mask(attention_mask, torch.from_numpy(ids)).numpy()
+    options = ort.SessionOptions()
+    if threads is not None:
+        if threads < 1:
+            raise UsageError(f"threads must be at least 1, got {threads}")
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=list(providers))
+    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    if not pasts:
+        raise UsageError(f"{path}: no past_key_values.* inputs; not a decoder with past key/values")
+    float_type = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
+    if pasts[0].type not in ("tensor(float16)", "tensor(float)"):
+        raise UsageError(f"{path}: past key/values of {pasts[0].type}; onnxruntime runs float and float16 here")
+    kv_heads, head_dim = int(pasts[0].shape[1]), int(pasts[0].shape[3])
+    outputs = [o.name for o in session.get_outputs()]
+    label = name or f"fused {np.dtype(float_type).name} (onnxruntime {ort.__version__}, KV cache)"
+
+    def run(count: int, tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float]:
+        b = tokens.shape[0]
+        past = {i.name: np.zeros((b, kv_heads, 0, head_dim), float_type) for i in pasts}
+        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        new = np.empty((b, count), np.int64)
+        start = time.perf_counter()
+        for s in range(count):
+            feeds = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions, **past}
+            values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+            new[:, s] = values["logits"][:, -1].argmax(-1)
+            past = {k: values[k.replace("past_key_values.", "present.")] for k in past}
+            tokens = new[:, s : s + 1]
+            mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+            positions = positions[:, -1:] + 1
+        return new, time.perf_counter() - start
+
+    run(1, ids[:1], mask[:1])  # warm-up, untimed
+    tokens, seconds = run(steps, ids, mask)
+    return GreedyRun(label, tokens, seconds)
+
+
+def compare_greedy(
+    reference: GreedyRun,
+    candidates: Sequence[GreedyRun],
+    dtype: object,
+    *,
+    baselines: Sequence[GreedyRun] = (),
+) -> GenerationCheck:
+    """Compare candidates' greedy tokens with the reference's, excusing near-ties (module docstring).
+
+    Args:
+        reference: a run with ``logits64`` ``(B, N, V)`` (``greedy_original``; the original in float64 gives the
+            exact margins).
+        candidates: runs on the same prompts, tokens ``(B, N)``; they decide ``passed``.
+        dtype: the checkpoint dtype (``torch.float16``, ``"float32"`` ...): near-tie when the reference's margin
+            between its first and second logit is at most ``tol_dtype(dtype) * max |logits|`` at that step.
+        baselines: runs compared and reported the same way that do not decide ``passed`` (the original in its own
+            dtype).
+
+    Returns:
+        A ``GenerationCheck``.
+
+    Raises:
+        UsageError: the reference has no logits, or a run's tokens differ in shape from the reference's.
+    """
+    if reference.logits64 is None:
+        raise UsageError(f"the reference run {reference.name!r} kept no logits; run it with keep_logits=True")
+    ref = reference.tokens
+    steps_decisive = decisive_steps(reference.logits64, dtype)
+    runs = []
+    for run, decides in [*((c, True) for c in candidates), *((b, False) for b in baselines)]:
+        if run.tokens.shape != ref.shape:
+            raise UsageError(f"{run.name}: tokens of shape {run.tokens.shape}, the reference has {ref.shape}")
+        compared = mismatches = ties = tie_divergences = 0
+        first: list[int | None] = []
+        for b in range(ref.shape[0]):
+            diverged = None
+            for s in range(ref.shape[1]):
+                compared += 1
+                ties += int(not steps_decisive[b, s])
+                if run.tokens[b, s] != ref[b, s]:
+                    diverged = s
+                    if steps_decisive[b, s]:
+                        mismatches += 1
+                    else:
+                        tie_divergences += 1
+                    break
+            first.append(diverged)
+        runs.append(
+            RuntimeComparison(
+                run.name, run.tokens_per_second, compared, mismatches, ties, tie_divergences, first, decides
+            )
+        )
+    speeds = {r.name: r.tokens_per_second for r in (reference, *candidates, *baselines)}
+    return GenerationCheck(
+        dtype=dtype_name(dtype),
+        steps=int(ref.shape[1]),
+        sequences=int(ref.shape[0]),
+        reference=reference.name,
+        tokens_per_second=speeds,
+        runs=runs,
+        passed=all(r.passed for r in runs if r.decides),
+    )
+
+
+def decisive_steps(logits64: np.ndarray, dtype: object) -> np.ndarray:
+    """``(B, N)`` bool: at which steps the reference's next token is decisive for ``dtype`` (``policy.decisive`` on
+    each step's ``(V,)`` logits, so the scale ``max |logits|`` is that step's)."""
+    out = np.zeros(logits64.shape[:2], dtype=bool)
+    for b in range(logits64.shape[0]):
+        for s in range(logits64.shape[1]):
+            out[b, s] = bool(decisive(logits64[b, s], dtype))
+    return out
+
+
+def check_generation(
+    original: torch.nn.Module,
+    folder: Path | str,
+    prompts: ArrayLike,
+    steps: int = 32,
+    *,
+    onnx_path: Path | str | None = None,
+    threads: int | None = None,
+) -> GenerationCheck:
+    """Greedy generation of the original vs the fused folder (transformers) and, when given, the decoder ONNX.
+
+    The reference is the original run in float64 (a copy; its tokens and its exact margins); the original in its
+    own dtype is timed and compared as the baseline; the fused runs load the folder in its ``torch_dtype``. Near-ties
+    are judged with the original's dtype.
+
+    Args:
+        original: ids int64 ``(B, T)`` -> logits ``(B, T, V)`` in eval mode (the zoo's ``LlamaForCausalLM``).
+        folder: the fused folder (``write_hf_llama_metadata``).
+        prompts: int64 ``(B, T)``, unpadded.
+        steps: N, tokens per prompt.
+        onnx_path: the decoder ONNX (``export_decoder_onnx``), or None.
+        threads: intra-op threads of every runtime (torch and onnxruntime alike, for a like-for-like timing);
+            None keeps each library's default.
+
+    Returns:
+        A ``GenerationCheck``: tokens/s of each run, tokens compared, decisive mismatches, near-ties, ``passed``.
+
+    Raises:
+        UsageError: transformers is not installed (``pip install slabconv[hf]``); bad prompts or steps.
+    """
+    from slabconv.write.hf_llama import require_transformers
+
+    require_transformers()
+    param = next(original.parameters())
+    exact = copy.deepcopy(original).to(torch.float64)
+    reference = greedy_original(exact, prompts, steps, name="original float64 (pytorch, reference)", threads=threads)
+    baselines = []
+    if param.dtype != torch.float64:
+        baselines.append(greedy_original(original, prompts, steps, keep_logits=False, threads=threads))
+    candidates = [greedy_fused(folder, prompts, steps, threads=threads)]
+    if onnx_path is not None:
+        candidates.append(greedy_onnx(onnx_path, prompts, steps, threads=threads))
+    return compare_greedy(reference, candidates, param.dtype, baselines=baselines)

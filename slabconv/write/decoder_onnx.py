@@ -1,0 +1,187 @@
+"""A fused LLaMA folder as one ONNX decoder with past key/values, for token-by-token generation in onnxruntime.
+
+The input and output names are the layout optimum and onnxruntime-genai use for decoder-only models
+(``i`` = 0 .. L-1; B batch, T new tokens, P past tokens, K key/value heads, d head size, V vocabulary size):
+
+- inputs: ``input_ids`` int64 (B, T); ``attention_mask`` int64 (B, P + T), 1 for a real token, 0 for left padding;
+  ``position_ids`` int64 (B, T); ``past_key_values.{i}.key`` / ``.value`` (B, K, P, d) in the model dtype
+  (P = 0 on the first step: empty tensors).
+- outputs: ``logits`` (B, T, V); ``present.{i}.key`` / ``.value`` (B, K, P + T, d): the next step's past.
+
+B, T and P are dynamic. The graph is the folder's ``SlabconvLlamaForCausalLM`` (``modeling_slabconv_llama.py``)
+traced with its transformers ``DynamicCache`` filled from the past inputs, so it computes what ``generate`` does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.util import quiet
+from slabconv.write.hf_llama import load_fused_llama
+from slabconv.write.onnx import ONNX_EXTERNAL_DATA_BYTES
+
+DEFAULT_DECODER_ONNX = "decoder.onnx"
+MIN_OPSET = 17
+
+
+def past_names(num_layers: int) -> list[str]:
+    """``past_key_values.{i}.key``, ``past_key_values.{i}.value`` for each layer, in input order."""
+    return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    """``present.{i}.key``, ``present.{i}.value`` for each layer, in output order."""
+    return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+class DecoderWithPast(torch.nn.Module):
+    """One decoding step of a fused LLaMA with explicit past tensors (the ONNX signature as a module).
+
+    ``forward(input_ids, attention_mask, position_ids, past)`` with ``past`` a list of ``(key, value)`` pairs of
+    shape ``(B, K, P, d)``, one per layer; returns ``(logits, key_0, value_0, key_1, ...)`` with the presents of shape
+    ``(B, K, P + T, d)``.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, ...]:
+        from transformers.cache_utils import DynamicCache
+
+        cache = DynamicCache(ddp_cache_data=list(past))
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        presents: list[Any] = []
+        for key, value, *_ in cache:  # each layer's past followed by the new tokens' keys/values
+            presents += [key, value]
+        return (out.logits, *presents)
+
+
+def _root_cause(err: BaseException) -> str:
+    """``Type: first line`` of the innermost exception (torch.onnx wraps torch.export's reason in its own)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {first_line(err)}"
+
+
+def export_decoder_onnx(
+    folder: Path | str,
+    path: Path | str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    external_data: bool | None = None,
+    opset: int | None = None,
+) -> dict[str, Any]:
+    """Export a fused LLaMA folder as an ONNX decoder with past key/values (names and shapes: module docstring).
+
+    Exported with ``torch.onnx.export(dynamo=True)`` from example tensors of batch 2, 3 new tokens and 4 past
+    tokens; batch, new-token and past lengths are symbolic, so P = 0 (the first step) and T = 1 (the later steps)
+    run too. The file is checked with ``onnx.checker.check_model(full_check=True)``.
+
+    Args:
+        folder: a fused LLaMA folder (``write_hf_llama_metadata``).
+        path: the ``.onnx`` to write; default ``<folder>/decoder.onnx``.
+        dtype: the graph's float dtype; default the folder's ``torch_dtype``.
+        external_data: weights in ``<name>.onnx.data`` beside the file; default when they exceed 1.5 GiB (ONNX's
+            protobuf limit is 2 GiB).
+        opset: the ONNX opset; default the exporter's (at least 17).
+
+    Returns:
+        ``{"path", "opset", "external_data" (file name or None), "inputs", "outputs", "num_layers",
+        "num_key_value_heads", "head_dim", "dtype"}``.
+
+    Raises:
+        UsageError: transformers is missing (``pip install slabconv[hf]``), the folder is not a fused LLaMA, the
+            file cannot be written, or an opset below 17.
+        UnsupportedModelError: the exporter or the checker fails (one line).
+    """
+    import onnx
+
+    folder = Path(folder)
+    out = Path(path) if path is not None else folder / DEFAULT_DECODER_ONNX
+    if opset is not None and opset < MIN_OPSET:
+        raise UsageError(f"opset {opset}: the decoder needs opset {MIN_OPSET} or later")
+    model = load_fused_llama(folder, dtype)
+    cfg = model.config
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    weight_dtype = next(model.parameters()).dtype
+    batch, new, past_len = 2, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=gen)
+    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
+    positions = torch.arange(past_len, past_len + new)[None].expand(batch, -1).contiguous()
+    past = [
+        (
+            torch.randn(batch, kv_heads, past_len, head_dim, generator=gen).to(weight_dtype),
+            torch.randn(batch, kv_heads, past_len, head_dim, generator=gen).to(weight_dtype),
+        )
+        for _ in range(layers)
+    ]
+    b = torch.export.Dim("batch_size")
+    t = torch.export.Dim("sequence_length")
+    p = torch.export.Dim("past_sequence_length", min=0)
+    # The mask spans past + new tokens, P + T at run time as in optimum's layout; torch.export cannot name a sum
+    # of two free dims, so it gets a dim of its own (the graph indexes its columns 0 .. P + T - 1).
+    total = torch.export.Dim("total_sequence_length")
+    shapes = {
+        "input_ids": {0: b, 1: t},
+        "attention_mask": {0: b, 1: total},
+        "position_ids": {0: b, 1: t},
+        "past": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(layers)],
+    }
+    inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layers)]
+    outputs = ["logits", *present_names(layers)]
+    try:
+        with quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                DecoderWithPast(model).eval(),
+                (ids, mask, positions, past),
+                dynamo=True,
+                dynamic_shapes=shapes,
+                input_names=inputs,
+                output_names=outputs,
+                opset_version=opset,
+                verbose=False,
+            )
+        assert program is not None
+    except Exception as err:  # noqa: BLE001 - the exporter raises many types
+        raise UnsupportedModelError(f"decoder ONNX export failed: {_root_cause(err)}") from None
+    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    external = weight_bytes > ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
+    try:
+        with quiet():
+            program.save(str(out), external_data=external)
+    except OSError as err:
+        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+    try:
+        onnx.checker.check_model(str(out), full_check=True)
+    except Exception as err:  # noqa: BLE001 - ValidationError, InferenceError
+        raise UnsupportedModelError(f"{out}: the exported decoder fails the ONNX checker: {first_line(err)}") from None
+    opset_found = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return {
+        "path": str(out),
+        "opset": int(opset_found),
+        "external_data": f"{out.name}.data" if external else None,
+        "inputs": inputs,
+        "outputs": outputs,
+        "num_layers": int(layers),
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "dtype": str(weight_dtype).removeprefix("torch."),
+    }

@@ -1,0 +1,416 @@
+"""A fused LLaMA-PRepBN folder as a Hugging Face model folder: ``config.json``, ``generation_config.json`` and the
+modeling file beside the weights, so ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` loads
+it with ``transformers`` alone.
+
+Layout source: the Hugging Face LLaMA key layout of github xinghaochen/SLAB
+``llama/modeling/llama-350M/modeling_llama.py`` (``slabconv.zoo.llama``). After every norm is folded, what the
+weights hold is (``i`` = 0 .. L-1; C hidden size, d head size, H heads, K key/value heads, I intermediate size,
+V vocabulary size):
+
+- ``model.embed_tokens.weight`` (V, C);
+- ``model.layers.{i}.self_attn.q_proj.weight`` (H*d, C), ``k_proj``/``v_proj.weight`` (K*d, C),
+  ``o_proj.weight`` (C, H*d);
+- ``model.layers.{i}.mlp.gate_proj``/``up_proj.weight`` (I, C), ``down_proj.weight`` (C, I);
+- ``lm_head.weight`` (V, C);
+- a ``.bias`` on each projection a norm was folded into (q/k/v, gate/up, lm_head), and on any that had one before;
+- possibly ``model.layers.{i}.self_attn.rotary_emb.inv_freq`` (not read: the model recomputes it in float32).
+
+Nothing else: a tensor under a norm's name (``input_layernorm``, ``post_attention_layernorm``, ``model.norm``),
+such as the per-channel ``scale``/``shift`` of a kept affine, means a norm was not folded, and the norm-free model
+cannot run those weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slabconv.errors import InputError, UnsupportedModelError, UsageError
+from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, LazyShards
+
+MODEL_TYPE = "slabconv_llama"
+"""``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms)."""
+
+MODELING_FILE = "modeling_slabconv_llama.py"
+"""The modeling file copied into the folder (from ``slabconv/write/templates``)."""
+
+ARCHITECTURE = "SlabconvLlamaForCausalLM"
+GENERATION_CONFIG = "generation_config.json"
+AUTO_MAP = {
+    "AutoConfig": "modeling_slabconv_llama.SlabconvLlamaConfig",
+    "AutoModelForCausalLM": "modeling_slabconv_llama.SlabconvLlamaForCausalLM",
+}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+INSTALL_HINT = "pip install slabconv[hf]"
+MIN_TRANSFORMERS = (5, 4)
+"""The oldest transformers the modeling file runs with (its own import check says the same)."""
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+_NORM = re.compile(r"(model\.norm|model\.layers\.\d+\.(?:input_layernorm|post_attention_layernorm))\.")
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+# Generation settings of the original config.json that go to generation_config.json as well.
+_GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def require_transformers() -> Any:
+    """The ``transformers`` module, at least ``MIN_TRANSFORMERS``.
+
+    Raises:
+        UsageError: it is not installed, or too old (one line saying what to install).
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(
+            f"running a fused LLaMA folder needs the Hugging Face transformers package: {INSTALL_HINT}"
+        ) from None
+    major, minor = (transformers.__version__.split(".") + ["0"])[:2]
+    if (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)) < MIN_TRANSFORMERS:
+        raise UsageError(
+            f"transformers {transformers.__version__} is older than the fused LLaMA model needs "
+            f"({MIN_TRANSFORMERS[0]}.{MIN_TRANSFORMERS[1]}): {INSTALL_HINT} (or pip install -U transformers)"
+        )
+    return transformers
+
+
+def _projection_key(layer: int | None, name: str, what: str) -> str:
+    if name == "lm_head":
+        return f"lm_head.{what}"
+    group = "self_attn" if name in _ATTN else "mlp"
+    return f"model.layers.{layer}.{group}.{name}.{what}"
+
+
+def norm_free_layout(
+    weight_shapes: Mapping[str, Sequence[int]] | Iterable[str], config: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Check that fused LLaMA weights are norm-free and read their layout.
+
+    Args:
+        weight_shapes: tensor name -> shape (checked against ``config``), or the names alone.
+        config: the original ``config.json`` (``num_attention_heads``; ``num_key_value_heads``, ``head_dim``
+            when the model has them).
+
+    Returns:
+        ``{"num_hidden_layers", "num_key_value_heads", "head_dim", "projection_bias"}``, plus ``vocab_size``,
+        ``hidden_size``, ``intermediate_size`` when shapes were given; ``projection_bias`` maps each of ``q_proj``
+        .. ``down_proj``, ``lm_head`` to whether it has a bias (the same in every layer);
+        ``num_key_value_heads``/``head_dim`` are None when only names were given and the config lacks them.
+
+    Raises:
+        UnsupportedModelError: a norm was not folded (a tensor under ``input_layernorm``,
+            ``post_attention_layernorm`` or ``model.norm``, e.g. a kept affine's ``scale``/``shift``); a tensor
+            that is not part of the layout; a missing weight; a bias in some layers only; shapes that disagree
+            with the config.
+    """
+    shapes = (
+        {k: tuple(int(s) for s in v) for k, v in weight_shapes.items()} if isinstance(weight_shapes, Mapping) else None
+    )
+    keys = set(shapes) if shapes is not None else set(weight_shapes)
+    norms = sorted((m.group(1), k) for k in keys if (m := _NORM.match(k)))
+    if norms:
+        norm = norms[0][0]
+        raise UnsupportedModelError(
+            f"{norm} was not folded ({len(norms)} tensors under norms remain, e.g. {norms[0][1]}): the norm-free "
+            "LLaMA runs only weights with every norm folded (see the fuse report's folds)"
+        )
+    layers = sorted({int(m.group(1)) for k in keys if (m := _LAYER.match(k))})
+    if layers != list(range(len(layers))) or not layers:
+        raise UnsupportedModelError(f"the decoder layers are not numbered 0 .. L-1 (found {layers[:8]})")
+    known = {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
+    for i in layers:
+        known.add(f"model.layers.{i}.self_attn.rotary_emb.inv_freq")
+        for name in _ATTN + _MLP:
+            known |= {_projection_key(i, name, "weight"), _projection_key(i, name, "bias")}
+    unknown = sorted(keys - known)
+    if unknown:
+        raise UnsupportedModelError(f"tensor {unknown[0]} is not part of the norm-free LLaMA layout; refused")
+    required = {"model.embed_tokens.weight", "lm_head.weight"} | {
+        _projection_key(i, name, "weight") for i in layers for name in _ATTN + _MLP
+    }
+    missing = sorted(required - keys)
+    if missing:
+        raise UnsupportedModelError(f"the fused LLaMA weights lack {missing[0]} ({len(missing)} missing)")
+    bias: dict[str, bool] = {"lm_head": "lm_head.bias" in keys}
+    for name in _ATTN + _MLP:
+        has = [_projection_key(i, name, "bias") in keys for i in layers]
+        if any(has) and not all(has):
+            raise UnsupportedModelError(
+                f"{name} has a bias in layers {[i for i, h in zip(layers, has, strict=True) if h][:4]} only; "
+                "the model needs the same layout in every layer"
+            )
+        bias[name] = all(has)
+    if config.get("num_hidden_layers") is not None and int(config["num_hidden_layers"]) != len(layers):
+        raise UnsupportedModelError(
+            f"config num_hidden_layers {config['num_hidden_layers']} but the weights have {len(layers)}"
+        )
+    heads = int(config["num_attention_heads"]) if config.get("num_attention_heads") is not None else None
+    kv_heads = int(config["num_key_value_heads"]) if config.get("num_key_value_heads") is not None else None
+    head_dim = int(config["head_dim"]) if config.get("head_dim") is not None else None
+    sizes: dict[str, int] = {}
+    if shapes is not None:
+        kv_heads, head_dim = _check_shapes(shapes, config, len(layers), heads, kv_heads, head_dim)
+        vocab, hidden = shapes["model.embed_tokens.weight"]
+        inter = shapes["model.layers.0.mlp.gate_proj.weight"][0]
+        sizes = {"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter}
+    elif head_dim is None and heads and config.get("hidden_size"):
+        head_dim = int(config["hidden_size"]) // heads
+    return {
+        **sizes,
+        "num_hidden_layers": len(layers),
+        "num_key_value_heads": kv_heads if kv_heads is not None else heads,
+        "head_dim": head_dim,
+        "projection_bias": {name: bias[name] for name in PROJECTIONS},
+    }
+
+
+def _check_shapes(
+    shapes: Mapping[str, tuple[int, ...]],
+    config: Mapping[str, Any],
+    depth: int,
+    heads: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+) -> tuple[int, int]:
+    """Head counts from the weights, checked against the config: ``(num_key_value_heads, head_dim)``."""
+    if heads is None:
+        raise UnsupportedModelError("the config has no num_attention_heads; the LLaMA weights do not show it")
+    vocab, hidden = shapes["model.embed_tokens.weight"]
+    q_rows = shapes["model.layers.0.self_attn.q_proj.weight"][0]
+    if head_dim is None:
+        head_dim = q_rows // heads
+    if q_rows != heads * head_dim:
+        raise UnsupportedModelError(f"q_proj has {q_rows} rows, not num_attention_heads {heads} x head_dim {head_dim}")
+    k_rows = shapes["model.layers.0.self_attn.k_proj.weight"][0]
+    if k_rows % head_dim or heads % (k_rows // head_dim or 1) or k_rows == 0:
+        raise UnsupportedModelError(
+            f"k_proj has {k_rows} rows: not a divisor of the {heads} heads x head_dim {head_dim}"
+        )
+    found = k_rows // head_dim
+    if kv_heads is not None and kv_heads != found:
+        raise UnsupportedModelError(f"config num_key_value_heads {kv_heads} but k_proj has {found} heads of {head_dim}")
+    inter = shapes["model.layers.0.mlp.gate_proj.weight"][0]
+    expected = {
+        "model.embed_tokens.weight": (vocab, hidden),
+        "lm_head.weight": (vocab, hidden),
+        "lm_head.bias": (vocab,),
+    }
+    for i in range(depth):
+        rows = {"q_proj": q_rows, "k_proj": k_rows, "v_proj": k_rows, "o_proj": hidden}
+        rows |= {"gate_proj": inter, "up_proj": inter, "down_proj": hidden}
+        cols = {"o_proj": q_rows, "down_proj": inter}
+        for name, r in rows.items():
+            expected[_projection_key(i, name, "weight")] = (r, cols.get(name, hidden))
+            expected[_projection_key(i, name, "bias")] = (r,)
+    for key, want in expected.items():
+        if key in shapes and shapes[key] != want:
+            raise UnsupportedModelError(
+                f"{key} has shape {list(shapes[key])}, expected {list(want)} from the layer sizes"
+            )
+    for key, value in (("hidden_size", hidden), ("vocab_size", vocab), ("intermediate_size", inter)):
+        if config.get(key) is not None and int(config[key]) != value:
+            raise UnsupportedModelError(f"config {key} {config[key]} but the weights have {value}")
+    return found, head_dim
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in _DTYPE_NAMES.values():
+            raise UsageError(f"dtype {dtype!r} is not a float dtype the model can run (float32, float16, bfloat16)")
+        return name
+    if dtype not in _DTYPE_NAMES:
+        raise UsageError(f"dtype {dtype} is not a float dtype the model can run (float32, float16, bfloat16)")
+    return _DTYPE_NAMES[dtype]
+
+
+def folder_weight_specs(folder: Path | str) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Every tensor's ``(dtype, shape)`` from the safetensors headers of a folder (``model.safetensors`` or the
+    shards of ``model.safetensors.index.json``); no tensor data is read.
+
+    Raises:
+        UsageError: the folder holds neither file (write the weights first).
+        InputError: a damaged index or header, a missing shard.
+    """
+    folder = Path(folder)
+    if not (folder / SAFETENSORS).is_file() and not (folder / SAFETENSORS_INDEX).is_file():
+        raise UsageError(f"{folder}: no {SAFETENSORS} or {SAFETENSORS_INDEX}; write the fused weights there first")
+    return LazyShards.open(folder).specs()
+
+
+def write_hf_llama_metadata(
+    folder: Path | str,
+    config: Mapping[str, Any],
+    weight_keys: Mapping[str, Sequence[int] | None] | Iterable[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    *,
+    generation: Mapping[str, Any] | None = None,
+) -> list[Path]:
+    """Make a folder of fused LLaMA-PRepBN weights a Hugging Face model folder.
+
+    Writes, beside the weights the caller already wrote (``model.safetensors``, or shards plus
+    ``model.safetensors.index.json``): ``config.json`` (the original config plus ``model_type``
+    ``slabconv_llama``, ``architectures``, ``auto_map`` to the modeling file, ``num_key_value_heads``,
+    ``head_dim``, ``projection_bias``, ``rope_parameters``, ``torch_dtype``), ``generation_config.json`` and
+    ``modeling_slabconv_llama.py`` (imports only torch and transformers). transformers is not needed to write them.
+
+    Args:
+        folder: the folder holding the fused weights.
+        config: the original ``config.json`` (``model_type`` ``llama``; sizes, heads, ``rope_theta``, token ids).
+        weight_keys: the tensor names the caller wrote (or name -> shape): the folder's safetensors headers must
+            hold exactly these. None: whatever the headers hold. The layout and shapes are checked either way.
+        dtype: the weights' dtype, recorded as ``torch_dtype``; None takes it from the headers.
+        generation: extra ``generation_config.json`` entries (default: the config's bos/eos/pad token ids and
+            ``do_sample`` false, i.e. greedy).
+
+    Returns:
+        The files written: ``config.json``, ``generation_config.json``, the modeling file.
+
+    Raises:
+        UnsupportedModelError: a norm was not folded (e.g. a kept affine), the weights are not the LLaMA layout,
+            or the config asks for what the model does not implement (scaled rotary embeddings, another activation).
+        UsageError: no weights in the folder, or a dtype that is not a float dtype.
+        InputError: a damaged safetensors header or index.
+    """
+    folder = Path(folder)
+    specs = folder_weight_specs(folder)
+    shapes = {k: [int(n) for n in shape] for k, (_, shape) in specs.items()}
+    if weight_keys is not None:
+        expected = weight_keys if isinstance(weight_keys, Mapping) else dict.fromkeys(weight_keys)
+        differ = sorted(set(expected) ^ set(shapes))
+        if differ:
+            raise InputError(f"{folder}: tensor {differ[0]} is in the weights or in weight_keys, not in both")
+        for key, shape in expected.items():
+            if shape is not None and [int(n) for n in shape] != shapes[key]:
+                raise InputError(f"{folder}: {key} has shape {shapes[key]} in the file, {list(shape)} in weight_keys")
+    layout = norm_free_layout(shapes, config)
+    if dtype is None:
+        floats = {d for k, (d, _) in specs.items() if d.is_floating_point and not k.endswith("inv_freq")}
+        if len(floats) != 1:
+            raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; pass dtype")
+        dtype = floats.pop()
+    dtype_name = _dtype_name(dtype)
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r}: the LLaMA-PRepBN MLP uses silu")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise UnsupportedModelError(
+            f"rope {rope.get('rope_type', rope.get('type'))!r}: the LLaMA-PRepBN forward uses plain rotary positions"
+        )
+    written = [
+        _write_config(folder, config, layout, dtype_name),
+        _write_generation_config(folder, config, generation),
+        folder / MODELING_FILE,
+    ]
+    template = resources.files("slabconv.write.templates").joinpath(MODELING_FILE)
+    with resources.as_file(template) as src:
+        shutil.copyfile(src, folder / MODELING_FILE)
+    return written
+
+
+def _transformers_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # noqa: BLE001 - not installed: the field is optional
+        return None
+
+
+def _write_config(folder: Path, config: Mapping[str, Any], layout: dict[str, Any], dtype: str) -> Path:
+    out: dict[str, Any] = {k: v for k, v in config.items() if k not in ("auto_map", "rope_scaling")}
+    theta = float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+    out.update(
+        architectures=[ARCHITECTURE],
+        auto_map=dict(AUTO_MAP),
+        model_type=MODEL_TYPE,
+        **{k: layout[k] for k in ("vocab_size", "hidden_size", "intermediate_size") if k in layout},
+        num_hidden_layers=layout["num_hidden_layers"],
+        num_key_value_heads=layout["num_key_value_heads"],
+        head_dim=layout["head_dim"],
+        projection_bias=layout["projection_bias"],
+        rope_theta=theta,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        tie_word_embeddings=False,  # lm_head absorbed the final norm: it is no longer the embedding
+        use_cache=True,  # deployment generates with the key/value cache (training configs often turn it off)
+        torch_dtype=dtype,
+        dtype=dtype,  # the transformers 5 name of torch_dtype
+        slabconv={
+            "source_model_type": config.get("model_type", "llama"),
+            "norms": "none: input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, "
+            "model.norm -> lm_head (folded)",
+            "layer": "x + attn(x); x + mlp(x)",
+        },
+    )
+    if (version := _transformers_version()) is not None:
+        out["transformers_version"] = version
+    path = folder / CONFIG
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def _write_generation_config(folder: Path, config: Mapping[str, Any], generation: Mapping[str, Any] | None) -> Path:
+    out: dict[str, Any] = {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
+    out["do_sample"] = False
+    out.update(generation or {})
+    if (version := _transformers_version()) is not None:
+        out["transformers_version"] = version
+    path = folder / GENERATION_CONFIG
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
+
+
+def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> Any:
+    """Load a fused LLaMA folder with transformers, in eval mode, using slabconv's own copy of the modeling file
+    (the folder's ``modeling_slabconv_llama.py`` is not executed; ``from_pretrained(..., trust_remote_code=True)``
+    runs that one, with the same code).
+
+    Args:
+        folder: written by ``write_hf_llama_metadata``.
+        dtype: load in this dtype; default the folder's ``torch_dtype``.
+
+    Returns:
+        A ``SlabconvLlamaForCausalLM``: ``input_ids`` int64 ``(B, T)`` -> ``.logits`` ``(B, T, V)``; ``generate``.
+
+    Raises:
+        UsageError: transformers is not installed or older than 5.4 (``pip install slabconv[hf]``); the folder is
+            not a fused LLaMA (no ``config.json`` with ``model_type`` ``slabconv_llama``, no safetensors weights).
+        UnsupportedModelError: its weights are not norm-free (``norm_free_layout``).
+        InputError: a damaged safetensors header or index.
+    """
+    require_transformers()
+    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaForCausalLM
+
+    folder = Path(folder)
+    try:
+        model_type = json.loads((folder / CONFIG).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{folder}: no readable {CONFIG} ({err})") from None
+    if model_type != MODEL_TYPE:
+        raise UsageError(f"{folder}: model_type {model_type!r}, not {MODEL_TYPE!r}; run write_hf_llama_metadata on it")
+    norm_free_layout(list(folder_weight_specs(folder)), {})  # refuse kept norms even in a folder written by hand
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = SlabconvLlamaForCausalLM.from_pretrained(folder, dtype=dtype if dtype is not None else "auto")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.eval()

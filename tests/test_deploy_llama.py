@@ -1,0 +1,603 @@
+"""Fused LLaMA-PRepBN models people can deploy as they are: the Hugging Face folder (transformers, remote code,
+KV cache), the decoder ONNX with past key/values (onnxruntime), greedy generation checked end to end against the
+original zoo model, and docs/deploy.md run as written."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from markdown_it import MarkdownIt
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from slabconv import api
+from slabconv.engine import capture, fold_all, fused_state_dict
+from slabconv.errors import UnsupportedModelError, UsageError
+from slabconv.load.model import load_model
+from slabconv.verify.generate import (
+    GreedyRun,
+    check_generation,
+    compare_greedy,
+    greedy_fused,
+    greedy_original,
+)
+from slabconv.verify.policy import fused_bound
+from slabconv.write.decoder_onnx import export_decoder_onnx
+from slabconv.write.hf_llama import MODELING_FILE, load_fused_llama, write_hf_llama_metadata
+from slabconv.zoo.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, norm_factory
+from tests.conftest import ROOT, randomize_norms
+from tests.hfwrite import write_hf_folder
+
+TEXT = ROOT / "fixtures" / "text-prepbn"
+DOC = ROOT / "docs" / "deploy.md"
+STEPS = 32
+
+
+def _llama_blocks() -> list[str]:
+    """The python code blocks of the LLaMA section of docs/deploy.md, in order."""
+    tokens = MarkdownIt().parse(DOC.read_text())
+    blocks, inside = [], False
+    for previous, token in itertools.pairwise(tokens):
+        if previous.type == "heading_open" and previous.tag == "h2":
+            inside = token.content.startswith("LLaMA")
+        if inside and token.type == "fence" and token.info.strip() == "python":
+            blocks.append(token.content)
+    return blocks
+
+
+def _holdout_prompts(n: int = 6, length: int = 24) -> np.ndarray:
+    """``n`` holdout rows 40 apart (neighbouring rows overlap), their first ``length`` bytes."""
+    return np.load(TEXT / "holdout.npz")["x"][::40][:n, :length]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+def _logit_errors(original: nn.Module, folder: Path, ids: torch.Tensor) -> tuple[float, float]:
+    """Relative errors against the original in float64 of the fused folder (transformers, its dtype) and of the
+    original in its own dtype, on the same ids: the policy's e_fused and e_orig."""
+    import copy
+
+    with torch.no_grad():
+        exact = copy.deepcopy(original).double()(ids)
+        fused = load_fused_llama(folder)(input_ids=ids).logits
+        return _rel_err(fused, exact), _rel_err(original(ids), exact)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The machine is shared: torch's OpenMP threads slow down many times over when the cores are busy, so
+    these tests run torch on one thread (restored after the module)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """docs/deploy.md's LLaMA blocks run in order in one namespace, in a scratch folder that sees the fixtures:
+    the fused text folder, its decoder ONNX, the transformers and onnxruntime generations and the check."""
+    work = tmp_path_factory.mktemp("doc")
+    (work / "fixtures").symlink_to(ROOT / "fixtures")
+    namespace: dict = {"__name__": "deploy_doc"}
+    cwd = Path.cwd()
+    os.chdir(work)
+    try:
+        for block in _llama_blocks():
+            exec(compile(block, str(DOC), "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    namespace["out"] = work / namespace["out"]
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def original() -> nn.Module:
+    return load_model(TEXT).model.eval()
+
+
+def test_the_doc_has_the_four_llama_blocks():
+    blocks = _llama_blocks()
+    assert len(blocks) == 4
+    assert "from_pretrained(out, trust_remote_code=True)" in blocks[1] and "InferenceSession" in blocks[2]
+
+
+def test_doc_transformers_and_onnx_generate_each_prompts_original_tokens(doc, original):
+    """Left-padded batch: every prompt's 32 greedy tokens equal the original's on that prompt alone."""
+    rows = [list(text.encode()) for text in doc["texts"]]
+    assert len({len(r) for r in rows}) > 1  # the batch really is left-padded
+    for i, row in enumerate(rows):
+        expected = greedy_original(original, np.array([row]), STEPS, keep_logits=False).tokens[0]
+        np.testing.assert_array_equal(doc["new_tokens"][i].numpy(), expected)
+        np.testing.assert_array_equal(doc["onnx_tokens"][i], expected)
+
+
+def test_doc_check_passes_and_reports_speeds(doc):
+    check = doc["check"]
+    n = len(doc["prompts"])
+    assert check.passed and check.steps == STEPS and check.sequences == n == 19 and check.dtype == "float32"
+    assert [r.decides for r in check.runs] == [True, True, False]
+    for run in check.runs:
+        assert run.tokens_compared == n * STEPS and run.decisive_mismatches == 0 and run.first_divergence == [None] * n
+    assert all(v > 0 for v in check.tokens_per_second.values()) and len(check.tokens_per_second) == 4
+    print("\ntext fixture float32 tokens/s:", json.dumps(check.tokens_per_second, indent=1))
+
+
+def test_folder_logits_equal_the_originals_within_the_policy(doc, original):
+    """Tokens hide small errors; the logits on the holdout (fused folder in transformers vs the original, both
+    against the original in float64) show them."""
+    e_fused, e_orig = _logit_errors(original, doc["out"], torch.from_numpy(np.load(TEXT / "holdout.npz")["x"][:16]))
+    assert e_fused <= fused_bound(torch.float32, e_orig)[0], (e_fused, e_orig)
+
+
+def test_folder_files_and_config(doc):
+    out = doc["out"]
+    assert {p.name for p in out.iterdir()} >= {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        MODELING_FILE,
+        "decoder.onnx",
+    }
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "slabconv_llama" and config["architectures"] == ["SlabconvLlamaForCausalLM"]
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_slabconv_llama.SlabconvLlamaForCausalLM"
+    assert config["projection_bias"] == {
+        "q_proj": True,
+        "k_proj": True,
+        "v_proj": True,
+        "o_proj": False,
+        "gate_proj": True,
+        "up_proj": True,
+        "down_proj": False,
+        "lm_head": True,
+    }
+    assert config["torch_dtype"] == "float32" and config["num_key_value_heads"] == 3 and config["head_dim"] == 32
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    modeling = (out / MODELING_FILE).read_text()
+    imports = {line.split()[1] for line in modeling.splitlines() if line.startswith(("import ", "from "))}
+    assert {name.split(".")[0] for name in imports} == {"math", "torch", "transformers"}
+
+
+# --------------------------------------------------------------------------------------------- without slabconv
+
+_ISOLATED = r"""
+import importlib.util, json, sys, time
+args = json.loads(sys.argv[1])
+sys.path[:] = [p for p in sys.path if "site-packages" not in p] + args["site"]
+assert importlib.util.find_spec("slabconv") is None, "slabconv is importable"
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+prompts = torch.from_numpy(np.load(args["prompts"]))
+result = {}
+for folder in args["folders"]:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert "slabconv" not in sys.modules and not any(m.startswith("slabconv") for m in sys.modules)
+    start = time.perf_counter()
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args["steps"],
+                         do_sample=False)
+    seconds = time.perf_counter() - start
+    result[folder] = {"tokens": out[:, prompts.shape[1]:].tolist(), "seconds": seconds,
+                      "class": type(model).__module__ + "." + type(model).__name__, "dtype": str(model.dtype)}
+print(json.dumps(result))
+"""
+
+
+def _sharded_copy(fused: Path, dest: Path, config: dict) -> Path:
+    write_hf_folder(dest, load_file(str(fused / "model.safetensors")), config, max_shard_bytes=200_000)
+    assert (dest / "model.safetensors.index.json").is_file() and len(list(dest.glob("model-*.safetensors"))) > 2
+    write_hf_llama_metadata(dest, config)
+    return dest
+
+
+def test_folders_load_and_generate_where_slabconv_cannot_be_imported(doc, original, tmp_path):
+    """A fresh interpreter without site processing (so no editable-install hook) sees only the site-packages of
+    torch and transformers; it loads the single-file and the sharded folder with AutoModelForCausalLM and
+    trust_remote_code, and generates the original's tokens."""
+    import transformers
+
+    source_config = json.loads((TEXT / "config.json").read_text())
+    single = doc["out"]
+    sharded = _sharded_copy(single, tmp_path / "sharded", source_config)
+    assert json.loads((sharded / "config.json").read_text()) == json.loads((single / "config.json").read_text())
+    prompts = _holdout_prompts()
+    np.save(tmp_path / "prompts.npy", prompts)
+    site = sorted({str(Path(m.__file__).parents[1]) for m in (torch, transformers, np)})
+    args = {
+        "site": site,
+        "prompts": str(tmp_path / "prompts.npy"),
+        "folders": [str(single), str(sharded)],
+        "steps": STEPS,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env |= {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env["OMP_NUM_THREADS"] = "1"  # as one_torch_thread
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _ISOLATED, json.dumps(args)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    reference = greedy_original(original, prompts, STEPS, keep_logits=False)
+    for folder in (single, sharded):
+        got = result[str(folder)]
+        assert got["class"].startswith("transformers_modules.") and got["class"].endswith(".SlabconvLlamaForCausalLM")
+        np.testing.assert_array_equal(np.array(got["tokens"]), reference.tokens)
+    print(
+        f"\noriginal (no cache) {reference.tokens_per_second:.0f} tokens/s; fused folder in a clean interpreter "
+        f"{prompts.shape[0] * STEPS / result[str(single)]['seconds']:.0f} tokens/s (first generate, no warm-up)"
+    )
+
+
+# --------------------------------------------------------------------------------------------- float16, GQA
+
+
+def test_a_float16_copy_generates_the_originals_tokens(tmp_path):
+    config = json.loads((TEXT / "config.json").read_text()) | {"torch_dtype": "float16"}
+    state = {k: v.half() if v.is_floating_point() else v for k, v in load_file(str(TEXT / "model.safetensors")).items()}
+    source = tmp_path / "src16"
+    write_hf_folder(source, state, config)
+    out = tmp_path / "fused16"
+    api.fuse(source, out, onnx=False, verify=False)
+    write_hf_llama_metadata(out, config)
+    info = export_decoder_onnx(out)
+    assert info["dtype"] == "float16" and load_fused_llama(out).dtype == torch.float16
+    original = load_model(source).model.eval()
+    assert next(original.parameters()).dtype == torch.float16
+    e_fused, e_orig = _logit_errors(original, out, torch.from_numpy(np.load(TEXT / "holdout.npz")["x"][:16]))
+    assert e_fused <= fused_bound(torch.float16, e_orig)[0], (e_fused, e_orig)
+    check = check_generation(original, out, _holdout_prompts(), STEPS, onnx_path=info["path"], threads=1)
+    assert check.dtype == "float16" and check.passed, check.to_dict()
+    print("\ntext fixture float16:", json.dumps(check.to_dict()["tokens_per_second"], indent=1))
+    print(f"near-ties met: {[r.near_ties for r in check.runs]}; logits e_fused {e_fused:.2e} e_orig {e_orig:.2e}")
+
+
+GQA = LlamaConfig(
+    vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, pad_token_id=None
+)
+GQA_KV_HEADS = 2
+
+
+class GQAAttention(LlamaAttention):
+    """The zoo's attention with grouped-query key/value heads (slabconv.zoo.llama refuses num_key_value_heads !=
+    num_attention_heads): k/v_proj of (K*d, C); key/value head j serves query heads j*g .. j*g+g-1 (the Hugging
+    Face LLaMA convention). Eval numerics as the zoo's: softmax in float32, finfo.min mask."""
+
+    def __init__(self, cfg: LlamaConfig, kv_heads: int):
+        super().__init__(cfg)
+        self.kv_heads = kv_heads
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        groups = self.num_heads // self.kv_heads
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        half = self.head_dim // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim) + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o_proj(torch.matmul(probs, v).transpose(1, 2).reshape(b, t, c))
+
+
+def gqa_original(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(GQA, norm_factory("linearnorm", GQA.rms_norm_eps))
+    for layer in model.model.layers:
+        layer.self_attn = GQAAttention(GQA, GQA_KV_HEADS)
+    for module in model.modules():  # weights large enough that attention decides the tokens (not 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.3)
+    return randomize_norms(model, seed).eval()
+
+
+def test_a_gqa_model_folds_and_generates_the_originals_tokens(tmp_path):
+    original = gqa_original()
+    prompts = torch.randint(0, GQA.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
+    gm = capture(original, prompts)
+    decisions = fold_all(gm)
+    assert [d.action for d in decisions] == ["folded-forward"] * 5
+    out = tmp_path / "gqa"
+    out.mkdir()
+    save_file({k: v.contiguous().clone() for k, v in fused_state_dict(gm).items()}, str(out / "model.safetensors"))
+    config = {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "num_attention_heads": GQA.num_attention_heads,
+        "num_key_value_heads": GQA_KV_HEADS,
+        "rms_norm_eps": GQA.rms_norm_eps,
+        "rope_theta": GQA.rope_theta,
+        "max_position_embeddings": GQA.max_position_embeddings,
+        "vocab_size": GQA.vocab_size,
+    }
+    write_hf_llama_metadata(out, config)
+    written = json.loads((out / "config.json").read_text())
+    assert written["num_key_value_heads"] == 2 and written["head_dim"] == 8 and written["num_hidden_layers"] == 2
+    assert (written["hidden_size"], written["intermediate_size"], written["vocab_size"]) == (32, 48, 61)
+    model = load_fused_llama(out)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (GQA_KV_HEADS * 8, 32)
+    info = export_decoder_onnx(out, tmp_path / "gqa.onnx", external_data=True)
+    assert info["external_data"] == "gqa.onnx.data" and (tmp_path / "gqa.onnx.data").stat().st_size > 0
+    proto = onnx.load(str(tmp_path / "gqa.onnx"), load_external_data=False)
+    assert not any(t.raw_data for t in proto.graph.initializer if t.dims and math.prod(t.dims) > 64)
+    e_fused, e_orig = _logit_errors(original, out, prompts)
+    assert e_fused <= fused_bound(torch.float32, e_orig)[0], (e_fused, e_orig)
+    check = check_generation(original, out, prompts, STEPS, onnx_path=info["path"], threads=1)
+    assert check.passed, check.to_dict()
+    print(f"\nGQA near-ties met: {[r.near_ties for r in check.runs]}; logits e_fused {e_fused:.2e} e_orig {e_orig:.2e}")
+
+
+# --------------------------------------------------------------------------------------------- the decoder ONNX
+
+
+def test_decoder_onnx_layout_dynamic_axes_and_checker(doc):
+    path = doc["out"] / "decoder.onnx"
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path))
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    assert opset >= 17
+
+    def dims(values):
+        return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+
+    inputs, outputs = dims(model.graph.input), dims(model.graph.output)
+    layers = [f"{i}.{kv}" for i in range(3) for kv in ("key", "value")]
+    assert list(inputs) == ["input_ids", "attention_mask", "position_ids", *(f"past_key_values.{n}" for n in layers)]
+    assert list(outputs) == ["logits", *(f"present.{n}" for n in layers)]
+    batch, seq = inputs["input_ids"]
+    past = inputs["past_key_values.0.key"]
+    assert isinstance(batch, str) and isinstance(seq, str) and past[0] == batch and past[1:] == [3, past[2], 32]
+    assert isinstance(past[2], str) and past[2] not in (batch, seq)
+    assert outputs["logits"] == [batch, seq, 256]
+    present = outputs["present.0.key"]
+    assert present[:2] == [batch, 3] and present[3] == 32 and isinstance(present[2], str)
+
+
+def test_decoder_onnx_with_a_past_equals_transformers_on_the_whole_sequence(doc):
+    """Prefill 10 tokens, then feed 6 more with the presents as past: the logits of the 6 equal the folder's
+    logits on all 16 tokens at every real position (batch 2, a prompt left-padded by 3)."""
+    import onnxruntime as ort
+
+    model = load_fused_llama(doc["out"])
+    ids = torch.from_numpy(_holdout_prompts(2, 16))  # 16 tokens: 10 + 6
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits.numpy()
+    session = ort.InferenceSession(str(doc["out"] / "decoder.onnx"))
+    names = [o.name for o in session.get_outputs()]
+    positions = np.clip(mask.numpy().cumsum(1) - 1, 0, None)
+    past = {
+        f"past_key_values.{i}.{kv}": np.zeros((2, 3, 0, 32), np.float32) for i in range(3) for kv in ("key", "value")
+    }
+    first = dict(
+        zip(
+            names,
+            session.run(
+                names,
+                {
+                    "input_ids": ids[:, :10].numpy(),
+                    "attention_mask": mask[:, :10].numpy(),
+                    "position_ids": positions[:, :10],
+                }
+                | past,
+            ),
+            strict=True,
+        )
+    )
+    assert first["present.0.key"].shape == (2, 3, 10, 32)
+    past = {k: first[k.replace("past_key_values.", "present.")] for k in past}
+    second = dict(
+        zip(
+            names,
+            session.run(
+                names,
+                {"input_ids": ids[:, 10:].numpy(), "attention_mask": mask.numpy(), "position_ids": positions[:, 10:]}
+                | past,
+            ),
+            strict=True,
+        )
+    )
+    assert second["present.2.value"].shape == (2, 3, 16, 32)
+    real = mask.numpy().astype(bool)  # padding positions attend to nothing real: their logits mean nothing
+    scale = np.abs(full[real]).max()
+    assert np.abs(first["logits"] - full[:, :10])[real[:, :10]].max() / scale < 1e-5
+    assert np.abs(second["logits"] - full[:, 10:]).max() / scale < 1e-5
+
+
+# --------------------------------------------------------------------------------------------- it can fail
+
+
+def test_the_folders_generation_settings_do_not_change_the_compared_run(doc, tmp_path):
+    """generate() takes unset settings from the folder's generation_config.json; an eos_token_id or a repetition
+    penalty there must not stop or steer the fused greedy run (the original runs plain argmax for N steps)."""
+    prompts = _holdout_prompts()
+    plain = greedy_fused(doc["out"], prompts, STEPS)
+    folder = tmp_path / "eos"
+    shutil.copytree(doc["out"], folder)
+    eos = int(plain.tokens[0, 2])  # a token the run produces
+    config = json.loads((folder / "generation_config.json").read_text())
+    config |= {"eos_token_id": eos, "pad_token_id": 0, "repetition_penalty": 5.0}
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    model = load_fused_llama(folder)
+    assert model.generation_config.eos_token_id == eos
+    np.testing.assert_array_equal(greedy_fused(model, prompts, STEPS).tokens, plain.tokens)
+    assert model.generation_config.eos_token_id == eos  # restored
+
+
+def test_one_changed_bias_element_generates_other_tokens_and_the_check_fails(doc, original, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(doc["out"], broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["lm_head.bias"][ord("~")] += 20.0  # one element: '~' now wins every step
+    save_file(weights, str(broken / "model.safetensors"))
+    prompts = _holdout_prompts()
+    reference = greedy_original(original, prompts, STEPS)
+    run = greedy_fused(broken, prompts, STEPS)
+    assert not np.array_equal(run.tokens, reference.tokens)
+    check = compare_greedy(reference, [run], torch.float32)
+    n = len(prompts)
+    assert not check.passed and check.runs[0].decisive_mismatches == n and check.runs[0].first_divergence == [0] * n
+    full = check_generation(original, broken, prompts, STEPS)
+    assert not full.passed
+
+
+def test_a_near_tie_divergence_is_reported_not_failed():
+    logits = np.zeros((2, 3, 4))
+    logits[..., 0] = 10.0
+    logits[1, 1, 1] = 10.0 - 1e-7  # step 1 of sequence 1: a near-tie for float32 (1e-7 < 1e-5 * 10)
+    reference = GreedyRun("ref", np.zeros((2, 3), np.int64), 1.0, logits)
+    candidate = GreedyRun("cand", np.array([[0, 0, 0], [0, 1, 2]]), 1.0)
+    check = compare_greedy(reference, [candidate], "float32")
+    run = check.runs[0]
+    assert check.passed and run.near_tie_divergences == 1 and run.first_divergence == [None, 1]
+    assert run.tokens_compared == 5 and run.near_ties == 1
+    wrong = GreedyRun("cand", np.array([[0, 3, 0], [0, 0, 0]]), 1.0)
+    assert not compare_greedy(reference, [wrong], "float32").passed
+
+
+# --------------------------------------------------------------------------------------------- refusals
+
+
+def test_bad_runner_arguments_are_usage_errors(doc, original):
+    prompts = _holdout_prompts(2, 8)
+    with pytest.raises(UsageError, match="threads must be at least 1"):
+        greedy_original(original, prompts, 2, threads=0)
+    assert torch.get_num_threads() == 1  # restored by each run (the module runs torch on one thread)
+    with pytest.raises(UsageError, match="steps must be at least 1"):
+        greedy_fused(doc["out"], prompts, 0)
+    with pytest.raises(UsageError, match=r"must be integer token ids of shape \(batch, length\)"):
+        greedy_original(original, prompts.astype(np.float32), 2)
+    with pytest.raises(UsageError, match="left padding"):
+        greedy_fused(doc["out"], prompts, 2, attention_mask=np.array([[1] * 7 + [0], [1] * 8]))
+    with pytest.raises(UsageError, match="kept no logits"):
+        compare_greedy(greedy_original(original, prompts, 2, keep_logits=False), [], "float32")
+
+
+def _fused_weights(doc) -> dict[str, torch.Tensor]:
+    return load_file(str(doc["out"] / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    ("change", "phrase"),
+    [
+        ("kept-affine", "model.layers.1.input_layernorm was not folded"),
+        ("kept-final-norm", "model.norm was not folded"),
+        ("unknown", "is not part of the norm-free LLaMA layout"),
+        ("partial-bias", "o_proj has a bias in layers [0] only"),
+    ],
+)
+def test_weights_that_are_not_norm_free_are_refused_in_one_line(doc, tmp_path, change, phrase):
+    weights = _fused_weights(doc)
+    if change == "kept-affine":  # what the engine writes for a norm it keeps as a per-channel affine
+        weights["model.layers.1.input_layernorm.scale"] = torch.ones(96)
+        weights["model.layers.1.input_layernorm.shift"] = torch.zeros(96)
+    elif change == "kept-final-norm":
+        weights["model.norm.norm2.bn.running_mean"] = torch.zeros(96)
+    elif change == "unknown":
+        weights["model.extra.weight"] = torch.zeros(3)
+    else:
+        weights["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(96)
+    folder = tmp_path / "f"
+    folder.mkdir()
+    save_file(weights, str(folder / "model.safetensors"))
+    config = json.loads((TEXT / "config.json").read_text())
+    with pytest.raises(UnsupportedModelError) as err:
+        write_hf_llama_metadata(folder, config)
+    assert phrase in str(err.value) and "\n" not in str(err.value)
+    assert not (folder / "config.json").exists()
+
+
+def test_shapes_that_disagree_with_the_config_and_an_empty_folder_are_refused(doc, tmp_path):
+    config = json.loads((TEXT / "config.json").read_text())
+    with pytest.raises(UsageError, match="write the fused weights there first"):
+        write_hf_llama_metadata(tmp_path, config)
+    shutil.copy(doc["out"] / "model.safetensors", tmp_path)
+    with pytest.raises(UnsupportedModelError, match="num_key_value_heads 1 but k_proj has 3 heads"):
+        write_hf_llama_metadata(tmp_path, config | {"num_key_value_heads": 1})
+    with pytest.raises(UnsupportedModelError, match="rope 'linear'"):
+        write_hf_llama_metadata(tmp_path, config | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+def test_without_transformers_every_runner_says_what_to_install(doc, original, monkeypatch, tmp_path):
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    prompts = _holdout_prompts(1, 8)
+    calls = [
+        lambda: load_fused_llama(doc["out"]),
+        lambda: greedy_fused(doc["out"], prompts, 2),
+        lambda: export_decoder_onnx(doc["out"], tmp_path / "x.onnx"),
+        lambda: check_generation(original, doc["out"], prompts, 2),
+    ]
+    for call in calls:
+        with pytest.raises(UsageError) as err:
+            call()
+        assert "pip install slabconv[hf]" in str(err.value) and "\n" not in str(err.value)
+    # Writing the folder does not need transformers.
+    folder = tmp_path / "w"
+    folder.mkdir()
+    shutil.copy(doc["out"] / "model.safetensors", folder)
+    write_hf_llama_metadata(folder, json.loads((TEXT / "config.json").read_text()))
+    assert all((folder / name).is_file() for name in ("config.json", "generation_config.json", MODELING_FILE))
+
+
+def test_a_fully_masked_row_stays_finite_in_float16():
+    """A left-padding position attends to no real token: every score is masked. In float16 ``score + finfo.min``
+    overflows to -inf for scores below about -16, and a softmax over -inf only is NaN, which would reach the real
+    tokens through the padding positions' keys and values. The official clamp at finfo.min keeps the row finite."""
+    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaAttention, SlabconvLlamaConfig
+
+    config = SlabconvLlamaConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, vocab_size=4)
+    attention = SlabconvLlamaAttention(config, 0).half().eval()
+    with torch.no_grad():
+        attention.q_proj.weight.copy_(torch.eye(8) * 10)
+        attention.k_proj.weight.copy_(torch.eye(8) * -10)
+    x = torch.ones(1, 2, 8, dtype=torch.float16)
+    low = torch.finfo(torch.float16).min
+    mask = torch.tensor([[[[low, low], [low, 0.0]]]], dtype=torch.float16)  # row 0: a padding position
+    ones, zeros = torch.ones(1, 1, 2, 8, dtype=torch.float16), torch.zeros(1, 1, 2, 8, dtype=torch.float16)
+    with torch.no_grad():
+        out = attention(x, ones, zeros, mask, None)
+    assert torch.isfinite(out).all()
+
+
+def test_the_modeling_file_refuses_a_transformers_older_than_it_needs(monkeypatch):
+    import importlib.util
+
+    import transformers
+
+    from slabconv.write import hf_llama
+
+    monkeypatch.setattr(transformers, "__version__", "5.3.0")
+    spec = importlib.util.spec_from_file_location(
+        "probe_modeling_slabconv_llama", ROOT / "slabconv" / "write" / "templates" / MODELING_FILE
+    )
+    assert spec is not None and spec.loader is not None
+    with pytest.raises(ImportError, match=r"needs transformers>=5\.4 \(found 5\.3\.0\)"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    with pytest.raises(UsageError, match=r"transformers 5\.3\.0 is older than the fused LLaMA model needs \(5\.4\)"):
+        hf_llama.require_transformers()
+    monkeypatch.setattr(transformers, "__version__", "5.10.0.dev0")
+    assert hf_llama.require_transformers() is transformers
