@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import os
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -13,6 +15,11 @@ from torch import nn
 from slabconv.zoo.deit import VisionTransformer, norm_factory
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# transformers copies a folder's modeling file into a module cache: keep it out of the user's home, and never
+# let a test reach the network.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="slabconv-hf-modules-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FIXTURE = ROOT / "fixtures" / "digits-prepbn"
 
 
