@@ -306,18 +306,37 @@ def bench_models(
     return timings
 
 
+NOISY_WIDTH = 0.2
+"""A ratio's spread (``high - low``) above this is reported as too noisy to read."""
+
+
 def ratios(timings: list[Timing], numerator: str = "fused", denominator: str = "norm-free") -> list[dict[str, Any]]:
-    """``median(numerator) / median(denominator)`` per runtime and batch size (1.00 = the bound is reached)."""
-    table = {(t.variant, t.runtime, t.batch): t.median_ms for t in timings}
+    """``median(numerator) / median(denominator)`` per runtime and batch size (1.00 = the bound is reached), with
+    its spread: ``low = p25(numerator) / p75(denominator)``, ``high = p75(numerator) / p25(denominator)``, and
+    ``noisy`` when that spread is wider than ``NOISY_WIDTH`` (the machine was busy: rerun with more repeats)."""
+    table = {(t.variant, t.runtime, t.batch): t for t in timings}
     out = []
-    for (variant, runtime, batch), ms in table.items():
-        if variant == numerator and (denominator, runtime, batch) in table:
-            out.append({"runtime": runtime, "batch": batch, "ratio": ms / table[(denominator, runtime, batch)]})
+    for (variant, runtime, batch), t in table.items():
+        other = table.get((denominator, runtime, batch))
+        if variant != numerator or other is None:
+            continue
+        low, high = t.p25_ms / other.p75_ms, t.p75_ms / other.p25_ms
+        out.append(
+            {
+                "runtime": runtime,
+                "batch": batch,
+                "ratio": t.median_ms / other.median_ms,
+                "low": low,
+                "high": high,
+                "noisy": bool(high - low > NOISY_WIDTH),
+            }
+        )
     return out
 
 
 def plot(timings: list[Timing], path: Path) -> None:
-    """Bar chart of median latency per variant, one panel per runtime (matplotlib, Agg backend).
+    """Bar chart of median latency per variant, one panel per runtime, error bars from p25 to p75 (matplotlib, Agg
+    backend).
 
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
@@ -334,11 +353,17 @@ def plot(timings: list[Timing], path: Path) -> None:
     width = 0.8 / len(variants)
     for ax, runtime in zip(axes[0], runtimes, strict=True):
         for i, variant in enumerate(variants):
-            values = [
-                next((t.median_ms for t in timings if (t.variant, t.runtime, t.batch) == (variant, runtime, b)), 0.0)
+            found = [
+                next((t for t in timings if (t.variant, t.runtime, t.batch) == (variant, runtime, b)), None)
                 for b in batches
             ]
-            ax.bar([j + i * width for j in range(len(batches))], values, width, label=variant)
+            values = [t.median_ms if t else 0.0 for t in found]
+            spread = [
+                [t.median_ms - t.p25_ms if t else 0.0 for t in found],
+                [t.p75_ms - t.median_ms if t else 0.0 for t in found],
+            ]
+            xs = [j + i * width for j in range(len(batches))]
+            ax.bar(xs, values, width, label=variant, yerr=spread, capsize=2)
         ax.set_xticks(
             [j + width * (len(variants) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches]
         )
@@ -349,3 +374,45 @@ def plot(timings: list[Timing], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def source_of_output(folder: Path, options: Any) -> tuple[Path, Any]:
+    """The checkpoint a ``fuse`` output folder came from (its report names it), and the load options with the
+    architecture the report recorded (unless given).
+
+    Raises:
+        InputError: the report is unreadable or names no source.
+    """
+    import json
+    from dataclasses import replace
+
+    from slabconv.errors import InputError
+
+    try:
+        source = json.loads((folder / "report.json").read_text(encoding="utf-8"))["source"]
+        path = Path(source["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"{folder}: its report.json names no source checkpoint; give the checkpoint") from None
+    return path, (options if options.arch else replace(options, arch=source.get("arch")))
+
+
+def result(
+    timings: list[Timing], batches: tuple[int, ...], runtimes: list[str], warmup: int, repeats: int
+) -> dict[str, Any]:
+    """The report's bench blocks: ``timings``, the headline ratios and the settings they were taken with."""
+    import platform
+
+    return {
+        "timings": [t.to_dict() for t in timings],
+        "fused_over_norm_free": ratios(timings),
+        "settings": {
+            "batches": list(batches),
+            "runtimes": runtimes,
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "warmup": warmup,
+            "repeats": repeats,
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+        },
+    }

@@ -6,6 +6,8 @@ and what to do; the CLI prints that line and exits with ``exit_code``. Anything 
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SlabconvError(Exception):
     """Base of all user-facing errors; ``exit_code`` is 2 unless a subclass says otherwise."""
@@ -25,17 +27,22 @@ class UsageError(SlabconvError):
     """A command-line or API argument is wrong (existing output without --force, bad path, bad option)."""
 
 
+class NumericError(SlabconvError):
+    """The fused model's output is not finite in its dtype (an extreme norm); the message names the norm."""
+
+
 class VerificationError(SlabconvError):
     """The candidate's outputs differ from the reference beyond tolerance (exit code 1).
 
-    ``report`` holds the full report (with the per-check numbers) for the caller to show.
+    ``report`` holds the full report (a ``slabconv.report.Report``, with the per-check numbers) for the caller
+    to show.
     """
 
     exit_code = 1
 
-    def __init__(self, message: str, report: dict | None = None):
+    def __init__(self, message: str, report: Any = None):
         super().__init__(message)
-        self.report = report or {}
+        self.report = report
 
 
 def first_line(err: BaseException | None, limit: int = 200) -> str:

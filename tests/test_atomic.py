@@ -22,11 +22,12 @@ from typer.testing import CliRunner
 
 from slabconv import api
 from slabconv.cli import app
+from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.util import sha256_file
 from slabconv.write import staging
 from tests import tinyckpt
 from tests.conftest import ROOT
-from tests.tinyckpt import INPUT_SHAPE, snapshot
+from tests.tinyckpt import INPUT_SHAPE, error_lines, snapshot
 
 tiny_fused = tinyckpt.tiny_fused
 runner = CliRunner()
@@ -87,10 +88,10 @@ def test_sigkill_mid_write_keeps_the_previous_output_and_the_next_run_cleans_up(
     assert staged.exists() and staged.name.startswith(f".{out.name}.tmp-{proc.pid}-")  # a hidden, named leftover
     assert sha256_file(ckpt) == ckpt_hash
     # The next run writing the same output removes the dead run's staging folder and publishes a full result.
-    report = api.fuse(ckpt, out, force=True, samples=8)
+    report = api.fuse(ckpt, out, verify=VerifyOptions(samples=8), write=WriteOptions(force=True))
     assert not staged.exists() and _staging(out) == []
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
-    assert report["verification"]["passed"] is True
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.pt2", "model.safetensors", "report.json"]
+    assert report.verification is not None and report.verification.passed
 
 
 @pytest.mark.slow
@@ -144,9 +145,9 @@ def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, m
     monkeypatch.setattr(api, "export_onnx", wrong_export)
     result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--samples", "8"])
     assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: the fused model is not equivalent: output @ onnxruntime")
-    assert lines[0].endswith("nothing was written")
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error: the fused model is not equivalent: question 2 (are the written files as good as")
+    assert "output @ onnxruntime" in line and line.endswith("nothing was written")
     assert "verification: FAILED" in result.stdout
     assert snapshot(out) == before and _staging(out) == []
     assert sha256_file(ckpt) == ckpt_hash
@@ -160,7 +161,7 @@ def test_an_interrupt_while_writing_keeps_the_previous_output(previous, monkeypa
 
     monkeypatch.setattr(api, "save_safetensors", interrupted)
     result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--no-onnx"])
-    assert result.exit_code == 2 and result.stderr.strip() == "interrupted; nothing was written"
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert snapshot(out) == before and _staging(out) == []
 
 
@@ -171,7 +172,7 @@ def test_no_verify_publishes_once_written(previous) -> None:
     report = json.loads(result.stdout)
     assert report["verification"] is None
     assert snapshot(out) != before and _staging(out) == []
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.pt2", "model.safetensors", "report.json"]
 
 
 def test_report_records_the_sha256_of_every_input_and_output_and_the_input_is_untouched(
@@ -189,5 +190,6 @@ def test_report_records_the_sha256_of_every_input_and_output_and_the_input_is_un
     assert report["outputs"]["sha256"] == {
         "model.safetensors": sha256_file(out / "model.safetensors"),
         "model.onnx": sha256_file(out / "model.onnx"),
+        "model.pt2": sha256_file(out / "model.pt2"),
     }
     assert {p.name: sha256_file(p) for p in (ckpt, tmp_path / "x.npz")} == inputs_before

@@ -77,8 +77,8 @@ def test_the_makefile_recipe_is_green_on_the_fixture_and_red_after_a_one_weight_
     green = _make(makefile, "equivalence", tmp_path)
     assert green.returncode == 0, green.stdout + green.stderr
     assert "verification: PASSED" in green.stdout
-    assert _junit(tmp_path / "reports" / "onnx.xml") == (3, 0)
-    assert _junit(tmp_path / "reports" / "safetensors.xml") == (2, 0)
+    assert _junit(tmp_path / "reports" / "onnx.xml") == (5, 0)  # question 1 x 2, onnx.checker, question 2 x 2
+    assert _junit(tmp_path / "reports" / "safetensors.xml") == (3, 0)  # question 1 x 2, question 2 in pytorch
     assert _sha(fixture_ckpt) == ckpt_hash
 
     _perturb_one_onnx_weight(tmp_path / "fused" / "model.onnx")
@@ -86,9 +86,9 @@ def test_the_makefile_recipe_is_green_on_the_fixture_and_red_after_a_one_weight_
     assert len(commands) == 2 and all(c.startswith(f"{SLABCONV} verify ") for c in commands)
     red = subprocess.run(commands[0], shell=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert red.returncode == 1, red.stderr
-    assert red.stderr.strip().startswith("error: not equivalent: output @ onnxruntime")
-    assert _junit(tmp_path / "reports" / "onnx.xml") == (3, 2)
-    assert _junit(tmp_path / "reports" / "safetensors.xml") == (2, 0)  # untouched by the ONNX verdict
+    assert red.stderr.strip().splitlines()[-1].startswith("error: not equivalent: question 1 (is the fold exact?)")
+    assert _junit(tmp_path / "reports" / "onnx.xml") == (5, 3)  # the changed weight: question 1 and both runtimes
+    assert _junit(tmp_path / "reports" / "safetensors.xml") == (3, 0)  # untouched by the ONNX verdict
 
 
 def test_the_workflow_runs_the_recipe_commands(tmp_path: Path) -> None:

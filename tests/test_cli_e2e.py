@@ -47,7 +47,7 @@ def fused(
 def test_fuse_exits_0_and_writes_the_three_files(fused):
     out, report, proc = fused
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.pt2", "model.safetensors", "report.json"]
     assert json.loads((out / "report.json").read_text()) == report
 
 
@@ -58,10 +58,13 @@ def test_report_numbers_meet_the_tolerance_on_the_whole_holdout(fused, fixture_c
     assert v["passed"] is True
     assert v["samples"] == len(holdout["y"]) and v["inputs"].endswith("holdout.npz")
     assert v["max_rel_err"] <= 1e-5 and v["top1_agreement"] == 1.0
+    assert v["question_1_exact"] is True and v["exact"][0]["error"] <= 1e-9 and v["exact"][1]["error"] <= 0.5
     assert {c["name"] for c in v["checks"]} == {
         "output @ onnxruntime[no-optimizations]",
         "output @ onnxruntime[all-optimizations]",
+        f"output @ pytorch {torch.__version__} float32 (model.pt2)",
     }
+    assert all(c["e_fused"] <= c["tolerance"] == max(1e-5, 2 * c["e_orig"]) for c in v["checks"])
     assert report["source"]["sha256"] == sha256_file(fixture_ckpt)
     assert report["source"]["arch"] == "deit_prepbn" and report["source"]["format"] == "training-checkpoint"
     assert len(report["folds"]) == 9 and all(f["action"] == "folded-forward" for f in report["folds"])

@@ -25,6 +25,7 @@ from slabconv import api
 from slabconv.engine import capture, fold_all, fused_state_dict
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.model import load_model
+from slabconv.options import WriteOptions
 from slabconv.verify.generate import (
     GreedyRun,
     check_generation,
@@ -255,7 +256,7 @@ def test_a_float16_copy_generates_the_originals_tokens(tmp_path):
     source = tmp_path / "src16"
     write_hf_folder(source, state, config)
     out = tmp_path / "fused16"
-    api.fuse(source, out, onnx=False, verify=False)
+    api.fuse(source, out, verify=None, write=WriteOptions(onnx=False, pt2=False))
     write_hf_llama_metadata(out, config)
     info = export_decoder_onnx(out)
     assert info["dtype"] == "float16" and load_fused_llama(out).dtype == torch.float16

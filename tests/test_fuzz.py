@@ -29,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 
 from slabconv import api
 from slabconv.errors import SlabconvError
+from slabconv.options import LoadOptions
 from tests.tinyckpt import CONFIG, tiny_state_dict
 
 EXAMPLES = int(os.environ.get("SLABCONV_FUZZ_EXAMPLES", "200"))
@@ -134,7 +135,7 @@ def test_the_unmutated_files_load(workdir: Path) -> None:
     """The control: every target loads when nothing is changed (so a mutation is what makes it fail)."""
     for name, data in (("ckpt.pth", CKPT), ("rezipped.pth", _rezip(PKL)), ("model.safetensors", SAFETENSORS)):
         (workdir / name).write_bytes(data)
-        assert api.load_model(workdir / name, arch="deit_prepbn").arch == "deit_prepbn"
+        assert api.load_model(workdir / name, LoadOptions(arch="deit_prepbn")).arch == "deit_prepbn"
 
 
 def test_an_allocation_over_the_bound_is_refused_not_fatal() -> None:

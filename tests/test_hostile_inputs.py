@@ -324,6 +324,6 @@ def test_plain_torch_load_decompresses_a_compressed_entry(tmp_path: Path) -> Non
 
 
 def test_a_legitimate_program_still_loads_with_its_symbolic_batch(tmp_path: Path) -> None:
-    result = runner.invoke(app, ["inspect", str(program(tmp_path / "ok.pt2")), "--json"])
+    result = runner.invoke(app, ["inspect", str(program(tmp_path / "ok.pt2")), "--json", "--quiet"])
     assert result.exit_code == 0, result.stderr
     assert result.stderr == ""

@@ -23,7 +23,7 @@ from slabconv import api
 from slabconv.cli import app
 from tests import tinyckpt
 from tests.conftest import ROOT
-from tests.tinyckpt import save_ckpt, snapshot
+from tests.tinyckpt import error_lines, save_ckpt, snapshot
 
 tiny_fused = tinyckpt.tiny_fused
 runner = CliRunner()
@@ -186,7 +186,7 @@ def test_force_replaces_an_empty_folder_and_slabconvs_own_output(tmp_path: Path,
     for out in (tmp_path / "empty", tmp_path / "empty"):  # empty, then slabconv's own
         result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "4"])
         assert result.exit_code == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["model.safetensors", "report.json"]
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["model.pt2", "model.safetensors", "report.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth", "empty"]
 
 
@@ -212,7 +212,7 @@ def test_a_full_disk_names_the_users_out_not_the_staging_folder(
     out = tmp_path / "out"
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--no-onnx"])
     assert result.exit_code == 2
-    line = result.stderr.strip()
+    [line] = error_lines(result.stderr)
     expected = f"error: cannot write {out}: No space left on device; nothing was written (free space or choose another"
     assert line == expected + " location)", line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth"]
@@ -237,7 +237,8 @@ def test_two_runs_to_one_new_out_exactly_one_wins(tmp_path: Path, tiny_fused: Pa
     codes = sorted(r.wait(timeout=300) for r in runs)
     errors = [r.stderr.read() for r in runs if r.returncode == 2]  # type: ignore[union-attr]
     assert codes == [0, 2], codes
-    assert "already exists" in errors[0] and len(errors[0].strip().splitlines()) == 1, errors
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "report.json"]
+    [line] = error_lines(errors[0])
+    assert "already exists" in line, errors
+    assert sorted(p.name for p in out.iterdir()) == ["model.pt2", "model.safetensors", "report.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth", "out"]
     assert snapshot(out)  # complete and readable

@@ -26,7 +26,9 @@ from typer.testing import CliRunner
 
 from slabconv import api
 from slabconv.cli import app
+from slabconv.errors import UsageError
 from slabconv.load import checkpoint as ckpt_io
+from slabconv.options import LoadOptions
 from tests.conftest import ROOT, small_vit
 from tests.tinyckpt import CONFIG, MarkerPayload, hostile_program, rewrite_pickle, save_ckpt, tiny_state_dict
 
@@ -209,7 +211,7 @@ def test_a_trusted_pickled_module_is_folded_like_any_model(tmp_path: Path) -> No
     assert report["source"]["format"] == "pickled-module" and report["source"]["input_shape"] == [1, 8, 8]
     assert report["summary"]["folded"] == report["summary"]["norms"] == 3
     assert report["verification"]["passed"] is True
-    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.safetensors", "report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.pt2", "model.safetensors", "report.json"]
     verdict = runner.invoke(
         app,
         ["verify", str(tmp_path / "module.pth"), str(out / "model.onnx"), "--trust-pickle", "--input-shape", "1,8,8"],
@@ -221,9 +223,9 @@ def test_api_load_model_takes_trust_pickle_and_input_shape(tmp_path: Path) -> No
     torch.save(small_vit(depth=1), tmp_path / "module.pth")
     with pytest.raises(ckpt_io.InputError, match="whole pickled nn.Module"):
         api.load_model(tmp_path / "module.pth")
-    with pytest.raises(api.UsageError, match="--input-shape"):
-        api.load_model(tmp_path / "module.pth", trust_pickle=True)
-    loaded = api.load_model(tmp_path / "module.pth", trust_pickle=True, input_shape=(1, 8, 8))
+    with pytest.raises(UsageError, match="--input-shape"):
+        api.load_model(tmp_path / "module.pth", LoadOptions(trust_pickle=True))
+    loaded = api.load_model(tmp_path / "module.pth", LoadOptions(trust_pickle=True, input_shape=(1, 8, 8)))
     assert loaded.input_shape == (1, 8, 8) and loaded.arch is None and not loaded.model.training
 
 

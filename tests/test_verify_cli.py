@@ -21,12 +21,13 @@ from typer.testing import CliRunner
 
 from slabconv import api
 from slabconv.cli import app
+from slabconv.options import VerifyOptions
 from slabconv.util import sha256_file
-from slabconv.verify import integrity, results
+from slabconv.verify import integrity, judge
 from slabconv.write import onnx as onnx_writer
 from tests import tinyckpt
 from tests.conftest import small_vit
-from tests.tinyckpt import INPUT_SHAPE, save_ckpt, tiny_state_dict
+from tests.tinyckpt import INPUT_SHAPE, error_lines, save_ckpt, tiny_state_dict
 
 tiny_fused = tinyckpt.tiny_fused
 runner = CliRunner()
@@ -39,13 +40,18 @@ def _verify(*args: object) -> tuple[int, dict, str]:
     return result.exit_code, report, result.stderr
 
 
-def _perturbed_onnx(src: Path, dst: Path, initializer: str, delta: float) -> Path:
-    """Copy of ``src`` with ``delta`` added to the first element of one initializer (a one-weight change)."""
+def _perturbed_onnx(src: Path, dst: Path, initializer: str, delta: float, mark: bool = True) -> Path:
+    """Copy of ``src`` with ``delta`` added to the first element of one initializer (a one-weight change); without
+    ``mark`` the copy no longer says slabconv wrote it (another tool's file: question 2 only)."""
     model = onnx.load(str(src))
     init = next(t for t in model.graph.initializer if t.name == initializer)
     values = numpy_helper.to_array(init).copy()
     values.reshape(-1)[0] += delta
     init.CopyFrom(numpy_helper.from_array(values, init.name))
+    if not mark:
+        kept = [p for p in model.metadata_props if p.key != onnx_writer.MARK]
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
     onnx.save_model(model, str(dst))
     return dst
 
@@ -63,19 +69,26 @@ def test_checkpoint_against_its_fused_onnx_passes_under_both_onnxruntime_setting
     assert code == 0, err
     v = report["verification"]
     assert v["passed"] is True and v["samples"] == 24 and v["inputs"] == "random(seed=0, samples=24)"
+    assert v["question_1_exact"] is True and v["question_2_files"] is True
+    assert [e["method"] for e in v["exact"]] == ["graph", "tensors"] and v["exact"][0]["error"] <= 1e-9
+    assert v["exact"][1]["error"] <= 0.5  # the ONNX weights are the float64 fold, rounded once
     assert [c["name"] for c in v["checks"]] == ORT
     assert [i["name"] for i in v["integrity"]] == ["onnx.checker[full_check] model.onnx"]
     assert all(i["passed"] for i in v["integrity"])
-    assert v["runtime"].startswith("onnxruntime 1.") and v["tolerance"] == 1e-5
+    assert v["runtime"].startswith("onnxruntime 1.") and v["tolerance"] >= 1e-5
     assert report["reference"]["sha256"] == sha256_file(tiny_fused / "ckpt.pth")
     assert report["candidate"]["sha256"] == sha256_file(tiny_fused / "ckpt-fused" / "model.onnx")
     for c in v["checks"]:
         assert set(c) == {
-            "name", "passed", "samples", "max_abs_err", "max_rel_err", "mean_abs_err", "top1_agreement",
-            "worst_sample", "tolerance", "atol",
+            "name", "passed", "dtype", "samples", "reference", "e_fused", "e_orig", "e_pair", "tolerance",
+            "tolerance_from", "max_abs_err", "mean_abs_err", "worst_sample", "top1_agreement", "decisive",
+            "near_ties", "atol",
         }  # fmt: skip
-        assert 0 <= c["mean_abs_err"] <= c["max_abs_err"] and c["max_rel_err"] <= 1e-5
-        assert c["top1_agreement"] == 1.0 and 0 <= c["worst_sample"] < 24
+        assert c["reference"] == "float64" and c["dtype"] == "float32"
+        assert 0 <= c["mean_abs_err"] <= c["max_abs_err"] and c["e_fused"] <= c["tolerance"]
+        assert c["tolerance"] == max(1e-5, 2 * c["e_orig"])
+        assert c["tolerance_from"] == ("2*e_orig" if 2 * c["e_orig"] > 1e-5 else "tol_dtype")
+        assert c["top1_agreement"] == 1.0 and c["decisive"] + c["near_ties"] == 24 and 0 <= c["worst_sample"] < 24
 
 
 def test_checkpoint_against_the_fused_safetensors_uses_the_arch_in_its_metadata(tiny_fused: Path) -> None:
@@ -83,8 +96,8 @@ def test_checkpoint_against_the_fused_safetensors_uses_the_arch_in_its_metadata(
     assert code == 0, err
     assert report["candidate"]["arch"] == "deit_prepbn" and report["candidate"]["format"] == "safetensors"
     v = report["verification"]
-    assert [c["name"] for c in v["checks"]] == [f"output @ pytorch {torch.__version__}"]
-    assert [i["name"] for i in v["integrity"]] == ["safetensors reload model.safetensors"]
+    assert [c["name"] for c in v["checks"]] == [f"output @ pytorch {torch.__version__} float32 (safetensors)"]
+    assert v["question_1_exact"] is True and v["exact"][1]["name"].startswith("model.safetensors vs")
 
 
 def test_onnx_against_onnx_takes_the_input_shape_from_the_model(tiny_fused: Path, tmp_path: Path) -> None:
@@ -94,6 +107,8 @@ def test_onnx_against_onnx_takes_the_input_shape_from_the_model(tiny_fused: Path
     v = report["verification"]
     assert v["samples"] == 5 and v["inputs"] == "random(seed=3, samples=5)"
     assert v["max_abs_err"] < 1e-5  # the same file under the two settings
+    assert v["question_1_exact"] is None and all(c["reference"] == "original" for c in v["checks"])
+    assert any("has no float64 evaluation" in n for n in v["notes"])
 
 
 def test_pt2_against_fused_onnx(tiny_fused: Path, tmp_path: Path) -> None:
@@ -120,10 +135,9 @@ def test_inputs_npz_is_used_and_its_hash_recorded(tiny_fused: Path, tmp_path: Pa
 
 def test_seeds_give_different_inputs_and_the_same_seed_the_same_numbers(tiny_fused: Path) -> None:
     ref, cand = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused" / "model.safetensors"
-    a = api.verify(ref, cand, samples=6, seed=1)["verification"]["checks"][0]
-    b = api.verify(ref, cand, samples=6, seed=1)["verification"]["checks"][0]
-    c = api.verify(ref, cand, samples=6, seed=2)["verification"]["checks"][0]
-    assert a == b and a["mean_abs_err"] != c["mean_abs_err"]
+    a, b, c = (api.verify(ref, cand, verify=VerifyOptions(samples=6, seed=s)).verification for s in (1, 1, 2))
+    assert a is not None and b is not None and c is not None
+    assert a.checks == b.checks and a.checks[0].mean_abs_err != c.checks[0].mean_abs_err
 
 
 # --------------------------------------------------------------------------------------------- failing
@@ -136,23 +150,23 @@ def test_a_one_weight_perturbation_exits_1_with_a_red_junit(tiny_fused: Path, tm
         app, ["verify", str(tiny_fused / "ckpt.pth"), str(bad), "--junit", str(tmp_path / "r.xml"), "--samples", "16"]
     )
     assert result.exit_code == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: not equivalent: output @ onnxruntime")
-    assert "it would have needed rtol >=" in lines[0]
+    [line] = error_lines(result.stderr)
+    assert line.startswith("error: not equivalent: question 1 (is the fold exact?) failed: bad.onnx vs a float64")
+    assert "tensor 'head.bias'" in line
     assert "FAIL output @ onnxruntime[no-optimizations]" in result.stdout
     suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
-    assert suite is not None and suite.get("tests") == "3" and suite.get("failures") == "2"
+    assert suite is not None and suite.get("tests") == "5" and suite.get("failures") == "3"
     failed = [case.get("name") for case in suite.iter("testcase") if case.find("failure") is not None]
-    assert failed == ORT
+    assert failed == ["question 1: bad.onnx vs a float64 fold of the reference", *(f"question 2: {n}" for n in ORT)]
 
 
 def test_tolerance_overrides_decide_the_verdict(tiny_fused: Path, tmp_path: Path) -> None:
     src = tiny_fused / "ckpt-fused" / "model.onnx"
-    bad = _perturbed_onnx(src, tmp_path / "slightly.onnx", _head_bias(src), 1e-3)
+    bad = _perturbed_onnx(src, tmp_path / "slightly.onnx", _head_bias(src), 1e-3, mark=False)  # question 2 only
     ref = tiny_fused / "ckpt.pth"
     code, report, _ = _verify(ref, bad, "--samples", "16")
-    assert code == 1
-    needed = max(c["max_rel_err"] for c in report["verification"]["checks"])
+    assert code == 1 and report["verification"]["question_1_exact"] is None
+    needed = max(c["e_fused"] for c in report["verification"]["checks"])
     assert 1e-5 < needed < 1e-2
     assert _verify(ref, bad, "--samples", "16", "--rtol", str(needed * 1.01))[0] == 0
     assert _verify(ref, bad, "--samples", "16", "--rtol", str(needed * 0.99))[0] == 1
@@ -174,6 +188,9 @@ def test_a_failing_onnx_checker_fails_verification(tiny_fused: Path, tmp_path: P
     assert "onnx.checker[full_check] model.onnx failed: Field 'type'" in result.stderr
     suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
     assert suite is not None and suite.get("failures") == "1"
+    assert [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None] == [
+        "file: onnx.checker[full_check] model.onnx"
+    ]
 
 
 # --------------------------------------------------------------------------------------------- reports
@@ -191,9 +208,15 @@ def test_junit_has_one_case_per_output_and_runtime_setting(tiny_fused: Path, tmp
     suite = root.find("testsuite")
     assert suite is not None and suite.get("name") == "slabconv.verify"
     cases = list(suite.iter("testcase"))
-    assert [c.get("name") for c in cases] == [*ORT, "onnx.checker[full_check] model.onnx"]
+    assert [c.get("name") for c in cases] == [
+        "question 1: fused graph vs original, both in float64",
+        "question 1: model.onnx vs a float64 fold of the reference",
+        "file: onnx.checker[full_check] model.onnx",
+        *(f"question 2: {n}" for n in ORT),
+    ]
     assert all(c.get("classname") == "slabconv.verify.model_onnx" and c.find("failure") is None for c in cases)
-    assert "max_rel_err=" in (cases[0].findtext("system-out") or "")
+    assert "e_fused=" in (cases[-1].findtext("system-out") or "") and float(suite.get("time") or 0) > 0
+    assert all(float(c.get("time") or 0) > 0 for c in cases)
     assert [p.name for p in junit.parent.iterdir()] == ["equivalence.xml"]  # written atomically, no temp left
 
 
@@ -210,18 +233,21 @@ def test_multi_output_models_get_one_check_per_output(tmp_path: Path) -> None:
     batch = {0: torch.export.Dim("batch")}
     program = torch.export.export(TwoHeads().eval(), (torch.randn(2, *INPUT_SHAPE),), dynamic_shapes=(batch,))
     torch.export.save(program, tmp_path / "two.pt2")
-    report = api.verify(tmp_path / "two.pt2", tmp_path / "two.pt2", samples=3)
-    names = [c["name"] for c in report["verification"]["checks"]]
-    assert names == [f"output.0 @ pytorch {torch.__version__}", f"output.1 @ pytorch {torch.__version__}"]
-    assert report["verification"]["passed"] is True
+    v = api.verify(tmp_path / "two.pt2", tmp_path / "two.pt2", verify=VerifyOptions(samples=3)).verification
+    assert v is not None and v.passed
+    label = f"pytorch {torch.__version__} float32 (torch.export)"
+    assert [c.name for c in v.checks] == [f"output.0 @ {label}", f"output.1 @ {label}"]
 
 
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)])
 def test_the_default_tolerance_follows_the_checkpoint_dtype(tmp_path: Path, dtype: torch.dtype, rtol: float) -> None:
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tiny_state_dict().items()}
     ckpt = save_ckpt(tmp_path / "ckpt.pth", state)
-    v = api.verify(ckpt, ckpt, samples=2)["verification"]
-    assert v["tolerance"] == rtol and v["checks"][0]["tolerance"] == rtol and v["passed"] is True
+    v = api.verify(ckpt, ckpt, verify=VerifyOptions(samples=2)).verification
+    assert v is not None and v.passed
+    check = v.checks[0]
+    assert check.dtype == str(dtype).removeprefix("torch.") and check.e_orig is not None
+    assert check.tolerance == max(rtol, 2 * check.e_orig) and check.e_fused == check.e_orig
 
 
 def test_exit_codes_are_documented_in_help() -> None:
@@ -234,22 +260,31 @@ def test_exit_codes_are_documented_in_help() -> None:
 # --------------------------------------------------------------------------------------------- comparison
 
 
-def test_compare_statistics_follow_design_section_5() -> None:
-    ref = np.array([[1.0, 4.0, -2.0], [0.5, 0.0, 3.0]])
-    cand = ref + np.array([[0.0, 0.0, 0.0], [0.0, 0.02, 0.0]])
-    c = results.compare("out", ref, cand, rtol=1e-2)
-    assert c.max_abs_err == pytest.approx(0.02) and c.max_rel_err == pytest.approx(0.02 / 4.0)
-    assert c.mean_abs_err == pytest.approx(0.02 / 6) and c.worst_sample == 1 and c.top1_agreement == 1.0
-    assert c.passed
-    assert not results.compare("out", ref, cand, rtol=1e-3).passed
-    assert results.compare("out", ref, cand, rtol=1e-3, atol=0.03).passed
-    flipped = ref.copy()
-    flipped[0, 0] = 5.0  # argmax of sample 0 changes
-    assert results.compare("out", ref, flipped, rtol=1.0).top1_agreement == 0.5
-    assert not results.compare("out", ref, flipped, rtol=1.0).passed
+def test_relative_error_and_top1_follow_the_policy() -> None:
+    """Relative error = max |candidate - reference| / max |reference|; top-1 judged on decisive samples only;
+    the bound is max(tol_dtype, 2 * e_orig); NaN fails whatever the tolerance."""
+    ref = np.array([[1.0, 4.0, -2.0], [0.5, 0.0, 3.0], [2.0, 2.0 + 1e-7, 0.0]])
+    cand = ref + np.array([[0.0, 0.0, 0.0], [0.0, 0.02, 0.0], [0.0, 0.0, 0.0]])
+    rel, max_abs, mean_abs, worst = judge.rel_err(cand, ref)
+    assert max_abs == pytest.approx(0.02) and rel == pytest.approx(0.02 / 4.0) and worst == 1
+    assert mean_abs == pytest.approx(0.02 / 9)
+    original = ref + 0.01  # the original's own error against float64: 0.01 / 4
+    c = judge.judge_output("out", cand, dtype="float16", original=original, reference64=ref)
+    assert c.e_fused == pytest.approx(0.005) and c.e_orig == pytest.approx(0.0025)
+    assert c.tolerance == pytest.approx(0.005)
+    assert c.tolerance_from == "2*e_orig" and c.passed and c.decisive == 2 and c.near_ties == 1
+    assert not judge.judge_output("out", cand, dtype="float32", original=ref, reference64=ref).passed
+    assert judge.judge_output("out", cand, dtype="float32", original=ref, reference64=ref, atol=0.03).passed
+    tie_flipped = cand.copy()
+    tie_flipped[2] = [2.0 + 1e-7, 2.0, 0.0]  # a near-tie sample changes its argmax: counted, not failed
+    assert judge.judge_output("out", tie_flipped, dtype="float16", original=original, reference64=ref).passed
+    decisive_flipped = cand.copy()
+    decisive_flipped[0, 0] = 5.0
+    flip = judge.judge_output("out", decisive_flipped, dtype="float16", original=original, reference64=ref, rtol=1.0)
+    assert flip.top1_agreement == 0.5 and not flip.passed and "top-1 differs" in flip.failure()
     with_nan = cand.copy()
     with_nan[0, 0] = np.nan
-    assert not results.compare("out", ref, with_nan, rtol=1.0, atol=1e9).passed
+    assert not judge.judge_output("out", with_nan, dtype="float32", original=ref, reference64=ref, atol=1e9).passed
 
 
 def test_safetensors_reload_check_catches_a_changed_tensor_and_metadata(tmp_path: Path) -> None:
@@ -270,23 +305,26 @@ def test_large_models_are_written_with_external_data_and_verify_loads_them(
 ) -> None:
     monkeypatch.setattr(onnx_writer, "ONNX_EXTERNAL_DATA_BYTES", 1024)  # the tiny model counts as "over the limit"
     ckpt = shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth")
-    report = api.fuse(ckpt, tmp_path / "out", samples=8)
+    report = api.fuse(ckpt, tmp_path / "out", verify=VerifyOptions(samples=8))
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [
         "model.onnx",
         "model.onnx.data",
+        "model.pt2",
         "model.safetensors",
         "report.json",
     ]
-    assert report["outputs"]["onnx_info"]["external_data"] == "model.onnx.data"
-    assert report["outputs"]["sha256"]["model.onnx.data"] == sha256_file(out / "model.onnx.data")
+    assert report.outputs is not None and report.outputs.onnx_info is not None
+    assert report.outputs.onnx_info["external_data"] == "model.onnx.data"
+    assert report.outputs.sha256["model.onnx.data"] == sha256_file(out / "model.onnx.data")
     proto = onnx.load(str(out / "model.onnx"), load_external_data=False)
     largest = max(proto.graph.initializer, key=lambda t: np.prod(t.dims))
     assert onnx.external_data_helper.uses_external_data(largest) and not largest.raw_data
-    assert report["verification"]["passed"] is True
+    assert report.verification is not None and report.verification.passed
     code, verdict, err = _verify(ckpt, out / "model.onnx", "--samples", "4")
     assert code == 0, err
     assert set(verdict["candidate"]["files_sha256"]) == {"model.onnx", "model.onnx.data"}
     exported = api.export(ckpt, tmp_path / "single" / "fused.onnx")
-    assert exported["outputs"]["onnx_info"]["external_data"] == "fused.onnx.data"
+    assert exported.outputs is not None and exported.outputs.onnx_info is not None
+    assert exported.outputs.onnx_info["external_data"] == "fused.onnx.data"
     assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["fused.onnx", "fused.onnx.data"]

@@ -52,6 +52,14 @@ def snapshot(folder: Path) -> dict[str, str]:
     return out
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The error lines of stderr; every other line must be a progress line (``[   1.2s] stage``): a failure found
+    after the long work started follows the progress lines printed so far."""
+    lines = stderr.strip().splitlines()
+    assert all(line.startswith("[") or line.startswith("error: ") for line in lines), lines
+    return [line for line in lines if line.startswith("error: ")]
+
+
 class MarkerPayload:
     """Unpickling this runs ``exec``, which creates ``marker``."""
 
@@ -89,10 +97,11 @@ def tiny_fused(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``slabconv.api.fuse``, built once per test session (each module that imports the fixture shares it).
     Read-only by convention: tests copy what they change."""
     from slabconv import api
+    from slabconv.options import VerifyOptions
 
     if "tiny" not in _BUILT:
         folder = tmp_path_factory.mktemp("tiny")
         ckpt = save_ckpt(folder / "ckpt.pth")
-        api.fuse(ckpt, folder / "ckpt-fused", samples=16)
+        api.fuse(ckpt, folder / "ckpt-fused", verify=VerifyOptions(samples=16))
         _BUILT["tiny"] = folder
     return _BUILT["tiny"]

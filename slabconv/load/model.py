@@ -6,9 +6,9 @@ later stages need to know about it (its input shape and dtype, how to make valid
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from torch import nn
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load.checkpoint import Checkpoint, load_checkpoint
+from slabconv.load.fused import FusedMetadata, is_output_folder
+from slabconv.options import LoadOptions
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
 from slabconv.zoo.registry import IMAGE_SIZE_KEY, with_image_size
@@ -37,6 +39,8 @@ class LoadedModel:
         make_input: ``make_input(batch, seed) -> Tensor``: valid seeded inputs (token ids in range for a
             language model); None: standard-normal samples of ``input_shape`` (zeros for integer inputs).
         config: the config the model was built from (the saved one, plus an ``--image-size`` override).
+        batch: the batch size a static program was recorded with (it runs on exactly that many samples), or None
+            when the batch axis is dynamic.
     """
 
     model: nn.Module
@@ -47,6 +51,13 @@ class LoadedModel:
     input_dtype: torch.dtype | None = None
     make_input: Callable[[int, int], torch.Tensor] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    batch: int | None = None
+
+    @property
+    def example_batch(self) -> int:
+        """The batch size to trace and export with: the recorded one of a static program, else 2 (so the batch
+        axis can be symbolic)."""
+        return self.batch or 2
 
     @property
     def token_input(self) -> bool:
@@ -61,19 +72,6 @@ class LoadedModel:
             return torch.zeros((batch, *self.input_shape), dtype=self.input_dtype)
         gen = torch.Generator().manual_seed(seed)
         return torch.randn((batch, *self.input_shape), generator=gen).to(self.dtype)
-
-    def source(self) -> dict[str, Any]:
-        """The ``source`` block of the report."""
-        ckpt = self.checkpoint
-        return {
-            "path": str(ckpt.path),
-            "sha256": ckpt.sha256,
-            "format": ckpt.format,
-            "arch": self.arch,
-            "weights": ckpt.extra.get("weights"),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "input_shape": list(self.input_shape),
-        }
 
 
 def _float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
@@ -108,27 +106,13 @@ def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: st
     model.load_state_dict(state_dict, strict=True)
 
 
-def load_model(
-    path: Path | str,
-    arch: str | None = None,
-    ema: bool = False,
-    *,
-    trust_pickle: bool = False,
-    input_shape: tuple[int, ...] | None = None,
-    image_size: int | None = None,
-) -> LoadedModel:
+def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 
     Args:
-        path: checkpoint (``.pth``), a ``.pt2`` program, or a fused ``model.safetensors`` written by ``fuse``.
-        arch: a registered architecture name or alias; detected from the checkpoint when None.
-        ema: use the EMA weights of a training checkpoint.
-        trust_pickle: allow a pickle that names arbitrary globals, such as a whole ``nn.Module`` saved with
-            ``torch.save(model)`` (this runs code from the file; only for files you trust).
-        input_shape: one sample's input shape without the batch axis; required for a pickled ``nn.Module``
-            (nothing in the file records it), ignored otherwise.
-        image_size: build a zoo vision model for ``image_size`` square inputs (Swin pads its windows, PVT
-            resamples position embeddings; models whose weights fix the resolution refuse another size).
+        path: a checkpoint (``.pth``), a ``.pt2`` program, a Hugging Face folder, a fused ``model.safetensors``,
+            or a folder ``fuse`` wrote (its ``model.pt2``, else its fused weights in the norm-free model).
+        options: ``LoadOptions`` (architecture, EMA weights, ``--trust-pickle``, input shape, image size).
 
     Raises:
         InputError: unreadable or unsafe file, weights that do not fit the architecture, a pickled module in
@@ -136,24 +120,28 @@ def load_model(
         UnsupportedModelError: unknown or undetectable architecture.
         UsageError: a pickled module without ``input_shape``.
     """
-    ckpt = load_checkpoint(path, ema=ema, trust_pickle=trust_pickle)
+    opts = options or LoadOptions()
+    arch, image_size = opts.arch, opts.image_size
+    path = Path(path)
+    if is_output_folder(path):
+        path = _output_folder_model(path)
+    ckpt = load_checkpoint(path, ema=opts.ema, trust_pickle=opts.trust_pickle)
     _check_values(ckpt)
     if ckpt.format == "torch.export":
         return _load_program(ckpt)
     if ckpt.format == "pickled-module":
-        return _load_module(ckpt, input_shape)
+        return _load_module(ckpt, opts.input_shape)
     norm = "checkpoint"
     config = ckpt.config
-    if (
-        ckpt.format in ("safetensors", "hf-safetensors", "hf-safetensors-sharded")
-        and "slabconv_version" in ckpt.metadata
-    ):
-        if ckpt.metadata.get("complete") != "true":
+    fused = FusedMetadata.read(ckpt.metadata) if ckpt.format.endswith(("safetensors", "-sharded")) else None
+    if fused is not None:
+        if not fused.complete:
             raise UnsupportedModelError(
-                f"{ckpt.path}: this fused model keeps some norms as affines; verify the model.onnx beside it"
+                f"{ckpt.path}: this fused model keeps some norms as affines, so no zoo model holds it; verify the "
+                "model.pt2 or model.onnx beside it"
             )
-        arch = arch or ckpt.metadata.get("arch")
-        config = json.loads(ckpt.metadata.get("config", "{}"))
+        arch = arch or fused.arch
+        config = fused.config
         norm = "identity"
     if image_size is not None:
         config = with_image_size(config, image_size)
@@ -182,6 +170,21 @@ def load_model(
         return spec.example(state, config, batch, seed, dtype)
 
     return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config))
+
+
+def _output_folder_model(folder: Path) -> Path:
+    """The file to load from a folder ``fuse`` wrote: ``model.pt2`` (the fused program, any model), else the
+    fused weights (in-memory: ``model.safetensors``; streamed: the folder itself, a Hugging Face folder).
+
+    Raises:
+        InputError: the folder holds neither.
+    """
+    for name in ("model.pt2", "model.safetensors"):
+        if (folder / name).is_file():
+            return folder / name
+    if (folder / "config.json").is_file():
+        return folder
+    raise InputError(f"{folder}: a slabconv output folder without model.pt2 or model.safetensors; it is incomplete")
 
 
 # Config values that size what a build allocates beyond the weights (inputs, masks, caches), with their bounds.
@@ -275,15 +278,79 @@ def _load_module(ckpt: Checkpoint, input_shape: tuple[int, ...] | None) -> Loade
 
 
 def _load_program(ckpt: Checkpoint) -> LoadedModel:
+    """A ``torch.export`` program: its one tensor input gives the input shape and dtype. A batch axis recorded as a
+    number (``torch.export.export(model, (x,))``, the default) makes the program static: it runs on exactly that
+    many samples. Integer input that only indexes embedding tables gets random ids below the smallest table's row
+    count."""
     program = ckpt.program
     user_inputs = [s.arg.name for s in program.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     if len(user_inputs) != 1:
-        raise UnsupportedModelError(f"{ckpt.path}: slabconv handles programs with one tensor input")
+        raise UnsupportedModelError(
+            f"{ckpt.path}: the program takes {len(user_inputs)} inputs; slabconv folds programs of one tensor input"
+        )
     node = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == user_inputs[0])
     val = node.meta["val"]
-    shape = tuple(int(s) if isinstance(s, int) else -1 for s in val.shape[1:])
-    if any(s < 0 for s in shape):
-        raise UnsupportedModelError(f"{ckpt.path}: only the batch axis of the input may be dynamic")
+    dims = [int(d) if isinstance(d, int) else None for d in val.shape]
+    if not dims:
+        raise UnsupportedModelError(f"{ckpt.path}: the program's input is a scalar; slabconv needs a batch axis")
+    if any(d is None for d in dims[1:]):
+        raise UnsupportedModelError(
+            f"{ckpt.path}: only the batch axis of the input may be dynamic; export with the other axes at the size "
+            "you deploy: torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim('batch')},))"
+        )
+    shape = tuple(int(d) for d in dims[1:] if d is not None)
     input_dtype = None if val.dtype.is_floating_point else val.dtype
     weights_dtype = val.dtype if val.dtype.is_floating_point else _float_dtype(ckpt.state_dict)
-    return LoadedModel(ckpt.module, ckpt, None, shape, weights_dtype, input_dtype)
+    make_input = None
+    if input_dtype is not None:
+        rows = _id_range(program, node)
+        make_input = partial(_random_ids, rows, shape, input_dtype)
+    return LoadedModel(ckpt.module, ckpt, None, shape, weights_dtype, input_dtype, make_input, batch=dims[0])
+
+
+_PASS_THROUGH = {"aten.view.default", "aten.reshape.default", "aten.clone.default", "aten.contiguous.default"}
+
+
+def _id_range(program: Any, node: Any) -> int | None:
+    """The number of rows every table the integer input ``node`` indexes has in common (the smallest), or None
+    when some use of the input is not a table lookup (then the id range is unknown)."""
+    rows: list[int] = []
+    todo, seen = [node], set()
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            target = str(user.target)
+            if target in _PASS_THROUGH or target.startswith("aten.unsqueeze") or target.startswith("aten.squeeze"):
+                todo.append(user)
+                continue
+            if target == "aten.embedding.default":
+                table = user.args[0]
+            elif target == "aten.index.Tensor" and current in (user.args[1] or []):
+                table = user.args[0]
+            elif target == "aten.index_select.default" and user.args[2] is current and user.args[1] == 0:
+                table = user.args[0]
+            else:
+                table = None
+            value = getattr(table, "meta", {}).get("val") if table is not None else None
+            if not isinstance(value, torch.Tensor) or not isinstance(value.shape[0], int):
+                return None
+            rows.append(int(value.shape[0]))
+    return min(rows) if rows else None
+
+
+def _random_ids(rows: int | None, shape: tuple[int, ...], dtype: torch.dtype, batch: int, seed: int) -> torch.Tensor:
+    """Seeded ids in ``[0, rows)`` of shape ``(batch, *shape)``.
+
+    Raises:
+        UsageError: ``rows`` is None: the ids feed something other than embedding lookups.
+    """
+    if rows is None:
+        raise UsageError(
+            "the program takes integer input that does not only index embedding tables (it feeds other ops too), so "
+            "random values could be out of range; pass the inputs to verify on with --inputs NPZ"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, rows, (batch, *shape), generator=gen, dtype=dtype)

@@ -14,9 +14,9 @@ import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from slabconv.errors import UsageError
+from slabconv.report.data import Report
 from slabconv.write.staging import check_output_file
 
 
@@ -43,61 +43,61 @@ def written_by_slabconv(path: Path) -> bool:
     return b'<testsuites name="slabconv"' in head
 
 
-def junit_tree(report: dict[str, Any]) -> ET.ElementTree:
-    """The JUnit XML tree of a verification report (``{"candidate", "verification", ...}``)."""
-    v = report["verification"]
-    checks, integrity = v["checks"], v.get("integrity", [])
-    candidate = report.get("candidate", {}).get("path") or report.get("out_dir") or "candidate"
+def junit_tree(report: Report) -> ET.ElementTree:
+    """The JUnit XML tree of a verification report: one ``<testcase>`` per check of question 1, per file check
+    and per check of question 2; ``time`` is how long the run took, shared out per case."""
+    v = report.verification
+    assert v is not None
+    candidate = (report.candidate.path if report.candidate else None) or report.out_dir or "candidate"
     classname = "slabconv.verify." + Path(str(candidate)).name.replace(".", "_")
-    failures = sum(not c["passed"] for c in checks) + sum(not i["passed"] for i in integrity)
-    root = ET.Element("testsuites", name="slabconv", tests=str(len(checks) + len(integrity)), failures=str(failures))
+    cases: list[tuple[str, bool, str, str]] = []  # name, passed, measured, failure message
+    for e in v.exact:
+        measured = f"method={e.method} error={e.error:.6g} bound={e.bound:g} worst={e.worst}"
+        cases.append((f"question 1: {e.name}", e.passed, measured, e.failure()))
+    for i in v.integrity:
+        cases.append((f"file: {i.name}", i.passed, i.detail, i.failure()))
+    for c in v.checks:
+        top1 = "n/a" if c.top1_agreement is None else f"{c.top1_agreement:.2%}"
+        measured = (
+            f"e_fused={c.e_fused:.6g} e_orig={c.e_orig if c.e_orig is None else format(c.e_orig, '.6g')} "
+            f"e_pair={c.e_pair:.6g} tolerance={c.tolerance:.6g} ({c.tolerance_from}) max_abs_err={c.max_abs_err:.6g} "
+            f"top1_decisive={top1} decisive={c.decisive} near_ties={c.near_ties} samples={c.samples} "
+            f"worst_sample={c.worst_sample} dtype={c.dtype} reference={c.reference}"
+        )
+        cases.append((f"question 2: {c.name}", c.passed, measured, c.failure()))
+    failures = sum(not passed for _, passed, _, _ in cases)
+    seconds = f"{v.seconds / max(len(cases), 1):.3f}"
+    root = ET.Element("testsuites", name="slabconv", tests=str(len(cases)), failures=str(failures))
     suite = ET.SubElement(
         root,
         "testsuite",
         name="slabconv.verify",
-        tests=str(len(checks) + len(integrity)),
+        tests=str(len(cases)),
         failures=str(failures),
         errors="0",
         skipped="0",
+        time=f"{v.seconds:.3f}",
     )
     props = ET.SubElement(suite, "properties")
     for key, value in (
-        ("slabconv_version", report.get("slabconv_version", "")),
-        ("reference", report.get("reference", {}).get("path", "")),
+        ("slabconv_version", report.slabconv_version),
+        ("reference", report.reference.path if report.reference else ""),
         ("candidate", str(candidate)),
-        ("inputs", v.get("inputs", "")),
-        ("runtime", v.get("runtime", "")),
+        ("inputs", v.inputs),
+        ("runtime", v.runtime),
     ):
         ET.SubElement(props, "property", name=key, value=str(value))
-    for c in checks:
-        case = ET.SubElement(suite, "testcase", classname=classname, name=c["name"], time="0")
-        top1 = "n/a" if c["top1_agreement"] is None else f"{c['top1_agreement']:.2%}"
-        measured = (
-            f"max_abs_err={c['max_abs_err']:.6g} max_rel_err={c['max_rel_err']:.6g} "
-            f"mean_abs_err={c['mean_abs_err']:.6g} top1_agreement={top1} worst_sample={c['worst_sample']} "
-            f"samples={c['samples']} rtol={c['tolerance']:g} atol={c['atol']:g}"
-        )
+    for note in v.notes:
+        ET.SubElement(props, "property", name="note", value=note)
+    for name, passed, measured, message in cases:
+        case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=seconds)
         ET.SubElement(case, "system-out").text = measured
-        if not c["passed"]:
-            failure = ET.SubElement(
-                case,
-                "failure",
-                type="NotEquivalent",
-                message=(
-                    f"max rel err {c['max_rel_err']:.3g} > tolerance {c['tolerance']:g} or top-1 agreement {top1} "
-                    f"< 100%; it would have needed rtol >= {c['max_rel_err']:.3g} (worst sample {c['worst_sample']})"
-                ),
-            )
-            failure.text = measured
-    for i in integrity:
-        case = ET.SubElement(suite, "testcase", classname=classname, name=i["name"], time="0")
-        ET.SubElement(case, "system-out").text = i["detail"]
-        if not i["passed"]:
-            ET.SubElement(case, "failure", type="IntegrityCheckFailed", message=i["detail"]).text = i["detail"]
+        if not passed:
+            ET.SubElement(case, "failure", type="NotEquivalent", message=message).text = measured
     return ET.ElementTree(root)
 
 
-def write_junit(report: dict[str, Any], path: Path) -> None:
+def write_junit(report: Report, path: Path) -> None:
     """Write the JUnit XML of ``report`` to ``path`` atomically (a temporary file beside it, then a rename).
 
     Raises:

@@ -1,29 +1,33 @@
-"""Verify a folded LLaMA-PRepBN folder against its original one decoder layer at a time, in bounded memory.
+"""Verification one decoder layer at a time, in bounded memory, for models too big to load whole.
 
-For models too big to load whole (``fuse --stream``, ``verify --stream``). Both folders are read lazily
-(``hf.LazyShards``). A decoder layer is built on the meta device from the zoo's ``LlamaDecoderLayer``; its norms
-are real modules loaded from their (small) tensors, and each Linear is a ``StreamedLinear`` that reads its weight
-one block of output rows at a time while it computes, so no weight is ever held whole. Compute is float32 from the
-stored weights (what the official LLaMA-PRepBN evaluation runs).
+For streamed folds (``fuse --stream``, ``verify --stream``). Both folders are read lazily (``LazyShards``).
+A decoder layer comes from the zoo's ``DecoderFamily`` on the meta device; its norms are real modules loaded from
+their (small) tensors, and each Linear is a ``StreamedLinear`` that reads its weight one block of output rows at a
+time while it computes, so no weight is ever held whole.
 
-Inputs: ``sequences`` seeded random sequences of ``seq_len`` token ids, embedded with each side's own
-``embed_tokens`` rows (read row by row). Two chains run side by side::
+The same two questions as an in-memory verification (``docs/verification.md``), layer by layer:
 
-    reference  h[i+1] = layer_i(h[i])          original layer: RepBN norms in eval, unfolded projections
-    candidate  g[i+1] = fused_i(g[i])          fused layer: norms gone, folded projections with their biases
+- **question 1** (``exact_streamed``): every written tensor equals a fresh float64 fold of the source, block by
+  block, rounded to its dtype (at most ``policy.ULPS`` units in the last place); a tensor the fold does not reach
+  must be the source's, bit for bit;
+- **question 2**: on seeded random token sequences, three chains run side by side:
 
-Check ``model.layers.i`` compares ``fused_i(h[i])`` with ``layer_i(h[i])``: the same input, so it measures that
-layer's own fold, not the error carried from earlier layers. Check ``logits`` compares ``lm_head(norm(h[L]))``
-with the fused ``lm_head(g[L])``: the whole model end to end, with next-token top-1 agreement at every position.
-Tolerances are DESIGN.md section 5's for the checkpoint dtype (float16 1e-3).
+      exact     h64[i+1] = layer_i(h64[i])  the original layer in float64     (the reference)
+      original  h[i+1]   = layer_i(h[i])    the original layer in its dtype
+      fused     g[i+1]   = fused_i(g[i])    the fused layer in its dtype
 
-Memory: one block of one weight (``block_elements`` float32 values, 16 MiB by default) plus the activations
-``(sequences, seq_len, intermediate_size)`` in float32, besides torch itself.
+  Check ``model.layers.i`` runs the original layer in float64 and in its dtype and the fused layer, all on the
+  original chain's ``h[i]``: the same input, so it measures that layer's own fold. Check ``logits`` compares the
+  three chains end to end, with next-token top-1 at every position (near-ties counted).
+
+Memory: one block of one weight (``block_elements`` values) plus the activations of the three chains.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,23 +37,25 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from slabconv.errors import InputError, UnsupportedModelError, UsageError
+from slabconv.errors import InputError, UsageError
 from slabconv.load import hf
-from slabconv.verify.policy import default_rtol
-from slabconv.verify.results import Comparison, IntegrityCheck, Verification, compare
+from slabconv.verify import judge, policy
+from slabconv.verify.results import ExactCheck, IntegrityCheck, Verification
+from slabconv.zoo.decoder import DecoderFamily, family_of
 
-Progress = Callable[[str], None]
+Progress = Callable[..., None]
+Affine = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 DEFAULT_SEQUENCES = 2
 DEFAULT_SEQ_LEN = 32
 
 
-def _no_progress(message: str) -> None:
+def _no_progress(*args: Any, **kwargs: Any) -> None:
     return None
 
 
 class StreamedLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` read from the shards one block of output rows at a time, in float32.
+    """``y = x W^T + b`` with ``W`` read from the shards one block of output rows at a time, in ``x``'s dtype.
 
     Args:
         shards: the folder's reader.
@@ -63,170 +69,143 @@ class StreamedLinear(nn.Module):
         self.has_bias = f"{name}.bias" in shards.weight_map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (..., in_features) float32 -> (..., out_features) float32."""
+        """``x`` (..., in_features) -> (..., out_features), both in ``x``'s dtype."""
         key = f"{self.name}.weight"
-        parts = [F.linear(x, block.float()) for block in self.shards.row_blocks(key, self.shards.shape(key))]
+        parts = [F.linear(x, block.to(x.dtype)) for block in self.shards.row_blocks(key, self.shards.shape(key))]
         y = torch.cat(parts, dim=-1)
         if self.has_bias:
-            y = y + self.shards.get(f"{self.name}.bias").float()
+            y = y + self.shards.get(f"{self.name}.bias").to(x.dtype)
         return y
 
 
 @dataclass
-class _Side:
-    """One folder: its reader, every tensor's (dtype, shape) from the headers, its norm layout (``linearnorm``,
-    ``repbn`` or ``identity`` once folded), and the dtype name of its weights."""
+class Folder:
+    """One folder: its reader, every tensor's (dtype, shape), its norm layout (``identity`` once folded), the
+    dtype of its weights, and its family and hyperparameters."""
 
     path: Path
     shards: hf.LazyShards
     specs: dict[str, tuple[torch.dtype, list[int]]]
+    family: DecoderFamily
     layout: str
-    dtype: str
+    dtype: torch.dtype
+    cfg: Any
+
+    @classmethod
+    def open(cls, folder: Path, block_elements: int) -> Folder:
+        """Read a folder's headers and config (no tensor data).
+
+        Raises:
+            InputError: not a folder, a damaged index or header.
+            UnsupportedModelError: not a decoder family the streamed mode knows.
+        """
+        if not folder.is_dir():
+            raise InputError(f"{folder}: not a folder; layer-by-layer verification reads Hugging Face style folders")
+        shards = hf.LazyShards.open(folder, block_elements)
+        family = family_of(shards.weight_map)
+        layout = family.norm_layout(shards.weight_map, family.layer_prefix.format(i=0) + family.layer_norms[0])
+        specs = shards.specs()
+        meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in specs.items()}
+        cfg = family.config(meta, hf.read_hf_config(folder))
+        dtype = specs[family.embed][0]
+        return cls(folder, shards, specs, family, layout or "identity", dtype, cfg)
+
+    def norm(self, prefix: str, dtype: torch.dtype) -> nn.Module:
+        """The norm at ``prefix`` loaded strictly from its tensors, in ``dtype``, eval mode."""
+        module = self.family.build_norm(self.layout, self.cfg)
+        if self.layout == "identity":
+            return module
+        state = {k[len(prefix) + 1 :]: self.shards.get(k) for k in self.shards.weight_map if k.startswith(prefix + ".")}
+        try:
+            module.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise InputError(f"{self.path}: the norm {prefix} does not fit the {self.layout} layout ({err})") from None
+        return module.to(dtype).eval()
+
+    def layer(self, i: int, dtype: torch.dtype) -> nn.Module:
+        """Decoder layer ``i`` in ``dtype``: built on the meta device, Linears streamed, norms real."""
+        prefix = self.family.layer_prefix.format(i=i)
+        layer = self.family.build_layer(self.cfg)
+        for owner_name, owner in list(layer.named_modules()):
+            for child_name, child in list(owner.named_children()):
+                if isinstance(child, nn.Linear):
+                    full = f"{owner_name}.{child_name}" if owner_name else child_name
+                    setattr(owner, child_name, StreamedLinear(self.shards, prefix + full))
+        for name in self.family.layer_norms:
+            setattr(layer, name, self.norm(prefix + name, dtype))
+        return layer.eval()
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Embedding rows of ``ids`` ``(B, T)`` -> ``(B, T, C)`` in ``dtype``, reading only the rows used."""
+        used = sorted({int(t) for t in ids.reshape(-1)})
+        table = torch.cat([self.shards.rows(self.family.embed, t, t + 1).to(dtype) for t in used])
+        lookup = {t: j for j, t in enumerate(used)}
+        return table[torch.tensor([[lookup[int(t)] for t in row] for row in ids])]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head on hidden states ``h``, in ``h``'s dtype."""
+        return StreamedLinear(self.shards, self.family.head)(self.norm(self.family.final_norm, h.dtype)(h))
 
 
-def _open_side(folder: Path, block_elements: int) -> _Side:
-    from slabconv.zoo.llama import norm_layout
-
-    if not folder.is_dir():
-        raise InputError(f"{folder}: not a folder; layer-by-layer verification reads Hugging Face style folders")
-    shards = hf.LazyShards.open(folder, block_elements)
-    if "model.embed_tokens.weight" not in shards.weight_map or "lm_head.weight" not in shards.weight_map:
-        raise UnsupportedModelError(
-            f"{folder}: layer-by-layer verification supports LLaMA-layout folders only (model.embed_tokens, lm_head)"
-        )
-    layout = norm_layout(shards.weight_map, "model.layers.0.input_layernorm") or "identity"  # type: ignore[arg-type]
-    specs = shards.specs()
-    return _Side(folder, shards, specs, layout, str(specs["lm_head.weight"][0]).removeprefix("torch."))
-
-
-def _norm(side: _Side, prefix: str, eps: float, hidden: int) -> nn.Module:
-    """The norm at ``prefix`` (``model.layers.0.input_layernorm``), loaded strictly from its tensors, float32."""
-    from slabconv.zoo.llama import norm_factory
-
-    module = norm_factory(side.layout, eps)(hidden)
-    if side.layout == "identity":
-        return module
-    state = {k[len(prefix) + 1 :]: side.shards.get(k) for k in side.shards.weight_map if k.startswith(prefix + ".")}
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise InputError(f"{side.path}: the norm {prefix} does not fit the {side.layout} layout ({err})") from None
-    return module.float().eval()
-
-
-def _layer(side: _Side, cfg: Any, i: int) -> nn.Module:
-    """Decoder layer ``i`` of one side: built on the meta device, Linears streamed, norms real."""
-    from slabconv.zoo.llama import LlamaDecoderLayer, norm_factory
-
-    prefix = f"model.layers.{i}."
-    with torch.device("meta"):
-        layer = LlamaDecoderLayer(cfg, norm_factory("identity"), persistent_rope=False)
-    for owner_name, owner in list(layer.named_modules()):
-        for child_name, child in list(owner.named_children()):
-            if isinstance(child, nn.Linear):
-                full = f"{owner_name}.{child_name}" if owner_name else child_name
-                setattr(owner, child_name, StreamedLinear(side.shards, prefix + full))
-    for name in ("input_layernorm", "post_attention_layernorm"):
-        setattr(layer, name, _norm(side, prefix + name, cfg.rms_norm_eps, cfg.hidden_size))
-    return layer.eval()
-
-
-def _embed(side: _Side, ids: torch.Tensor) -> torch.Tensor:
-    """``embed_tokens`` rows of ``ids`` (B, T) -> (B, T, C) float32, reading only the rows used."""
-    key = "model.embed_tokens.weight"
-    used = sorted({int(t) for t in ids.reshape(-1)})
-    table = torch.cat([side.shards.rows(key, t, t + 1).float() for t in used])
-    lookup = {t: j for j, t in enumerate(used)}
-    return table[torch.tensor([[lookup[int(t)] for t in row] for row in ids])]
-
-
-def _config(side: _Side, config: dict[str, Any]) -> Any:
-    from slabconv.zoo.llama import llama_config
-
-    meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in side.specs.items()}
-    return llama_config(meta, config)  # type: ignore[arg-type]  # shapes are all it reads
-
-
-def verify_folders(
-    reference: Path | str,
-    candidate: Path | str,
-    *,
-    sequences: int = DEFAULT_SEQUENCES,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    seed: int = 0,
-    rtol: float | None = None,
-    atol: float = 0.0,
-    block_elements: int = 1 << 22,
-    progress: Progress = _no_progress,
-) -> Verification:
-    """Compare two LLaMA-PRepBN folders (sharded or single safetensors) decoder layer by decoder layer.
+def exact_streamed(source: Folder, written: Folder, folded: Mapping[str, Affine]) -> ExactCheck:
+    """Question 1 for a streamed output: every tensor of ``written`` against a fresh float64 fold of ``source``.
 
     Args:
-        reference: the original folder (RepBN norms).
-        candidate: the folded folder (or any folder of the same model; each side runs with its own norms).
-        sequences, seq_len: the inputs: seeded random token ids ``(sequences, seq_len)`` (seq_len capped by
-            ``max_position_embeddings``).
-        seed: seed of the token ids.
-        rtol: relative tolerance (default by the reference's dtype, DESIGN.md section 5); atol also accepted.
-        block_elements: elements per weight block read (memory bound).
-        progress: called once per layer.
+        source: the original folder.
+        written: the fused folder.
+        folded: weight key of each Linear a norm folds into -> the float64 ``(scale, shift)`` of that norm.
 
     Returns:
-        A ``Verification``: one ``Comparison`` per decoder layer (``model.layers.<i>``, shape ``(sequences,
-        seq_len, hidden_size)``) and one for the logits (``(sequences, seq_len, vocab_size)``, top-1 at every
-        position); integrity: both folders' tensor lists agree (the candidate has no tensor the reference lacks,
-        besides biases created by folds).
-
-    Raises:
-        InputError, UnsupportedModelError: not LLaMA-layout folders, different shapes or layer counts.
-        UsageError: fewer than one sequence or token.
+        An ``ExactCheck`` (method ``tensors``) over every tensor of ``written``.
     """
-    if sequences < 1 or seq_len < 1:
-        raise UsageError(f"--samples must be at least 1 (got {sequences}); seq_len too (got {seq_len})")
-    ref, cand = _open_side(Path(reference), block_elements), _open_side(Path(candidate), block_elements)
-    hf.return_freed_blocks_to_the_os()
-    config = hf.read_hf_config(ref.path)
-    cfg = _config(ref, config)
-    if _config(cand, config) != cfg:
-        raise InputError(f"{reference} and {candidate} have different sizes; they are not the same model")
-    tol = default_rtol(ref.dtype, rtol)
-    t = max(1, min(seq_len, cfg.max_position_embeddings))
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (sequences, t), generator=gen)
-    from slabconv.zoo.llama import rope_cos_sin
+    from slabconv import fold
 
-    cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, torch.float32)
-    mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)
-    checks: list[Comparison] = []
-    with torch.no_grad():
-        h, g = _embed(ref, ids), _embed(cand, ids)
-        for i in range(cfg.num_hidden_layers):
-            progress(f"decoder layer {i + 1}/{cfg.num_hidden_layers}")
-            h_next = _layer(ref, cfg, i)(h, cos, sin, mask)
-            both = _layer(cand, cfg, i)(torch.cat([h, g]), cos, sin, mask)
-            own, g = both[:sequences], both[sequences:]
-            checks.append(compare(f"model.layers.{i} @ pytorch float32", h_next.numpy(), own.numpy(), tol, atol))
-            h = h_next
-        progress("final norm and lm_head")
-        ref_logits = StreamedLinear(ref.shards, "lm_head")(
-            _norm(ref, "model.norm", cfg.rms_norm_eps, cfg.hidden_size)(h)
-        )
-        cand_logits = StreamedLinear(cand.shards, "lm_head")(
-            _norm(cand, "model.norm", cfg.rms_norm_eps, cfg.hidden_size)(g)
-        )
-        checks.append(
-            compare("logits @ pytorch float32", ref_logits.numpy(), cand_logits.numpy(), tol, atol, token_logits=True)
-        )
-    return Verification(
-        checks,
-        [_keys_check(ref, cand)],
-        runtime=f"pytorch {torch.__version__} float32, one decoder layer at a time",
-        inputs=f"{sequences} random token sequences of length {t}, seed {seed}",
-        inputs_sha256=_sha256(ids.numpy()),
+    worst, worst_name = 0.0, ""
+    for key in written.shards.weight_map:
+        weight_key = key.removesuffix(".bias") + ".weight"
+        if key in folded:
+            scale, shift = folded[key](key)
+            start = 0
+            for block in source.shards.row_blocks(key, source.shards.shape(key)):
+                exact, _ = fold.fold_into_linear(block.double(), None, scale, shift)
+                got = written.shards.rows(key, start, start + len(block))
+                distance = judge.ulps(got, exact)
+                worst, worst_name = max((worst, worst_name), (distance, key))
+                start += len(block)
+        elif key.endswith(".bias") and weight_key in folded:
+            scale, shift = folded[weight_key](weight_key)
+            old = source.shards.get(key).double() if key in source.shards.weight_map else None
+            parts, start = [], 0
+            for block in source.shards.row_blocks(weight_key, source.shards.shape(weight_key)):
+                part = None if old is None else old[start : start + len(block)]
+                parts.append(fold.fold_into_linear(block.double(), part, scale, shift)[1])
+                start += len(block)
+            distance = judge.ulps(written.shards.get(key), torch.cat(parts))
+            worst, worst_name = max((worst, worst_name), (distance, key))
+        elif key in source.shards.weight_map:
+            for block, exact in zip(
+                written.shards.row_blocks(key, written.shards.shape(key)),
+                source.shards.row_blocks(key, source.shards.shape(key)),
+                strict=True,
+            ):
+                distance = 0.0 if torch.equal(block, exact) else math.inf
+                worst, worst_name = max((worst, worst_name), (distance, key))
+        else:
+            worst, worst_name = math.inf, key  # a tensor neither in the source nor made by a fold
+    return ExactCheck(
+        name=f"{written.path.name} vs a float64 fold of {source.path.name}, block by block",
+        passed=bool(worst <= policy.ULPS),
+        method="tensors",
+        error=worst,
+        bound=policy.ULPS,
+        worst=worst_name,
+        detail=f"{len(written.shards.weight_map)} tensors, at most {worst:.2g} ulps from the float64 fold"
+        if worst <= policy.ULPS
+        else "the written weights are not the fold of this source",
     )
 
 
-def _keys_check(ref: _Side, cand: _Side) -> IntegrityCheck:
+def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:
     """Every candidate tensor is a reference tensor, or a bias beside a reference weight (created by a fold)."""
     extra = [
         k
@@ -240,7 +219,97 @@ def _keys_check(ref: _Side, cand: _Side) -> IntegrityCheck:
     return IntegrityCheck(name, True, f"{len(cand.shards.weight_map)} tensors, all known to the reference")
 
 
-def _sha256(array: np.ndarray) -> str:
-    import hashlib
+def verify_folders(
+    reference: Path | str,
+    candidate: Path | str,
+    *,
+    sequences: int = DEFAULT_SEQUENCES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    seed: int = 0,
+    rtol: float | None = None,
+    atol: float = 0.0,
+    strict: bool = False,
+    folded: Mapping[str, Affine] | None = None,
+    block_elements: int = 1 << 22,
+    progress: Progress = _no_progress,
+) -> Verification:
+    """Both questions for two decoder folders (sharded or single safetensors), one decoder layer at a time.
 
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    Args:
+        reference: the original folder (RepBN norms).
+        candidate: the fused folder (or any folder of the same model; each side runs with its own norms).
+        sequences, seq_len: the inputs: seeded random token ids ``(sequences, seq_len)`` (``seq_len`` capped by
+            the model's positions).
+        seed: seed of the token ids.
+        rtol, atol, strict: as ``judge.judge_output``.
+        folded: the fold plan (weight key -> affine), for question 1; None: question 1 is not answered.
+        block_elements: elements per weight block read (the memory bound).
+        progress: called once per layer.
+
+    Returns:
+        A ``Verification``: question 1 (when ``folded``), one check per decoder layer and one for the logits,
+        and an integrity check of the candidate's tensor names.
+
+    Raises:
+        InputError, UnsupportedModelError: not decoder folders of a known family, different sizes.
+        UsageError: fewer than one sequence or token.
+    """
+    if sequences < 1 or seq_len < 1:
+        raise UsageError(f"--samples must be at least 1 (got {sequences}); seq_len too (got {seq_len})")
+    ref, cand = Folder.open(Path(reference), block_elements), Folder.open(Path(candidate), block_elements)
+    hf.return_freed_blocks_to_the_os()
+    if cand.cfg != ref.cfg:
+        raise InputError(f"{reference} and {candidate} have different sizes; they are not the same model")
+    family, cfg, dtype = ref.family, ref.cfg, ref.dtype
+    name = str(dtype).removeprefix("torch.")
+    t = max(1, min(seq_len, family.max_positions(cfg)))
+    ids = torch.randint(0, family.vocab_size(cfg), (sequences, t), generator=torch.Generator().manual_seed(seed))
+    verification = Verification(
+        inputs=f"{sequences} random token sequences of length {t}, seed {seed}",
+        inputs_sha256=hashlib.sha256(np.ascontiguousarray(ids.numpy()).tobytes()).hexdigest(),
+        reference="the original model in float64 (pytorch), one decoder layer at a time",
+        runtime=f"pytorch {torch.__version__} {name}, one decoder layer at a time",
+    )
+    if folded is not None:
+        progress("verifying: question 1, the written tensors against a float64 fold")
+        verification.exact.append(exact_streamed(ref, cand, folded))
+    verification.integrity.append(_keys_check(ref, cand))
+    extra64, extra = family.layer_inputs(cfg, t, torch.float64), family.layer_inputs(cfg, t, dtype)
+    layers = family.num_layers(cfg)
+    with torch.no_grad():
+        h64, h, g = ref.embed(ids, torch.float64), ref.embed(ids, dtype), cand.embed(ids, dtype)
+        for i in range(layers):
+            progress("verifying: question 2, one decoder layer at a time", i, layers, f"decoder layer {i}")
+            both64 = ref.layer(i, torch.float64)(torch.cat([h.double(), h64]), *extra64)
+            exact, h64 = both64[:sequences], both64[sequences:]
+            original = ref.layer(i, dtype)(h, *extra)
+            both = cand.layer(i, dtype)(torch.cat([h, g]), *extra)
+            fused, g = both[:sequences], both[sequences:]
+            verification.checks.append(
+                judge.judge_output(
+                    f"model.layers.{i} @ pytorch {name}",
+                    fused.double().numpy(),
+                    dtype=name,
+                    original=original.double().numpy(),
+                    reference64=exact.numpy(),
+                    rtol=rtol,
+                    atol=atol,
+                    strict=strict,
+                )
+            )
+            h = original
+        progress("verifying: question 2, one decoder layer at a time", layers, layers, "final norm and head")
+        verification.checks.append(
+            judge.judge_output(
+                f"logits @ pytorch {name}",
+                cand.logits(g).double().numpy(),
+                dtype=name,
+                original=ref.logits(h).double().numpy(),
+                reference64=ref.logits(h64).numpy(),
+                rtol=rtol,
+                atol=atol,
+                strict=strict,
+                token_logits=True,
+            )
+        )
+    return verification

@@ -1,65 +1,151 @@
-"""Equivalence checks: a reference model against a candidate, per output, with the DESIGN.md section 5 policy.
+"""What a verification found, as objects: one per question answered, per output and runtime, per file check.
 
-Relative error = max |candidate - reference| / max |reference| over an output. Default tolerances by the
-reference's dtype: float32 1e-5, float16 1e-3, bfloat16 1e-2. Top-1 agreement (argmax over the last axis of
-a ``(B, K)`` output) must be 100%. NaN anywhere fails. A failing result says the tolerance that would have
-been needed, never widens its own.
+The two questions of the policy (``slabconv.verify.policy``, ``docs/verification.md``):
 
-Besides the numbers, a verification holds integrity checks of the written files: ``onnx.checker`` with
-``full_check`` on every ONNX file, and a reload of every safetensors file (bit-equal to what was written).
-Every check, numeric or integrity, must pass.
+- ``ExactCheck`` answers question 1, *is the fold exact?*: the fused graph in float64 against the original in
+  float64 (``method="graph"``), or the written tensors against a fresh float64 fold (``method="tensors"``).
+- ``OutputCheck`` answers question 2, *are the written files as good as the original?*, for one output of one
+  artifact under one runtime: its error against the float64 reference, the original's own error, the bound
+  applied and why, top-1 on decisive samples and the near-ties counted.
+
+``IntegrityCheck`` covers file checks that are not numbers (``onnx.checker``, a safetensors reload). A
+``Verification`` holds them all; every check must pass. Failure lines name the question and the numbers in
+words that cannot be misread: what was measured, the bound it exceeded, and where the bound came from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
-from slabconv.errors import InputError
+QUESTION_1 = "question 1 (is the fold exact?)"
+QUESTION_2 = "question 2 (are the written files as good as the original?)"
 
 
 @dataclass
-class Comparison:
-    """One output compared under one runtime setting.
+class ExactCheck:
+    """Question 1 for the whole model (``method="graph"``) or for one written file (``method="tensors"``).
 
     Attributes:
-        name: what was compared (``output @ onnxruntime[all-optimizations]``).
-        passed: relative error within ``tolerance`` (or absolute error within ``atol``), top-1 agreement 1.0,
-            no NaN/Inf.
-        samples: number of input samples.
-        max_abs_err: max |candidate - reference|.
-        max_rel_err: max_abs_err / max |reference| (DESIGN.md section 5).
-        mean_abs_err: mean |candidate - reference|.
-        top1_agreement: fraction of samples whose argmax agrees (None for outputs that are not logits).
-        worst_sample: index of the sample with the largest absolute error.
-        tolerance: the relative tolerance applied.
+        name: what was checked (``fused graph vs original, both float64`` / ``model.safetensors vs float64 fold``).
+        passed: within ``bound``.
+        method: ``graph``: relative error of every output, fused float64 graph vs original float64 graph;
+            ``tensors``: largest distance of a written tensor from the fresh float64 fold rounded to its dtype, in
+            units in the last place (ulps).
+        error: the relative error (graph) or the largest distance in ulps (tensors).
+        bound: the most allowed (``EXACT_RTOL`` or ``ULPS``).
+        worst: the output or tensor where ``error`` was measured.
+        detail: one line for people.
+    """
+
+    name: str
+    passed: bool
+    method: str
+    error: float
+    bound: float
+    worst: str = ""
+    detail: str = ""
+
+    def failure(self) -> str:
+        """The line that says what failed, for a failed check."""
+        if self.method == "graph":
+            return (
+                f"{QUESTION_1} failed: the fused graph in float64 differs from the original in float64 by "
+                f"{self.error:.3g} (relative, at {self.worst}), more than float64 rounding allows ({self.bound:g}): "
+                "the fold is wrong"
+            )
+        return (
+            f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r} is {self.error:.3g} units in the last place "
+            f"away from a fresh float64 fold rounded to its dtype (at most {self.bound:g} allowed): {self.detail}"
+        )
+
+
+@dataclass
+class OutputCheck:
+    """Question 2 for one output of one artifact under one runtime.
+
+    Attributes:
+        name: ``<output> @ <runtime>`` (e.g. ``output @ onnxruntime[all-optimizations]``).
+        passed: finite, ``e_fused <= tolerance`` (or ``max_abs_err <= atol``), and top-1 agrees with the reference
+            on every decisive sample.
+        dtype: the dtype the artifact ran in.
+        samples: input samples compared.
+        reference: ``float64`` (the original model evaluated in float64) or ``original`` (``--strict``, or no
+            float64 reference: an ``.onnx`` reference).
+        e_fused: ``max |artifact - reference| / max |reference|`` over the output.
+        e_orig: the same for the original model in its own dtype (None without a float64 reference); ``inf``
+            when the original overflows its dtype.
+        e_pair: ``max |artifact - original| / max |original|``, for information.
+        tolerance: the bound ``e_fused`` was held to.
+        tolerance_from: ``tol_dtype`` (the dtype's own tolerance), ``2*e_orig`` (twice the original's error, when
+            larger), ``--rtol`` (given), ``--strict`` (pair comparison).
+        max_abs_err, mean_abs_err: of ``artifact - reference``.
+        worst_sample: the sample with the largest absolute error.
+        top1_agreement: fraction of decisive samples whose argmax equals the reference's (None: not logits).
+        decisive, near_ties: samples (positions, for a language model) judged, and those whose reference margin
+            between the first two logits is within ``tol_dtype * max |logit|`` (counted, not judged).
         atol: an absolute tolerance also accepted (0 unless given).
     """
 
     name: str
     passed: bool
+    dtype: str
     samples: int
-    max_abs_err: float
-    max_rel_err: float
-    mean_abs_err: float
-    top1_agreement: float | None
-    worst_sample: int
+    reference: str
+    e_fused: float
+    e_orig: float | None
+    e_pair: float
     tolerance: float
+    tolerance_from: str
+    max_abs_err: float
+    mean_abs_err: float
+    worst_sample: int
+    top1_agreement: float | None = None
+    decisive: int | None = None
+    near_ties: int | None = None
     atol: float = 0.0
 
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
-
     def summary(self) -> str:
-        """A line saying what happened; on failure, the tolerance that would have been needed."""
-        top1 = "" if self.top1_agreement is None else f", top-1 agreement {self.top1_agreement:.2%}"
-        text = f"{self.name}: max rel err {self.max_rel_err:.3g} (tolerance {self.tolerance:g}){top1}"
-        if not self.passed:
-            text += f"; it would have needed rtol >= {self.max_rel_err:.3g} (worst sample {self.worst_sample})"
+        """One line: the numbers and the bound; on failure, what would have been needed."""
+        against = "the float64 reference" if self.reference == "float64" else "the original"
+        text = f"{self.name}: error {_g(self.e_fused)} against {against} (allowed {self.tolerance:.3g}, {self._why()})"
+        if self.e_orig is not None:
+            text += f"; original's own error {_g(self.e_orig)}; fused vs original {_g(self.e_pair)}"
+        if self.top1_agreement is not None:
+            text += f"; top-1 {self.top1_agreement:.2%} of {self.decisive} decisive"
+            text += f", {self.near_ties} near-ties not judged" if self.near_ties else ""
         return text
+
+    def _why(self) -> str:
+        return {
+            "tol_dtype": f"{self.dtype}'s tolerance",
+            "2*e_orig": "twice the original's own error",
+            "--rtol": "--rtol",
+            "--strict": f"--strict: {self.dtype}'s tolerance on fused vs original",
+        }.get(self.tolerance_from, self.tolerance_from)
+
+    def failure(self) -> str:
+        """The line that says which question failed and by how much."""
+        where = f"{QUESTION_2} failed for {self.name}: "
+        if not math.isfinite(self.e_fused):
+            return where + "its output is not finite (NaN or Inf) where the reference is finite"
+        if self.e_fused > self.tolerance and not (self.atol and self.max_abs_err <= self.atol):
+            return (
+                where + f"its error {_g(self.e_fused)} is above the allowed {self.tolerance:.3g} ({self._why()}); "
+                f"it would have needed --rtol {self.e_fused:.3g} (worst sample {self.worst_sample})"
+            )
+        bad = self.decisive - round((self.top1_agreement or 0.0) * self.decisive) if self.decisive else 0
+        return (
+            where + f"its top-1 differs from the reference on {bad} of {self.decisive} decisive samples "
+            f"({self.near_ties or 0} near-ties not judged)"
+        )
+
+
+def _g(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.3g}" if math.isfinite(x) else "not finite"
 
 
 @dataclass
@@ -76,133 +162,79 @@ class IntegrityCheck:
     passed: bool
     detail: str
 
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+    def failure(self) -> str:
+        return f"{self.name} failed: {self.detail}"
 
 
 @dataclass
 class Verification:
-    """Every check of one verification run; ``to_dict`` is the report's ``verification`` block."""
+    """Every check of one verification run; ``to_dict`` is the report's ``verification`` block.
 
-    checks: list[Comparison]
+    Attributes:
+        exact: question 1 (empty when it does not apply: a candidate slabconv did not write; see ``notes``).
+        checks: question 2, one per output, artifact and runtime.
+        integrity: file checks.
+        notes: one line each for what was not checked, and why (a runtime that cannot run an artifact, an
+            original that overflows its dtype, question 1 not applicable).
+        inputs: the ``.npz`` used, or ``random(seed=S, samples=N)``.
+        inputs_sha256: sha256 of the ``.npz`` (None for random inputs).
+        reference: what the reference was (``original model in float64 (pytorch)``).
+        runtime: the runtime(s) the artifacts ran in, in short (``onnxruntime 1.x``, ``pytorch 2.x``).
+        generation: the greedy-generation comparison of a language model (``--generate``), or None.
+        seconds: how long the verification took (wall time).
+    """
+
+    exact: list[ExactCheck] = field(default_factory=list)
+    checks: list[OutputCheck] = field(default_factory=list)
     integrity: list[IntegrityCheck] = field(default_factory=list)
-    runtime: str = ""
+    notes: list[str] = field(default_factory=list)
     inputs: str = ""
     inputs_sha256: str | None = None
+    reference: str = ""
+    runtime: str = ""
+    generation: dict[str, Any] | None = None
+    seconds: float = 0.0
 
     @property
     def passed(self) -> bool:
-        return bool(self.checks) and all(c.passed for c in self.checks) and all(i.passed for i in self.integrity)
+        generated = self.generation is None or bool(self.generation.get("passed"))
+        parts: list[ExactCheck | OutputCheck | IntegrityCheck] = [*self.exact, *self.checks, *self.integrity]
+        return bool(self.checks) and all(c.passed for c in parts) and generated
+
+    def failures(self) -> list[str]:
+        """One line per failed check: question 1 first, then the files, then question 2."""
+        lines = [c.failure() for c in self.exact if not c.passed]
+        lines += [c.failure() for c in self.integrity if not c.passed]
+        lines += [c.failure() for c in self.checks if not c.passed]
+        if self.generation is not None and not self.generation.get("passed"):
+            lines.append(f"generation failed: {self.generation.get('detail', '')}")
+        return lines
+
+    def failure_line(self) -> str:
+        """The first failure, for the one-line error of ``fuse`` / ``verify``."""
+        failures = self.failures()
+        return failures[0] if failures else "no check ran"
 
     def to_dict(self) -> dict[str, Any]:
-        agreements = [c.top1_agreement for c in self.checks if c.top1_agreement is not None]
+        pair = [c.e_pair for c in self.checks]
+        top1 = [c.top1_agreement for c in self.checks if c.top1_agreement is not None]
         return {
             "passed": self.passed,
+            "question_1_exact": (all(c.passed for c in self.exact) if self.exact else None),
+            "question_2_files": all(c.passed for c in self.checks) and all(i.passed for i in self.integrity),
             "samples": self.checks[0].samples if self.checks else 0,
             "max_abs_err": max((c.max_abs_err for c in self.checks), default=0.0),
-            "max_rel_err": max((c.max_rel_err for c in self.checks), default=0.0),
-            "top1_agreement": min(agreements) if agreements else None,
-            "tolerance": self.checks[0].tolerance if self.checks else None,
-            "atol": self.checks[0].atol if self.checks else 0.0,
+            "max_rel_err": max(pair, default=0.0),
+            "top1_agreement": min(top1) if top1 else None,
+            "tolerance": max((c.tolerance for c in self.checks), default=None),
+            "reference": self.reference,
             "runtime": self.runtime,
             "inputs": self.inputs,
             "inputs_sha256": self.inputs_sha256,
-            "checks": [c.to_dict() for c in self.checks],
-            "integrity": [i.to_dict() for i in self.integrity],
+            "exact": [asdict(c) for c in self.exact],
+            "checks": [asdict(c) for c in self.checks],
+            "integrity": [asdict(c) for c in self.integrity],
+            "notes": list(self.notes),
+            "generation": self.generation,
+            "seconds": self.seconds,
         }
-
-
-def failure_line(verification: Mapping[str, Any]) -> str:
-    """One line naming the worst failing check of a ``verification`` block and the tolerance it needed."""
-    bad_files = [i for i in verification.get("integrity", []) if not i["passed"]]
-    if bad_files:
-        return f"{bad_files[0]['name']} failed: {bad_files[0]['detail']}"
-    failing = [c for c in verification["checks"] if not c["passed"]] or verification["checks"]
-    worst = max(failing, key=lambda c: (np.nan_to_num(c["max_rel_err"], nan=np.inf), c["name"]))
-    top1 = "" if worst["top1_agreement"] is None else f", top-1 agreement {worst['top1_agreement']:.2%}"
-    return (
-        f"{worst['name']}: max rel err {worst['max_rel_err']:.3g} > tolerance {worst['tolerance']:g}{top1} "
-        f"(worst sample {worst['worst_sample']}); it would have needed rtol >= {worst['max_rel_err']:.3g}"
-    )
-
-
-def compare(
-    name: str,
-    reference: np.ndarray,
-    candidate: np.ndarray,
-    rtol: float,
-    atol: float = 0.0,
-    token_logits: bool = False,
-) -> Comparison:
-    """Compare two outputs of shape ``(B, ...)`` (float arrays, same shape).
-
-    Top-1 agreement is taken over the last axis of a ``(B, K)`` output, and with ``token_logits`` (a language
-    model's ``(B, T, V)`` logits) over the last axis at every one of the ``B * T`` positions.
-
-    Raises:
-        ValueError: the shapes differ.
-    """
-    if reference.shape != candidate.shape:
-        raise ValueError(f"{name}: output shapes differ: reference {reference.shape}, candidate {candidate.shape}")
-    ref = reference.astype(np.float64)
-    cand = candidate.astype(np.float64)
-    diff = np.abs(cand - ref)
-    finite = bool(np.isfinite(ref).all() and np.isfinite(cand).all())
-    max_abs = float(diff.max()) if diff.size else 0.0
-    scale = float(np.abs(ref).max()) if ref.size else 0.0
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    per_sample = diff.reshape(diff.shape[0], -1).max(axis=1) if diff.ndim and diff.size else np.zeros(1)
-    top1 = None
-    if (ref.ndim == 2 or (token_logits and ref.ndim >= 2)) and ref.shape[-1] > 1:
-        top1 = float((ref.argmax(axis=-1) == cand.argmax(axis=-1)).mean())
-    passed = finite and (max_rel <= rtol or max_abs <= atol) and (top1 is None or top1 == 1.0)
-    return Comparison(
-        name=name,
-        passed=passed,
-        samples=int(ref.shape[0]) if ref.ndim else 1,
-        max_abs_err=max_abs if finite else float("nan"),
-        max_rel_err=max_rel if finite else float("nan"),
-        mean_abs_err=float(diff.mean()) if diff.size and finite else (0.0 if finite else float("nan")),
-        top1_agreement=top1,
-        worst_sample=int(np.nan_to_num(per_sample, nan=np.inf).argmax()),
-        tolerance=rtol,
-        atol=atol,
-    )
-
-
-def compare_runtimes(
-    reference: Sequence[np.ndarray],
-    reference_names: Sequence[str],
-    candidate: Sequence[np.ndarray],
-    label: str,
-    rtol: float,
-    atol: float = 0.0,
-    token_logits: bool = False,
-) -> list[Comparison]:
-    """One ``Comparison`` per output, named ``<output> @ <label>``.
-
-    Raises:
-        InputError: the two models have different numbers of outputs or different output shapes (they are
-            not the same model, e.g. a checkpoint of another architecture).
-    """
-    if len(reference) != len(candidate):
-        raise InputError(
-            f"the reference has {len(reference)} outputs but {label} gives {len(candidate)}; "
-            "compare two versions of the same model"
-        )
-    out = []
-    for name, ref, cand in zip(reference_names, reference, candidate, strict=True):
-        if ref.shape != cand.shape:
-            raise InputError(
-                f"output {name!r}: the reference gives shape {ref.shape} but {label} gives {cand.shape}; "
-                "the two files are not the same model (a different architecture or class count?)"
-            )
-        out.append(compare(f"{name} @ {label}", ref, cand, rtol, atol, token_logits))
-    return out
-
-
-def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
-    """The names used in check names: the ONNX names when known, else ``output`` / ``output.<i>``."""
-    if names is not None and len(names) == count:
-        return list(names)
-    return ["output"] if count == 1 else [f"output.{i}" for i in range(count)]

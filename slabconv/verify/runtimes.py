@@ -1,10 +1,17 @@
-"""Ways of running a model on an array of inputs: PyTorch, onnxruntime (optimisations off and on), in chunks."""
+"""Ways of running a model on an array of inputs: PyTorch (any dtype), onnxruntime (optimisations off and on).
+
+Inputs travel as numpy arrays: float32 for floating inputs (numpy has no bfloat16) and int64 token ids. Every
+runtime rounds float inputs to the dtype it runs in, the way the model would see them; the float64 reference
+rounds them to the checkpoint's dtype first (``round_to``), so all sides compute on the same values. Outputs come
+back as float64 numpy arrays.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,47 +27,67 @@ class Runtime:
     """One way of running a model: a label for the report and a function from inputs to outputs.
 
     Attributes:
-        label: ``onnxruntime[no-optimizations]``, ``pytorch 2.13.0``, ...
-        run: takes a float32 array ``(B, ...)``, returns every output as a numpy array ``(B, ...)``.
+        label: ``onnxruntime[no-optimizations]``, ``pytorch 2.13.0 float16``, ...
+        run: takes an array ``(B, ...)`` (float32 or int64), returns every output as float64 ``(B, ...)``.
+        dtype: the dtype the model computes in (``float16``...): it sets the tolerance.
         output_names: names of the outputs when the format has them (ONNX), else None.
         fixed_batch: the batch size the model requires when its batch axis is not dynamic.
     """
 
     label: str
     run: Run
+    dtype: str = "float32"
     output_names: list[str] | None = None
     fixed_batch: int | None = None
 
 
-def torch_runner(model: nn.Module, dtype: torch.dtype) -> Run:
-    """Run ``model`` on an array (float inputs cast to ``dtype``, integer ids as they are), returning every
-    tensor output (tuples, lists and dicts flattened)."""
+class RuntimeUnavailable(Exception):
+    """A runtime cannot run an artifact (onnxruntime's CPU provider has no bfloat16 MatMul): not an error of the
+    file; the verification says so in a note and runs the artifact elsewhere."""
+
+
+def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | None = None) -> Run:
+    """Run ``model`` on an array: float inputs rounded to ``round_to`` (when given), then cast to ``dtype``;
+    integer ids as they are. Every tensor output (tuples, lists and dicts flattened) comes back as float64."""
 
     def run(x: np.ndarray) -> list[np.ndarray]:
         t = torch.from_numpy(x)
+        if t.is_floating_point():
+            t = t.to(round_to).to(dtype) if round_to is not None else t.to(dtype)
         with torch.no_grad():
-            out = model(t.to(dtype) if t.is_floating_point() else t)
+            out = model(t)
         leaves = torch.utils._pytree.tree_leaves(out)
-        return [t.detach().float().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
+        return [o.detach().cpu().double().numpy() for o in leaves if isinstance(o, torch.Tensor)]
 
     return run
 
 
+def torch_runtime(model: nn.Module, dtype: torch.dtype, what: str, fixed_batch: int | None = None) -> Runtime:
+    """``model`` in PyTorch in ``dtype``, labelled ``pytorch <version> <dtype> (<what>)``."""
+    name = str(dtype).removeprefix("torch.")
+    label = f"pytorch {torch.__version__} {name} ({what})"
+    return Runtime(label, torch_runner(model, dtype), name, fixed_batch=fixed_batch)
+
+
 _ORT_DTYPES = {
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(int64)": np.int64,
+    "tensor(float)": (np.float32, "float32"),
+    "tensor(float16)": (np.float16, "float16"),
+    "tensor(double)": (np.float64, "float64"),
+    "tensor(int64)": (np.int64, None),
+    "tensor(int32)": (np.int32, None),
 }
+_ORT_OUTPUT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64"}
+_ORT_OUTPUT_DTYPES["tensor(bfloat16)"] = "bfloat16"
 
 
 def onnx_runtimes(path: Path) -> list[Runtime]:
     """onnxruntime on CPU with graph optimisations disabled and fully enabled (an optimiser can change numbers).
 
-    Each ``run`` casts the input to the model's input type and returns every output.
+    Each ``run`` casts the input to the model's input type and returns every output as float64.
 
     Raises:
-        InputError: onnxruntime cannot load the file or the model has more than one input.
+        RuntimeUnavailable: onnxruntime cannot create a session for it (e.g. bfloat16 ops its CPU provider lacks).
+        InputError: the model has more than one input, or an input type slabconv cannot feed.
     """
     import onnxruntime as ort
 
@@ -75,21 +102,27 @@ def onnx_runtimes(path: Path) -> list[Runtime]:
         try:
             session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise InputError(f"{path}: onnxruntime cannot load it ({first_line(err)})") from None
+            raise RuntimeUnavailable(f"onnxruntime cannot run {path.name}: {first_line(err, 160)}") from None
         inputs = session.get_inputs()
         if len(inputs) != 1:
             raise InputError(f"{path}: the model has {len(inputs)} inputs; slabconv verifies models with one input")
-        dtype = _ORT_DTYPES.get(inputs[0].type)
-        if dtype is None:
-            raise InputError(f"{path}: input type {inputs[0].type} is not supported (float32, float16, float64)")
+        found = _ORT_DTYPES.get(inputs[0].type)
+        if found is None:
+            raise InputError(f"{path}: input type {inputs[0].type} is not supported (float32, float16, float64, int64)")
+        np_dtype = found[0]
+        outputs = session.get_outputs()
+        dtype = _ORT_OUTPUT_DTYPES.get(outputs[0].type, "float32") if outputs else "float32"
         batch = inputs[0].shape[0] if inputs[0].shape else None
+
+        def run(x: np.ndarray, s: Any = session, n: str = inputs[0].name, d: Any = np_dtype) -> list[np.ndarray]:
+            return [np.asarray(o, dtype=np.float64) for o in s.run(None, {n: x.astype(d, copy=False)})]
+
         runtimes.append(
             Runtime(
                 label=f"onnxruntime[{label}]",
-                run=lambda x, s=session, n=inputs[0].name, d=dtype: [  # type: ignore[misc]
-                    np.asarray(o) for o in s.run(None, {n: x.astype(d, copy=False)})
-                ],
-                output_names=[o.name for o in session.get_outputs()],
+                run=run,
+                dtype=dtype,
+                output_names=[o.name for o in outputs],
                 fixed_batch=batch if isinstance(batch, int) and batch > 0 else None,
             )
         )

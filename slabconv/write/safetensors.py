@@ -1,4 +1,4 @@
-"""Fused weights as safetensors, with string metadata that records where they came from."""
+"""Fused weights as safetensors (the metadata contract is ``slabconv.load.fused``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+from slabconv.load.fused import FusedMetadata, fused_metadata
+
+__all__ = ["FusedMetadata", "fused_metadata", "save_safetensors"]
 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str]) -> None:

@@ -1,0 +1,114 @@
+"""``slabconv bench``: original vs fused vs norm-free timings, with the noise shown."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich import box
+from rich.table import Table
+
+from slabconv.cli import options as o
+from slabconv.cli.errors import errors
+from slabconv.cli.output import Output
+from slabconv.errors import UsageError
+
+
+def bench(
+    ckpt: Annotated[
+        Path,
+        typer.Argument(metavar="CKPT", help="Checkpoint, or a folder written by `slabconv fuse`.", show_default=False),
+    ],
+    arch: o.Arch = None,
+    batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes.")] = "1,8,64",
+    runtime: Annotated[
+        str | None,
+        typer.Option(
+            "--runtime",
+            help="Comma-separated: pytorch, onnxruntime (CPU); pytorch-cuda, pytorch-cuda-fp16, "
+            "pytorch-cuda-graphs-fp16, onnxruntime-cuda, onnxruntime-cuda-fp16 (GPU). Default: all this machine has.",
+        ),
+    ] = None,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed calls per variant first.")] = 5,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls per variant (interleaved).")] = 20,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart PNG (needs matplotlib).")] = None,
+    ema: o.Ema = False,
+    trust_pickle: o.TrustPickle = False,
+    input_shape: o.InputShape = None,
+    image_size: o.ImageSize = None,
+    as_json: o.Json = False,
+    quiet: o.Quiet = False,
+    verbose: o.Verbose = False,
+    debug: o.Debug = False,
+) -> None:
+    """Time the original, fused and norm-free models (and the LayerNorm branch, if the checkpoint has one).
+
+    The headline is fused / norm-free: a complete fold sits at 1.00. Each ratio shows its spread (p25/p75 of the
+    timings); a spread that crosses 1.00 or is wider than 0.2 is flagged: the machine was busy, rerun with more
+    --repeats.
+
+    Examples:
+
+      slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot bench.png
+
+      slabconv bench checkpoint-fused --runtime onnxruntime --repeats 100 --json
+    """
+    from slabconv import api
+    from slabconv.bench import Timing, check_runtimes, default_runtimes
+    from slabconv.bench import plot as draw
+
+    output = Output(json=as_json, quiet=quiet, verbose=verbose)
+    with errors(output, debug):
+        try:
+            batches = tuple(int(b) for b in batch.split(",") if b.strip())
+        except ValueError:
+            raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
+        if not batches or min(batches) < 1:
+            raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
+        runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
+        check_runtimes(list(runtimes))
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        with output.progress() as progress:
+            report = api.bench(
+                ckpt, load=load, batches=batches, runtimes=runtimes, warmup=warmup, repeats=repeats, progress=progress
+            )
+        assert report.bench is not None
+        if plot is not None:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    draw([Timing(**t) for t in report.bench["timings"]], plot)
+            except ImportError:
+                raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+            report.bench["plot"] = str(plot)
+        if output.json:
+            output.report(report)
+            return
+        table = Table(
+            title=f"bench ({report.source.arch or report.source.format if report.source else ''})", box=box.SIMPLE_HEAD
+        )
+        for col in ("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"):
+            table.add_column(col, overflow="fold")
+        for t in report.bench["timings"]:
+            table.add_row(
+                t["runtime"],
+                str(t["batch"]),
+                t["variant"],
+                f"{t['median_ms']:.3f}",
+                f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
+                f"{t['throughput']:.0f}",
+            )
+        if not quiet:
+            output.out.print(table)
+        for r in report.bench["fused_over_norm_free"]:
+            where = f"{r['runtime']}, batch {r['batch']}"
+            line = f"fused / norm-free ({where}): {r['ratio']:.2f} (p25-p75 spread {r['low']:.2f}-{r['high']:.2f})"
+            if r["noisy"]:
+                line += "; warning: too noisy to read, rerun with more --repeats on a quieter machine"
+            elif r["low"] < 1.0 < r["high"] and abs(r["ratio"] - 1.0) > 0.02:
+                line += "; the spread includes 1.00: no difference measurable in this run"
+            output.final(line)
+        if plot is not None:
+            output.final(f"wrote {plot}")

@@ -1,0 +1,50 @@
+"""The one map from exception to message and exit code (0 done, 1 not equivalent, 2 bad input or usage).
+
+Every failure a user can cause is a ``SlabconvError`` and prints exactly one line on stderr; a failed
+verification prints its report (the human table, or JSON) and then its one line; anything else is a bug, also
+one line, with the traceback only with ``--debug`` (or ``SLABCONV_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import typer
+
+from slabconv.cli.output import Output
+from slabconv.errors import SlabconvError, VerificationError
+
+
+@contextmanager
+def errors(output: Output, debug: bool) -> Iterator[None]:
+    """Run a command body, turning every exception into one line on stderr and the exit code it stands for."""
+    debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except VerificationError as err:
+        if err.report is not None:
+            output.report(err.report)
+        output.error(f"error: {err}")
+        raise typer.Exit(1) from None
+    except SlabconvError as err:
+        if debug:
+            traceback.print_exc()
+        output.error(f"error: {err}")
+        raise typer.Exit(err.exit_code) from None
+    except KeyboardInterrupt:
+        output.error("interrupted; nothing was written")
+        raise typer.Exit(2) from None
+    except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, traceback with --debug
+        if debug:
+            traceback.print_exc()
+        text = str(err).strip()
+        first = text.splitlines()[0] if text else ""
+        output.error(
+            f"internal error: {type(err).__name__}: {first} (a bug in slabconv; rerun with --debug and report it)"
+        )
+        raise typer.Exit(2) from None

@@ -1,0 +1,134 @@
+"""Every command-line option, defined once: the same name means the same thing on every command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from slabconv.errors import UsageError
+from slabconv.options import LoadOptions, VerifyOptions
+
+Ckpt = Annotated[
+    Path,
+    typer.Argument(
+        metavar="CKPT",
+        help="Checkpoint: .pth/.pt (training, release or state_dict), .pt2 program, fused .safetensors, a Hugging "
+        "Face style folder (config.json + weights), or a folder slabconv fuse wrote.",
+        show_default=False,
+    ),
+]
+Arch = Annotated[
+    str | None,
+    typer.Option("--arch", help="Architecture name or alias (see `slabconv list`); detected when left out."),
+]
+Ema = Annotated[bool, typer.Option("--ema", help="Use the EMA weights (state_dict_ema) of a training checkpoint.")]
+TrustPickle = Annotated[
+    bool,
+    typer.Option(
+        "--trust-pickle",
+        help="Load a pickle that names arbitrary Python globals, e.g. a whole nn.Module saved with torch.save(model). "
+        "This RUNS CODE from the file: only for files you trust. Without it loading is weights-only.",
+    ),
+]
+InputShape = Annotated[
+    str | None,
+    typer.Option(
+        "--input-shape",
+        help="One sample's input shape without the batch axis, e.g. 3,224,224: needed for a pickled nn.Module "
+        "(--trust-pickle), which records none, and for .onnx files whose axes besides the batch are dynamic.",
+    ),
+]
+ImageSize = Annotated[
+    int | None,
+    typer.Option(
+        "--image-size",
+        help="Build a zoo vision model for NxN inputs (default: the size its weights were trained at). Swin pads "
+        "its windows, PVT resamples position embeddings; SLA models (SLAB-DeiT/PVT/CSWin) are fixed at 224.",
+        min=1,
+    ),
+]
+Inputs = Annotated[
+    Path | None,
+    typer.Option(
+        "--inputs", help="An .npz whose 'x' array is the verification input (N, ...); default holdout.npz beside CKPT."
+    ),
+]
+Samples = Annotated[
+    int | None,
+    typer.Option(
+        "--samples",
+        min=1,
+        help="Random samples when no inputs are given (default 64; 2 token sequences with --stream).",
+    ),
+]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")]
+Rtol = Annotated[
+    float | None,
+    typer.Option(
+        "--rtol",
+        help="Replace question 2's bound (default max(tol_dtype, 2 x the original's own error); tol_dtype is 1e-5, "
+        "1e-3, 1e-2 for float32, float16, bfloat16). See docs/verification.md.",
+    ),
+]
+Atol = Annotated[float, typer.Option("--atol", help="An absolute error also accepted (default 0).")]
+Strict = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="Compare fused vs original directly at the dtype's tolerance with 100% top-1 (no float64 reference).",
+    ),
+]
+Generate = Annotated[
+    int | None,
+    typer.Option(
+        "--generate",
+        min=0,
+        help="Language models: greedy tokens to generate and compare, original vs fused (default 32 in fuse; 0: off).",
+    ),
+]
+Force = Annotated[
+    bool, typer.Option("--force", help="Replace an existing output slabconv wrote (never anything else).")
+]
+Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-norm decisions and stage timings.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show the Python traceback on errors.")]
+
+
+def parse_shape(value: str | None) -> tuple[int, ...] | None:
+    """``"1,8,8"`` -> ``(1, 8, 8)``.
+
+    Raises:
+        UsageError: anything but positive integers separated by commas.
+    """
+    if value is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        shape = ()
+    if not shape or any(size <= 0 for size in shape):
+        raise UsageError(f"--input-shape {value!r}: expected positive sizes separated by commas, e.g. 1,8,8")
+    return shape
+
+
+def load_options(
+    arch: str | None, ema: bool, trust_pickle: bool, input_shape: str | None, image_size: int | None
+) -> LoadOptions:
+    """``LoadOptions`` from the shared flags."""
+    return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size)
+
+
+def verify_options(
+    inputs: Path | None,
+    samples: int | None,
+    seed: int,
+    rtol: float | None,
+    atol: float,
+    strict: bool,
+    generate: int | None = None,
+) -> VerifyOptions:
+    """``VerifyOptions`` from the shared flags."""
+    return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate)

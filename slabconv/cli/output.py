@@ -1,0 +1,169 @@
+"""The one place the CLI writes to: reports on stdout, progress and errors on stderr, in three modes.
+
+- **human** (default): on a terminal, Rich tables and a Rich progress display (a line per stage with a bar over
+  norms or verification runs and the elapsed time); anywhere else (a file, a pipe, a CI log), tables that never
+  cut a name and one plain progress line per stage, with the seconds since the start.
+- **json** (``--json``): the report as JSON on stdout, nothing else there; progress still on stderr.
+- **quiet** (``--quiet``): errors and the command's final line only.
+
+``--verbose`` adds each norm's blocked paths and a progress line for every step. Colours are off with
+``NO_COLOR`` or when the stream is not a terminal (Rich's own rules).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from slabconv.report.data import Report
+from slabconv.report.render import folds_table, summary_lines
+
+ProgressFn = Callable[..., None]
+
+
+def _console(stderr: bool) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr, soft_wrap=False)
+    # Not a terminal: no width limit, so a table never cuts a name; plain text, no colours.
+    return Console(stderr=stderr, width=100_000, no_color=True, highlight=False, soft_wrap=True)
+
+
+class Output:
+    """The output sink of one command run.
+
+    Args:
+        json: print reports as JSON.
+        quiet: print errors and the final line only.
+        verbose: print per-norm detail and every progress step.
+    """
+
+    def __init__(self, *, json: bool = False, quiet: bool = False, verbose: bool = False):
+        self.json, self.quiet, self.verbose = json, quiet, verbose
+        self.out = _console(stderr=False)
+        self.err = _console(stderr=True)
+
+    def line(self, text: str) -> None:
+        """A line of the human output (not with ``--json`` or ``--quiet``)."""
+        if not (self.json or self.quiet):
+            self.out.print(text, markup=False, highlight=False, crop=False, overflow="ignore")
+
+    def final(self, text: str) -> None:
+        """The command's last line: printed in human and quiet modes (JSON carries the same facts)."""
+        if not self.json:
+            self.out.print(text, markup=False, highlight=False, crop=False, overflow="ignore")
+
+    def report(self, report: Report, final: str | None = None) -> None:
+        """A report: JSON, or the fold table (when it has folds) and its lines, then ``final``."""
+        if self.json:
+            sys.stdout.write(report.to_json())
+            sys.stdout.flush()
+            return
+        if not self.quiet:
+            if report.folds:
+                self.out.print(folds_table(report))
+            for text in summary_lines(report, self.verbose):
+                self.line(text)
+        if final:
+            self.final(final)
+
+    def data(self, payload: str) -> None:
+        """Raw JSON (``list --json``)."""
+        sys.stdout.write(payload)
+
+    def error(self, text: str) -> None:
+        """One line on stderr (always, whatever the mode)."""
+        self.err.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    @contextmanager
+    def progress(self) -> Iterator[ProgressFn]:
+        """A progress callback ``progress(stage, done=None, total=None, detail=None)`` for the API.
+
+        A new ``stage`` text starts a new line; ``done``/``total`` move its bar; ``detail`` is shown with
+        ``--verbose`` only.
+        """
+        if self.quiet:
+            yield _silent
+            return
+        progress = self._rich_progress() if self.err.is_terminal else self._plain_progress()
+        with progress as fn:
+            yield fn
+
+    @contextmanager
+    def _rich_progress(self) -> Iterator[ProgressFn]:
+        columns = (
+            SpinnerColumn(finished_text="[green]✓"),
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=self.err, transient=False) as bar:
+            tasks: dict[str, Any] = {}
+            current: list[str] = []
+
+            def update(
+                stage: str, done: int | None = None, total: int | None = None, detail: str | None = None
+            ) -> None:
+                if stage not in tasks:
+                    if current:
+                        task = tasks[current[-1]]
+                        bar.update(task, total=bar.tasks[task].total or 1, completed=bar.tasks[task].total or 1)
+                    tasks[stage] = bar.add_task(stage, total=total)
+                    current.append(stage)
+                bar.update(tasks[stage], total=total, completed=done or 0)
+                if detail and self.verbose:
+                    bar.console.print(f"  {detail}", markup=False, highlight=False)
+
+            yield update
+            if current:
+                task = tasks[current[-1]]
+                bar.update(task, total=bar.tasks[task].total or 1, completed=bar.tasks[task].total or 1)
+
+    @contextmanager
+    def _plain_progress(self) -> Iterator[ProgressFn]:
+        """One line per stage on stderr, ``[ seconds] stage``. The lines of the checking stages (loading,
+        tracing, planning) are held until the long work starts (or the command ends well): a bad input fails in
+        those stages, and then its one error line is all that is printed."""
+        start = time.monotonic()
+        seen: set[str] = set()
+        held: list[str] = []
+        releasing = [False]
+
+        def emit(text: str) -> None:
+            if releasing[0]:
+                self.error(text)
+            else:
+                held.append(text)
+
+        def update(stage: str, done: int | None = None, total: int | None = None, detail: str | None = None) -> None:
+            elapsed = time.monotonic() - start
+            if stage not in seen:
+                seen.add(stage)
+                if not releasing[0] and not stage.startswith(HELD_STAGES):
+                    releasing[0] = True
+                    for text in held:
+                        self.error(text)
+                    held.clear()
+                emit(f"[{elapsed:7.1f}s] {stage}")
+            elif self.verbose and detail:
+                count = f" {done}/{total}" if total else ""
+                emit(f"[{elapsed:7.1f}s]   {detail}{count}")
+
+        yield update
+        for text in held:  # the command ended well: the held lines are progress after all
+            self.error(text)
+
+
+HELD_STAGES = ("loading", "tracing", "folding norms", "opening", "planning", "verifying: the reference")
+"""Stages in which bad input is found (their lines wait, see ``Output._plain_progress``)."""
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    return None

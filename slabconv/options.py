@@ -1,0 +1,75 @@
+"""The options every command shares, as objects: how to load, how to verify, how to write.
+
+The Python API takes these and the CLI builds them from its flags (``slabconv.cli.options`` defines each flag
+once), so an option means the same thing wherever it appears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to read a checkpoint and build its model.
+
+    Attributes:
+        arch: a registered architecture name or alias (``slabconv list``); detected from the checkpoint when None.
+        ema: take the EMA weights (``state_dict_ema``) of a training checkpoint.
+        trust_pickle: load a pickle that names arbitrary globals (a whole ``nn.Module``): runs code from the file.
+        input_shape: one sample's input shape without the batch axis (a pickled module records none).
+        image_size: build a zoo vision model for ``image_size`` square inputs.
+    """
+
+    arch: str | None = None
+    ema: bool = False
+    trust_pickle: bool = False
+    input_shape: tuple[int, ...] | None = None
+    image_size: int | None = None
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """What to verify on, and how strictly (``docs/verification.md``).
+
+    Attributes:
+        inputs: an ``.npz`` whose ``x`` array is the input; default ``holdout.npz`` beside the checkpoint, else
+            ``samples`` seeded random samples (token ids drawn from the embedding's rows for a language model).
+        samples: how many random samples (token sequences for a streamed fold).
+        seed: seed of the random inputs.
+        rtol: replaces the bound of question 2 (default: ``max(tol_dtype, 2 * e_orig)``).
+        atol: an absolute error also accepted (default 0).
+        strict: compare fused vs original directly at the dtype's tolerance with 100% top-1 (the pair comparison).
+        generate: greedy tokens to generate and compare for a language model: None for the default (32 in
+            ``fuse``, none in ``verify``), 0 for none.
+    """
+
+    inputs: Path | None = None
+    samples: int | None = None
+    seed: int = 0
+    rtol: float | None = None
+    atol: float = 0.0
+    strict: bool = False
+    generate: int | None = None
+
+    def sample_count(self, streamed: bool = False) -> int:
+        """``samples``, else the default: 64 samples, or 2 token sequences for a streamed (layer-by-layer) run."""
+        return self.samples if self.samples is not None else (2 if streamed else 64)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """What ``fuse`` writes, and where.
+
+    Attributes:
+        force: replace an existing output folder slabconv wrote (``docs/security.md``).
+        onnx: write ``model.onnx`` (dynamic batch where the model allows it).
+        pt2: write ``model.pt2`` (a ``torch.export`` program that runs without slabconv).
+        stream: fold a sharded LLaMA-layout folder shard by shard in bounded memory (safetensors only).
+    """
+
+    force: bool = False
+    onnx: bool = True
+    pt2: bool = True
+    stream: bool = False

@@ -1,0 +1,96 @@
+"""Reports for people: the fold table and the verification lines, from the same ``Report`` objects as the JSON.
+
+The table is a Rich ``Table``; the CLI's output sink decides how wide it may be (a terminal's width, or no limit
+when the output goes to a file or a CI log, so names are never cut).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from rich import box
+from rich.table import Table
+
+from slabconv.report.data import Report
+from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification
+
+
+def folds_table(report: Report) -> Table:
+    """One row per norm: name, kind, action, the layers it folded into, and why anything was kept."""
+    source = report.source
+    title = f"folds ({(source.arch or source.format) if source else ''})"
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    for col in ("norm", "kind", "action", "into", "reason"):
+        table.add_column(col, overflow="fold")
+    for d in report.folds or []:
+        reason = d.reason or ""
+        if d.kept_on:
+            reason += f" (before {', '.join(d.kept_on)})"
+        table.add_row(d.norm, d.kind, d.action, ", ".join(d.into) or "-", reason)
+    return table
+
+
+def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
+    """The count of norms, each warning, what was written, and the verification."""
+    if report.folds is not None and report.summary is not None:
+        s = report.summary
+        yield f"{s.norms} norms: {s.folded} folded away, {s.kept} kept"
+        for d in report.folds:
+            for w in d.warnings:
+                yield f"warning: {d.norm}: {w}"
+            if verbose and d.paths:
+                for path in d.paths:
+                    yield f"  {d.norm}: blocked before {path['before']}: {path['reason']}"
+    if report.outputs is not None and report.out_dir is not None:
+        yield f"wrote {report.out_dir}/: {', '.join([*report.outputs.files, 'report.json'])}"
+    elif report.outputs is not None and report.outputs.onnx:
+        yield f"wrote {report.outputs.onnx}"
+    if report.command in ("fuse", "verify"):
+        yield from verification_lines(report.verification)
+
+
+def _ok(passed: bool) -> str:
+    return "ok  " if passed else "FAIL"
+
+
+def _g(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.3g}" if math.isfinite(x) else "not finite"
+
+
+def verification_lines(v: Verification | None) -> Iterator[str]:
+    """The verification block as lines: the verdict, question 1, the file checks, question 2, notes."""
+    if v is None:
+        yield "verification: skipped (--no-verify)"
+        return
+    samples = v.checks[0].samples if v.checks else 0
+    yield f"verification: {'PASSED' if v.passed else 'FAILED'} on {samples} samples ({v.inputs}); {v.runtime}"
+    if v.reference:
+        yield f"  reference: {v.reference}"
+    if v.exact:
+        yield f"  {QUESTION_1}"
+    for c in v.exact:
+        unit = "relative error" if c.method == "graph" else "units in the last place"
+        yield f"    {_ok(c.passed)} {c.name}: {_g(c.error)} {unit} (allowed {c.bound:g})"
+    if v.checks:
+        yield f"  {QUESTION_2}"
+    for i in v.integrity:
+        yield f"    {_ok(i.passed)} {i.name}: {i.detail}"
+    for check in v.checks:
+        yield f"    {_ok(check.passed)} {check.summary()}"
+    if v.generation is not None:
+        g = v.generation
+        speeds = ", ".join(f"{name} {tps:,.0f}" for name, tps in g.get("tokens_per_second", {}).items())
+        head = f"{g.get('steps')} greedy tokens x {g.get('sequences')} prompts"
+        yield f"  {_ok(bool(g.get('passed')))} generation: {head}"
+        for run in g.get("runs", []):
+            yield (
+                f"    {run['name']}: {run['tokens_compared']} tokens compared, {run['decisive_mismatches']} decisive "
+                f"mismatches, {run['near_ties']} near-ties"
+            )
+        if speeds:
+            yield f"    tokens/s: {speeds}"
+    for note in v.notes:
+        yield f"  note: {note}"

@@ -1,0 +1,220 @@
+"""The policy applied to numbers: question 2 for one output, question 1 for graphs and for written tensors.
+
+Relative error of an output = ``max |candidate - reference| / max |reference|`` (``rel_err``). Every function
+here takes arrays already computed by a runtime; which runtimes ran, and on what, is ``slabconv.verify.run``'s.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from slabconv.verify import policy
+from slabconv.verify.results import ExactCheck, OutputCheck
+
+
+def rel_err(candidate: np.ndarray, reference: np.ndarray) -> tuple[float, float, float, int]:
+    """``(relative error, max abs error, mean abs error, worst sample)`` of two arrays ``(B, ...)``.
+
+    A non-finite candidate where the reference is finite gives an infinite error (never NaN); the relative error
+    of two all-zero outputs is 0.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    if candidate.shape != reference.shape:
+        raise ValueError(f"shapes differ: {candidate.shape} vs {reference.shape}")
+    ref = reference.astype(np.float64)
+    cand = candidate.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(cand - ref)
+    if not np.isfinite(diff).all():
+        bad = ~np.isfinite(diff)
+        worst = int(bad.reshape(bad.shape[0], -1).any(axis=1).argmax()) if diff.ndim else 0
+        return math.inf, math.inf, math.inf, worst
+    if not diff.size:
+        return 0.0, 0.0, 0.0, 0
+    max_abs = float(diff.max())
+    scale = float(np.abs(ref).max())
+    rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
+    per_sample = diff.reshape(diff.shape[0], -1).max(axis=1) if diff.ndim else diff.reshape(1)
+    return rel, max_abs, float(diff.mean()), int(per_sample.argmax())
+
+
+def is_logits(output: np.ndarray, token_logits: bool) -> bool:
+    """Top-1 applies to a ``(B, K)`` output, and with ``token_logits`` to ``(B, T, V)`` at every position."""
+    return (output.ndim == 2 or (token_logits and output.ndim >= 2)) and output.shape[-1] > 1
+
+
+def judge_output(
+    name: str,
+    candidate: np.ndarray,
+    *,
+    dtype: str,
+    original: np.ndarray,
+    reference64: np.ndarray | None,
+    rtol: float | None = None,
+    atol: float = 0.0,
+    strict: bool = False,
+    token_logits: bool = False,
+) -> OutputCheck:
+    """Question 2 for one output: the candidate against the float64 reference, bounded by the original's own error.
+
+    Args:
+        name: ``<output> @ <runtime>``.
+        candidate: the artifact's output ``(B, ...)``.
+        dtype: the dtype the artifact ran in (sets ``tol_dtype``).
+        original: the original model's output in its own dtype.
+        reference64: the original model's output in float64, or None when there is none (an ``.onnx``
+            reference): then the candidate is compared with ``original`` at ``tol_dtype``.
+        rtol: ``--rtol``: replaces the bound.
+        atol: an absolute error also accepted.
+        strict: ``--strict``: the pair comparison (candidate vs original at ``tol_dtype``, top-1 on every sample).
+        token_logits: ``(B, T, V)`` logits of a language model: top-1 at every position.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    e_pair = rel_err(candidate, original)[0]
+    pair_mode = strict or reference64 is None
+    reference = original if pair_mode else reference64
+    assert reference is not None
+    e_fused, max_abs, mean_abs, worst = rel_err(candidate, reference)
+    e_orig: float | None = None
+    if pair_mode:
+        tolerance = rtol if rtol is not None else policy.tol_dtype(dtype)
+        why = "--rtol" if rtol is not None else ("--strict" if strict else "tol_dtype")
+    else:
+        e_orig = rel_err(original, reference)[0]
+        tolerance, why = policy.fused_bound(dtype, e_orig if math.isfinite(e_orig) else 0.0, rtol)
+    top1 = decisive_count = near = None
+    if is_logits(reference, token_logits):
+        if pair_mode:
+            mask = np.ones(reference.shape[:-1], dtype=bool)
+        else:
+            mask = policy.decisive(reference.astype(np.float64), dtype)
+        decisive_count = int(mask.sum())
+        near = int(mask.size - decisive_count)
+        agree = candidate.argmax(axis=-1) == reference.argmax(axis=-1)
+        top1 = float(agree[mask].mean()) if decisive_count else 1.0
+    within = e_fused <= tolerance or (atol > 0 and max_abs <= atol)
+    passed = math.isfinite(e_fused) and within and (top1 is None or top1 == 1.0)
+    return OutputCheck(
+        name=name,
+        passed=bool(passed),
+        dtype=dtype,
+        samples=int(reference.shape[0]) if reference.ndim else 1,
+        reference="original" if pair_mode else "float64",
+        e_fused=e_fused,
+        e_orig=e_orig,
+        e_pair=e_pair,
+        tolerance=float(tolerance),
+        tolerance_from=why,
+        max_abs_err=max_abs,
+        mean_abs_err=mean_abs,
+        worst_sample=worst,
+        top1_agreement=top1,
+        decisive=decisive_count,
+        near_ties=near,
+        atol=atol,
+    )
+
+
+def exact_graphs(names: Sequence[str], fused64: Sequence[np.ndarray], original64: Sequence[np.ndarray]) -> ExactCheck:
+    """Question 1: every output of the fused float64 graph against the original float64 graph, ``<= EXACT_RTOL``."""
+    errors = [(rel_err(f, o)[0], n) for n, f, o in zip(names, fused64, original64, strict=True)]
+    error, worst = max(errors, key=lambda e: e[0]) if errors else (0.0, "")
+    return ExactCheck(
+        name="fused graph vs original, both in float64",
+        passed=bool(error <= policy.EXACT_RTOL),
+        method="graph",
+        error=error,
+        bound=policy.EXACT_RTOL,
+        worst=worst,
+        detail=f"relative error {error:.3g} (float64 rounding is about 1e-16 per operation)",
+    )
+
+
+def ulps(candidate: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest distance of ``candidate`` from ``exact`` (float64) in units in the last place of the candidate's
+    dtype, measured at the exact value (0 when every element is the nearest representable one)."""
+    if candidate.shape != exact.shape:
+        return math.inf
+    rounded = exact.to(candidate.dtype)
+    if torch.equal(candidate, rounded):
+        return 0.0
+    spacing = (torch.nextafter(rounded, torch.full_like(rounded, math.inf)) - rounded).double().abs()
+    spacing = torch.where(spacing > 0, spacing, torch.finfo(candidate.dtype).tiny)
+    distance = (candidate.double() - exact).abs() / spacing
+    distance = torch.where(torch.isnan(distance), torch.full_like(distance, math.inf), distance)
+    return float(distance.max())
+
+
+def exact_tensors(
+    label: str,
+    written: Mapping[str, torch.Tensor],
+    fold64: Mapping[str, torch.Tensor],
+    ulp_bound: float = policy.ULPS,
+    by_value: bool = False,
+) -> ExactCheck:
+    """Question 1 for written files: every tensor of the float64 fold, rounded to the written dtype, equals the
+    written tensor within ``ulp_bound`` units in the last place (a tensor the file lacks fails).
+
+    Rounding a float64 value to the nearest representable one is off by at most half a unit, so an honest file is
+    at 0.5 ulps or less; a wrong fold of any size shows up here, in any dtype (float16 included), where a runtime
+    comparison drowns in the model's own rounding.
+
+    Args:
+        label: what was checked, for the report.
+        written: the file's tensors by name.
+        fold64: the fresh float64 fold's tensors by name.
+        ulp_bound: the most allowed.
+        by_value: a fold tensor missing by name may be any written tensor of its shape or its transposed shape
+            (an ONNX exporter stores Linear weights transposed under generated names): the closest one counts.
+    """
+    pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    if by_value:
+        for tensor in written.values():
+            pool.setdefault(tuple(tensor.shape), []).append(tensor)
+    worst, worst_name = 0.0, ""
+    for key, exact in fold64.items():
+        exact64 = exact.detach().cpu().double()
+        got = written.get(key)
+        if got is not None:
+            distance = _distance(got.detach().cpu(), exact64)
+        elif by_value:
+            same = [_distance(t, exact64) for t in pool.get(tuple(exact64.shape), [])]
+            flipped = (
+                [_distance(t.T, exact64) for t in pool.get(tuple(exact64.shape)[::-1], [])]
+                if exact64.dim() == 2
+                else []
+            )
+            distance = min([*same, *flipped], default=math.inf)
+        else:
+            distance = math.inf
+        if distance > worst:
+            worst, worst_name = distance, key
+    return ExactCheck(
+        name=label,
+        passed=bool(worst <= ulp_bound),
+        method="tensors",
+        error=worst,
+        bound=ulp_bound,
+        worst=worst_name,
+        detail=(
+            f"{len(fold64)} tensors within {worst:.2g} ulps of the float64 fold"
+            if worst <= ulp_bound
+            else "the written weights are not the fold of this source"
+        ),
+    )
+
+
+def _distance(got: torch.Tensor, exact64: torch.Tensor) -> float:
+    if got.shape != exact64.shape:
+        return math.inf
+    if got.is_floating_point():
+        return ulps(got, exact64)
+    return 0.0 if torch.equal(got, exact64.to(got.dtype)) else math.inf

@@ -1,0 +1,259 @@
+"""``slabconv verify REFERENCE CANDIDATE``: both questions for any two sides.
+
+A side is a checkpoint, a Hugging Face folder, a ``.pt2``, an ``.onnx``, a fused ``model.safetensors``, or a
+folder ``fuse`` wrote (in memory or streamed). The reference, when it is a model slabconv can trace, gives the
+float64 reference; an ``.onnx`` reference cannot (the candidate is then compared with it directly, and the report
+says so). Question 1 applies when the candidate is something slabconv wrote: its tensors must equal a fresh
+float64 fold of the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slabconv import engine
+from slabconv.errors import InputError, UsageError
+from slabconv.load.fused import FusedMetadata, is_output_folder
+from slabconv.load.model import LoadedModel, load_model
+from slabconv.options import LoadOptions, VerifyOptions
+from slabconv.report.data import Source
+from slabconv.util import quiet, sha256_file
+from slabconv.verify import judge
+from slabconv.verify.inputs import choose_inputs
+from slabconv.verify.integrity import check_onnx_file
+from slabconv.verify.reference import float64_fold
+from slabconv.verify.results import IntegrityCheck, Verification
+from slabconv.verify.run import (
+    Reference,
+    check_reference,
+    output_names,
+    question_1_graph,
+    question_2,
+    runtime_summary,
+)
+from slabconv.verify.runtimes import (
+    Runtime,
+    RuntimeUnavailable,
+    onnx_runtimes,
+    run_batched,
+    torch_runner,
+    torch_runtime,
+)
+from slabconv.write.onnx import onnx_files, written_by_slabconv
+
+Progress = Callable[..., None]
+
+
+@dataclass
+class Side:
+    """One side of ``verify``: what it is, how to run it, and what slabconv wrote into it.
+
+    Attributes:
+        source: the report entry.
+        runtimes: how it runs (onnxruntime for an ``.onnx``, PyTorch for a model; both for a fuse output folder).
+        loaded: the model, when the side is one slabconv can build (None for an ``.onnx``).
+        input_shape: one sample's input shape, when fixed.
+        token_input: it takes integer ids.
+        written: the tensors of a slabconv output (for question 1), else None.
+        integrity, notes: file checks and notes of this side.
+    """
+
+    source: Source
+    runtimes: list[Runtime]
+    loaded: LoadedModel | None
+    input_shape: tuple[int, ...] | None
+    token_input: bool
+    written: dict[str, torch.Tensor] | None = None
+    written_by_value: bool = False
+    integrity: list[IntegrityCheck] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _onnx_side(path: Path) -> Side:
+    import onnx
+    from onnx import numpy_helper
+
+    passed, detail = check_onnx_file(path)
+    check = IntegrityCheck(f"onnx.checker[full_check] {path.name}", passed, detail)
+    model = onnx.load(str(path), load_external_data=False)
+    tensor_type = model.graph.input[0].type.tensor_type
+    shape = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
+    token_input = bool(np.issubdtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type), np.integer))
+    files = onnx_files(path)
+    source = Source(
+        str(path), sha256_file(path), "onnx", extra={"files_sha256": {f.name: sha256_file(f) for f in files}}
+    )
+    side = Side(source, [], None, None if any(s <= 0 for s in shape[1:]) else shape[1:], token_input, integrity=[check])
+    try:
+        side.runtimes = onnx_runtimes(path)
+    except RuntimeUnavailable as err:
+        side.notes.append(f"{err}: {path.name} got onnx.checker's full check only")
+    if written_by_slabconv(path):
+        full = onnx.load(str(path))
+        side.written = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in full.graph.initializer}
+        side.written_by_value = True
+    return side
+
+
+def open_side(path: Path, load: LoadOptions) -> Side:
+    """Open one side of ``verify`` (see the module docstring).
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: as ``load_model``, or an unreadable ``.onnx``.
+    """
+    if path.suffix == ".onnx":
+        return _onnx_side(path)
+    loaded = load_model(path, load)
+    dtype = loaded.dtype
+    what = "fused output" if is_output_folder(path) else loaded.checkpoint.format
+    runtimes = [torch_runtime(loaded.model, dtype, what, fixed_batch=loaded.batch)]
+    side = Side(_source(path, loaded), runtimes, loaded, loaded.input_shape, loaded.token_input)
+    fused = FusedMetadata.read(loaded.checkpoint.metadata) if loaded.checkpoint.format != "torch.export" else None
+    if is_output_folder(path):
+        side.written = _output_tensors(path)
+        if (path / "model.onnx").is_file():
+            onnx_side = _onnx_side(path / "model.onnx")
+            side.runtimes = onnx_side.runtimes + side.runtimes
+            side.integrity += onnx_side.integrity
+            side.notes += onnx_side.notes
+    elif fused is not None:
+        side.written = dict(loaded.checkpoint.state_dict)
+    return side
+
+
+def _source(path: Path, loaded: LoadedModel) -> Source:
+    ckpt = loaded.checkpoint
+    fmt = "slabconv-output" if is_output_folder(path) else ckpt.format
+    return Source(
+        path=str(path),
+        sha256=ckpt.sha256,
+        format=fmt,
+        arch=loaded.arch,
+        weights=ckpt.extra.get("weights"),
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        input_shape=list(loaded.input_shape),
+        batch=loaded.batch,
+    )
+
+
+def _output_tensors(folder: Path) -> dict[str, torch.Tensor] | None:
+    """The fused weights a fuse output folder holds (one file, or shards with their index)."""
+    from slabconv.load.checkpoint import load_checkpoint
+
+    if (folder / "model.safetensors").is_file():
+        return dict(load_checkpoint(folder / "model.safetensors").state_dict)
+    if (folder / "config.json").is_file():
+        return dict(load_checkpoint(folder).state_dict)
+    return None
+
+
+def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tuple[Reference, Verification]:
+    """The reference outputs: the model in its dtype and in float64 (question 1 for the graph included), or an
+    ``.onnx`` reference's own outputs (no float64 evaluation: the candidate is compared with it directly)."""
+    verification = Verification(inputs=label, inputs_sha256=digest)
+    if side.loaded is None:
+        if not side.runtimes:
+            raise InputError(f"{side.source.path}: onnxruntime cannot run the reference; give a model it can run")
+        runtime = side.runtimes[0]
+        original = run_batched(runtime.run, x, fixed_batch=runtime.fixed_batch)
+        names = output_names(len(original), runtime.output_names)
+        verification.reference = f"the reference in {runtime.label}"
+        verification.notes.append(
+            "the reference is an ONNX file, which has no float64 evaluation: question 2 compares the candidate with "
+            "it directly, at the dtype's tolerance"
+        )
+        return Reference(x, label, digest, runtime.dtype, original, None, names), verification
+    loaded = side.loaded
+    original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+    example = loaded.example(loaded.example_batch, seed=0)
+    with quiet():
+        graph = engine.capture(loaded.model, example)
+    original64, fused64, _ = float64_fold(graph, example)
+    exact = run_batched(torch_runner(original64, torch.float64, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    reference = Reference(x, label, digest, dtype, original, exact, output_names(len(original)))
+    check_reference(reference)
+    verification.reference = "the reference model in float64 (pytorch)"
+    verification.notes += reference.notes
+    reference.fused64 = fused64
+    return reference, verification
+
+
+def _same_outputs(ref: Side, cand: Side, x: np.ndarray, ref_path: Path, cand_path: Path) -> None:
+    """Run both sides on one sample first: a different number or shape of outputs means two different models, an
+    input error found before the long work starts.
+
+    Raises:
+        InputError: naming both paths and what differs.
+    """
+    if not ref.runtimes or not cand.runtimes:
+        return
+    got = [run_batched(s.runtimes[0].run, x, fixed_batch=s.runtimes[0].fixed_batch) for s in (ref, cand)]
+    shapes = [[tuple(o.shape[1:]) for o in outs] for outs in got]
+    if shapes[0] != shapes[1]:
+        raise InputError(
+            f"{ref_path} gives outputs of shape {shapes[0]} but {cand_path} gives {shapes[1]}: the two are not the "
+            "same model (a different architecture or class count?)"
+        )
+
+
+def verify_pair(
+    reference_path: Path, candidate_path: Path, load: LoadOptions, opts: VerifyOptions, progress: Progress
+) -> tuple[Source, Source, Verification]:
+    """Both questions for ``candidate`` against ``reference`` (see the module docstring).
+
+    Raises:
+        InputError: the sides take different inputs or give different outputs (not the same model).
+        UsageError: no input shape or id range is known (two ``.onnx`` files): pass ``--inputs``.
+    """
+    progress("opening the reference and the candidate")
+    ref, cand = open_side(reference_path, load), open_side(candidate_path, load)
+    if ref.input_shape and cand.input_shape and tuple(ref.input_shape) != tuple(cand.input_shape):
+        raise InputError(
+            f"{reference_path} takes inputs of shape {ref.input_shape} but {candidate_path} takes {cand.input_shape}; "
+            "the two files are not the same model"
+        )
+    token_input = ref.token_input or cand.token_input
+    if token_input and not opts.inputs and ref.loaded is None and cand.loaded is None:
+        raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
+    shape = load.input_shape or ref.input_shape or cand.input_shape
+    x, label, digest = choose_inputs(ref.loaded or cand.loaded, opts.inputs, opts.sample_count(), opts.seed, shape)
+    if token_input and not np.issubdtype(x.dtype, np.integer):
+        x = x.astype(np.int64)
+    _same_outputs(ref, cand, x[:1], reference_path, candidate_path)
+    progress("verifying: the reference in its dtype and in float64")
+    reference, verification = _reference(ref, x, label, digest)
+    verification.integrity += ref.integrity + cand.integrity
+    verification.notes += ref.notes + cand.notes
+    fused64 = reference.fused64
+    if cand.written is not None and fused64 is not None and not is_output_folder(reference_path):
+        progress("verifying: question 1, is the fold exact?")
+        verification.exact.append(question_1_graph(reference, fused64, ref.loaded.batch if ref.loaded else None))
+        fold64 = engine.fused_state_dict(fused64)
+        label = f"{candidate_path.name} vs a float64 fold of the reference"
+        verification.exact.append(judge.exact_tensors(label, cand.written, fold64, by_value=cand.written_by_value))
+    else:
+        why = (
+            "the candidate is not a slabconv output"
+            if cand.written is None
+            else "the reference is not a model slabconv traces"
+        )
+        verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
+    if not cand.runtimes:
+        raise InputError(f"{candidate_path}: no runtime here can run it ({'; '.join(cand.notes)})")
+    for runtime in cand.runtimes:
+        progress(f"verifying: question 2, {runtime.label}")
+        try:
+            verification.checks += question_2(
+                reference, runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict, token_logits=token_input
+            )
+        except InputError as err:
+            raise InputError(f"{reference_path} vs {candidate_path}: {err}") from None
+    verification.runtime = runtime_summary(cand.runtimes)
+    ref.source.extra["runtime"] = ref.runtimes[0].label if ref.runtimes else None
+    return ref.source, cand.source, verification

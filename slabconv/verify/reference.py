@@ -1,0 +1,87 @@
+"""The float64 reference: the same traced graph with every floating tensor and every dtype argument in float64.
+
+Verification compares everything against the model's exact output, and float64 is as exact as a CPU gets: its
+rounding (about 1e-16 per operation) is far below any dtype tolerance. A traced graph records the dtypes its
+code named (``softmax(..., dtype=float32)``, ``x.to(float16)``, ``full(..., dtype=float16)``), so casting its
+weights alone would leave float32 and float16 steps inside; ``promote_to_float64`` rewrites those arguments too.
+
+Question 1 (is the fold exact?) then folds the float64 graph itself: the fold's float64 weights are exactly what
+the folds compute before they cast to the checkpoint's dtype, and the fused float64 graph must agree with the
+original float64 graph to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import fx
+
+from slabconv import engine
+from slabconv.util import quiet
+
+_LOWER = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _promote_arg(a: Any) -> Any:
+    if isinstance(a, torch.dtype) and a in _LOWER:
+        return torch.float64
+    if isinstance(a, (list, tuple)):
+        return type(a)(_promote_arg(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _promote_arg(v) for k, v in a.items()}
+    return a
+
+
+def promote_to_float64(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that computes in float64: floating parameters, buffers and constants cast to float64, and
+    every float16 / bfloat16 / float32 dtype argument of every node replaced by float64.
+
+    Args:
+        gm: a traced graph (``engine.capture``), original or fused, in any floating dtype.
+
+    Returns:
+        A new ``GraphModule`` taking the same inputs (floating ones in float64; integer ids unchanged).
+    """
+    out = copy.deepcopy(gm)
+    for node in out.graph.nodes:
+        node.args = _promote_arg(node.args)
+        node.kwargs = _promote_arg(node.kwargs)
+    for module in out.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_floating_point():
+                module._parameters[name] = torch.nn.Parameter(param.detach().double(), requires_grad=False)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.double()
+    for name, value in list(vars(out).items()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            setattr(out, name, value.double())
+    out.recompile()
+    return out
+
+
+def float64_example(example: torch.Tensor) -> torch.Tensor:
+    """``example`` in float64 when it is floating (token ids stay integer)."""
+    return example.double() if example.is_floating_point() else example
+
+
+def float64_fold(original: fx.GraphModule, example: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
+    """The original graph and its fold, both in float64.
+
+    The promoted graph is traced again (so the engine sees float64 metadata) and folded by the same engine as the
+    model's own fold; its decisions equal the model's except where a fold overflows only the model's dtype.
+
+    Args:
+        original: the unfolded graph of the model (``engine.capture``) in the checkpoint's dtype.
+        example: one example input ``(B, ...)`` as the model takes it.
+
+    Returns:
+        ``(original64, fused64, decisions64)``.
+    """
+    with quiet():
+        original64 = engine.capture(promote_to_float64(original), float64_example(example))
+    fused64 = copy.deepcopy(original64)
+    decisions64 = engine.fold_all(fused64)
+    return original64, fused64, decisions64

@@ -1,0 +1,299 @@
+"""Verification runs: after a fold (``verify_fold``) and between any two sides (``verify_pair``).
+
+Both follow the policy of ``slabconv.verify.policy``:
+
+1. The float64 reference: the original model's graph with everything in float64 (``reference.float64_fold``),
+   run on the inputs rounded to the checkpoint's dtype.
+2. Question 1: the fold of that float64 graph against the graph itself (``judge.exact_graphs``), and every
+   written tensor against the float64 fold (``judge.exact_tensors``).
+3. Question 2: each artifact in its own dtype and runtime against the reference, bounded by the original's own
+   error (``judge.judge_output``); a runtime that cannot run an artifact is named in a note and another runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from slabconv import engine
+from slabconv.errors import InputError
+from slabconv.load.model import LoadedModel
+from slabconv.verify import judge
+from slabconv.verify.inputs import choose_inputs
+from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
+from slabconv.verify.reference import float64_fold
+from slabconv.verify.results import ExactCheck, IntegrityCheck, OutputCheck, Verification
+from slabconv.verify.runtimes import (
+    Runtime,
+    RuntimeUnavailable,
+    onnx_runtimes,
+    onnxruntime_version,
+    run_batched,
+    torch_runner,
+    torch_runtime,
+)
+
+Progress = Callable[..., None]
+
+
+def _no_progress(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
+    """The names used in check names: the ONNX names when known, else ``output`` / ``output.<i>``."""
+    if names is not None and len(names) == count:
+        return list(names)
+    return ["output"] if count == 1 else [f"output.{i}" for i in range(count)]
+
+
+@dataclass
+class Reference:
+    """The original model's outputs on the verification inputs: in its own dtype, and in float64.
+
+    Attributes:
+        x: the inputs ``(N, ...)`` (float32 or int64 ids).
+        label, sha256: where they came from (``.npz`` path or ``random(...)``) and the file's digest.
+        dtype: the checkpoint's dtype name.
+        original: every output of the original model in its dtype.
+        exact: every output of the original graph in float64 (None when there is no float64 graph).
+        names: the output names.
+        notes: what the reference says about the model (an original that overflows its dtype).
+        fused64: the float64 fold of the original graph (for question 1), when there is a graph.
+    """
+
+    x: np.ndarray
+    label: str
+    sha256: str | None
+    dtype: str
+    original: list[np.ndarray]
+    exact: list[np.ndarray] | None
+    names: list[str]
+    notes: list[str] = field(default_factory=list)
+    fused64: fx.GraphModule | None = None
+
+
+def check_reference(reference: Reference) -> None:
+    """Non-finite float64 output: the inputs are unusable (exit 2); a non-finite original with a finite float64
+    output: the original overflows its dtype (a note; the fused model is still judged against float64)."""
+    if reference.exact is None:
+        return
+    for name, exact, orig in zip(reference.names, reference.exact, reference.original, strict=True):
+        if not np.isfinite(exact).all():
+            raise InputError(
+                f"the model's own output {name!r} is not finite even in float64 on {reference.label}: these inputs "
+                "are unusable; pass inputs the model was made for with --inputs NPZ"
+            )
+        if not np.isfinite(orig).all():
+            reference.notes.append(
+                f"the original model overflows {reference.dtype} on these inputs (output {name!r} is not finite, its "
+                "float64 evaluation is): the fused model is judged against float64 at the dtype's tolerance"
+            )
+
+
+def make_reference(
+    loaded: LoadedModel,
+    original_graph: fx.GraphModule,
+    example: torch.Tensor,
+    inputs: Path | None,
+    samples: int,
+    seed: int,
+) -> tuple[Reference, fx.GraphModule, list[Any]]:
+    """The reference of ``loaded`` on the verification inputs, and its float64 fold (for question 1).
+
+    Returns:
+        ``(reference, fused64, decisions64)``; ``reference.exact`` holds the float64 outputs.
+
+    Raises:
+        InputError, UsageError: as ``choose_inputs``; inputs on which even float64 output is not finite.
+    """
+    x, label, digest = choose_inputs(loaded, inputs, samples, seed)
+    dtype = loaded.dtype
+    original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
+    original64, fused64, decisions64 = float64_fold(original_graph, example)
+    exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
+    name = str(dtype).removeprefix("torch.")
+    reference = Reference(x, label, digest, name, original, exact, output_names(len(original)))
+    check_reference(reference)
+    return reference, fused64, decisions64
+
+
+def question_2(
+    reference: Reference,
+    runtime: Runtime,
+    *,
+    rtol: float | None,
+    atol: float,
+    strict: bool,
+    token_logits: bool,
+    names: Sequence[str] | None = None,
+) -> list[OutputCheck]:
+    """Run ``runtime`` on the reference's inputs and judge each output.
+
+    Raises:
+        InputError: the runtime gives another number of outputs or other shapes (not the same model).
+    """
+    outputs = run_batched(runtime.run, reference.x, fixed_batch=runtime.fixed_batch)
+    if len(outputs) != len(reference.original):
+        raise InputError(
+            f"the reference has {len(reference.original)} outputs but {runtime.label} gives {len(outputs)}; "
+            "compare two versions of the same model"
+        )
+    labels = output_names(len(outputs), names or runtime.output_names)
+    checks = []
+    for i, (label, cand) in enumerate(zip(labels, outputs, strict=True)):
+        ref = reference.original[i]
+        if cand.shape != ref.shape:
+            raise InputError(
+                f"output {label!r}: the reference gives shape {ref.shape} but {runtime.label} gives {cand.shape}; "
+                "the two are not the same model (a different architecture or class count?)"
+            )
+        checks.append(
+            judge.judge_output(
+                f"{label} @ {runtime.label}",
+                cand,
+                dtype=runtime.dtype,
+                original=ref,
+                reference64=reference.exact[i] if reference.exact is not None else None,
+                rtol=rtol,
+                atol=atol,
+                strict=strict,
+                token_logits=token_logits,
+            )
+        )
+    return checks
+
+
+def question_1_graph(reference: Reference, fused64: nn.Module, batch: int | None = None) -> ExactCheck:
+    """The fused float64 graph against the original float64 outputs of ``reference``."""
+    assert reference.exact is not None
+    dtype = getattr(torch, reference.dtype)
+    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), reference.x, fixed_batch=batch)
+    return judge.exact_graphs(reference.names, outputs, reference.exact)
+
+
+def decisions_note(decisions: Sequence[Any], decisions64: Sequence[Any]) -> list[str]:
+    """A note when the float64 fold decided differently from the model's (a fold that overflows only the model's
+    dtype): question 1 then checks the float64 decision for those norms."""
+    differ = [d.norm for d, e in zip(decisions, decisions64, strict=False) if d.action != e.action]
+    if not differ and len(decisions) == len(decisions64):
+        return []
+    return [
+        f"the float64 fold decided differently for {', '.join(differ[:3]) or 'some norms'} (a fold that overflows "
+        "only the model's dtype): question 1 checked the float64 decision there"
+    ]
+
+
+@dataclass
+class Artifacts:
+    """What ``fuse`` wrote into its (staging) folder, for ``verify_fold``.
+
+    Attributes:
+        folder: the folder.
+        safetensors: the fused weights file, and the tensors and metadata written into it.
+        onnx: ``model.onnx`` or None.
+        pt2: ``model.pt2`` or None.
+        fused_graph: the in-memory fused graph (run in PyTorch when neither ONNX nor ``.pt2`` was written).
+    """
+
+    folder: Path
+    safetensors: Path
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    onnx: Path | None = None
+    pt2: Path | None = None
+    fused_graph: nn.Module | None = None
+
+
+def artifact_runtimes(artifacts: Artifacts, dtype: torch.dtype, batch: int | None) -> tuple[list[Runtime], list[str]]:
+    """The runtimes question 2 runs: onnxruntime on ``model.onnx`` (optimisations off and on), PyTorch on
+    ``model.pt2``; the fused graph in PyTorch when neither was written. Notes say what could not run."""
+    runtimes: list[Runtime] = []
+    notes: list[str] = []
+    if artifacts.onnx is not None:
+        try:
+            runtimes += onnx_runtimes(artifacts.onnx)
+        except RuntimeUnavailable as err:
+            notes.append(
+                f"{err}; model.onnx got onnx.checker's full check, and question 2 ran the PyTorch program instead"
+            )
+    if artifacts.pt2 is not None:
+        from slabconv.load.checkpoint import load_checkpoint
+
+        module = load_checkpoint(artifacts.pt2).module
+        runtimes.append(torch_runtime(module, dtype, "model.pt2", fixed_batch=batch))
+    if not runtimes and artifacts.fused_graph is not None:
+        runtimes.append(torch_runtime(artifacts.fused_graph, dtype, "fused graph", fixed_batch=batch))
+    return runtimes, notes
+
+
+def runtime_summary(runtimes: Sequence[Runtime]) -> str:
+    """The report's ``runtime``: ``onnxruntime 1.x`` and/or ``pytorch 2.x``."""
+    kinds = []
+    if any(rt.label.startswith("onnxruntime") for rt in runtimes):
+        kinds.append(onnxruntime_version())
+    if any(rt.label.startswith("pytorch") for rt in runtimes):
+        kinds.append(f"pytorch {torch.__version__}")
+    return ", ".join(kinds)
+
+
+def verify_fold(
+    loaded: LoadedModel,
+    original_graph: fx.GraphModule,
+    decisions: Sequence[Any],
+    example: torch.Tensor,
+    artifacts: Artifacts,
+    *,
+    inputs: Path | None = None,
+    samples: int = 64,
+    seed: int = 0,
+    rtol: float | None = None,
+    atol: float = 0.0,
+    strict: bool = False,
+    progress: Progress = _no_progress,
+) -> Verification:
+    """Both questions for what ``fuse`` wrote.
+
+    Question 1: the float64 fold against the float64 original, and every tensor of ``model.safetensors`` against
+    the float64 fold rounded to its dtype. Question 2: ``model.onnx`` (onnxruntime, optimisations off and on) and
+    ``model.pt2`` (PyTorch), each in the checkpoint's dtype, against the float64 reference. Integrity: the
+    safetensors file reads back bit-equal with its metadata; ``onnx.checker`` passes.
+
+    Raises:
+        InputError, UsageError: unusable inputs (as ``make_reference``).
+    """
+    progress("verifying: the original model in its dtype and in float64")
+    reference, fused64, decisions64 = make_reference(loaded, original_graph, example, inputs, samples, seed)
+    verification = Verification(
+        inputs=reference.label,
+        inputs_sha256=reference.sha256,
+        reference="the original model in float64 (pytorch)",
+        notes=list(reference.notes) + decisions_note(decisions, decisions64),
+    )
+    progress("verifying: question 1, is the fold exact?")
+    verification.exact.append(question_1_graph(reference, fused64, loaded.batch))
+    fold64 = engine.fused_state_dict(fused64)
+    verification.exact.append(
+        judge.exact_tensors(f"{artifacts.safetensors.name} vs the float64 fold", artifacts.tensors, fold64)
+    )
+    verification.integrity.append(
+        check_safetensors_reload(artifacts.safetensors, artifacts.tensors, artifacts.metadata)
+    )
+    if artifacts.onnx is not None:
+        passed, detail = check_onnx_file(artifacts.onnx)
+        verification.integrity.append(IntegrityCheck(f"onnx.checker[full_check] {artifacts.onnx.name}", passed, detail))
+    runtimes, notes = artifact_runtimes(artifacts, loaded.dtype, loaded.batch)
+    verification.notes += notes
+    for runtime in runtimes:
+        progress(f"verifying: question 2, {runtime.label}")
+        verification.checks += question_2(
+            reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input
+        )
+    verification.runtime = runtime_summary(runtimes)
+    return verification

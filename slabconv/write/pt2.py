@@ -1,0 +1,52 @@
+"""The fused model as a ``torch.export`` program (``model.pt2``): what ``torch.compile``, AOTInductor,
+ExecuTorch and torch-TensorRT take, loadable with ``torch.export.load`` without slabconv installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slabconv import __version__
+from slabconv.errors import UnsupportedModelError, first_line
+from slabconv.util import quiet
+
+MARK = "slabconv.json"
+"""The extra file every ``.pt2`` slabconv writes carries: its version, and what the program takes."""
+
+
+def export_pt2(
+    model: torch.nn.Module, example: torch.Tensor, path: Path, *, static_batch: bool = False
+) -> dict[str, Any]:
+    """Export ``model`` with ``torch.export`` and save it to ``path``.
+
+    Axis 0 (batch) is dynamic unless ``static_batch`` or the model's code fixes it; the returned info says which.
+
+    Args:
+        model: the fused model (a ``GraphModule`` from the engine).
+        example: one input ``(B, ...)`` in the model's dtype (int64 ids for a language model).
+        path: where to write.
+
+    Returns:
+        ``{"dynamic_batch": bool, "batch": int or None}`` (``batch``: the fixed batch size when not dynamic).
+
+    Raises:
+        UnsupportedModelError: ``torch.export`` cannot trace the fused model.
+    """
+    last: Exception | None = None
+    for dynamic in (False,) if static_batch else (True, False):
+        shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+        try:
+            with quiet():
+                program = torch.export.export(model, (example,), dynamic_shapes=shapes)
+        except Exception as err:  # noqa: BLE001 - torch.export raises many types
+            last = err
+            continue
+        info = {"dynamic_batch": dynamic, "batch": None if dynamic else int(example.shape[0])}
+        extra = {MARK: json.dumps({"slabconv_version": __version__, **info})}
+        with quiet():
+            torch.export.save(program, str(path), extra_files=extra)
+        return info
+    raise UnsupportedModelError(f"torch.export could not export the fused model: {first_line(last)}")
