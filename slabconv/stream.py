@@ -319,6 +319,7 @@ def fuse_streamed(
             hf_folder=True,
             sha256={name: sha256_file(tmp / name) for name in files},
         )
+        report.rename(tmp, out_dir)
         report.write(tmp / "report.json")
         if report.verification is not None and not report.verification.passed:
             raise VerificationError(

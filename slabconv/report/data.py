@@ -154,12 +154,33 @@ class Report:
             out.update(self.bench)
         return finite_json(out)
 
+    def rename(self, old: Path, new: Path) -> None:
+        """Replace the path ``old`` by ``new`` in every text of the report (check names, notes, details): what was
+        measured in a staging folder is reported under the folder the user asked for."""
+        _rename(self, str(old), str(new))
+        _rename(self, old.name, new.name)
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2) + "\n"
 
     def write(self, path: Path) -> None:
         """Write ``to_json`` to ``path``."""
         Path(path).write_text(self.to_json(), encoding="utf-8")
+
+
+def _rename(obj: Any, old: str, new: str) -> Any:
+    """``obj`` with ``old`` replaced by ``new`` in every string, in place where ``obj`` is mutable."""
+    if isinstance(obj, str):
+        return obj.replace(old, new)
+    if isinstance(obj, list):
+        obj[:] = [_rename(v, old, new) for v in obj]
+    elif isinstance(obj, dict):
+        for key in list(obj):
+            obj[key] = _rename(obj[key], old, new)
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for name in vars(obj):
+            setattr(obj, name, _rename(getattr(obj, name), old, new))
+    return obj
 
 
 def as_plain(value: Any) -> Any:

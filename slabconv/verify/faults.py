@@ -89,10 +89,15 @@ def check_finite(
     node = first_non_finite(fused, example)
     layer = _layer_of(node) if node is not None else "the output"
     dtype = str(loaded.dtype).removeprefix("torch.")
+    extremes = _extremes(original)
     norm = next((d for d in decisions if layer in d.into or layer.startswith(d.norm)), None)
+    if norm is None and extremes:  # the overflow surfaced a few ops later: the norm with the most extreme affine
+        name = max(extremes, key=lambda n: extremes[n])
+        norm = next((d for d in decisions if d.norm == name), None)
+        layer = ", ".join(norm.into) if norm is not None and norm.into else layer
     also = "; the original model overflows too" if not original_finite else ""
     if norm is not None:
-        value = _extremes(original).get(norm.norm)
+        value = extremes.get(norm.norm)
         shown = f" (its scale or shift reaches {value:.3g})" if value is not None else ""
         raise NumericError(
             f"{loaded.checkpoint.path}: norm {norm.norm}{shown} makes {layer} overflow {dtype} after the fold "

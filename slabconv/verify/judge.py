@@ -139,18 +139,24 @@ def exact_graphs(names: Sequence[str], fused64: Sequence[np.ndarray], original64
 
 
 def ulps(candidate: torch.Tensor, exact: torch.Tensor) -> float:
-    """Largest distance of ``candidate`` from ``exact`` (float64) in units in the last place of the candidate's
-    dtype, measured at the exact value (0 when every element is the nearest representable one)."""
+    """How many units in the last place ``candidate`` is from ``exact`` (float64) correctly rounded to the
+    candidate's dtype, at most over all elements: 0 when every element is that rounding (or, where ``exact`` is on
+    a tie between two neighbours within ``policy.TIE``, either neighbour); ``inf`` for NaN or another shape."""
     if candidate.shape != exact.shape:
         return math.inf
     rounded = exact.to(candidate.dtype)
-    if torch.equal(candidate, rounded):
+    differ = candidate != rounded
+    if not bool(differ.any()):
         return 0.0
-    spacing = (torch.nextafter(rounded, torch.full_like(rounded, math.inf)) - rounded).double().abs()
-    spacing = torch.where(spacing > 0, spacing, torch.finfo(candidate.dtype).tiny)
-    distance = (candidate.double() - exact).abs() / spacing
-    distance = torch.where(torch.isnan(distance), torch.full_like(distance, math.inf), distance)
-    return float(distance.max())
+    toward = torch.nextafter(rounded, candidate)
+    step = (toward.double() - rounded.double()).abs()
+    step = torch.where(step > 0, step, torch.full_like(step, float(torch.finfo(candidate.dtype).tiny)))
+    units = (candidate.double() - rounded.double()).abs() / step
+    midpoint = (rounded.double() + toward.double()) / 2
+    tie = (exact - midpoint).abs() <= policy.TIE * exact.abs().clamp_min(float(torch.finfo(torch.float64).tiny))
+    units = torch.where(differ & ~(tie & (units <= 1)), units, torch.zeros_like(units))
+    units = torch.where(torch.isnan(units), torch.full_like(units, math.inf), units)
+    return float(units.max())
 
 
 def exact_tensors(
@@ -163,8 +169,8 @@ def exact_tensors(
     """Question 1 for written files: every tensor of the float64 fold, rounded to the written dtype, equals the
     written tensor within ``ulp_bound`` units in the last place (a tensor the file lacks fails).
 
-    Rounding a float64 value to the nearest representable one is off by at most half a unit, so an honest file is
-    at 0.5 ulps or less; a wrong fold of any size shows up here, in any dtype (float16 included), where a runtime
+    A correct writer rounds each float64 value once, to the nearest representable one: an honest file is 0 units
+    away. A wrong fold of any size shows up here, in any dtype (float16 and bfloat16 included), where a runtime
     comparison drowns in the model's own rounding.
 
     Args:

@@ -95,9 +95,16 @@ def _onnx_side(path: Path) -> Side:
         side.notes.append(f"{err}: {path.name} got onnx.checker's full check only")
     if written_by_slabconv(path):
         full = onnx.load(str(path))
-        side.written = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in full.graph.initializer}
+        side.written = {t.name: _tensor(numpy_helper.to_array(t)) for t in full.graph.initializer}
         side.written_by_value = True
     return side
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor; bfloat16 (``ml_dtypes``, which torch cannot read) through its bits."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
 
 
 def open_side(path: Path, load: LoadOptions) -> Side:

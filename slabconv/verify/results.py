@@ -31,8 +31,8 @@ class ExactCheck:
         name: what was checked (``fused graph vs original, both float64`` / ``model.safetensors vs float64 fold``).
         passed: within ``bound``.
         method: ``graph``: relative error of every output, fused float64 graph vs original float64 graph;
-            ``tensors``: largest distance of a written tensor from the fresh float64 fold rounded to its dtype, in
-            units in the last place (ulps).
+            ``tensors``: largest distance of a stored value from the fresh float64 fold correctly rounded to its
+            dtype, in units in the last place (0 for a correct file).
         error: the relative error (graph) or the largest distance in ulps (tensors).
         bound: the most allowed (``EXACT_RTOL`` or ``ULPS``).
         worst: the output or tensor where ``error`` was measured.
@@ -57,7 +57,8 @@ class ExactCheck:
             )
         return (
             f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r} is {self.error:.3g} units in the last place "
-            f"away from a fresh float64 fold rounded to its dtype (at most {self.bound:g} allowed): {self.detail}"
+            f"away from a fresh float64 fold rounded to its dtype (a correct file is {self.bound:g} away): "
+            f"{self.detail}"
         )
 
 

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from slabconv import __version__
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
 from slabconv.write.hf_llama import load_fused_llama
-from slabconv.write.onnx import ONNX_EXTERNAL_DATA_BYTES
+from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for
 
 DEFAULT_DECODER_ONNX = "decoder.onnx"
 MIN_OPSET = 17
@@ -156,10 +157,11 @@ def export_decoder_onnx(
                 dynamic_shapes=shapes,
                 input_names=inputs,
                 output_names=outputs,
-                opset_version=opset,
+                opset_version=opset if opset is not None else opset_for(model),
                 verbose=False,
             )
         assert program is not None
+        program.model.metadata_props[MARK] = __version__
     except Exception as err:  # noqa: BLE001 - the exporter raises many types
         raise UnsupportedModelError(f"decoder ONNX export failed: {_root_cause(err)}") from None
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())

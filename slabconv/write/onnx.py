@@ -23,12 +23,23 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+BFLOAT16_OPSET = 22
+"""The first opset whose Conv, Gemm and friends accept bfloat16 (earlier ones make a bfloat16 model invalid)."""
+
+
+def opset_for(model: torch.nn.Module) -> int | None:
+    """The opset to export ``model`` at: ``BFLOAT16_OPSET`` for bfloat16 weights, else the exporter's default."""
+    dtypes = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
+    return BFLOAT16_OPSET if torch.bfloat16 in dtypes else None
+
+
 def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
     """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
 
     Axis 0 (batch) is dynamic when the model allows it; otherwise the batch size of ``example`` is fixed and
     the returned info says so. Weights over ``ONNX_EXTERNAL_DATA_BYTES`` go to external data
-    ``<path>.data`` beside ``path``.
+    ``<path>.data`` beside ``path``. A bfloat16 model is exported at opset ``BFLOAT16_OPSET`` (a valid model that
+    passes ``onnx.checker``; onnxruntime's CPU provider has no bfloat16 kernels for it).
 
     Returns:
         ``{"dynamic_batch": bool, "opset": int, "external_data": "<name>.data" or None}``.
@@ -49,6 +60,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> di
                     dynamic_shapes=shapes,
                     input_names=["input"],
                     output_names=["output"],
+                    opset_version=opset_for(model),
                     verbose=False,
                 )
             assert program is not None
