@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import onnx
@@ -75,3 +77,33 @@ def fixture_ckpt() -> Path:
     path = FIXTURE / "checkpoint.pth"
     assert path.exists(), "the committed fixture is missing; run `make fixtures`"
     return path
+
+
+REPORT_SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
+VALIDATED: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="session")
+def every_report_matches_the_schema() -> Iterator[None]:
+    """Every report any test produces (in memory, streamed, verify, bench, inspect, export) is checked against
+    docs/report.schema.json the moment it is turned into JSON: a field the docs do not describe fails the test
+    that made it."""
+    from jsonschema import Draft202012Validator
+
+    from slabconv.report.data import Report
+
+    validator = Draft202012Validator(REPORT_SCHEMA)
+    real = Report.to_dict
+
+    def checked(self: Report) -> dict:
+        data = real(self)
+        errors = sorted(validator.iter_errors(data), key=lambda e: list(e.path))
+        assert not errors, (
+            f"report.json does not match docs/report.schema.json: {errors[0].message} at {list(errors[0].path)}"
+        )
+        VALIDATED.append(data["command"])
+        return data
+
+    Report.to_dict = checked  # type: ignore[method-assign]
+    yield
+    Report.to_dict = real  # type: ignore[method-assign]

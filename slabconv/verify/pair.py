@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -263,4 +264,27 @@ def verify_pair(
             raise InputError(f"{reference_path} vs {candidate_path}: {err}") from None
     verification.runtime = runtime_summary(cand.runtimes)
     ref.source.extra["runtime"] = ref.runtimes[0].label if ref.runtimes else None
+    if opts.generate:
+        progress("verifying: greedy generation, reference vs candidate")
+        verification.generation = _generation(ref, candidate_path, x, opts.generate)
     return ref.source, cand.source, verification
+
+
+def _generation(ref: Side, candidate: Path, x: np.ndarray, steps: int) -> dict[str, Any]:
+    """``--generate N``: greedy generation of the reference model against a fused language-model folder (and its
+    decoder ONNX when there is one), on prompts from the inputs (at most 16, half their length).
+
+    Raises:
+        UsageError: the reference is not a language model slabconv builds, or the candidate is not a fused folder.
+    """
+    from slabconv.verify.generate import check_generation
+
+    if ref.loaded is None or not ref.token_input:
+        raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
+    if not (candidate.is_dir() and (candidate / "modeling_slabconv_llama.py").is_file()):
+        raise UsageError(f"--generate needs a fused language-model folder as the candidate; {candidate} is not one")
+    ids = torch.as_tensor(x)[:16]
+    prompts = ids[:, : max(1, ids.shape[1] // 2)]
+    decoder = candidate / "decoder.onnx"
+    onnx_path = decoder if decoder.is_file() and ref.loaded.dtype != torch.bfloat16 else None
+    return check_generation(ref.loaded.model, candidate, prompts, steps, onnx_path=onnx_path, threads=1).to_dict()
