@@ -83,7 +83,7 @@ def plan(loaded: LoadedModel, progress: Progress = _no_progress) -> Planned:
         UnsupportedModelError: torch.export cannot trace the model.
         InputError: a norm in train mode; damaged norm statistics.
     """
-    example = loaded.example(loaded.example_batch, seed=0)
+    example = loaded.trace_example()
     progress("tracing the model with torch.export")
     with quiet():
         original = engine.capture(loaded.model, example)
@@ -143,7 +143,6 @@ def write_fused(
     save_safetensors(tensors, folder / "model.safetensors", metadata)
     outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
     artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
-    static = loaded.batch is not None
     if write.onnx:
         progress("exporting model.onnx")
         outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx")
@@ -151,7 +150,7 @@ def write_fused(
         outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
     if write.pt2:
         progress("exporting model.pt2")
-        info = export_pt2(planned.fused, planned.example, folder / "model.pt2", static_batch=static)
+        info = export_pt2(planned.fused, planned.example, folder / "model.pt2")
         outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
         outputs.files.append("model.pt2")
         outputs.onnx_info = {**(outputs.onnx_info or {}), "pt2_dynamic_batch": info["dynamic_batch"]}
@@ -316,7 +315,7 @@ def export(
     loaded = load_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
-    example = loaded.example(loaded.example_batch, seed=0)
+    example = loaded.trace_example()
     if fuse:
         planned = plan(loaded, progress)
         model, decisions, example = planned.fused, planned.decisions, planned.example

@@ -64,6 +64,15 @@ class LoadedModel:
         """True when the model takes integer ids (its logits' last axis is the vocabulary)."""
         return self.input_dtype is not None and not self.input_dtype.is_floating_point
 
+    def trace_example(self) -> torch.Tensor:
+        """The input to trace and export with: ``example_batch`` seeded samples, or, for integer ids whose range is
+        unknown (they feed more than embedding lookups), zeros -- a valid index for any table. Shape
+        ``(example_batch, *input_shape)``."""
+        try:
+            return self.example(self.example_batch, seed=0)
+        except UsageError:
+            return torch.zeros((self.example_batch, *self.input_shape), dtype=self.input_dtype or self.dtype)
+
     def example(self, batch: int, seed: int = 0) -> torch.Tensor:
         """``batch`` seeded inputs of the model's input shape and dtype."""
         if self.make_input is not None:
@@ -308,6 +317,7 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
     return LoadedModel(ckpt.module, ckpt, None, shape, weights_dtype, input_dtype, make_input, batch=dims[0])
 
 
+_SHAPE_ONLY = ("aten.sym_size", "aten.sym_numel", "aten.sym_stride", "aten._assert_tensor_metadata")
 _PASS_THROUGH = {"aten.view.default", "aten.reshape.default", "aten.clone.default", "aten.contiguous.default"}
 
 
@@ -323,6 +333,8 @@ def _id_range(program: Any, node: Any) -> int | None:
                 continue
             seen.add(user)
             target = str(user.target)
+            if target.startswith(_SHAPE_ONLY):
+                continue  # reads the shape, not the ids
             if target in _PASS_THROUGH or target.startswith("aten.unsqueeze") or target.startswith("aten.squeeze"):
                 todo.append(user)
                 continue

@@ -260,7 +260,8 @@ def refusal(label: str, err: BaseException, path: Path | None = None) -> InputEr
             return InputError(
                 f"{label}: holds a whole pickled nn.Module ({named}), and loading one runs code from the file; "
                 "pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: "
-                "torch.export.save(torch.export.export(model.eval(), (example,)), 'model.pt2')"
+                "torch.export.save(torch.export.export(model.eval(), (example,), "
+                "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
             )
         others = [n for n in unsafe if n != named][:3]
         also = f" (also: {', '.join(others)})" if others else ""

@@ -178,7 +178,7 @@ def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tup
         return Reference(x, label, digest, runtime.dtype, original, None, names), verification
     loaded = side.loaded
     original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
-    example = loaded.example(loaded.example_batch, seed=0)
+    example = loaded.trace_example()
     with quiet():
         graph = engine.capture(loaded.model, example)
     original64, fused64, _ = float64_fold(graph, example)

@@ -22,7 +22,8 @@ def export_pt2(
 ) -> dict[str, Any]:
     """Export ``model`` with ``torch.export`` and save it to ``path``.
 
-    Axis 0 (batch) is dynamic unless ``static_batch`` or the model's code fixes it; the returned info says which.
+    Axis 0 (batch) is dynamic unless the model's code fixes it (a program recorded with a static batch whose graph
+    bakes that size in); the returned info says which.
 
     Args:
         model: the fused model (a ``GraphModule`` from the engine).

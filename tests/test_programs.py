@@ -1,0 +1,90 @@
+"""Programs as users export them: torch.export's default (a static batch of any size), token-id programs, and
+every folder fuse wrote accepted by verify on either side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from slabconv import api
+from slabconv.cli import app
+from slabconv.options import VerifyOptions
+from tests.conftest import small_vit
+from tests.hfwrite import write_hf_folder
+from tests.test_llama import TINY_CONFIG, tiny_model
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 16])
+def test_a_program_exported_with_torch_exports_defaults_fuses_at_its_batch(tmp_path: Path, batch: int) -> None:
+    """``torch.export.export(model, (x,))`` records a fixed batch; today's main refused it at every size."""
+    program = torch.export.export(small_vit(depth=1), (torch.randn(batch, 1, 8, 8),))
+    torch.export.save(program, tmp_path / "static.pt2")
+    report = api.fuse(tmp_path / "static.pt2", tmp_path / "out", verify=VerifyOptions(samples=10))
+    v = report.verification
+    assert v is not None and v.passed and all(c.samples == 10 for c in v.checks)  # 10 samples in chunks of `batch`
+    assert report.source is not None and report.source.batch == batch
+    assert report.outputs is not None and report.outputs.onnx_info is not None
+    assert isinstance(report.outputs.onnx_info["dynamic_batch"], bool)  # whether re-export proved it dynamic
+    assert report.summary is not None and report.summary.folded == report.summary.norms == 3
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
+def test_a_token_id_program_gets_ids_from_its_embedding_table(tmp_path: Path, dynamic: bool) -> None:
+    """The id range is in the graph (the rows of the embedding the input indexes): no --inputs needed."""
+    shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    program = torch.export.export(tiny_model(), (torch.randint(0, 64, (2, 16)),), dynamic_shapes=shapes)
+    torch.export.save(program, tmp_path / "lm.pt2")
+    result = runner.invoke(app, ["fuse", str(tmp_path / "lm.pt2"), "--out", str(tmp_path / "out"), "--samples", "6"])
+    assert result.exit_code == 0, result.output
+    v = json.loads((tmp_path / "out" / "report.json").read_text())["verification"]
+    assert v["passed"] and v["inputs"] == "random(seed=0, samples=6)"
+    assert all(c["decisive"] + c["near_ties"] == 6 * 16 for c in v["checks"])  # next-token top-1 at every position
+
+
+def test_integer_input_that_is_not_only_a_lookup_asks_for_inputs(tmp_path: Path) -> None:
+    class Counts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.embed(ids).sum(1) + ids.float().sum(1, keepdim=True)  # the ids are also used as numbers
+
+    program = torch.export.export(Counts(), (torch.randint(0, 10, (2, 3)),))
+    torch.export.save(program, tmp_path / "ids.pt2")
+    result = runner.invoke(app, ["inspect", str(tmp_path / "ids.pt2")])
+    assert result.exit_code == 0, result.output  # inspecting needs no inputs beyond the trace
+    result = runner.invoke(app, ["fuse", str(tmp_path / "ids.pt2"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "does not only index embedding tables" in result.stderr and "--inputs NPZ" in result.stderr
+
+
+def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> None:
+    """An in-memory output folder (model.pt2 + model.safetensors) and a streamed one (shards + index), each as the
+    reference and as the candidate; today's main refused the in-memory folder ("folder without config.json")."""
+    write_hf_folder(tmp_path / "src", tiny_model().state_dict(), TINY_CONFIG, max_shard_bytes=8192)
+    api.fuse(tmp_path / "src", tmp_path / "memory", verify=None)
+    from slabconv.options import WriteOptions
+
+    api.fuse(tmp_path / "src", tmp_path / "streamed", verify=None, write=WriteOptions(stream=True, onnx=False))
+    for reference, candidate in [
+        ("src", "memory"),
+        ("src", "streamed"),
+        ("memory", "streamed"),
+        ("streamed", "memory"),
+    ]:
+        result = runner.invoke(
+            app, ["verify", str(tmp_path / reference), str(tmp_path / candidate), "--samples", "4", "--json"]
+        )
+        assert result.exit_code == 0, (reference, candidate, result.output)
+        report = json.loads(result.stdout)
+        assert report["verification"]["passed"]
+        assert report["candidate"]["format"] == "slabconv-output"
+        expected_exact = True if reference == "src" else None  # question 1 needs the source as the reference
+        assert report["verification"]["question_1_exact"] is expected_exact, (reference, candidate)
