@@ -7,9 +7,9 @@ Three walks, all read-only:
   (``BlockedEdge``, with a reason). Every user of every tensor on the way is classified; nothing is skipped.
 - ``find_producer(start, chan, owned, graph)``: backward from a norm's input through view-like ops to a
   Linear/conv whose output nothing else reads. Out: a ``Producer``, or the plain-text reason there is none.
-- ``source_chan(node, known)``: backward through view-like ops to a node whose channel axis is known (a layer's
-  output, a norm), then forward again: where that channel axis is on ``node``. Used to tell a per-channel
-  constant on a channel axis from one on a token axis.
+- ``source_chan(node, known)`` and ``reaches_layer(start, chan)``: layout only (no affine flows): where the channel
+  axis of the nearest layer or norm upstream sits on ``node``, and whether a layer downstream contracts a given
+  axis. Used to tell a per-channel constant on a channel axis from one on a token axis.
 
 The backward walk sees the graph as it will be once earlier norms are folded: ``VirtualGraph`` makes a removed
 norm's output stand for its input, so a planner can decide every norm before the graph is rewritten.
@@ -25,12 +25,13 @@ import torch
 from torch import fx
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import is_float, norm_dim, rank, same_size, shape_of
+from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of
 from slabconv.engine.rules import (
     INDEX_OUTPUTS,
     JOIN_OPS,
     LAYER_OF,
     RULE_OF,
+    RULES,
     Absorb,
     Block,
     Chan,
@@ -303,10 +304,23 @@ def find_producer(
         node = graph.resolve(src)
 
 
+_LAYOUT_KEEPING = {
+    op for rule in RULES if rule.name in ("nonlinear", "residual", "scalar_mul", "masked") for op in rule.ops
+}
+
+
+def _layout_input(node: fx.Node) -> fx.Node | None:
+    """For an op whose output keeps an input's layout (elementwise ops, residual adds, softmax): that input."""
+    if node.op != "call_function" or node.target not in _LAYOUT_KEEPING:
+        return None
+    shape = shape_of(node)
+    return next((a for a in node.args if isinstance(a, fx.Node) and same_shape(shape_of(a), shape)), None)
+
+
 def source_chan(node: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Chan | None:
     """Where the channels of the nearest node with a known channel axis (``known``) sit on ``node``: walk up
-    view-like ops to it, then map its channels down again with the same rules. None when the walk meets any
-    other op first."""
+    view-like ops (mapped with their rules) and ops that keep their input's layout (elementwise, residual adds)
+    to it. None when the walk meets any other op first. Layout only: no affine flows along this walk."""
     path: list[fx.Node] = []
     cur: fx.Node | None = node
     ch: Chan | None = None
@@ -318,15 +332,41 @@ def source_chan(node: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Chan 
         elif rule is not None and rule.view_like and isinstance(cur.args[0], fx.Node):
             cur = cur.args[0]
         else:
-            return None
+            cur = _layout_input(cur)
     if cur is None or ch is None:
         return None
     for down in reversed(path):
-        if down.target is operator.getitem:
-            cur = down  # a tuple op's state is that of each of its outputs
-            continue
-        outcome = RULE_OF[down.target].step(down, cur, ch)
-        if not isinstance(outcome, Pass):
-            return None
-        cur, ch = down, outcome.chan
+        rule = RULE_OF.get(down.target)
+        if down.target is not operator.getitem and rule is not None and rule.view_like:
+            outcome = rule.step(down, cur, ch)
+            if not isinstance(outcome, Pass):
+                return None
+            ch = outcome.chan
+        cur = down  # getitem: a tuple op's state is that of each output; layout-keeping ops: unchanged
     return ch
+
+
+def reaches_layer(start: fx.Node, chan: Chan, limit: int = 256) -> bool:
+    """True when a Linear / conv downstream of ``start`` (through view-like and layout-keeping ops) contracts the
+    axis ``chan`` names: that axis is a channel axis of the model. Layout only: no affine flows along this walk."""
+    todo, seen = [(start, chan)], set()
+    while todo and len(seen) < limit:
+        node, ch = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            layer = LAYER_OF.get(user.target)
+            rule = RULE_OF.get(user.target)
+            if layer is not None:
+                if user.args[layer.data_arg] is node and ch.plain and layer.in_axis(user) == ch.axis:
+                    return True
+            elif user.target is operator.getitem:
+                todo.append((user, ch))
+            elif rule is not None and rule.view_like and user.args and user.args[0] is node:
+                outcome = rule.step(user, node, ch)
+                if isinstance(outcome, Pass):
+                    todo.append((user, outcome.chan))
+            elif _layout_input(user) is not None and same_shape(shape_of(user), shape_of(node)):
+                todo.append((user, ch))
+    return False

@@ -17,8 +17,9 @@ Which patterns count (``docs/reasons.md``, "Which patterns count"):
    starts a norm, extended as in 2: ``FrozenBatchNorm`` when its constants normalise by a stored variance
    (``rsqrt`` / ``sqrt`` of stored tensors, torchvision's ``FrozenBatchNorm2d``), else ``Affine`` when a constant
    is added (MobileBERT's ``NoNorm``: ``x * weight + bias``), else ``LayerScale`` (``gamma * x``). The axis must
-   be a channel axis: the channel axis of the Linear / conv / norm that produced ``x`` (through view-like ops),
-   or an axis that a Linear / conv reading the result contracts. A vector over a token axis is not a norm.
+   be a channel axis: the channel axis of the Linear / conv / norm that produced ``x`` (through view-like and
+   elementwise ops), or an axis that a Linear / conv downstream contracts. A vector over a token axis is not a
+   norm.
 
 Not norms: products with Python scalars or one-element constants alone (attention's ``q * scale``), constant
 additions alone (a bias, a position embedding), anything that reads the input twice (``x * x``). "Constant" means
@@ -40,7 +41,7 @@ from torch.utils._pytree import tree_map
 
 from slabconv import fold
 from slabconv.engine.capture import attr, module_path, same_size, shape_of, static_int
-from slabconv.engine.flow import follow, source_chan
+from slabconv.engine.flow import reaches_layer, source_chan
 from slabconv.engine.rules import LAYER_OF, VIEW_OPS, Chan
 from slabconv.errors import UnsupportedModelError
 
@@ -451,11 +452,12 @@ class _Analysis:
         if base_term and other.scale is not None and other.scale.dim() == 0 and not other.shifted:
             single = plain and len(other.nodes) == 1 and len(other.consts) == 1
             eta = 1.0 if other.nodes == () and plain else other.consts[0] if single else float(other.scale)
-        dups = {*left.dups, *right.dups, left.base, right.base} - {with_bn.base}
+        base = self.rep[with_bn.base]  # the first node with this value: every reader of a duplicate comes after it
+        dups = {*left.dups, *right.dups, left.base, right.base} - {base}
         nodes = (*left.nodes, *right.nodes, node)
         core = nodes if base_term and not with_bn.base_term else with_bn.core
         self.aff[node] = Affine(
-            with_bn.base,
+            base,
             common,
             _add(left.scale, right.scale),
             _add(left.shift, right.shift),
@@ -536,7 +538,7 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
 
 def _is_channel_axis(cand: Affine, out: fx.Node, known: Callable[[fx.Node], Chan | None]) -> bool:
     """A per-channel constant without a BN op counts only on a channel axis: the producer's channel axis
-    (through view-like ops), or one that a Linear / conv reading the result contracts."""
+    (through view-like and elementwise ops), or one that a Linear / conv downstream contracts."""
     if cand.bns:
         return True
     assert cand.axis is not None
@@ -547,7 +549,7 @@ def _is_channel_axis(cand: Affine, out: fx.Node, known: Callable[[fx.Node], Chan
     source = source_chan(cand.base, known)
     if source is not None and source.plain and (source.axis, source.channels) == (cand.axis, channels):
         return True
-    return bool(follow(out, Chan(cand.axis, channels)).consumers)
+    return reaches_layer(out, Chan(cand.axis, channels))
 
 
 def _choose(analysis: _Analysis) -> list[tuple[fx.Node, Affine]]:
@@ -655,6 +657,8 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     name = _name_norm(analysis.gm, core, "")
     if not name and cand.bns:  # RepBN's eta x written outside any module: the BN's own module names it
         name = _name_norm(analysis.gm, [n for n in region if n in cand.bns or n.target is operator.getitem], "")
+    if not cand.bns and names["scale"]:  # a stored scale names its norm (``ls1.gamma``, ``norm.weight`` -> ``norm``)
+        name = names["scale"].removesuffix(".weight")
     return NormSite(
         name=name or region[0].name,
         kind=_kind(analysis, cand),

@@ -267,14 +267,25 @@ class _Fold:
         return fold.fits_dtype(*(u.value for u in self.updates), *(b.value for b in self.new_biases))
 
 
-def _fold(weights: _Weights, layer: fx.Node, kind: LayerKind, forward: bool, s: torch.Tensor, t: torch.Tensor) -> _Fold:
-    """The new weight and bias of ``layer`` after a forward or backward fold of ``(s, t)`` (``slabconv.fold``)."""
+def _fold(
+    weights: _Weights,
+    layer: fx.Node,
+    kind: LayerKind,
+    forward: bool,
+    s: torch.Tensor,
+    t: torch.Tensor,
+    shifts: bool = True,
+) -> _Fold:
+    """The new weight and bias of ``layer`` after a forward or backward fold of ``(s, t)`` (``slabconv.fold``).
+    ``shifts=False``: the norm has no shift at all (a LayerScale); a layer without bias then stays without."""
     w_node = kind.weight(layer)
     assert w_node is not None
     w_target = str(w_node.target)
     b_target, b = weights.bias(layer, kind)
     fn = kind.fold_forward if forward else kind.fold_backward
     new_w, new_b = fn(layer, weights.value(w_target), b, s, t)
+    if b_target is None and not shifts:
+        return _Fold([TensorUpdate(w_target, new_w)], [])  # a pure scale (LayerScale) creates no zero bias
     if b_target is None:
         wanted = f"{w_target.removesuffix('.weight')}.bias"
         return _Fold([TensorUpdate(w_target, new_w)], [NewBias(layer, kind, wanted, new_b)])
@@ -292,7 +303,7 @@ def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
 
 
 def _forward(
-    weights: _Weights, flow_consumers: list[ConsumerUse], scale: torch.Tensor, shift: torch.Tensor
+    weights: _Weights, flow_consumers: list[ConsumerUse], scale: torch.Tensor, shift: torch.Tensor, shifts: bool
 ) -> tuple[list[tuple[ConsumerUse, _Fold]], list[BlockedEdge]]:
     """The forward folds into each consumer, and the consumers that cannot take theirs (blocked, with why)."""
     folds, blocked = [], []
@@ -302,7 +313,7 @@ def _forward(
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.SHARED_WEIGHT))
             continue
         s, t = _tiled(scale, use.chan, use.src), _tiled(shift * use.mult, use.chan, use.src)
-        f = _fold(weights, node, kind, True, s, t)
+        f = _fold(weights, node, kind, True, s, t, shifts)
         if not f.fits():
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.DTYPE_OVERFLOW))
             continue
@@ -319,8 +330,14 @@ def _backward(
         return producer
     if not (weights.private(producer.weight) and weights.private(producer.bias)):
         return f"the weight of {layer_name(producer.node)} is shared"
-    f = _fold(weights, producer.node, producer.layer, False, scale, shift)
+    f = _fold(weights, producer.node, producer.layer, False, scale, shift, _shifts(site))
     return (layer_name(producer.node), f) if f.fits() else f"{reasons.DTYPE_OVERFLOW} in {layer_name(producer.node)}"
+
+
+def _shifts(site: NormSite) -> bool:
+    """False for a norm without any shift (a LayerScale: ``gamma * x``); BN kinds always count as shifting (their
+    folds create biases whatever the statistics, as the streamed fold expects)."""
+    return site.bn is not None or site.kind != "LayerScale"
 
 
 def _base(site: NormSite, edge: BlockedEdge) -> fx.Node:
@@ -371,7 +388,7 @@ def plan_norm(
     scale, shift = site.scale, site.shift
     assert scale is not None and shift is not None
     flow = follow(site.output, Chan(site.channel_axis, site.channels), bool((scale > 0).all()), stop)
-    folds, refused = _forward(weights, flow.consumers, scale, shift)
+    folds, refused = _forward(weights, flow.consumers, scale, shift, _shifts(site))
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     blocked = sorted(flow.blocked + refused, key=lambda e: (order[e.dst], order[e.src]))
     plan = NormPlan(site, decision, scale=scale, shift=shift, remove=True)

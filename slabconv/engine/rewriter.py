@@ -12,6 +12,7 @@ own input or by its kept affine.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -40,7 +41,17 @@ def set_tensor(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
 
 
 def free_target(gm: fx.GraphModule, wanted: str) -> str:
-    """``wanted``, or ``wanted_<i>`` when the graph or the module already uses that name."""
+    """``wanted``, or ``wanted_<i>`` when the graph or the module already uses that name; a path through a stored
+    tensor (``gamma.scale`` beside a parameter ``gamma``) becomes ``gamma_scale``."""
+    *path, leaf = wanted.split(".")
+    owner: Any = gm
+    for i, part in enumerate(path):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            break
+        if not isinstance(owner, nn.Module):
+            wanted = ".".join([*path[:i], "_".join([*path[i:], leaf])])
+            break
     used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     names = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
     target, i = wanted, 1
