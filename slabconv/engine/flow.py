@@ -349,7 +349,7 @@ def source_chan(node: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Chan 
 def reaches_layer(start: fx.Node, chan: Chan, limit: int = 256) -> bool:
     """True when a Linear / conv downstream of ``start`` (through view-like and layout-keeping ops) contracts the
     axis ``chan`` names: that axis is a channel axis of the model. Layout only: no affine flows along this walk."""
-    todo, seen = [(start, chan)], set()
+    todo, seen = [(start, chan)], set[fx.Node]()
     while todo and len(seen) < limit:
         node, ch = todo.pop()
         if node in seen:
