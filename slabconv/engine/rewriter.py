@@ -123,11 +123,14 @@ def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
 
 
 def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: Callable[[str], None] | None = None) -> None:
-    """Apply every plan in order (``apply_plan``); ``progress`` is called with each norm's name."""
+    """Apply every plan in order (``apply_plan``), then drop dead nodes and recompile ``gm``; ``progress`` is
+    called with each norm's name. The plans must come from ``plan_folds`` on this graph, unchanged since."""
     for p in plans:
         apply_plan(gm, p)
         if progress is not None:
             progress(p.site.name)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
 
 
 def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) -> list[Decision]:
