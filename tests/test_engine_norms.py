@@ -475,3 +475,37 @@ def test_no_bn_ops_are_left_after_folding_norms_of_every_kind():
     ]
     assert rel_err(gm(img), reference) <= TOL[torch.float32]
     assert not bn_nodes(gm)
+
+
+class ComputedStatistics(nn.Module):
+    """``F.batch_norm`` whose statistics are computed: from stored tensors (a constant: folds) or from the input
+    (not a fixed affine: refused)."""
+
+    def __init__(self, from_input: bool) -> None:
+        super().__init__()
+        self.from_input = from_input
+        self.register_buffer("mean", torch.randn(C, generator=gen(15)))
+        self.register_buffer("log_var", torch.randn(C, generator=gen(16)) * 0.3)
+        self.fc = nn.Linear(C, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(0) if self.from_input else self.mean * 2
+        y = F.batch_norm(x, mean, self.log_var.exp(), training=False, eps=1e-5)
+        return self.fc(y)
+
+
+def test_batchnorm_statistics_computed_from_stored_tensors_fold():
+    model = ComputedStatistics(from_input=False).eval()
+    x = torch.randn(B, C, generator=gen()) * 2 + 1
+    gm, decisions, reference = fold(model, x)
+    assert [(d.kind, d.action, d.into) for d in decisions] == [("BatchNorm", "folded-forward", ["fc"])]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+def test_batchnorm_statistics_computed_from_the_input_are_refused():
+    from slabconv.errors import UnsupportedModelError
+
+    model = ComputedStatistics(from_input=True).eval()
+    gm = capture(model, torch.randn(B, C, generator=gen()))
+    with pytest.raises(UnsupportedModelError, match="computed, not stored parameters"):
+        find_norms(gm)

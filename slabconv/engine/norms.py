@@ -164,7 +164,8 @@ def _input_slot(region: list[fx.Node], base: fx.Node) -> tuple[fx.Node, int]:
 class Constants:
     """Which nodes are constant (computed from stored tensors and literals only) and their values in float64."""
 
-    _BANNED = get_CSE_banned_ops()
+    # random ops (the list torch's own CSE pass bans) and uninitialised memory are never constants
+    _BANNED = get_CSE_banned_ops() | {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
@@ -237,17 +238,15 @@ def value_numbers(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
         return (type(a).__name__, a)
 
     for node in gm.graph.nodes:
-        rep[node] = node
-        if node.op == "get_attr":
-            k: Any = ("get_attr", node.target)
-        elif _pure(node):
-            k = (node.target, key(node.args), key(node.kwargs))
-        else:
-            continue
-        try:
-            rep[node] = seen.setdefault(k, node)
-        except TypeError:  # an unhashable literal argument: the node stands for itself
-            pass
+        rep[node] = node  # placeholders, impure ops and BN ops stand for themselves
+        if node.op == "get_attr" or _pure(node):
+            k: Any = (
+                ("get_attr", node.target) if node.op == "get_attr" else (node.target, key(node.args), key(node.kwargs))
+            )
+            try:
+                rep[node] = seen.setdefault(k, node)
+            except TypeError:  # an unhashable literal argument: the node stands for itself
+                rep[node] = node
     return rep
 
 
@@ -328,7 +327,10 @@ class _Analysis:
         axis = _vector_axis(shape_of(c), shape_of(like))  # type: ignore[arg-type]
         if axis is False:
             return None
-        value = torch.as_tensor(self.consts.value(c)).detach().double()
+        try:
+            value = torch.as_tensor(self.consts.value(c)).detach().double()
+        except Exception:  # noqa: BLE001 - a constant that cannot be evaluated here is not taken as one
+            return None
         return (value.reshape(()) if axis is None else value.reshape(-1)), axis  # type: ignore[return-value]
 
     def _visit(self, node: fx.Node) -> None:
@@ -349,7 +351,8 @@ class _Analysis:
         tensors = {"weight": w, "bias": b, "running_mean": mean, "running_var": var}
         if any(isinstance(v, fx.Node) and not self.consts.is_const(v) for v in tensors.values()):
             raise UnsupportedModelError(
-                f"BatchNorm node {node.name}: its weight or statistics are computed from the input, not stored"
+                f"BatchNorm node {node.name}: its weight or statistics are computed, not stored parameters "
+                "(they depend on the model's input)"
             )
         out, nodes = node, [node]
         if BN_LAYOUT[node.target][3]:
@@ -552,22 +555,32 @@ def _is_channel_axis(cand: Affine, out: fx.Node, known: Callable[[fx.Node], Chan
     return reaches_layer(out, Chan(cand.axis, channels))
 
 
+def _is_norm(cand: Affine | None, out: fx.Node, claimed: set[fx.Node], known: Callable[[fx.Node], Chan | None]) -> bool:
+    """A norm: a BN op or a per-channel constant product (``seeded``) on a channel axis, whose ops nothing outside
+    reads (``_closed``) and no norm chosen before holds."""
+    return (
+        cand is not None
+        and cand.seeded
+        and (cand.axis is not None or bool(cand.bns))
+        and not claimed.intersection(cand.nodes)
+        and _closed(cand, out)
+        and _is_channel_axis(cand, out, known)
+    )
+
+
 def _choose(analysis: _Analysis) -> list[tuple[fx.Node, Affine]]:
-    """The norms: from the graph's end, the largest closed, seeded affine ending at each node whose nodes no
-    chosen norm holds yet; in graph order."""
+    """The norms: from the graph's end, the largest affine ending at each node that is a norm (``_is_norm``),
+    else the per-channel product at that node alone; in graph order."""
     known = _known_chan(analysis)
     claimed: set[fx.Node] = set()
     chosen: list[tuple[fx.Node, Affine]] = []
     for node in reversed(analysis.gm.graph.nodes):
-        for cand in (analysis.aff.get(node), analysis.fresh.get(node)):
-            if cand is None or not cand.seeded or claimed.intersection(cand.nodes) or not _closed(cand, node):
-                continue
-            if cand.axis is None and not cand.bns:
-                continue
-            if _is_channel_axis(cand, node, known):
-                claimed.update(cand.nodes)
-                chosen.append((node, cand))
-                break
+        cand = next(
+            (c for c in (analysis.aff.get(node), analysis.fresh.get(node)) if _is_norm(c, node, claimed, known)), None
+        )
+        if cand is not None:
+            claimed.update(cand.nodes)
+            chosen.append((node, cand))
     return chosen[::-1]
 
 
