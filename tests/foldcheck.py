@@ -1,5 +1,5 @@
 """Helpers for the refusal, custom-model and property tests: tiny norm modules users bring, the naive fold a
-careless tool would apply, the relative error of DESIGN.md section 5, and structural checks on a fused graph."""
+careless tool would apply, the verification's relative error, and structural checks on a fused graph."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from slabconv.engine import graph, plan
 from tests.conftest import randomize_norms
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-"""DESIGN.md section 5: max|candidate - reference| / max|reference| per output."""
+"""The verification tolerance: max|candidate - reference| / max|reference| per output, by dtype."""
 
 NAIVE_MIN_ERR = 1e-3
 """A naive fold must be off by at least this much for a refusal test to prove anything."""
 
 
 class RepBN_NLP(nn.Module):  # noqa: N801 - the seed module's own name
-    """The seed ``RepBN_NLP`` (shared/seeds/000): BatchNorm1d over the embedding axis of ``(B, N, C)`` plus a
-    learnable scalar ``alpha``, with the transposes around it. Copied as the seed writes it."""
+    """The seed ``RepBN_NLP`` (the RepBN users bring for NLP models): BatchNorm1d over the embedding axis of
+    ``(B, N, C)`` plus a learnable scalar ``alpha``, with the transposes around it, as the seed writes it."""
 
     def __init__(self, embed_dim: int):
         super().__init__()
@@ -141,7 +141,7 @@ def rel_err(candidate: object, reference: object) -> float:
 
 def exact(model: nn.Module, x: torch.Tensor) -> object:
     """The original model evaluated in float64 (its own weights, upcast): the reference for float16 / bfloat16,
-    whose own outputs are rounded to 1-2 ulps of the tolerance (DESIGN.md section 5: the fused half model must be
+    whose own outputs are rounded to 1-2 ulps of the tolerance (the fused half model must be
     within the dtype's tolerance of the exact result, as the original half model is)."""
     wide = copy.deepcopy(model).double()
     return wide(x.double() if x.is_floating_point() else x)

@@ -1,5 +1,5 @@
 """Property tests (hypothesis): random stacks of RepBN / BatchNorm blocks, with the commuting token ops of
-DESIGN.md section 2, Linear / conv consumers, residual branches, multi-consumer fan-out and random eval statistics.
+docs/math.md, Linear / conv consumers, residual branches, multi-consumer fan-out and random eval statistics.
 For every generated model the fused graph gives the original output within 1e-5 relative, and every norm is
 either folded or kept with a named reason.
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slabconv import fold
 from slabconv.engine import graph, plan, reasons
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import (
@@ -140,8 +141,8 @@ def test_residual_reads_norm_keeps_the_affine_on_the_skip_only():
     assert mul.args[0].op == "placeholder"
 
 
-class ResidualReadsInputAndNorm(nn.Module):
-    """``x + bn(x)``: the blocked op reads the norm's input *and* its output (a plain BatchNorm over (B, C))."""
+class ProductOfInputAndNorm(nn.Module):
+    """``x * bn(x)``: the blocked op reads the norm's input *and* its output (a plain BatchNorm over (B, C))."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -149,20 +150,65 @@ class ResidualReadsInputAndNorm(nn.Module):
         self.fc = nn.Linear(C, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.relu(x + self.norm(x)))
+        return self.fc(x * self.norm(x))
 
 
-def test_residual_reading_the_norms_input_keeps_that_operand():
+def test_blocked_op_reading_the_norms_input_keeps_that_operand():
     """Regression: the affine used to replace *every* read of the norm's input in the blocked op, giving
-    ``affine(x) + affine(x)`` instead of ``x + affine(x)``."""
-    model = randomize(ResidualReadsInputAndNorm()).eval()
+    ``affine(x) * affine(x)`` instead of ``x * affine(x)``. (``x + bn(x)`` was the example before norms were
+    recognised by value; it is a RepBN now, see the next test.)"""
+    model = randomize(ProductOfInputAndNorm()).eval()
     x = torch.randn(B, C) * 2
     reference = model(x)
     gm, decisions = fuse(model, x)
-    assert (only(decisions).action, only(decisions).reason) == ("kept-affine", reasons.RESIDUAL_READS_NORM)
+    assert (only(decisions).action, only(decisions).reason) == ("kept-affine", reasons.MASKED_AFTER_NORM)
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
-    (add,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and n.args[0].op == "placeholder"]
-    assert add.args[1].target is torch.ops.aten.add.Tensor  # x + (x * s + t)
+    (kept,) = kept_affines(gm)
+    (prod,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor and n is not kept]
+    assert prod.args[0].op == "placeholder"  # x * (x * s + t)
+    assert prod.args[1].target is torch.ops.aten.add.Tensor and prod.args[1].args[0] is kept
+
+
+class ResidualReadsInputAndNorm(nn.Module):
+    """``x + bn(x)`` is ``BN(x) + 1 * x``: a RepBN with eta = 1, folded as one affine."""
+
+    def __init__(self, relu: bool) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(C)
+        self.fc = nn.Linear(C, 4)
+        self.relu = relu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.norm(x)
+        return self.fc(torch.relu(y) if self.relu else y)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_input_plus_norm_is_a_repbn_with_eta_one(relu):
+    model = randomize(ResidualReadsInputAndNorm(relu)).eval()
+    x = torch.randn(B, C) * 2
+    reference = model(x)
+    bare_ops = aten_ops(norm_free(model, ["norm"]), x)
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert d.kind == "RepBN"
+    if relu:  # one affine s * x + t with s = gamma / sigma + 1 before the relu, the add is gone
+        assert (d.action, d.reason) == ("kept-affine", reasons.NONLINEAR)
+        bare_ops["add.Tensor"] -= 1
+    else:
+        assert (d.action, d.into) == ("folded-forward", ["fc"])
+        bare_ops["add.Tensor"] -= 1
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert_affine_only(gm, bare_ops, int(relu))
+    # the naive fold of the BatchNorm alone (without the + x) is wrong
+    scale, shift = affine_of(model.norm)
+    naive = norm_free(model, ["norm"])
+    with torch.no_grad():
+        w, b = fold.fold_into_linear(model.fc.weight, model.fc.bias, scale, shift)
+        naive.fc.weight.copy_(w)
+        naive.fc.bias.copy_(b)
+    if not relu:
+        assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
 
 
 class NonlinearBeforeConsumer(nn.Module):

@@ -3,22 +3,35 @@
 What goes in: an ``nn.Module`` in eval mode and one example input. What comes out: the fused ``GraphModule``
 (every norm folded or kept as one per-channel affine) and one ``Decision`` per norm, in graph order.
 
-The names below are the engine's whole public surface; the other stages import nothing else from it.
+One module per job, in the order the data goes through them:
+
+- ``capture``: ``torch.export`` of the model, and helpers that read the graph (shapes, stored tensors).
+- ``rules``: the op tables: how each ATen op treats a per-channel affine (``RULES``) and the layers a norm folds
+  into (``LAYERS``: Linear, addmm / mm, conv).
+- ``flow``: the forward walk from a norm's output and the backward walk from its input to a producer.
+- ``norms``: norm discovery (``find_norms``): every constant per-channel affine, recognised by its value.
+- ``planner``: one ``Decision`` per norm and the weight updates that carry it out, as data (``plan_folds``).
+- ``rewriter``: applies the plans to the graph (``apply_folds``); ``fold_all`` runs the whole engine.
+- ``cleanup``: cancels views left by removed norms, drops unused tensors; ``fused_state_dict``, ``norm_free``.
+
+The names below are the engine's public surface; the other stages import nothing else from it.
 """
 
 from slabconv.engine import reasons
-from slabconv.engine.graph import NormSite, capture, find_norms
-from slabconv.engine.plan import (
+from slabconv.engine.capture import capture
+from slabconv.engine.cleanup import fused_state_dict, norm_free
+from slabconv.engine.norms import NormSite, find_norms
+from slabconv.engine.planner import (
     FOLDED_BACKWARD,
     FOLDED_FORWARD,
     KEPT,
     KEPT_AFFINE,
     Decision,
-    fold_all,
-    fused_state_dict,
-    norm_free,
+    NormPlan,
+    plan_folds,
     schedule_warnings,
 )
+from slabconv.engine.rewriter import apply_folds, fold_all
 
 __all__ = [
     "FOLDED_BACKWARD",
@@ -26,12 +39,15 @@ __all__ = [
     "KEPT",
     "KEPT_AFFINE",
     "Decision",
+    "NormPlan",
     "NormSite",
+    "apply_folds",
     "capture",
     "find_norms",
     "fold_all",
     "fused_state_dict",
     "norm_free",
+    "plan_folds",
     "reasons",
     "schedule_warnings",
 ]

@@ -8,7 +8,9 @@ from those facts; no code copied, and a checkpoint folder's ``modeling_*.py`` is
 Keys (``i`` = 0 .. num_hidden_layers - 1; C hidden_size, I intermediate_size, V vocab_size, d = C / heads):
 
 - ``model.embed_tokens.weight`` (V, C), padding row ``pad_token_id``.
-- ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (C, C), no bias.
+- ``model.layers.{i}.self_attn.{q,o}_proj.weight`` (C, C) and ``{k,v}_proj.weight`` (K d, C), no bias; K =
+  ``num_key_value_heads`` (= ``num_attention_heads`` in the official model; fewer heads is grouped-query attention,
+  as in Hugging Face LLaMA, each k/v head serving ``num_attention_heads / K`` query heads via ``repeat_kv``).
 - ``model.layers.{i}.self_attn.rotary_emb.inv_freq`` (d/2,): a persistent buffer in the official code (released
   weights saved with that code carry it). It is loaded but, as in the official code, not read in eval: the
   official rotary cache is computed once at construction from a fresh float32 ``inv_freq``, so this module
@@ -25,7 +27,8 @@ RepBN runs BN over ``x.view(-1, C)`` (every token of every sequence is one BN sa
 counters move once every 16 forward calls (``num_step`` counts 0..15): ``warm`` calls of RMSNorm alone, then
 ``lambda * RMSNorm + (1 - lambda) * RepBN`` with ``lambda = r0 * iter / total_step`` as ``iter`` counts down.
 
-Where each norm feeds: ``input_layernorm`` -> q_proj, k_proj, v_proj (one norm, three consumers);
+Where each norm feeds: ``input_layernorm`` -> q_proj, k_proj, v_proj (one norm, three consumers; with grouped-query
+attention k_proj / v_proj are the smaller ``(K d, C)`` Linears, the fold is the same);
 ``post_attention_layernorm`` -> gate_proj, up_proj; ``model.norm`` -> lm_head. The residual stream reads the norm's
 input, never its output, so every norm folds forward and each of those six bias-free Linears gains a bias
 (``5 * num_hidden_layers + 1`` biases). The official ``merge_bn`` folds the decoder layers only; slabconv also folds
@@ -63,6 +66,7 @@ __all__ = [
     "LlamaLinearNorm",
     "llama_config",
     "norm_factory",
+    "repeat_kv",
     "rope_cos_sin",
     "seq_len",
 ]
@@ -175,10 +179,16 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     pad_token_id: int | None = 0
     hidden_act: str = "silu"
+    num_key_value_heads: int | None = None  # None: one k/v head per query head (the official model)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of k/v heads (``num_key_value_heads``, default ``num_attention_heads``)."""
+        return self.num_key_value_heads or self.num_attention_heads
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +202,15 @@ def rope_cos_sin(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype) 
     freqs = t[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``(B, K, T, d) -> (B, K * n_rep, T, d)``: k/v head ``j`` serves query heads ``j * n_rep .. (j + 1) * n_rep - 1``
+    (Hugging Face LLaMA's ``repeat_kv``)."""
+    if n_rep == 1:
+        return x
+    b, k, t, d = x.shape
+    return x[:, :, None].expand(b, k, n_rep, t, d).reshape(b, k * n_rep, t, d)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -209,18 +228,25 @@ class LlamaRotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Causal multi-head self-attention with rotary positions on ``(B, T, C)``; q/k/v/o without bias."""
+    """Causal multi-head self-attention with rotary positions on ``(B, T, C)``; q/k/v/o without bias; with
+    ``num_key_value_heads < num_attention_heads`` grouped-query attention (k/v ``(K d, C)``, heads repeated)."""
 
     def __init__(self, cfg: LlamaConfig, persistent_rope: bool = True):
         super().__init__()
         c, self.num_heads, self.head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.kv_heads = cfg.kv_heads
         if self.head_dim * self.num_heads != c or self.head_dim % 2:
             raise UnsupportedModelError(
                 f"hidden_size {c} must be num_attention_heads {self.num_heads} times an even head size"
             )
+        if self.kv_heads < 1 or self.num_heads % self.kv_heads:
+            raise UnsupportedModelError(
+                f"grouped-query attention needs num_attention_heads {self.num_heads} to be a multiple of "
+                f"num_key_value_heads {self.kv_heads}"
+            )
         self.q_proj = nn.Linear(c, c, bias=False)
-        self.k_proj = nn.Linear(c, c, bias=False)
-        self.v_proj = nn.Linear(c, c, bias=False)
+        self.k_proj = nn.Linear(c, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(c, c, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(self.head_dim, cfg.rope_theta, persistent_rope)
 
@@ -228,10 +254,11 @@ class LlamaAttention(nn.Module):
         """``x`` (B, T, C); ``cos``/``sin`` (T, d) in x's dtype; ``mask`` (T, T) additive (0 or finfo.min)."""
         b, t, c = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        k, v = repeat_kv(k, self.num_heads // self.kv_heads), repeat_kv(v, self.num_heads // self.kv_heads)
         scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim) + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, c)
@@ -333,6 +360,7 @@ _CASTS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("max_position_embeddings", int),
     ("hidden_act", str),
     ("pad_token_id", int),
+    ("num_key_value_heads", int),
 )
 
 
@@ -354,7 +382,8 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
 
     Raises:
         UnsupportedModelError: not LLaMA-layout weights; no head count known (the weights do not show it: give the
-            config.json); grouped-query attention (not in the official model).
+            config.json); a ``num_key_value_heads`` that disagrees with the k_proj weight, or does not divide the
+            head count.
     """
     sig = llama_signature(state_dict)
     if sig is None:
@@ -372,14 +401,31 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
     values = {key: cast(config[key]) if config.get(key) is not None else getattr(base, key) for key, cast in _CASTS}
     if "pad_token_id" in config and config["pad_token_id"] is None:
         values["pad_token_id"] = None  # no padding row (the text fixture: byte 0 is a token like any other)
-    kv_heads = config.get("num_key_value_heads")
-    if kv_heads is not None and int(kv_heads) != values["num_attention_heads"]:
-        raise UnsupportedModelError(
-            "grouped-query attention (num_key_value_heads != num_attention_heads) is not supported"
-        )
+    values["num_key_value_heads"] = _kv_heads(state_dict, hidden, values)
     return replace(
         base, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=depth, **values
     )
+
+
+def _kv_heads(state_dict: StateDict, hidden: int, values: dict[str, Any]) -> int | None:
+    """``num_key_value_heads``: from the k_proj weight ``(K d, C)`` where the weights have it, checked against the
+    config; else the config's (None: one per query head)."""
+    heads, given = values["num_attention_heads"], values.get("num_key_value_heads")
+    k_proj = state_dict.get("model.layers.0.self_attn.k_proj.weight")
+    if k_proj is None or not heads or hidden % heads:
+        return given
+    rows, head_dim = int(k_proj.shape[0]), hidden // heads
+    found = rows // head_dim
+    if rows % head_dim or (given is not None and int(given) != found):
+        raise UnsupportedModelError(
+            f"grouped-query attention: k_proj.weight has {rows} rows, which is not num_key_value_heads "
+            f"{given if given is not None else '?'} heads of {head_dim}"
+        )
+    if heads % found:
+        raise UnsupportedModelError(
+            f"grouped-query attention needs num_attention_heads {heads} to be a multiple of num_key_value_heads {found}"
+        )
+    return None if found == heads else found
 
 
 def seq_len(config: Mapping[str, Any] | None, cfg: LlamaConfig) -> int:

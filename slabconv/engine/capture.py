@@ -1,0 +1,128 @@
+"""Capture a model as an export graph, and read what the graph stores.
+
+In: an ``nn.Module`` in the state it should be folded in (eval mode) and one example input. Out: the unlifted
+``torch.export`` graph (``ExportedProgram.module()``): an fx ``GraphModule`` of ATen ops whose parameters and
+buffers are ``get_attr`` nodes and whose nodes carry ``meta["val"]`` (a fake tensor with possibly symbolic sizes)
+and ``meta["nn_module_stack"]`` (the modules that ran the op).
+
+The helpers here answer questions about that graph without changing it: the tensor behind a ``get_attr``, a
+node's shape, whether two symbolic sizes are equal, which modules enclose a node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+
+from slabconv.errors import UnsupportedModelError
+
+
+def capture(model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool = True) -> fx.GraphModule:
+    """Export ``model`` (eval mode) with ``torch.export`` and return the unlifted fx ``GraphModule``.
+
+    Args:
+        model: the network, already in the state it should be folded in (eval mode).
+        example: one example input ``(B, ...)`` with ``B >= 2`` so the batch axis can be symbolic.
+        dynamic_batch: mark axis 0 of the input dynamic; falls back to a static batch when the model's code
+            specialises it.
+
+    Raises:
+        UnsupportedModelError: ``torch.export`` cannot trace the model (the message carries its reason).
+    """
+    batch = torch.export.Dim("batch")
+    attempts = [{"x": {0: batch}}, None] if dynamic_batch else [None]
+    last: Exception | None = None
+    for shapes in attempts:
+        try:
+            ep = torch.export.export(model, (example,), dynamic_shapes=(shapes and (shapes["x"],)))
+            return ep.module()
+        except Exception as err:  # noqa: BLE001 - report torch.export's own reason
+            last = err
+    first_line = str(last).strip().splitlines()[0] if last else "unknown error"
+    raise UnsupportedModelError(f"torch.export could not trace the model: {first_line}")
+
+
+def attr(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
+    """The tensor a ``get_attr`` node names, None for None; raises ``TypeError`` for anything else."""
+    if node is None:
+        return None
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return stored(gm, str(node.target))
+    raise TypeError(f"{node} is not a parameter")
+
+
+def stored(gm: fx.GraphModule, target: str) -> Any:
+    """The attribute at the dotted ``target`` of ``gm`` (a parameter, buffer or constant tensor)."""
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def is_param(node: Any) -> bool:
+    """True for None (an absent bias) or a ``get_attr`` node (a stored tensor)."""
+    return node is None or (isinstance(node, fx.Node) and node.op == "get_attr")
+
+
+def shape_of(node: Any) -> tuple[Any, ...] | None:
+    """The (possibly symbolic) shape of a node's value, None when it is not a tensor."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def rank(node: fx.Node) -> int:
+    """The number of axes of a node's tensor; raises ``UnsupportedModelError`` without shape metadata."""
+    shape = shape_of(node)
+    if shape is None:
+        raise UnsupportedModelError(f"node {node.name} has no shape metadata")
+    return len(shape)
+
+
+def is_float(node: fx.Node) -> bool:
+    """True when the node's value is a floating-point tensor."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def expr(x: Any) -> sympy.Expr:
+    """A size as a sympy expression (symbolic sizes keep their symbols)."""
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """True when two (possibly symbolic) sizes are equal for every value of the symbols."""
+    return sympy.simplify(expr(a) - expr(b)) == 0
+
+
+def same_shape(a: Sequence[Any] | None, b: Sequence[Any] | None) -> bool:
+    """True when two shapes have the same rank and equal sizes on every axis."""
+    return a is not None and b is not None and len(a) == len(b) and all(map(same_size, a, b))
+
+
+def static_int(x: Any) -> int | None:
+    """The size as an int when it does not depend on a symbol, else None."""
+    e = expr(x)
+    return int(e) if e.is_Integer else None
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    """A possibly negative axis index as a non-negative one."""
+    return d + ndim if d < 0 else d
+
+
+def module_path(node: fx.Node) -> list[str]:
+    """Module paths enclosing ``node``, outermost first (from ``nn_module_stack``; root excluded)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [fqn for fqn, _ in stack.values() if fqn]
+
+
+def module_types(node: fx.Node) -> dict[str, str]:
+    """Module path -> module class (as recorded by ``torch.export``) for every module enclosing ``node``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return {fqn: str(kind) for fqn, kind in stack.values() if fqn}

@@ -1,0 +1,372 @@
+"""Data flow of a per-channel affine through the graph, with the op tables of ``slabconv.engine.rules``.
+
+Three walks, all read-only:
+
+- ``follow(start, chan)``: forward from a norm's output. In: the node and where its channels sit. Out: a
+  ``Flow``: every consumer that can absorb the affine (``ConsumerUse``) and every edge where it is blocked
+  (``BlockedEdge``, with a reason). Every user of every tensor on the way is classified; nothing is skipped.
+- ``find_producer(start, chan, owned, graph)``: backward from a norm's input through view-like ops to a
+  Linear/conv whose output nothing else reads. Out: a ``Producer``, or the plain-text reason there is none.
+- ``source_chan(node, known)`` and ``reaches_layer(start, chan)``: layout only (no affine flows): where the channel
+  axis of the nearest layer or norm upstream sits on ``node``, and whether a layer downstream contracts a given
+  axis. Used to tell a per-channel constant on a channel axis from one on a token axis.
+
+The backward walk sees the graph as it will be once earlier norms are folded: ``VirtualGraph`` makes a removed
+norm's output stand for its input, so a planner can decide every norm before the graph is rewritten.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from slabconv.engine import reasons
+from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of
+from slabconv.engine.rules import (
+    INDEX_OUTPUTS,
+    JOIN_OPS,
+    LAYER_OF,
+    RULE_OF,
+    RULES,
+    Absorb,
+    Block,
+    Chan,
+    LayerKind,
+    Outcome,
+    Pass,
+    op_name,
+    reads_data,
+    unsupported,
+)
+
+aten = torch.ops.aten
+
+# --------------------------------------------------------------------------------------------- forward
+
+
+@dataclass(frozen=True)
+class ConsumerUse:
+    """A layer the norm can fold into: ``node`` reads the normalised ``src`` (channels at ``chan``); the shift
+    reaching it is multiplied by ``mult``."""
+
+    node: fx.Node
+    src: fx.Node
+    layer: LayerKind
+    chan: Chan
+    mult: float
+
+
+@dataclass(frozen=True)
+class BlockedEdge:
+    """The edge ``src -> dst`` where the fold stops: ``dst`` must still see the normalised ``src``
+    (channels at ``chan`` of ``src``, shift multiplied by ``mult``)."""
+
+    src: fx.Node
+    dst: fx.Node
+    chan: Chan
+    mult: float
+    reason: str
+
+
+@dataclass
+class Flow:
+    """Where one norm's output goes: the consumers that can absorb it and the edges where it is blocked."""
+
+    consumers: list[ConsumerUse] = field(default_factory=list)
+    blocked: list[BlockedEdge] = field(default_factory=list)
+
+
+def classify(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
+    """What ``user`` does with the affine arriving on its input ``src`` (channels at ``ch``)."""
+    layer = LAYER_OF.get(user.target)
+    if layer is not None:
+        reason = layer.consumer_check(user, src, ch)
+        return Absorb(layer) if reason is None else Block(reason)
+    rule = RULE_OF.get(user.target)
+    return rule.step(user, src, ch) if rule is not None else unsupported(user)
+
+
+def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outcome:
+    """``cat`` / ``stack`` whose every input derives from the norm with the same channel state and shift
+    multiplier (e.g. tokens of one norm put back together). ``cat`` along the channel axis keeps the channel
+    pattern when each piece holds whole channel blocks (``inner`` equal)."""
+    tensors = list(user.args[0])  # type: ignore[arg-type]
+    if any(not isinstance(t, fx.Node) or t not in arrived for t in tensors):
+        return Block(reasons.CONCAT_WITH_UNNORMALIZED)
+    states = {arrived[t] for t in tensors}  # type: ignore[index]
+    if len(states) != 1:
+        return unsupported(user)  # pieces with different channel layouts or shift multipliers
+    ch, _ = states.pop()
+    dim = norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), rank(user))  # type: ignore[arg-type]
+    if user.target is aten.stack.default:
+        return Pass(ch.at(ch.axis + 1 if dim <= ch.axis else ch.axis))
+    return Pass(ch)  # along the channel axis each piece holds whole channel blocks (its size is k * C * inner)
+
+
+class _Walk:
+    """One forward walk (``follow``): a work list of (node, channels, shift multiplier) and the joins waiting
+    for all their inputs."""
+
+    def __init__(self, start: fx.Node, chan: Chan, positive_scale: bool, stop: Collection[fx.Node]):
+        self.flow = Flow()
+        self.positive_scale = positive_scale
+        self.stop = stop
+        self.states: dict[fx.Node, tuple[Chan, float]] = {}
+        self.arrivals: dict[fx.Node, dict[fx.Node, tuple[Chan, float]]] = {}
+        self.todo: list[tuple[fx.Node, Chan, float]] = [(start, chan, 1.0)]
+
+    def settle(self, src: fx.Node, user: fx.Node, ch: Chan, mult: float, outcome: Outcome) -> None:
+        rule = RULE_OF.get(user.target)
+        if isinstance(outcome, Pass) and outcome.needs_positive_scale and not self.positive_scale:
+            outcome = Block(reasons.NEGATIVE_SCALE_THROUGH_MAX)
+        if isinstance(outcome, Pass) and not (rule and rule.tuple_out) and not is_float(user):
+            outcome = unsupported(user)  # e.g. a cast to an integer type
+        if isinstance(outcome, Pass):
+            self.todo.append((user, outcome.chan, mult * outcome.mult))
+        elif isinstance(outcome, Absorb):
+            self.flow.consumers.append(ConsumerUse(user, src, outcome.layer, ch, mult))
+        else:
+            self.flow.blocked.append(BlockedEdge(src, user, ch, mult, outcome.reason))
+
+    def visit(self, node: fx.Node, user: fx.Node, ch: Chan, mult: float) -> None:
+        """Classify one user of a normalised tensor (shape-only reads carry no data and are left as they are)."""
+        if user.op == "output":
+            self.flow.blocked.append(BlockedEdge(node, user, ch, mult, reasons.FEEDS_OUTPUT))
+        elif not reads_data(user, node):
+            return
+        elif user.target is operator.getitem:
+            if INDEX_OUTPUTS.get(node.target) != user.args[1]:  # integer indices: unchanged by s > 0
+                self.todo.append((user, ch, mult))
+        elif user.target in JOIN_OPS:
+            self.arrivals.setdefault(user, {})[node] = (ch, mult)
+        else:
+            outcome = classify(user, node, ch)
+            if user in self.stop and not isinstance(outcome, Block):
+                outcome = unsupported(user)  # another norm's own op: each norm is decided on its own
+            self.settle(node, user, ch, mult, outcome)
+
+    def drain(self) -> None:
+        while self.todo:
+            node, ch, mult = self.todo.pop()
+            if node not in self.states:
+                self.states[node] = (ch, mult)
+                for user in list(node.users):
+                    self.visit(node, user, ch, mult)
+
+    def joins(self) -> None:
+        ready = [j for j, got in self.arrivals.items() if all(t in got for t in j.args[0])]  # type: ignore[union-attr]
+        for join in ready or list(self.arrivals):
+            got = self.arrivals.pop(join)
+            outcome = _join(join, got)
+            if isinstance(outcome, Pass):
+                pieces: Iterable[fx.Node] = join.args[0]  # type: ignore[assignment]
+                self.settle(next(iter(pieces)), join, outcome.chan, next(iter(got.values()))[1], outcome)
+            else:
+                assert isinstance(outcome, Block)
+                for src, (ch, mult) in got.items():
+                    self.flow.blocked.append(BlockedEdge(src, join, ch, mult, outcome.reason))
+
+
+def follow(start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collection[fx.Node] = ()) -> Flow:
+    """Follow a tensor whose channels are at ``chan`` through every user, to consumers and blockers.
+
+    ``positive_scale`` says whether every channel's scale is > 0; max/min over tokens commute with the
+    affine only then (otherwise they block with ``negative-scale-through-max``).
+
+    Every user of every tensor on the way is classified (``classify``); nothing is skipped. A join
+    (``cat``/``stack``) is decided once all its inputs are known: it passes only when every input derives from
+    ``start`` through commuting ops with the same channel state and shift multiplier; otherwise each normalised
+    input is blocked. The ops in ``stop`` (other norms' own ops) always block: an affine never flows through
+    another norm, whose own decision covers it.
+    """
+    walk = _Walk(start, chan, positive_scale, stop)
+    walk.drain()
+    while walk.arrivals:
+        walk.joins()
+        walk.drain()
+    return walk.flow
+
+
+# --------------------------------------------------------------------------------------------- backward
+
+
+@dataclass(frozen=True)
+class Producer:
+    """A Linear/conv whose output (channels at its output axis) flows only into the norm's input."""
+
+    node: fx.Node
+    layer: LayerKind
+    weight: fx.Node
+    bias: fx.Node | None
+
+
+class VirtualGraph:
+    """The graph as it will be once some norms are removed: a removed norm's output stands for its input.
+
+    ``removed`` maps a removed norm's output node to ``(input node, the norm's own nodes)``; ``kept`` holds the
+    edges ``(src, dst)`` on which a per-channel affine will be inserted (``dst`` will read that affine).
+    """
+
+    def __init__(self) -> None:
+        self.removed: dict[fx.Node, tuple[fx.Node, list[fx.Node]]] = {}
+        self.gone: set[fx.Node] = set()
+        self.into: dict[fx.Node, list[fx.Node]] = {}
+        self.kept: set[tuple[fx.Node, fx.Node]] = set()
+
+    def remove(self, output: fx.Node, input: fx.Node, region: Iterable[fx.Node]) -> None:
+        """Record that the norm computing ``output`` from ``input`` with the nodes ``region`` goes."""
+        self.removed[output] = (input, list(region))
+        self.gone.update(region)
+        self.into.setdefault(input, []).append(output)
+
+    def resolve(self, node: fx.Node) -> fx.Node:
+        """The node that will hold ``node``'s value (a removed norm's input for its output)."""
+        while node in self.removed:
+            node = self.removed[node][0]
+        return node
+
+    def readers(self, node: fx.Node) -> list[fx.Node]:
+        """Users that read ``node``'s data once the removed norms are gone (shape-only reads left out)."""
+        out = [u for u in node.users if u not in self.gone and reads_data(u, node)]
+        for removed_output in self.into.get(node, []):
+            out += self.readers(removed_output)
+        return out
+
+
+def _through(node: fx.Node, ch: Chan) -> tuple[fx.Node, Chan] | str:
+    """One step up a view-like op: its data input and where the channels sit there."""
+    rule = RULE_OF.get(node.target)
+    if rule is None or not rule.view_like:
+        return f"no Linear/conv before the norm: {op_name(node)} produces its input"
+    src = node.args[0]
+    if not isinstance(src, fx.Node) or not is_float(src):
+        return f"{op_name(node)} does not read a float tensor"
+    sizes = shape_of(src) or ()
+    want = Pass(ch)
+    found = [
+        a
+        for a, size in enumerate(sizes)
+        if same_size(size, ch.channels) and rule.step(node, src, Chan(a, ch.channels)) == want
+    ]
+    if len(found) != 1:
+        return f"the norm's channels are not one axis before {op_name(node)}"
+    return src, Chan(found[0], ch.channels)
+
+
+def find_producer(
+    start: fx.Node, chan: Chan, owned: Iterable[fx.Node], graph: VirtualGraph | None = None
+) -> Producer | str:
+    """The Linear/conv that produces ``start`` (the norm's input, channels at ``chan``) through view-like ops,
+    when nothing else reads any tensor on the way: scaling its output channels then changes nothing but the
+    norm's input (a backward fold, ``slabconv.fold.fold_into_producer``).
+
+    Args:
+        start: the norm's input.
+        chan: where its channels sit (plain).
+        owned: the norm's own nodes (they read ``start``; nothing else may).
+        graph: the graph as earlier planned removals leave it (default: as it is).
+
+    Returns:
+        The ``Producer``, or why there is none (plain text).
+    """
+    graph = graph or VirtualGraph()
+    node, ch, allowed = graph.resolve(start), chan, set(owned)
+    if any((start, o) in graph.kept for o in allowed):
+        return "an earlier norm keeps an affine before this one"
+    while True:
+        others = [u for u in graph.readers(node) if u not in allowed]
+        if others:
+            return f"{node.name} is also read by {op_name(others[0]) if others[0].op != 'output' else 'the output'}"
+        if node.op != "call_function":
+            return f"the norm's input is a {node.op}, not a layer's output"
+        layer = LAYER_OF.get(node.target)
+        if layer is not None:
+            reason = layer.producer_check(node, ch)
+            bias = layer.bias(node)
+            return reason or Producer(node, layer, layer.weight(node), bias)  # type: ignore[arg-type]
+        if node.target is operator.getitem:
+            tup = node.args[0]
+            assert isinstance(tup, fx.Node)
+            if any(graph.readers(g) for g in tup.users if g is not node):
+                return f"another output of {op_name(tup)} is read elsewhere"
+            node, allowed = tup, {u for u in tup.users}
+            continue
+        step = _through(node, ch)
+        if isinstance(step, str):
+            return step
+        if (step[0], node) in graph.kept:
+            return f"an earlier norm keeps an affine before {op_name(node)}"
+        allowed, (src, ch) = {node}, step
+        node = graph.resolve(src)
+
+
+_LAYOUT_KEEPING = {
+    op for rule in RULES if rule.name in ("nonlinear", "residual", "scalar_mul", "masked") for op in rule.ops
+}
+
+
+def _layout_input(node: fx.Node) -> fx.Node | None:
+    """For an op whose output keeps an input's layout (elementwise ops, residual adds, softmax): that input."""
+    if node.op != "call_function" or node.target not in _LAYOUT_KEEPING:
+        return None
+    shape = shape_of(node)
+    return next((a for a in node.args if isinstance(a, fx.Node) and same_shape(shape_of(a), shape)), None)
+
+
+def source_chan(node: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Chan | None:
+    """Where the channels of the nearest node with a known channel axis (``known``) sit on ``node``: walk up
+    view-like ops (mapped with their rules) and ops that keep their input's layout (elementwise, residual adds)
+    to it. None when the walk meets any other op first. Layout only: no affine flows along this walk."""
+    path: list[fx.Node] = []
+    cur: fx.Node | None = node
+    ch: Chan | None = None
+    while cur is not None and (ch := known(cur)) is None:
+        path.append(cur)
+        rule = RULE_OF.get(cur.target) if cur.op == "call_function" else None
+        if cur.target is operator.getitem:
+            cur = cur.args[0]  # type: ignore[assignment]
+        elif rule is not None and rule.view_like and isinstance(cur.args[0], fx.Node):
+            cur = cur.args[0]
+        else:
+            cur = _layout_input(cur)
+    if cur is None or ch is None:
+        return None
+    for down in reversed(path):
+        rule = RULE_OF.get(down.target)
+        if down.target is not operator.getitem and rule is not None and rule.view_like:
+            outcome = rule.step(down, cur, ch)
+            if not isinstance(outcome, Pass):
+                return None
+            ch = outcome.chan
+        cur = down  # getitem: a tuple op's state is that of each output; layout-keeping ops: unchanged
+    return ch
+
+
+def reaches_layer(start: fx.Node, chan: Chan, limit: int = 256) -> bool:
+    """True when a Linear / conv downstream of ``start`` (through view-like and layout-keeping ops) contracts the
+    axis ``chan`` names: that axis is a channel axis of the model. Layout only: no affine flows along this walk."""
+    todo, seen = [(start, chan)], set[fx.Node]()
+    while todo and len(seen) < limit:
+        node, ch = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            layer = LAYER_OF.get(user.target)
+            rule = RULE_OF.get(user.target)
+            if layer is not None:
+                if user.args[layer.data_arg] is node and ch.plain and layer.in_axis(user) == ch.axis:
+                    return True
+            elif user.target is operator.getitem:
+                todo.append((user, ch))
+            elif rule is not None and rule.view_like and user.args and user.args[0] is node:
+                outcome = rule.step(user, node, ch)
+                if isinstance(outcome, Pass):
+                    todo.append((user, outcome.chan))
+            elif _layout_input(user) is not None and same_shape(shape_of(user), shape_of(node)):
+                todo.append((user, ch))
+    return False

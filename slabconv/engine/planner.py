@@ -1,0 +1,436 @@
+"""One decision per norm, with the weight updates that carry it out, as data. Pure: the graph is not changed.
+
+In: the export graph and its norms (``slabconv.engine.norms.find_norms``). Out: one ``NormPlan`` per norm, in graph
+order, each with its ``Decision`` (what the report says) and what the rewriter must do: new values for stored
+tensors, biases to create, the blocked edges that keep a per-channel affine, whether the norm's ops go.
+
+For each norm, in order of preference:
+
+1. ``folded-forward``: every path from the norm's output ends at a layer that can absorb the affine (Linear /
+   unpadded conv, ``slabconv.engine.rules.LAYERS``): scale their input columns, shift their bias
+   (``W diag(s)``, ``b + W t``), drop the norm.
+2. ``folded-backward``: some path is blocked, but the norm's input is produced by a Linear/conv that nothing else
+   reads: scale its output rows (``diag(s) W``, ``s b + t``), drop the norm. Exact on every path at once.
+3. ``kept-affine``: neither is possible. Layers that can absorb the affine still get it; on each blocked path one
+   per-channel ``x * scale + shift`` stays (no BN op, no transposes), with the reason.
+4. ``kept``: the norm is not a fixed affine (batch statistics, train mode), or its affine does not fit the model's
+   dtype; its ops are left as they are.
+
+Norms are planned in graph order, each on the graph as the earlier plans will leave it: ``_Weights`` holds the
+pending values of stored tensors (a layer may absorb one norm forward and another backward) and the names of
+biases to be created; ``VirtualGraph`` makes a folded norm's output stand for its input (two norms in a row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import fx
+
+from slabconv import fold
+from slabconv.engine import reasons
+from slabconv.engine.capture import module_path, shape_of, stored
+from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_producer, follow
+from slabconv.engine.norms import NormSite, find_norms
+from slabconv.engine.rules import Chan, LayerKind, layer_name, op_name
+from slabconv.errors import InputError
+from slabconv.verify.policy import DEFAULT_RTOL
+
+FOLDED_FORWARD = "folded-forward"
+FOLDED_BACKWARD = "folded-backward"
+KEPT_AFFINE = "kept-affine"
+KEPT = "kept"
+
+
+@dataclass
+class Decision:
+    """What happens to one norm. ``to_dict`` is the ``folds[]`` entry of ``report.json``.
+
+    Attributes:
+        norm: module path of the norm (``blocks.0.norm1``).
+        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine`` or ``LayerScale``.
+        action: ``folded-forward``, ``folded-backward``, ``kept-affine`` or ``kept``.
+        into: the layers that absorbed the affine (module paths).
+        reason: why an affine (or the norm) stays, None when folded away.
+        kept_on: the ops in front of which an affine stays (``kept-affine``).
+        paths: every blocked path as ``{"before": <module>:<op>, "reason": <reason>}``, in graph order (the
+            ``reason`` field is the first of these).
+        warnings: facts the user should know (unfinished progressive schedule, ...).
+        no_backward: why no backward fold was possible, when one was tried (plain text; not in ``to_dict``).
+    """
+
+    norm: str
+    kind: str
+    action: str
+    into: list[str] = field(default_factory=list)
+    reason: str | None = None
+    kept_on: list[str] = field(default_factory=list)
+    paths: list[dict[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    no_backward: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "norm": self.norm,
+            "kind": self.kind,
+            "action": self.action,
+            "into": self.into,
+            "reason": self.reason,
+            "kept_on": self.kept_on,
+            "paths": self.paths,
+            "warnings": self.warnings,
+        }
+
+
+@dataclass(frozen=True)
+class TensorUpdate:
+    """Store ``value`` at the dotted ``target`` (an existing weight or bias, or one an earlier plan creates)."""
+
+    target: str
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NewBias:
+    """Give ``layer`` (of kind ``kind``, without a bias) the bias ``value``, stored at ``target``."""
+
+    layer: fx.Node
+    kind: LayerKind
+    target: str
+    value: torch.Tensor
+
+
+@dataclass
+class NormPlan:
+    """One norm's decision and the rewrite that carries it out.
+
+    Attributes:
+        site: the norm.
+        decision: what the report says.
+        updates / new_biases: the weight changes, applied in order.
+        kept: the blocked edges that get the per-channel affine (``scale``, ``shift`` float64 ``(C,)``).
+        remove: the norm's ops go (every action but ``kept``).
+    """
+
+    site: NormSite
+    decision: Decision
+    updates: list[TensorUpdate] = field(default_factory=list)
+    new_biases: list[NewBias] = field(default_factory=list)
+    kept: list[BlockedEdge] = field(default_factory=list)
+    scale: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
+    remove: bool = False
+
+
+# --------------------------------------------------------------------------------------------- warnings, checks
+
+
+def op_site(node: fx.Node) -> str:
+    """``<module path>:<op>`` for a blocking op, e.g. ``blocks.0:aten.add``; ``<output>`` for the output."""
+    if node.op == "output":
+        return "<output>"
+    paths = module_path(node)
+    return f"{paths[-1] if paths else '<model>'}:{op_name(node)}"
+
+
+def schedule_warnings(warm: int, it: int, total: int) -> list[str]:
+    """The warning for a ``LinearNorm`` whose counters (``warm``, ``iter``, ``total_step``) had not reached pure
+    RepBN, with the weight the LayerNorm/RMSNorm branch still had; empty when the schedule finished."""
+    if warm <= 0 and it <= 0:
+        return []
+    lam = 1.0 if warm > 0 else it / max(total, 1)
+    return [
+        f"progressive schedule unfinished: warm={warm}, iter={it}, total_step={total}; the LayerNorm/RMSNorm "
+        f"branch still had weight {lam:.4g} in training, eval uses the RepBN branch alone (converted as eval)"
+    ]
+
+
+def _progressive_warnings(gm: fx.GraphModule, name: str) -> list[str]:
+    """A warning when the norm sits in a ``LinearNorm`` whose schedule had not reached pure RepBN."""
+    owner: Any = gm
+    for part in name.split("."):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return []
+    counters = {k: getattr(owner, k, None) for k in ("warm", "iter", "total_step")}
+    if any(not isinstance(v, torch.Tensor) for v in counters.values()):
+        return []
+    warm, it, total = (int(counters[k]) for k in ("warm", "iter", "total_step"))  # type: ignore[arg-type]
+    return schedule_warnings(warm, it, total)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor) -> list[str]:
+    """A warning when a forward fold / kept affine of a BN in float16 or bfloat16 amplifies rounding past the
+    tolerance.
+
+    The original BN computes ``s (x - mu) + E[y]`` (in float32 inside); the fold computes ``s x`` in the model's
+    dtype and adds ``t`` (in the consumer's weights or the kept affine). Rounding then scales with ``|s| rms(x)``
+    instead of ``rms(y)``: by ``kappa = |s| sqrt(mu^2 + v) / sqrt((s mu + t)^2 + s^2 v)`` per channel, large
+    when a channel's running mean is many standard deviations from 0. The estimated relative error
+    ``kappa * eps/2`` is compared with the float16 / bfloat16 tolerance of ``slabconv.verify.policy``; the fold
+    stays exact in exact arithmetic, so this is a warning with the numbers (verification decides), not a refusal.
+    Norms without a BN op compute ``x * s + t`` themselves: no warning.
+    """
+    dtype = site.input.meta["val"].dtype
+    if dtype not in _HALF or site.bn is None:
+        return []
+    mean = site.params["running_mean"].detach().double()  # type: ignore[union-attr]
+    var = site.params["running_var"].detach().double().clamp_min(0)  # type: ignore[union-attr]
+    rms_sx = scale.abs() * torch.sqrt(mean**2 + var)
+    rms_y = torch.sqrt((scale * mean + shift) ** 2 + scale**2 * var).clamp_min(torch.finfo(torch.float64).tiny)
+    kappa = rms_sx / rms_y
+    worst = int(kappa.argmax())
+    estimate = float(kappa[worst]) * torch.finfo(dtype).eps / 2
+    name = str(dtype).removeprefix("torch.")
+    tolerance = DEFAULT_RTOL[name]
+    if estimate <= tolerance:
+        return []
+    ratio = float(mean[worst].abs() / var[worst].sqrt().clamp_min(1e-30))
+    return [
+        f"{name} precision: channel {worst} has |running_mean| / std = {ratio:.3g}; computing s*x + t in {name} "
+        f"amplifies rounding {float(kappa[worst]):.3g}x (estimated relative error {estimate:.2g} > tolerance "
+        f"{tolerance:g}); verification decides"
+    ]
+
+
+def _check_stats(site: NormSite) -> None:
+    """Raises ``InputError`` for NaN / Inf parameters or ``running_var + eps <= 0`` (a damaged checkpoint)."""
+    for key, t in site.params.items():
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise InputError(f"norm {site.name}: {key} holds NaN or Inf; the checkpoint is damaged")
+    var = site.params.get("running_var")
+    if var is not None and bool((var.double() + site.eps <= 0).any()):
+        raise InputError(f"norm {site.name}: running_var + eps <= 0 for some channel; the checkpoint is damaged")
+
+
+# --------------------------------------------------------------------------------------------- pending weights
+
+
+class _Weights:
+    """Stored tensors as the plans so far leave them: pending values, biases to be created, names taken."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.values: dict[str, torch.Tensor] = {}
+        self.created: dict[fx.Node, str] = {}  # layer -> the target of the bias a plan creates for it
+        self.taken = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        self.taken |= set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+
+    def value(self, target: str) -> torch.Tensor:
+        return self.values[target] if target in self.values else stored(self.gm, target)
+
+    def bias(self, layer: fx.Node, kind: LayerKind) -> tuple[str | None, torch.Tensor | None]:
+        """The target and current value of a layer's bias, ``(None, None)`` when it has none yet."""
+        node = kind.bias(layer)
+        target = str(node.target) if isinstance(node, fx.Node) else self.created.get(layer)
+        return target, (self.value(target) if target is not None else None)
+
+    def private(self, param: Any) -> bool:
+        """True when one layer alone reads this weight or bias (a tied tensor must not be rescaled for one reader).
+        A missing bias (None) is private: the fold creates a new one."""
+        if not isinstance(param, fx.Node):
+            return True
+        same_target = [n for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == param.target]
+        return len(same_target) == 1 and len(param.users) == 1
+
+    def commit(self, p: NormPlan) -> NormPlan:
+        """Record a plan's updates; name the biases it creates (``<layer>.bias``, or with a suffix when taken)."""
+        named = []
+        for nb in p.new_biases:
+            stem, i = f"{nb.target}", 1
+            target = stem
+            while target in self.taken:
+                target, i = f"{stem}_{i}", i + 1
+            self.taken.add(target)
+            self.created[nb.layer] = target
+            self.values[target] = nb.value
+            named.append(replace(nb, target=target))
+        for u in p.updates:
+            self.values[u.target] = u.value
+        return replace(p, new_biases=named)
+
+
+@dataclass
+class _Fold:
+    """One layer's pending weight changes."""
+
+    updates: list[TensorUpdate]
+    new_biases: list[NewBias]
+
+    def fits(self) -> bool:
+        return fold.fits_dtype(*(u.value for u in self.updates), *(b.value for b in self.new_biases))
+
+
+def _fold(
+    weights: _Weights,
+    layer: fx.Node,
+    kind: LayerKind,
+    forward: bool,
+    s: torch.Tensor,
+    t: torch.Tensor,
+    shifts: bool = True,
+) -> _Fold:
+    """The new weight and bias of ``layer`` after a forward or backward fold of ``(s, t)`` (``slabconv.fold``).
+    ``shifts=False``: the norm has no shift at all (a LayerScale); a layer without bias then stays without."""
+    w_node = kind.weight(layer)
+    assert w_node is not None
+    w_target = str(w_node.target)
+    b_target, b = weights.bias(layer, kind)
+    fn = kind.fold_forward if forward else kind.fold_backward
+    new_w, new_b = fn(layer, weights.value(w_target), b, s, t)
+    if b_target is None and not shifts:
+        return _Fold([TensorUpdate(w_target, new_w)], [])  # a pure scale (LayerScale) creates no zero bias
+    if b_target is None:
+        wanted = f"{w_target.removesuffix('.weight')}.bias"
+        return _Fold([TensorUpdate(w_target, new_w)], [NewBias(layer, kind, wanted, new_b)])
+    return _Fold([TensorUpdate(w_target, new_w), TensorUpdate(b_target, new_b)], [])
+
+
+def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
+    """Per-channel ``values`` laid out along the axis ``chan`` names on ``src``."""
+    shape = shape_of(src)
+    assert shape is not None
+    return fold.tile_channels(values, chan.inner, int(shape[chan.axis]))
+
+
+# --------------------------------------------------------------------------------------------- deciding
+
+
+def _forward(
+    weights: _Weights, flow_consumers: list[ConsumerUse], scale: torch.Tensor, shift: torch.Tensor, shifts: bool
+) -> tuple[list[tuple[ConsumerUse, _Fold]], list[BlockedEdge]]:
+    """The forward folds into each consumer, and the consumers that cannot take theirs (blocked, with why)."""
+    folds, blocked = [], []
+    for use in flow_consumers:
+        kind, node = use.layer, use.node
+        if not (weights.private(kind.weight(node)) and weights.private(kind.bias(node))):
+            blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.SHARED_WEIGHT))
+            continue
+        s, t = _tiled(scale, use.chan, use.src), _tiled(shift * use.mult, use.chan, use.src)
+        f = _fold(weights, node, kind, True, s, t, shifts)
+        if not f.fits():
+            blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.DTYPE_OVERFLOW))
+            continue
+        folds.append((use, f))
+    return folds, blocked
+
+
+def _backward(
+    weights: _Weights, graph: VirtualGraph, site: NormSite, scale: torch.Tensor, shift: torch.Tensor
+) -> tuple[str, _Fold] | str:
+    """``(producer name, its fold)`` when the norm folds backward, else why not."""
+    producer = find_producer(site.input, Chan(site.channel_axis, site.channels), site.region, graph)
+    if isinstance(producer, str):
+        return producer
+    if not (weights.private(producer.weight) and weights.private(producer.bias)):
+        return f"the weight of {layer_name(producer.node)} is shared"
+    f = _fold(weights, producer.node, producer.layer, False, scale, shift, _shifts(site))
+    return (layer_name(producer.node), f) if f.fits() else f"{reasons.DTYPE_OVERFLOW} in {layer_name(producer.node)}"
+
+
+def _shifts(site: NormSite) -> bool:
+    """False for a norm without any shift (a LayerScale: ``gamma * x``); BN kinds always count as shifting (their
+    folds create biases whatever the statistics, as the streamed fold expects)."""
+    return site.bn is not None or site.kind != "LayerScale"
+
+
+def _base(site: NormSite, edge: BlockedEdge) -> fx.Node:
+    """The tensor the kept affine reads: the norm's input when the blocked op reads the norm's output itself."""
+    return site.input if edge.src is site.output else edge.src
+
+
+def _affine_fits(site: NormSite, edges: list[BlockedEdge], scale: torch.Tensor, shift: torch.Tensor) -> bool:
+    """True when the per-channel affine kept on each blocked edge is finite in that tensor's dtype."""
+    for edge in edges:
+        dtype = _base(site, edge).meta["val"].dtype
+        if not fold.fits_dtype(scale.to(dtype), (shift * edge.mult).to(dtype)):
+            return False
+    return True
+
+
+def _paths(blocked: list[BlockedEdge]) -> list[dict[str, str]]:
+    """``{"before": <module>:<op>, "reason": ...}`` for every blocked path, in graph order, without repeats."""
+    out: list[dict[str, str]] = []
+    for e in blocked:
+        entry = {"before": op_site(e.dst), "reason": e.reason}
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
+def _kept(site: NormSite, decision: Decision) -> NormPlan:
+    """A norm that is not a fixed affine: batch statistics in eval, or a BN still in train mode."""
+    decision.reason = reasons.TRAIN_MODE if site.params.get("running_mean") is not None else reasons.BATCH_STATS_IN_EVAL
+    decision.paths = [{"before": op_site(site.anchor), "reason": decision.reason}]
+    return NormPlan(site, decision)
+
+
+def plan_norm(
+    gm: fx.GraphModule,
+    site: NormSite,
+    weights: _Weights,
+    graph: VirtualGraph,
+    stop: Collection[fx.Node] = (),
+) -> NormPlan:
+    """Decide one norm (see the module docstring); ``stop`` holds the other norms' ops (a walk never crosses
+    another norm)."""
+    decision = Decision(norm=site.name, kind=site.kind, action=KEPT)
+    decision.warnings += _progressive_warnings(gm, site.name)
+    if site.training:
+        return _kept(site, decision)
+    _check_stats(site)
+    scale, shift = site.scale, site.shift
+    assert scale is not None and shift is not None
+    flow = follow(site.output, Chan(site.channel_axis, site.channels), bool((scale > 0).all()), stop)
+    folds, refused = _forward(weights, flow.consumers, scale, shift, _shifts(site))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    blocked = sorted(flow.blocked + refused, key=lambda e: (order[e.dst], order[e.src]))
+    plan = NormPlan(site, decision, scale=scale, shift=shift, remove=True)
+    into = sorted({layer_name(use.node) for use, _ in folds})
+    if not blocked:
+        decision.action, decision.into = FOLDED_FORWARD, into
+    else:
+        backward = _backward(weights, graph, site, scale, shift)
+        if not isinstance(backward, str):
+            decision.action, decision.into = FOLDED_BACKWARD, [backward[0]]
+            plan.updates, plan.new_biases = backward[1].updates, backward[1].new_biases
+            return plan
+        decision.no_backward, decision.paths = backward, _paths(blocked)
+        if not _affine_fits(site, blocked, scale, shift):
+            decision.reason = reasons.DTYPE_OVERFLOW  # the affine itself is not representable: the BN stays
+            return replace(plan, remove=False)
+        decision.action, decision.into, decision.reason = KEPT_AFFINE, into, blocked[0].reason
+        decision.kept_on = sorted({op_site(e.dst) for e in blocked})
+        plan.kept = blocked
+    decision.warnings += _precision_warnings(site, scale, shift)
+    for _, f in folds:
+        plan.updates += f.updates
+        plan.new_biases += f.new_biases
+    return plan
+
+
+def plan_folds(gm: fx.GraphModule, sites: list[NormSite] | None = None) -> list[NormPlan]:
+    """One ``NormPlan`` per norm of ``gm``, in graph order; ``gm`` is not changed (except that ``find_norms`` may
+    merge duplicate inputs of a norm when ``sites`` is not given).
+
+    Raises:
+        InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
+    """
+    sites = find_norms(gm) if sites is None else sites
+    weights, graph = _Weights(gm), VirtualGraph()
+    owner = {n: i for i, site in enumerate(sites) for n in site.region}
+    plans = []
+    for i, site in enumerate(sites):
+        stop = {n for n, j in owner.items() if j != i}
+        p = weights.commit(plan_norm(gm, site, weights, graph, stop))
+        if p.decision.action in (FOLDED_FORWARD, FOLDED_BACKWARD):
+            graph.remove(site.output, site.input, site.region)
+        graph.kept.update((e.src, e.dst) for e in p.kept)
+        plans.append(p)
+    return plans

@@ -1,0 +1,157 @@
+"""Carry out the plans: write the new weights, attach created biases, insert kept affines, remove the norms.
+
+In: the export graph and its ``NormPlan`` list (``slabconv.engine.planner.plan_folds``), in graph order. Out: the same
+``GraphModule``, rewritten in place. ``fold_all`` runs the whole engine: find the norms, plan, apply, clean up.
+
+A kept affine is inserted before its norm is removed and replaces only the blocked op's reads of the normalised
+tensor: a blocked op that also reads the norm's input (``x * bn(x)``) keeps that operand. A norm's input is read
+from the graph when its plan is applied (``NormSite.current_input``): an earlier norm may have replaced it by its
+own input or by its kept affine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs
+from slabconv.engine.flow import BlockedEdge
+from slabconv.engine.planner import Decision, NormPlan, plan_folds
+from slabconv.engine.rules import Chan
+from slabconv.fold import tile_channels
+
+
+def set_tensor(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
+    """Store ``value`` at the dotted ``target`` of ``gm`` as a frozen parameter (creating parent modules)."""
+    *path, leaf = target.split(".")
+    owner: nn.Module = gm
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        if hasattr(owner, leaf) and leaf not in owner._parameters:
+            delattr(owner, leaf)
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+
+
+def free_target(gm: fx.GraphModule, wanted: str) -> str:
+    """``wanted``, or ``wanted_<i>`` when the graph or the module already uses that name; a path through a stored
+    tensor (``gamma.scale`` beside a parameter ``gamma``) becomes ``gamma_scale``."""
+    *path, leaf = wanted.split(".")
+    owner: Any = gm
+    for i, part in enumerate(path):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            break
+        if not isinstance(owner, nn.Module):
+            wanted = ".".join([*path[:i], "_".join([*path[i:], leaf])])
+            break
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    names = set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+    target, i = wanted, 1
+    while target in used or target in names:
+        target, i = f"{wanted}_{i}", i + 1
+    return target
+
+
+def new_attr(gm: fx.GraphModule, target: str, value: torch.Tensor) -> fx.Node:
+    """Store ``value`` at ``target`` (which must be free) and return a ``get_attr`` node for it, placed first."""
+    assert free_target(gm, target) == target, f"{target} is already used"
+    set_tensor(gm, target, value)
+    first = next(iter(gm.graph.nodes))
+    with gm.graph.inserting_before(first):
+        node = gm.graph.get_attr(target)
+    node.meta["val"] = value
+    return node
+
+
+def _insert_affines(gm: fx.GraphModule, p: NormPlan, base_of_output: fx.Node) -> None:
+    """One ``x * scale + shift`` per (source, channel layout, multiplier), fed to each blocked op in place of
+    ``edge.src``; without shift (exactly zero) only the multiply."""
+    site = p.site
+    assert p.scale is not None and p.shift is not None
+    made: dict[tuple[fx.Node, Chan, float], fx.Node] = {}
+    for edge in p.kept:
+        base = base_of_output if edge.src is site.output else edge.src
+        key = (edge.src, edge.chan, edge.mult)
+        if key not in made:
+            made[key] = _affine(gm, p, edge, base)
+        edge.dst.replace_input_with(edge.src, made[key])
+
+
+def _affine(gm: fx.GraphModule, p: NormPlan, edge: BlockedEdge, base: fx.Node) -> fx.Node:
+    assert p.scale is not None and p.shift is not None
+    val = base.meta["val"]
+    size = int(val.shape[edge.chan.axis])
+    bshape = (-1, *([1] * (val.dim() - 1 - edge.chan.axis)))
+    s = tile_channels(p.scale, edge.chan.inner, size).to(device=val.device, dtype=val.dtype).reshape(bshape)
+    t = tile_channels(p.shift * edge.mult, edge.chan.inner, size).to(device=val.device, dtype=val.dtype)
+    s_node = new_attr(gm, free_target(gm, f"{p.site.name}.scale"), s)
+    with gm.graph.inserting_after(base):
+        mul = gm.graph.call_function(torch.ops.aten.mul.Tensor, (base, s_node))
+    out = mul
+    if bool(t.any()):
+        t_node = new_attr(gm, free_target(gm, f"{p.site.name}.shift"), t.reshape(bshape))
+        with gm.graph.inserting_after(mul):
+            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (mul, t_node))
+    for node in {mul, out}:
+        node.meta["val"] = val
+        node.meta["nn_module_stack"] = p.site.anchor.meta.get("nn_module_stack", {})
+    return out
+
+
+def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
+    """Rewrite ``gm`` for one norm's plan (nothing for ``kept``)."""
+    if not p.remove:
+        return
+    for u in p.updates:
+        set_tensor(gm, u.target, u.value)
+    for nb in p.new_biases:
+        nb.kind.attach_bias(nb.layer, new_attr(gm, nb.target, nb.value))
+    base = p.site.current_input()
+    _insert_affines(gm, p, base)
+    p.site.output.replace_all_uses_with(base)
+    for node in reversed(p.site.region):
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: Callable[[str], None] | None = None) -> None:
+    """Apply every plan in order (``apply_plan``), then drop dead nodes and recompile ``gm``; ``progress`` is
+    called with each norm's name. The plans must come from ``plan_folds`` on this graph, unchanged since."""
+    for p in plans:
+        apply_plan(gm, p)
+        if progress is not None:
+            progress(p.site.name)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) -> list[Decision]:
+    """Find every norm of ``gm``, decide and apply a fold for each (in place), then clean the graph.
+
+    Args:
+        gm: an unlifted export graph (``slabconv.engine.capture``).
+        progress: called with each norm's name as it is applied.
+
+    Returns:
+        One ``Decision`` per norm, in graph order.
+
+    Raises:
+        InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
+        UnsupportedModelError: a BN whose statistics depend on the input (``find_norms``).
+    """
+    plans = plan_folds(gm)
+    apply_folds(gm, plans, progress)
+    cancel_inverse_views(gm)
+    gm.graph.eliminate_dead_code()
+    drop_unused_attrs(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return [p.decision for p in plans]

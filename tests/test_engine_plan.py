@@ -1,0 +1,283 @@
+"""The planner and the rewriter: plans are data (planning changes nothing), every layer kind of the table folds
+forward and backward, and norms planned together but applied one after the other stay exact where they meet:
+two norms in a row, a layer that absorbs one norm forward and another backward, a bias created by one fold and
+updated by the next, a norm whose input is another norm's kept affine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from slabconv.engine import apply_folds, capture, fold_all, fused_state_dict, plan_folds, reasons
+from slabconv.engine.rules import LAYERS
+from slabconv.zoo.norms import RepBN
+from tests.foldcheck import TOL, RepBN_NLP, bn_nodes, kept_affines, randomize, rel_err
+
+C, B = 8, 4
+
+
+def x2d(seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, C, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, 6, C, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
+
+
+def _decomposed(model: nn.Module, x: torch.Tensor) -> fx.GraphModule:
+    ep = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    return ep.run_decompositions().module()
+
+
+# --------------------------------------------------------------------------------------------- plans are data
+
+
+def test_planning_changes_nothing_and_applying_the_plans_is_fold_all():
+    torch.manual_seed(0)
+    model = randomize(ChainForwardBackward(bias=False)).eval()
+    x = x2d()
+    gm = capture(model, x)
+    before = (str(gm.graph), {k: v.clone() for k, v in gm.state_dict().items()})
+    plans = plan_folds(gm)
+    assert str(gm.graph) == before[0]
+    assert all(torch.equal(v, before[1][k]) for k, v in gm.state_dict().items())
+    assert [p.decision.action for p in plans] == ["folded-forward", "folded-backward"]
+    assert [len(p.updates) + len(p.new_biases) for p in plans] == [2, 2]  # weight + created bias; weight + bias
+    apply_folds(gm, plans)
+    other = capture(model, x)
+    fold_all(other)
+    assert rel_err(gm(x), other(x)) == 0.0
+
+
+# --------------------------------------------------------------------------------------------- layer kinds
+
+
+class Forward2d(nn.Module):
+    """``fc(bn(x))`` on ``(B, C)``: in a decomposed program ``addmm`` (with bias) or ``mm`` (without)."""
+
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(C)
+        self.fc = nn.Linear(C, 5, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+class Backward2d(nn.Module):
+    """``gelu(bn(fc(x)))``."""
+
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(C, C, bias=bias)
+        self.norm = nn.BatchNorm1d(C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.norm(self.fc(x)))
+
+
+class ConvForward(nn.Module):
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        self.norm = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d][dims - 1](C)
+        self.fc = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1](C, 5, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+class ConvBackward(nn.Module):
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        self.fc = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1](C, C, 3, padding=1, bias=False)
+        self.norm = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d][dims - 1](C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.norm(self.fc(x)))
+
+
+def _grid(dims: int) -> torch.Tensor:
+    return torch.randn(B, C, *([4] * dims), generator=torch.Generator().manual_seed(2)) + 0.5
+
+
+# kind -> (op the graph must hold, [(model, input, decompose)] for forward and backward)
+LAYER_CASES = {
+    "linear": ("linear.default", [(Forward2d(), x2d(), False), (Backward2d(), x2d(), False)]),
+    "addmm": ("addmm.default", [(Forward2d(), x2d(), True), (Backward2d(), x2d(), True)]),
+    "mm": ("mm.default", [(Forward2d(bias=False), x2d(), True), (Backward2d(bias=False), x2d(), True)]),
+    "conv": (
+        "conv{d}d.default",
+        [(ConvForward(d), _grid(d), False) for d in (1, 2, 3)] + [(ConvBackward(d), _grid(d), False) for d in (1, 2)],
+    ),
+    "convolution": ("convolution.default", [(ConvForward(2), _grid(2), True), (ConvBackward(2), _grid(2), True)]),
+}
+
+
+def test_every_layer_kind_has_cases():
+    assert {kind.name for kind in LAYERS} == set(LAYER_CASES)
+
+
+@pytest.mark.parametrize(
+    ("kind", "index"), [(k, i) for k, (_, cases) in LAYER_CASES.items() for i in range(len(cases))]
+)
+def test_layer_kind_folds_forward_and_backward(kind, index):
+    op, cases = LAYER_CASES[kind]
+    model, x, decompose = cases[index]
+    model = randomize(copy.deepcopy(model)).eval()
+    reference = model(x)
+    gm = _decomposed(model, x) if decompose else capture(model, x)
+    wanted = "aten." + op.format(d=x.dim() - 2)
+    assert wanted in {str(n.target) for n in gm.graph.nodes}
+    (d,) = fold_all(gm)
+    forward = "Forward" in type(model).__name__
+    assert (d.action, d.into) == ("folded-forward" if forward else "folded-backward", ["fc"])
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert rel_err(gm(x[:1]), model(x[:1])) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    assert "fc.bias" in fused_state_dict(gm)  # created where the layer had none
+
+
+# --------------------------------------------------------------------------------------------- norms that meet
+
+
+class TwoInARow(nn.Module):
+    """``gelu(bn2(bn1(fc(x))))``: both fold backward into ``fc`` (the second once the first is gone)."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(C, C, bias=bias)
+        self.bn1 = nn.BatchNorm1d(C)
+        self.bn2 = nn.BatchNorm1d(C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.bn2(self.bn1(self.fc(x))))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_two_norms_in_a_row_fold_backward_into_one_layer(bias):
+    model = randomize(TwoInARow(bias)).eval()
+    x = x2d()
+    reference = model(x)
+    gm = capture(model, x)
+    decisions = fold_all(gm)
+    assert [(d.norm, d.action, d.into) for d in decisions] == [
+        ("bn1", "folded-backward", ["fc"]),
+        ("bn2", "folded-backward", ["fc"]),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert sorted(fused_state_dict(gm)) == ["fc.bias", "fc.weight"]  # one bias, created once (bias=False)
+
+
+class ChainForwardBackward(nn.Module):
+    """``gelu(bn2(fc(bn1(x))))``: ``fc`` absorbs bn1 forward (columns; a bias is created when it has none) and
+    bn2 backward (rows, and the bias bn1 left)."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.bn1 = nn.BatchNorm1d(C)
+        self.fc = nn.Linear(C, C, bias=bias)
+        self.bn2 = nn.BatchNorm1d(C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.bn2(self.fc(self.bn1(x))))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_one_layer_absorbs_a_norm_forward_and_another_backward(bias):
+    model = randomize(ChainForwardBackward(bias)).eval()
+    x = x2d()
+    reference = model(x)
+    gm = capture(model, x)
+    decisions = fold_all(gm)
+    assert [(d.norm, d.action, d.into) for d in decisions] == [
+        ("bn1", "folded-forward", ["fc"]),
+        ("bn2", "folded-backward", ["fc"]),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert sorted(fused_state_dict(gm)) == ["fc.bias", "fc.weight"]
+
+
+class KeptThenFolded(nn.Module):
+    """``fc(bn2(bn1(x)))`` on the raw input: bn1 has no producer and is blocked by bn2 (kept as an affine);
+    bn2 then reads that affine and folds into ``fc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn1 = nn.BatchNorm1d(C)
+        self.bn2 = nn.BatchNorm1d(C)
+        self.fc = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn2(self.bn1(x)))
+
+
+def test_a_norm_reading_another_norms_kept_affine():
+    model = randomize(KeptThenFolded()).eval()
+    x = x2d()
+    reference = model(x)
+    gm = capture(model, x)
+    decisions = fold_all(gm)
+    assert [(d.norm, d.action, d.reason, d.into) for d in decisions] == [
+        ("bn1", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm", []),
+        ("bn2", "folded-forward", None, ["fc"]),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and len(kept_affines(gm)) == 1
+
+
+class RepBNThenLayerScale(nn.Module):
+    """``x + gamma * norm(x)`` with the seed's RepBN_NLP (transposes around it): the RepBN has no producer and is
+    kept before the LayerScale; the LayerScale then reads that kept affine, and is kept before the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN_NLP(C)
+        self.gamma = nn.Parameter(torch.randn(C, generator=torch.Generator().manual_seed(3)))
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.gamma * self.norm(x))
+
+
+def test_a_layerscale_reading_a_kept_repbn():
+    model = randomize(RepBNThenLayerScale()).eval()
+    x = tokens()
+    reference = model(x)
+    gm = capture(model, x)
+    decisions = fold_all(gm)
+    assert [(d.norm, d.kind, d.action, d.reason) for d in decisions] == [
+        ("norm", "RepBN", "kept-affine", reasons.MASKED_AFTER_NORM),
+        ("gamma", "LayerScale", "kept-affine", reasons.RESIDUAL_READS_NORM),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert not bn_nodes(gm)
+
+
+class SharedNormModule(nn.Module):
+    """One RepBN module called twice: two norms with the same name, decided separately."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc1 = nn.Linear(C, C)
+        self.fc2 = nn.Linear(C, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.norm(F.gelu(self.fc1(self.norm(x)))))
+
+
+def test_a_norm_module_called_twice_is_two_norms():
+    model = randomize(SharedNormModule()).eval()
+    x = tokens()
+    reference = model(x)
+    gm = capture(model, x)
+    decisions = fold_all(gm)
+    assert [(d.norm, d.action, d.into) for d in decisions] == [
+        ("norm", "folded-forward", ["fc1"]),
+        ("norm", "folded-forward", ["fc2"]),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
