@@ -38,9 +38,10 @@ torch.onnx.export(loaded.model, (x,), sys.argv[2], dynamo=True, dynamic_shapes=(
 def stages(ckpt: Path, out: Path) -> list[tuple[str, float]]:
     """Seconds spent in each stage of one in-process fuse, from the progress messages."""
     from slabconv import api
+    from slabconv.options import WriteOptions
 
     marks: list[tuple[str, float]] = []
-    api.fuse(ckpt, out, force=True, progress=lambda message: marks.append((message, time.perf_counter())))
+    api.fuse(ckpt, out, write=WriteOptions(force=True), progress=lambda message: marks.append((message, time.perf_counter())))
     end = time.perf_counter()
     return [(m, (marks[i + 1][1] if i + 1 < len(marks) else end) - t) for i, (m, t) in enumerate(marks)]
 

@@ -22,6 +22,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,7 +32,14 @@ from slabconv import api  # noqa: E402
 from slabconv.bench import Timing, plot  # noqa: E402
 
 
-def table(name: str, report: dict) -> None:
+def bench(path: Path, **kwargs: Any) -> dict[str, Any]:
+    """``slabconv.api.bench``'s timings and ratios (the report's ``bench`` section)."""
+    result = api.bench(path, **kwargs).bench
+    assert result is not None
+    return result
+
+
+def table(name: str, report: dict[str, Any]) -> None:
     print(f"\n## {name}\n")
     print("| runtime | batch | variant | median ms | p25-p75 ms | samples/s |")
     print("|---|---|---|---|---|---|")
@@ -65,7 +73,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for name in ("deit_tiny_prepbn", "slab_deit_tiny"):
                 ckpt = zoo_checkpoint(name, Path(tmp) / f"{name}.pth")
-                reports[f"{name} (224x224), GPU fp16"] = api.bench(
+                reports[f"{name} (224x224), GPU fp16"] = bench(
                     ckpt, batches=(1, 256), runtimes=runtimes or gpu, repeats=args.repeats
                 )
         for name, report in reports.items():
@@ -73,12 +81,12 @@ def main() -> None:
             table(name, report)
         print("\n" + json.dumps({k: v["fused_over_norm_free"] for k, v in reports.items()}))
         return
-    reports["digits fixture (deit_prepbn, 8x8)"] = api.bench(
+    reports["digits fixture (deit_prepbn, 8x8)"] = bench(
         ROOT / "fixtures" / "digits-prepbn" / "checkpoint.pth", batches=batches, runtimes=runtimes, repeats=args.repeats
     )
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = zoo_checkpoint("deit_small_prepbn", Path(tmp) / "deit_small.pth")
-        reports["DeiT-Small-sized, LinearNorm (deit_small_prepbn, 224x224)"] = api.bench(
+        reports["DeiT-Small-sized, LinearNorm (deit_small_prepbn, 224x224)"] = bench(
             ckpt, batches=tuple(b for b in batches if b <= 8), runtimes=runtimes, repeats=max(5, args.repeats // 3)
         )
     for name, report in reports.items():

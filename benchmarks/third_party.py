@@ -32,6 +32,7 @@ import copy
 import json
 import sys
 import time
+from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,7 +142,7 @@ def _timm_entries() -> list[Entry]:
     import timm
 
     return [
-        Entry(name, "timm", lambda name=name: timm.create_model(name, pretrained=False), _images(224))
+        Entry(name, "timm", partial(timm.create_model, name, pretrained=False), _images(224))
         for name in ("levit_128s", "efficientformerv2_s0", "repvit_m0_9")
     ]
 
@@ -208,9 +209,10 @@ def learned_looking(model: nn.Module, entry: Entry, seed: int = 0) -> nn.Module:
         model.eval()
         for bn in bns:
             c = bn.num_features
-            std = (bn.running_var + bn.eps).sqrt()  # type: ignore[operator]
-            bn.running_mean.add_(torch.randn(c, generator=gen) * 0.1 * std)  # type: ignore[union-attr]
-            bn.running_var.mul_(torch.rand(c, generator=gen) * 0.45 + 0.8)  # type: ignore[union-attr]
+            assert bn.running_mean is not None and bn.running_var is not None
+            std = (bn.running_var + float(bn.eps)).sqrt()
+            bn.running_mean.add_(torch.randn(c, generator=gen) * 0.1 * std)
+            bn.running_var.mul_(torch.rand(c, generator=gen) * 0.45 + 0.8)
     return model
 
 
@@ -309,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(json.dumps(result), flush=True)
         results.append(result)
-    versions = {"torch": torch.__version__}
+    versions: dict[str, str] = {"torch": str(torch.__version__)}
     for lib in ("transformers", "timm", "torchvision"):
         mod = sys.modules.get(lib)
         if mod is not None:
-            versions[lib] = getattr(mod, "__version__", "?")
+            versions[lib] = str(getattr(mod, "__version__", "?"))
     print(json.dumps(versions))
     print(table(results))
     if args.json:

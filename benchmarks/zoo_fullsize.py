@@ -14,7 +14,7 @@ its own initialisation, then norm statistics that look learned:
    ``weight ~ U(0.5, 1.5)``, ``bias ~ N(0, 0.2)``, RepBN ``alpha ~ U(0.2, 1)``.
 
 ``--raw`` uses ``tests.conftest.randomize_norms`` instead (statistics unrelated to the activations: badly
-conditioned deep models). Then ``graph.capture`` (dynamic batch), ``plan.fold_all``, and the fused graph
+conditioned deep models). Then ``engine.capture`` (dynamic batch), ``engine.fold_all``, and the fused graph
 against the original on ``randn(2, 3, 224, 224)`` (seed 1), in float32 and, for both, against the float64 model.
 
 ``--cli`` instead saves each as a release file ``{'model': state_dict}`` and runs ``slabconv fuse FILE --samples
@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from slabconv.engine import graph, plan  # noqa: E402
+from slabconv import engine
+from slabconv.engine.norms import is_batch_norm  # noqa: E402
 from slabconv.util import quiet  # noqa: E402
 from slabconv.zoo import get_arch  # noqa: E402
 from tests.conftest import randomize_norms  # noqa: E402
@@ -60,14 +61,16 @@ def calibrate(model: nn.Module, side: int, seed: int) -> None:
         for mod in model.modules():
             if isinstance(mod, nn.modules.batchnorm._BatchNorm):
                 c = mod.num_features
-                std = (mod.running_var + mod.eps).sqrt()
+                assert mod.running_mean is not None and mod.running_var is not None
+                std = (mod.running_var + float(mod.eps)).sqrt()
                 mod.running_mean.add_(torch.randn(c, generator=gen) * 0.5 * std)
                 mod.running_var.mul_(torch.rand(c, generator=gen) * 1.5 + 0.5)
                 if mod.affine:
                     mod.weight.copy_(torch.rand(c, generator=gen) + 0.5)
                     mod.bias.copy_(torch.randn(c, generator=gen) * 0.2)
-            if isinstance(getattr(mod, "alpha", None), nn.Parameter):
-                mod.alpha.copy_(torch.rand(1, generator=gen) * 0.8 + 0.2)
+            alpha = getattr(mod, "alpha", None)
+            if isinstance(alpha, nn.Parameter):
+                alpha.copy_(torch.rand(1, generator=gen) * 0.8 + 0.2)
             for counter in ("warm", "iter"):
                 if isinstance(getattr(mod, counter, None), torch.Tensor):
                     getattr(mod, counter).zero_()
@@ -93,16 +96,16 @@ def run(name: str, raw: bool) -> dict:
     with torch.no_grad():
         ref, ref64 = model(x), exact(x.double())
     with quiet():
-        gm = graph.capture(model, x)
-    decisions = plan.fold_all(gm)
+        gm = engine.capture(model, x)
+    decisions = engine.fold_all(gm)
     with torch.no_grad():
         got = gm(x)
-    bn_left = sum(1 for n in gm.graph.nodes if graph.is_batch_norm(n))
+    bn_left = sum(1 for n in gm.graph.nodes if is_batch_norm(n))
     return {
         "name": name,
         "norms": len(decisions),
-        "forward": sum(d.action == plan.FOLDED_FORWARD for d in decisions),
-        "backward": sum(d.action == plan.FOLDED_BACKWARD for d in decisions),
+        "forward": sum(d.action == engine.FOLDED_FORWARD for d in decisions),
+        "backward": sum(d.action == engine.FOLDED_BACKWARD for d in decisions),
         "bn_left": bn_left,
         "fused_vs_original": rel(got, ref),
         "original_vs_float64": rel(ref, ref64),

@@ -33,6 +33,7 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
         for mod in model.modules():
             if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.track_running_stats:
                 c = mod.num_features
+                assert mod.running_mean is not None and mod.running_var is not None
                 mod.running_mean.copy_(torch.randn(c, generator=gen))
                 mod.running_var.copy_(torch.rand(c, generator=gen) * 2 + 0.2)
                 if mod.affine:

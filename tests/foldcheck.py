@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import torch
 from torch import fx, nn
 
-from slabconv import fold
-from slabconv.engine import graph, plan
+from slabconv import engine, fold
+from slabconv.engine.norms import BN_OPS
 from tests.conftest import randomize_norms
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -156,10 +156,10 @@ def assert_half_close(out: object, model: nn.Module, x: torch.Tensor, dtype: tor
     assert rel_err(out, truth) <= max(TOL[dtype], 1.5 * own), (rel_err(out, truth), own)
 
 
-def fuse(model: nn.Module, x: torch.Tensor) -> tuple[fx.GraphModule, list[plan.Decision]]:
+def fuse(model: nn.Module, x: torch.Tensor) -> tuple[fx.GraphModule, list[engine.Decision]]:
     """Capture and fold, as ``slabconv fuse`` does."""
-    gm = graph.capture(model, x)
-    return gm, plan.fold_all(gm)
+    gm = engine.capture(model, x)
+    return gm, engine.fold_all(gm)
 
 
 _PERMUTES = {"permute.default", "transpose.int", "t.default"}
@@ -170,13 +170,13 @@ def aten_ops(gm: nn.Module | fx.GraphModule, x: torch.Tensor | None = None) -> c
     count as one kind (``permute``), since cancelling a pair may leave either of the two."""
     if not isinstance(gm, fx.GraphModule):
         assert x is not None
-        gm = graph.capture(gm, x)
+        gm = engine.capture(gm, x)
     names = (str(n.target).removeprefix("aten.") for n in gm.graph.nodes if n.op == "call_function")
     return collections.Counter("permute" if name in _PERMUTES else name for name in names)
 
 
 def bn_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.target in graph.BN_OPS]
+    return [n for n in gm.graph.nodes if n.target in BN_OPS]
 
 
 def kept_affines(gm: fx.GraphModule) -> list[fx.Node]:

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv import fold
-from slabconv.engine import plan, reasons
+from slabconv import engine, fold
+from slabconv.engine import reasons
 from slabconv.zoo.norms import LinearNorm, RepBN
 from tests.foldcheck import (
     NAIVE_MIN_ERR,
@@ -38,11 +38,11 @@ def tokens(n: int = N, c: int = C, seed: int = 0, dtype: torch.dtype = torch.flo
     return (torch.randn(B, n, c, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5).to(dtype)
 
 
-def by_norm(decisions: list[plan.Decision]) -> dict[str, plan.Decision]:
+def by_norm(decisions: list[engine.Decision]) -> dict[str, engine.Decision]:
     return {d.norm: d for d in decisions}
 
 
-def assert_exact(model: nn.Module, x: torch.Tensor, norms: list[str], kept: int = 0) -> list[plan.Decision]:
+def assert_exact(model: nn.Module, x: torch.Tensor, norms: list[str], kept: int = 0) -> list[engine.Decision]:
     """Fold ``model``; the output equals the original within the dtype's tolerance and the graph is the norm-free
     graph plus ``kept`` affines."""
     model = model.eval()
@@ -492,7 +492,7 @@ def test_llama_style_flattened_repbn_creates_biases():
     gm, decisions = fuse(model, x)
     assert [(d.action, d.into) for d in decisions] == [("folded-forward", ["k", "q", "v"])]
     assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
-    assert {"q.bias", "k.bias", "v.bias"} <= set(plan.fused_state_dict(gm))
+    assert {"q.bias", "k.bias", "v.bias"} <= set(engine.fused_state_dict(gm))
 
 
 def test_unfinished_warmup_is_reported_with_its_numbers():
@@ -537,7 +537,7 @@ def test_core_aten_programs_fold_the_same_way(name):
     reference = model(x)
     expected = [(d.norm, d.action, d.reason) for d in fuse(model, x)[1]]
     gm = _decomposed(model, x)
-    decisions = plan.fold_all(gm)
+    decisions = engine.fold_all(gm)
     assert [(d.norm, d.action, d.reason) for d in decisions] == expected
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
     assert not bn_nodes(gm)
@@ -556,7 +556,7 @@ def test_core_aten_batch_statistics_are_found_and_kept():
     model = randomize(Stats()).eval()
     x = torch.randn(B, C) * 2 + 1
     gm = _decomposed(model, x)
-    (d,) = plan.fold_all(gm)
+    (d,) = engine.fold_all(gm)
     assert (d.action, d.reason) == ("kept", reasons.BATCH_STATS_IN_EVAL)
     assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
 

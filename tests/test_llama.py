@@ -15,7 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from slabconv.engine import graph, plan
+from slabconv import engine
+from slabconv.engine.norms import BN_OPS
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load import hf
 from slabconv.write.onnx import export_onnx
@@ -265,14 +266,14 @@ def test_training_schedule_follows_the_official_counters():
 
 # --------------------------------------------------------------------------------------------- folding
 
-_FOLDED: dict[str, tuple[nn.Module, torch.fx.GraphModule, list[plan.Decision], torch.Tensor]] = {}
+_FOLDED: dict[str, tuple[nn.Module, torch.fx.GraphModule, list[engine.Decision], torch.Tensor]] = {}
 
 
-def folded(layout: str = "linearnorm") -> tuple[nn.Module, torch.fx.GraphModule, list[plan.Decision], torch.Tensor]:
+def folded(layout: str = "linearnorm") -> tuple[nn.Module, torch.fx.GraphModule, list[engine.Decision], torch.Tensor]:
     if layout not in _FOLDED:
         model, x = tiny_model(layout), tokens()
-        gm = graph.capture(model, x)
-        _FOLDED[layout] = (model, gm, plan.fold_all(gm), x)
+        gm = engine.capture(model, x)
+        _FOLDED[layout] = (model, gm, engine.fold_all(gm), x)
     return _FOLDED[layout]
 
 
@@ -294,8 +295,8 @@ def test_every_norm_folds_forward_into_its_bias_free_consumers(layout):
     expected.append(("model.norm", ["lm_head"]))
     assert [(d.norm, d.into) for d in decisions] == expected
     assert all(d.action == "folded-forward" and d.reason is None and not d.warnings for d in decisions)
-    assert not [n for n in gm.graph.nodes if n.target in graph.BN_OPS]
-    fused = plan.fused_state_dict(gm)
+    assert not [n for n in gm.graph.nodes if n.target in BN_OPS]
+    fused = engine.fused_state_dict(gm)
     assert {k.removesuffix(".bias") for k in fused if k.endswith(".bias")} == _biased_consumers(TINY.num_hidden_layers)
     assert not [k for k in fused if "layernorm" in k or k.startswith("model.norm") or "inv_freq" in k]
     assert rel_err(gm(x), model(x)) <= 1e-5
@@ -332,8 +333,8 @@ def test_folds_in_half_precision():
     model = tiny_model(dtype=torch.float16)
     x = tokens(batch=2)
     reference = model(x)
-    gm = graph.capture(model, x)
-    assert all(d.action == "folded-forward" for d in plan.fold_all(gm))
+    gm = engine.capture(model, x)
+    assert all(d.action == "folded-forward" for d in engine.fold_all(gm))
     out = gm(x)
     truth = exact(x)
     assert out.dtype == torch.float16
@@ -373,8 +374,8 @@ def test_text_fixture_fused_onnx_keeps_every_next_token_and_the_perplexity(text_
     data = np.load(TEXT_FIXTURE / "holdout.npz")
     x, y = data["x"], data["y"]
     assert x.dtype == y.dtype == np.int64 and x.shape == y.shape and x.shape[1:] == spec.input_shape(sd, config)
-    gm = graph.capture(model, torch.from_numpy(x[:4]))
-    assert all(d.action == "folded-forward" for d in plan.fold_all(gm))
+    gm = engine.capture(model, torch.from_numpy(x[:4]))
+    assert all(d.action == "folded-forward" for d in engine.fold_all(gm))
     export_onnx(gm, torch.from_numpy(x[:4]), tmp_path / "fused.onnx")
     session = ort.InferenceSession(str(tmp_path / "fused.onnx"), providers=["CPUExecutionProvider"])
     with torch.no_grad():

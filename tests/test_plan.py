@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slabconv.engine import graph, plan
+from slabconv import engine
+from slabconv.engine.norms import BN_OPS
 from slabconv.write.onnx import export_onnx
 from tests.conftest import op_histogram, small_vit
 
 
-def _fold(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[plan.Decision]]:
-    gm = graph.capture(model, x)
-    return gm, plan.fold_all(gm)
+def _fold(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, list[engine.Decision]]:
+    gm = engine.capture(model, x)
+    return gm, engine.fold_all(gm)
 
 
 @pytest.mark.parametrize("layout", ["repbn", "linearnorm"])
@@ -38,7 +39,7 @@ def test_deit_folds_completely_and_exactly(layout, pool):
         ["blocks.1.mlp.fc1"],
         ["head"],
     ]
-    assert not [n for n in gm.graph.nodes if n.target in graph.BN_OPS]
+    assert not [n for n in gm.graph.nodes if n.target in BN_OPS]
     torch.testing.assert_close(gm(x), reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
@@ -46,7 +47,7 @@ def test_fused_state_dict_has_no_norm_weights_and_loads_into_the_norm_free_model
     model = small_vit("linearnorm")
     x = torch.randn(4, 1, 8, 8)
     gm, _ = _fold(model, x)
-    fused = plan.fused_state_dict(gm)
+    fused = engine.fused_state_dict(gm)
     assert not [k for k in fused if ".norm" in k or k.startswith("norm.")]
     bare = small_vit("identity")
     bare.load_state_dict(fused, strict=True)

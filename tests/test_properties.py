@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from slabconv.engine import graph, plan, reasons
+from slabconv import engine
+from slabconv.engine import reasons
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import TOL, RepBN_NLP, affine_of, bn_nodes, kept_affines, patchtst_norm, randomize, rel_err
 
@@ -198,10 +199,10 @@ block_specs = st.builds(
 )
 
 
-def _check(model: nn.Module, x: torch.Tensor) -> list[plan.Decision]:
+def _check(model: nn.Module, x: torch.Tensor) -> list[engine.Decision]:
     reference = model(x)
-    gm = graph.capture(model, x)
-    decisions = plan.fold_all(gm)
+    gm = engine.capture(model, x)
+    decisions = engine.fold_all(gm)
     assert rel_err(gm(x), reference) <= TOL[torch.float32], decisions
     other = torch.randn(5, *x.shape[1:], generator=torch.Generator().manual_seed(9))  # another batch size
     assert rel_err(gm(other), model(other)) <= TOL[torch.float32], decisions
@@ -285,8 +286,8 @@ def test_cleanup_cancels_only_permute_pairs_that_are_the_identity(first, second)
     model = randomize(Permutes(tuple(first), tuple(second))).eval()
     x = torch.randn(3, N, C)
     reference = model(x)
-    gm = graph.capture(model, x)
-    plan.fold_all(gm)
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
     permutes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.permute.default]
     identity = [first[i] for i in second] == [0, 1, 2, 3]

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv import fold
-from slabconv.engine import graph, plan, reasons
+from slabconv import engine, fold
+from slabconv.engine import reasons
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import (
     NAIVE_MIN_ERR,
@@ -41,7 +41,7 @@ def tokens(n: int = N, c: int = C, seed: int = 0) -> torch.Tensor:
     return torch.randn(B, n, c, generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
 
 
-def only(decisions: list[plan.Decision], norm: str = "norm") -> plan.Decision:
+def only(decisions: list[engine.Decision], norm: str = "norm") -> engine.Decision:
     found = [d for d in decisions if d.norm == norm]
     assert len(found) == 1, decisions
     return found[0]
@@ -55,7 +55,7 @@ def check_refusal(
     layer: str = "fc",
     into: list[str] | None = None,
     kept: int = 1,
-) -> tuple[torch.fx.GraphModule, plan.Decision]:
+) -> tuple[torch.fx.GraphModule, engine.Decision]:
     """The naive fold into ``layer`` is wrong, slabconv keeps an affine with ``reason`` and is exact."""
     model = model.eval()
     reference = model(x)
@@ -327,8 +327,8 @@ def test_train_mode_leaves_the_norm_as_it_is():
     model.train()
     reference = copy.deepcopy(model)(x)
     assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
-    gm = graph.capture(copy.deepcopy(model), x)
-    decisions = plan.fold_all(gm)
+    gm = engine.capture(copy.deepcopy(model), x)
+    decisions = engine.fold_all(gm)
     d = only(decisions)
     assert (d.action, d.reason) == ("kept", reasons.TRAIN_MODE)
     assert len(bn_nodes(gm)) == 1
@@ -353,7 +353,7 @@ def test_dynamic_token_count_refuses_a_sum_over_tokens():
     assert rel_err(naive_fold(model, "norm", "fc")(x), reference) > NAIVE_MIN_ERR
     seq = torch.export.Dim("seq", min=2, max=64)
     gm = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch"), 1: seq},)).module()
-    d = only(plan.fold_all(gm))
+    d = only(engine.fold_all(gm))
     assert (d.action, d.reason) == ("kept-affine", reasons.DYNAMIC_TOKEN_COUNT)
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
     longer = tokens(n=11, seed=5)

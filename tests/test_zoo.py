@@ -30,7 +30,8 @@ import pytest
 import torch
 from torch import nn
 
-from slabconv.engine import graph, plan
+from slabconv import engine
+from slabconv.engine.norms import BN_OPS
 from slabconv.errors import UnsupportedModelError
 from slabconv.load.checkpoint import load_checkpoint
 from slabconv.write.onnx import export_onnx
@@ -482,17 +483,17 @@ def test_registry_rebuilds_small_instances_from_their_weights(key, layout):
     assert spec.input_shape(sd, tiny.config) == (3, tiny.side, tiny.side)
 
 
-_FOLDED: dict[str, tuple[nn.Module, torch.fx.GraphModule, list[plan.Decision], torch.Tensor]] = {}
+_FOLDED: dict[str, tuple[nn.Module, torch.fx.GraphModule, list[engine.Decision], torch.Tensor]] = {}
 
 
-def folded(key: str) -> tuple[nn.Module, torch.fx.GraphModule, list[plan.Decision], torch.Tensor]:
+def folded(key: str) -> tuple[nn.Module, torch.fx.GraphModule, list[engine.Decision], torch.Tensor]:
     """The small instance in its official layout, captured with a dynamic batch and folded (cached)."""
     if key not in _FOLDED:
         tiny = TINY[key]
         model = tiny.model(tiny.layout)
         x = _input(tiny)
-        gm = graph.capture(model, x)
-        _FOLDED[key] = (model, gm, plan.fold_all(gm), x)
+        gm = engine.capture(model, x)
+        _FOLDED[key] = (model, gm, engine.fold_all(gm), x)
     return _FOLDED[key]
 
 
@@ -503,11 +504,11 @@ def test_small_instance_folds_completely_and_exactly(key):
     assert len(decisions) == _norm_count(model)
     assert all(d.action in ("folded-forward", "folded-backward") and d.reason is None for d in decisions)
     assert {d.norm for d in decisions if d.action == "folded-backward"} == tiny.backward
-    assert not [n for n in gm.graph.nodes if n.target in graph.BN_OPS]
+    assert not [n for n in gm.graph.nodes if n.target in BN_OPS]
     assert _rel_err(gm(x), model(x)) <= 1e-5
     assert _rel_err(gm(x[:1]), model(x[:1])) <= 1e-5  # the batch axis stays dynamic
     # the fused weights are exactly the norm-free bound's
-    fused = plan.fused_state_dict(gm)
+    fused = engine.fused_state_dict(gm)
     bound = get_arch(tiny.arch).build(fused, tiny.config, "identity")
     bound.load_state_dict(fused, strict=True)
     assert _rel_err(bound.eval()(x), model(x)) <= 1e-5
@@ -523,8 +524,8 @@ def test_small_instance_folds_in_half_precision(key):
     model = tiny.model(layout).to(tiny.half)
     x = _input(tiny, batch=2)
     reference = model(x.to(tiny.half))
-    gm = graph.capture(model, x.to(tiny.half), dynamic_batch=False)
-    decisions = plan.fold_all(gm)
+    gm = engine.capture(model, x.to(tiny.half), dynamic_batch=False)
+    decisions = engine.fold_all(gm)
     assert all(d.action in ("folded-forward", "folded-backward") for d in decisions)
     assert len(decisions) == _norm_count(model)
     out = gm(x.to(tiny.half))
@@ -541,8 +542,8 @@ def test_fused_onnx_reaches_the_norm_free_bound(key, tmp_path):
 
     tiny = TINY[key]
     model, gm, _, x = folded(key)
-    bound = get_arch(tiny.arch).build(plan.fused_state_dict(gm), tiny.config, "identity")
-    bound.load_state_dict(plan.fused_state_dict(gm), strict=True)
+    bound = get_arch(tiny.arch).build(engine.fused_state_dict(gm), tiny.config, "identity")
+    bound.load_state_dict(engine.fused_state_dict(gm), strict=True)
     info = export_onnx(gm, x, tmp_path / "fused.onnx")
     export_onnx(bound.eval(), x, tmp_path / "bound.onnx")
     fused, free = op_histogram(tmp_path / "fused.onnx"), op_histogram(tmp_path / "bound.onnx")
@@ -568,13 +569,13 @@ def test_swin_at_a_size_that_needs_padding_keeps_only_the_norms_before_the_pad()
     assert spec.input_shape(model.state_dict(), config) == (3, 12, 12)
     x = torch.randn(2, 3, 12, 12)
     reference = padded.eval()(x)
-    gm = graph.capture(padded, x, dynamic_batch=False)
-    decisions = {d.norm: d for d in plan.fold_all(gm)}
+    gm = engine.capture(padded, x, dynamic_batch=False)
+    decisions = {d.norm: d for d in engine.fold_all(gm)}
     kept = {n for n, d in decisions.items() if d.action == "kept-affine"}
     assert kept == {"layers.0.blocks.0.norm1", "layers.0.blocks.1.norm1", "layers.1.blocks.0.norm1"}
     assert all(decisions[n].reason == "zero-padding-after-norm" for n in kept)
     assert all(d.action.startswith("folded") for n, d in decisions.items() if n not in kept)
-    assert not [n for n in gm.graph.nodes if n.target in graph.BN_OPS]
+    assert not [n for n in gm.graph.nodes if n.target in BN_OPS]
     assert _rel_err(gm(x), reference) <= 1e-5
 
 
@@ -674,8 +675,8 @@ def test_real_fixture_is_detected_built_strictly_and_folds(path: Path):
     shape = spec.input_shape(ckpt.state_dict, ckpt.config)
     x = torch.from_numpy(np.load(holdout)["x"][:8]) if holdout.exists() else torch.randn(8, *shape)
     assert tuple(x.shape[1:]) == shape
-    gm = graph.capture(model, x)
-    decisions = plan.fold_all(gm)
+    gm = engine.capture(model, x)
+    decisions = engine.fold_all(gm)
     assert all(d.action in ("folded-forward", "folded-backward") for d in decisions)
     reference = model(x)
     assert _rel_err(gm(x), reference) <= 1e-5

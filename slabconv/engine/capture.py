@@ -43,7 +43,11 @@ def capture(model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool =
         except Exception as err:  # noqa: BLE001 - report torch.export's own reason
             last = err
     first_line = str(last).strip().splitlines()[0] if last else "unknown error"
-    raise UnsupportedModelError(f"torch.export could not trace the model: {first_line}")
+    raise UnsupportedModelError(
+        f"torch.export could not trace the model: {first_line}; make the model's code exportable and pass the "
+        "program instead: torch.export.save(torch.export.export(model, (x,), "
+        "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
+    )
 
 
 def attr(gm: fx.GraphModule, node: Any) -> torch.Tensor | None:
