@@ -32,6 +32,7 @@ from slabconv import engine, fold
 from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError
 from slabconv.load import hf
 from slabconv.load.fused import fused_metadata
+from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report, Source
 from slabconv.util import quiet, sha256_file
@@ -178,7 +179,7 @@ def _layers(family: DecoderFamily, weight_map: dict[str, str]) -> int:
 # --------------------------------------------------------------------------------------------- the affines
 
 
-def _affine(reader: hf.LazyShards, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
+def _affine(reader: LazyShards, norm: Norm) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm's float64 ``(scale, shift)`` (Lemma 4.1), from its stored statistics (read once).
 
     Raises:
@@ -198,7 +199,7 @@ def _affine(reader: hf.LazyShards, norm: Norm) -> tuple[torch.Tensor, torch.Tens
     return norm.affine
 
 
-def _warnings(reader: hf.LazyShards, norm: Norm) -> list[str]:
+def _warnings(reader: LazyShards, norm: Norm) -> list[str]:
     """``engine.schedule_warnings`` for the progressive counters stored beside the norm."""
     keys = {k: f"{norm.decision.norm}.{k}" for k in ("warm", "iter", "total_step")}
     if not all(k in reader.weight_map for k in keys.values()):
@@ -235,7 +236,7 @@ def _read_source(folder: Path) -> _Source:
 
 
 def folded_affines(
-    reader: hf.LazyShards, norms: list[Norm]
+    reader: LazyShards, norms: list[Norm]
 ) -> dict[str, Callable[[str], tuple[torch.Tensor, torch.Tensor]]]:
     """Weight key of every Linear a norm folds into -> a function giving that norm's float64 affine."""
     out: dict[str, Callable[[str], tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -246,7 +247,7 @@ def folded_affines(
     return out
 
 
-def _norm_affine(reader: hf.LazyShards, norm: Norm, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_affine(reader: LazyShards, norm: Norm, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _affine(reader, norm)
 
 
@@ -271,14 +272,14 @@ def fuse_streamed(
     src = _read_source(folder)
     family = family_of(src.weight_map)
     layers = _layers(family, src.weight_map)
-    hf.return_freed_blocks_to_the_os()
+    return_freed_blocks_to_the_os()
     progress("planning on a tiny instance of the architecture")
     plan = make_plan(family, src.config, src.weight_map)
     unknown = sorted(k for k in src.weight_map if family.template(k) not in plan.known)
     if unknown:
         raise UnsupportedModelError(f"{src.index}: {unknown[0]!r} is not a tensor of {family.name} ({len(unknown)})")
     norms = instantiate(plan, layers, src.weight_map, src.index)
-    reader = hf.LazyShards(folder, src.weight_map, FOLD_BLOCK)
+    reader = LazyShards(folder, src.weight_map, FOLD_BLOCK)
     affines = folded_affines(reader, norms)
     source_sha = sha256_file(src.index)
     metadata = fused_metadata(family.name, source_sha, True, src.config)
@@ -373,7 +374,7 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
     for path in (reference, candidate):
         if not path.is_dir():
             raise UsageError(f"{path}: --stream compares Hugging Face style folders; give the folder, not a file")
-    src, cand = hf.LazyShards.open(reference), hf.LazyShards.open(candidate)
+    src, cand = LazyShards.open(reference), LazyShards.open(candidate)
     family = family_of(src.weight_map)
     affines = None
     plan = None

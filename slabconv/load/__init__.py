@@ -1,1 +1,13 @@
-"""load"""
+"""Stage 1, load: a checkpoint file or folder in, a runnable model out (``load_model`` -> ``LoadedModel``).
+
+Every file is parsed as data first (``safety``): pickles through a weights-only loader with an allowlist,
+archives and headers checked before anything is allocated, ``.pt2`` programs read without their code.
+
+- ``checkpoint``: the file formats (``.pth``/``.pt``/``.bin``, safetensors, ``.pt2``, Hugging Face folders).
+- ``hf``: Hugging Face folders (single file or sharded), read without importing ``transformers``.
+- ``shards``: lazy block-wise reads of a sharded folder, for the streamed mode.
+- ``model``: checkpoint -> ``LoadedModel`` (zoo lookup and strict load, or a program's module), its input shape,
+  dtype and example inputs.
+- ``fused``: the folders slabconv wrote, read back (their metadata contract).
+- ``safety``: the readers that cannot run code or allocate what a hostile file asks for.
+"""

@@ -39,6 +39,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from slabconv.errors import InputError, UsageError
 from slabconv.load import hf
+from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.verify import judge, policy
 from slabconv.verify.results import ExactCheck, IntegrityCheck, Verification
 from slabconv.zoo.decoder import DecoderFamily, family_of
@@ -63,7 +64,7 @@ class StreamedLinear(nn.Module):
             folder has it (a fold created it).
     """
 
-    def __init__(self, shards: hf.LazyShards, name: str):
+    def __init__(self, shards: LazyShards, name: str):
         super().__init__()
         self.shards, self.name = shards, name
         self.has_bias = f"{name}.bias" in shards.weight_map
@@ -84,7 +85,7 @@ class Folder:
     dtype of its weights, and its family and hyperparameters."""
 
     path: Path
-    shards: hf.LazyShards
+    shards: LazyShards
     specs: dict[str, tuple[torch.dtype, list[int]]]
     family: DecoderFamily
     layout: str
@@ -101,7 +102,7 @@ class Folder:
         """
         if not folder.is_dir():
             raise InputError(f"{folder}: not a folder; layer-by-layer verification reads Hugging Face style folders")
-        shards = hf.LazyShards.open(folder, block_elements)
+        shards = LazyShards.open(folder, block_elements)
         family = family_of(shards.weight_map)
         layout = family.norm_layout(shards.weight_map, family.layer_prefix.format(i=0) + family.layer_norms[0])
         specs = shards.specs()
@@ -257,7 +258,7 @@ def verify_folders(
     if sequences < 1 or seq_len < 1:
         raise UsageError(f"--samples must be at least 1 (got {sequences}); seq_len too (got {seq_len})")
     ref, cand = Folder.open(Path(reference), block_elements), Folder.open(Path(candidate), block_elements)
-    hf.return_freed_blocks_to_the_os()
+    return_freed_blocks_to_the_os()
     if cand.cfg != ref.cfg:
         raise InputError(f"{reference} and {candidate} have different sizes; they are not the same model")
     family, cfg, dtype = ref.family, ref.cfg, ref.dtype

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
-from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, LazyShards
+from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX
+from slabconv.load.shards import LazyShards
 
 MODEL_TYPE = "slabconv_llama"
 """``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms)."""

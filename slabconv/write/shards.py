@@ -12,7 +12,8 @@ import torch
 
 from slabconv import fold
 from slabconv.errors import InputError, UnsupportedModelError
-from slabconv.load.hf import SAFETENSORS_DTYPES, LazyShards
+from slabconv.load.hf import SAFETENSORS_DTYPES
+from slabconv.load.shards import LazyShards
 
 
 class ShardWriter:
