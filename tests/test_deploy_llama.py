@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slabconv import api
-from slabconv.engine import capture, fold_all, fused_state_dict
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.model import load_model
 from slabconv.options import WriteOptions
@@ -36,7 +35,7 @@ from slabconv.verify.generate import (
 from slabconv.verify.policy import fused_bound
 from slabconv.write.decoder_onnx import export_decoder_onnx
 from slabconv.write.hf_llama import MODELING_FILE, load_fused_llama, write_hf_llama_metadata
-from slabconv.zoo.llama import LlamaAttention, LlamaConfig, LlamaForCausalLM, norm_factory
+from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, norm_factory
 from tests.conftest import ROOT, randomize_norms
 from tests.hfwrite import write_hf_folder
 
@@ -247,6 +246,25 @@ def test_folders_load_and_generate_where_slabconv_cannot_be_imported(doc, origin
     )
 
 
+def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates(original, tmp_path):
+    """``fuse --stream`` writes shards, an index and the Hugging Face files: AutoModelForCausalLM loads that folder
+    (trust_remote_code) and it generates the original's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((TEXT / "config.json").read_text())
+    source = tmp_path / "sharded"
+    write_hf_folder(source, load_file(str(TEXT / "model.safetensors")), config, max_shard_bytes=200_000)
+    out = tmp_path / "streamed"
+    report = api.fuse(source, out, write=WriteOptions(stream=True, onnx=False))
+    assert report.verification is not None and report.verification.passed
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 2
+    assert (out / MODELING_FILE).is_file() and (out / "generation_config.json").is_file()
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert type(model).__name__ == "SlabconvLlamaForCausalLM"
+    check = check_generation(original, out, _holdout_prompts(), STEPS, threads=1)
+    assert check.passed, check.to_dict()
+
+
 # --------------------------------------------------------------------------------------------- float16, GQA
 
 
@@ -271,73 +289,56 @@ def test_a_float16_copy_generates_the_originals_tokens(tmp_path):
 
 
 GQA = LlamaConfig(
-    vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, pad_token_id=None
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=None,
 )
-GQA_KV_HEADS = 2
-
-
-class GQAAttention(LlamaAttention):
-    """The zoo's attention with grouped-query key/value heads (slabconv.zoo.llama refuses num_key_value_heads !=
-    num_attention_heads): k/v_proj of (K*d, C); key/value head j serves query heads j*g .. j*g+g-1 (the Hugging
-    Face LLaMA convention). Eval numerics as the zoo's: softmax in float32, finfo.min mask."""
-
-    def __init__(self, cfg: LlamaConfig, kv_heads: int):
-        super().__init__(cfg)
-        self.kv_heads = kv_heads
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_heads * self.head_dim, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        groups = self.num_heads // self.kv_heads
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        half = self.head_dim // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim) + mask
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return self.o_proj(torch.matmul(probs, v).transpose(1, 2).reshape(b, t, c))
 
 
 def gqa_original(seed: int = 0) -> LlamaForCausalLM:
+    """The zoo's LLaMA with grouped-query attention (2 key/value heads for 4 query heads), random norms."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(GQA, norm_factory("linearnorm", GQA.rms_norm_eps))
-    for layer in model.model.layers:
-        layer.self_attn = GQAAttention(GQA, GQA_KV_HEADS)
     for module in model.modules():  # weights large enough that attention decides the tokens (not 0.02)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.3)
     return randomize_norms(model, seed).eval()
 
 
-def test_a_gqa_model_folds_and_generates_the_originals_tokens(tmp_path):
+def test_a_gqa_folder_fuses_and_generates_the_originals_tokens(tmp_path):
+    """A grouped-query Hugging Face folder through the whole pipeline: every norm folds, the written folder keeps
+    2 key/value heads, and it (and its decoder ONNX with external data) generate the original's tokens."""
     original = gqa_original()
     prompts = torch.randint(0, GQA.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
-    gm = capture(original, prompts)
-    decisions = fold_all(gm)
-    assert [d.action for d in decisions] == ["folded-forward"] * 5
-    out = tmp_path / "gqa"
-    out.mkdir()
-    save_file({k: v.contiguous().clone() for k, v in fused_state_dict(gm).items()}, str(out / "model.safetensors"))
     config = {
         "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
         "hidden_act": "silu",
+        "hidden_size": GQA.hidden_size,
+        "intermediate_size": GQA.intermediate_size,
+        "num_hidden_layers": GQA.num_hidden_layers,
         "num_attention_heads": GQA.num_attention_heads,
-        "num_key_value_heads": GQA_KV_HEADS,
+        "num_key_value_heads": GQA.num_key_value_heads,
         "rms_norm_eps": GQA.rms_norm_eps,
         "rope_theta": GQA.rope_theta,
         "max_position_embeddings": GQA.max_position_embeddings,
         "vocab_size": GQA.vocab_size,
+        "torch_dtype": "float32",
     }
-    write_hf_llama_metadata(out, config)
+    source, out = tmp_path / "src", tmp_path / "gqa"
+    write_hf_folder(source, original.state_dict(), config)
+    report = api.fuse(source, out, write=WriteOptions(pt2=False))
+    assert report.verification is not None and report.verification.passed
+    assert report.folds is not None and [d.action for d in report.folds] == ["folded-forward"] * 5
     written = json.loads((out / "config.json").read_text())
     assert written["num_key_value_heads"] == 2 and written["head_dim"] == 8 and written["num_hidden_layers"] == 2
     assert (written["hidden_size"], written["intermediate_size"], written["vocab_size"]) == (32, 48, 61)
     model = load_fused_llama(out)
-    assert model.model.layers[0].self_attn.k_proj.weight.shape == (GQA_KV_HEADS * 8, 32)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 32)
     info = export_decoder_onnx(out, tmp_path / "gqa.onnx", external_data=True)
     assert info["external_data"] == "gqa.onnx.data" and (tmp_path / "gqa.onnx.data").stat().st_size > 0
     proto = onnx.load(str(tmp_path / "gqa.onnx"), load_external_data=False)
