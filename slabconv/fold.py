@@ -1,4 +1,4 @@
-r"""The fold algebra: DESIGN.md section 2 as pure tensor functions.
+r"""The fold algebra as pure tensor functions (derived in docs/math.md).
 
 Eval-mode BatchNorm on channel c, with running mean :math:`\mu`, running variance :math:`v`, eps
 :math:`\varepsilon`, weight :math:`\gamma` and bias :math:`\beta` (:math:`\gamma = 1, \beta = 0` when

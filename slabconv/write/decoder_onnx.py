@@ -81,6 +81,37 @@ def _root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {first_line(err)}"
 
 
+def _example(cfg: Any, dtype: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Example inputs (batch 2, 3 new tokens, 4 past tokens; ids, mask, positions, past key/values per layer) and
+    their dynamic shapes: batch, new-token and past lengths symbolic, past length from 0."""
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    batch, new, past_len = 2, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=gen)
+    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
+    positions = torch.arange(past_len, past_len + new)[None].expand(batch, -1).contiguous()
+    past = [
+        (
+            torch.randn(batch, kv_heads, past_len, head_dim, generator=gen).to(dtype),
+            torch.randn(batch, kv_heads, past_len, head_dim, generator=gen).to(dtype),
+        )
+        for _ in range(layers)
+    ]
+    b = torch.export.Dim("batch_size")
+    t = torch.export.Dim("sequence_length")
+    p = torch.export.Dim("past_sequence_length", min=0)
+    # The mask spans past + new tokens, P + T at run time as in optimum's layout; torch.export cannot name a sum
+    # of two free dims, so it gets a dim of its own (the graph indexes its columns 0 .. P + T - 1).
+    total = torch.export.Dim("total_sequence_length")
+    shapes = {
+        "input_ids": {0: b, 1: t},
+        "attention_mask": {0: b, 1: total},
+        "position_ids": {0: b, 1: t},
+        "past": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(layers)],
+    }
+    return (ids, mask, positions, past), shapes
+
+
 def export_decoder_onnx(
     folder: Path | str,
     path: Path | str | None = None,
@@ -122,37 +153,14 @@ def export_decoder_onnx(
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     weight_dtype = next(model.parameters()).dtype
-    batch, new, past_len = 2, 3, 4
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=gen)
-    mask = torch.ones(batch, past_len + new, dtype=torch.int64)
-    positions = torch.arange(past_len, past_len + new)[None].expand(batch, -1).contiguous()
-    past = [
-        (
-            torch.randn(batch, kv_heads, past_len, head_dim, generator=gen).to(weight_dtype),
-            torch.randn(batch, kv_heads, past_len, head_dim, generator=gen).to(weight_dtype),
-        )
-        for _ in range(layers)
-    ]
-    b = torch.export.Dim("batch_size")
-    t = torch.export.Dim("sequence_length")
-    p = torch.export.Dim("past_sequence_length", min=0)
-    # The mask spans past + new tokens, P + T at run time as in optimum's layout; torch.export cannot name a sum
-    # of two free dims, so it gets a dim of its own (the graph indexes its columns 0 .. P + T - 1).
-    total = torch.export.Dim("total_sequence_length")
-    shapes = {
-        "input_ids": {0: b, 1: t},
-        "attention_mask": {0: b, 1: total},
-        "position_ids": {0: b, 1: t},
-        "past": [({0: b, 2: p}, {0: b, 2: p}) for _ in range(layers)],
-    }
+    example, shapes = _example(cfg, weight_dtype)
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layers)]
     outputs = ["logits", *present_names(layers)]
     try:
         with quiet(), torch.no_grad():
             program = torch.onnx.export(
                 DecoderWithPast(model).eval(),
-                (ids, mask, positions, past),
+                example,
                 dynamo=True,
                 dynamic_shapes=shapes,
                 input_names=inputs,

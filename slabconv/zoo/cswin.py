@@ -40,6 +40,7 @@ from slabconv.zoo.layers import (
     NormFactory,
     cfg_get,
     depths_of,
+    init_linears,
     linear_attention,
     map_to_tokens,
     merge_heads,
@@ -283,11 +284,7 @@ class CSWinTransformer(nn.Module):
         self.num_stages = stages
         self.norm = norm_layer(dim)
         self.head = nn.Linear(dim, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stage1_conv_embed(x)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
+from slabconv.zoo.layers import norm_layout
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,11 @@ def _llama_tiny(config: Mapping[str, Any], keys: Mapping[str, Any]) -> nn.Module
     """LLaMA-PRepBN at hidden 16, intermediate 32, vocab 64, 2 heads (1 key/value head when the model has
     grouped-query attention), 2 layers; the folder's norm layout, eps and rope; fixed positive statistics (the
     plan depends on the data flow, not on these values)."""
-    from slabconv.zoo.llama import LlamaForCausalLM, llama_config, norm_factory, norm_layout
+    from slabconv.zoo.llama import LlamaForCausalLM, llama_config, norm_factory
 
     if "model.embed_tokens.weight" not in keys or "lm_head.weight" not in keys:
         raise UnsupportedModelError("the streamed mode supports LLaMA-layout folders (model.embed_tokens, lm_head)")
-    layout = norm_layout(keys, "model.layers.0.input_layernorm")  # type: ignore[arg-type]  # reads the keys only
+    layout = norm_layout(keys, "model.layers.0.input_layernorm")
     if layout is None:
         raise UnsupportedModelError(
             "the streamed mode folds LLaMA-PRepBN: model.layers.0.input_layernorm has no RepBN statistics"
@@ -158,12 +159,6 @@ def _llama_config(meta: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -
     return llama_config(meta, config)
 
 
-def _llama_layout(keys: Mapping[str, Any], prefix: str) -> str | None:
-    from slabconv.zoo.llama import norm_layout
-
-    return norm_layout(keys, prefix)  # type: ignore[arg-type]  # reads the keys only
-
-
 LLAMA = DecoderFamily(
     name="llama_prepbn",
     layer_key=re.compile(r"^model\.layers\.(\d+)\."),
@@ -172,7 +167,7 @@ LLAMA = DecoderFamily(
     head="lm_head",
     final_norm="model.norm",
     layer_norms=("input_layernorm", "post_attention_layernorm"),
-    norm_layout=_llama_layout,
+    norm_layout=norm_layout,
     tiny_model=_llama_tiny,
     tiny_example=_llama_example,
     config=_llama_config,

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.zoo.layers import Mlp, NormFactory, norm_factory, norm_layout
+from slabconv.zoo.layers import Mlp, NormFactory, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
 from slabconv.zoo.registry import ArchSpec, StateDict, register_arch, resolve_image_size
 
@@ -111,11 +111,7 @@ class VisionTransformer(nn.Module):
         self.head = nn.Linear(embed_dim, num_classes)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)

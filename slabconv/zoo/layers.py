@@ -46,6 +46,15 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+def init_linears(model: nn.Module) -> None:
+    """The official models' Linear initialisation: weights truncated-normal with std 0.02, biases 0."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
 def norm_factory(layout: str, eps: float = 1e-5, ln_eps: float = 1e-6) -> NormFactory:
     """The norm constructor for a key layout: ``repbn``, ``linearnorm`` or ``identity`` (the norm-free bound).
 
@@ -64,8 +73,9 @@ def norm_factory(layout: str, eps: float = 1e-5, ln_eps: float = 1e-6) -> NormFa
     raise ValueError(f"unknown norm layout {layout!r}")
 
 
-def norm_layout(state_dict: StateDictLike, prefix: str) -> str | None:
-    """``linearnorm`` / ``repbn`` from the keys under ``prefix`` (e.g. ``blocks.0.norm1``), else None."""
+def norm_layout(state_dict: Mapping[str, Any], prefix: str) -> str | None:
+    """``linearnorm`` / ``repbn`` from the keys under ``prefix`` (e.g. ``blocks.0.norm1``), else None. Reads the
+    keys only (a state_dict or a header's key -> spec mapping)."""
     if f"{prefix}.norm2.bn.running_mean" in state_dict:
         return "linearnorm"
     if f"{prefix}.bn.running_mean" in state_dict:

@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
+from slabconv.zoo.layers import norm_layout
 from slabconv.zoo.norms import LinearNorm, RepBN, RMSNorm
 from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
 
@@ -151,15 +152,6 @@ def norm_factory(layout: str, eps: float = 1e-6, warm: int = 10000, step: int = 
     if layout == "identity":
         return lambda dim: nn.Identity()
     raise ValueError(f"unknown norm layout {layout!r}")
-
-
-def norm_layout(state_dict: StateDict, prefix: str) -> str | None:
-    """``linearnorm`` / ``repbn`` from the keys under ``prefix`` (e.g. ``model.norm``), else None."""
-    if f"{prefix}.norm2.bn.running_mean" in state_dict:
-        return "linearnorm"
-    if f"{prefix}.bn.running_mean" in state_dict:
-        return "repbn"
-    return None
 
 
 # --------------------------------------------------------------------------------------------- model

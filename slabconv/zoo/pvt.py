@@ -44,6 +44,7 @@ from slabconv.zoo.layers import (
     NormFactory,
     cfg_get,
     depths_of,
+    init_linears,
     linear_attention,
     map_to_tokens,
     merge_heads,
@@ -200,11 +201,7 @@ class PyramidVisionTransformer(nn.Module):
         self.head = nn.Linear(embed_dims[-1], num_classes)
         for i in range(self.num_stages):
             nn.init.trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self)
 
     def _pos_embed(self, i: int) -> torch.Tensor:
         pos = getattr(self, f"pos_embed{i + 1}")

@@ -31,7 +31,15 @@ from torch import nn
 
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.deit import PatchEmbed
-from slabconv.zoo.layers import Mlp, NormFactory, SimplifiedLinearAttention, key_indices, norm_factory, norm_layout
+from slabconv.zoo.layers import (
+    Mlp,
+    NormFactory,
+    SimplifiedLinearAttention,
+    init_linears,
+    key_indices,
+    norm_factory,
+    norm_layout,
+)
 from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
 
 
@@ -96,11 +104,7 @@ class SlabVisionTransformer(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool1d(1)
         self.head = nn.Linear(embed_dim, num_classes)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x) + self.pos_embed

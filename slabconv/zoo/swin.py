@@ -30,7 +30,7 @@ Where each norm feeds:
   bias.
 - ``patch_embed.norm`` follows the patch conv and feeds the residual stream: folded backward into
   ``patch_embed.proj`` (weight rows scaled by s, bias ``s * b + t``; the official merge code drops the
-  ``alpha * conv_bias`` term, see DESIGN.md section 3).
+  ``alpha * conv_bias`` term; slabconv keeps it, so the fold is exact).
 - the final ``norm`` -> mean over tokens -> ``head``.
 
 Resolution: the checkpoint fixes the window sizes (bias tables / positional encodings) and the attention masks it
@@ -56,6 +56,7 @@ from slabconv.zoo.layers import (
     SimplifiedLinearAttention,
     cfg_get,
     depths_of,
+    init_linears,
     key_indices,
     map_to_tokens,
     norm_factory,
@@ -362,11 +363,7 @@ class SwinTransformer(nn.Module):
         self.norm = norm_layer(self.num_features)
         self.avgpool = nn.AdaptiveAvgPool1d(1)
         self.head = nn.Linear(self.num_features, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+        init_linears(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x)
