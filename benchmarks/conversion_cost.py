@@ -41,7 +41,12 @@ def stages(ckpt: Path, out: Path) -> list[tuple[str, float]]:
     from slabconv.options import WriteOptions
 
     marks: list[tuple[str, float]] = []
-    api.fuse(ckpt, out, write=WriteOptions(force=True), progress=lambda message: marks.append((message, time.perf_counter())))
+    api.fuse(
+        ckpt,
+        out,
+        write=WriteOptions(force=True),
+        progress=lambda message, *_: marks.append((message, time.perf_counter())),
+    )
     end = time.perf_counter()
     return [(m, (marks[i + 1][1] if i + 1 < len(marks) else end) - t) for i, (m, t) in enumerate(marks)]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,20 +35,13 @@ from slabconv.errors import InputError, VerificationError
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report, Source
-from slabconv.util import quiet, sha256_file
+from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.run import Artifacts, verify_fold
 from slabconv.write.onnx import export_onnx, onnx_files, written_by_slabconv
 from slabconv.write.pt2 import export_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import check_output_file, check_output_folder, staging_dir, staging_file
-
-Progress = Callable[..., None]
-
-
-def _no_progress(*args: Any, **kwargs: Any) -> None:
-    return None
-
 
 # --------------------------------------------------------------------------------------------- stages
 
@@ -76,7 +68,7 @@ class Planned:
         return all(d.action.startswith("folded") for d in self.decisions)
 
 
-def plan(loaded: LoadedModel, progress: Progress = _no_progress) -> Planned:
+def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
     """Trace ``loaded.model`` and fold every norm (the engine's capture, plan and apply).
 
     Raises:
@@ -191,7 +183,7 @@ def _generation(loaded: LoadedModel, folder: Path, reference_x: Any, steps: int,
 # --------------------------------------------------------------------------------------------- commands
 
 
-def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progress = _no_progress) -> Report:
+def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progress = no_progress) -> Report:
     """The fold plan for a checkpoint: one entry per norm (action, layers folded into, reason). Nothing is written.
 
     Raises:
@@ -209,7 +201,7 @@ def fuse(
     load: LoadOptions | None = None,
     verify: VerifyOptions | None = VerifyOptions(),
     write: WriteOptions | None = None,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Report:
     """Fold every norm of a checkpoint; write and verify the fused model.
 
@@ -299,7 +291,7 @@ def export(
     load: LoadOptions | None = None,
     fuse: bool = True,
     force: bool = False,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Report:
     """Write one ONNX file: the fused model, or with ``fuse=False`` the original one (norms as they are).
 
@@ -340,7 +332,7 @@ def verify(
     load: LoadOptions | None = None,
     verify: VerifyOptions | None = None,
     stream: bool = False,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Report:
     """Compare a candidate with a reference on the same inputs: both questions of the verification policy.
 
@@ -406,7 +398,7 @@ def bench(
     runtimes: tuple[str, ...] | None = None,
     warmup: int = 5,
     repeats: int = 20,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Report:
     """Latency and throughput of the original, fused, norm-free and (if any) LayerNorm-branch models.
 

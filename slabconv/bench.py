@@ -39,11 +39,9 @@ from torch import fx, nn
 
 from slabconv.engine import capture, fold_all, norm_free
 from slabconv.errors import UsageError
-from slabconv.util import quiet
+from slabconv.util import Progress, no_progress, quiet
 from slabconv.write.onnx import export_onnx
 from slabconv.zoo.norms import LinearNorm
-
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -124,7 +122,7 @@ def to_device(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
 
 
 def build_variants(
-    model: nn.Module, example: torch.Tensor, dtype: torch.dtype, progress: Progress = lambda message: None
+    model: nn.Module, example: torch.Tensor, dtype: torch.dtype, progress: Progress = no_progress
 ) -> dict[str, fx.GraphModule]:
     """The variants as ``torch.export`` graph modules in ``dtype``: ``original``, ``fused`` (``fold_all``),
     ``norm-free`` and, for progressive norms, ``layernorm``. Traced on the CPU."""
@@ -244,7 +242,7 @@ def bench_models(
     runtimes: list[str],
     warmup: int = 5,
     repeats: int = 20,
-    progress: Progress = lambda message: None,
+    progress: Progress = no_progress,
 ) -> list[Timing]:
     """Time each variant of ``model`` on each runtime and batch size, interleaved.
 

@@ -35,7 +35,7 @@ from slabconv.load.fused import fused_metadata
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report, Source
-from slabconv.util import quiet, sha256_file
+from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import judge, layerwise
 from slabconv.verify.reference import float64_fold
 from slabconv.verify.results import ExactCheck, Verification
@@ -43,14 +43,8 @@ from slabconv.write.shards import write_folded_shards
 from slabconv.write.staging import staging_dir
 from slabconv.zoo.decoder import DecoderFamily, family_of
 
-Progress = Callable[..., None]
-
 FOLD_BLOCK = 1 << 22
 """Elements per row block: ``fold_into_linear``'s float64 temporaries, copies and checks (rows are independent)."""
-
-
-def _no_progress(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -257,7 +251,7 @@ def fuse_streamed(
     *,
     verify: VerifyOptions | None,
     write: WriteOptions,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Report:
     """Fold every norm of a sharded decoder folder into ``out_dir`` without loading it whole (see the module
     docstring); ``out_dir`` was checked by the caller (``api.fuse``).

@@ -1,4 +1,4 @@
-"""Small helpers every stage uses: file digests and silencing library chatter."""
+"""Small helpers every stage uses: the progress callback type, file digests and silencing library chatter."""
 
 from __future__ import annotations
 
@@ -9,6 +9,20 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
+
+
+class Progress(Protocol):
+    """The progress callback every long-running API function takes: called at the start of each stage with its
+    name, and for work done in steps with the steps done so far, their total and what is being done now."""
+
+    def __call__(
+        self, stage: str, done: int | None = None, total: int | None = None, detail: str | None = None, /
+    ) -> None: ...
+
+
+def no_progress(stage: str, done: int | None = None, total: int | None = None, detail: str | None = None, /) -> None:
+    """The default ``Progress``: says nothing."""
 
 
 def sha256_file(path: Path) -> str:

@@ -46,6 +46,8 @@ def test_streaming_output_equals_the_in_memory_fold(folded):
         torch.testing.assert_close(out.state_dict[k].float(), v.float(), rtol=1e-3, atol=1e-3)
     assert [(f.norm, f.into, f.action) for f in report.folds] == [(f.norm, f.into, f.action) for f in memory.folds]
     assert report.mode == "streamed" and memory.mode == "in-memory"
+    for name in ("config.json", "generation_config.json", "modeling_slabconv_llama.py"):  # the same folder
+        assert (root / "out" / name).read_bytes() == (root / "mem" / name).read_bytes(), name
 
 
 def test_layout_index_metadata_and_config(folded):

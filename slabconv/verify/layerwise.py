@@ -40,19 +40,15 @@ from torch.nn import functional as F  # noqa: N812
 from slabconv.errors import InputError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
+from slabconv.util import Progress, no_progress
 from slabconv.verify import judge, policy
 from slabconv.verify.results import ExactCheck, IntegrityCheck, Verification
 from slabconv.zoo.decoder import DecoderFamily, family_of
 
-Progress = Callable[..., None]
 Affine = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 DEFAULT_SEQUENCES = 2
 DEFAULT_SEQ_LEN = 32
-
-
-def _no_progress(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 class StreamedLinear(nn.Module):
@@ -232,7 +228,7 @@ def verify_folders(
     strict: bool = False,
     folded: Mapping[str, Affine] | None = None,
     block_elements: int = 1 << 22,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Verification:
     """Both questions for two decoder folders (sharded or single safetensors), one decoder layer at a time.
 

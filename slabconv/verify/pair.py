@@ -9,7 +9,6 @@ float64 fold of the reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.options import LoadOptions, VerifyOptions
 from slabconv.report.data import Source
-from slabconv.util import quiet, sha256_file
+from slabconv.util import Progress, quiet, sha256_file
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
@@ -46,8 +45,6 @@ from slabconv.verify.runtimes import (
     torch_runtime,
 )
 from slabconv.write.onnx import onnx_files, written_by_slabconv
-
-Progress = Callable[..., None]
 
 
 @dataclass

@@ -12,7 +12,7 @@ Both follow the policy of ``slabconv.verify.policy``:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from torch import fx, nn
 from slabconv import engine
 from slabconv.errors import InputError
 from slabconv.load.model import LoadedModel
+from slabconv.util import Progress, no_progress
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
@@ -38,12 +39,6 @@ from slabconv.verify.runtimes import (
     torch_runner,
     torch_runtime,
 )
-
-Progress = Callable[..., None]
-
-
-def _no_progress(*args: Any, **kwargs: Any) -> None:
-    return None
 
 
 def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
@@ -256,7 +251,7 @@ def verify_fold(
     rtol: float | None = None,
     atol: float = 0.0,
     strict: bool = False,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> Verification:
     """Both questions for what ``fuse`` wrote.
 

@@ -17,9 +17,7 @@ MARK = "slabconv.json"
 """The extra file every ``.pt2`` slabconv writes carries: its version, and what the program takes."""
 
 
-def export_pt2(
-    model: torch.nn.Module, example: torch.Tensor, path: Path, *, static_batch: bool = False
-) -> dict[str, Any]:
+def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
     """Export ``model`` with ``torch.export`` and save it to ``path``.
 
     Axis 0 (batch) is dynamic unless the model's code fixes it (a program recorded with a static batch whose graph
@@ -37,7 +35,7 @@ def export_pt2(
         UnsupportedModelError: ``torch.export`` cannot trace the fused model.
     """
     last: Exception | None = None
-    for dynamic in (False,) if static_batch else (True, False):
+    for dynamic in (True, False):
         shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
         try:
             with quiet():

@@ -14,6 +14,7 @@ from slabconv import fold
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.hf import SAFETENSORS_DTYPES
 from slabconv.load.shards import LazyShards
+from slabconv.util import Progress
 
 
 class ShardWriter:
@@ -96,7 +97,7 @@ def write_folded_shards(
     folded: Collection[str],
     affine: Affine,
     metadata: dict[str, str],
-    progress: Callable[..., None],
+    progress: Progress,
 ) -> tuple[dict[str, str], int]:
     """Write the folded model shard by shard, with the input's shard boundaries, holding one block at a time.
 
