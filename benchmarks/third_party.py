@@ -32,9 +32,9 @@ import copy
 import json
 import sys
 import time
-from functools import partial
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
