@@ -91,7 +91,7 @@ Generate = Annotated[
 Force = Annotated[
     bool, typer.Option("--force", help="Replace an existing output slabconv wrote (never anything else).")
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables and lines.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-norm decisions and stage timings.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the Python traceback on errors.")]
@@ -117,7 +117,16 @@ def parse_shape(value: str | None) -> tuple[int, ...] | None:
 def load_options(
     arch: str | None, ema: bool, trust_pickle: bool, input_shape: str | None, image_size: int | None
 ) -> LoadOptions:
-    """``LoadOptions`` from the shared flags."""
+    """``LoadOptions`` from the shared flags. An unknown ``--arch`` is refused here, before anything is loaded.
+
+    Raises:
+        UnsupportedModelError: ``arch`` is no registered name or alias (the message gives the closest ones).
+        UsageError: a malformed ``--input-shape``.
+    """
+    if arch is not None:
+        from slabconv.zoo import get_arch
+
+        get_arch(arch)
     return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size)
 
 
