@@ -57,10 +57,9 @@ def fuse(
 
     Examples:
 
+    \b
       slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo
-
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
-
       slabconv fuse llama-folder --stream --no-onnx --out llama-fused
     """
     from slabconv import api

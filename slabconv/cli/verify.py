@@ -61,8 +61,8 @@ def verify(
 
     Examples:
 
+    \b
       slabconv verify checkpoint.pth checkpoint-fused --junit equivalence.xml
-
       slabconv verify checkpoint.pth fused.onnx --samples 256 --seed 1
     """
     from slabconv import api
