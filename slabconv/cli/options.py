@@ -88,6 +88,15 @@ Generate = Annotated[
         help="Language models: greedy tokens to generate and compare, original vs fused (default 32 in fuse; 0: off).",
     ),
 ]
+Stream = Annotated[
+    bool,
+    typer.Option(
+        "--stream",
+        help="Big LLaMA-layout folders in bounded memory: fuse folds a sharded safetensors folder shard by shard "
+        "(with --no-onnx), verify compares two folders one decoder layer at a time; both check on --samples "
+        "seeded token sequences.",
+    ),
+]
 Force = Annotated[
     bool, typer.Option("--force", help="Replace an existing output slabconv wrote (never anything else).")
 ]
