@@ -21,14 +21,14 @@ demo: install
 	$(VENV)/bin/slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo --force
 
 test: install
-	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks
-	$(VENV)/bin/ruff format --check slabconv tests fixtures benchmarks
+	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks scripts
+	$(VENV)/bin/ruff format --check slabconv tests fixtures benchmarks scripts
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks
-	$(VENV)/bin/ruff format --check slabconv tests fixtures benchmarks
+	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks scripts
+	$(VENV)/bin/ruff format --check slabconv tests fixtures benchmarks scripts
 	$(VENV)/bin/mypy
 
 fixtures: install

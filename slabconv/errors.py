@@ -1,4 +1,4 @@
-"""Exception types and their exit codes (DESIGN.md section 4: 0 done, 1 outputs differ, 2 bad input/usage).
+"""Exception types and their exit codes (docs/errors.md: 0 done, 1 outputs differ, 2 bad input/usage).
 
 Every error a user can cause is a ``SlabconvError`` with a one-line message that says what is wrong, where,
 and what to do; the CLI prints that line and exits with ``exit_code``. Anything else is an internal error.
@@ -6,6 +6,7 @@ and what to do; the CLI prints that line and exits with ``exit_code``. Anything 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -45,9 +46,23 @@ class VerificationError(SlabconvError):
         self.report = report
 
 
+# The end of a sentence: a full stop, question or exclamation mark before a space, not in "e.g." or "i.e.".
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)[.!?](?=\s)")
+
+
 def first_line(err: BaseException | None, limit: int = 200) -> str:
-    """The first line of an exception's text (its type name when it has none), for one-line messages."""
+    """The first line of an exception's text (its type name when it has none), for one-line messages.
+
+    A first line longer than ``limit`` characters ends at its last sentence end within the limit, or, when no
+    sentence ends there, is kept whole: a library's message is never cut mid-sentence.
+    """
     if err is None:
         return "unknown error"
     text = str(err).strip()
-    return text.splitlines()[0][:limit] if text else type(err).__name__
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0].strip()
+    if len(line) <= limit:
+        return line
+    ends = [m.end() for m in _SENTENCE_END.finditer(line, 0, limit)]
+    return line[: ends[-1]] if ends else line

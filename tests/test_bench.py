@@ -42,7 +42,7 @@ def test_to_device_leaves_nothing_on_the_cpu(name, model, x):
 @pytest.mark.parametrize("name, model, x", _models(), ids=["vit", "llama"])
 def test_half_variants_are_folded_and_as_accurate_as_the_half_original(name, model, x):
     """The fp16 rows time a model traced and folded in float16; against float64 it is as accurate as the float16
-    original (DESIGN.md section 5: the gap between the two is the original's own rounding)."""
+    original (docs/verification.md: the gap between the two is the original's own rounding)."""
     variants = bench.build_variants(model, x, torch.float16)
     xh = x.half() if x.is_floating_point() else x
     with torch.no_grad():

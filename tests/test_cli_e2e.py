@@ -1,14 +1,16 @@
 """The console script end to end on the real digits fixture (issue: the main job).
 
-One real subprocess run of `slabconv fuse` (module-scoped, reused by the checks below), then: exit code, the
-three files, the report's numbers, zero BatchNormalization nodes, the norm-free op histogram, the safetensors
-metadata, holdout accuracy of the fused ONNX; and a deliberately wrong fold (alpha dropped) caught by
-`slabconv verify` with exit 1.
+One real subprocess run of the Makefile's `make demo` command, stdout and stderr piped as in a CI log
+(module-scoped, reused by the checks below), then: exit code, the files, the report's numbers, what it printed
+(README's example, full names, one progress line per stage), zero BatchNormalization nodes, the norm-free op
+histogram, the safetensors metadata, holdout accuracy of the fused ONNX; and a deliberately wrong fold (alpha
+dropped) caught by `slabconv verify` with exit 1.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from scripts import readme_example
 from slabconv.cli import app
 from slabconv.load.checkpoint import load_checkpoint
 from slabconv.util import sha256_file
@@ -35,20 +38,46 @@ def _slabconv(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def fused(
-    tmp_path_factory: pytest.TempPathFactory, fixture_ckpt: Path
-) -> tuple[Path, dict, subprocess.CompletedProcess]:
+def fused(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("fuse") / "digits-fused"
-    proc = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--json")
-    report = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    _, proc = readme_example.run_demo(out)
+    report = json.loads((out / "report.json").read_text()) if proc.returncode == 0 else {}
     return out, report, proc
 
 
-def test_fuse_exits_0_and_writes_the_three_files(fused):
+def test_fuse_exits_0_and_writes_the_files(fused):
     out, report, proc = fused
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["model.onnx", "model.pt2", "model.safetensors", "report.json"]
-    assert json.loads((out / "report.json").read_text()) == report
+    s = report["summary"]
+    assert f"{s['norms']} norms: {s['folded']} folded away, {s['kept']} kept" in proc.stdout.splitlines()
+
+
+def test_readme_example_is_what_make_demo_prints(fused):
+    """README's block, written by scripts/readme_example.py, equals this run's output but for the seconds,
+    library versions, measured errors' digits and the output folder."""
+    out, _, proc = fused
+    fresh = readme_example.block(readme_example.demo_command(), proc)
+    assert readme_example.normalise(fresh, out) == readme_example.normalise(readme_example.readme_block()), (
+        "README's example differs from what `make demo` prints: run scripts/readme_example.py"
+    )
+
+
+def test_piped_output_has_full_names_and_one_progress_line_per_stage(fused):
+    out, report, proc = fused
+    assert "…" not in proc.stdout + proc.stderr and "\x1b[" not in proc.stdout + proc.stderr  # no cut, no colour
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    for fold in report["folds"]:  # each norm's row names it and every layer it folded into, whole
+        into = [f"{x}," for x in fold["into"][:-1]] + fold["into"][-1:]
+        assert [fold["norm"], fold["kind"], fold["action"], *into] in rows
+    stages = proc.stderr.splitlines()
+    assert all(re.fullmatch(r"\[ *\d+\.\ds\] \S.*", line) for line in stages), stages
+    names = [line.split("] ", 1)[1] for line in stages]
+    assert len(names) == len(set(names)) >= 8  # one line per stage, never a line per step
+    assert names[0] == f"loading {readme_example.demo_command().split()[2]}" and names[-1].startswith("verifying")
+    seconds = [float(line[1:].split("s]")[0]) for line in stages]
+    assert seconds == sorted(seconds)
+    assert all(line.rstrip() == line for line in proc.stdout.splitlines())  # no padding to a terminal width
 
 
 def test_report_numbers_meet_the_tolerance_on_the_whole_holdout(fused, fixture_ckpt):

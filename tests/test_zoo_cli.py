@@ -1,6 +1,7 @@
 """Every zoo family through the console app, as users' files come: a release file ``{'model': ...}`` whose
 architecture is detected, and a training checkpoint (optimizer, epoch, config) named with ``--arch``; the
-small instances of tests/test_zoo.py stand in for the real sizes (same classes, same code paths)."""
+small instances of tests/test_zoo.py stand in for the real sizes (same classes, same code paths). Their sizes
+are no preset's, so ``--arch`` names the family's any-size entry, and naming the preset is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from slabconv.cli import app
+from slabconv.zoo import get_arch, list_archs
 from slabconv.zoo.registry import IMAGE_SIZE_KEY
 from tests.conftest import op_histogram
 from tests.test_zoo import TINY
@@ -24,6 +26,12 @@ def _save(path: Path, obj: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(obj, path)
     return path
+
+
+def _any_size(arch: str) -> str:
+    """The entry of ``arch``'s family that reads every size from the weights."""
+    family = get_arch(arch).family
+    return next(s.name for s in list_archs() if s.family == family and s.image_size is None)
 
 
 def _fuse(*args: str) -> dict:
@@ -46,20 +54,22 @@ def test_release_file_detected_and_training_checkpoint_by_name(key, tmp_path):
         release = _save(tmp_path / "release" / "model.pth", {"model": state, "config": tiny.config})
     reports = [
         _fuse(str(release), "--out", str(tmp_path / "a")),
-        _fuse(str(training), "--arch", tiny.arch, "--out", str(tmp_path / "b")),
+        _fuse(str(training), "--arch", _any_size(tiny.arch), "--out", str(tmp_path / "b")),
     ]
     for report, out in zip(reports, (tmp_path / "a", tmp_path / "b"), strict=True):
         assert report["verification"]["passed"] and report["verification"]["max_rel_err"] <= 1e-5
         assert all(f["action"].startswith("folded") for f in report["folds"]), report["folds"]
         assert op_histogram(out / "model.onnx")["BatchNormalization"] == 0
-    assert reports[1]["source"]["arch"] == tiny.arch and reports[1]["source"]["format"] == "training-checkpoint"
+    assert reports[1]["source"]["arch"] == _any_size(tiny.arch)
+    assert reports[0]["source"]["arch"] == _any_size(tiny.arch)  # detected, though MODEL.NAME names the preset
+    assert reports[1]["source"]["format"] == "training-checkpoint"
     assert reports[0]["source"]["format"] in {"release", "training-checkpoint"}
 
 
 def test_swin_image_size_that_needs_padding_keeps_an_affine_on_that_path_only(tmp_path):
     tiny = TINY["swin"]
     ckpt = _save(tmp_path / "swin.pth", {"model": tiny.model(tiny.layout).state_dict(), "config": tiny.config})
-    report = _fuse(str(ckpt), "--arch", tiny.arch, "--image-size", "12", "--out", str(tmp_path / "out"))
+    report = _fuse(str(ckpt), "--arch", _any_size(tiny.arch), "--image-size", "12", "--out", str(tmp_path / "out"))
     kept = {f["norm"]: f for f in report["folds"] if f["action"] == "kept-affine"}
     assert set(kept) == {"layers.0.blocks.0.norm1", "layers.0.blocks.1.norm1", "layers.1.blocks.0.norm1"}
     assert {f["reason"] for f in kept.values()} == {"zero-padding-after-norm"}
@@ -73,6 +83,20 @@ def test_swin_image_size_that_needs_padding_keeps_an_affine_on_that_path_only(tm
 def test_a_model_whose_weights_fix_the_resolution_refuses_another_image_size(tmp_path):
     tiny = TINY["slab_deit"]
     ckpt = _save(tmp_path / "sd.pth", {"model": tiny.model(tiny.layout).state_dict(), "config": tiny.config})
-    result = CliRunner().invoke(app, ["inspect", str(ckpt), "--arch", tiny.arch, "--image-size", str(tiny.side * 2)])
+    args = ["inspect", str(ckpt), "--arch", _any_size(tiny.arch), "--image-size", str(tiny.side * 2)]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 2
     assert "--image-size" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("key", sorted(TINY))
+def test_a_preset_named_for_weights_of_another_size_is_refused_with_the_name_that_fits(key, tmp_path):
+    tiny = TINY[key]
+    ckpt = _save(tmp_path / "m.pth", {"model": tiny.model(tiny.layout).state_dict(), "config": tiny.config})
+    result = CliRunner().invoke(app, ["fuse", str(ckpt), "--arch", tiny.arch, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [
+        f"error: --arch {tiny.arch} does not fit these weights: their widths and depths are those of "
+        f"{_any_size(tiny.arch)}, not {tiny.arch}; pass --arch {_any_size(tiny.arch)}, or leave --arch out to detect it"
+    ]
+    assert not (tmp_path / "out").exists()

@@ -14,7 +14,7 @@ import warnings
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 try:  # typer >= 0.22 carries its own copy of click
     from typer._click import exceptions as click_errors
@@ -57,15 +57,33 @@ class OneLineErrors(TyperGroup):
         return result
 
 
+class PlainUsage(TyperCommand):
+    """A command whose usage line reads ``Usage: slabconv fuse [OPTIONS] CKPT``: arguments by their metavar, a
+    required one bare and an optional one in brackets (typer >= 0.2x writes a required one as ``{CKPT}``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name != "argument":
+                pieces.extend(param.get_usage_pieces(ctx))
+                continue
+            name = param.metavar or (param.name or "").upper()
+            name += "..." if param.nargs != 1 else ""
+            pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
 app = typer.Typer(
     cls=OneLineErrors,
     name="slabconv",
     help=(
         "Fold SLAB RepBN / BatchNorm norms into the layers around them, exactly; write safetensors, ONNX and a "
         "torch.export program; and prove the result equals the original.\n\n"
-        "  slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo\n\n"
-        "  slabconv inspect checkpoint.pth --arch deit_tiny_prepbn\n\n"
-        "  slabconv verify checkpoint.pth checkpoint-fused --junit equivalence.xml\n\n" + EXIT_HELP
+        "Examples:\n\n\b\n"
+        "  slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo\n"
+        "  slabconv inspect checkpoint.pth --arch deit_tiny_prepbn\n"
+        "  slabconv verify checkpoint.pth checkpoint-fused --junit equivalence.xml\n"
+        "  slabconv list\n\n" + EXIT_HELP
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -93,12 +111,12 @@ def main(
         logging.getLogger("torch").setLevel(logging.ERROR)
 
 
-app.command()(fuse)
-app.command()(inspect)
-app.command()(export)
-app.command()(verify)
-app.command()(bench)
-app.command("list")(list_archs)
+app.command(cls=PlainUsage)(fuse)
+app.command(cls=PlainUsage)(inspect)
+app.command(cls=PlainUsage)(export)
+app.command(cls=PlainUsage)(verify)
+app.command(cls=PlainUsage)(bench)
+app.command("list", cls=PlainUsage)(list_archs)
 
 
 def _interrupt(signum: int, frame: object) -> None:

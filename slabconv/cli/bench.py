@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -51,8 +52,8 @@ def bench(
 
     Examples:
 
+    \b
       slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot bench.png
-
       slabconv bench checkpoint-fused --runtime onnxruntime --repeats 100 --json
     """
     from slabconv import api
@@ -67,6 +68,8 @@ def bench(
             raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
         if not batches or min(batches) < 1:
             raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
+        if plot is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of timing
+            raise UsageError("--plot needs matplotlib: pip install matplotlib")
         runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
         check_runtimes(list(runtimes))
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
@@ -86,9 +89,8 @@ def bench(
         if output.json:
             output.report(report)
             return
-        table = Table(
-            title=f"bench ({report.source.arch or report.source.format if report.source else ''})", box=box.SIMPLE_HEAD
-        )
+        title = f"bench ({report.source.arch or report.source.format if report.source else ''})"
+        table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
         for col in ("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"):
             table.add_column(col, overflow="fold")
         for t in report.bench["timings"]:
@@ -100,8 +102,7 @@ def bench(
                 f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
                 f"{t['throughput']:.0f}",
             )
-        if not quiet:
-            output.out.print(table)
+        output.table(table)
         for r in report.bench["fused_over_norm_free"]:
             where = f"{r['runtime']}, batch {r['batch']}"
             line = f"fused / norm-free ({where}): {r['ratio']:.2f} (p25-p75 spread {r['low']:.2f}-{r['high']:.2f})"

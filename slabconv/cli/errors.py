@@ -20,10 +20,17 @@ from slabconv.errors import SlabconvError, VerificationError
 
 @contextmanager
 def errors(output: Output, debug: bool) -> Iterator[None]:
-    """Run a command body, turning every exception into one line on stderr and the exit code it stands for."""
+    """Run a command body, turning every exception into one line on stderr and the exit code it stands for.
+
+    Inside it, an ``--arch`` name is checked against the weights it is given (``registry.checking_names``): a
+    preset of another size is refused with the name that fits, not built and recorded under the wrong name.
+    """
+    from slabconv.zoo.registry import checking_names
+
     debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
     try:
-        yield
+        with checking_names():
+            yield
     except typer.Exit:
         raise
     except VerificationError as err:

@@ -24,14 +24,7 @@ def fuse(
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write no ONNX file.")] = False,
     no_pt2: Annotated[bool, typer.Option("--no-pt2", help="Write no model.pt2 (torch.export program).")] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification (not recommended).")] = False,
-    stream: Annotated[
-        bool,
-        typer.Option(
-            "--stream",
-            help="Fold a sharded LLaMA-layout safetensors folder shard by shard in bounded memory (with --no-onnx; "
-            "verified one decoder layer at a time on --samples token sequences).",
-        ),
-    ] = False,
+    stream: o.Stream = False,
     inputs: o.Inputs = None,
     samples: o.Samples = None,
     seed: o.Seed = 0,
@@ -57,10 +50,9 @@ def fuse(
 
     Examples:
 
+    \b
       slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo
-
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
-
       slabconv fuse llama-folder --stream --no-onnx --out llama-fused
     """
     from slabconv import api

@@ -30,8 +30,8 @@ def inspect(
 
     Examples:
 
+    \b
       slabconv inspect fixtures/digits-prepbn/checkpoint.pth
-
       slabconv inspect model.pt2 --json
     """
     from slabconv import api
@@ -67,8 +67,8 @@ def export(
 
     Examples:
 
+    \b
       slabconv export checkpoint.pth --onnx fused.onnx
-
       slabconv export checkpoint.pth --onnx original.onnx --no-fuse
     """
     from slabconv import api

@@ -18,8 +18,8 @@ def list_archs(as_json: o.Json = False) -> None:
 
     Examples:
 
+    \b
       slabconv list
-
       slabconv list --json
     """
     from slabconv.zoo import list_archs as archs
@@ -31,9 +31,9 @@ def list_archs(as_json: o.Json = False) -> None:
     if as_json:
         output.data(json.dumps(rows, indent=2) + "\n")
         return
-    table = Table(title="architectures", box=box.SIMPLE_HEAD, title_justify="left")
-    for col in ("name", "aliases", "description"):
+    table = Table(title="architectures", box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
+    for col in ("name", "aliases", "family", "description"):
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(str(row["name"]), ", ".join(row["aliases"]), str(row["description"]))
-    output.out.print(table)
+        table.add_row(str(row["name"]), ", ".join(row["aliases"]), str(row["family"]), str(row["description"]))
+    output.table(table)

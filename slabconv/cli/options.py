@@ -88,10 +88,19 @@ Generate = Annotated[
         help="Language models: greedy tokens to generate and compare, original vs fused (default 32 in fuse; 0: off).",
     ),
 ]
+Stream = Annotated[
+    bool,
+    typer.Option(
+        "--stream",
+        help="Big LLaMA-layout folders in bounded memory: fuse folds a sharded safetensors folder shard by shard "
+        "(with --no-onnx), verify compares two folders one decoder layer at a time; both check on --samples "
+        "seeded token sequences.",
+    ),
+]
 Force = Annotated[
     bool, typer.Option("--force", help="Replace an existing output slabconv wrote (never anything else).")
 ]
-Json = Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout instead of the table.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables and lines.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-norm decisions and stage timings.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the Python traceback on errors.")]
@@ -117,7 +126,16 @@ def parse_shape(value: str | None) -> tuple[int, ...] | None:
 def load_options(
     arch: str | None, ema: bool, trust_pickle: bool, input_shape: str | None, image_size: int | None
 ) -> LoadOptions:
-    """``LoadOptions`` from the shared flags."""
+    """``LoadOptions`` from the shared flags. An unknown ``--arch`` is refused here, before anything is loaded.
+
+    Raises:
+        UnsupportedModelError: ``arch`` is no registered name or alias (the message gives the closest ones).
+        UsageError: a malformed ``--input-shape``.
+    """
+    if arch is not None:
+        from slabconv.zoo import get_arch
+
+        get_arch(arch)
     return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size)
 
 

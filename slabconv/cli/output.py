@@ -16,10 +16,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from slabconv.report.data import Report
 from slabconv.report.render import folds_table, summary_lines
@@ -27,12 +28,11 @@ from slabconv.report.render import folds_table, summary_lines
 ProgressFn = Callable[..., None]
 
 
-def _console(stderr: bool) -> Console:
-    stream = sys.stderr if stderr else sys.stdout
+def _console(stream: IO[str], stderr: bool) -> Console:
     if stream.isatty():
-        return Console(stderr=stderr, soft_wrap=False)
+        return Console(file=stream, stderr=stderr, soft_wrap=False)
     # Not a terminal: no width limit, so a table never cuts a name; plain text, no colours.
-    return Console(stderr=stderr, width=100_000, no_color=True, highlight=False, soft_wrap=True)
+    return Console(file=stream, stderr=stderr, width=100_000, no_color=True, highlight=False, soft_wrap=True)
 
 
 class Output:
@@ -42,12 +42,35 @@ class Output:
         json: print reports as JSON.
         quiet: print errors and the final line only.
         verbose: print per-norm detail and every progress step.
+        out, err: the consoles for stdout and stderr (default: made for ``sys.stdout`` / ``sys.stderr``, as a
+            terminal or not; tests pass their own).
     """
 
-    def __init__(self, *, json: bool = False, quiet: bool = False, verbose: bool = False):
+    def __init__(
+        self,
+        *,
+        json: bool = False,
+        quiet: bool = False,
+        verbose: bool = False,
+        out: Console | None = None,
+        err: Console | None = None,
+    ):
         self.json, self.quiet, self.verbose = json, quiet, verbose
-        self.out = _console(stderr=False)
-        self.err = _console(stderr=True)
+        self.out = out or _console(sys.stdout, stderr=False)
+        self.err = err or _console(sys.stderr, stderr=True)
+
+    def table(self, table: Table) -> None:
+        """A Rich table on stdout (not with ``--json`` or ``--quiet``). Off a terminal it has the width of its
+        longest cell, so no name is cut, and no trailing blanks."""
+        if self.json or self.quiet:
+            return
+        if self.out.is_terminal:
+            self.out.print(table)
+            return
+        with self.out.capture() as captured:
+            self.out.print(table)
+        for text in captured.get().splitlines():
+            self.out.print(text.rstrip(), markup=False, highlight=False, crop=False, overflow="ignore")
 
     def line(self, text: str) -> None:
         """A line of the human output (not with ``--json`` or ``--quiet``)."""
@@ -67,7 +90,7 @@ class Output:
             return
         if not self.quiet:
             if report.folds:
-                self.out.print(folds_table(report))
+                self.table(folds_table(report))
             for text in summary_lines(report, self.verbose):
                 self.line(text)
         if final:

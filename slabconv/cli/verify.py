@@ -35,13 +35,7 @@ def verify(
     junit: Annotated[
         Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
     ] = None,
-    stream: Annotated[
-        bool,
-        typer.Option(
-            "--stream",
-            help="Compare two LLaMA-layout folders (sharded or not) one decoder layer at a time, in bounded memory.",
-        ),
-    ] = False,
+    stream: o.Stream = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -61,8 +55,8 @@ def verify(
 
     Examples:
 
+    \b
       slabconv verify checkpoint.pth checkpoint-fused --junit equivalence.xml
-
       slabconv verify checkpoint.pth fused.onnx --samples 256 --seed 1
     """
     from slabconv import api

@@ -20,7 +20,7 @@ def folds_table(report: Report) -> Table:
     """One row per norm: name, kind, action, the layers it folded into, and why anything was kept."""
     source = report.source
     title = f"folds ({(source.arch or source.format) if source else ''})"
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
     for col in ("norm", "kind", "action", "into", "reason"):
         table.add_column(col, overflow="fold")
     for d in report.folds or []:
@@ -35,7 +35,8 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
     """The count of norms, each warning, what was written, and the verification."""
     if report.folds is not None and report.summary is not None:
         s = report.summary
-        yield f"{s.norms} norms: {s.folded} folded away, {s.kept} kept"
+        if report.command != "inspect":  # inspect's final line gives the count, as a plan
+            yield f"{s.norms} norms: {s.folded} folded away, {s.kept} kept"
         for d in report.folds:
             for w in d.warnings:
                 yield f"warning: {d.norm}: {w}"

@@ -2,13 +2,20 @@
 
 An ``ArchSpec`` knows how to build a model from a name and a state_dict (the state_dict settles what the name
 leaves open: the norm layout, the class count), the model's input shape, and how to build the same network
-with every norm replaced by identity (the norm-free bound of DESIGN.md section 2).
+with every norm replaced by identity (the norm-free bound: the fastest a complete fold can be, docs/math.md).
+
+A name given by the user (``--arch``) is checked against the weights (``check_arch``): a fixed-size preset takes
+only its own widths, depths and, where the weights fix it, resolution, and the refusal names the registered
+architecture the weights are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+import difflib
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -166,14 +173,115 @@ def list_archs() -> list[ArchSpec]:
 def get_arch(name: str) -> ArchSpec:
     """The spec registered under ``name`` or one of its aliases.
 
+    Inside ``checking_names()`` the spec's ``build`` first checks the weights against the name (``check_arch``).
+
     Raises:
-        UnsupportedModelError: unknown name (the message lists the known names).
+        UnsupportedModelError: unknown name (the message gives the closest registered names).
     """
     key = _ALIASES.get(name)
     if key is None:
-        known = ", ".join(sorted(_REGISTRY))
-        raise UnsupportedModelError(f"unknown architecture {name!r}; known: {known} (see `slabconv list`)")
-    return _REGISTRY[key]
+        raise UnsupportedModelError(unknown_arch_message(name))
+    spec = _REGISTRY[key]
+    return _checked(spec) if _CHECK_NAMES.get() else spec
+
+
+def close_names(name: str, n: int = 3) -> list[str]:
+    """The registered names and aliases closest to ``name`` (``difflib``; case is ignored), best first."""
+    by_lower: dict[str, str] = {}
+    for key in _ALIASES:
+        by_lower.setdefault(key.lower(), key)
+    return [by_lower[k] for k in difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)]
+
+
+def unknown_arch_message(name: str) -> str:
+    """``unknown architecture 'NAME'``, the closest names if any, and where the full list is."""
+    close = close_names(name)
+    if close:
+        options = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+        return f"unknown architecture {name!r}; did you mean {options}? (`slabconv list` shows every name)"
+    return f"unknown architecture {name!r}; `slabconv list` shows every name"
+
+
+_CHECK_NAMES: ContextVar[bool] = ContextVar("slabconv_check_arch_names", default=False)
+
+
+@contextmanager
+def checking_names() -> Iterator[None]:
+    """While active, a spec that ``get_arch`` returns refuses (at ``build`` with the checkpoint's norms) weights
+    that are another registered architecture: what the command line wants for ``--arch``. Off by default, so a
+    test or benchmark can still build a preset's class from weights of another size on purpose."""
+    token = _CHECK_NAMES.set(True)
+    try:
+        yield
+    finally:
+        _CHECK_NAMES.reset(token)
+
+
+def _checked(spec: ArchSpec) -> ArchSpec:
+    build = spec.build
+
+    def checked_build(state_dict: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
+        if norm == "checkpoint":  # fused weights (norm "identity") have no norms to recognise the preset by
+            check_arch(spec, state_dict, config)
+        return build(state_dict, config, norm)
+
+    return replace(spec, build=checked_build)
+
+
+def trained_side(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any]) -> int | None:
+    """The input side the weights fix for a fixed-size preset that cannot change resolution, else None (a
+    resizable model, an any-size entry, a language model, or weights whose side cannot be read)."""
+    if spec.image_size is None or spec.resizable or spec.input_dtype is not None:
+        return None
+    try:
+        shape = spec.input_shape(state_dict, with_image_size(config, None))
+    except (UnsupportedModelError, KeyError, ValueError, IndexError, RuntimeError, TypeError):
+        return None
+    return int(shape[-1]) if len(shape) == 3 else None
+
+
+def fits(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any]) -> bool:
+    """True when the weights are ``spec``: its widths and depths (``matches``) and, where the weights fix the
+    resolution, its input side."""
+    if not spec.matches(state_dict, config):
+        return False
+    side = trained_side(spec, state_dict, config)
+    return side is None or side == spec.image_size
+
+
+def _any_size_entry(family: str) -> ArchSpec | None:
+    """The entry of ``family`` that reads every size from the weights (no fixed image size), if it has one."""
+    return next((s for s in _REGISTRY.values() if s.family == family and s.image_size is None), None)
+
+
+def check_arch(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any]) -> None:
+    """Refuse weights that are not ``spec`` but another registered architecture.
+
+    Weights that match no registered architecture at all (no PRepBN norms, an unknown layout) pass: the build
+    and the strict load then say what is missing.
+
+    Raises:
+        UnsupportedModelError: naming what the weights are and the ``--arch`` that fits them.
+    """
+    if fits(spec, state_dict, config):
+        return
+    try:
+        found: ArchSpec | None = detect_arch(state_dict, config)
+    except UnsupportedModelError:
+        found = None
+    if found is not None and found.name == spec.name:
+        return  # the family's any-size entry, for weights of a preset's widths at another resolution
+    side = trained_side(spec, state_dict, config) if spec.matches(state_dict, config) else None
+    if side is not None:
+        why = f"{spec.name} is for {spec.image_size}x{spec.image_size} inputs, these weights for {side}x{side}"
+    elif found is not None and found.family != spec.family:
+        why = f"they are a {found.family} model ({found.name}), not {spec.family}"
+    elif found is not None:
+        why = f"their widths and depths are those of {found.name}, not {spec.name}"
+    else:
+        return
+    fix = f"pass --arch {found.name}, or leave --arch out to detect it" if found else "leave --arch out"
+    raise UnsupportedModelError(f"--arch {spec.name} does not fit these weights: {why}; {fix}")
 
 
 # The key of the build config that asks for another input resolution (the CLI's ``--image-size``); it rides in the
@@ -226,15 +334,23 @@ def config_model_name(config: Mapping[str, Any]) -> str | None:
 def detect_arch(state_dict: StateDict, config: Mapping[str, Any]) -> ArchSpec:
     """Pick the architecture of a checkpoint from its saved config name, else from its keys and shapes.
 
+    A fixed-size preset whose widths and depths match but whose weights fix another resolution gives way to its
+    family's any-size entry.
+
     Raises:
         UnsupportedModelError: no registered architecture matches, or several do (use ``--arch``).
     """
     name = config_model_name(config)
     if name is not None and name in _ALIASES:
         spec = _REGISTRY[_ALIASES[name]]
-        if spec.matches(state_dict, config):
+        if fits(spec, state_dict, config):
             return spec
-    candidates = [spec for spec in _REGISTRY.values() if spec.matches(state_dict, config)]
+    candidates: list[ArchSpec] = []
+    for spec in _REGISTRY.values():
+        if spec.matches(state_dict, config):
+            chosen = spec if fits(spec, state_dict, config) else (_any_size_entry(spec.family) or spec)
+            if chosen.name not in {c.name for c in candidates}:
+                candidates.append(chosen)
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:

@@ -1,0 +1,125 @@
+"""docs/errors.md as data: the messages its tables quote, as patterns a real message must match, and as the
+literal fragments the source must still contain.
+
+A message in the doc is written as the user sees it, with placeholders for what varies: FILE, DIR, PATH, KEY,
+NAME, ... (capitals, listed in ``PLACEHOLDERS``), ``...`` for a library's own text, single letters for numbers.
+``tests/test_errors.py`` checks that every message of its catalogue of bad inputs matches a documented
+pattern; ``tests/test_docs.py`` that every documented message is still in the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ERRORS_MD = ROOT / "docs" / "errors.md"
+
+PLACEHOLDERS = (
+    "FILE DIR PATH KEY NAME NORM OUT REF CAND RUNTIME FOLDER PREFIX LAYOUT ACTION REASON TARGET WHAT DTYPE Class "
+    "E T N M X I P n a b c d"
+).split()
+_PLACEHOLDER = re.compile(r"'\.\.\.'|\.\.\.|\b(?:" + "|".join(PLACEHOLDERS) + r")\b")
+
+
+def messages(text: str | None = None) -> list[str]:
+    """Every message quoted in the first column of docs/errors.md's tables (`...` or ``...`` spans), without the
+    ``error: `` that the command line puts in front."""
+    text = ERRORS_MD.read_text() if text is None else text
+    found = []
+    for line in text.splitlines():
+        if not line.startswith("| ") or line.startswith(("| message", "|---")):
+            continue
+        cell = line.split(" | ")[0][2:]
+        for m in re.finditer(r"``\s(.+?)\s``|`([^`]+)`", cell):
+            found.append((m.group(1) or m.group(2)).removeprefix("error: "))
+    return found
+
+
+def pattern(message: str) -> re.Pattern[str]:
+    """A regex for a documented message: each placeholder matches any text, the rest itself."""
+    parts = _PLACEHOLDER.split(message)
+    return re.compile(".+?".join(re.escape(part) for part in parts), re.S)
+
+
+@cache
+def patterns() -> list[tuple[str, re.Pattern[str]]]:
+    return [(m, pattern(m)) for m in messages()]
+
+
+def documented(line: str) -> str | None:
+    """The documented message that ``line`` (one stderr line) is an instance of, or None."""
+    text = line.removeprefix("error: ")
+    return next((m for m, p in patterns() if p.fullmatch(text) or p.search(text)), None)
+
+
+def fragments(message: str) -> list[str]:
+    """The fixed parts of a documented message (between placeholders) that are long enough to be telling."""
+    out = []
+    for frag in _PLACEHOLDER.split(message):
+        frag = frag.strip(" '\"()`:;,.")
+        if len(re.sub(r"\W", "", frag)) >= 4:
+            out.append(frag)
+    return out
+
+
+@cache
+def source_strings() -> tuple[str, ...]:
+    """Every string literal of the package; an f-string with each value it formats as NUL, except a module-level
+    string constant (``QUESTION_2 = "..."``), which is put in place: a message reads as the user will see it."""
+    trees = [ast.parse(f.read_text()) for f in sorted((ROOT / "slabconv").rglob("*.py"))]
+    constants = {
+        node.targets[0].id: node.value.value
+        for tree in trees
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    }
+    strings = []
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                strings.append("".join(_piece(v, constants) for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                strings.append(node.value)
+    return tuple(strings)
+
+
+def _piece(value: ast.expr, constants: dict[str, str]) -> str:
+    if isinstance(value, ast.Constant):
+        return str(value.value)
+    if isinstance(value, ast.FormattedValue) and isinstance(value.value, ast.Name) and value.format_spec is None:
+        return constants.get(value.value.id, "\0")
+    return "\0"
+
+
+@cache
+def _corpus() -> str:
+    return "\n".join(source_strings())
+
+
+def in_source(fragment: str) -> bool:
+    """True when the source holds ``fragment``: as part of one literal, or as literals that the code joins around
+    formatted values or ``+`` (``f"error: not equivalent: {failure}"`` with the failure's own f-string reads as
+    one sentence in the doc). Each such piece must end where a literal or a formatted value does and the next
+    start where one does, so a misspelt word is never covered by two pieces of other strings."""
+    corpus = _corpus()
+    return _covered(fragment, ("",), corpus)
+
+
+def _covered(rest: str, starts: tuple[str, ...], corpus: str) -> bool:
+    if any(start + rest in corpus for start in starts):
+        return True
+    for cut in range(len(rest) - 1, 3, -1):
+        piece = rest[:cut]
+        if len(re.sub(r"\W", "", piece)) < 4:
+            break
+        ends = (start + piece + end for start in starts for end in ("\0", "\n"))  # a value or "+" follows
+        if any(text in corpus for text in ends) and _covered(rest[cut:].lstrip(), ("\0", "\n"), corpus):
+            return True
+    return False
