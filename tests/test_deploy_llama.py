@@ -603,3 +603,26 @@ def test_the_modeling_file_refuses_a_transformers_older_than_it_needs(monkeypatc
         hf_llama.require_transformers()
     monkeypatch.setattr(transformers, "__version__", "5.10.0.dev0")
     assert hf_llama.require_transformers() is transformers
+
+
+def test_verify_generate_on_the_command_line(doc, tmp_path):
+    """``slabconv verify ORIGINAL FUSED --generate N``: both questions plus greedy generation of the folder and its
+    decoder ONNX against the original; a reference that is not a language model is refused with exit 2."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--generate", "3", "--samples", "2", "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    generation = report["verification"]["generation"]
+    assert generation["passed"] and generation["steps"] == 3
+    names = " | ".join(run["name"] for run in generation["runs"] if run["decides"])
+    assert "(transformers " in names and "(onnxruntime " in names, names
+    assert all(run["tokens_compared"] > 0 for run in generation["runs"])
+    plain = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--samples", "2", "--json"])
+    assert plain.exit_code == 0 and json.loads(plain.stdout)["verification"]["generation"] is None
+    onnx_only = runner.invoke(app, ["verify", str(TEXT), str(doc["out"] / "decoder.onnx"), "--generate", "3"])
+    assert onnx_only.exit_code == 2
+    assert "--generate needs a fused language-model folder as the candidate" in onnx_only.stderr

@@ -123,6 +123,15 @@ def verify_two_different_models(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) 
     return ["verify", str(save_ckpt(tmp / "ten.pth")), str(tmp / "five.pth"), "--samples", "4"]
 
 
+def fold_that_overflows(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = _ckpt_with(tmp, "alpha.pth", _set("blocks.0.norm1.norm2.alpha", 0, 3e38))
+    return ["fuse", str(ckpt), "--no-onnx", "--out", str(tmp / "out")]
+
+
+def generate_without_a_fused_language_model(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(fused), "--generate", "4"]
+
+
 def missing_keys(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     ckpt = _ckpt_with(tmp, "missing.pth", lambda sd: sd.pop("blocks.0.attn.proj.bias"))
     return ["inspect", str(ckpt), "--arch", "deit_prepbn"]
@@ -368,6 +377,8 @@ CATALOGUE: list[tuple[Case, str]] = [
     (norm_free_weights_forced, "cannot build 'swin_prepbn'"),
     (library_message_of_several_sentences, "of the checkpoint.); the file is damaged"),
     (verify_two_different_models, "not the same model"),
+    (fold_that_overflows, "norm blocks.0.norm1 (its scale or shift reaches 3e+38) makes"),
+    (generate_without_a_fused_language_model, "--generate needs a fused language-model folder"),
     (missing_keys, "missing keys"),
     (unexpected_keys, "unexpected keys"),
     (shape_mismatch, "shape mismatch"),

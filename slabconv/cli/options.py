@@ -85,7 +85,8 @@ Generate = Annotated[
     typer.Option(
         "--generate",
         min=0,
-        help="Language models: greedy tokens to generate and compare, original vs fused (default 32 in fuse; 0: off).",
+        help="Language models: greedy tokens to generate and compare, original vs fused folder (fuse: default 32; "
+        "verify: off unless given; 0: off).",
     ),
 ]
 Stream = Annotated[

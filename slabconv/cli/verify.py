@@ -32,6 +32,7 @@ def verify(
     rtol: o.Rtol = None,
     atol: o.Atol = 0.0,
     strict: o.Strict = False,
+    generate: o.Generate = None,
     junit: Annotated[
         Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
     ] = None,
@@ -58,6 +59,7 @@ def verify(
     \b
       slabconv verify checkpoint.pth checkpoint-fused --junit equivalence.xml
       slabconv verify checkpoint.pth fused.onnx --samples 256 --seed 1
+      slabconv verify llama-folder llama-fused --generate 32
     """
     from slabconv import api
     from slabconv.report.junit import check_report_path, write_junit
@@ -67,7 +69,7 @@ def verify(
         if junit is not None:
             check_report_path(junit, [reference, candidate, *([inputs] if inputs else [])])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
-        check = o.verify_options(inputs, samples, seed, rtol, atol, strict)
+        check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         with output.progress() as progress:
             report = api.verify(reference, candidate, load=load, verify=check, stream=stream, progress=progress)
         if junit is not None:

@@ -214,8 +214,13 @@ def verify_pair(
 
     Raises:
         InputError: the sides take different inputs or give different outputs (not the same model).
-        UsageError: no input shape or id range is known (two ``.onnx`` files): pass ``--inputs``.
+        UsageError: no input shape or id range is known (two ``.onnx`` files): pass ``--inputs``; ``--generate``
+            without a fused language-model folder as the candidate.
     """
+    if opts.generate and not _is_fused_lm_folder(candidate_path):
+        raise UsageError(
+            f"--generate needs a fused language-model folder as the candidate; {candidate_path} is not one"
+        )
     progress("opening the reference and the candidate")
     ref, cand = open_side(reference_path, load), open_side(candidate_path, load)
     if ref.input_shape and cand.input_shape and tuple(ref.input_shape) != tuple(cand.input_shape):
@@ -267,19 +272,23 @@ def verify_pair(
     return ref.source, cand.source, verification
 
 
+def _is_fused_lm_folder(path: Path) -> bool:
+    from slabconv.write.hf_llama import MODELING_FILE
+
+    return path.is_dir() and (path / MODELING_FILE).is_file()
+
+
 def _generation(ref: Side, candidate: Path, x: np.ndarray, steps: int) -> dict[str, Any]:
     """``--generate N``: greedy generation of the reference model against a fused language-model folder (and its
     decoder ONNX when there is one), on prompts from the inputs (at most 16, half their length).
 
     Raises:
-        UsageError: the reference is not a language model slabconv builds, or the candidate is not a fused folder.
+        UsageError: the reference is not a language model slabconv builds.
     """
     from slabconv.verify.generate import check_generation
 
     if ref.loaded is None or not ref.token_input:
         raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
-    if not (candidate.is_dir() and (candidate / "modeling_slabconv_llama.py").is_file()):
-        raise UsageError(f"--generate needs a fused language-model folder as the candidate; {candidate} is not one")
     ids = torch.as_tensor(x)[:16]
     prompts = ids[:, : max(1, ids.shape[1] // 2)]
     decoder = candidate / "decoder.onnx"
