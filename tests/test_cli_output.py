@@ -141,13 +141,27 @@ def test_bench_says_where_it_wrote_the_plot(monkeypatch, tmp_path):
     assert drawn == [tmp_path / "b.png"] and result.stdout.splitlines()[-1] == f"wrote {tmp_path / 'b.png'}"
 
 
-def test_bench_plot_has_error_bars_from_p25_to_p75(tmp_path):
+def test_bench_plot_has_error_bars_from_p25_to_p75(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
     from slabconv import bench
 
-    timings = [bench.Timing(v, "pytorch", 1, 2.0, 1.0, 4.0, 500.0) for v in ("fused", "norm-free")]
+    bars: dict[str, object] = {}
+    real_bar = Axes.bar
+
+    def bar(self, x, height, *args, **kwargs):
+        bars[kwargs["label"]] = (list(height), kwargs.get("yerr"))
+        return real_bar(self, x, height, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "bar", bar)
+    timings = [bench.Timing("fused", "pytorch", 1, 2.0, 1.5, 4.0, 500.0)]
+    timings.append(bench.Timing("norm-free", "pytorch", 1, 1.0, 0.9, 1.2, 1000.0))
     bench.plot(timings, tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert bars["fused"] == ([2.0], [[0.5], [2.0]])  # median 2.0, down to p25 1.5, up to p75 4.0
+    low, high = bars["norm-free"][1]
+    assert bars["norm-free"][0] == [1.0] and low == pytest.approx([0.1]) and high == pytest.approx([0.2])
 
 
 def test_a_real_bench_run_prints_no_library_warning():

@@ -29,7 +29,7 @@ from torch import nn
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import Mlp, NormFactory, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
-from slabconv.zoo.registry import ArchSpec, StateDict, register_arch, resolve_image_size
+from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
 
 __all__ = ["Attention", "Block", "Mlp", "PatchEmbed", "VisionTransformer", "norm_factory", "norm_layout", "vit_hparams"]
 
@@ -151,99 +151,72 @@ def vit_hparams(state_dict: StateDict) -> dict[str, Any]:
     }
 
 
-def _register_deit(
-    name: str,
-    *,
-    embed_dim: int | None,
-    depth: int | None,
-    num_heads: int | None,
-    layout: str,
-    aliases: tuple[str, ...],
-    source: str,
-    description: str,
-) -> None:
-    """Register one DeiT preset. ``None`` sizes are read from the checkpoint (a custom-size DeiT)."""
+def signature(sd: StateDict) -> tuple[int, int] | None:
+    """``(embed_dim, depth)`` of DeiT-layout weights with PRepBN norms; None for anything else (SLAB-DeiT's
+    simplified linear attention, ``blocks.0.attn.dwc``, belongs to ``slabconv.zoo.slab_deit``)."""
+    if "cls_token" not in sd or "blocks.0.attn.qkv.weight" not in sd or "patch_embed.proj.weight" not in sd:
+        return None
+    if norm_layout(sd, "blocks.0.norm1") is None or "blocks.0.attn.dwc.weight" in sd:
+        return None
+    hp = vit_hparams(sd)
+    return (hp["embed_dim"], hp["depth"])
 
-    def heads_for(sd: StateDict, config: Mapping[str, Any]) -> int:
-        model = config.get("MODEL", {}) if isinstance(config, Mapping) else {}
-        vit = model.get("VIT", {}) if isinstance(model, Mapping) else {}
-        if isinstance(vit, Mapping) and "NUM_HEADS" in vit:
-            return int(vit["NUM_HEADS"])
-        if num_heads is not None:
-            return num_heads
-        return max(1, vit_hparams(sd)["embed_dim"] // 64)  # the DeiT convention: 64 channels a head
 
-    def build(sd: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
-        hp = vit_hparams(sd)
-        resolve_image_size(hp["img_size"], config, resizable=False, what=name)
-        found = norm_layout(sd, "blocks.0.norm1") or layout
-        return VisionTransformer(
-            **hp, num_heads=heads_for(sd, config), norm_layer=norm_factory(found if norm == "checkpoint" else norm)
-        )
+def _num_heads(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> int:
+    """Config ``MODEL.VIT.NUM_HEADS``, else the preset's, else DeiT's convention of 64 channels a head."""
+    model = config.get("MODEL", {}) if isinstance(config, Mapping) else {}
+    vit = model.get("VIT", {}) if isinstance(model, Mapping) else {}
+    if isinstance(vit, Mapping) and "NUM_HEADS" in vit:
+        return int(vit["NUM_HEADS"])
+    if "num_heads" in preset.defaults:
+        return int(preset.defaults["num_heads"])
+    return max(1, vit_hparams(sd)["embed_dim"] // 64)
 
-    def input_shape(sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
-        hp = vit_hparams(sd)
-        side = resolve_image_size(hp["img_size"], config, resizable=False, what=name)
-        return (hp["in_chans"], side, side)
 
-    def matches(sd: StateDict, config: Mapping[str, Any]) -> bool:
-        if "cls_token" not in sd or "blocks.0.attn.qkv.weight" not in sd or "patch_embed.proj.weight" not in sd:
-            return False
-        if norm_layout(sd, "blocks.0.norm1") is None or "blocks.0.attn.dwc.weight" in sd:
-            return False  # no norms, or SLAB-DeiT (simplified linear attention, ``slabconv.zoo.slab_deit``)
-        size = (vit_hparams(sd)["embed_dim"], vit_hparams(sd)["depth"])
-        if embed_dim is None:  # the any-size preset takes only what no fixed-size preset takes
-            return size not in _FIXED_SIZES
-        return size == (embed_dim, depth)
-
-    register_arch(
-        ArchSpec(
-            name=name,
-            family="deit",
-            build=build,
-            input_shape=input_shape,
-            matches=matches,
-            aliases=aliases,
-            source=source,
-            description=description,
-            image_size=224 if embed_dim is not None else None,
-        )
+def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
+    hp = vit_hparams(sd)
+    resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
+    found = norm_layout(sd, "blocks.0.norm1") or preset.defaults["layout"]
+    return VisionTransformer(
+        **hp, num_heads=_num_heads(preset, sd, config), norm_layer=norm_factory(found if norm == "checkpoint" else norm)
     )
 
 
-# (embed_dim, depth) of the fixed-size presets below.
-_FIXED_SIZES = {(192, 12), (384, 12)}
+def input_shape(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
+    hp = vit_hparams(sd)
+    side = resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
+    return (hp["in_chans"], side, side)
+
+
 _SOURCE = "xinghaochen/SLAB classification/models/deit.py"
 
-_register_deit(
-    "deit_tiny_prepbn",
-    embed_dim=192,
-    depth=12,
-    num_heads=3,
-    layout="repbn",
-    aliases=("deit_t_prepbn", "deit_tiny_patch16_224_repbn"),
-    source=f"{_SOURCE} deit_tiny_patch16_224_repbn",
-    description="DeiT-Tiny, RepBN norms, cls-token head, 224x224",
-)
-_register_deit(
-    "deit_small_prepbn",
-    embed_dim=384,
-    depth=12,
-    num_heads=6,
-    layout="linearnorm",
-    aliases=("deit_s_prepbn", "deit_small_patch16_224_repbn"),
-    source=f"{_SOURCE} deit_small_patch16_224_repbn",
-    description="DeiT-Small, LinearNorm(LayerNorm->RepBN) norms, cls-token head, 224x224",
-)
+PRESETS = [
+    Preset(
+        "deit_tiny_prepbn",
+        signature=(192, 12),
+        aliases=("deit_t_prepbn", "deit_tiny_patch16_224_repbn"),
+        defaults={"num_heads": 3, "layout": "repbn"},
+        source=f"{_SOURCE} deit_tiny_patch16_224_repbn",
+        description="DeiT-Tiny, RepBN norms, cls-token head, 224x224",
+        image_size=224,
+    ),
+    Preset(
+        "deit_small_prepbn",
+        signature=(384, 12),
+        aliases=("deit_s_prepbn", "deit_small_patch16_224_repbn"),
+        defaults={"num_heads": 6, "layout": "linearnorm"},
+        source=f"{_SOURCE} deit_small_patch16_224_repbn",
+        description="DeiT-Small, LinearNorm(LayerNorm->RepBN) norms, cls-token head, 224x224",
+        image_size=224,
+    ),
+    Preset(
+        "deit_prepbn",
+        signature=None,
+        aliases=("deit_custom_prepbn",),
+        defaults={"layout": "linearnorm"},
+        source=f"{_SOURCE} VisionTransformer (any size; heads from config MODEL.VIT.NUM_HEADS or embed_dim / 64)",
+        description="DeiT of another size with PRepBN norms (e.g. the digits fixture), sizes read from the weights",
+    ),
+]
 
-
-_register_deit(
-    "deit_prepbn",
-    embed_dim=None,
-    depth=None,
-    num_heads=None,
-    layout="linearnorm",
-    aliases=("deit_custom_prepbn",),
-    source=f"{_SOURCE} VisionTransformer (any size; heads from config MODEL.VIT.NUM_HEADS or embed_dim / 64)",
-    description="DeiT of another size with PRepBN norms (e.g. the digits fixture), sizes read from the weights",
-)
+register_family("deit", PRESETS, signature=signature, build=build, input_shape=input_shape)

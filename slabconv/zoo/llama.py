@@ -57,7 +57,7 @@ from torch import nn
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import norm_layout
 from slabconv.zoo.norms import LinearNorm, RepBN, RMSNorm
-from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
+from slabconv.zoo.registry import Preset, StateDict, register_family
 
 __all__ = [
     "DEFAULT_SEQ_LEN",
@@ -454,66 +454,67 @@ def build_llama(
     return model
 
 
-def _input_shape(defaults: LlamaConfig | None, state_dict: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
-    return (seq_len(config, llama_config(state_dict, config, defaults)),)
+# --------------------------------------------------------------------------------------------- registry
+
+LLAMA_350M = LlamaConfig()  # config.json of llama/modeling/llama-350M
 
 
-def _example_input(
-    defaults: LlamaConfig | None, state_dict: StateDict, config: Mapping[str, Any], batch: int, seed: int
-) -> torch.Tensor:
+def signature(sd: StateDict) -> tuple[int, int, int, int] | None:
+    """``llama_signature`` of LLaMA-layout weights with PRepBN norms; None for anything else."""
+    if norm_layout(sd, "model.layers.0.input_layernorm") is None:
+        return None
+    return llama_signature(sd)
+
+
+def _defaults(preset: Preset) -> LlamaConfig | None:
+    return preset.defaults.get("config")
+
+
+def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
+    return build_llama(sd, config, norm, defaults=_defaults(preset))
+
+
+def input_shape(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
+    return (seq_len(config, llama_config(sd, config, _defaults(preset))),)
+
+
+def example_input(preset: Preset, sd: StateDict, config: Mapping[str, Any], batch: int, seed: int) -> torch.Tensor:
     """Seeded uniform token ids ``(batch, T)`` in ``[0, vocab_size)``, int64."""
-    cfg = llama_config(state_dict, config, defaults)
+    cfg = llama_config(sd, config, _defaults(preset))
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, cfg.vocab_size, (batch, seq_len(config, cfg)), generator=gen, dtype=torch.int64)
 
 
-# --------------------------------------------------------------------------------------------- registry
+PRESETS = [
+    Preset(
+        "llama_350m_prepbn",
+        signature=(
+            LLAMA_350M.hidden_size,
+            LLAMA_350M.num_hidden_layers,
+            LLAMA_350M.intermediate_size,
+            LLAMA_350M.vocab_size,
+        ),
+        aliases=("llama-350M", "llama_350m", "llama350m_prepbn"),
+        defaults={"config": LLAMA_350M},
+        source=f"{_SOURCE} LlamaForCausalLM (hidden 1024, 18 layers, 8 heads, intermediate 4096, vocab 32000)",
+        description="LLaMA-350M, LinearNorm(RMSNorm->RepBN) norms, causal LM on int64 token ids (B, T)",
+    ),
+    Preset(
+        "llama_prepbn",
+        signature=None,
+        aliases=("llama_custom_prepbn",),
+        source=f"{_SOURCE} LlamaForCausalLM (any size; heads, eps, rope_theta from config.json)",
+        description="LLaMA of another size with PRepBN norms (e.g. the text fixture); sizes from weights and "
+        "config.json",
+    ),
+]
 
-LLAMA_350M = LlamaConfig()  # config.json of llama/modeling/llama-350M
-_FIXED = {(LLAMA_350M.hidden_size, LLAMA_350M.num_hidden_layers, LLAMA_350M.intermediate_size, LLAMA_350M.vocab_size)}
-
-
-def _register(name: str, defaults: LlamaConfig | None, aliases: tuple[str, ...], source: str, description: str) -> None:
-    def matches(sd: StateDict, config: Mapping[str, Any]) -> bool:
-        sig = llama_signature(sd)
-        if sig is None or norm_layout(sd, "model.layers.0.input_layernorm") is None:
-            return False
-        if defaults is None:  # the any-size entry takes only what no fixed-size preset takes
-            return sig not in _FIXED
-        return sig == (
-            defaults.hidden_size,
-            defaults.num_hidden_layers,
-            defaults.intermediate_size,
-            defaults.vocab_size,
-        )
-
-    register_arch(
-        ArchSpec(
-            name=name,
-            family="llama",
-            build=partial(build_llama, defaults=defaults),
-            input_shape=partial(_input_shape, defaults),
-            matches=matches,
-            aliases=aliases,
-            source=source,
-            description=description,
-            input_dtype=torch.int64,
-            example_input=partial(_example_input, defaults),
-        )
-    )
-
-
-_register(
-    "llama_350m_prepbn",
-    LLAMA_350M,
-    aliases=("llama-350M", "llama_350m", "llama350m_prepbn"),
-    source=f"{_SOURCE} LlamaForCausalLM (hidden 1024, 18 layers, 8 heads, intermediate 4096, vocab 32000)",
-    description="LLaMA-350M, LinearNorm(RMSNorm->RepBN) norms, causal LM on int64 token ids (B, T)",
-)
-_register(
-    "llama_prepbn",
-    None,
-    aliases=("llama_custom_prepbn",),
-    source=f"{_SOURCE} LlamaForCausalLM (any size; heads, eps, rope_theta from config.json)",
-    description="LLaMA of another size with PRepBN norms (e.g. the text fixture); sizes from weights and config.json",
+register_family(
+    "llama",
+    PRESETS,
+    signature=signature,
+    build=build,
+    input_shape=input_shape,
+    input_dtype=torch.int64,
+    example_input=example_input,
 )

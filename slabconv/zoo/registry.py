@@ -128,13 +128,16 @@ def register_family(
     build: Callable[[Preset, StateDict, Mapping[str, Any], str], nn.Module],
     input_shape: Callable[[Preset, StateDict, Mapping[str, Any]], tuple[int, ...]],
     resizable: Callable[[Preset], bool] = lambda preset: False,
+    input_dtype: torch.dtype | None = None,
+    example_input: Callable[[Preset, StateDict, Mapping[str, Any], int, int], torch.Tensor] | None = None,
 ) -> None:
     """Register every preset of a family.
 
     ``signature(state_dict)`` returns None for weights of another family (or without PRepBN norms); a fixed-size
     preset matches its own signature, the any-size entry (``signature=None``) whatever no fixed preset matches.
-    ``build(preset, state_dict, config, norm)`` and ``input_shape(preset, state_dict, config)`` are the
-    ``ArchSpec`` callables with the preset first; ``resizable(preset)`` fills ``ArchSpec.resizable``.
+    ``build(preset, state_dict, config, norm)``, ``input_shape(preset, state_dict, config)`` and
+    ``example_input(preset, state_dict, config, batch, seed)`` are the ``ArchSpec`` callables with the preset
+    first; ``resizable(preset)`` fills ``ArchSpec.resizable``; ``input_dtype`` is ``ArchSpec.input_dtype``.
     """
     fixed = {p.signature for p in presets if p.signature is not None}
 
@@ -161,6 +164,8 @@ def register_family(
                 extra={"preset": preset},
                 image_size=preset.image_size,
                 resizable=resizable(preset),
+                input_dtype=input_dtype,
+                example_input=partial(example_input, preset) if example_input is not None else None,
             )
         )
 
