@@ -132,6 +132,24 @@ def fold_into_producer(weight: Tensor, bias: Tensor | None, scale: Tensor, shift
     return _cast(w * s.reshape(-1, *([1] * (w.dim() - 1))), weight), _cast(s * b + t, weight)
 
 
+def fold_into_embedding(weight: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """Backward fold into an embedding table whose gathered rows feed the norm: ``s * W[i] + t = W'[i]``.
+
+    A lookup copies whole rows, so scaling every row by ``s`` and adding ``t`` to it is exact for any index,
+    the ``padding_idx`` row included (its forward output is its row like any other).
+
+    Args:
+        weight: ``(num_embeddings, C)``, the table.
+        scale: ``(C,)`` per-channel scale s.
+        shift: ``(C,)`` per-channel shift t.
+
+    Returns:
+        ``W * s + t`` (broadcast over rows) in ``weight``'s dtype and device.
+    """
+    w = weight.detach().to(torch.float64)
+    return _cast(w * scale.to(w) + shift.to(w), weight)
+
+
 def fits_dtype(*tensors: Tensor) -> bool:
     """True when every tensor is finite (a fold that overflows float16 gives inf after the cast)."""
     return all(bool(torch.isfinite(t).all()) for t in tensors)

@@ -380,11 +380,10 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
         plan = make_plan(family, hf.read_hf_config(reference), src.weight_map)
         norms = instantiate(plan, _layers(family, src.weight_map), src.weight_map, reference)
         affines = folded_affines(src, norms)
-    opts_verification = VerifyOptions(None, opts.samples, opts.seed, opts.rtol, opts.atol, opts.strict)
     verification = layerwise.verify_folders(
         reference,
         candidate,
-        sequences=opts_verification.sample_count(streamed=True),
+        sequences=opts.sample_count(streamed=True),
         seed=opts.seed,
         rtol=opts.rtol,
         atol=opts.atol,

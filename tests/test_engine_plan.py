@@ -118,7 +118,7 @@ LAYER_CASES = {
 
 
 def test_every_layer_kind_has_cases():
-    assert {kind.name for kind in LAYERS} == set(LAYER_CASES)
+    assert {kind.name for kind in LAYERS} == {*LAYER_CASES, *PRODUCER_ONLY_CASES}
 
 
 @pytest.mark.parametrize(
@@ -139,6 +139,74 @@ def test_layer_kind_folds_forward_and_backward(kind, index):
     assert rel_err(gm(x[:1]), model(x[:1])) <= TOL[torch.float32]
     assert not bn_nodes(gm) and not kept_affines(gm)
     assert "fc.bias" in fused_state_dict(gm)  # created where the layer had none
+
+
+# --------------------------------------------------------------------------------------------- embeddings
+
+VOCAB = 11
+
+
+class EmbeddingBackward(nn.Module):
+    """``gelu(norm(embed(ids)))`` (ids ``(B,)`` with a BatchNorm1d, or ``(B, N)`` with the seed's RepBN_NLP); or,
+    ``tied``, the output head reads the embedding's table too (``F.linear(h, embed.weight)``, GPT-2's tying)."""
+
+    def __init__(self, tokens: bool, tied: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Embedding(VOCAB, C, padding_idx=0)
+        self.norm = RepBN_NLP(C) if tokens else nn.BatchNorm1d(C)
+        self.tied = tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.norm(self.fc(ids)))
+        return F.linear(h, self.fc.weight) if self.tied else h
+
+
+def _ids(*shape: int) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(3))
+    ids.view(-1)[0] = 0  # the padding row is looked up too
+    return ids
+
+
+# producer-only kinds -> [(model, input)]
+PRODUCER_ONLY_CASES = {
+    "embedding": [(EmbeddingBackward(tokens=False), _ids(B)), (EmbeddingBackward(tokens=True), _ids(B, 6))],
+}
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_a_norm_after_an_embedding_folds_into_its_table(index):
+    """The gelu blocks a forward fold, so the norm folds backward into the table's rows: ``W' = s W + t``."""
+    model, ids = PRODUCER_ONLY_CASES["embedding"][index]
+    model = randomize(copy.deepcopy(model)).eval()
+    reference = model(ids)
+    gm = capture(model, ids)
+    assert "aten.embedding.default" in {str(n.target) for n in gm.graph.nodes}
+    (d,) = fold_all(gm)
+    assert (d.action, d.into) == ("folded-backward", ["fc"])
+    assert rel_err(gm(ids), reference) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    weights = fused_state_dict(gm)
+    assert "fc.bias" not in weights and weights["fc.weight"].shape == (VOCAB, C)
+
+
+def test_a_tied_embedding_table_is_not_folded_and_folding_it_would_be_wrong():
+    """The table is read by the lookup and by the output head: scaling its rows for the norm would also scale the
+    head's weights. slabconv keeps the norm as an affine; the naive fold is measurably wrong."""
+    model = randomize(EmbeddingBackward(tokens=False, tied=True)).eval()
+    ids = _ids(B)
+    reference = model(ids)
+    gm = capture(model, ids)
+    (d,) = fold_all(gm)
+    assert d.action != "folded-backward" and "fc" not in d.into
+    assert rel_err(gm(ids), reference) <= TOL[torch.float32]
+    naive = copy.deepcopy(model)
+    with torch.no_grad():
+        bn = naive.norm
+        s = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+        t = bn.bias - bn.running_mean * s
+        naive.fc.weight.copy_(naive.fc.weight * s + t)
+    naive.norm = nn.Identity()
+    assert rel_err(naive(ids), reference) > 1e-2
 
 
 # --------------------------------------------------------------------------------------------- norms that meet

@@ -7,7 +7,7 @@ One module per job, in the order the data goes through them:
 
 - ``capture``: ``torch.export`` of the model, and helpers that read the graph (shapes, stored tensors).
 - ``rules``: the op tables: how each ATen op treats a per-channel affine (``RULES``) and the layers a norm folds
-  into (``LAYERS``: Linear, addmm / mm, conv).
+  into (``LAYERS``: Linear, addmm / mm, conv; embedding as a producer).
 - ``flow``: the forward walk from a norm's output and the backward walk from its input to a producer.
 - ``norms``: norm discovery (``find_norms``): every constant per-channel affine, recognised by its value.
 - ``planner``: one ``Decision`` per norm and the weight updates that carry it out, as data (``plan_folds``).

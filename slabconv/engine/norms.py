@@ -531,7 +531,7 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
             axis = layer.out_axis(node)
         elif node in analysis.aff and analysis.aff[node].axis is not None:
             axis = analysis.aff[node].axis
-        elif node.target in (aten.embedding.default, aten.layer_norm.default):
+        elif node.target is aten.layer_norm.default:
             axis = len(shape) - 1
         size = static_int(shape[axis]) if axis is not None else None
         return Chan(axis, size) if axis is not None and size is not None else None

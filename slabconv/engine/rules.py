@@ -559,6 +559,7 @@ class LayerKind:
     name = ""
     ops: tuple[Any, ...] = ()
     data_arg = 0
+    has_bias = True  # False: the layer has no bias argument, and a fold must put the whole shift in the weight
 
     def weight(self, node: fx.Node) -> fx.Node | None:
         """The ``get_attr`` of the stored ``(out, in, ...)`` weight, None when it is computed."""
@@ -723,7 +724,50 @@ class Convolution(Conv):
         return bool(node.args[6])
 
 
-LAYERS: tuple[LayerKind, ...] = (Linear(), Addmm(), Mm(), Conv(), Convolution())
+class Embedding(LayerKind):
+    """``aten.embedding(W, ids, padding_idx, ...)``: a producer only. It gathers rows of the stored
+    ``(num_embeddings, C)`` table, so its output channels are the last axis and a norm right after it folds into
+    the table's columns (``slabconv.fold.fold_into_embedding``). It reads token ids, never features: a norm's
+    output cannot be its input, so it is no consumer. A table also read elsewhere (tied to an ``lm_head``) is
+    shared, and the planner leaves it alone."""
+
+    name = "embedding"
+    ops = _ops("embedding")
+    data_arg = 1
+    has_bias = False
+
+    def weight(self, node: fx.Node) -> fx.Node | None:
+        w = node.args[0]
+        return w if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+    def bias(self, node: fx.Node) -> Any:
+        return None
+
+    def in_axis(self, node: fx.Node) -> int:
+        return -1  # no feature axis is contracted
+
+    def out_axis(self, node: fx.Node) -> int:
+        return rank(node) - 1
+
+    def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
+        return reasons.unsupported(node)
+
+    def fold_forward(
+        self, node: fx.Node, weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor, t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("an embedding is never a consumer (consumer_check refuses it)")
+
+    def fold_backward(
+        self, node: fx.Node, weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor, t: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W * s + t, s)``: the table with the whole affine in its rows (the second value is unused: no bias)."""
+        return fold.fold_into_embedding(weight, s, t), s
+
+    def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
+        raise AssertionError("an embedding has no bias (has_bias is False)")
+
+
+LAYERS: tuple[LayerKind, ...] = (Linear(), Addmm(), Mm(), Conv(), Convolution(), Embedding())
 LAYER_OF: dict[Any, LayerKind] = {op: kind for kind in LAYERS for op in kind.ops}
 
 
