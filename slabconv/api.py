@@ -238,6 +238,10 @@ def fuse(
         return stream.fuse_streamed(source, out_dir, verify=verify, write=write, progress=progress)
     progress(f"loading {source}")
     loaded = load_model(source, load)
+    if _is_language_model(loaded) and (write.onnx or (verify is not None and verify.generate != 0)):
+        from slabconv.write.hf_llama import require_transformers
+
+        require_transformers(fusing=True)  # say so before any work
     planned = plan(loaded, progress)
     faults.check_finite(loaded, planned.original, planned.fused, planned.decisions, planned.example)
     report = Report("fuse", source=source_of(loaded), folds=planned.decisions, out_dir=str(out_dir), mode="in-memory")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,6 +131,11 @@ def fold_that_overflows(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[
 
 def generate_without_a_fused_language_model(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(fused), "--generate", "4"]
+
+
+def language_model_without_transformers(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    mp.setitem(sys.modules, "transformers", None)  # as if not installed: importing it raises ImportError
+    return ["fuse", str(ROOT / "fixtures" / "text-prepbn"), "--out", str(tmp / "out")]
 
 
 def missing_keys(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -379,6 +385,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (verify_two_different_models, "not the same model"),
     (fold_that_overflows, "norm blocks.0.norm1 (its scale or shift reaches 3e+38) makes"),
     (generate_without_a_fused_language_model, "--generate needs a fused language-model folder"),
+    (language_model_without_transformers, "which need the Hugging Face transformers package: pip install slabconv[hf]"),
     (missing_keys, "missing keys"),
     (unexpected_keys, "unexpected keys"),
     (shape_mismatch, "shape mismatch"),

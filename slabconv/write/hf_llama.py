@@ -67,8 +67,11 @@ _DTYPE_NAMES = {
 _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def require_transformers() -> Any:
+def require_transformers(fusing: bool = False) -> Any:
     """The ``transformers`` module, at least ``MIN_TRANSFORMERS``.
+
+    Args:
+        fusing: the message is for ``fuse`` of a language model (which can do without, with fewer outputs).
 
     Raises:
         UsageError: it is not installed, or too old (one line saying what to install).
@@ -76,6 +79,12 @@ def require_transformers() -> Any:
     try:
         import transformers
     except ImportError:
+        if fusing:
+            raise UsageError(
+                "fusing a language model exports decoder.onnx and checks greedy generation, which need the Hugging "
+                f"Face transformers package: {INSTALL_HINT} (or pass --no-onnx --generate 0 to write the folder "
+                "without them)"
+            ) from None
         raise UsageError(
             f"running a fused LLaMA folder needs the Hugging Face transformers package: {INSTALL_HINT}"
         ) from None
