@@ -48,7 +48,10 @@ def stages(ckpt: Path, out: Path) -> list[tuple[str, float]]:
         progress=lambda message, *_: marks.append((message, time.perf_counter())),
     )
     end = time.perf_counter()
-    return [(m, (marks[i + 1][1] if i + 1 < len(marks) else end) - t) for i, (m, t) in enumerate(marks)]
+    totals: dict[str, float] = {}  # a stage reports progress many times (one call per norm): one row per stage
+    for i, (message, start) in enumerate(marks):
+        totals[message] = totals.get(message, 0.0) + (marks[i + 1][1] if i + 1 < len(marks) else end) - start
+    return list(totals.items())
 
 
 def main() -> None:
