@@ -138,6 +138,14 @@ def language_model_without_transformers(tmp: Path, fused: Path, mp: pytest.Monke
     return ["fuse", str(ROOT / "fixtures" / "text-prepbn"), "--out", str(tmp / "out")]
 
 
+def bench_batch_of_zero(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["bench", str(save_ckpt(tmp / "ckpt.pth")), "--batch", "1,0"]
+
+
+def bench_unknown_runtime(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["bench", str(save_ckpt(tmp / "ckpt.pth")), "--runtime", "tensorrt"]
+
+
 def missing_keys(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     ckpt = _ckpt_with(tmp, "missing.pth", lambda sd: sd.pop("blocks.0.attn.proj.bias"))
     return ["inspect", str(ckpt), "--arch", "deit_prepbn"]
@@ -386,6 +394,8 @@ CATALOGUE: list[tuple[Case, str]] = [
     (fold_that_overflows, "norm blocks.0.norm1 (its scale or shift reaches 3e+38) makes"),
     (generate_without_a_fused_language_model, "--generate needs a fused language-model folder"),
     (language_model_without_transformers, "which need the Hugging Face transformers package: pip install slabconv[hf]"),
+    (bench_batch_of_zero, "--batch '1,0': every batch size must be at least 1"),
+    (bench_unknown_runtime, "--runtime tensorrt: choose from pytorch, "),
     (missing_keys, "missing keys"),
     (unexpected_keys, "unexpected keys"),
     (shape_mismatch, "shape mismatch"),
