@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -334,11 +334,13 @@ def _hf_files(folder: Path, config: dict[str, Any]) -> list[str]:
 def _verify(
     source: Path,
     written: Path,
-    plan: StreamPlan,
-    affines: dict[str, Any],
+    plan: StreamPlan | None,
+    affines: Mapping[str, Any] | None,
     opts: VerifyOptions,
     progress: Progress,
 ) -> Verification:
+    """``layerwise.verify_folders`` with the options of a streamed run; the plan's float64 check (question 1 on
+    the tiny model) goes first among the exact checks."""
     verification = layerwise.verify_folders(
         source,
         written,
@@ -351,7 +353,7 @@ def _verify(
         block_elements=FOLD_BLOCK,
         progress=progress,
     )
-    if plan.exact is not None:
+    if plan is not None and plan.exact is not None:
         verification.exact.insert(0, plan.exact)
     return verification
 
@@ -380,19 +382,7 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
         plan = make_plan(family, hf.read_hf_config(reference), src.weight_map)
         norms = instantiate(plan, _layers(family, src.weight_map), src.weight_map, reference)
         affines = folded_affines(src, norms)
-    verification = layerwise.verify_folders(
-        reference,
-        candidate,
-        sequences=opts.sample_count(streamed=True),
-        seed=opts.seed,
-        rtol=opts.rtol,
-        atol=opts.atol,
-        strict=opts.strict,
-        folded=affines,
-        progress=progress,
-    )
-    if plan is not None and plan.exact is not None:
-        verification.exact.insert(0, plan.exact)
+    verification = _verify(reference, candidate, plan, affines, opts, progress)
     if not folded:
         verification.notes.append(
             "question 1 (is the fold exact?) not answered: the candidate is not a fold of the reference (its norms are "
