@@ -37,7 +37,7 @@ from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_pr
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.rules import Chan, LayerKind, layer_name, op_name
 from slabconv.errors import InputError
-from slabconv.verify.policy import DEFAULT_RTOL
+from slabconv.verify.policy import dtype_name, tol_dtype
 
 FOLDED_FORWARD = "folded-forward"
 FOLDED_BACKWARD = "folded-backward"
@@ -187,8 +187,7 @@ def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor
     kappa = rms_sx / rms_y
     worst = int(kappa.argmax())
     estimate = float(kappa[worst]) * torch.finfo(dtype).eps / 2
-    name = str(dtype).removeprefix("torch.")
-    tolerance = DEFAULT_RTOL[name]
+    name, tolerance = dtype_name(dtype), tol_dtype(dtype)
     if estimate <= tolerance:
         return []
     ratio = float(mean[worst].abs() / var[worst].sqrt().clamp_min(1e-30))

@@ -17,6 +17,7 @@ from torch import fx
 from slabconv import engine, fold
 from slabconv.errors import NumericError
 from slabconv.load.model import LoadedModel
+from slabconv.verify.policy import dtype_name
 
 
 def _finite(value: Any) -> bool:
@@ -88,7 +89,7 @@ def check_finite(
         original_finite = _finite(original(example))
     node = first_non_finite(fused, example)
     layer = _layer_of(node) if node is not None else "the output"
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = dtype_name(loaded.dtype)
     extremes = _extremes(original)
     norm = next((d for d in decisions if layer in d.into or layer.startswith(d.norm)), None)
     if norm is None and extremes:  # the overflow surfaced a few ops later: the norm with the most extreme affine

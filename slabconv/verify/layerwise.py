@@ -258,7 +258,7 @@ def verify_folders(
     if cand.cfg != ref.cfg:
         raise InputError(f"{reference} and {candidate} have different sizes; they are not the same model")
     family, cfg, dtype = ref.family, ref.cfg, ref.dtype
-    name = str(dtype).removeprefix("torch.")
+    name = policy.dtype_name(dtype)
     t = max(1, min(seq_len, family.max_positions(cfg)))
     ids = torch.randint(0, family.vocab_size(cfg), (sequences, t), generator=torch.Generator().manual_seed(seed))
     verification = Verification(

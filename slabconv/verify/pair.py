@@ -26,6 +26,7 @@ from slabconv.util import Progress, quiet, sha256_file
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
+from slabconv.verify.policy import dtype_name
 from slabconv.verify.reference import float64_fold
 from slabconv.verify.results import IntegrityCheck, Verification
 from slabconv.verify.run import (
@@ -140,7 +141,7 @@ def _source(path: Path, loaded: LoadedModel) -> Source:
         format=fmt,
         arch=loaded.arch,
         weights=ckpt.extra.get("weights"),
-        dtype=str(loaded.dtype).removeprefix("torch."),
+        dtype=dtype_name(loaded.dtype),
         input_shape=list(loaded.input_shape),
         batch=loaded.batch,
     )
@@ -180,7 +181,7 @@ def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tup
         graph = engine.capture(loaded.model, example)
     original64, fused64, _ = float64_fold(graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
-    dtype = str(loaded.dtype).removeprefix("torch.")
+    dtype = dtype_name(loaded.dtype)
     reference = Reference(x, label, digest, dtype, original, exact, output_names(len(original)))
     check_reference(reference)
     verification.reference = "the reference model in float64 (pytorch)"

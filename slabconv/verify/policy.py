@@ -23,8 +23,6 @@ import numpy as np
 TOL_DTYPE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
 """Relative tolerance of an output computed in each dtype (float32 1e-5, float16 1e-3, bfloat16 1e-2)."""
 
-DEFAULT_RTOL = TOL_DTYPE  # the name earlier code imports
-
 EXACT_RTOL = 1e-9
 """Question 1: the fused graph vs the original, both in float64 (float64 rounding is ~1e-16 per op)."""
 

@@ -28,6 +28,7 @@ from slabconv.util import Progress, no_progress
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
+from slabconv.verify.policy import dtype_name
 from slabconv.verify.reference import float64_fold
 from slabconv.verify.results import ExactCheck, IntegrityCheck, OutputCheck, Verification
 from slabconv.verify.runtimes import (
@@ -113,7 +114,7 @@ def make_reference(
     original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
     original64, fused64, decisions64 = float64_fold(original_graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     reference = Reference(x, label, digest, name, original, exact, output_names(len(original)))
     check_reference(reference)
     return reference, fused64, decisions64

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from slabconv.errors import InputError, first_line
+from slabconv.verify.policy import dtype_name
 
 Run = Callable[[np.ndarray], list[np.ndarray]]
 
@@ -64,7 +65,7 @@ def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | N
 
 def torch_runtime(model: nn.Module, dtype: torch.dtype, what: str, fixed_batch: int | None = None) -> Runtime:
     """``model`` in PyTorch in ``dtype``, labelled ``pytorch <version> <dtype> (<what>)``."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     label = f"pytorch {torch.__version__} {name} ({what})"
     return Runtime(label, torch_runner(model, dtype), name, fixed_batch=fixed_batch)
 
