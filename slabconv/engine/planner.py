@@ -283,10 +283,10 @@ def _fold(
     b_target, b = weights.bias(layer, kind)
     fn = kind.fold_forward if forward else kind.fold_backward
     new_w, new_b = fn(layer, weights.value(w_target), b, s, t)
-    if not kind.has_bias:
-        return _Fold([TensorUpdate(w_target, new_w)], [])  # the shift is in the weight (an embedding's rows)
-    if b_target is None and not shifts:
-        return _Fold([TensorUpdate(w_target, new_w)], [])  # a pure scale (LayerScale) creates no zero bias
+    if new_b is None or (b_target is None and not shifts):
+        # no bias to write: the shift is in the weight (an embedding's rows), or a pure scale (LayerScale) on a
+        # layer without bias creates no zero bias
+        return _Fold([TensorUpdate(w_target, new_w)], [])
     if b_target is None:
         wanted = f"{w_target.removesuffix('.weight')}.bias"
         return _Fold([TensorUpdate(w_target, new_w)], [NewBias(layer, kind, wanted, new_b)])

@@ -559,7 +559,6 @@ class LayerKind:
     name = ""
     ops: tuple[Any, ...] = ()
     data_arg = 0
-    has_bias = True  # False: the layer has no bias argument, and a fold must put the whole shift in the weight
 
     def weight(self, node: fx.Node) -> fx.Node | None:
         """The ``get_attr`` of the stored ``(out, in, ...)`` weight, None when it is computed."""
@@ -610,8 +609,9 @@ class LayerKind:
 
     def fold_backward(
         self, node: fx.Node, weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor, t: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(diag(s) W, s b + t)``: the layer's output followed by the norm (``slabconv.fold.fold_into_producer``)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(diag(s) W, s b + t)``: the layer's output followed by the norm (``slabconv.fold.fold_into_producer``).
+        A layer without a bias argument returns None for it (the shift is then in the weight)."""
         return fold.fold_into_producer(weight, bias, s, t)
 
     def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
@@ -734,7 +734,6 @@ class Embedding(LayerKind):
     name = "embedding"
     ops = _ops("embedding")
     data_arg = 1
-    has_bias = False
 
     def weight(self, node: fx.Node) -> fx.Node | None:
         w = node.args[0]
@@ -759,12 +758,12 @@ class Embedding(LayerKind):
 
     def fold_backward(
         self, node: fx.Node, weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor, t: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(W * s + t, s)``: the table with the whole affine in its rows (the second value is unused: no bias)."""
-        return fold.fold_into_embedding(weight, s, t), s
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(W * s + t, None)``: the table with the whole affine in its rows; there is no bias."""
+        return fold.fold_into_embedding(weight, s, t), None
 
     def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
-        raise AssertionError("an embedding has no bias (has_bias is False)")
+        raise AssertionError("an embedding has no bias (its fold_backward returns None for it)")
 
 
 LAYERS: tuple[LayerKind, ...] = (Linear(), Addmm(), Mm(), Conv(), Convolution(), Embedding())
