@@ -113,10 +113,11 @@ def source_of(loaded: LoadedModel) -> Source:
     )
 
 
-def _is_language_model(loaded: LoadedModel) -> bool:
+def _writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
+    """A fused language model of a zoo family is written as a Hugging Face folder, when every norm folded."""
     from slabconv.zoo import get_arch
 
-    return loaded.arch is not None and get_arch(loaded.arch).family == "llama"
+    return loaded.arch is not None and get_arch(loaded.arch).family == "llama" and planned.complete
 
 
 def write_fused(
@@ -146,7 +147,7 @@ def write_fused(
         outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
         outputs.files.append("model.pt2")
         outputs.onnx_info = {**(outputs.onnx_info or {}), "pt2_dynamic_batch": info["dynamic_batch"]}
-    if _is_language_model(loaded) and planned.complete:
+    if _writes_hf_folder(loaded, planned):
         outputs.files += _write_hf_folder(folder, loaded, write, progress)
         outputs.hf_folder = True
         outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
@@ -238,11 +239,11 @@ def fuse(
         return stream.fuse_streamed(source, out_dir, verify=verify, write=write, progress=progress)
     progress(f"loading {source}")
     loaded = load_model(source, load)
-    if _is_language_model(loaded) and (write.onnx or (verify is not None and verify.generate != 0)):
+    planned = plan(loaded, progress)
+    if _writes_hf_folder(loaded, planned) and (write.onnx or (verify is not None and verify.generate != 0)):
         from slabconv.write.hf_llama import require_transformers
 
-        require_transformers(fusing=True)  # say so before any work
-    planned = plan(loaded, progress)
+        require_transformers(fusing=True)  # decoder.onnx and the generation check need it: say so before writing
     faults.check_finite(loaded, planned.original, planned.fused, planned.decisions, planned.example)
     report = Report("fuse", source=source_of(loaded), folds=planned.decisions, out_dir=str(out_dir), mode="in-memory")
     with staging_dir(out_dir, write.force) as tmp:
