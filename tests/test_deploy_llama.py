@@ -169,7 +169,10 @@ def test_folder_files_and_config(doc):
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     modeling = (out / MODELING_FILE).read_text()
     imports = {line.split()[1] for line in modeling.splitlines() if line.startswith(("import ", "from "))}
-    assert {name.split(".")[0] for name in imports} == {"math", "torch", "transformers"}
+    assert {name.split(".")[0] for name in imports} == {"torch", "transformers"}
+    # transformers' own LLaMA, not a copy of its internals: the classes derive from the public LLaMA classes.
+    assert "class SlabconvLlamaForCausalLM(LlamaForCausalLM)" in modeling
+    assert "class SlabconvLlamaConfig(LlamaConfig)" in modeling
 
 
 # --------------------------------------------------------------------------------------------- without slabconv
@@ -565,40 +568,55 @@ def test_without_transformers_every_runner_says_what_to_install(doc, original, m
     assert all((folder / name).is_file() for name in ("config.json", "generation_config.json", MODELING_FILE))
 
 
-def test_a_fully_masked_row_stays_finite_in_float16():
-    """A left-padding position attends to no real token: every score is masked. In float16 ``score + finfo.min``
-    overflows to -inf for scores below about -16, and a softmax over -inf only is NaN, which would reach the real
-    tokens through the padding positions' keys and values. The official clamp at finfo.min keeps the row finite."""
-    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaAttention, SlabconvLlamaConfig
-
-    config = SlabconvLlamaConfig(hidden_size=8, intermediate_size=8, num_attention_heads=1, vocab_size=4)
-    attention = SlabconvLlamaAttention(config, 0).half().eval()
+def test_left_padded_float16_batches_stay_finite_and_match_unpadded_runs(doc):
+    """A left-padding position attends to no real token. In float16 a naive ``score + finfo.min`` overflows and a
+    softmax over -inf only is NaN, which would reach the real tokens through the padding positions' keys and values.
+    The folder is transformers' own LLaMA, so its masks handle this: every real token's logits stay finite and equal
+    those of the same prompt run alone."""
+    model = load_fused_llama(doc["out"], torch.float16)
+    ids = torch.as_tensor(_holdout_prompts(2, 12), dtype=torch.int64)
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.int64), ids[:1, :7]], dim=1)
+    batch = torch.cat([padded, ids[1:2]], dim=0)
+    mask = torch.ones_like(batch)
+    mask[0, :5] = 0
     with torch.no_grad():
-        attention.q_proj.weight.copy_(torch.eye(8) * 10)
-        attention.k_proj.weight.copy_(torch.eye(8) * -10)
-    x = torch.ones(1, 2, 8, dtype=torch.float16)
-    low = torch.finfo(torch.float16).min
-    mask = torch.tensor([[[[low, low], [low, 0.0]]]], dtype=torch.float16)  # row 0: a padding position
-    ones, zeros = torch.ones(1, 1, 2, 8, dtype=torch.float16), torch.zeros(1, 1, 2, 8, dtype=torch.float16)
-    with torch.no_grad():
-        out = attention(x, ones, zeros, mask, None)
-    assert torch.isfinite(out).all()
+        both = model(input_ids=batch, attention_mask=mask).logits
+        alone = model(input_ids=ids[:1, :7]).logits
+    assert torch.isfinite(both[0, 5:]).all() and torch.isfinite(both[1]).all()
+    assert torch.equal(both[0, 5:].argmax(-1), alone[0].argmax(-1))
+    torch.testing.assert_close(both[0, 5:].float(), alone[0].float(), rtol=0, atol=float(alone.abs().max()) * 2e-2)
 
 
-def test_the_modeling_file_refuses_a_transformers_older_than_it_needs(monkeypatch):
-    import importlib.util
+def test_a_folder_that_lacks_a_weight_or_has_an_extra_one_fails_to_load(doc, tmp_path):
+    """transformers would fill a missing weight with random values and drop an unexpected one with a warning; the
+    fused folder's model class makes both an error when the folder loads (with slabconv and without it)."""
+    from transformers import AutoModelForCausalLM
 
+    tensors = _fused_weights(doc)
+    cases = {
+        "lacks": {k: v for k, v in tensors.items() if k != "model.layers.0.self_attn.q_proj.bias"},
+        "no place for": tensors | {"model.layers.0.input_layernorm.weight": torch.ones(96)},
+    }
+    for phrase, weights in cases.items():
+        folder = tmp_path / phrase.replace(" ", "-")
+        folder.mkdir()
+        for name in ("config.json", "generation_config.json", MODELING_FILE):
+            shutil.copy(doc["out"] / name, folder)
+        save_file(weights, str(folder / "model.safetensors"))
+        with pytest.raises(ValueError, match=phrase):
+            AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    # The intact folder loads and its bias is the fold's, not an initialised one.
+    model = AutoModelForCausalLM.from_pretrained(doc["out"], trust_remote_code=True)
+    bias = model.model.layers[0].self_attn.q_proj.bias
+    assert torch.equal(bias.detach(), tensors["model.layers.0.self_attn.q_proj.bias"])
+
+
+def test_an_older_transformers_is_refused_with_the_install_line(monkeypatch):
     import transformers
 
     from slabconv.write import hf_llama
 
     monkeypatch.setattr(transformers, "__version__", "5.3.0")
-    spec = importlib.util.spec_from_file_location(
-        "probe_modeling_slabconv_llama", ROOT / "slabconv" / "write" / "templates" / MODELING_FILE
-    )
-    assert spec is not None and spec.loader is not None
-    with pytest.raises(ImportError, match=r"needs transformers>=5\.4 \(found 5\.3\.0\)"):
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
     with pytest.raises(UsageError, match=r"transformers 5\.3\.0 is older than the fused LLaMA model needs \(5\.4\)"):
         hf_llama.require_transformers()
     monkeypatch.setattr(transformers, "__version__", "5.10.0.dev0")

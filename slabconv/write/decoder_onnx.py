@@ -14,6 +14,7 @@ traced with its transformers ``DynamicCache`` filled from the past inputs, so it
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ class DecoderWithPast(torch.nn.Module):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.model = model
+        # transformers 5.24 renamed the forward's ``past_key_values`` to ``cache`` (the old name is deprecated): pass
+        # the cache under the name the installed release declares.
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(
         self,
@@ -65,8 +69,8 @@ class DecoderWithPast(torch.nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
+            **{self.cache_argument: cache},
         )
         presents: list[Any] = []
         for key, value, *_ in cache:  # each layer's past followed by the new tokens' keys/values
