@@ -50,22 +50,8 @@ def junit_tree(report: Report) -> ET.ElementTree:
     assert v is not None
     candidate = (report.candidate.path if report.candidate else None) or report.out_dir or "candidate"
     classname = "slabconv.verify." + Path(str(candidate)).name.replace(".", "_")
-    cases: list[tuple[str, bool, str, str]] = []  # name, passed, measured, failure message
-    for e in v.exact:
-        measured = f"method={e.method} error={e.error:.6g} bound={e.bound:g} worst={e.worst}"
-        cases.append((f"question 1: {e.name}", e.passed, measured, e.failure()))
-    for i in v.integrity:
-        cases.append((f"file: {i.name}", i.passed, i.detail, i.failure()))
-    for c in v.checks:
-        top1 = "n/a" if c.top1_agreement is None else f"{c.top1_agreement:.2%}"
-        measured = (
-            f"e_fused={c.e_fused:.6g} e_orig={c.e_orig if c.e_orig is None else format(c.e_orig, '.6g')} "
-            f"e_pair={c.e_pair:.6g} tolerance={c.tolerance:.6g} ({c.tolerance_from}) max_abs_err={c.max_abs_err:.6g} "
-            f"top1_decisive={top1} decisive={c.decisive} near_ties={c.near_ties} samples={c.samples} "
-            f"worst_sample={c.worst_sample} dtype={c.dtype} reference={c.reference}"
-        )
-        cases.append((f"question 2: {c.name}", c.passed, measured, c.failure()))
-    failures = sum(not passed for _, passed, _, _ in cases)
+    cases = v.cases()  # the same verdicts as v.passed: the failure count and the exit code agree
+    failures = sum(not case.passed for case in cases)
     seconds = f"{v.seconds / max(len(cases), 1):.3f}"
     root = ET.Element("testsuites", name="slabconv", tests=str(len(cases)), failures=str(failures))
     suite = ET.SubElement(
@@ -89,11 +75,11 @@ def junit_tree(report: Report) -> ET.ElementTree:
         ET.SubElement(props, "property", name=key, value=str(value))
     for note in v.notes:
         ET.SubElement(props, "property", name="note", value=note)
-    for name, passed, measured, message in cases:
-        case = ET.SubElement(suite, "testcase", classname=classname, name=name, time=seconds)
-        ET.SubElement(case, "system-out").text = measured
-        if not passed:
-            ET.SubElement(case, "failure", type="NotEquivalent", message=message).text = measured
+    for case in cases:
+        element = ET.SubElement(suite, "testcase", classname=classname, name=case.name, time=seconds)
+        ET.SubElement(element, "system-out").text = case.measured
+        if not case.passed:
+            ET.SubElement(element, "failure", type="NotEquivalent", message=case.message).text = case.measured
     return ET.ElementTree(root)
 
 

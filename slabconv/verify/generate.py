@@ -71,6 +71,9 @@ class RuntimeComparison:
         first_divergence: per sequence, the step of the first differing token, or None when all N agree.
         decides: whether this comparison decides ``GenerationCheck.passed`` (False for the original's own run in its
             dtype, reported as the baseline).
+        first_mismatch: the first decisive mismatch, or None: ``{"prompt": index, "prompt_ids": its first 16 token
+            ids, "prompt_truncated": whether it has more, "step": 0-based step, "expected": the reference's token id,
+            "got": this run's}`` (``slabconv.verify.results.generation_failure`` words it).
         passed: no decisive mismatch.
     """
 
@@ -82,6 +85,7 @@ class RuntimeComparison:
     near_tie_divergences: int
     first_divergence: list[int | None]
     decides: bool = True
+    first_mismatch: dict[str, Any] | None = None
     passed: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -358,6 +362,7 @@ def compare_greedy(
     dtype: object,
     *,
     baselines: Sequence[GreedyRun] = (),
+    prompts: ArrayLike | None = None,
 ) -> GenerationCheck:
     """Compare candidates' greedy tokens with the reference's, excusing near-ties (module docstring).
 
@@ -369,6 +374,7 @@ def compare_greedy(
             between its first and second logit is at most ``tol_dtype(dtype) * max |logits|`` at that step.
         baselines: runs compared and reported the same way that do not decide ``passed`` (the original in its own
             dtype).
+        prompts: the prompts ``(B, T)`` the runs continued, named in a mismatch's report (None: not named).
 
     Returns:
         A ``GenerationCheck``.
@@ -379,6 +385,7 @@ def compare_greedy(
     if reference.logits64 is None:
         raise UsageError(f"the reference run {reference.name!r} kept no logits; run it with keep_logits=True")
     ref = reference.tokens
+    prompt_ids = _as_ids(prompts).tolist() if prompts is not None else None
     steps_decisive = decisive_steps(reference.logits64, dtype)
     runs = []
     for run, decides in [*((c, True) for c in candidates), *((b, False) for b in baselines)]:
@@ -386,6 +393,7 @@ def compare_greedy(
             raise UsageError(f"{run.name}: tokens of shape {run.tokens.shape}, the reference has {ref.shape}")
         compared = mismatches = ties = tie_divergences = 0
         first: list[int | None] = []
+        first_mismatch: dict[str, Any] | None = None
         for b in range(ref.shape[0]):
             diverged = None
             for s in range(ref.shape[1]):
@@ -395,13 +403,31 @@ def compare_greedy(
                     diverged = s
                     if steps_decisive[b, s]:
                         mismatches += 1
+                        if first_mismatch is None:
+                            shown = prompt_ids[b] if prompt_ids is not None else []
+                            first_mismatch = {
+                                "prompt": b,
+                                "prompt_ids": [int(t) for t in shown[:16]],
+                                "prompt_truncated": len(shown) > 16,
+                                "step": s,
+                                "expected": int(ref[b, s]),
+                                "got": int(run.tokens[b, s]),
+                            }
                     else:
                         tie_divergences += 1
                     break
             first.append(diverged)
         runs.append(
             RuntimeComparison(
-                run.name, run.tokens_per_second, compared, mismatches, ties, tie_divergences, first, decides
+                run.name,
+                run.tokens_per_second,
+                compared,
+                mismatches,
+                ties,
+                tie_divergences,
+                first,
+                decides,
+                first_mismatch,
             )
         )
     speeds = {r.name: r.tokens_per_second for r in (reference, *candidates, *baselines)}
@@ -468,4 +494,33 @@ def check_generation(
     candidates = [greedy_fused(folder, prompts, steps, threads=threads)]
     if onnx_path is not None:
         candidates.append(greedy_onnx(onnx_path, prompts, steps, threads=threads))
-    return compare_greedy(reference, candidates, param.dtype, baselines=baselines)
+    return compare_greedy(reference, candidates, param.dtype, baselines=baselines, prompts=prompts)
+
+
+def check_fused_folder(
+    original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, steps: int, *, onnx: bool = True
+) -> dict[str, Any]:
+    """The greedy-generation check of ``fuse`` and ``verify --generate``, in memory or streamed alike: the
+    original against the fused folder in transformers and, when ``onnx`` and the folder has one, its
+    ``decoder.onnx`` in onnxruntime (not for bfloat16: onnxruntime's CPU provider has no bfloat16 kernels).
+
+    Args:
+        original: ids int64 ``(B, T)`` -> logits ``(B, T, V)``, eval mode.
+        folder: the fused Hugging Face folder.
+        token_ids: int64 ``(S, T)`` verification inputs; the prompts are the first 16 rows, their first half
+            (at least one token).
+        steps: tokens to generate per prompt.
+        onnx: also run ``folder/decoder.onnx`` when it exists.
+
+    Returns:
+        ``GenerationCheck.to_dict()``: the report's ``verification.generation`` block.
+
+    Raises:
+        UsageError: transformers is not installed; bad ids or steps.
+    """
+    ids = _as_ids(token_ids)[:16]
+    prompts = ids[:, : max(1, ids.shape[1] // 2)]
+    decoder = Path(folder) / "decoder.onnx"
+    dtype = next(original.parameters()).dtype
+    onnx_path = decoder if onnx and decoder.is_file() and dtype != torch.bfloat16 else None
+    return check_generation(original, folder, prompts, steps, onnx_path=onnx_path, threads=1).to_dict()

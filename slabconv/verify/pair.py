@@ -178,7 +178,7 @@ def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tup
     original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
     example = loaded.trace_example()
     with quiet():
-        graph = engine.capture(loaded.model, example)
+        graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     original64, fused64, _ = float64_fold(graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
     dtype = dtype_name(loaded.dtype)
@@ -218,10 +218,8 @@ def verify_pair(
         UsageError: no input shape or id range is known (two ``.onnx`` files): pass ``--inputs``; ``--generate``
             without a fused language-model folder as the candidate.
     """
-    if opts.generate and not _is_fused_lm_folder(candidate_path):
-        raise UsageError(
-            f"--generate needs a fused language-model folder as the candidate; {candidate_path} is not one"
-        )
+    if opts.generate:
+        require_fused_lm_folder(candidate_path)
     progress("opening the reference and the candidate")
     ref, cand = open_side(reference_path, load), open_side(candidate_path, load)
     if ref.input_shape and cand.input_shape and tuple(ref.input_shape) != tuple(cand.input_shape):
@@ -273,25 +271,26 @@ def verify_pair(
     return ref.source, cand.source, verification
 
 
-def _is_fused_lm_folder(path: Path) -> bool:
+def require_fused_lm_folder(path: Path) -> None:
+    """Refuse ``--generate`` for a candidate that is not a fused language-model folder.
+
+    Raises:
+        UsageError: ``path`` is not a folder holding the fused LLaMA's modeling file.
+    """
     from slabconv.write.hf_llama import MODELING_FILE
 
-    return path.is_dir() and (path / MODELING_FILE).is_file()
+    if not (path.is_dir() and (path / MODELING_FILE).is_file()):
+        raise UsageError(f"--generate needs a fused language-model folder as the candidate; {path} is not one")
 
 
 def _generation(ref: Side, candidate: Path, x: np.ndarray, steps: int) -> dict[str, Any]:
-    """``--generate N``: greedy generation of the reference model against a fused language-model folder (and its
-    decoder ONNX when there is one), on prompts from the inputs (at most 16, half their length).
+    """``--generate N``: ``verify.generate.check_fused_folder`` with the reference's model.
 
     Raises:
         UsageError: the reference is not a language model slabconv builds.
     """
-    from slabconv.verify.generate import check_generation
+    from slabconv.verify.generate import check_fused_folder
 
     if ref.loaded is None or not ref.token_input:
         raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
-    ids = torch.as_tensor(x)[:16]
-    prompts = ids[:, : max(1, ids.shape[1] // 2)]
-    decoder = candidate / "decoder.onnx"
-    onnx_path = decoder if decoder.is_file() and ref.loaded.dtype != torch.bfloat16 else None
-    return check_generation(ref.loaded.model, candidate, prompts, steps, onnx_path=onnx_path, threads=1).to_dict()
+    return check_fused_folder(ref.loaded.model, candidate, x, steps)

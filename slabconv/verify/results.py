@@ -168,6 +168,38 @@ class IntegrityCheck:
 
 
 @dataclass
+class Case:
+    """One check that ran, as a verdict: what ``passed``, ``failures()`` and the JUnit file are all built from, so
+    the exit code and the JUnit failure count agree by construction.
+
+    Attributes:
+        name: ``question 1: ...``, ``file: ...``, ``question 2: ...``, ``generation: <run>``, or ``no check ran``.
+        passed: the check's verdict.
+        measured: one line of the numbers measured.
+        message: the failure line (empty when it passed).
+    """
+
+    name: str
+    passed: bool
+    measured: str
+    message: str
+
+
+def generation_failure(run: dict[str, Any]) -> str:
+    """The failure line of one greedy-generation comparison (a ``RuntimeComparison`` as a dict): the runtime, the
+    prompt (its first token ids), the first step that differs and the two tokens."""
+    m = run.get("first_mismatch")
+    if not m:
+        return f"greedy generation failed for {run['name']}: {run['decisive_mismatches']} decisive mismatches"
+    ids = ", ".join(str(i) for i in m["prompt_ids"]) + (", ..." if m.get("prompt_truncated") else "")
+    return (
+        f"greedy generation failed for {run['name']}: prompt {m['prompt']} (ids {ids}) differs at step {m['step']}: "
+        f"expected token {m['expected']}, got {m['got']} ({run['decisive_mismatches']} of "
+        f"{len(run['first_divergence'])} prompts differ at a decisive step)"
+    )
+
+
+@dataclass
 class Verification:
     """Every check of one verification run; ``to_dict`` is the report's ``verification`` block.
 
@@ -196,20 +228,45 @@ class Verification:
     generation: dict[str, Any] | None = None
     seconds: float = 0.0
 
+    def cases(self) -> list[Case]:
+        """Every check that ran, in order: question 1, the file checks, question 2, greedy generation (one case per
+        deciding runtime). With no question-2 check at all, one failing ``no check ran`` case."""
+        out = []
+        for e in self.exact:
+            measured = f"method={e.method} error={e.error:.6g} bound={e.bound:g} worst={e.worst}"
+            out.append(Case(f"question 1: {e.name}", e.passed, measured, "" if e.passed else e.failure()))
+        for i in self.integrity:
+            out.append(Case(f"file: {i.name}", i.passed, i.detail, "" if i.passed else i.failure()))
+        for c in self.checks:
+            top1 = "n/a" if c.top1_agreement is None else f"{c.top1_agreement:.2%}"
+            measured = (
+                f"e_fused={c.e_fused:.6g} e_orig={c.e_orig if c.e_orig is None else format(c.e_orig, '.6g')} "
+                f"e_pair={c.e_pair:.6g} tolerance={c.tolerance:.6g} ({c.tolerance_from}) "
+                f"max_abs_err={c.max_abs_err:.6g} top1_decisive={top1} decisive={c.decisive} "
+                f"near_ties={c.near_ties} samples={c.samples} worst_sample={c.worst_sample} dtype={c.dtype} "
+                f"reference={c.reference}"
+            )
+            out.append(Case(f"question 2: {c.name}", c.passed, measured, "" if c.passed else c.failure()))
+        if not self.checks:
+            out.append(Case("no check ran", False, "", "no check ran: no written file was compared"))
+        for run in (self.generation or {}).get("runs", []):
+            if not run.get("decides", True):
+                continue
+            measured = (
+                f"tokens_compared={run['tokens_compared']} decisive_mismatches={run['decisive_mismatches']} "
+                f"near_ties={run['near_ties']} tokens_per_second={run['tokens_per_second']:.6g}"
+            )
+            ok = bool(run["passed"])
+            out.append(Case(f"generation: {run['name']}", ok, measured, "" if ok else generation_failure(run)))
+        return out
+
     @property
     def passed(self) -> bool:
-        generated = self.generation is None or bool(self.generation.get("passed"))
-        parts: list[ExactCheck | OutputCheck | IntegrityCheck] = [*self.exact, *self.checks, *self.integrity]
-        return bool(self.checks) and all(c.passed for c in parts) and generated
+        return all(c.passed for c in self.cases())
 
     def failures(self) -> list[str]:
-        """One line per failed check: question 1 first, then the files, then question 2."""
-        lines = [c.failure() for c in self.exact if not c.passed]
-        lines += [c.failure() for c in self.integrity if not c.passed]
-        lines += [c.failure() for c in self.checks if not c.passed]
-        if self.generation is not None and not self.generation.get("passed"):
-            lines.append(f"generation failed: {self.generation.get('detail', '')}")
-        return lines
+        """One line per failed check: question 1 first, then the files, then question 2, then generation."""
+        return [c.message for c in self.cases() if not c.passed]
 
     def failure_line(self) -> str:
         """The first failure, for the one-line error of ``fuse`` / ``verify``."""
