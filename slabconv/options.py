@@ -53,6 +53,10 @@ class VerifyOptions:
     strict: bool = False
     generate: int | None = None
 
+    def fuse_steps(self) -> int:
+        """Greedy tokens per prompt that ``fuse`` of a language model compares: ``generate``, else 32."""
+        return self.generate if self.generate is not None else 32
+
     def sample_count(self, streamed: bool = False) -> int:
         """``samples``, else the default: 64 samples, or 2 token sequences for a streamed (layer-by-layer) run."""
         return self.samples if self.samples is not None else (2 if streamed else 64)

@@ -264,6 +264,11 @@ def fuse_streamed(
         VerificationError: a check failed (exit 1); nothing is written.
     """
     src = _read_source(folder)
+    if verify is not None and verify.generate != 0:
+        from slabconv.write.hf_llama import require_transformers
+
+        require_transformers(fusing=True)  # the generation check needs it: say so before any work
+        check_generation_fits(folder, verify)
     family = family_of(src.weight_map)
     layers = _layers(family, src.weight_map)
     return_freed_blocks_to_the_os()
@@ -307,21 +312,87 @@ def fuse_streamed(
         if verify is not None:
             started = time.monotonic()
             report.verification = _verify(folder, tmp, plan, affines, verify, progress)
+            report.verification.generation = _generation(folder, tmp, verify, progress)
+            _note_generation(report.verification, verify)
             report.verification.seconds = time.monotonic() - started
+        report.rename(tmp, out_dir)
+        if report.verification is not None and not report.verification.passed:
+            # Nothing is written: the report names no output file.
+            raise VerificationError(
+                f"the fused weights are not equivalent: {report.verification.failure_line()}; nothing was written",
+                report,
+            )
         report.outputs = Outputs(
             files=files,
             safetensors=hf.SAFETENSORS_INDEX,
             hf_folder=True,
             sha256={name: sha256_file(tmp / name) for name in files},
         )
-        report.rename(tmp, out_dir)
         report.write(tmp / "report.json")
-        if report.verification is not None and not report.verification.passed:
-            raise VerificationError(
-                f"the fused weights are not equivalent: {report.verification.failure_line()}; nothing was written",
-                report,
-            )
     return report
+
+
+def generation_memory(specs: Mapping[str, tuple[torch.dtype, list[int]]]) -> int:
+    """Bytes the greedy-generation check holds at once for a model whose tensors are ``specs`` (name -> dtype,
+    shape): the original in its dtype, its float64 copy (the reference) and the fused folder in its dtype."""
+    total = 0
+    for dtype, shape in specs.values():
+        numel = 1
+        for n in shape:
+            numel *= int(n)
+        total += numel * (2 * dtype.itemsize + 8)
+    return total
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, None where there is no such file (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_generation_fits(folder: Path, opts: VerifyOptions | None) -> None:
+    """Refuse, before any work, a streamed run whose greedy-generation check (on unless ``--generate 0``) cannot
+    hold the original and fused models in this machine's memory.
+
+    Raises:
+        UsageError: the check would need more than the available memory (the message says how to skip it).
+    """
+    if opts is None or opts.generate == 0:
+        return
+    need, have = generation_memory(LazyShards.open(folder).specs()), available_memory()
+    if have is not None and need > have:
+        raise UsageError(
+            f"{folder}: the greedy-generation check loads the original and the fused model whole (about "
+            f"{need / 2**30:.1f} GiB; {have / 2**30:.1f} GiB available): pass --generate 0 to skip it (the report "
+            "then says generation was not checked)"
+        )
+
+
+def _generation(source: Path, fused: Path, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
+    """The same greedy-generation check as an in-memory fold (``verify.generate.check_fused_folder``): the
+    original, loaded whole from ``source``, against the fused folder. None with ``--generate 0``."""
+    if opts.generate == 0:
+        return None
+    from slabconv.load.model import load_model
+    from slabconv.verify.generate import check_fused_folder
+    from slabconv.verify.inputs import choose_inputs
+    from slabconv.write.hf_llama import require_transformers
+
+    require_transformers()
+    progress("verifying: greedy generation, original vs fused folder")
+    loaded = load_model(source)
+    x = choose_inputs(loaded, None, opts.sample_count(), opts.seed)[0]
+    return check_fused_folder(loaded.model, fused, x, opts.fuse_steps())
+
+
+def _note_generation(verification: Verification, opts: VerifyOptions) -> None:
+    if opts.generate == 0:
+        verification.notes.append("greedy generation not checked (--generate 0)")
 
 
 def _hf_files(folder: Path, config: dict[str, Any]) -> list[str]:
@@ -370,6 +441,11 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
     for path in (reference, candidate):
         if not path.is_dir():
             raise UsageError(f"{path}: --stream compares Hugging Face style folders; give the folder, not a file")
+    if opts.generate:
+        from slabconv.verify.pair import require_fused_lm_folder
+
+        require_fused_lm_folder(candidate)
+        check_generation_fits(reference, opts)
     src, cand = LazyShards.open(reference), LazyShards.open(candidate)
     family = family_of(src.weight_map)
     affines = None
@@ -383,6 +459,8 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
         norms = instantiate(plan, _layers(family, src.weight_map), src.weight_map, reference)
         affines = folded_affines(src, norms)
     verification = _verify(reference, candidate, plan, affines, opts, progress)
+    if opts.generate:
+        verification.generation = _generation(reference, candidate, opts, progress)
     if not folded:
         verification.notes.append(
             "question 1 (is the fold exact?) not answered: the candidate is not a fold of the reference (its norms are "
