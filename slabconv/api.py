@@ -25,7 +25,6 @@ import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import fx, nn
@@ -78,7 +77,7 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
     example = loaded.trace_example()
     progress("tracing the model with torch.export")
     with quiet():
-        original = engine.capture(loaded.model, example)
+        original = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     fused = copy.deepcopy(original)
     total = len(engine.find_norms(fused))
     done: list[str] = []
@@ -136,9 +135,11 @@ def write_fused(
     save_safetensors(tensors, folder / "model.safetensors", metadata)
     outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
     artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
+    dynamic: list[bool] = []  # per program written: does it take any sequence length?
     if write.onnx:
         progress("exporting model.onnx")
         outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx")
+        dynamic.append(outputs.onnx_info["dynamic_sequence"])
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
         outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
     if write.pt2:
@@ -146,7 +147,13 @@ def write_fused(
         info = export_pt2(planned.fused, planned.example, folder / "model.pt2")
         outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
         outputs.files.append("model.pt2")
-        outputs.onnx_info = {**(outputs.onnx_info or {}), "pt2_dynamic_batch": info["dynamic_batch"]}
+        dynamic.append(info["dynamic_sequence"])
+        outputs.onnx_info = {
+            **(outputs.onnx_info or {}),
+            "pt2_dynamic_batch": info["dynamic_batch"],
+            "pt2_dynamic_sequence": info["dynamic_sequence"],
+        }
+    artifacts.dynamic_sequence = bool(dynamic) and all(dynamic)
     if _writes_hf_folder(loaded, planned):
         outputs.files += _write_hf_folder(folder, loaded, write, progress)
         outputs.hf_folder = True
@@ -166,19 +173,6 @@ def _write_hf_folder(folder: Path, loaded: LoadedModel, write: WriteOptions, pro
         export_decoder_onnx(folder, folder / "decoder.onnx")
         written += [f.name for f in onnx_files(folder / "decoder.onnx")]
     return written
-
-
-def _generation(loaded: LoadedModel, folder: Path, reference_x: Any, steps: int, onnx: bool) -> dict[str, Any]:
-    """Greedy generation of the original vs the fused folder (and its decoder ONNX), on prompts from the
-    verification inputs (at most 16, half their length). onnxruntime's CPU provider has no bfloat16 kernels: a
-    bfloat16 decoder ONNX is not run (a note says so)."""
-    from slabconv.verify.generate import check_generation
-
-    ids = torch.as_tensor(reference_x)[:16]
-    prompts = ids[:, : max(1, ids.shape[1] // 2)]
-    runnable = onnx and loaded.dtype != torch.bfloat16
-    onnx_path = folder / "decoder.onnx" if runnable else None
-    return check_generation(loaded.model, folder, prompts, steps, onnx_path=onnx_path, threads=1).to_dict()
 
 
 # --------------------------------------------------------------------------------------------- commands
@@ -264,28 +258,32 @@ def fuse(
                 strict=verify.strict,
                 progress=progress,
             )
-            if outputs.hf_folder and verify.generate != 0:
-                steps = verify.generate if verify.generate is not None else 32
+            if outputs.hf_folder and verify.generate == 0:
+                report.verification.notes.append("greedy generation not checked (--generate 0)")
+            elif outputs.hf_folder:
+                steps = verify.fuse_steps()
                 progress("verifying: greedy generation, original vs fused folder")
+                from slabconv.verify.generate import check_fused_folder
                 from slabconv.verify.inputs import choose_inputs
 
                 x = choose_inputs(loaded, verify.inputs, verify.sample_count(), verify.seed)[0]
-                report.verification.generation = _generation(loaded, tmp, x, steps, write.onnx)
+                report.verification.generation = check_fused_folder(loaded.model, tmp, x, steps, onnx=write.onnx)
                 if write.onnx and loaded.dtype == torch.bfloat16:
                     report.verification.notes.append(
                         "onnxruntime's CPU provider has no bfloat16 kernels: greedy generation ran in transformers "
                         "only, decoder.onnx got onnx.checker's full check"
                     )
             report.verification.seconds = time.monotonic() - started
-        outputs.sha256 = {name: sha256_file(tmp / name) for name in outputs.files}
-        report.outputs = outputs
         report.rename(tmp, out_dir)
-        report.write(tmp / "report.json")
         if report.verification is not None and not report.verification.passed:
+            # Nothing is written: the report names no output file.
             raise VerificationError(
                 "the fused model is not equivalent: " + report.verification.failure_line() + "; nothing was written",
                 report,
             )
+        outputs.sha256 = {name: sha256_file(tmp / name) for name in outputs.files}
+        report.outputs = outputs
+        report.write(tmp / "report.json")
     return report
 
 
@@ -380,19 +378,22 @@ def load_fused(out_dir: Path | str) -> nn.Module:
         logits = model(images)                        # (B, 1, 8, 8) float32 -> (B, 10)
         fast = torch.compile(model)
 
+    The module checks its input first: another dtype, rank or size (a sequence longer than the model's
+    ``max_position_embeddings``, a batch other than a static program's) raises one line naming what it takes.
+
     Raises:
         InputError: not a folder ``fuse`` wrote, or one written with ``--no-pt2``.
+        UsageError: when called, an input the program does not take.
     """
     from slabconv.load.checkpoint import load_checkpoint
-    from slabconv.load.fused import is_output_folder
+    from slabconv.load.fused import CheckedProgram, is_output_folder
 
     folder = Path(out_dir)
     if not is_output_folder(folder):
         raise InputError(f"{folder}: not a folder slabconv fuse wrote (no report.json)")
     if not (folder / "model.pt2").is_file():
         raise InputError(f"{folder}: has no model.pt2 (it was fused with --no-pt2); fuse again without it")
-    module: nn.Module = load_checkpoint(folder / "model.pt2").module
-    return module
+    return CheckedProgram(load_checkpoint(folder / "model.pt2").module, f"{folder / 'model.pt2'}")
 
 
 def bench(

@@ -21,7 +21,69 @@ from torch import fx
 from slabconv.errors import UnsupportedModelError
 
 
-def capture(model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool = True) -> fx.GraphModule:
+def graph_axes(model: torch.nn.Module) -> dict[int, Any]:
+    """The dynamic axes of a graph captured with symbolic sizes, as ``torch.export.Dim``s for exporting it again.
+
+    For an ``fx.GraphModule`` from ``capture`` (or a loaded ``.pt2``), each axis of its first input whose size is
+    symbolic: axis 0 as ``Dim("batch")``, axis 1 as ``Dim("sequence", min=1, max=<its upper bound>)``, others as
+    ``Dim("axis<i>")`` with their bounds. Empty for a module that is not such a graph or has static sizes.
+    """
+    if not isinstance(model, fx.GraphModule):
+        return {}
+    placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
+    val = placeholders[0].meta.get("val") if placeholders else None
+    if not isinstance(val, torch.Tensor):
+        return {}
+    axes: dict[int, Any] = {}
+    for i, size in enumerate(val.shape):
+        if not isinstance(size, torch.SymInt):
+            continue
+        if i == 0:
+            axes[0] = torch.export.Dim("batch")
+            continue
+        upper = upper_bound(size)
+        name = "sequence" if i == 1 else f"axis{i}"
+        axes[i] = torch.export.Dim(name, min=1, max=upper) if upper else torch.export.Dim(name, min=1)
+    return axes
+
+
+def upper_bound(size: Any) -> int | None:
+    """The largest value a symbolic size may take (``ShapeEnv.var_to_range`` of its symbol), None when unbounded
+    or unknown; a plain int is its own bound."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    bounds = getattr(getattr(node, "shape_env", None), "var_to_range", {}).get(getattr(node, "expr", None))
+    if bounds is None:
+        return None
+    try:
+        upper = int(bounds.upper)
+    except (TypeError, ValueError, AttributeError, OverflowError):  # int_oo and other infinities
+        return None
+    return upper if upper < 1 << 62 else None
+
+
+def axis_attempts(model: torch.nn.Module, sequence: int | None = None) -> list[dict[int, Any] | None]:
+    """The dynamic axes to try exporting ``model`` with, most dynamic first, ending with a static export.
+
+    Args:
+        model: a module, or a graph captured with symbolic sizes (``graph_axes``: those axes are tried first).
+        sequence: for token-id inputs ``(B, T)``: the longest ``T`` the model takes (``max_position_embeddings``);
+            axis 1 is then tried as ``Dim("sequence", min=1, max=sequence)``.
+    """
+    batch = {0: torch.export.Dim("batch")}
+    attempts: list[dict[int, Any] | None] = []
+    axes = graph_axes(model)
+    if len(axes) > 1:
+        attempts.append(axes)
+    if sequence is not None and sequence > 1:
+        attempts.append({**batch, 1: torch.export.Dim("sequence", min=1, max=int(sequence))})
+    return [*attempts, batch, None]
+
+
+def capture(
+    model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool = True, sequence: int | None = None
+) -> fx.GraphModule:
     """Export ``model`` (eval mode) with ``torch.export`` and return the unlifted fx ``GraphModule``.
 
     Args:
@@ -29,16 +91,17 @@ def capture(model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool =
         example: one example input ``(B, ...)`` with ``B >= 2`` so the batch axis can be symbolic.
         dynamic_batch: mark axis 0 of the input dynamic; falls back to a static batch when the model's code
             specialises it.
+        sequence: token-id models: the longest sequence the model takes; axis 1 is then symbolic up to it (falls
+            back to the example's length when the model's code specialises it).
 
     Raises:
         UnsupportedModelError: ``torch.export`` cannot trace the model (the message carries its reason).
     """
-    batch = torch.export.Dim("batch")
-    attempts = [{"x": {0: batch}}, None] if dynamic_batch else [None]
+    attempts = axis_attempts(model, sequence) if dynamic_batch else [None]
     last: Exception | None = None
-    for shapes in attempts:
+    for axes in attempts:
         try:
-            ep = torch.export.export(model, (example,), dynamic_shapes=(shapes and (shapes["x"],)))
+            ep = torch.export.export(model, (example,), dynamic_shapes=(axes,) if axes else None)
             return ep.module()
         except Exception as err:  # noqa: BLE001 - report torch.export's own reason
             last = err

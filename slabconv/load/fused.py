@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from slabconv import __version__
 
 
@@ -62,3 +64,81 @@ REPORT = "report.json"
 def is_output_folder(path: Path) -> bool:
     """True for a folder ``fuse`` wrote (it holds slabconv's ``report.json``)."""
     return path.is_dir() and (path / REPORT).is_file()
+
+
+def input_spec(program: Any) -> tuple[Any, list[tuple[int | None, int, int | None]]] | None:
+    """What a loaded program (``torch.export.load(...).module()``) takes: its first input's dtype and, per axis,
+    ``(fixed size or None, lowest, highest or None)``; None when the graph does not record it.
+
+    Source: the placeholder's ``meta["val"]`` (a fake tensor whose symbolic sizes carry the bounds the program was
+    exported with, ``ShapeEnv.var_to_range``).
+    """
+    from torch import fx
+
+    from slabconv.engine.capture import upper_bound
+
+    if not isinstance(program, fx.GraphModule):
+        return None
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    val = placeholders[0].meta.get("val") if placeholders else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    axes: list[tuple[int | None, int, int | None]] = []
+    for size in val.shape:
+        if not isinstance(size, torch.SymInt):
+            axes.append((int(size), int(size), int(size)))
+            continue
+        axes.append((None, 1, upper_bound(size)))
+    return val.dtype, axes
+
+
+def describe_input(spec: tuple[Any, list[tuple[int | None, int, int | None]]]) -> str:
+    """``int64 ids of shape (batch, sequence 1..64)`` / ``float32 input of shape (batch, 1, 8, 8)``."""
+    dtype, axes = spec
+    names = []
+    for i, (fixed, low, high) in enumerate(axes):
+        if fixed is not None:
+            names.append(str(fixed))
+        elif i == 0:
+            names.append("batch")
+        else:
+            names.append(f"{'sequence' if i == 1 else f'axis {i}'} {low}..{high}" if high else "any")
+    kind = "ids" if not dtype.is_floating_point else "input"
+    return f"{str(dtype).removeprefix('torch.')} {kind} of shape ({', '.join(names)})"
+
+
+class CheckedProgram(torch.nn.Module):
+    """A fused program that says what it takes: called with an input of another dtype, rank or size, it raises
+    one line naming the expected shape and dtype instead of torch's guard assertion.
+
+    Wraps the module of a ``.pt2`` (``torch.export.load(path).module()``), held as ``program``.
+    """
+
+    def __init__(self, module: torch.nn.Module, name: str):
+        super().__init__()
+        self.program = module
+        self.name = name
+        self.spec = input_spec(module)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        self.check(x)
+        return self.program(x)
+
+    def check(self, x: Any) -> None:
+        """Raises UsageError: ``x`` is not a tensor of the dtype, rank and sizes the program takes."""
+        from slabconv.errors import UsageError
+
+        if self.spec is None:
+            return
+        dtype, axes = self.spec
+        wrong = not isinstance(x, torch.Tensor) or x.dtype != dtype or x.ndim != len(axes)
+        if not wrong:
+            for size, (fixed, low, high) in zip(x.shape, axes, strict=True):
+                if (fixed is not None and size != fixed) or size < low or (high is not None and size > high):
+                    wrong = True
+        if wrong:
+            if isinstance(x, torch.Tensor):
+                got = f"{str(x.dtype).removeprefix('torch.')} of shape {tuple(x.shape)}"
+            else:
+                got = f"a {type(x).__name__}"
+            raise UsageError(f"{self.name} takes {describe_input(self.spec)}; got {got}")

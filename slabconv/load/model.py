@@ -64,6 +64,16 @@ class LoadedModel:
         """True when the model takes integer ids (its logits' last axis is the vocabulary)."""
         return self.input_dtype is not None and not self.input_dtype.is_floating_point
 
+    @property
+    def max_sequence(self) -> int | None:
+        """For a language model taking ids ``(B, T)``: the longest ``T`` it takes (its config's
+        ``max_position_embeddings``), so its graph and the programs written from it accept any length up to it;
+        None otherwise."""
+        limit = self.config.get("max_position_embeddings") if isinstance(self.config, dict) else None
+        if not self.token_input or len(self.input_shape) != 1 or not isinstance(limit, int) or limit < 2:
+            return None
+        return limit
+
     def trace_example(self) -> torch.Tensor:
         """The input to trace and export with: ``example_batch`` seeded samples, or, for integer ids whose range is
         unknown (they feed more than embedding lookups), zeros -- a valid index for any table. Shape

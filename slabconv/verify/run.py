@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 
 from slabconv import engine
-from slabconv.errors import InputError
+from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
 from slabconv.util import Progress, no_progress
 from slabconv.verify import judge
@@ -73,6 +73,23 @@ class Reference:
     names: list[str]
     notes: list[str] = field(default_factory=list)
     fused64: fx.GraphModule | None = None
+    original64: fx.GraphModule | None = None
+
+    def at_length(self, loaded: LoadedModel, length: int) -> Reference:
+        """The same reference on the first ``length`` tokens of every input (a language model whose graphs take
+        any sequence length): the original in its dtype and the float64 graph run again on ``x[:, :length]``.
+
+        Raises:
+            UsageError: there is no float64 graph to run (a reference without one).
+        """
+        if self.original64 is None:
+            raise UsageError("this reference has no float64 graph to run at another length")
+        x = self.x[:, :length]
+        original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+        runner = torch_runner(self.original64, torch.float64, round_to=loaded.dtype)
+        exact = run_batched(runner, x, fixed_batch=loaded.batch)
+        names = [f"{name}, length {length}" for name in self.names]
+        return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64)
 
 
 def check_reference(reference: Reference) -> None:
@@ -115,7 +132,7 @@ def make_reference(
     original64, fused64, decisions64 = float64_fold(original_graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
     name = dtype_name(dtype)
-    reference = Reference(x, label, digest, name, original, exact, output_names(len(original)))
+    reference = Reference(x, label, digest, name, original, exact, output_names(len(original)), original64=original64)
     check_reference(reference)
     return reference, fused64, decisions64
 
@@ -196,6 +213,8 @@ class Artifacts:
         onnx: ``model.onnx`` or None.
         pt2: ``model.pt2`` or None.
         fused_graph: the in-memory fused graph (run in PyTorch when neither ONNX nor ``.pt2`` was written).
+        dynamic_sequence: the written programs take any sequence length (a language model): question 2 then also
+            runs them on a shorter length.
     """
 
     folder: Path
@@ -205,6 +224,7 @@ class Artifacts:
     onnx: Path | None = None
     pt2: Path | None = None
     fused_graph: nn.Module | None = None
+    dynamic_sequence: bool = False
 
 
 def artifact_runtimes(artifacts: Artifacts, dtype: torch.dtype, batch: int | None) -> tuple[list[Runtime], list[str]]:
@@ -291,5 +311,15 @@ def verify_fold(
         verification.checks += question_2(
             reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input
         )
+    length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
+    if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
+        # The programs take any length up to max_position_embeddings: check a second one, so a program that only
+        # runs (or only computes right) at the verification inputs' length cannot pass.
+        shorter = reference.at_length(loaded, length)
+        for runtime in runtimes:
+            progress(f"verifying: question 2, {runtime.label}, length {length}")
+            verification.checks += question_2(
+                shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
+            )
     verification.runtime = runtime_summary(runtimes)
     return verification

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from slabconv import __version__
+from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
 
@@ -37,20 +38,21 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> di
     """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
 
     Axis 0 (batch) is dynamic when the model allows it; otherwise the batch size of ``example`` is fixed and
-    the returned info says so. Weights over ``ONNX_EXTERNAL_DATA_BYTES`` go to external data
+    the returned info says so. A graph captured with a symbolic sequence axis (a language model) keeps it: the
+    input is ``(batch, sequence)``. Weights over ``ONNX_EXTERNAL_DATA_BYTES`` go to external data
     ``<path>.data`` beside ``path``. A bfloat16 model is exported at opset ``BFLOAT16_OPSET`` (a valid model that
     passes ``onnx.checker``; onnxruntime's CPU provider has no bfloat16 kernels for it).
 
     Returns:
-        ``{"dynamic_batch": bool, "opset": int, "external_data": "<name>.data" or None}``.
+        ``{"dynamic_batch": bool, "dynamic_sequence": bool, "opset": int, "external_data": "<name>.data" or None}``.
 
     Raises:
         UnsupportedModelError: the exporter fails both with and without a dynamic batch axis.
         UsageError: the file cannot be written.
     """
     last: Exception | None = None
-    for dynamic in (True, False):
-        shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    for axes in axis_attempts(model):
+        shapes = (axes,) if axes else None
         try:
             with quiet():
                 program = torch.onnx.export(
@@ -76,7 +78,8 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> di
             raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
         opset = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
         return {
-            "dynamic_batch": dynamic,
+            "dynamic_batch": bool(axes),
+            "dynamic_sequence": bool(axes and 1 in axes),
             "opset": int(opset),
             "external_data": f"{path.name}.data" if external else None,
         }

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from slabconv import __version__
+from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, first_line
 from slabconv.util import quiet
 
@@ -21,7 +22,8 @@ def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dic
     """Export ``model`` with ``torch.export`` and save it to ``path``.
 
     Axis 0 (batch) is dynamic unless the model's code fixes it (a program recorded with a static batch whose graph
-    bakes that size in); the returned info says which.
+    bakes that size in); a graph captured with a symbolic sequence axis (a language model, ``engine.capture`` with
+    ``sequence``) keeps it, with its bounds. The returned info says which.
 
     Args:
         model: the fused model (a ``GraphModule`` from the engine).
@@ -29,21 +31,26 @@ def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dic
         path: where to write.
 
     Returns:
-        ``{"dynamic_batch": bool, "batch": int or None}`` (``batch``: the fixed batch size when not dynamic).
+        ``{"dynamic_batch": bool, "batch": int or None, "dynamic_sequence": bool}`` (``batch``: the fixed batch
+        size when not dynamic).
 
     Raises:
         UnsupportedModelError: ``torch.export`` cannot trace the fused model.
     """
     last: Exception | None = None
-    for dynamic in (True, False):
-        shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    for axes in axis_attempts(model):
         try:
             with quiet():
-                program = torch.export.export(model, (example,), dynamic_shapes=shapes)
+                program = torch.export.export(model, (example,), dynamic_shapes=(axes,) if axes else None)
         except Exception as err:  # noqa: BLE001 - torch.export raises many types
             last = err
             continue
-        info = {"dynamic_batch": dynamic, "batch": None if dynamic else int(example.shape[0])}
+        dynamic = bool(axes)
+        info = {
+            "dynamic_batch": dynamic,
+            "batch": None if dynamic else int(example.shape[0]),
+            "dynamic_sequence": bool(axes and 1 in axes),
+        }
         extra = {MARK: json.dumps({"slabconv_version": __version__, **info})}
         with quiet():
             torch.export.save(program, str(path), extra_files=extra)
