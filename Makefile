@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install demo test lint fixtures clean
+.PHONY: install demo test lint fixtures compat clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ lint: install
 	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks scripts
 	$(VENV)/bin/ruff format --check slabconv tests fixtures benchmarks scripts
 	$(VENV)/bin/mypy
+
+# The declared dependency ranges at both ends (fresh venvs under build/compat, several GB; not part of make test):
+# docs/compat.md's table is rewritten from the results.
+compat:
+	$(PYTHON) scripts/compat.py --write-docs
 
 fixtures: install
 	$(PY) fixtures/make_fixtures.py

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,15 +164,17 @@ def write_fused(
 
 def _write_hf_folder(folder: Path, loaded: LoadedModel, write: WriteOptions, progress: Progress) -> list[str]:
     """The Hugging Face model folder files of a fused language model, and its decoder ONNX with past key/values."""
-    from slabconv.write.decoder_onnx import export_decoder_onnx
+    from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
     from slabconv.write.hf_llama import write_hf_llama_metadata
 
     progress("writing the Hugging Face model folder")
     written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
     if write.onnx:
         progress("exporting decoder.onnx (with past key/values)")
-        export_decoder_onnx(folder, folder / "decoder.onnx")
+        info = export_decoder_onnx(folder, folder / "decoder.onnx")
         written += [f.name for f in onnx_files(folder / "decoder.onnx")]
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        written.append(write_genai_config(folder, info, config).name)
     return written
 
 

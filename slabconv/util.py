@@ -9,7 +9,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Progress(Protocol):
@@ -69,3 +69,19 @@ def silenced() -> Iterator[None]:
             yield
     finally:
         logging.disable(previous)
+
+
+def upper_bound(size: Any) -> int | None:
+    """The largest value a symbolic size may take (``ShapeEnv.var_to_range`` of its symbol), None when unbounded
+    or unknown; a plain int is its own bound."""
+    if isinstance(size, int):
+        return size
+    node = getattr(size, "node", None)
+    bounds = getattr(getattr(node, "shape_env", None), "var_to_range", {}).get(getattr(node, "expr", None))
+    if bounds is None:
+        return None
+    try:
+        upper = int(bounds.upper)
+    except (TypeError, ValueError, AttributeError, OverflowError):  # int_oo and other infinities
+        return None
+    return upper if upper < 1 << 62 else None

@@ -194,3 +194,34 @@ def test_list_names_the_fixture_architecture():
     result = CliRunner().invoke(app, ["list", "--json"])
     assert result.exit_code == 0
     assert "deit_prepbn" in {row["name"] for row in json.loads(result.stdout)}
+
+
+def test_a_failed_fuse_names_no_written_file(fixture_ckpt, tmp_path):
+    """``--rtol 1e-9`` is tighter than float32 rounding: the fuse fails (exit 1), writes nothing, and neither the
+    text output nor ``--json`` names a file it did not write."""
+    out = tmp_path / "x"
+    text = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9")
+    assert text.returncode == 1, text.stderr
+    assert "wrote" not in text.stdout + text.stderr and "nothing was written" in text.stderr
+    as_json = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--json")
+    assert as_json.returncode == 1, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert report["outputs"] is None and report["verification"]["passed"] is False
+    assert not out.exists()
+
+
+def test_the_junit_failure_count_agrees_with_the_exit_code(fused, fixture_ckpt, tmp_path):
+    """The same command passing and failing: exit 0 with failures="0", exit 1 with as many failures as the report
+    has failed checks (every case the JUnit file holds is a check that ran)."""
+    out, _, _ = fused
+    for rtol, code in (("0.01", 0), ("1e-12", 1)):
+        junit = tmp_path / f"{code}.xml"
+        result = CliRunner().invoke(
+            app, ["verify", str(fixture_ckpt), str(out / "model.onnx"), "--rtol", rtol, "--junit", str(junit), "--json"]
+        )
+        assert result.exit_code == code, result.output
+        v = json.loads(result.stdout)["verification"]
+        failed = [c for c in v["exact"] + v["integrity"] + v["checks"] if not c["passed"]]
+        text = junit.read_text()
+        assert f'failures="{len(failed)}"' in text and (len(failed) > 0) == (code == 1)
+        assert text.count("<testcase ") == len(v["exact"]) + len(v["integrity"]) + len(v["checks"])

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from torch import nn
 from slabconv import api
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.model import load_model
-from slabconv.options import WriteOptions
+from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify.generate import (
     GreedyRun,
     check_generation,
@@ -260,6 +261,13 @@ def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates
     out = tmp_path / "streamed"
     report = api.fuse(source, out, write=WriteOptions(stream=True, onnx=False))
     assert report.verification is not None and report.verification.passed
+    # The streamed fold checks greedy generation as the in-memory fold does: the same report field.
+    generation = report.verification.generation
+    assert generation is not None and generation["passed"] and generation["steps"] == 32
+    assert [r["name"].split(" (")[1].split()[0] for r in generation["runs"] if r["decides"]] == ["transformers"]
+    streamed = api.verify(source, out, verify=VerifyOptions(generate=3), stream=True)
+    assert streamed.verification is not None and streamed.verification.generation is not None
+    assert streamed.verification.passed and streamed.verification.generation["steps"] == 3
     assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 2
     assert (out / MODELING_FILE).is_file() and (out / "generation_config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -644,3 +652,109 @@ def test_verify_generate_on_the_command_line(doc, tmp_path):
     onnx_only = runner.invoke(app, ["verify", str(TEXT), str(doc["out"] / "decoder.onnx"), "--generate", "3"])
     assert onnx_only.exit_code == 2
     assert "--generate needs a fused language-model folder as the candidate" in onnx_only.stderr
+
+
+_PROGRAMS = r"""
+import importlib.util, json, sys
+args = json.loads(sys.argv[1])
+sys.path[:] = [p for p in sys.path if "site-packages" not in p] + args["site"]
+assert importlib.util.find_spec("slabconv") is None, "slabconv is importable"
+import numpy as np, onnxruntime as ort, torch
+ids = np.load(args["ids"])
+program = torch.export.load(args["pt2"]).module()
+session = ort.InferenceSession(args["onnx"], providers=["CPUExecutionProvider"])
+out = {}
+for length in args["lengths"]:
+    with torch.no_grad():
+        pt2 = program(torch.from_numpy(ids[:, :length])).numpy()
+    onnx = session.run(None, {"input": ids[:, :length]})[0]
+    np.save(f"{args['dir']}/pt2-{length}.npy", pt2)
+    np.save(f"{args['dir']}/onnx-{length}.npy", onnx)
+    out[length] = [list(pt2.shape), list(onnx.shape)]
+print(json.dumps(out))
+"""
+
+
+def test_language_model_programs_take_any_batch_and_length(doc, original, tmp_path):
+    """model.pt2 and model.onnx of the text fixture (max_position_embeddings 64) answer 20- and 48-token inputs of
+    any batch, loaded without slabconv, with the original's logits; load_fused names what it takes when given
+    something else."""
+    import onnxruntime
+
+    out = doc["out"]
+    info = json.loads((out / "report.json").read_text())["outputs"]["onnx_info"]
+    assert info["dynamic_sequence"] and info["pt2_dynamic_sequence"], info
+    names = [c["name"] for c in json.loads((out / "report.json").read_text())["verification"]["checks"]]
+    assert any("length 32" in n for n in names), names  # verification ran a second length
+    ids = np.ascontiguousarray(np.load(TEXT / "holdout.npz")["x"][:3, :48])
+    np.save(tmp_path / "ids.npy", ids)
+    site = sorted({str(Path(m.__file__).parents[1]) for m in (torch, np, onnxruntime)})
+    args = {"site": site, "ids": str(tmp_path / "ids.npy"), "pt2": str(out / "model.pt2"), "dir": str(tmp_path)}
+    args |= {"onnx": str(out / "model.onnx"), "lengths": [20, 48]}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _PROGRAMS, json.dumps(args)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = api.load_fused(out)
+    for length in (20, 48):
+        x = torch.from_numpy(ids[:, :length])
+        with torch.no_grad():
+            want = original(x).double()
+            got = model(x).double()
+        bound = 1e-4 * float(want.abs().max())
+        for name in (f"pt2-{length}", f"onnx-{length}"):
+            assert float((torch.from_numpy(np.load(tmp_path / f"{name}.npy")).double() - want).abs().max()) < bound
+        assert float((got - want).abs().max()) < bound
+    with torch.no_grad():
+        assert model(torch.from_numpy(ids[:1, :5])).shape == (1, 5, 256)  # batch 1, a short prompt
+    for bad, got in (
+        (torch.from_numpy(ids[:, :20]).float(), "got float32 of shape (3, 20)"),
+        (torch.zeros(2, 65, dtype=torch.int64), "got int64 of shape (2, 65)"),
+        (torch.zeros(65, dtype=torch.int64), "got int64 of shape (65,)"),
+    ):
+        with pytest.raises(UsageError) as err:
+            model(bad)
+        assert str(err.value) == f"{out / 'model.pt2'} takes int64 ids of shape (batch, sequence 1..64); {got}"
+
+
+def test_a_dropped_bias_fails_verify_generate_naming_prompt_step_and_tokens(doc, tmp_path):
+    """A fused folder whose lm_head bias (the folded final norm) was dropped, i.e. zeroed: ``verify --generate``
+    exits 1, its error line names the runtime, the prompt, the first differing step and the two tokens, and the
+    JUnit file counts the generation failure; the intact folder passes with failures="0" and a generation case."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    broken = tmp_path / "broken"
+    shutil.copytree(doc["out"], broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["lm_head.bias"] = torch.zeros_like(weights["lm_head.bias"])
+    save_file(weights, str(broken / "model.safetensors"))
+    runner = CliRunner()
+    for folder, code in ((doc["out"], 0), (broken, 1)):
+        junit = tmp_path / f"{code}.xml"
+        result = runner.invoke(
+            app, ["verify", str(TEXT), str(folder), "--generate", "8", "--samples", "4", "--junit", str(junit)]
+        )
+        assert result.exit_code == code, result.stderr
+        text = junit.read_text()
+        cases = text.count("<testcase ")
+        assert text.count('name="generation: ') == 2  # transformers and the decoder ONNX
+        if code == 0:
+            assert 'failures="0"' in text and "<failure" not in text
+            continue
+        failures = text.count("<failure ")
+        assert f'failures="{failures}"' in text and 0 < failures <= cases
+        assert re.search(
+            r'name="generation: fused float32 \(transformers [^"]*"[^>]*>\s*<system-out>[^<]*</system-out>'
+            r"\s*<failure",
+            text,
+        ), text
+        named = r"prompt \d+ \(ids [\d, .]+\) differs at step \d+: expected token \d+, got \d+"
+        assert re.search(named, result.output), result.output

@@ -227,3 +227,23 @@ def test_unfinished_schedule_is_reported(folded, tmp_path):
     report = fuse_streamed(tmp_path / "src", tmp_path / "out")
     warned = {f.norm: f.warnings for f in report.folds if f.warnings}
     assert list(warned) == ["model.layers.1.input_layernorm"] and "warm=3" in warned[list(warned)[0]][0]
+
+
+def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_when_it_cannot_fit(
+    folded, tmp_path, monkeypatch
+):
+    """The streamed fold reports the same generation block as an in-memory fold; ``--generate 0`` leaves a note
+    instead; a machine without the memory the check needs refuses before any work, naming the way out."""
+    from slabconv.options import VerifyOptions
+
+    root, _, _, report, _ = folded
+    assert report.verification.generation is not None and report.verification.generation["runs"]
+    skipped = api.fuse(root / "src", tmp_path / "skip", verify=VerifyOptions(generate=0), write=STREAM)
+    assert skipped.verification.generation is None
+    assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
+    monkeypatch.setattr(stream, "available_memory", lambda: 1024)
+    with pytest.raises(UsageError, match=r"pass --generate 0 to skip it"):
+        fuse_streamed(root / "src", tmp_path / "small")
+    assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
+    with pytest.raises(UsageError, match=r"pass --generate 0 to skip it"):
+        api.verify(root / "src", root / "out", verify=VerifyOptions(generate=2), stream=True)

@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from slabconv.errors import UnsupportedModelError
+from slabconv.util import upper_bound
 
 
 def graph_axes(model: torch.nn.Module) -> dict[int, Any]:
@@ -45,22 +46,6 @@ def graph_axes(model: torch.nn.Module) -> dict[int, Any]:
         name = "sequence" if i == 1 else f"axis{i}"
         axes[i] = torch.export.Dim(name, min=1, max=upper) if upper else torch.export.Dim(name, min=1)
     return axes
-
-
-def upper_bound(size: Any) -> int | None:
-    """The largest value a symbolic size may take (``ShapeEnv.var_to_range`` of its symbol), None when unbounded
-    or unknown; a plain int is its own bound."""
-    if isinstance(size, int):
-        return size
-    node = getattr(size, "node", None)
-    bounds = getattr(getattr(node, "shape_env", None), "var_to_range", {}).get(getattr(node, "expr", None))
-    if bounds is None:
-        return None
-    try:
-        upper = int(bounds.upper)
-    except (TypeError, ValueError, AttributeError, OverflowError):  # int_oo and other infinities
-        return None
-    return upper if upper < 1 << 62 else None
 
 
 def axis_attempts(model: torch.nn.Module, sequence: int | None = None) -> list[dict[int, Any] | None]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from slabconv import __version__
+from slabconv.util import upper_bound
 
 
 def fused_metadata(arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any]) -> dict[str, str]:
@@ -74,8 +75,6 @@ def input_spec(program: Any) -> tuple[Any, list[tuple[int | None, int, int | Non
     exported with, ``ShapeEnv.var_to_range``).
     """
     from torch import fx
-
-    from slabconv.engine.capture import upper_bound
 
     if not isinstance(program, fx.GraphModule):
         return None

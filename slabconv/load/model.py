@@ -19,6 +19,7 @@ from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load.checkpoint import Checkpoint, load_checkpoint
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.options import LoadOptions
+from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
 from slabconv.zoo.registry import IMAGE_SIZE_KEY, with_image_size
@@ -41,6 +42,8 @@ class LoadedModel:
         config: the config the model was built from (the saved one, plus an ``--image-size`` override).
         batch: the batch size a static program was recorded with (it runs on exactly that many samples), or None
             when the batch axis is dynamic.
+        sequence: a program of token ids with a symbolic length: the longest length it takes (else None; a
+            model built from a config takes its ``max_position_embeddings``).
     """
 
     model: nn.Module
@@ -52,6 +55,7 @@ class LoadedModel:
     make_input: Callable[[int, int], torch.Tensor] | None = None
     config: dict[str, Any] = field(default_factory=dict)
     batch: int | None = None
+    sequence: int | None = None
 
     @property
     def example_batch(self) -> int:
@@ -69,7 +73,7 @@ class LoadedModel:
         """For a language model taking ids ``(B, T)``: the longest ``T`` it takes (its config's
         ``max_position_embeddings``), so its graph and the programs written from it accept any length up to it;
         None otherwise."""
-        limit = self.config.get("max_position_embeddings") if isinstance(self.config, dict) else None
+        limit = self.sequence or (self.config.get("max_position_embeddings") if isinstance(self.config, dict) else None)
         if not self.token_input or len(self.input_shape) != 1 or not isinstance(limit, int) or limit < 2:
             return None
         return limit
@@ -312,6 +316,11 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
     dims = [int(d) if isinstance(d, int) else None for d in val.shape]
     if not dims:
         raise UnsupportedModelError(f"{ckpt.path}: the program's input is a scalar; slabconv needs a batch axis")
+    sequence = None
+    if len(dims) == 2 and dims[1] is None and not val.dtype.is_floating_point:
+        # token ids (B, T) with a symbolic length (a fused language model's program): run it at its longest length
+        sequence = upper_bound(val.shape[1])
+        dims[1] = sequence
     if any(d is None for d in dims[1:]):
         raise UnsupportedModelError(
             f"{ckpt.path}: only the batch axis of the input may be dynamic; export with the other axes at the size "
@@ -324,7 +333,9 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
     if input_dtype is not None:
         rows = _id_range(program, node)
         make_input = partial(_random_ids, rows, shape, input_dtype)
-    return LoadedModel(ckpt.module, ckpt, None, shape, weights_dtype, input_dtype, make_input, batch=dims[0])
+    return LoadedModel(
+        ckpt.module, ckpt, None, shape, weights_dtype, input_dtype, make_input, batch=dims[0], sequence=sequence
+    )
 
 
 _SHAPE_ONLY = ("aten.sym_size", "aten.sym_numel", "aten.sym_stride", "aten._assert_tensor_metadata")

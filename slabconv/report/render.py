@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from slabconv.report.data import Report
-from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification
+from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
 
 
 def folds_table(report: Report) -> Table:
@@ -91,6 +91,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
                 f"    {run['name']}: {run['tokens_compared']} tokens compared, {run['decisive_mismatches']} decisive "
                 f"mismatches, {run['near_ties']} near-ties"
             )
+            if run.get("decides", True) and not run.get("passed", True):
+                yield f"      {generation_failure(run)}"
         if speeds:
             yield f"    tokens/s: {speeds}"
     for note in v.notes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -104,6 +105,7 @@ class GenerationCheck:
         tokens_per_second: run name -> tokens/s, the reference included, measured on the same prompts.
         runs: one comparison per candidate (and baseline).
         passed: every deciding candidate passed.
+        notes: what was not run, and why (a runtime that is not installed).
     """
 
     dtype: str
@@ -113,6 +115,7 @@ class GenerationCheck:
     tokens_per_second: dict[str, float]
     runs: list[RuntimeComparison]
     passed: bool
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
@@ -356,6 +359,65 @@ def greedy_onnx(
     return GreedyRun(label, tokens, seconds)
 
 
+def genai_available() -> bool:
+    """True when onnxruntime-genai can be imported (``pip install slabconv[genai]``)."""
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: str | None = None) -> GreedyRun:
+    """Greedy tokens of the fused folder in onnxruntime-genai: ``decoder.onnx`` as ``genai_config.json`` describes
+    it, the key/value cache managed by onnxruntime-genai itself.
+
+    Args:
+        folder: a fused folder with ``decoder.onnx`` and ``genai_config.json`` (``write_genai_config``).
+        prompts: int64 ``(B, T)``, unpadded.
+        steps: N, tokens to generate; exactly N (``min_length`` keeps an end-of-sequence token from stopping early).
+        name: the run's name; default ``fused <dtype> (onnxruntime-genai <version>, KV cache)``.
+
+    Returns:
+        A ``GreedyRun`` with tokens ``(B, N)``.
+
+    Raises:
+        UsageError: onnxruntime-genai is not installed (``pip install slabconv[genai]``), no ``genai_config.json``,
+            bad prompts or steps.
+    """
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        raise UsageError("running the folder in onnxruntime-genai needs it: pip install slabconv[genai]") from None
+    _check_steps(steps)
+    folder = Path(folder)
+    if not (folder / "genai_config.json").is_file():
+        raise UsageError(f"{folder}: no genai_config.json; fuse the model again to write it")
+    ids = _as_ids(prompts).numpy().astype(np.int32)
+    model = og.Model(str(folder))
+    dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "float32")
+    label = name or f"fused {dtype} (onnxruntime-genai {og.__version__}, KV cache)"
+
+    def run(tokens: np.ndarray, count: int) -> tuple[np.ndarray, float]:
+        total = tokens.shape[1] + count
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=tokens.shape[0])
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(tokens)
+        while not generator.is_done():
+            generator.generate_next_token()
+        seconds = time.perf_counter() - start
+        rows = [np.asarray(generator.get_sequence(i))[tokens.shape[1] :] for i in range(tokens.shape[0])]
+        return np.stack(rows).astype(np.int64), seconds
+
+    run(ids[:1], 1)  # warm-up, untimed
+    tokens, seconds = run(ids, steps)
+    if tokens.shape != (ids.shape[0], steps):
+        raise RuntimeError(f"onnxruntime-genai returned {tokens.shape[1]} new tokens, expected {steps}")
+    return GreedyRun(label, tokens, seconds)
+
+
 def compare_greedy(
     reference: GreedyRun,
     candidates: Sequence[GreedyRun],
@@ -459,9 +521,11 @@ def check_generation(
     steps: int = 32,
     *,
     onnx_path: Path | str | None = None,
+    genai: bool = False,
     threads: int | None = None,
 ) -> GenerationCheck:
-    """Greedy generation of the original vs the fused folder (transformers) and, when given, the decoder ONNX.
+    """Greedy generation of the original vs the fused folder (transformers) and, when given, the decoder ONNX
+    (onnxruntime, and with ``genai`` onnxruntime-genai too).
 
     The reference is the original run in float64 (a copy; its tokens and its exact margins); the original in its
     own dtype is timed and compared as the baseline; the fused runs load the folder in its ``torch_dtype``. Near-ties
@@ -473,6 +537,8 @@ def check_generation(
         prompts: int64 ``(B, T)``, unpadded.
         steps: N, tokens per prompt.
         onnx_path: the decoder ONNX (``export_decoder_onnx``), or None.
+        genai: also run the folder in onnxruntime-genai (its ``genai_config.json`` and ``config.json``;
+            ``greedy_genai``).
         threads: intra-op threads of every runtime (torch and onnxruntime alike, for a like-for-like timing);
             None keeps each library's default.
 
@@ -494,6 +560,8 @@ def check_generation(
     candidates = [greedy_fused(folder, prompts, steps, threads=threads)]
     if onnx_path is not None:
         candidates.append(greedy_onnx(onnx_path, prompts, steps, threads=threads))
+    if genai:
+        candidates.append(greedy_genai(folder, prompts, steps))
     return compare_greedy(reference, candidates, param.dtype, baselines=baselines, prompts=prompts)
 
 
@@ -502,7 +570,9 @@ def check_fused_folder(
 ) -> dict[str, Any]:
     """The greedy-generation check of ``fuse`` and ``verify --generate``, in memory or streamed alike: the
     original against the fused folder in transformers and, when ``onnx`` and the folder has one, its
-    ``decoder.onnx`` in onnxruntime (not for bfloat16: onnxruntime's CPU provider has no bfloat16 kernels).
+    ``decoder.onnx`` in onnxruntime and, with onnxruntime-genai installed and a ``genai_config.json`` beside it, in
+    onnxruntime-genai (not for bfloat16: onnxruntime's CPU provider has no bfloat16 kernels). Where the folder
+    has a ``genai_config.json`` but onnxruntime-genai is not installed, the returned block's ``notes`` says so.
 
     Args:
         original: ids int64 ``(B, T)`` -> logits ``(B, T, V)``, eval mode.
@@ -523,4 +593,11 @@ def check_fused_folder(
     decoder = Path(folder) / "decoder.onnx"
     dtype = next(original.parameters()).dtype
     onnx_path = decoder if onnx and decoder.is_file() and dtype != torch.bfloat16 else None
-    return check_generation(original, folder, prompts, steps, onnx_path=onnx_path, threads=1).to_dict()
+    has_genai_config = onnx_path is not None and (Path(folder) / "genai_config.json").is_file()
+    genai = has_genai_config and genai_available()
+    check = check_generation(original, folder, prompts, steps, onnx_path=onnx_path, genai=genai, threads=1)
+    if has_genai_config and not genai:
+        check.notes.append(
+            "onnxruntime-genai is not installed: genai_config.json not run (pip install slabconv[genai])"
+        )
+    return check.to_dict()

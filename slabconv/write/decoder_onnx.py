@@ -15,6 +15,7 @@ traced with its transformers ``DynamicCache`` filled from the past inputs, so it
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,78 @@ def export_decoder_onnx(
         "head_dim": int(head_dim),
         "dtype": str(weight_dtype).removeprefix("torch."),
     }
+
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def write_genai_config(folder: Path | str, info: dict[str, Any], config: dict[str, Any]) -> Path:
+    """Write ``genai_config.json`` beside ``decoder.onnx`` so onnxruntime-genai runs the folder
+    (``onnxruntime_genai.Model(folder)``).
+
+    The decoder section names the inputs and outputs of ``export_decoder_onnx`` (``past_key_values.%d.key`` in,
+    ``present.%d.key`` out: the layout onnxruntime-genai's decoder-only models use); the search section is plain
+    greedy. onnxruntime-genai needs a valid ``eos_token_id``: the config's, else 0 (a caller that wants exactly N
+    new tokens sets ``min_length``, as ``slabconv.verify.generate.greedy_genai`` does).
+
+    Args:
+        folder: the fused folder holding the decoder.
+        info: what ``export_decoder_onnx`` returned (file name, layers, key/value heads, head size).
+        config: the folder's ``config.json`` (sizes, heads, ``max_position_embeddings``, token ids).
+
+    Returns:
+        The path written.
+    """
+    folder = Path(folder)
+
+    def token(name: str) -> int:
+        value = config.get(name)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        return int(value) if isinstance(value, int) else 0
+
+    genai = {
+        "model": {
+            "type": "llama",
+            "bos_token_id": token("bos_token_id"),
+            "eos_token_id": token("eos_token_id"),
+            "pad_token_id": token("pad_token_id"),
+            "context_length": int(config["max_position_embeddings"]),
+            "vocab_size": int(config["vocab_size"]),
+            "decoder": {
+                "filename": Path(info["path"]).name,
+                "head_size": int(info["head_dim"]),
+                "hidden_size": int(config["hidden_size"]),
+                "num_attention_heads": int(config["num_attention_heads"]),
+                "num_hidden_layers": int(info["num_layers"]),
+                "num_key_value_heads": int(info["num_key_value_heads"]),
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+            },
+        },
+        "search": {
+            "do_sample": False,
+            "num_beams": 1,
+            "max_length": int(config["max_position_embeddings"]),
+            "min_length": 0,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+    path = folder / GENAI_CONFIG
+    path.write_text(json.dumps(genai, indent=2) + "\n", encoding="utf-8")
+    return path
