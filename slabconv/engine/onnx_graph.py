@@ -1,0 +1,694 @@
+"""The engine for ONNX graphs: find every per-channel constant affine by value, fold it into its consumers (or its
+producer), and rewrite the graph without it, through onnx-ir (values, uses, initializers), not protobuf lists.
+
+In: an ``onnx_ir.Model`` (``slabconv.load.onnx_file.load_onnx``) and the static shapes ONNX shape inference gives
+its values. Out: the same model, changed in place, and one ``Decision`` per norm (the type the PyTorch engine
+reports, with the same action names and the reasons of ``slabconv.engine.reasons``).
+
+Norms recognised (``find_norms``), by their constant operands, never by names:
+
+- ``BatchNormalization`` in inference mode (any rank, channel axis 1) with constant scale, bias, mean and variance;
+- RepBN, ``BN(x) + alpha * x`` with a constant scalar ``alpha`` (the official ``RepBN``: exporters emit the
+  ``Transpose`` pair around it, which the walk passes and the cleanup cancels).
+
+The affine ``s * x + t`` comes from ``slabconv.fold.repbn_affine`` (float64, Lemma 4.1 of the SLAB paper), and
+every fold from ``slabconv.fold`` (``fold_into_linear``, ``fold_into_conv``, ``fold_into_producer``,
+``fold_into_embedding``); the result is cast back to each initializer's dtype.
+
+What the walks pass (``PASS``) and what stops them (``BLOCK``) mirror the ATen rules of
+``slabconv.engine.rules``: ``tests/test_onnx_in.py`` holds the two tables to each other. Consumers: ``MatMul``
+whose constant right operand contracts the channel axis (its bias ``Add`` is updated or created), ``Gemm``
+(``transB`` either way, ``alpha = beta = 1``), ``Conv`` without zero padding. Producers (the backward fold, when a
+path is blocked): the same layers, and ``Gather`` of an embedding table. A norm that can be folded neither way is
+kept as it is (its nodes untouched), with the reason of the first blocked path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from slabconv import fold
+from slabconv.engine import reasons
+from slabconv.engine.planner import FOLDED_BACKWARD, FOLDED_FORWARD, KEPT, Decision
+
+Shapes = dict[str, tuple[int | str | None, ...]]
+"""Value name -> static shape from ONNX shape inference (an int per known dim, a name or None otherwise)."""
+
+PASS = {
+    "Transpose": "permute",
+    "Reshape": "view",
+    "Flatten": "view",
+    "Squeeze": "view",
+    "Unsqueeze": "view",
+    "Identity": "alias",
+    "Dropout": "dropout",
+    "Gather": "index_select",
+    "Slice": "slice",
+    "ReduceMean": "mean",
+}
+"""ONNX ops the walks pass when the channel axis stays whole, and the ATen op family of ``engine.rules`` that
+states the same fact for the PyTorch engine (held to each other by a test)."""
+
+NONLINEAR_OPS = frozenset(
+    {"Relu", "Gelu", "Erf", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "HardSigmoid", "HardSwish", "LeakyRelu",
+     "Elu", "Selu", "Softplus", "Exp", "Log", "Sqrt", "Pow", "Abs", "Neg", "Reciprocal", "Mish", "Sin", "Cos",
+     "LayerNormalization", "RMSNormalization", "ReduceMax", "ReduceMin", "MaxPool", "GlobalMaxPool"}
+)  # fmt: skip
+"""Ops that do not commute with ``s * x + t``: a path through one is blocked (``nonlinear-before-consumer``)."""
+
+BLOCK = {
+    "Pad": reasons.ZERO_PADDING_AFTER_NORM,
+    "Where": reasons.MASKED_AFTER_NORM,
+    "Concat": reasons.CONCAT_WITH_UNNORMALIZED,
+    **dict.fromkeys(NONLINEAR_OPS, reasons.NONLINEAR),
+}
+"""Ops that stop a forward walk, with the reason the report gives (others: ``unsupported-op:onnx.<Op>``)."""
+
+SHAPE_ONLY = frozenset({"Shape", "Size"})
+"""Readers of a tensor's shape only: a fold changes no shape, so they do not block."""
+
+
+@dataclass
+class OnnxNorm:
+    """One per-channel constant affine of the graph.
+
+    Attributes:
+        name: the report name (the norm's parameter prefix, ``blocks.0.norm1.norm2``, else its node's name).
+        kind: ``BatchNorm`` or ``RepBN``.
+        nodes: the nodes that compute it (removed when it folds).
+        input, output: the tensor it normalises and its result.
+        axis: the channel axis of ``input`` (non-negative).
+        scale, shift: ``(C,)`` float64, ``output = scale * input + shift`` on ``axis``.
+        params: the constants it reads (dropped with it when nothing else reads them).
+    """
+
+    name: str
+    kind: str
+    nodes: list[ir.Node]
+    input: ir.Value
+    output: ir.Value
+    axis: int
+    scale: torch.Tensor
+    shift: torch.Tensor
+    params: list[ir.Value] = field(default_factory=list)
+
+
+@dataclass
+class Layer:
+    """A layer that can absorb a norm: ``node`` (MatMul / Gemm / Conv / Gather), its weight and bias values.
+
+    Attributes:
+        weight: the initializer holding the weight.
+        bias: the initializer holding the bias, or None (a fold creates one).
+        bias_add: for a ``MatMul``, the ``Add`` node that adds ``bias`` (None when there is none yet).
+        out: the tensor the layer gives (the bias ``Add``'s output for a MatMul with one).
+    """
+
+    node: ir.Node
+    weight: ir.Value
+    bias: ir.Value | None
+    bias_add: ir.Node | None
+    out: ir.Value
+
+
+@dataclass
+class Walk:
+    """The forward walk from a norm's output: the layers reached, the blocked paths ``(where, reason)``."""
+
+    layers: list[Layer] = field(default_factory=list)
+    blocked: list[tuple[str, str]] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------- reading the graph
+
+
+def const(value: ir.Value | None) -> np.ndarray | None:
+    """The array of a constant value (an initializer or a ``Constant`` node's output), else None."""
+    if value is None:
+        return None
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else np.asarray(tensor.numpy())
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor; bfloat16 (``ml_dtypes``) through its bits."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def to_numpy(tensor: torch.Tensor, like: np.ndarray) -> np.ndarray:
+    """``tensor`` as a numpy array of ``like``'s dtype (bfloat16 through its bits)."""
+    if like.dtype.name == "bfloat16":
+        return tensor.to(torch.bfloat16).view(torch.uint16).numpy().view(like.dtype).reshape(like.shape)
+    return tensor.detach().numpy().astype(like.dtype, copy=False)
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    """An attribute's value, or ``default``."""
+    found = node.attributes.get(name)
+    return default if found is None else found.value
+
+
+def _readers(value: ir.Value) -> list[tuple[ir.Node, int]]:
+    """The ``(node, input index)`` uses of ``value``, shape-only readers left out."""
+    return [(u.node, u.idx) for u in value.uses() if u.node.op_type not in SHAPE_ONLY]
+
+
+def _sole_reader(value: ir.Value) -> ir.Node | None:
+    """The one node that reads ``value`` (shape-only readers aside), when it is not also a graph output."""
+    readers = _readers(value)
+    if len(readers) != 1 or value.is_graph_output():
+        return None
+    return readers[0][0]
+
+
+def _shared(value: ir.Value) -> bool:
+    """A constant read by more than one node (a tied weight): folding into it would change the other reader."""
+    return len(value.uses()) > 1 or value.is_graph_output() or value.is_graph_input()
+
+
+def _where(node: ir.Node | None) -> str:
+    return "<output>" if node is None else f"{node.name or node.op_type}:{node.op_type}"
+
+
+# --------------------------------------------------------------------------------------------- norms
+
+
+def _param_prefix(values: Iterable[ir.Value | None], fallback: str) -> str:
+    """``blocks.0.norm1.norm2.bn`` from ``blocks.0.norm1.norm2.bn.weight``: the report's name for a norm."""
+    for value in values:
+        if value is not None and value.name and "." in value.name and not value.name.startswith(("onnx::", "val_")):
+            return value.name.rsplit(".", 1)[0]
+    return fallback
+
+
+def find_norms(graph: ir.Graph, shapes: Shapes) -> list[OnnxNorm]:
+    """Every inference-mode ``BatchNormalization`` with constant statistics, extended to RepBN when its output is
+    only added to ``alpha * x`` of the same input (``alpha`` a constant scalar), in graph order.
+
+    A BatchNormalization whose statistics are not constants, or in training mode, is not a norm slabconv folds
+    (its result depends on the batch); it is left alone and not reported.
+    """
+    norms = []
+    for node in graph:
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        if attr(node, "training_mode", 0) or len(node.outputs) > 1 and any(o.uses() for o in node.outputs[1:]):
+            continue
+        x = node.inputs[0]
+        stats = [const(v) for v in node.inputs[1:5]]
+        if x is None or any(s is None for s in stats):
+            continue
+        gamma, beta, mean, var = (torch.from_numpy(np.asarray(s, dtype=np.float64)) for s in stats)
+        eps = float(attr(node, "epsilon", 1e-5))
+        scale, shift = fold.repbn_affine(mean, var, eps, gamma, beta)
+        params = [v for v in node.inputs[1:5] if v is not None]
+        nodes, out, kind = [node], node.outputs[0], "BatchNorm"
+        alpha = _repbn_alpha(node, x)
+        if alpha is not None:
+            mul, add, eta, alpha_value = alpha
+            scale = scale + eta
+            nodes, out, kind = [node, mul, add], add.outputs[0], "RepBN"
+            params.append(alpha_value)
+        name = _param_prefix([params[-1]] if kind == "RepBN" else params, node.name or "BatchNormalization")
+        norms.append(OnnxNorm(name, kind, nodes, x, out, 1, scale, shift, params))
+    return norms
+
+
+def _repbn_alpha(bn: ir.Node, x: ir.Value) -> tuple[ir.Node, ir.Node, float, ir.Value] | None:
+    """``(Mul, Add, alpha, alpha value)`` when ``bn``'s output is only read by ``Add(bn, Mul(alpha, x))``."""
+    add = _sole_reader(bn.outputs[0])
+    if add is None or add.op_type != "Add":
+        return None
+    other = add.inputs[1] if add.inputs[0] is bn.outputs[0] else add.inputs[0]
+    mul = other.producer() if other is not None else None
+    if mul is None or mul.op_type != "Mul" or _sole_reader(mul.outputs[0]) is not add:
+        return None
+    a, b = mul.inputs
+    alpha_value = b if a is x else a if b is x else None
+    alpha = const(alpha_value)
+    if alpha_value is None or alpha is None or alpha.size != 1:
+        return None
+    return mul, add, float(alpha.reshape(())), alpha_value
+
+
+# --------------------------------------------------------------------------------------------- the walks
+
+
+def _static(dims: Iterable[int | str | None]) -> int | None:
+    total = 1
+    for d in dims:
+        if not isinstance(d, int) or d < 0:
+            return None
+        total *= d
+    return total
+
+
+def _view_axis(shapes: Shapes, src: ir.Value, dst: ir.Value, axis: int) -> int | None:
+    """Where channel axis ``axis`` of ``src`` is in ``dst`` after a reshape-like op, or None when the reshape mixes
+    channels with other axes: the channel length and the element count behind it must both be static and equal."""
+    a, b = shapes.get(src.name or ""), shapes.get(dst.name or "")
+    if a is None or b is None or axis >= len(a):
+        return None
+    channels, inner = a[axis], _static(a[axis + 1 :])
+    if not isinstance(channels, int) or inner is None:
+        return None
+    for j in range(len(b) - 1, -1, -1):
+        if b[j] == channels and _static(b[j + 1 :]) == inner:
+            return j
+    return None
+
+
+def _rank(shapes: Shapes, value: ir.Value) -> int | None:
+    shape = shapes.get(value.name or "")
+    return None if shape is None else len(shape)
+
+
+def _pass(node: ir.Node, idx: int, axis: int, shapes: Shapes, src: ir.Value) -> tuple[int | None, str | None]:
+    """Through one op of ``PASS``: ``(channel axis of its output, None)``, or ``(None, reason)`` when blocked."""
+    op, out = node.op_type, node.outputs[0]
+    unsupported = reasons.UNSUPPORTED_PREFIX + f"onnx.{op}"
+    if idx != 0:
+        return None, unsupported
+    if op in ("Identity", "Dropout"):
+        return axis, None
+    if op == "Transpose":
+        perm = attr(node, "perm")
+        rank = _rank(shapes, src)
+        order = list(perm) if perm is not None else list(range((rank or 0) - 1, -1, -1))
+        return (order.index(axis), None) if axis in order else (None, unsupported)
+    if op in ("Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+        new = _view_axis(shapes, src, out, axis)
+        return (new, None) if new is not None else (None, reasons.CHANNEL_MIXING_RESHAPE)
+    rank = _rank(shapes, src)
+    if rank is None:
+        return None, unsupported
+    if op == "Gather":
+        gather_axis = int(attr(node, "axis", 0)) % rank
+        indices = _rank(shapes, node.inputs[1]) if node.inputs[1] is not None else None
+        if gather_axis == axis or indices is None:
+            return None, reasons.CONSUMER_OFF_CHANNEL if gather_axis == axis else unsupported
+        return (axis if gather_axis > axis else axis - 1 + indices), None
+    if op == "Slice":
+        axes = const(node.inputs[3]) if len(node.inputs) > 3 else None
+        chosen = {int(a) % rank for a in axes.reshape(-1)} if axes is not None else set(range(rank))
+        return (axis, None) if axis not in chosen else (None, reasons.CONSUMER_OFF_CHANNEL)
+    if op == "ReduceMean":
+        raw = attr(node, "axes")
+        if raw is None and len(node.inputs) > 1:
+            found = const(node.inputs[1])
+            raw = None if found is None else [int(a) for a in found.reshape(-1)]
+        if raw is None:
+            return None, reasons.CHANNEL_MIXING_RESHAPE
+        axes_set = {int(a) % rank for a in raw}
+        if axis in axes_set:
+            return None, reasons.CHANNEL_MIXING_RESHAPE
+        keep = int(attr(node, "keepdims", 1))
+        return (axis if keep else axis - sum(a < axis for a in axes_set)), None
+    return None, unsupported
+
+
+def _linear_bias(out: ir.Value, width: int) -> tuple[ir.Value | None, ir.Node | None, ir.Value]:
+    """The bias ``Add`` right after a ``MatMul``: ``(bias value, Add node, Add output)`` when the MatMul's only
+    reader adds a constant ``(width,)`` vector; else ``(None, None, out)``."""
+    add = _sole_reader(out)
+    if add is None or add.op_type != "Add":
+        return None, None, out
+    other = add.inputs[1] if add.inputs[0] is out else add.inputs[0]
+    array = const(other)
+    if other is None or array is None or not other.is_initializer() or array.shape != (width,) or _shared(other):
+        return None, None, out
+    return other, add, add.outputs[0]
+
+
+def _consumer(node: ir.Node, idx: int, axis: int, shapes: Shapes, src: ir.Value) -> Layer | str:
+    """The layer ``node`` is, when it contracts the channel axis of input ``idx``; else the reason it blocks."""
+    op = node.op_type
+    rank = _rank(shapes, src)
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    w = const(weight)
+    if idx != 0 or weight is None or w is None:
+        return reasons.UNSUPPORTED_PREFIX + f"onnx.{op}"
+    if not weight.is_initializer():
+        return reasons.UNSUPPORTED_PREFIX + f"onnx.{op}"
+    if _shared(weight):
+        return reasons.SHARED_WEIGHT
+    if op == "MatMul":
+        if rank is None or axis != rank - 1 or w.ndim != 2:
+            return reasons.CONSUMER_OFF_CHANNEL
+        bias, add, out = _linear_bias(node.outputs[0], w.shape[1])
+        return Layer(node, weight, bias, add, out)
+    if op == "Gemm":
+        if axis != 1 or attr(node, "transA", 0) or float(attr(node, "alpha", 1.0)) != 1.0:
+            return reasons.CONSUMER_OFF_CHANNEL if axis != 1 else reasons.UNSUPPORTED_PREFIX + "onnx.Gemm"
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if bias is not None and (float(attr(node, "beta", 1.0)) != 1.0 or not _plain_bias(bias)):
+            return reasons.UNSUPPORTED_PREFIX + "onnx.Gemm"
+        return Layer(node, weight, bias, None, node.outputs[0])
+    if op == "Conv":
+        if axis != 1:
+            return reasons.CONSUMER_OFF_CHANNEL
+        pads = attr(node, "pads") or []
+        if any(int(p) for p in pads) or attr(node, "auto_pad", "NOTSET") not in (
+            "NOTSET",
+            "VALID",
+            b"NOTSET",
+            b"VALID",
+        ):
+            return reasons.PADDED_CONV_CONSUMER
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        if bias is not None and not _plain_bias(bias):
+            return reasons.UNSUPPORTED_PREFIX + "onnx.Conv"
+        return Layer(node, weight, bias, None, node.outputs[0])
+    return reasons.UNSUPPORTED_PREFIX + f"onnx.{op}"
+
+
+def _plain_bias(value: ir.Value) -> bool:
+    """A bias the fold may rewrite: an unshared initializer of one axis."""
+    array = const(value)
+    return array is not None and value.is_initializer() and array.ndim == 1 and not _shared(value)
+
+
+LAYER_OPS = frozenset({"MatMul", "Gemm", "Conv"})
+
+
+def walk_forward(value: ir.Value, axis: int, shapes: Shapes) -> Walk:
+    """Every path from ``value`` (channel axis ``axis``): the layers that absorb the affine, the blocked paths."""
+    walk = Walk()
+    seen: set[int] = set()
+
+    def visit(v: ir.Value, ax: int) -> None:
+        if v.is_graph_output():
+            walk.blocked.append(("<output>", reasons.FEEDS_OUTPUT))
+        for node, idx in _readers(v):
+            key = id(node)
+            if key in seen:
+                continue
+            seen.add(key)
+            op = node.op_type
+            if node.domain not in ("", "ai.onnx"):
+                walk.blocked.append((_where(node), reasons.UNSUPPORTED_PREFIX + f"{node.domain}.{op}"))
+            elif op in LAYER_OPS:
+                found = _consumer(node, idx, ax, shapes, v)
+                if isinstance(found, Layer):
+                    walk.layers.append(found)
+                else:
+                    walk.blocked.append((_where(node), found))
+            elif op in PASS:
+                new_axis, reason = _pass(node, idx, ax, shapes, v)
+                if new_axis is None:
+                    walk.blocked.append((_where(node), reason or reasons.UNSUPPORTED_PREFIX + f"onnx.{op}"))
+                else:
+                    visit(node.outputs[0], new_axis)
+            elif op in ("Add", "Sub", "Mul", "Div") and all(const(i) is None for i in node.inputs if i is not v):
+                reason = reasons.RESIDUAL_READS_NORM if op in ("Add", "Sub") else reasons.MASKED_AFTER_NORM
+                walk.blocked.append((_where(node), reason))
+            else:
+                walk.blocked.append((_where(node), BLOCK.get(op, reasons.UNSUPPORTED_PREFIX + f"onnx.{op}")))
+
+    visit(value, axis)
+    return walk
+
+
+def find_producer(value: ir.Value, axis: int, shapes: Shapes) -> tuple[Layer | None, str]:
+    """The layer whose output channels become ``value``'s channel axis through view-like ops nothing else reads
+    (for a backward fold), or ``(None, why not)``."""
+    v, ax = value, axis
+    for _ in range(64):
+        node = v.producer()
+        if node is None:
+            return None, "the norm reads a graph input"
+        op = node.op_type
+        if op in ("Add",) and len(node.inputs) == 2:
+            for i, other in enumerate(node.inputs):
+                mm = other.producer() if other is not None else None
+                bias = node.inputs[1 - i]
+                if other is None or mm is None or mm.op_type != "MatMul" or _sole_reader(other) is not node:
+                    continue
+                layer, _ = _producer_layer(mm, ax, shapes, v)
+                if layer is not None and bias is not None and _plain_bias(bias):
+                    w, b = const(layer.weight), const(bias)
+                    if w is not None and b is not None and b.shape == (w.shape[1],):
+                        return Layer(mm, layer.weight, bias, node, v), ""
+            return None, f"{_where(node)} is not a layer"
+        if op in LAYER_OPS or op == "Gather":
+            return _producer_layer(node, ax, shapes, v)
+        if op == "Transpose" or op in ("Identity", "Dropout", "Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+            src = node.inputs[0]
+            if src is None or _sole_reader(src) is not node:
+                return None, f"another node reads the input of {_where(node)}"
+            if op == "Transpose":
+                perm = attr(node, "perm")
+                if perm is None:
+                    return None, "a Transpose without perm"
+                ax = list(perm)[ax]
+            elif op not in ("Identity", "Dropout"):
+                back = _view_axis(shapes, v, src, ax)
+                if back is None:
+                    return None, f"{_where(node)} mixes channels"
+                ax = back
+            v = src
+            continue
+        return None, f"{_where(node)} is not a layer"
+    return None, "too deep"
+
+
+def _producer_layer(node: ir.Node, axis: int, shapes: Shapes, out: ir.Value) -> tuple[Layer | None, str]:
+    op = node.op_type
+    rank = _rank(shapes, out)
+    if op == "Gather":
+        table, ids = node.inputs[0], node.inputs[1]
+        array = const(table)
+        if table is None or array is None or array.ndim != 2 or int(attr(node, "axis", 0)) != 0:
+            return None, f"{_where(node)} is not an embedding lookup"
+        if not table.is_initializer() or _shared(table) or rank is None or axis != rank - 1 or ids is None:
+            return None, f"{_where(node)}: a shared table or another axis"
+        return Layer(node, table, None, None, out), ""
+    weight = node.inputs[1] if len(node.inputs) > 1 else None
+    w = const(weight)
+    if weight is None or w is None or not weight.is_initializer() or _shared(weight):
+        return None, f"{_where(node)} has no unshared constant weight"
+    if _sole_reader(node.outputs[0]) is None and node.outputs[0] is not out:
+        return None, f"another node reads the output of {_where(node)}"
+    if op == "MatMul" and w.ndim == 2 and rank is not None and axis == rank - 1:
+        return Layer(node, weight, None, None, out), ""
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    if bias is not None and not _plain_bias(bias):
+        return None, f"{_where(node)} has a shared or broadcast bias"
+    if op == "Gemm" and axis == 1 and not attr(node, "transA", 0) and float(attr(node, "alpha", 1.0)) == 1.0:
+        if bias is None or float(attr(node, "beta", 1.0)) == 1.0:
+            return Layer(node, weight, bias, None, out), ""
+    if op == "Conv" and axis == 1:
+        return Layer(node, weight, bias, None, out), ""
+    return None, f"{_where(node)} does not produce the channel axis"
+
+
+# --------------------------------------------------------------------------------------------- the fold
+
+
+class _Writes:
+    """The new values of initializers, staged so that a refused fold (dtype overflow) changes nothing."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple[ir.Value, np.ndarray]] = {}
+        self.new_biases: list[tuple[Layer, np.ndarray]] = []
+
+    def get(self, value: ir.Value) -> np.ndarray:
+        staged = self.values.get(id(value))
+        return staged[1] if staged is not None else const(value)  # type: ignore[return-value]
+
+    def set(self, value: ir.Value, array: np.ndarray) -> None:
+        self.values[id(value)] = (value, array)
+
+    def finite(self) -> bool:
+        arrays = [a for _, a in self.values.values()] + [a for _, a in self.new_biases]
+        return all(bool(np.isfinite(np.asarray(a, dtype=np.float64)).all()) for a in arrays)
+
+
+def _bias_like(w: np.ndarray, size: int) -> np.ndarray:
+    return np.zeros((size,), dtype=w.dtype)
+
+
+def _fold_forward(layer: Layer, scale: torch.Tensor, shift: torch.Tensor, writes: _Writes) -> None:
+    """``W diag(s)``, ``b + W t`` on the layer's input channels (``fold_into_linear`` / ``fold_into_conv``)."""
+    op, w = layer.node.op_type, writes.get(layer.weight)
+    bias = writes.get(layer.bias) if layer.bias is not None else None
+    b = None if bias is None else to_torch(bias)
+    if op == "Conv":
+        groups = int(attr(layer.node, "group", 1))
+        new_w, new_b = fold.fold_into_conv(to_torch(w), b, scale, shift, groups)
+        writes.set(layer.weight, to_numpy(new_w, w))
+    else:
+        transposed = op == "MatMul" or not attr(layer.node, "transB", 0)  # stored (in, out)
+        wt = to_torch(w).T if transposed else to_torch(w)
+        new_w, new_b = fold.fold_into_linear(wt, b, scale, shift)
+        writes.set(layer.weight, to_numpy(new_w.T if transposed else new_w, w))
+    _store_bias(layer, new_b, w, writes)
+
+
+def _fold_backward(layer: Layer, scale: torch.Tensor, shift: torch.Tensor, writes: _Writes) -> None:
+    """``diag(s) W``, ``s b + t`` on the layer's output channels (``fold_into_producer`` / ``fold_into_embedding``)."""
+    op, w = layer.node.op_type, writes.get(layer.weight)
+    if op == "Gather":
+        writes.set(layer.weight, to_numpy(fold.fold_into_embedding(to_torch(w), scale, shift), w))
+        return
+    bias = writes.get(layer.bias) if layer.bias is not None else None
+    b = None if bias is None else to_torch(bias)
+    transposed = op == "MatMul" or (op == "Gemm" and not attr(layer.node, "transB", 0))
+    wt = to_torch(w).T if transposed else to_torch(w)
+    new_w, new_b = fold.fold_into_producer(wt, b, scale, shift)
+    writes.set(layer.weight, to_numpy(new_w.T if transposed else new_w, w))
+    _store_bias(layer, new_b, w, writes)
+
+
+def _store_bias(layer: Layer, new_b: torch.Tensor, w: np.ndarray, writes: _Writes) -> None:
+    if layer.bias is not None:
+        writes.set(layer.bias, to_numpy(new_b, writes.get(layer.bias)))
+    else:
+        writes.new_biases.append((layer, to_numpy(new_b, _bias_like(w, new_b.numel()))))
+
+
+def _commit(writes: _Writes, graph: ir.Graph) -> None:
+    """Store the staged values and create the biases (an ``Add`` after a MatMul, a third input of Gemm / Conv)."""
+    for value, array in writes.values.values():
+        value.const_value = ir.tensor(array, name=value.name)
+    for layer, array in writes.new_biases:
+        base = layer.node.name or layer.weight.name or "layer"
+        name = _unique(graph, f"{base}.folded_bias")
+        tensor = ir.tensor(array, name=name)
+        bias = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        graph.register_initializer(bias)
+        if layer.node.op_type in ("Gemm", "Conv"):
+            layer.node.resize_inputs(3)
+            layer.node.replace_input_with(2, bias)
+            layer.bias = bias
+            continue
+        out = layer.node.outputs[0]
+        add_out = ir.Value(name=_unique(graph, f"{out.name}_biased"), shape=out.shape, type=out.type)
+        out.replace_all_uses_with(add_out, replace_graph_outputs=True)
+        if add_out.is_graph_output():
+            add_out.name, out.name = out.name, add_out.name  # graph outputs keep their names
+        add = ir.Node("", "Add", [out, bias], outputs=[add_out], name=_unique_node(graph, f"{base}/folded_bias_add"))
+        graph.insert_after(layer.node, add)
+        layer.bias, layer.bias_add, layer.out = bias, add, add_out
+
+
+def _unique(graph: ir.Graph, name: str) -> str:
+    taken = set(graph.initializers) | {v.name for n in graph for v in n.outputs}
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}.{i}", i + 1
+    return candidate
+
+
+def _unique_node(graph: ir.Graph, name: str) -> str:
+    taken = {n.name for n in graph}
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    return candidate
+
+
+def _remove(norm: OnnxNorm, graph: ir.Graph) -> None:
+    """Replace the norm's output by its input, drop its nodes and the constants nothing reads any more, and cancel
+    the transpose pair it leaves behind (``Transpose(p)`` then ``Transpose(p^-1)``)."""
+    norm.output.replace_all_uses_with(norm.input)
+    graph.remove(list(reversed(norm.nodes)), safe=True)
+    for value in norm.params:
+        if value.is_initializer() and not value.uses() and value.name and value.name in graph.initializers:
+            graph.initializers.pop(value.name)
+    first = norm.input.producer()
+    if first is None or first.op_type != "Transpose" or attr(first, "perm") is None or first.inputs[0] is None:
+        return
+    perm, source = list(attr(first, "perm")), first.inputs[0]
+    for use in list(norm.input.uses()):
+        second = use.node
+        other = attr(second, "perm")
+        if second.op_type != "Transpose" or other is None or second.outputs[0].is_graph_output():
+            continue
+        if [perm[i] for i in list(other)] == list(range(len(perm))):
+            second.outputs[0].replace_all_uses_with(source)
+            graph.remove(second, safe=True)
+    if not norm.input.uses() and not norm.input.is_graph_output():
+        graph.remove(first, safe=True)
+
+
+def fold_graph(model: ir.Model, shapes: Shapes, progress: Callable[[str], None] = lambda name: None) -> list[Decision]:
+    """Fold every norm of ``model`` (in place, in graph order; each on the graph as the earlier folds left it).
+
+    For each norm: ``folded-forward`` when every path from its output ends at a layer that contracts the channel
+    axis; else ``folded-backward`` when its input comes from a layer nothing else reads; else ``kept`` (its nodes
+    untouched) with the first blocked path's reason. A fold whose weights would not be finite in their dtype is
+    refused (``dtype-overflow``).
+
+    Args:
+        model: the graph (``onnx_ir``), changed in place.
+        shapes: static shapes by value name (ONNX shape inference on the unchanged model).
+        progress: called with each norm's name once decided.
+
+    Returns:
+        One ``Decision`` per norm, in graph order.
+    """
+    graph = model.graph
+    decisions = []
+    for norm in find_norms(graph, shapes):
+        decisions.append(_decide(norm, graph, shapes))
+        progress(norm.name)
+    return decisions
+
+
+def _decide(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> Decision:
+    walk = walk_forward(norm.output, norm.axis, shapes)
+    paths = [{"before": where, "reason": why} for where, why in walk.blocked]
+    writes = _Writes()
+    if not walk.blocked and walk.layers:
+        for layer in walk.layers:
+            _fold_forward(layer, norm.scale, norm.shift, writes)
+        action, into = FOLDED_FORWARD, walk.layers
+    else:
+        producer, why = find_producer(norm.input, norm.axis, shapes)
+        if producer is None:
+            reason = walk.blocked[0][1] if walk.blocked else reasons.FEEDS_OUTPUT
+            return Decision(norm.name, norm.kind, KEPT, reason=reason, paths=paths, no_backward=why)
+        _fold_backward(producer, norm.scale, norm.shift, writes)
+        action, into = FOLDED_BACKWARD, [producer]
+    if not writes.finite():
+        return Decision(norm.name, norm.kind, KEPT, reason=reasons.DTYPE_OVERFLOW, paths=paths)
+    _commit(writes, graph)
+    _remove(norm, graph)
+    return Decision(norm.name, norm.kind, action, into=[layer.node.name or layer.node.op_type for layer in into])
+
+
+def infer_shapes(proto_path: str) -> Shapes:
+    """Static shapes of every value ONNX shape inference can type, read from the file without its external data.
+
+    Source: ``onnx.shape_inference.infer_shapes`` (with data propagation, so ``Reshape`` targets built from
+    ``Shape`` ops resolve where they are static).
+    """
+    import onnx
+
+    proto = onnx.load(proto_path, load_external_data=False)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference is a help: values it cannot type block the walks that need them
+        pass
+    shapes: Shapes = {}
+    for info in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]:
+        tensor = info.type.tensor_type
+        if tensor.HasField("shape"):
+            shapes[info.name] = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
+            )
+    for init in proto.graph.initializer:
+        shapes[init.name] = tuple(int(d) for d in init.dims)
+    return shapes
+
+
+__all__ = ["BLOCK", "PASS", "OnnxNorm", "find_norms", "fold_graph", "infer_shapes", "walk_forward"]
