@@ -42,18 +42,22 @@ Shapes = dict[str, tuple[int | str | None, ...]]
 
 PASS = {
     "Transpose": "permute",
-    "Reshape": "view",
-    "Flatten": "view",
-    "Squeeze": "view",
-    "Unsqueeze": "view",
-    "Identity": "alias",
+    "Reshape": "reshape",
+    "Flatten": "flatten",
+    "Squeeze": "squeeze",
+    "Unsqueeze": "squeeze",
+    "Identity": "identity",
     "Dropout": "dropout",
-    "Gather": "index_select",
+    "Gather": "index",
     "Slice": "slice",
     "ReduceMean": "mean",
 }
-"""ONNX ops the walks pass when the channel axis stays whole, and the ATen op family of ``engine.rules`` that
-states the same fact for the PyTorch engine (held to each other by a test)."""
+"""ONNX ops the forward walk passes when the channel axis stays whole, and the name of the ATen rule
+(``slabconv.engine.rules.RULES``) that states the same fact for the PyTorch engine (a test holds them together)."""
+
+BACKWARD_PASS = ("Transpose", "Identity", "Dropout", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+"""The ops the backward walk passes: each output element a copy of one input element of the same channel (their
+ATen rules are ``view_like``)."""
 
 NONLINEAR_OPS = frozenset(
     {"Relu", "Gelu", "Erf", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "HardSigmoid", "HardSwish", "LeakyRelu",
@@ -61,6 +65,9 @@ NONLINEAR_OPS = frozenset(
      "LayerNormalization", "RMSNormalization", "ReduceMax", "ReduceMin", "MaxPool", "GlobalMaxPool"}
 )  # fmt: skip
 """Ops that do not commute with ``s * x + t``: a path through one is blocked (``nonlinear-before-consumer``)."""
+
+BLOCK_RULES = {"Pad": "pad", "Where": "masked", **dict.fromkeys(NONLINEAR_OPS, "nonlinear")}
+"""The ATen rule for the same fact, for each op of ``BLOCK`` that has one (checked by a test)."""
 
 BLOCK = {
     "Pad": reasons.ZERO_PADDING_AFTER_NORM,
@@ -440,7 +447,7 @@ def find_producer(value: ir.Value, axis: int, shapes: Shapes) -> tuple[Layer | N
             return None, f"{_where(node)} is not a layer"
         if op in LAYER_OPS or op == "Gather":
             return _producer_layer(node, ax, shapes, v)
-        if op == "Transpose" or op in ("Identity", "Dropout", "Reshape", "Flatten", "Squeeze", "Unsqueeze"):
+        if op in BACKWARD_PASS:
             src = node.inputs[0]
             if src is None or _sole_reader(src) is not node:
                 return None, f"another node reads the input of {_where(node)}"

@@ -1,0 +1,255 @@
+"""ONNX originals (issue 23): ``fuse`` / ``inspect`` of an ``.onnx`` file someone already exported.
+
+The digits fixture is exported here at run time with ``torch.onnx.export`` (TorchScript exporter at opset 17 and
+18, the dynamo exporter at 18), folded, and held to the norm-free export of the same model: the same op histogram,
+outputs within the verification policy, question 1 exact in float64. Small models show the refusals: a norm before
+a zero-padded conv, a residual reading the norm, a shared weight keep the norm with the reason, and the output
+still matches; a blocked norm whose input comes from a Linear folds backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from slabconv import api
+from slabconv.cli import app
+from slabconv.engine import onnx_graph, reasons, rules
+from slabconv.errors import InputError, UsageError
+from slabconv.load.model import load_model
+from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.zoo.norms import RepBN
+from tests.conftest import FIXTURE, op_histogram, randomize_norms
+
+
+def _export(model: nn.Module, x: torch.Tensor, path: Path, opset: int, dynamo: bool = False) -> Path:
+    """``model`` to ONNX, input ``x`` / output ``y``, a dynamic batch for the TorchScript exporter."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs: dict = {"dynamo": dynamo, "opset_version": opset, "input_names": ["x"], "output_names": ["y"]}
+        if not dynamo:
+            kwargs["dynamic_axes"] = {"x": {0: "batch"}, "y": {0: "batch"}}
+        torch.onnx.export(model.eval(), (x,), str(path), **kwargs)
+    return path
+
+
+def _norm_free(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every RepBN replaced by identity (the norm-free bound)."""
+    free = copy.deepcopy(model)
+    for parent in list(free.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RepBN):
+                setattr(parent, name, nn.Identity())
+    return free
+
+
+def _run(path: Path, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[nn.Module, torch.Tensor]:
+    loaded = load_model(FIXTURE / "checkpoint.pth")
+    return loaded.model, loaded.example(2, 0)
+
+
+EXPORTS = [pytest.param(17, False, id="torchscript-opset17"), pytest.param(18, False, id="torchscript-opset18")]
+EXPORTS += [pytest.param(18, True, id="dynamo-opset18", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize(("opset", "dynamo"), EXPORTS)
+def test_digits_export_folds_to_the_norm_free_graph(digits, tmp_path, opset, dynamo):
+    model, x = digits
+    original = _export(model, x, tmp_path / "model.onnx", opset, dynamo)
+    free = _export(_norm_free(model), x, tmp_path / "free.onnx", opset, dynamo)
+    report = api.fuse(original, tmp_path / "out", verify=VerifyOptions(samples=16))
+    fused = tmp_path / "out" / "model.onnx"
+    assert [d.action for d in report.folds] == ["folded-forward"] * 9
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.exact and all(c.passed for c in report.verification.exact)
+    got, want = op_histogram(fused), op_histogram(free)
+    assert got["BatchNormalization"] == 0
+    assert got == want, {k: (got[k], want[k]) for k in got | want if got[k] != want[k]}
+    before, after = onnx.load(str(original)), onnx.load(str(fused))
+    assert [i.name for i in after.graph.input] == [i.name for i in before.graph.input]
+    assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
+    assert after.graph.input[0].type == before.graph.input[0].type  # dynamic axes kept
+    assert [(o.domain, o.version) for o in after.opset_import] == [(o.domain, o.version) for o in before.opset_import]
+    kept = {n.name for n in after.graph.node}
+    assert kept <= {n.name for n in before.graph.node}  # no node renamed, none added (every consumer had a bias)
+    xs = np.random.default_rng(1).standard_normal((2, 1, 8, 8)).astype(np.float32)
+    y0, y1 = _run(original, xs), _run(fused, xs)
+    assert np.abs(y1 - y0).max() / np.abs(y0).max() < 1e-5
+
+
+def test_inspect_reports_an_onnx_source(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    report = api.inspect(path)
+    data = report.to_dict()
+    assert data["source"]["format"] == "onnx" and data["source"]["opset"] == 17
+    assert data["source"]["producer"].startswith("pytorch")
+    assert data["summary"] == {"norms": 9, "folded": 9, "kept": 0}
+    assert data["folds"][0]["norm"] == "blocks.0.norm1.norm2" and data["folds"][0]["kind"] == "RepBN"
+
+
+class _Model(nn.Module):
+    """A ``(B, N, C)`` model around one RepBN, wired as ``kind`` says."""
+
+    def __init__(self, kind: str, c: int = 8):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(c, c)
+        self.norm = RepBN(c)
+        self.fc = nn.Linear(c, c)
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        if kind == "shared":
+            self.fc2 = nn.Linear(c, c)
+            self.fc2.weight = self.fc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "padded-conv":  # the norm feeds a conv that pads with zeros
+            return self.conv(self.norm(x).transpose(1, 2))
+        if self.kind == "residual":  # the normalized tensor is also added back
+            z = self.norm(x)
+            return self.fc(z) + z
+        if self.kind == "backward":  # a residual reads the norm, but a Linear produces its input
+            z = self.norm(self.lin(x))
+            return self.fc(z) + z
+        if self.kind == "shared":
+            z = self.norm(x)
+            return self.fc(z) + self.fc2(z[:, :1])
+        return self.fc(self.norm(x))
+
+
+CASES = [
+    ("padded-conv", "kept", reasons.PADDED_CONV_CONSUMER),
+    ("residual", "kept", reasons.RESIDUAL_READS_NORM),
+    ("shared", "kept", reasons.SHARED_WEIGHT),
+    ("backward", "folded-backward", None),
+    ("plain", "folded-forward", None),
+]
+
+
+@pytest.mark.parametrize(("kind", "action", "reason"), CASES, ids=[c[0] for c in CASES])
+def test_small_models_fold_or_keep_with_the_reason(tmp_path, kind, action, reason):
+    torch.manual_seed(0)
+    model = randomize_norms(_Model(kind).eval(), seed=3)
+    path = _export(model, torch.randn(2, 5, 8), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    (decision,) = report.folds
+    assert (decision.action, decision.reason) == (action, reason)
+    assert report.verification is not None and report.verification.passed
+    bn_left = op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"]
+    assert bn_left == (1 if action == "kept" else 0)
+
+
+def test_a_naive_fold_of_a_refused_norm_would_be_wrong(tmp_path):
+    """The refusal is needed: folding the residual case forward anyway (into fc) changes the output."""
+    torch.manual_seed(0)
+    model = randomize_norms(_Model("residual").eval(), seed=3)
+    path = _export(model, torch.randn(2, 5, 8), tmp_path / "model.onnx", 17)
+    import onnx_ir as ir
+
+    graph_model = ir.load(str(path))
+    shapes = onnx_graph.infer_shapes(str(path))
+    (norm,) = onnx_graph.find_norms(graph_model.graph, shapes)
+    walk = onnx_graph.walk_forward(norm.output, norm.axis, shapes)
+    assert [r for _, r in walk.blocked] == [reasons.RESIDUAL_READS_NORM]
+    writes = onnx_graph._Writes()
+    for layer in walk.layers:
+        onnx_graph._fold_forward(layer, norm.scale, norm.shift, writes)
+    onnx_graph._commit(writes, graph_model.graph)
+    onnx_graph._remove(norm, graph_model.graph)
+    ir.save(graph_model, str(tmp_path / "naive.onnx"))
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    y0, y1 = _run(path, x), _run(tmp_path / "naive.onnx", x)
+    assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
+def test_batchnorm2d_before_an_unpadded_conv_folds_into_it(tmp_path):
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Conv2d(4, 6, 2, stride=2, padding=0))
+    randomize_norms(model.eval(), seed=1)
+    path = _export(model, torch.randn(2, 4, 8, 8), tmp_path / "model.onnx", 18)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action) for d in report.folds] == [("BatchNorm", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "out" / "model.onnx") == collections.Counter({"Conv": 1})
+
+
+def test_external_data_stays_external(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "src" / "model.onnx", 17) if (tmp_path / "src").mkdir() is None else None
+    assert path is not None
+    proto = onnx.load(str(path))
+    onnx.save(proto, str(path), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.outputs is not None and report.outputs.files == ["model.onnx", "model.onnx.data"]
+    assert report.to_dict()["source"]["external_data"] is True
+    assert (tmp_path / "out" / "model.onnx").stat().st_size < 100_000
+
+
+def test_external_data_outside_the_folder_is_refused(digits, tmp_path):
+    model, x = digits
+    (tmp_path / "a").mkdir()
+    path = _export(model, x, tmp_path / "a" / "model.onnx", 17)
+    proto = onnx.load(str(path))
+    onnx.save(proto, str(path), save_as_external_data=True, location="w.bin", size_threshold=0)
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../w.bin"
+    onnx.save(proto, str(path))
+    (tmp_path / "a" / "w.bin").rename(tmp_path / "w.bin")
+    with pytest.raises(InputError, match="lies outside the model's folder"):
+        api.inspect(path)
+
+
+def test_cli_fuse_of_an_onnx_file_and_its_refusals(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    runner = CliRunner()
+    result = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["verification"]["passed"] and data["source"]["format"] == "onnx"
+    assert data["outputs"]["onnx"] == "model.onnx"
+    bad = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "o2"), "--arch", "deit_prepbn"])
+    assert bad.exit_code == 2 and "--arch does not apply to an ONNX original" in bad.output
+    (tmp_path / "broken.onnx").write_bytes(b"\x08\x07garbage")
+    broken = runner.invoke(app, ["inspect", str(tmp_path / "broken.onnx")])
+    assert broken.exit_code == 2 and "not a readable ONNX model" in broken.output
+    assert not (tmp_path / "o2").exists()
+
+
+def test_check_options_refuses_what_an_onnx_original_cannot_honour(tmp_path):
+    with pytest.raises(UsageError, match="--stream"):
+        from slabconv import onnx_in
+
+        onnx_in.check_options(tmp_path / "m.onnx", LoadOptions(), WriteOptions(stream=True))
+
+
+def test_the_onnx_walk_rules_name_the_aten_rules_that_state_the_same_fact():
+    """One fact, two vocabularies: every ONNX op the walks pass or block by rule names an ATen rule of
+    ``engine.rules``, and the ops the backward walk passes are exactly those whose ATen rule is view-like."""
+    by_name = {rule.name: rule for rule in rules.RULES}
+    for op, rule_name in {**onnx_graph.PASS, **onnx_graph.BLOCK_RULES}.items():
+        assert rule_name in by_name, f"ONNX {op} names ATen rule {rule_name!r}, which engine.rules lacks"
+    for op in onnx_graph.BACKWARD_PASS:
+        assert op in onnx_graph.PASS and by_name[onnx_graph.PASS[op]].view_like, op
+    for op, rule_name in onnx_graph.PASS.items():
+        if by_name[rule_name].view_like and op not in ("Gather", "Slice"):
+            assert op in onnx_graph.BACKWARD_PASS, f"{op} is view-like in ATen but the backward walk stops at it"
