@@ -30,7 +30,7 @@ from slabconv.errors import InputError, UsageError
 from slabconv.load.model import load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.zoo.norms import RepBN
-from tests.conftest import FIXTURE, op_histogram, randomize_norms
+from tests.conftest import FIXTURE, ROOT, op_histogram, randomize_norms
 
 
 def _export(model: nn.Module, x: torch.Tensor, path: Path, opset: int, dynamo: bool = False) -> Path:
@@ -172,7 +172,7 @@ def test_a_naive_fold_of_a_refused_norm_would_be_wrong(tmp_path):
     for layer in walk.layers:
         onnx_graph._fold_forward(layer, norm.scale, norm.shift, writes)
     onnx_graph._commit(writes, graph_model.graph)
-    onnx_graph._remove(norm, graph_model.graph)
+    onnx_graph._remove(norm, graph_model.graph, shapes)
     ir.save(graph_model, str(tmp_path / "naive.onnx"))
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
     y0, y1 = _run(path, x), _run(tmp_path / "naive.onnx", x)
@@ -253,3 +253,35 @@ def test_the_onnx_walk_rules_name_the_aten_rules_that_state_the_same_fact():
     for op, rule_name in onnx_graph.PASS.items():
         if by_name[rule_name].view_like and op not in ("Gather", "Slice"):
             assert op in onnx_graph.BACKWARD_PASS, f"{op} is view-like in ATen but the backward walk stops at it"
+
+
+class _Logits(nn.Module):
+    """A language model's logits alone (what an ONNX export of it returns)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(ids)
+        return out.logits if hasattr(out, "logits") else out
+
+
+LLAMA_EXPORTS = [pytest.param(18, False, id="torchscript-opset18"), pytest.param(18, True, id="dynamo-opset18")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("opset", "dynamo"), LLAMA_EXPORTS)
+def test_llama_prepbn_export_folds_to_the_norm_free_graph_plus_the_biases_it_needs(tmp_path, opset, dynamo):
+    loaded = load_model(ROOT / "fixtures" / "text-prepbn")
+    model, ids = _Logits(loaded.model).eval(), loaded.example(2, 0)
+    original = _export(model, ids, tmp_path / "model.onnx", opset, dynamo)
+    free = _export(_norm_free(model), ids, tmp_path / "free.onnx", opset, dynamo)
+    report = api.fuse(original, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [d.action for d in report.folds] == ["folded-forward"] * 7
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.inputs.startswith("random(")  # token ids drawn below the embedding's row count
+    got, want = op_histogram(tmp_path / "out" / "model.onnx"), op_histogram(free)
+    created = sum(len(d.into) for d in report.folds)  # q/k/v, gate/up and lm_head have no bias: each gets one
+    assert got - collections.Counter({"Add": created}) == want
+    assert got["Add"] == want["Add"] + created

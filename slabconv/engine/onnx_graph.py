@@ -603,28 +603,61 @@ def _unique_node(graph: ir.Graph, name: str) -> str:
     return candidate
 
 
-def _remove(norm: OnnxNorm, graph: ir.Graph) -> None:
-    """Replace the norm's output by its input, drop its nodes and the constants nothing reads any more, and cancel
-    the transpose pair it leaves behind (``Transpose(p)`` then ``Transpose(p^-1)``)."""
+def _remove(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> None:
+    """Replace the norm's output by its input, drop its nodes and the constants nothing reads any more, cancel the
+    layout pair it leaves behind (``Transpose(p)`` then ``Transpose(p^-1)``; a reshape then a reshape back to the
+    shape it started from, as ``x.view(-1, C)`` ... ``.view(B, T, C)``), and drop the shape computations that fed
+    only the cancelled pair."""
     norm.output.replace_all_uses_with(norm.input)
+    freed = [v for node in norm.nodes for v in node.inputs if v is not None]  # read before removal detaches them
     graph.remove(list(reversed(norm.nodes)), safe=True)
-    for value in norm.params:
-        if value.is_initializer() and not value.uses() and value.name and value.name in graph.initializers:
-            graph.initializers.pop(value.name)
     first = norm.input.producer()
-    if first is None or first.op_type != "Transpose" or attr(first, "perm") is None or first.inputs[0] is None:
-        return
-    perm, source = list(attr(first, "perm")), first.inputs[0]
-    for use in list(norm.input.uses()):
-        second = use.node
-        other = attr(second, "perm")
-        if second.op_type != "Transpose" or other is None or second.outputs[0].is_graph_output():
+    source = first.inputs[0] if first is not None and first.inputs else None
+    if first is not None and source is not None and not norm.input.is_graph_output():
+        for use in list(norm.input.uses()):
+            second = use.node
+            if use.idx == 0 and not second.outputs[0].is_graph_output() and _undoes(first, second, source, shapes):
+                second.outputs[0].replace_all_uses_with(source)
+                freed += [v for v in second.inputs if v is not None]
+                graph.remove(second, safe=True)
+        if not norm.input.uses():
+            freed += [v for v in first.inputs if v is not None]
+            graph.remove(first, safe=True)
+    _drop_dead(freed, graph)
+
+
+def _undoes(first: ir.Node, second: ir.Node, source: ir.Value, shapes: Shapes) -> bool:
+    """``second`` applied to ``first``'s output gives back ``source`` exactly."""
+    if first.op_type == "Transpose" and second.op_type == "Transpose":
+        perm, other = attr(first, "perm"), attr(second, "perm")
+        return perm is not None and other is not None and [list(perm)[i] for i in other] == list(range(len(perm)))
+    views = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+    if first.op_type in views and second.op_type in views:
+        back, start = shapes.get(second.outputs[0].name or ""), shapes.get(source.name or "")
+        return back is not None and back == start and all(d is not None for d in back)
+    return False
+
+
+def _drop_dead(values: list[ir.Value], graph: ir.Graph) -> None:
+    """Remove the nodes and initializers that computed ``values`` when nothing reads them any more (the norm's
+    parameters, the shape arithmetic of a cancelled reshape pair), and so on upwards."""
+    stack = list(values)
+    while stack:
+        value = stack.pop()
+        if value.graph is None and value.producer() is None and not value.is_initializer():
             continue
-        if [perm[i] for i in list(other)] == list(range(len(perm))):
-            second.outputs[0].replace_all_uses_with(source)
-            graph.remove(second, safe=True)
-    if not norm.input.uses() and not norm.input.is_graph_output():
-        graph.remove(first, safe=True)
+        if value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        if value.is_initializer():
+            if value.name and value.name in graph.initializers:
+                graph.initializers.pop(value.name)
+            continue
+        node = value.producer()
+        if node is None or node.graph is not graph or any(o.uses() or o.is_graph_output() for o in node.outputs):
+            continue
+        inputs = [v for v in node.inputs if v is not None]
+        graph.remove(node, safe=True)
+        stack += inputs
 
 
 def fold_graph(model: ir.Model, shapes: Shapes, progress: Callable[[str], None] = lambda name: None) -> list[Decision]:
@@ -669,7 +702,7 @@ def _decide(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> Decision:
     if not writes.finite():
         return Decision(norm.name, norm.kind, KEPT, reason=reasons.DTYPE_OVERFLOW, paths=paths)
     _commit(writes, graph)
-    _remove(norm, graph)
+    _remove(norm, graph, shapes)
     return Decision(norm.name, norm.kind, action, into=[layer.node.name or layer.node.op_type for layer in into])
 
 
