@@ -222,8 +222,12 @@ def to_float64(model: Any) -> None:
             value.dtype = ir.DataType.DOUBLE
 
 
-def _float64_runner(model: Any, round_to: Any) -> Callable[[np.ndarray], list[np.ndarray]]:
-    """Run a float64 ``onnx_ir.Model``: onnxruntime, else onnx's reference evaluator (every op, in numpy)."""
+def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], list[np.ndarray]], str]:
+    """Run a float64 ``onnx_ir.Model``: onnxruntime, else onnx's reference evaluator (every op, in numpy).
+
+    Returns:
+        ``(run, which)``: ``which`` names the evaluator (``onnxruntime`` or ``onnx.reference``).
+    """
     import onnx_ir as ir
 
     proto = ir.to_proto(model)
@@ -239,6 +243,7 @@ def _float64_runner(model: Any, round_to: Any) -> Callable[[np.ndarray], list[np
         def run(x: np.ndarray) -> list[np.ndarray]:
             return [np.asarray(o, dtype=np.float64) for o in session.run(None, {name: _round(x, round_to)})]
 
+        return run, "onnxruntime"
     except Exception:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
         from onnx.reference import ReferenceEvaluator
 
@@ -247,7 +252,7 @@ def _float64_runner(model: Any, round_to: Any) -> Callable[[np.ndarray], list[np
         def run(x: np.ndarray) -> list[np.ndarray]:
             return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, {name: _round(x, round_to)})]
 
-    return run
+        return run, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
@@ -322,19 +327,20 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
     original = run_batched(original_rt.run, x, fixed_batch=batch)
     original64 = load_ir(info.path)
     to_float64(original64)
-    exact = run_batched(_float64_runner(original64, np_dtype), x, fixed_batch=batch)
+    run64, which = _float64_runner(original64, np_dtype)
+    exact = run_batched(run64, x, fixed_batch=batch)
     names = output_names(len(original), original_rt.output_names)
     reference = Reference(x, label, digest, info.dtype, original, exact, names)
     check_reference(reference)
     verification = Verification(
         inputs=label,
         inputs_sha256=digest,
-        reference="the original ONNX graph in float64 (onnxruntime)",
+        reference=f"the original ONNX graph in float64 ({which})",
         notes=list(reference.notes),
     )
     progress("verifying: question 1, is the fold exact?")
     fused64, _ = fold_onnx(info.path, as_float64=True)
-    outputs64 = run_batched(_float64_runner(fused64, np_dtype), x, fixed_batch=batch)
+    outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x, fixed_batch=batch)
     verification.exact.append(judge.exact_graphs(names, outputs64, exact))
     verification.exact.append(
         judge.exact_tensors(f"{fused_path.name} vs the float64 fold", _float_tensors(fused_path), _ir_tensors(fused64))

@@ -128,6 +128,10 @@ class _Model(nn.Module):
         if self.kind == "backward":  # a residual reads the norm, but a Linear produces its input
             z = self.norm(self.lin(x))
             return self.fc(z) + z
+        if self.kind == "input-reused":  # blocked forward, and a backward fold would change y for the residual
+            y = self.lin(x)
+            z = self.norm(y)
+            return self.fc(z) + z + y
         if self.kind == "shared":
             z = self.norm(x)
             return self.fc(z) + self.fc2(z[:, :1])
@@ -139,6 +143,7 @@ CASES = [
     ("residual", "kept", reasons.RESIDUAL_READS_NORM),
     ("shared", "kept", reasons.SHARED_WEIGHT),
     ("backward", "folded-backward", None),
+    ("input-reused", "kept", reasons.RESIDUAL_READS_NORM),
     ("plain", "folded-forward", None),
 ]
 
@@ -285,3 +290,65 @@ def test_llama_prepbn_export_folds_to_the_norm_free_graph_plus_the_biases_it_nee
     created = sum(len(d.into) for d in report.folds)  # q/k/v, gate/up and lm_head have no bias: each gets one
     assert got - collections.Counter({"Add": created}) == want
     assert got["Add"] == want["Add"] + created
+
+
+def test_a_float16_export_folds_and_is_judged_in_float16(digits, tmp_path):
+    model, x = digits
+    path = _export(copy.deepcopy(model).half(), x.half(), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=16))
+    assert report.source is not None and report.source.dtype == "float16"
+    assert report.verification is not None and report.verification.passed
+    assert {c.dtype for c in report.verification.checks} == {"float16"}
+    assert report.verification.exact[1].error == 0.0  # every float16 weight is the float64 fold rounded once
+    assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
+
+
+class _Flat(nn.Module):
+    """``(B, C)``: a Gemm produces the BatchNorm's input, which a residual also reads."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.lin, self.bn, self.fc = nn.Linear(c, c), nn.BatchNorm1d(c), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        z = self.bn(y)
+        return self.fc(z) + z + y
+
+
+def test_no_backward_fold_when_another_node_reads_the_norms_input(tmp_path):
+    model = randomize_norms(_Flat().eval(), seed=2)
+    path = _export(model, torch.randn(4, 8), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    (decision,) = report.folds
+    assert (decision.action, decision.reason) == ("kept", reasons.RESIDUAL_READS_NORM)
+    assert report.verification is not None and report.verification.passed
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def test_files_slabconv_cannot_fold_or_feed_are_refused_with_one_line(tmp_path):
+    torch.onnx.export(_TwoInputs(), (torch.ones(1, 2), torch.ones(1, 2)), str(tmp_path / "two.onnx"), dynamo=False)
+    with pytest.raises(InputError, match=r"the model has 2 inputs; slabconv folds and verifies ONNX models"):
+        api.inspect(tmp_path / "two.onnx")
+    model = randomize_norms(_Model("plain").eval(), seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, (torch.randn(2, 5, 8),), str(tmp_path / "dyn.onnx"), dynamo=False, input_names=["x"],
+            dynamic_axes={"x": {0: "batch", 1: "tokens"}},
+        )  # fmt: skip
+    with pytest.raises(UsageError, match=r"the input 'x' has dynamic axes besides the batch; pass --inputs NPZ"):
+        api.fuse(tmp_path / "dyn.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert not (tmp_path / "out").exists()
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).standard_normal((3, 7, 8)).astype(np.float32))
+    report = api.fuse(tmp_path / "dyn.onnx", tmp_path / "out", verify=VerifyOptions(inputs=tmp_path / "x.npz"))
+    assert report.verification is not None and report.verification.passed
+    proto = onnx.load(str(tmp_path / "dyn.onnx"))
+    onnx.save(proto, str(tmp_path / "ext.onnx"), save_as_external_data=True, location="ext.bin", size_threshold=0)
+    (tmp_path / "ext.bin").unlink()
+    with pytest.raises(InputError, match=r"its external data file 'ext.bin' is missing; copy it beside the .onnx"):
+        api.inspect(tmp_path / "ext.onnx")

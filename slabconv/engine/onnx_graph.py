@@ -312,8 +312,9 @@ def _pass(node: ir.Node, idx: int, axis: int, shapes: Shapes, src: ir.Value) -> 
         if raw is None and len(node.inputs) > 1:
             found = const(node.inputs[1])
             raw = None if found is None else [int(a) for a in found.reshape(-1)]
-        if raw is None:
-            return None, reasons.CHANNEL_MIXING_RESHAPE
+        if raw is None or len(raw) == 0:  # no axes: every axis is reduced (or none, with noop_with_empty_axes)
+            noop = raw is not None and attr(node, "noop_with_empty_axes", 0)
+            return (axis, None) if noop else (None, reasons.CHANNEL_MIXING_RESHAPE)
         axes_set = {int(a) % rank for a in raw}
         if axis in axes_set:
             return None, reasons.CHANNEL_MIXING_RESHAPE
@@ -694,6 +695,9 @@ def _decide(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> Decision:
         action, into = FOLDED_FORWARD, walk.layers
     else:
         producer, why = find_producer(norm.input, norm.axis, shapes)
+        others = [node for node, _ in _readers(norm.input) if all(node is not n for n in norm.nodes)]
+        if others or norm.input.is_graph_output():  # a backward fold would change what they read
+            producer, why = None, f"{_where(others[0] if others else None)} also reads the norm's input"
         if producer is None:
             reason = walk.blocked[0][1] if walk.blocked else reasons.FEEDS_OUTPUT
             return Decision(norm.name, norm.kind, KEPT, reason=reason, paths=paths, no_backward=why)
