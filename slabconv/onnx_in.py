@@ -45,6 +45,10 @@ from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES
 
 FUSED_NAME = "model.onnx"
 
+SOURCE_KEY = "slabconv_source_sha256"
+"""The fused ``model.onnx``'s ``metadata_props`` key naming the sha256 of the ``.onnx`` it was folded from (so
+``verify ORIGINAL.onnx FUSED`` knows question 1 applies)."""
+
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 
 
@@ -155,6 +159,7 @@ def fuse(
     info = read_onnx(path)
     model, decisions = fold_onnx(path, progress)
     model.metadata_props[MARK] = __version__
+    model.metadata_props[SOURCE_KEY] = info.sha256
     report = Report("fuse", source=source_of(info), folds=decisions, out_dir=str(out_dir), mode="in-memory")
     with staging_dir(out_dir, write.force) as tmp:
         target = tmp / FUSED_NAME
@@ -359,6 +364,41 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
         )
     verification.runtime = runtime_summary(runtimes)
     return verification
+
+
+def float64_reference(path: Path, x: np.ndarray, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str]:
+    """The outputs of the ONNX graph at ``path`` evaluated in float64 on ``x`` (rounded to ``dtype`` first), and
+    which evaluator ran it (the float64 reference of ``verify`` when the reference is an ``.onnx`` file)."""
+    model: Any = load_ir(path)
+    to_float64(model)
+    run, which = _float64_runner(model, _NP_DTYPES.get(dtype))
+    return run_batched(run, x, fixed_batch=batch), which
+
+
+def folded_from(candidate: Path) -> str | None:
+    """The sha256 of the ``.onnx`` a fused ``model.onnx`` was folded from (its ``SOURCE_KEY``), else None."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(candidate), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a file fuse wrote from an ONNX original
+        return None
+    return next((p.value for p in proto.metadata_props if p.key == SOURCE_KEY), None)
+
+
+def question_1(
+    reference: Path, candidate: Path, x: np.ndarray, dtype: str, batch: int | None, exact: list[np.ndarray]
+) -> list[Any]:
+    """Question 1 for a fused ``model.onnx`` against the ``.onnx`` it was folded from: a fresh float64 fold of the
+    reference against the reference in float64 (``exact``), and every tensor of the candidate against that fold."""
+    fused64, _ = fold_onnx(reference, as_float64=True)
+    outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x, fixed_batch=batch)
+    names = output_names(len(exact), [v.name for v in fused64.graph.outputs])
+    return [
+        judge.exact_graphs(names, outputs, exact),
+        judge.exact_tensors(f"{candidate.name} vs a float64 fold of the reference", _float_tensors(candidate),
+                            _ir_tensors(fused64)),
+    ]  # fmt: skip
 
 
 def _float_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -232,6 +232,8 @@ def test_cli_fuse_of_an_onnx_file_and_its_refusals(digits, tmp_path):
     data = json.loads(result.stdout)
     assert data["verification"]["passed"] and data["source"]["format"] == "onnx"
     assert data["outputs"]["onnx"] == "model.onnx"
+    shown = runner.invoke(app, ["inspect", str(path)])
+    assert shown.exit_code == 0 and "folds (onnx, opset 17, pytorch" in shown.stdout
     bad = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "o2"), "--arch", "deit_prepbn"])
     assert bad.exit_code == 2 and "--arch does not apply to an ONNX original" in bad.output
     (tmp_path / "broken.onnx").write_bytes(b"\x08\x07garbage")
@@ -352,3 +354,30 @@ def test_files_slabconv_cannot_fold_or_feed_are_refused_with_one_line(tmp_path):
     (tmp_path / "ext.bin").unlink()
     with pytest.raises(InputError, match=r"its external data file 'ext.bin' is missing; copy it beside the .onnx"):
         api.inspect(tmp_path / "ext.onnx")
+
+
+def test_verify_an_onnx_original_against_its_fused_folder_answers_both_questions(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    api.fuse(path, tmp_path / "out", verify=None)
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", str(path), str(tmp_path / "out"), "--samples", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    v = json.loads(result.stdout)["verification"]
+    assert v["question_1_exact"] is True and len(v["exact"]) == 2
+    assert v["reference"].startswith("the reference ONNX graph in float64")
+    assert all(c["reference"] == "float64" for c in v["checks"])
+    # A fold off by 0.1% in one weight: question 1 names it, exit 1.
+    import onnx_ir as ir
+
+    fused = ir.load(str(tmp_path / "out" / "model.onnx"))
+    name = next(n for n, v in fused.graph.initializers.items() if v.const_value is not None and v.const_value.size > 64)
+    value = fused.graph.initializers[name]
+    value.const_value = ir.tensor(value.const_value.numpy() * np.float32(1.001), name=name)
+    ir.save(fused, str(tmp_path / "bad.onnx"))
+    bad = runner.invoke(app, ["verify", str(path), str(tmp_path / "bad.onnx"), "--samples", "8", "--json"])
+    assert bad.exit_code == 1
+    exact = json.loads(bad.stdout)["verification"]["exact"]
+    assert [c["passed"] for c in exact] == [True, False] and exact[1][
+        "worst"
+    ] == name  # the fold is right, the file not
