@@ -381,3 +381,45 @@ def test_verify_an_onnx_original_against_its_fused_folder_answers_both_questions
     assert [c["passed"] for c in exact] == [True, False] and exact[1][
         "worst"
     ] == name  # the fold is right, the file not
+
+
+class _Decomposed(nn.Module):
+    """A BatchNorm written out as arithmetic, as some exporters emit it, before a Linear."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        for name in ("mean", "gamma", "beta"):
+            self.register_buffer(name, torch.randn(c, generator=g))
+        self.register_buffer("var", torch.rand(c, generator=g) + 0.5)
+        self.fc = nn.Linear(c, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc((x - self.mean) / torch.sqrt(self.var + 1e-5) * self.gamma + self.beta)
+
+
+class _LayerScale(nn.Module):
+    """ViT's LayerScale: ``x + gamma * fc2(gelu(fc1(x)))`` (a residual reads it: it folds backward into fc2)."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+        self.gamma = nn.Parameter(torch.randn(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_decomposed_batchnorm_and_layerscale_fold_away(tmp_path, opset):
+    path = _export(_Decomposed().eval(), torch.randn(2, 5, 8), tmp_path / "bn.onnx", opset)
+    report = api.fuse(path, tmp_path / "bn", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action) for d in report.folds] == [("Affine", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+    assert set(op_histogram(tmp_path / "bn" / "model.onnx")) <= {"MatMul", "Add", "Gemm"}
+    path = _export(_LayerScale().eval(), torch.randn(2, 5, 8), tmp_path / "ls.onnx", opset)
+    before = op_histogram(path)
+    report = api.fuse(path, tmp_path / "ls", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action, d.reason) for d in report.folds] == [("LayerScale", "folded-backward", None)]
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "ls" / "model.onnx") == before - collections.Counter({"Mul": 1})

@@ -9,7 +9,9 @@ Norms recognised (``find_norms``), by their constant operands, never by names:
 
 - ``BatchNormalization`` in inference mode (any rank, channel axis 1) with constant scale, bias, mean and variance;
 - RepBN, ``BN(x) + alpha * x`` with a constant scalar ``alpha`` (the official ``RepBN``: exporters emit the
-  ``Transpose`` pair around it, which the walk passes and the cleanup cancels).
+  ``Transpose`` pair around it, which the walk passes and the cleanup cancels);
+- chains of ``Add`` / ``Sub`` / ``Mul`` / ``Div`` by per-axis constants: the decomposed BatchNorm, LayerScale,
+  ``x * a + b``.
 
 The affine ``s * x + t`` comes from ``slabconv.fold.repbn_affine`` (float64, Lemma 4.1 of the SLAB paper), and
 every fold from ``slabconv.fold`` (``fold_into_linear``, ``fold_into_conv``, ``fold_into_producer``,
@@ -226,6 +228,133 @@ def find_norms(graph: ir.Graph, shapes: Shapes) -> list[OnnxNorm]:
             params.append(alpha_value)
         name = _param_prefix([params[-1]] if kind == "RepBN" else params, node.name or "BatchNormalization")
         norms.append(OnnxNorm(name, kind, nodes, x, out, 1, scale, shift, params))
+    claimed = {id(n) for norm in norms for n in norm.nodes}
+    norms += _affine_chains(graph, shapes, claimed)
+    order = {id(n): i for i, n in enumerate(graph)}
+    return sorted(norms, key=lambda norm: order[id(norm.nodes[0])])
+
+
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
+_CONST_OPS: dict[str, Callable[..., Any]] = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": np.divide,
+    "Sqrt": np.sqrt,
+    "Reciprocal": np.reciprocal,
+    "Identity": lambda a: a,
+}
+"""Ops whose constant-only results ``_const_eval`` computes (the statistics arithmetic of a decomposed BN)."""
+
+
+def _const_eval(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
+    """The value of ``value`` when it is a constant or elementwise arithmetic over constants (``sqrt(var + eps)``),
+    in float64; else None."""
+    found = const(value)
+    if found is not None or value is None or depth > 8:
+        return None if found is None else np.asarray(found, dtype=np.float64)
+    node = value.producer()
+    if node is None or node.op_type not in _CONST_OPS or node.domain not in ("", "ai.onnx"):
+        return None
+    args = [_const_eval(v, depth + 1) for v in node.inputs]
+    if not args or any(a is None for a in args):
+        return None
+    with np.errstate(all="ignore"):
+        return np.asarray(_CONST_OPS[node.op_type](*args), dtype=np.float64)
+
+
+def _per_channel(array: np.ndarray, rank: int) -> tuple[int, int] | None:
+    """``(axis, length)`` when ``array`` broadcast against a rank-``rank`` tensor varies along one axis only
+    (``(C,)``, ``(1, C, 1)``...); ``(-1, 1)`` for a scalar; None otherwise."""
+    if array.ndim > rank:
+        return None
+    shape = (1,) * (rank - array.ndim) + tuple(array.shape)
+    varying = [i for i, d in enumerate(shape) if d != 1]
+    if not varying:
+        return -1, 1
+    return (varying[0], shape[varying[0]]) if len(varying) == 1 else None
+
+
+def _affine_step(node: ir.Node, x: ir.Value, shapes: Shapes) -> tuple[np.ndarray, int, int] | None:
+    """``(constant, axis, length)`` when ``node`` is ``x`` combined elementwise with a per-axis constant (``x`` the
+    left operand of ``Sub`` / ``Div``), else None."""
+    if node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    if a is x and b is not x:
+        other = b
+    elif b is x and a is not x and node.op_type in ("Add", "Mul"):
+        other = a
+    else:
+        return None
+    value, rank = _const_eval(other), _rank(shapes, x)
+    out_rank = _rank(shapes, node.outputs[0])
+    if value is None or rank is None or out_rank != rank or not np.isfinite(value).all():
+        return None
+    found = _per_channel(value, rank)
+    if found is None or (node.op_type == "Div" and not value.all()):
+        return None
+    return value, found[0], found[1]
+
+
+def _affine_chains(graph: ir.Graph, shapes: Shapes, claimed: set[int]) -> list[OnnxNorm]:
+    """Every chain of ``Add`` / ``Sub`` / ``Mul`` / ``Div`` by per-axis constants (the decomposed BatchNorm
+    ``(x - mean) / sqrt(var + eps) * gamma + beta`` exporters emit, LayerScale ``gamma * x``, ``x * a + b``), as one
+    affine ``s * x + t`` on that axis.
+
+    A chain holds at least one constant that varies along the axis (scalar-only arithmetic, such as GELU's or the
+    attention scale, is not a norm), does not start with a bias ``Add`` right after a layer (that is the layer's
+    own bias), and each of its intermediate tensors has no other reader.
+    """
+    norms = []
+    for node in graph:
+        if id(node) in claimed or not node.inputs:
+            continue
+        x = next((v for v in node.inputs if v is not None and _const_eval(v) is None), None)
+        if x is None or _affine_step(node, x, shapes) is None:
+            continue
+        producer = x.producer()
+        if node.op_type in ("Add", "Sub") and producer is not None and producer.op_type in LAYER_OPS:
+            continue
+        chain, current, axis = [], x, -1
+        scale: np.ndarray | None = None
+        shift: np.ndarray | None = None
+        step_node: ir.Node | None = node
+        while step_node is not None and id(step_node) not in claimed:
+            step = _affine_step(step_node, current, shapes)
+            if step is None or (axis >= 0 and step[1] >= 0 and step[1] != axis):
+                break
+            value, ax, length = step
+            if ax >= 0:
+                axis = ax
+            flat = value.reshape(-1) if length > 1 else value.reshape(())
+            scale = np.ones(()) if scale is None else scale
+            shift = np.zeros(()) if shift is None else shift
+            op = step_node.op_type
+            if op == "Add":
+                shift = shift + flat
+            elif op == "Sub":
+                shift = shift - flat
+            elif op == "Mul":
+                scale, shift = scale * flat, shift * flat
+            else:
+                scale, shift = scale / flat, shift / flat
+            chain.append(step_node)
+            current = step_node.outputs[0]
+            step_node = _sole_reader(current)
+        if axis < 0 or scale is None or shift is None:
+            continue
+        channels = shapes.get(x.name or "", ())[axis] if axis < len(shapes.get(x.name or "", ())) else None
+        size = max(np.size(scale), np.size(shift))
+        if not isinstance(channels, int) or size not in (1, channels):
+            continue
+        s = torch.from_numpy(np.broadcast_to(scale, (channels,)).astype(np.float64).copy())
+        t = torch.from_numpy(np.broadcast_to(shift, (channels,)).astype(np.float64).copy())
+        claimed.update(id(n) for n in chain)
+        params = [v for n in chain for v in n.inputs if v is not None and v is not x and _const_eval(v) is not None]
+        kind = "LayerScale" if [n.op_type for n in chain] == ["Mul"] else "Affine"
+        name = _param_prefix(params, chain[0].name or chain[0].op_type)
+        norms.append(OnnxNorm(name, kind, chain, x, current, axis, s, t, [p for p in params if p.producer() is None]))
     return norms
 
 
