@@ -423,3 +423,31 @@ def test_decomposed_batchnorm_and_layerscale_fold_away(tmp_path, opset):
     assert [(d.kind, d.action, d.reason) for d in report.folds] == [("LayerScale", "folded-backward", None)]
     assert report.verification is not None and report.verification.passed
     assert op_histogram(tmp_path / "ls" / "model.onnx") == before - collections.Counter({"Mul": 1})
+
+
+@pytest.mark.slow
+def test_a_third_party_batchnorm_transformer_export_loses_every_batchnorm(tmp_path):
+    """transformers' PatchTST with ``norm_type="batchnorm"`` (BatchNorm before q/k/v and the feed-forward),
+    exported by the dynamo exporter: every BatchNorm folds, the outputs match."""
+    patchtst = pytest.importorskip("transformers.models.patchtst")
+    config = patchtst.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, prediction_length=8, d_model=16,
+        num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, norm_type="batchnorm", scaling=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = randomize_norms(patchtst.PatchTSTForPrediction(config).eval(), seed=4)
+
+    class Prediction(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(past_values=x).prediction_outputs
+
+    path = _export(Prediction(), torch.randn(2, 32, 3), tmp_path / "patchtst.onnx", 18, dynamo=True)
+    assert op_histogram(path)["BatchNormalization"] == 4
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action) for d in report.folds] == [("BatchNorm", "folded-forward")] * 4
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
