@@ -92,7 +92,7 @@ def exports(folder: Path) -> list[tuple[str, Path, np.ndarray]]:
     model = patchtst.PatchTSTForPrediction(config).eval()
     with torch.no_grad():
         for mod in model.modules():
-            if isinstance(mod, nn.BatchNorm1d):
+            if isinstance(mod, nn.BatchNorm1d) and mod.running_mean is not None and mod.running_var is not None:
                 mod.running_mean.normal_()
                 mod.running_var.uniform_(0.5, 2.0)
     xp = torch.randn(8, 32, 3)

@@ -115,6 +115,8 @@ class _Model(nn.Module):
         self.norm = RepBN(c)
         self.fc = nn.Linear(c, c)
         self.conv = nn.Conv1d(c, c, 3, padding=1)
+        if kind == "backward-nobias":  # the producer has no bias: the fold creates one
+            self.lin = nn.Linear(c, c, bias=False)
         if kind == "shared":
             self.fc2 = nn.Linear(c, c)
             self.fc2.weight = self.fc.weight
@@ -125,7 +127,7 @@ class _Model(nn.Module):
         if self.kind == "residual":  # the normalized tensor is also added back
             z = self.norm(x)
             return self.fc(z) + z
-        if self.kind == "backward":  # a residual reads the norm, but a Linear produces its input
+        if self.kind in ("backward", "backward-nobias"):  # a residual reads the norm, a Linear produces its input
             z = self.norm(self.lin(x))
             return self.fc(z) + z
         if self.kind == "input-reused":  # blocked forward, and a backward fold would change y for the residual
@@ -143,6 +145,7 @@ CASES = [
     ("residual", "kept", reasons.RESIDUAL_READS_NORM),
     ("shared", "kept", reasons.SHARED_WEIGHT),
     ("backward", "folded-backward", None),
+    ("backward-nobias", "folded-backward", None),
     ("input-reused", "kept", reasons.RESIDUAL_READS_NORM),
     ("plain", "folded-forward", None),
 ]
@@ -451,3 +454,16 @@ def test_a_third_party_batchnorm_transformer_export_loses_every_batchnorm(tmp_pa
     assert [(d.kind, d.action) for d in report.folds] == [("BatchNorm", "folded-forward")] * 4
     assert report.verification is not None and report.verification.passed
     assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
+
+
+def test_a_norm_on_the_graph_output_folds_backward_and_the_output_keeps_its_name(tmp_path):
+    """``Linear(bias=False) -> BatchNorm1d`` on ``(B, C)``: the layer gets a created bias, the graph output is
+    still ``y``."""
+    model = randomize_norms(nn.Sequential(nn.Linear(8, 6, bias=False), nn.BatchNorm1d(6)).eval(), seed=7)
+    path = _export(model, torch.randn(4, 8), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert [(d.action, d.reason) for d in report.folds] == [("folded-backward", None)]
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert [o.name for o in fused.graph.output] == ["y"]
+    assert "BatchNormalization" not in {n.op_type for n in fused.graph.node}
+    assert report.verification is not None and report.verification.passed

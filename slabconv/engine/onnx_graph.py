@@ -530,7 +530,9 @@ def walk_forward(value: ir.Value, axis: int, shapes: Shapes) -> Walk:
                 continue
             seen.add(key)
             op = node.op_type
-            if node.domain not in ("", "ai.onnx"):
+            if node.graph is not v.graph:  # read inside an If / Loop body: not followed
+                walk.blocked.append((_where(node), reasons.UNSUPPORTED_PREFIX + f"onnx.{op} (in a subgraph)"))
+            elif node.domain not in ("", "ai.onnx"):
                 walk.blocked.append((_where(node), reasons.UNSUPPORTED_PREFIX + f"{node.domain}.{op}"))
             elif op in LAYER_OPS:
                 found = _consumer(node, idx, ax, shapes, v)
@@ -692,8 +694,13 @@ def _store_bias(layer: Layer, new_b: torch.Tensor, w: np.ndarray, writes: _Write
         writes.new_biases.append((layer, to_numpy(new_b, _bias_like(w, new_b.numel()))))
 
 
-def _commit(writes: _Writes, graph: ir.Graph) -> None:
-    """Store the staged values and create the biases (an ``Add`` after a MatMul, a third input of Gemm / Conv)."""
+def _commit(writes: _Writes, graph: ir.Graph) -> dict[int, ir.Value]:
+    """Store the staged values and create the biases (an ``Add`` after a MatMul, a third input of Gemm / Conv).
+
+    Returns:
+        For each MatMul that got a bias ``Add``, ``id(its output) -> the Add's output`` (what now carries it).
+    """
+    moved: dict[int, ir.Value] = {}
     for value, array in writes.values.values():
         value.const_value = ir.tensor(array, name=value.name)
     for layer, array in writes.new_biases:
@@ -705,6 +712,8 @@ def _commit(writes: _Writes, graph: ir.Graph) -> None:
         if layer.node.op_type in ("Gemm", "Conv"):
             layer.node.resize_inputs(3)
             layer.node.replace_input_with(2, bias)
+            if layer.node.op_type == "Gemm":  # beta scales C; without a C it did nothing, with ours it must be 1
+                layer.node.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
             layer.bias = bias
             continue
         out = layer.node.outputs[0]
@@ -715,6 +724,8 @@ def _commit(writes: _Writes, graph: ir.Graph) -> None:
         add = ir.Node("", "Add", [out, bias], outputs=[add_out], name=_unique_node(graph, f"{base}/folded_bias_add"))
         graph.insert_after(layer.node, add)
         layer.bias, layer.bias_add, layer.out = bias, add, add_out
+        moved[id(out)] = add_out
+    return moved
 
 
 def _unique(graph: ir.Graph, name: str) -> str:
@@ -738,7 +749,14 @@ def _remove(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> None:
     layout pair it leaves behind (``Transpose(p)`` then ``Transpose(p^-1)``; a reshape then a reshape back to the
     shape it started from, as ``x.view(-1, C)`` ... ``.view(B, T, C)``), and drop the shape computations that fed
     only the cancelled pair."""
-    norm.output.replace_all_uses_with(norm.input)
+    if norm.output.is_graph_output():  # folded backward: the graph output keeps its name, now on the norm's input
+        name = norm.output.name
+        norm.output.name = f"{name}.removed_norm"
+        norm.output.replace_all_uses_with(norm.input, replace_graph_outputs=True)
+        norm.input.name = name
+        norm.input.type, norm.input.shape = norm.output.type, norm.output.shape  # a norm keeps both
+    else:
+        norm.output.replace_all_uses_with(norm.input)
     freed = [v for node in norm.nodes for v in node.inputs if v is not None]  # read before removal detaches them
     graph.remove(list(reversed(norm.nodes)), safe=True)
     first = norm.input.producer()
@@ -834,7 +852,8 @@ def _decide(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> Decision:
         action, into = FOLDED_BACKWARD, [producer]
     if not writes.finite():
         return Decision(norm.name, norm.kind, KEPT, reason=reasons.DTYPE_OVERFLOW, paths=paths)
-    _commit(writes, graph)
+    moved = _commit(writes, graph)
+    norm.input = moved.get(id(norm.input), norm.input)  # a backward fold's new bias Add now feeds the norm
     _remove(norm, graph, shapes)
     return Decision(norm.name, norm.kind, action, into=[layer.node.name or layer.node.op_type for layer in into])
 
