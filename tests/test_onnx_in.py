@@ -467,3 +467,30 @@ def test_a_norm_on_the_graph_output_folds_backward_and_the_output_keeps_its_name
     assert [o.name for o in fused.graph.output] == ["y"]
     assert "BatchNormalization" not in {n.op_type for n in fused.graph.node}
     assert report.verification is not None and report.verification.passed
+
+
+@pytest.mark.slow
+def test_levit_batchnorms_after_linears_fold_backward(tmp_path):
+    """transformers' LeViT puts a BatchNorm after every Linear (``MLPLayerWithBN``): each folds into its Linear."""
+    levit = pytest.importorskip("transformers.models.levit")
+    config = levit.LevitConfig(
+        image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+        key_dim=[8, 8, 8], patch_size=16, attention_ratio=[2, 2, 2], mlp_ratio=[2, 2, 2],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = randomize_norms(levit.LevitForImageClassification(config).eval(), seed=1)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(pixel_values=x).logits
+
+    path = _export(Logits(), torch.randn(2, 3, 64, 64), tmp_path / "levit.onnx", 18)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    actions = collections.Counter(d.action for d in report.folds)
+    assert actions == collections.Counter({"folded-backward": 22, "folded-forward": 1}), actions
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0

@@ -302,9 +302,10 @@ def _affine_chains(graph: ir.Graph, shapes: Shapes, claimed: set[int]) -> list[O
     ``(x - mean) / sqrt(var + eps) * gamma + beta`` exporters emit, LayerScale ``gamma * x``, ``x * a + b``), as one
     affine ``s * x + t`` on that axis.
 
-    A chain holds at least one constant that varies along the axis (scalar-only arithmetic, such as GELU's or the
-    attention scale, is not a norm), does not start with a bias ``Add`` right after a layer (that is the layer's
-    own bias), and each of its intermediate tensors has no other reader.
+    A chain scales by at least one constant that varies along the axis (scalar arithmetic, such as GELU's or the
+    attention scale, and a shift alone, such as a positional or attention bias, are not norms), does not start
+    with a bias ``Add`` right after a layer (that is the layer's own bias), and each of its intermediate tensors
+    has no other reader.
     """
     norms = []
     for node in graph:
@@ -342,8 +343,8 @@ def _affine_chains(graph: ir.Graph, shapes: Shapes, claimed: set[int]) -> list[O
             chain.append(step_node)
             current = step_node.outputs[0]
             step_node = _sole_reader(current)
-        if axis < 0 or scale is None or shift is None:
-            continue
+        if axis < 0 or scale is None or shift is None or np.size(scale) == 1:
+            continue  # a shift alone (a positional or attention bias) or scalar scaling is not a norm
         channels = shapes.get(x.name or "", ())[axis] if axis < len(shapes.get(x.name or "", ())) else None
         size = max(np.size(scale), np.size(shift))
         if not isinstance(channels, int) or size not in (1, channels):
