@@ -239,6 +239,8 @@ def test_cli_fuse_of_an_onnx_file_and_its_refusals(digits, tmp_path):
     assert shown.exit_code == 0 and "folds (onnx, opset 17, pytorch" in shown.stdout
     bad = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "o2"), "--arch", "deit_prepbn"])
     assert bad.exit_code == 2 and "--arch does not apply to an ONNX original" in bad.output
+    exported = runner.invoke(app, ["export", str(path), "--onnx", str(tmp_path / "again.onnx")])
+    assert exported.exit_code == 2 and "an ONNX file is already an export" in exported.output
     (tmp_path / "broken.onnx").write_bytes(b"\x08\x07garbage")
     broken = runner.invoke(app, ["inspect", str(tmp_path / "broken.onnx")])
     assert broken.exit_code == 2 and "not a readable ONNX model" in broken.output
