@@ -181,12 +181,23 @@ def _write_hf_folder(folder: Path, loaded: LoadedModel, write: WriteOptions, pro
 # --------------------------------------------------------------------------------------------- commands
 
 
+def _is_onnx(path: Path | str) -> bool:
+    """An ``.onnx`` original goes to ``slabconv.onnx_in`` (the ONNX engine), everything else to ``load_model``."""
+    from slabconv.load.onnx_file import is_onnx
+
+    return is_onnx(path)
+
+
 def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progress = no_progress) -> Report:
     """The fold plan for a checkpoint: one entry per norm (action, layers folded into, reason). Nothing is written.
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``.
     """
+    if _is_onnx(path):
+        from slabconv import onnx_in
+
+        return onnx_in.inspect(Path(path), load, progress)
     loaded = load_model(path, load)
     planned = plan(loaded, progress)
     return Report("inspect", source=source_of(loaded), folds=planned.decisions)
@@ -230,6 +241,10 @@ def fuse(
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
     check_output_folder(out_dir, force=write.force, inputs=inputs)
+    if _is_onnx(source):  # an ONNX original: the graph is folded as it is (docs/onnx.md)
+        from slabconv import onnx_in
+
+        return onnx_in.fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
     if write.stream:
         from slabconv import stream
 

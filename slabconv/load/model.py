@@ -141,11 +141,17 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
         InputError: unreadable or unsafe file, weights that do not fit the architecture, a pickled module in
             train mode.
         UnsupportedModelError: unknown or undetectable architecture.
-        UsageError: a pickled module without ``input_shape``.
+        UsageError: a pickled module without ``input_shape``; an ``.onnx`` file (an export, not a model to build:
+            ``fuse`` / ``inspect`` / ``verify`` take it through ``slabconv.onnx_in``).
     """
     opts = options or LoadOptions()
     arch, image_size = opts.arch, opts.image_size
     path = Path(path)
+    if path.suffix.lower() == ".onnx" and path.is_file():
+        raise UsageError(
+            f"{path}: an ONNX file is already an export, not a checkpoint to build a model from; fold it with "
+            "slabconv fuse (docs/onnx.md), or give the checkpoint it was exported from"
+        )
     if is_output_folder(path):
         path = _output_folder_model(path)
     ckpt = load_checkpoint(path, ema=opts.ema, trust_pickle=opts.trust_pickle)

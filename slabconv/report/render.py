@@ -19,7 +19,10 @@ from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, genera
 def folds_table(report: Report) -> Table:
     """One row per norm: name, kind, action, the layers it folded into, and why anything was kept."""
     source = report.source
-    title = f"folds ({(source.arch or source.format) if source else ''})"
+    what = (source.arch or source.format) if source else ""
+    if source is not None and "opset" in source.extra:  # an ONNX original: which opset and exporter
+        what += f", opset {source.extra['opset']}, {source.extra.get('producer') or 'unknown producer'}"
+    title = f"folds ({what})"
     table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
     for col in ("norm", "kind", "action", "into", "reason"):
         table.add_column(col, overflow="fold")

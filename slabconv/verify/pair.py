@@ -2,9 +2,10 @@
 
 A side is a checkpoint, a Hugging Face folder, a ``.pt2``, an ``.onnx``, a fused ``model.safetensors``, or a
 folder ``fuse`` wrote (in memory or streamed). The reference, when it is a model slabconv can trace, gives the
-float64 reference; an ``.onnx`` reference cannot (the candidate is then compared with it directly, and the report
-says so). Question 1 applies when the candidate is something slabconv wrote: its tensors must equal a fresh
-float64 fold of the reference.
+float64 reference; an ``.onnx`` reference is evaluated in float64 as a graph (``slabconv.onnx_in``), any other
+reference a runtime runs in its own dtype (the candidate is then compared with it directly, and the report says
+so). Question 1 applies when the candidate is something slabconv wrote: its tensors must equal a fresh float64 fold
+of the reference (for an ``.onnx`` reference, when the candidate was folded from that file).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def open_side(path: Path, load: LoadOptions) -> Side:
     """
     if path.suffix == ".onnx":
         return _onnx_side(path)
+    if is_output_folder(path) and (path / "model.onnx").is_file() and not (path / "model.safetensors").is_file():
+        return _onnx_side(path / "model.onnx")  # a folder fuse wrote from an ONNX original: its model.onnx
     loaded = load_model(path, load)
     dtype = loaded.dtype
     what = "fused output" if is_output_folder(path) else loaded.checkpoint.format
@@ -160,7 +163,7 @@ def _output_tensors(folder: Path) -> dict[str, torch.Tensor] | None:
 
 def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tuple[Reference, Verification]:
     """The reference outputs: the model in its dtype and in float64 (question 1 for the graph included), or an
-    ``.onnx`` reference's own outputs (no float64 evaluation: the candidate is compared with it directly)."""
+    ``.onnx`` reference's own outputs and its graph evaluated in float64 (``slabconv.onnx_in.float64_reference``)."""
     verification = Verification(inputs=label, inputs_sha256=digest)
     if side.loaded is None:
         if not side.runtimes:
@@ -168,6 +171,16 @@ def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tup
         runtime = side.runtimes[0]
         original = run_batched(runtime.run, x, fixed_batch=runtime.fixed_batch)
         names = output_names(len(original), runtime.output_names)
+        if Path(side.source.path).suffix == ".onnx":  # an ONNX original: its graph in float64 (docs/onnx.md)
+            from slabconv import onnx_in
+
+            path = Path(side.source.path)
+            exact, which = onnx_in.float64_reference(path, x, runtime.dtype, runtime.fixed_batch)
+            reference = Reference(x, label, digest, runtime.dtype, original, exact, names)
+            check_reference(reference)
+            verification.reference = f"the reference ONNX graph in float64 ({which})"
+            verification.notes += reference.notes
+            return reference, verification
         verification.reference = f"the reference in {runtime.label}"
         verification.notes.append(
             "the reference is an ONNX file, which has no float64 evaluation: question 2 compares the candidate with "
@@ -228,10 +241,15 @@ def verify_pair(
             "the two files are not the same model"
         )
     token_input = ref.token_input or cand.token_input
+    rows = None
     if token_input and not opts.inputs and ref.loaded is None and cand.loaded is None:
-        raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
+        rows = _embedding_rows(reference_path)  # ids below the embedding's row count of an ONNX original
+        if rows is None:
+            raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
     shape = load.input_shape or ref.input_shape or cand.input_shape
     x, label, digest = choose_inputs(ref.loaded or cand.loaded, opts.inputs, opts.sample_count(), opts.seed, shape)
+    if rows is not None:
+        x = np.random.default_rng(opts.seed).integers(0, rows, x.shape, dtype=np.int64)
     if token_input and not np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.int64)
     _same_outputs(ref, cand, x[:1], reference_path, candidate_path)
@@ -240,7 +258,16 @@ def verify_pair(
     verification.integrity += ref.integrity + cand.integrity
     verification.notes += ref.notes + cand.notes
     fused64 = reference.fused64
-    if cand.written is not None and fused64 is not None and not is_output_folder(reference_path):
+    onnx_source = _onnx_source(reference_path, candidate_path, ref)
+    if onnx_source is not None and reference.exact is not None:
+        from slabconv import onnx_in
+
+        progress("verifying: question 1, is the fold exact?")
+        batch = ref.runtimes[0].fixed_batch if ref.runtimes else None
+        verification.exact += onnx_in.question_1(
+            reference_path, onnx_source, x, reference.dtype, batch, reference.exact
+        )
+    elif cand.written is not None and fused64 is not None and not is_output_folder(reference_path):
         progress("verifying: question 1, is the fold exact?")
         verification.exact.append(question_1_graph(reference, fused64, ref.loaded.batch if ref.loaded else None))
         fold64 = engine.fused_state_dict(fused64)
@@ -269,6 +296,28 @@ def verify_pair(
         progress("verifying: greedy generation, reference vs candidate")
         verification.generation = _generation(ref, candidate_path, x, opts.generate)
     return ref.source, cand.source, verification
+
+
+def _embedding_rows(path: Path) -> int | None:
+    """The row count of the embedding an ``.onnx`` reference's integer input indexes, else None."""
+    if path.suffix != ".onnx":
+        return None
+    from slabconv import onnx_in
+    from slabconv.load.onnx_file import read_onnx
+
+    return onnx_in.embedding_rows(path, read_onnx(path).input_name)
+
+
+def _onnx_source(reference_path: Path, candidate_path: Path, ref: Side) -> Path | None:
+    """The candidate's ``model.onnx`` when it was folded from the reference ``.onnx`` (question 1 applies)."""
+    if reference_path.suffix != ".onnx":
+        return None
+    from slabconv import onnx_in
+
+    onnx_path = candidate_path / "model.onnx" if candidate_path.is_dir() else candidate_path
+    if onnx_path.suffix != ".onnx" or not onnx_path.is_file():
+        return None
+    return onnx_path if onnx_in.folded_from(onnx_path) == ref.source.sha256 else None
 
 
 def require_fused_lm_folder(path: Path) -> None:

@@ -1,0 +1,152 @@
+"""An ONNX file as an original to fold (``fuse``, ``inspect``, ``verify``): read as data through onnx-ir.
+
+Safety (``docs/security.md``): an ONNX file cannot run code, but its external data names files; every location
+must be a relative path inside the model's folder that exists, or the file is refused before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from slabconv.errors import InputError, first_line
+from slabconv.util import sha256_file
+
+ONNX_SUFFIX = ".onnx"
+
+_FLOAT_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64"}
+"""ONNX ``TensorProto`` element types of floats, by name (onnx/onnx.proto)."""
+
+
+def is_onnx(path: Path | str) -> bool:
+    """True for a path ending in ``.onnx`` (a file; folders are Hugging Face or fuse outputs)."""
+    return Path(path).suffix.lower() == ONNX_SUFFIX and not Path(path).is_dir()
+
+
+@dataclass
+class OnnxFile:
+    """What an ``.onnx`` original is.
+
+    Attributes:
+        path: the file.
+        sha256: of the ``.onnx`` file; ``files_sha256`` of it and its external data files.
+        files: the ``.onnx`` and its external data files, in order.
+        external: its tensors live (partly) in external data files.
+        opset: the default-domain opset; ``domains``: every imported domain and version.
+        producer: ``producer_name producer_version``.
+        dtype: the floating dtype of its first float input (else of its largest float initializer): ``float32``,
+            ``float16``, ``bfloat16`` or ``float64``.
+        input_name: its only graph input (slabconv verifies one-input models).
+        input_shape: one sample's input shape without the batch axis, when every axis but the batch is static.
+        batch: the batch size when the batch axis is static, else None.
+        token_input: the input is integer ids.
+    """
+
+    path: Path
+    sha256: str
+    files: list[Path]
+    external: bool
+    opset: int
+    domains: dict[str, int]
+    producer: str
+    dtype: str
+    input_name: str
+    input_shape: tuple[int, ...] | None
+    batch: int | None
+    token_input: bool
+    files_sha256: dict[str, str] = field(default_factory=dict)
+
+
+def _external_locations(proto: object) -> list[str]:
+    """The external data file of every initializer stored outside the ``.onnx`` file."""
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    return [ExternalDataInfo(t).location for t in proto.graph.initializer if uses_external_data(t)]  # type: ignore[attr-defined]
+
+
+def read_onnx(path: Path | str) -> OnnxFile:
+    """Read an ``.onnx`` file's header facts (its weights stay on disk) and check where its external data lives.
+
+    Raises:
+        InputError: no such file; not a readable ONNX model; external data outside the model's folder or missing;
+            a model with other than one graph input.
+    """
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError, onnx raises its own types
+        raise InputError(
+            f"{path}: not a readable ONNX model ({first_line(err, 120)}); export it again, or point at the .pth / "
+            ".safetensors / .pt2 file"
+        ) from None
+    if not proto.graph.node:
+        raise InputError(f"{path}: not a readable ONNX model (its graph has no nodes); export it again")
+    folder = path.parent.resolve()
+    files = [path]
+    for location in dict.fromkeys(_external_locations(proto)):
+        target = (folder / location).resolve()
+        if os.path.isabs(location) or folder not in target.parents:
+            raise InputError(
+                f"{path}: its external data {location!r} lies outside the model's folder; keep the data files "
+                "beside the .onnx file (slabconv reads no other path)"
+            )
+        if not target.is_file():
+            raise InputError(f"{path}: its external data file {location!r} is missing; copy it beside the .onnx file")
+        files.append(target)
+    inputs = [i for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}]
+    if len(inputs) != 1:
+        raise InputError(
+            f"{path}: the model has {len(inputs)} inputs; slabconv folds and verifies ONNX models with one input"
+        )
+    tensor = inputs[0].type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    rest = dims[1:]
+    token_input = bool(np.issubdtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type), np.integer))
+    dtype = _FLOAT_TYPES.get(tensor.elem_type) or _weights_dtype(proto)
+    domains = {o.domain or "ai.onnx": int(o.version) for o in proto.opset_import}
+    return OnnxFile(
+        path=path,
+        sha256=sha256_file(path),
+        files=files,
+        external=len(files) > 1,
+        opset=domains.get("ai.onnx", 0),
+        domains=domains,
+        producer=f"{proto.producer_name} {proto.producer_version}".strip(),
+        dtype=dtype,
+        input_name=inputs[0].name,
+        input_shape=tuple(int(d or 0) for d in rest) if rest and all(d is not None and d > 0 for d in rest) else None,
+        batch=dims[0] if dims and dims[0] else None,
+        token_input=token_input,
+        files_sha256={f.name: sha256_file(f) for f in files},
+    )
+
+
+def _weights_dtype(proto: object) -> str:
+    """The dtype of the largest floating initializer (``float32`` when there is none)."""
+    sizes: dict[str, int] = {}
+    for init in proto.graph.initializer:  # type: ignore[attr-defined]
+        name = _FLOAT_TYPES.get(init.data_type)
+        if name:
+            sizes[name] = sizes.get(name, 0) + int(np.prod(init.dims, dtype=np.int64))
+    return max(sizes, key=lambda k: sizes[k]) if sizes else "float32"
+
+
+def load_ir(path: Path) -> object:
+    """The model as an ``onnx_ir.Model`` (external tensors are read lazily, from the model's folder).
+
+    Raises:
+        InputError: onnx-ir cannot read it.
+    """
+    import onnx_ir as ir
+
+    try:
+        return ir.load(str(path))
+    except Exception as err:  # noqa: BLE001 - onnx-ir raises what protobuf and its deserializer raise
+        raise InputError(f"{path}: not a readable ONNX model ({first_line(err, 120)}); export it again") from None

@@ -1,0 +1,498 @@
+"""ONNX originals (issue 23): ``fuse`` / ``inspect`` of an ``.onnx`` file someone already exported.
+
+The digits fixture is exported here at run time with ``torch.onnx.export`` (TorchScript exporter at opset 17 and
+18, the dynamo exporter at 18), folded, and held to the norm-free export of the same model: the same op histogram,
+outputs within the verification policy, question 1 exact in float64. Small models show the refusals: a norm before
+a zero-padded conv, a residual reading the norm, a shared weight keep the norm with the reason, and the output
+still matches; a blocked norm whose input comes from a Linear folds backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from slabconv import api
+from slabconv.cli import app
+from slabconv.engine import onnx_graph, reasons, rules
+from slabconv.errors import InputError, UsageError
+from slabconv.load.model import load_model
+from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.zoo.norms import RepBN
+from tests.conftest import FIXTURE, ROOT, op_histogram, randomize_norms
+
+
+def _export(model: nn.Module, x: torch.Tensor, path: Path, opset: int, dynamo: bool = False) -> Path:
+    """``model`` to ONNX, input ``x`` / output ``y``, a dynamic batch for the TorchScript exporter."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs: dict = {"dynamo": dynamo, "opset_version": opset, "input_names": ["x"], "output_names": ["y"]}
+        if not dynamo:
+            kwargs["dynamic_axes"] = {"x": {0: "batch"}, "y": {0: "batch"}}
+        torch.onnx.export(model.eval(), (x,), str(path), **kwargs)
+    return path
+
+
+def _norm_free(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every RepBN replaced by identity (the norm-free bound)."""
+    free = copy.deepcopy(model)
+    for parent in list(free.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, RepBN):
+                setattr(parent, name, nn.Identity())
+    return free
+
+
+def _run(path: Path, x: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x})[0]
+
+
+@pytest.fixture(scope="module")
+def digits() -> tuple[nn.Module, torch.Tensor]:
+    loaded = load_model(FIXTURE / "checkpoint.pth")
+    return loaded.model, loaded.example(2, 0)
+
+
+EXPORTS = [pytest.param(17, False, id="torchscript-opset17"), pytest.param(18, False, id="torchscript-opset18")]
+EXPORTS += [pytest.param(18, True, id="dynamo-opset18", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize(("opset", "dynamo"), EXPORTS)
+def test_digits_export_folds_to_the_norm_free_graph(digits, tmp_path, opset, dynamo):
+    model, x = digits
+    original = _export(model, x, tmp_path / "model.onnx", opset, dynamo)
+    free = _export(_norm_free(model), x, tmp_path / "free.onnx", opset, dynamo)
+    report = api.fuse(original, tmp_path / "out", verify=VerifyOptions(samples=16))
+    fused = tmp_path / "out" / "model.onnx"
+    assert [d.action for d in report.folds] == ["folded-forward"] * 9
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.exact and all(c.passed for c in report.verification.exact)
+    got, want = op_histogram(fused), op_histogram(free)
+    assert got["BatchNormalization"] == 0
+    assert got == want, {k: (got[k], want[k]) for k in got | want if got[k] != want[k]}
+    before, after = onnx.load(str(original)), onnx.load(str(fused))
+    assert [i.name for i in after.graph.input] == [i.name for i in before.graph.input]
+    assert [o.name for o in after.graph.output] == [o.name for o in before.graph.output]
+    assert after.graph.input[0].type == before.graph.input[0].type  # dynamic axes kept
+    assert [(o.domain, o.version) for o in after.opset_import] == [(o.domain, o.version) for o in before.opset_import]
+    kept = {n.name for n in after.graph.node}
+    assert kept <= {n.name for n in before.graph.node}  # no node renamed, none added (every consumer had a bias)
+    xs = np.random.default_rng(1).standard_normal((2, 1, 8, 8)).astype(np.float32)
+    y0, y1 = _run(original, xs), _run(fused, xs)
+    assert np.abs(y1 - y0).max() / np.abs(y0).max() < 1e-5
+
+
+def test_inspect_reports_an_onnx_source(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    report = api.inspect(path)
+    data = report.to_dict()
+    assert data["source"]["format"] == "onnx" and data["source"]["opset"] == 17
+    assert data["source"]["producer"].startswith("pytorch")
+    assert data["summary"] == {"norms": 9, "folded": 9, "kept": 0}
+    assert data["folds"][0]["norm"] == "blocks.0.norm1.norm2" and data["folds"][0]["kind"] == "RepBN"
+
+
+class _Model(nn.Module):
+    """A ``(B, N, C)`` model around one RepBN, wired as ``kind`` says."""
+
+    def __init__(self, kind: str, c: int = 8):
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(c, c)
+        self.norm = RepBN(c)
+        self.fc = nn.Linear(c, c)
+        self.conv = nn.Conv1d(c, c, 3, padding=1)
+        if kind == "backward-nobias":  # the producer has no bias: the fold creates one
+            self.lin = nn.Linear(c, c, bias=False)
+        if kind == "shared":
+            self.fc2 = nn.Linear(c, c)
+            self.fc2.weight = self.fc.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "padded-conv":  # the norm feeds a conv that pads with zeros
+            return self.conv(self.norm(x).transpose(1, 2))
+        if self.kind == "residual":  # the normalized tensor is also added back
+            z = self.norm(x)
+            return self.fc(z) + z
+        if self.kind in ("backward", "backward-nobias"):  # a residual reads the norm, a Linear produces its input
+            z = self.norm(self.lin(x))
+            return self.fc(z) + z
+        if self.kind == "input-reused":  # blocked forward, and a backward fold would change y for the residual
+            y = self.lin(x)
+            z = self.norm(y)
+            return self.fc(z) + z + y
+        if self.kind == "shared":
+            z = self.norm(x)
+            return self.fc(z) + self.fc2(z[:, :1])
+        return self.fc(self.norm(x))
+
+
+CASES = [
+    ("padded-conv", "kept", reasons.PADDED_CONV_CONSUMER),
+    ("residual", "kept", reasons.RESIDUAL_READS_NORM),
+    ("shared", "kept", reasons.SHARED_WEIGHT),
+    ("backward", "folded-backward", None),
+    ("backward-nobias", "folded-backward", None),
+    ("input-reused", "kept", reasons.RESIDUAL_READS_NORM),
+    ("plain", "folded-forward", None),
+]
+
+
+@pytest.mark.parametrize(("kind", "action", "reason"), CASES, ids=[c[0] for c in CASES])
+def test_small_models_fold_or_keep_with_the_reason(tmp_path, kind, action, reason):
+    torch.manual_seed(0)
+    model = randomize_norms(_Model(kind).eval(), seed=3)
+    path = _export(model, torch.randn(2, 5, 8), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    (decision,) = report.folds
+    assert (decision.action, decision.reason) == (action, reason)
+    assert report.verification is not None and report.verification.passed
+    bn_left = op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"]
+    assert bn_left == (1 if action == "kept" else 0)
+
+
+def test_a_naive_fold_of_a_refused_norm_would_be_wrong(tmp_path):
+    """The refusal is needed: folding the residual case forward anyway (into fc) changes the output."""
+    torch.manual_seed(0)
+    model = randomize_norms(_Model("residual").eval(), seed=3)
+    path = _export(model, torch.randn(2, 5, 8), tmp_path / "model.onnx", 17)
+    import onnx_ir as ir
+
+    graph_model = ir.load(str(path))
+    shapes = onnx_graph.infer_shapes(str(path))
+    (norm,) = onnx_graph.find_norms(graph_model.graph, shapes)
+    walk = onnx_graph.walk_forward(norm.output, norm.axis, shapes)
+    assert [r for _, r in walk.blocked] == [reasons.RESIDUAL_READS_NORM]
+    writes = onnx_graph._Writes()
+    for layer in walk.layers:
+        onnx_graph._fold_forward(layer, norm.scale, norm.shift, writes)
+    onnx_graph._commit(writes, graph_model.graph)
+    onnx_graph._remove(norm, graph_model.graph, shapes)
+    ir.save(graph_model, str(tmp_path / "naive.onnx"))
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    y0, y1 = _run(path, x), _run(tmp_path / "naive.onnx", x)
+    assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
+def test_batchnorm2d_before_an_unpadded_conv_folds_into_it(tmp_path):
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Conv2d(4, 6, 2, stride=2, padding=0))
+    randomize_norms(model.eval(), seed=1)
+    path = _export(model, torch.randn(2, 4, 8, 8), tmp_path / "model.onnx", 18)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action) for d in report.folds] == [("BatchNorm", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "out" / "model.onnx") == collections.Counter({"Conv": 1})
+
+
+def test_external_data_stays_external(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "src" / "model.onnx", 17) if (tmp_path / "src").mkdir() is None else None
+    assert path is not None
+    proto = onnx.load(str(path))
+    onnx.save(proto, str(path), save_as_external_data=True, location="weights.bin", size_threshold=0)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.outputs is not None and report.outputs.files == ["model.onnx", "model.onnx.data"]
+    assert report.to_dict()["source"]["external_data"] is True
+    assert (tmp_path / "out" / "model.onnx").stat().st_size < 100_000
+
+
+def test_external_data_outside_the_folder_is_refused(digits, tmp_path):
+    model, x = digits
+    (tmp_path / "a").mkdir()
+    path = _export(model, x, tmp_path / "a" / "model.onnx", 17)
+    proto = onnx.load(str(path))
+    onnx.save(proto, str(path), save_as_external_data=True, location="w.bin", size_threshold=0)
+    proto = onnx.load(str(path), load_external_data=False)
+    for tensor in proto.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = "../w.bin"
+    onnx.save(proto, str(path))
+    (tmp_path / "a" / "w.bin").rename(tmp_path / "w.bin")
+    with pytest.raises(InputError, match="lies outside the model's folder"):
+        api.inspect(path)
+
+
+def test_cli_fuse_of_an_onnx_file_and_its_refusals(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    runner = CliRunner()
+    result = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["verification"]["passed"] and data["source"]["format"] == "onnx"
+    assert data["outputs"]["onnx"] == "model.onnx"
+    shown = runner.invoke(app, ["inspect", str(path)])
+    assert shown.exit_code == 0 and "folds (onnx, opset 17, pytorch" in shown.stdout
+    bad = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "o2"), "--arch", "deit_prepbn"])
+    assert bad.exit_code == 2 and "--arch does not apply to an ONNX original" in bad.output
+    exported = runner.invoke(app, ["export", str(path), "--onnx", str(tmp_path / "again.onnx")])
+    assert exported.exit_code == 2 and "an ONNX file is already an export" in exported.output
+    (tmp_path / "broken.onnx").write_bytes(b"\x08\x07garbage")
+    broken = runner.invoke(app, ["inspect", str(tmp_path / "broken.onnx")])
+    assert broken.exit_code == 2 and "not a readable ONNX model" in broken.output
+    assert not (tmp_path / "o2").exists()
+
+
+def test_check_options_refuses_what_an_onnx_original_cannot_honour(tmp_path):
+    with pytest.raises(UsageError, match="--stream"):
+        from slabconv import onnx_in
+
+        onnx_in.check_options(tmp_path / "m.onnx", LoadOptions(), WriteOptions(stream=True))
+
+
+def test_the_onnx_walk_rules_name_the_aten_rules_that_state_the_same_fact():
+    """One fact, two vocabularies: every ONNX op the walks pass or block by rule names an ATen rule of
+    ``engine.rules``, and the ops the backward walk passes are exactly those whose ATen rule is view-like."""
+    by_name = {rule.name: rule for rule in rules.RULES}
+    for op, rule_name in {**onnx_graph.PASS, **onnx_graph.BLOCK_RULES}.items():
+        assert rule_name in by_name, f"ONNX {op} names ATen rule {rule_name!r}, which engine.rules lacks"
+    for op in onnx_graph.BACKWARD_PASS:
+        assert op in onnx_graph.PASS and by_name[onnx_graph.PASS[op]].view_like, op
+    for op, rule_name in onnx_graph.PASS.items():
+        if by_name[rule_name].view_like and op not in ("Gather", "Slice"):
+            assert op in onnx_graph.BACKWARD_PASS, f"{op} is view-like in ATen but the backward walk stops at it"
+
+
+class _Logits(nn.Module):
+    """A language model's logits alone (what an ONNX export of it returns)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(ids)
+        return out.logits if hasattr(out, "logits") else out
+
+
+LLAMA_EXPORTS = [pytest.param(18, False, id="torchscript-opset18"), pytest.param(18, True, id="dynamo-opset18")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("opset", "dynamo"), LLAMA_EXPORTS)
+def test_llama_prepbn_export_folds_to_the_norm_free_graph_plus_the_biases_it_needs(tmp_path, opset, dynamo):
+    loaded = load_model(ROOT / "fixtures" / "text-prepbn")
+    model, ids = _Logits(loaded.model).eval(), loaded.example(2, 0)
+    original = _export(model, ids, tmp_path / "model.onnx", opset, dynamo)
+    free = _export(_norm_free(model), ids, tmp_path / "free.onnx", opset, dynamo)
+    report = api.fuse(original, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [d.action for d in report.folds] == ["folded-forward"] * 7
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.inputs.startswith("random(")  # token ids drawn below the embedding's row count
+    got, want = op_histogram(tmp_path / "out" / "model.onnx"), op_histogram(free)
+    created = sum(len(d.into) for d in report.folds)  # q/k/v, gate/up and lm_head have no bias: each gets one
+    assert got - collections.Counter({"Add": created}) == want
+    assert got["Add"] == want["Add"] + created
+
+
+def test_a_float16_export_folds_and_is_judged_in_float16(digits, tmp_path):
+    model, x = digits
+    path = _export(copy.deepcopy(model).half(), x.half(), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=16))
+    assert report.source is not None and report.source.dtype == "float16"
+    assert report.verification is not None and report.verification.passed
+    assert {c.dtype for c in report.verification.checks} == {"float16"}
+    assert report.verification.exact[1].error == 0.0  # every float16 weight is the float64 fold rounded once
+    assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
+
+
+class _Flat(nn.Module):
+    """``(B, C)``: a Gemm produces the BatchNorm's input, which a residual also reads."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.lin, self.bn, self.fc = nn.Linear(c, c), nn.BatchNorm1d(c), nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        z = self.bn(y)
+        return self.fc(z) + z + y
+
+
+def test_no_backward_fold_when_another_node_reads_the_norms_input(tmp_path):
+    model = randomize_norms(_Flat().eval(), seed=2)
+    path = _export(model, torch.randn(4, 8), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    (decision,) = report.folds
+    assert (decision.action, decision.reason) == ("kept", reasons.RESIDUAL_READS_NORM)
+    assert report.verification is not None and report.verification.passed
+
+
+class _TwoInputs(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+
+def test_files_slabconv_cannot_fold_or_feed_are_refused_with_one_line(tmp_path):
+    torch.onnx.export(_TwoInputs(), (torch.ones(1, 2), torch.ones(1, 2)), str(tmp_path / "two.onnx"), dynamo=False)
+    with pytest.raises(InputError, match=r"the model has 2 inputs; slabconv folds and verifies ONNX models"):
+        api.inspect(tmp_path / "two.onnx")
+    model = randomize_norms(_Model("plain").eval(), seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, (torch.randn(2, 5, 8),), str(tmp_path / "dyn.onnx"), dynamo=False, input_names=["x"],
+            dynamic_axes={"x": {0: "batch", 1: "tokens"}},
+        )  # fmt: skip
+    with pytest.raises(UsageError, match=r"the input 'x' has dynamic axes besides the batch; pass --inputs NPZ"):
+        api.fuse(tmp_path / "dyn.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert not (tmp_path / "out").exists()
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).standard_normal((3, 7, 8)).astype(np.float32))
+    report = api.fuse(tmp_path / "dyn.onnx", tmp_path / "out", verify=VerifyOptions(inputs=tmp_path / "x.npz"))
+    assert report.verification is not None and report.verification.passed
+    proto = onnx.load(str(tmp_path / "dyn.onnx"))
+    onnx.save(proto, str(tmp_path / "ext.onnx"), save_as_external_data=True, location="ext.bin", size_threshold=0)
+    (tmp_path / "ext.bin").unlink()
+    with pytest.raises(InputError, match=r"its external data file 'ext.bin' is missing; copy it beside the .onnx"):
+        api.inspect(tmp_path / "ext.onnx")
+
+
+def test_verify_an_onnx_original_against_its_fused_folder_answers_both_questions(digits, tmp_path):
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    api.fuse(path, tmp_path / "out", verify=None)
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", str(path), str(tmp_path / "out"), "--samples", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    v = json.loads(result.stdout)["verification"]
+    assert v["question_1_exact"] is True and len(v["exact"]) == 2
+    assert v["reference"].startswith("the reference ONNX graph in float64")
+    assert all(c["reference"] == "float64" for c in v["checks"])
+    # A fold off by 0.1% in one weight: question 1 names it, exit 1.
+    import onnx_ir as ir
+
+    fused = ir.load(str(tmp_path / "out" / "model.onnx"))
+    name = next(n for n, v in fused.graph.initializers.items() if v.const_value is not None and v.const_value.size > 64)
+    value = fused.graph.initializers[name]
+    value.const_value = ir.tensor(value.const_value.numpy() * np.float32(1.001), name=name)
+    ir.save(fused, str(tmp_path / "bad.onnx"))
+    bad = runner.invoke(app, ["verify", str(path), str(tmp_path / "bad.onnx"), "--samples", "8", "--json"])
+    assert bad.exit_code == 1
+    exact = json.loads(bad.stdout)["verification"]["exact"]
+    assert [c["passed"] for c in exact] == [True, False] and exact[1][
+        "worst"
+    ] == name  # the fold is right, the file not
+
+
+class _Decomposed(nn.Module):
+    """A BatchNorm written out as arithmetic, as some exporters emit it, before a Linear."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        for name in ("mean", "gamma", "beta"):
+            self.register_buffer(name, torch.randn(c, generator=g))
+        self.register_buffer("var", torch.rand(c, generator=g) + 0.5)
+        self.fc = nn.Linear(c, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc((x - self.mean) / torch.sqrt(self.var + 1e-5) * self.gamma + self.beta)
+
+
+class _LayerScale(nn.Module):
+    """ViT's LayerScale: ``x + gamma * fc2(gelu(fc1(x)))`` (a residual reads it: it folds backward into fc2)."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, 2 * c), nn.Linear(2 * c, c)
+        self.gamma = nn.Parameter(torch.randn(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gamma * self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_decomposed_batchnorm_and_layerscale_fold_away(tmp_path, opset):
+    path = _export(_Decomposed().eval(), torch.randn(2, 5, 8), tmp_path / "bn.onnx", opset)
+    report = api.fuse(path, tmp_path / "bn", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action) for d in report.folds] == [("Affine", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+    assert set(op_histogram(tmp_path / "bn" / "model.onnx")) <= {"MatMul", "Add", "Gemm"}
+    path = _export(_LayerScale().eval(), torch.randn(2, 5, 8), tmp_path / "ls.onnx", opset)
+    before = op_histogram(path)
+    report = api.fuse(path, tmp_path / "ls", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action, d.reason) for d in report.folds] == [("LayerScale", "folded-backward", None)]
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "ls" / "model.onnx") == before - collections.Counter({"Mul": 1})
+
+
+@pytest.mark.slow
+def test_a_third_party_batchnorm_transformer_export_loses_every_batchnorm(tmp_path):
+    """transformers' PatchTST with ``norm_type="batchnorm"`` (BatchNorm before q/k/v and the feed-forward),
+    exported by the dynamo exporter: every BatchNorm folds, the outputs match."""
+    patchtst = pytest.importorskip("transformers.models.patchtst")
+    config = patchtst.PatchTSTConfig(
+        num_input_channels=3, context_length=32, patch_length=8, patch_stride=8, prediction_length=8, d_model=16,
+        num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, norm_type="batchnorm", scaling=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = randomize_norms(patchtst.PatchTSTForPrediction(config).eval(), seed=4)
+
+    class Prediction(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(past_values=x).prediction_outputs
+
+    path = _export(Prediction(), torch.randn(2, 32, 3), tmp_path / "patchtst.onnx", 18, dynamo=True)
+    assert op_histogram(path)["BatchNormalization"] == 4
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert [(d.kind, d.action) for d in report.folds] == [("BatchNorm", "folded-forward")] * 4
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
+
+
+def test_a_norm_on_the_graph_output_folds_backward_and_the_output_keeps_its_name(tmp_path):
+    """``Linear(bias=False) -> BatchNorm1d`` on ``(B, C)``: the layer gets a created bias, the graph output is
+    still ``y``."""
+    model = randomize_norms(nn.Sequential(nn.Linear(8, 6, bias=False), nn.BatchNorm1d(6)).eval(), seed=7)
+    path = _export(model, torch.randn(4, 8), tmp_path / "model.onnx", 17)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert [(d.action, d.reason) for d in report.folds] == [("folded-backward", None)]
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert [o.name for o in fused.graph.output] == ["y"]
+    assert "BatchNormalization" not in {n.op_type for n in fused.graph.node}
+    assert report.verification is not None and report.verification.passed
+
+
+@pytest.mark.slow
+def test_levit_batchnorms_after_linears_fold_backward(tmp_path):
+    """transformers' LeViT puts a BatchNorm after every Linear (``MLPLayerWithBN``): each folds into its Linear."""
+    levit = pytest.importorskip("transformers.models.levit")
+    config = levit.LevitConfig(
+        image_size=64, hidden_sizes=[32, 48, 64], num_attention_heads=[1, 2, 2], depths=[1, 1, 1],
+        key_dim=[8, 8, 8], patch_size=16, attention_ratio=[2, 2, 2], mlp_ratio=[2, 2, 2],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = randomize_norms(levit.LevitForImageClassification(config).eval(), seed=1)
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(pixel_values=x).logits
+
+    path = _export(Logits(), torch.randn(2, 3, 64, 64), tmp_path / "levit.onnx", 18)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    actions = collections.Counter(d.action for d in report.folds)
+    assert actions == collections.Counter({"folded-backward": 22, "folded-forward": 1}), actions
+    assert report.verification is not None and report.verification.passed
+    assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
