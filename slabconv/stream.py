@@ -263,6 +263,8 @@ def fuse_streamed(
         InputError, UnsupportedModelError, UsageError: bad input (exit 2); nothing is written.
         VerificationError: a check failed (exit 1); nothing is written.
     """
+    if verify is not None and verify.inputs is not None:
+        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
     src = _read_source(folder)
     if verify is not None and verify.generate != 0:
         from slabconv.write.hf_llama import require_transformers

@@ -365,6 +365,12 @@ def stream_verify_with_inputs(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) ->
     return ["verify", str(src), str(src), "--stream", "--inputs", str(tmp / "x.npz")]
 
 
+def stream_fuse_with_inputs(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    src = _llama_folder(tmp, "src")
+    np.savez(tmp / "x.npz", x=np.zeros((2, 8), np.int64))
+    return ["fuse", str(src), "--stream", "--no-onnx", "--inputs", str(tmp / "x.npz"), "--out", str(tmp / "o")]
+
+
 def stream_verify_of_another_size(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     return ["verify", str(_llama_folder(tmp, "a")), str(_llama_folder(tmp, "b", hidden=16)), "--stream"]
 
@@ -431,6 +437,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (stream_an_unsharded_folder, "--stream needs sharded safetensors"),
     (stream_verify_of_a_file, "give the folder, not a file"),
     (stream_verify_with_inputs, "--inputs is not supported"),
+    (stream_fuse_with_inputs, "--inputs is not supported"),
     (stream_verify_of_another_size, "have different sizes"),
     (stream_verify_of_a_vision_folder, "decoder-only language models of a known family"),
 ]
