@@ -6,6 +6,7 @@ output's sha256. A SIGKILLed run cannot remove its staging folder: the next run 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -95,15 +96,32 @@ def test_sigkill_mid_write_keeps_the_previous_output_and_the_next_run_cleans_up(
 
 
 @pytest.mark.slow
-def test_sigterm_mid_write_is_an_interruption_that_leaves_nothing(previous) -> None:
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_a_signal_mid_write_is_an_interruption_that_leaves_nothing(previous, signame: str) -> None:
+    """A cancelled CI job (SIGTERM), a closed terminal or dropped ssh connection (SIGHUP), Ctrl-\\ (SIGQUIT)."""
     ckpt, out, before = previous
     proc = _start_fuse(ckpt, out)
     _wait_for_staged_file(proc, out)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signame))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert snapshot(out) == before and _staging(out) == []
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="a system without SIGHUP and SIGQUIT")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_the_entry_point_turns_hangup_and_quit_into_an_interruption(signame: str) -> None:
+    cli_app = importlib.import_module("slabconv.cli.app")  # the module (``slabconv.cli.app`` is the Typer app)
+    signum = getattr(signal, signame)
+    saved = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in cli_app.INTERRUPTING_SIGNALS}
+    try:
+        assert signame in cli_app.install_signal_handlers()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signum)
+    finally:
+        for num, handler in saved.items():
+            signal.signal(num, handler)
 
 
 def test_a_swap_cut_short_is_undone_by_the_next_run(previous) -> None:

@@ -188,7 +188,7 @@ def _check_path(target: Path) -> None:
     for part in (target, *target.parents):  # before any system call: a name over NAME_MAX makes them raise
         if len(part.name.encode()) + (_STAGING_EXTRA if part == target else 0) > 255:
             raise UsageError(
-                f"{shown(target)}: the name {shown(part.name, 40)!r} has {len(part.name)} characters; file systems "
+                f"{shown(target)}: the name {shown(part.name[:40])!r}... has {len(part.name)} characters; file systems "
                 "allow 255 or fewer (less the suffix slabconv adds while writing); choose a shorter name"
             )
     if target.is_symlink():
@@ -211,7 +211,7 @@ def _check_path(target: Path) -> None:
         extra = _STAGING_EXTRA if part == target else 0  # the staging folder's name is the target's plus a suffix
         if len(part.name.encode()) + extra > name_max:
             raise UsageError(
-                f"{shown(target)}: the name {shown(part.name, 40)!r} has {len(part.name)} characters; this file "
+                f"{shown(target)}: the name {shown(part.name[:40])!r}... has {len(part.name)} characters; this file "
                 f"system allows {name_max - extra} here; choose a shorter name"
             )
     staged = len(str(target).encode()) + _STAGING_EXTRA + 1 + len(target.name.encode())  # <staging>/<name>
@@ -364,12 +364,10 @@ def _alive_posix(pid: int) -> bool:
 
 
 def _alive_windows(pid: int) -> bool:
-    import ctypes.wintypes  # noqa: F401 - loads the Windows types ctypes.windll needs
-
     kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
     handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
-    if not handle:
-        return ctypes.get_last_error() == 5  # ERROR_ACCESS_DENIED: it exists; ERROR_INVALID_PARAMETER: it does not
+    if not handle:  # ERROR_ACCESS_DENIED (5): it runs, as another user; ERROR_INVALID_PARAMETER: no such process
+        return ctypes.get_last_error() == 5  # type: ignore[attr-defined]
     try:
         code = ctypes.c_ulong()
         if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
@@ -629,7 +627,8 @@ def staging_file(final: Path, force: bool) -> Iterator[Path]:
 
 
 def _publish_modes(folder: Path) -> None:
-    """Give the staged folder and its files the modes the user's umask asks for (mkdtemp makes them private)."""
+    """Give the staged folder and its files the modes the user's umask asks for (the staging folder is made
+    private, mode 0700)."""
     umask = os.umask(0)
     os.umask(umask)
     folder.chmod(0o777 & ~umask)
