@@ -119,6 +119,8 @@ def test_the_entry_point_turns_hangup_and_quit_into_an_interruption(signame: str
         assert signame in cli_app.install_signal_handlers()
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signum)
+        for name in cli_app.INTERRUPTING_SIGNALS:  # a second signal cannot cut the cleanup short
+            signal.raise_signal(getattr(signal, name))
     finally:
         for num, handler in saved.items():
             signal.signal(num, handler)

@@ -121,6 +121,13 @@ app.command("list", cls=PlainUsage)(list_archs)
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """End the run like Ctrl-C. Further signals of ``INTERRUPTING_SIGNALS`` are ignored from here on, so a second
+    one (a CI runner sends SIGTERM, then SIGHUP as it closes the session) cannot cut the removal of the staging
+    folder short; SIGKILL still ends the process, and the next run removes what it left."""
+    for name in INTERRUPTING_SIGNALS:
+        other = getattr(signal, name, None)
+        if other is not None:
+            signal.signal(other, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
