@@ -66,7 +66,15 @@ def _lookalikes(parent: Path, name: str) -> list[Path]:
     linked.mkdir()
     (parent / "elsewhere.json").write_text(json.dumps({**marker, "token": "abcdefabcdefabcd"}))
     os.symlink(parent / "elsewhere.json", linked / staging.MARKER)
-    return [*made, forged, linked]
+    # A link named like a staging folder, to a folder whose marker would match the link's name: links are not
+    # followed (removing "through" it would delete the user's folder it points to).
+    token = "1234512345123451"
+    target = parent / f"linked-target-{name}"
+    target.mkdir()
+    (target / staging.MARKER).write_text(json.dumps({**marker, "token": token}))
+    (target / "thesis.tex").write_text("the user's work")
+    os.symlink(target, parent / f".{name}.tmp-{dead}-{token}")
+    return [*made, forged, linked, parent / f".{name}.tmp-{dead}-{token}"]
 
 
 def test_clean_stale_touches_no_lookalike_and_restores_nothing_it_did_not_move(tmp_path: Path) -> None:
@@ -148,6 +156,29 @@ def test_force_refuses_an_output_edited_while_the_run_worked(
     assert "model.onnx changed since slabconv wrote it" in line, line
     assert (out / "model.onnx").read_bytes() == b"the user's edit"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-fused", "ckpt.pth"]  # no staging left
+
+
+def test_force_refuses_an_output_turned_into_a_link_while_the_run_worked(
+    tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
+    out = Path(shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "ckpt-fused"))
+    mine = Path(shutil.copytree(out, tmp_path / "mine"))  # looks like slabconv's, and is the user's
+    real = api.save_safetensors
+
+    def save_while_the_user_swaps(*args: object, **kwargs: object) -> object:
+        shutil.rmtree(out)
+        os.symlink(mine, out)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api, "save_safetensors", save_while_the_user_swaps)
+    before = snapshot(mine)
+    result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "2"])
+    assert result.exit_code == 2, result.stderr
+    [line] = error_lines(result.stderr)
+    assert line == f"error: {out} became a symbolic link while slabconv worked; nothing was written", line
+    assert out.is_symlink() and snapshot(mine) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-fused", "ckpt.pth", "mine"]
 
 
 @pytest.mark.parametrize("existing", ["empty", "slabconv's"])

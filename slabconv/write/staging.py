@@ -469,7 +469,7 @@ def clean_stale(final: Path) -> list[Path]:
         old = item / "old"
         if old.is_dir() and not old.is_symlink() and not os.path.lexists(final):
             with contextlib.suppress(OSError):
-                old.rename(final)
+                rename_noreplace(old, final)  # never over something that appeared meanwhile
         _remove(item)
         removed.append(item)
     return removed
@@ -565,6 +565,10 @@ def staging_dir(final: Path, force: bool) -> Iterator[Path]:
             if not force or not final.exists():
                 rename_noreplace(tmp, final)
             else:
+                if final.is_symlink():  # a link put in its place while the run worked
+                    raise UsageError(
+                        f"{shown(final)} became a symbolic link while slabconv worked; nothing was written"
+                    )
                 _check_replaceable(final, final)  # checked before the work; again, as the folder may have changed
                 if any(final.iterdir()):
                     _check_owned(final, final)
