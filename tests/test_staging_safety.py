@@ -256,3 +256,37 @@ def test_without_renameat2_force_swaps_through_the_marked_staging_folder(
         (tmp / "b.txt").write_text("second")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res"]
     assert [p.name for p in out.iterdir()] == ["b.txt"]
+
+
+# --------------------------------------------------------------------------------------------- bench --plot
+
+
+def test_bench_plot_never_replaces_a_users_file(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    (tmp_path / "broken.pth").write_bytes(b"not a checkpoint")  # refused before the checkpoint is read
+    chart = tmp_path / "chart.png"
+    chart.write_bytes(b"\x89PNG\r\n\x1a\n the user's own chart")
+    result = runner.invoke(app, ["bench", str(tmp_path / "broken.pth"), "--plot", str(chart)])
+    assert result.exit_code == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line == f"error: --plot {chart} already exists and slabconv did not write it; choose another path"
+    assert chart.read_bytes() == b"\x89PNG\r\n\x1a\n the user's own chart"
+
+
+def test_bench_plot_marks_its_png_so_a_rerun_may_replace_it(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from slabconv import bench
+
+    timings = [bench.Timing("fused", "pytorch", 1, 2.0, 1.5, 4.0, 500.0)]
+    chart = tmp_path / "chart.png"
+    bench.plot(timings, chart)
+    assert bench.plot_written_by_slabconv(chart)
+    bench.check_plot_path(chart, [])  # slabconv's own chart: a rerun may replace it
+    bench.plot(timings, chart)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png"]  # atomically, no staging left
+    import matplotlib.pyplot as plt
+
+    plt.figure().savefig(tmp_path / "theirs.png")  # matplotlib's own mark, not slabconv's
+    assert not bench.plot_written_by_slabconv(tmp_path / "theirs.png")
+    with pytest.raises(UsageError, match="already exists and slabconv did not write it"):
+        bench.check_plot_path(tmp_path / "theirs.png", [])
