@@ -374,7 +374,7 @@ def plot(timings: list[Timing], path: Path) -> None:
     fig.tight_layout()
     path = Path(path)
     metadata = {"Software": f"{PLOT_MARK} {__version__}"} if path.suffix.lower() == ".png" else None
-    with staging_file(path, force=True) as tmp:  # replaces only what check_plot_path allowed, atomically
+    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:  # as check_plot_path allows
         fig.savefig(tmp / path.name, dpi=120, metadata=metadata)
     plt.close(fig)
 

@@ -181,6 +181,26 @@ def test_force_refuses_an_output_turned_into_a_link_while_the_run_worked(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-fused", "ckpt.pth", "mine"]
 
 
+def test_export_force_refuses_a_file_replaced_while_the_run_worked(
+    tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
+    target = Path(shutil.copy(tiny_fused / "ckpt-fused" / "model.onnx", tmp_path / "model.onnx"))  # slabconv's
+    real = api.export_onnx
+
+    def export_while_the_user_saves(*args: object, **kwargs: object) -> object:
+        target.write_bytes(b"the user's own model, saved meanwhile")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api, "export_onnx", export_while_the_user_saves)
+    result = runner.invoke(app, ["export", str(ckpt), "--onnx", str(target), "--force"])
+    assert result.exit_code == 2, result.stderr
+    [line] = error_lines(result.stderr)
+    assert line == f"error: {target} was replaced by a file slabconv did not write while it worked; nothing was written"
+    assert target.read_bytes() == b"the user's own model, saved meanwhile"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth", "model.onnx"]
+
+
 @pytest.mark.parametrize("existing", ["empty", "slabconv's"])
 def test_a_mount_point_is_refused_before_the_work(
     existing: str, tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch

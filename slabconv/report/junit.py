@@ -110,6 +110,6 @@ def write_junit(report: Report, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"cannot write the JUnit report {shown(path)}: {err.strerror or err}") from None
-    with staging_file(path, force=True) as tmp:
+    with staging_file(path, force=True, owned=written_by_slabconv) as tmp:
         with open(tmp / path.name, "wb") as f:
             tree.write(f, encoding="utf-8", xml_declaration=True)

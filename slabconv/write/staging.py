@@ -597,19 +597,28 @@ def _swap_with_backup(tmp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def staging_file(final: Path, force: bool) -> Iterator[Path]:
+def staging_file(final: Path, force: bool, owned: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """A temporary folder beside ``final`` in which to write the file ``final.name`` and its side files (an ONNX
     ``.data``); when the block finishes each is moved into place, ``final`` last: with ``force`` by
     ``os.replace``, without it by a rename that refuses an existing file. On failure nothing is moved.
 
+    ``owned`` (as for ``check_output_file``): checked again just before anything is moved, so a file that became
+    someone else's while the run worked (or a link, or a mount point) is not replaced.
+
     Raises:
-        UsageError: as ``staging_dir``.
+        UsageError: as ``staging_dir``; or ``final`` is no longer a file slabconv wrote.
     """
     with _staged(final, force) as (tmp, _):
         yield tmp
         final = Path(os.path.abspath(final))
         if not (tmp / final.name).is_file():
             raise RuntimeError(f"nothing was staged for {final}")
+        if force and os.path.lexists(final):
+            if final.is_symlink() or (owned is not None and not owned(final)):
+                raise UsageError(
+                    f"{shown(final)} was replaced by a file slabconv did not write while it worked; nothing was written"
+                )
+            _check_replaceable(final, final)
         _publish_modes(tmp)
         placed: list[Path] = []
         try:
