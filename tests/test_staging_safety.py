@@ -98,6 +98,22 @@ def test_clean_stale_removes_a_dead_runs_marked_staging_only(tmp_path: Path, mon
     assert snapshot(tmp_path) == before
 
 
+def test_an_old_output_that_cannot_be_put_back_is_never_deleted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A swap cut short between its two renames, and meanwhile something else appeared at the output's path."""
+    out = tmp_path / "res"
+    cut = _made_by(out, _dead_pid(), monkeypatch)
+    for sub in ("old", "res"):
+        (cut / sub).mkdir()
+        (cut / sub / "model.safetensors").write_bytes(sub.encode())
+    out.mkdir()
+    (out / "notes.txt").write_text("made meanwhile")
+    before = snapshot(tmp_path)
+    assert staging.clean_stale(out) == []
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.slow
 def test_fuse_leaves_lookalikes_beside_out_alone(tmp_path: Path, tiny_fused: Path) -> None:
     """On the path a real run takes: a new ``--out``, then ``--force`` over slabconv's own output, then export."""

@@ -456,7 +456,8 @@ def clean_stale(final: Path) -> list[Path]:
 
     Only marked staging folders (``_marked``) of ``final`` whose process no longer runs are touched; a user's
     file or folder that only looks like one is left alone. An old output moved into a staging folder by the
-    swap without ``renameat2`` (``<staging>/old``) is put back when ``final`` is missing. Returns the paths removed.
+    swap without ``renameat2`` (``<staging>/old``) is put back when ``final`` is missing; when it cannot be put
+    back and the swap did not finish, the staging folder is left alone. Returns the paths removed.
     """
     removed: list[Path] = []
     parent = final.parent
@@ -467,9 +468,14 @@ def clean_stale(final: Path) -> list[Path]:
         if pid is None or _alive(pid):
             continue
         old = item / "old"
-        if old.is_dir() and not old.is_symlink() and not os.path.lexists(final):
-            with contextlib.suppress(OSError):
-                rename_noreplace(old, final)  # never over something that appeared meanwhile
+        if old.is_dir() and not old.is_symlink():  # a swap without renameat2 was cut short
+            if not os.path.lexists(final):
+                try:
+                    rename_noreplace(old, final)  # never over something that appeared meanwhile
+                except OSError:
+                    continue  # cannot be put back: left for the user, never deleted
+            elif (item / final.name).exists():
+                continue  # the new output never moved in, yet something is at ``final``: keep the old one too
         _remove(item)
         removed.append(item)
     return removed
