@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from slabconv import api
@@ -51,6 +53,17 @@ def test_one_line_keeps_the_start_and_the_advice_of_a_long_message() -> None:
     assert line.startswith("cannot read model.pth: the key 'x\\nx\\n")
     assert line.endswith("' is not a tensor; re-save the checkpoint")
     assert "characters cut]" in line
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=3000), st.integers(min_value=0, max_value=300))
+def test_any_text_becomes_one_printable_bounded_line(text: str, limit: int) -> None:
+    line = one_line(text, limit=max(limit, 48))
+    assert _printable_line(line) and len(line) <= max(limit, 48) + 40
+    value = shown(text, limit)
+    assert _printable_line(value) and len(value) <= max(limit, 16) + 30
+    if _printable_line(text) and len(text) <= max(limit, 16):
+        assert value == text  # what needs no escaping is shown as it is
 
 
 def test_every_slabconv_error_renders_as_one_bounded_line() -> None:
