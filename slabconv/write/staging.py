@@ -5,15 +5,16 @@ Rules (``docs/security.md``):
 - **Nothing the user owns is replaced.** An existing output folder is replaced only with ``--force``, and only when
   slabconv wrote it (its ``report.json`` lists every file in it) or it is empty. Never the current folder or one
   of its ancestors, the home folder, ``/``, an input or a folder holding one, a regular file, a symbolic link.
-  An existing output file (``export --onnx``) is replaced only with ``--force`` and only when slabconv wrote it.
+  An existing output file (``export --onnx``) is replaced only with ``--force`` and only when slabconv wrote it
+  (checked again just before the rename, ``staging_file(owned=...)``).
 - **Bad targets fail first**: ``check_output_folder`` / ``check_output_file`` run before anything is loaded, and
   check links, name lengths and write permission, so a run never fails after the work for a reason known before.
-- **No partial output is ever visible.** Files are written into ``.<final>.tmp-<pid>-<random>`` beside the target
-  and moved into place with one ``rename``: without ``--force`` a rename that fails if the target appeared
+- **No partial output is ever visible.** Files are written into ``.<final>.tmp-<pid>-<token>/<final name>`` beside
+  the target and moved into place with one ``rename``: without ``--force`` a rename that fails if the target appeared
   meanwhile (``renameat2(RENAME_NOREPLACE)``; two runs to one new ``--out``: exactly one wins, the other is told
   it already exists), with ``--force`` an atomic exchange (``RENAME_EXCHANGE``), then the old output is removed.
-- **Errors name the user's path**, never the staging folder; a full disk says so.
-
+- **Errors name the user's path**, never the staging folder; a full disk says so. Every path in a message goes
+  through ``slabconv.text.shown`` (escaped, cut).
 - **Only what slabconv made is ever removed.** A staging folder is ``.<final>.tmp-<pid>-<token>`` with a random
   ``token``, and holds a marker file (``.slabconv-staging``) that repeats the token, the pid and the final name; the
   output is written into a subfolder of it. Cleanup and restore act only on such marked folders: a user's folder
