@@ -333,7 +333,7 @@ def export(
         planned = plan(loaded, progress)
         model, decisions, example = planned.fused, planned.decisions, planned.example
     progress(f"exporting {target.name}")
-    with staging_file(target, force) as tmp:
+    with staging_file(target, force, owned=written_by_slabconv) as tmp:
         info = export_onnx(model, example, tmp / target.name)
         files = onnx_files(tmp / target.name)
         outputs = Outputs(

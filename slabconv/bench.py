@@ -37,10 +37,12 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from slabconv import __version__
 from slabconv.engine import capture, fold_all, norm_free
 from slabconv.errors import UsageError
 from slabconv.util import Progress, no_progress, quiet
 from slabconv.write.onnx import export_onnx
+from slabconv.write.staging import check_output_file, staging_file
 from slabconv.zoo.norms import LinearNorm
 
 
@@ -370,8 +372,41 @@ def plot(timings: list[Timing], path: Path) -> None:
         ax.set_title(runtime)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    path = Path(path)
+    metadata = {"Software": f"{PLOT_MARK} {__version__}"} if path.suffix.lower() == ".png" else None
+    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:  # as check_plot_path allows
+        fig.savefig(tmp / path.name, dpi=120, metadata=metadata)
     plt.close(fig)
+
+
+PLOT_MARK = "slabconv"
+"""The start of the ``Software`` text chunk of every PNG ``plot`` writes: the mark ``--plot`` looks for before it
+replaces an existing file."""
+
+
+def plot_written_by_slabconv(path: Path) -> bool:
+    """True when ``path`` is a PNG that ``plot`` wrote: its signature, then a ``tEXt`` chunk ``Software`` whose text
+    starts with ``PLOT_MARK`` within its first 64 KiB (matplotlib writes the text chunks before the image data;
+    PNG chunk layout: the PNG specification, section 11.3.4)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 << 10)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00" + PLOT_MARK.encode() + b" " in head
+
+
+def check_plot_path(path: Path, inputs: list[Path]) -> None:
+    """Check before the timing that ``--plot PATH`` may be written: a new file, or a PNG slabconv's ``plot`` wrote
+    (a rerun replaces its own chart, never another file).
+
+    Raises:
+        UsageError: naming the path and what is there (as ``check_output_file``).
+    """
+    try:
+        check_output_file(path, force=True, inputs=inputs, owned=plot_written_by_slabconv)
+    except UsageError as err:
+        raise UsageError(f"--plot {err}") from None
 
 
 def source_of_output(folder: Path, options: Any) -> tuple[Path, Any]:

@@ -9,11 +9,21 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from slabconv.text import one_line
+
 
 class SlabconvError(Exception):
-    """Base of all user-facing errors; ``exit_code`` is 2 unless a subclass says otherwise."""
+    """Base of all user-facing errors; ``exit_code`` is 2 unless a subclass says otherwise.
+
+    ``str(err)`` is always one printable line of bounded length (``slabconv.text.one_line``): a path, key or value
+    from a file that holds a newline, an escape sequence or megabytes of text cannot split or flood it, wherever the
+    message is shown (terminal, ``report.json``, JUnit). ``err.args[0]`` keeps the text as raised.
+    """
 
     exit_code = 2
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class InputError(SlabconvError):

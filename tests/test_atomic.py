@@ -6,6 +6,7 @@ output's sha256. A SIGKILLed run cannot remove its staging folder: the next run 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -95,40 +96,82 @@ def test_sigkill_mid_write_keeps_the_previous_output_and_the_next_run_cleans_up(
 
 
 @pytest.mark.slow
-def test_sigterm_mid_write_is_an_interruption_that_leaves_nothing(previous) -> None:
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_a_signal_mid_write_is_an_interruption_that_leaves_nothing(previous, signame: str) -> None:
+    """A cancelled CI job (SIGTERM), a closed terminal or dropped ssh connection (SIGHUP), Ctrl-\\ (SIGQUIT)."""
     ckpt, out, before = previous
     proc = _start_fuse(ckpt, out)
     _wait_for_staged_file(proc, out)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, signame))
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 2
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert snapshot(out) == before and _staging(out) == []
 
 
-def test_a_swap_cut_short_is_undone_by_the_next_run(tmp_path: Path) -> None:
-    """Killed between moving the old output aside and moving the new one in: the old one comes back."""
-    out = tmp_path / "ckpt-fused"
-    pid = _dead_pid()
-    backup = tmp_path / f".ckpt-fused.old-{pid}"
-    backup.mkdir()
-    (backup / "model.safetensors").write_bytes(b"previous")
-    staged = tmp_path / f".ckpt-fused.tmp-{pid}-x1y2"
-    staged.mkdir()
-    (staged / "model.safetensors").write_bytes(b"new, never verified")
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="a system without SIGHUP and SIGQUIT")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP", "SIGQUIT"])
+def test_the_entry_point_turns_hangup_and_quit_into_an_interruption(signame: str) -> None:
+    cli_app = importlib.import_module("slabconv.cli.app")  # the module (``slabconv.cli.app`` is the Typer app)
+    signum = getattr(signal, signame)
+    saved = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in cli_app.INTERRUPTING_SIGNALS}
+    try:
+        assert signame in cli_app.install_signal_handlers()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signum)
+        for name in cli_app.INTERRUPTING_SIGNALS:  # a second signal cannot cut the cleanup short
+            signal.raise_signal(getattr(signal, name))
+    finally:
+        for num, handler in saved.items():
+            signal.signal(num, handler)
+
+
+def test_a_swap_cut_short_is_undone_by_the_next_run(previous) -> None:
+    """Killed between moving the old output aside (into its marked staging folder, the path without renameat2)
+    and moving the new one in: the next run puts the old one back."""
+    _, out, before = previous
+    script = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from slabconv.write import staging\n"
+        "staging._renameat2 = lambda *a: False\n"
+        "def killed(tmp, final):\n"
+        "    final.rename(tmp.parent / 'old')\n"
+        "    os._exit(9)\n"
+        "staging._swap_with_backup = killed\n"
+        "with staging.staging_dir(Path(sys.argv[1]), True) as tmp:\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'new, never verified')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(out)], cwd=ROOT, env=_env(), timeout=120)
+    assert proc.returncode == 9 and not out.exists()
+    [staged] = _staging(out)
+    assert (staged / "old" / "model.safetensors").is_file()  # the old output waits in the marked staging folder
     staging.clean_stale(out)
-    assert (out / "model.safetensors").read_bytes() == b"previous"
-    assert not staged.exists() and not backup.exists()
+    assert snapshot(out) == before
+    assert _staging(out) == [] and sorted(p.name for p in out.parent.iterdir()) == ["ckpt-fused", "ckpt.pth"]
 
 
-def test_staging_of_a_live_run_is_left_alone(tmp_path: Path) -> None:
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _staging_of(out: Path, pid: int, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A staging folder of ``out`` as the run with ``pid`` makes it (marker included), with a file in it."""
+    with monkeypatch.context() as m:
+        m.setattr(os, "getpid", lambda: pid)
+        made = staging._make_staging(out)
+    (made / out.name).mkdir()
+    (made / out.name / "model.safetensors").write_bytes(b"half written")
+    return made
+
+
+def test_staging_of_a_live_run_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "ckpt-fused"
-    live = tmp_path / f".ckpt-fused.tmp-{os.getppid()}-abc"
-    other = tmp_path / f".other.tmp-{_dead_pid()}-abc"
-    live.mkdir()
-    other.mkdir()
-    assert staging.clean_stale(out) == []
-    assert live.exists() and other.exists()
+    live = _staging_of(out, os.getppid(), monkeypatch)
+    other = _staging_of(tmp_path / "other", _dead_pid(), monkeypatch)
+    dead = _staging_of(out, _dead_pid(), monkeypatch)
+    assert staging.clean_stale(out) == [dead]
+    assert live.exists() and other.exists() and not dead.exists()
 
 
 def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, monkeypatch) -> None:

@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 
 from slabconv.cli import app
 from slabconv.verify import integrity
-from slabconv.write import staging
 from slabconv.zoo.deit import VisionTransformer, norm_factory
 from tests import errordoc, tinyckpt
 from tests.conftest import ROOT, randomize_norms, small_vit
@@ -229,14 +228,14 @@ def output_in_a_read_only_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch)
     locked.mkdir()
     locked.chmod(0o555)
     if os.geteuid() == 0:  # root ignores folder modes: make the refusal the kernel would give explicit
-        real = staging.tempfile.mkdtemp
+        real = os.mkdir
 
-        def refuse(*args: object, dir: str | os.PathLike[str] | None = None, **kwargs: object) -> str:
-            if dir is not None and Path(dir) == locked:
-                raise PermissionError(13, "Permission denied", str(dir))
-            return real(*args, dir=dir, **kwargs)  # type: ignore[arg-type]
+        def refuse(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+            if Path(path).parent == locked:  # the staging folder slabconv makes beside the output
+                raise PermissionError(13, "Permission denied", str(path))
+            real(path, *args, **kwargs)  # type: ignore[arg-type]
 
-        mp.setattr(staging.tempfile, "mkdtemp", refuse)
+        mp.setattr(os, "mkdir", refuse)
     return ["fuse", str(ckpt), "--out", str(locked / "out"), "--no-onnx"]
 
 

@@ -27,6 +27,7 @@ from slabconv.cli.fuse import fuse
 from slabconv.cli.inspect import export, inspect
 from slabconv.cli.listing import list_archs
 from slabconv.cli.verify import verify
+from slabconv.text import one_line
 
 EXIT_HELP = """Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance (verification failed, nothing
 written); 2 bad input, unsupported model or usage error (one line on stderr, nothing written; --debug shows the
@@ -50,7 +51,7 @@ class OneLineErrors(TyperGroup):
             if not standalone:
                 raise
             where = f"slabconv {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "slabconv --help"
-            sys.stderr.write(f"error: {err.format_message()} (see `{where}`)\n")
+            sys.stderr.write(one_line(f"error: {err.format_message()} (see `{where}`)") + "\n")
             sys.exit(2)
         if standalone and isinstance(result, int):
             sys.exit(result)
@@ -120,11 +121,36 @@ app.command("list", cls=PlainUsage)(list_archs)
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """End the run like Ctrl-C. Further signals of ``INTERRUPTING_SIGNALS`` are ignored from here on, so a second
+    one (a CI runner sends SIGTERM, then SIGHUP as it closes the session) cannot cut the removal of the staging
+    folder short; SIGKILL still ends the process, and the next run removes what it left."""
+    for name in INTERRUPTING_SIGNALS:
+        other = getattr(signal, name, None)
+        if other is not None:
+            signal.signal(other, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
+INTERRUPTING_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
+"""Signals that end a run like Ctrl-C (``interrupted; nothing was written``, staging removed): SIGTERM (a cancelled
+CI job), SIGHUP (the terminal closed, an ssh connection dropped), SIGQUIT (Ctrl-\\). Those this system lacks
+(Windows has only SIGTERM) are skipped."""
+
+
+def install_signal_handlers() -> list[str]:
+    """Make each of ``INTERRUPTING_SIGNALS`` this system has raise ``KeyboardInterrupt`` in the main thread, so the
+    staging folder is removed on the way out as for Ctrl-C; return the names installed."""
+    installed = []
+    for name in INTERRUPTING_SIGNALS:
+        signum = getattr(signal, name, None)
+        if signum is not None:
+            signal.signal(signum, _interrupt)
+            installed.append(name)
+    return installed
+
+
 def run() -> None:
-    """Console-script entry point. SIGTERM (a cancelled CI job) is handled like Ctrl-C: staged outputs are
-    removed and nothing is written."""
-    signal.signal(signal.SIGTERM, _interrupt)
+    """Console-script entry point: the signals of ``INTERRUPTING_SIGNALS`` are handled like Ctrl-C (staged outputs
+    removed, nothing written), then the app runs."""
+    install_signal_handlers()
     app()

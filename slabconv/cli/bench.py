@@ -57,7 +57,7 @@ def bench(
       slabconv bench checkpoint-fused --runtime onnxruntime --repeats 100 --json
     """
     from slabconv import api
-    from slabconv.bench import Timing, check_runtimes, default_runtimes
+    from slabconv.bench import Timing, check_plot_path, check_runtimes, default_runtimes
     from slabconv.bench import plot as draw
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
@@ -70,6 +70,8 @@ def bench(
             raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
         if plot is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of timing
             raise UsageError("--plot needs matplotlib: pip install matplotlib")
+        if plot is not None:
+            check_plot_path(plot, [Path(ckpt)])  # a user's file is never replaced (before minutes of timing)
         runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
         check_runtimes(list(runtimes))
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)

@@ -1,6 +1,8 @@
 """The one map from exception to message and exit code (0 done, 1 not equivalent, 2 bad input or usage).
 
-Every failure a user can cause is a ``SlabconvError`` and prints exactly one line on stderr; a failed
+Every failure a user can cause is a ``SlabconvError`` and prints exactly one line on stderr (every message goes
+through ``slabconv.text.one_line``: text from a file or the user cannot split it, flood it or reach the terminal
+as control characters); a failed
 verification prints its report (the human table, or JSON) and then its one line; anything else is a bug, also
 one line, with the traceback only with ``--debug`` (or ``SLABCONV_DEBUG=1``).
 """
@@ -16,6 +18,7 @@ import typer
 
 from slabconv.cli.output import Output
 from slabconv.errors import SlabconvError, VerificationError
+from slabconv.text import one_line
 
 
 @contextmanager
@@ -36,12 +39,12 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
     except VerificationError as err:
         if err.report is not None:
             output.report(err.report)
-        output.error(f"error: {err}")
+        output.error(one_line(f"error: {err}"))
         raise typer.Exit(1) from None
     except SlabconvError as err:
         if debug:
             traceback.print_exc()
-        output.error(f"error: {err}")
+        output.error(one_line(f"error: {err}"))
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:
         output.error("interrupted; nothing was written")
@@ -52,6 +55,8 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
         text = str(err).strip()
         first = text.splitlines()[0] if text else ""
         output.error(
-            f"internal error: {type(err).__name__}: {first} (a bug in slabconv; rerun with --debug and report it)"
+            one_line(
+                f"internal error: {type(err).__name__}: {first} (a bug in slabconv; rerun with --debug and report it)"
+            )
         )
         raise typer.Exit(2) from None

@@ -9,15 +9,14 @@ reporters, GitLab, Jenkins and Azure Pipelines read: ``testsuites > testsuite > 
 
 from __future__ import annotations
 
-import os
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from pathlib import Path
 
 from slabconv.errors import UsageError
 from slabconv.report.data import Report
-from slabconv.write.staging import check_output_file
+from slabconv.text import shown
+from slabconv.write.staging import check_output_file, staging_file
 
 
 def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
@@ -84,7 +83,8 @@ def junit_tree(report: Report) -> ET.ElementTree:
 
 
 def write_junit(report: Report, path: Path) -> None:
-    """Write the JUnit XML of ``report`` to ``path`` atomically (a temporary file beside it, then a rename).
+    """Write the JUnit XML of ``report`` to ``path`` atomically: into a marked staging folder beside it
+    (``slabconv.write.staging.staging_file``), then one rename.
 
     Raises:
         UsageError: the folder of ``path`` cannot be written.
@@ -94,16 +94,8 @@ def write_junit(report: Report, path: Path) -> None:
     ET.indent(tree)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
     except OSError as err:
-        raise UsageError(f"cannot write the JUnit report {path}: {err.strerror or err}") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
+        raise UsageError(f"cannot write the JUnit report {shown(path)}: {err.strerror or err}") from None
+    with staging_file(path, force=True, owned=written_by_slabconv) as tmp:
+        with open(tmp / path.name, "wb") as f:
             tree.write(f, encoding="utf-8", xml_declaration=True)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)

@@ -5,17 +5,31 @@ Rules (``docs/security.md``):
 - **Nothing the user owns is replaced.** An existing output folder is replaced only with ``--force``, and only when
   slabconv wrote it (its ``report.json`` lists every file in it) or it is empty. Never the current folder or one
   of its ancestors, the home folder, ``/``, an input or a folder holding one, a regular file, a symbolic link.
-  An existing output file (``export --onnx``) is replaced only with ``--force`` and only when slabconv wrote it.
+  An existing output file (``export --onnx``) is replaced only with ``--force`` and only when slabconv wrote it
+  (checked again just before the rename, ``staging_file(owned=...)``).
 - **Bad targets fail first**: ``check_output_folder`` / ``check_output_file`` run before anything is loaded, and
   check links, name lengths and write permission, so a run never fails after the work for a reason known before.
-- **No partial output is ever visible.** Files are written into ``.<final>.tmp-<pid>-<random>`` beside the target
-  and moved into place with one ``rename``: without ``--force`` a rename that fails if the target appeared
+- **No partial output is ever visible.** Files are written into ``.<final>.tmp-<pid>-<token>/<final name>`` beside
+  the target and moved into place with one ``rename``: without ``--force`` a rename that fails if the target appeared
   meanwhile (``renameat2(RENAME_NOREPLACE)``; two runs to one new ``--out``: exactly one wins, the other is told
   it already exists), with ``--force`` an atomic exchange (``RENAME_EXCHANGE``), then the old output is removed.
-- **Errors name the user's path**, never the staging folder; a full disk says so.
+- **Errors name the user's path**, never the staging folder; a full disk says so. Every path in a message goes
+  through ``slabconv.text.shown`` (escaped, cut).
+- **Only what slabconv made is ever removed.** A staging folder is ``.<final>.tmp-<pid>-<token>`` with a random
+  ``token``, and holds a marker file (``.slabconv-staging``) that repeats the token, the pid and the final name; the
+  output is written into a subfolder of it. Cleanup and restore act only on such marked folders: a user's folder
+  or file that merely looks like one (``.res.tmp-4999999-mine``) is never touched. ``--force`` replaces an output
+  folder only while every file in it still has the sha256 its ``report.json`` records (checked before the work and
+  again just before the swap).
+- **A target that cannot be replaced atomically is refused first**: a mount point (another file system than its
+  folder) cannot be renamed over, so it is refused before anything is loaded.
+- **Portable**: every POSIX-only call has a fallback (``os.pathconf``: the usual limits; a liveness probe without
+  ``os.kill`` semantics, as on Windows where ``os.kill(pid, 0)`` would send CTRL_C_EVENT: the owner counts as
+  alive and its staging is left alone; no ``renameat2``: a rename that refuses an existing target).
 
 A run killed with SIGKILL cannot remove its staging folder; the next run writing the same output does
-(``clean_stale``), and puts back an old output whose swap was cut short (the fallback path without renameat2).
+(``clean_stale``), and puts back an old output whose swap was cut short (the fallback path without renameat2, which
+moves the old output into the marked staging folder first).
 """
 
 from __future__ import annotations
@@ -27,33 +41,40 @@ import errno
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from slabconv.errors import SlabconvError, UsageError
+from slabconv.text import shown
+from slabconv.util import sha256_file
 
 REPORT = "report.json"
 """The file that marks a folder as slabconv's own: it lists every other file slabconv wrote there."""
 
-_STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)(?:-[^/]*)?$")
-_STAGING_EXTRA = len(".") + len(".tmp-") + 10 + len("-") + 12  # prefix/suffix mkdtemp adds to the name
+MARKER = ".slabconv-staging"
+"""The file in every staging folder slabconv makes: JSON with the folder's token, pid and final name."""
+
+_TOKEN_HEX = 16
+_STAGING = re.compile(rf"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-(?P<token>[0-9a-f]{{{_TOKEN_HEX}}})$")
+_STAGING_EXTRA = len(".") + len(".tmp-") + 10 + len("-") + _TOKEN_HEX  # what the staging folder's name adds
 _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 
 # --------------------------------------------------------------------------------------------- checks
 
 
-def owned_files(folder: Path) -> set[str] | None:
-    """The names slabconv wrote into ``folder`` according to its ``report.json`` (the report itself included),
-    or None when the folder has no readable slabconv report."""
+def _recorded(folder: Path) -> tuple[set[str], dict[str, str]] | None:
+    """The names slabconv wrote into ``folder`` (``report.json`` included) and the sha256 it recorded for each
+    (``outputs.sha256``), or None when the folder has no readable slabconv report."""
     report = folder / REPORT
     if not report.is_file() or report.is_symlink() or report.stat().st_size > 64 << 20:
         return None
     try:
         data = json.loads(report.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
     if not isinstance(data, dict) or "slabconv_version" not in data or not isinstance(data.get("outputs"), dict):
         return None
@@ -63,7 +84,80 @@ def owned_files(folder: Path) -> set[str] | None:
         listed = outputs.get(key)
         if isinstance(listed, (dict, list)):
             names |= {str(n) for n in listed}
-    return names
+    recorded = outputs.get("sha256")
+    hashes = {str(k): v for k, v in recorded.items() if isinstance(v, str)} if isinstance(recorded, dict) else {}
+    return names, hashes
+
+
+def owned_files(folder: Path) -> set[str] | None:
+    """The names slabconv wrote into ``folder`` according to its ``report.json`` (the report itself included),
+    or None when the folder has no readable slabconv report."""
+    recorded = _recorded(folder)
+    return None if recorded is None else recorded[0]
+
+
+_unchanged: dict[Path, dict[str, tuple[int, int, int]]] = {}
+"""Per output folder checked by ``_check_owned``: each file's (size, mtime_ns, inode) when its sha256 matched, so
+the check just before the swap need not hash again (a file touched since is hashed again)."""
+
+
+def _check_owned(target: Path, out: object) -> None:
+    """Refuse to replace ``target`` (an existing, non-empty folder) unless slabconv wrote every file in it and each
+    still has the sha256 its ``report.json`` records.
+
+    Raises:
+        UsageError: no slabconv report, a file slabconv did not write, or a file changed since (named).
+    """
+    entries = sorted(p.name for p in target.iterdir())
+    recorded = _recorded(target)
+    if recorded is None:
+        listed = ", ".join(shown(e, 60) for e in entries[:3]) + (
+            f" and {len(entries) - 3} more" if len(entries) > 3 else ""
+        )
+        raise UsageError(
+            f"--out {shown(out)} holds {listed}, and no report.json of slabconv: it is not a folder slabconv wrote, so "
+            "--force will not replace it; choose a new folder"
+        )
+    owned, hashes = recorded
+    foreign = [e for e in entries if e not in owned]
+    if foreign:
+        listed = ", ".join(shown(e, 60) for e in foreign[:3]) + (
+            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        )
+        raise UsageError(
+            f"--out {shown(out)} holds {listed}, which slabconv did not write; --force replaces only slabconv's own "
+            "output: move those files or choose a new folder"
+        )
+    seen = _unchanged.setdefault(target, {})
+    for name in entries:
+        if name == REPORT:
+            continue
+        path = target / name
+        st = path.lstat()
+        if not stat.S_ISREG(st.st_mode) or name not in hashes:
+            raise UsageError(
+                f"--out {shown(out)}: {shown(name)} is not a file whose sha256 slabconv's report.json records; --force "
+                "replaces only slabconv's own output: move it or choose a new folder"
+            )
+        key = (st.st_size, st.st_mtime_ns, st.st_ino)
+        if seen.get(name) == key:
+            continue
+        if sha256_file(path) != hashes[name]:
+            raise UsageError(
+                f"--out {shown(out)}: {shown(name)} changed since slabconv wrote it (its sha256 is not the one "
+                "report.json records); --force will not replace an edited file: move it or choose a new folder"
+            )
+        seen[name] = key
+
+
+def _check_replaceable(target: Path, out: object) -> None:
+    """Refuse an existing target that one rename cannot replace: a mount point (another file system than the
+    folder holding it, ``os.path.ismount``), where the swap would fail with EBUSY/EXDEV after all the work."""
+    if os.path.ismount(target):
+        raise UsageError(
+            f"{shown(out)} is a mount point (another file system than its folder): slabconv replaces an output with "
+            "one atomic rename, which cannot replace it; choose a new path inside it or elsewhere"
+        )
 
 
 def _forbidden(target: Path, inputs: Sequence[Path]) -> str | None:
@@ -95,41 +189,50 @@ def _check_path(target: Path) -> None:
     for part in (target, *target.parents):  # before any system call: a name over NAME_MAX makes them raise
         if len(part.name.encode()) + (_STAGING_EXTRA if part == target else 0) > 255:
             raise UsageError(
-                f"{target}: the name {part.name[:40]!r}... has {len(part.name)} characters; file systems allow 255 "
-                "or fewer (less the suffix slabconv adds while writing); choose a shorter name"
+                f"{shown(target)}: the name {shown(part.name[:40])!r}... has {len(part.name)} characters; file systems "
+                "allow 255 or fewer (less the suffix slabconv adds while writing); choose a shorter name"
             )
     if target.is_symlink():
         where = os.readlink(target)
-        raise UsageError(f"{target} is a symbolic link (to {where}); give the real path you want written")
+        raise UsageError(f"{shown(target)} is a symbolic link (to {shown(where)}); give the real path you want written")
     missing: list[Path] = [] if target.exists() else [target]
     existing = target.parent  # where the staging folder is made
     while not existing.exists():
         if existing.is_symlink():
-            raise UsageError(f"{existing} is a symbolic link to {os.readlink(existing)}, which does not exist")
+            raise UsageError(
+                f"{shown(existing)} is a symbolic link to {shown(os.readlink(existing))}, which does not exist"
+            )
         missing.append(existing)
         existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"cannot write {target}: {existing} is a file, not a folder")
+        raise UsageError(f"cannot write {shown(target)}: {shown(existing)} is a file, not a folder")
     name_max = _pathconf(existing, "PC_NAME_MAX", 255)
     path_max = _pathconf(existing, "PC_PATH_MAX", 4096)
     for part in {*missing, target}:
         extra = _STAGING_EXTRA if part == target else 0  # the staging folder's name is the target's plus a suffix
         if len(part.name.encode()) + extra > name_max:
             raise UsageError(
-                f"{target}: the name {part.name[:40]!r}... has {len(part.name)} characters; this file system allows "
-                f"{name_max - extra} here; choose a shorter name"
+                f"{shown(target)}: the name {shown(part.name[:40])!r}... has {len(part.name)} characters; this file "
+                f"system allows {name_max - extra} here; choose a shorter name"
             )
-    if len(str(target).encode()) + _STAGING_EXTRA + 64 > path_max:
-        raise UsageError(f"{target}: the path is too long for this file system ({len(str(target))} characters)")
+    staged = len(str(target).encode()) + _STAGING_EXTRA + 1 + len(target.name.encode())  # <staging>/<name>
+    if staged + 64 > path_max:
+        raise UsageError(f"{shown(target)}: the path is too long for this file system ({len(str(target))} characters)")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write to {existing}: permission denied; choose a writable output location")
+        raise UsageError(f"cannot write to {shown(existing)}: permission denied; choose a writable output location")
 
 
 def _pathconf(path: Path, name: str, default: int) -> int:
+    """``os.pathconf(path, name)``, or ``default`` where the system has no ``pathconf`` (Windows), does not know
+    the name, or reports no limit."""
+    pathconf = getattr(os, "pathconf", None)
+    if pathconf is None:
+        return default
     try:
-        return int(os.pathconf(path, name))
+        value = pathconf(path, name)
     except (OSError, ValueError):
         return default
+    return default if value is None or value < 0 else int(value)
 
 
 def check_output_folder(out: Path | str, *, force: bool, inputs: Sequence[Path] = ()) -> Path:
@@ -145,36 +248,23 @@ def check_output_folder(out: Path | str, *, force: bool, inputs: Sequence[Path] 
 
     Raises:
         UsageError: the target is protected, exists (without ``--force``), exists but holds files slabconv did
-            not write, is a file or a link, or cannot be written (each message says what is there).
+            not write or files changed since (their sha256 differs from ``report.json``), is a mount point, is a
+            file or a link, or cannot be written (each message says what is there).
     """
     target = Path(os.path.abspath(out)) if str(out) else Path.cwd()
     why = _forbidden(target.resolve(), inputs)
     if why:
-        raise UsageError(f"--out {out or '.'} is {why}; slabconv never replaces it: choose a new folder")
+        raise UsageError(f"--out {shown(out or '.')} is {why}; slabconv never replaces it: choose a new folder")
     _check_path(target)
     if not target.exists():
         return target
     if not target.is_dir():
-        raise UsageError(f"--out {out} is an existing file, not a folder; slabconv will not replace it")
+        raise UsageError(f"--out {shown(out)} is an existing file, not a folder; slabconv will not replace it")
     if not force:
-        raise UsageError(f"{out} already exists; pass --force to replace it (only a folder slabconv wrote)")
-    entries = sorted(p.name for p in target.iterdir())
-    if not entries:
-        return target
-    owned = owned_files(target)
-    if owned is None:
-        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
-        raise UsageError(
-            f"--out {out} holds {shown}, and no report.json of slabconv: it is not a folder slabconv wrote, so "
-            "--force will not replace it; choose a new folder"
-        )
-    foreign = [e for e in entries if e not in owned]
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise UsageError(
-            f"--out {out} holds {shown}, which slabconv did not write; --force replaces only slabconv's own output: "
-            "move those files or choose a new folder"
-        )
+        raise UsageError(f"{shown(out)} already exists; pass --force to replace it (only a folder slabconv wrote)")
+    _check_replaceable(target, f"--out {out}")
+    if any(target.iterdir()):
+        _check_owned(target, out)
     return target
 
 
@@ -199,15 +289,18 @@ def check_output_file(
     path = Path(os.path.abspath(target))
     for item in inputs:
         if path.resolve() == Path(item).resolve():
-            raise UsageError(f"{target} is an input of this run; choose another path")
+            raise UsageError(f"{shown(target)} is an input of this run; choose another path")
     _check_path(path)
     if path.exists():
         if path.is_dir():
-            raise UsageError(f"{target} is a folder; give a file path such as {Path(target) / 'model.onnx'}")
+            raise UsageError(
+                f"{shown(target)} is a folder; give a file path such as {shown(Path(target) / 'model.onnx')}"
+            )
         if owned is None or not owned(path):
-            raise UsageError(f"{target} already exists and slabconv did not write it; choose another path")
+            raise UsageError(f"{shown(target)} already exists and slabconv did not write it; choose another path")
         if not force:
-            raise UsageError(f"{target} already exists; pass --force to replace it")
+            raise UsageError(f"{shown(target)} already exists; pass --force to replace it")
+        _check_replaceable(path, target)
     return path
 
 
@@ -251,6 +344,8 @@ def rename_noreplace(src: Path, dst: Path) -> None:
             if err.errno in (errno.EEXIST, errno.ENOTEMPTY):
                 raise FileExistsError(errno.EEXIST, "already exists", str(dst)) from None
             raise
+    elif os.name == "nt":
+        os.rename(src, dst)  # Windows' rename refuses an existing target (FileExistsError)
     else:
         os.link(src, dst)  # fails with EEXIST atomically
         os.unlink(src)
@@ -259,16 +354,52 @@ def rename_noreplace(src: Path, dst: Path) -> None:
 # --------------------------------------------------------------------------------------------- staging
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _alive_posix(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists (POSIX)
     except ProcessLookupError:
         return False
     except OSError:  # exists, owned by someone else
         return True
     return True
+
+
+def _alive_windows(pid: int) -> bool:
+    kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
+    handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+    if not handle:  # ERROR_ACCESS_DENIED (5): it runs, as another user; ERROR_INVALID_PARAMETER: no such process
+        return ctypes.get_last_error() == 5  # type: ignore[attr-defined]
+    try:
+        code = ctypes.c_ulong()
+        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+            return True
+        return code.value == 259  # STILL_ACTIVE
+    finally:
+        kernel32.CloseHandle(handle)
+
+
+def _liveness_probe() -> Callable[[int], bool] | None:
+    """How to ask whether a process runs on this system, or None when there is no safe way. ``os.kill(pid, 0)``
+    is a probe only on POSIX: on Windows it sends CTRL_C_EVENT to the process group, so Windows asks
+    ``OpenProcess`` / ``GetExitCodeProcess`` instead."""
+    if os.name == "posix" and hasattr(os, "kill"):
+        return _alive_posix
+    if os.name == "nt" and hasattr(ctypes, "WinDLL"):
+        return _alive_windows
+    return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` may still be running; True (leave its staging alone) when this system cannot tell."""
+    if pid == os.getpid():
+        return True
+    probe = _liveness_probe()
+    if probe is None:
+        return True
+    try:
+        return probe(pid)
+    except (OSError, ValueError, OverflowError, AttributeError):
+        return True
 
 
 def _remove(path: Path) -> None:
@@ -279,26 +410,73 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-def clean_stale(final: Path) -> list[Path]:
-    """Remove staging leftovers of ``final`` from killed runs; restore a backup whose swap was interrupted.
+def _make_staging(final: Path) -> Path:
+    """Make ``.<final name>.tmp-<pid>-<token>`` beside ``final`` (mode 0700) and write its marker; return it.
 
-    Only siblings named ``.<final name>.tmp-<pid>-*`` / ``.<final name>.old-<pid>`` whose process no longer
-    runs are touched. Returns the paths removed.
+    The marker is written with ``O_EXCL`` into the folder just made, before anything else: a folder without it was
+    not made by slabconv (or by a run killed within these two calls, and then holds nothing) and is never removed.
+    """
+    while True:
+        token = secrets.token_hex(_TOKEN_HEX // 2)
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{token}"
+        try:
+            os.mkdir(tmp, 0o700)
+            break
+        except FileExistsError:
+            continue
+    marker = {"slabconv": "staging", "for": final.name, "pid": os.getpid(), "token": token}
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(tmp / MARKER, flags, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(marker, f)
+    return tmp
+
+
+def _marked(entry: Path, final: Path) -> int | None:
+    """The pid of the run that made ``entry`` when it is a staging folder of ``final`` that slabconv made (a real
+    folder, named ``.<final name>.tmp-<pid>-<token>``, holding a regular marker file that repeats the name, pid
+    and token); None for anything else, which is never touched."""
+    m = _STAGING.match(entry.name)
+    if not m or m["name"] != final.name:
+        return None
+    try:
+        if not stat.S_ISDIR(entry.lstat().st_mode):
+            return None
+        info = (entry / MARKER).lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > 4096:
+            return None
+        marker = json.loads((entry / MARKER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    expected = {"slabconv": "staging", "for": final.name, "pid": int(m["pid"]), "token": m["token"]}
+    return int(m["pid"]) if marker == expected else None
+
+
+def clean_stale(final: Path) -> list[Path]:
+    """Remove staging folders of ``final`` left by killed runs; restore an old output whose swap was cut short.
+
+    Only marked staging folders (``_marked``) of ``final`` whose process no longer runs are touched; a user's
+    file or folder that only looks like one is left alone. An old output moved into a staging folder by the
+    swap without ``renameat2`` (``<staging>/old``) is put back when ``final`` is missing; when it cannot be put
+    back and the swap did not finish, the staging folder is left alone. Returns the paths removed.
     """
     removed: list[Path] = []
     parent = final.parent
     if not parent.is_dir():
         return removed
-    leftovers = []
-    for item in parent.iterdir():
-        m = _STAGING.match(item.name)
-        if m and m["name"] == final.name and not _alive(int(m["pid"])):
-            leftovers.append((m["kind"], item))
-    for kind, item in sorted(leftovers, key=lambda pair: pair[0] != "old"):
-        if kind == "old" and not final.exists():
-            with contextlib.suppress(OSError):
-                item.rename(final)
-                continue
+    for item in sorted(parent.iterdir()):
+        pid = _marked(item, final)
+        if pid is None or _alive(pid):
+            continue
+        old = item / "old"
+        if old.is_dir() and not old.is_symlink():  # a swap without renameat2 was cut short
+            if not os.path.lexists(final):
+                try:
+                    rename_noreplace(old, final)  # never over something that appeared meanwhile
+                except OSError:
+                    continue  # cannot be put back: left for the user, never deleted
+            elif (item / final.name).exists():
+                continue  # the new output never moved in, yet something is at ``final``: keep the old one too
         _remove(item)
         removed.append(item)
     return removed
@@ -318,7 +496,9 @@ def _make_parents(final: Path) -> list[Path]:
 
 def _cannot_write(final: Path, err: BaseException) -> UsageError:
     detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-    return UsageError(f"cannot write {final}: {detail}; nothing was written (free space or choose another location)")
+    return UsageError(
+        f"cannot write {shown(final)}: {detail}; nothing was written (free space or choose another location)"
+    )
 
 
 def _is_disk_error(err: BaseException) -> bool:
@@ -333,30 +513,38 @@ def _staged(final: Path, force: bool) -> Iterator[tuple[Path, list[Path]]]:
     writing to the user's path, remove everything on failure (including parent folders this run created)."""
     final = Path(os.path.abspath(final))
     if final.exists() and not force:
-        raise UsageError(f"{final} already exists; pass --force to replace it")
+        raise UsageError(f"{shown(final)} already exists; pass --force to replace it")
     try:
         created = _make_parents(final)
         clean_stale(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+        staging = _make_staging(final)
+        tmp = staging / final.name  # what is written; its name is the output's, so messages need no renaming
+        os.mkdir(tmp, 0o700)
     except OSError as err:
-        raise UsageError(f"cannot write to {final.parent}: {err.strerror or err}; choose a writable location") from None
+        raise UsageError(
+            f"cannot write to {shown(final.parent)}: {err.strerror or err}; choose a writable location"
+        ) from None
     published = False
     try:
         try:
             yield tmp, created
             published = True
         except SlabconvError as err:
-            message = str(err).replace(str(tmp / final.name), str(final)).replace(str(tmp), str(final))
-            if message != str(err):
-                err.args = (message, *err.args[1:])
+            raw = err.args[0] if err.args and isinstance(err.args[0], str) else None
+            if raw is not None:
+                message = raw
+                for staged in (tmp / final.name, tmp, staging):  # the longest first: a file staged for ``final``
+                    message = message.replace(str(staged), str(final))
+                if message != raw:
+                    err.args = (message, *err.args[1:])
             raise
         except Exception as err:
             if _is_disk_error(err):
                 raise _cannot_write(final, err) from None
             raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
         if not published:
             for folder in created:
                 with contextlib.suppress(OSError):
@@ -383,40 +571,61 @@ def staging_dir(final: Path, force: bool) -> Iterator[Path]:
         try:
             if not force or not final.exists():
                 rename_noreplace(tmp, final)
-            elif not _renameat2(tmp, final, _RENAME_EXCHANGE):
-                _swap_with_backup(tmp, final)
             else:
-                _remove(tmp)  # after the exchange, it holds the old output
+                if final.is_symlink():  # a link put in its place while the run worked
+                    raise UsageError(
+                        f"{shown(final)} became a symbolic link while slabconv worked; nothing was written"
+                    )
+                _check_replaceable(final, final)  # checked before the work; again, as the folder may have changed
+                if any(final.iterdir()):
+                    _check_owned(final, final)
+                if not _renameat2(tmp, final, _RENAME_EXCHANGE):
+                    _swap_with_backup(tmp, final)
+                # after the exchange ``tmp`` holds the old output; the staging folder around it is removed on exit
         except FileExistsError:
-            raise UsageError(f"{final} already exists (another run wrote it meanwhile); nothing was written") from None
+            raise UsageError(
+                f"{shown(final)} already exists (another run wrote it meanwhile); nothing was written"
+            ) from None
         except OSError as err:
             raise _cannot_write(final, err) from None
 
 
 def _swap_with_backup(tmp: Path, final: Path) -> None:
-    """Without ``renameat2``: move the old output aside, the new one in, then remove the old one (``clean_stale``
-    restores the old one if the process dies in between)."""
-    backup = final.parent / f".{final.name}.old-{os.getpid()}"
-    _remove(backup)
+    """Without ``renameat2``: move the old output into the marked staging folder (``<staging>/old``), the new one
+    in, then remove the old one with the staging folder. If the process dies in between, ``clean_stale`` finds the
+    old output in a marked folder and puts it back."""
+    backup = tmp.parent / "old"
     final.rename(backup)
-    tmp.rename(final)
-    _remove(backup)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        backup.rename(final)
+        raise
 
 
 @contextlib.contextmanager
-def staging_file(final: Path, force: bool) -> Iterator[Path]:
+def staging_file(final: Path, force: bool, owned: Callable[[Path], bool] | None = None) -> Iterator[Path]:
     """A temporary folder beside ``final`` in which to write the file ``final.name`` and its side files (an ONNX
     ``.data``); when the block finishes each is moved into place, ``final`` last: with ``force`` by
     ``os.replace``, without it by a rename that refuses an existing file. On failure nothing is moved.
 
+    ``owned`` (as for ``check_output_file``): checked again just before anything is moved, so a file that became
+    someone else's while the run worked (or a link, or a mount point) is not replaced.
+
     Raises:
-        UsageError: as ``staging_dir``.
+        UsageError: as ``staging_dir``; or ``final`` is no longer a file slabconv wrote.
     """
     with _staged(final, force) as (tmp, _):
         yield tmp
         final = Path(os.path.abspath(final))
         if not (tmp / final.name).is_file():
             raise RuntimeError(f"nothing was staged for {final}")
+        if force and os.path.lexists(final):
+            if final.is_symlink() or (owned is not None and not owned(final)):
+                raise UsageError(
+                    f"{shown(final)} was replaced by a file slabconv did not write while it worked; nothing was written"
+                )
+            _check_replaceable(final, final)
         _publish_modes(tmp)
         placed: list[Path] = []
         try:
@@ -431,14 +640,15 @@ def staging_file(final: Path, force: bool) -> Iterator[Path]:
             for dst in placed:
                 _remove(dst)
             raise UsageError(
-                f"{err.filename} already exists (another run wrote it meanwhile); nothing was written"
+                f"{shown(err.filename)} already exists (another run wrote it meanwhile); nothing was written"
             ) from None
         except OSError as err:
             raise _cannot_write(final, err) from None
 
 
 def _publish_modes(folder: Path) -> None:
-    """Give the staged folder and its files the modes the user's umask asks for (mkdtemp makes them private)."""
+    """Give the staged folder and its files the modes the user's umask asks for (the staging folder is made
+    private, mode 0700)."""
     umask = os.umask(0)
     os.umask(umask)
     folder.chmod(0o777 & ~umask)
