@@ -33,8 +33,9 @@ import re
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build" / "compat"
@@ -162,9 +163,8 @@ def table(floors: dict[str, str], results: dict[str, dict]) -> str:
         "|---|---|---|---|",
     ]
     for pkg, low in floors.items():
-        lines.append(
-            f"| {pkg} | {low} | {floor.get('versions', {}).get(pkg, '-')} | {newest.get('versions', {}).get(pkg, '-')} |"
-        )
+        at_floor, at_newest = floor.get("versions", {}).get(pkg, "-"), newest.get("versions", {}).get(pkg, "-")
+        lines.append(f"| {pkg} | {low} | {at_floor} | {at_newest} |")
     lines += [
         "",
         "| environment | date | Python | fuse digits, fuse text, verify --generate, deploy tests |",
