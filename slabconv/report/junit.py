@@ -43,8 +43,9 @@ def written_by_slabconv(path: Path) -> bool:
 
 
 def junit_tree(report: Report) -> ET.ElementTree:
-    """The JUnit XML tree of a verification report: one ``<testcase>`` per check of question 1, per file check
-    and per check of question 2; ``time`` is how long the run took, shared out per case."""
+    """The JUnit XML tree of a verification report: one ``<testcase>`` per check that ran
+    (``Verification.cases``: question 1, the file checks, question 2, greedy generation per runtime), so the
+    failure count is zero exactly when the report passed; ``time`` is how long the run took, shared out per case."""
     v = report.verification
     assert v is not None
     candidate = (report.candidate.path if report.candidate else None) or report.out_dir or "candidate"
