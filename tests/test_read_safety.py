@@ -584,3 +584,9 @@ def test_a_plain_onnx_model_still_verifies(tmp_path: Path) -> None:
     model = tiny_onnx(tmp_path / "ok")
     result = runner.invoke(app, ["verify", str(model), str(model)])
     assert result.exit_code == 0, result.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_as_an_onnx_side_of_verify_is_not_a_regular_file(tmp_path: Path) -> None:
+    model = tiny_onnx(tmp_path / "ok")
+    no_hang(["verify", str(model), str(fifo(tmp_path / "cand.onnx"))], "not a regular file (a FIFO", tmp_path)

@@ -48,14 +48,15 @@ def check_onnx_file(path: Path) -> tuple[bool, str]:
         ``(passed, one-line detail)``; a model the checker rejects is a failed check, not an error.
 
     Raises:
-        InputError: missing file; one file over protobuf's 2 GiB limit (the case ONNX cannot represent
-            without external data); unreadable protobuf; external data files that are not beside it.
+        InputError: missing file or not a regular file; an initializer ``check_onnx_tensors`` refuses; one file
+            over protobuf's 2 GiB limit (the case ONNX cannot represent without external data); unreadable
+            protobuf; external data files that are not beside it.
     """
     import onnx
 
-    if not path.is_file():
-        raise InputError(f"{path}: no such file")
-    size = path.stat().st_size
+    from slabconv.load.safety import regular_file
+
+    size = regular_file(path, "the ONNX file").st_size  # a FIFO or device is refused before anything opens it
     if size > PROTOBUF_LIMIT_BYTES:
         raise InputError(
             f"{path}: one ONNX file of {size / 2**30:.1f} GiB is over protobuf's 2 GiB limit and cannot be read; "
