@@ -32,9 +32,10 @@ from typing import Any
 
 from slabconv.errors import InputError
 
-MAX_GRAPH_NODES = 20_000
-"""Nodes in a program's graphs (all subgraphs counted). torch deserializes about 200 nodes a second on one core, so
-this bounds the load to a couple of minutes; a DeiT-B program has about 500 nodes, a 32-layer LLaMA about 3,000."""
+MAX_GRAPH_NODES = 10_000
+"""Nodes in a program's graphs (all subgraphs counted). torch deserializes about 200 nodes a second on one core (a
+program padded with 30,000 nodes took 152 s), so this bounds the load to under a minute; a DeiT-B program has about
+750 nodes, a 32-layer LLaMA about 3,000 (measured on small zoo models: 60 and 90 nodes a block)."""
 
 MAX_NAME_CHARS = 200
 
