@@ -333,3 +333,97 @@ def test_mutated_program_tensor_metadata(
 def test_the_unmutated_program_loads(workdir: Path) -> None:
     (workdir / "ok.pt2").write_bytes(_repack(json.loads(json.dumps(PT2_JSON))))
     assert api.load_model(workdir / "ok.pt2").checkpoint.format == "torch.export"
+
+
+# --------------------------------------------------------------------------------------------- .pt2 names (issue 21)
+
+CANARY_MODULE = "slabconv_fuzz_canary"
+NAME_PATHS = [
+    p
+    for p in STRING_PATHS
+    if p[-1] in ("target", "in_spec", "out_spec", "source_fn_stack", "torch_fn", "nn_module_stack")
+]
+
+
+@pytest.fixture(scope="module")
+def canary_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A module on ``sys.path`` that records its import in a file (every name a program could make torch import)."""
+    import sys
+
+    folder = tmp_path_factory.mktemp("canary")
+    hit = folder / "IMPORTED"
+    (folder / f"{CANARY_MODULE}.py").write_text(
+        f"open({str(hit)!r}, 'w').write('imported')\n"
+        "import enum\nclass Thing(enum.Enum):\n    x = 1\ndef fn(*a, **k):\n    return a[0]\n"
+    )
+    sys.path.insert(0, str(folder))
+    try:
+        yield hit
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(CANARY_MODULE, None)
+
+
+def hostile_names() -> st.SearchStrategy[str]:
+    """Names a hostile program could put where torch resolves names: modules, torch's own callables, code-running
+    higher-order ops, extension ops, arbitrary text, and the real operators (so some mutations still load)."""
+    return st.one_of(
+        st.text(max_size=30),
+        st.sampled_from(
+            [
+                f"{CANARY_MODULE}.fn",
+                f"{CANARY_MODULE}.Thing",
+                "torch.hub.load",
+                "torch.ops.import_module",
+                "torch.ops.load_library",
+                "torch.export.custom_ops._call_custom_autograd_function_in_pre_dispatch",
+                "torch.ops.higher_order.invoke_leaf_function",
+                "torch.ops.higher_order.inductor_compiled_code",
+                "torch.ops.higher_order.flat_apply",
+                "torch._dynamo.eval_frame",
+                "_operator.methodcaller",
+                "math.factorial",
+                "#evil/op",
+                "torchvision.ops.nms",
+                "torch.ops.aten.relu.default",
+                "torch.ops.aten.gelu.default",
+                "_operator.add",
+            ]
+        ),
+    )
+
+
+def hostile_spec(name: str) -> str:
+    """A tree spec whose context names ``name`` as an enum (what ``enum_object_hook`` imports) or whose type is it."""
+    enum = {"__enum__": True, "fqn": f"{name.rpartition('.')[0] or name}:{name.rpartition('.')[2]}", "name": "x"}
+    children = [{"type": None, "context": None, "children_spec": []}]
+    return json.dumps([1, {"type": "builtins.tuple", "context": json.dumps([enum]), "children_spec": children}])
+
+
+# Most mutations are refused before torch reads anything; the ones that keep real operators load the whole program
+# (0.3 s alone, several seconds on a busy shared machine). What this test bounds is imports, not time (the node limit
+# is timed in tests/test_read_safety.py): a looser deadline than the other targets keeps it from flaking.
+NAME_FUZZ = settings(PROGRAM_FUZZ, deadline=timedelta(seconds=30))
+
+
+@NAME_FUZZ
+@given(data=st.data())
+def test_mutated_program_names_import_nothing(workdir: Path, canary_module: Path, data: st.DataObject) -> None:
+    """Operator names, tree specs, metadata and guards of the program replaced by hostile names: the program loads
+    or is refused in one line, and the canary module is never imported."""
+    import sys
+
+    documents = json.loads(json.dumps(PT2_JSON))
+    model = documents[MODEL_JSON]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(NAME_PATHS))
+        name = data.draw(hostile_names())
+        if path[-1] in ("in_spec", "out_spec") and data.draw(st.booleans()):
+            name = hostile_spec(name)
+        elif path[-1] == "source_fn_stack":
+            name = f"node,{name}"
+        _set(model, path, name)
+    if data.draw(st.booleans()):
+        model["guards_code"] = [data.draw(st.sampled_from([f"__import__({CANARY_MODULE!r})", "L['x'].size()[0] >= 0"]))]
+    load_program_or_clear_error(workdir / "names.pt2", _repack(documents), workdir / "CANARY")
+    assert not canary_module.exists() and CANARY_MODULE not in sys.modules, "a name in the program was imported"

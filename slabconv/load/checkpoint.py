@@ -10,6 +10,7 @@ runs; ``module.`` (DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import warnings
 from collections.abc import Mapping
@@ -139,13 +140,13 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
             {"weights": folder.format},
             metadata=folder.metadata,
         )
-    if path.stat().st_size == 0:
+    if safety.regular_file(path, "the checkpoint").st_size == 0:
         raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
+    if path.suffix == ".pt2":
+        return _load_program(path, trust_pickle)
     digest = sha256_file(path)
     if path.suffix == ".safetensors":
         return _load_safetensors(path, digest)
-    if path.suffix == ".pt2":
-        return _load_program(path, digest, trust_pickle)
     obj = _torch_load(path, trust_pickle)
     extra: dict[str, Any] = {}
     config: dict[str, Any] = {}
@@ -194,33 +195,44 @@ def _load_safetensors(path: Path, digest: str) -> Checkpoint:
     return Checkpoint(dict(tensors), {}, "safetensors", path, digest, metadata=metadata)
 
 
-def _load_program(path: Path, digest: str, trust_pickle: bool = False) -> Checkpoint:
+def _load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
     """A ``.pt2`` read by ``torch.export.load`` after ``safety.check_program_archive``, with ``sympy.sympify``
-    guarded and every pickle inside weights-only (unless ``trust_pickle``); torch's log lines silenced."""
+    guarded and every pickle inside weights-only (unless ``trust_pickle``); torch's log lines silenced.
+
+    The file is opened once: the checks, the sha256 and ``torch.export.load`` read the same open file, so a file
+    swapped in at the path meanwhile is never the one loaded. The module is built without torch's guard function
+    (``check_guards=False``): the guards were checked to be shape checks, and slabconv checks input shapes itself.
+    """
     label = str(path)
-    safety.check_program_archive(path, trust_pickle)
-    size = path.stat().st_size
-    guards = contextlib.ExitStack()
-    guards.enter_context(silenced())
-    guards.enter_context(safety.guarded_sympify(label))
-    if not trust_pickle:
-        guards.enter_context(safety.no_code_from_pickles(label, size))
-    try:
-        with guards:
-            program = torch.export.load(path)
-            module = program.module()  # builds and compiles the graph: a damaged program can fail here too
-    except InputError:
-        raise
-    except Exception as err:  # noqa: BLE001 - torch.export.load raises many types on bad files
-        chain = [err, err.__cause__, err.__context__]
-        if any(isinstance(e, safety.PickleRefused) for e in chain) or "Weights only load failed" in str(err):
+    with safety.open_regular(path, "the program") as f:
+        size = os.fstat(f.fileno()).st_size
+        safety.check_program_archive(f, trust_pickle, label, size)
+        digest = safety.sha256_open(f)
+        guards = contextlib.ExitStack()
+        guards.enter_context(silenced())
+        guards.enter_context(safety.guarded_sympify(label))
+        if not trust_pickle:
+            guards.enter_context(safety.no_code_from_pickles(label, size))
+        try:
+            with guards:
+                program = torch.export.load(f)
+                # builds and compiles the graph: a damaged program can fail here too
+                module = program.module(check_guards=False)
+        except InputError:
+            raise
+        except RecursionError:
+            raise InputError(f"{path}: the program nests too deeply to read; refused") from None
+        except Exception as err:  # noqa: BLE001 - torch.export.load raises many types on bad files
+            chain = [err, err.__cause__, err.__context__]
+            if any(isinstance(e, safety.PickleRefused) for e in chain) or "Weights only load failed" in str(err):
+                raise InputError(
+                    f"{path}: the program holds pickled Python objects, which slabconv will not load (loading them "
+                    "could run code); re-export it with tensor weights only, or pass --trust-pickle if you trust "
+                    "this file"
+                ) from None
             raise InputError(
-                f"{path}: the program holds pickled Python objects, which slabconv will not load (loading them "
-                "could run code); re-export it with tensor weights only, or pass --trust-pickle if you trust this file"
+                f"{path}: not a readable torch.export program ({first_line(err)}); re-save it with torch.export.save"
             ) from None
-        raise InputError(
-            f"{path}: not a readable torch.export program ({first_line(err)}); re-save it with torch.export.save"
-        ) from None
     state = dict(program.state_dict)
     safety.check_extents({"state_dict": state, "constants": dict(program.constants)}, size, label)
     return Checkpoint(state, {}, "torch.export", path, digest, program=program, module=module)

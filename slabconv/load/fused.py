@@ -43,12 +43,23 @@ class FusedMetadata:
     config: dict[str, Any]
 
     @classmethod
-    def read(cls, metadata: Mapping[str, str]) -> FusedMetadata | None:
+    def read(cls, metadata: Mapping[str, str], label: str = "the safetensors file") -> FusedMetadata | None:
+        """The fused metadata, or None when slabconv did not write the file.
+
+        Raises:
+            InputError: the ``config`` entry is over the JSON size or depth limits (``safety.parse_json``), naming
+                ``label``.
+        """
+        from slabconv.errors import InputError
+        from slabconv.load.safety import parse_json
+
         if "slabconv_version" not in metadata:
             return None
         try:
-            config = json.loads(metadata.get("config") or "{}")
-        except ValueError:
+            config = parse_json(metadata.get("config") or "{}", f"{label}: metadata 'config'")
+        except InputError as err:
+            if "is not valid JSON" not in str(err):
+                raise
             config = {}
         return cls(
             version=metadata["slabconv_version"],

@@ -16,7 +16,6 @@ plain file names inside the folder.
 
 from __future__ import annotations
 
-import json
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -115,17 +114,15 @@ def read_hf_config(folder: Path | str) -> dict[str, Any]:
     """``config.json`` of a folder as a dict.
 
     Raises:
-        InputError: missing, unreadable, or not a JSON object.
+        InputError: missing, not a regular file, over the JSON size or depth limits (``safety.read_json``),
+            unreadable, or not a JSON object.
     """
     path = Path(folder) / CONFIG
     if path.is_file():
         inside(Path(folder), path)
     if not path.is_file():
         raise InputError(f"{folder}: no {CONFIG} in this folder; a Hugging Face model folder needs one")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{path}: not readable JSON ({first_line(err)})") from None
+    config = safety.read_json(path)
     if not isinstance(config, dict):
         raise InputError(f"{path}: expected a JSON object, found {type(config).__name__}")
     return config
@@ -187,10 +184,7 @@ def read_index(index: Path) -> dict[str, str]:
     Raises:
         InputError: unreadable JSON, no weight_map, or a shard name that is a path.
     """
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise InputError(f"{index}: not readable JSON ({first_line(err)})") from None
+    data = safety.read_json(index)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(f"{index}: no 'weight_map' (parameter name -> shard file); the index is damaged")

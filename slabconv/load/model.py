@@ -44,6 +44,8 @@ class LoadedModel:
             when the batch axis is dynamic.
         sequence: a program of token ids with a symbolic length: the longest length it takes (else None; a
             model built from a config takes its ``max_position_embeddings``).
+        id_range: for integer input, the number of valid ids (the smallest embedding table's rows), or None when
+            unknown; ``--inputs`` ids outside ``0 .. id_range - 1`` are refused.
     """
 
     model: nn.Module
@@ -56,6 +58,7 @@ class LoadedModel:
     config: dict[str, Any] = field(default_factory=dict)
     batch: int | None = None
     sequence: int | None = None
+    id_range: int | None = None
 
     @property
     def example_batch(self) -> int:
@@ -162,7 +165,9 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
         return _load_module(ckpt, opts.input_shape)
     norm = "checkpoint"
     config = ckpt.config
-    fused = FusedMetadata.read(ckpt.metadata) if ckpt.format.endswith(("safetensors", "-sharded")) else None
+    fused = (
+        FusedMetadata.read(ckpt.metadata, str(ckpt.path)) if ckpt.format.endswith(("safetensors", "-sharded")) else None
+    )
     if fused is not None:
         if not fused.complete:
             raise UnsupportedModelError(
@@ -174,14 +179,20 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
         norm = "identity"
     if image_size is not None:
         config = with_image_size(config, image_size)
-    check_config_sizes(config, str(ckpt.path))
+    # A Hugging Face folder's sizes come from its config.json: name that file in what the config gets blamed for.
+    config_label = str(ckpt.path / "config.json") if ckpt.format.startswith("hf-") else str(ckpt.path)
+    check_config_sizes(config, config_label)
     try:
         spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
     try:
         model = spec.build(ckpt.state_dict, config, norm)
-    except UnsupportedModelError:
+    except UnsupportedModelError as err:
+        if ckpt.format.startswith("hf-"):
+            raise UnsupportedModelError(
+                f"{config_label}: {err}; the config does not fit the weights: fix config.json"
+            ) from None
         raise
     except (KeyError, ValueError, RuntimeError, IndexError) as err:
         raise InputError(
@@ -198,7 +209,13 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     def make_input(batch: int, seed: int) -> torch.Tensor:
         return spec.example(state, config, batch, seed, dtype)
 
-    return LoadedModel(model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config))
+    id_range = None
+    if spec.input_dtype is not None and not spec.input_dtype.is_floating_point:
+        tables = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+        id_range = min(tables) if tables else None
+    return LoadedModel(
+        model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config), id_range=id_range
+    )
 
 
 def _output_folder_model(folder: Path) -> Path:
@@ -228,6 +245,9 @@ _SIZE_LIMITS = {
     "num_attention_heads": 1 << 16,
     "num_key_value_heads": 1 << 16,
 }
+# Config values that are a norm's eps: a positive number below 1 (a negative one makes the norm divide by the square
+# root of a negative number, and the fold would inherit the NaN).
+_EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
 
 
 def check_config_sizes(config: Any, label: str) -> None:
@@ -250,14 +270,40 @@ def check_config_sizes(config: Any, label: str) -> None:
                         f"{label}: config {key} = {value} is outside 1..{limit}; a model of that size cannot be "
                         "built from these weights (a damaged or hostile config)"
                     )
+                if str(key) in _EPS_KEYS and value is not None and not _valid_eps(value):
+                    raise InputError(
+                        f"{label}: config {key} = {str(value)[:40]} is not a positive number below 1 (a norm's eps); "
+                        "the config is damaged: fix it"
+                    )
                 stack.append(value)
         elif isinstance(item, list):
             stack.extend(item)
 
 
+def _valid_eps(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
+
+
 # Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
 _FINITE_SUFFIXES = ("weight", "bias", "running_mean", "running_var", "alpha")
 _FOLDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INTEGER_INPUTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def refuse_unfoldable_dtype(value: torch.Tensor, key: str, label: str) -> None:
+    """Refuse a complex, quantized or float8 tensor, naming it: a fold in float64 would drop an imaginary part or
+    misread quantized storage, and both sides of a verification would agree on the wrong numbers.
+
+    Raises:
+        InputError: naming the file (``label``), the tensor and its dtype.
+    """
+    dtype = value.dtype
+    if not (value.is_complex() or value.is_quantized or (dtype.is_floating_point and dtype not in _FOLDABLE_DTYPES)):
+        return
+    raise InputError(
+        f"{label}: tensor {key!r} is {str(dtype).removeprefix('torch.')}; slabconv folds float16, bfloat16, float32 "
+        "and float64 models: convert the checkpoint to one of those first"
+    )
 
 
 def _check_values(ckpt: Checkpoint) -> None:
@@ -267,14 +313,14 @@ def _check_values(ckpt: Checkpoint) -> None:
     Raises:
         InputError: a damaged checkpoint.
     """
+    constants = dict(getattr(ckpt.program, "constants", None) or {}) if ckpt.program is not None else {}
+    for key, value in constants.items():
+        if isinstance(value, torch.Tensor):
+            refuse_unfoldable_dtype(value, key, str(ckpt.path))
     for key, value in ckpt.state_dict.items():
+        refuse_unfoldable_dtype(value, key, str(ckpt.path))
         if not value.is_floating_point() or value.numel() == 0:
             continue
-        if value.dtype not in _FOLDABLE_DTYPES:
-            raise InputError(
-                f"{ckpt.path}: tensor {key!r} is {str(value.dtype).removeprefix('torch.')}; slabconv folds float16, "
-                "bfloat16, float32 and float64 models: convert the checkpoint to one of those first"
-            )
         if bool(torch.isnan(value).any()) or (key.endswith(_FINITE_SUFFIXES) and not bool(torch.isfinite(value).all())):
             raise InputError(
                 f"{ckpt.path}: tensor {key!r} holds NaN or Inf; the checkpoint is damaged (a diverged run or a bad "
@@ -333,14 +379,29 @@ def _load_program(ckpt: Checkpoint) -> LoadedModel:
             "you deploy: torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim('batch')},))"
         )
     shape = tuple(int(d) for d in dims[1:] if d is not None)
+    if val.dtype.is_complex or val.dtype not in (*_FOLDABLE_DTYPES, *_INTEGER_INPUTS):
+        raise InputError(
+            f"{ckpt.path}: the program's input {user_inputs[0]!r} is {str(val.dtype).removeprefix('torch.')}; "
+            "slabconv folds models of real float16, bfloat16, float32, float64 or integer-id input"
+        )
     input_dtype = None if val.dtype.is_floating_point else val.dtype
     weights_dtype = val.dtype if val.dtype.is_floating_point else _float_dtype(ckpt.state_dict)
     make_input = None
+    rows = None
     if input_dtype is not None:
         rows = _id_range(program, node)
         make_input = partial(_random_ids, rows, shape, input_dtype)
     return LoadedModel(
-        ckpt.module, ckpt, None, shape, weights_dtype, input_dtype, make_input, batch=dims[0], sequence=sequence
+        ckpt.module,
+        ckpt,
+        None,
+        shape,
+        weights_dtype,
+        input_dtype,
+        make_input,
+        batch=dims[0],
+        sequence=sequence,
+        id_range=rows,
     )
 
 

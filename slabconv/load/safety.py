@@ -20,7 +20,13 @@ rules hold for every format slabconv reads:
 4. **Sizes are checked before memory is touched** (``check_extents``): a tensor can be a view whose size is far
    larger than its storage (``torch.zeros(1).expand(10**6, 10**6)`` saves one float). The elements of every
    tensor, as it would be materialised, must add up to at most ``EXPANSION`` times the file's size (plus
-   ``FLOOR_BYTES``); the first tensor over that is named.
+   ``FLOOR_BYTES``); the first tensor over that is named. Counts are bounded before the work they cost: tensors
+   per pickle (``MAX_TENSORS``, counted in the pickle's opcodes without running it), nodes per program
+   (``program_names.MAX_GRAPH_NODES``), JSON size and depth (``read_json``).
+5. **Only regular files are read** (``regular_file``): a FIFO, socket, device or folder where a file is expected is
+   refused at once, before anything opens it (opening a FIFO would wait for a writer forever).
+6. **A ``.pt2`` names nothing torch would import or look up freely** (``program_names``): every operator name,
+   tree-spec type and guard is checked in the JSON, and the check and the load read the same open file.
 """
 
 from __future__ import annotations
@@ -30,12 +36,15 @@ import collections
 import contextlib
 import json
 import math
+import os
 import pickle
+import pickletools
 import re
+import stat
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -48,6 +57,22 @@ FLOOR_BYTES = 64 << 20
 """...plus this much, so small files with a few expanded buffers (position ids) still load."""
 
 MAX_ZIP_ENTRIES = 200_000
+
+MAX_TENSORS = 100_000
+"""Tensors one pickle may hold (a training checkpoint of a large model with its optimizer state has a few thousand).
+Counted in the pickle's opcodes before the weights-only reader builds any of them."""
+
+MAX_PICKLE_OPS = 20_000_000
+"""Opcodes one pickle may hold: bounds the time of the count above and of the weights-only reader."""
+
+MAX_JSON_BYTES = 64 << 20
+"""Size of a JSON file slabconv parses (``config.json``, an index, ``report.json``): real ones are kilobytes."""
+
+MAX_PROGRAM_JSON_BYTES = 256 << 20
+"""Size of the program JSON inside a ``.pt2`` (about 3 KiB a node, with its stack trace)."""
+
+MAX_JSON_DEPTH = 100
+"""Nesting of objects and lists in any JSON slabconv parses (real files nest fewer than 20 deep)."""
 
 
 class ConfigNode:
@@ -78,21 +103,146 @@ def plain(obj: Any) -> Any:
     return obj if isinstance(obj, (str, int, float, bool, type(None))) else repr(obj)
 
 
+# --------------------------------------------------------------------------------------------- files
+
+_SPECIAL = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a folder",
+}
+
+
+def regular_file(path: Path | str, what: str = "the file") -> os.stat_result:
+    """``os.stat`` of ``path`` after checking it is a regular file (a link to one is followed).
+
+    A FIFO opened for reading blocks until a writer comes, a device can be endless, a folder cannot be read as a
+    file: each is refused before anything opens it.
+
+    Args:
+        path: the path the user gave (named in the error).
+        what: how the message names the file's role, e.g. ``"--inputs"``.
+
+    Raises:
+        InputError: ``PATH: not a regular file (a FIFO (named pipe)); give WHAT as a file``, or no such file.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file ({what})") from None
+    except OSError as err:
+        raise InputError(f"{path}: cannot read {what} ({err.strerror or type(err).__name__})") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = _SPECIAL.get(stat.S_IFMT(info.st_mode), "a special file")
+        raise InputError(f"{path}: not a regular file ({kind}); give {what} as a regular file")
+    return info
+
+
+def open_regular(path: Path | str, what: str = "the file") -> IO[bytes]:
+    """Open ``path`` for reading once, refusing anything but a regular file (checked before opening and again on
+    the open file, so a path swapped in between is caught): every later check and read uses this one file object.
+
+    Raises:
+        InputError: as ``regular_file``.
+    """
+    regular_file(path, what)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InputError(f"{path}: not a regular file (it changed while being opened); give {what} as a file")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def sha256_open(f: IO[bytes]) -> str:
+    """Hex sha256 of an open binary file from its start (left at its start again)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    f.seek(0)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+    f.seek(0)
+    return digest.hexdigest()
+
+
+def json_depth(value: Any) -> int:
+    """The nesting depth of parsed JSON (a scalar is 0, ``[]`` is 1), computed without recursion."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+            deepest = max(deepest, depth + 1)
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+            deepest = max(deepest, depth + 1)
+    return deepest
+
+
+def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """JSON text parsed within the size and depth limits (``MAX_JSON_BYTES``, ``MAX_JSON_DEPTH``).
+
+    Args:
+        data: the file's bytes (UTF-8) or text.
+        label: the file (or archive entry) to name in errors.
+        max_bytes: the size limit for this kind of file.
+
+    Raises:
+        InputError: too large, too deeply nested, not UTF-8 or not JSON -- one line naming ``label``.
+    """
+    if len(data) > max_bytes:
+        raise InputError(f"{label}: {_human(len(data))} of JSON, over slabconv's limit of {_human(max_bytes)}; refused")
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise InputError(
+            f"{label}: JSON nested deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise InputError(f"{label} is not valid JSON ({str(err)[:120]}); the file is damaged") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise InputError(f"{label}: JSON nested deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused")
+    return value
+
+
+def read_json(path: Path | str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """A JSON file read as ``parse_json`` does, after ``regular_file`` and a size check before reading.
+
+    Raises:
+        InputError: as ``regular_file`` and ``parse_json``.
+    """
+    info = regular_file(path, "a JSON file")
+    if info.st_size > max_bytes:
+        raise InputError(
+            f"{path}: {_human(info.st_size)} of JSON, over slabconv's limit of {_human(max_bytes)}; refused"
+        )
+    with open_regular(path, "a JSON file") as f:
+        data = f.read(max_bytes + 1)
+    return parse_json(data, str(path), max_bytes)
+
+
 # --------------------------------------------------------------------------------------------- archives
 
 
-def check_zip(source: Path | bytes, label: str) -> list[str]:
+def check_zip(source: Path | bytes | IO[bytes], label: str) -> list[str]:
     """The entry names of a torch zip archive, after checking it can be read without surprises.
 
     Args:
-        source: a path or the archive's bytes (a pickle stored inside a ``.pt2``).
+        source: a path, the archive's bytes (a pickle stored inside a ``.pt2``) or an open binary file.
         label: what to name in errors (the user's path).
 
     Raises:
         InputError: not a zip archive (a pre-1.6 pickle or not a torch file), a compressed or encrypted entry, an
             entry name that leaves the archive, too many entries, a TorchScript archive.
     """
-    opened = source if isinstance(source, Path) else _bytes_io(source)
+    opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
     try:
         with zipfile.ZipFile(opened) as archive:
             infos = archive.infolist()
@@ -122,13 +272,17 @@ def check_zip(source: Path | bytes, label: str) -> list[str]:
     return names
 
 
-def _not_a_zip(source: Path | bytes, label: str, detail: str) -> InputError:
+def _not_a_zip(source: Path | bytes | IO[bytes], label: str, detail: str) -> InputError:
     """The error for a file ``zipfile`` cannot open, by what its first bytes say it is."""
     if isinstance(source, Path):
         with open(source, "rb") as f:
             head = f.read(4)
+    elif isinstance(source, (bytes, bytearray)):
+        head = bytes(source[:4])
     else:
-        head = source[:4]
+        source.seek(0)
+        head = source.read(4)
+        source.seek(0)
     if head.startswith(b"PK"):
         return InputError(
             f"{label}: not a readable PyTorch checkpoint (its zip archive is damaged or truncated: {detail}); "
@@ -205,36 +359,79 @@ def _human(n: int) -> str:
 # --------------------------------------------------------------------------------------------- pickles
 
 
-def weights_only_load(source: Path | bytes, label: str, file_bytes: int | None = None) -> Any:
-    """``torch.load(weights_only=True)`` on CPU with ``ALLOWED_GLOBALS``, after ``check_zip``, then
-    ``check_extents``.
+def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: int | None = None) -> Any:
+    """``torch.load(weights_only=True)`` on CPU with ``ALLOWED_GLOBALS``, after ``check_zip`` and
+    ``count_pickled_tensors``, then ``check_extents``.
+
+    A path is opened once (``open_regular``): the checks and the load read the same open file.
 
     Args:
-        source: a path, or bytes (a pickle inside a ``.pt2``).
+        source: a path, bytes (a pickle inside a ``.pt2``) or an open binary file.
         label: the user's path, for errors.
         file_bytes: the size the extents are budgeted against (default: the source's own size).
 
     Raises:
-        InputError: the archive checks fail, the pickle names a global outside the allowlist (message names it),
-            the file is damaged, or its tensors are too large for it.
+        InputError: not a regular file, the archive checks fail, too many tensors, the pickle names a global
+            outside the allowlist (message names it), the file is damaged, or its tensors are too large for it.
         pickle.UnpicklingError: re-raised for the caller to explain (``refusal``) when the weights-only reader
             refuses the pickle.
     """
     import io
     import warnings
 
-    check_zip(source, label)
-    size = (
-        file_bytes if file_bytes is not None else (source.stat().st_size if isinstance(source, Path) else len(source))
-    )
+    if isinstance(source, Path):
+        with open_regular(source, "the checkpoint") as f:
+            return weights_only_load(f, label, file_bytes)
+    names = check_zip(source, label)
+    count_pickled_tensors(source, names, label)
+    if isinstance(source, (bytes, bytearray)):
+        size = file_bytes if file_bytes is not None else len(source)
+        target: Any = io.BytesIO(source)
+    else:
+        size = file_bytes if file_bytes is not None else os.fstat(source.fileno()).st_size
+        target = source
+        target.seek(0)
     allowed: list[Any] = [(cls, name) for name, cls in ALLOWED_GLOBALS.items()]
-    target: Any = source if isinstance(source, Path) else io.BytesIO(source)
     with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol N": the error, if any, says enough
         # torch.serialization.load is torch.load itself; no_code_from_pickles replaces only the name torch.load.
         obj = torch.serialization.load(target, map_location="cpu", weights_only=True)
     check_extents(obj, size, label)
     return obj
+
+
+def count_pickled_tensors(source: bytes | IO[bytes], names: list[str], label: str) -> int:
+    """The number of tensors a ``torch.save`` archive's ``data.pkl`` refers to, counted in its opcodes (each tensor
+    is one persistent-id reference to its storage) without unpickling anything.
+
+    Raises:
+        InputError: more than ``MAX_TENSORS`` tensors or ``MAX_PICKLE_OPS`` opcodes (named with the limit).
+    """
+    pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+    if pkl is None:
+        return 0
+    opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
+    with zipfile.ZipFile(opened) as archive:
+        data = archive.read(pkl)
+    tensors = ops = 0
+    try:
+        for opcode, _, _ in pickletools.genops(data):
+            ops += 1
+            if opcode.name in ("BINPERSID", "PERSID"):
+                tensors += 1
+                if tensors > MAX_TENSORS:
+                    raise InputError(
+                        f"{label}: the pickle holds more than {MAX_TENSORS} tensors (slabconv's limit; see "
+                        "docs/security.md); refused before reading them"
+                    )
+            if ops > MAX_PICKLE_OPS:
+                raise InputError(
+                    f"{label}: the pickle has more than {MAX_PICKLE_OPS} opcodes (slabconv's limit; see "
+                    "docs/security.md); refused before reading it"
+                )
+    except (ValueError, EOFError):
+        return tensors  # a damaged pickle: the weights-only reader says what is wrong with it
+    return tensors
 
 
 def unsafe_globals(path: Path) -> list[str]:
@@ -454,16 +651,29 @@ _PT2_ALLOWED = re.compile(
 )
 
 
-def check_program_archive(path: Path, trust_pickle: bool = False) -> None:
-    """Check a ``.pt2`` before ``torch.export.load`` sees it (rules 2 and 3 of the module docstring).
+def check_program_archive(
+    source: Path | IO[bytes], trust_pickle: bool = False, label: str | None = None, file_bytes: int | None = None
+) -> None:
+    """Check a ``.pt2`` before ``torch.export.load`` sees it (rules 2, 3, 4 and 6 of the module docstring).
+
+    Args:
+        source: the open file that ``torch.export.load`` will then read (so both read the same bytes), or a path.
+        trust_pickle: accept pickled Python objects in weights and constants (``--trust-pickle``).
+        label: the user's path, for errors (default: ``source`` when it is a path).
+        file_bytes: the file's size (default: measured).
 
     Raises:
-        InputError: naming the entry, expression or tensor that breaks a rule.
+        InputError: naming the entry, expression, node, name or tensor that breaks a rule.
     """
-    label = str(path)
-    names = check_zip(path, label)
-    file_bytes = path.stat().st_size
-    with zipfile.ZipFile(path) as archive:
+    from slabconv.load.program_names import check_program_document
+
+    if isinstance(source, Path):
+        with open_regular(source, "the program") as f:
+            return check_program_archive(f, trust_pickle, label or str(source), file_bytes)
+    label = label or "program"
+    file_bytes = file_bytes if file_bytes is not None else os.fstat(source.fileno()).st_size
+    names = check_zip(source, label)
+    with zipfile.ZipFile(source) as archive:
         sizes = {info.filename: info.file_size for info in archive.infolist()}
         roots = {n.split("/", 1)[0] for n in names if "/" in n}
         for name in names:
@@ -480,16 +690,25 @@ def check_program_archive(path: Path, trust_pickle: bool = False) -> None:
         for name in names:
             if not name.endswith(".json"):
                 continue
-            try:
-                document = json.loads(archive.read(name))
-            except (ValueError, UnicodeDecodeError) as err:
-                raise InputError(f"{label}: {name} is not valid JSON ({err}); the program is damaged") from None
+            rel = name.split("/", 1)[1] if "/" in name else name
+            is_program = rel.startswith("models/") or rel == "serialized_exported_program.json"
+            limit = MAX_PROGRAM_JSON_BYTES if is_program else MAX_JSON_BYTES
+            if sizes[name] > limit:
+                raise InputError(
+                    f"{label}: archive entry {rel!r} is {_human(sizes[name])} of JSON, over slabconv's limit of "
+                    f"{_human(limit)}; refused"
+                )
+            document = parse_json(archive.read(name), f"{label}: {rel}", limit)
+            if is_program:
+                check_program_document(document, label, rel)
             _check_expressions(document, label, name)
             if name.endswith(("_weights_config.json", "_constants_config.json")):
                 folder = name.rsplit("/", 1)[0]
                 _check_payloads(document, sizes, folder, label, file_bytes, trust_pickle)
+    source.seek(0)
     if len(roots) > 1:
         raise InputError(f"{label}: the archive has {len(roots)} root folders; a .pt2 has one")
+    return None
 
 
 def _check_expressions(document: Any, label: str, entry: str) -> None:

@@ -9,6 +9,8 @@ reporters, GitLab, Jenkins and Azure Pipelines read: ``testsuites > testsuite > 
 
 from __future__ import annotations
 
+import os
+import stat
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,18 +29,29 @@ def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
         UsageError: naming the path and what is there.
     """
     try:
+        kind = os.stat(path).st_mode
+    except OSError:
+        kind = None
+    if kind is not None and not stat.S_ISREG(kind) and not stat.S_ISDIR(kind) and not os.path.islink(path):
+        # a FIFO would make the check below (and the write after the work) wait for a reader forever
+        raise UsageError(f"--junit {path}: not a regular file (a FIFO, socket or device); give a file path")
+    try:
         check_output_file(path, force=True, inputs=list(inputs), owned=written_by_slabconv)
     except UsageError as err:
         raise UsageError(f"--junit {err}") from None
 
 
 def written_by_slabconv(path: Path) -> bool:
-    """True when ``path`` is a JUnit XML file that slabconv wrote (its root is ``<testsuites name="slabconv">``)."""
+    """True when ``path`` is a regular JUnit XML file that slabconv wrote (its root is
+    ``<testsuites name="slabconv">``); a FIFO or device is never opened (opening a FIFO waits for a writer)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError:
         return False
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = f.read(4096)
     return b'<testsuites name="slabconv"' in head
 
 

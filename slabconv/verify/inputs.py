@@ -1,15 +1,34 @@
-"""The inputs a verification runs on: an ``.npz``, the ``holdout.npz`` beside a checkpoint, or seeded samples."""
+"""The inputs a verification runs on: an ``.npz`` or ``.npy``, the ``holdout.npz`` beside a checkpoint, or seeded
+samples.
+
+An inputs file is sized before it is read (``docs/security.md``): the array's ``.npy`` header (numpy's
+``numpy.lib.format``) gives its dtype and shape, which must be real numbers of the model's input shape, whose bytes
+must be what the file stores, within ``MAX_INPUT_BYTES``, and a compressed ``.npz`` member may expand at most
+``MAX_INFLATION`` times. Only then is the array read, from the same open file.
+"""
 
 from __future__ import annotations
 
+import math
+import os
 import zipfile
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
 from slabconv.errors import InputError, UsageError
+from slabconv.load import safety
 from slabconv.load.model import LoadedModel
-from slabconv.util import sha256_file
+
+MAX_INPUT_BYTES = 4 << 30
+"""The most bytes an inputs array may take (as stored); verification holds it a few times over in float64."""
+
+MAX_INFLATION = 64
+"""A compressed ``.npz`` member may expand at most this many times (plus 1 MiB): real inputs compress 1-10x."""
+
+_INFLATION_FLOOR = 1 << 20
+_MAX_HEADER = 10_000  # numpy's own default limit for an .npy header
 
 
 def choose_inputs(
@@ -19,15 +38,16 @@ def choose_inputs(
     seed: int,
     input_shape: tuple[int, ...] | None = None,
 ) -> tuple[np.ndarray, str, str | None]:
-    """The verification inputs: ``inputs`` (an ``.npz``), else ``holdout.npz`` beside the checkpoint, else
-    ``samples`` seeded standard-normal samples of the model's input shape.
+    """The verification inputs: ``inputs`` (an ``.npz`` or ``.npy``), else ``holdout.npz`` beside the checkpoint,
+    else ``samples`` seeded standard-normal samples of the model's input shape.
 
     Returns:
-        ``(x, label, sha256 of the .npz or None)``.
+        ``(x, label, sha256 of the file or None)``.
 
     Raises:
         UsageError: no input shape is known (dynamic ONNX axes) and no ``inputs`` were given.
-        InputError: an unreadable ``.npz`` or one of the wrong shape.
+        InputError: an inputs file that is not a regular file, unreadable, of the wrong shape or dtype, too large,
+            or token ids outside the model's vocabulary.
     """
     shape = loaded.input_shape if loaded is not None else input_shape
     path = Path(inputs) if inputs else None
@@ -49,31 +69,122 @@ def choose_inputs(
             return (x.float() if x.is_floating_point() else x).numpy(), label, None
         rng = np.random.default_rng(seed)
         return rng.standard_normal((samples, *shape)).astype(np.float32), label, None
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise InputError(f"{path}: no such file (--inputs)")
     integer = loaded is not None and loaded.token_input
-    return load_npz_inputs(path, shape, integer=integer), str(path), sha256_file(path)
+    with safety.open_regular(path, "--inputs") as f:
+        arr = read_inputs(f, path, shape, integer=integer)
+        digest = safety.sha256_open(f)
+    id_range = loaded.id_range if loaded is not None else None
+    if integer and arr.size > 0 and id_range is not None and (int(arr.min()) < 0 or int(arr.max()) >= id_range):
+        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+        raise InputError(
+            f"{path}: token id {bad} is outside the model's vocabulary (0..{id_range - 1}); give ids the model knows"
+        )
+    return arr, str(path), digest
 
 
 def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
-    """The ``x`` array of an ``.npz`` (or its only array), checked against the model's input shape.
+    """The ``x`` array of an ``.npz`` (or its only array), or of an ``.npy``, checked against the model's input
+    shape (see ``read_inputs``)."""
+    with safety.open_regular(path, "--inputs") as f:
+        return read_inputs(f, path, input_shape, integer)
 
-    ``x`` is read as float32, or as int64 with ``integer`` (token ids of a language model).
+
+def read_inputs(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
+    """The inputs array of an open ``.npz`` (``x``, or its only array) or ``.npy``, checked from its header before
+    any of it is read.
+
+    ``x`` is returned as float32 ``(N, *input_shape)``, or as int64 with ``integer`` (token ids of a language
+    model).
 
     Raises:
-        InputError: unreadable file, no array, or a shape that is not ``(N, *input_shape)``.
+        InputError: not an ``.npz`` / ``.npy``, no array ``x``, an object / complex / text dtype, a header whose
+            shape does not fit the stored bytes, more than ``MAX_INPUT_BYTES``, a member compressed more than
+            ``MAX_INFLATION`` times, a shape that is not ``(N, *input_shape)``, or no sample.
     """
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(6)
+    f.seek(0)
+    if head.startswith(b"PK"):
+        x = _read_npz(f, path, input_shape)
+    elif head.startswith(b"\x93NUMPY"):
+        shape, dtype, offset = _header(f, path, "the array")
+        _check_array(path, "the array", shape, dtype, size - offset, input_shape)
+        f.seek(0)
+        x = _load(lambda: np.load(f, allow_pickle=False), path)
+    else:
+        raise InputError(f"{path}: not a readable .npz or .npy file; save the inputs with numpy.savez(path, x=x)")
+    return np.asarray(x, dtype=np.int64 if integer else np.float32)
+
+
+def _load(read, path: Path) -> np.ndarray:  # type: ignore[no-untyped-def]
     try:
-        with np.load(path, allow_pickle=False) as data:
-            key = "x" if "x" in data.files else (data.files[0] if len(data.files) == 1 else None)
-            if key is None:
-                raise InputError(f"{path}: expected an array named 'x' (found {', '.join(data.files)})")
-            x = np.asarray(data[key], dtype=np.int64 if integer else np.float32)
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+        return np.asarray(read())
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, MemoryError) as err:
         raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
-    if x.ndim < 1 or len(x) == 0:
+
+
+def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None) -> np.ndarray:
+    try:
+        with zipfile.ZipFile(f) as archive:
+            infos = {i.filename.removesuffix(".npy"): i for i in archive.infolist()}
+            key = "x" if "x" in infos else (next(iter(infos)) if len(infos) == 1 else None)
+            if key is None:
+                raise InputError(f"{path}: expected an array named 'x' (found {', '.join(list(infos)[:8])})")
+            info = infos[key]
+            if info.file_size > MAX_INFLATION * info.compress_size + _INFLATION_FLOOR:
+                raise InputError(
+                    f"{path}: array {key!r} expands from {info.compress_size} to {info.file_size} bytes, more than "
+                    f"{MAX_INFLATION} times (slabconv's limit); refused before reading it"
+                )
+            with archive.open(info) as member:
+                shape, dtype, offset = _header(member, path, f"array {key!r}")
+            _check_array(path, f"array {key!r}", shape, dtype, info.file_size - offset, input_shape)
+            with archive.open(info) as member:
+                return _load(lambda: np.lib.format.read_array(member, allow_pickle=False), path)
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
+
+
+def _header(fp: IO[bytes], path: Path, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
+    """``(shape, dtype, header bytes)`` of an ``.npy`` stream, read by numpy's header reader (no data read)."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = fmt.read_array_header_1_0(fp, max_header_size=_MAX_HEADER)
+        elif version in ((2, 0), (3, 0)):
+            shape, _, dtype = fmt.read_array_header_2_0(fp, max_header_size=_MAX_HEADER)
+        else:
+            raise ValueError(f"format version {version}")
+    except (ValueError, OSError, EOFError, TypeError, SyntaxError) as err:
+        raise InputError(f"{path}: {what} has no readable .npy header ({str(err).strip()[:120]})") from None
+    return tuple(int(s) for s in shape), dtype, int(fp.tell())  # the data starts where the header ends
+
+
+def _check_array(
+    path: Path, what: str, shape: tuple[int, ...], dtype: np.dtype, stored: int, input_shape: tuple[int, ...] | None
+) -> None:
+    """The checks on a header before its data is read (see ``read_inputs``)."""
+    if dtype.hasobject or dtype.kind not in "fiub":
+        kind = "complex" if dtype.kind == "c" else "not numbers"
+        raise InputError(
+            f"{path}: {what} has dtype {dtype} ({kind}); give real float or integer inputs (slabconv does not drop "
+            "an imaginary part)"
+        )
+    needed = math.prod(shape) * dtype.itemsize
+    if needed > MAX_INPUT_BYTES:
+        raise InputError(
+            f"{path}: {what} of shape {shape} would take {needed} bytes, over slabconv's limit of {MAX_INPUT_BYTES}; "
+            "give fewer samples"
+        )
+    if needed != stored:
+        raise InputError(
+            f"{path}: {what} declares shape {shape} ({needed} bytes) but stores {stored} bytes; the file is damaged"
+        )
+    if len(shape) < 1 or shape[0] == 0:
         raise InputError(f"{path}: the input array is empty; give at least one sample")
-    if input_shape is not None and tuple(x.shape[1:]) != tuple(input_shape):
+    if input_shape is not None and tuple(shape[1:]) != tuple(input_shape):
         wanted = ", ".join(map(str, input_shape))
-        raise InputError(f"{path}: inputs have shape {x.shape}, the model takes (N, {wanted}); give matching inputs")
-    return x
+        raise InputError(f"{path}: inputs have shape {shape}, the model takes (N, {wanted}); give matching inputs")
