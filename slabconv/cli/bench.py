@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.table import Table
 
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 from slabconv.errors import UsageError
+from slabconv.report.render import text_table
 
 
 def bench(
@@ -90,19 +89,20 @@ def bench(
             output.report(report)
             return
         title = f"bench ({report.source.arch or report.source.format if report.source else ''})"
-        table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
-        for col in ("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"):
-            table.add_column(col, overflow="fold")
-        for t in report.bench["timings"]:
-            table.add_row(
+        columns = dict.fromkeys(("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"), False)
+        columns["runtime"] = columns["variant"] = True
+        rows = [
+            [
                 t["runtime"],
                 str(t["batch"]),
                 t["variant"],
                 f"{t['median_ms']:.3f}",
                 f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
                 f"{t['throughput']:.0f}",
-            )
-        output.table(table)
+            ]
+            for t in report.bench["timings"]
+        ]
+        output.table(text_table(title, columns, rows))
         for r in report.bench["fused_over_norm_free"]:
             where = f"{r['runtime']}, batch {r['batch']}"
             line = f"fused / norm-free ({where}): {r['ratio']:.2f} (p25-p75 spread {r['low']:.2f}-{r['high']:.2f})"

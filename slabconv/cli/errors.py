@@ -1,4 +1,5 @@
-"""The one map from exception to message and exit code (0 done, 1 not equivalent, 2 bad input or usage).
+"""The one map from exception to message and exit code (0 done, 1 not equivalent, 2 bad input or usage,
+130 interrupted).
 
 Every failure a user can cause is a ``SlabconvError`` and prints exactly one line on stderr; a failed
 verification prints its report (the human table, or JSON) and then its one line; anything else is a bug, also
@@ -45,7 +46,9 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:
         output.error("interrupted; nothing was written")
-        raise typer.Exit(2) from None
+        raise typer.Exit(130) from None
+    except BrokenPipeError:
+        raise  # stdout's reader went away: the app ends quietly with 0 (``OneLineErrors``)
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, traceback with --debug
         if debug:
             traceback.print_exc()
