@@ -31,7 +31,8 @@ import torch
 from torch import fx, nn
 
 from slabconv import engine
-from slabconv.errors import InputError, VerificationError
+from slabconv.errors import InputError, UsageError, VerificationError, python_advice
+from slabconv.load.checkpoint import check_input
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report, Source
@@ -183,18 +184,56 @@ def _generation(loaded: LoadedModel, folder: Path, reference_x: Any, steps: int,
 
 # --------------------------------------------------------------------------------------------- commands
 
+_OPTION_EXAMPLES = {
+    LoadOptions: "LoadOptions(arch='deit_tiny_prepbn')",
+    VerifyOptions: "VerifyOptions(samples=128)",
+    WriteOptions: "WriteOptions(force=True)",
+}
 
+
+def _check_types(**given: tuple[Any, type]) -> None:
+    """Each option argument is None or an instance of its option class.
+
+    Raises:
+        TypeError: naming the argument, what it got and how to write it (``load={"arch": ...}`` is a dict).
+    """
+    for name, (value, cls) in given.items():
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"{name} must be a {cls.__name__} (from slabconv.options), e.g. {name}={_OPTION_EXAMPLES[cls]}; "
+                f"got {type(value).__name__}"
+            )
+
+
+def architectures() -> list[dict[str, Any]]:
+    """The registered architectures, what ``slabconv list`` prints: one dict per architecture with ``name`` (what
+    ``LoadOptions(arch=...)`` takes, case ignored), ``aliases`` (also accepted), ``family`` and ``description``.
+
+    Source: the zoo registry (``slabconv.zoo``), in registration order.
+    """
+    from slabconv.zoo import list_archs
+
+    return [
+        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description}
+        for s in list_archs()
+    ]
+
+
+@python_advice()
 def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progress = no_progress) -> Report:
     """The fold plan for a checkpoint: one entry per norm (action, layers folded into, reason). Nothing is written.
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``.
+        TypeError: ``load`` is not a ``LoadOptions``.
     """
-    loaded = load_model(path, load)
+    _check_types(load=(load, LoadOptions))
+    loaded = load_model(check_input(path), load)
     planned = plan(loaded, progress)
     return Report("inspect", source=source_of(loaded), folds=planned.decisions)
 
 
+@python_advice()
 def fuse(
     path: Path | str,
     out: Path | str | None = None,
@@ -227,9 +266,11 @@ def fuse(
         InputError, UnsupportedModelError, UsageError: bad input or options (exit code 2); nothing is written.
         NumericError: the fused model overflows its dtype (exit code 2, naming the norm); nothing is written.
         VerificationError: a check failed (exit code 1); nothing is written, the report is ``err.report``.
+        TypeError: an option argument of the wrong type (``load={"arch": ...}``: use ``LoadOptions(arch=...)``).
     """
+    _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions), write=(write, WriteOptions))
     write = write or WriteOptions()
-    source = Path(path)
+    source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
     check_output_folder(out_dir, force=write.force, inputs=inputs)
@@ -289,6 +330,7 @@ def fuse(
     return report
 
 
+@python_advice({"--force": "force=True", "--onnx": "onnx_path"})
 def export(
     path: Path | str,
     onnx_path: Path | str,
@@ -306,9 +348,13 @@ def export(
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``fuse``.
+        TypeError: ``load`` is not a ``LoadOptions``.
     """
-    source, target = Path(path), Path(onnx_path)
+    _check_types(load=(load, LoadOptions))
+    source, target = check_input(path), Path(onnx_path)
     check_output_file(target, force=force, inputs=[source], owned=written_by_slabconv)
+    if target.suffix.lower() != ".onnx":
+        raise UsageError(f"--onnx {target}: give a file name ending in .onnx, e.g. {target.with_suffix('.onnx').name}")
     loaded = load_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
@@ -330,6 +376,7 @@ def export(
     return Report("export", source=source_of(loaded), folds=decisions, outputs=outputs)
 
 
+@python_advice()
 def verify(
     reference: Path | str,
     candidate: Path | str,
@@ -351,9 +398,13 @@ def verify(
     Raises:
         InputError, UnsupportedModelError, UsageError: a side cannot be read or run, or the two sides are not the
             same model (exit code 2).
+        TypeError: ``load`` or ``verify`` of the wrong type.
     """
     from slabconv.verify import pair
 
+    _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
+    check_input(reference, folders=False)
+    check_input(candidate, folders=False)
     opts = verify or VerifyOptions()
     started = time.monotonic()
     if stream:
@@ -370,6 +421,7 @@ def verify(
     return report
 
 
+@python_advice()
 def load_fused(out_dir: Path | str) -> nn.Module:
     """The fused model a ``fuse`` output folder holds, as an ``nn.Module`` (its ``model.pt2``, read by the same
     safe loader as every input).
@@ -395,6 +447,7 @@ def load_fused(out_dir: Path | str) -> nn.Module:
     return module
 
 
+@python_advice()
 def bench(
     path: Path | str,
     *,
@@ -413,9 +466,11 @@ def bench(
     Raises:
         UsageError: a runtime this machine cannot run (``--runtime pytorch-cuda`` without CUDA).
         InputError: a folder that ``fuse`` did not write.
+        TypeError: ``load`` is not a ``LoadOptions``.
     """
     from slabconv import bench as bench_mod
 
+    _check_types(load=(load, LoadOptions))
     source, opts = Path(path), load or LoadOptions()
     if source.is_dir() and (source / "report.json").is_file():
         source, opts = bench_mod.source_of_output(source, opts)
@@ -434,6 +489,7 @@ __all__ = [
     "Report",
     "VerifyOptions",
     "WriteOptions",
+    "architectures",
     "bench",
     "export",
     "fuse",

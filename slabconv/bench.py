@@ -332,9 +332,54 @@ def ratios(timings: list[Timing], numerator: str = "fused", denominator: str = "
     return out
 
 
+PLOT_FORMATS = {"png": "Software", "svg": "Creator", "pdf": "Creator"}
+"""The image formats ``--plot`` writes, each with the metadata key that marks the file as slabconv's."""
+
+PLOT_MARK = "slabconv bench"
+
+
+def plot_written_by_slabconv(path: Path) -> bool:
+    """True when ``path`` is a chart ``plot`` wrote (its metadata names ``PLOT_MARK``)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(8 << 20)
+    except OSError:
+        return False
+    return PLOT_MARK.encode() in data
+
+
+def check_plot_path(path: Path, force: bool, inputs: list[Path]) -> None:
+    """Check before any timing that ``--plot PATH`` can be written: matplotlib is installed, the name ends in a
+    format it writes here (``PLOT_FORMATS``), the path is no folder, no input and writable, and an existing file is
+    replaced only with ``force`` and only when ``plot`` wrote it.
+
+    Raises:
+        UsageError: naming the path and what to do.
+    """
+    import importlib.util
+
+    from slabconv.write.staging import check_output_file
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib")
+    if path.is_dir() and not path.is_symlink():
+        raise UsageError(f"--plot {path} is a folder; give a file path such as {path / 'bench.png'}")
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix not in PLOT_FORMATS:
+        what = f"'.{suffix}' files" if suffix else "a name without an extension"
+        raise UsageError(f"--plot {path}: slabconv cannot write {what}; give a name ending in .png, .svg or .pdf")
+    try:
+        check_output_file(path, force=force, inputs=inputs, owned=plot_written_by_slabconv)
+    except UsageError as err:
+        raise UsageError(f"--plot {err}") from None
+
+
 def plot(timings: list[Timing], path: Path) -> None:
     """Bar chart of median latency per variant, one panel per runtime, error bars from p25 to p75 (matplotlib, Agg
     backend).
+
+    The file's metadata names ``PLOT_MARK`` (so a rerun with ``--force`` may replace it); missing folders on the
+    way are made. ``check_plot_path`` checks the path first.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
@@ -370,7 +415,9 @@ def plot(timings: list[Timing], path: Path) -> None:
         ax.set_title(runtime)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
+    fig.savefig(path, dpi=120, metadata={key: PLOT_MARK})
     plt.close(fig)
 
 

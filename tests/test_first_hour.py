@@ -4,6 +4,7 @@ terminals, options that are checked before the work, and the Python API's own sp
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -12,11 +13,16 @@ import time
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from slabconv import api
+from slabconv.cli import app
 from slabconv.cli.output import Output
 from slabconv.engine import Decision
+from slabconv.errors import InputError, UsageError, in_python
 from slabconv.report.data import Report, Source
 from slabconv.report.render import folds_table
+from slabconv.zoo import get_arch
 from tests.conftest import FIXTURE, ROOT
 
 CKPT = FIXTURE / "checkpoint.pth"
@@ -117,3 +123,163 @@ def test_the_fold_table_never_breaks_a_keyword_nor_reads_markup(width):
     text = buf.getvalue()
     assert "folded-forward" in text and "folded-backward" in text
     assert "norm1[" in text and "bold]" in text  # the name's brackets were not read as a style (folded at 60)
+
+
+# --------------------------------------------------------------------------------------------- inputs before outputs
+
+runner = CliRunner()
+
+
+def test_a_mistyped_checkpoint_is_named_before_an_existing_output(tmp_path):
+    out = tmp_path / "checkpoint-fused"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    result = runner.invoke(app, ["fuse", str(tmp_path / "checkpoint.pt"), "-o", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'checkpoint.pt'}: no such file"
+
+
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("", "is a folder without config.json and weights"),
+        (
+            str(FIXTURE / "holdout.npz"),
+            "is a numpy .npz archive (verification inputs), not a checkpoint; give it with --inputs",
+        ),
+        ("xinghaochen/SLAB", "hf download xinghaochen/SLAB --local-dir SLAB"),
+    ],
+)
+@pytest.mark.parametrize("command", ["fuse", "inspect"])
+def test_a_wrong_input_gets_one_line_saying_what_to_give(command, arg, expected):
+    result = runner.invoke(app, [command, arg])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert "internal error" not in lines[0] and "enforce fail" not in lines[0]
+
+
+def test_the_api_checks_option_types():
+    with pytest.raises(TypeError, match=r"load must be a LoadOptions .* load=LoadOptions\(arch="):
+        api.inspect(CKPT, load={"arch": "deit_prepbn"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="write must be a WriteOptions"):
+        api.fuse(CKPT, write={"force": True})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="verify must be a VerifyOptions"):
+        api.verify(CKPT, CKPT, verify={"samples": 5})  # type: ignore[arg-type]
+
+
+def test_the_api_gives_its_advice_in_python_and_the_cli_in_flags(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    with pytest.raises(UsageError) as err:
+        api.fuse(CKPT, out)
+    assert "pass WriteOptions(force=True) to replace it" in str(err.value) and "--force" not in str(err.value)
+    with pytest.raises(InputError) as err:
+        api.fuse(FIXTURE / "holdout.npz")
+    assert "give it with VerifyOptions(inputs=...)" in str(err.value)
+    result = runner.invoke(app, ["fuse", str(CKPT), "--out", str(out)])
+    assert result.exit_code == 2 and "pass --force to replace it" in result.stderr
+
+
+def test_advice_in_python_spelling():
+    assert in_python("pass --trust-pickle --input-shape 3,224,224 if you trust it") == (
+        "pass LoadOptions(trust_pickle=True) LoadOptions(input_shape=(3,224,224)) if you trust it"
+    )
+    assert in_python("pass --arch deit_tiny_prepbn, or leave --arch out (see `slabconv list`)") == (
+        "pass LoadOptions(arch='deit_tiny_prepbn'), or leave LoadOptions(arch=...) out "
+        "(see `slabconv.api.architectures()`)"
+    )
+    assert in_python("already exists; pass --force", {"--force": "force=True"}) == "already exists; pass force=True"
+
+
+def test_the_architecture_list_is_in_the_api_and_names_are_case_blind():
+    archs = api.architectures()
+    result = runner.invoke(app, ["list", "--json"])
+    assert json.loads(result.stdout) == archs
+    name = archs[0]["name"]
+    assert get_arch(name.upper()).name == name and get_arch(archs[0]["aliases"][0].swapcase()).name == name
+
+
+def _complete(words: str) -> list[str]:
+    env = {"_SLABCONV_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)}
+    result = runner.invoke(app, [], env=env, prog_name="slabconv")
+    return result.stdout.split()
+
+
+def test_arch_and_runtime_values_complete():
+    names = _complete("slabconv fuse x.pth --arch deit_t")
+    assert "deit_tiny_prepbn" in names and all(n.startswith("deit_t") for n in names)
+    assert "slab_deit_tiny" in _complete("slabconv inspect x.pth --arch slab_d")
+    # verify --runtime: see test_verify_runtime_values_complete
+    assert "pytorch,onnxruntime" in _complete("slabconv bench x.pth --runtime pytorch,onnx")
+
+
+# --------------------------------------------------------------------------------------------- outputs before work
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any work (loading, timing) fails the test: every output must be refused before it."""
+
+    def work(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the work started before the output was checked")
+
+    monkeypatch.setattr(api, "bench", work)
+    monkeypatch.setattr(api, "load_model", work)
+    monkeypatch.setattr("slabconv.verify.pair.verify_pair", work)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("plot.jpg", "--plot PLOT: slabconv cannot write '.jpg' files; give a name ending in .png, .svg or .pdf"),
+        ("plot", "--plot PLOT: slabconv cannot write a name without an extension; give a name ending in .png"),
+        ("mine.png", "--plot PLOT already exists and slabconv did not write it; choose another path"),
+        ("sub", "--plot PLOT is a folder; give a file path such as PLOT/bench.png"),
+    ],
+)
+def test_bench_plot_is_checked_before_any_timing(tmp_path, no_work, name, expected):
+    (tmp_path / "mine.png").write_bytes(b"\x89PNG not ours")
+    (tmp_path / "sub").mkdir()
+    plot = tmp_path / name
+    result = runner.invoke(app, ["bench", str(CKPT), "--runtime", "pytorch", "--plot", str(plot), "-f"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: " + expected.replace("PLOT", str(plot)))
+
+
+def test_bench_plot_replaces_its_own_chart_only_with_force(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from slabconv import bench
+    from slabconv.bench import Timing
+
+    plot = tmp_path / "new" / "folder" / "b.png"
+    bench.plot([Timing("fused", "pytorch", 1, 1.0, 0.9, 1.1, 1000.0)], plot)  # missing folders are made
+    assert bench.plot_written_by_slabconv(plot)
+    with pytest.raises(UsageError, match="already exists; pass --force to replace it"):
+        bench.check_plot_path(plot, force=False, inputs=[CKPT])
+    bench.check_plot_path(plot, force=True, inputs=[CKPT])
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["verify", str(CKPT), str(CKPT), "--junit", "DIR"],
+            "--junit DIR is a folder; give a file path such as DIR/equivalence.xml",
+        ),
+        (
+            ["verify", str(CKPT), str(CKPT), "--junit", "DIR/j.txt"],
+            "--junit DIR/j.txt: a JUnit report is XML; give a file name ending in .xml",
+        ),
+        (
+            ["export", str(CKPT), "--onnx", "DIR/model.txt"],
+            "--onnx DIR/model.txt: give a file name ending in .onnx, e.g. model.onnx",
+        ),
+    ],
+)
+def test_report_and_model_files_are_checked_before_the_work(tmp_path, no_work, args, expected):
+    args = [a.replace("DIR", str(tmp_path)) for a in args]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: " + expected.replace("DIR", str(tmp_path)))

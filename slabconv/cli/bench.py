@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -14,6 +13,14 @@ from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 from slabconv.errors import UsageError
 from slabconv.report.render import text_table
+
+
+def complete_bench_runtime(incomplete: str) -> list[str]:
+    """Shell completion of ``bench --runtime``: the runtime names, after the last comma of a list."""
+    from slabconv.bench import RUNTIMES
+
+    head, _, last = incomplete.rpartition(",")
+    return [f"{head},{name}" if head else name for name in RUNTIMES if name.startswith(last)]
 
 
 def bench(
@@ -29,11 +36,15 @@ def bench(
             "--runtime",
             help="Comma-separated: pytorch, onnxruntime (CPU); pytorch-cuda, pytorch-cuda-fp16, "
             "pytorch-cuda-graphs-fp16, onnxruntime-cuda, onnxruntime-cuda-fp16 (GPU). Default: all this machine has.",
+            autocompletion=complete_bench_runtime,
         ),
     ] = None,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed calls per variant first.")] = 5,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls per variant (interleaved).")] = 20,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart PNG (needs matplotlib).")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a bar chart: .png, .svg or .pdf (needs matplotlib).")
+    ] = None,
+    force: o.Force = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -52,11 +63,11 @@ def bench(
     Examples:
 
     \b
-      slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot bench.png
+      slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot build/bench.png -f
       slabconv bench checkpoint-fused --runtime onnxruntime --repeats 100 --json
     """
     from slabconv import api
-    from slabconv.bench import Timing, check_runtimes, default_runtimes
+    from slabconv.bench import Timing, check_plot_path, check_runtimes, default_runtimes
     from slabconv.bench import plot as draw
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
@@ -67,8 +78,8 @@ def bench(
             raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
         if not batches or min(batches) < 1:
             raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
-        if plot is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of timing
-            raise UsageError("--plot needs matplotlib: pip install matplotlib")
+        if plot is not None:  # before minutes of timing
+            check_plot_path(plot, force, [ckpt])
         runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
         check_runtimes(list(runtimes))
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import typer
 
 from slabconv.cli.output import Output
-from slabconv.errors import SlabconvError, VerificationError
+from slabconv.errors import SlabconvError, VerificationError, cli_spelling
 
 
 @contextmanager
@@ -30,7 +30,7 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
 
     debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
     try:
-        with checking_names():
+        with checking_names(), cli_spelling():
             yield
     except typer.Exit:
         raise

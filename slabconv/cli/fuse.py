@@ -18,7 +18,7 @@ def fuse(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Output folder (default: <checkpoint stem>-fused beside it).")
+        Path | None, typer.Option("--out", "-o", help="Output folder (default: <checkpoint stem>-fused beside it).")
     ] = None,
     force: o.Force = False,
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write no ONNX file.")] = False,

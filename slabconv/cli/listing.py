@@ -20,12 +20,10 @@ def list_archs(as_json: o.Json = False) -> None:
       slabconv list
       slabconv list --json
     """
-    from slabconv.zoo import list_archs as archs
+    from slabconv.api import architectures
 
     output = Output(json=as_json)
-    rows: list[dict[str, str | list[str]]] = [
-        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description} for s in archs()
-    ]
+    rows = architectures()
     if as_json:
         output.data(json.dumps(rows, indent=2) + "\n")
         return

@@ -19,9 +19,22 @@ Ckpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+def complete_arch(incomplete: str) -> list[str]:
+    """Shell completion of ``--arch``: the registered names and aliases (case ignored)."""
+    from slabconv.zoo.registry import complete_names
+
+    return complete_names(incomplete)
+
+
 Arch = Annotated[
     str | None,
-    typer.Option("--arch", help="Architecture name or alias (see `slabconv list`); detected when left out."),
+    typer.Option(
+        "--arch",
+        help="Architecture name or alias, case ignored (see `slabconv list`); detected when left out.",
+        autocompletion=complete_arch,
+    ),
 ]
 Ema = Annotated[bool, typer.Option("--ema", help="Use the EMA weights (state_dict_ema) of a training checkpoint.")]
 TrustPickle = Annotated[
@@ -99,7 +112,7 @@ Stream = Annotated[
     ),
 ]
 Force = Annotated[
-    bool, typer.Option("--force", help="Replace an existing output slabconv wrote (never anything else).")
+    bool, typer.Option("--force", "-f", help="Replace an existing output slabconv wrote (never anything else).")
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables and lines.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
