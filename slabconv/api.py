@@ -39,7 +39,7 @@ from slabconv.report.data import Outputs, Report, Source
 from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.run import Artifacts, verify_fold
-from slabconv.write.onnx import export_onnx, onnx_files, written_by_slabconv
+from slabconv.write.onnx import check_opset, export_onnx, onnx_files, written_by_slabconv
 from slabconv.write.pt2 import export_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import check_output_file, check_output_folder, staging_dir, staging_file
@@ -86,10 +86,18 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
 
     def folded(name: str) -> None:
         done.append(name)
-        progress("folding norms", len(done), total, f"decided {name}")
+        progress("folding norms", len(done), total)
 
     progress("folding norms", 0, total)
     decisions = engine.fold_all(fused, progress=folded)
+    for i, d in enumerate(decisions, 1):  # --verbose: each decision, as the fold table will show it
+        into = f" into {', '.join(d.into)}" if d.into else ""
+        progress(
+            "folding norms",
+            total,
+            total,
+            f"{d.norm} ({i}/{len(decisions)}): {d.action}{into}" + (f" ({d.reason})" if d.reason else ""),
+        )
     in_train = [d for d in decisions if d.action == engine.KEPT and d.reason == engine.reasons.TRAIN_MODE]
     if in_train:
         raise InputError(
@@ -112,6 +120,55 @@ def source_of(loaded: LoadedModel) -> Source:
         input_shape=list(loaded.input_shape),
         batch=loaded.batch,
     )
+
+
+WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+"""What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
+
+
+def write_dtype(write: WriteOptions) -> torch.dtype | None:
+    """The dtype ``write`` asks the fused model to be written in, checked before any work.
+
+    Raises:
+        UsageError: an unknown name, or ``dtype`` with ``stream`` (the streamed fold keeps the checkpoint's dtype).
+    """
+    if write.dtype is None:
+        return None
+    if write.dtype not in WRITE_DTYPES:
+        raise UsageError(f"--dtype {write.dtype}: choose float16 or bfloat16 (leave it out to keep the checkpoint's)")
+    if write.stream:
+        raise UsageError("--dtype does not stream: the streamed fold keeps the checkpoint's dtype; leave out --dtype")
+    return WRITE_DTYPES[write.dtype]
+
+
+def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
+    """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
+    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
+
+    Raises:
+        UsageError: a language model (its Hugging Face folder keeps the checkpoint's dtype).
+        NumericError: a fused tensor overflows ``dtype`` (named).
+    """
+    from slabconv.errors import NumericError
+    from slabconv.verify.policy import dtype_name
+    from slabconv.verify.reference import cast_graph, float64_fold
+
+    if _writes_hf_folder(loaded, planned):
+        raise UsageError(
+            "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
+        )
+    if dtype == loaded.dtype:
+        return planned
+    _, fused64, _ = float64_fold(planned.original, planned.example)
+    cast = cast_graph(fused64, dtype)
+    for name, tensor in engine.fused_state_dict(cast).items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NumericError(
+                f"{loaded.checkpoint.path}: the fused tensor {name} does not fit {dtype_name(dtype)} (a value beyond "
+                "its range); nothing was written: leave out --dtype, or write bfloat16"
+            )
+    example = planned.example.to(dtype) if planned.example.is_floating_point() else planned.example
+    return Planned(planned.original, cast, planned.decisions, example)
 
 
 def _writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
@@ -137,9 +194,10 @@ def write_fused(
     save_safetensors(tensors, folder / "model.safetensors", metadata)
     outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
     artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
+    artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
     if write.onnx:
         progress("exporting model.onnx")
-        outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx")
+        outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset)
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
         outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
     if write.pt2:
@@ -203,6 +261,20 @@ def _check_types(**given: tuple[Any, type]) -> None:
                 f"{name} must be a {cls.__name__} (from slabconv.options), e.g. {name}={_OPTION_EXAMPLES[cls]}; "
                 f"got {type(value).__name__}"
             )
+
+
+def _check_runtimes(verify: VerifyOptions | None, stream: bool) -> None:
+    """``VerifyOptions.runtimes`` names known, installed runtimes; a streamed run compares in PyTorch only.
+
+    Raises:
+        UsageError: as ``verify.runtimes.check_runtime_names``; a runtime other than pytorch with ``stream``.
+    """
+    from slabconv.verify.runtimes import check_runtime_names
+
+    names = verify.runtimes if verify is not None else None
+    check_runtime_names(names)
+    if stream and names and set(names) != {"pytorch"}:
+        raise UsageError("--stream compares two folders layer by layer in PyTorch; leave out --runtime or give pytorch")
 
 
 def architectures() -> list[dict[str, Any]]:
@@ -270,6 +342,8 @@ def fuse(
     """
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions), write=(write, WriteOptions))
     write = write or WriteOptions()
+    dtype = write_dtype(write)
+    check_opset(write.opset, write.dtype)
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
@@ -286,6 +360,8 @@ def fuse(
 
         require_transformers(fusing=True)  # decoder.onnx and the generation check need it: say so before writing
     faults.check_finite(loaded, planned.original, planned.fused, planned.decisions, planned.example)
+    if dtype is not None:
+        planned = cast_planned(loaded, planned, dtype)
     report = Report("fuse", source=source_of(loaded), folds=planned.decisions, out_dir=str(out_dir), mode="in-memory")
     with staging_dir(out_dir, write.force) as tmp:
         outputs, artifacts = write_fused(tmp, loaded, planned, write, progress)
@@ -303,6 +379,7 @@ def fuse(
                 rtol=verify.rtol,
                 atol=verify.atol,
                 strict=verify.strict,
+                limit=verify.samples,
                 progress=progress,
             )
             if outputs.hf_folder and verify.generate != 0:
@@ -330,7 +407,7 @@ def fuse(
     return report
 
 
-@python_advice({"--force": "force=True", "--onnx": "onnx_path"})
+@python_advice({"--force": "force=True", "--onnx": "onnx_path", "--opset": "opset="})
 def export(
     path: Path | str,
     onnx_path: Path | str,
@@ -338,19 +415,21 @@ def export(
     load: LoadOptions | None = None,
     fuse: bool = True,
     force: bool = False,
+    opset: int | None = None,
     progress: Progress = no_progress,
 ) -> Report:
     """Write one ONNX file: the fused model, or with ``fuse=False`` the original one (norms as they are).
 
     Weights over ``slabconv.write.onnx.ONNX_EXTERNAL_DATA_BYTES`` go to ``<onnx_path>.data`` beside it. The file is
     written beside the target and moved into place only when complete; ``force`` replaces only an ONNX file
-    slabconv wrote.
+    slabconv wrote. ``opset``: the ONNX opset (``slabconv.write.onnx.OPSET_RANGE``; default the exporter's).
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``fuse``.
         TypeError: ``load`` is not a ``LoadOptions``.
     """
     _check_types(load=(load, LoadOptions))
+    check_opset(opset)
     source, target = check_input(path), Path(onnx_path)
     check_output_file(target, force=force, inputs=[source], owned=written_by_slabconv)
     if target.suffix.lower() != ".onnx":
@@ -363,8 +442,9 @@ def export(
         planned = plan(loaded, progress)
         model, decisions, example = planned.fused, planned.decisions, planned.example
     progress(f"exporting {target.name}")
+    folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force) as tmp:
-        info = export_onnx(model, example, tmp / target.name)
+        info = export_onnx(model, example, tmp / target.name, opset=opset)
         files = onnx_files(tmp / target.name)
         outputs = Outputs(
             files=[f.name for f in files],
@@ -373,7 +453,7 @@ def export(
             onnx_info=info,
             sha256={f.name: sha256_file(f) for f in files},
         )
-    return Report("export", source=source_of(loaded), folds=decisions, outputs=outputs)
+    return Report("export", source=source_of(loaded), folds=folds, outputs=outputs)
 
 
 @python_advice()
@@ -403,6 +483,7 @@ def verify(
     from slabconv.verify import pair
 
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
+    _check_runtimes(verify, stream)
     check_input(reference, folders=False)
     check_input(candidate, folders=False)
     opts = verify or VerifyOptions()

@@ -43,6 +43,8 @@ class VerifyOptions:
         strict: compare fused vs original directly at the dtype's tolerance with 100% top-1 (the pair comparison).
         generate: greedy tokens to generate and compare for a language model: None for the default (32 in
             ``fuse``, none in ``verify``), 0 for none.
+        runtimes: which runtimes run the candidate for question 2 (``slabconv.verify.runtimes.RUNTIME_NAMES``:
+            ``onnxruntime``, ``pytorch``, ``openvino``); None: every one that can run it (OpenVINO only when asked).
     """
 
     inputs: Path | None = None
@@ -52,6 +54,7 @@ class VerifyOptions:
     atol: float = 0.0
     strict: bool = False
     generate: int | None = None
+    runtimes: tuple[str, ...] | None = None
 
     def sample_count(self, streamed: bool = False) -> int:
         """``samples``, else the default: 64 samples, or 2 token sequences for a streamed (layer-by-layer) run."""
@@ -67,9 +70,15 @@ class WriteOptions:
         onnx: write ``model.onnx`` (dynamic batch where the model allows it).
         pt2: write ``model.pt2`` (a ``torch.export`` program that runs without slabconv).
         stream: fold a sharded LLaMA-layout folder shard by shard in bounded memory (safetensors only).
+        dtype: ``"float16"`` or ``"bfloat16"``: write the fused model in that dtype (folded in float64, cast once,
+            verified at that dtype's tolerance); None keeps the checkpoint's dtype.
+        opset: the ONNX opset of ``model.onnx`` (``slabconv.write.onnx.OPSET_RANGE``); None: the exporter's
+            default (22 for bfloat16).
     """
 
     force: bool = False
     onnx: bool = True
     pt2: bool = True
     stream: bool = False
+    dtype: str | None = None
+    opset: int | None = None

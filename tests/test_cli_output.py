@@ -61,7 +61,8 @@ def test_export_verify_and_list_piped(tmp_path):
     result = runner.invoke(app, ["export", str(FIXTURE / "checkpoint.pth"), "--onnx", str(onnx)])
     assert result.exit_code == 0, result.output
     _plain(result)
-    assert result.stdout.splitlines()[-1] == f"wrote {onnx}"
+    assert result.stdout.splitlines()[-1] == f"wrote {onnx} (9 norms: 9 folded away, 0 kept)"
+    assert sum(line.startswith("wrote") for line in result.stdout.splitlines()) == 1
     assert "blocks.3.norm2" in result.stdout and _stages(result.stderr)[-1] == "exporting fused.onnx"
 
     result = runner.invoke(app, ["verify", str(FIXTURE / "checkpoint.pth"), str(onnx)])

@@ -283,3 +283,127 @@ def test_report_and_model_files_are_checked_before_the_work(tmp_path, no_work, a
     result = runner.invoke(app, args)
     assert result.exit_code == 2
     assert result.stderr.strip().startswith("error: " + expected.replace("DIR", str(tmp_path)))
+
+
+# --------------------------------------------------------------------------------------------- what converters offer
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["fuse", str(CKPT), "--dtype", "float8"], "--dtype float8: choose float16 or bfloat16"),
+        (["fuse", str(CKPT), "--opset", "12"], "--opset 12: slabconv writes ONNX opsets 17 to 25; choose one of them"),
+        (["fuse", str(CKPT), "--dtype", "bfloat16", "--opset", "18"], "--opset 18: a bfloat16 model needs opset 22"),
+        (["export", str(CKPT), "--onnx", "x.onnx", "--opset", "99"], "--opset 99: slabconv writes ONNX opsets 17"),
+        (
+            ["verify", str(CKPT), str(CKPT), "--runtime", "tensorrt"],
+            "--runtime tensorrt: choose from onnxruntime, pytorch, openvino",
+        ),
+        (["fuse", "x", "--stream", "--no-onnx", "--dtype", "float16"], "--dtype does not stream"),
+    ],
+)
+def test_converter_options_are_refused_before_the_work(no_work, args, expected):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().startswith("error: " + expected), result.stderr
+
+
+def test_verify_runtime_values_complete():
+    assert _complete("slabconv verify a b --runtime onnx") == ["onnxruntime"]
+    assert _complete("slabconv verify a b --runtime open") == ["openvino"]
+    assert _complete("slabconv fuse a --dtype b") == ["bfloat16"]
+
+
+def test_openvino_is_refused_with_the_install_line_when_absent(no_work, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    result = runner.invoke(app, ["verify", str(CKPT), str(CKPT), "--runtime", "openvino"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: --runtime openvino: OpenVINO is not installed; pip install openvino"
+
+
+def test_a_runtime_that_cannot_run_the_candidate_is_refused_before_the_reference(tmp_path, monkeypatch):
+    from slabconv.verify import pair
+
+    monkeypatch.setattr(pair, "_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    result = runner.invoke(app, ["verify", str(CKPT), str(CKPT), "--runtime", "onnxruntime"])
+    assert result.exit_code == 2
+    assert "--runtime onnxruntime cannot run" in result.stderr and "(runtimes that can: pytorch)" in result.stderr
+
+
+@pytest.mark.slow
+def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_verify_agrees(tmp_path):
+    import onnx
+    from safetensors import safe_open
+
+    out = tmp_path / "f16"
+    result = runner.invoke(
+        app, ["fuse", str(CKPT), "-o", str(out), "--dtype", "float16", "--opset", "21", "--samples", "24"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1].endswith(f"into {out} (float16): verification PASSED")
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {__import__("torch").float16}
+    model = onnx.load(str(out / "model.onnx"))
+    assert model.opset_import[0].version == 21
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    report = json.loads((out / "report.json").read_text())
+    v = report["verification"]
+    assert v["passed"] and "first 24 of 360 samples" in v["inputs"]
+    assert all(c["dtype"] == "float16" for c in v["checks"]), v["checks"]
+    assert any(e["name"].startswith("model.safetensors vs the float64 fold") and e["error"] == 0 for e in v["exact"])
+    # the written files, verified on their own, pass under the same policy; pytorch only, as asked
+    again = runner.invoke(app, ["verify", str(CKPT), str(out), "--runtime", "pytorch", "--samples", "24", "--json"])
+    assert again.exit_code == 0, again.output
+    checks = json.loads(again.stdout)["verification"]["checks"]
+    assert checks and all(c["name"].endswith("(fused output)") and c["dtype"] == "float16" for c in checks)
+
+
+# ------------------------------------------------------------------------------------- options that do what they say
+
+
+def test_help_of_fuse_describes_fuse_and_of_verify_describes_verify():
+    fuse_help = runner.invoke(app, ["fuse", "--help"], env={"COLUMNS": "200"}).stdout
+    verify_help = runner.invoke(app, ["verify", "--help"], env={"COLUMNS": "200"}).stdout
+    assert "verify compares" not in fuse_help and "verify: off" not in fuse_help
+    assert "fuse folds" not in verify_help and "fuse: default" not in verify_help
+    assert "-o, --out" in fuse_help.replace("--out, -o", "-o, --out") and "-f" in fuse_help
+
+
+def test_verbose_says_each_decision(monkeypatch):
+    seen: list[str] = []
+    api.inspect(CKPT, progress=lambda stage, done=None, total=None, detail=None: detail and seen.append(detail))
+    assert len(seen) == 9 and all(": folded-" in line and " into " in line for line in seen), seen
+
+
+@pytest.mark.slow
+def test_export_says_once_what_it_wrote_and_no_fuse_is_not_zero_norms(tmp_path):
+    onnx = tmp_path / "orig.onnx"
+    result = runner.invoke(app, ["export", str(CKPT), "--onnx", str(onnx), "--no-fuse"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines == [f"wrote {onnx} (the original model, not fused)"], lines
+
+
+def test_samples_with_an_npz_takes_its_first_samples_and_says_so():
+    from slabconv.load.model import load_model
+    from slabconv.verify.inputs import choose_inputs
+
+    loaded = load_model(CKPT)
+    x, label, _ = choose_inputs(loaded, None, 5, 0, limit=5)
+    assert len(x) == 5 and label.endswith("(its first 5 of 360 samples: --samples 5)")
+
+
+def test_nothing_to_fold_is_said_plainly(monkeypatch, tmp_path):
+    def fuse(path, out, **kwargs):  # noqa: ANN001, ANN003, ANN202 - the API's signature
+        return Report("fuse", source=Source(path=str(path), sha256="0", format="x"), folds=[], out_dir=str(out))
+
+    monkeypatch.setattr(api, "fuse", fuse)
+    result = runner.invoke(app, ["fuse", str(CKPT), "-o", str(tmp_path / "again"), "--no-verify"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1] == (
+        f"nothing to fold: {CKPT} has no norms (already fused?); wrote it unchanged into {tmp_path / 'again'}: "
+        "not verified (--no-verify)"
+    )

@@ -61,8 +61,6 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
                     yield f"  {d.norm}: blocked before {path['before']}: {path['reason']}"
     if report.outputs is not None and report.out_dir is not None:
         yield f"wrote {report.out_dir}/: {', '.join([*report.outputs.files, 'report.json'])}"
-    elif report.outputs is not None and report.outputs.onnx:
-        yield f"wrote {report.outputs.onnx}"
     if report.command in ("fuse", "verify"):
         yield from verification_lines(report.verification)
 

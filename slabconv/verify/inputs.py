@@ -18,9 +18,12 @@ def choose_inputs(
     samples: int,
     seed: int,
     input_shape: tuple[int, ...] | None = None,
+    limit: int | None = None,
 ) -> tuple[np.ndarray, str, str | None]:
     """The verification inputs: ``inputs`` (an ``.npz``), else ``holdout.npz`` beside the checkpoint, else
     ``samples`` seeded standard-normal samples of the model's input shape.
+
+    ``limit`` (an explicit ``--samples``) takes the first ``limit`` samples of an ``.npz``; its label says so.
 
     Returns:
         ``(x, label, sha256 of the .npz or None)``.
@@ -52,7 +55,14 @@ def choose_inputs(
     if not path.is_file():
         raise InputError(f"{path}: no such file (--inputs)")
     integer = loaded is not None and loaded.token_input
-    return load_npz_inputs(path, shape, integer=integer), str(path), sha256_file(path)
+    arrays = load_npz_inputs(path, shape, integer=integer)
+    if limit is not None and limit < len(arrays):
+        return (
+            arrays[:limit],
+            f"{path} (its first {limit} of {len(arrays)} samples: --samples {limit})",
+            sha256_file(path),
+        )
+    return arrays, str(path), sha256_file(path)
 
 
 def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
