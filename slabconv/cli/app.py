@@ -30,10 +30,10 @@ from slabconv.cli.inspect import export, inspect
 from slabconv.cli.listing import list_archs
 from slabconv.cli.verify import verify
 
-EXIT_HELP = """Exit codes: 0 done and equivalent (also when a reader closes the pipe early, as `| head` does); 1
-outputs differ beyond tolerance (verification failed, nothing written); 2 bad input, unsupported model or usage error
-(one line on stderr, nothing written; --debug shows the traceback); 130 interrupted (Ctrl-C, nothing written).
-Loading never runs code from a file unless --trust-pickle is given. Every message: docs/errors.md."""
+EXIT_HELP = """Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance (verification failed, nothing
+written); 2 bad input, unsupported model or usage error (one line on stderr, nothing written; --debug shows the
+traceback); 130 interrupted (Ctrl-C, nothing written); a reader that closes the pipe early (| head) is not an
+error: 0. Loading never runs code from a file unless --trust-pickle is given. Every message: docs/errors.md."""
 
 INTERRUPTED = "interrupted; nothing was written"
 EXIT_INTERRUPTED = 130
