@@ -26,19 +26,21 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from slabconv import engine
-from slabconv.errors import InputError, VerificationError
+from slabconv.errors import InputError, UsageError, VerificationError, python_advice
+from slabconv.load.checkpoint import check_input
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report, Source
 from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.run import Artifacts, verify_fold
-from slabconv.write.onnx import export_onnx, onnx_files, written_by_slabconv
+from slabconv.write.onnx import check_opset, export_onnx, onnx_files, written_by_slabconv
 from slabconv.write.pt2 import export_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import check_output_file, check_output_folder, staging_dir, staging_file
@@ -85,10 +87,18 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
 
     def folded(name: str) -> None:
         done.append(name)
-        progress("folding norms", len(done), total, f"decided {name}")
+        progress("folding norms", len(done), total)
 
     progress("folding norms", 0, total)
     decisions = engine.fold_all(fused, progress=folded)
+    for i, d in enumerate(decisions, 1):  # --verbose: each decision, as the fold table will show it
+        into = f" into {', '.join(d.into)}" if d.into else ""
+        progress(
+            "folding norms",
+            total,
+            total,
+            f"{d.norm} ({i}/{len(decisions)}): {d.action}{into}" + (f" ({d.reason})" if d.reason else ""),
+        )
     in_train = [d for d in decisions if d.action == engine.KEPT and d.reason == engine.reasons.TRAIN_MODE]
     if in_train:
         raise InputError(
@@ -111,6 +121,55 @@ def source_of(loaded: LoadedModel) -> Source:
         input_shape=list(loaded.input_shape),
         batch=loaded.batch,
     )
+
+
+WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+"""What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
+
+
+def write_dtype(write: WriteOptions) -> torch.dtype | None:
+    """The dtype ``write`` asks the fused model to be written in, checked before any work.
+
+    Raises:
+        UsageError: an unknown name, or ``dtype`` with ``stream`` (the streamed fold keeps the checkpoint's dtype).
+    """
+    if write.dtype is None:
+        return None
+    if write.dtype not in WRITE_DTYPES:
+        raise UsageError(f"--dtype {write.dtype}: choose float16 or bfloat16 (leave it out to keep the checkpoint's)")
+    if write.stream:
+        raise UsageError("--dtype does not stream: the streamed fold keeps the checkpoint's dtype; leave out --dtype")
+    return WRITE_DTYPES[write.dtype]
+
+
+def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
+    """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
+    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
+
+    Raises:
+        UsageError: a language model (its Hugging Face folder keeps the checkpoint's dtype).
+        NumericError: a fused tensor overflows ``dtype`` (named).
+    """
+    from slabconv.errors import NumericError
+    from slabconv.verify.policy import dtype_name
+    from slabconv.verify.reference import cast_graph, float64_fold
+
+    if _writes_hf_folder(loaded, planned):
+        raise UsageError(
+            "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
+        )
+    if dtype == loaded.dtype:
+        return planned
+    _, fused64, _ = float64_fold(planned.original, planned.example)
+    cast = cast_graph(fused64, dtype)
+    for name, tensor in engine.fused_state_dict(cast).items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NumericError(
+                f"{loaded.checkpoint.path}: the fused tensor {name} does not fit {dtype_name(dtype)} (a value beyond "
+                "its range); nothing was written: leave out --dtype, or write bfloat16"
+            )
+    example = planned.example.to(dtype) if planned.example.is_floating_point() else planned.example
+    return Planned(planned.original, cast, planned.decisions, example)
 
 
 def _writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
@@ -137,9 +196,10 @@ def write_fused(
     outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
     artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
     dynamic: list[bool] = []  # per program written: does it take any sequence length?
+    artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
     if write.onnx:
         progress("exporting model.onnx")
-        outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx")
+        outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset)
         dynamic.append(outputs.onnx_info["dynamic_sequence"])
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
         outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
@@ -180,6 +240,12 @@ def _write_hf_folder(folder: Path, loaded: LoadedModel, write: WriteOptions, pro
 
 # --------------------------------------------------------------------------------------------- commands
 
+_OPTION_EXAMPLES = {
+    LoadOptions: "LoadOptions(arch='deit_tiny_prepbn')",
+    VerifyOptions: "VerifyOptions(samples=128)",
+    WriteOptions: "WriteOptions(force=True)",
+}
+
 
 def _is_onnx(path: Path | str) -> bool:
     """An ``.onnx`` original goes to ``slabconv.onnx_in`` (the ONNX engine), everything else to ``load_model``."""
@@ -188,21 +254,67 @@ def _is_onnx(path: Path | str) -> bool:
     return is_onnx(path)
 
 
+def _check_types(**given: tuple[Any, type]) -> None:
+    """Each option argument is None or an instance of its option class.
+
+    Raises:
+        TypeError: naming the argument, what it got and how to write it (``load={"arch": ...}`` is a dict).
+    """
+    for name, (value, cls) in given.items():
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"{name} must be a {cls.__name__} (from slabconv.options), e.g. {name}={_OPTION_EXAMPLES[cls]}; "
+                f"got {type(value).__name__}"
+            )
+
+
+def _check_runtimes(verify: VerifyOptions | None, stream: bool) -> None:
+    """``VerifyOptions.runtimes`` names known, installed runtimes; a streamed run compares in PyTorch only.
+
+    Raises:
+        UsageError: as ``verify.runtimes.check_runtime_names``; a runtime other than pytorch with ``stream``.
+    """
+    from slabconv.verify.runtimes import check_runtime_names
+
+    names = verify.runtimes if verify is not None else None
+    check_runtime_names(names)
+    if stream and names and set(names) != {"pytorch"}:
+        raise UsageError("--stream compares two folders layer by layer in PyTorch; leave out --runtime or give pytorch")
+
+
+def architectures() -> list[dict[str, Any]]:
+    """The registered architectures, what ``slabconv list`` prints: one dict per architecture with ``name`` (what
+    ``LoadOptions(arch=...)`` takes, case ignored), ``aliases`` (also accepted), ``family`` and ``description``.
+
+    Source: the zoo registry (``slabconv.zoo``), in registration order.
+    """
+    from slabconv.zoo import list_archs
+
+    return [
+        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description}
+        for s in list_archs()
+    ]
+
+
+@python_advice()
 def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progress = no_progress) -> Report:
     """The fold plan for a checkpoint: one entry per norm (action, layers folded into, reason). Nothing is written.
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``.
+        TypeError: ``load`` is not a ``LoadOptions``.
     """
+    _check_types(load=(load, LoadOptions))
     if _is_onnx(path):
         from slabconv import onnx_in
 
-        return onnx_in.inspect(Path(path), load, progress)
-    loaded = load_model(path, load)
+        return onnx_in.inspect(Path(check_input(path)), load, progress)
+    loaded = load_model(check_input(path), load)
     planned = plan(loaded, progress)
     return Report("inspect", source=source_of(loaded), folds=planned.decisions)
 
 
+@python_advice()
 def fuse(
     path: Path | str,
     out: Path | str | None = None,
@@ -235,9 +347,13 @@ def fuse(
         InputError, UnsupportedModelError, UsageError: bad input or options (exit code 2); nothing is written.
         NumericError: the fused model overflows its dtype (exit code 2, naming the norm); nothing is written.
         VerificationError: a check failed (exit code 1); nothing is written, the report is ``err.report``.
+        TypeError: an option argument of the wrong type (``load={"arch": ...}``: use ``LoadOptions(arch=...)``).
     """
+    _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions), write=(write, WriteOptions))
     write = write or WriteOptions()
-    source = Path(path)
+    dtype = write_dtype(write)
+    check_opset(write.opset, write.dtype)
+    source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
     check_output_folder(out_dir, force=write.force, inputs=inputs)
@@ -257,6 +373,8 @@ def fuse(
 
         require_transformers(fusing=True)  # decoder.onnx and the generation check need it: say so before writing
     faults.check_finite(loaded, planned.original, planned.fused, planned.decisions, planned.example)
+    if dtype is not None:
+        planned = cast_planned(loaded, planned, dtype)
     report = Report("fuse", source=source_of(loaded), folds=planned.decisions, out_dir=str(out_dir), mode="in-memory")
     with staging_dir(out_dir, write.force) as tmp:
         outputs, artifacts = write_fused(tmp, loaded, planned, write, progress)
@@ -274,6 +392,7 @@ def fuse(
                 rtol=verify.rtol,
                 atol=verify.atol,
                 strict=verify.strict,
+                limit=verify.samples,
                 progress=progress,
             )
             if outputs.hf_folder and verify.generate == 0:
@@ -305,6 +424,7 @@ def fuse(
     return report
 
 
+@python_advice({"--force": "force=True", "--onnx": "onnx_path", "--opset": "opset="})
 def export(
     path: Path | str,
     onnx_path: Path | str,
@@ -312,19 +432,25 @@ def export(
     load: LoadOptions | None = None,
     fuse: bool = True,
     force: bool = False,
+    opset: int | None = None,
     progress: Progress = no_progress,
 ) -> Report:
     """Write one ONNX file: the fused model, or with ``fuse=False`` the original one (norms as they are).
 
     Weights over ``slabconv.write.onnx.ONNX_EXTERNAL_DATA_BYTES`` go to ``<onnx_path>.data`` beside it. The file is
     written beside the target and moved into place only when complete; ``force`` replaces only an ONNX file
-    slabconv wrote.
+    slabconv wrote. ``opset``: the ONNX opset (``slabconv.write.onnx.OPSET_RANGE``; default the exporter's).
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``fuse``.
+        TypeError: ``load`` is not a ``LoadOptions``.
     """
-    source, target = Path(path), Path(onnx_path)
+    _check_types(load=(load, LoadOptions))
+    check_opset(opset)
+    source, target = check_input(path), Path(onnx_path)
     check_output_file(target, force=force, inputs=[source], owned=written_by_slabconv)
+    if target.suffix.lower() != ".onnx":
+        raise UsageError(f"--onnx {target}: give a file name ending in .onnx, e.g. {target.with_suffix('.onnx').name}")
     loaded = load_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
@@ -333,8 +459,9 @@ def export(
         planned = plan(loaded, progress)
         model, decisions, example = planned.fused, planned.decisions, planned.example
     progress(f"exporting {target.name}")
+    folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force, owned=written_by_slabconv) as tmp:
-        info = export_onnx(model, example, tmp / target.name)
+        info = export_onnx(model, example, tmp / target.name, opset=opset)
         files = onnx_files(tmp / target.name)
         outputs = Outputs(
             files=[f.name for f in files],
@@ -343,9 +470,10 @@ def export(
             onnx_info=info,
             sha256={f.name: sha256_file(f) for f in files},
         )
-    return Report("export", source=source_of(loaded), folds=decisions, outputs=outputs)
+    return Report("export", source=source_of(loaded), folds=folds, outputs=outputs)
 
 
+@python_advice()
 def verify(
     reference: Path | str,
     candidate: Path | str,
@@ -367,9 +495,14 @@ def verify(
     Raises:
         InputError, UnsupportedModelError, UsageError: a side cannot be read or run, or the two sides are not the
             same model (exit code 2).
+        TypeError: ``load`` or ``verify`` of the wrong type.
     """
     from slabconv.verify import pair
 
+    _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
+    _check_runtimes(verify, stream)
+    check_input(reference, folders=False)
+    check_input(candidate, folders=False)
     opts = verify or VerifyOptions()
     started = time.monotonic()
     if stream:
@@ -386,6 +519,7 @@ def verify(
     return report
 
 
+@python_advice()
 def load_fused(out_dir: Path | str) -> nn.Module:
     """The fused model a ``fuse`` output folder holds, as an ``nn.Module`` (its ``model.pt2``, read by the same
     safe loader as every input).
@@ -414,6 +548,7 @@ def load_fused(out_dir: Path | str) -> nn.Module:
     return CheckedProgram(load_checkpoint(folder / "model.pt2").module, f"{folder / 'model.pt2'}")
 
 
+@python_advice()
 def bench(
     path: Path | str,
     *,
@@ -432,9 +567,11 @@ def bench(
     Raises:
         UsageError: a runtime this machine cannot run (``--runtime pytorch-cuda`` without CUDA).
         InputError: a folder that ``fuse`` did not write.
+        TypeError: ``load`` is not a ``LoadOptions``.
     """
     from slabconv import bench as bench_mod
 
+    _check_types(load=(load, LoadOptions))
     source, opts = Path(path), load or LoadOptions()
     if source.is_dir() and (source / "report.json").is_file():
         source, opts = bench_mod.source_of_output(source, opts)
@@ -453,6 +590,7 @@ __all__ = [
     "Report",
     "VerifyOptions",
     "WriteOptions",
+    "architectures",
     "bench",
     "export",
     "fuse",

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from torch import fx, nn
 
-from slabconv import __version__
 from slabconv.engine import capture, fold_all, norm_free
 from slabconv.errors import UsageError
 from slabconv.util import Progress, no_progress, quiet
@@ -334,9 +333,52 @@ def ratios(timings: list[Timing], numerator: str = "fused", denominator: str = "
     return out
 
 
+PLOT_FORMATS = {"png": "Software", "svg": "Creator", "pdf": "Creator"}
+"""The image formats ``--plot`` writes, each with the metadata key that marks the file as slabconv's."""
+
+PLOT_MARK = "slabconv bench"
+
+
+def plot_written_by_slabconv(path: Path) -> bool:
+    """True when ``path`` is a chart ``plot`` wrote (its metadata names ``PLOT_MARK``)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(8 << 20)
+    except OSError:
+        return False
+    return PLOT_MARK.encode() in data
+
+
+def check_plot_path(path: Path, force: bool, inputs: list[Path]) -> None:
+    """Check before any timing that ``--plot PATH`` can be written: matplotlib is installed, the name ends in a
+    format it writes here (``PLOT_FORMATS``), the path is no folder, no input and writable, and an existing file is
+    replaced only with ``force`` and only when ``plot`` wrote it.
+
+    Raises:
+        UsageError: naming the path and what to do.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib")
+    if path.is_dir() and not path.is_symlink():
+        raise UsageError(f"--plot {path} is a folder; give a file path such as {path / 'bench.png'}")
+    suffix = path.suffix.lower().removeprefix(".")
+    if suffix not in PLOT_FORMATS:
+        what = f"'.{suffix}' files" if suffix else "a name without an extension"
+        raise UsageError(f"--plot {path}: slabconv cannot write {what}; give a name ending in .png, .svg or .pdf")
+    try:
+        check_output_file(path, force=force, inputs=inputs, owned=plot_written_by_slabconv)
+    except UsageError as err:
+        raise UsageError(f"--plot {err}") from None
+
+
 def plot(timings: list[Timing], path: Path) -> None:
     """Bar chart of median latency per variant, one panel per runtime, error bars from p25 to p75 (matplotlib, Agg
     backend).
+
+    The file's metadata names ``PLOT_MARK`` (so a rerun with ``--force`` may replace it); missing folders on the
+    way are made. ``check_plot_path`` checks the path first.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
@@ -373,40 +415,11 @@ def plot(timings: list[Timing], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    metadata = {"Software": f"{PLOT_MARK} {__version__}"} if path.suffix.lower() == ".png" else None
-    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:  # as check_plot_path allows
-        fig.savefig(tmp / path.name, dpi=120, metadata=metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
+    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:  # as check_plot_path allowed
+        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
     plt.close(fig)
-
-
-PLOT_MARK = "slabconv"
-"""The start of the ``Software`` text chunk of every PNG ``plot`` writes: the mark ``--plot`` looks for before it
-replaces an existing file."""
-
-
-def plot_written_by_slabconv(path: Path) -> bool:
-    """True when ``path`` is a PNG that ``plot`` wrote: its signature, then a ``tEXt`` chunk ``Software`` whose text
-    starts with ``PLOT_MARK`` within its first 64 KiB (matplotlib writes the text chunks before the image data;
-    PNG chunk layout: the PNG specification, section 11.3.4)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64 << 10)
-    except OSError:
-        return False
-    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00" + PLOT_MARK.encode() + b" " in head
-
-
-def check_plot_path(path: Path, inputs: list[Path]) -> None:
-    """Check before the timing that ``--plot PATH`` may be written: a new file, or a PNG slabconv's ``plot`` wrote
-    (a rerun replaces its own chart, never another file).
-
-    Raises:
-        UsageError: naming the path and what is there (as ``check_output_file``).
-    """
-    try:
-        check_output_file(path, force=True, inputs=inputs, owned=plot_written_by_slabconv)
-    except UsageError as err:
-        raise UsageError(f"--plot {err}") from None
 
 
 def source_of_output(folder: Path, options: Any) -> tuple[Path, Any]:

@@ -6,8 +6,12 @@ and what to do; the CLI prints that line and exits with ``exit_code``. Anything 
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar
 
 from slabconv.text import one_line
 
@@ -76,3 +80,98 @@ def first_line(err: BaseException | None, limit: int = 200) -> str:
         return line
     ends = [m.end() for m in _SENTENCE_END.finditer(line, 0, limit)]
     return line[: ends[-1]] if ends else line
+
+
+# --------------------------------------------------------------------------------------------- advice, two spellings
+
+_CLI: ContextVar[bool] = ContextVar("slabconv_cli_spelling", default=False)
+
+PYTHON_SPELLING: dict[str, tuple[str, str]] = {
+    "--force": ("WriteOptions", "force"),
+    "--no-onnx": ("WriteOptions", "onnx"),
+    "--no-pt2": ("WriteOptions", "pt2"),
+    "--stream": ("WriteOptions", "stream"),
+    "--dtype": ("WriteOptions", "dtype"),
+    "--opset": ("WriteOptions", "opset"),
+    "--trust-pickle": ("LoadOptions", "trust_pickle"),
+    "--ema": ("LoadOptions", "ema"),
+    "--arch": ("LoadOptions", "arch"),
+    "--input-shape": ("LoadOptions", "input_shape"),
+    "--image-size": ("LoadOptions", "image_size"),
+    "--inputs": ("VerifyOptions", "inputs"),
+    "--samples": ("VerifyOptions", "samples"),
+    "--rtol": ("VerifyOptions", "rtol"),
+    "--strict": ("VerifyOptions", "strict"),
+    "--generate": ("VerifyOptions", "generate"),
+    "--runtime": ("VerifyOptions", "runtimes"),
+}
+"""Each command-line flag that messages advise, as the option object and field the Python API takes instead."""
+
+_FLAG = re.compile(
+    r"(?<![\w-])(--[a-z][a-z0-9-]*)(?: ([A-Z][A-Z_]*\b|(?:[\w./-]|,(?=\d))*[\d_./](?:[\w./-]|,(?=\d))*))?"
+)
+"""A flag, and its value when one follows (a placeholder in capitals, or a word with a digit, ``_``, ``.`` or ``/``,
+so that the English after a flag is not taken for its value)."""
+
+_BOOLEAN = {"--force": "True", "--trust-pickle": "True", "--ema": "True", "--stream": "True", "--strict": "True"}
+_BOOLEAN |= {"--no-onnx": "False", "--no-pt2": "False"}
+_QUOTED = {"--arch", "--inputs", "--dtype", "--runtime"}
+
+
+def _python_flag(match: re.Match[str], overrides: dict[str, str]) -> str:
+    flag, value = match.group(1), match.group(2)
+    if flag in overrides:
+        return overrides[flag] + (f" {value}" if value else "")
+    if flag not in PYTHON_SPELLING:
+        return match.group(0)
+    cls, field = PYTHON_SPELLING[flag]
+    if flag in _BOOLEAN:
+        return f"{cls}({field}={_BOOLEAN[flag]})" + (f" {value}" if value else "")
+    if value is None or value.isupper():  # no value, or a placeholder such as NAME
+        return f"{cls}({field}=...)"
+    if flag in _QUOTED:
+        shown = repr((value,)) if flag == "--runtime" else repr(value)
+    else:
+        shown = f"({value})" if flag == "--input-shape" else value
+    return f"{cls}({field}={shown})"
+
+
+def in_python(text: str, overrides: dict[str, str] | None = None) -> str:
+    """A message's advice in the Python API's spelling: ``pass --force`` -> ``pass WriteOptions(force=True)``,
+    ``--arch deit_tiny_prepbn`` -> ``LoadOptions(arch='deit_tiny_prepbn')``, `` `slabconv list` `` ->
+    ``slabconv.api.architectures()``. ``overrides`` spells a flag another way (``api.export`` takes ``force=True``).
+    """
+    text = text.replace("`slabconv list`", "`slabconv.api.architectures()`")
+    return _FLAG.sub(lambda m: _python_flag(m, overrides or {}), text)
+
+
+@contextmanager
+def cli_spelling() -> Iterator[None]:
+    """While active (a command-line run), messages keep their advice in flags."""
+    token = _CLI.set(True)
+    try:
+        yield
+    finally:
+        _CLI.reset(token)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def python_advice(overrides: dict[str, str] | None = None) -> Callable[[F], F]:
+    """Decorate a Python API function: outside the command line, the advice of a ``SlabconvError`` it raises is
+    spelled for Python (``in_python``); the exception keeps its type, exit code and attributes."""
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except SlabconvError as err:
+                if not _CLI.get() and err.args and isinstance(err.args[0], str):
+                    err.args = (in_python(err.args[0], overrides), *err.args[1:])
+                raise
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

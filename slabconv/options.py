@@ -43,6 +43,8 @@ class VerifyOptions:
         strict: compare fused vs original directly at the dtype's tolerance with 100% top-1 (the pair comparison).
         generate: greedy tokens to generate and compare for a language model: None for the default (32 in
             ``fuse``, none in ``verify``), 0 for none.
+        runtimes: which runtimes run the candidate for question 2 (``slabconv.verify.runtimes.RUNTIME_NAMES``:
+            ``onnxruntime``, ``pytorch``, ``openvino``); None: every one that can run it (OpenVINO only when asked).
     """
 
     inputs: Path | None = None
@@ -52,6 +54,7 @@ class VerifyOptions:
     atol: float = 0.0
     strict: bool = False
     generate: int | None = None
+    runtimes: tuple[str, ...] | None = None
 
     def fuse_steps(self) -> int:
         """Greedy tokens per prompt that ``fuse`` of a language model compares: ``generate``, else 32."""
@@ -71,9 +74,15 @@ class WriteOptions:
         onnx: write ``model.onnx`` (dynamic batch where the model allows it).
         pt2: write ``model.pt2`` (a ``torch.export`` program that runs without slabconv).
         stream: fold a sharded LLaMA-layout folder shard by shard in bounded memory (safetensors only).
+        dtype: ``"float16"`` or ``"bfloat16"``: write the fused model in that dtype (folded in float64, cast once,
+            verified at that dtype's tolerance); None keeps the checkpoint's dtype.
+        opset: the ONNX opset of ``model.onnx`` (``slabconv.write.onnx.OPSET_RANGE``); None: the exporter's
+            default (22 for bfloat16).
     """
 
     force: bool = False
     onnx: bool = True
     pt2: bool = True
     stream: bool = False
+    dtype: str | None = None
+    opset: int | None = None

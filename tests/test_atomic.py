@@ -104,7 +104,7 @@ def test_a_signal_mid_write_is_an_interruption_that_leaves_nothing(previous, sig
     _wait_for_staged_file(proc, out)
     proc.send_signal(getattr(signal, signame))
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 2
+    assert proc.returncode == 130
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert snapshot(out) == before and _staging(out) == []
 
@@ -204,7 +204,7 @@ def test_an_interrupt_while_writing_keeps_the_previous_output(previous, monkeypa
 
     monkeypatch.setattr(api, "save_safetensors", interrupted)
     result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--no-onnx"])
-    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
+    assert result.exit_code == 130 and result.stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert snapshot(out) == before and _staging(out) == []
 
 

@@ -224,7 +224,7 @@ def test_a_missing_parent_folder_is_created_and_removed_again_on_failure(
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
     monkeypatch.setattr(api, "save_safetensors", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(tmp_path / "a" / "b" / "out"), "--no-onnx"])
-    assert result.exit_code == 2 and "interrupted" in result.stderr
+    assert result.exit_code == 130 and "interrupted" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth"]
 
 

@@ -1,11 +1,13 @@
 """The ``slabconv`` Typer app: one command per module (fuse, inspect + export, verify, bench, list).
 
 Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance; 2 bad input, unsupported model or usage
-error (one line on stderr, no traceback unless ``--debug``, nothing written).
+error (one line on stderr, no traceback unless ``--debug``, nothing written); 130 interrupted (Ctrl-C, SIGTERM:
+nothing written). A closed stdout pipe (``slabconv list | head -1``) ends quietly with 0: it is not a failure.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -31,7 +33,29 @@ from slabconv.text import one_line
 
 EXIT_HELP = """Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance (verification failed, nothing
 written); 2 bad input, unsupported model or usage error (one line on stderr, nothing written; --debug shows the
-traceback). Loading never runs code from a file unless --trust-pickle is given. Every message: docs/errors.md."""
+traceback); 130 interrupted (Ctrl-C, nothing written); a reader that closes the pipe early (| head) is not an
+error: 0. Loading never runs code from a file unless --trust-pickle is given. Every message: docs/errors.md."""
+
+INTERRUPTED = "interrupted; nothing was written"
+EXIT_INTERRUPTED = 130
+"""Exit code after Ctrl-C or SIGTERM: 128 + SIGINT, the shells' convention."""
+
+
+def closed_pipe() -> None:
+    """End quietly after the reader of stdout went away (``slabconv list | head -1``): point stdout at the null
+    device so the interpreter's final flush cannot fail again, and exit 0, so ``set -o pipefail`` stays green."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - stdout without a file descriptor (a test runner)
+        pass
+    sys.exit(0)
+
+
+def interrupted() -> None:
+    """Ctrl-C outside a command body (while parsing or importing): the same line and code as inside one."""
+    sys.stderr.write(INTERRUPTED + "\n")
+    sys.exit(EXIT_INTERRUPTED)
 
 
 class OneLineErrors(TyperGroup):
@@ -42,6 +66,16 @@ class OneLineErrors(TyperGroup):
         standalone = kwargs.pop("standalone_mode", True)
         try:
             result = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[misc]
+            if standalone:
+                sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
+        except ClosedPipe:
+            if not standalone:
+                raise
+            closed_pipe()
+        except BrokenPipeError:
+            if not standalone:
+                raise
+            closed_pipe()
         except click_errors.NoArgsIsHelpError as err:
             if not standalone:
                 raise
@@ -53,9 +87,30 @@ class OneLineErrors(TyperGroup):
             where = f"slabconv {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "slabconv --help"
             sys.stderr.write(one_line(f"error: {err.format_message()} (see `{where}`)") + "\n")
             sys.exit(2)
+        except (KeyboardInterrupt, typer.Abort):
+            if not standalone:
+                raise
+            interrupted()
         if standalone and isinstance(result, int):
             sys.exit(result)
         return result
+
+    def invoke(self, ctx: Any) -> Any:
+        """Run the command. A closed stdout pipe leaves as ``ClosedPipe`` (click would turn it into exit code 1, the
+        code for "not equivalent"); Ctrl-C outside a command body prints the interrupted line and exits 130."""
+        try:
+            return super().invoke(ctx)
+        except OSError as err:
+            if err.errno == errno.EPIPE:
+                raise ClosedPipe from None
+            raise
+        except KeyboardInterrupt:
+            sys.stderr.write(INTERRUPTED + "\n")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+class ClosedPipe(Exception):
+    """stdout's reader went away (``| head``): not an error of this run."""
 
 
 class PlainUsage(TyperCommand):

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich import box
-from rich.table import Table
 
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 from slabconv.errors import UsageError
+from slabconv.report.render import text_table
+
+
+def complete_bench_runtime(incomplete: str) -> list[str]:
+    """Shell completion of ``bench --runtime``: the runtime names, after the last comma of a list."""
+    from slabconv.bench import RUNTIMES
+
+    head, _, last = incomplete.rpartition(",")
+    return [f"{head},{name}" if head else name for name in RUNTIMES if name.startswith(last)]
 
 
 def bench(
@@ -30,11 +36,15 @@ def bench(
             "--runtime",
             help="Comma-separated: pytorch, onnxruntime (CPU); pytorch-cuda, pytorch-cuda-fp16, "
             "pytorch-cuda-graphs-fp16, onnxruntime-cuda, onnxruntime-cuda-fp16 (GPU). Default: all this machine has.",
+            autocompletion=complete_bench_runtime,
         ),
     ] = None,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed calls per variant first.")] = 5,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls per variant (interleaved).")] = 20,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a bar chart PNG (needs matplotlib).")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a bar chart: .png, .svg or .pdf (needs matplotlib).")
+    ] = None,
+    force: o.Force = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -53,7 +63,7 @@ def bench(
     Examples:
 
     \b
-      slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot bench.png
+      slabconv bench fixtures/digits-prepbn/checkpoint.pth --batch 1,64 --plot build/bench.png -f
       slabconv bench checkpoint-fused --runtime onnxruntime --repeats 100 --json
     """
     from slabconv import api
@@ -68,10 +78,8 @@ def bench(
             raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
         if not batches or min(batches) < 1:
             raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
-        if plot is not None and importlib.util.find_spec("matplotlib") is None:  # before minutes of timing
-            raise UsageError("--plot needs matplotlib: pip install matplotlib")
-        if plot is not None:
-            check_plot_path(plot, [Path(ckpt)])  # a user's file is never replaced (before minutes of timing)
+        if plot is not None:  # before minutes of timing
+            check_plot_path(plot, force, [ckpt])
         runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
         check_runtimes(list(runtimes))
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
@@ -92,19 +100,20 @@ def bench(
             output.report(report)
             return
         title = f"bench ({report.source.arch or report.source.format if report.source else ''})"
-        table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
-        for col in ("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"):
-            table.add_column(col, overflow="fold")
-        for t in report.bench["timings"]:
-            table.add_row(
+        columns = dict.fromkeys(("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"), False)
+        columns["runtime"] = columns["variant"] = True
+        rows = [
+            [
                 t["runtime"],
                 str(t["batch"]),
                 t["variant"],
                 f"{t['median_ms']:.3f}",
                 f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
                 f"{t['throughput']:.0f}",
-            )
-        output.table(table)
+            ]
+            for t in report.bench["timings"]
+        ]
+        output.table(text_table(title, columns, rows))
         for r in report.bench["fused_over_norm_free"]:
             where = f"{r['runtime']}, batch {r['batch']}"
             line = f"fused / norm-free ({where}): {r['ratio']:.2f} (p25-p75 spread {r['low']:.2f}-{r['high']:.2f})"

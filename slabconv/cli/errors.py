@@ -1,4 +1,5 @@
-"""The one map from exception to message and exit code (0 done, 1 not equivalent, 2 bad input or usage).
+"""The one map from exception to message and exit code (0 done, 1 not equivalent, 2 bad input or usage,
+130 interrupted).
 
 Every failure a user can cause is a ``SlabconvError`` and prints exactly one line on stderr (every message goes
 through ``slabconv.text.one_line``: text from a file or the user cannot split it, flood it or reach the terminal
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 import typer
 
 from slabconv.cli.output import Output
-from slabconv.errors import SlabconvError, VerificationError
+from slabconv.errors import SlabconvError, VerificationError, cli_spelling
 from slabconv.text import one_line
 
 
@@ -32,7 +33,7 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
 
     debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
     try:
-        with checking_names():
+        with checking_names(), cli_spelling():
             yield
     except typer.Exit:
         raise
@@ -48,7 +49,9 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:
         output.error("interrupted; nothing was written")
-        raise typer.Exit(2) from None
+        raise typer.Exit(130) from None
+    except BrokenPipeError:
+        raise  # stdout's reader went away: the app ends quietly with 0 (``OneLineErrors``)
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, traceback with --debug
         if debug:
             traceback.print_exc()

@@ -18,11 +18,21 @@ def fuse(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
     out: Annotated[
-        Path | None, typer.Option("--out", help="Output folder (default: <checkpoint stem>-fused beside it).")
+        Path | None, typer.Option("--out", "-o", help="Output folder (default: <checkpoint stem>-fused beside it).")
     ] = None,
     force: o.Force = False,
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write no ONNX file.")] = False,
     no_pt2: Annotated[bool, typer.Option("--no-pt2", help="Write no model.pt2 (torch.export program).")] = False,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="Write the fused model in float16 or bfloat16 (folded in float64, cast once, verified at that dtype's "
+            "tolerance). Default: the checkpoint's dtype.",
+            autocompletion=lambda incomplete: [d for d in ("float16", "bfloat16") if d.startswith(incomplete)],
+        ),
+    ] = None,
+    opset: o.Opset = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification (not recommended).")] = False,
     stream: o.Stream = False,
     inputs: o.Inputs = None,
@@ -65,11 +75,20 @@ def fuse(
                 "mode; add --no-onnx"
             )
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
-        write = WriteOptions(force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream)
+        write = WriteOptions(
+            force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset
+        )
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         with output.progress() as progress:
             report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
         s = report.summary
         verdict = "verification PASSED" if report.verification is not None else "not verified (--no-verify)"
         counts = f"{s.norms} norms ({s.folded} folded away, {s.kept} kept)" if s else "the model"
-        output.report(report, f"fused {counts} into {report.out_dir}: {verdict}")
+        where = f"{report.out_dir} ({dtype})" if dtype else f"{report.out_dir}"
+        if s is not None and s.norms == 0:
+            output.report(
+                report,
+                f"nothing to fold: {ckpt} has no norms (already fused?); wrote it unchanged into {where}: {verdict}",
+            )
+            return
+        output.report(report, f"fused {counts} into {where}: {verdict}")

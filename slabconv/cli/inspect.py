@@ -51,6 +51,7 @@ def export(
     arch: o.Arch = None,
     no_fuse: Annotated[bool, typer.Option("--no-fuse", help="Export the original model, norms as they are.")] = False,
     force: o.Force = False,
+    opset: o.Opset = None,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -77,5 +78,7 @@ def export(
     with errors(output, debug):
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         with output.progress() as progress:
-            report = api.export(ckpt, onnx, load=load, fuse=not no_fuse, force=force, progress=progress)
-        output.report(report, f"wrote {onnx}")
+            report = api.export(ckpt, onnx, load=load, fuse=not no_fuse, force=force, opset=opset, progress=progress)
+        s = report.summary
+        what = f"{s.norms} norms: {s.folded} folded away, {s.kept} kept" if s else "the original model, not fused"
+        output.report(report, f"wrote {onnx} ({what})")

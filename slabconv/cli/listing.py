@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-from rich import box
-from rich.table import Table
-
 from slabconv.cli import options as o
 from slabconv.cli.output import Output
+from slabconv.report.render import text_table
 
 
 def list_archs(as_json: o.Json = False) -> None:
@@ -22,18 +20,13 @@ def list_archs(as_json: o.Json = False) -> None:
       slabconv list
       slabconv list --json
     """
-    from slabconv.zoo import list_archs as archs
+    from slabconv.api import architectures
 
     output = Output(json=as_json)
-    rows: list[dict[str, str | list[str]]] = [
-        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description} for s in archs()
-    ]
+    rows = architectures()
     if as_json:
         output.data(json.dumps(rows, indent=2) + "\n")
         return
-    table = Table(title="architectures", box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("name", "aliases", "family", "description"):
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(str(row["name"]), ", ".join(row["aliases"]), str(row["family"]), str(row["description"]))
-    output.table(table)
+    columns = {"name": False, "aliases": True, "family": False, "description": True}
+    cells = [[str(r["name"]), ", ".join(r["aliases"]), str(r["family"]), str(r["description"])] for r in rows]
+    output.table(text_table("architectures", columns, cells))

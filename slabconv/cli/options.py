@@ -19,9 +19,22 @@ Ckpt = Annotated[
         show_default=False,
     ),
 ]
+
+
+def complete_arch(incomplete: str) -> list[str]:
+    """Shell completion of ``--arch``: the registered names and aliases (case ignored)."""
+    from slabconv.zoo.registry import complete_names
+
+    return complete_names(incomplete)
+
+
 Arch = Annotated[
     str | None,
-    typer.Option("--arch", help="Architecture name or alias (see `slabconv list`); detected when left out."),
+    typer.Option(
+        "--arch",
+        help="Architecture name or alias, case ignored (see `slabconv list`); detected when left out.",
+        autocompletion=complete_arch,
+    ),
 ]
 Ema = Annotated[bool, typer.Option("--ema", help="Use the EMA weights (state_dict_ema) of a training checkpoint.")]
 TrustPickle = Annotated[
@@ -60,7 +73,8 @@ Samples = Annotated[
     typer.Option(
         "--samples",
         min=1,
-        help="Random samples when no inputs are given (default 64; 2 token sequences with --stream).",
+        help="Random samples when no inputs are given (default 64; 2 token sequences with --stream); with an .npz "
+        "(--inputs, or holdout.npz beside the checkpoint), its first N samples.",
     ),
 ]
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")]
@@ -85,21 +99,42 @@ Generate = Annotated[
     typer.Option(
         "--generate",
         min=0,
-        help="Language models: greedy tokens to generate and compare, original vs fused folder (fuse: default 32; "
-        "verify: off unless given; 0: off).",
+        help="Language models: greedy tokens to generate and compare, original vs fused folder (default 32; 0: off).",
+    ),
+]
+VerifyGenerate = Annotated[
+    int | None,
+    typer.Option(
+        "--generate",
+        min=0,
+        help="Language models: greedy tokens to generate and compare, reference vs the fused folder CANDIDATE (off "
+        "unless given).",
     ),
 ]
 Stream = Annotated[
     bool,
     typer.Option(
         "--stream",
-        help="Big LLaMA-layout folders in bounded memory: fuse folds a sharded safetensors folder shard by shard "
-        "(with --no-onnx), verify compares two folders one decoder layer at a time; both check on --samples "
-        "seeded token sequences.",
+        help="Big LLaMA-layout folders in bounded memory: fold a sharded safetensors folder shard by shard (with "
+        "--no-onnx) and check it on --samples seeded token sequences.",
+    ),
+]
+VerifyStream = Annotated[
+    bool,
+    typer.Option(
+        "--stream",
+        help="Big LLaMA-layout folders in bounded memory: compare the two folders one decoder layer at a time, on "
+        "--samples seeded token sequences.",
+    ),
+]
+Opset = Annotated[
+    int | None,
+    typer.Option(
+        "--opset", help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16)."
     ),
 ]
 Force = Annotated[
-    bool, typer.Option("--force", help="Replace an existing output slabconv wrote (never anything else).")
+    bool, typer.Option("--force", "-f", help="Replace an existing output slabconv wrote (never anything else).")
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables and lines.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
@@ -148,6 +183,14 @@ def verify_options(
     atol: float,
     strict: bool,
     generate: int | None = None,
+    runtimes: tuple[str, ...] | None = None,
 ) -> VerifyOptions:
-    """``VerifyOptions`` from the shared flags."""
-    return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate)
+    """``VerifyOptions`` from the shared flags. Unknown or missing runtimes are refused here, before any work.
+
+    Raises:
+        UsageError: as ``slabconv.verify.runtimes.check_runtime_names``.
+    """
+    from slabconv.verify.runtimes import check_runtime_names
+
+    check_runtime_names(runtimes)
+    return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate, runtimes)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from slabconv.report.data import Report
 from slabconv.report.render import folds_table, summary_lines
@@ -28,11 +29,19 @@ from slabconv.report.render import folds_table, summary_lines
 ProgressFn = Callable[..., None]
 
 
+class PipeConsole(Console):
+    """A Rich console whose closed pipe (``slabconv list | head -1``) is a ``BrokenPipeError`` for the app to end
+    quietly with 0 (Rich itself exits 1, which is this tool's code for "not equivalent")."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+
 def _console(stream: IO[str], stderr: bool) -> Console:
     if stream.isatty():
-        return Console(file=stream, stderr=stderr, soft_wrap=False)
+        return PipeConsole(file=stream, stderr=stderr, soft_wrap=False)
     # Not a terminal: no width limit, so a table never cuts a name; plain text, no colours.
-    return Console(file=stream, stderr=stderr, width=100_000, no_color=True, highlight=False, soft_wrap=True)
+    return PipeConsole(file=stream, stderr=stderr, width=100_000, no_color=True, highlight=False, soft_wrap=True)
 
 
 class Output:
@@ -120,14 +129,18 @@ class Output:
 
     @contextmanager
     def _rich_progress(self) -> Iterator[ProgressFn]:
+        """The live display: a row per stage with its status, its text (never read as Rich markup: a stage such as
+        ``onnxruntime[all-optimizations]`` keeps its brackets), a bar and the elapsed time. On a narrow terminal the
+        text wraps at spaces and the bar shrinks, so the status and the time stay. When the command fails, the
+        unfinished row is removed before the display stops, so no frozen spinner sits above the error line."""
         columns = (
             SpinnerColumn(finished_text="[green]✓"),
-            TextColumn("{task.description}"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
+            TextColumn("{task.description}", markup=False, table_column=Column(ratio=3, no_wrap=False)),
+            BarColumn(bar_width=None, table_column=Column(ratio=1, max_width=24)),
+            MofNCompleteColumn(table_column=Column(no_wrap=True)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True)),
         )
-        with Progress(*columns, console=self.err, transient=False) as bar:
+        with Progress(*columns, console=self.err, transient=False, expand=True) as bar:
             tasks: dict[str, Any] = {}
             current: list[str] = []
 
@@ -144,7 +157,13 @@ class Output:
                 if detail and self.verbose:
                     bar.console.print(f"  {detail}", markup=False, highlight=False)
 
-            yield update
+            try:
+                yield update
+            except BaseException:
+                for task in bar.tasks:
+                    if not task.finished:
+                        bar.remove_task(task.id)
+                raise
             if current:
                 task = tasks[current[-1]]
                 bar.update(task, total=bar.tasks[task].total or 1, completed=bar.tasks[task].total or 1)

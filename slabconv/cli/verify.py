@@ -12,6 +12,13 @@ from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 
 
+def complete_runtime(incomplete: str) -> list[str]:
+    """Shell completion of ``verify --runtime``."""
+    from slabconv.verify.runtimes import RUNTIME_NAMES
+
+    return [name for name in RUNTIME_NAMES if name.startswith(incomplete)]
+
+
 def verify(
     reference: Annotated[
         Path,
@@ -32,11 +39,21 @@ def verify(
     rtol: o.Rtol = None,
     atol: o.Atol = 0.0,
     strict: o.Strict = False,
-    generate: o.Generate = None,
+    generate: o.VerifyGenerate = None,
+    runtime: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--runtime",
+            help="Run the candidate in this runtime only: onnxruntime, pytorch or openvino (OpenVINO when installed; "
+            "the report names the precision it ran). Repeat it, or separate names by commas. Default: every runtime "
+            "that can run the candidate, except OpenVINO.",
+            autocompletion=complete_runtime,
+        ),
+    ] = None,
     junit: Annotated[
         Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
     ] = None,
-    stream: o.Stream = False,
+    stream: o.VerifyStream = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -60,6 +77,7 @@ def verify(
       slabconv verify checkpoint.pth checkpoint-fused --junit equivalence.xml
       slabconv verify checkpoint.pth fused.onnx --samples 256 --seed 1
       slabconv verify llama-folder llama-fused --generate 32
+      slabconv verify checkpoint.pth checkpoint-fused --runtime openvino
     """
     from slabconv import api
     from slabconv.report.junit import check_report_path, write_junit
@@ -69,7 +87,8 @@ def verify(
         if junit is not None:
             check_report_path(junit, [reference, candidate, *([inputs] if inputs else [])])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
-        check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
+        names = tuple(n.strip() for r in runtime or [] for n in r.split(",") if n.strip()) or None
+        check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names)
         with output.progress() as progress:
             report = api.verify(reference, candidate, load=load, verify=check, stream=stream, progress=progress)
         if junit is not None:

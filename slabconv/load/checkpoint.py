@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import warnings
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +106,61 @@ def _torch_load(path: Path, trust_pickle: bool = False) -> Any:
         ) from None
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""``owner/name``: how a Hugging Face Hub model id looks (``xinghaochen/SLAB``)."""
+
+
+def check_input(path: Path | str, folders: bool = True) -> Path:
+    """Cheap checks of an input path, before anything is read or any output checked: it is given, it exists (a
+    Hub id gets the download line), it is not an empty file, and not a numpy ``.npz`` (the verification inputs).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        InputError: an empty path, a missing file, an empty file or an ``.npz`` archive, naming what to give instead.
+    """
+    if str(path).strip() == "":
+        raise InputError("the checkpoint path is empty; give a checkpoint file or folder, e.g. checkpoint.pth")
+    path = Path(path)
+    if not path.exists():
+        if _HUB_ID.fullmatch(str(path)) and not path.suffix:
+            raise InputError(
+                f"{path}: no such file; it looks like a Hugging Face Hub id, and slabconv reads local files only: "
+                f"download it first (hf download {path} --local-dir {path.name}) and give the folder"
+            )
+        raise InputError(f"{path}: no such file")
+    if folders and path.is_dir():
+        from slabconv.load import hf
+        from slabconv.load.fused import is_output_folder
+
+        if not (hf.is_hf_folder(path) or is_output_folder(path)):
+            raise InputError(
+                f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
+                "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
+            )
+    if path.is_file() and path.stat().st_size == 0:
+        raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
+    if path.is_file() and _is_npz(path):
+        raise InputError(
+            f"{path}: is a numpy .npz archive (verification inputs), not a checkpoint; give it with --inputs and the "
+            "checkpoint as the first argument"
+        )
+    return path
+
+
+def _is_npz(path: Path) -> bool:
+    """A zip archive whose members are all ``.npy`` arrays (what ``numpy.savez`` writes)."""
+    if path.suffix == ".npz":
+        return True
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return bool(names) and all(name.endswith(".npy") for name in names)
+
+
 def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
     """Read a checkpoint file without executing code (unless ``trust_pickle``).
 
@@ -119,9 +176,7 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
         InputError: missing, empty or corrupt file; a pickle naming a global outside the allowlist (without
             ``trust_pickle``); no state_dict inside; ``--ema`` asked of a file without EMA weights.
     """
-    path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file")
+    path = check_input(path)
     if path.is_dir():
         from slabconv.load import hf
 
@@ -140,8 +195,7 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
             {"weights": folder.format},
             metadata=folder.metadata,
         )
-    if safety.regular_file(path, "the checkpoint").st_size == 0:
-        raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
+    safety.regular_file(path, "the checkpoint")  # a FIFO or device is refused before it is opened
     if path.suffix == ".pt2":
         return _load_program(path, trust_pickle)
     digest = sha256_file(path)

@@ -22,12 +22,15 @@ from slabconv.write.staging import check_output_file, staging_file
 
 
 def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
-    """Check before the work that ``--junit PATH`` may be written: not an input, not a folder or a link, and if it
-    exists, a JUnit report slabconv wrote (a rerun replaces its own report, never another file).
+    """Check before the work that ``--junit PATH`` may be written: not an input, not a folder or a link, a name
+    ending in ``.xml``, and if it exists, a JUnit report slabconv wrote (a rerun replaces its own report, never
+    another file).
 
     Raises:
         UsageError: naming the path and what is there.
     """
+    if path.is_dir() and not path.is_symlink():
+        raise UsageError(f"--junit {path} is a folder; give a file path such as {path / 'equivalence.xml'}")
     try:
         kind = os.stat(path).st_mode
     except OSError:
@@ -39,6 +42,10 @@ def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
         check_output_file(path, force=True, inputs=list(inputs), owned=written_by_slabconv)
     except UsageError as err:
         raise UsageError(f"--junit {err}") from None
+    if path.suffix.lower() != ".xml":
+        raise UsageError(
+            f"--junit {path}: a JUnit report is XML; give a file name ending in .xml, e.g. equivalence.xml"
+        )
 
 
 def written_by_slabconv(path: Path) -> bool:

@@ -7,31 +7,47 @@ when the output goes to a file or a CI log, so names are never cut).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from slabconv.report.data import Report
 from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
 
 
+def text_table(title: str, columns: dict[str, bool], rows: Iterable[Sequence[str]]) -> Table:
+    """A Rich table whose every cell is plain text (a name with ``[...]`` in it is shown as it is, never read as
+    Rich markup). ``columns`` maps each header to whether its cells may wrap: wrapping columns wrap at spaces (a
+    word longer than the column folds), the others (short keywords such as ``folded-forward``) never break."""
+    table = Table(title=Text(title), box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
+    for header, wraps in columns.items():
+        table.add_column(Text(header), overflow="fold", no_wrap=not wraps)
+    for row in rows:
+        table.add_row(*(Text(cell) for cell in row))
+    return table
+
+
 def folds_table(report: Report) -> Table:
-    """One row per norm: name, kind, action, the layers it folded into, and why anything was kept."""
+    """One row per norm: name, kind, action, the layers it folded into, and why anything was kept (the reason
+    column only when a norm was kept)."""
     source = report.source
     what = (source.arch or source.format) if source else ""
     if source is not None and "opset" in source.extra:  # an ONNX original: which opset and exporter
         what += f", opset {source.extra['opset']}, {source.extra.get('producer') or 'unknown producer'}"
     title = f"folds ({what})"
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
-    for col in ("norm", "kind", "action", "into", "reason"):
-        table.add_column(col, overflow="fold")
+    rows = []
     for d in report.folds or []:
         reason = d.reason or ""
         if d.kept_on:
             reason += f" (before {', '.join(d.kept_on)})"
-        table.add_row(d.norm, d.kind, d.action, ", ".join(d.into) or "-", reason)
-    return table
+        rows.append([d.norm, d.kind, d.action, ", ".join(d.into) or "-", reason])
+    columns = {"norm": True, "kind": False, "action": False, "into": True, "reason": True}
+    if not any(row[-1] for row in rows):
+        columns.pop("reason")
+        rows = [row[:-1] for row in rows]
+    return text_table(title, columns, rows)
 
 
 def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
@@ -48,8 +64,6 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
                     yield f"  {d.norm}: blocked before {path['before']}: {path['reason']}"
     if report.outputs is not None and report.out_dir is not None:
         yield f"wrote {report.out_dir}/: {', '.join([*report.outputs.files, 'report.json'])}"
-    elif report.outputs is not None and report.outputs.onnx:
-        yield f"wrote {report.outputs.onnx}"
     if report.command in ("fuse", "verify"):
         yield from verification_lines(report.verification)
 

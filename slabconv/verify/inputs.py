@@ -37,9 +37,12 @@ def choose_inputs(
     samples: int,
     seed: int,
     input_shape: tuple[int, ...] | None = None,
+    limit: int | None = None,
 ) -> tuple[np.ndarray, str, str | None]:
     """The verification inputs: ``inputs`` (an ``.npz`` or ``.npy``), else ``holdout.npz`` beside the checkpoint,
     else ``samples`` seeded standard-normal samples of the model's input shape.
+
+    ``limit`` (an explicit ``--samples``) takes the first ``limit`` samples of an ``.npz``; its label says so.
 
     Returns:
         ``(x, label, sha256 of the file or None)``.
@@ -81,6 +84,8 @@ def choose_inputs(
         raise InputError(
             f"{path}: token id {bad} is outside the model's vocabulary (0..{id_range - 1}); give ids the model knows"
         )
+    if limit is not None and limit < len(arr):
+        return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
 
 

@@ -10,6 +10,7 @@ of the reference (for an ``.onnx`` reference, when the candidate was folded from
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from slabconv.verify.runtimes import (
     RuntimeUnavailable,
     onnx_runtimes,
     run_batched,
+    select_runtimes,
     torch_runner,
     torch_runtime,
 )
@@ -161,9 +163,14 @@ def _output_tensors(folder: Path) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tuple[Reference, Verification]:
+def _reference(
+    side: Side, x: np.ndarray, label: str, digest: str | None, candidate_dtype: torch.dtype | None = None
+) -> tuple[Reference, Verification]:
     """The reference outputs: the model in its dtype and in float64 (question 1 for the graph included), or an
-    ``.onnx`` reference's own outputs and its graph evaluated in float64 (``slabconv.onnx_in.float64_reference``)."""
+    ``.onnx`` reference's own outputs and its graph evaluated in float64 (``slabconv.onnx_in.float64_reference``).
+
+    A candidate in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint) is held
+    to the error of the reference cast to that dtype (``e_orig``), as ``fuse`` holds it (``run.make_reference``)."""
     verification = Verification(inputs=label, inputs_sha256=digest)
     if side.loaded is None:
         if not side.runtimes:
@@ -188,7 +195,17 @@ def _reference(side: Side, x: np.ndarray, label: str, digest: str | None) -> tup
         )
         return Reference(x, label, digest, runtime.dtype, original, None, names), verification
     loaded = side.loaded
-    original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+    narrower = candidate_dtype is not None and candidate_dtype.itemsize < loaded.dtype.itemsize
+    if narrower and loaded.dtype.is_floating_point and candidate_dtype is not None:
+        cast = copy.deepcopy(loaded.model).to(candidate_dtype)
+        runner = torch_runner(cast, candidate_dtype, round_to=loaded.dtype)
+        verification.notes.append(
+            f"the candidate computes in {dtype_name(candidate_dtype)}, the reference in {dtype_name(loaded.dtype)}: "
+            f"the original's own error is that of the reference cast to {dtype_name(candidate_dtype)}"
+        )
+    else:
+        runner = torch_runner(loaded.model, loaded.dtype)
+    original = run_batched(runner, x, fixed_batch=loaded.batch)
     example = loaded.trace_example()
     with quiet():
         graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
@@ -235,6 +252,10 @@ def verify_pair(
         require_fused_lm_folder(candidate_path)
     progress("opening the reference and the candidate")
     ref, cand = open_side(reference_path, load), open_side(candidate_path, load)
+    if opts.runtimes:  # before any work: a runtime that cannot run the candidate is a usage error
+        onnx_file = candidate_path / "model.onnx" if is_output_folder(candidate_path) else candidate_path
+        found = onnx_file if onnx_file.suffix == ".onnx" and onnx_file.is_file() else None
+        cand.runtimes = select_runtimes(cand.runtimes, opts.runtimes, found, candidate_path)
     if ref.input_shape and cand.input_shape and tuple(ref.input_shape) != tuple(cand.input_shape):
         raise InputError(
             f"{reference_path} takes inputs of shape {ref.input_shape} but {candidate_path} takes {cand.input_shape}; "
@@ -247,14 +268,16 @@ def verify_pair(
         if rows is None:
             raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
     shape = load.input_shape or ref.input_shape or cand.input_shape
-    x, label, digest = choose_inputs(ref.loaded or cand.loaded, opts.inputs, opts.sample_count(), opts.seed, shape)
+    x, label, digest = choose_inputs(
+        ref.loaded or cand.loaded, opts.inputs, opts.sample_count(), opts.seed, shape, limit=opts.samples
+    )
     if rows is not None:
         x = np.random.default_rng(opts.seed).integers(0, rows, x.shape, dtype=np.int64)
     if token_input and not np.issubdtype(x.dtype, np.integer):
         x = x.astype(np.int64)
     _same_outputs(ref, cand, x[:1], reference_path, candidate_path)
     progress("verifying: the reference in its dtype and in float64")
-    reference, verification = _reference(ref, x, label, digest)
+    reference, verification = _reference(ref, x, label, digest, cand.loaded.dtype if cand.loaded else None)
     verification.integrity += ref.integrity + cand.integrity
     verification.notes += ref.notes + cand.notes
     fused64 = reference.fused64

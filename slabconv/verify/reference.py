@@ -62,6 +62,42 @@ def promote_to_float64(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
+def cast_graph(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of a float64 graph (``float64_fold``) that computes in ``dtype``: each floating parameter, buffer and
+    constant rounded once from float64, and every float64 dtype argument replaced by ``dtype``.
+
+    This is how ``fuse --dtype`` writes a float16 / bfloat16 model: the fold's float64 weights cast once, never
+    through the checkpoint's dtype first (double rounding would put a weight one unit off, which question 1
+    refuses).
+    """
+    out = copy.deepcopy(gm)
+
+    def cast_arg(a: Any) -> Any:
+        if a is torch.float64:
+            return dtype
+        if isinstance(a, (list, tuple)):
+            return type(a)(cast_arg(x) for x in a)
+        if isinstance(a, dict):
+            return {k: cast_arg(v) for k, v in a.items()}
+        return a
+
+    for node in out.graph.nodes:
+        node.args = cast_arg(node.args)
+        node.kwargs = cast_arg(node.kwargs)
+    for module in out.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_floating_point():
+                module._parameters[name] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_floating_point():
+                module._buffers[name] = buf.to(dtype)
+    for name, value in list(vars(out).items()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            setattr(out, name, value.to(dtype))
+    out.recompile()
+    return out
+
+
 def float64_example(example: torch.Tensor) -> torch.Tensor:
     """``example`` in float64 when it is floating (token ids stay integer)."""
     return example.double() if example.is_floating_point() else example

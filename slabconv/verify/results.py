@@ -116,7 +116,7 @@ class OutputCheck:
         if self.top1_agreement is not None:
             text += f"; top-1 {self.top1_agreement:.2%} of {self.decisive} decisive"
             text += f", {self.near_ties} near-ties not judged" if self.near_ties else ""
-        return text
+        return text + f"; ran in {self.dtype}"
 
     def _why(self) -> str:
         return {

@@ -12,6 +12,7 @@ Both follow the policy of ``slabconv.verify.policy``:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,8 +118,14 @@ def make_reference(
     inputs: Path | None,
     samples: int,
     seed: int,
+    written: torch.dtype | None = None,
+    limit: int | None = None,
 ) -> tuple[Reference, fx.GraphModule, list[Any]]:
     """The reference of ``loaded`` on the verification inputs, and its float64 fold (for question 1).
+
+    ``written``: the dtype the files were written in when it is not the checkpoint's (``fuse --dtype``). The
+    original's own error (``e_orig`` of question 2) is then that of the original model cast to ``written``: the
+    error any model in that dtype has, which the fused files are held to, as for a checkpoint saved in it.
 
     Returns:
         ``(reference, fused64, decisions64)``; ``reference.exact`` holds the float64 outputs.
@@ -126,9 +133,13 @@ def make_reference(
     Raises:
         InputError, UsageError: as ``choose_inputs``; inputs on which even float64 output is not finite.
     """
-    x, label, digest = choose_inputs(loaded, inputs, samples, seed)
+    x, label, digest = choose_inputs(loaded, inputs, samples, seed, limit=limit)
     dtype = loaded.dtype
-    original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
+    if written is not None and written != dtype:
+        cast = copy.deepcopy(loaded.model).to(written)
+        original = run_batched(torch_runner(cast, written, round_to=dtype), x, fixed_batch=loaded.batch)
+    else:
+        original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
     original64, fused64, decisions64 = float64_fold(original_graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
     name = dtype_name(dtype)
@@ -225,11 +236,14 @@ class Artifacts:
     pt2: Path | None = None
     fused_graph: nn.Module | None = None
     dynamic_sequence: bool = False
+    dtype: torch.dtype | None = None
 
 
 def artifact_runtimes(artifacts: Artifacts, dtype: torch.dtype, batch: int | None) -> tuple[list[Runtime], list[str]]:
     """The runtimes question 2 runs: onnxruntime on ``model.onnx`` (optimisations off and on), PyTorch on
-    ``model.pt2``; the fused graph in PyTorch when neither was written. Notes say what could not run."""
+    ``model.pt2``; the fused graph in PyTorch when neither was written, each in the files' dtype (``dtype`` for
+    files in the checkpoint's dtype). Notes say what could not run."""
+    dtype = artifacts.dtype or dtype
     runtimes: list[Runtime] = []
     notes: list[str] = []
     if artifacts.onnx is not None:
@@ -250,12 +264,14 @@ def artifact_runtimes(artifacts: Artifacts, dtype: torch.dtype, batch: int | Non
 
 
 def runtime_summary(runtimes: Sequence[Runtime]) -> str:
-    """The report's ``runtime``: ``onnxruntime 1.x`` and/or ``pytorch 2.x``."""
+    """The report's ``runtime``: ``onnxruntime 1.x``, ``pytorch 2.x`` and/or ``openvino 2025.x CPU (inference
+    precision bfloat16)``."""
     kinds = []
     if any(rt.label.startswith("onnxruntime") for rt in runtimes):
         kinds.append(onnxruntime_version())
     if any(rt.label.startswith("pytorch") for rt in runtimes):
         kinds.append(f"pytorch {torch.__version__}")
+    kinds += sorted({rt.label for rt in runtimes if rt.label.startswith("openvino")})
     return ", ".join(kinds)
 
 
@@ -272,9 +288,10 @@ def verify_fold(
     rtol: float | None = None,
     atol: float = 0.0,
     strict: bool = False,
+    limit: int | None = None,
     progress: Progress = no_progress,
 ) -> Verification:
-    """Both questions for what ``fuse`` wrote.
+    """Both questions for what ``fuse`` wrote (``limit``: an explicit ``--samples``, see ``choose_inputs``).
 
     Question 1: the float64 fold against the float64 original, and every tensor of ``model.safetensors`` against
     the float64 fold rounded to its dtype. Question 2: ``model.onnx`` (onnxruntime, optimisations off and on) and
@@ -285,7 +302,9 @@ def verify_fold(
         InputError, UsageError: unusable inputs (as ``make_reference``).
     """
     progress("verifying: the original model in its dtype and in float64")
-    reference, fused64, decisions64 = make_reference(loaded, original_graph, example, inputs, samples, seed)
+    reference, fused64, decisions64 = make_reference(
+        loaded, original_graph, example, inputs, samples, seed, written=artifacts.dtype, limit=limit
+    )
     verification = Verification(
         inputs=reference.label,
         inputs_sha256=reference.sha256,
@@ -305,6 +324,14 @@ def verify_fold(
         passed, detail = check_onnx_file(artifacts.onnx)
         verification.integrity.append(IntegrityCheck(f"onnx.checker[full_check] {artifacts.onnx.name}", passed, detail))
     runtimes, notes = artifact_runtimes(artifacts, loaded.dtype, loaded.batch)
+    if artifacts.dtype is not None and artifacts.dtype != loaded.dtype:
+        written = dtype_name(artifacts.dtype)
+        notes.insert(
+            0,
+            f"the files are written in {written} (--dtype): folded in float64 and cast once; question 2 judges them "
+            f"at {written}'s tolerance against the float64 reference, the original's own error being that of the "
+            f"original model cast to {written}",
+        )
     verification.notes += notes
     for runtime in runtimes:
         progress(f"verifying: question 2, {runtime.label}")

@@ -130,6 +130,109 @@ def onnx_runtimes(path: Path) -> list[Runtime]:
     return runtimes
 
 
+RUNTIME_NAMES = ("onnxruntime", "pytorch", "openvino")
+"""What ``verify --runtime`` takes (``VerifyOptions(runtimes=...)``): the runtimes that run a candidate."""
+
+OPENVINO_INSTALL = "pip install openvino"
+
+
+def runtime_kind(runtime: Runtime) -> str:
+    """``onnxruntime``, ``pytorch`` or ``openvino``: the name ``--runtime`` uses for ``runtime``."""
+    return next((name for name in RUNTIME_NAMES if runtime.label.startswith(name)), runtime.label)
+
+
+def check_runtime_names(names: tuple[str, ...] | None) -> None:
+    """Refuse, before any work, a runtime name slabconv does not know or one that is not installed.
+
+    Raises:
+        UsageError: an unknown name (the known ones listed), or ``openvino`` without the package (the install line).
+    """
+    import importlib.util
+
+    from slabconv.errors import UsageError
+
+    for name in names or ():
+        if name not in RUNTIME_NAMES:
+            raise UsageError(f"--runtime {name}: choose from {', '.join(RUNTIME_NAMES)}")
+        if name == "openvino" and importlib.util.find_spec("openvino") is None:
+            raise UsageError(f"--runtime openvino: OpenVINO is not installed; {OPENVINO_INSTALL}")
+
+
+_OV_PRECISIONS = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
+_WIDTH = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
+
+
+def openvino_runtime(path: Path, device: str = "CPU") -> Runtime:
+    """The ``.onnx`` at ``path`` compiled by OpenVINO for ``device`` with its default settings, as deployed.
+
+    OpenVINO picks its inference precision itself: on CPUs with bfloat16 (AVX-512 BF16, AMX) it runs a float32
+    model in bfloat16 (about 6e-3 away from float32). The label names the precision it ran
+    (``INFERENCE_PRECISION_HINT``), and question 2 judges it at that precision's tolerance (the lower of it and
+    the file's dtype). Source: OpenVINO's "Precision Control" guide.
+
+    Raises:
+        RuntimeUnavailable: OpenVINO cannot read or compile the file.
+    """
+    import openvino as ov
+
+    try:
+        core = ov.Core()
+        compiled = core.compile_model(str(path), device)
+        hint = compiled.get_property("INFERENCE_PRECISION_HINT")
+    except Exception as err:  # noqa: BLE001 - OpenVINO raises its own exception types
+        raise RuntimeUnavailable(f"openvino cannot run {path.name}: {first_line(err, 160)}") from None
+    ran = _OV_PRECISIONS.get(getattr(hint, "get_type_name", lambda: str(hint))(), str(hint))
+    port = compiled.inputs[0]
+    file_dtype = dtype_name(compiled.outputs[0].get_element_type().to_dtype()) if compiled.outputs else "float32"
+    dtype = min((ran, file_dtype), key=lambda d: _WIDTH.get(d, 2))
+    np_dtype = port.get_element_type().to_dtype()
+    request = compiled.create_infer_request()
+
+    def run(x: np.ndarray) -> list[np.ndarray]:
+        results = request.infer({0: x.astype(np_dtype, copy=False)})
+        return [np.asarray(results[out], dtype=np.float64) for out in compiled.outputs]
+
+    shape = port.get_partial_shape()
+    batch = shape[0].get_length() if shape.rank.is_static and shape[0].is_static else None
+    return Runtime(
+        label=f"openvino {ov.__version__} {device} (inference precision {ran})",
+        run=run,
+        dtype=dtype,
+        output_names=[out.get_any_name() for out in compiled.outputs],
+        fixed_batch=batch,
+    )
+
+
+def select_runtimes(
+    runtimes: list[Runtime], names: tuple[str, ...], onnx_path: Path | None, what: Path
+) -> list[Runtime]:
+    """The runtimes ``names`` asks for, in that order: those of ``runtimes`` of each kind, and OpenVINO on
+    ``onnx_path``.
+
+    Raises:
+        UsageError: a runtime that cannot run ``what`` (a PyTorch run of an ``.onnx``, an ONNX runtime for a
+            checkpoint without an ``.onnx``), or an OpenVINO that cannot compile it.
+    """
+    from slabconv.errors import UsageError
+
+    chosen: list[Runtime] = []
+    for name in dict.fromkeys(names):
+        if name == "openvino":
+            if onnx_path is None:
+                raise UsageError(f"--runtime openvino runs an .onnx file, and {what} has none; give the .onnx")
+            try:
+                chosen.append(openvino_runtime(onnx_path))
+            except RuntimeUnavailable as err:
+                raise UsageError(f"--runtime openvino: {err}") from None
+            continue
+        found = [rt for rt in runtimes if runtime_kind(rt) == name]
+        if not found:
+            have = ", ".join(dict.fromkeys(runtime_kind(rt) for rt in runtimes)) or "none"
+            raise UsageError(f"--runtime {name} cannot run {what} (runtimes that can: {have}); choose one of those")
+        chosen += found
+    return chosen
+
+
 def run_batched(run: Run, inputs: np.ndarray, batch: int = 16, fixed_batch: int | None = None) -> list[np.ndarray]:
     """Run ``run`` over ``inputs`` in chunks of ``batch`` samples (or exactly ``fixed_batch``, padding the last
     chunk with copies of its first sample and dropping their outputs) and stack each output over the chunks."""

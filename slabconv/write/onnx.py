@@ -34,21 +34,45 @@ def opset_for(model: torch.nn.Module) -> int | None:
     return BFLOAT16_OPSET if torch.bfloat16 in dtypes else None
 
 
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
+OPSET_RANGE = (17, 25)
+"""The opsets ``--opset`` may ask for: the dynamo exporter writes 18 and later natively and converts down to 17;
+it does not reach earlier ones (asked for 15 it writes 18), and 25 is the newest the installed exporter writes."""
+
+
+def check_opset(opset: int | None, dtype: str | None = None) -> None:
+    """Refuse, before any work, an ``--opset`` the exporter cannot write or a bfloat16 model cannot use.
+
+    Raises:
+        UsageError: naming the range (``OPSET_RANGE``), or ``BFLOAT16_OPSET`` for a bfloat16 model.
+    """
+    if opset is None:
+        return
+    low, high = OPSET_RANGE
+    if not low <= opset <= high:
+        raise UsageError(f"--opset {opset}: slabconv writes ONNX opsets {low} to {high}; choose one of them")
+    if dtype == "bfloat16" and opset < BFLOAT16_OPSET:
+        raise UsageError(
+            f"--opset {opset}: a bfloat16 model needs opset {BFLOAT16_OPSET} or later (earlier Conv and Gemm take no "
+            f"bfloat16); choose {BFLOAT16_OPSET} to {high}"
+        )
+
+
+def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int | None = None) -> dict[str, Any]:
     """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
 
     Axis 0 (batch) is dynamic when the model allows it; otherwise the batch size of ``example`` is fixed and
     the returned info says so. A graph captured with a symbolic sequence axis (a language model) keeps it: the
     input is ``(batch, sequence)``. Weights over ``ONNX_EXTERNAL_DATA_BYTES`` go to external data
     ``<path>.data`` beside ``path``. A bfloat16 model is exported at opset ``BFLOAT16_OPSET`` (a valid model that
-    passes ``onnx.checker``; onnxruntime's CPU provider has no bfloat16 kernels for it).
+    passes ``onnx.checker``; onnxruntime's CPU provider has no bfloat16 kernels for it). ``opset`` asks for
+    another opset (``check_opset`` first); the file is checked to have it.
 
     Returns:
         ``{"dynamic_batch": bool, "dynamic_sequence": bool, "opset": int, "external_data": "<name>.data" or None}``.
 
     Raises:
         UnsupportedModelError: the exporter fails both with and without a dynamic batch axis.
-        UsageError: the file cannot be written.
+        UsageError: the file cannot be written, or the exporter wrote another opset than ``opset``.
     """
     last: Exception | None = None
     for axes in axis_attempts(model):
@@ -62,7 +86,7 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> di
                     dynamic_shapes=shapes,
                     input_names=["input"],
                     output_names=["output"],
-                    opset_version=opset_for(model),
+                    opset_version=opset or opset_for(model),
                     verbose=False,
                 )
             assert program is not None
@@ -76,11 +100,16 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path) -> di
                 program.save(str(path), external_data=external)
         except OSError as err:
             raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
-        opset = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+        written = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+        if opset is not None and written != opset:
+            raise UsageError(
+                f"--opset {opset}: the ONNX exporter cannot write this model at opset {opset} (it wrote {written}); "
+                f"leave out --opset, or choose {written}"
+            )
         return {
             "dynamic_batch": bool(axes),
             "dynamic_sequence": bool(axes and 1 in axes),
-            "opset": int(opset),
+            "opset": int(written),
             "external_data": f"{path.name}.data" if external else None,
         }
     raise UnsupportedModelError(f"ONNX export failed: {first_line(last)}")

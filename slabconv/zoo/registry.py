@@ -178,16 +178,26 @@ def list_archs() -> list[ArchSpec]:
 def get_arch(name: str) -> ArchSpec:
     """The spec registered under ``name`` or one of its aliases.
 
-    Inside ``checking_names()`` the spec's ``build`` first checks the weights against the name (``check_arch``).
+    Case is ignored (``DeiT_Tiny_PRepBN`` is ``deit_tiny_prepbn``) when no name matches exactly. Inside
+    ``checking_names()`` the spec's ``build`` first checks the weights against the name (``check_arch``).
 
     Raises:
         UnsupportedModelError: unknown name (the message gives the closest registered names).
     """
     key = _ALIASES.get(name)
     if key is None:
+        key = next((spec for alias, spec in _ALIASES.items() if alias.casefold() == name.casefold()), None)
+    if key is None:
         raise UnsupportedModelError(unknown_arch_message(name))
     spec = _REGISTRY[key]
     return _checked(spec) if _CHECK_NAMES.get() else spec
+
+
+def complete_names(incomplete: str) -> list[str]:
+    """Shell completion of ``--arch``: every registered name and alias that starts with ``incomplete`` (case
+    ignored), names first."""
+    names = [*_REGISTRY, *(alias for alias in _ALIASES if alias not in _REGISTRY)]
+    return [name for name in names if name.casefold().startswith(incomplete.casefold())]
 
 
 def close_names(name: str, n: int = 3) -> list[str]:
