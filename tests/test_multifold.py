@@ -173,3 +173,38 @@ def test_fuse_of_a_program_with_a_doubly_folded_layer_passes_verification(
     tensors = [c for c in v.exact if c.method == "tensors"]
     assert tensors and all(c.error == 0.0 for c in tensors)
     assert not math.isinf(max(c.error for c in v.exact))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_an_onnx_original_with_a_doubly_folded_layer_is_rounded_once(tmp_path: Path, kind: str) -> None:
+    """The ONNX engine (an ``.onnx`` original, docs/onnx.md) composes the two folds in float64 too: the folded
+    initializers equal the hand-computed float64 composition rounded once, and question 1's float64 fold."""
+    import warnings
+
+    from slabconv.engine.onnx_graph import to_torch
+    from slabconv.onnx_in import fold_onnx
+
+    model, x = _model(kind, True, torch.float32)
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # no constant folding: the exporter would fuse bn2 into the conv itself
+        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, do_constant_folding=False)
+    folded, decisions = fold_onnx(path)
+    assert [d.action for d in decisions] == ["folded-forward", "folded-backward"]
+    fused64, _ = fold_onnx(path, as_float64=True)
+
+    def floats(m: object) -> dict[str, torch.Tensor]:
+        inits = m.graph.initializers.items()  # type: ignore[attr-defined]
+        return {k: to_torch(v.const_value.numpy()) for k, v in inits if v.const_value is not None}
+
+    got, ref = floats(folded), floats(fused64)
+    check = exact_tensors("onnx fold", got, ref, ulp_bound=0.0)
+    assert check.passed and check.error == 0.0, (check.worst, check.error)
+    exact_w, exact_b = _fold_by_hand(model)
+    weights = [t for t in got.values() if t.numel() == C * C]
+    biases = [t for t in got.values() if t.shape == (C,)]
+    assert len(weights) == 1 and len(biases) == 1
+    assert ulps(weights[0].reshape(exact_w.shape), exact_w) == 0.0
+    assert ulps(biases[0], exact_b) == 0.0
