@@ -15,7 +15,8 @@ Norms recognised (``find_norms``), by their constant operands, never by names:
 
 The affine ``s * x + t`` comes from ``slabconv.fold.repbn_affine`` (float64, Lemma 4.1 of the SLAB paper), and
 every fold from ``slabconv.fold`` (``fold_into_linear``, ``fold_into_conv``, ``fold_into_producer``,
-``fold_into_embedding``); the result is cast back to each initializer's dtype.
+``fold_into_embedding``) in float64; an initializer that several norms fold into gets their composition in float64,
+cast back to its dtype once.
 
 What the walks pass (``PASS``) and what stops them (``BLOCK``) mirror the ATen rules of
 ``slabconv.engine.rules``: ``tests/test_onnx_in.py`` holds the two tables to each other. Consumers: ``MatMul``
@@ -156,6 +157,8 @@ def to_numpy(tensor: torch.Tensor, like: np.ndarray) -> np.ndarray:
     """``tensor`` as a numpy array of ``like``'s dtype (bfloat16 through its bits)."""
     if like.dtype.name == "bfloat16":
         return tensor.to(torch.bfloat16).view(torch.uint16).numpy().view(like.dtype).reshape(like.shape)
+    if tensor.is_floating_point() and like.dtype.kind == "f":  # round as torch does (question 1 rounds with torch)
+        tensor = tensor.to(torch.from_numpy(np.empty(0, dtype=like.dtype)).dtype)
     return tensor.detach().numpy().astype(like.dtype, copy=False)
 
 
@@ -634,22 +637,44 @@ def _producer_layer(node: ir.Node, axis: int, shapes: Shapes, out: ir.Value) -> 
 
 
 class _Writes:
-    """The new values of initializers, staged so that a refused fold (dtype overflow) changes nothing."""
+    """The new values of initializers, staged so that a refused fold (dtype overflow) changes nothing.
 
-    def __init__(self) -> None:
-        self.values: dict[int, tuple[ir.Value, np.ndarray]] = {}
-        self.new_biases: list[tuple[Layer, np.ndarray]] = []
+    Values are float64 torch tensors: ``shadow`` (shared by every norm of the graph, keyed by ``id`` of the
+    ``ir.Value``) holds each initializer that an earlier fold changed, unrounded, so a layer that absorbs several
+    norms gets their composition in float64 rounded once to its dtype (issue 22), as question 1's float64 fold.
+    """
 
-    def get(self, value: ir.Value) -> np.ndarray:
+    def __init__(self, shadow: dict[int, tuple[ir.Value, torch.Tensor]] | None = None) -> None:
+        self.shadow = {} if shadow is None else shadow
+        self.values: dict[int, tuple[ir.Value, torch.Tensor, np.ndarray]] = {}  # value, float64, dtype template
+        self.new_biases: list[tuple[Layer, torch.Tensor, np.ndarray]] = []
+
+    def like(self, value: ir.Value) -> np.ndarray:
+        """The stored array of ``value`` (its dtype and shape are what a new value is rounded to)."""
+        return const(value)  # type: ignore[return-value]
+
+    def get(self, value: ir.Value) -> torch.Tensor:
+        """``value`` in float64: staged, else its shadow, else the stored array promoted (exactly)."""
         staged = self.values.get(id(value))
-        return staged[1] if staged is not None else const(value)  # type: ignore[return-value]
+        if staged is not None:
+            return staged[1]
+        shadowed = self.shadow.get(id(value))
+        if shadowed is not None and shadowed[0] is value:
+            return shadowed[1]
+        return to_torch(self.like(value)).to(torch.float64)
 
-    def set(self, value: ir.Value, array: np.ndarray) -> None:
-        self.values[id(value)] = (value, array)
+    def set(self, value: ir.Value, tensor: torch.Tensor) -> None:
+        staged = self.values.get(id(value))
+        self.values[id(value)] = (value, tensor, staged[2] if staged is not None else self.like(value))
+
+    def rounded(self) -> list[np.ndarray]:
+        return [to_numpy(t, like) for _, t, like in self.values.values()] + [
+            to_numpy(t, like) for _, t, like in self.new_biases
+        ]
 
     def finite(self) -> bool:
-        arrays = [a for _, a in self.values.values()] + [a for _, a in self.new_biases]
-        return all(bool(np.isfinite(np.asarray(a, dtype=np.float64)).all()) for a in arrays)
+        """True when every staged value is finite once rounded to its dtype."""
+        return all(bool(np.isfinite(np.asarray(a, dtype=np.float64)).all()) for a in self.rounded())
 
 
 def _bias_like(w: np.ndarray, size: int) -> np.ndarray:
@@ -657,42 +682,40 @@ def _bias_like(w: np.ndarray, size: int) -> np.ndarray:
 
 
 def _fold_forward(layer: Layer, scale: torch.Tensor, shift: torch.Tensor, writes: _Writes) -> None:
-    """``W diag(s)``, ``b + W t`` on the layer's input channels (``fold_into_linear`` / ``fold_into_conv``)."""
+    """``W diag(s)``, ``b + W t`` on the layer's input channels (``fold_into_linear`` / ``fold_into_conv``), in
+    float64."""
     op, w = layer.node.op_type, writes.get(layer.weight)
-    bias = writes.get(layer.bias) if layer.bias is not None else None
-    b = None if bias is None else to_torch(bias)
+    b = writes.get(layer.bias) if layer.bias is not None else None
     if op == "Conv":
         groups = int(attr(layer.node, "group", 1))
-        new_w, new_b = fold.fold_into_conv(to_torch(w), b, scale, shift, groups)
-        writes.set(layer.weight, to_numpy(new_w, w))
+        new_w, new_b = fold.fold_into_conv(w, b, scale, shift, groups)
+        writes.set(layer.weight, new_w)
     else:
         transposed = op == "MatMul" or not attr(layer.node, "transB", 0)  # stored (in, out)
-        wt = to_torch(w).T if transposed else to_torch(w)
-        new_w, new_b = fold.fold_into_linear(wt, b, scale, shift)
-        writes.set(layer.weight, to_numpy(new_w.T if transposed else new_w, w))
-    _store_bias(layer, new_b, w, writes)
+        new_w, new_b = fold.fold_into_linear(w.T if transposed else w, b, scale, shift)
+        writes.set(layer.weight, new_w.T if transposed else new_w)
+    _store_bias(layer, new_b, writes)
 
 
 def _fold_backward(layer: Layer, scale: torch.Tensor, shift: torch.Tensor, writes: _Writes) -> None:
-    """``diag(s) W``, ``s b + t`` on the layer's output channels (``fold_into_producer`` / ``fold_into_embedding``)."""
+    """``diag(s) W``, ``s b + t`` on the layer's output channels (``fold_into_producer`` / ``fold_into_embedding``),
+    in float64."""
     op, w = layer.node.op_type, writes.get(layer.weight)
     if op == "Gather":
-        writes.set(layer.weight, to_numpy(fold.fold_into_embedding(to_torch(w), scale, shift), w))
+        writes.set(layer.weight, fold.fold_into_embedding(w, scale, shift))
         return
-    bias = writes.get(layer.bias) if layer.bias is not None else None
-    b = None if bias is None else to_torch(bias)
+    b = writes.get(layer.bias) if layer.bias is not None else None
     transposed = op == "MatMul" or (op == "Gemm" and not attr(layer.node, "transB", 0))
-    wt = to_torch(w).T if transposed else to_torch(w)
-    new_w, new_b = fold.fold_into_producer(wt, b, scale, shift)
-    writes.set(layer.weight, to_numpy(new_w.T if transposed else new_w, w))
-    _store_bias(layer, new_b, w, writes)
+    new_w, new_b = fold.fold_into_producer(w.T if transposed else w, b, scale, shift)
+    writes.set(layer.weight, new_w.T if transposed else new_w)
+    _store_bias(layer, new_b, writes)
 
 
-def _store_bias(layer: Layer, new_b: torch.Tensor, w: np.ndarray, writes: _Writes) -> None:
+def _store_bias(layer: Layer, new_b: torch.Tensor, writes: _Writes) -> None:
     if layer.bias is not None:
-        writes.set(layer.bias, to_numpy(new_b, writes.get(layer.bias)))
+        writes.set(layer.bias, new_b)
     else:
-        writes.new_biases.append((layer, to_numpy(new_b, _bias_like(w, new_b.numel()))))
+        writes.new_biases.append((layer, new_b, _bias_like(writes.like(layer.weight), new_b.numel())))
 
 
 def _commit(writes: _Writes, graph: ir.Graph) -> dict[int, ir.Value]:
@@ -702,14 +725,17 @@ def _commit(writes: _Writes, graph: ir.Graph) -> dict[int, ir.Value]:
         For each MatMul that got a bias ``Add``, ``id(its output) -> the Add's output`` (what now carries it).
     """
     moved: dict[int, ir.Value] = {}
-    for value, array in writes.values.values():
-        value.const_value = ir.tensor(array, name=value.name)
-    for layer, array in writes.new_biases:
+    for value, value64, like in writes.values.values():
+        value.const_value = ir.tensor(to_numpy(value64, like), name=value.name)
+        writes.shadow[id(value)] = (value, value64)
+    for layer, bias64, like in writes.new_biases:
+        array = to_numpy(bias64, like)
         base = layer.node.name or layer.weight.name or "layer"
         name = _unique(graph, f"{base}.folded_bias")
         tensor = ir.tensor(array, name=name)
         bias = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
         graph.register_initializer(bias)
+        writes.shadow[id(bias)] = (bias, bias64)
         if layer.node.op_type in ("Gemm", "Conv"):
             layer.node.resize_inputs(3)
             layer.node.replace_input_with(2, bias)
@@ -827,16 +853,19 @@ def fold_graph(model: ir.Model, shapes: Shapes, progress: Callable[[str], None] 
     """
     graph = model.graph
     decisions = []
+    shadow: dict[int, tuple[ir.Value, torch.Tensor]] = {}  # initializers already folded, in float64
     for norm in find_norms(graph, shapes):
-        decisions.append(_decide(norm, graph, shapes))
+        decisions.append(_decide(norm, graph, shapes, shadow))
         progress(norm.name)
     return decisions
 
 
-def _decide(norm: OnnxNorm, graph: ir.Graph, shapes: Shapes) -> Decision:
+def _decide(
+    norm: OnnxNorm, graph: ir.Graph, shapes: Shapes, shadow: dict[int, tuple[ir.Value, torch.Tensor]]
+) -> Decision:
     walk = walk_forward(norm.output, norm.axis, shapes)
     paths = [{"before": where, "reason": why} for where, why in walk.blocked]
-    writes = _Writes()
+    writes = _Writes(shadow)
     if not walk.blocked and walk.layers:
         for layer in walk.layers:
             _fold_forward(layer, norm.scale, norm.shift, writes)

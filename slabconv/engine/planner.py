@@ -19,6 +19,12 @@ For each norm, in order of preference:
 Norms are planned in graph order, each on the graph as the earlier plans will leave it: ``_Weights`` holds the
 pending values of stored tensors (a layer may absorb one norm forward and another backward) and the names of
 biases to be created; ``VirtualGraph`` makes a folded norm's output stand for its input (two norms in a row).
+
+Every fold a tensor receives is composed in float64 and rounded to the tensor's dtype once: ``_Weights`` keeps a
+float64 shadow of each tensor a plan updates (the stored tensor promoted once, exactly), each later fold starts
+from that shadow, and a ``TensorUpdate`` / ``NewBias`` carries the float64 value with the dtype it is stored in
+(``stored()`` rounds it). A layer that absorbs two norms is thus ``round(fold2(fold1(W)))``, what question 1's
+float64 fold (``slabconv.verify.reference``) rounds, not ``round(fold2(round(fold1(W))))`` (issue 22).
 """
 
 from __future__ import annotations
@@ -87,20 +93,37 @@ class Decision:
 
 @dataclass(frozen=True)
 class TensorUpdate:
-    """Store ``value`` at the dotted ``target`` (an existing weight or bias, or one an earlier plan creates)."""
+    """Store ``value`` at the dotted ``target`` (an existing weight or bias, or one an earlier plan creates).
+
+    Attributes:
+        target: the dotted name of the stored tensor.
+        value: the tensor's new value in float64, every fold it received so far composed without rounding.
+        dtype: the dtype it is stored in (the original tensor's).
+    """
 
     target: str
     value: torch.Tensor
+    dtype: torch.dtype
+
+    def stored(self) -> torch.Tensor:
+        """``value`` rounded once to ``dtype`` (same shape and device), contiguous."""
+        return self.value.to(self.dtype).contiguous()
 
 
 @dataclass(frozen=True)
 class NewBias:
-    """Give ``layer`` (of kind ``kind``, without a bias) the bias ``value``, stored at ``target``."""
+    """Give ``layer`` (of kind ``kind``, without a bias) the bias ``value`` (float64 ``(out,)``), stored at
+    ``target`` in ``dtype`` (the layer weight's)."""
 
     layer: fx.Node
     kind: LayerKind
     target: str
     value: torch.Tensor
+    dtype: torch.dtype
+
+    def stored(self) -> torch.Tensor:
+        """``value`` rounded once to ``dtype``, contiguous."""
+        return self.value.to(self.dtype).contiguous()
 
 
 @dataclass
@@ -212,17 +235,26 @@ def _check_stats(site: NormSite) -> None:
 
 
 class _Weights:
-    """Stored tensors as the plans so far leave them: pending values, biases to be created, names taken."""
+    """Stored tensors as the plans so far leave them: pending values (float64 shadows, with the dtype each is
+    stored in), biases to be created, names taken."""
 
     def __init__(self, gm: fx.GraphModule):
         self.gm = gm
-        self.values: dict[str, torch.Tensor] = {}
+        self.values: dict[str, torch.Tensor] = {}  # target -> float64 shadow, every fold so far unrounded
+        self.dtypes: dict[str, torch.dtype] = {}  # target -> the dtype it is stored in
         self.created: dict[fx.Node, str] = {}  # layer -> the target of the bias a plan creates for it
         self.taken = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         self.taken |= set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
 
     def value(self, target: str) -> torch.Tensor:
-        return self.values[target] if target in self.values else stored(self.gm, target)
+        """The tensor at ``target`` in float64: its pending shadow, or the stored tensor promoted (exactly)."""
+        if target in self.values:
+            return self.values[target]
+        return stored(self.gm, target).detach().to(torch.float64)
+
+    def dtype(self, target: str) -> torch.dtype:
+        """The dtype the tensor at ``target`` is stored in."""
+        return self.dtypes[target] if target in self.dtypes else stored(self.gm, target).dtype
 
     def bias(self, layer: fx.Node, kind: LayerKind) -> tuple[str | None, torch.Tensor | None]:
         """The target and current value of a layer's bias, ``(None, None)`` when it has none yet."""
@@ -248,10 +280,10 @@ class _Weights:
                 target, i = f"{stem}_{i}", i + 1
             self.taken.add(target)
             self.created[nb.layer] = target
-            self.values[target] = nb.value
+            self.values[target], self.dtypes[target] = nb.value, nb.dtype
             named.append(replace(nb, target=target))
         for u in p.updates:
-            self.values[u.target] = u.value
+            self.values[u.target], self.dtypes[u.target] = u.value, u.dtype
         return replace(p, new_biases=named)
 
 
@@ -263,7 +295,8 @@ class _Fold:
     new_biases: list[NewBias]
 
     def fits(self) -> bool:
-        return fold.fits_dtype(*(u.value for u in self.updates), *(b.value for b in self.new_biases))
+        """True when every new value is finite once rounded to the dtype it is stored in."""
+        return fold.fits_dtype(*(u.stored() for u in self.updates), *(b.stored() for b in self.new_biases))
 
 
 def _fold(
@@ -276,21 +309,27 @@ def _fold(
     shifts: bool = True,
 ) -> _Fold:
     """The new weight and bias of ``layer`` after a forward or backward fold of ``(s, t)`` (``slabconv.fold``).
-    ``shifts=False``: the norm has no shift at all (a LayerScale); a layer without bias then stays without."""
+    ``shifts=False``: the norm has no shift at all (a LayerScale); a layer without bias then stays without.
+
+    The fold reads the float64 shadows of the weight and bias (``_Weights.value``), so its results are float64
+    (``slabconv.fold`` returns the dtype of the weight it is given): an earlier fold into the same layer is
+    composed with this one unrounded. A created bias is stored in the weight's dtype."""
     w_node = kind.weight(layer)
     assert w_node is not None
     w_target = str(w_node.target)
+    w_dtype = weights.dtype(w_target)
     b_target, b = weights.bias(layer, kind)
     fn = kind.fold_forward if forward else kind.fold_backward
     new_w, new_b = fn(layer, weights.value(w_target), b, s, t)
+    w_update = TensorUpdate(w_target, new_w, w_dtype)
     if new_b is None or (b_target is None and not shifts):
         # no bias to write: the shift is in the weight (an embedding's rows), or a pure scale (LayerScale) on a
         # layer without bias creates no zero bias
-        return _Fold([TensorUpdate(w_target, new_w)], [])
+        return _Fold([w_update], [])
     if b_target is None:
         wanted = f"{w_target.removesuffix('.weight')}.bias"
-        return _Fold([TensorUpdate(w_target, new_w)], [NewBias(layer, kind, wanted, new_b)])
-    return _Fold([TensorUpdate(w_target, new_w), TensorUpdate(b_target, new_b)], [])
+        return _Fold([w_update], [NewBias(layer, kind, wanted, new_b, w_dtype)])
+    return _Fold([w_update, TensorUpdate(b_target, new_b, weights.dtype(b_target))], [])
 
 
 def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:

@@ -107,13 +107,18 @@ def _affine(gm: fx.GraphModule, p: NormPlan, edge: BlockedEdge, base: fx.Node) -
 
 
 def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
-    """Rewrite ``gm`` for one norm's plan (nothing for ``kept``)."""
+    """Rewrite ``gm`` for one norm's plan (nothing for ``kept``).
+
+    Each updated tensor is written as its plan's float64 value rounded once to its dtype
+    (``TensorUpdate.stored``). A tensor that several plans update is rewritten by each, but every value already
+    composes all the folds before it in float64 (``slabconv.engine.planner._Weights``): the last write is the
+    whole composition rounded once, never a rounding of a rounded value."""
     if not p.remove:
         return
     for u in p.updates:
-        set_tensor(gm, u.target, u.value)
+        set_tensor(gm, u.target, u.stored())
     for nb in p.new_biases:
-        nb.kind.attach_bias(nb.layer, new_attr(gm, nb.target, nb.value))
+        nb.kind.attach_bias(nb.layer, new_attr(gm, nb.target, nb.stored()))
     base = p.site.current_input()
     _insert_affines(gm, p, base)
     p.site.output.replace_all_uses_with(base)
