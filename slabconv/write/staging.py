@@ -424,11 +424,15 @@ def _make_staging(final: Path) -> Path:
             break
         except FileExistsError:
             continue
-    marker = {"slabconv": "staging", "for": final.name, "pid": os.getpid(), "token": token}
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(tmp / MARKER, flags, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(marker, f)
+    try:
+        marker = {"slabconv": "staging", "for": final.name, "pid": os.getpid(), "token": token}
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+        fd = os.open(tmp / MARKER, flags, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(marker, f)
+    except BaseException:  # an interrupt (SIGTERM) between the two calls: the folder just made goes too
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return tmp
 
 
@@ -514,18 +518,21 @@ def _staged(final: Path, force: bool) -> Iterator[tuple[Path, list[Path]]]:
     final = Path(os.path.abspath(final))
     if final.exists() and not force:
         raise UsageError(f"{shown(final)} already exists; pass --force to replace it")
-    try:
-        created = _make_parents(final)
-        clean_stale(final)
-        staging = _make_staging(final)
-        tmp = staging / final.name  # what is written; its name is the output's, so messages need no renaming
-        os.mkdir(tmp, 0o700)
-    except OSError as err:
-        raise UsageError(
-            f"cannot write to {shown(final.parent)}: {err.strerror or err}; choose a writable location"
-        ) from None
+    staging: Path | None = None
+    created: list[Path] = []
     published = False
     try:
+        # Inside the try: an interrupt that lands right after the staging folder exists still removes it.
+        try:
+            created = _make_parents(final)
+            clean_stale(final)
+            staging = _make_staging(final)
+            tmp = staging / final.name  # what is written; its name is the output's, so messages need no renaming
+            os.mkdir(tmp, 0o700)
+        except OSError as err:
+            raise UsageError(
+                f"cannot write to {shown(final.parent)}: {err.strerror or err}; choose a writable location"
+            ) from None
         try:
             yield tmp, created
             published = True
@@ -543,7 +550,7 @@ def _staged(final: Path, force: bool) -> Iterator[tuple[Path, list[Path]]]:
                 raise _cannot_write(final, err) from None
             raise
     finally:
-        if staging.exists():
+        if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         if not published:
             for folder in created:
