@@ -4,12 +4,13 @@ device move they rely on (checked on the meta device: any tensor left on the CPU
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from slabconv import bench
+from slabconv import api, bench
 from slabconv.cli import app
 from slabconv.errors import UsageError
 from tests.conftest import ROOT, small_vit
@@ -91,3 +92,32 @@ def test_cuda_runtimes_time_every_variant():
 
     runtimes = {t["runtime"] for t in json.loads(result.stdout)["timings"]}
     assert {"pytorch-cuda", "pytorch-cuda-fp16", "pytorch-cuda-graphs-fp16"} <= runtimes
+
+
+@pytest.mark.slow
+def test_a_language_model_bench_times_greedy_generation_like_for_like(tmp_path):
+    """bench of the text fixture times greedy generation of the original and the fused model in the same runtime
+    (transformers, KV cache): the original's transformers twin computes the zoo original's logits, and all three
+    runs generate the same tokens."""
+    import numpy as np
+
+    from slabconv import bench_generation
+    from slabconv.load.model import load_model
+    from slabconv.options import WriteOptions
+
+    text = Path(__file__).resolve().parents[1] / "fixtures" / "text-prepbn"
+    loaded = load_model(text)
+    folder = tmp_path / "fused"
+    api.fuse(text, folder, verify=None, write=WriteOptions(onnx=False, pt2=False))
+    twin = bench_generation.original_twin(loaded, folder)
+    ids = torch.from_numpy(np.load(text / "holdout.npz")["x"][:4, :40]).long()
+    with torch.no_grad():
+        want = loaded.model(ids)
+        got = twin(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    report = api.bench(text, batches=(1,), runtimes=("pytorch",), warmup=1, repeats=2)
+    generation = report.bench["generation"]
+    assert generation["same_tokens"] is True and generation["steps"] == 32 and generation["prompts"] == 8
+    assert generation["original_tokens_per_second"] > 0 and generation["fused_tokens_per_second"] > 0
+    ratio = generation["fused_tokens_per_second"] / generation["original_tokens_per_second"]
+    assert generation["fused_over_original"] == pytest.approx(ratio)

@@ -122,5 +122,17 @@ def bench(
             elif r["low"] < 1.0 < r["high"] and abs(r["ratio"] - 1.0) > 0.02:
                 line += "; the spread includes 1.00: no difference measurable in this run"
             output.final(line)
+        generation = report.bench.get("generation")
+        if generation and "note" in generation:
+            output.final(generation["note"])
+        elif generation:
+            output.final(
+                f"greedy generation ({generation['runtime']}; {generation['prompts']} prompts of "
+                f"{generation['prompt_length']} tokens, {generation['steps']} new tokens each): original "
+                f"{generation['original_tokens_per_second']:,.0f} tokens/s, fused "
+                f"{generation['fused_tokens_per_second']:,.0f} tokens/s: fused / original "
+                f"{generation['fused_over_original']:.2f}"
+                + ("" if generation["same_tokens"] else "; warning: the runs generated different tokens")
+            )
         if plot is not None:
             output.final(f"wrote {plot}")

@@ -125,7 +125,8 @@ class LazyShards:
         rev = {v: k for k, v in SAFETENSORS_DTYPES.items()}
         try:
             with safe_open(str(path), framework="pt") as f:
-                order = list(f.offset_keys())
+                # file order (safetensors' offset_keys); releases before it have only keys(), sorted by name
+                order = list(f.offset_keys()) if hasattr(f, "offset_keys") else list(f.keys())
                 specs = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in order}
         except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
             raise InputError(f"{path}: not a readable safetensors file ({first_line(err)})") from None

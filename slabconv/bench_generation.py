@@ -1,0 +1,97 @@
+"""``slabconv bench`` of a language model: greedy generation timed like for like, original against fused.
+
+Both models run as transformers' own ``LlamaForCausalLM`` (the class of the fused folder's modeling file), in the
+same process, dtype, thread count and ``generate`` call with the key/value cache:
+
+- **fused**: the fused folder as written (norms are ``nn.Identity``, projections carry the fold's biases);
+- **original**: the same class with the original's weights and its norm modules (the SLAB ``LinearNorm`` /
+  RepBN of ``slabconv.zoo.llama``, in eval mode) put back where the fused model has identities.
+
+So the only difference timed is the norms the fold removed. The original's tokens are also compared with the
+zoo model's own greedy tokens (no cache): the transformers twin is only timed when it computes the same model.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slabconv.errors import UnsupportedModelError
+from slabconv.load.model import LoadedModel
+from slabconv.verify.generate import greedy_fused, greedy_original
+
+PROMPTS = 8
+"""Prompts per timed ``generate`` call."""
+
+
+def original_twin(loaded: LoadedModel, fused_folder: Path) -> torch.nn.Module:
+    """The original language model as transformers' LLaMA with the original's norm modules, for timing.
+
+    Args:
+        loaded: the original (``slabconv.zoo.llama.LlamaForCausalLM``: ``model.embed_tokens``, ``model.layers.{i}``
+            with ``input_layernorm`` / ``post_attention_layernorm``, ``model.norm``, ``lm_head``).
+        fused_folder: a fused folder of the same model (its config and modeling class are reused).
+
+    Returns:
+        A ``SlabconvLlamaForCausalLM`` in eval mode and the original's dtype, computing the original model.
+
+    Raises:
+        UnsupportedModelError: the original does not have the LLaMA layout (a weight has no place in the twin).
+    """
+    from slabconv.write.hf_llama import load_fused_llama
+
+    fused = load_fused_llama(fused_folder)
+    config = copy.deepcopy(fused.config)
+    config.projection_bias = dict.fromkeys(config.projection_bias or {}, False)
+    twin = type(fused)(config).to(loaded.dtype).eval()
+    source: Any = loaded.model
+    weights = {k: v for k, v in source.state_dict().items() if "layernorm" not in k and not k.startswith("model.norm")}
+    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    missing, unexpected = twin.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise UnsupportedModelError(
+            f"the original does not have the LLaMA layout the twin needs ({(missing or unexpected)[0]})"
+        )
+    for i, layer in enumerate(twin.model.layers):
+        layer.input_layernorm = copy.deepcopy(source.model.layers[i].input_layernorm).eval()
+        layer.post_attention_layernorm = copy.deepcopy(source.model.layers[i].post_attention_layernorm).eval()
+    twin.model.norm = copy.deepcopy(source.model.norm).eval()
+    return twin
+
+
+def time_generation(loaded: LoadedModel, fused_folder: Path, token_ids: np.ndarray, steps: int = 32) -> dict[str, Any]:
+    """Greedy tokens/s of the original and the fused model in transformers with the key/value cache, one thread.
+
+    Args:
+        loaded: the original language model.
+        fused_folder: its fused folder.
+        token_ids: int64 ``(S, T)`` inputs; the prompts are the first ``PROMPTS`` rows, their first half.
+        steps: tokens generated per prompt.
+
+    Returns:
+        ``{"runtime", "prompts", "prompt_length", "steps", "original_tokens_per_second",
+        "fused_tokens_per_second", "fused_over_original", "same_tokens"}``; ``same_tokens``: the twin's tokens
+        equal the zoo original's own (no cache) and the fused folder's.
+    """
+    import transformers
+
+    ids = np.asarray(token_ids)[:PROMPTS]
+    prompts = ids[:, : max(1, ids.shape[1] // 2)]
+    reference = greedy_original(loaded.model, prompts, steps, keep_logits=False, threads=1)
+    twin = greedy_fused(original_twin(loaded, fused_folder), prompts, steps, threads=1)
+    fused = greedy_fused(fused_folder, prompts, steps, threads=1)
+    same = bool(np.array_equal(twin.tokens, reference.tokens) and np.array_equal(fused.tokens, reference.tokens))
+    return {
+        "runtime": f"transformers {transformers.__version__} generate (KV cache), torch {torch.__version__}, 1 thread",
+        "prompts": int(prompts.shape[0]),
+        "prompt_length": int(prompts.shape[1]),
+        "steps": int(steps),
+        "original_tokens_per_second": twin.tokens_per_second,
+        "fused_tokens_per_second": fused.tokens_per_second,
+        "fused_over_original": fused.tokens_per_second / twin.tokens_per_second,
+        "same_tokens": same,
+    }
