@@ -200,6 +200,24 @@ print(json.dumps(result))
 """
 
 
+def _run_isolated(script: str, args: dict, tmp_path: Path) -> dict:
+    """Run ``script`` in a fresh interpreter without site processing (no editable-install hook, so slabconv cannot
+    be imported), one torch thread, transformers offline; its last stdout line as JSON."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env |= {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env["OMP_NUM_THREADS"] = "1"  # as one_torch_thread
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script, json.dumps(args)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _sharded_copy(fused: Path, dest: Path, config: dict) -> Path:
     write_hf_folder(dest, load_file(str(fused / "model.safetensors")), config, max_shard_bytes=200_000)
     assert (dest / "model.safetensors.index.json").is_file() and len(list(dest.glob("model-*.safetensors"))) > 2
@@ -226,19 +244,7 @@ def test_folders_load_and_generate_where_slabconv_cannot_be_imported(doc, origin
         "folders": [str(single), str(sharded)],
         "steps": STEPS,
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env |= {"HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    env["OMP_NUM_THREADS"] = "1"  # as one_torch_thread
-    proc = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", _ISOLATED, json.dumps(args)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _run_isolated(_ISOLATED, args, tmp_path)
     reference = greedy_original(original, prompts, STEPS, keep_logits=False)
     for folder in (single, sharded):
         got = result[str(folder)]
@@ -691,16 +697,7 @@ def test_language_model_programs_take_any_batch_and_length(doc, original, tmp_pa
     site = sorted({str(Path(m.__file__).parents[1]) for m in (torch, np, onnxruntime)})
     args = {"site": site, "ids": str(tmp_path / "ids.npy"), "pt2": str(out / "model.pt2"), "dir": str(tmp_path)}
     args |= {"onnx": str(out / "model.onnx"), "lengths": [20, 48]}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")} | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-I", "-S", "-c", _PROGRAMS, json.dumps(args)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _run_isolated(_PROGRAMS, args, tmp_path)
     model = api.load_fused(out)
     for length in (20, 48):
         x = torch.from_numpy(ids[:, :length])
