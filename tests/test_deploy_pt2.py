@@ -92,5 +92,5 @@ def test_load_fused_refuses_folders_it_cannot_read(doc: dict, tmp_path: Path) ->
     partial = tmp_path / "no-pt2"
     partial.mkdir()
     (partial / "report.json").write_text((doc["out"] / "report.json").read_text())
-    with pytest.raises(InputError, match="--no-pt2"):
+    with pytest.raises(InputError, match=r"WriteOptions\(pt2=False\)"):
         slabconv.load_fused(partial)
