@@ -28,13 +28,15 @@ from slabconv.load.model import load_model
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify.generate import (
     GreedyRun,
+    check_fused_folder,
     check_generation,
+    genai_available,
     compare_greedy,
     greedy_fused,
     greedy_original,
 )
 from slabconv.verify.policy import fused_bound
-from slabconv.write.decoder_onnx import export_decoder_onnx
+from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
 from slabconv.write.hf_llama import MODELING_FILE, load_fused_llama, write_hf_llama_metadata
 from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, norm_factory
 from tests.conftest import ROOT, randomize_norms
@@ -280,6 +282,14 @@ def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates
     assert type(model).__name__ == "SlabconvLlamaForCausalLM"
     check = check_generation(original, out, _holdout_prompts(), STEPS, threads=1)
     assert check.passed, check.to_dict()
+    # The streamed folder's decoder ONNX (written afterwards, as docs/deploy.md says) generates the same tokens in
+    # onnxruntime and, through its genai_config.json, in onnxruntime-genai.
+    info = export_decoder_onnx(out, out / "decoder.onnx")
+    write_genai_config(out, info, json.loads((out / "config.json").read_text()))
+    both = check_fused_folder(original, out, np.load(TEXT / "holdout.npz")["x"][::40][:6, :48], STEPS)
+    names = [r["name"] for r in both["runs"] if r["decides"]]
+    genai = genai_available()  # onnxruntime-genai needs onnxruntime 1.31 or later: absent at the floor
+    assert both["passed"] and len(names) == 2 + genai and any("onnxruntime-genai" in n for n in names) == genai, both
 
 
 # --------------------------------------------------------------------------------------------- float16, GQA
