@@ -30,8 +30,8 @@ from slabconv.verify.generate import (
     GreedyRun,
     check_fused_folder,
     check_generation,
-    genai_available,
     compare_greedy,
+    genai_available,
     greedy_fused,
     greedy_original,
 )
