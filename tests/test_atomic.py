@@ -179,11 +179,11 @@ def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, m
     ckpt_hash = sha256_file(ckpt)
     real_export = api.export_onnx
 
-    def wrong_export(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict:
+    def wrong_export(model: torch.nn.Module, example: torch.Tensor, path: Path, **options: object) -> dict:
         wrong = copy.deepcopy(model)  # a fold that is off in one weight of the exported model only
         with torch.no_grad():
             next(p for n, p in wrong.named_parameters() if n.startswith("head")).view(-1)[0] += 0.5
-        return real_export(wrong, example, path)
+        return real_export(wrong, example, path, **options)
 
     monkeypatch.setattr(api, "export_onnx", wrong_export)
     result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--samples", "8"])
