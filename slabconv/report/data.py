@@ -146,6 +146,8 @@ class Report:
             out["plan"] = self.plan
         if self.outputs is not None:
             out["outputs"] = asdict(self.outputs)
+        elif self.command == "fuse":
+            out["outputs"] = None  # a fuse that failed wrote nothing and names no file
         if self.out_dir is not None:
             out["out_dir"] = self.out_dir
         if self.command in ("fuse", "verify"):
