@@ -317,7 +317,7 @@ def test_bench_plot_marks_its_png_so_a_rerun_may_replace_it(tmp_path: Path) -> N
     chart = tmp_path / "chart.png"
     bench.plot(timings, chart)
     assert bench.plot_written_by_slabconv(chart)
-    bench.check_plot_path(chart, [])  # slabconv's own chart: a rerun may replace it
+    bench.check_plot_path(chart, True, [])  # slabconv's own chart: a rerun with --force may replace it
     bench.plot(timings, chart)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chart.png"]  # atomically, no staging left
     import matplotlib.pyplot as plt
@@ -325,4 +325,4 @@ def test_bench_plot_marks_its_png_so_a_rerun_may_replace_it(tmp_path: Path) -> N
     plt.figure().savefig(tmp_path / "theirs.png")  # matplotlib's own mark, not slabconv's
     assert not bench.plot_written_by_slabconv(tmp_path / "theirs.png")
     with pytest.raises(UsageError, match="already exists and slabconv did not write it"):
-        bench.check_plot_path(tmp_path / "theirs.png", [])
+        bench.check_plot_path(tmp_path / "theirs.png", True, [])
