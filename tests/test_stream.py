@@ -242,8 +242,8 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     assert skipped.verification.generation is None
     assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
     monkeypatch.setattr(stream, "available_memory", lambda: 1024)
-    with pytest.raises(UsageError, match=r"pass --generate 0 to skip it"):
+    with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
         fuse_streamed(root / "src", tmp_path / "small")
     assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
-    with pytest.raises(UsageError, match=r"pass --generate 0 to skip it"):
+    with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
         api.verify(root / "src", root / "out", verify=VerifyOptions(generate=2), stream=True)
