@@ -24,66 +24,24 @@ from slabconv.util import quiet
 _LOWER = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _promote_arg(a: Any) -> Any:
-    if isinstance(a, torch.dtype) and a in _LOWER:
-        return torch.float64
+def _retype_arg(a: Any, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> Any:
+    """``a`` (a node argument) with every dtype of ``source`` replaced by ``dtype``, inside lists and dicts too."""
+    if isinstance(a, torch.dtype) and a in source:
+        return dtype
     if isinstance(a, (list, tuple)):
-        return type(a)(_promote_arg(x) for x in a)
+        return type(a)(_retype_arg(x, source, dtype) for x in a)
     if isinstance(a, dict):
-        return {k: _promote_arg(v) for k, v in a.items()}
+        return {k: _retype_arg(v, source, dtype) for k, v in a.items()}
     return a
 
 
-def promote_to_float64(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` that computes in float64: floating parameters, buffers and constants cast to float64, and
-    every float16 / bfloat16 / float32 dtype argument of every node replaced by float64.
-
-    Args:
-        gm: a traced graph (``engine.capture``), original or fused, in any floating dtype.
-
-    Returns:
-        A new ``GraphModule`` taking the same inputs (floating ones in float64; integer ids unchanged).
-    """
+def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of ``gm`` computing in ``dtype``: the dtype arguments of ``source`` replaced by it, and every floating
+    parameter, buffer and constant cast to it once."""
     out = copy.deepcopy(gm)
     for node in out.graph.nodes:
-        node.args = _promote_arg(node.args)
-        node.kwargs = _promote_arg(node.kwargs)
-    for module in out.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and param.is_floating_point():
-                module._parameters[name] = torch.nn.Parameter(param.detach().double(), requires_grad=False)
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.is_floating_point():
-                module._buffers[name] = buf.double()
-    for name, value in list(vars(out).items()):
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            setattr(out, name, value.double())
-    out.recompile()
-    return out
-
-
-def cast_graph(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
-    """A copy of a float64 graph (``float64_fold``) that computes in ``dtype``: each floating parameter, buffer and
-    constant rounded once from float64, and every float64 dtype argument replaced by ``dtype``.
-
-    This is how ``fuse --dtype`` writes a float16 / bfloat16 model: the fold's float64 weights cast once, never
-    through the checkpoint's dtype first (double rounding would put a weight one unit off, which question 1
-    refuses).
-    """
-    out = copy.deepcopy(gm)
-
-    def cast_arg(a: Any) -> Any:
-        if a is torch.float64:
-            return dtype
-        if isinstance(a, (list, tuple)):
-            return type(a)(cast_arg(x) for x in a)
-        if isinstance(a, dict):
-            return {k: cast_arg(v) for k, v in a.items()}
-        return a
-
-    for node in out.graph.nodes:
-        node.args = cast_arg(node.args)
-        node.kwargs = cast_arg(node.kwargs)
+        node.args = _retype_arg(node.args, source, dtype)
+        node.kwargs = _retype_arg(node.kwargs, source, dtype)
     for module in out.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point():
@@ -96,6 +54,30 @@ def cast_graph(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
             setattr(out, name, value.to(dtype))
     out.recompile()
     return out
+
+
+def promote_to_float64(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` that computes in float64: floating parameters, buffers and constants cast to float64, and
+    every float16 / bfloat16 / float32 dtype argument of every node replaced by float64.
+
+    Args:
+        gm: a traced graph (``engine.capture``), original or fused, in any floating dtype.
+
+    Returns:
+        A new ``GraphModule`` taking the same inputs (floating ones in float64; integer ids unchanged).
+    """
+    return _retyped(gm, _LOWER, torch.float64)
+
+
+def cast_graph(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of a float64 graph (``float64_fold``) that computes in ``dtype``: each floating parameter, buffer and
+    constant rounded once from float64, and every float64 dtype argument replaced by ``dtype``.
+
+    This is how ``fuse --dtype`` writes a float16 / bfloat16 model: the fold's float64 weights cast once, never
+    through the checkpoint's dtype first (double rounding would put a weight one unit off, which question 1
+    refuses).
+    """
+    return _retyped(gm, (torch.float64,), dtype)
 
 
 def float64_example(example: torch.Tensor) -> torch.Tensor:
