@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from slabconv.version import __version__
+
+__all__ = ["__version__", "load_fused"]
 
 
 def load_fused(out_dir: Any) -> Any:

@@ -35,8 +35,9 @@ from slabconv import engine
 from slabconv.errors import InputError, UsageError, VerificationError, python_advice
 from slabconv.load.checkpoint import check_input
 from slabconv.load.model import LoadedModel, load_model
+from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
-from slabconv.report.data import Outputs, Report, Source
+from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.run import Artifacts, verify_fold

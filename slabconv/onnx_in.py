@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from slabconv import __version__
 from slabconv.engine import Decision
 from slabconv.errors import InputError, UsageError, VerificationError, first_line
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
+from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
-from slabconv.report.data import Outputs, Report, Source
+from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, sha256_file
 from slabconv.verify import judge
 from slabconv.verify.inputs import load_npz_inputs
@@ -41,6 +41,7 @@ from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.results import IntegrityCheck, Verification
 from slabconv.verify.run import Reference, check_reference, output_names, question_2, runtime_summary
 from slabconv.verify.runtimes import Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
+from slabconv.version import __version__
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES
 
 FUSED_NAME = "model.onnx"

@@ -33,8 +33,9 @@ from slabconv.errors import InputError, UnsupportedModelError, UsageError, Verif
 from slabconv.load import hf
 from slabconv.load.fused import fused_metadata
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
+from slabconv.load.source import Source
 from slabconv.options import VerifyOptions, WriteOptions
-from slabconv.report.data import Outputs, Report, Source
+from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import judge, layerwise
 from slabconv.verify.reference import float64_fold

@@ -20,7 +20,8 @@ from slabconv.cli import app
 from slabconv.cli.output import Output
 from slabconv.engine import Decision
 from slabconv.errors import InputError, UsageError, in_python
-from slabconv.report.data import Report, Source
+from slabconv.load.source import Source
+from slabconv.report.data import Report
 from slabconv.report.render import folds_table
 from slabconv.zoo import get_arch
 from tests.conftest import FIXTURE, ROOT

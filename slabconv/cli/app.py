@@ -23,13 +23,13 @@ try:  # typer >= 0.22 carries its own copy of click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_errors  # type: ignore[no-redef]
 
-from slabconv import __version__
 from slabconv.cli.bench import bench
 from slabconv.cli.fuse import fuse
 from slabconv.cli.inspect import export, inspect
 from slabconv.cli.listing import list_archs
 from slabconv.cli.verify import verify
 from slabconv.text import one_line
+from slabconv.version import __version__
 
 EXIT_HELP = """Exit codes: 0 done and equivalent; 1 outputs differ beyond tolerance (verification failed, nothing
 written); 2 bad input, unsupported model or usage error (one line on stderr, nothing written; --debug shows the

@@ -43,7 +43,7 @@ from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_pr
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.rules import Chan, LayerKind, layer_name, op_name
 from slabconv.errors import InputError
-from slabconv.verify.policy import dtype_name, tol_dtype
+from slabconv.tolerances import dtype_name, tol_dtype
 
 FOLDED_FORWARD = "folded-forward"
 FOLDED_BACKWARD = "folded-backward"
@@ -196,7 +196,7 @@ def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor
     dtype and adds ``t`` (in the consumer's weights or the kept affine). Rounding then scales with ``|s| rms(x)``
     instead of ``rms(y)``: by ``kappa = |s| sqrt(mu^2 + v) / sqrt((s mu + t)^2 + s^2 v)`` per channel, large
     when a channel's running mean is many standard deviations from 0. The estimated relative error
-    ``kappa * eps/2`` is compared with the float16 / bfloat16 tolerance of ``slabconv.verify.policy``; the fold
+    ``kappa * eps/2`` is compared with the float16 / bfloat16 tolerance of ``slabconv.tolerances``; the fold
     stays exact in exact arithmetic, so this is a warning with the numbers (verification decides), not a refusal.
     Norms without a BN op compute ``x * s + t`` themselves: no warning.
     """

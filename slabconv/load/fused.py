@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from slabconv import __version__
 from slabconv.util import upper_bound
+from slabconv.version import __version__
 
 
 def fused_metadata(arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any]) -> dict[str, str]:

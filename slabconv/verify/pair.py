@@ -22,8 +22,8 @@ from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.model import LoadedModel, load_model
+from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.report.data import Source
 from slabconv.util import Progress, quiet, sha256_file
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TOL_DTYPE = {"float64": 1e-9, "float32": 1e-5, "float16": 1e-3, "bfloat16": 1e-2}
-"""Relative tolerance of an output computed in each dtype (float32 1e-5, float16 1e-3, bfloat16 1e-2)."""
+from slabconv.tolerances import TOL_DTYPE, dtype_name, tol_dtype  # noqa: F401 (the policy's own names too)
 
 EXACT_RTOL = 1e-9
 """Question 1: the fused graph vs the original, both in float64 (float64 rounding is ~1e-16 per op)."""
@@ -35,20 +34,6 @@ TIE = 1e-12
 
 ORIGINAL_ERROR_FACTOR = 2.0
 """Question 2: the fused artifact may be up to this many times the original's own error against float64."""
-
-
-def dtype_name(dtype: object) -> str:
-    """``torch.float16`` / ``np.float16`` / ``"float16"`` -> ``"float16"``."""
-    return str(dtype).removeprefix("torch.").removeprefix("<class 'numpy.").removesuffix("'>")
-
-
-def tol_dtype(dtype: object) -> float:
-    """The relative tolerance of ``dtype`` (float32's for a dtype that is not a float, e.g. int64 token ids).
-
-    Raises:
-        Nothing; unknown names get float32's tolerance.
-    """
-    return TOL_DTYPE.get(dtype_name(dtype), TOL_DTYPE["float32"])
 
 
 def default_rtol(dtype: str, rtol: float | None = None) -> float:

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from slabconv import __version__
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
+from slabconv.version import __version__
 from slabconv.write.hf_llama import load_fused_llama
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from slabconv import __version__
 from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
+from slabconv.version import __version__
 
 # stay under that. Above this many bytes of weights (the threshold torch's exporter uses), the weights go to
 # ``<name>.onnx.data`` beside the ``.onnx`` (ONNX external data), which onnx and onnxruntime read from a path.

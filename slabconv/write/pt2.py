@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from slabconv import __version__
 from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, first_line
 from slabconv.util import quiet
+from slabconv.version import __version__
 
 MARK = "slabconv.json"
 """The extra file every ``.pt2`` slabconv writes carries: its version, and what the program takes."""
