@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -12,6 +12,7 @@ from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 from slabconv.errors import UsageError
+from slabconv.report.data import Report
 from slabconv.report.render import text_table
 
 
@@ -67,17 +68,11 @@ def bench(
       slabconv bench checkpoint-fused --runtime onnxruntime --repeats 100 --json
     """
     from slabconv import api
-    from slabconv.bench import Timing, check_plot_path, check_runtimes, default_runtimes
-    from slabconv.bench import plot as draw
+    from slabconv.bench import check_plot_path, check_runtimes, default_runtimes
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
-        try:
-            batches = tuple(int(b) for b in batch.split(",") if b.strip())
-        except ValueError:
-            raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
-        if not batches or min(batches) < 1:
-            raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
+        batches = _batches(batch)
         if plot is not None:  # before minutes of timing
             check_plot_path(plot, force, [ckpt])
         runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
@@ -89,50 +84,83 @@ def bench(
             )
         assert report.bench is not None
         if plot is not None:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    draw([Timing(**t) for t in report.bench["timings"]], plot)
-            except ImportError:
-                raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
-            report.bench["plot"] = str(plot)
+            _plot(report.bench, plot)
         if output.json:
             output.report(report)
             return
-        title = f"bench ({report.source.arch or report.source.format if report.source else ''})"
-        columns = dict.fromkeys(("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"), False)
-        columns["runtime"] = columns["variant"] = True
-        rows = [
-            [
-                t["runtime"],
-                str(t["batch"]),
-                t["variant"],
-                f"{t['median_ms']:.3f}",
-                f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
-                f"{t['throughput']:.0f}",
-            ]
-            for t in report.bench["timings"]
-        ]
-        output.table(text_table(title, columns, rows))
-        for r in report.bench["fused_over_norm_free"]:
-            where = f"{r['runtime']}, batch {r['batch']}"
-            line = f"fused / norm-free ({where}): {r['ratio']:.2f} (p25-p75 spread {r['low']:.2f}-{r['high']:.2f})"
-            if r["noisy"]:
-                line += "; warning: too noisy to read, rerun with more --repeats on a quieter machine"
-            elif r["low"] < 1.0 < r["high"] and abs(r["ratio"] - 1.0) > 0.02:
-                line += "; the spread includes 1.00: no difference measurable in this run"
-            output.final(line)
-        generation = report.bench.get("generation")
-        if generation and "note" in generation:
-            output.final(generation["note"])
-        elif generation:
-            output.final(
-                f"greedy generation ({generation['runtime']}; {generation['prompts']} prompts of "
-                f"{generation['prompt_length']} tokens, {generation['steps']} new tokens each): original "
-                f"{generation['original_tokens_per_second']:,.0f} tokens/s, fused "
-                f"{generation['fused_tokens_per_second']:,.0f} tokens/s: fused / original "
-                f"{generation['fused_over_original']:.2f}"
-                + ("" if generation["same_tokens"] else "; warning: the runs generated different tokens")
-            )
+        _show(output, report)
         if plot is not None:
             output.final(f"wrote {plot}")
+
+
+def _batches(batch: str) -> tuple[int, ...]:
+    """``--batch 1,8,64`` as integers, each at least 1.
+
+    Raises:
+        UsageError: not a comma-separated list of positive integers.
+    """
+    try:
+        batches = tuple(int(b) for b in batch.split(",") if b.strip())
+    except ValueError:
+        raise UsageError(f"--batch {batch!r}: expected comma-separated integers like 1,8,64") from None
+    if not batches or min(batches) < 1:
+        raise UsageError(f"--batch {batch!r}: every batch size must be at least 1, e.g. 1,8,64")
+    return batches
+
+
+def _plot(bench: dict[str, Any], plot: Path) -> None:
+    """Draw the timings to ``plot`` and name it in the report.
+
+    Raises:
+        UsageError: matplotlib is not installed.
+    """
+    from slabconv.bench import Timing
+    from slabconv.bench import plot as draw
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            draw([Timing(**t) for t in bench["timings"]], plot)
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+    bench["plot"] = str(plot)
+
+
+def _show(output: Output, report: Report) -> None:
+    """The timing table, one fused / norm-free line per runtime and batch, and the generation line."""
+    assert report.bench is not None
+    title = f"bench ({report.source.arch or report.source.format if report.source else ''})"
+    columns = dict.fromkeys(("runtime", "batch", "variant", "median ms", "p25-p75 ms", "samples/s"), False)
+    columns["runtime"] = columns["variant"] = True
+    rows = [
+        [
+            t["runtime"],
+            str(t["batch"]),
+            t["variant"],
+            f"{t['median_ms']:.3f}",
+            f"{t['p25_ms']:.3f}-{t['p75_ms']:.3f}",
+            f"{t['throughput']:.0f}",
+        ]
+        for t in report.bench["timings"]
+    ]
+    output.table(text_table(title, columns, rows))
+    for r in report.bench["fused_over_norm_free"]:
+        where = f"{r['runtime']}, batch {r['batch']}"
+        line = f"fused / norm-free ({where}): {r['ratio']:.2f} (p25-p75 spread {r['low']:.2f}-{r['high']:.2f})"
+        if r["noisy"]:
+            line += "; warning: too noisy to read, rerun with more --repeats on a quieter machine"
+        elif r["low"] < 1.0 < r["high"] and abs(r["ratio"] - 1.0) > 0.02:
+            line += "; the spread includes 1.00: no difference measurable in this run"
+        output.final(line)
+    generation = report.bench.get("generation")
+    if generation and "note" in generation:
+        output.final(generation["note"])
+    elif generation:
+        output.final(
+            f"greedy generation ({generation['runtime']}; {generation['prompts']} prompts of "
+            f"{generation['prompt_length']} tokens, {generation['steps']} new tokens each): original "
+            f"{generation['original_tokens_per_second']:,.0f} tokens/s, fused "
+            f"{generation['fused_tokens_per_second']:,.0f} tokens/s: fused / original "
+            f"{generation['fused_over_original']:.2f}"
+            + ("" if generation["same_tokens"] else "; warning: the runs generated different tokens")
+        )
