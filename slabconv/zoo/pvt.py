@@ -326,61 +326,34 @@ _DIMS = (64, 128, 320, 512)
 _HEADS = {"num_heads": (1, 2, 5, 8)}
 
 
+_SIZES = [("tiny", (2, 2, 2, 2)), ("small", (3, 4, 6, 3)), ("medium", (3, 4, 18, 3))]
+"""The PVT sizes the official configs name: size, depths."""
+
+
+def _sized_preset(size: str, depths: tuple[int, ...], attention: str) -> Preset:
+    """One official PVT size: ``attention`` ``SSSS`` (PVT-PRepBN, spatial reduction) or ``LLLL`` (SLAB-PVT)."""
+    letter = size[0]
+    if attention == "SSSS":
+        name, alias, cfg, what = f"pvt_{size}_prepbn", f"pvt_{letter}_prepbn", f"pvt_{letter}_prepbn.yaml", "PVT"
+        how = "spatial-reduction attention"
+    else:
+        name, alias, cfg, what = f"slab_pvt_{size}", f"slab_pvt_{letter}", f"slab_pvt_{letter}.yaml", "SLAB-PVT"
+        how = "SLA in every stage"
+        cfg += "" if size == "tiny" else "; no release file"
+    return Preset(
+        name,
+        signature=(_DIMS, depths, attention),
+        aliases=(alias,),
+        defaults=_HEADS,
+        source=f"{_SOURCE} slab_pvt_{size}, ATTN_TYPE {attention} (cfgs/{cfg})",
+        description=f"{what}-{size.title()}, LinearNorm norms, {how}, 224x224",
+        image_size=224,
+    )
+
+
 PRESETS = [
-    Preset(
-        "pvt_tiny_prepbn",
-        signature=(_DIMS, (2, 2, 2, 2), "SSSS"),
-        aliases=("pvt_t_prepbn",),
-        defaults=_HEADS,
-        source=f"{_SOURCE} slab_pvt_tiny, ATTN_TYPE SSSS (cfgs/pvt_t_prepbn.yaml)",
-        description="PVT-Tiny, LinearNorm norms, spatial-reduction attention, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "pvt_small_prepbn",
-        signature=(_DIMS, (3, 4, 6, 3), "SSSS"),
-        aliases=("pvt_s_prepbn",),
-        defaults=_HEADS,
-        source=f"{_SOURCE} slab_pvt_small, ATTN_TYPE SSSS (cfgs/pvt_s_prepbn.yaml)",
-        description="PVT-Small, LinearNorm norms, spatial-reduction attention, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "pvt_medium_prepbn",
-        signature=(_DIMS, (3, 4, 18, 3), "SSSS"),
-        aliases=("pvt_m_prepbn",),
-        defaults=_HEADS,
-        source=f"{_SOURCE} slab_pvt_medium, ATTN_TYPE SSSS (cfgs/pvt_m_prepbn.yaml)",
-        description="PVT-Medium, LinearNorm norms, spatial-reduction attention, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "slab_pvt_tiny",
-        signature=(_DIMS, (2, 2, 2, 2), "LLLL"),
-        aliases=("slab_pvt_t",),
-        defaults=_HEADS,
-        source=f"{_SOURCE} slab_pvt_tiny, ATTN_TYPE LLLL (cfgs/slab_pvt_t.yaml)",
-        description="SLAB-PVT-Tiny, LinearNorm norms, SLA in every stage, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "slab_pvt_small",
-        signature=(_DIMS, (3, 4, 6, 3), "LLLL"),
-        aliases=("slab_pvt_s",),
-        defaults=_HEADS,
-        source=f"{_SOURCE} slab_pvt_small, ATTN_TYPE LLLL (cfgs/slab_pvt_s.yaml; no release file)",
-        description="SLAB-PVT-Small, LinearNorm norms, SLA in every stage, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "slab_pvt_medium",
-        signature=(_DIMS, (3, 4, 18, 3), "LLLL"),
-        aliases=("slab_pvt_m",),
-        defaults=_HEADS,
-        source=f"{_SOURCE} slab_pvt_medium, ATTN_TYPE LLLL (cfgs/slab_pvt_m.yaml; no release file)",
-        description="SLAB-PVT-Medium, LinearNorm norms, SLA in every stage, 224x224",
-        image_size=224,
-    ),
+    *(_sized_preset(size, depths, "SSSS") for size, depths in _SIZES),
+    *(_sized_preset(size, depths, "LLLL") for size, depths in _SIZES),
     Preset(
         "pvt_prepbn",
         signature=None,

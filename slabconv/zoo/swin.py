@@ -487,6 +487,25 @@ def input_shape(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> tup
 _SWIN = "xinghaochen/SLAB classification/models/swin_transformer.py SwinTransformer"
 _SLAB = "xinghaochen/SLAB classification/models/slab_swin.py SlabSwinTransformer"
 
+_SLAB_SIZES = [("tiny", 96, (2, 2, 6, 2)), ("small", 96, (2, 2, 18, 2)), ("base", 128, (2, 2, 18, 2))]
+"""The released SLAB-Swin sizes: name, embed_dim, depths (cfgs/slab_swin_{t,s,b}.yaml)."""
+
+
+def _slab_preset(size: str, embed: int, depths: tuple[int, ...]) -> Preset:
+    """One released SLAB-Swin: LinearNorm norms, SLA (window 56) in stages 1-2, window 7 in stages 3-4, 224x224."""
+    letter = size[0]
+    return Preset(
+        f"slab_swin_{size}",
+        signature=(embed, depths, "LLSS"),
+        aliases=(f"slab_swin_{letter}", f"slab_swin_{size}_patch4_224"),
+        defaults={"window_size": 56, "slab": True},
+        source=f"{_SLAB} (cfgs/slab_swin_{letter}.yaml)",
+        description=f"SLAB-Swin-{letter.upper()}, LinearNorm norms, SLA stages 1-2 (window 56), window 7 stages 3-4, "
+        "224x224",
+        image_size=224,
+    )
+
+
 PRESETS = [
     Preset(
         "swin_tiny_prepbn",
@@ -497,33 +516,7 @@ PRESETS = [
         description="Swin-T, RepBN norms, shifted-window attention (window 7), 224x224",
         image_size=224,
     ),
-    Preset(
-        "slab_swin_tiny",
-        signature=(96, (2, 2, 6, 2), "LLSS"),
-        aliases=("slab_swin_t", "slab_swin_tiny_patch4_224"),
-        defaults={"window_size": 56, "slab": True},
-        source=f"{_SLAB} (cfgs/slab_swin_t.yaml)",
-        description="SLAB-Swin-T, LinearNorm norms, SLA stages 1-2 (window 56), window 7 stages 3-4, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "slab_swin_small",
-        signature=(96, (2, 2, 18, 2), "LLSS"),
-        aliases=("slab_swin_s", "slab_swin_small_patch4_224"),
-        defaults={"window_size": 56, "slab": True},
-        source=f"{_SLAB} (cfgs/slab_swin_s.yaml)",
-        description="SLAB-Swin-S, LinearNorm norms, SLA stages 1-2 (window 56), window 7 stages 3-4, 224x224",
-        image_size=224,
-    ),
-    Preset(
-        "slab_swin_base",
-        signature=(128, (2, 2, 18, 2), "LLSS"),
-        aliases=("slab_swin_b", "slab_swin_base_patch4_224"),
-        defaults={"window_size": 56, "slab": True},
-        source=f"{_SLAB} (cfgs/slab_swin_b.yaml)",
-        description="SLAB-Swin-B, LinearNorm norms, SLA stages 1-2 (window 56), window 7 stages 3-4, 224x224",
-        image_size=224,
-    ),
+    *(_slab_preset(size, embed, depths) for size, embed, depths in _SLAB_SIZES),
     Preset(
         "swin_prepbn",
         signature=None,
