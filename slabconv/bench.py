@@ -429,16 +429,16 @@ def source_of_output(folder: Path, options: Any) -> tuple[Path, Any]:
     Raises:
         InputError: the report is unreadable or names no source.
     """
-    import json
     from dataclasses import replace
 
     from slabconv.errors import InputError
+    from slabconv.load.fused import WrittenReport
 
-    try:
-        source = json.loads((folder / "report.json").read_text(encoding="utf-8"))["source"]
-        path = Path(source["path"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise InputError(f"{folder}: its report.json names no source checkpoint; give the checkpoint") from None
+    report = WrittenReport.read(folder)
+    source = report.source if report is not None else None
+    if source is None or not isinstance(source.get("path"), str):
+        raise InputError(f"{folder}: its report.json names no source checkpoint; give the checkpoint")
+    path = Path(source["path"])
     return path, (options if options.arch else replace(options, arch=source.get("arch")))
 
 

@@ -78,6 +78,51 @@ def is_output_folder(path: Path) -> bool:
     return path.is_dir() and (path / REPORT).is_file()
 
 
+@dataclass(frozen=True)
+class WrittenReport:
+    """What an output folder's ``report.json`` records about that folder: the one reader of it (the writer is
+    ``slabconv.report.data.Report.write``; the fields are documented in docs/report.md).
+
+    Attributes:
+        files: every name slabconv wrote into the folder (``outputs.files`` and ``outputs.sha256``), ``report.json``
+            included: what ``--force`` may replace.
+        sha256: hex sha256 per written file (``outputs.sha256``), as recorded when it was written.
+        source: the report's ``source`` block (``path``, ``sha256``, ``format``, ``arch``...), or None.
+    """
+
+    files: frozenset[str]
+    sha256: dict[str, str]
+    source: dict[str, Any] | None
+
+    @classmethod
+    def read(cls, folder: Path) -> WrittenReport | None:
+        """The folder's report, or None when it has no report.json that slabconv wrote: missing, a link, not a
+        regular file, over ``MAX_JSON_BYTES``, not JSON, too deep, or without ``slabconv_version`` and ``outputs``.
+        Reads through ``slabconv.load.safety.read_json`` (size and depth bounded before parsing)."""
+        from slabconv.errors import InputError
+        from slabconv.load.safety import read_json
+
+        report = folder / REPORT
+        if report.is_symlink():
+            return None
+        try:
+            data = read_json(report)
+        except (InputError, OSError):
+            return None
+        if not isinstance(data, dict) or "slabconv_version" not in data or not isinstance(data.get("outputs"), dict):
+            return None
+        outputs = data["outputs"]
+        names = {REPORT}
+        for key in ("sha256", "files"):
+            listed = outputs.get(key)
+            if isinstance(listed, (dict, list)):
+                names |= {str(n) for n in listed}
+        recorded = outputs.get("sha256")
+        hashes = {str(k): v for k, v in recorded.items() if isinstance(v, str)} if isinstance(recorded, dict) else {}
+        source = data.get("source")
+        return cls(frozenset(names), hashes, source if isinstance(source, dict) else None)
+
+
 def input_spec(program: Any) -> tuple[Any, list[tuple[int | None, int, int | None]]] | None:
     """What a loaded program (``torch.export.load(...).module()``) takes: its first input's dtype and, per axis,
     ``(fixed size or None, lowest, highest or None)``; None when the graph does not record it.

@@ -69,24 +69,10 @@ _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
 def _recorded(folder: Path) -> tuple[set[str], dict[str, str]] | None:
     """The names slabconv wrote into ``folder`` (``report.json`` included) and the sha256 it recorded for each
     (``outputs.sha256``), or None when the folder has no readable slabconv report."""
-    report = folder / REPORT
-    if not report.is_file() or report.is_symlink() or report.stat().st_size > 64 << 20:
-        return None
-    try:
-        data = json.loads(report.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict) or "slabconv_version" not in data or not isinstance(data.get("outputs"), dict):
-        return None
-    outputs = data["outputs"]
-    names = {REPORT}
-    for key in ("sha256", "files"):
-        listed = outputs.get(key)
-        if isinstance(listed, (dict, list)):
-            names |= {str(n) for n in listed}
-    recorded = outputs.get("sha256")
-    hashes = {str(k): v for k, v in recorded.items() if isinstance(v, str)} if isinstance(recorded, dict) else {}
-    return names, hashes
+    from slabconv.load.fused import WrittenReport  # torch stays unloaded until a folder is checked
+
+    report = WrittenReport.read(folder)
+    return None if report is None else (set(report.files), report.sha256)
 
 
 def owned_files(folder: Path) -> set[str] | None:
