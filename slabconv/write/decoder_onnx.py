@@ -117,6 +117,33 @@ def _example(cfg: Any, dtype: torch.dtype) -> tuple[tuple[Any, ...], dict[str, A
     return (ids, mask, positions, past), shapes
 
 
+def _export(model: Any, inputs: list[str], outputs: list[str], opset: int | None) -> Any:
+    """``torch.onnx.export(dynamo=True)`` of ``DecoderWithPast(model)`` with symbolic batch, new-token and past
+    lengths, stamped with slabconv's version; returns the ``ONNXProgram``.
+
+    Raises:
+        UnsupportedModelError: the exporter fails (its root cause, one line).
+    """
+    example, shapes = _example(model.config, next(model.parameters()).dtype)
+    try:
+        with quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                DecoderWithPast(model).eval(),
+                example,
+                dynamo=True,
+                dynamic_shapes=shapes,
+                input_names=inputs,
+                output_names=outputs,
+                opset_version=opset,
+                verbose=False,
+            )
+        assert program is not None
+        program.model.metadata_props[MARK] = __version__
+    except Exception as err:  # noqa: BLE001 - the exporter raises many types
+        raise UnsupportedModelError(f"decoder ONNX export failed: {_root_cause(err)}") from None
+    return program
+
+
 def export_decoder_onnx(
     folder: Path | str,
     path: Path | str | None = None,
@@ -158,25 +185,9 @@ def export_decoder_onnx(
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     weight_dtype = next(model.parameters()).dtype
-    example, shapes = _example(cfg, weight_dtype)
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layers)]
     outputs = ["logits", *present_names(layers)]
-    try:
-        with quiet(), torch.no_grad():
-            program = torch.onnx.export(
-                DecoderWithPast(model).eval(),
-                example,
-                dynamo=True,
-                dynamic_shapes=shapes,
-                input_names=inputs,
-                output_names=outputs,
-                opset_version=opset if opset is not None else opset_for(model),
-                verbose=False,
-            )
-        assert program is not None
-        program.model.metadata_props[MARK] = __version__
-    except Exception as err:  # noqa: BLE001 - the exporter raises many types
-        raise UnsupportedModelError(f"decoder ONNX export failed: {_root_cause(err)}") from None
+    program = _export(model, inputs, outputs, opset if opset is not None else opset_for(model))
     weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     external = weight_bytes > ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
     try:

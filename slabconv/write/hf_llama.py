@@ -104,6 +104,46 @@ def _projection_key(layer: int | None, name: str, what: str) -> str:
     return f"model.layers.{layer}.{group}.{name}.{what}"
 
 
+def _check_names(keys: set[str], layers: list[int]) -> None:
+    """Every name is one of the norm-free layout's, and every weight it requires is there.
+
+    Raises:
+        UnsupportedModelError: a tensor outside the layout, or a missing weight.
+    """
+    known = {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
+    for i in layers:
+        known.add(f"model.layers.{i}.self_attn.rotary_emb.inv_freq")
+        for name in _ATTN + _MLP:
+            known |= {_projection_key(i, name, "weight"), _projection_key(i, name, "bias")}
+    unknown = sorted(keys - known)
+    if unknown:
+        raise UnsupportedModelError(f"tensor {unknown[0]} is not part of the norm-free LLaMA layout; refused")
+    required = {"model.embed_tokens.weight", "lm_head.weight"} | {
+        _projection_key(i, name, "weight") for i in layers for name in _ATTN + _MLP
+    }
+    missing = sorted(required - keys)
+    if missing:
+        raise UnsupportedModelError(f"the fused LLaMA weights lack {missing[0]} ({len(missing)} missing)")
+
+
+def _biases(keys: set[str], layers: list[int]) -> dict[str, bool]:
+    """Whether each projection (and ``lm_head``) has a bias, the same in every layer.
+
+    Raises:
+        UnsupportedModelError: a projection has a bias in some layers only.
+    """
+    bias: dict[str, bool] = {"lm_head": "lm_head.bias" in keys}
+    for name in _ATTN + _MLP:
+        has = [_projection_key(i, name, "bias") in keys for i in layers]
+        if any(has) and not all(has):
+            raise UnsupportedModelError(
+                f"{name} has a bias in layers {[i for i, h in zip(layers, has, strict=True) if h][:4]} only; "
+                "the model needs the same layout in every layer"
+            )
+        bias[name] = all(has)
+    return bias
+
+
 def norm_free_layout(
     weight_shapes: Mapping[str, Sequence[int]] | Iterable[str], config: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -140,29 +180,8 @@ def norm_free_layout(
     layers = sorted({int(m.group(1)) for k in keys if (m := _LAYER.match(k))})
     if layers != list(range(len(layers))) or not layers:
         raise UnsupportedModelError(f"the decoder layers are not numbered 0 .. L-1 (found {layers[:8]})")
-    known = {"model.embed_tokens.weight", "lm_head.weight", "lm_head.bias"}
-    for i in layers:
-        known.add(f"model.layers.{i}.self_attn.rotary_emb.inv_freq")
-        for name in _ATTN + _MLP:
-            known |= {_projection_key(i, name, "weight"), _projection_key(i, name, "bias")}
-    unknown = sorted(keys - known)
-    if unknown:
-        raise UnsupportedModelError(f"tensor {unknown[0]} is not part of the norm-free LLaMA layout; refused")
-    required = {"model.embed_tokens.weight", "lm_head.weight"} | {
-        _projection_key(i, name, "weight") for i in layers for name in _ATTN + _MLP
-    }
-    missing = sorted(required - keys)
-    if missing:
-        raise UnsupportedModelError(f"the fused LLaMA weights lack {missing[0]} ({len(missing)} missing)")
-    bias: dict[str, bool] = {"lm_head": "lm_head.bias" in keys}
-    for name in _ATTN + _MLP:
-        has = [_projection_key(i, name, "bias") in keys for i in layers]
-        if any(has) and not all(has):
-            raise UnsupportedModelError(
-                f"{name} has a bias in layers {[i for i, h in zip(layers, has, strict=True) if h][:4]} only; "
-                "the model needs the same layout in every layer"
-            )
-        bias[name] = all(has)
+    _check_names(keys, layers)
+    bias = _biases(keys, layers)
     if config.get("num_hidden_layers") is not None and int(config["num_hidden_layers"]) != len(layers):
         raise UnsupportedModelError(
             f"config num_hidden_layers {config['num_hidden_layers']} but the weights have {len(layers)}"
