@@ -58,7 +58,7 @@ def _calibrate(sd: dict[str, torch.Tensor], cfg, ids: torch.Tensor) -> None:
     input and a RepBN in eval does not renormalise), so a deep random model overflows float32. Statistics measured
     on the model's own activations keep every norm's output near unit scale, as in a trained model.
     """
-    from slabconv.zoo.llama import LlamaDecoderLayer, norm_factory, rope_cos_sin
+    from slabconv.zoo.llama import LlamaDecoderLayer, llama_norm_factory, rope_cos_sin
 
     t = ids.shape[1]
     cos, sin = rope_cos_sin(t, cfg.head_dim, cfg.rope_theta, torch.float32)
@@ -67,7 +67,7 @@ def _calibrate(sd: dict[str, torch.Tensor], cfg, ids: torch.Tensor) -> None:
     with torch.no_grad():
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}"
-            layer = LlamaDecoderLayer(cfg, norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope=False)
+            layer = LlamaDecoderLayer(cfg, llama_norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope=False)
             _set_stats(sd, f"{p}.input_layernorm", h)
             state = {k[len(p) + 1 :]: v for k, v in sd.items() if k.startswith(p + ".") and "inv_freq" not in k}
             layer.load_state_dict(state, strict=True)

@@ -38,7 +38,7 @@ from slabconv.verify.generate import (
 from slabconv.verify.policy import fused_bound
 from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
 from slabconv.write.hf_llama import MODELING_FILE, load_fused_llama, write_hf_llama_metadata
-from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, norm_factory
+from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, llama_norm_factory
 from tests.conftest import ROOT, randomize_norms
 from tests.hfwrite import write_hf_folder
 
@@ -329,7 +329,7 @@ GQA = LlamaConfig(
 def gqa_original(seed: int = 0) -> LlamaForCausalLM:
     """The zoo's LLaMA with grouped-query attention (2 key/value heads for 4 query heads), random norms."""
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(GQA, norm_factory("linearnorm", GQA.rms_norm_eps))
+    model = LlamaForCausalLM(GQA, llama_norm_factory("linearnorm", GQA.rms_norm_eps))
     for module in model.modules():  # weights large enough that attention decides the tokens (not 0.02)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.3)

@@ -21,7 +21,7 @@ from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load import hf
 from slabconv.write.onnx import export_onnx
 from slabconv.zoo import detect_arch, get_arch
-from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, LlamaLinearNorm, norm_factory
+from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, LlamaLinearNorm, llama_norm_factory
 from slabconv.zoo.norms import RepBN, RMSNorm
 from tests import hfwrite
 from tests.conftest import ROOT, op_histogram, randomize_norms
@@ -40,7 +40,7 @@ TINY_CONFIG = {"model_type": "llama", "num_attention_heads": 4, "max_position_em
 
 def tiny_model(layout: str = "linearnorm", seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(TINY, norm_factory(layout, TINY.rms_norm_eps))
+    model = LlamaForCausalLM(TINY, llama_norm_factory(layout, TINY.rms_norm_eps))
     return randomize_norms(model, seed).to(dtype).eval()
 
 

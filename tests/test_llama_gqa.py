@@ -14,7 +14,7 @@ import torch
 from slabconv.engine import capture, fold_all, fused_state_dict
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo import get_arch
-from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, llama_config, norm_factory
+from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, llama_config, llama_norm_factory
 from tests.conftest import randomize_norms
 
 BASE = LlamaConfig(
@@ -31,7 +31,7 @@ CONFIG = {"model_type": "llama", "num_attention_heads": 4, "max_position_embeddi
 def gqa_model(kv: int, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = replace(BASE, num_key_value_heads=kv)
-    return randomize_norms(LlamaForCausalLM(cfg, norm_factory("linearnorm", cfg.rms_norm_eps))).to(dtype).eval()
+    return randomize_norms(LlamaForCausalLM(cfg, llama_norm_factory("linearnorm", cfg.rms_norm_eps))).to(dtype).eval()
 
 
 def ids(batch: int = 3, seq: int = 16) -> torch.Tensor:
@@ -48,7 +48,7 @@ def test_gqa_equals_multi_head_attention_with_each_kv_head_repeated(kv):
     for query head h are those of k/v head h // (heads / kv)."""
     model = gqa_model(kv)
     d, rep = BASE.head_dim, BASE.num_attention_heads // kv
-    mha = LlamaForCausalLM(BASE, norm_factory("linearnorm", BASE.rms_norm_eps)).eval()
+    mha = LlamaForCausalLM(BASE, llama_norm_factory("linearnorm", BASE.rms_norm_eps)).eval()
     state = copy.deepcopy(model.state_dict())
     for key, value in list(state.items()):
         if key.endswith(("k_proj.weight", "v_proj.weight")):

@@ -82,7 +82,7 @@ def _llama_tiny(config: Mapping[str, Any], keys: Mapping[str, Any]) -> nn.Module
     """LLaMA-PRepBN at hidden 16, intermediate 32, vocab 64, 2 heads (1 key/value head when the model has
     grouped-query attention), 2 layers; the folder's norm layout, eps and rope; fixed positive statistics (the
     plan depends on the data flow, not on these values)."""
-    from slabconv.zoo.llama import LlamaForCausalLM, llama_config, norm_factory
+    from slabconv.zoo.llama import LlamaForCausalLM, llama_config, llama_norm_factory
 
     if "model.embed_tokens.weight" not in keys or "lm_head.weight" not in keys:
         raise UnsupportedModelError("the streamed mode supports LLaMA-layout folders (model.embed_tokens, lm_head)")
@@ -108,7 +108,7 @@ def _llama_tiny(config: Mapping[str, Any], keys: Mapping[str, Any]) -> nn.Module
     )
     cfg = llama_config(fake, tiny_config)
     persistent = any(k.endswith("rotary_emb.inv_freq") for k in keys)
-    model = LlamaForCausalLM(cfg, norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
+    model = LlamaForCausalLM(cfg, llama_norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
     with torch.no_grad():
         for mod in model.modules():
             if isinstance(mod, nn.modules.batchnorm._BatchNorm):
@@ -131,16 +131,16 @@ def _llama_example() -> torch.Tensor:
 
 
 def _llama_layer(cfg: Any) -> nn.Module:
-    from slabconv.zoo.llama import LlamaDecoderLayer, norm_factory
+    from slabconv.zoo.llama import LlamaDecoderLayer, llama_norm_factory
 
     with torch.device("meta"):
-        return LlamaDecoderLayer(cfg, norm_factory("identity"), persistent_rope=False)
+        return LlamaDecoderLayer(cfg, llama_norm_factory("identity"), persistent_rope=False)
 
 
 def _llama_norm(layout: str, cfg: Any) -> nn.Module:
-    from slabconv.zoo.llama import norm_factory
+    from slabconv.zoo.llama import llama_norm_factory
 
-    return norm_factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
+    return llama_norm_factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
 
 
 def _llama_inputs(cfg: Any, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -66,7 +66,7 @@ __all__ = [
     "LlamaForCausalLM",
     "LlamaLinearNorm",
     "llama_config",
-    "norm_factory",
+    "llama_norm_factory",
     "repeat_kv",
     "rope_cos_sin",
     "seq_len",
@@ -134,7 +134,9 @@ class LlamaLinearNorm(LinearNorm):
         return lam * self.norm1(x) + (1.0 - lam) * self.norm2(x)
 
 
-def norm_factory(layout: str, eps: float = 1e-6, warm: int = 10000, step: int = 18000, every: int = 16) -> NormFactory:
+def llama_norm_factory(
+    layout: str, eps: float = 1e-6, warm: int = 10000, step: int = 18000, every: int = 16
+) -> NormFactory:
     """The norm constructor for a key layout.
 
     Args:
@@ -312,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: the hyperparameters (``llama_config`` reads them from a checkpoint and its config.json).
-        norm_layer: the norm constructor (``norm_factory``); default the official ``LinearNorm`` with
+        norm_layer: the norm constructor (``llama_norm_factory``); default the official ``LinearNorm`` with
             ``eps = cfg.rms_norm_eps``.
         persistent_rope: keep ``rotary_emb.inv_freq`` in the state_dict, as the official code does.
 
@@ -325,7 +327,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.hidden_act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r}: the LLaMA-PRepBN MLP uses silu")
         self.cfg = cfg
-        self.model = LlamaModel(cfg, norm_layer or norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope)
+        self.model = LlamaModel(cfg, norm_layer or llama_norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -449,7 +451,7 @@ def build_llama(
         norm if norm != "checkpoint" else (norm_layout(state_dict, "model.layers.0.input_layernorm") or "linearnorm")
     )
     persistent = any(k.endswith("rotary_emb.inv_freq") for k in state_dict)
-    model = LlamaForCausalLM(cfg, norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
+    model = LlamaForCausalLM(cfg, llama_norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
     _add_biases(model, state_dict)
     return model
 
