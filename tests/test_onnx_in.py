@@ -260,6 +260,9 @@ def test_the_onnx_walk_rules_name_the_aten_rules_that_state_the_same_fact():
     by_name = {rule.name: rule for rule in rules.RULES}
     for op, rule_name in {**onnx_graph.PASS, **onnx_graph.BLOCK_RULES}.items():
         assert rule_name in by_name, f"ONNX {op} names ATen rule {rule_name!r}, which engine.rules lacks"
+    for op, aten_name in onnx_graph.JOIN.items():
+        assert getattr(torch.ops.aten, aten_name).default in rules.JOIN_OPS, f"ONNX {op}: aten.{aten_name} is no join"
+    assert "Concat" not in onnx_graph.BLOCK and "Cast" in onnx_graph.PASS and onnx_graph.PASS["Cast"] == "cast"
     for op in onnx_graph.BACKWARD_PASS:
         assert op in onnx_graph.PASS and by_name[onnx_graph.PASS[op]].view_like, op
     for op, rule_name in onnx_graph.PASS.items():
@@ -498,3 +501,80 @@ def test_levit_batchnorms_after_linears_fold_backward(tmp_path):
     assert actions == collections.Counter({"folded-backward": 22, "folded-forward": 1}), actions
     assert report.verification is not None and report.verification.passed
     assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
+
+
+class _Joined(nn.Module):
+    """A RepBN whose output goes through ``Concat`` or ``Cast`` before the Linear that absorbs it."""
+
+    def __init__(self, kind: str, c: int = 8):
+        super().__init__()
+        self.kind = kind
+        self.norm = RepBN(c)
+        self.fc = nn.Linear(2 * c if kind == "channel-cat" else c, c)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, c))
+        if kind == "widen":
+            self.fc = self.fc.double()
+        if kind == "narrow":
+            self.fc = self.fc.half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.norm(x)
+        if self.kind == "token-cat":  # tokens split and put back together in another order
+            return self.fc(torch.cat([z[:, 2:], z[:, :2]], dim=1))
+        if self.kind == "cls-cat":  # a class token the norm did not produce
+            return self.fc(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), z], dim=1))
+        if self.kind == "channel-cat":
+            return self.fc(torch.cat([z, z], dim=-1))
+        if self.kind == "widen":
+            return self.fc(z.double())
+        return self.fc(z.half()).float()  # narrow
+
+
+JOINED = [
+    ("token-cat", "folded-forward", None),
+    ("cls-cat", "kept", reasons.CONCAT_WITH_UNNORMALIZED),
+    ("channel-cat", "kept", reasons.UNSUPPORTED_PREFIX + "onnx.Concat (along the channel axis)"),
+    ("widen", "folded-forward", None),
+    ("narrow", "kept", reasons.NARROWING_CAST),
+]
+
+
+def _naive_onnx(path: Path, out: Path) -> Path:
+    """The careless fold: the norm's affine into every layer its walk reached, blocked paths ignored."""
+    import onnx_ir as ir
+
+    model = ir.load(str(path))
+    shapes = onnx_graph.infer_shapes(str(path))
+    (norm,) = onnx_graph.find_norms(model.graph, shapes)
+    walk = onnx_graph.walk_forward(norm.output, norm.axis, shapes)
+    writes = onnx_graph._Writes()
+    for layer in walk.layers:
+        onnx_graph._fold_forward(layer, norm.scale, norm.shift, writes)
+    onnx_graph._commit(writes, model.graph)
+    onnx_graph._remove(norm, model.graph, shapes)
+    ir.save(model, str(out))
+    return out
+
+
+@pytest.mark.parametrize(("kind", "action", "reason"), JOINED, ids=[c[0] for c in JOINED])
+def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, kind, action, reason):
+    torch.manual_seed(0)
+    model = randomize_norms(_Joined(kind).eval(), seed=3)
+    x = torch.randn(2, 5, 8)
+    if kind == "narrow":  # float32 inputs beyond float16's range, a norm that brings them back into it
+        with torch.no_grad():
+            model.norm.bn.running_var.fill_(1e6)
+            model.norm.alpha.fill_(1e-4)
+        x = x * 3e4
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    assert op_histogram(path)["Cast" if kind in ("widen", "narrow") else "Concat"] >= 1
+    inputs = tmp_path / "x.npz"
+    np.savez(inputs, x=np.concatenate([x.numpy(), x.numpy() * 0.5]))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(inputs=inputs))
+    (decision,) = report.folds
+    assert (decision.action, decision.reason) == (action, reason)
+    assert report.verification is not None and report.verification.passed
+    if action == "kept" and kind != "channel-cat":  # the refusal is needed: the naive fold is far off (or inf)
+        y0 = _run(path, x.numpy())
+        y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x.numpy())
+        assert not np.isfinite(y1).all() or np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
