@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from slabconv import api
+from slabconv import api, onnx_in
 from slabconv.cli import app
 from slabconv.engine import onnx_graph, reasons, rules
 from slabconv.errors import InputError, UsageError
@@ -336,14 +336,57 @@ def test_no_backward_fold_when_another_node_reads_the_norms_input(tmp_path):
 
 
 class _TwoInputs(nn.Module):
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a + b
+    """``input_ids`` through an embedding and a RepBN into a Linear, ``attention_mask`` zeroing padded tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.norm, self.fc = nn.Embedding(11, 8), RepBN(8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        z = self.fc(self.norm(self.emb(ids)) + 0 * other)  # the norm's output is read by a residual Add
+        return z * attention_mask.unsqueeze(-1).to(z.dtype)
+
+
+def test_a_model_with_several_inputs_is_fed_each_from_its_type_and_shape(tmp_path):
+    model = randomize_norms(_TwoInputs().eval(), seed=1)
+    ids, mask, other = torch.randint(0, 11, (2, 5)), torch.ones(2, 5, dtype=torch.int64), torch.randn(2, 5, 8)
+    path = tmp_path / "three.onnx"
+    torch.onnx.export(
+        model, (ids, mask, other), str(path), dynamo=False, input_names=["input_ids", "attention_mask", "other"],
+        dynamic_axes={n: {0: "batch"} for n in ("input_ids", "attention_mask", "other")},
+    )  # fmt: skip
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=6))
+    (decision,) = report.folds  # blocked by the residual, folded backward into the embedding table
+    assert decision.action == "folded-backward"
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.inputs == "random(seed=0, samples=6)"
+    info = onnx_in_read(path)
+    drawn, _, _ = onnx_in.choose_onnx_inputs(info, VerifyOptions(samples=64))
+    assert isinstance(drawn, dict) and list(drawn) == ["input_ids", "attention_mask", "other"]
+    assert drawn["input_ids"].min() >= 0 and drawn["input_ids"].max() == 10  # bounded by the embedding's 11 rows
+    assert (drawn["attention_mask"] == 1).all() and drawn["other"].dtype == np.float32
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": rng.integers(0, 11, (3, 5)), "attention_mask": np.array([[1, 1, 1, 0, 0]] * 3),
+             "other": rng.standard_normal((3, 5, 8)).astype(np.float32)}  # fmt: skip
+    np.savez(tmp_path / "in.npz", **feeds)
+    report = api.fuse(path, tmp_path / "out2", verify=VerifyOptions(inputs=tmp_path / "in.npz"))
+    assert report.verification is not None and report.verification.passed
+    fused = ort.InferenceSession(str(tmp_path / "out2" / "model.onnx"), providers=["CPUExecutionProvider"])
+    original = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    y0, y1 = original.run(None, feeds)[0], fused.run(None, feeds)[0]
+    assert np.abs(y1 - y0).max() / np.abs(y0).max() < 1e-5 and (y1[:, 3:] == 0).all()
+    np.savez(tmp_path / "bad.npz", input_ids=feeds["input_ids"], other=feeds["other"])
+    with pytest.raises(InputError, match=r"expected an array named 'attention_mask', one per model input"):
+        api.fuse(path, tmp_path / "out3", verify=VerifyOptions(inputs=tmp_path / "bad.npz"))
+
+
+def onnx_in_read(path: Path):  # noqa: ANN201 - the OnnxFile of path
+    from slabconv.load.onnx_file import read_onnx
+
+    return read_onnx(path)
 
 
 def test_files_slabconv_cannot_fold_or_feed_are_refused_with_one_line(tmp_path):
-    torch.onnx.export(_TwoInputs(), (torch.ones(1, 2), torch.ones(1, 2)), str(tmp_path / "two.onnx"), dynamo=False)
-    with pytest.raises(InputError, match=r"the model has 2 inputs; slabconv folds and verifies ONNX models"):
-        api.inspect(tmp_path / "two.onnx")
     model = randomize_norms(_Model("plain").eval(), seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -578,3 +621,22 @@ def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, k
         y0 = _run(path, x.numpy())
         y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x.numpy())
         assert not np.isfinite(y1).all() or np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
+def test_a_bfloat16_original_is_refused_with_its_dtype_named_and_folds_unverified(tmp_path):
+    """onnxruntime's CPU provider has no bfloat16 BatchNormalization: question 2 cannot run, so ``fuse`` refuses
+    with one line naming the dtype (nothing written); without verification the fold is the float64 fold rounded
+    once to bfloat16 (question 1's tensors, checked here by hand)."""
+    model = randomize_norms(_Model("plain").eval(), seed=1).to(torch.bfloat16)
+    path = _export(model, torch.randn(2, 5, 8, dtype=torch.bfloat16), tmp_path / "model.onnx", 18)
+    with pytest.raises(InputError, match=r"onnxruntime cannot run this bfloat16 model \(.*verify=None"):
+        api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert not (tmp_path / "out").exists()
+    report = api.fuse(path, tmp_path / "out", verify=None)
+    assert [d.action for d in report.folds] == ["folded-forward"]
+    fused64, _ = onnx_in.fold_onnx(path, as_float64=True)
+    written = onnx_in._float_tensors(tmp_path / "out" / "model.onnx")
+    want = onnx_in._ir_tensors(fused64)
+    assert written and all(t.dtype == torch.bfloat16 for t in written.values())
+    for name, tensor in written.items():
+        assert torch.equal(tensor, want[name].to(torch.bfloat16)), name
