@@ -363,12 +363,40 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
     return out, f"random(seed={seed}, samples={samples})", None
 
 
+_RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli"})
+"""Ops that draw random numbers: a graph with one gives other outputs on every run (a dropout exported in training
+mode), so no two runs can be compared."""
+
+
+def check_deterministic(path: Path) -> None:
+    """Refuse a graph that draws random numbers: its outputs differ from run to run, so verification would
+    blame the fold for the noise.
+
+    Raises:
+        InputError: a ``RandomUniformLike`` / ``RandomNormal`` / ``Bernoulli`` node, or a ``Dropout`` whose
+            ``training_mode`` input is not a constant false.
+    """
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    false = {t.name for t in proto.graph.initializer if not onnx.numpy_helper.to_array(t).any()}
+    for node in proto.graph.node:
+        training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
+        if node.op_type in _RANDOM_OPS or training:
+            raise InputError(
+                f"{path}: the graph draws random numbers ({node.op_type} node {node.name!r}: a dropout or batch "
+                "statistics exported in training mode?), so no two runs agree; export the model after model.eval()"
+            )
+
+
 def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress: Progress) -> Verification:
     """Both questions for a fused ONNX file against its ONNX original (see the module docstring).
 
     Raises:
-        InputError, UsageError: unusable inputs; an original onnxruntime cannot run.
+        InputError, UsageError: unusable inputs; an original onnxruntime cannot run; a graph that draws random
+            numbers (``check_deterministic``).
     """
+    check_deterministic(info.path)
     x, label, digest = choose_onnx_inputs(info, opts)
     np_dtype = _NP_DTYPES.get(info.dtype)
     progress("verifying: the original in its dtype and in float64")

@@ -640,3 +640,18 @@ def test_a_bfloat16_original_is_refused_with_its_dtype_named_and_folds_unverifie
     assert written and all(t.dtype == torch.bfloat16 for t in written.values())
     for name, tensor in written.items():
         assert torch.equal(tensor, want[name].to(torch.bfloat16)), name
+
+
+def test_a_graph_exported_in_training_mode_is_refused_before_verification_blames_the_fold(tmp_path):
+    """The dynamo exporter keeps a module's training mode: a dropout then draws random numbers on every run, the
+    original disagrees with itself and question 1 would call a correct fold wrong."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 4)).train()
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(2, 8),), str(path), dynamo=True, opset_version=18)
+    assert {"RandomUniformLike", "Bernoulli", "Dropout"} & set(op_histogram(path))
+    with pytest.raises(InputError, match=r"the graph draws random numbers \(.*export the model after model.eval\(\)"):
+        api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert api.fuse(_export(model.eval(), torch.randn(2, 8), tmp_path / "e.onnx", 18, dynamo=True), tmp_path / "ok",
+                    verify=VerifyOptions(samples=2)).verification.passed  # fmt: skip
