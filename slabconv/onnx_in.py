@@ -379,7 +379,11 @@ def check_deterministic(path: Path) -> None:
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
-    false = {t.name for t in proto.graph.initializer if not onnx.numpy_helper.to_array(t).any()}
+    false = {
+        t.name
+        for t in proto.graph.initializer
+        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()
+    }  # scalar constants false (a dropout's training_mode); external tensors are weights, never read here
     for node in proto.graph.node:
         training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
         if node.op_type in _RANDOM_OPS or training:
