@@ -11,11 +11,12 @@ transformers' PatchTST with ``norm_type="batchnorm"`` (dynamo, opset 18; random 
 - the export as it is;
 - the graph onnxruntime runs after its optimizer at ``ORT_ENABLE_ALL`` (saved with ``optimized_model_filepath``;
   its fused contrib ops count as nodes), and its latency: what a user of the export gets;
+- onnxslim (``onnxslim.slim``) and onnx-simplifier (``onnxsim.simplify``) of the export, with the latency of what
+  they write (run with ``ORT_ENABLE_ALL``); "not installed" or the tool's one-line failure where they give none;
 - ``slabconv fuse`` of the export (verified), and that file after onnxruntime's optimizer, with its latency.
 
 Latency: onnxruntime on the CPU with ``ORT_ENABLE_ALL`` and one thread, median milliseconds over ``--repeats``
 runs at batch 8 (the digits, PatchTST) or 1 (LLaMA, 64 tokens), after 10 warm-up runs, all in one process.
-onnxslim and onnx-simplifier are not installed here, so they have no rows.
 """
 
 from __future__ import annotations
@@ -129,6 +130,37 @@ def _counts(path: Path) -> tuple[int, int]:
     return sum(ops.values()), ops["BatchNormalization"]
 
 
+def _third_party(path: Path, folder: Path) -> list[tuple[str, Path | str]]:
+    """``(tool, written file or why none)`` for onnxslim and onnx-simplifier on ``path``."""
+    out: list[tuple[str, Path | str]] = []
+    try:
+        import onnxslim
+    except ImportError:
+        out.append(("onnxslim", "not installed"))
+    else:
+        target = folder / f"{path.stem}.onnxslim.onnx"
+        try:
+            onnx.save(onnxslim.slim(onnx.load(str(path))), str(target))
+            out.append((f"onnxslim {onnxslim.__version__}", target))
+        except Exception as err:  # noqa: BLE001 - report the tool's failure as its row
+            out.append(("onnxslim", f"failed: {str(err).splitlines()[0][:80]}"))
+    try:
+        import onnxsim
+    except ImportError:
+        out.append(("onnx-simplifier", "not installed"))
+    else:
+        target = folder / f"{path.stem}.onnxsim.onnx"
+        try:
+            simplified, ok = onnxsim.simplify(onnx.load(str(path)))
+            if not ok:
+                raise RuntimeError("its check failed")
+            onnx.save(simplified, str(target))
+            out.append((f"onnx-simplifier {onnxsim.__version__}", target))
+        except Exception as err:  # noqa: BLE001 - report the tool's failure as its row
+            out.append(("onnx-simplifier", f"failed: {str(err).splitlines()[0][:80]}"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=100)
@@ -144,13 +176,20 @@ def main(argv: list[str] | None = None) -> None:
             api.fuse(path, out, verify=VerifyOptions(samples=8))
             fused_optimized = path.with_suffix(".fused.ort.onnx")
             fused = _session(out / "model.onnx", fused_optimized)
-            rows = [
+            rows: list[tuple[str, Path | str, ort.InferenceSession | None]] = [
                 ("the export", path, None),
                 ("onnxruntime ORT_ENABLE_ALL", optimized, original),
+            ]
+            for tool, written in _third_party(path, folder):
+                rows.append((tool, written, _session(written) if isinstance(written, Path) else None))
+            rows += [
                 ("slabconv fuse", out / "model.onnx", None),
                 ("slabconv fuse, then onnxruntime ORT_ENABLE_ALL", fused_optimized, fused),
             ]
             for tool, file, session in rows:
+                if isinstance(file, str):
+                    print(f"| {name} | {tool}: {file} | - | - | - |")
+                    continue
                 nodes, bn = _counts(file)
                 latency = f"{_latency(session, x, args.repeats):.3f}" if session is not None else "-"
                 print(f"| {name} | {tool} | {nodes} | {bn} | {latency} |")

@@ -315,7 +315,7 @@ def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progres
     return Report("inspect", source=source_of(loaded), folds=planned.decisions)
 
 
-@python_advice()
+@python_advice({"--no-verify": "verify=None"})
 def fuse(
     path: Path | str,
     out: Path | str | None = None,

@@ -36,11 +36,11 @@ from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, sha256_file
 from slabconv.verify import judge
-from slabconv.verify.inputs import load_npz_inputs
+from slabconv.verify.inputs import load_npz_inputs, load_npz_members
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.results import IntegrityCheck, Verification
 from slabconv.verify.run import Reference, check_reference, output_names, question_2, runtime_summary
-from slabconv.verify.runtimes import Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
+from slabconv.verify.runtimes import Inputs, Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
 from slabconv.version import __version__
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES
 
@@ -234,10 +234,17 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
     Returns:
         ``(run, which)``: ``which`` names the evaluator (``onnxruntime`` or ``onnx.reference``).
     """
+    import onnx
     import onnx_ir as ir
 
     proto = ir.to_proto(model)
-    name = proto.graph.input[0].name
+    first = proto.graph.input[0].name
+    declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in proto.graph.input}
+
+    def feed(x: Inputs) -> dict[str, np.ndarray]:
+        pairs = x.items() if isinstance(x, dict) else [(first, x)]
+        return {n: _round(a, round_to) if a.dtype.kind == "f" else a.astype(declared[n]) for n, a in pairs}
+
     try:
         import onnxruntime as ort
 
@@ -246,8 +253,8 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         options.log_severity_level = 3
         session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
-        def run(x: np.ndarray) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in session.run(None, {name: _round(x, round_to)})]
+        def run(x: Inputs) -> list[np.ndarray]:
+            return [np.asarray(o, dtype=np.float64) for o in session.run(None, feed(x))]
 
         return run, "onnxruntime"
     except Exception:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
@@ -255,8 +262,8 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
 
         evaluator = ReferenceEvaluator(proto)
 
-        def run(x: np.ndarray) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, {name: _round(x, round_to)})]
+        def run(x: Inputs) -> list[np.ndarray]:
+            return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
 
         return run, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 
@@ -284,14 +291,17 @@ def embedding_rows(path: Path, input_name: str) -> int | None:
     return None
 
 
-def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[np.ndarray, str, str | None]:
+def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
     """The verification inputs: ``--inputs`` (an ``.npz``), else seeded samples drawn from the graph's input type
-    and shape: standard normal floats, or token ids below the embedding's row count.
+    and shape: standard normal floats, or token ids below the embedding's row count. A model with several inputs
+    gets a dict of arrays by input name (``_several_inputs``).
 
     Raises:
         UsageError: a dynamic axis other than the batch, or integer inputs whose range no embedding gives.
         InputError: an unreadable ``.npz`` or one of the wrong shape.
     """
+    if len(info.inputs) > 1:
+        return _several_inputs(info, opts)
     if opts.inputs:
         path = Path(opts.inputs)
         if not path.is_file():
@@ -316,18 +326,94 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[np.ndarray,
     return rng.standard_normal((samples, *info.input_shape)).astype(np.float32), label, None
 
 
+def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
+    """Inputs of a model with several graph inputs, by name: ``--inputs`` (an ``.npz`` with one array per input
+    name), else seeded samples drawn from each input's type and shape: standard normal floats; integer ids below
+    the row count of the embedding an input indexes; an integer or boolean input named like a mask
+    (``attention_mask``) all ones (every token attended); any other integer input 0 or 1 (``token_type_ids``).
+
+    Raises:
+        UsageError: an input with dynamic axes besides the batch and no ``--inputs``.
+        InputError: an unreadable ``.npz``, one without an array per input or of the wrong shapes.
+    """
+    if opts.inputs:
+        path = Path(opts.inputs)
+        if not path.is_file():
+            raise InputError(f"{path}: no such file (--inputs)")
+        arrays = load_npz_members(path, {i.name: i.shape for i in info.inputs})
+        cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
+        return cast, str(path), sha256_file(path)
+    samples, seed = opts.sample_count(), opts.seed
+    if samples < 1:
+        raise UsageError(f"--samples must be at least 1 (got {samples})")
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for graph_input in info.inputs:
+        if graph_input.shape is None:
+            raise UsageError(
+                f"{info.path}: the input {graph_input.name!r} has dynamic axes besides the batch; pass --inputs NPZ"
+            )
+        shape = (samples, *graph_input.shape)
+        if not graph_input.integer:
+            out[graph_input.name] = rng.standard_normal(shape).astype(np.float32)
+        elif "mask" in graph_input.name.lower():
+            out[graph_input.name] = np.ones(shape, dtype=np.int64)
+        else:
+            rows = embedding_rows(info.path, graph_input.name)
+            out[graph_input.name] = rng.integers(0, rows if rows is not None else 2, shape, dtype=np.int64)
+    return out, f"random(seed={seed}, samples={samples})", None
+
+
+_RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli"})
+"""Ops that draw random numbers: a graph with one gives other outputs on every run (a dropout exported in training
+mode), so no two runs can be compared."""
+
+
+def check_deterministic(path: Path) -> None:
+    """Refuse a graph that draws random numbers: its outputs differ from run to run, so verification would
+    blame the fold for the noise.
+
+    Raises:
+        InputError: a ``RandomUniformLike`` / ``RandomNormal`` / ``Bernoulli`` node, or a ``Dropout`` whose
+            ``training_mode`` input is not a constant false.
+    """
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    false = {
+        t.name
+        for t in proto.graph.initializer
+        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()
+    }  # scalar constants false (a dropout's training_mode); external tensors are weights, never read here
+    for node in proto.graph.node:
+        training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
+        if node.op_type in _RANDOM_OPS or training:
+            raise InputError(
+                f"{path}: the graph draws random numbers ({node.op_type} node {node.name!r}: a dropout or batch "
+                "statistics exported in training mode?), so no two runs agree; export the model after model.eval()"
+            )
+
+
 def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress: Progress) -> Verification:
     """Both questions for a fused ONNX file against its ONNX original (see the module docstring).
 
     Raises:
-        InputError, UsageError: unusable inputs; an original onnxruntime cannot run.
+        InputError, UsageError: unusable inputs; an original onnxruntime cannot run; a graph that draws random
+            numbers (``check_deterministic``).
     """
+    check_deterministic(info.path)
     x, label, digest = choose_onnx_inputs(info, opts)
     np_dtype = _NP_DTYPES.get(info.dtype)
     progress("verifying: the original in its dtype and in float64")
     try:
-        original_rt = onnx_runtimes(info.path)[0]
+        original_rt = onnx_runtimes(info.path, several=True)[0]
     except RuntimeUnavailable as err:
+        if info.dtype == "bfloat16":  # the CPU provider lacks bfloat16 kernels for most ops (BatchNorm, MatMul)
+            raise InputError(
+                f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
+                "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
+                "kernels, or fold a float32 or float16 export"
+            ) from None
         raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
     batch = original_rt.fixed_batch
     original = run_batched(original_rt.run, x, fixed_batch=batch)
@@ -355,7 +441,7 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
     verification.integrity.append(IntegrityCheck(f"onnx.checker[full_check] {fused_path.name}", passed, detail))
     runtimes: list[Runtime] = []
     try:
-        runtimes = onnx_runtimes(fused_path)
+        runtimes = onnx_runtimes(fused_path, several=True)
     except RuntimeUnavailable as err:
         raise InputError(f"{fused_path.name}: {first_line(err)}") from None
     for runtime in runtimes:

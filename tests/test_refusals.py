@@ -389,6 +389,35 @@ def test_concat_with_unnormalized():
     check_refusal(randomize(ClsConcat()), tokens(), reasons.CONCAT_WITH_UNNORMALIZED)
 
 
+class NarrowingCast(nn.Module):
+    """A float32 norm whose output is cast to float16 before a float16 Linear (a mixed-precision head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RepBN(C)
+        self.fc = nn.Linear(C, 5).half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x).to(self.fc.weight.dtype)).float()
+
+
+def test_narrowing_cast_after_norm():
+    """The original rounds ``s x + t`` to float16 (about 100 here); the naive fold rounds ``x`` (1e5: inf)."""
+    model = randomize(NarrowingCast())
+    with torch.no_grad():
+        model.norm.bn.running_var.fill_(1e6)
+        model.norm.alpha.fill_(1e-4)
+    x = tokens() * 3e4
+    reference = model.eval()(x)
+    assert not torch.isfinite(naive_fold(model, "norm", "fc")(x)).all()
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert (d.action, d.reason, d.into) == ("kept-affine", reasons.NARROWING_CAST, [])
+    assert rel_err(gm(x), reference) <= TOL[torch.float16]  # the affine is kept before the float16 cast
+    widening = copy.deepcopy(model).float()  # the same model with a float32 head: the cast holds every value
+    assert only(fuse(widening, x)[1]).action == "folded-forward"
+
+
 class ConcatWithNonlinearBranch(nn.Module):
     """``cat([y, relu(y)])``: both pieces come from the norm, but one is no longer an affine of the input."""
 

@@ -37,11 +37,18 @@ import onnx_ir as ir
 import torch
 
 from slabconv import fold
-from slabconv.engine import reasons
+from slabconv.engine import reasons, rules
 from slabconv.engine.planner import FOLDED_BACKWARD, FOLDED_FORWARD, KEPT, Decision
 
-Shapes = dict[str, tuple[int | str | None, ...]]
-"""Value name -> static shape from ONNX shape inference (an int per known dim, a name or None otherwise)."""
+
+class Shapes(dict[str, tuple[int | str | None, ...]]):
+    """Value name -> static shape from ONNX shape inference (an int per known dim, a name or None otherwise);
+    ``dtypes``: value name -> its ONNX element type, where inference knows it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.dtypes: dict[str, int] = {}
+
 
 PASS = {
     "Transpose": "permute",
@@ -54,11 +61,12 @@ PASS = {
     "Gather": "index",
     "Slice": "slice",
     "ReduceMean": "mean",
+    "Cast": "cast",
 }
 """ONNX ops the forward walk passes when the channel axis stays whole, and the name of the ATen rule
 (``slabconv.engine.rules.RULES``) that states the same fact for the PyTorch engine (a test holds them together)."""
 
-BACKWARD_PASS = ("Transpose", "Identity", "Dropout", "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+BACKWARD_PASS = ("Transpose", "Identity", "Dropout", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast")
 """The ops the backward walk passes: each output element a copy of one input element of the same channel (their
 ATen rules are ``view_like``)."""
 
@@ -69,18 +77,70 @@ NONLINEAR_OPS = frozenset(
 )  # fmt: skip
 """Ops that do not commute with ``s * x + t``: a path through one is blocked (``nonlinear-before-consumer``)."""
 
+JOIN = {"Concat": "cat"}
+"""ONNX ops that join several tensors, and the ATen op of ``slabconv.engine.rules.JOIN_OPS`` with the same rule
+(``slabconv.engine.flow._join``): a join passes when every input carries the affine with the same channel axis."""
+
 BLOCK_RULES = {"Pad": "pad", "Where": "masked", **dict.fromkeys(NONLINEAR_OPS, "nonlinear")}
 """The ATen rule for the same fact, for each op of ``BLOCK`` that has one (checked by a test)."""
 
 BLOCK = {
     "Pad": reasons.ZERO_PADDING_AFTER_NORM,
     "Where": reasons.MASKED_AFTER_NORM,
-    "Concat": reasons.CONCAT_WITH_UNNORMALIZED,
     **dict.fromkeys(NONLINEAR_OPS, reasons.NONLINEAR),
 }
 """Ops that stop a forward walk, with the reason the report gives (others: ``unsupported-op:onnx.<Op>``)."""
 
 SHAPE_ONLY = frozenset({"Shape", "Size"})
+
+_TORCH_DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 11: torch.float64}
+"""ONNX element types of the floating dtypes (``TensorProto.FLOAT`` ...); any other is an integer / bool type."""
+
+
+def _torch_dtype(elem: int | None) -> torch.dtype | None:
+    return None if elem is None else _TORCH_DTYPES.get(int(elem), torch.int64)
+
+
+def value_dtype(value: ir.Value, shapes: Shapes) -> torch.dtype | None:
+    """The dtype of ``value`` in the file: what shape inference found on it (the float64 graph of question 1 is
+    decided on the file's dtypes, so it folds exactly what the file's fold does), else its own type, else a
+    ``Cast``'s target."""
+    if (value.name or "") in shapes.dtypes:
+        return _torch_dtype(shapes.dtypes[value.name or ""])
+    if value.dtype is not None:
+        return _torch_dtype(value.dtype.value)
+    node = value.producer()
+    return _torch_dtype(attr(node, "to")) if node is not None and node.op_type == "Cast" else None
+
+
+def _cast_chain(value: ir.Value, shapes: Shapes) -> list[torch.dtype]:
+    """The dtypes ``value`` had through the exact (widening) ``Cast`` nodes that produced it, its own last (as
+    ``slabconv.engine.rules._cast_chain``)."""
+    chain: list[torch.dtype] = []
+    v: ir.Value | None = value
+    while v is not None and (dtype := value_dtype(v, shapes)) is not None:
+        chain.insert(0, dtype)
+        node = v.producer()
+        if node is None or node.op_type != "Cast" or not node.inputs or node.inputs[0] is None:
+            break
+        before = value_dtype(node.inputs[0], shapes)
+        if before is None or not rules.holds_every_value(dtype, before):
+            break
+        v = node.inputs[0]
+    return chain
+
+
+def cast_passes(node: ir.Node, src: ir.Value, shapes: Shapes) -> str | None:
+    """None when the ``Cast`` ``node`` of ``src`` holds every value of it (``rules.cast_outcome``), else the reason
+    it blocks: ``narrowing-cast-after-norm``, or ``unsupported-op:onnx.Cast`` for a non-floating target."""
+    chain, dst = _cast_chain(src, shapes), value_dtype(node.outputs[0], shapes)
+    unsupported = reasons.UNSUPPORTED_PREFIX + "onnx.Cast"
+    if dst is None or not chain:
+        return unsupported
+    outcome = rules.cast_outcome(chain, dst, rules.Chan(0, 1), unsupported)
+    return outcome.reason if isinstance(outcome, rules.Block) else None
+
+
 """Readers of a tensor's shape only: a fold changes no shape, so they do not block."""
 
 
@@ -419,6 +479,9 @@ def _pass(node: ir.Node, idx: int, axis: int, shapes: Shapes, src: ir.Value) -> 
         return None, unsupported
     if op in ("Identity", "Dropout"):
         return axis, None
+    if op == "Cast":
+        reason = cast_passes(node, src, shapes)
+        return (axis, None) if reason is None else (None, reason)
     if op == "Transpose":
         perm = attr(node, "perm")
         rank = _rank(shapes, src)
@@ -524,16 +587,24 @@ def walk_forward(value: ir.Value, axis: int, shapes: Shapes) -> Walk:
     """Every path from ``value`` (channel axis ``axis``): the layers that absorb the affine, the blocked paths."""
     walk = Walk()
     seen: set[int] = set()
+    joins: dict[int, tuple[ir.Node, dict[int, int]]] = {}  # Concat -> the inputs the affine reached, and its axis
+    decided: set[int] = set()
 
     def visit(v: ir.Value, ax: int) -> None:
         if v.is_graph_output():
             walk.blocked.append(("<output>", reasons.FEEDS_OUTPUT))
         for node, idx in _readers(v):
             key = id(node)
+            op = node.op_type
+            if op in JOIN and node.graph is v.graph and node.domain in ("", "ai.onnx"):
+                if key in decided:  # reached again after it was decided (blocked): this path is blocked too
+                    walk.blocked.append((_where(node), reasons.CONCAT_WITH_UNNORMALIZED))
+                else:
+                    joins.setdefault(key, (node, {}))[1][idx] = ax
+                continue
             if key in seen:
                 continue
             seen.add(key)
-            op = node.op_type
             if node.graph is not v.graph:  # read inside an If / Loop body: not followed
                 walk.blocked.append((_where(node), reasons.UNSUPPORTED_PREFIX + f"onnx.{op} (in a subgraph)"))
             elif node.domain not in ("", "ai.onnx"):
@@ -557,7 +628,35 @@ def walk_forward(value: ir.Value, axis: int, shapes: Shapes) -> Walk:
                 walk.blocked.append((_where(node), BLOCK.get(op, reasons.UNSUPPORTED_PREFIX + f"onnx.{op}")))
 
     visit(value, axis)
+    while pending := [key for key in joins if key not in decided]:
+        ready = [k for k in pending if len(joins[k][1]) == len(joins[k][0].inputs)]
+        key = (ready or pending)[0]
+        decided.add(key)
+        node, got = joins[key]
+        new_axis, reason = _join(node, got, shapes)
+        if new_axis is None:
+            walk.blocked.append((_where(node), reason or reasons.UNSUPPORTED_PREFIX + "onnx.Concat"))
+        else:
+            visit(node.outputs[0], new_axis)
     return walk
+
+
+def _join(node: ir.Node, got: dict[int, int], shapes: Shapes) -> tuple[int | None, str | None]:
+    """A ``Concat`` whose inputs ``got`` (input index -> channel axis) carry the affine: it passes when every input
+    carries it on the same axis and the concatenation runs along another axis (tokens: a split put back
+    together); an input the norm did not produce (a class token) blocks with ``concat-with-unnormalized``, as
+    ATen's ``cat`` (``slabconv.engine.flow._join``). Along the channel axis the channels would repeat (the ATen
+    engine tiles the affine there; this engine does not): ``unsupported-op:onnx.Concat``."""
+    if len(got) != len(node.inputs):
+        return None, reasons.CONCAT_WITH_UNNORMALIZED
+    axes = set(got.values())
+    rank = _rank(shapes, node.outputs[0])
+    if len(axes) != 1 or rank is None:
+        return None, reasons.UNSUPPORTED_PREFIX + "onnx.Concat"
+    axis = axes.pop()
+    if int(attr(node, "axis", 0)) % rank == axis:
+        return None, reasons.UNSUPPORTED_PREFIX + "onnx.Concat (along the channel axis)"
+    return axis, None
 
 
 def find_producer(value: ir.Value, axis: int, shapes: Shapes) -> tuple[Layer | None, str]:
@@ -592,6 +691,10 @@ def find_producer(value: ir.Value, axis: int, shapes: Shapes) -> tuple[Layer | N
                 if perm is None:
                     return None, "a Transpose without perm"
                 ax = list(perm)[ax]
+            elif op == "Cast":
+                reason = cast_passes(node, src, shapes)
+                if reason is not None:
+                    return None, f"{_where(node)}: {reason}"
             elif op not in ("Identity", "Dropout"):
                 back = _view_axis(shapes, v, src, ax)
                 if back is None:
@@ -901,15 +1004,18 @@ def infer_shapes(proto_path: str) -> Shapes:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help: values it cannot type block the walks that need them
         pass
-    shapes: Shapes = {}
+    shapes = Shapes()
     for info in [*proto.graph.input, *proto.graph.value_info, *proto.graph.output]:
         tensor = info.type.tensor_type
+        if tensor.elem_type:
+            shapes.dtypes[info.name] = int(tensor.elem_type)
         if tensor.HasField("shape"):
             shapes[info.name] = tuple(
                 d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
             )
     for init in proto.graph.initializer:
         shapes[init.name] = tuple(int(d) for d in init.dims)
+        shapes.dtypes[init.name] = int(init.data_type)
     return shapes
 
 

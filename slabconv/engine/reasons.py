@@ -20,6 +20,7 @@ BATCH_STATS_IN_EVAL = "batch-stats-in-eval"
 TRAIN_MODE = "train-mode"
 DYNAMIC_TOKEN_COUNT = "dynamic-token-count"
 CONCAT_WITH_UNNORMALIZED = "concat-with-unnormalized"
+NARROWING_CAST = "narrowing-cast-after-norm"
 FEEDS_OUTPUT = "feeds-model-output"
 SHARED_WEIGHT = "shared-consumer-weight"
 DTYPE_OVERFLOW = "dtype-overflow"
@@ -38,6 +39,7 @@ ALL = (
     TRAIN_MODE,
     DYNAMIC_TOKEN_COUNT,
     CONCAT_WITH_UNNORMALIZED,
+    NARROWING_CAST,
     FEEDS_OUTPUT,
     SHARED_WEIGHT,
     DTYPE_OVERFLOW,

@@ -123,10 +123,68 @@ def _identity(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     return Pass(ch)
 
 
+_WIDER: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.float16: (torch.float16, torch.float32, torch.float64),
+    torch.bfloat16: (torch.bfloat16, torch.float32, torch.float64),
+    torch.float32: (torch.float32, torch.float64),
+    torch.float64: (torch.float64,),
+}
+"""For each floating dtype, the dtypes that hold every one of its values exactly."""
+
+
+def holds_every_value(dst: torch.dtype, src: torch.dtype) -> bool:
+    """True when every value of ``src`` is a value of ``dst`` (a cast ``src -> dst`` is exact)."""
+    return dst in _WIDER.get(src, (src,))
+
+
+def cast_outcome(chain: Sequence[torch.dtype], dst: torch.dtype, ch: Chan, unsupported_reason: str) -> Outcome:
+    """What a cast to ``dst`` does to the affine, for both engines (the ONNX ``Cast`` and ATen ``_to_copy``).
+
+    ``chain`` holds the dtypes the cast's input had through the casts right before it (the input's own dtype
+    last; each earlier one its value was widened from exactly). The cast commutes with ``s * x + t`` when every
+    value of its input is a value of ``dst``: ``dst`` holds one of the chain's dtypes (a widening, a round trip
+    ``float32 -> float64 -> float32``). A narrowing cast does not: the original rounds (or overflows)
+    ``s * x + t`` to ``dst`` where the fold would round ``x`` (``narrowing-cast-after-norm``). A cast to a
+    non-floating dtype blocks with ``unsupported_reason``.
+    """
+    if not dst.is_floating_point:
+        return Block(unsupported_reason)
+    if any(holds_every_value(dst, d) for d in chain):
+        return Pass(ch)
+    return Block(reasons.NARROWING_CAST)
+
+
+_CAST_NAMES = ("_to_copy", "to.dtype", "to.dtype_layout", "to.device", "type_as")
+
+
+def _dtype_of(node: Any) -> torch.dtype | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _cast_chain(src: fx.Node) -> list[torch.dtype]:
+    """The dtypes ``src`` had through the exact (widening) casts that produced it, its own dtype last."""
+    chain: list[torch.dtype] = []
+    node: Any = src
+    while (dtype := _dtype_of(node)) is not None:
+        chain.insert(0, dtype)
+        if node.op != "call_function" or node.target not in _CAST_OPS or not node.args:
+            break
+        before = _dtype_of(node.args[0])
+        if before is None or not holds_every_value(dtype, before):
+            break
+        node = node.args[0]
+    return chain
+
+
 def _cast(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """A cast between floating dtypes (or the same dtype, or a device move) commutes; to an integer type it
-    does not (the walker blocks non-float outputs)."""
-    return Pass(ch)
+    """A cast to a floating dtype that holds every value of its input (a widening, a device move, a round trip
+    back) commutes; a narrowing cast blocks (``narrowing-cast-after-norm``), a cast to an integer type is
+    ``unsupported-op`` (``cast_outcome``, shared with the ONNX engine)."""
+    dst, chain = _dtype_of(user), _cast_chain(src)
+    if dst is None or not chain:
+        return unsupported(user)
+    return cast_outcome(chain, dst, ch, reasons.unsupported(user))
 
 
 def _dropout(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
@@ -511,6 +569,7 @@ RULES: tuple[OpRule, ...] = (
     OpRule("nonlinear", _ops(*_NONLINEAR), _nonlinear),
 )
 RULE_OF: dict[Any, OpRule] = {op: rule for rule in RULES for op in rule.ops}
+_CAST_OPS = set(_ops(*_CAST_NAMES))
 
 # Ops that read only the shape, dtype or device of a tensor: no data flows through them.
 SHAPE_ONLY = set(_ops("sym_size.int", "sym_numel", "sym_stride.int", "sym_storage_offset", "_assert_tensor_metadata"))

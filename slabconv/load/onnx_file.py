@@ -39,10 +39,11 @@ class OnnxFile:
         producer: ``producer_name producer_version``.
         dtype: the floating dtype of its first float input (else of its largest float initializer): ``float32``,
             ``float16``, ``bfloat16`` or ``float64``.
-        input_name: its only graph input (slabconv verifies one-input models).
+        input_name: its first graph input.
         input_shape: one sample's input shape without the batch axis, when every axis but the batch is static.
         batch: the batch size when the batch axis is static, else None.
-        token_input: the input is integer ids.
+        token_input: the first input is integer ids.
+        inputs: every graph input (``GraphInput``), in order.
     """
 
     path: Path
@@ -58,6 +59,33 @@ class OnnxFile:
     batch: int | None
     token_input: bool
     files_sha256: dict[str, str] = field(default_factory=dict)
+    inputs: list[GraphInput] = field(default_factory=list)
+
+
+@dataclass
+class GraphInput:
+    """One graph input: ``name``, its numpy ``dtype`` (``bool``, ``int64``, ``float32``...), ``shape`` (one
+    sample's shape without the batch axis, None when an axis besides the batch is dynamic)."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...] | None
+
+    @property
+    def integer(self) -> bool:
+        return bool(np.issubdtype(self.dtype, np.integer) or self.dtype == np.bool_)
+
+
+def _graph_input(info: object) -> GraphInput:
+    import onnx
+
+    tensor = info.type.tensor_type  # type: ignore[attr-defined]
+    dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+    rest = dims[1:]
+    elem = tensor.elem_type
+    dtype = np.dtype(np.float32) if elem == 16 else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
+    shape = tuple(int(d or 0) for d in rest) if all(d is not None and d > 0 for d in rest) else None
+    return GraphInput(info.name, dtype, shape if dims else None)  # type: ignore[attr-defined]
 
 
 def _external_locations(proto: object) -> list[str]:
@@ -72,7 +100,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
 
     Raises:
         InputError: no such file; not a readable ONNX model; external data outside the model's folder or missing;
-            a model with other than one graph input.
+            a model without graph inputs.
     """
     import onnx
 
@@ -101,10 +129,8 @@ def read_onnx(path: Path | str) -> OnnxFile:
             raise InputError(f"{path}: its external data file {location!r} is missing; copy it beside the .onnx file")
         files.append(target)
     inputs = [i for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}]
-    if len(inputs) != 1:
-        raise InputError(
-            f"{path}: the model has {len(inputs)} inputs; slabconv folds and verifies ONNX models with one input"
-        )
+    if not inputs:
+        raise InputError(f"{path}: the model has no inputs; slabconv verifies a model on inputs, export it with one")
     tensor = inputs[0].type.tensor_type
     dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
     rest = dims[1:]
@@ -125,6 +151,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
         batch=dims[0] if dims and dims[0] else None,
         token_input=token_input,
         files_sha256={f.name: sha256_file(f) for f in files},
+        inputs=[_graph_input(i) for i in inputs],
     )
 
 

@@ -130,11 +130,35 @@ def _load(read, path: Path) -> np.ndarray:  # type: ignore[no-untyped-def]
         raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
 
 
-def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None) -> np.ndarray:
+def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> dict[str, np.ndarray]:
+    """One array per name of ``shapes`` from an ``.npz`` (a model with several inputs), each checked as
+    ``read_inputs`` checks ``x`` against its shape, all with the same number of samples.
+
+    Raises:
+        InputError: as ``read_inputs``; a name the file lacks; arrays with different sample counts.
+    """
+    out: dict[str, np.ndarray] = {}
+    with safety.open_regular(path, "--inputs") as f:
+        if not f.read(2).startswith(b"PK"):
+            raise InputError(f"{path}: not a readable .npz file; save one array per model input with numpy.savez")
+        for name, shape in shapes.items():
+            f.seek(0)
+            out[name] = _read_npz(f, path, shape, key=name)
+    counts = {name: len(a) for name, a in out.items()}
+    if len(set(counts.values())) > 1:
+        raise InputError(f"{path}: its arrays hold different numbers of samples ({counts}); give each input N samples")
+    return out
+
+
+def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key: str | None = None) -> np.ndarray:
     try:
         with zipfile.ZipFile(f) as archive:
             infos = {i.filename.removesuffix(".npy"): i for i in archive.infolist()}
-            key = "x" if "x" in infos else (next(iter(infos)) if len(infos) == 1 else None)
+            if key is not None and key not in infos:
+                raise InputError(
+                    f"{path}: expected an array named {key!r}, one per model input (found {', '.join(list(infos)[:8])})"
+                )
+            key = key or ("x" if "x" in infos else (next(iter(infos)) if len(infos) == 1 else None))
             if key is None:
                 raise InputError(f"{path}: expected an array named 'x' (found {', '.join(list(infos)[:8])})")
             info = infos[key]

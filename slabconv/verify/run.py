@@ -55,7 +55,8 @@ class Reference:
     """The original model's outputs on the verification inputs: in its own dtype, and in float64.
 
     Attributes:
-        x: the inputs ``(N, ...)`` (float32 or int64 ids).
+        x: the inputs ``(N, ...)`` (float32 or int64 ids); for an ONNX original with several inputs, a dict of
+            such arrays by input name (``slabconv.verify.runtimes.Inputs``).
         label, sha256: where they came from (``.npz`` path or ``random(...)``) and the file's digest.
         dtype: the checkpoint's dtype name.
         original: every output of the original model in its dtype.
@@ -65,7 +66,7 @@ class Reference:
         fused64: the float64 fold of the original graph (for question 1), when there is a graph.
     """
 
-    x: np.ndarray
+    x: Any
     label: str
     sha256: str | None
     dtype: str

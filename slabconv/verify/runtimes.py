@@ -20,7 +20,11 @@ from torch import nn
 from slabconv.errors import InputError, first_line
 from slabconv.verify.policy import dtype_name
 
-Run = Callable[[np.ndarray], list[np.ndarray]]
+Inputs = np.ndarray | dict[str, np.ndarray]
+"""The inputs of a run: one array ``(N, ...)``, or one per graph input, by name, each ``(N, ...)`` (an ONNX
+original with several inputs)."""
+
+Run = Callable[[Any], list[np.ndarray]]
 
 
 @dataclass
@@ -76,15 +80,17 @@ _ORT_DTYPES = {
     "tensor(double)": (np.float64, "float64"),
     "tensor(int64)": (np.int64, None),
     "tensor(int32)": (np.int32, None),
+    "tensor(bool)": (np.bool_, None),
 }
 _ORT_OUTPUT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64"}
 _ORT_OUTPUT_DTYPES["tensor(bfloat16)"] = "bfloat16"
 
 
-def onnx_runtimes(path: Path) -> list[Runtime]:
+def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
     """onnxruntime on CPU with graph optimisations disabled and fully enabled (an optimiser can change numbers).
 
-    Each ``run`` casts the input to the model's input type and returns every output as float64.
+    Each ``run`` casts the input to the model's input type and returns every output as float64. With ``several``
+    a model may have several inputs; its ``run`` then takes a dict of arrays by input name (``Inputs``).
 
     Raises:
         RuntimeUnavailable: onnxruntime cannot create a session for it (e.g. bfloat16 ops its CPU provider lacks).
@@ -105,18 +111,22 @@ def onnx_runtimes(path: Path) -> list[Runtime]:
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise RuntimeUnavailable(f"onnxruntime cannot run {path.name}: {first_line(err, 160)}") from None
         inputs = session.get_inputs()
-        if len(inputs) != 1:
+        if len(inputs) != 1 and not several:
             raise InputError(f"{path}: the model has {len(inputs)} inputs; slabconv verifies models with one input")
-        found = _ORT_DTYPES.get(inputs[0].type)
-        if found is None:
-            raise InputError(f"{path}: input type {inputs[0].type} is not supported (float32, float16, float64, int64)")
-        np_dtype = found[0]
+        types = {}
+        for port in inputs:
+            found = _ORT_DTYPES.get(port.type)
+            if found is None:
+                raise InputError(f"{path}: input type {port.type} is not supported (float32, float16, float64, int64)")
+            types[port.name] = found[0]
         outputs = session.get_outputs()
         dtype = _ORT_OUTPUT_DTYPES.get(outputs[0].type, "float32") if outputs else "float32"
         batch = inputs[0].shape[0] if inputs[0].shape else None
 
-        def run(x: np.ndarray, s: Any = session, n: str = inputs[0].name, d: Any = np_dtype) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in s.run(None, {n: x.astype(d, copy=False)})]
+        def run(x: Inputs, s: Any = session, t: dict[str, Any] = types) -> list[np.ndarray]:
+            feed = x if isinstance(x, dict) else {next(iter(t)): x}
+            fed = {n: np.asarray(a).astype(t[n], copy=False) for n, a in feed.items()}
+            return [np.asarray(o, dtype=np.float64) for o in s.run(None, fed)]
 
         runtimes.append(
             Runtime(
@@ -233,17 +243,38 @@ def select_runtimes(
     return chosen
 
 
-def run_batched(run: Run, inputs: np.ndarray, batch: int = 16, fixed_batch: int | None = None) -> list[np.ndarray]:
-    """Run ``run`` over ``inputs`` in chunks of ``batch`` samples (or exactly ``fixed_batch``, padding the last
-    chunk with copies of its first sample and dropping their outputs) and stack each output over the chunks."""
+def samples_of(inputs: Inputs) -> int:
+    """The number of samples ``N`` of ``inputs`` (every array of a dict has the same)."""
+    return len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)
+
+
+def take(inputs: Inputs, start: int, stop: int) -> Inputs:
+    """Samples ``start:stop`` of ``inputs``."""
+    if isinstance(inputs, dict):
+        return {name: a[start:stop] for name, a in inputs.items()}
+    return inputs[start:stop]
+
+
+def _chunk(inputs: Inputs, start: int, step: int, fixed_batch: int | None) -> tuple[Inputs, int]:
+    def one(a: np.ndarray) -> np.ndarray:
+        chunk = a[start : start + step]
+        if fixed_batch and len(chunk) < fixed_batch:
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], fixed_batch - len(chunk), axis=0)])
+        return np.ascontiguousarray(chunk)
+
+    n = min(step, samples_of(inputs) - start)
+    return ({k: one(a) for k, a in inputs.items()} if isinstance(inputs, dict) else one(inputs)), n
+
+
+def run_batched(run: Run, inputs: Inputs, batch: int = 16, fixed_batch: int | None = None) -> list[np.ndarray]:
+    """Run ``run`` over ``inputs`` (an array, or a dict of arrays by input name) in chunks of ``batch`` samples
+    (or exactly ``fixed_batch``, padding the last chunk with copies of its first sample and dropping their
+    outputs) and stack each output over the chunks."""
     step = fixed_batch or batch
     chunks: list[list[np.ndarray]] = []
-    for start in range(0, len(inputs), step):
-        chunk = inputs[start : start + step]
-        n = len(chunk)
-        if fixed_batch and n < fixed_batch:
-            chunk = np.concatenate([chunk, np.repeat(chunk[:1], fixed_batch - n, axis=0)])
-        chunks.append([np.asarray(o)[:n] for o in run(np.ascontiguousarray(chunk))])
+    for start in range(0, samples_of(inputs), step):
+        chunk, n = _chunk(inputs, start, step, fixed_batch)
+        chunks.append([np.asarray(o)[:n] for o in run(chunk)])
     return [np.concatenate(parts) for parts in zip(*chunks, strict=True)]
 
 
