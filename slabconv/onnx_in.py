@@ -21,36 +21,21 @@ Verification (``slabconv.verify.policy``):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from slabconv.engine import Decision
-from slabconv.errors import InputError, UsageError, VerificationError, first_line
+from slabconv.errors import UsageError, VerificationError
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, sha256_file
-from slabconv.verify import judge
-from slabconv.verify.inputs import load_npz_inputs, load_npz_members
-from slabconv.verify.integrity import check_onnx_file
-from slabconv.verify.results import IntegrityCheck, Verification
-from slabconv.verify.run import Reference, check_reference, output_names, question_2, runtime_summary
-from slabconv.verify.runtimes import Inputs, Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
+from slabconv.verify.onnx_original import verify_fold
 from slabconv.version import __version__
-from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES
+from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY
 
 FUSED_NAME = "model.onnx"
-
-SOURCE_KEY = "slabconv_source_sha256"
-"""The fused ``model.onnx``'s ``metadata_props`` key naming the sha256 of the ``.onnx`` it was folded from (so
-``verify ORIGINAL.onnx FUSED`` knows question 1 applies)."""
-
-_NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 
 
 def check_options(path: Path, load: LoadOptions | None, write: WriteOptions | None = None) -> None:
@@ -100,7 +85,7 @@ def source_of(info: OnnxFile) -> Source:
 
 
 def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = False) -> tuple[Any, list[Decision]]:
-    """Load ``path`` and fold its norms (``slabconv.engine.onnx_graph.fold_graph``).
+    """Load ``path`` and fold its norms (``slabconv.engine.onnx_fold.fold_graph``).
 
     Args:
         as_float64: cast the graph to float64 first (the float64 fold of question 1).
@@ -108,19 +93,15 @@ def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = F
     Returns:
         ``(model, decisions)``: the fused ``onnx_ir.Model`` and one decision per norm.
     """
-    from slabconv.engine import onnx_graph
+    from slabconv.engine import onnx_fold
 
-    model: Any = load_ir(path)
-    if as_float64:
-        to_float64(model)
-    shapes = onnx_graph.infer_shapes(str(path))
     done: list[str] = []
 
     def folded(name: str) -> None:
         done.append(name)
         progress("folding norms", len(done), None, f"decided {name}")
 
-    return model, onnx_graph.fold_graph(model, shapes, folded)
+    return onnx_fold.fold_file(load_ir(path), str(path), folded, as_float64)
 
 
 def inspect(path: Path, load: LoadOptions | None = None, progress: Progress = no_progress) -> Report:
@@ -192,323 +173,4 @@ def fuse(
     return report
 
 
-# --------------------------------------------------------------------------------------------- verification
-
-
-def to_float64(model: Any) -> None:
-    """Cast every floating tensor, value type and ``Cast``/``Constant`` target of an ``onnx_ir.Model`` to float64,
-    in place (the float64 evaluation of question 1). Integer tensors (ids, shapes) stay as they are."""
-    import onnx_ir as ir
-
-    floats = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
-    graph = model.graph
-
-    def cast_tensor(tensor: Any) -> Any:
-        if tensor is None or tensor.dtype not in floats:
-            return None
-        return ir.tensor(np.asarray(tensor.numpy(), dtype=np.float64), name=tensor.name)
-
-    values = [*graph.inputs, *graph.outputs, *graph.initializers.values()]
-    for node in graph.all_nodes():
-        values += list(node.outputs)
-        for name, attribute in list(node.attributes.items()):
-            if attribute.type == ir.AttributeType.TENSOR:
-                new = cast_tensor(attribute.value)
-                if new is not None:
-                    node.attributes[name] = ir.AttrTensor(name, new)
-        if node.op_type == "Cast" and node.attributes.get("to") is not None:
-            if ir.DataType(node.attributes["to"].value) in floats:
-                node.attributes["to"] = ir.AttrInt64("to", ir.DataType.DOUBLE.value)
-    for value in values:
-        if value.const_value is not None:
-            new = cast_tensor(value.const_value)
-            if new is not None:
-                value.const_value = new
-        if value.dtype in floats:
-            value.dtype = ir.DataType.DOUBLE
-
-
-def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], list[np.ndarray]], str]:
-    """Run a float64 ``onnx_ir.Model``: onnxruntime, else onnx's reference evaluator (every op, in numpy).
-
-    Returns:
-        ``(run, which)``: ``which`` names the evaluator (``onnxruntime`` or ``onnx.reference``).
-    """
-    import onnx
-    import onnx_ir as ir
-
-    proto = ir.to_proto(model)
-    first = proto.graph.input[0].name
-    declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in proto.graph.input}
-
-    def feed(x: Inputs) -> dict[str, np.ndarray]:
-        pairs = x.items() if isinstance(x, dict) else [(first, x)]
-        return {n: _round(a, round_to) if a.dtype.kind == "f" else a.astype(declared[n]) for n, a in pairs}
-
-    try:
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        options.log_severity_level = 3
-        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-        def run(x: Inputs) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in session.run(None, feed(x))]
-
-        return run, "onnxruntime"
-    except Exception:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
-        from onnx.reference import ReferenceEvaluator
-
-        evaluator = ReferenceEvaluator(proto)
-
-        def run(x: Inputs) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
-
-        return run, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
-
-
-def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
-    """Float inputs rounded to the file's dtype, then float64 (integer ids as they are)."""
-    if not np.issubdtype(x.dtype, np.floating):
-        return x
-    return np.asarray(x, dtype=dtype).astype(np.float64) if dtype is not None else x.astype(np.float64)
-
-
-def embedding_rows(path: Path, input_name: str) -> int | None:
-    """The row count of the embedding table the integer input indexes (``Gather(table, ids)``), or None."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    tables = {t.name: list(t.dims) for t in proto.graph.initializer}
-    names = {input_name}
-    for node in proto.graph.node:
-        if node.op_type == "Cast" and node.input and node.input[0] in names:
-            names.add(node.output[0])
-        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in names and node.input[0] in tables:
-            dims = tables[node.input[0]]
-            return int(dims[0]) if dims else None
-    return None
-
-
-def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
-    """The verification inputs: ``--inputs`` (an ``.npz``), else seeded samples drawn from the graph's input type
-    and shape: standard normal floats, or token ids below the embedding's row count. A model with several inputs
-    gets a dict of arrays by input name (``_several_inputs``).
-
-    Raises:
-        UsageError: a dynamic axis other than the batch, or integer inputs whose range no embedding gives.
-        InputError: an unreadable ``.npz`` or one of the wrong shape.
-    """
-    if len(info.inputs) > 1:
-        return _several_inputs(info, opts)
-    if opts.inputs:
-        path = Path(opts.inputs)
-        if not path.is_file():
-            raise InputError(f"{path}: no such file (--inputs)")
-        return load_npz_inputs(path, info.input_shape, integer=info.token_input), str(path), sha256_file(path)
-    if info.input_shape is None:
-        raise UsageError(
-            f"{info.path}: the input {info.input_name!r} has dynamic axes besides the batch; pass --inputs NPZ"
-        )
-    samples, seed = opts.sample_count(), opts.seed
-    if samples < 1:
-        raise UsageError(f"--samples must be at least 1 (got {samples})")
-    rng = np.random.default_rng(seed)
-    label = f"random(seed={seed}, samples={samples})"
-    if info.token_input:
-        rows = embedding_rows(info.path, info.input_name)
-        if rows is None:
-            raise UsageError(
-                f"{info.path}: the model takes integer ids whose range it does not show; pass --inputs NPZ"
-            )
-        return rng.integers(0, rows, (samples, *info.input_shape), dtype=np.int64), label, None
-    return rng.standard_normal((samples, *info.input_shape)).astype(np.float32), label, None
-
-
-def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
-    """Inputs of a model with several graph inputs, by name: ``--inputs`` (an ``.npz`` with one array per input
-    name), else seeded samples drawn from each input's type and shape: standard normal floats; integer ids below
-    the row count of the embedding an input indexes; an integer or boolean input named like a mask
-    (``attention_mask``) all ones (every token attended); any other integer input 0 or 1 (``token_type_ids``).
-
-    Raises:
-        UsageError: an input with dynamic axes besides the batch and no ``--inputs``.
-        InputError: an unreadable ``.npz``, one without an array per input or of the wrong shapes.
-    """
-    if opts.inputs:
-        path = Path(opts.inputs)
-        if not path.is_file():
-            raise InputError(f"{path}: no such file (--inputs)")
-        arrays = load_npz_members(path, {i.name: i.shape for i in info.inputs})
-        cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
-        return cast, str(path), sha256_file(path)
-    samples, seed = opts.sample_count(), opts.seed
-    if samples < 1:
-        raise UsageError(f"--samples must be at least 1 (got {samples})")
-    rng = np.random.default_rng(seed)
-    out: dict[str, np.ndarray] = {}
-    for graph_input in info.inputs:
-        if graph_input.shape is None:
-            raise UsageError(
-                f"{info.path}: the input {graph_input.name!r} has dynamic axes besides the batch; pass --inputs NPZ"
-            )
-        shape = (samples, *graph_input.shape)
-        if not graph_input.integer:
-            out[graph_input.name] = rng.standard_normal(shape).astype(np.float32)
-        elif "mask" in graph_input.name.lower():
-            out[graph_input.name] = np.ones(shape, dtype=np.int64)
-        else:
-            rows = embedding_rows(info.path, graph_input.name)
-            out[graph_input.name] = rng.integers(0, rows if rows is not None else 2, shape, dtype=np.int64)
-    return out, f"random(seed={seed}, samples={samples})", None
-
-
-_RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli"})
-"""Ops that draw random numbers: a graph with one gives other outputs on every run (a dropout exported in training
-mode), so no two runs can be compared."""
-
-
-def check_deterministic(path: Path) -> None:
-    """Refuse a graph that draws random numbers: its outputs differ from run to run, so verification would
-    blame the fold for the noise.
-
-    Raises:
-        InputError: a ``RandomUniformLike`` / ``RandomNormal`` / ``Bernoulli`` node, or a ``Dropout`` whose
-            ``training_mode`` input is not a constant false.
-    """
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    false = {
-        t.name
-        for t in proto.graph.initializer
-        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()
-    }  # scalar constants false (a dropout's training_mode); external tensors are weights, never read here
-    for node in proto.graph.node:
-        training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
-        if node.op_type in _RANDOM_OPS or training:
-            raise InputError(
-                f"{path}: the graph draws random numbers ({node.op_type} node {node.name!r}: a dropout or batch "
-                "statistics exported in training mode?), so no two runs agree; export the model after model.eval()"
-            )
-
-
-def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress: Progress) -> Verification:
-    """Both questions for a fused ONNX file against its ONNX original (see the module docstring).
-
-    Raises:
-        InputError, UsageError: unusable inputs; an original onnxruntime cannot run; a graph that draws random
-            numbers (``check_deterministic``).
-    """
-    check_deterministic(info.path)
-    x, label, digest = choose_onnx_inputs(info, opts)
-    np_dtype = _NP_DTYPES.get(info.dtype)
-    progress("verifying: the original in its dtype and in float64")
-    try:
-        original_rt = onnx_runtimes(info.path, several=True)[0]
-    except RuntimeUnavailable as err:
-        if info.dtype == "bfloat16":  # the CPU provider lacks bfloat16 kernels for most ops (BatchNorm, MatMul)
-            raise InputError(
-                f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
-                "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
-                "kernels, or fold a float32 or float16 export"
-            ) from None
-        raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
-    batch = original_rt.fixed_batch
-    original = run_batched(original_rt.run, x, fixed_batch=batch)
-    original64 = load_ir(info.path)
-    to_float64(original64)
-    run64, which = _float64_runner(original64, np_dtype)
-    exact = run_batched(run64, x, fixed_batch=batch)
-    names = output_names(len(original), original_rt.output_names)
-    reference = Reference(x, label, digest, info.dtype, original, exact, names)
-    check_reference(reference)
-    verification = Verification(
-        inputs=label,
-        inputs_sha256=digest,
-        reference=f"the original ONNX graph in float64 ({which})",
-        notes=list(reference.notes),
-    )
-    progress("verifying: question 1, is the fold exact?")
-    fused64, _ = fold_onnx(info.path, as_float64=True)
-    outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x, fixed_batch=batch)
-    verification.exact.append(judge.exact_graphs(names, outputs64, exact))
-    verification.exact.append(
-        judge.exact_tensors(f"{fused_path.name} vs the float64 fold", _float_tensors(fused_path), _ir_tensors(fused64))
-    )
-    passed, detail = check_onnx_file(fused_path)
-    verification.integrity.append(IntegrityCheck(f"onnx.checker[full_check] {fused_path.name}", passed, detail))
-    runtimes: list[Runtime] = []
-    try:
-        runtimes = onnx_runtimes(fused_path, several=True)
-    except RuntimeUnavailable as err:
-        raise InputError(f"{fused_path.name}: {first_line(err)}") from None
-    for runtime in runtimes:
-        progress(f"verifying: question 2, {runtime.label}")
-        verification.checks += question_2(
-            reference, runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict, token_logits=info.token_input
-        )
-    verification.runtime = runtime_summary(runtimes)
-    return verification
-
-
-def float64_reference(path: Path, x: np.ndarray, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str]:
-    """The outputs of the ONNX graph at ``path`` evaluated in float64 on ``x`` (rounded to ``dtype`` first), and
-    which evaluator ran it (the float64 reference of ``verify`` when the reference is an ``.onnx`` file)."""
-    model: Any = load_ir(path)
-    to_float64(model)
-    run, which = _float64_runner(model, _NP_DTYPES.get(dtype))
-    return run_batched(run, x, fixed_batch=batch), which
-
-
-def folded_from(candidate: Path) -> str | None:
-    """The sha256 of the ``.onnx`` a fused ``model.onnx`` was folded from (its ``SOURCE_KEY``), else None."""
-    import onnx
-
-    try:
-        proto = onnx.load(str(candidate), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not a file fuse wrote from an ONNX original
-        return None
-    return next((p.value for p in proto.metadata_props if p.key == SOURCE_KEY), None)
-
-
-def question_1(
-    reference: Path, candidate: Path, x: np.ndarray, dtype: str, batch: int | None, exact: list[np.ndarray]
-) -> list[Any]:
-    """Question 1 for a fused ``model.onnx`` against the ``.onnx`` it was folded from: a fresh float64 fold of the
-    reference against the reference in float64 (``exact``), and every tensor of the candidate against that fold."""
-    fused64, _ = fold_onnx(reference, as_float64=True)
-    outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x, fixed_batch=batch)
-    names = output_names(len(exact), [v.name for v in fused64.graph.outputs])
-    return [
-        judge.exact_graphs(names, outputs, exact),
-        judge.exact_tensors(f"{candidate.name} vs a float64 fold of the reference", _float_tensors(candidate),
-                            _ir_tensors(fused64)),
-    ]  # fmt: skip
-
-
-def _float_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every floating initializer of an ONNX file, by name."""
-    import onnx_ir as ir
-
-    from slabconv.engine.onnx_graph import to_torch
-
-    model = ir.load(str(path))
-    out = {}
-    for name, value in model.graph.initializers.items():
-        if value.const_value is not None and value.dtype is not None and value.dtype.is_floating_point():
-            out[name] = to_torch(np.asarray(value.const_value.numpy()))
-    return out
-
-
-def _ir_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Every floating initializer of an in-memory ``onnx_ir.Model``, by name."""
-    out = {}
-    for name, value in model.graph.initializers.items():
-        if value.const_value is not None and value.dtype is not None and value.dtype.is_floating_point():
-            out[name] = torch.from_numpy(np.asarray(value.const_value.numpy(), dtype=np.float64))
-    return out
-
-
-__all__ = ["check_options", "fuse", "inspect", "verify_fold"]
+__all__ = ["check_options", "fold_onnx", "fuse", "inspect"]

@@ -25,10 +25,11 @@ from typer.testing import CliRunner
 
 from slabconv import api, onnx_in
 from slabconv.cli import app
-from slabconv.engine import onnx_graph, reasons, rules
+from slabconv.engine import onnx_fold, onnx_graph, onnx_norms, reasons, rules
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.verify import onnx_original
 from slabconv.zoo.norms import RepBN
 from tests.conftest import FIXTURE, ROOT, op_histogram, randomize_norms
 
@@ -172,15 +173,15 @@ def test_a_naive_fold_of_a_refused_norm_would_be_wrong(tmp_path):
     import onnx_ir as ir
 
     graph_model = ir.load(str(path))
-    shapes = onnx_graph.infer_shapes(str(path))
-    (norm,) = onnx_graph.find_norms(graph_model.graph, shapes)
+    shapes = onnx_fold.infer_shapes(str(path))
+    (norm,) = onnx_norms.find_norms(graph_model.graph, shapes)
     walk = onnx_graph.walk_forward(norm.output, norm.axis, shapes)
     assert [r for _, r in walk.blocked] == [reasons.RESIDUAL_READS_NORM]
-    writes = onnx_graph._Writes()
+    writes = onnx_fold._Writes()
     for layer in walk.layers:
-        onnx_graph._fold_forward(layer, norm.scale, norm.shift, writes)
-    onnx_graph._commit(writes, graph_model.graph)
-    onnx_graph._remove(norm, graph_model.graph, shapes)
+        onnx_fold._fold_forward(layer, norm.scale, norm.shift, writes)
+    onnx_fold._commit(writes, graph_model.graph)
+    onnx_fold._remove(norm, graph_model.graph, shapes)
     ir.save(graph_model, str(tmp_path / "naive.onnx"))
     x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
     y0, y1 = _run(path, x), _run(tmp_path / "naive.onnx", x)
@@ -361,7 +362,7 @@ def test_a_model_with_several_inputs_is_fed_each_from_its_type_and_shape(tmp_pat
     assert report.verification is not None and report.verification.passed
     assert report.verification.inputs == "random(seed=0, samples=6)"
     info = onnx_in_read(path)
-    drawn, _, _ = onnx_in.choose_onnx_inputs(info, VerifyOptions(samples=64))
+    drawn, _, _ = onnx_original.choose_onnx_inputs(info, VerifyOptions(samples=64))
     assert isinstance(drawn, dict) and list(drawn) == ["input_ids", "attention_mask", "other"]
     assert drawn["input_ids"].min() >= 0 and drawn["input_ids"].max() == 10  # bounded by the embedding's 11 rows
     assert (drawn["attention_mask"] == 1).all() and drawn["other"].dtype == np.float32
@@ -587,14 +588,14 @@ def _naive_onnx(path: Path, out: Path) -> Path:
     import onnx_ir as ir
 
     model = ir.load(str(path))
-    shapes = onnx_graph.infer_shapes(str(path))
-    (norm,) = onnx_graph.find_norms(model.graph, shapes)
+    shapes = onnx_fold.infer_shapes(str(path))
+    (norm,) = onnx_norms.find_norms(model.graph, shapes)
     walk = onnx_graph.walk_forward(norm.output, norm.axis, shapes)
-    writes = onnx_graph._Writes()
+    writes = onnx_fold._Writes()
     for layer in walk.layers:
-        onnx_graph._fold_forward(layer, norm.scale, norm.shift, writes)
-    onnx_graph._commit(writes, model.graph)
-    onnx_graph._remove(norm, model.graph, shapes)
+        onnx_fold._fold_forward(layer, norm.scale, norm.shift, writes)
+    onnx_fold._commit(writes, model.graph)
+    onnx_fold._remove(norm, model.graph, shapes)
     ir.save(model, str(out))
     return out
 
@@ -635,8 +636,8 @@ def test_a_bfloat16_original_is_refused_with_its_dtype_named_and_folds_unverifie
     report = api.fuse(path, tmp_path / "out", verify=None)
     assert [d.action for d in report.folds] == ["folded-forward"]
     fused64, _ = onnx_in.fold_onnx(path, as_float64=True)
-    written = onnx_in._float_tensors(tmp_path / "out" / "model.onnx")
-    want = onnx_in._ir_tensors(fused64)
+    written = onnx_original._float_tensors(tmp_path / "out" / "model.onnx")
+    want = onnx_original._ir_tensors(fused64)
     assert written and all(t.dtype == torch.bfloat16 for t in written.values())
     for name, tensor in written.items():
         assert torch.equal(tensor, want[name].to(torch.bfloat16)), name

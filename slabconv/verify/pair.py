@@ -2,9 +2,9 @@
 
 A side is a checkpoint, a Hugging Face folder, a ``.pt2``, an ``.onnx``, a fused ``model.safetensors``, or a
 folder ``fuse`` wrote (in memory or streamed). The reference, when it is a model slabconv can trace, gives the
-float64 reference; an ``.onnx`` reference is evaluated in float64 as a graph (``slabconv.onnx_in``), any other
-reference a runtime runs in its own dtype (the candidate is then compared with it directly, and the report says
-so). Question 1 applies when the candidate is something slabconv wrote: its tensors must equal a fresh float64 fold
+float64 reference; an ``.onnx`` reference is evaluated in float64 as a graph (``slabconv.verify.onnx_original``),
+any other reference a runtime runs in its own dtype (the candidate is then compared with it directly, and the report
+says so). Question 1 applies when the candidate is something slabconv wrote: its tensors must equal a fresh float64 fold
 of the reference (for an ``.onnx`` reference, when the candidate was folded from that file).
 """
 
@@ -167,7 +167,7 @@ def _reference(
     side: Side, x: np.ndarray, label: str, digest: str | None, candidate_dtype: torch.dtype | None = None
 ) -> tuple[Reference, Verification]:
     """The reference outputs: the model in its dtype and in float64 (question 1 for the graph included), or an
-    ``.onnx`` reference's own outputs and its graph evaluated in float64 (``slabconv.onnx_in.float64_reference``).
+    ``.onnx`` reference's own outputs and its graph evaluated in float64 (``slabconv.onnx_original.float64_reference``).
 
     A candidate in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint) is held
     to the error of the reference cast to that dtype (``e_orig``), as ``fuse`` holds it (``run.make_reference``)."""
@@ -179,10 +179,10 @@ def _reference(
         original = run_batched(runtime.run, x, fixed_batch=runtime.fixed_batch)
         names = output_names(len(original), runtime.output_names)
         if Path(side.source.path).suffix == ".onnx":  # an ONNX original: its graph in float64 (docs/onnx.md)
-            from slabconv import onnx_in
+            from slabconv.verify import onnx_original
 
             path = Path(side.source.path)
-            exact, which = onnx_in.float64_reference(path, x, runtime.dtype, runtime.fixed_batch)
+            exact, which = onnx_original.float64_reference(path, x, runtime.dtype, runtime.fixed_batch)
             reference = Reference(x, label, digest, runtime.dtype, original, exact, names)
             check_reference(reference)
             verification.reference = f"the reference ONNX graph in float64 ({which})"
@@ -283,11 +283,11 @@ def verify_pair(
     fused64 = reference.fused64
     onnx_source = _onnx_source(reference_path, candidate_path, ref)
     if onnx_source is not None and reference.exact is not None:
-        from slabconv import onnx_in
+        from slabconv.verify import onnx_original
 
         progress("verifying: question 1, is the fold exact?")
         batch = ref.runtimes[0].fixed_batch if ref.runtimes else None
-        verification.exact += onnx_in.question_1(
+        verification.exact += onnx_original.question_1(
             reference_path, onnx_source, x, reference.dtype, batch, reference.exact
         )
     elif cand.written is not None and fused64 is not None and not is_output_folder(reference_path):
@@ -325,22 +325,22 @@ def _embedding_rows(path: Path) -> int | None:
     """The row count of the embedding an ``.onnx`` reference's integer input indexes, else None."""
     if path.suffix != ".onnx":
         return None
-    from slabconv import onnx_in
     from slabconv.load.onnx_file import read_onnx
+    from slabconv.verify import onnx_original
 
-    return onnx_in.embedding_rows(path, read_onnx(path).input_name)
+    return onnx_original.embedding_rows(path, read_onnx(path).input_name)
 
 
 def _onnx_source(reference_path: Path, candidate_path: Path, ref: Side) -> Path | None:
     """The candidate's ``model.onnx`` when it was folded from the reference ``.onnx`` (question 1 applies)."""
     if reference_path.suffix != ".onnx":
         return None
-    from slabconv import onnx_in
+    from slabconv.verify import onnx_original
 
     onnx_path = candidate_path / "model.onnx" if candidate_path.is_dir() else candidate_path
     if onnx_path.suffix != ".onnx" or not onnx_path.is_file():
         return None
-    return onnx_path if onnx_in.folded_from(onnx_path) == ref.source.sha256 else None
+    return onnx_path if onnx_original.folded_from(onnx_path) == ref.source.sha256 else None
 
 
 def require_fused_lm_folder(path: Path) -> None:

@@ -17,6 +17,9 @@ from slabconv.version import __version__
 ONNX_EXTERNAL_DATA_BYTES = 1536 * 1024 * 1024
 MARK = "slabconv_version"
 """The ONNX ``metadata_props`` key every file slabconv writes carries (so ``--force`` replaces only those)."""
+SOURCE_KEY = "slabconv_source_sha256"
+"""The ``metadata_props`` key of a ``model.onnx`` folded from an ONNX original, naming that original's sha256 (so
+``verify ORIGINAL.onnx FUSED`` knows question 1 applies)."""
 PROTOBUF_LIMIT_BYTES = 2**31 - 1
 
 
