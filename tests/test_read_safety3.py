@@ -209,3 +209,30 @@ def test_the_fast_opcode_walk_sees_what_pickletools_sees(protocol: int) -> None:
     with zipfile.ZipFile(buffer) as z:
         pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
     assert list(safety._opcodes(pkl)) == [ord(op.code) for op, _, _ in pickletools.genops(pkl)]
+
+
+# --------------------------------------------------------------------------------------------- special output files
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+@pytest.mark.parametrize("option", ["--plot", "--onnx", "--junit"])
+def test_an_output_file_naming_a_fifo_is_refused_at_once(tmp_path: Path, option: str) -> None:
+    """``--plot`` and ``export --onnx`` naming a FIFO hung: checking whether slabconv wrote the file opened it. All
+    three single-file outputs now go through the one check in ``check_output_file``, before any work."""
+    from tests.test_read_safety import fifo, no_hang
+
+    ckpt = save_ckpt(tmp_path / "ckpt.pth")
+    target = fifo(tmp_path / {"--plot": "bench.png", "--onnx": "model.onnx", "--junit": "junit.xml"}[option])
+    args = {
+        "--plot": ["bench", str(ckpt), "--plot", str(target), "--force"],
+        "--onnx": ["export", str(ckpt), "--onnx", str(target), "--force"],
+        "--junit": ["verify", str(ckpt), str(ckpt), "--junit", str(target)],
+    }[option]
+    no_hang(args, "not a regular file (a FIFO (named pipe))", tmp_path, seconds=30)
+
+
+def test_an_output_file_naming_a_device_is_refused_at_once(tmp_path: Path) -> None:
+    from tests.test_read_safety import refused
+
+    ckpt = save_ckpt(tmp_path / "ckpt.pth")
+    refused(["export", str(ckpt), "--onnx", "/dev/null", "--force"], "not a regular file (a character device)")
