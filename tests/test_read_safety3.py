@@ -236,3 +236,43 @@ def test_an_output_file_naming_a_device_is_refused_at_once(tmp_path: Path) -> No
 
     ckpt = save_ckpt(tmp_path / "ckpt.pth")
     refused(["export", str(ckpt), "--onnx", "/dev/null", "--force"], "not a regular file (a character device)")
+
+
+# --------------------------------------------------------------------------------------------- text on the terminal
+
+HOSTILE = "\n\x1b[2J\x00\u202e" + "A" * 50_000
+"""A newline (splits a line), ESC[2J (clears the screen), NUL, a right-to-left override and 50,000 characters."""
+
+
+def test_names_from_a_file_reach_the_tables_and_progress_lines_escaped(tmp_path: Path) -> None:
+    """An ONNX original whose producer, node names and node metadata hold control characters and 50,000 characters:
+    ``inspect`` and ``fuse`` (tables, progress lines, the final lines) show them escaped, on lines of bounded
+    length. The fold table's title printed them raw."""
+    import onnx
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+    from slabconv.load.model import load_model
+    from tests.conftest import FIXTURE
+    from tests.test_onnx_in import _export
+
+    loaded = load_model(FIXTURE / "checkpoint.pth")
+    path = _export(loaded.model, loaded.example(2, 0), tmp_path / "model.onnx", 17)
+    model = onnx.load(str(path))
+    model.producer_name = "pytorch" + HOSTILE
+    for node in model.graph.node:
+        node.name += HOSTILE
+        for prop in node.metadata_props:
+            prop.value += HOSTILE
+    onnx.save(model, str(path))
+    runner = CliRunner()
+    for args in (
+        ["inspect", str(path), "--verbose"],
+        ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "4", "--verbose"],
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output[:2000]
+        text = result.stdout + result.stderr
+        assert not set("\x1b\x00\u202e\r") & set(text), args[0]
+        assert max(len(line) for line in text.splitlines()) < 5000, args[0]
+        assert "\\x1b[2J" in text  # shown, escaped
