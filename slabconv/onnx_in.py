@@ -31,12 +31,13 @@ import torch
 from slabconv import __version__
 from slabconv.engine import Decision
 from slabconv.errors import InputError, UsageError, VerificationError, first_line
+from slabconv.load import safety
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report, Source
 from slabconv.util import Progress, no_progress, sha256_file
 from slabconv.verify import judge
-from slabconv.verify.inputs import load_npz_inputs
+from slabconv.verify.inputs import check_token_ids, read_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.results import IntegrityCheck, Verification
 from slabconv.verify.run import Reference, check_reference, output_names, question_2, runtime_summary
@@ -293,9 +294,14 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[np.ndarray,
     """
     if opts.inputs:
         path = Path(opts.inputs)
-        if not path.is_file():
+        if not path.exists():
             raise InputError(f"{path}: no such file (--inputs)")
-        return load_npz_inputs(path, info.input_shape, integer=info.token_input), str(path), sha256_file(path)
+        with safety.open_regular(path, "--inputs") as f:  # one open: the digest is of the array read
+            x = read_inputs(f, path, info.input_shape, integer=info.token_input)
+            digest = safety.sha256_open(f)
+        if info.token_input:
+            check_token_ids(x, path, embedding_rows(info.path, info.input_name))
+        return x, str(path), digest
     if info.input_shape is None:
         raise UsageError(
             f"{info.path}: the input {info.input_name!r} has dynamic axes besides the batch; pass --inputs NPZ"

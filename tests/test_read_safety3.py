@@ -276,3 +276,73 @@ def test_names_from_a_file_reach_the_tables_and_progress_lines_escaped(tmp_path:
         assert not set("\x1b\x00\u202e\r") & set(text), args[0]
         assert max(len(line) for line in text.splitlines()) < 5000, args[0]
         assert "\\x1b[2J" in text  # shown, escaped
+
+
+# --------------------------------------------------------------------------------------------- token ids
+
+
+def _gather_model(path: Path, rows: int = 10) -> Path:
+    """An ONNX original taking int64 ids ``(batch, 4)``, gathered from a ``rows``-row embedding table."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    table = numpy_helper.from_array(rng.standard_normal((rows, 8)).astype(np.float32), "table")
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"]), helper.make_node("MatMul", ["e", "w"], ["y"])]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 8])],
+        [table, w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("ids", [12, -1])
+@pytest.mark.parametrize("command", ["fuse", "verify"])
+def test_token_ids_of_an_onnx_original_are_checked_against_its_embedding(
+    tmp_path: Path, command: str, ids: int
+) -> None:
+    """Ids from ``--inputs`` were checked only where a zoo model gave the range: an ONNX original's ids beyond its
+    embedding ran (Gather reads from the end for -1) or failed inside onnxruntime."""
+    import numpy as np
+
+    model = _gather_model(tmp_path / "lm.onnx")
+    npz = tmp_path / "ids.npz"
+    np.savez(npz, x=np.full((2, 4), ids, np.int64))
+    args = {
+        "fuse": ["fuse", str(model), "--out", str(tmp_path / "out"), "--inputs", str(npz)],
+        "verify": ["verify", str(model), str(model), "--inputs", str(npz)],
+    }[command]
+    result = runner_invoke(args)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"token id {ids} is outside the model's vocabulary (0..9)" in lines[0] and str(npz) in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def runner_invoke(args: list[str]) -> Any:
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    return CliRunner().invoke(app, args)
+
+
+def test_negative_token_ids_are_refused_where_the_vocabulary_is_unknown(tmp_path: Path) -> None:
+    import numpy as np
+
+    from slabconv.errors import InputError
+    from slabconv.verify.inputs import check_token_ids
+    from tests import errordoc
+
+    with pytest.raises(InputError) as err:
+        check_token_ids(np.array([[3, -2]]), tmp_path / "x.npz", None)
+    assert "token id -2 is negative" in str(err.value) and errordoc.documented(str(err.value))
+    check_token_ids(np.array([[3, 10**9]]), tmp_path / "x.npz", None)  # unknown bound: only negatives refused
