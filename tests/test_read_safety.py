@@ -366,7 +366,6 @@ def test_json_over_the_size_limit_is_refused_before_parsing(tmp_path: Path, monk
     folder = tmp_path / "hf"
     write_hf_folder(folder, tiny_model().state_dict(), {**TINY_CONFIG, "pad": "x" * 5000})
     monkeypatch.setattr(safety, "MAX_JSON_BYTES", 4096)
-    monkeypatch.setattr(safety.read_json, "__defaults__", (4096,))
     refused(["inspect", str(folder)], "over slabconv's limit")
 
 

@@ -25,6 +25,7 @@ from rich.table import Column, Table
 
 from slabconv.report.data import Report
 from slabconv.report.render import folds_table, summary_lines
+from slabconv.text import one_line
 
 ProgressFn = Callable[..., None]
 
@@ -82,14 +83,15 @@ class Output:
             self.out.print(text.rstrip(), markup=False, highlight=False, crop=False, overflow="ignore")
 
     def line(self, text: str) -> None:
-        """A line of the human output (not with ``--json`` or ``--quiet``)."""
+        """A line of the human output (not with ``--json`` or ``--quiet``), through ``one_line``: whatever names
+        from a file it holds, it is one printable line of bounded length."""
         if not (self.json or self.quiet):
-            self.out.print(text, markup=False, highlight=False, crop=False, overflow="ignore")
+            self.out.print(one_line(text), markup=False, highlight=False, crop=False, overflow="ignore")
 
     def final(self, text: str) -> None:
         """The command's last line: printed in human and quiet modes (JSON carries the same facts)."""
         if not self.json:
-            self.out.print(text, markup=False, highlight=False, crop=False, overflow="ignore")
+            self.out.print(one_line(text), markup=False, highlight=False, crop=False, overflow="ignore")
 
     def report(self, report: Report, final: str | None = None) -> None:
         """A report: JSON, or the fold table (when it has folds) and its lines, then ``final``."""
@@ -110,8 +112,8 @@ class Output:
         sys.stdout.write(payload)
 
     def error(self, text: str) -> None:
-        """One line on stderr (always, whatever the mode)."""
-        self.err.print(text, markup=False, highlight=False, soft_wrap=True)
+        """One line on stderr (always, whatever the mode), through ``one_line``."""
+        self.err.print(one_line(text), markup=False, highlight=False, soft_wrap=True)
 
     @contextmanager
     def progress(self) -> Iterator[ProgressFn]:
@@ -151,11 +153,11 @@ class Output:
                     if current:
                         task = tasks[current[-1]]
                         bar.update(task, total=bar.tasks[task].total or 1, completed=bar.tasks[task].total or 1)
-                    tasks[stage] = bar.add_task(stage, total=total)
+                    tasks[stage] = bar.add_task(one_line(stage), total=total)
                     current.append(stage)
                 bar.update(tasks[stage], total=total, completed=done or 0)
                 if detail and self.verbose:
-                    bar.console.print(f"  {detail}", markup=False, highlight=False)
+                    bar.console.print(f"  {one_line(detail)}", markup=False, highlight=False)
 
             try:
                 yield update

@@ -15,17 +15,16 @@ import os
 import pickle
 import re
 import warnings
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from slabconv.errors import InputError, first_line
 from slabconv.load import safety
-from slabconv.util import sha256_file, silenced
+from slabconv.util import silenced
 
 _PREFIXES = ("module.", "_orig_mod.")
 _WRAPPER_KEYS = ("model", "state_dict", "model_state", "module")
@@ -81,29 +80,30 @@ def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _torch_load(path: Path, trust_pickle: bool = False) -> Any:
+def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
     """A ``.pth`` through the one weights-only reader (``safety.weights_only_load``); with ``trust_pickle`` a file
-    that reader refuses is loaded in full (this runs code from the file)."""
+    that reader refuses is loaded in full (this runs code from the file). Both read ``f``, the one open file."""
     try:
-        return safety.weights_only_load(path, str(path))
+        return safety.weights_only_load(f, label)
     except InputError:
         if not trust_pickle:
             raise
     except pickle.UnpicklingError as err:
         if not trust_pickle:
-            raise safety.refusal(str(path), err, path) from None
+            raise safety.refusal(label, err, f) from None
     except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
         raise InputError(
-            f"{path}: not a readable PyTorch checkpoint ({first_line(err)}); the file is damaged, truncated "
+            f"{label}: not a readable PyTorch checkpoint ({first_line(err)}); the file is damaged, truncated "
             "or not a checkpoint"
         ) from None
     try:
+        f.seek(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(f, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - arbitrary code ran; report whatever it raised
         raise InputError(
-            f"{path}: loading the trusted pickle failed ({type(err).__name__}: {first_line(err)})"
+            f"{label}: loading the trusted pickle failed ({type(err).__name__}: {first_line(err)})"
         ) from None
 
 
@@ -151,15 +151,20 @@ def check_input(path: Path | str, folders: bool = True) -> Path:
 
 
 def _is_npz(path: Path) -> bool:
-    """A zip archive whose members are all ``.npy`` arrays (what ``numpy.savez`` writes)."""
+    """A zip archive whose first member is a ``.npy`` array (what ``numpy.savez`` writes; a torch archive starts
+    with ``<name>/data.pkl`` or ``<name>/version``). Only the first local header is read: parsing the whole
+    directory of a hostile archive of 100,000 entries would take seconds."""
     if path.suffix == ".npz":
         return True
     try:
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-    except (OSError, zipfile.BadZipFile):
+        with open(path, "rb") as f:
+            head = f.read(30 + 4096)
+    except OSError:
         return False
-    return bool(names) and all(name.endswith(".npy") for name in names)
+    if len(head) < 30 or not head.startswith(b"PK\x03\x04"):
+        return False
+    length = int.from_bytes(head[26:28], "little")
+    return head[30 : 30 + length].endswith(b".npy")
 
 
 def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
@@ -199,10 +204,12 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     safety.regular_file(path, "the checkpoint")  # a FIFO or device is refused before it is opened
     if path.suffix == ".pt2":
         return _load_program(path, trust_pickle)
-    digest = sha256_file(path)
     if path.suffix == ".safetensors":
-        return _load_safetensors(path, digest)
-    obj = _torch_load(path, trust_pickle)
+        return _load_safetensors(path)
+    # one open file: the sha256 the report records is of the file the reader then loads, not of a later open
+    with safety.open_regular(path, "the checkpoint") as f:
+        digest = safety.sha256_open(f)
+        obj = _torch_load(f, str(path), trust_pickle)
     extra: dict[str, Any] = {}
     config: dict[str, Any] = {}
     if isinstance(obj, torch.nn.Module):
@@ -234,20 +241,14 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     return Checkpoint(strip_prefixes(obj[weights_key]), config, fmt, path, digest, extra)
 
 
-def _load_safetensors(path: Path, digest: str) -> Checkpoint:
-    from safetensors.torch import load_file, safe_open
+def _load_safetensors(path: Path) -> Checkpoint:
+    """A ``.safetensors`` file read once (``read_safetensors``): the sha256 is of the bytes the tensors came from."""
+    from slabconv.load.safetensors_file import read_safetensors
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-        tensors = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ValueError, ...
-        raise InputError(
-            f"{path}: not a readable safetensors file ({first_line(err)}); the header or data is damaged"
-        ) from None
+    tensors, metadata, digest = read_safetensors(path)
     if not tensors:
         raise InputError(f"{path}: the safetensors file holds no tensors")
-    return Checkpoint(dict(tensors), {}, "safetensors", path, digest, metadata=metadata)
+    return Checkpoint(tensors, {}, "safetensors", path, digest, metadata=metadata)
 
 
 def _load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:

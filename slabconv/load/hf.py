@@ -16,6 +16,7 @@ plain file names inside the folder.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 
 from slabconv.errors import InputError, first_line
 from slabconv.load import safety
-from slabconv.util import files_sha256
+from slabconv.util import sha256_file as files_digest
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -76,10 +77,15 @@ class HFFolder:
     path: Path
     files: list[Path] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    digests: dict[Path, str] = field(default_factory=dict)
 
     def sha256(self) -> str:
-        """One digest of the folder's contents: sha256 over ``<name> <sha256 of file>`` lines of ``files``."""
-        return files_sha256(self.files)
+        """One digest of the folder's contents: sha256 over ``<name> <sha256 of file>`` lines of ``files``, each
+        file's sha256 taken from the bytes that were read from it (``digests``; a file not read here is hashed)."""
+        outer = hashlib.sha256()
+        for path in self.files:
+            outer.update(f"{path.name} {self.digests.get(path) or files_digest(path)}\n".encode())
+        return outer.hexdigest()
 
 
 def hf_weights_file(folder: Path | str) -> tuple[Path, str] | None:
@@ -110,8 +116,8 @@ def inside(folder: Path, path: Path) -> Path:
     return path
 
 
-def read_hf_config(folder: Path | str) -> dict[str, Any]:
-    """``config.json`` of a folder as a dict.
+def read_hf_config(folder: Path | str, digests: dict[Path, str] | None = None) -> dict[str, Any]:
+    """``config.json`` of a folder as a dict (its sha256, of the bytes parsed, put in ``digests`` when given).
 
     Raises:
         InputError: missing, not a regular file, over the JSON size or depth limits (``safety.read_json``),
@@ -122,7 +128,7 @@ def read_hf_config(folder: Path | str) -> dict[str, Any]:
         inside(Path(folder), path)
     if not path.is_file():
         raise InputError(f"{folder}: no {CONFIG} in this folder; a Hugging Face model folder needs one")
-    config = safety.read_json(path)
+    config = safety.read_json(path, digests=digests)
     if not isinstance(config, dict):
         raise InputError(f"{path}: expected a JSON object, found {type(config).__name__}")
     return config
@@ -146,7 +152,8 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
     folder = Path(folder)
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder")
-    config = read_hf_config(folder)
+    digests: dict[Path, str] = {}
+    config = read_hf_config(folder, digests)
     found = hf_weights_file(folder)
     if found is None:
         names = ", ".join(name for name, _ in _LAYOUTS)
@@ -154,8 +161,10 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
     entry, fmt = found
     inside(folder, entry)
     files = [folder / CONFIG]
+    weight_map: dict[str, str] = {}
     if fmt.endswith("-sharded"):
-        shards = shard_paths(entry)
+        weight_map = read_index(entry, digests)  # read once: the shards and the check below use this map
+        shards = shard_paths(entry, weight_map)
         files += [entry, *shards]
     else:
         shards = [entry]
@@ -163,7 +172,10 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
     state: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for i, shard in enumerate(shards):
-        part, meta = _read_safetensors(shard) if shard.suffix == ".safetensors" else (_read_bin(shard), {})
+        if shard.suffix == ".safetensors":
+            part, meta, digests[shard] = _read_safetensors(shard)
+        else:
+            (part, digests[shard]), meta = _read_bin(shard), {}
         if i == 0:
             metadata = meta
         twice = sorted(set(part) & set(state))
@@ -171,20 +183,20 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
             raise InputError(f"{shard}: key {twice[0]!r} is also in an earlier shard; the folder is damaged")
         state.update(part)
     if fmt.endswith("-sharded"):
-        _check_index(entry, state)
+        _check_index(entry, state, weight_map)
     if not state:
         raise InputError(f"{entry}: holds no tensors")
-    return HFFolder(state, config, fmt, folder, files, metadata)
+    return HFFolder(state, config, fmt, folder, files, metadata, digests)
 
 
-def read_index(index: Path) -> dict[str, str]:
+def read_index(index: Path, digests: dict[Path, str] | None = None) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> shard file name) of a ``*.index.json``; shard names must be plain file
-    names inside the folder.
+    names inside the folder. The sha256 of the bytes parsed goes into ``digests`` when given.
 
     Raises:
         InputError: unreadable JSON, no weight_map, or a shard name that is a path.
     """
-    data = safety.read_json(index)
+    data = safety.read_json(index, digests=digests)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(f"{index}: no 'weight_map' (parameter name -> shard file); the index is damaged")
@@ -194,17 +206,17 @@ def read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def shard_paths(index: Path) -> list[Path]:
-    """The shard files an index names, in first-mention order; each must exist beside the index."""
-    names = list(dict.fromkeys(read_index(index).values()))
+def shard_paths(index: Path, weight_map: dict[str, str] | None = None) -> list[Path]:
+    """The shard files an index names (``weight_map``, read from ``index`` when not given), in first-mention order;
+    each must exist beside the index."""
+    names = list(dict.fromkeys((weight_map if weight_map is not None else read_index(index)).values()))
     missing = [n for n in names if not (index.parent / n).is_file()]
     if missing:
         raise InputError(f"{index}: shard {missing[0]} is missing from the folder ({len(missing)} of {len(names)})")
     return [inside(index.parent, index.parent / n) for n in names]
 
 
-def _check_index(index: Path, state: Mapping[str, torch.Tensor]) -> None:
-    weight_map = read_index(index)
+def _check_index(index: Path, state: Mapping[str, torch.Tensor], weight_map: dict[str, str]) -> None:
     absent = sorted(set(weight_map) - set(state))
     extra = sorted(set(state) - set(weight_map))
     if absent:
@@ -213,22 +225,20 @@ def _check_index(index: Path, state: Mapping[str, torch.Tensor]) -> None:
         raise InputError(f"{index}: the shards hold {extra[0]!r}, which the index does not list; the folder is damaged")
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors.torch import load_file, safe_open
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """A weights file read once: its tensors, metadata and the sha256 of the bytes read (``read_safetensors``)."""
+    from slabconv.load.safetensors_file import read_safetensors
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-        return dict(load_file(str(path))), metadata
-    except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ValueError, ...
-        raise InputError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
+    return read_safetensors(path, "a weights file")
 
 
-def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+def _read_bin(path: Path) -> tuple[dict[str, torch.Tensor], str]:
     """A ``pytorch_model.bin`` state_dict through the one weights-only reader (``safety.weights_only_load``): the
-    same allowlist, archive checks and size checks as a ``.pth``."""
+    same allowlist, archive checks and size checks as a ``.pth``; with the sha256 of the same open file."""
     try:
-        obj = safety.weights_only_load(path, str(path))
+        with safety.open_regular(path, "a weights file") as f:
+            digest = safety.sha256_open(f)
+            obj = safety.weights_only_load(f, str(path))
     except pickle.UnpicklingError as err:
         raise safety.refusal(str(path), err, path) from None
     except InputError:
@@ -239,4 +249,4 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
         isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
     ):
         raise InputError(f"{path}: expected a state_dict (name -> tensor), found {type(obj).__name__}")
-    return dict(obj)
+    return dict(obj), digest

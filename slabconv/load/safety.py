@@ -212,12 +212,20 @@ def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -
     return value
 
 
-def read_json(path: Path | str, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json(path: Path | str, max_bytes: int | None = None, digests: dict[Path, str] | None = None) -> Any:
     """A JSON file read as ``parse_json`` does, after ``regular_file`` and a size check before reading.
+
+    Args:
+        path: the file.
+        max_bytes: the size limit for this kind of file (default ``MAX_JSON_BYTES``).
+        digests: when given, ``digests[path]`` is set to the sha256 of the bytes parsed (one read, one digest).
 
     Raises:
         InputError: as ``regular_file`` and ``parse_json``.
     """
+    import hashlib
+
+    max_bytes = MAX_JSON_BYTES if max_bytes is None else max_bytes
     info = regular_file(path, "a JSON file")
     if info.st_size > max_bytes:
         raise InputError(
@@ -225,7 +233,10 @@ def read_json(path: Path | str, max_bytes: int = MAX_JSON_BYTES) -> Any:
         )
     with open_regular(path, "a JSON file") as f:
         data = f.read(max_bytes + 1)
-    return parse_json(data, str(path), max_bytes)
+    value = parse_json(data, str(path), max_bytes)
+    if digests is not None:
+        digests[Path(path)] = hashlib.sha256(data).hexdigest()
+    return value
 
 
 # --------------------------------------------------------------------------------------------- archives
@@ -242,10 +253,23 @@ def check_zip(source: Path | bytes | IO[bytes], label: str) -> list[str]:
         InputError: not a zip archive (a pre-1.6 pickle or not a torch file), a compressed or encrypted entry, an
             entry name that leaves the archive, too many entries, a TorchScript archive.
     """
+    return _check_zip(source, label)[0]
+
+
+def _check_zip(source: Path | bytes | IO[bytes], label: str, read: str | None = None) -> tuple[list[str], bytes | None]:
+    """``check_zip``, and the bytes of the first entry whose name ends with ``read`` (when given) from the same
+    parse of the archive's directory (parsing a directory of 100,000 entries takes a second)."""
     opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
+    entries = _declared_entries(opened)
+    if entries is not None and entries > MAX_ZIP_ENTRIES:
+        raise InputError(f"{label}: the archive has {entries} entries; a checkpoint has far fewer")
+    data = None
     try:
         with zipfile.ZipFile(opened) as archive:
             infos = archive.infolist()
+            if read is not None and len(infos) <= MAX_ZIP_ENTRIES:
+                member = next((i for i in infos if i.filename.endswith(read) and i.compress_type == 0), None)
+                data = archive.read(member) if member is not None and not member.flag_bits & 0x1 else None
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as err:
         raise _not_a_zip(source, label, str(err).strip() or type(err).__name__) from None
     if len(infos) > MAX_ZIP_ENTRIES:
@@ -269,7 +293,18 @@ def check_zip(source: Path | bytes | IO[bytes], label: str) -> list[str]:
                 "(a compressed entry can expand a small file into gigabytes); refused: re-save the original"
             )
         names.append(name)
-    return names
+    return names, data
+
+
+def _declared_entries(f: Any) -> int | None:
+    """The entry count the archive's end record declares (read from its last bytes, before the directory is
+    parsed), or None when there is no end record to read (``zipfile`` then says what is wrong)."""
+    try:
+        end = zipfile._EndRecData(f)  # type: ignore[attr-defined] # private, but in every CPython since 2.x
+        f.seek(0)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(end[zipfile._ECD_ENTRIES_TOTAL]) if end else None  # type: ignore[attr-defined]
 
 
 def _not_a_zip(source: Path | bytes | IO[bytes], label: str, detail: str) -> InputError:
@@ -382,8 +417,8 @@ def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: 
     if isinstance(source, Path):
         with open_regular(source, "the checkpoint") as f:
             return weights_only_load(f, label, file_bytes)
-    names = check_zip(source, label)
-    count_pickled_tensors(source, names, label)
+    names, pkl = _check_zip(source, label, read="data.pkl")
+    count_pickled_tensors(source, names, label, pkl)
     if isinstance(source, (bytes, bytearray)):
         size = file_bytes if file_bytes is not None else len(source)
         target: Any = io.BytesIO(source)
@@ -400,50 +435,117 @@ def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: 
     return obj
 
 
-def count_pickled_tensors(source: bytes | IO[bytes], names: list[str], label: str) -> int:
+def count_pickled_tensors(source: bytes | IO[bytes], names: list[str], label: str, data: bytes | None = None) -> int:
     """The number of tensors a ``torch.save`` archive's ``data.pkl`` refers to, counted in its opcodes (each tensor
     is one persistent-id reference to its storage) without unpickling anything.
+
+    Args:
+        source: the archive (its ``data.pkl`` is read unless ``data`` is given).
+        names: its entry names.
+        label: the user's path, for errors.
+        data: the ``data.pkl`` bytes, when the caller has them already.
 
     Raises:
         InputError: more than ``MAX_TENSORS`` tensors or ``MAX_PICKLE_OPS`` opcodes (named with the limit).
     """
-    pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
-    if pkl is None:
-        return 0
-    opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
-    with zipfile.ZipFile(opened) as archive:
-        data = archive.read(pkl)
+    if data is None:
+        pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            return 0
+        opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
+        with zipfile.ZipFile(opened) as archive:
+            data = archive.read(pkl)
     tensors = ops = 0
-    try:
-        for opcode, _, _ in pickletools.genops(data):
-            ops += 1
-            if opcode.name in ("BINPERSID", "PERSID"):
-                tensors += 1
-                if tensors > MAX_TENSORS:
-                    raise InputError(
-                        f"{label}: the pickle holds more than {MAX_TENSORS} tensors (slabconv's limit; see "
-                        "docs/security.md); refused before reading them"
-                    )
-            if ops > MAX_PICKLE_OPS:
+    for code in _opcodes(data):
+        ops += 1
+        if code in _PERSID:
+            tensors += 1
+            if tensors > MAX_TENSORS:
                 raise InputError(
-                    f"{label}: the pickle has more than {MAX_PICKLE_OPS} opcodes (slabconv's limit; see "
-                    "docs/security.md); refused before reading it"
+                    f"{label}: the pickle holds more than {MAX_TENSORS} tensors (slabconv's limit; see "
+                    "docs/security.md); refused before reading them"
                 )
-    except (ValueError, EOFError):
-        return tensors  # a damaged pickle: the weights-only reader says what is wrong with it
+        if ops > MAX_PICKLE_OPS:
+            raise InputError(
+                f"{label}: the pickle has more than {MAX_PICKLE_OPS} opcodes (slabconv's limit; see "
+                "docs/security.md); refused before reading it"
+            )
     return tensors
 
 
-def unsafe_globals(path: Path) -> list[str]:
-    """The ``module.name`` globals a pickle names outside torch's and slabconv's allowlists (read, not run)."""
+_PERSID = frozenset(b"PQ")  # PERSID, BINPERSID: one per tensor torch.save pickles (its storage reference)
+
+
+def _opcode_table() -> list[tuple[int, int] | None]:
+    """For each opcode byte: how its argument is laid out, as (kind, size): kind 0 a fixed ``size`` bytes, 1 up to
+    ``size`` newlines, 2 (3: signed) a little-endian length of ``size`` bytes followed by that many bytes (from
+    pickletools' table)."""
+    table: list[tuple[int, int] | None] = [None] * 256
+    for op in pickletools.opcodes:
+        arg, code = op.arg, ord(op.code)
+        if arg is None:
+            table[code] = (0, 0)
+        elif arg.n >= 0:
+            table[code] = (0, arg.n)
+        elif arg.n == pickletools.UP_TO_NEWLINE:
+            table[code] = (1, 2 if arg.name.endswith("_pair") else 1)
+        else:
+            width = {
+                pickletools.TAKEN_FROM_ARGUMENT1: 1,
+                pickletools.TAKEN_FROM_ARGUMENT4: 4,
+                pickletools.TAKEN_FROM_ARGUMENT4U: 4,
+                pickletools.TAKEN_FROM_ARGUMENT8U: 8,
+            }[arg.n]
+            table[code] = (3 if arg.n == pickletools.TAKEN_FROM_ARGUMENT4 else 2, width)
+    return table
+
+
+_OPCODE_TABLE = _opcode_table()
+
+
+def _opcodes(data: bytes) -> Iterator[int]:
+    """The opcode bytes of a pickle up to its STOP, skipping their arguments without decoding them: the count above
+    walks 100,000 tensors' worth in about a second (``pickletools.genops``, which decodes every argument, takes
+    several). A damaged stream ends the walk (the weights-only reader then says what is wrong with it)."""
+    pos, end, table = 0, len(data), _OPCODE_TABLE
+    while pos < end:
+        code = data[pos]
+        layout = table[code]
+        if layout is None:
+            return
+        yield code
+        if code == 0x2E:  # STOP
+            return
+        kind, size = layout
+        pos += 1
+        if kind == 0:
+            pos += size
+        elif kind == 1:
+            for _ in range(size):
+                newline = data.find(b"\n", pos)
+                if newline < 0:
+                    return
+                pos = newline + 1
+        else:
+            length = int.from_bytes(data[pos : pos + size], "little", signed=kind == 3)
+            if length < 0:
+                return
+            pos += size + length
+
+
+def unsafe_globals(source: Path | IO[bytes]) -> list[str]:
+    """The ``module.name`` globals a pickle names outside torch's and slabconv's allowlists (read, not run); an open
+    file is read from its start."""
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        if not isinstance(source, Path):
+            source.seek(0)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
     except Exception:  # noqa: BLE001 - a damaged file: the caller reports the load error instead
         return []
     return [n for n in names if n not in ALLOWED_GLOBALS]
 
 
-def refusal(label: str, err: BaseException, path: Path | None = None) -> InputError:
+def refusal(label: str, err: BaseException, path: Path | IO[bytes] | None = None) -> InputError:
     """The one-line error for a pickle that the weights-only reader refused, naming the offending global."""
     from slabconv.errors import first_line
 

@@ -14,18 +14,24 @@ from rich.table import Table
 from rich.text import Text
 
 from slabconv.report.data import Report
+from slabconv.text import one_line, shown
 from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
 
 
 def text_table(title: str, columns: dict[str, bool], rows: Iterable[Sequence[str]]) -> Table:
     """A Rich table whose every cell is plain text (a name with ``[...]`` in it is shown as it is, never read as
     Rich markup). ``columns`` maps each header to whether its cells may wrap: wrapping columns wrap at spaces (a
-    word longer than the column folds), the others (short keywords such as ``folded-forward``) never break."""
-    table = Table(title=Text(title), box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False)
+    word longer than the column folds), the others (short keywords such as ``folded-forward``) never break.
+
+    Every cell and the title pass through ``slabconv.text.one_line``: a key from a file with a newline, ``ESC[2J``
+    or a right-to-left override is shown escaped, and no cell is longer than ``LINE_LIMIT``."""
+    table = Table(
+        title=Text(one_line(title)), box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False
+    )
     for header, wraps in columns.items():
         table.add_column(Text(header), overflow="fold", no_wrap=not wraps)
     for row in rows:
-        table.add_row(*(Text(cell) for cell in row))
+        table.add_row(*(Text(one_line(str(cell))) for cell in row))
     return table
 
 
@@ -33,16 +39,16 @@ def folds_table(report: Report) -> Table:
     """One row per norm: name, kind, action, the layers it folded into, and why anything was kept (the reason
     column only when a norm was kept)."""
     source = report.source
-    what = (source.arch or source.format) if source else ""
+    what = shown(source.arch or source.format) if source else ""
     if source is not None and "opset" in source.extra:  # an ONNX original: which opset and exporter
-        what += f", opset {source.extra['opset']}, {source.extra.get('producer') or 'unknown producer'}"
+        what += f", opset {source.extra['opset']}, {shown(source.extra.get('producer') or 'unknown producer')}"
     title = f"folds ({what})"
     rows = []
     for d in report.folds or []:
         reason = d.reason or ""
-        if d.kept_on:
-            reason += f" (before {', '.join(d.kept_on)})"
-        rows.append([d.norm, d.kind, d.action, ", ".join(d.into) or "-", reason])
+        if d.kept_on:  # names from the file: each escaped and cut on its own (text.shown)
+            reason += f" (before {', '.join(map(shown, d.kept_on))})"
+        rows.append([shown(d.norm), d.kind, d.action, ", ".join(map(shown, d.into)) or "-", reason])
     columns = {"norm": True, "kind": False, "action": False, "into": True, "reason": True}
     if not any(row[-1] for row in rows):
         columns.pop("reason")
@@ -58,12 +64,12 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
             yield f"{s.norms} norms: {s.folded} folded away, {s.kept} kept"
         for d in report.folds:
             for w in d.warnings:
-                yield f"warning: {d.norm}: {w}"
+                yield f"warning: {shown(d.norm)}: {w}"
             if verbose and d.paths:
                 for path in d.paths:
-                    yield f"  {d.norm}: blocked before {path['before']}: {path['reason']}"
+                    yield f"  {shown(d.norm)}: blocked before {shown(path['before'])}: {path['reason']}"
     if report.outputs is not None and report.out_dir is not None:
-        yield f"wrote {report.out_dir}/: {', '.join([*report.outputs.files, 'report.json'])}"
+        yield f"wrote {shown(report.out_dir)}/: {', '.join([*report.outputs.files, 'report.json'])}"
     if report.command in ("fuse", "verify"):
         yield from verification_lines(report.verification)
 

@@ -20,6 +20,7 @@ import numpy as np
 from slabconv.errors import InputError, UsageError
 from slabconv.load import safety
 from slabconv.load.model import LoadedModel
+from slabconv.text import shown
 
 MAX_INPUT_BYTES = 4 << 30
 """The most bytes an inputs array may take (as stored); verification holds it a few times over in float64."""
@@ -38,11 +39,16 @@ def choose_inputs(
     seed: int,
     input_shape: tuple[int, ...] | None = None,
     limit: int | None = None,
+    token_input: bool = False,
+    id_range: int | None = None,
 ) -> tuple[np.ndarray, str, str | None]:
     """The verification inputs: ``inputs`` (an ``.npz`` or ``.npy``), else ``holdout.npz`` beside the checkpoint,
     else ``samples`` seeded standard-normal samples of the model's input shape.
 
     ``limit`` (an explicit ``--samples``) takes the first ``limit`` samples of an ``.npz``; its label says so.
+    ``token_input`` / ``id_range``: the model takes token ids below ``id_range``, when there is no ``loaded`` model
+    to say so (two ONNX files: the range is the embedding's row count); ids from a file are checked against it
+    (``check_token_ids``) before anything runs.
 
     Returns:
         ``(x, label, sha256 of the file or None)``.
@@ -74,19 +80,36 @@ def choose_inputs(
         return rng.standard_normal((samples, *shape)).astype(np.float32), label, None
     if not path.exists() and not path.is_symlink():
         raise InputError(f"{path}: no such file (--inputs)")
-    integer = loaded is not None and loaded.token_input
+    integer = loaded.token_input if loaded is not None else token_input
     with safety.open_regular(path, "--inputs") as f:
         arr = read_inputs(f, path, shape, integer=integer)
         digest = safety.sha256_open(f)
-    id_range = loaded.id_range if loaded is not None else None
-    if integer and arr.size > 0 and id_range is not None and (int(arr.min()) < 0 or int(arr.max()) >= id_range):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise InputError(
-            f"{path}: token id {bad} is outside the model's vocabulary (0..{id_range - 1}); give ids the model knows"
-        )
+    if integer:
+        check_token_ids(arr, path, loaded.id_range if loaded is not None and loaded.id_range else id_range)
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
+
+
+def check_token_ids(arr: np.ndarray, path: Path, id_range: int | None) -> None:
+    """Refuse token ids from a file that the model cannot look up, before anything runs: a negative id always (an
+    embedding has no row -1; ONNX's Gather would even read from the end), an id at or over ``id_range`` (the
+    embedding's row count) when it is known.
+
+    Raises:
+        InputError: one line naming the file, the id and the bound.
+    """
+    if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        return
+    low, high = int(arr.min()), int(arr.max())
+    if id_range is not None and (low < 0 or high >= id_range):
+        bad = low if low < 0 else high
+        raise InputError(
+            f"{shown(path)}: token id {bad} is outside the model's vocabulary (0..{id_range - 1}); give ids the "
+            "model knows"
+        )
+    if low < 0:
+        raise InputError(f"{shown(path)}: token id {low} is negative; give ids the model knows (0 or more)")
 
 
 def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:

@@ -21,11 +21,12 @@ import torch
 
 from slabconv.engine import onnx_fold
 from slabconv.errors import InputError, UsageError, first_line
+from slabconv.load import safety
 from slabconv.load.onnx_file import OnnxFile, load_ir
 from slabconv.options import VerifyOptions
 from slabconv.util import Progress, sha256_file
 from slabconv.verify import judge
-from slabconv.verify.inputs import load_npz_inputs, load_npz_members
+from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.results import IntegrityCheck, Verification
 from slabconv.verify.run import Reference, check_reference, output_names, question_2, runtime_summary
@@ -111,9 +112,14 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
         return _several_inputs(info, opts)
     if opts.inputs:
         path = Path(opts.inputs)
-        if not path.is_file():
+        if not path.exists():
             raise InputError(f"{path}: no such file (--inputs)")
-        return load_npz_inputs(path, info.input_shape, integer=info.token_input), str(path), sha256_file(path)
+        with safety.open_regular(path, "--inputs") as f:  # one open: the digest is of the array read
+            x = read_inputs(f, path, info.input_shape, integer=info.token_input)
+            digest = safety.sha256_open(f)
+        if info.token_input:
+            check_token_ids(x, path, embedding_rows(info.path, info.input_name))
+        return x, str(path), digest
     if info.input_shape is None:
         raise UsageError(
             f"{info.path}: the input {info.input_name!r} has dynamic axes besides the batch; pass --inputs NPZ"
@@ -149,6 +155,9 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
             raise InputError(f"{path}: no such file (--inputs)")
         arrays = load_npz_members(path, {i.name: i.shape for i in info.inputs})
         cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
+        for graph_input in info.inputs:
+            if graph_input.integer and "mask" not in graph_input.name.lower():
+                check_token_ids(cast[graph_input.name], path, embedding_rows(info.path, graph_input.name))
         return cast, str(path), sha256_file(path)
     samples, seed = opts.sample_count(), opts.seed
     if samples < 1:

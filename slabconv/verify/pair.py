@@ -268,8 +268,18 @@ def verify_pair(
         if rows is None:
             raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
     shape = load.input_shape or ref.input_shape or cand.input_shape
+    checked = None  # two .onnx files and --inputs: the ids are checked against the embedding's rows
+    if token_input and opts.inputs and ref.loaded is None and cand.loaded is None:
+        checked = _embedding_rows(reference_path)
     x, label, digest = choose_inputs(
-        ref.loaded or cand.loaded, opts.inputs, opts.sample_count(), opts.seed, shape, limit=opts.samples
+        ref.loaded or cand.loaded,
+        opts.inputs,
+        opts.sample_count(),
+        opts.seed,
+        shape,
+        limit=opts.samples,
+        token_input=token_input,
+        id_range=checked,
     )
     if rows is not None:
         x = np.random.default_rng(opts.seed).integers(0, rows, x.shape, dtype=np.int64)

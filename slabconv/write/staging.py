@@ -277,6 +277,7 @@ def check_output_file(
         if path.resolve() == Path(item).resolve():
             raise UsageError(f"{shown(target)} is an input of this run; choose another path")
     _check_path(path)
+    _check_special(path, target)
     if path.exists():
         if path.is_dir():
             raise UsageError(
@@ -288,6 +289,31 @@ def check_output_file(
             raise UsageError(f"{shown(target)} already exists; pass --force to replace it")
         _check_replaceable(path, target)
     return path
+
+
+_SPECIAL_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _check_special(path: Path, target: Path | str) -> None:
+    """Refuse, at once, an output file path that names a FIFO, socket or device: checking whether slabconv wrote it
+    would open it (a FIFO waits for a writer forever), and writing it would wait for a reader or never end. The one
+    check for every single-file output (``--onnx``, ``--junit``, ``--plot``).
+
+    Raises:
+        UsageError: ``PATH: not a regular file (a FIFO (named pipe)); give a file path``.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode))
+    if kind is not None:
+        raise UsageError(f"{shown(target)}: not a regular file ({kind}); give a file path")
 
 
 # --------------------------------------------------------------------------------------------- renames
