@@ -167,7 +167,8 @@ def _reference(
     side: Side, x: np.ndarray, label: str, digest: str | None, candidate_dtype: torch.dtype | None = None
 ) -> tuple[Reference, Verification]:
     """The reference outputs: the model in its dtype and in float64 (question 1 for the graph included), or an
-    ``.onnx`` reference's own outputs and its graph evaluated in float64 (``slabconv.onnx_original.float64_reference``).
+    ``.onnx`` reference's own outputs and its graph evaluated in float64
+    (``slabconv.verify.onnx_original.float64_reference``).
 
     A candidate in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint) is held
     to the error of the reference cast to that dtype (``e_orig``), as ``fuse`` holds it (``run.make_reference``)."""
