@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # let a test reach the network.
 os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="slabconv-hf-modules-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Under pytest-xdist (`make test` runs one worker per core) each worker and the slabconv processes it starts use one
+# thread: two workers with a thread per core each would only make the cores' OpenMP threads wait on one another.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 FIXTURE = ROOT / "fixtures" / "digits-prepbn"
 
 
