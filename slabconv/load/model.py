@@ -182,23 +182,7 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     # A Hugging Face folder's sizes come from its config.json: name that file in what the config gets blamed for.
     config_label = str(ckpt.path / "config.json") if ckpt.format.startswith("hf-") else str(ckpt.path)
     check_config_sizes(config, config_label)
-    try:
-        spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
-    except UnsupportedModelError as err:
-        raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
-    try:
-        model = spec.build(ckpt.state_dict, config, norm)
-    except UnsupportedModelError as err:
-        if ckpt.format.startswith("hf-"):
-            raise UnsupportedModelError(
-                f"{config_label}: {err}; the config does not fit the weights: fix config.json"
-            ) from None
-        raise
-    except (KeyError, ValueError, RuntimeError, IndexError) as err:
-        raise InputError(
-            f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({type(err).__name__}: {err}); "
-            "it is another architecture: check --arch (see `slabconv list`)"
-        ) from None
+    spec, model = _build(ckpt, arch, config, norm, config_label)
     dtype = _float_dtype(ckpt.state_dict)
     model.to(dtype)
     _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
@@ -216,6 +200,35 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     return LoadedModel(
         model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config), id_range=id_range
     )
+
+
+def _build(
+    ckpt: Checkpoint, arch: str | None, config: dict[str, Any], norm: str, config_label: str
+) -> tuple[ArchSpec, nn.Module]:
+    """The zoo architecture (named, or detected from the keys and config) and its model built for the weights.
+
+    Raises:
+        UnsupportedModelError: unknown or undetectable architecture; a Hugging Face config that does not fit the
+            weights (naming ``config_label``).
+        InputError: the weights are another architecture's.
+    """
+    try:
+        spec: ArchSpec = get_arch(arch) if arch else detect_arch(ckpt.state_dict, config)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
+    try:
+        return spec, spec.build(ckpt.state_dict, config, norm)
+    except UnsupportedModelError as err:
+        if ckpt.format.startswith("hf-"):
+            raise UnsupportedModelError(
+                f"{config_label}: {err}; the config does not fit the weights: fix config.json"
+            ) from None
+        raise
+    except (KeyError, ValueError, RuntimeError, IndexError) as err:
+        raise InputError(
+            f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({type(err).__name__}: {err}); "
+            "it is another architecture: check --arch (see `slabconv list`)"
+        ) from None
 
 
 def _output_folder_model(folder: Path) -> Path:

@@ -239,6 +239,79 @@ def _same_outputs(ref: Side, cand: Side, x: np.ndarray, ref_path: Path, cand_pat
         )
 
 
+def _pair_inputs(
+    ref: Side, cand: Side, reference_path: Path, load: LoadOptions, opts: VerifyOptions, token_input: bool
+) -> tuple[np.ndarray, str, str | None]:
+    """The verification inputs of a pair ``(N, ...)`` (int64 ids for token inputs), their label and the sha256 of
+    the ``--inputs`` file (None for drawn samples).
+
+    Raises:
+        UsageError: two ``.onnx`` files taking token ids whose range neither records, without ``--inputs``.
+        InputError: as ``choose_inputs``.
+    """
+    rows = None
+    if token_input and not opts.inputs and ref.loaded is None and cand.loaded is None:
+        rows = _embedding_rows(reference_path)  # ids below the embedding's row count of an ONNX original
+        if rows is None:
+            raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
+    shape = load.input_shape or ref.input_shape or cand.input_shape
+    checked = None  # two .onnx files and --inputs: the ids are checked against the embedding's rows
+    if token_input and opts.inputs and ref.loaded is None and cand.loaded is None:
+        checked = _embedding_rows(reference_path)
+    x, label, digest = choose_inputs(
+        ref.loaded or cand.loaded,
+        opts.inputs,
+        opts.sample_count(),
+        opts.seed,
+        shape,
+        limit=opts.samples,
+        token_input=token_input,
+        id_range=checked,
+    )
+    if rows is not None:
+        x = np.random.default_rng(opts.seed).integers(0, rows, x.shape, dtype=np.int64)
+    if token_input and not np.issubdtype(x.dtype, np.integer):
+        x = x.astype(np.int64)
+    return x, label, digest
+
+
+def _question_1(
+    ref: Side,
+    cand: Side,
+    reference: Reference,
+    verification: Verification,
+    x: np.ndarray,
+    reference_path: Path,
+    candidate_path: Path,
+    progress: Progress,
+) -> None:
+    """Question 1 where it applies (the candidate was folded by slabconv from the reference), into
+    ``verification``; a note saying why not elsewhere."""
+    fused64 = reference.fused64
+    onnx_source = _onnx_source(reference_path, candidate_path, ref)
+    if onnx_source is not None and reference.exact is not None:
+        from slabconv.verify import onnx_original
+
+        progress("verifying: question 1, is the fold exact?")
+        batch = ref.runtimes[0].fixed_batch if ref.runtimes else None
+        verification.exact += onnx_original.question_1(
+            reference_path, onnx_source, x, reference.dtype, batch, reference.exact
+        )
+    elif cand.written is not None and fused64 is not None and not is_output_folder(reference_path):
+        progress("verifying: question 1, is the fold exact?")
+        verification.exact.append(question_1_graph(reference, fused64, ref.loaded.batch if ref.loaded else None))
+        fold64 = engine.fused_state_dict(fused64)
+        what = f"{candidate_path.name} vs a float64 fold of the reference"
+        verification.exact.append(judge.exact_tensors(what, cand.written, fold64, by_value=cand.written_by_value))
+    else:
+        why = (
+            "the candidate is not a slabconv output"
+            if cand.written is None
+            else "the reference is not a model slabconv traces"
+        )
+        verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
+
+
 def verify_pair(
     reference_path: Path, candidate_path: Path, load: LoadOptions, opts: VerifyOptions, progress: Progress
 ) -> tuple[Source, Source, Verification]:
@@ -263,57 +336,13 @@ def verify_pair(
             "the two files are not the same model"
         )
     token_input = ref.token_input or cand.token_input
-    rows = None
-    if token_input and not opts.inputs and ref.loaded is None and cand.loaded is None:
-        rows = _embedding_rows(reference_path)  # ids below the embedding's row count of an ONNX original
-        if rows is None:
-            raise UsageError("these models take token ids whose range the .onnx files do not record; pass --inputs NPZ")
-    shape = load.input_shape or ref.input_shape or cand.input_shape
-    checked = None  # two .onnx files and --inputs: the ids are checked against the embedding's rows
-    if token_input and opts.inputs and ref.loaded is None and cand.loaded is None:
-        checked = _embedding_rows(reference_path)
-    x, label, digest = choose_inputs(
-        ref.loaded or cand.loaded,
-        opts.inputs,
-        opts.sample_count(),
-        opts.seed,
-        shape,
-        limit=opts.samples,
-        token_input=token_input,
-        id_range=checked,
-    )
-    if rows is not None:
-        x = np.random.default_rng(opts.seed).integers(0, rows, x.shape, dtype=np.int64)
-    if token_input and not np.issubdtype(x.dtype, np.integer):
-        x = x.astype(np.int64)
+    x, label, digest = _pair_inputs(ref, cand, reference_path, load, opts, token_input)
     _same_outputs(ref, cand, x[:1], reference_path, candidate_path)
     progress("verifying: the reference in its dtype and in float64")
     reference, verification = _reference(ref, x, label, digest, cand.loaded.dtype if cand.loaded else None)
     verification.integrity += ref.integrity + cand.integrity
     verification.notes += ref.notes + cand.notes
-    fused64 = reference.fused64
-    onnx_source = _onnx_source(reference_path, candidate_path, ref)
-    if onnx_source is not None and reference.exact is not None:
-        from slabconv.verify import onnx_original
-
-        progress("verifying: question 1, is the fold exact?")
-        batch = ref.runtimes[0].fixed_batch if ref.runtimes else None
-        verification.exact += onnx_original.question_1(
-            reference_path, onnx_source, x, reference.dtype, batch, reference.exact
-        )
-    elif cand.written is not None and fused64 is not None and not is_output_folder(reference_path):
-        progress("verifying: question 1, is the fold exact?")
-        verification.exact.append(question_1_graph(reference, fused64, ref.loaded.batch if ref.loaded else None))
-        fold64 = engine.fused_state_dict(fused64)
-        label = f"{candidate_path.name} vs a float64 fold of the reference"
-        verification.exact.append(judge.exact_tensors(label, cand.written, fold64, by_value=cand.written_by_value))
-    else:
-        why = (
-            "the candidate is not a slabconv output"
-            if cand.written is None
-            else "the reference is not a model slabconv traces"
-        )
-        verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
+    _question_1(ref, cand, reference, verification, x, reference_path, candidate_path, progress)
     if not cand.runtimes:
         raise InputError(f"{candidate_path}: no runtime here can run it ({'; '.join(cand.notes)})")
     for runtime in cand.runtimes:
