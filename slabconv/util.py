@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import stat
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,3 +86,13 @@ def upper_bound(size: Any) -> int | None:
     except (TypeError, ValueError, AttributeError, OverflowError):  # int_oo and other infinities
         return None
     return upper if upper < 1 << 62 else None
+
+
+SPECIAL_FILES = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+"""The kinds of file that are not regular, by ``stat.S_IFMT`` of their mode, as error messages name them: reading
+a FIFO waits for a writer, writing one waits for a reader, a device can be endless."""

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from slabconv.cli import app
 from slabconv.errors import InputError
-from slabconv.load import safety
+from slabconv.load import program_checks, safety
 from slabconv.load.checkpoint import load_checkpoint
 from tests import errordoc
 from tests.conftest import small_vit
@@ -230,13 +230,13 @@ def test_the_check_and_the_load_read_the_same_open_file(tmp_path: Path, monkeypa
     good = tmp_path / "model.pt2"
     good.write_bytes(program_bytes())
     evil = edited_program(tmp_path / "evil.pt2", set_target("torch.hub.load"))
-    real = safety.check_program_archive
+    real = program_checks.check_program_archive
 
     def check_then_swap(*args: object, **kwargs: object) -> None:
         real(*args, **kwargs)  # type: ignore[arg-type]
         os.replace(evil, good)  # the attacker wins the race: the path now holds the unchecked program
 
-    monkeypatch.setattr(safety, "check_program_archive", check_then_swap)
+    monkeypatch.setattr(program_checks, "check_program_archive", check_then_swap)
     ckpt = load_checkpoint(good)
     assert ckpt.format == "torch.export"
     assert all(str(n.target) != "<function load>" for n in ckpt.program.graph.nodes)

@@ -23,7 +23,7 @@ from typing import IO, Any
 import torch
 
 from slabconv.errors import InputError, first_line
-from slabconv.load import safety
+from slabconv.load import program_checks, safety
 from slabconv.util import silenced
 
 _PREFIXES = ("module.", "_orig_mod.")
@@ -252,7 +252,7 @@ def _load_safetensors(path: Path) -> Checkpoint:
 
 
 def _load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
-    """A ``.pt2`` read by ``torch.export.load`` after ``safety.check_program_archive``, with ``sympy.sympify``
+    """A ``.pt2`` read by ``torch.export.load`` after ``program_checks.check_program_archive``, with ``sympy.sympify``
     guarded and every pickle inside weights-only (unless ``trust_pickle``); torch's log lines silenced.
 
     The file is opened once: the checks, the sha256 and ``torch.export.load`` read the same open file, so a file
@@ -262,11 +262,11 @@ def _load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
     label = str(path)
     with safety.open_regular(path, "the program") as f:
         size = os.fstat(f.fileno()).st_size
-        safety.check_program_archive(f, trust_pickle, label, size)
+        program_checks.check_program_archive(f, trust_pickle, label, size)
         digest = safety.sha256_open(f)
         guards = contextlib.ExitStack()
         guards.enter_context(silenced())
-        guards.enter_context(safety.guarded_sympify(label))
+        guards.enter_context(program_checks.guarded_sympify(label))
         if not trust_pickle:
             guards.enter_context(safety.no_code_from_pickles(label, size))
         try:

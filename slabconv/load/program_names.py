@@ -13,7 +13,7 @@ Python objects in five places, and each can be steered by the file:
   ``default_factory_module`` of a ``collections.defaultdict`` context, then looks the name up in it.
 - **guards** (``guards_code``): ``ExportedProgram.module()`` pastes each string into Python source and ``exec``\\ s
   it (``torch.export._unlift._convert_guards_code_to_fn``); the guard runs with every call of the model.
-- **symbolic shapes** (``expr_str``): ``sympy.sympify`` -- checked by ``safety.check_expression``.
+- **symbolic shapes** (``expr_str``): ``sympy.sympify`` -- checked by ``program_checks.check_expression``.
 
 ``check_program_document`` accepts only: operator names of the namespaces torch itself ships (``aten``, ``prims``)
 and the higher-order ops in ``HIGHER_ORDER_OPS`` (control flow and grad/autocast wrappers, which hold only
