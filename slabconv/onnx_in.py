@@ -1,21 +1,12 @@
-"""ONNX originals: ``fuse``, ``inspect`` and ``verify`` of an ``.onnx`` file (``docs/onnx.md``).
+"""ONNX originals: ``fuse`` and ``inspect`` of an ``.onnx`` file (``docs/onnx.md``).
 
 The same pipeline as for a checkpoint, on the ONNX graph instead of a traced one::
 
-    load (slabconv.load.onnx_file)  ->  fold (slabconv.engine.onnx_graph, onnx-ir)  ->  write model.onnx
-        ->  verify (question 1 in float64, question 2 in the file's dtype, both with onnxruntime)  ->  report
+    load (slabconv.load.onnx_file)  ->  fold (slabconv.engine.onnx_fold, onnx-ir)  ->  write model.onnx
+        ->  verify (slabconv.verify.onnx_original: question 1 in float64, question 2 in the file's dtype)  ->  report
 
 The fused ``model.onnx`` is the input graph minus its norms: the same input and output names, dynamic axes,
 opset and domains, the node names of the nodes that stay; external data stays external (``model.onnx.data``).
-
-Verification (``slabconv.verify.policy``):
-
-1. Question 1, *is the fold exact?*: the original graph with every floating tensor and type cast to float64, and
-   the same fold made on that float64 graph, both run by onnxruntime (onnx's reference evaluator where
-   onnxruntime has no float64 kernel) on the same inputs: relative error ``<= EXACT_RTOL``. Every tensor of the
-   written ``model.onnx`` must equal that float64 fold rounded to its dtype (0 units in the last place).
-2. Question 2: the written ``model.onnx`` under onnxruntime (optimisations off and on) in the file's dtype, and
-   the original in its dtype, against the float64 original: ``e_fused <= max(tol_dtype, 2 * e_orig)``.
 """
 
 from __future__ import annotations
