@@ -42,7 +42,8 @@ from torch.utils._pytree import tree_map
 from slabconv import fold
 from slabconv.engine.capture import attr, module_path, same_size, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
-from slabconv.engine.rules import LAYER_OF, VIEW_OPS, Chan
+from slabconv.engine.layers import LAYER_OF
+from slabconv.engine.rules import VIEW_OPS, Chan
 from slabconv.errors import UnsupportedModelError
 
 aten = torch.ops.aten
