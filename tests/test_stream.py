@@ -41,9 +41,9 @@ def test_streaming_output_equals_the_in_memory_fold(folded):
     out = hf.read_hf_folder(root / "out")
     mem = load_file(str(root / "mem" / "model.safetensors"))
     assert sorted(out.state_dict) == sorted(mem)
-    for k, v in mem.items():
+    for k, v in mem.items():  # the same fold program, run in memory and block by block: bit for bit
         assert out.state_dict[k].dtype == v.dtype == torch.float16, k
-        torch.testing.assert_close(out.state_dict[k].float(), v.float(), rtol=1e-3, atol=1e-3)
+        assert torch.equal(out.state_dict[k], v), k
     assert [(f.norm, f.into, f.action) for f in report.folds] == [(f.norm, f.into, f.action) for f in memory.folds]
     assert report.mode == "streamed" and memory.mode == "in-memory"
     for name in ("config.json", "generation_config.json", "modeling_slabconv_llama.py"):  # the same folder
@@ -84,8 +84,8 @@ def test_layer_by_layer_verification_passes(folded):
     assert names == [f"model.layers.{i}" for i in range(TINY.num_hidden_layers)] + ["logits"]
     assert all(c.tolerance >= 1e-3 and c.tolerance_from in ("tol_dtype", "2*e_orig") for c in v.checks)  # float16
     assert all(c.reference == "float64" and c.e_orig is not None and c.e_orig > 0 for c in v.checks)
-    assert [e.method for e in v.exact] == ["graph", "tensors"] and all(e.passed for e in v.exact)
-    assert v.exact[1].error <= 0.5  # every written tensor is the float64 fold, rounded once
+    assert [e.method for e in v.exact] == ["tensors"] and all(e.passed for e in v.exact)
+    assert v.exact[0].error <= 0.5  # every written tensor is the float64 fold, rounded once
 
 
 def test_layerwise_reference_chain_is_the_model(tmp_path):
@@ -134,16 +134,18 @@ def test_layerwise_names_the_layer_that_is_wrong(folded, tmp_path):
 
 
 def test_streamed_fold_with_a_wrong_fold_writes_nothing(folded, tmp_path, monkeypatch):
-    """A fold that forgets the shift (W t) is caught by the layer-by-layer check before anything is written."""
+    """A fold that forgets the shift (W t) is caught by the layer-by-layer check before anything is written.
+
+    Question 1 reruns the same fold program (the same algebra, here broken on purpose), so it passes: what catches a
+    wrong algebra in the streamed mode is question 2, the layers run on their outputs."""
     from slabconv import fold
     from slabconv.errors import VerificationError
 
     real = fold.fold_into_linear
     monkeypatch.setattr(fold, "fold_into_linear", lambda w, b, s, t: real(w, b, s, torch.zeros_like(t)))
-    with pytest.raises(VerificationError, match="question 1") as caught:
+    with pytest.raises(VerificationError, match="not equivalent") as caught:
         fuse_streamed(folded[0] / "src", tmp_path / "o")
     v = caught.value.report.verification
-    assert not v.exact[0].passed  # the planning instance in float64 shows the fold is wrong
     assert not any(c.passed for c in v.checks) and v.checks[0].name.startswith("model.layers.0")
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp-*"))
 
@@ -188,7 +190,7 @@ def test_refusals(folded, tmp_path):
         fuse_streamed(single, tmp_path / "o")
     plain = tmp_path / "plain"
     hfwrite.write_hf_folder(plain, {k: v for k, v in sd.items() if "layernorm" not in k}, CONFIG, max_shard_bytes=8192)
-    with pytest.raises(UnsupportedModelError, match="LLaMA-PRepBN"):
+    with pytest.raises(UnsupportedModelError, match="could not detect the architecture"):
         fuse_streamed(plain, tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
@@ -225,7 +227,7 @@ def test_unfinished_schedule_is_reported(folded, tmp_path):
     sd = {**sd, "model.layers.1.input_layernorm.warm": torch.tensor(3)}
     hfwrite.write_hf_folder(tmp_path / "src", sd, CONFIG, max_shard_bytes=8192)
     report = fuse_streamed(tmp_path / "src", tmp_path / "out")
-    warned = {f.norm: f.warnings for f in report.folds if f.warnings}
+    warned = {f.norm: w for f in report.folds if (w := [x for x in f.warnings if "progressive" in x])}
     assert list(warned) == ["model.layers.1.input_layernorm"] and "warm=3" in warned[list(warned)[0]][0]
 
 
