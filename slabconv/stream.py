@@ -12,8 +12,9 @@ The same stages as an in-memory fold and the same engine, each in bounded memory
    at a time (every fold composed in float64, rounded once: the tensors an in-memory fold writes, bit for bit),
    with the input's shard boundaries; a language model's folder gets the same Hugging Face files as in memory.
 4. **verify**: question 1 on every written tensor (``verify.layerwise.exact_streamed``: the program again, in
-   float64); question 2 one decoder layer at a time for a decoder family (``verify.layerwise``), not answered
-   for other families (the report says so).
+   float64) and question 2 one decoder layer at a time (``verify.layerwise``), for a decoder family; another
+   family has no streamed question 2, so it streams only with ``--no-verify`` (``slabconv verify`` in memory
+   checks the result).
 5. **report**: the same ``Report`` as an in-memory fold, ``mode: streamed``.
 """
 
@@ -94,6 +95,14 @@ def make_plan(reader: LazyShards, config: dict[str, Any], arch: str | None, sha2
     return StreamPlan(loaded.arch, decisions, program, family)
 
 
+def _is_decoder(weight_map: Mapping[str, str]) -> bool:
+    try:
+        family_of(weight_map)
+    except UnsupportedModelError:
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------------------------- fuse
 
 
@@ -146,6 +155,11 @@ def fuse_streamed(
     return_freed_blocks_to_the_os()
     reader = LazyShards(folder, src.weight_map, FOLD_BLOCK)
     source_sha = sha256_file(src.index)
+    if verify is not None and not _is_decoder(src.weight_map):
+        raise UsageError(
+            f"--stream verifies decoder language models one layer at a time; {folder} has no streamed question 2: "
+            "fold it in memory, or pass --no-verify and run slabconv verify on the two folders"
+        )
     progress("planning on the full-size architecture (stand-in weights)")
     plan = make_plan(reader, src.config, load.arch if load else None, source_sha)
     if verify is not None and verify.generate != 0 and plan.family is not None:
@@ -277,33 +291,19 @@ def _hf_files(folder: Path, config: dict[str, Any]) -> list[str]:
 
 
 def _verify(source: Path, written: Path, plan: StreamPlan, opts: VerifyOptions, progress: Progress) -> Verification:
-    """``layerwise.verify_folders`` with the options of a streamed run for a decoder family; question 1 alone for
-    another family (its outputs cannot be computed one layer at a time: the report says question 2 was not
-    answered)."""
-    if plan.family is not None:
-        return layerwise.verify_folders(
-            source,
-            written,
-            sequences=opts.sample_count(streamed=True),
-            seed=opts.seed,
-            rtol=opts.rtol,
-            atol=opts.atol,
-            strict=opts.strict,
-            program=plan.program,
-            block_elements=FOLD_BLOCK,
-            progress=progress,
-        )
-    progress("verifying: question 1, the written tensors against a float64 fold")
-    ref, cand = LazyShards.open(source, FOLD_BLOCK), LazyShards.open(written, FOLD_BLOCK)
-    verification = Verification(
-        inputs="none (question 1 only)", reference="a float64 run of the fold program", runtime="none"
+    """``layerwise.verify_folders`` with the options of a streamed run of a decoder family."""
+    return layerwise.verify_folders(
+        source,
+        written,
+        sequences=opts.sample_count(streamed=True),
+        seed=opts.seed,
+        rtol=opts.rtol,
+        atol=opts.atol,
+        strict=opts.strict,
+        program=plan.program,
+        block_elements=FOLD_BLOCK,
+        progress=progress,
     )
-    verification.exact.append(layerwise.exact_streamed(ref, cand, plan.program))
-    verification.notes.append(
-        f"question 2 (the written model's outputs) not answered: a streamed {plan.arch} is checked tensor by tensor "
-        "only; run slabconv verify on the two folders in memory where it fits"
-    )
-    return verification
 
 
 def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress) -> Report:

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from slabconv import api, stream
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load import hf
+from slabconv.load.shards import LazyShards
 from slabconv.options import WriteOptions
 from slabconv.verify import layerwise
 from slabconv.zoo import get_arch
@@ -249,3 +250,50 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
     with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
         api.verify(root / "src", root / "out", verify=VerifyOptions(generate=2), stream=True)
+
+
+def tiny_swin() -> torch.nn.Module:
+    """Swin-T-PRepBN's classes at tiny widths, at the sizes a folder without config.json implies (224 pixels,
+    patch 4, window 7): its patch-embedding norm folds backward into the patch conv."""
+    from slabconv.zoo.layers import norm_factory
+    from slabconv.zoo.swin import SwinTransformer
+    from tests.conftest import randomize_norms
+
+    torch.manual_seed(0)
+    model = SwinTransformer(
+        224, 4, 3, 10, embed_dim=8, depths=(2, 1), num_heads=(1, 2), window_size=7, mlp_ratio=2,
+        norm_layer=norm_factory("repbn", ln_eps=1e-5),
+    )  # fmt: skip
+    return randomize_norms(model, 0).eval()
+
+
+def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
+    """A backward fold into a convolution, streamed: sharded safetensors, no config.json, --arch; the same tensors
+    as the in-memory fold, bit for bit, and the same decisions; question 1 checks every written tensor."""
+    from slabconv.options import LoadOptions
+
+    sd = {k: v.clone() for k, v in tiny_swin().state_dict().items()}
+    hfwrite.write_hf_folder(tmp_path / "src", sd, {}, max_shard_bytes=16384)
+    (tmp_path / "src" / hf.CONFIG).unlink()
+    load = LoadOptions(arch="swin_prepbn")
+    memory = api.fuse(tmp_path / "src", tmp_path / "mem", load=load, verify=None, write=WriteOptions(onnx=False))
+    with pytest.raises(UsageError, match="no streamed question 2"):  # no layer-by-layer check for an image model
+        api.fuse(tmp_path / "src", tmp_path / "out", load=load, write=STREAM)
+    streamed = api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=None, write=STREAM)
+    assert [(f.norm, f.action, f.into) for f in streamed.folds] == [(f.norm, f.action, f.into) for f in memory.folds]
+    assert ("patch_embed.norm", "folded-backward", ["patch_embed.proj"]) in [
+        (f.norm, f.action, f.into) for f in streamed.folds
+    ]
+    assert all(f.action.startswith("folded") for f in streamed.folds)
+    mem = load_file(str(tmp_path / "mem" / "model.safetensors"))
+    index = json.loads((tmp_path / "out" / hf.SAFETENSORS_INDEX).read_text())
+    out = {}
+    for shard in sorted(set(index["weight_map"].values())):
+        out.update(load_file(str(tmp_path / "out" / shard)))
+    assert sorted(out) == sorted(mem)
+    for k, v in mem.items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+    plan = stream.make_plan(LazyShards.open(tmp_path / "src"), {}, "swin_prepbn", "")  # question 1, as verify would
+    q1 = layerwise.exact_streamed(LazyShards.open(tmp_path / "src"), LazyShards.open(tmp_path / "out"), plan.program)
+    assert q1.passed and q1.error <= 0.5, q1
+    assert streamed.source.arch == "swin_prepbn" and not streamed.outputs.hf_folder

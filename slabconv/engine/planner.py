@@ -344,7 +344,10 @@ def _fold(
     w_target = str(w_node.target)
     w_dtype = weights.dtype(w_target)
     b_target, b = weights.bias(layer, kind)
-    new_w, new_b = kind.fold_values(forward, weights.value(w_target), b, s, t, kind.groups(layer))
+    w = weights.value(w_target)
+    if w.is_meta and b is not None:  # a streamed plan: the bias is real, the weight a stand-in
+        b = b.to("meta")
+    new_w, new_b = kind.fold_values(forward, w, b, s, t, kind.groups(layer))
     w_update = TensorUpdate(w_target, new_w, w_dtype)
     record = LayerFold(layer, kind, w_target, forward, s, t, norm)
     if new_b is None or (b_target is None and not shifts):

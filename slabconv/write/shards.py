@@ -92,6 +92,7 @@ def write_program_shards(
     """
     weight_map = reader.weight_map
     biases = {la.bias for la in program.layers.values() if la.bias is not None}
+    beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
     new_map: dict[str, str] = {}
     total = 0
     for n, shard in enumerate(shard_names):
@@ -121,7 +122,7 @@ def write_program_shards(
                         parts.append(b)
                     if la.bias_out is not None:
                         writer.write(la.bias_out, torch.cat([b for b in parts if b is not None]))
-                elif key in weight_map:
+                elif key not in beside:
                     for start, stop in row_ranges(shape, block_elements):
                         writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None))
         finally:
