@@ -225,17 +225,14 @@ def verify_folders(
     Args:
         reference: the original folder (RepBN norms).
         candidate: the fused folder (or any folder of the same model; each side runs with its own norms).
-        sequences, seq_len: the inputs: seeded random token ids ``(sequences, seq_len)`` (``seq_len`` capped by
-            the model's positions).
-        seed: seed of the token ids.
+        sequences, seq_len, seed: the inputs: seeded random token ids ``(sequences, seq_len <= positions)``.
         rtol, atol, strict: as ``judge.judge_output``.
         program: the fold program, for question 1; None: question 1 is not answered.
         block_elements: elements per weight block read (the memory bound).
         progress: called once per layer.
 
     Returns:
-        A ``Verification``: question 1 (when ``program``), one check per decoder layer and one for the logits,
-        and an integrity check of the candidate's tensor names.
+        A ``Verification``: question 1 (when ``program``), a check per decoder layer, the logits, the names.
 
     Raises:
         InputError, UnsupportedModelError: not decoder folders of a known family, different sizes.
@@ -286,17 +283,29 @@ def verify_folders(
             )
             h = original
         progress("verifying: question 2, one decoder layer at a time", layers, layers, "final norm and head")
-        verification.checks.append(
-            judge.judge_output(
-                f"logits @ pytorch {name}",
-                cand.logits(g).double().numpy(),
-                dtype=name,
-                original=ref.logits(h).double().numpy(),
-                reference64=ref.logits(h64).numpy(),
-                rtol=rtol,
-                atol=atol,
-                strict=strict,
-                token_logits=True,
-            )
-        )
+        verification.checks.append(_logits_check(ref, cand, (h64, h, g), name, rtol, atol, strict))
     return verification
+
+
+def _logits_check(
+    ref: Folder,
+    cand: Folder,
+    chains: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    name: str,
+    rtol: float | None,
+    atol: float,
+    strict: bool,
+) -> Any:
+    """The logits of the three chains (float64 original, original, fused), judged end to end with top-1."""
+    h64, h, g = chains
+    return judge.judge_output(
+        f"logits @ pytorch {name}",
+        cand.logits(g).double().numpy(),
+        dtype=name,
+        original=ref.logits(h).double().numpy(),
+        reference64=ref.logits(h64).numpy(),
+        rtol=rtol,
+        atol=atol,
+        strict=strict,
+        token_logits=True,
+    )
