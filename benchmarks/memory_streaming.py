@@ -6,8 +6,8 @@
 Builds the checkpoint layer by layer (official LinearNorm keys incl. ``num_step``) with ``write_hf_folder``
 (``--shard-mb`` shards) in a temporary folder, then measures the fold in a fresh child (``_common.measure``), and the
 fixed overhead: a child that only imports torch and slabconv.stream (``import_overhead``), and one that also
-imports the CLI and traces + folds the tiny planning instance (``fixed_overhead``: what every fold pays before
-touching a weight).
+imports the CLI and plans on the full-size architecture with stand-in weights (``fixed_overhead``: what every
+fold pays before touching a weight).
 """
 
 from __future__ import annotations
@@ -157,12 +157,26 @@ def main(argv: list[str] | None = None) -> dict:
         ckpt = sum(p.stat().st_size for p in shards)
         base = measure([sys.executable, "-c", "import torch, slabconv.stream, safetensors"])
         plan_only = (
-            "import json, sys; import slabconv.cli; from slabconv import stream; d = sys.argv[1]; "
-            "stream.make_plan(json.load(open(d + '/config.json')), "
-            "json.load(open(d + '/model.safetensors.index.json'))['weight_map'])"
+            "import json, sys; from pathlib import Path; import slabconv.cli; from slabconv import stream; "
+            "from slabconv.load.shards import LazyShards; d = Path(sys.argv[1]); "
+            "stream.make_plan(LazyShards.open(d), json.load(open(d / 'config.json')), None, '')"
         )
         fixed = measure([sys.executable, "-c", plan_only, str(src)])
-        run = measure([sys.executable, "-m", "slabconv", "fuse", str(src), "--stream", "--no-onnx", "--out", str(out)])
+        run = measure(  # --generate 0: the greedy-generation check loads both models whole, by design
+            [
+                sys.executable,
+                "-m",
+                "slabconv",
+                "fuse",
+                str(src),
+                "--stream",
+                "--no-onnx",
+                "--generate",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
         report = json.loads((out / "report.json").read_text())
         mib = 2**20
         result = {

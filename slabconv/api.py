@@ -365,7 +365,7 @@ def fuse(
     if write.stream:
         from slabconv import stream
 
-        return stream.fuse_streamed(source, out_dir, verify=verify, write=write, progress=progress)
+        return stream.fuse_streamed(source, out_dir, verify=verify, write=write, load=load, progress=progress)
     progress(f"loading {source}")
     loaded = load_model(source, load)
     planned = plan(loaded, progress)

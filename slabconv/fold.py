@@ -85,7 +85,14 @@ def fold_into_linear(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: 
 
 
 def fold_into_conv(
-    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor, groups: int = 1
+    weight: Tensor,
+    bias: Tensor | None,
+    scale: Tensor,
+    shift: Tensor,
+    groups: int = 1,
+    *,
+    first: int = 0,
+    total: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Forward fold: a convolution (any spatial rank, no zero padding) that consumes ``s * x + t`` on axis 1.
 
@@ -97,6 +104,8 @@ def fold_into_conv(
         scale: ``(in,)`` per-input-channel scale.
         shift: ``(in,)`` per-input-channel shift.
         groups: the conv's ``groups``; input channel ``c`` belongs to group ``c // (in / groups)``.
+        first, total: ``weight`` and ``bias`` are output channels ``first:first + len(weight)`` of a conv with
+            ``total`` of them (default: all of them), for a fold one block of rows at a time.
 
     Returns:
         ``(W', b')``: ``W'[o, j, ...] = W[o, j, ...] * s[c]`` and ``b'[o] = b[o] + sum_{j,k} W[o, j, k] t[c]``
@@ -106,7 +115,8 @@ def fold_into_conv(
     out_ch, in_per_group = w.shape[0], w.shape[1]
     b = torch.zeros(out_ch, dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
     # Per output channel, the input channels it reads: (out, in_per_group).
-    group_of_out = torch.arange(out_ch, device=w.device) // (out_ch // groups)
+    per_group = (out_ch if total is None else total) // groups
+    group_of_out = torch.arange(first, first + out_ch, device=w.device) // per_group
     chan = group_of_out[:, None] * in_per_group + torch.arange(in_per_group, device=w.device)[None, :]
     s = scale.to(w)[chan].reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
     t = shift.to(w)[chan]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from slabconv.engine import apply_folds, capture, fold_all, fused_state_dict, plan_folds, reasons
-from slabconv.engine.rules import LAYERS
+from slabconv.engine.layers import LAYERS
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import TOL, RepBN_NLP, bn_nodes, kept_affines, randomize, rel_err
 

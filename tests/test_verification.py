@@ -106,7 +106,7 @@ def test_half_precision_text_fixture_in_memory_and_streamed(tmp_path: Path, dtyp
     streamed = api.fuse(sharded, tmp_path / "streamed", write=WriteOptions(stream=True, onnx=False))
     s = streamed.verification
     assert s is not None and s.passed and streamed.mode == "streamed"
-    assert [e.method for e in s.exact] == ["graph", "tensors"] and s.exact[1].error <= 0.5
+    assert [e.method for e in s.exact] == ["tensors"] and s.exact[0].error <= 0.5  # the fold program, rerun
     assert [c.name.split(" @ ")[0] for c in s.checks] == [
         "model.layers.0",
         "model.layers.1",

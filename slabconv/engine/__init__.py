@@ -7,11 +7,14 @@ One module per job, in the order the data goes through them:
 
 - ``capture``: ``torch.export`` of the model, and helpers that read the graph (shapes, stored tensors).
 - ``rules``: the op tables: how each ATen op treats a per-channel affine (``RULES``) and the layers a norm folds
-  into (``LAYERS``: Linear, addmm / mm, conv; embedding as a producer).
+  into (``slabconv.engine.layers``: Linear, addmm / mm, conv; embedding as a producer).
 - ``flow``: the forward walk from a norm's output and the backward walk from its input to a producer.
 - ``norms``: norm discovery (``find_norms``): every constant per-channel affine, recognised by its value.
 - ``planner``: one ``Decision`` per norm and the weight updates that carry it out, as data (``plan_folds``).
-- ``rewriter``: applies the plans to the graph (``apply_folds``); ``fold_all`` runs the whole engine.
+- ``program``: the plan as a program, one recipe per tensor of the fused model, run over a ``WeightStore``
+  (in memory, or one block of rows at a time in the streamed mode).
+- ``rewriter``: applies the plans to the graph (``apply_folds``); ``fold_all`` / ``fold_program`` run the whole
+  engine.
 - ``cleanup``: cancels views left by removed norms, drops unused tensors; ``fused_state_dict``, ``norm_free``.
 
 The names below are the engine's public surface; the other stages import nothing else from it.
@@ -31,23 +34,31 @@ from slabconv.engine.planner import (
     plan_folds,
     schedule_warnings,
 )
-from slabconv.engine.rewriter import apply_folds, fold_all
+from slabconv.engine.program import FOLD_BLOCK, LayerRecipe, Program, TensorRecipe, WeightStore, row_ranges
+from slabconv.engine.rewriter import apply_folds, fold_all, fold_program
 
 __all__ = [
     "FOLDED_BACKWARD",
+    "FOLD_BLOCK",
     "FOLDED_FORWARD",
     "KEPT",
     "KEPT_AFFINE",
     "Decision",
+    "LayerRecipe",
     "NormPlan",
     "NormSite",
+    "Program",
+    "TensorRecipe",
+    "WeightStore",
     "apply_folds",
     "capture",
     "find_norms",
     "fold_all",
+    "fold_program",
     "fused_state_dict",
     "norm_free",
     "plan_folds",
     "reasons",
+    "row_ranges",
     "schedule_warnings",
 ]

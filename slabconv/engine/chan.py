@@ -14,7 +14,7 @@ from torch import fx
 from slabconv.engine import reasons
 
 if TYPE_CHECKING:
-    from slabconv.engine.rules import LayerKind
+    from slabconv.engine.layers import LayerKind
 
 aten = torch.ops.aten
 

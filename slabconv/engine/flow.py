@@ -26,16 +26,15 @@ from torch import fx
 
 from slabconv.engine import reasons
 from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of
+from slabconv.engine.layers import LAYER_OF, LayerKind
 from slabconv.engine.rules import (
     INDEX_OUTPUTS,
     JOIN_OPS,
-    LAYER_OF,
     RULE_OF,
     RULES,
     Absorb,
     Block,
     Chan,
-    LayerKind,
     Outcome,
     Pass,
     op_name,

@@ -49,7 +49,8 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
 )
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
-from slabconv.engine.rules import LAYER_OF, VIEW_OPS, Chan
+from slabconv.engine.layers import LAYER_OF
+from slabconv.engine.rules import VIEW_OPS, Chan
 
 aten = torch.ops.aten
 Tensor = torch.Tensor

@@ -7,7 +7,7 @@ tensors, biases to create, the blocked edges that keep a per-channel affine, whe
 For each norm, in order of preference:
 
 1. ``folded-forward``: every path from the norm's output ends at a layer that can absorb the affine (Linear /
-   unpadded conv, ``slabconv.engine.rules.LAYERS``): scale their input columns, shift their bias
+   unpadded conv, ``slabconv.engine.layers.LAYERS``): scale their input columns, shift their bias
    (``W diag(s)``, ``b + W t``), drop the norm.
 2. ``folded-backward``: some path is blocked, but the norm's input is produced by a Linear/conv that nothing else
    reads: scale its output rows (``diag(s) W``, ``s b + t``), drop the norm. Exact on every path at once.
@@ -40,8 +40,9 @@ from slabconv import fold
 from slabconv.engine import reasons
 from slabconv.engine.capture import module_path, shape_of, stored
 from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_producer, follow
+from slabconv.engine.layers import LayerKind, layer_name
 from slabconv.engine.norms import NormSite, find_norms
-from slabconv.engine.rules import Chan, LayerKind, layer_name, op_name
+from slabconv.engine.rules import Chan, op_name
 from slabconv.errors import InputError
 from slabconv.tolerances import dtype_name, tol_dtype
 
@@ -126,6 +127,22 @@ class NewBias:
         return self.value.to(self.dtype).contiguous()
 
 
+@dataclass(frozen=True)
+class LayerFold:
+    """One fold a layer receives, as the fold program (``slabconv.engine.program``) replays it: the layer, its
+    kind and stored weight, the bias it had when this fold was planned (None: none yet), the direction, the
+    float64 ``(scale, shift)`` exactly as ``LayerKind.fold_values`` takes them (forward: laid out along the
+    layer's input axis, the shift multiplied; backward: along its output channels) and the norm it carries."""
+
+    layer: fx.Node
+    kind: LayerKind
+    weight: str
+    forward: bool
+    scale: torch.Tensor
+    shift: torch.Tensor
+    norm: str
+
+
 @dataclass
 class NormPlan:
     """One norm's decision and the rewrite that carries it out.
@@ -134,6 +151,7 @@ class NormPlan:
         site: the norm.
         decision: what the report says.
         updates / new_biases: the weight changes, applied in order.
+        folds: each fold into a layer, as data (what ``updates`` / ``new_biases`` hold the values of).
         kept: the blocked edges that get the per-channel affine (``scale``, ``shift`` float64 ``(C,)``).
         remove: the norm's ops go (every action but ``kept``).
     """
@@ -142,6 +160,7 @@ class NormPlan:
     decision: Decision
     updates: list[TensorUpdate] = field(default_factory=list)
     new_biases: list[NewBias] = field(default_factory=list)
+    folds: list[LayerFold] = field(default_factory=list)
     kept: list[BlockedEdge] = field(default_factory=list)
     scale: torch.Tensor | None = None
     shift: torch.Tensor | None = None
@@ -238,8 +257,8 @@ class _Weights:
     """Stored tensors as the plans so far leave them: pending values (float64 shadows, with the dtype each is
     stored in), biases to be created, names taken."""
 
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
+    def __init__(self, gm: fx.GraphModule, unknown: Collection[str] = ()):
+        self.gm, self.unknown = gm, frozenset(unknown)
         self.values: dict[str, torch.Tensor] = {}  # target -> float64 shadow, every fold so far unrounded
         self.dtypes: dict[str, torch.dtype] = {}  # target -> the dtype it is stored in
         self.created: dict[fx.Node, str] = {}  # layer -> the target of the bias a plan creates for it
@@ -250,6 +269,8 @@ class _Weights:
         """The tensor at ``target`` in float64: its pending shadow, or the stored tensor promoted (exactly)."""
         if target in self.values:
             return self.values[target]
+        if target in self.unknown:  # a streamed plan: the shape is known, the values are read later
+            return torch.empty(stored(self.gm, target).shape, dtype=torch.float64, device="meta")
         return stored(self.gm, target).detach().to(torch.float64)
 
     def dtype(self, target: str) -> torch.dtype:
@@ -293,10 +314,13 @@ class _Fold:
 
     updates: list[TensorUpdate]
     new_biases: list[NewBias]
+    record: LayerFold
 
     def fits(self) -> bool:
-        """True when every new value is finite once rounded to the dtype it is stored in."""
-        return fold.fits_dtype(*(u.stored() for u in self.updates), *(b.stored() for b in self.new_biases))
+        """True when every new value is finite once rounded to the dtype it is stored in. Values of a streamed
+        plan (``unknown`` weights, on the meta device) are checked when the program writes them."""
+        values = [u.stored() for u in self.updates] + [b.stored() for b in self.new_biases]
+        return fold.fits_dtype(*(v for v in values if not v.is_meta))
 
 
 def _fold(
@@ -307,6 +331,7 @@ def _fold(
     s: torch.Tensor,
     t: torch.Tensor,
     shifts: bool = True,
+    norm: str = "",
 ) -> _Fold:
     """The new weight and bias of ``layer`` after a forward or backward fold of ``(s, t)`` (``slabconv.fold``).
     ``shifts=False``: the norm has no shift at all (a LayerScale); a layer without bias then stays without.
@@ -319,17 +344,20 @@ def _fold(
     w_target = str(w_node.target)
     w_dtype = weights.dtype(w_target)
     b_target, b = weights.bias(layer, kind)
-    fn = kind.fold_forward if forward else kind.fold_backward
-    new_w, new_b = fn(layer, weights.value(w_target), b, s, t)
+    w = weights.value(w_target)
+    if w.is_meta and b is not None:  # a streamed plan: the bias is real, the weight a stand-in
+        b = b.to("meta")
+    new_w, new_b = kind.fold_values(forward, w, b, s, t, kind.groups(layer))
     w_update = TensorUpdate(w_target, new_w, w_dtype)
+    record = LayerFold(layer, kind, w_target, forward, s, t, norm)
     if new_b is None or (b_target is None and not shifts):
         # no bias to write: the shift is in the weight (an embedding's rows), or a pure scale (LayerScale) on a
         # layer without bias creates no zero bias
-        return _Fold([w_update], [])
+        return _Fold([w_update], [], record)
     if b_target is None:
         wanted = f"{w_target.removesuffix('.weight')}.bias"
-        return _Fold([w_update], [NewBias(layer, kind, wanted, new_b, w_dtype)])
-    return _Fold([w_update, TensorUpdate(b_target, new_b, weights.dtype(b_target))], [])
+        return _Fold([w_update], [NewBias(layer, kind, wanted, new_b, w_dtype)], record)
+    return _Fold([w_update, TensorUpdate(b_target, new_b, weights.dtype(b_target))], [], record)
 
 
 def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
@@ -343,7 +371,12 @@ def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
 
 
 def _forward(
-    weights: _Weights, flow_consumers: list[ConsumerUse], scale: torch.Tensor, shift: torch.Tensor, shifts: bool
+    weights: _Weights,
+    flow_consumers: list[ConsumerUse],
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    shifts: bool,
+    norm: str = "",
 ) -> tuple[list[tuple[ConsumerUse, _Fold]], list[BlockedEdge]]:
     """The forward folds into each consumer, and the consumers that cannot take theirs (blocked, with why)."""
     folds, blocked = [], []
@@ -353,7 +386,7 @@ def _forward(
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.SHARED_WEIGHT))
             continue
         s, t = _tiled(scale, use.chan, use.src), _tiled(shift * use.mult, use.chan, use.src)
-        f = _fold(weights, node, kind, True, s, t, shifts)
+        f = _fold(weights, node, kind, True, s, t, shifts, norm)
         if not f.fits():
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.DTYPE_OVERFLOW))
             continue
@@ -370,7 +403,7 @@ def _backward(
         return producer
     if not (weights.private(producer.weight) and weights.private(producer.bias)):
         return f"the weight of {layer_name(producer.node)} is shared"
-    f = _fold(weights, producer.node, producer.layer, False, scale, shift, _shifts(site))
+    f = _fold(weights, producer.node, producer.layer, False, scale, shift, _shifts(site), site.name)
     return (layer_name(producer.node), f) if f.fits() else f"{reasons.DTYPE_OVERFLOW} in {layer_name(producer.node)}"
 
 
@@ -428,7 +461,7 @@ def plan_norm(
     scale, shift = site.scale, site.shift
     assert scale is not None and shift is not None
     flow = follow(site.output, Chan(site.channel_axis, site.channels), bool((scale > 0).all()), stop)
-    folds, refused = _forward(weights, flow.consumers, scale, shift, _shifts(site))
+    folds, refused = _forward(weights, flow.consumers, scale, shift, _shifts(site), site.name)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     blocked = sorted(flow.blocked + refused, key=lambda e: (order[e.dst], order[e.src]))
     plan = NormPlan(site, decision, scale=scale, shift=shift, remove=True)
@@ -440,6 +473,7 @@ def plan_norm(
         if not isinstance(backward, str):
             decision.action, decision.into = FOLDED_BACKWARD, [backward[0]]
             plan.updates, plan.new_biases = backward[1].updates, backward[1].new_biases
+            plan.folds = [backward[1].record]
             return plan
         decision.no_backward, decision.paths = backward, _paths(blocked)
         if not _affine_fits(site, blocked, scale, shift):
@@ -452,18 +486,25 @@ def plan_norm(
     for _, f in folds:
         plan.updates += f.updates
         plan.new_biases += f.new_biases
+        plan.folds.append(f.record)
     return plan
 
 
-def plan_folds(gm: fx.GraphModule, sites: list[NormSite] | None = None) -> list[NormPlan]:
+def plan_folds(
+    gm: fx.GraphModule, sites: list[NormSite] | None = None, unknown: Collection[str] = ()
+) -> list[NormPlan]:
     """One ``NormPlan`` per norm of ``gm``, in graph order; ``gm`` is not changed (except that ``find_norms`` may
     merge duplicate inputs of a norm when ``sites`` is not given).
+
+    ``unknown``: stored tensors whose values are not in ``gm`` (a streamed plan holds stand-ins of the right
+    shape and dtype for the big weights, ``slabconv.stream``): their folds are planned on the meta device and
+    their overflow check waits for the fold program, which reads the real values.
 
     Raises:
         InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
     """
     sites = find_norms(gm) if sites is None else sites
-    weights, graph = _Weights(gm), VirtualGraph()
+    weights, graph = _Weights(gm, unknown), VirtualGraph()
     owner = {n: i for i, site in enumerate(sites) for n in site.region}
     plans = []
     for i, site in enumerate(sites):

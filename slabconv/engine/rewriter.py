@@ -11,15 +11,17 @@ own input or by its kept affine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs
+from slabconv.engine.capture import stored
+from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fused_state_dict
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
+from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_program, evaluate, layer_recipes
 from slabconv.engine.rules import Chan
 from slabconv.fold import tile_channels
 
@@ -139,7 +141,8 @@ def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: Callable[[s
 
 
 def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) -> list[Decision]:
-    """Find every norm of ``gm``, decide and apply a fold for each (in place), then clean the graph.
+    """Find every norm of ``gm``, decide and apply a fold for each (in place), then clean the graph; the folded
+    layers' tensors are the fold program's (``fold_program``).
 
     Args:
         gm: an unlifted export graph (``slabconv.engine.capture``).
@@ -152,11 +155,34 @@ def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) 
         InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
         UnsupportedModelError: a BN whose statistics depend on the input (``find_norms``).
     """
-    plans = plan_folds(gm)
+    return fold_program(gm, progress)[0]
+
+
+def fold_program(
+    gm: fx.GraphModule,
+    progress: Callable[[str], None] | None = None,
+    unknown: Collection[str] = (),
+    block_elements: int = FOLD_BLOCK,
+) -> tuple[list[Decision], Program]:
+    """``fold_all`` that also returns the fold program (``slabconv.engine.program``).
+
+    Without ``unknown``, the program is evaluated over ``gm``'s original tensors (one block of rows at a time, as
+    the streamed mode does) and its results are what the fused graph stores. With ``unknown`` (a streamed plan:
+    those tensors are stand-ins, ``planner.plan_folds``), nothing is evaluated: the caller runs the program over
+    the real weights.
+    """
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    original = {t: v for t in targets if isinstance(v := stored(gm, t), torch.Tensor)}
+    plans = plan_folds(gm, unknown=unknown)
+    layers = layer_recipes(gm, plans)
     apply_folds(gm, plans, progress)
     cancel_inverse_views(gm)
     gm.graph.eliminate_dead_code()
     drop_unused_attrs(gm)
     gm.graph.lint()
     gm.recompile()
-    return [p.decision for p in plans]
+    program = build_program(layers, set(original), fused_state_dict(gm))
+    if not unknown:
+        for target, value in evaluate(program, TensorStore(original), block_elements).items():
+            set_tensor(gm, target, value)
+    return [p.decision for p in plans], program

@@ -98,9 +98,12 @@ def hf_weights_file(folder: Path | str) -> tuple[Path, str] | None:
 
 
 def is_hf_folder(path: Path | str) -> bool:
-    """True when ``path`` is a folder with ``config.json`` and weights in one of the four layouts."""
+    """True when ``path`` is a folder with ``config.json`` and weights in one of the four layouts, or with sharded
+    safetensors alone (``model.safetensors.index.json`` + shards; the architecture then comes from ``--arch``)."""
     path = Path(path)
-    return path.is_dir() and (path / CONFIG).is_file() and hf_weights_file(path) is not None
+    if not path.is_dir():
+        return False
+    return hf_weights_file(path) is not None and ((path / CONFIG).is_file() or (path / SAFETENSORS_INDEX).is_file())
 
 
 def inside(folder: Path, path: Path) -> Path:
@@ -153,14 +156,15 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder")
     digests: dict[Path, str] = {}
-    config = read_hf_config(folder, digests)
+    sharded_alone = (folder / SAFETENSORS_INDEX).is_file() and not (folder / CONFIG).is_file()
+    config = {} if sharded_alone else read_hf_config(folder, digests)
     found = hf_weights_file(folder)
     if found is None:
         names = ", ".join(name for name, _ in _LAYOUTS)
         raise InputError(f"{folder}: no weights found; expected one of {names}")
     entry, fmt = found
     inside(folder, entry)
-    files = [folder / CONFIG]
+    files = [] if sharded_alone else [folder / CONFIG]
     weight_map: dict[str, str] = {}
     if fmt.endswith("-sharded"):
         weight_map = read_index(entry, digests)  # read once: the shards and the check below use this map

@@ -87,10 +87,16 @@ class LazyShards:
         except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
             raise InputError(f"{path}: not a readable safetensors file ({err})") from None
 
-    def get(self, key: str) -> torch.Tensor:
-        """One whole tensor (small ones: norm statistics, biases, counters, 1-D buffers)."""
+    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """One whole tensor, or rows ``rows`` of it (reading only their pages); ``slabconv.engine.WeightStore``."""
         with self._open(key) as f:
-            return f.get_tensor(key)
+            return f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start : rows.stop]
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The tensor's dtype, from its header."""
+        rev = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+        with self._open(key) as f:
+            return rev[f.get_slice(key).get_dtype()]
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor, reading only their pages."""

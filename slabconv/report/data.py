@@ -74,7 +74,7 @@ class Report:
 
     - ``inspect``: ``source``, ``folds``, ``summary``.
     - ``fuse``: also ``outputs``, ``out_dir``, ``verification`` (None with ``--no-verify``), ``mode``
-      (``in-memory`` or ``streamed``) and for a streamed fold ``plan`` (the tiny instance it was planned on).
+      (``in-memory`` or ``streamed``) and for a streamed fold ``plan`` (how it was planned).
     - ``export``: ``source``, ``folds``, ``summary``, ``outputs`` (the one ONNX file).
     - ``verify``: ``reference``, ``candidate``, ``verification``.
     - ``bench``: ``source``, ``bench``.

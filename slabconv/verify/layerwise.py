@@ -7,9 +7,9 @@ time while it computes, so no weight is ever held whole.
 
 The same two questions as an in-memory verification (``docs/verification.md``), layer by layer:
 
-- **question 1** (``exact_streamed``): every written tensor equals a fresh float64 fold of the source, block by
-  block, rounded to its dtype (at most ``policy.ULPS`` units in the last place); a tensor the fold does not reach
-  must be the source's, bit for bit;
+- **question 1** (``exact_streamed``): every written tensor equals its recipe in the fold program
+  (``slabconv.engine.program``) run afresh in float64 over the source, block by block (at most ``policy.ULPS``
+  units in the last place); a tensor the fold does not reach must be the source's, bit for bit;
 - **question 2**: on seeded random token sequences, three chains run side by side:
 
       exact     h64[i+1] = layer_i(h64[i])  the original layer in float64     (the reference)
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from slabconv.engine import Program, row_ranges
 from slabconv.errors import InputError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
@@ -44,8 +44,6 @@ from slabconv.util import Progress, no_progress
 from slabconv.verify import judge, policy
 from slabconv.verify.results import ExactCheck, IntegrityCheck, Verification
 from slabconv.zoo.decoder import DecoderFamily, family_of
-
-Affine = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 DEFAULT_SEQUENCES = 2
 DEFAULT_SEQ_LEN = 32
@@ -144,59 +142,51 @@ class Folder:
         return StreamedLinear(self.shards, self.family.head)(self.norm(self.family.final_norm, h.dtype)(h))
 
 
-def exact_streamed(source: Folder, written: Folder, folded: Mapping[str, Affine]) -> ExactCheck:
-    """Question 1 for a streamed output: every tensor of ``written`` against a fresh float64 fold of ``source``.
-
-    Args:
-        source: the original folder.
-        written: the fused folder.
-        folded: weight key of each Linear a norm folds into -> the float64 ``(scale, shift)`` of that norm.
+def exact_streamed(source: LazyShards, written: LazyShards, program: Program) -> ExactCheck:
+    """Question 1 for a streamed output: every tensor of ``written`` against its recipe in the fold ``program``
+    evaluated afresh in float64 over ``source``, block by block (``LayerRecipe.rows``): a folded weight or bias
+    within ``policy.ULPS`` units in the last place of it, a copy bit for bit; a tensor with no recipe fails.
 
     Returns:
         An ``ExactCheck`` (method ``tensors``) over every tensor of ``written``.
     """
-    from slabconv import fold
-
     worst, worst_name = 0.0, ""
-    for key in written.shards.weight_map:
-        weight_key = key.removesuffix(".bias") + ".weight"
-        if key in folded:
-            scale, shift = folded[key](key)
-            start = 0
-            for block in source.shards.row_blocks(key, source.shards.shape(key)):
-                exact, _ = fold.fold_into_linear(block.double(), None, scale, shift)
-                got = written.shards.rows(key, start, start + len(block))
-                distance = judge.ulps(got, exact)
-                worst, worst_name = max((worst, worst_name), (distance, key))
-                start += len(block)
-        elif key.endswith(".bias") and weight_key in folded:
-            scale, shift = folded[weight_key](weight_key)
-            old = source.shards.get(key).double() if key in source.shards.weight_map else None
-            parts, start = [], 0
-            for block in source.shards.row_blocks(weight_key, source.shards.shape(weight_key)):
-                part = None if old is None else old[start : start + len(block)]
-                parts.append(fold.fold_into_linear(block.double(), part, scale, shift)[1])
-                start += len(block)
-            distance = judge.ulps(written.shards.get(key), torch.cat(parts))
-            worst, worst_name = max((worst, worst_name), (distance, key))
-        elif key in source.shards.weight_map:
-            for block, exact in zip(
-                written.shards.row_blocks(key, written.shards.shape(key)),
-                source.shards.row_blocks(key, source.shards.shape(key)),
-                strict=True,
-            ):
-                distance = 0.0 if torch.equal(block, exact) else math.inf
-                worst, worst_name = max((worst, worst_name), (distance, key))
+
+    def note(distance: float, key: str) -> None:
+        nonlocal worst, worst_name
+        worst, worst_name = max((worst, worst_name), (distance, key))
+
+    layer_biases = {la.bias_out for la in program.layers.values() if la.bias_out}
+    for key in written.weight_map:
+        recipe = program.tensors.get(key)
+        if key in program.layers:
+            la = program.layers[key]
+            parts = []
+            for start, stop in row_ranges(source.shape(key), written.block_elements):
+                w, b = la.rows(source, start, stop)
+                note(judge.ulps(written.get(key, slice(start, stop)), w), key)
+                parts.append(b)
+            if la.bias_out is not None:
+                bias = torch.cat([b for b in parts if b is not None])
+                present = la.bias_out in written.weight_map
+                note(judge.ulps(written.get(la.bias_out), bias) if present else math.inf, la.bias_out)
+        elif key in layer_biases:
+            continue  # checked with its weight
+        elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
+            src = recipe.source
+            for start, stop in row_ranges(source.shape(src), written.block_elements):
+                rows = slice(start, stop) if len(source.shape(src)) > 1 else None
+                note(0.0 if torch.equal(written.get(key, rows), source.get(src, rows)) else math.inf, key)
         else:
-            worst, worst_name = math.inf, key  # a tensor neither in the source nor made by a fold
+            note(math.inf, key)  # a tensor neither copied nor made by a fold
     return ExactCheck(
-        name=f"{written.path.name} vs a float64 fold of {source.path.name}, block by block",
+        name=f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block",
         passed=bool(worst <= policy.ULPS),
         method="tensors",
         error=worst,
         bound=policy.ULPS,
         worst=worst_name,
-        detail=f"{len(written.shards.weight_map)} tensors, at most {worst:.2g} ulps from the float64 fold"
+        detail=f"{len(written.weight_map)} tensors, at most {worst:.2g} ulps from the float64 fold"
         if worst <= policy.ULPS
         else "the written weights are not the fold of this source",
     )
@@ -226,7 +216,7 @@ def verify_folders(
     rtol: float | None = None,
     atol: float = 0.0,
     strict: bool = False,
-    folded: Mapping[str, Affine] | None = None,
+    program: Program | None = None,
     block_elements: int = 1 << 22,
     progress: Progress = no_progress,
 ) -> Verification:
@@ -235,17 +225,14 @@ def verify_folders(
     Args:
         reference: the original folder (RepBN norms).
         candidate: the fused folder (or any folder of the same model; each side runs with its own norms).
-        sequences, seq_len: the inputs: seeded random token ids ``(sequences, seq_len)`` (``seq_len`` capped by
-            the model's positions).
-        seed: seed of the token ids.
+        sequences, seq_len, seed: the inputs: seeded random token ids ``(sequences, seq_len <= positions)``.
         rtol, atol, strict: as ``judge.judge_output``.
-        folded: the fold plan (weight key -> affine), for question 1; None: question 1 is not answered.
+        program: the fold program, for question 1; None: question 1 is not answered.
         block_elements: elements per weight block read (the memory bound).
         progress: called once per layer.
 
     Returns:
-        A ``Verification``: question 1 (when ``folded``), one check per decoder layer and one for the logits,
-        and an integrity check of the candidate's tensor names.
+        A ``Verification``: question 1 (when ``program``), a check per decoder layer, the logits, the names.
 
     Raises:
         InputError, UnsupportedModelError: not decoder folders of a known family, different sizes.
@@ -267,9 +254,9 @@ def verify_folders(
         reference="the original model in float64 (pytorch), one decoder layer at a time",
         runtime=f"pytorch {torch.__version__} {name}, one decoder layer at a time",
     )
-    if folded is not None:
+    if program is not None:
         progress("verifying: question 1, the written tensors against a float64 fold")
-        verification.exact.append(exact_streamed(ref, cand, folded))
+        verification.exact.append(exact_streamed(ref.shards, cand.shards, program))
     verification.integrity.append(_keys_check(ref, cand))
     extra64, extra = family.layer_inputs(cfg, t, torch.float64), family.layer_inputs(cfg, t, dtype)
     layers = family.num_layers(cfg)
@@ -296,17 +283,29 @@ def verify_folders(
             )
             h = original
         progress("verifying: question 2, one decoder layer at a time", layers, layers, "final norm and head")
-        verification.checks.append(
-            judge.judge_output(
-                f"logits @ pytorch {name}",
-                cand.logits(g).double().numpy(),
-                dtype=name,
-                original=ref.logits(h).double().numpy(),
-                reference64=ref.logits(h64).numpy(),
-                rtol=rtol,
-                atol=atol,
-                strict=strict,
-                token_logits=True,
-            )
-        )
+        verification.checks.append(_logits_check(ref, cand, (h64, h, g), name, rtol, atol, strict))
     return verification
+
+
+def _logits_check(
+    ref: Folder,
+    cand: Folder,
+    chains: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    name: str,
+    rtol: float | None,
+    atol: float,
+    strict: bool,
+) -> Any:
+    """The logits of the three chains (float64 original, original, fused), judged end to end with top-1."""
+    h64, h, g = chains
+    return judge.judge_output(
+        f"logits @ pytorch {name}",
+        cand.logits(g).double().numpy(),
+        dtype=name,
+        original=ref.logits(h).double().numpy(),
+        reference64=ref.logits(h64).numpy(),
+        rtol=rtol,
+        atol=atol,
+        strict=strict,
+        token_logits=True,
+    )

@@ -1,16 +1,16 @@
-"""Safetensors files written tensor by tensor (header first, then the bytes in order), for streamed folds."""
+"""Safetensors files written tensor by tensor (header first, then the bytes in order), for streamed folds: the
+fold program (``slabconv.engine.program``) run over the checkpoint's shards, one block of rows at a time."""
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from slabconv import fold
+from slabconv.engine import FOLD_BLOCK, Program, row_ranges
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.hf import SAFETENSORS_DTYPES
 from slabconv.load.shards import LazyShards
@@ -66,64 +66,33 @@ def numel(shape: list[int]) -> int:
     return n
 
 
-Affine = Callable[[str], tuple[torch.Tensor, torch.Tensor]]
-"""``affine(weight_key) -> (scale, shift)``: the float64 affine folded into the Linear whose weight is that key."""
-
-
-def fold_block(
-    block: torch.Tensor, bias: torch.Tensor | None, affine: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward fold of one block of output rows of a Linear (``slabconv.fold.fold_into_linear``: rows are
-    independent, so a block folds exactly as the whole weight would).
-
-    Raises:
-        UnsupportedModelError: the folded block does not fit the weight's dtype (it overflows).
-    """
-    scale, shift = affine
-    weight, new_bias = fold.fold_into_linear(block, bias, scale, shift)
-    if not fold.fits_dtype(weight, new_bias):
-        raise UnsupportedModelError(
-            f"a folded weight overflows {str(block.dtype).removeprefix('torch.')}; fold this model in memory without "
-            "--stream (it keeps such norms as affines)"
-        )
-    return weight, new_bias
-
-
-def write_folded_shards(
+def write_program_shards(
     folder: Path,
     reader: LazyShards,
     shard_names: list[str],
-    keep: Callable[[str], bool],
-    folded: Collection[str],
-    affine: Affine,
+    program: Program,
     metadata: dict[str, str],
     progress: Progress,
+    block_elements: int = FOLD_BLOCK,
 ) -> tuple[dict[str, str], int]:
-    """Write the folded model shard by shard, with the input's shard boundaries, holding one block at a time.
+    """Write the fused model the fold ``program`` describes, shard by shard with the input's shard boundaries,
+    holding one block of rows at a time.
 
-    Each output shard holds the kept tensors of the input shard in file order; a Linear the fold reaches
-    (``folded``) gets ``W' = W diag(s)`` one block of rows at a time and its bias ``b + W t`` (created right after
-    the weight when it had none). Norm tensors and buffers the fused model does not read (``keep`` False) are
-    dropped.
-
-    Args:
-        folder: where the shards go (a staging folder).
-        reader: the input shards.
-        shard_names: the input shard files, in order.
-        keep: whether a tensor of the input stays in the output.
-        folded: the weight keys of the Linears a norm folds into.
-        affine: the float64 ``(scale, shift)`` of the norm folded into a weight key.
-        metadata: safetensors metadata of every shard.
-        progress: called once per shard.
+    Each output shard holds, in the input shard's order, its tensors the program keeps: a copy block by block, a
+    folded layer's weight block by block (``LayerRecipe.blocks``: every fold composed in float64, rounded once)
+    followed by the bias the layer stores (its stored bias, moved beside the weight, or a created one). Each input
+    tensor is read once. Tensors the fused model does not read (the folded norms') are dropped.
 
     Returns:
         ``(weight_map, total_bytes)`` of the written shards.
 
     Raises:
         InputError: a shard's header disagrees with the index.
-        UnsupportedModelError: a fold overflows the weights' dtype.
+        UnsupportedModelError: a fold overflows the weights' dtype; the program needs a tensor the checkpoint lacks.
     """
     weight_map = reader.weight_map
+    biases = {la.bias for la in program.layers.values() if la.bias is not None}
+    beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
     new_map: dict[str, str] = {}
     total = 0
     for n, shard in enumerate(shard_names):
@@ -132,47 +101,39 @@ def write_folded_shards(
         if sorted(order) != sorted(k for k, v in weight_map.items() if v == shard):
             raise InputError(f"{reader.folder / shard}: its tensors disagree with the index")
         plan: list[tuple[str, torch.dtype, list[int]]] = []
-        created: set[str] = set()
         for key in order:
-            if not keep(key):
-                continue
-            dtype, shape = specs[key]
-            plan.append((key, dtype, shape))
-            bias_key = key.removesuffix(".weight") + ".bias"
-            if key in folded and bias_key not in weight_map:
-                plan.append((bias_key, dtype, [shape[0]]))  # created by the fold, beside its weight
-                created.add(bias_key)
+            recipe = program.tensors.get(key)
+            if key in program.layers:
+                la = program.layers[key]
+                plan.append((key, la.dtype, specs[key][1]))
+                if la.bias_out is not None:
+                    plan.append((la.bias_out, la.bias_dtype, [specs[key][1][0]]))
+            elif recipe is not None and recipe.op == "copy" and key not in biases:
+                plan.append((key, *specs[key]))
         writer = ShardWriter(folder / shard, plan, metadata)
         try:
             for key, _, shape in plan:
                 new_map[key] = shard
-                weight_key = key.removesuffix(".bias") + ".weight"
-                if key in created:
-                    continue  # written right after its weight
-                if key in folded:  # W' = W diag(s), b' = b + W t, one block of output rows at a time
-                    bias_key = key.removesuffix(".weight") + ".bias"
-                    old = reader.get(bias_key) if bias_key in weight_map else None
-                    biases, start = [], 0
-                    for block in reader.row_blocks(key, shape):
-                        part = None if old is None else old[start : start + len(block)]
-                        w, b = fold_block(block, part, affine(key))
+                if key in program.layers:
+                    la = program.layers[key]
+                    parts = []
+                    for w, b in la.blocks(reader, block_elements):
                         writer.write(key, w)
-                        biases.append(b)
-                        start += len(block)
-                    if bias_key in created:
-                        writer.write(bias_key, torch.cat(biases))
-                elif key.endswith(".bias") and weight_key in folded:  # an existing bias: b + W t
-                    old, start = reader.get(key), 0
-                    for block in reader.row_blocks(weight_key, reader.shape(weight_key)):
-                        _, b = fold_block(block, old[start : start + len(block)], affine(weight_key))
-                        writer.write(key, b)
-                        start += len(block)
-                else:
-                    for block in reader.row_blocks(key, shape):
-                        writer.write(key, block)
+                        parts.append(b)
+                    if la.bias_out is not None:
+                        writer.write(la.bias_out, torch.cat([b for b in parts if b is not None]))
+                elif key not in beside:
+                    for start, stop in row_ranges(shape, block_elements):
+                        writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None))
         finally:
             writer.file.close()
         writer.finish()
         total += sum(numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan)
+    missing = sorted(set(program.tensors) - set(new_map))
+    if missing:
+        raise UnsupportedModelError(
+            f"the fused model stores {missing[0]!r}, which the checkpoint does not hold ({len(missing)} such); fold "
+            "this model in memory without --stream"
+        )
     progress("folding and writing shards", len(shard_names), len(shard_names))
     return {k: new_map[k] for k in sorted(new_map)}, total

@@ -1,9 +1,10 @@
 """What the streamed mode needs to know of a decoder-only language model, as one interface per family.
 
-A streamed fold (``fuse --stream``) never holds a whole checkpoint: it plans on a tiny instance of the same
-architecture, folds the big weights shard by shard, and verifies one decoder layer at a time. Everything that is
-family-specific in that — key names, the planning instance, the decoder layer and the inputs it takes — comes
-from a ``DecoderFamily``. LLaMA-PRepBN implements it (``LLAMA``); another decoder family (a GPT-style model with
+A streamed fold (``fuse --stream``) never holds a whole checkpoint: it plans on the full-size architecture with
+stand-in weights (``slabconv.load.lazy``, any zoo family), folds the big weights shard by shard, and for a decoder
+family verifies one decoder layer at a time. Everything that is family-specific in that verification — key names,
+the decoder layer and the inputs it takes — comes from a ``DecoderFamily``. LLaMA-PRepBN implements it
+(``LLAMA``); another decoder family (a GPT-style model with
 RepBN norms, say) would add one more instance here.
 """
 
@@ -34,9 +35,6 @@ class DecoderFamily:
         final_norm: the norm before ``head``.
         layer_norms: the norms inside a decoder layer, relative to its prefix.
         norm_layout: ``norm_layout(keys, prefix) -> layout`` (None: not a norm of this family).
-        tiny_model: ``tiny_model(config, keys) -> nn.Module``: a small instance with the same norm layout and
-            data flow (ids ``(B, T)`` -> logits), whose fold decisions hold for every layer of the big model.
-        tiny_example: ``tiny_example() -> Tensor``: an input for it.
         config: ``config(meta_state_dict, config_json) -> cfg``: the hyperparameters (sizes from the shapes).
         build_layer: ``build_layer(cfg) -> nn.Module`` on the meta device, norms as identities (the streamed
             verifier replaces its Linears and norms).
@@ -54,8 +52,6 @@ class DecoderFamily:
     final_norm: str
     layer_norms: tuple[str, ...]
     norm_layout: Callable[[Mapping[str, Any], str], str | None]
-    tiny_model: Callable[[Mapping[str, Any], Mapping[str, Any]], nn.Module]
-    tiny_example: Callable[[], torch.Tensor]
     config: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], Any]
     build_layer: Callable[[Any], nn.Module]
     build_norm: Callable[[str, Any], nn.Module]
@@ -74,60 +70,6 @@ class DecoderFamily:
 
 
 # --------------------------------------------------------------------------------------------- LLaMA-PRepBN
-
-_TINY = {"hidden_size": 16, "intermediate_size": 32, "vocab_size": 64, "num_attention_heads": 2, "layers": 2}
-
-
-def _llama_tiny(config: Mapping[str, Any], keys: Mapping[str, Any]) -> nn.Module:
-    """LLaMA-PRepBN at hidden 16, intermediate 32, vocab 64, 2 heads (1 key/value head when the model has
-    grouped-query attention), 2 layers; the folder's norm layout, eps and rope; fixed positive statistics (the
-    plan depends on the data flow, not on these values)."""
-    from slabconv.zoo.llama import LlamaForCausalLM, llama_config, llama_norm_factory
-
-    if "model.embed_tokens.weight" not in keys or "lm_head.weight" not in keys:
-        raise UnsupportedModelError("the streamed mode supports LLaMA-layout folders (model.embed_tokens, lm_head)")
-    layout = norm_layout(keys, "model.layers.0.input_layernorm")
-    if layout is None:
-        raise UnsupportedModelError(
-            "the streamed mode folds LLaMA-PRepBN: model.layers.0.input_layernorm has no RepBN statistics"
-        )
-    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
-    grouped = kv is not None and heads is not None and int(kv) < int(heads)
-    c, inter, vocab, n = (_TINY[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "layers"))
-    tiny_heads, tiny_kv = _TINY["num_attention_heads"], 1 if grouped else _TINY["num_attention_heads"]
-    head_dim = c // tiny_heads
-    shapes = {"model.embed_tokens.weight": (vocab, c), "lm_head.weight": (vocab, c)}
-    for i in range(n):
-        shapes[f"model.layers.{i}.self_attn.q_proj.weight"] = (c, c)
-        shapes[f"model.layers.{i}.self_attn.k_proj.weight"] = (tiny_kv * head_dim, c)
-        shapes[f"model.layers.{i}.mlp.gate_proj.weight"] = (inter, c)
-    fake = {k: torch.empty(s, device="meta") for k, s in shapes.items()}
-    tiny_config = dict(config)
-    tiny_config.update(
-        num_attention_heads=tiny_heads, num_key_value_heads=tiny_kv, max_position_embeddings=16, pad_token_id=0
-    )
-    cfg = llama_config(fake, tiny_config)
-    persistent = any(k.endswith("rotary_emb.inv_freq") for k in keys)
-    model = LlamaForCausalLM(cfg, llama_norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm):
-                assert mod.running_mean is not None and mod.running_var is not None
-                mod.running_mean.fill_(0.5)
-                mod.running_var.fill_(2.0)
-                mod.weight.fill_(1.0)
-                mod.bias.fill_(0.25)
-            alpha = getattr(mod, "alpha", None)
-            if isinstance(alpha, nn.Parameter):
-                alpha.fill_(0.5)
-            for counter in ("warm", "iter"):
-                if isinstance(getattr(mod, counter, None), torch.Tensor):
-                    getattr(mod, counter).zero_()
-    return model.eval()
-
-
-def _llama_example() -> torch.Tensor:
-    return torch.randint(0, _TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(0))
 
 
 def _llama_layer(cfg: Any) -> nn.Module:
@@ -168,8 +110,6 @@ LLAMA = DecoderFamily(
     final_norm="model.norm",
     layer_norms=("input_layernorm", "post_attention_layernorm"),
     norm_layout=norm_layout,
-    tiny_model=_llama_tiny,
-    tiny_example=_llama_example,
     config=_llama_config,
     build_layer=_llama_layer,
     build_norm=_llama_norm,

@@ -1,0 +1,284 @@
+"""The layers a norm folds into (``LAYERS``; ``LAYER_OF``: op -> ``LayerKind``), forward as a consumer (SLAB
+Lemma 4.1 then ``W diag(s)``, ``b + W t``) or backward as a producer (``diag(s) W``, ``s b + t``).
+
+Each entry holds where its input, weight and bias are, its exactness check (a reason string, never a silent skip),
+its fold and how a created bias attaches. The fold itself is ``LayerKind.fold_values``: node-free, on tensors and
+a row range, so the planner (on the graph), the fold program (``slabconv.engine.program``, in memory and one block
+of rows at a time in the streamed mode) and question 1 all run the same algebra (``slabconv.fold``). Adding a
+layer kind is one entry and one test (``tests/test_engine_plan.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from slabconv import fold
+from slabconv.engine import reasons
+from slabconv.engine.capture import is_param, rank, shape_of
+from slabconv.engine.rules import Chan, _ops, aten, op_name
+
+
+def _transposed_weight(node: Any) -> fx.Node | None:
+    """``W`` when ``node`` is ``W.t()`` / ``W.permute(1, 0)`` of a stored 2-D weight (decomposed Linear)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.target is aten.t.default or (node.target is aten.permute.default and list(node.args[1]) == [1, 0]):  # type: ignore[arg-type]
+        w = node.args[0]
+        if isinstance(w, fx.Node) and w.op == "get_attr":
+            return w
+    return None
+
+
+class LayerKind:
+    """One kind of layer as ATen writes it (``aten.linear``, ``addmm``, ``mm``, ``conv2d``, ...).
+
+    A layer reads its data input at ``data_arg``, contracts ``in_axis`` of it and writes its output channels
+    (dim 0 of the stored weight) at ``out_axis`` of its output. The weight must be a stored ``(out, in, ...)``
+    tensor and the bias a stored ``(out,)`` tensor or absent; anything else is ``unsupported-op``.
+    """
+
+    name = ""
+    ops: tuple[Any, ...] = ()
+    data_arg = 0
+
+    def weight(self, node: fx.Node) -> fx.Node | None:
+        """The ``get_attr`` of the stored ``(out, in, ...)`` weight, None when it is computed."""
+        w = node.args[1]
+        return w if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+    def bias(self, node: fx.Node) -> Any:
+        """The bias argument: None, a ``get_attr`` node, or something else (then no fold)."""
+        return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+
+    def in_axis(self, node: fx.Node) -> int:
+        return 1
+
+    def out_axis(self, node: fx.Node) -> int:
+        return 1
+
+    def groups(self, node: fx.Node) -> int:
+        return 1
+
+    def _structure(self, node: fx.Node) -> str | None:
+        if self.weight(node) is None or not is_param(self.bias(node)):
+            return reasons.unsupported(node)
+        return None
+
+    def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
+        """None when folding ``s * src + t`` (channels at ``ch``) into the layer's input is exact, else the
+        reason."""
+        if node.args[self.data_arg] is not src or list(node.args).count(src) != 1:
+            return reasons.unsupported(node)
+        if (reason := self._structure(node)) is not None:
+            return reason
+        return reasons.CONSUMER_OFF_CHANNEL if ch.axis != self.in_axis(node) else None
+
+    def producer_check(self, node: fx.Node, ch: Chan) -> str | None:
+        """None when the channels at ``ch`` of the layer's output are its output channels (a backward fold
+        scales weight rows), else why not (plain text; backward folds have no public reasons)."""
+        if (reason := self._structure(node)) is not None:
+            return reason
+        if not ch.plain or ch.axis != self.out_axis(node):
+            return f"the norm's channels are not the output channels of {op_name(node)}"
+        return None
+
+    def fold_values(
+        self,
+        forward: bool,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        s: torch.Tensor,
+        t: torch.Tensor,
+        groups: int = 1,
+        first: int = 0,
+        total: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fold on tensors alone (no graph): ``weight`` / ``bias`` are rows ``first:first + len(weight)`` of
+        the stored weight (dim 0, its output channels; ``total`` rows in all, default ``len(weight)``) and of the
+        bias. Forward: ``s``, ``t`` along the input axis (whole); backward: along the output channels (whole; the
+        rows' part is taken here). Rows are independent, so a block folds exactly as the whole weight would."""
+        if forward:
+            return fold.fold_into_linear(weight, bias, s, t)
+        rows = slice(first, first + weight.shape[0])
+        return fold.fold_into_producer(weight, bias, s[rows], t[rows])
+
+    def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
+        """Make the layer (which had no bias) read ``bias``."""
+        args = list(node.args)
+        while len(args) < 3:
+            args.append(None)
+        args[2] = bias
+        node.args = tuple(args)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "bias"}
+
+
+class Linear(LayerKind):
+    """``aten.linear(x, W, b)``: contracts the last axis of ``x``, writes the last axis."""
+
+    name = "linear"
+    ops = _ops("linear")
+
+    def in_axis(self, node: fx.Node) -> int:
+        return rank(node.args[0]) - 1  # type: ignore[arg-type]
+
+    def out_axis(self, node: fx.Node) -> int:
+        return rank(node) - 1
+
+
+class Addmm(LayerKind):
+    """Decomposed Linear ``addmm(b, x, W.t())`` on a 2-D ``x``."""
+
+    name = "addmm"
+    ops = _ops("addmm")
+    data_arg = 1
+
+    def weight(self, node: fx.Node) -> fx.Node | None:
+        return _transposed_weight(node.args[2])
+
+    def bias(self, node: fx.Node) -> Any:
+        return node.args[0]
+
+    def _structure(self, node: fx.Node) -> str | None:
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or node.args[0] is None:
+            return reasons.unsupported(node)
+        return super()._structure(node)
+
+
+class Mm(LayerKind):
+    """Decomposed bias-free Linear ``mm(x, W.t())``; a created bias turns it into ``addmm``."""
+
+    name = "mm"
+    ops = _ops("mm")
+
+    def weight(self, node: fx.Node) -> fx.Node | None:
+        return _transposed_weight(node.args[1])
+
+    def bias(self, node: fx.Node) -> Any:
+        return None
+
+    def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
+        node.target = aten.addmm.default
+        node.args = (bias, *node.args)
+
+
+class Conv(LayerKind):
+    """``aten.conv1d/2d/3d(x, W, b, stride, padding, dilation, groups)`` (and the ``padding="same"`` overloads):
+    contracts and writes axis 1. A forward fold is exact only when the conv pads nothing (a padded zero would
+    have had to be the shift ``t``): ``padded-conv-consumer``."""
+
+    name = "conv"
+    ops = _ops("conv1d", "conv2d", "conv3d", "conv1d.padding", "conv2d.padding", "conv3d.padding")
+    padding_arg, groups_arg = 4, 6
+
+    def groups(self, node: fx.Node) -> int:
+        a = node.args
+        return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
+
+    def transposed(self, node: fx.Node) -> bool:
+        return False
+
+    def padded(self, node: fx.Node) -> bool:
+        a = node.args
+        padding: Any = a[self.padding_arg] if len(a) > self.padding_arg else node.kwargs.get("padding", 0)
+        if isinstance(padding, str):
+            kernel = shape_of(node.args[1]) or ()
+            return padding == "same" and any(int(k) > 1 for k in kernel[2:])
+        return any(int(p) != 0 for p in (padding if isinstance(padding, (list, tuple)) else [padding]))
+
+    def _structure(self, node: fx.Node) -> str | None:
+        return reasons.unsupported(node) if self.transposed(node) else super()._structure(node)
+
+    def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
+        reason = super().consumer_check(node, src, ch)
+        if reason is None and self.padded(node):
+            return reasons.PADDED_CONV_CONSUMER
+        return reason
+
+    def fold_values(
+        self,
+        forward: bool,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        s: torch.Tensor,
+        t: torch.Tensor,
+        groups: int = 1,
+        first: int = 0,
+        total: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if forward:
+            return fold.fold_into_conv(weight, bias, s, t, groups, first=first, total=total)
+        return super().fold_values(forward, weight, bias, s, t, groups, first, total)
+
+
+class Convolution(Conv):
+    """``aten.convolution(x, W, b, stride, padding, dilation, transposed, output_padding, groups)``; transposed
+    convolutions are not folded."""
+
+    name = "convolution"
+    ops = _ops("convolution")
+    padding_arg, groups_arg = 4, 8
+
+    def transposed(self, node: fx.Node) -> bool:
+        return bool(node.args[6])
+
+
+class Embedding(LayerKind):
+    """``aten.embedding(W, ids, padding_idx, ...)``: a producer only. It gathers rows of the stored
+    ``(num_embeddings, C)`` table, so its output channels are the last axis and a norm right after it folds into
+    the table's columns (``slabconv.fold.fold_into_embedding``). It reads token ids, never features: a norm's
+    output cannot be its input, so it is no consumer. A table also read elsewhere (tied to an ``lm_head``) is
+    shared, and the planner leaves it alone."""
+
+    name = "embedding"
+    ops = _ops("embedding")
+    data_arg = 1
+
+    def weight(self, node: fx.Node) -> fx.Node | None:
+        w = node.args[0]
+        return w if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+    def bias(self, node: fx.Node) -> Any:
+        return None
+
+    def in_axis(self, node: fx.Node) -> int:
+        return -1  # no feature axis is contracted
+
+    def out_axis(self, node: fx.Node) -> int:
+        return rank(node) - 1
+
+    def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
+        return reasons.unsupported(node)
+
+    def fold_values(
+        self,
+        forward: bool,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        s: torch.Tensor,
+        t: torch.Tensor,
+        groups: int = 1,
+        first: int = 0,
+        total: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Backward only: ``(W * s + t, None)``, the table (any rows of it) with the whole affine in its columns;
+        there is no bias."""
+        if forward:
+            raise AssertionError("an embedding is never a consumer (consumer_check refuses it)")
+        return fold.fold_into_embedding(weight, s, t), None
+
+    def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
+        raise AssertionError("an embedding has no bias (its fold_values returns None for it)")
+
+
+LAYERS: tuple[LayerKind, ...] = (Linear(), Addmm(), Mm(), Conv(), Convolution(), Embedding())
+LAYER_OF: dict[Any, LayerKind] = {op: kind for kind in LAYERS for op in kind.ops}
+
+
+def layer_name(node: fx.Node) -> str:
+    """A readable name for a layer: its weight's dotted path without ``.weight`` (the node's name otherwise)."""
+    kind = LAYER_OF.get(node.target)
+    weight = kind.weight(node) if kind is not None else None
+    return str(weight.target).removesuffix(".weight") if weight is not None else node.name

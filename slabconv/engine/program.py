@@ -1,0 +1,216 @@
+"""The fold plan as a program: for every tensor the fused model stores, the recipe that makes it.
+
+The planner (``slabconv.engine.planner``) decides each norm and records every fold a layer receives
+(``LayerFold``). ``build_program`` turns those records into one ``LayerRecipe`` per folded layer (its stored
+weight and bias, and its folds in plan order) and one ``TensorRecipe`` per tensor of the fused model: a copy of
+a stored tensor, the weight or bias of a layer recipe, or a constant the rewrite made (a kept affine).
+
+Both modes run the same recipes through ``LayerKind.fold_values`` (``slabconv.engine.layers``):
+
+- in memory, ``rewriter.fold_program`` evaluates them over the original graph's tensors and stores the results
+  in the fused graph;
+- streamed, ``slabconv.write.shards`` evaluates them one block of rows at a time over the checkpoint's shards,
+  and question 1 (``slabconv.verify.layerwise.exact_streamed``) evaluates them again in float64.
+
+Recipes read tensors through a ``WeightStore`` (``get(key, rows)``, ``shape(key)``, ``dtype(key)``), so the
+engine never imports the loaders. Every fold a tensor receives is composed in float64 and rounded once
+(``LayerRecipe.rows`` returns float64; ``stored`` rounds), and rows are independent, so a block is folded exactly
+as the whole tensor would be: the blocks are the same in both modes (``row_ranges``), so are the tensors written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import fx
+
+from slabconv.engine.capture import stored
+from slabconv.engine.layers import LayerKind
+from slabconv.engine.planner import NormPlan
+from slabconv.errors import UnsupportedModelError
+
+FOLD_BLOCK = 1 << 22
+"""Elements per block of rows: the float64 temporaries of one block bound a streamed fold's memory."""
+
+
+class WeightStore(Protocol):
+    """Where recipes read the original tensors: a graph's tensors in memory, a checkpoint's shards streamed."""
+
+    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        """The tensor ``key`` (rows ``rows`` of its first axis when given)."""
+        ...
+
+    def shape(self, key: str) -> list[int]: ...
+
+    def dtype(self, key: str) -> torch.dtype: ...
+
+
+class TensorStore:
+    """A ``WeightStore`` over tensors in memory (name -> tensor)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = dict(tensors)
+
+    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        t = self.tensors[key].detach()
+        return t if rows is None else t[rows]
+
+    def shape(self, key: str) -> list[int]:
+        return list(self.tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].dtype
+
+
+def row_ranges(shape: list[int], block_elements: int = FOLD_BLOCK) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` blocks of rows of a tensor of ``shape`` with about ``block_elements`` values each (one
+    block for a 0/1-D or small tensor); the same blocks as ``slabconv.load.shards.LazyShards.row_blocks``."""
+    inner = 1
+    for n in shape[1:]:
+        inner *= int(n)
+    rows = max(1, block_elements // max(1, inner))
+    if len(shape) < 2 or shape[0] <= rows:
+        yield 0, int(shape[0]) if shape else 1
+        return
+    for r in range(0, int(shape[0]), rows):
+        yield r, min(r + rows, int(shape[0]))
+
+
+@dataclass
+class LayerRecipe:
+    """A layer the plan folds into: its stored weight, the bias it starts from and the bias it stores (the same,
+    a created one, or None), its dtypes and its folds in plan order (``LayerFold``: direction, float64 scale and
+    shift, the norm)."""
+
+    kind: LayerKind
+    weight: str
+    bias: str | None
+    bias_out: str | None
+    dtype: torch.dtype
+    bias_dtype: torch.dtype
+    groups: int = 1
+    folds: list = field(default_factory=list)  # list[LayerFold]
+
+    @property
+    def norms(self) -> list[str]:
+        return [f.norm for f in self.folds]
+
+    def rows(self, store: WeightStore, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``start:stop`` of the folded weight and bias, in float64 (every fold composed, nothing rounded).
+        A 0/1-D weight is read whole."""
+        whole = len(store.shape(self.weight)) < 2
+        rows = None if whole else slice(start, stop)
+        w = store.get(self.weight, rows).to(torch.float64)
+        b = store.get(self.bias, slice(start, stop)).to(torch.float64) if self.bias is not None else None
+        total = store.shape(self.weight)[0]
+        for f in self.folds:
+            w, b = self.kind.fold_values(f.forward, w, b, f.scale, f.shift, self.groups, start, total)
+        return w, b
+
+    def stored(self, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float64 rows rounded once to the stored dtypes (the bias None when the layer stores none).
+
+        Raises:
+            UnsupportedModelError: a folded value does not fit the dtype (it overflows).
+        """
+        out_w = w.to(self.dtype).contiguous()
+        out_b = b.to(self.bias_dtype).contiguous() if b is not None and self.bias_out is not None else None
+        for name, t in ((self.weight, out_w), (self.bias_out, out_b)):
+            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise UnsupportedModelError(
+                    f"the folded {name} overflows {str(t.dtype).removeprefix('torch.')} "
+                    f"(norms {', '.join(self.norms)}); "
+                    "fold this model in memory without --stream (it keeps such norms as affines)"
+                )
+        return out_w, out_b
+
+    def blocks(
+        self, store: WeightStore, block_elements: int = FOLD_BLOCK
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The folded weight and bias one block of rows at a time, rounded to their dtypes."""
+        for start, stop in row_ranges(store.shape(self.weight), block_elements):
+            yield self.stored(*self.rows(store, start, stop))
+
+
+@dataclass(frozen=True)
+class TensorRecipe:
+    """How the fused model's tensor ``target`` is made: ``copy`` of the stored ``source``, the ``weight`` or
+    ``bias`` of ``layer``, or a ``const`` the rewrite made (``value``: a kept affine's scale or shift)."""
+
+    target: str
+    op: str
+    source: str | None = None
+    layer: LayerRecipe | None = None
+    value: torch.Tensor | None = None
+
+
+@dataclass
+class Program:
+    """Every tensor of the fused model (``tensors``, in the fused graph's order) and every folded layer
+    (``layers``, by weight name)."""
+
+    tensors: dict[str, TensorRecipe]
+    layers: dict[str, LayerRecipe]
+
+    def dropped(self, stored_keys: list[str]) -> list[str]:
+        """The stored tensors the fused model no longer reads (the folded norms' parameters, ...)."""
+        sources = {r.source for r in self.tensors.values()} | set(self.layers)
+        sources |= {la.bias for la in self.layers.values() if la.bias}
+        return [k for k in stored_keys if k not in sources]
+
+
+def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, LayerRecipe]:
+    """One recipe per layer the plans fold into (before the rewrite: the layers' bias arguments as stored)."""
+    created = {nb.layer: nb.target for p in plans if p.remove for nb in p.new_biases}
+    layers: dict[str, LayerRecipe] = {}
+    for p in plans:
+        if not p.remove:
+            continue
+        for f in p.folds:
+            recipe = layers.get(f.weight)
+            if recipe is None:
+                bias = f.kind.bias(f.layer)
+                stored_bias = str(bias.target) if isinstance(bias, fx.Node) else None
+                dtype = stored(original, f.weight).dtype
+                bias_dtype = stored(original, stored_bias).dtype if stored_bias else dtype
+                bias_out = stored_bias or created.get(f.layer)
+                groups = f.kind.groups(f.layer)
+                recipe = layers[f.weight] = LayerRecipe(
+                    f.kind, f.weight, stored_bias, bias_out, dtype, bias_dtype, groups
+                )
+            recipe.folds.append(f)
+    return layers
+
+
+def build_program(layers: dict[str, LayerRecipe], stored_keys: set[str], fused: Mapping[str, torch.Tensor]) -> Program:
+    """The program of a fused graph: ``layers`` (``layer_recipes``), the original graph's stored tensor names and
+    the fused graph's tensors (``cleanup.fused_state_dict``)."""
+    weights = {la.weight: la for la in layers.values()}
+    biases = {la.bias_out: la for la in layers.values() if la.bias_out}
+    tensors: dict[str, TensorRecipe] = {}
+    for target, value in fused.items():
+        if target in weights:
+            tensors[target] = TensorRecipe(target, "weight", target, weights[target])
+        elif target in biases:
+            tensors[target] = TensorRecipe(target, "bias", biases[target].bias, biases[target])
+        elif target in stored_keys:
+            tensors[target] = TensorRecipe(target, "copy", target)
+        else:
+            tensors[target] = TensorRecipe(target, "const", value=value)
+    return Program(tensors, layers)
+
+
+def evaluate(program: Program, store: WeightStore, block_elements: int = FOLD_BLOCK) -> dict[str, torch.Tensor]:
+    """Every folded layer's weight and bias (the ``weight`` / ``bias`` recipes), block by block, as whole
+    tensors: what the in-memory fold stores."""
+    out: dict[str, torch.Tensor] = {}
+    for la in program.layers.values():
+        parts = list(la.blocks(store, block_elements))
+        out[la.weight] = torch.cat([w for w, _ in parts]) if len(parts) > 1 else parts[0][0]
+        if la.bias_out is not None:
+            biases = [b for _, b in parts if b is not None]
+            out[la.bias_out] = torch.cat(biases) if len(biases) > 1 else biases[0]
+    return out

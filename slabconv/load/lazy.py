@@ -1,0 +1,97 @@
+"""The full-size model of a sharded checkpoint, built without reading its big tensors: the streamed mode's
+planning instance (``slabconv.stream``).
+
+Every tensor with at most one axis longer than 1 (norm statistics and affines, biases, LayerScale gammas,
+counters, 1-D buffers) is read for real: these are what the engine recognises norms by and derives their affines
+from. Every other tensor (the weights) is a stand-in of the right shape and dtype that holds no memory (a zero
+expanded to the shape); the engine plans their folds without their values (``plan_folds(unknown=...)``) and the
+fold program reads them later, one block of rows at a time. The model is the zoo's, built as ``load_model``
+builds it (same architecture, same dtype), with weight initialisation switched off so that nothing big is
+written while it is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from slabconv.errors import InputError, UnsupportedModelError
+from slabconv.load.checkpoint import Checkpoint
+from slabconv.load.model import LoadedModel, check_config_sizes
+from slabconv.load.shards import LazyShards
+from slabconv.zoo import detect_arch, get_arch
+
+
+@dataclass
+class PlanningModel:
+    """The planning instance: the loaded model (stand-in weights), and the names of the stand-ins."""
+
+    loaded: LoadedModel
+    unknown: set[str]
+
+
+def stand_in(shape: list[int]) -> bool:
+    """True for a tensor the planning instance does not read (more than one axis longer than 1)."""
+    return sum(1 for n in shape if int(n) > 1) > 1
+
+
+@contextmanager
+def _no_init() -> Iterator[None]:
+    """``torch.nn.init``'s in-place initialisers do nothing while a model is built (its weights are replaced)."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def planning_model(shards: LazyShards, config: dict[str, Any], arch: str | None, sha256: str) -> PlanningModel:
+    """Build the full-size model of ``shards`` with stand-in weights (see the module docstring).
+
+    Raises:
+        UnsupportedModelError: the architecture cannot be detected (name it with ``--arch``) or built.
+        InputError: the weights do not fit it.
+    """
+    specs = shards.specs()
+    dtype = next((d for d, _ in specs.values() if d.is_floating_point), torch.float32)
+    state: dict[str, torch.Tensor] = {}
+    unknown: set[str] = set()
+    for key, (d, shape) in specs.items():
+        d = dtype if d.is_floating_point else d
+        if stand_in(shape):
+            state[key] = torch.zeros((), dtype=d).expand(shape)
+            unknown.add(key)
+        else:
+            state[key] = shards.get(key).to(d)
+    label = str(shards.folder)
+    check_config_sizes(config, label)
+    try:
+        spec = get_arch(arch) if arch else detect_arch(state, config)
+        with _no_init():
+            model = spec.build(state, config, "checkpoint")
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{label}: {err}") from None
+    except (KeyError, ValueError, RuntimeError, IndexError) as err:
+        raise InputError(f"{label}: cannot build {arch or 'the architecture'} from these weights ({err})") from None
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise InputError(f"{label}: the weights do not fit architecture {spec.name!r} ({err})") from None
+    model.to(dtype).eval()  # the buffers the checkpoint does not hold, as load_model makes them
+    ckpt = Checkpoint(state, dict(config), "hf-safetensors-sharded", shards.folder, sha256)
+
+    def make_input(batch: int, seed: int) -> torch.Tensor:
+        return spec.example(state, config, batch, seed, dtype)
+
+    input_shape = tuple(spec.input_shape(state, config))
+    loaded = LoadedModel(model, ckpt, spec.name, input_shape, dtype, spec.input_dtype, make_input, dict(config))
+    return PlanningModel(loaded, unknown)
