@@ -40,7 +40,7 @@ from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
-from slabconv.verify.run import Artifacts, verify_fold
+from slabconv.verify.run import Artifacts, verify_written
 from slabconv.write.onnx import check_opset, export_onnx, onnx_files, written_by_slabconv
 from slabconv.write.pt2 import export_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
@@ -83,21 +83,18 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
     with quiet():
         original = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     fused = copy.deepcopy(original)
-    total = len(engine.find_norms(fused))
-    done: list[str] = []
 
-    def folded(name: str) -> None:
-        done.append(name)
-        progress("folding norms", len(done), total)
+    def folded(name: str, done: int, total: int) -> None:
+        progress("folding norms", done, total)
 
-    progress("folding norms", 0, total)
+    progress("folding norms")
     decisions = engine.fold_all(fused, progress=folded)
     for i, d in enumerate(decisions, 1):  # --verbose: each decision, as the fold table will show it
         into = f" into {', '.join(d.into)}" if d.into else ""
         progress(
             "folding norms",
-            total,
-            total,
+            len(decisions),
+            len(decisions),
             f"{d.norm} ({i}/{len(decisions)}): {d.action}{into}" + (f" ({d.reason})" if d.reason else ""),
         )
     in_train = [d for d in decisions if d.action == engine.KEPT and d.reason == engine.reasons.TRAIN_MODE]
@@ -110,18 +107,8 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
 
 
 def source_of(loaded: LoadedModel) -> Source:
-    """The report's ``source`` block for a loaded model."""
-    ckpt = loaded.checkpoint
-    return Source(
-        path=str(ckpt.path),
-        sha256=ckpt.sha256,
-        format=ckpt.format,
-        arch=loaded.arch,
-        weights=ckpt.extra.get("weights"),
-        dtype=str(loaded.dtype).removeprefix("torch."),
-        input_shape=list(loaded.input_shape),
-        batch=loaded.batch,
-    )
+    """The report's ``source`` block for a loaded model (``LoadedModel.source``)."""
+    return loaded.source()
 
 
 WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -380,38 +367,10 @@ def fuse(
     with staging_dir(out_dir, write.force) as tmp:
         outputs, artifacts = write_fused(tmp, loaded, planned, write, progress)
         if verify is not None:
-            started = time.monotonic()
-            report.verification = verify_fold(
-                loaded,
-                planned.original,
-                planned.decisions,
-                planned.example,
-                artifacts,
-                inputs=verify.inputs,
-                samples=verify.sample_count(),
-                seed=verify.seed,
-                rtol=verify.rtol,
-                atol=verify.atol,
-                strict=verify.strict,
-                limit=verify.samples,
-                progress=progress,
-            )
-            if outputs.hf_folder and verify.generate == 0:
-                report.verification.notes.append("greedy generation not checked (--generate 0)")
-            elif outputs.hf_folder:
-                steps = verify.fuse_steps()
-                progress("verifying: greedy generation, original vs fused folder")
-                from slabconv.verify.generate import check_fused_folder
-                from slabconv.verify.inputs import choose_inputs
-
-                x = choose_inputs(loaded, verify.inputs, verify.sample_count(), verify.seed)[0]
-                report.verification.generation = check_fused_folder(loaded.model, tmp, x, steps, onnx=write.onnx)
-                if write.onnx and loaded.dtype == torch.bfloat16:
-                    report.verification.notes.append(
-                        "onnxruntime's CPU provider has no bfloat16 kernels: greedy generation ran in transformers "
-                        "only, decoder.onnx got onnx.checker's full check"
-                    )
-            report.verification.seconds = time.monotonic() - started
+            report.verification = verify_written(
+                loaded, planned.original, planned.decisions, planned.example, artifacts, verify,
+                hf_folder=outputs.hf_folder, onnx=write.onnx, progress=progress,
+            )  # fmt: skip
         report.rename(tmp, out_dir)
         if report.verification is not None and not report.verification.passed:
             # Nothing is written: the report names no output file.

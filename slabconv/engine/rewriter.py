@@ -25,6 +25,9 @@ from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_prog
 from slabconv.engine.rules import Chan
 from slabconv.fold import tile_channels
 
+FoldProgress = Callable[[str, int, int], None]
+"""``(norm name, norms applied so far, norms in the graph)``, called as each norm is applied."""
+
 
 def set_tensor(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
     """Store ``value`` at the dotted ``target`` of ``gm`` as a frozen parameter (creating parent modules)."""
@@ -129,24 +132,25 @@ def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
             gm.graph.erase_node(node)
 
 
-def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: Callable[[str], None] | None = None) -> None:
+def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: FoldProgress | None = None) -> None:
     """Apply every plan in order (``apply_plan``), then drop dead nodes and recompile ``gm``; ``progress`` is
-    called with each norm's name. The plans must come from ``plan_folds`` on this graph, unchanged since."""
-    for p in plans:
+    called with each norm's name, how many are applied and how many there are. The plans must come from
+    ``plan_folds`` on this graph, unchanged since."""
+    for i, p in enumerate(plans, 1):
         apply_plan(gm, p)
         if progress is not None:
-            progress(p.site.name)
+            progress(p.site.name, i, len(plans))
     gm.graph.eliminate_dead_code()
     gm.recompile()
 
 
-def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) -> list[Decision]:
+def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None) -> list[Decision]:
     """Find every norm of ``gm``, decide and apply a fold for each (in place), then clean the graph; the folded
     layers' tensors are the fold program's (``fold_program``).
 
     Args:
         gm: an unlifted export graph (``slabconv.engine.capture``).
-        progress: called with each norm's name as it is applied.
+        progress: called as each norm is applied, with its name, how many are done and how many there are.
 
     Returns:
         One ``Decision`` per norm, in graph order.
@@ -160,7 +164,7 @@ def fold_all(gm: fx.GraphModule, progress: Callable[[str], None] | None = None) 
 
 def fold_program(
     gm: fx.GraphModule,
-    progress: Callable[[str], None] | None = None,
+    progress: FoldProgress | None = None,
     unknown: Collection[str] = (),
     block_elements: int = FOLD_BLOCK,
 ) -> tuple[list[Decision], Program]:

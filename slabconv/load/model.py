@@ -18,6 +18,7 @@ from torch import nn
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load.checkpoint import Checkpoint, load_checkpoint
 from slabconv.load.fused import FusedMetadata, is_output_folder
+from slabconv.load.source import Source
 from slabconv.options import LoadOptions
 from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
@@ -59,6 +60,25 @@ class LoadedModel:
     batch: int | None = None
     sequence: int | None = None
     id_range: int | None = None
+
+    def source(self, path: Path | None = None) -> Source:
+        """The report's ``source`` block for this model (``reference`` / ``candidate`` of ``verify``).
+
+        Args:
+            path: the path the user gave, when it is not the checkpoint's own (a folder ``fuse`` wrote: its format
+                is then ``slabconv-output``).
+        """
+        ckpt = self.checkpoint
+        return Source(
+            path=str(path if path is not None else ckpt.path),
+            sha256=ckpt.sha256,
+            format="slabconv-output" if path is not None and is_output_folder(path) else ckpt.format,
+            arch=self.arch,
+            weights=ckpt.extra.get("weights"),
+            dtype=str(self.dtype).removeprefix("torch."),
+            input_shape=list(self.input_shape),
+            batch=self.batch,
+        )
 
     @property
     def example_batch(self) -> int:

@@ -123,7 +123,7 @@ def open_side(path: Path, load: LoadOptions) -> Side:
     dtype = loaded.dtype
     what = "fused output" if is_output_folder(path) else loaded.checkpoint.format
     runtimes = [torch_runtime(loaded.model, dtype, what, fixed_batch=loaded.batch)]
-    side = Side(_source(path, loaded), runtimes, loaded, loaded.input_shape, loaded.token_input)
+    side = Side(loaded.source(path), runtimes, loaded, loaded.input_shape, loaded.token_input)
     fused = FusedMetadata.read(loaded.checkpoint.metadata) if loaded.checkpoint.format != "torch.export" else None
     if is_output_folder(path):
         side.written = _output_tensors(path)
@@ -135,21 +135,6 @@ def open_side(path: Path, load: LoadOptions) -> Side:
     elif fused is not None:
         side.written = dict(loaded.checkpoint.state_dict)
     return side
-
-
-def _source(path: Path, loaded: LoadedModel) -> Source:
-    ckpt = loaded.checkpoint
-    fmt = "slabconv-output" if is_output_folder(path) else ckpt.format
-    return Source(
-        path=str(path),
-        sha256=ckpt.sha256,
-        format=fmt,
-        arch=loaded.arch,
-        weights=ckpt.extra.get("weights"),
-        dtype=dtype_name(loaded.dtype),
-        input_shape=list(loaded.input_shape),
-        batch=loaded.batch,
-    )
 
 
 def _output_tensors(folder: Path) -> dict[str, torch.Tensor] | None:

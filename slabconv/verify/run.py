@@ -13,6 +13,7 @@ Both follow the policy of ``slabconv.verify.policy``:
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from torch import fx, nn
 from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
+from slabconv.options import VerifyOptions
 from slabconv.util import Progress, no_progress
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
@@ -350,4 +352,47 @@ def verify_fold(
                 shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
             )
     verification.runtime = runtime_summary(runtimes)
+    return verification
+
+
+def verify_written(
+    loaded: LoadedModel,
+    original_graph: fx.GraphModule,
+    decisions: Sequence[Any],
+    example: torch.Tensor,
+    artifacts: Artifacts,
+    opts: VerifyOptions,
+    *,
+    hf_folder: bool,
+    onnx: bool,
+    progress: Progress = no_progress,
+) -> Verification:
+    """Everything ``fuse`` checks before it publishes a fold: both questions (``verify_fold`` with ``opts``) and,
+    for a language model written as a Hugging Face folder (``hf_folder``), greedy generation of the original
+    against the folder in transformers and, with ``onnx``, its ``decoder.onnx`` (``opts.generate`` steps; 0 skips
+    the check with a note saying so).
+
+    Raises:
+        InputError, UsageError: unusable inputs (as ``make_reference``).
+    """
+    started = time.monotonic()
+    verification = verify_fold(
+        loaded, original_graph, decisions, example, artifacts,
+        inputs=opts.inputs, samples=opts.sample_count(), seed=opts.seed, rtol=opts.rtol, atol=opts.atol,
+        strict=opts.strict, limit=opts.samples, progress=progress,
+    )  # fmt: skip
+    if hf_folder and opts.generate == 0:
+        verification.notes.append("greedy generation not checked (--generate 0)")
+    elif hf_folder:
+        from slabconv.verify.generate import check_fused_folder
+
+        progress("verifying: greedy generation, original vs fused folder")
+        x = choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed)[0]
+        verification.generation = check_fused_folder(loaded.model, artifacts.folder, x, opts.fuse_steps(), onnx=onnx)
+        if onnx and loaded.dtype == torch.bfloat16:
+            verification.notes.append(
+                "onnxruntime's CPU provider has no bfloat16 kernels: greedy generation ran in transformers only, "
+                "decoder.onnx got onnx.checker's full check"
+            )
+    verification.seconds = time.monotonic() - started
     return verification
