@@ -42,7 +42,7 @@ from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.run import Artifacts, verify_written
 from slabconv.write.onnx import check_opset, export_onnx, onnx_files, written_by_slabconv
-from slabconv.write.pt2 import export_pt2
+from slabconv.write.pt2 import export_program, save_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import check_output_file, check_output_folder, staging_dir, staging_file
 
@@ -185,22 +185,31 @@ def write_fused(
     artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
     dynamic: list[bool] = []  # per program written: does it take any sequence length?
     artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
-    if write.onnx:
-        progress("exporting model.onnx")
-        outputs.onnx_info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset)
-        dynamic.append(outputs.onnx_info["dynamic_sequence"])
-        outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
-        outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
-    if write.pt2:
-        progress("exporting model.pt2")
-        info = export_pt2(planned.fused, planned.example, folder / "model.pt2")
+    program = None
+    if write.pt2 or write.onnx:  # one torch.export of the fused model serves both files
+        progress("exporting the fused program")
+        program = export_program(planned.fused, planned.example)
+    if write.pt2 and program is not None:
+        progress("writing model.pt2")
+        save_pt2(*program, folder / "model.pt2")
+        info = program[1]
         outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
         outputs.files.append("model.pt2")
         dynamic.append(info["dynamic_sequence"])
+    if write.onnx:
+        progress("exporting model.onnx")
+        onnx_info = export_onnx(
+            planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program
+        )
+        dynamic.append(onnx_info["dynamic_sequence"])
+        outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
+        outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
+        outputs.onnx_info = onnx_info
+    if write.pt2 and program is not None:
         outputs.onnx_info = {
             **(outputs.onnx_info or {}),
-            "pt2_dynamic_batch": info["dynamic_batch"],
-            "pt2_dynamic_sequence": info["dynamic_sequence"],
+            "pt2_dynamic_batch": program[1]["dynamic_batch"],
+            "pt2_dynamic_sequence": program[1]["dynamic_sequence"],
         }
     artifacts.dynamic_sequence = bool(dynamic) and all(dynamic)
     if _writes_hf_folder(loaded, planned):

@@ -60,8 +60,55 @@ def check_opset(opset: int | None, dtype: str | None = None) -> None:
         )
 
 
-def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset: int | None = None) -> dict[str, Any]:
+def _name_axes(model: Any, axes: dict[int, Any]) -> None:
+    """Name the dynamic axes of an ONNX model translated from an ``ExportedProgram`` as a direct export names them
+    (``batch``, ``sequence``): the program's symbols (``s77``...) become those names on every value, in place.
+    Uses onnx-ir's values and ``SymbolicDim``."""
+    import re
+
+    import onnx_ir as ir
+
+    names = {0: "batch", 1: "sequence"}
+    first = model.graph.inputs[0]
+    rename = {
+        str(dim.value): names[axis]
+        for axis, dim in enumerate(first.shape or ())
+        if axis in axes and axis in names and isinstance(dim, ir.SymbolicDim) and dim.value
+    }
+    if not rename:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+
+    def renamed(value: Any) -> None:
+        if value.shape is None:
+            return
+        dims = [
+            ir.SymbolicDim(pattern.sub(lambda m: rename[m.group(1)], d.value))
+            if isinstance(d, ir.SymbolicDim) and d.value
+            else d
+            for d in value.shape
+        ]
+        value.shape = ir.Shape(dims)
+
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        renamed(value)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for value in node.outputs:
+            renamed(value)
+
+
+def export_onnx(
+    model: torch.nn.Module,
+    example: torch.Tensor,
+    path: Path,
+    opset: int | None = None,
+    program: tuple[torch.export.ExportedProgram, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
+
+    ``program``: the ``(ExportedProgram, info)`` of ``model`` that ``slabconv.write.pt2.export_program`` made
+    (``fuse`` exports the fused model once for ``model.pt2`` and ``model.onnx``); the exporter then translates it
+    as it is, with its dynamic axes, instead of capturing ``model`` again.
 
     Axis 0 (batch) is dynamic when the model allows it; otherwise the batch size of ``example`` is fixed and
     the returned info says so. A graph captured with a symbolic sequence axis (a language model) keeps it: the
@@ -78,12 +125,19 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset
         UsageError: the file cannot be written, or the exporter wrote another opset than ``opset``.
     """
     last: Exception | None = None
-    for axes in axis_attempts(model):
-        shapes = (axes,) if axes else None
+    attempts: list[Any] = [program] if program is not None else [(None, axes) for axes in axis_attempts(model)]
+    for exported, axes_or_info in attempts:
+        if exported is not None:
+            axes = {0: "batch"} if axes_or_info["dynamic_batch"] else None
+            if axes is not None and axes_or_info["dynamic_sequence"]:
+                axes[1] = "sequence"
+        else:
+            axes = axes_or_info
+        shapes = (axes,) if axes and exported is None else None
         try:
             with quiet():
-                program = torch.onnx.export(
-                    model,
+                onnx_program = torch.onnx.export(
+                    exported if exported is not None else model,
                     (example,),
                     dynamo=True,
                     dynamic_shapes=shapes,
@@ -92,18 +146,20 @@ def export_onnx(model: torch.nn.Module, example: torch.Tensor, path: Path, opset
                     opset_version=opset or opset_for(model),
                     verbose=False,
                 )
-            assert program is not None
+            assert onnx_program is not None
+            if exported is not None:
+                _name_axes(onnx_program.model, axes or {})
         except Exception as err:  # noqa: BLE001 - the exporter raises many types
             last = err
             continue
         external = _weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
         try:
             with quiet():
-                program.model.metadata_props[MARK] = __version__
-                program.save(str(path), external_data=external)
+                onnx_program.model.metadata_props[MARK] = __version__
+                onnx_program.save(str(path), external_data=external)
         except OSError as err:
             raise UsageError(f"cannot write {path}: {err.strerror or err}") from None
-        written = next((o.version for o in program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+        written = next((o.version for o in onnx_program.model_proto.opset_import if o.domain in ("", "ai.onnx")), 0)
         if opset is not None and written != opset:
             raise UsageError(
                 f"--opset {opset}: the ONNX exporter cannot write this model at opset {opset} (it wrote {written}); "

@@ -18,21 +18,22 @@ MARK = "slabconv.json"
 """The extra file every ``.pt2`` slabconv writes carries: its version, and what the program takes."""
 
 
-def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
-    """Export ``model`` with ``torch.export`` and save it to ``path``.
+def export_program(
+    model: torch.nn.Module, example: torch.Tensor
+) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
+    """``torch.export`` of the fused model, once: ``model.pt2`` saves it and ``model.onnx`` is translated from it.
 
     Axis 0 (batch) is dynamic unless the model's code fixes it (a program recorded with a static batch whose graph
     bakes that size in); a graph captured with a symbolic sequence axis (a language model, ``engine.capture`` with
-    ``sequence``) keeps it, with its bounds. The returned info says which.
+    ``sequence``) keeps it, with its bounds.
 
     Args:
         model: the fused model (a ``GraphModule`` from the engine).
         example: one input ``(B, ...)`` in the model's dtype (int64 ids for a language model).
-        path: where to write.
 
     Returns:
-        ``{"dynamic_batch": bool, "batch": int or None, "dynamic_sequence": bool}`` (``batch``: the fixed batch
-        size when not dynamic).
+        The ``ExportedProgram`` and ``{"dynamic_batch": bool, "batch": int or None, "dynamic_sequence": bool}``
+        (``batch``: the fixed batch size when not dynamic).
 
     Raises:
         UnsupportedModelError: ``torch.export`` cannot trace the fused model.
@@ -51,8 +52,26 @@ def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dic
             "batch": None if dynamic else int(example.shape[0]),
             "dynamic_sequence": bool(axes and 1 in axes),
         }
-        extra = {MARK: json.dumps({"slabconv_version": __version__, **info})}
-        with quiet():
-            torch.export.save(program, str(path), extra_files=extra)
-        return info
+        return program, info
     raise UnsupportedModelError(f"torch.export could not export the fused model: {first_line(last)}")
+
+
+def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: Path) -> None:
+    """Save ``program`` to ``path`` with slabconv's extra file (``MARK``: its version and ``info``)."""
+    extra = {MARK: json.dumps({"slabconv_version": __version__, **info})}
+    with quiet():
+        torch.export.save(program, str(path), extra_files=extra)
+
+
+def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
+    """``export_program`` then ``save_pt2``: export ``model`` with ``torch.export`` and save it to ``path``.
+
+    Returns:
+        ``{"dynamic_batch": bool, "batch": int or None, "dynamic_sequence": bool}``.
+
+    Raises:
+        UnsupportedModelError: ``torch.export`` cannot trace the fused model.
+    """
+    program, info = export_program(model, example)
+    save_pt2(program, info, path)
+    return info
