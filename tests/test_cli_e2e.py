@@ -200,10 +200,10 @@ def test_a_failed_fuse_names_no_written_file(fixture_ckpt, tmp_path):
     """``--rtol 1e-9`` is tighter than float32 rounding: the fuse fails (exit 1), writes nothing, and neither the
     text output nor ``--json`` names a file it did not write."""
     out = tmp_path / "x"
-    text = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9")
+    text = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--samples", "8")
     assert text.returncode == 1, text.stderr
     assert "wrote" not in text.stdout + text.stderr and "nothing was written" in text.stderr
-    as_json = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--json")
+    as_json = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--json", "--samples", "8")
     assert as_json.returncode == 1, as_json.stderr
     report = json.loads(as_json.stdout)
     assert report["outputs"] is None and report["verification"]["passed"] is False
