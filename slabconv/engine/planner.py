@@ -92,8 +92,19 @@ class Decision:
         }
 
 
+class _RoundedOnce:
+    """A float64 ``value`` that is stored in ``dtype``: every fold composed first, rounded once at the end."""
+
+    value: torch.Tensor
+    dtype: torch.dtype
+
+    def stored(self) -> torch.Tensor:
+        """``value`` rounded once to ``dtype`` (same shape and device), contiguous."""
+        return self.value.to(self.dtype).contiguous()
+
+
 @dataclass(frozen=True)
-class TensorUpdate:
+class TensorUpdate(_RoundedOnce):
     """Store ``value`` at the dotted ``target`` (an existing weight or bias, or one an earlier plan creates).
 
     Attributes:
@@ -106,13 +117,9 @@ class TensorUpdate:
     value: torch.Tensor
     dtype: torch.dtype
 
-    def stored(self) -> torch.Tensor:
-        """``value`` rounded once to ``dtype`` (same shape and device), contiguous."""
-        return self.value.to(self.dtype).contiguous()
-
 
 @dataclass(frozen=True)
-class NewBias:
+class NewBias(_RoundedOnce):
     """Give ``layer`` (of kind ``kind``, without a bias) the bias ``value`` (float64 ``(out,)``), stored at
     ``target`` in ``dtype`` (the layer weight's)."""
 
@@ -121,10 +128,6 @@ class NewBias:
     target: str
     value: torch.Tensor
     dtype: torch.dtype
-
-    def stored(self) -> torch.Tensor:
-        """``value`` rounded once to ``dtype``, contiguous."""
-        return self.value.to(self.dtype).contiguous()
 
 
 @dataclass(frozen=True)

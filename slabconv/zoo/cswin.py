@@ -49,7 +49,7 @@ from slabconv.zoo.layers import (
     split_heads,
     tokens_to_map,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
+from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
 
 
 def img2windows(x: torch.Tensor, h_sp: int, w_sp: int) -> torch.Tensor:
@@ -392,9 +392,7 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
 
 
 def input_shape(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
-    hp = hparams(preset, sd, config)
-    side = resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
-    return (hp["in_chans"], side, side)
+    return square_input(hparams(preset, sd, config), config, preset.name)
 
 
 _SOURCE = "xinghaochen/SLAB classification/models/slab_cswin.py"

@@ -29,7 +29,7 @@ from torch import nn
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import Mlp, NormFactory, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
+from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
 
 __all__ = ["Attention", "Block", "Mlp", "PatchEmbed", "VisionTransformer", "norm_factory", "norm_layout", "vit_hparams"]
 
@@ -183,9 +183,7 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
 
 
 def input_shape(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
-    hp = vit_hparams(sd)
-    side = resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
-    return (hp["in_chans"], side, side)
+    return square_input(vit_hparams(sd), config, preset.name)
 
 
 _SOURCE = "xinghaochen/SLAB classification/models/deit.py"

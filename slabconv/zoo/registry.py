@@ -320,6 +320,13 @@ def image_size_override(config: Mapping[str, Any] | None) -> int | None:
     return int(value) if value is not None else None
 
 
+def square_input(hp: Mapping[str, Any], config: Mapping[str, Any] | None, what: str) -> tuple[int, ...]:
+    """``(in_chans, side, side)`` of a model that runs at its training size only: ``hp["img_size"]``, checked
+    against the config's ``DATA.IMG_SIZE`` (``resolve_image_size``, not resizable)."""
+    side = resolve_image_size(hp["img_size"], config, resizable=False, what=what)
+    return (hp["in_chans"], side, side)
+
+
 def resolve_image_size(trained: int, config: Mapping[str, Any] | None, *, resizable: bool, what: str) -> int:
     """The input side to build for: the override when there is one, else ``trained``.
 

@@ -40,7 +40,7 @@ from slabconv.zoo.layers import (
     norm_factory,
     norm_layout,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
+from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
 
 
 class Block(nn.Module):
@@ -162,9 +162,7 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
 
 
 def input_shape(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> tuple[int, ...]:
-    hp = hparams(sd)
-    side = resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
-    return (hp["in_chans"], side, side)
+    return square_input(hparams(sd), config, preset.name)
 
 
 _SOURCE = "xinghaochen/SLAB classification/models/slab_deit.py"
