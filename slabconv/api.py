@@ -32,7 +32,7 @@ import torch
 from torch import fx, nn
 
 from slabconv import engine
-from slabconv.errors import InputError, UsageError, VerificationError, python_advice
+from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError, python_advice
 from slabconv.load.checkpoint import check_input
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.source import Source
@@ -188,7 +188,12 @@ def write_fused(
     program = None
     if write.pt2 or write.onnx:  # one torch.export of the fused model serves both files
         progress("exporting the fused program")
-        program = export_program(planned.fused, planned.example)
+        try:
+            program = export_program(planned.fused, planned.example)
+        except UnsupportedModelError:
+            if write.pt2:
+                raise
+            # --no-pt2: the ONNX exporter's own capture (it has fallbacks torch.export lacks) gets its chance
     if write.pt2 and program is not None:
         progress("writing model.pt2")
         save_pt2(*program, folder / "model.pt2")

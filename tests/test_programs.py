@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from slabconv import api
 from slabconv.cli import app
-from slabconv.options import VerifyOptions
+from slabconv.errors import UnsupportedModelError
+from slabconv.options import VerifyOptions, WriteOptions
 from tests.conftest import small_vit
 from tests.hfwrite import write_hf_folder
 from tests.test_llama import TINY_CONFIG, tiny_model
@@ -88,3 +89,32 @@ def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> 
         assert report["candidate"]["format"] == "slabconv-output"
         expected_exact = True if reference == "src" else None  # question 1 needs the source as the reference
         assert report["verification"]["question_1_exact"] is expected_exact, (reference, candidate)
+
+
+def test_one_program_serves_both_files_and_no_pt2_falls_back_to_the_onnx_exporter(fixture_ckpt, tmp_path, monkeypatch):
+    """fuse exports the fused model once for model.pt2 and model.onnx. When torch.export cannot re-export it,
+    --no-pt2 still gets model.onnx from the ONNX exporter's own capture; with model.pt2 asked for, the run fails."""
+    calls: list[str] = []
+    real = api.export_program
+
+    def counted(*args, **kwargs):
+        calls.append("export")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "export_program", counted)
+    both = api.fuse(fixture_ckpt, tmp_path / "both", verify=VerifyOptions(samples=8))
+    assert calls == ["export"] and both.outputs is not None
+    assert {"model.onnx", "model.pt2"} <= set(both.outputs.files)
+
+    def refused(*args, **kwargs):
+        raise UnsupportedModelError("torch.export could not export the fused model: (simulated)")
+
+    monkeypatch.setattr(api, "export_program", refused)
+    only_onnx = api.fuse(
+        fixture_ckpt, tmp_path / "onnx", verify=VerifyOptions(samples=8), write=WriteOptions(pt2=False)
+    )
+    assert only_onnx.verification is not None and only_onnx.verification.passed
+    assert only_onnx.outputs is not None and "model.onnx" in only_onnx.outputs.files
+    with pytest.raises(UnsupportedModelError, match="simulated"):
+        api.fuse(fixture_ckpt, tmp_path / "pt2", verify=None)
+    assert not (tmp_path / "pt2").exists()
