@@ -183,7 +183,7 @@ def fuse_streamed(
         report.plan = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
         if verify is not None:
             started = time.monotonic()
-            report.verification = _verify(folder, tmp, plan, verify, progress)
+            report.verification = _verify(folder, tmp, plan.program, verify, progress)
             if plan.family is not None:
                 report.verification.generation = _generation(folder, tmp, verify, progress)
                 _note_generation(report.verification, verify)
@@ -291,8 +291,11 @@ def _hf_files(folder: Path, config: dict[str, Any]) -> list[str]:
     return [p.name for p in write_hf_llama_metadata(folder, config)]
 
 
-def _verify(source: Path, written: Path, plan: StreamPlan, opts: VerifyOptions, progress: Progress) -> Verification:
-    """``layerwise.verify_folders`` with the options of a streamed run of a decoder family."""
+def _verify(
+    source: Path, written: Path, program: engine.Program | None, opts: VerifyOptions, progress: Progress
+) -> Verification:
+    """``layerwise.verify_folders`` with the options of a streamed run of a decoder family (question 1 too when
+    ``program``, the fold program of ``source``, says how ``written`` was made)."""
     return layerwise.verify_folders(
         source,
         written,
@@ -301,7 +304,7 @@ def _verify(source: Path, written: Path, plan: StreamPlan, opts: VerifyOptions, 
         rtol=opts.rtol,
         atol=opts.atol,
         strict=opts.strict,
-        program=plan.program,
+        program=program,
         block_elements=FOLD_BLOCK,
         progress=progress,
     )
@@ -335,18 +338,7 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
         found = hf.hf_weights_file(reference)
         sha = sha256_file(found[0]) if found else ""
         program = make_plan(src, hf.read_hf_config(reference), None, sha).program
-    verification = layerwise.verify_folders(
-        reference,
-        candidate,
-        sequences=opts.sample_count(streamed=True),
-        seed=opts.seed,
-        rtol=opts.rtol,
-        atol=opts.atol,
-        strict=opts.strict,
-        program=program,
-        block_elements=FOLD_BLOCK,
-        progress=progress,
-    )
+    verification = _verify(reference, candidate, program, opts, progress)
     if opts.generate:
         verification.generation = _generation(reference, candidate, opts, progress)
     if not folded:
