@@ -125,19 +125,18 @@ def export_onnx(
         UsageError: the file cannot be written, or the exporter wrote another opset than ``opset``.
     """
     last: Exception | None = None
-    attempts: list[Any] = [program] if program is not None else [(None, axes) for axes in axis_attempts(model)]
-    for exported, axes_or_info in attempts:
-        if exported is not None:
-            axes = {0: "batch"} if axes_or_info["dynamic_batch"] else None
-            if axes is not None and axes_or_info["dynamic_sequence"]:
-                axes[1] = "sequence"
-        else:
-            axes = axes_or_info
-        shapes = (axes,) if axes and exported is None else None
+    attempts: list[tuple[Any, Any, dict[int, Any] | None]]  # (what to export, its dynamic_shapes, named axes)
+    if program is not None:
+        exported, info = program
+        named = {0: "batch", **({1: "sequence"} if info["dynamic_sequence"] else {})}
+        attempts = [(exported, None, named if info["dynamic_batch"] else None)]
+    else:
+        attempts = [(model, (axes,) if axes else None, axes) for axes in axis_attempts(model)]
+    for source, shapes, axes in attempts:
         try:
             with quiet():
                 onnx_program = torch.onnx.export(
-                    exported if exported is not None else model,
+                    source,
                     (example,),
                     dynamo=True,
                     dynamic_shapes=shapes,
@@ -147,7 +146,7 @@ def export_onnx(
                     verbose=False,
                 )
             assert onnx_program is not None
-            if exported is not None:
+            if program is not None:
                 _name_axes(onnx_program.model, axes or {})
         except Exception as err:  # noqa: BLE001 - the exporter raises many types
             last = err
