@@ -5,9 +5,8 @@ Data flows one way through one stage per package::
     load (slabconv.load)  ->  plan + apply (slabconv.engine)  ->  write (slabconv.write)
         ->  verify (slabconv.verify)  ->  report (slabconv.report)
 
-Every function here strings stages together and returns a ``slabconv.report.Report``; none holds logic of
-its own. A streamed fold (``WriteOptions(stream=True)``) is the same pipeline in bounded memory
-(``slabconv.stream``).
+Every function here checks its arguments, calls the stages (``fuse``: the one driver, ``slabconv.pipeline``, in
+memory or streamed with ``WriteOptions(stream=True)``) and returns a ``slabconv.report.Report``.
 
 Example::
 
@@ -21,224 +20,22 @@ Example::
 
 from __future__ import annotations
 
-import copy
-import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import fx, nn
+from torch import nn
 
-from slabconv import engine
-from slabconv.errors import InputError, UnsupportedModelError, UsageError, VerificationError, python_advice
+from slabconv import engine, pipeline
+from slabconv.errors import InputError, UsageError, python_advice
 from slabconv.load.checkpoint import check_input
 from slabconv.load.model import LoadedModel, load_model
-from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.pipeline import Planned, plan
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress, quiet, sha256_file
-from slabconv.verify import faults
-from slabconv.verify.run import Artifacts, verify_written
+from slabconv.util import Progress, no_progress, sha256_file
 from slabconv.write.onnx import check_opset, export_onnx, onnx_files, written_by_slabconv
-from slabconv.write.pt2 import export_program, save_pt2
-from slabconv.write.safetensors import fused_metadata, save_safetensors
-from slabconv.write.staging import check_output_file, check_output_folder, staging_dir, staging_file
-
-# --------------------------------------------------------------------------------------------- stages
-
-
-@dataclass
-class Planned:
-    """A model's fold: the traced original, the fused graph and one decision per norm.
-
-    Attributes:
-        original: the unfolded graph (``engine.capture``), kept for the float64 reference.
-        fused: the fused graph (the engine applied every decision).
-        decisions: one per norm, in graph order.
-        example: the input the graphs were traced with.
-    """
-
-    original: fx.GraphModule
-    fused: fx.GraphModule
-    decisions: list[engine.Decision]
-    example: torch.Tensor
-
-    @property
-    def complete(self) -> bool:
-        """Every norm folded away (nothing kept as an affine or as it was)."""
-        return all(d.action.startswith("folded") for d in self.decisions)
-
-
-def plan(loaded: LoadedModel, progress: Progress = no_progress) -> Planned:
-    """Trace ``loaded.model`` and fold every norm (the engine's capture, plan and apply).
-
-    Raises:
-        UnsupportedModelError: torch.export cannot trace the model.
-        InputError: a norm in train mode; damaged norm statistics.
-    """
-    example = loaded.trace_example()
-    progress("tracing the model with torch.export")
-    with quiet():
-        original = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
-    fused = copy.deepcopy(original)
-
-    def folded(name: str, done: int, total: int) -> None:
-        progress("folding norms", done, total)
-
-    progress("folding norms")
-    decisions = engine.fold_all(fused, progress=folded)
-    for i, d in enumerate(decisions, 1):  # --verbose: each decision, as the fold table will show it
-        into = f" into {', '.join(d.into)}" if d.into else ""
-        progress(
-            "folding norms",
-            len(decisions),
-            len(decisions),
-            f"{d.norm} ({i}/{len(decisions)}): {d.action}{into}" + (f" ({d.reason})" if d.reason else ""),
-        )
-    in_train = [d for d in decisions if d.action == engine.KEPT and d.reason == engine.reasons.TRAIN_MODE]
-    if in_train:
-        raise InputError(
-            f"{loaded.checkpoint.path}: norm {in_train[0].norm} is in train mode (it normalises with batch "
-            "statistics, not a fixed affine); put the model in eval mode (model.eval()) before saving or exporting it"
-        )
-    return Planned(original, fused, decisions, example)
-
-
-def source_of(loaded: LoadedModel) -> Source:
-    """The report's ``source`` block for a loaded model (``LoadedModel.source``)."""
-    return loaded.source()
-
-
-WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-"""What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
-
-
-def write_dtype(write: WriteOptions) -> torch.dtype | None:
-    """The dtype ``write`` asks the fused model to be written in, checked before any work.
-
-    Raises:
-        UsageError: an unknown name, or ``dtype`` with ``stream`` (the streamed fold keeps the checkpoint's dtype).
-    """
-    if write.dtype is None:
-        return None
-    if write.dtype not in WRITE_DTYPES:
-        raise UsageError(f"--dtype {write.dtype}: choose float16 or bfloat16 (leave it out to keep the checkpoint's)")
-    if write.stream:
-        raise UsageError("--dtype does not stream: the streamed fold keeps the checkpoint's dtype; leave out --dtype")
-    return WRITE_DTYPES[write.dtype]
-
-
-def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
-    """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
-    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
-
-    Raises:
-        UsageError: a language model (its Hugging Face folder keeps the checkpoint's dtype).
-        NumericError: a fused tensor overflows ``dtype`` (named).
-    """
-    from slabconv.errors import NumericError
-    from slabconv.verify.policy import dtype_name
-    from slabconv.verify.reference import cast_graph, float64_fold
-
-    if _writes_hf_folder(loaded, planned):
-        raise UsageError(
-            "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
-        )
-    if dtype == loaded.dtype:
-        return planned
-    _, fused64, _ = float64_fold(planned.original, planned.example)
-    cast = cast_graph(fused64, dtype)
-    for name, tensor in engine.fused_state_dict(cast).items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise NumericError(
-                f"{loaded.checkpoint.path}: the fused tensor {name} does not fit {dtype_name(dtype)} (a value beyond "
-                "its range); nothing was written: leave out --dtype, or write bfloat16"
-            )
-    example = planned.example.to(dtype) if planned.example.is_floating_point() else planned.example
-    return Planned(planned.original, cast, planned.decisions, example)
-
-
-def _writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
-    """A fused language model of a zoo family is written as a Hugging Face folder, when every norm folded."""
-    from slabconv.zoo import get_arch
-
-    return loaded.arch is not None and get_arch(loaded.arch).family == "llama" and planned.complete
-
-
-def write_fused(
-    folder: Path, loaded: LoadedModel, planned: Planned, write: WriteOptions, progress: Progress
-) -> tuple[Outputs, Artifacts]:
-    """Write the fused model into ``folder`` (a staging folder): ``model.safetensors``, ``model.onnx``,
-    ``model.pt2``, and for a language model the Hugging Face folder files and ``decoder.onnx``.
-
-    Returns:
-        The report's ``outputs`` block (without the sha256, taken once everything is verified) and what
-        verification needs to know about the files.
-    """
-    tensors = engine.fused_state_dict(planned.fused)
-    metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
-    progress("writing model.safetensors")
-    save_safetensors(tensors, folder / "model.safetensors", metadata)
-    outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
-    artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
-    dynamic: list[bool] = []  # per program written: does it take any sequence length?
-    artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
-    program = None
-    if write.pt2 or write.onnx:  # one torch.export of the fused model serves both files
-        progress("exporting the fused program")
-        try:
-            program = export_program(planned.fused, planned.example)
-        except UnsupportedModelError:
-            if write.pt2:
-                raise
-            # --no-pt2: the ONNX exporter's own capture (it has fallbacks torch.export lacks) gets its chance
-    if write.pt2 and program is not None:
-        progress("writing model.pt2")
-        save_pt2(*program, folder / "model.pt2")
-        info = program[1]
-        outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
-        outputs.files.append("model.pt2")
-        dynamic.append(info["dynamic_sequence"])
-    if write.onnx:
-        progress("exporting model.onnx")
-        onnx_info = export_onnx(
-            planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program
-        )
-        dynamic.append(onnx_info["dynamic_sequence"])
-        outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
-        outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
-        outputs.onnx_info = onnx_info
-    if write.pt2 and program is not None:
-        outputs.onnx_info = {
-            **(outputs.onnx_info or {}),
-            "pt2_dynamic_batch": program[1]["dynamic_batch"],
-            "pt2_dynamic_sequence": program[1]["dynamic_sequence"],
-        }
-    artifacts.dynamic_sequence = bool(dynamic) and all(dynamic)
-    if _writes_hf_folder(loaded, planned):
-        outputs.files += _write_hf_folder(folder, loaded, write, progress)
-        outputs.hf_folder = True
-        outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
-    return outputs, artifacts
-
-
-def _write_hf_folder(folder: Path, loaded: LoadedModel, write: WriteOptions, progress: Progress) -> list[str]:
-    """The Hugging Face model folder files of a fused language model, and its decoder ONNX with past key/values."""
-    from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
-    from slabconv.write.hf_llama import write_hf_llama_metadata
-
-    progress("writing the Hugging Face model folder")
-    written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
-    if write.onnx:
-        progress("exporting decoder.onnx (with past key/values)")
-        info = export_decoder_onnx(folder, folder / "decoder.onnx")
-        written += [f.name for f in onnx_files(folder / "decoder.onnx")]
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        written.append(write_genai_config(folder, info, config).name)
-    return written
-
+from slabconv.write.staging import check_output_file, check_output_folder, staging_file
 
 # --------------------------------------------------------------------------------------------- commands
 
@@ -313,7 +110,7 @@ def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progres
         return onnx_in.inspect(Path(check_input(path)), load, progress)
     loaded = load_model(check_input(path), load)
     planned = plan(loaded, progress)
-    return Report("inspect", source=source_of(loaded), folds=planned.decisions)
+    return Report("inspect", source=loaded.source(), folds=planned.decisions)
 
 
 @python_advice({"--no-verify": "verify=None"})
@@ -353,7 +150,7 @@ def fuse(
     """
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions), write=(write, WriteOptions))
     write = write or WriteOptions()
-    dtype = write_dtype(write)
+    pipeline.write_dtype(write)  # a mistyped --dtype is answered before anything is read
     check_opset(write.opset, write.dtype)
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
@@ -363,39 +160,7 @@ def fuse(
         from slabconv import onnx_in
 
         return onnx_in.fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
-    if write.stream:
-        from slabconv import stream
-
-        return stream.fuse_streamed(source, out_dir, verify=verify, write=write, load=load, progress=progress)
-    progress(f"loading {source}")
-    loaded = load_model(source, load)
-    planned = plan(loaded, progress)
-    if _writes_hf_folder(loaded, planned) and (write.onnx or (verify is not None and verify.generate != 0)):
-        from slabconv.write.hf_llama import require_transformers
-
-        require_transformers(fusing=True)  # decoder.onnx and the generation check need it: say so before writing
-    faults.check_finite(loaded, planned.original, planned.fused, planned.decisions, planned.example)
-    if dtype is not None:
-        planned = cast_planned(loaded, planned, dtype)
-    report = Report("fuse", source=source_of(loaded), folds=planned.decisions, out_dir=str(out_dir), mode="in-memory")
-    with staging_dir(out_dir, write.force) as tmp:
-        outputs, artifacts = write_fused(tmp, loaded, planned, write, progress)
-        if verify is not None:
-            report.verification = verify_written(
-                loaded, planned.original, planned.decisions, planned.example, artifacts, verify,
-                hf_folder=outputs.hf_folder, onnx=write.onnx, progress=progress,
-            )  # fmt: skip
-        report.rename(tmp, out_dir)
-        if report.verification is not None and not report.verification.passed:
-            # Nothing is written: the report names no output file.
-            raise VerificationError(
-                "the fused model is not equivalent: " + report.verification.failure_line() + "; nothing was written",
-                report,
-            )
-        outputs.sha256 = {name: sha256_file(tmp / name) for name in outputs.files}
-        report.outputs = outputs
-        report.write(tmp / "report.json")
-    return report
+    return pipeline.fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
 
 
 @python_advice({"--force": "force=True", "--onnx": "onnx_path", "--opset": "opset="})
@@ -444,7 +209,7 @@ def export(
             onnx_info=info,
             sha256={f.name: sha256_file(f) for f in files},
         )
-    return Report("export", source=source_of(loaded), folds=folds, outputs=outputs)
+    return Report("export", source=loaded.source(), folds=folds, outputs=outputs)
 
 
 @python_advice()
@@ -557,7 +322,7 @@ def bench(
     result = bench_mod.result(timings, batches, chosen, warmup, repeats)
     if _is_language_model(loaded):
         result["generation"] = _bench_generation(source, opts, loaded, progress)
-    return Report("bench", source=source_of(loaded), bench=result)
+    return Report("bench", source=loaded.source(), bench=result)
 
 
 def _is_language_model(loaded: LoadedModel) -> bool:

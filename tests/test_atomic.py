@@ -21,7 +21,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from slabconv import api
+from slabconv import api, pipeline
 from slabconv.cli import app
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.util import sha256_file
@@ -177,7 +177,7 @@ def test_staging_of_a_live_run_is_left_alone(tmp_path: Path, monkeypatch: pytest
 def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, monkeypatch) -> None:
     ckpt, out, before = previous
     ckpt_hash = sha256_file(ckpt)
-    real_export = api.export_onnx
+    real_export = pipeline.export_onnx
 
     def wrong_export(model: torch.nn.Module, example: torch.Tensor, path: Path, **options: object) -> dict:
         wrong = copy.deepcopy(model)  # a fold that is off in one weight of the exported model only
@@ -186,7 +186,7 @@ def test_a_failed_verification_exits_1_and_keeps_the_previous_output(previous, m
         options.pop("program", None)  # export the wrong model itself, not the program made from the right one
         return real_export(wrong, example, path, **options)
 
-    monkeypatch.setattr(api, "export_onnx", wrong_export)
+    monkeypatch.setattr(pipeline, "export_onnx", wrong_export)
     result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--samples", "8"])
     assert result.exit_code == 1
     [line] = error_lines(result.stderr)
@@ -203,7 +203,7 @@ def test_an_interrupt_while_writing_keeps_the_previous_output(previous, monkeypa
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(api, "save_safetensors", interrupted)
+    monkeypatch.setattr(pipeline, "save_safetensors", interrupted)
     result = runner.invoke(app, ["fuse", str(ckpt), "--force", "--no-onnx"])
     assert result.exit_code == 130 and result.stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert snapshot(out) == before and _staging(out) == []

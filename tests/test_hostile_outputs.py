@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from slabconv import api
+from slabconv import pipeline
 from slabconv.cli import app
 from tests import tinyckpt
 from tests.conftest import ROOT
@@ -208,7 +208,7 @@ def test_a_full_disk_names_the_users_out_not_the_staging_folder(
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(args[1]))
 
-    monkeypatch.setattr(api, "save_safetensors", full)
+    monkeypatch.setattr(pipeline, "save_safetensors", full)
     out = tmp_path / "out"
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--no-onnx"])
     assert result.exit_code == 2
@@ -222,7 +222,7 @@ def test_a_missing_parent_folder_is_created_and_removed_again_on_failure(
     tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
-    monkeypatch.setattr(api, "save_safetensors", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(pipeline, "save_safetensors", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(tmp_path / "a" / "b" / "out"), "--no-onnx"])
     assert result.exit_code == 130 and "interrupted" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth"]

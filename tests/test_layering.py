@@ -31,6 +31,7 @@ RANK = {
     "verify": 7,
     "report": 8,
     # the drivers that string stages together, then the faces
+    "pipeline": 9,
     "stream": 9,
     "onnx_in": 9,
     "bench": 9,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from slabconv import api
+from slabconv import api, pipeline
 from slabconv.cli import app
 from slabconv.errors import UnsupportedModelError
 from slabconv.options import VerifyOptions, WriteOptions
@@ -95,13 +95,13 @@ def test_one_program_serves_both_files_and_no_pt2_falls_back_to_the_onnx_exporte
     """fuse exports the fused model once for model.pt2 and model.onnx. When torch.export cannot re-export it,
     --no-pt2 still gets model.onnx from the ONNX exporter's own capture; with model.pt2 asked for, the run fails."""
     calls: list[str] = []
-    real = api.export_program
+    real = pipeline.export_program
 
     def counted(*args, **kwargs):
         calls.append("export")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "export_program", counted)
+    monkeypatch.setattr(pipeline, "export_program", counted)
     both = api.fuse(fixture_ckpt, tmp_path / "both", verify=VerifyOptions(samples=8))
     assert calls == ["export"] and both.outputs is not None
     assert {"model.onnx", "model.pt2"} <= set(both.outputs.files)
@@ -109,7 +109,7 @@ def test_one_program_serves_both_files_and_no_pt2_falls_back_to_the_onnx_exporte
     def refused(*args, **kwargs):
         raise UnsupportedModelError("torch.export could not export the fused model: (simulated)")
 
-    monkeypatch.setattr(api, "export_program", refused)
+    monkeypatch.setattr(pipeline, "export_program", refused)
     only_onnx = api.fuse(
         fixture_ckpt, tmp_path / "onnx", verify=VerifyOptions(samples=8), write=WriteOptions(pt2=False)
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from slabconv import api
+from slabconv import api, pipeline
 from slabconv.cli import app
 from slabconv.errors import UsageError
 from slabconv.write import staging
@@ -159,13 +159,13 @@ def test_force_refuses_an_output_edited_while_the_run_worked(
     """The check before the work passes; the user edits a file meanwhile; the swap is refused, the edit kept."""
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
     out = Path(shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "ckpt-fused"))
-    real = api.save_safetensors
+    real = pipeline.save_safetensors
 
     def save_while_the_user_edits(*args: object, **kwargs: object) -> object:
         (out / "model.onnx").write_bytes(b"the user's edit")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(api, "save_safetensors", save_while_the_user_edits)
+    monkeypatch.setattr(pipeline, "save_safetensors", save_while_the_user_edits)
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "2"])
     assert result.exit_code == 2, result.stderr
     [line] = error_lines(result.stderr)
@@ -180,14 +180,14 @@ def test_force_refuses_an_output_turned_into_a_link_while_the_run_worked(
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
     out = Path(shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "ckpt-fused"))
     mine = Path(shutil.copytree(out, tmp_path / "mine"))  # looks like slabconv's, and is the user's
-    real = api.save_safetensors
+    real = pipeline.save_safetensors
 
     def save_while_the_user_swaps(*args: object, **kwargs: object) -> object:
         shutil.rmtree(out)
         os.symlink(mine, out)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(api, "save_safetensors", save_while_the_user_swaps)
+    monkeypatch.setattr(pipeline, "save_safetensors", save_while_the_user_swaps)
     before = snapshot(mine)
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "2"])
     assert result.exit_code == 2, result.stderr

@@ -8,12 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slabconv import api, stream
+from slabconv import api, pipeline
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.options import WriteOptions
 from slabconv.verify import layerwise
+from slabconv.verify import streamed as streamed_verify
 from slabconv.zoo import get_arch
 from tests import hfwrite
 from tests.test_llama import TINY, TINY_CONFIG, rel_err, tiny_model, tokens
@@ -214,7 +215,7 @@ def test_cli_requires_no_onnx(folded, tmp_path):
 def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
     """Tiny blocks force every fold, copy and check through the row-block path (a real model's big tensors)."""
     root = folded[0]
-    monkeypatch.setattr(stream, "FOLD_BLOCK", 256)
+    monkeypatch.setattr(pipeline, "FOLD_BLOCK", 256)
     report = fuse_streamed(root / "src", tmp_path / "blocks")
     assert report.verification.passed
     whole, blocks = hf.read_hf_folder(root / "out").state_dict, hf.read_hf_folder(tmp_path / "blocks").state_dict
@@ -244,7 +245,7 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     skipped = api.fuse(root / "src", tmp_path / "skip", verify=VerifyOptions(generate=0), write=STREAM)
     assert skipped.verification.generation is None
     assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
-    monkeypatch.setattr(stream, "available_memory", lambda: 1024)
+    monkeypatch.setattr(streamed_verify, "available_memory", lambda: 1024)
     with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
         fuse_streamed(root / "src", tmp_path / "small")
     assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
@@ -293,7 +294,7 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
     assert sorted(out) == sorted(mem)
     for k, v in mem.items():
         assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
-    plan = stream.make_plan(LazyShards.open(tmp_path / "src"), {}, "swin_prepbn", "")  # question 1, as verify would
+    plan = pipeline.plan_shards(LazyShards.open(tmp_path / "src"), {}, "swin_prepbn", "")  # question 1, as verify would
     q1 = layerwise.exact_streamed(LazyShards.open(tmp_path / "src"), LazyShards.open(tmp_path / "out"), plan.program)
     assert q1.passed and q1.error <= 0.5, q1
     assert streamed.source.arch == "swin_prepbn" and not streamed.outputs.hf_folder

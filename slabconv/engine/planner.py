@@ -500,7 +500,7 @@ def plan_folds(
     merge duplicate inputs of a norm when ``sites`` is not given).
 
     ``unknown``: stored tensors whose values are not in ``gm`` (a streamed plan holds stand-ins of the right
-    shape and dtype for the big weights, ``slabconv.stream``): their folds are planned on the meta device and
+    shape and dtype for the big weights, ``slabconv.pipeline``): their folds are planned on the meta device and
     their overflow check waits for the fold program, which reads the real values.
 
     Raises:

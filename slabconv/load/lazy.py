@@ -1,5 +1,5 @@
 """The full-size model of a sharded checkpoint, built without reading its big tensors: the streamed mode's
-planning instance (``slabconv.stream``).
+planning instance (``slabconv.pipeline``).
 
 Every tensor with at most one axis longer than 1 (norm statistics and affines, biases, LayerScale gammas,
 counters, 1-D buffers) is read for real: these are what the engine recognises norms by and derives their affines
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.checkpoint import Checkpoint
 from slabconv.load.model import LoadedModel, check_config_sizes
 from slabconv.load.shards import LazyShards
+from slabconv.load.source import Source
 from slabconv.zoo import detect_arch, get_arch
 
 
@@ -95,3 +97,58 @@ def planning_model(shards: LazyShards, config: dict[str, Any], arch: str | None,
     input_shape = tuple(spec.input_shape(state, config))
     loaded = LoadedModel(model, ckpt, spec.name, input_shape, dtype, spec.input_dtype, make_input, dict(config))
     return PlanningModel(loaded, unknown)
+
+
+@dataclass
+class ShardedFolder:
+    """A sharded safetensors folder opened for a streamed fold: nothing but the index, the shard headers, the
+    config and the vectors the planning instance reads is in memory.
+
+    Attributes:
+        shards: the lazy reader (a ``WeightStore``: ``get(key, rows)``, ``shape``, ``dtype``).
+        shard_names: the shard files, in index order.
+        index: ``model.safetensors.index.json``.
+        config: ``config.json`` (empty when the folder has none: the architecture is then detected or ``--arch``).
+        sha256: of the index (the shards are named by it).
+    """
+
+    shards: LazyShards
+    shard_names: list[str]
+    index: Path
+    config: dict[str, Any]
+    sha256: str
+
+    def source(self, arch: str | None) -> Source:
+        """The report's ``source`` block: format ``hf-safetensors-sharded``, the index's sha256, the shards."""
+        dtypes = sorted({str(d).removeprefix("torch.") for d, _ in self.shards.specs().values() if d.is_floating_point})
+        extra: dict[str, Any] = {"shards": self.shard_names, "index_sha256": self.sha256}
+        if "num_hidden_layers" in self.config:
+            extra["num_hidden_layers"] = self.config["num_hidden_layers"]
+        dtype = dtypes[0] if len(dtypes) == 1 else ",".join(dtypes)
+        return Source(str(self.shards.folder), self.sha256, "hf-safetensors-sharded", arch, dtype=dtype, extra=extra)
+
+
+def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
+    """Open a sharded Hugging Face style folder (``model.safetensors.index.json`` + shards) for a streamed fold.
+
+    Raises:
+        InputError: not a folder; a damaged index or config.
+        UsageError: the folder's weights are not sharded safetensors (one ``model.safetensors``, ``.bin``).
+    """
+    from slabconv.errors import UsageError
+    from slabconv.load import hf
+    from slabconv.util import sha256_file
+
+    if not folder.is_dir():
+        raise InputError(f"{folder}: not a folder")
+    found = hf.hf_weights_file(folder)
+    if found is None or found[1] != "hf-safetensors-sharded":
+        have = found[0].name if found else "no weights"
+        raise UsageError(
+            f"{folder}: --stream needs sharded safetensors (model.safetensors.index.json + shards), found {have}; "
+            "fold it in memory without --stream"
+        )
+    config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
+    weight_map = hf.read_index(found[0])
+    names = [s.name for s in hf.shard_paths(found[0])]
+    return ShardedFolder(LazyShards(folder, weight_map, block_elements), names, found[0], config, sha256_file(found[0]))

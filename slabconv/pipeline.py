@@ -1,0 +1,521 @@
+"""The one driver of ``fuse``: every fold, in memory or streamed, runs the same stages in the same order.
+
+::
+
+    check options -> open the weights -> plan -> check before writing -> stage -> write -> verify -> finish
+
+Streaming (``WriteOptions(stream=True)``, for sharded checkpoints too big to load whole) is a parameter of the
+stages, not a second driver:
+
+=================  ==============================================  ==============================================
+stage              in memory                                       streamed
+=================  ==============================================  ==============================================
+open               ``load_model``: the model with its weights      ``open_sharded`` + ``planning_model``: the
+                                                                   full-size model with stand-in weights (the
+                                                                   vectors read for real, the big weights shapes
+                                                                   only)
+plan               ``engine.fold_program``: decisions and the fold program; applied to a copy of the traced graph
+                   and evaluated over its tensors (in memory) or left for the writer (streamed: every norm must
+                   fold away, the output has no graph to keep an affine in)
+check              the fused graph's output is finite              each written block is checked as it is folded
+write              ``model.safetensors``, ``model.onnx``,          the program over the shards, one block of rows
+                   ``model.pt2``; a language model's Hugging       at a time, with the input's shard boundaries;
+                   Face folder and ``decoder.onnx``                the same Hugging Face files
+verify             ``verify.run.verify_written``: both questions   ``verify.streamed.verify_streamed_fold``: both
+                   on every written file, greedy generation        questions one decoder layer at a time, greedy
+                                                                   generation
+finish             only a fold that passed is moved into place (``write.staging``); ``report.json`` last
+=================  ==============================================  ==============================================
+
+Both modes write the same tensors bit for bit: each is the fold program's value, every fold composed in float64
+and rounded once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from slabconv import engine
+from slabconv.errors import InputError, NumericError, UnsupportedModelError, UsageError, VerificationError
+from slabconv.load.lazy import ShardedFolder, open_sharded, planning_model
+from slabconv.load.model import LoadedModel, load_model
+from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
+from slabconv.load.source import Source
+from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.report.data import Outputs, Report
+from slabconv.util import Progress, no_progress, quiet, sha256_file
+from slabconv.verify import faults
+from slabconv.verify.results import Verification
+from slabconv.verify.run import Artifacts, verify_written
+from slabconv.write.onnx import export_onnx, onnx_files
+from slabconv.write.pt2 import export_program, save_pt2
+from slabconv.write.safetensors import fused_metadata, save_safetensors
+from slabconv.write.staging import staging_dir
+
+FOLD_BLOCK = engine.FOLD_BLOCK
+"""Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
+
+WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+"""What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
+
+# --------------------------------------------------------------------------------------------- open
+
+
+@dataclass
+class Opened:
+    """The model a fold starts from.
+
+    Attributes:
+        loaded: the model: with its weights (in memory), or the full-size planning instance with stand-in weights
+            (streamed; ``slabconv.load.lazy``).
+        sharded: the sharded folder the streamed writer reads, one block of rows at a time; None in memory.
+        unknown: the names of the stand-in tensors (streamed), which the planner plans without their values.
+    """
+
+    loaded: LoadedModel
+    sharded: ShardedFolder | None = None
+    unknown: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def streamed(self) -> bool:
+        return self.sharded is not None
+
+    def source(self) -> Source:
+        """The report's ``source`` block."""
+        if self.sharded is not None:
+            return self.sharded.source(self.loaded.arch)
+        return self.loaded.source()
+
+
+def open_model(path: Path, load: LoadOptions | None, stream: bool, progress: Progress = no_progress) -> Opened:
+    """The model at ``path``, in memory (``load_model``) or, with ``stream``, a sharded folder's planning instance.
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: as ``load_model`` / ``load.lazy.open_sharded``.
+    """
+    if not stream:
+        progress(f"loading {path}")
+        return Opened(load_model(path, load))
+    return_freed_blocks_to_the_os()
+    sharded = open_sharded(path, FOLD_BLOCK)
+    progress("building the full-size architecture with stand-in weights")
+    planning = planning_model(sharded.shards, sharded.config, load.arch if load else None, sharded.sha256)
+    return Opened(planning.loaded, sharded, frozenset(planning.unknown))
+
+
+# --------------------------------------------------------------------------------------------- plan
+
+
+@dataclass
+class Planned:
+    """A model's fold: the traced original, the fused graph, one decision per norm and the fold program.
+
+    Attributes:
+        original: the unfolded graph (``engine.capture``), kept for the float64 reference; None for a streamed
+            plan (its graph holds stand-ins, and is the ``fused`` one).
+        fused: the fused graph (the engine applied every decision).
+        decisions: one per norm, in graph order.
+        example: the input the graphs were traced with.
+        program: one recipe per tensor the fused model stores (``engine.program``).
+    """
+
+    original: fx.GraphModule | None
+    fused: fx.GraphModule
+    decisions: list[engine.Decision]
+    example: torch.Tensor
+    program: engine.Program | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Every norm folded away (nothing kept as an affine or as it was)."""
+        return all(d.action.startswith("folded") for d in self.decisions)
+
+
+def plan(loaded: LoadedModel, progress: Progress = no_progress, unknown: frozenset[str] = frozenset()) -> Planned:
+    """Trace ``loaded.model`` and fold every norm (the engine's capture, plan and apply).
+
+    Args:
+        unknown: stand-in tensors of a streamed planning instance: the program is left unevaluated, and every
+            norm must fold away.
+
+    Raises:
+        UnsupportedModelError: torch.export cannot trace the model; a streamed plan keeps a norm, or stores a
+            tensor the checkpoint does not hold.
+        InputError: a norm in train mode; damaged norm statistics.
+    """
+    example = loaded.trace_example()
+    progress("tracing the model with torch.export")
+    with quiet():
+        traced = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
+    original = None if unknown else traced
+    fused = traced if unknown else copy.deepcopy(traced)
+
+    def folded(name: str, done: int, total: int) -> None:
+        progress("folding norms", done, total)
+
+    progress("folding norms")
+    decisions, program = engine.fold_program(fused, folded, unknown=unknown)
+    for i, d in enumerate(decisions, 1):  # --verbose: each decision, as the fold table will show it
+        into = f" into {', '.join(d.into)}" if d.into else ""
+        line = f"{d.norm} ({i}/{len(decisions)}): {d.action}{into}" + (f" ({d.reason})" if d.reason else "")
+        progress("folding norms", len(decisions), len(decisions), line)
+    in_train = [d for d in decisions if d.action == engine.KEPT and d.reason == engine.reasons.TRAIN_MODE]
+    if in_train:
+        raise InputError(
+            f"{loaded.checkpoint.path}: norm {in_train[0].norm} is in train mode (it normalises with batch "
+            "statistics, not a fixed affine); put the model in eval mode (model.eval()) before saving or exporting it"
+        )
+    if unknown:
+        _require_streamable(decisions, program)
+    return Planned(original, fused, decisions, example, program)
+
+
+def _require_streamable(decisions: list[engine.Decision], program: engine.Program) -> None:
+    """A streamed output is weights only: every norm folds away and every stored tensor comes from the checkpoint."""
+    kept = [d for d in decisions if not d.action.startswith("folded")]
+    if kept:
+        d = kept[0]
+        raise UnsupportedModelError(
+            f"a streamed fold needs every norm to fold away; the plan for {d.norm} is {d.action} ({d.reason}); "
+            "fold this model in memory without --stream"
+        )
+    made = sorted(k for k, r in program.tensors.items() if r.op == "const")
+    if made:
+        raise UnsupportedModelError(
+            f"the fused model stores {made[0]!r}, which the checkpoint does not hold; "
+            "fold it in memory without --stream"
+        )
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def write_dtype(write: WriteOptions) -> torch.dtype | None:
+    """The dtype ``write`` asks the fused model to be written in, checked before any work.
+
+    Raises:
+        UsageError: an unknown name, or ``dtype`` with ``stream`` (the streamed fold keeps the checkpoint's dtype).
+    """
+    if write.dtype is None:
+        return None
+    if write.dtype not in WRITE_DTYPES:
+        raise UsageError(f"--dtype {write.dtype}: choose float16 or bfloat16 (leave it out to keep the checkpoint's)")
+    if write.stream:
+        raise UsageError("--dtype does not stream: the streamed fold keeps the checkpoint's dtype; leave out --dtype")
+    return WRITE_DTYPES[write.dtype]
+
+
+def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteOptions) -> None:
+    """What a streamed fold cannot do, refused before any work.
+
+    Raises:
+        UsageError: ``onnx`` (a streamed fold writes safetensors only); ``--inputs`` (it draws seeded token
+            sequences); verification of a model that is not a decoder language model (no streamed question 2).
+    """
+    if not write.stream:
+        return
+    from slabconv.load.hf import hf_weights_file, read_index
+    from slabconv.zoo.decoder import family_of
+
+    if write.onnx:
+        raise UsageError(
+            "--stream writes safetensors only: ONNX export of a multi-GB model is not supported in streaming mode; "
+            "add --no-onnx"
+        )
+    if verify is None:
+        return
+    if verify.inputs is not None:
+        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    found = hf_weights_file(path) if path.is_dir() else None
+    if found is not None and found[1] == "hf-safetensors-sharded":
+        try:
+            family_of(read_index(found[0]))
+        except UnsupportedModelError:
+            raise UsageError(
+                f"--stream verifies decoder language models one layer at a time; {path} has no streamed question 2: "
+                "fold it in memory, or pass --no-verify and run slabconv verify on the two folders"
+            ) from None
+
+
+def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
+    """A fused language model of a zoo family is written as a Hugging Face folder, when every norm folded."""
+    from slabconv.zoo import get_arch
+
+    return loaded.arch is not None and get_arch(loaded.arch).family == "llama" and planned.complete
+
+
+def check_before_writing(opened: Opened, planned: Planned, verify: VerifyOptions | None, write: WriteOptions) -> None:
+    """What must hold before anything is written: transformers where a language model needs it, a generation check
+    that fits in memory (streamed), and a fused output that is finite (in memory; the streamed writer checks each
+    block as it folds it).
+
+    Raises:
+        UsageError: transformers missing for ``decoder.onnx`` or the generation check; a generation check too big.
+        NumericError: the fused model's output is not finite on the example (naming the norm).
+    """
+    generate = verify is not None and verify.generate != 0
+    if writes_hf_folder(opened.loaded, planned) and (write.onnx or generate):
+        from slabconv.write.hf_llama import require_transformers
+
+        require_transformers(fusing=True)  # decoder.onnx and the generation check need it: say so before writing
+    if opened.sharded is not None:
+        if generate and writes_hf_folder(opened.loaded, planned):
+            from slabconv.verify.streamed import check_generation_fits
+
+            check_generation_fits(opened.sharded.shards.folder, verify)
+        return
+    assert planned.original is not None
+    faults.check_finite(opened.loaded, planned.original, planned.fused, planned.decisions, planned.example)
+
+
+def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
+    """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
+    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
+
+    Raises:
+        UsageError: a language model (its Hugging Face folder keeps the checkpoint's dtype).
+        NumericError: a fused tensor overflows ``dtype`` (named).
+    """
+    from slabconv.verify.policy import dtype_name
+    from slabconv.verify.reference import cast_graph, float64_fold
+
+    if writes_hf_folder(loaded, planned):
+        raise UsageError(
+            "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
+        )
+    if dtype == loaded.dtype:
+        return planned
+    assert planned.original is not None
+    _, fused64, _ = float64_fold(planned.original, planned.example)
+    cast = cast_graph(fused64, dtype)
+    for name, tensor in engine.fused_state_dict(cast).items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise NumericError(
+                f"{loaded.checkpoint.path}: the fused tensor {name} does not fit {dtype_name(dtype)} (a value beyond "
+                "its range); nothing was written: leave out --dtype, or write bfloat16"
+            )
+    example = planned.example.to(dtype) if planned.example.is_floating_point() else planned.example
+    return Planned(planned.original, cast, planned.decisions, example, planned.program)
+
+
+# --------------------------------------------------------------------------------------------- write
+
+
+def write_model(
+    folder: Path, opened: Opened, planned: Planned, write: WriteOptions, progress: Progress
+) -> tuple[Outputs, Artifacts]:
+    """Write the fused model into ``folder`` (a staging folder): in memory ``model.safetensors``, ``model.onnx``
+    and ``model.pt2``; streamed, the shards and their index; for a language model also the Hugging Face folder
+    files (and, in memory, ``decoder.onnx``).
+
+    Returns:
+        The report's ``outputs`` block (without the sha256, taken once everything is verified) and what
+        verification needs to know about the files.
+
+    Raises:
+        UnsupportedModelError: a program or ONNX export fails; a streamed fold overflows the weights' dtype.
+    """
+    loaded = opened.loaded
+    metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
+    if opened.sharded is not None:
+        outputs, artifacts = _write_shards(folder, opened.sharded, planned, metadata, progress)
+    else:
+        outputs, artifacts = _write_files(folder, planned, write, metadata, progress)
+    artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
+    if writes_hf_folder(loaded, planned):
+        outputs.files += _write_hf_folder(folder, loaded, write.onnx and not opened.streamed, progress)
+        outputs.hf_folder = True
+        outputs.decoder_onnx = "decoder.onnx" if write.onnx and not opened.streamed else None
+    return outputs, artifacts
+
+
+def _write_files(
+    folder: Path, planned: Planned, write: WriteOptions, metadata: dict[str, str], progress: Progress
+) -> tuple[Outputs, Artifacts]:
+    """In memory: ``model.safetensors``, then one ``torch.export`` of the fused graph saved as ``model.pt2`` and
+    translated to ``model.onnx``."""
+    tensors = engine.fused_state_dict(planned.fused)
+    progress("writing model.safetensors")
+    save_safetensors(tensors, folder / "model.safetensors", metadata)
+    outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
+    artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
+    dynamic: list[bool] = []  # per program written: does it take any sequence length?
+    program = None
+    if write.pt2 or write.onnx:  # one torch.export of the fused model serves both files
+        progress("exporting the fused program")
+        try:
+            program = export_program(planned.fused, planned.example)
+        except UnsupportedModelError:
+            if write.pt2:
+                raise
+            # --no-pt2: the ONNX exporter's own capture (it has fallbacks torch.export lacks) gets its chance
+    if write.pt2 and program is not None:
+        progress("writing model.pt2")
+        save_pt2(*program, folder / "model.pt2")
+        outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
+        outputs.files.append("model.pt2")
+        dynamic.append(program[1]["dynamic_sequence"])
+    if write.onnx:
+        progress("exporting model.onnx")
+        info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program)
+        dynamic.append(info["dynamic_sequence"])
+        outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
+        outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
+        outputs.onnx_info = info
+    if write.pt2 and program is not None:
+        outputs.onnx_info = {
+            **(outputs.onnx_info or {}),
+            "pt2_dynamic_batch": program[1]["dynamic_batch"],
+            "pt2_dynamic_sequence": program[1]["dynamic_sequence"],
+        }
+    artifacts.dynamic_sequence = bool(dynamic) and all(dynamic)
+    return outputs, artifacts
+
+
+def _write_shards(
+    folder: Path, sharded: ShardedFolder, planned: Planned, metadata: dict[str, str], progress: Progress
+) -> tuple[Outputs, Artifacts]:
+    """Streamed: the fold program over the shards (``write.shards.write_program_shards``) and a new index."""
+    from slabconv.load.hf import SAFETENSORS_INDEX
+    from slabconv.write.shards import write_program_shards
+
+    assert planned.program is not None
+    weight_map, total = write_program_shards(
+        folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
+    )
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
+    return outputs, Artifacts(folder, folder / SAFETENSORS_INDEX, {}, metadata)
+
+
+def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress) -> list[str]:
+    """The Hugging Face model folder files of a fused language model, and with ``onnx`` its decoder ONNX with past
+    key/values."""
+    from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
+    from slabconv.write.hf_llama import write_hf_llama_metadata
+
+    progress("writing the Hugging Face model folder")
+    written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
+    if onnx:
+        progress("exporting decoder.onnx (with past key/values)")
+        info = export_decoder_onnx(folder, folder / "decoder.onnx")
+        written += [f.name for f in onnx_files(folder / "decoder.onnx")]
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        written.append(write_genai_config(folder, info, config).name)
+    return written
+
+
+# --------------------------------------------------------------------------------------------- verify, finish
+
+
+def verify_model(
+    opened: Opened,
+    planned: Planned,
+    outputs: Outputs,
+    artifacts: Artifacts,
+    opts: VerifyOptions,
+    write: WriteOptions,
+    progress: Progress,
+) -> Verification:
+    """Both verification questions on what ``write_model`` wrote, and greedy generation for a language model:
+    every written file in every runtime (in memory), or one decoder layer at a time (streamed).
+
+    Raises:
+        InputError, UsageError: unusable inputs.
+    """
+    if opened.sharded is None:
+        assert planned.original is not None
+        return verify_written(
+            opened.loaded, planned.original, planned.decisions, planned.example, artifacts, opts,
+            hf_folder=outputs.hf_folder, onnx=write.onnx, progress=progress,
+        )  # fmt: skip
+    from slabconv.verify.streamed import verify_streamed_fold
+
+    assert planned.program is not None
+    started = time.monotonic()
+    verification = verify_streamed_fold(
+        opened.sharded.shards.folder, artifacts.folder, planned.program, opts, progress, FOLD_BLOCK,
+        language_model=outputs.hf_folder,
+    )  # fmt: skip
+    verification.seconds = time.monotonic() - started
+    return verification
+
+
+def finish(report: Report, folder: Path, out_dir: Path, outputs: Outputs) -> None:
+    """Name ``out_dir`` in the report instead of the staging ``folder``; refuse a fold that did not pass; record
+    every written file's sha256 and write ``report.json`` (the staging folder then moves into place).
+
+    Raises:
+        VerificationError: a check failed; nothing is written, the report names no output file.
+    """
+    report.rename(folder, out_dir)
+    if report.verification is not None and not report.verification.passed:
+        raise VerificationError(
+            "the fused model is not equivalent: " + report.verification.failure_line() + "; nothing was written",
+            report,
+        )
+    outputs.sha256 = {name: sha256_file(folder / name) for name in outputs.files}
+    report.outputs = outputs
+    report.write(folder / "report.json")
+
+
+# --------------------------------------------------------------------------------------------- the driver
+
+
+def fuse(
+    path: Path,
+    out_dir: Path,
+    *,
+    load: LoadOptions | None,
+    verify: VerifyOptions | None,
+    write: WriteOptions,
+    progress: Progress = no_progress,
+) -> Report:
+    """Fold every norm of the model at ``path`` into ``out_dir`` (checked by the caller, ``api.fuse``), in memory
+    or streamed (``write.stream``): open -> plan -> check -> stage -> write -> verify -> finish.
+
+    Returns:
+        The report (also written as ``report.json``).
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: bad input or options (exit code 2); nothing is written.
+        NumericError: the fused model overflows its dtype (exit code 2, naming the norm); nothing is written.
+        VerificationError: a check failed (exit code 1); nothing is written, the report is ``err.report``.
+    """
+    dtype = write_dtype(write)
+    check_stream_options(path, verify, write)
+    opened = open_model(path, load, write.stream, progress)
+    planned = plan(opened.loaded, progress, opened.unknown)
+    check_before_writing(opened, planned, verify, write)
+    if dtype is not None:
+        planned = cast_planned(opened.loaded, planned, dtype)
+    mode = "streamed" if opened.streamed else "in-memory"
+    report = Report("fuse", source=opened.source(), folds=planned.decisions, out_dir=str(out_dir), mode=mode)
+    if opened.streamed:
+        report.plan = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
+    with staging_dir(out_dir, write.force) as tmp:
+        outputs, artifacts = write_model(tmp, opened, planned, write, progress)
+        if verify is not None:
+            report.verification = verify_model(opened, planned, outputs, artifacts, verify, write, progress)
+        finish(report, tmp, out_dir, outputs)
+    return report
+
+
+def plan_shards(shards: LazyShards, config: dict[str, Any], arch: str | None, sha256: str) -> Planned:
+    """The streamed plan of a safetensors folder read by ``shards`` (its planning instance, ``load.lazy``): what
+    ``fuse --stream`` folds by, and what ``verify --stream`` checks a fused folder against (question 1).
+
+    Raises:
+        UnsupportedModelError, InputError: as ``load.lazy.planning_model`` and ``plan``.
+    """
+    planning = planning_model(shards, config, arch, sha256)
+    return plan(planning.loaded, no_progress, frozenset(planning.unknown))
