@@ -29,7 +29,7 @@ from torch import nn
 from slabconv import engine, pipeline
 from slabconv.errors import InputError, UsageError, python_advice
 from slabconv.load.checkpoint import check_input
-from slabconv.load.model import LoadedModel, load_model
+from slabconv.load.model import load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.pipeline import Planned, plan
 from slabconv.report.data import Outputs, Report
@@ -309,6 +309,7 @@ def bench(
         TypeError: ``load`` is not a ``LoadOptions``.
     """
     from slabconv import bench as bench_mod
+    from slabconv import bench_generation
 
     _check_types(load=(load, LoadOptions))
     source, opts = Path(path), load or LoadOptions()
@@ -320,38 +321,9 @@ def bench(
         loaded.model, lambda batch: loaded.example(batch, seed=1), list(batches), chosen, warmup, repeats, progress
     )
     result = bench_mod.result(timings, batches, chosen, warmup, repeats)
-    if _is_language_model(loaded):
-        result["generation"] = _bench_generation(source, opts, loaded, progress)
+    if bench_generation.is_language_model(loaded):
+        result["generation"] = bench_generation.bench_generation(source, opts, loaded, progress)
     return Report("bench", source=loaded.source(), bench=result)
-
-
-def _is_language_model(loaded: LoadedModel) -> bool:
-    """A zoo language model (its fused folder is a Hugging Face folder that generates)."""
-    from slabconv.zoo import get_arch
-
-    return loaded.arch is not None and loaded.token_input and get_arch(loaded.arch).family == "llama"
-
-
-def _bench_generation(source: Path, opts: LoadOptions, loaded: LoadedModel, progress: Progress) -> dict[str, Any]:
-    """Greedy generation of the original and the fused model timed like for like (``slabconv.bench_generation``),
-    the fused folder made in a temporary folder; a note instead when transformers is not installed."""
-    import tempfile
-
-    from slabconv import bench_generation
-    from slabconv.errors import UsageError
-    from slabconv.verify.inputs import choose_inputs
-    from slabconv.write.hf_llama import require_transformers
-
-    try:
-        require_transformers()
-    except UsageError as err:
-        return {"note": f"greedy generation not timed: {err}"}
-    progress("timing greedy generation: original and fused, transformers with the KV cache")
-    with tempfile.TemporaryDirectory(prefix="slabconv-bench-") as tmp:
-        folder = Path(tmp) / "fused"
-        fuse(source, folder, load=opts, verify=None, write=WriteOptions(onnx=False, pt2=False))
-        x = choose_inputs(loaded, None, bench_generation.PROMPTS, 1)[0]
-        return bench_generation.time_generation(loaded, folder, x)
 
 
 __all__ = [

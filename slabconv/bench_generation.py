@@ -22,6 +22,8 @@ import torch
 
 from slabconv.errors import UnsupportedModelError
 from slabconv.load.model import LoadedModel
+from slabconv.options import LoadOptions, WriteOptions
+from slabconv.util import Progress
 from slabconv.verify.generate import greedy_fused, greedy_original
 
 PROMPTS = 8
@@ -95,3 +97,33 @@ def time_generation(loaded: LoadedModel, fused_folder: Path, token_ids: np.ndarr
         "fused_over_original": fused.tokens_per_second / twin.tokens_per_second,
         "same_tokens": same,
     }
+
+
+def is_language_model(loaded: LoadedModel) -> bool:
+    """A zoo language model (its fused folder is a Hugging Face folder that generates)."""
+    from slabconv.zoo import get_arch
+
+    return loaded.arch is not None and loaded.token_input and get_arch(loaded.arch).family == "llama"
+
+
+def bench_generation(source: Path, load: LoadOptions, loaded: LoadedModel, progress: Progress) -> dict[str, Any]:
+    """Greedy generation of the original and the fused model timed like for like (``time_generation``), the fused
+    folder made in a temporary folder by the fuse driver (``slabconv.pipeline``, no verification: ``bench`` times,
+    ``fuse`` verifies); a note instead when transformers is not installed."""
+    import tempfile
+
+    from slabconv.errors import UsageError
+    from slabconv.pipeline import fuse
+    from slabconv.verify.inputs import choose_inputs
+    from slabconv.write.hf_llama import require_transformers
+
+    try:
+        require_transformers()
+    except UsageError as err:
+        return {"note": f"greedy generation not timed: {err}"}
+    progress("timing greedy generation: original and fused, transformers with the KV cache")
+    with tempfile.TemporaryDirectory(prefix="slabconv-bench-") as tmp:
+        folder = Path(tmp) / "fused"
+        fuse(source, folder, load=load, verify=None, write=WriteOptions(onnx=False, pt2=False))
+        x = choose_inputs(loaded, None, PROMPTS, 1)[0]
+        return time_generation(loaded, folder, x)
