@@ -480,17 +480,9 @@ def fuse(
     write: WriteOptions,
     progress: Progress = no_progress,
 ) -> Report:
-    """Fold every norm of the model at ``path`` into ``out_dir`` (checked by the caller, ``api.fuse``), in memory
-    or streamed (``write.stream``): open -> plan -> check -> stage -> write -> verify -> finish.
-
-    Returns:
-        The report (also written as ``report.json``).
-
-    Raises:
-        InputError, UnsupportedModelError, UsageError: bad input or options (exit code 2); nothing is written.
-        NumericError: the fused model overflows its dtype (exit code 2, naming the norm); nothing is written.
-        VerificationError: a check failed (exit code 1); nothing is written, the report is ``err.report``.
-    """
+    """Fold every norm of the model at ``path`` into ``out_dir`` (checked by the caller), in memory or streamed
+    (``write.stream``): open -> plan -> check -> stage -> write -> verify -> finish. Returns the report (also written
+    as ``report.json``) and raises what ``api.fuse`` documents; whatever it raises, nothing is written."""
     dtype = write_dtype(write)
     check_stream_options(path, verify, write)
     opened = open_model(path, load, write.stream, progress)
