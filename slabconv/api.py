@@ -47,10 +47,11 @@ _OPTION_EXAMPLES = {
 
 
 def _is_onnx(path: Path | str) -> bool:
-    """An ``.onnx`` original goes to ``slabconv.onnx_in`` (the ONNX engine), everything else to ``load_model``."""
-    from slabconv.load.onnx_file import is_onnx
+    """An ``.onnx`` original goes to ``slabconv.onnx_in`` (the ONNX engine), everything else to ``load_model``:
+    the engine of its entry in ``slabconv.load.formats.FORMATS``."""
+    from slabconv.load.formats import engine_of
 
-    return is_onnx(path)
+    return engine_of(path) == "onnx"
 
 
 def _check_types(**given: tuple[Any, type]) -> None:

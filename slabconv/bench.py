@@ -8,7 +8,8 @@ Variants, all built from the same checkpoint:
 - ``layernorm``: where the checkpoint carries the progressive LayerNorm/RMSNorm branch (``LinearNorm.norm1``),
   the same weights run with that branch: the model a user would ship without SLAB.
 
-Runtimes (``RUNTIMES``): ``pytorch`` and ``onnxruntime`` on the CPU, and where a CUDA device is present
+Runtimes (``RUNTIMES``: the entries of ``slabconv.verify.runtimes.BACKENDS`` that ``bench`` takes, the table
+``verify`` runs its files with too): ``pytorch`` and ``onnxruntime`` on the CPU, and where a CUDA device is present
 ``pytorch-cuda`` (float32), ``pytorch-cuda-fp16``, ``pytorch-cuda-graphs-fp16`` (the fp16 model captured once
 in a CUDA graph and replayed: no Python or launch overhead), and with ``onnxruntime-gpu`` installed
 ``onnxruntime-cuda`` / ``onnxruntime-cuda-fp16`` (CUDAExecutionProvider, inputs and outputs bound on the device
@@ -40,46 +41,22 @@ from torch import fx, nn
 from slabconv.engine import capture, fold_all, norm_free
 from slabconv.errors import UsageError
 from slabconv.util import Progress, no_progress, quiet
+from slabconv.verify.runtimes import BACKENDS, ORT_LEVELS, Backend, Runtime, backend_names
+from slabconv.verify.runtimes import to_device as to_device  # bench.to_device: moving the variants, in one place
 from slabconv.write.onnx import export_onnx
 from slabconv.write.staging import check_output_file, staging_file
 from slabconv.zoo.norms import LinearNorm
 
+RuntimeSpec = Backend
+"""One way of running the variants: a ``Backend`` (framework, device, dtype, whether PyTorch replays a CUDA
+graph)."""
 
-@dataclass(frozen=True)
-class RuntimeSpec:
-    """One way of running the variants: framework, device, dtype, and whether PyTorch replays a CUDA graph."""
-
-    name: str
-    framework: str  # "pytorch" | "onnxruntime"
-    device: str  # "cpu" | "cuda"
-    dtype: torch.dtype
-    cuda_graphs: bool = False
+RUNTIMES: dict[str, Backend] = {name: BACKENDS[name] for name in backend_names("bench")}
 
 
-RUNTIMES: dict[str, RuntimeSpec] = {
-    s.name: s
-    for s in (
-        RuntimeSpec("pytorch", "pytorch", "cpu", torch.float32),
-        RuntimeSpec("onnxruntime", "onnxruntime", "cpu", torch.float32),
-        RuntimeSpec("pytorch-cuda", "pytorch", "cuda", torch.float32),
-        RuntimeSpec("pytorch-cuda-fp16", "pytorch", "cuda", torch.float16),
-        RuntimeSpec("pytorch-cuda-graphs-fp16", "pytorch", "cuda", torch.float16, cuda_graphs=True),
-        RuntimeSpec("onnxruntime-cuda", "onnxruntime", "cuda", torch.float32),
-        RuntimeSpec("onnxruntime-cuda-fp16", "onnxruntime", "cuda", torch.float16),
-    )
-}
-
-
-def unavailable(spec: RuntimeSpec) -> str | None:
-    """Why ``spec`` cannot run on this machine, or None when it can."""
-    if spec.device == "cuda" and not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    if spec.framework == "onnxruntime" and spec.device == "cuda":
-        import onnxruntime as ort
-
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
-    return None
+def unavailable(spec: Backend) -> str | None:
+    """Why ``spec`` cannot run on this machine, or None when it can (``Backend.unavailable``)."""
+    return spec.unavailable()
 
 
 def default_runtimes() -> list[str]:
@@ -88,8 +65,8 @@ def default_runtimes() -> list[str]:
     return [name for name, spec in RUNTIMES.items() if unavailable(spec) is None]
 
 
-def check_runtimes(names: list[str]) -> list[RuntimeSpec]:
-    """The specs of ``names``.
+def check_runtimes(names: list[str]) -> list[Backend]:
+    """The backends of ``names``.
 
     Raises:
         UsageError: an unknown name, or a runtime this machine cannot run (with the reason).
@@ -103,23 +80,6 @@ def check_runtimes(names: list[str]) -> list[RuntimeSpec]:
         if reason is not None:
             raise UsageError(f"--runtime {spec.name} cannot run here: {reason}")
     return specs
-
-
-def to_device(gm: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
-    """A copy of ``gm`` on ``device``: parameters, buffers and plain tensor attributes moved, and the ``device=``
-    arguments that ``torch.export`` recorded in the graph (``arange``, ``full``, ``zeros``... on the CPU)
-    rewritten, so that no op mixes devices."""
-    device = torch.device(device)
-    out = copy.deepcopy(gm).to(device)
-    for owner in out.modules():
-        for name, value in list(vars(owner).items()):
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device != device:
-                setattr(owner, name, value.to(device))
-    for node in out.graph.nodes:
-        if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
-            node.update_kwarg("device", device)
-    out.recompile()
-    return out
 
 
 def build_variants(
@@ -193,47 +153,28 @@ def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype) if x.is_floating_point() else x
 
 
-def _torch_runner(gm: fx.GraphModule, x: torch.Tensor, spec: RuntimeSpec) -> Callable[[], Any]:
-    """A call of ``gm`` on ``x`` that returns when the device is done (CUDA: synchronised; with ``cuda_graphs``,
-    the graph captured once here and replayed)."""
-    if spec.device != "cuda":
-        return lambda: gm(x)
-    if not spec.cuda_graphs:
-
-        def run() -> None:
-            gm(x)
-            torch.cuda.synchronize()
-
-        return run
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up on a side stream, as CUDA graph capture requires
-            gm(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gm(x)  # x is the static input; outputs stay in the graph's pool
-
-    def replay() -> None:
-        graph.replay()
-        torch.cuda.synchronize()
-
-    return replay
-
-
-def _ort_runner(session: Any, feed: np.ndarray, spec: RuntimeSpec) -> Callable[[], Any]:
-    """``session.run`` on ``feed``; on CUDA, with the input copied to the device once and outputs bound there."""
-    name = session.get_inputs()[0].name
-    if spec.device != "cuda":
-        return lambda: session.run(None, {name: feed})
-    import onnxruntime as ort
-
-    binding = session.io_binding()
-    binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(feed, "cuda", 0))
-    for out in session.get_outputs():
-        binding.bind_output(out.name, "cuda")
-    return lambda: session.run_with_iobinding(binding)
+def _open_variants(
+    spec: Backend,
+    graphs: dict[str, fx.GraphModule],
+    example: torch.Tensor,
+    exported: dict[torch.dtype, dict[str, Path]],
+    folder: Path,
+    progress: Progress,
+) -> dict[str, Runtime]:
+    """Each variant opened in ``spec``: its graph module, or (for a backend that runs ``.onnx`` files) its export in
+    ``spec.dtype``, written once per dtype into ``folder`` and kept in ``exported``. onnxruntime runs it with all
+    optimisations (its default session)."""
+    if spec.takes == "module":
+        return {name: spec.open(gm)[0] for name, gm in graphs.items()}
+    if spec.dtype not in exported:
+        exported[spec.dtype] = {}
+        for name, gm in graphs.items():
+            dtype = str(spec.dtype).removeprefix("torch.")
+            progress(f"exporting {name} ({dtype}) to ONNX")
+            path = folder / f"{name}-{dtype}.onnx"
+            export_onnx(gm, _cast(example, spec.dtype), path)
+            exported[spec.dtype][name] = path
+    return {name: spec.open(path, levels=ORT_LEVELS[-1:])[0] for name, path in exported[spec.dtype].items()}
 
 
 def bench_models(
@@ -262,44 +203,18 @@ def bench_models(
     graphs = {dtype: build_variants(model, example, dtype, progress) for dtype in dict.fromkeys(s.dtype for s in specs)}
     timings: list[Timing] = []
     with tempfile.TemporaryDirectory() as tmp:
-        sessions: dict[str, dict[str, Any]] = {}
-        onnx_files: dict[torch.dtype, dict[str, Path]] = {}
-        for spec in specs:
-            if spec.framework != "onnxruntime":
-                continue
-            import onnxruntime as ort
-
-            if spec.dtype not in onnx_files:
-                onnx_files[spec.dtype] = {}
-                for name, gm in graphs[spec.dtype].items():
-                    progress(f"exporting {name} ({str(spec.dtype).removeprefix('torch.')}) to ONNX")
-                    path = Path(tmp) / f"{name}-{str(spec.dtype).removeprefix('torch.')}.onnx"
-                    export_onnx(gm, _cast(example, spec.dtype), path)
-                    onnx_files[spec.dtype][name] = path
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            provider = "CUDAExecutionProvider" if spec.device == "cuda" else "CPUExecutionProvider"
-            sessions[spec.name] = {
-                name: ort.InferenceSession(str(path), options, providers=[provider])
-                for name, path in onnx_files[spec.dtype].items()
-            }
-        on_device = {
-            spec.name: {n: to_device(g, spec.device) for n, g in graphs[spec.dtype].items()}
+        exported: dict[torch.dtype, dict[str, Path]] = {}
+        opened = {
+            spec.name: _open_variants(spec, graphs[spec.dtype], example, exported, Path(tmp), progress)
             for spec in specs
-            if spec.framework == "pytorch"
         }
         for batch in batches:
             x = make_input(batch)
             for spec in specs:
                 progress(f"timing {spec.name}, batch {batch}")
-                xs = _cast(x, spec.dtype)
+                feed = np.ascontiguousarray(_cast(x, spec.dtype).numpy())
                 with torch.inference_mode():
-                    if spec.framework == "pytorch":
-                        xd = xs.to(spec.device)
-                        runners = {n: _torch_runner(g, xd, spec) for n, g in on_device[spec.name].items()}
-                    else:
-                        feed = np.ascontiguousarray(xs.numpy())
-                        runners = {n: _ort_runner(s, feed, spec) for n, s in sessions[spec.name].items()}
+                    runners = {name: runtime.timed(feed) for name, runtime in opened[spec.name].items()}
                     for name, ms in _time_interleaved(runners, warmup, repeats).items():
                         timings.append(_summary(name, spec.name, batch, ms))
     return timings

@@ -14,14 +14,21 @@ from slabconv.cli.output import Output
 from slabconv.errors import UsageError
 from slabconv.report.data import Report
 from slabconv.report.render import text_table
+from slabconv.verify.runtimes import BACKENDS, backend_names
 
 
 def complete_bench_runtime(incomplete: str) -> list[str]:
     """Shell completion of ``bench --runtime``: the runtime names, after the last comma of a list."""
-    from slabconv.bench import RUNTIMES
-
     head, _, last = incomplete.rpartition(",")
-    return [f"{head},{name}" if head else name for name in RUNTIMES if name.startswith(last)]
+    return [f"{head},{name}" if head else name for name in backend_names("bench") if name.startswith(last)]
+
+
+def runtime_help() -> str:
+    """``bench --runtime``'s help: the names of the ``BACKENDS`` entries ``bench`` takes, CPU ones first."""
+    names = backend_names("bench")
+    cpu = ", ".join(n for n in names if BACKENDS[n].device == "cpu")
+    gpu = ", ".join(n for n in names if BACKENDS[n].device != "cpu")
+    return f"Comma-separated: {cpu} (CPU); {gpu} (GPU). Default: all this machine has."
 
 
 def bench(
@@ -35,8 +42,7 @@ def bench(
         str | None,
         typer.Option(
             "--runtime",
-            help="Comma-separated: pytorch, onnxruntime (CPU); pytorch-cuda, pytorch-cuda-fp16, "
-            "pytorch-cuda-graphs-fp16, onnxruntime-cuda, onnxruntime-cuda-fp16 (GPU). Default: all this machine has.",
+            help=runtime_help(),
             autocompletion=complete_bench_runtime,
         ),
     ] = None,

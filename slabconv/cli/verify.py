@@ -10,13 +10,22 @@ import typer
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
+from slabconv.verify.runtimes import RUNTIME_NAMES
 
 
 def complete_runtime(incomplete: str) -> list[str]:
     """Shell completion of ``verify --runtime``."""
-    from slabconv.verify.runtimes import RUNTIME_NAMES
-
     return [name for name in RUNTIME_NAMES if name.startswith(incomplete)]
+
+
+def runtime_help() -> str:
+    """``verify --runtime``'s help: the names of the ``BACKENDS`` entries ``verify`` takes."""
+    *first, last = RUNTIME_NAMES
+    return (
+        f"Run the candidate in this runtime only: {', '.join(first)} or {last} (OpenVINO when installed; the report "
+        "names the precision it ran). Repeat it, or separate names by commas. Default: every runtime that can run "
+        "the candidate, except OpenVINO."
+    )
 
 
 def verify(
@@ -44,9 +53,7 @@ def verify(
         list[str] | None,
         typer.Option(
             "--runtime",
-            help="Run the candidate in this runtime only: onnxruntime, pytorch or openvino (OpenVINO when installed; "
-            "the report names the precision it ran). Repeat it, or separate names by commas. Default: every runtime "
-            "that can run the candidate, except OpenVINO.",
+            help=runtime_help(),
             autocompletion=complete_runtime,
         ),
     ] = None,

@@ -168,44 +168,34 @@ def _is_npz(path: Path) -> bool:
 
 
 def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
-    """Read a checkpoint file without executing code (unless ``trust_pickle``).
+    """Read a checkpoint file without executing code (unless ``trust_pickle``), by the reader of its entry in
+    ``slabconv.load.formats.FORMATS``.
 
     Args:
         path: a ``.pth``/``.pt`` checkpoint (training layout, release ``{'model': ...}`` or a bare state_dict),
-            a ``.safetensors`` file, or a ``.pt2`` program saved by ``torch.export.save``.
+            a ``.safetensors`` file, a ``.pt2`` program saved by ``torch.export.save``, or a Hugging Face folder.
         ema: take ``state_dict_ema`` instead of ``model`` from a training checkpoint.
         trust_pickle: allow a pickle that names globals outside the allowlist, such as a whole ``nn.Module``
             saved with ``torch.save(model)``; this runs code from the file. Tried only after the weights-only
             reader refused the file.
 
     Raises:
+        UsageError: an ``.onnx`` file (an export: ``slabconv.onnx_in`` folds it).
         InputError: missing, empty or corrupt file; a pickle naming a global outside the allowlist (without
             ``trust_pickle``); no state_dict inside; ``--ema`` asked of a file without EMA weights.
     """
-    path = check_input(path)
-    if path.is_dir():
-        from slabconv.load import hf
+    from slabconv.load.formats import input_format
 
-        if not hf.is_hf_folder(path):
-            raise InputError(
-                f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
-                "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
-            )
-        folder = hf.read_hf_folder(path)
-        return Checkpoint(
-            folder.state_dict,
-            folder.config,
-            folder.format,
-            folder.path,
-            folder.sha256(),
-            {"weights": folder.format},
-            metadata=folder.metadata,
-        )
-    safety.regular_file(path, "the checkpoint")  # a FIFO or device is refused before it is opened
-    if path.suffix == ".pt2":
-        return _load_program(path, trust_pickle)
-    if path.suffix == ".safetensors":
-        return _load_safetensors(path)
+    path = check_input(path)
+    fmt = input_format(path)
+    if not path.is_dir():
+        safety.regular_file(path, "the checkpoint")  # a FIFO or device is refused before it is opened
+    return fmt.read(path, ema, trust_pickle)
+
+
+def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
+    """A ``.pth``/``.pt``/``.bin`` pickle read weights-only (see ``load_checkpoint``): a training checkpoint, a
+    release ``{'model': ...}``, a bare state_dict, or (``trust_pickle``) a whole module."""
     # one open file: the sha256 the report records is of the file the reader then loads, not of a later open
     with safety.open_regular(path, "the checkpoint") as f:
         digest = safety.sha256_open(f)
@@ -241,7 +231,7 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     return Checkpoint(strip_prefixes(obj[weights_key]), config, fmt, path, digest, extra)
 
 
-def _load_safetensors(path: Path) -> Checkpoint:
+def load_safetensors(path: Path) -> Checkpoint:
     """A ``.safetensors`` file read once (``read_safetensors``): the sha256 is of the bytes the tensors came from."""
     from slabconv.load.safetensors_file import read_safetensors
 
@@ -251,7 +241,7 @@ def _load_safetensors(path: Path) -> Checkpoint:
     return Checkpoint(tensors, {}, "safetensors", path, digest, metadata=metadata)
 
 
-def _load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
+def load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
     """A ``.pt2`` read by ``torch.export.load`` after ``program_checks.check_program_archive``, with ``sympy.sympify``
     guarded and every pickle inside weights-only (unless ``trust_pickle``); torch's log lines silenced.
 

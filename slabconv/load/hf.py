@@ -55,6 +55,8 @@ _LAYOUTS = (
     (BIN, "hf-bin"),
     (BIN_INDEX, "hf-bin-sharded"),
 )
+FOLDER_FORMATS = tuple(fmt for _, fmt in _LAYOUTS)
+"""What the report records as the format of a folder, one per layout."""
 
 
 @dataclass

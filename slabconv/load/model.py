@@ -17,6 +17,7 @@ from torch import nn
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load.checkpoint import Checkpoint, load_checkpoint
+from slabconv.load.formats import sniff_format
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
@@ -170,11 +171,9 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     opts = options or LoadOptions()
     arch, image_size = opts.arch, opts.image_size
     path = Path(path)
-    if path.suffix.lower() == ".onnx" and path.is_file():
-        raise UsageError(
-            f"{path}: an ONNX file is already an export, not a checkpoint to build a model from; fold it with "
-            "slabconv fuse (docs/onnx.md), or give the checkpoint it was exported from"
-        )
+    found = sniff_format(path)
+    if found is not None and found.engine != "torch" and path.is_file():
+        found.read(path, opts.ema, opts.trust_pickle)  # raises: its engine, not load_model, takes it
     if is_output_folder(path):
         path = _output_folder_model(path)
     ckpt = load_checkpoint(path, ema=opts.ema, trust_pickle=opts.trust_pickle)

@@ -16,14 +16,10 @@ from slabconv.errors import InputError, first_line
 from slabconv.util import sha256_file
 
 ONNX_SUFFIX = ".onnx"
+"""How an ONNX original is named (``slabconv.load.formats`` recognises it by this suffix, in any case)."""
 
 _FLOAT_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64"}
 """ONNX ``TensorProto`` element types of floats, by name (onnx/onnx.proto)."""
-
-
-def is_onnx(path: Path | str) -> bool:
-    """True for a path ending in ``.onnx`` (a file; folders are Hugging Face or fuse outputs)."""
-    return Path(path).suffix.lower() == ONNX_SUFFIX and not Path(path).is_dir()
 
 
 @dataclass

@@ -15,8 +15,9 @@ class Source:
     Attributes:
         path: the file or folder given.
         sha256: hex sha256 of the file (of its files, in order, for a folder).
-        format: ``training-checkpoint``, ``release``, ``state_dict``, ``safetensors``, ``torch.export``,
-            ``pickled-module``, ``hf-safetensors[-sharded]``, ``hf-bin[-sharded]``, ``onnx``, ``slabconv-output``.
+        format: what the input format's entry records (``InputFormat.formats`` in
+            ``slabconv.load.formats.FORMATS``: ``training-checkpoint``, ``safetensors``, ``hf-bin-sharded``,
+            ``onnx``...; all listed in docs/report.md), or ``slabconv-output`` (a folder ``fuse`` wrote).
         arch: the registered architecture, or None (a program, an ONNX file).
         weights: which weights were read (``model``, ``state_dict_ema``...), or None.
         dtype: the weights' floating dtype.

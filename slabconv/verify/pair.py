@@ -20,6 +20,7 @@ import torch
 
 from slabconv import engine
 from slabconv.errors import InputError, UsageError
+from slabconv.load.formats import engine_of
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.source import Source
@@ -115,7 +116,7 @@ def open_side(path: Path, load: LoadOptions) -> Side:
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``, or an unreadable ``.onnx``.
     """
-    if path.suffix == ".onnx":
+    if engine_of(path) == "onnx":
         return _onnx_side(path)
     if is_output_folder(path) and (path / "model.onnx").is_file() and not (path / "model.safetensors").is_file():
         return _onnx_side(path / "model.onnx")  # a folder fuse wrote from an ONNX original: its model.onnx
@@ -164,7 +165,7 @@ def _reference(
         runtime = side.runtimes[0]
         original = run_batched(runtime.run, x, fixed_batch=runtime.fixed_batch)
         names = output_names(len(original), runtime.output_names)
-        if Path(side.source.path).suffix == ".onnx":  # an ONNX original: its graph in float64 (docs/onnx.md)
+        if engine_of(side.source.path) == "onnx":  # an ONNX original: its graph in float64 (docs/onnx.md)
             from slabconv.verify import onnx_original
 
             path = Path(side.source.path)
@@ -313,7 +314,7 @@ def verify_pair(
     ref, cand = open_side(reference_path, load), open_side(candidate_path, load)
     if opts.runtimes:  # before any work: a runtime that cannot run the candidate is a usage error
         onnx_file = candidate_path / "model.onnx" if is_output_folder(candidate_path) else candidate_path
-        found = onnx_file if onnx_file.suffix == ".onnx" and onnx_file.is_file() else None
+        found = onnx_file if engine_of(onnx_file) == "onnx" and onnx_file.is_file() else None
         cand.runtimes = select_runtimes(cand.runtimes, opts.runtimes, found, candidate_path)
     if ref.input_shape and cand.input_shape and tuple(ref.input_shape) != tuple(cand.input_shape):
         raise InputError(
@@ -348,7 +349,7 @@ def verify_pair(
 
 def _embedding_rows(path: Path) -> int | None:
     """The row count of the embedding an ``.onnx`` reference's integer input indexes, else None."""
-    if path.suffix != ".onnx":
+    if engine_of(path) != "onnx":
         return None
     from slabconv.load.onnx_file import read_onnx
     from slabconv.verify import onnx_original
@@ -358,12 +359,12 @@ def _embedding_rows(path: Path) -> int | None:
 
 def _onnx_source(reference_path: Path, candidate_path: Path, ref: Side) -> Path | None:
     """The candidate's ``model.onnx`` when it was folded from the reference ``.onnx`` (question 1 applies)."""
-    if reference_path.suffix != ".onnx":
+    if engine_of(reference_path) != "onnx":
         return None
     from slabconv.verify import onnx_original
 
     onnx_path = candidate_path / "model.onnx" if candidate_path.is_dir() else candidate_path
-    if onnx_path.suffix != ".onnx" or not onnx_path.is_file():
+    if engine_of(onnx_path) != "onnx" or not onnx_path.is_file():
         return None
     return onnx_path if onnx_original.folded_from(onnx_path) == ref.source.sha256 else None
 

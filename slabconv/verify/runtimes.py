@@ -1,4 +1,12 @@
-"""Ways of running a model on an array of inputs: PyTorch (any dtype), onnxruntime (optimisations off and on).
+"""Ways of running a model, one table (``BACKENDS``) for both accuracy (``verify``, question 2) and timing
+(``bench``): PyTorch (any dtype, CPU or CUDA, optionally replayed as a CUDA graph), onnxruntime (CPU or CUDA;
+optimisations off and on) and OpenVINO.
+
+A ``Backend`` is chosen by name (``verify --runtime``, ``bench --runtime``); ``Backend.open`` takes the artifact it
+runs (an ``nn.Module`` / ``GraphModule``, or an ``.onnx`` path) and returns ``Runtime``s, each serving both: ``run``
+(inputs in, every output as float64 out) and ``timer`` (a zero-argument call on one fixed input that returns when
+the device is done). A new backend is one entry in ``BACKENDS`` (with its opener) and its case in
+``tests/test_backends.py``.
 
 Inputs travel as numpy arrays: float32 for floating inputs (numpy has no bfloat16) and int64 token ids. Every
 runtime rounds float inputs to the dtype it runs in, the way the model would see them; the float64 reference
@@ -8,6 +16,8 @@ back as float64 numpy arrays.
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +25,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch import fx, nn
 
-from slabconv.errors import InputError, first_line
+from slabconv.errors import InputError, UsageError, first_line
 from slabconv.verify.policy import dtype_name
 
 Inputs = np.ndarray | dict[str, np.ndarray]
@@ -25,6 +35,10 @@ Inputs = np.ndarray | dict[str, np.ndarray]
 original with several inputs)."""
 
 Run = Callable[[Any], list[np.ndarray]]
+
+Timer = Callable[[np.ndarray], Callable[[], Any]]
+"""``timer(x)``: a call of the model on the fixed input ``x`` (already in the runtime's dtype) that returns when the
+device is done; made once per input, called many times."""
 
 
 @dataclass
@@ -37,6 +51,8 @@ class Runtime:
         dtype: the dtype the model computes in (``float16``...): it sets the tolerance.
         output_names: names of the outputs when the format has them (ONNX), else None.
         fixed_batch: the batch size the model requires when its batch axis is not dynamic.
+        kind: the name of the ``Backend`` it came from (what ``--runtime`` calls it).
+        timer: the same model timed (``Timer``).
     """
 
     label: str
@@ -44,6 +60,18 @@ class Runtime:
     dtype: str = "float32"
     output_names: list[str] | None = None
     fixed_batch: int | None = None
+    kind: str = ""
+    timer: Timer | None = None
+
+    def timed(self, x: np.ndarray) -> Callable[[], Any]:
+        """``timer(x)``.
+
+        Raises:
+            ValueError: a runtime made without a timer.
+        """
+        if self.timer is None:
+            raise ValueError(f"{self.label} has no timer")
+        return self.timer(x)
 
 
 class RuntimeUnavailable(Exception):
@@ -51,14 +79,91 @@ class RuntimeUnavailable(Exception):
     file; the verification says so in a note and runs the artifact elsewhere."""
 
 
-def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | None = None) -> Run:
-    """Run ``model`` on an array: float inputs rounded to ``round_to`` (when given), then cast to ``dtype``;
-    integer ids as they are. Every tensor output (tuples, lists and dicts flattened) comes back as float64."""
+@dataclass(frozen=True)
+class Backend:
+    """One entry of ``BACKENDS``: a runtime, chosen by name, that runs a model for accuracy and for timing.
+
+    Attributes:
+        name: what ``--runtime`` calls it.
+        framework: ``pytorch`` (runs an ``nn.Module``), ``onnxruntime`` or ``openvino`` (run an ``.onnx`` file).
+        opener: ``opener(backend, artifact, **how) -> list[Runtime]`` (``Backend.open``).
+        device: ``cpu`` or ``cuda``.
+        dtype: the dtype ``bench`` traces and exports the model in for it.
+        cuda_graphs: PyTorch captures the call once in a CUDA graph and replays it (timing).
+        commands: the commands whose ``--runtime`` takes it (``verify``, ``bench``).
+        opt_in: ``verify`` runs it only when ``--runtime`` names it (on the candidate's ``.onnx``).
+        package: the Python module it needs, and ``missing``: what to say when that is not installed.
+    """
+
+    name: str
+    framework: str
+    opener: Callable[..., list[Runtime]]
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    cuda_graphs: bool = False
+    commands: tuple[str, ...] = ("verify", "bench")
+    opt_in: bool = False
+    package: str = ""
+    missing: str = ""
+
+    @property
+    def takes(self) -> str:
+        """``module`` (an ``nn.Module`` or ``GraphModule``) or ``onnx`` (an ``.onnx`` path): what ``open`` takes."""
+        return "module" if self.framework == "pytorch" else "onnx"
+
+    def open(self, artifact: Any, **how: Any) -> list[Runtime]:
+        """The runtimes of ``artifact`` here (see each opener for ``how``: ``dtype``, ``what``, ``fixed_batch``,
+        ``several``, ``levels``).
+
+        Raises:
+            RuntimeUnavailable: the backend cannot run this artifact.
+            InputError: an input it cannot feed.
+        """
+        return self.opener(self, artifact, **how)
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run on this machine (with what to install), or None when it can."""
+        if self.package and importlib.util.find_spec(self.package) is None:
+            return self.missing or f"{self.package} is not installed"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device (torch.cuda.is_available() is False)"
+        if self.framework == "onnxruntime" and self.device == "cuda":
+            import onnxruntime as ort
+
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
+        return None
+
+
+def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """A copy of ``model`` on ``device``: parameters, buffers and plain tensor attributes moved, and (in a
+    ``GraphModule``) the ``device=`` arguments that ``torch.export`` recorded in the graph (``arange``, ``full``,
+    ``zeros``... on the CPU) rewritten, so that no op mixes devices."""
+    device = torch.device(device)
+    out = copy.deepcopy(model).to(device)
+    for owner in out.modules():
+        for name, value in list(vars(owner).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.device != device:
+                setattr(owner, name, value.to(device))
+    if isinstance(out, fx.GraphModule):
+        for node in out.graph.nodes:
+            if isinstance(node.kwargs.get("device"), torch.device) and node.kwargs["device"] != device:
+                node.update_kwarg("device", device)
+        out.recompile()
+    return out
+
+
+def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | None = None, device: str = "cpu") -> Run:
+    """Run ``model`` (on ``device``) on an array: float inputs rounded to ``round_to`` (when given), then cast to
+    ``dtype``; integer ids as they are. Every tensor output (tuples, lists and dicts flattened) comes back as
+    float64."""
 
     def run(x: np.ndarray) -> list[np.ndarray]:
         t = torch.from_numpy(x)
         if t.is_floating_point():
             t = t.to(round_to).to(dtype) if round_to is not None else t.to(dtype)
+        if device != "cpu":
+            t = t.to(device)
         with torch.no_grad():
             out = model(t)
         leaves = torch.utils._pytree.tree_leaves(out)
@@ -67,11 +172,60 @@ def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | N
     return run
 
 
-def torch_runtime(model: nn.Module, dtype: torch.dtype, what: str, fixed_batch: int | None = None) -> Runtime:
-    """``model`` in PyTorch in ``dtype``, labelled ``pytorch <version> <dtype> (<what>)``."""
+def _torch_timer(model: nn.Module, backend: Backend) -> Timer:
+    """A call of ``model`` on ``x`` that returns when the device is done (CUDA: synchronised; with
+    ``cuda_graphs``, the graph captured once here and replayed)."""
+
+    def timer(feed: np.ndarray) -> Callable[[], Any]:
+        x = torch.from_numpy(feed).to(backend.device)
+        if backend.device != "cuda":
+            return lambda: model(x)
+        if not backend.cuda_graphs:
+
+            def run() -> None:
+                model(x)
+                torch.cuda.synchronize()
+
+            return run
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up on a side stream, as CUDA graph capture requires
+                model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(x)  # x is the static input; outputs stay in the graph's pool
+
+        def replay() -> None:
+            graph.replay()
+            torch.cuda.synchronize()
+
+        return replay
+
+    return timer
+
+
+def _open_torch(
+    backend: Backend,
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    what: str = "model",
+    fixed_batch: int | None = None,
+) -> list[Runtime]:
+    """``model`` in PyTorch in ``dtype`` (default the backend's) on the backend's device, labelled
+    ``pytorch <version> <dtype> (<what>)``. A model for another device than the CPU is copied there."""
+    dtype = dtype or backend.dtype
     name = dtype_name(dtype)
+    placed = model if backend.device == "cpu" else to_device(model, backend.device)
     label = f"pytorch {torch.__version__} {name} ({what})"
-    return Runtime(label, torch_runner(model, dtype), name, fixed_batch=fixed_batch)
+    run = torch_runner(placed, dtype, device=backend.device)
+    return [Runtime(label, run, name, fixed_batch=fixed_batch, kind=backend.name, timer=_torch_timer(placed, backend))]
+
+
+def torch_runtime(model: nn.Module, dtype: torch.dtype, what: str, fixed_batch: int | None = None) -> Runtime:
+    """``model`` in PyTorch on the CPU in ``dtype``, labelled ``pytorch <version> <dtype> (<what>)``."""
+    return BACKENDS["pytorch"].open(model, dtype=dtype, what=what, fixed_batch=fixed_batch)[0]
 
 
 _ORT_DTYPES = {
@@ -85,9 +239,32 @@ _ORT_DTYPES = {
 _ORT_OUTPUT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64"}
 _ORT_OUTPUT_DTYPES["tensor(bfloat16)"] = "bfloat16"
 
+ORT_LEVELS = ("no-optimizations", "all-optimizations")
+"""The onnxruntime graph optimisation levels ``verify`` runs a file at (an optimiser can change numbers)."""
 
-def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
-    """onnxruntime on CPU with graph optimisations disabled and fully enabled (an optimiser can change numbers).
+
+def _ort_timer(session: Any, device: str) -> Timer:
+    """``session.run`` on ``feed``; on CUDA, with the input copied to the device once and outputs bound there."""
+
+    def timer(feed: np.ndarray) -> Callable[[], Any]:
+        name = session.get_inputs()[0].name
+        if device != "cuda":
+            return lambda: session.run(None, {name: feed})
+        import onnxruntime as ort
+
+        binding = session.io_binding()
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(feed, "cuda", 0))
+        for out in session.get_outputs():
+            binding.bind_output(out.name, "cuda")
+        return lambda: session.run_with_iobinding(binding)
+
+    return timer
+
+
+def _open_ort(
+    backend: Backend, path: Path, several: bool = False, levels: tuple[str, ...] = ORT_LEVELS
+) -> list[Runtime]:
+    """onnxruntime on the backend's device, one session per optimisation level of ``levels`` (``ORT_LEVELS``).
 
     Each ``run`` casts the input to the model's input type and returns every output as float64. With ``several``
     a model may have several inputs; its ``run`` then takes a dict of arrays by input name (``Inputs``).
@@ -98,16 +275,18 @@ def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
     """
     import onnxruntime as ort
 
+    provider = "CUDAExecutionProvider" if backend.device == "cuda" else "CPUExecutionProvider"
+    graph_levels = {
+        "no-optimizations": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "all-optimizations": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
     runtimes: list[Runtime] = []
-    for label, level in (
-        ("no-optimizations", ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
-        ("all-optimizations", ort.GraphOptimizationLevel.ORT_ENABLE_ALL),
-    ):
+    for label in levels:
         options = ort.SessionOptions()
-        options.graph_optimization_level = level
+        options.graph_optimization_level = graph_levels[label]
         options.log_severity_level = 3
         try:
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(str(path), options, providers=[provider])
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own exception types
             raise RuntimeUnavailable(f"onnxruntime cannot run {path.name}: {first_line(err, 160)}") from None
         inputs = session.get_inputs()
@@ -135,44 +314,23 @@ def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
                 dtype=dtype,
                 output_names=[o.name for o in outputs],
                 fixed_batch=batch if isinstance(batch, int) and batch > 0 else None,
+                kind=backend.name,
+                timer=_ort_timer(session, backend.device),
             )
         )
     return runtimes
 
 
-RUNTIME_NAMES = ("onnxruntime", "pytorch", "openvino")
-"""What ``verify --runtime`` takes (``VerifyOptions(runtimes=...)``): the runtimes that run a candidate."""
-
-OPENVINO_INSTALL = "pip install openvino"
-
-
-def runtime_kind(runtime: Runtime) -> str:
-    """``onnxruntime``, ``pytorch`` or ``openvino``: the name ``--runtime`` uses for ``runtime``."""
-    return next((name for name in RUNTIME_NAMES if runtime.label.startswith(name)), runtime.label)
-
-
-def check_runtime_names(names: tuple[str, ...] | None) -> None:
-    """Refuse, before any work, a runtime name slabconv does not know or one that is not installed.
-
-    Raises:
-        UsageError: an unknown name (the known ones listed), or ``openvino`` without the package (the install line).
-    """
-    import importlib.util
-
-    from slabconv.errors import UsageError
-
-    for name in names or ():
-        if name not in RUNTIME_NAMES:
-            raise UsageError(f"--runtime {name}: choose from {', '.join(RUNTIME_NAMES)}")
-        if name == "openvino" and importlib.util.find_spec("openvino") is None:
-            raise UsageError(f"--runtime openvino: OpenVINO is not installed; {OPENVINO_INSTALL}")
+def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
+    """onnxruntime on the CPU with graph optimisations disabled and fully enabled (``_open_ort``)."""
+    return BACKENDS["onnxruntime"].open(path, several=several)
 
 
 _OV_PRECISIONS = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
 _WIDTH = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
 
 
-def openvino_runtime(path: Path, device: str = "CPU") -> Runtime:
+def openvino_runtime(path: Path, device: str = "CPU", kind: str = "openvino") -> Runtime:
     """The ``.onnx`` at ``path`` compiled by OpenVINO for ``device`` with its default settings, as deployed.
 
     OpenVINO picks its inference precision itself: on CPUs with bfloat16 (AVX-512 BF16, AMX) it runs a float32
@@ -202,6 +360,10 @@ def openvino_runtime(path: Path, device: str = "CPU") -> Runtime:
         results = request.infer({0: x.astype(np_dtype, copy=False)})
         return [np.asarray(results[out], dtype=np.float64) for out in compiled.outputs]
 
+    def timer(feed: np.ndarray) -> Callable[[], Any]:
+        fed = {0: feed.astype(np_dtype, copy=False)}
+        return lambda: request.infer(fed)
+
     shape = port.get_partial_shape()
     batch = shape[0].get_length() if shape.rank.is_static and shape[0].is_static else None
     return Runtime(
@@ -210,30 +372,99 @@ def openvino_runtime(path: Path, device: str = "CPU") -> Runtime:
         dtype=dtype,
         output_names=[out.get_any_name() for out in compiled.outputs],
         fixed_batch=batch,
+        kind=kind,
+        timer=timer,
     )
+
+
+def _open_openvino(backend: Backend, path: Path) -> list[Runtime]:
+    return [openvino_runtime(path, backend.device.upper(), kind=backend.name)]
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("pytorch", "pytorch", _open_torch),
+        Backend("onnxruntime", "onnxruntime", _open_ort, package="onnxruntime"),
+        Backend("pytorch-cuda", "pytorch", _open_torch, "cuda", commands=("bench",)),
+        Backend("pytorch-cuda-fp16", "pytorch", _open_torch, "cuda", torch.float16, commands=("bench",)),
+        Backend("pytorch-cuda-graphs-fp16", "pytorch", _open_torch, "cuda", torch.float16, True, commands=("bench",)),
+        Backend("onnxruntime-cuda", "onnxruntime", _open_ort, "cuda", commands=("bench",), package="onnxruntime"),
+        Backend(
+            "onnxruntime-cuda-fp16",
+            "onnxruntime",
+            _open_ort,
+            "cuda",
+            torch.float16,
+            commands=("bench",),
+            package="onnxruntime",
+        ),
+        Backend(
+            "openvino",
+            "openvino",
+            _open_openvino,
+            commands=("verify",),
+            opt_in=True,
+            package="openvino",
+            missing="OpenVINO is not installed; pip install openvino",
+        ),
+    )
+}
+"""Every runtime, by name: the one table ``verify --runtime`` and ``bench --runtime`` choose from."""
+
+
+def backend_names(command: str) -> tuple[str, ...]:
+    """The names ``command``'s ``--runtime`` takes. ``bench``: in table order. ``verify``: the runtimes it runs by
+    default in the order it runs them (the ``.onnx`` file's, then PyTorch), then the opt-in ones."""
+    chosen = [b for b in BACKENDS.values() if command in b.commands]
+    if command == "verify":
+        chosen.sort(key=lambda b: (b.opt_in, b.takes != "onnx"))
+    return tuple(b.name for b in chosen)
+
+
+RUNTIME_NAMES = backend_names("verify")
+"""What ``verify --runtime`` takes (``VerifyOptions(runtimes=...)``): the runtimes that run a candidate."""
+
+
+def runtime_kind(runtime: Runtime) -> str:
+    """The name ``--runtime`` uses for ``runtime``: the ``Backend`` it came from."""
+    return runtime.kind or runtime.label
+
+
+def check_runtime_names(names: tuple[str, ...] | None) -> None:
+    """Refuse, before any work, a runtime name ``verify`` does not take or one that is not installed.
+
+    Raises:
+        UsageError: an unknown name (the known ones listed), or a runtime without its package (the install line).
+    """
+    for name in names or ():
+        if name not in RUNTIME_NAMES:
+            raise UsageError(f"--runtime {name}: choose from {', '.join(RUNTIME_NAMES)}")
+        reason = BACKENDS[name].unavailable()
+        if reason is not None:
+            raise UsageError(f"--runtime {name}: {reason}")
 
 
 def select_runtimes(
     runtimes: list[Runtime], names: tuple[str, ...], onnx_path: Path | None, what: Path
 ) -> list[Runtime]:
-    """The runtimes ``names`` asks for, in that order: those of ``runtimes`` of each kind, and OpenVINO on
-    ``onnx_path``.
+    """The runtimes ``names`` asks for, in that order: those of ``runtimes`` of each kind, and each opt-in backend
+    (OpenVINO) opened on ``onnx_path``.
 
     Raises:
         UsageError: a runtime that cannot run ``what`` (a PyTorch run of an ``.onnx``, an ONNX runtime for a
-            checkpoint without an ``.onnx``), or an OpenVINO that cannot compile it.
+            checkpoint without an ``.onnx``), or an opt-in backend that cannot compile it.
     """
-    from slabconv.errors import UsageError
-
     chosen: list[Runtime] = []
     for name in dict.fromkeys(names):
-        if name == "openvino":
+        backend = BACKENDS[name]
+        if backend.opt_in:
             if onnx_path is None:
-                raise UsageError(f"--runtime openvino runs an .onnx file, and {what} has none; give the .onnx")
+                raise UsageError(f"--runtime {name} runs an .onnx file, and {what} has none; give the .onnx")
             try:
-                chosen.append(openvino_runtime(onnx_path))
+                chosen += backend.open(onnx_path)
             except RuntimeUnavailable as err:
-                raise UsageError(f"--runtime openvino: {err}") from None
+                raise UsageError(f"--runtime {name}: {err}") from None
             continue
         found = [rt for rt in runtimes if runtime_kind(rt) == name]
         if not found:

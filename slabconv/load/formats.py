@@ -1,0 +1,148 @@
+"""The input formats slabconv reads, one table (``FORMATS``): how each is recognised, read, and which engine takes it.
+
+Every command that takes a model path asks ``input_format`` (or ``engine_of``) which entry it is; nothing else
+looks at suffixes. An entry is tried in table order: ``sniff`` looks at the path only (its suffix, or which files a
+folder holds), never at a file's contents, and never runs anything from it. ``read`` returns a ``Checkpoint``
+(``slabconv.load.checkpoint``) through the readers of ``slabconv.load.safety``; ``load_model`` builds it (a zoo
+model, a program's module or a pickled module, by the ``Checkpoint.format`` the read recorded). An entry whose
+``engine`` is ``onnx`` is not read into a checkpoint: ``slabconv.onnx_in`` folds its graph (docs/onnx.md).
+
+A new format is one entry here and its reader, plus a case in ``tests/test_formats.py`` (and a hostile file in
+``tests/test_hostile_inputs.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from slabconv.errors import InputError, UsageError
+from slabconv.load import hf
+from slabconv.load.checkpoint import Checkpoint, load_pickle, load_program, load_safetensors
+from slabconv.load.onnx_file import ONNX_SUFFIX
+
+Read = Callable[[Path, bool, bool], Checkpoint]
+"""``read(path, ema, trust_pickle) -> Checkpoint``."""
+
+
+@dataclass(frozen=True)
+class InputFormat:
+    """One input format.
+
+    Attributes:
+        name: the format's name (``hf-folder``, ``torch.export``, ``safetensors``, ``pickle``, ``onnx``).
+        formats: what the report's ``source.format`` records for a file of this format (a pickle is a training
+            checkpoint, a release, a bare state_dict or a pickled module, told apart once read).
+        sniff: True for a path of this format, from the path alone (suffix, a folder's files).
+        read: the reader (``read(path, ema, trust_pickle) -> Checkpoint``).
+        description: one line, for messages and docs.
+        engine: ``torch`` (read into a ``Checkpoint``, built by ``load_model``) or ``onnx`` (``slabconv.onnx_in``).
+    """
+
+    name: str
+    formats: tuple[str, ...]
+    sniff: Callable[[Path], bool]
+    read: Read
+    description: str
+    engine: str = "torch"
+
+
+def _is_onnx(path: Path) -> bool:
+    return path.suffix.lower() == ONNX_SUFFIX and not path.is_dir()
+
+
+def _export_not_checkpoint(path: Path, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
+    """An ``.onnx`` is not read into a checkpoint: it is an export, which ``slabconv.onnx_in`` folds as a graph."""
+    raise UsageError(
+        f"{path}: an ONNX file is already an export, not a checkpoint to build a model from; fold it with "
+        "slabconv fuse (docs/onnx.md), or give the checkpoint it was exported from"
+    )
+
+
+def _read_hf(path: Path, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
+    folder = hf.read_hf_folder(path)
+    return Checkpoint(
+        folder.state_dict,
+        folder.config,
+        folder.format,
+        folder.path,
+        folder.sha256(),
+        {"weights": folder.format},
+        metadata=folder.metadata,
+    )
+
+
+def _suffix(suffix: str) -> Callable[[Path], bool]:
+    return lambda path: path.suffix == suffix and not path.is_dir()
+
+
+FORMATS: tuple[InputFormat, ...] = (
+    InputFormat(
+        "onnx",
+        ("onnx",),
+        _is_onnx,
+        _export_not_checkpoint,
+        "an ONNX export (.onnx), folded as a graph through onnx-ir",
+        engine="onnx",
+    ),
+    InputFormat(
+        "hf-folder",
+        hf.FOLDER_FORMATS,
+        hf.is_hf_folder,
+        _read_hf,
+        "a Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)",
+    ),
+    InputFormat(
+        "torch.export",
+        ("torch.export",),
+        _suffix(".pt2"),
+        lambda path, ema, trust_pickle: load_program(path, trust_pickle),
+        "a torch.export program (.pt2), read without running its code",
+    ),
+    InputFormat(
+        "safetensors",
+        ("safetensors",),
+        _suffix(".safetensors"),
+        lambda path, ema, trust_pickle: load_safetensors(path),
+        "a safetensors file (.safetensors)",
+    ),
+    InputFormat(
+        "pickle",
+        ("training-checkpoint", "release", "state_dict", "pickled-module"),
+        lambda path: path.exists() and not path.is_dir(),  # any other file: read as a pickle, weights-only
+        load_pickle,
+        "a PyTorch pickle (.pth / .pt / .bin): a training checkpoint, a release, a state_dict or a whole module",
+    ),
+)
+"""Every input format, in the order they are tried (the pickle reader takes any other file)."""
+
+
+def sniff_format(path: Path | str, formats: tuple[InputFormat, ...] | None = None) -> InputFormat | None:
+    """The first entry of ``FORMATS`` whose ``sniff`` takes ``path``, or None."""
+    path = Path(path)
+    return next((f for f in (FORMATS if formats is None else formats) if f.sniff(path)), None)
+
+
+def engine_of(path: Path | str) -> str:
+    """``onnx`` for a path ``slabconv.onnx_in`` folds, else ``torch`` (what ``load_model`` reads)."""
+    found = sniff_format(path)
+    return found.engine if found is not None else "torch"
+
+
+def input_format(path: Path | str) -> InputFormat:
+    """The format of ``path`` (see ``FORMATS``).
+
+    Raises:
+        InputError: no such file, or a folder that is no Hugging Face style folder.
+    """
+    path = Path(path)
+    found = sniff_format(path, FORMATS)
+    if found is not None:
+        return found
+    if path.is_dir():
+        raise InputError(
+            f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
+            "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
+        )
+    raise InputError(f"{path}: no such file")

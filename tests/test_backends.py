@@ -1,0 +1,126 @@
+"""The runtime table (``slabconv.verify.runtimes.BACKENDS``): one entry per backend serves ``verify`` (accuracy)
+and ``bench`` (timing), each command's ``--runtime`` takes the names of its entries, and a runtime's kind is its
+entry's name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from typer.testing import CliRunner
+
+from slabconv import bench
+from slabconv.cli import app
+from slabconv.errors import UsageError
+from slabconv.verify import runtimes as rt
+from slabconv.verify.policy import tol_dtype
+
+WEIGHT = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+BIAS = np.arange(3, dtype=np.float32)
+
+
+def _linear(dtype: torch.dtype) -> torch.nn.Module:
+    layer = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(WEIGHT.T.copy()))
+        layer.bias.copy_(torch.from_numpy(BIAS))
+    return layer.to(dtype).eval()
+
+
+def _onnx_linear(path, dtype: torch.dtype):
+    """``x @ WEIGHT + BIAS`` as an ``.onnx`` file in ``dtype`` (written with onnx.helper: no exporter)."""
+    np_dtype = np.float16 if dtype == torch.float16 else np.float32
+    elem = TensorProto.FLOAT16 if dtype == torch.float16 else TensorProto.FLOAT
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+        "linear",
+        [helper.make_tensor_value_info("x", elem, ["N", 4])],
+        [helper.make_tensor_value_info("y", elem, ["N", 3])],
+        [numpy_helper.from_array(WEIGHT.astype(np_dtype), "w"), numpy_helper.from_array(BIAS.astype(np_dtype), "b")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", list(rt.BACKENDS))
+def test_every_backend_runs_for_accuracy_and_for_timing(name, tmp_path):
+    """Each entry opens its artifact; its runtimes compute the model within the dtype's tolerance (``run``) and
+    time it (``timed``). A new entry is checked here as soon as it is in the table (where this machine runs it)."""
+    backend = rt.BACKENDS[name]
+    reason = backend.unavailable()
+    if reason is not None:
+        pytest.skip(f"{name}: {reason}")
+    if backend.takes == "module":
+        artifact = _linear(backend.dtype)
+    else:
+        artifact = _onnx_linear(tmp_path / "linear.onnx", backend.dtype)
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    exact = x.astype(np.float64) @ WEIGHT.astype(np.float64) + BIAS
+    opened = backend.open(artifact)
+    assert opened and all(r.kind == name and rt.runtime_kind(r) == name for r in opened)
+    for runtime in opened:
+        (out,) = runtime.run(x)
+        assert out.dtype == np.float64 and out.shape == (5, 3)
+        tol = tol_dtype(backend.dtype) * 10
+        assert np.abs(out - exact).max() <= tol * np.abs(exact).max(), runtime.label
+        feed = np.ascontiguousarray(x.astype(np.float16 if backend.dtype == torch.float16 else np.float32))
+        call = runtime.timed(feed)
+        call()
+        call()
+
+
+def _help(command: str) -> str:
+    result = CliRunner().invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    joined = re.sub(r"-\n\s+", "-", result.output)  # a name wrapped after a hyphen reads whole
+    return re.sub(r"\s+", " ", joined)
+
+
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_each_command_takes_the_names_of_its_entries(command):
+    names = rt.backend_names(command)
+    text = _help(command)
+    for backend in rt.BACKENDS.values():
+        listed = re.search(rf"(?<![\w-]){re.escape(backend.name)}(?![\w-])", text) is not None
+        assert listed == (command in backend.commands), (command, backend.name)
+    assert set(names) == {b.name for b in rt.BACKENDS.values() if command in b.commands}
+
+
+def test_existing_names_and_orders_are_kept():
+    assert rt.RUNTIME_NAMES == ("onnxruntime", "pytorch", "openvino")
+    assert list(bench.RUNTIMES) == [
+        "pytorch",
+        "onnxruntime",
+        "pytorch-cuda",
+        "pytorch-cuda-fp16",
+        "pytorch-cuda-graphs-fp16",
+        "onnxruntime-cuda",
+        "onnxruntime-cuda-fp16",
+    ]
+    assert all(bench.RUNTIMES[n] is rt.BACKENDS[n] for n in bench.RUNTIMES)  # one table, not two
+
+
+def test_the_kind_comes_from_the_entry_not_the_label():
+    def run(x: np.ndarray) -> list[np.ndarray]:
+        return [x]
+
+    odd = rt.Runtime("pytorch lookalike", run, kind="onnxruntime")
+    assert rt.runtime_kind(odd) == "onnxruntime"
+    assert rt.select_runtimes([odd], ("onnxruntime",), None, Path("cand.onnx")) == [odd]
+    with pytest.raises(UsageError, match=r"--runtime pytorch cannot run .*runtimes that can: onnxruntime"):
+        rt.select_runtimes([odd], ("pytorch",), None, Path("cand.onnx"))
+
+
+def test_a_missing_package_is_named_with_its_install_line(monkeypatch):
+    missing = rt.Backend("fake", "onnxruntime", rt.BACKENDS["onnxruntime"].opener, package="no_such_module_xyz")
+    assert missing.unavailable() == "no_such_module_xyz is not installed"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(UsageError, match=r"^--runtime openvino: OpenVINO is not installed; pip install openvino$"):
+        rt.check_runtime_names(("openvino",))
+    with pytest.raises(UsageError, match="choose from onnxruntime, pytorch, openvino"):
+        rt.check_runtime_names(("pytorch-cuda",))  # a bench runtime verify does not take
