@@ -1,5 +1,6 @@
 """Fold third-party models (Hugging Face transformers, timm) with random weights and print what happened: the
-"Third-party models" table of docs/zoo.md. Not part of the test suite: it needs ``transformers`` and/or ``timm``.
+"Third-party models" table of docs/zoo.md; with ``--fuse``, its "End to end" table (each model exported to a
+``.pt2`` and run through ``slabconv fuse``). Not part of the test suite: it needs ``transformers`` and/or ``timm``.
 
     python -m benchmarks.third_party                  # every model whose library imports
     python -m benchmarks.third_party levit_128s       # some (names as in the table)
@@ -147,6 +148,12 @@ def _timm_entries() -> list[Entry]:
     ]
 
 
+def _torchvision_entries() -> list[Entry]:
+    import torchvision
+
+    return [Entry("mobilenet_v3_small", "torchvision", torchvision.models.mobilenet_v3_small, _images(224))]
+
+
 def torchvision_shim() -> None:
     """Declare the two torchvision op schemas its Python import registers fake kernels for (never run)."""
     lib = torch.library.Library("torchvision", "DEF")
@@ -172,6 +179,10 @@ def entries(shim: bool) -> tuple[list[Entry], dict[str, str]]:
         out += _timm_entries()
     except Exception as err:  # noqa: BLE001
         missing["timm"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    try:
+        out += _torchvision_entries()
+    except Exception as err:  # noqa: BLE001
+        missing["torchvision"] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     return out, missing
 
 
@@ -264,6 +275,66 @@ def run(entry: Entry) -> dict[str, Any]:
     return {"name": entry.name, "library": entry.library, "note": entry.note, "float32": f32, "float64": f64}
 
 
+def fuse_end_to_end(entry: Entry, folder: Path, samples: int | None) -> dict[str, Any]:
+    """The model as users hand it over: ``torch.export`` (dynamic batch where it exports so, else the example's
+    batch) saved as a ``.pt2``, then ``slabconv fuse`` on it in a child process with its default verification
+    (or ``--samples``). Returns the exit code, the wall time and the report's verification numbers."""
+    import subprocess
+
+    torch.manual_seed(0)
+    model = learned_looking(entry.build().eval(), entry)
+    x = entry.example(2, torch.Generator().manual_seed(1))
+    with quiet():
+        try:
+            program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        except Exception:  # noqa: BLE001 - a model whose code fixes the batch exports as it is
+            program = torch.export.export(model, (x,))
+    pt2 = folder / f"{entry.name}.pt2"
+    torch.export.save(program, pt2)
+    command = [sys.executable, "-m", "slabconv", "fuse", str(pt2), "--out", str(folder / entry.name), "--json"]
+    command += ["--force"] + (["--samples", str(samples)] if samples else [])
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - started
+    report = json.loads(done.stdout) if done.stdout.strip() else {}
+    v = report.get("verification") or {}
+    exact = {e["method"]: e for e in v.get("exact", [])}
+    return {
+        "name": entry.name,
+        "library": entry.library,
+        "exit": done.returncode,
+        "seconds": seconds,
+        "error_line": done.stderr.strip().splitlines()[-1] if done.returncode and done.stderr.strip() else "",
+        "summary": report.get("summary"),
+        "q1_graph": exact.get("graph", {}).get("error"),
+        "q1_tensors": exact.get("tensors", {}).get("detail"),
+        "max_rel_err": v.get("max_rel_err"),
+        "tolerance": v.get("tolerance"),
+    }
+
+
+def fuse_table(results: list[dict[str, Any]]) -> str:
+    """The markdown table of docs/zoo.md ("End to end").
+
+    Columns: exit code; norms folded of found; question 1 (fused graph vs original in float64, relative error;
+    written tensors vs the float64 fold, in units in the last place); question 2's largest relative error over the
+    written files and runtimes against the float64 reference, and its tolerance; wall seconds."""
+    lines = [
+        "| model | exit | folded / norms | q1: graph, float64 | q1: written tensors "
+        "| q2: max rel err (tolerance) | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        s = r["summary"] or {}
+        graph = f"{r['q1_graph']:.2g}" if r["q1_graph"] is not None else "-"
+        q2 = f"{r['max_rel_err']:.2g} ({r['tolerance']:.0e})" if r["max_rel_err"] is not None else "-"
+        lines.append(
+            f"| {r['library']} `{r['name']}` | {r['exit']} | {s.get('folded', '-')} / {s.get('norms', '-')} | "
+            f"{graph} | {r['q1_tensors'] or r['error_line'] or '-'} | {q2} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """The markdown table of docs/zoo.md ("Third-party models")."""
     lines = [
@@ -296,11 +367,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", help="models to run (default: all that import)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--no-torchvision-shim", dest="shim", action="store_false")
+    parser.add_argument("--fuse", action="store_true", help="export each model to .pt2 and run slabconv fuse on it")
+    parser.add_argument("--samples", type=int, help="with --fuse: verification samples (default: fuse's own)")
     args = parser.parse_args(argv)
     models, missing = entries(args.shim)
     for library, why in missing.items():
         print(f"skipped {library}: {why}")
     chosen = [m for m in models if not args.names or m.name in args.names]
+    if args.fuse:
+        return _main_fuse(chosen, args.samples)
     results = []
     for entry in chosen:
         print(f"== {entry.library} {entry.name}", flush=True)
@@ -320,6 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"versions": versions, "missing": missing, "results": results}, indent=1))
+    return 0
+
+
+def _main_fuse(chosen: list[Entry], samples: int | None) -> int:
+    import tempfile
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="slabconv-third-party-") as tmp:
+        for entry in chosen:
+            print(f"== {entry.library} {entry.name}", flush=True)
+            result = fuse_end_to_end(entry, Path(tmp), samples)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    print(fuse_table(results))
     return 0
 
 
