@@ -195,6 +195,9 @@ def test_refusals(folded, tmp_path):
     with pytest.raises(UnsupportedModelError, match="could not detect the architecture"):
         fuse_streamed(plain, tmp_path / "o")
     assert not (tmp_path / "o").exists()
+    with pytest.raises(UsageError, match=r"add WriteOptions\(onnx=False\)"):  # the API refuses it as the CLI does
+        api.fuse(root / "src", tmp_path / "o", write=WriteOptions(stream=True))
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
 
 
 def test_cli_requires_no_onnx(folded, tmp_path):

@@ -10,7 +10,6 @@ import typer
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
-from slabconv.errors import UsageError
 from slabconv.options import WriteOptions
 
 
@@ -69,11 +68,6 @@ def fuse(
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
-        if stream and not no_onnx:
-            raise UsageError(
-                "--stream writes safetensors only: ONNX export of a multi-GB model is not supported in streaming "
-                "mode; add --no-onnx"
-            )
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         write = WriteOptions(
             force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset
