@@ -278,6 +278,37 @@ def runtime_summary(runtimes: Sequence[Runtime]) -> str:
     return ", ".join(kinds)
 
 
+def question_2_each(
+    reference: Reference,
+    shorter: Reference | None,
+    runtimes: Sequence[Runtime],
+    *,
+    rtol: float | None,
+    atol: float,
+    strict: bool,
+    token_logits: bool,
+    progress: Progress = no_progress,
+) -> list[OutputCheck]:
+    """Question 2 for each runtime on ``reference`` and, when given, on ``shorter`` (the same inputs at a shorter
+    length): the checks of every runtime on ``reference``, then those on ``shorter``.
+
+    One runtime at a time: each is closed (``Runtime.close``: its onnxruntime session and memory arena freed)
+    once both its runs are done, so the runtimes never hold their memory at once.
+    """
+    checks: list[OutputCheck] = []
+    at_length: list[OutputCheck] = []
+    for runtime in runtimes:
+        progress(f"verifying: question 2, {runtime.label}")
+        checks += question_2(reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=token_logits)
+        if shorter is not None:
+            progress(f"verifying: question 2, {runtime.label}, length {shorter.x.shape[1]}")
+            at_length += question_2(
+                shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
+            )
+        runtime.close()
+    return checks + at_length
+
+
 def verify_fold(
     loaded: LoadedModel,
     original_graph: fx.GraphModule,
@@ -317,6 +348,7 @@ def verify_fold(
     progress("verifying: question 1, is the fold exact?")
     verification.exact.append(question_1_graph(reference, fused64, loaded.batch))
     fold64 = engine.fused_state_dict(fused64)
+    del fused64  # its tensors are in fold64; the graph itself is not needed any more
     verification.exact.append(
         judge.exact_tensors(f"{artifacts.safetensors.name} vs the float64 fold", artifacts.tensors, fold64)
     )
@@ -336,21 +368,18 @@ def verify_fold(
             f"original model cast to {written}",
         )
     verification.notes += notes
-    for runtime in runtimes:
-        progress(f"verifying: question 2, {runtime.label}")
-        verification.checks += question_2(
-            reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input
-        )
     length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
+    shorter = None
     if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
         # The programs take any length up to max_position_embeddings: check a second one, so a program that only
         # runs (or only computes right) at the verification inputs' length cannot pass.
         shorter = reference.at_length(loaded, length)
-        for runtime in runtimes:
-            progress(f"verifying: question 2, {runtime.label}, length {length}")
-            verification.checks += question_2(
-                shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
-            )
+        shorter.original64 = None
+    reference.original64 = None  # every float64 output is computed: the graph is not needed any more
+    verification.checks += question_2_each(
+        reference, shorter, runtimes, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input,
+        progress=progress,
+    )  # fmt: skip
     verification.runtime = runtime_summary(runtimes)
     return verification
 

@@ -37,6 +37,9 @@ class Runtime:
         dtype: the dtype the model computes in (``float16``...): it sets the tolerance.
         output_names: names of the outputs when the format has them (ONNX), else None.
         fixed_batch: the batch size the model requires when its batch axis is not dynamic.
+        close: drops what the runtime holds (an onnxruntime session and its memory arena); called once its
+            checks are done, so that runtimes run one after another do not hold their memory at once. ``run``
+            may not be called after it.
     """
 
     label: str
@@ -44,6 +47,7 @@ class Runtime:
     dtype: str = "float32"
     output_names: list[str] | None = None
     fixed_batch: int | None = None
+    close: Callable[[], None] = lambda: None
 
 
 class RuntimeUnavailable(Exception):
@@ -123,10 +127,12 @@ def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
         dtype = _ORT_OUTPUT_DTYPES.get(outputs[0].type, "float32") if outputs else "float32"
         batch = inputs[0].shape[0] if inputs[0].shape else None
 
-        def run(x: Inputs, s: Any = session, t: dict[str, Any] = types) -> list[np.ndarray]:
+        held = [session]  # emptied by close(): the session (and its arena) is freed once its checks are done
+
+        def run(x: Inputs, s: list[Any] = held, t: dict[str, Any] = types) -> list[np.ndarray]:
             feed = x if isinstance(x, dict) else {next(iter(t)): x}
             fed = {n: np.asarray(a).astype(t[n], copy=False) for n, a in feed.items()}
-            return [np.asarray(o, dtype=np.float64) for o in s.run(None, fed)]
+            return [np.asarray(o, dtype=np.float64) for o in s[0].run(None, fed)]
 
         runtimes.append(
             Runtime(
@@ -135,8 +141,10 @@ def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
                 dtype=dtype,
                 output_names=[o.name for o in outputs],
                 fixed_batch=batch if isinstance(batch, int) and batch > 0 else None,
+                close=held.clear,
             )
         )
+        del session
     return runtimes
 
 
