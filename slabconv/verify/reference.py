@@ -113,25 +113,33 @@ def _retype_metadata(gm: fx.GraphModule) -> bool:
     return True
 
 
-def float64_fold(original: fx.GraphModule, example: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
-    """The original graph and its fold, both in float64.
+def float64_graph(original: fx.GraphModule, example: torch.Tensor) -> fx.GraphModule:
+    """The original graph in float64 (``promote_to_float64``) with float64 metadata, ready for the engine.
 
-    The promoted graph gets float64 metadata (``_retype_metadata``: the capture's fake values propagated again
-    in float64, about a third of the cost of capturing it again with ``torch.export``, which remains the fallback)
-    so the engine sees a float64 graph, and is folded by the same engine as the model's own fold; its decisions
-    equal the model's except where a fold overflows only the model's dtype.
+    The metadata comes from ``_retype_metadata`` (the capture's fake values propagated again in float64, about a
+    third of the cost of capturing the graph again with ``torch.export``, which remains the fallback).
 
     Args:
         original: the unfolded graph of the model (``engine.capture``) in the checkpoint's dtype.
         example: one example input ``(B, ...)`` as the model takes it.
-
-    Returns:
-        ``(original64, fused64, decisions64)``.
     """
     original64 = promote_to_float64(original)
     if not _retype_metadata(original64):
         with quiet():
             original64 = engine.capture(original64, float64_example(example))
+    return original64
+
+
+def fold64(original64: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+    """``(fused64, decisions64)``: a copy of ``original64`` (``float64_graph``) folded by the same engine as the
+    model's own fold; its decisions equal the model's except where a fold overflows only the model's dtype."""
     fused64 = copy.deepcopy(original64)
     decisions64 = engine.fold_all(fused64)
-    return original64, fused64, decisions64
+    return fused64, decisions64
+
+
+def float64_fold(original: fx.GraphModule, example: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
+    """The original graph and its fold, both in float64: ``(original64, fused64, decisions64)`` (``float64_graph``
+    then ``fold64``)."""
+    original64 = float64_graph(original, example)
+    return (original64, *fold64(original64))

@@ -27,12 +27,12 @@ from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
 from slabconv.options import VerifyOptions
-from slabconv.util import Progress, no_progress
+from slabconv.util import Progress, no_progress, release_memory
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
 from slabconv.verify.policy import dtype_name
-from slabconv.verify.reference import float64_fold
+from slabconv.verify.reference import float64_graph, fold64
 from slabconv.verify.results import ExactCheck, IntegrityCheck, OutputCheck, Verification
 from slabconv.verify.runtimes import (
     Runtime,
@@ -143,8 +143,10 @@ def make_reference(
         original = run_batched(torch_runner(cast, written, round_to=dtype), x, fixed_batch=loaded.batch)
     else:
         original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
-    original64, fused64, decisions64 = float64_fold(original_graph, example)
+    original64 = float64_graph(original_graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
+    release_memory()  # the float64 activations, before the float64 fold is made
+    fused64, decisions64 = fold64(original64)
     name = dtype_name(dtype)
     reference = Reference(x, label, digest, name, original, exact, output_names(len(original)), original64=original64)
     check_reference(reference)
@@ -306,6 +308,7 @@ def question_2_each(
                 shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
             )
         runtime.close()
+        release_memory()
     return checks + at_length
 
 
@@ -336,9 +339,19 @@ def verify_fold(
         InputError, UsageError: unusable inputs (as ``make_reference``).
     """
     progress("verifying: the original model in its dtype and in float64")
+    release_memory()  # what writing the files left: the exports' traces and translations
     reference, fused64, decisions64 = make_reference(
         loaded, original_graph, example, inputs, samples, seed, written=artifacts.dtype, limit=limit
     )
+    length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
+    shorter = None
+    if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
+        # The programs take any length up to max_position_embeddings: check a second one, so a program that only
+        # runs (or only computes right) at the verification inputs' length cannot pass.
+        shorter = reference.at_length(loaded, length)
+        shorter.original64 = None
+    reference.original64 = None  # every float64 output of the original is computed: its graph is not needed
+    release_memory()
     verification = Verification(
         inputs=reference.label,
         inputs_sha256=reference.sha256,
@@ -352,6 +365,8 @@ def verify_fold(
     verification.exact.append(
         judge.exact_tensors(f"{artifacts.safetensors.name} vs the float64 fold", artifacts.tensors, fold64)
     )
+    del fold64
+    release_memory()
     verification.integrity.append(
         check_safetensors_reload(artifacts.safetensors, artifacts.tensors, artifacts.metadata)
     )
@@ -368,14 +383,6 @@ def verify_fold(
             f"original model cast to {written}",
         )
     verification.notes += notes
-    length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
-    shorter = None
-    if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
-        # The programs take any length up to max_position_embeddings: check a second one, so a program that only
-        # runs (or only computes right) at the verification inputs' length cannot pass.
-        shorter = reference.at_length(loaded, length)
-        shorter.original64 = None
-    reference.original64 = None  # every float64 output is computed: the graph is not needed any more
     verification.checks += question_2_each(
         reference, shorter, runtimes, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input,
         progress=progress,
