@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,18 +30,23 @@ def zoo_checkpoint(arch: str, path: Path) -> Path:
     return path
 
 
-def measure(cmd: list[str]) -> dict[str, float]:
-    """Run ``cmd`` in a fresh child and return its wall time (s) and peak RSS (MiB), measured by a wrapper
-    process so that nothing else is counted."""
+def measure(cmd: list[str], stderr: bool = False) -> dict[str, Any]:
+    """Run ``cmd`` in a fresh child and return its wall time (s), CPU time (s: user + system, every thread; what a
+    shared machine's other jobs change least) and peak RSS (MiB), measured by a wrapper process so that nothing
+    else is counted. With ``stderr``, the child's standard error comes back too (under ``stderr``: slabconv's
+    timestamped progress lines)."""
     wrapper = (
         "import resource, subprocess, sys, time, json\n"
         "t = time.perf_counter()\n"
         "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
-        "print(json.dumps({'rc': rc, 'wall_s': time.perf_counter() - t,\n"
-        "                  'peak_rss_mib': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))\n"
+        "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+        "print(json.dumps({'rc': rc, 'wall_s': time.perf_counter() - t, 'cpu_s': u.ru_utime + u.ru_stime,\n"
+        "                  'peak_rss_mib': u.ru_maxrss / 1024}))\n"
     )
     out = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if result["rc"] != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {result['rc']}: {out.stderr[-2000:]}")
+    if stderr:
+        result["stderr"] = out.stderr
     return result

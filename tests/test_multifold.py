@@ -208,3 +208,31 @@ def test_an_onnx_original_with_a_doubly_folded_layer_is_rounded_once(tmp_path: P
     assert len(weights) == 1 and len(biases) == 1
     assert ulps(weights[0].reshape(exact_w.shape), exact_w) == 0.0
     assert ulps(biases[0], exact_b) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_float64_graph_is_retyped_not_captured_again_and_equals_a_capture(dtype: torch.dtype) -> None:
+    """``float64_graph`` gives the promoted graph float64 metadata without a second ``torch.export`` (its cost),
+    and the result is what a capture of the promoted graph gives: every node's dtype, the fold's decisions and
+    tensors, the outputs."""
+    from slabconv.verify import reference
+
+    model, x = _model("conv", True, dtype)
+    original = capture(model, x)
+    promoted = reference.promote_to_float64(original)
+    assert reference._retype_metadata(promoted)  # no fallback to a capture
+    recaptured = capture(reference.promote_to_float64(original), reference.float64_example(x))
+
+    def dtypes(gm: torch.fx.GraphModule) -> list[object]:
+        return [getattr(n.meta.get("val"), "dtype", None) for n in gm.graph.nodes if n.op != "get_attr"]
+
+    assert dtypes(promoted) == dtypes(recaptured)
+    assert all(d in (torch.float64, None) or not d.is_floating_point for d in dtypes(promoted))
+    fused, decisions = reference.fold64(promoted)
+    fused_again, decisions_again = reference.fold64(recaptured)
+    assert [(d.norm, d.action) for d in decisions] == [(d.norm, d.action) for d in decisions_again]
+    check = exact_tensors("fold", fused_state_dict(fused), fused_state_dict(fused_again), ulp_bound=0.0)
+    assert check.passed and check.error == 0.0
+    x64 = reference.float64_example(x)
+    with torch.no_grad():
+        assert torch.equal(fused(x64), fused_again(x64))

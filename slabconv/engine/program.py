@@ -79,6 +79,41 @@ def row_ranges(shape: list[int], block_elements: int = FOLD_BLOCK) -> Iterator[t
         yield r, min(r + rows, int(shape[0]))
 
 
+def rounds_finite(values: torch.Tensor, dtype: torch.dtype) -> bool:
+    """True when every value of ``values`` (float64) rounds to a finite ``dtype`` value.
+
+    Rounding is monotonic, so the smallest and the largest value decide (a NaN makes both NaN): two roundings
+    instead of a finiteness test over the whole rounded tensor, which is slow in float16 on a CPU.
+    """
+    if not values.numel():
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(torch.stack([low, high]).to(dtype)).all())
+
+
+class Scratch:
+    """Buffers reused block after block by a streamed fold, one per use (``take``'s ``name``), grown as needed.
+
+    Each fresh block-sized tensor costs the kernel's mapping and zeroing of its pages, several times the fold's
+    own arithmetic on a block: a streamed fold widens and rounds every block into the same two buffers instead.
+    They hold about two blocks (``FOLD_BLOCK`` float64 values and as many stored ones), which the fold's memory
+    bound counts anyway.
+    """
+
+    def __init__(self) -> None:
+        self.flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def take(self, name: str, shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` in buffer ``name`` (its values are left over: write it whole)."""
+        n = 1
+        for size in shape:
+            n *= int(size)
+        flat = self.flat.get((name, dtype))
+        if flat is None or flat.numel() < n:
+            flat = self.flat[name, dtype] = torch.empty(n, dtype=dtype)
+        return flat[:n].view(*shape)
+
+
 @dataclass
 class LayerRecipe:
     """A layer the plan folds into: its stored weight, the bias it starts from and the bias it stores (the same,
@@ -98,41 +133,55 @@ class LayerRecipe:
     def norms(self) -> list[str]:
         return [f.norm for f in self.folds]
 
-    def rows(self, store: WeightStore, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rows(
+        self, store: WeightStore, start: int, stop: int, scratch: Scratch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``start:stop`` of the folded weight and bias, in float64 (every fold composed, nothing rounded).
-        A 0/1-D weight is read whole."""
+        A 0/1-D weight is read whole. With ``scratch`` the weight's rows are widened to float64 in its buffer
+        (the folds never write to their input)."""
         whole = len(store.shape(self.weight)) < 2
         rows = None if whole else slice(start, stop)
-        w = store.get(self.weight, rows).to(torch.float64)
+        read = store.get(self.weight, rows)
+        w = read.to(torch.float64) if scratch is None else scratch.take("rows", read.shape, torch.float64).copy_(read)
+        del read
         b = store.get(self.bias, slice(start, stop)).to(torch.float64) if self.bias is not None else None
         total = store.shape(self.weight)[0]
         for f in self.folds:
             w, b = self.kind.fold_values(f.forward, w, b, f.scale, f.shift, self.groups, start, total)
         return w, b
 
-    def stored(self, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Float64 rows rounded once to the stored dtypes (the bias None when the layer stores none).
+    def stored(
+        self, w: torch.Tensor, b: torch.Tensor | None, scratch: Scratch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Float64 rows rounded once to the stored dtypes (the bias None when the layer stores none); with
+        ``scratch`` the weight is rounded into its buffer (the same rounding: ``copy_`` casts as ``to`` does).
 
         Raises:
             UnsupportedModelError: a folded value does not fit the dtype (it overflows).
         """
-        out_w = w.to(self.dtype).contiguous()
-        out_b = b.to(self.bias_dtype).contiguous() if b is not None and self.bias_out is not None else None
-        for name, t in ((self.weight, out_w), (self.bias_out, out_b)):
-            if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        out_b = b if b is not None and self.bias_out is not None else None
+        for name, t, dtype in ((self.weight, w, self.dtype), (self.bias_out, out_b, self.bias_dtype)):
+            if t is not None and dtype.is_floating_point and not rounds_finite(t, dtype):
                 raise UnsupportedModelError(
-                    f"the folded {name} overflows {str(t.dtype).removeprefix('torch.')} "
+                    f"the folded {name} overflows {str(dtype).removeprefix('torch.')} "
                     f"(norms {', '.join(self.norms)}); "
                     "fold this model in memory without --stream (it keeps such norms as affines)"
                 )
-        return out_w, out_b
+        out_w = (
+            w.to(self.dtype).contiguous() if scratch is None else scratch.take("stored", w.shape, self.dtype).copy_(w)
+        )
+        return out_w, out_b.to(self.bias_dtype).contiguous() if out_b is not None else None
 
     def blocks(
-        self, store: WeightStore, block_elements: int = FOLD_BLOCK
+        self, store: WeightStore, block_elements: int = FOLD_BLOCK, scratch: Scratch | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        """The folded weight and bias one block of rows at a time, rounded to their dtypes."""
+        """The folded weight and bias one block of rows at a time, rounded to their dtypes.
+
+        With ``scratch`` (a streamed writer, which writes each block before asking for the next) the weight
+        block lives in ``scratch``'s buffer: it is overwritten by the next block. The biases are always new.
+        """
         for start, stop in row_ranges(store.shape(self.weight), block_elements):
-            yield self.stored(*self.rows(store, start, stop))
+            yield self.stored(*self.rows(store, start, stop, scratch), scratch)
 
 
 @dataclass(frozen=True)

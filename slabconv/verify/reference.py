@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from slabconv import engine
 from slabconv.util import quiet
@@ -85,21 +87,59 @@ def float64_example(example: torch.Tensor) -> torch.Tensor:
     return example.double() if example.is_floating_point() else example
 
 
-def float64_fold(original: fx.GraphModule, example: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
-    """The original graph and its fold, both in float64.
+class _FakeProp(FakeTensorProp):
+    """``FakeTensorProp`` that reads each stored tensor (``get_attr``) as a fake tensor of its own dtype."""
 
-    The promoted graph is traced again (so the engine sees float64 metadata) and folded by the same engine as the
-    model's own fold; its decisions equal the model's except where a fold overflows only the model's dtype.
+    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+        value = super().get_attr(target, args, kwargs)
+        return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+
+
+def _retype_metadata(gm: fx.GraphModule) -> bool:
+    """Record on every node of ``gm`` (a promoted copy of a captured graph) the fake value it computes now, as a
+    capture of ``gm`` would: the placeholders' fake inputs (their symbolic sizes kept) with floating ones in
+    float64, propagated node by node in the capture's own fake mode. False when the graph has no fake inputs to
+    start from or the propagation fails (the caller then captures the graph again)."""
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(placeholders) if placeholders else None
+    if mode is None or not all(isinstance(v, torch.Tensor) for v in placeholders):
+        return False
+    try:
+        with mode:
+            inputs = [v.to(torch.float64) if v.is_floating_point() else v for v in placeholders]
+        _FakeProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+    except Exception:  # noqa: BLE001 - any failure: fall back to a capture, which reports its own reason
+        return False
+    return True
+
+
+def float64_graph(original: fx.GraphModule, example: torch.Tensor) -> fx.GraphModule:
+    """The original graph in float64 (``promote_to_float64``) with float64 metadata, ready for the engine.
+
+    The metadata comes from ``_retype_metadata`` (the capture's fake values propagated again in float64, about a
+    third of the cost of capturing the graph again with ``torch.export``, which remains the fallback).
 
     Args:
         original: the unfolded graph of the model (``engine.capture``) in the checkpoint's dtype.
         example: one example input ``(B, ...)`` as the model takes it.
-
-    Returns:
-        ``(original64, fused64, decisions64)``.
     """
-    with quiet():
-        original64 = engine.capture(promote_to_float64(original), float64_example(example))
+    original64 = promote_to_float64(original)
+    if not _retype_metadata(original64):
+        with quiet():
+            original64 = engine.capture(original64, float64_example(example))
+    return original64
+
+
+def fold64(original64: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+    """``(fused64, decisions64)``: a copy of ``original64`` (``float64_graph``) folded by the same engine as the
+    model's own fold; its decisions equal the model's except where a fold overflows only the model's dtype."""
     fused64 = copy.deepcopy(original64)
     decisions64 = engine.fold_all(fused64)
-    return original64, fused64, decisions64
+    return fused64, decisions64
+
+
+def float64_fold(original: fx.GraphModule, example: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
+    """The original graph and its fold, both in float64: ``(original64, fused64, decisions64)`` (``float64_graph``
+    then ``fold64``)."""
+    original64 = float64_graph(original, example)
+    return (original64, *fold64(original64))

@@ -27,12 +27,12 @@ from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
 from slabconv.options import VerifyOptions
-from slabconv.util import Progress, no_progress
+from slabconv.util import Progress, no_progress, release_memory
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
 from slabconv.verify.policy import dtype_name
-from slabconv.verify.reference import float64_fold
+from slabconv.verify.reference import float64_graph, fold64
 from slabconv.verify.results import ExactCheck, IntegrityCheck, OutputCheck, Verification
 from slabconv.verify.runtimes import (
     Runtime,
@@ -143,8 +143,10 @@ def make_reference(
         original = run_batched(torch_runner(cast, written, round_to=dtype), x, fixed_batch=loaded.batch)
     else:
         original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
-    original64, fused64, decisions64 = float64_fold(original_graph, example)
+    original64 = float64_graph(original_graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
+    release_memory()  # the float64 activations, before the float64 fold is made
+    fused64, decisions64 = fold64(original64)
     name = dtype_name(dtype)
     reference = Reference(x, label, digest, name, original, exact, output_names(len(original)), original64=original64)
     check_reference(reference)
@@ -278,6 +280,38 @@ def runtime_summary(runtimes: Sequence[Runtime]) -> str:
     return ", ".join(kinds)
 
 
+def question_2_each(
+    reference: Reference,
+    shorter: Reference | None,
+    runtimes: Sequence[Runtime],
+    *,
+    rtol: float | None,
+    atol: float,
+    strict: bool,
+    token_logits: bool,
+    progress: Progress = no_progress,
+) -> list[OutputCheck]:
+    """Question 2 for each runtime on ``reference`` and, when given, on ``shorter`` (the same inputs at a shorter
+    length): the checks of every runtime on ``reference``, then those on ``shorter``.
+
+    One runtime at a time: each is closed (``Runtime.close``: its onnxruntime session and memory arena freed)
+    once both its runs are done, so the runtimes never hold their memory at once.
+    """
+    checks: list[OutputCheck] = []
+    at_length: list[OutputCheck] = []
+    for runtime in runtimes:
+        progress(f"verifying: question 2, {runtime.label}")
+        checks += question_2(reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=token_logits)
+        if shorter is not None:
+            progress(f"verifying: question 2, {runtime.label}, length {shorter.x.shape[1]}")
+            at_length += question_2(
+                shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
+            )
+        runtime.close()
+        release_memory()
+    return checks + at_length
+
+
 def verify_fold(
     loaded: LoadedModel,
     original_graph: fx.GraphModule,
@@ -305,9 +339,19 @@ def verify_fold(
         InputError, UsageError: unusable inputs (as ``make_reference``).
     """
     progress("verifying: the original model in its dtype and in float64")
+    release_memory()  # what writing the files left: the exports' traces and translations
     reference, fused64, decisions64 = make_reference(
         loaded, original_graph, example, inputs, samples, seed, written=artifacts.dtype, limit=limit
     )
+    length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
+    shorter = None
+    if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
+        # The programs take any length up to max_position_embeddings: check a second one, so a program that only
+        # runs (or only computes right) at the verification inputs' length cannot pass.
+        shorter = reference.at_length(loaded, length)
+        shorter.original64 = None
+    reference.original64 = None  # every float64 output of the original is computed: its graph is not needed
+    release_memory()
     verification = Verification(
         inputs=reference.label,
         inputs_sha256=reference.sha256,
@@ -317,9 +361,12 @@ def verify_fold(
     progress("verifying: question 1, is the fold exact?")
     verification.exact.append(question_1_graph(reference, fused64, loaded.batch))
     fold64 = engine.fused_state_dict(fused64)
+    del fused64  # its tensors are in fold64; the graph itself is not needed any more
     verification.exact.append(
         judge.exact_tensors(f"{artifacts.safetensors.name} vs the float64 fold", artifacts.tensors, fold64)
     )
+    del fold64
+    release_memory()
     verification.integrity.append(
         check_safetensors_reload(artifacts.safetensors, artifacts.tensors, artifacts.metadata)
     )
@@ -336,21 +383,10 @@ def verify_fold(
             f"original model cast to {written}",
         )
     verification.notes += notes
-    for runtime in runtimes:
-        progress(f"verifying: question 2, {runtime.label}")
-        verification.checks += question_2(
-            reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input
-        )
-    length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
-    if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
-        # The programs take any length up to max_position_embeddings: check a second one, so a program that only
-        # runs (or only computes right) at the verification inputs' length cannot pass.
-        shorter = reference.at_length(loaded, length)
-        for runtime in runtimes:
-            progress(f"verifying: question 2, {runtime.label}, length {length}")
-            verification.checks += question_2(
-                shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
-            )
+    verification.checks += question_2_each(
+        reference, shorter, runtimes, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input,
+        progress=progress,
+    )  # fmt: skip
     verification.runtime = runtime_summary(runtimes)
     return verification
 

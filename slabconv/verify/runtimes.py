@@ -53,6 +53,9 @@ class Runtime:
         fixed_batch: the batch size the model requires when its batch axis is not dynamic.
         kind: the name of the ``Backend`` it came from (what ``--runtime`` calls it).
         timer: the same model timed (``Timer``).
+        close: drops what the runtime holds (an onnxruntime session and its memory arena); called once its
+            checks are done, so that runtimes run one after another do not hold their memory at once. ``run``
+            and ``timed`` may not be called after it.
     """
 
     label: str
@@ -62,6 +65,7 @@ class Runtime:
     fixed_batch: int | None = None
     kind: str = ""
     timer: Timer | None = None
+    close: Callable[[], None] = lambda: None
 
     def timed(self, x: np.ndarray) -> Callable[[], Any]:
         """``timer(x)``.
@@ -302,10 +306,12 @@ def _open_ort(
         dtype = _ORT_OUTPUT_DTYPES.get(outputs[0].type, "float32") if outputs else "float32"
         batch = inputs[0].shape[0] if inputs[0].shape else None
 
-        def run(x: Inputs, s: Any = session, t: dict[str, Any] = types) -> list[np.ndarray]:
+        held = [session]  # emptied by close(): the session (and its arena) is freed once its checks are done
+
+        def run(x: Inputs, s: list[Any] = held, t: dict[str, Any] = types) -> list[np.ndarray]:
             feed = x if isinstance(x, dict) else {next(iter(t)): x}
             fed = {n: np.asarray(a).astype(t[n], copy=False) for n, a in feed.items()}
-            return [np.asarray(o, dtype=np.float64) for o in s.run(None, fed)]
+            return [np.asarray(o, dtype=np.float64) for o in s[0].run(None, fed)]
 
         runtimes.append(
             Runtime(
@@ -315,9 +321,11 @@ def _open_ort(
                 output_names=[o.name for o in outputs],
                 fixed_batch=batch if isinstance(batch, int) and batch > 0 else None,
                 kind=backend.name,
-                timer=_ort_timer(session, backend.device),
+                timer=lambda x, h=held, d=backend.device: _ort_timer(h[0], d)(x),  # type: ignore[misc]
+                close=held.clear,
             )
         )
+        del session
     return runtimes
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from slabconv.engine import FOLD_BLOCK, Program, row_ranges
+from slabconv.engine.program import Scratch
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.hf import SAFETENSORS_DTYPES
 from slabconv.load.shards import LazyShards
@@ -95,6 +96,7 @@ def write_program_shards(
     beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
     new_map: dict[str, str] = {}
     total = 0
+    scratch = Scratch()
     for n, shard in enumerate(shard_names):
         progress("folding and writing shards", n, len(shard_names), shard)
         order, specs = reader.header(shard)
@@ -117,7 +119,7 @@ def write_program_shards(
                 if key in program.layers:
                     la = program.layers[key]
                     parts = []
-                    for w, b in la.blocks(reader, block_elements):
+                    for w, b in la.blocks(reader, block_elements, scratch):  # w: written before the next block
                         writer.write(key, w)
                         parts.append(b)
                     if la.bias_out is not None:

@@ -1,0 +1,127 @@
+"""Streamed fold throughput: `slabconv fuse --stream --no-onnx --no-verify` against `cp -r` on the same folder.
+
+    python -m benchmarks.stream_throughput                # LLaMA-350M shape (hidden 1024, 18 layers), fp16
+    python -m benchmarks.stream_throughput --repeats 3    # the fastest of 3 runs of each command
+
+Builds a sharded float16 LLaMA-PRepBN folder (``memory_streaming.build_checkpoint``: official LinearNorm keys,
+200 MB shards) and a tiny one of the same layout (hidden 64, 2 layers, vocab 512), then times each command in a
+fresh child (``_common.measure``) on both. The marginal rate of a command is
+
+    (big folder's bytes - tiny folder's bytes) / (time on the big folder - time on the tiny folder)
+
+so start-up (importing torch, planning the architecture; starting ``cp``) is excluded. Targets (issue 22): the
+fold's marginal rate at least a third of ``cp``'s, and its peak RSS above the same command's on the tiny folder
+(the interpreter's own footprint) at most the largest shard + 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import measure  # noqa: E402
+from benchmarks.memory_streaming import SHAPES, build_checkpoint  # noqa: E402
+
+TINY = {"hidden": 64, "layers": 2, "intermediate": 256, "vocab": 512, "heads": 2}
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def _fastest(cmd: list[str], out: Path, repeats: int) -> dict[str, Any]:
+    """The run with the least wall time of ``repeats`` runs of ``cmd`` (writing ``out``, removed before each);
+    for a fold, ``after_plan_s``: the seconds from its "folding and writing shards" progress line to its end
+    (plus the interpreter's start, which precedes the progress clock)."""
+    runs = []
+    for _ in range(repeats):
+        shutil.rmtree(out, ignore_errors=True)
+        run = measure(cmd, stderr=True)
+        stamps = [
+            float(m.group(1))
+            for m in re.finditer(r"^\[\s*([\d.]+)s\] folding and writing shards", run.pop("stderr"), re.M)
+        ]
+        if stamps:
+            run["after_plan_s"] = run["wall_s"] - stamps[0]
+        runs.append(run)
+    return min(runs, key=lambda r: r["wall_s"])
+
+
+def _commands(src: Path, out: Path) -> dict[str, tuple[list[str], Path]]:
+    """The two commands on ``src``, each with the folder it writes (``out`` + ``-fold`` / ``-cp``)."""
+    fold, copy = out.with_name(out.name + "-fold"), out.with_name(out.name + "-cp")
+    flags = ["--stream", "--no-onnx", "--no-verify", "--out", str(fold)]
+    return {
+        "fold": ([sys.executable, "-m", "slabconv", "fuse", str(src), *flags], fold),
+        "cp": (["cp", "-r", str(src), str(copy)], copy),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="350m")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
+    parser.add_argument("--shard-mb", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each command; the fastest counts")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    shape = dict(SHAPES[args.shape]) | ({"layers": args.layers} if args.layers else {})
+    mib = 2**20
+    with tempfile.TemporaryDirectory(prefix="slabconv-throughput-") as tmp:
+        root = Path(tmp)
+        build_checkpoint(root / "big", shape, args.shard_mb * 10**6)
+        build_checkpoint(root / "tiny", TINY, 200_000)  # two shards: --stream reads sharded folders only
+        size = {name: _folder_bytes(root / name) for name in ("big", "tiny")}
+        largest = max(p.stat().st_size for p in (root / "big").glob("*.safetensors"))
+        runs = {
+            (name, what): _fastest(cmd, out, args.repeats)
+            for name in ("tiny", "big")
+            for what, (cmd, out) in _commands(root / name, root / f"out-{name}").items()
+        }
+    moved = size["big"] - size["tiny"]
+    rate = {w: moved / max(1e-9, runs["big", w]["wall_s"] - runs["tiny", w]["wall_s"]) / 1e6 for w in ("fold", "cp")}
+    above = runs["big", "fold"]["peak_rss_mib"] - runs["tiny", "fold"]["peak_rss_mib"]
+    ratio = rate["fold"] / rate["cp"]
+    share = above * mib / (1.1 * largest)
+    result: dict[str, object] = {
+        "shape": shape,
+        "checkpoint_mib": size["big"] / mib,
+        "largest_shard_mib": largest / mib,
+        "runs": {f"{name} {what}": r for (name, what), r in runs.items()},
+        "fold_mb_s": rate["fold"],
+        "cp_mb_s": rate["cp"],
+        "rate_ratio": ratio,
+        "fold_peak_rss_mib": runs["big", "fold"]["peak_rss_mib"],
+        "fold_peak_above_tiny_mib": above,
+        "above_over_largest_shard_plus_10pct": share,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return result
+    print(f"checkpoint {size['big'] / mib:.0f} MiB, largest shard {largest / mib:.0f} MiB")
+    for (name, what), r in runs.items():
+        print(f"  {what:4s} {name:4s}  {r['wall_s']:7.2f} s  peak RSS {r['peak_rss_mib']:6.0f} MiB")
+    print(f"marginal rate: fold {rate['fold']:.0f} MB/s, cp {rate['cp']:.0f} MB/s")
+    big, tiny = runs["big", "fold"].get("after_plan_s"), runs["tiny", "fold"].get("after_plan_s")
+    if big is not None and tiny is not None:  # the fold-and-write stage alone: planning excluded, start-up too
+        result["write_mb_s"] = write_mb_s = moved / max(1e-9, big - tiny) / 1e6
+        print(f"fold-and-write stage alone (marginal, after planning): {big - tiny:.1f} s, {write_mb_s:.0f} MB/s")
+    print(f"fold / cp = {ratio:.3f} (target >= 0.333: {'met' if ratio >= 1 / 3 else 'MISSED'})")
+    verdict = "met" if share <= 1 else "MISSED"
+    print(
+        f"fold peak above the tiny run's: {above:.0f} MiB = {share:.2f} x "
+        f"(largest shard + 10%) (target <= 1: {verdict})"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()
