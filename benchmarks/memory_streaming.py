@@ -1,4 +1,5 @@
-"""Peak RSS of ``slabconv.stream.fuse_streaming`` on a sharded LLaMA-PRepBN checkpoint with random float16 weights.
+"""Peak RSS of ``slabconv fuse --stream`` (``slabconv.pipeline``) on a sharded LLaMA-PRepBN checkpoint with random
+float16 weights.
 
     python -m benchmarks.memory_streaming                      # LLaMA-350M shape (hidden 1024, 18 layers)
     python -m benchmarks.memory_streaming --shape 7b --layers 2
@@ -155,11 +156,11 @@ def main(argv: list[str] | None = None) -> dict:
         shards = sorted(src.glob("model-*.safetensors"))
         largest = max(p.stat().st_size for p in shards)
         ckpt = sum(p.stat().st_size for p in shards)
-        base = measure([sys.executable, "-c", "import torch, slabconv.stream, safetensors"])
+        base = measure([sys.executable, "-c", "import torch, slabconv.pipeline, safetensors"])
         plan_only = (
-            "import json, sys; from pathlib import Path; import slabconv.cli; from slabconv import stream; "
+            "import json, sys; from pathlib import Path; import slabconv.cli; from slabconv import pipeline; "
             "from slabconv.load.shards import LazyShards; d = Path(sys.argv[1]); "
-            "stream.make_plan(LazyShards.open(d), json.load(open(d / 'config.json')), None, '')"
+            "pipeline.plan_shards(LazyShards.open(d), json.load(open(d / 'config.json')), None, '')"
         )
         fixed = measure([sys.executable, "-c", plan_only, str(src)])
         run = measure(  # --generate 0: the greedy-generation check loads both models whole, by design
