@@ -51,7 +51,7 @@ from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress, quiet, release_memory, sha256_file
+from slabconv.util import Progress, no_progress, quiet, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.results import Verification
 from slabconv.verify.run import Artifacts, verify_written
@@ -490,9 +490,6 @@ def fuse(
     check_before_writing(opened, planned, verify, write)
     if dtype is not None:
         planned = cast_planned(opened.loaded, planned, dtype)
-    if verify is None:  # nothing checks against the traced original now: its memory goes before the exports
-        planned.original = None
-        release_memory()
     mode = "streamed" if opened.streamed else "in-memory"
     report = Report("fuse", source=opened.source(), folds=planned.decisions, out_dir=str(out_dir), mode=mode)
     if opened.streamed:

@@ -63,11 +63,16 @@ def _start_fuse(ckpt: Path, out: Path) -> subprocess.Popen[str]:
 
 
 def _wait_for_staged_file(proc: subprocess.Popen[str], out: Path, timeout: float = 240) -> Path:
-    """Poll until the run has written its first file into its staging folder; return that folder."""
+    """Poll until the run has begun writing the model into its staging folder; return that folder.
+
+    The staging marker is the folder's first file and is not waited for: a run killed while writing it leaves a
+    folder whose marker is incomplete, which by design no later run removes (it cannot tell it is slabconv's)."""
+    from slabconv.write.staging import MARKER
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for folder in _staging(out):
-            if any(folder.iterdir()):
+            if any(p.name != MARKER for p in folder.iterdir()):
                 return folder
         if proc.poll() is not None:
             pytest.fail(f"fuse ended before it was caught writing: {proc.returncode} {proc.stderr.read()}")

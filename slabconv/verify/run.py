@@ -27,7 +27,7 @@ from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
 from slabconv.options import VerifyOptions
-from slabconv.util import Progress, no_progress, release_memory
+from slabconv.util import Progress, no_progress, release_memory, stage_memory
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
@@ -145,7 +145,7 @@ def make_reference(
         original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
     original64 = float64_graph(original_graph, example)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
-    release_memory()  # the float64 activations, before the float64 fold is made
+    release_memory(collect=False)  # the float64 activations, before the float64 fold is made
     fused64, decisions64 = fold64(original64)
     name = dtype_name(dtype)
     reference = Reference(x, label, digest, name, original, exact, output_names(len(original)), original64=original64)
@@ -308,7 +308,7 @@ def question_2_each(
                 shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
             )
         runtime.close()
-        release_memory()
+        release_memory(collect=False)
     return checks + at_length
 
 
@@ -339,7 +339,7 @@ def verify_fold(
         InputError, UsageError: unusable inputs (as ``make_reference``).
     """
     progress("verifying: the original model in its dtype and in float64")
-    release_memory()  # what writing the files left: the exports' traces and translations
+    release_memory()  # what writing the files left: the exports' traces and translations (cheap in stage_memory)
     reference, fused64, decisions64 = make_reference(
         loaded, original_graph, example, inputs, samples, seed, written=artifacts.dtype, limit=limit
     )
@@ -412,11 +412,12 @@ def verify_written(
         InputError, UsageError: unusable inputs (as ``make_reference``).
     """
     started = time.monotonic()
-    verification = verify_fold(
-        loaded, original_graph, decisions, example, artifacts,
-        inputs=opts.inputs, samples=opts.sample_count(), seed=opts.seed, rtol=opts.rtol, atol=opts.atol,
-        strict=opts.strict, limit=opts.samples, progress=progress,
-    )  # fmt: skip
+    with stage_memory():  # one full collection, then each stage's release_memory walks only what it made
+        verification = verify_fold(
+            loaded, original_graph, decisions, example, artifacts,
+            inputs=opts.inputs, samples=opts.sample_count(), seed=opts.seed, rtol=opts.rtol, atol=opts.atol,
+            strict=opts.strict, limit=opts.samples, progress=progress,
+        )  # fmt: skip
     if hf_folder and opts.generate == 0:
         verification.notes.append("greedy generation not checked (--generate 0)")
     elif hf_folder:
