@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from slabconv import engine
 from slabconv.util import quiet
@@ -87,19 +85,25 @@ def float64_example(example: torch.Tensor) -> torch.Tensor:
     return example.double() if example.is_floating_point() else example
 
 
-class _FakeProp(FakeTensorProp):
-    """``FakeTensorProp`` that reads each stored tensor (``get_attr``) as a fake tensor of its own dtype."""
-
-    def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        value = super().get_attr(target, args, kwargs)
-        return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
-
-
 def _retype_metadata(gm: fx.GraphModule) -> bool:
     """Record on every node of ``gm`` (a promoted copy of a captured graph) the fake value it computes now, as a
     capture of ``gm`` would: the placeholders' fake inputs (their symbolic sizes kept) with floating ones in
-    float64, propagated node by node in the capture's own fake mode. False when the graph has no fake inputs to
-    start from or the propagation fails (the caller then captures the graph again)."""
+    float64, propagated node by node in the capture's own fake mode (``torch.fx.passes.fake_tensor_prop``). False
+    when the graph has no fake inputs to start from, this torch lacks what it uses (``torch._guards`` is not
+    public API) or the propagation fails: the caller then captures the graph again."""
+    try:
+        from torch._guards import detect_fake_mode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    except ImportError:
+        return False
+
+    class FakeProp(FakeTensorProp):
+        """``FakeTensorProp`` that reads each stored tensor (``get_attr``) as a fake tensor of its own dtype."""
+
+        def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
+            value = super().get_attr(target, args, kwargs)
+            return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     mode = detect_fake_mode(placeholders) if placeholders else None
     if mode is None or not all(isinstance(v, torch.Tensor) for v in placeholders):
@@ -107,7 +111,7 @@ def _retype_metadata(gm: fx.GraphModule) -> bool:
     try:
         with mode:
             inputs = [v.to(torch.float64) if v.is_floating_point() else v for v in placeholders]
-        _FakeProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        FakeProp(gm, mode).propagate_dont_convert_inputs(*inputs)
     except Exception:  # noqa: BLE001 - any failure: fall back to a capture, which reports its own reason
         return False
     return True
