@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from slabconv.engine import Decision
-from slabconv.errors import UsageError, VerificationError
+from slabconv.errors import UsageError
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress, sha256_file
+from slabconv.util import Progress, no_progress
 from slabconv.verify.onnx_original import verify_fold
 from slabconv.version import __version__
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY
@@ -125,6 +125,7 @@ def fuse(
     """
     import onnx_ir as ir
 
+    from slabconv.pipeline import finish
     from slabconv.write.staging import staging_dir
 
     check_options(path, load, write)
@@ -152,15 +153,7 @@ def fuse(
             started = time.monotonic()
             report.verification = verify_fold(info, target, verify, progress)
             report.verification.seconds = time.monotonic() - started
-        outputs.sha256 = {name: sha256_file(tmp / name) for name in outputs.files}
-        report.outputs = outputs
-        report.rename(tmp, out_dir)
-        report.write(tmp / "report.json")
-        if report.verification is not None and not report.verification.passed:
-            raise VerificationError(
-                "the fused model is not equivalent: " + report.verification.failure_line() + "; nothing was written",
-                report,
-            )
+        finish(report, tmp, out_dir, outputs)
     return report
 
 

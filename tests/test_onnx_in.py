@@ -656,3 +656,31 @@ def test_a_graph_exported_in_training_mode_is_refused_before_verification_blames
         api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
     assert api.fuse(_export(model.eval(), torch.randn(2, 8), tmp_path / "e.onnx", 18, dynamo=True), tmp_path / "ok",
                     verify=VerifyOptions(samples=2)).verification.passed  # fmt: skip
+
+
+def test_a_wrong_fold_of_an_onnx_original_writes_nothing_and_its_report_names_no_file(tmp_path, monkeypatch):
+    """The ONNX driver finishes like every fuse (``pipeline.finish``): a failed check is an exit-1 error, nothing is
+    written, and the report it carries names no output file."""
+    import onnx_ir as ir
+
+    from slabconv import onnx_in
+    from slabconv.errors import VerificationError
+
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Conv2d(4, 6, 2, stride=2, padding=0))
+    randomize_norms(model.eval(), seed=1)
+    path = _export(model, torch.randn(2, 4, 8, 8), tmp_path / "model.onnx", 18)
+    real = onnx_in.fold_onnx
+
+    def off_by_one_weight(*args, **kwargs):
+        folded, decisions = real(*args, **kwargs)
+        value = next(v for v in folded.graph.initializers.values() if v.const_value is not None and v.shape.rank() == 4)
+        array = value.const_value.numpy().copy()
+        array.flat[0] += 0.5
+        value.const_value = ir.tensor(array)
+        return folded, decisions
+
+    monkeypatch.setattr(onnx_in, "fold_onnx", off_by_one_weight)
+    with pytest.raises(VerificationError, match="not equivalent") as caught:
+        api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert caught.value.report.outputs is None
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
