@@ -63,8 +63,7 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
     def side(path: Path) -> Source:
         found = hf.hf_weights_file(path)
         assert found is not None
-        return Source(
-            str(path), sha256_file(found[0]), found[1], family.name, extra={"index_sha256": sha256_file(found[0])}
-        )
+        digest = sha256_file(found[0])
+        return Source(str(path), digest, found[1], family.name, extra={"index_sha256": digest})
 
     return Report("verify", reference=side(reference), candidate=side(candidate), verification=verification)
