@@ -18,7 +18,9 @@ Forward fold into a consumer :math:`y = W z + b` (``W``: out x in): :math:`W' = 
 :math:`W' = \mathrm{diag}(s)\,W` (rows / output channels), :math:`b' = s \odot b + t`.
 
 Every function computes in float64 and returns tensors in the dtype and on the device of the weight it
-was given. None of them mutates its arguments.
+was given. None of them mutates its arguments, except with ``inplace=True``: the weight is then a float64 tensor
+the caller owns and no longer needs (a streamed fold's reused block buffer), scaled where it is and returned,
+so that no block-sized tensor is made (the same values: the same float64 operations, in the same order).
 """
 
 from __future__ import annotations
@@ -66,7 +68,18 @@ def _cast(x: Tensor, like: Tensor) -> Tensor:
     return x.to(dtype=like.dtype, device=like.device).contiguous()
 
 
-def fold_into_linear(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+def _widened(weight: Tensor, inplace: bool) -> Tensor:
+    """The weight in float64: itself with ``inplace`` (it must already be float64), else a float64 copy."""
+    if inplace:
+        if weight.dtype != torch.float64:
+            raise ValueError(f"an in-place fold needs a float64 weight, got {weight.dtype}")
+        return weight.detach()
+    return weight.detach().to(torch.float64)
+
+
+def fold_into_linear(
+    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor, *, inplace: bool = False
+) -> tuple[Tensor, Tensor]:
     """Forward fold: a Linear that consumes ``s * x + t`` on its input (last) axis.
 
     Args:
@@ -74,14 +87,19 @@ def fold_into_linear(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: 
         bias: ``(out,)`` Linear bias, or None (the fold creates one).
         scale: ``(in,)`` per-channel scale s.
         shift: ``(in,)`` per-channel shift t (already multiplied by N for a sum over N tokens).
+        inplace: ``weight`` is float64 and the caller's to overwrite (see the module docstring).
 
     Returns:
         ``(W diag(s), b + W t)`` in ``weight``'s dtype and device; the bias is always returned.
+
+    Raises:
+        ValueError: ``inplace`` with a weight that is not float64.
     """
-    w = weight.detach().to(torch.float64)
+    w = _widened(weight, inplace)
     b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
     s, t = scale.to(w), shift.to(w)
-    return _cast(w * s, weight), _cast(b + w @ t, weight)
+    new_b = b + w @ t  # before the weight is scaled (in place or not)
+    return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
 
 def fold_into_conv(
@@ -93,6 +111,7 @@ def fold_into_conv(
     *,
     first: int = 0,
     total: int | None = None,
+    inplace: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Forward fold: a convolution (any spatial rank, no zero padding) that consumes ``s * x + t`` on axis 1.
 
@@ -106,12 +125,16 @@ def fold_into_conv(
         groups: the conv's ``groups``; input channel ``c`` belongs to group ``c // (in / groups)``.
         first, total: ``weight`` and ``bias`` are output channels ``first:first + len(weight)`` of a conv with
             ``total`` of them (default: all of them), for a fold one block of rows at a time.
+        inplace: ``weight`` is float64 and the caller's to overwrite (see the module docstring).
 
     Returns:
         ``(W', b')``: ``W'[o, j, ...] = W[o, j, ...] * s[c]`` and ``b'[o] = b[o] + sum_{j,k} W[o, j, k] t[c]``
         with ``c = g(o) * (in / groups) + j``; dtype and device of ``weight``.
+
+    Raises:
+        ValueError: ``inplace`` with a weight that is not float64.
     """
-    w = weight.detach().to(torch.float64)
+    w = _widened(weight, inplace)
     out_ch, in_per_group = w.shape[0], w.shape[1]
     b = torch.zeros(out_ch, dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
     # Per output channel, the input channels it reads: (out, in_per_group).
@@ -121,10 +144,12 @@ def fold_into_conv(
     s = scale.to(w)[chan].reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
     t = shift.to(w)[chan]
     new_b = b + (w.sum(dim=tuple(range(2, w.dim()))) * t).sum(dim=1)
-    return _cast(w * s, weight), _cast(new_b, weight)
+    return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
 
-def fold_into_producer(weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor) -> tuple[Tensor, Tensor]:
+def fold_into_producer(
+    weight: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor, *, inplace: bool = False
+) -> tuple[Tensor, Tensor]:
     """Backward fold: a Linear or conv whose output channels (dim 0 of the weight) feed the norm.
 
     Args:
@@ -132,17 +157,22 @@ def fold_into_producer(weight: Tensor, bias: Tensor | None, scale: Tensor, shift
         bias: ``(out,)`` or None (the fold creates one).
         scale: ``(out,)`` per-channel scale s.
         shift: ``(out,)`` per-channel shift t.
+        inplace: ``weight`` is float64 and the caller's to overwrite (see the module docstring).
 
     Returns:
         ``(diag(s) W, s * b + t)`` in ``weight``'s dtype and device.
+
+    Raises:
+        ValueError: ``inplace`` with a weight that is not float64.
     """
-    w = weight.detach().to(torch.float64)
+    w = _widened(weight, inplace)
     b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
     s, t = scale.to(w), shift.to(w)
-    return _cast(w * s.reshape(-1, *([1] * (w.dim() - 1))), weight), _cast(s * b + t, weight)
+    rows = s.reshape(-1, *([1] * (w.dim() - 1)))
+    return _cast(w.mul_(rows) if inplace else w * rows, weight), _cast(s * b + t, weight)
 
 
-def fold_into_embedding(weight: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+def fold_into_embedding(weight: Tensor, scale: Tensor, shift: Tensor, *, inplace: bool = False) -> Tensor:
     """Backward fold into an embedding table whose gathered rows feed the norm: ``s * W[i] + t = W'[i]``.
 
     A lookup copies whole rows, so scaling every row by ``s`` and adding ``t`` to it is exact for any index,
@@ -152,11 +182,17 @@ def fold_into_embedding(weight: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
         weight: ``(num_embeddings, C)``, the table.
         scale: ``(C,)`` per-channel scale s.
         shift: ``(C,)`` per-channel shift t.
+        inplace: ``weight`` is float64 and the caller's to overwrite (see the module docstring).
 
     Returns:
         ``W * s + t`` (broadcast over rows) in ``weight``'s dtype and device.
+
+    Raises:
+        ValueError: ``inplace`` with a weight that is not float64.
     """
-    w = weight.detach().to(torch.float64)
+    w = _widened(weight, inplace)
+    if inplace:
+        return _cast(w.mul_(scale.to(w)).add_(shift.to(w)), weight)
     return _cast(w * scale.to(w) + shift.to(w), weight)
 
 

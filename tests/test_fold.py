@@ -132,3 +132,37 @@ def test_fold_functions_do_not_mutate_their_inputs():
     fold.fold_into_linear(lin.weight, lin.bias, torch.full((4,), 2.0, dtype=torch.float64), torch.ones(4).double())
     fold.fold_into_producer(lin.weight, lin.bias, torch.full((3,), 2.0, dtype=torch.float64), torch.ones(3).double())
     assert torch.equal(lin.weight, before[0]) and torch.equal(lin.bias, before[1])
+
+
+def _inplace_cases(gen: torch.Generator) -> list[tuple[str, torch.Tensor, object]]:
+    """(name, float64 weight, fold taking (weight, inplace)) for every fold function."""
+    s, t = torch.rand(6, generator=gen, dtype=torch.float64) + 0.5, torch.randn(6, generator=gen, dtype=torch.float64)
+    bias = torch.randn(6, generator=gen, dtype=torch.float64)
+    return [
+        ("linear", torch.randn(5, 6, generator=gen, dtype=torch.float64),
+         lambda w, i: fold.fold_into_linear(w, bias[:5], s, t, inplace=i)),
+        ("producer", torch.randn(6, 4, generator=gen, dtype=torch.float64),
+         lambda w, i: fold.fold_into_producer(w, bias, s, t, inplace=i)),
+        ("conv", torch.randn(4, 3, 2, 2, generator=gen, dtype=torch.float64),
+         lambda w, i: fold.fold_into_conv(w, bias[:4], s, t, groups=2, first=2, total=8, inplace=i)),
+        ("embedding", torch.randn(7, 6, generator=gen, dtype=torch.float64),
+         lambda w, i: (fold.fold_into_embedding(w, s, t, inplace=i),)),
+    ]  # fmt: skip
+
+
+def test_inplace_folds_give_the_same_bits_in_the_callers_buffer():
+    """The streamed writer folds each block in its own float64 buffer (``inplace``): the values must be the pure
+    fold's, bit for bit (question 1 checks 0 units in the last place), and the result must be that buffer."""
+    for name, weight, run in _inplace_cases(torch.Generator().manual_seed(3)):
+        pure = run(weight, False)
+        buffer = weight.clone()
+        done = run(buffer, True)
+        assert done[0].data_ptr() == buffer.data_ptr(), name
+        for a, b in zip(pure, done, strict=True):
+            assert torch.equal(a, b), name
+        assert not torch.equal(buffer, weight), name  # the buffer was overwritten
+
+
+def test_inplace_fold_refuses_a_weight_that_is_not_float64():
+    with pytest.raises(ValueError, match="float64"):
+        fold.fold_into_linear(torch.ones(2, 3), None, torch.ones(3).double(), torch.zeros(3).double(), inplace=True)

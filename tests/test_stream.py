@@ -13,6 +13,7 @@ from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.options import WriteOptions
+from slabconv.util import sha256_file
 from slabconv.verify import layerwise
 from slabconv.verify import streamed as streamed_verify
 from slabconv.zoo import get_arch
@@ -74,6 +75,8 @@ def test_layout_index_metadata_and_config(folded):
     assert out.metadata["complete"] == "true" and out.metadata["arch"] == "llama_prepbn"
     assert out.metadata["source_sha256"] == report.source.sha256
     assert report.outputs.sha256.keys() >= set(src_shards) | {hf.SAFETENSORS_INDEX, hf.CONFIG}
+    for name in report.outputs.files:  # the shards' digests are taken while writing: they must be the files'
+        assert report.outputs.sha256[name] == sha256_file(root / "out" / name), name
     assert set(report.outputs.files) == {p.name for p in (root / "out").iterdir()} - {"report.json"}
     assert not list(root.glob(".out.tmp-*"))
 
@@ -144,7 +147,7 @@ def test_streamed_fold_with_a_wrong_fold_writes_nothing(folded, tmp_path, monkey
     from slabconv.errors import VerificationError
 
     real = fold.fold_into_linear
-    monkeypatch.setattr(fold, "fold_into_linear", lambda w, b, s, t: real(w, b, s, torch.zeros_like(t)))
+    monkeypatch.setattr(fold, "fold_into_linear", lambda w, b, s, t, **kw: real(w, b, s, torch.zeros_like(t), **kw))
     with pytest.raises(VerificationError, match="not equivalent") as caught:
         fuse_streamed(folded[0] / "src", tmp_path / "o")
     v = caught.value.report.verification

@@ -212,8 +212,8 @@ def test_a_changed_element_of_a_created_bias_fails_question_1(tmp_path: Path, dt
 def _scale_a_column(monkeypatch: pytest.MonkeyPatch) -> None:
     real = fold.fold_into_linear
 
-    def wrong(weight, bias, scale, shift):  # a fold bug of 0.1% in one column
-        w, b = real(weight, bias, scale, shift)
+    def wrong(weight, bias, scale, shift, **kw):  # a fold bug of 0.1% in one column
+        w, b = real(weight, bias, scale, shift, **kw)
         w = w.clone()
         w[:, 0] = (w[:, 0].double() * 1.001).to(w.dtype)
         return w, b

@@ -95,15 +95,17 @@ class LayerKind:
         groups: int = 1,
         first: int = 0,
         total: int | None = None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fold on tensors alone (no graph): ``weight`` / ``bias`` are rows ``first:first + len(weight)`` of
         the stored weight (dim 0, its output channels; ``total`` rows in all, default ``len(weight)``) and of the
         bias. Forward: ``s``, ``t`` along the input axis (whole); backward: along the output channels (whole; the
-        rows' part is taken here). Rows are independent, so a block folds exactly as the whole weight would."""
+        rows' part is taken here). Rows are independent, so a block folds exactly as the whole weight would. With
+        ``inplace`` the float64 ``weight`` is the caller's to overwrite (``slabconv.fold``: a streamed block)."""
         if forward:
-            return fold.fold_into_linear(weight, bias, s, t)
+            return fold.fold_into_linear(weight, bias, s, t, inplace=inplace)
         rows = slice(first, first + weight.shape[0])
-        return fold.fold_into_producer(weight, bias, s[rows], t[rows])
+        return fold.fold_into_producer(weight, bias, s[rows], t[rows], inplace=inplace)
 
     def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
         """Make the layer (which had no bias) read ``bias``."""
@@ -207,10 +209,11 @@ class Conv(LayerKind):
         groups: int = 1,
         first: int = 0,
         total: int | None = None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if forward:
-            return fold.fold_into_conv(weight, bias, s, t, groups, first=first, total=total)
-        return super().fold_values(forward, weight, bias, s, t, groups, first, total)
+            return fold.fold_into_conv(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
+        return super().fold_values(forward, weight, bias, s, t, groups, first, total, inplace)
 
 
 class Convolution(Conv):
@@ -262,12 +265,13 @@ class Embedding(LayerKind):
         groups: int = 1,
         first: int = 0,
         total: int | None = None,
+        inplace: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Backward only: ``(W * s + t, None)``, the table (any rows of it) with the whole affine in its columns;
         there is no bias."""
         if forward:
             raise AssertionError("an embedding is never a consumer (consumer_check refuses it)")
-        return fold.fold_into_embedding(weight, s, t), None
+        return fold.fold_into_embedding(weight, s, t, inplace=inplace), None
 
     def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
         raise AssertionError("an embedding has no bias (its fold_values returns None for it)")

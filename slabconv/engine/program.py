@@ -138,7 +138,7 @@ class LayerRecipe:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``start:stop`` of the folded weight and bias, in float64 (every fold composed, nothing rounded).
         A 0/1-D weight is read whole. With ``scratch`` the weight's rows are widened to float64 in its buffer
-        (the folds never write to their input)."""
+        and folded there in place (no block-sized tensor is made; the same values)."""
         whole = len(store.shape(self.weight)) < 2
         rows = None if whole else slice(start, stop)
         read = store.get(self.weight, rows)
@@ -147,7 +147,9 @@ class LayerRecipe:
         b = store.get(self.bias, slice(start, stop)).to(torch.float64) if self.bias is not None else None
         total = store.shape(self.weight)[0]
         for f in self.folds:
-            w, b = self.kind.fold_values(f.forward, w, b, f.scale, f.shift, self.groups, start, total)
+            w, b = self.kind.fold_values(
+                f.forward, w, b, f.scale, f.shift, self.groups, start, total, inplace=scratch is not None
+            )
         return w, b
 
     def stored(

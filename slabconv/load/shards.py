@@ -54,6 +54,7 @@ class LazyShards:
 
     def __init__(self, folder: Path, weight_map: dict[str, str], block_elements: int = 1 << 22):
         self.folder, self.weight_map, self.block_elements = folder, weight_map, block_elements
+        self._specs: dict[str, tuple[torch.dtype, list[int]]] = {}  # from each shard's header, read once
 
     @classmethod
     def open(cls, folder: Path | str, block_elements: int = 1 << 22) -> LazyShards:
@@ -92,11 +93,21 @@ class LazyShards:
         with self._open(key) as f:
             return f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start : rows.stop]
 
+    def _spec(self, key: str) -> tuple[torch.dtype, list[int]]:
+        """``(dtype, shape)`` of a tensor from its shard's header, read once per shard (a fold asks per block)."""
+        spec = self._specs.get(key)
+        if spec is None:
+            if key not in self.weight_map:
+                raise InputError(f"{self.folder}: tensor {key!r} is missing (not in the index or the file)")
+            self._specs.update(self.header(self.weight_map[key])[1])
+            spec = self._specs.get(key)
+            if spec is None:
+                raise InputError(f"{self.folder / self.weight_map[key]}: tensor {key!r} is missing from the file")
+        return spec
+
     def dtype(self, key: str) -> torch.dtype:
-        """The tensor's dtype, from its header."""
-        rev = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-        with self._open(key) as f:
-            return rev[f.get_slice(key).get_dtype()]
+        """The tensor's dtype, from its shard's header."""
+        return self._spec(key)[0]
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor, reading only their pages."""
@@ -116,8 +127,8 @@ class LazyShards:
             yield block
 
     def shape(self, key: str) -> list[int]:
-        with self._open(key) as f:
-            return list(f.get_slice(key).get_shape())
+        """The tensor's shape, from its shard's header."""
+        return list(self._spec(key)[1])
 
     def header(self, shard: str) -> tuple[list[str], dict[str, tuple[torch.dtype, list[int]]]]:
         """The keys of a shard in file order and their (dtype, shape), from its header only (no tensor data).
