@@ -388,13 +388,13 @@ def _write_shards(
     from slabconv.write.shards import write_program_shards
 
     assert planned.program is not None
-    weight_map, total = write_program_shards(
+    weight_map, total, digests = write_program_shards(
         folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
     )
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
-    return outputs, Artifacts(folder, folder / SAFETENSORS_INDEX, {}, metadata)
+    return outputs, Artifacts(folder, folder / SAFETENSORS_INDEX, {}, metadata, sha256=digests)
 
 
 def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress) -> list[str]:
@@ -450,9 +450,15 @@ def verify_model(
     return verification
 
 
-def finish(report: Report, folder: Path, out_dir: Path, outputs: Outputs) -> None:
+def finish(
+    report: Report, folder: Path, out_dir: Path, outputs: Outputs, written: dict[str, str] | None = None
+) -> None:
     """Name ``out_dir`` in the report instead of the staging ``folder``; refuse a fold that did not pass; record
     every written file's sha256 and write ``report.json`` (the staging folder then moves into place).
+
+    Args:
+        written: the sha256 of files whose writer hashed the bytes as it wrote them (file name -> hex digest);
+            every other file is read back and hashed here.
 
     Raises:
         VerificationError: a check failed; nothing is written, the report names no output file.
@@ -463,7 +469,8 @@ def finish(report: Report, folder: Path, out_dir: Path, outputs: Outputs) -> Non
             "the fused model is not equivalent: " + report.verification.failure_line() + "; nothing was written",
             report,
         )
-    outputs.sha256 = {name: sha256_file(folder / name) for name in outputs.files}
+    known = written or {}
+    outputs.sha256 = {name: known.get(name) or sha256_file(folder / name) for name in outputs.files}
     report.outputs = outputs
     report.write(folder / "report.json")
 
@@ -498,7 +505,7 @@ def fuse(
         outputs, artifacts = write_model(tmp, opened, planned, write, progress)
         if verify is not None:
             report.verification = verify_model(opened, planned, outputs, artifacts, verify, write, progress)
-        finish(report, tmp, out_dir, outputs)
+        finish(report, tmp, out_dir, outputs, artifacts.sha256)
     return report
 
 

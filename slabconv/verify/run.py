@@ -231,6 +231,8 @@ class Artifacts:
         fused_graph: the in-memory fused graph (run in PyTorch when neither ONNX nor ``.pt2`` was written).
         dynamic_sequence: the written programs take any sequence length (a language model): question 2 then also
             runs them on a shorter length.
+        dtype: the dtype the files were written in (``fuse --dtype``), None for the checkpoint's.
+        sha256: files hashed by their writer as it wrote them (name -> hex digest; the streamed shards).
     """
 
     folder: Path
@@ -242,6 +244,7 @@ class Artifacts:
     fused_graph: nn.Module | None = None
     dynamic_sequence: bool = False
     dtype: torch.dtype | None = None
+    sha256: dict[str, str] = field(default_factory=dict)
 
 
 def artifact_runtimes(artifacts: Artifacts, dtype: torch.dtype, batch: int | None) -> tuple[list[Runtime], list[str]]:

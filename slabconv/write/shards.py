@@ -3,8 +3,10 @@ fold program (``slabconv.engine.program``) run over the checkpoint's shards, one
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,10 @@ from slabconv.util import Progress
 
 class ShardWriter:
     """Write one safetensors file tensor by tensor: the header (all names, dtypes, shapes) first, then the bytes in
-    the same order; nothing but the tensor being written is held."""
+    the same order; nothing but the tensor being written is held. The file's sha256 is taken from the bytes as
+    they are written (``finish`` returns it), so the report's digest needs no second read of the file; a second
+    thread hashes each block while this one writes it (both release the GIL: ``hashlib`` for large buffers, the
+    file's ``write`` in the system call)."""
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]):
         header: dict[str, Any] = {"__metadata__": metadata}
@@ -37,8 +42,11 @@ class ShardWriter:
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self.file = open(path, "wb")  # noqa: SIM115 - closed in finish()
-        self.file.write(struct.pack("<Q", len(raw)) + raw)
+        self.file = open(path, "wb")  # noqa: SIM115 - closed in close()
+        head = struct.pack("<Q", len(raw)) + raw
+        self.file.write(head)
+        self.digest = hashlib.sha256(head)
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slabconv-sha256")
         self.index, self.done = 0, 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -46,18 +54,33 @@ class ShardWriter:
         want, dtype, shape, nbytes = self.expected[self.index]
         if name != want or tensor.dtype != dtype or list(tensor.shape[1:]) != shape[1:]:
             raise RuntimeError(f"shard writer: got {name} {tensor.dtype} {list(tensor.shape)}, expected {want} {shape}")
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self.file.write(memoryview(data))  # type: ignore[arg-type]  # a contiguous ndarray is a buffer
+        data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+        hashed = self.hasher.submit(self.digest.update, data)
+        try:
+            self.file.write(data)
+        finally:
+            hashed.result()  # the caller may reuse the tensor's memory once this returns
         self.done += data.nbytes
         if self.done > nbytes:
             raise RuntimeError(f"shard writer: {name} got more bytes than its shape {shape} holds")
         if self.done == nbytes:
             self.index, self.done = self.index + 1, 0
 
-    def finish(self) -> None:
+    def close(self) -> None:
+        """Close the file and stop the hashing thread (also after a failed write)."""
         self.file.close()
+        self.hasher.shutdown()
+
+    def finish(self) -> str:
+        """Close the file; returns the hex sha256 of every byte written.
+
+        Raises:
+            RuntimeError: fewer tensors were written than the header lists.
+        """
+        self.close()
         if self.index != len(self.expected):
             raise RuntimeError(f"shard writer: wrote {self.index} of {len(self.expected)} tensors")
+        return self.digest.hexdigest()
 
 
 def numel(shape: list[int]) -> int:
@@ -75,7 +98,7 @@ def write_program_shards(
     metadata: dict[str, str],
     progress: Progress,
     block_elements: int = FOLD_BLOCK,
-) -> tuple[dict[str, str], int]:
+) -> tuple[dict[str, str], int, dict[str, str]]:
     """Write the fused model the fold ``program`` describes, shard by shard with the input's shard boundaries,
     holding one block of rows at a time.
 
@@ -85,7 +108,8 @@ def write_program_shards(
     tensor is read once. Tensors the fused model does not read (the folded norms') are dropped.
 
     Returns:
-        ``(weight_map, total_bytes)`` of the written shards.
+        ``(weight_map, total_bytes, sha256)`` of the written shards (``sha256``: shard file name -> hex digest of
+        the bytes written).
 
     Raises:
         InputError: a shard's header disagrees with the index.
@@ -95,6 +119,7 @@ def write_program_shards(
     biases = {la.bias for la in program.layers.values() if la.bias is not None}
     beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
     new_map: dict[str, str] = {}
+    digests: dict[str, str] = {}
     total = 0
     scratch = Scratch()
     for n, shard in enumerate(shard_names):
@@ -128,8 +153,8 @@ def write_program_shards(
                     for start, stop in row_ranges(shape, block_elements):
                         writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None))
         finally:
-            writer.file.close()
-        writer.finish()
+            writer.close()
+        digests[shard] = writer.finish()
         total += sum(numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan)
     missing = sorted(set(program.tensors) - set(new_map))
     if missing:
@@ -138,4 +163,4 @@ def write_program_shards(
             "this model in memory without --stream"
         )
     progress("folding and writing shards", len(shard_names), len(shard_names))
-    return {k: new_map[k] for k in sorted(new_map)}, total
+    return {k: new_map[k] for k in sorted(new_map)}, total, digests
