@@ -3,10 +3,15 @@ reused buffers give exactly what rounding each block into a new tensor gives."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from slabconv.engine.program import Scratch, rounds_finite
+from slabconv.engine import program
+from slabconv.engine.layers import LAYERS
+from slabconv.engine.program import LayerRecipe, Scratch, TensorStore, rounds_finite
+from slabconv.errors import UnsupportedModelError
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -29,3 +34,61 @@ def test_scratch_buffers_are_reused_and_rounding_into_them_equals_to() -> None:
     again = scratch.take("stored", (8, 33), torch.float16)
     assert again.data_ptr() == into.data_ptr()  # the same buffer, not a new mapping
     assert scratch.take("rows", (8, 33), torch.float16).data_ptr() != into.data_ptr()
+
+
+def _fold(forward: bool, scale: torch.Tensor, shift: torch.Tensor) -> SimpleNamespace:
+    return SimpleNamespace(forward=forward, scale=scale, shift=shift, norm="norm")
+
+
+def _recipe(kind_name: str, weight: torch.Tensor, groups: int = 1) -> tuple[LayerRecipe, TensorStore]:
+    """A float16 layer that takes a backward fold then a forward fold (a tensor with two folds, composed in
+    float64), with a stored bias."""
+    kind = next(k for k in LAYERS if k.name == kind_name)
+    gen = torch.Generator().manual_seed(1)
+    out, into = weight.shape[0], weight.shape[1] * groups
+    folds = [
+        _fold(
+            False, torch.rand(out, generator=gen, dtype=torch.float64) + 0.5, torch.randn(out, generator=gen).double()
+        ),
+        _fold(
+            True, torch.rand(into, generator=gen, dtype=torch.float64) + 0.5, torch.randn(into, generator=gen).double()
+        ),
+    ]
+    store = TensorStore({"w": weight.half(), "b": torch.randn(out, generator=gen).half()})
+    return LayerRecipe(kind, "w", "b", "b", torch.float16, torch.float16, groups, folds), store
+
+
+def _whole(recipe: LayerRecipe, store: TensorStore) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fold functions on the whole tensor at once, rounded once: what every block path must equal."""
+    w, b = store.get("w").double(), store.get("b").double()
+    for f in recipe.folds:
+        w, b = recipe.kind.fold_values(f.forward, w, b, f.scale, f.shift, recipe.groups, 0, w.shape[0])
+    return w.half(), b.half()
+
+
+@pytest.mark.parametrize("kind,shape,groups", [("linear", (37, 24), 1), ("conv", (12, 3, 2, 2), 2)])
+def test_cache_sized_sub_blocks_give_the_whole_tensors_fold(monkeypatch, kind, shape, groups) -> None:
+    """Blocks of rows, folded ``CACHE_BLOCK`` elements at a time (in memory and into a streamed writer's buffers),
+    give the bits of one fold over the whole tensor: the sub-blocks' row offsets reach the backward fold's scale
+    and the conv's groups."""
+    monkeypatch.setattr(program, "CACHE_BLOCK", 2 * shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1))
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    recipe, store = _recipe(kind, weight, groups)
+    want_w, want_b = _whole(recipe, store)
+    block = 5 * weight[0].numel()  # blocks of 5 rows, sub-blocks of 2: neither divides the row count
+    for scratch in (None, Scratch()):
+        parts = [(w.clone(), b) for w, b in recipe.blocks(store, block, scratch)]
+        assert len(parts) > 1
+        assert torch.equal(torch.cat([w for w, _ in parts]), want_w), scratch
+        assert torch.equal(torch.cat([b for _, b in parts]), want_b), scratch
+
+
+def test_an_overflow_in_a_later_sub_block_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(program, "CACHE_BLOCK", 24)
+    weight = torch.randn(9, 24)
+    weight[7, 3] = 6e4  # float16's largest is 65504: the backward fold's scale above 1.1 takes it past
+    recipe, store = _recipe("linear", weight)
+    recipe.folds[0].scale[7] = 4.0
+    for scratch in (None, Scratch()):
+        with pytest.raises(UnsupportedModelError, match="overflows float16"):
+            list(recipe.blocks(store, weight.numel(), scratch))
