@@ -102,8 +102,8 @@ class Scratch:
 
     Each fresh block-sized tensor costs the kernel's mapping and zeroing of its pages, several times the fold's
     own arithmetic on a block: a streamed fold widens and rounds every block into the same two buffers instead.
-    They hold about two blocks (``FOLD_BLOCK`` float64 values and as many stored ones), which the fold's memory
-    bound counts anyway.
+    They hold one block of stored values (``FOLD_BLOCK``) and one ``CACHE_BLOCK`` of float64 ones, which the
+    fold's memory bound counts anyway.
     """
 
     def __init__(self) -> None:
@@ -183,10 +183,14 @@ class LayerRecipe:
             UnsupportedModelError: a folded value does not fit the dtype (it overflows).
         """
         self._check_fits(self.weight, w, self.dtype)
-        out_b = b if b is not None and self.bias_out is not None else None
-        if out_b is not None:
-            self._check_fits(self.bias_out, out_b, self.bias_dtype)
-        return w.to(self.dtype).contiguous(), out_b.to(self.bias_dtype).contiguous() if out_b is not None else None
+        return w.to(self.dtype).contiguous(), self._stored_bias(b)
+
+    def _stored_bias(self, b: torch.Tensor | None) -> torch.Tensor | None:
+        """The float64 bias rounded once to its stored dtype; None when the layer stores none."""
+        if b is None or self.bias_out is None:
+            return None
+        self._check_fits(self.bias_out, b, self.bias_dtype)
+        return b.to(self.bias_dtype).contiguous()
 
     def _stored_into(
         self, scratch: Scratch, store: WeightStore, start: int, stop: int
@@ -202,11 +206,7 @@ class LayerRecipe:
             self._check_fits(self.weight, w, self.dtype)
             out[s0:s1].copy_(w)  # rounds as ``to`` does
             biases.append(bias)
-        joined = _joined(biases)
-        out_b = joined if joined is not None and self.bias_out is not None else None
-        if out_b is not None:
-            self._check_fits(self.bias_out, out_b, self.bias_dtype)
-        return out, out_b.to(self.bias_dtype).contiguous() if out_b is not None else None
+        return out, self._stored_bias(_joined(biases))
 
     def blocks(
         self, store: WeightStore, block_elements: int = FOLD_BLOCK, scratch: Scratch | None = None

@@ -99,7 +99,7 @@ class LazyShards:
         if spec is None:
             if key not in self.weight_map:
                 raise InputError(f"{self.folder}: tensor {key!r} is missing (not in the index or the file)")
-            self._specs.update(self.header(self.weight_map[key])[1])
+            self.header(self.weight_map[key])  # fills the cache
             spec = self._specs.get(key)
             if spec is None:
                 raise InputError(f"{self.folder / self.weight_map[key]}: tensor {key!r} is missing from the file")
@@ -131,7 +131,8 @@ class LazyShards:
         return list(self._spec(key)[1])
 
     def header(self, shard: str) -> tuple[list[str], dict[str, tuple[torch.dtype, list[int]]]]:
-        """The keys of a shard in file order and their (dtype, shape), from its header only (no tensor data).
+        """The keys of a shard in file order and their (dtype, shape), from its header only (no tensor data); they
+        also answer ``shape`` and ``dtype`` from then on.
 
         Raises:
             InputError: not a safetensors file, or a dtype torch has no name for here.
@@ -150,7 +151,11 @@ class LazyShards:
         unknown = [k for k, (dtype, _) in specs.items() if dtype not in rev]
         if unknown:
             raise InputError(f"{path}: {unknown[0]!r} has dtype {specs[unknown[0]][0]}, which slabconv does not read")
-        return order, {k: (rev[dtype], shape) for k, (dtype, shape) in specs.items()}
+        typed = {k: (rev[dtype], shape) for k, (dtype, shape) in specs.items()}
+        # the fold's per-block shape and dtype questions need no second read; only for the tensors the index puts
+        # in this shard (a damaged folder may list a tensor in another shard's header too)
+        self._specs.update((k, v) for k, v in typed.items() if self.weight_map.get(k) == shard)
+        return order, typed
 
     def specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
         """Every tensor's (dtype, shape), from the shard headers (no tensor data is read)."""
