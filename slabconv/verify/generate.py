@@ -27,6 +27,7 @@ import torch
 
 from slabconv.errors import UsageError
 from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of this module's face)
+    ENDED,
     ArrayLike,
     GenerationCheck,
     GreedyRun,
@@ -282,7 +283,9 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
     Args:
         folder: a fused folder with ``decoder.onnx`` and ``genai_config.json`` (``write_genai_config``).
         prompts: int64 ``(B, T)``, unpadded.
-        steps: N, tokens to generate; exactly N (``min_length`` keeps an end-of-sequence token from stopping early).
+        steps: N, tokens to generate. A sequence ends at an end-of-sequence id of ``genai_config.json`` (as it would
+            deployed; forcing N tokens with ``min_length`` would instead take another token than the argmax there):
+            its steps after that token are ``ENDED``, and not compared.
         name: the run's name; default ``fused <dtype> (onnxruntime-genai <version>, KV cache)``.
 
     Returns:
@@ -305,23 +308,31 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
     dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "float32")
     label = name or f"fused {dtype} (onnxruntime-genai {og.__version__}, KV cache)"
 
+    eos = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["eos_token_id"]
+    ends = set(eos) if isinstance(eos, list) else {eos}
+
     def run(tokens: np.ndarray, count: int) -> tuple[np.ndarray, float]:
         total = tokens.shape[1] + count
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=total, min_length=total, do_sample=False, batch_size=tokens.shape[0])
+        params.set_search_options(max_length=total, do_sample=False, batch_size=tokens.shape[0])
         generator = og.Generator(model, params)
         start = time.perf_counter()
         generator.append_tokens(tokens)
         while not generator.is_done():
             generator.generate_next_token()
         seconds = time.perf_counter() - start
-        rows = [np.asarray(generator.get_sequence(i))[tokens.shape[1] :] for i in range(tokens.shape[0])]
-        return np.stack(rows).astype(np.int64), seconds
+        out = np.full((tokens.shape[0], count), ENDED, dtype=np.int64)
+        for i in range(tokens.shape[0]):
+            row = np.asarray(generator.get_sequence(i))[tokens.shape[1] :][:count]
+            end = next((s for s, t in enumerate(row) if int(t) in ends), None)
+            kept = row if end is None else row[: end + 1]  # after its end-of-sequence token: padding, not compared
+            if end is None and len(row) < count:
+                raise RuntimeError(f"onnxruntime-genai returned {len(row)} new tokens, expected {count}")
+            out[i, : len(kept)] = kept
+        return out, seconds
 
     run(ids[:1], 1)  # warm-up, untimed
     tokens, seconds = run(ids, steps)
-    if tokens.shape != (ids.shape[0], steps):
-        raise RuntimeError(f"onnxruntime-genai returned {tokens.shape[1]} new tokens, expected {steps}")
     return GreedyRun(label, tokens, seconds)
 
 

@@ -21,6 +21,10 @@ from slabconv.verify.policy import decisive, dtype_name
 
 ArrayLike = np.ndarray | torch.Tensor
 
+ENDED = -1
+"""A step a run did not generate: its sequence had ended at an end-of-sequence token (onnxruntime-genai stops a
+sequence there, as a deployment does). The end-of-sequence token itself is compared; the steps after it are not."""
+
 
 @dataclass
 class GreedyRun:
@@ -28,7 +32,8 @@ class GreedyRun:
 
     Attributes:
         name: which model in which runtime, e.g. ``original float32 (pytorch, no cache)``.
-        tokens: int64 ``(B, N)``: the N generated tokens of each prompt.
+        tokens: int64 ``(B, N)``: the N generated tokens of each prompt (``ENDED`` after an end-of-sequence token
+            where the runtime stops a sequence there).
         seconds: wall time of the generation loop (loading and one warm-up step excluded).
         logits64: float64 ``(B, N, V)``: the next-token logits at each step (kept by ``greedy_original``, to judge
             near-ties), else None.
@@ -177,6 +182,8 @@ def _compare_run(
     for b in range(ref.shape[0]):
         diverged = None
         for s in range(ref.shape[1]):
+            if run.tokens[b, s] == ENDED:
+                break
             compared += 1
             ties += int(not decisive[b, s])
             if run.tokens[b, s] == ref[b, s]:

@@ -216,6 +216,27 @@ def export_decoder_onnx(
 GENAI_CONFIG = "genai_config.json"
 
 
+def special_tokens(config: dict[str, Any]) -> tuple[int, int | list[int], int]:
+    """``(bos_token_id, eos_token_id, pad_token_id)`` of a LLaMA ``config.json`` as transformers reads it
+    (``LlamaConfig.from_dict``: a key left out takes transformers' default, bos 1 and eos 2), for
+    ``genai_config.json``: onnxruntime-genai ends a sequence at an end-of-sequence id, so writing another id than
+    transformers uses would make it stop where transformers does not. A missing pad id is the (first) eos id, as
+    onnxruntime-genai's own model builder writes it; an id transformers leaves unset is 0 (onnxruntime-genai
+    needs an id inside the vocabulary)."""
+    import transformers
+
+    read = transformers.LlamaConfig.from_dict(config)
+
+    def ids(value: Any) -> list[int]:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return [int(v) for v in values if isinstance(v, int)]
+
+    eos = ids(read.eos_token_id) or [0]
+    bos = (ids(read.bos_token_id) or [0])[0]
+    pad = (ids(read.pad_token_id) or eos)[0]
+    return bos, eos if len(eos) > 1 else eos[0], pad
+
+
 def write_genai_config(folder: Path | str, info: dict[str, Any], config: dict[str, Any]) -> Path:
     """Write ``genai_config.json`` beside ``decoder.onnx`` so onnxruntime-genai runs the folder
     (``onnxruntime_genai.Model(folder)``).
@@ -235,18 +256,13 @@ def write_genai_config(folder: Path | str, info: dict[str, Any], config: dict[st
     """
     folder = Path(folder)
 
-    def token(name: str) -> int:
-        value = config.get(name)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        return int(value) if isinstance(value, int) else 0
-
+    bos, eos, pad = special_tokens(config)
     genai = {
         "model": {
             "type": "llama",
-            "bos_token_id": token("bos_token_id"),
-            "eos_token_id": token("eos_token_id"),
-            "pad_token_id": token("pad_token_id"),
+            "bos_token_id": bos,
+            "eos_token_id": eos,
+            "pad_token_id": pad,
             "context_length": int(config["max_position_embeddings"]),
             "vocab_size": int(config["vocab_size"]),
             "decoder": {
