@@ -4,20 +4,22 @@ Builds a DeiT-Tiny-sized PRepBN checkpoint (224x224, 12 blocks, dim 192) with ra
 fresh child processes measures wall time, CPU time (user + system, all threads) and peak RSS of
 
   (a) bare:  load the checkpoint into the model, `torch.onnx.export(..., dynamo=True)` once;
-  (b) fuse:  `slabconv fuse CKPT` with its defaults (verification on 64 seeded random samples, two
+  (b) fuse:  `slabconv fuse CKPT` with its defaults (verification on 16 seeded random samples, two
              onnxruntime settings) and with --no-verify;
 
 and prints the ratios fuse / bare in CPU time (on a shared machine wall time depends on the other jobs; CPU time
 much less) and peak RSS. Then one in-process `slabconv.api.fuse` run with a progress hook shows where the CPU
 time goes, stage by stage. Targets (issue 22): fuse <= 1.5x bare, fuse --no-verify <= 1.1x bare.
 
-Run: .venv/bin/python benchmarks/conversion_cost.py [--arch deit_tiny_prepbn]
+Run: .venv/bin/python benchmarks/conversion_cost.py [--arch deit_tiny_prepbn] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -58,26 +60,48 @@ def stages(ckpt: Path, out: Path) -> list[tuple[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="deit_tiny_prepbn")
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="rounds of the three commands, interleaved; each ratio is the median "
+        "over rounds of that round's command / bare (the machine's speed drifts between rounds)"
+    )  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = zoo_checkpoint(args.arch, Path(tmp) / "ckpt.pth")
-        bare = measure([sys.executable, "-c", BARE, str(ckpt), str(Path(tmp) / "bare.onnx")])
-        fuse = measure([sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(Path(tmp) / "f1")])
-        fuse_nv = measure(
-            [sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(Path(tmp) / "f2"), "--no-verify"]
-        )
-        rows = {"bare torch.onnx.export": bare, "slabconv fuse": fuse, "slabconv fuse --no-verify": fuse_nv}
-        print(f"{'run':28s} {'wall s':>7s} {'CPU s':>6s} {'peak RSS MiB':>13s} {'CPU x':>6s} {'RSS x':>6s}")
-        for name, r in rows.items():
-            print(
-                f"{name:28s} {r['wall_s']:7.1f} {r['cpu_s']:6.1f} {r['peak_rss_mib']:13.0f} "
-                f"{r['cpu_s'] / bare['cpu_s']:6.2f} {r['peak_rss_mib'] / bare['peak_rss_mib']:6.2f}"
+        commands = {
+            "bare torch.onnx.export": [sys.executable, "-c", BARE, str(ckpt), str(Path(tmp) / "bare.onnx")],
+            "slabconv fuse": [sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(Path(tmp) / "f1")],
+            "slabconv fuse --no-verify": [
+                sys.executable, "-m", "slabconv", "fuse", str(ckpt), "--out", str(Path(tmp) / "f2"), "--no-verify"
+            ],
+        }  # fmt: skip
+        rounds = []
+        for _ in range(args.repeats):
+            rounds.append({name: measure(cmd) for name, cmd in commands.items()})
+            for out in ("f1", "f2"):
+                shutil.rmtree(Path(tmp) / out, ignore_errors=True)
+        print(f"{'run':28s} {'wall s':>7s} {'CPU s':>6s} {'peak RSS MiB':>13s} {'CPU x':>6s} {'RSS x':>6s}  (medians)")
+        rows = {}
+        for name in commands:
+            runs = [r[name] for r in rounds]
+            cpu_x = statistics.median(r[name]["cpu_s"] / r["bare torch.onnx.export"]["cpu_s"] for r in rounds)
+            rss_x = statistics.median(
+                r[name]["peak_rss_mib"] / r["bare torch.onnx.export"]["peak_rss_mib"] for r in rounds
             )
+            med = {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "cpu_s", "peak_rss_mib")}
+            rows[name] = {**med, "cpu_x": cpu_x, "rss_x": rss_x, "rounds": runs}
+            print(
+                f"{name:28s} {med['wall_s']:7.1f} {med['cpu_s']:6.1f} {med['peak_rss_mib']:13.0f} "
+                f"{cpu_x:6.2f} {rss_x:6.2f}"
+            )
+        if args.repeats > 1:
+            for name in commands:
+                cpu = ", ".join(f"{r[name]['cpu_s'] / r['bare torch.onnx.export']['cpu_s']:.2f}" for r in rounds)
+                print(f"  CPU x per round, {name}: {cpu}")
         print("targets: fuse <= 1.5x bare, fuse --no-verify <= 1.1x bare, in CPU time and in peak RSS")
         print("\nwhere the CPU time goes (one in-process fuse):")
         for message, seconds in stages(ckpt, Path(tmp) / "f3"):
             print(f"  {seconds:7.2f} s  {message}")
-        print(json.dumps({"arch": args.arch, "runs": rows}))
+        print(json.dumps({"arch": args.arch, "repeats": args.repeats, "runs": rows}))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,13 @@ class LoadOptions:
     image_size: int | None = None
 
 
+DEFAULT_SAMPLES = 16
+"""Seeded random samples a verification runs on when no inputs are given (``--samples N`` or ``--inputs`` for
+others). Question 2 takes the largest error over every output value of every sample, and each sample costs a
+float64 pass of the original and a float32 pass of the original and of each artifact in each runtime: at 64, the
+verification of a DeiT-Tiny cost twice the ONNX export it checks (``docs/performance.md``)."""
+
+
 @dataclass(frozen=True)
 class VerifyOptions:
     """What to verify on, and how strictly (``docs/verification.md``).
@@ -61,8 +68,9 @@ class VerifyOptions:
         return self.generate if self.generate is not None else 32
 
     def sample_count(self, streamed: bool = False) -> int:
-        """``samples``, else the default: 64 samples, or 2 token sequences for a streamed (layer-by-layer) run."""
-        return self.samples if self.samples is not None else (2 if streamed else 64)
+        """``samples``, else the default: ``DEFAULT_SAMPLES``, or 2 token sequences for a streamed (layer-by-layer)
+        run."""
+        return self.samples if self.samples is not None else (2 if streamed else DEFAULT_SAMPLES)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ scale in float16, where a runtime comparison drowns in the model's own rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -232,10 +233,51 @@ def test_fuse_catches_a_fold_bug_of_one_part_in_a_thousand_with_question_1(
         api.fuse(ckpt, tmp_path / "out", verify=VerifyOptions(samples=16))
     v = caught.value.report.verification
     assert not v.exact[0].passed and v.exact[0].error > 100 * policy.EXACT_RTOL  # far above float64 rounding
+    assert v.exact[0].detail.endswith(f"on the first {policy.EXACT_SAMPLES} of 16 samples")  # caught on those alone
     assert str(caught.value).startswith("the fused model is not equivalent: question 1 (is the fold exact?) failed")
     assert not (tmp_path / "out").exists()
     if dtype != torch.float32:  # the runtime comparison alone cannot tell this bug from the model's rounding
         assert all(c.passed for c in v.checks)
+
+
+def test_question_2_opens_each_runtime_after_the_one_before_is_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two onnxruntime sessions and the loaded ``.pt2`` never hold their weights and arenas at once."""
+    from slabconv.verify import run
+
+    artifact_runtimes, open_now, most, opened = run.artifact_runtimes, [0], [0], []
+
+    def counted(opener: run.Opener) -> run.Opener:
+        def opening() -> run.Runtime:
+            runtime = opener()
+            open_now[0] += 1
+            most[0] = max(most[0], open_now[0])
+            opened.append(runtime.label)
+            close = runtime.close
+
+            def closing() -> None:
+                open_now[0] -= 1
+                close()
+
+            runtime.close = closing
+            return runtime
+
+        return opening
+
+    def counting(*args: object) -> tuple[list[run.Pending], run.Pending | None]:
+        pending, fallback = artifact_runtimes(*args)  # type: ignore[arg-type]
+        return [dataclasses.replace(one, open=counted(one.open)) for one in pending], fallback
+
+    monkeypatch.setattr(run, "artifact_runtimes", counting)
+    report = api.fuse(save_ckpt(tmp_path / "ckpt.pth"), tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.verification is not None and report.verification.passed
+    assert opened == [
+        "onnxruntime[no-optimizations]",
+        "onnxruntime[all-optimizations]",
+        f"pytorch {torch.__version__} float32 (model.pt2)",
+    ]
+    assert most[0] == 1 and open_now[0] == 0
 
 
 # --------------------------------------------------------------------------------------------- ill-conditioned

@@ -73,7 +73,7 @@ Samples = Annotated[
     typer.Option(
         "--samples",
         min=1,
-        help="Random samples when no inputs are given (default 64; 2 token sequences with --stream); with an .npz "
+        help="Random samples when no inputs are given (default 16; 2 token sequences with --stream); with an .npz "
         "(--inputs, or holdout.npz beside the checkpoint), its first N samples.",
     ),
 ]

@@ -123,8 +123,13 @@ def judge_output(
     )
 
 
-def exact_graphs(names: Sequence[str], fused64: Sequence[np.ndarray], original64: Sequence[np.ndarray]) -> ExactCheck:
-    """Question 1: every output of the fused float64 graph against the original float64 graph, ``<= EXACT_RTOL``."""
+def exact_graphs(
+    names: Sequence[str], fused64: Sequence[np.ndarray], original64: Sequence[np.ndarray], of: int | None = None
+) -> ExactCheck:
+    """Question 1: every output of the fused float64 graph against the original float64 graph, ``<= EXACT_RTOL``.
+
+    ``of``: how many verification samples there were, when the outputs are those of the first few
+    (``policy.EXACT_SAMPLES``); the detail says so."""
     errors = [(rel_err(f, o)[0], n) for n, f, o in zip(names, fused64, original64, strict=True)]
     error, worst = max(errors, key=lambda e: e[0]) if errors else (0.0, "")
     return ExactCheck(
@@ -134,8 +139,13 @@ def exact_graphs(names: Sequence[str], fused64: Sequence[np.ndarray], original64
         error=error,
         bound=policy.EXACT_RTOL,
         worst=worst,
-        detail=f"relative error {error:.3g} (float64 rounding is about 1e-16 per operation)",
+        detail=f"relative error {error:.3g} (float64 rounding is about 1e-16 per operation)" + _first(fused64, of),
     )
+
+
+def _first(outputs: Sequence[np.ndarray], of: int | None) -> str:
+    n = len(outputs[0]) if outputs else 0
+    return f", on the first {n} of {of} samples" if of is not None and n < of else ""
 
 
 def ulps(candidate: torch.Tensor, exact: torch.Tensor) -> float:

@@ -29,7 +29,14 @@ from slabconv.verify import judge
 from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.results import IntegrityCheck, Verification
-from slabconv.verify.run import Reference, check_reference, output_names, question_2, runtime_summary
+from slabconv.verify.run import (
+    Reference,
+    check_reference,
+    exact_samples,
+    output_names,
+    question_2,
+    runtime_summary,
+)
 from slabconv.verify.runtimes import Inputs, Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
 from slabconv.write.onnx import SOURCE_KEY
 
@@ -248,8 +255,9 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
     )
     progress("verifying: question 1, is the fold exact?")
     fused64, _ = onnx_fold.fold_file(load_ir(info.path), str(info.path), as_float64=True)
-    outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x, fixed_batch=batch)
-    verification.exact.append(judge.exact_graphs(names, outputs64, exact))
+    x1, exact1, total = exact_samples(x, exact)
+    outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x1, fixed_batch=batch)
+    verification.exact.append(judge.exact_graphs(names, outputs64, exact1, of=total))
     verification.exact.append(
         judge.exact_tensors(f"{fused_path.name} vs the float64 fold", _float_tensors(fused_path), _ir_tensors(fused64))
     )
@@ -295,10 +303,11 @@ def question_1(
     """Question 1 for a fused ``model.onnx`` against the ``.onnx`` it was folded from: a fresh float64 fold of the
     reference against the reference in float64 (``exact``), and every tensor of the candidate against that fold."""
     fused64, _ = onnx_fold.fold_file(load_ir(reference), str(reference), as_float64=True)
-    outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x, fixed_batch=batch)
+    x1, exact1, total = exact_samples(x, exact)
+    outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x1, fixed_batch=batch)
     names = output_names(len(exact), [v.name for v in fused64.graph.outputs])
     return [
-        judge.exact_graphs(names, outputs, exact),
+        judge.exact_graphs(names, outputs, exact1, of=total),
         judge.exact_tensors(f"{candidate.name} vs a float64 fold of the reference", _float_tensors(candidate),
                             _ir_tensors(fused64)),
     ]  # fmt: skip

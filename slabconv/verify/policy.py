@@ -29,6 +29,12 @@ ULPS = 0
 """Question 1 for written files: how many units in the last place a stored value may be from the correctly rounded
 float64 fold. A correct writer rounds once, so 0: one unit would let a bfloat16 weight be 0.4-0.8% off."""
 
+EXACT_SAMPLES = 4
+"""Question 1's graph check runs on the first this many verification samples. Exactness needs no statistics: a
+correct fold is within float64 rounding on every input, and a wrong one changes the output of almost every input
+(a wrong weight or bias reaches every sample's activations), so more samples would only repeat float64 passes
+that question 2 does not need."""
+
 TIE = 1e-12
 """A float64 fold this close (relatively) to the midpoint of two neighbours may round to either of them."""
 

@@ -13,8 +13,9 @@ Both follow the policy of ``slabconv.verify.policy``:
 from __future__ import annotations
 
 import copy
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,23 +27,34 @@ from torch import fx, nn
 from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
-from slabconv.options import VerifyOptions
+from slabconv.options import DEFAULT_SAMPLES, VerifyOptions
 from slabconv.util import Progress, no_progress, release_memory, stage_memory
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file, check_safetensors_reload
-from slabconv.verify.policy import dtype_name
+from slabconv.verify.policy import EXACT_SAMPLES, dtype_name
 from slabconv.verify.reference import float64_graph, fold64
 from slabconv.verify.results import ExactCheck, IntegrityCheck, OutputCheck, Verification
 from slabconv.verify.runtimes import (
+    ORT_LEVELS,
+    Inputs,
     Runtime,
     RuntimeUnavailable,
     onnx_runtimes,
     onnxruntime_version,
+    ort_label,
     run_batched,
+    samples_of,
+    take,
+    torch_label,
     torch_runner,
     torch_runtime,
 )
+
+FLOAT64_BATCH = 4
+"""Samples per call of a float64 graph (the reference, question 1): its activations take twice float32's, and at
+16 samples a call they set verification's peak memory (a DeiT-Tiny at 224x224: about 10 MiB a sample). Batches
+of 4 took no more CPU time (``docs/performance.md``)."""
 
 
 def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
@@ -91,7 +103,7 @@ class Reference:
         x = self.x[:, :length]
         original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
         runner = torch_runner(self.original64, torch.float64, round_to=loaded.dtype)
-        exact = run_batched(runner, x, fixed_batch=loaded.batch)
+        exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
         names = [f"{name}, length {length}" for name in self.names]
         return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64)
 
@@ -144,7 +156,8 @@ def make_reference(
     else:
         original = run_batched(torch_runner(loaded.model, dtype), x, fixed_batch=loaded.batch)
     original64 = float64_graph(original_graph, example)
-    exact = run_batched(torch_runner(original64, torch.float64, round_to=dtype), x, fixed_batch=loaded.batch)
+    runner = torch_runner(original64, torch.float64, round_to=dtype)
+    exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
     fused64, decisions64 = fold64(original64)
     name = dtype_name(dtype)
@@ -199,12 +212,24 @@ def question_2(
     return checks
 
 
+def exact_samples(x: Inputs, exact: Sequence[np.ndarray]) -> tuple[Inputs, list[np.ndarray], int]:
+    """The inputs question 1's graph check runs on, the float64 reference outputs for them, and how many samples
+    there were: the first ``policy.EXACT_SAMPLES`` (a fold is exact on every input or wrong on almost every one;
+    question 2 needs every sample, question 1 does not)."""
+    total = samples_of(x)
+    n = min(EXACT_SAMPLES, total)
+    return take(x, 0, n), [e[:n] for e in exact], total
+
+
 def question_1_graph(reference: Reference, fused64: nn.Module, batch: int | None = None) -> ExactCheck:
-    """The fused float64 graph against the original float64 outputs of ``reference``."""
+    """The fused float64 graph against the original float64 outputs of ``reference`` (on ``exact_samples``)."""
     assert reference.exact is not None
     dtype = getattr(torch, reference.dtype)
-    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), reference.x, fixed_batch=batch)
-    return judge.exact_graphs(reference.names, outputs, reference.exact)
+    x, exact, total = exact_samples(reference.x, reference.exact)
+    outputs = run_batched(
+        torch_runner(fused64, torch.float64, round_to=dtype), x, batch=FLOAT64_BATCH, fixed_batch=batch
+    )
+    return judge.exact_graphs(reference.names, outputs, exact, of=total)
 
 
 def decisions_note(decisions: Sequence[Any], decisions64: Sequence[Any]) -> list[str]:
@@ -247,28 +272,55 @@ class Artifacts:
     sha256: dict[str, str] = field(default_factory=dict)
 
 
-def artifact_runtimes(artifacts: Artifacts, dtype: torch.dtype, batch: int | None) -> tuple[list[Runtime], list[str]]:
-    """The runtimes question 2 runs: onnxruntime on ``model.onnx`` (optimisations off and on), PyTorch on
-    ``model.pt2``; the fused graph in PyTorch when neither was written, each in the files' dtype (``dtype`` for
-    files in the checkpoint's dtype). Notes say what could not run."""
-    dtype = artifacts.dtype or dtype
-    runtimes: list[Runtime] = []
-    notes: list[str] = []
-    if artifacts.onnx is not None:
-        try:
-            runtimes += onnx_runtimes(artifacts.onnx)
-        except RuntimeUnavailable as err:
-            notes.append(
-                f"{err}; model.onnx got onnx.checker's full check, and question 2 ran the PyTorch program instead"
-            )
-    if artifacts.pt2 is not None:
-        from slabconv.load.checkpoint import load_checkpoint
+Opener = Callable[[], Runtime]
+"""Opens one runtime of question 2 (an onnxruntime session, the ``.pt2`` loaded back) when its turn comes."""
 
-        module = load_checkpoint(artifacts.pt2).module
-        runtimes.append(torch_runtime(module, dtype, "model.pt2", fixed_batch=batch))
-    if not runtimes and artifacts.fused_graph is not None:
-        runtimes.append(torch_runtime(artifacts.fused_graph, dtype, "fused graph", fixed_batch=batch))
-    return runtimes, notes
+
+@dataclass(frozen=True)
+class Pending:
+    """A runtime of question 2 not opened yet: the artifact it runs, the label it will have, and its opener."""
+
+    artifact: str
+    label: str
+    open: Opener
+
+
+def artifact_runtimes(
+    artifacts: Artifacts, dtype: torch.dtype, batch: int | None
+) -> tuple[list[Pending], Pending | None]:
+    """The runtimes question 2 runs, in order: onnxruntime on ``model.onnx`` with graph optimisations off, then on
+    (``ORT_LEVELS``), PyTorch on ``model.pt2`` loaded back from the file; and the fallback, the fused graph in
+    PyTorch (run when none of them could). Each runs in the files' dtype (``dtype`` for files in the checkpoint's
+    dtype).
+
+    Nothing is opened here: ``question_2_each`` opens each runtime only after the one before it is closed, so two
+    sessions (or a session and the loaded program) never hold their weights and arenas at once."""
+    dtype = artifacts.dtype or dtype
+    name = dtype_name(dtype)
+    pending: list[Pending] = []
+    if (onnx := artifacts.onnx) is not None:
+        pending += [
+            Pending(onnx.name, ort_label(level), functools.partial(_ort_level, onnx, level)) for level in ORT_LEVELS
+        ]
+    if (pt2 := artifacts.pt2) is not None:
+        pending.append(
+            Pending(pt2.name, torch_label(name, pt2.name), functools.partial(_pt2_runtime, pt2, dtype, batch))
+        )
+    fallback = None
+    if (graph := artifacts.fused_graph) is not None:
+        what = "fused graph"
+        fallback = Pending(what, torch_label(name, what), functools.partial(torch_runtime, graph, dtype, what, batch))
+    return pending, fallback
+
+
+def _ort_level(path: Path, level: str) -> Runtime:
+    return onnx_runtimes(path, levels=(level,))[0]
+
+
+def _pt2_runtime(path: Path, dtype: torch.dtype, batch: int | None) -> Runtime:
+    from slabconv.load.checkpoint import load_checkpoint
+
+    return torch_runtime(load_checkpoint(path).module, dtype, path.name, fixed_batch=batch)
 
 
 def runtime_summary(runtimes: Sequence[Runtime]) -> str:
@@ -286,24 +338,46 @@ def runtime_summary(runtimes: Sequence[Runtime]) -> str:
 def question_2_each(
     reference: Reference,
     shorter: Reference | None,
-    runtimes: Sequence[Runtime],
+    pending: Sequence[Pending],
     *,
     rtol: float | None,
     atol: float,
     strict: bool,
     token_logits: bool,
+    fallback: Pending | None = None,
     progress: Progress = no_progress,
-) -> list[OutputCheck]:
-    """Question 2 for each runtime on ``reference`` and, when given, on ``shorter`` (the same inputs at a shorter
-    length): the checks of every runtime on ``reference``, then those on ``shorter``.
+) -> tuple[list[OutputCheck], list[Runtime], list[str]]:
+    """Question 2 for each runtime of ``pending`` (``artifact_runtimes``) on ``reference`` and, when given, on
+    ``shorter`` (the same inputs at a shorter length): the checks of every runtime on ``reference``, then those on
+    ``shorter``.
 
-    One runtime at a time: each is closed (``Runtime.close``: its onnxruntime session and memory arena freed)
-    once both its runs are done, so the runtimes never hold their memory at once.
+    One runtime at a time: each is opened when its turn comes and closed (``Runtime.close``: its onnxruntime
+    session and memory arena freed) once both its runs are done, so the runtimes never hold their memory at once.
+    A runtime that cannot run its artifact (``RuntimeUnavailable``: onnxruntime's CPU provider has no bfloat16
+    kernels) is named in a note and the artifact's other runtimes are skipped; when none ran, ``fallback`` (the
+    fused graph in PyTorch) does.
+
+    Returns:
+        ``(checks, the runtimes that ran, notes)``.
     """
     checks: list[OutputCheck] = []
     at_length: list[OutputCheck] = []
-    for runtime in runtimes:
-        progress(f"verifying: question 2, {runtime.label}")
+    ran: list[Runtime] = []
+    notes: list[str] = []
+    unavailable: set[str] = set()
+    for one in [*pending, fallback]:
+        if one is None or (one is fallback and ran) or one.artifact in unavailable:
+            continue
+        progress(f"verifying: question 2, {one.label}")
+        try:
+            runtime = one.open()
+        except RuntimeUnavailable as err:
+            unavailable.add(one.artifact)
+            notes.append(
+                f"{err}; {one.artifact} got onnx.checker's full check, and question 2 ran the PyTorch program instead"
+            )
+            continue
+        ran.append(runtime)
         checks += question_2(reference, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=token_logits)
         if shorter is not None:
             progress(f"verifying: question 2, {runtime.label}, length {shorter.x.shape[1]}")
@@ -311,8 +385,9 @@ def question_2_each(
                 shorter, runtime, rtol=rtol, atol=atol, strict=strict, token_logits=True, names=shorter.names
             )
         runtime.close()
+        del runtime
         release_memory(collect=False)
-    return checks + at_length
+    return checks + at_length, ran, notes
 
 
 def verify_fold(
@@ -323,7 +398,7 @@ def verify_fold(
     artifacts: Artifacts,
     *,
     inputs: Path | None = None,
-    samples: int = 64,
+    samples: int = DEFAULT_SAMPLES,
     seed: int = 0,
     rtol: float | None = None,
     atol: float = 0.0,
@@ -376,21 +451,21 @@ def verify_fold(
     if artifacts.onnx is not None:
         passed, detail = check_onnx_file(artifacts.onnx)
         verification.integrity.append(IntegrityCheck(f"onnx.checker[full_check] {artifacts.onnx.name}", passed, detail))
-    runtimes, notes = artifact_runtimes(artifacts, loaded.dtype, loaded.batch)
     if artifacts.dtype is not None and artifacts.dtype != loaded.dtype:
         written = dtype_name(artifacts.dtype)
-        notes.insert(
-            0,
+        verification.notes.append(
             f"the files are written in {written} (--dtype): folded in float64 and cast once; question 2 judges them "
             f"at {written}'s tolerance against the float64 reference, the original's own error being that of the "
             f"original model cast to {written}",
         )
-    verification.notes += notes
-    verification.checks += question_2_each(
-        reference, shorter, runtimes, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input,
-        progress=progress,
+    pending, fallback = artifact_runtimes(artifacts, loaded.dtype, loaded.batch)
+    checks, ran, notes = question_2_each(
+        reference, shorter, pending, rtol=rtol, atol=atol, strict=strict, token_logits=loaded.token_input,
+        fallback=fallback, progress=progress,
     )  # fmt: skip
-    verification.runtime = runtime_summary(runtimes)
+    verification.checks += checks
+    verification.notes += notes
+    verification.runtime = runtime_summary(ran)
     return verification
 
 

@@ -222,9 +222,19 @@ def _open_torch(
     dtype = dtype or backend.dtype
     name = dtype_name(dtype)
     placed = model if backend.device == "cpu" else to_device(model, backend.device)
-    label = f"pytorch {torch.__version__} {name} ({what})"
+    label = torch_label(name, what)
     run = torch_runner(placed, dtype, device=backend.device)
     return [Runtime(label, run, name, fixed_batch=fixed_batch, kind=backend.name, timer=_torch_timer(placed, backend))]
+
+
+def torch_label(dtype: str, what: str) -> str:
+    """The label of a PyTorch runtime: ``pytorch <version> <dtype> (<what>)``."""
+    return f"pytorch {torch.__version__} {dtype} ({what})"
+
+
+def ort_label(level: str) -> str:
+    """The label of an onnxruntime session at one of ``ORT_LEVELS``: ``onnxruntime[<level>]``."""
+    return f"onnxruntime[{level}]"
 
 
 def torch_runtime(model: nn.Module, dtype: torch.dtype, what: str, fixed_batch: int | None = None) -> Runtime:
@@ -315,7 +325,7 @@ def _open_ort(
 
         runtimes.append(
             Runtime(
-                label=f"onnxruntime[{label}]",
+                label=ort_label(label),
                 run=run,
                 dtype=dtype,
                 output_names=[o.name for o in outputs],
@@ -329,9 +339,10 @@ def _open_ort(
     return runtimes
 
 
-def onnx_runtimes(path: Path, several: bool = False) -> list[Runtime]:
-    """onnxruntime on the CPU with graph optimisations disabled and fully enabled (``_open_ort``)."""
-    return BACKENDS["onnxruntime"].open(path, several=several)
+def onnx_runtimes(path: Path, several: bool = False, levels: tuple[str, ...] = ORT_LEVELS) -> list[Runtime]:
+    """onnxruntime on the CPU with graph optimisations disabled and fully enabled, or at ``levels`` only
+    (``_open_ort``)."""
+    return BACKENDS["onnxruntime"].open(path, several=several, levels=levels)
 
 
 _OV_PRECISIONS = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
