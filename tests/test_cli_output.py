@@ -250,6 +250,9 @@ def test_an_option_means_the_same_on_every_command():
 def test_install_completion_installs_a_script_that_completes(tmp_path):
     script = Path(sys.executable).parent / "slabconv"
     env = {**os.environ, "HOME": str(tmp_path), "SHELL": "/bin/bash"}
+    # Typer finds the user's shell among the process's ancestors (shellingham); a test runner started outside a
+    # shell has none ("Shell None is not supported"), so the shell is named, as Typer's own tests do.
+    env["_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"] = "1"
     proc = subprocess.run([script, "--install-completion", "bash"], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     installed = (tmp_path / ".bash_completions" / "slabconv.sh").read_text()
