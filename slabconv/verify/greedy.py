@@ -57,7 +57,8 @@ class RuntimeComparison:
     Attributes:
         name: the candidate run.
         tokens_per_second: its throughput.
-        tokens_compared: steps compared over all sequences (each up to and including its first differing token).
+        tokens_compared: steps compared over all sequences (each up to and including its first differing token,
+            or its end-of-sequence token where the run stopped there: ``ENDED``).
         decisive_mismatches: sequences whose first differing token is at a decisive step (failures).
         near_ties: compared steps where the reference's margin is a near-tie.
         near_tie_divergences: sequences whose first differing token is at a near-tie (the rest is not compared).
