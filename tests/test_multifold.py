@@ -236,3 +236,77 @@ def test_the_float64_graph_is_retyped_not_captured_again_and_equals_a_capture(dt
     x64 = reference.float64_example(x)
     with torch.no_grad():
         assert torch.equal(fused(x64), fused_again(x64))
+
+
+def _propagated(gm: torch.fx.GraphModule) -> list[tuple[object, ...]]:
+    """Every node's (dtype, shape, stride) after ``FakeTensorProp`` of a promoted copy (the slow, certain way)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from slabconv.verify import reference
+
+    class Prop(FakeTensorProp):
+        def get_attr(self, target, args, kwargs):  # type: ignore[no-untyped-def]
+            value = super().get_attr(target, args, kwargs)
+            return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+
+    promoted = reference.promote_to_float64(gm)
+    fakes = [n.meta["val"] for n in promoted.graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(fakes)
+    with mode:
+        inputs = [v.to(torch.float64) if v.is_floating_point() else v for v in fakes]
+    Prop(promoted, mode).propagate_dont_convert_inputs(*inputs)
+    return _metadata(promoted)
+
+
+def _metadata(gm: torch.fx.GraphModule) -> list[tuple[object, ...]]:
+    out: list[tuple[object, ...]] = []
+    for node in gm.graph.nodes:
+        values = node.meta.get("val") if node.op != "output" else None  # the propagation alone records one there
+        for v in values if isinstance(values, (list, tuple)) else [values]:
+            if isinstance(v, torch.Tensor):
+                out.append((node.name, v.dtype, tuple(v.shape), v.stride()))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["conv", "llama"])
+def test_retyping_by_promotion_gives_what_propagating_the_values_gives(kind: str) -> None:
+    """The cheap path of ``float64_graph`` (no op is run) sets every node's dtype, symbolic shape and stride as
+    ``FakeTensorProp`` does."""
+    from torch._guards import detect_fake_mode
+
+    from slabconv.verify import reference
+    from tests.test_llama import tiny_model
+
+    if kind == "conv":
+        model, x = _model("conv", True, torch.float16)
+    else:
+        model, x = tiny_model().eval(), torch.randint(0, 50, (2, 8))
+    original = capture(model, x)
+    promoted = reference.promote_to_float64(original)
+    fakes = [n.meta["val"] for n in promoted.graph.nodes if n.op == "placeholder"]
+    assert reference._retype_by_promotion(promoted, detect_fake_mode(fakes))
+    assert _metadata(promoted) == _propagated(original)
+
+
+class _DefaultDtype(nn.Module):
+    """``arange(n) / n`` makes a floating tensor from integers: torch's default dtype (float32) decides its dtype,
+    which promoting the graph's weights and dtype arguments does not change."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.arange(x.shape[-1]) / x.shape[-1])
+
+
+def test_a_float_made_from_integers_is_propagated_not_assumed_float64() -> None:
+    from torch._guards import detect_fake_mode
+
+    from slabconv.verify import reference
+
+    original = capture(_DefaultDtype(), torch.randn(2, 6))
+    promoted = reference.promote_to_float64(original)
+    fakes = [n.meta["val"] for n in promoted.graph.nodes if n.op == "placeholder"]
+    assert not reference._retype_by_promotion(promoted, detect_fake_mode(fakes))  # refused, nothing changed
+    assert _metadata(promoted) == _metadata(original)
+    assert reference._retype_metadata(promoted)  # the propagation instead
+    assert _metadata(promoted) == _propagated(original)
+    assert torch.float32 in {dtype for _, dtype, _, _ in _metadata(promoted)}  # the arange / n node stays float32
