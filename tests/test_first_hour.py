@@ -57,8 +57,14 @@ def test_a_pipe_closed_by_head_keeps_pipefail_green():
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_exits_130_and_writes_nothing(tmp_path, sig):
     out, log = tmp_path / "fused", tmp_path.parent / f"{tmp_path.name}-stderr.txt"
+
+    def as_at_a_terminal() -> None:  # a shell starts background jobs with SIGINT ignored, and Python keeps that
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     with open(log, "w") as stderr:
-        proc = _slabconv("fuse", str(CKPT), "--out", str(out), stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = _slabconv(
+            "fuse", str(CKPT), "--out", str(out), stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=as_at_a_terminal
+        )
         deadline = time.monotonic() + 120
         while "tracing" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
