@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from slabconv import api
-from slabconv.errors import UnsupportedModelError, UsageError
+from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load.model import load_model
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify.generate import (
@@ -535,6 +535,18 @@ def test_steps_after_a_sequences_end_are_not_compared_but_its_end_is():
     assert check.passed and check.runs[0].tokens_compared == 5
     stopped_early = GreedyRun("genai", np.array([[3, ENDED, ENDED, ENDED], [2, 2, 2, 2]]), 1.0)
     assert not compare_greedy(reference, [stopped_early], "float32").passed  # an end where the original has none
+
+
+@pytest.mark.parametrize("model", [{"eos_token_id": None}, {"eos_token_id": [2, "x"]}, {}, "not json"])
+def test_a_genai_config_without_end_ids_is_one_line(tmp_path, model):
+    from slabconv.verify.generate import _genai_eos
+
+    path = tmp_path / "genai_config.json"
+    path.write_text(model if isinstance(model, str) else json.dumps({"model": model}))
+    with pytest.raises(InputError, match="no model.eos_token_id"):
+        _genai_eos(path)
+    path.write_text(json.dumps({"model": {"eos_token_id": [2, 5]}}))
+    assert _genai_eos(path) == {2, 5}
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slabconv.errors import UsageError
+from slabconv.errors import InputError, UsageError
 from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of this module's face)
     ENDED,
     ArrayLike,
@@ -276,6 +276,24 @@ def genai_available() -> bool:
     return True
 
 
+def _genai_eos(path: Path) -> set[int]:
+    """The end-of-sequence ids of a ``genai_config.json`` (``model.eos_token_id``: an id or a list of them).
+
+    Raises:
+        InputError: the file is not JSON or has no such ids.
+    """
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8"))["model"]["eos_token_id"]
+    except (ValueError, KeyError, TypeError):
+        eos = None
+    ids = eos if isinstance(eos, list) else [eos]
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise InputError(
+            f"{path}: no model.eos_token_id (a token id or a list of them); fuse the model again to write it"
+        )
+    return set(ids)
+
+
 def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: str | None = None) -> GreedyRun:
     """Greedy tokens of the fused folder in onnxruntime-genai: ``decoder.onnx`` as ``genai_config.json`` describes
     it, the key/value cache managed by onnxruntime-genai itself.
@@ -294,6 +312,7 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
     Raises:
         UsageError: onnxruntime-genai is not installed (``pip install slabconv[genai]``), no ``genai_config.json``,
             bad prompts or steps.
+        InputError: ``genai_config.json`` names no end-of-sequence id.
     """
     try:
         import onnxruntime_genai as og
@@ -308,8 +327,7 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
     dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "float32")
     label = name or f"fused {dtype} (onnxruntime-genai {og.__version__}, KV cache)"
 
-    eos = json.loads((folder / "genai_config.json").read_text(encoding="utf-8"))["model"]["eos_token_id"]
-    ends = set(eos) if isinstance(eos, list) else {eos}
+    ends = _genai_eos(folder / "genai_config.json")
 
     def run(tokens: np.ndarray, count: int) -> tuple[np.ndarray, float]:
         total = tokens.shape[1] + count
