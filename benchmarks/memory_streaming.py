@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
         plan_only = (
             "import json, sys; from pathlib import Path; import slabconv.cli; from slabconv import pipeline; "
             "from slabconv.load.shards import LazyShards; d = Path(sys.argv[1]); "
-            "pipeline.plan_shards(LazyShards.open(d), json.load(open(d / 'config.json')), None, '')"
+            "pipeline.plan_sharded(LazyShards.open(d), json.load(open(d / 'config.json')), None, '')[1]"
         )
         fixed = measure([sys.executable, "-c", plan_only, str(src)])
         run = measure(  # --generate 0: the greedy-generation check loads both models whole, by design

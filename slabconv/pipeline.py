@@ -13,10 +13,11 @@ stage              in memory                                       streamed
 open               ``load_model``: the model with its weights      ``open_sharded`` + ``planning_model``: the
                                                                    full-size model with stand-in weights (the
                                                                    vectors read for real, the big weights shapes
-                                                                   only)
+                                                                   only); a deep decoder with three of its layers
 plan               ``engine.fold_program``: decisions and the fold program; applied to a copy of the traced graph
                    and evaluated over its tensors (in memory) or left for the writer (streamed: every norm must
-                   fold away, the output has no graph to keep an affine in)
+                   fold away, the output has no graph to keep an affine in; a deep decoder's layers are each
+                   planned from their own values on the three-layer graph, ``engine.fold_repeated``)
 check              the fused graph's output is finite              each written block is checked as it is folded
 write              ``model.safetensors``, ``model.onnx``,          the program over the shards, one block of rows
                    ``model.pt2``; a language model's Hugging       at a time, with the input's shard boundaries;
@@ -34,6 +35,7 @@ and rounded once.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -45,7 +47,7 @@ from torch import fx
 
 from slabconv import engine
 from slabconv.errors import InputError, NumericError, UnsupportedModelError, UsageError, VerificationError
-from slabconv.load.lazy import ShardedFolder, open_sharded, planning_model
+from slabconv.load.lazy import BlockSlots, PlanningModel, ShardedFolder, open_sharded, planning_model, stack_depth
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.load.source import Source
@@ -95,20 +97,25 @@ class Opened:
         return self.loaded.source()
 
 
-def open_model(path: Path, load: LoadOptions | None, stream: bool, progress: Progress = no_progress) -> Opened:
-    """The model at ``path``, in memory (``load_model``) or, with ``stream``, a sharded folder's planning instance.
+def open_and_plan(
+    path: Path, load: LoadOptions | None, stream: bool, progress: Progress = no_progress
+) -> tuple[Opened, Planned]:
+    """The model at ``path``, in memory (``load_model``) or, with ``stream``, a sharded folder's planning instance
+    (``plan_sharded``), and its plan.
 
     Raises:
-        InputError, UnsupportedModelError, UsageError: as ``load_model`` / ``load.lazy.open_sharded``.
+        InputError, UnsupportedModelError, UsageError: as ``load_model`` / ``load.lazy.open_sharded`` / ``plan``.
     """
     if not stream:
         progress(f"loading {path}")
-        return Opened(load_model(path, load))
+        opened = Opened(load_model(path, load))
+        return opened, plan(opened.loaded, progress)
     return_freed_blocks_to_the_os()
     sharded = open_sharded(path, FOLD_BLOCK)
-    progress("building the full-size architecture with stand-in weights")
-    planning = planning_model(sharded.shards, sharded.config, load.arch if load else None, sharded.sha256)
-    return Opened(planning.loaded, sharded, frozenset(planning.unknown))
+    planning, planned = plan_sharded(
+        sharded.shards, sharded.config, load.arch if load else None, sharded.sha256, progress
+    )
+    return Opened(planning.loaded, sharded, frozenset(planning.unknown)), planned
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -125,6 +132,8 @@ class Planned:
         decisions: one per norm, in graph order.
         example: the input the graphs were traced with.
         program: one recipe per tensor the fused model stores (``engine.program``).
+        traced_blocks: a streamed plan of a deep decoder made from a capture with fewer layers
+            (``engine.repeat``): (layers traced, layers planned); None when every layer was traced.
     """
 
     original: fx.GraphModule | None
@@ -132,6 +141,7 @@ class Planned:
     decisions: list[engine.Decision]
     example: torch.Tensor
     program: engine.Program | None = None
+    traced_blocks: tuple[int, int] | None = None
 
     @property
     def complete(self) -> bool:
@@ -139,12 +149,19 @@ class Planned:
         return all(d.action.startswith("folded") for d in self.decisions)
 
 
-def plan(loaded: LoadedModel, progress: Progress = no_progress, unknown: frozenset[str] = frozenset()) -> Planned:
+def plan(
+    loaded: LoadedModel,
+    progress: Progress = no_progress,
+    unknown: frozenset[str] = frozenset(),
+    repeat: engine.Repeat | None = None,
+) -> Planned:
     """Trace ``loaded.model`` and fold every norm (the engine's capture, plan and apply).
 
     Args:
         unknown: stand-in tensors of a streamed planning instance: the program is left unevaluated, and every
             norm must fold away.
+        repeat: ``loaded.model`` holds three of the real model's ``repeat.depth`` decoder layers
+            (``engine.fold_repeated``); raises ``Unrepeatable`` when one layer's plan cannot stand for another's.
 
     Raises:
         UnsupportedModelError: torch.export cannot trace the model; a streamed plan keeps a norm, or stores a
@@ -162,7 +179,19 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress, unknown: frozens
         progress("folding norms", done, total)
 
     progress("folding norms")
-    decisions, program = engine.fold_program(fused, folded, unknown=unknown)
+    traced_blocks = None
+    if repeat is None:
+        decisions, program = engine.fold_program(fused, folded, unknown=unknown)
+    else:
+
+        def block(done: int, total: int) -> None:
+            progress("planning each decoder layer from its own values", done, total)
+
+        repeated = engine.fold_repeated(fused, repeat, folded, unknown, block)
+        if repeated is None:
+            raise Unrepeatable()
+        decisions, program = repeated
+        traced_blocks = (engine.SLOTS, repeat.depth)
     for i, d in enumerate(decisions, 1):  # --verbose: each decision, as the fold table will show it
         into = f" into {', '.join(d.into)}" if d.into else ""
         line = f"{d.norm} ({i}/{len(decisions)}): {d.action}{into}" + (f" ({d.reason})" if d.reason else "")
@@ -175,7 +204,55 @@ def plan(loaded: LoadedModel, progress: Progress = no_progress, unknown: frozens
         )
     if unknown:
         _require_streamable(decisions, program)
-    return Planned(original, fused, decisions, example, program)
+    return Planned(original, fused, decisions, example, program, traced_blocks)
+
+
+class Unrepeatable(Exception):
+    """A plan from a capture with fewer decoder layers cannot stand for every layer (``engine.fold_repeated``)."""
+
+
+def plan_sharded(
+    shards: LazyShards, config: dict[str, Any], arch: str | None, sha256: str, progress: Progress = no_progress
+) -> tuple[PlanningModel, Planned]:
+    """The streamed plan of a safetensors folder read by ``shards``: what ``fuse --stream`` folds by, and what
+    ``verify --stream`` checks a fused folder against (question 1).
+
+    A decoder whose layers are alike (``load.lazy.stack_depth``: the same names, dtypes and shapes in every
+    layer) and has more than three is planned from a capture of three of them, each layer from its own values
+    (``engine.repeat``); when that is not sound for this model (a fold that crosses layers, layers that fold
+    differently), or the architecture cannot be built with three layers, every layer is traced.
+
+    Raises:
+        UnsupportedModelError, InputError: as ``load.lazy.planning_model`` and ``plan``.
+    """
+    progress("building the full-size architecture with stand-in weights")
+    stack = _stack(shards)
+    if stack is not None:
+        prefix, depth = stack
+        try:
+            planning = planning_model(BlockSlots(shards, prefix, (0, 1, depth - 1)), config, arch, sha256)
+        except (InputError, UnsupportedModelError):
+            pass  # the architecture is not built from the layers it is given: trace every layer
+        else:
+            repeat = engine.Repeat(prefix, depth, functools.partial(planning.block_values, shards, prefix))
+            try:
+                return planning, plan(planning.loaded, progress, frozenset(planning.unknown), repeat)
+            except Unrepeatable:
+                progress("the decoder layers fold differently: tracing every layer")
+    planning = planning_model(shards, config, arch, sha256)
+    return planning, plan(planning.loaded, progress, frozenset(planning.unknown))
+
+
+def _stack(shards: LazyShards) -> tuple[str, int] | None:
+    """The decoder layer prefix and depth of a folder whose model is planned from three layers, else None."""
+    from slabconv.zoo.decoder import family_of
+
+    try:
+        prefix = family_of(shards.weight_map).layer_prefix
+    except UnsupportedModelError:
+        return None
+    depth = stack_depth(shards.specs(), prefix)
+    return (prefix, depth) if depth is not None and depth > engine.SLOTS else None
 
 
 def _require_streamable(decisions: list[engine.Decision], program: engine.Program) -> None:
@@ -492,8 +569,7 @@ def fuse(
     as ``report.json``) and raises what ``api.fuse`` documents; whatever it raises, nothing is written."""
     dtype = write_dtype(write)
     check_stream_options(path, verify, write)
-    opened = open_model(path, load, write.stream, progress)
-    planned = plan(opened.loaded, progress, opened.unknown)
+    opened, planned = open_and_plan(path, load, write.stream, progress)
     check_before_writing(opened, planned, verify, write)
     if dtype is not None:
         planned = cast_planned(opened.loaded, planned, dtype)
@@ -501,20 +577,16 @@ def fuse(
     report = Report("fuse", source=opened.source(), folds=planned.decisions, out_dir=str(out_dir), mode=mode)
     if opened.streamed:
         report.plan = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
+        if planned.traced_blocks is not None:
+            traced, depth = planned.traced_blocks
+            report.plan["planning"] = (
+                f"the architecture with {traced} of its {depth} decoder layers (the first, the second, the last), "
+                "stand-in weights (slabconv.load.lazy); every layer planned from its own values "
+                "(slabconv.engine.repeat)"
+            )
     with staging_dir(out_dir, write.force) as tmp:
         outputs, artifacts = write_model(tmp, opened, planned, write, progress)
         if verify is not None:
             report.verification = verify_model(opened, planned, outputs, artifacts, verify, write, progress)
         finish(report, tmp, out_dir, outputs, artifacts.sha256)
     return report
-
-
-def plan_shards(shards: LazyShards, config: dict[str, Any], arch: str | None, sha256: str) -> Planned:
-    """The streamed plan of a safetensors folder read by ``shards`` (its planning instance, ``load.lazy``): what
-    ``fuse --stream`` folds by, and what ``verify --stream`` checks a fused folder against (question 1).
-
-    Raises:
-        UnsupportedModelError, InputError: as ``load.lazy.planning_model`` and ``plan``.
-    """
-    planning = planning_model(shards, config, arch, sha256)
-    return plan(planning.loaded, no_progress, frozenset(planning.unknown))

@@ -14,7 +14,7 @@ from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.load.source import Source
 from slabconv.options import VerifyOptions
-from slabconv.pipeline import FOLD_BLOCK, plan_shards
+from slabconv.pipeline import FOLD_BLOCK, plan_sharded
 from slabconv.report.data import Report
 from slabconv.util import Progress, sha256_file
 from slabconv.verify.streamed import check_generation_fits, generation, verify_folders
@@ -50,7 +50,7 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
     if folded:
         found = hf.hf_weights_file(reference)
         sha = sha256_file(found[0]) if found else ""
-        program = plan_shards(src, hf.read_hf_config(reference), None, sha).program
+        program = plan_sharded(src, hf.read_hf_config(reference), None, sha)[1].program
     verification = verify_folders(reference, candidate, program, opts, progress, FOLD_BLOCK)
     if opts.generate:
         verification.generation = generation(reference, candidate, opts, progress)

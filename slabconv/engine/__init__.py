@@ -15,6 +15,8 @@ One module per job, in the order the data goes through them:
   (in memory, or one block of rows at a time in the streamed mode).
 - ``rewriter``: applies the plans to the graph (``apply_folds``); ``fold_all`` / ``fold_program`` run the whole
   engine.
+- ``repeat``: the plan of a stack of identical blocks from a capture of three of them (``fold_repeated``: each
+  block planned from its own values; the streamed mode's planner of a deep decoder).
 - ``cleanup``: cancels views left by removed norms, drops unused tensors; ``fused_state_dict``, ``norm_free``.
 
 The names below are the engine's public surface; the other stages import nothing else from it.
@@ -35,6 +37,7 @@ from slabconv.engine.planner import (
     schedule_warnings,
 )
 from slabconv.engine.program import FOLD_BLOCK, LayerRecipe, Program, TensorRecipe, WeightStore, row_ranges
+from slabconv.engine.repeat import SLOTS, Repeat, fold_repeated
 from slabconv.engine.rewriter import apply_folds, fold_all, fold_program
 
 __all__ = [
@@ -48,6 +51,8 @@ __all__ = [
     "NormPlan",
     "NormSite",
     "Program",
+    "Repeat",
+    "SLOTS",
     "TensorRecipe",
     "WeightStore",
     "apply_folds",
@@ -55,6 +60,7 @@ __all__ = [
     "find_norms",
     "fold_all",
     "fold_program",
+    "fold_repeated",
     "fused_state_dict",
     "norm_free",
     "plan_folds",

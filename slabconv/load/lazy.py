@@ -12,6 +12,7 @@ written while it is built.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +37,70 @@ class PlanningModel:
     loaded: LoadedModel
     unknown: set[str]
 
+    def block_values(self, shards: LazyShards, prefix: str, i: int) -> dict[str, torch.Tensor]:
+        """Block ``i``'s tensors that the instance holds for real (vectors), read from ``shards`` and keyed by the
+        instance's block-1 names (``prefix``: ``model.layers.{i}.``), in the instance's dtypes: what
+        ``engine.Repeat.values`` gives the planner of a stack built with fewer blocks (``BlockSlots``)."""
+        state, one = self.loaded.checkpoint.state_dict, prefix.format(i=1)
+        keys = [k for k in state if k.startswith(one) and k not in self.unknown]
+        read = shards.get_many([k.replace(one, prefix.format(i=i), 1) for k in keys])
+        return {k: v.to(state[k].dtype) for k, v in zip(keys, read.values(), strict=True)}
+
+
+def stack_depth(specs: dict[str, tuple[torch.dtype, list[int]]], prefix: str) -> int | None:
+    """The number of blocks in a stack whose block ``i`` names start with ``prefix.format(i=i)``, when every block
+    holds the same names with the same dtypes and shapes (None otherwise, or when there is no such stack)."""
+    head, _, tail = prefix.partition("{i}")
+    pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+    blocks: dict[int, dict[str, tuple[torch.dtype, list[int]]]] = {}
+    for key, spec in specs.items():
+        m = pattern.match(key)
+        if m:
+            blocks.setdefault(int(m.group(1)), {})[key[m.end() :]] = spec
+    if not blocks or sorted(blocks) != list(range(len(blocks))):
+        return None
+    return len(blocks) if all(b == blocks[0] for b in blocks.values()) else None
+
+
+class BlockSlots:
+    """A sharded folder seen as if its stack held only blocks ``blocks`` of it, renumbered ``0, 1, ...`` (names
+    outside the stack unchanged): what the planning instance of a deep decoder is built from (``planning_model``,
+    ``engine.repeat``). Reads go to the real blocks' tensors.
+
+    Args:
+        shards: the folder.
+        prefix: block ``i``'s names start with ``prefix.format(i=i)``.
+        blocks: the real blocks kept, in order.
+    """
+
+    def __init__(self, shards: LazyShards, prefix: str, blocks: tuple[int, ...]):
+        self.shards, self.prefix, self.blocks = shards, prefix, blocks
+        self.folder = shards.folder
+        head, _, tail = prefix.partition("{i}")
+        self._pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+
+    def real(self, key: str) -> str:
+        """The folder's name of a key of the view."""
+        m = self._pattern.match(key)
+        return key if m is None else self.prefix.format(i=self.blocks[int(m.group(1))]) + key[m.end() :]
+
+    def specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
+        """The view's tensors' (dtype, shape): the kept blocks renumbered, everything outside the stack."""
+        slot = {b: s for s, b in enumerate(self.blocks)}
+        out: dict[str, tuple[torch.dtype, list[int]]] = {}
+        for key, spec in self.shards.specs().items():
+            m = self._pattern.match(key)
+            if m is None:
+                out[key] = spec
+            elif int(m.group(1)) in slot:
+                out[self.prefix.format(i=slot[int(m.group(1))]) + key[m.end() :]] = spec
+        return out
+
+    def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Whole tensors by the view's names."""
+        read = self.shards.get_many([self.real(k) for k in keys])
+        return dict(zip(keys, read.values(), strict=True))
+
 
 def stand_in(shape: list[int]) -> bool:
     """True for a tensor the planning instance does not read (more than one axis longer than 1)."""
@@ -56,8 +121,11 @@ def _no_init() -> Iterator[None]:
             setattr(nn.init, n, fn)
 
 
-def planning_model(shards: LazyShards, config: dict[str, Any], arch: str | None, sha256: str) -> PlanningModel:
-    """Build the full-size model of ``shards`` with stand-in weights (see the module docstring).
+def planning_model(
+    shards: LazyShards | BlockSlots, config: dict[str, Any], arch: str | None, sha256: str
+) -> PlanningModel:
+    """Build the full-size model of ``shards`` with stand-in weights (see the module docstring); of a
+    ``BlockSlots`` view, the model with only the view's blocks (the config's other entries as they are).
 
     Raises:
         UnsupportedModelError: the architecture cannot be detected (name it with ``--arch``) or built.
@@ -67,13 +135,14 @@ def planning_model(shards: LazyShards, config: dict[str, Any], arch: str | None,
     dtype = next((d for d, _ in specs.values() if d.is_floating_point), torch.float32)
     state: dict[str, torch.Tensor] = {}
     unknown: set[str] = set()
+    read = shards.get_many([k for k, (_, shape) in specs.items() if not stand_in(shape)])
     for key, (d, shape) in specs.items():
         d = dtype if d.is_floating_point else d
         if stand_in(shape):
             state[key] = torch.zeros((), dtype=d).expand(shape)
             unknown.add(key)
         else:
-            state[key] = shards.get(key).to(d)
+            state[key] = read[key].to(d)
     label = str(shards.folder)
     check_config_sizes(config, label)
     try:

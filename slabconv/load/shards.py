@@ -93,6 +93,25 @@ class LazyShards:
         with self._open(key) as f:
             return f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start : rows.stop]
 
+    def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """Whole tensors, read through one handle per shard (``get`` opens one per tensor: a few ms each, which
+        adds up over the hundreds of small vectors a deep model holds)."""
+        by_shard: dict[str, list[str]] = {}
+        for key in keys:
+            if key not in self.weight_map:
+                raise InputError(f"{self.folder}: tensor {key!r} is missing (not in the index or the file)")
+            by_shard.setdefault(self.weight_map[key], []).append(key)
+        out: dict[str, torch.Tensor] = {}
+        for shard, names in by_shard.items():
+            with self._open(names[0]) as f:
+                try:
+                    out.update((k, f.get_tensor(k)) for k in names)
+                except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
+                    raise InputError(
+                        f"{self.folder / shard}: not a readable safetensors file ({first_line(err)})"
+                    ) from None
+        return {k: out[k] for k in keys}
+
     def _spec(self, key: str) -> tuple[torch.dtype, list[int]]:
         """``(dtype, shape)`` of a tensor from its shard's header, read once per shard (a fold asks per block)."""
         spec = self._specs.get(key)
