@@ -494,7 +494,7 @@ def plan_norm(
 
 
 def plan_folds(
-    gm: fx.GraphModule, sites: list[NormSite] | None = None, unknown: Collection[str] = ()
+    gm: fx.GraphModule, sites: list[NormSite] | None = None, unknown: Collection[str] = (), until: int | None = None
 ) -> list[NormPlan]:
     """One ``NormPlan`` per norm of ``gm``, in graph order; ``gm`` is not changed (except that ``find_norms`` may
     merge duplicate inputs of a norm when ``sites`` is not given).
@@ -503,6 +503,10 @@ def plan_folds(
     shape and dtype for the big weights, ``slabconv.pipeline``): their folds are planned on the meta device and
     their overflow check waits for the fold program, which reads the real values.
 
+    ``until``: plan only the first ``until`` norms (the rest still stop every walk, as they do in a whole plan):
+    the plans are those of a whole plan's first ``until`` norms, as each norm is planned on what the earlier ones
+    leave.
+
     Raises:
         InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
     """
@@ -510,7 +514,7 @@ def plan_folds(
     weights, graph = _Weights(gm, unknown), VirtualGraph()
     owner = {n: i for i, site in enumerate(sites) for n in site.region}
     plans = []
-    for i, site in enumerate(sites):
+    for i, site in enumerate(sites[:until]):
         stop = {n for n, j in owner.items() if j != i}
         p = weights.commit(plan_norm(gm, site, weights, graph, stop))
         if p.decision.action in (FOLDED_FORWARD, FOLDED_BACKWARD):

@@ -17,6 +17,10 @@ block to the next) and each middle block's plan has the same structure as slot 1
 directions and created biases; only the scales and shifts differ). Otherwise ``fold_repeated`` returns None and
 the caller traces the model at full depth. The values in the renamed recipes are each block's own, so the program
 is the one a full-depth plan makes, tensor for tensor (``tests/test_repeat.py`` compares both).
+
+The graph is slot 1's: a block whose code branched on its own tensors' values would run the branch slot 1's values
+took. The blocks this is used for do not (the zoo's decoder layers in eval mode: a progressive norm always runs
+its RepBN branch, whatever its counters hold).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from torch import fx
 
 from slabconv.engine.capture import stored
+from slabconv.engine.norms import find_norms
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import LayerRecipe, Program, TensorRecipe, layer_recipes
 from slabconv.engine.rewriter import FoldProgress, fold_program, set_tensor
@@ -179,7 +184,10 @@ def fold_repeated(
         for real in range(2, repeat.depth - 1):
             for key, value in repeat.values(real).items():
                 set_tensor(gm, key, value)
-            plans = plan_folds(gm, unknown=unknown)
+            sites = find_norms(gm)
+            slots = [repeat.slot(site.name) for site in sites]
+            until = max((i + 1 for i, s in enumerate(slots) if s == 1), default=0)
+            plans = plan_folds(gm, sites, unknown, until)  # the norms up to slot 1's last: what slot 1's plans read
             if not _local(plans, repeat) or _shape(plans, repeat) != shape:
                 return None
             mine = [p for p in plans if repeat.slot(p.site.name) == 1]

@@ -5,6 +5,7 @@ sums, pools, scalar products, residual adds, masks, nonlinear ops).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,7 +105,11 @@ def _strides(shape: Sequence[Any]) -> list[sympy.Expr]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
 def _positive_int(e: sympy.Expr) -> int | None:
+    """``e`` as an int when it is a positive integer for every value of its symbols, else None; cached (sympy
+    expressions are immutable and hashable), as the same ratios come back for every block of a deep model and
+    ``sympy.simplify`` takes milliseconds each."""
     if not e.is_Integer and e.free_symbols:
         e = sympy.simplify(e)
     return int(e) if e.is_Integer and int(e) >= 1 else None
