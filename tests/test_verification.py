@@ -126,7 +126,8 @@ def test_half_precision_text_fixture_in_memory_and_streamed(tmp_path: Path, dtyp
 
 
 def _fused_tiny(tmp: Path, dtype: torch.dtype, change: dict[str, float] | None = None) -> tuple[Path, Path]:
-    """The tiny ViT checkpoint in ``dtype`` and a fuse of it (or of a copy with ``change``: key -> added value)."""
+    """The tiny ViT checkpoint in ``dtype`` and a fuse of it (or of a copy with ``change``: key -> added value):
+    ``model.safetensors`` alone, the file question 1 reads here (a changed ONNX weight: test_ci_recipe)."""
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tiny_state_dict().items()}
     ckpt = save_ckpt(tmp / "ckpt.pth", state)
     source = ckpt
@@ -135,7 +136,7 @@ def _fused_tiny(tmp: Path, dtype: torch.dtype, change: dict[str, float] | None =
         for key, delta in change.items():
             other[key] += delta
         source = save_ckpt(tmp / "changed.pth", other)
-    api.fuse(source, tmp / "out", verify=None)
+    api.fuse(source, tmp / "out", verify=None, write=WriteOptions(onnx=False, pt2=False))
     return ckpt, tmp / "out"
 
 

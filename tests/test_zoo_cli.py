@@ -52,14 +52,17 @@ def test_release_file_detected_and_training_checkpoint_by_name(key, tmp_path):
     )
     if tiny.config:  # weights alone do not say the heads/windows: a release file then needs the saved config
         release = _save(tmp_path / "release" / "model.pth", {"model": state, "config": tiny.config})
-    reports = [  # the second run is about naming the architecture: its model.pt2 is verified, no ONNX written
-        _fuse(str(release), "--out", str(tmp_path / "a")),
-        _fuse(str(training), "--arch", _any_size(tiny.arch), "--out", str(tmp_path / "b"), "--no-onnx"),
+    # the first run's model.pt2 is verified (each family's BatchNorm-free ONNX: test_zoo); the second run is about
+    # naming the architecture, its plan is checked and nothing verified
+    reports = [
+        _fuse(str(release), "--out", str(tmp_path / "a"), "--no-onnx"),
+        _fuse(str(training), "--arch", _any_size(tiny.arch), "--out", str(tmp_path / "b"), "--no-onnx", "--no-verify"),
     ]
+    assert reports[0]["verification"]["passed"] and reports[0]["verification"]["max_rel_err"] <= 1e-5
+    assert reports[1]["verification"] is None
     for report in reports:
-        assert report["verification"]["passed"] and report["verification"]["max_rel_err"] <= 1e-5
         assert all(f["action"].startswith("folded") for f in report["folds"]), report["folds"]
-    assert op_histogram(tmp_path / "a" / "model.onnx")["BatchNormalization"] == 0
+    assert [f["norm"] for f in reports[0]["folds"]] == [f["norm"] for f in reports[1]["folds"]]
     assert reports[1]["source"]["arch"] == _any_size(tiny.arch)
     assert reports[0]["source"]["arch"] == _any_size(tiny.arch)  # detected, though MODEL.NAME names the preset
     assert reports[1]["source"]["format"] == "training-checkpoint"
