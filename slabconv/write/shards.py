@@ -105,6 +105,21 @@ def numel(shape: list[int]) -> int:
     return n
 
 
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch's arithmetic on one thread while the writer's hashing thread takes the other core: the fold works on
+    cache-sized pieces, where a second torch thread gains little, and three busy threads on two cores slowed the
+    fold-and-write stage (701 MB folder, 2 cores, five interleaved rounds in one process: median 1.49 s and 2.3
+    CPU-s on one torch thread, 1.86 s and 3.4-4.1 CPU-s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@_one_torch_thread()
 def write_program_shards(
     folder: Path,
     reader: LazyShards,
@@ -130,32 +145,6 @@ def write_program_shards(
         InputError: a shard's header disagrees with the index.
         UnsupportedModelError: a fold overflows the weights' dtype; the program needs a tensor the checkpoint lacks.
     """
-    with _one_torch_thread():
-        return _write_program_shards(folder, reader, shard_names, program, metadata, progress, block_elements)
-
-
-@contextmanager
-def _one_torch_thread() -> Iterator[None]:
-    """torch's arithmetic on one thread while the writer's hashing thread takes another core: the fold works on
-    cache-sized pieces, where a second torch thread gains little and three busy threads on two cores slowed the
-    fold-and-write stage down (1.9-2.3 s against 1.85-1.9 s on a 701 MB folder, 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _write_program_shards(
-    folder: Path,
-    reader: LazyShards,
-    shard_names: list[str],
-    program: Program,
-    metadata: dict[str, str],
-    progress: Progress,
-    block_elements: int,
-) -> tuple[dict[str, str], int, dict[str, str]]:
     weight_map = reader.weight_map
     biases = {la.bias for la in program.layers.values() if la.bias is not None}
     beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
