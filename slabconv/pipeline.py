@@ -128,7 +128,8 @@ class Planned:
     Attributes:
         original: the unfolded graph (``engine.capture``), kept for the float64 reference; None for a streamed
             plan (its graph holds stand-ins, and is the ``fused`` one).
-        fused: the fused graph (the engine applied every decision).
+        fused: the fused graph (the engine applied every decision; of a plan from three decoder layers, the
+            three-layer graph).
         decisions: one per norm, in graph order.
         example: the input the graphs were traced with.
         program: one recipe per tensor the fused model stores (``engine.program``).

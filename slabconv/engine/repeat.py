@@ -69,10 +69,6 @@ class Repeat:
         m = self._pattern.match(name)
         return int(m.group(1)) if m else None
 
-    def real(self, slot: int) -> int:
-        """The real block a captured slot stands for (slot 1: the first middle block, 1)."""
-        return self.depth - 1 if slot == SLOTS - 1 else slot
-
     def rename(self, text: str, slot: int, real: int) -> str:
         """``text`` with slot ``slot``'s names made block ``real``'s (names, op sites, warnings)."""
         return text.replace(self.prefix.format(i=slot), self.prefix.format(i=real))
@@ -178,12 +174,13 @@ def fold_repeated(
     if not _local(first, repeat):
         return None
     shape = _shape(first, repeat)
-    own = {key: stored(gm, key) for key in repeat.values(1)}
+    own = {key: value for key in repeat.values(1) if (value := _stored_or_none(gm, key)) is not None}
     middle: dict[int, tuple[list[Decision], dict[str, LayerRecipe]]] = {}
     try:
         for real in range(2, repeat.depth - 1):
             for key, value in repeat.values(real).items():
-                set_tensor(gm, key, value)
+                if key in own:  # a tensor the graph does not hold is not read by the plan
+                    set_tensor(gm, key, value)
             sites = find_norms(gm)
             slots = [repeat.slot(site.name) for site in sites]
             until = max((i + 1 for i, s in enumerate(slots) if s == 1), default=0)
@@ -205,6 +202,14 @@ def fold_repeated(
     if any(t.op == "const" and repeat.slot(k) is not None for k, t in program.tensors.items()):
         return None
     return _expand(decisions, program, middle, repeat)
+
+
+def _stored_or_none(gm: fx.GraphModule, key: str) -> torch.Tensor | None:
+    try:
+        value = stored(gm, key)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _expand(
