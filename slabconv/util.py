@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import io
 import logging
+import re
 import stat
 import warnings
 from collections.abc import Iterator
@@ -137,3 +138,10 @@ def stage_memory() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def block_pattern(prefix: str) -> re.Pattern[str]:
+    """The names of a stack's blocks: ``prefix`` holds ``{i}`` (``model.layers.{i}.``); ``match`` gives the block
+    index as group 1 and ends where the name inside the block starts."""
+    head, _, tail = prefix.partition("{i}")
+    return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))

@@ -38,6 +38,7 @@ from slabconv.engine.norms import find_norms
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import LayerRecipe, Program, TensorRecipe, layer_recipes
 from slabconv.engine.rewriter import FoldProgress, fold_program, set_tensor
+from slabconv.util import block_pattern
 
 SLOTS = 3
 """Blocks in the captured model: the first, one middle block, the last."""
@@ -61,8 +62,7 @@ class Repeat:
     _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        head, _, tail = self.prefix.partition("{i}")
-        object.__setattr__(self, "_pattern", re.compile(re.escape(head) + r"(\d+)" + re.escape(tail)))
+        object.__setattr__(self, "_pattern", block_pattern(self.prefix))
 
     def slot(self, name: str) -> int | None:
         """The block a tensor or module name lies in (its index in the captured model), None outside the stack."""
@@ -198,7 +198,7 @@ def fold_repeated(
     finally:
         for key, value in own.items():
             set_tensor(gm, key, value)
-    decisions, program = fold_program(gm, progress, unknown)
+    decisions, program = fold_program(gm, progress, unknown, plans=first)  # slot 1 holds real block 1's again
     if any(t.op == "const" and repeat.slot(k) is not None for k, t in program.tensors.items()):
         return None
     return _expand(decisions, program, middle, repeat)

@@ -179,17 +179,19 @@ def fold_program(
     progress: FoldProgress | None = None,
     unknown: Collection[str] = (),
     block_elements: int = FOLD_BLOCK,
+    plans: list[NormPlan] | None = None,
 ) -> tuple[list[Decision], Program]:
     """``fold_all`` that also returns the fold program (``slabconv.engine.program``).
 
     Without ``unknown``, the program is evaluated over ``gm``'s original tensors (one block of rows at a time, as
     the streamed mode does) and its results are what the fused graph stores. With ``unknown`` (a streamed plan:
     those tensors are stand-ins, ``planner.plan_folds``), nothing is evaluated: the caller runs the program over
-    the real weights.
+    the real weights. ``plans``: ``plan_folds(gm, unknown=unknown)`` when the caller already made it (on this
+    graph, as it is now).
     """
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     original = {t: v for t in targets if isinstance(v := stored(gm, t), torch.Tensor)}
-    plans = plan_folds(gm, unknown=unknown)
+    plans = plan_folds(gm, unknown=unknown) if plans is None else plans
     layers = layer_recipes(gm, plans)
     apply_folds(gm, plans, progress)
     cancel_inverse_views(gm)

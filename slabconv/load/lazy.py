@@ -12,7 +12,6 @@ written while it is built.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from slabconv.load.checkpoint import Checkpoint
 from slabconv.load.model import LoadedModel, check_config_sizes
 from slabconv.load.shards import LazyShards
 from slabconv.load.source import Source
+from slabconv.util import block_pattern
 from slabconv.zoo import detect_arch, get_arch
 
 
@@ -50,8 +50,7 @@ class PlanningModel:
 def stack_depth(specs: dict[str, tuple[torch.dtype, list[int]]], prefix: str) -> int | None:
     """The number of blocks in a stack whose block ``i`` names start with ``prefix.format(i=i)``, when every block
     holds the same names with the same dtypes and shapes (None otherwise, or when there is no such stack)."""
-    head, _, tail = prefix.partition("{i}")
-    pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+    pattern = block_pattern(prefix)
     blocks: dict[int, dict[str, tuple[torch.dtype, list[int]]]] = {}
     for key, spec in specs.items():
         m = pattern.match(key)
@@ -76,8 +75,7 @@ class BlockSlots:
     def __init__(self, shards: LazyShards, prefix: str, blocks: tuple[int, ...]):
         self.shards, self.prefix, self.blocks = shards, prefix, blocks
         self.folder = shards.folder
-        head, _, tail = prefix.partition("{i}")
-        self._pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+        self._pattern = block_pattern(prefix)
 
     def real(self, key: str) -> str:
         """The folder's name of a key of the view."""
