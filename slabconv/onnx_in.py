@@ -24,7 +24,7 @@ from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress
 from slabconv.verify.onnx_original import verify_fold
 from slabconv.version import __version__
-from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY
+from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx
 
 FUSED_NAME = "model.onnx"
 
@@ -123,8 +123,6 @@ def fuse(
         InputError, UsageError: bad input or options (nothing written).
         VerificationError: a check failed (nothing written; the report is ``err.report``).
     """
-    import onnx_ir as ir
-
     from slabconv.pipeline import finish
     from slabconv.write.staging import staging_dir
 
@@ -139,8 +137,7 @@ def fuse(
         target = tmp / FUSED_NAME
         progress(f"writing {FUSED_NAME}")
         size = sum(f.stat().st_size for f in info.files)
-        external = f"{FUSED_NAME}.data" if info.external or size > ONNX_EXTERNAL_DATA_BYTES else None
-        ir.save(model, str(target), external_data=external)
+        external = save_onnx(model, target, info.external or size > ONNX_EXTERNAL_DATA_BYTES)
         files = [FUSED_NAME, *([external] if external else [])]
         outputs = Outputs(
             files=files,

@@ -446,7 +446,7 @@ def _write_files(
         info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program)
         dynamic.append(info["dynamic_sequence"])
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
-        outputs.files += [f.name for f in onnx_files(folder / "model.onnx")]
+        outputs.files += ["model.onnx", *([info["external_data"]] if info["external_data"] else [])]
         outputs.onnx_info = info
     if write.pt2 and program is not None:
         outputs.onnx_info = {

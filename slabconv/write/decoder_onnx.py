@@ -25,7 +25,7 @@ from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
 from slabconv.version import __version__
 from slabconv.write.hf_llama import load_fused_llama
-from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for
+from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for, save_onnx
 
 DEFAULT_DECODER_ONNX = "decoder.onnx"
 MIN_OPSET = 17
@@ -192,7 +192,7 @@ def export_decoder_onnx(
     external = weight_bytes > ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
     try:
         with quiet():
-            program.save(str(out), external_data=external)
+            save_onnx(program.model, out, external)
     except OSError as err:
         raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
     try:

@@ -1,0 +1,108 @@
+"""``write.onnx.save_onnx``: a single-file ONNX written one initializer at a time reads back as the very
+``ModelProto`` that ``onnx_ir.save`` writes, and the model is left as it was."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from slabconv.write.onnx import save_onnx
+
+
+def _program() -> tuple[torch.onnx.ONNXProgram, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5)
+    ).eval()
+    model[1].running_mean.uniform_(-1, 1)
+    model[1].running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 8, 8)
+    program = torch.onnx.export(model, (x,), dynamo=True)
+    assert program is not None
+    return program, model, x
+
+
+def test_single_file_reads_back_as_onnx_ir_writes_it(tmp_path):
+    program, model, x = _program()
+    ours, reference = tmp_path / "ours.onnx", tmp_path / "reference.onnx"
+    assert save_onnx(program.model, ours, external=False) is None
+    ir.save(program.model, str(reference))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.onnx", "reference.onnx"]  # no external data
+    loaded = onnx.load(str(ours))
+    assert loaded == onnx.load(str(reference))
+    assert len(loaded.graph.initializer) >= 4
+    onnx.checker.check_model(str(ours), full_check=True)
+    session = ort.InferenceSession(str(ours), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    np.testing.assert_allclose(out, model(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+    # the model is unchanged: every initializer keeps its value, and a second save writes the same bytes
+    assert all(v.const_value is not None for v in program.model.graph.initializers.values())
+    again = tmp_path / "again.onnx"
+    save_onnx(program.model, again, external=False)
+    assert again.read_bytes() == ours.read_bytes()
+
+
+def test_external_data_beside_the_file(tmp_path):
+    program, _, _ = _program()
+    path = tmp_path / "model.onnx"
+    assert save_onnx(program.model, path, external=True) == "model.onnx.data"
+    assert (tmp_path / "model.onnx.data").stat().st_size > 0
+    single = tmp_path / "single.onnx"
+    save_onnx(program.model, single, external=False)
+    ext, one = onnx.load(str(path)), onnx.load(str(single))
+    weights = {t.name: numpy_helper.to_array(t) for t in one.graph.initializer}
+    assert {t.name for t in ext.graph.initializer} == set(weights)
+    for t in ext.graph.initializer:
+        np.testing.assert_array_equal(numpy_helper.to_array(t), weights[t.name])
+
+
+def test_subgraph_initializers_and_initializer_inputs(tmp_path):
+    """An ``If`` branch's own initializer stays in its subgraph; an initializer that is also a graph input (an
+    overridable weight) keeps both roles."""
+    w = numpy_helper.from_array(np.arange(6, dtype=np.float32).reshape(2, 3), "w")
+    bias = numpy_helper.from_array(np.full((3,), 0.5, dtype=np.float32), "bias")
+    branch_value = numpy_helper.from_array(np.ones((1, 3), dtype=np.float32), "branch_value")
+    then_graph = helper.make_graph(
+        [helper.make_node("Add", ["y", "branch_value"], ["then_out"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("then_out", TensorProto.FLOAT, [1, 3])],
+        [branch_value],
+    )
+    else_graph = helper.make_graph(
+        [helper.make_node("Identity", ["y"], ["else_out"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("else_out", TensorProto.FLOAT, [1, 3])],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["mm"]),
+            helper.make_node("Add", ["mm", "bias"], ["y"]),
+            helper.make_node("If", ["flag"], ["out"], then_branch=then_graph, else_branch=else_graph),
+        ],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2]),
+            helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("bias", TensorProto.FLOAT, [3]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 3])],
+        [w, bias],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = ir.serde.deserialize_model(proto)
+    ours, reference = tmp_path / "ours.onnx", tmp_path / "reference.onnx"
+    save_onnx(model, ours, external=False)
+    ir.save(model, str(reference))
+    loaded = onnx.load(str(ours))
+    assert loaded == onnx.load(str(reference))
+    assert [t.name for t in loaded.graph.initializer] == ["w", "bias"]
+    session = ort.InferenceSession(str(ours), providers=["CPUExecutionProvider"])
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    (out,) = session.run(None, {"x": x, "flag": np.array(True)})
+    np.testing.assert_array_equal(out, x @ numpy_helper.to_array(w) + 0.5 + 1.0)
