@@ -174,7 +174,10 @@ def plan(
     with quiet():
         traced = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     original = None if unknown else traced
-    fused = traced if unknown else copy.deepcopy(traced)
+    # the fused graph is a copy of the graph that shares its stored tensors: the engine never writes into a stored
+    # tensor (``rewriter.set_tensor`` puts a new one in its place), so only the folded tensors are new
+    shared = {id(t): t for t in [*traced.parameters(), *traced.buffers()]}
+    fused = traced if unknown else copy.deepcopy(traced, shared)
 
     def folded(name: str, done: int, total: int) -> None:
         progress("folding norms", done, total)
