@@ -53,7 +53,7 @@ from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress, quiet, sha256_file
+from slabconv.util import Progress, no_progress, quiet, release_memory, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.results import Verification
 from slabconv.verify.run import Artifacts, verify_written
@@ -446,6 +446,9 @@ def _write_files(
         dynamic.append(program[1]["dynamic_sequence"])
     if write.onnx:
         progress("exporting model.onnx")
+        # what planning and the exports freed goes back to the OS first: the translation's allocations do not
+        # reuse it (measured on a DeiT-Tiny `fuse --no-verify`: peak 514 MiB without, 498 with; malloc_trim only)
+        release_memory(collect=False)
         info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program)
         dynamic.append(info["dynamic_sequence"])
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
