@@ -335,6 +335,48 @@ def test_train_mode_leaves_the_norm_as_it_is():
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
 
 
+class DecayingGain(nn.Module):
+    """A LayerScale (``fc(x) * gain``) whose ``gain`` the forward itself halves before using it (state kept in the
+    model): what it computes depends on how many times the model ran, so it is not one fixed affine."""
+
+    def __init__(self, decay: bool = True) -> None:
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.gain = nn.Parameter(torch.linspace(0.5, 2.0, C))
+        self.decay = decay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decay:
+            with torch.no_grad():
+                self.gain.view(2, C // 2).mul_(0.5)  # (through a view: the same update)
+        return F.gelu(self.fc(x) * self.gain)
+
+
+def test_a_norm_the_forward_updates_is_kept():
+    """The naive fold (``gain`` into ``fc``'s rows, backward) takes ``gain`` as it is when folding; the model's
+    next run uses half of it. slabconv keeps it (``norm-updated-in-forward``), and its graph goes on updating the
+    value as the model does. Without the update the same model folds."""
+    model = DecayingGain().eval()
+    x = tokens()
+    naive = DecayingGain(decay=False).eval()
+    with torch.no_grad():
+        naive.fc.weight.copy_(model.fc.weight * model.gain[:, None])
+        naive.fc.bias.copy_(model.fc.bias * model.gain)
+        naive.gain.fill_(1.0)
+    reference = copy.deepcopy(model)(x)  # one run: gain halved, then used
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+    gm, decisions = fuse(copy.deepcopy(model), x)
+    d = only(decisions, "gain")
+    assert (d.kind, d.action, d.reason, d.into) == ("LayerScale", "kept", reasons.UPDATED_IN_FORWARD, [])
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    second = copy.deepcopy(model)
+    second(x)
+    assert rel_err(gm(x), second(x)) <= TOL[torch.float32]  # the second run of each: a quarter of the gain
+    steady = DecayingGain(decay=False).eval()
+    _, decisions = fuse(steady, x)
+    assert only(decisions, "gain").action == "folded-backward"
+
+
 class SumOverTokens(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -115,6 +115,35 @@ def stored(gm: fx.GraphModule, target: str) -> Any:
     return value
 
 
+def written_tensors(gm: fx.GraphModule) -> set[str]:
+    """The ``get_attr`` targets ``gm`` may write into as it runs (a buffer a model updates in its forward, a call
+    counter; ``torch.export`` keeps such updates as in-place ops, parameters included).
+
+    Conservative: a stored tensor counts as written unless every use is an ATen op that writes none of its
+    arguments (``FunctionSchema.is_mutable``) and every view an op returns of it (a return with alias
+    information, ``t``, ``view``) is used the same way. Any other use (a higher-order op, a submodule, the graph's
+    output) counts as a write.
+    """
+    return {
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and isinstance(stored(gm, str(n.target)), torch.Tensor) and _may_write(n)
+    }
+
+
+def _may_write(node: fx.Node) -> bool:
+    for user in node.users:
+        op = user.target
+        if user.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+            return True
+        schema = op._schema
+        if schema.is_mutable:
+            return True
+        if any(r.alias_info is not None for r in schema.returns) and _may_write(user):
+            return True
+    return False
+
+
 def is_param(node: Any) -> bool:
     """True for None (an absent bias) or a ``get_attr`` node (a stored tensor)."""
     return node is None or (isinstance(node, fx.Node) and node.op == "get_attr")

@@ -49,8 +49,25 @@ def cancel_inverse_views(gm: fx.GraphModule) -> int:
                 node.replace_all_uses_with(replacement)
                 removed += 1
                 changed = True
-        gm.graph.eliminate_dead_code()
+        remove_dead_code(gm)
     return removed
+
+
+def remove_dead_code(gm: fx.GraphModule) -> None:
+    """``Graph.eliminate_dead_code`` that also keeps every call of a higher-order op and every submodule call.
+
+    fx keeps the in-place ATen ops it knows (``mul_``), but not a higher-order op whose result nobody reads:
+    ``torch.export`` records a ``torch.no_grad()`` block as ``wrap_with_set_grad_enabled`` over a submodule, and
+    an update of a parameter inside it (a forward that decays a gain as it runs) would be dropped with it, so the
+    folded graph would stop updating what the original updates.
+    """
+
+    def impure(node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return True
+        return isinstance(node.target, torch._ops.HigherOrderOperator) or node.is_impure()
+
+    gm.graph.eliminate_dead_code(is_impure_node=impure)
 
 
 def drop_unused_attrs(gm: fx.GraphModule) -> None:
@@ -86,9 +103,9 @@ def norm_free(gm: fx.GraphModule) -> fx.GraphModule:
     out = copy.deepcopy(gm)
     for site in find_norms(out):
         site.output.replace_all_uses_with(site.current_input())
-    out.graph.eliminate_dead_code()
+    remove_dead_code(out)
     cancel_inverse_views(out)
-    out.graph.eliminate_dead_code()
+    remove_dead_code(out)
     drop_unused_attrs(out)
     out.recompile()
     return out

@@ -38,7 +38,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine import reasons
-from slabconv.engine.capture import module_path, shape_of, stored
+from slabconv.engine.capture import module_path, shape_of, stored, written_tensors
 from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_producer, follow
 from slabconv.engine.layers import LayerKind, layer_name
 from slabconv.engine.norms import NormSite, find_norms
@@ -267,6 +267,7 @@ class _Weights:
         self.created: dict[fx.Node, str] = {}  # layer -> the target of the bias a plan creates for it
         self.taken = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         self.taken |= set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
+        self.written = written_tensors(gm)  # what the graph updates in place as it runs
 
     def value(self, target: str) -> torch.Tensor:
         """The tensor at ``target`` in float64: its pending shadow, or the stored tensor promoted (exactly)."""
@@ -416,6 +417,14 @@ def _shifts(site: NormSite) -> bool:
     return site.bn is not None or site.kind != "LayerScale"
 
 
+def _reads(site: NormSite) -> set[str]:
+    """The stored tensors the norm's ops read (its statistics, weights, scale)."""
+    names = {n for n in site.param_names.values() if n}
+    for node in site.region:
+        names |= {str(a.target) for a in node.all_input_nodes if a.op == "get_attr"}
+    return names
+
+
 def _base(site: NormSite, edge: BlockedEdge) -> fx.Node:
     """The tensor the kept affine reads: the norm's input when the blocked op reads the norm's output itself."""
     return site.input if edge.src is site.output else edge.src
@@ -440,9 +449,12 @@ def _paths(blocked: list[BlockedEdge]) -> list[dict[str, str]]:
     return out
 
 
-def _kept(site: NormSite, decision: Decision) -> NormPlan:
-    """A norm that is not a fixed affine: batch statistics in eval, or a BN still in train mode."""
-    decision.reason = reasons.TRAIN_MODE if site.params.get("running_mean") is not None else reasons.BATCH_STATS_IN_EVAL
+def _kept(site: NormSite, decision: Decision, reason: str | None = None) -> NormPlan:
+    """A norm that is not a fixed affine: batch statistics in eval, a BN still in train mode, or (``reason``) one
+    whose tensors the graph updates as it runs."""
+    if reason is None:
+        reason = reasons.TRAIN_MODE if site.params.get("running_mean") is not None else reasons.BATCH_STATS_IN_EVAL
+    decision.reason = reason
     decision.paths = [{"before": op_site(site.anchor), "reason": decision.reason}]
     return NormPlan(site, decision)
 
@@ -460,6 +472,8 @@ def plan_norm(
     decision.warnings += _progressive_warnings(gm, site.name)
     if site.training:
         return _kept(site, decision)
+    if _reads(site) & weights.written:  # its affine is what the tensors hold at the time: not one fixed affine
+        return _kept(site, decision, reasons.UPDATED_IN_FORWARD)
     _check_stats(site)
     scale, shift = site.scale, site.shift
     assert scale is not None and shift is not None

@@ -18,6 +18,7 @@ PADDED_CONV_CONSUMER = "padded-conv-consumer"
 NEGATIVE_SCALE_THROUGH_MAX = "negative-scale-through-max"
 BATCH_STATS_IN_EVAL = "batch-stats-in-eval"
 TRAIN_MODE = "train-mode"
+UPDATED_IN_FORWARD = "norm-updated-in-forward"
 DYNAMIC_TOKEN_COUNT = "dynamic-token-count"
 CONCAT_WITH_UNNORMALIZED = "concat-with-unnormalized"
 NARROWING_CAST = "narrowing-cast-after-norm"
@@ -37,6 +38,7 @@ ALL = (
     NEGATIVE_SCALE_THROUGH_MAX,
     BATCH_STATS_IN_EVAL,
     TRAIN_MODE,
+    UPDATED_IN_FORWARD,
     DYNAMIC_TOKEN_COUNT,
     CONCAT_WITH_UNNORMALIZED,
     NARROWING_CAST,

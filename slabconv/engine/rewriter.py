@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from slabconv.engine.capture import stored
-from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fused_state_dict
+from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fused_state_dict, remove_dead_code
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_program, evaluate, layer_recipes
@@ -152,7 +152,7 @@ def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: FoldProgres
         apply_plan(gm, p)
         if progress is not None:
             progress(p.site.name, i, len(plans))
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm)
     gm.recompile()
 
 
@@ -195,7 +195,7 @@ def fold_program(
     layers = layer_recipes(gm, plans)
     apply_folds(gm, plans, progress)
     cancel_inverse_views(gm)
-    gm.graph.eliminate_dead_code()
+    remove_dead_code(gm)
     drop_unused_attrs(gm)
     gm.graph.lint()
     gm.recompile()
