@@ -174,9 +174,12 @@ def plan(
     with quiet():
         traced = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     original = None if unknown else traced
-    # the fused graph is a copy of the graph that shares its stored tensors: the engine never writes into a stored
-    # tensor (``rewriter.set_tensor`` puts a new one in its place), so only the folded tensors are new
-    shared = {id(t): t for t in [*traced.parameters(), *traced.buffers()]}
+    # the fused graph is a copy that shares the original's stored tensors: the engine never writes into one
+    # (``rewriter.set_tensor`` puts a new one in its place), so only the folded ones are new; a tensor the graph
+    # itself updates as it runs (a buffer a forward increments) is copied
+    written = engine.written_tensors(traced)
+    stored = [*traced.named_parameters(), *traced.named_buffers()]
+    shared = {id(t): t for name, t in stored if name not in written}
     fused = traced if unknown else copy.deepcopy(traced, shared)
 
     def folded(name: str, done: int, total: int) -> None:

@@ -94,8 +94,8 @@ def test_nan_statistics_are_refused():
 
 
 def test_the_fused_graph_shares_the_tensors_no_fold_changed_and_the_original_stays_as_loaded():
-    """``pipeline.plan`` copies the traced graph without its stored tensors (a DeiT-Tiny's 23 MB not held twice):
-    a tensor no fold changed is the original's own, a folded one is new, and the original graph (the reference
+    """``pipeline.plan`` copies the traced graph without its parameters (a DeiT-Tiny's 23 MB not held twice): a
+    parameter no fold changed is the original's own, a folded one is new, and the original graph (the reference
     verification runs) still holds the loaded values, bit for bit."""
     from pathlib import Path
 
@@ -112,11 +112,13 @@ def test_the_fused_graph_shares_the_tensors_no_fold_changed_and_the_original_sta
     layers = planned.program.layers.values()
     into = {la.weight for la in layers} | {la.bias_out for la in layers if la.bias_out is not None}
     assert {f"{layer}.weight" for d in planned.decisions for layer in d.into} <= into <= set(fused)
+    parameters = dict(planned.original.named_parameters())
+    assert len(set(parameters) & set(fused) - into) >= 10  # the patch embedding, attention outputs, MLPs...
     for name, tensor in fused.items():
         if name in into:
             assert tensor.data_ptr() != original[name].data_ptr()
             assert not torch.equal(tensor, original[name])
-        elif name in original:
+        elif name in parameters:
             assert tensor.data_ptr() == original[name].data_ptr(), name  # the same memory
     state = loaded.model.state_dict()
     for name, value in before.items():
@@ -124,3 +126,40 @@ def test_the_fused_graph_shares_the_tensors_no_fold_changed_and_the_original_sta
     assert set(original) <= set(before)
     for name, tensor in original.items():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_a_tensor_the_graph_updates_as_it_runs_is_not_shared():
+    """A model that updates a buffer (a call counter) and a parameter in its forward: running the fused graph must
+    not move the original graph's tensors, which verification runs afterwards."""
+    from slabconv import pipeline
+    from slabconv.load.model import LoadedModel
+
+    class Counting(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(8)
+            self.fc = torch.nn.Linear(8, 4)
+            self.register_buffer("calls", torch.zeros(()))
+            self.gain = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            with torch.no_grad():  # a parameter updated in place: torch.export keeps it too
+                self.gain.view(2, 2).mul_(0.5)
+            return self.fc(self.bn(x)) * self.gain + self.calls
+
+    model = Counting().eval()
+    model.bn.running_mean.uniform_(-1, 1)
+    model.bn.running_var.uniform_(0.5, 2)
+    loaded = LoadedModel(model, None, None, (8,), torch.float32)  # type: ignore[arg-type]  # no checkpoint
+    planned = pipeline.plan(loaded)
+    assert planned.original is not None
+    assert [(d.norm, d.action) for d in planned.decisions] == [("bn", "folded-forward"), ("gain", "kept")]
+    x = torch.randn(3, 8)
+    assert engine.written_tensors(planned.original) == {"calls", "gain"}
+    planned.fused(x)
+    planned.fused(x)
+    assert float(planned.original.calls) == 0.0
+    assert planned.original.gain.tolist() == [1.0] * 4
+    expected = model.fc(model.bn(x)) * 0.5 + 1
+    torch.testing.assert_close(planned.original(x), expected, rtol=0, atol=1e-6)

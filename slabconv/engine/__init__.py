@@ -23,7 +23,7 @@ The names below are the engine's public surface; the other stages import nothing
 """
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import capture
+from slabconv.engine.capture import capture, written_tensors
 from slabconv.engine.cleanup import fused_state_dict, norm_free
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.planner import (
@@ -67,4 +67,5 @@ __all__ = [
     "reasons",
     "row_ranges",
     "schedule_warnings",
+    "written_tensors",
 ]
