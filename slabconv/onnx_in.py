@@ -21,7 +21,7 @@ from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress
+from slabconv.util import Progress, frozen_heap, no_progress
 from slabconv.verify.onnx_original import verify_fold
 from slabconv.version import __version__
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx
@@ -107,6 +107,7 @@ def inspect(path: Path, load: LoadOptions | None = None, progress: Progress = no
     return Report("inspect", source=source_of(info), folds=decisions)
 
 
+@frozen_heap()
 def fuse(
     path: Path,
     out_dir: Path,

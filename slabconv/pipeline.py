@@ -53,7 +53,7 @@ from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress, quiet, release_memory, sha256_file
+from slabconv.util import Progress, frozen_heap, no_progress, quiet, release_memory, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.results import Verification
 from slabconv.verify.run import Artifacts, verify_written
@@ -174,11 +174,9 @@ def plan(
     with quiet():
         traced = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     original = None if unknown else traced
-    # the fused graph is a copy that shares the original's stored tensors: the engine never writes into one
-    # (``rewriter.set_tensor`` puts a new one in its place), so only the folded ones are new; a tensor the graph
-    # itself updates as it runs (a buffer a forward increments) is copied
-    written = engine.written_tensors(traced)
-    stored = [*traced.named_parameters(), *traced.named_buffers()]
+    # a copy sharing the stored tensors: the engine never writes into one (``set_tensor`` puts a new one in its
+    # place); a tensor the graph itself updates as it runs (a counter in a forward) is copied
+    written, stored = engine.written_tensors(traced), [*traced.named_parameters(), *traced.named_buffers()]
     shared = {id(t): t for name, t in stored if name not in written}
     fused = traced if unknown else copy.deepcopy(traced, shared)
 
@@ -449,9 +447,7 @@ def _write_files(
         dynamic.append(program[1]["dynamic_sequence"])
     if write.onnx:
         progress("exporting model.onnx")
-        # what planning and the exports freed goes back to the OS first: the translation's allocations do not
-        # reuse it (measured on a DeiT-Tiny `fuse --no-verify`: peak 514 MiB without, 498 with; malloc_trim only)
-        release_memory(collect=False)
+        release_memory(collect=False)  # the translation does not reuse what was freed (peak 514 -> 498 MiB)
         info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program)
         dynamic.append(info["dynamic_sequence"])
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
@@ -565,6 +561,7 @@ def finish(
 # --------------------------------------------------------------------------------------------- the driver
 
 
+@frozen_heap()
 def fuse(
     path: Path,
     out_dir: Path,

@@ -25,7 +25,7 @@ from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.util import Progress, quiet, sha256_file
+from slabconv.util import Progress, frozen_heap, quiet, sha256_file
 from slabconv.verify import judge
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
@@ -298,6 +298,7 @@ def _question_1(
         verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
 
 
+@frozen_heap()
 def verify_pair(
     reference_path: Path, candidate_path: Path, load: LoadOptions, opts: VerifyOptions, progress: Progress
 ) -> tuple[Source, Source, Verification]:
