@@ -140,7 +140,7 @@ def test_a_tensor_the_graph_updates_as_it_runs_is_not_shared():
             self.bn = torch.nn.BatchNorm1d(8)
             self.fc = torch.nn.Linear(8, 4)
             self.register_buffer("calls", torch.zeros(()))
-            self.gain = torch.nn.Parameter(torch.ones(4))
+            self.gain = torch.nn.Parameter(torch.ones(4), requires_grad=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             self.calls.add_(1)

@@ -342,7 +342,7 @@ class DecayingGain(nn.Module):
     def __init__(self, decay: bool = True) -> None:
         super().__init__()
         self.fc = nn.Linear(C, C)
-        self.gain = nn.Parameter(torch.linspace(0.5, 2.0, C))
+        self.gain = nn.Parameter(torch.linspace(0.5, 2.0, C), requires_grad=False)
         self.decay = decay
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
