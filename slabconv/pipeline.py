@@ -135,6 +135,8 @@ class Planned:
         program: one recipe per tensor the fused model stores (``engine.program``).
         traced_blocks: a streamed plan of a deep decoder made from a capture with fewer layers
             (``engine.repeat``): (layers traced, layers planned); None when every layer was traced.
+        exported: the program ``original`` was unlifted from, which the writer lifts ``fused`` back into
+            (``engine.lift_program``); None when ``fused`` is not its fold (streamed, ``fuse --dtype``'s cast).
     """
 
     original: fx.GraphModule | None
@@ -143,6 +145,7 @@ class Planned:
     example: torch.Tensor
     program: engine.Program | None = None
     traced_blocks: tuple[int, int] | None = None
+    exported: torch.export.ExportedProgram | None = None
 
     @property
     def complete(self) -> bool:
@@ -172,7 +175,8 @@ def plan(
     example = loaded.trace_example()
     progress("tracing the model with torch.export")
     with quiet():
-        traced = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
+        exported = engine.capture_program(loaded.model, example, sequence=loaded.max_sequence)
+        traced = exported.module()
     original = None if unknown else traced
     # a copy sharing the stored tensors: the engine never writes into one (``set_tensor`` puts a new one in its
     # place); a tensor the graph itself updates as it runs (a counter in a forward) is copied
@@ -209,7 +213,7 @@ def plan(
         )
     if unknown:
         _require_streamable(decisions, program)
-    return Planned(original, fused, decisions, example, program, traced_blocks)
+    return Planned(original, fused, decisions, example, program, traced_blocks, None if unknown else exported)
 
 
 class Unrepeatable(Exception):
@@ -434,7 +438,7 @@ def _write_files(
     if write.pt2 or write.onnx:  # one torch.export of the fused model serves both files
         progress("exporting the fused program")
         try:
-            program = export_program(planned.fused, planned.example)
+            program = export_program(planned.fused, planned.example, planned.exported)
         except UnsupportedModelError:
             if write.pt2:
                 raise
@@ -454,11 +458,8 @@ def _write_files(
         outputs.files += ["model.onnx", *([info["external_data"]] if info["external_data"] else [])]
         outputs.onnx_info = info
     if write.pt2 and program is not None:
-        outputs.onnx_info = {
-            **(outputs.onnx_info or {}),
-            "pt2_dynamic_batch": program[1]["dynamic_batch"],
-            "pt2_dynamic_sequence": program[1]["dynamic_sequence"],
-        }
+        pt2_axes = {f"pt2_{key}": program[1][key] for key in ("dynamic_batch", "dynamic_sequence")}
+        outputs.onnx_info = {**(outputs.onnx_info or {}), **pt2_axes}
     artifacts.dynamic_sequence = bool(dynamic) and all(dynamic)
     return outputs, artifacts
 

@@ -6,6 +6,7 @@ What goes in: an ``nn.Module`` in eval mode and one example input. What comes ou
 One module per job, in the order the data goes through them:
 
 - ``capture``: ``torch.export`` of the model, and helpers that read the graph (shapes, stored tensors).
+- ``lift``: the fused graph back as an ``ExportedProgram`` of the same capture (no second trace).
 - ``rules``: the op tables: how each ATen op treats a per-channel affine (``RULES``) and the layers a norm folds
   into (``slabconv.engine.layers``: Linear, addmm / mm, conv; embedding as a producer).
 - ``flow``: the forward walk from a norm's output and the backward walk from its input to a producer.
@@ -23,8 +24,9 @@ The names below are the engine's public surface; the other stages import nothing
 """
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import capture, written_tensors
+from slabconv.engine.capture import capture, capture_program, written_tensors
 from slabconv.engine.cleanup import fused_state_dict, norm_free
+from slabconv.engine.lift import lift_program
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.planner import (
     FOLDED_BACKWARD,
@@ -57,11 +59,13 @@ __all__ = [
     "WeightStore",
     "apply_folds",
     "capture",
+    "capture_program",
     "find_norms",
     "fold_all",
     "fold_program",
     "fold_repeated",
     "fused_state_dict",
+    "lift_program",
     "norm_free",
     "plan_folds",
     "reasons",

@@ -69,7 +69,16 @@ def axis_attempts(model: torch.nn.Module, sequence: int | None = None) -> list[d
 def capture(
     model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool = True, sequence: int | None = None
 ) -> fx.GraphModule:
-    """Export ``model`` (eval mode) with ``torch.export`` and return the unlifted fx ``GraphModule``.
+    """Export ``model`` (eval mode) with ``torch.export`` and return the unlifted fx ``GraphModule``
+    (``capture_program(...).module()``; arguments and errors as there)."""
+    return capture_program(model, example, dynamic_batch, sequence).module()
+
+
+def capture_program(
+    model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool = True, sequence: int | None = None
+) -> torch.export.ExportedProgram:
+    """Export ``model`` (eval mode) with ``torch.export``: the program whose ``module()`` the engine folds, and
+    which ``slabconv.engine.lift.lift_program`` turns the fused graph back into.
 
     Args:
         model: the network, already in the state it should be folded in (eval mode).
@@ -86,8 +95,7 @@ def capture(
     last: Exception | None = None
     for axes in attempts:
         try:
-            ep = torch.export.export(model, (example,), dynamic_shapes=(axes,) if axes else None)
-            return ep.module()
+            return torch.export.export(model, (example,), dynamic_shapes=(axes,) if axes else None)
         except Exception as err:  # noqa: BLE001 - report torch.export's own reason
             last = err
     first_line = str(last).strip().splitlines()[0] if last else "unknown error"

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import fx
 
 from slabconv.engine.capture import axis_attempts
+from slabconv.engine.lift import lift_program
 from slabconv.errors import UnsupportedModelError, first_line
 from slabconv.util import quiet
 from slabconv.version import __version__
@@ -19,17 +21,22 @@ MARK = "slabconv.json"
 
 
 def export_program(
-    model: torch.nn.Module, example: torch.Tensor
+    model: torch.nn.Module, example: torch.Tensor, original: torch.export.ExportedProgram | None = None
 ) -> tuple[torch.export.ExportedProgram, dict[str, Any]]:
-    """``torch.export`` of the fused model, once: ``model.pt2`` saves it and ``model.onnx`` is translated from it.
+    """The fused model as a ``torch.export`` program, made once: ``model.pt2`` saves it and ``model.onnx`` is
+    translated from it.
 
-    Axis 0 (batch) is dynamic unless the model's code fixes it (a program recorded with a static batch whose graph
-    bakes that size in); a graph captured with a symbolic sequence axis (a language model, ``engine.capture`` with
-    ``sequence``) keeps it, with its bounds.
+    With ``original`` (the program the engine's graph was unlifted from), the fused graph is lifted back into a
+    program of that capture (``engine.lift_program``: no second trace, same dynamic axes). Otherwise, or where the
+    graph holds what the lift does not cover, ``torch.export`` traces the fused model: axis 0 (batch) is dynamic
+    unless the model's code fixes it (a program recorded with a static batch whose graph bakes that size in); a
+    graph captured with a symbolic sequence axis (a language model, ``engine.capture`` with ``sequence``) keeps
+    it, with its bounds.
 
     Args:
         model: the fused model (a ``GraphModule`` from the engine).
         example: one input ``(B, ...)`` in the model's dtype (int64 ids for a language model).
+        original: the original's program (``engine.capture_program``), when ``model`` is the engine's fold of it.
 
     Returns:
         The ``ExportedProgram`` and ``{"dynamic_batch": bool, "batch": int or None, "dynamic_sequence": bool}``
@@ -38,6 +45,9 @@ def export_program(
     Raises:
         UnsupportedModelError: ``torch.export`` cannot trace the fused model.
     """
+    lifted = lift_program(model, original) if original is not None and isinstance(model, fx.GraphModule) else None
+    if lifted is not None:
+        return lifted, _axes_info(lifted, example)
     last: Exception | None = None
     for axes in axis_attempts(model):
         try:
@@ -54,6 +64,18 @@ def export_program(
         }
         return program, info
     raise UnsupportedModelError(f"torch.export could not export the fused model: {first_line(last)}")
+
+
+def _axes_info(program: torch.export.ExportedProgram, example: torch.Tensor) -> dict[str, Any]:
+    """``export_program``'s info from the program's own input: which of its axes 0 and 1 are symbolic."""
+    user = [n for n in program.graph.nodes if n.op == "placeholder"][-1]  # the one user input, after the stored
+    shape = tuple(user.meta["val"].shape)
+    dynamic = bool(shape) and isinstance(shape[0], torch.SymInt)
+    return {
+        "dynamic_batch": dynamic,
+        "batch": None if dynamic else int(example.shape[0]),
+        "dynamic_sequence": len(shape) > 1 and isinstance(shape[1], torch.SymInt),
+    }
 
 
 def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: Path) -> None:
