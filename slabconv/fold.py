@@ -25,6 +25,7 @@ so that no block-sized tensor is made (the same values: the same float64 operati
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -65,7 +66,82 @@ def repbn_affine(
 
 
 def _cast(x: Tensor, like: Tensor) -> Tensor:
-    return x.to(dtype=like.dtype, device=like.device).contiguous()
+    return rounded(x, like.dtype).to(device=like.device).contiguous()
+
+
+def rounded(values: Tensor, dtype: torch.dtype, out: Tensor | None = None, near: Tensor | None = None) -> Tensor:
+    """``values`` rounded once to ``dtype``: to the nearest representable value, ties to even (same shape and
+    device; ``values`` unchanged). What every folded tensor is stored as, and what question 1 compares it with.
+
+    From float64 to float16 or bfloat16, ``Tensor.to`` rounds twice: torch converts through float32
+    (``c10::Half`` and ``c10::BFloat16`` are made from a ``float``), so a value just off the midpoint of two
+    neighbours that float32 rounds onto the midpoint goes to the even one, not the nearer (1 + 2**-11 + 2**-40
+    becomes 1.0 instead of 1 + 2**-10; on a random float16 layer scaled per column, 226 of 4,194,304 weights,
+    and 15 in bfloat16). Here float32 is reached by rounding to odd (toward zero, then the last bit set where
+    anything was cut), which keeps what the second rounding needs: float32 carries at least two bits more than
+    float16 (11) and bfloat16 (8), and a value rounded to odd at that precision rounds on to the nearest exactly
+    as the float64 value does (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved
+    algorithms using rounding to odd", IEEE Trans. Computers 57(4), 2008). Other dtypes convert once already.
+
+    Only a value whose float32 rounding lies exactly on a midpoint of two ``dtype`` neighbours (its low bits
+    ``100...0``: about one in 8,192) or below float16's normal range can round differently, so the rest go
+    through float32 as torch does and only those are rounded to odd.
+
+    Args:
+        values: any tensor (the rounding above applies to float64 ones).
+        dtype: the stored dtype.
+        out: a contiguous tensor of ``dtype`` and ``values``' shape to write into (a streamed fold's reused
+            buffer); returned.
+        near: a contiguous float32 tensor of ``values``' shape to hold their float32 rounding (a streamed fold's
+            reused buffer: a fresh one of its sub-block's size costs the kernel's mapping and zeroing of pages).
+    """
+    if values.dtype != torch.float64 or dtype not in _TIE_BITS or values.is_meta:  # (meta: stand-ins, no values)
+        return values.to(dtype) if out is None else out.copy_(values)
+    if near is not None and near.is_contiguous():
+        near.copy_(values)  # to nearest
+    else:
+        near = values.to(torch.float32, memory_format=torch.contiguous_format)
+    result = near.to(dtype) if out is None else out.copy_(near)
+    nearest = near.detach().cpu().numpy().reshape(-1)
+    at = _ties(nearest.view(np.int32), dtype)
+    if at.size:  # those rounded to odd instead (numpy: a few hundred values, where torch's per-call cost dominates)
+        exact = values.detach().reshape(-1)[torch.from_numpy(at).to(values.device)].cpu().numpy()
+        cut = exact - nearest[at]  # exact: within half a float32 unit of the value
+        inexact = (cut != 0) & np.isfinite(cut)  # NaN, infinities and overflow to them pass through as they are
+        odd = nearest[at].view(np.int32) - (inexact & (np.signbit(cut) != np.signbit(nearest[at])))
+        odd |= inexact
+        fixed = torch.from_numpy(odd.view(np.float32)).to(device=values.device, dtype=dtype)
+        result.reshape(-1)[torch.from_numpy(at).to(values.device)] = fixed
+    return result
+
+
+_TIE_BITS = {torch.float16: (0x1FFF, 0x1000), torch.bfloat16: (0xFFFF, 0x8000)}
+"""The float32 bits a dtype drops (float16: 13 of the 23 fraction bits, bfloat16: 16) and their pattern at a
+midpoint of two of its neighbours."""
+
+_FLOAT16_NORMAL = 0x38800000
+"""float32 bits of 2**-14, float16's smallest normal value."""
+
+_CHUNK = 1 << 16
+"""Values per numpy comparison in ``_ties``: its temporaries stay below glibc's mapping threshold (a streamed fold
+sets it to 1 MiB, ``load.shards.return_freed_blocks_to_the_os``), where a fresh mapping per call cost 20x the
+comparison itself."""
+
+
+def _ties(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """Flat positions of the float32 values (``bits``: their int32 view) that lie on a midpoint of two ``dtype``
+    neighbours, and for float16 every value below its normal range (whose midpoints sit on other bits)."""
+    mask, midpoint = _TIE_BITS[dtype]
+    found = []
+    for start in range(0, bits.size, _CHUNK):
+        part = bits[start : start + _CHUNK]
+        tie = (part & mask) == midpoint
+        if dtype == torch.float16:
+            tie |= (part & 0x7FFFFFFF) < _FLOAT16_NORMAL
+        where = np.flatnonzero(tie)
+        if where.size:
+            found.append(where + start)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def _widened(weight: Tensor, inplace: bool) -> Tensor:

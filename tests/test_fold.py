@@ -166,3 +166,46 @@ def test_inplace_folds_give_the_same_bits_in_the_callers_buffer():
 def test_inplace_fold_refuses_a_weight_that_is_not_float64():
     with pytest.raises(ValueError, match="float64"):
         fold.fold_into_linear(torch.ones(2, 3), None, torch.ones(3).double(), torch.zeros(3).double(), inplace=True)
+
+
+def _bfloat16_nearest(v: float) -> float:
+    """The bfloat16 value nearest to ``v`` (ties to the even one), by exact rational arithmetic over the
+    neighbours of ``v``'s float32 rounding: the reference ``fold.rounded`` must equal."""
+    import struct
+    from fractions import Fraction
+
+    if v != v or abs(v) == float("inf"):
+        return v
+    top = struct.unpack("<I", struct.pack("<f", v))[0] >> 16  # bfloat16 is float32's upper 16 bits
+    near = []
+    for bits in range(max(0, top - 2), min(0xFFFF, top + 2) + 1):
+        value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+        if value == value and abs(value) != float("inf"):
+            near.append((abs(Fraction(value) - Fraction(v)), bits & 1, value))
+    return min(near)[2]
+
+
+def test_rounded_rounds_once_to_the_nearest_where_torch_rounds_twice() -> None:
+    """float64 to float16 / bfloat16: ``fold.rounded`` gives the nearest value (numpy's direct conversion for
+    float16, exact rational arithmetic for bfloat16) on values placed just off midpoints, where torch's ``to``
+    (through float32) goes to the even neighbour instead; special values keep their meaning."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(0)
+    grid = torch.randint(0, 1 << 10, (4000,), generator=gen).double()
+    nudge = torch.randn(4000, generator=gen, dtype=torch.float64)
+    specials = [0.0, -0.0, float("inf"), -float("inf"), 1e-50, -1e-50, 3e-8, 65519.99, -65520.0, 1e300]
+    for dtype, bits, nearest, special in (
+        (torch.float16, 10, lambda t: torch.from_numpy(t.numpy().astype(np.float16)), specials),
+        (torch.bfloat16, 7, lambda t: torch.tensor([_bfloat16_nearest(v) for v in t.tolist()]), specials[:6]),
+    ):
+        mids = (1 + (grid + 0.5) * 2.0**-bits) * (1 + nudge * 2.0**-40) * torch.where(nudge > 0, 1.0, -3.0)
+        values = torch.cat([mids, torch.tensor(special, dtype=torch.float64)])
+        want = nearest(values).to(dtype).view(torch.int16)  # (bfloat16: representable, so this cast is exact)
+        got = fold.rounded(values, dtype)
+        assert got.dtype == dtype
+        assert torch.equal(got.view(torch.int16), want), dtype
+        assert int((values.to(dtype).view(torch.int16) != want).sum()) > 100  # torch's double rounding
+    assert torch.isnan(fold.rounded(torch.tensor([float("nan")], dtype=torch.float64), torch.float16)).all()
+    x = torch.randn(5, dtype=torch.float32)
+    assert torch.equal(fold.rounded(x, torch.float16), x.half())  # from float32 torch rounds once already

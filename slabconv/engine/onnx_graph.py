@@ -37,6 +37,7 @@ import onnx_ir as ir
 import torch
 
 from slabconv.engine import reasons, rules
+from slabconv.fold import rounded
 
 
 class Shapes(dict[str, tuple[int | str | None, ...]]):
@@ -214,9 +215,9 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
 def to_numpy(tensor: torch.Tensor, like: np.ndarray) -> np.ndarray:
     """``tensor`` as a numpy array of ``like``'s dtype (bfloat16 through its bits)."""
     if like.dtype.name == "bfloat16":
-        return tensor.to(torch.bfloat16).view(torch.uint16).numpy().view(like.dtype).reshape(like.shape)
-    if tensor.is_floating_point() and like.dtype.kind == "f":  # round as torch does (question 1 rounds with torch)
-        tensor = tensor.to(torch.from_numpy(np.empty(0, dtype=like.dtype)).dtype)
+        return rounded(tensor, torch.bfloat16).view(torch.uint16).numpy().view(like.dtype).reshape(like.shape)
+    if tensor.is_floating_point() and like.dtype.kind == "f":  # rounded once, as question 1 rounds
+        tensor = rounded(tensor, torch.from_numpy(np.empty(0, dtype=like.dtype)).dtype)
     return tensor.detach().numpy().astype(like.dtype, copy=False)
 
 

@@ -100,7 +100,7 @@ class _RoundedOnce:
 
     def stored(self) -> torch.Tensor:
         """``value`` rounded once to ``dtype`` (same shape and device), contiguous."""
-        return self.value.to(self.dtype).contiguous()
+        return fold.rounded(self.value, self.dtype).contiguous()
 
 
 @dataclass(frozen=True)

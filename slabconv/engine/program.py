@@ -31,6 +31,7 @@ from slabconv.engine.capture import stored
 from slabconv.engine.layers import LayerKind
 from slabconv.engine.planner import NormPlan
 from slabconv.errors import UnsupportedModelError
+from slabconv.fold import rounded
 
 FOLD_BLOCK = 1 << 22
 """Elements per block of rows: the float64 temporaries of one block bound a streamed fold's memory."""
@@ -94,7 +95,7 @@ def rounds_finite(values: torch.Tensor, dtype: torch.dtype) -> bool:
     if not values.numel():
         return True
     low, high = torch.aminmax(values)
-    return bool(torch.isfinite(torch.stack([low, high]).to(dtype)).all())
+    return bool(torch.isfinite(rounded(torch.stack([low, high]), dtype)).all())
 
 
 class Scratch:
@@ -190,14 +191,14 @@ class LayerRecipe:
             UnsupportedModelError: a folded value does not fit the dtype (it overflows).
         """
         self._check_fits(self.weight, w, self.dtype)
-        return w.to(self.dtype).contiguous(), self._stored_bias(b)
+        return rounded(w, self.dtype).contiguous(), self._stored_bias(b)
 
     def _stored_bias(self, b: torch.Tensor | None) -> torch.Tensor | None:
         """The float64 bias rounded once to its stored dtype; None when the layer stores none."""
         if b is None or self.bias_out is None:
             return None
         self._check_fits(self.bias_out, b, self.bias_dtype)
-        return b.to(self.bias_dtype).contiguous()
+        return rounded(b, self.bias_dtype).contiguous()
 
     def _stored_into(
         self, scratch: Scratch, store: WeightStore, start: int, stop: int
@@ -211,7 +212,7 @@ class LayerRecipe:
             w = scratch.take("rows", read[s0:s1].shape, torch.float64).copy_(read[s0:s1])
             w, bias = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
             self._check_fits(self.weight, w, self.dtype)
-            out[s0:s1].copy_(w)  # rounds as ``to`` does
+            rounded(w, self.dtype, out=out[s0:s1], near=scratch.take("near", w.shape, torch.float32))
             biases.append(bias)
         return out, self._stored_bias(_joined(biases))
 

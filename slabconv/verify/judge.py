@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from slabconv.fold import rounded as round_once
 from slabconv.verify import policy
 from slabconv.verify.results import ExactCheck, OutputCheck
 
@@ -154,7 +155,7 @@ def ulps(candidate: torch.Tensor, exact: torch.Tensor) -> float:
     a tie between two neighbours within ``policy.TIE``, either neighbour); ``inf`` for NaN or another shape."""
     if candidate.shape != exact.shape:
         return math.inf
-    rounded = exact.to(candidate.dtype)
+    rounded = round_once(exact, candidate.dtype)
     differ = candidate != rounded
     if not bool(differ.any()):
         return 0.0

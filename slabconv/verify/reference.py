@@ -19,6 +19,7 @@ import torch
 from torch import fx
 
 from slabconv import engine
+from slabconv.fold import rounded
 from slabconv.util import quiet
 
 _LOWER = (torch.float16, torch.bfloat16, torch.float32)
@@ -45,13 +46,13 @@ def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.d
     for module in out.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point():
-                module._parameters[name] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+                module._parameters[name] = torch.nn.Parameter(rounded(param.detach(), dtype), requires_grad=False)
         for name, buf in list(module._buffers.items()):
             if buf is not None and buf.is_floating_point():
-                module._buffers[name] = buf.to(dtype)
+                module._buffers[name] = rounded(buf, dtype)
     for name, value in list(vars(out).items()):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
-            setattr(out, name, value.to(dtype))
+            setattr(out, name, rounded(value, dtype))
     out.recompile()
     return out
 
