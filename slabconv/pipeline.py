@@ -34,7 +34,6 @@ and rounded once.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import time
@@ -178,11 +177,7 @@ def plan(
         exported = engine.capture_program(loaded.model, example, sequence=loaded.max_sequence)
         traced = exported.module()
     original = None if unknown else traced
-    # a copy sharing the stored tensors: the engine never writes into one (``set_tensor`` puts a new one in its
-    # place); a tensor the graph itself updates as it runs (a counter in a forward) is copied
-    written, stored = engine.written_tensors(traced), [*traced.named_parameters(), *traced.named_buffers()]
-    shared = {id(t): t for name, t in stored if name not in written}
-    fused = traced if unknown else copy.deepcopy(traced, shared)
+    fused = traced if unknown else engine.copy_sharing(traced)  # the weights are not held twice
 
     def folded(name: str, done: int, total: int) -> None:
         progress("folding norms", done, total)

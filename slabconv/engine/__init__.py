@@ -24,7 +24,7 @@ The names below are the engine's public surface; the other stages import nothing
 """
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import capture, capture_program, written_tensors
+from slabconv.engine.capture import capture, capture_program, copy_sharing, written_tensors
 from slabconv.engine.cleanup import fused_state_dict, norm_free
 from slabconv.engine.lift import lift_program
 from slabconv.engine.norms import NormSite, find_norms
@@ -60,6 +60,7 @@ __all__ = [
     "apply_folds",
     "capture",
     "capture_program",
+    "copy_sharing",
     "find_norms",
     "fold_all",
     "fold_program",

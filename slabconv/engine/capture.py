@@ -11,6 +11,7 @@ node's shape, whether two symbolic sizes are equal, which modules enclose a node
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -137,6 +138,16 @@ def written_tensors(gm: fx.GraphModule) -> set[str]:
         for n in gm.graph.nodes
         if n.op == "get_attr" and isinstance(stored(gm, str(n.target)), torch.Tensor) and _may_write(n)
     }
+
+
+def copy_sharing(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``gm`` that shares every stored tensor the graph never writes (``written_tensors``): the
+    engine and the float64 promotion replace a tensor (``set_tensor``, a new attribute), never write into one, so
+    the copy costs the graph and modules, not the weights. A tensor the graph updates as it runs (a counter in a
+    forward) is copied, so running one graph leaves the other's state alone."""
+    written = written_tensors(gm)
+    stored = [*gm.named_parameters(), *gm.named_buffers()]
+    return copy.deepcopy(gm, {id(t): t for name, t in stored if name not in written})
 
 
 def _may_write(node: fx.Node) -> bool:

@@ -12,7 +12,6 @@ original float64 graph to float64 rounding.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ def _retype_arg(a: Any, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> 
 def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.dtype) -> fx.GraphModule:
     """A copy of ``gm`` computing in ``dtype``: the dtype arguments of ``source`` replaced by it, and every floating
     parameter, buffer and constant cast to it once."""
-    out = copy.deepcopy(gm)
+    out = engine.copy_sharing(gm)  # every floating tensor is replaced below, never written into
     for node in out.graph.nodes:
         node.args = _retype_arg(node.args, source, dtype)
         node.kwargs = _retype_arg(node.kwargs, source, dtype)
@@ -198,7 +197,7 @@ def float64_graph(original: fx.GraphModule, example: torch.Tensor) -> fx.GraphMo
 def fold64(original64: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
     """``(fused64, decisions64)``: a copy of ``original64`` (``float64_graph``) folded by the same engine as the
     model's own fold; its decisions equal the model's except where a fold overflows only the model's dtype."""
-    fused64 = copy.deepcopy(original64)
+    fused64 = engine.copy_sharing(original64)
     decisions64 = engine.fold_all(fused64)
     return fused64, decisions64
 

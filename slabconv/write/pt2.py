@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from slabconv.engine import lift_program
 from slabconv.engine.capture import axis_attempts
-from slabconv.engine.lift import lift_program
 from slabconv.errors import UnsupportedModelError, first_line
 from slabconv.util import quiet
 from slabconv.version import __version__
