@@ -207,7 +207,8 @@ def test_rounded_rounds_once_to_the_nearest_where_torch_rounds_twice() -> None:
         (torch.bfloat16, 7, lambda t: torch.tensor([_bfloat16_nearest(v) for v in t.tolist()]), specials[:6]),
     ):
         mids = (1 + (grid + 0.5) * 2.0**-bits) * (1 + nudge * 2.0**-40) * torch.where(nudge > 0, 1.0, -3.0)
-        values = torch.cat([mids, torch.tensor(special, dtype=torch.float64)])
+        tiny = (grid[:500] + 0.5) * 2.0**-24 * (1 + nudge[:500] * 2.0**-40)  # float16's subnormal midpoints
+        values = torch.cat([mids, tiny, torch.tensor(special, dtype=torch.float64)])
         want = nearest(values).to(dtype).view(torch.int16)  # (bfloat16: representable, so this cast is exact)
         got = fold.rounded(values, dtype)
         assert got.dtype == dtype
