@@ -14,6 +14,7 @@ from torch import nn
 
 from slabconv import engine, fold
 from slabconv.engine import reasons
+from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import (
     NAIVE_MIN_ERR,
@@ -375,6 +376,29 @@ def test_a_norm_the_forward_updates_is_kept():
     steady = DecayingGain(decay=False).eval()
     _, decisions = fuse(steady, x)
     assert only(decisions, "gain").action == "folded-backward"
+
+
+class DecayingStatistics(nn.Module):
+    """A BatchNorm whose ``running_mean`` the forward halves (inside ``torch.no_grad()``) before the norm reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.fc = nn.BatchNorm1d(C), nn.Linear(C, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.bn.running_mean.mul_(0.5)
+        return self.fc(self.bn(x))
+
+
+def test_statistics_the_forward_updates_stop_the_fuse_with_a_named_reason():
+    """torch.export records the update as a higher-order op running a submodule; its body was taken for a stored
+    tensor and the fuse died with an AttributeError. The norm reads statistics computed as the model runs, so
+    the fold stops with the engine's reason (naming the BatchNorm) instead."""
+    model = DecayingStatistics().eval()
+    model.bn.running_mean.uniform_(-1, 1)
+    with pytest.raises(UnsupportedModelError, match="BatchNorm node .*statistics are computed"):
+        fuse(model, torch.randn(B, C))
 
 
 class SumOverTokens(nn.Module):

@@ -17,7 +17,7 @@ from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
 from torch.utils._pytree import tree_map
 
 from slabconv import fold
-from slabconv.engine.capture import attr, same_size, shape_of, static_int
+from slabconv.engine.capture import attr, same_size, shape_of, static_int, stored
 from slabconv.errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -80,9 +80,11 @@ class Constants:
         return self._const[node]
 
     def _check(self, node: fx.Node) -> bool:
-        if node.op == "get_attr":
-            return True
+        if node.op == "get_attr":  # a stored tensor; not a submodule (the body of a higher-order op)
+            return isinstance(stored(self.gm, str(node.target)), torch.Tensor)
         if node.op != "call_function" or getattr(node.target, "overloadpacket", None) in self._BANNED:
+            return False
+        if isinstance(node.target, torch._ops.HigherOrderOperator):  # runs a submodule (``torch.no_grad()`` code)
             return False
         return all(self.is_const(a) for a in node.all_input_nodes)
 
