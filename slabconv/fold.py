@@ -85,7 +85,7 @@ def rounded(values: Tensor, dtype: torch.dtype, out: Tensor | None = None, near:
 
     Only a value whose float32 rounding lies exactly on a midpoint of two ``dtype`` neighbours can round
     differently (its dropped bits ``100...0``: about one in 8,192, found with numpy's bit tests), so the rest go
-    through float32 as torch does and only those are rounded to odd: on a streamed float16 fold, about 0.5 s more
+    through float32 as torch does and only those are rounded to odd: on a streamed float16 fold, 0.3-0.5 s more
     per 240 M weights than torch's cast (2 cores, ``docs/performance.md``).
 
     Args:
