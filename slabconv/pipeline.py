@@ -430,7 +430,7 @@ def _write_files(
     artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
     dynamic: list[bool] = []  # per program written: does it take any sequence length?
     program = None
-    if write.pt2 or write.onnx:  # one torch.export of the fused model serves both files
+    if write.pt2 or write.onnx:  # one program of the fused model (lifted, or traced again) serves both files
         progress("exporting the fused program")
         try:
             program = export_program(planned.fused, planned.example, planned.exported)

@@ -59,25 +59,20 @@ def lift_program(fused: fx.GraphModule, original: ExportedProgram) -> ExportedPr
     found = _stored_inputs(fused)
     if found is None:
         return None
-    kinds, values = found
+    kinds, values, first_use = found
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     specs: list[gs.InputSpec] = []
-    first_use = {str(n.target): n for n in reversed(fused.graph.nodes) if n.op == "get_attr"}
     # torch.export's order: parameters, buffers (each as the module registers them), constants (as used)
     registered = [n for n, _ in fused.named_parameters(remove_duplicate=False)]
     registered += [n for n, _ in fused.named_buffers(remove_duplicate=False)]
     rank = {name: i for i, name in enumerate(registered)}
-    for kind in _STORED:
-        for target in sorted(kinds, key=lambda t: rank.get(t, len(rank))):  # stable: constants keep their order
-            k, persistent = kinds[target]
-            if k != kind:
-                continue
-            ph = graph.placeholder(f"{_PREFIX[kind]}_{target.replace('.', '_')}")
-            ph.meta = dict(first_use[target].meta)
-            env[first_use[target]] = ph
-            specs.append(gs.InputSpec(kind, gs.TensorArgument(ph.name), target, persistent))
-    lifted = {str(n.target): ph for n, ph in env.items()}
+    lifted: dict[str, fx.Node] = {}
+    for target in sorted(kinds, key=lambda t: (_STORED.index(kinds[t][0]), rank.get(t, len(rank)))):
+        kind, persistent = kinds[target]  # (the sort is stable: constants keep their order of use)
+        ph = lifted[target] = graph.placeholder(f"{_PREFIX[kind]}_{target.replace('.', '_')}")
+        ph.meta = dict(first_use[target].meta)
+        specs.append(gs.InputSpec(kind, gs.TensorArgument(ph.name), target, persistent))
     outputs: list[fx.Node] = []
     for node in fused.graph.nodes:
         if node.op == "placeholder":
@@ -113,11 +108,13 @@ def lift_program(fused: fx.GraphModule, original: ExportedProgram) -> ExportedPr
 
 def _stored_inputs(
     fused: fx.GraphModule,
-) -> tuple[dict[str, tuple[gs.InputKind, bool | None]], dict[str, torch.Tensor]] | None:
-    """Each stored tensor ``fused`` reads (target -> input kind and persistence, target -> value), in the order
-    of first use; None when some node is outside what ``lift_program`` covers."""
+) -> tuple[dict[str, tuple[gs.InputKind, bool | None]], dict[str, torch.Tensor], dict[str, fx.Node]] | None:
+    """Each stored tensor ``fused`` reads, by target in the order of first use: its input kind and persistence,
+    its value, and the ``get_attr`` node that first reads it; None when some node is outside what
+    ``lift_program`` covers."""
     kinds: dict[str, tuple[gs.InputKind, bool | None]] = {}
     values: dict[str, torch.Tensor] = {}
+    first_use: dict[str, fx.Node] = {}
     for node in fused.graph.nodes:
         if node.op == "output":
             if not all(isinstance(a, fx.Node) and _tensor_val(a) for a in _flat(node.args[0])):
@@ -140,17 +137,15 @@ def _stored_inputs(
             return None
         if target not in kinds:
             kinds[target] = _kind(fused, target)
-            values[target] = value
-    return kinds, values
+            values[target], first_use[target] = value, node
+    return kinds, values, first_use
 
 
 def _kind(gm: fx.GraphModule, target: str) -> tuple[gs.InputKind, bool | None]:
     """How ``torch.export`` lifts the tensor at ``target``: a parameter, a buffer (persistent or not) or a
     constant (a plain tensor attribute)."""
-    *path, name = target.split(".")
-    owner: Any = gm
-    for part in path:
-        owner = getattr(owner, part)
+    path, _, name = target.rpartition(".")
+    owner = gm.get_submodule(path)
     if name in owner._parameters:
         return gs.InputKind.PARAMETER, None
     if name in owner._buffers:

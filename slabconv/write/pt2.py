@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from slabconv.engine import lift_program
-from slabconv.engine.capture import axis_attempts
+from slabconv.engine.capture import axis_attempts, graph_axes
 from slabconv.errors import UnsupportedModelError, first_line
 from slabconv.util import quiet
 from slabconv.version import __version__
@@ -47,7 +47,7 @@ def export_program(
     """
     lifted = lift_program(model, original) if original is not None and isinstance(model, fx.GraphModule) else None
     if lifted is not None:
-        return lifted, _axes_info(lifted, example)
+        return lifted, _axes_info(graph_axes(model), example)  # the lifted program keeps the graph's own axes
     last: Exception | None = None
     for axes in axis_attempts(model):
         try:
@@ -56,25 +56,17 @@ def export_program(
         except Exception as err:  # noqa: BLE001 - torch.export raises many types
             last = err
             continue
-        dynamic = bool(axes)
-        info = {
-            "dynamic_batch": dynamic,
-            "batch": None if dynamic else int(example.shape[0]),
-            "dynamic_sequence": bool(axes and 1 in axes),
-        }
-        return program, info
+        return program, _axes_info(axes, example)
     raise UnsupportedModelError(f"torch.export could not export the fused model: {first_line(last)}")
 
 
-def _axes_info(program: torch.export.ExportedProgram, example: torch.Tensor) -> dict[str, Any]:
-    """``export_program``'s info from the program's own input: which of its axes 0 and 1 are symbolic."""
-    user = [n for n in program.graph.nodes if n.op == "placeholder"][-1]  # the one user input, after the stored
-    shape = tuple(user.meta["val"].shape)
-    dynamic = bool(shape) and isinstance(shape[0], torch.SymInt)
+def _axes_info(axes: dict[int, Any] | None, example: torch.Tensor) -> dict[str, Any]:
+    """``export_program``'s info from the dynamic axes the program was made with (``Dim``s by axis)."""
+    dynamic = bool(axes)
     return {
         "dynamic_batch": dynamic,
         "batch": None if dynamic else int(example.shape[0]),
-        "dynamic_sequence": len(shape) > 1 and isinstance(shape[1], torch.SymInt),
+        "dynamic_sequence": bool(axes and 1 in axes),
     }
 
 
