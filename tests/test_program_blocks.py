@@ -20,11 +20,14 @@ from slabconv.fold import rounded
 def test_rounds_finite_agrees_with_rounding_the_whole_block(dtype: torch.dtype) -> None:
     top = torch.finfo(dtype).max
     ulp = top - float(torch.nextafter(torch.tensor(top, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
-    edges = [top, top + ulp / 4, top + ulp / 2, top + ulp, float("inf"), float("nan")]  # top + ulp/2: a tie, to inf
+    # top + ulp/2: a tie, to inf; just below it, the nearest is top (torch's cast, through float32, says inf)
+    below = float(torch.nextafter(torch.tensor(top + ulp / 2, dtype=torch.float64), torch.tensor(0.0).double()))
+    edges = [top, top + ulp / 4, below, top + ulp / 2, top + ulp, float("inf"), float("nan")]
     for edge in edges:
         for sign in (1.0, -1.0):
             block = torch.tensor([[0.5, sign * edge], [1.0, -2.0]], dtype=torch.float64)
-            assert rounds_finite(block, dtype) == bool(torch.isfinite(block.to(dtype)).all()), (edge, sign)
+            assert rounds_finite(block, dtype) == bool(torch.isfinite(rounded(block, dtype)).all()), (edge, sign)
+            assert rounds_finite(block, dtype) == (abs(edge) < top + ulp / 2), (edge, sign)  # NaN: False
     assert rounds_finite(torch.empty(0, 3, dtype=torch.float64), dtype)
 
 

@@ -87,15 +87,31 @@ def row_ranges(shape: list[int], block_elements: int = FOLD_BLOCK) -> Iterator[t
 
 
 def rounds_finite(values: torch.Tensor, dtype: torch.dtype) -> bool:
-    """True when every value of ``values`` (float64) rounds to a finite ``dtype`` value.
+    """True when every value of ``values`` (float64) rounds to a finite ``dtype`` value (``fold.rounded``).
 
-    Rounding is monotonic, so the smallest and the largest value decide (a NaN makes both NaN): two roundings
-    instead of a finiteness test over the whole rounded tensor, which is slow in float16 on a CPU.
+    Rounding is monotonic, so the smallest and the largest value decide (a NaN makes both NaN); for float16,
+    bfloat16 and float32 they are compared with ``_overflow_limit``, the smallest magnitude that rounds to an
+    infinity: no rounding at all, where two small ones cost more than the comparison over the whole block.
     """
     if not values.numel():
         return True
     low, high = torch.aminmax(values)
-    return bool(torch.isfinite(rounded(torch.stack([low, high]), dtype)).all())
+    limit = _OVERFLOW_LIMIT.get(dtype)
+    if limit is None:
+        return bool(torch.isfinite(rounded(torch.stack([low, high]), dtype)).all())
+    return -limit < float(low) and float(high) < limit  # False for a NaN
+
+
+def _overflow_limit(dtype: torch.dtype) -> float:
+    """Half a unit in the last place above ``dtype``'s largest finite value (a float with infinities and a full
+    top binade: float16, bfloat16, float32): a value of at least this magnitude rounds to an infinity (at it, a
+    tie, to the even neighbour, the infinity), one below rounds to a finite value. Exact in float64."""
+    info = torch.finfo(dtype)
+    top_binade = info.max / (2 - info.eps)  # max = (2 - eps) * 2**emax
+    return info.max + top_binade * info.eps / 2
+
+
+_OVERFLOW_LIMIT = {d: _overflow_limit(d) for d in (torch.float16, torch.bfloat16, torch.float32)}
 
 
 class Scratch:
@@ -209,7 +225,7 @@ class LayerRecipe:
         out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still hash the last
         biases = []
         for s0, s1 in row_ranges(list(read.shape), CACHE_BLOCK):
-            w = scratch.take("rows", read[s0:s1].shape, torch.float64).copy_(read[s0:s1])
+            w = scratch.take("rows", read[s0:s1].shape, torch.float64).copy_(_widening(scratch, read[s0:s1]))
             w, bias = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
             self._check_fits(self.weight, w, self.dtype)
             rounded(w, self.dtype, out=out[s0:s1], near=scratch.take("near", w.shape, torch.float32))
@@ -232,6 +248,16 @@ class LayerRecipe:
                 yield self.stored(*self.rows(store, start, stop))
             else:
                 yield self._stored_into(scratch, store, start, stop)
+
+
+def _widening(scratch: Scratch, stored: torch.Tensor) -> torch.Tensor:
+    """A float16 / bfloat16 sub-block in float32 (exact), the step to float64: torch widens half precision to
+    float32 with vector instructions and float32 to float64 too, but half precision to float64 element by element
+    (on the 350M float16 folder's 240 M folded weights, about 0.07 s through float32 against 0.16 s direct).
+    Other dtypes as they are."""
+    if stored.dtype not in (torch.float16, torch.bfloat16):
+        return stored
+    return scratch.take("wide", stored.shape, torch.float32).copy_(stored)
 
 
 def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
