@@ -117,34 +117,44 @@ def test_an_overflow_in_a_later_sub_block_is_refused(monkeypatch) -> None:
             list(recipe.blocks(store, weight.numel(), scratch))
 
 
+@pytest.mark.parametrize("slow", ["hash", "write"])
 @pytest.mark.parametrize("alternate", [True, False])
-def test_the_shard_digest_is_of_the_bytes_written_while_the_next_block_is_made(tmp_path, monkeypatch, alternate):
-    """The writer hashes a block while the caller makes the next one: with two buffers in turn
-    (``Scratch.alternate``) the digest is the file's; one buffer reused at once (the control) is overwritten under
-    a slow hash and the digest is wrong, so the test can see the race it guards against."""
+def test_the_shard_is_written_and_hashed_while_the_next_block_is_made(tmp_path, monkeypatch, alternate, slow):
+    """The writer's threads write and hash a block while the caller makes the next one: with two buffers in turn
+    (``Scratch.alternate``) the file holds every block and the digest is the file's; one buffer reused at once
+    (the control) is overwritten under a slow hash or a slow write and the digest or the file is wrong, so the test
+    can see the race it guards against."""
     import hashlib
     import time
 
     from slabconv.write import shards as ws
 
+    def late(update):
+        def call(data):
+            time.sleep(0.05)  # the caller has made the next block by now
+            return update(data)
+
+        return call
+
     class SlowSha256:
         def __init__(self, data: bytes = b"") -> None:
             self.inner = hashlib.sha256(data)
-
-        def update(self, data) -> None:
-            time.sleep(0.05)  # the caller has made the next block by now
-            self.inner.update(data)
-
-        def hexdigest(self) -> str:
-            return self.inner.hexdigest()
+            self.update = late(self.inner.update) if slow == "hash" else self.inner.update
+            self.hexdigest = self.inner.hexdigest
 
     monkeypatch.setattr(ws, "hashlib", SimpleNamespace(sha256=SlowSha256))
     blocks = [torch.full((4, 8), float(i), dtype=torch.float16) for i in range(6)]
-    writer = ws.ShardWriter(tmp_path / "x.safetensors", [("w", torch.float16, [24, 8])], {})
+    path = tmp_path / "x.safetensors"
+    writer = ws.ShardWriter(path, [("w", torch.float16, [24, 8])], {})
+    if slow == "write":
+        writer.file = SimpleNamespace(write=late(writer.file.write), close=writer.file.close)
     scratch = Scratch()
     for block in blocks:
         name = scratch.alternate("stored") if alternate else "stored"
         writer.write("w", scratch.take(name, block.shape, torch.float16).copy_(block))
     digest = writer.finish()
-    written = hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
-    assert (digest == written) is alternate
+    written = hashlib.sha256(path.read_bytes()).hexdigest()
+    from safetensors.torch import load_file
+
+    intact = torch.equal(load_file(path)["w"], torch.cat(blocks)) and digest == written
+    assert intact is alternate

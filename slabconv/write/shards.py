@@ -25,9 +25,9 @@ from slabconv.util import Progress
 class ShardWriter:
     """Write one safetensors file tensor by tensor: the header (all names, dtypes, shapes) first, then the bytes in
     the same order; nothing but the tensor being written is held. The file's sha256 is taken from the bytes as
-    they are written (``finish`` returns it), so the report's digest needs no second read of the file; a second
-    thread hashes each block while this one writes it and makes the next one (both release the GIL: ``hashlib``
-    for large buffers, the file's ``write`` in the system call).
+    they are written (``finish`` returns it), so the report's digest needs no second read of the file. Each block
+    is written and hashed by two worker threads while the caller makes the next one (all three release the GIL:
+    ``hashlib`` for large buffers, the file's ``write`` in the system call, torch in its kernels).
 
     A block's bytes must stay as they are until the next ``write`` returns (or ``finish`` / ``close``): its hash
     may still be running. A caller that reuses one buffer alternates between two (``Scratch.alternate``).
@@ -52,16 +52,17 @@ class ShardWriter:
         head = struct.pack("<Q", len(raw)) + raw
         self.file.write(head)
         self.digest = hashlib.sha256(head)
-        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slabconv-sha256")
-        self.hashing: Future[None] | None = None  # the last block's hash, its bytes held until it is done
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="slabconv-write")
+        self.pending: list[Future[Any]] = []  # the last block's write and hash, its bytes held until both are done
         self.held: Any = None
         self.index, self.done = 0, 0
 
-    def _hashed(self) -> None:
-        """Wait for the last block's hash; its bytes may be reused from then on."""
-        if self.hashing is not None:
-            hashing, self.hashing, self.held = self.hashing, None, None
-            hashing.result()
+    def _settled(self) -> None:
+        """Wait for the last block's write and hash (raising what they raised); its bytes may be reused from then
+        on."""
+        pending, self.pending, self.held = self.pending, [], None
+        for job in pending:
+            job.result()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor``, the whole entry ``name`` or its next block of rows (blocks in order)."""
@@ -69,9 +70,9 @@ class ShardWriter:
         if name != want or tensor.dtype != dtype or list(tensor.shape[1:]) != shape[1:]:
             raise RuntimeError(f"shard writer: got {name} {tensor.dtype} {list(tensor.shape)}, expected {want} {shape}")
         data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        self._hashed()  # the hashes run in order, one block behind at most
-        self.hashing, self.held = self.hasher.submit(self.digest.update, data), data
-        self.file.write(data)
+        self._settled()  # blocks are written and hashed in order, one behind the caller at most
+        self.pending = [self.workers.submit(self.file.write, data), self.workers.submit(self.digest.update, data)]
+        self.held = data
         self.done += data.nbytes
         if self.done > nbytes:
             raise RuntimeError(f"shard writer: {name} got more bytes than its shape {shape} holds")
@@ -79,12 +80,16 @@ class ShardWriter:
             self.index, self.done = self.index + 1, 0
 
     def close(self) -> None:
-        """Close the file and stop the hashing thread (also after a failed write)."""
-        self.file.close()
+        """Wait for the last block, close the file and stop the worker threads (also after a failed write).
+
+        Raises:
+            OSError: the last block's write failed (a full disk, ...).
+        """
         try:
-            self._hashed()
+            self._settled()
         finally:
-            self.hasher.shutdown()
+            self.workers.shutdown()
+            self.file.close()
 
     def finish(self) -> str:
         """Close the file; returns the hex sha256 of every byte written.
