@@ -29,6 +29,7 @@ float64 fold (``slabconv.verify.reference``) rounds, not ``round(fold2(round(fol
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -349,9 +350,10 @@ def _fold(
     w_dtype = weights.dtype(w_target)
     b_target, b = weights.bias(layer, kind)
     w = weights.value(w_target)
-    if w.is_meta and b is not None:  # a streamed plan: the bias is real, the weight a stand-in
-        b = b.to("meta")
-    new_w, new_b = kind.fold_values(forward, w, b, s, t, kind.groups(layer))
+    if w.is_meta:  # a streamed plan: the weight is a stand-in, only the results' shapes and dtypes are known
+        new_w, new_b = _meta_fold(kind, forward, _spec(w), _spec(b), _spec(s), _spec(t), kind.groups(layer))
+    else:
+        new_w, new_b = kind.fold_values(forward, w, b, s, t, kind.groups(layer))
     w_update = TensorUpdate(w_target, new_w, w_dtype)
     record = LayerFold(layer, kind, w_target, forward, s, t, norm)
     if new_b is None or (b_target is None and not shifts):
@@ -362,6 +364,35 @@ def _fold(
         wanted = f"{w_target.removesuffix('.weight')}.bias"
         return _Fold([w_update], [NewBias(layer, kind, wanted, new_b, w_dtype)], record)
     return _Fold([w_update, TensorUpdate(b_target, new_b, weights.dtype(b_target))], [], record)
+
+
+_Spec = tuple[torch.Size, torch.dtype] | None
+
+
+def _spec(t: torch.Tensor | None) -> _Spec:
+    return None if t is None else (t.shape, t.dtype)
+
+
+def _meta_fold(
+    kind: LayerKind, forward: bool, w: _Spec, b: _Spec, s: _Spec, t: _Spec, groups: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``kind.fold_values`` on stand-ins (meta tensors of these shapes and dtypes): its results' shapes and dtypes
+    as meta tensors. Worked out once per layout (``_meta_layout``): torch's meta kernels take about 2 ms a fold,
+    which a streamed plan of a deep decoder would otherwise spend on every layer alike."""
+    new_w, new_b = _meta_layout(kind, forward, w, b, s, t, groups)
+    made = [None if x is None else torch.empty(x[0], dtype=x[1], device="meta") for x in (new_w, new_b)]
+    assert made[0] is not None
+    return made[0], made[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_layout(
+    kind: LayerKind, forward: bool, w: _Spec, b: _Spec, s: _Spec, t: _Spec, groups: int
+) -> tuple[_Spec, _Spec]:
+    meta = [None if x is None else torch.empty(x[0], dtype=x[1], device="meta") for x in (w, b, s, t)]
+    assert meta[0] is not None and meta[2] is not None and meta[3] is not None
+    new_w, new_b = kind.fold_values(forward, meta[0], meta[1], meta[2], meta[3], groups)
+    return _spec(new_w), _spec(new_b)
 
 
 def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
