@@ -1,0 +1,65 @@
+"""The console entry point (``slabconv.cli.run``) leaves through ``leave``: the exit status of the command, every
+line it printed, the ``atexit`` hooks run, and no interpreter teardown."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from slabconv.cli import app
+from slabconv.version import __version__
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_piped_command_prints_all_its_output_and_exits_0():
+    proc = subprocess.run([sys.executable, "-m", "slabconv", "list"], capture_output=True, text=True, timeout=300)
+    in_process = CliRunner().invoke(app, ["list"])
+    assert proc.returncode == 0 == in_process.exit_code, proc.stderr
+    assert proc.stdout == in_process.stdout and proc.stdout.count("\n") > 10  # nothing left in a buffer
+
+
+def test_an_error_keeps_its_status_and_message(tmp_path: Path):
+    missing = tmp_path / "no-such-model.pth"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slabconv", "fuse", str(missing), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {missing}: no such file"
+    assert not (tmp_path / "out").exists()
+
+
+def test_atexit_hooks_run_before_the_process_ends(tmp_path: Path):
+    mark = tmp_path / "hook-ran"
+    proc = _python(
+        """
+        import atexit, sys
+        mark = sys.argv[1]
+        atexit.register(lambda: open(mark, "w").write("ran"))
+        sys.argv = ["slabconv", "--version"]
+        from slabconv.cli import run
+        run()
+        print("not reached")
+        """,
+        str(mark),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"slabconv {__version__}\n"
+    assert mark.read_text() == "ran"
+
+
+def test_leave_follows_system_exits_conventions():
+    for code, status, stderr in (("None", 0, ""), ("3", 3, ""), ("'went wrong'", 1, "went wrong\n")):
+        proc = _python(f"from slabconv.cli.app import leave\nprint('before')\nleave({code})\nprint('after')")
+        assert (proc.returncode, proc.stdout, proc.stderr) == (status, "before\n", stderr), code
