@@ -119,8 +119,8 @@ class Scratch:
 
     Each fresh block-sized tensor costs the kernel's mapping and zeroing of its pages, several times the fold's
     own arithmetic on a block: a streamed fold widens and rounds every block into the same two buffers instead.
-    They hold two blocks of stored values (``FOLD_BLOCK``; the writer hashes one while the next is made) and one
-    ``CACHE_BLOCK`` of float64 ones, which the fold's memory bound counts anyway.
+    They hold two blocks of stored values (``FOLD_BLOCK``; the writer writes and hashes one while the next is
+    made) and one ``CACHE_BLOCK`` of float64 ones, which the fold's memory bound counts anyway.
     """
 
     def __init__(self) -> None:
@@ -129,7 +129,7 @@ class Scratch:
 
     def alternate(self, name: str) -> str:
         """``name`` with a suffix that alternates call by call: two buffers in turn, for a block that must stay
-        as it is while the next one is made (a writer still hashing it)."""
+        as it is while the next one is made (a writer still writing or hashing it)."""
         self.turn ^= 1
         return f"{name}{self.turn}"
 
@@ -222,7 +222,7 @@ class LayerRecipe:
         """``stored(*rows(...))`` made in ``scratch``'s buffers: each ``CACHE_BLOCK`` of rows is widened, folded,
         checked and rounded while its float64 values are still in the processor's cache (the same values)."""
         read, b, total = self._read(store, start, stop)
-        out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still hash the last
+        out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still write the last
         biases = []
         for s0, s1 in row_ranges(list(read.shape), CACHE_BLOCK):
             w = scratch.take("rows", read[s0:s1].shape, torch.float64).copy_(_widening(scratch, read[s0:s1]))

@@ -29,8 +29,8 @@ class ShardWriter:
     is written and hashed by two worker threads while the caller makes the next one (all three release the GIL:
     ``hashlib`` for large buffers, the file's ``write`` in the system call, torch in its kernels).
 
-    A block's bytes must stay as they are until the next ``write`` returns (or ``finish`` / ``close``): its hash
-    may still be running. A caller that reuses one buffer alternates between two (``Scratch.alternate``).
+    A block's bytes must stay as they are until the next ``write`` returns (or ``finish`` / ``close``): its write
+    and hash may still be running. A caller that reuses one buffer alternates between two (``Scratch.alternate``).
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]):
@@ -112,10 +112,10 @@ def numel(shape: list[int]) -> int:
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """torch's arithmetic on one thread while the writer's hashing thread takes the other core: the fold works on
-    cache-sized pieces, where a second torch thread gains little, and three busy threads on two cores slowed the
-    fold-and-write stage (701 MB folder, 2 cores, five interleaved rounds in one process: median 1.49 s and 2.3
-    CPU-s on one torch thread, 1.86 s and 3.4-4.1 CPU-s on two)."""
+    """torch's arithmetic on one thread while the writer's threads write and hash: the fold works on cache-sized
+    pieces, where a second torch thread gains little, and more busy threads than cores slowed the fold-and-write
+    stage (701 MB folder, 2 cores, five interleaved rounds in one process, with the hash alone beside the fold:
+    median 1.49 s and 2.3 CPU-s on one torch thread, 1.86 s and 3.4-4.1 CPU-s on two)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
