@@ -82,9 +82,9 @@ def _fastest(cmd: list[str], out: Path, repeats: int) -> dict[str, Any]:
         shutil.rmtree(out, ignore_errors=True)
         run = measure(cmd, stderr=True)
         stderr = run.pop("stderr")
-        stamps = [_stamp(stderr, line) for line in ("folding and writing shards", "writing the Hugging Face model")]
-        if None not in stamps:
-            run["stage_s"] = stamps[1] - stamps[0]
+        start, end = (_stamp(stderr, line) for line in ("folding and writing shards", "writing the Hugging Face model"))
+        if start is not None and end is not None:
+            run["stage_s"] = end - start
         runs.append(run)
     return min(runs, key=lambda r: r["wall_s"])
 
