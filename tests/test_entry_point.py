@@ -3,6 +3,7 @@ line it printed, the ``atexit`` hooks run, and no interpreter teardown."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,15 +14,20 @@ from typer.testing import CliRunner
 from slabconv.cli import app
 from slabconv.version import __version__
 
+BUFFERED = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+"""The environment with standard streams buffered as a user's are, so output left unflushed would be lost."""
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=BUFFERED)
+
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300
-    )
+    return _run([sys.executable, "-c", textwrap.dedent(code), *args])
 
 
 def test_a_piped_command_prints_all_its_output_and_exits_0():
-    proc = subprocess.run([sys.executable, "-m", "slabconv", "list"], capture_output=True, text=True, timeout=300)
+    proc = _run([sys.executable, "-m", "slabconv", "list"])
     in_process = CliRunner().invoke(app, ["list"])
     assert proc.returncode == 0 == in_process.exit_code, proc.stderr
     assert proc.stdout == in_process.stdout and proc.stdout.count("\n") > 10  # nothing left in a buffer
@@ -29,12 +35,7 @@ def test_a_piped_command_prints_all_its_output_and_exits_0():
 
 def test_an_error_keeps_its_status_and_message(tmp_path: Path):
     missing = tmp_path / "no-such-model.pth"
-    proc = subprocess.run(
-        [sys.executable, "-m", "slabconv", "fuse", str(missing), "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run([sys.executable, "-m", "slabconv", "fuse", str(missing), "--out", str(tmp_path / "out")])
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == f"error: {missing}: no such file"
     assert not (tmp_path / "out").exists()
