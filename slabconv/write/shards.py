@@ -53,14 +53,13 @@ class ShardWriter:
         self.file.write(head)
         self.digest = hashlib.sha256(head)
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="slabconv-write")
-        self.pending: list[Future[Any]] = []  # the last block's write and hash, its bytes held until both are done
-        self.held: Any = None
+        self.pending: list[Future[Any]] = []  # the last block's write and hash (their work items hold its bytes)
         self.index, self.done = 0, 0
 
     def _settled(self) -> None:
         """Wait for the last block's write and hash (raising what they raised); its bytes may be reused from then
         on."""
-        pending, self.pending, self.held = self.pending, [], None
+        pending, self.pending = self.pending, []
         for job in pending:
             job.result()
 
@@ -72,7 +71,6 @@ class ShardWriter:
         data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
         self._settled()  # blocks are written and hashed in order, one behind the caller at most
         self.pending = [self.workers.submit(self.file.write, data), self.workers.submit(self.digest.update, data)]
-        self.held = data
         self.done += data.nbytes
         if self.done > nbytes:
             raise RuntimeError(f"shard writer: {name} got more bytes than its shape {shape} holds")
