@@ -373,25 +373,28 @@ def _spec(t: torch.Tensor | None) -> _Spec:
     return None if t is None else (t.shape, t.dtype)
 
 
+def _stand_in(spec: _Spec) -> torch.Tensor | None:
+    return None if spec is None else torch.empty(spec[0], dtype=spec[1], device="meta")
+
+
 def _meta_fold(
     kind: LayerKind, forward: bool, w: _Spec, b: _Spec, s: _Spec, t: _Spec, groups: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``kind.fold_values`` on stand-ins (meta tensors of these shapes and dtypes): its results' shapes and dtypes
     as meta tensors. Worked out once per layout (``_meta_layout``): torch's meta kernels take about 2 ms a fold,
     which a streamed plan of a deep decoder would otherwise spend on every layer alike."""
-    new_w, new_b = _meta_layout(kind, forward, w, b, s, t, groups)
-    made = [None if x is None else torch.empty(x[0], dtype=x[1], device="meta") for x in (new_w, new_b)]
-    assert made[0] is not None
-    return made[0], made[1]
+    new_w, new_b = (_stand_in(spec) for spec in _meta_layout(kind, forward, w, b, s, t, groups))
+    assert new_w is not None
+    return new_w, new_b
 
 
 @functools.lru_cache(maxsize=256)
 def _meta_layout(
     kind: LayerKind, forward: bool, w: _Spec, b: _Spec, s: _Spec, t: _Spec, groups: int
 ) -> tuple[_Spec, _Spec]:
-    meta = [None if x is None else torch.empty(x[0], dtype=x[1], device="meta") for x in (w, b, s, t)]
-    assert meta[0] is not None and meta[2] is not None and meta[3] is not None
-    new_w, new_b = kind.fold_values(forward, meta[0], meta[1], meta[2], meta[3], groups)
+    weight, bias, scale, shift = (_stand_in(spec) for spec in (w, b, s, t))
+    assert weight is not None and scale is not None and shift is not None
+    new_w, new_b = kind.fold_values(forward, weight, bias, scale, shift, groups)
     return _spec(new_w), _spec(new_b)
 
 
