@@ -72,9 +72,9 @@ def _check_runtimes(verify: VerifyOptions | None, stream: bool) -> None:
     """``VerifyOptions.runtimes`` names known, installed runtimes; a streamed run compares in PyTorch only.
 
     Raises:
-        UsageError: as ``verify.runtimes.check_runtime_names``; a runtime other than pytorch with ``stream``.
+        UsageError: as ``verify.backends.check_runtime_names``; a runtime other than pytorch with ``stream``.
     """
-    from slabconv.verify.runtimes import check_runtime_names
+    from slabconv.verify.backends import check_runtime_names
 
     names = verify.runtimes if verify is not None else None
     check_runtime_names(names)

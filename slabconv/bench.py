@@ -8,7 +8,7 @@ Variants, all built from the same checkpoint:
 - ``layernorm``: where the checkpoint carries the progressive LayerNorm/RMSNorm branch (``LinearNorm.norm1``),
   the same weights run with that branch: the model a user would ship without SLAB.
 
-Runtimes (``RUNTIMES``: the entries of ``slabconv.verify.runtimes.BACKENDS`` that ``bench`` takes, the table
+Runtimes (``RUNTIMES``: the entries of ``slabconv.verify.backends.BACKENDS`` that ``bench`` takes, the table
 ``verify`` runs its files with too): ``pytorch`` and ``onnxruntime`` on the CPU, and where a CUDA device is present
 ``pytorch-cuda`` (float32), ``pytorch-cuda-fp16``, ``pytorch-cuda-graphs-fp16`` (the fp16 model captured once
 in a CUDA graph and replayed: no Python or launch overhead), and with ``onnxruntime-gpu`` installed
@@ -41,7 +41,8 @@ from torch import fx, nn
 from slabconv.engine import capture, fold_all, norm_free
 from slabconv.errors import UsageError
 from slabconv.util import Progress, no_progress, quiet
-from slabconv.verify.runtimes import BACKENDS, ORT_LEVELS, Backend, Runtime, backend_names
+from slabconv.verify.backends import BACKENDS, Backend, backend_names
+from slabconv.verify.runtimes import ORT_LEVELS, Runtime
 from slabconv.verify.runtimes import to_device as to_device  # bench.to_device: moving the variants, in one place
 from slabconv.write.onnx import export_onnx
 from slabconv.write.staging import check_output_file, staging_file

@@ -50,7 +50,7 @@ class VerifyOptions:
         strict: compare fused vs original directly at the dtype's tolerance with 100% top-1 (the pair comparison).
         generate: greedy tokens to generate and compare for a language model: None for the default (32 in
             ``fuse``, none in ``verify``), 0 for none.
-        runtimes: which runtimes run the candidate for question 2 (``slabconv.verify.runtimes.RUNTIME_NAMES``:
+        runtimes: which runtimes run the candidate for question 2 (``slabconv.verify.backends.RUNTIME_NAMES``:
             ``onnxruntime``, ``pytorch``, ``openvino``); None: every one that can run it (OpenVINO only when asked).
     """
 

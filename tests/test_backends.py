@@ -1,4 +1,4 @@
-"""The runtime table (``slabconv.verify.runtimes.BACKENDS``): one entry per backend serves ``verify`` (accuracy)
+"""The runtime table (``slabconv.verify.backends.BACKENDS``): one entry per backend serves ``verify`` (accuracy)
 and ``bench`` (timing), each command's ``--runtime`` takes the names of its entries, and a runtime's kind is its
 entry's name."""
 
@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from slabconv import bench
 from slabconv.cli import app
 from slabconv.errors import UsageError
+from slabconv.verify import backends as bk
 from slabconv.verify import runtimes as rt
 from slabconv.verify.policy import tol_dtype
 
@@ -47,11 +48,11 @@ def _onnx_linear(path, dtype: torch.dtype):
     return path
 
 
-@pytest.mark.parametrize("name", list(rt.BACKENDS))
+@pytest.mark.parametrize("name", list(bk.BACKENDS))
 def test_every_backend_runs_for_accuracy_and_for_timing(name, tmp_path):
     """Each entry opens its artifact; its runtimes compute the model within the dtype's tolerance (``run``) and
     time it (``timed``). A new entry is checked here as soon as it is in the table (where this machine runs it)."""
-    backend = rt.BACKENDS[name]
+    backend = bk.BACKENDS[name]
     reason = backend.unavailable()
     if reason is not None:
         pytest.skip(f"{name}: {reason}")
@@ -83,16 +84,16 @@ def _help(command: str) -> str:
 
 @pytest.mark.parametrize("command", ["verify", "bench"])
 def test_each_command_takes_the_names_of_its_entries(command):
-    names = rt.backend_names(command)
+    names = bk.backend_names(command)
     text = _help(command)
-    for backend in rt.BACKENDS.values():
+    for backend in bk.BACKENDS.values():
         listed = re.search(rf"(?<![\w-]){re.escape(backend.name)}(?![\w-])", text) is not None
         assert listed == (command in backend.commands), (command, backend.name)
-    assert set(names) == {b.name for b in rt.BACKENDS.values() if command in b.commands}
+    assert set(names) == {b.name for b in bk.BACKENDS.values() if command in b.commands}
 
 
 def test_existing_names_and_orders_are_kept():
-    assert rt.RUNTIME_NAMES == ("onnxruntime", "pytorch", "openvino")
+    assert bk.RUNTIME_NAMES == ("onnxruntime", "pytorch", "openvino")
     assert list(bench.RUNTIMES) == [
         "pytorch",
         "onnxruntime",
@@ -102,7 +103,15 @@ def test_existing_names_and_orders_are_kept():
         "onnxruntime-cuda",
         "onnxruntime-cuda-fp16",
     ]
-    assert all(bench.RUNTIMES[n] is rt.BACKENDS[n] for n in bench.RUNTIMES)  # one table, not two
+    assert all(bench.RUNTIMES[n] is bk.BACKENDS[n] for n in bench.RUNTIMES)  # one table, not two
+
+
+def test_every_entry_names_an_opener_of_the_runners():
+    """An entry names its opener (the table imports no runtime); a misspelt name would fail only on a machine
+    that has the backend (CUDA), so each is looked up here."""
+    for backend in bk.BACKENDS.values():
+        assert callable(getattr(rt, backend.opener, None)), (backend.name, backend.opener)
+        assert backend.dtype in (torch.float32, torch.float16), backend.name
 
 
 def test_the_kind_comes_from_the_entry_not_the_label():
@@ -117,10 +126,10 @@ def test_the_kind_comes_from_the_entry_not_the_label():
 
 
 def test_a_missing_package_is_named_with_its_install_line(monkeypatch):
-    missing = rt.Backend("fake", "onnxruntime", rt.BACKENDS["onnxruntime"].opener, package="no_such_module_xyz")
+    missing = bk.Backend("fake", "onnxruntime", bk.BACKENDS["onnxruntime"].opener, package="no_such_module_xyz")
     assert missing.unavailable() == "no_such_module_xyz is not installed"
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(UsageError, match=r"^--runtime openvino: OpenVINO is not installed; pip install openvino$"):
-        rt.check_runtime_names(("openvino",))
+        bk.check_runtime_names(("openvino",))
     with pytest.raises(UsageError, match="choose from onnxruntime, pytorch, openvino"):
-        rt.check_runtime_names(("pytorch-cuda",))  # a bench runtime verify does not take
+        bk.check_runtime_names(("pytorch-cuda",))  # a bench runtime verify does not take

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from slabconv.cli import app
@@ -64,3 +65,24 @@ def test_leave_follows_system_exits_conventions():
     for code, status, stderr in (("None", 0, ""), ("3", 3, ""), ("'went wrong'", 1, "went wrong\n")):
         proc = _python(f"from slabconv.cli.app import leave\nprint('before')\nleave({code})\nprint('after')")
         assert (proc.returncode, proc.stdout, proc.stderr) == (status, "before\n", stderr), code
+
+
+HEAVY = ("torch", "numpy", "onnx", "onnxruntime", "transformers", "safetensors", "sympy")
+"""What a command that only prints its help must not import: these take seconds to load."""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["--version"], *([command, "--help"] for command in ("fuse", "verify", "bench", "inspect", "export"))],
+    ids=" ".join,
+)
+def test_help_and_version_start_without_the_heavy_libraries(args: list[str]):
+    """``--help``, ``--version`` (and shell completion, which loads the same modules) answer in a fraction of a
+    second: the command modules import torch, numpy and the runtimes only inside the commands. ``-X importtime``
+    names every module the real entry point imported."""
+    proc = _run([sys.executable, "-X", "importtime", "-m", "slabconv", *args])
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage:" in proc.stdout or proc.stdout == f"slabconv {__version__}\n"
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "slabconv.cli.app" in imported  # the probe sees the CLI's own imports
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))

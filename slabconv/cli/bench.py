@@ -14,7 +14,7 @@ from slabconv.cli.output import Output
 from slabconv.errors import UsageError
 from slabconv.report.data import Report
 from slabconv.report.render import text_table
-from slabconv.verify.runtimes import BACKENDS, backend_names
+from slabconv.verify.backends import BACKENDS, backend_names
 
 
 def complete_bench_runtime(incomplete: str) -> list[str]:

@@ -188,9 +188,9 @@ def verify_options(
     """``VerifyOptions`` from the shared flags. Unknown or missing runtimes are refused here, before any work.
 
     Raises:
-        UsageError: as ``slabconv.verify.runtimes.check_runtime_names``.
+        UsageError: as ``slabconv.verify.backends.check_runtime_names``.
     """
-    from slabconv.verify.runtimes import check_runtime_names
+    from slabconv.verify.backends import check_runtime_names
 
     check_runtime_names(runtimes)
     return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate, runtimes)

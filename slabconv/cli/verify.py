@@ -10,7 +10,7 @@ import typer
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
-from slabconv.verify.runtimes import RUNTIME_NAMES
+from slabconv.verify.backends import RUNTIME_NAMES
 
 
 def complete_runtime(incomplete: str) -> list[str]:

@@ -11,12 +11,14 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from slabconv.engine import Decision
 from slabconv.load.source import Source
 from slabconv.verify.results import Verification
 from slabconv.version import __version__
+
+if TYPE_CHECKING:  # only an annotation here: the report is read without importing the engine (and torch)
+    from slabconv.engine import Decision
 
 
 def finite_json(value: Any) -> Any:

@@ -5,7 +5,7 @@ float64, to rounding; (2) do the written files compute the model? -- each file, 
 original evaluated in float64, within the tolerance its dtype allows (``policy``).
 
 - ``policy``: every tolerance, and why. ``judge``: the policy applied to numbers.
-- ``reference``: the float64 reference graph. ``runtimes``: the runtime table (``BACKENDS``: PyTorch,
+- ``reference``: the float64 reference graph. ``backends``: the runtime table (``BACKENDS``: PyTorch,
   onnxruntime, OpenVINO), for accuracy here and timing in ``slabconv.bench``.
 - ``inputs``: what to verify on. ``integrity``: file checks that are not numbers.
 - ``run``: verification after a fold; ``pair``: any two sides (``slabconv verify``).

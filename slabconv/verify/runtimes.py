@@ -1,11 +1,11 @@
-"""Ways of running a model, one table (``BACKENDS``) for both accuracy (``verify``, question 2) and timing
-(``bench``): PyTorch (any dtype, CPU or CUDA, optionally replayed as a CUDA graph), onnxruntime (CPU or CUDA;
-optimisations off and on) and OpenVINO.
+"""Ways of running a model, for both accuracy (``verify``, question 2) and timing (``bench``): PyTorch (any
+dtype, CPU or CUDA, optionally replayed as a CUDA graph), onnxruntime (CPU or CUDA; optimisations off and on) and
+OpenVINO -- the openers of the runtime table (``slabconv.verify.backends.BACKENDS``).
 
 A ``Backend`` is chosen by name (``verify --runtime``, ``bench --runtime``); ``Backend.open`` takes the artifact it
 runs (an ``nn.Module`` / ``GraphModule``, or an ``.onnx`` path) and returns ``Runtime``s, each serving both: ``run``
 (inputs in, every output as float64 out) and ``timer`` (a zero-argument call on one fixed input that returns when
-the device is done). A new backend is one entry in ``BACKENDS`` (with its opener) and its case in
+the device is done). A new backend is one entry in ``BACKENDS``, its opener here and its case in
 ``tests/test_backends.py``.
 
 Inputs travel as numpy arrays: float32 for floating inputs (numpy has no bfloat16) and int64 token ids. Every
@@ -17,7 +17,6 @@ back as float64 numpy arrays.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from slabconv.errors import InputError, UsageError, first_line
+from slabconv.verify.backends import BACKENDS, Backend
 from slabconv.verify.policy import dtype_name
 
 Inputs = np.ndarray | dict[str, np.ndarray]
@@ -81,62 +81,6 @@ class Runtime:
 class RuntimeUnavailable(Exception):
     """A runtime cannot run an artifact (onnxruntime's CPU provider has no bfloat16 MatMul): not an error of the
     file; the verification says so in a note and runs the artifact elsewhere."""
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One entry of ``BACKENDS``: a runtime, chosen by name, that runs a model for accuracy and for timing.
-
-    Attributes:
-        name: what ``--runtime`` calls it.
-        framework: ``pytorch`` (runs an ``nn.Module``), ``onnxruntime`` or ``openvino`` (run an ``.onnx`` file).
-        opener: ``opener(backend, artifact, **how) -> list[Runtime]`` (``Backend.open``).
-        device: ``cpu`` or ``cuda``.
-        dtype: the dtype ``bench`` traces and exports the model in for it.
-        cuda_graphs: PyTorch captures the call once in a CUDA graph and replays it (timing).
-        commands: the commands whose ``--runtime`` takes it (``verify``, ``bench``).
-        opt_in: ``verify`` runs it only when ``--runtime`` names it (on the candidate's ``.onnx``).
-        package: the Python module it needs, and ``missing``: what to say when that is not installed.
-    """
-
-    name: str
-    framework: str
-    opener: Callable[..., list[Runtime]]
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    cuda_graphs: bool = False
-    commands: tuple[str, ...] = ("verify", "bench")
-    opt_in: bool = False
-    package: str = ""
-    missing: str = ""
-
-    @property
-    def takes(self) -> str:
-        """``module`` (an ``nn.Module`` or ``GraphModule``) or ``onnx`` (an ``.onnx`` path): what ``open`` takes."""
-        return "module" if self.framework == "pytorch" else "onnx"
-
-    def open(self, artifact: Any, **how: Any) -> list[Runtime]:
-        """The runtimes of ``artifact`` here (see each opener for ``how``: ``dtype``, ``what``, ``fixed_batch``,
-        ``several``, ``levels``).
-
-        Raises:
-            RuntimeUnavailable: the backend cannot run this artifact.
-            InputError: an input it cannot feed.
-        """
-        return self.opener(self, artifact, **how)
-
-    def unavailable(self) -> str | None:
-        """Why this backend cannot run on this machine (with what to install), or None when it can."""
-        if self.package and importlib.util.find_spec(self.package) is None:
-            return self.missing or f"{self.package} is not installed"
-        if self.device == "cuda" and not torch.cuda.is_available():
-            return "no CUDA device (torch.cuda.is_available() is False)"
-        if self.framework == "onnxruntime" and self.device == "cuda":
-            import onnxruntime as ort
-
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                return "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
-        return None
 
 
 def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
@@ -210,7 +154,7 @@ def _torch_timer(model: nn.Module, backend: Backend) -> Timer:
     return timer
 
 
-def _open_torch(
+def open_torch(
     backend: Backend,
     model: nn.Module,
     dtype: torch.dtype | None = None,
@@ -275,7 +219,7 @@ def _ort_timer(session: Any, device: str) -> Timer:
     return timer
 
 
-def _open_ort(
+def open_onnxruntime(
     backend: Backend, path: Path, several: bool = False, levels: tuple[str, ...] = ORT_LEVELS
 ) -> list[Runtime]:
     """onnxruntime on the backend's device, one session per optimisation level of ``levels`` (``ORT_LEVELS``).
@@ -341,7 +285,7 @@ def _open_ort(
 
 def onnx_runtimes(path: Path, several: bool = False, levels: tuple[str, ...] = ORT_LEVELS) -> list[Runtime]:
     """onnxruntime on the CPU with graph optimisations disabled and fully enabled, or at ``levels`` only
-    (``_open_ort``)."""
+    (``open_onnxruntime``)."""
     return BACKENDS["onnxruntime"].open(path, several=several, levels=levels)
 
 
@@ -396,72 +340,13 @@ def openvino_runtime(path: Path, device: str = "CPU", kind: str = "openvino") ->
     )
 
 
-def _open_openvino(backend: Backend, path: Path) -> list[Runtime]:
+def open_openvino(backend: Backend, path: Path) -> list[Runtime]:
     return [openvino_runtime(path, backend.device.upper(), kind=backend.name)]
-
-
-BACKENDS: dict[str, Backend] = {
-    b.name: b
-    for b in (
-        Backend("pytorch", "pytorch", _open_torch),
-        Backend("onnxruntime", "onnxruntime", _open_ort, package="onnxruntime"),
-        Backend("pytorch-cuda", "pytorch", _open_torch, "cuda", commands=("bench",)),
-        Backend("pytorch-cuda-fp16", "pytorch", _open_torch, "cuda", torch.float16, commands=("bench",)),
-        Backend("pytorch-cuda-graphs-fp16", "pytorch", _open_torch, "cuda", torch.float16, True, commands=("bench",)),
-        Backend("onnxruntime-cuda", "onnxruntime", _open_ort, "cuda", commands=("bench",), package="onnxruntime"),
-        Backend(
-            "onnxruntime-cuda-fp16",
-            "onnxruntime",
-            _open_ort,
-            "cuda",
-            torch.float16,
-            commands=("bench",),
-            package="onnxruntime",
-        ),
-        Backend(
-            "openvino",
-            "openvino",
-            _open_openvino,
-            commands=("verify",),
-            opt_in=True,
-            package="openvino",
-            missing="OpenVINO is not installed; pip install openvino",
-        ),
-    )
-}
-"""Every runtime, by name: the one table ``verify --runtime`` and ``bench --runtime`` choose from."""
-
-
-def backend_names(command: str) -> tuple[str, ...]:
-    """The names ``command``'s ``--runtime`` takes. ``bench``: in table order. ``verify``: the runtimes it runs by
-    default in the order it runs them (the ``.onnx`` file's, then PyTorch), then the opt-in ones."""
-    chosen = [b for b in BACKENDS.values() if command in b.commands]
-    if command == "verify":
-        chosen.sort(key=lambda b: (b.opt_in, b.takes != "onnx"))
-    return tuple(b.name for b in chosen)
-
-
-RUNTIME_NAMES = backend_names("verify")
-"""What ``verify --runtime`` takes (``VerifyOptions(runtimes=...)``): the runtimes that run a candidate."""
 
 
 def runtime_kind(runtime: Runtime) -> str:
     """The name ``--runtime`` uses for ``runtime``: the ``Backend`` it came from."""
     return runtime.kind or runtime.label
-
-
-def check_runtime_names(names: tuple[str, ...] | None) -> None:
-    """Refuse, before any work, a runtime name ``verify`` does not take or one that is not installed.
-
-    Raises:
-        UsageError: an unknown name (the known ones listed), or a runtime without its package (the install line).
-    """
-    for name in names or ():
-        if name not in RUNTIME_NAMES:
-            raise UsageError(f"--runtime {name}: choose from {', '.join(RUNTIME_NAMES)}")
-        reason = BACKENDS[name].unavailable()
-        if reason is not None:
-            raise UsageError(f"--runtime {name}: {reason}")
 
 
 def select_runtimes(
