@@ -1,5 +1,6 @@
 """The console entry point (``slabconv.cli.run``) leaves through ``leave``: the exit status of the command, every
-line it printed, the ``atexit`` hooks run, and no interpreter teardown."""
+line it printed, the ``atexit`` hooks run, and no interpreter teardown. Its help and version answer without
+loading torch, numpy or the runtimes."""
 
 from __future__ import annotations
 
