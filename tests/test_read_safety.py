@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -451,9 +452,14 @@ def test_a_complex_norm_statistic_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_quantized_weight_is_refused(tmp_path: Path) -> None:
+    quantize = getattr(torch, "quantize_per_tensor", None)  # deprecated in recent torch; old checkpoints hold them
+    if quantize is None:
+        pytest.skip("this torch can no longer make a quantized tensor")
     state = tiny_state_dict()
     key = "blocks.0.attn.qkv.weight"
-    state[key] = torch.quantize_per_tensor(state[key], 0.1, 0, torch.qint8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*are deprecated")
+        state[key] = quantize(state[key], 0.1, 0, torch.qint8)
     refused(["inspect", str(save_ckpt(tmp_path / "q.pth", state))], key)
 
 
