@@ -2,7 +2,7 @@
 
 The same pipeline as for a checkpoint, on the ONNX graph instead of a traced one::
 
-    load (slabconv.load.onnx_file)  ->  fold (slabconv.engine.onnx_fold, onnx-ir)  ->  write model.onnx
+    load (slabconv.load.onnx_file)  ->  lower, plan, apply (slabconv.engine.onnx_fold)  ->  write model.onnx
         ->  verify (slabconv.verify.onnx_original: question 1 in float64, question 2 in the file's dtype)  ->  report
 
 The fused ``model.onnx`` is the input graph minus its norms: the same input and output names, dynamic axes,
@@ -76,7 +76,7 @@ def source_of(info: OnnxFile) -> Source:
 
 
 def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = False) -> tuple[Any, list[Decision]]:
-    """Load ``path`` and fold its norms (``slabconv.engine.onnx_fold.fold_graph``).
+    """Load ``path`` and fold its norms (``slabconv.engine.onnx_fold.fold_file``: the engine's own rules).
 
     Args:
         as_float64: cast the graph to float64 first (the float64 fold of question 1).

@@ -182,7 +182,7 @@ def test_an_onnx_original_with_a_doubly_folded_layer_is_rounded_once(tmp_path: P
     initializers equal the hand-computed float64 composition rounded once, and question 1's float64 fold."""
     import warnings
 
-    from slabconv.engine.onnx_graph import to_torch
+    from slabconv.engine.onnx_lower import to_torch
     from slabconv.onnx_in import fold_onnx
 
     model, x = _model(kind, True, torch.float32)

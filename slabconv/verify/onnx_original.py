@@ -317,7 +317,7 @@ def _float_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every floating initializer of an ONNX file, by name."""
     import onnx_ir as ir
 
-    from slabconv.engine.onnx_graph import to_torch
+    from slabconv.engine.onnx_lower import to_torch
 
     model = ir.load(str(path))
     out = {}

@@ -1,0 +1,308 @@
+"""Carry the engine's plans into an ONNX graph, through onnx-ir: the rewriter (``slabconv.engine.rewriter``) of an
+ONNX original.
+
+In: the prepared ``onnx_ir.Model`` that was lowered (``slabconv.engine.onnx_lower``), its ``Lowered`` graph and the
+``NormPlan``s ``plan_folds`` made on it (or a float64 copy of the same model, for question 1). Out: the same model,
+changed in place, as the plans say:
+
+- every updated tensor is written into its initializer (transposed back for a ``MatMul`` weight, reshaped back for a
+  ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64 fold; an initializer
+  that other nodes read too is copied for the node the fold changed (copy on write);
+- a created bias becomes an input of its ``Gemm`` / ``Conv``, or an ``Add`` after its ``MatMul``
+  (``<layer>.bias``, a ``.../folded_bias_add`` node);
+- a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads;
+- a folded norm's nodes go, its readers read its input; the layout pairs it leaves behind (``Transpose(p)`` then
+  ``Transpose(p^-1)``, a reshape and the reshape back) cancel; nodes and initializers nothing reads any more are
+  dropped (onnx-ir's ``RemoveUnusedNodesPass``).
+
+Graph inputs and outputs keep their names, dtypes and shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from torch import fx
+
+from slabconv import fold
+from slabconv.engine.flow import BlockedEdge
+from slabconv.engine.onnx_lower import Binding, Lowered
+from slabconv.engine.planner import NormPlan
+
+
+def _numpy(tensor: torch.Tensor, dtype: ir.DataType) -> np.ndarray:
+    """A float64 ``tensor`` rounded once to the ONNX ``dtype`` (``slabconv.fold.rounded``), as numpy (bfloat16
+    through its bits, as ``ml_dtypes`` holds it)."""
+    if dtype == ir.DataType.BFLOAT16:
+        import ml_dtypes
+
+        bits = fold.rounded(tensor, torch.bfloat16).contiguous().view(torch.int16).numpy()
+        return bits.view(ml_dtypes.bfloat16)
+    target = {
+        ir.DataType.FLOAT: torch.float32,
+        ir.DataType.FLOAT16: torch.float16,
+        ir.DataType.DOUBLE: torch.float64,
+    }[dtype]
+    return fold.rounded(tensor, target).contiguous().numpy()
+
+
+class _Graph:
+    """The model being rewritten, with its nodes and values by name and what the plans changed so far."""
+
+    def __init__(self, model: ir.Model, lowered: Lowered, exact: bool):
+        self.model, self.graph, self.lowered, self.exact = model, model.graph, lowered, exact
+        self.nodes = {n.name: n for n in self.graph}
+        self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs if v.name}
+        self.values.update({k: v for k, v in self.graph.initializers.items()})
+        for node in self.graph:
+            self.values.update({o.name: o for o in node.outputs if o.name})
+        self.bindings: dict[str, Binding] = dict(lowered.bindings)
+        self.written: dict[str, ir.Value] = {}  # target -> the initializer it writes now
+        self.replaced: dict[str, ir.Value] = {}  # value name -> what stands for it now (a removed norm's input)
+        self.touched: list[ir.Value] = []  # values whose layout neighbours may cancel
+
+    # ------------------------------------------------------------------ names
+
+    def fresh(self, wanted: str) -> str:
+        name, i = wanted, 1
+        while name in self.values or name in self.graph.initializers:
+            name, i = f"{wanted}_{i}", i + 1
+        return name
+
+    def fresh_node(self, wanted: str) -> str:
+        name, i = wanted, 1
+        while name in self.nodes:
+            name, i = f"{wanted}_{i}", i + 1
+        return name
+
+    def value_of(self, node: fx.Node) -> ir.Value:
+        """The ONNX value an fx node computes (for a node a lowering added within one ONNX node, its data input's)."""
+        current: fx.Node = node
+        while current.meta.get("onnx_value") is None:
+            current = current.args[0]  # type: ignore[assignment]
+        value = self.values[current.meta["onnx_value"]]
+        while value.name in self.replaced:
+            value = self.replaced[value.name]
+        return value
+
+    def onnx_node(self, node: fx.Node) -> ir.Node:
+        return self.nodes[node.meta["onnx"]]
+
+    # ------------------------------------------------------------------ tensors
+
+    def write(self, target: str, value: torch.Tensor) -> None:
+        """Store a float64 ``value`` (as the engine sees the tensor) at ``target``'s initializer, rounded once."""
+        binding = self.bindings[target]
+        init = self.written.get(target) or self.graph.initializers[binding.initializer]
+        if binding.transposed:
+            value = value.t()
+        dtype = ir.DataType.DOUBLE if self.exact else init.dtype
+        assert dtype is not None
+        array = _numpy(value.reshape(binding.shape or tuple(value.shape)), dtype)
+        if target not in self.written and binding.users and self._shared(init, binding.users):
+            init = self._initializer(f"{init.name}.folded", array, readers=(init, binding.users))
+        else:
+            init.const_value = ir.tensor(array, name=init.name)
+            init.shape, init.dtype = ir.Shape(array.shape), init.const_value.dtype
+        self.written[target] = init
+
+    def _shared(self, init: ir.Value, users: tuple[str, ...]) -> bool:
+        return any(u.node.name not in users for u in init.uses()) or init.is_graph_output()
+
+    def _initializer(
+        self, wanted: str, array: np.ndarray, readers: tuple[ir.Value, tuple[str, ...]] | None = None
+    ) -> ir.Value:
+        """A new initializer holding ``array`` at a free name near ``wanted``; with ``readers`` ``(init, nodes)``, the
+        nodes ``nodes`` read it instead of ``init`` (copy on write)."""
+        name = self.fresh(wanted)
+        tensor = ir.tensor(array, name=name)
+        value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        self.graph.register_initializer(value)
+        self.values[name] = value
+        if readers is not None:
+            init, nodes = readers
+            for use in list(init.uses()):
+                if use.node.name in nodes:
+                    use.node.replace_input_with(use.idx, value)
+        return value
+
+    def new_bias(self, layer: fx.Node, target: str, value: torch.Tensor) -> None:
+        """Give a layer without bias the bias ``value`` (float64 ``(out,)``) at ``target``."""
+        site = self.lowered.layers[layer.name]
+        node = self.nodes[site.node]
+        weight = next(v for v in node.inputs[1:2])
+        assert weight is not None
+        dtype = ir.DataType.DOUBLE if self.exact else weight.dtype
+        assert dtype is not None
+        bias = self._initializer(target, _numpy(value, dtype))
+        self.bindings[target] = Binding(bias.name or target, False, tuple(value.shape))
+        self.written[target] = bias
+        if node.op_type in ("Gemm", "Conv"):
+            node.resize_inputs(3)
+            node.replace_input_with(2, bias)
+            if node.op_type == "Gemm":  # beta scales C; without a C it did nothing, with this one it must be 1
+                node.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
+            return
+        out = node.outputs[0]
+        added = ir.Value(name=self.fresh(f"{out.name}_biased"), shape=out.shape, type=out.type)
+        self._replace_uses(out, added)
+        add = ir.Node("", "Add", [out, bias], outputs=[added], name=self.fresh_node(f"{node.name}/folded_bias_add"))
+        self.graph.insert_after(node, add)
+        self.nodes[add.name] = add  # type: ignore[index]
+        self.values[added.name] = added  # type: ignore[index]
+        self.replaced[out.name or ""] = added  # the layer's output is the biased value from now on
+
+    # ------------------------------------------------------------------ rewiring
+
+    def _replace_uses(self, old: ir.Value, new: ir.Value) -> None:
+        """Every reader of ``old`` reads ``new``; a graph output keeps its name (now on ``new``)."""
+        output = old.is_graph_output()
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        if output:
+            name = old.name
+            old.name = self.fresh(f"{name}.before_fold")
+            new.name = name
+            new.type, new.shape = old.type, old.shape
+            self.values[name] = new  # type: ignore[index]
+            self.values[old.name] = old  # type: ignore[index]
+
+    def affine(self, p: NormPlan, edge: BlockedEdge, base: ir.Value) -> ir.Value:
+        """``base * scale + shift`` with the per-channel values laid out on ``edge.chan`` (the kept affine)."""
+        assert p.scale is not None and p.shift is not None and base.shape is not None
+        rank = len(base.shape)
+        size = base.shape[edge.chan.axis]
+        size = int(size) if isinstance(size, int) else edge.chan.channels * edge.chan.inner
+        trailing = [1] * (rank - 1 - edge.chan.axis)
+        dtype = ir.DataType.DOUBLE if self.exact else base.dtype
+        assert dtype is not None
+        s = fold.tile_channels(p.scale, edge.chan.inner, size).reshape(-1, *trailing)
+        t = fold.tile_channels(p.shift * edge.mult, edge.chan.inner, size).reshape(-1, *trailing)
+        stem = p.site.name
+        out = self._op("Mul", base, self._initializer(f"{stem}.scale", _numpy(s, dtype)), f"{stem}/kept_affine_mul")
+        if bool(t.any()):
+            out = self._op("Add", out, self._initializer(f"{stem}.shift", _numpy(t, dtype)), f"{stem}/kept_affine_add")
+        return out
+
+    def _op(self, op: str, a: ir.Value, b: ir.Value, wanted: str) -> ir.Value:
+        out = ir.Value(name=self.fresh(f"{wanted}_output"), shape=a.shape, type=a.type)
+        node = ir.Node("", op, [a, b], outputs=[out], name=self.fresh_node(wanted))
+        producer = a.producer()
+        if producer is not None and producer.graph is self.graph:
+            self.graph.insert_after(producer, node)
+        else:
+            self.graph.insert_before(next(iter(self.graph)), node)
+        self.nodes[node.name] = node  # type: ignore[index]
+        self.values[out.name] = out  # type: ignore[index]
+        return out
+
+    def keep(self, p: NormPlan, base: ir.Value) -> None:
+        """One kept affine per (source, channel layout, multiplier), read by each blocked node instead of the
+        normalised value."""
+        made: dict[tuple[fx.Node, object, float], ir.Value] = {}
+        for edge in p.kept:
+            src = base if edge.src is p.site.output else self.value_of(edge.src)
+            key = (edge.src, edge.chan, edge.mult)
+            if key not in made:
+                made[key] = self.affine(p, edge, src)
+            normed = self.value_of(edge.src)
+            if edge.dst.op == "output":
+                self._replace_output(normed, made[key])
+                continue
+            node = self.onnx_node(edge.dst)
+            for i, v in enumerate(node.inputs):
+                if v is normed:
+                    node.replace_input_with(i, made[key])
+
+    def _replace_output(self, old: ir.Value, new: ir.Value) -> None:
+        outputs = self.graph.outputs
+        for i, v in enumerate(outputs):
+            if v is old:
+                name = old.name
+                old.name = self.fresh(f"{name}.normed")
+                new.name = name
+                new.type, new.shape = old.type, old.shape
+                outputs[i] = new
+
+    def remove(self, p: NormPlan) -> None:
+        """The norm's readers read its input (or its kept affine); its nodes go."""
+        site = p.site
+        base = self.value_of(site.input)
+        out = self.value_of(site.output)
+        self.keep(p, base)
+        self._replace_uses(out, base)
+        self.replaced[out.name or ""] = base
+        gone = {self.onnx_node(n).name for n in site.region if n.meta.get("onnx")}
+        nodes = [n for n in self.graph if n.name in gone]
+        for node in nodes:
+            for o in node.outputs:
+                if o.uses() and not all(u.node in nodes for u in o.uses()):
+                    raise AssertionError(f"{o.name} of a removed norm is still read")
+        self.graph.remove(list(reversed(nodes)), safe=True)
+        for node in nodes:
+            self.nodes.pop(node.name or "", None)
+        self.touched.append(base)
+
+
+def apply_plans(model: ir.Model, lowered: Lowered, plans: Iterable[NormPlan], exact: bool = False) -> None:
+    """Rewrite ``model`` (the prepared model ``lowered`` was made from, or a float64 copy of it: ``exact``) as the
+    plans say, in place.
+
+    Args:
+        model: the ONNX model; its node, value and initializer names are those ``lowered`` records.
+        lowered: ``slabconv.engine.onnx_lower.lower(model)``.
+        plans: ``plan_folds(lowered.gm)``, in order.
+        exact: write every fold's float64 value unrounded (``model`` cast to float64 first: question 1's fold).
+    """
+    g = _Graph(model, lowered, exact)
+    for p in plans:
+        if not p.remove:
+            continue
+        for u in p.updates:
+            g.write(u.target, u.value)
+        for nb in p.new_biases:
+            g.new_bias(nb.layer, nb.target, nb.value)
+        g.remove(p)
+    _cancel_layout_pairs(g)
+    from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+
+
+def _cancel_layout_pairs(g: _Graph) -> None:
+    """Around each removed norm's input: ``Transpose(p)`` then ``Transpose(p^-1)``, or a reshape then a reshape back
+    to the source's own (fully known) shape, read their source instead."""
+    for value in g.touched:
+        first = value.producer()
+        if first is None or not first.inputs or first.inputs[0] is None or value.is_graph_output():
+            continue
+        source = first.inputs[0]
+        for use in list(value.uses()):
+            second = use.node
+            if use.idx == 0 and second.outputs and not second.outputs[0].is_graph_output():
+                if _undoes(first, second, source):
+                    g._replace_uses(second.outputs[0], source)
+
+
+_VIEWS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _undoes(first: ir.Node, second: ir.Node, source: ir.Value) -> bool:
+    """``second`` applied to ``first``'s output gives back ``source`` exactly."""
+    if first.op_type == "Transpose" and second.op_type == "Transpose":
+        a, b = first.attributes.get("perm"), second.attributes.get("perm")
+        if a is None or b is None:
+            return False
+        perm, other = list(a.value), list(b.value)
+        return len(perm) == len(other) and [perm[i] for i in other] == list(range(len(perm)))
+    if first.op_type in _VIEWS and second.op_type in _VIEWS:
+        back, start = second.outputs[0].shape, source.shape
+        return (
+            back is not None
+            and start is not None
+            and list(back) == list(start)
+            and all(d is not None and (isinstance(d, int) or d.value is not None) for d in start)
+        )
+    return False

@@ -1,0 +1,1144 @@
+"""ONNX graphs in the engine's vocabulary: an ONNX model lowered into an fx graph of the ATen ops that
+``torch.export`` writes, so an ONNX original is found, planned and refused by the same code as a checkpoint
+(``find_norms``, ``plan_folds``, the rule table ``RULES`` and the layer table ``LAYERS``).
+
+In: an ``onnx_ir.Model`` (``slabconv.load.onnx_file.load_ir``). ``prepare`` gets it ready in place: unique names for
+every node and value (onnx-ir's ``NameFixPass``), shapes from symbolic shape inference (onnxruntime's
+``SymbolicShapeInference``, else ONNX's own), and weights an exporter computes from constants (``Transpose``,
+``Reshape``, ``Cast`` of an initializer, ``Constant`` nodes) folded into initializers by onnxscript's constant folding.
+``lower`` then builds:
+
+- one fx node per ONNX node output (``meta["onnx"]``: the node's name, ``meta["onnx_value"]``: the value's name,
+  ``meta["val"]``: a fake tensor of the value's dtype and shape, symbolic dimensions as ``SymInt``s;
+  ``meta["nn_module_stack"]``: the module path the exporter recorded, which names norms as for a checkpoint);
+- a ``get_attr`` node per constant input: the initializer's array, viewed as the layer kind expects it (a ``MatMul``
+  weight ``(in, out)`` is seen as ``(out, in)``, a ``(1, C, 1, 1)`` bias as ``(C,)``). ``Binding`` says where each
+  target lives in the ONNX graph; a weight or bias shared with other nodes gets a target of its own per node (copy
+  on write: a fold writes a new initializer for that node only).
+
+The lowering table ``LOWER`` holds one entry per ONNX op: the ATen op and the arguments the rules read. ONNX spells a
+Linear as ``MatMul`` + bias ``Add`` and Paddle a conv as ``Conv`` + bias ``Add``: such a pair is one ``aten.linear`` /
+``aten.convolution`` node. An op without an entry, an op of another domain, an op with a subgraph or an op whose
+outputs are not floating tensors becomes an opaque node whose op is named ``onnx.<Op>`` (``<domain>.<Op>``): the walks
+stop there with ``unsupported-op:onnx.<Op>``, and it reads everything it reads in the ONNX graph (outer-scope values
+of its subgraphs included). ``Shape`` and ``Size`` read a tensor's shape only (``aten.sym_size``).
+
+The graph is for analysis only: it is never run (``slabconv.engine.onnx_apply`` carries a plan back into the ONNX
+graph).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from torch import fx, nn
+
+from slabconv.engine.onnx_shapes import Dims, infer_shapes, merge_shapes, unknowns
+
+aten = torch.ops.aten
+
+ONNX_DOMAINS = ("", "ai.onnx")
+
+TORCH_DTYPES: dict[ir.DataType, torch.dtype] = {
+    ir.DataType.FLOAT: torch.float32,
+    ir.DataType.FLOAT16: torch.float16,
+    ir.DataType.BFLOAT16: torch.bfloat16,
+    ir.DataType.DOUBLE: torch.float64,
+    ir.DataType.INT64: torch.int64,
+    ir.DataType.INT32: torch.int32,
+    ir.DataType.INT16: torch.int16,
+    ir.DataType.INT8: torch.int8,
+    ir.DataType.UINT8: torch.uint8,
+    ir.DataType.BOOL: torch.bool,
+}
+"""The ONNX element types the engine reads, as torch dtypes; a value of any other type is opaque."""
+
+FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+
+
+# --------------------------------------------------------------------------------------------- preparing the model
+
+
+def prepare(model: ir.Model, proto_path: str | None = None) -> None:
+    """Make ``model`` ready to lower, in place: unique node and value names, external data read into memory, shapes
+    (symbolic where known) on every value inference can type, and weights computed from constants folded into
+    initializers.
+
+    Args:
+        model: the graph as read (``slabconv.load.onnx_file.load_ir``).
+        proto_path: the file it was read from; shape inference reads it without its external data.
+    """
+    from onnx_ir.passes.common.naming import NameFixPass
+
+    NameFixPass()(model)
+    ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
+    found = infer_shapes(model, proto_path)
+    _fold_constants(model)
+    merge_shapes(model, found)
+
+
+_GROWING = frozenset({"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "Upsample"})
+FOLD_OUTPUT_LIMIT = 1 << 16
+"""Elements above which an op that makes a constant larger than its inputs (``Expand``, ``Tile``, ...) is not folded
+into an initializer: the fused file would grow by it."""
+
+
+def _fold_constants(model: ir.Model) -> None:
+    """onnxscript's constant folding, run on the graph as the file types it (before symbolic shape inference adds
+    anything): every floating tensor an exporter computes from constants (a weight written as ``Transpose(W)``,
+    ``Reshape(b)``, ``Cast(W)``, ``Identity(W)``, a ``Constant``) becomes an initializer, and the folder's own exact
+    simplifications apply (a ``Cast`` to the dtype its input has goes, a ``Shape`` of static sizes becomes a
+    constant). Integer results stay as the file computes them, and an op that would make a constant larger than
+    ``FOLD_OUTPUT_LIMIT`` elements (``Expand``, ``Tile``, ...) is not folded (the fused file would grow by it). A
+    graph the folder cannot process is lowered as it is (its computed weights then block their folds)."""
+    from onnxscript.optimizer import fold_constants
+
+    def should_fold(node: ir.Node) -> bool | None:
+        if not node.outputs or any(o.dtype not in FLOATS for o in node.outputs):
+            return False
+        if node.op_type in _GROWING:
+            out = node.outputs[0].shape
+            if out is None or unknowns(out) or math.prod(d for d in out if isinstance(d, int)) > FOLD_OUTPUT_LIMIT:
+                return False
+        return None
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            fold_constants(model, input_size_limit=1 << 62, output_size_limit=1 << 62, should_fold=should_fold)
+        except Exception:  # noqa: BLE001 - the folder raises RuntimeError for an op it cannot evaluate
+            pass
+
+
+# --------------------------------------------------------------------------------------------- the result
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a stored tensor of the lowered graph lives in the ONNX graph.
+
+    Attributes:
+        initializer: the initializer's name.
+        transposed: the engine sees the initializer transposed (a ``MatMul`` / ``Gemm`` weight stored ``(in, out)``).
+        shape: the initializer's own shape (a bias stored ``(1, C, 1, 1)`` is seen as ``(C,)``).
+        users: the nodes whose reads this target stands for; a fold writes a copy for them when other nodes read the
+            initializer too (copy on write). Empty: every reader.
+        created: the target is a bias a fold creates (no initializer yet).
+    """
+
+    initializer: str
+    transposed: bool = False
+    shape: tuple[int, ...] = ()
+    users: tuple[str, ...] = ()
+
+
+@dataclass
+class Lowered:
+    """An ONNX graph as the engine sees it.
+
+    Attributes:
+        gm: the fx graph (never run); its stored tensors are the initializers' arrays (views, not copies).
+        bindings: get_attr target -> ``Binding``.
+        layers: the fx node of each layer -> ``LayerSite`` (which ONNX nodes it stands for).
+    """
+
+    gm: fx.GraphModule
+    bindings: dict[str, Binding] = field(default_factory=dict)
+    layers: dict[str, LayerSite] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LayerSite:
+    """The ONNX nodes one layer of the lowered graph stands for: ``node`` (``MatMul``, ``Gemm``, ``Conv``, ``Gather``)
+    and the bias ``Add`` after it (None: the bias, if any, is the node's own input)."""
+
+    node: str
+    bias_add: str | None = None
+
+
+# --------------------------------------------------------------------------------------------- lowering
+
+
+class OnnxOp:
+    """The op of an opaque node: an ONNX op the engine has no rule for. Its ``__name__`` and ``namespace`` make
+    ``slabconv.engine.reasons.unsupported`` say ``unsupported-op:onnx.<Op>``."""
+
+    _made: dict[str, OnnxOp] = {}
+
+    def __init__(self, domain: str, op_type: str):
+        self.namespace = "onnx" if domain in ONNX_DOMAINS else domain
+        self.__name__ = op_type
+        self.__qualname__ = op_type
+        self.__module__ = "slabconv.engine.onnx_lower"
+
+    def __call__(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{self.namespace}.{self.__name__} is not run by slabconv")
+
+    def __repr__(self) -> str:
+        return f"{self.namespace}.{self.__name__}"
+
+    @classmethod
+    def of(cls, domain: str, op_type: str) -> OnnxOp:
+        key = f"{domain}::{op_type}"
+        if key not in cls._made:
+            cls._made[key] = cls(domain, op_type)
+        return cls._made[key]
+
+
+def _opaque_ir_value(*args: Any) -> Any:
+    raise NotImplementedError("an ONNX tensor of a type slabconv does not read")
+
+
+class _Lowering:
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self.dims = Dims()
+        self.env: dict[ir.Value, fx.Node] = {}
+        self.out = Lowered(gm=None)  # type: ignore[arg-type]
+        self.taken: set[str] = set()
+        self.owners: dict[str, str] = {}  # target prefix -> "module" | "tensor"
+        self.fused: set[ir.Node] = set()  # bias Adds folded into the layer before them
+        self.stack: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ values
+
+    def fake(self, value: ir.Value) -> torch.Tensor | None:
+        dtype = TORCH_DTYPES.get(value.dtype) if value.dtype is not None else None  # type: ignore[call-overload]
+        if dtype is None or value.shape is None:
+            return None
+        return self.dims.fake(dtype, list(value.shape))
+
+    def read(self, value: ir.Value | None) -> Any:
+        """The fx node holding ``value`` (None for an omitted optional input)."""
+        if value is None:
+            return None
+        if value in self.env:
+            return self.env[value]
+        if _const_tensor(value) is not None:
+            node = self.constant(value, value.name or "constant")
+            self.env[value] = node
+            return node
+        node = self.graph.call_function(_opaque_ir_value, ())  # a value from outside this graph, or untyped
+        node.meta["val"] = self.fake(value)
+        node.meta["onnx_value"] = value.name
+        self.env[value] = node
+        return node
+
+    def constant(
+        self,
+        value: ir.Value,
+        wanted: str,
+        view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        binding: Binding | None = None,
+    ) -> fx.Node:
+        """A ``get_attr`` of ``value``'s array (viewed through ``view``), stored at a free target near ``wanted``."""
+        tensor = _as_torch(_const_tensor(value))
+        if tensor is None:
+            node = self.graph.call_function(_opaque_ir_value, ())
+            node.meta["val"] = None
+            return node
+        if view is not None:
+            tensor = view(tensor)
+        target = self.store(wanted, tensor)
+        node = self.graph.get_attr(target)
+        node.meta["val"] = tensor
+        if binding is not None:
+            self.out.bindings[target] = binding
+        elif value.is_initializer():
+            self.out.bindings[target] = Binding(value.name or "", shape=tuple(tensor.shape))
+        return node
+
+    def store(self, wanted: str, tensor: torch.Tensor) -> str:
+        """Register ``tensor`` on the root module at a free dotted target derived from ``wanted``."""
+        parts = [_attr_part(p) for p in wanted.split(".") if p] or ["t"]
+        target = ".".join(parts)
+        i = 1
+        while not self._free(target):
+            target, i = ".".join([*parts[:-1], f"{parts[-1]}_{i}"]), i + 1
+        *path, leaf = target.split(".")
+        owner = self.root
+        for depth, part in enumerate(path):
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+            self.owners[".".join(path[: depth + 1])] = "module"
+        owner.register_buffer(leaf, tensor, persistent=True)
+        self.owners[target] = "tensor"
+        self.taken.add(target)
+        return target
+
+    def _free(self, target: str) -> bool:
+        parts = target.split(".")
+        for i in range(1, len(parts)):
+            if self.owners.get(".".join(parts[:i])) == "tensor":
+                raise _Unlowerable
+        return target not in self.owners
+
+    # ------------------------------------------------------------------ nodes
+
+    def emit(
+        self, onnx_node: ir.Node, target: Any, args: tuple[Any, ...], value: ir.Value | None, val: Any = None
+    ) -> fx.Node:
+        """An fx node for ``onnx_node`` computing ``value`` (its fake tensor unless ``val`` is given)."""
+        node = self.graph.call_function(target, args)
+        node.name = self.graph._graph_namespace.create_name(_identifier(onnx_node.name or onnx_node.op_type), node)
+        node.meta["val"] = self.fake(value) if val is None and value is not None else val
+        node.meta["onnx"] = onnx_node.name
+        node.meta["onnx_value"] = value.name if value is not None else None
+        node.meta["nn_module_stack"] = self.module_stack(onnx_node)
+        if value is not None:
+            self.env[value] = node
+        return node
+
+    def module_stack(self, node: ir.Node) -> dict[str, tuple[str, str]]:
+        paths = _module_paths(node)
+        return {f"L__{i}": (p, "onnx") for i, p in enumerate(paths)}
+
+    def opaque(self, node: ir.Node) -> None:
+        reads = [self.read(v) for v in node.inputs if v is not None]
+        reads += [self.read(v) for v in _captured(node)]
+        target = OnnxOp.of(node.domain, node.op_type)
+        if len(node.outputs) == 1:
+            self.emit(node, target, tuple(reads), node.outputs[0])
+            return
+        tup = self.emit(node, target, tuple(reads), None, val=tuple(self.fake(o) for o in node.outputs))
+        for i, out in enumerate(node.outputs):
+            if out.uses() or out.is_graph_output():
+                self.getitem(node, tup, i, out)
+
+    def getitem(self, node: ir.Node, tup: fx.Node, i: int, value: ir.Value) -> fx.Node:
+        import operator
+
+        return self.emit(node, operator.getitem, (tup, i), value)
+
+    def lower_node(self, node: ir.Node) -> None:
+        if node in self.fused:
+            return
+        rule = LOWER.get(node.op_type) if node.domain in ONNX_DOMAINS else None
+        plain = not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
+        floats = any(o.dtype in FLOATS for o in node.outputs) or node.op_type in ("Shape", "Size")
+        if rule is not None and plain and floats:
+            try:
+                rule(self, node)
+                return
+            except _Unlowerable:
+                pass
+        self.opaque(node)
+
+
+class _Unlowerable(Exception):
+    """This node cannot be written as its ATen op (an argument is not a constant, a shape is unknown...)."""
+
+
+def _captured(node: ir.Node) -> list[ir.Value]:
+    """Values of the outer graphs that the subgraphs of ``node`` read."""
+    out: list[ir.Value] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs = [attr.value]
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs = list(attr.value or ())
+        else:
+            continue
+        for sub in graphs:
+            nodes = list(sub.all_nodes())
+            inner = set(sub.inputs) | set(sub.initializers.values()) | {o for n in nodes for o in n.outputs}
+            out += [v for n in nodes for v in n.inputs if v is not None and v not in inner and v not in out]
+    return out
+
+
+def _identifier(text: str) -> str:
+    """``text`` as a Python identifier (an fx node name)."""
+    out = re.sub(r"\W", "_", text)
+    return out if out and not out[0].isdigit() else f"_{out}" if out else "_"
+
+
+def _attr_part(text: str) -> str:
+    """One part of a dotted target: an identifier, or digits (``blocks.0``, as ``nn.Sequential`` names children)."""
+    return text if text.isdigit() else _identifier(text)
+
+
+def _module_paths(node: ir.Node) -> list[str]:
+    """The module paths the exporter recorded for ``node``, outermost first: the dynamo exporter's
+    ``pkg.torch.onnx.name_scopes``, else the scope of a ``/a/b/Op`` node name (TorchScript exporter, tf2onnx)."""
+    scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
+    if scopes:
+        try:
+            names = ast.literal_eval(scopes) if len(scopes) < 10_000 else None
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            names = None
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):
+            return [n for n in names[:-1] if n]
+    name = node.name or ""
+    if "/" not in name:
+        return []
+    paths: list[str] = []
+    for part in name.strip("/").split("/")[:-1]:
+        prev = paths[-1] if paths else ""
+        if not part:
+            continue
+        paths.append(part if not prev or part.startswith(prev + ".") else f"{prev}.{part}")
+    return paths
+
+
+def _const_tensor(value: ir.Value | None) -> Any:
+    if value is None:
+        return None
+    try:
+        return ir.convenience.get_const_tensor(value)
+    except Exception:  # noqa: BLE001 - a damaged constant is not a constant the engine can read
+        return None
+
+
+def _as_torch(tensor: Any) -> torch.Tensor | None:
+    """An ONNX tensor's array as a torch tensor (a view where numpy allows: memory-mapped external data stays
+    mapped); None for element types torch has no dtype for."""
+    if tensor is None or tensor.dtype not in TORCH_DTYPES:
+        return None
+    array = tensor.numpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only memory maps: the engine never writes a stored tensor
+        if tensor.dtype == ir.DataType.BFLOAT16:
+            return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
+        return torch.as_tensor(np.asarray(array))
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a torch tensor (a copy); bfloat16 (``ml_dtypes``) through its bits."""
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array, copy=True))
+
+
+def _array(value: ir.Value | None) -> np.ndarray | None:
+    tensor = _const_tensor(value)
+    if tensor is None:
+        return None
+    try:
+        return np.asarray(tensor.numpy())
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    array = _array(value)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in array.reshape(-1)]
+
+
+def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    found = node.attributes.get(name)
+    return default if found is None else found.value
+
+
+def _rank(value: ir.Value | None) -> int:
+    if value is None or value.shape is None:
+        raise _Unlowerable
+    return len(value.shape)
+
+
+def _dims(value: ir.Value | None) -> list[Any]:
+    if value is None or value.shape is None:
+        raise _Unlowerable
+    return list(value.shape)
+
+
+# --------------------------------------------------------------------------------------------- the lowering table
+
+LowerFn = Callable[[_Lowering, ir.Node], None]
+LOWER: dict[str, LowerFn] = {}
+"""ONNX op type -> its lowering (the ATen op ``torch.export`` writes for the same computation). A lowering raises
+``_Unlowerable`` when this node cannot be written that way (an argument that is not a constant, an unknown shape):
+the node is then opaque."""
+
+
+def lowers(*ops: str) -> Callable[[LowerFn], LowerFn]:
+    def register(fn: LowerFn) -> LowerFn:
+        for op in ops:
+            LOWER[op] = fn
+        return fn
+
+    return register
+
+
+_UNARY = {
+    "Relu": aten.relu.default,
+    "Sigmoid": aten.sigmoid.default,
+    "Tanh": aten.tanh.default,
+    "Erf": aten.erf.default,
+    "Exp": aten.exp.default,
+    "Log": aten.log.default,
+    "Sqrt": aten.sqrt.default,
+    "Abs": aten.abs.default,
+    "Reciprocal": aten.reciprocal.default,
+    "Sin": aten.sin.default,
+    "Cos": aten.cos.default,
+    "Floor": aten.floor.default,
+    "Ceil": aten.ceil.default,
+    "Round": aten.round.default,
+    "Sign": aten.sign.default,
+    "Softplus": aten.softplus.default,
+    "Softsign": aten.softsign.default if hasattr(aten, "softsign") else aten.abs.default,
+    "Mish": aten.mish.default,
+    "HardSwish": aten.hardswish.default,
+    "HardSigmoid": aten.hardsigmoid.default,
+    "Selu": aten.selu.default,
+    "Neg": aten.neg.default,
+}
+
+
+@lowers(*_UNARY)
+def _unary(lo: _Lowering, node: ir.Node) -> None:
+    lo.emit(node, _UNARY[node.op_type], (lo.read(node.inputs[0]),), node.outputs[0])
+
+
+@lowers("Gelu")
+def _gelu(lo: _Lowering, node: ir.Node) -> None:
+    lo.emit(node, aten.gelu.default, (lo.read(node.inputs[0]),), node.outputs[0])
+
+
+@lowers("LeakyRelu", "Elu", "Celu", "ThresholdedRelu")
+def _param_unary(lo: _Lowering, node: ir.Node) -> None:
+    op = {"LeakyRelu": aten.leaky_relu.default, "Elu": aten.elu.default}.get(node.op_type)
+    if op is None:
+        raise _Unlowerable
+    lo.emit(node, op, (lo.read(node.inputs[0]),), node.outputs[0])
+
+
+@lowers("Clip")
+def _clip(lo: _Lowering, node: ir.Node) -> None:
+    lo.emit(node, aten.clamp.default, (lo.read(node.inputs[0]),), node.outputs[0])
+
+
+@lowers("Softmax", "LogSoftmax")
+def _softmax(lo: _Lowering, node: ir.Node) -> None:
+    op = aten._softmax.default if node.op_type == "Softmax" else aten._log_softmax.default
+    axis = int(_attr(node, "axis", -1))
+    lo.emit(node, op, (lo.read(node.inputs[0]), axis, False), node.outputs[0])
+
+
+@lowers("Pow")
+def _pow(lo: _Lowering, node: ir.Node) -> None:
+    exponent = _array(node.inputs[1])
+    if exponent is not None and exponent.size == 1:
+        lo.emit(node, aten.pow.Tensor_Scalar, (lo.read(node.inputs[0]), float(exponent.reshape(()))), node.outputs[0])
+    else:
+        lo.emit(node, aten.pow.Tensor_Tensor, (lo.read(node.inputs[0]), lo.read(node.inputs[1])), node.outputs[0])
+
+
+_BINARY = {"Add": aten.add.Tensor, "Sub": aten.sub.Tensor, "Mul": aten.mul.Tensor, "Div": aten.div.Tensor}
+
+
+@lowers(*_BINARY)
+def _binary(lo: _Lowering, node: ir.Node) -> None:
+    if len(node.inputs) != 2:
+        raise _Unlowerable
+    a, b = node.inputs
+    lo.emit(node, _BINARY[node.op_type], (lo.read(a), lo.read(b)), node.outputs[0])
+
+
+@lowers("Max", "Min")
+def _max_min(lo: _Lowering, node: ir.Node) -> None:
+    if len(node.inputs) != 2:
+        raise _Unlowerable
+    op = aten.maximum.default if node.op_type == "Max" else aten.minimum.default
+    lo.emit(node, op, (lo.read(node.inputs[0]), lo.read(node.inputs[1])), node.outputs[0])
+
+
+@lowers("Where")
+def _where(lo: _Lowering, node: ir.Node) -> None:
+    lo.emit(node, aten.where.self, tuple(lo.read(v) for v in node.inputs), node.outputs[0])
+
+
+@lowers("Identity")
+def _identity(lo: _Lowering, node: ir.Node) -> None:
+    lo.emit(node, aten.alias.default, (lo.read(node.inputs[0]),), node.outputs[0])
+
+
+@lowers("Dropout")
+def _dropout(lo: _Lowering, node: ir.Node) -> None:
+    if len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output()):
+        raise _Unlowerable
+    training = _array(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    train = bool(training.reshape(-1)[0]) if training is not None and training.size else False
+    if len(node.inputs) > 2 and node.inputs[2] is not None and training is None:
+        train = True  # decided at run time: it may be on
+    ratio = _array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    p = float(ratio.reshape(-1)[0]) if ratio is not None and ratio.size else float(_attr(node, "ratio", 0.5))
+    lo.emit(node, aten.dropout.default, (lo.read(node.inputs[0]), p, train), node.outputs[0])
+
+
+@lowers("Cast", "CastLike")
+def _cast(lo: _Lowering, node: ir.Node) -> None:
+    out = node.outputs[0]
+    dtype = TORCH_DTYPES.get(out.dtype) if out.dtype is not None else None  # type: ignore[call-overload]
+    if dtype is None:
+        raise _Unlowerable
+    node_ = lo.emit(node, aten._to_copy.default, (lo.read(node.inputs[0]),), out)
+    node_.kwargs = {"dtype": dtype}
+
+
+@lowers("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+def _reshape(lo: _Lowering, node: ir.Node) -> None:
+    out = node.outputs[0]
+    sizes = [lo.dims.size(d) for d in _dims(out)]
+    lo.emit(node, aten.reshape.default, (lo.read(node.inputs[0]), sizes), out)
+
+
+@lowers("Transpose")
+def _transpose(lo: _Lowering, node: ir.Node) -> None:
+    rank = _rank(node.inputs[0])
+    perm = _attr(node, "perm")
+    order = [int(p) % rank for p in perm] if perm is not None else list(range(rank - 1, -1, -1))
+    lo.emit(node, aten.permute.default, (lo.read(node.inputs[0]), order), node.outputs[0])
+
+
+@lowers("Expand")
+def _expand(lo: _Lowering, node: ir.Node) -> None:
+    out = node.outputs[0]
+    sizes = [lo.dims.size(d) for d in _dims(out)]
+    lo.emit(node, aten.expand.default, (lo.read(node.inputs[0]), sizes), out)
+
+
+@lowers("Tile")
+def _tile(lo: _Lowering, node: ir.Node) -> None:
+    repeats = _ints(node.inputs[1])
+    if repeats is None:
+        raise _Unlowerable
+    lo.emit(node, aten.repeat.default, (lo.read(node.inputs[0]), repeats), node.outputs[0])
+
+
+@lowers("Concat")
+def _concat(lo: _Lowering, node: ir.Node) -> None:
+    rank = _rank(node.outputs[0])
+    axis = int(_attr(node, "axis", 0)) % rank
+    lo.emit(node, aten.cat.default, ([lo.read(v) for v in node.inputs], axis), node.outputs[0])
+
+
+@lowers("Split")
+def _split(lo: _Lowering, node: ir.Node) -> None:
+    rank = _rank(node.inputs[0])
+    axis = int(_attr(node, "axis", 0)) % rank
+    sizes = []
+    for out in node.outputs:
+        dims = _dims(out)
+        if not isinstance(dims[axis], int):
+            raise _Unlowerable
+        sizes.append(int(dims[axis]))
+    tup = lo.emit(
+        node,
+        aten.split_with_sizes.default,
+        (lo.read(node.inputs[0]), sizes, axis),
+        None,
+        val=tuple(lo.fake(o) for o in node.outputs),
+    )
+    for i, out in enumerate(node.outputs):
+        lo.getitem(node, tup, i, out)
+
+
+@lowers("Slice")
+def _slice(lo: _Lowering, node: ir.Node) -> None:
+    src, out = node.inputs[0], node.outputs[0]
+    rank = _rank(src)
+    if len(node.inputs) > 1:  # opset 10+: starts, ends, axes, steps as inputs
+        starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
+        axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
+        steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
+        if starts is None or ends is None or (len(node.inputs) > 3 and node.inputs[3] is not None and axes is None):
+            raise _Unlowerable
+        if len(node.inputs) > 4 and node.inputs[4] is not None and steps is None:
+            raise _Unlowerable
+    else:
+        starts, ends, axes, steps = _attr(node, "starts"), _attr(node, "ends"), _attr(node, "axes"), None
+        if starts is None or ends is None:
+            raise _Unlowerable
+    axes = list(axes) if axes is not None else list(range(len(starts)))
+    steps = list(steps) if steps is not None else [1] * len(starts)
+    current = lo.read(src)
+    shape = _dims(src)
+    final = _dims(out)
+    for i, (axis, start, end, step) in enumerate(zip(axes, starts, ends, steps, strict=False)):
+        axis = int(axis) % rank
+        shape = [*shape[:axis], final[axis], *shape[axis + 1 :]]
+        last = i == len(axes) - 1
+        val = None if last else lo.dims.fake(TORCH_DTYPES.get(out.dtype, torch.float32), shape)  # type: ignore[call-overload,arg-type]
+        current = lo.emit(
+            node, aten.slice.Tensor, (current, axis, int(start), int(end), int(step)), out if last else None, val=val
+        )
+    if not axes:
+        lo.emit(node, aten.alias.default, (current,), out)
+
+
+@lowers("Gather")
+def _gather(lo: _Lowering, node: ir.Node) -> None:
+    data, indices = node.inputs
+    if data is None or indices is None:
+        raise _Unlowerable
+    rank = _rank(data)
+    axis = int(_attr(node, "axis", 0)) % rank
+    table = _const_tensor(data)
+    if table is not None and data.is_initializer() and rank == 2 and axis == 0 and _const_tensor(indices) is None:
+        weight = _weight(lo, node, data, "weight", Binding(data.name or "", shape=tuple(table.shape)))
+        layer = lo.emit(node, aten.embedding.default, (weight, lo.read(indices)), node.outputs[0])
+        lo.out.layers[layer.name] = LayerSite(node.name or "")
+        return
+    idx = _array(indices)
+    if idx is not None and idx.ndim == 0:
+        lo.emit(node, aten.select.int, (lo.read(data), axis, int(idx)), node.outputs[0])
+    elif indices is not None and indices.shape is not None and len(indices.shape) == 1:
+        lo.emit(node, aten.index_select.default, (lo.read(data), axis, lo.read(indices)), node.outputs[0])
+    else:
+        index = [None] * axis + [lo.read(indices)]
+        lo.emit(node, aten.index.Tensor, (lo.read(data), index), node.outputs[0])
+
+
+@lowers("Shape", "Size")
+def _shape(lo: _Lowering, node: ir.Node) -> None:
+    lo.emit(node, aten.sym_size.int, (lo.read(node.inputs[0]), 0), node.outputs[0], val=0)
+
+
+def _reduce_axes(node: ir.Node, rank: int) -> list[int] | None:
+    """The reduced axes (sorted, non-negative), or None when every axis is reduced; raises for unknown axes."""
+    axes = _attr(node, "axes")
+    if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+        axes = _ints(node.inputs[1])
+        if axes is None:
+            raise _Unlowerable
+    if not axes:
+        if int(_attr(node, "noop_with_empty_axes", 0)):
+            return []
+        return None
+    return sorted({int(a) % rank for a in axes})
+
+
+_REDUCE = {
+    "ReduceMean": aten.mean.dim,
+    "ReduceSum": aten.sum.dim_IntList,
+    "ReduceMax": aten.amax.default,
+    "ReduceMin": aten.amin.default,
+}
+
+
+@lowers(*_REDUCE)
+def _reduce(lo: _Lowering, node: ir.Node) -> None:
+    rank = _rank(node.inputs[0])
+    axes = _reduce_axes(node, rank)
+    keep = bool(int(_attr(node, "keepdims", 1)))
+    if axes == []:
+        lo.emit(node, aten.alias.default, (lo.read(node.inputs[0]),), node.outputs[0])
+        return
+    dims = list(range(rank)) if axes is None else axes
+    lo.emit(node, _REDUCE[node.op_type], (lo.read(node.inputs[0]), dims, keep), node.outputs[0])
+
+
+@lowers("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(lo: _Lowering, node: ir.Node) -> None:
+    rank = _rank(node.inputs[0])
+    op = aten.mean.dim if node.op_type == "GlobalAveragePool" else aten.amax.default
+    lo.emit(node, op, (lo.read(node.inputs[0]), list(range(2, rank)), True), node.outputs[0])
+
+
+def _pads(node: ir.Node, spatial: int, src: ir.Value | None = None) -> list[int]:
+    """Per spatial axis, the larger of the begin and end padding (the rules ask only whether a conv or pool pads);
+    ``auto_pad`` SAME_* worked out from the input size where it is static (a 1x1, stride-1 kernel pads nothing)."""
+    auto = _attr(node, "auto_pad", "NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        kernel = _attr(node, "kernel_shape") or ([] if src is None else None)
+        weight = node.inputs[1] if len(node.inputs) > 1 else None
+        if kernel is None and weight is not None and weight.shape is not None:
+            kernel = list(weight.shape)[2:]
+        strides = _attr(node, "strides") or [1] * spatial
+        dilations = _attr(node, "dilations") or [1] * spatial
+        sizes = list(node.inputs[0].shape)[2:] if node.inputs[0] is not None and node.inputs[0].shape else None
+        out = []
+        for i in range(spatial):
+            k, s, d = int(kernel[i]) if kernel else 0, int(strides[i]), int(dilations[i])
+            if (k - 1) * d + 1 == 1 and s == 1:
+                out.append(0)
+                continue
+            n = sizes[i] if sizes is not None else None
+            if not isinstance(n, int):
+                out.append(1)  # unknown: count it as padded
+                continue
+            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
+            out.append(total)
+        return out
+    if auto == "VALID":
+        return [0] * spatial
+    pads = _attr(node, "pads") or [0] * (2 * spatial)
+    pads = [int(p) for p in pads]
+    return [max(pads[i], pads[i + spatial]) for i in range(spatial)]
+
+
+@lowers("MaxPool", "AveragePool")
+def _pool(lo: _Lowering, node: ir.Node) -> None:
+    rank = _rank(node.inputs[0])
+    spatial = rank - 2
+    if spatial not in (1, 2):
+        raise _Unlowerable
+    kernel = [int(k) for k in _attr(node, "kernel_shape") or []]
+    strides = [int(s) for s in _attr(node, "strides") or [1] * spatial]
+    pads = _pads(node, spatial)
+    ceil = bool(int(_attr(node, "ceil_mode", 0)))
+    x = lo.read(node.inputs[0])
+    if node.op_type == "AveragePool":
+        op = aten.avg_pool2d.default if spatial == 2 else aten.avg_pool1d.default
+        count_pad = bool(int(_attr(node, "count_include_pad", 0)))
+        lo.emit(node, op, (x, kernel, strides, pads, ceil, count_pad, None), node.outputs[0])
+        return
+    dilations = [int(d) for d in _attr(node, "dilations") or [1] * spatial]
+    indices = len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output())
+    if indices and spatial == 2:
+        tup = lo.emit(
+            node,
+            aten.max_pool2d_with_indices.default,
+            (x, kernel, strides, pads, dilations, ceil),
+            None,
+            val=tuple(lo.fake(o) for o in node.outputs),
+        )
+        for i, out in enumerate(node.outputs):
+            lo.getitem(node, tup, i, out)
+        return
+    if indices:
+        raise _Unlowerable
+    op = aten.max_pool2d.default if spatial == 2 else aten.max_pool1d.default
+    lo.emit(node, op, (x, kernel, strides, pads, dilations, ceil), node.outputs[0])
+
+
+@lowers("Pad")
+def _pad(lo: _Lowering, node: ir.Node) -> None:
+    src = node.inputs[0]
+    rank = _rank(src)
+    pads = _ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else _attr(node, "pads")
+    if pads is None:
+        raise _Unlowerable
+    axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else list(range(rank))
+    if axes is None or len(pads) != 2 * len(axes):
+        raise _Unlowerable
+    begin, end = dict.fromkeys(range(rank), 0), dict.fromkeys(range(rank), 0)
+    for i, a in enumerate(axes):
+        begin[int(a) % rank], end[int(a) % rank] = int(pads[i]), int(pads[i + len(axes)])
+    torch_pads = [p for d in range(rank - 1, -1, -1) for p in (begin[d], end[d])]
+    mode = _attr(node, "mode", "constant")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    x = lo.read(src)
+    if mode == "constant":
+        lo.emit(node, aten.constant_pad_nd.default, (x, torch_pads, 0.0), node.outputs[0])
+        return
+    op_name = {"reflect": "reflection_pad", "edge": "replication_pad"}.get(mode)
+    spatial = sum(1 for d in range(rank) if begin[d] or end[d])
+    if mode == "wrap":
+        lo.emit(node, aten._pad_circular.default, (x, torch_pads), node.outputs[0])
+        return
+    if op_name is None:
+        raise _Unlowerable
+    dims = max(1, min(3, rank - 2))
+    trimmed = torch_pads[: 2 * dims]
+    if spatial and any(torch_pads[2 * dims :]):
+        raise _Unlowerable
+    lo.emit(node, getattr(aten, f"{op_name}{dims}d").default, (x, trimmed), node.outputs[0])
+
+
+@lowers("Resize", "Upsample")
+def _resize(lo: _Lowering, node: ir.Node) -> None:
+    src, out = node.inputs[0], node.outputs[0]
+    ins, outs = _dims(src), _dims(out)
+    rank = len(ins)
+    if rank not in (3, 4, 5) or len(outs) != rank or ins[:2] != outs[:2]:
+        raise _Unlowerable  # only the spatial axes may be resized
+    mode = _attr(node, "mode", "nearest")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    coords = _attr(node, "coordinate_transformation_mode", "half_pixel")
+    coords = coords.decode() if isinstance(coords, bytes) else str(coords)
+    if coords == "tf_crop_and_resize":
+        raise _Unlowerable
+    sizes = [lo.dims.size(d) for d in outs[2:]]
+    spatial = rank - 2
+    x = lo.read(src)
+    align = coords == "align_corners"
+    if mode == "nearest":
+        op = getattr(aten, f"upsample_nearest{spatial}d").vec
+        lo.emit(node, op, (x, sizes, None), out)
+    elif mode == "linear":
+        name = {1: "upsample_linear1d", 2: "upsample_bilinear2d", 3: "upsample_trilinear3d"}[spatial]
+        lo.emit(node, getattr(aten, name).vec, (x, sizes, align, None), out)
+    elif mode == "cubic" and spatial == 2:
+        lo.emit(node, aten.upsample_bicubic2d.vec, (x, sizes, align, None), out)
+    else:
+        raise _Unlowerable
+
+
+@lowers("BatchNormalization")
+def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
+    if len(node.inputs) != 5 or any(v is None for v in node.inputs):
+        raise _Unlowerable
+    if node.attributes.get("spatial") is not None and not int(_attr(node, "spatial", 1)):
+        raise _Unlowerable  # opset < 9, one statistic per element: not per channel
+    x, w, b, mean, var = (lo.read(v) for v in node.inputs)
+    eps = _attr(node, "epsilon", 1e-5)
+    momentum = _attr(node, "momentum", 0.9)
+    if not isinstance(eps, float) or not isinstance(momentum, float):
+        raise _Unlowerable
+    training = bool(int(_attr(node, "training_mode", 0))) or any(
+        o.uses() or o.is_graph_output() for o in node.outputs[1:]
+    )
+    fake = lo.fake(node.outputs[0])
+    val = (fake, fake, fake)
+    args: tuple[Any, ...]
+    if training:
+        args = (x, w, b, mean, var, True, 1.0 - momentum, eps)
+        tup = lo.emit(node, aten._native_batch_norm_legit.default, args, None, val=val)
+    else:
+        args = (x, w, b, mean, var, 1.0 - momentum, eps)
+        tup = lo.emit(node, aten._native_batch_norm_legit_no_training.default, args, None, val=val)
+    lo.getitem(node, tup, 0, node.outputs[0])
+
+
+@lowers("LayerNormalization")
+def _layer_norm(lo: _Lowering, node: ir.Node) -> None:
+    if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+        raise _Unlowerable
+    src = node.inputs[0]
+    dims = _dims(src)
+    axis = int(_attr(node, "axis", -1)) % len(dims)
+    shape = dims[axis:]
+    if not all(isinstance(d, int) for d in shape):
+        raise _Unlowerable
+    w = lo.read(node.inputs[1])
+    b = lo.read(node.inputs[2]) if len(node.inputs) > 2 else None
+    eps = float(_attr(node, "epsilon", 1e-5))
+    lo.emit(node, aten.layer_norm.default, (lo.read(src), [int(d) for d in shape], w, b, eps), node.outputs[0])
+
+
+@lowers("RMSNormalization")
+def _rms_norm(lo: _Lowering, node: ir.Node) -> None:
+    if not hasattr(aten, "rms_norm"):
+        raise _Unlowerable
+    src = node.inputs[0]
+    dims = _dims(src)
+    axis = int(_attr(node, "axis", -1)) % len(dims)
+    shape = dims[axis:]
+    if not all(isinstance(d, int) for d in shape):
+        raise _Unlowerable
+    eps = float(_attr(node, "epsilon", 1e-5))
+    lo.emit(
+        node,
+        aten.rms_norm.default,
+        (lo.read(src), [int(d) for d in shape], lo.read(node.inputs[1]), eps),
+        node.outputs[0],
+    )
+
+
+@lowers("GroupNormalization")
+def _group_norm(lo: _Lowering, node: ir.Node) -> None:
+    opset = lo.model.opset_imports.get("", lo.model.opset_imports.get("ai.onnx", 0))
+    if opset < 21:
+        raise _Unlowerable  # opset 18's scale and bias are per group, not per channel
+    groups = int(_attr(node, "num_groups"))
+    eps = float(_attr(node, "epsilon", 1e-5))
+    x, w, b = (lo.read(v) for v in node.inputs[:3])
+    lo.emit(node, aten.group_norm.default, (x, groups, w, b, eps), node.outputs[0])
+
+
+@lowers("InstanceNormalization")
+def _instance_norm(lo: _Lowering, node: ir.Node) -> None:
+    x, w, b = (lo.read(v) for v in node.inputs[:3])
+    eps = float(_attr(node, "epsilon", 1e-5))
+    lo.emit(node, aten.instance_norm.default, (x, w, b, None, None, True, 0.0, eps, False), node.outputs[0])
+
+
+# --------------------------------------------------------------------------------------------- layers
+
+
+def _sole_reader(value: ir.Value) -> ir.Node | None:
+    uses = value.uses()
+    if len(uses) != 1 or value.is_graph_output():
+        return None
+    return next(iter(uses)).node
+
+
+def _bias_after(node: ir.Node, channels: int, axis_from_end: int) -> tuple[ir.Node, ir.Value, np.ndarray] | None:
+    """The ``Add`` right after ``node`` that adds a constant per-channel vector (``(C,)``, ``(1, C)``, ``(C, 1, 1)``
+    ...) on the output's channel axis (``axis_from_end`` from the last), when it is the output's only reader."""
+    add = _sole_reader(node.outputs[0])
+    if add is None or add.op_type != "Add" or add.domain not in ONNX_DOMAINS or len(add.inputs) != 2:
+        return None
+    other = add.inputs[1] if add.inputs[0] is node.outputs[0] else add.inputs[0]
+    if other is None or other is node.outputs[0] or not other.is_initializer():
+        return None
+    array = _array(other)
+    if array is None or array.dtype.kind != "f" or array.size != channels:
+        return None
+    shape = list(array.shape)
+    if channels > 1 and (len(shape) < axis_from_end or shape[len(shape) - axis_from_end] != channels):
+        return None
+    if node.outputs[0].shape is not None and len(shape) > len(node.outputs[0].shape):
+        return None
+    return add, other, array
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1)
+
+
+def _transposed(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.t()
+
+
+def _layer_scope(lo: _Lowering, node: ir.Node, fallback: ir.Value) -> str:
+    """The name a layer's tensors get: its module path (the exporter's scope), else its weight initializer's name
+    without ``.weight``."""
+    paths = _module_paths(node)
+    if paths:
+        return paths[-1]
+    name = fallback.name or node.name or node.op_type
+    return name.removesuffix(".weight")
+
+
+def _weight(
+    lo: _Lowering,
+    node: ir.Node,
+    value: ir.Value,
+    role: str,
+    binding: Binding,
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> fx.Node:
+    """A ``get_attr`` of a layer's weight or bias: a target of its own when other nodes read the initializer too
+    (copy on write), named ``<module path>.<role>``."""
+    shared = len({id(u.node) for u in value.uses()}) > 1 or value.is_graph_output()
+    binding = Binding(binding.initializer, binding.transposed, binding.shape, (node.name or "",) if shared else ())
+    scope = _layer_scope(lo, node, value)
+    return lo.constant(value, f"{scope}.{role}", view, binding)
+
+
+@lowers("MatMul")
+def _matmul(lo: _Lowering, node: ir.Node) -> None:
+    a, b = node.inputs
+    w = _const_tensor(b)
+    if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or _const_tensor(a) is not None:
+        lo.emit(node, aten.matmul.default, (lo.read(a), lo.read(b)), node.outputs[0])
+        return
+    k, n = (int(d) for d in w.shape)
+    weight = _weight(lo, node, b, "weight", Binding(b.name or "", True, (k, n)), _transposed)
+    found = _bias_after(node, n, 1)
+    bias = None
+    site = LayerSite(node.name or "")
+    if found is not None:
+        add, value, array = found
+        bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), _flat)
+        lo.fused.add(add)
+        site = LayerSite(node.name or "", add.name)
+    out = found[0].outputs[0] if found is not None else node.outputs[0]
+    layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
+    lo.out.layers[layer.name] = site
+
+
+@lowers("Gemm")
+def _gemm(lo: _Lowering, node: ir.Node) -> None:
+    a, b = node.inputs[0], node.inputs[1]
+    c = node.inputs[2] if len(node.inputs) > 2 else None
+    w = _const_tensor(b)
+    alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
+    trans_a, trans_b = int(_attr(node, "transA", 0)), int(_attr(node, "transB", 0))
+    if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or trans_a or alpha != 1.0:
+        raise _Unlowerable
+    n = int(w.shape[0] if trans_b else w.shape[1])
+    weight = _weight(
+        lo, node, b, "weight", Binding(b.name or "", not trans_b, tuple(w.shape)), None if trans_b else _transposed
+    )
+    bias = None
+    if c is not None:
+        array = _array(c)
+        if array is None or not c.is_initializer() or array.size != n or beta != 1.0:
+            raise _Unlowerable
+        if array.ndim > 2 or (array.ndim == 2 and array.shape[0] != 1):
+            raise _Unlowerable
+        bias = _weight(lo, node, c, "bias", Binding(c.name or "", False, tuple(array.shape)), _flat)
+    layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), node.outputs[0])
+    lo.out.layers[layer.name] = LayerSite(node.name or "")
+
+
+@lowers("Conv")
+def _conv(lo: _Lowering, node: ir.Node) -> None:
+    x, wv = node.inputs[0], node.inputs[1]
+    bv = node.inputs[2] if len(node.inputs) > 2 else None
+    w = _const_tensor(wv)
+    rank = _rank(x)
+    spatial = rank - 2
+    if w is None or wv is None or not wv.is_initializer():
+        raise _Unlowerable
+    strides = [int(s) for s in _attr(node, "strides") or [1] * spatial]
+    dilations = [int(d) for d in _attr(node, "dilations") or [1] * spatial]
+    groups = int(_attr(node, "group", 1))
+    pads = _pads(node, spatial)
+    out_channels = int(w.shape[0])
+    weight = _weight(lo, node, wv, "weight", Binding(wv.name or "", False, tuple(w.shape)))
+    bias = None
+    site = LayerSite(node.name or "")
+    out = node.outputs[0]
+    if bv is not None:
+        array = _array(bv)
+        if array is None or not bv.is_initializer() or array.ndim != 1:
+            raise _Unlowerable
+        bias = _weight(lo, node, bv, "bias", Binding(bv.name or "", False, tuple(array.shape)))
+    else:
+        found = _bias_after(node, out_channels, spatial + 1)
+        if found is not None:
+            add, value, array = found
+            bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), _flat)
+            lo.fused.add(add)
+            site = LayerSite(node.name or "", add.name)
+            out = add.outputs[0]
+    args = (lo.read(x), weight, bias, strides, pads, dilations, False, [0] * spatial, groups)
+    layer = lo.emit(node, aten.convolution.default, args, out)
+    lo.out.layers[layer.name] = site
+
+
+@lowers("ConvTranspose")
+def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
+    raise _Unlowerable
+
+
+# --------------------------------------------------------------------------------------------- the entry point
+
+
+def lower(model: ir.Model) -> Lowered:
+    """The main graph of ``model`` (prepared: ``prepare``) as an fx graph of ATen ops, for analysis.
+
+    Returns:
+        ``Lowered``: the graph, where each of its stored tensors lives in the ONNX graph, and each layer's ONNX nodes.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fx warns about the SymInts the rules read from the nodes' arguments
+        return _lower(model)
+
+
+def _lower(model: ir.Model) -> Lowered:
+    lo = _Lowering(model)
+    graph = model.graph
+    for value in graph.inputs:
+        if value.is_initializer():
+            continue
+        node = lo.graph.placeholder(_identifier(value.name or "input"))
+        node.meta["val"] = lo.fake(value)
+        node.meta["onnx_value"] = value.name
+        lo.env[value] = node
+    for onnx_node in graph:
+        lo.lower_node(onnx_node)
+    outputs = [lo.read(v) for v in graph.outputs]
+    lo.graph.output(tuple(outputs) if len(outputs) != 1 else outputs[0])
+    lo.out.gm = fx.GraphModule(lo.root, lo.graph)
+    return lo.out

@@ -1,0 +1,163 @@
+"""Shapes of an ONNX graph for the engine: symbolic shape inference, and sizes and fake tensors the rules read.
+
+``infer_shapes`` runs two inferences on the file (onnxruntime's ``SymbolicShapeInference`` and ONNX's own) and merges
+what they find dim by dim; ``merge_shapes`` writes it onto the values of an ``onnx_ir`` graph. ``Dims`` turns each
+value's type and shape into the fake tensor an fx node of ``slabconv.engine.onnx_lower`` carries in ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import onnx_ir as ir
+import torch
+
+
+def infer_shapes(model: ir.Model, proto_path: str | None = None) -> dict[str, tuple[int, tuple[Any, ...] | None]]:
+    """Value name -> ``(ONNX element type, dims)`` from two shape inferences, merged dim by dim: onnxruntime's
+    ``SymbolicShapeInference`` (it carries symbolic sizes through ``Shape`` -> ``Gather`` -> ``Concat`` -> ``Reshape``,
+    as dynamo and TorchScript exports with a dynamic batch write them) and ONNX's ``infer_shapes`` with data
+    propagation (it knows some ops the first one leaves unknown, such as a ``Flatten`` of symbolic sizes). A static
+    size wins over a symbolic one, a symbolic one over an unknown one (onnxruntime names its unknowns ``unk__N`` or
+    ``<Op>_N_o0__dK``: those count as unknown). Dims are ints, ``dim_param`` strings or None; empty when both fail
+    (the values keep what the file declares).
+
+    Initializers stored outside the file are given to inference as graph inputs of their type and shape: inference
+    needs no weights, only the small constants that shapes are computed from.
+    """
+    import onnx
+
+    proto = _shape_proto(model, proto_path)
+    found: dict[str, tuple[int, tuple[Any, ...] | None]] = {}
+    for infer in (_infer_symbolic, _infer_onnx):
+        try:
+            inferred = infer(proto)
+        except Exception:  # noqa: BLE001 - inference is a help: what it cannot type stays unknown
+            continue
+        for info in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+            if not info.type.HasField("tensor_type") or not info.type.tensor_type.elem_type:
+                continue
+            tensor = info.type.tensor_type
+            dims = None
+            if tensor.HasField("shape"):
+                dims = tuple(d.dim_value if d.HasField("dim_value") else _known(d.dim_param) for d in tensor.shape.dim)
+            found[info.name] = (int(tensor.elem_type), _better(found.get(info.name, (0, None))[1], dims))
+    del onnx
+    return found
+
+
+def _infer_symbolic(proto: Any) -> Any:
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+
+
+def _infer_onnx(proto: Any) -> Any:
+    import onnx
+
+    return onnx.shape_inference.infer_shapes(proto, data_prop=True)
+
+
+_PLACEHOLDER = re.compile(r"(unk__\d+|.*_o\d+__d\d+)")
+
+
+def _known(param: str) -> str | None:
+    """A ``dim_param``, or None for an inference's name for an unknown size."""
+    return None if not param or _PLACEHOLDER.fullmatch(param) else param
+
+
+def _better(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """Dim by dim, the more informative of two inferred shapes of one value (int > symbol > unknown)."""
+    if a is None or b is None or len(a) != len(b):
+        return b if b is not None else a
+
+    def rank(d: Any) -> int:
+        return 2 if isinstance(d, int) and d > 0 else 1 if isinstance(d, str) else 0
+
+    return tuple(x if rank(x) >= rank(y) else y for x, y in zip(a, b, strict=True))
+
+
+def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
+    """The model as a ``ModelProto`` for shape inference: read from ``proto_path`` without external data (external
+    initializers become graph inputs), or serialised from ``model`` with its large initializers as graph inputs."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    if proto_path is not None:
+        proto = onnx.load(proto_path, load_external_data=False)
+        big = [t for t in proto.graph.initializer if uses_external_data(t)]
+    else:
+        proto = ir.serde.serialize_model(model)
+        big = [t for t in proto.graph.initializer if len(t.raw_data) > 4096]
+    for tensor in big:
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        proto.graph.initializer.remove(tensor)
+    # the ``Shape`` outputs and the file's value_info stay: inference refines them
+    return proto
+
+
+def merge_shapes(model: ir.Model, found: dict[str, tuple[int, tuple[Any, ...] | None]]) -> None:
+    """Give each value of the main graph the inferred type and shape where the file declares none (or less)."""
+    for value in _values(model.graph):
+        info = found.get(value.name or "")
+        if info is None:
+            continue
+        elem, dims = info
+        if value.dtype is None and elem:
+            try:
+                value.dtype = ir.DataType(elem)
+            except ValueError:
+                pass
+        if dims is not None and (value.shape is None or unknowns(value.shape) > unknowns(dims)):
+            value.shape = ir.Shape(list(dims))
+
+
+def unknowns(dims: Iterable[Any]) -> int:
+    return sum(1 for d in dims if not isinstance(d, int))
+
+
+def _values(graph: ir.Graph) -> Iterable[ir.Value]:
+    yield from graph.inputs
+    yield from graph.initializers.values()
+    for node in graph:
+        yield from node.outputs
+
+
+class Dims:
+    """Symbolic sizes as the engine's rules read them (``SymInt``s of a ``ShapeEnv``): each distinct ``dim_param``
+    (``batch``, ``2*batch``) becomes one symbol, an unknown dim a fresh symbol of its own, so that nothing unknown
+    looks static and two sizes are equal only when inference wrote the same name. A ``dim_param`` is a name, never
+    parsed: it comes from the file."""
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        self.env = ShapeEnv()
+        self.mode = FakeTensorMode(shape_env=self.env)
+        self.symbols: dict[str, torch.SymInt] = {}
+        self.made: dict[tuple[Any, ...], torch.Tensor] = {}  # fake tensors are metadata: one per dtype and shape
+
+    def size(self, dim: Any) -> int | torch.SymInt:
+        """An ONNX dim (an int, an ``ir.SymbolicDim``, a ``dim_param`` string or None) as a size."""
+        if isinstance(dim, int) and dim >= 0:
+            return dim
+        name = dim.value if isinstance(dim, ir.SymbolicDim) else dim
+        if not isinstance(name, str) or not name:
+            return self.env.create_unbacked_symint()
+        if name not in self.symbols:
+            self.symbols[name] = self.env.create_unbacked_symint()
+        return self.symbols[name]
+
+    def fake(self, dtype: torch.dtype, shape: Sequence[Any]) -> torch.Tensor:
+        sizes = [self.size(d) for d in shape]
+        key = (dtype, *(str(s) for s in sizes))
+        if key not in self.made:
+            with self.mode:
+                self.made[key] = torch.empty(sizes, dtype=dtype)
+        return self.made[key]
