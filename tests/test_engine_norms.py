@@ -502,10 +502,13 @@ def test_batchnorm_statistics_computed_from_stored_tensors_fold():
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
 
 
-def test_batchnorm_statistics_computed_from_the_input_are_refused():
-    from slabconv.errors import UnsupportedModelError
-
+def test_batchnorm_statistics_computed_from_the_input_are_kept_as_batch_statistics():
+    """Statistics computed from the input (as an exporter writes a BatchNorm without running statistics) are the
+    batch's own: not one fixed affine, so the norm stays as it is (``batch-stats-in-eval``) and the rest folds."""
     model = ComputedStatistics(from_input=True).eval()
-    gm = capture(model, torch.randn(B, C, generator=gen()))
-    with pytest.raises(UnsupportedModelError, match="computed, not stored parameters"):
-        find_norms(gm)
+    x = torch.randn(B, C, generator=gen())
+    gm, decisions, reference = fold(model, x)
+    assert [(d.kind, d.action, d.reason) for d in decisions] == [("BatchNorm", "kept", reasons.BATCH_STATS_IN_EVAL)]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    x2 = torch.randn(B, C, generator=gen(3)) * 3  # another batch: its own statistics, as the original
+    assert rel_err(gm(x2), model(x2)) <= TOL[torch.float32]

@@ -44,6 +44,19 @@ BN_OPS = set(BN_LAYOUT)
 _BN_ROLES = ("weight", "bias", "running_mean", "running_var")
 
 
+def _reads_input(node: fx.Node) -> bool:
+    """True when ``node`` is computed from a graph input (a placeholder among its ancestors)."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "placeholder":
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += n.all_input_nodes
+    return False
+
+
 def is_batch_norm(node: fx.Node) -> bool:
     """True for an aten batch-norm call (any of the ``BN_LAYOUT`` overloads), in train or eval form."""
     return node.op == "call_function" and node.target in BN_LAYOUT
@@ -251,11 +264,14 @@ class _Analysis:
     def _bn(self, node: fx.Node) -> None:
         x, w, b, mean, var, training, eps = bn_args(node)
         tensors = {"weight": w, "bias": b, "running_mean": mean, "running_var": var}
-        if any(isinstance(v, fx.Node) and not self.consts.is_const(v) for v in tensors.values()):
+        computed = [v for v in tensors.values() if isinstance(v, fx.Node) and not self.consts.is_const(v)]
+        if computed and not any(_reads_input(v) for v in computed):
             raise UnsupportedModelError(
                 f"BatchNorm node {node.name}: its weight or statistics are computed, not stored parameters "
-                "(they depend on the model's input)"
+                "(from tensors the model updates as it runs)"
             )
+        if computed:  # statistics of the batch itself, as an exporter writes a BatchNorm without running statistics
+            training = True
         out, nodes = node, [node]
         if BN_LAYOUT[node.target][3]:
             getters = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]

@@ -272,12 +272,18 @@ def _params(
         if ops[:1] == [aten.mul.Tensor] and ops[1:] in ([], [aten.add.Tensor]):
             names["scale"] = _stored_name(cand.consts[0])
             names["shift"] = _stored_name(cand.consts[1]) if len(ops) == 2 else None
+        elif len(cand.consts) == len(ops):  # a scalar product before it (GELU's * 0.5): the stored vector names it
+            vectors = [
+                _stored_name(c) for op, c in zip(ops, cand.consts, strict=True)
+                if op is aten.mul.Tensor and isinstance(c, fx.Node) and (shape_of(c) or (1,))[-1] != 1
+            ]  # fmt: skip
+            names["scale"] = vectors[0] if len(vectors) == 1 else None
         return {"scale": scale, "shift": shift}, names, 0.0
     _, w, b, mean, var, _, eps = bn_args(cand.bns[0])
     nodes = {"weight": w, "bias": b, "running_mean": mean, "running_var": var}
     params: dict[str, Tensor | None] = {}
     for role, n in nodes.items():
-        value = analysis.consts.value(n) if n is not None else None
+        value = analysis.consts.value(n) if n is not None and analysis.consts.is_const(n) else None
         params[role] = attr(analysis.gm, n) if isinstance(n, fx.Node) and n.op == "get_attr" else value
     names = {role: _stored_name(n) for role, n in nodes.items()}
     eta = cand.eta

@@ -30,6 +30,7 @@ graph).
 from __future__ import annotations
 
 import ast
+import logging
 import math
 import re
 import warnings
@@ -70,20 +71,21 @@ FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 
 def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     """Make ``model`` ready to lower, in place: unique node and value names, external data read into memory, shapes
-    (symbolic where known) on every value inference can type, and weights computed from constants folded into
-    initializers.
+    (symbolic where known) on every value inference can type, weights computed from constants folded into
+    initializers, and nodes nothing reads dropped.
 
     Args:
         model: the graph as read (``slabconv.load.onnx_file.load_ir``).
         proto_path: the file it was read from; shape inference reads it without its external data.
     """
     from onnx_ir.passes.common.naming import NameFixPass
+    from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 
     NameFixPass()(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
-    found = infer_shapes(model, proto_path)
+    merge_shapes(model, infer_shapes(model, proto_path))
     _fold_constants(model)
-    merge_shapes(model, found)
+    RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
 
 
 _GROWING = frozenset({"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "Upsample"})
@@ -93,30 +95,37 @@ into an initializer: the fused file would grow by it."""
 
 
 def _fold_constants(model: ir.Model) -> None:
-    """onnxscript's constant folding, run on the graph as the file types it (before symbolic shape inference adds
-    anything): every floating tensor an exporter computes from constants (a weight written as ``Transpose(W)``,
-    ``Reshape(b)``, ``Cast(W)``, ``Identity(W)``, a ``Constant``) becomes an initializer, and the folder's own exact
+    """onnxscript's constant folding: every floating tensor an exporter computes from constants (a weight written as
+    ``Transpose(W)``, ``Reshape(b)``, ``Cast(W)``, ``Identity(W)``, a ``Constant``) becomes an initializer, and the
+    folder's own exact
     simplifications apply (a ``Cast`` to the dtype its input has goes, a ``Shape`` of static sizes becomes a
-    constant). Integer results stay as the file computes them, and an op that would make a constant larger than
+    constant; integer arithmetic on constants, such as the pads the TorchScript exporter computes, becomes one
+    constant). An op that would make a constant larger than
     ``FOLD_OUTPUT_LIMIT`` elements (``Expand``, ``Tile``, ...) is not folded (the fused file would grow by it). A
     graph the folder cannot process is lowered as it is (its computed weights then block their folds)."""
     from onnxscript.optimizer import fold_constants
 
     def should_fold(node: ir.Node) -> bool | None:
-        if not node.outputs or any(o.dtype not in FLOATS for o in node.outputs):
-            return False
-        if node.op_type in _GROWING:
-            out = node.outputs[0].shape
-            if out is None or unknowns(out) or math.prod(d for d in out if isinstance(d, int)) > FOLD_OUTPUT_LIMIT:
-                return False
-        return None
+        if node.op_type not in _GROWING:
+            return None  # the folder's own choice
+        out = node.outputs[0].shape if node.outputs else None
+        return (
+            out is not None
+            and not unknowns(out)
+            and math.prod(d for d in out if isinstance(d, int)) <= FOLD_OUTPUT_LIMIT
+        )
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
+    quiet = logging.getLogger("onnxscript")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # it logs each node it skips
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             fold_constants(model, input_size_limit=1 << 62, output_size_limit=1 << 62, should_fold=should_fold)
-        except Exception:  # noqa: BLE001 - the folder raises RuntimeError for an op it cannot evaluate
-            pass
+    except Exception:  # noqa: BLE001 - the folder raises RuntimeError for an op it cannot evaluate
+        pass
+    finally:
+        quiet.setLevel(level)
 
 
 # --------------------------------------------------------------------------------------------- the result
@@ -208,6 +217,9 @@ class _Lowering:
         self.out = Lowered(gm=None)  # type: ignore[arg-type]
         self.taken: set[str] = set()
         self.owners: dict[str, str] = {}  # target prefix -> "module" | "tensor"
+        self.reserved = {n for n, v in model.graph.initializers.items() if _parameter_like(v)}  # for their initializer
+        self.consts: dict[tuple[ir.Value, str], fx.Node] = {}  # a constant's get_attr, per name it is read under
+        self.current: ir.Node | None = None  # the node being lowered (it names the constants it reads)
         self.fused: set[ir.Node] = set()  # bias Adds folded into the layer before them
         self.stack: dict[str, Any] = {}
 
@@ -226,9 +238,10 @@ class _Lowering:
         if value in self.env:
             return self.env[value]
         if _const_tensor(value) is not None:
-            node = self.constant(value, value.name or "constant")
-            self.env[value] = node
-            return node
+            name = _constant_name(value, self.current)
+            if (value, name) not in self.consts:
+                self.consts[value, name] = self.constant(value, name)
+            return self.consts[value, name]
         node = self.graph.call_function(_opaque_ir_value, ())  # a value from outside this graph, or untyped
         node.meta["val"] = self.fake(value)
         node.meta["onnx_value"] = value.name
@@ -250,7 +263,7 @@ class _Lowering:
             return node
         if view is not None:
             tensor = view(tensor)
-        target = self.store(wanted, tensor)
+        target = self.store(wanted, tensor, value.name if value.is_initializer() else None)
         node = self.graph.get_attr(target)
         node.meta["val"] = tensor
         if binding is not None:
@@ -259,12 +272,13 @@ class _Lowering:
             self.out.bindings[target] = Binding(value.name or "", shape=tuple(tensor.shape))
         return node
 
-    def store(self, wanted: str, tensor: torch.Tensor) -> str:
-        """Register ``tensor`` on the root module at a free dotted target derived from ``wanted``."""
+    def store(self, wanted: str, tensor: torch.Tensor, own: str | None = None) -> str:
+        """Register ``tensor`` on the root module at a free dotted target derived from ``wanted``; a name that is an
+        initializer's parameter path (``own``: this tensor's initializer) is left to that initializer."""
         parts = [_attr_part(p) for p in wanted.split(".") if p] or ["t"]
         target = ".".join(parts)
         i = 1
-        while not self._free(target):
+        while not self._free(target) or (target in self.reserved and target != own):
             target, i = ".".join([*parts[:-1], f"{parts[-1]}_{i}"]), i + 1
         *path, leaf = target.split(".")
         owner = self.root
@@ -293,13 +307,34 @@ class _Lowering:
         """An fx node for ``onnx_node`` computing ``value`` (its fake tensor unless ``val`` is given)."""
         node = self.graph.call_function(target, args)
         node.name = self.graph._graph_namespace.create_name(_identifier(onnx_node.name or onnx_node.op_type), node)
-        node.meta["val"] = self.fake(value) if val is None and value is not None else val
+        node.meta["val"] = self.value_meta(target, args, value) if val is None and value is not None else val
         node.meta["onnx"] = onnx_node.name
         node.meta["onnx_value"] = value.name if value is not None else None
         node.meta["nn_module_stack"] = self.module_stack(onnx_node)
         if value is not None:
             self.env[value] = node
         return node
+
+    def value_meta(self, target: Any, args: tuple[Any, ...], value: ir.Value) -> torch.Tensor | None:
+        """The fake tensor of ``value``: its inferred type and shape, or, where inference left a size unknown, what
+        torch's own shape rules give for the ATen op on its inputs' fake tensors (an elementwise op's output then
+        has its input's sizes, unknown ones included), when that agrees with every size inference knows."""
+        inferred = self.fake(value)
+        if inferred is not None and value.shape is not None and not unknowns(value.shape):
+            return inferred
+        if target not in _SAME_SIZES:
+            return inferred
+        try:
+            with self.dims.mode:
+                out = target(*fx.node.map_arg(args, lambda n: n.meta.get("val")))
+        except Exception:  # noqa: BLE001 - torch cannot say either: keep what inference found
+            return inferred
+        if not isinstance(out, torch.Tensor) or inferred is None or out.dtype != inferred.dtype:
+            return inferred
+        shape = list(value.shape or ())
+        if len(shape) != out.dim() or any(isinstance(d, int) and out.shape[i] != d for i, d in enumerate(shape)):
+            return inferred
+        return out
 
     def module_stack(self, node: ir.Node) -> dict[str, tuple[str, str]]:
         paths = _module_paths(node)
@@ -320,14 +355,18 @@ class _Lowering:
     def getitem(self, node: ir.Node, tup: fx.Node, i: int, value: ir.Value) -> fx.Node:
         import operator
 
-        return self.emit(node, operator.getitem, (tup, i), value)
+        vals = tup.meta.get("val")
+        known = value.shape is not None and not unknowns(value.shape)
+        val = vals[i] if isinstance(vals, tuple) and not known and isinstance(vals[i], torch.Tensor) else None
+        return self.emit(node, operator.getitem, (tup, i), value, val=val)
 
     def lower_node(self, node: ir.Node) -> None:
-        if node in self.fused:
-            return
+        self.current = node
+        if node in self.fused or (node.op_type == "Constant" and node.domain in ONNX_DOMAINS):
+            return  # a bias Add taken into its layer; a Constant's value is read where it is used
         rule = LOWER.get(node.op_type) if node.domain in ONNX_DOMAINS else None
         plain = not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
-        floats = any(o.dtype in FLOATS for o in node.outputs) or node.op_type in ("Shape", "Size")
+        floats = any(o.dtype in FLOATS for o in node.outputs) or node.op_type in ("Shape", "Size", "Cast", "CastLike")
         if rule is not None and plain and floats:
             try:
                 rule(self, node)
@@ -390,6 +429,46 @@ def _module_paths(node: ir.Node) -> list[str]:
             continue
         paths.append(part if not prev or part.startswith(prev + ".") else f"{prev}.{part}")
     return paths
+
+
+_PARAMETER = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
+_ANONYMOUS = re.compile(r"(val|_val|const|constant)_?\d*", re.IGNORECASE)
+
+
+_PARAMETER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+
+
+def _parameter_like(value: ir.Value) -> bool:
+    """An initializer that is a module's parameter or buffer (``blocks.0.norm1.bn.weight``), not a constant an
+    exporter or its optimizer computed (``onnx::MatMul_25``, ``val_18``, ``view_2``): the dynamo exporter marks its
+    parameters (``InputSpec.kind``) and onnxscript what it folds (``folded_from``); other names count by their
+    look."""
+    props, name = value.metadata_props, value.name or ""
+    if _FOLDED_FROM in props:
+        return False
+    if _PARAMETER_KIND in props:
+        return True
+    return bool(_PARAMETER.fullmatch(name)) and not _ANONYMOUS.fullmatch(name)
+
+
+def _constant_name(value: ir.Value, reader: ir.Node | None) -> str:
+    """The target a constant's tensor is stored at, named as a checkpoint's parameter would be: its initializer's
+    parameter path (``blocks.0.ls1.gamma``); under the reader's module path when several modules read one
+    initializer (an exporter's deduplication of equal tensors: ``out_norm.weight`` for a copy of
+    ``bottleneck_norm.weight``); for a computed constant, ``<module path of its reader>.weight`` (a norm whose scale
+    it is is then named after that module)."""
+    name = value.name or ""
+    paths = _module_paths(reader) if reader is not None else []
+    scope = paths[-1] if paths else None
+    if _parameter_like(value):
+        scopes = {p[-1] for u in value.uses() if (p := _module_paths(u.node))}
+        if scope is not None and len(scopes) > 1 and not name.startswith(f"{scope}."):
+            return f"{scope}.{name.rsplit('.', 1)[-1]}"
+        return name
+    if scope is None:
+        scope = next((p[-1] for u in value.uses() if (p := _module_paths(u.node))), None)
+    return f"{scope}.weight" if scope is not None else name or "constant"
 
 
 def _const_tensor(value: ir.Value | None) -> Any:
@@ -457,6 +536,10 @@ def _dims(value: ir.Value | None) -> list[Any]:
 
 # --------------------------------------------------------------------------------------------- the lowering table
 
+_SAME_SIZES: set[Any] = set()
+"""The ATen ops whose output sizes torch works out from their inputs' without looking at a size's value
+(elementwise and unary ops, casts): ``_Lowering.value_meta`` asks them where inference left a size unknown."""
+
 LowerFn = Callable[[_Lowering, ir.Node], None]
 LOWER: dict[str, LowerFn] = {}
 """ONNX op type -> its lowering (the ATen op ``torch.export`` writes for the same computation). A lowering raises
@@ -471,6 +554,32 @@ def lowers(*ops: str) -> Callable[[LowerFn], LowerFn]:
         return fn
 
     return register
+
+
+_TWINS = {
+    "CumSum": aten.cumsum.default,
+    "Einsum": aten.einsum.default,
+    "TopK": aten.topk.default,
+    "ArgMax": aten.argmax.default,
+    "ArgMin": aten.argmin.default,
+    "ReduceProd": aten.prod.dim_int,
+    "ReduceL2": aten.linalg_vector_norm.default,
+    "Trilu": aten.triu.default,
+    "ScatterND": aten.index_put.default,
+    "ScatterElements": aten.scatter.src,
+    "GridSample": aten.grid_sampler.default,
+    "DepthToSpace": aten.pixel_shuffle.default,
+    "SpaceToDepth": aten.pixel_unshuffle.default,
+}
+"""ONNX ops with an ATen twin that no rule passes: lowered to it, so a path through one is blocked with the reason a
+checkpoint gives (``unsupported-op:aten.cumsum``)."""
+
+
+@lowers(*_TWINS)
+def _twin(lo: _Lowering, node: ir.Node) -> None:
+    if len(node.outputs) != 1:
+        raise _Unlowerable
+    lo.emit(node, _TWINS[node.op_type], tuple(lo.read(v) for v in node.inputs), node.outputs[0])
 
 
 _UNARY = {
@@ -586,8 +695,7 @@ def _cast(lo: _Lowering, node: ir.Node) -> None:
     dtype = TORCH_DTYPES.get(out.dtype) if out.dtype is not None else None  # type: ignore[call-overload]
     if dtype is None:
         raise _Unlowerable
-    node_ = lo.emit(node, aten._to_copy.default, (lo.read(node.inputs[0]),), out)
-    node_.kwargs = {"dtype": dtype}
+    lo.emit(node, aten.to.dtype, (lo.read(node.inputs[0]), dtype), out)
 
 
 @lowers("Reshape", "Flatten", "Squeeze", "Unsqueeze")
@@ -669,6 +777,18 @@ def _slice(lo: _Lowering, node: ir.Node) -> None:
     current = lo.read(src)
     shape = _dims(src)
     final = _dims(out)
+    if any(int(step) < 0 for step in steps):
+        # a negative step reverses its axis: aten.slice takes positive steps only; a whole reversal is aten.flip
+        sizes = [shape[int(a) % rank] for a in axes]
+        whole = all(
+            int(step) == -1 and isinstance(n, int) and int(start) + (n if int(start) < 0 else 0) >= n - 1
+            and int(end) <= -n - 1
+            for n, start, end, step in zip(sizes, starts, ends, steps, strict=False)
+        )  # fmt: skip
+        if not whole:
+            raise _Unlowerable
+        lo.emit(node, aten.flip.default, (current, sorted(int(a) % rank for a in axes)), out)
+        return
     for i, (axis, start, end, step) in enumerate(zip(axes, starts, ends, steps, strict=False)):
         axis = int(axis) % rank
         shape = [*shape[:axis], final[axis], *shape[axis + 1 :]]
@@ -702,6 +822,13 @@ def _gather(lo: _Lowering, node: ir.Node) -> None:
     else:
         index = [None] * axis + [lo.read(indices)]
         lo.emit(node, aten.index.Tensor, (lo.read(data), index), node.outputs[0])
+
+
+@lowers("GatherElements")
+def _gather_elements(lo: _Lowering, node: ir.Node) -> None:
+    axis = int(_attr(node, "axis", 0)) % _rank(node.inputs[0])
+    args = (lo.read(node.inputs[0]), axis, lo.read(node.inputs[1]))
+    lo.emit(node, aten.gather.default, args, node.outputs[0])
 
 
 @lowers("Shape", "Size")
@@ -888,6 +1015,11 @@ def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
     if node.attributes.get("spatial") is not None and not int(_attr(node, "spatial", 1)):
         raise _Unlowerable  # opset < 9, one statistic per element: not per channel
     x, w, b, mean, var = (lo.read(v) for v in node.inputs)
+    xv, wv = x.meta.get("val"), w.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or not isinstance(wv, torch.Tensor):
+        raise _Unlowerable
+    if not isinstance(xv.shape[1], int):  # a size inference left unknown is the channel count the statistics have
+        x.meta["val"] = lo.dims.fake(xv.dtype, [xv.shape[0], wv.numel(), *xv.shape[2:]])
     eps = _attr(node, "epsilon", 1e-5)
     momentum = _attr(node, "momentum", 0.9)
     if not isinstance(eps, float) or not isinstance(momentum, float):
@@ -895,7 +1027,7 @@ def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
     training = bool(int(_attr(node, "training_mode", 0))) or any(
         o.uses() or o.is_graph_output() for o in node.outputs[1:]
     )
-    fake = lo.fake(node.outputs[0])
+    fake = lo.value_meta(aten.alias.default, (x,), node.outputs[0])  # the input's sizes, as every BN output
     val = (fake, fake, fake)
     args: tuple[Any, ...]
     if training:
@@ -1111,6 +1243,13 @@ def _conv(lo: _Lowering, node: ir.Node) -> None:
 def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
     raise _Unlowerable
 
+
+_SAME_SIZES.update(_UNARY.values(), _BINARY.values())
+_SAME_SIZES.update(
+    {aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.clamp.default, aten._softmax.default,
+     aten._log_softmax.default, aten.maximum.default, aten.minimum.default, aten.where.self, aten.alias.default,
+     aten.to.dtype, aten.dropout.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
+)  # fmt: skip
 
 # --------------------------------------------------------------------------------------------- the entry point
 

@@ -139,13 +139,13 @@ class Dims:
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         self.env = ShapeEnv()
-        self.mode = FakeTensorMode(shape_env=self.env)
+        self.mode = FakeTensorMode(shape_env=self.env, allow_non_fake_inputs=True)
         self.symbols: dict[str, torch.SymInt] = {}
         self.made: dict[tuple[Any, ...], torch.Tensor] = {}  # fake tensors are metadata: one per dtype and shape
 
     def size(self, dim: Any) -> int | torch.SymInt:
         """An ONNX dim (an int, an ``ir.SymbolicDim``, a ``dim_param`` string or None) as a size."""
-        if isinstance(dim, int) and dim >= 0:
+        if isinstance(dim, torch.SymInt) or (isinstance(dim, int) and dim >= 0):
             return dim
         name = dim.value if isinstance(dim, ir.SymbolicDim) else dim
         if not isinstance(name, str) or not name:

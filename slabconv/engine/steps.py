@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import expr, norm_dim, rank, same_size, shape_of, static_int
+from slabconv.engine.capture import expr, norm_dim, rank, same_size, shape_of, static_int, stored, written_tensors
 from slabconv.engine.chan import Block, Chan, Outcome, Pass, _ops, unsupported
 
 aten = torch.ops.aten
@@ -364,10 +364,26 @@ def _max_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     return Pass(ch, needs_positive_scale=True) if ch.axis == 1 else unsupported(user)
 
 
+def _stored_scalar(node: Any) -> float | None:
+    """The value of a one-element floating tensor the graph stores and never writes (a stored scale, a constant
+    an exporter keeps as an initializer), else None."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    gm = node.graph.owning_module
+    value = stored(gm, str(node.target))
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.is_floating_point():
+        return None
+    return None if str(node.target) in written_tensors(gm) else float(value.reshape(()))
+
+
 def _scalar_mul(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """``x * c`` or ``x / c`` with a Python number: ``c (s x + t) = s (c x) + c t``, the shift scales by c.
-    A product with a tensor (a mask, another activation) blocks: ``masked-after-norm``."""
+    """``x * c`` or ``x / c`` with a Python number or a stored one-element constant: ``c (s x + t) = s (c x) + c t``,
+    the shift scales by c. A product with another tensor (a mask, another activation) blocks:
+    ``masked-after-norm``."""
     other = user.args[1] if user.args[0] is src else user.args[0]
+    scalar = _stored_scalar(other)
+    if scalar is not None:
+        other = scalar
     if isinstance(other, (int, float)) and not isinstance(other, bool) and user.args.count(src) == 1:
         if user.target in (aten.div.Tensor, aten.div.Scalar):
             if user.args[0] is not src or float(other) == 0.0:

@@ -1,0 +1,192 @@
+"""Every door, one answer: the models of the norm, refusal and view-rule suites, planned as a ``torch.export``
+program (what ``slabconv fuse model.pt2`` plans) and as their ONNX exports, give the same decisions.
+
+An ONNX original is lowered into the engine's ATen vocabulary (``slabconv.engine.onnx_lower``) and planned by the
+same ``plan_folds``; this file holds the two doors to each other on each case: the norm's name and kind, the action,
+the reason and the layers folded into. Every case is exported by the TorchScript exporter (dynamic batch); the
+dynamo exporter takes about two seconds a model on two cores, so it exports every refusal and norm case and the
+first case of each view rule with its block case (every rule is still seen through both exporters).
+
+The one intended difference (``_DIFFERENT``): a weight two layers read. A checkpoint's tied parameter stays tied and
+the fold into one of its readers is refused (``shared-consumer-weight``); an ONNX file cannot tell a tied weight from
+an exporter's deduplication of two equal tensors, so the initializer is copied for the layer a fold changes (copy on
+write) and the norm folds.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx_ir as ir
+import pytest
+import torch
+from torch import nn
+
+from slabconv import engine
+from slabconv.engine import onnx_fold
+from tests import test_engine_norms as norms_suite
+from tests import test_refusals as refusals
+from tests import test_view_rules as view_rules
+from tests.foldcheck import randomize
+
+Factory = Callable[[], tuple[nn.Module, torch.Tensor]]
+
+
+def _tokens() -> torch.Tensor:
+    return refusals.tokens()
+
+
+def _view_cases() -> list[tuple[str, Factory, bool]]:
+    """``(id, factory, dynamo too)`` for every case of ``tests/test_view_rules.py``."""
+    out = []
+    for name, (forward, backward, block) in view_rules.CASES.items():
+        kinds = [("fwd", view_rules.Forward, c, i == 0) for i, c in enumerate(forward)]
+        kinds += [("bwd", view_rules.Backward, c, False) for c in backward]
+        kinds += [("block", view_rules.Forward, block, True)] if block is not None else []
+        for i, (kind, cls, case, dynamo) in enumerate(kinds):
+
+            def factory(cls: type = cls, case: view_rules.Case = case) -> tuple[nn.Module, torch.Tensor]:
+                return randomize(cls(case), seed=1).eval(), view_rules._tokens(case.n)
+
+            out.append((f"{name}-{kind}-{case.aten}-{i}", factory, dynamo))
+    return out
+
+
+def _model(build: Callable[[], nn.Module], x: Callable[[], torch.Tensor] = _tokens, **kw: bool) -> Factory:
+    return lambda: (randomize(build(), **kw).eval(), x())
+
+
+def _image(c: int = refusals.C, hw: int = 5) -> Callable[[], torch.Tensor]:
+    return lambda: torch.randn(refusals.B, c, hw, hw, generator=torch.Generator().manual_seed(0)) + 0.5
+
+
+def _flat() -> torch.Tensor:
+    return torch.randn(refusals.B, refusals.C, generator=torch.Generator().manual_seed(0)) * 2
+
+
+SUITE_CASES: list[tuple[str, Factory]] = [
+    ("plain", _model(refusals.Plain)),
+    ("zero-padding", _model(refusals.PadAfterNorm, lambda: refusals.tokens(9))),
+    ("masked", _model(refusals.MaskAfterNorm)),
+    ("residual", _model(refusals.ResidualReadsNorm)),
+    ("product-with-input", _model(refusals.ProductOfInputAndNorm, _flat)),
+    ("input-plus-norm", _model(lambda: refusals.ResidualReadsInputAndNorm(False), _flat)),
+    ("input-plus-norm-relu", _model(lambda: refusals.ResidualReadsInputAndNorm(True), _flat)),
+    ("nonlinear", _model(refusals.NonlinearBeforeConsumer)),
+    ("channel-mixing", _model(refusals.ChannelMixingReshape)),
+    ("padded-conv", _model(lambda: refusals.PaddedConv(False), _image())),
+    ("padded-conv-and-pointwise", _model(lambda: refusals.PaddedConv(True), _image())),
+    ("max-negative", _model(refusals.MaxOverTokens, positive=False)),
+    ("max-positive", _model(refusals.MaxOverTokens, positive=True)),
+    ("sum-static-tokens", _model(refusals.SumOverTokens)),
+    ("cls-concat", _model(refusals.ClsConcat)),
+    ("concat-nonlinear-branch", _model(refusals.ConcatWithNonlinearBranch)),
+    ("concat-sum-and-mean", _model(refusals.ConcatSumAndMean)),
+    ("feeds-output", _model(refusals.FeedsOutput)),
+    ("shared-weight", _model(refusals.TiedConsumer)),
+    ("cumsum", _model(refusals.CumsumAfterNorm)),
+    ("consumer-off-channel", _model(refusals.LinearOverTime, lambda: torch.randn(refusals.B, refusals.C, refusals.C))),
+    ("train-mode", lambda: (randomize(refusals.Plain()).train(), _tokens())),
+    ("batch-stats", _model(refusals.BatchStats)),
+    ("repbn-two-transposes", _model(lambda: norms_suite.RepBNWritten("two_transposes"))),
+    ("repbn-minus", _model(lambda: norms_suite.RepBNWritten("minus"))),
+    ("frozen-bn-pointwise", lambda: (norms_suite.randomize_frozen(norms_suite.FrozenNet("pointwise")).eval(),
+                                     _image(3, 6)())),
+    ("frozen-bn-padded", lambda: (norms_suite.randomize_frozen(norms_suite.FrozenNet("padded")).eval(),
+                                  _image(3, 6)())),
+    ("nonorm-mobilebert", lambda: (norms_suite.MobileBertStyle().eval(), _tokens())),
+    ("channel-affine", lambda: (norms_suite.ChannelAffine().eval(), _tokens())),
+    ("layerscale-mlp", lambda: (norms_suite.LayerScaleBlock("mlp").eval(), _tokens())),
+    ("layerscale-gelu", lambda: (norms_suite.LayerScaleBlock("gelu").eval(), _tokens())),
+    ("bn-then-layerscale", lambda: (randomize(norms_suite.BNThenLayerScale()).eval(), _image()())),
+    ("rmsnorm-weight", lambda: (norms_suite.RMSNormBlock().eval(), _tokens())),
+    ("not-norms", lambda: (norms_suite.NotNorms().eval(), _tokens())),
+]  # fmt: skip
+
+CASES = [pytest.param(f, False, id=f"{i}-torchscript") for i, f in SUITE_CASES]
+CASES += [pytest.param(f, True, id=f"{i}-dynamo") for i, f in SUITE_CASES]
+for _id, _factory, _dynamo in _view_cases():
+    CASES.append(pytest.param(_factory, False, id=f"{_id}-torchscript"))
+    if _dynamo:
+        CASES.append(pytest.param(_factory, True, id=f"{_id}-dynamo"))
+
+_DIFFERENT = {
+    # case -> why the ONNX door decides otherwise (the module docstring)
+    "shared-weight": "the initializer is copied for the layer the fold changes",
+}
+_EXPORTED_DIFFERENTLY = {
+    # (case, exporter or "*") -> what the exporter wrote in place of the program's op
+    ("train-mode", "*"): "both exporters export the model in eval mode",
+    ("bn-then-layerscale", "*"): "the exporter (or its optimizer) folds the BatchNorm into the conv itself",
+    ("type_as-block-type_as.default-2", "*"): "type_as is written as a Cast: the reason names aten.to",
+    ("split-block-chunk.default-9", "*"): "chunk is written as Slices / a Split: the reason names that op",
+    ("as_strided-fwd-as_strided.default-0", "*"): "as_strided is written as a Gather of flat indices",
+    ("as_strided-bwd-as_strided.default-1", "*"): "as_strided is written as a Gather of flat indices",
+    ("as_strided-block-as_strided.default-2", "*"): "as_strided is written as a Gather of flat indices",
+    (
+        "roll_flip-bwd-roll.default-2",
+        "torchscript",
+    ): "roll is Slices + Concat: no backward walk",
+    ("split-fwd-tensor_split.sections-4", "torchscript"): "tensor_split is written as a SplitToSequence",
+    ("split-fwd-tensor_split.indices-5", "torchscript"): "tensor_split is written as a Loop",
+    ("index-fwd-index.Tensor-0", "dynamo"): "x[:, idx] is written as a GatherND",
+    **{
+        (
+            f"flatten-{d}-unflatten.int-{i}",
+            "torchscript",
+        ): "the target shape is computed with arithmetic (Mod, Slice of Shape) that neither shape inference resolves"
+        for d, i in (("fwd", 1), ("bwd", 3), ("block", 4))
+    },
+}
+_KIND = {"FrozenBatchNorm": "Affine"}
+"""A FrozenBatchNorm is recognised by the ``rsqrt`` of its stored variance; an exporter's constant folding (and
+slabconv's own) leaves one scale tensor, an ``Affine`` with the same decision."""
+
+
+def _summary(decisions: list[engine.Decision]) -> list[tuple[str, str, str, str | None, tuple[str, ...]]]:
+    return [(d.norm, _KIND.get(d.kind, d.kind), d.action, d.reason, tuple(d.into)) for d in decisions]
+
+
+def _export(model: nn.Module, x: torch.Tensor, path: Path, dynamo: bool) -> Path:
+    """``model`` to ONNX at opset 18 with a dynamic batch, as a user would export it."""
+    batch = {0: torch.export.Dim("batch")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            if dynamo:
+                try:
+                    torch.onnx.export(model, (x,), str(path), dynamo=True, opset_version=18, dynamic_shapes=(batch,))
+                except Exception:  # noqa: BLE001 - a model whose code specialises the batch: a static export
+                    torch.onnx.export(model, (x,), str(path), dynamo=True, opset_version=18)
+            else:
+                torch.onnx.export(
+                    model, (x,), str(path), dynamo=False, opset_version=18, input_names=["x"],
+                    dynamic_axes={"x": {0: "batch"}},
+                )  # fmt: skip
+        finally:
+            logging.disable(logging.NOTSET)
+    return path
+
+
+@pytest.mark.parametrize(("factory", "dynamo"), CASES)
+def test_a_model_gets_the_same_decisions_as_a_program_and_as_onnx(factory, dynamo, tmp_path, request):
+    model, x = factory()
+    program = _summary(engine.fold_all(engine.capture(model, x)))
+    case, exporter = request.node.callspec.id.rsplit("-", 1)
+    try:
+        path = _export(model, x, tmp_path / "model.onnx", dynamo)
+    except Exception as err:  # noqa: BLE001 - the exporter's own limits (aten::mT, a BatchNorm without statistics)
+        pytest.skip(f"the {exporter} exporter cannot export it: {str(err).strip().splitlines()[0][:200]}")
+    _, plans = onnx_fold.plan_file(ir.load(str(path)), str(path))
+    onnx = _summary([p.decision for p in plans])
+    if (case, exporter) in _EXPORTED_DIFFERENTLY or (case, "*") in _EXPORTED_DIFFERENTLY:
+        assert onnx != program, f"{case} ({exporter}): the doors now agree; drop it from _EXPORTED_DIFFERENTLY"
+        return
+    if case in _DIFFERENT:
+        assert onnx != program, f"{case}: the doors now agree; drop it from _DIFFERENT"
+        return
+    assert onnx == program
