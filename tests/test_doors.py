@@ -43,7 +43,7 @@ def _view_cases() -> list[tuple[str, Factory, bool]]:
     """``(id, factory, dynamo too)`` for every case of ``tests/test_view_rules.py``."""
     out = []
     for name, (forward, backward, block) in view_rules.CASES.items():
-        kinds = [("fwd", view_rules.Forward, c, i == 0) for i, c in enumerate(forward)]
+        kinds = [("fwd", view_rules.Forward, c, False) for c in forward]
         kinds += [("bwd", view_rules.Backward, c, False) for c in backward]
         kinds += [("block", view_rules.Forward, block, True)] if block is not None else []
         for i, (kind, cls, case, dynamo) in enumerate(kinds):
