@@ -4,8 +4,10 @@ program (what ``slabconv fuse model.pt2`` plans) and as their ONNX exports, give
 An ONNX original is lowered into the engine's ATen vocabulary (``slabconv.engine.onnx_lower``) and planned by the
 same ``plan_folds``; this file holds the two doors to each other on each case: the norm's name and kind, the action,
 the reason and the layers folded into. Every case is exported by the TorchScript exporter (dynamic batch); the
-dynamo exporter takes about two seconds a model on two cores, so it exports every refusal and norm case and the
-first case of each view rule with its block case (every rule is still seen through both exporters).
+dynamo exporter takes two to four seconds a model on two cores, so it exports every refusal and norm case and each
+view rule's block case (where a wrong lowering would fold what must not be folded). Ops an exporter writes as
+something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as Slices and a Concat, ``as_strided`` as a Gather) are listed
+with what it wrote, and held to differ, so the list shrinks when the lowering learns them.
 
 The one intended difference (``_DIFFERENT``): a weight two layers read. A checkpoint's tied parameter stays tied and
 the fold into one of its readers is refused (``shared-consumer-weight``); an ONNX file cannot tell a tied weight from
@@ -40,7 +42,7 @@ def _tokens() -> torch.Tensor:
 
 
 def _view_cases() -> list[tuple[str, Factory, bool]]:
-    """``(id, factory, dynamo too)`` for every case of ``tests/test_view_rules.py``."""
+    """``(id, factory, exported by dynamo too)`` for every case of ``tests/test_view_rules.py``."""
     out = []
     for name, (forward, backward, block) in view_rules.CASES.items():
         kinds = [("fwd", view_rules.Forward, c, False) for c in forward]
