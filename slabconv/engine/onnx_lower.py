@@ -34,7 +34,7 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,31 +89,37 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
 
 
 _GROWING = frozenset({"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "Upsample"})
+"""Ops that make a constant larger than their inputs, which onnxscript's folder keeps by default."""
 FOLD_OUTPUT_LIMIT = 1 << 16
-"""Elements above which an op that makes a constant larger than its inputs (``Expand``, ``Tile``, ...) is not folded
-into an initializer: the fused file would grow by it."""
+"""Elements a folded constant may have beyond its inputs' (an ``Expand`` of a bias, a small ``ConstantOfShape``): a
+larger one would grow the fused file, and a hostile file could ask for any size."""
 
 
 def _fold_constants(model: ir.Model) -> None:
     """onnxscript's constant folding: every floating tensor an exporter computes from constants (a weight written as
     ``Transpose(W)``, ``Reshape(b)``, ``Cast(W)``, ``Identity(W)``, a ``Constant``) becomes an initializer, and the
-    folder's own exact
-    simplifications apply (a ``Cast`` to the dtype its input has goes, a ``Shape`` of static sizes becomes a
-    constant; integer arithmetic on constants, such as the pads the TorchScript exporter computes, becomes one
-    constant). An op that would make a constant larger than
-    ``FOLD_OUTPUT_LIMIT`` elements (``Expand``, ``Tile``, ...) is not folded (the fused file would grow by it). A
-    graph the folder cannot process is lowered as it is (its computed weights then block their folds)."""
+    folder's own exact simplifications apply (a ``Cast`` to the dtype its input has goes, a ``Shape`` of static sizes
+    becomes a constant; integer arithmetic on constants, such as the pads the TorchScript exporter computes, becomes
+    one constant). A node is folded only when its outputs' sizes are known and they hold no more elements than its
+    inputs and ``FOLD_OUTPUT_LIMIT`` together: nothing is computed that the file did not already hold. A graph the
+    folder cannot process is lowered as it is (its computed weights then block their folds)."""
     from onnxscript.optimizer import fold_constants
 
+    def elements(values: Iterable[ir.Value | None]) -> int | None:
+        total = 0
+        for v in values:
+            if v is None:
+                continue
+            if v.shape is None or unknowns(v.shape):
+                return None
+            total += math.prod(d for d in v.shape if isinstance(d, int))
+        return total
+
     def should_fold(node: ir.Node) -> bool | None:
-        if node.op_type not in _GROWING:
-            return None  # the folder's own choice
-        out = node.outputs[0].shape if node.outputs else None
-        return (
-            out is not None
-            and not unknowns(out)
-            and math.prod(d for d in out if isinstance(d, int)) <= FOLD_OUTPUT_LIMIT
-        )
+        out, into = elements(node.outputs), elements(node.inputs)
+        if out is None or out > (into or 0) + FOLD_OUTPUT_LIMIT:
+            return False
+        return True if node.op_type in _GROWING else None  # else the folder's own choice
 
     quiet = logging.getLogger("onnxscript")
     level = quiet.level
