@@ -346,6 +346,16 @@ class _Lowering:
         paths = _module_paths(node)
         return {f"L__{i}": (p, "onnx") for i, p in enumerate(paths)}
 
+    def _forget(self, node: ir.Node) -> None:
+        """Drop what a lowering that gave up emitted for ``node`` (the node is then lowered as opaque)."""
+        made = [n for n in self.graph.nodes if n.meta.get("onnx") == node.name and n.op == "call_function"]
+        for fx_node in reversed(made):
+            if not fx_node.users:
+                self.graph.erase_node(fx_node)
+        for value in node.outputs:
+            self.env.pop(value, None)
+        self.fused = {a for a in self.fused if not any(v in node.outputs for v in a.inputs)}
+
     def opaque(self, node: ir.Node) -> None:
         reads = [self.read(v) for v in node.inputs if v is not None]
         reads += [self.read(v) for v in _captured(node)]
@@ -377,8 +387,8 @@ class _Lowering:
             try:
                 rule(self, node)
                 return
-            except _Unlowerable:
-                pass
+            except Exception:  # noqa: BLE001 - _Unlowerable, or attributes no exporter writes: opaque, so it blocks
+                self._forget(node)
         self.opaque(node)
 
 
