@@ -153,6 +153,10 @@ def fuse(
     write = write or WriteOptions()
     pipeline.write_dtype(write)  # a mistyped --dtype is answered before anything is read
     check_opset(write.opset, write.dtype)
+    if write.simplify and not write.onnx:
+        raise UsageError(
+            "--simplify simplifies model.onnx, which --no-onnx (or --stream) does not write; leave one out"
+        )
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]

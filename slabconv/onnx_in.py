@@ -24,7 +24,7 @@ from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, frozen_heap, no_progress
 from slabconv.verify.onnx_original import verify_fold
 from slabconv.version import __version__
-from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx
+from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx, simplify_model
 
 FUSED_NAME = "model.onnx"
 
@@ -131,6 +131,7 @@ def fuse(
     progress(f"loading {path}")
     info = read_onnx(path)
     model, decisions = fold_onnx(path, progress)
+    simplified = simplify_model(model) if write.simplify else None
     model.metadata_props[MARK] = __version__
     model.metadata_props[SOURCE_KEY] = info.sha256
     report = Report("fuse", source=source_of(info), folds=decisions, out_dir=str(out_dir), mode="in-memory")
@@ -145,7 +146,12 @@ def fuse(
             safetensors="",
             onnx=FUSED_NAME,
             pt2=None,
-            onnx_info={"opset": info.opset, "external_data": external is not None, "dynamic_batch": info.batch is None},
+            onnx_info={
+                "opset": info.opset,
+                "external_data": external is not None,
+                "dynamic_batch": info.batch is None,
+                **({"simplified": simplified} if simplified is not None else {}),
+            },  # fmt: skip
         )
         if verify is not None:
             started = time.monotonic()

@@ -86,6 +86,8 @@ class WriteOptions:
             verified at that dtype's tolerance); None keeps the checkpoint's dtype.
         opset: the ONNX opset of ``model.onnx`` (``slabconv.write.onnx.OPSET_RANGE``); None: the exporter's
             default (22 for bfloat16).
+        simplify: run onnxscript's optimizer on ``model.onnx`` after the fold (constant folding of shape arithmetic,
+            dead nodes, layout pairs); the simplified file is the one written and verified.
     """
 
     force: bool = False
@@ -94,3 +96,4 @@ class WriteOptions:
     stream: bool = False
     dtype: str | None = None
     opset: int | None = None
+    simplify: bool = False

@@ -447,7 +447,10 @@ def _write_files(
     if write.onnx:
         progress("exporting model.onnx")
         release_memory(collect=False)  # the translation does not reuse what was freed (peak 514 -> 498 MiB)
-        info = export_onnx(planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program)
+        info = export_onnx(
+            planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program,
+            simplify=write.simplify,
+        )  # fmt: skip
         dynamic.append(info["dynamic_sequence"])
         outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
         outputs.files += ["model.onnx", *([info["external_data"]] if info["external_data"] else [])]

@@ -668,3 +668,24 @@ def test_a_wrong_fold_of_an_onnx_original_writes_nothing_and_its_report_names_no
         api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
     assert caught.value.report.outputs is None
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_simplify_writes_a_smaller_graph_verified_like_any_other(digits, tmp_path):
+    """``--simplify`` runs onnxscript's optimizer on the fused graph: fewer nodes, the mark in its metadata, and both
+    questions answered on it (question 1's float64 fold simplified the same way), in ``fuse`` and in ``verify``."""
+    model, x = digits
+    path = _export(model, x, tmp_path / "model.onnx", 17)
+    plain = api.fuse(path, tmp_path / "plain", verify=None)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8), write=WriteOptions(simplify=True))
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.exact and all(c.passed for c in report.verification.exact)
+    info = report.outputs.onnx_info["simplified"]
+    before, after = sum(op_histogram(tmp_path / "plain" / "model.onnx").values()), info["nodes_after"]
+    assert info["nodes_before"] == before and after < before
+    assert sum(op_histogram(tmp_path / "out" / "model.onnx").values()) == after
+    assert [d.action for d in plain.folds] == [d.action for d in report.folds]
+    result = CliRunner().invoke(app, ["verify", str(path), str(tmp_path / "out"), "--samples", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verification"]["question_1_exact"] is True
+    with pytest.raises(UsageError, match="--simplify simplifies model.onnx"):
+        api.fuse(path, tmp_path / "no", write=WriteOptions(simplify=True, onnx=False))

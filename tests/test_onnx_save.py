@@ -106,3 +106,19 @@ def test_subgraph_initializers_and_initializer_inputs(tmp_path):
     x = np.array([[1.0, 2.0]], dtype=np.float32)
     (out,) = session.run(None, {"x": x, "flag": np.array(True)})
     np.testing.assert_array_equal(out, x @ numpy_helper.to_array(w) + 0.5 + 1.0)
+
+
+def test_simplify_runs_on_the_exported_model_onnx_of_a_checkpoint(tmp_path):
+    """``fuse --simplify`` of a checkpoint: onnxscript's optimizer on the exported ``model.onnx``, marked in its
+    metadata, verified in onnxruntime like the plain file."""
+    from slabconv import api
+    from slabconv.options import VerifyOptions, WriteOptions
+    from slabconv.write.onnx import simplified
+    from tests.tinyckpt import save_ckpt
+
+    ckpt = save_ckpt(tmp_path / "ckpt.pth")
+    report = api.fuse(ckpt, tmp_path / "out", verify=VerifyOptions(samples=4), write=WriteOptions(simplify=True))
+    assert report.verification is not None and report.verification.passed
+    assert report.outputs is not None and "simplified" in report.outputs.onnx_info
+    assert simplified(tmp_path / "out" / "model.onnx") and not simplified(ckpt)
+    assert any("onnxruntime" in c.name for c in report.verification.checks)

@@ -32,6 +32,14 @@ def fuse(
         ),
     ] = None,
     opset: o.Opset = None,
+    simplify: Annotated[
+        bool,
+        typer.Option(
+            "--simplify",
+            help="Run onnxscript's optimizer on model.onnx after the fold (shape arithmetic folded, dead nodes and "
+            "layout pairs removed); the simplified file is the one verified.",
+        ),
+    ] = False,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification (not recommended).")] = False,
     stream: o.Stream = False,
     inputs: o.Inputs = None,
@@ -63,6 +71,7 @@ def fuse(
       slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
       slabconv fuse llama-folder --stream --no-onnx --out llama-fused
+      slabconv fuse model.onnx --simplify --out model-fused
     """
     from slabconv import api
 
@@ -70,8 +79,9 @@ def fuse(
     with errors(output, debug):
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         write = WriteOptions(
-            force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset
-        )
+            force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset,
+            simplify=simplify,
+        )  # fmt: skip
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         with output.progress() as progress:
             report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)

@@ -37,10 +37,12 @@ def fold_file(
     proto_path: str | None = None,
     progress: Callable[[str], None] = lambda name: None,
     as_float64: bool = False,
+    simplify: bool = False,
 ) -> tuple[Any, list[Decision]]:
     """Fold every norm of ``model`` (read from ``proto_path``), in place; with ``as_float64`` the graph is cast to
     float64 after planning and every fold written unrounded (question 1's float64 fold: the same decisions, made on
-    the file's own dtypes).
+    the file's own dtypes); with ``simplify`` onnxscript's optimizer then runs on it, as ``fuse --simplify`` runs it
+    on the file it writes.
 
     Returns:
         ``(model, decisions)``: the same model, fused, and one ``Decision`` per norm, in graph order.
@@ -54,7 +56,32 @@ def fold_file(
     if as_float64:
         to_float64(model)
     apply_plans(model, lowered, plans, exact=as_float64)
+    if simplify:
+        simplify_graph(model)
     return model, [p.decision for p in plans]
+
+
+def simplify_graph(model: Any) -> dict[str, int]:
+    """onnxscript's optimizer (``onnxscript.optimizer.optimize``: constant folding of constants up to its default
+    sizes, which leaves weights as they are; dead nodes; its rewrite rules, such as cancelling layout pairs) on an
+    onnx-ir ``model``, in place: what ``fuse --simplify`` runs on the file it writes.
+
+    Returns:
+        ``{"nodes_before": n, "nodes_after": m}``, nodes of the main graph.
+    """
+    import logging
+
+    from onnxscript.optimizer import optimize
+
+    before = len(list(model.graph))
+    chatty = logging.getLogger("onnxscript")
+    level = chatty.level
+    chatty.setLevel(logging.ERROR)  # it logs each node it leaves as it is
+    try:
+        optimize(model)
+    finally:
+        chatty.setLevel(level)
+    return {"nodes_before": before, "nodes_after": len(list(model.graph))}
 
 
 def to_float64(model: Any) -> None:
@@ -88,4 +115,4 @@ def to_float64(model: Any) -> None:
             value.dtype = ir.DataType.DOUBLE
 
 
-__all__ = ["fold_file", "plan_file", "to_float64"]
+__all__ = ["fold_file", "plan_file", "simplify_graph", "to_float64"]

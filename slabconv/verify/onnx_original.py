@@ -38,7 +38,7 @@ from slabconv.verify.run import (
     runtime_summary,
 )
 from slabconv.verify.runtimes import Inputs, Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
-from slabconv.write.onnx import SOURCE_KEY
+from slabconv.write.onnx import SOURCE_KEY, simplified
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 
@@ -254,7 +254,9 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
         notes=list(reference.notes),
     )
     progress("verifying: question 1, is the fold exact?")
-    fused64, _ = onnx_fold.fold_file(load_ir(info.path), str(info.path), as_float64=True)
+    fused64, _ = onnx_fold.fold_file(
+        load_ir(info.path), str(info.path), as_float64=True, simplify=simplified(fused_path)
+    )
     x1, exact1, total = exact_samples(x, exact)
     outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x1, fixed_batch=batch)
     verification.exact.append(judge.exact_graphs(names, outputs64, exact1, of=total))
@@ -302,7 +304,9 @@ def question_1(
 ) -> list[Any]:
     """Question 1 for a fused ``model.onnx`` against the ``.onnx`` it was folded from: a fresh float64 fold of the
     reference against the reference in float64 (``exact``), and every tensor of the candidate against that fold."""
-    fused64, _ = onnx_fold.fold_file(load_ir(reference), str(reference), as_float64=True)
+    fused64, _ = onnx_fold.fold_file(
+        load_ir(reference), str(reference), as_float64=True, simplify=simplified(candidate)
+    )
     x1, exact1, total = exact_samples(x, exact)
     outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x1, fixed_batch=batch)
     names = output_names(len(exact), [v.name for v in fused64.graph.outputs])

@@ -103,8 +103,10 @@ def export_onnx(
     path: Path,
     opset: int | None = None,
     program: tuple[torch.export.ExportedProgram, dict[str, Any]] | None = None,
+    simplify: bool = False,
 ) -> dict[str, Any]:
-    """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``.
+    """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``; with ``simplify``,
+    onnxscript's optimizer runs on it before it is saved (``simplify_model``; the info then has ``simplified``).
 
     ``program``: the ``(ExportedProgram, info)`` of ``model`` that ``slabconv.write.pt2.export_program`` made
     (``fuse`` exports the fused model once for ``model.pt2`` and ``model.onnx``); the exporter then translates it
@@ -152,6 +154,7 @@ def export_onnx(
             last = err
             continue
         external = _weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
+        simplified = simplify_model(onnx_program.model) if simplify else None
         try:
             with quiet():
                 onnx_program.model.metadata_props[MARK] = __version__
@@ -170,8 +173,41 @@ def export_onnx(
             "dynamic_sequence": bool(axes and 1 in axes),
             "opset": int(written),
             "external_data": f"{path.name}.data" if external else None,
+            **({"simplified": simplified} if simplified is not None else {}),
         }
     raise UnsupportedModelError(f"ONNX export failed: {first_line(last)}")
+
+
+SIMPLIFIED_KEY = "slabconv_simplified"
+"""Metadata of a ``model.onnx`` that ``--simplify`` ran onnxscript's optimizer on: the optimizer and its version
+(``verify`` simplifies the float64 fold of the original the same way before it compares the tensors)."""
+
+
+def simplify_model(model: Any) -> dict[str, int]:
+    """``fuse --simplify``: onnxscript's optimizer on an onnx-ir ``model``, in place
+    (``slabconv.engine.onnx_fold.simplify_graph``), and the ``SIMPLIFIED_KEY`` mark.
+
+    Returns:
+        ``{"nodes_before": n, "nodes_after": m}``, nodes of the main graph.
+    """
+    import onnxscript
+
+    from slabconv.engine.onnx_fold import simplify_graph
+
+    counts = simplify_graph(model)
+    model.metadata_props[SIMPLIFIED_KEY] = f"onnxscript {onnxscript.__version__}"
+    return counts
+
+
+def simplified(path: Path) -> bool:
+    """True when the ``.onnx`` file at ``path`` was written by ``--simplify`` (``SIMPLIFIED_KEY``)."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a file slabconv wrote
+        return False
+    return any(p.key == SIMPLIFIED_KEY for p in proto.metadata_props)
 
 
 def save_onnx(model: Any, path: Path, external: bool) -> str | None:
