@@ -689,3 +689,38 @@ def test_simplify_writes_a_smaller_graph_verified_like_any_other(digits, tmp_pat
     assert json.loads(result.stdout)["verification"]["question_1_exact"] is True
     with pytest.raises(UsageError, match="--simplify simplifies model.onnx"):
         api.fuse(path, tmp_path / "no", write=WriteOptions(simplify=True, onnx=False))
+
+
+class _AIFI(nn.Module):
+    """RT-DETR's AIFI encoder layer with RepBN norms, as the RT-DETR / YOLO repositories copy it from the SLAB code
+    (``src.permute(0, 2, 1).view([-1, c, h, w])`` back to the feature map), then the neck's 1x1 conv."""
+
+    def __init__(self, c: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.ma = nn.MultiheadAttention(c, 2, batch_first=True)
+        self.fc1, self.fc2 = nn.Linear(c, hidden), nn.Linear(hidden, c)
+        self.norm1, self.norm2 = RepBN(c), RepBN(c)
+        self.conv = nn.Conv2d(c, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, h, w = x.shape[1:]
+        src = x.flatten(2).permute(0, 2, 1)
+        src = self.norm1(src + self.ma(src, src, value=src)[0])
+        src = self.norm2(src + self.fc2(torch.nn.functional.gelu(self.fc1(src))))
+        return self.conv(src.permute(0, 2, 1).view([-1, c, h, w]))
+
+
+def test_rt_detr_aifi_exported_with_a_dynamic_batch_folds_its_output_norm_into_the_neck(tmp_path):
+    """``yolo export dynamic=True`` writes the TorchScript export with a dynamic batch: ``view(-1, c, h, w)`` becomes
+    a Reshape whose target ONNX's own shape inference cannot resolve; the channels stay whole, and the norm folds
+    into the 1x1 conv as it does in the program (shapes inferred again once the shape arithmetic is folded)."""
+    from slabconv import engine
+
+    model = randomize_norms(_AIFI().eval(), seed=2)
+    x = torch.randn(2, 16, 4, 4)
+    path = _export(model, x, tmp_path / "aifi.onnx", 17)
+    program = [(d.norm, d.action, d.reason, d.into) for d in engine.fold_all(engine.capture(model, x))]
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == program
+    assert program[1] == ("norm2", "folded-forward", None, ["conv"])
+    assert report.verification is not None and report.verification.passed

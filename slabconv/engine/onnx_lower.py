@@ -72,7 +72,8 @@ FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     """Make ``model`` ready to lower, in place: unique node and value names, external data read into memory, shapes
     (symbolic where known) on every value inference can type, weights computed from constants folded into
-    initializers, and nodes nothing reads dropped.
+    initializers, nodes nothing reads dropped, and shapes inferred once more on the folded graph (the shape arithmetic
+    an exporter writes, folded, resolves sizes the first inference left unknown).
 
     Args:
         model: the graph as read (``slabconv.load.onnx_file.load_ir``).
@@ -86,6 +87,7 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     merge_shapes(model, infer_shapes(model, proto_path))
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
+    merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
 
 
 _GROWING = frozenset({"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "Upsample"})

@@ -82,23 +82,47 @@ def _better(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> tuple[Any, 
     return tuple(x if rank(x) >= rank(y) else y for x, y in zip(a, b, strict=True))
 
 
+SMALL_CONSTANT = 4096
+"""Elements above which an initializer is given to shape inference as a typed graph input, not as data: shapes are
+computed from small constants only, and the weights are not copied."""
+
+
 def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
-    """The model as a ``ModelProto`` for shape inference: read from ``proto_path`` without external data (external
-    initializers become graph inputs), or serialised from ``model`` with its large initializers as graph inputs."""
+    """The model as a ``ModelProto`` for shape inference, its large initializers (``SMALL_CONSTANT``) as graph inputs
+    of their type and shape: read from ``proto_path`` without external data, or serialised from ``model`` (whose
+    large initializers are set aside meanwhile, so their data is not copied)."""
     import onnx
     from onnx.external_data_helper import uses_external_data
 
     if proto_path is not None:
         proto = onnx.load(proto_path, load_external_data=False)
-        big = [t for t in proto.graph.initializer if uses_external_data(t)]
-    else:
+        big = [t for t in proto.graph.initializer if uses_external_data(t) or _elements(t.dims) > SMALL_CONSTANT]
+        for tensor in big:
+            info = onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
+            proto.graph.input.append(info)
+            proto.graph.initializer.remove(tensor)
+        return proto
+    graph = model.graph
+    aside = [v for v in graph.initializers.values() if v.shape is not None and _elements(v.shape) > SMALL_CONSTANT]
+    for value in aside:
+        graph.initializers.pop(value.name or "")
+    try:
         proto = ir.serde.serialize_model(model)
-        big = [t for t in proto.graph.initializer if len(t.raw_data) > 4096]
-    for tensor in big:
-        proto.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
-        proto.graph.initializer.remove(tensor)
-    # the ``Shape`` outputs and the file's value_info stay: inference refines them
+    finally:
+        for value in aside:
+            graph.register_initializer(value)
+    for value in aside:
+        dtype = value.dtype.value if value.dtype is not None else 0
+        dims = [d if isinstance(d, int) else None for d in value.shape or ()]
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(value.name or "", dtype, dims))
     return proto
+
+
+def _elements(dims: Iterable[Any]) -> int:
+    total = 1
+    for d in dims:
+        total *= d if isinstance(d, int) else 1
+    return total
 
 
 def merge_shapes(model: ir.Model, found: dict[str, tuple[int, tuple[Any, ...] | None]]) -> None:
