@@ -46,14 +46,6 @@ _OPTION_EXAMPLES = {
 }
 
 
-def _is_onnx(path: Path | str) -> bool:
-    """An ``.onnx`` original goes to ``slabconv.onnx_in`` (the ONNX engine), everything else to ``load_model``:
-    the engine of its entry in ``slabconv.load.formats.FORMATS``."""
-    from slabconv.load.formats import engine_of
-
-    return engine_of(path) == "onnx"
-
-
 def _check_types(**given: tuple[Any, type]) -> None:
     """Each option argument is None or an instance of its option class.
 
@@ -105,13 +97,7 @@ def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progres
         TypeError: ``load`` is not a ``LoadOptions``.
     """
     _check_types(load=(load, LoadOptions))
-    if _is_onnx(path):
-        from slabconv import onnx_in
-
-        return onnx_in.inspect(Path(check_input(path)), load, progress)
-    loaded = load_model(check_input(path), load)
-    planned = plan(loaded, progress)
-    return Report("inspect", source=loaded.source(), folds=planned.decisions)
+    return pipeline.run_inspect(check_input(path), load, progress)
 
 
 @python_advice({"--no-verify": "verify=None"})
@@ -161,11 +147,7 @@ def fuse(
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
     check_output_folder(out_dir, force=write.force, inputs=inputs)
-    if _is_onnx(source):  # an ONNX original: the graph is folded as it is (docs/onnx.md)
-        from slabconv import onnx_in
-
-        return onnx_in.fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
-    return pipeline.fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
+    return pipeline.run_fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
 
 
 @python_advice({"--force": "force=True", "--onnx": "onnx_path", "--opset": "opset="})

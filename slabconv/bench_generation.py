@@ -113,7 +113,7 @@ def bench_generation(source: Path, load: LoadOptions, loaded: LoadedModel, progr
     import tempfile
 
     from slabconv.errors import UsageError
-    from slabconv.pipeline import fuse
+    from slabconv.pipeline import run_fuse
     from slabconv.verify.inputs import choose_inputs
     from slabconv.write.hf_llama import require_transformers
 
@@ -124,6 +124,6 @@ def bench_generation(source: Path, load: LoadOptions, loaded: LoadedModel, progr
     progress("timing greedy generation: original and fused, transformers with the KV cache")
     with tempfile.TemporaryDirectory(prefix="slabconv-bench-") as tmp:
         folder = Path(tmp) / "fused"
-        fuse(source, folder, load=load, verify=None, write=WriteOptions(onnx=False, pt2=False))
+        run_fuse(source, folder, load=load, verify=None, write=WriteOptions(onnx=False, pt2=False))
         x = choose_inputs(loaded, None, PROMPTS, 1)[0]
         return time_generation(loaded, folder, x)

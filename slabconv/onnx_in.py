@@ -1,17 +1,19 @@
-"""ONNX originals: ``fuse`` and ``inspect`` of an ``.onnx`` file (``docs/onnx.md``).
+"""ONNX originals (``docs/onnx.md``): the door ``slabconv.pipeline.run_fuse`` and ``run_inspect`` open for an
+``.onnx`` file.
 
-The same pipeline as for a checkpoint, on the ONNX graph instead of a traced one::
+The stages of every fuse, on the ONNX graph::
 
-    load (slabconv.load.onnx_file)  ->  lower, plan, apply (slabconv.engine.onnx_fold)  ->  write model.onnx
-        ->  verify (slabconv.verify.onnx_original: question 1 in float64, question 2 in the file's dtype)  ->  report
+    read (slabconv.load.onnx_file)  ->  prepare, lower, plan, apply (slabconv.engine.onnx_fold: the engine's rules)
+        ->  write model.onnx  ->  verify (slabconv.verify.onnx_original: question 1 in float64, question 2 in the
+        file's dtype)
 
-The fused ``model.onnx`` is the input graph minus its norms: the same input and output names, dynamic axes,
+The fused ``model.onnx`` is the prepared input graph minus its norms: the same input and output names, dynamic axes,
 opset and domains, the node names of the nodes that stay; external data stays external (``model.onnx.data``).
 """
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,10 @@ from slabconv.errors import UsageError
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
-from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, frozen_heap, no_progress
+from slabconv.report.data import Outputs
+from slabconv.util import Progress, no_progress
 from slabconv.verify.onnx_original import verify_fold
+from slabconv.verify.results import Verification
 from slabconv.version import __version__
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx, simplify_model
 
@@ -79,7 +82,7 @@ def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = F
     """Load ``path`` and fold its norms (``slabconv.engine.onnx_fold.fold_file``: the engine's own rules).
 
     Args:
-        as_float64: cast the graph to float64 first (the float64 fold of question 1).
+        as_float64: cast the graph to float64 after planning (the float64 fold of question 1).
 
     Returns:
         ``(model, decisions)``: the fused ``onnx_ir.Model`` and one decision per norm.
@@ -95,54 +98,54 @@ def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = F
     return onnx_fold.fold_file(load_ir(path), str(path), folded, as_float64)
 
 
-def inspect(path: Path, load: LoadOptions | None = None, progress: Progress = no_progress) -> Report:
-    """The fold plan of an ONNX original; nothing is written.
+def open_onnx(path: Path, load: LoadOptions | None, write: WriteOptions, progress: Progress = no_progress) -> OnnxGraph:
+    """An ONNX original read and folded (``fold_onnx``): the door ``slabconv.pipeline.run_fuse`` and ``run_inspect``
+    take.
 
     Raises:
         InputError: as ``read_onnx``; UsageError: as ``check_options``.
     """
-    check_options(path, load)
-    info = read_onnx(path)
-    _, decisions = fold_onnx(path, progress)
-    return Report("inspect", source=source_of(info), folds=decisions)
-
-
-@frozen_heap()
-def fuse(
-    path: Path,
-    out_dir: Path,
-    *,
-    load: LoadOptions | None,
-    verify: VerifyOptions | None,
-    write: WriteOptions,
-    progress: Progress = no_progress,
-) -> Report:
-    """Fold every norm of an ONNX original, write ``out_dir/model.onnx`` (+ ``model.onnx.data`` when the original
-    kept its weights outside, or they exceed ``ONNX_EXTERNAL_DATA_BYTES``) and ``report.json``, and verify.
-
-    Raises:
-        InputError, UsageError: bad input or options (nothing written).
-        VerificationError: a check failed (nothing written; the report is ``err.report``).
-    """
-    from slabconv.pipeline import finish
-    from slabconv.write.staging import staging_dir
-
     check_options(path, load, write)
     progress(f"loading {path}")
     info = read_onnx(path)
     model, decisions = fold_onnx(path, progress)
-    simplified = simplify_model(model) if write.simplify else None
-    model.metadata_props[MARK] = __version__
-    model.metadata_props[SOURCE_KEY] = info.sha256
-    report = Report("fuse", source=source_of(info), folds=decisions, out_dir=str(out_dir), mode="in-memory")
-    with staging_dir(out_dir, write.force) as tmp:
-        target = tmp / FUSED_NAME
+    return OnnxGraph(info, model, decisions)
+
+
+@dataclass
+class OnnxGraph:
+    """An ONNX original and its fold (a door of ``slabconv.pipeline.run_fuse``): written as ``model.onnx`` (+
+    ``model.onnx.data`` when the original kept its weights outside, or they exceed ``ONNX_EXTERNAL_DATA_BYTES``),
+    verified with onnxruntime (``slabconv.verify.onnx_original``)."""
+
+    info: OnnxFile
+    model: Any
+    folds: list[Decision]
+    mode: str = "in-memory"
+
+    @property
+    def decisions(self) -> list[Decision]:
+        return self.folds
+
+    def source(self) -> Source:
+        return source_of(self.info)
+
+    def plan_note(self) -> dict[str, str] | None:
+        return None
+
+    def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
+        return None
+
+    def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
+        info, model = self.info, self.model
+        simplified = simplify_model(model) if write.simplify else None
+        model.metadata_props[MARK] = __version__
+        model.metadata_props[SOURCE_KEY] = info.sha256
         progress(f"writing {FUSED_NAME}")
         size = sum(f.stat().st_size for f in info.files)
-        external = save_onnx(model, target, info.external or size > ONNX_EXTERNAL_DATA_BYTES)
-        files = [FUSED_NAME, *([external] if external else [])]
+        external = save_onnx(model, folder / FUSED_NAME, info.external or size > ONNX_EXTERNAL_DATA_BYTES)
         outputs = Outputs(
-            files=files,
+            files=[FUSED_NAME, *([external] if external else [])],
             safetensors="",
             onnx=FUSED_NAME,
             pt2=None,
@@ -153,12 +156,10 @@ def fuse(
                 **({"simplified": simplified} if simplified is not None else {}),
             },  # fmt: skip
         )
-        if verify is not None:
-            started = time.monotonic()
-            report.verification = verify_fold(info, target, verify, progress)
-            report.verification.seconds = time.monotonic() - started
-        finish(report, tmp, out_dir, outputs)
-    return report
+        return outputs, {}
+
+    def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
+        return verify_fold(self.info, folder / FUSED_NAME, opts, progress)
 
 
-__all__ = ["check_options", "fold_onnx", "fuse", "inspect"]
+__all__ = ["OnnxGraph", "check_options", "fold_onnx", "open_onnx"]

@@ -1,35 +1,32 @@
-"""The one driver of ``fuse``: every fold, in memory or streamed, runs the same stages in the same order.
+"""The one driver of ``fuse`` (``run_fuse``) and of ``inspect`` (``run_inspect``): every model, whatever its format
+and mode, runs the same stages in the same order, against the door its input opens (``open_door``)::
 
-::
+    open and plan -> check before writing -> stage -> write -> verify -> finish
 
-    check options -> open the weights -> plan -> check before writing -> stage -> write -> verify -> finish
+A door (``Door``, a source adapter) is what the stages ask; the driver never asks the format:
 
-Streaming (``WriteOptions(stream=True)``, for sharded checkpoints too big to load whole) is a parameter of the
-stages, not a second driver:
+=======  ===================================  ===================================  ===================================
+stage    ``InMemory`` (checkpoint, ``.pt2``,   ``Streamed`` (a sharded folder,      ``OnnxGraph`` (an ONNX original,
+         Hugging Face folder)                 ``--stream``)                        ``slabconv.onnx_in``)
+=======  ===================================  ===================================  ===================================
+open     ``load_model``, traced by            the full-size model with stand-in    read as data, prepared and lowered
+         ``torch.export``                     weights (``slabconv.load.lazy``); a  into the engine's ATen vocabulary
+                                              deep decoder with three layers       (``slabconv.engine.onnx_lower``)
+plan     ``engine.fold_program``: the         the same call, the program left for  ``plan_folds``, the plans written
+         decisions and the fold program,      the writer (every norm must fold     back into the ONNX graph
+         evaluated over the graph's tensors   away)                                (``slabconv.engine.onnx_apply``)
+check    the fused output is finite;          the generation check fits in memory  (nothing more)
+         ``--dtype``'s cast
+write    ``model.safetensors``, ``model.pt2``, the program over the shards, a block  ``model.onnx`` (+ ``.data``)
+         ``model.onnx``; a language model's   of rows at a time; the same Hugging
+         Hugging Face folder, ``decoder.onnx`` Face files
+verify   ``verify.run.verify_written``        ``verify.streamed``: one decoder     ``verify.onnx_original``
+                                              layer at a time
+finish   only a fold that passed is moved into place (``write.staging``); ``report.json`` last
+=======  ===================================  ===================================  ===================================
 
-=================  ==============================================  ==============================================
-stage              in memory                                       streamed
-=================  ==============================================  ==============================================
-open               ``load_model``: the model with its weights      ``open_sharded`` + ``planning_model``: the
-                                                                   full-size model with stand-in weights (the
-                                                                   vectors read for real, the big weights shapes
-                                                                   only); a deep decoder with three of its layers
-plan               ``engine.fold_program``: decisions and the fold program; applied to a copy of the traced graph
-                   and evaluated over its tensors (in memory) or left for the writer (streamed: every norm must
-                   fold away, the output has no graph to keep an affine in; a deep decoder's layers are each
-                   planned from their own values on the three-layer graph, ``engine.fold_repeated``)
-check              the fused graph's output is finite              each written block is checked as it is folded
-write              ``model.safetensors``, ``model.onnx``,          the program over the shards, one block of rows
-                   ``model.pt2``; a language model's Hugging       at a time, with the input's shard boundaries;
-                   Face folder and ``decoder.onnx``                the same Hugging Face files
-verify             ``verify.run.verify_written``: both questions   ``verify.streamed.verify_streamed_fold``: both
-                   on every written file, greedy generation        questions one decoder layer at a time, greedy
-                                                                   generation
-finish             only a fold that passed is moved into place (``write.staging``); ``report.json`` last
-=================  ==============================================  ==============================================
-
-Both modes write the same tensors bit for bit: each is the fold program's value, every fold composed in float64
-and rounded once.
+The in-memory and the streamed doors write the same tensors bit for bit: each is the fold program's value, every fold
+composed in float64 and rounded once.
 """
 
 from __future__ import annotations
@@ -37,9 +34,9 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx
@@ -70,51 +67,73 @@ WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # --------------------------------------------------------------------------------------------- open
 
 
-@dataclass
-class Opened:
-    """The model a fold starts from.
+class Door(Protocol):
+    """A model opened for ``fuse``, as its input format and mode need (a source adapter): the stages of ``fuse``
+    ask it, never the format. ``InMemory`` (a checkpoint, a ``.pt2`` program, a Hugging Face folder), ``Streamed``
+    (a sharded folder, ``--stream``) and ``slabconv.onnx_in.OnnxGraph`` (an ONNX original).
 
     Attributes:
-        loaded: the model: with its weights (in memory), or the full-size planning instance with stand-in weights
-            (streamed; ``slabconv.load.lazy``).
-        sharded: the sharded folder the streamed writer reads, one block of rows at a time; None in memory.
-        unknown: the names of the stand-in tensors (streamed), which the planner plans without their values.
+        mode: ``in-memory`` or ``streamed`` (the report's ``mode``).
+        decisions: one per norm, in graph order.
     """
 
-    loaded: LoadedModel
-    sharded: ShardedFolder | None = None
-    unknown: frozenset[str] = field(default_factory=frozenset)
+    mode: str
 
     @property
-    def streamed(self) -> bool:
-        return self.sharded is not None
+    def decisions(self) -> list[engine.Decision]:
+        """One per norm, in graph order."""
+        ...
 
     def source(self) -> Source:
         """The report's ``source`` block."""
-        if self.sharded is not None:
-            return self.sharded.source(self.loaded.arch)
-        return self.loaded.source()
+        ...
+
+    def plan_note(self) -> dict[str, str] | None:
+        """The report's ``plan`` block (how a streamed plan was made), or None."""
+        ...
+
+    def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
+        """What must hold before anything is written (raises the errors ``api.fuse`` documents)."""
+        ...
+
+    def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
+        """Write the fused model into ``folder`` (a staging folder); the report's ``outputs`` block (without the
+        sha256) and the sha256 of the files the writer hashed as it wrote them."""
+        ...
+
+    def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
+        """Both verification questions on what ``write`` wrote into ``folder`` (and greedy generation for a language
+        model)."""
+        ...
 
 
-def open_and_plan(
-    path: Path, load: LoadOptions | None, stream: bool, progress: Progress = no_progress
-) -> tuple[Opened, Planned]:
-    """The model at ``path``, in memory (``load_model``) or, with ``stream``, a sharded folder's planning instance
-    (``plan_sharded``), and its plan.
+def open_door(
+    path: Path, load: LoadOptions | None, verify: VerifyOptions | None, write: WriteOptions, progress: Progress
+) -> Door:
+    """The model at ``path`` opened and planned as its format (``slabconv.load.formats``) and ``write.stream`` say:
+    an ONNX original, a sharded folder streamed, or any other input loaded whole.
 
     Raises:
-        InputError, UnsupportedModelError, UsageError: as ``load_model`` / ``load.lazy.open_sharded`` / ``plan``.
+        InputError, UnsupportedModelError, UsageError: as ``load_model``, ``load.lazy.open_sharded``, ``plan``,
+            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading).
     """
-    if not stream:
+    from slabconv.load.formats import engine_of
+
+    if engine_of(path) == "onnx":
+        from slabconv.onnx_in import open_onnx
+
+        return open_onnx(path, load, write, progress)
+    check_stream_options(path, verify, write)
+    if not write.stream:
         progress(f"loading {path}")
-        opened = Opened(load_model(path, load))
-        return opened, plan(opened.loaded, progress)
+        loaded = load_model(path, load)
+        return InMemory(loaded, plan(loaded, progress))
     return_freed_blocks_to_the_os()
     sharded = open_sharded(path, FOLD_BLOCK)
     planning, planned = plan_sharded(
         sharded.shards, sharded.config, load.arch if load else None, sharded.sha256, progress
     )
-    return Opened(planning.loaded, sharded, frozenset(planning.unknown)), planned
+    return Streamed(planning.loaded, planned, sharded)
 
 
 # --------------------------------------------------------------------------------------------- plan
@@ -333,30 +352,6 @@ def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
     return loaded.arch is not None and get_arch(loaded.arch).family == "llama" and planned.complete
 
 
-def check_before_writing(opened: Opened, planned: Planned, verify: VerifyOptions | None, write: WriteOptions) -> None:
-    """What must hold before anything is written: transformers where a language model needs it, a generation check
-    that fits in memory (streamed), and a fused output that is finite (in memory; the streamed writer checks each
-    block as it folds it).
-
-    Raises:
-        UsageError: transformers missing for ``decoder.onnx`` or the generation check; a generation check too big.
-        NumericError: the fused model's output is not finite on the example (naming the norm).
-    """
-    generate = verify is not None and verify.generate != 0
-    if writes_hf_folder(opened.loaded, planned) and (write.onnx or generate):
-        from slabconv.write.hf_llama import require_transformers
-
-        require_transformers(fusing=True)  # decoder.onnx and the generation check need it: say so before writing
-    if opened.sharded is not None:
-        if generate and writes_hf_folder(opened.loaded, planned):
-            from slabconv.verify.streamed import check_generation_fits
-
-            check_generation_fits(opened.sharded.shards.folder, verify)
-        return
-    assert planned.original is not None
-    faults.check_finite(opened.loaded, planned.original, planned.fused, planned.decisions, planned.example)
-
-
 def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
     """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
     written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
@@ -388,34 +383,6 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
 
 
 # --------------------------------------------------------------------------------------------- write
-
-
-def write_model(
-    folder: Path, opened: Opened, planned: Planned, write: WriteOptions, progress: Progress
-) -> tuple[Outputs, Artifacts]:
-    """Write the fused model into ``folder`` (a staging folder): in memory ``model.safetensors``, ``model.onnx``
-    and ``model.pt2``; streamed, the shards and their index; for a language model also the Hugging Face folder
-    files (and, in memory, ``decoder.onnx``).
-
-    Returns:
-        The report's ``outputs`` block (without the sha256, taken once everything is verified) and what
-        verification needs to know about the files.
-
-    Raises:
-        UnsupportedModelError: a program or ONNX export fails; a streamed fold overflows the weights' dtype.
-    """
-    loaded = opened.loaded
-    metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
-    if opened.sharded is not None:
-        outputs, artifacts = _write_shards(folder, opened.sharded, planned, metadata, progress)
-    else:
-        outputs, artifacts = _write_files(folder, planned, write, metadata, progress)
-    artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
-    if writes_hf_folder(loaded, planned):
-        outputs.files += _write_hf_folder(folder, loaded, write.onnx and not opened.streamed, progress)
-        outputs.hf_folder = True
-        outputs.decoder_onnx = "decoder.onnx" if write.onnx and not opened.streamed else None
-    return outputs, artifacts
 
 
 def _write_files(
@@ -462,23 +429,6 @@ def _write_files(
     return outputs, artifacts
 
 
-def _write_shards(
-    folder: Path, sharded: ShardedFolder, planned: Planned, metadata: dict[str, str], progress: Progress
-) -> tuple[Outputs, Artifacts]:
-    """Streamed: the fold program over the shards (``write.shards.write_program_shards``) and a new index."""
-    from slabconv.load.hf import SAFETENSORS_INDEX
-    from slabconv.write.shards import write_program_shards
-
-    assert planned.program is not None
-    weight_map, total, digests = write_program_shards(
-        folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
-    )
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
-    return outputs, Artifacts(folder, folder / SAFETENSORS_INDEX, {}, metadata, sha256=digests)
-
-
 def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress) -> list[str]:
     """The Hugging Face model folder files of a fused language model, and with ``onnx`` its decoder ONNX with past
     key/values."""
@@ -499,37 +449,154 @@ def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Pr
 # --------------------------------------------------------------------------------------------- verify, finish
 
 
-def verify_model(
-    opened: Opened,
-    planned: Planned,
-    outputs: Outputs,
-    artifacts: Artifacts,
-    opts: VerifyOptions,
-    write: WriteOptions,
-    progress: Progress,
-) -> Verification:
-    """Both verification questions on what ``write_model`` wrote, and greedy generation for a language model:
-    every written file in every runtime (in memory), or one decoder layer at a time (streamed).
+# --------------------------------------------------------------------------------------------- the doors
+
+
+@dataclass
+class InMemory:
+    """A model loaded whole (a checkpoint, a ``.pt2`` program, a Hugging Face folder, a fused safetensors file) and its
+    plan: written as ``model.safetensors``, ``model.onnx`` and ``model.pt2`` (and a language model's Hugging Face
+    folder with ``decoder.onnx``), verified file by file (``verify.run.verify_written``)."""
+
+    loaded: LoadedModel
+    planned: Planned
+    mode: str = "in-memory"
+    artifacts: Artifacts | None = None
+    hf_folder: bool = False
+
+    @property
+    def decisions(self) -> list[engine.Decision]:
+        return self.planned.decisions
+
+    def source(self) -> Source:
+        return self.loaded.source()
+
+    def plan_note(self) -> dict[str, str] | None:
+        return None
+
+    def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
+        """transformers where a language model needs it; a fused output that is finite (named norm otherwise); then
+        the fused model cast to ``--dtype``.
+
+        Raises:
+            UsageError: transformers missing for ``decoder.onnx`` or the generation check; ``--dtype`` on a language
+                model.
+            NumericError: the fused model's output is not finite on the example, or overflows ``--dtype``.
+        """
+        _require_transformers(self.loaded, self.planned, verify, write)
+        assert self.planned.original is not None
+        faults.check_finite(
+            self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example
+        )
+        dtype = write_dtype(write)
+        if dtype is not None:
+            self.planned = cast_planned(self.loaded, self.planned, dtype)
+
+    def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
+        loaded, planned = self.loaded, self.planned
+        metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
+        outputs, self.artifacts = _write_files(folder, planned, write, metadata, progress)
+        self.artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
+        self.hf_folder = writes_hf_folder(loaded, planned)
+        if self.hf_folder:
+            outputs.files += _write_hf_folder(folder, loaded, write.onnx, progress)
+            outputs.hf_folder = True
+            outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
+        return outputs, self.artifacts.sha256
+
+    def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
+        assert self.planned.original is not None and self.artifacts is not None
+        return verify_written(
+            self.loaded, self.planned.original, self.planned.decisions, self.planned.example, self.artifacts, opts,
+            hf_folder=self.hf_folder, onnx=write.onnx, progress=progress,
+        )  # fmt: skip
+
+
+@dataclass
+class Streamed:
+    """A sharded folder folded shard by shard (``--stream``): planned on the full-size architecture with stand-in
+    weights (``slabconv.load.lazy``), written one block of rows at a time with the input's shard boundaries,
+    verified one decoder layer at a time (``verify.streamed``)."""
+
+    loaded: LoadedModel
+    planned: Planned
+    sharded: ShardedFolder
+    mode: str = "streamed"
+    hf_folder: bool = False
+
+    @property
+    def decisions(self) -> list[engine.Decision]:
+        return self.planned.decisions
+
+    def source(self) -> Source:
+        return self.sharded.source(self.loaded.arch)
+
+    def plan_note(self) -> dict[str, str] | None:
+        note = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
+        if self.planned.traced_blocks is not None:
+            traced, depth = self.planned.traced_blocks
+            note["planning"] = (
+                f"the architecture with {traced} of its {depth} decoder layers (the first, the second, the last), "
+                "stand-in weights (slabconv.load.lazy); every layer planned from its own values "
+                "(slabconv.engine.repeat)"
+            )
+        return note
+
+    def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
+        """transformers where a language model needs it, and a generation check that fits in memory (each block
+        is checked for overflow as the writer folds it).
+
+        Raises:
+            UsageError: transformers missing; a generation check too big for the memory available.
+        """
+        _require_transformers(self.loaded, self.planned, verify, write)
+        if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
+            from slabconv.verify.streamed import check_generation_fits
+
+            check_generation_fits(self.sharded.shards.folder, verify)
+
+    def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
+        from slabconv.load.hf import SAFETENSORS_INDEX
+        from slabconv.write.shards import write_program_shards
+
+        loaded, planned, sharded = self.loaded, self.planned, self.sharded
+        assert planned.program is not None
+        metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
+        weight_map, total, digests = write_program_shards(
+            folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
+        )
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
+        self.hf_folder = writes_hf_folder(loaded, planned)
+        if self.hf_folder:
+            outputs.files += _write_hf_folder(folder, loaded, False, progress)
+            outputs.hf_folder = True
+        return outputs, digests
+
+    def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
+        from slabconv.verify.streamed import verify_streamed_fold
+
+        assert self.planned.program is not None
+        return verify_streamed_fold(
+            self.sharded.shards.folder, folder, self.planned.program, opts, progress, FOLD_BLOCK,
+            language_model=self.hf_folder,
+        )  # fmt: skip
+
+
+def _require_transformers(
+    loaded: LoadedModel, planned: Planned, verify: VerifyOptions | None, write: WriteOptions
+) -> None:
+    """transformers, where a language model's ``decoder.onnx`` or its generation check needs it: said before writing.
 
     Raises:
-        InputError, UsageError: unusable inputs.
+        UsageError: transformers is not installed.
     """
-    if opened.sharded is None:
-        assert planned.original is not None
-        return verify_written(
-            opened.loaded, planned.original, planned.decisions, planned.example, artifacts, opts,
-            hf_folder=outputs.hf_folder, onnx=write.onnx, progress=progress,
-        )  # fmt: skip
-    from slabconv.verify.streamed import verify_streamed_fold
+    generate = verify is not None and verify.generate != 0
+    if writes_hf_folder(loaded, planned) and (write.onnx or generate):
+        from slabconv.write.hf_llama import require_transformers
 
-    assert planned.program is not None
-    started = time.monotonic()
-    verification = verify_streamed_fold(
-        opened.sharded.shards.folder, artifacts.folder, planned.program, opts, progress, FOLD_BLOCK,
-        language_model=outputs.hf_folder,
-    )  # fmt: skip
-    verification.seconds = time.monotonic() - started
-    return verification
+        require_transformers(fusing=True)
 
 
 def finish(
@@ -561,7 +628,7 @@ def finish(
 
 
 @frozen_heap()
-def fuse(
+def run_fuse(
     path: Path,
     out_dir: Path,
     *,
@@ -570,29 +637,29 @@ def fuse(
     write: WriteOptions,
     progress: Progress = no_progress,
 ) -> Report:
-    """Fold every norm of the model at ``path`` into ``out_dir`` (checked by the caller), in memory or streamed
-    (``write.stream``): open -> plan -> check -> stage -> write -> verify -> finish. Returns the report (also written
+    """Fold every norm of the model at ``path`` into ``out_dir`` (checked by the caller), whatever its format and mode
+    (``open_door``): open and plan -> check -> stage -> write -> verify -> finish. Returns the report (also written
     as ``report.json``) and raises what ``api.fuse`` documents; whatever it raises, nothing is written."""
-    dtype = write_dtype(write)
-    check_stream_options(path, verify, write)
-    opened, planned = open_and_plan(path, load, write.stream, progress)
-    check_before_writing(opened, planned, verify, write)
-    if dtype is not None:
-        planned = cast_planned(opened.loaded, planned, dtype)
-    mode = "streamed" if opened.streamed else "in-memory"
-    report = Report("fuse", source=opened.source(), folds=planned.decisions, out_dir=str(out_dir), mode=mode)
-    if opened.streamed:
-        report.plan = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
-        if planned.traced_blocks is not None:
-            traced, depth = planned.traced_blocks
-            report.plan["planning"] = (
-                f"the architecture with {traced} of its {depth} decoder layers (the first, the second, the last), "
-                "stand-in weights (slabconv.load.lazy); every layer planned from its own values "
-                "(slabconv.engine.repeat)"
-            )
+    write_dtype(write)
+    door = open_door(path, load, verify, write, progress)
+    door.check(verify, write)
+    report = Report("fuse", source=door.source(), folds=door.decisions, out_dir=str(out_dir), mode=door.mode)
+    report.plan = door.plan_note()
     with staging_dir(out_dir, write.force) as tmp:
-        outputs, artifacts = write_model(tmp, opened, planned, write, progress)
+        outputs, written = door.write(tmp, write, progress)
         if verify is not None:
-            report.verification = verify_model(opened, planned, outputs, artifacts, verify, write, progress)
-        finish(report, tmp, out_dir, outputs, artifacts.sha256)
+            started = time.monotonic()
+            report.verification = door.verify(tmp, verify, write, progress)
+            report.verification.seconds = time.monotonic() - started
+        finish(report, tmp, out_dir, outputs, written)
     return report
+
+
+def run_inspect(path: Path, load: LoadOptions | None, progress: Progress = no_progress) -> Report:
+    """The fold plan of the model at ``path``, whatever its format (``open_door``); nothing is written.
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: as ``open_door``.
+    """
+    door = open_door(path, load, None, WriteOptions(), progress)
+    return Report("inspect", source=door.source(), folds=door.decisions)
