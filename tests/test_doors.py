@@ -128,20 +128,10 @@ _EXPORTED_DIFFERENTLY = {
     ("as_strided-fwd-as_strided.default-0", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-bwd-as_strided.default-1", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-block-as_strided.default-2", "*"): "as_strided is written as a Gather of flat indices",
-    (
-        "roll_flip-bwd-roll.default-2",
-        "torchscript",
-    ): "roll is Slices + Concat: no backward walk",
+    ("roll_flip-bwd-roll.default-2", "torchscript"): "roll is written as Slices and a Concat: no backward walk",
     ("split-fwd-tensor_split.sections-4", "torchscript"): "tensor_split is written as a SplitToSequence",
     ("split-fwd-tensor_split.indices-5", "torchscript"): "tensor_split is written as a Loop",
     ("index-fwd-index.Tensor-0", "dynamo"): "x[:, idx] is written as a GatherND",
-    **{
-        (
-            f"flatten-{d}-unflatten.int-{i}",
-            "torchscript",
-        ): "the target shape is computed with arithmetic (Mod, Slice of Shape) that neither shape inference resolves"
-        for d, i in (("fwd", 1), ("bwd", 3), ("block", 4))
-    },
 }
 _KIND = {"FrozenBatchNorm": "Affine"}
 """A FrozenBatchNorm is recognised by the ``rsqrt`` of its stored variance; an exporter's constant folding (and
