@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.pipeline import Planned, plan
 from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress, sha256_file
-from slabconv.write.onnx import check_opset, export_onnx, onnx_files, written_by_slabconv
+from slabconv.write.onnx import check_opset, export_onnx, onnx_files, provenance, written_by_slabconv
 from slabconv.write.staging import check_output_file, check_output_folder, staging_file
 
 # --------------------------------------------------------------------------------------------- commands
@@ -187,7 +186,8 @@ def export(
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force, owned=written_by_slabconv) as tmp:
-        info = export_onnx(model, example, tmp / target.name, opset=opset)
+        made = provenance(loaded.checkpoint.sha256, loaded.arch, folded=fuse)
+        info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=made)
         files = onnx_files(tmp / target.name)
         outputs = Outputs(
             files=[f.name for f in files],
@@ -207,42 +207,44 @@ def verify(
     load: LoadOptions | None = None,
     verify: VerifyOptions | None = None,
     stream: bool = False,
+    localize: bool = False,
     progress: Progress = no_progress,
 ) -> Report:
-    """Compare a candidate with a reference on the same inputs: both questions of the verification policy.
+    """Compare a candidate with a reference on the same inputs: both questions of the verification policy, by the
+    one verifier ``fuse`` runs too (``slabconv.verify.verifier``).
 
     Each side is a checkpoint, a Hugging Face folder, a ``.pt2``, an ``.onnx``, a fused ``model.safetensors`` or a
     folder ``fuse`` wrote (in memory or streamed). With ``stream``, two LLaMA-layout folders are compared one
-    decoder layer at a time, in bounded memory.
+    decoder layer at a time, in bounded memory. Question 1 applies when the candidate is a fold of the reference
+    (it records the reference's sha256 as its source). ``localize``: compare the two at every fold boundary even
+    when they agree (the report's ``verification.localization``; a failure is localised anyway).
 
     Returns:
         A report with ``reference``, ``candidate`` and ``verification`` (the CLI exits 1 when it did not pass).
 
     Raises:
-        InputError, UnsupportedModelError, UsageError: a side cannot be read or run, or the two sides are not the
-            same model (exit code 2).
+        InputError, UnsupportedModelError, UsageError: a side cannot be read or run, the two sides are not the
+            same model, or the arguments are swapped (the reference is a fold of the candidate) (exit code 2).
         TypeError: ``load`` or ``verify`` of the wrong type.
     """
-    from slabconv.verify import pair
+    from slabconv.verify import sides, verifier
 
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
     _check_runtimes(verify, stream)
     check_input(reference, folders=False)
     check_input(candidate, folders=False)
     opts = verify or VerifyOptions()
-    started = time.monotonic()
+    ref_path, cand_path = Path(reference), Path(candidate)
     if stream:
         from slabconv import stream as streaming
 
-        report = streaming.verify_streamed(Path(reference), Path(candidate), opts, progress)
+        ref, cand = streaming.streamed_sides(ref_path, cand_path, opts, progress)
     else:
-        ref, cand, verification = pair.verify_pair(
-            Path(reference), Path(candidate), load or LoadOptions(), opts, progress
-        )
-        report = Report("verify", reference=ref, candidate=cand, verification=verification)
-    assert report.verification is not None
-    report.verification.seconds = time.monotonic() - started
-    return report
+        progress("opening the reference and the candidate")
+        ref, cand = sides.open_side(ref_path, load), sides.open_side(cand_path, load)
+    verification = verifier.verify(ref, cand, opts, load=load, localize=localize, progress=progress)
+    ref.source.extra.setdefault("runtime", None)
+    return Report("verify", reference=ref.source, candidate=cand.source, verification=verification)
 
 
 @python_advice()

@@ -378,3 +378,39 @@ def result(
             "torch": torch.__version__,
         },
     }
+
+
+def plot_boundaries(localization: Any, path: Path) -> None:
+    """``verify --localize --plot``: the relative error at every fold boundary (``Localization.boundaries``, in
+    data-flow order) on a log scale, the candidate against the correct fold and the correct fold against the
+    original, with the bound; the same marked, staged file as ``plot`` (``check_plot_path`` checks the path first).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    boundaries = localization.boundaries
+    floor = 1e-18  # an exact 0 on a log scale
+    xs = list(range(len(boundaries)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.35 * len(boundaries)), 3.6))
+    ax.plot(xs, [max(b.error, floor) for b in boundaries], "o-", label="candidate vs the correct fold")
+    rounding = [max(b.rounding, floor) if b.rounding is not None else None for b in boundaries]
+    if any(r is not None for r in rounding):
+        ax.plot(xs, [r if r is not None else float("nan") for r in rounding], "s--", label="correct fold vs original")
+    if boundaries:
+        ax.axhline(boundaries[0].bound, color="red", linewidth=1, label="bound")
+    ax.set_xticks(xs, [f"{b.norm} -> {b.layer}" for b in boundaries], rotation=90, fontsize=6)
+    ax.set_yscale("log")
+    ax.set_ylabel("relative error at the boundary")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
+    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:
+        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
+    plt.close(fig)

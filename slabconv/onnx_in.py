@@ -4,8 +4,7 @@
 The stages of every fuse, on the ONNX graph::
 
     read (slabconv.load.onnx_file)  ->  prepare, lower, plan, apply (slabconv.engine.onnx_fold: the engine's rules)
-        ->  write model.onnx  ->  verify (slabconv.verify.onnx_original: question 1 in float64, question 2 in the
-        file's dtype)
+        ->  write model.onnx  ->  verify (slabconv.verify.verifier, as ``verify ORIGINAL.onnx FOLDER`` runs it)
 
 The fused ``model.onnx`` is the prepared input graph minus its norms: the same input and output names, dynamic axes,
 opset and domains, the node names of the nodes that stay; external data stays external (``model.onnx.data``).
@@ -24,7 +23,6 @@ from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs
 from slabconv.util import Progress, no_progress
-from slabconv.verify.onnx_original import verify_fold
 from slabconv.verify.results import Verification
 from slabconv.version import __version__
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx, simplify_model
@@ -159,7 +157,10 @@ class OnnxGraph:
         return outputs, {}
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
-        return verify_fold(self.info, folder / FUSED_NAME, opts, progress)
+        from slabconv.verify import sides, verifier
+
+        candidate = sides.output_side(folder, Source(str(folder), None, "slabconv-output"))
+        return verifier.verify(sides.onnx_side(self.info.path), candidate, opts, progress=progress)
 
 
 __all__ = ["OnnxGraph", "check_options", "fold_onnx", "open_onnx"]

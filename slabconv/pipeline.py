@@ -20,8 +20,8 @@ check    the fused output is finite;          the generation check fits in memor
 write    ``model.safetensors``, ``model.pt2``, the program over the shards, a block  ``model.onnx`` (+ ``.data``)
          ``model.onnx``; a language model's   of rows at a time; the same Hugging
          Hugging Face folder, ``decoder.onnx`` Face files
-verify   ``verify.run.verify_written``        ``verify.streamed``: one decoder     ``verify.onnx_original``
-                                              layer at a time
+verify   the one verifier, ``verify.verifier.verify``, on the original and the folder written, as ``slabconv
+         verify ORIGINAL FOLDER`` runs it: every written file (in memory, ONNX), one decoder layer at a time (streamed)
 finish   only a fold that passed is moved into place (``write.staging``); ``report.json`` last
 =======  ===================================  ===================================  ===================================
 
@@ -52,8 +52,7 @@ from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, frozen_heap, no_progress, quiet, release_memory, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.results import Verification
-from slabconv.verify.run import Artifacts, verify_written
-from slabconv.write.onnx import export_onnx, onnx_files
+from slabconv.write.onnx import export_onnx, onnx_files, provenance
 from slabconv.write.pt2 import export_program, save_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import staging_dir
@@ -387,15 +386,13 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
 
 def _write_files(
     folder: Path, planned: Planned, write: WriteOptions, metadata: dict[str, str], progress: Progress
-) -> tuple[Outputs, Artifacts]:
+) -> Outputs:
     """In memory: ``model.safetensors``, then one ``torch.export`` of the fused graph saved as ``model.pt2`` and
-    translated to ``model.onnx``."""
+    translated to ``model.onnx`` (recording its source: ``write.onnx.provenance``)."""
     tensors = engine.fused_state_dict(planned.fused)
     progress("writing model.safetensors")
     save_safetensors(tensors, folder / "model.safetensors", metadata)
     outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
-    artifacts = Artifacts(folder, folder / "model.safetensors", tensors, metadata, fused_graph=planned.fused)
-    dynamic: list[bool] = []  # per program written: does it take any sequence length?
     program = None
     if write.pt2 or write.onnx:  # one program of the fused model (lifted, or traced again) serves both files
         progress("exporting the fused program")
@@ -408,25 +405,23 @@ def _write_files(
     if write.pt2 and program is not None:
         progress("writing model.pt2")
         save_pt2(*program, folder / "model.pt2")
-        outputs.pt2, artifacts.pt2 = "model.pt2", folder / "model.pt2"
+        outputs.pt2 = "model.pt2"
         outputs.files.append("model.pt2")
-        dynamic.append(program[1]["dynamic_sequence"])
     if write.onnx:
         progress("exporting model.onnx")
         release_memory(collect=False)  # the translation does not reuse what was freed (peak 514 -> 498 MiB)
+        made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True)
         info = export_onnx(
             planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program,
-            simplify=write.simplify,
+            simplify=write.simplify, metadata=made,
         )  # fmt: skip
-        dynamic.append(info["dynamic_sequence"])
-        outputs.onnx, artifacts.onnx = "model.onnx", folder / "model.onnx"
+        outputs.onnx = "model.onnx"
         outputs.files += ["model.onnx", *([info["external_data"]] if info["external_data"] else [])]
         outputs.onnx_info = info
     if write.pt2 and program is not None:
         pt2_axes = {f"pt2_{key}": program[1][key] for key in ("dynamic_batch", "dynamic_sequence")}
         outputs.onnx_info = {**(outputs.onnx_info or {}), **pt2_axes}
-    artifacts.dynamic_sequence = bool(dynamic) and all(dynamic)
-    return outputs, artifacts
+    return outputs
 
 
 def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress) -> list[str]:
@@ -456,12 +451,11 @@ def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Pr
 class InMemory:
     """A model loaded whole (a checkpoint, a ``.pt2`` program, a Hugging Face folder, a fused safetensors file) and its
     plan: written as ``model.safetensors``, ``model.onnx`` and ``model.pt2`` (and a language model's Hugging Face
-    folder with ``decoder.onnx``), verified file by file (``verify.run.verify_written``)."""
+    folder with ``decoder.onnx``), verified file by file (``verify.verifier.verify``)."""
 
     loaded: LoadedModel
     planned: Planned
     mode: str = "in-memory"
-    artifacts: Artifacts | None = None
     hf_folder: bool = False
 
     @property
@@ -495,28 +489,31 @@ class InMemory:
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
         metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
-        outputs, self.artifacts = _write_files(folder, planned, write, metadata, progress)
-        self.artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
+        outputs = _write_files(folder, planned, write, metadata, progress)
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             outputs.files += _write_hf_folder(folder, loaded, write.onnx, progress)
             outputs.hf_folder = True
             outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
-        return outputs, self.artifacts.sha256
+        return outputs, {}
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
-        assert self.planned.original is not None and self.artifacts is not None
-        return verify_written(
-            self.loaded, self.planned.original, self.planned.decisions, self.planned.example, self.artifacts, opts,
-            hf_folder=self.hf_folder, onnx=write.onnx, progress=progress,
-        )  # fmt: skip
+        """The one verifier on the original (with the graph traced and the plan made) and the folder written."""
+        from slabconv.verify import sides, verifier
+
+        planned = self.planned
+        reference = sides.model_side(self.loaded, graph=planned.original, example=planned.example,
+                                     decisions=planned.decisions)  # fmt: skip
+        candidate = sides.output_side(folder, Source(str(folder), None, "slabconv-output"))
+        candidate.module = planned.fused  # what PyTorch runs when no program was written (--no-onnx --no-pt2)
+        return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), progress=progress)
 
 
 @dataclass
 class Streamed:
     """A sharded folder folded shard by shard (``--stream``): planned on the full-size architecture with stand-in
     weights (``slabconv.load.lazy``), written one block of rows at a time with the input's shard boundaries,
-    verified one decoder layer at a time (``verify.streamed``)."""
+    verified one decoder layer at a time (``verify.verifier.verify`` on two streamed sides)."""
 
     loaded: LoadedModel
     planned: Planned
@@ -551,9 +548,9 @@ class Streamed:
         """
         _require_transformers(self.loaded, self.planned, verify, write)
         if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
-            from slabconv.verify.streamed import check_generation_fits
+            from slabconv.verify.layerwise import check_generation_fits
 
-            check_generation_fits(self.sharded.shards.folder, verify)
+            check_generation_fits(self.sharded.shards.folder, verify.fuse_steps())
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         from slabconv.load.hf import SAFETENSORS_INDEX
@@ -575,13 +572,20 @@ class Streamed:
         return outputs, digests
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
-        from slabconv.verify.streamed import verify_streamed_fold
+        """The one verifier on two streamed sides: the source with its fold program, and the folder written."""
+        from slabconv.verify import sides, verifier
 
-        assert self.planned.program is not None
-        return verify_streamed_fold(
-            self.sharded.shards.folder, folder, self.planned.program, opts, progress, FOLD_BLOCK,
-            language_model=self.hf_folder,
-        )  # fmt: skip
+        reference = sides.streamed_side(self.sharded.shards.folder, self.planned.program)
+        candidate = sides.streamed_side(folder)
+        return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), progress=progress)
+
+
+def _steps(opts: VerifyOptions, language_model: bool) -> VerifyOptions:
+    """``opts`` with the greedy-generation steps ``fuse`` compares: ``fuse_steps()`` for a language model, none
+    otherwise (``verify`` compares them only when asked)."""
+    from dataclasses import replace
+
+    return replace(opts, generate=opts.fuse_steps() if language_model else None)
 
 
 def _require_transformers(

@@ -1,5 +1,5 @@
-"""``verify --stream``: two Hugging Face style decoder folders compared one decoder layer at a time, in bounded
-memory (``slabconv.verify.layerwise``).
+"""``verify --stream``: the two sides of a layer-by-layer comparison of decoder folders, in bounded memory
+(``slabconv.verify.layerwise``, run by the one verifier ``slabconv.verify.verifier``).
 
 ``fuse --stream`` is not here: it is the one fuse driver (``slabconv.pipeline``) with streamed stages.
 """
@@ -8,62 +8,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slabconv import engine
 from slabconv.errors import UsageError
 from slabconv.load import hf
-from slabconv.load.shards import LazyShards
-from slabconv.load.source import Source
 from slabconv.options import VerifyOptions
-from slabconv.pipeline import FOLD_BLOCK, plan_sharded
-from slabconv.report.data import Report
+from slabconv.pipeline import plan_sharded
 from slabconv.util import Progress, sha256_file
-from slabconv.verify.streamed import check_generation_fits, generation, verify_folders
-from slabconv.zoo.decoder import family_of
+from slabconv.verify import sides
+from slabconv.verify.layerwise import check_generation_fits
 
 
-def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress) -> Report:
-    """``verify --stream``: two decoder folders compared one layer at a time; question 1 when the candidate is a
-    streamed or in-memory fold of the reference (a fresh streamed plan of the reference says how each tensor is
-    made).
+def streamed_sides(
+    reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress
+) -> tuple[sides.Side, sides.Side]:
+    """The two sides of ``verify --stream``; when the candidate is a fold of the reference, the reference carries
+    its fold program (a fresh streamed plan, ``pipeline.plan_sharded``) for question 1.
 
     Raises:
-        UsageError: ``--inputs`` (the streamed mode draws seeded token sequences), or a side that is a file.
+        UsageError: ``--inputs`` (the streamed mode draws seeded token sequences), a side that is a file, a
+            generation check that cannot fit in memory.
         UnsupportedModelError: a side is not a decoder folder of a family slabconv streams.
     """
     if opts.inputs is not None:
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
-    for path in (reference, candidate):
-        if not path.is_dir():
-            raise UsageError(f"{path}: --stream compares Hugging Face style folders; give the folder, not a file")
+    ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
     if opts.generate:
-        from slabconv.verify.pair import require_fused_lm_folder
-
-        require_fused_lm_folder(candidate)
-        check_generation_fits(reference, opts)
-    src, cand = LazyShards.open(reference), LazyShards.open(candidate)
-    family = family_of(src.weight_map)
-    program: engine.Program | None = None
-    first = family.layer_prefix.format(i=0) + family.layer_norms[0]
-    folded = (
-        family.norm_layout(src.weight_map, first) is not None and family.norm_layout(cand.weight_map, first) is None
-    )
-    if folded:
+        check_generation_fits(reference, opts.generate)
+    if sides.folded_from(ref, cand):
+        progress("planning the reference's fold, for question 1")
         found = hf.hf_weights_file(reference)
         sha = sha256_file(found[0]) if found else ""
-        program = plan_sharded(src, hf.read_hf_config(reference), None, sha)[1].program
-    verification = verify_folders(reference, candidate, program, opts, progress, FOLD_BLOCK)
-    if opts.generate:
-        verification.generation = generation(reference, candidate, opts, progress)
-    if not folded:
-        verification.notes.append(
-            "question 1 (is the fold exact?) not answered: the candidate is not a fold of the reference (its norms are "
-            "still there, or the reference has none); question 2 only"
-        )
+        from slabconv.load.shards import LazyShards
 
-    def side(path: Path) -> Source:
-        found = hf.hf_weights_file(path)
-        assert found is not None
-        digest = sha256_file(found[0])
-        return Source(str(path), digest, found[1], family.name, extra={"index_sha256": digest})
-
-    return Report("verify", reference=side(reference), candidate=side(candidate), verification=verification)
+        ref.program = plan_sharded(LazyShards.open(reference), hf.read_hf_config(reference), None, sha)[1].program
+    return ref, cand

@@ -86,7 +86,8 @@ def fuse(
         with output.progress() as progress:
             report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
         s = report.summary
-        verdict = "verification PASSED" if report.verification is not None else "not verified (--no-verify)"
+        v = report.verification
+        verdict = f"verification {v.headline()}" if v is not None else "not verified (--no-verify)"
         counts = f"{s.norms} norms ({s.folded} folded away, {s.kept} kept)" if s else "the model"
         where = f"{report.out_dir} ({dtype})" if dtype else f"{report.out_dir}"
         if s is not None and s.norms == 0:

@@ -61,6 +61,23 @@ def verify(
         Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
     ] = None,
     stream: o.VerifyStream = False,
+    localize: Annotated[
+        bool,
+        typer.Option(
+            "--localize",
+            help="Compare the two at every fold boundary (the output of each layer a norm folded into) and print one "
+            "row per boundary, even when they agree; a failure is localised anyway.",
+        ),
+    ] = False,
+    plot: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot",
+            help="With --localize: write the error at every fold boundary as a chart (.png, .svg, "
+            ".pdf; needs matplotlib).",
+        ),
+    ] = None,
+    force: o.Force = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -72,11 +89,12 @@ def verify(
 ) -> None:
     """Compare CANDIDATE with REFERENCE on the same inputs; exit 0 when equivalent, 1 when not, 2 on bad input.
 
-    Question 1 (is the fold exact?) applies when the candidate is a slabconv output: its tensors must equal a fresh
-    float64 fold of the reference. Question 2: the candidate, in its own dtype and runtime, against the reference
-    evaluated in float64, within max(tol_dtype, 2 x the original's own error). An .onnx side also gets
-    onnx.checker's full check and runs in onnxruntime with optimisations off and on. Inputs: --inputs NPZ, else
-    holdout.npz beside a checkpoint, else --samples seeded random samples. See docs/verification.md.
+    Question 1 (is the fold exact?) applies when the candidate is a fold of the reference (it records the
+    reference's sha256 as its source): its tensors must equal a fresh float64 fold of the reference. Question 2:
+    the candidate, in its own dtype and runtime, against the reference evaluated in float64, within
+    max(tol_dtype, 2 x the original's own error). An .onnx side also gets onnx.checker's full check and runs in
+    onnxruntime with optimisations off and on. Inputs: --inputs NPZ, else holdout.npz beside a checkpoint, else
+    --samples seeded random samples. See docs/verification.md.
 
     Examples:
 
@@ -85,6 +103,7 @@ def verify(
       slabconv verify checkpoint.pth fused.onnx --samples 256 --seed 1
       slabconv verify llama-folder llama-fused --generate 32
       slabconv verify checkpoint.pth checkpoint-fused --runtime openvino
+      slabconv verify checkpoint.pth checkpoint-fused --localize --plot boundaries.png
     """
     from slabconv import api
     from slabconv.report.junit import check_report_path, write_junit
@@ -93,16 +112,35 @@ def verify(
     with errors(output, debug):
         if junit is not None:
             check_report_path(junit, [reference, candidate, *([inputs] if inputs else [])])
+        if plot is not None:
+            from slabconv.bench import check_plot_path
+            from slabconv.errors import UsageError
+
+            if not localize:
+                raise UsageError("--plot draws the fold boundaries of --localize; add --localize")
+            check_plot_path(plot, force, [reference, candidate])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         names = tuple(n.strip() for r in runtime or [] for n in r.split(",") if n.strip()) or None
         check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names)
         with output.progress() as progress:
-            report = api.verify(reference, candidate, load=load, verify=check, stream=stream, progress=progress)
+            report = api.verify(
+                reference, candidate, load=load, verify=check, stream=stream, localize=localize, progress=progress
+            )
         if junit is not None:
             write_junit(report, junit)
         v = report.verification
         assert v is not None
-        output.report(report, "verification PASSED" if v.passed else None)
+        if localize:
+            from slabconv.report.render import localization_table
+
+            table = localization_table(v)
+            if table is not None:
+                output.table(table)
+            if plot is not None and v.localization is not None:
+                from slabconv.bench import plot_boundaries
+
+                plot_boundaries(v.localization, plot)
+        output.report(report, f"verification {v.headline()}" if v.passed else None)
         if not v.passed:
             output.error(f"error: not equivalent: {v.failure_line()}")
             raise typer.Exit(1)

@@ -1,10 +1,11 @@
 """Machine-readable renderings of a report: JUnit XML for CI systems.
 
 One ``<testcase>`` per numeric check (each output under each runtime setting, e.g. ``output @
-onnxruntime[all-optimizations]``) and per integrity check (``onnx.checker[full_check] model.onnx``,
-``safetensors reload model.safetensors``). A failing check is a ``<failure>`` whose message says what was
-measured and the tolerance it would have needed. The layout is the common subset that GitHub Actions test
-reporters, GitLab, Jenkins and Azure Pipelines read: ``testsuites > testsuite > testcase > failure``.
+onnxruntime[all-optimizations]``), per integrity check (``onnx.checker[full_check] model.onnx``) and per written
+file no runtime could run (a ``<skipped>`` case naming why). A failing check is a ``<failure>`` whose message
+says what was measured, the tolerance it would have needed and the first diverging fold (the localisation). The
+layout is the common subset that GitHub Actions test reporters, GitLab, Jenkins and Azure Pipelines read:
+``testsuites > testsuite > testcase > failure``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def junit_tree(report: Report) -> ET.ElementTree:
     classname = "slabconv.verify." + Path(str(candidate)).name.replace(".", "_")
     cases = v.cases()  # the same verdicts as v.passed: the failure count and the exit code agree
     failures = sum(not case.passed for case in cases)
+    skipped = sum(case.skipped for case in cases)
     seconds = f"{v.seconds / max(len(cases), 1):.3f}"
     root = ET.Element("testsuites", name="slabconv", tests=str(len(cases)), failures=str(failures))
     suite = ET.SubElement(
@@ -74,7 +76,7 @@ def junit_tree(report: Report) -> ET.ElementTree:
         tests=str(len(cases)),
         failures=str(failures),
         errors="0",
-        skipped="0",
+        skipped=str(skipped),
         time=f"{v.seconds:.3f}",
     )
     props = ET.SubElement(suite, "properties")
@@ -88,11 +90,15 @@ def junit_tree(report: Report) -> ET.ElementTree:
         ET.SubElement(props, "property", name=key, value=str(value))
     for note in v.notes:
         ET.SubElement(props, "property", name="note", value=note)
+    if v.localization is not None:
+        ET.SubElement(props, "property", name="localization", value=v.localization.detail)
     for case in cases:
         element = ET.SubElement(suite, "testcase", classname=classname, name=case.name, time=seconds)
         ET.SubElement(element, "system-out").text = case.measured
         if not case.passed:
             ET.SubElement(element, "failure", type="NotEquivalent", message=case.message).text = case.measured
+        elif case.skipped:
+            ET.SubElement(element, "skipped", message=case.message)
     return ET.ElementTree(root)
 
 

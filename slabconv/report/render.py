@@ -90,7 +90,7 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield "verification: skipped (--no-verify)"
         return
     samples = v.checks[0].samples if v.checks else 0
-    yield f"verification: {'PASSED' if v.passed else 'FAILED'} on {samples} samples ({v.inputs}); {v.runtime}"
+    yield f"verification: {v.headline()} on {samples} samples ({v.inputs}); {v.runtime}"
     if v.reference:
         yield f"  reference: {v.reference}"
     if v.exact:
@@ -104,6 +104,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield f"    {_ok(i.passed)} {i.name}: {i.detail}"
     for check in v.checks:
         yield f"    {_ok(check.passed)} {check.summary()}"
+    for skipped in v.not_run:
+        yield f"    skip {skipped.line()}"
     if v.generation is not None:
         g = v.generation
         speeds = ", ".join(f"{name} {tps:,.0f}" for name, tps in g.get("tokens_per_second", {}).items())
@@ -118,5 +120,20 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
                 yield f"      {generation_failure(run)}"
         if speeds:
             yield f"    tokens/s: {speeds}"
+    if v.localization is not None:
+        yield f"  localisation: {v.localization.detail}"
     for note in v.notes:
         yield f"  note: {note}"
+
+
+def localization_table(v: Verification) -> Table | None:
+    """``verify --localize``'s table: one row per fold boundary (norm, layer, error against the correct fold,
+    the rounding's own error there, verdict); None without a localisation."""
+    if v.localization is None or not v.localization.boundaries:
+        return None
+    rows = []
+    for b in v.localization.boundaries:
+        rounding = "n/a" if b.rounding is None else _g(b.rounding)
+        rows.append([shown(b.norm), shown(b.layer), _g(b.error), rounding, "ok" if b.passed else "DIVERGES"])
+    columns = {"norm": True, "layer": True, "error": False, "rounding": False, "": False}
+    return text_table("fold boundaries (candidate vs the correct fold, float64)", columns, rows)

@@ -38,6 +38,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from slabconv.engine import Program, row_ranges
 from slabconv.errors import InputError, UsageError
+from slabconv.fold import rounded
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.util import Progress, no_progress
@@ -309,3 +310,121 @@ def _logits_check(
         strict=strict,
         token_logits=True,
     )
+
+
+class _FoldShards:
+    """The correct fold of a streamed output as a reader: each folded Linear's rows from the fold ``program`` run
+    in float64 over ``source`` and rounded once to ``dtype`` (what question 1 requires), every other tensor read
+    from ``written``; what ``StreamedLinear`` and ``Folder.norm`` read, block by block."""
+
+    def __init__(self, source: LazyShards, written: LazyShards, program: Program, dtype: torch.dtype):
+        self.source, self.written, self.program, self.dtype = source, written, program, dtype
+        self.weight_map = written.weight_map
+        self.block_elements = written.block_elements
+        self.biases = {la.bias_out: la for la in program.layers.values() if la.bias_out}
+
+    def row_blocks(self, key: str, shape: list[int]) -> Any:
+        la = self.program.layers.get(key)
+        if la is None:
+            yield from self.written.row_blocks(key, shape)
+            return
+        for start, stop in row_ranges(self.source.shape(key), self.block_elements):
+            yield rounded(la.rows(self.source, start, stop)[0], self.dtype)
+
+    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        la = self.biases.get(key)
+        if la is None:
+            return self.written.get(key, rows)
+        parts = [
+            la.rows(self.source, a, b)[1] for a, b in row_ranges(self.source.shape(la.weight), self.block_elements)
+        ]
+        bias = torch.cat([b for b in parts if b is not None])
+        return rounded(bias, self.dtype)[rows if rows is not None else slice(None)]
+
+
+def localize_folders(
+    reference: Path, candidate: Path, program: Program, seed: int = 0, seq_len: int = DEFAULT_SEQ_LEN
+) -> Any:
+    """The fold boundaries of a streamed fold, in data-flow order (``slabconv.verify.localize``): for each decoder
+    layer, on the reference's float64 hidden states of one seeded token sequence, the candidate layer and the
+    correct fold's layer (``_FoldShards``) run in float64, and each folded Linear's output is compared.
+
+    Yields:
+        A ``Boundary`` per folded Linear: the norms folded into it, its name, the relative error between the two.
+    """
+    from slabconv.verify.results import Boundary
+
+    ref, cand = Folder.open(Path(reference), 1 << 22), Folder.open(Path(candidate), 1 << 22)
+    fold = Folder(cand.path, _FoldShards(ref.shards, cand.shards, program, cand.dtype), cand.specs,  # type: ignore[arg-type]
+                  cand.family, cand.layout, cand.dtype, cand.cfg)  # fmt: skip
+    family, cfg = ref.family, ref.cfg
+    t = max(1, min(seq_len, family.max_positions(cfg)))
+    ids = torch.randint(0, family.vocab_size(cfg), (1, t), generator=torch.Generator().manual_seed(seed))
+    extra64 = family.layer_inputs(cfg, t, torch.float64)
+    with torch.no_grad():
+        h64 = ref.embed(ids, torch.float64)
+        for i in range(family.num_layers(cfg)):
+            got, want = (
+                _linear_outputs(cand.layer(i, torch.float64), h64, extra64),
+                _linear_outputs(fold.layer(i, torch.float64), h64, extra64),
+            )
+            for name, value in got.items():
+                la = program.layers.get(name + ".weight")
+                if la is not None and name in want:
+                    error = judge.rel_err(value.numpy(), want[name].numpy())[0]
+                    yield Boundary(", ".join(dict.fromkeys(la.norms)), name, error, policy.EXACT_RTOL)
+            h64 = ref.layer(i, torch.float64)(h64, *extra64)
+
+
+def _linear_outputs(layer: nn.Module, h: torch.Tensor, extra: Any) -> dict[str, torch.Tensor]:
+    """The output of every ``StreamedLinear`` of ``layer`` on ``h``, by its state_dict prefix, in call order."""
+    outputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, args, out: outputs.__setitem__(mod.name, out.detach().double()))
+        for m in layer.modules()
+        if isinstance(m, StreamedLinear)
+    ]
+    try:
+        layer(h, *extra)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+def generation_memory(specs: dict[str, tuple[torch.dtype, list[int]]]) -> int:
+    """Bytes the greedy-generation check holds at once for a model whose tensors are ``specs`` (name -> dtype,
+    shape): the original in its dtype, its float64 copy (the reference) and the fused folder in its dtype."""
+    total = 0
+    for dtype, shape in specs.values():
+        total += math.prod(int(n) for n in shape) * (2 * dtype.itemsize + 8)
+    return total
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, None where there is no such file (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_generation_fits(folder: Path, generate: int | None) -> None:
+    """Refuse, before any work, a streamed run whose greedy-generation check (``generate`` steps, None or 0: no
+    check) cannot hold the original and fused models in this machine's memory.
+
+    Raises:
+        UsageError: the check would need more than the available memory (the message says how to skip it).
+    """
+    if not generate:
+        return
+    need, have = generation_memory(LazyShards.open(folder).specs()), available_memory()
+    if have is not None and need > have:
+        raise UsageError(
+            f"{folder}: the greedy-generation check loads the original and the fused model whole (about "
+            f"{need / 2**30:.1f} GiB; {have / 2**30:.1f} GiB available): pass --generate 0 to skip it (the report "
+            "then says generation was not checked)"
+        )

@@ -1,13 +1,8 @@
-"""Verification of a fold of an ONNX original (``docs/onnx.md``, policy: ``slabconv.verify.policy``).
-
-1. Question 1, *is the fold exact?*: the original graph with every floating tensor and type cast to float64, and
-   the same fold made on that float64 graph, both run by onnxruntime (onnx's reference evaluator where
-   onnxruntime has no float64 kernel) on the same inputs: relative error ``<= EXACT_RTOL``. Every tensor of the
-   written ``model.onnx`` must equal that float64 fold rounded to its dtype (0 units in the last place).
-2. Question 2: the written ``model.onnx`` under onnxruntime (optimisations off and on) in the file's dtype, and
-   the original in its dtype, against the float64 original: ``e_fused <= max(tol_dtype, 2 * e_orig)``.
-
-Inputs come from ``--inputs`` (one array per graph input) or are drawn from the graph's input types and shapes.
+"""An ONNX original as the reference of a verification (``docs/onnx.md``, policy: ``slabconv.verify.policy``):
+its graph evaluated in float64 (every floating tensor and type cast to float64, run by onnxruntime, or onnx's
+reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 (``fold64``), and
+the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``; ``--inputs`` with one array per
+graph input). ``slabconv.verify.verifier`` runs both questions with them.
 """
 
 from __future__ import annotations
@@ -20,25 +15,13 @@ import numpy as np
 import torch
 
 from slabconv.engine import onnx_fold
-from slabconv.errors import InputError, UsageError, first_line
+from slabconv.errors import InputError, UsageError
 from slabconv.load import safety
 from slabconv.load.onnx_file import OnnxFile, load_ir
 from slabconv.options import VerifyOptions
-from slabconv.util import Progress, sha256_file
-from slabconv.verify import judge
+from slabconv.util import sha256_file
 from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs
-from slabconv.verify.integrity import check_onnx_file
-from slabconv.verify.results import IntegrityCheck, Verification
-from slabconv.verify.run import (
-    Reference,
-    check_reference,
-    exact_samples,
-    output_names,
-    question_2,
-    runtime_summary,
-)
-from slabconv.verify.runtimes import Inputs, Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
-from slabconv.write.onnx import SOURCE_KEY, simplified
+from slabconv.verify.runtimes import Inputs, run_batched
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 
@@ -217,68 +200,6 @@ def check_deterministic(path: Path) -> None:
             )
 
 
-def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress: Progress) -> Verification:
-    """Both questions for a fused ONNX file against its ONNX original (see the module docstring).
-
-    Raises:
-        InputError, UsageError: unusable inputs; an original onnxruntime cannot run; a graph that draws random
-            numbers (``check_deterministic``).
-    """
-    check_deterministic(info.path)
-    x, label, digest = choose_onnx_inputs(info, opts)
-    np_dtype = _NP_DTYPES.get(info.dtype)
-    progress("verifying: the original in its dtype and in float64")
-    try:
-        original_rt = onnx_runtimes(info.path, several=True)[0]
-    except RuntimeUnavailable as err:
-        if info.dtype == "bfloat16":  # the CPU provider lacks bfloat16 kernels for most ops (BatchNorm, MatMul)
-            raise InputError(
-                f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
-                "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
-                "kernels, or fold a float32 or float16 export"
-            ) from None
-        raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
-    batch = original_rt.fixed_batch
-    original = run_batched(original_rt.run, x, fixed_batch=batch)
-    original64 = load_ir(info.path)
-    onnx_fold.to_float64(original64)
-    run64, which = _float64_runner(original64, np_dtype)
-    exact = run_batched(run64, x, fixed_batch=batch)
-    names = output_names(len(original), original_rt.output_names)
-    reference = Reference(x, label, digest, info.dtype, original, exact, names)
-    check_reference(reference)
-    verification = Verification(
-        inputs=label,
-        inputs_sha256=digest,
-        reference=f"the original ONNX graph in float64 ({which})",
-        notes=list(reference.notes),
-    )
-    progress("verifying: question 1, is the fold exact?")
-    fused64, _ = onnx_fold.fold_file(
-        load_ir(info.path), str(info.path), as_float64=True, simplify=simplified(fused_path)
-    )
-    x1, exact1, total = exact_samples(x, exact)
-    outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x1, fixed_batch=batch)
-    verification.exact.append(judge.exact_graphs(names, outputs64, exact1, of=total))
-    verification.exact.append(
-        judge.exact_tensors(f"{fused_path.name} vs the float64 fold", _float_tensors(fused_path), _ir_tensors(fused64))
-    )
-    passed, detail = check_onnx_file(fused_path)
-    verification.integrity.append(IntegrityCheck(f"onnx.checker[full_check] {fused_path.name}", passed, detail))
-    runtimes: list[Runtime] = []
-    try:
-        runtimes = onnx_runtimes(fused_path, several=True)
-    except RuntimeUnavailable as err:
-        raise InputError(f"{fused_path.name}: {first_line(err)}") from None
-    for runtime in runtimes:
-        progress(f"verifying: question 2, {runtime.label}")
-        verification.checks += question_2(
-            reference, runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict, token_logits=info.token_input
-        )
-    verification.runtime = runtime_summary(runtimes)
-    return verification
-
-
 def float64_reference(path: Path, x: np.ndarray, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str]:
     """The outputs of the ONNX graph at ``path`` evaluated in float64 on ``x`` (rounded to ``dtype`` first), and
     which evaluator ran it (the float64 reference of ``verify`` when the reference is an ``.onnx`` file)."""
@@ -288,36 +209,23 @@ def float64_reference(path: Path, x: np.ndarray, dtype: str, batch: int | None) 
     return run_batched(run, x, fixed_batch=batch), which
 
 
-def folded_from(candidate: Path) -> str | None:
-    """The sha256 of the ``.onnx`` a fused ``model.onnx`` was folded from (its ``SOURCE_KEY``), else None."""
-    import onnx
+def fold64(path: Path, candidate: Path) -> Any:
+    """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
+    cast to float64 (``onnx_fold.fold_file(..., as_float64=True)``, the contract ``slabconv.onnx_in.fold_onnx``
+    keeps), simplified as ``candidate`` was (``fuse --simplify``), as an ``onnx_ir.Model``. The one place
+    verification folds an ONNX graph."""
+    from slabconv.write.onnx import simplified
 
-    try:
-        proto = onnx.load(str(candidate), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not a file fuse wrote from an ONNX original
-        return None
-    return next((p.value for p in proto.metadata_props if p.key == SOURCE_KEY), None)
-
-
-def question_1(
-    reference: Path, candidate: Path, x: np.ndarray, dtype: str, batch: int | None, exact: list[np.ndarray]
-) -> list[Any]:
-    """Question 1 for a fused ``model.onnx`` against the ``.onnx`` it was folded from: a fresh float64 fold of the
-    reference against the reference in float64 (``exact``), and every tensor of the candidate against that fold."""
-    fused64, _ = onnx_fold.fold_file(
-        load_ir(reference), str(reference), as_float64=True, simplify=simplified(candidate)
-    )
-    x1, exact1, total = exact_samples(x, exact)
-    outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x1, fixed_batch=batch)
-    names = output_names(len(exact), [v.name for v in fused64.graph.outputs])
-    return [
-        judge.exact_graphs(names, outputs, exact1, of=total),
-        judge.exact_tensors(f"{candidate.name} vs a float64 fold of the reference", _float_tensors(candidate),
-                            _ir_tensors(fused64)),
-    ]  # fmt: skip
+    fused64, _ = onnx_fold.fold_file(load_ir(path), str(path), as_float64=True, simplify=simplified(candidate))
+    return fused64
 
 
-def _float_tensors(path: Path) -> dict[str, torch.Tensor]:
+def run_float64(model: Any, x: Inputs, dtype: str, batch: int | None) -> list[np.ndarray]:
+    """Every output of a float64 ``onnx_ir.Model`` on ``x`` (float inputs rounded to ``dtype`` first)."""
+    return run_batched(_float64_runner(model, _NP_DTYPES.get(dtype))[0], x, fixed_batch=batch)
+
+
+def float_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every floating initializer of an ONNX file, by name."""
     import onnx_ir as ir
 
@@ -331,7 +239,7 @@ def _float_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _ir_tensors(model: Any) -> dict[str, torch.Tensor]:
+def ir_tensors(model: Any) -> dict[str, torch.Tensor]:
     """Every floating initializer of an in-memory ``onnx_ir.Model``, by name."""
     out = {}
     for name, value in model.graph.initializers.items():

@@ -168,21 +168,97 @@ class IntegrityCheck:
 
 
 @dataclass
+class NotRun:
+    """A written file that no runtime here could run: named in the verdict, never covered by it.
+
+    Attributes:
+        file: the file (``model.onnx``).
+        reason: why (``onnxruntime cannot run model.onnx: ... bfloat16 ...``).
+    """
+
+    file: str
+    reason: str
+
+    def line(self) -> str:
+        return f"{self.file}: not run: {self.reason}"
+
+
+@dataclass
+class Boundary:
+    """One fold boundary compared by the localisation pass: the output of a layer a norm folded into, in the
+    candidate, against the output of the same layer after the norm in the reference (equal in exact arithmetic).
+
+    Attributes:
+        norm: the norm (``blocks.0.norm1``); ``layer``: the layer it folded into, whose output is compared.
+        error: relative error (``max |cand - ref| / max |ref|``) of that output, both sides in float64 on the
+            same inputs.
+        bound: the most allowed (``policy.EXACT_RTOL``).
+        rounding: relative error of the correct fold against the original at this boundary (what storing the
+            fused weights in their dtype does there), when measured.
+    """
+
+    norm: str
+    layer: str
+    error: float
+    bound: float
+    rounding: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.error <= self.bound)
+
+    def line(self) -> str:
+        return f"{self.norm} -> {self.layer} (relative error {_g(self.error)} at its output, allowed {self.bound:g})"
+
+
+@dataclass
+class Localization:
+    """Where two models first diverge, fold by fold (``slabconv.verify.localize``).
+
+    Attributes:
+        method: how the boundaries were compared, in words.
+        boundaries: every fold boundary, in the order the data flows through them.
+        detail: one line: the first diverging fold, or that none diverges (the difference is the runtime's).
+    """
+
+    method: str
+    boundaries: list[Boundary] = field(default_factory=list)
+    detail: str = ""
+
+    @property
+    def first(self) -> Boundary | None:
+        """The first boundary that diverges, or None."""
+        return next((b for b in self.boundaries if not b.passed), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first
+        return {
+            "method": self.method,
+            "first": asdict(first) if first is not None else None,
+            "boundaries": [asdict(b) for b in self.boundaries],
+            "detail": self.detail,
+        }
+
+
+@dataclass
 class Case:
     """One check that ran, as a verdict: what ``passed``, ``failures()`` and the JUnit file are all built from, so
     the exit code and the JUnit failure count agree by construction.
 
     Attributes:
-        name: ``question 1: ...``, ``file: ...``, ``question 2: ...``, ``generation: <run>``, or ``no check ran``.
-        passed: the check's verdict.
+        name: ``question 1: ...``, ``file: ...``, ``question 2: ...``, ``generation: <run>``, ``not run: <file>``
+            or ``no check ran``.
+        passed: the check's verdict (True for a file not run: it is ``skipped``, named, not failed).
         measured: one line of the numbers measured.
-        message: the failure line (empty when it passed).
+        message: the failure line (empty when it passed), or why a file was not run.
+        skipped: a written file no runtime ran (``NotRun``).
     """
 
     name: str
     passed: bool
     measured: str
     message: str
+    skipped: bool = False
 
 
 def generation_failure(run: dict[str, Any]) -> str:
@@ -215,6 +291,9 @@ class Verification:
         runtime: the runtime(s) the artifacts ran in, in short (``onnxruntime 1.x``, ``pytorch 2.x``).
         generation: the greedy-generation comparison of a language model (``--generate``), or None.
         seconds: how long the verification took (wall time).
+        not_run: written files no runtime could run (``NotRun``), named in the verdict.
+        localization: where the two models first diverge fold by fold (``Localization``): after a failure, or on
+            request (``verify --localize``); None when not run.
     """
 
     exact: list[ExactCheck] = field(default_factory=list)
@@ -227,6 +306,8 @@ class Verification:
     runtime: str = ""
     generation: dict[str, Any] | None = None
     seconds: float = 0.0
+    not_run: list[NotRun] = field(default_factory=list)
+    localization: Localization | None = None
 
     def cases(self) -> list[Case]:
         """Every check that ran, in order: question 1, the file checks, question 2, greedy generation (one case per
@@ -247,6 +328,8 @@ class Verification:
                 f"reference={c.reference}"
             )
             out.append(Case(f"question 2: {c.name}", c.passed, measured, "" if c.passed else c.failure()))
+        for skipped in self.not_run:
+            out.append(Case(f"not run: {skipped.file}", True, skipped.reason, skipped.line(), skipped=True))
         if not self.checks:
             out.append(Case("no check ran", False, "", "no check ran: no written file was compared"))
         for run in (self.generation or {}).get("runs", []):
@@ -258,14 +341,35 @@ class Verification:
             )
             ok = bool(run["passed"])
             out.append(Case(f"generation: {run['name']}", ok, measured, "" if ok else generation_failure(run)))
+        where = self.where()
+        for case in out:
+            if not case.passed and where:
+                case.message += f"; {where}"
         return out
+
+    def where(self) -> str:
+        """The localisation's verdict in words, for failure lines: the first diverging fold, or that none does."""
+        if self.localization is None:
+            return ""
+        first = self.localization.first
+        return f"first diverging fold: {first.line()}" if first is not None else self.localization.detail
+
+    def headline(self) -> str:
+        """``PASSED``, ``FAILED``, or ``PASSED for what ran; model.onnx: not run: ...`` (a file no runtime ran
+        is named, never covered by the verdict)."""
+        if not self.passed:
+            return "FAILED"
+        if not self.not_run:
+            return "PASSED"
+        return "PASSED for what ran; " + "; ".join(n.line() for n in self.not_run)
 
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.cases())
 
     def failures(self) -> list[str]:
-        """One line per failed check: question 1 first, then the files, then question 2, then generation."""
+        """One line per failed check: question 1 first, then the files, then question 2, then generation (each
+        with the first diverging fold, when the localisation ran)."""
         return [c.message for c in self.cases() if not c.passed]
 
     def failure_line(self) -> str:
@@ -295,4 +399,6 @@ class Verification:
             "notes": list(self.notes),
             "generation": self.generation,
             "seconds": self.seconds,
+            "not_run": [asdict(n) for n in self.not_run],
+            "localization": self.localization.to_dict() if self.localization is not None else None,
         }

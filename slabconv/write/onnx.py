@@ -18,9 +18,20 @@ ONNX_EXTERNAL_DATA_BYTES = 1536 * 1024 * 1024
 MARK = "slabconv_version"
 """The ONNX ``metadata_props`` key every file slabconv writes carries (so ``--force`` replaces only those)."""
 SOURCE_KEY = "slabconv_source_sha256"
-"""The ``metadata_props`` key of a ``model.onnx`` folded from an ONNX original, naming that original's sha256 (so
-``verify ORIGINAL.onnx FUSED`` knows question 1 applies)."""
+"""The ``metadata_props`` key naming the sha256 of the file an ``.onnx`` slabconv wrote was made from: the ONNX
+original of a fused ``model.onnx``, the checkpoint of ``export`` (so ``verify SOURCE FILE`` knows whether
+question 1 applies: ``slabconv.verify.sides.fold_relation``)."""
+FOLDED_KEY = "slabconv_folded"
+"""``true`` when the file is a fold of its source, ``false`` for ``export --no-fuse`` (absent: a fold)."""
+ARCH_KEY = "slabconv_arch"
+"""The architecture of the source, when it has a registered one."""
 PROTOBUF_LIMIT_BYTES = 2**31 - 1
+
+
+def provenance(source_sha256: str, arch: str | None, folded: bool) -> dict[str, str]:
+    """The ``metadata_props`` recording where an ``.onnx`` came from (``SOURCE_KEY``, ``FOLDED_KEY``,
+    ``ARCH_KEY``): what ``slabconv.verify.sides`` reads to know whether question 1 applies."""
+    return {SOURCE_KEY: source_sha256, FOLDED_KEY: "true" if folded else "false", ARCH_KEY: arch or ""}
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -104,9 +115,12 @@ def export_onnx(
     opset: int | None = None,
     program: tuple[torch.export.ExportedProgram, dict[str, Any]] | None = None,
     simplify: bool = False,
+    metadata: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``; with ``simplify``,
     onnxscript's optimizer runs on it before it is saved (``simplify_model``; the info then has ``simplified``).
+
+    ``metadata``: more ``metadata_props`` (``SOURCE_KEY``, ``FOLDED_KEY``, ``ARCH_KEY``) beside ``MARK``.
 
     ``program``: the ``(ExportedProgram, info)`` of ``model`` that ``slabconv.write.pt2.export_program`` made
     (``fuse`` exports the fused model once for ``model.pt2`` and ``model.onnx``); the exporter then translates it
@@ -158,6 +172,7 @@ def export_onnx(
         try:
             with quiet():
                 onnx_program.model.metadata_props[MARK] = __version__
+                onnx_program.model.metadata_props.update(metadata or {})
                 save_onnx(onnx_program.model, path, external)
         except OSError as err:
             raise UsageError(f"cannot write {path}: {err.strerror or err}") from None

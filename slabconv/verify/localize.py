@@ -1,0 +1,258 @@
+"""Localisation: where two models first diverge, fold by fold (``docs/verification.md``, Localisation).
+
+A fold changes a model only at its boundaries: the output of a layer a norm folded into equals, in exact
+arithmetic, the output of that layer after the norm in the original (folded forward), or the norm's output (folded
+backward into its producer). So every fold boundary is a checkpoint. One extra pass runs, on the first
+``policy.EXACT_SAMPLES`` verification samples and in float64:
+
+- the candidate: the reference's fused graph holding the candidate's stored tensors (read by name, or by value for
+  an ``.onnx``), each cast to float64;
+- the correct fold: the same graph holding the reference's float64 fold rounded once to the candidate's dtype
+  (what question 1 requires of each stored value);
+
+and compares their values at every boundary, in the order the data flows through them. Both compute in float64 on
+the same inputs with the same ops, so at a boundary whose layers hold the right values they agree to float64
+rounding (``policy.EXACT_RTOL``); the first boundary where they do not names the fold that broke. Each boundary
+also shows ``rounding``: how far the correct fold is from the original at that boundary (what storing the fused
+weights in their dtype does there).
+
+Where every boundary agrees and verification failed, the weights are the fold's everywhere: the difference comes
+from the runtime that failed, not from a fold (the detail says so).
+
+The sides: a model slabconv traces as the reference (``fuse`` and ``verify`` of checkpoints, folders, ``.pt2``),
+in memory; two decoder folders layer by layer (``streamed``), where the correct fold is the fold program's rows
+rounded to the stored dtype, read block by block. An ONNX original's boundaries are ONNX values: its localisation
+answers once ``slabconv.engine``'s ONNX lowering records, for each engine node, its ONNX node (``_onnx`` is the seam).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import fx, nn
+
+from slabconv import engine
+from slabconv.fold import rounded
+from slabconv.options import LoadOptions, VerifyOptions
+from slabconv.util import quiet
+from slabconv.verify import judge, policy
+from slabconv.verify.results import Boundary, Localization
+from slabconv.verify.sides import Side, folded_from
+
+METHOD = (
+    "the candidate's stored tensors and the float64 fold rounded to their dtype, each in the reference's fused graph "
+    "in float64, compared at every fold boundary on the first {n} samples"
+)
+
+
+def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None = None) -> Localization:
+    """The localisation of ``candidate`` against ``reference`` (see the module docstring).
+
+    Returns:
+        A ``Localization`` whose ``first`` is the first diverging boundary (None: none diverges; ``detail`` says
+        why, or why the pass could not run).
+    """
+    if not folded_from(reference, candidate):
+        return Localization("none", detail="not localised: the candidate is not a fold of the reference")
+    if reference.kind == "streamed":
+        return _streamed(reference, candidate, opts)
+    if reference.kind == "onnx":
+        return _onnx(reference, candidate)
+    if reference.kind != "model" or candidate.kind not in ("model", "folder", "onnx"):
+        return Localization("none", detail=f"not localised: no fold boundaries for a {candidate.kind} candidate")
+    return _torch(reference, candidate, opts)
+
+
+def _verdict(boundaries: list[Boundary]) -> str:
+    first = next((b for b in boundaries if not b.passed), None)
+    if first is not None:
+        return f"first diverging fold: {first.line()}"
+    if not boundaries:
+        return "no fold boundary to compare (no norm was folded away)"
+    return (
+        f"no fold boundary diverges ({len(boundaries)} compared): the stored weights are the fold's at every "
+        "boundary; a difference comes from the runtime, not from a fold"
+    )
+
+
+# --------------------------------------------------------------------------------------------- in memory
+
+
+def _with_tensors(gm: fx.GraphModule, values: dict[str, torch.Tensor]) -> fx.GraphModule:
+    """A copy of ``gm`` whose stored tensors at the dotted names of ``values`` are replaced by them."""
+    out = engine.copy_sharing(gm)
+    for target, value in values.items():
+        owner_name, _, name = target.rpartition(".")
+        owner = out.get_submodule(owner_name) if owner_name else out
+        if name in owner._parameters:
+            owner._parameters[name] = nn.Parameter(value, requires_grad=False)
+        elif name in owner._buffers:
+            owner._buffers[name] = value
+        else:
+            setattr(owner, name, value)
+    return out
+
+
+def _layer_output(gm: fx.GraphModule, layer: str) -> fx.Node | None:
+    """The node whose value is the output of ``layer`` in ``gm``: the op reading ``<layer>.weight``, or the bias
+    ``add`` after it that reads one of the layer's tensors."""
+    weight = f"{layer}.weight"
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node.target != weight:
+            continue
+        for user in node.users:
+            if user.op != "call_function":
+                continue
+            after = list(user.users)
+            if len(after) == 1 and any(
+                a.op == "get_attr" and str(a.target).startswith(layer + ".") for a in after[0].all_input_nodes
+            ):
+                return after[0]
+            return user
+    return None
+
+
+def _boundaries(
+    decisions: list[Any], original: fx.GraphModule, fused: fx.GraphModule
+) -> list[tuple[str, str, fx.Node, fx.Node]]:
+    """``(norm, layer, node in original, node in fused)`` of every fold boundary, in the fused graph's order."""
+    sites = {s.name: s for s in engine.find_norms(original)}
+    order = {n: i for i, n in enumerate(fused.graph.nodes)}
+    found = []
+    for d in decisions:
+        if not d.action.startswith("folded"):
+            continue
+        for layer in d.into:
+            after = _layer_output(fused, layer)
+            if d.action == "folded-forward":
+                before = _layer_output(original, layer)
+            else:
+                site = sites.get(d.norm)
+                before = site.output if site is not None else None
+            if after is not None and before is not None:
+                found.append((d.norm, layer, before, after))
+    return sorted(found, key=lambda b: order[b[3]])
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph and keeps the values of ``wanted`` nodes (in float64)."""
+
+    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
+        super().__init__(gm)
+        self.wanted: set[str] = wanted
+        self.values: dict[str, torch.Tensor] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        if n.name in self.wanted and isinstance(value, torch.Tensor):
+            self.values[n.name] = value.detach().double()
+        return value
+
+
+def _record(gm: fx.GraphModule, x: torch.Tensor, nodes: list[fx.Node]) -> dict[str, torch.Tensor]:
+    recorder = _Recorder(gm, {n.name for n in nodes})
+    with torch.no_grad():
+        recorder.run(x)
+    return recorder.values
+
+
+def _rel(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    return judge.rel_err(candidate.numpy(), reference.numpy())[0]
+
+
+def _torch(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
+    from slabconv.verify.inputs import choose_inputs
+    from slabconv.verify.reference import float64_example, float64_graph, fold64
+    from slabconv.verify.verifier import _written_tensors
+
+    loaded = reference.loaded
+    example = reference.example if reference.example is not None else loaded.trace_example()
+    graph = reference.graph
+    if graph is None:
+        with quiet():
+            graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
+    original64 = float64_graph(graph, example)
+    fused64, decisions64 = fold64(original64)
+    dtype = getattr(torch, candidate.dtype)
+    fold = engine.fused_state_dict(fused64)
+    written, by_value = _written_tensors(candidate)
+    stored = {k: _match(k, v, written, by_value).double() for k, v in fold.items()}
+    correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
+    cand64 = _with_tensors(fused64, stored)
+    x = choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed, limit=opts.samples)[0][
+        : policy.EXACT_SAMPLES
+    ]
+    t = float64_example(torch.from_numpy(x).to(loaded.dtype)) if x.dtype.kind == "f" else torch.from_numpy(x)
+    found = _boundaries(decisions64, original64, fused64)
+    nodes = [b[3] for b in found]
+    # the three graphs share node names: the fused ones by construction, the original's looked up by node
+    got, want = _record(cand64, t, nodes), _record(correct, t, nodes)
+    before = _record(original64, t, [b[2] for b in found])
+    boundaries = []
+    for norm, layer, orig, fused in found:
+        error = _rel(got[fused.name], want[fused.name]) if fused.name in got else math.inf
+        drift = _rel(want[fused.name], before[orig.name]) if orig.name in before else None
+        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
+    return Localization(METHOD.format(n=len(t)), boundaries, _verdict(boundaries))
+
+
+def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_value: bool) -> torch.Tensor:
+    """The candidate's tensor for the fold's ``key``: by name, or (``by_value``) the closest stored tensor of the
+    same or the transposed shape; NaN where the candidate has none (its boundary then diverges)."""
+    got = written.get(key)
+    if got is not None and tuple(got.shape) == tuple(exact.shape):
+        return got.detach()
+    if by_value:
+        best, distance = None, math.inf
+        for tensor in written.values():
+            for view in (tensor, tensor.T if tensor.dim() == 2 else None):
+                if view is not None and tuple(view.shape) == tuple(exact.shape):
+                    d = judge._distance(view, exact.double())
+                    if d < distance:
+                        best, distance = view, d
+        if best is not None:
+            return best.detach()
+    return torch.full_like(exact, math.nan)
+
+
+# --------------------------------------------------------------------------------------------- streamed
+
+
+def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
+    """Two decoder folders, one layer at a time: each decoder layer of the candidate and of the correct fold (the
+    program's rows rounded to the stored dtype) run in float64 on the reference's float64 hidden states, their
+    folded Linears' outputs compared."""
+    from slabconv.verify import layerwise
+
+    program = reference.program
+    if program is None:
+        return Localization("none", detail="not localised: no fold program of the reference was given")
+    boundaries = list(layerwise.localize_folders(reference.path, candidate.path, program, opts.seed))
+    method = (
+        "each decoder layer's folded Linears, candidate vs the fold program rounded to the stored dtype, in float64"
+    )
+    return Localization(method, boundaries, _verdict(boundaries))
+
+
+# --------------------------------------------------------------------------------------------- ONNX
+
+
+def _onnx(reference: Side, candidate: Side) -> Localization:
+    """The seam for an ONNX original: its boundaries are ONNX values, known once the engine's ONNX lowering records
+    each engine node's ONNX node; until then the localisation says it did not run."""
+    return Localization(
+        "none",
+        detail="not localised: fold boundaries of an ONNX original are not known yet (question 1 names the tensor)",
+    )
+
+
+def table(localization: Localization) -> Iterator[list[str]]:
+    """The per-boundary rows of ``verify --localize``'s table: norm, layer, error, rounding, verdict."""
+    for b in localization.boundaries:
+        rounding = "n/a" if b.rounding is None else f"{b.rounding:.3g}"
+        yield [b.norm, b.layer, f"{b.error:.3g}" if np.isfinite(b.error) else "not finite", rounding,
+               "ok" if b.passed else "DIVERGES"]  # fmt: skip

@@ -1,0 +1,338 @@
+"""The two sides of a verification: what each one is, what it can run on, and whether one is a fold of the other.
+
+A side is one of (``Side.kind``):
+
+- ``model``: a model slabconv builds and traces (a checkpoint, a Hugging Face folder, a ``.pt2``, a fused
+  ``model.safetensors``): PyTorch runs it, and as the reference it gives the float64 graph;
+- ``onnx``: an ``.onnx`` file, run by the ONNX runtimes of ``BACKENDS``; as the reference (an ONNX original) its
+  graph is evaluated in float64 (``slabconv.verify.onnx_original``);
+- ``folder``: a folder ``fuse`` wrote (or is writing: ``fuse`` verifies its staging folder as this side):
+  ``model.onnx`` in the ONNX runtimes, ``model.pt2`` in PyTorch, the fused weights for question 1;
+- ``streamed``: a Hugging Face style decoder folder compared one decoder layer at a time (``verify --stream``,
+  ``fuse --stream``).
+
+Whether question 1 applies follows from what the two sides are (``fold_relation``): the candidate records that it
+was folded (``Provenance.folded``) from a file whose sha256 is the reference's, for the same architecture. An
+unfused export of the reference is not a fold of it; a reference that is a fold of the candidate is a swap of the
+arguments, refused with the command that was meant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slabconv.errors import UsageError
+from slabconv.load.fused import FusedMetadata, is_output_folder
+from slabconv.load.source import Source
+from slabconv.options import LoadOptions
+from slabconv.util import sha256_file
+from slabconv.write.hf_llama import MODELING_FILE
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a file slabconv wrote records about where it came from.
+
+    Attributes:
+        source_sha256: the sha256 of the file (or folder index) it was made from.
+        arch: the architecture, when it records one.
+        folded: it is a fold of that source (``fuse``, ``export``); False for ``export --no-fuse``.
+    """
+
+    source_sha256: str
+    arch: str | None
+    folded: bool
+
+
+@dataclass
+class Side:
+    """One side of a verification (see the module docstring).
+
+    Attributes:
+        path: the file or folder (for ``fuse``, the staging folder).
+        source: the report's ``reference`` / ``candidate`` block.
+        kind: ``model``, ``onnx``, ``folder`` or ``streamed``.
+        loaded: the model slabconv built (``model``; a ``folder``'s, loaded when first needed), else None.
+        graph, example: the traced original and the input it was traced with (``fuse`` gives them; otherwise
+            the reference traces ``loaded`` when it needs its float64 graph).
+        decisions: the fold's decisions (``fuse``), compared with the float64 fold's.
+        onnx: the ``.onnx`` of this side (its own file, or a folder's ``model.onnx``).
+        pt2: a folder's ``model.pt2``.
+        weights: a folder's fused weights (``model.safetensors`` or the shards' index).
+        module: the side in PyTorch when no written program runs (``fuse``: the fused graph in memory).
+        provenance: what the side records about its source (``Provenance``), else None.
+        dtype: the dtype its weights are stored in.
+        dynamic_sequence: its programs take any sequence length (question 2 then runs a shorter one too).
+        program: the fold program of a ``streamed`` reference (question 1 of a streamed fold), made by the caller.
+        language_model: a fused language-model folder (greedy generation is checked on it).
+        notes: what was not checked on this side, and why.
+    """
+
+    path: Path
+    source: Source
+    kind: str
+    loaded: Any = None
+    graph: Any = None
+    example: Any = None
+    decisions: list[Any] | None = None
+    onnx: Any = None
+    pt2: Path | None = None
+    weights: Path | None = None
+    module: Any = None
+    provenance: Provenance | None = None
+    dtype: str = "float32"
+    dynamic_sequence: bool = False
+    program: Any = None
+    language_model: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def arch(self) -> str | None:
+        return self.source.arch
+
+    def digests(self, whole: bool = False) -> set[str]:
+        """Every sha256 that names this side as a source: its own, its files', and for a Hugging Face folder the
+        index a streamed fold records; with ``whole``, also the folder digest an in-memory fold records
+        (``slabconv.load.hf.HFFolder.sha256``: every file hashed, so asked for only when the others do not match)."""
+        found = {self.source.sha256 or ""} | set((self.source.extra.get("files_sha256") or {}).values())
+        if self.path.is_dir():
+            from slabconv.load import hf
+
+            weights = hf.hf_weights_file(self.path)
+            if weights is not None:
+                found.add(sha256_file(weights[0]))
+                if whole and (self.path / hf.CONFIG).is_file():
+                    entry, fmt = weights
+                    files = [self.path / hf.CONFIG, entry]
+                    files += hf.shard_paths(entry) if fmt.endswith("-sharded") else []
+                    outer = hashlib.sha256()
+                    for path in files:
+                        outer.update(f"{path.name} {sha256_file(path)}\n".encode())
+                    found.add(outer.hexdigest())
+        return found - {""}
+
+    def built(self, load: LoadOptions | None = None) -> Any:
+        """``loaded``, building it from ``path`` on first use (a folder's fused model).
+
+        Raises:
+            InputError, UnsupportedModelError: as ``load_model``.
+        """
+        if self.loaded is None:
+            from slabconv.load.model import load_model
+
+            self.loaded = load_model(self.path, load)
+        return self.loaded
+
+
+def onnx_provenance(proto: Any) -> Provenance | None:
+    """The provenance an ``.onnx`` slabconv wrote records in its ``metadata_props`` (``SOURCE_KEY``,
+    ``FOLDED_KEY``, ``ARCH_KEY``), else None. A file with a source and no ``FOLDED_KEY`` is a fold (what ``fuse``
+    of an ONNX original writes)."""
+    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, SOURCE_KEY
+
+    props = {p.key: p.value for p in proto.metadata_props}
+    if not props.get(SOURCE_KEY):
+        return None
+    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, props.get(FOLDED_KEY, "true") == "true")
+
+
+def _fused_provenance(metadata: dict[str, str], label: str) -> Provenance | None:
+    fused = FusedMetadata.read(metadata, label)
+    return Provenance(fused.source_sha256, fused.arch, True) if fused is not None and fused.source_sha256 else None
+
+
+def onnx_side(path: Path) -> Side:
+    """An ``.onnx`` file as a side.
+
+    Raises:
+        InputError: as ``slabconv.load.onnx_file.read_onnx``.
+    """
+    import onnx
+
+    from slabconv.load.onnx_file import read_onnx
+
+    info = read_onnx(path)
+    proto = onnx.load(str(path), load_external_data=False)
+    source = Source(
+        str(path),
+        info.sha256,
+        "onnx",
+        dtype=info.dtype,
+        input_shape=list(info.input_shape) if info.input_shape else None,
+        batch=info.batch,
+        extra={"files_sha256": info.files_sha256},
+    )
+    dynamic = _dynamic_sequence(proto)
+    return Side(path, source, "onnx", onnx=info, provenance=onnx_provenance(proto), dtype=info.dtype,
+                dynamic_sequence=dynamic)  # fmt: skip
+
+
+def _dynamic_sequence(proto: Any) -> bool:
+    """The first graph input's axis 1 is symbolic (a language model's sequence)."""
+    dims = proto.graph.input[0].type.tensor_type.shape.dim if proto.graph.input else []
+    return len(dims) == 2 and bool(dims[1].dim_param) and not dims[1].HasField("dim_value")
+
+
+def output_side(folder: Path, source: Source | None = None) -> Side:
+    """A folder ``fuse`` wrote, or the staging folder it is writing (``source`` given: the report's block is
+    made by the caller), as a candidate: its ``model.onnx``, ``model.pt2`` and fused weights.
+
+    Raises:
+        InputError: an unreadable file in it.
+    """
+    import onnx
+
+    from slabconv.load.hf import SAFETENSORS_INDEX
+    from slabconv.load.onnx_file import read_onnx
+
+    onnx_path, pt2 = folder / "model.onnx", folder / "model.pt2"
+    weights = next((folder / n for n in ("model.safetensors", SAFETENSORS_INDEX) if (folder / n).is_file()), None)
+    info = read_onnx(onnx_path) if onnx_path.is_file() else None
+    side = Side(folder, source or Source(str(folder), None, "slabconv-output"), "folder", onnx=info,
+                pt2=pt2 if pt2.is_file() else None, weights=weights,
+                language_model=(folder / MODELING_FILE).is_file())  # fmt: skip
+    dtype, metadata = _weights_header(weights) if weights is not None else (None, {})
+    side.provenance = _fused_provenance(metadata, str(weights)) if metadata else None
+    if info is not None:
+        proto = onnx.load(str(onnx_path), load_external_data=False)
+        side.provenance = side.provenance or onnx_provenance(proto)
+        side.dynamic_sequence = _dynamic_sequence(proto)
+    side.dtype = dtype or (info.dtype if info is not None else "float32")
+    if source is None:
+        side.source = _folder_source(side)
+    return side
+
+
+def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:
+    """The floating dtype and the metadata of a safetensors file (of the first shard, for an index), read from
+    its header only."""
+    from safetensors import safe_open
+
+    from slabconv.load.hf import SAFETENSORS_INDEX
+    from slabconv.load.safety import read_json
+
+    if path.name == SAFETENSORS_INDEX:
+        index = read_json(path)
+        shards = sorted(set((index.get("weight_map") or {}).values())) if isinstance(index, dict) else []
+        if not shards:
+            return None, {}
+        path = path.parent / str(shards[0])
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            for key in f.keys():
+                dtype = str(f.get_slice(key).get_dtype()).lower()
+                names = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64"}
+                if dtype in names:
+                    return names[dtype], metadata
+            return None, metadata
+    except Exception:  # noqa: BLE001 - the load stage names what is wrong with the file when it reads it
+        return None, {}
+
+
+def _folder_source(side: Side) -> Source:
+    """The report block of an output folder: its weights' (or ONNX file's) sha256, format ``slabconv-output``."""
+    main = side.weights or (side.onnx.path if side.onnx is not None else None)
+    files = {p.name: sha256_file(p) for p in (side.weights, side.pt2) if p is not None}
+    if side.onnx is not None:
+        files.update(side.onnx.files_sha256)
+    return Source(str(side.path), sha256_file(main) if main is not None else None, "slabconv-output",
+                  arch=side.provenance.arch if side.provenance else None, dtype=side.dtype,
+                  extra={"files_sha256": files})  # fmt: skip
+
+
+def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
+    """A model slabconv built (``LoadedModel``) as a side; ``given``: ``graph``, ``example``, ``decisions``
+    (``fuse`` hands over what it traced and planned)."""
+    checkpoint = loaded.checkpoint
+    source = loaded.source(path)
+    provenance = None
+    if checkpoint.format != "torch.export" and checkpoint.metadata:
+        provenance = _fused_provenance(dict(checkpoint.metadata), str(checkpoint.path))
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return Side(Path(path or checkpoint.path), source, "model", loaded=loaded, provenance=provenance, dtype=dtype,
+                **given)  # fmt: skip
+
+
+def open_side(path: Path, load: LoadOptions | None = None) -> Side:
+    """The side at ``path``: an ``.onnx`` file, a folder ``fuse`` wrote, else a model slabconv builds.
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: as ``read_onnx`` / ``load_model``.
+    """
+    from slabconv.load.formats import engine_of
+    from slabconv.load.model import load_model
+
+    if engine_of(path) == "onnx":
+        return onnx_side(path)
+    if is_output_folder(path):
+        return output_side(path)
+    return model_side(load_model(path, load), path)
+
+
+def streamed_side(folder: Path, program: Any = None) -> Side:
+    """A Hugging Face style decoder folder compared one layer at a time; ``program``: the fold program of this
+    folder when it is the reference of a fold (question 1).
+
+    Raises:
+        InputError, UnsupportedModelError: not a folder of a decoder family slabconv streams.
+    """
+    from slabconv.load import hf
+    from slabconv.load.shards import LazyShards
+    from slabconv.zoo.decoder import family_of
+
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: --stream compares Hugging Face style folders; give the folder, not a file")
+    shards = LazyShards.open(folder)
+    family = family_of(shards.weight_map)
+    found = hf.hf_weights_file(folder)
+    assert found is not None
+    digest = sha256_file(found[0])
+    source = Source(str(folder), digest, found[1], family.name, extra={"index_sha256": digest})
+    dtype, metadata = _weights_header(found[0])
+    provenance = _fused_provenance(metadata, str(found[0])) if metadata else None
+    return Side(folder, source, "streamed", provenance=provenance, dtype=dtype or "float32", program=program,
+                language_model=(folder / MODELING_FILE).is_file())  # fmt: skip
+
+
+def folded_from(reference: Side, candidate: Side) -> bool:
+    """``candidate`` records that it is a fold of ``reference``: its source's sha256 is one of the reference's
+    (``Side.digests``), for the same architecture where both name one."""
+    p = candidate.provenance
+    if p is None or not p.folded:
+        return False
+    if p.source_sha256 not in reference.digests() and p.source_sha256 not in reference.digests(whole=True):
+        return False
+    return p.arch is None or reference.arch is None or p.arch == reference.arch
+
+
+def fold_relation(reference: Side, candidate: Side) -> bool:
+    """Whether question 1 applies: the candidate is a fold of the reference (``folded_from``).
+
+    Raises:
+        UsageError: the reference is a fold of the candidate (the arguments are swapped), naming both and the
+            command meant.
+    """
+    if folded_from(reference, candidate):
+        return True
+    if folded_from(candidate, reference):
+        raise UsageError(
+            f"the arguments are swapped: {reference.path} is a fold of {candidate.path}; the original comes first: "
+            f"slabconv verify {candidate.path} {reference.path}"
+        )
+    return False
+
+
+def why_not_a_fold(reference: Side, candidate: Side) -> str:
+    """Why question 1 does not apply to this pair, in words (for the report's note)."""
+    p = candidate.provenance
+    if p is None:
+        return "the candidate records no source it was folded from"
+    if not p.folded:
+        return "the candidate is an unfused export of its source (export --no-fuse)"
+    if p.source_sha256 not in reference.digests(whole=True):
+        return "the candidate was folded from another file (its recorded source sha256 is not the reference's)"
+    return f"the candidate was folded for architecture {p.arch!r}, the reference is {reference.arch!r}"

@@ -1,0 +1,588 @@
+"""The one verifier: both questions for a reference side and a candidate side (``slabconv.verify.sides``).
+
+``fuse`` calls it on the original and the folder it has just written, exactly as ``slabconv verify ORIGINAL
+FOLDER`` does in CI; ``verify`` calls it on any two sides. The steps, whatever the sides are:
+
+1. the relation (``sides.fold_relation``): question 1 applies when the candidate is a fold of the reference;
+   swapped arguments are refused;
+2. the candidate's runtimes, chosen before any work (``--runtime``): ``model.onnx`` / an ``.onnx`` in onnxruntime
+   (optimisations off and on) and any opt-in runtime named, ``model.pt2`` / a model in PyTorch;
+3. the inputs and the reference: the reference model in its dtype and in float64 (a traced graph promoted to
+   float64, or an ONNX graph cast to float64);
+4. question 1: the float64 fold of the reference against the reference in float64, and every written tensor
+   against that fold rounded to its dtype;
+5. file checks: ``onnx.checker``'s full check, judged against the reference's own result for an ONNX original;
+6. question 2: each runtime in the dtype its file declares; a file no runtime here can run is named
+   (``NotRun``), never covered by the verdict;
+7. greedy generation for a fused language-model folder;
+8. on a failure (or ``localize``), the localisation pass (``slabconv.verify.localize``).
+
+Two decoder folders compared one layer at a time (``streamed`` sides) take the same steps through
+``slabconv.verify.layerwise`` in bounded memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slabconv import engine
+from slabconv.errors import InputError, UsageError, first_line
+from slabconv.options import LoadOptions, VerifyOptions
+from slabconv.util import Progress, no_progress, quiet, release_memory, stage_memory
+from slabconv.verify import judge, sides
+from slabconv.verify.backends import BACKENDS
+from slabconv.verify.inputs import choose_inputs
+from slabconv.verify.integrity import check_onnx_file
+from slabconv.verify.policy import dtype_name
+from slabconv.verify.reference import float64_graph, fold64
+from slabconv.verify.results import IntegrityCheck, NotRun, OutputCheck, Verification
+from slabconv.verify.run import (
+    FLOAT64_BATCH,
+    Reference,
+    check_reference,
+    decisions_note,
+    exact_samples,
+    output_names,
+    question_1_graph,
+    question_2,
+    runtime_summary,
+)
+from slabconv.verify.runtimes import (
+    ORT_LEVELS,
+    Inputs,
+    Runtime,
+    RuntimeUnavailable,
+    onnx_runtimes,
+    ort_label,
+    run_batched,
+    torch_label,
+    torch_runner,
+    torch_runtime,
+)
+from slabconv.verify.sides import Side
+
+Opener = Callable[[], Runtime]
+"""Opens one runtime of question 2 (an onnxruntime session, the ``.pt2`` loaded back) when its turn comes."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A runtime of question 2 not opened yet.
+
+    Attributes:
+        artifact: the file it runs (``model.onnx``); ``label``: the label it will have; ``open``: its opener.
+        backend: the ``BACKENDS`` name (what ``--runtime`` calls it).
+        rescue: it runs ``artifact`` only when every other runtime of it could not (OpenVINO, installed, for an
+            ``.onnx`` onnxruntime's CPU provider has no kernels for).
+    """
+
+    artifact: str
+    label: str
+    open: Opener
+    backend: str
+    rescue: bool = False
+
+
+def candidate_runs(
+    candidate: Side, names: tuple[str, ...] | None, load: LoadOptions | None = None
+) -> tuple[list[Pending], Pending | None]:
+    """The runtimes question 2 runs the candidate in, in order, and the fallback (the candidate in PyTorch, run
+    only when nothing else ran): every one that can run it, or those ``names`` asks for (``--runtime``). Nothing
+    is opened here.
+
+    Raises:
+        UsageError: a runtime of ``names`` that cannot run the candidate (checked before any work).
+    """
+    dtype = getattr(torch, candidate.dtype)
+    pending: list[Pending] = []
+    if candidate.onnx is not None:
+        path = candidate.onnx.path
+        pending += [
+            Pending(path.name, ort_label(level), functools.partial(_ort_level, path, level), "onnxruntime")
+            for level in ORT_LEVELS
+        ]
+        for backend in BACKENDS.values():
+            if backend.opt_in and "verify" in backend.commands:
+                asked = names is not None and backend.name in names
+                if asked or (names is None and backend.unavailable() is None):
+                    pending.append(Pending(path.name, backend.name, functools.partial(_first, backend, path),
+                                           backend.name, rescue=not asked))  # fmt: skip
+    if candidate.pt2 is not None:
+        pt2, batch = candidate.pt2, candidate.source.batch
+        opener = functools.partial(_pt2_runtime, pt2, dtype, batch)
+        pending.append(Pending(pt2.name, torch_label(candidate.dtype, pt2.name), opener, "pytorch"))
+    fallback = None
+    if candidate.kind == "model":
+        loaded = candidate.loaded
+        what = "fused output" if candidate.source.format == "slabconv-output" else loaded.checkpoint.format
+        opener = functools.partial(torch_runtime, loaded.model, loaded.dtype, what, loaded.batch)
+        pending.append(Pending(candidate.path.name, torch_label(candidate.dtype, what), opener, "pytorch"))
+    elif candidate.kind == "folder" and (candidate.module is not None or candidate.weights is not None):
+        what = "fused graph" if candidate.module is not None else "fused output"
+        opener = functools.partial(_folder_module, candidate, dtype, what, load)
+        fallback = Pending(what, torch_label(candidate.dtype, what), opener, "pytorch")
+    if names is not None:
+        for name in dict.fromkeys(names):
+            if not any(p.backend == name for p in pending) and not (fallback and fallback.backend == name):
+                have = ", ".join(dict.fromkeys(p.backend for p in pending)) or "none"
+                raise UsageError(
+                    f"--runtime {name} cannot run {candidate.path} (runtimes that can: {have}); choose one of those"
+                )
+        pending = [p for p in pending if p.backend in names]
+        fallback = fallback if fallback is not None and fallback.backend in names else None
+    return pending, fallback
+
+
+def _ort_level(path: Path, level: str) -> Runtime:
+    return onnx_runtimes(path, several=True, levels=(level,))[0]
+
+
+def _first(backend: Any, path: Path) -> Runtime:
+    opened: list[Runtime] = backend.open(path)
+    return opened[0]
+
+
+def _pt2_runtime(path: Path, dtype: torch.dtype, batch: int | None) -> Runtime:
+    from slabconv.load.checkpoint import load_checkpoint
+
+    return torch_runtime(load_checkpoint(path).module, dtype, path.name, fixed_batch=batch)
+
+
+def _folder_module(side: Side, dtype: torch.dtype, what: str, load: LoadOptions | None) -> Runtime:
+    """The fused model of a folder in PyTorch: the graph ``fuse`` holds, else the model built from the folder."""
+    if side.module is not None:
+        return torch_runtime(side.module, dtype, what, side.source.batch)
+    try:
+        loaded = side.built(load)
+    except (InputError, UsageError) as err:
+        raise RuntimeUnavailable(
+            f"PyTorch cannot build the fused model of {side.path.name}: {first_line(err)}"
+        ) from None
+    return torch_runtime(loaded.model, loaded.dtype, what, loaded.batch)
+
+
+def question_2_each(
+    reference: Reference,
+    shorter: Reference | None,
+    pending: Sequence[Pending],
+    *,
+    opts: VerifyOptions,
+    token_logits: bool,
+    fallback: Pending | None = None,
+    progress: Progress = no_progress,
+) -> tuple[list[OutputCheck], list[Runtime], list[NotRun]]:
+    """Question 2 for each runtime of ``pending`` on ``reference`` and, when given, on ``shorter`` (the same inputs
+    at a shorter length): the checks of every runtime on ``reference``, then those on ``shorter``.
+
+    One runtime at a time: each is opened when its turn comes and closed (``Runtime.close``) once both its runs are
+    done, so the runtimes never hold their memory at once. A runtime that cannot run its artifact
+    (``RuntimeUnavailable``) leaves the artifact to a ``rescue`` runtime; an artifact no runtime ran is returned as
+    ``NotRun``. ``fallback`` runs only when nothing else ran.
+
+    Returns:
+        ``(checks, the runtimes that ran, the files not run)``.
+    """
+    checks: list[OutputCheck] = []
+    at_length: list[OutputCheck] = []
+    ran: list[Runtime] = []
+    why: dict[str, str] = {}
+    done: set[str] = set()
+    for one in [*pending, fallback]:
+        if (
+            one is None
+            or (one is fallback and ran)
+            or (one.rescue and (one.artifact in done or one.artifact not in why))
+        ):
+            continue
+        if one.artifact in why and not one.rescue:
+            continue  # one runtime of this file could not open it: the others (optimisation levels) cannot either
+        progress(f"verifying: question 2, {one.label}")
+        try:
+            runtime = one.open()
+        except RuntimeUnavailable as err:
+            why.setdefault(one.artifact, str(err))
+            continue
+        ran.append(runtime)
+        done.add(one.artifact)
+        run = functools.partial(question_2, runtime=runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict)
+        checks += run(reference, token_logits=token_logits)
+        if shorter is not None:
+            progress(f"verifying: question 2, {runtime.label}, length {shorter.x.shape[1]}")
+            at_length += run(shorter, token_logits=True, names=shorter.names)
+        runtime.close()
+        del runtime
+        release_memory(collect=False)
+    not_run = [NotRun(artifact, reason) for artifact, reason in why.items() if artifact not in done]
+    return checks + at_length, ran, not_run
+
+
+# --------------------------------------------------------------------------------------------- the reference
+
+
+def _inputs(
+    reference: Side, candidate: Side, load: LoadOptions | None, opts: VerifyOptions
+) -> tuple[Inputs, str, str | None]:
+    """The verification inputs ``(N, ...)`` (a dict by input name for an ONNX original with several inputs),
+    their label and the sha256 of the ``--inputs`` file (None for drawn samples).
+
+    Raises:
+        UsageError, InputError: as ``choose_inputs`` / ``onnx_original.choose_onnx_inputs``.
+    """
+    from slabconv.verify import onnx_original
+
+    if reference.kind == "onnx":
+        return onnx_original.choose_onnx_inputs(reference.onnx, opts)
+    loaded = reference.loaded or (candidate.loaded if candidate.kind == "model" else None)
+    shape = (load.input_shape if load else None) or (tuple(candidate.source.input_shape or ()) or None)
+    return choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed, shape, limit=opts.samples,
+                         token_input=bool(candidate.onnx and candidate.onnx.token_input))  # fmt: skip
+
+
+def _torch_reference(
+    reference: Side, candidate: Side, x: np.ndarray, label: str, digest: str | None, fold: bool
+) -> tuple[Reference, Any, list[Any], list[str]]:
+    """The reference model in its dtype and its graph in float64 on ``x``, and (``fold``) the float64 fold.
+
+    A candidate stored in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint)
+    is held to the error of the reference cast to that dtype (``e_orig``): the error any model in that dtype has.
+
+    Returns:
+        ``(reference, fused64 or None, decisions64, notes)``.
+    """
+    loaded = reference.loaded
+    notes = []
+    written = getattr(torch, candidate.dtype, None)
+    if isinstance(written, torch.dtype) and written.itemsize < loaded.dtype.itemsize and loaded.dtype.is_floating_point:
+        cast = copy.deepcopy(loaded.model).to(written)
+        original = run_batched(torch_runner(cast, written, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
+        notes.append(
+            f"the candidate is stored in {candidate.dtype}, the reference in {dtype_name(loaded.dtype)}: the "
+            f"original's own error is that of the reference cast to {candidate.dtype}"
+        )
+        del cast
+    else:
+        original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+    example = reference.example if reference.example is not None else loaded.trace_example()
+    graph = reference.graph
+    if graph is None:
+        with quiet():
+            graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
+    original64 = float64_graph(graph, example)
+    runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
+    exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
+    release_memory(collect=False)  # the float64 activations, before the float64 fold is made
+    fused64, decisions64 = fold64(original64) if fold else (None, [])
+    names = output_names(len(original))
+    ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64)
+    check_reference(ref)
+    return ref, fused64, decisions64, notes
+
+
+def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) -> tuple[Reference, str, int | None]:
+    """An ONNX original in its dtype (onnxruntime) and its graph in float64.
+
+    Raises:
+        InputError: a graph that draws random numbers; an original onnxruntime cannot run (a bfloat16 one).
+    """
+    from slabconv.verify import onnx_original
+
+    info = reference.onnx
+    onnx_original.check_deterministic(info.path)
+    try:
+        runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
+    except RuntimeUnavailable as err:
+        if info.dtype == "bfloat16":  # the CPU provider lacks bfloat16 kernels for most ops (BatchNorm, MatMul)
+            raise InputError(
+                f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
+                "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
+                "kernels, or fold a float32 or float16 export"
+            ) from None
+        raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
+    batch = runtime.fixed_batch
+    original = run_batched(runtime.run, x, fixed_batch=batch)
+    names = output_names(len(original), runtime.output_names)
+    runtime.close()
+    exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
+    ref = Reference(x, label, digest, info.dtype, original, exact, names)
+    check_reference(ref)
+    return ref, which, batch
+
+
+# --------------------------------------------------------------------------------------------- question 1
+
+
+def _written_tensors(candidate: Side) -> tuple[dict[str, torch.Tensor], bool]:
+    """The candidate's stored tensors for question 1, and whether they are matched by value (an ``.onnx`` from
+    the exporter stores Linear weights transposed under generated names) rather than by name."""
+    from slabconv.load.checkpoint import load_checkpoint
+
+    if candidate.kind == "folder" and candidate.weights is not None:
+        target = candidate.weights if candidate.weights.suffix == ".safetensors" else candidate.path
+        return dict(load_checkpoint(target).state_dict), False
+    if candidate.kind == "model":
+        return dict(candidate.loaded.checkpoint.state_dict), False
+    from slabconv.verify import onnx_original
+
+    return onnx_original.float_tensors(candidate.onnx.path), True
+
+
+def _question_1_torch(
+    reference: Reference, fused64: Any, candidate: Side, batch: int | None, progress: Progress
+) -> list[Any]:
+    progress("verifying: question 1, is the fold exact?")
+    graph = question_1_graph(reference, fused64, batch)
+    written, by_value = _written_tensors(candidate)
+    fold = engine.fused_state_dict(fused64)
+    name = candidate.weights.name if candidate.kind == "folder" and candidate.weights else candidate.path.name
+    what = f"{name} vs the float64 fold"
+    return [graph, judge.exact_tensors(what, written, fold, by_value=by_value)]
+
+
+def _question_1_onnx(
+    reference_side: Side, reference: Reference, candidate: Side, batch: int | None, progress: Progress
+) -> list[Any]:
+    from slabconv.verify import onnx_original
+
+    progress("verifying: question 1, is the fold exact?")
+    fused64 = onnx_original.fold64(reference_side.onnx.path, candidate.onnx.path)
+    assert reference.exact is not None
+    x1, exact1, total = exact_samples(reference.x, reference.exact)
+    outputs = onnx_original.run_float64(fused64, x1, reference.dtype, batch)
+    written = onnx_original.float_tensors(candidate.onnx.path)
+    what = f"{candidate.onnx.path.name} vs the float64 fold"
+    return [
+        judge.exact_graphs(reference.names, outputs, exact1, of=total),
+        judge.exact_tensors(what, written, onnx_original.ir_tensors(fused64)),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- file checks
+
+
+def checker_check(candidate: Side, reference: Side) -> IntegrityCheck | None:
+    """``onnx.checker``'s full check of the candidate's ``.onnx``, judged against the reference's own result when
+    the reference is an ONNX file: a candidate that fails as its original does was not broken by the fold (the
+    check passes, its detail says so); None when the candidate has no ``.onnx``."""
+    if candidate.onnx is None:
+        return None
+    path = candidate.onnx.path
+    passed, detail = check_onnx_file(path)
+    name = f"onnx.checker[full_check] {path.name}"
+    if passed or reference.onnx is None:
+        return IntegrityCheck(name, passed, detail)
+    ref_passed, ref_detail = check_onnx_file(reference.onnx.path)
+    if ref_passed:
+        return IntegrityCheck(name, False, detail + f" (the reference {reference.onnx.path.name} passes it)")
+    same = _checker_text(detail) == _checker_text(ref_detail)
+    why = f"the reference {reference.onnx.path.name} fails it too: {ref_detail}"
+    return IntegrityCheck(name, same, f"{detail} ({why}: not the fold's doing)" if same else f"{detail} ({why})")
+
+
+def _checker_text(detail: str) -> str:
+    """A checker message without the file's path (the two files have different names)."""
+    return detail.split(": ", 1)[-1] if detail.startswith("/") else detail
+
+
+# --------------------------------------------------------------------------------------------- the verifier
+
+
+def verify(
+    reference: Side,
+    candidate: Side,
+    opts: VerifyOptions,
+    *,
+    load: LoadOptions | None = None,
+    localize: bool = False,
+    progress: Progress = no_progress,
+) -> Verification:
+    """Both questions for ``candidate`` against ``reference`` (see the module docstring).
+
+    Args:
+        opts: the inputs, tolerances and runtimes; ``opts.generate``: greedy tokens to compare for a fused
+            language-model folder (None or 0: not checked).
+        load: how to build a side's model (``--arch``, ``--input-shape``...).
+        localize: run the localisation pass even when everything passed (``verify --localize``).
+
+    Raises:
+        UsageError: swapped arguments; a runtime that cannot run the candidate; ``--generate`` without a fused
+            language-model folder; no input shape known.
+        InputError: unusable inputs (a non-finite float64 output, an original that overflows its dtype as the
+            candidate does); sides that are not the same model.
+    """
+    started = time.monotonic()
+    related = sides.fold_relation(reference, candidate)
+    if opts.generate and not candidate.language_model:
+        raise UsageError(
+            f"--generate needs a fused language-model folder as the candidate; {candidate.path} is not one"
+        )
+    if "streamed" in (reference.kind, candidate.kind):
+        verification = _layerwise(reference, candidate, related, opts, progress)
+    else:
+        with stage_memory():  # one full collection, then each stage's release_memory walks only what it made
+            verification = _whole(reference, candidate, related, opts, load, progress)
+    if opts.generate:
+        verification.generation = _generation(reference, candidate, opts, progress)
+    elif candidate.language_model and opts.generate == 0:
+        verification.notes.append("greedy generation not checked (--generate 0)")
+    if localize or not verification.passed:
+        from slabconv.verify import localize as localizer
+
+        progress("verifying: localising, fold by fold")
+        verification.localization = localizer.localize(reference, candidate, opts, load)
+    verification.seconds = time.monotonic() - started
+    return verification
+
+
+def _whole(
+    reference: Side,
+    candidate: Side,
+    related: bool,
+    opts: VerifyOptions,
+    load: LoadOptions | None,
+    progress: Progress,
+) -> Verification:
+    """Both questions with whole models (every side but ``streamed``)."""
+    pending, fallback = candidate_runs(candidate, opts.runtimes, load)
+    if reference.kind == "folder":
+        reference = _as_model(reference)  # a folder fuse wrote, as the reference: its fused model
+    a, b = reference.source.input_shape, candidate.source.input_shape
+    if a and b and tuple(a) != tuple(b):
+        raise InputError(
+            f"{reference.path} takes inputs of shape {tuple(a)} but {candidate.path} takes {tuple(b)}; the two files "
+            "are not the same model"
+        )
+    progress("verifying: the reference in its dtype and in float64")
+    x, label, digest = _inputs(reference, candidate, load, opts)
+    verification = Verification(inputs=label, inputs_sha256=digest)
+    token_logits = (
+        bool(reference.loaded.token_input)
+        if reference.loaded is not None
+        else bool(reference.onnx and reference.onnx.token_input)
+    )
+    if reference.kind == "onnx":
+        ref, which, batch = _onnx_reference(reference, x, label, digest)
+        verification.reference = f"the reference ONNX graph in float64 ({which})"
+        fused64 = None
+    else:
+        ref, fused64, decisions64, notes = _torch_reference(reference, candidate, x, label, digest, related)
+        verification.reference = "the reference model in float64 (pytorch)"
+        verification.notes += notes
+        if reference.decisions is not None and related:
+            verification.notes += decisions_note(reference.decisions, decisions64)
+        batch = reference.loaded.batch
+    verification.notes += ref.notes
+    if related:
+        if reference.kind == "onnx":
+            verification.exact += _question_1_onnx(reference, ref, candidate, batch, progress)
+        else:
+            verification.exact += _question_1_torch(ref, fused64, candidate, batch, progress)
+        del fused64
+    else:
+        verification.notes.append(
+            f"question 1 (is the fold exact?) not answered: {sides.why_not_a_fold(reference, candidate)}; question 2 "
+            "only"
+        )
+    release_memory()
+    check = checker_check(candidate, reference)
+    if check is not None:
+        verification.integrity.append(check)
+    shorter = None
+    length = ref.x.shape[1] // 2 if isinstance(ref.x, np.ndarray) and ref.x.ndim == 2 else 0
+    if candidate.dynamic_sequence and token_logits and length >= 1 and ref.original64 is not None:
+        # The programs take any length: check a second one, so a program that only runs (or only computes right)
+        # at the verification inputs' length cannot pass.
+        shorter = ref.at_length(reference.loaded, length)
+        shorter.original64 = None
+    ref.original64 = None
+    checks, ran, not_run = question_2_each(
+        ref, shorter, pending, opts=opts, token_logits=token_logits, fallback=fallback, progress=progress
+    )
+    if not ran and not_run:
+        raise InputError(f"{candidate.path}: no runtime here can run it ({'; '.join(n.line() for n in not_run)})")
+    verification.checks += checks
+    verification.not_run += not_run
+    verification.runtime = runtime_summary(ran)
+    _overflowing_inputs(verification, ref)
+    return verification
+
+
+def _as_model(side: Side) -> Side:
+    """A folder ``fuse`` wrote, as a model side (its fused model: question 2 only)."""
+    loaded = side.built()
+    return sides.model_side(loaded, side.path)
+
+
+def _overflowing_inputs(verification: Verification, reference: Reference) -> None:
+    """Inputs on which the original overflows its own dtype and the candidate does too are an input problem, not
+    a fold's: the error is raised (exit 2) instead of a failed question 2.
+
+    Raises:
+        InputError: naming the inputs, when every failing check of question 2 is a non-finite output where the
+            original in its own dtype is not finite either.
+    """
+    overflow = [i for i, o in enumerate(reference.original) if not np.isfinite(o).all()]
+    if not overflow:
+        return
+    failing = [c for c in verification.checks if not c.passed]
+    if failing and all(not np.isfinite(c.e_fused) for c in failing):
+        raise InputError(
+            f"{reference.label}: the original model's own output is not finite in {reference.dtype} on these inputs, "
+            "nor is the candidate's: the inputs overflow the model itself (values too large for its dtype?); pass "
+            "inputs the model was made for with --inputs NPZ"
+        )
+
+
+def _generation(reference: Side, candidate: Side, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
+    """Greedy generation of the reference model against the candidate folder (``verify.generate``).
+
+    Raises:
+        UsageError: the reference is not a language model slabconv builds; transformers is missing.
+    """
+    from slabconv.verify.generate import check_fused_folder
+    from slabconv.write.hf_llama import require_transformers
+
+    assert opts.generate
+    require_transformers()
+    loaded = reference.built() if reference.kind in ("model", "streamed") else None
+    if loaded is None or not loaded.token_input:
+        raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
+    progress("verifying: greedy generation, original vs fused folder")
+    x = choose_inputs(loaded, opts.inputs if reference.kind == "model" else None, opts.sample_count(), opts.seed)[0]
+    onnx = (candidate.path / "decoder.onnx").is_file()
+    generation = check_fused_folder(loaded.model, candidate.path, x, opts.generate, onnx=onnx)
+    if onnx and loaded.dtype == torch.bfloat16:
+        generation.setdefault("notes", []).append(
+            "onnxruntime's CPU provider has no bfloat16 kernels: greedy generation ran in transformers only, "
+            "decoder.onnx got onnx.checker's full check"
+        )
+    return generation
+
+
+def _layerwise(
+    reference: Side, candidate: Side, related: bool, opts: VerifyOptions, progress: Progress
+) -> Verification:
+    """Both questions one decoder layer at a time, in bounded memory (``layerwise.verify_folders``)."""
+    from slabconv.verify import layerwise
+
+    if reference.kind != "streamed" or candidate.kind != "streamed":
+        raise UsageError("--stream compares two Hugging Face style decoder folders; give a folder on both sides")
+    if opts.inputs is not None:
+        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    program = reference.program if related else None
+    verification = layerwise.verify_folders(
+        reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed, rtol=opts.rtol,
+        atol=opts.atol, strict=opts.strict, program=program, block_elements=engine.FOLD_BLOCK, progress=progress,
+    )  # fmt: skip
+    if program is None:
+        why = sides.why_not_a_fold(reference, candidate) if not related else "no fold program was given"
+        verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
+    return verification
