@@ -234,7 +234,7 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(api, "bench", work)
     monkeypatch.setattr(api, "load_model", work)
-    monkeypatch.setattr("slabconv.verify.pair.verify_pair", work)
+    monkeypatch.setattr("slabconv.verify.verifier.verify", work)
 
 
 @pytest.mark.parametrize(
@@ -332,9 +332,9 @@ def test_openvino_is_refused_with_the_install_line_when_absent(no_work, monkeypa
 
 
 def test_a_runtime_that_cannot_run_the_candidate_is_refused_before_the_reference(tmp_path, monkeypatch):
-    from slabconv.verify import pair
+    from slabconv.verify import verifier
 
-    monkeypatch.setattr(pair, "_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    monkeypatch.setattr(verifier, "_torch_reference", lambda *a, **k: pytest.fail("the reference ran first"))
     result = runner.invoke(app, ["verify", str(CKPT), str(CKPT), "--runtime", "onnxruntime"])
     assert result.exit_code == 2
     assert "--runtime onnxruntime cannot run" in result.stderr and "(runtimes that can: pytorch)" in result.stderr
@@ -360,7 +360,7 @@ def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_
     v = report["verification"]
     assert v["passed"] and "first 24 of 360 samples" in v["inputs"]
     assert all(c["dtype"] == "float16" for c in v["checks"]), v["checks"]
-    assert any(e["name"].startswith("model.safetensors vs the float64 fold") and e["error"] == 0 for e in v["exact"])
+    assert any(e["name"].startswith("model.safetensors vs a float64 fold of the reference") and e["error"] == 0 for e in v["exact"])
     # the written files, verified on their own, pass under the same policy; pytorch only, as asked
     again = runner.invoke(app, ["verify", str(CKPT), str(out), "--runtime", "pytorch", "--samples", "24", "--json"])
     assert again.exit_code == 0, again.output

@@ -245,12 +245,12 @@ def test_question_2_opens_each_runtime_after_the_one_before_is_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two onnxruntime sessions and the loaded ``.pt2`` never hold their weights and arenas at once."""
-    from slabconv.verify import run
+    from slabconv.verify import verifier
 
-    artifact_runtimes, open_now, most, opened = run.artifact_runtimes, [0], [0], []
+    candidate_runs, open_now, most, opened = verifier.candidate_runs, [0], [0], []
 
-    def counted(opener: run.Opener) -> run.Opener:
-        def opening() -> run.Runtime:
+    def counted(opener: verifier.Opener) -> verifier.Opener:
+        def opening() -> verifier.Runtime:
             runtime = opener()
             open_now[0] += 1
             most[0] = max(most[0], open_now[0])
@@ -266,11 +266,11 @@ def test_question_2_opens_each_runtime_after_the_one_before_is_closed(
 
         return opening
 
-    def counting(*args: object) -> tuple[list[run.Pending], run.Pending | None]:
-        pending, fallback = artifact_runtimes(*args)  # type: ignore[arg-type]
+    def counting(*args: object) -> tuple[list[verifier.Pending], verifier.Pending | None]:
+        pending, fallback = candidate_runs(*args)  # type: ignore[arg-type]
         return [dataclasses.replace(one, open=counted(one.open)) for one in pending], fallback
 
-    monkeypatch.setattr(run, "artifact_runtimes", counting)
+    monkeypatch.setattr(verifier, "candidate_runs", counting)
     report = api.fuse(save_ckpt(tmp_path / "ckpt.pth"), tmp_path / "out", verify=VerifyOptions(samples=4))
     assert report.verification is not None and report.verification.passed
     assert opened == [

@@ -314,17 +314,17 @@ def openvino_runtime(path: Path, device: str = "CPU", kind: str = "openvino") ->
         raise RuntimeUnavailable(f"openvino cannot run {path.name}: {first_line(err, 160)}") from None
     ran = _OV_PRECISIONS.get(getattr(hint, "get_type_name", lambda: str(hint))(), str(hint))
     port = compiled.inputs[0]
-    file_dtype = dtype_name(compiled.outputs[0].get_element_type().to_dtype()) if compiled.outputs else "float32"
+    file_dtype = _ov_dtype(compiled.outputs[0].get_element_type()) if compiled.outputs else "float32"
     dtype = min((ran, file_dtype), key=lambda d: _WIDTH.get(d, 2))
-    np_dtype = port.get_element_type().to_dtype()
     request = compiled.create_infer_request()
+    feed = _ov_feed(ov, port.get_element_type())
 
     def run(x: np.ndarray) -> list[np.ndarray]:
-        results = request.infer({0: x.astype(np_dtype, copy=False)})
-        return [np.asarray(results[out], dtype=np.float64) for out in compiled.outputs]
+        results = request.infer({0: feed(x)})
+        return [_ov_output(results[out], out.get_element_type()) for out in compiled.outputs]
 
-    def timer(feed: np.ndarray) -> Callable[[], Any]:
-        fed = {0: feed.astype(np_dtype, copy=False)}
+    def timer(fed_array: np.ndarray) -> Callable[[], Any]:
+        fed = {0: feed(fed_array)}
         return lambda: request.infer(fed)
 
     shape = port.get_partial_shape()
@@ -338,6 +338,37 @@ def openvino_runtime(path: Path, device: str = "CPU", kind: str = "openvino") ->
         kind=kind,
         timer=timer,
     )
+
+
+def _ov_dtype(element_type: Any) -> str:
+    """The dtype name of an OpenVINO element type (its ``to_dtype`` maps bfloat16 to numpy's float16)."""
+    if str(element_type.get_type_name()) == "bf16":
+        return "bfloat16"
+    return dtype_name(element_type.to_dtype())
+
+
+def _ov_feed(ov: Any, element_type: Any) -> Callable[[np.ndarray], Any]:
+    """How an input array reaches a port of ``element_type``: in the dtype the file declares. A bfloat16 port gets
+    bfloat16 values (the array rounded to bfloat16 by ``ml_dtypes``, its bits in an ``ov.Tensor`` of type bf16):
+    numpy has no bfloat16, and OpenVINO's own conversion would hand it float16 bits."""
+    if _ov_dtype(element_type) != "bfloat16":
+        np_dtype = element_type.to_dtype()
+        return lambda x: x.astype(np_dtype, copy=False)
+    import ml_dtypes
+
+    def feed(x: np.ndarray) -> Any:
+        bits = np.ascontiguousarray(np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+        return ov.Tensor(bits, list(bits.shape), ov.Type.bf16)
+
+    return feed
+
+
+def _ov_output(value: np.ndarray, element_type: Any) -> np.ndarray:
+    """An output as float64: a bfloat16 output (OpenVINO returns its bits as float16) read as bfloat16."""
+    if _ov_dtype(element_type) == "bfloat16":
+        bits = np.asarray(value).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).astype(np.float64)
+    return np.asarray(value, dtype=np.float64)
 
 
 def open_openvino(backend: Backend, path: Path) -> list[Runtime]:

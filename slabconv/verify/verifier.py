@@ -343,7 +343,7 @@ def _question_1_torch(
     written, by_value = _written_tensors(candidate)
     fold = engine.fused_state_dict(fused64)
     name = candidate.weights.name if candidate.kind == "folder" and candidate.weights else candidate.path.name
-    what = f"{name} vs the float64 fold"
+    what = f"{name} vs a float64 fold of the reference"
     return [graph, judge.exact_tensors(what, written, fold, by_value=by_value)]
 
 
@@ -358,7 +358,7 @@ def _question_1_onnx(
     x1, exact1, total = exact_samples(reference.x, reference.exact)
     outputs = onnx_original.run_float64(fused64, x1, reference.dtype, batch)
     written = onnx_original.float_tensors(candidate.onnx.path)
-    what = f"{candidate.onnx.path.name} vs the float64 fold"
+    what = f"{candidate.onnx.path.name} vs a float64 fold of the reference"
     return [
         judge.exact_graphs(reference.names, outputs, exact1, of=total),
         judge.exact_tensors(what, written, onnx_original.ir_tensors(fused64)),
