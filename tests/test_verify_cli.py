@@ -42,14 +42,16 @@ def _verify(*args: object) -> tuple[int, dict, str]:
 
 def _perturbed_onnx(src: Path, dst: Path, initializer: str, delta: float, mark: bool = True) -> Path:
     """Copy of ``src`` with ``delta`` added to the first element of one initializer (a one-weight change); without
-    ``mark`` the copy no longer says slabconv wrote it (another tool's file: question 2 only)."""
+    ``mark`` the copy no longer says slabconv wrote it nor what it was made from (another tool's file: question 2
+    only)."""
     model = onnx.load(str(src))
     init = next(t for t in model.graph.initializer if t.name == initializer)
     values = numpy_helper.to_array(init).copy()
     values.reshape(-1)[0] += delta
     init.CopyFrom(numpy_helper.from_array(values, init.name))
     if not mark:
-        kept = [p for p in model.metadata_props if p.key != onnx_writer.MARK]
+        ours = {onnx_writer.MARK, onnx_writer.SOURCE_KEY, onnx_writer.FOLDED_KEY, onnx_writer.ARCH_KEY}
+        kept = [p for p in model.metadata_props if p.key not in ours]
         del model.metadata_props[:]
         model.metadata_props.extend(kept)
     onnx.save_model(model, str(dst))
