@@ -360,7 +360,10 @@ def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_
     v = report["verification"]
     assert v["passed"] and "first 24 of 360 samples" in v["inputs"]
     assert all(c["dtype"] == "float16" for c in v["checks"]), v["checks"]
-    assert any(e["name"].startswith("model.safetensors vs a float64 fold of the reference") and e["error"] == 0 for e in v["exact"])
+    assert any(
+        e["name"].startswith("model.safetensors vs a float64 fold of the reference") and e["error"] == 0
+        for e in v["exact"]
+    )
     # the written files, verified on their own, pass under the same policy; pytorch only, as asked
     again = runner.invoke(app, ["verify", str(CKPT), str(out), "--runtime", "pytorch", "--samples", "24", "--json"])
     assert again.exit_code == 0, again.output

@@ -1,44 +1,15 @@
-"""Checks of written files that are not numbers: a safetensors reload, ``onnx.checker``'s full check."""
+"""Checks of written files that are not numbers: ``onnx.checker``'s full check (what question 1 reads of a fused
+``model.safetensors`` is the file itself, read back)."""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from slabconv.errors import InputError, first_line
-from slabconv.verify.results import IntegrityCheck
 from slabconv.write.onnx import PROTOBUF_LIMIT_BYTES, onnx_files
-
-
-def check_safetensors_reload(
-    path: Path, expected: Mapping[str, Any], expected_metadata: Mapping[str, str] | None = None
-) -> IntegrityCheck:
-    """Read ``path`` back and compare every tensor, bit for bit, with ``expected`` (name -> torch tensor), and
-    its string metadata with ``expected_metadata``."""
-    import torch
-    from safetensors.torch import load_file, safe_open
-
-    name = f"safetensors reload {path.name}"
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-        loaded = load_file(str(path))
-    except Exception as err:  # noqa: BLE001 - safetensors raises several types on a bad file
-        return IntegrityCheck(name, False, f"cannot read it back: {first_line(err)}")
-    if expected_metadata is not None and metadata != dict(expected_metadata):
-        keys = sorted(k for k in set(metadata) | set(expected_metadata) if metadata.get(k) != expected_metadata.get(k))
-        return IntegrityCheck(name, False, f"metadata read back differs from what was written: {keys}")
-    if set(loaded) != set(expected):
-        diff = sorted(set(loaded) ^ set(expected))[:4]
-        return IntegrityCheck(name, False, f"tensor names differ from what was written: {diff}")
-    for key, value in expected.items():
-        got = loaded[key]
-        if got.dtype != value.dtype or got.shape != value.shape or not torch.equal(got, value.detach().cpu()):
-            return IntegrityCheck(name, False, f"tensor {key!r} read back differs from what was written")
-    return IntegrityCheck(name, True, f"{len(loaded)} tensors read back bit-equal")
 
 
 def check_onnx_file(path: Path) -> tuple[bool, str]:

@@ -8,7 +8,7 @@ The two questions of the policy (``slabconv.verify.policy``, ``docs/verification
   artifact under one runtime: its error against the float64 reference, the original's own error, the bound
   applied and why, top-1 on decisive samples and the near-ties counted.
 
-``IntegrityCheck`` covers file checks that are not numbers (``onnx.checker``, a safetensors reload). A
+``IntegrityCheck`` covers file checks that are not numbers (``onnx.checker``, a streamed fold's tensor names). A
 ``Verification`` holds them all; every check must pass. Failure lines name the question and the numbers in
 words that cannot be misread: what was measured, the bound it exceeded, and where the bound came from.
 """
@@ -151,10 +151,10 @@ def _g(x: float | None) -> str:
 
 @dataclass
 class IntegrityCheck:
-    """A check of a written file that is not a number: ``onnx.checker``, a safetensors reload.
+    """A check of a written file that is not a number: ``onnx.checker``, a streamed fold's tensor names.
 
     Attributes:
-        name: ``onnx.checker[full_check] model.onnx``, ``safetensors reload model.safetensors``.
+        name: ``onnx.checker[full_check] model.onnx``, ``tensor names OUT within SRC``.
         passed: the check succeeded.
         detail: one line: what was checked, or what is wrong.
     """
@@ -287,7 +287,7 @@ class Verification:
             original that overflows its dtype, question 1 not applicable).
         inputs: the ``.npz`` used, or ``random(seed=S, samples=N)``.
         inputs_sha256: sha256 of the ``.npz`` (None for random inputs).
-        reference: what the reference was (``original model in float64 (pytorch)``).
+        reference: what the reference was (``the reference model in float64 (pytorch)``).
         runtime: the runtime(s) the artifacts ran in, in short (``onnxruntime 1.x``, ``pytorch 2.x``).
         generation: the greedy-generation comparison of a language model (``--generate``), or None.
         seconds: how long the verification took (wall time).
