@@ -200,7 +200,7 @@ def check_deterministic(path: Path) -> None:
             )
 
 
-def float64_reference(path: Path, x: np.ndarray, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str]:
+def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str]:
     """The outputs of the ONNX graph at ``path`` evaluated in float64 on ``x`` (rounded to ``dtype`` first), and
     which evaluator ran it (the float64 reference of ``verify`` when the reference is an ``.onnx`` file)."""
     model: Any = load_ir(path)

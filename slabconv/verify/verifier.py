@@ -248,7 +248,7 @@ def _inputs(
 
 
 def _torch_reference(
-    reference: Side, candidate: Side, x: np.ndarray, label: str, digest: str | None, fold: bool
+    reference: Side, candidate: Side, x: Any, label: str, digest: str | None, fold: bool
 ) -> tuple[Reference, Any, list[Any], list[str]]:
     """The reference model in its dtype and its graph in float64 on ``x``, and (``fold``) the float64 fold.
 
