@@ -304,3 +304,37 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
     q1 = layerwise.exact_streamed(LazyShards.open(tmp_path / "src"), LazyShards.open(tmp_path / "out"), plan.program)
     assert q1.passed and q1.error <= 0.5, q1
     assert streamed.source.arch == "swin_prepbn" and not streamed.outputs.hf_folder
+
+
+@pytest.mark.parametrize(
+    "key, norm",
+    [
+        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm"),  # a folded (created) bias
+        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.input_layernorm"),  # a consumer's weight
+    ],
+)
+def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm):
+    """verify --stream localises the failure layer by layer: the first folded Linear whose output differs from the
+    fold program's, rounded to the stored dtype."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from slabconv.options import VerifyOptions
+
+    root = folded[0]
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "out", broken)
+    shard = broken / json.loads((broken / hf.SAFETENSORS_INDEX).read_text())["weight_map"][key]
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(shard))
+    tensors[key] = tensors[key].clone()
+    tensors[key].view(-1)[0] += 0.5
+    save_file(tensors, str(shard), metadata)
+    v = api.verify(root / "src", broken, verify=VerifyOptions(samples=1), stream=True).verification
+    assert not v.passed and v.localization is not None and v.localization.first is not None
+    layer = key.rsplit(".", 1)[0]
+    assert (v.localization.first.norm, v.localization.first.layer) == (norm, layer)
+    assert f"first diverging fold: {norm} -> {layer}" in v.failure_line()

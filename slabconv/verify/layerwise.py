@@ -323,6 +323,9 @@ class _FoldShards:
         self.block_elements = written.block_elements
         self.biases = {la.bias_out: la for la in program.layers.values() if la.bias_out}
 
+    def shape(self, key: str) -> list[int]:
+        return self.written.shape(key)
+
     def row_blocks(self, key: str, shape: list[int]) -> Any:
         la = self.program.layers.get(key)
         if la is None:
