@@ -137,16 +137,22 @@ def _fused_tiny(tmp: Path, dtype: torch.dtype, change: dict[str, float] | None =
             other[key] += delta
         source = save_ckpt(tmp / "changed.pth", other)
     api.fuse(source, tmp / "out", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    if change:  # a wrong fold of ckpt (as a fold bug would write it): the file names ckpt as its source
+        from slabconv.util import sha256_file
+
+        digest = sha256_file(ckpt)
+        _edit_safetensors(tmp / "out" / "model.safetensors", None, None, {"source_sha256": digest})
     return ckpt, tmp / "out"
 
 
-def _edit_safetensors(path: Path, key: str, edit) -> None:
+def _edit_safetensors(path: Path, key: str | None, edit, metadata_changes: dict[str, str] | None = None) -> None:
     tensors = load_file(str(path))
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
-    tensors[key] = edit(tensors[key].clone())
+        metadata = {**f.metadata(), **(metadata_changes or {})}
+    if key is not None:
+        tensors[key] = edit(tensors[key].clone())
     save_file(tensors, str(path), metadata)
 
 
