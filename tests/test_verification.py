@@ -76,9 +76,10 @@ def test_half_precision_digits_fixture_passes_both_questions(tmp_path: Path, dty
     assert all(c.e_fused <= c.tolerance == max(policy.tol_dtype(dtype), 2 * c.e_orig) for c in v.checks)
     assert all(c.top1_agreement == 1.0 for c in v.checks)
     runtimes = {c.name.split(" @ ")[1] for c in v.checks}
-    if dtype == torch.bfloat16:  # onnxruntime's CPU provider has no bfloat16 kernels: said, and the program runs
-        assert runtimes == {f"pytorch {torch.__version__} bfloat16 (model.pt2)"}
-        assert any("onnxruntime cannot run model.onnx" in n for n in v.notes)
+    if dtype == torch.bfloat16:  # onnxruntime's CPU provider has no bfloat16 kernels: OpenVINO runs it, or it is named
+        assert f"pytorch {torch.__version__} bfloat16 (model.pt2)" in runtimes
+        ran_openvino = any(r.startswith("openvino") for r in runtimes)
+        assert ran_openvino or [n.file for n in v.not_run] == ["model.onnx"]
         assert any(i.name.startswith("onnx.checker") and i.passed for i in v.integrity)
     else:
         assert "onnxruntime[all-optimizations]" in runtimes
