@@ -61,7 +61,7 @@ from slabconv.write.staging import staging_dir
 FOLD_BLOCK = engine.FOLD_BLOCK
 """Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
 
-WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
 
 # --------------------------------------------------------------------------------------------- open
@@ -302,15 +302,10 @@ def write_dtype(write: WriteOptions) -> torch.dtype | None:
     """The dtype ``write`` asks the fused model to be written in, checked before any work.
 
     Raises:
-        UsageError: an unknown name, or ``dtype`` with ``stream`` (the streamed fold keeps the checkpoint's dtype).
+        UsageError: as ``WriteOptions.check`` (an unknown name, ``dtype`` with ``stream``, ...).
     """
-    if write.dtype is None:
-        return None
-    if write.dtype not in WRITE_DTYPES:
-        raise UsageError(f"--dtype {write.dtype}: choose float16 or bfloat16 (leave it out to keep the checkpoint's)")
-    if write.stream:
-        raise UsageError("--dtype does not stream: the streamed fold keeps the checkpoint's dtype; leave out --dtype")
-    return WRITE_DTYPES[write.dtype]
+    write.check()
+    return None if write.dtype is None else WRITE_DTYPES[write.dtype]
 
 
 def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteOptions) -> None:
@@ -489,14 +484,15 @@ class InMemory:
             self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example
         )
         dtype = write_dtype(write)
-        if dtype is not None:
+        if dtype is not None and dtype != self.loaded.dtype:  # ``--dtype float32`` of a float32 checkpoint: its own
             self.planned = cast_planned(self.loaded, self.planned, dtype)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
         metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
         outputs, self.artifacts = _write_files(folder, planned, write, metadata, progress)
-        self.artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
+        dtype = WRITE_DTYPES.get(write.dtype or "")
+        self.artifacts.dtype = dtype if dtype != loaded.dtype else None  # the checkpoint's own dtype: no cast
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             outputs.files += _write_hf_folder(folder, loaded, write.onnx, progress)

@@ -11,6 +11,7 @@ from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 from slabconv.options import WriteOptions
+from slabconv.text import count
 
 
 def fuse(
@@ -79,16 +80,21 @@ def fuse(
     with errors(output, debug):
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         write = WriteOptions(
-            force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset,
+            force=force,
+            onnx=not (no_onnx or stream),
+            pt2=not (no_pt2 or stream),
+            stream=stream,
+            dtype=dtype,
+            opset=opset,
             simplify=simplify,
-        )  # fmt: skip
+        )
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         with output.progress() as progress:
             report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
         s = report.summary
         verdict = "verification PASSED" if report.verification is not None else "not verified (--no-verify)"
-        counts = f"{s.norms} norms ({s.folded} folded away, {s.kept} kept)" if s else "the model"
-        where = f"{report.out_dir} ({dtype})" if dtype else f"{report.out_dir}"
+        counts = f"{count(s.norms, 'norm')} ({s.folded} folded away, {s.kept} kept)" if s else "the model"
+        where = f"{report.out_dir} ({write.dtype})" if write.dtype else f"{report.out_dir}"
         if s is not None and s.norms == 0:
             output.report(
                 report,

@@ -23,7 +23,7 @@ Ckpt = Annotated[
 
 def complete_arch(incomplete: str) -> list[str]:
     """Shell completion of ``--arch``: the registered names and aliases (case ignored)."""
-    from slabconv.zoo.registry import complete_names
+    from slabconv.zoo.names import complete_names
 
     return complete_names(incomplete)
 
@@ -169,9 +169,9 @@ def load_options(
         UsageError: a malformed ``--input-shape``.
     """
     if arch is not None:
-        from slabconv.zoo import get_arch
+        from slabconv.zoo.names import check_name
 
-        get_arch(arch)
+        check_name(arch)
     return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size)
 
 

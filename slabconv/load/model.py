@@ -24,7 +24,7 @@ from slabconv.options import LoadOptions
 from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
-from slabconv.zoo.registry import IMAGE_SIZE_KEY, with_image_size
+from slabconv.zoo.registry import IMAGE_SIZE_KEY, OWN_MODEL, LayoutError, with_image_size
 
 
 @dataclass
@@ -237,6 +237,11 @@ def _build(
         raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
     try:
         return spec, spec.build(ckpt.state_dict, config, norm)
+    except LayoutError as err:
+        raise UnsupportedModelError(
+            f"{ckpt.path}: {err}; --arch {spec.name} is not what these weights are: leave --arch out to detect a "
+            f"registered architecture, or, {OWN_MODEL}"
+        ) from None
     except UnsupportedModelError as err:
         if ckpt.format.startswith("hf-"):
             raise UnsupportedModelError(
@@ -246,7 +251,7 @@ def _build(
     except (KeyError, ValueError, RuntimeError, IndexError) as err:
         raise InputError(
             f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({type(err).__name__}: {err}); "
-            "it is another architecture: check --arch (see `slabconv list`)"
+            f"it is another architecture: check --arch (see `slabconv list`); {OWN_MODEL}"
         ) from None
 
 

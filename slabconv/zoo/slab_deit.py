@@ -171,25 +171,19 @@ PRESETS = [
     Preset(
         "slab_deit_tiny",
         signature=(192, 12),
-        aliases=("slab_deit_t", "deit_tiny_patch16_224_linear_repbn"),
         source=f"{_SOURCE} deit_tiny_patch16_224_linear_repbn",
-        description="SLAB-DeiT-Tiny: SLA, LinearNorm(LayerNorm->RepBN) norms, mean-pooled head, 224x224",
         image_size=224,
     ),
     Preset(
         "slab_deit_small",
         signature=(384, 12),
-        aliases=("slab_deit_s", "deit_small_patch16_224_linear_repbn"),
         source=f"{_SOURCE} deit_small_patch16_224_linear_repbn",
-        description="SLAB-DeiT-Small: SLA, LinearNorm(LayerNorm->RepBN) norms, mean-pooled head, 224x224",
         image_size=224,
     ),
     Preset(
         "slab_deit",
         signature=None,
-        aliases=("slab_deit_custom",),
         source=f"{_SOURCE} VisionTransformer (any size; heads from the dwc channel count)",
-        description="SLAB-DeiT of another size, sizes read from the weights",
     ),
 ]
 
