@@ -7,31 +7,87 @@ when the output goes to a file or a CI log, so names are never cut).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from slabconv.report.data import Report
-from slabconv.text import one_line, shown
+from slabconv.text import count, one_line, shown
 from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
+
+_WORD = re.compile(r"\S+\s*|\s+")
+_PIECE = re.compile(r"[^,._/(]*(?:[,._/(]+|$)")
+"""A cell's text as words (up to and including the spaces after them), and a word as pieces: up to and including a
+run of the characters after which a name may break (``,``, ``.``, ``_``, ``/``, ``(``)."""
+
+
+class NameCell:
+    """A table cell that wraps at spaces, and inside a word only at a name's seams: after ``.``, ``_``, ``,``,
+    ``/`` or ``(`` (``model.layers.0.`` / ``input_layernorm``), never inside a word. Its narrowest width (what Rich
+    allots a column at least) is its longest piece; only a column narrower than that (a terminal too narrow for the
+    table's keywords) folds a piece. Off a terminal (no width limit) it is one line.
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self.words = [word for word in _WORD.findall(text) if word]
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        pieces = (piece.rstrip() for word in self.words for piece in _PIECE.findall(word))
+        widest = max((cell_len(piece) for piece in pieces), default=0)
+        return Measurement(min(widest, options.max_width), min(cell_len(self.text), options.max_width))
+
+    def lines(self, width: int) -> list[str]:
+        """The text in lines of at most ``width`` cells: broken at spaces, a word wider than ``width`` at its seams,
+        and a piece wider than that folded."""
+        lines: list[str] = []
+        line = ""
+        for word in self.words:
+            if line and cell_len((line + word).rstrip()) > width:
+                lines.append(line.rstrip())
+                line = ""
+            if cell_len(word.rstrip()) <= width:
+                line += word
+                continue
+            for piece in (p for p in _PIECE.findall(word) if p):  # a word wider than the column: break at seams
+                if line and cell_len((line + piece).rstrip()) > width:
+                    lines.append(line.rstrip())
+                    line = ""
+                line += piece
+                while cell_len(line.rstrip()) > width:  # a piece wider than the column: folded, as a last resort
+                    lines.append(line[:width])
+                    line = line[width:]
+        if line.strip() or not lines:
+            lines.append(line.rstrip())
+        return lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n".join(self.lines(max(1, options.max_width))), overflow="fold", no_wrap=True)
 
 
 def text_table(title: str, columns: dict[str, bool], rows: Iterable[Sequence[str]]) -> Table:
     """A Rich table whose every cell is plain text (a name with ``[...]`` in it is shown as it is, never read as
-    Rich markup). ``columns`` maps each header to whether its cells may wrap: wrapping columns wrap at spaces (a
-    word longer than the column folds), the others (short keywords such as ``folded-forward``) never break.
+    Rich markup). ``columns`` maps each header to whether its cells may wrap: wrapping columns wrap at a name's
+    seams (``NameCell``: after a space, ``,``, ``.``, ``_``, ...; never mid-word), the others (short keywords such
+    as ``folded-forward``, numbers) never break.
 
     Every cell and the title pass through ``slabconv.text.one_line``: a key from a file with a newline, ``ESC[2J``
     or a right-to-left override is shown escaped, and no cell is longer than ``LINE_LIMIT``."""
     table = Table(
         title=Text(one_line(title)), box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False
     )
-    for header, wraps in columns.items():
-        table.add_column(Text(header), overflow="fold", no_wrap=not wraps)
+    wraps = list(columns.values())
+    for header, wrap in columns.items():
+        table.add_column(Text(header), overflow="fold", no_wrap=not wrap)
     for row in rows:
-        table.add_row(*(Text(one_line(str(cell))) for cell in row))
+        cells = [one_line(str(cell)) for cell in row]
+        table.add_row(*(NameCell(cell) if wrap else Text(cell) for cell, wrap in zip(cells, wraps, strict=True)))
     return table
 
 
@@ -58,10 +114,17 @@ def folds_table(report: Report) -> Table:
 
 def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
     """The count of norms, each warning, what was written, and the verification."""
+    source = report.source
+    if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
+        yield (
+            f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused files "
+            f"take exactly {count(source.batch, 'sample')} a call; export it with "
+            "dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch (docs/own-model.md)"
+        )
     if report.folds is not None and report.summary is not None:
         s = report.summary
         if report.command != "inspect":  # inspect's final line gives the count, as a plan
-            yield f"{s.norms} norms: {s.folded} folded away, {s.kept} kept"
+            yield f"{count(s.norms, 'norm')}: {s.folded} folded away, {s.kept} kept"
         for d in report.folds:
             for w in d.warnings:
                 yield f"warning: {shown(d.norm)}: {w}"
@@ -90,7 +153,7 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield "verification: skipped (--no-verify)"
         return
     samples = v.checks[0].samples if v.checks else 0
-    yield f"verification: {'PASSED' if v.passed else 'FAILED'} on {samples} samples ({v.inputs}); {v.runtime}"
+    yield f"verification: {'PASSED' if v.passed else 'FAILED'} on {count(samples, 'sample')} ({v.inputs}); {v.runtime}"
     if v.reference:
         yield f"  reference: {v.reference}"
     if v.exact:
@@ -107,12 +170,13 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
     if v.generation is not None:
         g = v.generation
         speeds = ", ".join(f"{name} {tps:,.0f}" for name, tps in g.get("tokens_per_second", {}).items())
-        head = f"{g.get('steps')} greedy tokens x {g.get('sequences')} prompts"
+        head = f"{count(int(g.get('steps') or 0), 'greedy token')} x {count(int(g.get('sequences') or 0), 'prompt')}"
         yield f"  {_ok(bool(g.get('passed')))} generation: {head}"
         for run in g.get("runs", []):
             yield (
-                f"    {run['name']}: {run['tokens_compared']} tokens compared, {run['decisive_mismatches']} decisive "
-                f"mismatches, {run['near_ties']} near-ties"
+                f"    {run['name']}: {count(run['tokens_compared'], 'token')} compared, "
+                f"{count(run['decisive_mismatches'], 'decisive mismatch', 'decisive mismatches')}, "
+                f"{count(run['near_ties'], 'near-tie')}"
             )
             if run.get("decides", True) and not run.get("passed", True):
                 yield f"      {generation_failure(run)}"
