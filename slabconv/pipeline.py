@@ -317,7 +317,8 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
     """
     if not write.stream:
         return
-    from slabconv.load.hf import hf_weights_file, read_index
+    from slabconv.load.hf import hf_weights_file
+    from slabconv.load.shards import LazyShards
     from slabconv.zoo.decoder import family_of
 
     if write.onnx:
@@ -330,9 +331,9 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
     if verify.inputs is not None:
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
     found = hf_weights_file(path) if path.is_dir() else None
-    if found is not None and found[1] == "hf-safetensors-sharded":
+    if found is not None and found[1] in ("hf-safetensors-sharded", "hf-safetensors"):
         try:
-            family_of(read_index(found[0]))
+            family_of(LazyShards.open(path).weight_map)
         except UnsupportedModelError:
             raise UsageError(
                 f"--stream verifies decoder language models one layer at a time; {path} has no streamed question 2: "
@@ -561,9 +562,12 @@ class Streamed:
         weight_map, total, digests = write_program_shards(
             folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
         )
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
+        if sharded.sharded:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
+        else:  # one model.safetensors in, one out (no index)
+            outputs = Outputs(files=list(sharded.shard_names), safetensors=sharded.shard_names[0])
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             outputs.files += _write_hf_folder(folder, loaded, False, progress)

@@ -327,7 +327,7 @@ def ema_without_ema_weights(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> l
     return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--ema"]
 
 
-def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) -> Path:
+def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32, weights: str = "safetensors") -> Path:
     from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM
     from tests import hfwrite
 
@@ -341,16 +341,13 @@ def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) 
     )
     sd = randomize_norms(LlamaForCausalLM(cfg), 0).half().state_dict()
     config = {"model_type": "llama", "num_attention_heads": 4, "max_position_embeddings": 16, "rms_norm_eps": 1e-6}
-    hfwrite.write_hf_folder(tmp / name, sd, config, max_shard_bytes=4096 if sharded else None)
+    hfwrite.write_hf_folder(tmp / name, sd, config, weights=weights, max_shard_bytes=4096 if sharded else None)
     return tmp / name
 
 
-def stream_without_no_onnx(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
-    return ["fuse", str(_llama_folder(tmp, "src")), "--stream", "--out", str(tmp / "out")]
-
-
-def stream_an_unsharded_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
-    return ["fuse", str(_llama_folder(tmp, "src", sharded=False)), "--stream", "--no-onnx", "--out", str(tmp / "o")]
+def stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    folder = _llama_folder(tmp, "src", sharded=False, weights="bin")
+    return ["fuse", str(folder), "--stream", "--out", str(tmp / "o")]
 
 
 def stream_verify_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -432,8 +429,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (inputs_of_the_wrong_shape, "inputs have shape"),
     (junit_onto_an_input, "is an input of this run"),
     (ema_without_ema_weights, "--ema was given"),
-    (stream_without_no_onnx, "add --no-onnx"),
-    (stream_an_unsharded_folder, "--stream needs sharded safetensors"),
+    (stream_a_bin_folder, "--stream reads safetensors (model.safetensors, or"),
     (stream_verify_of_a_file, "give the folder, not a file"),
     (stream_verify_with_inputs, "--inputs is not supported"),
     (stream_fuse_with_inputs, "--inputs is not supported"),

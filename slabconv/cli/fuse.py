@@ -71,7 +71,7 @@ def fuse(
     \b
       slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
-      slabconv fuse llama-folder --stream --no-onnx --out llama-fused
+      slabconv fuse llama-folder --stream --out llama-fused
       slabconv fuse model.onnx --simplify --out model-fused
     """
     from slabconv import api

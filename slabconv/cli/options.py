@@ -115,8 +115,9 @@ Stream = Annotated[
     bool,
     typer.Option(
         "--stream",
-        help="Big LLaMA-layout folders in bounded memory: fold a sharded safetensors folder shard by shard (with "
-        "--no-onnx) and check it on --samples seeded token sequences.",
+        help="Big LLaMA-layout folders in bounded memory: fold the safetensors (one file, or an index and its "
+        "shards) block by block, write the fused weights and the Hugging Face folder files (no ONNX file, no "
+        ".pt2), and check them one decoder layer at a time on --samples seeded token sequences.",
     ),
 ]
 VerifyStream = Annotated[
