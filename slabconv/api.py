@@ -251,7 +251,7 @@ def verify(
     _check_runtimes(verify, stream)
     from slabconv.verify import pair
 
-    opts = verify or VerifyOptions()
+    opts = _generation_default(verify or VerifyOptions(), Path(reference), Path(candidate))
     started = time.monotonic()
     if stream:
         from slabconv import stream as streaming
@@ -264,7 +264,26 @@ def verify(
         report = Report("verify", reference=ref, candidate=cand, verification=verification)
     assert report.verification is not None
     report.verification.seconds = time.monotonic() - started
+    if opts.generate == 0 and _fused_language_model(Path(candidate)):
+        report.verification.notes.append("greedy generation not checked (--generate 0)")
     return report
+
+
+def _fused_language_model(path: Path) -> bool:
+    """A folder ``fuse`` wrote for a language model (it holds the fused model's modeling file)."""
+    from slabconv.write.hf_llama import MODELING_FILE
+
+    return path.is_dir() and (path / MODELING_FILE).is_file()
+
+
+def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
+    """``verify`` of a fused language-model folder against a model slabconv runs (not an ``.onnx``) checks greedy
+    generation as ``fuse`` does: ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
+    from slabconv.load.formats import engine_of
+
+    if opts.generate is None and _fused_language_model(candidate) and engine_of(reference) != "onnx":
+        return dataclasses.replace(opts, generate=opts.fuse_steps())
+    return opts
 
 
 @python_advice()

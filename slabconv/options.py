@@ -50,8 +50,8 @@ class VerifyOptions:
         rtol: replaces the bound of question 2 (default: ``max(tol_dtype, 2 * e_orig)``).
         atol: an absolute error also accepted (default 0).
         strict: compare fused vs original directly at the dtype's tolerance with 100% top-1 (the pair comparison).
-        generate: greedy tokens to generate and compare for a language model: None for the default (32 in
-            ``fuse``, none in ``verify``), 0 for none.
+        generate: greedy tokens to generate and compare for a language model: None for the default (32, in
+            ``fuse`` and in ``verify`` of a fused language-model folder), 0 for none.
         runtimes: which runtimes run the candidate for question 2 (``slabconv.verify.backends.RUNTIME_NAMES``:
             ``onnxruntime``, ``pytorch``, ``openvino``); None: every one that can run it (OpenVINO only when asked).
     """
@@ -66,7 +66,8 @@ class VerifyOptions:
     runtimes: tuple[str, ...] | None = None
 
     def fuse_steps(self) -> int:
-        """Greedy tokens per prompt that ``fuse`` of a language model compares: ``generate``, else 32."""
+        """Greedy tokens per prompt that ``fuse`` (and ``verify`` of a fused folder) of a language model compares:
+        ``generate``, else 32."""
         return self.generate if self.generate is not None else 32
 
     def sample_count(self, streamed: bool = False) -> int:

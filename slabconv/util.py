@@ -47,16 +47,23 @@ def files_sha256(files: list[Path]) -> str:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Silence stdout, Python warnings and torch's log lines (stdout may carry ``--json`` output)."""
-    torch_log = logging.getLogger("torch")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
+    """Silence stdout, Python warnings and the log lines of torch and onnxscript (the ONNX exporter's version
+    converter logs a warning for every --opset it converts to); stdout may carry ``--json`` output."""
+    logs = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
-        torch_log.setLevel(level)
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+
+
+QUIET_LOGGERS = ("torch", "onnxscript")
+"""The libraries whose log lines ``quiet`` holds back (errors still pass)."""
 
 
 @contextlib.contextmanager

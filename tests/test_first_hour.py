@@ -353,14 +353,15 @@ def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_
     out = tmp_path / "f16"
     result = runner.invoke(
         app,
-        ["fuse", str(CKPT), "-o", str(out), "--dtype", "FP16", "--opset", "21", "--samples", "24"],  # optimum's
+        ["fuse", str(CKPT), "-o", str(out), "--dtype", "FP16", "--opset", "17", "--samples", "24"],  # optimum's
     )
     assert result.exit_code == 0, result.output
+    assert all(line.startswith("[") for line in result.stderr.splitlines()), result.stderr  # no converter's log
     assert result.stdout.splitlines()[-1].endswith(f"into {out} (float16): verification PASSED")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {__import__("torch").float16}
     model = onnx.load(str(out / "model.onnx"))
-    assert model.opset_import[0].version == 21
+    assert model.opset_import[0].version == 17
     assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
     report = json.loads((out / "report.json").read_text())
     v = report["verification"]

@@ -162,8 +162,9 @@ def test_verify_reads_fused_sharded_folders(folded):
     from slabconv.cli import app
 
     root = folded[0]
-    for extra in ([], ["--stream"]):
-        result = CliRunner().invoke(app, ["verify", str(root / "src"), str(root / "out"), "--json", *extra])
+    for extra in ([], ["--stream"]):  # generation is off: this is about reading the folders
+        args = ["verify", str(root / "src"), str(root / "out"), "--json", "--generate", "0", *extra]
+        result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["verification"]["passed"]
     result = CliRunner().invoke(app, ["verify", str(root / "src"), str(root / "out" / "report.json"), "--stream"])
@@ -189,16 +190,16 @@ def test_refusals(folded, tmp_path):
     root, _, sd, _, _ = folded
     with pytest.raises(UsageError, match="already exists"):
         fuse_streamed(root / "src", root / "out")
-    single = tmp_path / "single"
-    hfwrite.write_hf_folder(single, sd, CONFIG)
-    with pytest.raises(UsageError, match="sharded safetensors"):
-        fuse_streamed(single, tmp_path / "o")
+    bins = tmp_path / "bins"
+    hfwrite.write_hf_folder(bins, sd, CONFIG, weights="bin")
+    with pytest.raises(UsageError, match=r"WriteOptions\(stream=True\) reads safetensors \(model.safetensors, or"):
+        fuse_streamed(bins, tmp_path / "o")
     plain = tmp_path / "plain"
     hfwrite.write_hf_folder(plain, {k: v for k, v in sd.items() if "layernorm" not in k}, CONFIG, max_shard_bytes=8192)
     with pytest.raises(UnsupportedModelError, match="could not detect the architecture"):
         fuse_streamed(plain, tmp_path / "o")
     assert not (tmp_path / "o").exists()
-    with pytest.raises(UsageError, match=r"add WriteOptions\(onnx=False\)"):  # the API refuses it as the CLI does
+    with pytest.raises(UsageError, match=r"add WriteOptions\(onnx=False\)"):  # the CLI implies it, the API asks
         api.fuse(root / "src", tmp_path / "o", write=WriteOptions(stream=True))
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
 

@@ -107,8 +107,9 @@ VerifyGenerate = Annotated[
     typer.Option(
         "--generate",
         min=0,
-        help="Language models: greedy tokens to generate and compare, reference vs the fused folder CANDIDATE (off "
-        "unless given).",
+        metavar="N",
+        help="Language models: greedy tokens to generate and compare, reference vs the fused folder CANDIDATE "
+        "(default 32, as fuse; 0: off).",
     ),
 ]
 Stream = Annotated[

@@ -179,7 +179,9 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     ckpt = load_checkpoint(path, ema=opts.ema, trust_pickle=opts.trust_pickle)
     _check_values(ckpt)
     if ckpt.format == "torch.export":
-        return _load_program(ckpt)
+        program = _load_program(ckpt)
+        _check_given_shape(ckpt, opts.input_shape, program.input_shape)
+        return program
     if ckpt.format == "pickled-module":
         return _load_module(ckpt, opts.input_shape)
     norm = "checkpoint"
@@ -207,6 +209,7 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
     model.eval()
     shape = tuple(spec.input_shape(ckpt.state_dict, config))
+    _check_given_shape(ckpt, opts.input_shape, shape)
     state = ckpt.state_dict
 
     def make_input(batch: int, seed: int) -> torch.Tensor:
@@ -219,6 +222,23 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     return LoadedModel(
         model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config), id_range=id_range
     )
+
+
+def _check_given_shape(ckpt: Checkpoint, given: tuple[int, ...] | None, shape: tuple[int, ...]) -> None:
+    """``--input-shape`` where the model fixes its own input ``shape`` (weights, a program): the same shape is
+    accepted, another refused (it would be ignored: an option that does nothing).
+
+    Raises:
+        UsageError: ``given`` is not the model's shape.
+    """
+    if given is not None and tuple(given) != tuple(shape):
+        what = "program" if ckpt.format == "torch.export" else "weights"
+        raise UsageError(
+            f"--input-shape {','.join(map(str, given))}: {ckpt.path} takes inputs of shape "
+            f"({', '.join(map(str, shape))}), fixed by its {what}; --input-shape is for a pickled nn.Module "
+            "(--trust-pickle) or an .onnx file with dynamic axes: drop it (--image-size N builds a zoo vision model "
+            "for NxN inputs)"
+        )
 
 
 def _build(
