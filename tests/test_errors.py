@@ -298,6 +298,54 @@ def bad_input_shape_option(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> li
     return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "1x8x8"]
 
 
+def input_shape_that_would_be_ignored(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--input-shape", "3,32,32"]
+
+
+def _own_model() -> torch.nn.Module:
+    """A model of no registered layout: what a newcomer brings."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).eval()
+
+
+def own_state_dict(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(_own_model().state_dict(), tmp / "own.pth")
+    return ["inspect", str(tmp / "own.pth")]
+
+
+def own_state_dict_named_a_zoo_family(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(_own_model().state_dict(), tmp / "own.pth")
+    return ["inspect", str(tmp / "own.pth"), "--arch", "deit_prepbn"]
+
+
+def trusted_module_whose_module_is_not_importable(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import importlib
+
+    (tmp / "src").mkdir()
+    (tmp / "src" / "n39_own_model.py").write_text("import torch\nclass Net(torch.nn.Sequential):\n    pass\n")
+    sys.path.insert(0, str(tmp / "src"))
+    try:
+        module = importlib.import_module("n39_own_model")
+        torch.save(module.Net(torch.nn.Linear(4, 2)).eval(), tmp / "module.pth")
+    finally:
+        sys.path.remove(str(tmp / "src"))
+        sys.modules.pop("n39_own_model", None)
+    shutil.rmtree(tmp / "src")
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "4"]
+
+
+class MainNet(torch.nn.Sequential):
+    """A model class as a training script defines it: in module ``__main__``."""
+
+
+def trusted_module_defined_in_main(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    main = sys.modules["__main__"]
+    mp.setattr(MainNet, "__module__", "__main__")
+    mp.setattr(main, "MainNet", MainNet, raising=False)
+    torch.save(MainNet(torch.nn.Linear(4, 2)).eval(), tmp / "module.pth")
+    mp.delattr(main, "MainNet")  # what another program's __main__ lacks
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "4"]
+
+
 def no_such_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     return ["inspect", str(tmp / "nope.pth")]
 
@@ -423,6 +471,11 @@ CATALOGUE: list[tuple[Case, str]] = [
     (program_with_pickled_objects, "holds pickled Python objects"),
     (pickled_module_without_input_shape, "does not record its input shape"),
     (bad_input_shape_option, "--input-shape"),
+    (input_shape_that_would_be_ignored, "takes inputs of shape (1, 8, 8), fixed by its weights; --input-shape is"),
+    (own_state_dict, "for an architecture of your own, export a torch.export program (.pt2) and give that instead"),
+    (own_state_dict_named_a_zoo_family, "not a DeiT-layout checkpoint: key 'patch_embed.proj.weight' is missing; --a"),
+    (trusted_module_whose_module_is_not_importable, "imports the module 'n39_own_model', which Python cannot find"),
+    (trusted_module_defined_in_main, "the model's class was defined in the script that saved it (module __main__)"),
     (no_such_file, "no such file"),
     (a_folder_as_checkpoint, "is a folder"),
     (no_state_dict_inside, "no state_dict found"),
