@@ -131,6 +131,9 @@ class WriteOptions:
         opset: the ONNX opset of ``model.onnx`` (``OPSET_RANGE``); None: the exporter's default (22 for bfloat16).
         simplify: run onnxscript's optimizer on ``model.onnx`` after the fold (constant folding of shape arithmetic,
             dead nodes, layout pairs); the simplified file is the one written and verified.
+        require_folded: write only a norm-free model: when the plan keeps any norm (as a per-channel affine),
+            refuse before writing (``KeptNormsError``, exit code 2), naming each kept norm and its reason. For
+            targets that reject a normalisation standing on its own (some NPU compilers, ExecuTorch delegates).
     """
 
     force: bool = False
@@ -140,6 +143,7 @@ class WriteOptions:
     dtype: str | None = None
     opset: int | None = None
     simplify: bool = False
+    require_folded: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype.casefold() in DTYPE_SPELLINGS:

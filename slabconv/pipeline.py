@@ -42,13 +42,21 @@ import torch
 from torch import fx
 
 from slabconv import engine
-from slabconv.errors import InputError, NumericError, UnsupportedModelError, UsageError, VerificationError
+from slabconv.errors import (
+    InputError,
+    KeptNormsError,
+    NumericError,
+    UnsupportedModelError,
+    UsageError,
+    VerificationError,
+)
 from slabconv.load.lazy import BlockSlots, PlanningModel, ShardedFolder, open_sharded, planning_model, stack_depth
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
+from slabconv.text import count
 from slabconv.util import Progress, frozen_heap, no_progress, quiet, release_memory, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.results import Verification
@@ -296,6 +304,29 @@ def _require_streamable(decisions: list[engine.Decision], program: engine.Progra
 
 
 # --------------------------------------------------------------------------------------------- checks
+
+
+def require_folded(report: Report) -> None:
+    """``--require-folded``: refuse, before anything is written, a plan that keeps a norm.
+
+    Raises:
+        KeptNormsError: naming each kept norm and its reason (the first ``KEPT_NAMED``), with ``report`` (the plan)
+            for the caller's JUnit file.
+    """
+    kept = [d for d in report.folds or [] if not d.action.startswith("folded")]
+    if not kept:
+        return
+    named = ", ".join(f"{d.norm} ({d.reason or d.action})" for d in kept[:KEPT_NAMED])
+    more = f" and {len(kept) - KEPT_NAMED} more" if len(kept) > KEPT_NAMED else ""
+    raise KeptNormsError(
+        f"--require-folded: {count(len(kept), 'norm')} of {len(report.folds or [])} would be kept: {named}{more}; "
+        "nothing was written (each reason: docs/reasons.md; slabconv inspect shows the plan)",
+        report,
+    )
+
+
+KEPT_NAMED = 8
+"""How many kept norms the ``--require-folded`` message names (the JUnit file and ``inspect`` list them all)."""
 
 
 def write_dtype(write: WriteOptions) -> torch.dtype | None:
@@ -642,6 +673,8 @@ def run_fuse(
     as ``report.json``) and raises what ``api.fuse`` documents; whatever it raises, nothing is written."""
     write_dtype(write)
     door = open_door(path, load, verify, write, progress)
+    if write.require_folded:  # before any work on the files: the plan alone decides
+        require_folded(Report("fuse", source=door.source(), folds=door.decisions, out_dir=str(out_dir)))
     door.check(verify, write)
     report = Report("fuse", source=door.source(), folds=door.decisions, out_dir=str(out_dir), mode=door.mode)
     report.plan = door.plan_note()

@@ -41,6 +41,8 @@ def fuse(
             "layout pairs removed); the simplified file is the one verified.",
         ),
     ] = False,
+    require_folded: o.RequireFolded = False,
+    junit: o.Junit = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification (not recommended).")] = False,
     stream: o.Stream = False,
     inputs: o.Inputs = None,
@@ -73,8 +75,11 @@ def fuse(
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
       slabconv fuse llama-folder --stream --out llama-fused
       slabconv fuse model.onnx --simplify --out model-fused
+      slabconv fuse model.pt2 --require-folded --junit folds.xml
     """
     from slabconv import api
+    from slabconv.errors import KeptNormsError, VerificationError
+    from slabconv.report.junit import check_report_path, write_junit
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
@@ -87,10 +92,20 @@ def fuse(
             dtype=dtype,
             opset=opset,
             simplify=simplify,
+            require_folded=require_folded,
         )
+        if junit is not None:
+            check_report_path(junit, [ckpt, *([inputs] if inputs else [])])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
-        with output.progress() as progress:
-            report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
+        try:
+            with output.progress() as progress:
+                report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
+        except (KeptNormsError, VerificationError) as err:  # the JUnit file says which norm or check failed
+            if junit is not None and err.report is not None:
+                write_junit(err.report, junit, require_folded)
+            raise
+        if junit is not None:
+            write_junit(report, junit, require_folded)
         s = report.summary
         verdict = "verification PASSED" if report.verification is not None else "not verified (--no-verify)"
         counts = f"{count(s.norms, 'norm')} ({s.folded} folded away, {s.kept} kept)" if s else "the model"

@@ -35,7 +35,7 @@ def list_archs(as_json: o.Json = False) -> None:
         cells = [row[:-1] for row in cells]
     output.table(text_table("architectures", columns, cells))
     if narrow:
-        output.line(f"(descriptions: `slabconv list --json`, or a terminal of {WIDE_ENOUGH} columns or more)")
+        output.line(f"(descriptions: slabconv list --json, or {WIDE_ENOUGH}+ columns)")
 
 
 WIDE_ENOUGH = 100

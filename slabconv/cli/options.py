@@ -135,12 +135,36 @@ Opset = Annotated[
         "--opset", help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16)."
     ),
 ]
+RequireFolded = Annotated[
+    bool,
+    typer.Option(
+        "--require-folded",
+        help="Write only a norm-free model: when any norm would be kept (as a per-channel affine), exit 2 before "
+        "writing, naming each kept norm and its reason (for targets that reject a standalone norm).",
+    ),
+]
+Junit = Annotated[
+    Path | None,
+    typer.Option(
+        "--junit",
+        metavar="FILE.xml",
+        help="Write a JUnit XML report: one case per check, and for fuse one per norm (fold: NORM).",
+    ),
+]
 Force = Annotated[
     bool, typer.Option("--force", "-f", help="Replace an existing output slabconv wrote (never anything else).")
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables and lines.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-norm decisions and stage timings.")]
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Also print where the model came from (format, architecture, dtype, input shape, sha256), each "
+        "written file's sha256, each norm's blocked paths, and on stderr a progress line per norm and step.",
+    ),
+]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the Python traceback on errors.")]
 
 

@@ -57,9 +57,7 @@ def verify(
             autocompletion=complete_runtime,
         ),
     ] = None,
-    junit: Annotated[
-        Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
-    ] = None,
+    junit: o.Junit = None,
     stream: o.VerifyStream = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,

@@ -17,21 +17,26 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from slabconv.load.source import Source
 from slabconv.report.data import Report
 from slabconv.text import count, one_line, shown
 from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
 
 _WORD = re.compile(r"\S+\s*|\s+")
-_PIECE = re.compile(r"[^,._/(]*(?:[,._/(]+|$)")
-"""A cell's text as words (up to and including the spaces after them), and a word as pieces: up to and including a
-run of the characters after which a name may break (``,``, ``.``, ``_``, ``/``, ``(``)."""
+_SEAM = re.compile(r"(?<=[,._/(])(?![,._/(])|(?<=-)(?![->])")
+"""A cell's text as words (up to and including the spaces after them), and where a word may break: after a run of
+``,``, ``.``, ``_``, ``/``, ``(``, or after a ``-`` that does not start an arrow (``LayerNorm->RepBN`` stays)."""
+
+
+def _pieces(word: str) -> list[str]:
+    return [piece for piece in _SEAM.split(word) if piece]
 
 
 class NameCell:
     """A table cell that wraps at spaces, and inside a word only at a name's seams: after ``.``, ``_``, ``,``,
-    ``/`` or ``(`` (``model.layers.0.`` / ``input_layernorm``), never inside a word. Its narrowest width (what Rich
-    allots a column at least) is its longest piece; only a column narrower than that (a terminal too narrow for the
-    table's keywords) folds a piece. Off a terminal (no width limit) it is one line.
+    ``/``, ``(`` or ``-`` (``model.layers.0.`` / ``input_layernorm``), never inside a word. Its narrowest width
+    (what Rich allots a column at least) is its longest piece; only a column narrower than that (a terminal too
+    narrow for the table's keywords) folds a piece. Off a terminal (no width limit) it is one line.
     """
 
     def __init__(self, text: str):
@@ -39,7 +44,7 @@ class NameCell:
         self.words = [word for word in _WORD.findall(text) if word]
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        pieces = (piece.rstrip() for word in self.words for piece in _PIECE.findall(word))
+        pieces = (piece.rstrip() for word in self.words for piece in _pieces(word))
         widest = max((cell_len(piece) for piece in pieces), default=0)
         return Measurement(min(widest, options.max_width), min(cell_len(self.text), options.max_width))
 
@@ -55,7 +60,7 @@ class NameCell:
             if cell_len(word.rstrip()) <= width:
                 line += word
                 continue
-            for piece in (p for p in _PIECE.findall(word) if p):  # a word wider than the column: break at seams
+            for piece in _pieces(word):  # a word wider than the column: break at its seams
                 if line and cell_len((line + piece).rstrip()) > width:
                     lines.append(line.rstrip())
                     line = ""
@@ -91,9 +96,10 @@ def text_table(title: str, columns: dict[str, bool], rows: Iterable[Sequence[str
     return table
 
 
-def folds_table(report: Report) -> Table:
+def folds_table(report: Report, width: int | None = None) -> Table:
     """One row per norm: name, kind, action, the layers it folded into, and why anything was kept (the reason
-    column only when a norm was kept)."""
+    column only when a norm was kept). Narrower than ``COMPACT_BELOW`` columns (``width``, a terminal's), the kind
+    is left out and the reason shares the ``into`` column (``kept: REASON ...``), so no name breaks mid-word."""
     source = report.source
     what = shown(source.arch or source.format) if source else ""
     if source is not None and "opset" in source.extra:  # an ONNX original: which opset and exporter
@@ -106,15 +112,29 @@ def folds_table(report: Report) -> Table:
             reason += f" (before {', '.join(map(shown, d.kept_on))})"
         rows.append([shown(d.norm), d.kind, d.action, ", ".join(map(shown, d.into)) or "-", reason])
     columns = {"norm": True, "kind": False, "action": False, "into": True, "reason": True}
+    if width is not None and width < COMPACT_BELOW:
+        columns = {"norm": True, "action": False, "into, or why kept": True}
+        return text_table(
+            title, columns, [[norm, action, into if not why else why] for norm, _, action, into, why in rows]
+        )
     if not any(row[-1] for row in rows):
         columns.pop("reason")
         rows = [row[:-1] for row in rows]
     return text_table(title, columns, rows)
 
 
+COMPACT_BELOW = 90
+"""The terminal width under which ``folds_table`` leaves out the kind column and puts the reason under ``into``."""
+
+
 def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
-    """The count of norms, each warning, what was written, and the verification."""
+    """The count of norms, each warning, what was written, and the verification. ``verbose`` adds where the model
+    came from (``source_line``), each norm's blocked paths and, for an output folder, each file's sha256."""
     source = report.source
+    if verbose:
+        for side, name in ((source, "source"), (report.reference, "reference"), (report.candidate, "candidate")):
+            if side is not None:
+                yield source_line(name, side)
     if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
         yield (
             f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused files "
@@ -133,8 +153,21 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
                     yield f"  {shown(d.norm)}: blocked before {shown(path['before'])}: {path['reason']}"
     if report.outputs is not None and report.out_dir is not None:
         yield f"wrote {shown(report.out_dir)}/: {', '.join([*report.outputs.files, 'report.json'])}"
+        if verbose:
+            for name, digest in report.outputs.sha256.items():
+                yield f"  {shown(name)}: sha256 {digest}"
     if report.command in ("fuse", "verify"):
         yield from verification_lines(report.verification)
+
+
+def source_line(name: str, side: Source) -> str:
+    """``source: PATH: FORMAT, ARCH, DTYPE weights, input (C, H, W), any batch; sha256 HEX``: where a model came
+    from and what slabconv read it as (``--verbose``)."""
+    facts = [side.format, *([side.arch] if side.arch else []), *([f"{side.dtype} weights"] if side.dtype else [])]
+    if side.input_shape is not None:
+        facts.append(f"input ({', '.join(map(str, side.input_shape))})")
+        facts.append("any batch" if side.batch is None else f"batch {side.batch} only")
+    return f"{name}: {shown(side.path)}: {', '.join(facts)}; sha256 {side.sha256 or 'n/a'}"
 
 
 def _ok(passed: bool) -> str:
