@@ -104,7 +104,7 @@ def junit_tree(report: Report, require_folded: bool = False) -> ET.ElementTree:
             time=f"{seconds:.3f}",
         )
         props = ET.SubElement(suite, "properties")
-        facts = [("slabconv_version", report.slabconv_version), ("candidate", str(candidate))]
+        facts: list[tuple[str, object]] = [("slabconv_version", report.slabconv_version), ("candidate", candidate)]
         if name == "slabconv.folds":
             facts += [("source", report.source.path if report.source else ""), ("require_folded", require_folded)]
         elif v is not None:
