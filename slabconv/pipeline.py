@@ -440,7 +440,7 @@ def _write_files(
         dynamic.append(program[1]["dynamic_sequence"])
     if write.onnx:
         progress("exporting model.onnx")
-        release_memory(collect=False)  # the translation does not reuse what was freed (peak 514 -> 498 MiB)
+        release_memory(collect=False)  # what was freed goes back first: the translation does not reuse it
         info = export_onnx(
             planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program,
             simplify=write.simplify,

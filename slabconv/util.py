@@ -137,12 +137,12 @@ def frozen_heap() -> Iterator[None]:
     decorator.
 
     Python's automatic collections of its oldest generation walk every object alive, most of them made by torch's
-    and the other libraries' imports, and a capture or an export allocates enough to trigger many: in a whole
-    ``slabconv fuse`` of a DeiT-Tiny the collector's own CPU time (timed with ``gc.callbacks``) went from 3.7 to
-    2.1 s with ``fuse`` in such a block, 2.4 to 1.9 s with ``--no-verify``. Nothing frozen is freed before the
-    block ends, so this is for what outlives the block anyway (the libraries, the caller's objects); garbage the
-    caller left uncollected when the block began (a model dropped in a loop of ``api.fuse`` calls) is held until
-    it ends. Only the outermost block unfreezes; objects a caller froze before stay frozen.
+    and the other libraries' imports, and a capture or an export allocates enough to trigger many: inside the block
+    those walks skip everything alive when it began, which is most of the collector's CPU time in a ``slabconv
+    fuse`` (``gc.callbacks`` times it; ``benchmarks/conversion_cost.py`` shows each stage's). Nothing frozen is
+    freed before the block ends, so this is for what outlives the block anyway (the libraries, the caller's
+    objects); garbage the caller left uncollected when the block began (a model dropped in a loop of ``api.fuse``
+    calls) is held until it ends. Only the outermost block unfreezes; objects a caller froze before stay frozen.
     """
     import gc
 

@@ -121,7 +121,23 @@ class ClosedPipe(Exception):
 
 class PlainUsage(TyperCommand):
     """A command whose usage line reads ``Usage: slabconv fuse [OPTIONS] CKPT``: arguments by their metavar, a
-    required one bare and an optional one in brackets (typer >= 0.2x writes a required one as ``{CKPT}``)."""
+    required one bare and an optional one in brackets (typer >= 0.2x writes a required one as ``{CKPT}``); in its
+    help an argument reads ``CKPT`` and an option ``--arch NAME`` (each option's metavar), not ``CKPT <path>``."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or (param.name or "").upper(), record[1]))
+            else:
+                opts.append(record)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -282,8 +298,9 @@ def leave(code: object) -> NoReturn:
     """End the process with ``code`` (``SystemExit``'s: None, a status, or a message for stderr and status 1) once
     the standard streams are flushed and the ``atexit`` hooks have run, without the interpreter's teardown.
 
-    The teardown frees every object of torch and the other imported libraries one by one: 1.2-1.8 s after a
-    ``fuse`` of a 350M model here (0.5 s after a bare ``import torch``), which a user waits for and nothing needs.
+    The teardown frees every object of torch and the other imported libraries one by one: more than a second after
+    a ``fuse`` of a 350M model (half a second after a bare ``import torch``), which a user waits for and nothing
+    needs.
     Every file slabconv writes is closed and moved into place before the command returns. An interrupted run
     (130) needs it too: left to the interpreter, a signal inside ``torch.export.save`` ended the process killed
     by SIGINT (status -2 to a parent) in about half the tries here. Where ``atexit`` cannot be run by hand (it is

@@ -28,7 +28,7 @@ def runtime_help() -> str:
     names = backend_names("bench")
     cpu = ", ".join(n for n in names if BACKENDS[n].device == "cpu")
     gpu = ", ".join(n for n in names if BACKENDS[n].device != "cpu")
-    return f"Comma-separated: {cpu} (CPU); {gpu} (GPU). Default: all this machine has."
+    return f"{cpu} (CPU); {gpu} (GPU). Repeat it, or separate names by commas. Default: all this machine has."
 
 
 def bench(
@@ -37,19 +37,23 @@ def bench(
         typer.Argument(metavar="CKPT", help="Checkpoint, or a folder written by `slabconv fuse`.", show_default=False),
     ],
     arch: o.Arch = None,
-    batch: Annotated[str, typer.Option("--batch", help="Comma-separated batch sizes.")] = "1,8,64",
+    batch: Annotated[str, typer.Option("--batch", metavar="SIZES", help="Comma-separated batch sizes.")] = "1,8,64",
     runtime: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
             "--runtime",
+            metavar="NAME",
             help=runtime_help(),
             autocompletion=complete_bench_runtime,
         ),
     ] = None,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed calls per variant first.")] = 5,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed calls per variant (interleaved).")] = 20,
+    warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, help="Untimed calls per variant first.")] = 5,
+    repeats: Annotated[
+        int, typer.Option("--repeats", metavar="N", min=1, help="Timed calls per variant (interleaved).")
+    ] = 20,
     plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write a bar chart: .png, .svg or .pdf (needs matplotlib).")
+        Path | None,
+        typer.Option("--plot", metavar="FILE", help="Write a bar chart: .png, .svg or .pdf (needs matplotlib)."),
     ] = None,
     force: o.Force = False,
     ema: o.Ema = False,
@@ -84,7 +88,8 @@ def bench(
 
         if plot is not None:  # before minutes of timing
             check_plot_path(plot, force, [ckpt])
-        runtimes = tuple(r.strip() for r in runtime.split(",") if r.strip()) if runtime else tuple(default_runtimes())
+        given = tuple(name.strip() for value in runtime or [] for name in value.split(",") if name.strip())
+        runtimes = given if runtime else tuple(default_runtimes())  # --runtime "" is refused, not the default
         check_runtimes(list(runtimes))
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         with output.progress() as progress:
@@ -131,7 +136,7 @@ def _plot(bench: dict[str, Any], plot: Path) -> None:
             warnings.simplefilter("ignore")
             draw([Timing(**t) for t in bench["timings"]], plot)
     except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
+        raise UsageError("--plot needs matplotlib: pip install slabconv[plot]") from None
     bench["plot"] = str(plot)
 
 

@@ -18,7 +18,8 @@ def fuse(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Output folder (default: <checkpoint stem>-fused beside it).")
+        Path | None,
+        typer.Option("--out", "-o", metavar="DIR", help="Output folder (default: <checkpoint stem>-fused beside it)."),
     ] = None,
     force: o.Force = False,
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write no ONNX file.")] = False,
@@ -27,6 +28,7 @@ def fuse(
         str | None,
         typer.Option(
             "--dtype",
+            metavar="DTYPE",
             help="Write the fused model in float16 or bfloat16 (folded in float64, cast once, verified at that dtype's "
             "tolerance). Default: the checkpoint's dtype.",
             autocompletion=lambda incomplete: [d for d in ("float16", "bfloat16") if d.startswith(incomplete)],

@@ -49,7 +49,9 @@ def inspect(
 
 def export(
     ckpt: o.Ckpt,
-    onnx: Annotated[Path, typer.Option("--onnx", help="Where to write the ONNX file.", show_default=False)],
+    onnx: Annotated[
+        Path, typer.Option("--onnx", metavar="FILE.onnx", help="Where to write the ONNX file.", show_default=False)
+    ],
     arch: o.Arch = None,
     no_fuse: Annotated[bool, typer.Option("--no-fuse", help="Export the original model, norms as they are.")] = False,
     force: o.Force = False,

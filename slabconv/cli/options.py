@@ -32,6 +32,7 @@ Arch = Annotated[
     str | None,
     typer.Option(
         "--arch",
+        metavar="NAME",
         help="Architecture name or alias, case ignored (see `slabconv list`); detected when left out.",
         autocompletion=complete_arch,
     ),
@@ -49,6 +50,7 @@ InputShape = Annotated[
     str | None,
     typer.Option(
         "--input-shape",
+        metavar="C,H,W",
         help="One sample's input shape without the batch axis, e.g. 3,224,224: needed for a pickled nn.Module "
         "(--trust-pickle), which records none, and for .onnx files whose axes besides the batch are dynamic.",
     ),
@@ -57,6 +59,7 @@ ImageSize = Annotated[
     int | None,
     typer.Option(
         "--image-size",
+        metavar="N",
         help="Build a zoo vision model for NxN inputs (default: the size its weights were trained at). Swin pads "
         "its windows, PVT resamples position embeddings; SLA models (SLAB-DeiT/PVT/CSWin) are fixed at 224.",
         min=1,
@@ -65,28 +68,32 @@ ImageSize = Annotated[
 Inputs = Annotated[
     Path | None,
     typer.Option(
-        "--inputs", help="An .npz whose 'x' array is the verification input (N, ...); default holdout.npz beside CKPT."
+        "--inputs",
+        metavar="NPZ",
+        help="An .npz whose 'x' array is the verification input (N, ...); default holdout.npz beside CKPT.",
     ),
 ]
 Samples = Annotated[
     int | None,
     typer.Option(
         "--samples",
+        metavar="N",
         min=1,
         help="Random samples when no inputs are given (default 16; 2 token sequences with --stream); with an .npz "
         "(--inputs, or holdout.npz beside the checkpoint), its first N samples.",
     ),
 ]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")]
+Seed = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random inputs.")]
 Rtol = Annotated[
     float | None,
     typer.Option(
         "--rtol",
+        metavar="X",
         help="Replace question 2's bound (default max(tol_dtype, 2 x the original's own error); tol_dtype is 1e-5, "
         "1e-3, 1e-2 for float32, float16, bfloat16). See docs/verification.md.",
     ),
 ]
-Atol = Annotated[float, typer.Option("--atol", help="An absolute error also accepted (default 0).")]
+Atol = Annotated[float, typer.Option("--atol", metavar="X", help="An absolute error also accepted (default 0).")]
 Strict = Annotated[
     bool,
     typer.Option(
@@ -98,6 +105,7 @@ Generate = Annotated[
     int | None,
     typer.Option(
         "--generate",
+        metavar="N",
         min=0,
         help="Language models: greedy tokens to generate and compare, original vs fused folder (default 32; 0: off).",
     ),
@@ -106,8 +114,8 @@ VerifyGenerate = Annotated[
     int | None,
     typer.Option(
         "--generate",
-        min=0,
         metavar="N",
+        min=0,
         help="Language models: greedy tokens to generate and compare, reference vs the fused folder CANDIDATE "
         "(default 32, as fuse; 0: off).",
     ),
@@ -132,7 +140,9 @@ VerifyStream = Annotated[
 Opset = Annotated[
     int | None,
     typer.Option(
-        "--opset", help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16)."
+        "--opset",
+        metavar="N",
+        help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16).",
     ),
 ]
 RequireFolded = Annotated[

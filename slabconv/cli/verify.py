@@ -53,6 +53,7 @@ def verify(
         list[str] | None,
         typer.Option(
             "--runtime",
+            metavar="NAME",
             help=runtime_help(),
             autocompletion=complete_runtime,
         ),
