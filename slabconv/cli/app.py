@@ -90,7 +90,13 @@ class OneLineErrors(TyperGroup):
         except click_errors.UsageError as err:
             if not standalone:
                 raise
-            where = f"slabconv {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "slabconv --help"
+            argv = kwargs.get("args") if kwargs.get("args") is not None else (args[0] if args else sys.argv[1:])
+            command = (
+                err.ctx.info_name
+                if err.ctx and err.ctx.parent
+                else next((arg for arg in argv or [] if arg in self.commands), None)
+            )
+            where = f"slabconv {command} --help" if command else "slabconv --help"
             sys.stderr.write(one_line(f"error: {err.format_message()} (see `{where}`)") + "\n")
             sys.exit(2)
         except (KeyboardInterrupt, typer.Abort):

@@ -40,7 +40,14 @@ from slabconv.zoo.layers import (
     norm_factory,
     norm_layout,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
+from slabconv.zoo.registry import (
+    LayoutError,
+    Preset,
+    StateDict,
+    register_family,
+    resolve_image_size,
+    square_input,
+)
 
 
 class Block(nn.Module):
@@ -138,7 +145,7 @@ def _depth(sd: StateDict) -> int:
 
 def _shape(sd: StateDict, key: str) -> tuple[int, ...]:
     if key not in sd:
-        raise UnsupportedModelError(f"not a SLAB-DeiT checkpoint: key {key!r} is missing")
+        raise LayoutError(f"not a SLAB-DeiT-layout checkpoint: key {key!r} is missing")
     return tuple(sd[key].shape)
 
 
