@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slabconv.errors import InputError, UsageError, python_advice
-from slabconv.load.paths import check_input, is_output_folder
+from slabconv.load.paths import MODEL_SUFFIXES, check_input, is_output_folder
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions, check_opset
 from slabconv.report.data import Outputs, Report
 from slabconv.util import Progress, no_progress
@@ -113,7 +113,9 @@ def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progres
     _check_types(load=(load, LoadOptions))
     source = check_input(path)
     from slabconv import pipeline
+    from slabconv.load.model import check_options_apply
 
+    check_options_apply(source, load)
     return pipeline.run_inspect(source, load, progress)
 
 
@@ -157,12 +159,20 @@ def fuse(
     write.check()  # a mistyped --dtype is answered before anything is read
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
+    if out_dir.suffix.lower() in MODEL_SUFFIXES and not out_dir.is_dir():
+        raise UsageError(
+            f"--out {out_dir}: fuse writes a folder (model.safetensors, model.onnx, model.pt2, report.json), not one "
+            f"{out_dir.suffix} file; give a folder name such as {out_dir.with_suffix('')}-fused (slabconv export "
+            "CKPT --onnx FILE writes one ONNX file)"
+        )
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
     if _empty_folder(out_dir):  # it holds nothing to lose: filled as a new one, without --force
         write = dataclasses.replace(write, force=True)
     check_output_folder(out_dir, force=write.force, inputs=inputs)
     from slabconv import pipeline
+    from slabconv.load.model import check_options_apply
 
+    check_options_apply(source, load)
     return pipeline.run_fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
 
 
@@ -194,11 +204,13 @@ def export(
     if target.suffix.lower() != ".onnx":
         raise UsageError(f"--onnx {target}: give a file name ending in .onnx, e.g. {target.with_suffix('.onnx').name}")
     from slabconv import engine
+    from slabconv.load.model import check_options_apply
     from slabconv.load.model import load_model as load_checkpoint_model
     from slabconv.pipeline import plan
     from slabconv.util import sha256_file
     from slabconv.write.onnx import export_onnx, onnx_files
 
+    check_options_apply(source, load)
     loaded = load_checkpoint_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model

@@ -355,6 +355,21 @@ def a_folder_as_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> li
     return ["inspect", str(tmp / "dir.pth")]
 
 
+def the_run_folder_instead_of_its_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "run").mkdir()
+    save_ckpt(tmp / "run" / "checkpoint.pth")
+    return ["inspect", str(tmp / "run")]
+
+
+def arch_for_a_program(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "model.pt2").write_bytes(b"PK not read: refused by its name first")
+    return ["fuse", str(tmp / "model.pt2"), "--arch", "deit_prepbn", "--out", str(tmp / "o")]
+
+
+def fuse_out_named_like_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(save_ckpt(tmp / "ckpt.pth")), "--out", str(tmp / "fused.onnx")]
+
+
 def no_state_dict_inside(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     torch.save({"epoch": 3, "optimizer": {}}, tmp / "opt.pth")
     return ["inspect", str(tmp / "opt.pth")]
@@ -478,6 +493,9 @@ CATALOGUE: list[tuple[Case, str]] = [
     (trusted_module_defined_in_main, "the model's class was defined in the script that saved it (module __main__)"),
     (no_such_file, "no such file"),
     (a_folder_as_checkpoint, "is a folder"),
+    (the_run_folder_instead_of_its_checkpoint, "give the checkpoint file inside it ("),
+    (arch_for_a_program, "--arch does not apply to a torch.export program (the program is the model"),
+    (fuse_out_named_like_a_file, "fuse writes a folder (model.safetensors, model.onnx, model.pt2, report.json), not"),
     (no_state_dict_inside, "no state_dict found"),
     (inputs_of_the_wrong_shape, "inputs have shape"),
     (junit_onto_an_input, "is an input of this run"),

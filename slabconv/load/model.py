@@ -153,6 +153,26 @@ def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: st
     model.load_state_dict(state_dict, strict=True)
 
 
+def check_options_apply(path: Path | str, options: LoadOptions | None) -> None:
+    """Refuse, before anything is read, the options that build a checkpoint's model (``--arch``, ``--image-size``,
+    ``--ema``) for a ``torch.export`` program, which is its model: they would be ignored. (``verify`` gives one set
+    of options to both sides, so it does not call this.)
+
+    Raises:
+        UsageError: naming the first such option.
+    """
+    opts = options or LoadOptions()
+    found = sniff_format(Path(path))
+    if found is None or found.name != "torch.export":
+        return
+    given = [flag for flag, on in (("--arch", opts.arch), ("--image-size", opts.image_size), ("--ema", opts.ema)) if on]
+    if given:
+        raise UsageError(
+            f"{path}: {given[0]} does not apply to a torch.export program (the program is the model: its graph, "
+            "weights and input shape); drop it"
+        )
+
+
 def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 

@@ -28,6 +28,9 @@ LAYOUTS = (
 )
 """A Hugging Face folder's weights: (file looked for, format name), in the order ``transformers`` prefers them."""
 
+MODEL_SUFFIXES = (".pth", ".pt", ".pt2", ".safetensors", ".onnx", ".bin", ".ckpt")
+"""File names a model comes in: what a folder's message offers, and what ``fuse --out`` (a folder) refuses."""
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """``owner/name``: how a Hugging Face Hub model id looks (``xinghaochen/SLAB``)."""
 
@@ -76,9 +79,11 @@ def check_input(path: Path | str, folders: bool = True) -> Path:
             )
         raise InputError(f"{path}: no such file")
     if folders and path.is_dir() and not (is_hf_folder(path) or is_output_folder(path)):
+        inside = sorted(p.name for p in path.iterdir() if p.suffix in MODEL_SUFFIXES and p.is_file())[:3]
+        example = f" ({', '.join(str(path / name) for name in inside)})" if inside else ""
         raise InputError(
-            f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
-            "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
+            f"{path}: is a folder without config.json and weights; give the checkpoint file inside it{example}, or "
+            "a Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
         )
     if path.is_file() and path.stat().st_size == 0:
         raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
