@@ -30,7 +30,7 @@ from slabconv.report.render import summary_lines
 from tests import errordoc
 from tests.conftest import randomize_norms
 from tests.test_pt2_e2e import Tagger
-from tests.tinyckpt import save_ckpt
+from tests.tinyckpt import save_ckpt, tiny_state_dict
 
 runner = CliRunner()
 
@@ -119,11 +119,13 @@ def _pieces(name: str) -> list[str]:
     return [p.strip() for p in re.findall(r"[^._,/( ]*[._,/( ]*", name) if p.strip()]
 
 
-def test_the_fold_table_keeps_names_whole_between_seams_at_60_columns():
-    output, buffer = _narrow(60)
+@pytest.mark.parametrize("width", [60, 95])  # the compact table, and the full one with its reason column
+def test_the_fold_table_keeps_names_whole_between_seams_on_a_narrow_terminal(width):
+    output, buffer = _narrow(width)
     output.report(Report("inspect", folds=LONG))  # the fold table, at the terminal's width
     lines = buffer.getvalue().splitlines()
-    assert lines and max(len(line) for line in lines) <= 60
+    assert lines and max(len(line) for line in lines) <= width
+    assert ("kind" in lines[1]) == (width >= 90)
     text = buffer.getvalue()
     for d in LONG:
         for name in (d.norm, *d.into):
@@ -185,6 +187,11 @@ def test_float32_spelt_as_other_converters_spell_it_is_the_checkpoints_own_dtype
         with safe_open(str(tmp_path / spelling / "model.safetensors"), "pt") as f:
             assert f.metadata() == safe_open(str(tmp_path / "default" / "model.safetensors"), "pt").metadata()
     assert WriteOptions(dtype="bf16").dtype == "bfloat16" and WriteOptions(dtype="half").dtype == "float16"
+    sd = {k: v.half() if v.is_floating_point() else v for k, v in tiny_state_dict().items()}
+    write = WriteOptions(dtype="fp32", onnx=False, pt2=False)
+    api.fuse(save_ckpt(tmp_path / "f16.pth", sd), tmp_path / "up", verify=None, write=write)
+    written = load_file(tmp_path / "up" / "model.safetensors")  # of a float16 checkpoint: the fold in float32
+    assert {t.dtype for t in written.values() if t.is_floating_point()} == {torch.float32}
 
 
 def test_a_program_with_a_static_batch_is_warned_about(tmp_path):
