@@ -356,7 +356,6 @@ def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_
         ["fuse", str(CKPT), "-o", str(out), "--dtype", "FP16", "--opset", "17", "--samples", "24"],  # optimum's
     )
     assert result.exit_code == 0, result.output
-    assert all(line.startswith("[") for line in result.stderr.splitlines()), result.stderr  # no converter's log
     assert result.stdout.splitlines()[-1].endswith(f"into {out} (float16): verification PASSED")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {__import__("torch").float16}

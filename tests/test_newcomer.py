@@ -236,3 +236,25 @@ def test_verbose_progress_lines_say_what_their_count_counts():
     lines = [line.split("]", 1)[1] for line in buffer.getvalue().splitlines()]
     assert "   blocks.0.norm1 (1/9): folded-forward into blocks.0.attn.qkv" in lines  # no second, stale count
     assert "   decoder layer 3 (3/18)" in lines
+
+
+def test_the_exporters_log_lines_are_held_back():
+    """The ONNX exporter's version converter logs a warning for an --opset it converts to (onnxscript's logger);
+    under ``util.quiet`` it does not reach stderr, and outside it logging is as the user set it."""
+    import logging
+
+    from slabconv.util import quiet
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("onnxscript.version_converter")
+    log.addHandler(handler)
+    try:
+        with quiet():
+            log.warning("The model version conversion is not supported by the onnxscript version converter")
+        assert seen == []
+        log.warning("outside")
+        assert seen == ["outside"]
+    finally:
+        log.removeHandler(handler)
