@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,7 +160,7 @@ def fuse(
     write.check()  # a mistyped --dtype is answered before anything is read
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
-    if out_dir.suffix.lower() in MODEL_SUFFIXES and not out_dir.is_dir():
+    if out_dir.suffix.lower() in MODEL_SUFFIXES and not os.path.lexists(out_dir):
         raise UsageError(
             f"--out {out_dir}: fuse writes a folder (model.safetensors, model.onnx, model.pt2, report.json), not one "
             f"{out_dir.suffix} file; give a folder name such as {out_dir.with_suffix('')}-fused (slabconv export "
