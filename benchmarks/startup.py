@@ -7,8 +7,10 @@ Runs the installed console script (`slabconv`, as a shell runs it) in fresh chil
   a mistyped --dtype; the shell completion of `--arch DEIT_T`; and `python -c "import torch"` for scale.
 
 Target (issue 39): every row but `import torch` under one second, within about 2x `--help` (none imports torch).
+With `--compare DIR` each command also runs with another checkout's slabconv first on the path (``PYTHONPATH=DIR``,
+e.g. a clone of an older commit), interleaved in the same run, and a second column gives its times.
 
-Run: .venv/bin/python benchmarks/startup.py [--repeats 5]
+Run: .venv/bin/python benchmarks/startup.py [--repeats 5] [--compare DIR]
 """
 
 from __future__ import annotations
@@ -41,19 +43,29 @@ CASES: list[tuple[str, list[str], dict[str, str]]] = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compare", type=Path, help="another checkout whose slabconv runs the same commands")
     args = parser.parse_args()
-    times: dict[str, list[float]] = {name: [] for name, _, _ in CASES}
+    paths = {"this": str(ROOT), **({"compare": str(args.compare.resolve())} if args.compare else {})}
+    times: dict[tuple[str, str], list[float]] = {(name, which): [] for name, _, _ in CASES for which in paths}
     for _ in range(args.repeats):
         for name, cmd, env in CASES:
-            start = time.perf_counter()
-            subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, check=False)
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times["slabconv --help"])
+            for which, path in paths.items():
+                child = {**os.environ, **env, "PYTHONPATH": path}
+                start = time.perf_counter()
+                subprocess.run(cmd, cwd=ROOT, env=child, capture_output=True, check=False)
+                times[(name, which)].append(time.perf_counter() - start)
     print(f"load: {os.getloadavg()[0]:.2f} (1-minute average), {os.cpu_count()} CPUs; {args.repeats} runs each")
-    print(f"{'command':32} {'median s':>9} {'/ --help':>9}")
-    for name, values in times.items():
-        median = statistics.median(values)
-        print(f"{name:32} {median:9.2f} {median / base:9.2f}")
+    header = f"{'command':32} {'median s':>9} {'/ --help':>9}"
+    print(header + (f" {'compare s':>10} {'/ --help':>9}" if args.compare else ""))
+    for name, _, _ in CASES:
+        row = f"{name:32}"
+        for which in paths:
+            median = statistics.median(times[(name, which)])
+            base = statistics.median(times[("slabconv --help", which)])
+            row += (
+                f" {median:9.2f} {median / base:9.2f}" if which == "this" else f" {median:10.2f} {median / base:9.2f}"
+            )
+        print(row)
 
 
 if __name__ == "__main__":
