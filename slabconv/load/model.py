@@ -253,11 +253,11 @@ def _check_given_shape(ckpt: Checkpoint, given: tuple[int, ...] | None, shape: t
     """
     if given is not None and tuple(given) != tuple(shape):
         what = "program" if ckpt.format == "torch.export" else "weights"
+        resize = " (--image-size N builds a zoo vision model for NxN inputs)" if what == "weights" else ""
         raise UsageError(
             f"--input-shape {','.join(map(str, given))}: {ckpt.path} takes inputs of shape "
             f"({', '.join(map(str, shape))}), fixed by its {what}; --input-shape is for a pickled nn.Module "
-            "(--trust-pickle) or an .onnx file with dynamic axes: drop it (--image-size N builds a zoo vision model "
-            "for NxN inputs)"
+            f"(--trust-pickle) or an .onnx file with dynamic axes: drop it{resize}"
         )
 
 
