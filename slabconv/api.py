@@ -1,17 +1,24 @@
-"""The Python API: ``fuse``, ``inspect``, ``export``, ``verify``, ``bench``, ``load_fused``. The CLI calls these.
+"""The Python API of slabconv: what the ``slabconv`` command does, as functions that return a ``Report``.
 
-Data flows one way through one stage per package::
+- ``fuse(path, out)``: fold every norm, write ``model.safetensors``, ``model.onnx``, ``model.pt2`` and
+  ``report.json`` into ``out``, and verify them (``slabconv fuse``);
+- ``inspect(path)``: the fold plan, nothing written (``slabconv inspect``);
+- ``export(path, onnx_path)``: one ONNX file (``slabconv export``);
+- ``verify(reference, candidate)``: both verification questions for any two models (``slabconv verify``);
+- ``bench(path)``: original vs fused vs norm-free timings (``slabconv bench``);
+- ``load_fused(out)``: the fused model of a folder ``fuse`` wrote, as an ``nn.Module``;
+- ``load_model(path)``: a checkpoint read as slabconv reads it (the model in eval mode, its input shape, dtype);
+- ``architectures()``: the registered architectures (``slabconv list``).
 
-    load (slabconv.load)  ->  plan + apply (slabconv.engine)  ->  write (slabconv.write)
-        ->  verify (slabconv.verify)  ->  report (slabconv.report)
-
-Every function here checks its arguments, calls the stages (``fuse``: the one driver, ``slabconv.pipeline``, in
-memory or streamed with ``WriteOptions(stream=True)``) and returns a ``slabconv.report.Report``.
+How to load, verify and write are option objects: ``LoadOptions``, ``VerifyOptions``, ``WriteOptions`` (from
+``slabconv.options``, also importable from here). Errors are the exceptions of ``slabconv.errors``, with advice in
+Python's spelling (``pass WriteOptions(force=True)``). Importing this module loads neither torch nor numpy: a
+function imports what it needs when called.
 
 Example::
 
     from slabconv import api
-    from slabconv.options import LoadOptions, VerifyOptions
+    from slabconv.options import VerifyOptions
 
     report = api.fuse("checkpoint.pth", "checkpoint-fused", verify=VerifyOptions(samples=128))
     assert report.verification.passed
@@ -20,21 +27,22 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from slabconv import engine, pipeline
 from slabconv.errors import InputError, UsageError, python_advice
-from slabconv.load.checkpoint import check_input
-from slabconv.load.model import load_model
-from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
-from slabconv.pipeline import Planned, plan
+from slabconv.load.paths import MODEL_SUFFIXES, check_input, is_output_folder
+from slabconv.options import LoadOptions, VerifyOptions, WriteOptions, check_opset
 from slabconv.report.data import Outputs, Report
-from slabconv.util import Progress, no_progress, sha256_file
-from slabconv.write.onnx import check_opset, export_onnx, onnx_files, provenance, written_by_slabconv
+from slabconv.util import Progress, no_progress
 from slabconv.write.staging import check_output_file, check_output_folder, staging_file
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from slabconv.load.model import LoadedModel
 
 # --------------------------------------------------------------------------------------------- commands
 
@@ -43,6 +51,14 @@ _OPTION_EXAMPLES = {
     VerifyOptions: "VerifyOptions(samples=128)",
     WriteOptions: "WriteOptions(force=True)",
 }
+
+
+def _empty_folder(path: Path) -> bool:
+    """True for an existing, empty real folder (not a link); False for anything else or a path that cannot be read."""
+    try:
+        return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+    except OSError:
+        return False
 
 
 def _check_types(**given: tuple[Any, type]) -> None:
@@ -77,13 +93,12 @@ def architectures() -> list[dict[str, Any]]:
     """The registered architectures, what ``slabconv list`` prints: one dict per architecture with ``name`` (what
     ``LoadOptions(arch=...)`` takes, case ignored), ``aliases`` (also accepted), ``family`` and ``description``.
 
-    Source: the zoo registry (``slabconv.zoo``), in registration order.
+    Source: the zoo's table of names (``slabconv.zoo.names.NAMES``, read without importing torch), in its order.
     """
-    from slabconv.zoo import list_archs
+    from slabconv.zoo.names import NAMES
 
     return [
-        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description}
-        for s in list_archs()
+        {"name": s.name, "aliases": list(s.aliases), "family": s.family, "description": s.description} for s in NAMES
     ]
 
 
@@ -96,7 +111,12 @@ def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progres
         TypeError: ``load`` is not a ``LoadOptions``.
     """
     _check_types(load=(load, LoadOptions))
-    return pipeline.run_inspect(check_input(path), load, progress)
+    source = check_input(path)
+    from slabconv import pipeline
+    from slabconv.load.model import check_options_apply
+
+    check_options_apply(source, load)
+    return pipeline.run_inspect(source, load, progress)
 
 
 @python_advice({"--no-verify": "verify=None"})
@@ -136,16 +156,23 @@ def fuse(
     """
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions), write=(write, WriteOptions))
     write = write or WriteOptions()
-    pipeline.write_dtype(write)  # a mistyped --dtype is answered before anything is read
-    check_opset(write.opset, write.dtype)
-    if write.simplify and not write.onnx:
-        raise UsageError(
-            "--simplify simplifies model.onnx, which --no-onnx (or --stream) does not write; leave one out"
-        )
+    write.check()  # a mistyped --dtype is answered before anything is read
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
+    if out_dir.suffix.lower() in MODEL_SUFFIXES and not os.path.lexists(out_dir):
+        raise UsageError(
+            f"--out {out_dir}: fuse writes a folder (model.safetensors, model.onnx, model.pt2, report.json), not one "
+            f"{out_dir.suffix} file; give a folder name such as {out_dir.with_suffix('')}-fused (slabconv export "
+            "CKPT --onnx FILE writes one ONNX file)"
+        )
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
+    if _empty_folder(out_dir):  # it holds nothing to lose: filled as a new one, without --force
+        write = dataclasses.replace(write, force=True)
     check_output_folder(out_dir, force=write.force, inputs=inputs)
+    from slabconv import pipeline
+    from slabconv.load.model import check_options_apply
+
+    check_options_apply(source, load)
     return pipeline.run_fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
 
 
@@ -173,10 +200,18 @@ def export(
     _check_types(load=(load, LoadOptions))
     check_opset(opset)
     source, target = check_input(path), Path(onnx_path)
-    check_output_file(target, force=force, inputs=[source], owned=written_by_slabconv)
+    check_output_file(target, force=force, inputs=[source], owned=_written_by_slabconv)
     if target.suffix.lower() != ".onnx":
         raise UsageError(f"--onnx {target}: give a file name ending in .onnx, e.g. {target.with_suffix('.onnx').name}")
-    loaded = load_model(source, load)
+    from slabconv import engine
+    from slabconv.load.model import check_options_apply
+    from slabconv.load.model import load_model as load_checkpoint_model
+    from slabconv.pipeline import plan
+    from slabconv.util import sha256_file
+    from slabconv.write.onnx import export_onnx, onnx_files, provenance
+
+    check_options_apply(source, load)
+    loaded = load_checkpoint_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
     example = loaded.trace_example()
@@ -185,7 +220,7 @@ def export(
         model, decisions, example = planned.fused, planned.decisions, planned.example
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
-    with staging_file(target, force, owned=written_by_slabconv) as tmp:
+    with staging_file(target, force, owned=_written_by_slabconv) as tmp:
         made = provenance(loaded.checkpoint.sha256, loaded.arch, folded=fuse)
         info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=made)
         files = onnx_files(tmp / target.name)
@@ -230,11 +265,11 @@ def verify(
     from slabconv.verify import sides, verifier
 
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
-    _check_runtimes(verify, stream)
     check_input(reference, folders=False)
     check_input(candidate, folders=False)
-    opts = verify or VerifyOptions()
+    _check_runtimes(verify, stream)
     ref_path, cand_path = Path(reference), Path(candidate)
+    opts = _generation_default(verify or VerifyOptions(), ref_path, cand_path)
     if stream:
         from slabconv import stream as streaming
 
@@ -244,7 +279,26 @@ def verify(
         ref, cand = sides.open_side(ref_path, load), sides.open_side(cand_path, load)
     verification = verifier.verify(ref, cand, opts, load=load, localize=localize, progress=progress)
     ref.source.extra.setdefault("runtime", None)
+    if opts.generate == 0 and _fused_language_model(cand_path):
+        verification.notes.append("greedy generation not checked (--generate 0)")
     return Report("verify", reference=ref.source, candidate=cand.source, verification=verification)
+
+
+def _fused_language_model(path: Path) -> bool:
+    """A folder ``fuse`` wrote for a language model (it holds the fused model's modeling file)."""
+    from slabconv.write.hf_llama import MODELING_FILE
+
+    return path.is_dir() and (path / MODELING_FILE).is_file()
+
+
+def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
+    """``verify`` of a fused language-model folder against a model slabconv runs (not an ``.onnx``) checks greedy
+    generation as ``fuse`` does: ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
+    from slabconv.load.formats import engine_of
+
+    if opts.generate is None and _fused_language_model(candidate) and engine_of(reference) != "onnx":
+        return dataclasses.replace(opts, generate=opts.fuse_steps())
+    return opts
 
 
 @python_advice()
@@ -266,7 +320,7 @@ def load_fused(out_dir: Path | str) -> nn.Module:
         UsageError: when called, an input the program does not take.
     """
     from slabconv.load.checkpoint import load_checkpoint
-    from slabconv.load.fused import CheckedProgram, is_output_folder
+    from slabconv.load.fused import CheckedProgram
 
     folder = Path(out_dir)
     if not is_output_folder(folder):
@@ -301,10 +355,12 @@ def bench(
     from slabconv import bench_generation
 
     _check_types(load=(load, LoadOptions))
-    source, opts = Path(path), load or LoadOptions()
+    source, opts = check_input(path), load or LoadOptions()
     if source.is_dir() and (source / "report.json").is_file():
         source, opts = bench_mod.source_of_output(source, opts)
-    loaded = load_model(source, opts)
+    from slabconv.load.model import load_model as load_checkpoint_model
+
+    loaded = load_checkpoint_model(source, opts)
     chosen = list(runtimes) if runtimes else bench_mod.default_runtimes()
     timings = bench_mod.bench_models(
         loaded.model, lambda batch: loaded.example(batch, seed=1), list(batches), chosen, warmup, repeats, progress
@@ -315,9 +371,31 @@ def bench(
     return Report("bench", source=loaded.source(), bench=result)
 
 
+@python_advice()
+def load_model(path: Path | str, load: LoadOptions | None = None) -> LoadedModel:
+    """A checkpoint read and built as every command reads it (nothing folded): ``.model`` (the ``nn.Module`` in eval
+    mode), ``.arch``, ``.input_shape`` (one sample, without the batch axis), ``.dtype``, ``.example(batch, seed)``
+    (seeded inputs of that shape and dtype). See ``slabconv.load.model.load_model``.
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: as ``fuse``.
+        TypeError: ``load`` is not a ``LoadOptions``.
+    """
+    from slabconv.load.model import load_model as load_checkpoint_model
+
+    _check_types(load=(load, LoadOptions))
+    return load_checkpoint_model(check_input(path), load)
+
+
+def _written_by_slabconv(path: Path) -> bool:
+    """True for an ONNX file slabconv wrote (its ``metadata_props`` mark): what ``export --force`` may replace."""
+    from slabconv.write.onnx import written_by_slabconv
+
+    return written_by_slabconv(path)
+
+
 __all__ = [
     "LoadOptions",
-    "Planned",
     "Report",
     "VerifyOptions",
     "WriteOptions",
@@ -328,6 +406,5 @@ __all__ = [
     "inspect",
     "load_fused",
     "load_model",
-    "plan",
     "verify",
 ]

@@ -276,7 +276,7 @@ def check_plot_path(path: Path, force: bool, inputs: list[Path]) -> None:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib")
+        raise UsageError("--plot needs matplotlib: pip install slabconv[plot]")
     if path.is_dir() and not path.is_symlink():
         raise UsageError(f"--plot {path} is a folder; give a file path such as {path / 'bench.png'}")
     suffix = path.suffix.lower().removeprefix(".")
@@ -297,7 +297,7 @@ def plot(timings: list[Timing], path: Path) -> None:
     way are made. ``check_plot_path`` checks the path first.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install matplotlib``).
+        ImportError: matplotlib is not installed (``pip install slabconv[plot]``).
     """
     import matplotlib
 

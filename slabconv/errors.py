@@ -46,6 +46,15 @@ class NumericError(SlabconvError):
     """The fused model's output is not finite in its dtype (an extreme norm); the message names the norm."""
 
 
+class KeptNormsError(UnsupportedModelError):
+    """``--require-folded`` and the plan keeps some norms (exit code 2: the model cannot be made norm-free; nothing
+    is written). ``report`` holds the plan (``folds``, ``source``) for the caller to show, e.g. as JUnit."""
+
+    def __init__(self, message: str, report: Any = None):
+        super().__init__(message)
+        self.report = report
+
+
 class VerificationError(SlabconvError):
     """The candidate's outputs differ from the reference beyond tolerance (exit code 1).
 
@@ -91,6 +100,7 @@ PYTHON_SPELLING: dict[str, tuple[str, str]] = {
     "--no-onnx": ("WriteOptions", "onnx"),
     "--no-pt2": ("WriteOptions", "pt2"),
     "--stream": ("WriteOptions", "stream"),
+    "--require-folded": ("WriteOptions", "require_folded"),
     "--dtype": ("WriteOptions", "dtype"),
     "--opset": ("WriteOptions", "opset"),
     "--trust-pickle": ("LoadOptions", "trust_pickle"),
@@ -114,6 +124,7 @@ _FLAG = re.compile(
 so that the English after a flag is not taken for its value)."""
 
 _BOOLEAN = {"--force": "True", "--trust-pickle": "True", "--ema": "True", "--stream": "True", "--strict": "True"}
+_BOOLEAN |= {"--require-folded": "True"}
 _BOOLEAN |= {"--no-onnx": "False", "--no-pt2": "False"}
 _QUOTED = {"--arch", "--inputs", "--dtype", "--runtime"}
 

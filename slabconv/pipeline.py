@@ -42,13 +42,21 @@ import torch
 from torch import fx
 
 from slabconv import engine
-from slabconv.errors import InputError, NumericError, UnsupportedModelError, UsageError, VerificationError
+from slabconv.errors import (
+    InputError,
+    KeptNormsError,
+    NumericError,
+    UnsupportedModelError,
+    UsageError,
+    VerificationError,
+)
 from slabconv.load.lazy import BlockSlots, PlanningModel, ShardedFolder, open_sharded, planning_model, stack_depth
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs, Report
+from slabconv.text import count
 from slabconv.util import Progress, frozen_heap, no_progress, quiet, release_memory, sha256_file
 from slabconv.verify import faults
 from slabconv.verify.results import Verification
@@ -60,7 +68,7 @@ from slabconv.write.staging import staging_dir
 FOLD_BLOCK = engine.FOLD_BLOCK
 """Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
 
-WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
 
 # --------------------------------------------------------------------------------------------- open
@@ -297,19 +305,37 @@ def _require_streamable(decisions: list[engine.Decision], program: engine.Progra
 # --------------------------------------------------------------------------------------------- checks
 
 
+def require_folded(report: Report) -> None:
+    """``--require-folded``: refuse, before anything is written, a plan that keeps a norm.
+
+    Raises:
+        KeptNormsError: naming each kept norm and its reason (the first ``KEPT_NAMED``), with ``report`` (the plan)
+            for the caller's JUnit file.
+    """
+    kept = [d for d in report.folds or [] if not d.action.startswith("folded")]
+    if not kept:
+        return
+    named = ", ".join(f"{d.norm} ({d.reason or d.action})" for d in kept[:KEPT_NAMED])
+    more = f" and {len(kept) - KEPT_NAMED} more" if len(kept) > KEPT_NAMED else ""
+    raise KeptNormsError(
+        f"--require-folded: {count(len(kept), 'norm')} of {len(report.folds or [])} would be kept: {named}{more}; "
+        "nothing was written (each reason: docs/reasons.md; slabconv inspect shows the plan)",
+        report,
+    )
+
+
+KEPT_NAMED = 8
+"""How many kept norms the ``--require-folded`` message names (the JUnit file and ``inspect`` list them all)."""
+
+
 def write_dtype(write: WriteOptions) -> torch.dtype | None:
     """The dtype ``write`` asks the fused model to be written in, checked before any work.
 
     Raises:
-        UsageError: an unknown name, or ``dtype`` with ``stream`` (the streamed fold keeps the checkpoint's dtype).
+        UsageError: as ``WriteOptions.check`` (an unknown name, ``dtype`` with ``stream``, ...).
     """
-    if write.dtype is None:
-        return None
-    if write.dtype not in WRITE_DTYPES:
-        raise UsageError(f"--dtype {write.dtype}: choose float16 or bfloat16 (leave it out to keep the checkpoint's)")
-    if write.stream:
-        raise UsageError("--dtype does not stream: the streamed fold keeps the checkpoint's dtype; leave out --dtype")
-    return WRITE_DTYPES[write.dtype]
+    write.check()
+    return None if write.dtype is None else WRITE_DTYPES[write.dtype]
 
 
 def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteOptions) -> None:
@@ -321,7 +347,8 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
     """
     if not write.stream:
         return
-    from slabconv.load.hf import hf_weights_file, read_index
+    from slabconv.load.hf import hf_weights_file
+    from slabconv.load.shards import LazyShards
     from slabconv.zoo.decoder import family_of
 
     if write.onnx:
@@ -334,9 +361,9 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
     if verify.inputs is not None:
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
     found = hf_weights_file(path) if path.is_dir() else None
-    if found is not None and found[1] == "hf-safetensors-sharded":
+    if found is not None and found[1] in ("hf-safetensors-sharded", "hf-safetensors"):
         try:
-            family_of(read_index(found[0]))
+            family_of(LazyShards.open(path).weight_map)
         except UnsupportedModelError:
             raise UsageError(
                 f"--stream verifies decoder language models one layer at a time; {path} has no streamed question 2: "
@@ -409,7 +436,7 @@ def _write_files(
         outputs.files.append("model.pt2")
     if write.onnx:
         progress("exporting model.onnx")
-        release_memory(collect=False)  # the translation does not reuse what was freed (peak 514 -> 498 MiB)
+        release_memory(collect=False)  # what was freed goes back first: the translation does not reuse it
         made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True)
         info = export_onnx(
             planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program,
@@ -483,7 +510,7 @@ class InMemory:
             self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example
         )
         dtype = write_dtype(write)
-        if dtype is not None:
+        if dtype is not None and dtype != self.loaded.dtype:  # ``--dtype float32`` of a float32 checkpoint: its own
             self.planned = cast_planned(self.loaded, self.planned, dtype)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
@@ -562,9 +589,12 @@ class Streamed:
         weight_map, total, digests = write_program_shards(
             folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
         )
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
+        if sharded.sharded:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
+        else:  # one model.safetensors in, one out (no index)
+            outputs = Outputs(files=list(sharded.shard_names), safetensors=sharded.shard_names[0])
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             outputs.files += _write_hf_folder(folder, loaded, False, progress)
@@ -646,6 +676,8 @@ def run_fuse(
     as ``report.json``) and raises what ``api.fuse`` documents; whatever it raises, nothing is written."""
     write_dtype(write)
     door = open_door(path, load, verify, write, progress)
+    if write.require_folded:  # before any work on the files: the plan alone decides
+        require_folded(Report("fuse", source=door.source(), folds=door.decisions, out_dir=str(out_dir)))
     door.check(verify, write)
     report = Report("fuse", source=door.source(), folds=door.decisions, out_dir=str(out_dir), mode=door.mode)
     report.plan = door.plan_note()

@@ -80,3 +80,9 @@ def one_line(text: str, limit: int = LINE_LIMIT) -> str:
         return f"{head} ...[{len(text) - head_n - tail_n:,} characters cut]... {tail}"
     escaped = _escape(text)
     return escaped if len(escaped) <= limit else one_line(escaped, limit)
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun`` in the number that agrees with it: ``1 norm``, ``2 norms``, ``0 near-ties``
+    (``plural``, default ``noun + "s"``)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -47,16 +47,23 @@ def files_sha256(files: list[Path]) -> str:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """Silence stdout, Python warnings and torch's log lines (stdout may carry ``--json`` output)."""
-    torch_log = logging.getLogger("torch")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)
+    """Silence stdout, Python warnings and the log lines of torch and onnxscript (the ONNX exporter's version
+    converter logs a warning for every --opset it converts to); stdout may carry ``--json`` output."""
+    logs = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
-        torch_log.setLevel(level)
+        for log, level in zip(logs, levels, strict=True):
+            log.setLevel(level)
+
+
+QUIET_LOGGERS = ("torch", "onnxscript")
+"""The libraries whose log lines ``quiet`` holds back (errors still pass)."""
 
 
 @contextlib.contextmanager
@@ -130,12 +137,12 @@ def frozen_heap() -> Iterator[None]:
     decorator.
 
     Python's automatic collections of its oldest generation walk every object alive, most of them made by torch's
-    and the other libraries' imports, and a capture or an export allocates enough to trigger many: in a whole
-    ``slabconv fuse`` of a DeiT-Tiny the collector's own CPU time (timed with ``gc.callbacks``) went from 3.7 to
-    2.1 s with ``fuse`` in such a block, 2.4 to 1.9 s with ``--no-verify``. Nothing frozen is freed before the
-    block ends, so this is for what outlives the block anyway (the libraries, the caller's objects); garbage the
-    caller left uncollected when the block began (a model dropped in a loop of ``api.fuse`` calls) is held until
-    it ends. Only the outermost block unfreezes; objects a caller froze before stay frozen.
+    and the other libraries' imports, and a capture or an export allocates enough to trigger many: inside the block
+    those walks skip everything alive when it began, which is most of the collector's CPU time in a ``slabconv
+    fuse`` (``gc.callbacks`` times it; ``benchmarks/conversion_cost.py`` shows each stage's). Nothing frozen is
+    freed before the block ends, so this is for what outlives the block anyway (the libraries, the caller's
+    objects); garbage the caller left uncollected when the block began (a model dropped in a loop of ``api.fuse``
+    calls) is held until it ends. Only the outermost block unfreezes; objects a caller froze before stay frozen.
     """
     import gc
 

@@ -24,6 +24,18 @@ PLACEHOLDERS = (
 _PLACEHOLDER = re.compile(r"'\.\.\.'|\.\.\.|\b(?:" + "|".join(PLACEHOLDERS) + r")\b")
 
 
+PARSER_SECTION = "## The command line parser"
+"""The section of docs/errors.md whose messages are click's and Typer's, not the package's own strings."""
+
+
+def own_messages() -> list[str]:
+    """``messages()`` less the command line parser's: the messages the package's source must still hold."""
+    text = ERRORS_MD.read_text()
+    start = text.index(PARSER_SECTION)
+    end = text.index("\n## ", start + len(PARSER_SECTION))
+    return messages(text[:start] + text[end:])
+
+
 def messages(text: str | None = None) -> list[str]:
     """Every message quoted in the first column of docs/errors.md's tables (`...` or ``...`` spans), without the
     ``error: `` that the command line puts in front."""
@@ -123,3 +135,69 @@ def _covered(rest: str, starts: tuple[str, ...], corpus: str) -> bool:
         if any(text in corpus for text in ends) and _covered(rest[cut:].lstrip(), ("\0", "\n"), corpus):
             return True
     return False
+
+
+ERROR_CLASSES = frozenset(
+    {"SlabconvError", "InputError", "UsageError", "UnsupportedModelError", "NumericError", "VerificationError"}
+    | {"KeptNormsError", "LayoutError"}
+)
+"""The exception classes whose message a user reads (``slabconv.errors`` and the zoo's ``LayoutError``)."""
+
+
+def raised_messages() -> list[tuple[str, int, str]]:
+    """Every message the package raises, as ``(file, line, template)``: the first argument of each call of an
+    ``ERROR_CLASSES`` class, an f-string's values as NUL, a module-level string constant put in place (as in
+    ``source_strings``). A template with fewer than 12 letters of its own (``f"{path}: {err}"``, which wraps another
+    message) is left out: the message it wraps is checked where that one is raised."""
+    found = []
+    for path in sorted((ROOT / "slabconv").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        constants = {
+            node.targets[0].id: node.value.value
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        }
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+                continue
+            if node.func.id not in ERROR_CLASSES:
+                continue
+            text = _template(node.args[0], constants)
+            if text is not None and len(re.sub(r"[^A-Za-z]", "", text)) >= 12:
+                found.append((str(path.relative_to(ROOT)), node.lineno, text))
+    return found
+
+
+def _template(node: ast.expr, constants: dict[str, str]) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(_piece(v, constants) for v in node.values)
+    if isinstance(node, ast.Name):
+        return constants.get(node.id)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _template(node.left, constants), _template(node.right, constants)
+        return (left if left is not None else "\0") + (right if right is not None else "\0")
+    return None
+
+
+def template_documented(template: str) -> str | None:
+    """The documented message that quotes ``template`` (a ``raised_messages`` template): one whose text holds each
+    fixed piece of the template (between its values, ends trimmed as ``fragments`` trims them), in order; None
+    when no message of the doc does."""
+    pieces = [p.strip(" '\"()`:;,.") for p in template.split("\0")]
+    pieces = [p for p in pieces if len(re.sub(r"\W", "", p)) >= 4]
+    for message in messages():
+        at = 0
+        for piece in pieces:
+            at = message.find(piece, at)
+            if at < 0:
+                break
+            at += len(piece)
+        else:
+            return message
+    return None

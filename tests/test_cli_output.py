@@ -115,7 +115,7 @@ def _fake_bench(monkeypatch: pytest.MonkeyPatch, spreads: dict[int, tuple[float,
 
 
 def test_bench_gives_each_ratio_its_spread_and_flags_the_ones_it_cannot_read(monkeypatch, tmp_path):
-    _fake_bench(monkeypatch, {1: (0.99, 1.0, 1.01), 8: (0.95, 1.05, 1.1), 64: (0.8, 1.1, 1.3)})
+    _fake_bench(monkeypatch, {1: (0.99, 1.0, 1.01), 8: (0.95, 1.05, 1.1), 16: (0.68, 0.71, 0.74), 64: (0.8, 1.1, 1.3)})
     result = runner.invoke(app, ["bench", str(FIXTURE / "checkpoint.pth"), "--runtime", "pytorch"])
     assert result.exit_code == 0, result.output
     _plain(result)
@@ -125,6 +125,8 @@ def test_bench_gives_each_ratio_its_spread_and_flags_the_ones_it_cannot_read(mon
         "fused / norm-free (pytorch, batch 8): 1.05 (p25-p75 spread 0.95-1.10); the spread includes 1.00: no "
         "difference measurable in this run" in lines
     )
+    below = next(line for line in lines if "batch 16" in line)  # fused faster than the bound it equals: noise
+    assert below.startswith("fused / norm-free (pytorch, batch 16): 0.71 (p25-p75 spread 0.68-0.74); warning: below")
     noisy = next(line for line in lines if "batch 64" in line)
     assert noisy.startswith("fused / norm-free (pytorch, batch 64): 1.10 (p25-p75 spread 0.80-1.30); warning: too")
 

@@ -101,6 +101,8 @@ def doc(tmp_path_factory: pytest.TempPathFactory) -> dict:
     os.chdir(work)
     try:
         for block in _llama_blocks():
+            if "import onnxruntime_genai" in block and not genai_available():  # absent at the declared floors
+                continue
             exec(compile(block, str(DOC), "exec"), namespace)
     finally:
         os.chdir(cwd)
@@ -113,10 +115,11 @@ def original() -> nn.Module:
     return load_model(TEXT).model.eval()
 
 
-def test_the_doc_has_the_four_llama_blocks():
+def test_the_doc_has_the_five_llama_blocks():
     blocks = _llama_blocks()
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     assert "from_pretrained(out, trust_remote_code=True)" in blocks[1] and "InferenceSession" in blocks[2]
+    assert "og.Generator(genai_model, params)" in blocks[3]
 
 
 def test_doc_transformers_and_onnx_generate_each_prompts_original_tokens(doc, original):
@@ -127,6 +130,8 @@ def test_doc_transformers_and_onnx_generate_each_prompts_original_tokens(doc, or
         expected = greedy_original(original, np.array([row]), STEPS, keep_logits=False).tokens[0]
         np.testing.assert_array_equal(doc["new_tokens"][i].numpy(), expected)
         np.testing.assert_array_equal(doc["onnx_tokens"][i], expected)
+        if genai_available():  # onnxruntime-genai, as its documentation runs it
+            assert doc["genai_tokens"][i] == expected.tolist()
 
 
 def test_doc_check_passes_and_reports_speeds(doc):
@@ -707,23 +712,27 @@ def test_an_older_transformers_is_refused_with_the_install_line(monkeypatch):
 
 
 def test_verify_generate_on_the_command_line(doc, tmp_path):
-    """``slabconv verify ORIGINAL FUSED --generate N``: both questions plus greedy generation of the folder and its
-    decoder ONNX against the original; a reference that is not a language model is refused with exit 2."""
+    """``slabconv verify ORIGINAL FUSED``: both questions plus greedy generation of the folder and its decoder ONNX
+    against the original (32 tokens by default, as ``fuse``; ``--generate 0`` turns it off, with a note); a
+    candidate that is not a fused language-model folder is refused ``--generate`` with exit 2."""
     from typer.testing import CliRunner
 
     from slabconv.cli import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--generate", "3", "--samples", "2", "--json"])
+    result = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--samples", "2", "--json"])
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
-    generation = report["verification"]["generation"]
-    assert generation["passed"] and generation["steps"] == 3
+    generation = report["verification"]["generation"]  # a fused folder: checked by default, as fuse does
+    assert generation["passed"] and generation["steps"] == 32
     names = " | ".join(run["name"] for run in generation["runs"] if run["decides"])
     assert "(transformers " in names and "(onnxruntime " in names, names
     assert all(run["tokens_compared"] > 0 for run in generation["runs"])
-    plain = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--samples", "2", "--json"])
-    assert plain.exit_code == 0 and json.loads(plain.stdout)["verification"]["generation"] is None
+    off = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--samples", "2", "--generate", "0", "--json"])
+    verification = json.loads(off.stdout)["verification"]
+    assert (
+        verification["generation"] is None and "greedy generation not checked (--generate 0)" in verification["notes"]
+    )
     onnx_only = runner.invoke(app, ["verify", str(TEXT), str(doc["out"] / "decoder.onnx"), "--generate", "3"])
     assert onnx_only.exit_code == 2
     assert "--generate needs a fused language-model folder as the candidate" in onnx_only.stderr

@@ -54,7 +54,7 @@ def test_readme_shows_the_two_commands_and_how_long_they_take():
 def test_every_message_in_errors_md_is_still_in_the_code():
     """Each quoted message's fixed text (between its placeholders) is a string of the package: a message reworded
     in the code and not in the doc fails here."""
-    messages = errordoc.messages()
+    messages = errordoc.own_messages()
     assert len(messages) > 80
     stale = {m: [f for f in errordoc.fragments(m) if not errordoc.in_source(f)] for m in messages}
     stale = {m: f for m, f in stale.items() if f}
@@ -92,3 +92,51 @@ def test_the_zoo_table_is_what_slabconv_list_lists():
             assert size in {"from weights", "config `DATA.IMG_SIZE`"}, name
         else:
             assert size == f"{spec.image_size}, {'resizable' if spec.resizable else 'fixed'}", name
+
+
+def test_every_message_the_code_raises_is_in_errors_md():
+    """The other direction: each message a ``slabconv`` error class is raised with (``errordoc.raised_messages``,
+    read from the source) is an instance of a message docs/errors.md quotes. A new message without its row fails
+    here, naming the file and line."""
+    raised = errordoc.raised_messages()
+    assert len(raised) > 250
+    missing = [f"{f}:{line}: {t!r}" for f, line, t in raised if not errordoc.template_documented(t)]
+    assert not missing, "docs/errors.md lacks:\n" + "\n".join(missing)
+
+
+def test_the_completeness_check_catches_an_undocumented_message():
+    assert errordoc.template_documented("\0: no such file") == "FILE: no such file"
+    assert not errordoc.template_documented("\0: the flux capacitor is not charged; charge it")
+    assert not errordoc.template_documented("\0: no such file; charge the flux capacitor")  # a piece the doc lacks
+
+
+PARSER_MISTAKES = [
+    ["fuse", "x.pth", "--no-onx"],
+    ["fuse", "x.pth", "--frobnicate"],
+    ["fuse"],
+    ["export", "x.pth"],
+    ["fuse", "x.pth", "--samples", "0"],
+    ["fuse", "x.pth", "--samples", "abc"],
+    ["fuse", "x.pth", "--out"],
+    ["fuse", "x.pth", "--no-onnx=3"],
+    ["fuse", "x.pth", "y.pth"],
+    ["fusee", "x.pth"],
+    ["--install-completion", "tcsh"],
+]
+
+
+@pytest.mark.parametrize("args", PARSER_MISTAKES, ids=" ".join)
+def test_every_mistake_the_command_line_parser_answers_is_in_errors_md(args):
+    """The parser's own messages (click's, Typer's) are listed too, collected by making each mistake; each names
+    the help of the command it was made on."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    result = CliRunner().invoke(app, args)
+    line = result.stderr.strip()
+    assert result.exit_code == 2 and len(line.splitlines()) == 1 and line.startswith("error: "), result.output
+    assert errordoc.documented(line), f"docs/errors.md does not list: {line}"
+    command = args[0] if args[0] in {"fuse", "export"} else None
+    if command:
+        assert line.endswith(f"(see `slabconv {command} --help`)"), line

@@ -298,6 +298,54 @@ def bad_input_shape_option(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> li
     return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "1x8x8"]
 
 
+def input_shape_that_would_be_ignored(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--input-shape", "3,32,32"]
+
+
+def _own_model() -> torch.nn.Module:
+    """A model of no registered layout: what a newcomer brings."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)).eval()
+
+
+def own_state_dict(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(_own_model().state_dict(), tmp / "own.pth")
+    return ["inspect", str(tmp / "own.pth")]
+
+
+def own_state_dict_named_a_zoo_family(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    torch.save(_own_model().state_dict(), tmp / "own.pth")
+    return ["inspect", str(tmp / "own.pth"), "--arch", "deit_prepbn"]
+
+
+def trusted_module_whose_module_is_not_importable(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import importlib
+
+    (tmp / "src").mkdir()
+    (tmp / "src" / "n39_own_model.py").write_text("import torch\nclass Net(torch.nn.Sequential):\n    pass\n")
+    sys.path.insert(0, str(tmp / "src"))
+    try:
+        module = importlib.import_module("n39_own_model")
+        torch.save(module.Net(torch.nn.Linear(4, 2)).eval(), tmp / "module.pth")
+    finally:
+        sys.path.remove(str(tmp / "src"))
+        sys.modules.pop("n39_own_model", None)
+    shutil.rmtree(tmp / "src")
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "4"]
+
+
+class MainNet(torch.nn.Sequential):
+    """A model class as a training script defines it: in module ``__main__``."""
+
+
+def trusted_module_defined_in_main(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    main = sys.modules["__main__"]
+    mp.setattr(MainNet, "__module__", "__main__")
+    mp.setattr(main, "MainNet", MainNet, raising=False)
+    torch.save(MainNet(torch.nn.Linear(4, 2)).eval(), tmp / "module.pth")
+    mp.delattr(main, "MainNet")  # what another program's __main__ lacks
+    return ["inspect", str(tmp / "module.pth"), "--trust-pickle", "--input-shape", "4"]
+
+
 def no_such_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     return ["inspect", str(tmp / "nope.pth")]
 
@@ -305,6 +353,21 @@ def no_such_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
 def a_folder_as_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     (tmp / "dir.pth").mkdir()
     return ["inspect", str(tmp / "dir.pth")]
+
+
+def the_run_folder_instead_of_its_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "run").mkdir()
+    save_ckpt(tmp / "run" / "checkpoint.pth")
+    return ["inspect", str(tmp / "run")]
+
+
+def arch_for_a_program(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    (tmp / "model.pt2").write_bytes(b"PK not read: refused by its name first")
+    return ["fuse", str(tmp / "model.pt2"), "--arch", "deit_prepbn", "--out", str(tmp / "o")]
+
+
+def fuse_out_named_like_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(save_ckpt(tmp / "ckpt.pth")), "--out", str(tmp / "fused.onnx")]
 
 
 def no_state_dict_inside(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -327,7 +390,7 @@ def ema_without_ema_weights(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> l
     return ["inspect", str(save_ckpt(tmp / "ckpt.pth")), "--ema"]
 
 
-def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) -> Path:
+def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32, weights: str = "safetensors") -> Path:
     from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM
     from tests import hfwrite
 
@@ -341,16 +404,13 @@ def _llama_folder(tmp: Path, name: str, sharded: bool = True, hidden: int = 32) 
     )
     sd = randomize_norms(LlamaForCausalLM(cfg), 0).half().state_dict()
     config = {"model_type": "llama", "num_attention_heads": 4, "max_position_embeddings": 16, "rms_norm_eps": 1e-6}
-    hfwrite.write_hf_folder(tmp / name, sd, config, max_shard_bytes=4096 if sharded else None)
+    hfwrite.write_hf_folder(tmp / name, sd, config, weights=weights, max_shard_bytes=4096 if sharded else None)
     return tmp / name
 
 
-def stream_without_no_onnx(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
-    return ["fuse", str(_llama_folder(tmp, "src")), "--stream", "--out", str(tmp / "out")]
-
-
-def stream_an_unsharded_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
-    return ["fuse", str(_llama_folder(tmp, "src", sharded=False)), "--stream", "--no-onnx", "--out", str(tmp / "o")]
+def stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    folder = _llama_folder(tmp, "src", sharded=False, weights="bin")
+    return ["fuse", str(folder), "--stream", "--out", str(tmp / "o")]
 
 
 def stream_verify_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -426,14 +486,21 @@ CATALOGUE: list[tuple[Case, str]] = [
     (program_with_pickled_objects, "holds pickled Python objects"),
     (pickled_module_without_input_shape, "does not record its input shape"),
     (bad_input_shape_option, "--input-shape"),
+    (input_shape_that_would_be_ignored, "takes inputs of shape (1, 8, 8), fixed by its weights; --input-shape is"),
+    (own_state_dict, "for an architecture of your own, export a torch.export program (.pt2) and give that instead"),
+    (own_state_dict_named_a_zoo_family, "not a DeiT-layout checkpoint: key 'patch_embed.proj.weight' is missing; --a"),
+    (trusted_module_whose_module_is_not_importable, "imports the module 'n39_own_model', which Python cannot find"),
+    (trusted_module_defined_in_main, "the model's class was defined in the script that saved it (module __main__)"),
     (no_such_file, "no such file"),
     (a_folder_as_checkpoint, "is a folder"),
+    (the_run_folder_instead_of_its_checkpoint, "give the checkpoint file inside it ("),
+    (arch_for_a_program, "--arch does not apply to a torch.export program (the program is the model"),
+    (fuse_out_named_like_a_file, "fuse writes a folder (model.safetensors, model.onnx, model.pt2, report.json), not"),
     (no_state_dict_inside, "no state_dict found"),
     (inputs_of_the_wrong_shape, "inputs have shape"),
     (junit_onto_an_input, "is an input of this run"),
     (ema_without_ema_weights, "--ema was given"),
-    (stream_without_no_onnx, "add --no-onnx"),
-    (stream_an_unsharded_folder, "--stream needs sharded safetensors"),
+    (stream_a_bin_folder, "--stream reads safetensors (model.safetensors, or"),
     (stream_verify_of_a_file, "give the folder, not a file"),
     (stream_verify_with_inputs, "--inputs is not supported"),
     (stream_fuse_with_inputs, "--inputs is not supported"),
@@ -490,12 +557,12 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 def test_an_unexpected_bug_is_one_line_too_and_says_it_is_a_bug(tmp_path: Path, monkeypatch) -> None:
-    from slabconv import api
+    from slabconv import pipeline
 
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(api, "load_model", broken)
+    monkeypatch.setattr(pipeline, "load_model", broken)  # what the fuse driver's doors load a checkpoint with
     result = runner.invoke(app, ["inspect", str(save_ckpt(tmp_path / "ckpt.pth"))])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [

@@ -298,7 +298,12 @@ def test_report_and_model_files_are_checked_before_the_work(tmp_path, no_work, a
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["fuse", str(CKPT), "--dtype", "float8"], "--dtype float8: choose float16 or bfloat16"),
+        (["fuse", str(CKPT), "--dtype", "float8"], "--dtype float8: choose float16 (fp16, half), bfloat16 (bf16)"),
+        (
+            ["fuse", str(CKPT), "--opset", "18", "--no-onnx"],
+            "--opset 18 sets the opset of the ONNX file, and --no-onnx",
+        ),
+        (["fuse", "x", "--stream", "--opset", "18"], "--opset 18 sets the opset of the ONNX file, and a streamed fold"),
         (["fuse", str(CKPT), "--opset", "12"], "--opset 12: slabconv writes ONNX opsets 17 to 25; choose one of them"),
         (["fuse", str(CKPT), "--dtype", "bfloat16", "--opset", "18"], "--opset 18: a bfloat16 model needs opset 22"),
         (["export", str(CKPT), "--onnx", "x.onnx", "--opset", "99"], "--opset 99: slabconv writes ONNX opsets 17"),
@@ -347,14 +352,15 @@ def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_
 
     out = tmp_path / "f16"
     result = runner.invoke(
-        app, ["fuse", str(CKPT), "-o", str(out), "--dtype", "float16", "--opset", "21", "--samples", "24"]
+        app,
+        ["fuse", str(CKPT), "-o", str(out), "--dtype", "FP16", "--opset", "17", "--samples", "24"],  # optimum's
     )
     assert result.exit_code == 0, result.output
     assert result.stdout.splitlines()[-1].endswith(f"into {out} (float16): verification PASSED")
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {__import__("torch").float16}
     model = onnx.load(str(out / "model.onnx"))
-    assert model.opset_import[0].version == 21
+    assert model.opset_import[0].version == 17
     assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
     report = json.loads((out / "report.json").read_text())
     v = report["verification"]

@@ -180,11 +180,12 @@ def test_outputs_never_replace_what_slabconv_did_not_write(
     assert {p: p.read_bytes() for p in contents} == contents
 
 
-def test_force_replaces_an_empty_folder_and_slabconvs_own_output(tmp_path: Path, tiny_fused: Path) -> None:
+def test_an_empty_folder_is_filled_and_force_replaces_slabconvs_own_output(tmp_path: Path, tiny_fused: Path) -> None:
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
     (tmp_path / "empty").mkdir()
-    for out in (tmp_path / "empty", tmp_path / "empty"):  # empty, then slabconv's own
-        result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "4"])
+    for force in ([], ["--force"]):  # empty (nothing to lose: no --force needed), then slabconv's own
+        args = ["fuse", str(ckpt), "--out", str(tmp_path / "empty"), *force, "--no-onnx", "--samples", "4"]
+        result = runner.invoke(app, args)
         assert result.exit_code == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["model.pt2", "model.safetensors", "report.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pth", "empty"]

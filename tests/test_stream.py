@@ -161,8 +161,9 @@ def test_verify_reads_fused_sharded_folders(folded):
     from slabconv.cli import app
 
     root = folded[0]
-    for extra in ([], ["--stream"]):
-        result = CliRunner().invoke(app, ["verify", str(root / "src"), str(root / "out"), "--json", *extra])
+    for extra in ([], ["--stream"]):  # generation is off: this is about reading the folders
+        args = ["verify", str(root / "src"), str(root / "out"), "--json", "--generate", "0", *extra]
+        result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["verification"]["passed"]
     result = CliRunner().invoke(app, ["verify", str(root / "src"), str(root / "out" / "report.json"), "--stream"])
@@ -188,33 +189,36 @@ def test_refusals(folded, tmp_path):
     root, _, sd, _, _ = folded
     with pytest.raises(UsageError, match="already exists"):
         fuse_streamed(root / "src", root / "out")
-    single = tmp_path / "single"
-    hfwrite.write_hf_folder(single, sd, CONFIG)
-    with pytest.raises(UsageError, match="sharded safetensors"):
-        fuse_streamed(single, tmp_path / "o")
+    bins = tmp_path / "bins"
+    hfwrite.write_hf_folder(bins, sd, CONFIG, weights="bin")
+    with pytest.raises(UsageError, match=r"WriteOptions\(stream=True\) reads safetensors \(model.safetensors, or"):
+        fuse_streamed(bins, tmp_path / "o")
     plain = tmp_path / "plain"
     hfwrite.write_hf_folder(plain, {k: v for k, v in sd.items() if "layernorm" not in k}, CONFIG, max_shard_bytes=8192)
     with pytest.raises(UnsupportedModelError, match="could not detect the architecture"):
         fuse_streamed(plain, tmp_path / "o")
     assert not (tmp_path / "o").exists()
-    with pytest.raises(UsageError, match=r"add WriteOptions\(onnx=False\)"):  # the API refuses it as the CLI does
+    with pytest.raises(UsageError, match=r"add WriteOptions\(onnx=False\)"):  # the CLI implies it, the API asks
         api.fuse(root / "src", tmp_path / "o", write=WriteOptions(stream=True))
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
 
 
-def test_cli_requires_no_onnx(folded, tmp_path):
+def test_cli_stream_implies_what_it_can_write(folded, tmp_path):
+    """On the command line --stream writes no ONNX file and no .pt2 without being told (the API's
+    WriteOptions(stream=True) keeps onnx=True and is refused above); an option for the ONNX file is refused."""
     from typer.testing import CliRunner
 
     from slabconv.cli import app
 
     root = folded[0]
-    result = CliRunner().invoke(app, ["fuse", str(root / "src"), "--stream", "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "--no-onnx" in result.output
-    result = CliRunner().invoke(
-        app, ["fuse", str(root / "src"), "--stream", "--no-onnx", "--out", str(tmp_path / "o"), "--json"]
-    )
+    result = CliRunner().invoke(app, ["fuse", str(root / "src"), "--stream", "--opset", "18", "-o", str(tmp_path)])
+    assert result.exit_code == 2 and "a streamed fold writes safetensors only; drop --opset" in result.stderr
+    result = CliRunner().invoke(app, ["fuse", str(root / "src"), "--stream", "--out", str(tmp_path / "o"), "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["verification"]["passed"]
+    report = json.loads(result.stdout)
+    assert (
+        report["verification"]["passed"] and report["outputs"]["onnx"] is None and not report["outputs"]["decoder_onnx"]
+    )
 
 
 def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
@@ -229,13 +233,18 @@ def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
         torch.testing.assert_close(blocks[k], v, rtol=1e-3, atol=1e-4)
 
 
-def test_unfinished_schedule_is_reported(folded, tmp_path):
+def test_unfinished_schedule_is_reported_and_a_single_file_streams_as_one_shard(folded, tmp_path):
     _, _, sd, _, _ = folded
     sd = {**sd, "model.layers.1.input_layernorm.warm": torch.tensor(3)}
-    hfwrite.write_hf_folder(tmp_path / "src", sd, CONFIG, max_shard_bytes=8192)
+    hfwrite.write_hf_folder(tmp_path / "src", sd, CONFIG)  # one model.safetensors, as the text fixture ships
     report = fuse_streamed(tmp_path / "src", tmp_path / "out")
     warned = {f.norm: w for f in report.folds if (w := [x for x in f.warnings if "progressive" in x])}
     assert list(warned) == ["model.layers.1.input_layernorm"] and "warm=3" in warned[list(warned)[0]][0]
+    assert report.verification.passed and report.source.format == "hf-safetensors"
+    assert report.outputs.files[0] == "model.safetensors" and not (tmp_path / "out" / hf.SAFETENSORS_INDEX).exists()
+    memory = load_file(str(folded[0] / "mem" / "model.safetensors"))  # the same weights, folded in memory
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(written) == sorted(memory) and all(torch.equal(written[k], v) for k, v in memory.items())
 
 
 def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_when_it_cannot_fit(

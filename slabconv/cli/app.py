@@ -18,6 +18,7 @@ import warnings
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer.completion import completion_init
 from typer.core import TyperCommand, TyperGroup
 
 try:  # typer >= 0.22 carries its own copy of click
@@ -66,6 +67,9 @@ class OneLineErrors(TyperGroup):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         standalone = kwargs.pop("standalone_mode", True)
+        argv = kwargs.get("args") if kwargs.get("args") is not None else (args[0] if args else sys.argv[1:])
+        if standalone and argv and argv[0] in COMPLETION_OPTIONS:
+            completion(list(argv))
         try:
             result = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[misc]
             if standalone:
@@ -86,7 +90,13 @@ class OneLineErrors(TyperGroup):
         except click_errors.UsageError as err:
             if not standalone:
                 raise
-            where = f"slabconv {err.ctx.info_name} --help" if err.ctx and err.ctx.parent else "slabconv --help"
+            argv = kwargs.get("args") if kwargs.get("args") is not None else (args[0] if args else sys.argv[1:])
+            command = (
+                err.ctx.info_name
+                if err.ctx and err.ctx.parent
+                else next((arg for arg in argv or [] if arg in self.commands), None)
+            )
+            where = f"slabconv {command} --help" if command else "slabconv --help"
             sys.stderr.write(one_line(f"error: {err.format_message()} (see `{where}`)") + "\n")
             sys.exit(2)
         except (KeyboardInterrupt, typer.Abort):
@@ -117,7 +127,23 @@ class ClosedPipe(Exception):
 
 class PlainUsage(TyperCommand):
     """A command whose usage line reads ``Usage: slabconv fuse [OPTIONS] CKPT``: arguments by their metavar, a
-    required one bare and an optional one in brackets (typer >= 0.2x writes a required one as ``{CKPT}``)."""
+    required one bare and an optional one in brackets (typer >= 0.2x writes a required one as ``{CKPT}``); in its
+    help an argument reads ``CKPT`` and an option ``--arch NAME`` (each option's metavar), not ``CKPT <path>``."""
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                args.append((param.metavar or (param.name or "").upper(), record[1]))
+            else:
+                opts.append(record)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -131,8 +157,50 @@ class PlainUsage(TyperCommand):
         return pieces
 
 
+completion_init()  # Typer's completion classes, which its own --install-completion option would register
+
+SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+"""The shells Typer writes a completion script for."""
+
+COMPLETION_OPTIONS = ("--install-completion", "--show-completion")
+
+
+def completion(argv: list[str]) -> NoReturn:
+    """``slabconv --install-completion [SHELL]`` / ``--show-completion [SHELL]``: install (or print) the completion
+    script of SHELL, by default the shell this runs in (Typer's installer and scripts, for the command name
+    ``slabconv`` however slabconv was started); exit 0, or 2 with one line for a shell Typer has no script for."""
+    from typer.completion import get_completion_script, install
+
+    option, *rest = argv
+    shell = rest[0] if rest else None
+    if len(rest) > 1 or (shell is not None and shell not in SHELLS):
+        given = " ".join(rest)
+        sys.stderr.write(
+            one_line(
+                f"error: {option} {given}: give one shell, {', '.join(SHELLS[:-1])} or {SHELLS[-1]}, or none for "
+                "the shell this runs in (see `slabconv --help`)"
+            )
+            + "\n"
+        )
+        sys.exit(2)
+    if shell is None and not os.environ.get("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"):
+        from typer._completion_shared import _get_shell_name
+
+        shell = _get_shell_name()
+    if shell not in SHELLS:
+        sys.stderr.write(f"error: {option}: cannot tell which shell this is; name it, e.g. {option} bash\n")
+        sys.exit(2)
+    if option == "--show-completion":
+        typer.echo(get_completion_script(prog_name="slabconv", complete_var="_SLABCONV_COMPLETE", shell=shell))
+        sys.exit(0)
+    shell, path = install(shell=shell, prog_name="slabconv", complete_var="_SLABCONV_COMPLETE")
+    typer.echo(f"{shell} completion installed in {path}; it takes effect in a new terminal")
+    sys.exit(0)
+
+
 app = typer.Typer(
     cls=OneLineErrors,
+    add_completion=False,
     name="slabconv",
     help=(
         "Fold SLAB RepBN / BatchNorm norms into the layers around them, exactly; write safetensors, ONNX and a "
@@ -161,8 +229,23 @@ def main(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")
     ] = False,
+    install_completion: Annotated[
+        bool,
+        typer.Option(
+            "--install-completion",
+            help="Install shell completion: --install-completion [SHELL], SHELL one of bash, zsh, fish, powershell "
+            "(default: the shell this runs in). It completes commands, options and the values of --arch, --runtime "
+            "and --dtype.",
+        ),
+    ] = False,
+    show_completion: Annotated[
+        bool,
+        typer.Option("--show-completion", help="Print the completion script: --show-completion [SHELL]."),
+    ] = False,
 ) -> None:
     """slabconv: fold SLAB RepBN norms exactly."""
+    if install_completion or show_completion:  # after another option (``slabconv --version --install-completion``)
+        completion(["--install-completion" if install_completion else "--show-completion"])
     if not os.environ.get("SLABCONV_DEBUG"):
         # Library warnings and log lines are not slabconv's messages: stderr carries one line per failure.
         warnings.simplefilter("ignore")
@@ -221,8 +304,9 @@ def leave(code: object) -> NoReturn:
     """End the process with ``code`` (``SystemExit``'s: None, a status, or a message for stderr and status 1) once
     the standard streams are flushed and the ``atexit`` hooks have run, without the interpreter's teardown.
 
-    The teardown frees every object of torch and the other imported libraries one by one: 1.2-1.8 s after a
-    ``fuse`` of a 350M model here (0.5 s after a bare ``import torch``), which a user waits for and nothing needs.
+    The teardown frees every object of torch and the other imported libraries one by one: more than a second after
+    a ``fuse`` of a 350M model (half a second after a bare ``import torch``), which a user waits for and nothing
+    needs.
     Every file slabconv writes is closed and moved into place before the command returns. An interrupted run
     (130) needs it too: left to the interpreter, a signal inside ``torch.export.save`` ended the process killed
     by SIGINT (status -2 to a parent) in about half the tries here. Where ``atexit`` cannot be run by hand (it is

@@ -11,13 +11,15 @@ from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
 from slabconv.options import WriteOptions
+from slabconv.text import count
 
 
 def fuse(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
     out: Annotated[
-        Path | None, typer.Option("--out", "-o", help="Output folder (default: <checkpoint stem>-fused beside it).")
+        Path | None,
+        typer.Option("--out", "-o", metavar="DIR", help="Output folder (default: <checkpoint stem>-fused beside it)."),
     ] = None,
     force: o.Force = False,
     no_onnx: Annotated[bool, typer.Option("--no-onnx", help="Write no ONNX file.")] = False,
@@ -26,6 +28,7 @@ def fuse(
         str | None,
         typer.Option(
             "--dtype",
+            metavar="DTYPE",
             help="Write the fused model in float16 or bfloat16 (folded in float64, cast once, verified at that dtype's "
             "tolerance). Default: the checkpoint's dtype.",
             autocompletion=lambda incomplete: [d for d in ("float16", "bfloat16") if d.startswith(incomplete)],
@@ -40,6 +43,8 @@ def fuse(
             "layout pairs removed); the simplified file is the one verified.",
         ),
     ] = False,
+    require_folded: o.RequireFolded = False,
+    junit: o.Junit = None,
     no_verify: Annotated[bool, typer.Option("--no-verify", help="Skip verification (not recommended).")] = False,
     stream: o.Stream = False,
     inputs: o.Inputs = None,
@@ -70,26 +75,44 @@ def fuse(
     \b
       slabconv fuse fixtures/digits-prepbn/checkpoint.pth --out build/demo
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
-      slabconv fuse llama-folder --stream --no-onnx --out llama-fused
+      slabconv fuse llama-folder --stream --out llama-fused
       slabconv fuse model.onnx --simplify --out model-fused
+      slabconv fuse model.pt2 --require-folded --junit folds.xml
     """
     from slabconv import api
+    from slabconv.errors import KeptNormsError, VerificationError
+    from slabconv.report.junit import check_report_path, write_junit
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         write = WriteOptions(
-            force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset,
+            force=force,
+            onnx=not (no_onnx or stream),
+            pt2=not (no_pt2 or stream),
+            stream=stream,
+            dtype=dtype,
+            opset=opset,
             simplify=simplify,
-        )  # fmt: skip
+            require_folded=require_folded,
+        )
+        if junit is not None:
+            check_report_path(junit, [ckpt, *([inputs] if inputs else [])])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
-        with output.progress() as progress:
-            report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
+        try:
+            with output.progress() as progress:
+                report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
+        except (KeptNormsError, VerificationError) as err:  # the JUnit file says which norm or check failed
+            if junit is not None and err.report is not None:
+                write_junit(err.report, junit, require_folded)
+            raise
+        if junit is not None:
+            write_junit(report, junit, require_folded)
         s = report.summary
         v = report.verification
         verdict = f"verification {v.headline()}" if v is not None else "not verified (--no-verify)"
-        counts = f"{s.norms} norms ({s.folded} folded away, {s.kept} kept)" if s else "the model"
-        where = f"{report.out_dir} ({dtype})" if dtype else f"{report.out_dir}"
+        counts = f"{count(s.norms, 'norm')} ({s.folded} folded away, {s.kept} kept)" if s else "the model"
+        where = f"{report.out_dir} ({write.dtype})" if write.dtype else f"{report.out_dir}"
         if s is not None and s.norms == 0:
             output.report(
                 report,

@@ -10,6 +10,7 @@ import typer
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
+from slabconv.text import count
 
 
 def inspect(
@@ -42,12 +43,15 @@ def inspect(
         with output.progress() as progress:
             report = api.inspect(ckpt, load, progress)
         s = report.summary
-        output.report(report, f"{s.norms} norms: {s.folded} would fold away, {s.kept} would be kept" if s else None)
+        plan = f"{count(s.norms, 'norm')}: {s.folded} would fold away, {s.kept} would be kept" if s else None
+        output.report(report, plan)
 
 
 def export(
     ckpt: o.Ckpt,
-    onnx: Annotated[Path, typer.Option("--onnx", help="Where to write the ONNX file.", show_default=False)],
+    onnx: Annotated[
+        Path, typer.Option("--onnx", metavar="FILE.onnx", help="Where to write the ONNX file.", show_default=False)
+    ],
     arch: o.Arch = None,
     no_fuse: Annotated[bool, typer.Option("--no-fuse", help="Export the original model, norms as they are.")] = False,
     force: o.Force = False,
@@ -80,5 +84,6 @@ def export(
         with output.progress() as progress:
             report = api.export(ckpt, onnx, load=load, fuse=not no_fuse, force=force, opset=opset, progress=progress)
         s = report.summary
-        what = f"{s.norms} norms: {s.folded} folded away, {s.kept} kept" if s else "the original model, not fused"
+        what = f"{count(s.norms, 'norm')}: {s.folded} folded away, {s.kept} kept" if s else None
+        what = what or "the original model, not fused"
         output.report(report, f"wrote {onnx} ({what})")

@@ -29,4 +29,14 @@ def list_archs(as_json: o.Json = False) -> None:
         return
     columns = {"name": False, "aliases": True, "family": False, "description": True}
     cells = [[str(r["name"]), ", ".join(r["aliases"]), str(r["family"]), str(r["description"])] for r in rows]
+    narrow = output.out.is_terminal and output.out.width < WIDE_ENOUGH
+    if narrow:  # the descriptions would wrap every row into a paragraph: the names come first
+        columns.pop("description")
+        cells = [row[:-1] for row in cells]
     output.table(text_table("architectures", columns, cells))
+    if narrow:
+        output.line(f"(descriptions: slabconv list --json, or {WIDE_ENOUGH}+ columns)")
+
+
+WIDE_ENOUGH = 100
+"""The terminal width from which ``slabconv list`` shows the description column."""

@@ -23,7 +23,7 @@ Ckpt = Annotated[
 
 def complete_arch(incomplete: str) -> list[str]:
     """Shell completion of ``--arch``: the registered names and aliases (case ignored)."""
-    from slabconv.zoo.registry import complete_names
+    from slabconv.zoo.names import complete_names
 
     return complete_names(incomplete)
 
@@ -32,6 +32,7 @@ Arch = Annotated[
     str | None,
     typer.Option(
         "--arch",
+        metavar="NAME",
         help="Architecture name or alias, case ignored (see `slabconv list`); detected when left out.",
         autocompletion=complete_arch,
     ),
@@ -49,6 +50,7 @@ InputShape = Annotated[
     str | None,
     typer.Option(
         "--input-shape",
+        metavar="C,H,W",
         help="One sample's input shape without the batch axis, e.g. 3,224,224: needed for a pickled nn.Module "
         "(--trust-pickle), which records none, and for .onnx files whose axes besides the batch are dynamic.",
     ),
@@ -57,6 +59,7 @@ ImageSize = Annotated[
     int | None,
     typer.Option(
         "--image-size",
+        metavar="N",
         help="Build a zoo vision model for NxN inputs (default: the size its weights were trained at). Swin pads "
         "its windows, PVT resamples position embeddings; SLA models (SLAB-DeiT/PVT/CSWin) are fixed at 224.",
         min=1,
@@ -65,28 +68,32 @@ ImageSize = Annotated[
 Inputs = Annotated[
     Path | None,
     typer.Option(
-        "--inputs", help="An .npz whose 'x' array is the verification input (N, ...); default holdout.npz beside CKPT."
+        "--inputs",
+        metavar="NPZ",
+        help="An .npz whose 'x' array is the verification input (N, ...); default holdout.npz beside CKPT.",
     ),
 ]
 Samples = Annotated[
     int | None,
     typer.Option(
         "--samples",
+        metavar="N",
         min=1,
         help="Random samples when no inputs are given (default 16; 2 token sequences with --stream); with an .npz "
         "(--inputs, or holdout.npz beside the checkpoint), its first N samples.",
     ),
 ]
-Seed = Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")]
+Seed = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random inputs.")]
 Rtol = Annotated[
     float | None,
     typer.Option(
         "--rtol",
+        metavar="X",
         help="Replace question 2's bound (default max(tol_dtype, 2 x the original's own error); tol_dtype is 1e-5, "
         "1e-3, 1e-2 for float32, float16, bfloat16). See docs/verification.md.",
     ),
 ]
-Atol = Annotated[float, typer.Option("--atol", help="An absolute error also accepted (default 0).")]
+Atol = Annotated[float, typer.Option("--atol", metavar="X", help="An absolute error also accepted (default 0).")]
 Strict = Annotated[
     bool,
     typer.Option(
@@ -98,6 +105,7 @@ Generate = Annotated[
     int | None,
     typer.Option(
         "--generate",
+        metavar="N",
         min=0,
         help="Language models: greedy tokens to generate and compare, original vs fused folder (default 32; 0: off).",
     ),
@@ -106,17 +114,19 @@ VerifyGenerate = Annotated[
     int | None,
     typer.Option(
         "--generate",
+        metavar="N",
         min=0,
-        help="Language models: greedy tokens to generate and compare, reference vs the fused folder CANDIDATE (off "
-        "unless given).",
+        help="Language models: greedy tokens to generate and compare, reference vs the fused folder CANDIDATE "
+        "(default 32, as fuse; 0: off).",
     ),
 ]
 Stream = Annotated[
     bool,
     typer.Option(
         "--stream",
-        help="Big LLaMA-layout folders in bounded memory: fold a sharded safetensors folder shard by shard (with "
-        "--no-onnx) and check it on --samples seeded token sequences.",
+        help="Big LLaMA-layout folders in bounded memory: fold the safetensors (one file, or an index and its "
+        "shards) block by block, write the fused weights and the Hugging Face folder files (no ONNX file, no "
+        ".pt2), and check them one decoder layer at a time on --samples seeded token sequences.",
     ),
 ]
 VerifyStream = Annotated[
@@ -130,7 +140,25 @@ VerifyStream = Annotated[
 Opset = Annotated[
     int | None,
     typer.Option(
-        "--opset", help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16)."
+        "--opset",
+        metavar="N",
+        help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16).",
+    ),
+]
+RequireFolded = Annotated[
+    bool,
+    typer.Option(
+        "--require-folded",
+        help="Write only a norm-free model: when any norm would be kept (as a per-channel affine), exit 2 before "
+        "writing, naming each kept norm and its reason (for targets that reject a standalone norm).",
+    ),
+]
+Junit = Annotated[
+    Path | None,
+    typer.Option(
+        "--junit",
+        metavar="FILE.xml",
+        help="Write a JUnit XML report: one case per check, and for fuse one per norm (fold: NORM).",
     ),
 ]
 Force = Annotated[
@@ -138,7 +166,15 @@ Force = Annotated[
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables and lines.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors and the final line.")]
-Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also print per-norm decisions and stage timings.")]
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Also print where the model came from (format, architecture, dtype, input shape, sha256), each "
+        "written file's sha256, each norm's blocked paths, and on stderr a progress line per norm and step.",
+    ),
+]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the Python traceback on errors.")]
 
 
@@ -169,9 +205,9 @@ def load_options(
         UsageError: a malformed ``--input-shape``.
     """
     if arch is not None:
-        from slabconv.zoo import get_arch
+        from slabconv.zoo.names import check_name
 
-        get_arch(arch)
+        check_name(arch)
     return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size)
 
 

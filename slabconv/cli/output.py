@@ -101,7 +101,7 @@ class Output:
             return
         if not self.quiet:
             if report.folds:
-                self.table(folds_table(report))
+                self.table(folds_table(report, self.out.width if self.out.is_terminal else None))
             for text in summary_lines(report, self.verbose):
                 self.line(text)
         if final:
@@ -197,7 +197,7 @@ class Output:
                     held.clear()
                 emit(f"[{elapsed:7.1f}s] {stage}")
             elif self.verbose and detail:
-                count = f" {done}/{total}" if total else ""
+                count = f" ({done}/{total})" if total and f"/{total})" not in detail else ""
                 emit(f"[{elapsed:7.1f}s]   {detail}{count}")
 
         yield update

@@ -53,13 +53,12 @@ def verify(
         list[str] | None,
         typer.Option(
             "--runtime",
+            metavar="NAME",
             help=runtime_help(),
             autocompletion=complete_runtime,
         ),
     ] = None,
-    junit: Annotated[
-        Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
-    ] = None,
+    junit: o.Junit = None,
     stream: o.VerifyStream = False,
     localize: Annotated[
         bool,

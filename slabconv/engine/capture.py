@@ -12,6 +12,7 @@ node's shape, whether two symbolic sizes are equal, which modules enclose a node
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,7 +148,9 @@ def copy_sharing(gm: fx.GraphModule) -> fx.GraphModule:
     forward) is copied, so running one graph leaves the other's state alone."""
     written = written_tensors(gm)
     stored = [*gm.named_parameters(), *gm.named_buffers()]
-    return copy.deepcopy(gm, {id(t): t for name, t in stored if name not in written})
+    with warnings.catch_warnings():  # torch's own copy of its pytree specs warns about torch's deprecated LeafSpec
+        warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+        return copy.deepcopy(gm, {id(t): t for name, t in stored if name not in written})
 
 
 def _may_write(node: fx.Node) -> bool:

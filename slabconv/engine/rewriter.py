@@ -34,9 +34,9 @@ def set_tensor(gm: fx.GraphModule, target: str, value: torch.Tensor) -> None:
     buffer, else as a parameter whose ``requires_grad`` is that of the parameter it replaces, or for a new one
     (a created bias) that of its module's other parameters (False when there are none).
 
-    The fused graph's parameters thus behave as the original's: ``requires_grad`` changed which kernels torch ran
-    even under ``torch.no_grad`` (on an H200, a SLAB-DeiT-Tiny whose folded weights alone were frozen ran 5%
-    slower at batch 256 than the same graph with every weight requiring grad; docs/performance.md)."""
+    The fused graph's parameters thus behave as the original's: ``requires_grad`` changes which kernels torch runs
+    even under ``torch.no_grad`` (on CUDA a graph whose folded weights alone are frozen runs slower than the same
+    graph with every weight requiring grad: ``benchmarks/inference.py --gpu`` times both)."""
     *path, leaf = target.split(".")
     owner: nn.Module = gm
     for part in path:

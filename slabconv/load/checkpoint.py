@@ -13,7 +13,6 @@ import contextlib
 import inspect
 import os
 import pickle
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 
 from slabconv.errors import InputError, first_line
 from slabconv.load import program_checks, safety
+from slabconv.load.paths import check_input  # noqa: F401 (callers take it from here too)
 from slabconv.util import silenced
 
 _PREFIXES = ("module.", "_orig_mod.")
@@ -104,67 +104,35 @@ def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
     except Exception as err:  # noqa: BLE001 - arbitrary code ran; report whatever it raised
         raise InputError(
             f"{label}: loading the trusted pickle failed ({type(err).__name__}: {first_line(err)})"
+            + _trusted_pickle_advice(err)
         ) from None
 
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""``owner/name``: how a Hugging Face Hub model id looks (``xinghaochen/SLAB``)."""
+SAVE_PROGRAM = (
+    "torch.export.save(torch.export.export(model.eval(), (example,), "
+    "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
+)
+"""How to save a model as a program, which loads without its code (docs/own-model.md)."""
 
 
-def check_input(path: Path | str, folders: bool = True) -> Path:
-    """Cheap checks of an input path, before anything is read or any output checked: it is given, it exists (a
-    Hub id gets the download line), it is not an empty file, and not a numpy ``.npz`` (the verification inputs).
-
-    Returns:
-        ``path`` as a ``Path``.
-
-    Raises:
-        InputError: an empty path, a missing file, an empty file or an ``.npz`` archive, naming what to give instead.
-    """
-    if str(path).strip() == "":
-        raise InputError("the checkpoint path is empty; give a checkpoint file or folder, e.g. checkpoint.pth")
-    path = Path(path)
-    if not path.exists():
-        if _HUB_ID.fullmatch(str(path)) and not path.suffix:
-            raise InputError(
-                f"{path}: no such file; it looks like a Hugging Face Hub id, and slabconv reads local files only: "
-                f"download it first (hf download {path} --local-dir {path.name}) and give the folder"
-            )
-        raise InputError(f"{path}: no such file")
-    if folders and path.is_dir():
-        from slabconv.load import hf
-        from slabconv.load.fused import is_output_folder
-
-        if not (hf.is_hf_folder(path) or is_output_folder(path)):
-            raise InputError(
-                f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
-                "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
-            )
-    if path.is_file() and path.stat().st_size == 0:
-        raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
-    if path.is_file() and _is_npz(path):
-        raise InputError(
-            f"{path}: is a numpy .npz archive (verification inputs), not a checkpoint; give it with --inputs and the "
-            "checkpoint as the first argument"
+def _trusted_pickle_advice(err: Exception) -> str:
+    """What to do when unpickling a trusted module failed because its code cannot be found: a module Python cannot
+    import from here (``PYTHONPATH``), or a class defined in the script that saved it (``__main__``), which no
+    other program can import; either way a program (``.pt2``) needs no code."""
+    text = str(err)
+    if isinstance(err, ModuleNotFoundError) and err.name:
+        top = err.name.split(".")[0]
+        return (
+            f"; the pickle imports the module {err.name!r}, which Python cannot find from here: run slabconv where "
+            f"it can be imported (PYTHONPATH=DIR, DIR the folder that holds {top}/ or {top}.py), or save a program "
+            f"instead: {SAVE_PROGRAM}"
         )
-    return path
-
-
-def _is_npz(path: Path) -> bool:
-    """A zip archive whose first member is a ``.npy`` array (what ``numpy.savez`` writes; a torch archive starts
-    with ``<name>/data.pkl`` or ``<name>/version``). Only the first local header is read: parsing the whole
-    directory of a hostile archive of 100,000 entries would take seconds."""
-    if path.suffix == ".npz":
-        return True
-    try:
-        with open(path, "rb") as f:
-            head = f.read(30 + 4096)
-    except OSError:
-        return False
-    if len(head) < 30 or not head.startswith(b"PK\x03\x04"):
-        return False
-    length = int.from_bytes(head[26:28], "little")
-    return head[30 : 30 + length].endswith(b".npy")
+    if isinstance(err, AttributeError) and "__main__" in text:
+        return (
+            "; the model's class was defined in the script that saved it (module __main__), which no other program "
+            f"can import: save a program instead: {SAVE_PROGRAM}"
+        )
+    return ""
 
 
 def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:

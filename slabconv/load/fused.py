@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slabconv.load.paths import REPORT, is_output_folder  # noqa: F401 (what an output folder is)
 from slabconv.util import upper_bound
 from slabconv.version import __version__
 
@@ -68,14 +69,6 @@ class FusedMetadata:
             complete=metadata.get("complete") == "true",
             config=config if isinstance(config, dict) else {},
         )
-
-
-REPORT = "report.json"
-
-
-def is_output_folder(path: Path) -> bool:
-    """True for a folder ``fuse`` wrote (it holds slabconv's ``report.json``)."""
-    return path.is_dir() and (path / REPORT).is_file()
 
 
 @dataclass(frozen=True)

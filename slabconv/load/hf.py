@@ -27,13 +27,17 @@ import torch
 
 from slabconv.errors import InputError, first_line
 from slabconv.load import safety
+from slabconv.load.paths import (  # noqa: F401 (what a Hugging Face folder is: part of this module's face)
+    BIN,
+    BIN_INDEX,
+    CONFIG,
+    LAYOUTS,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    hf_weights_file,
+    is_hf_folder,
+)
 from slabconv.util import sha256_file as files_digest
-
-CONFIG = "config.json"
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-BIN = "pytorch_model.bin"
-BIN_INDEX = "pytorch_model.bin.index.json"
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -48,14 +52,7 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
 }
 
-# (file looked for, format name), in the order ``transformers`` prefers them.
-_LAYOUTS = (
-    (SAFETENSORS, "hf-safetensors"),
-    (SAFETENSORS_INDEX, "hf-safetensors-sharded"),
-    (BIN, "hf-bin"),
-    (BIN_INDEX, "hf-bin-sharded"),
-)
-FOLDER_FORMATS = tuple(fmt for _, fmt in _LAYOUTS)
+FOLDER_FORMATS = tuple(fmt for _, fmt in LAYOUTS)
 """What the report records as the format of a folder, one per layout."""
 
 
@@ -88,24 +85,6 @@ class HFFolder:
         for path in self.files:
             outer.update(f"{path.name} {self.digests.get(path) or files_digest(path)}\n".encode())
         return outer.hexdigest()
-
-
-def hf_weights_file(folder: Path | str) -> tuple[Path, str] | None:
-    """The weights entry file of a folder and its format name (see the module docstring), or None."""
-    folder = Path(folder)
-    for name, fmt in _LAYOUTS:
-        if (folder / name).is_file():
-            return folder / name, fmt
-    return None
-
-
-def is_hf_folder(path: Path | str) -> bool:
-    """True when ``path`` is a folder with ``config.json`` and weights in one of the four layouts, or with sharded
-    safetensors alone (``model.safetensors.index.json`` + shards; the architecture then comes from ``--arch``)."""
-    path = Path(path)
-    if not path.is_dir():
-        return False
-    return hf_weights_file(path) is not None and ((path / CONFIG).is_file() or (path / SAFETENSORS_INDEX).is_file())
 
 
 def inside(folder: Path, path: Path) -> Path:
@@ -162,7 +141,7 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
     config = {} if sharded_alone else read_hf_config(folder, digests)
     found = hf_weights_file(folder)
     if found is None:
-        names = ", ".join(name for name, _ in _LAYOUTS)
+        names = ", ".join(name for name, _ in LAYOUTS)
         raise InputError(f"{folder}: no weights found; expected one of {names}")
     entry, fmt = found
     inside(folder, entry)

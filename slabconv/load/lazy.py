@@ -168,15 +168,15 @@ def planning_model(
 
 @dataclass
 class ShardedFolder:
-    """A sharded safetensors folder opened for a streamed fold: nothing but the index, the shard headers, the
-    config and the vectors the planning instance reads is in memory.
+    """A safetensors folder opened for a streamed fold: nothing but the index, the shard headers, the config and
+    the vectors the planning instance reads is in memory. One ``model.safetensors`` is a folder of one shard.
 
     Attributes:
         shards: the lazy reader (a ``WeightStore``: ``get(key, rows)``, ``shape``, ``dtype``).
-        shard_names: the shard files, in index order.
-        index: ``model.safetensors.index.json``.
+        shard_names: the shard files, in index order (``["model.safetensors"]`` for a single file).
+        index: ``model.safetensors.index.json``, or the single ``model.safetensors``.
         config: ``config.json`` (empty when the folder has none: the architecture is then detected or ``--arch``).
-        sha256: of the index (the shards are named by it).
+        sha256: of the index (the shards are named by it), or of the single file.
     """
 
     shards: LazyShards
@@ -186,21 +186,30 @@ class ShardedFolder:
     sha256: str
 
     def source(self, arch: str | None) -> Source:
-        """The report's ``source`` block: format ``hf-safetensors-sharded``, the index's sha256, the shards."""
+        """The report's ``source`` block: format ``hf-safetensors-sharded`` (the index's sha256, the shards) or
+        ``hf-safetensors`` (one file, its sha256)."""
         dtypes = sorted({str(d).removeprefix("torch.") for d, _ in self.shards.specs().values() if d.is_floating_point})
-        extra: dict[str, Any] = {"shards": self.shard_names, "index_sha256": self.sha256}
+        sharded = self.sharded
+        extra: dict[str, Any] = {"shards": self.shard_names, "index_sha256": self.sha256} if sharded else {}
         if "num_hidden_layers" in self.config:
             extra["num_hidden_layers"] = self.config["num_hidden_layers"]
         dtype = dtypes[0] if len(dtypes) == 1 else ",".join(dtypes)
-        return Source(str(self.shards.folder), self.sha256, "hf-safetensors-sharded", arch, dtype=dtype, extra=extra)
+        fmt = "hf-safetensors-sharded" if sharded else "hf-safetensors"
+        return Source(str(self.shards.folder), self.sha256, fmt, arch, dtype=dtype, extra=extra)
+
+    @property
+    def sharded(self) -> bool:
+        """True for an index and its shards, False for one ``model.safetensors``."""
+        return self.index.name != self.shard_names[0]
 
 
 def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
-    """Open a sharded Hugging Face style folder (``model.safetensors.index.json`` + shards) for a streamed fold.
+    """Open a Hugging Face style safetensors folder for a streamed fold: ``model.safetensors.index.json`` + shards,
+    or one ``model.safetensors`` (a folder of one shard).
 
     Raises:
         InputError: not a folder; a damaged index or config.
-        UsageError: the folder's weights are not sharded safetensors (one ``model.safetensors``, ``.bin``).
+        UsageError: the folder's weights are not safetensors (``.bin``).
     """
     from slabconv.errors import UsageError
     from slabconv.load import hf
@@ -209,13 +218,13 @@ def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder")
     found = hf.hf_weights_file(folder)
-    if found is None or found[1] != "hf-safetensors-sharded":
+    if found is None or found[1] not in ("hf-safetensors-sharded", "hf-safetensors"):
         have = found[0].name if found else "no weights"
         raise UsageError(
-            f"{folder}: --stream needs sharded safetensors (model.safetensors.index.json + shards), found {have}; "
-            "fold it in memory without --stream"
+            f"{folder}: --stream reads safetensors (model.safetensors, or model.safetensors.index.json + shards), "
+            f"found {have}; fold it in memory without --stream"
         )
     config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
-    weight_map = hf.read_index(found[0])
-    names = [s.name for s in hf.shard_paths(found[0])]
-    return ShardedFolder(LazyShards(folder, weight_map, block_elements), names, found[0], config, sha256_file(found[0]))
+    shards = LazyShards.open(folder, block_elements)
+    names = list(dict.fromkeys(shards.weight_map.values()))
+    return ShardedFolder(shards, names, found[0], config, sha256_file(found[0]))

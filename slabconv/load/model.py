@@ -24,7 +24,7 @@ from slabconv.options import LoadOptions
 from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
-from slabconv.zoo.registry import IMAGE_SIZE_KEY, with_image_size
+from slabconv.zoo.registry import IMAGE_SIZE_KEY, OWN_MODEL, LayoutError, with_image_size
 
 
 @dataclass
@@ -153,6 +153,26 @@ def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: st
     model.load_state_dict(state_dict, strict=True)
 
 
+def check_options_apply(path: Path | str, options: LoadOptions | None) -> None:
+    """Refuse, before anything is read, the options that build a checkpoint's model (``--arch``, ``--image-size``,
+    ``--ema``) for a ``torch.export`` program, which is its model: they would be ignored. (``verify`` gives one set
+    of options to both sides, so it does not call this.)
+
+    Raises:
+        UsageError: naming the first such option.
+    """
+    opts = options or LoadOptions()
+    found = sniff_format(Path(path))
+    if found is None or found.name != "torch.export":
+        return
+    given = [flag for flag, on in (("--arch", opts.arch), ("--image-size", opts.image_size), ("--ema", opts.ema)) if on]
+    if given:
+        raise UsageError(
+            f"{path}: {given[0]} does not apply to a torch.export program (the program is the model: its graph, "
+            "weights and input shape); drop it"
+        )
+
+
 def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 
@@ -179,7 +199,9 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     ckpt = load_checkpoint(path, ema=opts.ema, trust_pickle=opts.trust_pickle)
     _check_values(ckpt)
     if ckpt.format == "torch.export":
-        return _load_program(ckpt)
+        program = _load_program(ckpt)
+        _check_given_shape(ckpt, opts.input_shape, program.input_shape)
+        return program
     if ckpt.format == "pickled-module":
         return _load_module(ckpt, opts.input_shape)
     norm = "checkpoint"
@@ -207,6 +229,7 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
     model.eval()
     shape = tuple(spec.input_shape(ckpt.state_dict, config))
+    _check_given_shape(ckpt, opts.input_shape, shape)
     state = ckpt.state_dict
 
     def make_input(batch: int, seed: int) -> torch.Tensor:
@@ -219,6 +242,23 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     return LoadedModel(
         model, ckpt, spec.name, shape, dtype, spec.input_dtype, make_input, dict(config), id_range=id_range
     )
+
+
+def _check_given_shape(ckpt: Checkpoint, given: tuple[int, ...] | None, shape: tuple[int, ...]) -> None:
+    """``--input-shape`` where the model fixes its own input ``shape`` (weights, a program): the same shape is
+    accepted, another refused (it would be ignored: an option that does nothing).
+
+    Raises:
+        UsageError: ``given`` is not the model's shape.
+    """
+    if given is not None and tuple(given) != tuple(shape):
+        what = "program" if ckpt.format == "torch.export" else "weights"
+        resize = " (--image-size N builds a zoo vision model for NxN inputs)" if what == "weights" else ""
+        raise UsageError(
+            f"--input-shape {','.join(map(str, given))}: {ckpt.path} takes inputs of shape "
+            f"({', '.join(map(str, shape))}), fixed by its {what}; --input-shape is for a pickled nn.Module "
+            f"(--trust-pickle) or an .onnx file with dynamic axes: drop it{resize}"
+        )
 
 
 def _build(
@@ -237,6 +277,11 @@ def _build(
         raise UnsupportedModelError(f"{ckpt.path}: {err}") from None
     try:
         return spec, spec.build(ckpt.state_dict, config, norm)
+    except LayoutError as err:
+        raise UnsupportedModelError(
+            f"{ckpt.path}: {err}; --arch {spec.name} is not what these weights are: leave --arch out to detect a "
+            f"registered architecture, or, {OWN_MODEL}"
+        ) from None
     except UnsupportedModelError as err:
         if ckpt.format.startswith("hf-"):
             raise UnsupportedModelError(
@@ -246,7 +291,7 @@ def _build(
     except (KeyError, ValueError, RuntimeError, IndexError) as err:
         raise InputError(
             f"{ckpt.path}: cannot build {spec.name!r} from this checkpoint ({type(err).__name__}: {err}); "
-            "it is another architecture: check --arch (see `slabconv list`)"
+            f"it is another architecture: check --arch (see `slabconv list`); {OWN_MODEL}"
         ) from None
 
 

@@ -24,8 +24,9 @@ def return_freed_blocks_to_the_os() -> bool:
     so that a freed weight block goes back to the OS at once.
 
     Streaming allocates and frees blocks of several MiB thousands of times. glibc's default threshold adapts
-    upwards after such frees and then keeps freed blocks in its heaps: measured on a 7B-shaped fold, peak RSS
-    then varied from 450 to 1000 MiB between identical runs; with the fixed threshold it was 432-443 MiB in five.
+    upwards after such frees and then keeps freed blocks in its heaps: on a 7B-shaped fold the peak RSS of identical
+    runs then differs by up to twice; with the fixed threshold it stays within a few MiB
+    (``benchmarks/memory_streaming.py --shape 7b`` measures it).
     Process-wide and harmless for other work (large allocations only). Returns False where it does not apply
     (not glibc).
     """

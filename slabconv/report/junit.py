@@ -1,11 +1,11 @@
 """Machine-readable renderings of a report: JUnit XML for CI systems.
 
 One ``<testcase>`` per numeric check (each output under each runtime setting, e.g. ``output @
-onnxruntime[all-optimizations]``), per integrity check (``onnx.checker[full_check] model.onnx``) and per written
-file no runtime could run (a ``<skipped>`` case naming why). A failing check is a ``<failure>`` whose message
-says what was measured, the tolerance it would have needed and the first diverging fold (the localisation). The
-layout is the common subset that GitHub Actions test reporters, GitLab, Jenkins and Azure Pipelines read:
-``testsuites > testsuite > testcase > failure``.
+onnxruntime[all-optimizations]``), per integrity check (``onnx.checker[full_check] model.onnx``), per written
+file no runtime could run (a ``<skipped>`` case naming why), and for ``fuse`` one per norm (``fold: NORM``). A
+failing check is a ``<failure>`` whose message says what was measured, the tolerance it would have needed and the
+first diverging fold (the localisation). The layout is the common subset that GitHub Actions test reporters, GitLab,
+Jenkins and Azure Pipelines read: ``testsuites > testsuite > testcase > failure``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from slabconv.errors import UsageError
 from slabconv.report.data import Report
 from slabconv.text import shown
+from slabconv.verify.results import Case
 from slabconv.write.staging import check_output_file, staging_file
 
 
@@ -56,61 +57,88 @@ def written_by_slabconv(path: Path) -> bool:
     return b'<testsuites name="slabconv"' in head
 
 
-def junit_tree(report: Report) -> ET.ElementTree:
-    """The JUnit XML tree of a verification report: one ``<testcase>`` per check that ran
-    (``Verification.cases``: question 1, the file checks, question 2, greedy generation per runtime), so the
-    failure count is zero exactly when the report passed; ``time`` is how long the run took, shared out per case."""
+def fold_cases(report: Report, require_folded: bool = False) -> list[Case]:
+    """One case per norm of a ``fuse`` report: ``fold: NORM``, passed when it folded away; a kept norm (held as a
+    per-channel affine, equivalent) passes too, unless ``require_folded`` (``--require-folded``) asks for a
+    norm-free model."""
+    cases = []
+    for d in report.folds or []:
+        folded = d.action.startswith("folded")
+        if folded:
+            measured = f"{d.kind} {d.action} into {', '.join(d.into)}"
+        else:
+            before = f" (before {', '.join(d.kept_on)})" if d.kept_on else ""
+            measured = f"{d.kind} {d.action}: {d.reason}{before}"
+        ok = folded or not require_folded
+        message = "" if ok else f"{d.norm} is kept ({d.reason}); --require-folded needs every norm folded away"
+        cases.append(Case(f"fold: {d.norm}", ok, measured, message))
+    return cases
+
+
+def junit_tree(report: Report, require_folded: bool = False) -> ET.ElementTree:
+    """The JUnit XML tree of a report. ``fuse`` (with ``--junit``): a ``slabconv.folds`` suite, one ``<testcase>``
+    per norm (``fold_cases``). ``fuse`` and ``verify``: a ``slabconv.verify`` suite, one ``<testcase>`` per check
+    that ran (``Verification.cases``: question 1, the file checks, question 2, greedy generation per runtime), so
+    the failure count is zero exactly when the report passed; ``time`` is how long the run took, shared out per
+    case."""
     v = report.verification
-    assert v is not None
     candidate = (report.candidate.path if report.candidate else None) or report.out_dir or "candidate"
-    classname = "slabconv.verify." + Path(str(candidate)).name.replace(".", "_")
-    cases = v.cases()  # the same verdicts as v.passed: the failure count and the exit code agree
-    failures = sum(not case.passed for case in cases)
-    skipped = sum(case.skipped for case in cases)
-    seconds = f"{v.seconds / max(len(cases), 1):.3f}"
-    root = ET.Element("testsuites", name="slabconv", tests=str(len(cases)), failures=str(failures))
-    suite = ET.SubElement(
-        root,
-        "testsuite",
-        name="slabconv.verify",
-        tests=str(len(cases)),
-        failures=str(failures),
-        errors="0",
-        skipped=str(skipped),
-        time=f"{v.seconds:.3f}",
-    )
-    props = ET.SubElement(suite, "properties")
-    for key, value in (
-        ("slabconv_version", report.slabconv_version),
-        ("reference", report.reference.path if report.reference else ""),
-        ("candidate", str(candidate)),
-        ("inputs", v.inputs),
-        ("runtime", v.runtime),
-    ):
-        ET.SubElement(props, "property", name=key, value=str(value))
-    for note in v.notes:
-        ET.SubElement(props, "property", name="note", value=note)
-    if v.localization is not None:
-        ET.SubElement(props, "property", name="localization", value=v.localization.detail)
-    for case in cases:
-        element = ET.SubElement(suite, "testcase", classname=classname, name=case.name, time=seconds)
-        ET.SubElement(element, "system-out").text = case.measured
-        if not case.passed:
-            ET.SubElement(element, "failure", type="NotEquivalent", message=case.message).text = case.measured
-        elif case.skipped:
-            ET.SubElement(element, "skipped", message=case.message)
+    suites: list[tuple[str, list[Case], float]] = []
+    if report.command == "fuse":
+        suites.append(("slabconv.folds", fold_cases(report, require_folded), 0.0))
+    if v is not None:
+        suites.append(("slabconv.verify", v.cases(), v.seconds))  # the same verdicts as v.passed
+    tests = sum(len(cases) for _, cases, _ in suites)
+    failures = sum(not case.passed for _, cases, _ in suites for case in cases)
+    root = ET.Element("testsuites", name="slabconv", tests=str(tests), failures=str(failures))
+    for name, cases, seconds in suites:
+        classname = name + "." + Path(str(candidate)).name.replace(".", "_")
+        suite = ET.SubElement(
+            root,
+            "testsuite",
+            name=name,
+            tests=str(len(cases)),
+            failures=str(sum(not case.passed for case in cases)),
+            errors="0",
+            skipped=str(sum(case.skipped for case in cases)),
+            time=f"{seconds:.3f}",
+        )
+        props = ET.SubElement(suite, "properties")
+        facts: list[tuple[str, object]] = [("slabconv_version", report.slabconv_version), ("candidate", candidate)]
+        if name == "slabconv.folds":
+            facts += [("source", report.source.path if report.source else ""), ("require_folded", require_folded)]
+        elif v is not None:
+            facts += [
+                ("reference", report.reference.path if report.reference else ""),
+                ("inputs", v.inputs),
+                ("runtime", v.runtime),
+                *(("note", note) for note in v.notes),
+            ]
+            if v.localization is not None:
+                facts.append(("localization", v.localization.detail))
+        for key, value in facts:
+            ET.SubElement(props, "property", name=key, value=str(value))
+        each = f"{seconds / max(len(cases), 1):.3f}"
+        kind = "NotFolded" if name == "slabconv.folds" else "NotEquivalent"
+        for case in cases:
+            element = ET.SubElement(suite, "testcase", classname=classname, name=case.name, time=each)
+            ET.SubElement(element, "system-out").text = case.measured
+            if not case.passed:
+                ET.SubElement(element, "failure", type=kind, message=case.message).text = case.measured
+            elif case.skipped:
+                ET.SubElement(element, "skipped", message=case.message)
     return ET.ElementTree(root)
 
 
-def write_junit(report: Report, path: Path) -> None:
-    """Write the JUnit XML of ``report`` to ``path`` atomically: into a marked staging folder beside it
-    (``slabconv.write.staging.staging_file``), then one rename.
+def write_junit(report: Report, path: Path, require_folded: bool = False) -> None:
+    """Write the JUnit XML of ``report`` (``junit_tree``) to ``path`` atomically: into a marked staging folder beside
+    it (``slabconv.write.staging.staging_file``), then one rename.
 
     Raises:
         UsageError: the folder of ``path`` cannot be written.
     """
     path = Path(path)
-    tree = junit_tree(report)
+    tree = junit_tree(report, require_folded)
     ET.indent(tree)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,37 +7,99 @@ when the output goes to a file or a CI log, so names are never cut).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 from rich import box
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from slabconv.load.source import Source
 from slabconv.report.data import Report
-from slabconv.text import one_line, shown
+from slabconv.text import count, one_line, shown
 from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
+
+_WORD = re.compile(r"\S+\s*|\s+")
+_SEAM = re.compile(r"(?<=[,._/(])(?![,._/(])|(?<=-)(?![->])")
+"""A cell's text as words (up to and including the spaces after them), and where a word may break: after a run of
+``,``, ``.``, ``_``, ``/``, ``(``, or after a ``-`` that does not start an arrow (``LayerNorm->RepBN`` stays)."""
+
+
+def _pieces(word: str) -> list[str]:
+    return [piece for piece in _SEAM.split(word) if piece]
+
+
+class NameCell:
+    """A table cell that wraps at spaces, and inside a word only at a name's seams: after ``.``, ``_``, ``,``,
+    ``/``, ``(`` or ``-`` (``model.layers.0.`` / ``input_layernorm``), never inside a word. Its narrowest width
+    (what Rich allots a column at least) is its longest piece; only a column narrower than that (a terminal too
+    narrow for the table's keywords) folds a piece. Off a terminal (no width limit) it is one line.
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self.words = [word for word in _WORD.findall(text) if word]
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        pieces = (piece.rstrip() for word in self.words for piece in _pieces(word))
+        widest = max((cell_len(piece) for piece in pieces), default=0)
+        return Measurement(min(widest, options.max_width), min(cell_len(self.text), options.max_width))
+
+    def lines(self, width: int) -> list[str]:
+        """The text in lines of at most ``width`` cells: broken at spaces, a word wider than ``width`` at its seams,
+        and a piece wider than that folded."""
+        lines: list[str] = []
+        line = ""
+        for word in self.words:
+            if line and cell_len((line + word).rstrip()) > width:
+                lines.append(line.rstrip())
+                line = ""
+            if cell_len(word.rstrip()) <= width:
+                line += word
+                continue
+            for piece in _pieces(word):  # a word wider than the column: break at its seams
+                if line and cell_len((line + piece).rstrip()) > width:
+                    lines.append(line.rstrip())
+                    line = ""
+                line += piece
+                while cell_len(line.rstrip()) > width:  # a piece wider than the column: folded, as a last resort
+                    lines.append(line[:width])
+                    line = line[width:]
+        if line.strip() or not lines:
+            lines.append(line.rstrip())
+        return lines
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n".join(self.lines(max(1, options.max_width))), overflow="fold", no_wrap=True)
 
 
 def text_table(title: str, columns: dict[str, bool], rows: Iterable[Sequence[str]]) -> Table:
     """A Rich table whose every cell is plain text (a name with ``[...]`` in it is shown as it is, never read as
-    Rich markup). ``columns`` maps each header to whether its cells may wrap: wrapping columns wrap at spaces (a
-    word longer than the column folds), the others (short keywords such as ``folded-forward``) never break.
+    Rich markup). ``columns`` maps each header to whether its cells may wrap: wrapping columns wrap at a name's
+    seams (``NameCell``: after a space, ``,``, ``.``, ``_``, ...; never mid-word), the others (short keywords such
+    as ``folded-forward``, numbers) never break.
 
     Every cell and the title pass through ``slabconv.text.one_line``: a key from a file with a newline, ``ESC[2J``
     or a right-to-left override is shown escaped, and no cell is longer than ``LINE_LIMIT``."""
     table = Table(
         title=Text(one_line(title)), box=box.SIMPLE_HEAD, title_justify="left", show_edge=False, pad_edge=False
     )
-    for header, wraps in columns.items():
-        table.add_column(Text(header), overflow="fold", no_wrap=not wraps)
+    wraps = list(columns.values())
+    for header, wrap in columns.items():
+        table.add_column(Text(header), overflow="fold", no_wrap=not wrap)
     for row in rows:
-        table.add_row(*(Text(one_line(str(cell))) for cell in row))
+        cells = [one_line(str(cell)) for cell in row]
+        table.add_row(*(NameCell(cell) if wrap else Text(cell) for cell, wrap in zip(cells, wraps, strict=True)))
     return table
 
 
-def folds_table(report: Report) -> Table:
+def folds_table(report: Report, width: int | None = None) -> Table:
     """One row per norm: name, kind, action, the layers it folded into, and why anything was kept (the reason
-    column only when a norm was kept)."""
+    column only when a norm was kept). Narrower than ``COMPACT_BELOW`` columns (``width``, a terminal's), the kind
+    is left out and the reason shares the ``into`` column (``kept: REASON ...``), so no name breaks mid-word."""
     source = report.source
     what = shown(source.arch or source.format) if source else ""
     if source is not None and "opset" in source.extra:  # an ONNX original: which opset and exporter
@@ -50,18 +112,39 @@ def folds_table(report: Report) -> Table:
             reason += f" (before {', '.join(map(shown, d.kept_on))})"
         rows.append([shown(d.norm), d.kind, d.action, ", ".join(map(shown, d.into)) or "-", reason])
     columns = {"norm": True, "kind": False, "action": False, "into": True, "reason": True}
+    if width is not None and width < COMPACT_BELOW:
+        columns = {"norm": True, "action": False, "into, or why kept": True}
+        return text_table(
+            title, columns, [[norm, action, into if not why else why] for norm, _, action, into, why in rows]
+        )
     if not any(row[-1] for row in rows):
         columns.pop("reason")
         rows = [row[:-1] for row in rows]
     return text_table(title, columns, rows)
 
 
+COMPACT_BELOW = 90
+"""The terminal width under which ``folds_table`` leaves out the kind column and puts the reason under ``into``."""
+
+
 def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
-    """The count of norms, each warning, what was written, and the verification."""
+    """The count of norms, each warning, what was written, and the verification. ``verbose`` adds where the model
+    came from (``source_line``), each norm's blocked paths and, for an output folder, each file's sha256."""
+    source = report.source
+    if verbose:
+        for side, name in ((source, "source"), (report.reference, "reference"), (report.candidate, "candidate")):
+            if side is not None:
+                yield source_line(name, side)
+    if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
+        yield (
+            f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused files "
+            f"take exactly {count(source.batch, 'sample')} a call; export it with "
+            "dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch (docs/own-model.md)"
+        )
     if report.folds is not None and report.summary is not None:
         s = report.summary
         if report.command != "inspect":  # inspect's final line gives the count, as a plan
-            yield f"{s.norms} norms: {s.folded} folded away, {s.kept} kept"
+            yield f"{count(s.norms, 'norm')}: {s.folded} folded away, {s.kept} kept"
         for d in report.folds:
             for w in d.warnings:
                 yield f"warning: {shown(d.norm)}: {w}"
@@ -70,8 +153,21 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
                     yield f"  {shown(d.norm)}: blocked before {shown(path['before'])}: {path['reason']}"
     if report.outputs is not None and report.out_dir is not None:
         yield f"wrote {shown(report.out_dir)}/: {', '.join([*report.outputs.files, 'report.json'])}"
+        if verbose:
+            for name, digest in report.outputs.sha256.items():
+                yield f"  {shown(name)}: sha256 {digest}"
     if report.command in ("fuse", "verify"):
         yield from verification_lines(report.verification)
+
+
+def source_line(name: str, side: Source) -> str:
+    """``source: PATH: FORMAT, ARCH, DTYPE weights, input (C, H, W), any batch; sha256 HEX``: where a model came
+    from and what slabconv read it as (``--verbose``)."""
+    facts = [side.format, *([side.arch] if side.arch else []), *([f"{side.dtype} weights"] if side.dtype else [])]
+    if side.input_shape is not None:
+        facts.append(f"input ({', '.join(map(str, side.input_shape))})")
+        facts.append("any batch" if side.batch is None else f"batch {side.batch} only")
+    return f"{name}: {shown(side.path)}: {', '.join(facts)}; sha256 {side.sha256 or 'n/a'}"
 
 
 def _ok(passed: bool) -> str:
@@ -90,7 +186,7 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield "verification: skipped (--no-verify)"
         return
     samples = v.checks[0].samples if v.checks else 0
-    yield f"verification: {v.headline()} on {samples} samples ({v.inputs}); {v.runtime}"
+    yield f"verification: {v.headline()} on {count(samples, 'sample')} ({v.inputs}); {v.runtime}"
     if v.reference:
         yield f"  reference: {v.reference}"
     if v.exact:
@@ -109,12 +205,13 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
     if v.generation is not None:
         g = v.generation
         speeds = ", ".join(f"{name} {tps:,.0f}" for name, tps in g.get("tokens_per_second", {}).items())
-        head = f"{g.get('steps')} greedy tokens x {g.get('sequences')} prompts"
+        head = f"{count(int(g.get('steps') or 0), 'greedy token')} x {count(int(g.get('sequences') or 0), 'prompt')}"
         yield f"  {_ok(bool(g.get('passed')))} generation: {head}"
         for run in g.get("runs", []):
             yield (
-                f"    {run['name']}: {run['tokens_compared']} tokens compared, {run['decisive_mismatches']} decisive "
-                f"mismatches, {run['near_ties']} near-ties"
+                f"    {run['name']}: {count(run['tokens_compared'], 'token')} compared, "
+                f"{count(run['decisive_mismatches'], 'decisive mismatch', 'decisive mismatches')}, "
+                f"{count(run['near_ties'], 'near-tie')}"
             )
             if run.get("decides", True) and not run.get("passed", True):
                 yield f"      {generation_failure(run)}"

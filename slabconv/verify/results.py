@@ -19,6 +19,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from slabconv.text import count
+
 QUESTION_1 = "question 1 (is the fold exact?)"
 QUESTION_2 = "question 2 (are the written files as good as the original?)"
 
@@ -115,7 +117,7 @@ class OutputCheck:
             text += f"; original's own error {_g(self.e_orig)}; fused vs original {_g(self.e_pair)}"
         if self.top1_agreement is not None:
             text += f"; top-1 {self.top1_agreement:.2%} of {self.decisive} decisive"
-            text += f", {self.near_ties} near-ties not judged" if self.near_ties else ""
+            text += f", {count(self.near_ties, 'near-tie')} not judged" if self.near_ties else ""
         return text + f"; ran in {self.dtype}"
 
     def _why(self) -> str:

@@ -9,6 +9,7 @@ import torch
 
 from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.options import BFLOAT16_OPSET, OPSET_RANGE, check_opset  # noqa: F401 (the opset rules, stated once)
 from slabconv.util import quiet
 from slabconv.version import __version__
 
@@ -38,37 +39,10 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-BFLOAT16_OPSET = 22
-"""The first opset whose Conv, Gemm and friends accept bfloat16 (earlier ones make a bfloat16 model invalid)."""
-
-
 def opset_for(model: torch.nn.Module) -> int | None:
     """The opset to export ``model`` at: ``BFLOAT16_OPSET`` for bfloat16 weights, else the exporter's default."""
     dtypes = {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
     return BFLOAT16_OPSET if torch.bfloat16 in dtypes else None
-
-
-OPSET_RANGE = (17, 25)
-"""The opsets ``--opset`` may ask for: the dynamo exporter writes 18 and later natively and converts down to 17;
-it does not reach earlier ones (asked for 15 it writes 18), and 25 is the newest the installed exporter writes."""
-
-
-def check_opset(opset: int | None, dtype: str | None = None) -> None:
-    """Refuse, before any work, an ``--opset`` the exporter cannot write or a bfloat16 model cannot use.
-
-    Raises:
-        UsageError: naming the range (``OPSET_RANGE``), or ``BFLOAT16_OPSET`` for a bfloat16 model.
-    """
-    if opset is None:
-        return
-    low, high = OPSET_RANGE
-    if not low <= opset <= high:
-        raise UsageError(f"--opset {opset}: slabconv writes ONNX opsets {low} to {high}; choose one of them")
-    if dtype == "bfloat16" and opset < BFLOAT16_OPSET:
-        raise UsageError(
-            f"--opset {opset}: a bfloat16 model needs opset {BFLOAT16_OPSET} or later (earlier Conv and Gemm take no "
-            f"bfloat16); choose {BFLOAT16_OPSET} to {high}"
-        )
 
 
 def _name_axes(model: Any, axes: dict[int, Any]) -> None:

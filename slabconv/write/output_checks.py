@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -166,6 +167,13 @@ def _check_path(target: Path) -> None:
         raise UsageError(f"{shown(target)}: the path is too long for this file system ({len(str(target))} characters)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write to {shown(existing)}: permission denied; choose a writable output location")
+    try:  # what access() cannot tell (a virtual file system such as /proc, a read-only mount, root's rights)
+        os.rmdir(tempfile.mkdtemp(prefix=".slabconv-probe-", dir=existing))
+    except OSError as err:
+        raise UsageError(
+            f"cannot write to {shown(existing)}: making a folder there fails ({err.strerror or err}); choose a "
+            "writable output location"
+        ) from None
 
 
 def _pathconf(path: Path, name: str, default: int) -> int:

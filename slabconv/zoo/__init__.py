@@ -1,11 +1,9 @@
-"""Architectures with the official SLAB key layouts; importing this package registers them all."""
+"""Architectures with the official SLAB key layouts.
 
-from slabconv.zoo import cswin as cswin  # noqa: F401  (registers the SLAB-CSWin presets)
-from slabconv.zoo import deit as deit  # noqa: F401  (registers the DeiT presets)
-from slabconv.zoo import llama as llama  # noqa: F401  (registers the LLaMA-PRepBN presets)
-from slabconv.zoo import pvt as pvt  # noqa: F401  (registers the PVT-PRepBN / SLAB-PVT presets)
-from slabconv.zoo import slab_deit as slab_deit  # noqa: F401  (registers the SLAB-DeiT presets)
-from slabconv.zoo import swin as swin  # noqa: F401  (registers the Swin-PRepBN / SLAB-Swin presets)
+Their names are data (``slabconv.zoo.names``, read without torch); the family modules (``deit``, ``swin``, ...) that
+build them are imported by the first look-up that needs a builder (``get_arch``, ``list_archs``, ``detect_arch``).
+"""
+
 from slabconv.zoo.registry import ArchSpec, detect_arch, get_arch, list_archs, register_arch
 
 __all__ = ["ArchSpec", "detect_arch", "get_arch", "list_archs", "register_arch"]

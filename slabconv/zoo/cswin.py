@@ -49,7 +49,14 @@ from slabconv.zoo.layers import (
     split_heads,
     tokens_to_map,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
+from slabconv.zoo.registry import (
+    LayoutError,
+    Preset,
+    StateDict,
+    register_family,
+    resolve_image_size,
+    square_input,
+)
 
 
 def img2windows(x: torch.Tensor, h_sp: int, w_sp: int) -> torch.Tensor:
@@ -337,7 +344,7 @@ def hparams(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> dict[st
     """Constructor arguments of ``CSWinTransformer`` from the weights, the config and the preset."""
     found = _structure(sd)
     if found is None or "head.weight" not in sd:
-        raise UnsupportedModelError(f"{preset.name}: not a CSWin-layout checkpoint (stage1_conv_embed / stage1 / head)")
+        raise LayoutError(f"{preset.name}: not a CSWin-layout checkpoint (stage1_conv_embed / stage1 / head)")
     embed_dim, depths, kinds = found
     blocks = _blocks(sd, depths)
     img_size = cfg_get(config, "DATA", "IMG_SIZE", default=None)
@@ -402,28 +409,22 @@ PRESETS = [
     Preset(
         "slab_cswin_tiny",
         signature=(64, (2, 4, 18, 1), "LLSS"),
-        aliases=("slab_cswin_t", "SLAB_CSWin_tiny", "SLAB_CSWin_64_24181_tiny_224"),
         defaults=_DEFAULTS,
         source=f"{_SOURCE} SLAB_CSWin_64_24181_tiny_224 (cfgs/slab_cswin_t.yaml)",
-        description="SLAB-CSWin-T, LinearNorm norms, SLA stages 1-2, cross-shaped windows stages 3-4, 224x224",
         image_size=224,
     ),
     Preset(
         "slab_cswin_small",
         signature=(64, (2, 4, 32, 2), "LLSS"),
-        aliases=("slab_cswin_s", "SLAB_CSWin_small", "SLAB_CSWin_64_24322_small_224"),
         defaults=_DEFAULTS,
         source=f"{_SOURCE} SLAB_CSWin_64_24322_small_224 (cfgs/slab_cswin_s.yaml; no release file in the README)",
-        description="SLAB-CSWin-S, LinearNorm norms, SLA stages 1-2, cross-shaped windows stages 3-4, 224x224",
         image_size=224,
     ),
     Preset(
         "slab_cswin",
         signature=None,
-        aliases=("slab_cswin_custom",),
         source=f"{_SOURCE} CSWinTransformer (any size; heads from the dwc channel count, else config "
         "MODEL.CSWIN.NUM_HEADS, else dim / 32; window-attention split sizes from MODEL.CSWIN.SPLIT_SIZE)",
-        description="SLAB-CSWin of another size, read from the weights and config",
     ),
 ]
 

@@ -26,10 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import Mlp, NormFactory, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
+from slabconv.zoo.registry import (
+    LayoutError,
+    Preset,
+    StateDict,
+    register_family,
+    resolve_image_size,
+    square_input,
+)
 
 __all__ = ["Attention", "Block", "Mlp", "PatchEmbed", "VisionTransformer", "norm_factory", "norm_layout", "vit_hparams"]
 
@@ -135,7 +141,7 @@ def vit_hparams(state_dict: StateDict) -> dict[str, Any]:
         head = state_dict["head.weight"]  # (num_classes, C)
         fc1 = state_dict["blocks.0.mlp.fc1.weight"]  # (hidden, C)
     except KeyError as err:
-        raise UnsupportedModelError(f"not a DeiT-layout checkpoint: key {err.args[0]!r} is missing") from None
+        raise LayoutError(f"not a DeiT-layout checkpoint: key {err.args[0]!r} is missing") from None
     depth = len({m.group(1) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.attn\.qkv\.weight$", k))})
     embed_dim, in_chans, patch = proj.shape[0], proj.shape[1], proj.shape[2]
     grid = math.isqrt(pos.shape[1] - 1)
@@ -192,28 +198,22 @@ PRESETS = [
     Preset(
         "deit_tiny_prepbn",
         signature=(192, 12),
-        aliases=("deit_t_prepbn", "deit_tiny_patch16_224_repbn"),
         defaults={"num_heads": 3, "layout": "repbn"},
         source=f"{_SOURCE} deit_tiny_patch16_224_repbn",
-        description="DeiT-Tiny, RepBN norms, cls-token head, 224x224",
         image_size=224,
     ),
     Preset(
         "deit_small_prepbn",
         signature=(384, 12),
-        aliases=("deit_s_prepbn", "deit_small_patch16_224_repbn"),
         defaults={"num_heads": 6, "layout": "linearnorm"},
         source=f"{_SOURCE} deit_small_patch16_224_repbn",
-        description="DeiT-Small, LinearNorm(LayerNorm->RepBN) norms, cls-token head, 224x224",
         image_size=224,
     ),
     Preset(
         "deit_prepbn",
         signature=None,
-        aliases=("deit_custom_prepbn",),
         defaults={"layout": "linearnorm"},
         source=f"{_SOURCE} VisionTransformer (any size; heads from config MODEL.VIT.NUM_HEADS or embed_dim / 64)",
-        description="DeiT of another size with PRepBN norms (e.g. the digits fixture), sizes read from the weights",
     ),
 ]
 

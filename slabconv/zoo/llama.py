@@ -57,7 +57,7 @@ from torch import nn
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import norm_layout
 from slabconv.zoo.norms import LinearNorm, RepBN, RMSNorm
-from slabconv.zoo.registry import Preset, StateDict, register_family
+from slabconv.zoo.registry import LayoutError, Preset, StateDict, register_family
 
 __all__ = [
     "DEFAULT_SEQ_LEN",
@@ -381,9 +381,7 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
     """
     sig = llama_signature(state_dict)
     if sig is None:
-        raise UnsupportedModelError(
-            "not a LLaMA-layout checkpoint: model.embed_tokens / mlp.gate_proj / lm_head missing"
-        )
+        raise LayoutError("not a LLaMA-layout checkpoint: model.embed_tokens / mlp.gate_proj / lm_head missing")
     hidden, depth, inter, vocab = sig
     config = config if isinstance(config, Mapping) else {}
     if config.get("num_attention_heads") is None and defaults is None:
@@ -496,18 +494,13 @@ PRESETS = [
             LLAMA_350M.intermediate_size,
             LLAMA_350M.vocab_size,
         ),
-        aliases=("llama-350M", "llama_350m", "llama350m_prepbn"),
         defaults={"config": LLAMA_350M},
         source=f"{_SOURCE} LlamaForCausalLM (hidden 1024, 18 layers, 8 heads, intermediate 4096, vocab 32000)",
-        description="LLaMA-350M, LinearNorm(RMSNorm->RepBN) norms, causal LM on int64 token ids (B, T)",
     ),
     Preset(
         "llama_prepbn",
         signature=None,
-        aliases=("llama_custom_prepbn",),
         source=f"{_SOURCE} LlamaForCausalLM (any size; heads, eps, rope_theta from config.json)",
-        description="LLaMA of another size with PRepBN norms (e.g. the text fixture); sizes from weights and "
-        "config.json",
     ),
 ]
 

@@ -53,7 +53,7 @@ from slabconv.zoo.layers import (
     split_heads,
     tokens_to_map,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
+from slabconv.zoo.registry import LayoutError, Preset, StateDict, register_family, resolve_image_size
 
 
 class Attention(nn.Module):
@@ -259,7 +259,7 @@ def hparams(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> dict[st
     """Constructor arguments of ``PyramidVisionTransformer`` from the weights, the config and the preset."""
     found = _structure(sd)
     if found is None or "head.weight" not in sd:
-        raise UnsupportedModelError(f"{preset.name}: not a PVT-layout checkpoint (patch_embed1 / block1 / head)")
+        raise LayoutError(f"{preset.name}: not a PVT-layout checkpoint (patch_embed1 / block1 / head)")
     dims, depths, kinds = found
     stages = len(depths)
     default_heads = cfg_get(config, "MODEL", "PVT", "NUM_HEADS", default=preset.defaults.get("num_heads"))
@@ -334,19 +334,15 @@ def _sized_preset(size: str, depths: tuple[int, ...], attention: str) -> Preset:
     """One official PVT size: ``attention`` ``SSSS`` (PVT-PRepBN, spatial reduction) or ``LLLL`` (SLAB-PVT)."""
     letter = size[0]
     if attention == "SSSS":
-        name, alias, cfg, what = f"pvt_{size}_prepbn", f"pvt_{letter}_prepbn", f"pvt_{letter}_prepbn.yaml", "PVT"
-        how = "spatial-reduction attention"
+        name, cfg = f"pvt_{size}_prepbn", f"pvt_{letter}_prepbn.yaml"
     else:
-        name, alias, cfg, what = f"slab_pvt_{size}", f"slab_pvt_{letter}", f"slab_pvt_{letter}.yaml", "SLAB-PVT"
-        how = "SLA in every stage"
+        name, cfg = f"slab_pvt_{size}", f"slab_pvt_{letter}.yaml"
         cfg += "" if size == "tiny" else "; no release file"
     return Preset(
         name,
         signature=(_DIMS, depths, attention),
-        aliases=(alias,),
         defaults=_HEADS,
         source=f"{_SOURCE} slab_pvt_{size}, ATTN_TYPE {attention} (cfgs/{cfg})",
-        description=f"{what}-{size.title()}, LinearNorm norms, {how}, 224x224",
         image_size=224,
     )
 
@@ -357,10 +353,8 @@ PRESETS = [
     Preset(
         "pvt_prepbn",
         signature=None,
-        aliases=("slab_pvt", "pvt_custom_prepbn"),
         source=f"{_SOURCE} PyramidVisionTransformer (any size; heads from the dwc channel count, else config "
         "MODEL.PVT.NUM_HEADS, else embed_dim / 64)",
-        description="PVT / SLAB-PVT of another size with PRepBN norms, read from the weights",
     ),
 ]
 

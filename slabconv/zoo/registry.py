@@ -1,4 +1,4 @@
-"""The architecture registry: ``@register_arch`` names, aliases, and detection from a checkpoint.
+"""The architecture registry: the builders of the names in ``slabconv.zoo.names``, and detection from a checkpoint.
 
 An ``ArchSpec`` knows how to build a model from a name and a state_dict (the state_dict settles what the name
 leaves open: the norm layout, the class count), the model's input shape, and how to build the same network
@@ -7,24 +7,56 @@ with every norm replaced by identity (the norm-free bound: the fastest a complet
 A name given by the user (``--arch``) is checked against the weights (``check_arch``): a fixed-size preset takes
 only its own widths, depths and, where the weights fix it, resolution, and the refusal names the registered
 architecture the weights are.
+
+The names, aliases and descriptions are data (``slabconv.zoo.names.NAMES``, read without torch); the family modules
+that build them are imported on the first look-up that needs a builder (``get_arch``, ``list_archs``,
+``detect_arch``), so ``slabconv list`` and the ``--arch`` completion never import torch.
 """
 
 from __future__ import annotations
 
-import difflib
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from slabconv.errors import UnsupportedModelError
+from slabconv.zoo.names import BY_NAME, NAMES, canonical, close_names, complete_names, unknown_arch_message
 
-StateDict = Mapping[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "ArchSpec",
+    "Preset",
+    "StateDict",
+    "check_arch",
+    "checking_names",
+    "close_names",
+    "complete_names",
+    "detect_arch",
+    "get_arch",
+    "list_archs",
+    "register_arch",
+    "register_family",
+    "unknown_arch_message",
+]
+
+StateDict = Mapping[str, "torch.Tensor"]
+
+OWN_MODEL = (
+    "for an architecture of your own, export a torch.export program (.pt2) and give that instead (docs/own-model.md)"
+)
+"""The advice for weights of no registered architecture: slabconv folds any model given as a program."""
+
+
+class LayoutError(UnsupportedModelError):
+    """Weights that lack what a family's key layout needs (``not a DeiT-layout checkpoint: key ... is missing``):
+    ``--arch`` named a family these weights are not. The loader adds the file and ``OWN_MODEL``."""
 
 
 @dataclass(frozen=True)
@@ -72,12 +104,16 @@ class ArchSpec:
         config: Mapping[str, Any],
         batch: int,
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """``batch`` seeded inputs for this architecture: ``example_input`` when set, else standard-normal samples of
-        ``input_shape`` in ``dtype`` (the weights' dtype). Token models return ``input_dtype`` whatever ``dtype``."""
+        ``input_shape`` in ``dtype`` (the weights' dtype; default float32). Token models return ``input_dtype`` whatever
+        ``dtype``."""
         if self.example_input is not None:
             return self.example_input(state_dict, config, batch, seed)
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
         gen = torch.Generator().manual_seed(seed)
         return torch.randn((batch, *self.input_shape(state_dict, config)), generator=gen).to(dtype)
 
@@ -87,7 +123,18 @@ _ALIASES: dict[str, str] = {}
 
 
 def register_arch(spec: ArchSpec) -> ArchSpec:
-    """Add ``spec`` to the registry under its name and aliases. Raises ``ValueError`` on a duplicate name."""
+    """Add ``spec`` to the registry under its name and aliases.
+
+    Raises:
+        ValueError: a duplicate name, or a name, family or aliases that ``slabconv.zoo.names.NAMES`` does not list
+            as given (the table is what ``slabconv list`` and ``--arch`` read without importing the family).
+    """
+    entry = BY_NAME.get(spec.name)
+    if entry is None or (entry.family, entry.aliases) != (spec.family, spec.aliases):
+        raise ValueError(
+            f"architecture {spec.name!r} ({spec.family}, aliases {spec.aliases}) is not in slabconv.zoo.names.NAMES "
+            "as given; add it there"
+        )
     for key in (spec.name, *spec.aliases):
         if key in _ALIASES:
             raise ValueError(f"architecture name {key!r} is registered twice")
@@ -104,19 +151,17 @@ class Preset:
         name: the canonical name (the official release file stem).
         signature: what the family's ``signature(state_dict)`` returns for these weights (sizes, depths, attention
             kinds); None for the family's any-size entry, which matches what no fixed preset matches.
-        aliases: official README, config (``MODEL.NAME``) and registered function names.
         defaults: facts the weights do not show (attention heads, window size, ...); the saved config wins.
         source: the official file and function.
-        description: one line for ``slabconv list``.
         image_size: the released input side (None for the any-size entry).
+
+    Its aliases and description are the ``slabconv.zoo.names.NAMES`` entry of ``name``.
     """
 
     name: str
     signature: Any
-    aliases: tuple[str, ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
-    description: str = ""
     image_size: int | None = None
 
 
@@ -151,6 +196,9 @@ def register_family(
         return matches
 
     for preset in presets:
+        entry = BY_NAME.get(preset.name)
+        if entry is None:
+            raise ValueError(f"architecture {preset.name!r} is not in slabconv.zoo.names.NAMES; add it there")
         register_arch(
             ArchSpec(
                 name=preset.name,
@@ -158,9 +206,9 @@ def register_family(
                 build=partial(build, preset),
                 input_shape=partial(input_shape, preset),
                 matches=matcher(preset),
-                aliases=preset.aliases,
+                aliases=entry.aliases,
                 source=preset.source,
-                description=preset.description,
+                description=entry.description,
                 extra={"preset": preset},
                 image_size=preset.image_size,
                 resizable=resizable(preset),
@@ -170,9 +218,24 @@ def register_family(
         )
 
 
+def _register_families() -> None:
+    """Import the module of every family ``NAMES`` lists (``slabconv.zoo.<family>``), which registers its builders;
+    a second call costs a dictionary look-up per family."""
+    for family in dict.fromkeys(entry.family for entry in NAMES):
+        importlib.import_module(f"slabconv.zoo.{family}")
+
+
 def list_archs() -> list[ArchSpec]:
-    """Every registered architecture, in registration order."""
-    return list(_REGISTRY.values())
+    """Every registered architecture, in the order of ``slabconv.zoo.names.NAMES`` (what ``slabconv list`` prints).
+
+    Raises:
+        ValueError: a name of the table that no family module registers.
+    """
+    _register_families()
+    missing = [entry.name for entry in NAMES if entry.name not in _REGISTRY]
+    if missing:
+        raise ValueError(f"slabconv.zoo.names.NAMES lists {missing}, which no family module registers")
+    return [_REGISTRY[entry.name] for entry in NAMES]
 
 
 def get_arch(name: str) -> ArchSpec:
@@ -184,37 +247,12 @@ def get_arch(name: str) -> ArchSpec:
     Raises:
         UnsupportedModelError: unknown name (the message gives the closest registered names).
     """
-    key = _ALIASES.get(name)
-    if key is None:
-        key = next((spec for alias, spec in _ALIASES.items() if alias.casefold() == name.casefold()), None)
+    key = canonical(name)
     if key is None:
         raise UnsupportedModelError(unknown_arch_message(name))
+    _register_families()
     spec = _REGISTRY[key]
     return _checked(spec) if _CHECK_NAMES.get() else spec
-
-
-def complete_names(incomplete: str) -> list[str]:
-    """Shell completion of ``--arch``: every registered name and alias that starts with ``incomplete`` (case
-    ignored), names first."""
-    names = [*_REGISTRY, *(alias for alias in _ALIASES if alias not in _REGISTRY)]
-    return [name for name in names if name.casefold().startswith(incomplete.casefold())]
-
-
-def close_names(name: str, n: int = 3) -> list[str]:
-    """The registered names and aliases closest to ``name`` (``difflib``; case is ignored), best first."""
-    by_lower: dict[str, str] = {}
-    for key in _ALIASES:
-        by_lower.setdefault(key.lower(), key)
-    return [by_lower[k] for k in difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)]
-
-
-def unknown_arch_message(name: str) -> str:
-    """``unknown architecture 'NAME'``, the closest names if any, and where the full list is."""
-    close = close_names(name)
-    if close:
-        options = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
-        return f"unknown architecture {name!r}; did you mean {options}? (`slabconv list` shows every name)"
-    return f"unknown architecture {name!r}; `slabconv list` shows every name"
 
 
 _CHECK_NAMES: ContextVar[bool] = ContextVar("slabconv_check_arch_names", default=False)
@@ -266,6 +304,7 @@ def fits(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any]) -> bo
 
 def _any_size_entry(family: str) -> ArchSpec | None:
     """The entry of ``family`` that reads every size from the weights (no fixed image size), if it has one."""
+    _register_families()
     return next((s for s in _REGISTRY.values() if s.family == family and s.image_size is None), None)
 
 
@@ -362,6 +401,7 @@ def detect_arch(state_dict: StateDict, config: Mapping[str, Any]) -> ArchSpec:
     Raises:
         UnsupportedModelError: no registered architecture matches, or several do (use ``--arch``).
     """
+    _register_families()
     name = config_model_name(config)
     if name is not None and name in _ALIASES:
         spec = _REGISTRY[_ALIASES[name]]
@@ -377,8 +417,8 @@ def detect_arch(state_dict: StateDict, config: Mapping[str, Any]) -> ArchSpec:
         return candidates[0]
     if not candidates:
         raise UnsupportedModelError(
-            "could not detect the architecture from the checkpoint's keys and shapes; "
-            "pass --arch NAME (see `slabconv list`)"
+            "could not detect the architecture from the checkpoint's keys and shapes: no registered layout fits "
+            f"(`slabconv list`; if it is one of them saved another way, pass --arch NAME); {OWN_MODEL}"
         )
     names = ", ".join(spec.name for spec in candidates)
     raise UnsupportedModelError(f"the checkpoint matches several architectures ({names}); pass --arch NAME")

@@ -40,7 +40,14 @@ from slabconv.zoo.layers import (
     norm_factory,
     norm_layout,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size, square_input
+from slabconv.zoo.registry import (
+    LayoutError,
+    Preset,
+    StateDict,
+    register_family,
+    resolve_image_size,
+    square_input,
+)
 
 
 class Block(nn.Module):
@@ -138,7 +145,7 @@ def _depth(sd: StateDict) -> int:
 
 def _shape(sd: StateDict, key: str) -> tuple[int, ...]:
     if key not in sd:
-        raise UnsupportedModelError(f"not a SLAB-DeiT checkpoint: key {key!r} is missing")
+        raise LayoutError(f"not a SLAB-DeiT-layout checkpoint: key {key!r} is missing")
     return tuple(sd[key].shape)
 
 
@@ -171,25 +178,19 @@ PRESETS = [
     Preset(
         "slab_deit_tiny",
         signature=(192, 12),
-        aliases=("slab_deit_t", "deit_tiny_patch16_224_linear_repbn"),
         source=f"{_SOURCE} deit_tiny_patch16_224_linear_repbn",
-        description="SLAB-DeiT-Tiny: SLA, LinearNorm(LayerNorm->RepBN) norms, mean-pooled head, 224x224",
         image_size=224,
     ),
     Preset(
         "slab_deit_small",
         signature=(384, 12),
-        aliases=("slab_deit_s", "deit_small_patch16_224_linear_repbn"),
         source=f"{_SOURCE} deit_small_patch16_224_linear_repbn",
-        description="SLAB-DeiT-Small: SLA, LinearNorm(LayerNorm->RepBN) norms, mean-pooled head, 224x224",
         image_size=224,
     ),
     Preset(
         "slab_deit",
         signature=None,
-        aliases=("slab_deit_custom",),
         source=f"{_SOURCE} VisionTransformer (any size; heads from the dwc channel count)",
-        description="SLAB-DeiT of another size, sizes read from the weights",
     ),
 ]
 

@@ -62,7 +62,7 @@ from slabconv.zoo.layers import (
     norm_factory,
     norm_layout,
 )
-from slabconv.zoo.registry import Preset, StateDict, register_family, resolve_image_size
+from slabconv.zoo.registry import LayoutError, Preset, StateDict, register_family, resolve_image_size
 
 # --------------------------------------------------------------------------------------------- windows
 
@@ -408,7 +408,7 @@ def signature(sd: StateDict) -> tuple[int, tuple[int, ...], str] | None:
 def hparams(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> dict[str, Any]:
     """Constructor arguments of ``SwinTransformer`` from the weights, the saved config and the preset."""
     if "patch_embed.proj.weight" not in sd or "head.weight" not in sd:
-        raise UnsupportedModelError(f"{preset.name}: not a Swin-layout checkpoint (patch_embed.proj / head missing)")
+        raise LayoutError(f"{preset.name}: not a Swin-layout checkpoint (patch_embed.proj / head missing)")
     embed_dim, in_chans, patch, _ = sd["patch_embed.proj.weight"].shape
     depths = depths_of(sd, _BLOCKS)
     kinds = _attn_kinds(sd, depths)
@@ -497,11 +497,8 @@ def _slab_preset(size: str, embed: int, depths: tuple[int, ...]) -> Preset:
     return Preset(
         f"slab_swin_{size}",
         signature=(embed, depths, "LLSS"),
-        aliases=(f"slab_swin_{letter}", f"slab_swin_{size}_patch4_224"),
         defaults={"window_size": 56, "slab": True},
         source=f"{_SLAB} (cfgs/slab_swin_{letter}.yaml)",
-        description=f"SLAB-Swin-{letter.upper()}, LinearNorm norms, SLA stages 1-2 (window 56), window 7 stages 3-4, "
-        "224x224",
         image_size=224,
     )
 
@@ -510,20 +507,16 @@ PRESETS = [
     Preset(
         "swin_tiny_prepbn",
         signature=(96, (2, 2, 6, 2), "SSSS"),
-        aliases=("swin_t_prepbn", "swin_tiny_repbn"),
         defaults={"window_size": 7},
         source=f"{_SWIN} (cfgs/swin_t_prepbn.yaml)",
-        description="Swin-T, RepBN norms, shifted-window attention (window 7), 224x224",
         image_size=224,
     ),
     *(_slab_preset(size, embed, depths) for size, embed, depths in _SLAB_SIZES),
     Preset(
         "swin_prepbn",
         signature=None,
-        aliases=("slab_swin", "swin_custom_prepbn"),
         source=f"{_SWIN} / {_SLAB} (any size; sizes, heads, attention kinds from the weights, "
         "window and image size from config MODEL.SWIN.WINDOW_SIZE / DATA.IMG_SIZE)",
-        description="Swin / SLAB-Swin of another size with PRepBN norms, read from the weights and config",
     ),
 ]
 
