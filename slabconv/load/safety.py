@@ -352,28 +352,75 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor
             yield from iter_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
-def check_extents(obj: Any, file_bytes: int, label: str) -> None:
-    """Refuse a loaded object whose tensors, materialised, would take more than the budget.
+class TensorBudget:
+    """The tensors of one file against the limits every format shares (``docs/security.md``, Limits): at most
+    ``MAX_TENSORS`` of them, and their bytes once materialised at most ``EXPANSION`` times the file's size plus
+    ``FLOOR_BYTES``. Checkpoints (``check_extents``) and ONNX files (``slabconv.load.onnx_file``) count through it.
 
-    The budget is ``EXPANSION * file_bytes + FLOOR_BYTES``. torch itself checks that every view lies inside its
-    storage; what it does not check is a view much larger than its storage (stride 0), which costs nothing until
-    something copies it.
+    Args:
+        label: the user's path, for errors.
+        file_bytes: the size the tensors are budgeted against (a file and the data files it names).
+    """
+
+    def __init__(self, label: str, file_bytes: int) -> None:
+        self.label = label
+        self.file_bytes = file_bytes
+        self.limit = EXPANSION * file_bytes + FLOOR_BYTES
+        self.count = 0
+        self.total = 0
+
+    def add(self, what: str, shape: Any, dtype: str, size: int) -> None:
+        """Count one tensor of ``size`` bytes materialised (``what`` names it, e.g. ``tensor 'w'``).
+
+        Raises:
+            InputError: more than ``MAX_TENSORS`` tensors, or the bytes so far over the budget (naming the tensor).
+        """
+        self.count += 1
+        if self.count > MAX_TENSORS:
+            raise InputError(
+                f"{self.label}: the file holds more than {MAX_TENSORS} tensors (slabconv's limit; see "
+                "docs/security.md); refused before reading them"
+            )
+        self.total += size
+        if self.total > self.limit:
+            dims = "x".join(str(s) for s in shape)
+            raise InputError(
+                f"{self.label}: {what} ({dims} {dtype}) would take {_human(size)} in memory, more than a "
+                f"{_human(self.file_bytes)} file can hold (a view or a shape much larger than its stored data); "
+                "refused before allocating it"
+            )
+
+
+def check_extents(obj: Any, file_bytes: int, label: str) -> None:
+    """Refuse a loaded object whose tensors, materialised, would take more than the budget (``TensorBudget``).
+
+    torch itself checks that every view lies inside its storage; what it does not check is a view much larger than
+    its storage (stride 0), which costs nothing until something copies it.
 
     Raises:
         InputError: naming the tensor that crosses the budget and its size.
     """
-    budget = EXPANSION * file_bytes + FLOOR_BYTES
-    total = 0
+    budget = TensorBudget(label, file_bytes)
     for name, t in iter_tensors(obj):
-        size = materialised_bytes(t)
-        total += size
-        if total > budget:
-            shape = "x".join(str(s) for s in t.shape)
-            raise InputError(
-                f"{label}: tensor {name!r} ({shape} {str(t.dtype).removeprefix('torch.')}) would take "
-                f"{_human(size)} in memory, more than a {_human(file_bytes)} file can hold (a view much larger than "
-                "its stored data); refused before allocating it"
-            )
+        budget.add(f"tensor {name!r}", t.shape, str(t.dtype).removeprefix("torch."), materialised_bytes(t))
+
+
+FOLDABLE_FLOATS = ("float16", "bfloat16", "float32", "float64")
+"""The floating dtypes slabconv folds (a fold is computed in float64 and rounded once to one of them)."""
+
+
+def unfoldable_dtype(label: str, what: str, dtype: str) -> InputError:
+    """The one refusal of a tensor whose dtype no fold can be trusted with, in every format: complex (a fold in
+    float64 would drop the imaginary part), quantized, float8 and narrower (their storage is not the value), text.
+    Both sides of a verification would agree on the wrong numbers, so it is refused, not verified.
+
+    Args:
+        label: the user's path; what: the tensor (``tensor 'w'``, ``initializer 'bn.var'``); dtype: its name.
+    """
+    return InputError(
+        f"{label}: {what} is {dtype}; slabconv folds float16, bfloat16, float32 and float64 models: convert the "
+        "model to one of those first"
+    )
 
 
 def _human(n: int) -> str:

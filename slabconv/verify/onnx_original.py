@@ -240,7 +240,7 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
         raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
     batch = original_rt.fixed_batch
     original = run_batched(original_rt.run, x, fixed_batch=batch)
-    original64 = load_ir(info.path)
+    original64 = load_ir(info)
     onnx_fold.to_float64(original64)
     run64, which = _float64_runner(original64, np_dtype)
     exact = run_batched(run64, x, fixed_batch=batch)
@@ -254,9 +254,7 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
         notes=list(reference.notes),
     )
     progress("verifying: question 1, is the fold exact?")
-    fused64, _ = onnx_fold.fold_file(
-        load_ir(info.path), str(info.path), as_float64=True, simplify=simplified(fused_path)
-    )
+    fused64, _ = onnx_fold.fold_file(load_ir(info), str(info.path), as_float64=True, simplify=simplified(fused_path))
     x1, exact1, total = exact_samples(x, exact)
     outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x1, fixed_batch=batch)
     verification.exact.append(judge.exact_graphs(names, outputs64, exact1, of=total))

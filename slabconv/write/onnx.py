@@ -9,6 +9,7 @@ import torch
 
 from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.load.onnx_file import PROTOBUF_LIMIT_BYTES
 from slabconv.util import quiet
 from slabconv.version import __version__
 
@@ -20,9 +21,6 @@ MARK = "slabconv_version"
 SOURCE_KEY = "slabconv_source_sha256"
 """The ``metadata_props`` key of a ``model.onnx`` folded from an ONNX original, naming that original's sha256 (so
 ``verify ORIGINAL.onnx FUSED`` knows question 1 applies)."""
-PROTOBUF_LIMIT_BYTES = 2**31 - 1
-
-
 def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
