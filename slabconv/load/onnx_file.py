@@ -443,7 +443,7 @@ def _check_graph(path: Path, proto: Any) -> None:
         if elem not in _ITEMSIZE:
             raise InputError(
                 f"{path}: the graph input {graph_input.name[:80]!r} is {_dtype_name(elem) if elem else 'untyped'}; "
-                "slabconv feeds models real float or integer inputs"
+                "slabconv feeds models with real float or integer inputs"
             )
 
 
