@@ -8,7 +8,10 @@ onnxruntime) run on it in a fraction of a second. Built with ``onnx.helper``; no
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -107,3 +110,31 @@ def external_model(folder: Path, constant_too: bool = True) -> tuple[onnx.ModelP
 def fifo(path: Path) -> Path:
     os.mkfifo(path)
     return path
+
+
+@contextlib.contextmanager
+def watched_fifos(folder: Path) -> Iterator[list[str]]:
+    """While active, every FIFO under ``folder`` is polled for a reader: one that opened it is recorded and let go
+    (a writer opens and closes the FIFO, so the read ends with nothing instead of blocking forever)."""
+    fifos = [p for p in folder.rglob("*") if p.is_fifo()]
+    opened: list[str] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            for fifo in fifos:
+                try:
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO unless a reader has it open
+                except OSError:
+                    continue
+                opened.append(fifo.name)
+                os.close(fd)
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield opened
+    finally:
+        stop.set()
+        thread.join()

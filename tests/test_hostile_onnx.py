@@ -9,11 +9,9 @@ Each message must be one documented in ``docs/errors.md``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -316,41 +314,13 @@ CASES: list[tuple[Callable[[Path], Path], str]] = [
 ]
 
 
-@contextlib.contextmanager
-def watched_fifos(folder: Path) -> Iterator[list[str]]:
-    """While active, every FIFO under ``folder`` is polled for a reader: one that opened it is recorded and let go
-    (a writer opens and closes the FIFO, so the read ends with nothing instead of blocking forever)."""
-    fifos = [p for p in folder.rglob("*") if p.is_fifo()]
-    opened: list[str] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.is_set():
-            for fifo in fifos:
-                try:
-                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO unless a reader has it open
-                except OSError:
-                    continue
-                opened.append(fifo.name)
-                os.close(fd)
-            stop.wait(0.01)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield opened
-    finally:
-        stop.set()
-        thread.join()
-
-
 @pytest.mark.parametrize("case, phrase", CASES, ids=[c.__name__ for c, _ in CASES])
 def test_hostile_onnx_is_one_line_exit_2_and_leaves_nothing(
     case: Callable[[Path], Path], phrase: str, tmp_path: Path
 ) -> None:
     path = case(tmp_path / "m")
     before = snapshot(tmp_path)
-    with watched_fifos(tmp_path) as opened:
+    with oc.watched_fifos(tmp_path) as opened:
         result = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out")])
     lines = result.stderr.strip().splitlines()
     assert not opened, f"a FIFO was opened for reading: {opened}"

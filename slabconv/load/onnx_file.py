@@ -470,7 +470,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
             "re-save it with its weights as external data: onnx.save_model(model, path, save_as_external_data=True)"
         )
     with safety.open_regular(path, "the ONNX file") as f:
-        data = f.read(PROTOBUF_LIMIT_BYTES + 1)
+        data = f.read(min(os.fstat(f.fileno()).st_size, PROTOBUF_LIMIT_BYTES) + 1)
     try:
         proto = onnx.ModelProto.FromString(data)
     except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError (and RecursionError, ValueError)
