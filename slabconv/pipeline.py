@@ -122,7 +122,7 @@ def open_door(
     if engine_of(path) == "onnx":
         from slabconv.onnx_in import open_onnx
 
-        return open_onnx(path, load, write, progress)
+        return open_onnx(path, load, write, progress, verify)
     check_stream_options(path, verify, write)
     if not write.stream:
         progress(f"loading {path}")
