@@ -21,6 +21,8 @@ MARK = "slabconv_version"
 SOURCE_KEY = "slabconv_source_sha256"
 """The ``metadata_props`` key of a ``model.onnx`` folded from an ONNX original, naming that original's sha256 (so
 ``verify ORIGINAL.onnx FUSED`` knows question 1 applies)."""
+
+
 def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
