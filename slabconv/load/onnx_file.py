@@ -24,6 +24,7 @@ libraries underneath is one line naming the file (``InputError``, exit 2).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -398,6 +399,34 @@ def _read_external(label: str, stored: list[_Stored]) -> dict[Path, str]:
 # --------------------------------------------------------------------------------------------- the graph
 
 
+@contextlib.contextmanager
+def _without_external_data(proto: Any) -> Iterator[None]:
+    """While active, each external tensor of ``proto`` is an empty inline tensor (dims ``[0]``), restored after.
+
+    ``onnx.checker.check_model`` given a model (rather than a path, which it cannot take for a name that is not
+    UTF-8) looks for external data relative to the current folder. The tensors themselves were checked by
+    ``check_tensors``; what the checker is asked about here is the graph: nodes, attributes, names, opsets.
+    """
+    saved = []
+    for _, tensor, _ in tensors(proto):
+        if tensor.data_location == _EXTERNAL:
+            saved.append((tensor, list(tensor.dims), [(e.key, e.value) for e in tensor.external_data]))
+            tensor.data_location = 0
+            del tensor.external_data[:]
+            del tensor.dims[:]
+            tensor.dims.append(0)
+    try:
+        yield
+    finally:
+        for tensor, dims, entries in saved:
+            del tensor.dims[:]
+            tensor.dims.extend(dims)
+            for key, value in entries:
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            tensor.data_location = _EXTERNAL
+
+
 def _check_graph(path: Path, proto: Any) -> None:
     """The graph against ONNX's own rules (``onnx.checker``; strict shape and type inference), and what slabconv
     cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, graph inputs that are not tensors of
@@ -416,7 +445,8 @@ def _check_graph(path: Path, proto: Any) -> None:
                 "opset 8 and earlier), not one affine per channel; export the model at opset 9 or later"
             )
     try:
-        onnx.checker.check_model(str(path))
+        with _without_external_data(proto):
+            onnx.checker.check_model(proto)
     except Exception as err:  # noqa: BLE001 - ValidationError and what the C++ checker raises
         raise InputError(
             f"{path}: not a valid ONNX model (onnx.checker: {first_line(err, 160)}); export it again"
