@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slabconv.errors import InputError, first_line
+from slabconv.errors import InputError, SlabconvError, first_line
+from slabconv.util import text_path
 from slabconv.verify.results import IntegrityCheck
 from slabconv.write.onnx import PROTOBUF_LIMIT_BYTES
 
@@ -66,7 +67,10 @@ def check_onnx_file(path: Path) -> tuple[bool, str]:
         raise InputError(f"{path}: not a readable ONNX file ({first_line(err)})") from None
     check_onnx_tensors(path, model)  # every tensor, its external data beside it (missing files named)
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        with text_path(path) as text:  # the C++ checker takes UTF-8 paths only
+            onnx.checker.check_model(text, full_check=True)
+    except SlabconvError:
+        raise
     except Exception as err:  # noqa: BLE001 - ValidationError, InferenceError, ...
         return False, first_line(err)
     return True, "onnx.checker full_check passed"
