@@ -218,4 +218,6 @@ def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
     config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
     weight_map = hf.read_index(found[0])
     names = [s.name for s in hf.shard_paths(found[0])]
-    return ShardedFolder(LazyShards(folder, weight_map, block_elements), names, found[0], config, sha256_file(found[0]))
+    shards = LazyShards(folder, weight_map, block_elements)
+    hf.check_config_fits(config, {k: shape for k, (_, shape) in shards.specs().items()}, folder)  # headers only
+    return ShardedFolder(shards, names, found[0], config, sha256_file(found[0]))

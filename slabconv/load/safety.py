@@ -93,12 +93,22 @@ ALLOWED_GLOBALS: dict[str, Any] = {"yacs.config.CfgNode": ConfigNode}
 (github xinghaochen/SLAB ``classification/utils.py`` saves ``config``, a yacs ``CfgNode``) and nothing else."""
 
 
-def plain(obj: Any) -> Any:
-    """Nested mappings and sequences as plain ``dict`` / ``list`` of JSON-like values (others as ``repr``)."""
+def plain(obj: Any, label: str) -> Any:
+    """Nested mappings and sequences as plain ``dict`` / ``list`` of JSON-like values (others as ``repr``), after
+    ``check_nesting`` (a trusted pickle skips the weights-only reader, not this).
+
+    Raises:
+        InputError: nested too deeply, naming ``label``.
+    """
+    check_nesting(obj, label)
+    return _plain(obj)
+
+
+def _plain(obj: Any) -> Any:
     if isinstance(obj, Mapping):
-        return {str(k): plain(v) for k, v in obj.items()}
+        return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [plain(v) for v in obj]
+        return [_plain(v) for v in obj]
     return obj if isinstance(obj, (str, int, float, bool, type(None))) else repr(obj)
 
 
@@ -471,8 +481,41 @@ def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: 
         warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol N": the error, if any, says enough
         # torch.serialization.load is torch.load itself; no_code_from_pickles replaces only the name torch.load.
         obj = torch.serialization.load(target, map_location="cpu", weights_only=True)
+    check_nesting(obj, label)
     check_extents(obj, size, label)
     return obj
+
+
+def check_nesting(obj: Any, label: str) -> None:
+    """Refuse a loaded pickle nested deeper than ``MAX_JSON_DEPTH`` containers, or whose containers are reached
+    more than ``MAX_PICKLE_OPS`` times (a pickle can refer to one list from many places, at every level: a few
+    bytes that every walk over it, ``plain`` and ``iter_tensors`` included, would take exponential time to visit).
+    Walked without recursion, so a 10,000-deep config is one line, not a ``RecursionError``.
+
+    Raises:
+        InputError: naming the file and the limit.
+    """
+    stack = [(obj, 0)]
+    visits = 0
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        else:
+            continue
+        visits += 1
+        if depth >= MAX_JSON_DEPTH:
+            raise InputError(
+                f"{label}: the pickle nests deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused"
+            )
+        if visits > MAX_PICKLE_OPS:
+            raise InputError(
+                f"{label}: the pickle refers to its containers more than {MAX_PICKLE_OPS} times (slabconv's limit; "
+                "see docs/security.md); refused"
+            )
+        stack.extend((child, depth + 1) for child in children)
 
 
 def count_pickled_tensors(source: bytes | IO[bytes], names: list[str], label: str, data: bytes | None = None) -> int:
