@@ -419,7 +419,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (existing_output_without_force, "already exists; pass --force"),
     (existing_onnx_without_force, "already exists and slabconv did not write it"),
     (onnx_over_2gb_in_one_file, "over protobuf's 2 GiB limit"),
-    (onnx_external_data_missing, "external data file(s)"),
+    (onnx_external_data_missing, "its external data file 'ext.onnx.data' is missing"),
     (not_an_onnx_file, "not a readable ONNX file"),
     (unsafe_global, "which slabconv will not import"),
     (whole_pickled_module, "holds a whole pickled nn.Module"),
