@@ -332,6 +332,23 @@ def test_hostile_onnx_is_one_line_exit_2_and_leaves_nothing(
     assert snapshot(tmp_path) == before, "a file was written or changed"
 
 
+VERIFY_DOOR = [constant_in_a_fifo, subgraph_constant_in_a_fifo, length_of_4_gb, complex_variance, sequence_typed_input]
+
+
+@pytest.mark.parametrize("case", VERIFY_DOOR, ids=[c.__name__ for c in VERIFY_DOOR])
+def test_verify_reads_an_onnx_file_through_the_same_checks(case: Callable[[Path], Path], tmp_path: Path) -> None:
+    """``verify A.onnx B.onnx`` reads both sides with onnx.checker and onnxruntime: the same tensor and input
+    checks come first (a Constant in a FIFO hung the checker; a sequence input was a KeyError)."""
+    path = case(tmp_path / "m")
+    with oc.watched_fifos(tmp_path) as opened:
+        result = runner.invoke(app, ["verify", str(path), str(path)])
+    lines = result.stderr.strip().splitlines()
+    assert not opened, f"a FIFO was opened for reading: {opened}"
+    assert result.exit_code == 2 and len(lines) == 1, (result.exit_code, result.stderr)
+    assert lines[0].startswith(f"error: {path}: ") and "internal error" not in lines[0], lines[0]
+    assert documented(lines[0]), f"not in docs/errors.md: {lines[0]}"
+
+
 def test_the_unchanged_base_model_folds_with_its_external_data(tmp_path: Path) -> None:
     """The control: the model every case edits folds and verifies, its data inline and in an external file."""
     inline = oc.save(oc.base_model(), tmp_path / "inline")

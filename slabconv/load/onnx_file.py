@@ -458,6 +458,16 @@ def _check_graph(path: Path, proto: Any) -> None:
         raise InputError(
             f"{path}: the graph does not type-check (onnx shape inference: {text[:200]}); export it again"
         ) from None
+    check_graph_inputs(path, proto)
+
+
+def check_graph_inputs(path: Path, proto: Any) -> None:
+    """Refuse graph inputs slabconv cannot draw or feed: not tensors (a sequence, map or optional value), or
+    tensors whose element type is not a real number (``_ITEMSIZE``). Initializers listed as inputs are skipped.
+
+    Raises:
+        InputError: naming the file and the input.
+    """
     initializers = {t.name for t in proto.graph.initializer}
     for graph_input in proto.graph.input:
         if graph_input.name in initializers:

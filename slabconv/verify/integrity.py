@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from slabconv.errors import InputError, SlabconvError, first_line
+from slabconv.load.onnx_file import check_graph_inputs, check_tensors
 from slabconv.util import text_path
 from slabconv.verify.results import IntegrityCheck
 from slabconv.write.onnx import PROTOBUF_LIMIT_BYTES
@@ -66,6 +67,7 @@ def check_onnx_file(path: Path) -> tuple[bool, str]:
     except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends
         raise InputError(f"{path}: not a readable ONNX file ({first_line(err)})") from None
     check_onnx_tensors(path, model)  # every tensor, its external data beside it (missing files named)
+    check_graph_inputs(path, model)
     try:
         with text_path(path) as text:  # the C++ checker takes UTF-8 paths only
             onnx.checker.check_model(text, full_check=True)
@@ -88,6 +90,4 @@ def check_onnx_tensors(path: Path, model: Any) -> None:
     Raises:
         InputError: naming the file, the tensor and what is wrong.
     """
-    from slabconv.load.onnx_file import check_tensors
-
     check_tensors(path, model)
