@@ -168,7 +168,8 @@ def block_pattern(prefix: str) -> re.Pattern[str]:
 @contextlib.contextmanager
 def text_path(path: Path | str) -> Iterator[str]:
     """``path`` as text a library that takes UTF-8 paths can open (onnxruntime, ``onnx.checker``: C++ under
-    pybind11, which cannot encode a name that is not UTF-8, as Python holds it with ``surrogateescape``).
+    pybind11; safetensors: Rust), which cannot take a name that is not UTF-8, as Python holds it with
+    ``surrogateescape``.
 
     A path that is UTF-8 is itself. Otherwise, on Linux, its folder is opened and the file reached as
     ``/proc/self/fd/N/NAME`` while the block runs, so files beside it (external data) are found the same way.
@@ -198,8 +199,8 @@ def text_path(path: Path | str) -> Iterator[str]:
         if fd >= 0:
             os.close(fd)
         raise UsageError(
-            f"{path}: a path that is not valid UTF-8, which onnxruntime and onnx cannot open here; rename it (or the "
-            "folder) with UTF-8 characters"
+            f"{path}: a path that is not valid UTF-8, which onnxruntime, onnx and safetensors cannot open here; rename "
+            "it (or the folder) with UTF-8 characters"
         )
     try:
         yield f"/proc/self/fd/{fd}/{name}"

@@ -15,11 +15,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from onnx import helper
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from slabconv.cli import app
 from slabconv.cli.output import Output
+from slabconv.verify.integrity import check_safetensors_reload
+from slabconv.write.pt2 import save_pt2
 from tests import onnxcases as oc
 from tests.conftest import ROOT
 from tests.tinyckpt import snapshot
@@ -139,11 +143,18 @@ def test_a_umask_of_0777_is_refused_before_anything_is_made(model: Path, tmp_pat
 
 
 def test_a_folder_whose_name_is_not_utf8_folds_and_verifies(tmp_path: Path) -> None:
-    """onnxruntime and onnx.checker take UTF-8 paths only: the model folded, then its verification failed with a
-    message blaming the model. The original and the output both live in such a folder here."""
+    """onnxruntime, onnx.checker and safetensors take UTF-8 paths only, torch's zip writer aborted on one: an ONNX
+    original folded, then its verification failed with a message blaming the model; a checkpoint's model.pt2 ended
+    the process. The inputs and the outputs all live in such a folder here."""
     folder = Path(os.fsdecode(os.fsencode(str(tmp_path)) + b"/caf\xe9-\xff"))
     path = oc.save(oc.base_model(), folder)
     result = runner.invoke(app, ["fuse", str(path), "--out", str(folder / "out"), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "verification PASSED" in result.stdout
     assert sorted(p.name for p in (folder / "out").iterdir()) == ["model.onnx", "report.json"]
+    program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))  # what a checkpoint's fuse writes
+    save_pt2(program, {}, folder / "model.pt2")
+    with open(folder / "model.pt2", "rb") as f:  # as slabconv's loader reads it (torch's own path reader aborts)
+        assert torch.export.load(f).module()(torch.ones(1, 2)).shape == (1, 2)
+    save_file({"w": torch.ones(2)}, str(folder / "model.safetensors"))
+    assert check_safetensors_reload(folder / "model.safetensors", {"w": torch.ones(2)}).passed

@@ -23,9 +23,12 @@ def check_safetensors_reload(
 
     name = f"safetensors reload {path.name}"
     try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = dict(f.metadata() or {})
-        loaded = load_file(str(path))
+        with text_path(path) as text:  # safetensors (Rust) takes UTF-8 paths only
+            with safe_open(text, framework="pt") as f:
+                metadata = dict(f.metadata() or {})
+            loaded = load_file(text)
+    except SlabconvError:
+        raise
     except Exception as err:  # noqa: BLE001 - safetensors raises several types on a bad file
         return IntegrityCheck(name, False, f"cannot read it back: {first_line(err)}")
     if expected_metadata is not None and metadata != dict(expected_metadata):
