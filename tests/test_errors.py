@@ -543,12 +543,12 @@ def test_debug_shows_the_traceback(tmp_path: Path) -> None:
 
 
 def test_an_unexpected_bug_is_one_line_too_and_says_it_is_a_bug(tmp_path: Path, monkeypatch) -> None:
-    from slabconv import api
+    from slabconv import pipeline
 
     def broken(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr(api, "load_model", broken)
+    monkeypatch.setattr(pipeline, "load_model", broken)  # what the in-memory door loads with
     result = runner.invoke(app, ["inspect", str(save_ckpt(tmp_path / "ckpt.pth"))])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
