@@ -6,6 +6,7 @@ and what to do; the CLI prints that line and exits with ``exit_code``. Anything 
 
 from __future__ import annotations
 
+import errno
 import functools
 import re
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from slabconv.text import one_line
+from slabconv.text import one_line, shown
 
 
 class SlabconvError(Exception):
@@ -67,6 +68,31 @@ class VerificationError(SlabconvError):
     def __init__(self, message: str, report: Any = None):
         super().__init__(message)
         self.report = report
+
+
+ENVIRONMENT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENAMETOOLONG", "ELOOP", "EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "EFBIG", "EIO", "ENXIO")
+    if hasattr(errno, name)
+)
+"""``OSError``s the system raises for what is around a run, not for a bug in it: a path over PATH_MAX, a loop of
+links, permissions, a read-only or full file system, a failing disk."""
+
+
+def environment_error(err: BaseException) -> InputError | None:
+    """An ``OSError`` of ``ENVIRONMENT_ERRNOS`` as the one-line error it is (exit 2), naming the path; None for any
+    other exception (a bug: the caller says so).
+
+    Whatever call meets it (a ``Path.exists`` on a 5,000-character path raises ``ENAMETOOLONG``), the user gets
+    the path and the system's reason, not ``internal error: OSError``.
+    """
+    if not isinstance(err, OSError) or err.errno not in ENVIRONMENT_ERRNOS:
+        return None
+    path = str(err.filename) if err.filename is not None else "a file"
+    if err.errno == errno.ENAMETOOLONG:
+        return InputError(f"{shown(path)}: the path is too long for this file system ({len(path)} characters)")
+    reason = err.strerror or type(err).__name__
+    return InputError(f"cannot read or write {shown(path)}: {reason}; nothing was written")
 
 
 # The end of a sentence: a full stop, question or exclamation mark before a space, not in "e.g." or "i.e.".

@@ -30,12 +30,25 @@ from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save
 FUSED_NAME = "model.onnx"
 
 
-def check_options(path: Path, load: LoadOptions | None, write: WriteOptions | None = None) -> None:
-    """Refuse, before anything is read, the options an ONNX original cannot honour.
+_NOT_FOR_ONNX = {
+    "--dtype": "the fused model.onnx keeps the original's dtype",
+    "--opset": "the fused model.onnx keeps the original's opset",
+    "--input-shape": "the graph's inputs have their own shapes; pass --inputs NPZ for dynamic axes",
+    "--generate": "greedy generation is checked for language-model checkpoints and folders, not ONNX graphs",
+}
+"""Why an option cannot be honoured for an ONNX original, where the reason is more than that it is a checkpoint's."""
+
+
+def check_options(
+    path: Path, load: LoadOptions | None, write: WriteOptions | None = None, verify: VerifyOptions | None = None
+) -> None:
+    """Refuse, before anything is read, the options an ONNX original cannot honour: an option is done or refused,
+    never ignored (a fuse that took ``--dtype float16`` and wrote float32 would claim what it did not do).
 
     Raises:
-        UsageError: ``--arch``/``--ema``/``--trust-pickle``/``--image-size`` (a checkpoint's options), ``--stream``
-            or ``--no-onnx`` with an ``.onnx`` original.
+        UsageError: ``--arch``/``--ema``/``--trust-pickle``/``--image-size``/``--input-shape`` (a checkpoint's
+            options), ``--stream``, ``--no-onnx``, ``--dtype``, ``--opset`` or ``--generate N`` (N > 0) with an
+            ``.onnx`` original, naming the first one given.
     """
     load = load or LoadOptions()
     given = [
@@ -45,16 +58,18 @@ def check_options(path: Path, load: LoadOptions | None, write: WriteOptions | No
             ("--ema", load.ema),
             ("--trust-pickle", load.trust_pickle),
             ("--image-size", load.image_size),
+            ("--input-shape", load.input_shape),
             ("--stream", write is not None and write.stream),
             ("--no-onnx", write is not None and not write.onnx),
+            ("--dtype", write is not None and write.dtype),
+            ("--opset", write is not None and write.opset is not None),
+            ("--generate", verify is not None and bool(verify.generate)),
         )
         if on
     ]
     if given:
-        raise UsageError(
-            f"{path}: {given[0]} does not apply to an ONNX original (its graph is the model, and the fused model is "
-            "written as model.onnx); drop it"
-        )
+        reason = _NOT_FOR_ONNX.get(given[0], "its graph is the model, and the fused model is written as model.onnx")
+        raise UsageError(f"{path}: {given[0]} does not apply to an ONNX original ({reason}); drop it")
 
 
 def source_of(info: OnnxFile) -> Source:
@@ -96,14 +111,20 @@ def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = F
     return onnx_fold.fold_file(load_ir(path), str(path), folded, as_float64)
 
 
-def open_onnx(path: Path, load: LoadOptions | None, write: WriteOptions, progress: Progress = no_progress) -> OnnxGraph:
+def open_onnx(
+    path: Path,
+    load: LoadOptions | None,
+    write: WriteOptions,
+    progress: Progress = no_progress,
+    verify: VerifyOptions | None = None,
+) -> OnnxGraph:
     """An ONNX original read and folded (``fold_onnx``): the door ``slabconv.pipeline.run_fuse`` and ``run_inspect``
-    take.
+    take. ``verify``: the verification options, which ``check_options`` holds to what the door honours.
 
     Raises:
         InputError: as ``read_onnx``; UsageError: as ``check_options``.
     """
-    check_options(path, load, write)
+    check_options(path, load, write, verify)
     progress(f"loading {path}")
     info = read_onnx(path)
     model, decisions = fold_onnx(path, progress)

@@ -129,7 +129,7 @@ def open_door(
     if engine_of(path) == "onnx":
         from slabconv.onnx_in import open_onnx
 
-        return open_onnx(path, load, write, progress)
+        return open_onnx(path, load, write, progress, verify)
     check_stream_options(path, verify, write)
     if not write.stream:
         progress(f"loading {path}")
@@ -378,6 +378,33 @@ def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
     return loaded.arch is not None and get_arch(loaded.arch).family == "llama" and planned.complete
 
 
+def _check_one_dtype(sharded: ShardedFolder, program: engine.Program) -> None:
+    """A streamed fold writes each tensor in the dtype the writer gives it (a folded layer's weight in the plan's
+    dtype, a copied tensor in its own), and the Hugging Face folder it writes has one ``torch_dtype``: refuse,
+    before writing, a fold whose written tensors would mix float dtypes (an input whose shards mix them). Norm
+    statistics in another dtype are not written, so they do not count.
+
+    Raises:
+        UsageError: naming the input folder and a written tensor of each dtype.
+    """
+    specs = sharded.shards.specs()
+    floats: dict[torch.dtype, str] = {}
+    for key, recipe in program.tensors.items():
+        layer = program.layers.get(key)
+        written = [(key, layer.dtype)] if layer is not None else [(key, specs[key][0])] if recipe.op == "copy" else []
+        if layer is not None and layer.bias_out is not None:
+            written.append((layer.bias_out, layer.bias_dtype))
+        for name, dtype in written:
+            if dtype.is_floating_point and not name.endswith("inv_freq"):
+                floats.setdefault(dtype, name)
+    if len(floats) > 1:
+        each = ", ".join(f"{name} is {str(d).removeprefix('torch.')}" for d, name in floats.items())
+        raise UsageError(
+            f"{sharded.shards.folder}: the weights mix dtypes ({each}), and the Hugging Face folder a streamed fold "
+            "writes has one dtype; fold it in memory without --stream (it writes one dtype)"
+        )
+
+
 def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
     """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
     written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
@@ -567,13 +594,17 @@ class Streamed:
         return note
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
-        """transformers where a language model needs it, and a generation check that fits in memory (each block
-        is checked for overflow as the writer folds it).
+        """transformers where a language model needs it, one dtype for what a language model's folder gets
+        (``_check_one_dtype``), and a generation check that fits in memory (each block is checked for overflow as
+        the writer folds it).
 
         Raises:
-            UsageError: transformers missing; a generation check too big for the memory available.
+            UsageError: transformers missing; written tensors of two dtypes; a generation check too big for the
+                memory available.
         """
         _require_transformers(self.loaded, self.planned, verify, write)
+        if writes_hf_folder(self.loaded, self.planned) and self.planned.program is not None:
+            _check_one_dtype(self.sharded, self.planned.program)
         if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
             from slabconv.verify.layerwise import check_generation_fits
 

@@ -170,3 +170,46 @@ def block_pattern(prefix: str) -> re.Pattern[str]:
     index as group 1 and ends where the name inside the block starts."""
     head, _, tail = prefix.partition("{i}")
     return re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+
+
+@contextlib.contextmanager
+def text_path(path: Path | str) -> Iterator[str]:
+    """``path`` as text a library that takes UTF-8 paths can open (onnxruntime, ``onnx.checker``: C++ under
+    pybind11; safetensors: Rust), which cannot take a name that is not UTF-8, as Python holds it with
+    ``surrogateescape``.
+
+    A path that is UTF-8 is itself. Otherwise, on Linux, its folder is opened and the file reached as
+    ``/proc/self/fd/N/NAME`` while the block runs, so files beside it (external data) are found the same way.
+
+    Raises:
+        UsageError: the file's own name is not UTF-8, or the system has no ``/proc/self/fd`` (naming the path).
+    """
+    import os
+
+    from slabconv.errors import UsageError
+
+    text = str(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield text
+        return
+    folder, name = os.path.split(text)
+    try:
+        name.encode("utf-8")
+        fd = os.open(folder or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (UnicodeEncodeError, OSError):
+        fd = -1
+    if fd < 0 or not os.path.isdir(f"/proc/self/fd/{fd}"):
+        if fd >= 0:
+            os.close(fd)
+        raise UsageError(
+            f"{path}: a path that is not valid UTF-8, which onnxruntime, onnx and safetensors cannot open here; rename "
+            "it (or the folder) with UTF-8 characters"
+        )
+    try:
+        yield f"/proc/self/fd/{fd}/{name}"
+    finally:
+        os.close(fd)

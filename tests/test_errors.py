@@ -4,6 +4,7 @@ message docs/errors.md quotes (checked here, case by case, against the doc's pat
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -413,6 +414,39 @@ def stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[
     return ["fuse", str(folder), "--stream", "--out", str(tmp / "o")]
 
 
+def config_nested_960_levels(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """A training config nested 960 deep (torch.save itself needs a higher recursion limit to write it)."""
+    deep: dict = {}
+    level = deep
+    for _ in range(960):
+        level["a"] = {}
+        level = level["a"]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(10_000)
+    try:
+        torch.save({"model": tiny_state_dict(), "config": deep}, tmp / "deep.pth")
+    finally:
+        sys.setrecursionlimit(limit)
+    return ["inspect", str(tmp / "deep.pth")]
+
+
+def config_of_a_billion_layers(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    folder = _llama_folder(tmp, "src", sharded=False)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1_000_000_000}))
+    return ["fuse", str(folder), "--no-onnx", "--out", str(tmp / "out")]
+
+
+def stream_over_shards_of_two_dtypes(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    from safetensors.torch import load_file
+
+    folder = _llama_folder(tmp, "src")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["model.layers.0.self_attn.o_proj.weight"]  # copied as it is, not folded
+    save_file({k: v.float() for k, v in load_file(str(shard)).items()}, str(shard), {"format": "pt"})
+    return ["fuse", str(folder), "--stream", "--no-onnx", "--out", str(tmp / "out")]
+
+
 def stream_verify_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     src = _llama_folder(tmp, "src")
     return ["verify", str(src), str(src / "config.json"), "--stream"]
@@ -479,7 +513,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (existing_output_without_force, "already exists; pass --force"),
     (existing_onnx_without_force, "already exists and slabconv did not write it"),
     (onnx_over_2gb_in_one_file, "over protobuf's 2 GiB limit"),
-    (onnx_external_data_missing, "external data file(s)"),
+    (onnx_external_data_missing, "its external data file 'ext.onnx.data' is missing"),
     (not_an_onnx_file, "not a readable ONNX file"),
     (unsafe_global, "which slabconv will not import"),
     (whole_pickled_module, "holds a whole pickled nn.Module"),
@@ -501,6 +535,8 @@ CATALOGUE: list[tuple[Case, str]] = [
     (junit_onto_an_input, "is an input of this run"),
     (ema_without_ema_weights, "--ema was given"),
     (stream_a_bin_folder, "--stream reads safetensors (model.safetensors, or"),
+    (config_nested_960_levels, "deep.pth: the pickle nests deeper than slabconv's limit of 100 levels"),
+    (config_of_a_billion_layers, "src/config.json: config num_hidden_layers = 1000000000 but the weights have 1"),
     (stream_verify_of_a_file, "give the folder, not a file"),
     (stream_verify_with_inputs, "--inputs is not supported"),
     (stream_fuse_with_inputs, "--inputs is not supported"),
@@ -527,6 +563,23 @@ def test_bad_input_exits_2_with_one_clear_line_and_writes_nothing(
     assert snapshot(tiny_fused) == fused_before
     assert not (tmp_path / "MARKER").exists()
     assert errordoc.documented(lines[0]), f"docs/errors.md has no message of which this is one: {lines[0]}"
+
+
+def test_a_streamed_fold_over_two_dtypes_names_the_input_and_an_option_it_takes(
+    tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found once the plan says which tensors are written (after the planning lines, before anything is written):
+    the message named the output folder and advised "pass dtype", which --stream refuses."""
+    args = stream_over_shards_of_two_dtypes(tmp_path, tiny_fused, monkeypatch)
+    before = snapshot(tmp_path)
+    result = runner.invoke(app, args)
+    [line] = tinyckpt.error_lines(result.stderr)
+    assert result.exit_code == 2, result.output
+    assert line.startswith(f"error: {tmp_path / 'src'}: the weights mix dtypes ("), line
+    assert line.endswith("fold it in memory without --stream (it writes one dtype)"), line
+    assert str(tmp_path / "out") not in line and "pass dtype" not in line
+    assert snapshot(tmp_path) == before, "an output or partial file was written"
+    assert errordoc.documented(line), line
 
 
 def test_messages_name_the_file_or_key_and_say_what_to_do(tmp_path: Path, tiny_fused: Path, monkeypatch) -> None:

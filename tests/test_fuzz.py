@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +31,8 @@ from safetensors.torch import save as save_safetensors
 from slabconv import api
 from slabconv.errors import SlabconvError
 from slabconv.options import LoadOptions
-from tests.tinyckpt import CONFIG, tiny_state_dict
+from tests import onnxcases
+from tests.tinyckpt import CONFIG, snapshot, tiny_state_dict
 
 EXAMPLES = int(os.environ.get("SLABCONV_FUZZ_EXAMPLES", "200"))
 MEMORY_HEADROOM = 2 << 30  # bytes of address space the loaders may use on top of what the process has
@@ -427,3 +429,97 @@ def test_mutated_program_names_import_nothing(workdir: Path, canary_module: Path
         model["guards_code"] = [data.draw(st.sampled_from([f"__import__({CANARY_MODULE!r})", "L['x'].size()[0] >= 0"]))]
     load_program_or_clear_error(workdir / "names.pt2", _repack(documents), workdir / "CANARY")
     assert not canary_module.exists() and CANARY_MODULE not in sys.modules, "a name in the program was imported"
+
+
+# --------------------------------------------------------------------------------------------- ONNX (issue 37)
+
+ONNX_BYTES = onnxcases.base_model().SerializeToString()
+# A read, check and fold of the tiny model takes ~20 ms: these targets stay within a few seconds together.
+ONNX_FUZZ = settings(FUZZ, max_examples=max(20, EXAMPLES // 2))
+
+
+def inspect_or_clear_error(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and inspect it as an ONNX original: it plans, or fails with one line naming the
+    file and exit code 2, within the memory bound, opening no FIFO and writing nothing beside it."""
+    path.write_bytes(data)
+    before = snapshot(path.parent)
+    with onnxcases.watched_fifos(path.parent) as opened:
+        try:
+            with bounded_memory():
+                api.inspect(path)
+        except SlabconvError as err:
+            message = str(err)
+            assert err.exit_code == 2, message
+            assert message and "\n" not in message, repr(message)
+            assert message.startswith(f"{path}: "), message
+    assert not opened, f"a FIFO was opened for reading: {opened}"
+    assert snapshot(path.parent) == before, "a file was written or changed"
+
+
+def onnx_edits(size: int) -> st.SearchStrategy[list[Edit]]:
+    """``edits``, and wire-type flips: the low three bits of a byte (a field key's wire type) changed."""
+    flip = st.tuples(st.just("flip"), st.integers(0, size - 1), st.integers(1, 7))
+    return st.lists(st.one_of(edits(size).map(lambda e: e[0]), flip), min_size=1, max_size=6)
+
+
+def mutate_onnx(data: bytes, changes: list[Edit]) -> bytes:
+    buf = bytearray(data)
+    for kind, at, arg in changes:
+        if kind == "flip" and buf:
+            buf[at % len(buf)] ^= arg
+        else:
+            buf = bytearray(mutate(bytes(buf), [(kind, at, arg)]))
+    return bytes(buf)
+
+
+@pytest.fixture(scope="module")
+def onnx_folder(workdir: Path) -> Path:
+    """The tiny model with its data in ``model.onnx.data``, beside it a FIFO (``pipe``) a location may name."""
+    folder = workdir / "onnx"
+    onnxcases.external_model(folder)
+    onnxcases.fifo(folder / "pipe")
+    return folder
+
+
+def test_the_unmutated_onnx_files_plan(onnx_folder: Path, workdir: Path) -> None:
+    """The control: both the inline and the external-data model plan their one fold unchanged."""
+    (workdir / "inline.onnx").write_bytes(ONNX_BYTES)
+    for path in (workdir / "inline.onnx", onnx_folder / "model.onnx"):
+        assert [d.action for d in api.inspect(path).folds] == ["folded-forward"]
+
+
+@ONNX_FUZZ
+@given(changes=onnx_edits(len(ONNX_BYTES)))
+def test_mutated_onnx_bytes(workdir: Path, changes: list[Edit]) -> None:
+    """Truncation, byte changes, deleted or repeated ranges and wire-type flips of a whole ONNX file."""
+    inspect_or_clear_error(workdir / "mutated.onnx", mutate_onnx(ONNX_BYTES, changes))
+
+
+LOCATIONS = ["model.onnx.data", "pipe", "missing.bin", "../onnx/model.onnx.data", "/etc/hostname", "", "a" * 300]
+byte_counts = st.one_of(st.integers(-(2**64), 2**65).map(str), st.text(max_size=8))
+
+
+@ONNX_FUZZ
+@given(data=st.data())
+def test_mutated_onnx_tensor_fields(onnx_folder: Path, data: st.DataObject) -> None:
+    """A tensor's dims, dtype, stored bytes and external-data location, offset and length changed: refused in one
+    line or planned, never a FIFO opened, an allocation the file cannot back or an exception of a library."""
+    model = onnx.ModelProto.FromString((onnx_folder / "model.onnx").read_bytes())
+    tensors = [*model.graph.initializer, onnxcases.constant_tensor(model)]
+    for _ in range(data.draw(st.integers(1, 3))):
+        tensor = data.draw(st.sampled_from(tensors))
+        field = data.draw(st.sampled_from(["dims", "data_type", "location", "offset", "length", "inline"]))
+        if field == "dims":
+            del tensor.dims[:]
+            tensor.dims.extend(
+                data.draw(st.lists(st.one_of(st.integers(0, 16), huge.filter(lambda d: d < 2**63)), max_size=4))
+            )
+        elif field == "data_type":
+            tensor.data_type = data.draw(st.integers(0, 40))
+        elif field == "inline":
+            tensor.data_location = 0
+            tensor.raw_data = data.draw(st.binary(max_size=300))
+        else:
+            value = data.draw(st.sampled_from(LOCATIONS) | st.text(max_size=20)) if field == "location" else None
+            onnxcases.set_external(tensor, **{field: value if value is not None else data.draw(byte_counts)})
+    inspect_or_clear_error(onnx_folder / "model.onnx", model.SerializeToString())

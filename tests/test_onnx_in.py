@@ -31,6 +31,7 @@ from slabconv.load.model import load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.verify import onnx_original
 from slabconv.zoo.norms import RepBN
+from tests import onnxcases as oc
 from tests.conftest import FIXTURE, ROOT, op_histogram, randomize_norms
 
 
@@ -226,7 +227,7 @@ def test_external_data_outside_the_folder_is_refused(digits, tmp_path):
                 entry.value = "../w.bin"
     onnx.save(proto, str(path))
     (tmp_path / "a" / "w.bin").rename(tmp_path / "w.bin")
-    with pytest.raises(InputError, match="lies outside the model's folder"):
+    with pytest.raises(InputError, match="'../w.bin', which is not a file inside the model's folder"):
         api.inspect(path)
 
 
@@ -256,6 +257,26 @@ def test_check_options_refuses_what_an_onnx_original_cannot_honour(tmp_path):
         from slabconv import onnx_in
 
         onnx_in.check_options(tmp_path / "m.onnx", LoadOptions(), WriteOptions(stream=True))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--dtype", "float16"], ["--opset", "21"], ["--input-shape", "8"], ["--generate", "4"]],
+    ids=lambda flags: flags[0],
+)
+def test_an_option_an_onnx_original_cannot_honour_is_refused_not_claimed(flags, tmp_path):
+    """``fuse m.onnx --dtype float16`` wrote a float32 model.onnx and printed "(float16): verification PASSED"; each
+    such option is refused before anything is read, in one line, and nothing is written."""
+    runner = CliRunner()
+    path = oc.save(oc.base_model(), tmp_path / "m")
+    result = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), *flags])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    assert lines == [f"error: {path}: {flags[0]} does not apply to an ONNX original" + lines[0].split("original", 1)[1]]
+    assert "; drop it" in lines[0] and result.stdout == ""
+    assert not (tmp_path / "out").exists()
+    kept = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--generate", "0", "--quiet"])
+    assert kept.exit_code == 0, kept.output  # --generate 0 asks for no generation check: honoured
 
 
 class _Logits(nn.Module):

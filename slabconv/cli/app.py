@@ -247,9 +247,13 @@ def main(
     if install_completion or show_completion:  # after another option (``slabconv --version --install-completion``)
         completion(["--install-completion" if install_completion else "--show-completion"])
     if not os.environ.get("SLABCONV_DEBUG"):
-        # Library warnings and log lines are not slabconv's messages: stderr carries one line per failure.
+        # Library warnings and log lines are not slabconv's messages: stderr carries one line per failure. A handler
+        # on the root logger keeps logging's last resort (which prints any library's warning) from running.
         warnings.simplefilter("ignore")
         logging.getLogger("torch").setLevel(logging.ERROR)
+        root = logging.getLogger()
+        if not any(isinstance(h, logging.NullHandler) for h in root.handlers):
+            root.addHandler(logging.NullHandler())
 
 
 app.command(cls=PlainUsage)(fuse)
@@ -289,9 +293,34 @@ def install_signal_handlers() -> list[str]:
     return installed
 
 
+def open_missing_streams() -> list[str]:
+    """Point each standard stream the caller closed (``>&-``, ``2>&-``, a daemon without a terminal) at the null
+    device, and give Python a file object for it (it makes ``sys.stdout`` None then): a missing stream is not an
+    error, and the descriptor cannot be taken by a file slabconv opens later (which would then receive what a
+    library prints to stdout). Returns the names of the streams opened.
+
+    Source: POSIX ``open`` returns the lowest free descriptor, so the null device lands on the closed one.
+    """
+    opened = []
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            got = os.open(os.devnull, os.O_RDWR)
+            if got != fd:  # pragma: no cover - a lower descriptor was free, which the loop opened first
+                os.dup2(got, fd)
+                os.close(got)
+            opened.append(name)
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 - the process's own stream
+    return opened
+
+
 def run() -> None:
-    """Console-script entry point: the signals of ``INTERRUPTING_SIGNALS`` are handled like Ctrl-C (staged outputs
-    removed, nothing written), then the app runs and the process ends with its exit status (``leave``)."""
+    """Console-script entry point: closed standard streams become the null device (``open_missing_streams``), the
+    signals of ``INTERRUPTING_SIGNALS`` are handled like Ctrl-C (staged outputs removed, nothing written), then the
+    app runs and the process ends with its exit status (``leave``)."""
+    open_missing_streams()
     install_signal_handlers()
     try:
         app()

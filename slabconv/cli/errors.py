@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import typer
 
 from slabconv.cli.output import Output
-from slabconv.errors import SlabconvError, VerificationError, cli_spelling
+from slabconv.errors import SlabconvError, VerificationError, cli_spelling, environment_error
 from slabconv.text import one_line
 
 
@@ -55,6 +55,10 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, traceback with --debug
         if debug:
             traceback.print_exc()
+        known = environment_error(err)  # a path too long, permissions, a full disk: the system's, not a bug
+        if known is not None:
+            output.error(one_line(f"error: {known}"))
+            raise typer.Exit(known.exit_code) from None
         text = str(err).strip()
         first = text.splitlines()[0] if text else ""
         output.error(

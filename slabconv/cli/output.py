@@ -7,12 +7,14 @@
 - **quiet** (``--quiet``): errors and the command's final line only.
 
 ``--verbose`` adds each norm's blocked paths and a progress line for every step. Colours are off with
-``NO_COLOR`` or when the stream is not a terminal (Rich's own rules).
+``NO_COLOR`` and whenever the stream is not a terminal, even with ``FORCE_COLOR`` set (see ``_console``); the live
+display needs a terminal that can redraw (not ``TERM=dumb``).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -38,11 +40,37 @@ class PipeConsole(Console):
         raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
 
 
-def _console(stream: IO[str], stderr: bool) -> Console:
-    if stream.isatty():
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no such method, or a closed file
+        return False
+
+
+def _console(stream: IO[str] | None, stderr: bool) -> Console:
+    """The console for one standard stream.
+
+    On a real terminal, Rich's own rules (colours unless ``NO_COLOR``; ``TERM=dumb`` has no cursor movement, so
+    ``Output.progress`` prints plain lines there). Anywhere else, whatever the environment says (``FORCE_COLOR``,
+    ``TTY_COMPATIBLE``, set by many CI systems, make Rich treat a pipe as a terminal): plain text, no colours, no
+    cursor movement, no width limit (a table never cuts a name). A stream the caller closed (``>&-``: Python
+    makes it None) is the null device: not an error.
+    """
+    if stream is None:
+        stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the console
+    if _isatty(stream):
         return PipeConsole(file=stream, stderr=stderr, soft_wrap=False)
-    # Not a terminal: no width limit, so a table never cuts a name; plain text, no colours.
-    return PipeConsole(file=stream, stderr=stderr, width=100_000, no_color=True, highlight=False, soft_wrap=True)
+    return PipeConsole(
+        file=stream,
+        stderr=stderr,
+        width=100_000,
+        force_terminal=False,
+        force_interactive=False,
+        color_system=None,
+        no_color=True,
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 class Output:
@@ -125,7 +153,8 @@ class Output:
         if self.quiet:
             yield _silent
             return
-        progress = self._rich_progress() if self.err.is_terminal else self._plain_progress()
+        # The live display only where it can redraw in place: a terminal that is not TERM=dumb (``_console``).
+        progress = self._rich_progress() if self.err.is_interactive else self._plain_progress()
         with progress as fn:
             yield fn
 

@@ -178,7 +178,7 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     if not isinstance(obj, Mapping):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a checkpoint dict or state_dict")
     if isinstance(obj.get("config"), Mapping):
-        config = safety.plain(obj["config"])
+        config = safety.plain(obj["config"], str(path))
     for key in ("epoch", "max_accuracy"):
         if isinstance(obj.get(key), (int, float)):
             extra[key] = obj[key]

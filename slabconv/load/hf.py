@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,7 +172,39 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
         _check_index(entry, state, weight_map)
     if not state:
         raise InputError(f"{entry}: holds no tensors")
+    check_config_fits(config, {k: list(v.shape) for k, v in state.items()}, folder)
     return HFFolder(state, config, fmt, folder, files, metadata, digests)
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_config_fits(config: Mapping[str, Any], shapes: Mapping[str, list[int]], folder: Path) -> None:
+    """Refuse, when the folder is read, a decoder's ``config.json`` whose sizes are not the weights': the layer
+    count (``model.layers.N``), ``hidden_size`` and ``vocab_size`` (``model.embed_tokens.weight`` ``(V, C)``),
+    ``intermediate_size`` (``model.layers.0.mlp.gate_proj.weight`` ``(I, C)``). The fused folder's ``config.json``
+    must state them (transformers builds from it), so a mismatch would otherwise stop the run after the fold.
+
+    Raises:
+        InputError: ``FOLDER/config.json: config KEY = X but the weights have N; the config does not fit the
+            weights: fix config.json``.
+    """
+    layers = {m.group(1) for k in shapes if (m := _LAYER.match(k))}
+    embed, gate = shapes.get("model.embed_tokens.weight"), shapes.get("model.layers.0.mlp.gate_proj.weight")
+    found = {
+        "num_hidden_layers": len(layers) if layers else None,
+        "vocab_size": embed[0] if embed and len(embed) == 2 else None,
+        "hidden_size": embed[1] if embed and len(embed) == 2 else None,
+        "intermediate_size": gate[0] if gate and len(gate) == 2 else None,
+    }
+    for key, actual in found.items():
+        value = config.get(key)
+        if actual is None or value is None or (type(value) is int and value == actual):
+            continue
+        raise InputError(
+            f"{folder / CONFIG}: config {key} = {str(value)[:40]} but the weights have {actual}; the config does not "
+            "fit the weights: fix config.json"
+        )
 
 
 def read_index(index: Path, digests: dict[Path, str] | None = None) -> dict[str, str]:

@@ -227,4 +227,5 @@ def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
     config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
     shards = LazyShards.open(folder, block_elements)
     names = list(dict.fromkeys(shards.weight_map.values()))
+    hf.check_config_fits(config, {k: shape for k, (_, shape) in shards.specs().items()}, folder)  # headers only
     return ShardedFolder(shards, names, found[0], config, sha256_file(found[0]))

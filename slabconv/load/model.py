@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
+from slabconv.load import safety
 from slabconv.load.checkpoint import Checkpoint, load_checkpoint
 from slabconv.load.formats import sniff_format
 from slabconv.load.fused import FusedMetadata, is_output_folder
@@ -363,7 +364,7 @@ def _valid_eps(value: Any) -> bool:
 
 # Inf is refused only in tensors that are weights or norm statistics: some models keep -inf in mask buffers.
 _FINITE_SUFFIXES = ("weight", "bias", "running_mean", "running_var", "alpha")
-_FOLDABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FOLDABLE_DTYPES = tuple(getattr(torch, name) for name in safety.FOLDABLE_FLOATS)
 _INTEGER_INPUTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -377,10 +378,7 @@ def refuse_unfoldable_dtype(value: torch.Tensor, key: str, label: str) -> None:
     dtype = value.dtype
     if not (value.is_complex() or value.is_quantized or (dtype.is_floating_point and dtype not in _FOLDABLE_DTYPES)):
         return
-    raise InputError(
-        f"{label}: tensor {key!r} is {str(dtype).removeprefix('torch.')}; slabconv folds float16, bfloat16, float32 "
-        "and float64 models: convert the checkpoint to one of those first"
-    )
+    raise safety.unfoldable_dtype(label, f"tensor {key!r}", str(dtype).removeprefix("torch."))
 
 
 def _check_values(ckpt: Checkpoint) -> None:

@@ -1,25 +1,65 @@
-"""An ONNX file as an original to fold (``fuse``, ``inspect``, ``verify``): read as data through onnx-ir.
+"""An ONNX file as an original to fold (``fuse``, ``inspect``, ``verify``), read by one checked loader.
 
-Safety (``docs/security.md``): an ONNX file cannot run code, but its external data names files; every location
-must be a relative path inside the model's folder that exists, or the file is refused before any tensor is read.
+Safety (``docs/security.md``): an ONNX file cannot run code, but it names files (external data), declares sizes
+and dtypes its readers allocate from, and holds graphs onnx-ir and onnxruntime trust to be well formed. Nothing
+else reads an original before this module has:
+
+1. opened the ``.onnx`` once (a regular file, at most protobuf's 2 GiB), hashed and parsed those bytes;
+2. checked every tensor the file holds (``check_tensors``): initializers, sparse initializers, the tensors of node
+   attributes (``Constant`` values) in the graph, every subgraph (``If``/``Loop`` bodies), every function and
+   training graph. Each dtype must be one slabconv folds or an integer (``safety.unfoldable_dtype`` otherwise),
+   each dim non-negative, the bytes all tensors take once materialised within the limits checkpoints have
+   (``safety.TensorBudget``), and each tensor must hold exactly the bytes its shape declares: inline, or in an
+   external data file whose ``location`` is a plain relative path inside the model's folder, not a link, a
+   regular file (a FIFO would block its reader forever) that holds ``offset + length`` bytes;
+3. checked the graph against ONNX's own rules (``onnx.checker``, strict shape and type inference), its inputs are
+   tensors of numbers, and no ``BatchNormalization`` uses ``spatial=0``;
+4. read every external data file once, sequentially, hashing it and copying each tensor's bytes into the model
+   (``raw_data``): the model that is folded is the one that was checked and hashed, and a file truncated or
+   rewritten later changes nothing (one that shrinks while it is read is named).
+
+``load_ir`` hands onnx-ir that checked model; onnx-ir never opens a file of the original. Every failure of the
+libraries underneath is one line naming the file (``InputError``, exit 2).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import math
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from slabconv.errors import InputError, first_line
-from slabconv.util import sha256_file
+from slabconv.load import safety
 
 ONNX_SUFFIX = ".onnx"
 """How an ONNX original is named (``slabconv.load.formats`` recognises it by this suffix, in any case)."""
 
+PROTOBUF_LIMIT_BYTES = 2**31 - 1
+"""The largest message protobuf parses: one ``.onnx`` file without external data cannot be larger."""
+
+MAX_LOCATION_CHARS = 4096
+"""The longest external data ``location`` (Linux's PATH_MAX); each of its parts at most 255 characters."""
+
 _FLOAT_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64"}
 """ONNX ``TensorProto`` element types of floats, by name (onnx/onnx.proto)."""
+
+_ITEMSIZE = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}
+"""Bytes per element of the ONNX element types an original may hold: the floats slabconv folds and the integers
+and booleans of shapes, ids and masks. Every other type (complex, float8 and narrower, int4, string) is refused."""
+
+_TYPED_FIELDS = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
+"""The ``TensorProto`` fields that hold values one by one (instead of ``raw_data``)."""
+
+_EXTERNAL = 1  # TensorProto.EXTERNAL
+_BYTE_COUNT = re.compile(r"[0-9]{1,19}")
 
 
 @dataclass
@@ -28,7 +68,8 @@ class OnnxFile:
 
     Attributes:
         path: the file.
-        sha256: of the ``.onnx`` file; ``files_sha256`` of it and its external data files.
+        sha256: of the ``.onnx`` file; ``files_sha256`` of it and its external data files, by name, each from the
+            bytes that were read into ``proto``.
         files: the ``.onnx`` and its external data files, in order.
         external: its tensors live (partly) in external data files.
         opset: the default-domain opset; ``domains``: every imported domain and version.
@@ -40,6 +81,8 @@ class OnnxFile:
         batch: the batch size when the batch axis is static, else None.
         token_input: the first input is integer ids.
         inputs: every graph input (``GraphInput``), in order.
+        proto: the checked ``onnx.ModelProto``, every tensor's data inside it (none external): what ``load_ir``
+            hands onnx-ir.
     """
 
     path: Path
@@ -56,6 +99,7 @@ class OnnxFile:
     token_input: bool
     files_sha256: dict[str, str] = field(default_factory=dict)
     inputs: list[GraphInput] = field(default_factory=list)
+    proto: Any = field(default=None, repr=False)
 
 
 @dataclass
@@ -72,58 +116,414 @@ class GraphInput:
         return bool(np.issubdtype(self.dtype, np.integer) or self.dtype == np.bool_)
 
 
-def _graph_input(info: object) -> GraphInput:
+def _graph_input(info: Any) -> GraphInput:
     import onnx
 
-    tensor = info.type.tensor_type  # type: ignore[attr-defined]
+    tensor = info.type.tensor_type
     dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
     rest = dims[1:]
     elem = tensor.elem_type
     dtype = np.dtype(np.float32) if elem == 16 else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
     shape = tuple(int(d or 0) for d in rest) if all(d is not None and d > 0 for d in rest) else None
-    return GraphInput(info.name, dtype, shape if dims else None)  # type: ignore[attr-defined]
+    return GraphInput(info.name, dtype, shape if dims else None)
 
 
-def _external_locations(proto: object) -> list[str]:
-    """The external data file of every initializer stored outside the ``.onnx`` file."""
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+# --------------------------------------------------------------------------------------------- every tensor
 
-    return [ExternalDataInfo(t).location for t in proto.graph.initializer if uses_external_data(t)]  # type: ignore[attr-defined]
+
+def tensors(model: Any) -> Iterator[tuple[str, Any, list[int] | None]]:
+    """Every tensor an ONNX reader could read from ``model`` (an ``onnx.ModelProto``), named for messages:
+    ``(what, TensorProto, dense dims)``, the dense dims given for the values of a sparse tensor (a reader
+    may expand it to them), else None.
+
+    Walks the graph, its subgraphs (node attributes ``g`` / ``graphs``, at any depth: protobuf bounds the
+    nesting), the model's functions and training graphs; in each, initializers, sparse initializers and the
+    tensors of node attributes (``t``, ``tensors``, ``sparse_tensor``, ``sparse_tensors``), whatever the
+    attribute's declared type says.
+    """
+    stack: list[tuple[Any, str, bool]] = [(model.graph, "", True)]
+    stack += [(g, " in a training graph", True) for t in model.training_info for g in (t.initialization, t.algorithm)]
+    stack += [(f.node, f" in function {f.name[:80]!r}", False) for f in model.functions]
+    while stack:
+        item, where, is_graph = stack.pop()
+        nodes = item.node if is_graph else item
+        if is_graph:
+            for t in item.initializer:
+                yield f"initializer {t.name[:80]!r}{where}", t, None
+            for s in item.sparse_initializer:
+                yield from _sparse(f"sparse initializer {s.values.name[:80]!r}{where}", s)
+        for node in nodes:
+            at = f"node {(node.name or node.op_type)[:80]!r}{where}"
+            for a in node.attribute:
+                what = f"the tensor of {at} (attribute {a.name[:40]!r})"
+                if a.HasField("t"):
+                    yield what, a.t, None
+                for t in a.tensors:
+                    yield what, t, None
+                if a.HasField("sparse_tensor"):
+                    yield from _sparse(what, a.sparse_tensor)
+                for s in a.sparse_tensors:
+                    yield from _sparse(what, s)
+                if a.HasField("g"):
+                    stack.append((a.g, f" in a subgraph of {at}", True))
+                stack += [(g, f" in a subgraph of {at}", True) for g in a.graphs]
+
+
+def _sparse(what: str, sparse: Any) -> Iterator[tuple[str, Any, list[int] | None]]:
+    yield f"{what} values", sparse.values, list(sparse.dims)
+    yield f"{what} indices", sparse.indices, None
+
+
+@dataclass
+class _Stored:
+    """A tensor whose bytes are in an external data file: ``file`` (resolved, ``file_size`` bytes when checked),
+    ``offset``, ``size`` in bytes."""
+
+    tensor: Any
+    location: str
+    file: Path
+    file_size: int
+    offset: int
+    size: int
+
+
+def _dtype_name(code: int) -> str:
+    """An ONNX element type's name as slabconv writes dtypes (``float32``, ``complex64``, ``int4``).
+
+    Raises:
+        ValueError: not an ONNX element type.
+    """
+    import onnx
+
+    return _FLOAT_TYPES.get(code) or str(onnx.TensorProto.DataType.Name(code)).lower()
+
+
+def _damaged(label: str, what: str, detail: str) -> InputError:
+    return InputError(f"{label}: {what} {detail}; the file is damaged")
+
+
+def check_tensors(path: Path, model: Any, label: str | None = None) -> list[_Stored]:
+    """Check every tensor of ``model`` (``tensors``) before anything reads its data; nothing is opened.
+
+    Args:
+        path: the ``.onnx`` file (its folder is where external data must be).
+        model: its ``onnx.ModelProto`` parsed without external data.
+        label: how errors name the file (default ``path``).
+
+    Returns:
+        The tensors whose bytes are in external data files, checked (``_read_external`` reads them).
+
+    Raises:
+        InputError: one line naming the file, the tensor and what is wrong: an unknown or unfoldable dtype
+            (``safety.unfoldable_dtype``), a negative dim, more tensors or bytes than ``safety.TensorBudget``
+            allows, data that does not hold what the shape declares, an external ``location`` that is not a
+            plain file inside the model's folder (empty, a NUL byte, too long, absolute, ``..``, a link, a FIFO
+            or device, missing), an ``offset`` / ``length`` that is not a byte count or leaves the file.
+    """
+    label = label or str(path)
+    folder = path.parent.resolve()
+    sizes: dict[Path, int] = {}
+    total = path.stat().st_size
+    checked: list[tuple[str, Any, list[int] | None]] = []
+    stored: list[_Stored] = []
+    for what, tensor, dense in tensors(model):
+        code = int(tensor.data_type)
+        if code not in _ITEMSIZE:
+            try:
+                name = _dtype_name(code)
+            except ValueError:
+                raise _damaged(label, what, f"has an unknown data type {code}") from None
+            if code == 0:
+                raise _damaged(label, what, "has no data type")
+            raise safety.unfoldable_dtype(label, what, name)
+        if tensor.data_location == _EXTERNAL:
+            location = _location(label, what, tensor)
+            target, file_size = _data_file(label, what, folder, location)
+            if target not in sizes:
+                sizes[target] = file_size
+                total += file_size
+        checked.append((what, tensor, dense))
+    budget = safety.TensorBudget(label, total)
+    for what, tensor, dense in checked:
+        code = int(tensor.data_type)
+        dims = _dims(label, what, tensor.dims)
+        numel = math.prod(dims)
+        size = numel * _ITEMSIZE[code]
+        budget.add(what, dims, _dtype_name(code), size)
+        if dense is not None:
+            full = _dims(label, what, dense)
+            budget.add(f"{what} (dense)", full, _dtype_name(code), math.prod(full) * _ITEMSIZE[code])
+        if tensor.data_location == _EXTERNAL:
+            stored.append(_external(label, what, tensor, folder, size, sizes))
+            continue
+        fields = [f for f in _TYPED_FIELDS if len(getattr(tensor, f))]
+        if len(fields) + tensor.HasField("raw_data") > 1:  # readers differ in which one they read
+            raise _damaged(label, what, "holds its values in two fields at once")
+        if tensor.HasField("raw_data"):
+            if len(tensor.raw_data) != size:
+                raise _damaged(label, what, f"declares {size} bytes but holds {len(tensor.raw_data)}")
+        else:
+            held = sum(len(getattr(tensor, f)) for f in fields)
+            if held != numel:
+                raise _damaged(label, what, f"declares {numel} values but holds {held}")
+    return stored
+
+
+def _dims(label: str, what: str, dims: Any) -> list[int]:
+    out = [int(d) for d in dims]
+    if any(d < 0 for d in out):
+        raise _damaged(label, what, "has a negative size")
+    return out
+
+
+def _location(label: str, what: str, tensor: Any) -> str:
+    """The external data ``location`` of ``tensor``, refused unless it is a plain relative path."""
+    location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+    reason = ""
+    if not location:
+        reason = "names no file"
+    elif "\0" in location:
+        reason = "is not a file name (it holds a NUL byte)"
+    elif len(location) > MAX_LOCATION_CHARS or any(len(p.encode(errors="replace")) > 255 for p in location.split("/")):
+        reason = f"is longer than a file name can be ({len(location)} characters)"
+    elif os.path.isabs(location) or location.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", location):
+        reason = "is not a file inside the model's folder (absolute, leaving it, or a link)"
+    if reason:
+        raise InputError(
+            f"{label}: {what} keeps its data in {location[:120]!r}, which {reason}; refused: keep the data files "
+            "beside it"
+        )
+    return location
+
+
+def _data_file(label: str, what: str, folder: Path, location: str) -> tuple[Path, int]:
+    """The resolved external data file of ``location`` and its size: inside ``folder``, not a link, present, a
+    regular file (``safety.regular_file``: a FIFO is refused before anything opens it)."""
+    target = folder / location
+    try:
+        link = target.is_symlink()
+        resolved = target.resolve()
+        exists = resolved.exists()
+    except (OSError, RuntimeError) as err:  # ENAMETOOLONG, ELOOP, EACCES
+        raise InputError(
+            f"{label}: {what} keeps its data in {location[:120]!r}, which cannot be opened "
+            f"({getattr(err, 'strerror', None) or type(err).__name__}); refused: keep the data files beside it"
+        ) from None
+    if link or not resolved.is_relative_to(folder):
+        raise InputError(
+            f"{label}: {what} keeps its data in {location[:120]!r}, which is not a file inside the model's folder "
+            "(absolute, leaving it, or a link); refused: keep the data files beside it"
+        )
+    if not exists:
+        raise InputError(
+            f"{label}: its external data file {location[:120]!r} is missing; copy it beside the .onnx file"
+        )
+    try:
+        return resolved, safety.regular_file(resolved, "external data").st_size
+    except InputError as err:
+        raise InputError(
+            f"{label}: {what} keeps its data in {location[:120]!r}: {err.args[0].removeprefix(f'{resolved}: ')}"
+        ) from None
+
+
+def _external(label: str, what: str, tensor: Any, folder: Path, size: int, sizes: dict[Path, int]) -> _Stored:
+    """Check the ``offset`` and ``length`` of an external tensor of ``size`` bytes against its file."""
+    entries = {e.key: e.value for e in tensor.external_data}
+    location = entries["location"]
+    target = (folder / location).resolve()
+    fields = {}
+    for key in ("offset", "length"):
+        value = entries.get(key)
+        if value is not None and not _BYTE_COUNT.fullmatch(value):
+            raise _damaged(label, what, f"has the external data {key} {value[:40]!r}, which is not a byte count")
+        fields[key] = int(value) if value is not None else None
+    offset = fields["offset"] or 0
+    length = fields["length"]
+    stored = sizes[target]
+    if length is not None and length != size:
+        raise _damaged(label, what, f"declares {size} bytes but its external data length is {length}")
+    if offset + size > stored:
+        held = max(0, stored - offset)
+        raise _damaged(label, what, f"declares {size} bytes but {location[:120]!r} holds {held} for it")
+    return _Stored(tensor, location, target, stored, offset, size)
+
+
+def _read_external(label: str, stored: list[_Stored]) -> dict[Path, str]:
+    """Read every external data file once, from start to end through one open file: hash it and copy each
+    tensor's bytes into its ``raw_data`` (the tensor is then no longer external). Returns each file's sha256.
+
+    Raises:
+        InputError: a file that is not the size it was checked at (it changed meanwhile), or cannot be read.
+    """
+    digests: dict[Path, str] = {}
+    by_file: dict[Path, list[_Stored]] = {}
+    for item in stored:
+        by_file.setdefault(item.file, []).append(item)
+    for file, found in by_file.items():
+        items = sorted(found, key=lambda i: i.offset)
+        buffers = [bytearray(i.size) for i in items]
+        digest = hashlib.sha256()
+        pos = first = 0
+        name, expected = items[0].location, items[0].file_size
+        try:
+            with safety.open_regular(file, "external data") as f:
+                while chunk := f.read(16 << 20):
+                    end = pos + len(chunk)
+                    while first < len(items) and items[first].offset + items[first].size <= pos:
+                        first += 1
+                    j = first
+                    while j < len(items) and items[j].offset < end:
+                        item = items[j]
+                        lo, hi = max(item.offset, pos), min(item.offset + item.size, end)
+                        if lo < hi:
+                            buffers[j][lo - item.offset : hi - item.offset] = chunk[lo - pos : hi - pos]
+                        j += 1
+                    digest.update(chunk)
+                    pos = end
+        except OSError as err:
+            raise InputError(f"{label}: cannot read its external data {name[:120]!r} ({err.strerror or err})") from None
+        if pos != expected:
+            raise InputError(
+                f"{label}: its external data {name[:120]!r} changed while slabconv read it ({expected} bytes when "
+                f"checked, {pos} read); nothing was folded: use a file nothing is writing"
+            )
+        digests[file] = digest.hexdigest()
+        for item, buffer in zip(items, buffers, strict=True):
+            tensor = item.tensor
+            del tensor.external_data[:]
+            tensor.data_location = 0  # DEFAULT
+            tensor.raw_data = bytes(buffer)
+    return digests
+
+
+# --------------------------------------------------------------------------------------------- the graph
+
+
+@contextlib.contextmanager
+def _without_external_data(proto: Any) -> Iterator[None]:
+    """While active, each external tensor of ``proto`` is an empty inline tensor (dims ``[0]``), restored after.
+
+    ``onnx.checker.check_model`` given a model (rather than a path, which it cannot take for a name that is not
+    UTF-8) looks for external data relative to the current folder. The tensors themselves were checked by
+    ``check_tensors``; what the checker is asked about here is the graph: nodes, attributes, names, opsets.
+    """
+    saved = []
+    for _, tensor, _ in tensors(proto):
+        if tensor.data_location == _EXTERNAL:
+            saved.append((tensor, list(tensor.dims), [(e.key, e.value) for e in tensor.external_data]))
+            tensor.data_location = 0
+            del tensor.external_data[:]
+            del tensor.dims[:]
+            tensor.dims.append(0)
+    try:
+        yield
+    finally:
+        for tensor, dims, entries in saved:
+            del tensor.dims[:]
+            tensor.dims.extend(dims)
+            for key, value in entries:
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+            tensor.data_location = _EXTERNAL
+
+
+def _check_graph(path: Path, proto: Any) -> None:
+    """The graph against ONNX's own rules (``onnx.checker``; strict shape and type inference), and what slabconv
+    cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, graph inputs that are not tensors of
+    numbers.
+
+    Raises:
+        InputError: naming the file and the rule, with the library's own first line.
+    """
+    import onnx
+
+    for node in proto.graph.node:
+        spatial = next((a for a in node.attribute if a.name == "spatial"), None)
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and spatial and spatial.i == 0:
+            raise InputError(
+                f"{path}: BatchNormalization node {node.name[:80]!r} has spatial=0 (statistics per element, ONNX "
+                "opset 8 and earlier), not one affine per channel; export the model at opset 9 or later"
+            )
+    try:
+        with _without_external_data(proto):
+            onnx.checker.check_model(proto)
+    except Exception as err:  # noqa: BLE001 - ValidationError and what the C++ checker raises
+        raise InputError(
+            f"{path}: not a valid ONNX model (onnx.checker: {first_line(err, 160)}); export it again"
+        ) from None
+    try:
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except Exception as err:  # noqa: BLE001 - InferenceError and friends
+        text = " ".join(str(err).split())
+        raise InputError(
+            f"{path}: the graph does not type-check (onnx shape inference: {text[:200]}); export it again"
+        ) from None
+    check_graph_inputs(path, proto)
+
+
+def check_graph_inputs(path: Path, proto: Any) -> None:
+    """Refuse graph inputs slabconv cannot draw or feed: not tensors (a sequence, map or optional value), or
+    tensors whose element type is not a real number (``_ITEMSIZE``). Initializers listed as inputs are skipped.
+
+    Raises:
+        InputError: naming the file and the input.
+    """
+    initializers = {t.name for t in proto.graph.initializer}
+    for graph_input in proto.graph.input:
+        if graph_input.name in initializers:
+            continue
+        kind = graph_input.type.WhichOneof("value")
+        if kind != "tensor_type":
+            shown = (kind or "value without a type").removesuffix("_type").replace("_", " ")
+            raise InputError(
+                f"{path}: the graph input {graph_input.name[:80]!r} is a {shown}, not a tensor; slabconv folds and "
+                "verifies models whose inputs are tensors"
+            )
+        elem = graph_input.type.tensor_type.elem_type
+        if elem not in _ITEMSIZE:
+            raise InputError(
+                f"{path}: the graph input {graph_input.name[:80]!r} is {_dtype_name(elem) if elem else 'untyped'}; "
+                "slabconv feeds models with real float or integer inputs"
+            )
+
+
+# --------------------------------------------------------------------------------------------- the loader
 
 
 def read_onnx(path: Path | str) -> OnnxFile:
-    """Read an ``.onnx`` file's header facts (its weights stay on disk) and check where its external data lives.
+    """Read and check an ``.onnx`` original (the module docstring): its facts, and the checked model in ``proto``.
 
     Raises:
-        InputError: no such file; not a readable ONNX model; external data outside the model's folder or missing;
-            a model without graph inputs.
+        InputError: no such file, not a regular file, over protobuf's 2 GiB, not a readable or valid ONNX model;
+            a tensor ``check_tensors`` refuses; a graph ``_check_graph`` refuses; a model without graph inputs;
+            external data that changed while it was read.
     """
     import onnx
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise InputError(f"{path}: no such file")
+    size = safety.regular_file(path, "the ONNX file").st_size
+    if size > PROTOBUF_LIMIT_BYTES:
+        raise InputError(
+            f"{path}: one ONNX file of {size / 2**30:.1f} GiB is over protobuf's 2 GiB limit and cannot be read; "
+            "re-save it with its weights as external data: onnx.save_model(model, path, save_as_external_data=True)"
+        )
+    with safety.open_regular(path, "the ONNX file") as f:
+        data = f.read(min(os.fstat(f.fileno()).st_size, PROTOBUF_LIMIT_BYTES) + 1)
     try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError, onnx raises its own types
+        proto = onnx.ModelProto.FromString(data)
+    except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError (and RecursionError, ValueError)
         raise InputError(
             f"{path}: not a readable ONNX model ({first_line(err, 120)}); export it again, or point at the .pth / "
             ".safetensors / .pt2 file"
         ) from None
     if not proto.graph.node:
         raise InputError(f"{path}: not a readable ONNX model (its graph has no nodes); export it again")
-    folder = path.parent.resolve()
-    files = [path]
-    for location in dict.fromkeys(_external_locations(proto)):
-        target = (folder / location).resolve()
-        if os.path.isabs(location) or folder not in target.parents:
-            raise InputError(
-                f"{path}: its external data {location!r} lies outside the model's folder; keep the data files "
-                "beside the .onnx file (slabconv reads no other path)"
-            )
-        if not target.is_file():
-            raise InputError(f"{path}: its external data file {location!r} is missing; copy it beside the .onnx file")
-        files.append(target)
+    stored = check_tensors(path, proto)
+    _check_graph(path, proto)
+    digests = _read_external(str(path), stored)
+    files = [path, *digests]
     inputs = [i for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}]
     if not inputs:
         raise InputError(f"{path}: the model has no inputs; slabconv verifies a model on inputs, export it with one")
@@ -133,9 +533,10 @@ def read_onnx(path: Path | str) -> OnnxFile:
     token_input = bool(np.issubdtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type), np.integer))
     dtype = _FLOAT_TYPES.get(tensor.elem_type) or _weights_dtype(proto)
     domains = {o.domain or "ai.onnx": int(o.version) for o in proto.opset_import}
+    sha256 = hashlib.sha256(data).hexdigest()
     return OnnxFile(
         path=path,
-        sha256=sha256_file(path),
+        sha256=sha256,
         files=files,
         external=len(files) > 1,
         opset=domains.get("ai.onnx", 0),
@@ -146,30 +547,38 @@ def read_onnx(path: Path | str) -> OnnxFile:
         input_shape=tuple(int(d or 0) for d in rest) if rest and all(d is not None and d > 0 for d in rest) else None,
         batch=dims[0] if dims and dims[0] else None,
         token_input=token_input,
-        files_sha256={f.name: sha256_file(f) for f in files},
+        files_sha256={path.name: sha256, **{f.name: digest for f, digest in digests.items()}},
         inputs=[_graph_input(i) for i in inputs],
+        proto=proto,
     )
 
 
-def _weights_dtype(proto: object) -> str:
+def _weights_dtype(proto: Any) -> str:
     """The dtype of the largest floating initializer (``float32`` when there is none)."""
     sizes: dict[str, int] = {}
-    for init in proto.graph.initializer:  # type: ignore[attr-defined]
+    for init in proto.graph.initializer:
         name = _FLOAT_TYPES.get(init.data_type)
         if name:
-            sizes[name] = sizes.get(name, 0) + int(np.prod(init.dims, dtype=np.int64))
+            sizes[name] = sizes.get(name, 0) + math.prod(init.dims)
     return max(sizes, key=lambda k: sizes[k]) if sizes else "float32"
 
 
-def load_ir(path: Path) -> object:
-    """The model as an ``onnx_ir.Model`` (external tensors are read lazily, from the model's folder).
+def load_ir(source: Path | str | OnnxFile) -> Any:
+    """The checked model as an ``onnx_ir.Model``, every tensor in memory (onnx-ir opens no file).
+
+    Args:
+        source: an ``OnnxFile`` (``read_onnx``'s model, not read again: each call deserialises the same checked
+            bytes into a new model the caller may change), or a path, read and checked by ``read_onnx`` first.
 
     Raises:
-        InputError: onnx-ir cannot read it.
+        InputError: as ``read_onnx``; onnx-ir cannot build the model (its message named).
     """
     import onnx_ir as ir
 
+    info = source if isinstance(source, OnnxFile) else read_onnx(source)
     try:
-        return ir.load(str(path))
-    except Exception as err:  # noqa: BLE001 - onnx-ir raises what protobuf and its deserializer raise
-        raise InputError(f"{path}: not a readable ONNX model ({first_line(err, 120)}); export it again") from None
+        return ir.serde.deserialize_model(info.proto)
+    except Exception as err:  # noqa: BLE001 - onnx-ir raises what its deserializer meets
+        raise InputError(
+            f"{info.path}: not a readable ONNX model (onnx-ir: {first_line(err, 120)}); export it again"
+        ) from None

@@ -70,32 +70,10 @@ def read_safetensors(
     """
     label = str(path)
     with safety.open_regular(path, what) as f:
-        size = os.fstat(f.fileno()).st_size
         digest = hashlib.sha256()
-        head = _read(f, 8, digest)
-        if len(head) < 8:
-            raise _damaged(label, "shorter than its 8-byte header length")
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise _damaged(label, f"its header length {n} is past the end of the file")
-        if n > MAX_HEADER_BYTES:
-            raise InputError(
-                f"{label}: a safetensors header of {n} bytes, over the limit of {MAX_HEADER_BYTES}; refused"
-            )
-        raw = _read(f, n, digest)
-        count = raw.count(b'"data_offsets"')
-        if count > safety.MAX_TENSORS:
-            raise InputError(
-                f"{label}: the safetensors header lists more than {safety.MAX_TENSORS} tensors (slabconv's limit; "
-                "see docs/security.md); refused before reading them"
-            )
-        header = _parse_header(raw, label)
-        if not isinstance(header, dict):
-            raise _damaged(label, "its header is not a JSON object")
-        metadata = _metadata(header.pop("__metadata__", None), label)
-        entries = _entries(header, label, size - 8 - n)
+        metadata, entries, _ = read_header(f, label, digest)
         tensors: dict[str, torch.Tensor] = {}
-        for name, dtype, shape, nbytes in entries:
+        for name, dtype, shape, _, nbytes in entries:
             flat = torch.empty(nbytes, dtype=torch.uint8)
             buffer = flat.numpy().data  # the tensor's own memory: read into it, hashed from it
             if nbytes and f.readinto(buffer) != nbytes:  # type: ignore[attr-defined]
@@ -108,6 +86,48 @@ def read_safetensors(
         for block in iter(lambda: f.read(_BLOCK), b""):  # trailing bytes, if any: the digest covers the whole file
             digest.update(block)
     return tensors, metadata, digest.hexdigest()
+
+
+Entry = tuple[str, torch.dtype, list[int], int, int]
+"""One tensor of a header: ``(name, dtype, shape, begin, nbytes)``, ``begin`` relative to the data's start."""
+
+
+def read_header(f: IO[bytes], label: str, digest: Any = None) -> tuple[dict[str, str], list[Entry], int]:
+    """The header of the open safetensors file ``f``, read from its start and checked (``read_safetensors``).
+
+    Args:
+        f: the file, at its start; left at the start of the data.
+        label: the user's path, for errors.
+        digest: a ``hashlib`` object fed the bytes read, when given.
+
+    Returns:
+        ``(metadata, entries, data_start)``: the string metadata, the tensors in file order (``Entry``; they tile
+        the data exactly) and the byte offset of the data in the file.
+
+    Raises:
+        InputError: a header over the limits or damaged, as ``read_safetensors``.
+    """
+    size = os.fstat(f.fileno()).st_size
+    head = _read(f, 8, digest)
+    if len(head) < 8:
+        raise _damaged(label, "shorter than its 8-byte header length")
+    n = int.from_bytes(head, "little")
+    if n > size - 8:
+        raise _damaged(label, f"its header length {n} is past the end of the file")
+    if n > MAX_HEADER_BYTES:
+        raise InputError(f"{label}: a safetensors header of {n} bytes, over the limit of {MAX_HEADER_BYTES}; refused")
+    raw = _read(f, n, digest)
+    count = raw.count(b'"data_offsets"')
+    if count > safety.MAX_TENSORS:
+        raise InputError(
+            f"{label}: the safetensors header lists more than {safety.MAX_TENSORS} tensors (slabconv's limit; "
+            "see docs/security.md); refused before reading them"
+        )
+    header = _parse_header(raw, label)
+    if not isinstance(header, dict):
+        raise _damaged(label, "its header is not a JSON object")
+    metadata = _metadata(header.pop("__metadata__", None), label)
+    return metadata, _entries(header, label, size - 8 - n), 8 + n
 
 
 def _parse_header(raw: bytes, label: str) -> Any:
@@ -126,7 +146,8 @@ def _parse_header(raw: bytes, label: str) -> Any:
 
 def _read(f: IO[bytes], n: int, digest: Any) -> bytes:
     data = f.read(n)
-    digest.update(data)
+    if digest is not None:
+        digest.update(data)
     return data
 
 
@@ -142,8 +163,8 @@ def _metadata(value: Any, label: str) -> dict[str, str]:
     return dict(value)
 
 
-def _entries(header: dict[str, Any], label: str, data_bytes: int) -> list[tuple[str, torch.dtype, list[int], int]]:
-    """The tensors in file order as (name, dtype, shape, bytes), after checking that they tile the data exactly."""
+def _entries(header: dict[str, Any], label: str, data_bytes: int) -> list[Entry]:
+    """The tensors in file order (``Entry``), after checking that they tile the data exactly."""
     spans = []
     for name, entry in header.items():
         if not isinstance(entry, dict):
@@ -169,4 +190,4 @@ def _entries(header: dict[str, Any], label: str, data_bytes: int) -> list[tuple[
         position = end
     if position != data_bytes:
         raise _damaged(label, f"the tensors cover {position} of its {data_bytes} data bytes")
-    return [(name, dtype, shape, end - begin) for begin, end, name, dtype, shape in spans]
+    return [(name, dtype, shape, begin, end - begin) for begin, end, name, dtype, shape in spans]

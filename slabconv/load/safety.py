@@ -93,12 +93,22 @@ ALLOWED_GLOBALS: dict[str, Any] = {"yacs.config.CfgNode": ConfigNode}
 (github xinghaochen/SLAB ``classification/utils.py`` saves ``config``, a yacs ``CfgNode``) and nothing else."""
 
 
-def plain(obj: Any) -> Any:
-    """Nested mappings and sequences as plain ``dict`` / ``list`` of JSON-like values (others as ``repr``)."""
+def plain(obj: Any, label: str) -> Any:
+    """Nested mappings and sequences as plain ``dict`` / ``list`` of JSON-like values (others as ``repr``), after
+    ``check_nesting`` (a trusted pickle skips the weights-only reader, not this).
+
+    Raises:
+        InputError: nested too deeply, naming ``label``.
+    """
+    check_nesting(obj, label)
+    return _plain(obj)
+
+
+def _plain(obj: Any) -> Any:
     if isinstance(obj, Mapping):
-        return {str(k): plain(v) for k, v in obj.items()}
+        return {str(k): _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [plain(v) for v in obj]
+        return [_plain(v) for v in obj]
     return obj if isinstance(obj, (str, int, float, bool, type(None))) else repr(obj)
 
 
@@ -352,28 +362,75 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor
             yield from iter_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
-def check_extents(obj: Any, file_bytes: int, label: str) -> None:
-    """Refuse a loaded object whose tensors, materialised, would take more than the budget.
+class TensorBudget:
+    """The tensors of one file against the limits every format shares (``docs/security.md``, Limits): at most
+    ``MAX_TENSORS`` of them, and their bytes once materialised at most ``EXPANSION`` times the file's size plus
+    ``FLOOR_BYTES``. Checkpoints (``check_extents``) and ONNX files (``slabconv.load.onnx_file``) count through it.
 
-    The budget is ``EXPANSION * file_bytes + FLOOR_BYTES``. torch itself checks that every view lies inside its
-    storage; what it does not check is a view much larger than its storage (stride 0), which costs nothing until
-    something copies it.
+    Args:
+        label: the user's path, for errors.
+        file_bytes: the size the tensors are budgeted against (a file and the data files it names).
+    """
+
+    def __init__(self, label: str, file_bytes: int) -> None:
+        self.label = label
+        self.file_bytes = file_bytes
+        self.limit = EXPANSION * file_bytes + FLOOR_BYTES
+        self.count = 0
+        self.total = 0
+
+    def add(self, what: str, shape: Any, dtype: str, size: int) -> None:
+        """Count one tensor of ``size`` bytes materialised (``what`` names it, e.g. ``tensor 'w'``).
+
+        Raises:
+            InputError: more than ``MAX_TENSORS`` tensors, or the bytes so far over the budget (naming the tensor).
+        """
+        self.count += 1
+        if self.count > MAX_TENSORS:
+            raise InputError(
+                f"{self.label}: the file holds more than {MAX_TENSORS} tensors (slabconv's limit; see "
+                "docs/security.md); refused before reading them"
+            )
+        self.total += size
+        if self.total > self.limit:
+            dims = "x".join(str(s) for s in shape)
+            raise InputError(
+                f"{self.label}: {what} ({dims} {dtype}) would take {_human(size)} in memory, more than a "
+                f"{_human(self.file_bytes)} file can hold (a view or a shape much larger than its stored data); "
+                "refused before allocating it"
+            )
+
+
+def check_extents(obj: Any, file_bytes: int, label: str) -> None:
+    """Refuse a loaded object whose tensors, materialised, would take more than the budget (``TensorBudget``).
+
+    torch itself checks that every view lies inside its storage; what it does not check is a view much larger than
+    its storage (stride 0), which costs nothing until something copies it.
 
     Raises:
         InputError: naming the tensor that crosses the budget and its size.
     """
-    budget = EXPANSION * file_bytes + FLOOR_BYTES
-    total = 0
+    budget = TensorBudget(label, file_bytes)
     for name, t in iter_tensors(obj):
-        size = materialised_bytes(t)
-        total += size
-        if total > budget:
-            shape = "x".join(str(s) for s in t.shape)
-            raise InputError(
-                f"{label}: tensor {name!r} ({shape} {str(t.dtype).removeprefix('torch.')}) would take "
-                f"{_human(size)} in memory, more than a {_human(file_bytes)} file can hold (a view much larger than "
-                "its stored data); refused before allocating it"
-            )
+        budget.add(f"tensor {name!r}", t.shape, str(t.dtype).removeprefix("torch."), materialised_bytes(t))
+
+
+FOLDABLE_FLOATS = ("float16", "bfloat16", "float32", "float64")
+"""The floating dtypes slabconv folds (a fold is computed in float64 and rounded once to one of them)."""
+
+
+def unfoldable_dtype(label: str, what: str, dtype: str) -> InputError:
+    """The one refusal of a tensor whose dtype no fold can be trusted with, in every format: complex (a fold in
+    float64 would drop the imaginary part), quantized, float8 and narrower (their storage is not the value), text.
+    Both sides of a verification would agree on the wrong numbers, so it is refused, not verified.
+
+    Args:
+        label: the user's path; what: the tensor (``tensor 'w'``, ``initializer 'bn.var'``); dtype: its name.
+    """
+    return InputError(
+        f"{label}: {what} is {dtype}; slabconv folds float16, bfloat16, float32 and float64 models: convert the "
+        "model to one of those first"
+    )
 
 
 def _human(n: int) -> str:
@@ -424,8 +481,41 @@ def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: 
         warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol N": the error, if any, says enough
         # torch.serialization.load is torch.load itself; no_code_from_pickles replaces only the name torch.load.
         obj = torch.serialization.load(target, map_location="cpu", weights_only=True)
+    check_nesting(obj, label)
     check_extents(obj, size, label)
     return obj
+
+
+def check_nesting(obj: Any, label: str) -> None:
+    """Refuse a loaded pickle nested deeper than ``MAX_JSON_DEPTH`` containers, or whose containers are reached
+    more than ``MAX_PICKLE_OPS`` times (a pickle can refer to one list from many places, at every level: a few
+    bytes that every walk over it, ``plain`` and ``iter_tensors`` included, would take exponential time to visit).
+    Walked without recursion, so a 10,000-deep config is one line, not a ``RecursionError``.
+
+    Raises:
+        InputError: naming the file and the limit.
+    """
+    stack = [(obj, 0)]
+    visits = 0
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            children = item
+        else:
+            continue
+        visits += 1
+        if depth >= MAX_JSON_DEPTH:
+            raise InputError(
+                f"{label}: the pickle nests deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused"
+            )
+        if visits > MAX_PICKLE_OPS:
+            raise InputError(
+                f"{label}: the pickle refers to its containers more than {MAX_PICKLE_OPS} times (slabconv's limit; "
+                "see docs/security.md); refused"
+            )
+        stack.extend((child, depth + 1) for child in children)
 
 
 def count_pickled_tensors(source: bytes | IO[bytes], names: list[str], label: str, data: bytes | None = None) -> int:

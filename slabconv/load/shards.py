@@ -1,20 +1,27 @@
 """Lazy, block-wise reads from a safetensors model folder, for the streamed mode (``fuse --stream``,
 ``verify --stream``): nothing but the block being folded or compared is ever resident.
 
-``LazyShards`` reads tensors, row ranges and headers through short-lived ``safe_open`` handles;
-``return_freed_blocks_to_the_os`` keeps glibc from holding on to the freed blocks.
+``LazyShards`` reads tensors, row ranges and headers with short-lived open files (``read``, never a memory map: a
+shard truncated under it is one line, not a SIGBUS); ``return_freed_blocks_to_the_os`` keeps glibc from holding on to
+the freed blocks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 import torch
 
-from slabconv.errors import InputError, first_line
+from slabconv.errors import InputError
+from slabconv.load import safety
 from slabconv.load.hf import SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_INDEX, inside, read_index, shard_paths
+from slabconv.load.safetensors_file import read_header
 
 _MMAP_THRESHOLD = 1 << 20
 
@@ -43,9 +50,29 @@ def return_freed_blocks_to_the_os() -> bool:
         return False
 
 
+@dataclass
+class _Layout:
+    """One shard's header: its tensors in file order, each one's ``(dtype, shape)`` and the byte offset of its data
+    in the file, and the identity the file had when the header was read (``os.stat``: device, inode, size and
+    modification time), which every later read checks."""
+
+    order: list[str]
+    specs: dict[str, tuple[torch.dtype, list[int]]]
+    offsets: dict[str, int]
+    identity: tuple[int, int, int, int]
+
+
+def _identity(info: os.stat_result) -> tuple[int, int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+
+
 class LazyShards:
-    """Lazy reads from a sharded safetensors folder, each through its own short-lived ``safe_open`` handle (closing
-    a handle unmaps its pages, so nothing read stays resident beyond the tensor returned).
+    """Lazy reads from a sharded safetensors folder: each read opens the shard, reads the bytes of the tensor (or of
+    its rows) into the tensor's own memory and closes it, so nothing read stays resident beyond the tensor returned.
+
+    The shards are read with ``read`` calls, not mapped: a shard truncated while it is read (a copy still running, a
+    full disk) is a short read, named in one line, where a mapped page past the end would be a SIGBUS that ends the
+    process. Each read also checks that the shard is the file whose header was read (``_Layout.identity``).
 
     Args:
         folder: the folder holding the shards.
@@ -56,6 +83,7 @@ class LazyShards:
     def __init__(self, folder: Path, weight_map: dict[str, str], block_elements: int = 1 << 22):
         self.folder, self.weight_map, self.block_elements = folder, weight_map, block_elements
         self._specs: dict[str, tuple[torch.dtype, list[int]]] = {}  # from each shard's header, read once
+        self._layouts: dict[str, _Layout] = {}
 
     @classmethod
     def open(cls, folder: Path | str, block_elements: int = 1 << 22) -> LazyShards:
@@ -78,51 +106,72 @@ class LazyShards:
             return cls(folder, dict.fromkeys(keys, SAFETENSORS), block_elements)
         raise InputError(f"{folder}: neither {SAFETENSORS_INDEX} nor {SAFETENSORS}; not a safetensors model folder")
 
-    def _open(self, key: str) -> Any:
-        from safetensors import safe_open
-
+    def _shard(self, key: str) -> str:
         if key not in self.weight_map:
             raise InputError(f"{self.folder}: tensor {key!r} is missing (not in the index or the file)")
-        path = self.folder / self.weight_map[key]
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
-            raise InputError(f"{path}: not a readable safetensors file ({err})") from None
+        return self.weight_map[key]
+
+    @contextlib.contextmanager
+    def _open(self, shard: str) -> Iterator[tuple[IO[bytes], _Layout]]:
+        """The shard open for reading, and its layout; the open file must be the one whose header was read."""
+        layout = self._layout(shard)
+        path = self.folder / shard
+        with safety.open_regular(path, "a safetensors shard") as f:
+            if _identity(os.fstat(f.fileno())) != layout.identity:
+                raise _changed(path)
+            yield f, layout
+
+    def _read(self, f: IO[bytes], layout: _Layout, key: str, rows: slice | None, path: Path) -> torch.Tensor:
+        """Tensor ``key`` (or rows ``rows`` of it, as ``tensor[rows]``) read from the open shard ``f``."""
+        if key not in layout.specs:
+            raise InputError(f"{path}: tensor {key!r} is missing from the file")
+        dtype, shape = layout.specs[key]
+        row = _numel(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+        count = shape[0] if shape else 1
+        start, stop, _ = (rows or slice(None)).indices(count)
+        stop = max(start, stop)
+        out_shape = ([stop - start, *shape[1:]] if rows is not None else shape) if shape else []
+        flat = torch.empty((stop - start) * row, dtype=torch.uint8)
+        buffer = flat.numpy().data  # the tensor's own memory
+        f.seek(layout.offsets[key] + start * row)
+        done = 0
+        while done < len(buffer):
+            got = f.readinto(buffer[done:])  # type: ignore[attr-defined]
+            if not got:
+                raise _changed(path, f"it ends inside tensor {key!r}")
+            done += got
+        tensor = flat.view(dtype)
+        if sys.byteorder == "big" and dtype.itemsize > 1:  # pragma: no cover - safetensors is little-endian
+            tensor = torch.from_numpy(tensor.numpy().byteswap())
+        return tensor.reshape(out_shape)
 
     def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
-        """One whole tensor, or rows ``rows`` of it (reading only their pages); ``slabconv.engine.WeightStore``."""
-        with self._open(key) as f:
-            return f.get_tensor(key) if rows is None else f.get_slice(key)[rows.start : rows.stop]
+        """One whole tensor, or rows ``rows`` of it (reading only their bytes); ``slabconv.engine.WeightStore``."""
+        shard = self._shard(key)
+        with self._open(shard) as (f, layout):
+            return self._read(f, layout, key, rows, self.folder / shard)
 
     def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
-        """Whole tensors, read through one handle per shard (``get`` opens one per tensor: a few ms each, which
-        adds up over the hundreds of small vectors a deep model holds)."""
+        """Whole tensors, read through one open file per shard (``get`` opens one per tensor, which adds up over
+        the hundreds of small vectors a deep model holds)."""
         by_shard: dict[str, list[str]] = {}
         for key in keys:
-            if key not in self.weight_map:
-                raise InputError(f"{self.folder}: tensor {key!r} is missing (not in the index or the file)")
-            by_shard.setdefault(self.weight_map[key], []).append(key)
+            by_shard.setdefault(self._shard(key), []).append(key)
         out: dict[str, torch.Tensor] = {}
         for shard, names in by_shard.items():
-            with self._open(names[0]) as f:
-                try:
-                    out.update((k, f.get_tensor(k)) for k in names)
-                except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
-                    raise InputError(
-                        f"{self.folder / shard}: not a readable safetensors file ({first_line(err)})"
-                    ) from None
+            with self._open(shard) as (f, layout):
+                out.update((k, self._read(f, layout, k, None, self.folder / shard)) for k in names)
         return {k: out[k] for k in keys}
 
     def _spec(self, key: str) -> tuple[torch.dtype, list[int]]:
         """``(dtype, shape)`` of a tensor from its shard's header, read once per shard (a fold asks per block)."""
         spec = self._specs.get(key)
         if spec is None:
-            if key not in self.weight_map:
-                raise InputError(f"{self.folder}: tensor {key!r} is missing (not in the index or the file)")
-            self.header(self.weight_map[key])  # fills the cache
+            shard = self._shard(key)
+            self.header(shard)  # fills the cache
             spec = self._specs.get(key)
             if spec is None:
-                raise InputError(f"{self.folder / self.weight_map[key]}: tensor {key!r} is missing from the file")
+                raise InputError(f"{self.folder / shard}: tensor {key!r} is missing from the file")
         return spec
 
     def dtype(self, key: str) -> torch.dtype:
@@ -130,48 +179,49 @@ class LazyShards:
         return self._spec(key)[0]
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor, reading only their pages."""
-        with self._open(key) as f:
-            return f.get_slice(key)[start:stop]
+        """Rows ``start:stop`` of a tensor, reading only their bytes."""
+        return self.get(key, slice(start, stop))
 
     def row_blocks(self, key: str, shape: list[int]) -> Iterator[torch.Tensor]:
-        """The tensor in blocks of rows (whole when it is small or 0/1-D), each read through its own handle with
-        ``get_slice``: only the pages of one block are ever mapped."""
+        """The tensor in blocks of rows (whole when it is small or 0/1-D), each read on its own: only one block is
+        ever in memory."""
         rows = max(1, self.block_elements // max(1, _numel(shape[1:])))
         if len(shape) < 2 or shape[0] <= rows:
             yield self.get(key)
             return
         for r in range(0, shape[0], rows):
-            with self._open(key) as f:
-                block = f.get_slice(key)[r : r + rows]
-            yield block
+            yield self.get(key, slice(r, r + rows))
 
     def shape(self, key: str) -> list[int]:
         """The tensor's shape, from its shard's header."""
         return list(self._spec(key)[1])
 
+    def _layout(self, shard: str) -> _Layout:
+        layout = self._layouts.get(shard)
+        if layout is None:
+            self.header(shard)
+            layout = self._layouts[shard]
+        return layout
+
     def header(self, shard: str) -> tuple[list[str], dict[str, tuple[torch.dtype, list[int]]]]:
         """The keys of a shard in file order and their (dtype, shape), from its header only (no tensor data); they
-        also answer ``shape`` and ``dtype`` from then on.
+        also answer ``shape`` and ``dtype`` from then on (``safetensors_file.read_header``: checked as a whole
+        safetensors file is).
 
         Raises:
-            InputError: not a safetensors file, or a dtype torch has no name for here.
+            InputError: not a readable safetensors file, or a dtype the streamed mode does not read.
         """
-        from safetensors import safe_open
-
         path = self.folder / shard
-        rev = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                # file order (safetensors' offset_keys); releases before it have only keys(), sorted by name
-                order = list(f.offset_keys()) if hasattr(f, "offset_keys") else list(f.keys())
-                specs = {k: (f.get_slice(k).get_dtype(), list(f.get_slice(k).get_shape())) for k in order}
-        except Exception as err:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ...
-            raise InputError(f"{path}: not a readable safetensors file ({first_line(err)})") from None
-        unknown = [k for k, (dtype, _) in specs.items() if dtype not in rev]
+        with safety.open_regular(path, "a safetensors shard") as f:
+            identity = _identity(os.fstat(f.fileno()))
+            _, entries, data_start = read_header(f, str(path))
+        unknown = [(name, dtype) for name, dtype, *_ in entries if dtype not in SAFETENSORS_DTYPES]
         if unknown:
-            raise InputError(f"{path}: {unknown[0]!r} has dtype {specs[unknown[0]][0]}, which slabconv does not read")
-        typed = {k: (rev[dtype], shape) for k, (dtype, shape) in specs.items()}
+            raise InputError(f"{path}: {unknown[0][0]!r} has dtype {unknown[0][1]}, which slabconv does not read")
+        order = [name for name, *_ in entries]
+        typed = {name: (dtype, list(shape)) for name, dtype, shape, _, _ in entries}
+        offsets = {name: data_start + begin for name, _, _, begin, _ in entries}
+        self._layouts[shard] = _Layout(order, typed, offsets, identity)
         # the fold's per-block shape and dtype questions need no second read; only for the tensors the index puts
         # in this shard (a damaged folder may list a tensor in another shard's header too)
         self._specs.update((k, v) for k, v in typed.items() if self.weight_map.get(k) == shard)
@@ -183,6 +233,13 @@ class LazyShards:
         for shard in dict.fromkeys(self.weight_map.values()):
             out.update(self.header(shard)[1])
         return {k: out[k] for k in self.weight_map if k in out}
+
+
+def _changed(path: Path, detail: str = "it is not the file whose header was read") -> InputError:
+    return InputError(
+        f"{path}: the file changed while slabconv read it ({detail}); nothing was written: rerun once nothing is "
+        "writing it"
+    )
 
 
 def _numel(shape: list[int]) -> int:

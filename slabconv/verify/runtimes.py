@@ -27,6 +27,7 @@ import torch
 from torch import fx, nn
 
 from slabconv.errors import InputError, UsageError, first_line
+from slabconv.util import text_path
 from slabconv.verify.backends import BACKENDS, Backend
 from slabconv.verify.policy import dtype_name
 
@@ -243,10 +244,11 @@ def open_onnxruntime(
         options = ort.SessionOptions()
         options.graph_optimization_level = graph_levels[label]
         options.log_severity_level = 3
-        try:
-            session = ort.InferenceSession(str(path), options, providers=[provider])
-        except Exception as err:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise RuntimeUnavailable(f"onnxruntime cannot run {path.name}: {first_line(err, 160)}") from None
+        with text_path(path) as text:  # onnxruntime takes UTF-8 paths only
+            try:
+                session = ort.InferenceSession(text, options, providers=[provider])
+            except Exception as err:  # noqa: BLE001 - onnxruntime raises its own exception types
+                raise RuntimeUnavailable(f"onnxruntime cannot run {path.name}: {first_line(err, 160)}") from None
         inputs = session.get_inputs()
         if len(inputs) != 1 and not several:
             raise InputError(f"{path}: the model has {len(inputs)} inputs; slabconv verifies models with one input")

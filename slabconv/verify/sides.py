@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slabconv.errors import UsageError
+from slabconv.errors import SlabconvError, UsageError
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
-from slabconv.util import sha256_file
+from slabconv.util import sha256_file, text_path
 from slabconv.write.hf_llama import MODELING_FILE
 
 
@@ -221,7 +221,7 @@ def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:
             return None, {}
         path = path.parent / str(shards[0])
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with text_path(path) as text, safe_open(text, framework="pt") as f:  # safetensors takes UTF-8 paths only
             metadata = dict(f.metadata() or {})
             for key in f.keys():
                 dtype = str(f.get_slice(key).get_dtype()).lower()
@@ -229,6 +229,8 @@ def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:
                 if dtype in names:
                     return names[dtype], metadata
             return None, metadata
+    except SlabconvError:
+        raise
     except Exception:  # noqa: BLE001 - the load stage names what is wrong with the file when it reads it
         return None, {}
 

@@ -9,6 +9,7 @@ import torch
 
 from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.load.onnx_file import PROTOBUF_LIMIT_BYTES
 from slabconv.options import BFLOAT16_OPSET, OPSET_RANGE, check_opset  # noqa: F401 (the opset rules, stated once)
 from slabconv.util import quiet
 from slabconv.version import __version__
@@ -26,7 +27,6 @@ FOLDED_KEY = "slabconv_folded"
 """``true`` when the file is a fold of its source, ``false`` for ``export --no-fuse`` (absent: a fold)."""
 ARCH_KEY = "slabconv_arch"
 """The architecture of the source, when it has a registered one."""
-PROTOBUF_LIMIT_BYTES = 2**31 - 1
 
 
 def provenance(source_sha256: str, arch: str | None, folded: bool) -> dict[str, str]:

@@ -7,6 +7,7 @@ are ``docs/security.md``'s; ``slabconv.write.staging`` writes and publishes the 
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -134,11 +135,12 @@ def _check_path(target: Path) -> None:
             file system, or a folder that cannot be written.
     """
     for part in (target, *target.parents):  # before any system call: a name over NAME_MAX makes them raise
-        if len(part.name.encode()) + (STAGING_EXTRA if part == target else 0) > 255:
+        if len(os.fsencode(part.name)) + (STAGING_EXTRA if part == target else 0) > 255:
             raise UsageError(
                 f"{shown(target)}: the name {shown(part.name[:40])!r}... has {len(part.name)} characters; file systems "
                 "allow 255 or fewer (less the suffix slabconv adds while writing); choose a shorter name"
             )
+    _check_path_length(target, 4096)  # PATH_MAX on Linux, before any system call (they raise over it too)
     if target.is_symlink():
         where = os.readlink(target)
         raise UsageError(f"{shown(target)} is a symbolic link (to {shown(where)}); give the real path you want written")
@@ -157,23 +159,47 @@ def _check_path(target: Path) -> None:
     path_max = _pathconf(existing, "PC_PATH_MAX", 4096)
     for part in {*missing, target}:
         extra = STAGING_EXTRA if part == target else 0  # the staging folder's name is the target's plus a suffix
-        if len(part.name.encode()) + extra > name_max:
+        if len(os.fsencode(part.name)) + extra > name_max:
             raise UsageError(
                 f"{shown(target)}: the name {shown(part.name[:40])!r}... has {len(part.name)} characters; this file "
                 f"system allows {name_max - extra} here; choose a shorter name"
             )
-    staged = len(str(target).encode()) + STAGING_EXTRA + 1 + len(target.name.encode())  # <staging>/<name>
+    _check_path_length(target, path_max)
+    _probe(existing)
+    umask = os.umask(0)
+    os.umask(umask)
+    if umask & 0o700:  # the files would be written, then unreadable to the verification (and to you)
+        raise UsageError(
+            f"cannot write {shown(target)}: the umask {umask:04o} takes your own read or write permission from what "
+            "slabconv writes; run it with a umask that leaves them (e.g. umask 022)"
+        )
+
+
+def _probe(folder: Path) -> None:
+    """Create a file in ``folder`` and remove it again: the one test of "can be written" that every file system
+    answers truly (``os.access`` says yes to root on sysfs or a folder an ACL or a read-only mount closes).
+
+    Raises:
+        UsageError: ``cannot write to DIR: permission denied; choose a writable output location`` (or the
+            system's reason).
+    """
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write to {shown(folder)}: permission denied; choose a writable output location")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".slabconv-probe-", dir=folder)
+    except OSError as err:
+        reason = "permission denied" if err.errno in (errno.EACCES, errno.EPERM) else (err.strerror or str(err))
+        raise UsageError(f"cannot write to {shown(folder)}: {reason}; choose a writable output location") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def _check_path_length(target: Path, path_max: int) -> None:
+    """Refuse a target whose staged files' paths (``<staging folder>/<name>``, with room for the names inside)
+    would be over ``path_max`` bytes."""
+    staged = len(os.fsencode(str(target))) + STAGING_EXTRA + 1 + len(os.fsencode(target.name))
     if staged + 64 > path_max:
         raise UsageError(f"{shown(target)}: the path is too long for this file system ({len(str(target))} characters)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write to {shown(existing)}: permission denied; choose a writable output location")
-    try:  # what access() cannot tell (a virtual file system such as /proc, a read-only mount, root's rights)
-        os.rmdir(tempfile.mkdtemp(prefix=".slabconv-probe-", dir=existing))
-    except OSError as err:
-        raise UsageError(
-            f"cannot write to {shown(existing)}: making a folder there fails ({err.strerror or err}); choose a "
-            "writable output location"
-        ) from None
 
 
 def _pathconf(path: Path, name: str, default: int) -> int:
@@ -219,6 +245,11 @@ def check_output_folder(out: Path | str, *, force: bool, inputs: Sequence[Path] 
     _check_replaceable(target, f"--out {out}")
     if any(target.iterdir()):
         _check_owned(target, out)
+    if not os.access(target, os.W_OK | os.X_OK):  # the swap moves it aside and removes what it holds
+        raise UsageError(
+            f"--out {shown(out)} is read-only, and --force moves the old output aside and removes it; make it "
+            "writable (chmod -R u+w) or choose a new folder"
+        )
     return target
 
 

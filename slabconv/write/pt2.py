@@ -3,6 +3,7 @@ ExecuTorch and torch-TensorRT take, loadable with ``torch.export.load`` without 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -70,11 +71,73 @@ def _axes_info(axes: dict[int, Any] | None, example: torch.Tensor) -> dict[str, 
     }
 
 
+class _Guarded(io.RawIOBase):
+    """An open file for torch's C++ zip writer that never raises into it: the first ``OSError`` (a full disk, an
+    I/O error) is kept and later writes are dropped, so the writer finishes (and its destructor, which writes the
+    zip's end, runs) without an exception crossing C++; ``save_pt2`` raises the kept error once torch returns.
+
+    Source: torch's ``PyTorchFileWriter`` turns an exception of a Python ``write`` into ``pybind11::error_already_set``;
+    one raised while the writer is destroyed ends the process with ``std::terminate`` (SIGABRT), as does its own
+    file writer on a failed ``fwrite`` (``[enforce fail at inline_container.cc]``).
+    """
+
+    def __init__(self, file: io.BufferedWriter) -> None:
+        super().__init__()
+        self.file = file
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        if self.error is None:
+            try:
+                self.file.write(data)
+            except OSError as err:
+                self.error = err
+        return size
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if self.error is None:
+            try:
+                return self.file.seek(offset, whence)
+            except OSError as err:
+                self.error = err
+        return 0
+
+    def tell(self) -> int:
+        return self.file.tell() if self.error is None else 0
+
+    def flush(self) -> None:
+        if self.error is None:
+            try:
+                self.file.flush()
+            except OSError as err:
+                self.error = err
+
+
 def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: Path) -> None:
-    """Save ``program`` to ``path`` with slabconv's extra file (``MARK``: its version and ``info``)."""
+    """Save ``program`` to ``path`` with slabconv's extra file (``MARK``: its version and ``info``).
+
+    torch writes into a file opened here, through ``_Guarded``: a full disk or an I/O error is an ``OSError``
+    raised here (the staging folder maps it to one line and removes itself), never a C++ abort; a path whose name
+    is not UTF-8 is opened by Python, which torch's own writer cannot do.
+
+    Raises:
+        OSError: the file cannot be written (ENOSPC, EIO, EACCES, ...).
+    """
     extra = {MARK: json.dumps({"slabconv_version": __version__, **info})}
-    with quiet():
-        torch.export.save(program, str(path), extra_files=extra)
+    with open(path, "wb") as file:
+        guarded = _Guarded(file)
+        with quiet():
+            torch.export.save(program, guarded, extra_files=extra)  # type: ignore[arg-type] # a RawIOBase
+        guarded.flush()
+        if guarded.error is not None:
+            raise guarded.error
 
 
 def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:

@@ -191,6 +191,7 @@ def _make_staging(final: Path) -> Path:
         except FileExistsError:
             continue
     try:
+        os.chmod(tmp, 0o700)  # whatever the umask: a folder without the owner's rwx could not even be removed again
         marker = {"slabconv": "staging", "for": final.name, "pid": os.getpid(), "token": token}
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
         fd = os.open(tmp / MARKER, flags, 0o600)

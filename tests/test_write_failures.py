@@ -1,0 +1,143 @@
+"""Failures while writing or reading, and outputs that fail late (issue 37).
+
+- A full disk while ``model.pt2`` is written ended the process with SIGABRT (torch's C++ zip writer); the limit on
+  file size (``RLIMIT_FSIZE``: ``EFBIG`` past it, as ``ENOSPC`` on a full disk) stands for the disk here.
+- A shard truncated while ``--stream`` read it through a memory map killed the process with SIGBUS.
+- ``bench --plot`` into a folder that cannot be written failed after the whole benchmark; ``--force`` onto a
+  read-only previous output failed after the whole fuse. Both are refused before any work.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from slabconv.cli import app
+from tests import onnxcases as oc
+from tests.conftest import FIXTURE
+from tests.tinyckpt import error_lines, save_ckpt, snapshot, tiny_state_dict
+
+runner = CliRunner()
+
+
+def test_a_full_disk_while_model_pt2_is_written_is_one_line_and_keeps_the_previous_output(tmp_path: Path) -> None:
+    """In this process (on main it ended the process with SIGABRT: torch's zip writer called std::terminate)."""
+    ckpt = save_ckpt(tmp_path / "tiny.pth")
+    out = tmp_path / "out"
+    model = oc.save(oc.base_model(), tmp_path / "m")
+    assert runner.invoke(app, ["fuse", str(model), "--out", str(out), "--quiet"]).exit_code == 0  # a previous output
+    weights = sum(t.numel() * t.element_size() for t in tiny_state_dict().values())
+    limit = weights + (16 << 10)  # model.safetensors (the weights and a header) fits; model.pt2 (+ its program) not
+    before = snapshot(tmp_path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))  # CPython ignores SIGXFSZ: a write past it is EFBIG
+    try:
+        result = runner.invoke(app, ["fuse", str(ckpt), "--no-onnx", "--no-verify", "--force", "--out", str(out)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert result.exit_code == 2, result.output
+    assert error_lines(result.stderr) == [
+        f"error: cannot write {out}: File too large; nothing was written (free space or choose another location)"
+    ]
+    assert snapshot(tmp_path) == before, "the previous output changed, or the staging folder was left"
+
+
+def test_a_shard_truncated_while_it_is_read_is_named_not_a_sigbus(tmp_path: Path, monkeypatch) -> None:
+    """The shard shrinks right after whatever the reader opens it with (both openers are wrapped): a read past the
+    new end of a mapped file is SIGBUS (on main this test ends the process); a read() is short, and named."""
+    import safetensors
+
+    from slabconv.errors import InputError
+    from slabconv.load import safety, shards
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(1 << 18)}, str(path))  # 1 MiB of data
+    reader = shards.LazyShards.open(tmp_path)
+    reader.specs()  # the header is read here, from the whole file
+
+    def truncating(opener):  # noqa: ANN001, ANN202
+        def opened(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            handle = opener(*args, **kwargs)  # a memory map, or a file
+            os.truncate(path, 4096)
+            return handle
+
+        return opened
+
+    monkeypatch.setattr(safety, "open_regular", truncating(safety.open_regular))
+    monkeypatch.setattr(safetensors, "safe_open", truncating(safetensors.safe_open))
+    with pytest.raises(InputError) as caught:
+        float(reader.get("w").sum())  # the values used: a mapped page past the end faults here
+    assert str(caught.value).startswith(f"{path}: the file changed while slabconv read it ("), caught.value
+
+
+def test_a_shard_that_ends_inside_a_tensor_is_a_short_read(tmp_path: Path) -> None:
+    """The read itself (the identity check passed, the file shrank during the read): the bytes that are missing are
+    named, never read as zeros."""
+    from slabconv.errors import InputError
+    from slabconv.load import shards
+
+    save_file({"w": torch.ones(1 << 18)}, str(tmp_path / "model.safetensors"))
+    reader = shards.LazyShards.open(tmp_path)
+    layout = reader._layout("model.safetensors")
+    with open(tmp_path / "model.safetensors", "rb") as f:
+        os.truncate(tmp_path / "model.safetensors", 4096)
+        with pytest.raises(InputError, match=r"changed while slabconv read it \(it ends inside tensor 'w'\)"):
+            reader._read(f, layout, "w", None, tmp_path / "model.safetensors")
+
+
+def _unwritable_folder(tmp_path: Path) -> Path:
+    """A folder no file can be created in: a read-only one for a normal user; for root (whom permissions do not
+    stop), sysfs, which refuses new files to root too."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "locked"
+        folder.mkdir()
+        folder.chmod(0o500)
+        return folder
+    sysfs = Path("/sys/kernel")
+    if not sysfs.is_dir():
+        pytest.skip("running as root without /sys/kernel: no folder here refuses root a new file")
+    return sysfs
+
+
+def test_bench_plot_into_an_unwritable_folder_is_refused_before_any_timing(tmp_path: Path) -> None:
+    folder = _unwritable_folder(tmp_path)
+    plot = folder / "bench.png"
+    args = ["bench", str(FIXTURE / "checkpoint.pth"), "--runtime", "pytorch", "--batch", "1", "--repeats", "1"]
+    result = runner.invoke(app, [*args, "--warmup", "0", "--plot", str(plot)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --plot cannot write to {folder}: permission denied; choose a writable output location"
+    ], "refused after the timing started"
+    assert not plot.exists()
+
+
+def test_force_onto_a_read_only_previous_output_is_refused_before_the_work(tmp_path: Path, monkeypatch) -> None:
+    """The atomic swap moves the old output into the staging folder and removes it, which a read-only folder
+    refuses: after the whole fuse. Root is not stopped by permissions, so for root ``os.access`` answers as the
+    folder's mode does for its owner (what the check asks)."""
+    model = oc.save(oc.base_model(), tmp_path / "m")
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["fuse", str(model), "--out", str(out), "--quiet"]).exit_code == 0
+    out.chmod(0o555)
+    if os.geteuid() == 0:
+        access = os.access
+        monkeypatch.setattr(
+            os, "access", lambda p, mode, **kw: access(p, mode, **kw) and (Path(p) != out or not mode & os.W_OK)
+        )
+    before = snapshot(tmp_path)
+    try:
+        result = runner.invoke(app, ["fuse", str(model), "--out", str(out), "--force"])
+    finally:
+        out.chmod(0o755)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"error: --out {out} is read-only, and --force moves the old output aside and removes it; make it writable "
+        "(chmod -R u+w) or choose a new folder"
+    ], "refused after the fuse"
+    assert snapshot(tmp_path) == before
