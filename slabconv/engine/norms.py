@@ -50,6 +50,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
 from slabconv.engine.layers import LAYER_OF
+from slabconv.engine.norm_affine import NORM_OPS, affine_kind
 from slabconv.engine.rules import VIEW_OPS, Chan
 
 aten = torch.ops.aten
@@ -66,7 +67,9 @@ class NormSite:
     Attributes:
         name: module path of the norm (e.g. ``blocks.0.norm1``), or its first node's name without module
             metadata.
-        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine`` or ``LayerScale``.
+        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine``, ``LayerScale``, or the affine of a
+            LayerNorm / RMSNorm / GroupNorm split from it (``LayerNorm-affine``, ``RMSNorm-affine``,
+            ``GroupNorm-affine``; ``slabconv.engine.norm_affine``).
         input: the tensor the norm reads (``(B, C, ...)`` for a BN, any layout for the others);
             ``output`` the node whose value is the norm's output (same shape and dtype).
         region: the nodes that compute the norm, in graph order (removed when it is folded).
@@ -79,6 +82,8 @@ class NormSite:
         eps: the BN eps stored in the graph (0.0 without a BN op).
         param_names: the dotted name of the stored tensor behind each of ``params`` (None where absent or
             computed).
+        shifted: a constant is added (``shift`` may still be 0 where that constant is); a norm kind without a BN
+            op and without a shift creates no bias where it folds.
     """
 
     name: str
@@ -94,6 +99,7 @@ class NormSite:
     scale: torch.Tensor | None = None
     shift: torch.Tensor | None = None
     input_slot: tuple[fx.Node, int] | None = None
+    shifted: bool = True
 
     @property
     def channels(self) -> int:
@@ -162,8 +168,10 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
             axis = layer.out_axis(node)
         elif node in analysis.aff and analysis.aff[node].axis is not None:
             axis = analysis.aff[node].axis
-        elif node.target is aten.layer_norm.default:
-            axis = len(shape) - 1
+        elif node.target in NORM_OPS and not NORM_OPS[node.target].tuple_out:
+            axis = NORM_OPS[node.target].axis % len(shape)
+        elif node.target is operator.getitem and node.args[1] == 0 and node.args[0].target in NORM_OPS:  # type: ignore[union-attr]
+            axis = NORM_OPS[node.args[0].target].axis % len(shape)  # type: ignore[union-attr]
         size = static_int(shape[axis]) if axis is not None else None
         return Chan(axis, size) if axis is not None and size is not None else None
 
@@ -251,6 +259,9 @@ def _stored_name(node: Any) -> str | None:
 
 
 def _kind(analysis: _Analysis, cand: Affine) -> str:
+    split = affine_kind(cand.nodes)  # the affine of a LayerNorm / RMSNorm / GroupNorm (``fold_norm_affine``)
+    if split is not None and not cand.bns:
+        return split
     if cand.bns:
         return "RepBN" if cand.base_term else "BatchNorm"
     normalising = {aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.reciprocal.default}
@@ -323,6 +334,7 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
         scale=scale,
         shift=shift,
         input_slot=_input_slot(region, base),
+        shifted=bool(cand.bns) or cand.shifted,
     )
 
 
