@@ -177,12 +177,15 @@ def export(
     check_output_file(target, force=force, inputs=[source], owned=written_by_slabconv)
     if target.suffix.lower() != ".onnx":
         raise UsageError(f"--onnx {target}: give a file name ending in .onnx, e.g. {target.with_suffix('.onnx').name}")
+    norm_affine = bool(load and load.fold_norm_affine)
+    if norm_affine and not fuse:
+        raise UsageError("--fold-norm-affine folds norms; --no-fuse exports the original as it is: drop one of them")
     loaded = load_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
     example = loaded.trace_example()
     if fuse:
-        planned = plan(loaded, progress)
+        planned = plan(loaded, progress, norm_affine=norm_affine)
         model, decisions, example = planned.fused, planned.decisions, planned.example
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
@@ -300,6 +303,11 @@ def bench(
 
     _check_types(load=(load, LoadOptions))
     source, opts = Path(path), load or LoadOptions()
+    if opts.fold_norm_affine:
+        raise UsageError(
+            "bench times the original against the fused and norm-free models; fold_norm_affine does not apply: "
+            "fuse with it, then bench the folder fuse wrote"
+        )
     if source.is_dir() and (source / "report.json").is_file():
         source, opts = bench_mod.source_of_output(source, opts)
     loaded = load_model(source, opts)

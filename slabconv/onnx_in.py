@@ -57,6 +57,12 @@ def check_options(path: Path, load: LoadOptions | None, write: WriteOptions | No
             f"{path}: {given[0]} does not apply to an ONNX original (its graph is the model, and the fused model is "
             "written as model.onnx); drop it"
         )
+    if load.fold_norm_affine:
+        raise UsageError(
+            f"{path}: --fold-norm-affine is not available for an ONNX original yet (its engine does not split the "
+            "affine of a LayerNormalization / RMSNormalization / GroupNormalization); fold the model's checkpoint or "
+            "its torch.export program (.pt2) instead"
+        )
 
 
 def source_of(info: OnnxFile) -> Source:

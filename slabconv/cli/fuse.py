@@ -16,6 +16,7 @@ from slabconv.options import WriteOptions
 def fuse(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
+    fold_norm_affine: o.FoldNormAffine = False,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output folder (default: <checkpoint stem>-fused beside it).")
     ] = None,
@@ -72,6 +73,7 @@ def fuse(
       slabconv fuse checkpoint.pth --arch deit_tiny_prepbn --ema --json > report.json
       slabconv fuse llama-folder --stream --no-onnx --out llama-fused
       slabconv fuse model.onnx --simplify --out model-fused
+      slabconv fuse qwen2-folder --fold-norm-affine --out qwen2-unit-norms
     """
     from slabconv import api
 
@@ -82,7 +84,7 @@ def fuse(
             force=force, onnx=not no_onnx, pt2=not (no_pt2 or stream), stream=stream, dtype=dtype, opset=opset,
             simplify=simplify,
         )  # fmt: skip
-        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         with output.progress() as progress:
             report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
         s = report.summary

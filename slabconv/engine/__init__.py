@@ -30,7 +30,7 @@ from slabconv.engine.capture import capture, capture_program, copy_sharing, writ
 from slabconv.engine.cleanup import fused_state_dict, norm_free
 from slabconv.engine.lift import lift_program
 from slabconv.engine.norm_affine import KINDS as NORM_AFFINE_KINDS
-from slabconv.engine.norm_affine import split_norm_affines
+from slabconv.engine.norm_affine import folds_norm_affine, split_norm_affines
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.planner import (
     FOLDED_BACKWARD,
@@ -70,6 +70,7 @@ __all__ = [
     "fold_all",
     "fold_program",
     "fold_repeated",
+    "folds_norm_affine",
     "fused_state_dict",
     "lift_program",
     "norm_free",

@@ -84,6 +84,13 @@ def is_norm_affine(kind: str) -> bool:
     return kind in KINDS
 
 
+def folds_norm_affine(decisions: Any) -> bool:
+    """True when a plan's decisions (``Decision`` or ``folds[]`` dicts) hold a norm of these kinds: the plan was
+    made with ``split_norm_affines`` (a float64 fold that checks it must split too). A plan made with it that has
+    none computes exactly what one made without it does."""
+    return any(is_norm_affine(d["kind"] if isinstance(d, dict) else d.kind) for d in decisions)
+
+
 def affine_kind(nodes: Any) -> str | None:
     """The kind of a norm whose ops are ``nodes`` when one of them is a marked multiply, else None."""
     for node in nodes:

@@ -3,7 +3,10 @@
 The metadata contract (written by ``fused_metadata``, read by ``FusedMetadata.read``; nothing else builds or
 parses it): ``format`` ``pt``, ``slabconv_version``, ``arch`` (the registered architecture, empty for a
 program), ``source_sha256`` (of the checkpoint), ``complete`` (``true`` when every norm folded away, so the
-weights load into the norm-free model of the architecture) and ``config`` (the JSON build config).
+weights load into the norm-free model of the architecture) and ``config`` (the JSON build config); with
+``--fold-norm-affine`` also ``norm_affine`` ``true``: the fold took the affine of the LayerNorms / RMSNorms /
+GroupNorms and their normalisations stay (``complete`` then means every norm folded or was kept whole in its op,
+and the weights load into the architecture with its norms, each weight 1 where it folded).
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from slabconv.util import upper_bound
 from slabconv.version import __version__
 
 
-def fused_metadata(arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any]) -> dict[str, str]:
+def fused_metadata(
+    arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any], norm_affine: bool = False
+) -> dict[str, str]:
     """The string metadata of a fused safetensors file (see the module docstring)."""
-    return {
+    out = {
         "format": "pt",
         "slabconv_version": __version__,
         "arch": arch or "",
@@ -30,6 +35,9 @@ def fused_metadata(arch: str | None, source_sha256: str, complete: bool, config:
         "complete": "true" if complete else "false",
         "config": json.dumps(dict(config)),
     }
+    if norm_affine:
+        out["norm_affine"] = "true"
+    return out
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class FusedMetadata:
     source_sha256: str
     complete: bool
     config: dict[str, Any]
+    norm_affine: bool = False
 
     @classmethod
     def read(cls, metadata: Mapping[str, str], label: str = "the safetensors file") -> FusedMetadata | None:
@@ -67,6 +76,7 @@ class FusedMetadata:
             source_sha256=metadata.get("source_sha256", ""),
             complete=metadata.get("complete") == "true",
             config=config if isinstance(config, dict) else {},
+            norm_affine=metadata.get("norm_affine") == "true",
         )
 
 

@@ -195,7 +195,7 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
             )
         arch = arch or fused.arch
         config = fused.config
-        norm = "identity"
+        norm = "checkpoint" if fused.norm_affine else "identity"  # a norm whose affine folded keeps its normalisation
     if image_size is not None:
         config = with_image_size(config, image_size)
     # A Hugging Face folder's sizes come from its config.json: name that file in what the config gets blamed for.

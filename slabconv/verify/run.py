@@ -135,8 +135,10 @@ def make_reference(
     seed: int,
     written: torch.dtype | None = None,
     limit: int | None = None,
+    norm_affine: bool = False,
 ) -> tuple[Reference, fx.GraphModule, list[Any]]:
-    """The reference of ``loaded`` on the verification inputs, and its float64 fold (for question 1).
+    """The reference of ``loaded`` on the verification inputs, and its float64 fold (for question 1; with
+    ``norm_affine``, of the affine of every LayerNorm / RMSNorm / GroupNorm too, as the fold being checked).
 
     ``written``: the dtype the files were written in when it is not the checkpoint's (``fuse --dtype``). The
     original's own error (``e_orig`` of question 2) is then that of the original model cast to ``written``: the
@@ -159,7 +161,7 @@ def make_reference(
     runner = torch_runner(original64, torch.float64, round_to=dtype)
     exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
-    fused64, decisions64 = fold64(original64)
+    fused64, decisions64 = fold64(original64, norm_affine)
     name = dtype_name(dtype)
     reference = Reference(x, label, digest, name, original, exact, output_names(len(original)), original64=original64)
     check_reference(reference)
@@ -419,8 +421,9 @@ def verify_fold(
     progress("verifying: the original model in its dtype and in float64")
     release_memory()  # what writing the files left: the exports' traces and translations (cheap in stage_memory)
     reference, fused64, decisions64 = make_reference(
-        loaded, original_graph, example, inputs, samples, seed, written=artifacts.dtype, limit=limit
-    )
+        loaded, original_graph, example, inputs, samples, seed, written=artifacts.dtype, limit=limit,
+        norm_affine=engine.folds_norm_affine(decisions),
+    )  # fmt: skip
     length = reference.x.shape[1] // 2 if reference.x.ndim == 2 else 0
     shorter = None
     if artifacts.dynamic_sequence and loaded.token_input and length >= 1:
