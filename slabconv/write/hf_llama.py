@@ -574,9 +574,10 @@ def _load_standard(folder: Path, dtype: torch.dtype | None) -> Any:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype if dtype is not None else "auto", output_loading_info=True
         )
+        model, info = loaded
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:

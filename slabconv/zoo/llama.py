@@ -362,6 +362,8 @@ class TiedHead(nn.Module):
     own table ``E`` (``model.embed_tokens.weight``), which it reads without holding it, so the state_dict (and an
     export graph) names the one table once, as transformers saves it."""
 
+    embedding: nn.Embedding
+
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
         self.__dict__["embedding"] = embedding  # not a submodule: its weight has one name, the embedding's
