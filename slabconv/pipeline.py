@@ -288,8 +288,9 @@ def _stack(shards: LazyShards) -> tuple[str, int] | None:
 
 
 def _require_streamable(decisions: list[engine.Decision], program: engine.Program) -> None:
-    """A streamed output is weights only: every norm folds away and every stored tensor comes from the checkpoint."""
-    kept = [d for d in decisions if not d.action.startswith("folded")]
+    """A streamed output is weights only: every norm folds away (or, the affine of a LayerNorm / RMSNorm / GroupNorm,
+    stays whole in its op) and every stored tensor comes from the checkpoint."""
+    kept = [d for d in decisions if not _whole(d)]
     if kept:
         d = kept[0]
         raise UnsupportedModelError(
