@@ -23,7 +23,8 @@ op                             written by                                       
 =============================  =====================================================  ========================
 
 The normalised shape must be the last axis alone (a LayerNorm over several axes has no single channel axis) and
-``γ`` (and ``β`` where present) a constant of the output's dtype; a norm with ``β`` but no ``γ`` is left whole.
+``γ`` (and ``β`` where present) a constant of the output's dtype that only norm ops read; a norm with ``β`` but no
+``γ`` is left whole.
 An RMSNorm written out (transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm``: ``γ * (x * rsqrt(mean(x²) + ε))`` with
 casts around it, and ``nn.RMSNorm`` after ``run_decompositions()``) already has its ``γ`` as a separate multiply:
 ``split_norm_affines`` only marks that multiply (``_rms_weight``). Without the option that multiply is still
@@ -116,10 +117,10 @@ def _out(node: fx.Node, op: NormOp) -> fx.Node | None:
 
 def _constant_vector(consts: Constants, node: Any, channels: int, dtype: torch.dtype) -> bool:
     """``node`` is a constant ``(C,)`` tensor of ``dtype`` (a stored parameter, or computed from stored tensors)
-    that this norm alone reads (a stored tensor read elsewhere too, tied norm weights, is left whole)."""
-    if not isinstance(node, fx.Node) or not consts.is_const(node) or len(node.users) != 1:
+    that only norm ops read (one norm module called twice reads its weight twice)."""
+    if not isinstance(node, fx.Node) or not consts.is_const(node):
         return False
-    if node.op == "get_attr" and sum(n.op == "get_attr" and n.target == node.target for n in node.graph.nodes) != 1:
+    if not all(_norm_reader(u) for u in node.users):
         return False
     shape = shape_of(node)
     val = node.meta.get("val")
@@ -129,6 +130,16 @@ def _constant_vector(consts: Constants, node: Any, channels: int, dtype: torch.d
     if shape is None or len(shape) != 1 or static_int(shape[0]) != channels:
         return False
     return isinstance(val, torch.Tensor) and val.dtype == dtype
+
+
+def _norm_reader(user: fx.Node) -> bool:
+    """``user`` is a norm op or the affine split from one (its multiply or add, or the view of ``γ`` / ``β`` that
+    feeds them)."""
+    if user.op != "call_function":
+        return False
+    if user.target in NORM_OPS or MARK in user.meta:
+        return True
+    return user.target is aten.view.default and bool(user.users) and all(MARK in u.meta for u in user.users)
 
 
 def _splittable(node: fx.Node, op: NormOp, consts: Constants) -> fx.Node | None:
@@ -352,9 +363,13 @@ def join_norm_affines(gm: fx.GraphModule) -> int:
 def unit_weight(mul: fx.Node) -> tuple[fx.Node, int, fx.Node] | None:
     """For the marked multiply of a split affine: ``(norm op, position of γ, the stored γ)``, where the folded
     norm keeps a weight of ones (``rewriter.apply_plan``); None for a written-out RMSNorm (its multiply goes
-    whole)."""
+    whole) and for a ``γ`` that something else reads too (another call of the same norm module, which may keep
+    its affine: the folded op then has no weight)."""
     parts = _split_parts(mul)
     if parts is None:
         return None
-    norm, op, weight, _, _, _ = parts
-    return (norm, op.weight, weight) if weight.op == "get_attr" else None
+    norm, op, weight, scale, _, _ = parts
+    if weight.op != "get_attr" or len(weight.users) != 1 or len(scale.users) != 1:
+        return None
+    same = [n for n in weight.graph.nodes if n.op == "get_attr" and n.target == weight.target]
+    return (norm, op.weight, weight) if len(same) == 1 else None
