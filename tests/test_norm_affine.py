@@ -76,25 +76,27 @@ def graph(model: nn.Module, x: torch.Tensor, core: bool) -> torch.fx.GraphModule
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("core", [False, True], ids=["export", "core-aten"])
 @pytest.mark.parametrize("form", sorted(FORMS))
-def test_every_written_form_folds_its_affine_and_keeps_a_unit_weight(form, core, dtype):
+def test_every_written_form_folds_its_affine_and_keeps_a_unit_weight(form, dtype):
+    """The export graph (``aten.layer_norm`` ...) and its core-ATen decomposition (``native_layer_norm``, a
+    written-out RMSNorm, ...) of one program."""
     model, x = head(form, dtype)
-    gm = graph(model, x, core)
-    decisions = fold_all(gm, norm_affine=True)
-    expected = [("norm", FORMS[form][1], "folded-forward", ["fc"])]
-    assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == expected
-    out = gm(x)
-    if dtype == torch.float32:
-        assert rel_err(out, model(x).double()) <= TOL[dtype]
-    else:
-        assert_half_close(out, model, x, dtype)
-    state = fused_state_dict(gm)
-    assert "norm.bias" not in state
-    if "norm.weight" in state:  # the op of the norm keeps its weight as ones; a written-out RMSNorm has no op left
-        assert state["norm.weight"].dtype == dtype and bool((state["norm.weight"] == 1).all())
-    else:
-        assert form in ("LlamaRMSNorm", "Qwen2RMSNorm") or core
+    program = torch.export.export(model, (x,))
+    for core, gm in ((False, program.module()), (True, program.run_decompositions().module())):
+        decisions = fold_all(gm, norm_affine=True)
+        expected = [("norm", FORMS[form][1], "folded-forward", ["fc"])]
+        assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == expected, core
+        out = gm(x)
+        if dtype == torch.float32:
+            assert rel_err(out, model(x).double()) <= TOL[dtype]
+        else:
+            assert_half_close(out, model, x, dtype)
+        state = fused_state_dict(gm)
+        assert "norm.bias" not in state
+        if "norm.weight" in state:  # the op of the norm keeps its weight as ones; a written-out RMSNorm has no op
+            assert state["norm.weight"].dtype == dtype and bool((state["norm.weight"] == 1).all())
+        else:
+            assert form in ("LlamaRMSNorm", "Qwen2RMSNorm") or (core and form == "RMSNorm")
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
