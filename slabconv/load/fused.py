@@ -98,11 +98,14 @@ class WrittenReport:
             included: what ``--force`` may replace.
         sha256: hex sha256 per written file (``outputs.sha256``), as recorded when it was written.
         source: the report's ``source`` block (``path``, ``sha256``, ``format``, ``arch``...), or None.
+        norm_affine: a fold of the affine of a LayerNorm / RMSNorm / GroupNorm is among ``folds`` (a kind ending in
+            ``-affine``): the fold was made with ``fold_norm_affine``.
     """
 
     files: frozenset[str]
     sha256: dict[str, str]
     source: dict[str, Any] | None
+    norm_affine: bool = False
 
     @classmethod
     def read(cls, folder: Path) -> WrittenReport | None:
@@ -130,7 +133,10 @@ class WrittenReport:
         recorded = outputs.get("sha256")
         hashes = {str(k): v for k, v in recorded.items() if isinstance(v, str)} if isinstance(recorded, dict) else {}
         source = data.get("source")
-        return cls(frozenset(names), hashes, source if isinstance(source, dict) else None)
+        folds = data.get("folds")
+        folds = folds if isinstance(folds, list) else []
+        norm_affine = any(isinstance(f, dict) and str(f.get("kind", "")).endswith("-affine") for f in folds)
+        return cls(frozenset(names), hashes, source if isinstance(source, dict) else None, norm_affine)
 
 
 def input_spec(program: Any) -> tuple[Any, list[tuple[int | None, int, int | None]]] | None:

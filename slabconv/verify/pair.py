@@ -21,7 +21,7 @@ import torch
 from slabconv import engine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.formats import engine_of
-from slabconv.load.fused import FusedMetadata, is_output_folder
+from slabconv.load.fused import FusedMetadata, WrittenReport, is_output_folder
 from slabconv.load.model import LoadedModel, load_model
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions
@@ -63,6 +63,8 @@ class Side:
         input_shape: one sample's input shape, when fixed.
         token_input: it takes integer ids.
         written: the tensors of a slabconv output (for question 1), else None.
+        norm_affine: that output was folded with ``fold_norm_affine`` (its metadata or report says so): question 1's
+            float64 fold of the reference folds the affine of its LayerNorms / RMSNorms / GroupNorms too.
         integrity, notes: file checks and notes of this side.
     """
 
@@ -73,6 +75,7 @@ class Side:
     token_input: bool
     written: dict[str, torch.Tensor] | None = None
     written_by_value: bool = False
+    norm_affine: bool = False
     integrity: list[IntegrityCheck] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -126,6 +129,8 @@ def open_side(path: Path, load: LoadOptions) -> Side:
     runtimes = [torch_runtime(loaded.model, dtype, what, fixed_batch=loaded.batch)]
     side = Side(loaded.source(path), runtimes, loaded, loaded.input_shape, loaded.token_input)
     fused = FusedMetadata.read(loaded.checkpoint.metadata) if loaded.checkpoint.format != "torch.export" else None
+    written = WrittenReport.read(path) if is_output_folder(path) else None  # a folder: its model.pt2 was loaded
+    side.norm_affine = (fused is not None and fused.norm_affine) or (written is not None and written.norm_affine)
     if is_output_folder(path):
         side.written = _output_tensors(path)
         if (path / "model.onnx").is_file():
@@ -150,7 +155,12 @@ def _output_tensors(folder: Path) -> dict[str, torch.Tensor] | None:
 
 
 def _reference(
-    side: Side, x: np.ndarray, label: str, digest: str | None, candidate_dtype: torch.dtype | None = None
+    side: Side,
+    x: np.ndarray,
+    label: str,
+    digest: str | None,
+    candidate_dtype: torch.dtype | None = None,
+    norm_affine: bool = False,
 ) -> tuple[Reference, Verification]:
     """The reference outputs: the model in its dtype and in float64 (question 1 for the graph included), or an
     ``.onnx`` reference's own outputs and its graph evaluated in float64
@@ -196,7 +206,7 @@ def _reference(
     example = loaded.trace_example()
     with quiet():
         graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
-    original64, fused64, _ = float64_fold(graph, example)
+    original64, fused64, _ = float64_fold(graph, example, norm_affine)
     exact = run_batched(torch_runner(original64, torch.float64, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
     dtype = dtype_name(loaded.dtype)
     reference = Reference(x, label, digest, dtype, original, exact, output_names(len(original)))
@@ -326,7 +336,8 @@ def verify_pair(
     x, label, digest = _pair_inputs(ref, cand, reference_path, load, opts, token_input)
     _same_outputs(ref, cand, x[:1], reference_path, candidate_path)
     progress("verifying: the reference in its dtype and in float64")
-    reference, verification = _reference(ref, x, label, digest, cand.loaded.dtype if cand.loaded else None)
+    norm_affine = load.fold_norm_affine or cand.norm_affine  # question 1 folds what the candidate's fold folded
+    reference, verification = _reference(ref, x, label, digest, cand.loaded.dtype if cand.loaded else None, norm_affine)
     verification.integrity += ref.integrity + cand.integrity
     verification.notes += ref.notes + cand.notes
     _question_1(ref, cand, reference, verification, x, reference_path, candidate_path, progress)
