@@ -237,7 +237,8 @@ def verify(
     if stream:
         from slabconv import stream as streaming
 
-        report = streaming.verify_streamed(Path(reference), Path(candidate), opts, progress)
+        norm_affine = bool(load and load.fold_norm_affine)
+        report = streaming.verify_streamed(Path(reference), Path(candidate), opts, progress, norm_affine)
     else:
         ref, cand, verification = pair.verify_pair(
             Path(reference), Path(candidate), load or LoadOptions(), opts, progress

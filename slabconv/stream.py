@@ -21,10 +21,12 @@ from slabconv.verify.streamed import check_generation_fits, generation, verify_f
 from slabconv.zoo.decoder import family_of
 
 
-def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress) -> Report:
+def verify_streamed(
+    reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress, norm_affine: bool = False
+) -> Report:
     """``verify --stream``: two decoder folders compared one layer at a time; question 1 when the candidate is a
     streamed or in-memory fold of the reference (a fresh streamed plan of the reference says how each tensor is
-    made).
+    made; ``norm_affine``: the candidate is a fold with ``fold_norm_affine``, whose norms stay with unit weights).
 
     Raises:
         UsageError: ``--inputs`` (the streamed mode draws seeded token sequences), or a side that is a file.
@@ -44,13 +46,14 @@ def verify_streamed(reference: Path, candidate: Path, opts: VerifyOptions, progr
     family = family_of(src.weight_map)
     program: engine.Program | None = None
     first = family.layer_prefix.format(i=0) + family.layer_norms[0]
-    folded = (
+    folded = norm_affine or (
         family.norm_layout(src.weight_map, first) is not None and family.norm_layout(cand.weight_map, first) is None
     )
     if folded:
         found = hf.hf_weights_file(reference)
         sha = sha256_file(found[0]) if found else ""
-        program = plan_sharded(src, hf.read_hf_config(reference), None, sha)[1].program
+        config = hf.read_hf_config(reference)
+        program = plan_sharded(src, config, None, sha, norm_affine=norm_affine)[1].program
     verification = verify_folders(reference, candidate, program, opts, progress, FOLD_BLOCK)
     if opts.generate:
         verification.generation = generation(reference, candidate, opts, progress)

@@ -61,6 +61,7 @@ def verify(
         Path | None, typer.Option("--junit", help="Write a JUnit XML report (one case per check).")
     ] = None,
     stream: o.VerifyStream = False,
+    fold_norm_affine: o.FoldNormAffine = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -93,7 +94,7 @@ def verify(
     with errors(output, debug):
         if junit is not None:
             check_report_path(junit, [reference, candidate, *([inputs] if inputs else [])])
-        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         names = tuple(n.strip() for r in runtime or [] for n in r.split(",") if n.strip()) or None
         check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names)
         with output.progress() as progress:
