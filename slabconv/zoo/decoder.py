@@ -186,7 +186,7 @@ def family_of(keys: Mapping[str, Any]) -> DecoderFamily:
     if STANDARD.embed in keys and STANDARD.norm_layout(keys, first) is not None:
         return STANDARD
     for family in FAMILIES:
-        if family.embed in keys and f"{family.head}.weight" in keys:
+        if family is not STANDARD and family.embed in keys and f"{family.head}.weight" in keys:
             return family
     raise UnsupportedModelError(
         "the streamed mode handles decoder-only language models of a known family (LLaMA layout: "
