@@ -458,15 +458,17 @@ def _write_files(
     return outputs, artifacts
 
 
-def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress) -> list[str]:
+def _write_hf_folder(
+    folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress, norm_affine: bool = False
+) -> list[str]:
     """The Hugging Face model folder files of a fused language model, and with ``onnx`` its decoder ONNX with past
-    key/values."""
+    key/values (``norm_affine``: a standard decoder's norm weights were folded)."""
     from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
     from slabconv.write.hf_llama import STANDARD_TYPES, write_hf_llama_metadata, write_hf_standard_metadata
 
     progress("writing the Hugging Face model folder")
     if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
-        written = [p.name for p in write_hf_standard_metadata(folder, loaded.config)]
+        written = [p.name for p in write_hf_standard_metadata(folder, loaded.config, folded=norm_affine)]
     else:
         written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
     if onnx:
@@ -531,7 +533,8 @@ class InMemory:
         self.artifacts.dtype = WRITE_DTYPES.get(write.dtype or "")
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
-            outputs.files += _write_hf_folder(folder, loaded, write.onnx, progress)
+            onnx, folded = write.onnx, engine.folds_norm_affine(planned.decisions)
+            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, folded)
             outputs.hf_folder = True
             outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
         return outputs, self.artifacts.sha256
@@ -602,7 +605,8 @@ class Streamed:
         outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
-            outputs.files += _write_hf_folder(folder, loaded, False, progress)
+            folded = engine.folds_norm_affine(planned.decisions)
+            outputs.files += _write_hf_folder(folder, loaded, False, progress, folded)
             outputs.hf_folder = True
         return outputs, digests
 

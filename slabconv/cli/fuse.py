@@ -92,9 +92,10 @@ def fuse(
         counts = f"{s.norms} norms ({s.folded} folded away, {s.kept} kept)" if s else "the model"
         where = f"{report.out_dir} ({dtype})" if dtype else f"{report.out_dir}"
         if s is not None and s.norms == 0:
-            output.report(
-                report,
-                f"nothing to fold: {ckpt} has no norms (already fused?); wrote it unchanged into {where}: {verdict}",
-            )
+            from slabconv.zoo.llama_std import MODEL_TYPES
+
+            standard = report.source is not None and report.source.arch in MODEL_TYPES
+            why = "no norm that folds without --fold-norm-affine" if standard else "no norms (already fused?)"
+            output.report(report, f"nothing to fold: {ckpt} has {why}; wrote it unchanged into {where}: {verdict}")
             return
         output.report(report, f"fused {counts} into {where}: {verdict}")

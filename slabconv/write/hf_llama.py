@@ -413,7 +413,7 @@ def standard_layout(weight_shapes: Mapping[str, Sequence[int]], config: Mapping[
 
 
 def write_hf_standard_metadata(
-    folder: Path | str, config: Mapping[str, Any], dtype: torch.dtype | str | None = None
+    folder: Path | str, config: Mapping[str, Any], dtype: torch.dtype | str | None = None, *, folded: bool = True
 ) -> list[Path]:
     """Make a folder of folded standard-decoder weights (LLaMA, Mistral, Qwen2) a Hugging Face model folder of the
     same architecture: ``config.json`` (the original's, ``auto_map`` dropped, ``torch_dtype`` / ``dtype`` set,
@@ -423,6 +423,8 @@ def write_hf_standard_metadata(
         folder: the folder holding the weights (``model.safetensors``, or shards plus their index).
         config: the original ``config.json`` (``model_type`` in ``STANDARD_TYPES``).
         dtype: the weights' dtype; None takes it from the headers.
+        folded: the weights hold folded norms (``--fold-norm-affine``); False: the norms are as in the original,
+            which the ``slabconv`` entry then says.
 
     Returns:
         The files written: ``config.json``, ``generation_config.json``.
@@ -453,7 +455,9 @@ def write_hf_standard_metadata(
         slabconv={
             "norm_affine": "folded: each RMSNorm weight that is 1 went into the projections that read its norm "
             "(input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, model.norm -> lm_head); "
-            "report.json lists every norm",
+            "report.json lists every norm"
+            if folded
+            else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
         },
     )
     if (version := _transformers_version()) is not None:
