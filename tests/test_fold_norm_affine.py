@@ -6,6 +6,7 @@ weight 1, the original's greedy tokens in transformers and in the decoder ONNX, 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,27 @@ def test_the_vit_folds_every_layer_norm_and_the_poolformer_its_mlp_and_head_norm
     assert pool["blocks.0.norm2"] == ("GroupNorm-affine", "folded-forward", ["blocks.0.fc1"], None)
     assert pool["norm"] == ("GroupNorm-affine", "folded-forward", ["head"], None)
     assert pool["blocks.0.norm1"][:2] == ("GroupNorm-affine", "kept")  # read by pool(y) - y, then a residual
+
+
+def test_the_command_line_takes_the_option(vision, tmp_path):
+    """``inspect --fold-norm-affine`` plans as the API does; ``export --no-fuse --fold-norm-affine`` exits 2 before
+    any work."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    _, pt2, decisions = vision["vit"]
+    result = CliRunner().invoke(app, ["inspect", str(pt2), "--fold-norm-affine", "--json"])
+    assert result.exit_code == 0, result.output
+    folds = json.loads(result.stdout)["folds"]
+    assert [(f["norm"], f["kind"], f["action"], f["into"], f["reason"]) for f in folds] == decisions
+    plain = CliRunner().invoke(app, ["inspect", str(pt2), "--json"])
+    assert json.loads(plain.stdout)["folds"] == []  # without the option the LayerNorms stay as they are
+    refused = CliRunner().invoke(
+        app, ["export", str(pt2), "--onnx", str(tmp_path / "x.onnx"), "--no-fuse", "--fold-norm-affine"]
+    )
+    assert refused.exit_code == 2 and "--no-fuse exports the original" in refused.output
+    assert not (tmp_path / "x.onnx").exists()
 
 
 def _onnx(model: nn.Module, path: Path) -> Path:
