@@ -101,6 +101,16 @@ def affine_kind(nodes: Any) -> str | None:
     return None
 
 
+def split_axis(node: fx.Node) -> int | None:
+    """The channel axis of ``node`` (-1: the last) when it is the output of a norm op whose affine
+    ``split_norm_affines`` split off (the op itself, or ``getitem(op, 0)`` of a tuple op), else None."""
+    if not any(u.meta.get(MARK) not in (None, "shift") for u in node.users):
+        return None
+    op_node = node.args[0] if node.target is operator.getitem else node
+    op = NORM_OPS.get(getattr(op_node, "target", None))
+    return op.axis if op is not None else None
+
+
 def _arg(node: fx.Node, position: int | None) -> Any:
     if position is None:
         return None

@@ -50,7 +50,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
 from slabconv.engine.layers import LAYER_OF
-from slabconv.engine.norm_affine import NORM_OPS, affine_kind
+from slabconv.engine.norm_affine import affine_kind, split_axis
 from slabconv.engine.rules import VIEW_OPS, Chan
 
 aten = torch.ops.aten
@@ -168,10 +168,10 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
             axis = layer.out_axis(node)
         elif node in analysis.aff and analysis.aff[node].axis is not None:
             axis = analysis.aff[node].axis
-        elif node.target in NORM_OPS and not NORM_OPS[node.target].tuple_out:
-            axis = NORM_OPS[node.target].axis % len(shape)
-        elif node.target is operator.getitem and node.args[1] == 0 and node.args[0].target in NORM_OPS:  # type: ignore[union-attr]
-            axis = NORM_OPS[node.args[0].target].axis % len(shape)  # type: ignore[union-attr]
+        elif node.target is aten.layer_norm.default:
+            axis = len(shape) - 1
+        elif (split := split_axis(node)) is not None:  # a norm op whose affine was split off
+            axis = split % len(shape)
         size = static_int(shape[axis]) if axis is not None else None
         return Chan(axis, size) if axis is not None and size is not None else None
 
