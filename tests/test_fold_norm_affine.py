@@ -1,7 +1,8 @@
 """``fold_norm_affine`` end to end (issue 41): a ViT with LayerNorms before qkv / fc1 / head and a PoolFormer-like
-model with GroupNorms decide alike through every door (the module, its ``.pt2``, its ONNX export) and pass
-verification; a standard LLaMA (grouped-query attention) and a Qwen2 (q/k/v biases) from transformers' own classes
-fold into a folder of the same architecture that ``AutoModelForCausalLM`` loads without remote code, with every norm
+model with GroupNorms decide alike through every door (the module, its ``.pt2``, its ONNX export: the dynamo
+exporter writes the GroupNorm as ``InstanceNormalization`` between reshapes, then ``Mul`` and ``Add``) and pass
+verification; a standard LLaMA (grouped-query attention) and a Qwen2 (q/k/v biases) from transformers' classes fold
+into a folder of the same architecture that ``AutoModelForCausalLM`` loads without remote code, with every norm
 weight 1, the original's greedy tokens in transformers and in the decoder ONNX, question 1 exact; streamed alike."""
 
 from __future__ import annotations
@@ -160,15 +161,13 @@ def _onnx(model: nn.Module, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    "door",
-    ["pt2", pytest.param("onnx", marks=pytest.mark.xfail(strict=True, reason="lead: ONNX lowering"))],
-)
+@pytest.mark.parametrize("door", ["pt2", "onnx"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_door_decides_alike_and_verifies(vision, name, door, tmp_path):
     model, pt2, decisions = vision[name]
     source = pt2 if door == "pt2" else _onnx(model, tmp_path / f"{name}.onnx")
-    write = WriteOptions(onnx=name == "vit")  # the ViT's fused model.onnx too; the PoolFormer's model.pt2 alone
+    # an ONNX original is written as model.onnx; a program's ViT as model.onnx too, its PoolFormer as model.pt2 alone
+    write = WriteOptions() if door == "onnx" else WriteOptions(onnx=name == "vit")
     report = api.fuse(source, tmp_path / "out", load=AFFINE, verify=VerifyOptions(samples=4), write=write)
     assert [(f.norm, f.kind, f.action, f.into, f.reason) for f in report.folds] == decisions
     assert report.verification.passed and report.verification.to_dict()["question_1_exact"]
@@ -319,8 +318,4 @@ def test_options_that_cannot_be_honoured_are_refused_before_any_work(vision, tmp
         api.export(pt2, tmp_path / "x.onnx", load=AFFINE, fuse=False)
     with pytest.raises(UsageError, match="fold_norm_affine does not apply"):
         api.bench(pt2, load=AFFINE)
-    onnx = tmp_path / "model.onnx"
-    onnx.write_bytes(b"not read")
-    with pytest.raises(UsageError, match="--fold-norm-affine is not available for an ONNX original yet"):
-        api.fuse(onnx, tmp_path / "o", load=AFFINE)
-    assert not (tmp_path / "o").exists() and not (tmp_path / "x.onnx").exists()
+    assert not (tmp_path / "x.onnx").exists()

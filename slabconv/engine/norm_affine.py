@@ -27,8 +27,10 @@ The normalised shape must be the last axis alone (a LayerNorm over several axes 
 ``γ`` is left whole.
 An RMSNorm written out (transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm``: ``γ * (x * rsqrt(mean(x²) + ε))`` with
 casts around it, and ``nn.RMSNorm`` after ``run_decompositions()``) already has its ``γ`` as a separate multiply:
-``split_norm_affines`` only marks that multiply (``_rms_weight``). Without the option that multiply is still
-found as a ``LayerScale`` (``docs/reasons.md``), as before.
+``split_norm_affines`` only marks that multiply (``_rms_weight``; also ``x / sqrt(...)`` and
+``x * reciprocal(sqrt(...))``, as ONNX exporters write it). So with a GroupNorm an ONNX exporter wrote as
+``Reshape -> InstanceNormalization -> Reshape -> Mul -> Add`` (``_group_weight``). Without the option such a multiply
+is found as before (a ``LayerScale`` or ``Affine`` where its axis is a channel axis, ``docs/reasons.md``).
 
 A folded affine leaves the op with a unit weight (``unit_weight``: the stored ``γ`` replaced by ones under the
 same name, ``β`` dropped), so a Hugging Face LLaMA keeps its layout with every norm weight 1. A norm whose affine
@@ -47,6 +49,7 @@ from torch import fx
 
 from slabconv.engine.affine_values import Constants
 from slabconv.engine.capture import shape_of, static_int, stored
+from slabconv.engine.rules import RESHAPE_OPS
 
 aten = torch.ops.aten
 
@@ -102,13 +105,14 @@ def affine_kind(nodes: Any) -> str | None:
 
 
 def split_axis(node: fx.Node) -> int | None:
-    """The channel axis of ``node`` (-1: the last) when it is the output of a norm op whose affine
-    ``split_norm_affines`` split off (the op itself, or ``getitem(op, 0)`` of a tuple op), else None."""
-    if not any(u.meta.get(MARK) not in (None, "shift") for u in node.users):
-        return None
-    op_node = node.args[0] if node.target is operator.getitem else node
-    op = NORM_OPS.get(getattr(op_node, "target", None))
-    return op.axis if op is not None else None
+    """The channel axis of ``node`` (-1: the last) when it is a normalisation whose affine ``split_norm_affines``
+    split off or marked (a norm op, ``getitem(op, 0)`` of a tuple op, a written-out RMSNorm or GroupNorm), else
+    None."""
+    kinds = {str(u.meta[MARK]) for u in node.users if u.meta.get(MARK) not in (None, "shift")}
+    return _AXES.get(kinds.pop()) if len(kinds) == 1 else None
+
+
+_AXES = {"LayerNorm": -1, "RMSNorm": -1, "GroupNorm": 1}
 
 
 def _arg(node: fx.Node, position: int | None) -> Any:
@@ -226,9 +230,13 @@ def _uncast(node: Any) -> Any:
     return node
 
 
-def _rms_of(node: Any, x: Any) -> bool:
-    """``node`` is ``rsqrt(mean(x ** 2, -1, keepdim=True) + eps)`` of the same ``x`` (through casts)."""
-    if not (isinstance(node, fx.Node) and node.target is aten.rsqrt.default):
+def _rms_of(node: Any, x: Any, root: Any = aten.rsqrt.default) -> bool:
+    """``node`` is ``rsqrt(mean(x ** 2, -1, keepdim=True) + eps)`` of the same ``x`` (through casts), or
+    ``reciprocal(sqrt(...))`` of it (an ONNX exporter's ``Reciprocal(Sqrt(...))``), or with ``root`` ``sqrt`` the
+    ``sqrt(...)`` that ``x`` is divided by."""
+    if isinstance(node, fx.Node) and node.target is aten.reciprocal.default and root is aten.rsqrt.default:
+        return _rms_of(node.args[0], x, aten.sqrt.default)
+    if not (isinstance(node, fx.Node) and node.target is root):
         return False
     added = node.args[0]
     if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar)):
@@ -264,10 +272,51 @@ def _rms_weight(node: fx.Node, consts: Constants) -> tuple[fx.Node, fx.Node] | N
     if w_shape is None or [static_int(s) for s in w_shape] != [channels]:
         return None
     inner = _uncast(normed)
-    if not (isinstance(inner, fx.Node) and inner.target is aten.mul.Tensor and len(inner.args) == 2):
+    if not (isinstance(inner, fx.Node) and inner.target in (aten.mul.Tensor, aten.div.Tensor) and len(inner.args) == 2):
         return None
     x, r = inner.args
+    if inner.target is aten.div.Tensor:  # x / sqrt(mean(x²) + ε)
+        return (weight, normed) if _rms_of(r, x, aten.sqrt.default) else None
     return (weight, normed) if _rms_of(r, x) or _rms_of(x, r) else None
+
+
+def _instance_normed(node: Any, consts: Constants) -> bool:
+    """``node`` is a GroupNorm's normalisation as ONNX exporters write it (opset < 21, and the TorchScript exporter):
+    ``Reshape(InstanceNormalization(Reshape(x, (N, G, -1)), ones, zeros), shape of x)``, lowered to
+    ``reshape(instance_norm(reshape(x)))`` with a constant unit weight and zero bias on the groups."""
+    if not (isinstance(node, fx.Node) and node.target in RESHAPE_OPS):
+        return False
+    inst = node.args[0]
+    if not (isinstance(inst, fx.Node) and inst.target is aten.instance_norm.default):
+        return False
+    w, b = inst.args[1], inst.args[2]
+    for value, unit in ((w, 1.0), (b, 0.0)):
+        if value is None:
+            continue
+        if not consts.is_const(value):
+            return False
+        try:
+            if not bool((torch.as_tensor(consts.value(value)) == unit).all()):
+                return False
+        except Exception:  # noqa: BLE001 - a constant that cannot be evaluated here does not count
+            return False
+    return True
+
+
+def _group_weight(node: fx.Node, consts: Constants) -> bool:
+    """``node`` multiplies a GroupNorm's normalisation written through an instance norm (``_instance_normed``) by a
+    constant ``(C, 1, ..., 1)`` weight on its channel axis 1: the GroupNorm's weight."""
+    if node.target is not aten.mul.Tensor or len(node.args) != 2:
+        return False
+    a, b = node.args
+    weight, normed = (a, b) if isinstance(a, fx.Node) and consts.is_const(a) else (b, a)
+    shape, w_shape = shape_of(normed), shape_of(weight)
+    if shape is None or w_shape is None or len(shape) < 3 or not _instance_normed(normed, consts):
+        return False
+    sizes = [static_int(d) for d in w_shape]
+    channels = static_int(shape[1])
+    padded = [1] * (len(shape) - len(sizes)) + sizes
+    return channels is not None and padded[1] == channels and all(d == 1 for i, d in enumerate(padded) if i != 1)
 
 
 def _after_cast(gm: fx.GraphModule, mul: fx.Node, weight: fx.Node, normed: fx.Node) -> fx.Node:
@@ -319,6 +368,9 @@ def split_norm_affines(gm: fx.GraphModule) -> int:
                 count += 1
         elif MARK not in node.meta and (found := _rms_weight(node, consts)) is not None:
             _after_cast(gm, node, *found).meta[MARK] = "RMSNorm"
+            count += 1
+        elif MARK not in node.meta and _group_weight(node, consts):
+            node.meta[MARK] = "GroupNorm"
             count += 1
     if count:
         gm.graph.lint()

@@ -318,7 +318,8 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     name = _name_norm(analysis.gm, core, "")
     if not name and cand.bns:  # RepBN's eta x written outside any module: the BN's own module names it
         name = _name_norm(analysis.gm, [n for n in region if n in cand.bns or n.target is operator.getitem], "")
-    if not cand.bns and names["scale"]:  # a stored scale names its norm (``ls1.gamma``, ``norm.weight`` -> ``norm``)
+    split = affine_kind(cand.nodes) is not None  # a norm op's affine: the norm's module names it, as it names the op
+    if not cand.bns and names["scale"] and not (split and name):  # a stored scale names its norm (``ls1.gamma``)
         name = names["scale"].removesuffix(".weight")
     return NormSite(
         name=name or region[0].name,

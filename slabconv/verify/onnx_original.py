@@ -38,7 +38,7 @@ from slabconv.verify.run import (
     runtime_summary,
 )
 from slabconv.verify.runtimes import Inputs, Runtime, RuntimeUnavailable, onnx_runtimes, run_batched
-from slabconv.write.onnx import SOURCE_KEY, simplified
+from slabconv.write.onnx import SOURCE_KEY, norm_affine_of, simplified
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 
@@ -255,7 +255,11 @@ def verify_fold(info: OnnxFile, fused_path: Path, opts: VerifyOptions, progress:
     )
     progress("verifying: question 1, is the fold exact?")
     fused64, _ = onnx_fold.fold_file(
-        load_ir(info.path), str(info.path), as_float64=True, simplify=simplified(fused_path)
+        load_ir(info.path),
+        str(info.path),
+        as_float64=True,
+        simplify=simplified(fused_path),
+        norm_affine=norm_affine_of(fused_path),
     )
     x1, exact1, total = exact_samples(x, exact)
     outputs64 = run_batched(_float64_runner(fused64, np_dtype)[0], x1, fixed_batch=batch)
@@ -305,7 +309,11 @@ def question_1(
     """Question 1 for a fused ``model.onnx`` against the ``.onnx`` it was folded from: a fresh float64 fold of the
     reference against the reference in float64 (``exact``), and every tensor of the candidate against that fold."""
     fused64, _ = onnx_fold.fold_file(
-        load_ir(reference), str(reference), as_float64=True, simplify=simplified(candidate)
+        load_ir(reference),
+        str(reference),
+        as_float64=True,
+        simplify=simplified(candidate),
+        norm_affine=norm_affine_of(candidate),
     )
     x1, exact1, total = exact_samples(x, exact)
     outputs = run_batched(_float64_runner(fused64, _NP_DTYPES.get(dtype))[0], x1, fixed_batch=batch)

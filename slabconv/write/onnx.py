@@ -210,6 +210,22 @@ def simplified(path: Path) -> bool:
     return any(p.key == SIMPLIFIED_KEY for p in proto.metadata_props)
 
 
+NORM_AFFINE_KEY = "slabconv_norm_affine"
+"""Metadata of a ``model.onnx`` folded from an ONNX original with ``--fold-norm-affine`` (``true``): ``verify`` folds
+the original's norm affines too before it compares the tensors (``slabconv.engine.norm_affine``)."""
+
+
+def norm_affine_of(path: Path) -> bool:
+    """True when the ``.onnx`` file at ``path`` was folded with ``--fold-norm-affine`` (``NORM_AFFINE_KEY``)."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a file slabconv wrote
+        return False
+    return any(p.key == NORM_AFFINE_KEY and p.value == "true" for p in proto.metadata_props)
+
+
 def save_onnx(model: Any, path: Path, external: bool) -> str | None:
     """Write an onnx-ir ``model`` to ``path``: with ``external``, its initializers to ``<path name>.data`` beside it
     (``onnx_ir.save``, one tensor at a time); otherwise one self-contained file, written without holding it whole.
