@@ -210,18 +210,22 @@ def export(
     from slabconv.util import sha256_file
     from slabconv.write.onnx import export_onnx, onnx_files, provenance
 
+    norm_affine = bool(load and load.fold_norm_affine)
+    if norm_affine and not fuse:
+        raise UsageError("--fold-norm-affine folds norms; --no-fuse exports the original as it is: drop one of them")
     check_options_apply(source, load)
     loaded = load_checkpoint_model(source, load)
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
     example = loaded.trace_example()
     if fuse:
-        planned = plan(loaded, progress)
+        planned = plan(loaded, progress, norm_affine=norm_affine)
         model, decisions, example = planned.fused, planned.decisions, planned.example
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force, owned=_written_by_slabconv) as tmp:
-        made = provenance(loaded.checkpoint.sha256, loaded.arch, folded=fuse)
+        made = provenance(loaded.checkpoint.sha256, loaded.arch, folded=fuse,
+                          norm_affine=fuse and engine.folds_norm_affine(decisions))  # fmt: skip
         info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=made)
         files = onnx_files(tmp / target.name)
         outputs = Outputs(
@@ -273,7 +277,7 @@ def verify(
     if stream:
         from slabconv import stream as streaming
 
-        ref, cand = streaming.streamed_sides(ref_path, cand_path, opts, progress)
+        ref, cand = streaming.streamed_sides(ref_path, cand_path, opts, progress, bool(load and load.fold_norm_affine))
     else:
         progress("opening the reference and the candidate")
         ref, cand = sides.open_side(ref_path, load), sides.open_side(cand_path, load)
@@ -356,6 +360,11 @@ def bench(
 
     _check_types(load=(load, LoadOptions))
     source, opts = check_input(path), load or LoadOptions()
+    if opts.fold_norm_affine:
+        raise UsageError(
+            "bench times the original against the fused and norm-free models; fold_norm_affine does not apply: "
+            "fuse with it, then bench the folder fuse wrote"
+        )
     if source.is_dir() and (source / "report.json").is_file():
         source, opts = bench_mod.source_of_output(source, opts)
     from slabconv.load.model import load_model as load_checkpoint_model

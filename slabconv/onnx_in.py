@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slabconv.engine import Decision
+from slabconv.engine import Decision, folds_norm_affine
 from slabconv.errors import UsageError
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
@@ -25,7 +25,7 @@ from slabconv.report.data import Outputs
 from slabconv.util import Progress, no_progress
 from slabconv.verify.results import Verification
 from slabconv.version import __version__
-from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx, simplify_model
+from slabconv.write.onnx import MARK, NORM_AFFINE_KEY, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx, simplify_model
 
 FUSED_NAME = "model.onnx"
 
@@ -91,11 +91,15 @@ def source_of(info: OnnxFile) -> Source:
     )
 
 
-def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = False) -> tuple[Any, list[Decision]]:
+def fold_onnx(
+    path: Path, progress: Progress = no_progress, as_float64: bool = False, norm_affine: bool = False
+) -> tuple[Any, list[Decision]]:
     """Load ``path`` and fold its norms (``slabconv.engine.onnx_fold.fold_file``: the engine's own rules).
 
     Args:
         as_float64: cast the graph to float64 after planning (the float64 fold of question 1).
+        norm_affine: also fold the affine of every LayerNormalization / RMSNormalization / GroupNormalization
+            (``LoadOptions.fold_norm_affine``).
 
     Returns:
         ``(model, decisions)``: the fused ``onnx_ir.Model`` and one decision per norm.
@@ -108,7 +112,7 @@ def fold_onnx(path: Path, progress: Progress = no_progress, as_float64: bool = F
         done.append(name)
         progress("folding norms", len(done), None, f"decided {name}")
 
-    return onnx_fold.fold_file(load_ir(path), str(path), folded, as_float64)
+    return onnx_fold.fold_file(load_ir(path), str(path), folded, as_float64, norm_affine=norm_affine)
 
 
 def open_onnx(
@@ -127,7 +131,7 @@ def open_onnx(
     check_options(path, load, write, verify)
     progress(f"loading {path}")
     info = read_onnx(path)
-    model, decisions = fold_onnx(path, progress)
+    model, decisions = fold_onnx(path, progress, norm_affine=bool(load and load.fold_norm_affine))
     return OnnxGraph(info, model, decisions)
 
 
@@ -160,6 +164,8 @@ class OnnxGraph:
         simplified = simplify_model(model) if write.simplify else None
         model.metadata_props[MARK] = __version__
         model.metadata_props[SOURCE_KEY] = info.sha256
+        if folds_norm_affine(self.folds):  # verify folds the original's norm affines too
+            model.metadata_props[NORM_AFFINE_KEY] = "true"
         progress(f"writing {FUSED_NAME}")
         size = sum(f.stat().st_size for f in info.files)
         external = save_onnx(model, folder / FUSED_NAME, info.external or size > ONNX_EXTERNAL_DATA_BYTES)

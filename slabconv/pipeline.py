@@ -131,14 +131,15 @@ def open_door(
 
         return open_onnx(path, load, write, progress, verify)
     check_stream_options(path, verify, write)
+    norm_affine = bool(load and load.fold_norm_affine)
     if not write.stream:
         progress(f"loading {path}")
         loaded = load_model(path, load)
-        return InMemory(loaded, plan(loaded, progress))
+        return InMemory(loaded, plan(loaded, progress, norm_affine=norm_affine))
     return_freed_blocks_to_the_os()
     sharded = open_sharded(path, FOLD_BLOCK)
     planning, planned = plan_sharded(
-        sharded.shards, sharded.config, load.arch if load else None, sharded.sha256, progress
+        sharded.shards, sharded.config, load.arch if load else None, sharded.sha256, progress, norm_affine
     )
     return Streamed(planning.loaded, planned, sharded)
 
@@ -183,10 +184,13 @@ def plan(
     progress: Progress = no_progress,
     unknown: frozenset[str] = frozenset(),
     repeat: engine.Repeat | None = None,
+    norm_affine: bool = False,
 ) -> Planned:
     """Trace ``loaded.model`` and fold every norm (the engine's capture, plan and apply).
 
     Args:
+        norm_affine: also fold the affine of every LayerNorm, RMSNorm and GroupNorm
+            (``LoadOptions.fold_norm_affine``).
         unknown: stand-in tensors of a streamed planning instance: the program is left unevaluated, and every
             norm must fold away.
         repeat: ``loaded.model`` holds three of the real model's ``repeat.depth`` decoder layers
@@ -211,13 +215,13 @@ def plan(
     progress("folding norms")
     traced_blocks = None
     if repeat is None:
-        decisions, program = engine.fold_program(fused, folded, unknown=unknown)
+        decisions, program = engine.fold_program(fused, folded, unknown=unknown, norm_affine=norm_affine)
     else:
 
         def block(done: int, total: int) -> None:
             progress("planning each decoder layer from its own values", done, total)
 
-        repeated = engine.fold_repeated(fused, repeat, folded, unknown, block)
+        repeated = engine.fold_repeated(fused, repeat, folded, unknown, block, norm_affine)
         if repeated is None:
             raise Unrepeatable()
         decisions, program = repeated
@@ -242,7 +246,12 @@ class Unrepeatable(Exception):
 
 
 def plan_sharded(
-    shards: LazyShards, config: dict[str, Any], arch: str | None, sha256: str, progress: Progress = no_progress
+    shards: LazyShards,
+    config: dict[str, Any],
+    arch: str | None,
+    sha256: str,
+    progress: Progress = no_progress,
+    norm_affine: bool = False,
 ) -> tuple[PlanningModel, Planned]:
     """The streamed plan of a safetensors folder read by ``shards``: what ``fuse --stream`` folds by, and what
     ``verify --stream`` checks a fused folder against (question 1).
@@ -266,11 +275,11 @@ def plan_sharded(
         else:
             repeat = engine.Repeat(prefix, depth, functools.partial(planning.block_values, shards, prefix))
             try:
-                return planning, plan(planning.loaded, progress, frozenset(planning.unknown), repeat)
+                return planning, plan(planning.loaded, progress, frozenset(planning.unknown), repeat, norm_affine)
             except Unrepeatable:
                 progress("the decoder layers fold differently: tracing every layer")
     planning = planning_model(shards, config, arch, sha256)
-    return planning, plan(planning.loaded, progress, frozenset(planning.unknown))
+    return planning, plan(planning.loaded, progress, frozenset(planning.unknown), norm_affine=norm_affine)
 
 
 def _stack(shards: LazyShards) -> tuple[str, int] | None:
@@ -286,8 +295,9 @@ def _stack(shards: LazyShards) -> tuple[str, int] | None:
 
 
 def _require_streamable(decisions: list[engine.Decision], program: engine.Program) -> None:
-    """A streamed output is weights only: every norm folds away and every stored tensor comes from the checkpoint."""
-    kept = [d for d in decisions if not d.action.startswith("folded")]
+    """A streamed output is weights only: every norm folds away (or, the affine of a LayerNorm / RMSNorm / GroupNorm,
+    stays whole in its op) and every stored tensor comes from the checkpoint."""
+    kept = [d for d in decisions if not _whole(d)]
     if kept:
         d = kept[0]
         raise UnsupportedModelError(
@@ -372,10 +382,14 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
 
 
 def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
-    """A fused language model of a zoo family is written as a Hugging Face folder, when every norm folded."""
+    """A fused language model of a zoo family is written as a Hugging Face folder: LLaMA-PRepBN when every norm
+    folded (the norm-free model), a standard decoder (LLaMA, Mistral, Qwen2) always (its own architecture, the norms
+    it keeps included)."""
     from slabconv.zoo import get_arch
+    from slabconv.zoo.llama_std import FAMILY
 
-    return loaded.arch is not None and get_arch(loaded.arch).family == "llama" and planned.complete
+    family = get_arch(loaded.arch).family if loaded.arch is not None else None
+    return (family == "llama" and planned.complete) or family == FAMILY
 
 
 def _check_one_dtype(sharded: ShardedFolder, program: engine.Program) -> None:
@@ -423,7 +437,7 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
     if dtype == loaded.dtype:
         return planned
     assert planned.original is not None
-    _, fused64, _ = float64_fold(planned.original, planned.example)
+    _, fused64, _ = float64_fold(planned.original, planned.example, engine.folds_norm_affine(planned.decisions))
     cast = cast_graph(fused64, dtype)
     for name, tensor in engine.fused_state_dict(cast).items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -436,6 +450,21 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
 
 
 # --------------------------------------------------------------------------------------------- write
+
+
+def _metadata(loaded: LoadedModel, planned: Planned) -> dict[str, str]:
+    """The fused safetensors metadata of a fold (``load.fused``): with ``norm_affine`` where it folded the affine of
+    a LayerNorm / RMSNorm / GroupNorm, whose normalisation stays; ``complete`` when every norm folded away or, such
+    an affine, stayed whole in its op."""
+    norm_affine = engine.folds_norm_affine(planned.decisions)
+    complete = planned.complete or (norm_affine and all(_whole(d) for d in planned.decisions))
+    return fused_metadata(loaded.arch, loaded.checkpoint.sha256, complete, loaded.config, norm_affine)
+
+
+def _whole(decision: engine.Decision) -> bool:
+    """A norm folded away, or the affine of a LayerNorm / RMSNorm / GroupNorm kept whole in its op: the fused
+    weights then hold the architecture's own tensors."""
+    return decision.action.startswith("folded") or decision.kind in engine.NORM_AFFINE_KINDS
 
 
 def _write_files(
@@ -464,7 +493,8 @@ def _write_files(
     if write.onnx:
         progress("exporting model.onnx")
         release_memory(collect=False)  # what was freed goes back first: the translation does not reuse it
-        made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True)
+        made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True,
+                          norm_affine=metadata.get("norm_affine") == "true")  # fmt: skip
         info = export_onnx(
             planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program,
             simplify=write.simplify, metadata=made,
@@ -478,14 +508,19 @@ def _write_files(
     return outputs
 
 
-def _write_hf_folder(folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress) -> list[str]:
+def _write_hf_folder(
+    folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress, norm_affine: bool = False
+) -> list[str]:
     """The Hugging Face model folder files of a fused language model, and with ``onnx`` its decoder ONNX with past
-    key/values."""
+    key/values (``norm_affine``: a standard decoder's norm weights were folded)."""
     from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
-    from slabconv.write.hf_llama import write_hf_llama_metadata
+    from slabconv.write.hf_llama import STANDARD_TYPES, write_hf_llama_metadata, write_hf_standard_metadata
 
     progress("writing the Hugging Face model folder")
-    written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
+    if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
+        written = [p.name for p in write_hf_standard_metadata(folder, loaded.config, folded=norm_affine)]
+    else:
+        written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
     if onnx:
         progress("exporting decoder.onnx (with past key/values)")
         info = export_decoder_onnx(folder, folder / "decoder.onnx")
@@ -542,11 +577,12 @@ class InMemory:
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
-        metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
+        metadata = _metadata(loaded, planned)
         outputs = _write_files(folder, planned, write, metadata, progress)
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
-            outputs.files += _write_hf_folder(folder, loaded, write.onnx, progress)
+            onnx, folded = write.onnx, engine.folds_norm_affine(planned.decisions)
+            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, folded)
             outputs.hf_folder = True
             outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
         return outputs, {}
@@ -616,7 +652,7 @@ class Streamed:
 
         loaded, planned, sharded = self.loaded, self.planned, self.sharded
         assert planned.program is not None
-        metadata = fused_metadata(loaded.arch, loaded.checkpoint.sha256, planned.complete, loaded.config)
+        metadata = _metadata(loaded, planned)
         weight_map, total, digests = write_program_shards(
             folder, sharded.shards, sharded.shard_names, planned.program, metadata, progress, FOLD_BLOCK
         )
@@ -628,7 +664,8 @@ class Streamed:
             outputs = Outputs(files=list(sharded.shard_names), safetensors=sharded.shard_names[0])
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
-            outputs.files += _write_hf_folder(folder, loaded, False, progress)
+            folded = engine.folds_norm_affine(planned.decisions)
+            outputs.files += _write_hf_folder(folder, loaded, False, progress, folded)
             outputs.hf_folder = True
         return outputs, digests
 

@@ -18,10 +18,11 @@ from slabconv.verify.layerwise import check_generation_fits
 
 
 def streamed_sides(
-    reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress
+    reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress, norm_affine: bool = False
 ) -> tuple[sides.Side, sides.Side]:
     """The two sides of ``verify --stream``; when the candidate is a fold of the reference, the reference carries
-    its fold program (a fresh streamed plan, ``pipeline.plan_sharded``) for question 1.
+    its fold program (a fresh streamed plan, ``pipeline.plan_sharded``; with the norms' affines folded too when
+    ``norm_affine`` or the candidate records a fold made so) for question 1.
 
     Raises:
         UsageError: ``--inputs`` (the streamed mode draws seeded token sequences), a side that is a file, a
@@ -39,5 +40,7 @@ def streamed_sides(
         sha = sha256_file(found[0]) if found else ""
         from slabconv.load.shards import LazyShards
 
-        ref.program = plan_sharded(LazyShards.open(reference), hf.read_hf_config(reference), None, sha)[1].program
+        affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
+        shards, config = LazyShards.open(reference), hf.read_hf_config(reference)
+        ref.program = plan_sharded(shards, config, None, sha, norm_affine=affine)[1].program
     return ref, cand

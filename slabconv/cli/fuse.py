@@ -17,6 +17,7 @@ from slabconv.text import count
 def fuse(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
+    fold_norm_affine: o.FoldNormAffine = False,
     out: Annotated[
         Path | None,
         typer.Option("--out", "-o", metavar="DIR", help="Output folder (default: <checkpoint stem>-fused beside it)."),
@@ -78,6 +79,7 @@ def fuse(
       slabconv fuse llama-folder --stream --out llama-fused
       slabconv fuse model.onnx --simplify --out model-fused
       slabconv fuse model.pt2 --require-folded --junit folds.xml
+      slabconv fuse qwen2-folder --fold-norm-affine --out qwen2-unit-norms
     """
     from slabconv import api
     from slabconv.errors import KeptNormsError, VerificationError
@@ -98,7 +100,7 @@ def fuse(
         )
         if junit is not None:
             check_report_path(junit, [ckpt, *([inputs] if inputs else [])])
-        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         try:
             with output.progress() as progress:
                 report = api.fuse(ckpt, out, load=load, verify=check, write=write, progress=progress)
@@ -114,9 +116,10 @@ def fuse(
         counts = f"{count(s.norms, 'norm')} ({s.folded} folded away, {s.kept} kept)" if s else "the model"
         where = f"{report.out_dir} ({write.dtype})" if write.dtype else f"{report.out_dir}"
         if s is not None and s.norms == 0:
-            output.report(
-                report,
-                f"nothing to fold: {ckpt} has no norms (already fused?); wrote it unchanged into {where}: {verdict}",
-            )
+            from slabconv.zoo.llama_std import MODEL_TYPES
+
+            standard = report.source is not None and report.source.arch in MODEL_TYPES
+            why = "no norm that folds without --fold-norm-affine" if standard else "no norms (already fused?)"
+            output.report(report, f"nothing to fold: {ckpt} has {why}; wrote it unchanged into {where}: {verdict}")
             return
         output.report(report, f"fused {counts} into {where}: {verdict}")

@@ -16,6 +16,7 @@ from slabconv.text import count
 def inspect(
     ckpt: o.Ckpt,
     arch: o.Arch = None,
+    fold_norm_affine: o.FoldNormAffine = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -34,12 +35,13 @@ def inspect(
     \b
       slabconv inspect fixtures/digits-prepbn/checkpoint.pth
       slabconv inspect model.pt2 --json
+      slabconv inspect vit.pt2 --fold-norm-affine
     """
     from slabconv import api
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
-        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         with output.progress() as progress:
             report = api.inspect(ckpt, load, progress)
         s = report.summary
@@ -54,6 +56,7 @@ def export(
     ],
     arch: o.Arch = None,
     no_fuse: Annotated[bool, typer.Option("--no-fuse", help="Export the original model, norms as they are.")] = False,
+    fold_norm_affine: o.FoldNormAffine = False,
     force: o.Force = False,
     opset: o.Opset = None,
     ema: o.Ema = False,
@@ -80,7 +83,7 @@ def export(
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
-        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         with output.progress() as progress:
             report = api.export(ckpt, onnx, load=load, fuse=not no_fuse, force=force, opset=opset, progress=progress)
         s = report.summary

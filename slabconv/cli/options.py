@@ -65,6 +65,15 @@ ImageSize = Annotated[
         min=1,
     ),
 ]
+FoldNormAffine = Annotated[
+    bool,
+    typer.Option(
+        "--fold-norm-affine",
+        help="Also fold the weight and bias of every LayerNorm, RMSNorm and GroupNorm into the layers that read the "
+        "norm (the normalisation stays, with weight 1): a Hugging Face LLaMA, Mistral or Qwen2 stays that "
+        "architecture with every norm weight 1. See docs/math.md.",
+    ),
+]
 Inputs = Annotated[
     Path | None,
     typer.Option(
@@ -196,7 +205,12 @@ def parse_shape(value: str | None) -> tuple[int, ...] | None:
 
 
 def load_options(
-    arch: str | None, ema: bool, trust_pickle: bool, input_shape: str | None, image_size: int | None
+    arch: str | None,
+    ema: bool,
+    trust_pickle: bool,
+    input_shape: str | None,
+    image_size: int | None,
+    fold_norm_affine: bool = False,
 ) -> LoadOptions:
     """``LoadOptions`` from the shared flags. An unknown ``--arch`` is refused here, before anything is loaded.
 
@@ -208,7 +222,7 @@ def load_options(
         from slabconv.zoo.names import check_name
 
         check_name(arch)
-    return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size)
+    return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size, fold_norm_affine)
 
 
 def verify_options(

@@ -77,6 +77,7 @@ def verify(
         ),
     ] = None,
     force: o.Force = False,
+    fold_norm_affine: o.FoldNormAffine = False,
     ema: o.Ema = False,
     trust_pickle: o.TrustPickle = False,
     input_shape: o.InputShape = None,
@@ -118,7 +119,7 @@ def verify(
             if not localize:
                 raise UsageError("--plot draws the fold boundaries of --localize; add --localize")
             check_plot_path(plot, force, [reference, candidate])
-        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
+        load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         names = tuple(n.strip() for r in runtime or [] for n in r.split(",") if n.strip()) or None
         check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names)
         with output.progress() as progress:

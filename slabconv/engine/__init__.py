@@ -10,6 +10,8 @@ One module per job, in the order the data goes through them:
 - ``rules``: the op tables: how each ATen op treats a per-channel affine (``RULES``) and the layers a norm folds
   into (``slabconv.engine.layers``: Linear, addmm / mm, conv; embedding as a producer).
 - ``flow``: the forward walk from a norm's output and the backward walk from its input to a producer.
+- ``norm_affine``: the affine of a LayerNorm / RMSNorm / GroupNorm split from its normalisation so it folds like
+  any other norm (``split_norm_affines``, on request), and put back where it does not fold away.
 - ``norms``: norm discovery (``find_norms``): every constant per-channel affine, recognised by its value.
 - ``planner``: one ``Decision`` per norm and the weight updates that carry it out, as data (``plan_folds``).
 - ``program``: the plan as a program, one recipe per tensor of the fused model, run over a ``WeightStore``
@@ -27,6 +29,8 @@ from slabconv.engine import reasons
 from slabconv.engine.capture import capture, capture_program, copy_sharing, written_tensors
 from slabconv.engine.cleanup import fused_state_dict, norm_free
 from slabconv.engine.lift import lift_program
+from slabconv.engine.norm_affine import KINDS as NORM_AFFINE_KINDS
+from slabconv.engine.norm_affine import folds_norm_affine, split_norm_affines
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.planner import (
     FOLDED_BACKWARD,
@@ -50,6 +54,7 @@ __all__ = [
     "KEPT_AFFINE",
     "Decision",
     "LayerRecipe",
+    "NORM_AFFINE_KINDS",
     "NormPlan",
     "NormSite",
     "Program",
@@ -65,6 +70,7 @@ __all__ = [
     "fold_all",
     "fold_program",
     "fold_repeated",
+    "folds_norm_affine",
     "fused_state_dict",
     "lift_program",
     "norm_free",
@@ -72,5 +78,6 @@ __all__ = [
     "reasons",
     "row_ranges",
     "schedule_warnings",
+    "split_norm_affines",
     "written_tensors",
 ]

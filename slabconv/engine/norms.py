@@ -50,6 +50,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
 from slabconv.engine.layers import LAYER_OF
+from slabconv.engine.norm_affine import affine_kind, split_axis
 from slabconv.engine.rules import VIEW_OPS, Chan
 
 aten = torch.ops.aten
@@ -66,7 +67,9 @@ class NormSite:
     Attributes:
         name: module path of the norm (e.g. ``blocks.0.norm1``), or its first node's name without module
             metadata.
-        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine`` or ``LayerScale``.
+        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine``, ``LayerScale``, or the affine of a
+            LayerNorm / RMSNorm / GroupNorm split from it (``LayerNorm-affine``, ``RMSNorm-affine``,
+            ``GroupNorm-affine``; ``slabconv.engine.norm_affine``).
         input: the tensor the norm reads (``(B, C, ...)`` for a BN, any layout for the others);
             ``output`` the node whose value is the norm's output (same shape and dtype).
         region: the nodes that compute the norm, in graph order (removed when it is folded).
@@ -79,6 +82,8 @@ class NormSite:
         eps: the BN eps stored in the graph (0.0 without a BN op).
         param_names: the dotted name of the stored tensor behind each of ``params`` (None where absent or
             computed).
+        shifted: a constant is added (``shift`` may still be 0 where that constant is); a norm kind without a BN
+            op and without a shift creates no bias where it folds.
     """
 
     name: str
@@ -94,6 +99,7 @@ class NormSite:
     scale: torch.Tensor | None = None
     shift: torch.Tensor | None = None
     input_slot: tuple[fx.Node, int] | None = None
+    shifted: bool = True
 
     @property
     def channels(self) -> int:
@@ -164,6 +170,8 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
             axis = analysis.aff[node].axis
         elif node.target is aten.layer_norm.default:
             axis = len(shape) - 1
+        elif (split := split_axis(node)) is not None:  # a norm op whose affine was split off
+            axis = split % len(shape)
         size = static_int(shape[axis]) if axis is not None else None
         return Chan(axis, size) if axis is not None and size is not None else None
 
@@ -251,6 +259,9 @@ def _stored_name(node: Any) -> str | None:
 
 
 def _kind(analysis: _Analysis, cand: Affine) -> str:
+    split = affine_kind(cand.nodes)  # the affine of a LayerNorm / RMSNorm / GroupNorm (``fold_norm_affine``)
+    if split is not None and not cand.bns:
+        return split
     if cand.bns:
         return "RepBN" if cand.base_term else "BatchNorm"
     normalising = {aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar, aten.reciprocal.default}
@@ -307,7 +318,8 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     name = _name_norm(analysis.gm, core, "")
     if not name and cand.bns:  # RepBN's eta x written outside any module: the BN's own module names it
         name = _name_norm(analysis.gm, [n for n in region if n in cand.bns or n.target is operator.getitem], "")
-    if not cand.bns and names["scale"]:  # a stored scale names its norm (``ls1.gamma``, ``norm.weight`` -> ``norm``)
+    split = affine_kind(cand.nodes) is not None  # a norm op's affine: the norm's module names it, as it names the op
+    if not cand.bns and names["scale"] and not (split and name):  # a stored scale names its norm (``ls1.gamma``)
         name = names["scale"].removesuffix(".weight")
     return NormSite(
         name=name or region[0].name,
@@ -323,6 +335,7 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
         scale=scale,
         shift=shift,
         input_slot=_input_slot(region, base),
+        shifted=bool(cand.bns) or cand.shifted,
     )
 
 

@@ -11,6 +11,8 @@ changed in place, as the plans say:
 - a created bias becomes an input of its ``Gemm`` / ``Conv``, or an ``Add`` after its ``MatMul``
   (``<layer>.bias``, a ``.../folded_bias_add`` node);
 - a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads;
+- the norm op of a LayerNorm / RMSNorm / GroupNorm whose affine folded (``--fold-norm-affine``) keeps its inputs,
+  its scale initializer holding ones and its bias zeros;
 - a folded norm's nodes go, its readers read its input; the layout pairs it leaves behind (``Transpose(p)`` then
   ``Transpose(p^-1)``, a reshape and the reshape back) cancel; nodes and initializers nothing reads any more are
   dropped (onnx-ir's ``RemoveUnusedNodesPass``).
@@ -29,6 +31,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine.flow import BlockedEdge
+from slabconv.engine.norm_affine import MARK
 from slabconv.engine.onnx_lower import Binding, Lowered
 from slabconv.engine.planner import NormPlan
 
@@ -226,6 +229,20 @@ class _Graph:
                 new.type, new.shape = old.type, old.shape
                 outputs[i] = new
 
+    def unit(self, p: NormPlan) -> None:
+        """A norm op whose affine folded away (``slabconv.engine.norm_affine``): its scale initializer holds ones
+        and its bias zeros (``LayerNormalization``, ``RMSNormalization``, ``GroupNormalization`` keep their inputs)."""
+        assert p.unit is not None
+        _, _, weight = p.unit
+        target = str(weight.target)
+        self.write(target, torch.ones(self.bindings[target].shape or p.site.channels, dtype=torch.float64))
+        bias = next((n.args[1] for n in p.site.region if n.meta.get(MARK) == "shift"), None)
+        while isinstance(bias, fx.Node) and bias.op != "get_attr":  # a GroupNorm's (C, 1, 1) view of its bias
+            bias = bias.args[0]
+        if isinstance(bias, fx.Node):
+            shape = self.bindings[str(bias.target)].shape or p.site.channels
+            self.write(str(bias.target), torch.zeros(shape, dtype=torch.float64))
+
     def remove(self, p: NormPlan) -> None:
         """The norm's readers read its input (or its kept affine); its nodes go."""
         site = p.site
@@ -265,6 +282,8 @@ def apply_plans(model: ir.Model, lowered: Lowered, plans: Iterable[NormPlan], ex
         for nb in p.new_biases:
             g.new_bias(nb.layer, nb.target, nb.value)
         g.remove(p)
+        if p.unit is not None:
+            g.unit(p)
     _cancel_layout_pairs(g)
     from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 

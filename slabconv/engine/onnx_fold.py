@@ -12,13 +12,16 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans
 from slabconv.engine.onnx_lower import lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 
 
-def plan_file(model: Any, proto_path: str | None = None) -> tuple[Any, list[NormPlan]]:
-    """Prepare ``model`` in place (``onnx_lower.prepare``), lower it and plan every norm.
+def plan_file(model: Any, proto_path: str | None = None, norm_affine: bool = False) -> tuple[Any, list[NormPlan]]:
+    """Prepare ``model`` in place (``onnx_lower.prepare``), lower it and plan every norm (``norm_affine``: the
+    affine of every LayerNormalization / RMSNormalization / GroupNormalization too, split from the lowered op as for
+    a checkpoint: ``slabconv.engine.norm_affine``).
 
     Returns:
         ``(lowered, plans)``: the ``Lowered`` graph and one ``NormPlan`` per norm, in graph order.
@@ -29,6 +32,8 @@ def plan_file(model: Any, proto_path: str | None = None) -> tuple[Any, list[Norm
     """
     prepare(model, proto_path)
     lowered = lower(model)
+    if norm_affine:
+        split_norm_affines(lowered.gm)
     return lowered, plan_folds(lowered.gm)
 
 
@@ -38,11 +43,12 @@ def fold_file(
     progress: Callable[[str], None] = lambda name: None,
     as_float64: bool = False,
     simplify: bool = False,
+    norm_affine: bool = False,
 ) -> tuple[Any, list[Decision]]:
     """Fold every norm of ``model`` (read from ``proto_path``), in place; with ``as_float64`` the graph is cast to
     float64 after planning and every fold written unrounded (question 1's float64 fold: the same decisions, made on
     the file's own dtypes); with ``simplify`` onnxscript's optimizer then runs on it, as ``fuse --simplify`` runs it
-    on the file it writes.
+    on the file it writes; with ``norm_affine`` the affines of the norm ops fold too (``plan_file``).
 
     Returns:
         ``(model, decisions)``: the same model, fused, and one ``Decision`` per norm, in graph order.
@@ -50,7 +56,7 @@ def fold_file(
     Raises:
         as ``plan_file``.
     """
-    lowered, plans = plan_file(model, proto_path)
+    lowered, plans = plan_file(model, proto_path, norm_affine)
     for p in plans:
         progress(p.decision.norm)
     if as_float64:

@@ -42,6 +42,7 @@ from slabconv.engine import reasons
 from slabconv.engine.capture import module_path, shape_of, stored, written_tensors
 from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_producer, follow
 from slabconv.engine.layers import LayerKind, layer_name
+from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.rules import Chan, op_name
 from slabconv.errors import InputError
@@ -59,7 +60,8 @@ class Decision:
 
     Attributes:
         norm: module path of the norm (``blocks.0.norm1``).
-        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine`` or ``LayerScale``.
+        kind: ``BatchNorm``, ``RepBN``, ``FrozenBatchNorm``, ``Affine``, ``LayerScale``, ``LayerNorm-affine``,
+            ``RMSNorm-affine`` or ``GroupNorm-affine``.
         action: ``folded-forward``, ``folded-backward``, ``kept-affine`` or ``kept``.
         into: the layers that absorbed the affine (module paths).
         reason: why an affine (or the norm) stays, None when folded away.
@@ -158,6 +160,8 @@ class NormPlan:
         folds: each fold into a layer, as data (what ``updates`` / ``new_biases`` hold the values of).
         kept: the blocked edges that get the per-channel affine (``scale``, ``shift`` float64 ``(C,)``).
         remove: the norm's ops go (every action but ``kept``).
+        unit: the affine of a LayerNorm / RMSNorm / GroupNorm op folded away: ``(norm op, position of its weight,
+            the stored weight)``; the op keeps that weight as ones (``slabconv.engine.norm_affine``).
     """
 
     site: NormSite
@@ -169,6 +173,7 @@ class NormPlan:
     scale: torch.Tensor | None = None
     shift: torch.Tensor | None = None
     remove: bool = False
+    unit: tuple[fx.Node, int, fx.Node] | None = None
 
 
 # --------------------------------------------------------------------------------------------- warnings, checks
@@ -446,9 +451,18 @@ def _backward(
 
 
 def _shifts(site: NormSite) -> bool:
-    """False for a norm without any shift (a LayerScale: ``gamma * x``); BN kinds always count as shifting (their
-    folds create biases whatever the statistics, as the streamed fold expects)."""
+    """False for a norm without any shift (a LayerScale: ``gamma * x``; an RMSNorm's weight; a LayerNorm without
+    bias); BN kinds always count as shifting (their folds create biases whatever the statistics, as the streamed
+    fold expects), and so does a LayerNorm / GroupNorm with a bias, whatever its values."""
+    if is_norm_affine(site.kind):
+        return site.shifted
     return site.bn is not None or site.kind != "LayerScale"
+
+
+def _unit(site: NormSite) -> tuple[fx.Node, int, fx.Node] | None:
+    """Where the norm op of a split LayerNorm / RMSNorm / GroupNorm affine keeps a unit weight once it folds."""
+    mul = next((n for n in site.region if n.meta.get(MARK) not in (None, "shift")), None)
+    return unit_weight(mul) if mul is not None else None
 
 
 def _reads(site: NormSite) -> set[str]:
@@ -525,8 +539,12 @@ def plan_norm(
             decision.action, decision.into = FOLDED_BACKWARD, [backward[0]]
             plan.updates, plan.new_biases = backward[1].updates, backward[1].new_biases
             plan.folds = [backward[1].record]
+            plan.unit = _unit(site)
             return plan
         decision.no_backward, decision.paths = backward, _paths(blocked)
+        if is_norm_affine(site.kind):  # kept whole: its affine beside the normalisation would only add two ops
+            decision.reason = blocked[0].reason
+            return replace(plan, remove=False)
         if not _affine_fits(site, blocked, scale, shift):
             decision.reason = reasons.DTYPE_OVERFLOW  # the affine itself is not representable: the BN stays
             return replace(plan, remove=False)
@@ -534,6 +552,7 @@ def plan_norm(
         decision.kept_on = sorted({op_site(e.dst) for e in blocked})
         plan.kept = blocked
     decision.warnings += _precision_warnings(site, scale, shift)
+    plan.unit = _unit(site)
     for _, f in folds:
         plan.updates += f.updates
         plan.new_biases += f.new_biases

@@ -271,7 +271,9 @@ def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
 @dataclass(frozen=True)
 class TensorRecipe:
     """How the fused model's tensor ``target`` is made: ``copy`` of the stored ``source``, the ``weight`` or
-    ``bias`` of ``layer``, or a ``const`` the rewrite made (``value``: a kept affine's scale or shift)."""
+    ``bias`` of ``layer``, ``unit``: ones of the stored ``source``'s shape and dtype (the weight a LayerNorm /
+    RMSNorm / GroupNorm keeps once its affine is folded, ``slabconv.engine.norm_affine``), or a ``const`` the
+    rewrite made (``value``: a kept affine's scale or shift)."""
 
     target: str
     op: str
@@ -318,9 +320,15 @@ def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, 
     return layers
 
 
-def build_program(layers: dict[str, LayerRecipe], stored_keys: set[str], fused: Mapping[str, torch.Tensor]) -> Program:
-    """The program of a fused graph: ``layers`` (``layer_recipes``), the original graph's stored tensor names and
-    the fused graph's tensors (``cleanup.fused_state_dict``)."""
+def build_program(
+    layers: dict[str, LayerRecipe],
+    stored_keys: set[str],
+    fused: Mapping[str, torch.Tensor],
+    units: set[str] | frozenset[str] = frozenset(),
+) -> Program:
+    """The program of a fused graph: ``layers`` (``layer_recipes``), the original graph's stored tensor names,
+    the fused graph's tensors (``cleanup.fused_state_dict``) and the stored norm weights it holds as ones
+    (``units``)."""
     weights = {la.weight: la for la in layers.values()}
     biases = {la.bias_out: la for la in layers.values() if la.bias_out}
     tensors: dict[str, TensorRecipe] = {}
@@ -329,6 +337,8 @@ def build_program(layers: dict[str, LayerRecipe], stored_keys: set[str], fused: 
             tensors[target] = TensorRecipe(target, "weight", target, weights[target])
         elif target in biases:
             tensors[target] = TensorRecipe(target, "bias", biases[target].bias, biases[target])
+        elif target in units:
+            tensors[target] = TensorRecipe(target, "unit", target)
         elif target in stored_keys:
             tensors[target] = TensorRecipe(target, "copy", target)
         else:

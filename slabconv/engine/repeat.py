@@ -34,6 +34,7 @@ import torch
 from torch import fx
 
 from slabconv.engine.capture import stored
+from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.norms import find_norms
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import LayerRecipe, Program, TensorRecipe, layer_recipes
@@ -156,11 +157,13 @@ def fold_repeated(
     progress: FoldProgress | None = None,
     unknown: Collection[str] = (),
     on_block: Callable[[int, int], None] | None = None,
+    norm_affine: bool = False,
 ) -> tuple[list[Decision], Program] | None:
     """``fold_program`` of the real ``repeat.depth``-block model, from ``gm``, its capture with ``SLOTS`` blocks
     whose stand-in weights are ``unknown`` (see the module docstring). ``gm`` is left as ``fold_program`` leaves
     it (the fused three-block graph, slot 1 holding real block 1's values); ``on_block(done, total)`` is called
-    as each middle block is planned.
+    as each middle block is planned. ``norm_affine``: split the affine of every LayerNorm / RMSNorm / GroupNorm
+    first, as ``fold_program`` does.
 
     Returns:
         The decisions of every real block's norms, in graph order, and the fold program of every tensor the real
@@ -170,6 +173,8 @@ def fold_repeated(
     Raises:
         InputError: as ``plan_folds`` (a block's norm statistics are NaN/Inf, or running_var + eps <= 0).
     """
+    if norm_affine:
+        split_norm_affines(gm)
     first = plan_folds(gm, unknown=unknown)
     if not _local(first, repeat):
         return None

@@ -20,6 +20,7 @@ from torch import fx, nn
 from slabconv.engine.capture import stored
 from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fused_state_dict, remove_dead_code
 from slabconv.engine.flow import BlockedEdge
+from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_program, evaluate, layer_recipes
 from slabconv.engine.rules import Chan
@@ -136,6 +137,10 @@ def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
         set_tensor(gm, u.target, u.stored())
     for nb in p.new_biases:
         nb.kind.attach_bias(nb.layer, new_attr(gm, nb.target, nb.stored()))
+    if p.unit is not None:  # a LayerNorm / RMSNorm / GroupNorm op keeps a weight of ones where its affine was
+        norm, position, weight = p.unit
+        set_tensor(gm, str(weight.target), torch.ones_like(stored(gm, str(weight.target))))
+        norm.update_arg(position, weight)
     base = p.site.current_input()
     _insert_affines(gm, p, base)
     p.site.output.replace_all_uses_with(base)
@@ -156,13 +161,15 @@ def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: FoldProgres
     gm.recompile()
 
 
-def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None) -> list[Decision]:
+def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None, norm_affine: bool = False) -> list[Decision]:
     """Find every norm of ``gm``, decide and apply a fold for each (in place), then clean the graph; the folded
     layers' tensors are the fold program's (``fold_program``).
 
     Args:
         gm: an unlifted export graph (``slabconv.engine.capture``).
         progress: called as each norm is applied, with its name, how many are done and how many there are.
+        norm_affine: also fold the affine of every LayerNorm, RMSNorm and GroupNorm
+            (``slabconv.engine.norm_affine``; ``LoadOptions.fold_norm_affine``).
 
     Returns:
         One ``Decision`` per norm, in graph order.
@@ -171,7 +178,7 @@ def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None) -> list[D
         InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
         UnsupportedModelError: a BN whose statistics depend on the input (``find_norms``).
     """
-    return fold_program(gm, progress)[0]
+    return fold_program(gm, progress, norm_affine=norm_affine)[0]
 
 
 def fold_program(
@@ -180,6 +187,7 @@ def fold_program(
     unknown: Collection[str] = (),
     block_elements: int = FOLD_BLOCK,
     plans: list[NormPlan] | None = None,
+    norm_affine: bool = False,
 ) -> tuple[list[Decision], Program]:
     """``fold_all`` that also returns the fold program (``slabconv.engine.program``).
 
@@ -187,19 +195,25 @@ def fold_program(
     the streamed mode does) and its results are what the fused graph stores. With ``unknown`` (a streamed plan:
     those tensors are stand-ins, ``planner.plan_folds``), nothing is evaluated: the caller runs the program over
     the real weights. ``plans``: ``plan_folds(gm, unknown=unknown)`` when the caller already made it (on this
-    graph, as it is now).
+    graph, as it is now). ``norm_affine``: split the affine of every LayerNorm / RMSNorm / GroupNorm first
+    (``norm_affine.split_norm_affines``; a caller that passes ``plans`` splits before planning). Every split
+    affine that does not fold away goes back into its op (``join_norm_affines``).
     """
+    if norm_affine and plans is None:
+        split_norm_affines(gm)
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     original = {t: v for t in targets if isinstance(v := stored(gm, t), torch.Tensor)}
     plans = plan_folds(gm, unknown=unknown) if plans is None else plans
     layers = layer_recipes(gm, plans)
     apply_folds(gm, plans, progress)
+    join_norm_affines(gm)
     cancel_inverse_views(gm)
     remove_dead_code(gm)
     drop_unused_attrs(gm)
     gm.graph.lint()
     gm.recompile()
-    program = build_program(layers, set(original), fused_state_dict(gm))
+    units = {str(p.unit[2].target) for p in plans if p.remove and p.unit is not None}
+    program = build_program(layers, set(original), fused_state_dict(gm), units)
     if not unknown:
         for target, value in evaluate(program, TensorStore(original), block_elements).items():
             set_tensor(gm, target, value)

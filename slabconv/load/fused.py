@@ -3,7 +3,10 @@
 The metadata contract (written by ``fused_metadata``, read by ``FusedMetadata.read``; nothing else builds or
 parses it): ``format`` ``pt``, ``slabconv_version``, ``arch`` (the registered architecture, empty for a
 program), ``source_sha256`` (of the checkpoint), ``complete`` (``true`` when every norm folded away, so the
-weights load into the norm-free model of the architecture) and ``config`` (the JSON build config).
+weights load into the norm-free model of the architecture) and ``config`` (the JSON build config); with
+``--fold-norm-affine`` also ``norm_affine`` ``true``: the fold took the affine of the LayerNorms / RMSNorms /
+GroupNorms and their normalisations stay (``complete`` then means every norm folded or was kept whole in its op,
+and the weights load into the architecture with its norms, each weight 1 where it folded).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from slabconv.util import upper_bound
 from slabconv.version import __version__
 
 
-def fused_metadata(arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any]) -> dict[str, str]:
+def fused_metadata(
+    arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any], norm_affine: bool = False
+) -> dict[str, str]:
     """The string metadata of a fused safetensors file (see the module docstring)."""
-    return {
+    out = {
         "format": "pt",
         "slabconv_version": __version__,
         "arch": arch or "",
@@ -31,6 +36,9 @@ def fused_metadata(arch: str | None, source_sha256: str, complete: bool, config:
         "complete": "true" if complete else "false",
         "config": json.dumps(dict(config)),
     }
+    if norm_affine:
+        out["norm_affine"] = "true"
+    return out
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class FusedMetadata:
     source_sha256: str
     complete: bool
     config: dict[str, Any]
+    norm_affine: bool = False
 
     @classmethod
     def read(cls, metadata: Mapping[str, str], label: str = "the safetensors file") -> FusedMetadata | None:
@@ -68,6 +77,7 @@ class FusedMetadata:
             source_sha256=metadata.get("source_sha256", ""),
             complete=metadata.get("complete") == "true",
             config=config if isinstance(config, dict) else {},
+            norm_affine=metadata.get("norm_affine") == "true",
         )
 
 
@@ -81,11 +91,14 @@ class WrittenReport:
             included: what ``--force`` may replace.
         sha256: hex sha256 per written file (``outputs.sha256``), as recorded when it was written.
         source: the report's ``source`` block (``path``, ``sha256``, ``format``, ``arch``...), or None.
+        norm_affine: a fold of the affine of a LayerNorm / RMSNorm / GroupNorm is among ``folds`` (a kind ending in
+            ``-affine``): the fold was made with ``fold_norm_affine``.
     """
 
     files: frozenset[str]
     sha256: dict[str, str]
     source: dict[str, Any] | None
+    norm_affine: bool = False
 
     @classmethod
     def read(cls, folder: Path) -> WrittenReport | None:
@@ -113,7 +126,10 @@ class WrittenReport:
         recorded = outputs.get("sha256")
         hashes = {str(k): v for k, v in recorded.items() if isinstance(v, str)} if isinstance(recorded, dict) else {}
         source = data.get("source")
-        return cls(frozenset(names), hashes, source if isinstance(source, dict) else None)
+        folds = data.get("folds")
+        folds = folds if isinstance(folds, list) else []
+        norm_affine = any(isinstance(f, dict) and str(f.get("kind", "")).endswith("-affine") for f in folds)
+        return cls(frozenset(names), hashes, source if isinstance(source, dict) else None, norm_affine)
 
 
 def input_spec(program: Any) -> tuple[Any, list[tuple[int | None, int, int | None]]] | None:

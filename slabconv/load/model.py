@@ -25,6 +25,7 @@ from slabconv.options import LoadOptions
 from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
+from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
 from slabconv.zoo.registry import IMAGE_SIZE_KEY, OWN_MODEL, LayoutError, with_image_size
 
 
@@ -218,7 +219,10 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
             )
         arch = arch or fused.arch
         config = fused.config
-        norm = "identity"
+        # the norm-free model of the architecture, unless the norms stay: a norm whose affine folded keeps its
+        # normalisation, and a standard decoder's fused weights are its own architecture's (norms included)
+        standard = arch is not None and get_arch(arch).family == STANDARD_FAMILY
+        norm = "checkpoint" if fused.norm_affine or standard else "identity"
     if image_size is not None:
         config = with_image_size(config, image_size)
     # A Hugging Face folder's sizes come from its config.json: name that file in what the config gets blamed for.

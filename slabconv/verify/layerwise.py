@@ -140,7 +140,8 @@ class Folder:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the head on hidden states ``h``, in ``h``'s dtype."""
-        return StreamedLinear(self.shards, self.family.head)(self.norm(self.family.final_norm, h.dtype)(h))
+        head = StreamedLinear(self.shards, self.family.head_key(self.shards.weight_map))
+        return head(self.norm(self.family.final_norm, h.dtype)(h))
 
 
 def exact_streamed(source: LazyShards, written: LazyShards, program: Program) -> ExactCheck:
@@ -173,6 +174,10 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: Program) ->
                 note(judge.ulps(written.get(la.bias_out), bias) if present else math.inf, la.bias_out)
         elif key in layer_biases:
             continue  # checked with its weight
+        elif recipe is not None and recipe.op == "unit" and recipe.source in source.weight_map:
+            value = written.get(key)  # a norm weight whose affine folded: ones of the source's dtype
+            same = value.dtype == source.dtype(recipe.source) and bool((value == 1).all())
+            note(0.0 if same and list(value.shape) == source.shape(recipe.source) else math.inf, key)
         elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
             src = recipe.source
             for start, stop in row_ranges(source.shape(src), written.block_elements):

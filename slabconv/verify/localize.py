@@ -64,7 +64,7 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
         return _onnx(reference, candidate)
     if reference.kind != "model" or candidate.kind not in ("model", "folder", "onnx"):
         return Localization("none", detail=f"not localised: no fold boundaries for a {candidate.kind} candidate")
-    return _torch(reference, candidate, opts)
+    return _torch(reference, candidate, opts, load)
 
 
 def _verdict(boundaries: list[Boundary]) -> str:
@@ -164,10 +164,10 @@ def _rel(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return judge.rel_err(candidate.numpy(), reference.numpy())[0]
 
 
-def _torch(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
+def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None) -> Localization:
     from slabconv.verify.inputs import choose_inputs
     from slabconv.verify.reference import float64_example, float64_graph, fold64
-    from slabconv.verify.verifier import _written_tensors
+    from slabconv.verify.verifier import _written_tensors, norm_affine
 
     loaded = reference.loaded
     example = reference.example if reference.example is not None else loaded.trace_example()
@@ -176,7 +176,7 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions) -> Localizatio
         with quiet():
             graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
     original64 = float64_graph(graph, example)
-    fused64, decisions64 = fold64(original64)
+    fused64, decisions64 = fold64(original64, norm_affine(reference, candidate, load))
     dtype = getattr(torch, candidate.dtype)
     fold = engine.fused_state_dict(fused64)
     written, by_value = _written_tensors(candidate)

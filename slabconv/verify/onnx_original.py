@@ -214,9 +214,11 @@ def fold64(path: Path, candidate: Path) -> Any:
     cast to float64 (``onnx_fold.fold_file(..., as_float64=True)``, the contract ``slabconv.onnx_in.fold_onnx``
     keeps), simplified as ``candidate`` was (``fuse --simplify``), as an ``onnx_ir.Model``. The one place
     verification folds an ONNX graph."""
-    from slabconv.write.onnx import simplified
+    from slabconv.write.onnx import norm_affine_of, simplified
 
-    fused64, _ = onnx_fold.fold_file(load_ir(path), str(path), as_float64=True, simplify=simplified(candidate))
+    fused64, _ = onnx_fold.fold_file(
+        load_ir(path), str(path), as_float64=True, simplify=simplified(candidate), norm_affine=norm_affine_of(candidate)
+    )
     return fused64
 
 

@@ -194,16 +194,20 @@ def float64_graph(original: fx.GraphModule, example: torch.Tensor) -> fx.GraphMo
     return original64
 
 
-def fold64(original64: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+def fold64(original64: fx.GraphModule, norm_affine: bool = False) -> tuple[fx.GraphModule, list[Any]]:
     """``(fused64, decisions64)``: a copy of ``original64`` (``float64_graph``) folded by the same engine as the
-    model's own fold; its decisions equal the model's except where a fold overflows only the model's dtype."""
+    model's own fold (``norm_affine``: with the affine of every LayerNorm / RMSNorm / GroupNorm, as
+    ``LoadOptions.fold_norm_affine``); its decisions equal the model's except where a fold overflows only the
+    model's dtype."""
     fused64 = engine.copy_sharing(original64)
-    decisions64 = engine.fold_all(fused64)
+    decisions64 = engine.fold_all(fused64, norm_affine=norm_affine)
     return fused64, decisions64
 
 
-def float64_fold(original: fx.GraphModule, example: torch.Tensor) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
+def float64_fold(
+    original: fx.GraphModule, example: torch.Tensor, norm_affine: bool = False
+) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
     """The original graph and its fold, both in float64: ``(original64, fused64, decisions64)`` (``float64_graph``
     then ``fold64``)."""
     original64 = float64_graph(original, example)
-    return (original64, *fold64(original64))
+    return (original64, *fold64(original64, norm_affine))

@@ -40,11 +40,14 @@ class Provenance:
         source_sha256: the sha256 of the file (or folder index) it was made from.
         arch: the architecture, when it records one.
         folded: it is a fold of that source (``fuse``, ``export``); False for ``export --no-fuse``.
+        norm_affine: the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
+            question 1's float64 fold of the reference does the same.
     """
 
     source_sha256: str
     arch: str | None
     folded: bool
+    norm_affine: bool = False
 
 
 @dataclass
@@ -131,17 +134,20 @@ def onnx_provenance(proto: Any) -> Provenance | None:
     """The provenance an ``.onnx`` slabconv wrote records in its ``metadata_props`` (``SOURCE_KEY``,
     ``FOLDED_KEY``, ``ARCH_KEY``), else None. A file with a source and no ``FOLDED_KEY`` is a fold (what ``fuse``
     of an ONNX original writes)."""
-    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, SOURCE_KEY
+    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, NORM_AFFINE_KEY, SOURCE_KEY
 
     props = {p.key: p.value for p in proto.metadata_props}
     if not props.get(SOURCE_KEY):
         return None
-    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, props.get(FOLDED_KEY, "true") == "true")
+    folded = props.get(FOLDED_KEY, "true") == "true"
+    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, folded, props.get(NORM_AFFINE_KEY) == "true")
 
 
 def _fused_provenance(metadata: dict[str, str], label: str) -> Provenance | None:
     fused = FusedMetadata.read(metadata, label)
-    return Provenance(fused.source_sha256, fused.arch, True) if fused is not None and fused.source_sha256 else None
+    if fused is None or not fused.source_sha256:
+        return None
+    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine)
 
 
 def onnx_side(path: Path) -> Side:

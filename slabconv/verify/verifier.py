@@ -247,10 +247,24 @@ def _inputs(
                          token_input=bool(candidate.onnx and candidate.onnx.token_input))  # fmt: skip
 
 
+def norm_affine(reference: Side, candidate: Side, load: LoadOptions | None) -> bool:
+    """Whether question 1's float64 fold of the reference folds the affine of its LayerNorms / RMSNorms /
+    GroupNorms too: the candidate records a fold made so (``Provenance.norm_affine``), the plan being checked made
+    it (``fuse``), or ``LoadOptions.fold_norm_affine`` asks."""
+    from slabconv import engine
+
+    if load is not None and load.fold_norm_affine:
+        return True
+    if candidate.provenance is not None and candidate.provenance.norm_affine:
+        return True
+    return reference.decisions is not None and engine.folds_norm_affine(reference.decisions)
+
+
 def _torch_reference(
-    reference: Side, candidate: Side, x: Any, label: str, digest: str | None, fold: bool
+    reference: Side, candidate: Side, x: Any, label: str, digest: str | None, fold: bool, affine: bool = False
 ) -> tuple[Reference, Any, list[Any], list[str]]:
-    """The reference model in its dtype and its graph in float64 on ``x``, and (``fold``) the float64 fold.
+    """The reference model in its dtype and its graph in float64 on ``x``, and (``fold``) the float64 fold (of
+    the norms' affines too with ``affine``: ``norm_affine``).
 
     A candidate stored in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint)
     is held to the error of the reference cast to that dtype (``e_orig``): the error any model in that dtype has.
@@ -280,7 +294,7 @@ def _torch_reference(
     runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
     exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
-    fused64, decisions64 = fold64(original64) if fold else (None, [])
+    fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
     names = output_names(len(original))
     ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64)
     check_reference(ref)
@@ -473,7 +487,8 @@ def _whole(
         verification.reference = f"the reference ONNX graph in float64 ({which})"
         fused64 = None
     else:
-        ref, fused64, decisions64, notes = _torch_reference(reference, candidate, x, label, digest, related)
+        affine = norm_affine(reference, candidate, load)
+        ref, fused64, decisions64, notes = _torch_reference(reference, candidate, x, label, digest, related, affine)
         verification.reference = "the reference model in float64 (pytorch)"
         verification.notes += notes
         if reference.decisions is not None and related:

@@ -24,7 +24,7 @@ import torch
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.util import quiet
 from slabconv.version import __version__
-from slabconv.write.hf_llama import load_fused_llama
+from slabconv.write.hf_llama import STANDARD_TYPES, load_fused_llama
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for, save_onnx
 
 DEFAULT_DECODER_ONNX = "decoder.onnx"
@@ -79,6 +79,13 @@ class DecoderWithPast(torch.nn.Module):
         return (out.logits, *presents)
 
 
+def head_size(cfg: Any) -> int:
+    """The attention head size of a transformers config: ``head_dim`` where the config has one (LLaMA, Mistral),
+    else ``hidden_size / num_attention_heads`` (Qwen2's config has none)."""
+    found = getattr(cfg, "head_dim", None)
+    return int(found) if found else int(cfg.hidden_size) // int(cfg.num_attention_heads)
+
+
 def _root_cause(err: BaseException) -> str:
     """``Type: first line`` of the innermost exception (torch.onnx wraps torch.export's reason in its own)."""
     while err.__cause__ is not None:
@@ -89,7 +96,7 @@ def _root_cause(err: BaseException) -> str:
 def _example(cfg: Any, dtype: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Example inputs (batch 2, 3 new tokens, 4 past tokens; ids, mask, positions, past key/values per layer) and
     their dynamic shapes: batch, new-token and past lengths symbolic, past length from 0."""
-    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, head_size(cfg)
     batch, new, past_len = 2, 3, 4
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (batch, new), generator=gen)
@@ -183,7 +190,7 @@ def export_decoder_onnx(
         raise UsageError(f"opset {opset}: the decoder needs opset {MIN_OPSET} or later")
     model = load_fused_llama(folder, dtype)
     cfg = model.config
-    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, head_size(cfg)
     weight_dtype = next(model.parameters()).dtype
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layers)]
     outputs = ["logits", *present_names(layers)]
@@ -218,14 +225,17 @@ GENAI_CONFIG = "genai_config.json"
 
 def special_tokens(config: dict[str, Any]) -> tuple[int, int | list[int], int]:
     """``(bos_token_id, eos_token_id, pad_token_id)`` of a LLaMA ``config.json`` as transformers reads it
-    (``LlamaConfig.from_dict``: a key left out takes transformers' default, bos 1 and eos 2), for
+    (``LlamaConfig.from_dict``, or the config class of a standard ``model_type``: a key left out takes transformers'
+    default, LLaMA's bos 1 and eos 2), for
     ``genai_config.json``: onnxruntime-genai ends a sequence at an end-of-sequence id, so writing another id than
     transformers uses would make it stop where transformers does not. A missing pad id is the (first) eos id, as
     onnxruntime-genai's own model builder writes it; an id transformers leaves unset is 0 (onnxruntime-genai
     needs an id inside the vocabulary)."""
     import transformers
 
-    read = transformers.LlamaConfig.from_dict(config)
+    model_type = str(config.get("model_type") or "")
+    known = transformers.CONFIG_MAPPING.get(model_type, None) if model_type in STANDARD_TYPES else None
+    read = (known or transformers.LlamaConfig).from_dict(config)
 
     def ids(value: Any) -> list[int]:
         values = value if isinstance(value, (list, tuple)) else [value]
@@ -259,7 +269,7 @@ def write_genai_config(folder: Path | str, info: dict[str, Any], config: dict[st
     bos, eos, pad = special_tokens(config)
     genai = {
         "model": {
-            "type": "llama",
+            "type": config.get("model_type") if config.get("model_type") in STANDARD_TYPES else "llama",
             "bos_token_id": bos,
             "eos_token_id": eos,
             "pad_token_id": pad,

@@ -18,6 +18,13 @@ V vocabulary size):
 Nothing else: a tensor under a norm's name (``input_layernorm``, ``post_attention_layernorm``, ``model.norm``),
 such as the per-channel ``scale``/``shift`` of a kept affine, means a norm was not folded, and the norm-free model
 cannot run those weights.
+
+A standard decoder (``slabconv.zoo.llama_std``: LLaMA, Mistral, Qwen2) whose norm weights were folded
+(``--fold-norm-affine``) stays its own architecture: ``write_hf_standard_metadata`` writes its ``config.json``
+(the original's ``model_type`` and ``architectures``) and ``generation_config.json`` beside the weights, which hold
+exactly that architecture's tensors (every RMSNorm weight 1 where it folded, the original where the norm was kept
+whole, biases only on the projections the architecture has them on), so ``AutoModelForCausalLM.from_pretrained``
+loads it without ``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -65,6 +72,11 @@ _DTYPE_NAMES = {
 }
 # Generation settings of the original config.json that go to generation_config.json as well.
 _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+STANDARD_TYPES = ("llama", "mistral", "qwen2")
+"""``model_type`` of the standard decoders written as themselves (``write_hf_standard_metadata``)."""
+
+_STD_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def require_transformers(fusing: bool = False) -> Any:
@@ -350,6 +362,111 @@ def write_hf_llama_metadata(
     return written
 
 
+def standard_biases(config: Mapping[str, Any]) -> dict[str, bool]:
+    """Which projections carry a bias in the standard architecture ``config`` describes (transformers 5):
+    LLaMA q/k/v/o with ``attention_bias`` and gate/up/down with ``mlp_bias``; Qwen2 q/k/v; Mistral none;
+    ``lm_head`` never."""
+    model_type = config.get("model_type")
+    bias = dict.fromkeys(PROJECTIONS, False)
+    if model_type == "llama":
+        bias.update(dict.fromkeys(_ATTN, bool(config.get("attention_bias", False))))
+        bias.update(dict.fromkeys(_MLP, bool(config.get("mlp_bias", False))))
+    elif model_type == "qwen2":
+        bias.update(dict.fromkeys(("q_proj", "k_proj", "v_proj"), True))
+    return bias
+
+
+def standard_layout(weight_shapes: Mapping[str, Sequence[int]], config: Mapping[str, Any]) -> None:
+    """Check that folded weights are exactly the standard architecture ``config`` describes: every norm weight and
+    projection weight, a bias where the architecture has one and nowhere else, ``lm_head.weight`` unless the
+    embeddings are tied.
+
+    Raises:
+        UnsupportedModelError: a projection holds a bias the architecture has no place for (a fold needed one:
+            the model cannot be written as this architecture), a tensor outside the layout, a missing tensor.
+    """
+    keys = set(weight_shapes)
+    layers = sorted({int(m.group(1)) for k in keys if (m := _LAYER.match(k))})
+    if layers != list(range(len(layers))) or not layers:
+        raise UnsupportedModelError(f"the decoder layers are not numbered 0 .. L-1 (found {layers[:8]})")
+    bias = standard_biases(config)
+    model_type = config.get("model_type")
+    for key in sorted(keys):
+        m = re.match(r"(?:model\.layers\.\d+\.(?:self_attn|mlp)\.)?(\w+)\.bias$", key)
+        if m and m.group(1) in bias and not bias[m.group(1)]:
+            raise UnsupportedModelError(
+                f"{key}: the fold gave {m.group(1)} a bias, which {model_type} has no place for; this model cannot be "
+                "written as its own architecture (a norm with a shift folded into a bias-free projection)"
+            )
+    tied = bool(config.get("tie_word_embeddings", False)) and "lm_head.weight" not in keys
+    required = {"model.embed_tokens.weight", "model.norm.weight", *([] if tied else ["lm_head.weight"])}
+    for i in layers:
+        required |= {f"model.layers.{i}.{n}.weight" for n in _STD_NORMS}
+        required |= {_projection_key(i, name, "weight") for name in _ATTN + _MLP}
+        required |= {_projection_key(i, name, "bias") for name in _ATTN + _MLP if bias[name]}
+    known = required | {"lm_head.weight"}
+    unknown, missing = sorted(keys - known), sorted(required - keys)
+    if unknown:
+        raise UnsupportedModelError(f"tensor {unknown[0]} is not part of the {model_type} layout; refused")
+    if missing:
+        raise UnsupportedModelError(f"the folded {model_type} weights lack {missing[0]} ({len(missing)} missing)")
+
+
+def write_hf_standard_metadata(
+    folder: Path | str, config: Mapping[str, Any], dtype: torch.dtype | str | None = None, *, folded: bool = True
+) -> list[Path]:
+    """Make a folder of folded standard-decoder weights (LLaMA, Mistral, Qwen2) a Hugging Face model folder of the
+    same architecture: ``config.json`` (the original's, ``auto_map`` dropped, ``torch_dtype`` / ``dtype`` set,
+    plus a ``slabconv`` entry saying what was folded) and ``generation_config.json``; no modeling file.
+
+    Args:
+        folder: the folder holding the weights (``model.safetensors``, or shards plus their index).
+        config: the original ``config.json`` (``model_type`` in ``STANDARD_TYPES``).
+        dtype: the weights' dtype; None takes it from the headers.
+        folded: the weights hold folded norms (``--fold-norm-affine``); False: the norms are as in the original,
+            which the ``slabconv`` entry then says.
+
+    Returns:
+        The files written: ``config.json``, ``generation_config.json``.
+
+    Raises:
+        UnsupportedModelError: another ``model_type``; weights that are not that architecture (``standard_layout``).
+        UsageError: no weights in the folder, weights of mixed or non-float dtypes.
+        InputError: a damaged safetensors header or index.
+    """
+    folder = Path(folder)
+    if config.get("model_type") not in STANDARD_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {config.get('model_type')!r} is not a standard decoder slabconv writes as itself "
+            f"({', '.join(STANDARD_TYPES)})"
+        )
+    specs = folder_weight_specs(folder)
+    standard_layout({k: shape for k, (_, shape) in specs.items()}, config)
+    if dtype is None:
+        floats = {d for d, _ in specs.values() if d.is_floating_point}
+        if len(floats) != 1:
+            raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; pass dtype")
+        dtype = floats.pop()
+    name = _dtype_name(dtype)
+    out: dict[str, Any] = {k: v for k, v in config.items() if k != "auto_map"}
+    out.update(
+        torch_dtype=name,
+        dtype=name,
+        slabconv={
+            "norm_affine": "folded: each RMSNorm weight that is 1 went into the projections that read its norm "
+            "(input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, model.norm -> lm_head); "
+            "report.json lists every norm"
+            if folded
+            else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
+        },
+    )
+    if (version := _transformers_version()) is not None:
+        out["transformers_version"] = version
+    path = folder / CONFIG
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return [path, _write_generation_config(folder, config, None)]
+
+
 def _transformers_version() -> str | None:
     try:
         from importlib.metadata import version
@@ -428,6 +545,8 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
         model_type = json.loads((folder / CONFIG).read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError) as err:
         raise UsageError(f"{folder}: no readable {CONFIG} ({err})") from None
+    if model_type in STANDARD_TYPES:
+        return _load_standard(folder, dtype)
     if model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {model_type!r}, not {MODEL_TYPE!r}; run write_hf_llama_metadata on it")
     norm_free_layout(list(folder_weight_specs(folder)), {})  # refuse kept norms even in a folder written by hand
@@ -442,4 +561,35 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+    return model.eval()
+
+
+def _load_standard(folder: Path, dtype: torch.dtype | None) -> Any:
+    """A standard decoder folder in transformers (``AutoModelForCausalLM``, no remote code), refusing weights that do
+    not fill the model exactly (a missing tensor would be left initialised)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    standard_layout(
+        {k: shape for k, (_, shape) in folder_weight_specs(folder).items()},
+        json.loads((folder / CONFIG).read_text(encoding="utf-8")),
+    )
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype if dtype is not None else "auto", output_loading_info=True
+        )
+        model, info = loaded
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        keys = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(what) or ())
+        if keys:
+            raise UnsupportedModelError(
+                f"{folder}: transformers reports {what.replace('_', ' ')}: {keys[0]} ({len(keys)})"
+            )
     return model.eval()

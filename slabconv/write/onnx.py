@@ -27,12 +27,17 @@ FOLDED_KEY = "slabconv_folded"
 """``true`` when the file is a fold of its source, ``false`` for ``export --no-fuse`` (absent: a fold)."""
 ARCH_KEY = "slabconv_arch"
 """The architecture of the source, when it has a registered one."""
+NORM_AFFINE_KEY = "slabconv_norm_affine"
+"""``true`` when the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
+``verify`` folds the reference's norm affines too before it compares the tensors (``slabconv.engine.norm_affine``)."""
 
 
-def provenance(source_sha256: str, arch: str | None, folded: bool) -> dict[str, str]:
+def provenance(source_sha256: str, arch: str | None, folded: bool, norm_affine: bool = False) -> dict[str, str]:
     """The ``metadata_props`` recording where an ``.onnx`` came from (``SOURCE_KEY``, ``FOLDED_KEY``,
-    ``ARCH_KEY``): what ``slabconv.verify.sides`` reads to know whether question 1 applies."""
-    return {SOURCE_KEY: source_sha256, FOLDED_KEY: "true" if folded else "false", ARCH_KEY: arch or ""}
+    ``ARCH_KEY``, and ``NORM_AFFINE_KEY`` for a fold with ``--fold-norm-affine``): what ``slabconv.verify.sides``
+    reads to know whether question 1 applies, and how the reference is folded for it."""
+    made = {SOURCE_KEY: source_sha256, FOLDED_KEY: "true" if folded else "false", ARCH_KEY: arch or ""}
+    return {**made, NORM_AFFINE_KEY: "true"} if norm_affine else made
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -197,6 +202,17 @@ def simplified(path: Path) -> bool:
     except Exception:  # noqa: BLE001 - not a file slabconv wrote
         return False
     return any(p.key == SIMPLIFIED_KEY for p in proto.metadata_props)
+
+
+def norm_affine_of(path: Path) -> bool:
+    """True when the ``.onnx`` file at ``path`` was folded with ``--fold-norm-affine`` (``NORM_AFFINE_KEY``)."""
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a file slabconv wrote
+        return False
+    return any(p.key == NORM_AFFINE_KEY and p.value == "true" for p in proto.metadata_props)
 
 
 def save_onnx(model: Any, path: Path, external: bool) -> str | None:

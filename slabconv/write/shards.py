@@ -168,7 +168,7 @@ def write_program_shards(
                 plan.append((key, la.dtype, specs[key][1]))
                 if la.bias_out is not None:
                     plan.append((la.bias_out, la.bias_dtype, [specs[key][1][0]]))
-            elif recipe is not None and recipe.op == "copy" and key not in biases:
+            elif recipe is not None and recipe.op in ("copy", "unit") and key not in biases:
                 plan.append((key, *specs[key]))
         writer = ShardWriter(folder / shard, plan, metadata)
         try:
@@ -182,6 +182,8 @@ def write_program_shards(
                         parts.append(b)
                     if la.bias_out is not None:
                         writer.write(la.bias_out, torch.cat([b for b in parts if b is not None]))
+                elif (made := program.tensors.get(key)) is not None and made.op == "unit":
+                    writer.write(key, torch.ones(shape, dtype=specs[key][0]))  # a norm weight whose affine folded
                 elif key not in beside:
                     for start, stop in row_ranges(shape, block_elements):
                         writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None))

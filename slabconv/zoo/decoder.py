@@ -4,8 +4,9 @@ A streamed fold (``fuse --stream``) never holds a whole checkpoint: it plans on 
 stand-in weights (``slabconv.load.lazy``, any zoo family), folds the big weights shard by shard, and for a decoder
 family verifies one decoder layer at a time. Everything that is family-specific in that verification — key names,
 the decoder layer and the inputs it takes — comes from a ``DecoderFamily``. LLaMA-PRepBN implements it
-(``LLAMA``); another decoder family (a GPT-style model with
-RepBN norms, say) would add one more instance here.
+(``LLAMA``), and so do the standard LLaMA / Mistral / Qwen2 decoders (``STANDARD``, ``slabconv.zoo.llama_std``:
+plain RMSNorms, which keep a weight of ones where ``--fold-norm-affine`` folded it); another decoder family (a
+GPT-style model with RepBN norms, say) would add one more instance here.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class DecoderFamily:
     vocab_size: Callable[[Any], int]
     num_layers: Callable[[Any], int]
     max_positions: Callable[[Any], int]
+
+    def head_key(self, keys: Mapping[str, Any]) -> str:
+        """The prefix of the head's weight in a folder: ``head``, or the embedding's where the head is tied to it
+        (no ``<head>.weight``: transformers' ``tie_word_embeddings``)."""
+        return self.head if f"{self.head}.weight" in keys else self.embed.removesuffix(".weight")
 
     def template(self, name: str) -> str:
         """``model.layers.7.mlp.up_proj`` -> ``model.layers.{i}.mlp.up_proj``; other names unchanged."""
@@ -119,17 +125,68 @@ LLAMA = DecoderFamily(
     max_positions=lambda cfg: int(cfg.max_position_embeddings),
 )
 
-FAMILIES = (LLAMA,)
+# --------------------------------------------------------------------------------------------- standard decoders
+
+
+def _std_config(meta: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Any:
+    from slabconv.zoo.llama_std import std_config
+
+    return std_config(meta, config)
+
+
+def _std_norm(layout: str, cfg: Any) -> nn.Module:
+    from slabconv.zoo.llama_std import norm_factory
+
+    return norm_factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
+
+
+def _std_layout(keys: Mapping[str, Any], prefix: str) -> str | None:
+    from slabconv.zoo.llama_std import norm_layout as std_layout
+
+    return std_layout(keys, prefix)
+
+
+def _std_positions(cfg: Any) -> int:
+    """The longest sequence a layer-by-layer check runs: ``max_position_embeddings``, and no longer than the
+    shortest sliding window (up to it, windowed attention is plain causal attention, which ``_llama_inputs``
+    masks)."""
+    windows = [int(w) for w in cfg.sliding_windows or () if w]
+    return min([int(cfg.max_position_embeddings), *windows])
+
+
+STANDARD = DecoderFamily(
+    name="llama_std",
+    layer_key=re.compile(r"^model\.layers\.(\d+)\."),
+    layer_prefix="model.layers.{i}.",
+    embed="model.embed_tokens.weight",
+    head="lm_head",
+    final_norm="model.norm",
+    layer_norms=("input_layernorm", "post_attention_layernorm"),
+    norm_layout=_std_layout,
+    config=_std_config,
+    build_layer=_llama_layer,
+    build_norm=_std_norm,
+    layer_inputs=_llama_inputs,
+    vocab_size=lambda cfg: int(cfg.vocab_size),
+    num_layers=lambda cfg: int(cfg.num_hidden_layers),
+    max_positions=_std_positions,
+)
+
+FAMILIES = (STANDARD, LLAMA)
 
 
 def family_of(keys: Mapping[str, Any]) -> DecoderFamily:
-    """The decoder family whose embedding and head keys a folder holds.
+    """The decoder family of a folder: the standard decoders by their plain RMSNorm weights, LLaMA-PRepBN (its
+    norms, or none once folded) by its embedding and head keys.
 
     Raises:
         UnsupportedModelError: none matches.
     """
+    first = "model.layers.0.input_layernorm"
+    if STANDARD.embed in keys and STANDARD.norm_layout(keys, first) is not None:
+        return STANDARD
     for family in FAMILIES:
-        if family.embed in keys and f"{family.head}.weight" in keys:
+        if family is not STANDARD and family.embed in keys and f"{family.head}.weight" in keys:
             return family
     raise UnsupportedModelError(
         "the streamed mode handles decoder-only language models of a known family (LLaMA layout: "

@@ -174,6 +174,8 @@ class LlamaConfig:
     pad_token_id: int | None = 0
     hidden_act: str = "silu"
     num_key_value_heads: int | None = None  # None: one k/v head per query head (the official model)
+    tie_word_embeddings: bool = False  # lm_head reads the embedding table (standard families; never LLaMA-PRepBN)
+    sliding_windows: tuple[int | None, ...] | None = None  # per layer: attend to the last W positions only
 
     @property
     def head_dim(self) -> int:
@@ -304,9 +306,19 @@ class LlamaModel(nn.Module):
         t = input_ids.shape[1]
         cos, sin = rope_cos_sin(t, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         mask = torch.full((t, t), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        windows = self.cfg.sliding_windows or (None,) * len(self.layers)
+        masks = {w: sliding_mask(t, w, x.dtype) for w in set(windows) if w is not None}
+        for layer, window in zip(self.layers, windows, strict=True):
+            x = layer(x, cos, sin, mask if window is None else masks[window])
         return self.norm(x)
+
+
+def sliding_mask(t: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive ``(T, T)`` mask of causal attention over the last ``window`` positions: query ``i`` sees key
+    ``j`` when ``i - window < j <= i`` (transformers' ``sliding_window_overlay``), else ``finfo(dtype).min``."""
+    i = torch.arange(t)
+    blocked = (i[None, :] > i[:, None]) | (i[:, None] - i[None, :] >= window)
+    return torch.zeros((t, t), dtype=dtype).masked_fill(blocked, torch.finfo(dtype).min)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -328,7 +340,9 @@ class LlamaForCausalLM(nn.Module):
             raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r}: the LLaMA-PRepBN MLP uses silu")
         self.cfg = cfg
         self.model = LlamaModel(cfg, norm_layer or llama_norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:  # one table, model.embed_tokens.weight, read by the head too
+            self.lm_head = TiedHead(self.model.embed_tokens)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
@@ -341,6 +355,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model(input_ids))
+
+
+class TiedHead(nn.Module):
+    """The output head of a model with tied embeddings (``tie_word_embeddings``): ``h @ E^T`` with the embedding's
+    own table ``E`` (``model.embed_tokens.weight``), which it reads without holding it, so the state_dict (and an
+    export graph) names the one table once, as transformers saves it."""
+
+    embedding: nn.Embedding
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.__dict__["embedding"] = embedding  # not a submodule: its weight has one name, the embedding's
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(h, self.embedding.weight)
 
 
 # --------------------------------------------------------------------------------------------- reading weights

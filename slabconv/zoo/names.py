@@ -82,6 +82,20 @@ NAMES: tuple[ArchName, ...] = (
     ),
     *(
         ArchName(
+            model_type,
+            "llama_std",
+            (cls,),
+            f"standard {shown} causal LM (RMSNorm; no SLAB norms): folds with --fold-norm-affine; int64 token ids "
+            "(B, T)",
+        )
+        for model_type, cls, shown in (
+            ("llama", "LlamaForCausalLM", "LLaMA"),
+            ("mistral", "MistralForCausalLM", "Mistral"),
+            ("qwen2", "Qwen2ForCausalLM", "Qwen2"),
+        )
+    ),
+    *(
+        ArchName(
             f"pvt_{size}_prepbn",
             "pvt",
             (f"pvt_{size[0]}_prepbn",),

@@ -1,0 +1,321 @@
+"""``fold_norm_affine`` end to end (issue 41): a ViT with LayerNorms before qkv / fc1 / head and a PoolFormer-like
+model with GroupNorms decide alike through every door (the module, its ``.pt2``, its ONNX export: the dynamo
+exporter writes the GroupNorm as ``InstanceNormalization`` between reshapes, then ``Mul`` and ``Add``) and pass
+verification; a standard LLaMA (grouped-query attention) and a Qwen2 (q/k/v biases) from transformers' classes fold
+into a folder of the same architecture that ``AutoModelForCausalLM`` loads without remote code, with every norm
+weight 1, the original's greedy tokens in transformers and in the decoder ONNX, question 1 exact; streamed alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+from torch import nn
+
+from slabconv import api, engine
+from slabconv.errors import UnsupportedModelError, UsageError
+from slabconv.load.hf import read_hf_folder
+from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.write.hf_llama import standard_layout
+from tests.foldcheck import TOL, rel_err
+
+AFFINE = LoadOptions(fold_norm_affine=True)
+C = 16
+
+
+def _randomize(model: nn.Module, seed: int) -> nn.Module:
+    """Non-unit norm weights in [0.25, 1.75] and biases of order 0.5: every fold changes the weights it reaches."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 1.5 + 0.25)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.5)
+    return model.eval()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(C), nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(C), nn.Linear(C, 2 * C), nn.Linear(2 * C, C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, n, 3, 2, C // 2).permute(2, 0, 3, 1, 4)
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, C))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class ViT(nn.Module):
+    """A small ViT: patch conv, class token, two pre-norm blocks, a LayerNorm before the head (on the class token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(1, C, 4, 4)
+        self.cls = nn.Parameter(torch.randn(1, 1, C, generator=torch.Generator().manual_seed(1)))
+        self.blocks = nn.Sequential(Block(), Block())
+        self.norm, self.head = nn.LayerNorm(C), nn.Linear(C, 10)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        x = self.patch(img).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1)
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+class PoolBlock(nn.Module):
+    """PoolFormer's block: ``x + ls1 * (pool(norm1(x)) - norm1(x))``, ``x + ls2 * mlp(norm2(x))``, GroupNorm(1, C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.GroupNorm(1, C), nn.GroupNorm(1, C)
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.fc1, self.fc2 = nn.Conv2d(C, 2 * C, 1), nn.Conv2d(2 * C, C, 1)
+        self.ls1, self.ls2 = nn.Parameter(torch.full((C, 1, 1), 0.5)), nn.Parameter(torch.full((C, 1, 1), 0.7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm1(x)
+        x = x + self.ls1 * (self.pool(y) - y)
+        return x + self.ls2 * self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class PoolFormer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, C, 2, 2)
+        self.blocks = nn.Sequential(PoolBlock(), PoolBlock())
+        self.norm, self.head = nn.GroupNorm(1, C), nn.Linear(C, 10)
+
+    def forward(self, img: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.stem(img))).mean((2, 3)))
+
+
+MODELS = {"vit": ViT, "poolformer": PoolFormer}
+
+
+def _image(batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 1, 8, 8, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[nn.Module, Path, list[tuple]]]:
+    """Each model, its ``.pt2`` and its module door's decisions (``engine.capture`` + ``fold_all``), the fused
+    module checked against the original."""
+    folder = tmp_path_factory.mktemp("vision")
+    out = {}
+    for i, (name, cls) in enumerate(MODELS.items()):
+        torch.manual_seed(i)
+        model = _randomize(cls(), i)
+        x = _image()
+        program = torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+        torch.export.save(program, folder / f"{name}.pt2")
+        gm = engine.capture(model, x)
+        decisions = engine.fold_all(gm, norm_affine=True)
+        assert rel_err(gm(x), model(x).double()) <= TOL[torch.float32]
+        out[name] = (model, folder / f"{name}.pt2", [(d.norm, d.kind, d.action, d.into, d.reason) for d in decisions])
+    return out
+
+
+def test_the_vit_folds_every_layer_norm_and_the_poolformer_its_mlp_and_head_norms(vision):
+    assert [(n, k, a) for n, k, a, _, _ in vision["vit"][2]] == [
+        (f"blocks.{i}.{n}", "LayerNorm-affine", "folded-forward") for i in (0, 1) for n in ("norm1", "norm2")
+    ] + [("norm", "LayerNorm-affine", "folded-forward")]
+    pool = {n: (k, a, into, reason) for n, k, a, into, reason in vision["poolformer"][2]}
+    assert pool["blocks.0.norm2"] == ("GroupNorm-affine", "folded-forward", ["blocks.0.fc1"], None)
+    assert pool["norm"] == ("GroupNorm-affine", "folded-forward", ["head"], None)
+    assert pool["blocks.0.norm1"][:2] == ("GroupNorm-affine", "kept")  # read by pool(y) - y, then a residual
+
+
+def test_the_command_line_takes_the_option(vision, tmp_path):
+    """``inspect --fold-norm-affine`` plans as the API does; ``export --no-fuse --fold-norm-affine`` exits 2 before
+    any work."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    _, pt2, decisions = vision["vit"]
+    result = CliRunner().invoke(app, ["inspect", str(pt2), "--fold-norm-affine", "--json"])
+    assert result.exit_code == 0, result.output
+    folds = json.loads(result.stdout)["folds"]
+    assert [(f["norm"], f["kind"], f["action"], f["into"], f["reason"]) for f in folds] == decisions
+    plain = CliRunner().invoke(app, ["inspect", str(pt2), "--json"])
+    assert json.loads(plain.stdout)["folds"] == []  # without the option the LayerNorms stay as they are
+    refused = CliRunner().invoke(
+        app, ["export", str(pt2), "--onnx", str(tmp_path / "x.onnx"), "--no-fuse", "--fold-norm-affine"]
+    )
+    assert refused.exit_code == 2 and "--no-fuse exports the original" in refused.output
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def _onnx(model: nn.Module, path: Path) -> Path:
+    program = torch.onnx.export(
+        model, (_image(),), dynamo=True, dynamic_shapes=({0: torch.export.Dim("batch")},), verbose=False
+    )
+    assert program is not None
+    program.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("door", ["pt2", "onnx"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_door_decides_alike_and_verifies(vision, name, door, tmp_path):
+    model, pt2, decisions = vision[name]
+    source = pt2 if door == "pt2" else _onnx(model, tmp_path / f"{name}.onnx")
+    # an ONNX original is written as model.onnx; a program's ViT as model.onnx too, its PoolFormer as model.pt2 alone
+    write = WriteOptions() if door == "onnx" else WriteOptions(onnx=name == "vit")
+    report = api.fuse(source, tmp_path / "out", load=AFFINE, verify=VerifyOptions(samples=4), write=write)
+    assert [(f.norm, f.kind, f.action, f.into, f.reason) for f in report.folds] == decisions
+    assert report.verification.passed and report.verification.to_dict()["question_1_exact"]
+    if name == "vit":  # verify's question 1 folds the reference as the folder's report says it was folded
+        again = api.verify(source, tmp_path / "out", verify=VerifyOptions(samples=2)).verification
+        assert again.passed and [e.method for e in again.exact if e.passed] == ["graph", "tensors"]
+
+
+# --------------------------------------------------------------------------------------------- LLaMA family
+
+
+def _decoder(kind: str, seed: int, tie: bool = False, layers: int = 4) -> nn.Module:
+    """A small transformers model of ``kind`` with random non-unit norm weights (and biases where it has them)."""
+    torch.manual_seed(seed)
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[kind]
+    config = config_class(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-5,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) * 1.5 + 0.25)
+            elif name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+LAYERS = {"llama": 4, "qwen2": 2}
+
+
+@pytest.fixture(scope="module")
+def decoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[nn.Module, Path]]:
+    """A LLaMA (grouped-query attention, four layers in sharded safetensors: also the streamed input, planned from
+    three of its layers) and a two-layer Qwen2 (q/k/v biases), untied, saved by transformers."""
+    out = {}
+    for i, kind in enumerate(("llama", "qwen2")):
+        model = _decoder(kind, i, layers=LAYERS[kind])
+        folder = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(folder, max_shard_size="40KB" if kind == "llama" else "50MB")
+        out[kind] = (model, folder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fused(decoders, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[api.Report, Path]]:
+    """Each folder fused with ``fold_norm_affine``, greedy generation of the original checked against the folder in
+    transformers; the Qwen2's with model.onnx and decoder.onnx (and generation in onnxruntime), the LLaMA's with
+    model.pt2 alone (the decoder export is the same code for both, and costs seconds)."""
+    out = {}
+    for kind, (_, folder) in decoders.items():
+        target = tmp_path_factory.mktemp(f"{kind}-fused") / "out"
+        write = WriteOptions(onnx=kind == "qwen2")
+        report = api.fuse(folder, target, load=AFFINE, verify=VerifyOptions(samples=4, generate=8), write=write)
+        out[kind] = (report, target)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_standard_decoder_folds_into_its_own_architecture(decoders, fused, kind):
+    original, _ = decoders[kind]
+    report, folder = fused[kind]
+    assert {(f.kind, f.action) for f in report.folds} == {("RMSNorm-affine", "folded-forward")}
+    layers = LAYERS[kind]
+    assert len(report.folds) == 2 * layers + 1
+    assert report.verification.passed and report.verification.to_dict()["question_1_exact"]
+    runs = {r["name"].split(" (")[1].split(" ")[0]: r for r in report.verification.generation["runs"]}
+    assert runs["transformers"]["passed"] and runs["transformers"]["tokens_compared"] == 4 * 8
+    if kind == "qwen2":  # its decoder.onnx, generating in onnxruntime
+        assert runs["onnxruntime"]["passed"] and runs["onnxruntime"]["tokens_compared"] == 4 * 8
+        assert (folder / "decoder.onnx").is_file()
+    assert not (folder / "modeling_slabconv_llama.py").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)  # no trust_remote_code
+    assert type(loaded) is type(original)
+    norms = {n: p for n, p in loaded.named_parameters() if "norm" in n}
+    assert len(norms) == 2 * layers + 1 and all(bool((p == 1).all()) for p in norms.values())
+    biases = sorted(n.split(".")[-2] for n, _ in loaded.named_parameters() if n.endswith(".bias"))
+    assert biases == (sorted(["q_proj", "k_proj", "v_proj"] * layers) if kind == "qwen2" else [])
+    ids = torch.randint(0, 97, (3, 10), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = original.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+        got = loaded.generate(ids, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(ids))
+        assert rel_err(loaded(ids).logits, original(ids).logits.double()) <= TOL[torch.float32]
+    assert torch.equal(got, want)
+
+
+def test_the_streamed_fold_writes_the_in_memory_tensors(decoders, fused, tmp_path):
+    _, folder = decoders["llama"]
+    report = api.fuse(
+        folder,
+        tmp_path / "streamed",
+        load=AFFINE,
+        write=WriteOptions(stream=True, onnx=False),
+        verify=VerifyOptions(samples=2, generate=4),
+    )
+    assert report.mode == "streamed" and report.verification.passed
+    assert report.verification.to_dict()["question_1_exact"] and "3 of its 4 decoder layers" in report.plan["planning"]
+    assert [f.to_dict() for f in report.folds] == [f.to_dict() for f in fused["llama"][0].folds]
+    streamed = read_hf_folder(tmp_path / "streamed").state_dict
+    in_memory = load_file(str(fused["llama"][1] / "model.safetensors"))
+    assert streamed.keys() == in_memory.keys()
+    assert all(torch.equal(streamed[k], in_memory[k]) for k in in_memory)
+
+
+def test_without_the_option_a_standard_decoder_has_no_norm_to_fold(decoders):
+    assert api.inspect(decoders["llama"][1]).folds == []
+
+
+def test_a_tied_head_keeps_the_final_norm_whole(tmp_path):
+    """Qwen2 with tied embeddings: folding ``model.norm`` into ``lm_head`` would rescale the embedding table too."""
+    _decoder("qwen2", 3, tie=True).save_pretrained(tmp_path)
+    folds = {f.norm: (f.action, f.reason) for f in api.inspect(tmp_path, AFFINE).folds}
+    assert folds.pop("model.norm") == ("kept", engine.reasons.SHARED_WEIGHT)
+    assert set(folds.values()) == {("folded-forward", None)}
+
+
+def test_a_bias_the_architecture_lacks_is_refused():
+    """A fold that needed a bias on a projection the architecture has none on cannot be written as that architecture:
+    transformers' model would have no place for it and compute without it."""
+    config = {"model_type": "llama", "tie_word_embeddings": False}
+    shapes: dict[str, list[int]] = {"model.embed_tokens.weight": [9, 4], "lm_head.weight": [9, 4]}
+    shapes["model.norm.weight"] = [4]
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        shapes[f"model.layers.0.{name}.weight"] = [4]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        shapes[f"model.layers.0.self_attn.{name}.weight"] = [4, 4]
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        shapes[f"model.layers.0.mlp.{name}.weight"] = [4, 4]
+    standard_layout(shapes, config)
+    with pytest.raises(UnsupportedModelError, match="gave q_proj a bias, which llama has no place for"):
+        standard_layout({**shapes, "model.layers.0.self_attn.q_proj.bias": [4]}, config)
+    with pytest.raises(UnsupportedModelError, match="lack model.layers.0.self_attn.k_proj.bias"):
+        standard_layout({**shapes, "model.layers.0.self_attn.q_proj.bias": [4]}, {**config, "model_type": "qwen2"})
+
+
+def test_options_that_cannot_be_honoured_are_refused_before_any_work(vision, tmp_path):
+    _, pt2, _ = vision["vit"]
+    with pytest.raises(UsageError, match="--no-fuse exports the original"):
+        api.export(pt2, tmp_path / "x.onnx", load=AFFINE, fuse=False)
+    with pytest.raises(UsageError, match="fold_norm_affine does not apply"):
+        api.bench(pt2, load=AFFINE)
+    assert not (tmp_path / "x.onnx").exists()
