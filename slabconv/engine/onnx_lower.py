@@ -119,6 +119,8 @@ def _fold_constants(model: ir.Model) -> None:
 
     def should_fold(node: ir.Node) -> bool | None:
         out, into = elements(node.outputs), elements(node.inputs)
+        if out is None:
+            out = _grown_elements(node)
         if out is None or out > (into or 0) + FOLD_OUTPUT_LIMIT:
             return False
         return True if node.op_type in _GROWING else None  # else the folder's own choice
@@ -134,6 +136,28 @@ def _fold_constants(model: ir.Model) -> None:
         pass
     finally:
         quiet.setLevel(level)
+
+
+def _grown_elements(node: ir.Node) -> int | None:
+    """Elements of the output of an ``Expand``, ``ConstantOfShape`` or ``Tile`` whose sizes are constants but which
+    inference left unknown (the dynamo exporter without its optimizer writes a conv's zero bias as
+    ``Expand(CastLike(0, x), Shape(W)[0:1])``: its size is known only once the ``Shape`` is folded); None for any
+    other node or a size that is not a valid constant."""
+    src = node.inputs[0] if node.inputs else None
+    if node.op_type == "ConstantOfShape":
+        sizes = _ints(src)
+        return math.prod(sizes) if sizes is not None and all(d >= 0 for d in sizes) else None
+    if node.op_type not in ("Expand", "Tile") or len(node.inputs) != 2 or src is None or src.shape is None:
+        return None
+    given, dims = _ints(node.inputs[1]), list(src.shape)
+    if given is None or any(d < 0 for d in given) or not all(isinstance(d, int) for d in dims):
+        return None
+    if node.op_type == "Tile":
+        return math.prod(int(d) * r for d, r in zip(dims, given, strict=False)) if len(given) == len(dims) else None
+    try:
+        return math.prod(np.broadcast_shapes(tuple(int(d) for d in dims), tuple(given)))
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------- the result
