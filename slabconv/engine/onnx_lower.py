@@ -253,6 +253,7 @@ class _Lowering:
         self.consts: dict[tuple[ir.Value, str], fx.Node] = {}  # a constant's get_attr, per name it is read under
         self.current: ir.Node | None = None  # the node being lowered (it names the constants it reads)
         self.fused: set[ir.Node] = set()  # bias Adds folded into the layer before them
+        self.moved: dict[ir.Node, tuple[ir.Node, ir.Value]] = {}  # a bias Add after a reshape: (layer, its input)
         self.stack: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ values
@@ -381,6 +382,9 @@ class _Lowering:
         for value in node.outputs:
             self.env.pop(value, None)
         self.fused = {a for a in self.fused if not any(v in node.outputs for v in a.inputs)}
+        for add in [a for a, (layer, _) in self.moved.items() if layer is node]:
+            self.fused.discard(add)
+            del self.moved[add]
 
     def opaque(self, node: ir.Node) -> None:
         reads = [self.read(v) for v in node.inputs if v is not None]
@@ -404,6 +408,9 @@ class _Lowering:
 
     def lower_node(self, node: ir.Node) -> None:
         self.current = node
+        if node in self.moved:  # the layer adds this bias: the Add's output is the reshape's value it reads
+            self.emit(node, aten.alias.default, (self.read(self.moved[node][1]),), node.outputs[0])
+            return
         if node in self.fused or (node.op_type == "Constant" and node.domain in ONNX_DOMAINS):
             return  # a bias Add taken into its layer; a Constant's value is read where it is used
         rule = LOWER.get(node.op_type) if node.domain in ONNX_DOMAINS else None
@@ -1164,6 +1171,29 @@ def _bias_after(node: ir.Node, channels: int, axis_from_end: int) -> tuple[ir.No
     return add, other, array
 
 
+def _bias_after_reshape(node: ir.Node, channels: int) -> tuple[ir.Node, ir.Node, ir.Value, np.ndarray] | None:
+    """``(reshape, add, bias, array)`` where ``node``'s output goes only into a ``Reshape`` that keeps the last axis
+    whole (``channels`` last before and after: every row of the output is one row of the input) and that reshape's
+    output only into an ``Add`` of a constant ``(channels,)`` vector on the last axis, as tf2onnx writes a Keras
+    ``Dense`` on tokens (``Reshape`` -> ``MatMul`` -> ``Reshape`` -> ``BiasAdd``): adding the bias before the
+    reshape gives the same tensor, so it is the layer's bias."""
+    reshape = _sole_reader(node.outputs[0])
+    if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ONNX_DOMAINS:
+        return None
+    if reshape.inputs[0] is not node.outputs[0]:
+        return None
+    before, after = node.outputs[0].shape, reshape.outputs[0].shape
+    if before is None or after is None or not len(before) or not len(after):
+        return None
+    if not (isinstance(before[-1], int) and isinstance(after[-1], int) and before[-1] == after[-1] == channels):
+        return None
+    found = _bias_after(reshape, channels, 1)
+    if found is None:
+        return None
+    add, value, array = found
+    return reshape, add, value, array
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1)
 
@@ -1208,13 +1238,16 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     k, n = (int(d) for d in w.shape)
     weight = _weight(lo, node, b, "weight", Binding(b.name or "", True, (k, n)), _transposed)
     found = _bias_after(node, n, 1)
+    later = _bias_after_reshape(node, n) if found is None else None
     bias = None
     site = LayerSite(node.name or "")
-    if found is not None:
-        add, value, array = found
+    if found is not None or later is not None:
+        add, value, array = found if found is not None else later[1:]  # type: ignore[index]
         bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), _flat)
         lo.fused.add(add)
         site = LayerSite(node.name or "", add.name)
+        if later is not None:
+            lo.moved[add] = (node, later[0].outputs[0])
     out = found[0].outputs[0] if found is not None else node.outputs[0]
     layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
     lo.out.layers[layer.name] = site
