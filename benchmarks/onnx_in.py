@@ -82,8 +82,8 @@ def ort_optimized(path: Path, out: Path) -> Path:
 def third_party(path: Path, folder: Path) -> dict[str, Path | str]:
     """``tool name -> written file`` (or the tool's one-line failure) for onnxruntime's optimizer, onnxslim and
     onnx-simplifier, each on the export ``path``."""
-    import onnxslim
     import onnxsim
+    import onnxslim
 
     out: dict[str, Path | str] = {}
     out[f"onnxruntime {ort.__version__} ORT_ENABLE_ALL"] = ort_optimized(path, folder / f"{path.stem}.ort.onnx")
@@ -304,15 +304,15 @@ def rows(name: str, path: Path, twin: Path, folder: Path) -> Iterator[list[str]]
             yield [name, tool, "-", "-", f"verification failed: {str(err).split(':', 2)[-1][:160].strip()}", ""]
             continue
         counts = histogram(out / "model.onnx")
-        left = sum(1 for d in report.folds if not d.action.startswith("folded"))
+        left = len([d for d in report.folds or [] if not d.action.startswith("folded")])
         hist = difference(counts, bound)
         yield [name, tool, str(sum(counts.values())), str(counts["BatchNormalization"]), f"{left} of {total}", hist]
 
 
 def main(argv: list[str] | None = None) -> None:
     import onnxscript
-    import onnxslim
     import onnxsim
+    import onnxslim
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["committed", "exported"], default=None)

@@ -60,7 +60,7 @@ def _nodes(path: Path) -> int:
 
 def test_every_committed_export_is_listed():
     assert sorted(FILES) == sorted(EXPECTED)
-    for name, path, twin in bench.committed():
+    for name, _path, twin in bench.committed():
         assert twin.exists(), f"{name} has no norm-free twin"
 
 
@@ -210,9 +210,7 @@ def test_an_expand_larger_than_the_folding_limit_stays_a_node(tmp_path, monkeypa
         assert ("Expand" not in ops) is folded, (n, ops)
 
 
-def test_preparing_a_graph_shape_inference_cannot_finish_writes_nothing_in_the_working_directory(
-    tmp_path, monkeypatch
-):
+def test_preparing_a_graph_shape_inference_cannot_finish_writes_nothing_in_the_working_directory(tmp_path, monkeypatch):
     """onnxruntime's symbolic shape inference saves a partial model (``sym_shape_infer_temp.onnx`` and external
     data files) into the current directory when it cannot type every value (here: the graph onnxruntime's own
     optimizer wrote, with its contrib ops): slabconv runs it elsewhere, so nothing of the user's is written or

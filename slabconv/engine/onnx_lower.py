@@ -149,13 +149,14 @@ def _grown_elements(node: ir.Node) -> int | None:
         return math.prod(sizes) if sizes is not None and all(d >= 0 for d in sizes) else None
     if node.op_type not in ("Expand", "Tile") or len(node.inputs) != 2 or src is None or src.shape is None:
         return None
-    given, dims = _ints(node.inputs[1]), list(src.shape)
-    if given is None or any(d < 0 for d in given) or not all(isinstance(d, int) for d in dims):
+    given = _ints(node.inputs[1])
+    dims = [d for d in src.shape if isinstance(d, int)]
+    if given is None or any(d < 0 for d in given) or len(dims) != len(src.shape):
         return None
     if node.op_type == "Tile":
-        return math.prod(int(d) * r for d, r in zip(dims, given, strict=False)) if len(given) == len(dims) else None
+        return math.prod([d * r for d, r in zip(dims, given, strict=False)]) if len(given) == len(dims) else None
     try:
-        return math.prod(np.broadcast_shapes(tuple(int(d) for d in dims), tuple(given)))
+        return math.prod(np.broadcast_shapes(tuple(dims), tuple(given)))
     except ValueError:
         return None
 
