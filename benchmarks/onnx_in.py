@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
+import io
 import operator
 import platform
 import tempfile
@@ -196,7 +198,7 @@ def _torch_export(model: nn.Module, x: torch.Tensor, path: Path, settings: dict[
     kwargs = dict(settings, opset_version=18, input_names=["x"], output_names=["y"])
     if not settings["dynamo"]:
         kwargs["dynamic_axes"] = {"x": {0: "batch"}, "y": {0: "batch"}}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # the dynamo exporter's progress
         warnings.simplefilter("ignore")
         torch.onnx.export(model.eval(), (x,), str(path), **kwargs)
     return path
