@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(
         f"torch {torch.__version__}, onnxruntime {ort.__version__}, onnxscript {onnxscript.__version__}, onnxslim "
-        f"{onnxslim.__version__}, onnx-simplifier {onnxsim.__version__}, {platform.machine()}, {platform.processor()}"
+        f"{onnxslim.__version__}, onnx-simplifier {onnxsim.__version__}, {platform.machine()}"
     )
     print()
     print("| file | tool | nodes | BatchNorm | norms left | op histogram against the norm-free twin |")
