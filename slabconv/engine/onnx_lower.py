@@ -119,6 +119,8 @@ def _fold_constants(model: ir.Model) -> None:
 
     def should_fold(node: ir.Node) -> bool | None:
         out, into = elements(node.outputs), elements(node.inputs)
+        if out is None:
+            out = _grown_elements(node)
         if out is None or out > (into or 0) + FOLD_OUTPUT_LIMIT:
             return False
         return True if node.op_type in _GROWING else None  # else the folder's own choice
@@ -134,6 +136,29 @@ def _fold_constants(model: ir.Model) -> None:
         pass
     finally:
         quiet.setLevel(level)
+
+
+def _grown_elements(node: ir.Node) -> int | None:
+    """Elements of the output of an ``Expand``, ``ConstantOfShape`` or ``Tile`` whose sizes are constants but which
+    inference left unknown (the dynamo exporter without its optimizer writes a conv's zero bias as
+    ``Expand(CastLike(0, x), Shape(W)[0:1])``: its size is known only once the ``Shape`` is folded); None for any
+    other node or a size that is not a valid constant."""
+    src = node.inputs[0] if node.inputs else None
+    if node.op_type == "ConstantOfShape":
+        sizes = _ints(src)
+        return math.prod(sizes) if sizes is not None and all(d >= 0 for d in sizes) else None
+    if node.op_type not in ("Expand", "Tile") or len(node.inputs) != 2 or src is None or src.shape is None:
+        return None
+    given = _ints(node.inputs[1])
+    dims = [d for d in src.shape if isinstance(d, int)]
+    if given is None or any(d < 0 for d in given) or len(dims) != len(src.shape):
+        return None
+    if node.op_type == "Tile":
+        return math.prod([d * r for d, r in zip(dims, given, strict=False)]) if len(given) == len(dims) else None
+    try:
+        return math.prod(np.broadcast_shapes(tuple(dims), tuple(given)))
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------- the result
@@ -229,6 +254,7 @@ class _Lowering:
         self.consts: dict[tuple[ir.Value, str], fx.Node] = {}  # a constant's get_attr, per name it is read under
         self.current: ir.Node | None = None  # the node being lowered (it names the constants it reads)
         self.fused: set[ir.Node] = set()  # bias Adds folded into the layer before them
+        self.moved: dict[ir.Node, tuple[ir.Node, ir.Value]] = {}  # a bias Add after a reshape: (layer, its input)
         self.stack: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ values
@@ -357,6 +383,9 @@ class _Lowering:
         for value in node.outputs:
             self.env.pop(value, None)
         self.fused = {a for a in self.fused if not any(v in node.outputs for v in a.inputs)}
+        for add in [a for a, (layer, _) in self.moved.items() if layer is node]:
+            self.fused.discard(add)
+            del self.moved[add]
 
     def opaque(self, node: ir.Node) -> None:
         reads = [self.read(v) for v in node.inputs if v is not None]
@@ -380,6 +409,9 @@ class _Lowering:
 
     def lower_node(self, node: ir.Node) -> None:
         self.current = node
+        if node in self.moved:  # the layer adds this bias: the Add's output is the reshape's value it reads
+            self.emit(node, aten.alias.default, (self.read(self.moved[node][1]),), node.outputs[0])
+            return
         if node in self.fused or (node.op_type == "Constant" and node.domain in ONNX_DOMAINS):
             return  # a bias Add taken into its layer; a Constant's value is read where it is used
         rule = LOWER.get(node.op_type) if node.domain in ONNX_DOMAINS else None
@@ -1140,6 +1172,29 @@ def _bias_after(node: ir.Node, channels: int, axis_from_end: int) -> tuple[ir.No
     return add, other, array
 
 
+def _bias_after_reshape(node: ir.Node, channels: int) -> tuple[ir.Node, ir.Node, ir.Value, np.ndarray] | None:
+    """``(reshape, add, bias, array)`` where ``node``'s output goes only into a ``Reshape`` that keeps the last axis
+    whole (``channels`` last before and after: every row of the output is one row of the input) and that reshape's
+    output only into an ``Add`` of a constant ``(channels,)`` vector on the last axis, as tf2onnx writes a Keras
+    ``Dense`` on tokens (``Reshape`` -> ``MatMul`` -> ``Reshape`` -> ``BiasAdd``): adding the bias before the
+    reshape gives the same tensor, so it is the layer's bias."""
+    reshape = _sole_reader(node.outputs[0])
+    if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ONNX_DOMAINS:
+        return None
+    if reshape.inputs[0] is not node.outputs[0]:
+        return None
+    before, after = node.outputs[0].shape, reshape.outputs[0].shape
+    if before is None or after is None or not len(before) or not len(after):
+        return None
+    if not (isinstance(before[-1], int) and isinstance(after[-1], int) and before[-1] == after[-1] == channels):
+        return None
+    found = _bias_after(reshape, channels, 1)
+    if found is None:
+        return None
+    add, value, array = found
+    return reshape, add, value, array
+
+
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1)
 
@@ -1184,13 +1239,16 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     k, n = (int(d) for d in w.shape)
     weight = _weight(lo, node, b, "weight", Binding(b.name or "", True, (k, n)), _transposed)
     found = _bias_after(node, n, 1)
+    later = _bias_after_reshape(node, n) if found is None else None
     bias = None
     site = LayerSite(node.name or "")
-    if found is not None:
-        add, value, array = found
+    if found is not None or later is not None:
+        add, value, array = found if found is not None else later[1:]  # type: ignore[index]
         bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), _flat)
         lo.fused.add(add)
         site = LayerSite(node.name or "", add.name)
+        if later is not None:
+            lo.moved[add] = (node, later[0].outputs[0])
     out = found[0].outputs[0] if found is not None else node.outputs[0]
     layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
     lo.out.layers[layer.name] = site

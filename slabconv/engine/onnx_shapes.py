@@ -50,11 +50,22 @@ def infer_shapes(model: ir.Model, proto_path: str | None = None) -> dict[str, tu
 
 
 def _infer_symbolic(proto: Any) -> Any:
+    """onnxruntime's ``SymbolicShapeInference.infer_shapes``, run in a temporary working directory: where it cannot
+    type every value it saves its partial result as ``sym_shape_infer_temp.onnx`` (and the tensors' external data
+    files) in the current directory before it raises, which would write into (or replace files in) the user's."""
+    import os
+    import tempfile
+
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    with warnings.catch_warnings():
+    here = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="slabconv-shapes-") as scratch, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+        os.chdir(scratch)
+        try:
+            return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+        finally:
+            os.chdir(here)
 
 
 def _infer_onnx(proto: Any) -> Any:
