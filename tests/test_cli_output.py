@@ -53,7 +53,7 @@ def test_inspect_of_the_text_model_names_every_norm_and_projection_whole():
     into = rows["model.layers.1.input_layernorm"]
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert f"model.layers.1.self_attn.{proj}" in into, into
-    assert _stages(result.stderr) == ["tracing the model with torch.export", "folding norms"]
+    assert _stages(result.stderr) == [f"loading {TEXT}", "tracing the model with torch.export", "folding norms"]
 
 
 def test_export_verify_and_list_piped(tmp_path):

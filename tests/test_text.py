@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from slabconv import api
+from slabconv import pipeline
 from slabconv.cli import app
 from slabconv.errors import InputError, UsageError
 from slabconv.text import LINE_LIMIT, VALUE_LIMIT, one_line, shown
@@ -88,7 +88,7 @@ def test_a_library_message_with_control_characters_is_escaped(tmp_path: Path, mo
     def explode(*args: object, **kwargs: object) -> None:
         raise RuntimeError("bad\x1b]0;pwned\x07 \u202eelif\x00")
 
-    monkeypatch.setattr(api, "load_model", explode)
+    monkeypatch.setattr(pipeline, "load_model", explode)  # what the in-memory door loads with
     (tmp_path / "ckpt.pth").write_bytes(b"x")
     result = runner.invoke(app, ["inspect", str(tmp_path / "ckpt.pth")])
     assert result.exit_code == 2
@@ -101,7 +101,7 @@ def test_a_message_raised_with_a_newline_key_stays_one_line(monkeypatch: pytest.
     def refuse(*args: object, **kwargs: object) -> None:
         raise UsageError("unexpected key 'blocks.0\nerror: all good' in ckpt.pth; re-save the checkpoint")
 
-    monkeypatch.setattr(api, "load_model", refuse)
+    monkeypatch.setattr(pipeline, "load_model", refuse)
     (tmp_path / "ckpt.pth").write_bytes(b"x")
     result = runner.invoke(app, ["inspect", str(tmp_path / "ckpt.pth")])
     assert result.exit_code == 2
