@@ -95,7 +95,6 @@ def _custom_op_model(folder: Path) -> Path:
     return oc.save(m, folder)
 
 
-@pytest.mark.xfail(strict=True, reason="lead: engine lowering")
 def test_inspect_writes_nothing_into_the_current_folder(tmp_path: Path, monkeypatch) -> None:
     """onnxruntime's SymbolicShapeInference, which the lowering runs, saves ``sym_shape_infer_temp.onnx`` (and its
     data) into the current folder when it cannot infer every shape (here: the custom op's output), replacing any
