@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 from slabconv.cli.bench import bench
 from slabconv.cli.fuse import fuse
 from slabconv.cli.inspect import export, inspect
-from slabconv.cli.listing import list_archs
+from slabconv.cli.listing import list_command
 from slabconv.cli.verify import verify
 from slabconv.text import one_line
 from slabconv.version import __version__
@@ -261,7 +261,7 @@ app.command(cls=PlainUsage)(inspect)
 app.command(cls=PlainUsage)(export)
 app.command(cls=PlainUsage)(verify)
 app.command(cls=PlainUsage)(bench)
-app.command("list", cls=PlainUsage)(list_archs)
+app.command("list", cls=PlainUsage)(list_command)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -23,7 +23,7 @@ def complete_bench_runtime(incomplete: str) -> list[str]:
     return [f"{head},{name}" if head else name for name in backend_names("bench") if name.startswith(last)]
 
 
-def runtime_help() -> str:
+def bench_runtime_help() -> str:
     """``bench --runtime``'s help: the names of the ``BACKENDS`` entries ``bench`` takes, CPU ones first."""
     names = backend_names("bench")
     cpu = ", ".join(n for n in names if BACKENDS[n].device == "cpu")
@@ -43,7 +43,7 @@ def bench(
         typer.Option(
             "--runtime",
             metavar="NAME",
-            help=runtime_help(),
+            help=bench_runtime_help(),
             autocompletion=complete_bench_runtime,
         ),
     ] = None,

@@ -9,7 +9,7 @@ from slabconv.cli.output import Output
 from slabconv.report.render import text_table
 
 
-def list_archs(as_json: o.Json = False) -> None:
+def list_command(as_json: o.Json = False) -> None:
     """List the registered architectures, their aliases and what each is.
 
     A name or alias is what --arch takes; without --arch the architecture is detected from the checkpoint.

@@ -18,7 +18,7 @@ def complete_runtime(incomplete: str) -> list[str]:
     return [name for name in RUNTIME_NAMES if name.startswith(incomplete)]
 
 
-def runtime_help() -> str:
+def verify_runtime_help() -> str:
     """``verify --runtime``'s help: the names of the ``BACKENDS`` entries ``verify`` takes."""
     *first, last = RUNTIME_NAMES
     return (
@@ -54,7 +54,7 @@ def verify(
         typer.Option(
             "--runtime",
             metavar="NAME",
-            help=runtime_help(),
+            help=verify_runtime_help(),
             autocompletion=complete_runtime,
         ),
     ] = None,

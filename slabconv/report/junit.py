@@ -34,7 +34,7 @@ def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
     if path.is_dir() and not path.is_symlink():
         raise UsageError(f"--junit {path} is a folder; give a file path such as {path / 'equivalence.xml'}")
     try:  # a FIFO, socket or device is refused there at once, as for --plot and --onnx
-        check_output_file(path, force=True, inputs=list(inputs), owned=written_by_slabconv)
+        check_output_file(path, force=True, inputs=list(inputs), owned=junit_written_by_slabconv)
     except UsageError as err:
         raise UsageError(f"--junit {err}") from None
     if path.suffix.lower() != ".xml":
@@ -43,7 +43,7 @@ def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
         )
 
 
-def written_by_slabconv(path: Path) -> bool:
+def junit_written_by_slabconv(path: Path) -> bool:
     """True when ``path`` is a regular JUnit XML file that slabconv wrote (its root is
     ``<testsuites name="slabconv">``); a FIFO or device is never opened (opening a FIFO waits for a writer)."""
     try:
@@ -144,6 +144,6 @@ def write_junit(report: Report, path: Path, require_folded: bool = False) -> Non
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise UsageError(f"cannot write the JUnit report {shown(path)}: {err.strerror or err}") from None
-    with staging_file(path, force=True, owned=written_by_slabconv) as tmp:
+    with staging_file(path, force=True, owned=junit_written_by_slabconv) as tmp:
         with open(tmp / path.name, "wb") as f:
             tree.write(f, encoding="utf-8", xml_declaration=True)

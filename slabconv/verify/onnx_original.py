@@ -1,6 +1,6 @@
 """An ONNX original as the reference of a verification (``docs/onnx.md``, policy: ``slabconv.verify.policy``):
 its graph evaluated in float64 (every floating tensor and type cast to float64, run by onnxruntime, or onnx's
-reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 (``fold64``), and
+reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 (``fold64_file``), and
 the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``; ``--inputs`` with one array per
 graph input). ``slabconv.verify.verifier`` runs both questions with them.
 """
@@ -209,7 +209,7 @@ def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> t
     return run_batched(run, x, fixed_batch=batch), which
 
 
-def fold64(path: Path, candidate: Path) -> Any:
+def fold64_file(path: Path, candidate: Path) -> Any:
     """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
     cast to float64 (``onnx_fold.fold_file(..., as_float64=True)``, the contract ``slabconv.onnx_in.fold_onnx``
     keeps), simplified as ``candidate`` was (``fuse --simplify``), as an ``onnx_ir.Model``. The one place

@@ -367,7 +367,7 @@ def _question_1_onnx(
     from slabconv.verify import onnx_original
 
     progress("verifying: question 1, is the fold exact?")
-    fused64 = onnx_original.fold64(reference_side.onnx.path, candidate.onnx.path)
+    fused64 = onnx_original.fold64_file(reference_side.onnx.path, candidate.onnx.path)
     assert reference.exact is not None
     x1, exact1, total = exact_samples(reference.x, reference.exact)
     outputs = onnx_original.run_float64(fused64, x1, reference.dtype, batch)
