@@ -289,10 +289,10 @@ def verify(
 
 
 def _fused_language_model(path: Path) -> bool:
-    """A folder ``fuse`` wrote for a language model (it holds the fused model's modeling file)."""
-    from slabconv.write.hf_llama import MODELING_FILE
+    """A folder ``fuse`` wrote for a language model (``verify.sides.fused_language_model``)."""
+    from slabconv.verify import sides
 
-    return path.is_dir() and (path / MODELING_FILE).is_file()
+    return path.is_dir() and sides.is_fused_language_model(path)
 
 
 def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:

@@ -198,10 +198,10 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     weights = next((folder / n for n in ("model.safetensors", SAFETENSORS_INDEX) if (folder / n).is_file()), None)
     info = read_onnx(onnx_path) if onnx_path.is_file() else None
     side = Side(folder, source or Source(str(folder), None, "slabconv-output"), "folder", onnx=info,
-                pt2=pt2 if pt2.is_file() else None, weights=weights,
-                language_model=(folder / MODELING_FILE).is_file())  # fmt: skip
+                pt2=pt2 if pt2.is_file() else None, weights=weights)  # fmt: skip
     dtype, metadata = _weights_header(weights) if weights is not None else (None, {})
     side.provenance = _fused_provenance(metadata, str(weights)) if metadata else None
+    side.language_model = fused_language_model(folder, side.provenance)
     if info is not None:
         proto = onnx.load(str(onnx_path), load_external_data=False)
         side.provenance = side.provenance or onnx_provenance(proto)
@@ -290,7 +290,7 @@ def streamed_side(folder: Path, program: Any = None) -> Side:
     """
     from slabconv.load import hf
     from slabconv.load.shards import LazyShards
-    from slabconv.zoo.decoder import family_of
+    from slabconv.zoo.decoder import STANDARD, family_of
 
     if not folder.is_dir():
         raise UsageError(f"{folder}: --stream compares Hugging Face style folders; give the folder, not a file")
@@ -299,11 +299,42 @@ def streamed_side(folder: Path, program: Any = None) -> Side:
     found = hf.hf_weights_file(folder)
     assert found is not None
     digest = sha256_file(found[0])
-    source = Source(str(folder), digest, found[1], family.name, extra={"index_sha256": digest})
+    arch = family.name
+    if family is STANDARD:  # a standard decoder's architecture is its config's model_type (llama, mistral, qwen2)
+        config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
+        arch = str(config.get("model_type") or arch)
+    source = Source(str(folder), digest, found[1], arch, extra={"index_sha256": digest})
     dtype, metadata = _weights_header(found[0])
     provenance = _fused_provenance(metadata, str(found[0])) if metadata else None
     return Side(folder, source, "streamed", provenance=provenance, dtype=dtype or "float32", program=program,
-                language_model=(folder / MODELING_FILE).is_file())  # fmt: skip
+                language_model=fused_language_model(folder, provenance))  # fmt: skip
+
+
+def is_fused_language_model(folder: Path) -> bool:
+    """``fused_language_model`` of a folder, its provenance read from its weights' header only."""
+    from slabconv.load.hf import SAFETENSORS_INDEX
+
+    weights = next((folder / n for n in ("model.safetensors", SAFETENSORS_INDEX) if (folder / n).is_file()), None)
+    metadata = _weights_header(weights)[1] if weights is not None else {}
+    return fused_language_model(folder, _fused_provenance(metadata, str(weights)) if metadata else None)
+
+
+def fused_language_model(folder: Path, provenance: Provenance | None) -> bool:
+    """A folder holding a fused language model that transformers generates with: slabconv's norm-free LLaMA (its
+    modeling file), or a standard decoder (``config.json``'s ``model_type`` LLaMA / Mistral / Qwen2) that records
+    being a fold (``fuse --fold-norm-affine`` writes it as its own architecture)."""
+    from slabconv.load.safety import read_json
+    from slabconv.write.hf_llama import STANDARD_TYPES
+
+    if (folder / MODELING_FILE).is_file():
+        return True
+    if provenance is None or not provenance.folded or not (folder / "config.json").is_file():
+        return False
+    try:
+        config = read_json(folder / "config.json")
+    except SlabconvError:
+        return False
+    return isinstance(config, dict) and config.get("model_type") in STANDARD_TYPES
 
 
 def folded_from(reference: Side, candidate: Side) -> bool:

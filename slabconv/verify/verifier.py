@@ -152,9 +152,11 @@ def _first(backend: Any, path: Path) -> Runtime:
 
 
 def _pt2_runtime(path: Path, dtype: torch.dtype, batch: int | None) -> Runtime:
-    from slabconv.load.checkpoint import load_checkpoint
+    """A written ``model.pt2`` in PyTorch, at the batch its program was recorded with when that is fixed."""
+    from slabconv.load.model import load_model
 
-    return torch_runtime(load_checkpoint(path).module, dtype, path.name, fixed_batch=batch)
+    loaded = load_model(path)
+    return torch_runtime(loaded.model, dtype, path.name, fixed_batch=batch or loaded.batch)
 
 
 def _folder_module(side: Side, dtype: torch.dtype, what: str, load: LoadOptions | None) -> Runtime:
