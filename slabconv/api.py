@@ -266,12 +266,12 @@ def verify(
             same model, or the arguments are swapped (the reference is a fold of the candidate) (exit code 2).
         TypeError: ``load`` or ``verify`` of the wrong type.
     """
-    from slabconv.verify import sides, verifier
-
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
     check_input(reference, folders=False)
     check_input(candidate, folders=False)
     _check_runtimes(verify, stream)
+    from slabconv.verify import sides, verifier  # torch: after the path checks, which answer without it
+
     ref_path, cand_path = Path(reference), Path(candidate)
     opts = _generation_default(verify or VerifyOptions(), ref_path, cand_path)
     if stream:

@@ -239,8 +239,8 @@ def test_an_option_means_the_same_on_every_command():
             if param.param_type_name == "option":
                 helps.setdefault(param.opts[0], set()).add(param.help or "")
     # These do a different job on each command, and each command's --help says its own (issue 24): fuse's
-    # --stream folds, verify's compares; bench's --runtime times, verify's --runtime checks.
-    command_specific = {"--stream", "--generate", "--runtime"}
+    # --stream folds, verify's compares; bench's --runtime times, verify's --runtime checks; --plot draws each's.
+    command_specific = {"--stream", "--generate", "--runtime", "--plot"}  # bench: timings; verify: --localize
     differing = {opt: h for opt, h in helps.items() if len(h) > 1 and opt not in command_specific}
     assert not differing, differing
     for name in ("fuse", "inspect", "export", "verify", "bench"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -28,6 +29,8 @@ from tests.tinyckpt import INPUT_SHAPE, MarkerPayload, hostile_program, save_ckp
 tiny_fused = tinyckpt.tiny_fused
 
 runner = CliRunner()
+PROGRESS = re.compile(r"^\[ *\d+\.\ds\] ")
+"""A progress line on stderr (``[   2.1s] verifying: ...``): the stages a run passed before it met the error."""
 
 Case = Callable[[Path, Path, pytest.MonkeyPatch], list[str]]
 
@@ -130,7 +133,7 @@ def fold_that_overflows(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[
 
 
 def generate_without_a_fused_language_model(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
-    return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(fused), "--generate", "4"]
+    return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(fused / "ckpt-fused"), "--generate", "4"]
 
 
 def language_model_without_transformers(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -514,7 +517,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (existing_onnx_without_force, "already exists and slabconv did not write it"),
     (onnx_over_2gb_in_one_file, "over protobuf's 2 GiB limit"),
     (onnx_external_data_missing, "its external data file 'ext.onnx.data' is missing"),
-    (not_an_onnx_file, "not a readable ONNX file"),
+    (not_an_onnx_file, "not a readable ONNX model"),
     (unsafe_global, "which slabconv will not import"),
     (whole_pickled_module, "holds a whole pickled nn.Module"),
     (program_with_pickled_objects, "holds pickled Python objects"),
@@ -553,7 +556,7 @@ def test_bad_input_exits_2_with_one_clear_line_and_writes_nothing(
     before = snapshot(tmp_path)
     fused_before = snapshot(tiny_fused)
     result = runner.invoke(app, args)
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not PROGRESS.match(line)]  # stages before it
     assert result.exit_code == 2, (result.exit_code, result.stderr, result.stdout)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert phrase in lines[0]

@@ -374,7 +374,7 @@ def test_fuse_dtype_float16_writes_a_float16_model_that_passes_verification_and_
     again = runner.invoke(app, ["verify", str(CKPT), str(out), "--runtime", "pytorch", "--samples", "24", "--json"])
     assert again.exit_code == 0, again.output
     checks = json.loads(again.stdout)["verification"]["checks"]
-    assert checks and all(c["name"].endswith("(fused output)") and c["dtype"] == "float16" for c in checks)
+    assert checks and all(c["name"].endswith("(model.pt2)") and c["dtype"] == "float16" for c in checks)
 
 
 # ------------------------------------------------------------------------------------- options that do what they say

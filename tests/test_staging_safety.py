@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from slabconv import api, pipeline
+from slabconv import pipeline
 from slabconv.cli import app
 from slabconv.errors import UsageError
 from slabconv.write import staging
@@ -202,13 +202,15 @@ def test_export_force_refuses_a_file_replaced_while_the_run_worked(
 ) -> None:
     ckpt = Path(shutil.copy(tiny_fused / "ckpt.pth", tmp_path / "ckpt.pth"))
     target = Path(shutil.copy(tiny_fused / "ckpt-fused" / "model.onnx", tmp_path / "model.onnx"))  # slabconv's
-    real = api.export_onnx
+    from slabconv.write import onnx as onnx_writer
+
+    real = onnx_writer.export_onnx
 
     def export_while_the_user_saves(*args: object, **kwargs: object) -> object:
         target.write_bytes(b"the user's own model, saved meanwhile")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(api, "export_onnx", export_while_the_user_saves)
+    monkeypatch.setattr(onnx_writer, "export_onnx", export_while_the_user_saves)  # api.export imports it when run
     result = runner.invoke(app, ["export", str(ckpt), "--onnx", str(target), "--force"])
     assert result.exit_code == 2, result.stderr
     [line] = error_lines(result.stderr)
