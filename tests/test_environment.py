@@ -123,7 +123,7 @@ def test_a_closed_stdout_is_not_an_error_and_no_library_warning_reaches_stderr(t
 @pytest.mark.parametrize("where", ["input", "out"])
 def test_a_path_over_path_max_is_one_line(where: str, model: Path, tmp_path: Path) -> None:
     """`Path.exists` raises ENAMETOOLONG over PATH_MAX: it was `internal error: OSError [Errno 36]`."""
-    long = tmp_path.joinpath(*["d" * 200] * 25, "model.onnx")
+    long = tmp_path.joinpath(*["d" * 200] * 25, "model.onnx" if where == "input" else "fused")
     args = ["inspect", str(long)] if where == "input" else ["fuse", str(model), "--out", str(long)]
     result = runner.invoke(app, args)
     lines = result.stderr.strip().splitlines()

