@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slabconv.engine import Decision, folds_norm_affine
-from slabconv.errors import UsageError
+from slabconv.errors import InputError, UsageError
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
@@ -112,7 +112,13 @@ def fold_onnx(
         done.append(name)
         progress("folding norms", len(done), None, f"decided {name}")
 
-    return onnx_fold.fold_file(load_ir(path), str(path), folded, as_float64, norm_affine=norm_affine)
+    model = load_ir(path)
+    try:
+        return onnx_fold.fold_file(model, str(path), folded, as_float64, norm_affine=norm_affine)
+    except InputError as err:  # a damaged norm (NaN statistics, running_var + eps <= 0): name the file too
+        if str(err).startswith(f"{path}"):
+            raise
+        raise InputError(f"{path}: {err}".replace("the checkpoint is damaged", "the file is damaged")) from None
 
 
 def open_onnx(

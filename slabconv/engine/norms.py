@@ -322,7 +322,7 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     if not cand.bns and names["scale"] and not (split and name):  # a stored scale names its norm (``ls1.gamma``)
         name = names["scale"].removesuffix(".weight")
     return NormSite(
-        name=name or region[0].name,
+        name=name or region[0].meta.get("onnx") or region[0].name,  # an ONNX original: its node's name
         kind=_kind(analysis, cand),
         input=base,
         output=out,

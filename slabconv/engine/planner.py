@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -255,6 +256,8 @@ def _check_stats(site: NormSite) -> None:
         if t is not None and not bool(torch.isfinite(t).all()):
             raise InputError(f"norm {site.name}: {key} holds NaN or Inf; the checkpoint is damaged")
     var = site.params.get("running_var")
+    if var is not None and not math.isfinite(site.eps):
+        raise InputError(f"norm {site.name}: eps is {site.eps}; the checkpoint is damaged")
     if var is not None and bool((var.double() + site.eps <= 0).any()):
         raise InputError(f"norm {site.name}: running_var + eps <= 0 for some channel; the checkpoint is damaged")
 
