@@ -30,8 +30,8 @@ float64 fold (``slabconv.verify.reference``) rounds, not ``round(fold2(round(fol
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
 
