@@ -20,9 +20,11 @@ Where every boundary agrees and verification failed, the weights are the fold's 
 from the runtime that failed, not from a fold (the detail says so).
 
 The sides: a model slabconv traces as the reference (``fuse`` and ``verify`` of checkpoints, folders, ``.pt2``),
-in memory; two decoder folders layer by layer (``streamed``), where the correct fold is the fold program's rows
-rounded to the stored dtype, read block by block. An ONNX original's boundaries are ONNX values: its localisation
-answers once ``slabconv.engine``'s ONNX lowering records, for each engine node, its ONNX node (``_onnx`` is the seam).
+in memory (``_torch``); two decoder folders layer by layer (``streamed``), where the correct fold is the fold
+program's rows rounded to the stored dtype, read block by block; an ONNX original (``_onnx``), whose fused graph is
+question 1's float64 fold of it (``onnx_original.fold64``) and whose boundaries are ONNX values of that graph, found
+through the ONNX nodes each lowered layer stands for (``onnx_lower.LayerSite``), made graph outputs and run by
+onnxruntime in float64.
 """
 
 from __future__ import annotations
@@ -250,7 +252,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     ONNX value of those graphs (``_onnx_boundaries``), made a graph output for the pass.
     """
     from slabconv.verify import onnx_original
-    from slabconv.verify.run import take
+    from slabconv.verify.run import samples_of, take
 
     if candidate.onnx is None:
         return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")
@@ -263,7 +265,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     stored = {k: _match(k, v, written, True).double() for k, v in fold.items()}
     correct = {k: rounded(v, written[k].dtype if k in written else default).double() for k, v in fold.items()}
     x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
-    x = take(x, 0, min(policy.EXACT_SAMPLES, _samples(x)))
+    x = take(x, 0, min(policy.EXACT_SAMPLES, samples_of(x)))
 
     def run(model: Any, values: list[str], tensors: dict[str, torch.Tensor] | None) -> dict[str, np.ndarray]:
         if tensors is not None:
@@ -285,13 +287,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     verdict = _verdict(boundaries)
     if lost:
         verdict += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
-    return Localization(METHOD.format(n=_samples(x)), boundaries, verdict)
-
-
-def _samples(x: Any) -> int:
-    from slabconv.verify.run import samples_of
-
-    return int(samples_of(x))
+    return Localization(METHOD.format(n=samples_of(x)), boundaries, verdict)
 
 
 def _onnx_boundaries(folded: Any) -> tuple[list[tuple[str, str, str, str]], list[str]]:
@@ -344,8 +340,10 @@ def _site_output(nodes: dict[str, Any], site: Any) -> Any:
     out = node.outputs[0]
     if site.bias_add is None:
         users = [u.node for u in out.uses()]
-        if len(users) == 1 and users[0].op_type == "Add" and (users[0].name or "").startswith(
-            f"{site.node}/folded_bias_add"
+        if (
+            len(users) == 1
+            and users[0].op_type == "Add"
+            and (users[0].name or "").startswith(f"{site.node}/folded_bias_add")
         ):
             return users[0].outputs[0]
     return out

@@ -1,8 +1,8 @@
 """An ONNX original as the reference of a verification (``docs/onnx.md``, policy: ``slabconv.verify.policy``):
 its graph evaluated in float64 (every floating tensor and type cast to float64, run by onnxruntime, or onnx's
-reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 (``fold64_file``), and
-the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``; ``--inputs`` with one array per
-graph input). ``slabconv.verify.verifier`` runs both questions with them.
+reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 and the localisation
+(``fold64``, ``fold64_file``), and the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``;
+``--inputs`` with one array per graph input). ``slabconv.verify.verifier`` runs both questions with them.
 """
 
 from __future__ import annotations
