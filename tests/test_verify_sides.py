@@ -251,6 +251,28 @@ def test_a_broken_fused_onnx_of_an_onnx_original_fails_naming_the_fold_that_brok
     assert failed and all(f"first diverging fold: {fold} (relative error" in m for m in failed)
 
 
+def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(
+    onnx_fused: Path, tmp_path: Path
+) -> None:
+    """Every initializer renamed (``init_0``, ...) and fc.weight scaled by 1.01: the candidate's tensors are found by
+    value, so conv1 and conv2 agree and the fold named is still bn3 -> fc (found by name only, every boundary
+    would hold NaN and bn1 -> conv1 would be named)."""
+    from slabconv.verify import localize, sides
+
+    model = onnx.load(str(onnx_fused / "fused" / "model.onnx"))
+    names = {t.name: f"init_{i}" for i, t in enumerate(model.graph.initializer)}
+    for tensor in model.graph.initializer:
+        array = onnx.numpy_helper.to_array(tensor) * np.float32(1.01 if tensor.name == "fc.weight" else 1)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(array, names[tensor.name]))
+    for node in model.graph.node:
+        node.input[:] = [names.get(i, i) for i in node.input]
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    reference, candidate = sides.open_side(onnx_fused / "original.onnx"), sides.open_side(tmp_path / "model.onnx")
+    found = localize.localize(reference, candidate, VerifyOptions(samples=4))
+    assert [b.passed for b in found.boundaries] == [True, True, False]
+    assert found.first is not None and (found.first.norm, found.first.layer) == ("bn3", "fc")
+
+
 def test_localize_of_an_onnx_original_gives_a_row_per_boundary_for_a_passing_pair(onnx_fused: Path) -> None:
     """Every boundary in data-flow order, 0 from the correct fold, and its rounding against the original at the
     same point (the norm's output for the backward fold, the layer's output with the created bias Add for fc)."""

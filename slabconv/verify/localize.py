@@ -262,8 +262,12 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     fold = onnx_original.ir_tensors(folded.fused)
     written = onnx_original.float_tensors(candidate.onnx.path)
     default = getattr(torch, candidate.dtype, torch.float32)
-    stored = {k: _match(k, v, written, True).double() for k, v in fold.items()}
-    correct = {k: rounded(v, written[k].dtype if k in written else default).double() for k, v in fold.items()}
+    stored = {k: _match(k, v, written, True) for k, v in fold.items()}
+    # each correct value rounded to the dtype its stored tensor has (the candidate's where it has none: NaN there)
+    correct = {
+        k: rounded(v, default if bool(stored[k].isnan().all()) else stored[k].dtype).double() for k, v in fold.items()
+    }
+    stored = {k: v.double() for k, v in stored.items()}
     x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
     x = take(x, 0, min(policy.EXACT_SAMPLES, samples_of(x)))
 
