@@ -5,7 +5,7 @@
 - ``fuse`` runs the very function ``slabconv verify`` runs;
 - a written file no runtime ran is named in the verdict, never covered by a plain PASSED;
 - an ONNX original that fails ``onnx.checker`` is judged against its own result; inputs that overflow the model
-  itself are an input problem (exit 2);
+  itself are an input problem (exit 2); the fold of an ONNX that slabconv exported unfused is a fold;
 - a broken fused file (a folded bias, a consumer's weight) fails naming the fold that broke, in memory, streamed
   and for an ONNX original; ``verify --localize`` gives one row per boundary for a passing pair.
 """
@@ -171,6 +171,21 @@ def test_an_original_that_fails_onnx_checker_is_judged_against_its_own_result(tm
     assert v is not None and v.passed and v.exact and all(e.passed for e in v.exact)
     [check] = v.integrity
     assert check.passed and "fails it too" in check.detail and "not the fold's doing" in check.detail
+
+
+def test_the_fold_of_an_onnx_that_slabconv_exported_unfused_answers_question_1(tmp_path: Path) -> None:
+    """An original carrying ``export --no-fuse``'s metadata (``slabconv_folded=false``): its fused model.onnx says
+    it is a fold, so question 1 is answered (today's main copied "false" into it: "question 1 not answered: the
+    candidate is an unfused export of its source", and no localisation)."""
+    model = onnxcases.three_folds_model()
+    onnx.helper.set_model_props(
+        model, {"slabconv_version": "0", "slabconv_folded": "false", "slabconv_source_sha256": "0" * 64}
+    )
+    onnx.save(model, str(tmp_path / "original.onnx"))
+    v = api.fuse(tmp_path / "original.onnx", tmp_path / "fused", verify=VerifyOptions(samples=4)).verification
+    assert v is not None and v.passed and v.exact and all(e.passed for e in v.exact)
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "fused" / "model.onnx")).metadata_props}
+    assert props["slabconv_folded"] == "true"
 
 
 # --------------------------------------------------------------------------------------------- localisation
