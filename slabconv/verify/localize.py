@@ -244,7 +244,8 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
 
 
 def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
-    """An ONNX original: the same pass on ONNX graphs, run by onnxruntime in float64 (``onnx_original.run_float64``).
+    """An ONNX original: the same pass on ONNX graphs, run in float64 by onnxruntime (onnx's reference evaluator where
+    onnxruntime lacks a float64 kernel: ``onnx_original.run_float64``).
 
     The reference's float64 fold (``onnx_original.fold64``, the one question 1 holds the candidate to) holds, by
     initializer name (by value where the names differ), the candidate's stored tensors, then the fold rounded once
@@ -288,7 +289,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
         if before[orig].shape == want[fused].shape:
             drift = judge.rel_err(want[fused], before[orig])[0]
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
-    verdict = _verdict(boundaries)
+    verdict = _verdict(boundaries) if boundaries or not lost else "not localised"
     if lost:
         verdict += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
     return Localization(METHOD.format(n=samples_of(x)), boundaries, verdict)
@@ -323,9 +324,10 @@ def _onnx_boundaries(folded: Any) -> tuple[list[tuple[str, str, str, str]], list
         for layer in d.into:
             site = sites.get(layer)
             after = _site_output(fused, site) if site is not None else None
-            before = norm_output.get(layer)
-            if before is None and site is not None:
-                value = _site_output(original, site)
+            if layer in norm_output:
+                before = norm_output[layer]
+            else:
+                value = _site_output(original, site) if site is not None else None
                 before = value.name if value is not None else None
             if after is None or before is None:
                 lost.append(f"{d.norm} -> {layer}")
