@@ -25,7 +25,15 @@ from slabconv.report.data import Outputs
 from slabconv.util import Progress, no_progress
 from slabconv.verify.results import Verification
 from slabconv.version import __version__
-from slabconv.write.onnx import MARK, NORM_AFFINE_KEY, ONNX_EXTERNAL_DATA_BYTES, SOURCE_KEY, save_onnx, simplify_model
+from slabconv.write.onnx import (
+    FOLDED_KEY,
+    MARK,
+    NORM_AFFINE_KEY,
+    ONNX_EXTERNAL_DATA_BYTES,
+    SOURCE_KEY,
+    save_onnx,
+    simplify_model,
+)
 
 FUSED_NAME = "model.onnx"
 
@@ -170,6 +178,10 @@ class OnnxGraph:
         simplified = simplify_model(model) if write.simplify else None
         model.metadata_props[MARK] = __version__
         model.metadata_props[SOURCE_KEY] = info.sha256
+        # a fold, whatever the original says of itself (``export --no-fuse`` writes "false": kept, verify would skip
+        # question 1); the norm-affine mark is this fold's, never the original's
+        model.metadata_props[FOLDED_KEY] = "true"
+        model.metadata_props.pop(NORM_AFFINE_KEY, None)
         if folds_norm_affine(self.folds):  # verify folds the original's norm affines too
             model.metadata_props[NORM_AFFINE_KEY] = "true"
         progress(f"writing {FUSED_NAME}")

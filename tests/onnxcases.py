@@ -3,7 +3,9 @@
 
 The base model is ``x (batch, 8) -> BatchNormalization -> MatMul -> Add(bias from a Constant node) -> y``: the
 norm folds forward into the MatMul, so a fold, a verification and every reader of an ONNX file (onnx, onnx-ir,
-onnxruntime) run on it in a fraction of a second. Built with ``onnx.helper``; no exporter runs.
+onnxruntime) run on it in a fraction of a second. ``three_folds_model`` has a norm folded each way (backward, forward
+into a conv, forward into a MatMul), for the localisation of a failure (``tests/test_verify_sides.py``). Built with
+``onnx.helper``; no exporter runs.
 """
 
 from __future__ import annotations
@@ -50,6 +52,56 @@ def base_model(seed: int = 0, opset: int = 17) -> onnx.ModelProto:
         inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="hand")
+
+
+def three_folds_model(seed: int = 0) -> onnx.ModelProto:
+    """Three BatchNormalizations that fold three ways (node names ``/<module>/<Op>``, as the TorchScript exporter
+    writes them, so the norms and layers are named as a checkpoint names them)::
+
+        x (batch, 3, 4, 4) -> Conv conv1 (bias) -> bn1 -> Relu -> bn2 -> Conv conv2 (no bias) -> Relu -> Flatten
+          -> bn3 -> MatMul fc (no bias) -> y (batch, 6)
+
+    ``bn1`` folds backward into ``conv1`` (the Relu after it blocks the forward path), ``bn2`` forward into
+    ``conv2`` (a created bias, the Conv's third input ``conv2.bias``), ``bn3`` forward into ``fc`` (a created bias
+    ``Add`` whose output is the graph output ``y``)."""
+    rng = np.random.default_rng(seed)
+    inits: list[TensorProto] = []
+
+    def tensor(name: str, array: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(array, dtype=np.float32), name))
+        return name
+
+    def bn(name: str, c: int) -> list[str]:
+        return [tensor(f"{name}.weight", rng.random(c) + 0.5), tensor(f"{name}.bias", rng.standard_normal(c)),
+                tensor(f"{name}.running_mean", rng.standard_normal(c)),
+                tensor(f"{name}.running_var", rng.random(c) + 0.5)]  # fmt: skip
+
+    def node(op: str, inputs: list[str], output: str, module: str) -> onnx.NodeProto:
+        return helper.make_node(op, inputs, [output], name=f"/{module}/{op}")
+
+    conv1 = [
+        tensor("conv1.weight", rng.standard_normal((4, 3, 3, 3)) * 0.3),
+        tensor("conv1.bias", rng.standard_normal(4)),
+    ]
+    nodes = [
+        node("Conv", ["x", *conv1], "c1", "conv1"),
+        node("BatchNormalization", ["c1", *bn("bn1", 4)], "n1", "bn1"),
+        node("Relu", ["n1"], "r1", "relu1"),
+        node("BatchNormalization", ["r1", *bn("bn2", 4)], "n2", "bn2"),
+        node("Conv", ["n2", tensor("conv2.weight", rng.standard_normal((5, 4, 1, 1)) * 0.5)], "c2", "conv2"),
+        node("Relu", ["c2"], "r2", "relu2"),
+        node("Flatten", ["r2"], "f", "flatten"),
+        node("BatchNormalization", ["f", *bn("bn3", 20)], "n3", "bn3"),
+        node("MatMul", ["n3", tensor("fc.weight", rng.standard_normal((20, 6)) * 0.3)], "y", "fc"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "three_folds",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 6])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="hand")
 
 
 def initializer(model: onnx.ModelProto, name: str) -> TensorProto:

@@ -5,9 +5,9 @@
 - ``fuse`` runs the very function ``slabconv verify`` runs;
 - a written file no runtime ran is named in the verdict, never covered by a plain PASSED;
 - an ONNX original that fails ``onnx.checker`` is judged against its own result; inputs that overflow the model
-  itself are an input problem (exit 2);
-- a broken fused file (a folded bias, a consumer's weight) fails naming the fold that broke, in memory and
-  streamed; ``verify --localize`` gives one row per boundary for a passing pair.
+  itself are an input problem (exit 2); the fold of an ONNX that slabconv exported unfused is a fold;
+- a broken fused file (a folded bias, a consumer's weight) fails naming the fold that broke, in memory, streamed
+  and for an ONNX original; ``verify --localize`` gives one row per boundary for a passing pair.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from slabconv import api
 from slabconv.cli import app
 from slabconv.options import VerifyOptions
 from slabconv.verify import backends, verifier
-from tests import tinyckpt
+from tests import onnxcases, tinyckpt
 from tests.tinyckpt import error_lines
 
 tiny_fused = tinyckpt.tiny_fused
@@ -173,6 +173,21 @@ def test_an_original_that_fails_onnx_checker_is_judged_against_its_own_result(tm
     assert check.passed and "fails it too" in check.detail and "not the fold's doing" in check.detail
 
 
+def test_the_fold_of_an_onnx_that_slabconv_exported_unfused_answers_question_1(tmp_path: Path) -> None:
+    """An original carrying ``export --no-fuse``'s metadata (``slabconv_folded=false``): its fused model.onnx says
+    it is a fold, so question 1 is answered (today's main copied "false" into it: "question 1 not answered: the
+    candidate is an unfused export of its source", and no localisation)."""
+    model = onnxcases.three_folds_model()
+    onnx.helper.set_model_props(
+        model, {"slabconv_version": "0", "slabconv_folded": "false", "slabconv_source_sha256": "0" * 64}
+    )
+    onnx.save(model, str(tmp_path / "original.onnx"))
+    v = api.fuse(tmp_path / "original.onnx", tmp_path / "fused", verify=VerifyOptions(samples=4)).verification
+    assert v is not None and v.passed and v.exact and all(e.passed for e in v.exact)
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "fused" / "model.onnx")).metadata_props}
+    assert props["slabconv_folded"] == "true"
+
+
 # --------------------------------------------------------------------------------------------- localisation
 
 
@@ -209,6 +224,79 @@ def test_a_broken_fused_file_fails_naming_the_fold_that_broke(
     assert all(b["error"] <= b["bound"] for b in loc["boundaries"][: loc["boundaries"].index(loc["first"])])
     [line] = error_lines(stderr)
     assert f"first diverging fold: {fold} (relative error" in line
+
+
+@pytest.fixture(scope="module")
+def onnx_fused(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``original.onnx`` (``onnxcases.three_folds_model``: a backward fold, a forward fold creating a Conv bias, one
+    creating a MatMul's bias ``Add``) and ``fused/``, the folder ``fuse --no-verify`` wrote for it."""
+    folder = tmp_path_factory.mktemp("onnx-original")
+    onnx.save(onnxcases.three_folds_model(), str(folder / "original.onnx"))
+    api.fuse(folder / "original.onnx", folder / "fused", verify=None)  # verified by the passing pair's test
+    return folder
+
+
+@pytest.mark.parametrize(
+    "key, fold",
+    [
+        ("conv2.bias", "bn2 -> conv2"),  # the bias a forward fold created
+        ("conv1.bias", "bn1 -> conv1"),  # the bias a backward fold rewrote
+        ("fc.weight", "bn3 -> fc"),  # a consumer's weight
+    ],
+)
+def test_a_broken_fused_onnx_of_an_onnx_original_fails_naming_the_fold_that_broke(
+    onnx_fused: Path, tmp_path: Path, key: str, fold: str
+) -> None:
+    """Its model.onnx with one initializer scaled by 1.01: exit 1, and the failure line,
+    report.json and every failing JUnit case name the fold (today's main: "not localised: fold boundaries of an
+    ONNX original are not known yet")."""
+    model = onnx.load(str(onnx_fused / "fused" / "model.onnx"))
+    tensor = next(t for t in model.graph.initializer if t.name == key)
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.01), key))
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    junit = tmp_path / "v.xml"
+    code, report, stderr = _json(onnx_fused / "original.onnx", tmp_path / "model.onnx", "--junit", junit)
+    assert code == 1
+    loc = report["verification"]["localization"]
+    assert f"{loc['first']['norm']} -> {loc['first']['layer']}" == fold and loc["first"]["error"] > 1e-5
+    assert all(b["error"] <= b["bound"] for b in loc["boundaries"][: loc["boundaries"].index(loc["first"])])
+    [line] = error_lines(stderr)
+    assert f"first diverging fold: {fold} (relative error" in line
+    failed = [f.get("message") for f in ET.parse(junit).getroot().iter("failure")]
+    assert failed and all(f"first diverging fold: {fold} (relative error" in m for m in failed)
+
+
+def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(
+    onnx_fused: Path, tmp_path: Path
+) -> None:
+    """Every initializer renamed (``init_0``, ...) and fc.weight scaled by 1.01: the candidate's tensors are found by
+    value, so conv1 and conv2 agree and the fold named is still bn3 -> fc (found by name only, every boundary
+    would hold NaN and bn1 -> conv1 would be named)."""
+    from slabconv.verify import localize, sides
+
+    model = onnx.load(str(onnx_fused / "fused" / "model.onnx"))
+    names = {t.name: f"init_{i}" for i, t in enumerate(model.graph.initializer)}
+    for tensor in model.graph.initializer:
+        array = onnx.numpy_helper.to_array(tensor) * np.float32(1.01 if tensor.name == "fc.weight" else 1)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(array, names[tensor.name]))
+    for node in model.graph.node:
+        node.input[:] = [names.get(i, i) for i in node.input]
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    reference, candidate = sides.open_side(onnx_fused / "original.onnx"), sides.open_side(tmp_path / "model.onnx")
+    found = localize.localize(reference, candidate, VerifyOptions(samples=4))
+    assert [b.passed for b in found.boundaries] == [True, True, False]
+    assert found.first is not None and (found.first.norm, found.first.layer) == ("bn3", "fc")
+
+
+def test_localize_of_an_onnx_original_gives_a_row_per_boundary_for_a_passing_pair(onnx_fused: Path) -> None:
+    """Every boundary in data-flow order, 0 from the correct fold, and its rounding against the original at the
+    same point (the norm's output for the backward fold, the layer's output with the created bias Add for fc)."""
+    code, report, stderr = _json(onnx_fused / "original.onnx", onnx_fused / "fused", "--localize")
+    assert code == 0, stderr
+    loc = report["verification"]["localization"]
+    assert [(b["norm"], b["layer"]) for b in loc["boundaries"]] == [("bn1", "conv1"), ("bn2", "conv2"), ("bn3", "fc")]
+    assert all(b["error"] == 0.0 and 0 < b["rounding"] < 1e-5 for b in loc["boundaries"])
+    assert loc["first"] is None and loc["detail"].startswith("no fold boundary diverges (3 compared)")
 
 
 def test_localize_gives_a_row_per_boundary_for_a_passing_pair(tiny_fused: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans
-from slabconv.engine.onnx_lower import lower, prepare
+from slabconv.engine.onnx_lower import Lowered, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 
 
@@ -59,12 +59,24 @@ def fold_file(
     lowered, plans = plan_file(model, proto_path, norm_affine)
     for p in plans:
         progress(p.decision.norm)
+    return fold_planned(model, lowered, plans, as_float64, simplify), [p.decision for p in plans]
+
+
+def fold_planned(model: Any, lowered: Lowered, plans: list[NormPlan], as_float64: bool, simplify: bool) -> Any:
+    """The second half of ``fold_file``: carry ``plans`` (made by ``plan_file`` on ``model``, ``lowered``) into
+    ``model``, in place, cast to float64 first with ``as_float64`` and simplified after with ``simplify``.
+    ``lowered`` and ``plans`` keep naming the prepared graph's ONNX nodes and values (``LayerSite``,
+    ``meta["onnx_value"]``): what the localisation of an ONNX original reads its fold boundaries from.
+
+    Returns:
+        the same model, fused.
+    """
     if as_float64:
         to_float64(model)
     apply_plans(model, lowered, plans, exact=as_float64)
     if simplify:
         simplify_graph(model)
-    return model, [p.decision for p in plans]
+    return model
 
 
 def simplify_graph(model: Any) -> dict[str, int]:
@@ -121,4 +133,4 @@ def to_float64(model: Any) -> None:
             value.dtype = ir.DataType.DOUBLE
 
 
-__all__ = ["fold_file", "plan_file", "simplify_graph", "to_float64"]
+__all__ = ["fold_file", "fold_planned", "plan_file", "simplify_graph", "to_float64"]

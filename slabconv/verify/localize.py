@@ -20,9 +20,11 @@ Where every boundary agrees and verification failed, the weights are the fold's 
 from the runtime that failed, not from a fold (the detail says so).
 
 The sides: a model slabconv traces as the reference (``fuse`` and ``verify`` of checkpoints, folders, ``.pt2``),
-in memory; two decoder folders layer by layer (``streamed``), where the correct fold is the fold program's rows
-rounded to the stored dtype, read block by block. An ONNX original's boundaries are ONNX values: its localisation
-answers once ``slabconv.engine``'s ONNX lowering records, for each engine node, its ONNX node (``_onnx`` is the seam).
+in memory (``_torch``); two decoder folders layer by layer (``streamed``), where the correct fold is the fold
+program's rows rounded to the stored dtype, read block by block; an ONNX original (``_onnx``), whose fused graph is
+question 1's float64 fold of it (``onnx_original.fold64``) and whose boundaries are ONNX values of that graph, found
+through the ONNX nodes each lowered layer stands for (``onnx_lower.LayerSite``), made graph outputs and run by
+onnxruntime in float64.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
     if reference.kind == "streamed":
         return _streamed(reference, candidate, opts)
     if reference.kind == "onnx":
-        return _onnx(reference, candidate)
+        return _onnx(reference, candidate, opts)
     if reference.kind != "model" or candidate.kind not in ("model", "folder", "onnx"):
         return Localization("none", detail=f"not localised: no fold boundaries for a {candidate.kind} candidate")
     return _torch(reference, candidate, opts, load)
@@ -241,13 +243,151 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
 # --------------------------------------------------------------------------------------------- ONNX
 
 
-def _onnx(reference: Side, candidate: Side) -> Localization:
-    """The seam for an ONNX original: its boundaries are ONNX values, known once the engine's ONNX lowering records
-    each engine node's ONNX node; until then the localisation says it did not run."""
-    return Localization(
-        "none",
-        detail="not localised: fold boundaries of an ONNX original are not known yet (question 1 names the tensor)",
-    )
+def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
+    """An ONNX original: the same pass on ONNX graphs, run in float64 by onnxruntime (onnx's reference evaluator where
+    onnxruntime lacks a float64 kernel: ``onnx_original.run_float64``).
+
+    The reference's float64 fold (``onnx_original.fold64``, the one question 1 holds the candidate to) holds, by
+    initializer name (by value where the names differ), the candidate's stored tensors, then the fold rounded once
+    to each tensor's stored dtype; the prepared original in float64 gives ``rounding``. Each fold boundary is an
+    ONNX value of those graphs (``_onnx_boundaries``), made a graph output for the pass.
+    """
+    from slabconv.verify import onnx_original
+    from slabconv.verify.run import samples_of, take
+
+    if candidate.onnx is None:
+        return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")
+    info = reference.onnx
+    folded = onnx_original.fold64(info.path, candidate.onnx.path, keep_original=True)
+    found, lost = _onnx_boundaries(folded)
+    fold = onnx_original.ir_tensors(folded.fused)
+    written = onnx_original.float_tensors(candidate.onnx.path)
+    default = getattr(torch, candidate.dtype, torch.float32)
+    stored = {k: _match(k, v, written, True) for k, v in fold.items()}
+    # each correct value rounded to the dtype its stored tensor has (the candidate's where it has none: NaN there)
+    correct = {
+        k: rounded(v, default if bool(stored[k].isnan().all()) else stored[k].dtype).double() for k, v in fold.items()
+    }
+    stored = {k: v.double() for k, v in stored.items()}
+    x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
+    x = take(x, 0, min(policy.EXACT_SAMPLES, samples_of(x)))
+
+    def run(model: Any, values: list[str], tensors: dict[str, torch.Tensor] | None) -> dict[str, np.ndarray]:
+        if tensors is not None:
+            _hold(model, tensors)
+        at = _expose(model, values)
+        outputs = onnx_original.run_float64(model, x, info.dtype, info.batch)
+        return {name: outputs[i] for name, i in at.items()}
+
+    after = [b[3] for b in found]
+    got, want = run(folded.fused, after, stored), run(folded.fused, after, correct)
+    before = run(folded.original, [b[2] for b in found], None)
+    boundaries = []
+    for norm, layer, orig, fused in found:
+        error = judge.rel_err(got[fused], want[fused])[0]
+        drift = None
+        if before[orig].shape == want[fused].shape:
+            drift = judge.rel_err(want[fused], before[orig])[0]
+        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
+    verdict = _verdict(boundaries) if boundaries or not lost else "not localised"
+    if lost:
+        verdict += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
+    return Localization(METHOD.format(n=samples_of(x)), boundaries, verdict)
+
+
+def _onnx_boundaries(folded: Any) -> tuple[list[tuple[str, str, str, str]], list[str]]:
+    """``(norm, layer, value in the original, value in the fused graph)`` of every fold boundary of an ONNX
+    original's float64 fold (``onnx_original.Fold64``), in the fused graph's order, and the ``norm -> layer`` of
+    each boundary the fused graph no longer holds (a node ``fuse --simplify`` rewrote).
+
+    A layer's value is the output of its ONNX node (``LayerSite.node``: ``MatMul``, ``Gemm``, ``Conv``), or of its
+    bias ``Add`` (``LayerSite.bias_add``; in the fused graph the ``<node>/folded_bias_add`` a fold created). In the
+    original the same point is the output of the norm folded backward into that layer (``NormSite.output``), if
+    one was, else the layer's own output.
+    """
+    from slabconv.engine.layers import layer_name
+
+    lowered = folded.lowered
+    sites = {layer_name(n): lowered.layers[n.name] for n in lowered.gm.graph.nodes if n.name in lowered.layers}
+    original = {n.name: n for n in folded.original.graph}
+    fused = {n.name: n for n in folded.fused.graph}
+    order = {n.name: i for i, n in enumerate(folded.fused.graph)}
+    norm_output = {
+        p.decision.into[0]: _onnx_value(p.site.output) for p in folded.plans if p.decision.action == "folded-backward"
+    }
+    found: list[tuple[int, tuple[str, str, str, str]]] = []
+    lost = []
+    for plan in folded.plans:
+        d = plan.decision
+        if not d.action.startswith("folded"):
+            continue
+        for layer in d.into:
+            site = sites.get(layer)
+            after = _site_output(fused, site) if site is not None else None
+            if layer in norm_output:
+                before = norm_output[layer]
+            else:
+                value = _site_output(original, site) if site is not None else None
+                before = value.name if value is not None else None
+            if after is None or before is None:
+                lost.append(f"{d.norm} -> {layer}")
+                continue
+            found.append((order[after.producer().name], (d.norm, layer, before, after.name)))
+    return [b for _, b in sorted(found, key=lambda f: f[0])], lost
+
+
+def _site_output(nodes: dict[str, Any], site: Any) -> Any:
+    """The ONNX value (an ``onnx_ir.Value``) a layer computes in a graph whose nodes are ``nodes`` (by name), or
+    None where it has no such node: its bias ``Add``'s output, the ``folded_bias_add`` a fold put after it, or its
+    own output."""
+    node = nodes.get(site.bias_add or site.node)
+    if node is None:
+        return None
+    out = node.outputs[0]
+    if site.bias_add is None:
+        users = [u.node for u in out.uses()]
+        if (
+            len(users) == 1
+            and users[0].op_type == "Add"
+            and (users[0].name or "").startswith(f"{site.node}/folded_bias_add")
+        ):
+            return users[0].outputs[0]
+    return out
+
+
+def _onnx_value(node: fx.Node) -> str | None:
+    """The ONNX value an fx node of a lowered graph computes (for a node a lowering added within one ONNX node, its
+    data input's, as ``onnx_apply`` reads it)."""
+    current: Any = node
+    while isinstance(current, fx.Node) and current.meta.get("onnx_value") is None:
+        current = current.args[0] if current.args else None
+    return current.meta["onnx_value"] if isinstance(current, fx.Node) else None
+
+
+def _hold(model: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """Store float64 ``tensors`` in the initializers of ``model`` (an ``onnx_ir.Model``) of the same names."""
+    import onnx_ir as ir
+
+    for name, value in tensors.items():
+        init = model.graph.initializers[name]
+        init.const_value = ir.tensor(value.detach().double().contiguous().numpy(), name=name)
+
+
+def _expose(model: Any, names: list[str]) -> dict[str, int]:
+    """Make the values ``names`` of ``model`` (an ``onnx_ir.Model``) graph outputs, in place.
+
+    Returns:
+        each name -> its index among the graph's outputs.
+    """
+    graph = model.graph
+    values = {v.name: v for v in graph.inputs}
+    values.update({v.name: v for node in graph for v in node.outputs})
+    at = {v.name: i for i, v in enumerate(graph.outputs)}
+    for name in names:
+        if name not in at:
+            graph.outputs.append(values[name])
+            at[name] = len(graph.outputs) - 1
+    return {name: at[name] for name in names}
 
 
 def table(localization: Localization) -> Iterator[list[str]]:

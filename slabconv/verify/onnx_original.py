@@ -1,13 +1,14 @@
 """An ONNX original as the reference of a verification (``docs/onnx.md``, policy: ``slabconv.verify.policy``):
 its graph evaluated in float64 (every floating tensor and type cast to float64, run by onnxruntime, or onnx's
-reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 (``fold64_file``), and
-the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``; ``--inputs`` with one array per
-graph input). ``slabconv.verify.verifier`` runs both questions with them.
+reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 and the localisation
+(``fold64``, ``fold64_file``), and the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``;
+``--inputs`` with one array per graph input). ``slabconv.verify.verifier`` runs both questions with them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -209,17 +210,55 @@ def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> t
     return run_batched(run, x, fixed_batch=batch), which
 
 
-def fold64_file(path: Path, candidate: Path) -> Any:
+@dataclass
+class Fold64:
+    """The float64 fold of an ONNX original (``fold64``) and what it was made from.
+
+    Attributes:
+        fused: the fold, an ``onnx_ir.Model`` whose floating tensors and types are float64.
+        original: the prepared original (``onnx_lower.prepare``: the node and value names ``lowered`` and the fused
+            graph use) cast to float64, unfused; None unless asked for.
+        lowered: the prepared original as the engine saw it (``onnx_lower.Lowered``: each layer's ONNX nodes).
+        plans: one ``NormPlan`` per norm, in graph order (``plan.decision``: the report's decision).
+    """
+
+    fused: Any
+    original: Any
+    lowered: Any
+    plans: list[Any]
+
+
+def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
     """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
-    cast to float64 (``onnx_fold.fold_file(..., as_float64=True)``, the contract ``slabconv.onnx_in.fold_onnx``
-    keeps), simplified as ``candidate`` was (``fuse --simplify``), as an ``onnx_ir.Model``. The one place
-    verification folds an ONNX graph."""
+    cast to float64 (``onnx_fold.plan_file`` then ``onnx_fold.fold_planned(..., as_float64=True)``: what
+    ``onnx_fold.fold_file`` does, the contract ``slabconv.onnx_in.fold_onnx`` keeps), with the affines of the norm
+    ops folded and simplified as ``candidate`` was (its metadata: ``--fold-norm-affine``, ``fuse --simplify``). The
+    one place verification folds an ONNX graph.
+
+    Args:
+        keep_original: also keep a float64 copy of the prepared original, unfused (``Fold64.original``: the
+            localisation's values at each fold boundary before the fold).
+
+    Raises:
+        as ``onnx_fold.plan_file``.
+    """
+    import onnx_ir as ir
+
     from slabconv.write.onnx import norm_affine_of, simplified
 
-    fused64, _ = onnx_fold.fold_file(
-        load_ir(path), str(path), as_float64=True, simplify=simplified(candidate), norm_affine=norm_affine_of(candidate)
-    )
-    return fused64
+    model = load_ir(path)
+    lowered, plans = onnx_fold.plan_file(model, str(path), norm_affine=norm_affine_of(candidate))
+    original = None
+    if keep_original:
+        original = ir.from_proto(ir.to_proto(model))
+        onnx_fold.to_float64(original)
+    fused = onnx_fold.fold_planned(model, lowered, plans, as_float64=True, simplify=simplified(candidate))
+    return Fold64(fused, original, lowered, plans)
+
+
+def fold64_file(path: Path, candidate: Path) -> Any:
+    """The float64 fold of the ONNX original at ``path``, as an ``onnx_ir.Model`` (``fold64``)."""
+    return fold64(path, candidate).fused
 
 
 def run_float64(model: Any, x: Inputs, dtype: str, batch: int | None) -> list[np.ndarray]:
