@@ -362,7 +362,6 @@ def test_the_unchanged_base_model_folds_with_its_external_data(tmp_path: Path) -
 # --------------------------------------------------------------------------------------------- damaged norms (lead)
 
 
-
 def negative_epsilon(d: Path) -> Path:
     m = oc.base_model()
     _bn_attribute(m, helper.make_attribute("epsilon", -1.0))
