@@ -748,11 +748,21 @@ def _cast(lo: _Lowering, node: ir.Node) -> None:
     lo.emit(node, aten.to.dtype, (lo.read(node.inputs[0]), dtype), out)
 
 
-@lowers("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-def _reshape(lo: _Lowering, node: ir.Node) -> None:
+_TO_SIZES = {
+    "Reshape": aten.reshape.default,
+    "Flatten": aten.reshape.default,
+    "Squeeze": aten.reshape.default,
+    "Unsqueeze": aten.reshape.default,
+    "Expand": aten.expand.default,
+}
+"""ONNX ops whose output is their input viewed or broadcast to the output's inferred sizes."""
+
+
+@lowers(*_TO_SIZES)
+def _to_sizes(lo: _Lowering, node: ir.Node) -> None:
     out = node.outputs[0]
     sizes = [lo.dims.size(d) for d in _dims(out)]
-    lo.emit(node, aten.reshape.default, (lo.read(node.inputs[0]), sizes), out)
+    lo.emit(node, _TO_SIZES[node.op_type], (lo.read(node.inputs[0]), sizes), out)
 
 
 @lowers("Transpose")
@@ -761,13 +771,6 @@ def _transpose(lo: _Lowering, node: ir.Node) -> None:
     perm = _attr(node, "perm")
     order = [int(p) % rank for p in perm] if perm is not None else list(range(rank - 1, -1, -1))
     lo.emit(node, aten.permute.default, (lo.read(node.inputs[0]), order), node.outputs[0])
-
-
-@lowers("Expand")
-def _expand(lo: _Lowering, node: ir.Node) -> None:
-    out = node.outputs[0]
-    sizes = [lo.dims.size(d) for d in _dims(out)]
-    lo.emit(node, aten.expand.default, (lo.read(node.inputs[0]), sizes), out)
 
 
 @lowers("Tile")

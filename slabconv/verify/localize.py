@@ -40,7 +40,6 @@ from torch import fx, nn
 from slabconv import engine
 from slabconv.fold import rounded
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.util import quiet
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, Localization
 from slabconv.verify.sides import Side, folded_from
@@ -172,11 +171,7 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     from slabconv.verify.verifier import _written_tensors, norm_affine
 
     loaded = reference.loaded
-    example = reference.example if reference.example is not None else loaded.trace_example()
-    graph = reference.graph
-    if graph is None:
-        with quiet():
-            graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
+    graph, example = reference.traced()
     original64 = float64_graph(graph, example)
     fused64, decisions64 = fold64(original64, norm_affine(reference, candidate, load))
     dtype = getattr(torch, candidate.dtype)

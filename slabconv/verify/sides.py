@@ -96,6 +96,19 @@ class Side:
     def arch(self) -> str | None:
         return self.source.arch
 
+    def traced(self) -> tuple[Any, Any]:
+        """``(graph, example)`` of a ``model`` side: the traced original ``fuse`` gave, else traced now with
+        ``engine.capture`` (once: question 1 and the localisation share it)."""
+        from slabconv import engine
+        from slabconv.util import quiet
+
+        if self.example is None:
+            self.example = self.loaded.trace_example()
+        if self.graph is None:
+            with quiet():
+                self.graph = engine.capture(self.loaded.model, self.example, sequence=self.loaded.max_sequence)
+        return self.graph, self.example
+
     def digests(self, whole: bool = False) -> set[str]:
         """Every sha256 that names this side as a source: its own, its files', and for a Hugging Face folder the
         index a streamed fold records; with ``whole``, also the folder digest an in-memory fold records

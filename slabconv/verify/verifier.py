@@ -37,7 +37,7 @@ import torch
 from slabconv import engine
 from slabconv.errors import InputError, UsageError, first_line
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.util import Progress, no_progress, quiet, release_memory, stage_memory
+from slabconv.util import Progress, no_progress, release_memory, stage_memory
 from slabconv.verify import judge, sides
 from slabconv.verify.backends import BACKENDS
 from slabconv.verify.inputs import choose_inputs
@@ -287,11 +287,7 @@ def _torch_reference(
         del cast
     else:
         original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
-    example = reference.example if reference.example is not None else loaded.trace_example()
-    graph = reference.graph
-    if graph is None:
-        with quiet():
-            graph = engine.capture(loaded.model, example, sequence=loaded.max_sequence)
+    graph, example = reference.traced()
     original64 = float64_graph(graph, example)
     runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
     exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
