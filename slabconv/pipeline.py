@@ -558,15 +558,20 @@ class InMemory:
         return None
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
-        """transformers where a language model needs it; a fused output that is finite (named norm otherwise); then
-        the fused model cast to ``--dtype``.
+        """transformers where a language model needs it; a generation check that fits in memory; a fused output
+        that is finite (named norm otherwise); then the fused model cast to ``--dtype``.
 
         Raises:
-            UsageError: transformers missing for ``decoder.onnx`` or the generation check; ``--dtype`` on a language
-                model.
+            UsageError: transformers missing for ``decoder.onnx`` or the generation check; a generation check too big
+                for the memory available; ``--dtype`` on a language model.
             NumericError: the fused model's output is not finite on the example, or overflows ``--dtype``.
         """
         _require_transformers(self.loaded, self.planned, verify, write)
+        if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
+            from slabconv.verify.generate import check_generation_fits
+
+            length = int(self.loaded.input_shape[0]) if self.loaded.input_shape else 1
+            check_generation_fits(self.loaded.model, max(1, length // 2), verify.fuse_steps(), onnx=write.onnx)
         assert self.planned.original is not None
         faults.check_finite(
             self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example

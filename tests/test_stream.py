@@ -14,7 +14,7 @@ from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.options import WriteOptions
 from slabconv.util import sha256_file
-from slabconv.verify import layerwise
+from slabconv.verify import generate, layerwise
 from slabconv.zoo import get_arch
 from tests import hfwrite
 from tests.test_llama import TINY, TINY_CONFIG, rel_err, tiny_model, tokens
@@ -259,7 +259,7 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     skipped = api.fuse(root / "src", tmp_path / "skip", verify=VerifyOptions(generate=0), write=STREAM)
     assert skipped.verification.generation is None
     assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
-    monkeypatch.setattr(layerwise, "available_memory", lambda: 1024)
+    monkeypatch.setattr(generate, "available_memory", lambda: 1024)
     with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
         fuse_streamed(root / "src", tmp_path / "small")
     assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
