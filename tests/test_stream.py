@@ -92,6 +92,30 @@ def test_layer_by_layer_verification_passes(folded):
     assert v.exact[0].error <= 0.5  # every written tensor is the float64 fold, rounded once
 
 
+def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path):
+    """Question 1 of a streamed fold compares every written block with the float64 fold rounded once; a folded
+    weight or a created bias one unit in the last place off fails it, by one unit, naming the tensor."""
+    from safetensors.torch import save_file
+
+    root = folded[0]
+    plan = pipeline.plan_sharded(LazyShards.open(root / "src"), CONFIG, None, "")[1]
+    intact = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(root / "out"), plan.program)
+    assert intact.passed and intact.error == 0.0
+    index = json.loads((root / "out" / hf.SAFETENSORS_INDEX).read_text())
+    for key in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"):
+        out = tmp_path / key
+        out.mkdir()
+        for name in [*{*index["weight_map"].values()}, hf.SAFETENSORS_INDEX]:
+            (out / name).write_bytes((root / "out" / name).read_bytes())
+        shard = out / index["weight_map"][key]
+        tensors = load_file(str(shard))
+        flat = tensors[key].reshape(-1)
+        flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf"), dtype=flat.dtype))
+        save_file(tensors, str(shard))
+        q1 = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(out), plan.program)
+        assert not q1.passed and q1.error == 1.0 and q1.worst == key, q1
+
+
 def test_layerwise_reference_chain_is_the_model(tmp_path):
     """The streamed, meta-built layers compute what the in-memory model computes, layer by layer and end to end."""
     model = tiny_model()

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: N812
 
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
@@ -64,6 +65,22 @@ class StreamedEmbedding(nn.Module):
         return rows[torch.searchsorted(used, ids)]
 
 
+class GeneratingLinear(StreamedLinear):
+    """A ``StreamedLinear`` whose bias (a vector) is read once and kept: a generation runs each Linear once per
+    token, and each read opens the shard."""
+
+    def __init__(self, shards: LazyShards, name: str):
+        super().__init__(shards, name)
+        self.kept = shards.get(f"{name}.bias") if self.has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., in_features) -> (..., out_features), both in ``x``'s dtype."""
+        key = f"{self.name}.weight"
+        parts = [F.linear(x, block.to(x.dtype)) for block in self.shards.row_blocks(key, self.shards.shape(key))]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y if self.kept is None else y + self.kept.to(x.dtype)
+
+
 def _streamed(model: Any, dtype: torch.dtype) -> Any:
     """``model`` (built on the meta device, its weights replaced by streamed modules) as an instance of a subclass
     that answers ``device`` (the CPU) and ``dtype`` itself: transformers asks its first parameter, which a streamed
@@ -102,7 +119,7 @@ def _stream_linears(model: nn.Module, shards: LazyShards, expected: dict[str, to
                     raise UnsupportedModelError(
                         f"{shards.folder}: {key} is {found}; the model needs {list(want.shape)}"
                     )
-            setattr(owner, child_name, StreamedLinear(shards, name))
+            setattr(owner, child_name, GeneratingLinear(shards, name))
 
 
 def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements: int = 1 << 22) -> Any:
