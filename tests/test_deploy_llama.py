@@ -599,6 +599,21 @@ def test_the_comparison_follows_the_reference_path_and_judges_each_step_by_the_o
     assert follows_original.passed and follows_original.runs[0].tokens_compared == 2
 
 
+def test_prompts_and_steps_are_cut_to_the_models_positions():
+    from slabconv.verify.generate import within_positions
+
+    prompts = torch.arange(20).reshape(2, 10)
+    assert within_positions(prompts, 32, None)[1:] == (32, []) and within_positions(prompts, 6, 16)[1:] == (6, [])
+    cut, steps, notes = within_positions(prompts, 10, 16)  # 10 + 10 > 16: the prompts keep 6 tokens
+    assert (
+        torch.equal(cut, prompts[:, :6])
+        and steps == 10
+        and notes == ["prompts cut to 6 tokens: the model has 16 positions"]
+    )
+    cut, steps, notes = within_positions(prompts, 32, 16)  # one token left, 15 steps
+    assert cut.shape == (2, 1) and steps == 15 and len(notes) == 2 and notes[1].startswith("15 tokens generated")
+
+
 def test_steps_after_a_sequences_end_are_not_compared_but_its_end_is():
     """onnxruntime-genai stops a sequence at its end-of-sequence token: the steps after it are ENDED."""
     logits = np.zeros((2, 4, 5))

@@ -666,6 +666,28 @@ def prompts_of(token_ids: ArrayLike) -> torch.Tensor:
     return ids[:, : max(1, ids.shape[1] // 2)]
 
 
+def within_positions(prompts: torch.Tensor, steps: int, positions: int | None) -> tuple[torch.Tensor, int, list[str]]:
+    """Prompts ``(B, T)`` and ``steps`` that fit a model of ``positions`` positions (``max_position_embeddings``):
+    the prompts cut to leave room for the steps (at least one token kept), then the steps cut to what is left.
+
+    Returns:
+        ``(prompts, steps, notes)``: a note for each cut (the report's ``generation.notes``).
+    """
+    notes: list[str] = []
+    if positions is None or prompts.shape[1] + steps <= positions:
+        return prompts, steps, notes
+    keep = max(1, min(prompts.shape[1], positions - steps))
+    if keep < prompts.shape[1]:
+        notes.append(f"prompts cut to {keep} tokens: the model has {positions} positions")
+        prompts = prompts[:, :keep]
+    if keep + steps > positions:
+        notes.append(
+            f"{positions - keep} tokens generated per prompt, not {steps}: the model has {positions} positions"
+        )
+        steps = positions - keep
+    return prompts, steps, notes
+
+
 def check_fused_folder(
     original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, steps: int, *, onnx: bool = True
 ) -> dict[str, Any]:
@@ -690,13 +712,15 @@ def check_fused_folder(
         UsageError: transformers is not installed; bad ids or steps.
         UnsupportedModelError: the original is not a zoo LLaMA language model.
     """
-    prompts = prompts_of(token_ids)
+    positions = getattr(getattr(original, "cfg", None), "max_position_embeddings", None)
+    prompts, steps, notes = within_positions(prompts_of(token_ids), steps, positions)
     decoder = Path(folder) / "decoder.onnx"
     dtype = next(original.parameters()).dtype
     onnx_path = decoder if onnx and decoder.is_file() and dtype != torch.bfloat16 else None
     has_genai_config = onnx_path is not None and (Path(folder) / "genai_config.json").is_file()
     genai = has_genai_config and genai_available()
     check = check_generation(original, folder, prompts, steps, onnx_path=onnx_path, genai=genai, threads=1)
+    check.notes += notes
     if has_genai_config and not genai:
         check.notes.append(
             "onnxruntime-genai is not installed: genai_config.json not run (pip install slabconv[genai])"

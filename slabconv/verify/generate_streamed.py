@@ -36,6 +36,7 @@ from slabconv.verify.generate import (
     exact_path,
     greedy_fused,
     judged_dtype,
+    within_positions,
 )
 from slabconv.verify.greedy import compare_greedy
 from slabconv.verify.layerwise import DEFAULT_SEQ_LEN, Folder, StreamedLinear
@@ -195,14 +196,12 @@ def streamed_twin(source: Folder, config: Any, dtype: torch.dtype) -> Any:
     return _streamed(model, dtype).eval()
 
 
-def streamed_prompts(source: Folder, sequences: int, seed: int, steps: int) -> torch.Tensor:
+def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
     """The prompts of a streamed check: ``min(sequences, PROMPTS)`` seeded random token sequences of ``PROMPT_LEN``
-    tokens (fewer where the model's positions do not hold them and ``steps`` more), int64 ``(B, T)``."""
-    room = source.family.max_positions(source.cfg) - steps
-    length = max(1, min(PROMPT_LEN, room))
+    tokens, int64 ``(B, T)`` (``generate.within_positions`` fits them to the model's positions)."""
     count = max(1, min(sequences, PROMPTS))
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, source.family.vocab_size(source.cfg), (count, length), generator=generator)
+    return torch.randint(0, source.family.vocab_size(source.cfg), (count, PROMPT_LEN), generator=generator)
 
 
 def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
@@ -263,7 +262,8 @@ def check_streamed_folder(
 
     original = Folder.open(source, block_elements)
     return_freed_blocks_to_the_os()
-    prompts = streamed_prompts(original, sequences, seed, steps)
+    positions = original.family.max_positions(original.cfg)
+    prompts, steps, notes = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
     computed = compute_dtype(original.dtype)
     progress("verifying: greedy generation, the fused folder in transformers (weights read as it runs)")
     model = streamed_fused_llama(folder, computed, block_elements)
@@ -285,6 +285,7 @@ def check_streamed_folder(
         prompts=prompts,
         compute_dtype=computed,
     )
+    check.notes += notes
     if (Path(folder) / "decoder.onnx").is_file():
         check.notes.append(
             "decoder.onnx not run: the streamed check runs the folder in transformers one block of weights at a "
