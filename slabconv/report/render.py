@@ -219,6 +219,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
                 yield f"      {generation_failure(run)}"
         if speeds:
             yield f"    tokens/s: {speeds}"
+        for note in g.get("notes", []):
+            yield f"    note: {note}"
     if v.localization is not None:
         yield f"  localisation: {v.localization.detail}"
     for note in v.notes:
