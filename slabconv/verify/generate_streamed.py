@@ -9,8 +9,8 @@
   copy of a weight in another dtype is made.
 - The original in float64 runs once over the prompts and the folder's tokens, one decoder layer at a time
   (``exact_path`` over ``layerwise.Folder``): its greedy token and exact margin at every step.
-- The original as transformers' LLaMA (``streamed_twin``: its norm modules read from the source, its Linears
-  streamed) generates too, as the baseline, when asked (``twin=True``; it doubles the cost of the generation).
+- Unlike in memory, the original as transformers' LLaMA does not generate as a baseline here: it would read every
+  weight once more per token, doubling the cost of the check, and it decides nothing.
 
 Memory: one block of one weight in two dtypes, the key/value cache of the prompts and the activations of the
 float64 pass (``generation_memory``), checked before any work (``check_generation_fits``).
@@ -18,7 +18,6 @@ float64 pass (``generation_memory``), checked before any work (``check_generatio
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -166,36 +165,6 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     return _streamed(model, dtype).eval()
 
 
-def streamed_twin(source: Folder, config: Any, dtype: torch.dtype) -> Any:
-    """The original as transformers' LLaMA with its own norm modules (``generate.original_twin``), its Linears and
-    embedding read from ``source``'s shards as they run.
-
-    Args:
-        source: the original folder (``layerwise.Folder``).
-        config: the fused folder's ``SlabconvLlamaConfig``.
-        dtype: the dtype it computes in.
-
-    Raises:
-        UnsupportedModelError: the source's weights do not fill the model.
-    """
-    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaForCausalLM
-
-    config = copy.deepcopy(config)
-    config.projection_bias = dict.fromkeys(config.projection_bias or {}, False)
-    with torch.device("meta"):
-        model = SlabconvLlamaForCausalLM(config)
-    expected = {k: v for k, v in model.state_dict().items() if not k.endswith(".bias")}
-    _stream_linears(model, source.shards, expected)
-    for i, layer in enumerate(model.model.layers):
-        prefix = source.family.layer_prefix.format(i=i)
-        for name in source.family.layer_norms:
-            setattr(layer, name, source.norm(prefix + name, dtype))
-    model.model.norm = source.norm(source.family.final_norm, dtype)
-    model.model.embed_tokens = StreamedEmbedding(source.shards, source.family.embed, dtype)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    return _streamed(model, dtype).eval()
-
-
 def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
     """The prompts of a streamed check: ``min(sequences, PROMPTS)`` seeded random token sequences of ``PROMPT_LEN``
     tokens, int64 ``(B, T)`` (``generate.within_positions`` fits them to the model's positions)."""
@@ -209,7 +178,7 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
 
     - generation: a block of weight rows in its stored dtype and in the compute dtype (and its outputs), the
       key/value cache of every layer (``2 L B (T + N) K d`` values) and the logits of one step;
-    - the float64 pass: a block of rows in float64, the hidden states and the widest activations of one layer
+    - the float64 pass: a block of rows in float64 (and float32, on its way from half precision), the hidden states and the widest activations of one layer
       (the MLP's intermediate size, the attention scores ``B H (T+N)^2``) in float64, the logits ``(B, N, V)``.
     """
     cfg, fam = source.cfg, source.family
@@ -225,7 +194,7 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     cache = 2 * layers * prompts * length * kv * computed
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
-    exact = block_elements * (stored + 8) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
+    exact = block_elements * (stored + 4 + 8) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
     return max(generating, exact)
 
 
@@ -237,7 +206,6 @@ def check_streamed_folder(
     sequences: int,
     seed: int,
     block_elements: int = 1 << 22,
-    twin: bool = False,
     progress: Progress = no_progress,
 ) -> dict[str, Any]:
     """The greedy-generation check of ``fuse --stream`` and ``verify --stream`` (module docstring).
@@ -248,7 +216,6 @@ def check_streamed_folder(
         steps: N, tokens generated per prompt.
         sequences, seed: the prompts (``streamed_prompts``).
         block_elements: elements per block of weight rows read at a time.
-        twin: also generate with the original as transformers' LLaMA, as the baseline.
         progress: told when each run starts.
 
     Returns:
@@ -269,19 +236,12 @@ def check_streamed_folder(
     model = streamed_fused_llama(folder, computed, block_elements)
     label = f"fused {dtype_name(computed)} (transformers {transformers.__version__}, KV cache, streamed)"
     fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
-    baselines = []
-    if twin:
-        progress("verifying: greedy generation, the original in transformers (weights read as it runs)")
-        run = streamed_twin(original, model.config, computed)
-        name = f"original {dtype_name(computed)} (transformers {transformers.__version__}, KV cache, streamed)"
-        baselines.append(greedy_fused(run, prompts, steps, name=name, warm_up=False))
     progress("verifying: greedy generation, the original in float64 over the generated tokens")
     reference = exact_path(original, prompts, fused.tokens, REFERENCE)
     check = compare_greedy(
         reference,
         [fused],
         judged_dtype(original.dtype, computed),
-        baselines=baselines,
         prompts=prompts,
         compute_dtype=computed,
     )
