@@ -178,8 +178,9 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
 
     - generation: a block of weight rows in its stored dtype and in the compute dtype (and its outputs), the
       key/value cache of every layer (``2 L B (T + N) K d`` values) and the logits of one step;
-    - the float64 pass: a block of rows in float64 (and float32, on its way from half precision), the hidden states and the widest activations of one layer
-      (the MLP's intermediate size, the attention scores ``B H (T+N)^2``) in float64, the logits ``(B, N, V)``.
+    - the float64 pass: a block of rows in float64 (and float32, on its way from half precision), the hidden
+      states and the widest activations of one layer (the MLP's intermediate size, the attention scores
+      ``B H (T+N)^2``) in float64, the logits ``(B, N, V)``.
     """
     cfg, fam = source.cfg, source.family
     layers, vocab = fam.num_layers(cfg), fam.vocab_size(cfg)
