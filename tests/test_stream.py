@@ -290,7 +290,8 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     assert skipped.verification.generation is None
     assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
     monkeypatch.setattr(generate, "available_memory", lambda: 1024)
-    with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
+    needs = r"the greedy-generation check needs about \d+\.\d\d GiB of memory \(0\.00 GiB available\): pass Verify"
+    with pytest.raises(UsageError, match=needs + r"Options\(generate=0\) to skip it"):
         fuse_streamed(root / "src", tmp_path / "small")
     assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
     with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
