@@ -647,9 +647,10 @@ class Streamed:
         if writes_hf_folder(self.loaded, self.planned) and self.planned.program is not None:
             _check_one_dtype(self.sharded, self.planned.program)
         if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
-            from slabconv.verify.layerwise import check_generation_fits
+            from slabconv.verify.generate_streamed import check_generation_fits
 
-            check_generation_fits(self.sharded.shards.folder, verify.fuse_steps())
+            folder, sequences = self.sharded.shards.folder, verify.sample_count(streamed=True)
+            check_generation_fits(folder, verify.fuse_steps(), sequences, verify.seed)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         from slabconv.load.hf import SAFETENSORS_INDEX

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from slabconv.engine import FOLD_BLOCK
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.util import Progress, no_progress
@@ -197,6 +198,32 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     exact = block_elements * (stored + 4 + 8) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
     return max(generating, exact)
+
+
+def check_generation_fits(
+    folder: Path, steps: int | None, sequences: int, seed: int = 0, block_elements: int = FOLD_BLOCK
+) -> None:
+    """Refuse, before any work, a streamed check of ``steps`` tokens (None or 0: no check) on ``sequences`` prompts
+    (``streamed_prompts``) of the original ``folder`` that cannot fit this machine's available memory
+    (``generation_memory``; ``generate.available_memory``).
+
+    Raises:
+        UsageError: the check would need more than the available memory (the message says how much, and how to skip
+            it).
+    """
+    if not steps:
+        return
+    from slabconv.verify.generate import available_memory
+
+    original = Folder.open(Path(folder), block_elements)
+    count, length = streamed_prompts(original, sequences, seed).shape
+    need, have = generation_memory(original, count, length, steps, block_elements), available_memory()
+    if have is not None and need > have:
+        raise UsageError(
+            f"{folder}: the greedy-generation check needs about {need / 2**30:.2f} GiB of memory "
+            f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation was "
+            "not checked)"
+        )
 
 
 def check_streamed_folder(
