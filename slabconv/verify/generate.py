@@ -569,7 +569,7 @@ def check_generation(
         UsageError: transformers is not installed (``pip install slabconv[hf]``); bad prompts or steps.
         UnsupportedModelError: the original is not a zoo LLaMA language model.
     """
-    from slabconv.write.hf_llama import load_fused_llama, require_transformers
+    from slabconv.write.hf_llama import MODEL_TYPE, load_fused_llama, require_transformers
 
     transformers = require_transformers()
     dtype = next(original.parameters()).dtype
@@ -579,10 +579,12 @@ def check_generation(
     config = model.config
     fused = greedy_fused(model, prompts, steps, threads=threads)
     del model
-    twin = original_twin(original, config, computed)
-    label = f"original {dtype_name(computed)} (transformers {version}, KV cache)"
-    baseline = greedy_fused(twin, prompts, steps, name=label, threads=threads)
-    del twin
+    baselines = []
+    if getattr(config, "model_type", None) == MODEL_TYPE:  # a standard decoder's folder: no twin (its own class)
+        twin = original_twin(original, config, computed)
+        label = f"original {dtype_name(computed)} (transformers {version}, KV cache)"
+        baselines.append(greedy_fused(twin, prompts, steps, name=label, threads=threads))
+        del twin
     reference = exact_path(ModuleLayers(original), prompts, fused.tokens, REFERENCE)
     candidates = [fused]
     if onnx_path is not None:
@@ -593,7 +595,7 @@ def check_generation(
         reference,
         candidates,
         judged_dtype(dtype, computed),
-        baselines=[baseline],
+        baselines=baselines,
         prompts=prompts,
         compute_dtype=computed,
     )

@@ -18,6 +18,7 @@ float64 pass (``generation_memory``), checked before any work (``check_generatio
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,15 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     return max(generating, exact)
 
 
+def streams(source: Folder) -> bool:
+    """Whether the streamed check runs on a fold of ``source``: a LLaMA-PRepBN folder, whose fused folder is
+    ``SlabconvLlamaForCausalLM``. A standard decoder (LLaMA, Mistral, Qwen2: ``zoo.decoder.STANDARD``) fused into
+    its own architecture is checked as in memory (``verify.generate.check_fused_folder``), both models loaded."""
+    from slabconv.zoo.decoder import STANDARD
+
+    return source.family is not STANDARD
+
+
 def check_generation_fits(
     folder: Path, steps: int | None, sequences: int, seed: int = 0, block_elements: int = FOLD_BLOCK
 ) -> None:
@@ -216,8 +226,12 @@ def check_generation_fits(
     from slabconv.verify.generate import available_memory
 
     original = Folder.open(Path(folder), block_elements)
-    count, length = streamed_prompts(original, sequences, seed).shape
-    need, have = generation_memory(original, count, length, steps, block_elements), available_memory()
+    if streams(original):
+        count, length = streamed_prompts(original, sequences, seed).shape
+        need = generation_memory(original, count, length, steps, block_elements)
+    else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
+        need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())
+    have = available_memory()
     if have is not None and need > have:
         raise UsageError(
             f"{folder}: the greedy-generation check needs about {need / 2**30:.2f} GiB of memory "

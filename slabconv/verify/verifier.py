@@ -579,6 +579,14 @@ def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
     check_generation_fits(loaded.model, max(1, length // 2), steps, onnx=onnx)
 
 
+def _streams(reference: Side) -> bool:
+    """``verify.generate_streamed.streams`` of a streamed reference side."""
+    from slabconv.verify.generate_streamed import streams
+    from slabconv.verify.layerwise import Folder
+
+    return streams(Folder.open(reference.path, engine.FOLD_BLOCK))
+
+
 def _generation(reference: Side, candidate: Side, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
     """Greedy generation of the reference model against the candidate folder (``verify.generate``; two streamed
     sides: ``verify.generate_streamed``, every weight read from the shards one block of rows at a time).
@@ -591,7 +599,7 @@ def _generation(reference: Side, candidate: Side, opts: VerifyOptions, progress:
 
     assert opts.generate
     require_transformers()
-    if reference.kind == "streamed" and candidate.kind == "streamed":
+    if reference.kind == "streamed" and candidate.kind == "streamed" and _streams(reference):
         from slabconv.verify.generate_streamed import check_streamed_folder
 
         with torch_threads(1):  # as _layerwise
