@@ -8,61 +8,25 @@ same process, dtype, thread count and ``generate`` call with the key/value cache
   RepBN of ``slabconv.zoo.llama``, in eval mode) put back where the fused model has identities.
 
 So the only difference timed is the norms the fold removed. The original's tokens are also compared with the
-zoo model's own greedy tokens (no cache): the transformers twin is only timed when it computes the same model.
+zoo model's own greedy tokens (no cache): the transformers twin (``slabconv.verify.generate.original_twin``, the
+generation check's baseline too) is only timed when it computes the same model.
 """
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from slabconv.errors import UnsupportedModelError
 from slabconv.load.model import LoadedModel
 from slabconv.options import LoadOptions, WriteOptions
 from slabconv.util import Progress
-from slabconv.verify.generate import greedy_fused, greedy_original
+from slabconv.verify.generate import greedy_fused, greedy_original, original_twin
 
 PROMPTS = 8
 """Prompts per timed ``generate`` call."""
-
-
-def original_twin(loaded: LoadedModel, fused_folder: Path) -> torch.nn.Module:
-    """The original language model as transformers' LLaMA with the original's norm modules, for timing.
-
-    Args:
-        loaded: the original (``slabconv.zoo.llama.LlamaForCausalLM``: ``model.embed_tokens``, ``model.layers.{i}``
-            with ``input_layernorm`` / ``post_attention_layernorm``, ``model.norm``, ``lm_head``).
-        fused_folder: a fused folder of the same model (its config and modeling class are reused).
-
-    Returns:
-        A ``SlabconvLlamaForCausalLM`` in eval mode and the original's dtype, computing the original model.
-
-    Raises:
-        UnsupportedModelError: the original does not have the LLaMA layout (a weight has no place in the twin).
-    """
-    from slabconv.write.hf_llama import load_fused_llama
-
-    fused = load_fused_llama(fused_folder)
-    config = copy.deepcopy(fused.config)
-    config.projection_bias = dict.fromkeys(config.projection_bias or {}, False)
-    twin = type(fused)(config).to(loaded.dtype).eval()
-    source: Any = loaded.model
-    weights = {k: v for k, v in source.state_dict().items() if "layernorm" not in k and not k.startswith("model.norm")}
-    weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    missing, unexpected = twin.load_state_dict(weights, strict=False)
-    if missing or unexpected:
-        raise UnsupportedModelError(
-            f"the original does not have the LLaMA layout the twin needs ({(missing or unexpected)[0]})"
-        )
-    for i, layer in enumerate(twin.model.layers):
-        layer.input_layernorm = copy.deepcopy(source.model.layers[i].input_layernorm).eval()
-        layer.post_attention_layernorm = copy.deepcopy(source.model.layers[i].post_attention_layernorm).eval()
-    twin.model.norm = copy.deepcopy(source.model.norm).eval()
-    return twin
 
 
 def time_generation(loaded: LoadedModel, fused_folder: Path, token_ids: np.ndarray, steps: int = 32) -> dict[str, Any]:
@@ -83,9 +47,12 @@ def time_generation(loaded: LoadedModel, fused_folder: Path, token_ids: np.ndarr
 
     ids = np.asarray(token_ids)[:PROMPTS]
     prompts = ids[:, : max(1, ids.shape[1] // 2)]
+    from slabconv.write.hf_llama import load_fused_llama
+
     reference = greedy_original(loaded.model, prompts, steps, keep_logits=False, threads=1)
-    twin = greedy_fused(original_twin(loaded, fused_folder), prompts, steps, threads=1)
-    fused = greedy_fused(fused_folder, prompts, steps, threads=1)
+    model = load_fused_llama(fused_folder)
+    twin = greedy_fused(original_twin(loaded.model, model.config, loaded.dtype), prompts, steps, threads=1)
+    fused = greedy_fused(model, prompts, steps, threads=1)
     same = bool(np.array_equal(twin.tokens, reference.tokens) and np.array_equal(fused.tokens, reference.tokens))
     return {
         "runtime": f"transformers {transformers.__version__} generate (KV cache), torch {torch.__version__}, 1 thread",

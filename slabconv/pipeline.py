@@ -558,15 +558,20 @@ class InMemory:
         return None
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
-        """transformers where a language model needs it; a fused output that is finite (named norm otherwise); then
-        the fused model cast to ``--dtype``.
+        """transformers where a language model needs it; a generation check that fits in memory; a fused output
+        that is finite (named norm otherwise); then the fused model cast to ``--dtype``.
 
         Raises:
-            UsageError: transformers missing for ``decoder.onnx`` or the generation check; ``--dtype`` on a language
-                model.
+            UsageError: transformers missing for ``decoder.onnx`` or the generation check; a generation check too big
+                for the memory available; ``--dtype`` on a language model.
             NumericError: the fused model's output is not finite on the example, or overflows ``--dtype``.
         """
         _require_transformers(self.loaded, self.planned, verify, write)
+        if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
+            from slabconv.verify.generate import check_generation_fits
+
+            length = int(self.loaded.input_shape[0]) if self.loaded.input_shape else 1
+            check_generation_fits(self.loaded.model, max(1, length // 2), verify.fuse_steps(), onnx=write.onnx)
         assert self.planned.original is not None
         faults.check_finite(
             self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example
@@ -642,9 +647,10 @@ class Streamed:
         if writes_hf_folder(self.loaded, self.planned) and self.planned.program is not None:
             _check_one_dtype(self.sharded, self.planned.program)
         if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
-            from slabconv.verify.layerwise import check_generation_fits
+            from slabconv.verify.generate_streamed import check_generation_fits
 
-            check_generation_fits(self.sharded.shards.folder, verify.fuse_steps())
+            folder, sequences = self.sharded.shards.folder, verify.sample_count(streamed=True)
+            check_generation_fits(folder, verify.fuse_steps(), sequences, verify.seed)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         from slabconv.load.hf import SAFETENSORS_INDEX

@@ -14,7 +14,7 @@ from slabconv.options import VerifyOptions
 from slabconv.pipeline import plan_sharded
 from slabconv.util import Progress, sha256_file
 from slabconv.verify import sides
-from slabconv.verify.layerwise import check_generation_fits
+from slabconv.verify.generate_streamed import check_generation_fits
 
 
 def streamed_sides(
@@ -33,7 +33,7 @@ def streamed_sides(
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
     ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
     if opts.generate:
-        check_generation_fits(reference, opts.generate)
+        check_generation_fits(reference, opts.generate, opts.sample_count(streamed=True), opts.seed)
     if sides.folded_from(ref, cand):
         progress("planning the reference's fold, for question 1")
         found = hf.hf_weights_file(reference)

@@ -101,15 +101,16 @@ def test_a_language_model_bench_times_greedy_generation_like_for_like(tmp_path):
     runs generate the same tokens."""
     import numpy as np
 
-    from slabconv import bench_generation
     from slabconv.load.model import load_model
     from slabconv.options import WriteOptions
+    from slabconv.verify.generate import original_twin
+    from slabconv.write.hf_llama import load_fused_llama
 
     text = Path(__file__).resolve().parents[1] / "fixtures" / "text-prepbn"
     loaded = load_model(text)
     folder = tmp_path / "fused"
     api.fuse(text, folder, verify=None, write=WriteOptions(onnx=False, pt2=False))
-    twin = bench_generation.original_twin(loaded, folder)
+    twin = original_twin(loaded.model, load_fused_llama(folder).config, loaded.dtype)
     ids = torch.from_numpy(np.load(text / "holdout.npz")["x"][:4, :40]).long()
     with torch.no_grad():
         want = loaded.model(ids)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -264,16 +265,25 @@ def test_folders_load_and_generate_where_slabconv_cannot_be_imported(doc, origin
     )
 
 
-def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates(original, tmp_path):
+@pytest.fixture(scope="module")
+def streamed_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
+    """The text fixture as a sharded folder, and its streamed fold (every check on): ``(source, out, report)``."""
+    tmp = tmp_path_factory.mktemp("streamed")
+    config = json.loads((TEXT / "config.json").read_text())
+    source = tmp / "sharded"
+    write_hf_folder(source, load_file(str(TEXT / "model.safetensors")), config, max_shard_bytes=200_000)
+    out = tmp / "streamed"
+    return source, out, api.fuse(source, out, write=WriteOptions(stream=True, onnx=False))
+
+
+def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates(original, streamed_text, tmp_path):
     """``fuse --stream`` writes shards, an index and the Hugging Face files: AutoModelForCausalLM loads that folder
     (trust_remote_code) and it generates the original's tokens."""
     from transformers import AutoModelForCausalLM
 
-    config = json.loads((TEXT / "config.json").read_text())
-    source = tmp_path / "sharded"
-    write_hf_folder(source, load_file(str(TEXT / "model.safetensors")), config, max_shard_bytes=200_000)
+    source, out, report = streamed_text
     out = tmp_path / "streamed"
-    report = api.fuse(source, out, write=WriteOptions(stream=True, onnx=False))
+    shutil.copytree(streamed_text[1], out)  # decoder.onnx is written into it below
     assert report.verification is not None and report.verification.passed
     # The streamed fold checks greedy generation as the in-memory fold does: the same report field.
     generation = report.verification.generation
@@ -296,6 +306,39 @@ def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates
     names = [r["name"] for r in both["runs"] if r["decides"]]
     genai = genai_available()  # onnxruntime-genai needs onnxruntime 1.31 or later: absent at the floor
     assert both["passed"] and len(names) == 2 + genai and any("onnxruntime-genai" in n for n in names) == genai, both
+
+
+def test_a_dropped_bias_fails_the_streamed_generation_check_naming_prompt_step_and_tokens(streamed_text, tmp_path):
+    """A streamed fold's folder with one folded bias dropped (zeroed: the gate projection's of the last decoder
+    layer): ``verify --stream --generate`` runs the folder in transformers one block of weights at a time and exits
+    1, its error line naming the prompt, the first differing step and the two tokens; the intact folder passes."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    source, out, _ = streamed_text
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    key = "model.layers.2.mlp.gate_proj.bias"
+    shard = broken / json.loads((broken / "model.safetensors.index.json").read_text())["weight_map"][key]
+    tensors = load_file(str(shard))
+    assert tensors[key].abs().max() > 0
+    tensors[key] = torch.zeros_like(tensors[key])
+    save_file(tensors, str(shard))
+    runner = CliRunner()
+    for folder, code in ((out, 0), (broken, 1)):
+        junit = tmp_path / f"{code}.xml"
+        result = runner.invoke(
+            app, ["verify", str(source), str(folder), "--stream", "--generate", "8", "--junit", str(junit)]
+        )
+        assert result.exit_code == code, result.output
+        assert "generation: 8 greedy tokens x 2 prompts, computed in float32, near-ties within 1e-05" in result.output
+        generation_cases = re.findall(
+            r'<testcase [^>]*name="generation: ([^"]*)"[^>]*>(.*?)</testcase>', junit.read_text(), re.S
+        )
+        assert len(generation_cases) == 1 and ("<failure" in generation_cases[0][1]) == (code == 1), generation_cases
+    named = r"greedy generation failed for fused float32 \(transformers [^)]*streamed\): prompt \d+ \(ids [\d, .]+\) "
+    assert re.search(named + r"differs at step \d+: expected token \d+, got \d+", result.output), result.output
 
 
 # --------------------------------------------------------------------------------------------- float16, GQA
@@ -530,6 +573,47 @@ def test_a_near_tie_divergence_is_reported_not_failed():
     assert not compare_greedy(reference, [wrong], "float32").passed
 
 
+def test_the_comparison_follows_the_reference_path_and_judges_each_step_by_the_originals_choice():
+    """The float64 logits follow one path (the fused folder's tokens): a run is judged at each step by the original's
+    argmax there while its prefix is the path's, so a near-tie the path took another way is compared on, and a run
+    that takes the original's token where the path did not leaves the path without failing."""
+    logits = np.zeros((1, 3, 4))
+    logits[..., 0] = 10.0
+    logits[0, 1, 1] = 10.0 - 1e-7  # step 1: a near-tie for float32 between tokens 0 and 1
+    reference = GreedyRun("ref", np.array([[0, 1, 0]]), 1.0, logits)  # the path took the other near-tied token
+    on_path = compare_greedy(reference, [GreedyRun("path", np.array([[0, 1, 0]]), 1.0)], "float32").runs[0]
+    assert on_path.passed and on_path.tokens_compared == 3 and on_path.near_tie_divergences == 1
+    assert on_path.first_divergence == [1]
+    original = compare_greedy(reference, [GreedyRun("orig", np.array([[0, 0, 3]]), 1.0)], "float32").runs[0]
+    assert original.passed and original.tokens_compared == 2 and original.near_tie_divergences == 0  # left the path
+    wrong = compare_greedy(reference, [GreedyRun("wrong", np.array([[0, 1, 2]]), 1.0)], "float32").runs[0]
+    assert not wrong.passed and wrong.first_mismatch["step"] == 2 and wrong.first_mismatch["expected"] == 0
+    decisive = np.zeros((1, 3, 4))
+    decisive[..., 0] = 10.0  # token 0 at every step, no near-tie
+    decisive_path = GreedyRun("ref", np.array([[0, 2, 0]]), 1.0, decisive)  # the path itself wrong at step 1
+    check = compare_greedy(decisive_path, [GreedyRun("path", np.array([[0, 2, 0]]), 1.0)], "float32")
+    assert not check.passed and check.runs[0].first_mismatch == {
+        "prompt": 0, "prompt_ids": [], "prompt_truncated": False, "step": 1, "expected": 0, "got": 2
+    }  # fmt: skip
+    follows_original = compare_greedy(decisive_path, [GreedyRun("x", np.array([[0, 0, 0]]), 1.0)], "float32")
+    assert follows_original.passed and follows_original.runs[0].tokens_compared == 2
+
+
+def test_prompts_and_steps_are_cut_to_the_models_positions():
+    from slabconv.verify.generate import within_positions
+
+    prompts = torch.arange(20).reshape(2, 10)
+    assert within_positions(prompts, 32, None)[1:] == (32, []) and within_positions(prompts, 6, 16)[1:] == (6, [])
+    cut, steps, notes = within_positions(prompts, 10, 16)  # 10 + 10 > 16: the prompts keep 6 tokens
+    assert (
+        torch.equal(cut, prompts[:, :6])
+        and steps == 10
+        and notes == ["prompts cut to 6 tokens: the model has 16 positions"]
+    )
+    cut, steps, notes = within_positions(prompts, 32, 16)  # one token left, 15 steps
+    assert cut.shape == (2, 1) and steps == 15 and len(notes) == 2 and notes[1].startswith("15 tokens generated")
+
+
 def test_steps_after_a_sequences_end_are_not_compared_but_its_end_is():
     """onnxruntime-genai stops a sequence at its end-of-sequence token: the steps after it are ENDED."""
     logits = np.zeros((2, 4, 5))
@@ -654,6 +738,31 @@ def test_without_transformers_every_runner_says_what_to_install(doc, original, m
     shutil.copy(doc["out"] / "model.safetensors", folder)
     write_hf_llama_metadata(folder, json.loads((TEXT / "config.json").read_text()))
     assert all((folder / name).is_file() for name in ("config.json", "generation_config.json", MODELING_FILE))
+
+
+def test_a_generation_check_that_cannot_fit_is_refused_before_any_work_saying_how_much_it_needs(
+    doc, original, monkeypatch, tmp_path
+):
+    """In memory, ``fuse`` and ``verify --generate`` refuse a language model whose generation check needs more
+    memory than is available, before anything is computed or written, naming the memory it needs; the estimate holds
+    the fused model in the dtype the check computes in (the text fixture: 4 bytes per weight)."""
+    from slabconv.verify import generate
+
+    need = generate.generation_memory(original, 16, 64, 32, onnx=False)
+    weights = sum(p.numel() for p in original.parameters())
+    assert 4 * weights <= need <= 4 * weights + 64 * 2**20
+    monkeypatch.setattr(generate, "available_memory", lambda: 1024)
+    message = r"the greedy-generation check needs about \d+\.\d\d GiB of memory besides the model \(0\.00 GiB"
+    with pytest.raises(UsageError, match=message):
+        api.fuse(TEXT, tmp_path / "out", write=WriteOptions(pt2=False))
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    calls = []
+    monkeypatch.setattr(generate, "check_generation", lambda *a, **k: calls.append(a))
+    with pytest.raises(UsageError, match=message):
+        api.verify(TEXT, doc["out"], verify=VerifyOptions(generate=2))
+    assert not calls
+    monkeypatch.setattr(generate, "available_memory", lambda: need + 1)
+    generate.check_generation_fits(original, 64, 32, onnx=False)  # fits: no error
 
 
 def test_left_padded_float16_batches_stay_finite_and_match_unpadded_runs(doc):

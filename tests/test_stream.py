@@ -14,7 +14,7 @@ from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.options import WriteOptions
 from slabconv.util import sha256_file
-from slabconv.verify import layerwise
+from slabconv.verify import generate, layerwise
 from slabconv.zoo import get_arch
 from tests import hfwrite
 from tests.test_llama import TINY, TINY_CONFIG, rel_err, tiny_model, tokens
@@ -90,6 +90,30 @@ def test_layer_by_layer_verification_passes(folded):
     assert all(c.reference == "float64" and c.e_orig is not None and c.e_orig > 0 for c in v.checks)
     assert [e.method for e in v.exact] == ["tensors"] and all(e.passed for e in v.exact)
     assert v.exact[0].error <= 0.5  # every written tensor is the float64 fold, rounded once
+
+
+def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path):
+    """Question 1 of a streamed fold compares every written block with the float64 fold rounded once; a folded
+    weight or a created bias one unit in the last place off fails it, by one unit, naming the tensor."""
+    from safetensors.torch import save_file
+
+    root = folded[0]
+    plan = pipeline.plan_sharded(LazyShards.open(root / "src"), CONFIG, None, "")[1]
+    intact = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(root / "out"), plan.program)
+    assert intact.passed and intact.error == 0.0
+    index = json.loads((root / "out" / hf.SAFETENSORS_INDEX).read_text())
+    for key in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"):
+        out = tmp_path / key
+        out.mkdir()
+        for name in [*{*index["weight_map"].values()}, hf.SAFETENSORS_INDEX]:
+            (out / name).write_bytes((root / "out" / name).read_bytes())
+        shard = out / index["weight_map"][key]
+        tensors = load_file(str(shard))
+        flat = tensors[key].reshape(-1)
+        flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf"), dtype=flat.dtype))
+        save_file(tensors, str(shard))
+        q1 = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(out), plan.program)
+        assert not q1.passed and q1.error == 1.0 and q1.worst == key, q1
 
 
 def test_layerwise_reference_chain_is_the_model(tmp_path):
@@ -255,12 +279,19 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     from slabconv.options import VerifyOptions
 
     root, _, _, report, _ = folded
-    assert report.verification.generation is not None and report.verification.generation["runs"]
+    generation = report.verification.generation
+    assert generation is not None and generation["passed"] and generation["runs"]
+    # the tiny model has 16 positions: the prompts are cut to one token and 15 tokens are generated, not 32
+    assert generation["steps"] == 15 and generation["notes"][:2] == [
+        "prompts cut to 1 tokens: the model has 16 positions",
+        "15 tokens generated per prompt, not 32: the model has 16 positions",
+    ]
     skipped = api.fuse(root / "src", tmp_path / "skip", verify=VerifyOptions(generate=0), write=STREAM)
     assert skipped.verification.generation is None
     assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
-    monkeypatch.setattr(layerwise, "available_memory", lambda: 1024)
-    with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):
+    monkeypatch.setattr(generate, "available_memory", lambda: 1024)
+    needs = r"the greedy-generation check needs about \d+\.\d\d GiB of memory \(0\.00 GiB available\): pass Verify"
+    with pytest.raises(UsageError, match=needs + r"Options\(generate=0\) to skip it"):
         fuse_streamed(root / "src", tmp_path / "small")
     assert not (tmp_path / "small").exists() and not list(tmp_path.glob(".small*"))
     with pytest.raises(UsageError, match=r"pass VerifyOptions\(generate=0\) to skip it"):

@@ -42,7 +42,16 @@ from slabconv.engine.planner import (
     plan_folds,
     schedule_warnings,
 )
-from slabconv.engine.program import FOLD_BLOCK, LayerRecipe, Program, TensorRecipe, WeightStore, row_ranges
+from slabconv.engine.program import (
+    FOLD_BLOCK,
+    LayerRecipe,
+    Program,
+    Scratch,
+    TensorRecipe,
+    WeightStore,
+    cast_into,
+    row_ranges,
+)
 from slabconv.engine.repeat import SLOTS, Repeat, fold_repeated
 from slabconv.engine.rewriter import apply_folds, fold_all, fold_program
 
@@ -60,11 +69,13 @@ __all__ = [
     "Program",
     "Repeat",
     "SLOTS",
+    "Scratch",
     "TensorRecipe",
     "WeightStore",
     "apply_folds",
     "capture",
     "capture_program",
+    "cast_into",
     "copy_sharing",
     "find_norms",
     "fold_all",

@@ -188,12 +188,18 @@ class LayerRecipe:
                 "fold this model in memory without --stream (it keeps such norms as affines)"
             )
 
-    def rows(self, store: WeightStore, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rows(
+        self, store: WeightStore, start: int, stop: int, scratch: Scratch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``start:stop`` of the folded weight and bias, in float64 (every fold composed, nothing rounded).
         A 0/1-D weight is read whole. The folds run ``CACHE_BLOCK`` elements of rows at a time, as in ``blocks``
-        (the same values)."""
+        (the same values). With ``scratch`` the weight rows live in its buffer ``exact`` (overwritten by the next
+        call), where a fresh block-sized tensor each call costs more than its arithmetic (``Scratch``)."""
         read, b, total = self._read(store, start, stop)
-        w = read.to(torch.float64, copy=True)  # ours: the folds scale it in place
+        if scratch is None:
+            w = read.to(torch.float64, copy=True)  # ours: the folds scale it in place
+        else:
+            w = cast_into(scratch, "exact", read, torch.float64)
         del read
         biases = []
         for s0, s1 in row_ranges(list(w.shape), CACHE_BLOCK):
@@ -248,6 +254,14 @@ class LayerRecipe:
                 yield self.stored(*self.rows(store, start, stop))
             else:
                 yield self._stored_into(scratch, store, start, stop)
+
+
+def cast_into(scratch: Scratch, name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` in ``dtype``, in ``scratch``'s buffer ``name`` (overwritten by its next use): a block read from a
+    checkpoint, cast without a fresh block-sized tensor; half precision is widened through float32
+    (``_widening``)."""
+    out = scratch.take(name, values.shape, dtype)
+    return out.copy_(_widening(scratch, values) if dtype == torch.float64 else values)
 
 
 def _widening(scratch: Scratch, stored: torch.Tensor) -> torch.Tensor:

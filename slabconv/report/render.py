@@ -206,6 +206,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         g = v.generation
         speeds = ", ".join(f"{name} {tps:,.0f}" for name, tps in g.get("tokens_per_second", {}).items())
         head = f"{count(int(g.get('steps') or 0), 'greedy token')} x {count(int(g.get('sequences') or 0), 'prompt')}"
+        if g.get("compute_dtype"):
+            head += f", computed in {g['compute_dtype']}, near-ties within {g.get('tolerance', 0):g} ({g['dtype']})"
         yield f"  {_ok(bool(g.get('passed')))} generation: {head}"
         for run in g.get("runs", []):
             yield (
@@ -217,6 +219,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
                 yield f"      {generation_failure(run)}"
         if speeds:
             yield f"    tokens/s: {speeds}"
+        for note in g.get("notes", []):
+            yield f"    note: {note}"
     if v.localization is not None:
         yield f"  localisation: {v.localization.detail}"
     for note in v.notes:

@@ -1,15 +1,22 @@
 """Greedy generation, checked end to end: the original model, the fused transformers folder and the decoder ONNX.
 
-Three runners produce greedy continuations of the same prompts and time them side by side:
+The runners produce greedy continuations of the same prompts and time them side by side:
 
-- ``greedy_original``: a ``torch.nn.Module`` mapping int64 ids ``(B, T)`` to logits ``(B, T, V)`` (the zoo's
-  ``LlamaForCausalLM``), with no cache: each step recomputes the whole prefix, as the official eval forward does;
-- ``greedy_fused``: the fused folder in transformers, ``generate`` with the key/value cache;
+- ``greedy_fused``: a transformers model, ``generate`` with the key/value cache: the fused folder, or the original
+  as transformers' LLaMA with its own norm modules (``original_twin``);
 - ``greedy_onnx``: the decoder ONNX (``slabconv.write.decoder_onnx``) in onnxruntime, the presents fed back as the
-  next step's past.
+  next step's past; ``greedy_genai``: the folder in onnxruntime-genai;
+- ``greedy_original``: a ``torch.nn.Module`` mapping int64 ids ``(B, T)`` to logits ``(B, T, V)`` (the zoo's
+  ``LlamaForCausalLM``), with no cache: each step recomputes the whole prefix, as the official eval forward does.
 
-``compare_greedy`` (``slabconv.verify.greedy``) then requires every candidate to produce the reference's tokens,
-except where the reference's own next-token margin is a near-tie by the policy.
+The check (``check_generation``) costs about two generations with the cache and one pass of the original in
+float64: the fused folder generates in ``compute_dtype`` (float32, or the checkpoint's half precision where the
+CPU computes it natively); the original in float64 runs once over the prompts and the tokens the folder generated
+(``exact_path``), which gives its own greedy token and its exact next-token margin at every step of that path;
+``compare_greedy`` (``slabconv.verify.greedy``) then requires every candidate to produce the original's tokens,
+except where the original's margin is a near-tie by the policy. The original as transformers' LLaMA in the same
+dtype generates too, as the baseline (reported, not deciding). The streamed mode runs the same check one decoder
+layer at a time (``slabconv.verify.generate_streamed``).
 """
 
 from __future__ import annotations
@@ -20,12 +27,12 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from slabconv.errors import InputError, UsageError
+from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of this module's face)
     ENDED,
     ArrayLike,
@@ -36,7 +43,10 @@ from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of th
     compare_greedy,
     decisive_steps,
 )
-from slabconv.verify.policy import dtype_name
+from slabconv.verify.policy import dtype_name, tol_dtype
+
+PROMPTS = 16
+"""Prompts the check continues at most: the first rows of the verification inputs, their first half."""
 
 
 def _as_mask(attention_mask: ArrayLike | None, ids: torch.Tensor) -> torch.Tensor:
@@ -130,6 +140,7 @@ def greedy_fused(
     dtype: torch.dtype | None = None,
     name: str | None = None,
     threads: int | None = None,
+    warm_up: bool = True,
 ) -> GreedyRun:
     """Greedy tokens of the fused folder in transformers: ``generate(do_sample=False, use_cache=True)``.
 
@@ -143,6 +154,7 @@ def greedy_fused(
         dtype: load a folder in this dtype (default its ``torch_dtype``).
         name: the run's name; default ``fused <dtype> (transformers <version>, KV cache)``.
         threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
+        warm_up: generate one token of one prompt first, untimed (off where a pass reads every weight from disk).
 
     Returns:
         A ``GreedyRun`` with tokens ``(B, N)``.
@@ -177,9 +189,10 @@ def greedy_fused(
     model.generation_config = copy.deepcopy(gen)
     try:
         with torch_threads(threads), torch.inference_mode():
-            warm = copy.deepcopy(gen)
-            warm.max_new_tokens = 1
-            model.generate(ids[:1], attention_mask=mask[:1], generation_config=warm)  # warm-up, untimed
+            if warm_up:
+                warm = copy.deepcopy(gen)
+                warm.max_new_tokens = 1
+                model.generate(ids[:1], attention_mask=mask[:1], generation_config=warm)  # untimed
             start = time.perf_counter()
             out = model.generate(ids, attention_mask=mask, generation_config=gen)
             seconds = time.perf_counter() - start
@@ -354,6 +367,172 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
     return GreedyRun(label, tokens, seconds)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the generation check computes in for a checkpoint in ``dtype``: the checkpoint's own where the CPU
+    computes it natively (float32; float16 and bfloat16 where oneDNN finds the instructions for them: AVX512-FP16 /
+    AMX-FP16, AVX512-BF16 / AMX-BF16), else float32, which holds every half-precision weight exactly. Half
+    precision without those instructions is emulated, several times slower than float32; float64 is float32 here
+    too (the float64 reference is the original's own pass, ``exact_path``)."""
+    if dtype == torch.float16 and _onednn("_is_mkldnn_fp16_supported"):
+        return torch.float16
+    if dtype == torch.bfloat16 and _onednn("_is_mkldnn_bf16_supported"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _onednn(probe: str) -> bool:
+    """torch's own answer to whether this CPU has oneDNN's kernels for a half precision (``torch.ops.mkldnn``; a
+    torch without the probe: no)."""
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def judged_dtype(dtype: object, computed: object) -> str:
+    """The dtype whose tolerance judges near-ties: of the checkpoint's and the one the runs computed in, the one with
+    the larger ``tol_dtype``."""
+    return dtype_name(max((dtype, computed), key=tol_dtype))
+
+
+def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The original language model as transformers' LLaMA with the original's norm modules, in ``dtype``.
+
+    Args:
+        original: the zoo's ``LlamaForCausalLM`` (``model.embed_tokens``, ``model.layers.{i}`` with
+            ``input_layernorm`` / ``post_attention_layernorm``, ``model.norm``, ``lm_head``).
+        config: the fused folder's ``SlabconvLlamaConfig`` (its sizes, heads, rotary settings).
+        dtype: the dtype to compute in (the weights are copied into it).
+
+    Returns:
+        A ``SlabconvLlamaForCausalLM`` in eval mode computing the original model: the fused model's class with no
+        folded biases, the original's weights and its norm modules (SLAB's ``LinearNorm`` / RepBN, eval mode) where
+        the fused model has identities. ``generate`` works as for the fused folder.
+
+    Raises:
+        UnsupportedModelError: the original does not have the LLaMA layout (a weight has no place in the twin).
+    """
+    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaForCausalLM
+
+    config = copy.deepcopy(config)
+    config.projection_bias = dict.fromkeys(config.projection_bias or {}, False)
+    with torch.device("meta"):
+        twin = SlabconvLlamaForCausalLM(config)
+    source: Any = original
+    weights = {k: v for k, v in source.state_dict().items() if "layernorm" not in k and not k.startswith("model.norm")}
+    weights = {k: v.to(dtype) for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
+    try:
+        missing, unexpected = twin.load_state_dict(weights, strict=False, assign=True)
+    except RuntimeError as err:
+        raise UnsupportedModelError(f"the original does not have the LLaMA layout the twin needs ({err})") from None
+    if missing or unexpected:
+        raise UnsupportedModelError(
+            f"the original does not have the LLaMA layout the twin needs ({(missing or unexpected)[0]})"
+        )
+    try:
+        for i, layer in enumerate(twin.model.layers):
+            layer.input_layernorm = copy.deepcopy(source.model.layers[i].input_layernorm).to(dtype).eval()
+            layer.post_attention_layernorm = copy.deepcopy(source.model.layers[i].post_attention_layernorm)
+            layer.post_attention_layernorm.to(dtype).eval()
+        twin.model.norm = copy.deepcopy(source.model.norm).to(dtype).eval()
+    except AttributeError as err:
+        raise UnsupportedModelError(f"the original does not have the LLaMA layout the twin needs ({err})") from None
+    _real_rotary(twin, config)
+    return twin.eval()
+
+
+def _real_rotary(model: Any, config: Any) -> None:
+    """Give a model built on the meta device a real rotary embedding (its ``inv_freq`` computed from ``config``, as
+    transformers does when it loads a checkpoint)."""
+    rotary = type(model.model.rotary_emb)
+    model.model.rotary_emb = rotary(config)
+
+
+class Layers(Protocol):
+    """A decoder language model one part at a time, each in the dtype asked for: how ``exact_path`` runs the original
+    in float64 without a float64 copy of the whole model. ``slabconv.verify.layerwise.Folder`` (a folder read one
+    block of rows at a time) and ``ModuleLayers`` (a model in memory) are two."""
+
+    family: Any
+    cfg: Any
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Token ids ``(B, T)`` -> hidden states ``(B, T, C)`` in ``dtype``."""
+        ...
+
+    def layer(self, i: int, dtype: torch.dtype) -> torch.nn.Module:
+        """Decoder layer ``i`` in ``dtype``: ``layer(h, *family.layer_inputs(cfg, T, dtype))``."""
+        ...
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head on hidden states ``h`` ``(B, T, C)``, in ``h``'s dtype: ``(B, T, V)``."""
+        ...
+
+
+class ModuleLayers:
+    """``Layers`` of a zoo decoder model in memory (the ``DecoderFamily`` of its keys): each part copied into the
+    dtype asked for when it is used, so at most one decoder layer is held in float64.
+
+    Raises:
+        UnsupportedModelError: the model is not a zoo decoder language model (no ``cfg``, or keys of no family).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from slabconv.zoo.decoder import family_of
+
+        self.model = model
+        self.family = family_of(dict(model.state_dict()))
+        self.cfg = getattr(model, "cfg", None)
+        if self.cfg is None:
+            raise UnsupportedModelError("the original is not a zoo decoder language model (it has no cfg)")
+
+    def _part(self, name: str, dtype: torch.dtype) -> torch.nn.Module:
+        return copy.deepcopy(self.model.get_submodule(name)).to(dtype).eval()
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        weight = self.model.get_parameter(self.family.embed)
+        return weight[ids].to(dtype)
+
+    def layer(self, i: int, dtype: torch.dtype) -> torch.nn.Module:
+        return self._part(self.family.layer_prefix.format(i=i).rstrip("."), dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self._part(self.family.head, h.dtype)(self._part(self.family.final_norm, h.dtype)(h))
+
+
+def exact_path(layers: Layers, prompts: ArrayLike, path: ArrayLike, name: str) -> GreedyRun:
+    """The original in float64 along a path: one pass over the prompts and the path's tokens (no cache; causal
+    attention makes each position's output depend on its prefix only), one decoder layer at a time.
+
+    Args:
+        layers: the original (``ModuleLayers`` in memory, ``layerwise.Folder`` streamed).
+        prompts: int64 ``(B, T)``, unpadded.
+        path: int64 ``(B, N)``: the tokens a run generated after the prompts.
+        name: the run's name.
+
+    Returns:
+        A ``GreedyRun`` with tokens ``path`` and ``logits64`` float64 ``(B, N, V)``: at step ``s`` the original's
+        next-token logits after the prompt and ``path[:, :s]``, i.e. what the original generating by itself would
+        have computed at that step while its tokens are the path's.
+
+    Raises:
+        UsageError: prompts or path not 2-D integer ids, or of different batch sizes.
+    """
+    ids, tokens = _as_ids(prompts), _as_ids(path, "path")
+    if ids.shape[0] != tokens.shape[0]:
+        raise UsageError(f"{ids.shape[0]} prompts but a path of {tokens.shape[0]} sequences")
+    t = ids.shape[1]
+    sequence = torch.cat([ids, tokens[:, :-1]], dim=1)
+    extra = layers.family.layer_inputs(layers.cfg, sequence.shape[1], torch.float64)
+    start = time.perf_counter()
+    with torch.no_grad():
+        h = layers.embed(sequence, torch.float64)
+        for i in range(layers.family.num_layers(layers.cfg)):
+            h = layers.layer(i, torch.float64)(h, *extra)
+        logits = layers.logits(h[:, t - 1 :])
+    return GreedyRun(name, tokens.numpy(), time.perf_counter() - start, logits.numpy())
+
+
 def check_generation(
     original: torch.nn.Module,
     folder: Path | str,
@@ -364,15 +543,16 @@ def check_generation(
     genai: bool = False,
     threads: int | None = None,
 ) -> GenerationCheck:
-    """Greedy generation of the original vs the fused folder (transformers) and, when given, the decoder ONNX
-    (onnxruntime, and with ``genai`` onnxruntime-genai too).
+    """Greedy generation of the fused folder (transformers, KV cache) and, when given, the decoder ONNX
+    (onnxruntime, and with ``genai`` onnxruntime-genai too), judged by the original's own greedy choice.
 
-    The reference is the original run in float64 (a copy; its tokens and its exact margins); the original in its
-    own dtype is timed and compared as the baseline; the fused runs load the folder in its ``torch_dtype``. Near-ties
-    are judged with the original's dtype.
+    The fused folder generates in ``compute_dtype`` of the original's dtype; the original in float64 then runs once
+    over the prompts and those tokens (``exact_path``): its greedy token and exact margin at every step. The
+    original as transformers' LLaMA (``original_twin``) generates in the same dtype as the baseline. Near-ties are
+    judged with the looser of the checkpoint's and the compute dtype's tolerances (``judged_dtype``).
 
     Args:
-        original: ids int64 ``(B, T)`` -> logits ``(B, T, V)`` in eval mode (the zoo's ``LlamaForCausalLM``).
+        original: the zoo's ``LlamaForCausalLM`` in eval mode: ids int64 ``(B, T)`` -> logits ``(B, T, V)``.
         folder: the fused folder (``write_hf_llama_metadata``).
         prompts: int64 ``(B, T)``, unpadded.
         steps: N, tokens per prompt.
@@ -387,38 +567,143 @@ def check_generation(
 
     Raises:
         UsageError: transformers is not installed (``pip install slabconv[hf]``); bad prompts or steps.
+        UnsupportedModelError: the original is not a zoo LLaMA language model.
     """
-    from slabconv.write.hf_llama import require_transformers
+    from slabconv.write.hf_llama import MODEL_TYPE, load_fused_llama, require_transformers
 
-    require_transformers()
-    param = next(original.parameters())
-    exact = copy.deepcopy(original).to(torch.float64)
-    reference = greedy_original(exact, prompts, steps, name="original float64 (pytorch, reference)", threads=threads)
+    transformers = require_transformers()
+    dtype = next(original.parameters()).dtype
+    computed = compute_dtype(dtype)
+    version = transformers.__version__
+    model = load_fused_llama(folder, computed)
+    config = model.config
+    fused = greedy_fused(model, prompts, steps, threads=threads)
+    del model
     baselines = []
-    if param.dtype != torch.float64:
-        baselines.append(greedy_original(original, prompts, steps, keep_logits=False, threads=threads))
-    candidates = [greedy_fused(folder, prompts, steps, threads=threads)]
+    if getattr(config, "model_type", None) == MODEL_TYPE:  # a standard decoder's folder: no twin (its own class)
+        twin = original_twin(original, config, computed)
+        label = f"original {dtype_name(computed)} (transformers {version}, KV cache)"
+        baselines.append(greedy_fused(twin, prompts, steps, name=label, threads=threads))
+        del twin
+    reference = exact_path(ModuleLayers(original), prompts, fused.tokens, REFERENCE)
+    candidates = [fused]
     if onnx_path is not None:
         candidates.append(greedy_onnx(onnx_path, prompts, steps, threads=threads))
     if genai:
         candidates.append(greedy_genai(folder, prompts, steps))
-    return compare_greedy(reference, candidates, param.dtype, baselines=baselines, prompts=prompts)
+    return compare_greedy(
+        reference,
+        candidates,
+        judged_dtype(dtype, computed),
+        baselines=baselines,
+        prompts=prompts,
+        compute_dtype=computed,
+    )
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes, None where there is no such file (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, steps: int, onnx: bool) -> int:
+    """Bytes the in-memory check (``check_generation``) holds at once besides the original, which is loaded already.
+
+    One transformers model at a time (the fused folder, then the twin) with every weight in ``compute_dtype``, its
+    key/value cache and the logits of one step; the float64 pass's largest part (a decoder layer, or the head) in
+    float64 beside its copy, its activations and its logits ``(B, N, V)``; with ``onnx``, ``decoder.onnx`` in
+    onnxruntime (its weights in the checkpoint's dtype, and as much again for the session's arena).
+    """
+    params = [p for p in original.parameters()]
+    dtype = params[0].dtype if params else torch.float32
+    computed = compute_dtype(dtype).itemsize
+    total = sum(p.numel() for p in params)
+    cfg = getattr(original, "cfg", None)
+    layers = int(getattr(cfg, "num_hidden_layers", 1))
+    hidden = int(getattr(cfg, "hidden_size", 0))
+    inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
+    vocab = int(getattr(cfg, "vocab_size", 0))
+    heads = int(getattr(cfg, "num_attention_heads", 1))
+    kv = int(getattr(cfg, "kv_heads", heads)) * (hidden // max(1, heads))
+    length = prompt_len + steps
+    model = total * computed + 2 * layers * prompts * length * kv * computed + 2 * prompts * vocab * computed
+    part = max((total - 2 * vocab * hidden) // max(1, layers), vocab * hidden)
+    widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
+    exact = part * (8 + dtype.itemsize) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
+    session = 2 * total * dtype.itemsize if onnx else 0
+    return max(model, exact, session)
+
+
+def check_generation_fits(original: torch.nn.Module, prompt_len: int, steps: int, *, onnx: bool) -> None:
+    """Refuse, before any work, an in-memory check (``check_generation`` on ``PROMPTS`` prompts of ``prompt_len``
+    tokens, ``steps`` tokens each) that would need more than this machine's available memory
+    (``generation_memory``).
+
+    Raises:
+        UsageError: it would not fit (the message says how much it needs and how to skip it).
+    """
+    need, have = generation_memory(original, PROMPTS, prompt_len, steps, onnx), available_memory()
+    if have is not None and need > have:
+        raise UsageError(
+            f"the greedy-generation check needs about {need / 2**30:.2f} GiB of memory besides the model "
+            f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation "
+            "was not checked)"
+        )
+
+
+REFERENCE = "original float64 (pytorch, one pass over the prompts and the fused folder's tokens)"
+"""The reference run's name in the report."""
+
+
+def prompts_of(token_ids: ArrayLike) -> torch.Tensor:
+    """The check's prompts from verification inputs int64 ``(S, T)``: the first ``PROMPTS`` rows, their first half
+    (at least one token)."""
+    ids = _as_ids(token_ids)[:PROMPTS]
+    return ids[:, : max(1, ids.shape[1] // 2)]
+
+
+def within_positions(prompts: torch.Tensor, steps: int, positions: int | None) -> tuple[torch.Tensor, int, list[str]]:
+    """Prompts ``(B, T)`` and ``steps`` that fit a model of ``positions`` positions (``max_position_embeddings``):
+    the prompts cut to leave room for the steps (at least one token kept), then the steps cut to what is left.
+
+    Returns:
+        ``(prompts, steps, notes)``: a note for each cut (the report's ``generation.notes``).
+    """
+    notes: list[str] = []
+    if positions is None or prompts.shape[1] + steps <= positions:
+        return prompts, steps, notes
+    keep = max(1, min(prompts.shape[1], positions - steps))
+    if keep < prompts.shape[1]:
+        notes.append(f"prompts cut to {keep} tokens: the model has {positions} positions")
+        prompts = prompts[:, :keep]
+    if keep + steps > positions:
+        notes.append(
+            f"{positions - keep} tokens generated per prompt, not {steps}: the model has {positions} positions"
+        )
+        steps = positions - keep
+    return prompts, steps, notes
 
 
 def check_fused_folder(
     original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, steps: int, *, onnx: bool = True
 ) -> dict[str, Any]:
-    """The greedy-generation check of ``fuse`` and ``verify --generate``, in memory or streamed alike: the
+    """The greedy-generation check of ``fuse`` and ``verify --generate`` in memory (``check_generation``): the
     original against the fused folder in transformers and, when ``onnx`` and the folder has one, its
     ``decoder.onnx`` in onnxruntime and, with onnxruntime-genai installed and a ``genai_config.json`` beside it, in
     onnxruntime-genai (not for bfloat16: onnxruntime's CPU provider has no bfloat16 kernels). Where the folder
     has a ``genai_config.json`` but onnxruntime-genai is not installed, the returned block's ``notes`` says so.
+    The streamed mode's is ``slabconv.verify.generate_streamed.check_streamed_folder``.
 
     Args:
-        original: ids int64 ``(B, T)`` -> logits ``(B, T, V)``, eval mode.
+        original: the zoo's ``LlamaForCausalLM``, eval mode.
         folder: the fused Hugging Face folder.
-        token_ids: int64 ``(S, T)`` verification inputs; the prompts are the first 16 rows, their first half
-            (at least one token).
+        token_ids: int64 ``(S, T)`` verification inputs; the prompts are ``prompts_of`` them.
         steps: tokens to generate per prompt.
         onnx: also run ``folder/decoder.onnx`` when it exists.
 
@@ -427,15 +712,17 @@ def check_fused_folder(
 
     Raises:
         UsageError: transformers is not installed; bad ids or steps.
+        UnsupportedModelError: the original is not a zoo LLaMA language model.
     """
-    ids = _as_ids(token_ids)[:16]
-    prompts = ids[:, : max(1, ids.shape[1] // 2)]
+    positions = getattr(getattr(original, "cfg", None), "max_position_embeddings", None)
+    prompts, steps, notes = within_positions(prompts_of(token_ids), steps, positions)
     decoder = Path(folder) / "decoder.onnx"
     dtype = next(original.parameters()).dtype
     onnx_path = decoder if onnx and decoder.is_file() and dtype != torch.bfloat16 else None
     has_genai_config = onnx_path is not None and (Path(folder) / "genai_config.json").is_file()
     genai = has_genai_config and genai_available()
     check = check_generation(original, folder, prompts, steps, onnx_path=onnx_path, genai=genai, threads=1)
+    check.notes += notes
     if has_genai_config and not genai:
         check.notes.append(
             "onnxruntime-genai is not installed: genai_config.json not run (pip install slabconv[genai])"

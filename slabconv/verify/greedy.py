@@ -1,10 +1,22 @@
-"""Greedy generation compared: the tokens of several runs on the same prompts against a reference run, with
-near-ties excused by the verification policy.
+"""Greedy generation compared: the tokens of several runs on the same prompts against the original model's own
+greedy choice, with near-ties excused by the verification policy.
 
-A sequence is compared up to its first differing token: on a decisive step (the reference's float64 margin between
-its first and second logit above ``tol_dtype * max |logits|``) that is a mismatch (failure); on a near-tie the rest
-of that sequence is reported, not failed (the prefixes differ from there on, so later tokens have nothing to be
-compared with). The runners that produce the runs are in ``slabconv.verify.generate``.
+The reference is the original model in float64 along one path of tokens (``GreedyRun.tokens``, e.g. what the fused
+folder generated): its next-token logits ``logits64`` at every step of that path, so its greedy token (the argmax)
+and its exact margin at each step. A run is compared step by step while its prefix is the path's (the steps the
+float64 logits were computed for):
+
+- its token is the original's: agreed;
+- another token at a decisive step (the margin between the original's first and second logit above
+  ``tol_dtype * max |logits|``): a mismatch, the run fails;
+- another token at a near-tie: counted, not failed.
+
+A run that leaves the path (a token other than the path's) is compared no further: the prefixes differ from there
+on, so the float64 logits say nothing about its later tokens. Where the path is the original's own float64 greedy
+run, this is the comparison up to each sequence's first differing token; where the path is another run's (the
+fused folder's), it is the same comparison with the original's greedy choice computed on that run's prefix, which
+is what the original generating by itself would have chosen at every step up to the first divergence. The runners
+that produce the runs are in ``slabconv.verify.generate``.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ import numpy as np
 import torch
 
 from slabconv.errors import UsageError
-from slabconv.verify.policy import decisive, dtype_name
+from slabconv.verify.policy import decisive, dtype_name, tol_dtype
 
 ArrayLike = np.ndarray | torch.Tensor
 
@@ -31,12 +43,13 @@ class GreedyRun:
     """Greedy tokens of one runtime.
 
     Attributes:
-        name: which model in which runtime, e.g. ``original float32 (pytorch, no cache)``.
+        name: which model in which runtime, e.g. ``fused float32 (transformers 5.x, KV cache)``.
         tokens: int64 ``(B, N)``: the N generated tokens of each prompt (``ENDED`` after an end-of-sequence token
-            where the runtime stops a sequence there).
-        seconds: wall time of the generation loop (loading and one warm-up step excluded).
-        logits64: float64 ``(B, N, V)``: the next-token logits at each step (kept by ``greedy_original``, to judge
-            near-ties), else None.
+            where the runtime stops a sequence there); for a reference, the path its logits were computed along.
+        seconds: wall time of the generation loop (loading and one warm-up step excluded), or of the reference's
+            pass.
+        logits64: float64 ``(B, N, V)``: a reference's next-token logits at each step of ``tokens`` (step ``s``: the
+            logits after the prompt and ``tokens[:, :s]``; ``slabconv.verify.generate.exact_path``), else None.
     """
 
     name: str
@@ -57,12 +70,14 @@ class RuntimeComparison:
     Attributes:
         name: the candidate run.
         tokens_per_second: its throughput.
-        tokens_compared: steps compared over all sequences (each up to and including its first differing token,
-            or its end-of-sequence token where the run stopped there: ``ENDED``).
-        decisive_mismatches: sequences whose first differing token is at a decisive step (failures).
-        near_ties: compared steps where the reference's margin is a near-tie.
-        near_tie_divergences: sequences whose first differing token is at a near-tie (the rest is not compared).
-        first_divergence: per sequence, the step of the first differing token, or None when all N agree.
+        tokens_compared: steps compared over all sequences (each while the run's prefix is the reference path's,
+            up to and including the step where it leaves the path or its end-of-sequence token where the run stopped
+            there: ``ENDED``).
+        decisive_mismatches: sequences with a token other than the original's at a decisive step (failures; the
+            sequence is compared no further).
+        near_ties: compared steps where the original's margin is a near-tie.
+        near_tie_divergences: compared steps where the run took another token than the original's at a near-tie.
+        first_divergence: per sequence, the first compared step whose token is not the original's, or None.
         decides: whether this comparison decides ``GenerationCheck.passed`` (False for the original's own run in its
             dtype, reported as the baseline).
         first_mismatch: the first decisive mismatch, or None: ``{"prompt": index, "prompt_ids": its first 16 token
@@ -91,7 +106,8 @@ class GenerationCheck:
     """The end-to-end greedy check.
 
     Attributes:
-        dtype: the checkpoint dtype whose tolerance judges near-ties (``policy.tol_dtype``).
+        dtype: the dtype whose tolerance judges near-ties (``policy.tol_dtype``): the checkpoint's, or the one the
+            runs computed in where that is the looser.
         steps: N, tokens generated per prompt.
         sequences: B, prompts.
         reference: the reference run's name.
@@ -99,6 +115,9 @@ class GenerationCheck:
         runs: one comparison per candidate (and baseline).
         passed: every deciding candidate passed.
         notes: what was not run, and why (a runtime that is not installed).
+        compute_dtype: the dtype the PyTorch runs (the fused folder and the original in transformers) computed in
+            (``slabconv.verify.generate.compute_dtype``); None where not recorded.
+        tolerance: the relative near-tie threshold, ``tol_dtype(dtype)``.
     """
 
     dtype: str
@@ -109,6 +128,8 @@ class GenerationCheck:
     runs: list[RuntimeComparison]
     passed: bool
     notes: list[str] = field(default_factory=list)
+    compute_dtype: str | None = None
+    tolerance: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
@@ -131,18 +152,23 @@ def compare_greedy(
     *,
     baselines: Sequence[GreedyRun] = (),
     prompts: ArrayLike | None = None,
+    compute_dtype: object | None = None,
 ) -> GenerationCheck:
-    """Compare candidates' greedy tokens with the reference's, excusing near-ties (module docstring).
+    """Compare runs' greedy tokens with the original's greedy choice along the reference path, excusing near-ties
+    (module docstring).
 
     Args:
-        reference: a run with ``logits64`` ``(B, N, V)`` (``greedy_original``; the original in float64 gives the
-            exact margins).
+        reference: the original in float64 along a path: ``tokens`` ``(B, N)`` the path, ``logits64`` ``(B, N, V)``
+            its logits at each step of it (``generate.exact_path``; or ``greedy_original`` of the float64 model, whose
+            path is its own greedy run).
         candidates: runs on the same prompts, tokens ``(B, N)``; they decide ``passed``.
-        dtype: the checkpoint dtype (``torch.float16``, ``"float32"`` ...): near-tie when the reference's margin
-            between its first and second logit is at most ``tol_dtype(dtype) * max |logits|`` at that step.
-        baselines: runs compared and reported the same way that do not decide ``passed`` (the original in its own
-            dtype).
+        dtype: the dtype whose tolerance judges near-ties (``torch.float16``, ``"float32"`` ...): a near-tie where
+            the original's margin between its first and second logit is at most ``tol_dtype(dtype) * max |logits|``
+            at that step.
+        baselines: runs compared and reported the same way that do not decide ``passed`` (the original in the
+            dtype the runs computed in).
         prompts: the prompts ``(B, T)`` the runs continued, named in a mismatch's report (None: not named).
+        compute_dtype: the dtype the PyTorch runs computed in, recorded in the result.
 
     Returns:
         A ``GenerationCheck``.
@@ -152,59 +178,71 @@ def compare_greedy(
     """
     if reference.logits64 is None:
         raise UsageError(f"the reference run {reference.name!r} kept no logits; run it with keep_logits=True")
-    ref = reference.tokens
+    path = reference.tokens
+    if reference.logits64.shape[:2] != path.shape:
+        raise UsageError(f"the reference's logits {reference.logits64.shape} do not follow its path {path.shape}")
     prompt_ids = _as_ids(prompts).tolist() if prompts is not None else None
+    expected = reference.logits64.argmax(-1)  # the original's greedy token at each step of the path
     steps_decisive = decisive_steps(reference.logits64, dtype)
     runs = []
     for run, decides in [*((c, True) for c in candidates), *((b, False) for b in baselines)]:
-        if run.tokens.shape != ref.shape:
-            raise UsageError(f"{run.name}: tokens of shape {run.tokens.shape}, the reference has {ref.shape}")
-        runs.append(_compare_run(run, decides, ref, steps_decisive, prompt_ids))
+        if run.tokens.shape != path.shape:
+            raise UsageError(f"{run.name}: tokens of shape {run.tokens.shape}, the reference has {path.shape}")
+        runs.append(_compare_run(run, decides, path, expected, steps_decisive, prompt_ids))
     speeds = {r.name: r.tokens_per_second for r in (reference, *candidates, *baselines)}
     return GenerationCheck(
         dtype=dtype_name(dtype),
-        steps=int(ref.shape[1]),
-        sequences=int(ref.shape[0]),
+        steps=int(path.shape[1]),
+        sequences=int(path.shape[0]),
         reference=reference.name,
         tokens_per_second=speeds,
         runs=runs,
         passed=all(r.passed for r in runs if r.decides),
+        compute_dtype=dtype_name(compute_dtype) if compute_dtype is not None else None,
+        tolerance=tol_dtype(dtype),
     )
 
 
 def _compare_run(
-    run: GreedyRun, decides: bool, ref: np.ndarray, decisive: np.ndarray, prompt_ids: list[list[int]] | None
+    run: GreedyRun,
+    decides: bool,
+    path: np.ndarray,
+    expected: np.ndarray,
+    decisive: np.ndarray,
+    prompt_ids: list[list[int]] | None,
 ) -> RuntimeComparison:
-    """One run's tokens ``(B, N)`` against the reference's ``ref`` ``(B, N)``, sequence by sequence up to the first
-    divergence; ``decisive`` ``(B, N)`` bool marks the steps that are not near-ties."""
+    """One run's tokens ``(B, N)`` against the original's greedy tokens ``expected`` ``(B, N)`` along ``path``
+    ``(B, N)``, each sequence while the run's prefix is the path's; ``decisive`` ``(B, N)`` bool marks the steps
+    that are not near-ties."""
     compared = mismatches = ties = tie_divergences = 0
     first: list[int | None] = []
     first_mismatch: dict[str, Any] | None = None
-    for b in range(ref.shape[0]):
+    for b in range(path.shape[0]):
         diverged = None
-        for s in range(ref.shape[1]):
-            if run.tokens[b, s] == ENDED:
+        for s in range(path.shape[1]):
+            token = run.tokens[b, s]
+            if token == ENDED:
                 break
             compared += 1
             ties += int(not decisive[b, s])
-            if run.tokens[b, s] == ref[b, s]:
-                continue
-            diverged = s
-            if not decisive[b, s]:
+            if token != expected[b, s]:
+                diverged = s if diverged is None else diverged
+                if decisive[b, s]:
+                    mismatches += 1
+                    if first_mismatch is None:
+                        shown = prompt_ids[b] if prompt_ids is not None else []
+                        first_mismatch = {
+                            "prompt": b,
+                            "prompt_ids": [int(t) for t in shown[:16]],
+                            "prompt_truncated": len(shown) > 16,
+                            "step": s,
+                            "expected": int(expected[b, s]),
+                            "got": int(token),
+                        }
+                    break
                 tie_divergences += 1
-                break
-            mismatches += 1
-            if first_mismatch is None:
-                shown = prompt_ids[b] if prompt_ids is not None else []
-                first_mismatch = {
-                    "prompt": b,
-                    "prompt_ids": [int(t) for t in shown[:16]],
-                    "prompt_truncated": len(shown) > 16,
-                    "step": s,
-                    "expected": int(ref[b, s]),
-                    "got": int(run.tokens[b, s]),
-                }
-            break
+            if token != path[b, s]:
+                break  # the run left the path: no float64 logits for its later steps
         first.append(diverged)
     return RuntimeComparison(
         run.name, run.tokens_per_second, compared, mismatches, ties, tie_divergences, first, decides, first_mismatch

@@ -436,6 +436,8 @@ def verify(
         raise UsageError(
             f"--generate needs a fused language-model folder as the candidate; {candidate.path} is not one"
         )
+    if opts.generate:
+        _generation_fits(reference, candidate, opts.generate)
     if "streamed" in (reference.kind, candidate.kind):
         verification = _layerwise(reference, candidate, related, opts, progress)
     else:
@@ -554,17 +556,53 @@ def _overflowing_inputs(verification: Verification, reference: Reference) -> Non
         )
 
 
+def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
+    """Refuse, before any work, a greedy-generation check of ``steps`` tokens that cannot fit this machine's
+    memory: in memory ``verify.generate.check_generation_fits`` (a model side), streamed
+    ``verify.generate_streamed.check_generation_fits`` (``verify --stream`` and ``fuse --stream`` check it earlier,
+    before planning or writing).
+
+    Raises:
+        UsageError: the check needs more memory than is available (the message says how much).
+    """
+    loaded = reference.loaded if reference.kind == "model" else None
+    if loaded is None or not loaded.token_input:
+        return
+    from slabconv.verify.generate import check_generation_fits
+
+    length = int(loaded.input_shape[0]) if loaded.input_shape else 1
+    onnx = (candidate.path / "decoder.onnx").is_file()
+    check_generation_fits(loaded.model, max(1, length // 2), steps, onnx=onnx)
+
+
+def _streams(reference: Side) -> bool:
+    """``verify.generate_streamed.streams`` of a streamed reference side."""
+    from slabconv.verify.generate_streamed import streams
+    from slabconv.verify.layerwise import Folder
+
+    return streams(Folder.open(reference.path, engine.FOLD_BLOCK))
+
+
 def _generation(reference: Side, candidate: Side, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
-    """Greedy generation of the reference model against the candidate folder (``verify.generate``).
+    """Greedy generation of the reference model against the candidate folder (``verify.generate``; two streamed
+    sides: ``verify.generate_streamed``, every weight read from the shards one block of rows at a time).
 
     Raises:
         UsageError: the reference is not a language model slabconv builds; transformers is missing.
     """
-    from slabconv.verify.generate import check_fused_folder
+    from slabconv.verify.generate import check_fused_folder, torch_threads
     from slabconv.write.hf_llama import require_transformers
 
     assert opts.generate
     require_transformers()
+    if reference.kind == "streamed" and candidate.kind == "streamed" and _streams(reference):
+        from slabconv.verify.generate_streamed import check_streamed_folder
+
+        with torch_threads(1):  # as _layerwise
+            return check_streamed_folder(
+                reference.path, candidate.path, opts.generate, sequences=opts.sample_count(streamed=True),
+                seed=opts.seed, block_elements=engine.FOLD_BLOCK, progress=progress,
+            )  # fmt: skip
     loaded = reference.built() if reference.kind in ("model", "streamed") else None
     if loaded is None or not loaded.token_input:
         raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
@@ -590,11 +628,14 @@ def _layerwise(
         raise UsageError("--stream compares two Hugging Face style decoder folders; give a folder on both sides")
     if opts.inputs is not None:
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    from slabconv.verify.generate import torch_threads
+
     program = reference.program if related else None
-    verification = layerwise.verify_folders(
-        reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed, rtol=opts.rtol,
-        atol=opts.atol, strict=opts.strict, program=program, block_elements=engine.FOLD_BLOCK, progress=progress,
-    )  # fmt: skip
+    with torch_threads(1):  # each layer reads its weights a block at a time; more threads than cores slowed it
+        verification = layerwise.verify_folders(
+            reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed, rtol=opts.rtol,
+            atol=opts.atol, strict=opts.strict, program=program, block_elements=engine.FOLD_BLOCK, progress=progress,
+        )  # fmt: skip
     if program is None:
         why = sides.why_not_a_fold(reference, candidate) if not related else "no fold program was given"
         verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")

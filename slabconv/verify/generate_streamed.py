@@ -1,0 +1,296 @@
+"""The greedy-generation check of a streamed fold, in bounded memory: the same check as in memory
+(``slabconv.verify.generate.check_generation``), with no model ever held whole.
+
+- The fused folder generates through transformers' own ``generate`` with the key/value cache, as
+  ``SlabconvLlamaForCausalLM`` (the class of the folder's modeling file) built on the meta device, each Linear a
+  ``layerwise.StreamedLinear`` that reads its weight from the shards one block of rows at a time whenever it runs,
+  the embedding reading only the rows of the tokens it is given (``streamed_fused_llama``). Each generated token
+  reads every weight once, in the checkpoint's dtype where the CPU computes it natively (``compute_dtype``): no
+  copy of a weight in another dtype is made.
+- The original in float64 runs once over the prompts and the folder's tokens, one decoder layer at a time
+  (``exact_path`` over ``layerwise.Folder``): its greedy token and exact margin at every step.
+- Unlike in memory, the original as transformers' LLaMA does not generate as a baseline here: it would read every
+  weight once more per token, doubling the cost of the check, and it decides nothing.
+
+Memory: one block of one weight in two dtypes, the key/value cache of the prompts and the activations of the
+float64 pass (``generation_memory``), checked before any work (``check_generation_fits``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from slabconv.engine import FOLD_BLOCK
+from slabconv.errors import UnsupportedModelError, UsageError
+from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
+from slabconv.util import Progress, no_progress
+from slabconv.verify.generate import (
+    PROMPTS,
+    REFERENCE,
+    compute_dtype,
+    exact_path,
+    greedy_fused,
+    judged_dtype,
+    within_positions,
+)
+from slabconv.verify.greedy import compare_greedy
+from slabconv.verify.layerwise import DEFAULT_SEQ_LEN, Folder, StreamedLinear
+from slabconv.verify.policy import dtype_name
+
+PROMPT_LEN = DEFAULT_SEQ_LEN // 2
+"""Tokens per prompt of a streamed check: the first half of a question-2 length sequence (``layerwise``)."""
+
+
+class StreamedEmbedding(nn.Module):
+    """``nn.Embedding`` whose table stays in the shards: each call reads the rows of the ids it is given.
+
+    Args:
+        shards: the folder's reader.
+        key: the embedding weight ``(V, C)``.
+        dtype: the dtype of the hidden states it returns.
+    """
+
+    def __init__(self, shards: LazyShards, key: str, dtype: torch.dtype):
+        super().__init__()
+        self.shards, self.key, self.dtype = shards, key, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ids ``(B, T)`` -> ``(B, T, C)`` in ``dtype``."""
+        used = torch.unique(ids)
+        rows = torch.cat([self.shards.rows(self.key, int(t), int(t) + 1) for t in used]).to(self.dtype)
+        return rows[torch.searchsorted(used, ids)]
+
+
+class GeneratingLinear(StreamedLinear):
+    """A ``StreamedLinear`` whose bias (a vector) is read once and kept: a generation runs each Linear once per
+    token, and each read opens the shard."""
+
+    def __init__(self, shards: LazyShards, name: str):
+        super().__init__(shards, name)
+        self.kept = shards.get(f"{name}.bias") if self.has_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., in_features) -> (..., out_features), both in ``x``'s dtype."""
+        key = f"{self.name}.weight"
+        parts = [F.linear(x, block.to(x.dtype)) for block in self.shards.row_blocks(key, self.shards.shape(key))]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y if self.kept is None else y + self.kept.to(x.dtype)
+
+
+def _streamed(model: Any, dtype: torch.dtype) -> Any:
+    """``model`` (built on the meta device, its weights replaced by streamed modules) as an instance of a subclass
+    that answers ``device`` (the CPU) and ``dtype`` itself: transformers asks its first parameter, which a streamed
+    model does not have."""
+    base = type(model)
+    streamed = type(
+        f"Streamed{base.__name__}",
+        (base,),
+        {"device": property(lambda self: torch.device("cpu")), "dtype": property(lambda self: dtype)},
+    )
+    model.__class__ = streamed
+    return model
+
+
+def _stream_linears(model: nn.Module, shards: LazyShards, expected: dict[str, torch.Tensor]) -> None:
+    """Replace every ``nn.Linear`` of ``model`` by a ``StreamedLinear`` over ``shards``, after checking that the
+    shards hold its weight (and bias, where it has one) in its shape.
+
+    Raises:
+        UnsupportedModelError: a weight missing, of another shape, or a bias the model has no place for.
+    """
+    for owner_name, owner in list(model.named_modules()):
+        for child_name, child in list(owner.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            name = f"{owner_name}.{child_name}" if owner_name else child_name
+            for what in ("weight", "bias"):
+                key = f"{name}.{what}"
+                want = expected.get(key)
+                if want is None:
+                    if key in shards.weight_map:
+                        raise UnsupportedModelError(f"{shards.folder}: {key} has no place in the model")
+                    continue
+                if key not in shards.weight_map or shards.shape(key) != list(want.shape):
+                    found = shards.shape(key) if key in shards.weight_map else "missing"
+                    raise UnsupportedModelError(
+                        f"{shards.folder}: {key} is {found}; the model needs {list(want.shape)}"
+                    )
+            setattr(owner, child_name, GeneratingLinear(shards, name))
+
+
+def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements: int = 1 << 22) -> Any:
+    """The fused folder in transformers with its weights left in the shards (module docstring).
+
+    Args:
+        folder: a fused LLaMA folder (``write_hf_llama_metadata``), sharded or not.
+        dtype: the dtype it computes in (each block of weights is read in its stored dtype and cast to it).
+        block_elements: elements per block of weight rows read at a time.
+
+    Returns:
+        A ``SlabconvLlamaForCausalLM`` (a subclass answering ``device`` and ``dtype``) in eval mode:
+        ``input_ids`` int64 ``(B, T)`` -> ``.logits`` ``(B, T, V)``; ``generate``.
+
+    Raises:
+        UsageError: transformers is not installed or too old; the folder is not a fused LLaMA folder.
+        UnsupportedModelError: its weights are not norm-free, or do not fill the model exactly.
+        InputError: a damaged index or header.
+    """
+    from slabconv.write.hf_llama import MODEL_TYPE, norm_free_layout, require_transformers
+
+    require_transformers()
+    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaConfig, SlabconvLlamaForCausalLM
+
+    folder = Path(folder)
+    config = SlabconvLlamaConfig.from_pretrained(folder)
+    if config.model_type != MODEL_TYPE:
+        raise UsageError(f"{folder}: model_type {config.model_type!r}, not {MODEL_TYPE!r}")
+    shards = LazyShards.open(folder, block_elements)
+    norm_free_layout(list(shards.weight_map), {})
+    with torch.device("meta"):
+        model = SlabconvLlamaForCausalLM(config)
+    expected = dict(model.state_dict())
+    unknown = sorted(set(shards.weight_map) - set(expected) - {k for k in shards.weight_map if "inv_freq" in k})
+    if unknown:
+        raise UnsupportedModelError(f"{folder}: {unknown[0]} has no place in the norm-free LLaMA")
+    embed = "model.embed_tokens.weight"
+    if shards.shape(embed) != list(expected[embed].shape):
+        raise UnsupportedModelError(f"{folder}: {embed} is {shards.shape(embed)}, not {list(expected[embed].shape)}")
+    _stream_linears(model, shards, expected)
+    model.model.embed_tokens = StreamedEmbedding(shards, embed, dtype)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)
+    return _streamed(model, dtype).eval()
+
+
+def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
+    """The prompts of a streamed check: ``min(sequences, PROMPTS)`` seeded random token sequences of ``PROMPT_LEN``
+    tokens, int64 ``(B, T)`` (``generate.within_positions`` fits them to the model's positions)."""
+    count = max(1, min(sequences, PROMPTS))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, source.family.vocab_size(source.cfg), (count, PROMPT_LEN), generator=generator)
+
+
+def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
+    """Bytes the streamed check holds at once, besides the interpreter: the largest of its stages.
+
+    - generation: a block of weight rows in its stored dtype and in the compute dtype (and its outputs), the
+      key/value cache of every layer (``2 L B (T + N) K d`` values) and the logits of one step;
+    - the float64 pass: a block of rows in float64 (and float32, on its way from half precision), the hidden
+      states and the widest activations of one layer (the MLP's intermediate size, the attention scores
+      ``B H (T+N)^2``) in float64, the logits ``(B, N, V)``.
+    """
+    cfg, fam = source.cfg, source.family
+    layers, vocab = fam.num_layers(cfg), fam.vocab_size(cfg)
+    hidden = int(getattr(cfg, "hidden_size", 0))
+    inter = int(getattr(cfg, "intermediate_size", hidden * 4))
+    heads = int(getattr(cfg, "num_attention_heads", 1))
+    kv = int(getattr(cfg, "kv_heads", heads)) * (hidden // max(1, heads))
+    length = prompt_len + steps
+    stored = source.dtype.itemsize
+    computed = compute_dtype(source.dtype).itemsize
+    block = block_elements * (stored + computed)
+    cache = 2 * layers * prompts * length * kv * computed
+    generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
+    widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
+    exact = block_elements * (stored + 4 + 8) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
+    return max(generating, exact)
+
+
+def streams(source: Folder) -> bool:
+    """Whether the streamed check runs on a fold of ``source``: a LLaMA-PRepBN folder, whose fused folder is
+    ``SlabconvLlamaForCausalLM``. A standard decoder (LLaMA, Mistral, Qwen2: ``zoo.decoder.STANDARD``) fused into
+    its own architecture is checked as in memory (``verify.generate.check_fused_folder``), both models loaded."""
+    from slabconv.zoo.decoder import STANDARD
+
+    return source.family is not STANDARD
+
+
+def check_generation_fits(
+    folder: Path, steps: int | None, sequences: int, seed: int = 0, block_elements: int = FOLD_BLOCK
+) -> None:
+    """Refuse, before any work, a streamed check of ``steps`` tokens (None or 0: no check) on ``sequences`` prompts
+    (``streamed_prompts``) of the original ``folder`` that cannot fit this machine's available memory
+    (``generation_memory``; ``generate.available_memory``).
+
+    Raises:
+        UsageError: the check would need more than the available memory (the message says how much, and how to skip
+            it).
+    """
+    if not steps:
+        return
+    from slabconv.verify.generate import available_memory
+
+    original = Folder.open(Path(folder), block_elements)
+    if streams(original):
+        count, length = streamed_prompts(original, sequences, seed).shape
+        need = generation_memory(original, count, length, steps, block_elements)
+    else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
+        need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())
+    have = available_memory()
+    if have is not None and need > have:
+        raise UsageError(
+            f"{folder}: the greedy-generation check needs about {need / 2**30:.2f} GiB of memory "
+            f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation was "
+            "not checked)"
+        )
+
+
+def check_streamed_folder(
+    source: Path,
+    folder: Path,
+    steps: int,
+    *,
+    sequences: int,
+    seed: int,
+    block_elements: int = 1 << 22,
+    progress: Progress = no_progress,
+) -> dict[str, Any]:
+    """The greedy-generation check of ``fuse --stream`` and ``verify --stream`` (module docstring).
+
+    Args:
+        source: the original folder.
+        folder: the fused folder (transformers' files beside the shards).
+        steps: N, tokens generated per prompt.
+        sequences, seed: the prompts (``streamed_prompts``).
+        block_elements: elements per block of weight rows read at a time.
+        progress: told when each run starts.
+
+    Returns:
+        ``GenerationCheck.to_dict()``: the report's ``verification.generation`` block, as in memory.
+
+    Raises:
+        UsageError: transformers is not installed; bad steps.
+        UnsupportedModelError: a side is not a LLaMA-layout folder the check can run.
+    """
+    import transformers
+
+    original = Folder.open(source, block_elements)
+    return_freed_blocks_to_the_os()
+    positions = original.family.max_positions(original.cfg)
+    prompts, steps, notes = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
+    computed = compute_dtype(original.dtype)
+    progress("verifying: greedy generation, the fused folder in transformers (weights read as it runs)")
+    model = streamed_fused_llama(folder, computed, block_elements)
+    label = f"fused {dtype_name(computed)} (transformers {transformers.__version__}, KV cache, streamed)"
+    fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
+    progress("verifying: greedy generation, the original in float64 over the generated tokens")
+    reference = exact_path(original, prompts, fused.tokens, REFERENCE)
+    check = compare_greedy(
+        reference,
+        [fused],
+        judged_dtype(original.dtype, computed),
+        prompts=prompts,
+        compute_dtype=computed,
+    )
+    check.notes += notes
+    if (Path(folder) / "decoder.onnx").is_file():
+        check.notes.append(
+            "decoder.onnx not run: the streamed check runs the folder in transformers one block of weights at a "
+            "time (slabconv verify without --stream runs decoder.onnx too)"
+        )
+    return check.to_dict()
