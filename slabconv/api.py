@@ -296,11 +296,12 @@ def _fused_language_model(path: Path) -> bool:
 
 
 def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
-    """``verify`` of a fused language-model folder against a model slabconv runs (not an ``.onnx``) checks greedy
-    generation as ``fuse`` does: ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
+    """``verify`` of a fused language-model folder against its original (a model slabconv builds: not an ``.onnx``,
+    not another folder ``fuse`` wrote) checks greedy generation as ``fuse`` does: ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
     from slabconv.load.formats import engine_of
 
-    if opts.generate is None and _fused_language_model(candidate) and engine_of(reference) != "onnx":
+    original = engine_of(reference) != "onnx" and not is_output_folder(reference)  # a model slabconv builds
+    if opts.generate is None and original and _fused_language_model(candidate):
         return dataclasses.replace(opts, generate=opts.fuse_steps())
     return opts
 
