@@ -297,7 +297,8 @@ def _fused_language_model(path: Path) -> bool:
 
 def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
     """``verify`` of a fused language-model folder against its original (a model slabconv builds: not an ``.onnx``,
-    not another folder ``fuse`` wrote) checks greedy generation as ``fuse`` does: ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
+    not another folder ``fuse`` wrote) checks greedy generation as ``fuse`` does: ``VerifyOptions.fuse_steps``
+    tokens unless ``generate`` says otherwise."""
     from slabconv.load.formats import engine_of
 
     original = engine_of(reference) != "onnx" and not is_output_folder(reference)  # a model slabconv builds
@@ -324,7 +325,7 @@ def load_fused(out_dir: Path | str) -> nn.Module:
         InputError: not a folder ``fuse`` wrote, or one written with ``--no-pt2``.
         UsageError: when called, an input the program does not take.
     """
-    from slabconv.load.checkpoint import load_checkpoint
+    from slabconv.load.formats import load_checkpoint
     from slabconv.load.fused import CheckedProgram
 
     folder = Path(out_dir)

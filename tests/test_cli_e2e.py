@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from scripts import readme_example
 from slabconv.cli import app
-from slabconv.load.checkpoint import load_checkpoint
+from slabconv.load.formats import load_checkpoint
 from slabconv.util import sha256_file
 from slabconv.write.onnx import export_onnx
 from slabconv.zoo import get_arch

@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from slabconv.errors import InputError, UsageError
 from slabconv.load import formats
-from slabconv.load.checkpoint import Checkpoint, load_checkpoint
+from slabconv.load.checkpoint import Checkpoint
+from slabconv.load.formats import load_checkpoint
 from tests.conftest import ROOT
 from tests.hfwrite import write_hf_folder
 from tests.tinyckpt import save_ckpt, tiny_state_dict

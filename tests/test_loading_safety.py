@@ -28,6 +28,7 @@ from slabconv import api
 from slabconv.cli import app
 from slabconv.errors import UsageError
 from slabconv.load import checkpoint as ckpt_io
+from slabconv.load.formats import load_checkpoint
 from slabconv.options import LoadOptions
 from tests.conftest import ROOT, small_vit
 from tests.tinyckpt import CONFIG, MarkerPayload, hostile_program, rewrite_pickle, save_ckpt, tiny_state_dict
@@ -76,8 +77,8 @@ def test_loading_asks_torch_for_weights_only_first(tmp_path: Path, monkeypatch: 
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch.serialization, "load", spy)
-    ckpt_io.load_checkpoint(save_ckpt(tmp_path / "ckpt.pth"))
-    ckpt_io.load_checkpoint(save_ckpt(tmp_path / "ckpt2.pth"), trust_pickle=True)  # safe file: no full load needed
+    load_checkpoint(save_ckpt(tmp_path / "ckpt.pth"))
+    load_checkpoint(save_ckpt(tmp_path / "ckpt2.pth"), trust_pickle=True)  # safe file: no full load needed
     assert calls == [True, True]
 
 
@@ -86,9 +87,9 @@ def test_trust_pickle_is_the_only_way_the_payload_runs(tmp_path: Path) -> None:
     marker = tmp_path / "MARKER"
     torch.save({"model": tiny_state_dict(), "config": MarkerPayload(marker)}, tmp_path / "evil.pth")
     with pytest.raises(ckpt_io.InputError):
-        ckpt_io.load_checkpoint(tmp_path / "evil.pth")
+        load_checkpoint(tmp_path / "evil.pth")
     assert not marker.exists()
-    ckpt = ckpt_io.load_checkpoint(tmp_path / "evil.pth", trust_pickle=True)
+    ckpt = load_checkpoint(tmp_path / "evil.pth", trust_pickle=True)
     assert marker.exists() and ckpt.state_dict.keys() == tiny_state_dict().keys()
 
 
@@ -101,7 +102,7 @@ def test_a_global_outside_the_allowlist_with_a_yacs_name_is_still_refused(tmp_pa
         lambda pkl: pkl.replace(b"posix\ngetcwd", b"yacs.config\nload_cfg"),
     )
     with pytest.raises(ckpt_io.InputError, match="'yacs.config.load_cfg'"):
-        ckpt_io.load_checkpoint(renamed)
+        load_checkpoint(renamed)
 
 
 # --------------------------------------------------------------------------------------------- yacs config
@@ -179,7 +180,7 @@ def test_the_blocker_really_blocks_yacs(tmp_path: Path) -> None:
 
 def test_a_yacs_config_read_with_trust_pickle_is_the_same_plain_data(tmp_path: Path) -> None:
     ckpt = _yacs_checkpoint(tmp_path / "official.pth")
-    assert ckpt_io.load_checkpoint(ckpt, trust_pickle=True).config == EXPECTED_CONFIG
+    assert load_checkpoint(ckpt, trust_pickle=True).config == EXPECTED_CONFIG
 
 
 def _pickle_of(path: Path) -> bytes:

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from slabconv.cli import app
 from slabconv.errors import InputError
 from slabconv.load import program_checks, safety
-from slabconv.load.checkpoint import load_checkpoint
+from slabconv.load.formats import load_checkpoint
 from tests import errordoc
 from tests.conftest import small_vit
 from tests.hfwrite import write_hf_folder

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from slabconv.load import safety
-from slabconv.load.checkpoint import load_checkpoint
+from slabconv.load.formats import load_checkpoint
 from tests.hfwrite import write_hf_folder
 from tests.tinyckpt import save_ckpt, tiny_state_dict
 

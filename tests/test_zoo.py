@@ -33,7 +33,7 @@ from torch import nn
 from slabconv import engine
 from slabconv.engine.norms import BN_OPS
 from slabconv.errors import UnsupportedModelError
-from slabconv.load.checkpoint import load_checkpoint
+from slabconv.load.formats import load_checkpoint
 from slabconv.write.onnx import export_onnx
 from slabconv.zoo import detect_arch, get_arch, list_archs
 from slabconv.zoo.cswin import CSWinTransformer

@@ -135,32 +135,6 @@ def _trusted_pickle_advice(err: Exception) -> str:
     return ""
 
 
-def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
-    """Read a checkpoint file without executing code (unless ``trust_pickle``), by the reader of its entry in
-    ``slabconv.load.formats.FORMATS``.
-
-    Args:
-        path: a ``.pth``/``.pt`` checkpoint (training layout, release ``{'model': ...}`` or a bare state_dict),
-            a ``.safetensors`` file, a ``.pt2`` program saved by ``torch.export.save``, or a Hugging Face folder.
-        ema: take ``state_dict_ema`` instead of ``model`` from a training checkpoint.
-        trust_pickle: allow a pickle that names globals outside the allowlist, such as a whole ``nn.Module``
-            saved with ``torch.save(model)``; this runs code from the file. Tried only after the weights-only
-            reader refused the file.
-
-    Raises:
-        UsageError: an ``.onnx`` file (an export: ``slabconv.onnx_in`` folds it).
-        InputError: missing, empty or corrupt file; a pickle naming a global outside the allowlist (without
-            ``trust_pickle``); no state_dict inside; ``--ema`` asked of a file without EMA weights.
-    """
-    from slabconv.load.formats import input_format
-
-    path = check_input(path)
-    fmt = input_format(path)
-    if not path.is_dir():
-        safety.regular_file(path, "the checkpoint")  # a FIFO or device is refused before it is opened
-    return fmt.read(path, ema, trust_pickle)
-
-
 def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
     """A ``.pth``/``.pt``/``.bin`` pickle read weights-only (see ``load_checkpoint``): a training checkpoint, a
     release ``{'model': ...}``, a bare state_dict, or (``trust_pickle``) a whole module."""

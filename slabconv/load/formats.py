@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slabconv.errors import InputError, UsageError
-from slabconv.load import hf
+from slabconv.load import hf, safety
 from slabconv.load.checkpoint import Checkpoint, load_pickle, load_program, load_safetensors
 from slabconv.load.onnx_file import ONNX_SUFFIX
+from slabconv.load.paths import check_input
 
 Read = Callable[[Path, bool, bool], Checkpoint]
 """``read(path, ema, trust_pickle) -> Checkpoint``."""
@@ -146,3 +147,27 @@ def input_format(path: Path | str) -> InputFormat:
             "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
         )
     raise InputError(f"{path}: no such file")
+
+
+def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
+    """Read a checkpoint file without executing code (unless ``trust_pickle``), by the reader of its entry in
+    ``FORMATS``.
+
+    Args:
+        path: a ``.pth``/``.pt`` checkpoint (training layout, release ``{'model': ...}`` or a bare state_dict),
+            a ``.safetensors`` file, a ``.pt2`` program saved by ``torch.export.save``, or a Hugging Face folder.
+        ema: take ``state_dict_ema`` instead of ``model`` from a training checkpoint.
+        trust_pickle: allow a pickle that names globals outside the allowlist, such as a whole ``nn.Module``
+            saved with ``torch.save(model)``; this runs code from the file. Tried only after the weights-only
+            reader refused the file.
+
+    Raises:
+        UsageError: an ``.onnx`` file (an export: ``slabconv.onnx_in`` folds it).
+        InputError: missing, empty or corrupt file; a pickle naming a global outside the allowlist (without
+            ``trust_pickle``); no state_dict inside; ``--ema`` asked of a file without EMA weights.
+    """
+    path = check_input(path)
+    fmt = input_format(path)
+    if not path.is_dir():
+        safety.regular_file(path, "the checkpoint")  # a FIFO or device is refused before it is opened
+    return fmt.read(path, ema, trust_pickle)

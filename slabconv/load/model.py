@@ -17,8 +17,8 @@ from torch import nn
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
-from slabconv.load.checkpoint import Checkpoint, load_checkpoint
-from slabconv.load.formats import sniff_format
+from slabconv.load.checkpoint import Checkpoint
+from slabconv.load.formats import load_checkpoint, sniff_format
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions

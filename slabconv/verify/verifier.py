@@ -335,7 +335,7 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
 def _written_tensors(candidate: Side) -> tuple[dict[str, torch.Tensor], bool]:
     """The candidate's stored tensors for question 1, and whether they are matched by value (an ``.onnx`` from
     the exporter stores Linear weights transposed under generated names) rather than by name."""
-    from slabconv.load.checkpoint import load_checkpoint
+    from slabconv.load.formats import load_checkpoint
 
     if candidate.kind == "folder" and candidate.weights is not None:
         target = candidate.weights if candidate.weights.suffix == ".safetensors" else candidate.path
