@@ -297,6 +297,33 @@ CASES: dict[str, tuple[list[Case], list[Case], Case | None]] = {
         ],
         Case(lambda y, x: torch.cat(y.chunk(2, -1)[::-1], -1), "chunk.default", reason=UNSUPPORTED + "aten.chunk"),
     ),
+    "upsample_nearest": (
+        [
+            Case(
+                lambda y, x: F.interpolate(y.transpose(1, 2), scale_factor=2).transpose(1, 2), "upsample_nearest1d.vec"
+            ),
+            Case(
+                lambda y, x: F.interpolate(y.transpose(1, 2), size=9, mode="nearest-exact").transpose(1, 2),
+                "_upsample_nearest_exact1d.vec",
+            ),
+        ],
+        [
+            Case(
+                lambda h, x: F.interpolate(h.transpose(1, 2), scale_factor=2),
+                "upsample_nearest1d.vec",
+                norm=lambda: nn.BatchNorm1d(C),
+            )
+        ],
+        # interpolating the channel axis itself: 2C positions, each a copy of some channel (the naive fold does
+        # not even have the right shapes)
+        Case(
+            lambda y, x: F.interpolate(y, scale_factor=2),
+            "upsample_nearest1d.vec",
+            consumer=lambda: nn.Linear(2 * C, 5),
+            reason=UNSUPPORTED + "aten.upsample_nearest1d",
+            naive_wrong=False,
+        ),
+    ),
 }
 
 

@@ -37,6 +37,7 @@ from slabconv.engine.steps import (  # noqa: F401 (the rules' face)
     _cast_chain,
     _dropout,
     _expand,
+    _grid_sample,
     _identity,
     _index,
     _masked,
@@ -47,6 +48,7 @@ from slabconv.engine.steps import (  # noqa: F401 (the rules' face)
     _pad,
     _permute,
     _repeat,
+    _resample,
     _reshape,
     _residual,
     _roll_or_flip,
@@ -103,6 +105,8 @@ _NONLINEAR: tuple[str, ...] = (
 _NONLINEAR += ("sqrt", "rsqrt", "abs", "hardswish", "hardtanh", "leaky_relu", "elu", "layer_norm", "native_layer_norm")
 _NONLINEAR += ("square", "clamp", "mish", "erf")
 
+_MAX_POOL_INDICES: tuple[str, ...] = ("max_pool1d_with_indices", "max_pool2d_with_indices", "max_pool3d_with_indices")
+_MAX_POOL_INDICES += ("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
 _WHERE = ("where.ScalarOther", "where.ScalarSelf")
 _PERMUTES = ("permute", "transpose.int", "swapaxes", "swapdims", "t", "mT", "movedim.int", "movedim.intlist")
 _COPY_PADS: tuple[str, ...] = (
@@ -114,7 +118,20 @@ _COPY_PADS: tuple[str, ...] = (
 )
 _COPY_PADS += ("replication_pad3d", "_pad_circular")
 _SPLITS = ("split.Tensor", "split_with_sizes", "chunk", "unbind.int", "tensor_split.sections", "tensor_split.indices")
-_POOLS = ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d")
+_POOLS: tuple[str, ...] = ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "adaptive_avg_pool3d")
+_POOLS += ("_adaptive_avg_pool3d",)
+_NEAREST = tuple(
+    f"{name}{d}d{overload}"
+    for name in ("upsample_nearest", "_upsample_nearest_exact")
+    for d in (1, 2, 3)
+    for overload in ("", ".vec")
+)
+_INTERPOLATE = tuple(
+    f"{name}{overload}"
+    for name in ("upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa", "upsample_bicubic2d")
+    + ("_upsample_bicubic2d_aa", "upsample_trilinear3d")
+    for overload in ("", ".vec")
+)
 
 RULES: tuple[OpRule, ...] = (
     # view-like: forward and backward walks
@@ -136,15 +153,18 @@ RULES: tuple[OpRule, ...] = (
     OpRule("as_strided", _ops("as_strided"), _as_strided, True),
     OpRule("pad", _ops("constant_pad_nd", "pad", *_COPY_PADS), _pad, True),
     OpRule("split", _ops(*_SPLITS), _split, True, tuple_out=True),
+    OpRule("upsample_nearest", _ops(*_NEAREST), _resample, True),
     # arithmetic: forward walk only
     OpRule("mean", _ops("mean.dim", "mean"), _mean),
     OpRule("sum", _ops("sum.dim_IntList", "sum"), _sum),
     OpRule("max", _ops("amax", "amin"), _max_like),
     OpRule("max_dim", _ops("max.dim", "min.dim"), _max_like, tuple_out=True),
     OpRule("adaptive_avg_pool", _ops(*_POOLS), _adaptive_avg_pool),
-    OpRule("avg_pool", _ops("avg_pool1d", "avg_pool2d"), _avg_pool),
-    OpRule("max_pool", _ops("max_pool1d", "max_pool2d"), _max_pool),
-    OpRule("max_pool_indices", _ops("max_pool2d_with_indices"), _max_pool, tuple_out=True),
+    OpRule("interpolate", _ops(*_INTERPOLATE), _resample),
+    OpRule("grid_sample", _ops("grid_sampler", "grid_sampler_2d", "grid_sampler_3d"), _grid_sample),
+    OpRule("avg_pool", _ops("avg_pool1d", "avg_pool2d", "avg_pool3d"), _avg_pool),
+    OpRule("max_pool", _ops("max_pool1d", "max_pool2d", "max_pool3d"), _max_pool),
+    OpRule("max_pool_indices", _ops(*_MAX_POOL_INDICES), _max_pool, tuple_out=True),
     OpRule("scalar_mul", _ops("mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar"), _scalar_mul),
     OpRule("residual", _ops("add.Tensor", "sub.Tensor", "add.Scalar", "sub.Scalar", "rsub.Scalar"), _residual),
     OpRule("masked", _ops("masked_fill.Scalar", "masked_fill.Tensor", "where.self", *_WHERE), _masked),
@@ -156,7 +176,7 @@ RULE_OF: dict[Any, OpRule] = {op: rule for rule in RULES for op in rule.ops}
 SHAPE_ONLY = set(_ops("sym_size.int", "sym_numel", "sym_stride.int", "sym_storage_offset", "_assert_tensor_metadata"))
 # Outputs of tuple ops that are integer indices: with every scale > 0 (which a Pass through these ops
 # requires) they are the same for ``s x + t`` as for ``x``, so no affine flows into them.
-INDEX_OUTPUTS = {op: 1 for op in _ops("max.dim", "min.dim", "max_pool2d_with_indices")}
+INDEX_OUTPUTS = {op: 1 for op in _ops("max.dim", "min.dim", *_MAX_POOL_INDICES)}
 JOIN_OPS = set(_ops("cat", "stack"))
 VIEW_OPS = {op for rule in RULES if rule.view_like for op in rule.ops}
 PERMUTE_OPS = set(_ops(*_PERMUTES))

@@ -6,6 +6,7 @@ sums, pools, scalar products, residual adds, masks, nonlinear ops).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -342,13 +343,62 @@ def _max_like(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     return Pass(_after_reduce(ch, dims, keepdim), needs_positive_scale=True)
 
 
+_SPATIAL = re.compile(r"(\d)d")
+
+
+def spatial_axes(user: fx.Node, src: fx.Node) -> int:
+    """How many trailing axes of ``src`` a pooling or resampling op works on: the ``Nd`` of its name
+    (``avg_pool2d``, ``upsample_trilinear3d``: 2, 3), else every axis after the first two (``grid_sampler``).
+    Each plane over those axes (one per index of the leading axes: batch and channels) is pooled or resampled on
+    its own."""
+    found = _SPATIAL.search(getattr(user.target, "__name__", "").split(".")[0])
+    return int(found.group(1)) if found else rank(src) - 2
+
+
+def _on_leading_axis(user: fx.Node, src: fx.Node, ch: Chan) -> bool:
+    """True when the channels sit on an axis the op does not pool or resample (batch or channel axis)."""
+    return ch.axis < rank(src) - spatial_axes(user, src)
+
+
 def _adaptive_avg_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    return Pass(ch) if ch.axis == 1 else unsupported(user)
+    """Adaptive average pooling (to any size, ``1x1`` being a global average pool) is a mean over each window:
+    ``mean(s x + t) = s mean(x) + t``, exact when the channel axis is not pooled."""
+    return Pass(ch) if _on_leading_axis(user, src, ch) else unsupported(user)
+
+
+def _resample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
+    """Interpolation (``F.interpolate`` / ``nn.Upsample``: ``upsample_nearest*``, ``_upsample_nearest_exact*``,
+    ``upsample_linear1d``, ``upsample_bilinear2d``, ``upsample_bicubic2d``, ``upsample_trilinear3d``, their
+    ``.vec`` overloads and the ``_aa`` antialiased ones): each output element is ``sum_k w_k x_k`` over input
+    elements of its own plane with weights that sum to one, so ``interp(s x + t) = s interp(x) + t`` when the
+    channel axis is not resampled.
+
+    The weights sum to one for every mode PyTorch has: nearest copies one element; linear, bilinear and
+    trilinear weights are products of ``(1 - l, l)`` pairs; the cubic convolution kernel (``A = -0.75``) is a
+    partition of unity; indices past a border are clamped to it (the weight stays on a real element); the
+    antialiased kernels divide each output's weights by their total (``aten/src/ATen/native/cpu/UpSampleKernel.cpp``).
+    ``align_corners`` and the scale factors only move the sample positions."""
+    return Pass(ch) if _on_leading_axis(user, src, ch) else unsupported(user)
+
+
+def _grid_sample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
+    """``F.grid_sample(x, grid, mode, padding_mode, align_corners)`` (``aten.grid_sampler*``): bilinear, nearest or
+    bicubic weights that sum to one over the elements sampled, as ``_resample``, when the samples outside the input
+    are border or reflected elements (``padding_mode`` 1, 2). With ``padding_mode="zeros"`` (0) they are zeros,
+    which the fold would shift by ``t``: ``zero-padding-after-norm``. The grid itself holds sampling positions:
+    a normalised grid is a nonlinear use."""
+    if user.args[0] is not src:
+        return Block(reasons.NONLINEAR)
+    padding_mode = user.args[3] if len(user.args) > 3 else user.kwargs.get("padding_mode")
+    if not _on_leading_axis(user, src, ch):
+        return unsupported(user)
+    return Pass(ch) if padding_mode in (1, 2) else Block(reasons.ZERO_PADDING_AFTER_NORM)
 
 
 def _avg_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """Average pooling is a mean over each window, unless padded zeros count in it or the divisor is forced."""
-    if ch.axis != 1:
+    """Average pooling is a mean over each window, unless padded zeros count in it or the divisor is forced.
+    (``ceil_mode`` windows that run past the input are divided by the elements they hold: still a mean.)"""
+    if not _on_leading_axis(user, src, ch):
         return unsupported(user)
     a: Any = user.args
     padding: Any = a[3] if len(a) > 3 else user.kwargs.get("padding", 0)
@@ -361,7 +411,9 @@ def _avg_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 
 def _max_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    return Pass(ch, needs_positive_scale=True) if ch.axis == 1 else unsupported(user)
+    """Max pooling (fixed or adaptive windows; padding is ``-inf``) is a max over each window: it commutes when
+    every scale is > 0 and the channel axis is not pooled."""
+    return Pass(ch, needs_positive_scale=True) if _on_leading_axis(user, src, ch) else unsupported(user)
 
 
 def _stored_scalar(node: Any) -> float | None:
