@@ -8,6 +8,7 @@ its cases here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,10 +17,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv.engine import reasons
+from slabconv.engine import fused_state_dict, reasons
+from slabconv.engine.capture import stored
 from slabconv.engine.rules import RULE_OF, RULES
 from slabconv.zoo.norms import RepBN
-from tests.foldcheck import NAIVE_MIN_ERR, TOL, bn_nodes, fuse, kept_affines, naive_fold, randomize, rel_err
+from tests.foldcheck import (
+    NAIVE_MIN_ERR,
+    TOL,
+    affine_of,
+    assert_affine_only,
+    aten_ops,
+    bn_nodes,
+    fuse,
+    kept_affines,
+    naive_fold,
+    norm_free,
+    randomize,
+    rel_err,
+)
 
 C, B = 8, 2
 Op = Callable[[torch.Tensor], torch.Tensor]
@@ -224,3 +239,252 @@ def test_interpolating_the_channel_axis_is_refused():
     (d,) = decisions
     assert (d.action, d.reason) == ("kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.upsample_linear1d")
     assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+
+
+# --------------------------------------------------------------------------------------------- layers
+
+
+class ConvAfterNorm(nn.Module):
+    def __init__(self, kernel: int | tuple[int, int], padding: str | int | tuple[int, int]) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(C)
+        self.fc = nn.Conv2d(C, 5, kernel, padding=padding)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "padding", "op"),
+    [
+        (1, "same", "conv2d.padding"),
+        (3, "valid", "conv2d.padding"),
+        (3, (0, 0), "conv2d.default"),
+        (1, 0, "conv2d.default"),
+    ],
+)
+def test_a_conv_that_pads_nothing_folds_forward(kernel, padding, op):
+    """``padding="same"`` with a 1x1 kernel, ``"valid"``, a padding of zeros: no padded element to shift."""
+    model = randomize(ConvAfterNorm(kernel, padding)).eval()
+    x = grid(2)
+    gm, decisions = fuse(model, x)
+    assert f"aten.{op}" in {str(n.target) for n in gm.graph.nodes}
+    assert [(d.action, d.into) for d in decisions] == [("folded-forward", ["fc"])]
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize(("kernel", "padding"), [(3, "same"), ((1, 3), "same"), ((1, 3), (0, 1))])
+def test_a_conv_that_pads_is_refused(kernel, padding):
+    model = randomize(ConvAfterNorm(kernel, padding)).eval()
+    x = grid(2)
+    reference = model(x)
+    assert rel_err(naive_fold(model, "norm", "fc")(x), reference) > NAIVE_MIN_ERR
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.reason) for d in decisions] == [("kept-affine", reasons.PADDED_CONV_CONSUMER)]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+class SeparateBias(nn.Module):
+    """A bias-free layer whose bias is added on its own (Paddle's ``conv(x, W) + b.view(1, C, 1, 1)``; the ONNX
+    ``Conv`` / ``MatMul`` + ``Add`` that exporters write): ``before`` the norm (it folds backward into the layer
+    and ``b``) or after it (forward). ``stored4d``: ``b`` is stored as ``(1, C, 1, 1)``."""
+
+    def __init__(self, layer: str, before: bool, stored4d: bool = False) -> None:
+        super().__init__()
+        self.before, self.conv = before, layer == "conv"
+        cin, cout = (4, C) if before else (C, 5)
+        self.fc = (
+            nn.Conv2d(cin, cout, 3 if before else 1, bias=False) if self.conv else nn.Linear(cin, cout, bias=False)
+        )
+        shape = (1, cout, 1, 1) if stored4d else (cout,)
+        self.b = nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(7)))
+        self.norm = (nn.BatchNorm2d if self.conv else nn.BatchNorm1d)(C)
+
+    def layer(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.b.view(1, -1, 1, 1) if self.conv and self.b.dim() == 1 else self.b
+        return self.fc(x) + b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.norm(self.layer(x))) if self.before else self.layer(self.norm(x))
+
+
+@pytest.mark.parametrize(
+    ("layer", "before", "stored4d"),
+    [
+        ("conv", True, False),
+        ("conv", False, False),
+        ("conv", True, True),
+        ("linear", True, False),
+        ("linear", False, False),
+    ],
+)
+def test_a_layer_with_a_separate_bias_add_folds_into_that_bias(layer, before, stored4d):
+    """The fold writes the new bias into ``b`` (in ``b``'s own shape): the fused graph is the norm-free one, with
+    no bias created on the layer."""
+    model = randomize(SeparateBias(layer, before, stored4d)).eval()
+    x = torch.randn(B, 4 if before else C, 6, 6) if layer == "conv" else torch.randn(B, 4 if before else C)
+    reference = model(x)
+    bare_ops = aten_ops(norm_free(model, ["norm"]), x)
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward" if before else "folded-forward", ["fc"])]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert_affine_only(gm, bare_ops, 0)
+    state = fused_state_dict(gm)
+    assert "fc.bias" not in state and state["b"].shape == model.b.shape
+    assert not torch.equal(state["b"], model.b)
+
+
+class SharedSeparateBias(nn.Module):
+    """``relu(norm(conv1(x) + b)) + conv2(x) + b``: ``b`` (one view of it, or the stored ``(1, C, 1, 1)``
+    tensor itself) is read twice."""
+
+    def __init__(self, stored4d: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, C, 3, bias=False)
+        self.conv2 = nn.Conv2d(4, C, 3, bias=False)
+        self.b = nn.Parameter(torch.randn((1, C, 1, 1) if stored4d else (C,)))
+        self.norm = nn.BatchNorm2d(C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.b.view(1, C, 1, 1)
+        return F.relu(self.norm(self.conv1(x) + b)) + self.conv2(x) + b
+
+
+@pytest.mark.parametrize("stored4d", [False, True])
+def test_a_shared_separate_bias_is_not_the_layers_bias(stored4d):
+    """Folding the norm backward into ``conv1`` and ``b`` would change ``conv2``'s branch: refused (the relu
+    blocks the forward fold, and no layer produces the norm's input alone)."""
+    model = randomize(SharedSeparateBias(stored4d)).eval()
+    x = torch.randn(B, 4, 6, 6)
+    reference = model(x)
+    naive = copy.deepcopy(model)
+    scale, shift = affine_of(model.norm)
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        naive.conv1.weight.mul_(scale.float().view(-1, 1, 1, 1))
+        naive.b.copy_((scale * model.b.view(-1) + shift).view(model.b.shape))
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.reason) for d in decisions] == [("kept-affine", reasons.NONLINEAR)]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+class AffineWithItsOwnAdd(nn.Module):
+    """``relu((fc(x) + b) * w + c)``: the add of ``b`` belongs to the norm (its shift is ``w b + c``), so ``b`` is
+    not ``fc``'s separate bias: the backward fold creates ``fc``'s bias and ``b`` goes with the norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, C, bias=False)
+        gen = torch.Generator().manual_seed(3)
+        self.b, self.w, self.c = (nn.Parameter(torch.randn(C, generator=gen)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu((self.fc(x) + self.b) * self.w + self.c)
+
+
+def test_an_add_the_norm_owns_is_not_a_separate_bias():
+    model = AffineWithItsOwnAdd().eval()
+    x = torch.randn(B, 3, 4)
+    gm, decisions = fuse(model, x)
+    assert [(d.kind, d.action, d.into) for d in decisions] == [("Affine", "folded-backward", ["fc"])]
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    assert {str(n.target) for n in gm.graph.nodes if n.op == "call_function"} == {
+        "aten.linear.default",
+        "aten.relu.default",
+    }
+
+
+# --------------------------------------------------------------------------------------------- concatenation
+
+
+class AifiUpsampleConcat(nn.Module):
+    """YOLO11's head around an AIFI block with RepBN (as the RT-DETR / YOLO repositories that copy SLAB's code
+    build it): the encoder's output norm over the flattened grid, ``view`` back to ``(B, C, h, w)``,
+    ``nn.Upsample(None, 2, "nearest")``, a channel ``Concat`` with a backbone feature (``first``: the norm's piece
+    comes first) and then ``head``:
+
+    - ``cv1``: a C3k2's 1x1 conv: the norm folds into its slice of input channels;
+    - ``tokens``: ``flatten(2).transpose(1, 2)`` and a Linear over the channels (the channel axis stays whole);
+    - ``mixing``: ``reshape(B, h w, C')`` of the channels-first tensor: each row mixes channels (refused);
+    - ``padded``: ``cv1(cat) + conv3x3(cat)``: the padded conv keeps an affine after the concat, the identity on
+      the backbone's channels;
+    - ``two``: the other piece is a second norm's output; each folds into its own slice.
+    """
+
+    def __init__(self, head: str, first: bool = True) -> None:
+        super().__init__()
+        self.head, self.first = head, first
+        self.norm = RepBN(C)
+        self.up = nn.Upsample(None, 2, "nearest")
+        self.skip = nn.BatchNorm2d(C) if head == "two" else nn.Conv2d(C, 4, 3, padding=1)
+        wide = 2 * C if head == "two" else C + 4
+        self.cv1 = nn.Linear(wide, 6) if head in ("tokens", "mixing") else nn.Conv2d(wide, 6, 1)
+        self.cv3 = nn.Conv2d(wide, 6, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        t = self.norm(F.avg_pool2d(x, 2).flatten(2).permute(0, 2, 1))  # (B, h w / 4, C)
+        y = t.permute(0, 2, 1).view(-1, c, h // 2, w // 2)
+        pieces = [self.up(y), self.skip(x)]
+        cat = torch.cat(pieces if self.first else pieces[::-1], 1)
+        if self.head == "tokens":
+            return self.cv1(cat.flatten(2).transpose(1, 2))
+        if self.head == "mixing":
+            return self.cv1(cat.reshape(b, h * w, -1))
+        if self.head == "padded":
+            return self.cv1(cat) + self.cv3(cat)
+        return self.cv1(cat)
+
+
+def _aifi(head: str, first: bool = True) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model = randomize(AifiUpsampleConcat(head, first), seed=4).eval()
+    x = grid(2, size=8)
+    return model, x, model(x)
+
+
+@pytest.mark.parametrize(("head", "first"), [("cv1", True), ("cv1", False), ("tokens", False), ("two", False)])
+def test_a_norm_concatenated_with_other_channels_folds_into_its_slice(head, first):
+    """The layer scales (and shifts through its bias) the norm's input channels only; the other pieces carry the
+    identity. With the norm's piece second, a fold into the first ``C`` columns would be wrong."""
+    model, x, reference = _aifi(head, first)
+    bare_ops = aten_ops(norm_free(model, ["norm", "skip"] if head == "two" else ["norm"]), x)
+    gm, decisions = fuse(model, x)
+    norms = ["norm", "skip"] if head == "two" else ["norm"]
+    assert [(d.norm, d.action, d.into) for d in decisions] == [(n, "folded-forward", ["cv1"]) for n in norms]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert rel_err(gm(x[:1]), model(x[:1])) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    assert not aten_ops(gm) - bare_ops  # (the permutes around the norm cancel: fewer ops than without the norm)
+
+
+def test_a_reshape_that_mixes_a_concatenated_channel_axis_is_refused():
+    """``reshape(B, h w, C')`` of ``(B, C', h, w)``: the naive fold (the norm's slice of ``cv1``'s columns scaled
+    as if the reshape kept the channels) is wrong; slabconv keeps the affine before the reshape."""
+    model, x, reference = _aifi("mixing")
+    scale, shift = affine_of(model.norm)
+    naive = norm_free(model, ["norm"])
+    s, t = torch.cat([scale, torch.ones(4)]).float(), torch.cat([shift, torch.zeros(4)]).float()
+    with torch.no_grad():
+        naive.cv1.bias.add_(naive.cv1.weight @ t)
+        naive.cv1.weight.mul_(s)
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.reason) for d in decisions] == [("kept-affine", reasons.CHANNEL_MIXING_RESHAPE)]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+def test_an_affine_kept_after_a_concat_is_the_identity_on_the_other_channels():
+    """The padded 3x3 conv reading the concat keeps the norm's affine in front of it, laid out as the concat
+    holds it (the norm's scale and shift on its channels, 1 and 0 on the backbone's); ``cv1`` absorbs it."""
+    model, x, reference = _aifi("padded")
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.into, d.reason, d.kept_on) for d in decisions] == [
+        ("kept-affine", ["cv1"], reasons.PADDED_CONV_CONSUMER, ["cv3:aten.conv2d"])
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    (mul,) = kept_affines(gm)
+    assert mul.args[0].target is torch.ops.aten.cat.default
+    kept_scale = stored(gm, mul.args[1].target).flatten()
+    assert torch.equal(kept_scale[C:], torch.ones(4))
+    assert torch.allclose(kept_scale[:C].double(), affine_of(model.norm)[0])

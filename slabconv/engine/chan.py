@@ -5,12 +5,13 @@ pass them on (``Pass``), absorb the affine (``Absorb``) or stop the walk with a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
 
+from slabconv import fold
 from slabconv.engine import reasons
 
 if TYPE_CHECKING:
@@ -31,18 +32,38 @@ class Chan:
     with neighbouring axes keeps the fold exact when each channel still lives on one axis (``flatten(-2)`` of
     ``(B, C, P)`` gives ``inner = P``; of ``(B, P, C)`` the axis has size ``P * C``, ``inner = 1``): the scale
     and shift are then tiled along that axis (``slabconv.fold.tile_channels``).
+
+    ``segments``: after a concatenation along the channel axis with tensors the norm did not produce
+    (``cat([up(norm(x)), skip], 1)``), the norm's channels fill only the index ranges ``(start, length)`` of the
+    axis (each a whole number of ``channels * inner`` blocks, the pattern starting again at each ``start``); the
+    other indices carry the identity affine (scale 1, shift 0). Empty: the pattern fills the whole axis.
     """
 
     axis: int
     channels: int
     inner: int = 1
+    segments: tuple[tuple[int, int], ...] = ()
 
     def at(self, axis: int) -> Chan:
-        return Chan(axis, self.channels, self.inner)
+        return replace(self, axis=axis)
 
     @property
     def plain(self) -> bool:
-        return self.inner == 1
+        return self.inner == 1 and not self.segments
+
+    def lay_out(self, values: torch.Tensor, size: int, fill: float) -> torch.Tensor:
+        """Per-channel ``values`` (``(C,)``) along an axis of ``size`` indices laid out as this layout says:
+        tiled over the whole axis, or over each segment with ``fill`` elsewhere (1 for a scale, 0 for a shift).
+
+        Raises:
+            ValueError: an axis or segment that is not a whole number of ``channels * inner`` blocks.
+        """
+        if not self.segments:
+            return fold.tile_channels(values, self.inner, size)
+        out = torch.full((size,), fill, dtype=values.dtype, device=values.device)
+        for start, length in self.segments:
+            out[start : start + length] = fold.tile_channels(values, self.inner, length)
+        return out
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import fx
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of
-from slabconv.engine.layers import LAYER_OF, LayerKind
+from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of, static_int
+from slabconv.engine.layers import LAYER_OF, LayerKind, separate_bias
 from slabconv.engine.rules import (
     INDEX_OUTPUTS,
     JOIN_OPS,
@@ -90,20 +91,48 @@ def classify(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 
 def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outcome:
-    """``cat`` / ``stack`` whose every input derives from the norm with the same channel state and shift
-    multiplier (e.g. tokens of one norm put back together). ``cat`` along the channel axis keeps the channel
-    pattern when each piece holds whole channel blocks (``inner`` equal)."""
-    tensors = list(user.args[0])  # type: ignore[arg-type]
-    if any(not isinstance(t, fx.Node) or t not in arrived for t in tensors):
-        return Block(reasons.CONCAT_WITH_UNNORMALIZED)
-    states = {arrived[t] for t in tensors}  # type: ignore[index]
-    if len(states) != 1:
+    """What a ``cat`` / ``stack`` does with the affine on the pieces that derive from the norm (``arrived``: their
+    channel state and shift multiplier), every other piece being something the norm did not produce.
+
+    - Every piece from the norm with the same state: the result has that state (tokens split and put back
+      together; along the channel axis each piece holds whole channel blocks).
+    - A ``cat`` along the channel axis with other tensors (YOLO's ``cat([upsample(aifi(x)), skip], 1)``): the
+      result carries the norm's affine on the norm's pieces and the identity (scale 1, shift 0) on the others,
+      recorded as ``Chan.segments``; a layer contracting that axis folds the norm into its slice of input channels.
+      The norm's pieces must agree on the axis, ``inner`` and shift multiplier; the other pieces' sizes along the
+      axis must be static.
+    - Anything else with a piece the norm did not produce (along a token axis: the naive fold would scale and
+      shift those tokens too; a ``stack``): ``concat-with-unnormalized``.
+    """
+    tensors: list[Any] = list(user.args[0])  # type: ignore[arg-type]
+    pieces = [arrived.get(t) if isinstance(t, fx.Node) else None for t in tensors]
+    states = {p for p in pieces if p is not None}
+    if len({(c.axis, c.channels, c.inner, m) for c, m in states}) != 1:
         return unsupported(user)  # pieces with different channel layouts or shift multipliers
-    ch, _ = states.pop()
+    ch, _ = next(iter(states))
     dim = norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), rank(user))  # type: ignore[arg-type]
-    if user.target is aten.stack.default:
-        return Pass(ch.at(ch.axis + 1 if dim <= ch.axis else ch.axis))
-    return Pass(ch)  # along the channel axis each piece holds whole channel blocks (its size is k * C * inner)
+    if user.target is aten.stack.default or dim != ch.axis:
+        if None in pieces:
+            return Block(reasons.CONCAT_WITH_UNNORMALIZED)
+        if len(states) != 1:
+            return unsupported(user)  # pieces of the norm with different segments
+        return Pass(ch.at(ch.axis + 1 if dim <= ch.axis else ch.axis) if user.target is aten.stack.default else ch)
+    if None not in pieces and len(states) == 1 and not ch.segments:
+        return Pass(ch)  # along the channel axis each piece holds whole channel blocks (its size is k * C * inner)
+    segments: list[tuple[int, int]] = []
+    offset = 0
+    for t, piece in zip(tensors, pieces, strict=True):
+        size = static_int(shape_of(t)[dim])  # type: ignore[index]
+        if size is None:
+            return unsupported(user)
+        if piece is not None:
+            for start, length in piece[0].segments or ((0, size),):
+                if segments and segments[-1][0] + segments[-1][1] == offset + start:
+                    segments[-1] = (segments[-1][0], segments[-1][1] + length)  # adjacent blocks: one segment
+                else:
+                    segments.append((offset + start, length))
+        offset += size
+    return Pass(replace(ch, segments=tuple(segments)))
 
 
 class _Walk:
@@ -117,6 +146,8 @@ class _Walk:
         self.states: dict[fx.Node, tuple[Chan, float]] = {}
         self.arrivals: dict[fx.Node, dict[fx.Node, tuple[Chan, float]]] = {}
         self.todo: list[tuple[fx.Node, Chan, float]] = [(start, chan, 1.0)]
+        self.order: dict[fx.Node, int] | None = None
+        self.decided: set[fx.Node] = set()
 
     def settle(self, src: fx.Node, user: fx.Node, ch: Chan, mult: float, outcome: Outcome) -> None:
         rule = RULE_OF.get(user.target)
@@ -141,6 +172,7 @@ class _Walk:
             if INDEX_OUTPUTS.get(node.target) != user.args[1]:  # integer indices: unchanged by s > 0
                 self.todo.append((user, ch, mult))
         elif user.target in JOIN_OPS:
+            assert user not in self.decided, f"{user.name} was decided before all its pieces arrived"
             self.arrivals.setdefault(user, {})[node] = (ch, mult)
         else:
             outcome = classify(user, node, ch)
@@ -157,17 +189,21 @@ class _Walk:
                     self.visit(node, user, ch, mult)
 
     def joins(self) -> None:
-        ready = [j for j, got in self.arrivals.items() if all(t in got for t in j.args[0])]  # type: ignore[union-attr]
-        for join in ready or list(self.arrivals):
-            got = self.arrivals.pop(join)
-            outcome = _join(join, got)
-            if isinstance(outcome, Pass):
-                pieces: Iterable[fx.Node] = join.args[0]  # type: ignore[assignment]
-                self.settle(next(iter(pieces)), join, outcome.chan, next(iter(got.values()))[1], outcome)
-            else:
-                assert isinstance(outcome, Block)
-                for src, (ch, mult) in got.items():
-                    self.flow.blocked.append(BlockedEdge(src, join, ch, mult, outcome.reason))
+        """Decide the first waiting join in graph order. Called when nothing else is left to walk: every path from
+        the norm to it runs through ops already walked or through joins before it, all decided, so every piece
+        that will ever arrive has arrived (a piece not in ``arrivals`` is not the norm's)."""
+        if self.order is None:
+            self.order = {n: i for i, n in enumerate(next(iter(self.arrivals)).graph.nodes)}
+        join = min(self.arrivals, key=self.order.__getitem__)
+        got = self.arrivals.pop(join)
+        self.decided.add(join)
+        outcome = _join(join, got)
+        if isinstance(outcome, Pass):
+            self.settle(next(iter(got)), join, outcome.chan, next(iter(got.values()))[1], outcome)
+        else:
+            assert isinstance(outcome, Block)
+            for src, (ch, mult) in got.items():
+                self.flow.blocked.append(BlockedEdge(src, join, ch, mult, outcome.reason))
 
 
 def follow(start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collection[fx.Node] = ()) -> Flow:
@@ -256,6 +292,17 @@ def _through(node: fx.Node, ch: Chan) -> tuple[fx.Node, Chan] | str:
     return src, Chan(found[0], ch.channels)
 
 
+def _bias_add_layer(node: fx.Node) -> fx.Node | None:
+    """The layer when ``node`` is the ``add`` of its separate bias (``layer(x) + b``, ``separate_bias``)."""
+    if node.target is not aten.add.Tensor:
+        return None
+    for arg in node.args:
+        kind = LAYER_OF.get(arg.target) if isinstance(arg, fx.Node) else None
+        if kind is not None and (found := separate_bias(arg, kind)) is not None and found.add is node:  # type: ignore[arg-type]
+            return arg  # type: ignore[return-value]
+    return None
+
+
 def find_producer(
     start: fx.Node, chan: Chan, owned: Iterable[fx.Node], graph: VirtualGraph | None = None
 ) -> Producer | str:
@@ -287,6 +334,10 @@ def find_producer(
             reason = layer.producer_check(node, ch)
             bias = layer.bias(node)
             return reason or Producer(node, layer, layer.weight(node), bias)  # type: ignore[arg-type]
+        below = _bias_add_layer(node)
+        if below is not None:  # ``layer(x) + b``: the layer with its separate bias
+            node, allowed = below, {node}
+            continue
         if node.target is operator.getitem:
             tup = node.args[0]
             assert isinstance(tup, fx.Node)

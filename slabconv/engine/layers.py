@@ -10,6 +10,7 @@ layer kind is one entry and one test (``tests/test_engine_plan.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,8 +18,8 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine import reasons
-from slabconv.engine.capture import is_param, rank, shape_of
-from slabconv.engine.rules import Chan, _ops, aten, op_name
+from slabconv.engine.capture import is_param, rank, same_shape, shape_of, static_int
+from slabconv.engine.rules import PERMUTE_OPS, RESHAPE_OPS, RULES, Chan, _ops, aten, op_name
 
 
 def _transposed_weight(node: Any) -> fx.Node | None:
@@ -43,6 +44,7 @@ class LayerKind:
     name = ""
     ops: tuple[Any, ...] = ()
     data_arg = 0
+    separate_bias = True  # a bias-free layer may take its bias from a lone ``add`` after it (``separate_bias``)
 
     def weight(self, node: fx.Node) -> fx.Node | None:
         """The ``get_attr`` of the stored ``(out, in, ...)`` weight, None when it is computed."""
@@ -239,6 +241,8 @@ class Embedding(LayerKind):
     ops = _ops("embedding")
     data_arg = 1
 
+    separate_bias = False
+
     def weight(self, node: fx.Node) -> fx.Node | None:
         w = node.args[0]
         return w if isinstance(w, fx.Node) and w.op == "get_attr" else None
@@ -279,6 +283,69 @@ class Embedding(LayerKind):
 
 LAYERS: tuple[LayerKind, ...] = (Linear(), Addmm(), Mm(), Conv(), Convolution(), Embedding())
 LAYER_OF: dict[Any, LayerKind] = {op: kind for kind in LAYERS for op in kind.ops}
+
+# Ops that may lie between a stored bias and the ``add`` that applies it: they only change its shape.
+_BIAS_VIEWS = RESHAPE_OPS | PERMUTE_OPS | {op for rule in RULES if rule.name == "identity" for op in rule.ops}
+
+
+@dataclass(frozen=True)
+class BiasAdd:
+    """A layer's separate bias: ``add`` computes ``layer(x) + bias`` with ``bias`` a stored tensor (``get_attr``)
+    of ``C`` values laid along the layer's output channels."""
+
+    add: fx.Node
+    bias: fx.Node
+
+
+def _one_axis(shape: Any) -> bool:
+    """At most one axis longer than 1 (reshapes and permutes then keep the order of the values)."""
+    return shape is not None and sum(static_int(n) != 1 for n in shape) <= 1
+
+
+def separate_bias(node: fx.Node, kind: LayerKind) -> BiasAdd | None:
+    """The bias a bias-free layer takes from a lone ``add`` right after it: ``conv(x, W) + b.view(1, C, 1, 1)``
+    (Paddle's pattern; ONNX ``Conv`` / ``MatMul`` followed by ``Add``), ``linear(x, W) + b``.
+
+    ``layer(x) + b`` is ``layer(x)`` with bias ``b`` when the layer has no bias of its own, its output is read by
+    the add alone and has the add's shape, and ``b`` is a stored tensor of ``C`` values (one per output channel,
+    ``C`` the size of the output axis), broadcast along that axis only, reached from its ``get_attr`` through
+    reshapes, permutes and copies that nothing else reads (each with at most one axis longer than 1, so the values
+    keep their order). A fold then treats ``b`` (flattened to ``(C,)``) as the layer's bias and writes the new
+    bias back in ``b``'s stored shape: both fold directions, no new op.
+
+    Args:
+        node: the layer's op (a ``LAYER_OF`` node).
+        kind: its ``LayerKind``.
+
+    Returns:
+        The add and the stored bias's ``get_attr``, or None when the pattern does not hold.
+    """
+    if not kind.separate_bias or kind.bias(node) is not None or len(node.users) != 1:
+        return None
+    (add,) = node.users
+    if add.target is not aten.add.Tensor or add.kwargs.get("alpha", 1) != 1 or len(add.args) != 2:
+        return None
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    out, const = shape_of(node), shape_of(other)
+    if not isinstance(other, fx.Node) or other is node or out is None or const is None:
+        return None
+    axis, lead = kind.out_axis(node), len(out) - len(const)
+    channels = static_int(out[axis])
+    if channels is None or lead < 0 or axis < lead or not same_shape(shape_of(add), out):
+        return None
+    if any(static_int(n) != (channels if i + lead == axis else 1) for i, n in enumerate(const)):
+        return None
+    cur = other
+    while cur.op == "call_function" and cur.target in _BIAS_VIEWS and len(cur.users) == 1 and _one_axis(shape_of(cur)):
+        cur = cur.args[0]  # type: ignore[assignment]
+        if not isinstance(cur, fx.Node):
+            return None
+    val = cur.meta.get("val")
+    if cur.op != "get_attr" or len(cur.users) != 1 or not isinstance(val, torch.Tensor):
+        return None
+    if not val.dtype.is_floating_point or val.numel() != channels or not _one_axis(val.shape):
+        return None
+    return BiasAdd(add, cur)
 
 
 def layer_name(node: fx.Node) -> str:

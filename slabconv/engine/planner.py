@@ -42,7 +42,7 @@ from slabconv import fold
 from slabconv.engine import reasons
 from slabconv.engine.capture import module_path, shape_of, stored, written_tensors
 from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_producer, follow
-from slabconv.engine.layers import LayerKind, layer_name
+from slabconv.engine.layers import LayerKind, layer_name, separate_bias
 from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
 from slabconv.engine.norms import NormSite, find_norms
 from slabconv.engine.rules import Chan, op_name
@@ -139,7 +139,9 @@ class LayerFold:
     """One fold a layer receives, as the fold program (``slabconv.engine.program``) replays it: the layer, its
     kind and stored weight, the bias it had when this fold was planned (None: none yet), the direction, the
     float64 ``(scale, shift)`` exactly as ``LayerKind.fold_values`` takes them (forward: laid out along the
-    layer's input axis, the shift multiplied; backward: along its output channels) and the norm it carries."""
+    layer's input axis, the shift multiplied; backward: along its output channels), the norm it carries, and the
+    target of the bias the layer read when this fold was planned (its stored bias, a separate bias
+    (``slabconv.engine.layers.separate_bias``), a bias an earlier fold created, or None)."""
 
     layer: fx.Node
     kind: LayerKind
@@ -148,6 +150,7 @@ class LayerFold:
     scale: torch.Tensor
     shift: torch.Tensor
     norm: str
+    bias: str | None = None
 
 
 @dataclass
@@ -269,8 +272,8 @@ class _Weights:
     """Stored tensors as the plans so far leave them: pending values (float64 shadows, with the dtype each is
     stored in), biases to be created, names taken."""
 
-    def __init__(self, gm: fx.GraphModule, unknown: Collection[str] = ()):
-        self.gm, self.unknown = gm, frozenset(unknown)
+    def __init__(self, gm: fx.GraphModule, unknown: Collection[str] = (), owned: Collection[fx.Node] = ()):
+        self.gm, self.unknown, self.owned = gm, frozenset(unknown), frozenset(owned)
         self.values: dict[str, torch.Tensor] = {}  # target -> float64 shadow, every fold so far unrounded
         self.dtypes: dict[str, torch.dtype] = {}  # target -> the dtype it is stored in
         self.created: dict[fx.Node, str] = {}  # layer -> the target of the bias a plan creates for it
@@ -290,11 +293,23 @@ class _Weights:
         """The dtype the tensor at ``target`` is stored in."""
         return self.dtypes[target] if target in self.dtypes else stored(self.gm, target).dtype
 
-    def bias(self, layer: fx.Node, kind: LayerKind) -> tuple[str | None, torch.Tensor | None]:
-        """The target and current value of a layer's bias, ``(None, None)`` when it has none yet."""
+    def bias_node(self, layer: fx.Node, kind: LayerKind) -> Any:
+        """The layer's bias argument (None, a ``get_attr``, or something else), or for a bias-free layer the
+        ``get_attr`` of its separate bias (``separate_bias``) unless that ``add`` is a norm's own op (then the
+        norm's affine holds it)."""
         node = kind.bias(layer)
+        if node is None and layer not in self.created:
+            sep = separate_bias(layer, kind)
+            if sep is not None and sep.add not in self.owned:
+                return sep.bias
+        return node
+
+    def bias(self, layer: fx.Node, kind: LayerKind) -> tuple[str | None, torch.Tensor | None]:
+        """The target and current value (float64, flattened to ``(C,)``) of a layer's bias, ``(None, None)`` when
+        it has none yet."""
+        node = self.bias_node(layer, kind)
         target = str(node.target) if isinstance(node, fx.Node) else self.created.get(layer)
-        return target, (self.value(target) if target is not None else None)
+        return target, (self.value(target).reshape(-1) if target is not None else None)
 
     def private(self, param: Any) -> bool:
         """True when one layer alone reads this weight or bias (a tied tensor must not be rescaled for one reader).
@@ -363,7 +378,7 @@ def _fold(
     else:
         new_w, new_b = kind.fold_values(forward, w, b, s, t, kind.groups(layer))
     w_update = TensorUpdate(w_target, new_w, w_dtype)
-    record = LayerFold(layer, kind, w_target, forward, s, t, norm)
+    record = LayerFold(layer, kind, w_target, forward, s, t, norm, b_target)
     if new_b is None or (b_target is None and not shifts):
         # no bias to write: the shift is in the weight (an embedding's rows), or a pure scale (LayerScale) on a
         # layer without bias creates no zero bias
@@ -371,7 +386,8 @@ def _fold(
     if b_target is None:
         wanted = f"{w_target.removesuffix('.weight')}.bias"
         return _Fold([w_update], [NewBias(layer, kind, wanted, new_b, w_dtype)], record)
-    return _Fold([w_update, TensorUpdate(b_target, new_b, weights.dtype(b_target))], [], record)
+    stored_shape = weights.value(b_target).shape  # a separate bias keeps its own shape (``(1, C, 1, 1)``)
+    return _Fold([w_update, TensorUpdate(b_target, new_b.reshape(stored_shape), weights.dtype(b_target))], [], record)
 
 
 _Spec = tuple[torch.Size, torch.dtype] | None
@@ -406,11 +422,12 @@ def _meta_layout(
     return _spec(new_w), _spec(new_b)
 
 
-def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node) -> torch.Tensor:
-    """Per-channel ``values`` laid out along the axis ``chan`` names on ``src``."""
+def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node, fill: float) -> torch.Tensor:
+    """Per-channel ``values`` laid out along the axis ``chan`` names on ``src`` (``fill`` outside the norm's
+    segments of a concatenation: 1 for a scale, 0 for a shift)."""
     shape = shape_of(src)
     assert shape is not None
-    return fold.tile_channels(values, chan.inner, int(shape[chan.axis]))
+    return chan.lay_out(values, int(shape[chan.axis]), fill)
 
 
 # --------------------------------------------------------------------------------------------- deciding
@@ -428,10 +445,10 @@ def _forward(
     folds, blocked = [], []
     for use in flow_consumers:
         kind, node = use.layer, use.node
-        if not (weights.private(kind.weight(node)) and weights.private(kind.bias(node))):
+        if not (weights.private(kind.weight(node)) and weights.private(weights.bias_node(node, kind))):
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.SHARED_WEIGHT))
             continue
-        s, t = _tiled(scale, use.chan, use.src), _tiled(shift * use.mult, use.chan, use.src)
+        s, t = _tiled(scale, use.chan, use.src, 1.0), _tiled(shift * use.mult, use.chan, use.src, 0.0)
         f = _fold(weights, node, kind, True, s, t, shifts, norm)
         if not f.fits():
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.DTYPE_OVERFLOW))
@@ -447,7 +464,7 @@ def _backward(
     producer = find_producer(site.input, Chan(site.channel_axis, site.channels), site.region, graph)
     if isinstance(producer, str):
         return producer
-    if not (weights.private(producer.weight) and weights.private(producer.bias)):
+    if not (weights.private(producer.weight) and weights.private(weights.bias_node(producer.node, producer.layer))):
         return f"the weight of {layer_name(producer.node)} is shared"
     f = _fold(weights, producer.node, producer.layer, False, scale, shift, _shifts(site), site.name)
     return (layer_name(producer.node), f) if f.fits() else f"{reasons.DTYPE_OVERFLOW} in {layer_name(producer.node)}"
@@ -581,8 +598,8 @@ def plan_folds(
         InputError: a norm's statistics are NaN/Inf or its running_var + eps <= 0.
     """
     sites = find_norms(gm) if sites is None else sites
-    weights, graph = _Weights(gm, unknown), VirtualGraph()
     owner = {n: i for i, site in enumerate(sites) for n in site.region}
+    weights, graph = _Weights(gm, unknown, owner), VirtualGraph()
     plans = []
     for i, site in enumerate(sites[:until]):
         stop = {n for n, j in owner.items() if j != i}

@@ -158,6 +158,7 @@ class LayerRecipe:
     bias_dtype: torch.dtype
     groups: int = 1
     folds: list = field(default_factory=list)  # list[LayerFold]
+    bias_shape: tuple[int, ...] | None = None  # a stored bias's shape when it is not ``(C,)`` (a separate bias)
 
     @property
     def norms(self) -> list[str]:
@@ -168,8 +169,18 @@ class LayerRecipe:
         weight's row count."""
         shape = store.shape(self.weight)
         read = store.get(self.weight, None if len(shape) < 2 else slice(start, stop))
-        b = store.get(self.bias, slice(start, stop)).to(torch.float64) if self.bias is not None else None
+        b = None
+        if self.bias is not None and self.bias_shape is None:
+            b = store.get(self.bias, slice(start, stop)).to(torch.float64)
+        elif self.bias is not None:  # a separate bias, e.g. (1, C, 1, 1): C values in channel order
+            b = store.get(self.bias).reshape(-1)[start:stop].to(torch.float64)
         return read, b, int(shape[0]) if shape else 1
+
+    def whole_bias(self, parts: list[torch.Tensor | None]) -> torch.Tensor:
+        """The stored bias from the pieces ``blocks`` / ``rows`` give one block of rows at a time: joined, in the
+        shape the bias is stored in."""
+        whole = torch.cat([b for b in parts if b is not None])
+        return whole.reshape(self.bias_shape) if self.bias_shape is not None else whole
 
     def _fold(
         self, w: torch.Tensor, b: torch.Tensor | None, first: int, total: int
@@ -311,6 +322,10 @@ class Program:
         return [k for k in stored_keys if k not in sources]
 
 
+def _not_flat(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    return shape if shape is not None and len(shape) != 1 else None
+
+
 def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, LayerRecipe]:
     """One recipe per layer the plans fold into (before the rewrite: the layers' bias arguments as stored)."""
     created = {nb.layer: nb.target for p in plans if p.remove for nb in p.new_biases}
@@ -321,14 +336,14 @@ def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, 
         for f in p.folds:
             recipe = layers.get(f.weight)
             if recipe is None:
-                bias = f.kind.bias(f.layer)
-                stored_bias = str(bias.target) if isinstance(bias, fx.Node) else None
+                stored_bias = f.bias  # the first fold: a stored bias (maybe a separate one) or None
                 dtype = stored(original, f.weight).dtype
                 bias_dtype = stored(original, stored_bias).dtype if stored_bias else dtype
                 bias_out = stored_bias or created.get(f.layer)
                 groups = f.kind.groups(f.layer)
+                shape = tuple(stored(original, stored_bias).shape) if stored_bias else None
                 recipe = layers[f.weight] = LayerRecipe(
-                    f.kind, f.weight, stored_bias, bias_out, dtype, bias_dtype, groups
+                    f.kind, f.weight, stored_bias, bias_out, dtype, bias_dtype, groups, [], _not_flat(shape)
                 )
             recipe.folds.append(f)
     return layers
@@ -368,6 +383,5 @@ def evaluate(program: Program, store: WeightStore, block_elements: int = FOLD_BL
         parts = list(la.blocks(store, block_elements))
         out[la.weight] = torch.cat([w for w, _ in parts]) if len(parts) > 1 else parts[0][0]
         if la.bias_out is not None:
-            biases = [b for _, b in parts if b is not None]
-            out[la.bias_out] = torch.cat(biases) if len(biases) > 1 else biases[0]
+            out[la.bias_out] = la.whole_bias([b for _, b in parts])
     return out

@@ -24,7 +24,6 @@ from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_program, evaluate, layer_recipes
 from slabconv.engine.rules import Chan
-from slabconv.fold import tile_channels
 
 FoldProgress = Callable[[str, int, int], None]
 """``(norm name, norms applied so far, norms in the graph)``, called as each norm is applied."""
@@ -108,8 +107,8 @@ def _affine(gm: fx.GraphModule, p: NormPlan, edge: BlockedEdge, base: fx.Node) -
     val = base.meta["val"]
     size = int(val.shape[edge.chan.axis])
     bshape = (-1, *([1] * (val.dim() - 1 - edge.chan.axis)))
-    s = tile_channels(p.scale, edge.chan.inner, size).to(device=val.device, dtype=val.dtype).reshape(bshape)
-    t = tile_channels(p.shift * edge.mult, edge.chan.inner, size).to(device=val.device, dtype=val.dtype)
+    s = edge.chan.lay_out(p.scale, size, 1.0).to(device=val.device, dtype=val.dtype).reshape(bshape)
+    t = edge.chan.lay_out(p.shift * edge.mult, size, 0.0).to(device=val.device, dtype=val.dtype)
     s_node = new_attr(gm, free_target(gm, f"{p.site.name}.scale"), s)
     with gm.graph.inserting_after(base):
         mul = gm.graph.call_function(torch.ops.aten.mul.Tensor, (base, s_node))

@@ -122,11 +122,19 @@ def _reshape(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     On the input the channel index of flat element ``L`` is ``(L // P) % C`` with ``P = inner * stride(axis)``.
     An output axis ``k`` of stride ``P'`` and size ``S`` holds it as ``(i_k // m) % C`` with ``m = P / P'``
     when ``P'`` divides ``P`` and ``P * C`` divides ``P' * S`` (the channel digit lies inside axis ``k``).
-    Otherwise the reshape mixes channels with other axes: ``channel-mixing-reshape``.
+    Otherwise the reshape mixes channels with other axes: ``channel-mixing-reshape``. A channel axis with segments
+    (``Chan.segments``: part of it is another tensor) must come out whole, as one output axis with the same
+    stride and size.
     """
     ins, outs = shape_of(src), shape_of(user)
     if ins is None or outs is None:
         return unsupported(user)
+    if ch.segments:
+        stride, size = _strides(ins)[ch.axis], ins[ch.axis]
+        for k, (n, st) in enumerate(zip(outs, _strides(outs), strict=True)):
+            if same_size(n, size) and sympy.simplify(st - stride) == 0:
+                return Pass(ch.at(k))
+        return Block(reasons.CHANNEL_MIXING_RESHAPE)
     period = ch.inner * _strides(ins)[ch.axis]
     for k, (size, stride) in enumerate(zip(outs, _strides(outs), strict=True)):
         inner = _positive_int(period / stride)
@@ -188,7 +196,10 @@ def _repeat(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     blocks. ``x.repeat_interleave(r, dim)`` with an int ``r``: over a token axis it copies tokens; over the
     channel axis index ``i`` holds what index ``i // r`` held (``inner`` grows by r)."""
     if user.target is aten.repeat.default:
-        return Pass(ch.at(ch.axis + rank(user) - rank(src)))
+        shift = rank(user) - rank(src)
+        if ch.segments and static_int(shape_of(user)[ch.axis + shift]) != static_int(shape_of(src)[ch.axis]):  # type: ignore[index]
+            return unsupported(user)  # tiling a channel axis that is only partly the norm's
+        return Pass(ch.at(ch.axis + shift))
     a: Any = user.args
     repeats = a[1] if len(a) > 1 else user.kwargs.get("repeats")
     dim: Any = a[2] if len(a) > 2 else user.kwargs.get("dim")
@@ -196,6 +207,8 @@ def _repeat(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
         return unsupported(user)
     if norm_dim(dim, rank(src)) != ch.axis:
         return Pass(ch)
+    if ch.segments:
+        return unsupported(user)
     return Pass(Chan(ch.axis, ch.channels, ch.inner * repeats))
 
 

@@ -190,7 +190,7 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: Program) ->
                 note(distance(written.get(key, slice(start, stop)), w), key)
                 parts.append(b)
             if la.bias_out is not None:
-                bias = torch.cat([b for b in parts if b is not None])
+                bias = la.whole_bias(parts)
                 present = la.bias_out in written.weight_map
                 note(judge.ulps(written.get(la.bias_out), bias) if present else math.inf, la.bias_out)
         elif key in layer_biases:

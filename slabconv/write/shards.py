@@ -167,7 +167,7 @@ def write_program_shards(
                 la = program.layers[key]
                 plan.append((key, la.dtype, specs[key][1]))
                 if la.bias_out is not None:
-                    plan.append((la.bias_out, la.bias_dtype, [specs[key][1][0]]))
+                    plan.append((la.bias_out, la.bias_dtype, list(la.bias_shape or [specs[key][1][0]])))
             elif recipe is not None and recipe.op in ("copy", "unit") and key not in biases:
                 plan.append((key, *specs[key]))
         writer = ShardWriter(folder / shard, plan, metadata)
@@ -181,7 +181,7 @@ def write_program_shards(
                         writer.write(key, w)
                         parts.append(b)
                     if la.bias_out is not None:
-                        writer.write(la.bias_out, torch.cat([b for b in parts if b is not None]))
+                        writer.write(la.bias_out, la.whole_bias(parts))
                 elif (made := program.tensors.get(key)) is not None and made.op == "unit":
                     writer.write(key, torch.ones(shape, dtype=specs[key][0]))  # a norm weight whose affine folded
                 elif key not in beside:
