@@ -488,3 +488,206 @@ def test_an_affine_kept_after_a_concat_is_the_identity_on_the_other_channels():
     kept_scale = stored(gm, mul.args[1].target).flatten()
     assert torch.equal(kept_scale[C:], torch.ones(4))
     assert torch.allclose(kept_scale[:C].double(), affine_of(model.norm)[0])
+
+
+# --------------------------------------------------------------------------------------------- chains of affines
+
+
+class NoNorm(nn.Module):
+    """MobileBERT's ``NoNorm``: ``x * weight + bias``."""
+
+    def __init__(self, c: int, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(c, generator=gen) * 0.5 + 1.0)
+        self.bias = nn.Parameter(torch.randn(c, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.bias
+
+
+class ResidualChain(nn.Module):
+    """MobileBERT's attention output and FFN, as its code writes them: ``y = NoNorm_a(dense(h) + r)`` with ``r``
+    another layer's output, then ``NoNorm_b(out(relu(inter(y))) + y)``, read by a GELU.
+
+    ``y`` feeds ``inter`` and the residual: NoNorm_b folds backward into ``out`` and into ``y``'s producers
+    (``dense``, ``r``), and ``inter`` takes the inverse of its scale. ``variant``: ``"tanh"`` also reads ``y``
+    with a tanh (no inverse can go there); ``"twice"`` adds ``dense(h)`` to itself; ``"zero"`` gives NoNorm_b
+    a zero scale on one channel (no inverse)."""
+
+    def __init__(self, variant: str = "") -> None:
+        super().__init__()
+        self.variant = variant
+        self.dense, self.r, self.inter, self.out = (nn.Linear(C, C) for _ in range(4))
+        self.norm_a, self.norm_b = NoNorm(C, 1), NoNorm(C, 2)
+        if variant == "zero":
+            with torch.no_grad():
+                self.norm_b.weight[3] = 0.0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        d = self.dense(h)
+        y = self.norm_a(d + d if self.variant == "twice" else d + self.r(h))
+        z = self.norm_b(self.out(torch.relu(self.inter(y))) + y)
+        return F.gelu(z) + torch.tanh(y) if self.variant == "tanh" else F.gelu(z)
+
+
+def _chain(variant: str = "") -> tuple[nn.Module, torch.Tensor, dict]:
+    model = ResidualChain(variant).eval()
+    x = torch.randn(B, 5, C, generator=torch.Generator().manual_seed(0))
+    gm, decisions = fuse(model, x)
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    if not variant:
+        assert not kept_affines(gm) and not aten_ops(gm)["mul.Tensor"]
+    return model, x, {d.norm: d for d in decisions}
+
+
+def _by_hand(model: nn.Module, folds: dict[str, tuple[str, torch.Tensor, torch.Tensor]], norms: list[str]) -> nn.Module:
+    """``model`` without the ``norms``, with ``(rows | columns, s, t)`` folded into the named Linears by hand."""
+    done = copy.deepcopy(model)
+    with torch.no_grad():
+        for name in norms:
+            setattr(done, name, nn.Identity())
+        for name, (direction, s, t) in folds.items():
+            fc = getattr(done, name)
+            if direction == "rows":
+                fc.weight.mul_(s[:, None])
+                fc.bias.mul_(s).add_(t)
+            else:
+                fc.bias.add_(fc.weight @ t)
+                fc.weight.mul_(s)
+    return done
+
+
+def _folds(model: nn.Module) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
+    """The exact folds of both NoNorms (float64 would be closer; float32 is within the tolerance here)."""
+    sa, ta, sb, tb = (
+        t.detach() for t in (model.norm_a.weight, model.norm_a.bias, model.norm_b.weight, model.norm_b.bias)
+    )
+    zero = torch.zeros(C)
+    return {
+        "dense": ("rows", sa * sb, ta * sb),
+        "r": ("rows", sa * sb, zero),
+        "out": ("rows", sb, tb),
+        "inter": ("columns", 1 / sb, zero),
+    }
+
+
+def test_a_norm_after_a_residual_sum_folds_into_every_addend_and_compensates_a_shared_one():
+    """NoNorm_a folds into both addends (``dense`` takes its shift); NoNorm_b into ``out`` and, through ``y``,
+    into ``dense`` and ``r`` again, with ``inter`` taking ``1 / s_b``. Done by hand: exact; without the inverse in
+    ``inter``, or with NoNorm_a in one addend only, wrong."""
+    model, x, d = _chain()
+    assert (d["norm_a"].action, d["norm_a"].into) == ("folded-backward", ["dense", "r"])
+    assert (d["norm_b"].action, d["norm_b"].into) == ("folded-backward", ["out", "dense", "r", "inter"])
+    reference, folds, both = model(x), _folds(model), ["norm_a", "norm_b"]
+    assert rel_err(_by_hand(model, folds, both)(x), reference) <= TOL[torch.float32]
+    without_inverse = {k: v for k, v in folds.items() if k != "inter"}
+    assert rel_err(_by_hand(model, without_inverse, both)(x), reference) > NAIVE_MIN_ERR
+    sa, ta = model.norm_a.weight.detach(), model.norm_a.bias.detach()
+    assert rel_err(_by_hand(model, {"dense": ("rows", sa, ta)}, ["norm_a"])(x), reference) > NAIVE_MIN_ERR
+
+
+@pytest.mark.parametrize(
+    ("variant", "norm", "why"),
+    [
+        ("tanh", "norm_b", "is also read by aten.tanh"),
+        ("zero", "norm_b", "a channel's scale is 0"),
+        ("twice", "norm_a", "no Linear/conv before the norm: aten.add produces its input"),
+    ],
+)
+def test_no_backward_fold_through_a_sum_where_it_would_be_wrong(variant, norm, why):
+    """``y`` also read by a tanh (no inverse goes there), a zero scale in NoNorm_b (``inter`` has no inverse to
+    take), an addend added to itself (scaling ``dense``'s rows adds ``t`` twice): the norm stays an affine, with the
+    real blocker in ``no_backward``; the fold by hand that ignores it is wrong."""
+    model, x, d = _chain(variant)
+    assert (d[norm].action, d[norm].reason) == (
+        "kept-affine",
+        reasons.NONLINEAR if norm == "norm_b" else reasons.RESIDUAL_READS_NORM,
+    )
+    assert why in (d[norm].no_backward or ""), d[norm].no_backward
+    if variant == "twice":
+        naive = _by_hand(model, {"dense": ("rows", model.norm_a.weight.detach(), model.norm_a.bias.detach())}, [norm])
+    else:
+        naive = _by_hand(model, _folds(model), ["norm_a", "norm_b"])
+    assert rel_err(naive(x), model(x)) > NAIVE_MIN_ERR
+
+
+class SharedProducer(nn.Module):
+    """``h = fc(x)`` read by the norm (before a GELU) and by ``side``: ``fc`` takes the norm (rows, ``s`` and
+    ``t``) and ``side`` the inverse ``(1 / s, -t / s)`` on its columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.side = nn.Linear(C, C), nn.Linear(C, 3)
+        self.norm = nn.BatchNorm1d(C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return F.gelu(self.norm(h))[:, :3] + self.side(h)
+
+
+def test_a_shared_producer_output_takes_the_shift_and_its_other_reader_the_inverse():
+    model = randomize(SharedProducer()).eval()
+    x = torch.randn(B, C, generator=torch.Generator().manual_seed(1))
+    reference = model(x)
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward", ["fc", "side"])]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32] and not kept_affines(gm)
+    s, t = (v.float() for v in affine_of(model.norm))
+    naive = copy.deepcopy(model)  # the inverse scale alone: ``side`` reads s h + t, not s h
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        naive.fc.weight.mul_(s[:, None])
+        naive.fc.bias.mul_(s).add_(t)
+        naive.side.weight.div_(s)
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+
+
+class MobileBertEncoder(nn.Module):
+    """transformers' ``MobileBertModel`` (random weights, NoNorm weights and biases drawn as if calibrated): the
+    last hidden state for token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MobileBertConfig, MobileBertModel
+
+        torch.manual_seed(0)
+        config = MobileBertConfig(
+            vocab_size=50,
+            hidden_size=32,
+            embedding_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            intra_bottleneck_size=16,
+            true_hidden_size=16,
+            num_feedforward_networks=2,
+            max_position_embeddings=16,
+        )
+        self.m = MobileBertModel(config, add_pooling_layer=False).eval()
+        with torch.no_grad():
+            for name, p in self.m.named_parameters():
+                if "LayerNorm" in name:
+                    p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=ids, return_dict=False)[0]
+
+
+def test_mobilebert_folds_every_nonorm():
+    """Its NoNorms sit after residual sums of dense layers (and of the embedding projection with the position and
+    token-type tables), and the sums feed the next residual: each folds backward into every addend, the layers
+    reading a shared addend taking the inverse. Before, three were kept with ``residual-reads-norm``."""
+    model = MobileBertEncoder().eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    reference = model(ids)
+    names = [n for n, m in model.named_modules() if type(m).__name__ == "NoNorm"]
+    gm, decisions = fuse(model, ids)
+    assert sorted(d.norm for d in decisions) == sorted(names) and len(names) == 7
+    actions = {d.norm.removeprefix("m."): d.action for d in decisions}
+    for name in ("embeddings.LayerNorm", "encoder.layer.0.attention.output.LayerNorm"):
+        assert actions[name] == "folded-backward"
+    assert actions["encoder.layer.0.ffn.0.output.LayerNorm"] == "folded-backward"
+    assert all(d.action.startswith("folded") for d in decisions)
+    assert rel_err(gm(ids), reference) <= TOL[torch.float32]
+    assert not kept_affines(gm) and not [k for k in fused_state_dict(gm) if "LayerNorm" in k]  # no NoNorm op left

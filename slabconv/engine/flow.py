@@ -266,9 +266,14 @@ class VirtualGraph:
 
     def readers(self, node: fx.Node) -> list[fx.Node]:
         """Users that read ``node``'s data once the removed norms are gone (shape-only reads left out)."""
-        out = [u for u in node.users if u not in self.gone and reads_data(u, node)]
+        return [user for _, user in self.read_edges(node)]
+
+    def read_edges(self, node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+        """``(src, user)`` for each reader of ``node``'s data once the removed norms are gone: ``src`` is the node
+        ``user`` reads in the graph as it is (``node``, or the output of a removed norm that stands for it)."""
+        out = [(node, u) for u in node.users if u not in self.gone and reads_data(u, node)]
         for removed_output in self.into.get(node, []):
-            out += self.readers(removed_output)
+            out += self.read_edges(removed_output)
         return out
 
 
@@ -303,55 +308,184 @@ def _bias_add_layer(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def find_producer(
-    start: fx.Node, chan: Chan, owned: Iterable[fx.Node], graph: VirtualGraph | None = None
-) -> Producer | str:
-    """The Linear/conv that produces ``start`` (the norm's input, channels at ``chan``) through view-like ops,
-    when nothing else reads any tensor on the way: scaling its output channels then changes nothing but the
-    norm's input (a backward fold, ``slabconv.fold.fold_into_producer``).
+@dataclass
+class Backward:
+    """How a norm folds backward (``find_producers``).
 
-    Args:
-        start: the norm's input.
-        chan: where its channels sit (plain).
-        owned: the norm's own nodes (they read ``start``; nothing else may).
-        graph: the graph as earlier planned removals leave it (default: as it is).
-
-    Returns:
-        The ``Producer``, or why there is none (plain text).
+    Attributes:
+        producers: the Linear / conv / embedding ops whose outputs make the norm's input: one, or the addends of a
+            sum (a residual add of two layers' outputs). Each scales its output channels by ``s``; one of them
+            (the planner picks it) also takes the shift ``t``.
+        shared: per producer, the indices of ``compensations`` groups it lies under.
+        compensations: per tensor on the way that something else reads too (``shared``), the layers reading it
+            (through view-like ops): that tensor becomes ``s x + t'`` (``t' = t`` when the producer taking the
+            shift lies under it, else 0), so each of them takes the inverse affine ``(1 / s, -t' / s)`` on its
+            input, exactly as a forward fold.
     """
-    graph = graph or VirtualGraph()
-    node, ch, allowed = graph.resolve(start), chan, set(owned)
-    if any((start, o) in graph.kept for o in allowed):
-        return "an earlier norm keeps an affine before this one"
-    while True:
-        others = [u for u in graph.readers(node) if u not in allowed]
-        if others:
-            return f"{node.name} is also read by {op_name(others[0]) if others[0].op != 'output' else 'the output'}"
+
+    producers: list[Producer] = field(default_factory=list)
+    shared: list[tuple[int, ...]] = field(default_factory=list)
+    compensations: list[list[ConsumerUse]] = field(default_factory=list)
+
+
+def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
+    """The two addends of ``a + b`` with where the channels sit on each, when both are distinct float tensors
+    that hold the whole channel axis (broadcast along other axes only, as a ``(1, N, C)`` position embedding
+    is over the batch) and there is no ``alpha``; else None."""
+    if node.target is not aten.add.Tensor or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    a, b = node.args
+    if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or a is b:
+        return None
+    shape = shape_of(node)
+    assert shape is not None
+    out = []
+    for t in (a, b):
+        sizes = shape_of(t)
+        if not is_float(t) or sizes is None or len(sizes) > len(shape):
+            return None
+        lead = len(shape) - len(sizes)
+        if ch.axis < lead or not same_size(sizes[ch.axis - lead], shape[ch.axis]):
+            return None
+        if any(not same_size(n, m) and static_int(n) != 1 for n, m in zip(sizes, shape[lead:], strict=True)):
+            return None
+        out.append((t, ch.at(ch.axis - lead)))
+    return out
+
+
+class _Up:
+    """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
+
+    def __init__(self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool) -> None:
+        self.graph, self.stop, self.inverse = graph, stop, inverse
+        self.found = Backward()
+        self.seen: set[fx.Node] = set()
+
+    def reader_name(self, node: fx.Node) -> str:
+        return op_name(node) if node.op != "output" else "the output"
+
+    def compensate(self, node: fx.Node, ch: Chan, path: Collection[fx.Node]) -> list[ConsumerUse] | str:
+        """The layers that read ``node`` (channels at ``ch``) other than ``path``, through view-like ops only:
+        they can take the inverse of the affine ``node`` will carry. A reason when anything else reads it."""
+        uses: list[ConsumerUse] = []
+        todo: list[tuple[fx.Node, Chan, Collection[fx.Node]]] = [(node, ch, path)]
+        while todo:
+            n, c, skip = todo.pop()
+            for src, user in self.graph.read_edges(n):
+                if user in skip:
+                    continue
+                why = f"{node.name} is also read by {self.reader_name(user)}"
+                if not self.inverse:
+                    why += " (and it has no inverse: a channel's scale is 0)"
+                if not self.inverse or (src, user) in self.graph.kept or user in self.stop:
+                    return why
+                if user.op != "call_function":
+                    return why
+                layer = LAYER_OF.get(user.target)
+                rule = RULE_OF.get(user.target)
+                if user in self.seen and layer is None:
+                    return why  # the walk's own tree: two paths to the norm
+                if layer is not None:
+                    if layer.consumer_check(user, src, c) is not None:
+                        return why
+                    uses.append(ConsumerUse(user, src, layer, c, 1.0))
+                elif user.target is operator.getitem:
+                    todo.append((user, c, ()))
+                elif rule is not None and rule.view_like and user.args and user.args[0] is src:
+                    outcome = rule.step(user, src, c)
+                    if not isinstance(outcome, Pass) or not (rule.tuple_out or is_float(user)):
+                        return why
+                    todo.append((user, outcome.chan, ()))
+                else:
+                    return why
+        return uses
+
+    def walk(self, node: fx.Node, ch: Chan, path: Collection[fx.Node], shared: tuple[int, ...]) -> str | None:
+        """Walk up from ``node`` (read by ``path``, channels at ``ch``) to its producers; None when every branch
+        ends at one, else why not."""
+        node = self.graph.resolve(node)
+        if node in self.seen:
+            return f"{node.name} reaches the norm on two paths"
+        self.seen.add(node)
+        if any(u not in path for u in self.graph.readers(node)):
+            uses = self.compensate(node, ch, path)
+            if isinstance(uses, str):
+                return uses
+            shared = (*shared, len(self.found.compensations))
+            self.found.compensations.append(uses)
         if node.op != "call_function":
             return f"the norm's input is a {node.op}, not a layer's output"
         layer = LAYER_OF.get(node.target)
         if layer is not None:
             reason = layer.producer_check(node, ch)
-            bias = layer.bias(node)
-            return reason or Producer(node, layer, layer.weight(node), bias)  # type: ignore[arg-type]
+            if reason is not None:
+                return reason
+            self.found.producers.append(Producer(node, layer, layer.weight(node), layer.bias(node)))  # type: ignore[arg-type]
+            self.found.shared.append(shared)
+            return None
         below = _bias_add_layer(node)
         if below is not None:  # ``layer(x) + b``: the layer with its separate bias
-            node, allowed = below, {node}
-            continue
+            return self.walk(below, ch, {node}, shared)
         if node.target is operator.getitem:
             tup = node.args[0]
             assert isinstance(tup, fx.Node)
-            if any(graph.readers(g) for g in tup.users if g is not node):
+            if any(self.graph.readers(g) for g in tup.users if g is not node):
                 return f"another output of {op_name(tup)} is read elsewhere"
-            node, allowed = tup, {u for u in tup.users}
-            continue
+            return self.walk(tup, ch, set(tup.users), shared)
+        addends = _sum_operands(node, ch)
+        if addends is not None:  # s (a + b) + t = (s a + t) + s b: each addend's producers take s
+            for a, a_ch in addends:
+                if (a, node) in self.graph.kept:
+                    return f"an earlier norm keeps an affine before {op_name(node)}"
+                if (reason := self.walk(a, a_ch, {node}, shared)) is not None:
+                    return reason
+            return None
         step = _through(node, ch)
         if isinstance(step, str):
             return step
-        if (step[0], node) in graph.kept:
+        if (step[0], node) in self.graph.kept:
             return f"an earlier norm keeps an affine before {op_name(node)}"
-        allowed, (src, ch) = {node}, step
-        node = graph.resolve(src)
+        return self.walk(step[0], step[1], {node}, shared)
+
+
+def find_producers(
+    start: fx.Node,
+    chan: Chan,
+    owned: Iterable[fx.Node],
+    graph: VirtualGraph | None = None,
+    stop: Collection[fx.Node] = (),
+    inverse: bool = True,
+) -> Backward | str:
+    """The layers whose outputs make ``start`` (the norm's input, channels at ``chan``): a Linear / conv /
+    embedding through view-like ops, or the addends of a sum of such (a residual add of two layers' outputs, the
+    sum of MobileBERT's ``embedding_transformation`` and its position and token-type embeddings). Scaling their
+    output channels by ``s`` (and one of them shifting by ``t``) makes ``start`` equal to the norm's output: a
+    backward fold (``slabconv.fold.fold_into_producer``), exact on every path at once.
+
+    Every tensor on the way changes value, so each must be read by the way alone, or (``inverse``) only by
+    layers on the channel axis through view-like ops, which then take the inverse affine (``Backward``): in
+    MobileBERT, ``NoNorm_b(dense(h) + y_a)`` where ``y_a`` (the sum an earlier NoNorm folded into) also feeds the
+    next intermediate Linear. A tensor reached twice (``x + x``), a sum with broadcasting, another norm's op or a
+    kept affine among the readers: no backward fold.
+
+    Args:
+        start: the norm's input.
+        chan: where its channels sit (plain).
+        owned: the norm's own nodes (they read ``start``).
+        graph: the graph as earlier planned removals leave it (default: as it is).
+        stop: the other norms' ops (a tensor they read cannot change).
+        inverse: allow compensation by the inverse affine (the norm's scale has no zero).
+
+    Returns:
+        The ``Backward``, or why there is none (plain text).
+    """
+    graph = graph or VirtualGraph()
+    allowed = set(owned)
+    if any((start, o) in graph.kept for o in allowed):
+        return "an earlier norm keeps an affine before this one"
+    up = _Up(graph, stop, inverse)
+    reason = up.walk(start, chan, allowed, ())
+    return reason if reason is not None else up.found
 
 
 _LAYOUT_KEEPING = {

@@ -41,7 +41,7 @@ from torch import fx
 from slabconv import fold
 from slabconv.engine import reasons
 from slabconv.engine.capture import module_path, shape_of, stored, written_tensors
-from slabconv.engine.flow import BlockedEdge, ConsumerUse, VirtualGraph, find_producer, follow
+from slabconv.engine.flow import Backward, BlockedEdge, ConsumerUse, VirtualGraph, find_producers, follow
 from slabconv.engine.layers import LayerKind, layer_name, separate_bias
 from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
 from slabconv.engine.norms import NormSite, find_norms
@@ -458,16 +458,61 @@ def _forward(
 
 
 def _backward(
-    weights: _Weights, graph: VirtualGraph, site: NormSite, scale: torch.Tensor, shift: torch.Tensor
-) -> tuple[str, _Fold] | str:
-    """``(producer name, its fold)`` when the norm folds backward, else why not."""
-    producer = find_producer(site.input, Chan(site.channel_axis, site.channels), site.region, graph)
-    if isinstance(producer, str):
-        return producer
-    if not (weights.private(producer.weight) and weights.private(weights.bias_node(producer.node, producer.layer))):
-        return f"the weight of {layer_name(producer.node)} is shared"
-    f = _fold(weights, producer.node, producer.layer, False, scale, shift, _shifts(site), site.name)
-    return (layer_name(producer.node), f) if f.fits() else f"{reasons.DTYPE_OVERFLOW} in {layer_name(producer.node)}"
+    weights: _Weights,
+    graph: VirtualGraph,
+    site: NormSite,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    stop: Collection[fx.Node] = (),
+) -> tuple[list[str], list[_Fold]] | str:
+    """``(the layers' names, their folds)`` when the norm folds backward (``find_producers``), else why not.
+
+    Every producer scales its output channels by ``s``; one of them, the carrier, also adds ``t``: a producer no
+    compensated tensor lies above, preferably one that has a bias already (stored, separate or created) or an
+    embedding (its table takes ``t``), so no bias is created. Every layer reading a compensated tensor takes the
+    inverse affine ``(1 / s, -t' / s)`` forward (``t' = t`` when the carrier lies under that tensor)."""
+    found = find_producers(
+        site.input, Chan(site.channel_axis, site.channels), site.region, graph, stop, bool((scale != 0).all())
+    )
+    if isinstance(found, str):
+        return found
+    layers = [p.node for p in found.producers] + [u.node for uses in found.compensations for u in uses]
+    if len(set(layers)) != len(layers):
+        return "a layer would take two folds of this norm"
+    for node, kind in [(p.node, p.layer) for p in found.producers] + [
+        (u.node, u.layer) for uses in found.compensations for u in uses
+    ]:
+        if not (weights.private(kind.weight(node)) and weights.private(weights.bias_node(node, kind))):
+            return f"the weight of {layer_name(node)} is shared"
+    shifts = _shifts(site)
+    carrier = _carrier(weights, found) if shifts else None
+    zero = torch.zeros_like(shift)
+    folds = []
+    for i, p in enumerate(found.producers):
+        f = _fold(weights, p.node, p.layer, False, scale, shift if i == carrier else zero, i == carrier, site.name)
+        folds.append(f)
+    inverse = 1.0 / scale if found.compensations else scale
+    for g, uses in enumerate(found.compensations):
+        carried = carrier is not None and g in found.shared[carrier]
+        t = -shift / scale if carried else zero
+        for use in uses:
+            s_in, t_in = _tiled(inverse, use.chan, use.src, 1.0), _tiled(t, use.chan, use.src, 0.0)
+            folds.append(_fold(weights, use.node, use.layer, True, s_in, t_in, carried, site.name))
+    for node, f in zip(layers, folds, strict=True):
+        if not f.fits():
+            return f"{reasons.DTYPE_OVERFLOW} in {layer_name(node)}"
+    return list(dict.fromkeys(layer_name(n) for n in layers)), folds
+
+
+def _carrier(weights: _Weights, found: Backward) -> int:
+    """The producer that takes the shift ``t`` (see ``_backward``)."""
+
+    def rank(i: int) -> tuple[bool, bool, int]:
+        p = found.producers[i]
+        has_bias = p.layer.name == "embedding" or weights.bias(p.node, p.layer)[0] is not None
+        return (bool(found.shared[i]), not has_bias, i)
+
+    return min(range(len(found.producers)), key=rank)
 
 
 def _shifts(site: NormSite) -> bool:
@@ -554,11 +599,13 @@ def plan_norm(
     if not blocked:
         decision.action, decision.into = FOLDED_FORWARD, into
     else:
-        backward = _backward(weights, graph, site, scale, shift)
+        backward = _backward(weights, graph, site, scale, shift, stop)
         if not isinstance(backward, str):
-            decision.action, decision.into = FOLDED_BACKWARD, [backward[0]]
-            plan.updates, plan.new_biases = backward[1].updates, backward[1].new_biases
-            plan.folds = [backward[1].record]
+            decision.action, decision.into = FOLDED_BACKWARD, backward[0]
+            for f in backward[1]:
+                plan.updates += f.updates
+                plan.new_biases += f.new_biases
+                plan.folds.append(f.record)
             plan.unit = _unit(site)
             return plan
         decision.no_backward, decision.paths = backward, _paths(blocked)
