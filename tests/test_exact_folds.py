@@ -691,3 +691,44 @@ def test_mobilebert_folds_every_nonorm():
     assert all(d.action.startswith("folded") for d in decisions)
     assert rel_err(gm(ids), reference) <= TOL[torch.float32]
     assert not kept_affines(gm) and not [k for k in fused_state_dict(gm) if "LayerNorm" in k]  # no NoNorm op left
+
+
+# --------------------------------------------------------------------------------------------- the real blocker
+
+
+class WeightNormed(nn.Module):
+    """Weight-normalised Linears (``W = g v / |v|``, computed on every call): ``fc`` reads the norm ``norm``;
+    ``pre`` produces the input of ``norm2``, which a GELU reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils.parametrizations import weight_norm
+
+        self.norm, self.norm2 = nn.BatchNorm1d(C), nn.BatchNorm1d(C)
+        self.fc, self.pre = weight_norm(nn.Linear(C, 5)), weight_norm(nn.Linear(C, C))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x)) + F.gelu(self.norm2(self.pre(x)))[:, :5]
+
+
+def test_a_computed_weight_is_named_as_the_blocker():
+    """``fc``'s weight is computed: the forward fold is refused with ``computed-weight`` (not
+    ``unsupported-op:aten.linear``); scaling ``v``'s columns instead is wrong, as ``|v|`` changes too. ``norm2``
+    is kept before the GELU, and the report's ``backward`` says that ``pre`` has no stored weight."""
+    model = randomize(WeightNormed()).eval()
+    x = torch.randn(B + 2, C, generator=torch.Generator().manual_seed(2))
+    reference = model(x)
+    naive = copy.deepcopy(model)
+    s, t = (v.float() for v in affine_of(model.norm))
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        naive.fc.bias.add_(model.fc.weight @ t)
+        naive.fc.parametrizations.weight.original1.mul_(s)
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+    gm, decisions = fuse(model, x)
+    d = {d.norm: d for d in decisions}
+    assert (d["norm"].action, d["norm"].reason) == ("kept-affine", reasons.COMPUTED_WEIGHT)
+    assert d["norm"].paths == [{"before": "fc:aten.linear", "reason": reasons.COMPUTED_WEIGHT}]
+    assert (d["norm2"].action, d["norm2"].reason) == ("kept-affine", reasons.NONLINEAR)
+    assert d["norm2"].to_dict()["backward"] == "aten.linear has no stored weight to scale (computed-weight)"
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]

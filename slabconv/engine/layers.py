@@ -65,8 +65,10 @@ class LayerKind:
         return 1
 
     def _structure(self, node: fx.Node) -> str | None:
+        """``computed-weight`` when the weight or bias is not a stored tensor (a weight-normalised layer computes
+        ``g v / |v|`` as it runs; an exporter's ``Transpose`` of a weight left unfolded): nothing to rescale."""
         if self.weight(node) is None or not is_param(self.bias(node)):
-            return reasons.unsupported(node)
+            return reasons.COMPUTED_WEIGHT
         return None
 
     def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
@@ -82,6 +84,8 @@ class LayerKind:
         """None when the channels at ``ch`` of the layer's output are its output channels (a backward fold
         scales weight rows), else why not (plain text; backward folds have no public reasons)."""
         if (reason := self._structure(node)) is not None:
+            if reason == reasons.COMPUTED_WEIGHT:
+                return f"{op_name(node)} has no stored weight to scale ({reasons.COMPUTED_WEIGHT})"
             return reason
         if not ch.plain or ch.axis != self.out_axis(node):
             return f"the norm's channels are not the output channels of {op_name(node)}"

@@ -70,7 +70,9 @@ class Decision:
         paths: every blocked path as ``{"before": <module>:<op>, "reason": <reason>}``, in graph order (the
             ``reason`` field is the first of these).
         warnings: facts the user should know (unfinished progressive schedule, ...).
-        no_backward: why no backward fold was possible, when one was tried (plain text; not in ``to_dict``).
+        no_backward: why no backward fold was possible, when one was tried because a path is blocked (plain text;
+            ``backward`` in ``to_dict``): with ``reason`` it names both blockers, e.g. a residual that reads the
+            norm and a producer whose weight is computed.
     """
 
     norm: str
@@ -93,6 +95,7 @@ class Decision:
             "kept_on": self.kept_on,
             "paths": self.paths,
             "warnings": self.warnings,
+            "backward": self.no_backward if self.action in (KEPT_AFFINE, KEPT) else None,
         }
 
 

@@ -26,6 +26,7 @@ FEEDS_OUTPUT = "feeds-model-output"
 SHARED_WEIGHT = "shared-consumer-weight"
 DTYPE_OVERFLOW = "dtype-overflow"
 CONSUMER_OFF_CHANNEL = "consumer-not-on-channel-axis"
+COMPUTED_WEIGHT = "computed-weight"
 UNSUPPORTED_PREFIX = "unsupported-op:"
 
 ALL = (
@@ -46,6 +47,7 @@ ALL = (
     SHARED_WEIGHT,
     DTYPE_OVERFLOW,
     CONSUMER_OFF_CHANNEL,
+    COMPUTED_WEIGHT,
     UNSUPPORTED_PREFIX + "<aten op>",
 )
 

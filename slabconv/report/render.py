@@ -151,6 +151,8 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
             if verbose and d.paths:
                 for path in d.paths:
                     yield f"  {shown(d.norm)}: blocked before {shown(path['before'])}: {path['reason']}"
+            if verbose and d.no_backward and d.action in ("kept-affine", "kept"):
+                yield f"  {shown(d.norm)}: no backward fold: {shown(d.no_backward)}"
     if report.outputs is not None and report.out_dir is not None:
         yield f"wrote {shown(report.out_dir)}/: {', '.join([*report.outputs.files, 'report.json'])}"
         if verbose:
