@@ -1,5 +1,6 @@
-"""Every door, one answer: the models of the norm, refusal and view-rule suites, planned as a ``torch.export``
-program (what ``slabconv fuse model.pt2`` plans) and as their ONNX exports, give the same decisions.
+"""Every door, one answer: the models of the norm, refusal and view-rule suites (and three of the exact-fold suite),
+planned as a ``torch.export`` program (what ``slabconv fuse model.pt2`` plans) and as their ONNX exports, give the
+same decisions.
 
 An ONNX original is lowered into the engine's ATen vocabulary (``slabconv.engine.onnx_lower``) and planned by the
 same ``plan_folds``; this file holds the two doors to each other on each case: the norm's name and kind, the action,
@@ -30,6 +31,7 @@ from torch import nn
 from slabconv import engine
 from slabconv.engine import onnx_fold
 from tests import test_engine_norms as norms_suite
+from tests import test_exact_folds as exact_folds
 from tests import test_refusals as refusals
 from tests import test_view_rules as view_rules
 from tests.foldcheck import randomize
@@ -108,7 +110,15 @@ SUITE_CASES: list[tuple[str, Factory]] = [
     ("not-norms", lambda: (norms_suite.NotNorms().eval(), _tokens())),
 ]  # fmt: skip
 
-CASES = [pytest.param(f, False, id=f"{i}-torchscript") for i, f in SUITE_CASES]
+EXACT_FOLD_CASES: list[tuple[str, Factory]] = [
+    # tests/test_exact_folds.py: upsample + channel concat, a separate bias stored (1, C, 1, 1), a chain of NoNorms
+    # after residual sums (TorchScript exports only; the affine kept after a concat is fused through ONNX there)
+    ("aifi-upsample-concat", lambda: exact_folds._aifi("cv1", False)[:2]),
+    ("separate-bias", lambda: (randomize(exact_folds.SeparateBias("conv", True, True)).eval(), _image(4, 6)())),
+    ("residual-chain", lambda: (exact_folds.ResidualChain().eval(), _tokens())),
+]
+
+CASES = [pytest.param(f, False, id=f"{i}-torchscript") for i, f in SUITE_CASES + EXACT_FOLD_CASES]
 CASES += [pytest.param(f, True, id=f"{i}-dynamo") for i, f in SUITE_CASES]
 for _id, _factory, _dynamo in _view_cases():
     CASES.append(pytest.param(_factory, False, id=f"{_id}-torchscript"))

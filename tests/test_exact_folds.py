@@ -1,23 +1,28 @@
-"""Exact folds through the ops models put between a norm and its layer (issue 36): interpolation and pooling.
+"""Exact folds through the ops and patterns models put between a norm and its layers (issue 36): interpolation and
+pooling, convs that pad nothing, a layer's separate bias add, a channel concat (the norm folds into the layer's
+slice of input channels), a norm after a sum of layers (a chain of affines, MobileBERT), and the blocker a refusal
+names when a layer's weight is computed.
 
-Each op family has cases that fold (the fused graph matches the original; the naive fold, which is then exact, is
-what slabconv did) and a case where the naive fold would be wrong and slabconv keeps the affine with the reason.
-``test_every_resampling_rule_has_cases`` fails when a pooling or resampling rule is added to the table without
-its cases here.
+Each family has cases that fold (the fused graph matches the original) and cases where the naive fold would be
+wrong and slabconv keeps the affine (or the norm) with the reason. ``test_every_resampling_rule_has_cases`` fails
+when a pooling or resampling rule is added to the table without its cases here.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv.engine import fused_state_dict, reasons
+from slabconv.engine import fused_state_dict, onnx_fold, reasons
 from slabconv.engine.capture import stored
 from slabconv.engine.rules import RULE_OF, RULES
 from slabconv.zoo.norms import RepBN
@@ -505,6 +510,27 @@ def test_an_affine_kept_after_a_concat_is_the_identity_on_the_other_channels():
     (mul,) = kept_affines(gm)
     assert mul.args[0].target is torch.ops.aten.cat.default
     kept_scale = stored(gm, mul.args[1].target).flatten()
+    assert torch.equal(kept_scale[C:], torch.ones(4))
+    assert torch.allclose(kept_scale[:C].double(), affine_of(model.norm)[0])
+
+
+def test_an_affine_kept_after_a_concat_is_laid_out_the_same_in_an_onnx_file(tmp_path):
+    """The same model through the ONNX door (the TorchScript exporter, what ``yolo export`` runs): the same
+    decision, and the kept ``Mul`` written in front of the padded conv carries the norm's scale on the norm's
+    channels and 1 on the backbone's. Tiling the ``C`` scales over the ``C + 4`` channels cannot be written."""
+    model, x, reference = _aifi("padded")
+    path = tmp_path / "aifi.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=18, input_names=["x"])
+    onnx_model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.into, d.reason) for d in decisions] == [("kept-affine", ["cv1"], reasons.PADDED_CONV_CONSUMER)]
+    ir.save(onnx_model, str(tmp_path / "fused.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "fused.onnx"), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {"x": x.numpy()})
+    assert rel_err(torch.from_numpy(out), reference) <= TOL[torch.float32]
+    (mul,) = [n for n in onnx_model.graph if n.op_type == "Mul" and n.inputs[0].producer().op_type == "Concat"]
+    kept_scale = torch.from_numpy(mul.inputs[1].const_value.numpy()).flatten()
     assert torch.equal(kept_scale[C:], torch.ones(4))
     assert torch.allclose(kept_scale[:C].double(), affine_of(model.norm)[0])
 

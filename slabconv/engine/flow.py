@@ -5,8 +5,10 @@ Three walks, all read-only:
 - ``follow(start, chan)``: forward from a norm's output. In: the node and where its channels sit. Out: a
   ``Flow``: every consumer that can absorb the affine (``ConsumerUse``) and every edge where it is blocked
   (``BlockedEdge``, with a reason). Every user of every tensor on the way is classified; nothing is skipped.
-- ``find_producer(start, chan, owned, graph)``: backward from a norm's input through view-like ops to a
-  Linear/conv whose output nothing else reads. Out: a ``Producer``, or the plain-text reason there is none.
+- ``find_producers(start, chan, owned, graph, stop)``: backward from a norm's input through view-like ops, a
+  layer's separate bias add and sums, to the Linears / convs / embeddings whose outputs make it, every tensor on
+  the way read by the way alone or by layers that can take the inverse affine. Out: a ``Backward``, or the
+  plain-text reason there is none.
 - ``source_chan(node, known)`` and ``reaches_layer(start, chan)``: layout only (no affine flows): where the channel
   axis of the nearest layer or norm upstream sits on ``node``, and whether a layer downstream contracts a given
   axis. Used to tell a per-channel constant on a channel axis from one on a token axis.

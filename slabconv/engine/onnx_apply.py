@@ -181,8 +181,8 @@ class _Graph:
         trailing = [1] * (rank - 1 - edge.chan.axis)
         dtype = ir.DataType.DOUBLE if self.exact else base.dtype
         assert dtype is not None
-        s = fold.tile_channels(p.scale, edge.chan.inner, size).reshape(-1, *trailing)
-        t = fold.tile_channels(p.shift * edge.mult, edge.chan.inner, size).reshape(-1, *trailing)
+        s = edge.chan.lay_out(p.scale, size, 1.0).reshape(-1, *trailing)  # identity outside a concat's norm part
+        t = edge.chan.lay_out(p.shift * edge.mult, size, 0.0).reshape(-1, *trailing)
         stem = p.site.name
         out = self._op("Mul", base, self._initializer(f"{stem}.scale", _numpy(s, dtype)), f"{stem}/kept_affine_mul")
         if bool(t.any()):

@@ -132,7 +132,7 @@ def _renamed_layer(la: LayerRecipe, repeat: Repeat, slot: int, real: int) -> Lay
     def r(name: str | None) -> str | None:
         return repeat.rename(name, slot, real) if name is not None else None
 
-    folds = [replace(f, weight=r(f.weight), norm=r(f.norm)) for f in la.folds]
+    folds = [replace(f, weight=r(f.weight), norm=r(f.norm), bias=r(f.bias)) for f in la.folds]
     weight = r(la.weight)
     assert weight is not None
     return replace(la, weight=weight, bias=r(la.bias), bias_out=r(la.bias_out), folds=folds)
