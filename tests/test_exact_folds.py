@@ -431,6 +431,9 @@ class AifiUpsampleConcat(nn.Module):
     - ``cv1``: a C3k2's 1x1 conv: the norm folds into its slice of input channels;
     - ``tokens``: ``flatten(2).transpose(1, 2)`` and a Linear over the channels (the channel axis stays whole);
     - ``mixing``: ``reshape(B, h w, C')`` of the channels-first tensor: each row mixes channels (refused);
+    - ``flat``: ``flatten(1)`` and a Linear over ``2C h w`` columns (the backbone's piece has ``C`` channels too):
+      the flattened axis looks like the norm's ``C`` channels tiled twice in blocks of ``h w``, but half of it is
+      the backbone's (refused);
     - ``padded``: ``cv1(cat) + conv3x3(cat)``: the padded conv keeps an affine after the concat, the identity on
       the backbone's channels;
     - ``two``: the other piece is a second norm's output; each folds into its own slice.
@@ -441,9 +444,11 @@ class AifiUpsampleConcat(nn.Module):
         self.head, self.first = head, first
         self.norm = RepBN(C)
         self.up = nn.Upsample(None, 2, "nearest")
-        self.skip = nn.BatchNorm2d(C) if head == "two" else nn.Conv2d(C, 4, 3, padding=1)
-        wide = 2 * C if head == "two" else C + 4
+        self.skip = nn.BatchNorm2d(C) if head == "two" else nn.Conv2d(C, C if head == "flat" else 4, 3, padding=1)
+        wide = 2 * C if head in ("two", "flat") else C + 4
         self.cv1 = nn.Linear(wide, 6) if head in ("tokens", "mixing") else nn.Conv2d(wide, 6, 1)
+        if head == "flat":
+            self.cv1 = nn.Linear(wide * 64, 6)  # the 8 x 8 grid of ``_aifi``
         self.cv3 = nn.Conv2d(wide, 6, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -456,6 +461,8 @@ class AifiUpsampleConcat(nn.Module):
             return self.cv1(cat.flatten(2).transpose(1, 2))
         if self.head == "mixing":
             return self.cv1(cat.reshape(b, h * w, -1))
+        if self.head == "flat":
+            return self.cv1(cat.flatten(1))
         if self.head == "padded":
             return self.cv1(cat) + self.cv3(cat)
         return self.cv1(cat)
@@ -482,13 +489,20 @@ def test_a_norm_concatenated_with_other_channels_folds_into_its_slice(head, firs
     assert not aten_ops(gm) - bare_ops  # (the permutes around the norm cancel: fewer ops than without the norm)
 
 
-def test_a_reshape_that_mixes_a_concatenated_channel_axis_is_refused():
-    """``reshape(B, h w, C')`` of ``(B, C', h, w)``: the naive fold (the norm's slice of ``cv1``'s columns scaled
-    as if the reshape kept the channels) is wrong; slabconv keeps the affine before the reshape."""
-    model, x, reference = _aifi("mixing")
+@pytest.mark.parametrize("head", ["mixing", "flat"])
+def test_a_reshape_that_mixes_a_concatenated_channel_axis_is_refused(head):
+    """``mixing``: ``reshape(B, h w, C')`` of ``(B, C', h, w)``; the naive fold (the norm's slice of ``cv1``'s
+    columns scaled as if the reshape kept the channels) is wrong. ``flat``: ``flatten(1)`` of ``(B, 2C, h, w)``
+    reads as the norm's ``C`` channels tiled twice (blocks of ``h w`` columns), which a tensor with one norm
+    (no concat) would be; folding it so scales the backbone's columns too. slabconv keeps the affine before the
+    reshape."""
+    model, x, reference = _aifi(head)
     scale, shift = affine_of(model.norm)
     naive = norm_free(model, ["norm"])
-    s, t = torch.cat([scale, torch.ones(4)]).float(), torch.cat([shift, torch.zeros(4)]).float()
+    if head == "mixing":
+        s, t = torch.cat([scale, torch.ones(4)]).float(), torch.cat([shift, torch.zeros(4)]).float()
+    else:
+        s, t = scale.repeat_interleave(64).repeat(2).float(), shift.repeat_interleave(64).repeat(2).float()
     with torch.no_grad():
         naive.cv1.bias.add_(naive.cv1.weight @ t)
         naive.cv1.weight.mul_(s)
