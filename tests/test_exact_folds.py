@@ -121,6 +121,13 @@ RESAMPLING: dict[str, tuple[list[Case], Case | None]] = {
         ],
         None,  # a mean over each window
     ),
+    "mean": (
+        [
+            Case(lambda y: y.mean((2, 3), keepdim=True), "mean"),  # GlobalAveragePool, then a 1x1 conv
+            Case(lambda y: y.mean((-1, -2)), "mean", linear=True),
+        ],
+        None,  # a mean over each plane
+    ),
     "avg_pool": (
         [
             Case(lambda y: F.avg_pool2d(y, 2), "avg_pool2d"),
@@ -164,7 +171,7 @@ def _fused(case: Case) -> tuple[nn.Module, torch.Tensor, torch.fx.GraphModule, l
 def test_every_resampling_rule_has_cases():
     """Every pooling / resampling rule of the table (forward walk only) is exercised here, and each case's op is
     one of its rule's ops."""
-    families = {"interpolate", "grid_sample", "adaptive_avg_pool", "avg_pool", "max_pool", "max_pool_indices"}
+    families = {"interpolate", "grid_sample", "mean", "adaptive_avg_pool", "avg_pool", "max_pool", "max_pool_indices"}
     assert families <= {r.name for r in RULES}
     assert set(RESAMPLING) == families
     for name, (folds, block) in RESAMPLING.items():
