@@ -266,13 +266,22 @@ class ChannelsLast(nn.Module):
 
 
 def test_interpolating_the_channel_axis_is_refused():
-    """(Nearest interpolation of the channel axis: ``tests/test_view_rules.py``.)"""
+    """The naive fold reads the ``2C`` interpolated channels as the ``C`` channels tiled twice (what the fold into
+    ``fc`` would do if the rule passed the channel axis); slabconv keeps the affine. (Nearest interpolation of the
+    channel axis: ``tests/test_view_rules.py``.)"""
     model = randomize(ChannelsLast("linear")).eval()
     x = torch.randn(B, 6, C)
+    reference = model(x)
+    scale, shift = affine_of(model.norm)
+    naive = norm_free(model, ["norm"])
+    with torch.no_grad():
+        naive.fc.bias.add_(naive.fc.weight @ shift.repeat(2).float())
+        naive.fc.weight.mul_(scale.repeat(2).float())
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
     gm, decisions = fuse(model, x)
     (d,) = decisions
     assert (d.action, d.reason) == ("kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.upsample_linear1d")
-    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
 
 
 # --------------------------------------------------------------------------------------------- layers
