@@ -25,6 +25,8 @@ from torch import nn
 from slabconv.engine import fused_state_dict, onnx_fold, reasons
 from slabconv.engine.capture import stored
 from slabconv.engine.rules import RULE_OF, RULES
+from slabconv.report.data import Report
+from slabconv.report.render import summary_lines
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import (
     NAIVE_MIN_ERR,
@@ -807,3 +809,5 @@ def test_a_computed_weight_is_named_as_the_blocker():
     assert (d["norm2"].action, d["norm2"].reason) == ("kept-affine", reasons.NONLINEAR)
     assert d["norm2"].to_dict()["backward"] == "aten.linear has no stored weight to scale (computed-weight)"
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    said = list(summary_lines(Report("inspect", folds=decisions), verbose=True))  # what --verbose prints
+    assert "  norm2: no backward fold: aten.linear has no stored weight to scale (computed-weight)" in said
