@@ -1037,7 +1037,9 @@ def _resize(lo: _Lowering, node: ir.Node) -> None:
     src, out = node.inputs[0], node.outputs[0]
     ins, outs = _dims(src), _dims(out)
     rank = len(ins)
-    if rank not in (3, 4, 5) or len(outs) != rank or ins[:2] != outs[:2]:
+    scales = _array(node.inputs[2]) if len(node.inputs) > 2 else None
+    unscaled = scales is not None and scales.size == rank and bool((scales[:2] == 1.0).all())  # floor(1.0*batch)
+    if rank not in (3, 4, 5) or len(outs) != rank or (ins[:2] != outs[:2] and not unscaled):
         raise _Unlowerable  # only the spatial axes may be resized
     mode = _attr(node, "mode", "nearest")
     mode = mode.decode() if isinstance(mode, bytes) else str(mode)
