@@ -206,7 +206,7 @@ def export(
     from slabconv import engine
     from slabconv.load.model import check_options_apply
     from slabconv.load.model import load_model as load_checkpoint_model
-    from slabconv.pipeline import plan
+    from slabconv.pipeline import measured_ranges, plan
     from slabconv.util import sha256_file
     from slabconv.write.onnx import export_onnx, onnx_files, provenance
 
@@ -218,9 +218,11 @@ def export(
     decisions: list[engine.Decision] = []
     model: nn.Module = loaded.model
     example = loaded.trace_example()
+    ranges = None
     if fuse:
         planned = plan(loaded, progress, norm_affine=norm_affine)
         model, decisions, example = planned.fused, planned.decisions, planned.example
+        ranges = measured_ranges(planned)
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force, owned=_written_by_slabconv) as tmp:
@@ -235,7 +237,7 @@ def export(
             onnx_info=info,
             sha256={f.name: sha256_file(f) for f in files},
         )
-    return Report("export", source=loaded.source(), folds=folds, outputs=outputs)
+    return Report("export", source=loaded.source(), folds=folds, outputs=outputs, ranges=ranges)
 
 
 @python_advice()

@@ -170,6 +170,11 @@ class OnnxGraph:
     def plan_note(self) -> dict[str, str] | None:
         return None
 
+    def ranges(self) -> None:
+        """Not measured for an ONNX original (its folds are carried into the ONNX graph, not run as a fold
+        program): the report has no ``ranges``."""
+        return None
+
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
         return None
 

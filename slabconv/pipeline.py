@@ -113,6 +113,12 @@ class Door(Protocol):
         model)."""
         ...
 
+    def ranges(self) -> list[engine.LayerRange] | None:
+        """Each folded layer's weight ranges before and after its folds (``engine.ranges``; the report's
+        ``ranges``), with each flagged layer's warning added to its norms' decisions; once written for a door that
+        measures them as it writes (``Streamed``)."""
+        ...
+
 
 def open_door(
     path: Path, load: LoadOptions | None, verify: VerifyOptions | None, write: WriteOptions, progress: Progress
@@ -310,6 +316,17 @@ def _require_streamable(decisions: list[engine.Decision], program: engine.Progra
             f"the fused model stores {made[0]!r}, which the checkpoint does not hold; "
             "fold it in memory without --stream"
         )
+
+
+def measured_ranges(planned: Planned) -> list[engine.LayerRange] | None:
+    """Each folded layer's weight ranges before and after (``engine.ranges``), measured as the fold program ran
+    (in memory when it was planned, streamed as it was written), with each flagged layer's warning added to its
+    norms' decisions; None without a program."""
+    if planned.program is None:
+        return None
+    ranges = list(planned.program.ranges.values())
+    engine.flag_warnings(planned.decisions, ranges)
+    return ranges
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -554,6 +571,9 @@ class InMemory:
     def source(self) -> Source:
         return self.loaded.source()
 
+    def ranges(self) -> list[engine.LayerRange] | None:
+        return measured_ranges(self.planned)
+
     def plan_note(self) -> dict[str, str] | None:
         return None
 
@@ -622,6 +642,9 @@ class Streamed:
 
     def source(self) -> Source:
         return self.sharded.source(self.loaded.arch)
+
+    def ranges(self) -> list[engine.LayerRange] | None:
+        return measured_ranges(self.planned)
 
     def plan_note(self) -> dict[str, str] | None:
         note = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
@@ -757,6 +780,7 @@ def run_fuse(
     report.plan = door.plan_note()
     with staging_dir(out_dir, write.force) as tmp:
         outputs, written = door.write(tmp, write, progress)
+        report.ranges = door.ranges()  # a streamed door measures them as it writes
         if verify is not None:
             started = time.monotonic()
             report.verification = door.verify(tmp, verify, write, progress)
@@ -772,4 +796,4 @@ def run_inspect(path: Path, load: LoadOptions | None, progress: Progress = no_pr
         InputError, UnsupportedModelError, UsageError: as ``open_door``.
     """
     door = open_door(path, load, None, WriteOptions(), progress)
-    return Report("inspect", source=door.source(), folds=door.decisions)
+    return Report("inspect", source=door.source(), folds=door.decisions, ranges=door.ranges())

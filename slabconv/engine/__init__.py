@@ -16,6 +16,8 @@ One module per job, in the order the data goes through them:
 - ``planner``: one ``Decision`` per norm and the weight updates that carry it out, as data (``plan_folds``).
 - ``program``: the plan as a program, one recipe per tensor of the fused model, run over a ``WeightStore``
   (in memory, or one block of rows at a time in the streamed mode).
+- ``ranges``: what each fold does to the weight ranges int8 quantization works with (``LayerRange``, measured
+  block by block as the program runs), and the scale spread that decides a norm's direction where both exist.
 - ``rewriter``: applies the plans to the graph (``apply_folds``); ``fold_all`` / ``fold_program`` run the whole
   engine.
 - ``repeat``: the plan of a stack of identical blocks from a capture of three of them (``fold_repeated``: each
@@ -52,6 +54,7 @@ from slabconv.engine.program import (
     cast_into,
     row_ranges,
 )
+from slabconv.engine.ranges import STEP_GROWTH_LIMIT, LayerRange, RangeTally, flag_warnings
 from slabconv.engine.repeat import SLOTS, Repeat, fold_repeated
 from slabconv.engine.rewriter import apply_folds, fold_all, fold_program
 
@@ -62,13 +65,16 @@ __all__ = [
     "KEPT",
     "KEPT_AFFINE",
     "Decision",
+    "LayerRange",
     "LayerRecipe",
     "NORM_AFFINE_KINDS",
     "NormPlan",
     "NormSite",
     "Program",
+    "RangeTally",
     "Repeat",
     "SLOTS",
+    "STEP_GROWTH_LIMIT",
     "Scratch",
     "TensorRecipe",
     "WeightStore",
@@ -78,6 +84,7 @@ __all__ = [
     "cast_into",
     "copy_sharing",
     "find_norms",
+    "flag_warnings",
     "fold_all",
     "fold_program",
     "fold_repeated",

@@ -8,9 +8,11 @@ For each norm, in order of preference:
 
 1. ``folded-forward``: every path from the norm's output ends at a layer that can absorb the affine (Linear /
    unpadded conv, ``slabconv.engine.layers.LAYERS``): scale their input columns, shift their bias
-   (``W diag(s)``, ``b + W t``), drop the norm.
-2. ``folded-backward``: some path is blocked, but the norm's input is produced by a Linear/conv that nothing else
-   reads: scale its output rows (``diag(s) W``, ``s b + t``), drop the norm. Exact on every path at once.
+   (``W diag(s)``, ``b + W t``), drop the norm. Unless the norm's scale spans more than int8 can take in a
+   column scale (``ranges.spread(s) > ranges.STEP_GROWTH_LIMIT``) and a backward fold is possible too: then 2.
+2. ``folded-backward``: some path is blocked (or the scale's spread says so, above), but the norm's input is
+   produced by a Linear/conv that nothing else reads: scale its output rows (``diag(s) W``, ``s b + t``), drop the
+   norm. Exact on every path at once.
 3. ``kept-affine``: neither is possible. Layers that can absorb the affine still get it; on each blocked path one
    per-channel ``x * scale + shift`` stays (no BN op, no transposes), with the reason.
 4. ``kept``: the norm is not a fixed affine (batch statistics, train mode), or its affine does not fit the model's
@@ -45,6 +47,7 @@ from slabconv.engine.flow import Backward, BlockedEdge, ConsumerUse, VirtualGrap
 from slabconv.engine.layers import LayerKind, layer_name, separate_bias
 from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
 from slabconv.engine.norms import NormSite, find_norms
+from slabconv.engine.ranges import STEP_GROWTH_LIMIT, spread
 from slabconv.engine.rules import Chan, op_name
 from slabconv.errors import InputError
 from slabconv.tolerances import dtype_name, tol_dtype
@@ -69,7 +72,10 @@ class Decision:
         kept_on: the ops in front of which an affine stays (``kept-affine``).
         paths: every blocked path as ``{"before": <module>:<op>, "reason": <reason>}``, in graph order (the
             ``reason`` field is the first of these).
-        warnings: facts the user should know (unfinished progressive schedule, ...).
+        warnings: facts the user should know (unfinished progressive schedule, a fold flagged for int8, ...).
+        direction: why this direction, where the norm's scale made it a question (``_choose_direction``): a
+            forward fold could coarsen its consumers' int8 step more than ``ranges.STEP_GROWTH_LIMIT``; None
+            otherwise.
         no_backward: why no backward fold was possible, when one was tried because a path is blocked (plain text;
             ``backward`` in ``to_dict``): with ``reason`` it names both blockers, e.g. a residual that reads the
             norm and a producer whose weight is computed.
@@ -83,6 +89,7 @@ class Decision:
     kept_on: list[str] = field(default_factory=list)
     paths: list[dict[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    direction: str | None = None
     no_backward: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,6 +103,7 @@ class Decision:
             "paths": self.paths,
             "warnings": self.warnings,
             "backward": self.no_backward if self.action in (KEPT_AFFINE, KEPT) else None,
+            "direction": self.direction,
         }
 
 
@@ -575,6 +583,49 @@ def _kept(site: NormSite, decision: Decision, reason: str | None = None) -> Norm
     return NormPlan(site, decision)
 
 
+def _backward_plan(plan: NormPlan, producers: list[str], folds: list[_Fold]) -> NormPlan:
+    """``plan`` carried out as a backward fold into ``producers`` (one fold each)."""
+    plan.decision.action, plan.decision.into = FOLDED_BACKWARD, producers
+    for f in folds:
+        plan.updates += f.updates
+        plan.new_biases += f.new_biases
+        plan.folds.append(f.record)
+    plan.unit = _unit(plan.site)
+    return plan
+
+
+def _choose_direction(
+    weights: _Weights, graph: VirtualGraph, site: NormSite, decision: Decision, stop: Collection[fx.Node] = ()
+) -> tuple[list[str], list[_Fold]] | None:
+    """The backward fold to take instead of a possible forward one, or None (forward stays).
+
+    Per-output-channel int8 absorbs a backward fold's row scale exactly, while a forward fold can make a consumer
+    row's int8 step up to ``ranges.spread(scale)`` times coarser for the input it scales least
+    (``slabconv.engine.ranges``). Where that bound is above ``ranges.STEP_GROWTH_LIMIT`` and the norm's input comes
+    from a layer it can fold into exactly, the norm folds backward; either way ``decision.direction`` says what
+    was weighed. The bound reads the norm's scale alone, so a streamed plan (whose big weights are stand-ins)
+    decides as an in-memory one does (docs/math.md, "Which direction")."""
+    assert site.scale is not None and site.shift is not None
+    wide = spread(site.scale)
+    if wide <= STEP_GROWTH_LIMIT:
+        return None
+    consumers = ", ".join(decision.into)
+    backward = _backward(weights, graph, site, site.scale, site.shift, stop)
+    if isinstance(backward, str):
+        decision.direction = (
+            f"forward: a forward fold may make the per-channel int8 step of {consumers} up to {wide:.3g}x coarser "
+            f"(the norm's scale spread; above {STEP_GROWTH_LIMIT:g}x), and the norm cannot fold backward (no layer "
+            "it alone reads produces its input)"
+        )
+        return None
+    decision.direction = (
+        f"backward: both directions are exact; a forward fold may make the per-channel int8 step of {consumers} "
+        f"up to {wide:.3g}x coarser (the norm's scale spread; above {STEP_GROWTH_LIMIT:g}x), a backward fold into "
+        f"{', '.join(backward[0])} scales whole output channels, which per-channel int8 absorbs (1x)"
+    )
+    return backward
+
+
 def plan_norm(
     gm: fx.GraphModule,
     site: NormSite,
@@ -601,16 +652,13 @@ def plan_norm(
     into = sorted({layer_name(use.node) for use, _ in folds})
     if not blocked:
         decision.action, decision.into = FOLDED_FORWARD, into
+        chosen = _choose_direction(weights, graph, site, decision, stop)
+        if chosen is not None:
+            return _backward_plan(plan, *chosen)
     else:
         backward = _backward(weights, graph, site, scale, shift, stop)
         if not isinstance(backward, str):
-            decision.action, decision.into = FOLDED_BACKWARD, backward[0]
-            for f in backward[1]:
-                plan.updates += f.updates
-                plan.new_biases += f.new_biases
-                plan.folds.append(f.record)
-            plan.unit = _unit(site)
-            return plan
+            return _backward_plan(plan, *backward)
         decision.no_backward, decision.paths = backward, _paths(blocked)
         if is_norm_affine(site.kind):  # kept whole: its affine beside the normalisation would only add two ops
             decision.reason = blocked[0].reason

@@ -30,6 +30,7 @@ from torch import fx
 from slabconv.engine.capture import stored
 from slabconv.engine.layers import LayerKind
 from slabconv.engine.planner import NormPlan
+from slabconv.engine.ranges import LayerRange, RangeTally
 from slabconv.errors import UnsupportedModelError
 from slabconv.fold import rounded
 
@@ -200,21 +201,30 @@ class LayerRecipe:
             )
 
     def rows(
-        self, store: WeightStore, start: int, stop: int, scratch: Scratch | None = None
+        self,
+        store: WeightStore,
+        start: int,
+        stop: int,
+        scratch: Scratch | None = None,
+        tally: RangeTally | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows ``start:stop`` of the folded weight and bias, in float64 (every fold composed, nothing rounded).
         A 0/1-D weight is read whole. The folds run ``CACHE_BLOCK`` elements of rows at a time, as in ``blocks``
         (the same values). With ``scratch`` the weight rows live in its buffer ``exact`` (overwritten by the next
-        call), where a fresh block-sized tensor each call costs more than its arithmetic (``Scratch``)."""
+        call), where a fresh block-sized tensor each call costs more than its arithmetic (``Scratch``). ``tally``:
+        the rows' ranges before and after are added to it (``slabconv.engine.ranges``)."""
         read, b, total = self._read(store, start, stop)
         if scratch is None:
             w = read.to(torch.float64, copy=True)  # ours: the folds scale it in place
         else:
             w = cast_into(scratch, "exact", read, torch.float64)
+        kept = read if tally is not None else None  # the stored rows, for their ranges
         del read
         biases = []
         for s0, s1 in row_ranges(list(w.shape), CACHE_BLOCK):
             biases.append(self._fold(w[s0:s1], b[s0:s1] if b is not None else None, start + s0, total)[1])
+            if tally is not None and kept is not None:
+                tally.add(kept[s0:s1], w[s0:s1], start + s0, total)
         return w, _joined(biases)
 
     def stored(self, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -234,10 +244,11 @@ class LayerRecipe:
         return rounded(b, self.bias_dtype).contiguous()
 
     def _stored_into(
-        self, scratch: Scratch, store: WeightStore, start: int, stop: int
+        self, scratch: Scratch, store: WeightStore, start: int, stop: int, tally: RangeTally | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``stored(*rows(...))`` made in ``scratch``'s buffers: each ``CACHE_BLOCK`` of rows is widened, folded,
-        checked and rounded while its float64 values are still in the processor's cache (the same values)."""
+        checked and rounded while its float64 values are still in the processor's cache (the same values), and
+        its ranges added to ``tally``."""
         read, b, total = self._read(store, start, stop)
         out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still write the last
         biases = []
@@ -245,26 +256,33 @@ class LayerRecipe:
             w = scratch.take("rows", read[s0:s1].shape, torch.float64).copy_(_widening(scratch, read[s0:s1]))
             w, bias = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
             self._check_fits(self.weight, w, self.dtype)
+            if tally is not None:
+                tally.add(read[s0:s1], w, start + s0, total)
             rounded(w, self.dtype, out=out[s0:s1], near=scratch.take("near", w.shape, torch.float32))
             biases.append(bias)
         return out, self._stored_bias(_joined(biases))
 
     def blocks(
-        self, store: WeightStore, block_elements: int = FOLD_BLOCK, scratch: Scratch | None = None
+        self,
+        store: WeightStore,
+        block_elements: int = FOLD_BLOCK,
+        scratch: Scratch | None = None,
+        tally: RangeTally | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """The folded weight and bias one block of rows at a time, rounded to their dtypes.
 
         With ``scratch`` (a streamed writer, which writes each block before asking for the next) the weight
         block lives in ``scratch``'s buffer: it is overwritten by the next block. The biases are always new.
+        ``tally``: each block's ranges before and after the folds are added to it (``slabconv.engine.ranges``).
 
         Raises:
             UnsupportedModelError: a folded value does not fit its dtype (it overflows).
         """
         for start, stop in row_ranges(store.shape(self.weight), block_elements):
             if scratch is None:
-                yield self.stored(*self.rows(store, start, stop))
+                yield self.stored(*self.rows(store, start, stop, tally=tally))
             else:
-                yield self._stored_into(scratch, store, start, stop)
+                yield self._stored_into(scratch, store, start, stop, tally)
 
 
 def cast_into(scratch: Scratch, name: str, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -309,11 +327,13 @@ class TensorRecipe:
 
 @dataclass
 class Program:
-    """Every tensor of the fused model (``tensors``, in the fused graph's order) and every folded layer
-    (``layers``, by weight name)."""
+    """Every tensor of the fused model (``tensors``, in the fused graph's order), every folded layer (``layers``,
+    by weight name) and, once the program has run (``evaluate``, or a streamed writer), each folded layer's
+    weight ranges before and after (``ranges``, by weight name; ``slabconv.engine.ranges``)."""
 
     tensors: dict[str, TensorRecipe]
     layers: dict[str, LayerRecipe]
+    ranges: dict[str, LayerRange] = field(default_factory=dict)
 
     def dropped(self, stored_keys: list[str]) -> list[str]:
         """The stored tensors the fused model no longer reads (the folded norms' parameters, ...)."""
@@ -377,10 +397,12 @@ def build_program(
 
 def evaluate(program: Program, store: WeightStore, block_elements: int = FOLD_BLOCK) -> dict[str, torch.Tensor]:
     """Every folded layer's weight and bias (the ``weight`` / ``bias`` recipes), block by block, as whole
-    tensors: what the in-memory fold stores."""
+    tensors: what the in-memory fold stores. Each layer's weight ranges go into ``program.ranges``."""
     out: dict[str, torch.Tensor] = {}
     for la in program.layers.values():
-        parts = list(la.blocks(store, block_elements))
+        tally = RangeTally(la)
+        parts = list(la.blocks(store, block_elements, tally=tally))
+        program.ranges[la.weight] = tally.result()
         out[la.weight] = torch.cat([w for w, _ in parts]) if len(parts) > 1 else parts[0][0]
         if la.bias_out is not None:
             out[la.bias_out] = la.whole_bias([b for _, b in parts])

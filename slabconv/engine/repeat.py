@@ -125,6 +125,7 @@ def _renamed_decision(d: Decision, repeat: Repeat, slot: int, real: int) -> Deci
         paths=[{k: r(v) for k, v in path.items()} for path in d.paths],
         warnings=[r(w) for w in d.warnings],
         no_backward=r(d.no_backward) if d.no_backward else d.no_backward,
+        direction=r(d.direction) if d.direction else d.direction,
     )
 
 

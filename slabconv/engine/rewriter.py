@@ -23,6 +23,7 @@ from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_program, evaluate, layer_recipes
+from slabconv.engine.ranges import flag_warnings
 from slabconv.engine.rules import Chan
 
 FoldProgress = Callable[[str, int, int], None]
@@ -213,7 +214,9 @@ def fold_program(
     gm.recompile()
     units = {str(p.unit[2].target) for p in plans if p.remove and p.unit is not None}
     program = build_program(layers, set(original), fused_state_dict(gm), units)
+    decisions = [p.decision for p in plans]
     if not unknown:
         for target, value in evaluate(program, TensorStore(original), block_elements).items():
             set_tensor(gm, target, value)
-    return [p.decision for p in plans], program
+        flag_warnings(decisions, list(program.ranges.values()))
+    return decisions, program

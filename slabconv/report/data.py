@@ -74,10 +74,13 @@ class Summary:
 class Report:
     """What a command did. Which blocks are set depends on the command:
 
-    - ``inspect``: ``source``, ``folds``, ``summary``.
+    - ``inspect``: ``source``, ``folds``, ``summary``, ``ranges``.
     - ``fuse``: also ``outputs``, ``out_dir``, ``verification`` (None with ``--no-verify``), ``mode``
       (``in-memory`` or ``streamed``) and for a streamed fold ``plan`` (how it was planned).
-    - ``export``: ``source``, ``folds``, ``summary``, ``outputs`` (the one ONNX file).
+    - ``export``: ``source``, ``folds``, ``summary``, ``ranges``, ``outputs`` (the one ONNX file).
+
+    ``ranges``: each folded layer's weight ranges before and after its folds (``engine.ranges.LayerRange``, its
+    ``to_dict`` the JSON), None where they were not measured (an ONNX original).
     - ``verify``: ``reference``, ``candidate``, ``verification``.
     - ``bench``: ``source``, ``bench``.
     """
@@ -93,6 +96,7 @@ class Report:
     mode: str | None = None
     plan: dict[str, Any] | None = None
     bench: dict[str, Any] | None = None
+    ranges: list[Any] | None = None
     slabconv_version: str = __version__
 
     @property
@@ -111,6 +115,8 @@ class Report:
         if self.folds is not None:
             out["folds"] = [d.to_dict() for d in self.folds]
             out["summary"] = asdict(self.summary) if self.summary else None
+        if self.ranges is not None:
+            out["ranges"] = [r.to_dict() for r in self.ranges]
         if self.plan is not None:
             out["plan"] = self.plan
         if self.outputs is not None:

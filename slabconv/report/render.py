@@ -96,26 +96,45 @@ def text_table(title: str, columns: dict[str, bool], rows: Iterable[Sequence[str
     return table
 
 
+def int8_steps(report: Report) -> dict[str, tuple[float, bool]]:
+    """Per norm, the largest per-channel int8 step growth over the layers it folded into and whether one of them is
+    flagged (``engine.ranges``; ``report.ranges``)."""
+    worst: dict[str, tuple[float, bool]] = {}
+    for r in report.ranges or []:
+        for norm in r.norms:
+            growth, flagged = worst.get(norm, (0.0, False))
+            worst[norm] = (max(growth, r.step_growth), flagged or r.flagged)
+    return worst
+
+
 def folds_table(report: Report, width: int | None = None) -> Table:
-    """One row per norm: name, kind, action, the layers it folded into, and why anything was kept (the reason
-    column only when a norm was kept). Narrower than ``COMPACT_BELOW`` columns (``width``, a terminal's), the kind
-    is left out and the reason shares the ``into`` column (``kept: REASON ...``), so no name breaks mid-word."""
+    """One row per norm: name, kind, action, the layers it folded into, the coarsest per-channel int8 step growth
+    of those layers (when the report measured ranges), and why anything was kept (the reason column only when a
+    norm was kept). Narrower than ``COMPACT_BELOW`` columns (``width``, a terminal's), the kind and the int8 step
+    are left out and the reason shares the ``into`` column (``kept: REASON ...``), so no name breaks mid-word."""
     source = report.source
     what = shown(source.arch or source.format) if source else ""
     if source is not None and "opset" in source.extra:  # an ONNX original: which opset and exporter
         what += f", opset {source.extra['opset']}, {shown(source.extra.get('producer') or 'unknown producer')}"
     title = f"folds ({what})"
     rows = []
+    steps = int8_steps(report)
     for d in report.folds or []:
         reason = d.reason or ""
         if d.kept_on:  # names from the file: each escaped and cut on its own (text.shown)
             reason += f" (before {', '.join(map(shown, d.kept_on))})"
-        rows.append([shown(d.norm), d.kind, d.action, ", ".join(map(shown, d.into)) or "-", reason])
-    columns = {"norm": True, "kind": False, "action": False, "into": True, "reason": True}
+        row = [shown(d.norm), d.kind, d.action, ", ".join(map(shown, d.into)) or "-"]
+        if report.ranges is not None:
+            growth, flagged = steps.get(d.norm, (0.0, False))
+            row.append(f"{growth:.3g}x" + (" FLAGGED" if flagged else "") if growth else "-")
+        rows.append([*row, reason])
+    columns = {"norm": True, "kind": False, "action": False, "into": True, "int8 step": False, "reason": True}
+    if report.ranges is None:
+        columns.pop("int8 step")
     if width is not None and width < COMPACT_BELOW:
         columns = {"norm": True, "action": False, "into, or why kept": True}
         return text_table(
-            title, columns, [[norm, action, into if not why else why] for norm, _, action, into, why in rows]
+            title, columns, [[row[0], row[2], row[3] if not row[-1] else row[-1]] for row in rows]
         )
     if not any(row[-1] for row in rows):
         columns.pop("reason")
@@ -153,6 +172,8 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
                     yield f"  {shown(d.norm)}: blocked before {shown(path['before'])}: {path['reason']}"
             if verbose and d.no_backward and d.action in ("kept-affine", "kept"):
                 yield f"  {shown(d.norm)}: no backward fold: {shown(d.no_backward)}"
+            if verbose and d.direction:
+                yield f"  {shown(d.norm)}: direction: {d.direction}"
     if report.outputs is not None and report.out_dir is not None:
         yield f"wrote {shown(report.out_dir)}/: {', '.join([*report.outputs.files, 'report.json'])}"
         if verbose:

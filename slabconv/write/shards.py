@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slabconv.engine import FOLD_BLOCK, Program, row_ranges
+from slabconv.engine import FOLD_BLOCK, Program, RangeTally, row_ranges
 from slabconv.engine.program import Scratch
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.hf import SAFETENSORS_DTYPES
@@ -136,7 +136,8 @@ def write_program_shards(
     holding one block of rows at a time.
 
     Each output shard holds, in the input shard's order, its tensors the program keeps: a copy block by block, a
-    folded layer's weight block by block (``LayerRecipe.blocks``: every fold composed in float64, rounded once)
+    folded layer's weight block by block (``LayerRecipe.blocks``: every fold composed in float64, rounded once;
+    its ranges before and after go into ``program.ranges``, ``slabconv.engine.ranges``)
     followed by the bias the layer stores (its stored bias, moved beside the weight, or a created one). Each input
     tensor is read once. Tensors the fused model does not read (the folded norms') are dropped.
 
@@ -177,9 +178,11 @@ def write_program_shards(
                 if key in program.layers:
                     la = program.layers[key]
                     parts = []
-                    for w, b in la.blocks(reader, block_elements, scratch):  # w: written before the next block
+                    tally = RangeTally(la)
+                    for w, b in la.blocks(reader, block_elements, scratch, tally):  # w: written before the next
                         writer.write(key, w)
                         parts.append(b)
+                    program.ranges[key] = tally.result()
                     if la.bias_out is not None:
                         writer.write(la.bias_out, la.whole_bias(parts))
                 elif (made := program.tensors.get(key)) is not None and made.op == "unit":

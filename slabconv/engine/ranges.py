@@ -1,0 +1,204 @@
+"""What each fold does to the weight ranges int8 quantization works with (``docs/verification.md``, "Weight
+ranges and int8").
+
+Per-output-channel int8 (onnxruntime's QDQ quantizer with ``per_channel=True``, TensorRT, OpenVINO's NNCF) rounds
+row ``i`` of a weight (output channel ``i``: dim 0 of the stored weight) to multiples of its step
+``range_i / 127``, ``range_i = max_j |W_ij|``. A fold multiplies each stored element by a factor the fold program
+knows, its *magnification* ``M_ij``: a forward fold (``W diag(s)``) scales the columns, a backward fold
+(``diag(s) W``) the rows, a backward fold into an embedding the table's columns (``slabconv.fold``). ``M`` is the
+fold of an all-ones weight with zero shift (``LayerKind.fold_values``, so every layer kind and every composition of
+folds is measured by the algebra that makes the weights).
+
+Element ``(i, j)`` of the fused weight multiplies a tensor ``1 / |M_ij|`` times the one the original element
+multiplied (the norm's input instead of its output, or the reverse for a backward fold), so in the original's units
+the fused row's int8 step for that element is ``step'_i / |M_ij|``. Per output channel:
+
+- ``growth_i = range'_i / range_i``: how the range itself changes (what the fused weight shows);
+- ``int8_step_growth_i = growth_i / min_j |M_ij|`` (over ``M_ij != 0``; a zeroed element is exact in int8): how
+  much coarser the int8 grid becomes for the element the fold scaled least, in the original's units: that input
+  channel keeps ``127 / int8_step_growth`` of its levels.
+
+A uniform scale costs nothing (``growth = c``, ``min |M| = c``: 1); a backward fold scales whole rows, which a
+per-channel step absorbs exactly (1); a forward fold whose scale spans ``spread = max |s| / min |s|`` costs at most
+``spread``, reached when a row's largest weight sits in the column scaled most. ``STEP_GROWTH_LIMIT`` is the
+largest growth that is not flagged. The per-tensor figures (one step for the whole weight) are reported beside.
+
+Ranges are accumulated one block of rows at a time (``RangeTally``), the blocks the fold program folds in both
+modes (``slabconv.engine.program``): in memory while the fused weights are evaluated, streamed while they are
+written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from slabconv.engine.planner import Decision
+    from slabconv.engine.program import LayerRecipe
+
+STEP_GROWTH_LIMIT = 16.0
+"""The largest per-output-channel int8 step growth a fold may cause before it is flagged (and before a norm that
+can fold either way folds backward instead, ``forward_spread``): 16 leaves the least-scaled input channel 8 of
+int8's 127 levels per sign, 3 of its 7 bits. Measured (``benchmarks/int8_agreement.py``, docs/verification.md):
+the digits fixture's folds reach 7.4 and cost no int8 agreement; the text fixture's attention norms of layers 1
+and 2 reach 20 and 53, and its fused model agrees with the float original on fewer tokens at int8 than the original
+does."""
+
+
+def spread(scale: torch.Tensor) -> float:
+    """``max |s| / min |s|`` over the nonzero entries of a norm's scale ``(C,)`` (1 for an all-zero scale): the most
+    a forward fold of it can grow a row's int8 step (module docstring); a backward fold grows it by 1."""
+    mags = scale.detach().abs().to(torch.float64)
+    mags = mags[mags > 0]
+    if not mags.numel():
+        return 1.0
+    return float(mags.max() / mags.min())
+
+
+@dataclass
+class LayerRange:
+    """The ranges of one folded layer's weight, before and after its folds. ``to_dict`` is a ``ranges[]`` entry of
+    ``report.json``.
+
+    Attributes:
+        layer: the layer (its weight's name without ``.weight``).
+        weight: the stored weight.
+        folds: ``{"norm": ..., "direction": "forward" | "backward"}`` per fold it receives, in plan order.
+        channels: output channels (rows).
+        tensor_original, tensor_fused: ``max |W|`` of the whole weight before and after.
+        growth_min, growth_max: the smallest and largest ``range'_i / range_i`` over the output channels (rows whose
+            original range is 0 are left out: int8 stores a zero row exactly).
+        step_growth: ``max_i int8_step_growth_i`` (module docstring); ``worst_channel`` is that row.
+        step_growth_tensor: the same for one int8 step over the whole tensor (per-tensor quantization).
+        flagged: ``step_growth > STEP_GROWTH_LIMIT``.
+    """
+
+    layer: str
+    weight: str
+    folds: list[dict[str, str]]
+    channels: int
+    tensor_original: float
+    tensor_fused: float
+    growth_min: float
+    growth_max: float
+    step_growth: float
+    worst_channel: int
+    step_growth_tensor: float
+    flagged: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.flagged = bool(self.step_growth > STEP_GROWTH_LIMIT)
+
+    @property
+    def norms(self) -> list[str]:
+        return list(dict.fromkeys(f["norm"] for f in self.folds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer,
+            "weight": self.weight,
+            "folds": self.folds,
+            "channels": self.channels,
+            "per_tensor": {
+                "original": self.tensor_original,
+                "fused": self.tensor_fused,
+                "growth": _ratio(self.tensor_fused, self.tensor_original),
+                "int8_step_growth": self.step_growth_tensor,
+            },
+            "per_channel": {
+                "growth_min": self.growth_min,
+                "growth_max": self.growth_max,
+                "int8_step_growth": self.step_growth,
+                "worst_channel": self.worst_channel,
+            },
+            "flagged": self.flagged,
+            "limit": STEP_GROWTH_LIMIT,
+        }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (1.0 if a == 0 else math.inf)
+
+
+class RangeTally:
+    """The per-row ranges of one layer's weight, accumulated block by block as the fold program folds it.
+
+    ``add`` takes a block's stored rows (as read) and the same rows folded in float64 (before rounding): the row
+    ranges of both, and the smallest nonzero magnification of each row (the block's folds run on an all-ones
+    block with zero shifts).
+    """
+
+    def __init__(self, recipe: LayerRecipe):
+        self.recipe = recipe
+        self.parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def add(self, original: torch.Tensor, fused: torch.Tensor, first: int, total: int) -> None:
+        """Rows ``first:first + len(original)`` of the layer's ``total``: ``original`` as stored, ``fused`` the
+        float64 fold of them (same shape)."""
+        rows = int(original.shape[0]) if original.dim() else 1
+        before = original.detach().abs().reshape(rows, -1).amax(dim=1).to(torch.float64)
+        after = fused.detach().abs().reshape(rows, -1).amax(dim=1).to(torch.float64)
+        probe = torch.ones(fused.shape, dtype=torch.float64)
+        for f in self.recipe.folds:
+            probe, _ = self.recipe.kind.fold_values(
+                f.forward, probe, None, f.scale, torch.zeros_like(f.shift), self.recipe.groups, first, total, True
+            )
+        mags = probe.abs().reshape(rows, -1)
+        least = torch.where(mags > 0, mags, torch.full_like(mags, math.inf)).amin(dim=1)
+        self.parts.append((first, before, after, least))
+
+    def result(self) -> LayerRange:
+        """The layer's ``LayerRange`` over every block added."""
+        parts = sorted(self.parts, key=lambda p: p[0])
+        before = torch.cat([p[1] for p in parts])
+        after = torch.cat([p[2] for p in parts])
+        least = torch.cat([p[3] for p in parts])
+        live = before > 0  # a zero row is exact in int8 whatever its fold
+        least = torch.where(torch.isfinite(least), least, torch.ones_like(least))  # an all-zero fold: nothing scaled
+        growth = torch.where(live, after / before.clamp_min(1e-300), torch.ones_like(after))
+        step = torch.where(live, growth / least, torch.ones_like(growth))
+        worst = int(step.argmax()) if step.numel() else 0
+        t_before, t_after = float(before.max()), float(after.max())
+        t_least = float(least[live].min()) if bool(live.any()) else 1.0
+        recipe = self.recipe
+        return LayerRange(
+            layer=recipe.weight.removesuffix(".weight"),
+            weight=recipe.weight,
+            folds=[{"norm": f.norm, "direction": "forward" if f.forward else "backward"} for f in recipe.folds],
+            channels=int(before.numel()),
+            tensor_original=t_before,
+            tensor_fused=t_after,
+            growth_min=float(growth[live].min()) if bool(live.any()) else 1.0,
+            growth_max=float(growth[live].max()) if bool(live.any()) else 1.0,
+            step_growth=float(step[worst]) if step.numel() else 1.0,
+            worst_channel=worst,
+            step_growth_tensor=_ratio(t_after, t_before) / t_least if t_before > 0 else 1.0,
+        )
+
+
+def flag_warnings(decisions: list[Decision], ranges: list[LayerRange]) -> None:
+    """Add to the decision of each norm folded into a flagged layer one warning naming those layers and the worst
+    growth (``STEP_GROWTH_LIMIT``)."""
+    flagged: dict[str, list[LayerRange]] = {}
+    for r in ranges:
+        if r.flagged:
+            for norm in r.norms:
+                flagged.setdefault(norm, []).append(r)
+    for d in decisions:
+        layers = flagged.get(d.norm)
+        if not layers:
+            continue
+        worst = max(layers, key=lambda r: r.step_growth)
+        names = ", ".join(r.layer for r in layers)
+        line = (
+            f"int8: folding it into {names} makes per-channel int8 steps up to {worst.step_growth:.3g}x coarser for "
+            f"the input scaled least ({worst.layer}, output channel {worst.worst_channel}; flagged above "
+            f"{STEP_GROWTH_LIMIT:g}x): that input keeps about {127 / worst.step_growth:.3g} of int8's 127 levels "
+            "(docs/verification.md)"
+        )
+        if line not in d.warnings:
+            d.warnings.append(line)
