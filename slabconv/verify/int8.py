@@ -1,0 +1,372 @@
+"""Does the fold survive int8? Each side quantized statically with onnxruntime's own tools, run, and compared
+(issue 40; ``docs/verification.md``, "int8").
+
+A fold moves a norm's per-channel scale into the next layer's weight columns (``W diag(s)``); per-output-channel
+int8 cannot absorb a column scale, so a fused model can quantize worse than its original
+(``slabconv.engine.ranges`` says by how much its weights may). This module answers it by measurement:
+
+- ``quantize_int8``: an ``.onnx`` quantized as a deployment would (``onnxruntime.quantization.quantize_static``:
+  QDQ format, int8 weights per output channel (symmetric), int8 activations per tensor (asymmetric), MinMax
+  calibration on the inputs given), the layers a fold changes (``QUANTIZED_OPS``) quantized, as the W8A8 recipes
+  do (SLAB's appendix, SmoothQuant), the rest left in float;
+- ``compare_int8``: the int8 original and the int8 fused model against the float original: the share of samples
+  (a classifier's ``(B, K)``) or positions (a language model's ``(B, T, V)``) whose top-1 each keeps, and a
+  one-sided exact sign test (McNemar's) on the paired disagreements: the fused model passes unless it keeps the
+  float original's top-1 on fewer units than the int8 original does, beyond sampling noise (p < ``ALPHA``). The
+  unit is a sample, or for a language model a sequence (its positions are not independent of one another).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slabconv.errors import InputError, first_line
+from slabconv.verify.judge import rel_err
+from slabconv.verify.runtimes import Inputs, RuntimeUnavailable, onnx_runtimes, run_batched, samples_of, take
+
+QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
+"""The op types quantized: the layers a fold writes into (a Linear is ``MatMul`` or ``Gemm`` in ONNX, a convolution
+``Conv``); everything else (norms, softmax, residual adds) stays in float, in both sides alike."""
+
+ALPHA = 0.01
+"""The one-sided significance level of the sign test: the fused model fails when its int8 version keeps fewer
+top-1 decisions than the original's with p below this."""
+
+CALIBRATION_BATCH = 16
+"""Samples per calibration call of onnxruntime's calibrator."""
+
+
+@contextlib.contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    """onnxruntime's quantizer logs advice at WARNING on the root logger ("consider pre-processing"); the check's
+    own lines say what was done."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+
+
+class _Reader:
+    """onnxruntime's ``CalibrationDataReader`` protocol over ``Inputs``: ``get_next`` returns one batch of feeds,
+    then None."""
+
+    def __init__(self, names: list[str], inputs: Inputs, batch: int, fixed_batch: int | None):
+        self.feeds: list[dict[str, np.ndarray]] = []
+        step = fixed_batch or batch
+        total = samples_of(inputs)
+        for start in range(0, total, step):
+            if fixed_batch and start + step > total:
+                break  # a static batch takes full batches only
+            part = take(inputs, start, start + step)
+            arrays = part if isinstance(part, dict) else {names[0]: part}
+            self.feeds.append({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        self.feeds.reverse()
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return self.feeds.pop() if self.feeds else None
+
+
+def quantize_int8(
+    path: Path,
+    out: Path,
+    calibration: Inputs,
+    *,
+    op_types: Sequence[str] = QUANTIZED_OPS,
+    batch: int = CALIBRATION_BATCH,
+) -> Path:
+    """Quantize the ``.onnx`` at ``path`` statically into ``out`` with ``onnxruntime.quantization.quantize_static``.
+
+    QDQ format (``QuantizeLinear`` / ``DequantizeLinear`` pairs around each quantized op, what onnxruntime,
+    TensorRT and OpenVINO take), ``per_channel=True`` (int8 weights with one symmetric scale per output channel),
+    int8 activations with one asymmetric scale per tensor, calibrated by MinMax over ``calibration``. Only
+    ``op_types`` are quantized. Without onnxruntime's pre-processing (``quant_pre_process`` would fold some of an
+    original's BatchNorms into their convolutions itself, which is the question asked of slabconv here).
+
+    Args:
+        path: a float ``.onnx`` (any opset onnxruntime runs; external data beside it is read).
+        out: where to write the quantized model (its weights in external data when the input has any).
+        calibration: inputs ``(N, ...)`` as the model takes them (float32 images, int64 token ids), or a dict by
+            input name; all ``N`` are used, ``batch`` at a time (or the model's static batch).
+        op_types: the ONNX op types to quantize.
+        batch: samples per calibration call.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        RuntimeUnavailable: onnxruntime cannot quantize the model (an op or dtype its quantizer does not take; a
+            float16 model: the quantizer takes float32).
+        InputError: no calibration samples.
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    if samples_of(calibration) == 0:
+        raise InputError("int8 calibration needs at least one input sample")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ports = session.get_inputs()
+    shape = ports[0].shape
+    fixed = shape[0] if shape and isinstance(shape[0], int) and shape[0] > 0 else None
+    if fixed and samples_of(calibration) < fixed:
+        raise InputError(f"{path.name} has a static batch of {fixed}: int8 calibration needs at least {fixed} samples")
+    del session
+    external = any(
+        t.data_location == onnx.TensorProto.EXTERNAL
+        for t in onnx.load(str(path), load_external_data=False).graph.initializer
+    )
+    reader = _Reader([p.name for p in ports], calibration, batch, fixed)
+    try:
+        with _quiet_quantizer():
+            quantize_static(
+                str(path),
+                str(out),
+                reader,  # type: ignore[arg-type]
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=list(op_types),
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                calibrate_method=CalibrationMethod.MinMax,
+                use_external_data_format=external,
+                extra_options={
+                    "ActivationSymmetric": False,
+                    "WeightSymmetric": True,
+                    "OpTypesToExcludeOutputQuantization": list(op_types),
+                },
+            )
+    except Exception as err:  # noqa: BLE001 - the quantizer raises whatever its steps raise
+        raise RuntimeUnavailable(f"onnxruntime cannot quantize {path.name} to int8: {first_line(err, 160)}") from None
+    return out
+
+
+@dataclass
+class Int8Side:
+    """One side (the original or the fused model) quantized and run.
+
+    Attributes:
+        name: ``original`` or ``fused``.
+        error: ``max |int8 - reference| / max |reference|`` against the float64 reference (the float original's
+            own output where there is none), every output.
+        agreement: the share of units' decisions (top-1 of a sample, or of every position of a sequence) the int8
+            model keeps from the float original.
+        kept, decisions: how many of the float original's top-1 decisions it kept, out of how many.
+    """
+
+    name: str
+    error: float
+    agreement: float
+    kept: int
+    decisions: int
+
+
+@dataclass
+class Int8Check:
+    """The int8 check: both sides quantized alike, each against the float original, and the paired test.
+
+    Attributes:
+        name: ``int8 @ <runtime>``.
+        passed: the fused side's agreement is not lower than the original side's beyond sampling noise.
+        units: ``samples`` (a classifier) or ``sequences`` (a language model: ``positions`` each).
+        count: how many units.
+        positions: positions per sequence (None for a classifier).
+        original, fused: the two sides (``Int8Side``).
+        worse, better: units on which the fused side keeps fewer (more) of the float original's decisions than
+            the original side: for a sample, it alone loses (keeps) the top-1.
+        p_value: ``P(X >= worse)`` for ``X ~ Binomial(worse + better, 1/2)``: how likely so many units go against
+            the fused side if both sides quantize equally well (1 when no unit differs).
+        alpha: the level it is held to (``ALPHA``).
+        calibration: what the quantizer was calibrated on.
+        quantization: how the sides were quantized, in words.
+    """
+
+    name: str
+    passed: bool
+    units: str
+    count: int
+    positions: int | None
+    original: Int8Side
+    fused: Int8Side
+    worse: int
+    better: int
+    p_value: float
+    alpha: float
+    calibration: str
+    quantization: str
+
+    def summary(self) -> str:
+        """One line: both sides' agreement and error, the paired counts and the verdict's numbers."""
+        o, f = self.original, self.fused
+        unit = "sample" if self.units == "samples" else "sequence"
+        return (
+            f"{self.name}: top-1 kept from the float original: fused {f.agreement:.2%}, original {o.agreement:.2%} "
+            f"of {o.decisions}; {self.worse} {unit}s worse, {self.better} better for the fused side (one-sided "
+            f"p {self.p_value:.3g}, failing below {self.alpha:g}); error against float64: fused {_g(f.error)}, "
+            f"original {_g(o.error)}"
+        )
+
+    def failure(self) -> str:
+        return (
+            f"int8 check failed for {self.name}: quantized alike, the fused model keeps the float original's top-1 "
+            f"on {self.fused.agreement:.2%} where the original keeps {self.original.agreement:.2%} "
+            f"({self.worse} {self.units} worse, {self.better} better; one-sided p {self.p_value:.3g} < "
+            f"{self.alpha:g}): the fold costs int8 accuracy (see the int8 step growth of each fold: inspect)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}" if math.isfinite(x) else "not finite"
+
+
+def sign_test(worse: int, better: int) -> float:
+    """One-sided exact sign test: ``P(X >= worse)`` for ``X ~ Binomial(worse + better, 1/2)`` (McNemar's exact
+    test on the discordant pairs; ties, units where both sides do the same, carry no information). 1 when
+    ``worse + better == 0``."""
+    n = worse + better
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(worse, n + 1))
+    return tail / 2**n  # exact integers: Python's true division rounds the ratio once
+
+
+def _kept(int8: np.ndarray, original: np.ndarray) -> np.ndarray:
+    """Per unit (axis 0) and decision (the rest but the last axis): does the int8 output keep the float
+    original's top-1?"""
+    return int8.argmax(axis=-1) == original.argmax(axis=-1)
+
+
+def compare_int8(
+    name: str,
+    original_int8: Sequence[np.ndarray],
+    fused_int8: Sequence[np.ndarray],
+    float_original: Sequence[np.ndarray],
+    reference64: Sequence[np.ndarray] | None,
+    *,
+    calibration: str,
+    alpha: float = ALPHA,
+) -> Int8Check:
+    """The int8 check of one runtime: both quantized sides against the float original.
+
+    Args:
+        name: ``int8 @ <runtime>``.
+        original_int8, fused_int8: every output of the int8 original and the int8 fused model ``(N, ...)``.
+        float_original: the original model's outputs in its own (float) dtype: whose top-1 decisions count.
+        reference64: the float64 reference outputs for the errors (None: measured against ``float_original``).
+        calibration: what the quantizer was calibrated on, in words.
+        alpha: the level of the one-sided test.
+
+    Returns:
+        An ``Int8Check`` judged on the first output with a class axis (``(N, K)``, or ``(N, T, V)`` per position;
+        the other outputs only enter the errors).
+
+    Raises:
+        InputError: the sides' outputs differ in number or shape, or no output has a class axis to judge.
+    """
+    if not (len(original_int8) == len(fused_int8) == len(float_original)):
+        raise InputError(f"{name}: the two sides give different numbers of outputs")
+    judged = next((i for i, o in enumerate(float_original) if o.ndim >= 2 and o.shape[-1] > 1), None)
+    if judged is None:
+        raise InputError(f"{name}: no output has a class axis (N, K) or (N, T, V): top-1 agreement cannot be judged")
+    reference = reference64 if reference64 is not None else float_original
+    sides = []
+    kept = []
+    for side, outputs in (("original", original_int8), ("fused", fused_int8)):
+        for out, ref in zip(outputs, float_original, strict=True):
+            if out.shape != ref.shape:
+                raise InputError(
+                    f"{name}: the {side} side gives shape {out.shape} where the original gives {ref.shape}"
+                )
+        error = max(rel_err(out, ref)[0] for out, ref in zip(outputs, reference, strict=True))
+        hits = _kept(outputs[judged], float_original[judged]).reshape(len(outputs[judged]), -1)
+        kept.append(hits)
+        sides.append(Int8Side(side, error, float(hits.mean()), int(hits.sum()), int(hits.size)))
+    per_unit = kept[1].sum(axis=1).astype(np.int64) - kept[0].sum(axis=1)  # > 0: the fused side keeps more
+    worse, better = int((per_unit < 0).sum()), int((per_unit > 0).sum())
+    p = sign_test(worse, better)
+    positions = kept[0].shape[1] if float_original[judged].ndim > 2 else None
+    return Int8Check(
+        name=name,
+        passed=bool(p >= alpha),
+        units="sequences" if positions is not None else "samples",
+        count=int(kept[0].shape[0]),
+        positions=positions,
+        original=sides[0],
+        fused=sides[1],
+        worse=worse,
+        better=better,
+        p_value=p,
+        alpha=alpha,
+        calibration=calibration,
+        quantization=QUANTIZATION,
+    )
+
+
+def run_int8(path: Path, calibration: Inputs, inputs: Inputs, folder: Path) -> list[np.ndarray]:
+    """``path`` quantized (``quantize_int8``, calibrated on ``calibration``) into ``folder`` and run on ``inputs``
+    in onnxruntime with every graph optimisation (which turns the QDQ pairs into int8 kernels, as deployed);
+    every output as float64 ``(N, ...)``.
+
+    Raises:
+        RuntimeUnavailable: onnxruntime cannot quantize or run it.
+    """
+    out = quantize_int8(path, folder / f"{path.stem}.int8.onnx", calibration)
+    runtime = onnx_runtimes(out, several=isinstance(inputs, dict), levels=("all-optimizations",))[0]
+    try:
+        return run_batched(runtime.run, inputs, fixed_batch=runtime.fixed_batch)
+    finally:
+        runtime.close()
+
+
+def check_int8(
+    name: str,
+    original: Path,
+    fused: Path,
+    inputs: Inputs,
+    float_original: Sequence[np.ndarray],
+    reference64: Sequence[np.ndarray] | None,
+    *,
+    calibration: Inputs | None = None,
+    calibration_label: str = "the verification inputs",
+    alpha: float = ALPHA,
+) -> Int8Check:
+    """The int8 check of two ``.onnx`` files: the original and the fused model, each quantized alike
+    (``quantize_int8``; calibrated on ``calibration``, default ``inputs``) and run on ``inputs``, then
+    ``compare_int8`` against the float original's outputs.
+
+    Raises:
+        RuntimeUnavailable: onnxruntime cannot quantize or run one of them.
+        InputError: as ``compare_int8``.
+    """
+    import tempfile
+
+    calibration = inputs if calibration is None else calibration
+    with tempfile.TemporaryDirectory(prefix="slabconv-int8-") as tmp:
+        sides = []
+        for tag, path in (("original", original), ("fused", fused)):
+            folder = Path(tmp) / tag
+            folder.mkdir()
+            sides.append(run_int8(path, calibration, inputs, folder))
+    return compare_int8(
+        name, sides[0], sides[1], float_original, reference64, calibration=calibration_label, alpha=alpha
+    )
+
+
+QUANTIZATION = (
+    "onnxruntime quantize_static, QDQ: int8 weights per output channel (symmetric), int8 activations per tensor "
+    f"(asymmetric, MinMax calibration); ops {', '.join(QUANTIZED_OPS)}"
+)
+"""How ``quantize_int8`` quantizes, in the words the report uses."""
