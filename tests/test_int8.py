@@ -153,6 +153,35 @@ def test_quantized_weights_have_one_scale_per_output_channel(tmp_path: Path, dig
     assert {n.op_type for n in graph.node} >= {"QuantizeLinear", "DequantizeLinear", "Gemm"}
 
 
+class Residual(nn.Module):
+    """``fc2(h + relu(fc1(h)))``, ``h = fc0(x)``: ``h`` is read by a Linear and by a residual addition."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.fc1, self.fc2 = nn.Linear(64, C), nn.Linear(C, C), nn.Linear(C, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc0(x)
+        return self.fc2(h + torch.relu(self.fc1(h)))
+
+
+def test_only_the_layers_inputs_are_quantized(tmp_path: Path, digits: np.ndarray) -> None:
+    """onnxruntime's quantizer would let the residual addition read the dequantized copy of ``h`` (one pair per
+    tensor); the float ops read the float tensor, so a side is not charged for where the quantizer put a pair."""
+    path = tmp_path / "m.onnx"
+    torch.onnx.export(Residual().eval(), (torch.from_numpy(digits[:2]),), str(path), dynamo=False)
+    graph = onnx.load(str(quantize_int8(path, tmp_path / "q.onnx", digits[:64]))).graph
+    made_by = {o: n for n in graph.node for o in n.output}
+    weights = {t.name for t in graph.initializer}
+    readers = [
+        n.op_type
+        for n in graph.node
+        for i in n.input
+        if (p := made_by.get(i)) is not None and p.op_type == "DequantizeLinear" and p.input[0] not in weights
+    ]
+    assert readers and set(readers) <= {"Gemm", "MatMul", "Conv"}  # h's copy goes to fc1 only, not to the Add
+
+
 def test_one_tiny_channel_scale_is_flagged_and_costs_int8_agreement(tmp_path: Path, digits: np.ndarray) -> None:
     """Acceptance (issue 40): one input feature in units 1000 times larger (a norm with one tiny channel scale)
     folded forward: the fold is flagged and the fused model loses int8 agreement; the same model with ordinary

@@ -45,6 +45,26 @@ def test_verification_used_the_token_holdout_and_every_position(fused_text):
     assert v["top1_agreement"] == 1.0 and v["max_rel_err"] <= 1e-5
 
 
+def test_task_metrics_for_the_original_and_every_runtime_that_generates(fused_text):
+    """Issue 40, item 4: teacher-forced perplexity and next-token KL of the original (float64 reference, its own
+    dtype) and of the fused model in transformers, in onnxruntime (decoder.onnx) and in onnxruntime-genai."""
+    from slabconv.verify.task_metrics import TASK_SEQUENCES
+
+    _, report = fused_text
+    t = report["verification"]["task_metrics"]
+    assert t["passed"] and t["sequences"] == TASK_SEQUENCES and t["positions"] == TASK_SEQUENCES * 63
+    names = [r["name"] for r in t["runs"]]
+    assert names[0].startswith("original float32") and not t["runs"][0]["decides"]
+    assert any("transformers" in n for n in names) and any("decoder.onnx" in n for n in names)
+    assert any("onnxruntime-genai" in n for n in names) or t["notes"]
+    ppl = t["reference"]["perplexity"]
+    assert 3 < ppl < 8  # the fixture's held-out text (the unigram perplexity is 25.7)
+    for run in t["runs"]:
+        assert abs(run["perplexity"] / ppl - 1) < 1e-4 and 0 <= run["kl_mean"] <= run["kl_max"] < 1e-6
+    cases = [c for c in report["verification"]["checks"]]  # question 2 is unchanged beside them
+    assert cases
+
+
 def test_verify_the_folder_against_its_fused_onnx(fused_text, tmp_path):
     out, _ = fused_text
     result = CliRunner().invoke(app, ["verify", str(TEXT), str(out / "model.onnx"), "--json"])

@@ -20,7 +20,7 @@ from rich.text import Text
 from slabconv.load.source import Source
 from slabconv.report.data import Report
 from slabconv.text import count, one_line, shown
-from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure
+from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure, task_metric_failure
 
 _WORD = re.compile(r"\S+\s*|\s+")
 _SEAM = re.compile(r"(?<=[,._/(])(?![,._/(])|(?<=-)(?![->])")
@@ -203,6 +203,26 @@ def _g(x: float | None) -> str:
     return f"{x:.3g}" if math.isfinite(x) else "not finite"
 
 
+def task_metric_lines(t: dict) -> Iterator[str]:
+    """The task-metrics block: one line per run, the perplexity and the next-token KL from the float64 reference."""
+    ref = t["reference"]
+    yield (
+        f"  {_ok(bool(t.get('passed')))} task metrics: {t['sequences']} sequences, {t['positions']} positions "
+        f"teacher-forced; perplexity {ref['perplexity']:.6g} ({ref['name']})"
+    )
+    for run in t["runs"]:
+        role = "" if run.get("decides", True) else " (baseline)"
+        yield (
+            f"    {run['name']}{role}: perplexity {run['perplexity']:.6g}, next-token KL from the reference mean "
+            f"{_g(run['kl_mean'])} max {_g(run['kl_max'])} (allowed {_g(run['bounds']['kl_mean'])} / "
+            f"{_g(run['bounds']['kl_max'])}); from the original mean {_g(run['kl_to_original_mean'])}"
+        )
+        if run.get("decides", True) and not run.get("passed", True):
+            yield f"      {task_metric_failure(run, ref['perplexity'])}"
+    for note in t.get("notes", []):
+        yield f"    note: {note}"
+
+
 def verification_lines(v: Verification | None) -> Iterator[str]:
     """The verification block as lines: the verdict, question 1, the file checks, question 2, notes."""
     if v is None:
@@ -244,6 +264,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
             yield f"    tokens/s: {speeds}"
         for note in g.get("notes", []):
             yield f"    note: {note}"
+    if v.task_metrics is not None:
+        yield from task_metric_lines(v.task_metrics)
     if v.localization is not None:
         yield f"  localisation: {v.localization.detail}"
     for note in v.notes:

@@ -277,6 +277,50 @@ def generation_failure(run: dict[str, Any]) -> str:
     )
 
 
+def task_metric_failure(run: dict[str, Any], reference: float) -> str:
+    """The failure line of one run of a ``task_metrics`` block (``slabconv.verify.task_metrics``): the first of its
+    numbers above its bound."""
+    drift = abs(math.log(run["perplexity"]) - math.log(reference)) if run["perplexity"] > 0 else math.inf
+    bounds = run["bounds"]
+    words = {
+        "log_perplexity": (
+            drift,
+            f"perplexity {run['perplexity']:.6g} against the float64 reference's {reference:.6g} "
+            f"(|d ln ppl| {drift:.3g})",
+        ),
+        "kl_mean": (run["kl_mean"], f"mean next-token KL {run['kl_mean']:.3g} from the float64 reference"),
+        "kl_max": (run["kl_max"], f"largest next-token KL {run['kl_max']:.3g} from the float64 reference"),
+    }
+    for key, (value, text) in words.items():
+        if not value <= bounds[key]:
+            return (
+                f"task metrics failed for {run['name']}: {text}, above the allowed {bounds[key]:.3g} (twice the "
+                "original's own, or its dtype's floor)"
+            )
+    return f"task metrics failed for {run['name']}"
+
+
+def task_metric_cases(block: dict[str, Any] | None) -> list[Case]:
+    """One case per deciding run of a ``task_metrics`` block."""
+    if not block:
+        return []
+    reference = block["reference"]["perplexity"]
+    out = []
+    for run in block["runs"]:
+        if not run.get("decides", True):
+            continue
+        measured = (
+            f"perplexity={run['perplexity']:.6g} reference_perplexity={reference:.6g} kl_mean={run['kl_mean']:.6g} "
+            f"kl_max={run['kl_max']:.6g} bound_log_perplexity={run['bounds']['log_perplexity']:.6g} "
+            f"bound_kl_mean={run['bounds']['kl_mean']:.6g} bound_kl_max={run['bounds']['kl_max']:.6g}"
+        )
+        ok = bool(run["passed"])
+        out.append(
+            Case(f"task metrics: {run['name']}", ok, measured, "" if ok else task_metric_failure(run, reference))
+        )
+    return out
+
+
 @dataclass
 class Verification:
     """Every check of one verification run; ``to_dict`` is the report's ``verification`` block.
@@ -292,6 +336,8 @@ class Verification:
         reference: what the reference was (``the reference model in float64 (pytorch)``).
         runtime: the runtime(s) the artifacts ran in, in short (``onnxruntime 1.x``, ``pytorch 2.x``).
         generation: the greedy-generation comparison of a language model (``--generate``), or None.
+        task_metrics: a language model's teacher-forced perplexity and next-token KL, original vs fused, in each
+            runtime that generates (``slabconv.verify.task_metrics``), or None.
         seconds: how long the verification took (wall time).
         not_run: written files no runtime could run (``NotRun``), named in the verdict.
         localization: where the two models first diverge fold by fold (``Localization``): after a failure, or on
@@ -307,13 +353,15 @@ class Verification:
     reference: str = ""
     runtime: str = ""
     generation: dict[str, Any] | None = None
+    task_metrics: dict[str, Any] | None = None
     seconds: float = 0.0
     not_run: list[NotRun] = field(default_factory=list)
     localization: Localization | None = None
 
     def cases(self) -> list[Case]:
-        """Every check that ran, in order: question 1, the file checks, question 2, greedy generation (one case per
-        deciding runtime). With no question-2 check at all, one failing ``no check ran`` case."""
+        """Every check that ran, in order: question 1, the file checks, question 2, greedy generation and the task
+        metrics (one case per deciding runtime each). With no question-2 check at all, one failing ``no check ran``
+        case."""
         out = []
         for e in self.exact:
             measured = f"method={e.method} error={e.error:.6g} bound={e.bound:g} worst={e.worst}"
@@ -343,6 +391,7 @@ class Verification:
             )
             ok = bool(run["passed"])
             out.append(Case(f"generation: {run['name']}", ok, measured, "" if ok else generation_failure(run)))
+        out += task_metric_cases(self.task_metrics)
         where = self.where()
         for case in out:
             if not case.passed and where:
@@ -400,6 +449,7 @@ class Verification:
             "integrity": [asdict(c) for c in self.integrity],
             "notes": list(self.notes),
             "generation": self.generation,
+            "task_metrics": self.task_metrics,
             "seconds": self.seconds,
             "not_run": [asdict(n) for n in self.not_run],
             "localization": self.localization.to_dict() if self.localization is not None else None,

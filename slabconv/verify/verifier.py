@@ -445,6 +445,12 @@ def verify(
             verification = _whole(reference, candidate, related, opts, load, progress)
     if opts.generate:
         verification.generation = _generation(reference, candidate, opts, progress)
+        verification.task_metrics = _task_metrics(reference, candidate, opts, progress)
+        if verification.task_metrics is None:
+            verification.notes.append(
+                "task metrics (perplexity, next-token KL) not measured: the streamed generation check never holds "
+                "a model whole, and they need both"
+            )
     elif candidate.language_model and opts.generate == 0:
         verification.notes.append("greedy generation not checked (--generate 0)")
     if localize or not verification.passed:
@@ -616,6 +622,27 @@ def _generation(reference: Side, candidate: Side, opts: VerifyOptions, progress:
             "decoder.onnx got onnx.checker's full check"
         )
     return generation
+
+
+def _task_metrics(reference: Side, candidate: Side, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
+    """Beside greedy generation, on the same sequences and runtimes: the task metrics (``verify.task_metrics``:
+    teacher-forced perplexity and next-token KL of the original and the fused folder). None where generation is
+    checked streamed (two streamed sides that stream: ``verify.generate_streamed``), which never holds a model
+    whole.
+
+    Raises:
+        UsageError: as ``_generation``.
+    """
+    from slabconv.verify.task_metrics import check_task_metrics
+
+    if reference.kind == "streamed" and candidate.kind == "streamed" and _streams(reference):
+        return None
+    loaded = reference.built() if reference.kind in ("model", "streamed") else None
+    if loaded is None or not loaded.token_input:
+        raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
+    progress("verifying: task metrics (perplexity, next-token KL), original vs fused folder")
+    x = choose_inputs(loaded, opts.inputs if reference.kind == "model" else None, opts.sample_count(), opts.seed)[0]
+    return check_task_metrics(loaded.model, candidate.path, x, onnx=(candidate.path / "decoder.onnx").is_file())
 
 
 def _layerwise(

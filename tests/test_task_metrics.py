@@ -1,0 +1,72 @@
+"""Issue 40, item 4: the task metrics of a language model (``slabconv.verify.task_metrics``): perplexity and
+next-token KL computed as defined, and judged by question 2's rule (twice the original's own, or the dtype's
+floor). The fixture end to end, in every runtime that generates, is in ``tests/test_text_e2e.py``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from slabconv.report.data import Report
+from slabconv.report.junit import junit_tree
+from slabconv.verify.results import Verification
+from slabconv.verify.task_metrics import kl, log_softmax, score
+
+V, N, T = 50, 8, 12
+
+
+@pytest.fixture(scope="module")
+def case() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    gen = np.random.default_rng(0)
+    ids = gen.integers(0, V, size=(N, T))
+    reference = gen.normal(scale=3.0, size=(N, T, V))
+    original = reference + gen.normal(scale=1e-3, size=reference.shape)  # the original's own rounding
+    return ids, reference, original
+
+
+def test_perplexity_and_kl_are_the_definitions(case) -> None:
+    ids, reference, original = case
+    metrics = score(reference, ("original", original), [("fused", original)], ids, "float32")
+    p = np.exp(reference[:, :-1]) / np.exp(reference[:, :-1]).sum(-1, keepdims=True)
+    nll = -np.log(np.take_along_axis(p, ids[:, 1:, None], -1)).mean()
+    assert metrics.reference["perplexity"] == pytest.approx(math.exp(nll), rel=1e-12)
+    q = np.exp(original[:, :-1]) / np.exp(original[:, :-1]).sum(-1, keepdims=True)
+    by_hand = (p * np.log(p / q)).sum(-1)
+    fused = metrics.runs[1]
+    assert fused.kl_mean == pytest.approx(by_hand.mean(), rel=1e-9)
+    assert fused.kl_max == pytest.approx(by_hand.max(), rel=1e-9)
+    assert fused.kl_to_original_max == 0 and metrics.positions == N * (T - 1)
+    assert np.all(kl(log_softmax(reference), log_softmax(reference)) == 0)
+
+
+def test_a_fused_model_as_close_as_the_original_passes_and_a_drifted_one_fails(case) -> None:
+    ids, reference, original = case
+    gen = np.random.default_rng(1)
+    close = reference + gen.normal(scale=1e-3, size=reference.shape)
+    drifted = reference + gen.normal(scale=0.1, size=reference.shape)  # what a wrong bias does to the logits
+    metrics = score(reference, ("original float32", original), [("close", close), ("drifted", drifted)], ids, "float32")
+    baseline, ok, bad = metrics.runs
+    assert not baseline.decides and ok.passed and not bad.passed and not metrics.passed
+    assert bad.kl_mean > 2 * baseline.kl_mean
+    v = Verification(task_metrics=metrics.to_dict())
+    failures = [c for c in v.cases() if c.name.startswith("task metrics") and not c.passed]
+    assert [c.name for c in failures] == ["task metrics: drifted"]
+    assert "the float64 reference" in failures[0].message and "twice the original's own" in failures[0].message
+    tree = junit_tree(Report("verify", verification=v))
+    failed = [c.get("name") for c in tree.iter("testcase") if c.find("failure") is not None]
+    assert failed == ["task metrics: drifted", "no check ran"] or failed == ["no check ran", "task metrics: drifted"]
+
+
+def test_the_floor_is_question_2s_tolerance(case) -> None:
+    """An original that is exact (float64 itself) leaves only the floor: a run whose logits are within float32's
+    tolerance of the reference passes, one 100 times further does not."""
+    ids, reference, _ = case
+    delta = 1e-5 * np.abs(reference).max()
+    gen = np.random.default_rng(2)
+    within = reference + gen.uniform(-delta, delta, size=reference.shape)
+    beyond = reference + gen.uniform(-100 * delta, 100 * delta, size=reference.shape)
+    metrics = score(reference, ("exact", reference), [("within", within), ("beyond", beyond)], ids, "float32")
+    assert [r.passed for r in metrics.runs[1:]] == [True, False]
+    assert metrics.runs[1].bounds["kl_max"] == pytest.approx(2 * delta**2)
