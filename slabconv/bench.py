@@ -62,8 +62,8 @@ def unavailable(spec: Backend) -> str | None:
 
 def default_runtimes() -> list[str]:
     """Every runtime this machine can run: the CPU pair, plus the CUDA ones where a device (and for onnxruntime
-    the CUDA provider) is present."""
-    return [name for name, spec in RUNTIMES.items() if unavailable(spec) is None]
+    the CUDA provider) is present; the opt-in ones (``onnxruntime-int8``) only when named."""
+    return [name for name, spec in RUNTIMES.items() if not spec.opt_in and unavailable(spec) is None]
 
 
 def check_runtimes(names: list[str]) -> list[Backend]:
@@ -161,10 +161,11 @@ def _open_variants(
     exported: dict[torch.dtype, dict[str, Path]],
     folder: Path,
     progress: Progress,
+    calibration: torch.Tensor,
 ) -> dict[str, Runtime]:
     """Each variant opened in ``spec``: its graph module, or (for a backend that runs ``.onnx`` files) its export in
     ``spec.dtype``, written once per dtype into ``folder`` and kept in ``exported``. onnxruntime runs it with all
-    optimisations (its default session)."""
+    optimisations (its default session); an int8 backend quantizes each export, calibrated on ``calibration``."""
     if spec.takes == "module":
         return {name: spec.open(gm)[0] for name, gm in graphs.items()}
     if spec.dtype not in exported:
@@ -175,7 +176,10 @@ def _open_variants(
             path = folder / f"{name}-{dtype}.onnx"
             export_onnx(gm, _cast(example, spec.dtype), path)
             exported[spec.dtype][name] = path
-    return {name: spec.open(path, levels=ORT_LEVELS[-1:])[0] for name, path in exported[spec.dtype].items()}
+    how: dict[str, Any] = {"levels": ORT_LEVELS[-1:]}
+    if spec.quantized:  # int8: each variant quantized alike, calibrated on the same inputs
+        how["calibration"] = np.ascontiguousarray(_cast(calibration, spec.dtype).numpy())
+    return {name: spec.open(path, **how)[0] for name, path in exported[spec.dtype].items()}
 
 
 def bench_models(
@@ -201,12 +205,13 @@ def bench_models(
     """
     specs = check_runtimes(runtimes)
     example = make_input(2)
+    calibration = make_input(CALIBRATION_SAMPLES) if any(s.quantized for s in specs) else example
     graphs = {dtype: build_variants(model, example, dtype, progress) for dtype in dict.fromkeys(s.dtype for s in specs)}
     timings: list[Timing] = []
     with tempfile.TemporaryDirectory() as tmp:
         exported: dict[torch.dtype, dict[str, Path]] = {}
         opened = {
-            spec.name: _open_variants(spec, graphs[spec.dtype], example, exported, Path(tmp), progress)
+            spec.name: _open_variants(spec, graphs[spec.dtype], example, exported, Path(tmp), progress, calibration)
             for spec in specs
         }
         for batch in batches:
@@ -220,6 +225,9 @@ def bench_models(
                         timings.append(_summary(name, spec.name, batch, ms))
     return timings
 
+
+CALIBRATION_SAMPLES = 32
+"""Inputs an int8 runtime (``onnxruntime-int8``) is calibrated on in ``bench``: drawn like the timed ones."""
 
 NOISY_WIDTH = 0.2
 """A ratio's spread (``high - low``) above this is reported as too noisy to read."""

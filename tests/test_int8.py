@@ -225,3 +225,28 @@ def test_the_backward_choice_keeps_int8_agreement_where_forward_loses_it(
     ((decision, ranges),) = folds
     assert decision.action == "folded-forward" and ranges["fc2.weight"].flagged
     assert not forced_check.passed and forced_check.fused.agreement < check.fused.agreement - 0.3
+
+
+def test_bench_opens_each_variant_quantized_alike(tmp_path: Path, digits: np.ndarray) -> None:
+    """``bench --runtime onnxruntime-int8``: the one table entry opens each variant's export quantized, calibrated
+    on the inputs bench draws, and times it (the exports made here with the fast TorchScript exporter)."""
+    from slabconv import bench
+    from slabconv.verify.backends import BACKENDS
+
+    model = _calibrated(Tabular(), digits)
+    path = tmp_path / "original.onnx"
+    torch.onnx.export(
+        model, (torch.from_numpy(digits[:2]),), str(path), dynamo=False, input_names=["x"], output_names=["y"],
+        dynamic_axes={"x": {0: "b"}},
+    )  # fmt: skip
+    exported = {torch.float32: {"original": path}}
+    spec = BACKENDS["onnxruntime-int8"]
+    calibration = torch.from_numpy(digits[: bench.CALIBRATION_SAMPLES])
+    opened = bench._open_variants(spec, {}, calibration[:2], exported, tmp_path, lambda *a: None, calibration)
+    runtime = opened["original"]
+    assert runtime.kind == "onnxruntime-int8" and runtime.label.startswith("onnxruntime-int8[")
+    (out,) = runtime.run(digits[:8])
+    with torch.no_grad():
+        exact = model(torch.from_numpy(digits[:8])).double().numpy()
+    assert 0 < np.abs(out - exact).max() < 0.1 * np.abs(exact).max()  # int8: close, not bit-equal
+    runtime.timed(np.ascontiguousarray(digits[:4]))()

@@ -37,6 +37,9 @@ class Backend:
         commands: the commands whose ``--runtime`` takes it (``verify``, ``bench``).
         opt_in: ``verify`` runs it only when ``--runtime`` names it (on the candidate's ``.onnx``).
         package: the Python module it needs, and ``missing``: what to say when that is not installed.
+        quantized: it quantizes the ``.onnx`` it opens to int8, calibrated on the inputs ``open`` is given
+            (``calibration=``); ``verify`` judges it with the int8 check of both sides
+            (``slabconv.verify.int8``), not question 2.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Backend:
     opt_in: bool = False
     package: str = ""
     missing: str = ""
+    quantized: bool = False
 
     @property
     def takes(self) -> str:
@@ -113,6 +117,15 @@ BACKENDS: dict[str, Backend] = {
             "float16",
             commands=("bench",),
             package="onnxruntime",
+        ),
+        Backend(
+            "onnxruntime-int8",
+            "onnxruntime",
+            "open_onnxruntime_int8",
+            commands=("bench",),
+            opt_in=True,
+            package="onnxruntime",
+            quantized=True,
         ),
         Backend(
             "openvino",
