@@ -207,3 +207,28 @@ def test_the_onnx_door_chooses_the_same_direction(tmp_path) -> None:
         (expected,) = _fold(model, x)[0]
         assert d.action == expected.action
         assert (d.direction or "").split(":")[0] == (expected.direction or "").split(":")[0]
+
+
+class EmbedNorm(nn.Module):
+    """``relu(bn(emb(ids)))``: the ReLU blocks a forward fold, so the norm folds backward into the embedding table,
+    whose columns it scales and whose rows it shifts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, C)
+        self.bn = nn.BatchNorm1d(C)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.emb(ids).transpose(1, 2)).transpose(1, 2))
+
+
+def test_an_embedding_table_is_measured_in_the_units_of_its_columns() -> None:
+    model = _statistics(EmbedNorm())
+    decisions, program, original = _fold(model, torch.randint(0, 50, (2, 7)))
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward", ["emb"])]
+    (r,) = program.ranges.values()
+    w = original["emb.weight"].double()
+    s, t = fold.repbn_affine(model.bn.running_mean, model.bn.running_var, model.bn.eps, model.bn.weight, model.bn.bias)
+    growth = (w * s + t).abs().amax(1) / w.abs().amax(1)
+    assert r.growth_max == pytest.approx(float(growth.max()), rel=1e-12)
+    assert r.step_growth == pytest.approx(float((growth / s.abs().min()).max()), rel=1e-12)

@@ -45,6 +45,10 @@ class LayerKind:
     ops: tuple[Any, ...] = ()
     data_arg = 0
     separate_bias = True  # a bias-free layer may take its bias from a lone ``add`` after it (``separate_bias``)
+    pure_scale = True
+    """Its folds only scale stored weight elements, the shift going to the bias: a forward fold scales the input
+    columns alike in every row of a group, a backward fold each output row by its own factor
+    (``slabconv.engine.ranges`` measures the magnification so)."""
 
     def weight(self, node: fx.Node) -> fx.Node | None:
         """The ``get_attr`` of the stored ``(out, in, ...)`` weight, None when it is computed."""
@@ -244,6 +248,7 @@ class Embedding(LayerKind):
     name = "embedding"
     ops = _ops("embedding")
     data_arg = 1
+    pure_scale = False  # the shift is added to every row of the table
 
     separate_bias = False
 
