@@ -162,8 +162,8 @@ class RangeTally:
             return torch.where(mags > 0, mags, math.inf).amin(dim=1)
         if self.columns is None:
             per = max(total // recipe.groups, 1)
-            least = [self._group_least(shape, g * per, total) for g in range(recipe.groups)]
-            self.columns = torch.tensor(least, dtype=torch.float64)
+            per_group = [self._group_least(shape, g * per, total) for g in range(recipe.groups)]
+            self.columns = torch.tensor(per_group, dtype=torch.float64)
         index = torch.arange(first, first + rows) // max(total // recipe.groups, 1)
         least = self.columns[index.clamp_max(recipe.groups - 1)].to(torch.float64)
         for f in recipe.folds:
