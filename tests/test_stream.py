@@ -48,6 +48,9 @@ def test_streaming_output_equals_the_in_memory_fold(folded):
         assert torch.equal(out.state_dict[k], v), k
     assert [(f.norm, f.into, f.action) for f in report.folds] == [(f.norm, f.into, f.action) for f in memory.folds]
     assert report.mode == "streamed" and memory.mode == "in-memory"
+    # the weight ranges (issue 40): measured as the writer folds each block, as the in-memory fold measures them
+    streamed = {r.weight: r.to_dict() for r in report.ranges or []}
+    assert streamed and streamed == {r.weight: r.to_dict() for r in memory.ranges or []}
     for name in ("config.json", "generation_config.json", "modeling_slabconv_llama.py"):  # the same folder
         assert (root / "out" / name).read_bytes() == (root / "mem" / name).read_bytes(), name
 
