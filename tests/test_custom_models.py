@@ -654,9 +654,10 @@ def test_half_precision_fold_warns_when_channel_means_amplify_rounding(dtype, of
     gm, (d,) = fuse(model, x)
     assert d.action == "folded-forward"
     error = rel_err(gm(x), exact(model, x))
+    precision = [w for w in d.warnings if "precision:" in w]  # (random BN weights near 0 also flag it for int8)
     if offset:
-        assert len(d.warnings) == 1 and "|running_mean| / std = 10" in d.warnings[0]
+        assert len(precision) == 1 and "|running_mean| / std = 10" in precision[0]
         assert error > TOL[dtype]  # the warning is not a false alarm
     else:
-        assert not d.warnings
+        assert not precision
         assert_half_close(gm(x), model, x, dtype)

@@ -294,7 +294,8 @@ def test_every_norm_folds_forward_into_its_bias_free_consumers(layout):
         ]
     expected.append(("model.norm", ["lm_head"]))
     assert [(d.norm, d.into) for d in decisions] == expected
-    assert all(d.action == "folded-forward" and d.reason is None and not d.warnings for d in decisions)
+    assert all(d.action == "folded-forward" and d.reason is None for d in decisions)
+    assert not [w for d in decisions for w in d.warnings if not w.startswith("int8:")]  # random norms flag int8
     assert not [n for n in gm.graph.nodes if n.target in BN_OPS]
     fused = engine.fused_state_dict(gm)
     assert {k.removesuffix(".bias") for k in fused if k.endswith(".bias")} == _biased_consumers(TINY.num_hidden_layers)

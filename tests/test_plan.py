@@ -82,8 +82,9 @@ def test_unfinished_progressive_schedule_is_reported():
     _, decisions = _fold(model, torch.randn(2, 1, 8, 8))
     first = decisions[0]
     assert first.action == "folded-forward"
-    assert len(first.warnings) == 1 and "iter=120" in first.warnings[0] and "0.12" in first.warnings[0]
-    assert not any(d.warnings for d in decisions[1:])
+    schedule = [[w for w in d.warnings if not w.startswith("int8:")] for d in decisions]  # random BN weights
+    assert len(schedule[0]) == 1 and "iter=120" in schedule[0][0] and "0.12" in schedule[0][0]  # flag int8 too
+    assert not any(schedule[1:])
 
 
 def test_nan_statistics_are_refused():
