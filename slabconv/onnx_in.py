@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slabconv.engine import Decision, folds_norm_affine
+from slabconv.engine import Decision, LayerRange, folds_norm_affine
 from slabconv.errors import InputError, UsageError
 from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
 from slabconv.load.source import Source
@@ -100,7 +100,11 @@ def source_of(info: OnnxFile) -> Source:
 
 
 def fold_onnx(
-    path: Path, progress: Progress = no_progress, as_float64: bool = False, norm_affine: bool = False
+    path: Path,
+    progress: Progress = no_progress,
+    as_float64: bool = False,
+    norm_affine: bool = False,
+    ranges: list[LayerRange] | None = None,
 ) -> tuple[Any, list[Decision]]:
     """Load ``path`` and fold its norms (``slabconv.engine.onnx_fold.fold_file``: the engine's own rules).
 
@@ -108,6 +112,8 @@ def fold_onnx(
         as_float64: cast the graph to float64 after planning (the float64 fold of question 1).
         norm_affine: also fold the affine of every LayerNormalization / RMSNormalization / GroupNormalization
             (``LoadOptions.fold_norm_affine``).
+        ranges: when given, each folded layer's weight ranges are appended to it (``onnx_fold.measure_ranges``) and
+            the flagged ones warned of in the decisions.
 
     Returns:
         ``(model, decisions)``: the fused ``onnx_ir.Model`` and one decision per norm.
@@ -122,7 +128,7 @@ def fold_onnx(
 
     model = load_ir(path)
     try:
-        return onnx_fold.fold_file(model, str(path), folded, as_float64, norm_affine=norm_affine)
+        return onnx_fold.fold_file(model, str(path), folded, as_float64, norm_affine=norm_affine, ranges=ranges)
     except InputError as err:  # a damaged norm (NaN statistics, running_var + eps <= 0): name the file too
         if str(err).startswith(f"{path}"):
             raise
@@ -145,8 +151,9 @@ def open_onnx(
     check_options(path, load, write, verify)
     progress(f"loading {path}")
     info = read_onnx(path)
-    model, decisions = fold_onnx(path, progress, norm_affine=bool(load and load.fold_norm_affine))
-    return OnnxGraph(info, model, decisions)
+    ranges: list[LayerRange] = []
+    model, decisions = fold_onnx(path, progress, norm_affine=bool(load and load.fold_norm_affine), ranges=ranges)
+    return OnnxGraph(info, model, decisions, ranges)
 
 
 @dataclass
@@ -158,6 +165,7 @@ class OnnxGraph:
     info: OnnxFile
     model: Any
     folds: list[Decision]
+    layer_ranges: list[LayerRange] | None = None
     mode: str = "in-memory"
 
     @property
@@ -170,10 +178,10 @@ class OnnxGraph:
     def plan_note(self) -> dict[str, str] | None:
         return None
 
-    def ranges(self) -> None:
-        """Not measured for an ONNX original (its folds are carried into the ONNX graph, not run as a fold
-        program): the report has no ``ranges``."""
-        return None
+    def ranges(self) -> list[LayerRange] | None:
+        """Each folded layer's weight ranges, measured on the initializers before the fold wrote them
+        (``onnx_fold.measure_ranges``)."""
+        return self.layer_ranges
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
         return None

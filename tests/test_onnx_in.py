@@ -120,6 +120,14 @@ def test_inspect_reports_an_onnx_source(digits, tmp_path):
     assert data["source"]["producer"].startswith("pytorch")
     assert data["summary"] == {"norms": 9, "folded": 9, "kept": 0}
     assert data["folds"][0]["norm"] == "blocks.0.norm1" and data["folds"][0]["kind"] == "RepBN"  # as the checkpoint
+    # the weight ranges, measured on the initializers as on the checkpoint's tensors (engine.ranges)
+    want = api.inspect(FIXTURE / "checkpoint.pth").to_dict()["ranges"]
+    got = data["ranges"]
+    assert [(r["layer"], r["folds"]) for r in got] == [(r["layer"], r["folds"]) for r in want] and len(got) == 9
+    for g, w in zip(got, want, strict=True):
+        for block in ("per_tensor", "per_channel"):
+            g[block].pop("worst_channel", None), w[block].pop("worst_channel", None)  # rows that tie to 1e-12
+            assert g[block] == pytest.approx(w[block], rel=1e-9), (g["layer"], block)
 
 
 class _Model(nn.Module):

@@ -13,9 +13,12 @@ import numpy as np
 import onnx_ir as ir
 
 from slabconv.engine.norm_affine import split_norm_affines
+from slabconv.engine.capture import stored
 from slabconv.engine.onnx_apply import apply_plans
 from slabconv.engine.onnx_lower import Lowered, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
+from slabconv.engine.program import Program, TensorStore, evaluate, layer_recipes
+from slabconv.engine.ranges import LayerRange, flag_warnings
 
 
 def plan_file(model: Any, proto_path: str | None = None, norm_affine: bool = False) -> tuple[Any, list[NormPlan]]:
@@ -44,11 +47,14 @@ def fold_file(
     as_float64: bool = False,
     simplify: bool = False,
     norm_affine: bool = False,
+    ranges: list[LayerRange] | None = None,
 ) -> tuple[Any, list[Decision]]:
     """Fold every norm of ``model`` (read from ``proto_path``), in place; with ``as_float64`` the graph is cast to
     float64 after planning and every fold written unrounded (question 1's float64 fold: the same decisions, made on
     the file's own dtypes); with ``simplify`` onnxscript's optimizer then runs on it, as ``fuse --simplify`` runs it
-    on the file it writes; with ``norm_affine`` the affines of the norm ops fold too (``plan_file``).
+    on the file it writes; with ``norm_affine`` the affines of the norm ops fold too (``plan_file``). With
+    ``ranges`` (a list), each folded layer's weight ranges before and after its folds are appended to it
+    (``measure_ranges``) and each flagged layer's warning is added to its norms' decisions.
 
     Returns:
         ``(model, decisions)``: the same model, fused, and one ``Decision`` per norm, in graph order.
@@ -59,6 +65,9 @@ def fold_file(
     lowered, plans = plan_file(model, proto_path, norm_affine)
     for p in plans:
         progress(p.decision.norm)
+    if ranges is not None:
+        ranges += measure_ranges(lowered, plans)
+        flag_warnings([p.decision for p in plans], ranges)
     return fold_planned(model, lowered, plans, as_float64, simplify), [p.decision for p in plans]
 
 
@@ -77,6 +86,22 @@ def fold_planned(model: Any, lowered: Lowered, plans: list[NormPlan], as_float64
     if simplify:
         simplify_graph(model)
     return model
+
+
+def measure_ranges(lowered: Lowered, plans: list[NormPlan]) -> list[LayerRange]:
+    """Each folded layer's weight ranges before and after its folds (``slabconv.engine.ranges``), measured as a
+    checkpoint's are: the fold program of ``plans`` (``slabconv.engine.program``) run block by block over the
+    initializers ``lowered.gm`` views (a ``MatMul`` weight as ``(out, in)``, as the engine folds it), before
+    ``apply_plans`` writes anything. The folded values themselves are dropped: ``apply_plans`` writes the plans'.
+
+    Returns:
+        one ``LayerRange`` per folded layer, in plan order.
+    """
+    layers = layer_recipes(lowered.gm, plans)
+    needed = {la.weight for la in layers.values()} | {la.bias for la in layers.values() if la.bias}
+    program = Program({}, layers)
+    evaluate(program, TensorStore({k: stored(lowered.gm, k) for k in needed}))
+    return list(program.ranges.values())
 
 
 def simplify_graph(model: Any) -> dict[str, int]:
@@ -133,4 +158,4 @@ def to_float64(model: Any) -> None:
             value.dtype = ir.DataType.DOUBLE
 
 
-__all__ = ["fold_file", "fold_planned", "plan_file", "simplify_graph", "to_float64"]
+__all__ = ["fold_file", "fold_planned", "measure_ranges", "plan_file", "simplify_graph", "to_float64"]
