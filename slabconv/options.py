@@ -59,6 +59,8 @@ class VerifyOptions:
             ``fuse`` and in ``verify`` of a fused language-model folder), 0 for none.
         runtimes: which runtimes run the candidate for question 2 (``slabconv.verify.backends.RUNTIME_NAMES``:
             ``onnxruntime``, ``pytorch``, ``openvino``); None: every one that can run it (OpenVINO only when asked).
+            A quantizing one (``onnxruntime-int8``) runs the int8 check of both sides instead.
+        calibration: an ``.npz`` the int8 runtimes calibrate on (``--calibration``); None: the verification inputs.
     """
 
     inputs: Path | None = None
@@ -69,6 +71,7 @@ class VerifyOptions:
     strict: bool = False
     generate: int | None = None
     runtimes: tuple[str, ...] | None = None
+    calibration: Path | None = None
 
     def fuse_steps(self) -> int:
         """Greedy tokens per prompt that ``fuse`` (and ``verify`` of a fused folder) of a language model compares:

@@ -121,7 +121,7 @@ def test_each_command_takes_the_names_of_its_entries(command):
 
 
 def test_existing_names_and_orders_are_kept():
-    assert bk.RUNTIME_NAMES == ("onnxruntime", "pytorch", "openvino")
+    assert bk.RUNTIME_NAMES == ("onnxruntime", "pytorch", "openvino", "onnxruntime-int8")
     assert list(bench.RUNTIMES) == [
         "pytorch",
         "onnxruntime",
@@ -161,5 +161,5 @@ def test_a_missing_package_is_named_with_its_install_line(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(UsageError, match=r"^--runtime openvino: OpenVINO is not installed; pip install openvino$"):
         bk.check_runtime_names(("openvino",))
-    with pytest.raises(UsageError, match="choose from onnxruntime, pytorch, openvino"):
+    with pytest.raises(UsageError, match="choose from onnxruntime, pytorch, openvino, onnxruntime-int8"):
         bk.check_runtime_names(("pytorch-cuda",))  # a bench runtime verify does not take

@@ -250,3 +250,59 @@ def test_bench_opens_each_variant_quantized_alike(tmp_path: Path, digits: np.nda
         exact = model(torch.from_numpy(digits[:8])).double().numpy()
     assert 0 < np.abs(out - exact).max() < 0.1 * np.abs(exact).max()  # int8: close, not bit-equal
     runtime.timed(np.ascontiguousarray(digits[:4]))()
+
+
+def test_verify_runtime_int8_judges_both_sides_in_the_report_and_junit(tmp_path: Path, digits: np.ndarray) -> None:
+    """``verify ORIGINAL FUSED --runtime onnxruntime-int8`` (an ONNX original and the folder ``fuse`` wrote):
+    question 2 in the usual runtimes, then both sides quantized alike; the check is in report.json, the terminal and
+    JUnit. Ordinary features pass (calibrated on ``--calibration``); one feature in units 1000 times larger (a norm
+    with one tiny channel scale, folded forward) fails it, exit 1, the fold flagged in ``fuse``'s report."""
+    import json
+    import xml.etree.ElementTree as ET
+
+    from typer.testing import CliRunner
+
+    from slabconv import api
+    from slabconv.cli import app
+
+    wide = digits.copy()
+    wide[:, 36] *= 1e3
+    results = {}
+    for tag, x in (("ordinary", digits), ("outlier", wide)):
+        (folder := tmp_path / tag).mkdir()
+        original = folder / "original.onnx"
+        torch.onnx.export(
+            _calibrated(Tabular(), x), (torch.from_numpy(x[:2]),), str(original), dynamo=False, input_names=["x"],
+            output_names=["y"], dynamic_axes={"x": {0: "b"}},
+        )  # fmt: skip
+        np.savez(folder / "x.npz", x=x)
+        np.savez(folder / "calibration.npz", x=x[:64])
+        fused = api.fuse(original, folder / "out")
+        assert [r.flagged for r in fused.ranges or []] == [tag == "outlier"]
+        args = ["verify", str(original), str(folder / "out"), "--runtime", "onnxruntime-int8", "--inputs"]
+        args += [str(folder / "x.npz"), "--junit", str(folder / "j.xml"), "--json"]
+        args += ["--calibration", str(folder / "calibration.npz")] if tag == "ordinary" else []
+        result = CliRunner().invoke(app, args)
+        v = json.loads(result.stdout)["verification"]
+        assert [c["name"] for c in v["checks"]] == [
+            "y @ onnxruntime[no-optimizations]",
+            "y @ onnxruntime[all-optimizations]",
+        ]
+        (check,) = v["int8"]
+        cases = {c.get("name"): c for c in ET.parse(folder / "j.xml").getroot().iter("testcase")}
+        results[tag] = (result.exit_code, check, cases["int8 @ onnxruntime-int8"].find("failure") is None)
+    code, check, junit_ok = results["ordinary"]
+    assert code == 0 and check["passed"] and junit_ok and check["calibration"].endswith("calibration.npz")
+    assert check["fused"]["agreement"] > 0.9 and check["original"]["agreement"] > 0.9
+    code, check, junit_ok = results["outlier"]
+    assert code == 1 and not check["passed"] and not junit_ok and check["p_value"] < ALPHA
+    assert check["fused"]["agreement"] < check["original"]["agreement"] - 0.3
+
+
+def test_calibration_without_an_int8_runtime_is_refused(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    result = CliRunner().invoke(app, ["verify", "a.pth", "b", "--calibration", str(tmp_path / "c.npz")])
+    assert result.exit_code == 2 and "--runtime onnxruntime-int8" in result.output

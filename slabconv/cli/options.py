@@ -234,13 +234,17 @@ def verify_options(
     strict: bool,
     generate: int | None = None,
     runtimes: tuple[str, ...] | None = None,
+    calibration: Path | None = None,
 ) -> VerifyOptions:
-    """``VerifyOptions`` from the shared flags. Unknown or missing runtimes are refused here, before any work.
+    """``VerifyOptions`` from the shared flags. Unknown or missing runtimes are refused here, before any work, and
+    so is ``--calibration`` without a runtime that quantizes.
 
     Raises:
         UsageError: as ``slabconv.verify.backends.check_runtime_names``.
     """
-    from slabconv.verify.backends import check_runtime_names
+    from slabconv.verify.backends import BACKENDS, check_runtime_names
 
     check_runtime_names(runtimes)
-    return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate, runtimes)
+    if calibration is not None and not any(BACKENDS[n].quantized for n in runtimes or ()):
+        raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")
+    return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate, runtimes, calibration)

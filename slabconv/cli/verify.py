@@ -24,7 +24,8 @@ def verify_runtime_help() -> str:
     return (
         f"Run the candidate in this runtime only: {', '.join(first)} or {last} (OpenVINO when installed; the report "
         "names the precision it ran). Repeat it, or separate names by commas. Default: every runtime that can run "
-        "the candidate, except OpenVINO."
+        "the candidate, except OpenVINO. onnxruntime-int8 adds the int8 check: both sides quantized alike, the "
+        "candidate's top-1 agreement not worse than the reference's beyond noise (docs/verification.md)."
     )
 
 
@@ -56,6 +57,14 @@ def verify(
             metavar="NAME",
             help=verify_runtime_help(),
             autocompletion=complete_runtime,
+        ),
+    ] = None,
+    calibration: Annotated[
+        Path | None,
+        typer.Option(
+            "--calibration",
+            help="With --runtime onnxruntime-int8: calibrate the quantizer on this .npz (its x array, shaped as "
+            "--inputs) instead of the verification inputs.",
         ),
     ] = None,
     junit: o.Junit = None,
@@ -103,6 +112,7 @@ def verify(
       slabconv verify checkpoint.pth fused.onnx --samples 256 --seed 1
       slabconv verify llama-folder llama-fused --generate 32
       slabconv verify checkpoint.pth checkpoint-fused --runtime openvino
+      slabconv verify checkpoint.pth checkpoint-fused --runtime onnxruntime-int8
       slabconv verify checkpoint.pth checkpoint-fused --localize --plot boundaries.png
     """
     from slabconv import api
@@ -111,7 +121,9 @@ def verify(
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
         if junit is not None:
-            check_report_path(junit, [reference, candidate, *([inputs] if inputs else [])])
+            check_report_path(
+                junit, [reference, candidate, *([inputs] if inputs else []), *([calibration] if calibration else [])]
+            )
         if plot is not None:
             from slabconv.bench import check_plot_path
             from slabconv.errors import UsageError
@@ -121,7 +133,7 @@ def verify(
             check_plot_path(plot, force, [reference, candidate])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
         names = tuple(n.strip() for r in runtime or [] for n in r.split(",") if n.strip()) or None
-        check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names)
+        check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names, calibration)
         with output.progress() as progress:
             report = api.verify(
                 reference, candidate, load=load, verify=check, stream=stream, localize=localize, progress=progress

@@ -20,7 +20,15 @@ from rich.text import Text
 from slabconv.load.source import Source
 from slabconv.report.data import Report
 from slabconv.text import count, one_line, shown
-from slabconv.verify.results import QUESTION_1, QUESTION_2, Verification, generation_failure, task_metric_failure
+from slabconv.verify.results import (
+    QUESTION_1,
+    QUESTION_2,
+    Verification,
+    generation_failure,
+    int8_failure,
+    int8_summary,
+    task_metric_failure,
+)
 
 _WORD = re.compile(r"\S+\s*|\s+")
 _SEAM = re.compile(r"(?<=[,._/(])(?![,._/(])|(?<=-)(?![->])")
@@ -266,6 +274,11 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
             yield f"    note: {note}"
     if v.task_metrics is not None:
         yield from task_metric_lines(v.task_metrics)
+    for q in v.int8:
+        yield f"  {_ok(bool(q['passed']))} {q['name']} (both quantized alike, calibrated on {q['calibration']})"
+        yield f"    {int8_summary(q)}"
+        if not q["passed"]:
+            yield f"      {int8_failure(q)}"
     if v.localization is not None:
         yield f"  localisation: {v.localization.detail}"
     for note in v.notes:

@@ -119,15 +119,6 @@ BACKENDS: dict[str, Backend] = {
             package="onnxruntime",
         ),
         Backend(
-            "onnxruntime-int8",
-            "onnxruntime",
-            "open_onnxruntime_int8",
-            commands=("bench",),
-            opt_in=True,
-            package="onnxruntime",
-            quantized=True,
-        ),
-        Backend(
             "openvino",
             "openvino",
             "open_openvino",
@@ -135,6 +126,15 @@ BACKENDS: dict[str, Backend] = {
             opt_in=True,
             package="openvino",
             missing="OpenVINO is not installed; pip install openvino",
+        ),
+        Backend(
+            "onnxruntime-int8",
+            "onnxruntime",
+            "open_onnxruntime_int8",
+            commands=("verify", "bench"),
+            opt_in=True,
+            package="onnxruntime",
+            quantized=True,
         ),
     )
 }

@@ -321,6 +321,43 @@ def task_metric_cases(block: dict[str, Any] | None) -> list[Case]:
     return out
 
 
+def int8_summary(check: dict[str, Any]) -> str:
+    """One line of an int8 check (``Int8Check.to_dict()``): both sides' agreement with the float original and
+    error against float64, the paired counts and the test's p-value."""
+    o, f = check["original"], check["fused"]
+    unit = "sample" if check["units"] == "samples" else "sequence"
+    return (
+        f"top-1 kept from the float original: candidate {f['agreement']:.2%}, reference {o['agreement']:.2%} of "
+        f"{o['decisions']}; {check['worse']} {unit}s worse, {check['better']} better for the candidate (one-sided "
+        f"p {check['p_value']:.3g}, failing below {check['alpha']:g}); error against float64: candidate "
+        f"{f['error']:.3g}, reference {o['error']:.3g}"
+    )
+
+
+def int8_failure(check: dict[str, Any]) -> str:
+    """The failure line of an int8 check."""
+    o, f = check["original"], check["fused"]
+    return (
+        f"{check['name']} failed: quantized alike, the candidate keeps the float reference's top-1 on "
+        f"{f['agreement']:.2%} where the reference keeps {o['agreement']:.2%} ({check['worse']} {check['units']} "
+        f"worse, {check['better']} better; one-sided p {check['p_value']:.3g} < {check['alpha']:g}): the fold "
+        "costs int8 accuracy (the int8 step growth of each fold: slabconv inspect)"
+    )
+
+
+def int8_cases(checks: list[dict[str, Any]]) -> list[Case]:
+    """One case per int8 check (``Int8Check.to_dict()``)."""
+    out = []
+    for c in checks:
+        measured = (
+            f"kept_candidate={c['fused']['agreement']:.6g} kept_reference={c['original']['agreement']:.6g} "
+            f"worse={c['worse']} better={c['better']} p_value={c['p_value']:.6g} alpha={c['alpha']:g}"
+        )
+        ok = bool(c["passed"])
+        out.append(Case(c["name"], ok, measured, "" if ok else int8_failure(c)))
+    return out
+
+
 @dataclass
 class Verification:
     """Every check of one verification run; ``to_dict`` is the report's ``verification`` block.
@@ -338,6 +375,9 @@ class Verification:
         generation: the greedy-generation comparison of a language model (``--generate``), or None.
         task_metrics: a language model's teacher-forced perplexity and next-token KL, original vs fused, in each
             runtime that generates (``slabconv.verify.task_metrics``), or None.
+        int8: one ``Int8Check.to_dict()`` per quantizing runtime named (``verify --runtime onnxruntime-int8``):
+            the reference and the candidate quantized alike, each against the float reference
+            (``slabconv.verify.int8``).
         seconds: how long the verification took (wall time).
         not_run: written files no runtime could run (``NotRun``), named in the verdict.
         localization: where the two models first diverge fold by fold (``Localization``): after a failure, or on
@@ -354,6 +394,7 @@ class Verification:
     runtime: str = ""
     generation: dict[str, Any] | None = None
     task_metrics: dict[str, Any] | None = None
+    int8: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     not_run: list[NotRun] = field(default_factory=list)
     localization: Localization | None = None
@@ -392,6 +433,7 @@ class Verification:
             ok = bool(run["passed"])
             out.append(Case(f"generation: {run['name']}", ok, measured, "" if ok else generation_failure(run)))
         out += task_metric_cases(self.task_metrics)
+        out += int8_cases(self.int8)
         where = self.where()
         for case in out:
             if not case.passed and where:
@@ -450,6 +492,7 @@ class Verification:
             "notes": list(self.notes),
             "generation": self.generation,
             "task_metrics": self.task_metrics,
+            "int8": list(self.int8),
             "seconds": self.seconds,
             "not_run": [asdict(n) for n in self.not_run],
             "localization": self.localization.to_dict() if self.localization is not None else None,

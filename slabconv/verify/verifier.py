@@ -14,7 +14,8 @@ FOLDER`` does in CI; ``verify`` calls it on any two sides. The steps, whatever t
 5. file checks: ``onnx.checker``'s full check, judged against the reference's own result for an ONNX original;
 6. question 2: each runtime in the dtype its file declares; a file no runtime here can run is named
    (``NotRun``), never covered by the verdict;
-7. greedy generation for a fused language-model folder;
+7. greedy generation and the task metrics for a fused language-model folder; the int8 check of both sides when a
+   quantizing runtime is named (``--runtime onnxruntime-int8``: ``slabconv.verify.int8``);
 8. on a failure (or ``localize``), the localisation pass (``slabconv.verify.localize``).
 
 Two decoder folders compared one layer at a time (``streamed`` sides) take the same steps through
@@ -103,6 +104,7 @@ def candidate_runs(
         UsageError: a runtime of ``names`` that cannot run the candidate (checked before any work).
     """
     dtype = getattr(torch, candidate.dtype)
+    names = question_2_names(names)
     pending: list[Pending] = []
     if candidate.onnx is not None:
         path = candidate.onnx.path
@@ -111,7 +113,7 @@ def candidate_runs(
             for level in ORT_LEVELS
         ]
         for backend in BACKENDS.values():
-            if backend.opt_in and "verify" in backend.commands:
+            if backend.opt_in and "verify" in backend.commands and not backend.quantized:
                 asked = names is not None and backend.name in names
                 if asked or (names is None and backend.unavailable() is None):
                     pending.append(Pending(path.name, backend.name, functools.partial(_first, backend, path),
@@ -140,6 +142,19 @@ def candidate_runs(
         pending = [p for p in pending if p.backend in names]
         fallback = fallback if fallback is not None and fallback.backend in names else None
     return pending, fallback
+
+
+def question_2_names(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """The ``--runtime`` names that run question 2: all but the quantizing ones (``Backend.quantized``, which
+    answer the int8 check instead); None (every runtime that can) when only quantizing ones were named."""
+    if names is None:
+        return None
+    return tuple(n for n in names if not (n in BACKENDS and BACKENDS[n].quantized)) or None
+
+
+def int8_backends(opts: VerifyOptions) -> list[Any]:
+    """The quantizing runtimes ``--runtime`` names (``onnxruntime-int8``): each runs the int8 check."""
+    return [BACKENDS[n] for n in dict.fromkeys(opts.runtimes or ()) if n in BACKENDS and BACKENDS[n].quantized]
 
 
 def _ort_level(path: Path, level: str) -> Runtime:
@@ -470,8 +485,16 @@ def _whole(
     load: LoadOptions | None,
     progress: Progress,
 ) -> Verification:
-    """Both questions with whole models (every side but ``streamed``)."""
+    """Both questions with whole models (every side but ``streamed``), and the int8 check when asked."""
     pending, fallback = candidate_runs(candidate, opts.runtimes, load)
+    quantizing = int8_backends(opts)
+    if quantizing and candidate.onnx is None:
+        raise UsageError(
+            f"--runtime {quantizing[0].name} quantizes the candidate's .onnx, and {candidate.path} has none; give "
+            "an .onnx or a folder with model.onnx"
+        )
+    if opts.calibration is not None and not quantizing:
+        raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")
     if reference.kind == "folder":
         reference = _as_model(reference)  # a folder fuse wrote, as the reference: its fused model
     a, b = reference.source.input_shape, candidate.source.input_shape
@@ -533,7 +556,60 @@ def _whole(
     verification.not_run += not_run
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
+    for backend in quantizing:
+        progress(f"verifying: {backend.name}, the reference and the candidate quantized alike")
+        verification.int8.append(_int8(backend, reference, candidate, ref, opts, load).to_dict())
     return verification
+
+
+def _int8(
+    backend: Any, reference: Side, candidate: Side, ref: Reference, opts: VerifyOptions, load: LoadOptions | None
+) -> Any:
+    """The int8 check (``slabconv.verify.int8.check_int8``) of the reference's and the candidate's ``.onnx``,
+    quantized alike and calibrated on ``opts.calibration`` or the verification inputs: a reference that is not an
+    ``.onnx`` is exported first (``write.onnx.export_onnx``, in its dtype), into a temporary folder.
+
+    Raises:
+        InputError: an unreadable calibration file; outputs that cannot be judged (``compare_int8``).
+        RuntimeUnavailable: onnxruntime cannot quantize or run a side.
+    """
+    import tempfile
+
+    from slabconv.verify.int8 import check_int8
+    from slabconv.verify.runtimes import RuntimeUnavailable
+
+    calibration, label = ref.x, "the verification inputs"
+    if opts.calibration is not None:
+        calibration = _calibration(ref, opts.calibration)
+        label = str(opts.calibration)
+    name = f"int8 @ {backend.name}"
+    with tempfile.TemporaryDirectory(prefix="slabconv-int8-") as tmp:
+        if reference.kind == "onnx":
+            original = reference.onnx.path
+        else:
+            from slabconv.write.onnx import export_onnx
+
+            loaded = reference.built(load)
+            original = Path(tmp) / "reference.onnx"
+            with quiet():
+                export_onnx(loaded.model, loaded.trace_example(), original)
+        try:
+            return check_int8(
+                name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
+                calibration_label=label,
+            )  # fmt: skip
+        except RuntimeUnavailable as err:
+            raise InputError(f"{name}: {err}") from None
+
+
+def _calibration(ref: Reference, path: Path) -> Any:
+    """The ``--calibration`` inputs, read as ``--inputs`` are (``verify.inputs.load_npz_inputs``: the ``x`` array,
+    sized before it is read), of the verification inputs' shape per sample and integer for token ids."""
+    from slabconv.verify.inputs import load_npz_inputs
+
+    if not isinstance(ref.x, np.ndarray):
+        raise UsageError("--calibration takes one input array; this model takes several inputs")
+    return load_npz_inputs(path, tuple(ref.x.shape[1:]), integer=ref.x.dtype.kind in "iu")
 
 
 def _as_model(side: Side) -> Side:
