@@ -56,13 +56,16 @@ def test_task_metrics_for_the_original_and_every_runtime_that_generates(fused_te
     names = [r["name"] for r in t["runs"]]
     assert names[0].startswith("original float32") and not t["runs"][0]["decides"]
     assert any("transformers" in n for n in names) and any("decoder.onnx" in n for n in names)
-    assert any("onnxruntime-genai" in n for n in names) or t["notes"]
+    from slabconv.verify.generate import genai_available
+
+    if genai_available():
+        assert any("onnxruntime-genai" in n for n in names)
+    else:
+        assert any("onnxruntime-genai is not installed" in n for n in t["notes"])
     ppl = t["reference"]["perplexity"]
     assert 3 < ppl < 8  # the fixture's held-out text (the unigram perplexity is 25.7)
     for run in t["runs"]:
         assert abs(run["perplexity"] / ppl - 1) < 1e-4 and 0 <= run["kl_mean"] <= run["kl_max"] < 1e-6
-    cases = [c for c in report["verification"]["checks"]]  # question 2 is unchanged beside them
-    assert cases
 
 
 def test_verify_the_folder_against_its_fused_onnx(fused_text, tmp_path):

@@ -78,9 +78,9 @@ def fold_cases(report: Report, require_folded: bool = False) -> list[Case]:
 def junit_tree(report: Report, require_folded: bool = False) -> ET.ElementTree:
     """The JUnit XML tree of a report. ``fuse`` (with ``--junit``): a ``slabconv.folds`` suite, one ``<testcase>``
     per norm (``fold_cases``). ``fuse`` and ``verify``: a ``slabconv.verify`` suite, one ``<testcase>`` per check
-    that ran (``Verification.cases``: question 1, the file checks, question 2, greedy generation per runtime), so
-    the failure count is zero exactly when the report passed; ``time`` is how long the run took, shared out per
-    case."""
+    that ran (``Verification.cases``: question 1, the file checks, question 2, greedy generation and the task
+    metrics per runtime, the int8 checks), so the failure count is zero exactly when the report passed; ``time`` is
+    how long the run took, shared out per case."""
     v = report.verification
     candidate = (report.candidate.path if report.candidate else None) or report.out_dir or "candidate"
     suites: list[tuple[str, list[Case], float]] = []
