@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.capture import stored
+from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans
 from slabconv.engine.onnx_lower import Lowered, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds

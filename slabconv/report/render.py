@@ -141,9 +141,7 @@ def folds_table(report: Report, width: int | None = None) -> Table:
         columns.pop("int8 step")
     if width is not None and width < COMPACT_BELOW:
         columns = {"norm": True, "action": False, "into, or why kept": True}
-        return text_table(
-            title, columns, [[row[0], row[2], row[3] if not row[-1] else row[-1]] for row in rows]
-        )
+        return text_table(title, columns, [[row[0], row[2], row[3] if not row[-1] else row[-1]] for row in rows])
     if not any(row[-1] for row in rows):
         columns.pop("reason")
         rows = [row[:-1] for row in rows]
