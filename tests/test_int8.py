@@ -270,11 +270,18 @@ def test_verify_runtime_int8_judges_both_sides_in_the_report_and_junit(tmp_path:
     results = {}
     for tag, x in (("ordinary", digits), ("outlier", wide)):
         (folder := tmp_path / tag).mkdir()
-        original = folder / "original.onnx"
-        torch.onnx.export(
-            _calibrated(Tabular(), x), (torch.from_numpy(x[:2]),), str(original), dynamo=False, input_names=["x"],
-            output_names=["y"], dynamic_axes={"x": {0: "b"}},
-        )  # fmt: skip
+        model = _calibrated(Tabular(), x)
+        if tag == "ordinary":  # a .pt2 original: the reference is exported to ONNX for the int8 check
+            original = folder / "original.pt2"
+            batch = torch.export.Dim("batch", min=2)
+            program = torch.export.export(model, (torch.from_numpy(x[:2]),), dynamic_shapes=({0: batch},))
+            torch.export.save(program, str(original))
+        else:  # an ONNX original
+            original = folder / "original.onnx"
+            torch.onnx.export(
+                model, (torch.from_numpy(x[:2]),), str(original), dynamo=False, input_names=["x"],
+                output_names=["y"], dynamic_axes={"x": {0: "b"}},
+            )  # fmt: skip
         np.savez(folder / "x.npz", x=x)
         np.savez(folder / "calibration.npz", x=x[:64])
         fused = api.fuse(original, folder / "out")
@@ -284,10 +291,7 @@ def test_verify_runtime_int8_judges_both_sides_in_the_report_and_junit(tmp_path:
         args += ["--calibration", str(folder / "calibration.npz")] if tag == "ordinary" else []
         result = CliRunner().invoke(app, args)
         v = json.loads(result.stdout)["verification"]
-        assert [c["name"] for c in v["checks"]] == [
-            "y @ onnxruntime[no-optimizations]",
-            "y @ onnxruntime[all-optimizations]",
-        ]
+        assert v["checks"] and all("onnxruntime[" in c["name"] or "pytorch" in c["name"] for c in v["checks"])
         (check,) = v["int8"]
         cases = {c.get("name"): c for c in ET.parse(folder / "j.xml").getroot().iter("testcase")}
         results[tag] = (result.exit_code, check, cases["int8 @ onnxruntime-int8"].find("failure") is None)

@@ -38,7 +38,7 @@ import torch
 from slabconv import engine
 from slabconv.errors import InputError, UsageError, first_line
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.util import Progress, no_progress, release_memory, stage_memory
+from slabconv.util import Progress, no_progress, quiet, release_memory, stage_memory
 from slabconv.verify import judge, sides
 from slabconv.verify.backends import BACKENDS
 from slabconv.verify.inputs import choose_inputs
