@@ -611,11 +611,13 @@ def _choose_direction(
         return None
     consumers = ", ".join(decision.into)
     backward = _backward(weights, graph, site, site.scale, site.shift, stop)
-    if isinstance(backward, str):
+    if isinstance(backward, str) or len(backward[0]) != 1 or len(backward[1]) != 1:
+        # only a fold into the rows of one producer is free for int8: a sum of producers, or readers of the
+        # norm's input that take the inverse scale, move a column scale elsewhere
         decision.direction = (
             f"forward: a forward fold may make the per-channel int8 step of {consumers} up to {wide:.3g}x coarser "
-            f"(the norm's scale spread; above {STEP_GROWTH_LIMIT:g}x), and the norm cannot fold backward (no layer "
-            "it alone reads produces its input)"
+            f"(the norm's scale spread; above {STEP_GROWTH_LIMIT:g}x), and the norm cannot fold backward into the "
+            "rows of one layer alone (no layer it alone reads produces its input)"
         )
         return None
     decision.direction = (
