@@ -175,7 +175,7 @@ class Planned:
     fused: fx.GraphModule
     decisions: list[engine.Decision]
     example: torch.Tensor
-    program: engine.Program | None = None
+    program: engine.FoldProgram | None = None
     traced_blocks: tuple[int, int] | None = None
     exported: torch.export.ExportedProgram | None = None
 
@@ -300,7 +300,7 @@ def _stack(shards: LazyShards) -> tuple[str, int] | None:
     return (prefix, depth) if depth is not None and depth > engine.SLOTS else None
 
 
-def _require_streamable(decisions: list[engine.Decision], program: engine.Program) -> None:
+def _require_streamable(decisions: list[engine.Decision], program: engine.FoldProgram) -> None:
     """A streamed output is weights only: every norm folds away (or, the affine of a LayerNorm / RMSNorm / GroupNorm,
     stays whole in its op) and every stored tensor comes from the checkpoint."""
     kept = [d for d in decisions if not _whole(d)]
@@ -409,7 +409,7 @@ def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
     return (family == "llama" and planned.complete) or family == FAMILY
 
 
-def _check_one_dtype(sharded: ShardedFolder, program: engine.Program) -> None:
+def _check_one_dtype(sharded: ShardedFolder, program: engine.FoldProgram) -> None:
     """A streamed fold writes each tensor in the dtype the writer gives it (a folded layer's weight in the plan's
     dtype, a copied tensor in its own), and the Hugging Face folder it writes has one ``torch_dtype``: refuse,
     before writing, a fold whose written tensors would mix float dtypes (an input whose shards mix them). Norm
@@ -493,18 +493,18 @@ def _write_files(
     progress("writing model.safetensors")
     save_safetensors(tensors, folder / "model.safetensors", metadata)
     outputs = Outputs(files=["model.safetensors"], safetensors="model.safetensors")
-    program = None
-    if write.pt2 or write.onnx:  # one program of the fused model (lifted, or traced again) serves both files
+    exported = None
+    if write.pt2 or write.onnx:  # one exported program of the fused model (lifted, or traced again) serves both
         progress("exporting the fused program")
         try:
-            program = export_program(planned.fused, planned.example, planned.exported)
+            exported = export_program(planned.fused, planned.example, planned.exported)
         except UnsupportedModelError:
             if write.pt2:
                 raise
             # --no-pt2: the ONNX exporter's own capture (it has fallbacks torch.export lacks) gets its chance
-    if write.pt2 and program is not None:
+    if write.pt2 and exported is not None:
         progress("writing model.pt2")
-        save_pt2(*program, folder / "model.pt2")
+        save_pt2(*exported, folder / "model.pt2")
         outputs.pt2 = "model.pt2"
         outputs.files.append("model.pt2")
     if write.onnx:
@@ -513,14 +513,14 @@ def _write_files(
         made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True,
                           norm_affine=metadata.get("norm_affine") == "true")  # fmt: skip
         info = export_onnx(
-            planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=program,
+            planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=exported,
             simplify=write.simplify, metadata=made,
         )  # fmt: skip
         outputs.onnx = "model.onnx"
         outputs.files += ["model.onnx", *([info["external_data"]] if info["external_data"] else [])]
         outputs.onnx_info = info
-    if write.pt2 and program is not None:
-        pt2_axes = {f"pt2_{key}": program[1][key] for key in ("dynamic_batch", "dynamic_sequence")}
+    if write.pt2 and exported is not None:
+        pt2_axes = {f"pt2_{key}": exported[1][key] for key in ("dynamic_batch", "dynamic_sequence")}
         outputs.onnx_info = {**(outputs.onnx_info or {}), **pt2_axes}
     return outputs
 

@@ -77,7 +77,7 @@ def _outlier(model: nn.Module, channel: int = 3, k: float = 1e3) -> nn.Module:
     return out
 
 
-def _fold(model: nn.Module, x: torch.Tensor) -> tuple[list[engine.Decision], engine.Program, dict]:
+def _fold(model: nn.Module, x: torch.Tensor) -> tuple[list[engine.Decision], engine.FoldProgram, dict]:
     gm = capture(model, x)
     original = {k: v.detach().clone() for k, v in gm.state_dict().items()}
     decisions, program = fold_program(gm)

@@ -46,8 +46,8 @@ from slabconv.engine.planner import (
 )
 from slabconv.engine.program import (
     FOLD_BLOCK,
+    FoldProgram,
     LayerRecipe,
-    Program,
     Scratch,
     TensorRecipe,
     WeightStore,
@@ -70,7 +70,7 @@ __all__ = [
     "NORM_AFFINE_KINDS",
     "NormPlan",
     "NormSite",
-    "Program",
+    "FoldProgram",
     "RangeTally",
     "Repeat",
     "SLOTS",

@@ -17,7 +17,7 @@ from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans
 from slabconv.engine.onnx_lower import Lowered, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import Program, TensorStore, evaluate, layer_recipes
+from slabconv.engine.program import FoldProgram, TensorStore, evaluate, layer_recipes
 from slabconv.engine.ranges import LayerRange, flag_warnings
 
 
@@ -99,7 +99,7 @@ def measure_ranges(lowered: Lowered, plans: list[NormPlan]) -> list[LayerRange]:
     """
     layers = layer_recipes(lowered.gm, plans)
     needed = {la.weight for la in layers.values()} | {la.bias for la in layers.values() if la.bias}
-    program = Program({}, layers)
+    program = FoldProgram({}, layers)
     evaluate(program, TensorStore({k: stored(lowered.gm, k) for k in needed}))
     return list(program.ranges.values())
 

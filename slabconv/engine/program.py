@@ -326,7 +326,7 @@ class TensorRecipe:
 
 
 @dataclass
-class Program:
+class FoldProgram:
     """Every tensor of the fused model (``tensors``, in the fused graph's order), every folded layer (``layers``,
     by weight name) and, once the program has run (``evaluate``, or a streamed writer), each folded layer's
     weight ranges before and after (``ranges``, by weight name; ``slabconv.engine.ranges``)."""
@@ -374,7 +374,7 @@ def build_program(
     stored_keys: set[str],
     fused: Mapping[str, torch.Tensor],
     units: set[str] | frozenset[str] = frozenset(),
-) -> Program:
+) -> FoldProgram:
     """The program of a fused graph: ``layers`` (``layer_recipes``), the original graph's stored tensor names,
     the fused graph's tensors (``cleanup.fused_state_dict``) and the stored norm weights it holds as ones
     (``units``)."""
@@ -392,10 +392,10 @@ def build_program(
             tensors[target] = TensorRecipe(target, "copy", target)
         else:
             tensors[target] = TensorRecipe(target, "const", value=value)
-    return Program(tensors, layers)
+    return FoldProgram(tensors, layers)
 
 
-def evaluate(program: Program, store: WeightStore, block_elements: int = FOLD_BLOCK) -> dict[str, torch.Tensor]:
+def evaluate(program: FoldProgram, store: WeightStore, block_elements: int = FOLD_BLOCK) -> dict[str, torch.Tensor]:
     """Every folded layer's weight and bias (the ``weight`` / ``bias`` recipes), block by block, as whole
     tensors: what the in-memory fold stores. Each layer's weight ranges go into ``program.ranges``."""
     out: dict[str, torch.Tensor] = {}

@@ -37,7 +37,7 @@ from slabconv.engine.capture import stored
 from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.norms import find_norms
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import LayerRecipe, Program, TensorRecipe, layer_recipes
+from slabconv.engine.program import FoldProgram, LayerRecipe, TensorRecipe, layer_recipes
 from slabconv.engine.rewriter import FoldProgress, fold_program, set_tensor
 from slabconv.util import block_pattern
 
@@ -159,7 +159,7 @@ def fold_repeated(
     unknown: Collection[str] = (),
     on_block: Callable[[int, int], None] | None = None,
     norm_affine: bool = False,
-) -> tuple[list[Decision], Program] | None:
+) -> tuple[list[Decision], FoldProgram] | None:
     """``fold_program`` of the real ``repeat.depth``-block model, from ``gm``, its capture with ``SLOTS`` blocks
     whose stand-in weights are ``unknown`` (see the module docstring). ``gm`` is left as ``fold_program`` leaves
     it (the fused three-block graph, slot 1 holding real block 1's values); ``on_block(done, total)`` is called
@@ -220,10 +220,10 @@ def _stored_or_none(gm: fx.GraphModule, key: str) -> torch.Tensor | None:
 
 def _expand(
     decisions: list[Decision],
-    program: Program,
+    program: FoldProgram,
     middle: dict[int, tuple[list[Decision], dict[str, LayerRecipe]]],
     repeat: Repeat,
-) -> tuple[list[Decision], Program]:
+) -> tuple[list[Decision], FoldProgram]:
     """The three-block decisions and program with the middle blocks inserted after slot 1 and slot 2 renamed to
     the last block."""
     last = repeat.depth - 1
@@ -257,4 +257,4 @@ def _expand(
                     tensors[r.target] = r
             continue
         tensors[t.target] = t
-    return out_decisions, Program(tensors, layers)
+    return out_decisions, FoldProgram(tensors, layers)

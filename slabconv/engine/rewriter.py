@@ -22,7 +22,7 @@ from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fus
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import FOLD_BLOCK, Program, TensorStore, build_program, evaluate, layer_recipes
+from slabconv.engine.program import FOLD_BLOCK, FoldProgram, TensorStore, build_program, evaluate, layer_recipes
 from slabconv.engine.ranges import flag_warnings
 from slabconv.engine.rules import Chan
 
@@ -188,7 +188,7 @@ def fold_program(
     block_elements: int = FOLD_BLOCK,
     plans: list[NormPlan] | None = None,
     norm_affine: bool = False,
-) -> tuple[list[Decision], Program]:
+) -> tuple[list[Decision], FoldProgram]:
     """``fold_all`` that also returns the fold program (``slabconv.engine.program``).
 
     Without ``unknown``, the program is evaluated over ``gm``'s original tensors (one block of rows at a time, as

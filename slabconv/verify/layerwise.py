@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from slabconv.engine import Program, Scratch, cast_into, row_ranges
+from slabconv.engine import FoldProgram, Scratch, cast_into, row_ranges
 from slabconv.errors import InputError, UsageError
 from slabconv.fold import rounded
 from slabconv.load import hf
@@ -153,7 +153,7 @@ class Folder:
         return head(self.norm(self.family.final_norm, h.dtype)(h))
 
 
-def exact_streamed(source: LazyShards, written: LazyShards, program: Program) -> ExactCheck:
+def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram) -> ExactCheck:
     """Question 1 for a streamed output: every tensor of ``written`` against its recipe in the fold ``program``
     evaluated afresh in float64 over ``source``, block by block (``LayerRecipe.rows``): a folded weight or bias
     within ``policy.ULPS`` units in the last place of it, a copy bit for bit; a tensor with no recipe fails.
@@ -243,7 +243,7 @@ def verify_folders(
     rtol: float | None = None,
     atol: float = 0.0,
     strict: bool = False,
-    program: Program | None = None,
+    program: FoldProgram | None = None,
     block_elements: int = 1 << 22,
     progress: Progress = no_progress,
 ) -> Verification:
@@ -343,7 +343,7 @@ class _FoldShards:
     in float64 over ``source`` and rounded once to ``dtype`` (what question 1 requires), every other tensor read
     from ``written``; what ``StreamedLinear`` and ``Folder.norm`` read, block by block."""
 
-    def __init__(self, source: LazyShards, written: LazyShards, program: Program, dtype: torch.dtype):
+    def __init__(self, source: LazyShards, written: LazyShards, program: FoldProgram, dtype: torch.dtype):
         self.source, self.written, self.program, self.dtype = source, written, program, dtype
         self.weight_map = written.weight_map
         self.block_elements = written.block_elements
@@ -372,7 +372,7 @@ class _FoldShards:
 
 
 def localize_folders(
-    reference: Path, candidate: Path, program: Program, seed: int = 0, seq_len: int = DEFAULT_SEQ_LEN
+    reference: Path, candidate: Path, program: FoldProgram, seed: int = 0, seq_len: int = DEFAULT_SEQ_LEN
 ) -> Any:
     """The fold boundaries of a streamed fold, in data-flow order (``slabconv.verify.localize``): for each decoder
     layer, on the reference's float64 hidden states of one seeded token sequence, the candidate layer and the

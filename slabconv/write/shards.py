@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from slabconv.engine import FOLD_BLOCK, Program, RangeTally, row_ranges
+from slabconv.engine import FOLD_BLOCK, FoldProgram, RangeTally, row_ranges
 from slabconv.engine.program import Scratch
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.hf import SAFETENSORS_DTYPES
@@ -127,7 +127,7 @@ def write_program_shards(
     folder: Path,
     reader: LazyShards,
     shard_names: list[str],
-    program: Program,
+    program: FoldProgram,
     metadata: dict[str, str],
     progress: Progress,
     block_elements: int = FOLD_BLOCK,
