@@ -321,7 +321,7 @@ def test_converter_options_are_refused_before_the_work(no_work, args, expected):
 
 
 def test_verify_runtime_values_complete():
-    assert _complete("slabconv verify a b --runtime onnx") == ["onnxruntime"]
+    assert _complete("slabconv verify a b --runtime onnx") == ["onnxruntime", "onnxruntime-int8"]
     assert _complete("slabconv verify a b --runtime open") == ["openvino"]
     assert _complete("slabconv fuse a --dtype b") == ["bfloat16"]
 
