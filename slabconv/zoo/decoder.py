@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -154,21 +154,12 @@ def _std_positions(cfg: Any) -> int:
     return min([int(cfg.max_position_embeddings), *windows])
 
 
-STANDARD = DecoderFamily(
+STANDARD = replace(
+    LLAMA,  # the same key layout and layers; plain RMSNorms, and the config of transformers' own classes
     name="llama_std",
-    layer_key=re.compile(r"^model\.layers\.(\d+)\."),
-    layer_prefix="model.layers.{i}.",
-    embed="model.embed_tokens.weight",
-    head="lm_head",
-    final_norm="model.norm",
-    layer_norms=("input_layernorm", "post_attention_layernorm"),
     norm_layout=_std_layout,
     config=_std_config,
-    build_layer=_llama_layer,
     build_norm=_std_norm,
-    layer_inputs=_llama_inputs,
-    vocab_size=lambda cfg: int(cfg.vocab_size),
-    num_layers=lambda cfg: int(cfg.num_hidden_layers),
     max_positions=_std_positions,
 )
 
