@@ -286,7 +286,7 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
     assert generation is not None and generation["passed"] and generation["runs"]
     # the tiny model has 16 positions: the prompts are cut to one token and 15 tokens are generated, not 32
     assert generation["steps"] == 15 and generation["notes"][:2] == [
-        "prompts cut to 1 tokens: the model has 16 positions",
+        "prompts cut to 1 token: the model has 16 positions",
         "15 tokens generated per prompt, not 32: the model has 16 positions",
     ]
     skipped = api.fuse(root / "src", tmp_path / "skip", verify=VerifyOptions(generate=0), write=STREAM)

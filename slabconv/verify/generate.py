@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
+from slabconv.text import count
 from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of this module's face)
     ENDED,
     ArrayLike,
@@ -680,11 +681,11 @@ def within_positions(prompts: torch.Tensor, steps: int, positions: int | None) -
         return prompts, steps, notes
     keep = max(1, min(prompts.shape[1], positions - steps))
     if keep < prompts.shape[1]:
-        notes.append(f"prompts cut to {keep} tokens: the model has {positions} positions")
+        notes.append(f"prompts cut to {count(keep, 'token')}: the model has {positions} positions")
         prompts = prompts[:, :keep]
     if keep + steps > positions:
         notes.append(
-            f"{positions - keep} tokens generated per prompt, not {steps}: the model has {positions} positions"
+            f"{count(positions - keep, 'token')} generated per prompt, not {steps}: the model has {positions} positions"
         )
         steps = positions - keep
     return prompts, steps, notes
