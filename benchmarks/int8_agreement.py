@@ -130,11 +130,11 @@ class Tabular(nn.Module):
     continuous-feature branch of tabular models such as fastai's ``TabularModel``); the digits images' 64 pixels as
     features, 10 classes."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = C) -> None:
         super().__init__()
         self.bn = nn.BatchNorm1d(64)
-        self.fc1 = nn.Linear(64, C)
-        self.fc2 = nn.Linear(C, 10)
+        self.fc1 = nn.Linear(64, width)
+        self.fc2 = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(self.bn(x))))
@@ -144,13 +144,13 @@ class Bottleneck(nn.Module):
     """``fc3(relu(fc2(bn(fc1(relu(stem(x)))))))`` on flattened 8x8 images: a BatchNorm1d between two Linear layers
     (it folds either way)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = C) -> None:
         super().__init__()
-        self.stem = nn.Linear(64, C)
-        self.fc1 = nn.Linear(C, C)
-        self.bn = nn.BatchNorm1d(C)
-        self.fc2 = nn.Linear(C, C)
-        self.fc3 = nn.Linear(C, 10)
+        self.stem = nn.Linear(64, width)
+        self.fc1 = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.fc2 = nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(torch.relu(self.fc2(self.bn(self.fc1(torch.relu(self.stem(x)))))))

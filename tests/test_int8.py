@@ -17,11 +17,12 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.int8_agreement import Bottleneck, Tabular
 from slabconv.engine import capture, fold_program, fused_state_dict, planner
 from slabconv.verify.int8 import ALPHA, check_int8, compare_int8, quantize_int8, sign_test
 
 ROOT = Path(__file__).resolve().parent.parent
-C = 32
+C = 32  # the benchmark's models (benchmarks.int8_agreement) at a smaller width
 
 
 def test_the_sign_test_is_the_exact_binomial_tail() -> None:
@@ -61,35 +62,6 @@ def test_many_paired_losses_fail_and_noise_does_not() -> None:
     worse = ref + gen.normal(scale=1.5, size=ref.shape)
     check = compare_int8("n", [noisy], [worse], [ref], None, calibration="x")
     assert not check.passed and check.p_value < ALPHA and "the fold costs int8 accuracy" in check.failure()
-
-
-class Tabular(nn.Module):
-    """``fc2(relu(fc1(bn(x))))``: a BatchNorm1d normalising raw input features (tabular models); its input is the
-    graph input, so it folds forward only."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bn = nn.BatchNorm1d(64)
-        self.fc1 = nn.Linear(64, C)
-        self.fc2 = nn.Linear(C, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(self.bn(x))))
-
-
-class Bottleneck(nn.Module):
-    """``fc3(relu(fc2(bn(fc1(relu(stem(x)))))))``: a BatchNorm1d between two Linear layers (it folds either way)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Linear(64, C)
-        self.fc1 = nn.Linear(C, C)
-        self.bn = nn.BatchNorm1d(C)
-        self.fc2 = nn.Linear(C, C)
-        self.fc3 = nn.Linear(C, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.relu(self.fc2(self.bn(self.fc1(torch.relu(self.stem(x)))))))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +108,7 @@ def _int8(model: nn.Module, x: np.ndarray, folder: Path) -> tuple[list, object]:
 
 
 def test_quantized_weights_have_one_scale_per_output_channel(tmp_path: Path, digits: np.ndarray) -> None:
-    model = _calibrated(Tabular(), digits)
+    model = _calibrated(Tabular(C), digits)
     path = tmp_path / "m.onnx"
     torch.onnx.export(model, (torch.from_numpy(digits[:2]),), str(path), dynamo=False, input_names=["x"])
     out = quantize_int8(path, tmp_path / "q.onnx", digits[:64])
@@ -187,14 +159,14 @@ def test_one_tiny_channel_scale_is_flagged_and_costs_int8_agreement(tmp_path: Pa
     folded forward: the fold is flagged and the fused model loses int8 agreement; the same model with ordinary
     features is not flagged and keeps it."""
     (ordinary_tmp := tmp_path / "ordinary").mkdir()
-    folds, check = _int8(_calibrated(Tabular(), digits), digits, ordinary_tmp)
+    folds, check = _int8(_calibrated(Tabular(C), digits), digits, ordinary_tmp)
     ((decision, ranges),) = folds
     assert decision.action == "folded-forward" and not any(r.flagged for r in ranges.values())
     assert check.passed and check.fused.agreement > 0.9
     wide = digits.copy()
     wide[:, 36] *= 1e3
     (outlier_tmp := tmp_path / "outlier").mkdir()
-    folds, check = _int8(_calibrated(Tabular(), wide), wide, outlier_tmp)
+    folds, check = _int8(_calibrated(Tabular(C), wide), wide, outlier_tmp)
     ((decision, ranges),) = folds
     assert decision.action == "folded-forward" and ranges["fc1.weight"].flagged
     assert any(w.startswith("int8:") and "fc1" in w for w in decision.warnings)
@@ -208,7 +180,7 @@ def test_the_backward_choice_keeps_int8_agreement_where_forward_loses_it(
     """A norm that can fold either way, with one tiny channel scale: slabconv folds it backward and the int8
     check passes; forcing the forward fold (the limit raised) is flagged and fails it. The reason the planner
     prefers the backward fold there (docs/math.md, "Which direction")."""
-    model = _calibrated(Bottleneck(), digits)
+    model = _calibrated(Bottleneck(C), digits)
     with torch.no_grad():  # the same function, channel 0 of the norm's input 1000 times larger
         model.fc1.weight[0] *= 1e3
         model.fc1.bias[0] *= 1e3
@@ -233,7 +205,7 @@ def test_bench_opens_each_variant_quantized_alike(tmp_path: Path, digits: np.nda
     from slabconv import bench
     from slabconv.verify.backends import BACKENDS
 
-    model = _calibrated(Tabular(), digits)
+    model = _calibrated(Tabular(C), digits)
     path = tmp_path / "original.onnx"
     torch.onnx.export(
         model, (torch.from_numpy(digits[:2]),), str(path), dynamo=False, input_names=["x"], output_names=["y"],
@@ -270,7 +242,7 @@ def test_verify_runtime_int8_judges_both_sides_in_the_report_and_junit(tmp_path:
     results = {}
     for tag, x in (("ordinary", digits), ("outlier", wide)):
         (folder := tmp_path / tag).mkdir()
-        model = _calibrated(Tabular(), x)
+        model = _calibrated(Tabular(C), x)
         if tag == "ordinary":  # a .pt2 original: the reference is exported to ONNX for the int8 check
             original = folder / "original.pt2"
             batch = torch.export.Dim("batch", min=2)
