@@ -112,7 +112,7 @@ def fold_onnx(
         as_float64: cast the graph to float64 after planning (the float64 fold of question 1).
         norm_affine: also fold the affine of every LayerNormalization / RMSNormalization / GroupNormalization
             (``LoadOptions.fold_norm_affine``).
-        ranges: when given, each folded layer's weight ranges are appended to it (``onnx_fold.measure_ranges``) and
+        ranges: when given, each folded layer's weight ranges are appended to it (``onnx_apply.folded_values``) and
             the flagged ones warned of in the decisions.
 
     Returns:
@@ -180,7 +180,7 @@ class OnnxGraph:
 
     def ranges(self) -> list[LayerRange] | None:
         """Each folded layer's weight ranges, measured on the initializers before the fold wrote them
-        (``onnx_fold.measure_ranges``)."""
+        (``onnx_apply.folded_values``)."""
         return self.layer_ranges
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:

@@ -46,7 +46,7 @@ def test_planning_changes_nothing_and_applying_the_plans_is_fold_all():
     assert str(gm.graph) == before[0]
     assert all(torch.equal(v, before[1][k]) for k, v in gm.state_dict().items())
     assert [p.decision.action for p in plans] == ["folded-forward", "folded-backward"]
-    assert [len(p.updates) + len(p.new_biases) for p in plans] == [2, 2]  # weight + created bias; weight + bias
+    assert [(len(p.folds), len(p.new_biases)) for p in plans] == [(1, 1), (1, 0)]  # a created bias; a stored one
     apply_folds(gm, plans)
     other = capture(model, x)
     fold_all(other)

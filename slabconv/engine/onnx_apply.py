@@ -5,9 +5,10 @@ In: the prepared ``onnx_ir.Model`` that was lowered (``slabconv.engine.onnx_lowe
 ``NormPlan``s ``plan_folds`` made on it (or a float64 copy of the same model, for question 1). Out: the same model,
 changed in place, as the plans say:
 
-- every updated tensor is written into its initializer (transposed back for a ``MatMul`` weight, reshaped back for a
-  ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64 fold; an initializer
-  that other nodes read too is copied for the node the fold changed (copy on write);
+- every folded layer's weight and bias, as the fold program makes them (``slabconv.engine.program``: every fold the
+  tensor receives composed in float64), is written into its initializer (transposed back for a ``MatMul`` weight,
+  reshaped back for a ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64
+  fold; an initializer that other nodes read too is copied for the node the fold changed (copy on write);
 - a created bias becomes an input of its ``Gemm`` / ``Conv``, or an ``Add`` after its ``MatMul``
   (``<layer>.bias``, a ``.../folded_bias_add`` node);
 - a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads;
@@ -22,18 +23,19 @@ Graph inputs and outputs keep their names, dtypes and shapes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 import onnx_ir as ir
 import torch
 from torch import fx
 
 from slabconv import fold
+from slabconv.engine.capture import stored
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import MARK
 from slabconv.engine.onnx_lower import Binding, Lowered
 from slabconv.engine.planner import NormPlan
+from slabconv.engine.program import FoldProgram, TensorStore, evaluate, layer_recipes
+from slabconv.engine.ranges import LayerRange
 
 
 def _numpy(tensor: torch.Tensor, dtype: ir.DataType) -> np.ndarray:
@@ -263,7 +265,29 @@ class _Graph:
         self.touched.append(base)
 
 
-def apply_plans(model: ir.Model, lowered: Lowered, plans: Iterable[NormPlan], exact: bool = False) -> None:
+def folded_values(lowered: Lowered, plans: list[NormPlan]) -> tuple[dict[str, torch.Tensor], list[LayerRange]]:
+    """The fold program of ``plans`` (``slabconv.engine.program``) run block by block over the initializers
+    ``lowered.gm`` views (a ``MatMul`` weight as ``(out, in)``, as the engine folds it), before anything is written.
+
+    Returns:
+        ``(values, ranges)``: every folded layer's weight and bias by target, in float64 (every fold composed,
+        nothing rounded: ``apply_plans`` rounds each once to its initializer's dtype), and each folded layer's
+        weight ranges before and after its folds (``slabconv.engine.ranges``), in plan order.
+    """
+    layers = layer_recipes(lowered.gm, plans)
+    needed = {la.weight for la in layers.values()} | {la.bias for la in layers.values() if la.bias}
+    program = FoldProgram({}, layers)
+    values = evaluate(program, TensorStore({k: stored(lowered.gm, k) for k in needed}), exact=True)
+    return values, list(program.ranges.values())
+
+
+def apply_plans(
+    model: ir.Model,
+    lowered: Lowered,
+    plans: list[NormPlan],
+    exact: bool = False,
+    values: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Rewrite ``model`` (the prepared model ``lowered`` was made from, or a float64 copy of it: ``exact``) as the
     plans say, in place.
 
@@ -271,16 +295,21 @@ def apply_plans(model: ir.Model, lowered: Lowered, plans: Iterable[NormPlan], ex
         model: the ONNX model; its node, value and initializer names are those ``lowered`` records.
         lowered: ``slabconv.engine.onnx_lower.lower(model)``.
         plans: ``plan_folds(lowered.gm)``, in order.
-        exact: write every fold's float64 value unrounded (``model`` cast to float64 first: question 1's fold).
+        exact: write every folded value in float64, unrounded (``model`` cast to float64 first: question 1's fold).
+        values: ``folded_values(lowered, plans)[0]`` when the caller already made it.
     """
+    values = folded_values(lowered, plans)[0] if values is None else values
+    created = {nb.target for p in plans if p.remove for nb in p.new_biases}
     g = _Graph(model, lowered, exact)
     for p in plans:
         if not p.remove:
             continue
-        for u in p.updates:
-            g.write(u.target, u.value)
+        for f in p.folds:
+            for target in (f.weight, f.bias):
+                if target in values and target not in created and target not in g.written:
+                    g.write(target, values[target])
         for nb in p.new_biases:
-            g.new_bias(nb.layer, nb.target, nb.value)
+            g.new_bias(nb.layer, nb.target, values[nb.target])
         g.remove(p)
         if p.unit is not None:
             g.unit(p)

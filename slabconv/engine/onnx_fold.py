@@ -12,12 +12,10 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from slabconv.engine.capture import stored
 from slabconv.engine.norm_affine import split_norm_affines
-from slabconv.engine.onnx_apply import apply_plans
+from slabconv.engine.onnx_apply import apply_plans, folded_values
 from slabconv.engine.onnx_lower import Lowered, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import FoldProgram, TensorStore, evaluate, layer_recipes
 from slabconv.engine.ranges import LayerRange, flag_warnings
 
 
@@ -54,7 +52,7 @@ def fold_file(
     the file's own dtypes); with ``simplify`` onnxscript's optimizer then runs on it, as ``fuse --simplify`` runs it
     on the file it writes; with ``norm_affine`` the affines of the norm ops fold too (``plan_file``). With
     ``ranges`` (a list), each folded layer's weight ranges before and after its folds are appended to it
-    (``measure_ranges``) and each flagged layer's warning is added to its norms' decisions.
+    (``onnx_apply.folded_values``) and each flagged layer's warning is added to its norms' decisions.
 
     Returns:
         ``(model, decisions)``: the same model, fused, and one ``Decision`` per norm, in graph order.
@@ -65,43 +63,31 @@ def fold_file(
     lowered, plans = plan_file(model, proto_path, norm_affine)
     for p in plans:
         progress(p.decision.norm)
+    values, layer_ranges = folded_values(lowered, plans)
     if ranges is not None:
-        ranges += measure_ranges(lowered, plans)
+        ranges += layer_ranges
         flag_warnings([p.decision for p in plans], ranges)
-    return fold_planned(model, lowered, plans, as_float64, simplify), [p.decision for p in plans]
+    return fold_planned(model, lowered, plans, as_float64, simplify, values), [p.decision for p in plans]
 
 
-def fold_planned(model: Any, lowered: Lowered, plans: list[NormPlan], as_float64: bool, simplify: bool) -> Any:
+def fold_planned(
+    model: Any, lowered: Lowered, plans: list[NormPlan], as_float64: bool, simplify: bool, values: Any = None
+) -> Any:
     """The second half of ``fold_file``: carry ``plans`` (made by ``plan_file`` on ``model``, ``lowered``) into
     ``model``, in place, cast to float64 first with ``as_float64`` and simplified after with ``simplify``.
     ``lowered`` and ``plans`` keep naming the prepared graph's ONNX nodes and values (``LayerSite``,
     ``meta["onnx_value"]``): what the localisation of an ONNX original reads its fold boundaries from.
+    ``values``: the fold program's (``onnx_apply.folded_values``) when the caller already ran it.
 
     Returns:
         the same model, fused.
     """
     if as_float64:
         to_float64(model)
-    apply_plans(model, lowered, plans, exact=as_float64)
+    apply_plans(model, lowered, plans, exact=as_float64, values=values)
     if simplify:
         simplify_graph(model)
     return model
-
-
-def measure_ranges(lowered: Lowered, plans: list[NormPlan]) -> list[LayerRange]:
-    """Each folded layer's weight ranges before and after its folds (``slabconv.engine.ranges``), measured as a
-    checkpoint's are: the fold program of ``plans`` (``slabconv.engine.program``) run block by block over the
-    initializers ``lowered.gm`` views (a ``MatMul`` weight as ``(out, in)``, as the engine folds it), before
-    ``apply_plans`` writes anything. The folded values themselves are dropped: ``apply_plans`` writes the plans'.
-
-    Returns:
-        one ``LayerRange`` per folded layer, in plan order.
-    """
-    layers = layer_recipes(lowered.gm, plans)
-    needed = {la.weight for la in layers.values()} | {la.bias for la in layers.values() if la.bias}
-    program = FoldProgram({}, layers)
-    evaluate(program, TensorStore({k: stored(lowered.gm, k) for k in needed}))
-    return list(program.ranges.values())
 
 
 def simplify_graph(model: Any) -> dict[str, int]:
@@ -158,4 +144,4 @@ def to_float64(model: Any) -> None:
             value.dtype = ir.DataType.DOUBLE
 
 
-__all__ = ["fold_file", "fold_planned", "measure_ranges", "plan_file", "simplify_graph", "to_float64"]
+__all__ = ["fold_file", "fold_planned", "plan_file", "simplify_graph", "to_float64"]

@@ -19,19 +19,18 @@ For each norm, in order of preference:
    dtype; its ops are left as they are.
 
 Norms are planned in graph order, each on the graph as the earlier plans will leave it: ``_Weights`` holds the
-pending values of stored tensors (a layer may absorb one norm forward and another backward) and the names of
+folds planned so far into each layer (a layer may absorb one norm forward and another backward) and the names of
 biases to be created; ``VirtualGraph`` makes a folded norm's output stand for its input (two norms in a row).
 
-Every fold a tensor receives is composed in float64 and rounded to the tensor's dtype once: ``_Weights`` keeps a
-float64 shadow of each tensor a plan updates (the stored tensor promoted once, exactly), each later fold starts
-from that shadow, and a ``TensorUpdate`` / ``NewBias`` carries the float64 value with the dtype it is stored in
-(``stored()`` rounds it). A layer that absorbs two norms is thus ``round(fold2(fold1(W)))``, what question 1's
-float64 fold (``slabconv.verify.reference``) rounds, not ``round(fold2(round(fold1(W))))`` (issue 22).
+A plan holds decisions and fold records (``LayerFold``), never folded values: those come only from the fold
+program (``slabconv.engine.program``), which composes every fold a tensor receives in float64 and rounds once. The
+planner asks the program too, for the one value question it has: whether a layer's weight and bias, with every
+fold so far and the next one, still fit their dtypes (``_Weights.fits``; a streamed plan's stand-ins wait for the
+program's own check as it writes).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
@@ -47,6 +46,7 @@ from slabconv.engine.flow import Backward, BlockedEdge, ConsumerUse, VirtualGrap
 from slabconv.engine.layers import LayerKind, layer_name, separate_bias
 from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
 from slabconv.engine.norms import NormSite, find_norms
+from slabconv.engine.program import LayerFold, TensorStore, layer_recipe
 from slabconv.engine.ranges import STEP_GROWTH_LIMIT, spread
 from slabconv.engine.rules import Chan, op_name
 from slabconv.errors import InputError
@@ -107,61 +107,14 @@ class Decision:
         }
 
 
-class _RoundedOnce:
-    """A float64 ``value`` that is stored in ``dtype``: every fold composed first, rounded once at the end."""
-
-    value: torch.Tensor
-    dtype: torch.dtype
-
-    def stored(self) -> torch.Tensor:
-        """``value`` rounded once to ``dtype`` (same shape and device), contiguous."""
-        return fold.rounded(self.value, self.dtype).contiguous()
-
-
 @dataclass(frozen=True)
-class TensorUpdate(_RoundedOnce):
-    """Store ``value`` at the dotted ``target`` (an existing weight or bias, or one an earlier plan creates).
-
-    Attributes:
-        target: the dotted name of the stored tensor.
-        value: the tensor's new value in float64, every fold it received so far composed without rounding.
-        dtype: the dtype it is stored in (the original tensor's).
-    """
-
-    target: str
-    value: torch.Tensor
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class NewBias(_RoundedOnce):
-    """Give ``layer`` (of kind ``kind``, without a bias) the bias ``value`` (float64 ``(out,)``), stored at
-    ``target`` in ``dtype`` (the layer weight's)."""
+class NewBias:
+    """Give ``layer`` (of kind ``kind``, without a bias) a bias stored at ``target`` in the dtype of its weight;
+    its value is the fold program's (``slabconv.engine.program``)."""
 
     layer: fx.Node
     kind: LayerKind
     target: str
-    value: torch.Tensor
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class LayerFold:
-    """One fold a layer receives, as the fold program (``slabconv.engine.program``) replays it: the layer, its
-    kind and stored weight, the bias it had when this fold was planned (None: none yet), the direction, the
-    float64 ``(scale, shift)`` exactly as ``LayerKind.fold_values`` takes them (forward: laid out along the
-    layer's input axis, the shift multiplied; backward: along its output channels), the norm it carries, and the
-    target of the bias the layer read when this fold was planned (its stored bias, a separate bias
-    (``slabconv.engine.layers.separate_bias``), a bias an earlier fold created, or None)."""
-
-    layer: fx.Node
-    kind: LayerKind
-    weight: str
-    forward: bool
-    scale: torch.Tensor
-    shift: torch.Tensor
-    norm: str
-    bias: str | None = None
 
 
 @dataclass
@@ -171,8 +124,8 @@ class NormPlan:
     Attributes:
         site: the norm.
         decision: what the report says.
-        updates / new_biases: the weight changes, applied in order.
-        folds: each fold into a layer, as data (what ``updates`` / ``new_biases`` hold the values of).
+        new_biases: the biases the folds create.
+        folds: each fold into a layer, as data (the fold program's input: ``slabconv.engine.program``).
         kept: the blocked edges that get the per-channel affine (``scale``, ``shift`` float64 ``(C,)``).
         remove: the norm's ops go (every action but ``kept``).
         unit: the affine of a LayerNorm / RMSNorm / GroupNorm op folded away: ``(norm op, position of its weight,
@@ -181,7 +134,6 @@ class NormPlan:
 
     site: NormSite
     decision: Decision
-    updates: list[TensorUpdate] = field(default_factory=list)
     new_biases: list[NewBias] = field(default_factory=list)
     folds: list[LayerFold] = field(default_factory=list)
     kept: list[BlockedEdge] = field(default_factory=list)
@@ -280,29 +232,16 @@ def _check_stats(site: NormSite) -> None:
 
 
 class _Weights:
-    """Stored tensors as the plans so far leave them: pending values (float64 shadows, with the dtype each is
-    stored in), biases to be created, names taken."""
+    """Stored tensors as the plans so far leave them: the folds planned into each layer, biases to be created,
+    names taken."""
 
     def __init__(self, gm: fx.GraphModule, unknown: Collection[str] = (), owned: Collection[fx.Node] = ()):
         self.gm, self.unknown, self.owned = gm, frozenset(unknown), frozenset(owned)
-        self.values: dict[str, torch.Tensor] = {}  # target -> float64 shadow, every fold so far unrounded
-        self.dtypes: dict[str, torch.dtype] = {}  # target -> the dtype it is stored in
+        self.folds: dict[str, list[LayerFold]] = {}  # weight target -> the folds planned into it so far
         self.created: dict[fx.Node, str] = {}  # layer -> the target of the bias a plan creates for it
         self.taken = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         self.taken |= set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
         self.written = written_tensors(gm)  # what the graph updates in place as it runs
-
-    def value(self, target: str) -> torch.Tensor:
-        """The tensor at ``target`` in float64: its pending shadow, or the stored tensor promoted (exactly)."""
-        if target in self.values:
-            return self.values[target]
-        if target in self.unknown:  # a streamed plan: the shape is known, the values are read later
-            return torch.empty(stored(self.gm, target).shape, dtype=torch.float64, device="meta")
-        return stored(self.gm, target).detach().to(torch.float64)
-
-    def dtype(self, target: str) -> torch.dtype:
-        """The dtype the tensor at ``target`` is stored in."""
-        return self.dtypes[target] if target in self.dtypes else stored(self.gm, target).dtype
 
     def bias_node(self, layer: fx.Node, kind: LayerKind) -> Any:
         """The layer's bias argument (None, a ``get_attr``, or something else), or for a bias-free layer the
@@ -315,12 +254,10 @@ class _Weights:
                 return sep.bias
         return node
 
-    def bias(self, layer: fx.Node, kind: LayerKind) -> tuple[str | None, torch.Tensor | None]:
-        """The target and current value (float64, flattened to ``(C,)``) of a layer's bias, ``(None, None)`` when
-        it has none yet."""
+    def bias(self, layer: fx.Node, kind: LayerKind) -> str | None:
+        """The target of a layer's bias (stored, separate or created by an earlier plan), None when it has none."""
         node = self.bias_node(layer, kind)
-        target = str(node.target) if isinstance(node, fx.Node) else self.created.get(layer)
-        return target, (self.value(target).reshape(-1) if target is not None else None)
+        return str(node.target) if isinstance(node, fx.Node) else self.created.get(layer)
 
     def private(self, param: Any) -> bool:
         """True when one layer alone reads this weight or bias (a tied tensor must not be rescaled for one reader).
@@ -330,8 +267,20 @@ class _Weights:
         same_target = [n for n in self.gm.graph.nodes if n.op == "get_attr" and n.target == param.target]
         return len(same_target) == 1 and len(param.users) == 1
 
+    def fits(self, f: _Fold) -> bool:
+        """True when the layer's weight and bias, with every fold planned into it so far and ``f``, round to finite
+        values in their dtypes: the fold program's values (``LayerRecipe.fits``). A streamed plan's stand-ins
+        (``unknown``) are checked when the program writes them."""
+        folds = [*self.folds.get(f.record.weight, []), f.record]
+        created = self.created.get(f.record.layer) or next((nb.target for nb in f.new_biases), None)
+        recipe = layer_recipe(self.gm, folds, created)
+        read = [k for k in (recipe.weight, recipe.bias) if k is not None]
+        if set(read) & self.unknown:
+            return True
+        return recipe.fits(TensorStore({k: stored(self.gm, k) for k in read}))
+
     def commit(self, p: NormPlan) -> NormPlan:
-        """Record a plan's updates; name the biases it creates (``<layer>.bias``, or with a suffix when taken)."""
+        """Record a plan's folds; name the biases it creates (``<layer>.bias``, or with a suffix when taken)."""
         named = []
         for nb in p.new_biases:
             stem, i = f"{nb.target}", 1
@@ -340,26 +289,18 @@ class _Weights:
                 target, i = f"{stem}_{i}", i + 1
             self.taken.add(target)
             self.created[nb.layer] = target
-            self.values[target], self.dtypes[target] = nb.value, nb.dtype
             named.append(replace(nb, target=target))
-        for u in p.updates:
-            self.values[u.target], self.dtypes[u.target] = u.value, u.dtype
+        for f in p.folds:
+            self.folds.setdefault(f.weight, []).append(f)
         return replace(p, new_biases=named)
 
 
 @dataclass
 class _Fold:
-    """One layer's pending weight changes."""
+    """One fold into a layer, and the bias it creates there (none, or one)."""
 
-    updates: list[TensorUpdate]
     new_biases: list[NewBias]
     record: LayerFold
-
-    def fits(self) -> bool:
-        """True when every new value is finite once rounded to the dtype it is stored in. Values of a streamed
-        plan (``unknown`` weights, on the meta device) are checked when the program writes them."""
-        values = [u.stored() for u in self.updates] + [b.stored() for b in self.new_biases]
-        return fold.fits_dtype(*(v for v in values if not v.is_meta))
 
 
 def _fold(
@@ -372,65 +313,18 @@ def _fold(
     shifts: bool = True,
     norm: str = "",
 ) -> _Fold:
-    """The new weight and bias of ``layer`` after a forward or backward fold of ``(s, t)`` (``slabconv.fold``).
-    ``shifts=False``: the norm has no shift at all (a LayerScale); a layer without bias then stays without.
-
-    The fold reads the float64 shadows of the weight and bias (``_Weights.value``), so its results are float64
-    (``slabconv.fold`` returns the dtype of the weight it is given): an earlier fold into the same layer is
-    composed with this one unrounded. A created bias is stored in the weight's dtype."""
+    """The fold of ``(s, t)`` into ``layer``, forward or backward (``slabconv.fold``), as a record, with the bias it
+    creates when the layer has none: ``<layer>.bias``, in the weight's dtype. ``shifts=False``: the norm has no
+    shift at all (a LayerScale); a layer without bias then stays without. An embedding takes the shift in its
+    table's rows and has no bias."""
     w_node = kind.weight(layer)
     assert w_node is not None
     w_target = str(w_node.target)
-    w_dtype = weights.dtype(w_target)
-    b_target, b = weights.bias(layer, kind)
-    w = weights.value(w_target)
-    if w.is_meta:  # a streamed plan: the weight is a stand-in, only the results' shapes and dtypes are known
-        new_w, new_b = _meta_fold(kind, forward, _spec(w), _spec(b), _spec(s), _spec(t), kind.groups(layer))
-    else:
-        new_w, new_b = kind.fold_values(forward, w, b, s, t, kind.groups(layer))
-    w_update = TensorUpdate(w_target, new_w, w_dtype)
+    b_target = weights.bias(layer, kind)
     record = LayerFold(layer, kind, w_target, forward, s, t, norm, b_target)
-    if new_b is None or (b_target is None and not shifts):
-        # no bias to write: the shift is in the weight (an embedding's rows), or a pure scale (LayerScale) on a
-        # layer without bias creates no zero bias
-        return _Fold([w_update], [], record)
-    if b_target is None:
-        wanted = f"{w_target.removesuffix('.weight')}.bias"
-        return _Fold([w_update], [NewBias(layer, kind, wanted, new_b, w_dtype)], record)
-    stored_shape = weights.value(b_target).shape  # a separate bias keeps its own shape (``(1, C, 1, 1)``)
-    return _Fold([w_update, TensorUpdate(b_target, new_b.reshape(stored_shape), weights.dtype(b_target))], [], record)
-
-
-_Spec = tuple[torch.Size, torch.dtype] | None
-
-
-def _spec(t: torch.Tensor | None) -> _Spec:
-    return None if t is None else (t.shape, t.dtype)
-
-
-def _stand_in(spec: _Spec) -> torch.Tensor | None:
-    return None if spec is None else torch.empty(spec[0], dtype=spec[1], device="meta")
-
-
-def _meta_fold(
-    kind: LayerKind, forward: bool, w: _Spec, b: _Spec, s: _Spec, t: _Spec, groups: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``kind.fold_values`` on stand-ins (meta tensors of these shapes and dtypes): its results' shapes and dtypes
-    as meta tensors. Worked out once per layout (``_meta_layout``): torch's meta kernels take about 2 ms a fold,
-    which a streamed plan of a deep decoder would otherwise spend on every layer alike."""
-    new_w, new_b = (_stand_in(spec) for spec in _meta_layout(kind, forward, w, b, s, t, groups))
-    assert new_w is not None
-    return new_w, new_b
-
-
-@functools.lru_cache(maxsize=256)
-def _meta_layout(
-    kind: LayerKind, forward: bool, w: _Spec, b: _Spec, s: _Spec, t: _Spec, groups: int
-) -> tuple[_Spec, _Spec]:
-    weight, bias, scale, shift = (_stand_in(spec) for spec in (w, b, s, t))
-    assert weight is not None and scale is not None and shift is not None
-    new_w, new_b = kind.fold_values(forward, weight, bias, scale, shift, groups)
-    return _spec(new_w), _spec(new_b)
+    if b_target is not None or not shifts or kind.name == "embedding":
+        return _Fold([], record)
+    return _Fold([NewBias(layer, kind, f"{w_target.removesuffix('.weight')}.bias")], record)
 
 
 def _tiled(values: torch.Tensor, chan: Chan, src: fx.Node, fill: float) -> torch.Tensor:
@@ -461,7 +355,7 @@ def _forward(
             continue
         s, t = _tiled(scale, use.chan, use.src, 1.0), _tiled(shift * use.mult, use.chan, use.src, 0.0)
         f = _fold(weights, node, kind, True, s, t, shifts, norm)
-        if not f.fits():
+        if not weights.fits(f):
             blocked.append(BlockedEdge(use.src, node, use.chan, use.mult, reasons.DTYPE_OVERFLOW))
             continue
         folds.append((use, f))
@@ -510,7 +404,7 @@ def _backward(
             s_in, t_in = _tiled(inverse, use.chan, use.src, 1.0), _tiled(t, use.chan, use.src, 0.0)
             folds.append(_fold(weights, use.node, use.layer, True, s_in, t_in, carried, site.name))
     for node, f in zip(layers, folds, strict=True):
-        if not f.fits():
+        if not weights.fits(f):
             return f"{reasons.DTYPE_OVERFLOW} in {layer_name(node)}"
     return list(dict.fromkeys(layer_name(n) for n in layers)), folds
 
@@ -520,7 +414,7 @@ def _carrier(weights: _Weights, found: Backward) -> int:
 
     def rank(i: int) -> tuple[bool, bool, int]:
         p = found.producers[i]
-        has_bias = p.layer.name == "embedding" or weights.bias(p.node, p.layer)[0] is not None
+        has_bias = p.layer.name == "embedding" or weights.bias(p.node, p.layer) is not None
         return (bool(found.shared[i]), not has_bias, i)
 
     return min(range(len(found.producers)), key=rank)
@@ -587,7 +481,6 @@ def _backward_plan(plan: NormPlan, producers: list[str], folds: list[_Fold]) -> 
     """``plan`` carried out as a backward fold into ``producers`` (one fold each)."""
     plan.decision.action, plan.decision.into = FOLDED_BACKWARD, producers
     for f in folds:
-        plan.updates += f.updates
         plan.new_biases += f.new_biases
         plan.folds.append(f.record)
     plan.unit = _unit(plan.site)
@@ -674,7 +567,6 @@ def plan_norm(
     decision.warnings += _precision_warnings(site, scale, shift)
     plan.unit = _unit(site)
     for _, f in folds:
-        plan.updates += f.updates
         plan.new_biases += f.new_biases
         plan.folds.append(f.record)
     return plan

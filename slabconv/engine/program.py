@@ -22,17 +22,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import fx
 
 from slabconv.engine.capture import stored
 from slabconv.engine.layers import LayerKind
-from slabconv.engine.planner import NormPlan
 from slabconv.engine.ranges import LayerRange, RangeTally
 from slabconv.errors import UnsupportedModelError
 from slabconv.fold import rounded
+
+if TYPE_CHECKING:
+    from slabconv.engine.planner import NormPlan
 
 FOLD_BLOCK = 1 << 22
 """Elements per block of rows: the float64 temporaries of one block bound a streamed fold's memory."""
@@ -145,6 +147,24 @@ class Scratch:
         return flat[:n].view(*shape)
 
 
+@dataclass(frozen=True)
+class LayerFold:
+    """One fold a layer receives, as the planner records it and the program replays it: the layer, its kind and
+    stored weight, the direction, the float64 ``(scale, shift)`` exactly as ``LayerKind.fold_values`` takes them
+    (forward: laid out along the layer's input axis, the shift multiplied; backward: along its output channels),
+    the norm it carries, and the target of the bias the layer read when this fold was planned (its stored bias, a
+    separate bias (``slabconv.engine.layers.separate_bias``), a bias an earlier fold created, or None)."""
+
+    layer: fx.Node
+    kind: LayerKind
+    weight: str
+    forward: bool
+    scale: torch.Tensor
+    shift: torch.Tensor
+    norm: str
+    bias: str | None = None
+
+
 @dataclass
 class LayerRecipe:
     """A layer the plan folds into: its stored weight, the bias it starts from and the bias it stores (the same,
@@ -158,7 +178,7 @@ class LayerRecipe:
     dtype: torch.dtype
     bias_dtype: torch.dtype
     groups: int = 1
-    folds: list = field(default_factory=list)  # list[LayerFold]
+    folds: list[LayerFold] = field(default_factory=list)
     bias_shape: tuple[int, ...] | None = None  # a stored bias's shape when it is not ``(C,)`` (a separate bias)
 
     @property
@@ -235,6 +255,19 @@ class LayerRecipe:
         """
         self._check_fits(self.weight, w, self.dtype)
         return rounded(w, self.dtype).contiguous(), self._stored_bias(b)
+
+    def fits(self, store: WeightStore) -> bool:
+        """True when the folded weight (and the bias the layer stores) round to finite values in their dtypes:
+        what the planner asks before it plans a fold (a fold that overflows is refused, ``dtype-overflow``)."""
+        w, b = self.rows(store, 0, int(store.shape(self.weight)[0]) if store.shape(self.weight) else 1)
+        if self.dtype.is_floating_point and not rounds_finite(w, self.dtype):
+            return False
+        return (
+            b is None
+            or self.bias_out is None
+            or not self.bias_dtype.is_floating_point
+            or rounds_finite(b, self.bias_dtype)
+        )
 
     def _stored_bias(self, b: torch.Tensor | None) -> torch.Tensor | None:
         """The float64 bias rounded once to its stored dtype; None when the layer stores none."""
@@ -346,27 +379,37 @@ def _not_flat(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return shape if shape is not None and len(shape) != 1 else None
 
 
+def layer_recipe(original: fx.GraphModule, folds: list[LayerFold], created: str | None) -> LayerRecipe:
+    """The recipe of one layer from its folds in plan order (``folds[0].bias``: the bias it had before the first,
+    a stored one (maybe a separate one) or None) and ``created``, the target of the bias a plan creates for it."""
+    first = folds[0]
+    stored_bias = first.bias
+    dtype = stored(original, first.weight).dtype
+    bias_dtype = stored(original, stored_bias).dtype if stored_bias else dtype
+    shape = tuple(stored(original, stored_bias).shape) if stored_bias else None
+    groups = first.kind.groups(first.layer)
+    return LayerRecipe(
+        first.kind,
+        first.weight,
+        stored_bias,
+        stored_bias or created,
+        dtype,
+        bias_dtype,
+        groups,
+        folds,
+        _not_flat(shape),
+    )
+
+
 def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, LayerRecipe]:
     """One recipe per layer the plans fold into (before the rewrite: the layers' bias arguments as stored)."""
     created = {nb.layer: nb.target for p in plans if p.remove for nb in p.new_biases}
-    layers: dict[str, LayerRecipe] = {}
+    folds: dict[str, list[LayerFold]] = {}
     for p in plans:
-        if not p.remove:
-            continue
-        for f in p.folds:
-            recipe = layers.get(f.weight)
-            if recipe is None:
-                stored_bias = f.bias  # the first fold: a stored bias (maybe a separate one) or None
-                dtype = stored(original, f.weight).dtype
-                bias_dtype = stored(original, stored_bias).dtype if stored_bias else dtype
-                bias_out = stored_bias or created.get(f.layer)
-                groups = f.kind.groups(f.layer)
-                shape = tuple(stored(original, stored_bias).shape) if stored_bias else None
-                recipe = layers[f.weight] = LayerRecipe(
-                    f.kind, f.weight, stored_bias, bias_out, dtype, bias_dtype, groups, [], _not_flat(shape)
-                )
-            recipe.folds.append(f)
-    return layers
+        if p.remove:
+            for f in p.folds:
+                folds.setdefault(f.weight, []).append(f)
+    return {w: layer_recipe(original, fs, created.get(fs[0].layer)) for w, fs in folds.items()}
 
 
 def build_program(
@@ -395,13 +438,25 @@ def build_program(
     return FoldProgram(tensors, layers)
 
 
-def evaluate(program: FoldProgram, store: WeightStore, block_elements: int = FOLD_BLOCK) -> dict[str, torch.Tensor]:
+def evaluate(
+    program: FoldProgram, store: WeightStore, block_elements: int = FOLD_BLOCK, exact: bool = False
+) -> dict[str, torch.Tensor]:
     """Every folded layer's weight and bias (the ``weight`` / ``bias`` recipes), block by block, as whole
-    tensors: what the in-memory fold stores. Each layer's weight ranges go into ``program.ranges``."""
+    tensors: what the in-memory fold stores, rounded to their dtypes, or with ``exact`` in float64, every fold
+    composed and nothing rounded (what the ONNX rewrite rounds to each initializer's dtype, or writes as it is for
+    question 1's float64 fold). Each layer's weight ranges go into ``program.ranges``.
+
+    Raises:
+        UnsupportedModelError: a folded value does not fit its dtype (not with ``exact``).
+    """
     out: dict[str, torch.Tensor] = {}
     for la in program.layers.values():
         tally = RangeTally(la)
-        parts = list(la.blocks(store, block_elements, tally=tally))
+        if exact:
+            ranges = row_ranges(store.shape(la.weight), block_elements)
+            parts = [la.rows(store, start, stop, tally=tally) for start, stop in ranges]
+        else:
+            parts = list(la.blocks(store, block_elements, tally=tally))
         program.ranges[la.weight] = tally.result()
         out[la.weight] = torch.cat([w for w, _ in parts]) if len(parts) > 1 else parts[0][0]
         if la.bias_out is not None:

@@ -77,7 +77,7 @@ class Repeat:
 
 def _touched(p: NormPlan) -> list[str]:
     """Every stored tensor and module a norm's plan reads or writes."""
-    names = [u.target for u in p.updates] + [nb.target for nb in p.new_biases] + [f.weight for f in p.folds]
+    names = [nb.target for nb in p.new_biases] + [f.weight for f in p.folds] + [f.bias for f in p.folds if f.bias]
     return names + list(p.decision.into)
 
 
@@ -105,7 +105,7 @@ def _shape(plans: list[NormPlan], repeat: Repeat) -> list[Any]:
                 tuple(map(rel, d.into)),
                 tuple((rel(f.weight), f.forward, f.kind.name) for f in p.folds),
                 tuple(rel(nb.target) for nb in p.new_biases),
-                tuple(rel(u.target) for u in p.updates),
+                tuple(rel(f.bias) for f in p.folds if f.bias),
                 p.remove,
                 len(p.kept),
             )
@@ -133,10 +133,11 @@ def _renamed_layer(la: LayerRecipe, repeat: Repeat, slot: int, real: int) -> Lay
     def r(name: str | None) -> str | None:
         return repeat.rename(name, slot, real) if name is not None else None
 
-    folds = [replace(f, weight=r(f.weight), norm=r(f.norm), bias=r(f.bias)) for f in la.folds]
-    weight = r(la.weight)
-    assert weight is not None
-    return replace(la, weight=weight, bias=r(la.bias), bias_out=r(la.bias_out), folds=folds)
+    def name(text: str) -> str:
+        return repeat.rename(text, slot, real)
+
+    folds = [replace(f, weight=name(f.weight), norm=name(f.norm), bias=r(f.bias)) for f in la.folds]
+    return replace(la, weight=name(la.weight), bias=r(la.bias), bias_out=r(la.bias_out), folds=folds)
 
 
 def _renamed_tensor(

@@ -1,7 +1,9 @@
 """Carry out the plans: write the new weights, attach created biases, insert kept affines, remove the norms.
 
 In: the export graph and its ``NormPlan`` list (``slabconv.engine.planner.plan_folds``), in graph order. Out: the same
-``GraphModule``, rewritten in place. ``fold_all`` runs the whole engine: find the norms, plan, apply, clean up.
+``GraphModule``, rewritten in place. ``fold_all`` runs the whole engine: find the norms, plan, apply, clean up. The
+folded layers' tensors are the fold program's values (``slabconv.engine.program``), the plans' only source of
+values: each is every fold the tensor receives composed in float64 and rounded once.
 
 A kept affine is inserted before its norm is removed and replaces only the blocked op's reads of the normalised
 tensor: a blocked op that also reads the norm's input (``x * bn(x)``) keeps that operand. A norm's input is read
@@ -22,7 +24,14 @@ from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fus
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import FOLD_BLOCK, FoldProgram, TensorStore, build_program, evaluate, layer_recipes
+from slabconv.engine.program import (
+    FOLD_BLOCK,
+    FoldProgram,
+    TensorStore,
+    build_program,
+    evaluate,
+    layer_recipes,
+)
 from slabconv.engine.ranges import flag_warnings
 from slabconv.engine.rules import Chan
 
@@ -124,19 +133,13 @@ def _affine(gm: fx.GraphModule, p: NormPlan, edge: BlockedEdge, base: fx.Node) -
     return out
 
 
-def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
-    """Rewrite ``gm`` for one norm's plan (nothing for ``kept``).
-
-    Each updated tensor is written as its plan's float64 value rounded once to its dtype
-    (``TensorUpdate.stored``). A tensor that several plans update is rewritten by each, but every value already
-    composes all the folds before it in float64 (``slabconv.engine.planner._Weights``): the last write is the
-    whole composition rounded once, never a rounding of a rounded value."""
+def apply_plan(gm: fx.GraphModule, p: NormPlan, values: dict[str, torch.Tensor]) -> None:
+    """Rewrite ``gm`` for one norm's plan (nothing for ``kept``): attach the biases it creates, holding their
+    ``values`` (the fold program's, ``apply_folds``), keep its affines, remove the norm."""
     if not p.remove:
         return
-    for u in p.updates:
-        set_tensor(gm, u.target, u.stored())
     for nb in p.new_biases:
-        nb.kind.attach_bias(nb.layer, new_attr(gm, nb.target, nb.stored()))
+        nb.kind.attach_bias(nb.layer, new_attr(gm, nb.target, values[nb.target]))
     if p.unit is not None:  # a LayerNorm / RMSNorm / GroupNorm op keeps a weight of ones where its affine was
         norm, position, weight = p.unit
         set_tensor(gm, str(weight.target), torch.ones_like(stored(gm, str(weight.target))))
@@ -149,16 +152,44 @@ def apply_plan(gm: fx.GraphModule, p: NormPlan) -> None:
             gm.graph.erase_node(node)
 
 
-def apply_folds(gm: fx.GraphModule, plans: list[NormPlan], progress: FoldProgress | None = None) -> None:
+def apply_folds(
+    gm: fx.GraphModule,
+    plans: list[NormPlan],
+    progress: FoldProgress | None = None,
+    values: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Apply every plan in order (``apply_plan``), then drop dead nodes and recompile ``gm``; ``progress`` is
     called with each norm's name, how many are applied and how many there are. The plans must come from
-    ``plan_folds`` on this graph, unchanged since."""
+    ``plan_folds`` on this graph, unchanged since. ``values``: every folded layer's weight and bias by target (the
+    fold program's, ``program.evaluate``); by default the program of ``plans`` run over ``gm``'s tensors now."""
+    if values is None:
+        values = evaluate(FoldProgram({}, layer_recipes(gm, plans)), TensorStore(_stored_tensors(gm)))
+    created = {nb.target for p in plans if p.remove for nb in p.new_biases}
+    for target, value in values.items():
+        if target not in created:
+            set_tensor(gm, target, value)
     for i, p in enumerate(plans, 1):
-        apply_plan(gm, p)
+        apply_plan(gm, p, values)
         if progress is not None:
             progress(p.site.name, i, len(plans))
     remove_dead_code(gm)
     gm.recompile()
+
+
+def _stored_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every tensor ``gm``'s graph reads (``get_attr``), by target."""
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    return {t: v for t in targets if isinstance(v := stored(gm, t), torch.Tensor)}
+
+
+def _stand_ins(plans: list[NormPlan], gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The biases a streamed plan creates, as meta tensors of their shape (the weight's output channels, its
+    dim 0) and dtype: their values are the program's, made as it writes them."""
+    out = {}
+    for nb in (nb for p in plans if p.remove for nb in p.new_biases):
+        w = stored(gm, str(nb.kind.weight(nb.layer).target))  # type: ignore[union-attr]
+        out[nb.target] = torch.empty(w.shape[0], dtype=w.dtype, device="meta")
+    return out
 
 
 def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None, norm_affine: bool = False) -> list[Decision]:
@@ -201,11 +232,15 @@ def fold_program(
     """
     if norm_affine and plans is None:
         split_norm_affines(gm)
-    targets = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    original = {t: v for t in targets if isinstance(v := stored(gm, t), torch.Tensor)}
+    original = _stored_tensors(gm)
     plans = plan_folds(gm, unknown=unknown) if plans is None else plans
     layers = layer_recipes(gm, plans)
-    apply_folds(gm, plans, progress)
+    evaluated = FoldProgram({}, layers)
+    if unknown:
+        values = _stand_ins(plans, gm)
+    else:
+        values = evaluate(evaluated, TensorStore(original), block_elements)
+    apply_folds(gm, plans, progress, values)
     join_norm_affines(gm)
     cancel_inverse_views(gm)
     remove_dead_code(gm)
@@ -214,9 +249,8 @@ def fold_program(
     gm.recompile()
     units = {str(p.unit[2].target) for p in plans if p.remove and p.unit is not None}
     program = build_program(layers, set(original), fused_state_dict(gm), units)
+    program.ranges = evaluated.ranges
     decisions = [p.decision for p in plans]
     if not unknown:
-        for target, value in evaluate(program, TensorStore(original), block_elements).items():
-            set_tensor(gm, target, value)
         flag_warnings(decisions, list(program.ranges.values()))
     return decisions, program
