@@ -269,6 +269,33 @@ def test_one_layer_absorbs_a_norm_forward_and_another_backward(bias):
     assert sorted(fused_state_dict(gm)) == ["fc.bias", "fc.weight"]
 
 
+def test_a_fold_that_overflows_only_with_the_folds_before_it_is_refused():
+    """float16: ``fc`` (weights ~10) absorbs bn1 forward (s ~ 100: ~1e3, fits), then bn2 (s ~ 100) would fold
+    backward into the same rows: alone ~1e3, composed with bn1's ~1e5 > 65504. The planner asks the fold program
+    for the composition, so bn2 keeps its affine and ``fc`` stays finite."""
+    gen = torch.Generator().manual_seed(4)
+    model = ChainForwardBackward(bias=True).eval()
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.weight.fill_(100.0), bn.running_var.fill_(1.0), bn.running_mean.zero_(), bn.bias.zero_()
+        model.fc.weight.copy_(torch.randn(C, C, generator=gen).sign() * 10)
+        model.fc.bias.zero_()
+    model = model.half()
+    x = (torch.randn(B, C, generator=gen) * 1e-3).half()
+    s = (100.0 / torch.sqrt(torch.tensor(1.0 + model.bn1.eps, dtype=torch.float64))).item()
+    composed = (s * model.fc.weight.double() * s).half()  # the naive second fold: diag(s2) W diag(s1)
+    assert not bool(torch.isfinite(composed).all()) and bool(
+        torch.isfinite((model.fc.weight.double() * s).half()).all()
+    )
+    gm = capture(model, x)
+    decisions = fold_all(gm)
+    assert [(d.norm, d.action) for d in decisions] == [("bn1", "folded-forward"), ("bn2", "kept-affine")]
+    assert f"{reasons.DTYPE_OVERFLOW} in fc" in (decisions[1].no_backward or "")
+    assert all(bool(torch.isfinite(t).all()) for t in fused_state_dict(gm).values())
+    truth = copy.deepcopy(model).double()(x.double())
+    assert rel_err(gm(x), truth) <= max(TOL[torch.float16], 1.5 * rel_err(model(x), truth))
+
+
 class KeptThenFolded(nn.Module):
     """``fc(bn2(bn1(x)))`` on the raw input: bn1 has no producer and is blocked by bn2 (kept as an affine);
     bn2 then reads that affine and folds into ``fc``."""

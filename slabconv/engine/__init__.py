@@ -13,8 +13,9 @@ One module per job, in the order the data goes through them:
 - ``norm_affine``: the affine of a LayerNorm / RMSNorm / GroupNorm split from its normalisation so it folds like
   any other norm (``split_norm_affines``, on request), and put back where it does not fold away.
 - ``norms``: norm discovery (``find_norms``): every constant per-channel affine, recognised by its value.
-- ``planner``: one ``Decision`` per norm and the weight updates that carry it out, as data (``plan_folds``).
-- ``program``: the plan as a program, one recipe per tensor of the fused model, run over a ``WeightStore``
+- ``planner``: one ``Decision`` per norm and the folds that carry it out, as records (``plan_folds``).
+- ``program``: the plan as a program, one recipe per tensor of the fused model (the only place folded values are
+  made), run over a ``WeightStore``
   (in memory, or one block of rows at a time in the streamed mode).
 - ``ranges``: what each fold does to the weight ranges int8 quantization works with (``LayerRange``, measured
   block by block as the program runs), and the scale spread that decides a norm's direction where both exist.

@@ -1,8 +1,8 @@
-"""One decision per norm, with the weight updates that carry it out, as data. Pure: the graph is not changed.
+"""One decision per norm, with the folds that carry it out, as records. Pure: the graph is not changed.
 
 In: the export graph and its norms (``slabconv.engine.norms.find_norms``). Out: one ``NormPlan`` per norm, in graph
-order, each with its ``Decision`` (what the report says) and what the rewriter must do: new values for stored
-tensors, biases to create, the blocked edges that keep a per-channel affine, whether the norm's ops go.
+order, each with its ``Decision`` (what the report says) and what the rewriter must do: the folds into layers
+(``LayerFold``), biases to create, the blocked edges that keep a per-channel affine, whether the norm's ops go.
 
 For each norm, in order of preference:
 
