@@ -259,15 +259,11 @@ class LayerRecipe:
     def fits(self, store: WeightStore) -> bool:
         """True when the folded weight (and the bias the layer stores) round to finite values in their dtypes:
         what the planner asks before it plans a fold (a fold that overflows is refused, ``dtype-overflow``)."""
-        w, b = self.rows(store, 0, int(store.shape(self.weight)[0]) if store.shape(self.weight) else 1)
-        if self.dtype.is_floating_point and not rounds_finite(w, self.dtype):
+        try:
+            self.stored(*self.rows(store, 0, (store.shape(self.weight) or [1])[0]))
+        except UnsupportedModelError:
             return False
-        return (
-            b is None
-            or self.bias_out is None
-            or not self.bias_dtype.is_floating_point
-            or rounds_finite(b, self.bias_dtype)
-        )
+        return True
 
     def _stored_bias(self, b: torch.Tensor | None) -> torch.Tensor | None:
         """The float64 bias rounded once to its stored dtype; None when the layer stores none."""
@@ -382,23 +378,11 @@ def _not_flat(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
 def layer_recipe(original: fx.GraphModule, folds: list[LayerFold], created: str | None) -> LayerRecipe:
     """The recipe of one layer from its folds in plan order (``folds[0].bias``: the bias it had before the first,
     a stored one (maybe a separate one) or None) and ``created``, the target of the bias a plan creates for it."""
-    first = folds[0]
-    stored_bias = first.bias
-    dtype = stored(original, first.weight).dtype
-    bias_dtype = stored(original, stored_bias).dtype if stored_bias else dtype
-    shape = tuple(stored(original, stored_bias).shape) if stored_bias else None
+    first, bias = folds[0], folds[0].bias
+    w, b = stored(original, first.weight), stored(original, bias) if bias else None
+    b_dtype, b_shape = (w.dtype, None) if b is None else (b.dtype, _not_flat(tuple(b.shape)))
     groups = first.kind.groups(first.layer)
-    return LayerRecipe(
-        first.kind,
-        first.weight,
-        stored_bias,
-        stored_bias or created,
-        dtype,
-        bias_dtype,
-        groups,
-        folds,
-        _not_flat(shape),
-    )
+    return LayerRecipe(first.kind, first.weight, bias, bias or created, w.dtype, b_dtype, groups, folds, b_shape)
 
 
 def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, LayerRecipe]:

@@ -24,14 +24,7 @@ from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fus
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import (
-    FOLD_BLOCK,
-    FoldProgram,
-    TensorStore,
-    build_program,
-    evaluate,
-    layer_recipes,
-)
+from slabconv.engine.program import FOLD_BLOCK, FoldProgram, TensorStore, build_program, evaluate, layer_recipes
 from slabconv.engine.ranges import flag_warnings
 from slabconv.engine.rules import Chan
 
@@ -185,11 +178,9 @@ def _stored_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 def _stand_ins(plans: list[NormPlan], gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     """The biases a streamed plan creates, as meta tensors of their shape (the weight's output channels, its
     dim 0) and dtype: their values are the program's, made as it writes them."""
-    out = {}
-    for nb in (nb for p in plans if p.remove for nb in p.new_biases):
-        w = stored(gm, str(nb.kind.weight(nb.layer).target))  # type: ignore[union-attr]
-        out[nb.target] = torch.empty(w.shape[0], dtype=w.dtype, device="meta")
-    return out
+    created = {nb.layer: nb.target for p in plans if p.remove for nb in p.new_biases}
+    weights = {created[f.layer]: stored(gm, f.weight) for p in plans if p.remove for f in p.folds if f.layer in created}
+    return {target: torch.empty(w.shape[0], dtype=w.dtype, device="meta") for target, w in weights.items()}
 
 
 def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None, norm_affine: bool = False) -> list[Decision]:
