@@ -34,7 +34,7 @@ from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import MARK
 from slabconv.engine.onnx_lower import Binding, Lowered
 from slabconv.engine.planner import NormPlan
-from slabconv.engine.program import FoldProgram, TensorStore, evaluate, layer_recipes
+from slabconv.engine.program import FoldProgram, TensorStore, evaluate, kept_affine, layer_recipes
 from slabconv.engine.ranges import LayerRange
 
 
@@ -176,15 +176,13 @@ class _Graph:
 
     def affine(self, p: NormPlan, edge: BlockedEdge, base: ir.Value) -> ir.Value:
         """``base * scale + shift`` with the per-channel values laid out on ``edge.chan`` (the kept affine)."""
-        assert p.scale is not None and p.shift is not None and base.shape is not None
-        rank = len(base.shape)
+        assert base.shape is not None
         size = base.shape[edge.chan.axis]
         size = int(size) if isinstance(size, int) else edge.chan.channels * edge.chan.inner
-        trailing = [1] * (rank - 1 - edge.chan.axis)
+        trailing = [1] * (len(base.shape) - 1 - edge.chan.axis)
         dtype = ir.DataType.DOUBLE if self.exact else base.dtype
         assert dtype is not None
-        s = edge.chan.lay_out(p.scale, size, 1.0).reshape(-1, *trailing)  # identity outside a concat's norm part
-        t = edge.chan.lay_out(p.shift * edge.mult, size, 0.0).reshape(-1, *trailing)
+        s, t = (v.reshape(-1, *trailing) for v in kept_affine(p, edge, size))
         stem = p.site.name
         out = self._op("Mul", base, self._initializer(f"{stem}.scale", _numpy(s, dtype)), f"{stem}/kept_affine_mul")
         if bool(t.any()):

@@ -34,6 +34,7 @@ from slabconv.errors import UnsupportedModelError
 from slabconv.fold import rounded
 
 if TYPE_CHECKING:
+    from slabconv.engine.flow import BlockedEdge
     from slabconv.engine.planner import NormPlan
 
 FOLD_BLOCK = 1 << 22
@@ -394,6 +395,14 @@ def layer_recipes(original: fx.GraphModule, plans: list[NormPlan]) -> dict[str, 
             for f in p.folds:
                 folds.setdefault(f.weight, []).append(f)
     return {w: layer_recipe(original, fs, created.get(fs[0].layer)) for w, fs in folds.items()}
+
+
+def kept_affine(p: NormPlan, edge: BlockedEdge, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 ``(scale, shift)`` of the affine a plan keeps on a blocked ``edge``, both ``(size,)`` along the
+    edge's channel axis: the norm's own ``(s, t * mult)``, identity outside a concatenation's norm part. What both
+    rewrites store (as ``const`` recipes, ``build_program``), rounded once to the tensor's dtype."""
+    assert p.scale is not None and p.shift is not None
+    return edge.chan.lay_out(p.scale, size, 1.0), edge.chan.lay_out(p.shift * edge.mult, size, 0.0)
 
 
 def build_program(

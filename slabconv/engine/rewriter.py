@@ -24,7 +24,15 @@ from slabconv.engine.cleanup import cancel_inverse_views, drop_unused_attrs, fus
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import join_norm_affines, split_norm_affines
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
-from slabconv.engine.program import FOLD_BLOCK, FoldProgram, TensorStore, build_program, evaluate, layer_recipes
+from slabconv.engine.program import (
+    FOLD_BLOCK,
+    FoldProgram,
+    TensorStore,
+    build_program,
+    evaluate,
+    kept_affine,
+    layer_recipes,
+)
 from slabconv.engine.ranges import flag_warnings
 from slabconv.engine.rules import Chan
 
@@ -95,7 +103,6 @@ def _insert_affines(gm: fx.GraphModule, p: NormPlan, base_of_output: fx.Node) ->
     """One ``x * scale + shift`` per (source, channel layout, multiplier), fed to each blocked op in place of
     ``edge.src``; without shift (exactly zero) only the multiply."""
     site = p.site
-    assert p.scale is not None and p.shift is not None
     made: dict[tuple[fx.Node, Chan, float], fx.Node] = {}
     for edge in p.kept:
         base = base_of_output if edge.src is site.output else edge.src
@@ -106,12 +113,10 @@ def _insert_affines(gm: fx.GraphModule, p: NormPlan, base_of_output: fx.Node) ->
 
 
 def _affine(gm: fx.GraphModule, p: NormPlan, edge: BlockedEdge, base: fx.Node) -> fx.Node:
-    assert p.scale is not None and p.shift is not None
     val = base.meta["val"]
-    size = int(val.shape[edge.chan.axis])
     bshape = (-1, *([1] * (val.dim() - 1 - edge.chan.axis)))
-    s = edge.chan.lay_out(p.scale, size, 1.0).to(device=val.device, dtype=val.dtype).reshape(bshape)
-    t = edge.chan.lay_out(p.shift * edge.mult, size, 0.0).to(device=val.device, dtype=val.dtype)
+    s, t = (v.to(device=val.device, dtype=val.dtype) for v in kept_affine(p, edge, int(val.shape[edge.chan.axis])))
+    s = s.reshape(bshape)
     s_node = new_attr(gm, free_target(gm, f"{p.site.name}.scale"), s)
     with gm.graph.inserting_after(base):
         mul = gm.graph.call_function(torch.ops.aten.mul.Tensor, (base, s_node))
