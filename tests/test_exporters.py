@@ -213,8 +213,11 @@ def test_an_expand_larger_than_the_folding_limit_stays_a_node(tmp_path, monkeypa
 def test_preparing_a_graph_shape_inference_cannot_finish_writes_nothing_in_the_working_directory(tmp_path, monkeypatch):
     """onnxruntime's symbolic shape inference saves a partial model (``sym_shape_infer_temp.onnx`` and external
     data files) into the current directory when it cannot type every value (here: the graph onnxruntime's own
-    optimizer wrote, with its contrib ops): slabconv runs it elsewhere, so nothing of the user's is written or
-    replaced."""
+    optimizer wrote, with its contrib ops): slabconv drives the inference without that step, so nothing of the
+    user's is written or replaced, and never changes the working directory (process-wide: the Python API may run in
+    a thread beside others that open relative paths)."""
+    import os
+
     import onnxruntime as ort
 
     optimized = tmp_path / "ort.onnx"
@@ -226,6 +229,9 @@ def test_preparing_a_graph_shape_inference_cannot_finish_writes_nothing_in_the_w
     work.mkdir()
     (work / "sym_shape_infer_temp.onnx").write_text("the user's file")
     monkeypatch.chdir(work)
+    moved: list[str] = []
+    monkeypatch.setattr(os, "chdir", lambda path: moved.append(str(path)))
     onnx_fold.plan_file(load_ir(optimized), str(optimized))
+    assert moved == []
     assert sorted(p.name for p in work.iterdir()) == ["sym_shape_infer_temp.onnx"]
     assert (work / "sym_shape_infer_temp.onnx").read_text() == "the user's file"

@@ -50,22 +50,37 @@ def infer_shapes(model: ir.Model, proto_path: str | None = None) -> dict[str, tu
 
 
 def _infer_symbolic(proto: Any) -> Any:
-    """onnxruntime's ``SymbolicShapeInference.infer_shapes``, run in a temporary working directory: where it cannot
-    type every value it saves its partial result as ``sym_shape_infer_temp.onnx`` (and the tensors' external data
-    files) in the current directory before it raises, which would write into (or replace files in) the user's."""
-    import os
-    import tempfile
+    """onnxruntime's symbolic shape inference of ``proto``, driven as ``SymbolicShapeInference.infer_shapes`` drives
+    it (``_preprocess``, ``_infer_impl`` until it stops asking for another pass, ``_update_output_from_vi``) but
+    without its last step: where it cannot type every value, ``infer_shapes`` saves its partial result as
+    ``sym_shape_infer_temp.onnx`` (and the tensors' external data files) in the current working directory before it
+    raises, which would write into (or replace files in) the user's folder, and any way around that (a ``chdir``)
+    changes the whole process's working directory under every other thread. Here nothing is written: an incomplete
+    inference raises, as ``infer_shapes`` does, and ``infer_shapes`` (ours) falls back to ONNX's inference.
 
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    Relies on those three members of ``onnxruntime.tools.symbolic_shape_infer.SymbolicShapeInference`` (the same
+    from onnxruntime 1.18, the floor, to 1.32); where a release lacks one, the ``AttributeError`` is caught like any
+    failed inference.
 
-    here = os.getcwd()
-    with tempfile.TemporaryDirectory(prefix="slabconv-shapes-") as scratch, warnings.catch_warnings():
+    Raises:
+        RuntimeError: the inference left some value untyped.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference, get_opset
+
+    opset = get_opset(proto)
+    if not opset or opset < 7:
+        raise RuntimeError("symbolic shape inference needs opset 7 or above")
+    inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess_output_rank, verbose
+    complete = False
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        os.chdir(scratch)
-        try:
-            return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
-        finally:
-            os.chdir(here)
+        inference._preprocess(proto)
+        while inference.run_:
+            complete = inference._infer_impl()
+        inference._update_output_from_vi()
+    if not complete:
+        raise RuntimeError("incomplete symbolic shape inference")
+    return inference.out_mp_
 
 
 def _infer_onnx(proto: Any) -> Any:
