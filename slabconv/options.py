@@ -138,7 +138,9 @@ class WriteOptions:
             what no ``dtype`` writes; None keeps the checkpoint's dtype.
         opset: the ONNX opset of ``model.onnx`` (``OPSET_RANGE``); None: the exporter's default (22 for bfloat16).
         simplify: run onnxscript's optimizer on ``model.onnx`` after the fold (constant folding of shape arithmetic,
-            dead nodes, layout pairs); the simplified file is the one written and verified.
+            dead nodes, layout pairs), then onnxslim when installed (the ``simplify`` extra), kept where it has
+            fewer nodes (``slabconv.engine.onnx_fold.simplify_graph``); the simplified file is the one written and
+            verified.
         require_folded: write only a norm-free model: when the plan keeps any norm (as a per-channel affine),
             refuse before writing (``KeptNormsError``, exit code 2), naming each kept norm and its reason. For
             targets that reject a normalisation standing on its own (some NPU compilers, ExecuTorch delegates).

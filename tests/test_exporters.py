@@ -235,3 +235,92 @@ def test_preparing_a_graph_shape_inference_cannot_finish_writes_nothing_in_the_w
     assert moved == []
     assert sorted(p.name for p in work.iterdir()) == ["sym_shape_infer_temp.onnx"]
     assert (work / "sym_shape_infer_temp.onnx").read_text() == "the user's file"
+
+
+# --------------------------------------------------------------------------------------------- fuse --simplify
+
+
+def _simplified(name: str, **kwargs) -> tuple[ir.Model, dict]:
+    path = EXPORTS / name
+    model = load_ir(path)
+    onnx_fold.fold_file(model, str(path))
+    return model, onnx_fold.simplify_graph(model, **kwargs)
+
+
+def test_simplify_keeps_onnxslims_graph_only_when_smaller_and_says_so_without_it(monkeypatch):
+    """``--simplify``: onnxscript's optimizer, then onnxslim, whose graph is kept only when it has fewer nodes (on
+    the dynamo block it writes each ``MatMul`` on tokens and its bias ``Add`` as ``Reshape`` -> ``Gemm`` ->
+    ``Reshape``: 31 nodes to onnxscript's 29); without onnxslim the info says so, and a candidate whose mark names
+    onnxslim cannot be simplified again for question 1 (exit 2, naming the extra)."""
+    from slabconv.errors import UsageError
+
+    model, info = _simplified("torch-block-torchscript.onnx")
+    assert [s.split()[0] for s in info["simplifiers"]] == ["onnxscript", "onnxslim"] and "onnxslim" not in info
+    assert info["nodes_after"] == len(list(model.graph)) < info["nodes_before"]
+    model, info = _simplified("torch-block-dynamo.onnx")
+    assert [s.split()[0] for s in info["simplifiers"]] == ["onnxscript"]
+    assert "not fewer than 29: not kept" in info["onnxslim"] and info["nodes_after"] == len(list(model.graph)) == 29
+    monkeypatch.setitem(__import__("sys").modules, "onnxslim", None)  # import onnxslim raises ImportError
+    _, info = _simplified("torch-block-torchscript.onnx")
+    assert [s.split()[0] for s in info["simplifiers"]] == ["onnxscript"]
+    assert "onnxslim is not installed (pip install 'slabconv[simplify]')" == info["onnxslim"]
+    with pytest.raises(UsageError, match=r"which question 1 repeats, but onnxslim is not installed"):
+        _simplified("torch-block-torchscript.onnx", simplifiers=["onnxscript 0.7.2", "onnxslim 0.1.98"])
+
+
+def test_question_1_holds_every_tensor_of_a_simplified_file(tmp_path, monkeypatch):
+    """A ``model.onnx`` that ``--simplify`` wrote (onnxscript's optimizer and onnxslim: the TorchScript block) with
+    one weight one unit in the last place off: question 2 cannot see it, question 1's check of the file against the
+    fold simplified at the file's precision does, and nothing is written."""
+    from slabconv import onnx_in
+    from slabconv.errors import VerificationError
+
+    real = onnx_in.simplify_model
+
+    def one_ulp_off(model):
+        info = real(model)
+        value = max(model.graph.initializers.values(), key=lambda v: v.const_value.size)
+        array = value.const_value.numpy().copy()
+        array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
+        value.const_value = ir.tensor(array)
+        return info
+
+    monkeypatch.setattr(onnx_in, "simplify_model", one_ulp_off)
+    with pytest.raises(VerificationError, match="not equivalent") as caught:
+        api.fuse(EXPORTS / "torch-block-torchscript.onnx", tmp_path / "out", verify=VerifyOptions(samples=4),
+                 write=WriteOptions(simplify=True))  # fmt: skip
+    exact = caught.value.report.verification.exact
+    assert [e.passed for e in exact] == [True, True, False]
+    assert "simplified at the file's precision (onnxscript" in exact[2].name and exact[2].error == 1
+    assert all(c.passed for c in caught.value.report.verification.checks)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def text_torchscript(tmp_path_factory) -> Path:
+    """The text fixture (LLaMA-PRepBN, 7 RepBN) exported by the TorchScript exporter, as ``benchmarks.onnx_in``
+    exports it: its shapes and rotary tables computed at run time."""
+    build = next(b for name, b, _ in bench._networks() if name.startswith("text fixture"))
+    model, x = build()
+    path = tmp_path_factory.mktemp("text") / "text-torchscript.onnx"
+    return bench._torch_export(model, x, path, bench.TORCH_SETTINGS["TorchScript"])
+
+
+def test_simplify_of_the_text_fixture_is_no_larger_than_onnxslim_and_verified(text_torchscript, tmp_path):
+    """onnxscript's optimizer alone leaves more of the text fixture's shape arithmetic than onnxslim (175 nodes to
+    157); ``--simplify`` runs onnxslim after it, and ends no larger than onnxslim on the unfused file. onnxslim folds
+    the rotary ``sin`` / ``cos`` tables in float32: question 1 judges the fold in float64, unsimplified, and holds the
+    file to the fold simplified at the file's precision (a float64 simplification would be thousands of units in the
+    last place away), the three checks named for what they compared."""
+    import onnxslim
+
+    report = api.fuse(text_torchscript, tmp_path / "out", verify=VerifyOptions(samples=4),
+                      write=WriteOptions(simplify=True))  # fmt: skip
+    info = report.outputs.onnx_info["simplified"]
+    assert [s.split()[0] for s in info["simplifiers"]] == ["onnxscript", "onnxslim"]
+    verification = report.verification
+    assert verification.passed and all(c.passed for c in verification.checks)
+    assert [e.passed for e in verification.exact] == [True, True, True]
+    assert "before --simplify" in verification.exact[1].name and "simplified" in verification.exact[2].name
+    assert _nodes(tmp_path / "out" / "model.onnx") == info["nodes_after"]
+    assert info["nodes_after"] <= len(onnxslim.slim(onnx.load(str(text_torchscript))).graph.node)

@@ -43,14 +43,13 @@ def fold_file(
     proto_path: str | None = None,
     progress: Callable[[str], None] = lambda name: None,
     as_float64: bool = False,
-    simplify: bool = False,
     norm_affine: bool = False,
     ranges: list[LayerRange] | None = None,
 ) -> tuple[Any, list[Decision]]:
     """Fold every norm of ``model`` (read from ``proto_path``), in place; with ``as_float64`` the graph is cast to
     float64 after planning and every fold written unrounded (question 1's float64 fold: the same decisions, made on
-    the file's own dtypes); with ``simplify`` onnxscript's optimizer then runs on it, as ``fuse --simplify`` runs it
-    on the file it writes; with ``norm_affine`` the affines of the norm ops fold too (``plan_file``). With
+    the file's own dtypes); with ``norm_affine`` the affines of the norm ops fold too (``plan_file``). The fold is
+    never simplified here: ``fuse --simplify`` runs ``simplify_graph`` on the fold it writes. With
     ``ranges`` (a list), each folded layer's weight ranges before and after its folds are appended to it
     (``onnx_apply.folded_values``) and each flagged layer's warning is added to its norms' decisions.
 
@@ -67,14 +66,13 @@ def fold_file(
     if ranges is not None:
         ranges += layer_ranges
         flag_warnings([p.decision for p in plans], ranges)
-    return fold_planned(model, lowered, plans, as_float64, simplify, values), [p.decision for p in plans]
+    return fold_planned(model, lowered, plans, as_float64, values), [p.decision for p in plans]
 
 
-def fold_planned(
-    model: Any, lowered: Lowered, plans: list[NormPlan], as_float64: bool, simplify: bool, values: Any = None
-) -> Any:
-    """The second half of ``fold_file``: carry ``plans`` (made by ``plan_file`` on ``model``, ``lowered``) into
-    ``model``, in place, cast to float64 first with ``as_float64`` and simplified after with ``simplify``.
+def fold_planned(model: Any, lowered: Lowered, plans: list[NormPlan], as_float64: bool, values: Any = None) -> Any:
+    """The second half of ``fold_file``: carry ``plans`` (made by ``plan_file`` on ``model``, ``lowered``, or on a
+    copy of the prepared model that keeps its names) into ``model``, in place, cast to float64 first with
+    ``as_float64``.
     ``lowered`` and ``plans`` keep naming the prepared graph's ONNX nodes and values (``LayerSite``,
     ``meta["onnx_value"]``): what the localisation of an ONNX original reads its fold boundaries from.
     ``values``: the fold program's (``onnx_apply.folded_values``) when the caller already ran it.
@@ -85,21 +83,44 @@ def fold_planned(
     if as_float64:
         to_float64(model)
     apply_plans(model, lowered, plans, exact=as_float64, values=values)
-    if simplify:
-        simplify_graph(model)
     return model
 
 
-def simplify_graph(model: Any) -> dict[str, int]:
-    """onnxscript's optimizer (``onnxscript.optimizer.optimize``: constant folding of constants up to its default
-    sizes, which leaves weights as they are; dead nodes; its rewrite rules, such as cancelling layout pairs) on an
-    onnx-ir ``model``, in place: what ``fuse --simplify`` runs on the file it writes.
+ONNXSCRIPT = "onnxscript"
+ONNXSLIM = "onnxslim"
+SIMPLIFY_EXTRA = "pip install 'slabconv[simplify]'"
+"""How to install onnxslim, the second simplifier of ``fuse --simplify`` (the ``simplify`` extra)."""
+ONNXSLIM_BYTES_LIMIT = 1536 * 1024 * 1024
+"""Bytes of initializers above which onnxslim is not run: it works on an in-memory ``ModelProto``, which protobuf
+cannot serialise past 2 GiB (the same threshold as ``slabconv.write.onnx.ONNX_EXTERNAL_DATA_BYTES``)."""
+
+
+def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str, Any]:
+    """``fuse --simplify``: onnxscript's optimizer (``onnxscript.optimizer.optimize``: constant folding of
+    constants up to its default sizes, which leaves weights as they are; dead nodes; its rewrite rules, such as
+    cancelling layout pairs) on an onnx-ir ``model``, in place, then onnxslim (``onnxslim.slim``: its constant
+    folding, dead nodes, shape-arithmetic and fusion patterns) when it is installed, whose graph replaces the
+    model's only when it has fewer nodes (onnxslim turns a ``MatMul`` on 3-D tokens and its bias ``Add`` into
+    ``Reshape`` -> ``Gemm`` -> ``Reshape``: more nodes). Every constant either folds is computed in the model's own
+    dtypes.
+
+    Args:
+        model: an ``onnx_ir.Model``; its metadata, opset imports and graph input / output names stay.
+        simplifiers: None to choose as above (what ``fuse --simplify`` runs), else the ``"<name> <version>"`` list a
+            ``fuse --simplify`` recorded (``SIMPLIFIED_KEY``), run in that order, each kept (what question 1 repeats
+            on its reference, ``slabconv.verify.onnx_original.fold64``).
 
     Returns:
-        ``{"nodes_before": n, "nodes_after": m}``, nodes of the main graph.
+        ``{"nodes_before": n, "nodes_after": m, "simplifiers": ["onnxscript 0.7.2", ...]}`` (nodes of the main
+        graph; the simplifiers whose output was kept, in order), and ``"onnxslim"``, a line saying why onnxslim's
+        output was not kept, when it was not.
+
+    Raises:
+        UsageError: ``simplifiers`` names onnxslim and it is not installed.
     """
     import logging
 
+    import onnxscript
     from onnxscript.optimizer import optimize
 
     before = len(list(model.graph))
@@ -110,7 +131,50 @@ def simplify_graph(model: Any) -> dict[str, int]:
         optimize(model)
     finally:
         chatty.setLevel(level)
-    return {"nodes_before": before, "nodes_after": len(list(model.graph))}
+    info: dict[str, Any] = {"simplifiers": [f"{ONNXSCRIPT} {onnxscript.__version__}"]}
+    wanted = simplifiers is not None and any(s.split()[0] == ONNXSLIM for s in simplifiers)
+    if simplifiers is None or wanted:
+        slim, why = _onnxslim(model, keep_larger=wanted)
+        if slim is not None:
+            info["simplifiers"].append(slim)
+        elif wanted:
+            from slabconv.errors import UsageError
+
+            raise UsageError(
+                f"the candidate was simplified with onnxslim (fuse --simplify), which question 1 repeats, but {why}"
+            )
+        else:
+            info[ONNXSLIM] = why
+    return {"nodes_before": before, "nodes_after": len(list(model.graph)), **info}
+
+
+def _onnxslim(model: Any, keep_larger: bool) -> tuple[str | None, str]:
+    """onnxslim on ``model`` (after onnxscript's optimizer), its graph put in place of the model's when it has fewer
+    nodes (or always, with ``keep_larger``).
+
+    Returns:
+        ``("onnxslim <version>", "")`` when its graph was kept, else ``(None, why)``.
+    """
+    try:
+        import onnxslim
+    except ImportError:
+        return None, f"onnxslim is not installed ({SIMPLIFY_EXTRA})"
+    size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if size > ONNXSLIM_BYTES_LIMIT:
+        return None, f"onnxslim was not run: the weights exceed {ONNXSLIM_BYTES_LIMIT >> 20} MiB"
+    import contextlib
+    import io
+    import warnings
+
+    nodes = len(list(model.graph))
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        slimmed = ir.from_proto(onnxslim.slim(ir.to_proto(model)))
+    after = len(list(slimmed.graph))
+    if after >= nodes and not keep_larger:
+        return None, f"onnxslim {onnxslim.__version__} gave {after} nodes, not fewer than {nodes}: not kept"
+    model.graph = slimmed.graph
+    return f"{ONNXSLIM} {onnxslim.__version__}", ""
 
 
 def to_float64(model: Any) -> None:
@@ -144,4 +208,13 @@ def to_float64(model: Any) -> None:
             value.dtype = ir.DataType.DOUBLE
 
 
-__all__ = ["fold_file", "fold_planned", "plan_file", "simplify_graph", "to_float64"]
+__all__ = [
+    "ONNXSCRIPT",
+    "ONNXSLIM",
+    "SIMPLIFY_EXTRA",
+    "fold_file",
+    "fold_planned",
+    "plan_file",
+    "simplify_graph",
+    "to_float64",
+]

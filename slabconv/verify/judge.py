@@ -176,6 +176,7 @@ def exact_tensors(
     fold64: Mapping[str, torch.Tensor],
     ulp_bound: float = policy.ULPS,
     by_value: bool = False,
+    against: str = "the float64 fold",
 ) -> ExactCheck:
     """Question 1 for written files: every tensor of the float64 fold, rounded to the written dtype, equals the
     written tensor within ``ulp_bound`` units in the last place (a tensor the file lacks fails).
@@ -191,6 +192,8 @@ def exact_tensors(
         ulp_bound: the most allowed.
         by_value: a fold tensor missing by name may be any written tensor of its shape or its transposed shape
             (an ONNX exporter stores Linear weights transposed under generated names): the closest one counts.
+        against: what ``fold64`` is, for the detail (``fuse --simplify``'s candidates are held to the fold in their
+            dtypes, simplified).
     """
     pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
     if by_value:
@@ -222,9 +225,11 @@ def exact_tensors(
         bound=ulp_bound,
         worst=worst_name,
         detail=(
-            f"{len(fold64)} tensors within {worst:.2g} ulps of the float64 fold"
+            f"{len(fold64)} tensors within {worst:.2g} ulps of {against}"
             if worst <= ulp_bound
             else "the written weights are not the fold of this source"
+            if against == "the float64 fold"
+            else f"the written tensors are not {against}"
         ),
     )
 

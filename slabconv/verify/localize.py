@@ -242,7 +242,8 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     """An ONNX original: the same pass on ONNX graphs, run in float64 by onnxruntime (onnx's reference evaluator where
     onnxruntime lacks a float64 kernel: ``onnx_original.run_float64``).
 
-    The reference's float64 fold (``onnx_original.fold64``, the one question 1 holds the candidate to) holds, by
+    The reference's float64 fold (``onnx_original.fold64``, the one question 1 holds the candidate to; for a candidate
+    ``fuse --simplify`` wrote, that fold in the file's dtypes simplified alike, cast to float64) holds, by
     initializer name (by value where the names differ), the candidate's stored tensors, then the fold rounded once
     to each tensor's stored dtype; the prepared original in float64 gives ``rounding``. Each fold boundary is an
     ONNX value of those graphs (``_onnx_boundaries``), made a graph output for the pass.
@@ -254,6 +255,13 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
         return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")
     info = reference.onnx
     folded = onnx_original.fold64(info.path, candidate.onnx.path, keep_original=True)
+    if folded.simplified is not None:  # the candidate's own graph (fuse --simplify), its tensors, run in float64
+        import onnx_ir as ir
+
+        from slabconv.engine import onnx_fold
+
+        folded.fused = ir.from_proto(ir.to_proto(folded.simplified))
+        onnx_fold.to_float64(folded.fused)
     found, lost = _onnx_boundaries(folded)
     fold = onnx_original.ir_tensors(folded.fused)
     written = onnx_original.float_tensors(candidate.onnx.path)

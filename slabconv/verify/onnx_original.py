@@ -1,7 +1,7 @@
 """An ONNX original as the reference of a verification (``docs/onnx.md``, policy: ``slabconv.verify.policy``):
 its graph evaluated in float64 (every floating tensor and type cast to float64, run by onnxruntime, or onnx's
 reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 and the localisation
-(``fold64``, ``fold64_file``), and the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``;
+(``fold64``), and the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``;
 ``--inputs`` with one array per graph input). ``slabconv.verify.verifier`` runs both questions with them.
 """
 
@@ -215,32 +215,47 @@ class Fold64:
     """The float64 fold of an ONNX original (``fold64``) and what it was made from.
 
     Attributes:
-        fused: the fold, an ``onnx_ir.Model`` whose floating tensors and types are float64.
+        fused: the fold, an ``onnx_ir.Model`` whose floating tensors and types are float64, never simplified: what
+            question 1 runs against the original in float64 (the fold alone is judged).
         original: the prepared original (``onnx_lower.prepare``: the node and value names ``lowered`` and the fused
             graph use) cast to float64, unfused; None unless asked for.
         lowered: the prepared original as the engine saw it (``onnx_lower.Lowered``: each layer's ONNX nodes).
         plans: one ``NormPlan`` per norm, in graph order (``plan.decision``: the report's decision).
+        rounded: for a candidate ``fuse --simplify`` wrote, the same fold made in the file's own dtypes (each fold
+            composed in float64 and rounded once, as ``fuse`` writes it), unsimplified; else None.
+        simplified: ``rounded`` simplified by the simplifiers the candidate names (``simplify_graph``), at the
+            file's own precision: the tensors such a candidate must hold; else None.
+        simplifiers: the candidate's simplifiers (``["onnxscript 0.7.2", "onnxslim 0.1.98"]``), or None.
     """
 
     fused: Any
     original: Any
     lowered: Any
     plans: list[Any]
+    rounded: Any = None
+    simplified: Any = None
+    simplifiers: list[str] | None = None
 
 
 def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
     """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
     cast to float64 (``onnx_fold.plan_file`` then ``onnx_fold.fold_planned(..., as_float64=True)``: what
     ``onnx_fold.fold_file`` does, the contract ``slabconv.onnx_in.fold_onnx`` keeps), with the affines of the norm
-    ops folded and simplified as ``candidate`` was (its metadata: ``--fold-norm-affine``, ``fuse --simplify``). The
-    one place verification folds an ONNX graph.
+    ops folded as ``candidate`` was (its metadata: ``--fold-norm-affine``). The one place verification folds an ONNX
+    graph.
+
+    A candidate ``fuse --simplify`` wrote (``SIMPLIFIED_KEY``) holds tensors no fold made: the simplifiers fold
+    constants (a rotary ``sin`` table, shape arithmetic) in the file's own dtype. Its tensors are held to
+    ``Fold64.simplified``: the same plans applied to a copy of the prepared original in its own dtypes (the rounded
+    fold, itself held to ``fused`` tensor by tensor), then the candidate's simplifiers, in that order, at that
+    precision. The fold is judged in float64, unsimplified; what the simplifiers computed is judged by question 2.
 
     Args:
         keep_original: also keep a float64 copy of the prepared original, unfused (``Fold64.original``: the
             localisation's values at each fold boundary before the fold).
 
     Raises:
-        as ``onnx_fold.plan_file``.
+        as ``onnx_fold.plan_file``; UsageError: the candidate names a simplifier not installed here.
     """
     import onnx_ir as ir
 
@@ -252,13 +267,14 @@ def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
     if keep_original:
         original = ir.from_proto(ir.to_proto(model))
         onnx_fold.to_float64(original)
-    fused = onnx_fold.fold_planned(model, lowered, plans, as_float64=True, simplify=simplified(candidate))
-    return Fold64(fused, original, lowered, plans)
-
-
-def fold64_file(path: Path, candidate: Path) -> Any:
-    """The float64 fold of the ONNX original at ``path``, as an ``onnx_ir.Model`` (``fold64``)."""
-    return fold64(path, candidate).fused
+    simplifiers = simplified(candidate)
+    rounded = small = None
+    if simplifiers is not None:
+        rounded = onnx_fold.fold_planned(ir.from_proto(ir.to_proto(model)), lowered, plans, as_float64=False)
+        small = ir.from_proto(ir.to_proto(rounded))
+        onnx_fold.simplify_graph(small, simplifiers)
+    fused = onnx_fold.fold_planned(model, lowered, plans, as_float64=True)
+    return Fold64(fused, original, lowered, plans, rounded, small, simplifiers)
 
 
 def run_float64(model: Any, x: Inputs, dtype: str, batch: int | None) -> list[np.ndarray]:
@@ -267,12 +283,16 @@ def run_float64(model: Any, x: Inputs, dtype: str, batch: int | None) -> list[np
 
 
 def float_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every floating initializer of an ONNX file, by name."""
+    """Every floating initializer of an ONNX file, by name, in its stored dtype."""
     import onnx_ir as ir
 
+    return stored_tensors(ir.load(str(path)))
+
+
+def stored_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Every floating initializer of an in-memory ``onnx_ir.Model``, by name, in its stored dtype."""
     from slabconv.engine.onnx_lower import to_torch
 
-    model = ir.load(str(path))
     out = {}
     for name, value in model.graph.initializers.items():
         if value.const_value is not None and value.dtype is not None and value.dtype.is_floating_point():

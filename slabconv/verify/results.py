@@ -59,7 +59,7 @@ class ExactCheck:
             )
         return (
             f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r} is {self.error:.3g} units in the last place "
-            f"away from a fresh float64 fold rounded to its dtype (a correct file is {self.bound:g} away): "
+            f"away from the value it is held to, rounded to its dtype (a correct file is {self.bound:g} away): "
             f"{self.detail}"
         )
 

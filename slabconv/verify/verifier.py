@@ -377,19 +377,35 @@ def _question_1_torch(
 def _question_1_onnx(
     reference_side: Side, reference: Reference, candidate: Side, batch: int | None, progress: Progress
 ) -> list[Any]:
+    """Question 1 for an ONNX reference: its float64 fold against it in float64 (the fold alone, never simplified),
+    and the candidate's tensors against that fold rounded to their dtypes. A candidate ``fuse --simplify`` wrote is
+    held to the fold in the file's dtypes simplified by the same simplifiers at that precision, and that fold, before
+    simplification, to the float64 fold (``onnx_original.fold64``): every written tensor is checked, the ones the
+    simplifiers computed against the simplifiers' own result (their numbers are question 2's to judge)."""
     from slabconv.verify import onnx_original
 
     progress("verifying: question 1, is the fold exact?")
-    fused64 = onnx_original.fold64_file(reference_side.onnx.path, candidate.onnx.path)
+    folded = onnx_original.fold64(reference_side.onnx.path, candidate.onnx.path)
     assert reference.exact is not None
     x1, exact1, total = exact_samples(reference.x, reference.exact)
-    outputs = onnx_original.run_float64(fused64, x1, reference.dtype, batch)
+    outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, batch)
     written = onnx_original.float_tensors(candidate.onnx.path)
-    what = f"{candidate.onnx.path.name} vs a float64 fold of the reference"
+    name = candidate.onnx.path.name
+    fold = onnx_original.ir_tensors(folded.fused)
+    checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
+    if folded.simplified is None:
+        return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold)]
+    rounded = onnx_original.stored_tensors(folded.rounded)
+    simplifiers = ", ".join(folded.simplifiers or [])
     return [
-        judge.exact_graphs(reference.names, outputs, exact1, of=total),
-        judge.exact_tensors(what, written, onnx_original.ir_tensors(fused64)),
-    ]
+        *checks,
+        judge.exact_tensors("the fold in the file's dtypes, before --simplify, vs a float64 fold of the reference",
+                            rounded, fold),
+        judge.exact_tensors(
+            f"{name} vs that fold simplified at the file's precision ({simplifiers})",
+            written, onnx_original.ir_tensors(folded.simplified), against="that fold, simplified",
+        ),
+    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- file checks

@@ -97,7 +97,8 @@ def export_onnx(
     metadata: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Export ``model`` to ONNX with the dynamo exporter, input ``input`` and output ``output``; with ``simplify``,
-    onnxscript's optimizer runs on it before it is saved (``simplify_model``; the info then has ``simplified``).
+    onnxscript's optimizer (and onnxslim where installed) runs on it before it is saved (``simplify_model``; the info
+    then has ``simplified``).
 
     ``metadata``: more ``metadata_props`` (``SOURCE_KEY``, ``FOLDED_KEY``, ``ARCH_KEY``) beside ``MARK``.
 
@@ -173,35 +174,37 @@ def export_onnx(
 
 
 SIMPLIFIED_KEY = "slabconv_simplified"
-"""Metadata of a ``model.onnx`` that ``--simplify`` ran onnxscript's optimizer on: the optimizer and its version
-(``verify`` simplifies the float64 fold of the original the same way before it compares the tensors)."""
+"""Metadata of a ``model.onnx`` that ``--simplify`` simplified: the simplifiers whose output it kept, in order,
+``"onnxscript 0.7.2, onnxslim 0.1.98"`` (``verify`` simplifies the fold of the original, rounded to the file's
+dtypes, with the same ones before it compares the tensors: ``slabconv.verify.onnx_original.fold64``)."""
 
 
-def simplify_model(model: Any) -> dict[str, int]:
-    """``fuse --simplify``: onnxscript's optimizer on an onnx-ir ``model``, in place
-    (``slabconv.engine.onnx_fold.simplify_graph``), and the ``SIMPLIFIED_KEY`` mark.
+def simplify_model(model: Any) -> dict[str, Any]:
+    """``fuse --simplify``: onnxscript's optimizer, then onnxslim where installed, on an onnx-ir ``model``, in place
+    (``slabconv.engine.onnx_fold.simplify_graph``), and the ``SIMPLIFIED_KEY`` mark naming the ones kept.
 
     Returns:
-        ``{"nodes_before": n, "nodes_after": m}``, nodes of the main graph.
+        ``simplify_graph``'s info: ``{"nodes_before", "nodes_after", "simplifiers"}`` (and ``"onnxslim"``, why its
+        output was not kept, when it was not).
     """
-    import onnxscript
-
     from slabconv.engine.onnx_fold import simplify_graph
 
-    counts = simplify_graph(model)
-    model.metadata_props[SIMPLIFIED_KEY] = f"onnxscript {onnxscript.__version__}"
-    return counts
+    info = simplify_graph(model)
+    model.metadata_props[SIMPLIFIED_KEY] = ", ".join(info["simplifiers"])
+    return info
 
 
-def simplified(path: Path) -> bool:
-    """True when the ``.onnx`` file at ``path`` was written by ``--simplify`` (``SIMPLIFIED_KEY``)."""
+def simplified(path: Path) -> list[str] | None:
+    """The simplifiers ``--simplify`` ran on the ``.onnx`` file at ``path`` (``SIMPLIFIED_KEY``: ``["onnxscript
+    0.7.2", "onnxslim 0.1.98"]``), or None when it was not simplified (or is no file slabconv wrote)."""
     import onnx
 
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception:  # noqa: BLE001 - not a file slabconv wrote
-        return False
-    return any(p.key == SIMPLIFIED_KEY for p in proto.metadata_props)
+        return None
+    marks = [p.value for p in proto.metadata_props if p.key == SIMPLIFIED_KEY]
+    return [s.strip() for s in marks[0].split(",") if s.strip()] if marks else None
 
 
 def norm_affine_of(path: Path) -> bool:
