@@ -27,8 +27,9 @@ exporter and setting). For each file, one row per tool:
   layout turns a BatchNorm into a depthwise ``Conv``);
 - ``slabconv fuse`` (verified) and ``slabconv fuse --simplify`` (verified): nodes, ``BatchNormalization`` nodes, the
   norms left (kept, or kept as an affine), and the op histogram against the norm-free twin after the same
-  preparation (``slabconv.engine.onnx_lower.prepare``; for ``--simplify`` then onnxscript's optimizer): ``=`` when
-  equal, else the ops in excess (``+``) or missing (``-``).
+  preparation (``slabconv.engine.onnx_lower.prepare``; for ``--simplify`` then ``simplify_graph`` as ``--simplify``
+  runs it: onnxscript's optimizer, then onnxslim, kept when it has fewer nodes): ``=`` when equal, else the ops in
+  excess (``+``) or missing (``-``).
 """
 
 from __future__ import annotations
@@ -170,7 +171,8 @@ def norms_left(constants: dict[str, list[np.ndarray]], path: Path) -> list[str]:
 
 def twin_histograms(twin: Path, folder: Path) -> tuple[collections.Counter[str], collections.Counter[str]]:
     """The op histograms of the norm-free ``twin`` prepared as slabconv prepares an original, and then simplified
-    as ``fuse --simplify`` simplifies (onnxscript's optimizer): what ``fuse`` and ``fuse --simplify`` reach."""
+    as ``fuse --simplify`` simplifies (``simplify_graph``: onnxscript's optimizer, then onnxslim where it has fewer
+    nodes): what ``fuse`` and ``fuse --simplify`` reach."""
     import onnx_ir as ir
 
     from slabconv.engine.onnx_fold import simplify_graph
