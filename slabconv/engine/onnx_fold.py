@@ -162,12 +162,10 @@ def _onnxslim(model: Any, keep_larger: bool) -> tuple[str | None, str]:
     size = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if size > ONNXSLIM_BYTES_LIMIT:
         return None, f"onnxslim was not run: the weights exceed {ONNXSLIM_BYTES_LIMIT >> 20} MiB"
-    import contextlib
-    import io
     import warnings
 
     nodes = len(list(model.graph))
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with warnings.catch_warnings():  # it prints nothing by default; its dependencies may warn
         warnings.simplefilter("ignore")
         slimmed = ir.from_proto(onnxslim.slim(ir.to_proto(model)))
     after = len(list(slimmed.graph))
