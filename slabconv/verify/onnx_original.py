@@ -225,7 +225,9 @@ class Fold64:
             composed in float64 and rounded once, as ``fuse`` writes it), unsimplified; else None.
         simplified: ``rounded`` simplified by the simplifiers the candidate names (``simplify_graph``), at the
             file's own precision: the tensors such a candidate must hold; else None.
-        simplifiers: the candidate's simplifiers (``["onnxscript 0.7.2", "onnxslim 0.1.98"]``), or None.
+        simplifiers: the candidate's simplifiers, as its mark names them (``["onnxscript 0.7.2", "onnxslim
+            0.1.98"]``), or None.
+        simplified_by: the simplifiers that made ``simplified`` here (their installed versions), or None.
     """
 
     fused: Any
@@ -235,6 +237,7 @@ class Fold64:
     rounded: Any = None
     simplified: Any = None
     simplifiers: list[str] | None = None
+    simplified_by: list[str] | None = None
 
 
 def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
@@ -268,13 +271,13 @@ def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
         original = ir.from_proto(ir.to_proto(model))
         onnx_fold.to_float64(original)
     simplifiers = simplified(candidate)
-    rounded = small = None
+    rounded = small = by = None
     if simplifiers is not None:
         rounded = onnx_fold.fold_planned(ir.from_proto(ir.to_proto(model)), lowered, plans, as_float64=False)
         small = ir.from_proto(ir.to_proto(rounded))
-        onnx_fold.simplify_graph(small, simplifiers)
+        by = onnx_fold.simplify_graph(small, simplifiers)["simplifiers"]
     fused = onnx_fold.fold_planned(model, lowered, plans, as_float64=True)
-    return Fold64(fused, original, lowered, plans, rounded, small, simplifiers)
+    return Fold64(fused, original, lowered, plans, rounded, small, simplifiers, by)
 
 
 def run_float64(model: Any, x: Inputs, dtype: str, batch: int | None) -> list[np.ndarray]:
