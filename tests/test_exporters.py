@@ -9,6 +9,8 @@ engine's reason); ``fuse --simplify`` verifies (question 1 exact, question 2 pas
 ``BatchNormalization``, reaches the op histogram of the norm-free twin simplified the same way, and is no larger than
 onnxslim's output of the same file. The norms a tool folds are those whose constants (statistics, scale vectors) are
 gone from its graph (``benchmarks.onnx_in.norms_left``, which the side-by-side table of docs/onnx.md uses too).
+``--simplify`` itself (onnxscript's optimizer, then onnxslim where it has fewer nodes) is held to the same bound on
+the text fixture's TorchScript export (one export, module-scoped), and its question 1 to every written tensor.
 """
 
 from __future__ import annotations
