@@ -271,12 +271,15 @@ def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
         original = ir.from_proto(ir.to_proto(model))
         onnx_fold.to_float64(original)
     simplifiers = simplified(candidate)
-    rounded = small = by = None
+    rounded = small = by = values = None
     if simplifiers is not None:
-        rounded = onnx_fold.fold_planned(ir.from_proto(ir.to_proto(model)), lowered, plans, as_float64=False)
+        from slabconv.engine.onnx_apply import folded_values
+
+        values = folded_values(lowered, plans)[0]  # the fold program, run once for both applications
+        rounded = onnx_fold.fold_planned(ir.from_proto(ir.to_proto(model)), lowered, plans, False, values)
         small = ir.from_proto(ir.to_proto(rounded))
         by = onnx_fold.simplify_graph(small, simplifiers)["simplifiers"]
-    fused = onnx_fold.fold_planned(model, lowered, plans, as_float64=True)
+    fused = onnx_fold.fold_planned(model, lowered, plans, as_float64=True, values=values)
     return Fold64(fused, original, lowered, plans, rounded, small, simplifiers, by)
 
 
