@@ -97,6 +97,8 @@ SUITE_CASES: list[tuple[str, Factory]] = [
     ("batch-stats", _model(refusals.BatchStats)),
     ("repbn-two-transposes", _model(lambda: norms_suite.RepBNWritten("two_transposes"))),
     ("repbn-minus", _model(lambda: norms_suite.RepBNWritten("minus"))),
+    ("repbn-after-pair", _model(lambda: norms_suite.RepBNWritten("after_pair"))),
+    ("permuted-not-back", _model(lambda: norms_suite.PermutedNotBack((0, 3, 1, 2)), norms_suite.permuted_input)),
     ("frozen-bn-pointwise", lambda: (norms_suite.randomize_frozen(norms_suite.FrozenNet("pointwise")).eval(),
                                      _image(3, 6)())),
     ("frozen-bn-padded", lambda: (norms_suite.randomize_frozen(norms_suite.FrozenNet("padded")).eval(),

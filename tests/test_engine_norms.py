@@ -60,13 +60,15 @@ class RepBNWritten(nn.Module):
             y = self.bn(x.transpose(1, 2)) + x.transpose(1, 2) * self.alpha
         elif self.how == "minus":
             y = self.bn(x.transpose(1, 2)) - self.alpha * x.transpose(1, 2)
+        elif self.how == "after_pair":  # jax2onnx's RepBN: alpha x added after the transpose back
+            return self.fc(self.bn(x.transpose(1, 2)).transpose(1, 2) + self.alpha * x)
         else:
             assert self.how == "contiguous"
             y = self.bn(x.transpose(1, 2).contiguous()) + self.alpha * x.transpose(1, 2).contiguous()
         return self.fc(y.transpose(1, 2))
 
 
-@pytest.mark.parametrize("how", ["two_transposes", "alpha_first", "times_alpha", "minus", "contiguous"])
+@pytest.mark.parametrize("how", ["two_transposes", "alpha_first", "times_alpha", "minus", "contiguous", "after_pair"])
 def test_repbn_written_with_two_transposes_is_one_repbn(how):
     """Before: two plain BatchNorm decisions were impossible to make exact, the BN was kept with
     ``residual-reads-norm`` before the add. Now one RepBN, folded forward into ``fc``."""
@@ -92,6 +94,56 @@ def test_repbn_written_with_two_transposes_is_one_repbn(how):
     assert aten_ops(gm) == bare  # the norm-free graph: the BN, the alpha term, a transpose pair are gone
     if how != "contiguous":
         assert aten_ops(gm) == {"linear.default": 1}
+
+
+class PermutedNotBack(nn.Module):
+    """``permute(BN2d(permute(x, p)), q) + alpha x`` on ``x: (B, S, S, S)`` where ``q`` does not undo ``p``: the
+    sum has ``x``'s shape, but its first term reads ``x`` at permuted positions, so it is no affine of ``x``."""
+
+    def __init__(self, back: tuple[int, ...]) -> None:
+        super().__init__()
+        self.back = back
+        self.bn = nn.BatchNorm2d(4)
+        self.alpha = nn.Parameter(torch.tensor([0.7]))
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(x.permute(0, 3, 1, 2)).permute(*self.back) + self.alpha * x)
+
+
+def permuted_input() -> torch.Tensor:
+    return torch.randn(B, 4, 4, 4, generator=gen(0)) * 2 + 0.5
+
+
+def test_a_permute_that_does_not_undo_the_first_leaves_the_batchnorm_a_norm_of_its_own():
+    """``(0, 3, 1, 2)`` twice is not the identity: the RepBN reading of the sum (the BN's affine on ``x``'s last
+    axis, plus alpha) is far off, so the BN stays a BatchNorm kept before the sum (``residual-reads-norm``); with
+    the inverse ``(0, 2, 3, 1)`` the same model is one RepBN, folded forward."""
+    from slabconv.fold import fold_into_linear, repbn_affine
+
+    x = permuted_input()
+    for back, expected in (((0, 3, 1, 2), ("BatchNorm", "kept-affine")), ((0, 2, 3, 1), ("RepBN", "folded-forward"))):
+        model = randomize(PermutedNotBack(back)).eval()
+        s, t = repbn_affine(model.bn.running_mean, model.bn.running_var, model.bn.eps, model.bn.weight, model.bn.bias)
+        naive = copy.deepcopy(model).double()
+        naive.bn, naive.back = nn.Identity(), (0, 2, 3, 1)
+        with torch.no_grad():
+            w, b = fold_into_linear(model.fc.weight.double(), model.fc.bias.double(), s + model.alpha.double(), t)
+            naive.alpha.zero_()
+            naive.fc.weight.copy_(w)
+            naive.fc.bias.copy_(b)
+        naive_err = rel_err(naive(x.double()), model.double()(x.double()))
+        model.float()
+        gm, decisions, reference = fold(model, x)
+        (d,) = decisions
+        assert (d.kind, d.action) == expected
+        assert rel_err(gm(x), reference) <= TOL[torch.float32]
+        if d.action == "kept-affine":
+            assert d.reason == reasons.RESIDUAL_READS_NORM
+            assert naive_err > NAIVE_MIN_ERR
+        else:
+            assert naive_err < F64  # the RepBN reading is the model itself where the permutes cancel
+            assert aten_ops(gm) == {"linear.default": 1}
 
 
 def test_repbn_parameters_are_reported_with_their_stored_names():

@@ -49,10 +49,9 @@ EXPECTED: dict[str, list[str]] = {
     "keras-block.onnx": _BLOCK,
     "paddle-block.onnx": _BLOCK,
     # jax2onnx writes a BatchNorm on tokens as Transpose -> BatchNormalization -> Transpose and adds ``alpha * x``
-    # after the second Transpose: the engine's affine values do not follow a value through a Transpose pair, so the
-    # RepBN is seen as a BatchNorm whose output a sum reads with the norm's input (residual-reads-norm), and the
-    # BatchNorm is kept as an affine in front of that sum. No other tool folds these two either.
-    "jax-block.onnx": ["kept-affine", "folded-backward", "kept-affine", "folded-backward", "folded-forward"],
+    # after the second Transpose: the affine values follow the BatchNorm's affine through the Transpose pair, so the
+    # sum is one RepBN of x and folds forward like the torch layout's. No other tool folds these two.
+    "jax-block.onnx": _BLOCK,
 }
 
 

@@ -18,6 +18,8 @@ from torch.utils._pytree import tree_map
 
 from slabconv import fold
 from slabconv.engine.capture import attr, same_size, shape_of, static_int, stored
+from slabconv.engine.rules import PERMUTE_OPS
+from slabconv.engine.steps import permutation
 from slabconv.errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -41,6 +43,7 @@ for _name, _layout in (
     if hasattr(aten, _name):
         BN_LAYOUT[getattr(aten, _name).default] = _layout  # type: ignore[assignment]
 BN_OPS = set(BN_LAYOUT)
+_PERMUTES = PERMUTE_OPS
 _BN_ROLES = ("weight", "bias", "running_mean", "running_var")
 
 
@@ -256,6 +259,8 @@ class _Analysis:
             self._product(node, divide=t in (aten.div.Tensor, aten.div.Scalar))
         elif t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar):
             self._sum(node)
+        elif t in _PERMUTES and isinstance(node.args[0], fx.Node) and node.args[0] in self.aff:
+            self._permuted_back(node)
         elif t is aten.neg.default and isinstance(node.args[0], fx.Node) and not self.consts.is_const(node.args[0]):
             self.aff[node] = replace(
                 self._scaled(self.get(node.args[0]), -1.0), nodes=(*self.get(node.args[0]).nodes, node)
@@ -286,6 +291,30 @@ class _Analysis:
             v = {k: self.consts.value(n) for k, n in tensors.items()}
             scale, shift = fold.repbn_affine(v["running_mean"], v["running_var"], eps, v["weight"], v["bias"])
         self.aff[out] = Affine(x, 1, scale, shift, tuple(nodes), (node,), seeded=True, core=tuple(nodes))
+
+    def _permuted_back(self, node: fx.Node) -> None:
+        """``permute(a, q)`` where ``a = scale * b + shift`` on axis ``k`` of ``b = permute(y, p)`` and ``q``
+        undoes ``p`` (jax2onnx's BatchNorm on tokens: Transpose -> BatchNormalization -> Transpose): the result
+        has ``y``'s layout and is the same per-channel affine of ``y``, on ``y``'s axis ``p[k]`` (the vector is
+        the same, only its axis moves). A permute that leaves another layout is no affine of any node; nor is one
+        whose affine reads a second node computing ``b`` (``dups``: the norm would read that node, not ``y``)."""
+        inner = self.aff[node.args[0]]  # type: ignore[index]
+        first = inner.base
+        if inner.axis is None or inner.dups or first.op != "call_function" or first.target not in _PERMUTES:
+            return
+        p, q = permutation(first), permutation(node)
+        y = first.args[0]
+        if p is None or q is None or not isinstance(y, fx.Node) or [p[i] for i in q] != list(range(len(p))):
+            return
+        if not _same(shape_of(node), shape_of(y)) or _dtype(node) != _dtype(y):
+            return
+        self.aff[node] = replace(
+            inner,
+            base=y,
+            axis=p[inner.axis],
+            nodes=(first, *inner.nodes, node),
+            core=(first, *inner.core, node),
+        )
 
     def _product(self, node: fx.Node, divide: bool) -> None:
         a, c = node.args[0], node.args[1]
