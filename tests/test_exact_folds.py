@@ -811,3 +811,74 @@ def test_a_computed_weight_is_named_as_the_blocker():
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
     said = list(summary_lines(Report("inspect", folds=decisions), verbose=True))  # what --verbose prints
     assert "  norm2: no backward fold: aten.linear has no stored weight to scale (computed-weight)" in said
+
+
+# --------------------------------------------------------------------------------------------- backward through a concat
+
+
+class ConcatThenNorm(nn.Module):
+    """``norm(cat([a(x), b(x)], channel axis))`` before a GELU (no forward fold): each producer takes its slice of
+    the norm's scale and shift on its output rows. ``layer``: 3x3 convs (padded: a backward fold does not care) or
+    Linears on ``(B, C)``; ``b`` has no bias (the fold creates its slice's). ``shared``: ``a``'s output is also
+    read by a tanh, which a backward fold would change, or by a layer (``side``)."""
+
+    def __init__(self, layer: str, shared: str = "") -> None:
+        super().__init__()
+        self.shared = shared
+        if layer == "conv":
+            self.a, self.b = nn.Conv2d(C, 3, 3, padding=1), nn.Conv2d(C, 5, 3, padding=1, bias=False)
+            self.norm: nn.Module = nn.BatchNorm2d(8)
+        else:
+            self.a, self.b = nn.Linear(C, 3), nn.Linear(C, 5, bias=False)
+            self.norm = nn.BatchNorm1d(8)
+        self.side = nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ha = self.a(x)
+        y = F.gelu(self.norm(torch.cat([ha, self.b(x)], 1))).flatten(1)
+        if self.shared == "layer":
+            return y + self.side(ha.transpose(1, -1)).flatten(1).mean(1, keepdim=True)
+        return y + torch.tanh(ha).flatten(1).mean(1, keepdim=True) if self.shared else y
+
+
+def concat_input(layer: str) -> torch.Tensor:
+    return grid(2, 4) if layer == "conv" else torch.randn(B * 3, C, generator=torch.Generator().manual_seed(0))
+
+
+def _sliced_by_hand(model: ConcatThenNorm) -> nn.Module:
+    """The backward fold done by hand: ``a``'s rows take ``s[:3], t[:3]``, ``b``'s ``s[3:], t[3:]``."""
+    s, t = affine_of(model.norm)
+    naive = copy.deepcopy(model).double()
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        for layer, rows in ((naive.a, slice(0, 3)), (naive.b, slice(3, 8))):
+            shape = (-1,) + (1,) * (layer.weight.dim() - 1)
+            layer.weight.mul_(s[rows].reshape(shape))
+            bias = layer.bias if layer.bias is not None else torch.zeros(rows.stop - rows.start, dtype=s.dtype)
+            layer.bias = nn.Parameter(bias * s[rows] + t[rows])
+    return naive
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+def test_a_norm_after_a_channel_concat_folds_backward_into_each_pieces_producer(layer):
+    model, x = randomize(ConcatThenNorm(layer)).eval(), concat_input(layer)
+    reference = model(x)
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward", ["a", "b"])]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32] and not kept_affines(gm) and not bn_nodes(gm)
+    assert rel_err(_sliced_by_hand(model)(x.double()), model.double()(x.double())) < 1e-12
+
+
+@pytest.mark.parametrize(("layer", "shared", "reader"), [("conv", "tanh", "aten.tanh"), ("linear", "layer", "aten.")])
+def test_no_backward_fold_through_a_concat_whose_piece_is_read_elsewhere(layer, shared, reader):
+    """``a``'s output also feeds a tanh (or a Linear): the sliced backward fold would change what it reads, so the
+    norm stays an affine before the GELU, with the blocker named. (A Linear could take the inverse of the slice on
+    its columns, as a reader of a whole compensated tensor does; that is not done under a concatenation.)"""
+    model, x = randomize(ConcatThenNorm(layer, shared=shared)).eval(), concat_input(layer)
+    reference = model(x)
+    gm, decisions = fuse(model, x)
+    (d,) = decisions
+    assert (d.action, d.reason) == ("kept-affine", reasons.NONLINEAR)
+    assert f"is also read by {reader}" in (d.no_backward or ""), d.no_backward
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert rel_err(_sliced_by_hand(model)(x.double()), model.double()(x.double())) > NAIVE_MIN_ERR

@@ -312,8 +312,7 @@ class _Analysis:
             inner,
             base=y,
             axis=p[inner.axis],
-            nodes=(first, *inner.nodes, node),
-            core=(first, *inner.core, node),
+            nodes=(first, *inner.nodes, node),  # ``core`` stays: the permutes do not name the norm
         )
 
     def _product(self, node: fx.Node, divide: bool) -> None:

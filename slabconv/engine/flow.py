@@ -233,12 +233,15 @@ def follow(start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collec
 
 @dataclass(frozen=True)
 class Producer:
-    """A Linear/conv whose output (channels at its output axis) flows only into the norm's input."""
+    """A Linear/conv whose output (channels at its output axis) flows only into the norm's input; ``rows``: the
+    norm's channels ``[start, stop)`` its output makes (a piece of a concatenation on the channel axis), None for
+    all of them."""
 
     node: fx.Node
     layer: LayerKind
     weight: fx.Node
     bias: fx.Node | None
+    rows: tuple[int, int] | None = None
 
 
 class VirtualGraph:
@@ -355,6 +358,29 @@ def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
     return out
 
 
+def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] | None:
+    """``(piece, where its channels sit, its first channel)`` for each piece of a ``cat`` along the (plain)
+    channel axis ``ch``, when every piece is a float tensor of the same rank with a static size there; else None."""
+    if node.target is not aten.cat.default or not ch.plain or not isinstance(node.args[0], (list, tuple)):
+        return None
+    tensors = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(dim, int) or norm_dim(dim, rank(node)) != ch.axis:
+        return None
+    out, start = [], 0
+    for t in tensors:
+        sizes = shape_of(t) if isinstance(t, fx.Node) else None
+        if sizes is None or len(sizes) != rank(node) or not is_float(t):  # type: ignore[arg-type]
+            return None
+        size = static_int(sizes[ch.axis])
+        if size is None:
+            return None
+        if size:
+            out.append((t, Chan(ch.axis, size), start))
+        start += size
+    return out if start == ch.channels else None
+
+
 class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
@@ -362,6 +388,7 @@ class _Up:
         self.graph, self.stop, self.inverse = graph, stop, inverse
         self.found = Backward()
         self.seen: set[fx.Node] = set()
+        self.rows: tuple[int, int] | None = None  # under a piece of a channel concatenation: its channels
 
     def reader_name(self, node: fx.Node) -> str:
         return op_name(node) if node.op != "output" else "the output"
@@ -410,6 +437,9 @@ class _Up:
             return f"{node.name} reaches the norm on two paths"
         self.seen.add(node)
         if any(u not in path for u in self.graph.readers(node)):
+            if self.rows is not None:  # a piece of a concatenation carries a slice of the affine: no inverse here
+                readers = [self.reader_name(u) for u in self.graph.readers(node) if u not in path]
+                return f"{node.name} is also read by {readers[0]}"
             uses = self.compensate(node, ch, path)
             if isinstance(uses, str):
                 return uses
@@ -422,7 +452,7 @@ class _Up:
             reason = layer.producer_check(node, ch)
             if reason is not None:
                 return reason
-            self.found.producers.append(Producer(node, layer, layer.weight(node), layer.bias(node)))  # type: ignore[arg-type]
+            self.found.producers.append(Producer(node, layer, layer.weight(node), layer.bias(node), self.rows))  # type: ignore[arg-type]
             self.found.shared.append(shared)
             return None
         below = _bias_add_layer(node)
@@ -434,6 +464,19 @@ class _Up:
             if any(self.graph.readers(g) for g in tup.users if g is not node):
                 return f"another output of {op_name(tup)} is read elsewhere"
             return self.walk(tup, ch, set(tup.users), shared)
+        pieces = _channel_pieces(node, ch)
+        if pieces is not None:  # s cat(a, b) + t = cat(s[:k] a + t[:k], s[k:] b + t[k:]): each piece its slice
+            outer = self.rows
+            for piece, piece_ch, start in pieces:
+                if (piece, node) in self.graph.kept:
+                    return f"an earlier norm keeps an affine before {op_name(node)}"
+                first = start + (outer[0] if outer is not None else 0)
+                self.rows = (first, first + piece_ch.channels)
+                reason = self.walk(piece, piece_ch, {node}, shared)
+                self.rows = outer
+                if reason is not None:
+                    return reason
+            return None
         addends = _sum_operands(node, ch)
         if addends is not None:  # s (a + b) + t = (s a + t) + s b: each addend's producers take s
             for a, a_ch in addends:

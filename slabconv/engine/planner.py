@@ -390,15 +390,21 @@ def _backward(
         if not (weights.private(kind.weight(node)) and weights.private(weights.bias_node(node, kind))):
             return f"the weight of {layer_name(node)} is shared"
     shifts = _shifts(site)
-    carrier = _carrier(weights, found) if shifts else None
+    carriers = _carriers(weights, found, site.channels) if shifts else []
+    if isinstance(carriers, str):
+        return carriers
     zero = torch.zeros_like(shift)
     folds = []
     for i, p in enumerate(found.producers):
-        f = _fold(weights, p.node, p.layer, False, scale, shift if i == carrier else zero, i == carrier, site.name)
-        folds.append(f)
+        rows = slice(*p.rows) if p.rows is not None else slice(None)
+        t = shift[rows] if i in carriers else zero[rows]
+        folds.append(_fold(weights, p.node, p.layer, False, scale[rows], t, i in carriers, site.name))
     inverse = 1.0 / scale if found.compensations else scale
     for g, uses in enumerate(found.compensations):
-        carried = carrier is not None and g in found.shared[carrier]
+        under = [c for c in carriers if g in found.shared[c]]
+        if under and len(under) != len(carriers):
+            return f"{layer_name(uses[0].node)} would read part of the shift"
+        carried = bool(under)
         t = -shift / scale if carried else zero
         for use in uses:
             s_in, t_in = _tiled(inverse, use.chan, use.src, 1.0), _tiled(t, use.chan, use.src, 0.0)
@@ -409,15 +415,26 @@ def _backward(
     return list(dict.fromkeys(layer_name(n) for n in layers)), folds
 
 
-def _carrier(weights: _Weights, found: Backward) -> int:
-    """The producer that takes the shift ``t`` (see ``_backward``)."""
+def _carriers(weights: _Weights, found: Backward, channels: int) -> list[int] | str:
+    """The producers that take the shift ``t`` (see ``_backward``): one producer of all the norm's channels, or
+    else one per piece of a channel concatenation (``Producer.rows``), when those pieces cover every channel
+    once; else why not."""
 
     def rank(i: int) -> tuple[bool, bool, int]:
         p = found.producers[i]
         has_bias = p.layer.name == "embedding" or weights.bias(p.node, p.layer) is not None
         return (bool(found.shared[i]), not has_bias, i)
 
-    return min(range(len(found.producers)), key=rank)
+    by_rows: dict[tuple[int, int] | None, list[int]] = {}
+    for i, p in enumerate(found.producers):
+        by_rows.setdefault(p.rows, []).append(i)
+    if None in by_rows:
+        return [min(by_rows[None], key=rank)]
+    chosen = sorted((rows, min(group, key=rank)) for rows, group in by_rows.items() if rows is not None)
+    starts = [start for (start, _), _ in chosen] + [channels]
+    if starts[0] != 0 or any(stop != after for ((_, stop), _), after in zip(chosen, starts[1:], strict=True)):
+        return "the pieces of the concatenations before the norm split its channels differently"
+    return [i for _, i in chosen]
 
 
 def _shifts(site: NormSite) -> bool:
