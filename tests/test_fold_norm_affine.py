@@ -7,6 +7,7 @@ weight 1, the original's greedy tokens in transformers and in the decoder ONNX, 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -128,7 +129,52 @@ def test_the_vit_folds_every_layer_norm_and_the_poolformer_its_mlp_and_head_norm
     pool = {n: (k, a, into, reason) for n, k, a, into, reason in vision["poolformer"][2]}
     assert pool["blocks.0.norm2"] == ("GroupNorm-affine", "folded-forward", ["blocks.0.fc1"], None)
     assert pool["norm"] == ("GroupNorm-affine", "folded-forward", ["head"], None)
-    assert pool["blocks.0.norm1"][:2] == ("GroupNorm-affine", "kept")  # read by pool(y) - y, then a residual
+    assert pool["blocks.0.norm1"] == ("GroupNorm-affine", "kept", [], "residual-reads-norm")  # pool(y) - y
+    assert not any(n.endswith("ls1") for n in pool)  # the token mixer's LayerScale is no norm here: it stays
+
+
+class TokenMixer(nn.Module):
+    """PoolFormer's token mixer alone, ``x + ls1 * (pool(norm1(x)) - norm1(x))``, read by a 1x1 conv."""
+
+    def __init__(self, count_include_pad: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(1, C)
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=count_include_pad)
+        self.ls1 = nn.Parameter(torch.rand(C, 1, 1, generator=torch.Generator().manual_seed(3)) + 0.5)
+        self.fc = nn.Conv2d(C, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm1(x)
+        return self.fc(x + self.ls1 * (self.pool(y) - y))
+
+
+@pytest.mark.parametrize("count_include_pad", [False, True])
+def test_the_token_mixers_groupnorm_affine_is_kept_and_moving_it_into_the_layerscale_is_exact_only_without_padding(
+    count_include_pad,
+):
+    """What PoolFormer's token mixer keeps, and why (docs/reasons.md, ``residual-reads-norm``): ``pool(y) - y``
+    reads the GroupNorm's output on two paths; ``ls1`` (a LayerScale where a layer downstream reads the sum) sits
+    before the residual add with no layer under it. Moving the affine into ``ls1`` by hand (``ls1 * gamma``, ``beta``
+    dropped: the shift cancels in the difference) is exact for a pool that counts no padded zero (PoolFormer's) and
+    wrong for one that does; slabconv does neither (a per-channel multiply is not a layer it folds into)."""
+    model = _randomize(TokenMixer(count_include_pad), 5)
+    x = torch.randn(2, C, 5, 5, generator=torch.Generator().manual_seed(4)).double()
+    model = model.double()
+    gm = engine.capture(model, x)
+    decisions = {d.norm: (d.kind, d.action, d.reason) for d in engine.fold_all(gm, norm_affine=True)}
+    first = "zero-padding-after-norm" if count_include_pad else "residual-reads-norm"  # the pool's path, or the sub
+    assert decisions == {
+        "norm1": ("GroupNorm-affine", "kept", first),
+        "ls1": ("LayerScale", "kept-affine", "residual-reads-norm"),  # before the residual add, no layer under it
+    }
+    assert rel_err(gm(x), model(x)) <= 1e-12
+    moved = copy.deepcopy(model)
+    with torch.no_grad():
+        moved.ls1.mul_(moved.norm1.weight.reshape(C, 1, 1))
+        moved.norm1.weight.fill_(1.0)
+        moved.norm1.bias.zero_()
+    err = rel_err(moved(x), model(x))
+    assert err > 1e-3 if count_include_pad else err <= 1e-12
 
 
 def test_the_command_line_takes_the_option(vision, tmp_path):
