@@ -112,14 +112,19 @@ SUITE_CASES: list[tuple[str, Factory]] = [
     ("not-norms", lambda: (norms_suite.NotNorms().eval(), _tokens())),
 ]  # fmt: skip
 
+
+def _concat(shared: str) -> tuple[nn.Module, torch.Tensor]:
+    return randomize(exact_folds.ConcatThenNorm("conv", shared)).eval(), exact_folds.concat_input("conv")
+
+
 EXACT_FOLD_CASES: list[tuple[str, Factory]] = [
     # tests/test_exact_folds.py: upsample + channel concat, a separate bias stored (1, C, 1, 1), a chain of NoNorms
     # after residual sums, a norm after a channel concat of two convs folded backward into each one's rows (or kept
     # where one conv's output is read elsewhere) (TorchScript exports only; the affine kept after a concat is fused
     # through ONNX there)
     ("aifi-upsample-concat", lambda: exact_folds._aifi("cv1", False)[:2]),
-    ("concat-backward", lambda: (randomize(exact_folds.ConcatThenNorm("conv")).eval(), exact_folds.concat_input("conv"))),
-    ("concat-piece-shared", lambda: (randomize(exact_folds.ConcatThenNorm("conv", "tanh")).eval(), exact_folds.concat_input("conv"))),
+    ("concat-backward", lambda: _concat("")),
+    ("concat-piece-shared", lambda: _concat("tanh")),
     ("separate-bias", lambda: (randomize(exact_folds.SeparateBias("conv", True, True)).eval(), _image(4, 6)())),
     ("residual-chain", lambda: (exact_folds.ResidualChain().eval(), _tokens())),
 ]

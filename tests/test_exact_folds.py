@@ -813,7 +813,7 @@ def test_a_computed_weight_is_named_as_the_blocker():
     assert "  norm2: no backward fold: aten.linear has no stored weight to scale (computed-weight)" in said
 
 
-# --------------------------------------------------------------------------------------------- backward through a concat
+# ------------------------------------------------------------------------------------------ backward through a concat
 
 
 class ConcatThenNorm(nn.Module):
