@@ -18,8 +18,7 @@ from torch.utils._pytree import tree_map
 
 from slabconv import fold
 from slabconv.engine.capture import attr, same_size, shape_of, static_int, stored
-from slabconv.engine.rules import PERMUTE_OPS
-from slabconv.engine.steps import permutation
+from slabconv.engine.rules import PERMUTE_OPS, permutation
 from slabconv.errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -43,7 +42,6 @@ for _name, _layout in (
     if hasattr(aten, _name):
         BN_LAYOUT[getattr(aten, _name).default] = _layout  # type: ignore[assignment]
 BN_OPS = set(BN_LAYOUT)
-_PERMUTES = PERMUTE_OPS
 _BN_ROLES = ("weight", "bias", "running_mean", "running_var")
 
 
@@ -259,7 +257,7 @@ class _Analysis:
             self._product(node, divide=t in (aten.div.Tensor, aten.div.Scalar))
         elif t in (aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.rsub.Scalar):
             self._sum(node)
-        elif t in _PERMUTES and isinstance(node.args[0], fx.Node) and node.args[0] in self.aff:
+        elif t in PERMUTE_OPS and isinstance(node.args[0], fx.Node) and node.args[0] in self.aff:
             self._permuted_back(node)
         elif t is aten.neg.default and isinstance(node.args[0], fx.Node) and not self.consts.is_const(node.args[0]):
             self.aff[node] = replace(
@@ -300,7 +298,7 @@ class _Analysis:
         whose affine reads a second node computing ``b`` (``dups``: the norm would read that node, not ``y``)."""
         inner = self.aff[node.args[0]]  # type: ignore[index]
         first = inner.base
-        if inner.axis is None or inner.dups or first.op != "call_function" or first.target not in _PERMUTES:
+        if inner.axis is None or inner.dups or first.op != "call_function" or first.target not in PERMUTE_OPS:
             return
         p, q = permutation(first), permutation(node)
         y = first.args[0]

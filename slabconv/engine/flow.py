@@ -367,10 +367,13 @@ def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] 
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if not isinstance(dim, int) or norm_dim(dim, rank(node)) != ch.axis:
         return None
-    out, start = [], 0
+    out: list[tuple[fx.Node, Chan, int]] = []
+    start = 0
     for t in tensors:
-        sizes = shape_of(t) if isinstance(t, fx.Node) else None
-        if sizes is None or len(sizes) != rank(node) or not is_float(t):  # type: ignore[arg-type]
+        if not isinstance(t, fx.Node):
+            return None
+        sizes = shape_of(t)
+        if sizes is None or len(sizes) != rank(node) or not is_float(t):
             return None
         size = static_int(sizes[ch.axis])
         if size is None:

@@ -109,7 +109,6 @@ _MAX_POOL_INDICES: tuple[str, ...] = ("max_pool1d_with_indices", "max_pool2d_wit
 _MAX_POOL_INDICES += ("adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d")
 _WHERE = ("where.ScalarOther", "where.ScalarSelf")
 _PERMUTES = ("permute", "transpose.int", "swapaxes", "swapdims", "t", "mT", "movedim.int", "movedim.intlist")
-PERMUTE_OPS = frozenset(_ops(*_PERMUTES))  # the permute-like ops (``steps.permutation`` gives their axis order)
 _COPY_PADS: tuple[str, ...] = (
     "reflection_pad1d",
     "reflection_pad2d",
