@@ -372,10 +372,12 @@ def _backward(
 ) -> tuple[list[str], list[_Fold]] | str:
     """``(the layers' names, their folds)`` when the norm folds backward (``find_producers``), else why not.
 
-    Every producer scales its output channels by ``s``; one of them, the carrier, also adds ``t``: a producer no
-    compensated tensor lies above, preferably one that has a bias already (stored, separate or created) or an
-    embedding (its table takes ``t``), so no bias is created. Every layer reading a compensated tensor takes the
-    inverse affine ``(1 / s, -t' / s)`` forward (``t' = t`` when the carrier lies under that tensor)."""
+    Every producer scales its output channels by ``s`` (a producer of one piece of a channel concatenation: by
+    its slice of ``s``, ``Producer.rows``); one of them, the carrier (one per piece), also adds ``t`` (its slice):
+    a producer no compensated tensor lies above, preferably one that has a bias already (stored, separate or
+    created) or an embedding (its table takes ``t``), so no bias is created. Every layer reading a compensated
+    tensor takes the inverse affine ``(1 / s, -t' / s)`` forward (``t' = t`` when the carriers lie under that
+    tensor)."""
     found = find_producers(
         site.input, Chan(site.channel_axis, site.channels), site.region, graph, stop, bool((scale != 0).all())
     )
