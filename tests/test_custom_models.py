@@ -434,8 +434,8 @@ class TokenOps(nn.Module):
             y = torch.cat([b, a], dim=1)
         elif self.op == "mean":
             y = y.mean(dim=1)
-        elif self.op == "scale":  # after a token op: a product straight on the norm's output is part of the norm
-            y = y.flip(1) * 0.5 / 3.0
+        elif self.op == "scale":
+            y = y * 0.5 / 3.0
         elif self.op == "repeat":
             y = y.repeat(2, 2, 1)
         elif self.op == "repeat_interleave":

@@ -325,9 +325,8 @@ def test_a_norm_reading_another_norms_kept_affine():
 
 
 class RepBNThenLayerScale(nn.Module):
-    """``x + gamma * norm(x)`` with the seed's RepBN_NLP (transposes around it): the transpose back after the RepBN
-    undoes the one before it, so ``gamma * norm(x)`` is a per-channel affine of ``x``, and so is the residual sum
-    ``x + gamma * norm(x)`` (``(1 + gamma s) x + gamma t``): one RepBN, folded forward into ``head``."""
+    """``x + gamma * norm(x)`` with the seed's RepBN_NLP (transposes around it): the RepBN has no producer and is
+    kept before the LayerScale; the LayerScale then reads that kept affine, and is kept before the residual."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -339,15 +338,18 @@ class RepBNThenLayerScale(nn.Module):
         return self.head(x + self.gamma * self.norm(x))
 
 
-def test_a_residual_plus_a_layerscale_of_a_repbn_of_the_same_input_is_one_affine():
+def test_a_layerscale_reading_a_kept_repbn():
     model = randomize(RepBNThenLayerScale()).eval()
     x = tokens()
     reference = model(x)
     gm = capture(model, x)
     decisions = fold_all(gm)
-    assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == [("norm", "RepBN", "folded-forward", ["head"])]
+    assert [(d.norm, d.kind, d.action, d.reason) for d in decisions] == [
+        ("norm", "RepBN", "kept-affine", reasons.MASKED_AFTER_NORM),
+        ("gamma", "LayerScale", "kept-affine", reasons.RESIDUAL_READS_NORM),
+    ]
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
-    assert not bn_nodes(gm) and not kept_affines(gm)
+    assert not bn_nodes(gm)
 
 
 class SharedNormModule(nn.Module):

@@ -222,6 +222,7 @@ class _Analysis:
         self.rep = value_numbers(gm)
         self.aff: dict[fx.Node, Affine] = {}
         self.fresh: dict[fx.Node, Affine] = {}  # a per-channel product as a norm of its own input
+        self.back: dict[fx.Node, Affine] = {}  # a permute undoing the one before an affine (``_permuted_back``)
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 self._visit(node)
@@ -295,7 +296,11 @@ class _Analysis:
         undoes ``p`` (jax2onnx's BatchNorm on tokens: Transpose -> BatchNormalization -> Transpose): the result
         has ``y``'s layout and is the same per-channel affine of ``y``, on ``y``'s axis ``p[k]`` (the vector is
         the same, only its axis moves). A permute that leaves another layout is no affine of any node; nor is one
-        whose affine reads a second node computing ``b`` (``dups``: the norm would read that node, not ``y``)."""
+        whose affine reads a second node computing ``b`` (``dups``: the norm would read that node, not ``y``).
+
+        Kept apart (``back``), not as the node's affine: a sum may read it (``BN(x^T)^T + alpha x``) and a norm may
+        end at it, but ops after it start from the node itself, so a RepBN that reads this node (Swin's ``norm1``
+        after its patch embedding's norm) still sees its ``alpha x`` term as a multiple of its own input."""
         inner = self.aff[node.args[0]]  # type: ignore[index]
         first = inner.base
         if inner.axis is None or inner.dups or first.op != "call_function" or first.target not in PERMUTE_OPS:
@@ -306,7 +311,7 @@ class _Analysis:
             return
         if not _same(shape_of(node), shape_of(y)) or _dtype(node) != _dtype(y):
             return
-        self.aff[node] = replace(
+        self.back[node] = replace(
             inner,
             base=y,
             axis=p[inner.axis],
@@ -353,7 +358,11 @@ class _Analysis:
             x, y, k = y, x, -k  # c - k x: the affine side is y = x, scaled by -k
         live = [isinstance(a, fx.Node) and not self.consts.is_const(a) for a in (x, y)]
         if all(live):
-            self._combine(node, self.get(x), self._scaled(self.get(y), k), k == 1.0)  # type: ignore[arg-type]
+            # each operand as it is, else as the affine its transpose pair computes (jax2onnx's RepBN)
+            for left in (self.get(x), self.back.get(x)):  # type: ignore[arg-type]
+                for right in (self.get(y), self.back.get(y)):  # type: ignore[arg-type]
+                    if left is not None and right is not None and node not in self.aff:
+                        self._combine(node, left, self._scaled(right, k), k == 1.0)
         elif live[0] and node.target is not aten.rsub.Scalar:
             self._shift(node, self.get(x), y, k)  # type: ignore[arg-type]
         elif live[1]:

@@ -215,7 +215,12 @@ def _choose(analysis: _Analysis) -> list[tuple[fx.Node, Affine]]:
     chosen: list[tuple[fx.Node, Affine]] = []
     for node in reversed(analysis.gm.graph.nodes):
         cand = next(
-            (c for c in (analysis.aff.get(node), analysis.fresh.get(node)) if _is_norm(c, node, claimed, known)), None
+            (
+                c
+                for c in (analysis.aff.get(node), analysis.back.get(node), analysis.fresh.get(node))
+                if _is_norm(c, node, claimed, known)
+            ),
+            None,
         )
         if cand is not None:
             claimed.update(cand.nodes)
