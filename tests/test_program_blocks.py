@@ -1,4 +1,4 @@
-"""The streamed fold's block helpers (``slabconv.engine.program``): the overflow check on float64 blocks and the
+"""The streamed fold's block helpers (``slabconv.engine.program``): the overflow check on rounded blocks and the
 reused buffers give exactly what rounding each block into a new tensor gives."""
 
 from __future__ import annotations
@@ -11,24 +11,40 @@ import torch
 
 from slabconv.engine import program
 from slabconv.engine.layers import LAYERS
-from slabconv.engine.program import LayerRecipe, Scratch, TensorStore, rounds_finite
+from slabconv.engine.program import LayerRecipe, Scratch, TensorStore
 from slabconv.errors import UnsupportedModelError
 from slabconv.fold import rounded
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_rounds_finite_agrees_with_rounding_the_whole_block(dtype: torch.dtype) -> None:
+def test_a_fold_is_refused_exactly_where_a_value_rounds_to_an_infinity(dtype: torch.dtype) -> None:
+    """The overflow check (on the rounded values, ``program.stored_finite``) refuses a block exactly when one of its
+    float64 values rounds to an infinity, in memory and streamed: at the limit (half a unit above the largest
+    finite value: a tie, to the even neighbour, the infinity) and above, never below. ``below`` is the largest
+    float64 under the limit: float32 rounds it onto the limit (65520 for float16), where a check on torch's cast or
+    on the float32 step of the rounding refuses a fold that stores 65504."""
     top = torch.finfo(dtype).max
     ulp = top - float(torch.nextafter(torch.tensor(top, dtype=dtype), torch.tensor(0.0, dtype=dtype)))
-    # top + ulp/2: a tie, to inf; just below it, the nearest is top (torch's cast, through float32, says inf)
-    below = float(torch.nextafter(torch.tensor(top + ulp / 2, dtype=torch.float64), torch.tensor(0.0).double()))
-    edges = [top, top + ulp / 4, below, top + ulp / 2, top + ulp, float("inf"), float("nan")]
+    limit = top + ulp / 2
+    below = float(torch.nextafter(torch.tensor(limit, dtype=torch.float64), torch.tensor(0.0).double()))
+    edges = [top, top + ulp / 4, below, limit, top + ulp, float("inf"), float("nan")]
+    if dtype == torch.float16:
+        edges += [65519.99, 65520.0]
+    if dtype != torch.float32:  # float32's own step of the rounding lands on the limit: the tie ``rounded`` breaks
+        assert float(torch.tensor(below, dtype=torch.float64).float()) == limit
+    kind = next(k for k in LAYERS if k.name == "linear")
     for edge in edges:
         for sign in (1.0, -1.0):
-            block = torch.tensor([[0.5, sign * edge], [1.0, -2.0]], dtype=torch.float64)
-            assert rounds_finite(block, dtype) == bool(torch.isfinite(rounded(block, dtype)).all()), (edge, sign)
-            assert rounds_finite(block, dtype) == (abs(edge) < top + ulp / 2), (edge, sign)  # NaN: False
-    assert rounds_finite(torch.empty(0, 3, dtype=torch.float64), dtype)
+            weight = torch.tensor([[0.5, sign * edge], [1.0, -2.0]], dtype=torch.float64)
+            recipe = LayerRecipe(kind, "w", None, None, dtype, dtype, 1, [])  # no folds: the values as given
+            for scratch in (None, Scratch()):
+                fits = abs(edge) < limit  # NaN: False
+                if fits:
+                    (stored, _), *_ = recipe.blocks(TensorStore({"w": weight}), scratch=scratch)
+                    assert float(stored[0, 1]) == sign * (top if edge > top else edge), (edge, sign, scratch)
+                else:
+                    with pytest.raises(UnsupportedModelError, match="overflows"):
+                        list(recipe.blocks(TensorStore({"w": weight}), scratch=scratch))
 
 
 def test_scratch_buffers_are_reused_and_rounding_into_them_equals_to() -> None:
