@@ -381,3 +381,41 @@ def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_pat
     layer = key.rsplit(".", 1)[0]
     assert (v.localization.first.norm, v.localization.first.layer) == (norm, layer)
     assert f"first diverging fold: {norm} -> {layer}" in v.failure_line()
+
+
+def _without(folder, key, to):
+    """A copy of ``folder`` at ``to`` with the tensor ``key`` removed from its shard and from the index."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(folder, to)
+    index = json.loads((to / hf.SAFETENSORS_INDEX).read_text())
+    shard = to / index["weight_map"].pop(key)
+    tensors = load_file(str(shard))
+    del tensors[key]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (to / hf.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    return to
+
+
+def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original_is_refused(folded, tmp_path):
+    """Layer 1's folded q_proj bias removed from the fused folder: the generation check cannot load it (the bias is
+    in layer 0 only), which is a difference from the original, not bad input: ``verify --generate`` exits 1,
+    streamed and in memory, naming the tensor question 1 finds missing and why generation failed. The same tensor
+    layout broken in the original (a weight removed) is bad input: exit 2."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    key = "model.layers.1.self_attn.q_proj.bias"
+    broken = _without(root / "out", key, tmp_path / "broken")
+    for extra in (["--stream"], []):
+        result = CliRunner().invoke(app, ["verify", str(root / "src"), str(broken), "--generate", "2", *extra])
+        assert result.exit_code == 1, (extra, result.output)
+        assert "the fused folder does not load as a model: q_proj has a bias in layers [0] only" in result.output
+        assert f"tensor '{key}'" in result.output, result.output  # question 1: the missing tensor, named
+    source = _without(root / "src", "model.layers.1.self_attn.q_proj.weight", tmp_path / "source")
+    result = CliRunner().invoke(app, ["verify", str(source), str(root / "out"), "--generate", "2", "--stream"])
+    assert result.exit_code == 2, result.output

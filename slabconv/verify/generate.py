@@ -43,6 +43,7 @@ from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of th
     _as_ids,
     compare_greedy,
     decisive_steps,
+    not_loaded_check,
 )
 from slabconv.verify.policy import dtype_name, tol_dtype
 
@@ -567,8 +568,10 @@ def check_generation(
         A ``GenerationCheck``: tokens/s of each run, tokens compared, decisive mismatches, near-ties, ``passed``.
 
     Raises:
-        UsageError: transformers is not installed (``pip install slabconv[hf]``); bad prompts or steps.
-        UnsupportedModelError: the original is not a zoo LLaMA language model.
+        UsageError: transformers is not installed (``pip install slabconv[hf]``); bad prompts or steps; the folder
+            is not a fused LLaMA folder.
+        UnsupportedModelError: the original is not a zoo LLaMA language model. A fused folder whose weights do
+            not fill the norm-free layout is not refused: the check fails (``greedy.not_loaded_check``).
     """
     from slabconv.write.hf_llama import MODEL_TYPE, load_fused_llama, require_transformers
 
@@ -576,7 +579,12 @@ def check_generation(
     dtype = next(original.parameters()).dtype
     computed = compute_dtype(dtype)
     version = transformers.__version__
-    model = load_fused_llama(folder, computed)
+    try:
+        model = load_fused_llama(folder, computed)
+    except UnsupportedModelError as err:  # a tensor missing, one too many, a shape: a difference, not bad input
+        name = f"fused {dtype_name(computed)} (transformers {version}, KV cache)"
+        count = int(_as_ids(prompts).shape[0])
+        return not_loaded_check(name, str(err), judged_dtype(dtype, computed), steps, count, computed)
     config = model.config
     fused = greedy_fused(model, prompts, steps, threads=threads)
     del model

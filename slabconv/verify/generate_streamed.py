@@ -39,7 +39,7 @@ from slabconv.verify.generate import (
     judged_dtype,
     within_positions,
 )
-from slabconv.verify.greedy import compare_greedy
+from slabconv.verify.greedy import compare_greedy, not_loaded_check
 from slabconv.verify.layerwise import DEFAULT_SEQ_LEN, Folder, StreamedLinear
 from slabconv.verify.policy import dtype_name
 
@@ -264,8 +264,9 @@ def check_streamed_folder(
         ``GenerationCheck.to_dict()``: the report's ``verification.generation`` block, as in memory.
 
     Raises:
-        UsageError: transformers is not installed; bad steps.
-        UnsupportedModelError: a side is not a LLaMA-layout folder the check can run.
+        UsageError: transformers is not installed; bad steps; the fused folder is not a fused LLaMA folder.
+        UnsupportedModelError: the original is not a LLaMA-layout folder the check can run. A fused folder whose
+            tensors do not fill the norm-free layout is not refused: the check fails (``greedy.not_loaded_check``).
     """
     import transformers
 
@@ -275,8 +276,12 @@ def check_streamed_folder(
     prompts, steps, notes = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
     computed = compute_dtype(original.dtype)
     progress("verifying: greedy generation, the fused folder in transformers (weights read as it runs)")
-    model = streamed_fused_llama(folder, computed, block_elements)
     label = f"fused {dtype_name(computed)} (transformers {transformers.__version__}, KV cache, streamed)"
+    try:
+        model = streamed_fused_llama(folder, computed, block_elements)
+    except UnsupportedModelError as err:  # a tensor missing, one too many, a shape: a difference, not bad input
+        judged = judged_dtype(original.dtype, computed)
+        return not_loaded_check(label, str(err), judged, steps, int(prompts.shape[0]), computed).to_dict()
     fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
     progress("verifying: greedy generation, the original in float64 over the generated tokens")
     reference = exact_path(original, prompts, fused.tokens, REFERENCE)

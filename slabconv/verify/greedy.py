@@ -83,7 +83,10 @@ class RuntimeComparison:
         first_mismatch: the first decisive mismatch, or None: ``{"prompt": index, "prompt_ids": its first 16 token
             ids, "prompt_truncated": whether it has more, "step": 0-based step, "expected": the reference's token id,
             "got": this run's}`` (``slabconv.verify.results.generation_failure`` words it).
-        passed: no decisive mismatch.
+        not_loaded: why the candidate did not load as a model, or None: a fused folder whose tensors do not fill
+            the norm-free layout (one missing, one too many, a shape or a bias in some layers only) generates
+            nothing and fails (``not_loaded_check``): a difference from the original, not bad input.
+        passed: no decisive mismatch, and the candidate loaded.
     """
 
     name: str
@@ -95,10 +98,11 @@ class RuntimeComparison:
     first_divergence: list[int | None]
     decides: bool = True
     first_mismatch: dict[str, Any] | None = None
+    not_loaded: str | None = None
     passed: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.passed = self.decisive_mismatches == 0
+        self.passed = self.decisive_mismatches == 0 and self.not_loaded is None
 
 
 @dataclass
@@ -134,6 +138,31 @@ class GenerationCheck:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
         return asdict(self)
+
+
+def not_loaded_check(
+    name: str, reason: str, dtype: object, steps: int, sequences: int, compute_dtype: object
+) -> GenerationCheck:
+    """The failed check of a candidate that does not load as a model (``reason``: the loader's message, e.g. a
+    projection with a bias in some layers only): one deciding run ``name`` that compared no token, ``not_loaded``
+    set, ``passed`` False. ``dtype`` judges near-ties as in ``compare_greedy``; ``steps`` and ``sequences`` are the
+    check's N and B."""
+    run = RuntimeComparison(name, 0.0, 0, 0, 0, 0, [None] * sequences, not_loaded=reason)
+    return GenerationCheck(
+        dtype=dtype_name(dtype),
+        steps=steps,
+        sequences=sequences,
+        reference=REFERENCE_NOT_RUN,
+        tokens_per_second={},
+        runs=[run],
+        passed=False,
+        compute_dtype=dtype_name(compute_dtype),
+        tolerance=tol_dtype(dtype),
+    )
+
+
+REFERENCE_NOT_RUN = "not run: the candidate did not load"
+"""``GenerationCheck.reference`` where the candidate did not load (``not_loaded_check``): nothing to compare with."""
 
 
 def _as_ids(prompts: ArrayLike, what: str = "prompts") -> torch.Tensor:

@@ -265,7 +265,11 @@ class Case:
 
 def generation_failure(run: dict[str, Any]) -> str:
     """The failure line of one greedy-generation comparison (a ``RuntimeComparison`` as a dict): the runtime, the
-    prompt (its first token ids), the first step that differs and the two tokens."""
+    prompt (its first token ids), the first step that differs and the two tokens; or why the candidate did not load
+    (``not_loaded``)."""
+    if run.get("not_loaded"):
+        reason = run["not_loaded"]
+        return f"greedy generation failed for {run['name']}: the fused folder does not load as a model: {reason}"
     m = run.get("first_mismatch")
     if not m:
         return f"greedy generation failed for {run['name']}: {run['decisive_mismatches']} decisive mismatches"

@@ -478,8 +478,14 @@ def verify(
             verification = _whole(reference, candidate, related, opts, load, progress)
     if opts.generate:
         verification.generation = _generation(reference, candidate, opts, progress)
-        verification.task_metrics = _task_metrics(reference, candidate, opts, progress)
-        if verification.task_metrics is None:
+        unloaded = [r["not_loaded"] for r in (verification.generation or {}).get("runs", []) if r.get("not_loaded")]
+        if unloaded:  # the generation check failed on it already: the task metrics would load it again
+            verification.notes.append(
+                "task metrics (perplexity, next-token KL) not measured: the fused folder does not load as a model"
+            )
+        else:
+            verification.task_metrics = _task_metrics(reference, candidate, opts, progress)
+        if verification.task_metrics is None and not unloaded:
             verification.notes.append(
                 "task metrics (perplexity, next-token KL) not measured: the streamed generation check never holds "
                 "a model whole, and they need both"
