@@ -278,10 +278,11 @@ class LayerRecipe:
         out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still write the last
         biases = []
         for s0, s1 in row_ranges(list(read.shape), CACHE_BLOCK):
-            w = scratch.take("rows", read[s0:s1].shape, torch.float64).copy_(_widening(scratch, read[s0:s1]))
+            wide = _widening(scratch, read[s0:s1])  # the stored rows, exactly (half precision in float32)
+            w = scratch.take("rows", wide.shape, torch.float64).copy_(wide)
             w, bias = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
-            if tally is not None:
-                tally.add(read[s0:s1], w, start + s0, total)
+            if tally is not None:  # the ranges of the same values, reduced in float32: a third of the time in float16
+                tally.add(wide, w, start + s0, total)
             rounded(w, self.dtype, out=out[s0:s1], near=scratch.take("near", w.shape, torch.float32))
             self._check_fits(self.weight, out[s0:s1])
             biases.append(bias)

@@ -1,0 +1,104 @@
+"""Where the streamed fold-and-write stage spends its CPU time, in one process.
+
+    python -m benchmarks.stream_profile DIR     # DIR: a sharded folder (e.g. the one benchmarks.stream_throughput
+                                                # builds: python -c "from benchmarks.memory_streaming import ...")
+    python -m benchmarks.stream_profile         # builds the LLaMA-350M-shaped float16 folder first (minutes)
+
+Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_program_shards`` once with torch on one
+thread (as the stage does), timing its parts with ``time.thread_time`` on the main thread: reading a block out of
+the shard, widening it to float64, the folds, the overflow check, rounding once to the stored dtype, the weight
+ranges, waiting for the writer threads. The worker threads' CPU time (``write()`` and the sha256 of every written
+byte) is the process's CPU time less the main thread's. Prints CPU seconds per part and its share of the main
+thread's. CPU time, not wall time: on a loaded machine the wall time of a run moves by a factor of two, its CPU time
+by a few percent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SPENT: dict[str, float] = defaultdict(float)
+
+
+def _timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[part] += time.thread_time() - start
+
+    return call
+
+
+def profile(src: Path, out: Path) -> dict[str, float]:
+    """CPU seconds of the stage's parts on ``src`` (written to ``out``): the main thread's by part, ``main thread``,
+    ``worker threads`` and ``stage wall``."""
+    import torch
+
+    from slabconv.engine import program
+    from slabconv.engine.ranges import RangeTally
+    from slabconv.load import shards as load_shards
+    from slabconv.pipeline import open_sharded, plan_sharded
+    from slabconv.util import no_progress
+    from slabconv.write import shards as ws
+
+    load_shards.return_freed_blocks_to_the_os()
+    sharded = open_sharded(src, program.FOLD_BLOCK)
+    planned = plan_sharded(sharded.shards, sharded.config, None, sharded.sha256)[1]
+    program.rounded = _timed("round once to the stored dtype", program.rounded)
+    program._widening = _timed("widen half precision to float32", program._widening)
+    program.LayerRecipe._fold = _timed("the folds in float64", program.LayerRecipe._fold)
+    program.LayerRecipe._read = _timed("read the block (safetensors)", program.LayerRecipe._read)
+    program.LayerRecipe._check_fits = _timed("the overflow check", program.LayerRecipe._check_fits)
+    RangeTally.add = _timed("the weight ranges", RangeTally.add)
+    RangeTally.result = _timed("the weight ranges", RangeTally.result)
+    ws.ShardWriter.write = _timed("hand over to the writer (waits)", ws.ShardWriter.write)
+    ws.ShardWriter.close = _timed("hand over to the writer (waits)", ws.ShardWriter.close)
+    SPENT.clear()
+    threads = torch.get_num_threads()
+    wall, main, process = time.perf_counter(), time.thread_time(), time.process_time()
+    ws.write_program_shards(out, sharded.shards, sharded.shard_names, planned.program, {}, no_progress)
+    result = dict(SPENT)
+    result["main thread"] = time.thread_time() - main
+    result["worker threads"] = time.process_time() - process - result["main thread"]
+    result["stage wall"] = time.perf_counter() - wall
+    assert torch.get_num_threads() == threads
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", type=Path, help="a sharded folder (default: build the 350M one)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="slabconv-profile-") as tmp:
+        src = args.folder
+        if src is None:
+            from benchmarks.memory_streaming import SHAPES, build_checkpoint
+
+            src = Path(tmp) / "src"
+            build_checkpoint(src, dict(SHAPES["350m"]), 200 * 10**6)
+        (Path(tmp) / "out").mkdir()
+        result = profile(src, Path(tmp) / "out")
+    main_s = result["main thread"]
+    print(
+        f"stage wall {result['stage wall']:.2f} s; main thread {main_s:.2f} CPU-s; "
+        f"worker threads (write, sha256) {result['worker threads']:.2f} CPU-s"
+    )
+    for part, spent in sorted(result.items(), key=lambda kv: -kv[1]):
+        if part not in ("stage wall", "main thread", "worker threads"):
+            print(f"  {part:40s} {spent:6.2f} CPU-s  {spent / main_s:6.1%} of the main thread")
+    return result
+
+
+if __name__ == "__main__":
+    main()
