@@ -55,15 +55,20 @@ def profile(src: Path, out: Path) -> dict[str, float]:
     load_shards.return_freed_blocks_to_the_os()
     sharded = open_sharded(src, program.FOLD_BLOCK)
     planned = plan_sharded(sharded.shards, sharded.config, None, sharded.sha256)[1]
-    program.rounded = _timed("round once to the stored dtype", program.rounded)
-    program._widening = _timed("widen half precision to float32", program._widening)
-    program.LayerRecipe._fold = _timed("the folds in float64", program.LayerRecipe._fold)
-    program.LayerRecipe._read = _timed("read the block (safetensors)", program.LayerRecipe._read)
-    program.LayerRecipe._check_fits = _timed("the overflow check", program.LayerRecipe._check_fits)
-    RangeTally.add = _timed("the weight ranges", RangeTally.add)
-    RangeTally.result = _timed("the weight ranges", RangeTally.result)
-    ws.ShardWriter.write = _timed("hand over to the writer (waits)", ws.ShardWriter.write)
-    ws.ShardWriter.close = _timed("hand over to the writer (waits)", ws.ShardWriter.close)
+    parts: list[tuple[object, str, str]] = [
+        (program, "rounded", "round once to the stored dtype"),
+        (program, "_widening", "widen half precision to float32"),
+        (program.LayerRecipe, "_fold", "the folds in float64"),
+        (program.LayerRecipe, "_read", "read the block (safetensors)"),
+        (program.LayerRecipe, "_check_fits", "the overflow check"),
+        (RangeTally, "add", "the weight ranges"),
+        (RangeTally, "result", "the weight ranges"),
+        (ws.ShardWriter, "write", "hand over to the writer (waits)"),
+        (ws.ShardWriter, "close", "hand over to the writer (waits)"),
+    ]
+    for owner, name, part in parts:  # this process only: it exits after the one run
+        setattr(owner, name, _timed(part, getattr(owner, name)))
+    assert planned.program is not None
     SPENT.clear()
     threads = torch.get_num_threads()
     wall, main, process = time.perf_counter(), time.thread_time(), time.process_time()
