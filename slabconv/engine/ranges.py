@@ -135,6 +135,7 @@ class RangeTally:
         self.recipe = recipe
         self.parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.columns: torch.Tensor | None = None  # per group: the forward folds' least column magnification
+        self.rows_least: torch.Tensor | None = None  # per row of a pure-scale layer: ``_least`` of every row
 
     def add(self, original: torch.Tensor, fused: torch.Tensor, first: int, total: int) -> None:
         """Rows ``first:first + len(original)`` of the layer's ``total``: ``original`` as stored, ``fused`` the
@@ -160,17 +161,18 @@ class RangeTally:
                 )
             mags = probe.abs_().reshape(rows, -1)
             return torch.where(mags > 0, mags, math.inf).amin(dim=1)
-        if self.columns is None:
+        if self.rows_least is None or len(self.rows_least) != total:  # every row's at once: a slice per block
             per = max(total // recipe.groups, 1)
             per_group = [self._group_least(shape, g * per, total) for g in range(recipe.groups)]
             self.columns = torch.tensor(per_group, dtype=torch.float64)
-        index = torch.arange(first, first + rows) // max(total // recipe.groups, 1)
-        least = self.columns[index.clamp_max(recipe.groups - 1)].to(torch.float64)
-        for f in recipe.folds:
-            if not f.forward:
-                factor = f.scale.detach().to(torch.float64)[first : first + rows].abs()
-                least = torch.where(factor > 0, least * factor, math.inf)  # a zeroed row is exact in int8
-        return least
+            index = torch.arange(total) // per
+            least = self.columns[index.clamp_max(recipe.groups - 1)].to(torch.float64)
+            for f in recipe.folds:
+                if not f.forward:
+                    factor = f.scale.detach().to(torch.float64)[:total].abs()
+                    least = torch.where(factor > 0, least * factor, math.inf)  # a zeroed row is exact in int8
+            self.rows_least = least
+        return self.rows_least[first : first + rows]
 
     def _group_least(self, shape: torch.Size, row: int, total: int) -> float:
         """The smallest nonzero magnification the forward folds give the columns of ``row`` (inf: none)."""
