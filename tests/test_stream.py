@@ -419,3 +419,26 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
     source = _without(root / "src", "model.layers.1.self_attn.q_proj.weight", tmp_path / "source")
     result = CliRunner().invoke(app, ["verify", str(source), str(root / "out"), "--generate", "2", "--stream"])
     assert result.exit_code == 2, result.output
+
+
+def test_a_fused_folder_without_its_source_record_missing_one_layers_bias_fails_question_2(folded, tmp_path):
+    """Without the source record question 1 is not asked, and layer 1's folded q_proj bias moves this tiny model's
+    outputs less than float16's tolerance: only the tensor layout shows the damage. Every layer of a fold holds the
+    same tensors, so a layer lacking one its siblings have fails ``verify --stream`` (exit 1), named."""
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    key = "model.layers.1.self_attn.q_proj.bias"
+    broken = _without(root / "out", key, tmp_path / "broken")
+    for shard in broken.glob("model-*.safetensors"):  # the fold's metadata (its source record) gone
+        save_file(load_file(str(shard)), str(shard), metadata={"format": "pt"})
+    args = ["verify", str(root / "src"), str(broken), "--generate", "0", "--stream"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "question 1 (is the fold exact?) not answered" in result.output
+    assert f"1 tensor that other decoder layers have missing, first '{key}'" in result.output
+    args[2] = str(root / "out")  # the intact fold passes
+    assert CliRunner().invoke(app, args).exit_code == 0

@@ -220,17 +220,31 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram
 
 
 def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:
-    """Every candidate tensor is a reference tensor, or a bias beside a reference weight (created by a fold)."""
+    """Every candidate tensor is a reference tensor, or a bias beside a reference weight (created by a fold), and
+    every decoder layer of the candidate holds the same tensors (a fold gives every layer the same biases: a layer
+    that lacks one its siblings have is a damaged folder, whose missing tensor the layers' outputs may not show)."""
+    name = f"tensor names {cand.path.name} within {ref.path.name}"
     extra = [
         k
         for k in cand.shards.weight_map
         if k not in ref.shards.weight_map
         and not (k.endswith(".bias") and k.removesuffix(".bias") + ".weight" in ref.shards.weight_map)
     ]
-    name = f"tensor names {cand.path.name} within {ref.path.name}"
     if extra:
-        return IntegrityCheck(name, False, f"{len(extra)} tensors the reference lacks, first {extra[0]!r}")
+        return IntegrityCheck(name, False, f"{_count(extra)} the reference lacks, first {extra[0]!r}")
+    family, layers = cand.family, range(cand.family.num_layers(cand.cfg))
+    templates = {family.template(k) for k in cand.shards.weight_map if family.template(k) != k}
+    missing = [family.instance(t, i) for t in sorted(templates) for i in layers]
+    missing = [k for k in missing if k not in cand.shards.weight_map]
+    if missing:
+        return IntegrityCheck(
+            name, False, f"{_count(missing)} that other decoder layers have missing, first {missing[0]!r}"
+        )
     return IntegrityCheck(name, True, f"{len(cand.shards.weight_map)} tensors, all known to the reference")
+
+
+def _count(keys: list[str]) -> str:
+    return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
 
 
 def verify_folders(
