@@ -51,9 +51,9 @@ def grid(dims: int, size: int = 5, seed: int = 0) -> torch.Tensor:
     return torch.randn(B, C, *([size] * dims), generator=torch.Generator().manual_seed(seed)) * 2 + 0.5
 
 
-def sample_grid(seed: int = 1) -> torch.Tensor:
-    """Sampling positions for ``F.grid_sample`` of a 2-D input, a quarter of them outside ``[-1, 1]``."""
-    return torch.rand(B, 4, 4, 2, generator=torch.Generator().manual_seed(seed)) * 2.6 - 1.3
+SAMPLE_GRID = torch.rand(B, 4, 4, 2, generator=torch.Generator().manual_seed(1)) * 2.6 - 1.3
+"""Sampling positions for ``F.grid_sample`` of a 2-D input, a quarter of them outside ``[-1, 1]``: made here, not
+in the traced forward (torch.export before 2.9 cannot trace the making of a ``torch.Generator``)."""
 
 
 # --------------------------------------------------------------------------------------------- resampling, pooling
@@ -102,15 +102,15 @@ RESAMPLING: dict[str, tuple[list[Case], Case | None]] = {
     ),
     "grid_sample": (
         [
-            Case(lambda y: F.grid_sample(y, sample_grid(), padding_mode="border", align_corners=False), "grid_sampler"),
+            Case(lambda y: F.grid_sample(y, SAMPLE_GRID, padding_mode="border", align_corners=False), "grid_sampler"),
             Case(
-                lambda y: F.grid_sample(y, sample_grid(), "bicubic", padding_mode="reflection", align_corners=True),
+                lambda y: F.grid_sample(y, SAMPLE_GRID, "bicubic", padding_mode="reflection", align_corners=True),
                 "grid_sampler",
             ),
         ],
         # samples outside the input are zeros: 0 in the original, t after a naive fold
         Case(
-            lambda y: F.grid_sample(y, sample_grid(), padding_mode="zeros", align_corners=False),
+            lambda y: F.grid_sample(y, SAMPLE_GRID, padding_mode="zeros", align_corners=False),
             "grid_sampler",
             reason=reasons.ZERO_PADDING_AFTER_NORM,
         ),
