@@ -195,7 +195,8 @@ def test_a_model_gets_the_same_decisions_as_a_program_and_as_onnx(factory, dynam
     try:
         path = _export(model, x, tmp_path / "model.onnx", dynamo)
     except Exception as err:  # noqa: BLE001 - the exporter's own limits (aten::mT, a BatchNorm without statistics)
-        pytest.skip(f"the {exporter} exporter cannot export it: {str(err).strip().splitlines()[0][:200]}")
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]  # torch 2.8: a bare AssertionError
+        pytest.skip(f"the {exporter} exporter cannot export it: {why[:200]}")
     _, plans = onnx_fold.plan_file(ir.load(str(path)), str(path))
     onnx = _summary([p.decision for p in plans])
     if (case, exporter) in _EXPORTED_DIFFERENTLY or (case, "*") in _EXPORTED_DIFFERENTLY:
