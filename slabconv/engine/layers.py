@@ -45,6 +45,9 @@ class LayerKind:
     ops: tuple[Any, ...] = ()
     data_arg = 0
     separate_bias = True  # a bias-free layer may take its bias from a lone ``add`` after it (``separate_bias``)
+    shift_in_weight = False
+    """A backward fold adds the shift to the stored weight itself (an embedding's table), never to a bias: the
+    layer needs no bias to carry a shift, and none is created for it."""
     pure_scale = True
     """Its folds only scale stored weight elements, the shift going to the bias: a forward fold scales the input
     columns alike in every row of a group, a backward fold each output row by its own factor
@@ -249,7 +252,7 @@ class Embedding(LayerKind):
     ops = _ops("embedding")
     data_arg = 1
     pure_scale = False  # the shift is added to every row of the table
-
+    shift_in_weight = True
     separate_bias = False
 
     def weight(self, node: fx.Node) -> fx.Node | None:

@@ -316,13 +316,13 @@ def _fold(
     """The fold of ``(s, t)`` into ``layer``, forward or backward (``slabconv.fold``), as a record, with the bias it
     creates when the layer has none: ``<layer>.bias``, in the weight's dtype. ``shifts=False``: the norm has no
     shift at all (a LayerScale); a layer without bias then stays without. An embedding takes the shift in its
-    table's rows and has no bias."""
+    table's rows and has no bias (``LayerKind.shift_in_weight``)."""
     w_node = kind.weight(layer)
     assert w_node is not None
     w_target = str(w_node.target)
     b_target = weights.bias(layer, kind)
     record = LayerFold(layer, kind, w_target, forward, s, t, norm, b_target)
-    if b_target is not None or not shifts or kind.name == "embedding":
+    if b_target is not None or not shifts or kind.shift_in_weight:
         return _Fold([], record)
     return _Fold([NewBias(layer, kind, f"{w_target.removesuffix('.weight')}.bias")], record)
 
@@ -424,7 +424,7 @@ def _carriers(weights: _Weights, found: Backward, channels: int) -> list[int] | 
 
     def rank(i: int) -> tuple[bool, bool, int]:
         p = found.producers[i]
-        has_bias = p.layer.name == "embedding" or weights.bias(p.node, p.layer) is not None
+        has_bias = p.layer.shift_in_weight or weights.bias(p.node, p.layer) is not None
         return (bool(found.shared[i]), not has_bias, i)
 
     by_rows: dict[tuple[int, int] | None, list[int]] = {}
