@@ -260,6 +260,19 @@ def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
         torch.testing.assert_close(blocks[k], v, rtol=1e-3, atol=1e-4)
 
 
+def test_reused_row_blocks_are_the_tensor_rows(folded):
+    """``row_blocks(reuse=True)`` reads every block into one buffer: each block, taken before the next is read, is
+    that block's rows of the tensor, for blocks of every size (a larger block after a smaller one grows the buffer)."""
+    shards = LazyShards.open(folded[0] / "src", block_elements=100)
+    for key in [k for k, (_, shape) in shards.specs().items() if len(shape) == 2][:6]:
+        whole, shape = shards.get(key), shards.shape(key)
+        got = [block.clone() for block in shards.row_blocks(key, shape, reuse=True)]
+        assert len(got) > 1 and torch.equal(torch.cat(got), whole)
+    by_size = sorted(shards.specs(), key=lambda k: shards.get(k).numel())
+    small, large = shards.get(by_size[0], reuse=True).clone(), shards.get(by_size[-1], reuse=True)
+    assert torch.equal(small, shards.get(by_size[0])) and torch.equal(large, shards.get(by_size[-1]))
+
+
 def test_unfinished_schedule_is_reported_and_a_single_file_streams_as_one_shard(folded, tmp_path):
     _, _, sd, _, _ = folded
     sd = {**sd, "model.layers.1.input_layernorm.warm": torch.tensor(3)}

@@ -84,6 +84,7 @@ class LazyShards:
         self.folder, self.weight_map, self.block_elements = folder, weight_map, block_elements
         self._specs: dict[str, tuple[torch.dtype, list[int]]] = {}  # from each shard's header, read once
         self._layouts: dict[str, _Layout] = {}
+        self._reused = torch.empty(0, dtype=torch.uint8)  # ``row_blocks(reuse=True)``'s one buffer
 
     @classmethod
     def open(cls, folder: Path | str, block_elements: int = 1 << 22) -> LazyShards:
@@ -121,8 +122,11 @@ class LazyShards:
                 raise _changed(path)
             yield f, layout
 
-    def _read(self, f: IO[bytes], layout: _Layout, key: str, rows: slice | None, path: Path) -> torch.Tensor:
-        """Tensor ``key`` (or rows ``rows`` of it, as ``tensor[rows]``) read from the open shard ``f``."""
+    def _read(
+        self, f: IO[bytes], layout: _Layout, key: str, rows: slice | None, path: Path, reuse: bool = False
+    ) -> torch.Tensor:
+        """Tensor ``key`` (or rows ``rows`` of it, as ``tensor[rows]``) read from the open shard ``f``: into memory
+        of its own, or with ``reuse`` into the reader's one buffer (``row_blocks``)."""
         if key not in layout.specs:
             raise InputError(f"{path}: tensor {key!r} is missing from the file")
         dtype, shape = layout.specs[key]
@@ -131,7 +135,13 @@ class LazyShards:
         start, stop, _ = (rows or slice(None)).indices(count)
         stop = max(start, stop)
         out_shape = ([stop - start, *shape[1:]] if rows is not None else shape) if shape else []
-        flat = torch.empty((stop - start) * row, dtype=torch.uint8)
+        nbytes = (stop - start) * row
+        if reuse:
+            if self._reused.numel() < nbytes:
+                self._reused = torch.empty(nbytes, dtype=torch.uint8)
+            flat = self._reused[:nbytes]
+        else:
+            flat = torch.empty(nbytes, dtype=torch.uint8)
         buffer = flat.numpy().data  # the tensor's own memory
         f.seek(layout.offsets[key] + start * row)
         done = 0
@@ -145,11 +155,12 @@ class LazyShards:
             tensor = torch.from_numpy(tensor.numpy().byteswap())
         return tensor.reshape(out_shape)
 
-    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
-        """One whole tensor, or rows ``rows`` of it (reading only their bytes); ``slabconv.engine.WeightStore``."""
+    def get(self, key: str, rows: slice | None = None, reuse: bool = False) -> torch.Tensor:
+        """One whole tensor, or rows ``rows`` of it (reading only their bytes); ``slabconv.engine.WeightStore``.
+        ``reuse``: see ``row_blocks``."""
         shard = self._shard(key)
         with self._open(shard) as (f, layout):
-            return self._read(f, layout, key, rows, self.folder / shard)
+            return self._read(f, layout, key, rows, self.folder / shard, reuse)
 
     def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors, read through one open file per shard (``get`` opens one per tensor, which adds up over
@@ -182,15 +193,21 @@ class LazyShards:
         """Rows ``start:stop`` of a tensor, reading only their bytes."""
         return self.get(key, slice(start, stop))
 
-    def row_blocks(self, key: str, shape: list[int]) -> Iterator[torch.Tensor]:
+    def row_blocks(self, key: str, shape: list[int], reuse: bool = False) -> Iterator[torch.Tensor]:
         """The tensor in blocks of rows (whole when it is small or 0/1-D), each read on its own: only one block is
-        ever in memory."""
+        ever in memory.
+
+        ``reuse``: every block is read into the same buffer of this reader, so a block is valid only until the
+        next ``reuse`` read (the caller uses each block before asking for the next, from one thread). A generation
+        reads every weight once per token: into fresh memory, each block is a new ``mmap`` whose pages the kernel
+        faults in and zeroes before the read fills them (``return_freed_blocks_to_the_os``), which took longer than
+        the reads and the products together (``docs/performance.md``, "Checks of a streamed fold")."""
         rows = max(1, self.block_elements // max(1, _numel(shape[1:])))
         if len(shape) < 2 or shape[0] <= rows:
-            yield self.get(key)
+            yield self.get(key, reuse=reuse)
             return
         for r in range(0, shape[0], rows):
-            yield self.get(key, slice(r, r + rows))
+            yield self.get(key, slice(r, r + rows), reuse)
 
     def shape(self, key: str) -> list[int]:
         """The tensor's shape, from its shard's header."""

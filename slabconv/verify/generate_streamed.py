@@ -78,7 +78,8 @@ class GeneratingLinear(StreamedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., in_features) -> (..., out_features), both in ``x``'s dtype."""
         key = f"{self.name}.weight"
-        parts = [F.linear(x, block.to(x.dtype)) for block in self.shards.row_blocks(key, self.shards.shape(key))]
+        blocks = self.shards.row_blocks(key, self.shards.shape(key), reuse=True)
+        parts = [F.linear(x, block.to(x.dtype)) for block in blocks]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y if self.kept is None else y + self.kept.to(x.dtype)
 

@@ -74,7 +74,7 @@ class StreamedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (..., in_features) -> (..., out_features), both in ``x``'s dtype."""
         key = f"{self.name}.weight"
-        blocks = self.shards.row_blocks(key, self.shards.shape(key))
+        blocks = self.shards.row_blocks(key, self.shards.shape(key), reuse=True)
         parts = [F.linear(x, self._cast(block, x.dtype)) for block in blocks]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.has_bias:
@@ -366,10 +366,10 @@ class _FoldShards:
     def shape(self, key: str) -> list[int]:
         return self.written.shape(key)
 
-    def row_blocks(self, key: str, shape: list[int]) -> Any:
+    def row_blocks(self, key: str, shape: list[int], reuse: bool = False) -> Any:
         la = self.program.layers.get(key)
         if la is None:
-            yield from self.written.row_blocks(key, shape)
+            yield from self.written.row_blocks(key, shape, reuse)
             return
         for start, stop in row_ranges(self.source.shape(key), self.block_elements):
             yield rounded(la.rows(self.source, start, stop)[0], self.dtype)
