@@ -48,10 +48,6 @@ from slabconv.write.onnx import export_onnx
 from slabconv.write.staging import check_output_file, staging_file
 from slabconv.zoo.norms import LinearNorm
 
-RuntimeSpec = Backend
-"""One way of running the variants: a ``Backend`` (framework, device, dtype, whether PyTorch replays a CUDA
-graph)."""
-
 RUNTIMES: dict[str, Backend] = {name: BACKENDS[name] for name in backend_names("bench")}
 
 

@@ -158,10 +158,3 @@ def _rename(obj: Any, old: str, new: str) -> Any:
         for name in vars(obj):
             setattr(obj, name, _rename(getattr(obj, name), old, new))
     return obj
-
-
-def as_plain(value: Any) -> Any:
-    """A dataclass (or anything holding them) as plain JSON-ready data."""
-    if is_dataclass(value) and not isinstance(value, type):
-        return finite_json(value.to_dict() if hasattr(value, "to_dict") else asdict(value))
-    return finite_json(value)

@@ -42,11 +42,6 @@ ORIGINAL_ERROR_FACTOR = 2.0
 """Question 2: the fused artifact may be up to this many times the original's own error against float64."""
 
 
-def default_rtol(dtype: str, rtol: float | None = None) -> float:
-    """``rtol`` when given (the user's ``--rtol`` overrides the dtype tolerance), else ``tol_dtype(dtype)``."""
-    return rtol if rtol is not None else tol_dtype(dtype)
-
-
 def fused_bound(dtype: object, e_orig: float, rtol: float | None = None) -> tuple[float, str]:
     """The largest relative error a fused artifact in ``dtype`` may have, and which term set it.
 

@@ -408,40 +408,6 @@ def open_openvino(backend: Backend, path: Path) -> list[Runtime]:
     return [openvino_runtime(path, backend.device.upper(), kind=backend.name)]
 
 
-def runtime_kind(runtime: Runtime) -> str:
-    """The name ``--runtime`` uses for ``runtime``: the ``Backend`` it came from."""
-    return runtime.kind or runtime.label
-
-
-def select_runtimes(
-    runtimes: list[Runtime], names: tuple[str, ...], onnx_path: Path | None, what: Path
-) -> list[Runtime]:
-    """The runtimes ``names`` asks for, in that order: those of ``runtimes`` of each kind, and each opt-in backend
-    (OpenVINO) opened on ``onnx_path``.
-
-    Raises:
-        UsageError: a runtime that cannot run ``what`` (a PyTorch run of an ``.onnx``, an ONNX runtime for a
-            checkpoint without an ``.onnx``), or an opt-in backend that cannot compile it.
-    """
-    chosen: list[Runtime] = []
-    for name in dict.fromkeys(names):
-        backend = BACKENDS[name]
-        if backend.opt_in:
-            if onnx_path is None:
-                raise UsageError(f"--runtime {name} runs an .onnx file, and {what} has none; give the .onnx")
-            try:
-                chosen += backend.open(onnx_path)
-            except RuntimeUnavailable as err:
-                raise UsageError(f"--runtime {name}: {err}") from None
-            continue
-        found = [rt for rt in runtimes if runtime_kind(rt) == name]
-        if not found:
-            have = ", ".join(dict.fromkeys(runtime_kind(rt) for rt in runtimes)) or "none"
-            raise UsageError(f"--runtime {name} cannot run {what} (runtimes that can: {have}); choose one of those")
-        chosen += found
-    return chosen
-
-
 def samples_of(inputs: Inputs) -> int:
     """The number of samples ``N`` of ``inputs`` (every array of a dict has the same)."""
     return len(next(iter(inputs.values()))) if isinstance(inputs, dict) else len(inputs)

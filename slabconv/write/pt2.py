@@ -138,17 +138,3 @@ def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: 
         guarded.flush()
         if guarded.error is not None:
             raise guarded.error
-
-
-def export_pt2(model: torch.nn.Module, example: torch.Tensor, path: Path) -> dict[str, Any]:
-    """``export_program`` then ``save_pt2``: export ``model`` with ``torch.export`` and save it to ``path``.
-
-    Returns:
-        ``{"dynamic_batch": bool, "batch": int or None, "dynamic_sequence": bool}``.
-
-    Raises:
-        UnsupportedModelError: ``torch.export`` cannot trace the fused model.
-    """
-    program, info = export_program(model, example)
-    save_pt2(program, info, path)
-    return info
