@@ -6,7 +6,6 @@ when the output goes to a file or a CI log, so names are never cut).
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
 
@@ -24,6 +23,7 @@ from slabconv.verify.results import (
     QUESTION_1,
     QUESTION_2,
     Verification,
+    g3,
     generation_failure,
     int8_failure,
     int8_summary,
@@ -203,12 +203,6 @@ def _ok(passed: bool) -> str:
     return "ok  " if passed else "FAIL"
 
 
-def _g(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:.3g}" if math.isfinite(x) else "not finite"
-
-
 def task_metric_lines(t: dict) -> Iterator[str]:
     """The task-metrics block: one line per run, the perplexity and the next-token KL from the float64 reference."""
     ref = t["reference"]
@@ -220,8 +214,8 @@ def task_metric_lines(t: dict) -> Iterator[str]:
         role = "" if run.get("decides", True) else " (baseline)"
         yield (
             f"    {run['name']}{role}: perplexity {run['perplexity']:.6g}, next-token KL from the reference mean "
-            f"{_g(run['kl_mean'])} max {_g(run['kl_max'])} (allowed {_g(run['bounds']['kl_mean'])} / "
-            f"{_g(run['bounds']['kl_max'])}); from the original mean {_g(run['kl_to_original_mean'])}"
+            f"{g3(run['kl_mean'])} max {g3(run['kl_max'])} (allowed {g3(run['bounds']['kl_mean'])} / "
+            f"{g3(run['bounds']['kl_max'])}); from the original mean {g3(run['kl_to_original_mean'])}"
         )
         if run.get("decides", True) and not run.get("passed", True):
             yield f"      {task_metric_failure(run, ref['perplexity'])}"
@@ -242,7 +236,7 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield f"  {QUESTION_1}"
     for c in v.exact:
         unit = "relative error" if c.method == "graph" else "units in the last place"
-        yield f"    {_ok(c.passed)} {c.name}: {_g(c.error)} {unit} (allowed {c.bound:g})"
+        yield f"    {_ok(c.passed)} {c.name}: {g3(c.error)} {unit} (allowed {c.bound:g})"
     if v.checks:
         yield f"  {QUESTION_2}"
     for i in v.integrity:
@@ -290,7 +284,6 @@ def localization_table(v: Verification) -> Table | None:
         return None
     rows = []
     for b in v.localization.boundaries:
-        rounding = "n/a" if b.rounding is None else _g(b.rounding)
-        rows.append([shown(b.norm), shown(b.layer), _g(b.error), rounding, "ok" if b.passed else "DIVERGES"])
+        rows.append([shown(b.norm), shown(b.layer), g3(b.error), g3(b.rounding), "ok" if b.passed else "DIVERGES"])
     columns = {"norm": True, "layer": True, "error": False, "rounding": False, "": False}
     return text_table("fold boundaries (candidate vs the correct fold, float64)", columns, rows)

@@ -30,7 +30,6 @@ onnxruntime in float64.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -391,11 +390,3 @@ def _expose(model: Any, names: list[str]) -> dict[str, int]:
             graph.outputs.append(values[name])
             at[name] = len(graph.outputs) - 1
     return {name: at[name] for name in names}
-
-
-def table(localization: Localization) -> Iterator[list[str]]:
-    """The per-boundary rows of ``verify --localize``'s table: norm, layer, error, rounding, verdict."""
-    for b in localization.boundaries:
-        rounding = "n/a" if b.rounding is None else f"{b.rounding:.3g}"
-        yield [b.norm, b.layer, f"{b.error:.3g}" if np.isfinite(b.error) else "not finite", rounding,
-               "ok" if b.passed else "DIVERGES"]  # fmt: skip

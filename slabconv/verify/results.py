@@ -112,9 +112,9 @@ class OutputCheck:
     def summary(self) -> str:
         """One line: the numbers and the bound; on failure, what would have been needed."""
         against = "the float64 reference" if self.reference == "float64" else "the original"
-        text = f"{self.name}: error {_g(self.e_fused)} against {against} (allowed {self.tolerance:.3g}, {self._why()})"
+        text = f"{self.name}: error {g3(self.e_fused)} against {against} (allowed {self.tolerance:.3g}, {self._why()})"
         if self.e_orig is not None:
-            text += f"; original's own error {_g(self.e_orig)}; fused vs original {_g(self.e_pair)}"
+            text += f"; original's own error {g3(self.e_orig)}; fused vs original {g3(self.e_pair)}"
         if self.top1_agreement is not None:
             text += f"; top-1 {self.top1_agreement:.2%} of {self.decisive} decisive"
             text += f", {count(self.near_ties, 'near-tie')} not judged" if self.near_ties else ""
@@ -135,7 +135,7 @@ class OutputCheck:
             return where + "its output is not finite (NaN or Inf) where the reference is finite"
         if self.e_fused > self.tolerance and not (self.atol and self.max_abs_err <= self.atol):
             return (
-                where + f"its error {_g(self.e_fused)} is above the allowed {self.tolerance:.3g} ({self._why()}); "
+                where + f"its error {g3(self.e_fused)} is above the allowed {self.tolerance:.3g} ({self._why()}); "
                 f"it would have needed --rtol {self.e_fused:.3g} (worst sample {self.worst_sample})"
             )
         bad = self.decisive - round((self.top1_agreement or 0.0) * self.decisive) if self.decisive else 0
@@ -145,7 +145,8 @@ class OutputCheck:
         )
 
 
-def _g(x: float | None) -> str:
+def g3(x: float | None) -> str:
+    """``x`` as the report's lines show a number: three significant digits, ``n/a`` for None, ``not finite``."""
     if x is None:
         return "n/a"
     return f"{x:.3g}" if math.isfinite(x) else "not finite"
@@ -210,7 +211,7 @@ class Boundary:
         return bool(self.error <= self.bound)
 
     def line(self) -> str:
-        return f"{self.norm} -> {self.layer} (relative error {_g(self.error)} at its output, allowed {self.bound:g})"
+        return f"{self.norm} -> {self.layer} (relative error {g3(self.error)} at its output, allowed {self.bound:g})"
 
 
 @dataclass
