@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F  # noqa: N812
 
 from slabconv.engine import FOLD_BLOCK
 from slabconv.errors import UnsupportedModelError, UsageError
@@ -40,48 +39,11 @@ from slabconv.verify.generate import (
     within_positions,
 )
 from slabconv.verify.greedy import compare_greedy, not_loaded_check
-from slabconv.verify.layerwise import DEFAULT_SEQ_LEN, Folder, StreamedLinear
+from slabconv.verify.layerwise import DEFAULT_SEQ_LEN, Folder, StreamedEmbedding, StreamedLinear, stream_linears
 from slabconv.verify.policy import dtype_name
 
 PROMPT_LEN = DEFAULT_SEQ_LEN // 2
 """Tokens per prompt of a streamed check: the first half of a question-2 length sequence (``layerwise``)."""
-
-
-class StreamedEmbedding(nn.Module):
-    """``nn.Embedding`` whose table stays in the shards: each call reads the rows of the ids it is given.
-
-    Args:
-        shards: the folder's reader.
-        key: the embedding weight ``(V, C)``.
-        dtype: the dtype of the hidden states it returns.
-    """
-
-    def __init__(self, shards: LazyShards, key: str, dtype: torch.dtype):
-        super().__init__()
-        self.shards, self.key, self.dtype = shards, key, dtype
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """int64 ids ``(B, T)`` -> ``(B, T, C)`` in ``dtype``."""
-        used = torch.unique(ids)
-        rows = torch.cat([self.shards.rows(self.key, int(t), int(t) + 1) for t in used]).to(self.dtype)
-        return rows[torch.searchsorted(used, ids)]
-
-
-class GeneratingLinear(StreamedLinear):
-    """A ``StreamedLinear`` whose bias (a vector) is read once and kept: a generation runs each Linear once per
-    token, and each read opens the shard."""
-
-    def __init__(self, shards: LazyShards, name: str):
-        super().__init__(shards, name)
-        self.kept = shards.get(f"{name}.bias") if self.has_bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (..., in_features) -> (..., out_features), both in ``x``'s dtype."""
-        key = f"{self.name}.weight"
-        blocks = self.shards.row_blocks(key, self.shards.shape(key), reuse=True)
-        parts = [F.linear(x, block.to(x.dtype)) for block in blocks]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return y if self.kept is None else y + self.kept.to(x.dtype)
 
 
 def _streamed(model: Any, dtype: torch.dtype) -> Any:
@@ -105,24 +67,21 @@ def _stream_linears(model: nn.Module, shards: LazyShards, expected: dict[str, to
     Raises:
         UnsupportedModelError: a weight missing, of another shape, or a bias the model has no place for.
     """
-    for owner_name, owner in list(model.named_modules()):
-        for child_name, child in list(owner.named_children()):
-            if not isinstance(child, nn.Linear):
+
+    def streamed(name: str) -> nn.Module:
+        for what in ("weight", "bias"):
+            key = f"{name}.{what}"
+            want = expected.get(key)
+            if want is None:
+                if key in shards.weight_map:
+                    raise UnsupportedModelError(f"{shards.folder}: {key} has no place in the model")
                 continue
-            name = f"{owner_name}.{child_name}" if owner_name else child_name
-            for what in ("weight", "bias"):
-                key = f"{name}.{what}"
-                want = expected.get(key)
-                if want is None:
-                    if key in shards.weight_map:
-                        raise UnsupportedModelError(f"{shards.folder}: {key} has no place in the model")
-                    continue
-                if key not in shards.weight_map or shards.shape(key) != list(want.shape):
-                    found = shards.shape(key) if key in shards.weight_map else "missing"
-                    raise UnsupportedModelError(
-                        f"{shards.folder}: {key} is {found}; the model needs {list(want.shape)}"
-                    )
-            setattr(owner, child_name, GeneratingLinear(shards, name))
+            if key not in shards.weight_map or shards.shape(key) != list(want.shape):
+                found = shards.shape(key) if key in shards.weight_map else "missing"
+                raise UnsupportedModelError(f"{shards.folder}: {key} is {found}; the model needs {list(want.shape)}")
+        return StreamedLinear(shards, name, keep_bias=True)
+
+    stream_linears(model, streamed)
 
 
 def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements: int = 1 << 22) -> Any:

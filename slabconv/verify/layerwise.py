@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,12 +60,15 @@ class StreamedLinear(nn.Module):
             folder has it (a fold created it).
         scratch: where a block cast to ``x``'s dtype is made (``engine.cast_into``: no fresh block-sized tensor per
             block; half precision widened to float64 through float32); None: a new tensor each block.
+        keep_bias: read the bias (a vector) once and keep it, for a Linear run once per generated token (each read
+            opens the shard); False: read it at each call.
     """
 
-    def __init__(self, shards: LazyShards, name: str, scratch: Scratch | None = None):
+    def __init__(self, shards: LazyShards, name: str, scratch: Scratch | None = None, keep_bias: bool = False):
         super().__init__()
         self.shards, self.name, self.scratch = shards, name, scratch
         self.has_bias = f"{name}.bias" in shards.weight_map
+        self.kept = shards.get(f"{name}.bias") if keep_bias and self.has_bias else None
 
     def _cast(self, block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if block.dtype == dtype or self.scratch is None:
@@ -78,8 +82,37 @@ class StreamedLinear(nn.Module):
         parts = [F.linear(x, self._cast(block, x.dtype)) for block in blocks]
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if self.has_bias:
-            y = y + self.shards.get(f"{self.name}.bias").to(x.dtype)
+            bias = self.kept if self.kept is not None else self.shards.get(f"{self.name}.bias")
+            y = y + bias.to(x.dtype)
         return y
+
+
+class StreamedEmbedding(nn.Module):
+    """``nn.Embedding`` whose table stays in the shards: each call reads the rows of the ids it is given.
+
+    Args:
+        shards: the folder's reader.
+        key: the embedding weight ``(V, C)``.
+        dtype: the dtype of the hidden states it returns.
+    """
+
+    def __init__(self, shards: LazyShards, key: str, dtype: torch.dtype):
+        super().__init__()
+        self.shards, self.key, self.dtype = shards, key, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ids ``(B, T)`` -> ``(B, T, C)`` in ``dtype``."""
+        used = torch.unique(ids)
+        rows = torch.cat([self.shards.rows(self.key, int(t), int(t) + 1) for t in used]).to(self.dtype)
+        return rows[torch.searchsorted(used, ids)]
+
+
+def stream_linears(module: nn.Module, streamed: Callable[[str], nn.Module]) -> None:
+    """Replace every ``nn.Linear`` of ``module`` by ``streamed(its state_dict prefix within module)``, in place."""
+    for owner_name, owner in list(module.named_modules()):
+        for child_name, child in list(owner.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(owner, child_name, streamed(f"{owner_name}.{child_name}" if owner_name else child_name))
 
 
 @dataclass
@@ -131,21 +164,14 @@ class Folder:
         """Decoder layer ``i`` in ``dtype``: built on the meta device, Linears streamed, norms real."""
         prefix = self.family.layer_prefix.format(i=i)
         layer = self.family.build_layer(self.cfg)
-        for owner_name, owner in list(layer.named_modules()):
-            for child_name, child in list(owner.named_children()):
-                if isinstance(child, nn.Linear):
-                    full = f"{owner_name}.{child_name}" if owner_name else child_name
-                    setattr(owner, child_name, StreamedLinear(self.shards, prefix + full, self.scratch))
+        stream_linears(layer, lambda name: StreamedLinear(self.shards, prefix + name, self.scratch))
         for name in self.family.layer_norms:
             setattr(layer, name, self.norm(prefix + name, dtype))
         return layer.eval()
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Embedding rows of ``ids`` ``(B, T)`` -> ``(B, T, C)`` in ``dtype``, reading only the rows used."""
-        used = sorted({int(t) for t in ids.reshape(-1)})
-        table = torch.cat([self.shards.rows(self.family.embed, t, t + 1).to(dtype) for t in used])
-        lookup = {t: j for j, t in enumerate(used)}
-        return table[torch.tensor([[lookup[int(t)] for t in row] for row in ids])]
+        return StreamedEmbedding(self.shards, self.family.embed, dtype)(ids)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm and the head on hidden states ``h``, in ``h``'s dtype."""
