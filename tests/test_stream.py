@@ -302,6 +302,10 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
         "prompts cut to 1 token: the model has 16 positions",
         "15 tokens generated per prompt, not 32: the model has 16 positions",
     ]
+    assert report.verification.task_metrics is None and any(  # streamed: no model is held whole
+        "task metrics (perplexity, next-token KL) not measured: the streamed generation check never holds" in note
+        for note in report.verification.notes
+    )
     skipped = api.fuse(root / "src", tmp_path / "skip", verify=VerifyOptions(generate=0), write=STREAM)
     assert skipped.verification.generation is None
     assert "greedy generation not checked (--generate 0)" in skipped.verification.notes
@@ -428,6 +432,7 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
         result = CliRunner().invoke(app, ["verify", str(root / "src"), str(broken), "--generate", "2", *extra])
         assert result.exit_code == 1, (extra, result.output)
         assert "the fused folder does not load as a model: q_proj has a bias in layers [0] only" in result.output
+        assert "task metrics (perplexity, next-token KL) not measured: the fused folder does not load" in result.output
         assert f"tensor '{key}'" in result.output, result.output  # question 1: the missing tensor, named
     source = _without(root / "src", "model.layers.1.self_attn.q_proj.weight", tmp_path / "source")
     result = CliRunner().invoke(app, ["verify", str(source), str(root / "out"), "--generate", "2", "--stream"])

@@ -477,19 +477,7 @@ def verify(
         with stage_memory():  # one full collection, then each stage's release_memory walks only what it made
             verification = _whole(reference, candidate, related, opts, load, progress)
     if opts.generate:
-        verification.generation = _generation(reference, candidate, opts, progress)
-        unloaded = [r["not_loaded"] for r in (verification.generation or {}).get("runs", []) if r.get("not_loaded")]
-        if unloaded:  # the generation check failed on it already: the task metrics would load it again
-            verification.notes.append(
-                "task metrics (perplexity, next-token KL) not measured: the fused folder does not load as a model"
-            )
-        else:
-            verification.task_metrics = _task_metrics(reference, candidate, opts, progress)
-        if verification.task_metrics is None and not unloaded:
-            verification.notes.append(
-                "task metrics (perplexity, next-token KL) not measured: the streamed generation check never holds "
-                "a model whole, and they need both"
-            )
+        _language_checks(reference, candidate, opts, verification, progress)
     elif candidate.language_model and opts.generate == 0:
         verification.notes.append("greedy generation not checked (--generate 0)")
     if localize or not verification.passed:
@@ -681,68 +669,59 @@ def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
     check_generation_fits(loaded.model, max(1, length // 2), steps, onnx=onnx)
 
 
-def _streams(reference: Side) -> bool:
-    """``verify.generate_streamed.streams`` of a streamed reference side."""
-    from slabconv.verify.generate_streamed import streams
-    from slabconv.verify.layerwise import Folder
-
-    return streams(Folder.open(reference.path, engine.FOLD_BLOCK))
-
-
-def _generation(reference: Side, candidate: Side, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
+def _language_checks(
+    reference: Side, candidate: Side, opts: VerifyOptions, verification: Verification, progress: Progress
+) -> None:
     """Greedy generation of the reference model against the candidate folder (``verify.generate``; two streamed
-    sides: ``verify.generate_streamed``, every weight read from the shards one block of rows at a time).
+    sides: ``verify.generate_streamed``, every weight read from the shards one block of rows at a time), then, on
+    the same sequences and runtimes, the task metrics (``verify.task_metrics``: teacher-forced perplexity and
+    next-token KL of the original and the fused folder), into ``verification``. The task metrics are not measured
+    (a note says why) where the fused folder does not load as a model (the generation check failed on it already)
+    or where generation is checked streamed, which never holds a model whole.
 
     Raises:
         UsageError: the reference is not a language model slabconv builds; transformers is missing.
     """
     from slabconv.verify.generate import check_fused_folder, torch_threads
+    from slabconv.verify.generate_streamed import check_streamed_folder, streams
+    from slabconv.verify.layerwise import Folder
+    from slabconv.verify.task_metrics import check_task_metrics
     from slabconv.write.hf_llama import require_transformers
 
     assert opts.generate
     require_transformers()
-    if reference.kind == "streamed" and candidate.kind == "streamed" and _streams(reference):
-        from slabconv.verify.generate_streamed import check_streamed_folder
-
+    loaded = None
+    if reference.kind == candidate.kind == "streamed" and streams(Folder.open(reference.path, engine.FOLD_BLOCK)):
         with torch_threads(1):  # as _layerwise
-            return check_streamed_folder(
+            verification.generation = check_streamed_folder(
                 reference.path, candidate.path, opts.generate, sequences=opts.sample_count(streamed=True),
                 seed=opts.seed, block_elements=engine.FOLD_BLOCK, progress=progress,
             )  # fmt: skip
-    loaded = reference.built() if reference.kind in ("model", "streamed") else None
-    if loaded is None or not loaded.token_input:
-        raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
-    progress("verifying: greedy generation, original vs fused folder")
-    x = choose_inputs(loaded, opts.inputs if reference.kind == "model" else None, opts.sample_count(), opts.seed)[0]
-    onnx = (candidate.path / "decoder.onnx").is_file()
-    generation = check_fused_folder(loaded.model, candidate.path, x, opts.generate, onnx=onnx)
-    if onnx and loaded.dtype == torch.bfloat16:
-        generation.setdefault("notes", []).append(
-            "onnxruntime's CPU provider has no bfloat16 kernels: greedy generation ran in transformers only, "
-            "decoder.onnx got onnx.checker's full check"
+    else:
+        loaded = reference.built() if reference.kind in ("model", "streamed") else None
+        if loaded is None or not loaded.token_input:
+            raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
+        progress("verifying: greedy generation, original vs fused folder")
+        x = choose_inputs(loaded, opts.inputs if reference.kind == "model" else None, opts.sample_count(), opts.seed)
+        onnx = (candidate.path / "decoder.onnx").is_file()
+        verification.generation = check_fused_folder(loaded.model, candidate.path, x[0], opts.generate, onnx=onnx)
+        if onnx and loaded.dtype == torch.bfloat16:
+            verification.generation.setdefault("notes", []).append(
+                "onnxruntime's CPU provider has no bfloat16 kernels: greedy generation ran in transformers only, "
+                "decoder.onnx got onnx.checker's full check"
+            )
+    if any(run.get("not_loaded") for run in verification.generation.get("runs", [])):
+        verification.notes.append(
+            "task metrics (perplexity, next-token KL) not measured: the fused folder does not load as a model"
         )
-    return generation
-
-
-def _task_metrics(reference: Side, candidate: Side, opts: VerifyOptions, progress: Progress) -> dict[str, Any] | None:
-    """Beside greedy generation, on the same sequences and runtimes: the task metrics (``verify.task_metrics``:
-    teacher-forced perplexity and next-token KL of the original and the fused folder). None where generation is
-    checked streamed (two streamed sides that stream: ``verify.generate_streamed``), which never holds a model
-    whole.
-
-    Raises:
-        UsageError: as ``_generation``.
-    """
-    from slabconv.verify.task_metrics import check_task_metrics
-
-    if reference.kind == "streamed" and candidate.kind == "streamed" and _streams(reference):
-        return None
-    loaded = reference.built() if reference.kind in ("model", "streamed") else None
-    if loaded is None or not loaded.token_input:
-        raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
-    progress("verifying: task metrics (perplexity, next-token KL), original vs fused folder")
-    x = choose_inputs(loaded, opts.inputs if reference.kind == "model" else None, opts.sample_count(), opts.seed)[0]
-    return check_task_metrics(loaded.model, candidate.path, x, onnx=(candidate.path / "decoder.onnx").is_file())
+    elif loaded is None:
+        verification.notes.append(
+            "task metrics (perplexity, next-token KL) not measured: the streamed generation check never holds a "
+            "model whole, and they need both"
+        )
+    else:
+        progress("verifying: task metrics (perplexity, next-token KL), original vs fused folder")
+        verification.task_metrics = check_task_metrics(loaded.model, candidate.path, x[0], onnx=onnx)
 
 
 def _layerwise(
