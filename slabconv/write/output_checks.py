@@ -37,13 +37,6 @@ def _recorded(folder: Path) -> tuple[set[str], dict[str, str]] | None:
     return None if report is None else (set(report.files), report.sha256)
 
 
-def owned_files(folder: Path) -> set[str] | None:
-    """The names slabconv wrote into ``folder`` according to its ``report.json`` (the report itself included),
-    or None when the folder has no readable slabconv report."""
-    recorded = _recorded(folder)
-    return None if recorded is None else recorded[0]
-
-
 _unchanged: dict[Path, dict[str, tuple[int, int, int]]] = {}
 """Per output folder checked by ``_check_owned``: each file's (size, mtime_ns, inode) when its sha256 matched, so
 the check just before the swap need not hash again (a file touched since is hashed again)."""

@@ -56,7 +56,6 @@ from slabconv.write.output_checks import (  # noqa: F401 (the checks are part of
     _check_replaceable,
     check_output_file,
     check_output_folder,
-    owned_files,
 )
 
 """The file that marks a folder as slabconv's own: it lists every other file slabconv wrote there."""
