@@ -217,16 +217,25 @@ def exact_tensors(
             distance = math.inf
         if distance > worst:
             worst, worst_name = distance, key
+    return tensors_check(label, len(fold64), worst, worst_name, ulp_bound, against)
+
+
+def tensors_check(
+    label: str, count: int, worst: float, worst_name: str, bound: float = policy.ULPS, against: str = "the float64 fold"
+) -> ExactCheck:
+    """Question 1's verdict on ``count`` written tensors, the farthest ``worst`` units in the last place from
+    ``against`` (``worst_name``): passed within ``bound`` (in memory ``exact_tensors``, streamed
+    ``layerwise.exact_streamed``)."""
     return ExactCheck(
         name=label,
-        passed=bool(worst <= ulp_bound),
+        passed=bool(worst <= bound),
         method="tensors",
         error=worst,
-        bound=ulp_bound,
+        bound=bound,
         worst=worst_name,
         detail=(
-            f"{len(fold64)} tensors within {worst:.2g} ulps of {against}"
-            if worst <= ulp_bound
+            f"{count} tensors within {worst:.2g} ulps of {against}"
+            if worst <= bound
             else "the written weights are not the fold of this source"
             if against == "the float64 fold"
             else f"the written tensors are not {against}"

@@ -232,17 +232,8 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram
                 note(0.0 if torch.equal(written.get(key, rows), source.get(src, rows)) else math.inf, key)
         else:
             note(math.inf, key)  # a tensor neither copied nor made by a fold
-    return ExactCheck(
-        name=f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block",
-        passed=bool(worst <= policy.ULPS),
-        method="tensors",
-        error=worst,
-        bound=policy.ULPS,
-        worst=worst_name,
-        detail=f"{len(written.weight_map)} tensors, at most {worst:.2g} ulps from the float64 fold"
-        if worst <= policy.ULPS
-        else "the written weights are not the fold of this source",
-    )
+    label = f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block"
+    return judge.tensors_check(label, len(written.weight_map), worst, worst_name)
 
 
 def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:
