@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import pytest
@@ -74,6 +75,9 @@ def test_layout_index_metadata_and_config(folded):
         k: v for k, v in source_config.items() if k != "model_type"
     }
     assert out.config["torch_dtype"] == "float16" and out.config["model_type"] == "slabconv_llama"
+    written = importlib.metadata.version("transformers")  # recorded as transformers records it
+    assert out.config["transformers_version"] == written
+    assert json.loads((root / "out" / "generation_config.json").read_text())["transformers_version"] == written
     assert out.metadata["complete"] == "true" and out.metadata["arch"] == "llama_prepbn"
     assert out.metadata["source_sha256"] == report.source.sha256
     assert report.outputs.sha256.keys() >= set(src_shards) | {hf.SAFETENSORS_INDEX, hf.CONFIG}

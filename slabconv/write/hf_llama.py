@@ -460,20 +460,20 @@ def write_hf_standard_metadata(
             else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
         },
     )
-    if (version := _transformers_version()) is not None:
-        out["transformers_version"] = version
-    path = folder / CONFIG
-    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return [path, _write_generation_config(folder, config, None)]
+    return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, None)]
 
 
-def _transformers_version() -> str | None:
+def _write_json(path: Path, out: dict[str, Any]) -> Path:
+    """Write a transformers JSON file (``config.json``, ``generation_config.json``) with the installed
+    transformers version in ``transformers_version``, as transformers writes it (left out when not installed)."""
     try:
         from importlib.metadata import version
 
-        return version("transformers")
+        out["transformers_version"] = version("transformers")
     except Exception:  # noqa: BLE001 - not installed: the field is optional
-        return None
+        pass
+    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return path
 
 
 def _write_config(folder: Path, config: Mapping[str, Any], layout: dict[str, Any], dtype: str) -> Path:
@@ -501,22 +501,14 @@ def _write_config(folder: Path, config: Mapping[str, Any], layout: dict[str, Any
             "layer": "x + attn(x); x + mlp(x)",
         },
     )
-    if (version := _transformers_version()) is not None:
-        out["transformers_version"] = version
-    path = folder / CONFIG
-    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return path
+    return _write_json(folder / CONFIG, out)
 
 
 def _write_generation_config(folder: Path, config: Mapping[str, Any], generation: Mapping[str, Any] | None) -> Path:
     out: dict[str, Any] = {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
     out["do_sample"] = False
     out.update(generation or {})
-    if (version := _transformers_version()) is not None:
-        out["transformers_version"] = version
-    path = folder / GENERATION_CONFIG
-    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return path
+    return _write_json(folder / GENERATION_CONFIG, out)
 
 
 def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> Any:
