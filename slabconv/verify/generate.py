@@ -25,7 +25,7 @@ import contextlib
 import copy
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -139,7 +139,6 @@ def greedy_fused(
     steps: int,
     *,
     attention_mask: ArrayLike | None = None,
-    dtype: torch.dtype | None = None,
     name: str | None = None,
     threads: int | None = None,
     warm_up: bool = True,
@@ -147,13 +146,13 @@ def greedy_fused(
     """Greedy tokens of the fused folder in transformers: ``generate(do_sample=False, use_cache=True)``.
 
     Args:
-        model: a fused LLaMA folder (loaded with ``slabconv.write.hf_llama.load_fused_llama``), or a model already
+        model: a fused LLaMA folder (loaded with ``slabconv.write.hf_llama.load_fused_llama`` in its ``torch_dtype``),
+            or a model already
             loaded (e.g. ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``).
         prompts: int64 ``(B, T)``; left-padded when ``attention_mask`` is given.
         steps: N, tokens to generate; exactly N. Plain greedy (the argmax of the logits at each step, as
             ``greedy_original``): the folder's generation_config (eos, penalties, forced tokens) is not applied.
         attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
-        dtype: load a folder in this dtype (default its ``torch_dtype``).
         name: the run's name; default ``fused <dtype> (transformers <version>, KV cache)``.
         threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
         warm_up: generate one token of one prompt first, untimed (off where a pass reads every weight from disk).
@@ -171,7 +170,7 @@ def greedy_fused(
     ids = _as_ids(prompts)
     mask = _as_mask(attention_mask, ids)
     if isinstance(model, (str, Path)):
-        model = load_fused_llama(model, dtype)
+        model = load_fused_llama(model)
     # Plain greedy: a fresh GenerationConfig, so no setting of the folder's own (repetition penalty, forced or
     # suppressed tokens, eos) changes the argmax that the original runner takes.
     gen = transformers.GenerationConfig(
@@ -212,31 +211,25 @@ def greedy_onnx(
     prompts: ArrayLike,
     steps: int,
     *,
-    attention_mask: ArrayLike | None = None,
-    name: str | None = None,
-    providers: Sequence[str] = ("CPUExecutionProvider",),
     threads: int | None = None,
 ) -> GreedyRun:
-    """Greedy tokens of the decoder ONNX in onnxruntime, the presents fed back as the next step's past.
+    """Greedy tokens of the decoder ONNX in onnxruntime's CPU provider, the presents fed back as the next step's past.
 
-    Step 1 feeds the prompts with empty pasts ``(B, K, 0, d)``; each later step feeds the last token ``(B, 1)``, the
-    mask grown by one column of ones and ``position_ids`` one past the last (positions are
-    ``cumsum(attention_mask) - 1``, 0 on padding, as transformers computes them).
+    Step 1 feeds the prompts with empty pasts ``(B, K, 0, d)`` and a mask of ones; each later step feeds the last
+    token ``(B, 1)``, the mask grown by one column of ones and ``position_ids`` one past the last (positions are
+    ``cumsum(attention_mask) - 1``, as transformers computes them).
 
     Args:
         path: the decoder ONNX (``export_decoder_onnx``).
-        prompts: int64 ``(B, T)``; left-padded when ``attention_mask`` is given.
+        prompts: int64 ``(B, T)``, unpadded.
         steps: N, tokens to generate.
-        attention_mask: int64 ``(B, T)``, 0 on left padding; default all ones.
-        name: the run's name; default ``fused <dtype> (onnxruntime <version>, KV cache)``.
-        providers: onnxruntime execution providers.
         threads: onnxruntime intra-op threads; None keeps its default (one per core).
 
     Returns:
-        A ``GreedyRun`` with tokens ``(B, N)``.
+        A ``GreedyRun`` named ``fused <dtype> (onnxruntime <version>, KV cache)``, with tokens ``(B, N)``.
 
     Raises:
-        UsageError: no such file, or bad prompts, mask or steps.
+        UsageError: no such file, or bad prompts or steps.
     """
     import onnxruntime as ort
 
@@ -244,13 +237,13 @@ def greedy_onnx(
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such ONNX file")
     ids = _as_ids(prompts).numpy()
-    mask = _as_mask(attention_mask, torch.from_numpy(ids)).numpy()
+    mask = np.ones_like(ids)
     options = ort.SessionOptions()
     if threads is not None:
         if threads < 1:
             raise UsageError(f"threads must be at least 1, got {threads}")
         options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=list(providers))
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     if not pasts:
         raise UsageError(f"{path}: no past_key_values.* inputs; not a decoder with past key/values")
@@ -259,7 +252,7 @@ def greedy_onnx(
         raise UsageError(f"{path}: past key/values of {pasts[0].type}; onnxruntime runs float and float16 here")
     kv_heads, head_dim = int(pasts[0].shape[1]), int(pasts[0].shape[3])
     outputs = [o.name for o in session.get_outputs()]
-    label = name or f"fused {np.dtype(float_type).name} (onnxruntime {ort.__version__}, KV cache)"
+    label = f"fused {np.dtype(float_type).name} (onnxruntime {ort.__version__}, KV cache)"
 
     def run(count: int, tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float]:
         b = tokens.shape[0]
@@ -309,7 +302,7 @@ def _genai_eos(path: Path) -> set[int]:
     return set(ids)
 
 
-def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: str | None = None) -> GreedyRun:
+def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int) -> GreedyRun:
     """Greedy tokens of the fused folder in onnxruntime-genai: ``decoder.onnx`` as ``genai_config.json`` describes
     it, the key/value cache managed by onnxruntime-genai itself.
 
@@ -319,10 +312,9 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
         steps: N, tokens to generate. A sequence ends at an end-of-sequence id of ``genai_config.json`` (as it would
             deployed; forcing N tokens with ``min_length`` would instead take another token than the argmax there):
             its steps after that token are ``ENDED``, and not compared.
-        name: the run's name; default ``fused <dtype> (onnxruntime-genai <version>, KV cache)``.
 
     Returns:
-        A ``GreedyRun`` with tokens ``(B, N)``.
+        A ``GreedyRun`` named ``fused <dtype> (onnxruntime-genai <version>, KV cache)``, with tokens ``(B, N)``.
 
     Raises:
         UsageError: onnxruntime-genai is not installed (``pip install slabconv[genai]``), no ``genai_config.json``,
@@ -340,7 +332,7 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int, *, name: st
     ids = _as_ids(prompts).numpy().astype(np.int32)
     model = og.Model(str(folder))
     dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "float32")
-    label = name or f"fused {dtype} (onnxruntime-genai {og.__version__}, KV cache)"
+    label = f"fused {dtype} (onnxruntime-genai {og.__version__}, KV cache)"
 
     ends = _genai_eos(folder / "genai_config.json")
 
