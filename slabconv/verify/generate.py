@@ -92,7 +92,6 @@ def greedy_original(
     prompts: ArrayLike,
     steps: int,
     *,
-    name: str | None = None,
     keep_logits: bool = True,
     threads: int | None = None,
 ) -> GreedyRun:
@@ -103,12 +102,12 @@ def greedy_original(
             e.g. ``slabconv.zoo.llama.LlamaForCausalLM``. It has no padding mask, so the prompts are unpadded.
         prompts: int64 ``(B, T)`` token ids, all of length T.
         steps: N, tokens to generate.
-        name: the run's name; default ``original <dtype> (pytorch, no cache)``.
         keep_logits: keep the float64 next-token logits ``(B, N, V)`` (for a reference run).
         threads: torch intra-op threads for the run (restored after); None keeps torch's setting.
 
     Returns:
-        A ``GreedyRun`` with tokens ``(B, N)`` (argmax, first index on exact ties).
+        A ``GreedyRun`` named ``original <dtype> (pytorch, no cache)``, with tokens ``(B, N)`` (argmax, first index
+        on exact ties).
 
     Raises:
         UsageError: prompts not 2-D integer ids, or ``steps`` < 1.
@@ -117,7 +116,7 @@ def greedy_original(
     ids = _as_ids(prompts)
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    label = name or f"original {dtype_name(param.dtype) if param is not None else ''} (pytorch, no cache)"
+    label = f"original {dtype_name(param.dtype) if param is not None else ''} (pytorch, no cache)"
     ids = ids.to(device)
     rows: list[torch.Tensor] = []
     with torch_threads(threads), torch.inference_mode():

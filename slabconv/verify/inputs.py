@@ -40,15 +40,13 @@ def choose_inputs(
     input_shape: tuple[int, ...] | None = None,
     limit: int | None = None,
     token_input: bool = False,
-    id_range: int | None = None,
 ) -> tuple[np.ndarray, str, str | None]:
     """The verification inputs: ``inputs`` (an ``.npz`` or ``.npy``), else ``holdout.npz`` beside the checkpoint,
     else ``samples`` seeded standard-normal samples of the model's input shape.
 
     ``limit`` (an explicit ``--samples``) takes the first ``limit`` samples of an ``.npz``; its label says so.
-    ``token_input`` / ``id_range``: the model takes token ids below ``id_range``, when there is no ``loaded`` model
-    to say so (two ONNX files: the range is the embedding's row count); ids from a file are checked against it
-    (``check_token_ids``) before anything runs.
+    ``token_input``: the model takes token ids, when there is no ``loaded`` model to say so; ids from a file are
+    checked against ``loaded``'s ``id_range`` (``check_token_ids``) before anything runs.
 
     Returns:
         ``(x, label, sha256 of the file or None)``.
@@ -85,7 +83,7 @@ def choose_inputs(
         arr = read_inputs(f, path, shape, integer=integer)
         digest = safety.sha256_open(f)
     if integer:
-        check_token_ids(arr, path, loaded.id_range if loaded is not None and loaded.id_range else id_range)
+        check_token_ids(arr, path, loaded.id_range if loaded is not None else None)
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest

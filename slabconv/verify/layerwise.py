@@ -402,9 +402,7 @@ class _FoldShards:
         return rounded(bias, self.dtype)[rows if rows is not None else slice(None)]
 
 
-def localize_folders(
-    reference: Path, candidate: Path, program: FoldProgram, seed: int = 0, seq_len: int = DEFAULT_SEQ_LEN
-) -> Any:
+def localize_folders(reference: Path, candidate: Path, program: FoldProgram, seed: int = 0) -> Any:
     """The fold boundaries of a streamed fold, in data-flow order (``slabconv.verify.localize``): for each decoder
     layer, on the reference's float64 hidden states of one seeded token sequence, the candidate layer and the
     correct fold's layer (``_FoldShards``) run in float64, and each folded Linear's output is compared.
@@ -418,7 +416,7 @@ def localize_folders(
     fold = Folder(cand.path, _FoldShards(ref.shards, cand.shards, program, cand.dtype), cand.specs,  # type: ignore[arg-type]
                   cand.family, cand.layout, cand.dtype, cand.cfg)  # fmt: skip
     family, cfg = ref.family, ref.cfg
-    t = max(1, min(seq_len, family.max_positions(cfg)))
+    t = max(1, min(DEFAULT_SEQ_LEN, family.max_positions(cfg)))
     ids = torch.randint(0, family.vocab_size(cfg), (1, t), generator=torch.Generator().manual_seed(seed))
     extra64 = family.layer_inputs(cfg, t, torch.float64)
     with torch.no_grad():

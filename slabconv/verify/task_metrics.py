@@ -124,7 +124,6 @@ def score(
     candidates: list[tuple[str, np.ndarray]],
     ids: np.ndarray,
     dtype: object,
-    reference_name: str = "original float64 (pytorch, reference)",
 ) -> TaskMetrics:
     """The task metrics of ``candidates`` against the float64 ``reference`` logits, with the original in its own
     dtype as the baseline (the module docstring gives the rule).
@@ -135,7 +134,6 @@ def score(
         candidates: ``(name, logits)`` of each fused run, ``(N, T, V)``.
         ids: the token ids ``(N, T)`` the logits were computed on; position ``t`` predicts ``ids[:, t + 1]``.
         dtype: the checkpoint's dtype (its tolerance sets the floors).
-        reference_name: the reference run's name.
 
     Raises:
         ValueError: logits of another shape than the reference's, or sequences shorter than 2 tokens.
@@ -183,7 +181,7 @@ def score(
         sequences=int(ids.shape[0]),
         positions=int(targets.size),
         dtype=dtype_name(dtype),
-        reference={"name": reference_name, "perplexity": ref_ppl},
+        reference={"name": "original float64 (pytorch, reference)", "perplexity": ref_ppl},
         runs=runs,
     )
 
