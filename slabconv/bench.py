@@ -51,15 +51,10 @@ from slabconv.zoo.norms import LinearNorm
 RUNTIMES: dict[str, Backend] = {name: BACKENDS[name] for name in backend_names("bench")}
 
 
-def unavailable(spec: Backend) -> str | None:
-    """Why ``spec`` cannot run on this machine, or None when it can (``Backend.unavailable``)."""
-    return spec.unavailable()
-
-
 def default_runtimes() -> list[str]:
     """Every runtime this machine can run: the CPU pair, plus the CUDA ones where a device (and for onnxruntime
     the CUDA provider) is present; the opt-in ones (``onnxruntime-int8``) only when named."""
-    return [name for name, spec in RUNTIMES.items() if not spec.opt_in and unavailable(spec) is None]
+    return [name for name, spec in RUNTIMES.items() if not spec.opt_in and spec.unavailable() is None]
 
 
 def check_runtimes(names: list[str]) -> list[Backend]:
@@ -73,7 +68,7 @@ def check_runtimes(names: list[str]) -> list[Backend]:
         raise UsageError(f"--runtime {','.join(unknown) or '(empty)'}: choose from {', '.join(RUNTIMES)}")
     specs = [RUNTIMES[n] for n in names]
     for spec in specs:
-        reason = unavailable(spec)
+        reason = spec.unavailable()
         if reason is not None:
             raise UsageError(f"--runtime {spec.name} cannot run here: {reason}")
     return specs
