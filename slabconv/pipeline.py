@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -554,15 +554,13 @@ def _write_hf_folder(
 
 
 @dataclass
-class InMemory:
-    """A model loaded whole (a checkpoint, a ``.pt2`` program, a Hugging Face folder, a fused safetensors file) and its
-    plan: written as ``model.safetensors``, ``model.onnx`` and ``model.pt2`` (and a language model's Hugging Face
-    folder with ``decoder.onnx``), verified file by file (``verify.verifier.verify``)."""
+class _TorchDoor:
+    """What the two doors of a model planned from its PyTorch graph share (``InMemory``, ``Streamed``): the model,
+    its plan, and (once written) whether the fused model went out as a Hugging Face folder."""
 
     loaded: LoadedModel
     planned: Planned
-    mode: str = "in-memory"
-    hf_folder: bool = False
+    hf_folder: bool = field(default=False, kw_only=True)
 
     @property
     def decisions(self) -> list[engine.Decision]:
@@ -576,6 +574,15 @@ class InMemory:
 
     def plan_note(self) -> dict[str, str] | None:
         return None
+
+
+@dataclass
+class InMemory(_TorchDoor):
+    """A model loaded whole (a checkpoint, a ``.pt2`` program, a Hugging Face folder, a fused safetensors file) and its
+    plan: written as ``model.safetensors``, ``model.onnx`` and ``model.pt2`` (and a language model's Hugging Face
+    folder with ``decoder.onnx``), verified file by file (``verify.verifier.verify``)."""
+
+    mode: str = "in-memory"
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
         """transformers where a language model needs it; a generation check that fits in memory; a fused output
@@ -625,26 +632,16 @@ class InMemory:
 
 
 @dataclass
-class Streamed:
+class Streamed(_TorchDoor):
     """A sharded folder folded shard by shard (``--stream``): planned on the full-size architecture with stand-in
     weights (``slabconv.load.lazy``), written one block of rows at a time with the input's shard boundaries,
     verified one decoder layer at a time (``verify.verifier.verify`` on two streamed sides)."""
 
-    loaded: LoadedModel
-    planned: Planned
     sharded: ShardedFolder
     mode: str = "streamed"
-    hf_folder: bool = False
-
-    @property
-    def decisions(self) -> list[engine.Decision]:
-        return self.planned.decisions
 
     def source(self) -> Source:
         return self.sharded.source(self.loaded.arch)
-
-    def ranges(self) -> list[engine.LayerRange] | None:
-        return measured_ranges(self.planned)
 
     def plan_note(self) -> dict[str, str] | None:
         note = {"planning": "the full-size architecture, stand-in weights (slabconv.load.lazy)"}
