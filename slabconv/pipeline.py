@@ -597,8 +597,7 @@ class InMemory(_TorchDoor):
         if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
             from slabconv.verify.generate import check_generation_fits
 
-            length = int(self.loaded.input_shape[0]) if self.loaded.input_shape else 1
-            check_generation_fits(self.loaded.model, max(1, length // 2), verify.fuse_steps(), onnx=write.onnx)
+            check_generation_fits(self.loaded, verify.fuse_steps(), onnx=write.onnx)
         assert self.planned.original is not None
         faults.check_finite(
             self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example

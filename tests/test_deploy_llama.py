@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -762,7 +763,7 @@ def test_a_generation_check_that_cannot_fit_is_refused_before_any_work_saying_ho
         api.verify(TEXT, doc["out"], verify=VerifyOptions(generate=2))
     assert not calls
     monkeypatch.setattr(generate, "available_memory", lambda: need + 1)
-    generate.check_generation_fits(original, 64, 32, onnx=False)  # fits: no error
+    generate.check_generation_fits(SimpleNamespace(model=original, input_shape=[128]), 32, onnx=False)  # fits
 
 
 def test_left_padded_float16_batches_stay_finite_and_match_unpadded_runs(doc):

@@ -640,15 +640,17 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
     return max(model, exact, session)
 
 
-def check_generation_fits(original: torch.nn.Module, prompt_len: int, steps: int, *, onnx: bool) -> None:
-    """Refuse, before any work, an in-memory check (``check_generation`` on ``PROMPTS`` prompts of ``prompt_len``
-    tokens, ``steps`` tokens each) that would need more than this machine's available memory
+def check_generation_fits(loaded: Any, steps: int, *, onnx: bool) -> None:
+    """Refuse, before any work, an in-memory check of the language model ``loaded`` (a ``LoadedModel``:
+    ``check_generation`` on ``PROMPTS`` prompts of half its sequence length, as ``prompts_of`` cuts them, ``steps``
+    tokens each; with ``onnx``, ``decoder.onnx`` too) that would need more than this machine's available memory
     (``generation_memory``).
 
     Raises:
         UsageError: it would not fit (the message says how much it needs and how to skip it).
     """
-    need, have = generation_memory(original, PROMPTS, prompt_len, steps, onnx), available_memory()
+    length = int(loaded.input_shape[0]) if loaded.input_shape else 1
+    need, have = generation_memory(loaded.model, PROMPTS, max(1, length // 2), steps, onnx), available_memory()
     if have is not None and need > have:
         raise UsageError(
             f"the greedy-generation check needs about {need / 2**30:.2f} GiB of memory besides the model "

@@ -664,9 +664,7 @@ def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
         return
     from slabconv.verify.generate import check_generation_fits
 
-    length = int(loaded.input_shape[0]) if loaded.input_shape else 1
-    onnx = (candidate.path / "decoder.onnx").is_file()
-    check_generation_fits(loaded.model, max(1, length // 2), steps, onnx=onnx)
+    check_generation_fits(loaded, steps, onnx=(candidate.path / "decoder.onnx").is_file())
 
 
 def _language_checks(
