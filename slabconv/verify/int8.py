@@ -240,31 +240,8 @@ class Int8Check:
     calibration: str
     quantization: str
 
-    def summary(self) -> str:
-        """One line: both sides' agreement and error, the paired counts and the verdict's numbers."""
-        o, f = self.original, self.fused
-        unit = "sample" if self.units == "samples" else "sequence"
-        return (
-            f"{self.name}: top-1 kept from the float original: fused {f.agreement:.2%}, original {o.agreement:.2%} "
-            f"of {o.decisions}; {self.worse} {unit}s worse, {self.better} better for the fused side (one-sided "
-            f"p {self.p_value:.3g}, failing below {self.alpha:g}); error against float64: fused {_g(f.error)}, "
-            f"original {_g(o.error)}"
-        )
-
-    def failure(self) -> str:
-        return (
-            f"int8 check failed for {self.name}: quantized alike, the fused model keeps the float original's top-1 "
-            f"on {self.fused.agreement:.2%} where the original keeps {self.original.agreement:.2%} "
-            f"({self.worse} {self.units} worse, {self.better} better; one-sided p {self.p_value:.3g} < "
-            f"{self.alpha:g}): the fold costs int8 accuracy (see the int8 step growth of each fold: inspect)"
-        )
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _g(x: float) -> str:
-    return f"{x:.3g}" if math.isfinite(x) else "not finite"
 
 
 def sign_test(worse: int, better: int) -> float:
