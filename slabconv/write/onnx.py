@@ -194,28 +194,28 @@ def simplify_model(model: Any) -> dict[str, Any]:
     return info
 
 
-def simplified(path: Path) -> list[str] | None:
-    """The simplifiers ``--simplify`` ran on the ``.onnx`` file at ``path`` (``SIMPLIFIED_KEY``: ``["onnxscript
-    0.7.2", "onnxslim 0.1.98"]``), or None when it was not simplified (or is no file slabconv wrote)."""
+def _metadata(path: Path) -> dict[str, str]:
+    """The ``metadata_props`` of the ``.onnx`` file at ``path`` (its weights not read); empty where onnx cannot
+    read it (then it is no file slabconv wrote)."""
     import onnx
 
     try:
         proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not a file slabconv wrote
-        return None
-    marks = [p.value for p in proto.metadata_props if p.key == SIMPLIFIED_KEY]
-    return [s.strip() for s in marks[0].split(",") if s.strip()] if marks else None
+    except Exception:  # noqa: BLE001 - anything protobuf cannot parse is not ours
+        return {}
+    return {p.key: p.value for p in proto.metadata_props}
+
+
+def simplified(path: Path) -> list[str] | None:
+    """The simplifiers ``--simplify`` ran on the ``.onnx`` file at ``path`` (``SIMPLIFIED_KEY``: ``["onnxscript
+    0.7.2", "onnxslim 0.1.98"]``), or None when it was not simplified (or is no file slabconv wrote)."""
+    marks = _metadata(path).get(SIMPLIFIED_KEY)
+    return [s.strip() for s in marks.split(",") if s.strip()] if marks else None
 
 
 def norm_affine_of(path: Path) -> bool:
     """True when the ``.onnx`` file at ``path`` was folded with ``--fold-norm-affine`` (``NORM_AFFINE_KEY``)."""
-    import onnx
-
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - not a file slabconv wrote
-        return False
-    return any(p.key == NORM_AFFINE_KEY and p.value == "true" for p in proto.metadata_props)
+    return _metadata(path).get(NORM_AFFINE_KEY) == "true"
 
 
 def save_onnx(model: Any, path: Path, external: bool) -> str | None:
@@ -288,12 +288,6 @@ def onnx_files(path: Path) -> list[Path]:
 
 def written_by_slabconv(path: Path) -> bool:
     """True when ``path`` is an ONNX file whose ``metadata_props`` carry ``MARK`` (slabconv wrote it)."""
-    import onnx
-
     if not path.is_file() or path.is_symlink() or path.stat().st_size > PROTOBUF_LIMIT_BYTES:
         return False
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception:  # noqa: BLE001 - anything protobuf cannot parse is not ours
-        return False
-    return any(p.key == MARK for p in model.metadata_props)
+    return MARK in _metadata(path)
