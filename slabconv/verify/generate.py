@@ -39,10 +39,8 @@ from slabconv.verify.greedy import (  # noqa: F401 (the comparison is part of th
     ArrayLike,
     GenerationCheck,
     GreedyRun,
-    RuntimeComparison,
     _as_ids,
     compare_greedy,
-    decisive_steps,
     not_loaded_check,
 )
 from slabconv.verify.policy import dtype_name, tol_dtype
@@ -236,7 +234,6 @@ def greedy_onnx(
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such ONNX file")
     ids = _as_ids(prompts).numpy()
-    mask = np.ones_like(ids)
     options = ort.SessionOptions()
     if threads is not None:
         if threads < 1:
@@ -253,8 +250,8 @@ def greedy_onnx(
     outputs = [o.name for o in session.get_outputs()]
     label = f"fused {np.dtype(float_type).name} (onnxruntime {ort.__version__}, KV cache)"
 
-    def run(count: int, tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, float]:
-        b = tokens.shape[0]
+    def run(count: int, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+        b, mask = tokens.shape[0], np.ones_like(tokens)
         past = {i.name: np.zeros((b, kv_heads, 0, head_dim), float_type) for i in pasts}
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         new = np.empty((b, count), np.int64)
@@ -269,8 +266,8 @@ def greedy_onnx(
             positions = positions[:, -1:] + 1
         return new, time.perf_counter() - start
 
-    run(1, ids[:1], mask[:1])  # warm-up, untimed
-    tokens, seconds = run(steps, ids, mask)
+    run(1, ids[:1])  # warm-up, untimed
+    tokens, seconds = run(steps, ids)
     return GreedyRun(label, tokens, seconds)
 
 
