@@ -288,21 +288,16 @@ def verify(
     return Report("verify", reference=ref.source, candidate=cand.source, verification=verification)
 
 
-def _fused_language_model(path: Path) -> bool:
-    """A folder ``fuse`` wrote for a language model (``verify.sides.fused_language_model``)."""
-    from slabconv.verify import sides
-
-    return path.is_dir() and sides.is_fused_language_model(path)
-
-
 def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
     """``verify`` of a fused language-model folder against its original (a model slabconv builds: not an ``.onnx``,
     not another folder ``fuse`` wrote) checks greedy generation as ``fuse`` does: ``VerifyOptions.fuse_steps``
     tokens unless ``generate`` says otherwise."""
     from slabconv.load.formats import engine_of
+    from slabconv.verify import sides
 
     original = engine_of(reference) != "onnx" and not is_output_folder(reference)  # a model slabconv builds
-    if opts.generate is None and original and _fused_language_model(candidate):
+    fused = candidate.is_dir() and sides.is_fused_language_model(candidate)  # a folder fuse wrote for one
+    if opts.generate is None and original and fused:
         return dataclasses.replace(opts, generate=opts.fuse_steps())
     return opts
 

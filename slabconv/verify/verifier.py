@@ -508,7 +508,7 @@ def _whole(
     if opts.calibration is not None and not quantizing:
         raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")
     if reference.kind == "folder":
-        reference = _as_model(reference)  # a folder fuse wrote, as the reference: its fused model
+        reference = sides.model_side(reference.built(), reference.path)  # a folder fuse wrote: its fused model
     a, b = reference.source.input_shape, candidate.source.input_shape
     if a and b and tuple(a) != tuple(b):
         raise InputError(
@@ -622,12 +622,6 @@ def _calibration(ref: Reference, path: Path) -> Any:
     if not isinstance(ref.x, np.ndarray):
         raise UsageError("--calibration takes one input array; this model takes several inputs")
     return load_npz_inputs(path, tuple(ref.x.shape[1:]), integer=ref.x.dtype.kind in "iu")
-
-
-def _as_model(side: Side) -> Side:
-    """A folder ``fuse`` wrote, as a model side (its fused model: question 2 only)."""
-    loaded = side.built()
-    return sides.model_side(loaded, side.path)
 
 
 def _overflowing_inputs(verification: Verification, reference: Reference) -> None:
