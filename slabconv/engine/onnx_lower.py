@@ -628,13 +628,6 @@ _TWINS = {
 checkpoint gives (``unsupported-op:aten.cumsum``)."""
 
 
-@lowers(*_TWINS)
-def _twin(lo: _Lowering, node: ir.Node) -> None:
-    if len(node.outputs) != 1:
-        raise _Unlowerable
-    lo.emit(node, _TWINS[node.op_type], tuple(lo.read(v) for v in node.inputs), node.outputs[0])
-
-
 _UNARY = {
     "Relu": aten.relu.default,
     "Sigmoid": aten.sigmoid.default,
@@ -658,30 +651,19 @@ _UNARY = {
     "HardSigmoid": aten.hardsigmoid.default,
     "Selu": aten.selu.default,
     "Neg": aten.neg.default,
+    "Gelu": aten.gelu.default,
+    "LeakyRelu": aten.leaky_relu.default,
+    "Elu": aten.elu.default,
+    "Clip": aten.clamp.default,
+    "Identity": aten.alias.default,
 }
+"""ONNX ops that map their first input elementwise: the ATen op reads that input only (a ``Clip``'s bounds, a
+``LeakyRelu``'s slope are the op's own; the rules treat every such op alike)."""
 
 
 @lowers(*_UNARY)
 def _unary(lo: _Lowering, node: ir.Node) -> None:
     lo.emit(node, _UNARY[node.op_type], (lo.read(node.inputs[0]),), node.outputs[0])
-
-
-@lowers("Gelu")
-def _gelu(lo: _Lowering, node: ir.Node) -> None:
-    lo.emit(node, aten.gelu.default, (lo.read(node.inputs[0]),), node.outputs[0])
-
-
-@lowers("LeakyRelu", "Elu", "Celu", "ThresholdedRelu")
-def _param_unary(lo: _Lowering, node: ir.Node) -> None:
-    op = {"LeakyRelu": aten.leaky_relu.default, "Elu": aten.elu.default}.get(node.op_type)
-    if op is None:
-        raise _Unlowerable
-    lo.emit(node, op, (lo.read(node.inputs[0]),), node.outputs[0])
-
-
-@lowers("Clip")
-def _clip(lo: _Lowering, node: ir.Node) -> None:
-    lo.emit(node, aten.clamp.default, (lo.read(node.inputs[0]),), node.outputs[0])
 
 
 @lowers("Softmax", "LogSoftmax")
@@ -700,33 +682,25 @@ def _pow(lo: _Lowering, node: ir.Node) -> None:
         lo.emit(node, aten.pow.Tensor_Tensor, (lo.read(node.inputs[0]), lo.read(node.inputs[1])), node.outputs[0])
 
 
-_BINARY = {"Add": aten.add.Tensor, "Sub": aten.sub.Tensor, "Mul": aten.mul.Tensor, "Div": aten.div.Tensor}
+_BINARY = {
+    "Add": aten.add.Tensor,
+    "Sub": aten.sub.Tensor,
+    "Mul": aten.mul.Tensor,
+    "Div": aten.div.Tensor,
+    "Max": aten.maximum.default,
+    "Min": aten.minimum.default,
+}
+"""ONNX ops of two inputs (``Max`` / ``Min`` of any other count are opaque)."""
+
+_EVERY_INPUT = {**_TWINS, **_BINARY, "Where": aten.where.self}
 
 
-@lowers(*_BINARY)
-def _binary(lo: _Lowering, node: ir.Node) -> None:
-    if len(node.inputs) != 2:
+@lowers(*_EVERY_INPUT)
+def _every_input(lo: _Lowering, node: ir.Node) -> None:
+    """An op whose ATen op reads every input, in order, and writes one output."""
+    if len(node.outputs) != 1 or (node.op_type in _BINARY and len(node.inputs) != 2):
         raise _Unlowerable
-    a, b = node.inputs
-    lo.emit(node, _BINARY[node.op_type], (lo.read(a), lo.read(b)), node.outputs[0])
-
-
-@lowers("Max", "Min")
-def _max_min(lo: _Lowering, node: ir.Node) -> None:
-    if len(node.inputs) != 2:
-        raise _Unlowerable
-    op = aten.maximum.default if node.op_type == "Max" else aten.minimum.default
-    lo.emit(node, op, (lo.read(node.inputs[0]), lo.read(node.inputs[1])), node.outputs[0])
-
-
-@lowers("Where")
-def _where(lo: _Lowering, node: ir.Node) -> None:
-    lo.emit(node, aten.where.self, tuple(lo.read(v) for v in node.inputs), node.outputs[0])
-
-
-@lowers("Identity")
-def _identity(lo: _Lowering, node: ir.Node) -> None:
-    lo.emit(node, aten.alias.default, (lo.read(node.inputs[0]),), node.outputs[0])
+    lo.emit(node, _EVERY_INPUT[node.op_type], tuple(lo.read(v) for v in node.inputs), node.outputs[0])
 
 
 @lowers("Dropout")
@@ -1203,12 +1177,27 @@ def _bias_after_reshape(node: ir.Node, channels: int) -> tuple[ir.Node, ir.Node,
     return reshape, add, value, array
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1)
+def _bias_add(
+    lo: _Lowering, node: ir.Node, channels: int, axis_from_end: int, reshaped: bool = False
+) -> tuple[fx.Node | None, LayerSite, ir.Value]:
+    """The bias ``Add`` after a layer without a bias input, taken into the layer: the one right after it
+    (``_bias_after``), or with ``reshaped`` one after a ``Reshape`` that keeps the channel axis whole
+    (``_bias_after_reshape``; the ``Add``'s output is then that reshape's value, ``_Lowering.moved``).
 
-
-def _transposed(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.t()
+    Returns:
+        ``(bias, site, out)``: the bias's ``get_attr`` (None: no such ``Add``), the layer's ``LayerSite`` and the
+        ONNX value the layer's fx node computes.
+    """
+    found = _bias_after(node, channels, axis_from_end)
+    later = _bias_after_reshape(node, channels) if found is None and reshaped else None
+    if found is None and later is None:
+        return None, LayerSite(node.name or ""), node.outputs[0]
+    add, value, array = found if found is not None else later[1:]  # type: ignore[index]
+    lo.fused.add(add)
+    if later is not None:
+        lo.moved[add] = (node, later[0].outputs[0])
+    bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), torch.Tensor.flatten)
+    return bias, LayerSite(node.name or "", add.name), add.outputs[0] if later is None else node.outputs[0]
 
 
 def _layer_scope(lo: _Lowering, node: ir.Node, fallback: ir.Value) -> str:
@@ -1245,19 +1234,8 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
         lo.emit(node, aten.matmul.default, (lo.read(a), lo.read(b)), node.outputs[0])
         return
     k, n = (int(d) for d in w.shape)
-    weight = _weight(lo, node, b, "weight", Binding(b.name or "", True, (k, n)), _transposed)
-    found = _bias_after(node, n, 1)
-    later = _bias_after_reshape(node, n) if found is None else None
-    bias = None
-    site = LayerSite(node.name or "")
-    if found is not None or later is not None:
-        add, value, array = found if found is not None else later[1:]  # type: ignore[index]
-        bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), _flat)
-        lo.fused.add(add)
-        site = LayerSite(node.name or "", add.name)
-        if later is not None:
-            lo.moved[add] = (node, later[0].outputs[0])
-    out = found[0].outputs[0] if found is not None else node.outputs[0]
+    weight = _weight(lo, node, b, "weight", Binding(b.name or "", True, (k, n)), torch.Tensor.t)
+    bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
     layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
     lo.out.layers[layer.name] = site
 
@@ -1273,7 +1251,7 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
         raise _Unlowerable
     n = int(w.shape[0] if trans_b else w.shape[1])
     weight = _weight(
-        lo, node, b, "weight", Binding(b.name or "", not trans_b, tuple(w.shape)), None if trans_b else _transposed
+        lo, node, b, "weight", Binding(b.name or "", not trans_b, tuple(w.shape)), None if trans_b else torch.Tensor.t
     )
     bias = None
     if c is not None:
@@ -1282,7 +1260,7 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
             raise _Unlowerable
         if array.ndim > 2 or (array.ndim == 2 and array.shape[0] != 1):
             raise _Unlowerable
-        bias = _weight(lo, node, c, "bias", Binding(c.name or "", False, tuple(array.shape)), _flat)
+        bias = _weight(lo, node, c, "bias", Binding(c.name or "", False, tuple(array.shape)), torch.Tensor.flatten)
     layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), node.outputs[0])
     lo.out.layers[layer.name] = LayerSite(node.name or "")
 
@@ -1302,22 +1280,14 @@ def _conv(lo: _Lowering, node: ir.Node) -> None:
     pads = _pads(node, spatial)
     out_channels = int(w.shape[0])
     weight = _weight(lo, node, wv, "weight", Binding(wv.name or "", False, tuple(w.shape)))
-    bias = None
-    site = LayerSite(node.name or "")
-    out = node.outputs[0]
-    if bv is not None:
+    if bv is None:
+        bias, site, out = _bias_add(lo, node, out_channels, spatial + 1)
+    else:
         array = _array(bv)
         if array is None or not bv.is_initializer() or array.ndim != 1:
             raise _Unlowerable
         bias = _weight(lo, node, bv, "bias", Binding(bv.name or "", False, tuple(array.shape)))
-    else:
-        found = _bias_after(node, out_channels, spatial + 1)
-        if found is not None:
-            add, value, array = found
-            bias = _weight(lo, add, value, "bias", Binding(value.name or "", False, array.shape), _flat)
-            lo.fused.add(add)
-            site = LayerSite(node.name or "", add.name)
-            out = add.outputs[0]
+        site, out = LayerSite(node.name or ""), node.outputs[0]
     args = (lo.read(x), weight, bias, strides, pads, dilations, False, [0] * spatial, groups)
     layer = lo.emit(node, aten.convolution.default, args, out)
     lo.out.layers[layer.name] = site
@@ -1330,9 +1300,8 @@ def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
 
 _SAME_SIZES.update(_UNARY.values(), _BINARY.values())
 _SAME_SIZES.update(
-    {aten.gelu.default, aten.leaky_relu.default, aten.elu.default, aten.clamp.default, aten._softmax.default,
-     aten._log_softmax.default, aten.maximum.default, aten.minimum.default, aten.where.self, aten.alias.default,
-     aten.to.dtype, aten.dropout.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
+    {aten._softmax.default, aten._log_softmax.default, aten.where.self, aten.alias.default, aten.to.dtype,
+     aten.dropout.default, aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor}
 )  # fmt: skip
 
 # --------------------------------------------------------------------------------------------- the entry point
