@@ -397,9 +397,14 @@ class _Lowering:
         if len(node.outputs) == 1:
             self.emit(node, target, tuple(reads), node.outputs[0])
             return
-        tup = self.emit(node, target, tuple(reads), None, val=tuple(self.fake(o) for o in node.outputs))
+        self.emit_outputs(node, target, tuple(reads), used_only=True)
+
+    def emit_outputs(self, node: ir.Node, target: Any, args: tuple[Any, ...], used_only: bool = False) -> None:
+        """An fx node for ``node`` of several outputs (a tuple) and a ``getitem`` per output (with ``used_only``: per
+        output something reads)."""
+        tup = self.emit(node, target, args, None, val=tuple(self.fake(o) for o in node.outputs))
         for i, out in enumerate(node.outputs):
-            if out.uses() or out.is_graph_output():
+            if not used_only or out.uses() or out.is_graph_output():
                 self.getitem(node, tup, i, out)
 
     def getitem(self, node: ir.Node, tup: fx.Node, i: int, value: ir.Value) -> fx.Node:
@@ -573,6 +578,12 @@ def _ints(value: ir.Value | None) -> list[int] | None:
 def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
     found = node.attributes.get(name)
     return default if found is None else found.value
+
+
+def _text(node: ir.Node, name: str, default: str) -> str:
+    """A string attribute's value (bytes decoded)."""
+    value = _attr(node, name, default)
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _rank(value: ir.Value | None) -> int:
@@ -775,15 +786,7 @@ def _split(lo: _Lowering, node: ir.Node) -> None:
         if not isinstance(dims[axis], int):
             raise _Unlowerable
         sizes.append(int(dims[axis]))
-    tup = lo.emit(
-        node,
-        aten.split_with_sizes.default,
-        (lo.read(node.inputs[0]), sizes, axis),
-        None,
-        val=tuple(lo.fake(o) for o in node.outputs),
-    )
-    for i, out in enumerate(node.outputs):
-        lo.getitem(node, tup, i, out)
+    lo.emit_outputs(node, aten.split_with_sizes.default, (lo.read(node.inputs[0]), sizes, axis))
 
 
 @lowers("Slice")
@@ -910,8 +913,7 @@ def _global_pool(lo: _Lowering, node: ir.Node) -> None:
 def _pads(node: ir.Node, spatial: int, src: ir.Value | None = None) -> list[int]:
     """Per spatial axis, the larger of the begin and end padding (the rules ask only whether a conv or pool pads);
     ``auto_pad`` SAME_* worked out from the input size where it is static (a 1x1, stride-1 kernel pads nothing)."""
-    auto = _attr(node, "auto_pad", "NOTSET")
-    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    auto = _text(node, "auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         kernel = _attr(node, "kernel_shape") or ([] if src is None else None)
         weight = node.inputs[1] if len(node.inputs) > 1 else None
@@ -959,15 +961,7 @@ def _pool(lo: _Lowering, node: ir.Node) -> None:
     dilations = [int(d) for d in _attr(node, "dilations") or [1] * spatial]
     indices = len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output())
     if indices and spatial == 2:
-        tup = lo.emit(
-            node,
-            aten.max_pool2d_with_indices.default,
-            (x, kernel, strides, pads, dilations, ceil),
-            None,
-            val=tuple(lo.fake(o) for o in node.outputs),
-        )
-        for i, out in enumerate(node.outputs):
-            lo.getitem(node, tup, i, out)
+        lo.emit_outputs(node, aten.max_pool2d_with_indices.default, (x, kernel, strides, pads, dilations, ceil))
         return
     if indices:
         raise _Unlowerable
@@ -989,8 +983,7 @@ def _pad(lo: _Lowering, node: ir.Node) -> None:
     for i, a in enumerate(axes):
         begin[int(a) % rank], end[int(a) % rank] = int(pads[i]), int(pads[i + len(axes)])
     torch_pads = [p for d in range(rank - 1, -1, -1) for p in (begin[d], end[d])]
-    mode = _attr(node, "mode", "constant")
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    mode = _text(node, "mode", "constant")
     x = lo.read(src)
     if mode == "constant":
         lo.emit(node, aten.constant_pad_nd.default, (x, torch_pads, 0.0), node.outputs[0])
@@ -1018,10 +1011,8 @@ def _resize(lo: _Lowering, node: ir.Node) -> None:
     unscaled = scales is not None and scales.size == rank and bool((scales[:2] == 1.0).all())  # floor(1.0*batch)
     if rank not in (3, 4, 5) or len(outs) != rank or (ins[:2] != outs[:2] and not unscaled):
         raise _Unlowerable  # only the spatial axes may be resized
-    mode = _attr(node, "mode", "nearest")
-    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
-    coords = _attr(node, "coordinate_transformation_mode", "half_pixel")
-    coords = coords.decode() if isinstance(coords, bytes) else str(coords)
+    mode = _text(node, "mode", "nearest")
+    coords = _text(node, "coordinate_transformation_mode", "half_pixel")
     if coords == "tf_crop_and_resize":
         raise _Unlowerable
     sizes = [lo.dims.size(d) for d in outs[2:]]
