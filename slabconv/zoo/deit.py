@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.zoo.layers import Mlp, NormFactory, init_linears, norm_factory, norm_layout
+from slabconv.zoo.layers import Block, Mlp, NormFactory, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
 from slabconv.zoo.registry import (
     LayoutError,
@@ -58,19 +58,6 @@ class Attention(nn.Module):
         attn = attn.softmax(dim=-1)
         x = (attn @ v).transpose(1, 2).reshape(b, n, c)
         return self.proj(x)
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, qkv_bias: bool, norm_layer: NormFactory):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias)
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, mlp_hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchEmbed(nn.Module):
@@ -112,7 +99,9 @@ class VisionTransformer(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         hidden = int(embed_dim * mlp_ratio)
-        self.blocks = nn.Sequential(*[Block(embed_dim, num_heads, hidden, qkv_bias, norm_layer) for _ in range(depth)])
+        self.blocks = nn.Sequential(
+            *[Block(embed_dim, Attention(embed_dim, num_heads, qkv_bias), hidden, norm_layer) for _ in range(depth)]
+        )
         self.norm = norm_layer(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
         nn.init.trunc_normal_(self.pos_embed, std=0.02)

@@ -46,6 +46,24 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class Block(nn.Module):
+    """Pre-norm transformer block on tokens ``(B, N, C)``: ``x + attn(norm1(x), *sizes)``, then
+    ``x + mlp(norm2(x))``; keys ``norm1``, ``attn``, ``norm2``, ``mlp.{fc1,fc2}`` (the official DeiT, SLAB-DeiT and
+    PVT blocks, which differ only in ``attn``). ``sizes``: what ``attn`` reads beside the tokens (PVT's map height
+    and width)."""
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_hidden: int, norm_layer: NormFactory):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = attn
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, mlp_hidden)
+
+    def forward(self, x: torch.Tensor, *sizes: int) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), *sizes)
+        return x + self.mlp(self.norm2(x))
+
+
 def init_linears(model: nn.Module) -> None:
     """The official models' Linear initialisation: weights truncated-normal with std 0.02, biases 0."""
     for m in model.modules():

@@ -40,7 +40,7 @@ from torch import nn
 
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import (
-    Mlp,
+    Block,
     NormFactory,
     cfg_get,
     depths_of,
@@ -118,19 +118,6 @@ class LinearAttention(nn.Module):
         return self.proj(merge_heads(out, self.num_heads))
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float, norm_layer: NormFactory):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = attn
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
-
-    def forward(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), h, w)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchEmbed(nn.Module):
     """``(B, in_chans, H, W) -> (B, H/p * W/p, C)``: stride-p conv ``proj``, then ``norm``."""
 
@@ -195,7 +182,7 @@ class PyramidVisionTransformer(nn.Module):
                     attn = LinearAttention(embed_dims[i], num_heads[i], train_side * train_side, qkv_bias, kernel_size)
                 else:
                     attn = Attention(embed_dims[i], num_heads[i], qkv_bias, sr_ratios[i], norm_layer)
-                blocks.append(Block(embed_dims[i], attn, mlp_ratios[i], norm_layer))
+                blocks.append(Block(embed_dims[i], attn, int(embed_dims[i] * mlp_ratios[i]), norm_layer))
             setattr(self, f"block{i + 1}", nn.ModuleList(blocks))
             self.grids.append((train_side, run_side))
         self.head = nn.Linear(embed_dims[-1], num_classes)

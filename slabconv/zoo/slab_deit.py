@@ -32,7 +32,7 @@ from torch import nn
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.deit import PatchEmbed
 from slabconv.zoo.layers import (
-    Mlp,
+    Block,
     NormFactory,
     SimplifiedLinearAttention,
     init_linears,
@@ -48,30 +48,6 @@ from slabconv.zoo.registry import (
     resolve_image_size,
     square_input,
 )
-
-
-class Block(nn.Module):
-    """Pre-norm block: ``x + SLA(norm1(x))``, then ``x + mlp(norm2(x))``; tokens ``(B, N, C)``."""
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        num_tokens: int,
-        mlp_hidden: int,
-        qkv_bias: bool,
-        kernel_size: int,
-        norm_layer: NormFactory,
-    ):
-        super().__init__()
-        self.norm1 = norm_layer(dim)
-        self.attn = SimplifiedLinearAttention(dim, num_heads, num_tokens, kernel_size, qkv_bias, float32_core=True)
-        self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, mlp_hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 class SlabVisionTransformer(nn.Module):
@@ -104,8 +80,9 @@ class SlabVisionTransformer(nn.Module):
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))
         hidden = int(embed_dim * mlp_ratio)
+        sla = (embed_dim, num_heads, num_tokens, kernel_size, qkv_bias)  # float32_core, as the official code
         self.blocks = nn.Sequential(
-            *[Block(embed_dim, num_heads, num_tokens, hidden, qkv_bias, kernel_size, norm_layer) for _ in range(depth)]
+            *[Block(embed_dim, SimplifiedLinearAttention(*sla), hidden, norm_layer) for _ in range(depth)]
         )
         self.norm = norm_layer(embed_dim)
         self.avgpool = nn.AdaptiveAvgPool1d(1)
