@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.zoo.layers import Block, Mlp, NormFactory, init_linears, norm_factory, norm_layout
+from slabconv.zoo.layers import Block, Mlp, NormFactory, PatchEmbed, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
 from slabconv.zoo.registry import (
     LayoutError,
@@ -60,18 +60,6 @@ class Attention(nn.Module):
         return self.proj(x)
 
 
-class PatchEmbed(nn.Module):
-    """Image ``(B, in_chans, H, W)`` -> tokens ``(B, (H/p)*(W/p), C)`` by a stride-p conv."""
-
-    def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int):
-        super().__init__()
-        self.num_patches = (img_size // patch_size) ** 2
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
 class VisionTransformer(nn.Module):
     """DeiT-style ViT: patch embedding, cls token, ``depth`` pre-norm blocks, final norm, linear head.
 
@@ -95,9 +83,9 @@ class VisionTransformer(nn.Module):
     ):
         super().__init__()
         self.global_pool = global_pool
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
+        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, (img_size // patch_size) ** 2 + 1, embed_dim))
         hidden = int(embed_dim * mlp_ratio)
         self.blocks = nn.Sequential(
             *[Block(embed_dim, Attention(embed_dim, num_heads, qkv_bias), hidden, norm_layer) for _ in range(depth)]

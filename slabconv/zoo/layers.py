@@ -157,6 +157,20 @@ def map_to_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(2).transpose(1, 2)
 
 
+class PatchEmbed(nn.Module):
+    """Image ``(B, in_chans, H, W) -> (B, H/p * W/p, C)`` tokens by a stride-p conv ``proj``, then ``norm`` (DeiT has
+    none, Swin as its config says, PVT always); keys ``proj``, ``norm``."""
+
+    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, norm_layer: NormFactory | None = None):
+        super().__init__()
+        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = norm_layer(embed_dim) if norm_layer is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = map_to_tokens(self.proj(x))
+        return self.norm(x) if self.norm is not None else x
+
+
 class SimplifiedLinearAttention(nn.Module):
     """SLA over all ``num_tokens`` tokens of its input, as in SLAB-DeiT and the SLAB-Swin windows.
 

@@ -42,6 +42,7 @@ from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import (
     Block,
     NormFactory,
+    PatchEmbed,
     cfg_get,
     depths_of,
     init_linears,
@@ -116,19 +117,6 @@ class LinearAttention(nn.Module):
         side = math.isqrt(n)  # the official dwc map: sqrt(N) on a side
         out = linear_attention(q, k, v) + map_to_tokens(self.dwc(tokens_to_map(v, side, side)))
         return self.proj(merge_heads(out, self.num_heads))
-
-
-class PatchEmbed(nn.Module):
-    """``(B, in_chans, H, W) -> (B, H/p * W/p, C)``: stride-p conv ``proj``, then ``norm``."""
-
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, norm_layer: NormFactory):
-        super().__init__()
-        self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        self.norm = norm_layer(embed_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(map_to_tokens(self.proj(x)))
 
 
 class PyramidVisionTransformer(nn.Module):

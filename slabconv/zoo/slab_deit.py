@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.zoo.deit import PatchEmbed
 from slabconv.zoo.layers import (
     Block,
     NormFactory,
+    PatchEmbed,
     SimplifiedLinearAttention,
     init_linears,
     key_indices,
@@ -74,8 +74,8 @@ class SlabVisionTransformer(nn.Module):
     ):
         super().__init__()
         norm_layer = norm_layer or norm_factory("linearnorm", ln_eps=1e-6)
-        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
-        num_tokens = self.patch_embed.num_patches
+        self.patch_embed = PatchEmbed(patch_size, in_chans, embed_dim)
+        num_tokens = (img_size // patch_size) ** 2
         if keep_cls_token:
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, embed_dim))

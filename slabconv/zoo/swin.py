@@ -53,12 +53,12 @@ from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import (
     Mlp,
     NormFactory,
+    PatchEmbed,
     SimplifiedLinearAttention,
     cfg_get,
     depths_of,
     init_linears,
     key_indices,
-    map_to_tokens,
     norm_factory,
     norm_layout,
 )
@@ -249,19 +249,6 @@ class BasicLayer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.downsample(x) if self.downsample is not None else x
-
-
-class PatchEmbed(nn.Module):
-    """``(B, in_chans, H, W) -> (B, H/p * W/p, C)`` by a stride-p conv, then ``norm`` (or none)."""
-
-    def __init__(self, patch_size: int, in_chans: int, embed_dim: int, norm_layer: NormFactory | None):
-        super().__init__()
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
-        self.norm = norm_layer(embed_dim) if norm_layer is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = map_to_tokens(self.proj(x))
-        return self.norm(x) if self.norm is not None else x
 
 
 def stage_resolutions(side: int, stages: int) -> list[int]:
