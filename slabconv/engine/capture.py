@@ -223,9 +223,3 @@ def module_path(node: fx.Node) -> list[str]:
     """Module paths enclosing ``node``, outermost first (from ``nn_module_stack``; root excluded)."""
     stack = node.meta.get("nn_module_stack") or {}
     return [fqn for fqn, _ in stack.values() if fqn]
-
-
-def module_types(node: fx.Node) -> dict[str, str]:
-    """Module path -> module class (as recorded by ``torch.export``) for every module enclosing ``node``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return {fqn: str(kind) for fqn, kind in stack.values() if fqn}
