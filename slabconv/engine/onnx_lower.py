@@ -43,7 +43,7 @@ import onnx_ir as ir
 import torch
 from torch import fx, nn
 
-from slabconv.engine.onnx_shapes import Dims, infer_shapes, merge_shapes, unknowns
+from slabconv.engine.onnx_shapes import Dims, infer_shapes, known_elements, merge_shapes, unknowns
 
 aten = torch.ops.aten
 
@@ -117,7 +117,7 @@ def _fold_constants(model: ir.Model) -> None:
                 continue
             if v.shape is None or unknowns(v.shape):
                 return None
-            total += math.prod(d for d in v.shape if isinstance(d, int))
+            total += known_elements(v.shape)
         return total
 
     def should_fold(node: ir.Node) -> bool | None:
@@ -539,23 +539,22 @@ def _const_tensor(value: ir.Value | None) -> Any:
 
 
 def _as_torch(tensor: Any) -> torch.Tensor | None:
-    """An ONNX tensor's array as a torch tensor (a view where numpy allows: memory-mapped external data stays
-    mapped); None for element types torch has no dtype for."""
+    """An ONNX tensor's array as a torch tensor (a view: ``to_torch(copy=False)``); None for element types torch has
+    no dtype for."""
     if tensor is None or tensor.dtype not in TORCH_DTYPES:
         return None
-    array = tensor.numpy()
+    return to_torch(tensor.numpy(), copy=False)
+
+
+def to_torch(array: np.ndarray, copy: bool = True) -> torch.Tensor:
+    """A numpy array as a torch tensor: a copy, or with ``copy=False`` a view where numpy allows (memory-mapped
+    external data stays mapped); bfloat16 (``ml_dtypes``) through its bits."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read-only memory maps: the engine never writes a stored tensor
-        if tensor.dtype == ir.DataType.BFLOAT16:
-            return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16)).view(torch.bfloat16)
-        return torch.as_tensor(np.asarray(array))
-
-
-def to_torch(array: np.ndarray) -> torch.Tensor:
-    """A numpy array as a torch tensor (a copy); bfloat16 (``ml_dtypes``) through its bits."""
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(array, copy=True))
+        if array.dtype.name == "bfloat16":
+            bits = np.ascontiguousarray(array).view(np.uint16)
+            return torch.from_numpy(bits.copy() if copy else bits).view(torch.bfloat16)
+        return torch.from_numpy(np.array(array, copy=True)) if copy else torch.as_tensor(np.asarray(array))
 
 
 def _array(value: ir.Value | None) -> np.ndarray | None:

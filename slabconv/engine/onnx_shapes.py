@@ -7,6 +7,7 @@ value's type and shape into the fake tensor an fx node of ``slabconv.engine.onnx
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Iterable, Sequence
@@ -122,14 +123,14 @@ def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
 
     if proto_path is not None:
         proto = onnx.load(proto_path, load_external_data=False)
-        big = [t for t in proto.graph.initializer if uses_external_data(t) or _elements(t.dims) > SMALL_CONSTANT]
+        big = [t for t in proto.graph.initializer if uses_external_data(t) or math.prod(t.dims) > SMALL_CONSTANT]
         for tensor in big:
             info = onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
             proto.graph.input.append(info)
             proto.graph.initializer.remove(tensor)
         return proto
     graph = model.graph
-    aside = [v for v in graph.initializers.values() if v.shape is not None and _elements(v.shape) > SMALL_CONSTANT]
+    aside = [v for v in graph.initializers.values() if v.shape is not None and known_elements(v.shape) > SMALL_CONSTANT]
     for value in aside:
         graph.initializers.pop(value.name or "")
     try:
@@ -142,13 +143,6 @@ def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
         dims = [d if isinstance(d, int) else None for d in value.shape or ()]
         proto.graph.input.append(onnx.helper.make_tensor_value_info(value.name or "", dtype, dims))
     return proto
-
-
-def _elements(dims: Iterable[Any]) -> int:
-    total = 1
-    for d in dims:
-        total *= d if isinstance(d, int) else 1
-    return total
 
 
 def merge_shapes(model: ir.Model, found: dict[str, tuple[int, tuple[Any, ...] | None]]) -> None:
@@ -169,6 +163,11 @@ def merge_shapes(model: ir.Model, found: dict[str, tuple[int, tuple[Any, ...] | 
 
 def unknowns(dims: Iterable[Any]) -> int:
     return sum(1 for d in dims if not isinstance(d, int))
+
+
+def known_elements(dims: Iterable[Any]) -> int:
+    """The product of the known sizes of ``dims`` (an unknown one counts as 1)."""
+    return math.prod(d for d in dims if isinstance(d, int))
 
 
 def _values(graph: ir.Graph) -> Iterable[ir.Value]:
