@@ -1061,39 +1061,24 @@ def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
     lo.getitem(node, tup, 0, node.outputs[0])
 
 
-@lowers("LayerNormalization")
+@lowers("LayerNormalization", "RMSNormalization")
 def _layer_norm(lo: _Lowering, node: ir.Node) -> None:
-    if any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+    """``aten.layer_norm`` / ``aten.rms_norm`` (torch 2.4+) over the axes from ``axis`` on, whose sizes must be
+    static; a LayerNormalization whose mean or inverse deviation is read is opaque."""
+    rms = node.op_type == "RMSNormalization"
+    if (rms and not hasattr(aten, "rms_norm")) or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
         raise _Unlowerable
-    src = node.inputs[0]
-    dims = _dims(src)
-    axis = int(_attr(node, "axis", -1)) % len(dims)
-    shape = dims[axis:]
+    dims = _dims(node.inputs[0])
+    shape = dims[int(_attr(node, "axis", -1)) % len(dims) :]
     if not all(isinstance(d, int) for d in shape):
         raise _Unlowerable
-    w = lo.read(node.inputs[1])
-    b = lo.read(node.inputs[2]) if len(node.inputs) > 2 else None
-    eps = float(_attr(node, "epsilon", 1e-5))
-    lo.emit(node, aten.layer_norm.default, (lo.read(src), [int(d) for d in shape], w, b, eps), node.outputs[0])
-
-
-@lowers("RMSNormalization")
-def _rms_norm(lo: _Lowering, node: ir.Node) -> None:
-    if not hasattr(aten, "rms_norm"):
-        raise _Unlowerable
-    src = node.inputs[0]
-    dims = _dims(src)
-    axis = int(_attr(node, "axis", -1)) % len(dims)
-    shape = dims[axis:]
-    if not all(isinstance(d, int) for d in shape):
-        raise _Unlowerable
-    eps = float(_attr(node, "epsilon", 1e-5))
-    lo.emit(
-        node,
-        aten.rms_norm.default,
-        (lo.read(src), [int(d) for d in shape], lo.read(node.inputs[1]), eps),
-        node.outputs[0],
-    )
+    x, w = lo.read(node.inputs[0]), lo.read(node.inputs[1])
+    sizes, eps = [int(d) for d in shape], float(_attr(node, "epsilon", 1e-5))
+    if rms:
+        lo.emit(node, aten.rms_norm.default, (x, sizes, w, eps), node.outputs[0])
+    else:
+        b = lo.read(node.inputs[2]) if len(node.inputs) > 2 else None
+        lo.emit(node, aten.layer_norm.default, (x, sizes, w, b, eps), node.outputs[0])
 
 
 @lowers("GroupNormalization")
