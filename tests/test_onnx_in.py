@@ -614,6 +614,55 @@ def _naive_onnx(path: Path, out: Path) -> Path:
     return out
 
 
+def _same_conv(path: Path, kernel: int, kernel_attr: bool) -> Path:
+    """``x -> BatchNormalization -> Conv(auto_pad=SAME_UPPER)``, a conv as jax2onnx writes it; ``kernel_shape`` is
+    optional in ONNX (the weight's shape says it), so a file may leave it out."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "conv.weight": rng.standard_normal((4, 4, kernel, kernel)),
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": 3 * rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    attrs = {"kernel_shape": [kernel, kernel]} if kernel_attr else {}
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", *list(arrays)[1:]], ["n"], name="bn"),
+        helper.make_node("Conv", ["n", "conv.weight"], ["y"], name="conv", auto_pad="SAME_UPPER", **attrs),
+    ]
+    x, y = (helper.make_tensor_value_info(v, onnx.TensorProto.FLOAT, [2, 4, 8, 8]) for v in ("x", "y"))
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("kernel_attr", [True, False], ids=["kernel_shape", "no-kernel_shape"])
+@pytest.mark.parametrize(
+    ("kernel", "action", "reason"), [(1, "folded-forward", None), (3, "kept-affine", reasons.PADDED_CONV_CONSUMER)]
+)
+def test_a_same_padded_conv_pads_by_its_kernel_whether_or_not_kernel_shape_is_written(
+    tmp_path, kernel, kernel_attr, action, reason
+):
+    """``auto_pad=SAME_UPPER`` pads nothing around a 1x1 stride-1 kernel (the fold is exact) and pads a 3x3 one (the
+    norm's shift would reach the zeros the conv reads at the border): the kernel is the attribute's, else the
+    weight's."""
+    import onnx_ir as ir
+
+    path = _same_conv(tmp_path / "model.onnx", kernel, kernel_attr)
+    model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.reason) for d in decisions] == [(action, reason)]
+    ir.save(model, str(tmp_path / "fused.onnx"))
+    x = np.random.default_rng(1).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "fused.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+    if action == "kept-affine":  # the refusal is needed: the naive fold is far off
+        y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
+        assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
 @pytest.mark.parametrize(("kind", "action", "reason"), JOINED, ids=[c[0] for c in JOINED])
 def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, kind, action, reason):
     torch.manual_seed(0)

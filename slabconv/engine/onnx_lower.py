@@ -909,30 +909,29 @@ def _global_pool(lo: _Lowering, node: ir.Node) -> None:
     lo.emit(node, op, (lo.read(node.inputs[0]), list(range(2, rank)), True), node.outputs[0])
 
 
-def _pads(node: ir.Node, spatial: int, src: ir.Value | None = None) -> list[int]:
+def _pads(node: ir.Node, spatial: int) -> list[int]:
     """Per spatial axis, the larger of the begin and end padding (the rules ask only whether a conv or pool pads);
-    ``auto_pad`` SAME_* worked out from the input size where it is static (a 1x1, stride-1 kernel pads nothing)."""
+    ``auto_pad`` SAME_* worked out from the kernel (``kernel_shape``, else a Conv's weight: the attribute is
+    optional) and the input size where it is static (a 1x1, stride-1 kernel pads nothing); an axis whose kernel or
+    size is unknown counts as padded."""
     auto = _text(node, "auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
-        kernel = _attr(node, "kernel_shape") or ([] if src is None else None)
-        weight = node.inputs[1] if len(node.inputs) > 1 else None
-        if kernel is None and weight is not None and weight.shape is not None:
-            kernel = list(weight.shape)[2:]
+        weight = node.inputs[1] if node.op_type == "Conv" and len(node.inputs) > 1 else None
+        shape = weight.shape if weight is not None else None
+        kernel: list[Any] = _attr(node, "kernel_shape") or (list(shape)[2:] if shape is not None else [])
         strides = _attr(node, "strides") or [1] * spatial
         dilations = _attr(node, "dilations") or [1] * spatial
         sizes = list(node.inputs[0].shape)[2:] if node.inputs[0] is not None and node.inputs[0].shape else None
         out = []
         for i in range(spatial):
-            k, s, d = int(kernel[i]) if kernel else 0, int(strides[i]), int(dilations[i])
-            if (k - 1) * d + 1 == 1 and s == 1:
+            k = int(kernel[i]) if i < len(kernel) and isinstance(kernel[i], int) else None
+            s, d, n = int(strides[i]), int(dilations[i]), sizes[i] if sizes is not None else None
+            if k is not None and (k - 1) * d + 1 == 1 and s == 1:
                 out.append(0)
-                continue
-            n = sizes[i] if sizes is not None else None
-            if not isinstance(n, int):
+            elif k is None or not isinstance(n, int):
                 out.append(1)  # unknown: count it as padded
-                continue
-            total = max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0)
-            out.append(total)
+            else:
+                out.append(max((-(-n // s) - 1) * s + (k - 1) * d + 1 - n, 0))
         return out
     if auto == "VALID":
         return [0] * spatial
