@@ -164,13 +164,9 @@ class OnnxGraph:
 
     info: OnnxFile
     model: Any
-    folds: list[Decision]
+    decisions: list[Decision]
     layer_ranges: list[LayerRange] | None = None
     mode: str = "in-memory"
-
-    @property
-    def decisions(self) -> list[Decision]:
-        return self.folds
 
     def source(self) -> Source:
         return source_of(self.info)
@@ -195,7 +191,7 @@ class OnnxGraph:
         # question 1); the norm-affine mark is this fold's, never the original's
         model.metadata_props[FOLDED_KEY] = "true"
         model.metadata_props.pop(NORM_AFFINE_KEY, None)
-        if folds_norm_affine(self.folds):  # verify folds the original's norm affines too
+        if folds_norm_affine(self.decisions):  # verify folds the original's norm affines too
             model.metadata_props[NORM_AFFINE_KEY] = "true"
         progress(f"writing {FUSED_NAME}")
         size = sum(f.stat().st_size for f in info.files)
