@@ -58,7 +58,7 @@ class _Graph:
     """The model being rewritten, with its nodes and values by name and what the plans changed so far."""
 
     def __init__(self, model: ir.Model, lowered: Lowered, exact: bool):
-        self.model, self.graph, self.lowered, self.exact = model, model.graph, lowered, exact
+        self.graph, self.lowered, self.exact = model.graph, lowered, exact
         self.nodes = {n.name: n for n in self.graph}
         self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs if v.name}
         self.values.update({k: v for k, v in self.graph.initializers.items()})

@@ -251,14 +251,12 @@ class _Lowering:
         self.dims = Dims()
         self.env: dict[ir.Value, fx.Node] = {}
         self.out = Lowered(gm=None)  # type: ignore[arg-type]
-        self.taken: set[str] = set()
         self.owners: dict[str, str] = {}  # target prefix -> "module" | "tensor"
         self.reserved = {n for n, v in model.graph.initializers.items() if _parameter_like(v)}  # for their initializer
         self.consts: dict[tuple[ir.Value, str], fx.Node] = {}  # a constant's get_attr, per name it is read under
         self.current: ir.Node | None = None  # the node being lowered (it names the constants it reads)
         self.fused: set[ir.Node] = set()  # bias Adds folded into the layer before them
         self.moved: dict[ir.Node, tuple[ir.Node, ir.Value]] = {}  # a bias Add after a reshape: (layer, its input)
-        self.stack: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ values
 
@@ -326,7 +324,6 @@ class _Lowering:
             self.owners[".".join(path[: depth + 1])] = "module"
         owner.register_buffer(leaf, tensor, persistent=True)
         self.owners[target] = "tensor"
-        self.taken.add(target)
         return target
 
     def _free(self, target: str) -> bool:
