@@ -119,10 +119,9 @@ FORMATS: tuple[InputFormat, ...] = (
 """Every input format, in the order they are tried (the pickle reader takes any other file)."""
 
 
-def sniff_format(path: Path | str, formats: tuple[InputFormat, ...] | None = None) -> InputFormat | None:
+def sniff_format(path: Path | str) -> InputFormat | None:
     """The first entry of ``FORMATS`` whose ``sniff`` takes ``path``, or None."""
-    path = Path(path)
-    return next((f for f in (FORMATS if formats is None else formats) if f.sniff(path)), None)
+    return next((f for f in FORMATS if f.sniff(Path(path))), None)
 
 
 def engine_of(path: Path | str) -> str:
@@ -138,7 +137,7 @@ def input_format(path: Path | str) -> InputFormat:
         InputError: no such file, or a folder that is no Hugging Face style folder.
     """
     path = Path(path)
-    found = sniff_format(path, FORMATS)
+    found = sniff_format(path)
     if found is not None:
         return found
     if path.is_dir():
