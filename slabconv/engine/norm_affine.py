@@ -199,17 +199,16 @@ def _split(gm: fx.GraphModule, node: fx.Node, op: NormOp, out: fx.Node) -> None:
     last = out
     if op.axis != -1 and op.axis != val.dim() - 1:  # GroupNorm: gamma as (C, 1, ..., 1) against (N, C, ...)
         view_shape = [int(val.shape[op.axis]), *([1] * (val.dim() - 1 - op.axis))]
-        w_val = weight.meta.get("val")
-        if not isinstance(w_val, torch.Tensor):
-            w_val = stored(gm, str(weight.target)) if weight.op == "get_attr" else None
-        scale = _new(graph, last, aten.view.default, (weight, view_shape), node, w_val.view(view_shape))  # type: ignore[union-attr]
-        last = scale
+
+        def viewed(vector: fx.Node, after: fx.Node) -> fx.Node:
+            value = vector.meta.get("val")
+            if not isinstance(value, torch.Tensor):
+                value = stored(gm, str(vector.target)) if vector.op == "get_attr" else None
+            return _new(graph, after, aten.view.default, (vector, view_shape), node, value.view(view_shape))  # type: ignore[union-attr]
+
+        scale = last = viewed(weight, last)
         if bias is not None:
-            b_val = bias.meta.get("val")
-            if not isinstance(b_val, torch.Tensor):
-                b_val = stored(gm, str(bias.target)) if bias.op == "get_attr" else None
-            bias = _new(graph, last, aten.view.default, (bias, view_shape), node, b_val.view(view_shape))  # type: ignore[union-attr]
-            last = bias
+            bias = last = viewed(bias, last)
     mul = _new(graph, last, aten.mul.Tensor, (out, scale), node, val)
     mul.meta[MARK] = op.kind
     result = mul
