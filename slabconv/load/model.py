@@ -338,28 +338,22 @@ def check_config_sizes(config: Any, label: str) -> None:
     Raises:
         InputError: naming the key and its value.
     """
-    stack = [config]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                limit = _SIZE_LIMITS.get(str(key))
-                values = value if isinstance(value, list) else [value]
-                if limit is not None and any(
-                    isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= limit for v in values
-                ):
-                    raise InputError(
-                        f"{label}: config {key} = {value} is outside 1..{limit}; a model of that size cannot be "
-                        "built from these weights (a damaged or hostile config)"
-                    )
-                if str(key) in _EPS_KEYS and value is not None and not _valid_eps(value):
-                    raise InputError(
-                        f"{label}: config {key} = {str(value)[:40]} is not a positive number below 1 (a norm's eps); "
-                        "the config is damaged: fix it"
-                    )
-                stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(item)
+    for item in safety.json_dicts(config):
+        for key, value in item.items():
+            limit = _SIZE_LIMITS.get(str(key))
+            values = value if isinstance(value, list) else [value]
+            if limit is not None and any(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and not 0 < v <= limit for v in values
+            ):
+                raise InputError(
+                    f"{label}: config {key} = {value} is outside 1..{limit}; a model of that size cannot be "
+                    "built from these weights (a damaged or hostile config)"
+                )
+            if str(key) in _EPS_KEYS and value is not None and not _valid_eps(value):
+                raise InputError(
+                    f"{label}: config {key} = {str(value)[:40]} is not a positive number below 1 (a norm's eps); "
+                    "the config is damaged: fix it"
+                )
 
 
 def _valid_eps(value: Any) -> bool:

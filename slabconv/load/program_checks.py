@@ -27,6 +27,7 @@ from slabconv.load.safety import (
     MAX_PROGRAM_JSON_BYTES,
     _human,
     check_zip,
+    json_dicts,
     open_regular,
     parse_json,
 )
@@ -271,24 +272,17 @@ def check_program_archive(
 
 
 def _check_expressions(document: Any, label: str, entry: str) -> None:
-    stack = [document]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                if key == "expr_str":
-                    try:
-                        check_expression(value)
-                    except ValueError as err:
-                        shown = str(value)[:60]
-                        raise InputError(
-                            f"{label}: {entry} has a symbolic shape {shown!r} that is not a shape expression ({err}); "
-                            "torch would evaluate it as Python: refused"
-                        ) from None
-                else:
-                    stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(item)
+    for item in json_dicts(document, skip=("expr_str",)):
+        if "expr_str" not in item:
+            continue
+        try:
+            check_expression(item["expr_str"])
+        except ValueError as err:
+            shown = str(item["expr_str"])[:60]
+            raise InputError(
+                f"{label}: {entry} has a symbolic shape {shown!r} that is not a shape expression ({err}); "
+                "torch would evaluate it as Python: refused"
+            ) from None
 
 
 def _itemsize(code: Any) -> int:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from slabconv.errors import InputError
+from slabconv.load.safety import json_dicts
 
 MAX_GRAPH_NODES = 10_000
 """Nodes in a program's graphs (all subgraphs counted). torch deserializes about 200 nodes a second on one core (a
@@ -168,15 +169,9 @@ def check_program_document(document: Any, label: str, entry: str) -> None:
 
 def _graphs(document: Any) -> Iterator[dict[str, Any]]:
     """Every graph object in the document: the main graph and every subgraph (``as_graph`` arguments)."""
-    stack = [document]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if isinstance(item.get("nodes"), list) and "inputs" in item and "outputs" in item:
-                yield item
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+    for item in json_dicts(document):
+        if isinstance(item.get("nodes"), list) and "inputs" in item and "outputs" in item:
+            yield item
 
 
 def _signatures(document: Any) -> Iterator[dict[str, Any]]:
@@ -199,19 +194,11 @@ def _check_node(node: Any, label: str) -> None:
     problem = operator_problem(node.get("target"))
     if problem is not None:
         raise _refuse(label, f"{_node_name(node)} of the program", problem)
-    stack: list[Any] = [node.get("inputs"), node.get("outputs")]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, value in item.items():
-                if key == "as_operator":
-                    problem = operator_problem(value)
-                    if problem is not None:
-                        raise _refuse(label, f"an argument of {_node_name(node)}", problem)
-                elif key != "as_graph":  # subgraphs are checked as graphs of their own
-                    stack.append(value)
-        elif isinstance(item, list):
-            stack.extend(item)
+    # subgraphs (as_graph) are checked as graphs of their own
+    for item in json_dicts([node.get("inputs"), node.get("outputs")], skip=("as_operator", "as_graph")):
+        problem = operator_problem(item["as_operator"]) if "as_operator" in item else None
+        if problem is not None:
+            raise _refuse(label, f"an argument of {_node_name(node)}", problem)
     metadata = node.get("metadata")
     if isinstance(metadata, dict):
         for key, value in metadata.items():
@@ -258,16 +245,7 @@ def _check_treespec(text: Any, label: str, key: str) -> None:
 
 
 def _has_enum(value: Any) -> bool:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if "__enum__" in item:
-                return True
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+    return any("__enum__" in item for item in json_dicts(value))
 
 
 def _check_guards(guards: Any, label: str) -> None:

@@ -189,6 +189,20 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+def json_dicts(value: Any, skip: tuple[str, ...] = ()) -> Iterator[dict[Any, Any]]:
+    """Every dict of parsed JSON ``value`` (``value`` itself included), depth first and without recursion; the
+    values under a key in ``skip`` are not entered. Each dict is yielded before its children are, so a check that
+    raises on a dict stops the walk there."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield item
+            stack.extend(v for k, v in item.items() if k not in skip)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """JSON text parsed within the size and depth limits (``MAX_JSON_BYTES``, ``MAX_JSON_DEPTH``).
 
