@@ -47,15 +47,7 @@ _BN_ROLES = ("weight", "bias", "running_mean", "running_var")
 
 def _reads_input(node: fx.Node) -> bool:
     """True when ``node`` is computed from a graph input (a placeholder among its ancestors)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.op == "placeholder":
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo += n.all_input_nodes
-    return False
+    return any(n.op == "placeholder" for n in Constants.ancestors(node))
 
 
 def is_batch_norm(node: fx.Node) -> bool:
@@ -116,8 +108,9 @@ class Constants:
                 self._value[node] = node.target(*args, **kwargs)  # type: ignore[operator]
         return self._value[node]
 
-    def ancestors(self, node: fx.Node) -> Iterable[fx.Node]:
-        """Every node of a constant's subgraph."""
+    @staticmethod
+    def ancestors(node: fx.Node) -> Iterable[fx.Node]:
+        """``node`` and every node it is computed from (a constant's subgraph), each once."""
         todo, seen = [node], set()
         while todo:
             n = todo.pop()
