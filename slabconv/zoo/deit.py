@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.zoo.layers import Block, Mlp, NormFactory, PatchEmbed, init_linears, norm_factory, norm_layout
+from slabconv.zoo.layers import Block, Mlp, NormFactory, PatchEmbed, cfg_get, init_linears, norm_factory, norm_layout
 from slabconv.zoo.norms import RepBN
 from slabconv.zoo.registry import (
     LayoutError,
@@ -147,10 +147,9 @@ def signature(sd: StateDict) -> tuple[int, int] | None:
 
 def _num_heads(preset: Preset, sd: StateDict, config: Mapping[str, Any]) -> int:
     """Config ``MODEL.VIT.NUM_HEADS``, else the preset's, else DeiT's convention of 64 channels a head."""
-    model = config.get("MODEL", {}) if isinstance(config, Mapping) else {}
-    vit = model.get("VIT", {}) if isinstance(model, Mapping) else {}
-    if isinstance(vit, Mapping) and "NUM_HEADS" in vit:
-        return int(vit["NUM_HEADS"])
+    heads = cfg_get(config, "MODEL", "VIT", "NUM_HEADS")
+    if heads is not None:
+        return int(heads)
     if "num_heads" in preset.defaults:
         return int(preset.defaults["num_heads"])
     return max(1, vit_hparams(sd)["embed_dim"] // 64)
