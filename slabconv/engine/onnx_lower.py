@@ -30,6 +30,7 @@ graph).
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import math
 import re
@@ -217,8 +218,6 @@ class OnnxOp:
     """The op of an opaque node: an ONNX op the engine has no rule for. Its ``__name__`` and ``namespace`` make
     ``slabconv.engine.reasons.unsupported`` say ``unsupported-op:onnx.<Op>``."""
 
-    _made: dict[str, OnnxOp] = {}
-
     def __init__(self, domain: str, op_type: str):
         self.namespace = "onnx" if domain in ONNX_DOMAINS else domain
         self.__name__ = op_type
@@ -232,11 +231,10 @@ class OnnxOp:
         return f"{self.namespace}.{self.__name__}"
 
     @classmethod
+    @functools.cache
     def of(cls, domain: str, op_type: str) -> OnnxOp:
-        key = f"{domain}::{op_type}"
-        if key not in cls._made:
-            cls._made[key] = cls(domain, op_type)
-        return cls._made[key]
+        """The op of ``domain`` and ``op_type``, made once (every node of that op has the same target)."""
+        return cls(domain, op_type)
 
 
 def _opaque_ir_value(*args: Any) -> Any:
