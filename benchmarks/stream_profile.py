@@ -4,13 +4,13 @@
                                                 # builds: python -c "from benchmarks.memory_streaming import ...")
     python -m benchmarks.stream_profile         # builds the LLaMA-350M-shaped float16 folder first (minutes)
 
-Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_program_shards`` once with torch on one
-thread (as the stage does), timing its parts with ``time.thread_time`` on the main thread: reading a block out of
-the shard, widening it to float64, the folds, the overflow check, rounding once to the stored dtype, the weight
-ranges, waiting for the writer threads. The worker threads' CPU time (``write()`` and the sha256 of every written
-byte) is the process's CPU time less the main thread's. Prints CPU seconds per part and its share of the main
-thread's. CPU time, not wall time: on a loaded machine the wall time of a run moves by a factor of two, its CPU time
-by a few percent.
+Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_program_shards`` once (torch on one
+thread per lane, as in the stage), timing its parts with ``time.thread_time`` in the thread that runs them: reading
+a block out of the shard, widening it to float64, the folds, the overflow check, rounding once to the stored
+dtype, the weight ranges, waiting for the writer threads (each part summed over the fold's lanes,
+``write.shards.FOLD_LANES``), and in the writer's threads ``write()`` and the sha256 of every written byte. Prints
+CPU seconds per part and its share of the fold's (the lanes') CPU time. CPU time, not wall time: on a loaded
+machine the wall time of a run moves by a factor of two, its CPU time by a few percent.
 """
 
 from __future__ import annotations
@@ -40,9 +40,32 @@ def _timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+class _TimedSha256:
+    """``hashlib.sha256`` whose ``update`` (run in a writer thread) is timed."""
+
+    def __init__(self, data: bytes = b"") -> None:
+        import hashlib
+
+        self.inner = hashlib.sha256(data)
+        self.update = _timed("sha256 (writer thread)", self.inner.update)
+        self.hexdigest = self.inner.hexdigest
+
+
+class _TimedFile:
+    """A shard file whose ``write`` (run in a writer thread) is timed."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.write = _timed("write() (writer thread)", file.write)
+        self.close = file.close
+
+
 def profile(src: Path, out: Path) -> dict[str, float]:
-    """CPU seconds of the stage's parts on ``src`` (written to ``out``): the main thread's by part, ``main thread``,
-    ``worker threads`` and ``stage wall``."""
+    """CPU seconds of the stage's parts on ``src`` (written to ``out``): by part (summed over the threads that ran
+    it), ``main thread``, ``fold lanes`` (every lane's fold work, the main thread's included), ``process`` and
+    ``stage wall``."""
+    from types import SimpleNamespace
+
     import torch
 
     from slabconv.engine import program
@@ -61,13 +84,26 @@ def profile(src: Path, out: Path) -> dict[str, float]:
         (program.LayerRecipe, "_fold", "the folds in float64"),
         (program.LayerRecipe, "_read", "read the block (safetensors)"),
         (program.LayerRecipe, "_check_fits", "the overflow check"),
-        (RangeTally, "add", "the weight ranges"),
+        (RangeTally, "measure", "the weight ranges"),
+        (program.LayerRecipe, "_check_largest", "the overflow check"),
         (RangeTally, "result", "the weight ranges"),
         (ws.ShardWriter, "write", "hand over to the writer (waits)"),
         (ws.ShardWriter, "close", "hand over to the writer (waits)"),
     ]
     for owner, name, part in parts:  # this process only: it exits after the one run
         setattr(owner, name, _timed(part, getattr(owner, name)))
+    spread, init = program.Scratch.spread, ws.ShardWriter.__init__
+
+    def timed_spread(self: Any, count: int, work: Callable[[int, int], None]) -> None:
+        spread(self, count, _timed("fold lanes", work))
+
+    def timed_init(self: Any, *args: Any) -> None:
+        init(self, *args)
+        self.file = _TimedFile(self.file)
+
+    program.Scratch.spread = timed_spread  # type: ignore[method-assign]
+    ws.ShardWriter.__init__ = timed_init  # type: ignore[method-assign,assignment]
+    ws.hashlib = SimpleNamespace(sha256=_TimedSha256)  # type: ignore[assignment]
     assert planned.program is not None
     SPENT.clear()
     threads = torch.get_num_threads()
@@ -75,7 +111,7 @@ def profile(src: Path, out: Path) -> dict[str, float]:
     ws.write_program_shards(out, sharded.shards, sharded.shard_names, planned.program, {}, no_progress)
     result = dict(SPENT)
     result["main thread"] = time.thread_time() - main
-    result["worker threads"] = time.process_time() - process - result["main thread"]
+    result["process"] = time.process_time() - process
     result["stage wall"] = time.perf_counter() - wall
     assert torch.get_num_threads() == threads
     return result
@@ -94,14 +130,16 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             build_checkpoint(src, dict(SHAPES["350m"]), 200 * 10**6)
         (Path(tmp) / "out").mkdir()
         result = profile(src, Path(tmp) / "out")
-    main_s = result["main thread"]
+    lanes = result["fold lanes"]
+    writer = result["write() (writer thread)"] + result["sha256 (writer thread)"]
     print(
-        f"stage wall {result['stage wall']:.2f} s; main thread {main_s:.2f} CPU-s; "
-        f"worker threads (write, sha256) {result['worker threads']:.2f} CPU-s"
+        f"stage wall {result['stage wall']:.2f} s; process {result['process']:.2f} CPU-s: fold lanes {lanes:.2f} "
+        f"(main thread {result['main thread']:.2f}, the rest of it outside the lanes), writer threads "
+        f"{writer:.2f} (write() {result['write() (writer thread)']:.2f}, sha256 {result['sha256 (writer thread)']:.2f})"
     )
     for part, spent in sorted(result.items(), key=lambda kv: -kv[1]):
-        if part not in ("stage wall", "main thread", "worker threads"):
-            print(f"  {part:40s} {spent:6.2f} CPU-s  {spent / main_s:6.1%} of the main thread")
+        if part not in ("stage wall", "main thread", "process", "fold lanes") and "writer thread" not in part:
+            print(f"  {part:40s} {spent:6.2f} CPU-s  {spent / lanes:6.1%} of the fold lanes")
     return result
 
 

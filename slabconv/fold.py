@@ -106,14 +106,19 @@ def rounded(values: Tensor, dtype: torch.dtype, out: Tensor | None = None, near:
     nearest = near.detach().cpu().numpy().reshape(-1)
     at = _ties(nearest.view(np.int32), dtype)
     if at.size:  # those rounded to odd instead (numpy: a few values a block, where torch's per-call cost dominates)
-        index = torch.from_numpy(at).to(values.device)
-        exact = values.detach().reshape(-1)[index].cpu().numpy()
+        on_cpu = values.device.type == "cpu"
+        index = None if on_cpu else torch.from_numpy(at).to(values.device)
+        flat = values.detach().reshape(-1)
+        exact = flat.numpy()[at] if on_cpu else flat[index].cpu().numpy()
         cut = exact - nearest[at]  # exact: within half a float32 unit of the value
         inexact = (cut != 0) & np.isfinite(cut)  # NaN, infinities and overflow to them pass through as they are
         odd = nearest[at].view(np.int32) - (inexact & (np.signbit(cut) != np.signbit(nearest[at])))
         odd |= inexact
-        fixed = torch.from_numpy(odd.view(np.float32)).to(device=values.device, dtype=dtype)
-        result.reshape(-1)[index] = fixed
+        fixed = torch.from_numpy(odd.view(np.float32)).to(dtype)
+        if on_cpu and result.is_contiguous():  # into its bits (numpy has no bfloat16)
+            result.view(torch.int16).numpy().reshape(-1)[at] = fixed.view(torch.int16).numpy()
+        else:
+            result.reshape(-1)[torch.from_numpy(at).to(values.device)] = fixed.to(values.device)
     return result
 
 

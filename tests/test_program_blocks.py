@@ -3,6 +3,9 @@ reused buffers give exactly what rounding each block into a new tensor gives."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -12,6 +15,7 @@ import torch
 from slabconv.engine import program
 from slabconv.engine.layers import LAYERS
 from slabconv.engine.program import LayerRecipe, Scratch, TensorStore
+from slabconv.engine.ranges import RangeTally
 from slabconv.errors import UnsupportedModelError
 from slabconv.fold import rounded
 
@@ -32,19 +36,21 @@ def test_a_fold_is_refused_exactly_where_a_value_rounds_to_an_infinity(dtype: to
         edges += [65519.99, 65520.0]
     if dtype != torch.float32:  # float32's own step of the rounding lands on the limit: the tie ``rounded`` breaks
         assert float(torch.tensor(below, dtype=torch.float64).float()) == limit
+    assert program.overflows_from(dtype) == limit
     kind = next(k for k in LAYERS if k.name == "linear")
     for edge in edges:
         for sign in (1.0, -1.0):
             weight = torch.tensor([[0.5, sign * edge], [1.0, -2.0]], dtype=torch.float64)
             recipe = LayerRecipe(kind, "w", None, None, dtype, dtype, 1, [])  # no folds: the values as given
-            for scratch in (None, Scratch()):
+            # the streamed writer (a scratch and a tally) checks the rows' largest magnitudes, which the ranges take
+            for scratch, tally in ((None, None), (Scratch(), None), (Scratch(), RangeTally(recipe))):
                 fits = abs(edge) < limit  # NaN: False
                 if fits:
-                    (stored, _), *_ = recipe.blocks(TensorStore({"w": weight}), scratch=scratch)
-                    assert float(stored[0, 1]) == sign * (top if edge > top else edge), (edge, sign, scratch)
+                    (stored, _), *_ = recipe.blocks(TensorStore({"w": weight}), scratch=scratch, tally=tally)
+                    assert float(stored[0, 1]) == sign * (top if edge > top else edge), (edge, sign, scratch, tally)
                 else:
                     with pytest.raises(UnsupportedModelError, match="overflows"):
-                        list(recipe.blocks(TensorStore({"w": weight}), scratch=scratch))
+                        list(recipe.blocks(TensorStore({"w": weight}), scratch=scratch, tally=tally))
 
 
 def test_scratch_buffers_are_reused_and_rounding_into_them_equals_to() -> None:
@@ -105,21 +111,90 @@ def test_a_folded_float16_layer_is_the_float64_fold_correctly_rounded() -> None:
     assert torch.equal(b.view(torch.int16), torch.from_numpy(exact_b.numpy().astype(np.float16)).view(torch.int16))
 
 
+class TwoLanes(Scratch):
+    """A streamed fold's scratch with two lanes, lane 0 slowed so that the helper lane folds some sub-blocks of
+    every block with more than one (``by_lane`` counts them)."""
+
+    def __init__(self) -> None:
+        super().__init__(lanes=2)
+        self.by_lane: Counter[int] = Counter()
+
+    def spread(self, count, work) -> None:
+        def slowed(i: int, lane: int) -> None:
+            self.by_lane[lane] += 1
+            if lane == 0:
+                time.sleep(0.002)
+            work(i, lane)
+
+        super().spread(count, slowed)
+
+
 @pytest.mark.parametrize("kind,shape,groups", [("linear", (37, 24), 1), ("conv", (12, 3, 2, 2), 2)])
 def test_cache_sized_sub_blocks_give_the_whole_tensors_fold(monkeypatch, kind, shape, groups) -> None:
-    """Blocks of rows, folded ``CACHE_BLOCK`` elements at a time (in memory and into a streamed writer's buffers),
-    give the bits of one fold over the whole tensor: the sub-blocks' row offsets reach the backward fold's scale
-    and the conv's groups."""
+    """Blocks of rows, folded ``CACHE_BLOCK`` elements at a time (in memory and into a streamed writer's buffers,
+    in one lane or two, with the weight ranges measured or not), give the bits of one fold over the whole tensor:
+    the sub-blocks' row offsets reach the backward fold's scale and the conv's groups, and each lane's sub-blocks
+    land in their own rows. The ranges are the whole tensor's too."""
     monkeypatch.setattr(program, "CACHE_BLOCK", 2 * shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1))
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     recipe, store = _recipe(kind, weight, groups)
     want_w, want_b = _whole(recipe, store)
+    whole = RangeTally(recipe)
+    whole.add(store.get("w"), recipe.rows(store, 0, shape[0])[0], 0, shape[0])
     block = 5 * weight[0].numel()  # blocks of 5 rows, sub-blocks of 2: neither divides the row count
-    for scratch in (None, Scratch()):
-        parts = [(w.clone(), b) for w, b in recipe.blocks(store, block, scratch)]
-        assert len(parts) > 1
-        assert torch.equal(torch.cat([w for w, _ in parts]), want_w), scratch
-        assert torch.equal(torch.cat([b for _, b in parts]), want_b), scratch
+
+    def slow_rounded(*args, **kwargs):  # each lane's float64 rows wait in their buffer while the other lane works
+        time.sleep(0.001)
+        return rounded(*args, **kwargs)
+
+    monkeypatch.setattr(program, "rounded", slow_rounded)
+    scratches = [Scratch(), TwoLanes()]
+    try:
+        for scratch, tally in [(None, None)] + [(s, t) for s in scratches for t in (None, RangeTally(recipe))]:
+            parts = [(w.clone(), b) for w, b in recipe.blocks(store, block, scratch, tally)]
+            assert len(parts) > 1
+            assert torch.equal(torch.cat([w for w, _ in parts]), want_w), (scratch, tally)
+            assert torch.equal(torch.cat([b for _, b in parts]), want_b), (scratch, tally)
+            if tally is not None:
+                assert tally.result().to_dict() == whole.result().to_dict()
+        assert scratches[1].by_lane[1] > 0, scratches[1].by_lane
+    finally:
+        for scratch in scratches:
+            scratch.close()
+
+
+def test_the_lanes_claim_each_sub_block_once_and_stop_at_the_first_error() -> None:
+    """``Scratch.spread``: every index once, over both lanes (two threads); an error in one lane stops the claims
+    and is raised once both lanes have stopped."""
+    scratch = Scratch(lanes=2)
+    seen: list[tuple[int, int, int]] = []
+    both = threading.Barrier(2, timeout=5)
+
+    def work(i: int, lane: int) -> None:
+        if lane not in {seen_lane for _, seen_lane, _ in seen}:
+            seen.append((i, lane, threading.get_ident()))
+            both.wait()  # each lane's first claim waits for the other's: both lanes work
+        else:
+            seen.append((i, lane, threading.get_ident()))
+
+    try:
+        scratch.spread(50, work)
+        assert sorted(i for i, _, _ in seen) == list(range(50))
+        assert {lane for _, lane, _ in seen} == {0, 1}
+        assert len({ident for _, _, ident in seen}) == 2
+        done: list[int] = []
+
+        def failing(i: int, lane: int) -> None:
+            time.sleep(0.001)
+            if i == 5:
+                raise UnsupportedModelError("the folded w overflows float16")
+            done.append(i)
+
+        with pytest.raises(UnsupportedModelError, match="overflows"):
+            scratch.spread(1000, failing)
+        assert len(done) < 20  # the claims stopped
+    finally:
+        scratch.close()
 
 
 def test_an_overflow_in_a_later_sub_block_is_refused(monkeypatch) -> None:
@@ -128,9 +203,12 @@ def test_an_overflow_in_a_later_sub_block_is_refused(monkeypatch) -> None:
     weight[7, 3] = 6e4  # float16's largest is 65504: the backward fold's scale above 1.1 takes it past
     recipe, store = _recipe("linear", weight)
     recipe.folds[0].scale[7] = 4.0
-    for scratch in (None, Scratch()):
-        with pytest.raises(UnsupportedModelError, match="overflows float16"):
-            list(recipe.blocks(store, weight.numel(), scratch))
+    for scratch in (None, Scratch(), TwoLanes()):
+        for tally in (None, RangeTally(recipe)):
+            with pytest.raises(UnsupportedModelError, match="overflows float16"):
+                list(recipe.blocks(store, weight.numel(), scratch, tally))
+        if scratch is not None:
+            scratch.close()
 
 
 @pytest.mark.parametrize("slow", ["hash", "write"])

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from slabconv import api, pipeline
+from slabconv import api, engine, pipeline
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards
@@ -253,15 +254,46 @@ def test_cli_stream_implies_what_it_can_write(folded, tmp_path):
 
 
 def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
-    """Tiny blocks force every fold, copy and check through the row-block path (a real model's big tensors)."""
-    root = folded[0]
+    """Tiny blocks force every fold, copy and check through the row-block path (a real model's big tensors), each
+    block's rows folded in sub-blocks of one row spread over the writer's two lanes (``Scratch.spread``), every
+    copy read into the buffers the writer alternates between, each block written late (the writer's thread still
+    writes a block while the next is read and made): the same bits and ranges as whole tensors."""
+    import time
+
+    from slabconv.write import shards as ws
+
+    root, report_whole = folded[0], folded[3]
     monkeypatch.setattr(pipeline, "FOLD_BLOCK", 256)
+    monkeypatch.setattr(engine.program, "CACHE_BLOCK", 32)  # one row of the hidden size 32: several a block
+    opened = ws.ShardWriter.__init__
+
+    def late_writes(self, *args):
+        opened(self, *args)
+        file = self.file
+        self.file = SimpleNamespace(write=lambda data: (time.sleep(0.0003), file.write(data))[1], close=file.close)
+
+    monkeypatch.setattr(ws.ShardWriter, "__init__", late_writes)
     report = fuse_streamed(root / "src", tmp_path / "blocks")
     assert report.verification.passed
     whole, blocks = hf.read_hf_folder(root / "out").state_dict, hf.read_hf_folder(tmp_path / "blocks").state_dict
     assert sorted(whole) == sorted(blocks)
     for k, v in whole.items():
-        torch.testing.assert_close(blocks[k], v, rtol=1e-3, atol=1e-4)
+        assert torch.equal(blocks[k].view(torch.int16), v.view(torch.int16)), k
+    assert [r.to_dict() for r in report.ranges or []] == [r.to_dict() for r in report_whole.ranges or []]
+
+
+def test_rows_read_into_a_buffer_are_the_rows_and_a_buffer_of_another_shape_is_refused(folded):
+    """``LazyShards.get(out=...)``: a streamed fold reads each block into a reused buffer (no new block-sized
+    tensor per read); the bytes are ``get``'s."""
+    shards = LazyShards.open(folded[0] / "src")
+    key = "model.embed_tokens.weight"
+    dtype, shape = shards.dtype(key), shards.shape(key)
+    into = torch.full([5, *shape[1:]], float("nan"), dtype=dtype)
+    got = shards.get(key, slice(3, 8), out=into)
+    assert got.data_ptr() == into.data_ptr() and torch.equal(got, shards.get(key)[3:8])
+    for wrong in (torch.empty([4, *shape[1:]], dtype=dtype), torch.empty([5, *shape[1:]], dtype=torch.float32)):
+        with pytest.raises(ValueError, match="out is"):
+            shards.get(key, slice(3, 8), out=wrong)
 
 
 def test_reused_row_blocks_are_the_tensor_rows(folded):

@@ -20,8 +20,10 @@ as the whole tensor would be: the blocks are the same in both modes (``row_range
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 FOLD_BLOCK = 1 << 22
 """Elements per block of rows: the float64 temporaries of one block bound a streamed fold's memory."""
 
-CACHE_BLOCK = 1 << 18
+CACHE_BLOCK = 1 << 17
 """Elements per sub-block of rows on which a block's float64 arithmetic runs (widen, fold, check, round): 2 MiB of
 float64 that stays in the processor's cache, where whole-block passes stream 32 MiB through memory four times
 (a 4096 x 1024 float16 block folds about four times faster in 256-row sub-blocks than whole). Rows are
@@ -51,8 +53,9 @@ independent, so the values are the whole block's."""
 class WeightStore(Protocol):
     """Where recipes read the original tensors: a graph's tensors in memory, a checkpoint's shards streamed."""
 
-    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
-        """The tensor ``key`` (rows ``rows`` of its first axis when given)."""
+    def get(self, key: str, rows: slice | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor ``key`` (rows ``rows`` of its first axis when given). ``out``: a buffer of the rows' dtype and
+        shape the store may read them into (a store in memory returns its own tensor instead)."""
         ...
 
     def shape(self, key: str) -> list[int]: ...
@@ -66,8 +69,8 @@ class TensorStore:
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         self.tensors = dict(tensors)
 
-    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
-        t = self.tensors[key].detach()
+    def get(self, key: str, rows: slice | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        t = self.tensors[key].detach()  # its own tensor, not a copy into ``out``
         return t if rows is None else t[rows]
 
     def shape(self, key: str) -> list[int]:
@@ -110,18 +113,78 @@ def stored_finite(stored: torch.Tensor) -> bool:
     return -math.inf < float(low) and float(high) < math.inf
 
 
+def overflows_from(dtype: torch.dtype) -> float:
+    """The least float64 magnitude that rounds to an infinity in the floating ``dtype``: its largest finite value
+    plus half a unit in its last place (exact in float64). Rounding to nearest, ties to even, takes that midpoint to
+    the infinity (the largest finite value's significand is odd) and everything below it to a finite value; the
+    conversions a fold is stored with round so (``fold.rounded``: correctly, for float16 and bfloat16; torch's cast
+    for float32; float64 is not converted: only an infinite value is one). So a folded block is finite when stored
+    exactly when ``max |x| < overflows_from(dtype)`` and no value is NaN (``tests/test_program_blocks.py``: the
+    same refusals as ``stored_finite`` on the rounded values)."""
+    if dtype == torch.float64:
+        return math.inf
+    top = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+    below = torch.nextafter(top, torch.zeros((), dtype=dtype))
+    return float(top.double()) + (float(top.double()) - float(below.double())) / 2
+
+
 class Scratch:
-    """Buffers reused block after block by a streamed fold, one per use (``take``'s ``name``), grown as needed.
+    """Buffers reused block after block by a streamed fold, one per use (``take``'s ``name``), grown as needed,
+    and the lanes (threads) a block's sub-blocks are folded in (``spread``).
 
     Each fresh block-sized tensor costs the kernel's mapping and zeroing of its pages, several times the fold's
-    own arithmetic on a block: a streamed fold widens and rounds every block into the same two buffers instead.
-    They hold two blocks of stored values (``FOLD_BLOCK``; the writer writes and hashes one while the next is
-    made) and one ``CACHE_BLOCK`` of float64 ones, which the fold's memory bound counts anyway.
+    own arithmetic on a block: a streamed fold reads, widens and rounds every block into the same buffers instead.
+    They hold one block as read and two blocks of stored values (``FOLD_BLOCK``; the writer writes and hashes one
+    while the next is made), and per lane one ``CACHE_BLOCK`` of float64 values, which the fold's memory bound
+    counts anyway.
+
+    Args:
+        lanes: threads a block's sub-blocks are spread over (``spread``); the caller's thread is lane 0, the others
+            are started at the first block that has more than one sub-block and stopped by ``close``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: int = 1) -> None:
         self.flat: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self.turn = 0
+        self.lanes = max(1, lanes)
+        self._helpers: ThreadPoolExecutor | None = None
+
+    def spread(self, count: int, work: Callable[[int, int], None]) -> None:
+        """``work(i, lane)`` for every ``i`` in ``range(count)``, each once, over the lanes at once: each lane claims
+        the next ``i`` when it is free (so a lane the scheduler sets aside does less), and uses its own buffers
+        (``lane`` in their names). Returns when every lane has returned. The first error stops further claims and is
+        raised once every lane has stopped (no lane is still writing into a buffer then).
+
+        The lanes' work is torch kernels and numpy loops, which release the GIL: two lanes fold on two cores."""
+        if self.lanes == 1 or count < 2:
+            for i in range(count):
+                work(i, 0)
+            return
+        claims = itertools.count()  # next() on it is one C call: two lanes never claim the same i
+        failed: list[BaseException] = []
+
+        def lane(k: int) -> None:
+            try:
+                while not failed and (i := next(claims)) < count:
+                    work(i, k)
+            except BaseException as error:
+                failed.append(error)
+
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="slabconv-fold")
+        helpers = [self._helpers.submit(lane, k) for k in range(1, self.lanes)]
+        lane(0)
+        for helper in helpers:
+            helper.result()
+        if failed:
+            raise failed[0]
+
+    def close(self) -> None:
+        """Stop the lanes' threads (after ``spread`` has returned)."""
+        if self._helpers is not None:
+            self._helpers.shutdown()
+            self._helpers = None
 
     def alternate(self, name: str) -> str:
         """``name`` with a suffix that alternates call by call: two buffers in turn, for a block that must stay
@@ -131,13 +194,17 @@ class Scratch:
 
     def take(self, name: str, shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` in buffer ``name`` (its values are left over: write it whole)."""
-        n = 1
-        for size in shape:
-            n *= int(size)
+        dims = tuple(int(size) for size in shape)
+        made = self.views.get((name, dtype, dims))  # a block's sub-blocks ask for the same few shapes
+        if made is not None:
+            return made
+        n = math.prod(dims)
         flat = self.flat.get((name, dtype))
         if flat is None or flat.numel() < n:
             flat = self.flat[name, dtype] = torch.empty(n, dtype=dtype)
-        return flat[:n].view(*shape)
+            self.views = {k: v for k, v in self.views.items() if k[:2] != (name, dtype)}  # views of the old buffer
+        made = self.views[name, dtype, dims] = flat[:n].view(dims)
+        return made
 
 
 @dataclass(frozen=True)
@@ -178,11 +245,17 @@ class LayerRecipe:
     def norms(self) -> list[str]:
         return [f.norm for f in self.folds]
 
-    def _read(self, store: WeightStore, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """The stored rows ``start:stop`` of the weight (a 0/1-D weight whole), of the bias in float64, and the
-        weight's row count."""
+    def _read(
+        self, store: WeightStore, start: int, stop: int, scratch: Scratch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The stored rows ``start:stop`` of the weight (a 0/1-D weight whole; into ``scratch``'s buffer ``read``
+        when given), of the bias in float64, and the weight's row count."""
         shape = store.shape(self.weight)
-        read = store.get(self.weight, None if len(shape) < 2 else slice(start, stop))
+        rows = None if len(shape) < 2 else slice(start, stop)
+        into = None
+        if scratch is not None:
+            into = scratch.take("read", shape if rows is None else [stop - start, *shape[1:]], store.dtype(self.weight))
+        read = store.get(self.weight, rows, out=into)
         b = None
         if self.bias is not None and self.bias_shape is None:
             b = store.get(self.bias, slice(start, stop)).to(torch.float64)
@@ -209,10 +282,19 @@ class LayerRecipe:
     def _check_fits(self, name: str | None, t: torch.Tensor) -> None:
         """Refuse a folded tensor ``t`` (rounded to its stored dtype) with a value that overflows it."""
         if t.dtype.is_floating_point and not stored_finite(t):
-            raise UnsupportedModelError(
-                f"the folded {name} overflows {str(t.dtype).removeprefix('torch.')} (norms {', '.join(self.norms)}); "
-                "fold this model in memory without --stream (it keeps such norms as affines)"
-            )
+            raise self._overflow(name, t.dtype)
+
+    def _check_largest(self, largest: torch.Tensor) -> None:
+        """Refuse the fold when a float64 value whose magnitude is in ``largest`` (each row's ``max |x|``, NaN for a
+        row holding one) rounds to an infinity in the weight's dtype (``overflows_from``)."""
+        if largest.numel() and not bool((largest < overflows_from(self.dtype)).all()):  # NaN: False
+            raise self._overflow(self.weight, self.dtype)
+
+    def _overflow(self, name: str | None, dtype: torch.dtype) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"the folded {name} overflows {str(dtype).removeprefix('torch.')} (norms {', '.join(self.norms)}); "
+            "fold this model in memory without --stream (it keeps such norms as affines)"
+        )
 
     def rows(
         self,
@@ -273,19 +355,34 @@ class LayerRecipe:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``stored(*rows(...))`` made in ``scratch``'s buffers: each ``CACHE_BLOCK`` of rows is widened, folded,
         checked and rounded while its float64 values are still in the processor's cache (the same values), and
-        its ranges added to ``tally``."""
-        read, b, total = self._read(store, start, stop)
+        its ranges added to ``tally``; the sub-blocks are spread over ``scratch``'s lanes (``Scratch.spread``:
+        rows are independent, so the values do not depend on which lane folds which)."""
+        read, b, total = self._read(store, start, stop, scratch)
         out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still write the last
-        biases = []
-        for s0, s1 in row_ranges(list(read.shape), CACHE_BLOCK):
-            wide = _widening(scratch, read[s0:s1])  # the stored rows, exactly (half precision in float32)
-            w = scratch.take("rows", wide.shape, torch.float64).copy_(wide)
-            w, bias = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
-            if tally is not None:  # the ranges of the same values, reduced in float32: a third of the time in float16
-                tally.add(wide, w, start + s0, total)
-            rounded(w, self.dtype, out=out[s0:s1], near=scratch.take("near", w.shape, torch.float32))
-            self._check_fits(self.weight, out[s0:s1])
-            biases.append(bias)
+        pieces = list(row_ranges(list(read.shape), CACHE_BLOCK))
+        biases: list[torch.Tensor | None] = [None] * len(pieces)
+        if tally is not None:
+            tally.prepare(read.shape, total)
+
+        by_ranges = tally is not None and self.dtype in _ROUNDED_ONCE  # the overflow check from the ranges
+
+        def fold_piece(i: int, lane: int) -> None:
+            s0, s1 = pieces[i]
+            wide = _widening(scratch, read[s0:s1], f"wide{lane}")  # the stored rows, exactly (half precision: float32)
+            if tally is not None:  # their ranges, reduced in float32 for half precision: the same values
+                tally.measure("before", wide, start + s0, total)
+            w = scratch.take(f"rows{lane}", wide.shape, torch.float64).copy_(wide)
+            w, biases[i] = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
+            if tally is not None:
+                tally.measure("after", w, start + s0, total)
+            near = wide if read.dtype in _HALF else None  # the float32 buffer, free again, holds the rounding
+            rounded(w, self.dtype, out=out[s0:s1], near=near)
+            if not by_ranges:
+                self._check_fits(self.weight, out[s0:s1])
+
+        scratch.spread(len(pieces), fold_piece)
+        if tally is not None and by_ranges:  # the rows' largest magnitudes, which the ranges took: no extra pass
+            self._check_largest(tally.largest("after", start, start + (len(read) if read.dim() else 1)))
         return out, self._stored_bias(_joined(biases))
 
     def blocks(
@@ -319,14 +416,20 @@ def cast_into(scratch: Scratch, name: str, values: torch.Tensor, dtype: torch.dt
     return out.copy_(_widening(scratch, values) if dtype == torch.float64 else values)
 
 
-def _widening(scratch: Scratch, stored: torch.Tensor) -> torch.Tensor:
+def _widening(scratch: Scratch, stored: torch.Tensor, name: str = "wide") -> torch.Tensor:
     """A float16 / bfloat16 sub-block in float32 (exact), the step to float64: torch widens half precision to
     float32 with vector instructions and float32 to float64 too, but half precision to float64 element by element
     (on the 350M float16 folder's 240 M folded weights, about 0.07 s through float32 against 0.16 s direct).
     Other dtypes as they are."""
-    if stored.dtype not in (torch.float16, torch.bfloat16):
+    if stored.dtype not in _HALF:
         return stored
-    return scratch.take("wide", stored.shape, torch.float32).copy_(stored)
+    return scratch.take(name, stored.shape, torch.float32).copy_(stored)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+_ROUNDED_ONCE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The stored dtypes a fold is rounded to correctly, once (``fold.rounded``; float32: torch's cast of a float64;
+float64: none), for which ``overflows_from`` decides exactly which values overflow."""
 
 
 def _joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:

@@ -128,22 +128,62 @@ class RangeTally:
     """The per-row ranges of one layer's weight, accumulated block by block as the fold program folds it.
 
     ``add`` takes a block's stored rows (as read) and the same rows folded in float64 (before rounding): the row
-    ranges of both, and the smallest nonzero magnification of each row (``_least``).
+    ranges of both, and the smallest nonzero magnification of each row (``_least``). A streamed fold measures the
+    two as it makes them (``measure``: the largest and smallest value of each row, written into tensors of every
+    row, so that a block's sub-blocks may be measured from several threads at once; ``result`` combines them).
     """
 
     def __init__(self, recipe: LayerRecipe):
         self.recipe = recipe
-        self.parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.total: int | None = None  # the weight's rows, from the first block measured
+        self.extremes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # "before" / "after": each row's max, min
+        self.least: torch.Tensor | None = None  # (total,) float64: ``_least`` of each row measured
         self.columns: torch.Tensor | None = None  # per group: the forward folds' least column magnification
         self.rows_least: torch.Tensor | None = None  # per row of a pure-scale layer: ``_least`` of every row
 
     def add(self, original: torch.Tensor, fused: torch.Tensor, first: int, total: int) -> None:
         """Rows ``first:first + len(original)`` of the layer's ``total``: ``original`` as stored, ``fused`` the
         float64 fold of them (same shape)."""
-        rows = int(original.shape[0]) if original.dim() else 1
-        before = _largest(original.detach().reshape(rows, -1)).to(torch.float64)
-        after = _largest(fused.detach().reshape(rows, -1))
-        self.parts.append((first, before, after, self._least(original.shape, first, rows, total)))
+        self.measure("before", original, first, total)
+        self.measure("after", fused, first, total)
+
+    def prepare(self, shape: torch.Size | list[int], total: int) -> None:
+        """Make what every block of the layer shares before blocks are measured from several threads at once
+        (``engine.program.Scratch.spread``): the rows' tensors and a pure-scale layer's ``_least``; ``shape``: a
+        block's."""
+        if self.total is not None:
+            return
+        if self.recipe.kind.pure_scale:
+            self.least = self._least(torch.Size(shape), 0, total, total)  # every row's, made once
+        else:
+            self.least = torch.empty(total, dtype=torch.float64)
+        self.total = total
+
+    def measure(self, which: str, values: torch.Tensor, first: int, total: int) -> None:
+        """Record the largest and smallest value of each of the rows ``first:first + len(values)`` (of the layer's
+        ``total``): ``which`` is ``"before"`` (the stored rows, in any dtype that holds them exactly) or
+        ``"after"`` (the float64 fold of the same rows, which also records each row's ``_least``). Each row is
+        written once, into its own place: sub-blocks may be measured from several threads at once once
+        ``prepare`` has run (in one thread)."""
+        self.prepare(values.shape, total)
+        rows = int(values.shape[0]) if values.dim() else 1
+        flat = values.detach().reshape(rows, -1)
+        extremes = self.extremes.get(which)
+        if extremes is None:  # both threads may make it: the one stored first is kept (dict.setdefault is atomic)
+            made = torch.empty((2, total), dtype=flat.dtype)
+            extremes = self.extremes.setdefault(which, (made[0], made[1]))
+        if extremes[0].dtype != flat.dtype:
+            raise ValueError(f"ranges {which}: a block in {flat.dtype} after one in {extremes[0].dtype}")
+        torch.amax(flat, dim=1, out=extremes[0].narrow(0, first, rows))
+        torch.amin(flat, dim=1, out=extremes[1].narrow(0, first, rows))
+        if which == "after" and self.least is not None and not self.recipe.kind.pure_scale:
+            self.least.narrow(0, first, rows).copy_(self._least(values.shape, first, rows, total))
+
+    def largest(self, which: str, first: int, stop: int) -> torch.Tensor:
+        """``max |x|`` of each of the rows ``first:stop`` measured as ``which`` (float64; NaN where a row holds
+        one): the larger of the row's maximum and its negated minimum."""
+        high, low = (t[first:stop] for t in self.extremes[which])
+        return torch.maximum(high, low.neg()).to(torch.float64)
 
     def _least(self, shape: torch.Size, first: int, rows: int, total: int) -> torch.Tensor:
         """The smallest nonzero magnification of each of the rows ``first:first + rows`` (``inf``: none).
@@ -188,11 +228,15 @@ class RangeTally:
         return float(mags.min()) if mags.numel() else math.inf
 
     def result(self) -> LayerRange:
-        """The layer's ``LayerRange`` over every block added."""
-        parts = sorted(self.parts, key=lambda p: p[0])
-        before = torch.cat([p[1] for p in parts])
-        after = torch.cat([p[2] for p in parts])
-        least = torch.cat([p[3] for p in parts])
+        """The layer's ``LayerRange`` over every row measured (every row must have been).
+
+        Raises:
+            RuntimeError: nothing was measured.
+        """
+        if self.total is None or self.least is None or set(self.extremes) != {"before", "after"}:
+            raise RuntimeError(f"ranges of {self.recipe.weight}: no block was measured")
+        before, after = self.largest("before", 0, self.total), self.largest("after", 0, self.total)
+        least = self.least
         live = before > 0  # a zero row is exact in int8 whatever its fold
         least = torch.where(torch.isfinite(least), least, torch.ones_like(least))  # an all-zero fold: nothing scaled
         growth = torch.where(live, after / before.clamp_min(1e-300), torch.ones_like(after))

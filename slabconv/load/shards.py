@@ -123,10 +123,17 @@ class LazyShards:
             yield f, layout
 
     def _read(
-        self, f: IO[bytes], layout: _Layout, key: str, rows: slice | None, path: Path, reuse: bool = False
+        self,
+        f: IO[bytes],
+        layout: _Layout,
+        key: str,
+        rows: slice | None,
+        path: Path,
+        reuse: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tensor ``key`` (or rows ``rows`` of it, as ``tensor[rows]``) read from the open shard ``f``: into memory
-        of its own, or with ``reuse`` into the reader's one buffer (``row_blocks``)."""
+        of its own, with ``reuse`` into the reader's one buffer (``row_blocks``), or into ``out`` (``get``)."""
         if key not in layout.specs:
             raise InputError(f"{path}: tensor {key!r} is missing from the file")
         dtype, shape = layout.specs[key]
@@ -136,7 +143,18 @@ class LazyShards:
         stop = max(start, stop)
         out_shape = ([stop - start, *shape[1:]] if rows is not None else shape) if shape else []
         nbytes = (stop - start) * row
-        if reuse:
+        if out is not None:
+            if (
+                out.dtype != dtype
+                or list(out.shape) != out_shape
+                or not out.is_contiguous()
+                or out.device.type != "cpu"
+            ):
+                raise ValueError(
+                    f"read {key!r}: out is {out.dtype} {list(out.shape)}, the rows are {dtype} {out_shape}"
+                )
+            flat = out.reshape(-1).view(torch.uint8)
+        elif reuse:
             if self._reused.numel() < nbytes:
                 self._reused = torch.empty(nbytes, dtype=torch.uint8)
             flat = self._reused[:nbytes]
@@ -155,12 +173,22 @@ class LazyShards:
             tensor = torch.from_numpy(tensor.numpy().byteswap())
         return tensor.reshape(out_shape)
 
-    def get(self, key: str, rows: slice | None = None, reuse: bool = False) -> torch.Tensor:
+    def get(
+        self, key: str, rows: slice | None = None, reuse: bool = False, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One whole tensor, or rows ``rows`` of it (reading only their bytes); ``slabconv.engine.WeightStore``.
-        ``reuse``: see ``row_blocks``."""
+
+        ``reuse``: see ``row_blocks``. ``out``: a contiguous CPU tensor of the tensor's dtype and the rows' shape to
+        read into (returned; a streamed fold's reused buffers, which, unlike the reader's one, several threads and
+        the writer's pending blocks can each have their own of).
+
+        Raises:
+            InputError: the tensor is missing, the shard changed or ends early.
+            ValueError: ``out`` has another dtype or shape than the rows.
+        """
         shard = self._shard(key)
         with self._open(shard) as (f, layout):
-            return self._read(f, layout, key, rows, self.folder / shard, reuse)
+            return self._read(f, layout, key, rows, self.folder / shard, reuse, out)
 
     def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors, read through one open file per shard (``get`` opens one per tensor, which adds up over

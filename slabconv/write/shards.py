@@ -21,6 +21,10 @@ from slabconv.load.hf import SAFETENSORS_DTYPES
 from slabconv.load.shards import LazyShards
 from slabconv.util import Progress
 
+FOLD_LANES = 2
+"""Threads a folded layer's blocks are made in (``engine.program.Scratch.spread``), beside the writer's two: on 2
+cores, making the blocks is most of the stage's CPU time and one thread left a core to the writer's hash alone."""
+
 
 class ShardWriter:
     """Write one safetensors file tensor by tensor: the header (all names, dtypes, shapes) first, then the bytes in
@@ -149,13 +153,29 @@ def write_program_shards(
         InputError: a shard's header disagrees with the index.
         UnsupportedModelError: a fold overflows the weights' dtype; the program needs a tensor the checkpoint lacks.
     """
+    scratch = Scratch(lanes=FOLD_LANES)
+    try:
+        return _write_shards(folder, reader, shard_names, program, metadata, progress, block_elements, scratch)
+    finally:
+        scratch.close()
+
+
+def _write_shards(
+    folder: Path,
+    reader: LazyShards,
+    shard_names: list[str],
+    program: FoldProgram,
+    metadata: dict[str, str],
+    progress: Progress,
+    block_elements: int,
+    scratch: Scratch,
+) -> tuple[dict[str, str], int, dict[str, str]]:
     weight_map = reader.weight_map
     biases = {la.bias for la in program.layers.values() if la.bias is not None}
     beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
     new_map: dict[str, str] = {}
     digests: dict[str, str] = {}
     total = 0
-    scratch = Scratch()
     for n, shard in enumerate(shard_names):
         progress("folding and writing shards", n, len(shard_names), shard)
         order, specs = reader.header(shard)
@@ -187,9 +207,11 @@ def write_program_shards(
                         writer.write(la.bias_out, la.whole_bias(parts))
                 elif (made := program.tensors.get(key)) is not None and made.op == "unit":
                     writer.write(key, torch.ones(shape, dtype=specs[key][0]))  # a norm weight whose affine folded
-                elif key not in beside:
+                elif key not in beside:  # read into the buffers the stored blocks alternate between
                     for start, stop in row_ranges(shape, block_elements):
-                        writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None))
+                        rows = [stop - start, *shape[1:]] if len(shape) > 1 else shape
+                        into = scratch.take(scratch.alternate("stored"), rows, specs[key][0])
+                        writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None, out=into))
         finally:
             writer.close()
         digests[shard] = writer.finish()
