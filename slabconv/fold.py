@@ -66,6 +66,8 @@ def repbn_affine(
 
 
 def _cast(x: Tensor, like: Tensor) -> Tensor:
+    if x.dtype == like.dtype and x.device == like.device and x.is_contiguous():  # an in-place fold's float64 block
+        return x
     return rounded(x, like.dtype).to(device=like.device).contiguous()
 
 
@@ -145,16 +147,17 @@ def _ties(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """
     mask, midpoint = _TIE_BITS[dtype]
     zeros = mask >> 1  # the dropped bits below the highest: 0 in both patterns
-    found = []
-    for start in range(0, bits.size, _CHUNK):
-        part = bits[start : start + _CHUNK]
-        at = np.flatnonzero((part & zeros) == 0)
-        low = part[at] & mask
-        keep = low == midpoint
-        if dtype == torch.float16:  # a subnormal midpoint drops 14 bits or more: 13 zeros, then more
-            keep |= (low == 0) & ((part[at] & 0x7FFFFFFF) < _FLOAT16_NORMAL)
-        found.append(at[keep] + start)
-    return np.concatenate(found) if found else np.empty(0, dtype=np.intp)
+    if bits.size <= _CHUNK:  # a streamed fold's sub-block: one comparison, no per-chunk bookkeeping
+        at = ((bits & zeros) == 0).nonzero()[0]
+    else:
+        parts = [((bits[s : s + _CHUNK] & zeros) == 0).nonzero()[0] + s for s in range(0, bits.size, _CHUNK)]
+        at = np.concatenate(parts)
+    found = bits[at]
+    low = found & mask
+    keep = low == midpoint
+    if dtype == torch.float16:  # a subnormal midpoint drops 14 bits or more: 13 zeros, then more
+        keep |= (low == 0) & ((found & 0x7FFFFFFF) < _FLOAT16_NORMAL)
+    return at[keep]
 
 
 def _widened(weight: Tensor, inplace: bool) -> Tensor:

@@ -212,12 +212,12 @@ def test_an_overflow_in_a_later_sub_block_is_refused(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("slow", ["hash", "write"])
-@pytest.mark.parametrize("alternate", [True, False])
-def test_the_shard_is_written_and_hashed_while_the_next_block_is_made(tmp_path, monkeypatch, alternate, slow):
-    """The writer's threads write and hash a block while the caller makes the next one: with two buffers in turn
-    (``Scratch.alternate``) the file holds every block and the digest is the file's; one buffer reused at once
-    (the control) is overwritten under a slow hash or a slow write and the digest or the file is wrong, so the test
-    can see the race it guards against."""
+@pytest.mark.parametrize("buffers", ["in turn", "one fewer", "one"])
+def test_the_shard_is_written_and_hashed_while_the_next_block_is_made(tmp_path, monkeypatch, buffers, slow):
+    """The writer's threads write and hash blocks while the caller makes the next ones (``WRITES_IN_FLIGHT`` of
+    them): with the buffers in turn (``Scratch.alternate``: one more) the file holds every block and the digest is
+    the file's; one buffer reused at once, or one buffer fewer in turn (the controls), are overwritten under a slow
+    hash or a slow write and the digest or the file is wrong, so the test can see the race it guards against."""
     import hashlib
     import time
 
@@ -243,12 +243,13 @@ def test_the_shard_is_written_and_hashed_while_the_next_block_is_made(tmp_path, 
     if slow == "write":
         writer.file = SimpleNamespace(write=late(writer.file.write), close=writer.file.close)
     scratch = Scratch()
-    for block in blocks:
-        name = scratch.alternate("stored") if alternate else "stored"
+    turns = {"in turn": 0, "one fewer": program.WRITES_IN_FLIGHT, "one": 1}[buffers]
+    for n, block in enumerate(blocks):
+        name = scratch.alternate("stored") if buffers == "in turn" else f"stored{n % turns}"
         writer.write("w", scratch.take(name, block.shape, torch.float16).copy_(block))
     digest = writer.finish()
     written = hashlib.sha256(path.read_bytes()).hexdigest()
     from safetensors.torch import load_file
 
     intact = torch.equal(load_file(path)["w"], torch.cat(blocks)) and digest == written
-    assert intact is alternate
+    assert intact is (buffers == "in turn")

@@ -128,15 +128,20 @@ def overflows_from(dtype: torch.dtype) -> float:
     return float(top.double()) + (float(top.double()) - float(below.double())) / 2
 
 
+WRITES_IN_FLIGHT = 2
+"""Blocks a streamed writer may still be writing and hashing while the caller makes the next one
+(``write.shards.ShardWriter``); ``Scratch.alternate`` turns through one buffer more."""
+
+
 class Scratch:
     """Buffers reused block after block by a streamed fold, one per use (``take``'s ``name``), grown as needed,
     and the lanes (threads) a block's sub-blocks are folded in (``spread``).
 
     Each fresh block-sized tensor costs the kernel's mapping and zeroing of its pages, several times the fold's
     own arithmetic on a block: a streamed fold reads, widens and rounds every block into the same buffers instead.
-    They hold one block as read and two blocks of stored values (``FOLD_BLOCK``; the writer writes and hashes one
-    while the next is made), and per lane one ``CACHE_BLOCK`` of float64 values, which the fold's memory bound
-    counts anyway.
+    They hold one block as read and ``WRITES_IN_FLIGHT + 1`` blocks of stored values (``FOLD_BLOCK``; the writer
+    writes and hashes up to ``WRITES_IN_FLIGHT`` while the next is made), and per lane one ``CACHE_BLOCK`` of
+    float64 values, which the fold's memory bound counts anyway.
 
     Args:
         lanes: threads a block's sub-blocks are spread over (``spread``); the caller's thread is lane 0, the others
@@ -187,9 +192,9 @@ class Scratch:
             self._helpers = None
 
     def alternate(self, name: str) -> str:
-        """``name`` with a suffix that alternates call by call: two buffers in turn, for a block that must stay
-        as it is while the next one is made (a writer still writing or hashing it)."""
-        self.turn ^= 1
+        """``name`` with a suffix that turns call by call through ``WRITES_IN_FLIGHT + 1`` buffers, for blocks that
+        must stay as they are while the next ones are made (a writer still writing or hashing them)."""
+        self.turn = (self.turn + 1) % (WRITES_IN_FLIGHT + 1)
         return f"{name}{self.turn}"
 
     def take(self, name: str, shape: torch.Size | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -358,7 +363,9 @@ class LayerRecipe:
         its ranges added to ``tally``; the sub-blocks are spread over ``scratch``'s lanes (``Scratch.spread``:
         rows are independent, so the values do not depend on which lane folds which)."""
         read, b, total = self._read(store, start, stop, scratch)
-        out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may still write the last
+        out = scratch.take(
+            scratch.alternate("stored"), read.shape, self.dtype
+        )  # the writer may still write the last ones
         pieces = list(row_ranges(list(read.shape), CACHE_BLOCK))
         biases: list[torch.Tensor | None] = [None] * len(pieces)
         if tally is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from slabconv.engine import FOLD_BLOCK, FoldProgram, RangeTally, row_ranges
-from slabconv.engine.program import Scratch
+from slabconv.engine.program import WRITES_IN_FLIGHT, Scratch
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.hf import SAFETENSORS_DTYPES
 from slabconv.load.shards import LazyShards
@@ -30,11 +31,14 @@ class ShardWriter:
     """Write one safetensors file tensor by tensor: the header (all names, dtypes, shapes) first, then the bytes in
     the same order; nothing but the tensor being written is held. The file's sha256 is taken from the bytes as
     they are written (``finish`` returns it), so the report's digest needs no second read of the file. Each block
-    is written and hashed by two worker threads while the caller makes the next one (all three release the GIL:
-    ``hashlib`` for large buffers, the file's ``write`` in the system call, torch in its kernels).
+    is written and hashed by two worker threads (one writes, one hashes, each in order) while the caller makes the
+    next ones (all three release the GIL: ``hashlib`` for large buffers, the file's ``write`` in the system call,
+    torch in its kernels): up to ``WRITES_IN_FLIGHT`` blocks behind the caller, so that a block the hash is slow on
+    (a copied tensor, read but not computed) does not stop the fold of the next layer.
 
-    A block's bytes must stay as they are until the next ``write`` returns (or ``finish`` / ``close``): its write
-    and hash may still be running. A caller that reuses one buffer alternates between two (``Scratch.alternate``).
+    A block's bytes must stay as they are until ``WRITES_IN_FLIGHT`` more ``write`` calls have returned (or
+    ``finish`` / ``close``): its write and hash may still be running. A caller that reuses buffers turns through
+    ``WRITES_IN_FLIGHT + 1`` of them (``Scratch.alternate``).
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]):
@@ -56,16 +60,17 @@ class ShardWriter:
         head = struct.pack("<Q", len(raw)) + raw
         self.file.write(head)
         self.digest = hashlib.sha256(head)
-        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="slabconv-write")
-        self.pending: list[Future[Any]] = []  # the last block's write and hash (their work items hold its bytes)
+        self.writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slabconv-write")
+        self.hashes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slabconv-sha256")
+        self.pending: deque[tuple[Future[Any], Future[Any]]] = deque()  # blocks in flight: write, hash (hold bytes)
         self.index, self.done = 0, 0
 
-    def _settled(self) -> None:
-        """Wait for the last block's write and hash (raising what they raised); its bytes may be reused from then
-        on."""
-        pending, self.pending = self.pending, []
-        for job in pending:
-            job.result()
+    def _settled(self, behind: int = 0) -> None:
+        """Wait until at most ``behind`` blocks are still being written or hashed (the oldest first, raising what
+        they raised); the others' bytes may be reused from then on."""
+        while len(self.pending) > behind:
+            for job in self.pending.popleft():
+                job.result()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Append ``tensor``, the whole entry ``name`` or its next block of rows (blocks in order)."""
@@ -73,8 +78,8 @@ class ShardWriter:
         if name != want or tensor.dtype != dtype or list(tensor.shape[1:]) != shape[1:]:
             raise RuntimeError(f"shard writer: got {name} {tensor.dtype} {list(tensor.shape)}, expected {want} {shape}")
         data = memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-        self._settled()  # blocks are written and hashed in order, one behind the caller at most
-        self.pending = [self.workers.submit(self.file.write, data), self.workers.submit(self.digest.update, data)]
+        self._settled(WRITES_IN_FLIGHT - 1)  # in order (one thread each), WRITES_IN_FLIGHT behind the caller at most
+        self.pending.append((self.writes.submit(self.file.write, data), self.hashes.submit(self.digest.update, data)))
         self.done += data.nbytes
         if self.done > nbytes:
             raise RuntimeError(f"shard writer: {name} got more bytes than its shape {shape} holds")
@@ -90,7 +95,8 @@ class ShardWriter:
         try:
             self._settled()
         finally:
-            self.workers.shutdown()
+            self.writes.shutdown()
+            self.hashes.shutdown()
             self.file.close()
 
     def finish(self) -> str:
