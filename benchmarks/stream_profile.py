@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,6 +28,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SPENT: dict[str, float] = defaultdict(float)
+_LOCK = threading.Lock()
+
+LANE_PARTS = (
+    "round once to the stored dtype",
+    "the weight ranges",
+    "the folds in float64",
+    "widen half precision to float32",
+    "the overflow check",
+)
+MAIN_PARTS = (
+    "read the blocks (safetensors, copies too)",
+    "hand over to the writer (waits)",
+    "each layer's ranges from its rows' (result)",
+    "each layer's bias (rounded, checked)",
+)
 
 
 def _timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -35,7 +51,9 @@ def _timed(part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         finally:
-            SPENT[part] += time.thread_time() - start
+            spent = time.thread_time() - start
+            with _LOCK:  # parts run in several threads at once
+                SPENT[part] += spent
 
     return call
 
@@ -62,8 +80,7 @@ class _TimedFile:
 
 def profile(src: Path, out: Path) -> dict[str, float]:
     """CPU seconds of the stage's parts on ``src`` (written to ``out``): by part (summed over the threads that ran
-    it), ``main thread``, ``fold lanes`` (every lane's fold work, the main thread's included), ``process`` and
-    ``stage wall``."""
+    it), ``fold lane N`` (lane 0 runs on the main thread), ``main thread``, ``process`` and ``stage wall``."""
     from types import SimpleNamespace
 
     import torch
@@ -82,11 +99,12 @@ def profile(src: Path, out: Path) -> dict[str, float]:
         (program, "rounded", "round once to the stored dtype"),
         (program, "_widening", "widen half precision to float32"),
         (program.LayerRecipe, "_fold", "the folds in float64"),
-        (program.LayerRecipe, "_read", "read the block (safetensors)"),
+        (load_shards.LazyShards, "get", "read the blocks (safetensors, copies too)"),
         (program.LayerRecipe, "_check_fits", "the overflow check"),
         (RangeTally, "measure", "the weight ranges"),
         (program.LayerRecipe, "_check_largest", "the overflow check"),
-        (RangeTally, "result", "the weight ranges"),
+        (RangeTally, "result", "each layer's ranges from its rows' (result)"),
+        (program.LayerRecipe, "_stored_bias", "each layer's bias (rounded, checked)"),
         (ws.ShardWriter, "write", "hand over to the writer (waits)"),
         (ws.ShardWriter, "close", "hand over to the writer (waits)"),
     ]
@@ -95,7 +113,8 @@ def profile(src: Path, out: Path) -> dict[str, float]:
     spread, init = program.Scratch.spread, ws.ShardWriter.__init__
 
     def timed_spread(self: Any, count: int, work: Callable[[int, int], None]) -> None:
-        spread(self, count, _timed("fold lanes", work))
+        lanes = [_timed(f"fold lane {lane}", work) for lane in range(self.lanes)]
+        spread(self, count, lambda i, lane: lanes[lane](i, lane))
 
     def timed_init(self: Any, *args: Any) -> None:
         init(self, *args)
@@ -130,16 +149,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             build_checkpoint(src, dict(SHAPES["350m"]), 200 * 10**6)
         (Path(tmp) / "out").mkdir()
         result = profile(src, Path(tmp) / "out")
-    lanes = result["fold lanes"]
-    writer = result["write() (writer thread)"] + result["sha256 (writer thread)"]
-    print(
-        f"stage wall {result['stage wall']:.2f} s; process {result['process']:.2f} CPU-s: fold lanes {lanes:.2f} "
-        f"(main thread {result['main thread']:.2f}, the rest of it outside the lanes), writer threads "
-        f"{writer:.2f} (write() {result['write() (writer thread)']:.2f}, sha256 {result['sha256 (writer thread)']:.2f})"
-    )
-    for part, spent in sorted(result.items(), key=lambda kv: -kv[1]):
-        if part not in ("stage wall", "main thread", "process", "fold lanes") and "writer thread" not in part:
-            print(f"  {part:40s} {spent:6.2f} CPU-s  {spent / lanes:6.1%} of the fold lanes")
+    lanes = sum(v for k, v in result.items() if k.startswith("fold lane "))
+    per_lane = ", ".join(f"{k.removeprefix('fold ')} {v:.2f}" for k, v in sorted(result.items()) if "fold lane" in k)
+    outside = result["main thread"] - result.get("fold lane 0", 0.0)
+    write, sha = result["write() (writer thread)"], result["sha256 (writer thread)"]
+    other = result["process"] - lanes - outside - write - sha
+    print(f"stage wall {result['stage wall']:.2f} s; process {result['process']:.2f} CPU-s")
+    print(f"  fold lanes {lanes:.2f} CPU-s ({per_lane}; lane 0 is the main thread)")
+    for part in LANE_PARTS:
+        print(f"    {part:44s} {result.get(part, 0.0):6.2f} CPU-s {result.get(part, 0.0) / lanes:6.1%} of the lanes")
+    rest = lanes - sum(result.get(part, 0.0) for part in LANE_PARTS)
+    print(f"    {'the rest (float32 to float64, Python)':44s} {rest:6.2f} CPU-s {rest / lanes:6.1%} of the lanes")
+    print(f"  main thread outside the lanes {outside:.2f} CPU-s")
+    for part in MAIN_PARTS:
+        print(f"    {part:44s} {result.get(part, 0.0):6.2f} CPU-s")
+    print(f"  writer threads {write + sha:.2f} CPU-s (write() {write:.2f}, sha256 {sha:.2f})")
+    print(f"  other threads and start-up {other:.2f} CPU-s")
     return result
 
 

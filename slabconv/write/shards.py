@@ -23,8 +23,9 @@ from slabconv.load.shards import LazyShards
 from slabconv.util import Progress
 
 FOLD_LANES = 2
-"""Threads a folded layer's blocks are made in (``engine.program.Scratch.spread``), beside the writer's two: on 2
-cores, making the blocks is most of the stage's CPU time and one thread left a core to the writer's hash alone."""
+"""Threads a folded layer's blocks are made in (``engine.program.Scratch.spread``: each block's sub-blocks, claimed
+in turn), beside the writer's two: on 2 cores, making the blocks is the larger part of the stage's CPU time, and
+with one thread a core was left to the writer's hash alone (``docs/performance.md``, "Streamed fold throughput")."""
 
 
 class ShardWriter:
@@ -120,10 +121,11 @@ def numel(shape: list[int]) -> int:
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """torch's arithmetic on one thread while the writer's threads write and hash: the fold works on cache-sized
-    pieces, where a second torch thread gains little, and more busy threads than cores slowed the fold-and-write
-    stage (701 MB folder, 2 cores, five interleaved rounds in one process, with the hash alone beside the fold:
-    median 1.49 s and 2.3 CPU-s on one torch thread, 1.86 s and 3.4-4.1 CPU-s on two)."""
+    """torch's arithmetic on one thread per lane (``FOLD_LANES``; the lanes' threads are made inside, so they start
+    with one) while the writer's threads write and hash: the fold works on cache-sized pieces, where torch's own
+    threads gain little, and more busy threads than cores slowed the fold-and-write stage (701 MB folder, 2 cores,
+    five interleaved rounds in one process, with the hash alone beside the fold: median 1.49 s and 2.3 CPU-s on one
+    torch thread, 1.86 s and 3.4-4.1 CPU-s on two)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -146,10 +148,11 @@ def write_program_shards(
     holding one block of rows at a time.
 
     Each output shard holds, in the input shard's order, its tensors the program keeps: a copy block by block, a
-    folded layer's weight block by block (``LayerRecipe.blocks``: every fold composed in float64, rounded once;
-    its ranges before and after go into ``program.ranges``, ``slabconv.engine.ranges``)
+    folded layer's weight block by block (``LayerRecipe.blocks``: every fold composed in float64, rounded once, in
+    ``FOLD_LANES`` threads; its ranges before and after go into ``program.ranges``, ``slabconv.engine.ranges``)
     followed by the bias the layer stores (its stored bias, moved beside the weight, or a created one). Each input
-    tensor is read once. Tensors the fused model does not read (the folded norms') are dropped.
+    tensor is read once, into reused buffers (``engine.program.Scratch``). Tensors the fused model does not read
+    (the folded norms') are dropped.
 
     Returns:
         ``(weight_map, total_bytes, sha256)`` of the written shards (``sha256``: shard file name -> hex digest of
