@@ -374,20 +374,23 @@ class LayerRecipe:
             tally.prepare(read.shape, total)
 
         by_ranges = tally is not None and self.dtype in _ROUNDED_ONCE  # the overflow check from the ranges
+        half = read.dtype in _HALF
+        names = [(f"wide{lane}", f"rows{lane}") for lane in range(scratch.lanes)]
 
         def fold_piece(i: int, lane: int) -> None:
             s0, s1 = pieces[i]
-            wide = _widening(scratch, read[s0:s1], f"wide{lane}")  # the stored rows, exactly (half precision: float32)
+            wide_name, rows_name = names[lane]
+            wide = _widening(scratch, read[s0:s1], wide_name)  # the stored rows, exactly (half precision: float32)
             if tally is not None:  # their ranges, reduced in float32 for half precision: the same values
                 tally.measure("before", wide, start + s0, total)
-            w = scratch.take(f"rows{lane}", wide.shape, torch.float64).copy_(wide)
+            w = scratch.take(rows_name, wide.shape, torch.float64).copy_(wide)
             w, biases[i] = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
             if tally is not None:
                 tally.measure("after", w, start + s0, total)
-            near = wide if read.dtype in _HALF else None  # the float32 buffer, free again, holds the rounding
-            rounded(w, self.dtype, out=out[s0:s1], near=near)
+            stored = out[s0:s1]
+            rounded(w, self.dtype, out=stored, near=wide if half else None)  # float32 buffer, free again: the rounding
             if not by_ranges:
-                self._check_fits(self.weight, out[s0:s1])
+                self._check_fits(self.weight, stored)
 
         scratch.spread(len(pieces), fold_piece)
         if tally is not None and by_ranges:  # the rows' largest magnitudes, which the ranges took: no extra pass

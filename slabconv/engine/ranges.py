@@ -165,9 +165,10 @@ class RangeTally:
         ``"after"`` (the float64 fold of the same rows, which also records each row's ``_least``). Each row is
         written once, into its own place: sub-blocks may be measured from several threads at once once
         ``prepare`` has run (in one thread)."""
-        self.prepare(values.shape, total)
+        if self.total is None:
+            self.prepare(values.shape, total)
         rows = int(values.shape[0]) if values.dim() else 1
-        flat = values.detach().reshape(rows, -1)
+        flat = values.detach() if values.dim() == 2 else values.detach().reshape(rows, -1)
         extremes = self.extremes.get(which)
         if extremes is None:  # both threads may make it: the one stored first is kept (dict.setdefault is atomic)
             made = torch.empty((2, total), dtype=flat.dtype)
