@@ -225,7 +225,7 @@ def test_the_shard_is_written_and_hashed_while_the_next_block_is_made(tmp_path, 
 
     def late(update):
         def call(data):
-            time.sleep(0.05)  # the caller has made the next block by now
+            time.sleep(0.02)  # the caller has made the next block by now
             return update(data)
 
         return call
