@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -161,7 +162,8 @@ class Scratch:
         """``work(i, lane)`` for every ``i`` in ``range(count)``, each once, over the lanes at once: each lane claims
         the next ``i`` when it is free (so a lane the scheduler sets aside does less), and uses its own buffers
         (``lane`` in their names). Returns when every lane has returned. The first error stops further claims and is
-        raised once every lane has stopped (no lane is still writing into a buffer then).
+        raised once every lane has stopped (no lane is still writing into a buffer then). An interrupt while this
+        thread waits for the others stops the claims too; ``close`` waits for the sub-block a lane is folding.
 
         The lanes' work is torch kernels and numpy loops, which release the GIL: two lanes fold on two cores."""
         if self.lanes == 1 or count < 2:
@@ -170,20 +172,25 @@ class Scratch:
             return
         claims = itertools.count()  # next() on it is one C call: two lanes never claim the same i
         failed: list[BaseException] = []
+        stop = threading.Event()  # no more claims: an error, or this thread left (an interrupt while it waited)
 
         def lane(k: int) -> None:
             try:
-                while not failed and (i := next(claims)) < count:
+                while not stop.is_set() and (i := next(claims)) < count:
                     work(i, k)
             except BaseException as error:
                 failed.append(error)
+                stop.set()
 
         if self._helpers is None:
             self._helpers = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="slabconv-fold")
         helpers = [self._helpers.submit(lane, k) for k in range(1, self.lanes)]
-        lane(0)
-        for helper in helpers:
-            helper.result()
+        try:
+            lane(0)
+            for helper in helpers:
+                helper.result()
+        finally:
+            stop.set()
         if failed:
             raise failed[0]
 
