@@ -372,9 +372,7 @@ class LayerRecipe:
         its ranges added to ``tally``; the sub-blocks are spread over ``scratch``'s lanes (``Scratch.spread``:
         rows are independent, so the values do not depend on which lane folds which)."""
         read, b, total = self._read(store, start, stop, scratch)
-        out = scratch.take(
-            scratch.alternate("stored"), read.shape, self.dtype
-        )  # the writer may still write the last ones
+        out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may hold the last ones
         pieces = list(row_ranges(list(read.shape), CACHE_BLOCK))
         biases: list[torch.Tensor | None] = [None] * len(pieces)
         if tally is not None:

@@ -9,7 +9,7 @@ import struct
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -162,69 +162,53 @@ def write_program_shards(
         InputError: a shard's header disagrees with the index.
         UnsupportedModelError: a fold overflows the weights' dtype; the program needs a tensor the checkpoint lacks.
     """
-    scratch = Scratch(lanes=FOLD_LANES)
-    try:
-        return _write_shards(folder, reader, shard_names, program, metadata, progress, block_elements, scratch)
-    finally:
-        scratch.close()
-
-
-def _write_shards(
-    folder: Path,
-    reader: LazyShards,
-    shard_names: list[str],
-    program: FoldProgram,
-    metadata: dict[str, str],
-    progress: Progress,
-    block_elements: int,
-    scratch: Scratch,
-) -> tuple[dict[str, str], int, dict[str, str]]:
     weight_map = reader.weight_map
     biases = {la.bias for la in program.layers.values() if la.bias is not None}
     beside = {la.bias_out for la in program.layers.values() if la.bias_out is not None}  # written with the weight
     new_map: dict[str, str] = {}
     digests: dict[str, str] = {}
     total = 0
-    for n, shard in enumerate(shard_names):
-        progress("folding and writing shards", n, len(shard_names), shard)
-        order, specs = reader.header(shard)
-        if sorted(order) != sorted(k for k, v in weight_map.items() if v == shard):
-            raise InputError(f"{reader.folder / shard}: its tensors disagree with the index")
-        plan: list[tuple[str, torch.dtype, list[int]]] = []
-        for key in order:
-            recipe = program.tensors.get(key)
-            if key in program.layers:
-                la = program.layers[key]
-                plan.append((key, la.dtype, specs[key][1]))
-                if la.bias_out is not None:
-                    plan.append((la.bias_out, la.bias_dtype, list(la.bias_shape or [specs[key][1][0]])))
-            elif recipe is not None and recipe.op in ("copy", "unit") and key not in biases:
-                plan.append((key, *specs[key]))
-        writer = ShardWriter(folder / shard, plan, metadata)
-        try:
-            for key, _, shape in plan:
-                new_map[key] = shard
+    with closing(Scratch(lanes=FOLD_LANES)) as scratch:  # its lanes' threads stop on the way out
+        for n, shard in enumerate(shard_names):
+            progress("folding and writing shards", n, len(shard_names), shard)
+            order, specs = reader.header(shard)
+            if sorted(order) != sorted(k for k, v in weight_map.items() if v == shard):
+                raise InputError(f"{reader.folder / shard}: its tensors disagree with the index")
+            plan: list[tuple[str, torch.dtype, list[int]]] = []
+            for key in order:
+                recipe = program.tensors.get(key)
                 if key in program.layers:
                     la = program.layers[key]
-                    parts = []
-                    tally = RangeTally(la)
-                    for w, b in la.blocks(reader, block_elements, scratch, tally):  # w: written before the next
-                        writer.write(key, w)
-                        parts.append(b)
-                    program.ranges[key] = tally.result()
+                    plan.append((key, la.dtype, specs[key][1]))
                     if la.bias_out is not None:
-                        writer.write(la.bias_out, la.whole_bias(parts))
-                elif (made := program.tensors.get(key)) is not None and made.op == "unit":
-                    writer.write(key, torch.ones(shape, dtype=specs[key][0]))  # a norm weight whose affine folded
-                elif key not in beside:  # read into the buffers the stored blocks alternate between
-                    for start, stop in row_ranges(shape, block_elements):
-                        rows = [stop - start, *shape[1:]] if len(shape) > 1 else shape
-                        into = scratch.take(scratch.alternate("stored"), rows, specs[key][0])
-                        writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None, out=into))
-        finally:
-            writer.close()
-        digests[shard] = writer.finish()
-        total += sum(numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan)
+                        plan.append((la.bias_out, la.bias_dtype, list(la.bias_shape or [specs[key][1][0]])))
+                elif recipe is not None and recipe.op in ("copy", "unit") and key not in biases:
+                    plan.append((key, *specs[key]))
+            writer = ShardWriter(folder / shard, plan, metadata)
+            try:
+                for key, _, shape in plan:
+                    new_map[key] = shard
+                    if key in program.layers:
+                        la = program.layers[key]
+                        parts = []
+                        tally = RangeTally(la)
+                        for w, b in la.blocks(reader, block_elements, scratch, tally):  # w: written before the next
+                            writer.write(key, w)
+                            parts.append(b)
+                        program.ranges[key] = tally.result()
+                        if la.bias_out is not None:
+                            writer.write(la.bias_out, la.whole_bias(parts))
+                    elif (made := program.tensors.get(key)) is not None and made.op == "unit":
+                        writer.write(key, torch.ones(shape, dtype=specs[key][0]))  # a norm weight whose affine folded
+                    elif key not in beside:  # read into the buffers the stored blocks alternate between
+                        for start, stop in row_ranges(shape, block_elements):
+                            rows = [stop - start, *shape[1:]] if len(shape) > 1 else shape
+                            into = scratch.take(scratch.alternate("stored"), rows, specs[key][0])
+                            writer.write(key, reader.get(key, slice(start, stop) if len(shape) > 1 else None, out=into))
+            finally:
+                writer.close()
+            digests[shard] = writer.finish()
+            total += sum(numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan)
     missing = sorted(set(program.tensors) - set(new_map))
     if missing:
         raise UnsupportedModelError(
