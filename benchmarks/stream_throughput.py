@@ -149,15 +149,24 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         "fold_peak_above_tiny_mib": above,
         "above_over_largest_shard_plus_10pct": share,
     }
+    cpu = {w: runs["big", w]["cpu_s"] - runs["tiny", w]["cpu_s"] for w in WHAT}  # what the load changes least
+    result["marginal_cpu_s"] = cpu
     if args.json:
         print(json.dumps(result, indent=2))
         return result
     print(f"checkpoint {size['big'] / mib:.0f} MiB, largest shard {largest / mib:.0f} MiB")
     for (name, what), r in runs.items():
-        print(f"  {what:12s} {name:4s}  {r['wall_s']:7.2f} s  peak RSS {r['peak_rss_mib']:6.0f} MiB")
+        print(
+            f"  {what:12s} {name:4s}  {r['wall_s']:7.2f} s  {r['cpu_s']:6.2f} CPU-s  "
+            f"peak RSS {r['peak_rss_mib']:6.0f} MiB"
+        )
     print(
         f"marginal rate: fold {rate['fold']:.0f} MB/s, cp {rate['cp']:.0f} MB/s, write {rate['write']:.0f} MB/s, "
         f"write+sha256 {rate['write+sha256']:.0f} MB/s"
+    )
+    print(
+        "marginal CPU-s (big - tiny, every thread; the fold's includes planning 18 layers, not 2): "
+        + ", ".join(f"{w} {cpu[w]:.2f}" for w in WHAT)
     )
     big, tiny = runs["big", "fold"].get("stage_s"), runs["tiny", "fold"].get("stage_s")
     if big is not None and tiny is not None:  # the fold-and-write stage alone: start-up and planning excluded
