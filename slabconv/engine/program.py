@@ -47,10 +47,11 @@ FOLD_BLOCK = 1 << 22
 CACHE_BLOCK = 1 << 17
 """Elements per sub-block of rows on which a block's float64 arithmetic runs (widen, fold, measure, round): 1 MiB
 of float64, which with the sub-block's float32, stored and read values (2 MiB in all) stays in one core's L2
-cache, where whole-block passes stream 32 MiB through memory four times. Measured on the LLaMA-350M float16 layers
-(one thread, in memory, same load): 1.12-1.17 CPU-s per 240 M weights at 2**17, 1.22-1.45 at 2**18 (4 MiB: the
-float64 passes spill the cache), 1.32-1.38 at 2**16 (about 100 us of Python and dispatch per sub-block then
-weighs more than the cache gains). Rows are independent, so the values are the whole block's."""
+cache, where whole-block passes stream 32 MiB through memory four times. Measured on two LLaMA-350M float16
+decoder layers (one thread, in memory, the three sizes interleaved twice): 1.18-1.20 CPU-s per 240 M weights at
+2**17, 1.22-1.45 at 2**18 (4 MiB: the float64 passes spill the cache), 1.32-1.33 at 2**16 (the Python and dispatch
+of each sub-block, about 100 us, then weigh more than the cache gains). Rows are independent, so the values are
+the whole block's."""
 
 
 class WeightStore(Protocol):
