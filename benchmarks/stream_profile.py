@@ -3,6 +3,7 @@
     python -m benchmarks.stream_profile DIR     # DIR: a sharded folder (e.g. the one benchmarks.stream_throughput
                                                 # builds: python -c "from benchmarks.memory_streaming import ...")
     python -m benchmarks.stream_profile         # builds the LLaMA-350M-shaped float16 folder first (minutes)
+    python -m benchmarks.stream_profile DIR --lanes 1   # the blocks made in one thread (how the lanes scale)
 
 Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_program_shards`` once (torch on one
 thread per lane, as in the stage), timing its parts with ``time.thread_time`` in the thread that runs them: reading
@@ -139,7 +140,12 @@ def profile(src: Path, out: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, help="a sharded folder (default: build the 350M one)")
+    parser.add_argument("--lanes", type=int, default=None, help="fold lanes (default: write.shards.FOLD_LANES)")
     args = parser.parse_args(argv)
+    if args.lanes is not None:
+        from slabconv.write import shards as ws
+
+        ws.FOLD_LANES = args.lanes
     with tempfile.TemporaryDirectory(prefix="slabconv-profile-") as tmp:
         src = args.folder
         if src is None:
