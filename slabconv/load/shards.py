@@ -129,11 +129,10 @@ class LazyShards:
         key: str,
         rows: slice | None,
         path: Path,
-        reuse: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tensor ``key`` (or rows ``rows`` of it, as ``tensor[rows]``) read from the open shard ``f``: into memory
-        of its own, with ``reuse`` into the reader's one buffer (``row_blocks``), or into ``out`` (``get``)."""
+        of its own, or into ``out`` (``get``)."""
         if key not in layout.specs:
             raise InputError(f"{path}: tensor {key!r} is missing from the file")
         dtype, shape = layout.specs[key]
@@ -142,7 +141,6 @@ class LazyShards:
         start, stop, _ = (rows or slice(None)).indices(count)
         stop = max(start, stop)
         out_shape = ([stop - start, *shape[1:]] if rows is not None else shape) if shape else []
-        nbytes = (stop - start) * row
         if out is not None:
             if (
                 out.dtype != dtype
@@ -154,12 +152,8 @@ class LazyShards:
                     f"read {key!r}: out is {out.dtype} {list(out.shape)}, the rows are {dtype} {out_shape}"
                 )
             flat = out.reshape(-1).view(torch.uint8)
-        elif reuse:
-            if self._reused.numel() < nbytes:
-                self._reused = torch.empty(nbytes, dtype=torch.uint8)
-            flat = self._reused[:nbytes]
         else:
-            flat = torch.empty(nbytes, dtype=torch.uint8)
+            flat = torch.empty((stop - start) * row, dtype=torch.uint8)
         buffer = flat.numpy().data  # the tensor's own memory
         f.seek(layout.offsets[key] + start * row)
         done = 0
@@ -173,12 +167,10 @@ class LazyShards:
             tensor = torch.from_numpy(tensor.numpy().byteswap())
         return tensor.reshape(out_shape)
 
-    def get(
-        self, key: str, rows: slice | None = None, reuse: bool = False, *, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def get(self, key: str, rows: slice | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """One whole tensor, or rows ``rows`` of it (reading only their bytes); ``slabconv.engine.WeightStore``.
 
-        ``reuse``: see ``row_blocks``. ``out``: a contiguous CPU tensor of the tensor's dtype and the rows' shape to
+        ``out``: a contiguous CPU tensor of the tensor's dtype and the rows' shape to
         read into (returned; a streamed fold's reused buffers, which, unlike the reader's one, several threads and
         the writer's pending blocks can each have their own of).
 
@@ -188,7 +180,7 @@ class LazyShards:
         """
         shard = self._shard(key)
         with self._open(shard) as (f, layout):
-            return self._read(f, layout, key, rows, self.folder / shard, reuse, out)
+            return self._read(f, layout, key, rows, self.folder / shard, out)
 
     def get_many(self, keys: list[str]) -> dict[str, torch.Tensor]:
         """Whole tensors, read through one open file per shard (``get`` opens one per tensor, which adds up over
@@ -232,10 +224,20 @@ class LazyShards:
         the reads and the products together (``docs/performance.md``, "Checks of a streamed fold")."""
         rows = max(1, self.block_elements // max(1, _numel(shape[1:])))
         if len(shape) < 2 or shape[0] <= rows:
-            yield self.get(key, reuse=reuse)
+            yield self.get(key, out=self._reused_block(key, list(shape)) if reuse else None)
             return
         for r in range(0, shape[0], rows):
-            yield self.get(key, slice(r, r + rows), reuse)
+            block = [min(rows, shape[0] - r), *shape[1:]]
+            yield self.get(key, slice(r, r + rows), out=self._reused_block(key, block) if reuse else None)
+
+    def _reused_block(self, key: str, shape: list[int]) -> torch.Tensor:
+        """A tensor of ``shape`` and ``key``'s dtype in the reader's one buffer (``row_blocks(reuse=True)``), grown
+        as needed."""
+        dtype = self.dtype(key)
+        nbytes = _numel(shape) * dtype.itemsize
+        if self._reused.numel() < nbytes:
+            self._reused = torch.empty(nbytes, dtype=torch.uint8)
+        return self._reused[:nbytes].view(dtype).view(shape)
 
     def shape(self, key: str) -> list[int]:
         """The tensor's shape, from its shard's header."""
