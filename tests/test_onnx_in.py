@@ -803,3 +803,30 @@ def test_rt_detr_aifi_exported_with_a_dynamic_batch_folds_its_output_norm_into_t
     assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == program
     assert program[1] == ("norm2", "folded-forward", None, ["conv"])
     assert report.verification is not None and report.verification.passed
+
+
+@pytest.mark.parametrize(("c_in", "c_out", "group"), [(8, 4, 2), (4, 4, 4)])
+def test_the_float64_reference_runs_a_grouped_conv_transpose_as_torch_does(tmp_path, c_in, c_out, group):
+    """onnxruntime has no float64 ``ConvTranspose``, so the float64 reference falls to onnx's reference evaluator,
+    whose grouped branch raises (8 -> 4 channels, 2 groups) or returns a wrong tensor (depthwise, 4 groups): each
+    group goes through its ``group = 1`` path, and the reference equals torch's ``conv_transpose2d`` in float64."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w, b = rng.standard_normal((c_in, c_out // group, 3, 3)), rng.standard_normal(c_out)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=group, strides=[2, 2], pads=[1, 1, 1, 1])
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, c_in, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, c_out, 9, 9])],
+        [numpy_helper.from_array(w.astype(np.float32), "w"), numpy_helper.from_array(b.astype(np.float32), "b")],
+    )  # fmt: skip
+    path = tmp_path / "convt.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    x = rng.standard_normal((2, c_in, 5, 5)).astype(np.float32)
+    (got,), which = onnx_original.float64_reference(path, x, "float32", None)
+    assert which.startswith("onnx.reference")
+    want = torch.nn.functional.conv_transpose2d(
+        torch.tensor(x, dtype=torch.float64), torch.tensor(w.astype(np.float32), dtype=torch.float64),
+        torch.tensor(b.astype(np.float32), dtype=torch.float64), stride=2, padding=1, groups=group,
+    )  # fmt: skip
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)

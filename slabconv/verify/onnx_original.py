@@ -59,12 +59,35 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
     except Exception:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
         from onnx.reference import ReferenceEvaluator
 
-        evaluator = ReferenceEvaluator(proto)
+        evaluator = ReferenceEvaluator(proto, new_ops=[_grouped_conv_transpose()])
 
         def run(x: Inputs) -> list[np.ndarray]:
             return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
 
         return run, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
+
+
+def _grouped_conv_transpose() -> type:
+    """onnx's reference ``ConvTranspose`` with ``group > 1`` computed one group at a time by its own ``group = 1``
+    path: its grouped branch (onnx 1.23) slices the ``(C_in, C_out / group, k...)`` weight by output channels and
+    places each group's output at one channel, so it raises or returns a wrong tensor. Per the ONNX spec, group ``g``
+    reads input channels ``[g * C_in / group, (g + 1) * C_in / group)`` and the same rows of ``W``, and writes
+    output channels ``[g * C_out / group, (g + 1) * C_out / group)`` with those entries of ``B``."""
+    from onnx.reference.ops.op_conv_transpose import ConvTranspose as OnnxConvTranspose
+
+    class ConvTranspose(OnnxConvTranspose):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, **attrs: Any) -> tuple[np.ndarray]:
+            group, one_group = int(attrs.get("group") or 1), super()._run
+            if group == 1:
+                return one_group(X, W, B, **attrs)  # type: ignore[no-any-return]
+            xs, ws = np.split(X, group, axis=1), np.split(W, group, axis=0)
+            bs = np.split(B, group) if B is not None else [None] * group
+            parts = [one_group(x, w, b, **{**attrs, "group": 1})[0] for x, w, b in zip(xs, ws, bs, strict=True)]
+            return (np.concatenate(parts, axis=1),)
+
+    return ConvTranspose
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
