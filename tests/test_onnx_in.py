@@ -830,3 +830,33 @@ def test_the_float64_reference_runs_a_grouped_conv_transpose_as_torch_does(tmp_p
         torch.tensor(b.astype(np.float32), dtype=torch.float64), stride=2, padding=1, groups=group,
     )  # fmt: skip
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("opset", [13, 15])
+def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_statistics(tmp_path, opset):
+    """A ``Conv`` (no float64 kernel in onnxruntime) sends the float64 reference to onnx's reference evaluator,
+    whose ``BatchNormalization`` 9 (opsets 9 to 13, as tf2onnx and older TorchScript exports write it) used the
+    batch's statistics: question 1 then failed a right fold. The reference equals torch's conv and inference
+    batch norm in float64 at every opset."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3, 1, 1)).astype(np.float32)
+    stats = [rng.uniform(0.5, 1.5, 4), rng.uniform(-1, 1, 4), rng.uniform(-1, 1, 4), rng.uniform(0.5, 2, 4)]
+    names = ["gamma", "beta", "mean", "var"]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("BatchNormalization", ["c", *names], ["y"], epsilon=1e-3)]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 5, 5])],
+        [numpy_helper.from_array(w, "w")] + [numpy_helper.from_array(a.astype(np.float32), n) for a, n in zip(stats, names)],
+    )  # fmt: skip
+    path = tmp_path / "bn.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+    (got,), which = onnx_original.float64_reference(path, x, "float32", None)
+    assert which.startswith("onnx.reference")
+    gamma, beta, mean, var = (torch.tensor(a.astype(np.float32), dtype=torch.float64) for a in stats)
+    conv = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
+    want = torch.nn.functional.batch_norm(conv, mean, var, gamma, beta, training=False, eps=float(np.float32(1e-3)))  # the attribute is a float32
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
