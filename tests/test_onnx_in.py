@@ -860,3 +860,41 @@ def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_stati
     conv = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
     want = torch.nn.functional.batch_norm(conv, mean, var, gamma, beta, training=False, eps=float(np.float32(1e-3)))  # the attribute is a float32
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_a_norm_an_if_branch_reads_keeps_its_affine_inside_the_branch(tmp_path):
+    """A BatchNorm that a Conv and both branches of an ``If`` read (an outer-scope read, no input of the ``If``):
+    the Conv takes the fold, the ``If`` blocks (``unsupported-op:onnx.If``) and its branches read the kept affine.
+    Redirecting the branches to the norm's input (the fold without the affine) changed the output by 17% with
+    ``--no-verify``; here the fused file computes the original's outputs down both branches."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    out4 = helper.make_tensor_value_info
+    branches = {
+        key: helper.make_graph([helper.make_node("Conv", ["n", w], [o])], key, [], [out4(o, TensorProto.FLOAT, [2, 4, 3, 3])])
+        for key, w, o in (("then_branch", "k1", "o1"), ("else_branch", "k2", "o2"))
+    }  # fmt: skip
+    nodes = [
+        helper.make_node("Conv", ["x", "k0"], ["c0"], name="conv0"), helper.make_node("Relu", ["c0"], ["r0"], name="relu"),
+        helper.make_node("BatchNormalization", ["r0", "g", "b", "m", "v"], ["n"], name="bn"),
+        helper.make_node("Conv", ["n", "k1"], ["c1"], name="conv1"),
+        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0, name="sum"), helper.make_node("Greater", ["s", "zero"], ["cond"]),
+        helper.make_node("If", ["cond"], ["branch"], name="if", **branches), helper.make_node("Add", ["c1", "branch"], ["y"]),
+    ]  # fmt: skip
+    arrays = {"k0": rng.standard_normal((6, 3, 1, 1)), "g": rng.uniform(0.5, 1.5, 6), "b": rng.uniform(-1, 1, 6),
+              "m": rng.uniform(-1, 1, 6), "v": rng.uniform(0.5, 2, 6), "k1": rng.standard_normal((4, 6, 1, 1)),
+              "k2": rng.standard_normal((4, 6, 1, 1)), "zero": np.array(0.0)}  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [out4("x", TensorProto.FLOAT, [2, 3, 3, 3])], [out4("y", TensorProto.FLOAT, [2, 4, 3, 3])],
+        [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+    )
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=None)
+    assert [(d.action, d.reason) for d in report.folds] == [("kept-affine", "unsupported-op:onnx.If")]
+    assert "BatchNormalization" not in op_histogram(tmp_path / "out" / "model.onnx")
+    x = rng.standard_normal((2, 3, 3, 3)).astype(np.float32)
+    for sample in (x, -x):  # one input down each branch
+        want, got = _run(path, sample), _run(tmp_path / "out" / "model.onnx", sample)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -214,10 +214,10 @@ class _Graph:
             if edge.dst.op == "output":
                 self._replace_output(normed, made[key])
                 continue
-            node = self.onnx_node(edge.dst)
-            for i, v in enumerate(node.inputs):
-                if v is normed:
-                    node.replace_input_with(i, made[key])
+            within = _within(self.onnx_node(edge.dst))
+            for use in list(normed.uses()):  # its inputs, and the reads of its subgraphs (an If's branches)
+                if use.node in within:
+                    use.node.replace_input_with(use.idx, made[key])
 
     def _replace_output(self, old: ir.Value, new: ir.Value) -> None:
         outputs = self.graph.outputs
@@ -261,6 +261,18 @@ class _Graph:
         for node in nodes:
             self.nodes.pop(node.name or "", None)
         self.touched.append(base)
+
+
+def _within(node: ir.Node) -> set[ir.Node]:
+    """``node`` and every node of its subgraphs, at any depth (an ``If``'s branches, a ``Loop``'s body): the
+    nodes through which it reads a value of the outer graph."""
+    nodes = {node}
+    for attr in node.attributes.values():
+        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else []
+        graphs += list(attr.value or ()) if attr.type == ir.AttributeType.GRAPHS else []
+        for sub in graphs:
+            nodes.update(sub.all_nodes())
+    return nodes
 
 
 def folded_values(lowered: Lowered, plans: list[NormPlan]) -> tuple[dict[str, torch.Tensor], list[LayerRange]]:
