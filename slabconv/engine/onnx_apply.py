@@ -11,7 +11,8 @@ changed in place, as the plans say:
   fold; an initializer that other nodes read too is copied for the node the fold changed (copy on write);
 - a created bias becomes an input of its ``Gemm`` / ``Conv``, or an ``Add`` after its ``MatMul``
   (``<layer>.bias``, a ``.../folded_bias_add`` node);
-- a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads;
+- a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads (an ``If`` or
+  ``Loop`` reading it inside a subgraph reads the affine there);
 - the norm op of a LayerNorm / RMSNorm / GroupNorm whose affine folded (``--fold-norm-affine``) keeps its inputs,
   its scale initializer holding ones and its bias zeros;
 - a folded norm's nodes go, its readers read its input; the layout pairs it leaves behind (``Transpose(p)`` then
