@@ -424,6 +424,14 @@ def test_files_slabconv_cannot_fold_or_feed_are_refused_with_one_line(tmp_path):
     (tmp_path / "ext.bin").unlink()
     with pytest.raises(InputError, match=r"its external data file 'ext.bin' is missing; copy it beside the .onnx"):
         api.inspect(tmp_path / "ext.onnx")
+    proto = onnx.load(str(tmp_path / "dyn.onnx"))
+    bn = next(n for n in proto.graph.node if n.op_type == "BatchNormalization")  # export_params=False: no values
+    mean = next(t for t in proto.graph.initializer if t.name == bn.input[3])
+    proto.graph.input.append(onnx.helper.make_tensor_value_info(mean.name, mean.data_type, list(mean.dims)))
+    proto.graph.initializer.remove(mean)
+    onnx.save(proto, str(tmp_path / "noparams.onnx"))
+    with pytest.raises(InputError, match=rf"input '{mean.name}' is a parameter of BatchNormalization .*export_params"):
+        api.inspect(tmp_path / "noparams.onnx")
 
 
 def test_verify_an_onnx_original_against_its_fused_folder_answers_both_questions(digits, tmp_path):

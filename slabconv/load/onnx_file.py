@@ -487,14 +487,34 @@ def _without_annotations(proto: Any) -> Iterator[None]:
                 output.type.tensor_type.shape.CopyFrom(shape)
 
 
+_PARAMETER_INPUTS = {
+    "Conv": (1, 2), "ConvTranspose": (1, 2), "Gemm": (1, 2), "BatchNormalization": (1, 2, 3, 4),
+    "InstanceNormalization": (1, 2), "LayerNormalization": (1, 2), "GroupNormalization": (1, 2),
+}  # fmt: skip
+"""The inputs of an op that hold a layer's parameters (weight and bias, a norm's scale, shift and statistics)."""
+
+
 def check_graph_inputs(path: Path, proto: Any) -> None:
     """Refuse graph inputs slabconv cannot draw or feed: not tensors (a sequence, map or optional value), or
-    tensors whose element type is not a real number (``_ITEMSIZE``). Initializers listed as inputs are skipped.
+    tensors whose element type is not a real number (``_ITEMSIZE``), or a layer's or norm's parameters
+    (``_PARAMETER_INPUTS``) given as a graph input without a value (``torch.onnx.export(...,
+    export_params=False)``: random samples would stand in for the weights). Initializers listed as inputs (as
+    ``keep_initializers_as_inputs=True`` writes them) are skipped.
 
     Raises:
-        InputError: naming the file and the input.
+        InputError: naming the file and the input (and the node whose parameter it is).
     """
     initializers = {t.name for t in proto.graph.initializer}
+    fed = {i.name for i in proto.graph.input} - initializers
+    for node in proto.graph.node:
+        for position in _PARAMETER_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
+            name = node.input[position] if position < len(node.input) else ""
+            if name in fed:
+                raise InputError(
+                    f"{path}: the graph input {name[:80]!r} is a parameter of {node.op_type} node "
+                    f"{node.name[:80]!r} and holds no value (exported with export_params=False?); export the model "
+                    "with its parameters (torch.onnx.export's default, export_params=True)"
+                )
     for graph_input in proto.graph.input:
         if graph_input.name in initializers:
             continue
