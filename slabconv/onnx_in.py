@@ -18,7 +18,7 @@ from typing import Any
 
 from slabconv.engine import Decision, LayerRange, folds_norm_affine
 from slabconv.errors import InputError, UsageError
-from slabconv.load.onnx_file import OnnxFile, load_ir, read_onnx
+from slabconv.load.onnx_file import OnnxFile, check_foldable, load_ir, read_onnx
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
 from slabconv.report.data import Outputs
@@ -146,11 +146,12 @@ def open_onnx(
     take. ``verify``: the verification options, which ``check_options`` holds to what the door honours.
 
     Raises:
-        InputError: as ``read_onnx``; UsageError: as ``check_options``.
+        InputError: as ``read_onnx`` and ``check_foldable``; UsageError: as ``check_options``.
     """
     check_options(path, load, write, verify)
     progress(f"loading {path}")
     info = read_onnx(path)
+    check_foldable(path, info.proto)
     ranges: list[LayerRange] = []
     model, decisions = fold_onnx(path, progress, norm_affine=bool(load and load.fold_norm_affine), ranges=ranges)
     return OnnxGraph(info, model, decisions, ranges)

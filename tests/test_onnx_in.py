@@ -906,3 +906,36 @@ def test_a_norm_an_if_branch_reads_keeps_its_affine_inside_the_branch(tmp_path):
     for sample in (x, -x):  # one input down each branch
         want, got = _run(path, sample), _run(tmp_path / "out" / "model.onnx", sample)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_a_quantized_graph_is_refused_in_one_line_and_its_dequantized_weights_are_no_constants(tmp_path):
+    """onnxruntime's ``quantize_static`` writes a norm's weight as ``DequantizeLinear`` of an int8 initializer
+    and rounds every activation (``QuantizeLinear``): no fold into it is exact, so ``inspect`` / ``fuse`` refuse
+    the file in one line. The engine never runs an opaque ONNX node, so a value computed through one is no
+    constant (evaluating it was an internal error)."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    from slabconv.errors import UnsupportedModelError
+
+    rng = np.random.default_rng(0)
+    f32 = {"k0": rng.standard_normal((4, 3, 1, 1)), "beta": rng.uniform(-1, 1, 4), "mean": rng.uniform(-1, 1, 4),
+           "var": rng.uniform(0.5, 2, 4), "k1": rng.standard_normal((2, 4, 1, 1)), "scale": np.array(0.01)}  # fmt: skip
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in f32.items()]
+    inits.append(numpy_helper.from_array(rng.integers(50, 127, 4).astype(np.int8), "gamma_q"))
+    nodes = [
+        helper.make_node("Conv", ["x", "k0"], ["c0"]), helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("DequantizeLinear", ["gamma_q", "scale"], ["gamma"]),
+        helper.make_node("BatchNormalization", ["r0", "gamma", "beta", "mean", "var"], ["n"], name="bn"),
+        helper.make_node("Conv", ["n", "k1"], ["y"]),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])], inits,
+    )  # fmt: skip
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(proto, str(tmp_path / "qdq.onnx"))
+    with pytest.raises(InputError, match=r"a quantized graph \(1 DequantizeLinear / \.\.\. nodes.*fold the float model"):
+        api.inspect(tmp_path / "qdq.onnx")
+    with pytest.raises(UnsupportedModelError, match=r"BatchNorm node .*computed, not stored"):
+        onnx_fold.plan_file(ir.from_proto(proto))

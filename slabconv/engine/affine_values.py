@@ -92,6 +92,8 @@ class Constants:
             return False
         if isinstance(node.target, torch._ops.HigherOrderOperator):  # runs a submodule (``torch.no_grad()`` code)
             return False
+        if getattr(node.target, "runs", True) is False:  # an op the engine cannot run (an opaque ONNX node)
+            return False
         return all(self.is_const(a) for a in node.all_input_nodes)
 
     def value(self, node: Any) -> Any:

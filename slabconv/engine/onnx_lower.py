@@ -216,7 +216,10 @@ class LayerSite:
 
 class OnnxOp:
     """The op of an opaque node: an ONNX op the engine has no rule for. Its ``__name__`` and ``namespace`` make
-    ``slabconv.engine.reasons.unsupported`` say ``unsupported-op:onnx.<Op>``."""
+    ``slabconv.engine.reasons.unsupported`` say ``unsupported-op:onnx.<Op>``. ``runs`` is False: the engine never
+    calls it, so no value computed through it is a constant (a ``DequantizeLinear`` of an initializer)."""
+
+    runs = False
 
     def __init__(self, domain: str, op_type: str):
         self.namespace = "onnx" if domain in ONNX_DOMAINS else domain

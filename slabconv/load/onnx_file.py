@@ -428,6 +428,29 @@ def _without_external_data(proto: Any) -> Iterator[None]:
             tensor.data_location = _EXTERNAL
 
 
+_QUANTIZED_OPS = frozenset(
+    {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "QLinearConv", "QLinearMatMul", "ConvInteger",
+     "MatMulInteger", "DynamicQuantizeMatMul", "QGemm", "QAttention", "MatMulIntegerToFloat", "MatMulNBits"}
+)  # fmt: skip
+"""Ops of a quantized graph (ONNX's and onnxruntime's ``com.microsoft`` ones): QDQ pairs, integer layers."""
+
+
+def check_foldable(path: Path, proto: Any) -> None:
+    """Refuse an original no norm of which can be folded exactly: a quantized graph (``_QUANTIZED_OPS``; a
+    quantized file stays readable as a ``verify`` candidate).
+
+    Raises:
+        InputError: naming the file, the op and what to do.
+    """
+    quantized = [n for n in proto.graph.node if n.op_type in _QUANTIZED_OPS]
+    if quantized:
+        raise InputError(
+            f"{path}: a quantized graph ({len(quantized)} {quantized[0].op_type} / ... nodes, as "
+            "onnxruntime.quantization writes it): its weights are integers and each quantize step rounds, so no "
+            "fold of a norm into them is exact; fold the float model, then quantize slabconv's model.onnx"
+        )
+
+
 def _check_graph(path: Path, proto: Any) -> None:
     """The graph against ONNX's own rules (``onnx.checker``; strict shape and type inference), and what slabconv
     cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, graph inputs that are not tensors of
