@@ -939,3 +939,23 @@ def test_a_quantized_graph_is_refused_in_one_line_and_its_dequantized_weights_ar
         api.inspect(tmp_path / "qdq.onnx")
     with pytest.raises(UnsupportedModelError, match=r"BatchNorm node .*computed, not stored"):
         onnx_fold.plan_file(ir.from_proto(proto))
+
+
+def test_an_original_no_float64_evaluator_runs_is_named_not_an_internal_error(tmp_path):
+    """onnxruntime's optimizer writes its own ops (``com.microsoft`` ``FusedConv``): onnxruntime has no float64
+    kernel for them and onnx's reference evaluator does not know them, so question 1 cannot run; one line says
+    so and what to do."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    node = helper.make_node("FusedConv", ["x", "w"], ["y"], domain="com.microsoft", activation="Relu", name="c0")
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])],
+        [numpy_helper.from_array(rng.standard_normal((2, 3, 1, 1)).astype(np.float32), "w")],
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(tmp_path / "ort.onnx"))
+    x = rng.standard_normal((1, 3, 4, 4)).astype(np.float32)
+    with pytest.raises(InputError, match=r"runs neither in onnxruntime .*FusedConv.*or pass --no-verify"):
+        onnx_original.float64_reference(tmp_path / "ort.onnx", x, "float32", None)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from slabconv.engine import onnx_fold
-from slabconv.errors import InputError, UsageError
+from slabconv.errors import InputError, UsageError, first_line
 from slabconv.load import safety
 from slabconv.load.onnx_file import OnnxFile, load_ir
 from slabconv.options import VerifyOptions
@@ -32,6 +32,10 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
 
     Returns:
         ``(run, which)``: ``which`` names the evaluator (``onnxruntime`` or ``onnx.reference``).
+
+    Raises:
+        InputError: neither runs the graph (onnxruntime lacks a float64 kernel and an op is of a domain onnx's
+            reference evaluator lacks, such as the ``com.microsoft`` ops onnxruntime's optimizer writes).
     """
     import onnx
     import onnx_ir as ir
@@ -56,15 +60,23 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
             return [np.asarray(o, dtype=np.float64) for o in session.run(None, feed(x))]
 
         return run, "onnxruntime"
-    except Exception:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
-        from onnx.reference import ReferenceEvaluator
+    except Exception as err:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
+        ort_error = first_line(err, 160)
+    from onnx.reference import ReferenceEvaluator
 
+    try:
         evaluator = ReferenceEvaluator(proto, new_ops=[_grouped_conv_transpose(), _inference_batch_norm()])
+    except NotImplementedError as err:  # an op of another domain (com.microsoft): no reference implementation
+        raise InputError(
+            f"the original in float64 runs neither in onnxruntime ({ort_error}) nor in onnx's reference evaluator "
+            f"({first_line(err, 160)}), so question 1 cannot be answered; fold the model as it was exported, before "
+            "an optimizer wrote its runtime's own ops into it, or pass --no-verify"
+        ) from None
 
-        def run(x: Inputs) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
+    def run_reference(x: Inputs) -> list[np.ndarray]:
+        return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
 
-        return run, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
+    return run_reference, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 
 
 def _grouped_conv_transpose() -> type:
