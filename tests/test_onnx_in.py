@@ -959,3 +959,35 @@ def test_an_original_no_float64_evaluator_runs_is_named_not_an_internal_error(tm
     x = rng.standard_normal((1, 3, 4, 4)).astype(np.float32)
     with pytest.raises(InputError, match=r"runs neither in onnxruntime .*FusedConv.*or pass --no-verify"):
         onnx_original.float64_reference(tmp_path / "ort.onnx", x, "float32", None)
+
+
+def test_pads_computed_from_a_static_size_under_a_dynamic_batch_fold_as_the_zeros_they_are(tmp_path):
+    """Swin's window padding as the TorchScript exporter writes it under a dynamic batch: the ``Pad`` amounts are
+    computed from ``x.size(2)`` (``Gather`` of a scalar index from ``Shape``), static where the batch is not.
+    onnxscript's folder gathers only 1-D indices from a shape, so the pads stayed computed and the norm before
+    the ``Pad`` was kept (``unsupported-op:onnx.Pad``); the size is now a constant, the pads fold to zeros and the
+    norm folds into the conv after the ``Pad``, verified."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"k0": rng.standard_normal((4, 3, 1, 1)), "g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4),
+              "m": rng.uniform(-1, 1, 4), "v": rng.uniform(0.5, 2, 4), "k1": rng.standard_normal((2, 4, 1, 1))}  # fmt: skip
+    ints = {"two": np.array(2), "window": np.array(4), "zeros": np.zeros(6), "axis0": np.array([0])}
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    inits += [numpy_helper.from_array(a.astype(np.int64), k) for k, a in ints.items()]
+    nodes = [
+        helper.make_node("Conv", ["x", "k0"], ["c0"]), helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("BatchNormalization", ["r0", "g", "b", "m", "v"], ["n"], name="bn"),
+        helper.make_node("Shape", ["n"], ["shape"]), helper.make_node("Gather", ["shape", "two"], ["h"]),
+        helper.make_node("Mod", ["h", "window"], ["rest"]), helper.make_node("Unsqueeze", ["rest", "axis0"], ["rest1"]),
+        helper.make_node("Concat", ["zeros", "rest1", "rest1"], ["pads"], axis=0),
+        helper.make_node("Pad", ["n", "pads"], ["p"]), helper.make_node("Conv", ["p", "k1"], ["y"], name="conv1"),
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 4, 4])], inits,
+    )  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "pad.onnx"))
+    report = api.fuse(tmp_path / "pad.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [(d.action, d.reason, d.into) for d in report.folds] == [("folded-forward", None, ["k1"])]  # by its weight
+    assert report.verification is not None and report.verification.passed

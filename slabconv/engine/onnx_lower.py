@@ -89,9 +89,37 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
     merge_shapes(model, infer_shapes(model, proto_path))
+    _static_sizes(model)
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
+
+
+def _static_sizes(model: ir.Model) -> None:
+    """Each ``Gather(Shape(x), i)`` with a scalar index ``i`` (the TorchScript exporter's ``x.size(i)``) whose size
+    is static in the inferred shape of ``x`` becomes that size, a 0-D int64 initializer. onnxscript's folder turns a
+    ``Shape`` of static sizes into a constant and gathers a 1-D index from a ``Shape`` (``_constant_folding.gather``),
+    but not a scalar index, so under a dynamic batch the sizes of the other axes (8 and 8 in ``(batch, 16, 8, 8)``)
+    stayed computed, and with them what is computed from them: Swin's window ``Pad`` amounts (0 at these sizes),
+    which then block a fold as an ``unsupported-op:onnx.Pad``. The size is the one onnxscript's ``Shape`` folding
+    reads (the merged inference, ``infer_shapes``)."""
+    for node in list(model.graph):
+        shape = node.inputs[0].producer() if node.op_type == "Gather" and node.inputs[0] is not None else None
+        index = node.inputs[1] if len(node.inputs) > 1 else None
+        if shape is None or shape.op_type != "Shape" or shape.domain not in ONNX_DOMAINS or node.domain not in ONNX_DOMAINS:
+            continue
+        if index is None or index.const_value is None or index.const_value.shape != () or _attr(node, "axis", 0) != 0:
+            continue
+        dims = list(shape.inputs[0].shape or []) if shape.inputs[0] is not None else []
+        start, end = _attr(shape, "start", 0), _attr(shape, "end", None)
+        dims = dims[start:end]
+        i = int(index.const_value.numpy())
+        out = node.outputs[0]
+        if not -len(dims) <= i < len(dims) or not isinstance(dims[i], int) or out.is_graph_output():
+            continue
+        size = ir.Value(name=f"{out.name}.static", const_value=ir.tensor(np.array(dims[i], dtype=np.int64)))
+        model.graph.register_initializer(size)
+        out.replace_all_uses_with(size)
 
 
 _GROWING = frozenset({"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "Upsample"})
