@@ -824,19 +824,25 @@ def test_the_float64_reference_runs_a_grouped_conv_transpose_as_torch_does(tmp_p
     w, b = rng.standard_normal((c_in, c_out // group, 3, 3)), rng.standard_normal(c_out)
     node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], group=group, strides=[2, 2], pads=[1, 1, 1, 1])
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, c_in, 5, 5])],
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, c_in, 5, 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, c_out, 9, 9])],
         [numpy_helper.from_array(w.astype(np.float32), "w"), numpy_helper.from_array(b.astype(np.float32), "b")],
-    )  # fmt: skip
+    )
     path = tmp_path / "convt.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     x = rng.standard_normal((2, c_in, 5, 5)).astype(np.float32)
     (got,), which = onnx_original.float64_reference(path, x, "float32", None)
     assert which.startswith("onnx.reference")
     want = torch.nn.functional.conv_transpose2d(
-        torch.tensor(x, dtype=torch.float64), torch.tensor(w.astype(np.float32), dtype=torch.float64),
-        torch.tensor(b.astype(np.float32), dtype=torch.float64), stride=2, padding=1, groups=group,
-    )  # fmt: skip
+        torch.tensor(x, dtype=torch.float64),
+        torch.tensor(w.astype(np.float32), dtype=torch.float64),
+        torch.tensor(b.astype(np.float32), dtype=torch.float64),
+        stride=2,
+        padding=1,
+        groups=group,
+    )
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
@@ -852,13 +858,18 @@ def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_stati
     w = rng.standard_normal((4, 3, 1, 1)).astype(np.float32)
     stats = [rng.uniform(0.5, 1.5, 4), rng.uniform(-1, 1, 4), rng.uniform(-1, 1, 4), rng.uniform(0.5, 2, 4)]
     names = ["gamma", "beta", "mean", "var"]
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
-             helper.make_node("BatchNormalization", ["c", *names], ["y"], epsilon=1e-3)]  # fmt: skip
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"]),
+        helper.make_node("BatchNormalization", ["c", *names], ["y"], epsilon=1e-3),
+    ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 5, 5])],
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, 5, 5])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 4, 5, 5])],
-        [numpy_helper.from_array(w, "w")] + [numpy_helper.from_array(a.astype(np.float32), n) for a, n in zip(stats, names)],
-    )  # fmt: skip
+        [numpy_helper.from_array(w, "w")]
+        + [numpy_helper.from_array(a.astype(np.float32), n) for a, n in zip(stats, names, strict=True)],
+    )
     path = tmp_path / "bn.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
     x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
@@ -866,7 +877,8 @@ def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_stati
     assert which.startswith("onnx.reference")
     gamma, beta, mean, var = (torch.tensor(a.astype(np.float32), dtype=torch.float64) for a in stats)
     conv = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
-    want = torch.nn.functional.batch_norm(conv, mean, var, gamma, beta, training=False, eps=float(np.float32(1e-3)))  # the attribute is a float32
+    eps = float(np.float32(1e-3))  # the attribute is a float32
+    want = torch.nn.functional.batch_norm(conv, mean, var, gamma, beta, training=False, eps=eps)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
@@ -880,21 +892,36 @@ def test_a_norm_an_if_branch_reads_keeps_its_affine_inside_the_branch(tmp_path):
     rng = np.random.default_rng(0)
     out4 = helper.make_tensor_value_info
     branches = {
-        key: helper.make_graph([helper.make_node("Conv", ["n", w], [o])], key, [], [out4(o, TensorProto.FLOAT, [2, 4, 3, 3])])
+        key: helper.make_graph(
+            [helper.make_node("Conv", ["n", w], [o])], key, [], [out4(o, TensorProto.FLOAT, [2, 4, 3, 3])]
+        )
         for key, w, o in (("then_branch", "k1", "o1"), ("else_branch", "k2", "o2"))
-    }  # fmt: skip
+    }
     nodes = [
-        helper.make_node("Conv", ["x", "k0"], ["c0"], name="conv0"), helper.make_node("Relu", ["c0"], ["r0"], name="relu"),
+        helper.make_node("Conv", ["x", "k0"], ["c0"], name="conv0"),
+        helper.make_node("Relu", ["c0"], ["r0"], name="relu"),
         helper.make_node("BatchNormalization", ["r0", "g", "b", "m", "v"], ["n"], name="bn"),
         helper.make_node("Conv", ["n", "k1"], ["c1"], name="conv1"),
-        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0, name="sum"), helper.make_node("Greater", ["s", "zero"], ["cond"]),
-        helper.make_node("If", ["cond"], ["branch"], name="if", **branches), helper.make_node("Add", ["c1", "branch"], ["y"]),
-    ]  # fmt: skip
-    arrays = {"k0": rng.standard_normal((6, 3, 1, 1)), "g": rng.uniform(0.5, 1.5, 6), "b": rng.uniform(-1, 1, 6),
-              "m": rng.uniform(-1, 1, 6), "v": rng.uniform(0.5, 2, 6), "k1": rng.standard_normal((4, 6, 1, 1)),
-              "k2": rng.standard_normal((4, 6, 1, 1)), "zero": np.array(0.0)}  # fmt: skip
+        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0, name="sum"),
+        helper.make_node("Greater", ["s", "zero"], ["cond"]),
+        helper.make_node("If", ["cond"], ["branch"], name="if", **branches),
+        helper.make_node("Add", ["c1", "branch"], ["y"]),
+    ]
+    arrays = {
+        "k0": rng.standard_normal((6, 3, 1, 1)),
+        "g": rng.uniform(0.5, 1.5, 6),
+        "b": rng.uniform(-1, 1, 6),
+        "m": rng.uniform(-1, 1, 6),
+        "v": rng.uniform(0.5, 2, 6),
+        "k1": rng.standard_normal((4, 6, 1, 1)),
+        "k2": rng.standard_normal((4, 6, 1, 1)),
+        "zero": np.array(0.0),
+    }
     graph = helper.make_graph(
-        nodes, "g", [out4("x", TensorProto.FLOAT, [2, 3, 3, 3])], [out4("y", TensorProto.FLOAT, [2, 4, 3, 3])],
+        nodes,
+        "g",
+        [out4("x", TensorProto.FLOAT, [2, 3, 3, 3])],
+        [out4("y", TensorProto.FLOAT, [2, 4, 3, 3])],
         [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
     )
     path = tmp_path / "if.onnx"
@@ -919,23 +946,33 @@ def test_a_quantized_graph_is_refused_in_one_line_and_its_dequantized_weights_ar
     from slabconv.errors import UnsupportedModelError
 
     rng = np.random.default_rng(0)
-    f32 = {"k0": rng.standard_normal((4, 3, 1, 1)), "beta": rng.uniform(-1, 1, 4), "mean": rng.uniform(-1, 1, 4),
-           "var": rng.uniform(0.5, 2, 4), "k1": rng.standard_normal((2, 4, 1, 1)), "scale": np.array(0.01)}  # fmt: skip
+    f32 = {
+        "k0": rng.standard_normal((4, 3, 1, 1)),
+        "beta": rng.uniform(-1, 1, 4),
+        "mean": rng.uniform(-1, 1, 4),
+        "var": rng.uniform(0.5, 2, 4),
+        "k1": rng.standard_normal((2, 4, 1, 1)),
+        "scale": np.array(0.01),
+    }
     inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in f32.items()]
     inits.append(numpy_helper.from_array(rng.integers(50, 127, 4).astype(np.int8), "gamma_q"))
     nodes = [
-        helper.make_node("Conv", ["x", "k0"], ["c0"]), helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("Conv", ["x", "k0"], ["c0"]),
+        helper.make_node("Relu", ["c0"], ["r0"]),
         helper.make_node("DequantizeLinear", ["gamma_q", "scale"], ["gamma"]),
         helper.make_node("BatchNormalization", ["r0", "gamma", "beta", "mean", "var"], ["n"], name="bn"),
         helper.make_node("Conv", ["n", "k1"], ["y"]),
-    ]  # fmt: skip
+    ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])], inits,
-    )  # fmt: skip
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])],
+        inits,
+    )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.save(proto, str(tmp_path / "qdq.onnx"))
-    with pytest.raises(InputError, match=r"a quantized graph \(1 DequantizeLinear / \.\.\. nodes.*fold the float model"):
+    with pytest.raises(InputError, match=r"a quantized graph \(1 DequantizeLinear / \.\.\. nodes.*fold the float"):
         api.inspect(tmp_path / "qdq.onnx")
     with pytest.raises(UnsupportedModelError, match=r"BatchNorm node .*computed, not stored"):
         onnx_fold.plan_file(ir.from_proto(proto))
@@ -950,10 +987,12 @@ def test_an_original_no_float64_evaluator_runs_is_named_not_an_internal_error(tm
     rng = np.random.default_rng(0)
     node = helper.make_node("FusedConv", ["x", "w"], ["y"], domain="com.microsoft", activation="Relu", name="c0")
     graph = helper.make_graph(
-        [node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])],
         [numpy_helper.from_array(rng.standard_normal((2, 3, 1, 1)).astype(np.float32), "w")],
-    )  # fmt: skip
+    )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(tmp_path / "ort.onnx"))
     x = rng.standard_normal((1, 3, 4, 4)).astype(np.float32)
@@ -970,23 +1009,36 @@ def test_pads_computed_from_a_static_size_under_a_dynamic_batch_fold_as_the_zero
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    arrays = {"k0": rng.standard_normal((4, 3, 1, 1)), "g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4),
-              "m": rng.uniform(-1, 1, 4), "v": rng.uniform(0.5, 2, 4), "k1": rng.standard_normal((2, 4, 1, 1))}  # fmt: skip
+    arrays = {
+        "k0": rng.standard_normal((4, 3, 1, 1)),
+        "g": rng.uniform(0.5, 1.5, 4),
+        "b": rng.uniform(-1, 1, 4),
+        "m": rng.uniform(-1, 1, 4),
+        "v": rng.uniform(0.5, 2, 4),
+        "k1": rng.standard_normal((2, 4, 1, 1)),
+    }
     ints = {"two": np.array(2), "window": np.array(4), "zeros": np.zeros(6), "axis0": np.array([0])}
     inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
     inits += [numpy_helper.from_array(a.astype(np.int64), k) for k, a in ints.items()]
     nodes = [
-        helper.make_node("Conv", ["x", "k0"], ["c0"]), helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("Conv", ["x", "k0"], ["c0"]),
+        helper.make_node("Relu", ["c0"], ["r0"]),
         helper.make_node("BatchNormalization", ["r0", "g", "b", "m", "v"], ["n"], name="bn"),
-        helper.make_node("Shape", ["n"], ["shape"]), helper.make_node("Gather", ["shape", "two"], ["h"]),
-        helper.make_node("Mod", ["h", "window"], ["rest"]), helper.make_node("Unsqueeze", ["rest", "axis0"], ["rest1"]),
+        helper.make_node("Shape", ["n"], ["shape"]),
+        helper.make_node("Gather", ["shape", "two"], ["h"]),
+        helper.make_node("Mod", ["h", "window"], ["rest"]),
+        helper.make_node("Unsqueeze", ["rest", "axis0"], ["rest1"]),
         helper.make_node("Concat", ["zeros", "rest1", "rest1"], ["pads"], axis=0),
-        helper.make_node("Pad", ["n", "pads"], ["p"]), helper.make_node("Conv", ["p", "k1"], ["y"], name="conv1"),
-    ]  # fmt: skip
+        helper.make_node("Pad", ["n", "pads"], ["p"]),
+        helper.make_node("Conv", ["p", "k1"], ["y"], name="conv1"),
+    ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 4, 4])], inits,
-    )  # fmt: skip
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 4, 4])],
+        inits,
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "pad.onnx"))
     report = api.fuse(tmp_path / "pad.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
     assert [(d.action, d.reason, d.into) for d in report.folds] == [("folded-forward", None, ["k1"])]  # by its weight

@@ -106,7 +106,7 @@ def _static_sizes(model: ir.Model) -> None:
     for node in list(model.graph):
         shape = node.inputs[0].producer() if node.op_type == "Gather" and node.inputs[0] is not None else None
         index = node.inputs[1] if len(node.inputs) > 1 else None
-        if shape is None or shape.op_type != "Shape" or shape.domain not in ONNX_DOMAINS or node.domain not in ONNX_DOMAINS:
+        if shape is None or shape.op_type != "Shape" or {shape.domain, node.domain} - set(ONNX_DOMAINS):
             continue
         if index is None or index.const_value is None or index.const_value.shape != () or _attr(node, "axis", 0) != 0:
             continue

@@ -90,7 +90,7 @@ def _grouped_conv_transpose() -> type:
     class ConvTranspose(OnnxConvTranspose):  # type: ignore[misc]
         op_domain = ""
 
-        def _run(self, X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, **attrs: Any) -> tuple[np.ndarray]:
+        def _run(self, X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
             group, one_group = int(attrs.get("group") or 1), super()._run
             if group == 1:
                 return one_group(X, W, B, **attrs)  # type: ignore[no-any-return]
