@@ -115,11 +115,38 @@ def _static_sizes(model: ir.Model) -> None:
         dims = dims[start:end]
         i = int(index.const_value.numpy())
         out = node.outputs[0]
-        if not -len(dims) <= i < len(dims) or not isinstance(dims[i], int) or out.is_graph_output():
+        if not -len(dims) <= i < len(dims) or not isinstance(dims[i], int) or not _sizes_only(out):
             continue
         size = ir.Value(name=f"{out.name}.static", const_value=ir.tensor(np.array(dims[i], dtype=np.int64)))
         model.graph.register_initializer(size)
         out.replace_all_uses_with(size)
+
+
+_SIZE_INPUTS = frozenset(
+    {("Pad", 1), ("Reshape", 1), ("Expand", 1), ("Tile", 1), ("ConstantOfShape", 0), ("Squeeze", 1),
+     ("Unsqueeze", 1), ("Split", 1), ("Resize", 3), ("Upsample", 1)} | {("Slice", i) for i in range(1, 5)}
+)  # fmt: skip
+"""Inputs that give an op's sizes, amounts or axes: an integer computed there moves or pads data, never rounds it."""
+
+
+def _sizes_only(value: ir.Value) -> bool:
+    """Whether every use of the integer ``value``, followed through the integer values computed from it, is a size
+    input (``_SIZE_INPUTS``). A floating value computed from it (a rotary table from ``Range(0, x.size(1))``) must
+    not become a constant: the folder would compute it in the file's float32, where the float64 original of
+    question 1 computes it in float64."""
+    todo, seen = [value], set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        if v.is_graph_output() or v.dtype in FLOATS or v.dtype is None:
+            return False
+        for use in v.uses():
+            if (use.node.op_type, use.idx) in _SIZE_INPUTS and use.node.domain in ONNX_DOMAINS:
+                continue
+            todo += use.node.outputs
+    return True
 
 
 _GROWING = frozenset({"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "Upsample"})
