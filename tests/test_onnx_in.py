@@ -1043,3 +1043,38 @@ def test_pads_computed_from_a_static_size_under_a_dynamic_batch_fold_as_the_zero
     report = api.fuse(tmp_path / "pad.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
     assert [(d.action, d.reason, d.into) for d in report.folds] == [("folded-forward", None, ["k1"])]  # by its weight
     assert report.verification is not None and report.verification.passed
+
+
+@pytest.mark.parametrize(("size", "kernel", "pads"), [(7, 5, 0), (1, 64, 0), (6, 3, 1)])
+def test_the_float64_reference_averages_a_ceil_mode_pool_over_what_each_window_covers(tmp_path, size, kernel, pads):
+    """onnx's reference ``AveragePool`` pads the input out to whole windows under ``ceil_mode``: a 5x5 window of
+    stride 5 on a 7x7 map got a wrong mean, a 64-wide window on a 1x1 map (transformers' EfficientNet pooler,
+    ``AvgPool2d(1280, ceil_mode=True)``) NaN. Behind a ``Conv`` (no float64 kernel in onnxruntime) the reference is
+    torch's ``avg_pool2d`` in float64, as onnxruntime computes it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 3, 1, 1)).astype(np.float32)
+    out = -(-(size + 2 * pads - kernel) // kernel) + 1  # ceil_mode
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"]),
+        helper.make_node(
+            "AveragePool", ["c"], ["y"], kernel_shape=[kernel] * 2, strides=[kernel] * 2, pads=[pads] * 4, ceil_mode=1
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 3, size, size])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 2, out, out])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "pool.onnx"))
+    x = rng.standard_normal((2, 3, size, size)).astype(np.float32)
+    (got,), which = onnx_original.float64_reference(tmp_path / "pool.onnx", x, "float32", None)
+    assert which.startswith("onnx.reference")
+    conv = torch.nn.functional.conv2d(torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
+    want = torch.nn.functional.avg_pool2d(conv, kernel, kernel, pads, ceil_mode=True, count_include_pad=False)
+    session = ort.InferenceSession(str(tmp_path / "pool.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], want.numpy(), rtol=1e-5, atol=1e-6)  # as onnxruntime
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)

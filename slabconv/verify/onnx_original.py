@@ -64,8 +64,9 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         ort_error = first_line(err, 160)
     from onnx.reference import ReferenceEvaluator
 
+    fixed = [_grouped_conv_transpose(), _inference_batch_norm(), _torch_average_pool()]  # ops run as the spec says
     try:
-        evaluator = ReferenceEvaluator(proto, new_ops=[_grouped_conv_transpose(), _inference_batch_norm()])
+        evaluator = ReferenceEvaluator(proto, new_ops=fixed)
     except NotImplementedError as err:  # an op of another domain (com.microsoft): no reference implementation
         raise InputError(
             f"the original in float64 runs neither in onnxruntime ({ort_error}) nor in onnx's reference evaluator "
@@ -125,6 +126,45 @@ def _inference_batch_norm() -> type:
             return (y.astype(x.dtype),)
 
     return BatchNormalization
+
+
+def _torch_average_pool() -> type:
+    """onnx's reference ``AveragePool`` with torch's ``avg_pool1d/2d/3d`` where their attributes mean the same
+    (no dilation, ``auto_pad`` ``NOTSET`` or ``VALID``, pads the same at both ends and at most half the kernel):
+    onnx's (1.23) pads the input out to whole windows under ``ceil_mode`` and then averages what it padded, so a
+    window hanging over the edge gets a wrong mean (a 5x5 window, stride 5, on a 7x7 map) or NaN (transformers'
+    EfficientNet pooler ``AvgPool2d(1280, ceil_mode=True)`` on a 1x1 map, after padding to 1280 x 1280). torch
+    averages a window over the input and padding it covers, as onnxruntime does. Others go to onnx's."""
+    from onnx.reference.ops.op_average_pool import AveragePool_19
+
+    class AveragePool(AveragePool_19):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, x: np.ndarray, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
+            spatial = x.ndim - 2
+            kernel = list(attrs.get("kernel_shape") or [])
+            pads = list(attrs.get("pads") or [0] * 2 * spatial)
+            auto = attrs.get("auto_pad") or "NOTSET"
+            auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+            plain = (
+                1 <= spatial <= 3
+                and len(kernel) == spatial
+                and all(int(d) == 1 for d in attrs.get("dilations") or [1] * spatial)
+                and auto in ("NOTSET", "VALID")
+                and pads[:spatial] == pads[spatial:]
+                and all(2 * int(p) <= int(k) for p, k in zip(pads[:spatial], kernel, strict=True))
+            )
+            if not plain:
+                return super()._run(x, **attrs)  # type: ignore[no-any-return]
+            pool = getattr(torch.nn.functional, f"avg_pool{spatial}d")
+            y = pool(
+                torch.from_numpy(np.ascontiguousarray(x)), kernel, list(attrs.get("strides") or [1] * spatial),
+                [int(p) for p in pads[:spatial]] if auto == "NOTSET" else 0,
+                ceil_mode=bool(attrs.get("ceil_mode")), count_include_pad=bool(attrs.get("count_include_pad")),
+            )  # fmt: skip
+            return (y.numpy(),)
+
+    return AveragePool
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
