@@ -131,7 +131,37 @@ EXACT_FOLD_CASES: list[tuple[str, Factory]] = [
     ("residual-chain", lambda: (exact_folds.ResidualChain().eval(), _tokens())),
 ]
 
-CASES = [pytest.param(f, False, id=f"{i}-torchscript") for i, f in SUITE_CASES + EXACT_FOLD_CASES]
+
+class _NestedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        c = refusals.C
+        self.norm1 = refusals.RepBN(c)
+        self.mlp = nn.Sequential(nn.Sequential(nn.Linear(c, 2 * c)), nn.GELU(), nn.Linear(2 * c, c))
+        self.norm2 = refusals.RepBN(c)
+        self.heads = nn.ModuleList([nn.ModuleList([nn.Linear(c, c)])])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mlp(self.norm1(x))
+        return x + self.heads[0][0](self.norm2(x))
+
+
+class NestedContainers(nn.Module):
+    """Norms folded into layers inside containers of containers. The TorchScript exporter names each module it
+    calls by its path from the last atom that is not an index (``/blocks/blocks.0/mlp/mlp.0/mlp.0.0/Gemm``,
+    ``/blocks/blocks.0/heads.0.0/Gemm``): the layers are still named as the program names them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_NestedBlock(), _NestedBlock())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+NAMING_CASES: list[tuple[str, Factory]] = [("nested-containers", _model(NestedContainers))]
+
+CASES = [pytest.param(f, False, id=f"{i}-torchscript") for i, f in SUITE_CASES + EXACT_FOLD_CASES + NAMING_CASES]
 CASES += [pytest.param(f, True, id=f"{i}-dynamo") for i, f in SUITE_CASES]
 for _id, _factory, _dynamo in _view_cases():
     CASES.append(pytest.param(_factory, False, id=f"{_id}-torchscript"))

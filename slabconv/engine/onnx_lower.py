@@ -535,11 +535,26 @@ def _module_paths(node: ir.Node) -> list[str]:
         return []
     paths: list[str] = []
     for part in name.strip("/").split("/")[:-1]:
-        prev = paths[-1] if paths else ""
-        if not part:
-            continue
-        paths.append(part if not prev or part.startswith(prev + ".") else f"{prev}.{part}")
+        if part:
+            paths.append(_scope_path(paths[-1] if paths else "", part))
     return paths
+
+
+def _scope_path(outer: str, part: str) -> str:
+    """The module path of one scope of a TorchScript node name (``/blocks/blocks.0/mlp/mlp.0/MatMul``) inside the
+    module path ``outer`` of the scope around it. The TorchScript exporter names each module it calls by its path
+    from the last atom that is not an index on (``torch.onnx``'s ``_unqualified_variable_name``: ``blocks.0.mlp.0``
+    is ``mlp.0``), so a container's child repeats the container's name (``blocks.0`` in ``blocks``, ``mlp.0`` in
+    ``blocks.0.mlp``; a path of indices alone is named whole: ``0.1`` in ``0``) and anything else is an attribute of
+    ``outer`` (``mlp`` in ``blocks.0``)."""
+    if not outer:
+        return part
+    atoms = outer.split(".")
+    last = max((i for i, atom in enumerate(atoms) if not atom.isdigit()), default=0)  # all indices: the whole path
+    unqualified = ".".join(atoms[last:])
+    if part.startswith(unqualified + ".") and all(atom.isdigit() for atom in part[len(unqualified) + 1 :].split(".")):
+        return ".".join([*atoms[:last], part])
+    return f"{outer}.{part}"
 
 
 _PARAMETER = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
