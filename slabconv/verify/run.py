@@ -9,6 +9,7 @@ of ``slabconv.verify.policy``:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,11 @@ class Reference:
         names: the output names.
         notes: what the reference says about the model (an original that overflows its dtype).
         fused64: the float64 fold of the original graph (for question 1), when there is a graph.
+        model: the reference model in PyTorch (a torch reference; None for an ONNX original): ``original_in`` casts
+            it to a runtime's narrower precision.
+        original_dtype: the precision ``original`` was computed in, when not ``dtype`` (a candidate stored in a
+            narrower dtype: the reference cast to it).
+        cast: the original's outputs in each narrower precision a runtime computed in (``original_in``).
     """
 
     x: Any
@@ -71,6 +77,25 @@ class Reference:
     notes: list[str] = field(default_factory=list)
     fused64: fx.GraphModule | None = None
     original64: fx.GraphModule | None = None
+    model: LoadedModel | None = None
+    original_dtype: str | None = None
+    cast: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
+
+    def original_in(self, dtype: str) -> tuple[list[np.ndarray], str]:
+        """The original's outputs in the precision a runtime computed in, and that precision: ``original`` (in
+        ``original_dtype``), or, where ``dtype`` keeps fewer mantissa bits (OpenVINO computing a float32 file in
+        bfloat16 on CPUs with bfloat16), the reference model cast to ``dtype`` in PyTorch on the same inputs
+        (``original_cast``; computed once per dtype): the error any model has in that precision, as for a file
+        stored in it (docs/verification.md). Without a PyTorch model (an ONNX original), ``original``."""
+        have = self.original_dtype or self.dtype
+        want = getattr(torch, dtype, None)
+        if self.model is None or not isinstance(want, torch.dtype) or not want.is_floating_point:
+            return self.original, have
+        if torch.finfo(want).eps <= torch.finfo(getattr(torch, have)).eps:
+            return self.original, have
+        if dtype not in self.cast:
+            self.cast[dtype] = original_cast(self.model, want, self.x)
+        return self.cast[dtype], dtype
 
     def at_length(self, loaded: LoadedModel, length: int) -> Reference:
         """The same reference on the first ``length`` tokens of every input (a language model whose graphs take
@@ -86,7 +111,18 @@ class Reference:
         runner = torch_runner(self.original64, torch.float64, round_to=loaded.dtype)
         exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
         names = [f"{name}, length {length}" for name in self.names]
-        return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64)
+        return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64,
+                         model=self.model)  # fmt: skip
+
+
+def original_cast(loaded: LoadedModel, dtype: torch.dtype, x: Any) -> list[np.ndarray]:
+    """The outputs of ``loaded``'s model cast to ``dtype`` (a copy; the model is left as it is) on ``x`` rounded
+    to the model's own dtype first (the inputs every side sees), each as float64 ``(N, ...)``."""
+    cast = copy.deepcopy(loaded.model).to(dtype)
+    try:
+        return run_batched(torch_runner(cast, dtype, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
+    finally:
+        del cast
 
 
 def check_reference(reference: Reference) -> None:
@@ -129,9 +165,10 @@ def question_2(
             "compare two versions of the same model"
         )
     labels = output_names(len(outputs), names or runtime.output_names)
+    baseline, _ = reference.original_in(runtime.dtype)
     checks = []
     for i, (label, cand) in enumerate(zip(labels, outputs, strict=True)):
-        ref = reference.original[i]
+        ref = baseline[i]
         if cand.shape != ref.shape:
             raise InputError(
                 f"output {label!r}: the reference gives shape {ref.shape} but {runtime.label} gives {cand.shape}; "

@@ -24,7 +24,6 @@ Two decoder folders compared one layer at a time (``streamed`` sides) take the s
 
 from __future__ import annotations
 
-import copy
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +51,7 @@ from slabconv.verify.run import (
     check_reference,
     decisions_note,
     exact_samples,
+    original_cast,
     output_names,
     question_1_graph,
     question_2,
@@ -292,14 +292,14 @@ def _torch_reference(
     loaded = reference.loaded
     notes = []
     written = getattr(torch, candidate.dtype, None)
+    original_dtype = None
     if isinstance(written, torch.dtype) and written.itemsize < loaded.dtype.itemsize and loaded.dtype.is_floating_point:
-        cast = copy.deepcopy(loaded.model).to(written)
-        original = run_batched(torch_runner(cast, written, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
+        original = original_cast(loaded, written, x)
+        original_dtype = candidate.dtype
         notes.append(
             f"the candidate is stored in {candidate.dtype}, the reference in {dtype_name(loaded.dtype)}: the "
             f"original's own error is that of the reference cast to {candidate.dtype}"
         )
-        del cast
     else:
         original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
     graph, example = reference.traced()
@@ -309,7 +309,8 @@ def _torch_reference(
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
     fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
     names = output_names(len(original))
-    ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64)
+    ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64,
+                    model=loaded, original_dtype=original_dtype)  # fmt: skip
     check_reference(ref)
     return ref, fused64, decisions64, notes
 
@@ -566,6 +567,11 @@ def _whole(
         raise InputError(f"{candidate.path}: no runtime here can run it ({'; '.join(n.line() for n in not_run)})")
     verification.checks += checks
     verification.not_run += not_run
+    for dtype in ref.cast:
+        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype)
+        verification.notes.append(
+            f"{labels} computed in {dtype}: the original's own error there is that of the reference cast to {dtype}"
+        )
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
     for backend in quantizing:
