@@ -64,6 +64,23 @@ def test_swapped_arguments_are_refused_naming_the_command_meant(tiny_fused: Path
     )
 
 
+def test_the_written_model_pt2_records_its_source_like_the_other_files(tiny_fused: Path) -> None:
+    """model.pt2 alone is a fold of the checkpoint (question 1 answered on its own tensors), and given first it is a
+    swap (both passed on question 2 alone, without a word, when the .pt2 recorded no source)."""
+    ckpt, pt2 = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused" / "model.pt2"
+    code, report, stderr = _json(ckpt, pt2)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["question_1_exact"] is True
+    assert [c["name"] for c in v["exact"]][-1] == "model.pt2 vs a float64 fold of the reference"
+    result = runner.invoke(app, ["verify", str(pt2), str(ckpt), "--samples", "4"])
+    assert result.exit_code == 2
+    assert error_lines(result.stderr) == [
+        f"error: the arguments are swapped: {pt2} is a fold of {ckpt}; the original comes first: slabconv verify "
+        f"{ckpt} {pt2}"
+    ]
+
+
 def test_a_fold_of_another_file_gets_question_2_only(tiny_fused: Path, tmp_path: Path) -> None:
     """The candidate's recorded source decides, not the presence of slabconv's metadata: the same architecture
     with other weights is not its source."""

@@ -22,7 +22,7 @@ from typing import IO, Any
 import torch
 
 from slabconv.errors import InputError, first_line
-from slabconv.load import program_checks, safety
+from slabconv.load import fused, program_checks, safety
 from slabconv.load.paths import check_input  # noqa: F401 (callers take it from here too)
 from slabconv.util import silenced
 
@@ -203,7 +203,8 @@ def load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
             guards.enter_context(safety.no_code_from_pickles(label, size))
         try:
             with guards:
-                program = torch.export.load(f)
+                extra = {fused.PROGRAM_INFO: ""}
+                program = torch.export.load(f, extra_files=extra)
                 # builds and compiles the graph: a damaged program can fail here too
                 # check_guards where this torch has it: the guards were checked above and slabconv checks shapes itself
                 takes = inspect.signature(program.module).parameters
@@ -225,4 +226,23 @@ def load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
             ) from None
     state = dict(program.state_dict)
     safety.check_extents({"state_dict": state, "constants": dict(program.constants)}, size, label)
-    return Checkpoint(state, {}, "torch.export", path, digest, program=program, module=module)
+    metadata = _program_info(extra[fused.PROGRAM_INFO], f"{label}: extra file {fused.PROGRAM_INFO}")
+    return Checkpoint(state, {}, "torch.export", path, digest, metadata=metadata, program=program, module=module)
+
+
+def _program_info(text: str | bytes, label: str) -> dict[str, str]:
+    """The string entries of the ``slabconv.load.fused.PROGRAM_INFO`` extra file of a ``.pt2`` slabconv wrote
+    (its provenance: ``source_sha256``, ``arch``, ``slabconv_version``...); empty for any other program.
+
+    Raises:
+        InputError: the entry is over the JSON size or depth limits (``safety.parse_json``).
+    """
+    if not text:
+        return {}
+    try:
+        info = safety.parse_json(text, label)
+    except InputError as err:
+        if "is not valid JSON" not in str(err):
+            raise
+        return {}
+    return {str(k): v for k, v in info.items() if isinstance(v, str)} if isinstance(info, dict) else {}

@@ -41,6 +41,13 @@ def fused_metadata(
     return out
 
 
+PROGRAM_INFO = "slabconv.json"
+"""The extra file (``torch.export.save(..., extra_files=)``) of a ``.pt2`` slabconv wrote: a JSON object with
+``slabconv_version``, the program's dynamic axes and the provenance keys of ``fused_metadata`` (``arch``,
+``source_sha256``, ``norm_affine``), read back by ``slabconv.load.checkpoint.load_program`` as the program's
+``metadata`` (its string values)."""
+
+
 @dataclass(frozen=True)
 class FusedMetadata:
     """The metadata of a safetensors file slabconv wrote (``read`` gives None for any other file)."""

@@ -271,7 +271,7 @@ def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
     checkpoint = loaded.checkpoint
     source = loaded.source(path)
     provenance = None
-    if checkpoint.format != "torch.export" and checkpoint.metadata:
+    if checkpoint.metadata:  # a fused model.safetensors, or a model.pt2 (its extra file: load.fused.PROGRAM_INFO)
         provenance = _fused_provenance(dict(checkpoint.metadata), str(checkpoint.path))
     dtype = str(loaded.dtype).removeprefix("torch.")
     return Side(Path(path or checkpoint.path), source, "model", loaded=loaded, provenance=provenance, dtype=dtype,

@@ -14,10 +14,11 @@ from torch import fx
 from slabconv.engine import lift_program
 from slabconv.engine.capture import axis_attempts, graph_axes
 from slabconv.errors import UnsupportedModelError, first_line
+from slabconv.load.fused import PROGRAM_INFO
 from slabconv.util import quiet
 from slabconv.version import __version__
 
-MARK = "slabconv.json"
+MARK = PROGRAM_INFO
 """The extra file every ``.pt2`` slabconv writes carries: its version, and what the program takes."""
 
 
