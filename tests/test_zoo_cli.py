@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from slabconv.cli import app
@@ -81,6 +82,16 @@ def test_swin_image_size_that_needs_padding_keeps_an_affine_on_that_path_only(tm
     assert op_histogram(tmp_path / "out" / "model.onnx")["BatchNormalization"] == 0
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         assert json.loads(f.metadata()["config"])[IMAGE_SIZE_KEY] == 12
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    # a folded weight changed: not equivalent, localised to its fold (the localisation crashed on the backward
+    # fold's boundary, the patch norm's output reshaped by a view, and on the relative-position index buffer)
+    tensors["layers.1.blocks.0.mlp.fc1.weight"].view(-1)[0] *= 1.01
+    save_file(tensors, str(tmp_path / "out" / "model.safetensors"), metadata)
+    result = CliRunner().invoke(app, ["verify", str(ckpt), str(tmp_path / "out"), "--arch", _any_size(tiny.arch),
+                                      "--image-size", "12", "--samples", "4", "--json"])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    first = json.loads(result.stdout)["verification"]["localization"]["first"]
+    assert (first["norm"], first["layer"]) == ("layers.1.blocks.0.norm2", "layers.1.blocks.0.mlp.fc1")
 
 
 def test_a_model_whose_weights_fix_the_resolution_refuses_another_image_size(tmp_path):

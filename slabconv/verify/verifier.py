@@ -366,13 +366,54 @@ def _written_tensors(candidate: Side) -> tuple[dict[str, torch.Tensor], bool]:
 def _question_1_torch(
     reference: Reference, fused64: Any, candidate: Side, batch: int | None, progress: Progress
 ) -> list[Any]:
+    """Question 1 for a torch reference: the float64 fold's graph, then the tensors of every file the candidate
+    holds against that fold rounded to their dtypes: a folder's weights, and its ``model.onnx`` (by value where the
+    exporter renamed a tensor) and ``model.pt2`` too, one file at a time: each is deployed on its own, and a
+    runtime's rounding (OpenVINO's bfloat16) can hide a changed weight from question 2."""
     progress("verifying: question 1, is the fold exact?")
     graph = question_1_graph(reference, fused64, batch)
-    written, by_value = _written_tensors(candidate)
     fold = engine.fused_state_dict(fused64)
-    name = candidate.weights.name if candidate.kind == "folder" and candidate.weights else candidate.path.name
-    what = f"{name} vs a float64 fold of the reference"
-    return [graph, judge.exact_tensors(what, written, fold, by_value=by_value)]
+    checks = [graph]
+    for name, read in written_files(candidate):
+        written, by_value = read()
+        unchanged = unchanged_tensors(reference.original64, fold) if by_value else frozenset()
+        checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold,
+                                          by_value=by_value, unchanged=unchanged))  # fmt: skip
+        del written
+    return checks
+
+
+def _program_tensors(checkpoint: Any) -> dict[str, torch.Tensor]:
+    """A ``.pt2``'s stored tensors by name: its state_dict and its constants (the non-persistent buffers, such as
+    a Swin block's attention mask, ``torch.export`` keeps among the constants)."""
+    constants = {k: v for k, v in dict(checkpoint.program.constants).items() if isinstance(v, torch.Tensor)}
+    return {**constants, **checkpoint.state_dict}
+
+
+def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozenset[str]:
+    """The float64 fold's tensors that are the float64 original graph's own, bit for bit (no fold wrote them)."""
+    if original64 is None:
+        return frozenset()
+    original = engine.fused_state_dict(original64)
+    return frozenset(k for k, v in fold.items() if k in original and torch.equal(original[k], v))
+
+
+def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]:
+    """The candidate's files question 1 reads, each with a reader of its stored tensors (``_written_tensors``):
+    a folder's weights, ``model.onnx`` and ``model.pt2``; another side's own file (the localisation reads the same)."""
+    from slabconv.load.formats import load_checkpoint
+    from slabconv.verify import onnx_original
+
+    if candidate.kind != "folder" or candidate.weights is None:
+        return [(candidate.path.name, functools.partial(_written_tensors, candidate))]
+    files = [(candidate.weights.name, functools.partial(_written_tensors, candidate))]
+    if candidate.onnx is not None:
+        path = candidate.onnx.path
+        files.append((path.name, lambda: (onnx_original.float_tensors(path), True)))
+    if candidate.pt2 is not None:
+        pt2 = candidate.pt2
+        files.append((pt2.name, lambda: (_program_tensors(load_checkpoint(pt2)), False)))
+    return files
 
 
 def _question_1_onnx(
