@@ -361,6 +361,18 @@ def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(
     assert found.first is not None and (found.first.norm, found.first.layer) == ("bn3", "fc")
 
 
+def test_a_folder_of_another_model_is_refused_by_its_input_shape_before_any_work(
+    tiny_fused: Path, onnx_fused: Path
+) -> None:
+    """Another model's fused folder: its model.onnx's input shape names the mismatch (it ended in an internal
+    error, onnxruntime's "invalid dimensions", after the reference's work)."""
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(onnx_fused / "fused"), "--samples", "4"])
+    assert result.exit_code == 2, result.output
+    [line] = error_lines(result.stderr)
+    assert line.startswith(f"error: {tiny_fused / 'ckpt.pth'} takes inputs of shape {tinyckpt.INPUT_SHAPE} but ")
+    assert line.endswith("the two files are not the same model")
+
+
 def test_localize_of_an_onnx_original_gives_a_row_per_boundary_for_a_passing_pair(onnx_fused: Path) -> None:
     """Every boundary in data-flow order, 0 from the correct fold, and its rounding against the original at the
     same point (the norm's output for the backward fold, the layer's output with the created bias Add for fc)."""

@@ -260,9 +260,10 @@ def _folder_source(side: Side) -> Source:
     files = {p.name: sha256_file(p) for p in (side.weights, side.pt2) if p is not None}
     if side.onnx is not None:
         files.update(side.onnx.files_sha256)
+    shape = side.onnx.input_shape if side.onnx is not None else None  # what its model.onnx takes, batch aside
     return Source(str(side.path), sha256_file(main) if main is not None else None, "slabconv-output",
                   arch=side.provenance.arch if side.provenance else None, dtype=side.dtype,
-                  extra={"files_sha256": files})  # fmt: skip
+                  input_shape=list(shape) if shape else None, extra={"files_sha256": files})  # fmt: skip
 
 
 def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
