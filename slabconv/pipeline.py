@@ -504,7 +504,7 @@ def _write_files(
             # --no-pt2: the ONNX exporter's own capture (it has fallbacks torch.export lacks) gets its chance
     if write.pt2 and exported is not None:
         progress("writing model.pt2")
-        recorded = {k: metadata[k] for k in ("arch", "source_sha256", "norm_affine") if k in metadata}
+        recorded: dict[str, str] = {k: metadata[k] for k in ("arch", "source_sha256", "norm_affine") if k in metadata}
         save_pt2(exported[0], {**exported[1], **recorded}, folder / "model.pt2")  # its provenance, as the others
         outputs.pt2 = "model.pt2"
         outputs.files.append("model.pt2")

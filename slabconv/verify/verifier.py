@@ -357,7 +357,8 @@ def _written_tensors(candidate: Side) -> tuple[dict[str, torch.Tensor], bool]:
         target = candidate.weights if candidate.weights.suffix == ".safetensors" else candidate.path
         return dict(load_checkpoint(target).state_dict), False
     if candidate.kind == "model":
-        return dict(candidate.loaded.checkpoint.state_dict), False
+        checkpoint = candidate.loaded.checkpoint
+        return _program_tensors(checkpoint) if checkpoint.program is not None else dict(checkpoint.state_dict), False
     from slabconv.verify import onnx_original
 
     return onnx_original.float_tensors(candidate.onnx.path), True
@@ -367,8 +368,8 @@ def _question_1_torch(
     reference: Reference, fused64: Any, candidate: Side, batch: int | None, progress: Progress
 ) -> list[Any]:
     """Question 1 for a torch reference: the float64 fold's graph, then the tensors of every file the candidate
-    holds against that fold rounded to their dtypes: a folder's weights, and its ``model.onnx`` (by value where the
-    exporter renamed a tensor) and ``model.pt2`` too, one file at a time: each is deployed on its own, and a
+    holds against that fold rounded to their dtypes (``written_files``): a folder's weights, and its ``model.onnx``
+    too (by value where the exporter renamed a tensor), one file at a time: each is deployed on its own, and a
     runtime's rounding (OpenVINO's bfloat16) can hide a changed weight from question 2."""
     progress("verifying: question 1, is the fold exact?")
     graph = question_1_graph(reference, fused64, batch)
@@ -400,19 +401,18 @@ def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozens
 
 def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]:
     """The candidate's files question 1 reads, each with a reader of its stored tensors (``_written_tensors``):
-    a folder's weights, ``model.onnx`` and ``model.pt2``; another side's own file (the localisation reads the same)."""
-    from slabconv.load.formats import load_checkpoint
+    a folder's weights and its ``model.onnx``; another side's own file (the localisation reads the same). A
+    folder's ``model.pt2`` is not read here: ``torch.export.load`` costs seconds, and it holds the program that
+    ``model.onnx`` was translated from (``verify CKPT FOLDER/model.pt2`` reads its tensors)."""
     from slabconv.verify import onnx_original
 
     if candidate.kind != "folder" or candidate.weights is None:
         return [(candidate.path.name, functools.partial(_written_tensors, candidate))]
+    files: list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]
     files = [(candidate.weights.name, functools.partial(_written_tensors, candidate))]
     if candidate.onnx is not None:
         path = candidate.onnx.path
         files.append((path.name, lambda: (onnx_original.float_tensors(path), True)))
-    if candidate.pt2 is not None:
-        pt2 = candidate.pt2
-        files.append((pt2.name, lambda: (_program_tensors(load_checkpoint(pt2)), False)))
     return files
 
 
