@@ -131,6 +131,12 @@ def test_a_file_no_runtime_ran_is_named_in_the_verdict(tmp_path: Path, monkeypat
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite is not None and suite.get("skipped") == "1"
     assert [c.get("name") for c in suite.iter("testcase") if c.find("skipped") is not None] == ["not run: model.onnx"]
+    result = runner.invoke(app, ["verify", str(ckpt), str(tmp_path / "out"), "--samples", "4", "--runtime",
+                                 "onnxruntime"])  # fmt: skip
+    assert result.exit_code == 2
+    [line] = error_lines(result.stderr)
+    assert line.startswith(f"error: {tmp_path / 'out'}: --runtime onnxruntime cannot run it (model.onnx: not run: ")
+    assert line.endswith("; name another runtime, or leave out --runtime to run it in every runtime that can")
 
 
 def test_a_runtime_computing_below_the_files_dtype_is_held_to_the_original_in_that_precision(

@@ -605,7 +605,12 @@ def _whole(
         ref, shorter, pending, opts=opts, token_logits=token_logits, fallback=fallback, progress=progress
     )
     if not ran and not_run:
-        raise InputError(f"{candidate.path}: no runtime here can run it ({'; '.join(n.line() for n in not_run)})")
+        why = "; ".join(n.line() for n in not_run)
+        if opts.runtimes:  # the runtimes named: the others may run it
+            named = ", ".join(dict.fromkeys(opts.runtimes))
+            raise InputError(f"{candidate.path}: --runtime {named} cannot run it ({why}); name another runtime, or "
+                             "leave out --runtime to run it in every runtime that can")  # fmt: skip
+        raise InputError(f"{candidate.path}: no runtime here can run it ({why})")
     verification.checks += checks
     verification.not_run += not_run
     for dtype in ref.cast:
