@@ -70,8 +70,9 @@ def test_half_precision_digits_fixture_passes_both_questions(tmp_path: Path, dty
     report = api.fuse(ckpt, tmp_path / "out")
     v = report.verification
     assert v is not None and v.passed
-    assert [e.method for e in v.exact] == ["graph", "tensors"] and v.exact[0].error <= policy.EXACT_RTOL
-    assert v.exact[1].error <= 0.5  # every written tensor is the float64 fold rounded once
+    # the graph, then model.safetensors and model.onnx: every written tensor is the float64 fold rounded once
+    assert [e.method for e in v.exact] == ["graph", "tensors", "tensors"] and v.exact[0].error <= policy.EXACT_RTOL
+    assert all(e.error <= 0.5 for e in v.exact[1:])
     assert all(c.dtype == _name(dtype) and c.e_orig is not None and c.e_orig > 0 for c in v.checks)
     assert all(c.e_fused <= c.tolerance == max(policy.tol_dtype(dtype), 2 * c.e_orig) for c in v.checks)
     assert all(c.top1_agreement == 1.0 for c in v.checks)
