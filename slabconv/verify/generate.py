@@ -385,6 +385,11 @@ def judged_dtype(dtype: object, computed: object) -> str:
     return dtype_name(max((dtype, computed), key=tol_dtype))
 
 
+_GROUP = {name: "self_attn" for name in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
+    name: "mlp" for name in ("gate_proj", "up_proj", "down_proj")
+}
+
+
 def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """The original language model as transformers' LLaMA with the original's norm modules, in ``dtype``.
 
@@ -395,9 +400,10 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
         dtype: the dtype to compute in (the weights are copied into it).
 
     Returns:
-        A ``SlabconvLlamaForCausalLM`` in eval mode computing the original model: the fused model's class with no
-        folded biases, the original's weights and its norm modules (SLAB's ``LinearNorm`` / RepBN, eval mode) where
-        the fused model has identities. ``generate`` works as for the fused folder.
+        A ``SlabconvLlamaForCausalLM`` in eval mode computing the original model: the fused model's class with the
+        original's own biases (``attention_bias`` / ``mlp_bias``) and none the fold created, the original's weights
+        and its norm modules (SLAB's ``LinearNorm`` / RepBN, eval mode) where the fused model has identities.
+        ``generate`` works as for the fused folder.
 
     Raises:
         UnsupportedModelError: the original does not have the LLaMA layout (a weight has no place in the twin).
@@ -405,10 +411,15 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
     from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaForCausalLM
 
     config = copy.deepcopy(config)
-    config.projection_bias = dict.fromkeys(config.projection_bias or {}, False)
+    source: Any = original
+    keys = set(source.state_dict())
+    # The original's own biases (attention_bias / mlp_bias), none of the ones the fold created.
+    config.projection_bias = {
+        name: (f"{name}.bias" if name == "lm_head" else f"model.layers.0.{_GROUP[name]}.{name}.bias") in keys
+        for name in config.projection_bias or {}
+    }
     with torch.device("meta"):
         twin = SlabconvLlamaForCausalLM(config)
-    source: Any = original
     weights = {k: v for k, v in source.state_dict().items() if "layernorm" not in k and not k.startswith("model.norm")}
     weights = {k: v.to(dtype) for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     try:

@@ -59,6 +59,12 @@ class LayoutError(UnsupportedModelError):
     ``--arch`` named a family these weights are not. The loader adds the file and ``OWN_MODEL``."""
 
 
+class UnsupportedSetting(UnsupportedModelError):
+    """A config setting that fits the weights but that the family's forward does not compute (a scaled rope, a
+    ``head_dim`` other than ``hidden_size / num_attention_heads``, another activation): the config is right, the
+    model is one slabconv does not build. The loader names the config file and does not ask to fix it."""
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """One registered architecture.
