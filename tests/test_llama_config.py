@@ -5,6 +5,7 @@ does not fit the weights), and the generation check's transformers twin of an or
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -110,3 +111,22 @@ def test_the_generation_twin_of_an_original_with_its_own_biases_computes_the_ori
     with torch.no_grad():
         want, got = original.double()(ids), twin(input_ids=ids).logits
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-6  # rotary angles computed in float32 on both
+
+
+def test_the_float64_reference_of_a_model_with_tied_embeddings_runs_its_head_in_float64():
+    """The generation check's float64 pass copies the final norm and the head alone into float64; a tied head reads
+    the embedding table, which such a copy does not move (was: a dtype error, exit 2 'internal error', in memory and
+    streamed). Its logits are the whole model's in float64."""
+    from slabconv.verify.generate import ModuleLayers, exact_path
+    from slabconv.zoo.llama_std import norm_factory
+
+    torch.manual_seed(3)
+    cfg = replace(BASE, tie_word_embeddings=True, pad_token_id=None)
+    model = LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps)).eval()
+    assert "lm_head.weight" not in model.state_dict()
+    gen = torch.Generator().manual_seed(4)
+    prompts, path = torch.randint(0, 61, (2, 6), generator=gen), torch.randint(0, 61, (2, 3), generator=gen)
+    run = exact_path(ModuleLayers(model), prompts, path, "reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
+    assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0

@@ -371,7 +371,11 @@ class TiedHead(nn.Module):
         self.__dict__["embedding"] = embedding  # not a submodule: its weight has one name, the embedding's
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(h, self.embedding.weight)
+        # In ``h``'s dtype: a copy of the head alone moved to another dtype (the float64 reference runs the final
+        # norm and the head as one part) does not move the table it reads, which is not its submodule.
+        # (No cast in the traced graph, where the dtypes agree: a cast would make the head's weight a computed one.)
+        weight = self.embedding.weight
+        return nn.functional.linear(h, weight if weight.dtype == h.dtype else weight.to(h.dtype))
 
 
 # --------------------------------------------------------------------------------------------- reading weights
