@@ -59,7 +59,7 @@ def test_a_setting_the_forward_does_not_compute_is_refused_naming_the_config(pre
     another activation: refused at load, naming config.json, without asking to fix a config that is right."""
     sd = dict(prepbn.state_dict())
     if "head_dim" in setting:  # transformers' layout: q/k/v (heads x head_dim, C), o_proj (C, heads x head_dim)
-        for key, value in list(sd.items()):
+        for key in list(sd):
             if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
                 sd[key] = torch.randn(64, 32)
             elif key.endswith("o_proj.weight"):
