@@ -610,13 +610,63 @@ def check_generation(
 
 
 def available_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes, None where there is no such file (not Linux)."""
+    """Bytes this process may still allocate: the least of the machine's ``MemAvailable`` (``/proc/meminfo``), what
+    the user's address-space limit leaves (``ulimit -v``: ``RLIMIT_AS`` less this process's ``VmSize``) and what its
+    cgroup's limit leaves (a container's ``--memory``, ``systemd-run -p MemoryMax=``: cgroup v2 ``memory.max`` less
+    ``memory.current``, v1 ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``). None where none is known
+    (not Linux)."""
+    known = [n for n in (_meminfo("MemAvailable"), _rlimit_left(), _cgroup_left()) if n is not None]
+    return max(0, min(known)) if known else None
+
+
+def _meminfo(field: str, path: str = "/proc/meminfo") -> int | None:
+    """A ``kB`` field of ``/proc/meminfo`` (or ``/proc/self/status``) in bytes; None where there is none."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def _rlimit_left() -> int | None:
+    """``RLIMIT_AS`` (soft) less this process's virtual size; None without a limit."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    used = _meminfo("VmSize", "/proc/self/status")
+    return soft - (used or 0)
+
+
+def _cgroup_left() -> int | None:
+    """What the memory limit of this process's cgroup leaves (v2 or v1); None without a limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: memory.max / memory.current
+            root, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            root, names = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        # The cgroup's own folder; in a container the mount shows it as the root (the path is the host's).
+        for folder in (root / rel.lstrip("/"), root):
+            try:
+                limit, used = ((folder / name).read_text().strip() for name in names)
+            except OSError:
+                continue
+            if limit.isdigit() and used.isdigit() and int(limit) < 2**60:  # "max" or v1's "no limit" (about 2**63)
+                return int(limit) - int(used)
+            break
     return None
 
 
