@@ -18,6 +18,8 @@ from slabconv.zoo.llama_std import std_config
 from tests.conftest import randomize_norms
 from tests.hfwrite import write_hf_folder
 
+_STD_NORMS = ("input_layernorm", "post_attention_layernorm")
+
 BASE = LlamaConfig(
     vocab_size=61,
     hidden_size=32,
@@ -130,3 +132,31 @@ def test_the_float64_reference_of_a_model_with_tied_embeddings_runs_its_head_in_
     with torch.no_grad():
         want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
     assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("arch", "phrase"),
+    [
+        ("mistral", "config.json's model_type is 'llama', not 'mistral'"),
+        ("llama_350m_prepbn", "widths and depths are those of llama_prepbn"),
+    ],
+)
+def test_an_arch_of_another_llama_names_the_one_that_fits_without_blaming_the_config(prepbn, tmp_path, arch, phrase):
+    """``--arch`` of another registered architecture on a Hugging Face folder: the name that fits, not 'the config
+    does not fit the weights: fix config.json' after it (the config is right; the name is not)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    sd = dict(prepbn.state_dict())
+    if arch == "mistral":  # a standard LLaMA folder: plain RMSNorm weights
+        sd = {k: v for k, v in sd.items() if "layernorm" not in k and not k.startswith("model.norm")}
+        sd |= {f"model.layers.{i}.{n}.weight": torch.ones(32) for i in range(2) for n in _STD_NORMS}
+        sd["model.norm.weight"] = torch.ones(32)
+        sd = {k: v for k, v in sd.items() if "inv_freq" not in k}
+    write_hf_folder(tmp_path, sd, CONFIG)
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path), "--arch", arch])
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: --arch {arch} does not fit these weights: ") and phrase in message, message
+    assert "fix config.json" not in message, message

@@ -26,7 +26,14 @@ from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
 from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
-from slabconv.zoo.registry import IMAGE_SIZE_KEY, OWN_MODEL, LayoutError, UnsupportedSetting, with_image_size
+from slabconv.zoo.registry import (
+    IMAGE_SIZE_KEY,
+    OWN_MODEL,
+    ArchMismatch,
+    LayoutError,
+    UnsupportedSetting,
+    with_image_size,
+)
 
 
 @dataclass
@@ -289,6 +296,8 @@ def _build(
         ) from None
     except UnsupportedSetting as err:  # the config is right: the model is one slabconv does not build
         raise UnsupportedModelError(f"{config_label}: {err}") from None
+    except ArchMismatch:  # --arch names another architecture (said as for any format): nothing to fix in the config
+        raise
     except UnsupportedModelError as err:
         if ckpt.format.startswith("hf-"):
             raise UnsupportedModelError(
