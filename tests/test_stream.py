@@ -524,3 +524,25 @@ def test_the_same_weights_and_metadata_are_the_same_bytes_every_time(tmp_path):
         assert f.metadata() == meta and sorted(f.keys()) == sorted(tensors)
         for key, value in tensors.items():
             assert torch.equal(f.get_tensor(key), value) and f.get_tensor(key).dtype == value.dtype
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_a_missing_or_extra_key_is_named_in_one_line_as_in_memory(tmp_path, change):
+    """A streamed fold names the key as the in-memory fold does (was: torch's multi-line load_state_dict text,
+    'Error(s) in loading state_dict ...\\n\\tMissing key(s)', inside the one line)."""
+    from slabconv.errors import InputError
+
+    sd = {k: v.clone() for k, v in tiny_model().half().state_dict().items()}
+    key = "model.layers.1.mlp.down_proj.weight"
+    if change == "missing":
+        del sd[key]
+    else:
+        key = "model.layers.1.mlp.extra.weight"
+        sd[key] = torch.zeros(2, 2, dtype=torch.float16)
+    hfwrite.write_hf_folder(tmp_path / "src", sd, CONFIG, max_shard_bytes=8192)
+    with pytest.raises(InputError) as err:
+        api.fuse(tmp_path / "src", tmp_path / "out", write=STREAM, verify=None)
+    message = str(err.value)
+    kind = "missing keys" if change == "missing" else "unexpected keys"
+    assert f"the checkpoint does not fit architecture 'llama_prepbn': {kind} (1): {key}" in message, message
+    assert "Error(s)" not in message and not (tmp_path / "out").exists()

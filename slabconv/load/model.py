@@ -137,8 +137,19 @@ def _float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     return torch.float32
 
 
-def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: str, path: Path | None = None) -> None:
-    """``load_state_dict(strict=True)`` with one readable line for missing, unexpected and mis-shaped keys."""
+def load_strict(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    arch: str,
+    path: Path | str | None = None,
+    assign: bool = False,
+) -> None:
+    """``load_state_dict(strict=True, assign=assign)`` with one readable line for missing, unexpected and
+    mis-shaped keys (in memory and for the streamed plan's stand-ins alike).
+
+    Raises:
+        InputError: naming up to four keys of each kind and the architecture.
+    """
     expected = model.state_dict()
     problems = []
     shapes = [
@@ -159,7 +170,7 @@ def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: st
             + "; ".join(problems)
             + " (a different model or a damaged file? check --arch, see `slabconv list`)"
         )
-    model.load_state_dict(state_dict, strict=True)
+    model.load_state_dict(state_dict, strict=True, assign=assign)
 
 
 def check_options_apply(path: Path | str, options: LoadOptions | None) -> None:
@@ -238,7 +249,7 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     spec, model = _build(ckpt, arch, config, norm, config_label)
     dtype = _float_dtype(ckpt.state_dict)
     model.to(dtype)
-    _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
+    load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
     model.eval()
     shape = tuple(spec.input_shape(ckpt.state_dict, config))
     _check_given_shape(ckpt, opts.input_shape, shape)
