@@ -398,9 +398,8 @@ def llama_signature(state_dict: StateDict) -> tuple[int, int, int, int] | None:
     try:
         embed = state_dict["model.embed_tokens.weight"]  # (V, C)
         gate = state_dict["model.layers.0.mlp.gate_proj.weight"]  # (I, C)
-        state_dict["lm_head.weight"]
     except KeyError:
-        return None
+        return None  # (no lm_head.weight: tied embeddings, which llama_config names)
     depth = len({m.group(1) for k in state_dict if (m := _LAYER_KEY.match(k))})
     return (int(embed.shape[1]), depth, int(gate.shape[0]), int(embed.shape[0]))
 
@@ -413,13 +412,19 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
             config.json); a ``num_key_value_heads`` that disagrees with the k_proj weight, or does not divide the
             head count.
         UnsupportedSetting: a scaled rope (``rope_theta``), a ``head_dim`` other than ``hidden_size /
-            num_attention_heads`` (``check_head_dim``).
+            num_attention_heads`` (``check_head_dim``), no ``lm_head.weight`` (tied embeddings).
     """
     sig = llama_signature(state_dict)
     if sig is None:
         raise LayoutError("not a LLaMA-layout checkpoint: model.embed_tokens / mlp.gate_proj / lm_head missing")
     hidden, depth, inter, vocab = sig
     config = config if isinstance(config, Mapping) else {}
+    if "lm_head.weight" not in state_dict:
+        raise UnsupportedSetting(
+            "no lm_head.weight: tied word embeddings (tie_word_embeddings), which LLaMA-PRepBN does not use: its "
+            "final norm folds into lm_head, and a tied head would rescale the embedding table; save the model with "
+            "its own lm_head.weight (a copy of model.embed_tokens.weight) to fold it"
+        )
     if config.get("num_attention_heads") is None and defaults is None:
         raise UnsupportedModelError(
             "the LLaMA weights do not show the attention head count; read the model from its folder with "
