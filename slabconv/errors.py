@@ -79,13 +79,32 @@ ENVIRONMENT_ERRNOS = frozenset(
 links, permissions, a read-only or full file system, a failing disk."""
 
 
+# torch's CPU allocator when the system (or the user's ``ulimit -v`` / cgroup limit) refuses an allocation.
+_ALLOCATION_FAILED = re.compile(r"(?:DefaultCPUAllocator: )?can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def out_of_memory(asked: int | None = None) -> InputError:
+    """The error of an allocation the system refused, ``asked`` the bytes asked for where known."""
+    size = f" (an allocation of {asked / 2**30:.2f} GiB failed)" if asked else ""
+    return InputError(
+        f"out of memory{size}: this machine (or its memory limit: ulimit -v, a container's or cgroup's limit) has "
+        "less than the run needs; nothing was written: run with more memory, fold a LLaMA-layout folder with --stream "
+        "(bounded memory), or check less (--generate 0, --samples N, --no-verify)"
+    )
+
+
 def environment_error(err: BaseException) -> InputError | None:
-    """An ``OSError`` of ``ENVIRONMENT_ERRNOS`` as the one-line error it is (exit 2), naming the path; None for any
-    other exception (a bug: the caller says so).
+    """An ``OSError`` of ``ENVIRONMENT_ERRNOS`` as the one-line error it is (exit 2), naming the path; a failed
+    allocation (``MemoryError``, torch's ``RuntimeError`` "can't allocate memory") as ``out_of_memory``; None for
+    any other exception (a bug: the caller says so).
 
     Whatever call meets it (a ``Path.exists`` on a 5,000-character path raises ``ENAMETOOLONG``), the user gets
     the path and the system's reason, not ``internal error: OSError``.
     """
+    if isinstance(err, MemoryError):
+        return out_of_memory()
+    if isinstance(err, RuntimeError) and (m := _ALLOCATION_FAILED.search(str(err))):
+        return out_of_memory(int(m.group(1)))
     if not isinstance(err, OSError) or err.errno not in ENVIRONMENT_ERRNOS:
         return None
     path = str(err.filename) if err.filename is not None else "a file"

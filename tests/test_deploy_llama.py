@@ -944,3 +944,19 @@ def test_a_dropped_bias_fails_verify_generate_naming_prompt_step_and_tokens(doc,
         ), text
         named = r"prompt \d+ \(ids [\d, .]+\) differs at step \d+: expected token \d+, got \d+"
         assert re.search(named, result.output), result.output
+
+
+def test_a_fused_folder_shared_without_its_report_is_still_a_fused_language_model(doc, tmp_path):
+    """The Hugging Face files of a fused folder as a user shares them (config.json, the modeling file, the weights;
+    no report.json) open as the fused folder they are: ``verify ORIGINAL FOLDER`` checks its generation by default
+    (was: 'needs a fused language-model folder as the candidate; ... is not one', exit 2, without --generate)."""
+    import shutil
+
+    from slabconv.verify import sides
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in ("config.json", "generation_config.json", "modeling_slabconv_llama.py", "model.safetensors"):
+        shutil.copy(doc["out"] / name, shared / name)
+    side = sides.open_side(shared)
+    assert side.kind == "folder" and side.language_model and side.provenance is not None and side.provenance.folded

@@ -543,7 +543,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (stream_verify_of_a_file, "give the folder, not a file"),
     (stream_verify_with_inputs, "--inputs is not supported"),
     (stream_fuse_with_inputs, "--inputs is not supported"),
-    (stream_verify_of_another_size, "have different sizes"),
+    (stream_verify_of_another_size, "differ in hidden_size (32 vs 16)"),
     (stream_verify_of_a_vision_folder, "decoder-only language models of a known family"),
 ]
 

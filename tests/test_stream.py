@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 from types import SimpleNamespace
@@ -500,3 +501,48 @@ def test_a_fused_folder_without_its_source_record_missing_one_layers_bias_fails_
     assert f"1 tensor that other decoder layers have missing, first '{key}'" in result.output
     args[2] = str(root / "out")  # the intact fold passes
     assert CliRunner().invoke(app, args).exit_code == 0
+
+
+def test_the_same_weights_and_metadata_are_the_same_bytes_every_time(tmp_path):
+    """``model.safetensors`` of the same fold has one sha256: the tensors in name order and the metadata in key
+    order, however the caller ordered them (``safetensors.torch.save_file`` orders the metadata as a Rust HashMap
+    iterates, another order on each call); safetensors reads the file back as it was given."""
+    from safetensors import safe_open
+
+    from slabconv.write.safetensors import save_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}.weight": torch.randn(3, 2, generator=gen) for i in range(3)}
+    tensors |= {"half": torch.randn(5, generator=gen).bfloat16(), "step": torch.tensor(7), "empty": torch.zeros(0, 4)}
+    meta = {key: f"value {i}" for i, key in enumerate(("format", "arch", "config", "source_sha256", "complete", "x"))}
+    first, second = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    digest = save_safetensors(tensors, first, meta)
+    save_safetensors(dict(reversed(tensors.items())), second, dict(reversed(meta.items())))
+    assert first.read_bytes() == second.read_bytes()
+    assert digest == hashlib.sha256(first.read_bytes()).hexdigest()
+    with safe_open(str(first), "pt") as f:
+        assert f.metadata() == meta and sorted(f.keys()) == sorted(tensors)
+        for key, value in tensors.items():
+            assert torch.equal(f.get_tensor(key), value) and f.get_tensor(key).dtype == value.dtype
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_a_missing_or_extra_key_is_named_in_one_line_as_in_memory(tmp_path, change):
+    """A streamed fold names the key as the in-memory fold does (was: torch's multi-line load_state_dict text,
+    'Error(s) in loading state_dict ...\\n\\tMissing key(s)', inside the one line)."""
+    from slabconv.errors import InputError
+
+    sd = {k: v.clone() for k, v in tiny_model().half().state_dict().items()}
+    key = "model.layers.1.mlp.down_proj.weight"
+    if change == "missing":
+        del sd[key]
+    else:
+        key = "model.layers.1.mlp.extra.weight"
+        sd[key] = torch.zeros(2, 2, dtype=torch.float16)
+    hfwrite.write_hf_folder(tmp_path / "src", sd, CONFIG, max_shard_bytes=8192)
+    with pytest.raises(InputError) as err:
+        api.fuse(tmp_path / "src", tmp_path / "out", write=STREAM, verify=None)
+    message = str(err.value)
+    kind = "missing keys" if change == "missing" else "unexpected keys"
+    assert f"the checkpoint does not fit architecture 'llama_prepbn': {kind} (1): {key}" in message, message
+    assert "Error(s)" not in message and not (tmp_path / "out").exists()

@@ -141,3 +141,45 @@ def test_force_onto_a_read_only_previous_output_is_refused_before_the_work(tmp_p
         "(chmod -R u+w) or choose a new folder"
     ], "refused after the fuse"
     assert snapshot(tmp_path) == before
+
+
+def test_a_memory_limit_the_user_set_is_the_memory_available(monkeypatch) -> None:
+    """``ulimit -v`` (``RLIMIT_AS``) bounds what the process may still allocate: the generation check's refusal
+    compares its need with what the limit leaves, not with the machine's free memory."""
+    from slabconv.verify import generate
+
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        pytest.skip("no /proc/self/status")
+    used = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + (256 << 20), hard))
+    try:
+        have = generate.available_memory()
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    assert have is not None and 0 <= have <= 256 << 20, have
+    monkeypatch.setattr(generate, "_rlimit_left", lambda: None)
+    monkeypatch.setattr(generate, "_cgroup_left", lambda: 100 << 20)  # a container's limit: what it leaves
+    assert generate.available_memory() == min(100 << 20, generate._meminfo("MemAvailable") or 100 << 20)
+
+
+def test_an_allocation_the_system_refuses_is_one_line_exit_2_and_nothing_is_written(tmp_path: Path, monkeypatch):
+    """A failed allocation (torch's "can't allocate memory" under a memory limit, or a MemoryError) names memory and
+    the ways forward, not 'internal error ... a bug in slabconv'."""
+    from slabconv import pipeline
+
+    ckpt = save_ckpt(tmp_path / "tiny.pth")
+    torch_text = (
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+        "allocate 524288000 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    for error, asked in ((RuntimeError(torch_text), " (an allocation of 0.49 GiB failed)"), (MemoryError(), "")):
+        monkeypatch.setattr(pipeline, "save_safetensors", lambda *a, e=error, **k: (_ for _ in ()).throw(e))
+        before = snapshot(tmp_path)
+        result = runner.invoke(app, ["fuse", str(ckpt), "--no-onnx", "--out", str(tmp_path / "out")])
+        assert result.exit_code == 2, result.output
+        [line] = error_lines(result.stderr)
+        assert line.startswith(f"error: out of memory{asked}: this machine (or its memory limit: ulimit -v"), line
+        assert "--stream" in line and "internal error" not in line
+        assert snapshot(tmp_path) == before

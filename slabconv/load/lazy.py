@@ -23,7 +23,7 @@ from torch import nn
 
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load.checkpoint import Checkpoint
-from slabconv.load.model import LoadedModel, check_config_sizes
+from slabconv.load.model import LoadedModel, check_config_sizes, load_strict
 from slabconv.load.shards import LazyShards
 from slabconv.load.source import Source
 from slabconv.util import block_pattern
@@ -151,10 +151,7 @@ def planning_model(
         raise UnsupportedModelError(f"{label}: {err}") from None
     except (KeyError, ValueError, RuntimeError, IndexError) as err:
         raise InputError(f"{label}: cannot build {arch or 'the architecture'} from these weights ({err})") from None
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as err:
-        raise InputError(f"{label}: the weights do not fit architecture {spec.name!r} ({err})") from None
+    load_strict(model, state, spec.name, label, assign=True)
     model.to(dtype).eval()  # the buffers the checkpoint does not hold, as load_model makes them
     ckpt = Checkpoint(state, dict(config), "hf-safetensors-sharded", shards.folder, sha256)
 

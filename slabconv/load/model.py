@@ -26,7 +26,14 @@ from slabconv.util import upper_bound
 from slabconv.zoo import ArchSpec, detect_arch, get_arch
 from slabconv.zoo.llama import SEQ_LEN_KEY
 from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
-from slabconv.zoo.registry import IMAGE_SIZE_KEY, OWN_MODEL, LayoutError, with_image_size
+from slabconv.zoo.registry import (
+    IMAGE_SIZE_KEY,
+    OWN_MODEL,
+    ArchMismatch,
+    LayoutError,
+    UnsupportedSetting,
+    with_image_size,
+)
 
 
 @dataclass
@@ -130,8 +137,19 @@ def _float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     return torch.float32
 
 
-def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: str, path: Path | None = None) -> None:
-    """``load_state_dict(strict=True)`` with one readable line for missing, unexpected and mis-shaped keys."""
+def load_strict(
+    model: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    arch: str,
+    path: Path | str | None = None,
+    assign: bool = False,
+) -> None:
+    """``load_state_dict(strict=True, assign=assign)`` with one readable line for missing, unexpected and
+    mis-shaped keys (in memory and for the streamed plan's stand-ins alike).
+
+    Raises:
+        InputError: naming up to four keys of each kind and the architecture.
+    """
     expected = model.state_dict()
     problems = []
     shapes = [
@@ -152,7 +170,7 @@ def _load_strict(model: nn.Module, state_dict: dict[str, torch.Tensor], arch: st
             + "; ".join(problems)
             + " (a different model or a damaged file? check --arch, see `slabconv list`)"
         )
-    model.load_state_dict(state_dict, strict=True)
+    model.load_state_dict(state_dict, strict=True, assign=assign)
 
 
 def check_options_apply(path: Path | str, options: LoadOptions | None) -> None:
@@ -231,7 +249,7 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     spec, model = _build(ckpt, arch, config, norm, config_label)
     dtype = _float_dtype(ckpt.state_dict)
     model.to(dtype)
-    _load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
+    load_strict(model, ckpt.state_dict, spec.name, ckpt.path)
     model.eval()
     shape = tuple(spec.input_shape(ckpt.state_dict, config))
     _check_given_shape(ckpt, opts.input_shape, shape)
@@ -287,6 +305,10 @@ def _build(
             f"{ckpt.path}: {err}; --arch {spec.name} is not what these weights are: leave --arch out to detect a "
             f"registered architecture, or, {OWN_MODEL}"
         ) from None
+    except UnsupportedSetting as err:  # the config is right: the model is one slabconv does not build
+        raise UnsupportedModelError(f"{config_label}: {err}") from None
+    except ArchMismatch:  # --arch names another architecture (said as for any format): nothing to fix in the config
+        raise
     except UnsupportedModelError as err:
         if ckpt.format.startswith("hf-"):
             raise UnsupportedModelError(

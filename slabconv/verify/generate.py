@@ -385,6 +385,11 @@ def judged_dtype(dtype: object, computed: object) -> str:
     return dtype_name(max((dtype, computed), key=tol_dtype))
 
 
+_GROUP = {name: "self_attn" for name in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
+    name: "mlp" for name in ("gate_proj", "up_proj", "down_proj")
+}
+
+
 def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """The original language model as transformers' LLaMA with the original's norm modules, in ``dtype``.
 
@@ -395,9 +400,10 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
         dtype: the dtype to compute in (the weights are copied into it).
 
     Returns:
-        A ``SlabconvLlamaForCausalLM`` in eval mode computing the original model: the fused model's class with no
-        folded biases, the original's weights and its norm modules (SLAB's ``LinearNorm`` / RepBN, eval mode) where
-        the fused model has identities. ``generate`` works as for the fused folder.
+        A ``SlabconvLlamaForCausalLM`` in eval mode computing the original model: the fused model's class with the
+        original's own biases (``attention_bias`` / ``mlp_bias``) and none the fold created, the original's weights
+        and its norm modules (SLAB's ``LinearNorm`` / RepBN, eval mode) where the fused model has identities.
+        ``generate`` works as for the fused folder.
 
     Raises:
         UnsupportedModelError: the original does not have the LLaMA layout (a weight has no place in the twin).
@@ -405,10 +411,15 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
     from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaForCausalLM
 
     config = copy.deepcopy(config)
-    config.projection_bias = dict.fromkeys(config.projection_bias or {}, False)
+    source: Any = original
+    keys = set(source.state_dict())
+    # The original's own biases (attention_bias / mlp_bias), none of the ones the fold created.
+    config.projection_bias = {
+        name: (f"{name}.bias" if name == "lm_head" else f"model.layers.0.{_GROUP[name]}.{name}.bias") in keys
+        for name in config.projection_bias or {}
+    }
     with torch.device("meta"):
         twin = SlabconvLlamaForCausalLM(config)
-    source: Any = original
     weights = {k: v for k, v in source.state_dict().items() if "layernorm" not in k and not k.startswith("model.norm")}
     weights = {k: v.to(dtype) for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
     try:
@@ -599,13 +610,63 @@ def check_generation(
 
 
 def available_memory() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes, None where there is no such file (not Linux)."""
+    """Bytes this process may still allocate: the least of the machine's ``MemAvailable`` (``/proc/meminfo``), what
+    the user's address-space limit leaves (``ulimit -v``: ``RLIMIT_AS`` less this process's ``VmSize``) and what its
+    cgroup's limit leaves (a container's ``--memory``, ``systemd-run -p MemoryMax=``: cgroup v2 ``memory.max`` less
+    ``memory.current``, v1 ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``). None where none is known
+    (not Linux)."""
+    known = [n for n in (_meminfo("MemAvailable"), _rlimit_left(), _cgroup_left()) if n is not None]
+    return max(0, min(known)) if known else None
+
+
+def _meminfo(field: str, path: str = "/proc/meminfo") -> int | None:
+    """A ``kB`` field of ``/proc/meminfo`` (or ``/proc/self/status``) in bytes; None where there is none."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
+    return None
+
+
+def _rlimit_left() -> int | None:
+    """``RLIMIT_AS`` (soft) less this process's virtual size; None without a limit."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    used = _meminfo("VmSize", "/proc/self/status")
+    return soft - (used or 0)
+
+
+def _cgroup_left() -> int | None:
+    """What the memory limit of this process's cgroup leaves (v2 or v1); None without a limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: memory.max / memory.current
+            root, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):  # v1
+            root, names = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        # The cgroup's own folder; in a container the mount shows it as the root (the path is the host's).
+        for folder in (root / rel.lstrip("/"), root):
+            try:
+                limit, used = ((folder / name).read_text().strip() for name in names)
+            except OSError:
+                continue
+            if limit.isdigit() and used.isdigit() and int(limit) < 2**60:  # "max" or v1's "no limit" (about 2**63)
+                return int(limit) - int(used)
+            break
     return None
 
 

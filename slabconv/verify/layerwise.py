@@ -25,6 +25,7 @@ Memory: one block of one weight (``block_elements`` values) plus the activations
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -264,6 +265,19 @@ def _count(keys: list[str]) -> str:
     return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
 
 
+def _config_difference(ref: Any, cand: Any) -> str:
+    """What differs between two decoder configs (dataclasses), for the message: ``differ in rope_theta (10000.0 vs
+    500000.0)``; ``have different sizes`` for configs of no dataclass."""
+    if not (dataclasses.is_dataclass(ref) and dataclasses.is_dataclass(cand)):
+        return "have different sizes"
+    names = [f.name for f in dataclasses.fields(ref) if getattr(ref, f.name) != getattr(cand, f.name, None)]
+    if not names:
+        return "have different sizes"
+    first = names[0]
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return f"differ in {first} ({getattr(ref, first)} vs {getattr(cand, first, None)}){more}"
+
+
 def verify_folders(
     reference: Path | str,
     candidate: Path | str,
@@ -301,7 +315,9 @@ def verify_folders(
     ref, cand = Folder.open(Path(reference), block_elements), Folder.open(Path(candidate), block_elements)
     return_freed_blocks_to_the_os()
     if cand.cfg != ref.cfg:
-        raise InputError(f"{reference} and {candidate} have different sizes; they are not the same model")
+        raise InputError(
+            f"{reference} and {candidate} {_config_difference(ref.cfg, cand.cfg)}; they are not the same model"
+        )
     family, cfg, dtype = ref.family, ref.cfg, ref.dtype
     name = policy.dtype_name(dtype)
     t = max(1, min(seq_len, family.max_positions(cfg)))

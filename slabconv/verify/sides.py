@@ -280,7 +280,8 @@ def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
 
 
 def open_side(path: Path, load: LoadOptions | None = None) -> Side:
-    """The side at ``path``: an ``.onnx`` file, a folder ``fuse`` wrote, else a model slabconv builds.
+    """The side at ``path``: an ``.onnx`` file, a folder ``fuse`` wrote (its ``report.json``, or a fused language
+    model's Hugging Face files without it), else a model slabconv builds.
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``read_onnx`` / ``load_model``.
@@ -290,8 +291,8 @@ def open_side(path: Path, load: LoadOptions | None = None) -> Side:
 
     if engine_of(path) == "onnx":
         return onnx_side(path)
-    if is_output_folder(path):
-        return output_side(path)
+    if is_output_folder(path) or (path.is_dir() and is_fused_language_model(path)):  # report.json, or a fused LM's
+        return output_side(path)  # Hugging Face folder as shared without it (config.json, modeling file, weights)
     return model_side(load_model(path, load), path)
 
 

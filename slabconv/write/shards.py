@@ -43,7 +43,7 @@ class ShardWriter:
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]):
-        header: dict[str, Any] = {"__metadata__": metadata}
+        header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}  # the same bytes every run
         offset = 0
         self.expected: list[tuple[str, torch.dtype, list[int], int]] = []
         for name, dtype, shape in specs:

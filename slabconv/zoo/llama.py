@@ -57,7 +57,7 @@ from torch import nn
 from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import norm_layout
 from slabconv.zoo.norms import LinearNorm, RepBN, RMSNorm
-from slabconv.zoo.registry import LayoutError, Preset, StateDict, register_family
+from slabconv.zoo.registry import LayoutError, Preset, StateDict, UnsupportedSetting, register_family
 
 __all__ = [
     "DEFAULT_SEQ_LEN",
@@ -68,7 +68,9 @@ __all__ = [
     "llama_config",
     "llama_norm_factory",
     "repeat_kv",
+    "check_head_dim",
     "rope_cos_sin",
+    "rope_theta",
     "seq_len",
 ]
 
@@ -337,7 +339,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, norm_layer: NormFactory | None = None, persistent_rope: bool = True):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {cfg.hidden_act!r}: the LLaMA-PRepBN MLP uses silu")
+            raise UnsupportedSetting(f"hidden_act {cfg.hidden_act!r}: the LLaMA-PRepBN MLP uses silu")
         self.cfg = cfg
         self.model = LlamaModel(cfg, norm_layer or llama_norm_factory("linearnorm", cfg.rms_norm_eps), persistent_rope)
         self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -369,7 +371,11 @@ class TiedHead(nn.Module):
         self.__dict__["embedding"] = embedding  # not a submodule: its weight has one name, the embedding's
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(h, self.embedding.weight)
+        # In ``h``'s dtype: a copy of the head alone moved to another dtype (the float64 reference runs the final
+        # norm and the head as one part) does not move the table it reads, which is not its submodule.
+        # (No cast in the traced graph, where the dtypes agree: a cast would make the head's weight a computed one.)
+        weight = self.embedding.weight
+        return nn.functional.linear(h, weight if weight.dtype == h.dtype else weight.to(h.dtype))
 
 
 # --------------------------------------------------------------------------------------------- reading weights
@@ -379,7 +385,6 @@ _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight$")
 _CASTS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("num_attention_heads", int),
     ("rms_norm_eps", float),
-    ("rope_theta", float),
     ("max_position_embeddings", int),
     ("hidden_act", str),
     ("pad_token_id", int),
@@ -393,9 +398,8 @@ def llama_signature(state_dict: StateDict) -> tuple[int, int, int, int] | None:
     try:
         embed = state_dict["model.embed_tokens.weight"]  # (V, C)
         gate = state_dict["model.layers.0.mlp.gate_proj.weight"]  # (I, C)
-        state_dict["lm_head.weight"]
     except KeyError:
-        return None
+        return None  # (no lm_head.weight: tied embeddings, which llama_config names)
     depth = len({m.group(1) for k in state_dict if (m := _LAYER_KEY.match(k))})
     return (int(embed.shape[1]), depth, int(gate.shape[0]), int(embed.shape[0]))
 
@@ -407,12 +411,20 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
         UnsupportedModelError: not LLaMA-layout weights; no head count known (the weights do not show it: give the
             config.json); a ``num_key_value_heads`` that disagrees with the k_proj weight, or does not divide the
             head count.
+        UnsupportedSetting: a scaled rope (``rope_theta``), a ``head_dim`` other than ``hidden_size /
+            num_attention_heads`` (``check_head_dim``), no ``lm_head.weight`` (tied embeddings).
     """
     sig = llama_signature(state_dict)
     if sig is None:
         raise LayoutError("not a LLaMA-layout checkpoint: model.embed_tokens / mlp.gate_proj / lm_head missing")
     hidden, depth, inter, vocab = sig
     config = config if isinstance(config, Mapping) else {}
+    if "lm_head.weight" not in state_dict:
+        raise UnsupportedSetting(
+            "no lm_head.weight: tied word embeddings (tie_word_embeddings), which LLaMA-PRepBN does not use: its "
+            "final norm folds into lm_head, and a tied head would rescale the embedding table; save the model with "
+            "its own lm_head.weight (a copy of model.embed_tokens.weight) to fold it"
+        )
     if config.get("num_attention_heads") is None and defaults is None:
         raise UnsupportedModelError(
             "the LLaMA weights do not show the attention head count; read the model from its folder with "
@@ -420,6 +432,9 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
         )
     base = defaults or LlamaConfig()
     values = {key: cast(config[key]) if config.get(key) is not None else getattr(base, key) for key, cast in _CASTS}
+    values["rope_theta"] = rope_theta(config, base.rope_theta)
+    q_proj = state_dict.get("model.layers.0.self_attn.q_proj.weight")
+    check_head_dim(config, hidden, values["num_attention_heads"], None if q_proj is None else int(q_proj.shape[0]))
     if "pad_token_id" in config and config["pad_token_id"] is None:
         values["pad_token_id"] = None  # no padding row (the text fixture: byte 0 is a token like any other)
     values["num_key_value_heads"] = _kv_heads(state_dict, hidden, values)
@@ -447,6 +462,51 @@ def _kv_heads(state_dict: StateDict, hidden: int, values: dict[str, Any]) -> int
             f"grouped-query attention needs num_attention_heads {heads} to be a multiple of num_key_value_heads {found}"
         )
     return None if found == heads else found
+
+
+def check_head_dim(config: Mapping[str, Any], hidden: int, heads: int, q_rows: int | None = None) -> None:
+    """Refuse a ``config.json`` ``head_dim`` other than ``hidden_size / num_attention_heads``: transformers' LLaMA
+    allows one (q_proj ``(heads * head_dim, C)``), this forward does not compute it.
+
+    Args:
+        config: ``config.json``; hidden, heads: C and the head count; q_rows: q_proj's rows, when the weights are known.
+
+    Raises:
+        UnsupportedSetting: ``head_dim`` other than ``hidden / heads``, and the q_proj weight has its rows (the
+            config is right).
+        UnsupportedModelError: q_proj has other rows (the config does not fit the weights).
+    """
+    head_dim = config.get("head_dim")
+    if head_dim is None or not heads or int(head_dim) * int(heads) == hidden:
+        return
+    if q_rows is not None and q_rows != int(head_dim) * int(heads):
+        raise UnsupportedModelError(
+            f"head_dim {head_dim} x {heads} heads is {int(head_dim) * int(heads)}, but q_proj.weight has {q_rows} rows"
+        )
+    raise UnsupportedSetting(
+        f"head_dim {head_dim} x {heads} heads is not hidden_size {hidden}: slabconv's LLaMA forward takes "
+        "head_dim = hidden_size / num_attention_heads"
+    )
+
+
+def rope_theta(config: Mapping[str, Any], default: float = 10000.0) -> float:
+    """``rope_theta`` of a ``config.json``: from ``rope_parameters`` (transformers 5 writes it there, with no
+    top-level key), else ``rope_scaling``, else the top level (transformers 4, the official LLaMA-350M config), else
+    ``default``.
+
+    Raises:
+        UnsupportedModelError: a scaled rope (``rope_type`` / ``type`` other than ``default``: linear, dynamic,
+            llama3, yarn, ...): the forward computes plain rotary positions only.
+    """
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope if isinstance(rope, Mapping) else {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UnsupportedSetting(f"rope {kind!r}: slabconv's LLaMA forward computes plain rotary positions only")
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = config.get("rope_theta")
+    return float(theta) if theta is not None else float(default)
 
 
 def seq_len(config: Mapping[str, Any] | None, cfg: LlamaConfig) -> int:

@@ -42,9 +42,17 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, _add_biases, _kv_heads, seq_len
+from slabconv.zoo.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    _add_biases,
+    _kv_heads,
+    check_head_dim,
+    rope_theta,
+    seq_len,
+)
 from slabconv.zoo.names import BY_NAME
-from slabconv.zoo.registry import ArchSpec, StateDict, register_arch
+from slabconv.zoo.registry import ArchSpec, StateDict, UnsupportedSetting, register_arch
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 """The ``model_type`` values of the standard decoders this module builds (one registered architecture each)."""
@@ -83,16 +91,6 @@ def norm_layout(keys: Mapping[str, Any], prefix: str) -> str | None:
     return None
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    """``rope_theta``, from ``rope_parameters`` (transformers 5) or the top level; refuses a scaled rope."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
-    if kind != "default":
-        raise UnsupportedModelError(f"rope {kind!r}: slabconv's LLaMA forward computes plain rotary positions only")
-    theta = rope.get("rope_theta") if isinstance(rope, Mapping) else None
-    return float(theta if theta is not None else config.get("rope_theta", 10000.0))
-
-
 def _windows(config: Mapping[str, Any], depth: int) -> tuple[int | None, ...] | None:
     """Each layer's sliding window (None: full causal attention); None when no layer has one."""
     window = config.get("sliding_window")
@@ -128,21 +126,18 @@ def std_config(state_dict: StateDict, config: Mapping[str, Any]) -> LlamaConfig:
     if heads is None:
         raise UnsupportedModelError("the config has no num_attention_heads; the weights do not show it")
     heads = int(heads)
-    if config.get("head_dim") is not None and int(config["head_dim"]) * heads != hidden:
-        raise UnsupportedModelError(
-            f"head_dim {config['head_dim']} x {heads} heads is not hidden_size {hidden}: slabconv's LLaMA forward "
-            "takes head_dim = hidden_size / num_attention_heads"
-        )
+    q_proj = state_dict.get("model.layers.0.self_attn.q_proj.weight")
+    check_head_dim(config, hidden, heads, None if q_proj is None else int(q_proj.shape[0]))
     act = str(config.get("hidden_act", "silu"))
     if act not in ("silu", "swish"):
-        raise UnsupportedModelError(f"hidden_act {act!r}: the LLaMA MLP uses silu")
+        raise UnsupportedSetting(f"hidden_act {act!r}: the LLaMA MLP uses silu")
     if int(config.get("pretraining_tp") or 1) > 1:
-        raise UnsupportedModelError("pretraining_tp > 1: the sliced projections are not implemented; set it to 1")
+        raise UnsupportedSetting("pretraining_tp > 1: the sliced projections are not implemented; set it to 1")
     tied = "lm_head.weight" not in state_dict and bool(config.get("tie_word_embeddings", False))
     values: dict[str, Any] = {
         "num_attention_heads": heads,
         "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "rope_theta": _rope_theta(config),
+        "rope_theta": rope_theta(config),
         "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
         "hidden_act": act,
         "pad_token_id": int(config["pad_token_id"]) if isinstance(config.get("pad_token_id"), int) else None,

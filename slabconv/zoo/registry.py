@@ -59,6 +59,17 @@ class LayoutError(UnsupportedModelError):
     ``--arch`` named a family these weights are not. The loader adds the file and ``OWN_MODEL``."""
 
 
+class ArchMismatch(UnsupportedModelError):
+    """``--arch`` names another registered architecture than the weights are (``check_arch``); the message names
+    the one that fits. The loader adds the file, not a request to fix its config."""
+
+
+class UnsupportedSetting(UnsupportedModelError):
+    """A config setting that fits the weights but that the family's forward does not compute (a scaled rope, a
+    ``head_dim`` other than ``hidden_size / num_attention_heads``, another activation): the config is right, the
+    model is one slabconv does not build. The loader names the config file and does not ask to fix it."""
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """One registered architecture.
@@ -315,7 +326,7 @@ def check_arch(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any])
     and the strict load then say what is missing.
 
     Raises:
-        UnsupportedModelError: naming what the weights are and the ``--arch`` that fits them.
+        ArchMismatch: naming what the weights are and the ``--arch`` that fits them.
     """
     if fits(spec, state_dict, config):
         return
@@ -330,12 +341,14 @@ def check_arch(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any])
         why = f"{spec.name} is for {spec.image_size}x{spec.image_size} inputs, these weights for {side}x{side}"
     elif found is not None and found.family != spec.family:
         why = f"they are a {found.family} model ({found.name}), not {spec.family}"
+    elif found is not None and config.get("model_type") == found.name:  # the same layout, told apart by the config
+        why = f"their config.json's model_type is {found.name!r}, not {spec.name!r}"
     elif found is not None:
         why = f"their widths and depths are those of {found.name}, not {spec.name}"
     else:
         return
     fix = f"pass --arch {found.name}, or leave --arch out to detect it" if found else "leave --arch out"
-    raise UnsupportedModelError(f"--arch {spec.name} does not fit these weights: {why}; {fix}")
+    raise ArchMismatch(f"--arch {spec.name} does not fit these weights: {why}; {fix}")
 
 
 # The key of the build config that asks for another input resolution (the CLI's ``--image-size``); it rides in the

@@ -1,0 +1,166 @@
+"""What a LLaMA config.json says, read as transformers reads it: ``rope_theta`` where transformers 5 writes it
+(``rope_parameters``), settings the forward does not compute refused naming the config (not as a config that
+does not fit the weights), and the generation check's transformers twin of an original with its own biases
+(``attention_bias`` / ``mlp_bias``)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from slabconv.errors import UnsupportedModelError
+from slabconv.load.model import load_model
+from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, llama_config, llama_norm_factory
+from slabconv.zoo.llama_std import std_config
+from tests.conftest import randomize_norms
+from tests.hfwrite import write_hf_folder
+
+_STD_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+BASE = LlamaConfig(
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=32,
+)
+CONFIG = {"model_type": "llama", "num_attention_heads": 4, "max_position_embeddings": 32, "rms_norm_eps": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def prepbn() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return randomize_norms(LlamaForCausalLM(BASE, llama_norm_factory("linearnorm", BASE.rms_norm_eps))).eval()
+
+
+def test_rope_theta_is_read_where_transformers_5_writes_it(prepbn):
+    """transformers 5 saves ``rope_parameters: {rope_type, rope_theta}`` and no top-level ``rope_theta``: a model
+    built with the default 10000 would compute other positions than the written folder (500000)."""
+    sd = prepbn.state_dict()
+    config = CONFIG | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert llama_config(sd, config).rope_theta == 500000.0
+    assert llama_config(sd, CONFIG | {"rope_theta": 20000.0}).rope_theta == 20000.0  # transformers 4, official
+    assert std_config(sd, config).rope_theta == 500000.0  # the standard decoders read it the same way
+
+
+@pytest.mark.parametrize(
+    ("setting", "phrase"),
+    [
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope 'linear'"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "rope 'llama3'"),
+        ({"head_dim": 16}, "head_dim 16 x 4 heads is not hidden_size 32"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"tie_word_embeddings": True}, "no lm_head.weight: tied word embeddings (tie_word_embeddings)"),
+    ],
+)
+def test_a_setting_the_forward_does_not_compute_is_refused_naming_the_config(prepbn, tmp_path, setting, phrase):
+    """A scaled rope, a head_dim other than hidden / heads (q_proj has heads x head_dim rows: the config is right),
+    another activation, tied embeddings (was: 'could not detect the architecture'): refused at load, naming
+    config.json, without asking to fix a config that is right."""
+    sd = dict(prepbn.state_dict())
+    if "head_dim" in setting:  # transformers' layout: q/k/v (heads x head_dim, C), o_proj (C, heads x head_dim)
+        for key in list(sd):
+            if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                sd[key] = torch.randn(64, 32)
+            elif key.endswith("o_proj.weight"):
+                sd[key] = torch.randn(32, 64)
+    if setting.get("tie_word_embeddings"):  # transformers saves the one table once
+        del sd["lm_head.weight"]
+    write_hf_folder(tmp_path, sd, CONFIG | setting)
+    with pytest.raises(UnsupportedModelError) as err:
+        load_model(tmp_path)
+    message = str(err.value)
+    assert f"{tmp_path / 'config.json'}: {phrase}" in message and "fix config.json" not in message, message
+
+
+def test_a_head_dim_the_weights_do_not_have_is_a_config_to_fix(prepbn, tmp_path):
+    write_hf_folder(tmp_path, prepbn.state_dict(), CONFIG | {"head_dim": 16})
+    with pytest.raises(UnsupportedModelError, match=r"q_proj.weight has 32 rows; the config does not fit"):
+        load_model(tmp_path)
+
+
+def test_the_generation_twin_of_an_original_with_its_own_biases_computes_the_original():
+    """``attention_bias`` / ``mlp_bias`` LLaMA-PRepBN: the twin the generation check runs as the original's
+    baseline keeps the original's biases (q/k/v/o, gate/up/down), and computes the original's logits."""
+    pytest.importorskip("transformers")
+    from slabconv.verify.generate import original_twin
+    from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaConfig
+
+    torch.manual_seed(1)
+    cfg = replace(BASE, num_key_value_heads=2)
+    original = LlamaForCausalLM(cfg, llama_norm_factory("linearnorm", cfg.rms_norm_eps))
+    for name, module in original.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.bias = torch.nn.Parameter(0.1 * torch.randn(module.out_features))
+    original = randomize_norms(original).eval()
+    config = SlabconvLlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=2,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        projection_bias={name: True for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")}
+        | {"down_proj": True, "lm_head": True},  # the fused folder's: the fold's biases and the original's
+    )
+    twin = original_twin(original, config, torch.float64)
+    assert twin.lm_head.bias is None and twin.model.layers[0].self_attn.o_proj.bias is not None
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = original.double()(ids), twin(input_ids=ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) <= 1e-6  # rotary angles computed in float32 on both
+
+
+def test_the_float64_reference_of_a_model_with_tied_embeddings_runs_its_head_in_float64():
+    """The generation check's float64 pass copies the final norm and the head alone into float64; a tied head reads
+    the embedding table, which such a copy does not move (was: a dtype error, exit 2 'internal error', in memory and
+    streamed). Its logits are the whole model's in float64."""
+    from slabconv.verify.generate import ModuleLayers, exact_path
+    from slabconv.zoo.llama_std import norm_factory
+
+    torch.manual_seed(3)
+    cfg = replace(BASE, tie_word_embeddings=True, pad_token_id=None)
+    model = LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps)).eval()
+    assert "lm_head.weight" not in model.state_dict()
+    gen = torch.Generator().manual_seed(4)
+    prompts, path = torch.randint(0, 61, (2, 6), generator=gen), torch.randint(0, 61, (2, 3), generator=gen)
+    run = exact_path(ModuleLayers(model), prompts, path, "reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
+    assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("arch", "phrase"),
+    [
+        ("mistral", "config.json's model_type is 'llama', not 'mistral'"),
+        ("llama_350m_prepbn", "widths and depths are those of llama_prepbn"),
+    ],
+)
+def test_an_arch_of_another_llama_names_the_one_that_fits_without_blaming_the_config(prepbn, tmp_path, arch, phrase):
+    """``--arch`` of another registered architecture on a Hugging Face folder: the name that fits, not 'the config
+    does not fit the weights: fix config.json' after it (the config is right; the name is not)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    sd = dict(prepbn.state_dict())
+    if arch == "mistral":  # a standard LLaMA folder: plain RMSNorm weights
+        sd = {k: v for k, v in sd.items() if "layernorm" not in k and not k.startswith("model.norm")}
+        sd |= {f"model.layers.{i}.{n}.weight": torch.ones(32) for i in range(2) for n in _STD_NORMS}
+        sd["model.norm.weight"] = torch.ones(32)
+        sd = {k: v for k, v in sd.items() if "inv_freq" not in k}
+    write_hf_folder(tmp_path, sd, CONFIG)
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path), "--arch", arch])
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: --arch {arch} does not fit these weights: ") and phrase in message, message
+    assert "fix config.json" not in message, message
