@@ -322,3 +322,18 @@ def test_large_models_are_written_with_external_data_and_verify_loads_them(
     assert exported.outputs is not None and exported.outputs.onnx_info is not None
     assert exported.outputs.onnx_info["external_data"] == "fused.onnx.data"
     assert sorted(p.name for p in (tmp_path / "single").iterdir()) == ["fused.onnx", "fused.onnx.data"]
+
+
+def test_near_ties_are_margins_within_the_bound_the_original_sets() -> None:
+    """Where the original is itself further from the exact output than the dtype's tolerance (a runtime computing
+    a float32 file in bfloat16), a margin within that distance is a near-tie: an artifact as good as the original
+    may order it either way. A margin beyond it is decisive, whatever --rtol allows the error."""
+    ref = np.array([[4.0, 3.9, 0.0], [4.0, 3.0, 0.0]])  # margins 0.025 and 0.25 of max |logit|
+    original = ref + np.array([[0.0, 0.0, 0.08], [0.0, 0.0, 0.0]])  # e_orig 0.02: the bound 0.04 for bfloat16
+    flipped = ref + np.array([[-0.06, 0.06, 0.0], [0.0, 0.0, 0.0]])  # error 0.015: sample 0 changes its argmax
+    check = judge.judge_output("out", flipped, dtype="bfloat16", original=original, reference64=ref)
+    assert check.tolerance == pytest.approx(0.04) and check.passed
+    assert check.decisive == 1 and check.near_ties == 1 and check.top1_agreement == 1.0
+    flipped[1] = [3.4, 3.6, 0.0]  # a decisive sample flipped: fails though --rtol allows the error
+    loose = judge.judge_output("out", flipped, dtype="bfloat16", original=original, reference64=ref, rtol=1.0)
+    assert loose.decisive == 1 and loose.top1_agreement == 0.0 and not loose.passed

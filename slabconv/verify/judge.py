@@ -95,8 +95,9 @@ def judge_output(
     if is_logits(reference, token_logits):
         if pair_mode:
             mask = np.ones(reference.shape[:-1], dtype=bool)
-        else:
-            mask = policy.decisive(reference.astype(np.float64), dtype)
+        else:  # near-ties: margins within the policy's bound (--rtol does not move them)
+            bound = policy.fused_bound(dtype, e_orig if e_orig is not None and math.isfinite(e_orig) else 0.0)[0]
+            mask = policy.decisive(reference.astype(np.float64), dtype, bound=bound)
         decisive_count = int(mask.sum())
         near = int(mask.size - decisive_count)
         agree = candidate.argmax(axis=-1) == reference.argmax(axis=-1)

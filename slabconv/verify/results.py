@@ -87,7 +87,8 @@ class OutputCheck:
         worst_sample: the sample with the largest absolute error.
         top1_agreement: fraction of decisive samples whose argmax equals the reference's (None: not logits).
         decisive, near_ties: samples (positions, for a language model) judged, and those whose reference margin
-            between the first two logits is within ``tol_dtype * max |logit|`` (counted, not judged).
+            between the first two logits is within ``max(tol_dtype, 2 * e_orig) * max |logit|`` (counted, not
+            judged; ``policy.decisive``).
         atol: an absolute tolerance also accepted (0 unless given).
     """
 
