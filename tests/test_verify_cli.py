@@ -337,3 +337,19 @@ def test_near_ties_are_margins_within_the_bound_the_original_sets() -> None:
     flipped[1] = [3.4, 3.6, 0.0]  # a decisive sample flipped: fails though --rtol allows the error
     loose = judge.judge_output("out", flipped, dtype="bfloat16", original=original, reference64=ref, rtol=1.0)
     assert loose.decisive == 1 and loose.top1_agreement == 0.0 and not loose.passed
+
+
+def test_a_folder_with_damaged_weights_is_refused_when_it_is_opened(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder whose model.safetensors is cut short is refused (exit 2, naming the file) when the folder is
+    opened, before the reference's work, not after it."""
+    from slabconv.errors import InputError
+    from slabconv.verify import sides
+
+    folder = tmp_path / "fused"
+    shutil.copytree(tiny_fused / "ckpt-fused", folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(InputError, match="not a readable safetensors file"):
+        sides.open_side(folder)
+    code, _, err = _verify(tiny_fused / "ckpt.pth", folder)
+    assert code == 2 and "model.safetensors: not a readable safetensors file" in err

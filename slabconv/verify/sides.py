@@ -28,7 +28,7 @@ from slabconv.errors import SlabconvError, UsageError
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
-from slabconv.util import sha256_file, text_path
+from slabconv.util import sha256_file
 from slabconv.write.hf_llama import MODELING_FILE
 
 
@@ -227,10 +227,14 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
 
 def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:
     """The floating dtype and the metadata of a safetensors file (of the first shard, for an index), read from
-    its header only."""
-    from safetensors import safe_open
+    its header only, and checked (``load.safetensors_file.read_header``: the tensors tile the data exactly), so a
+    damaged or truncated file is refused when the folder is opened, before any work.
 
+    Raises:
+        InputError: the header is damaged, or the file is shorter than its tensors.
+    """
     from slabconv.load.hf import SAFETENSORS_INDEX
+    from slabconv.load.safetensors_file import read_header
     from slabconv.load.safety import read_json
 
     if path.name == SAFETENSORS_INDEX:
@@ -239,19 +243,10 @@ def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:
         if not shards:
             return None, {}
         path = path.parent / str(shards[0])
-    try:
-        with text_path(path) as text, safe_open(text, framework="pt") as f:  # safetensors takes UTF-8 paths only
-            metadata = dict(f.metadata() or {})
-            for key in f.keys():
-                dtype = str(f.get_slice(key).get_dtype()).lower()
-                names = {"f32": "float32", "f16": "float16", "bf16": "bfloat16", "f64": "float64"}
-                if dtype in names:
-                    return names[dtype], metadata
-            return None, metadata
-    except SlabconvError:
-        raise
-    except Exception:  # noqa: BLE001 - the load stage names what is wrong with the file when it reads it
-        return None, {}
+    with open(path, "rb") as f:
+        metadata, entries, _ = read_header(f, str(path))
+    floating = (str(dtype).removeprefix("torch.") for _, dtype, *_ in entries if dtype.is_floating_point)
+    return next(floating, None), metadata
 
 
 def _folder_source(side: Side) -> Source:
