@@ -1078,3 +1078,35 @@ def test_the_float64_reference_averages_a_ceil_mode_pool_over_what_each_window_c
     session = ort.InferenceSession(str(tmp_path / "pool.onnx"), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, {"x": x})[0], want.numpy(), rtol=1e-5, atol=1e-6)  # as onnxruntime
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+class _WeightNormConv(nn.Module):
+    """A ``weight_norm`` conv (its weight ``g * v / ||v||``, computed on every call when the exporter does not fold
+    constants), then a BatchNorm read by a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 8, 3, padding=1))
+        self.bn, self.fc = nn.BatchNorm1d(8), nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(nn.functional.gelu(self.conv(x))).transpose(1, 2))
+
+
+def test_a_weight_the_exporter_computes_is_folded_at_the_files_precision_and_question_1_judges_the_fold(tmp_path):
+    """TorchScript without constant folding writes the conv's weight as its ``weight_norm`` arithmetic. The engine
+    folds it into a constant in float32, as the file's runtime computes it; question 1 holds the fold to that graph
+    in float64 (held to the file's arithmetic in float64, the fold failed by 2e-8, "the fold is wrong", exit 1)."""
+    model = randomize_norms(_WeightNormConv().eval(), seed=2)
+    path = tmp_path / "wn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.randn(2, 4, 10),), str(path), dynamo=False, do_constant_folding=False,
+                          input_names=["x"], dynamic_axes={"x": {0: "batch"}})  # fmt: skip
+    assert op_histogram(path)["ReduceL2"] == 1  # the weight as the file computes it
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    (decision,) = report.folds
+    assert decision.action == "folded-forward" and decision.into == ["fc"]
+    assert report.verification is not None and report.verification.passed
+    exact = [c for c in report.verification.exact if c.method == "graph"]
+    assert exact and exact[0].error < 1e-12

@@ -420,17 +420,22 @@ def _question_1_onnx(
     reference_side: Side, reference: Reference, candidate: Side, batch: int | None, progress: Progress
 ) -> list[Any]:
     """Question 1 for an ONNX reference: its float64 fold against it in float64 (the fold alone, never simplified),
-    and the candidate's tensors against that fold rounded to their dtypes. A candidate ``fuse --simplify`` wrote is
+    and the candidate's tensors against that fold rounded to their dtypes. The original it is held to is the graph
+    the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
+    ``weight_norm``'s ``g * v / ||v||``, folded into a constant at the file's precision, as its runtime computes it
+    on every call), in float64: the fold alone is judged, and question 2 holds the written file to the original as
+    the file was. A candidate ``fuse --simplify`` wrote is
     held to the fold in the file's dtypes simplified by the same simplifiers at that precision, and that fold, before
     simplification, to the float64 fold (``onnx_original.fold64``): every written tensor is checked, the ones the
     simplifiers computed against the simplifiers' own result (their numbers are question 2's to judge)."""
     from slabconv.verify import onnx_original
 
     progress("verifying: question 1, is the fold exact?")
-    folded = onnx_original.fold64(reference_side.onnx.path, candidate.onnx.path)
+    folded = onnx_original.fold64(reference_side.onnx.path, candidate.onnx.path, keep_original=True)
     assert reference.exact is not None
-    x1, exact1, total = exact_samples(reference.x, reference.exact)
+    x1, _, total = exact_samples(reference.x, reference.exact)
     outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, batch)
+    exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, batch)
     written = onnx_original.float_tensors(candidate.onnx.path)
     name = candidate.onnx.path.name
     fold = onnx_original.ir_tensors(folded.fused)
