@@ -164,6 +164,32 @@ def test_a_memory_limit_the_user_set_is_the_memory_available(monkeypatch) -> Non
     assert generate.available_memory() == min(100 << 20, generate._meminfo("MemAvailable") or 100 << 20)
 
 
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_a_cgroup_limit_leaves_its_limit_less_what_is_used_its_inactive_page_cache_aside(tmp_path: Path, version):
+    """A container's memory limit: what is left is the limit less the usage, where the usage's inactive page cache
+    (files read, which the kernel reclaims under the limit) counts as free, as MemAvailable counts it."""
+    from slabconv.verify import generate
+
+    mib = 1 << 20
+    mounts = tmp_path / "cgroup"
+    if version == "v2":
+        proc, folder = "0::/job\n", mounts / "job"
+        files = {"memory.max": 1000 * mib, "memory.current": 800 * mib}
+        stat = f"anon 100\ninactive_file {300 * mib}\nactive_file {50 * mib}\n"
+    else:
+        proc, folder = "4:memory:/job\n3:cpu:/\n", mounts / "memory" / "job"
+        files = {"memory.limit_in_bytes": 1000 * mib, "memory.usage_in_bytes": 800 * mib}
+        stat = f"cache {350 * mib}\ntotal_inactive_file {300 * mib}\n"
+    folder.mkdir(parents=True)
+    for name, value in files.items():
+        (folder / name).write_text(f"{value}\n")
+    (folder / "memory.stat").write_text(stat)
+    (tmp_path / "cgroup.txt").write_text(proc)
+    assert generate._cgroup_left(tmp_path / "cgroup.txt", mounts) == 500 * mib
+    (folder / "memory.stat").unlink()  # no stat: the usage as it is
+    assert generate._cgroup_left(tmp_path / "cgroup.txt", mounts) == 200 * mib
+
+
 def test_an_allocation_the_system_refuses_is_one_line_exit_2_and_nothing_is_written(tmp_path: Path, monkeypatch):
     """A failed allocation (torch's "can't allocate memory" under a memory limit, or a MemoryError) names memory and
     the ways forward, not 'internal error ... a bug in slabconv'."""

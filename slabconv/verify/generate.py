@@ -644,18 +644,22 @@ def _rlimit_left() -> int | None:
     return soft - (used or 0)
 
 
-def _cgroup_left() -> int | None:
-    """What the memory limit of this process's cgroup leaves (v2 or v1); None without a limit."""
+def _cgroup_left(proc: Path = Path("/proc/self/cgroup"), mounts: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What the memory limit of this process's cgroup leaves (v2 or v1); None without a limit. The cgroup's usage
+    counts the page cache of files read, which the kernel reclaims under the limit: its inactive part
+    (``memory.stat``'s ``inactive_file``, v1 ``total_inactive_file``) counts as free, as ``MemAvailable`` counts it
+    and as ``docker stats`` and the kubelet do. ``proc``, ``mounts``: where the process's cgroups and the cgroup
+    file systems are."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = proc.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, rel = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":  # v2: memory.max / memory.current
-            root, names = Path("/sys/fs/cgroup"), ("memory.max", "memory.current")
+            root, names = mounts, ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):  # v1
-            root, names = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            root, names = mounts / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
         else:
             continue
         # The cgroup's own folder; in a container the mount shows it as the root (the path is the host's).
@@ -665,9 +669,24 @@ def _cgroup_left() -> int | None:
             except OSError:
                 continue
             if limit.isdigit() and used.isdigit() and int(limit) < 2**60:  # "max" or v1's "no limit" (about 2**63)
-                return int(limit) - int(used)
+                cache = _cgroup_stat(
+                    folder / "memory.stat", "inactive_file" if controllers == "" else "total_inactive_file"
+                )
+                return int(limit) - max(0, int(used) - cache)
             break
     return None
+
+
+def _cgroup_stat(path: Path, field: str) -> int:
+    """A field of a cgroup's ``memory.stat`` in bytes; 0 where it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == field and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
 
 
 def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, steps: int, onnx: bool) -> int:
