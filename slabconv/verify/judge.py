@@ -90,13 +90,14 @@ def judge_output(
         why = "--rtol" if rtol is not None else ("--strict" if strict else "tol_dtype")
     else:
         e_orig = rel_err(original, reference)[0]
-        tolerance, why = policy.fused_bound(dtype, e_orig if math.isfinite(e_orig) else 0.0, rtol)
+        e = e_orig if math.isfinite(e_orig) else 0.0
+        tolerance, why = policy.fused_bound(dtype, e, rtol)
+        bound = policy.fused_bound(dtype, e)[0]  # near-ties: margins within the policy's bound (not --rtol's)
     top1 = decisive_count = near = None
     if is_logits(reference, token_logits):
         if pair_mode:
             mask = np.ones(reference.shape[:-1], dtype=bool)
-        else:  # near-ties: margins within the policy's bound (--rtol does not move them)
-            bound = policy.fused_bound(dtype, e_orig if e_orig is not None and math.isfinite(e_orig) else 0.0)[0]
+        else:
             mask = policy.decisive(reference.astype(np.float64), dtype, bound=bound)
         decisive_count = int(mask.sum())
         near = int(mask.size - decisive_count)
