@@ -71,6 +71,33 @@ def _flat() -> torch.Tensor:
     return torch.randn(refusals.B, refusals.C, generator=torch.Generator().manual_seed(0)) * 2
 
 
+class _RepBN2d(nn.Module):
+    """RepBN over the channels of an image: ``bn(x) + alpha * x``."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        self.alpha = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x) + self.alpha * x
+
+
+class ConvTransposeBetweenNorms(nn.Module):
+    """A BatchNorm before a grouped transposed conv (kept: ``transposed-conv-consumer``) and a RepBN after it (folded
+    backward into its columns and a created bias); a RepBN, not a BatchNorm, so that the dynamo exporter's optimizer
+    does not fuse it into the ``ConvTranspose`` itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(refusals.C)
+        self.fc = nn.ConvTranspose2d(refusals.C, 6, 3, stride=2, padding=1, groups=2, bias=False)
+        self.norm2 = _RepBN2d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm2(self.fc(self.norm(x))))
+
+
 SUITE_CASES: list[tuple[str, Factory]] = [
     ("plain", _model(refusals.Plain)),
     ("zero-padding", _model(refusals.PadAfterNorm, lambda: refusals.tokens(9))),
@@ -108,6 +135,7 @@ SUITE_CASES: list[tuple[str, Factory]] = [
     ("bn-then-layerscale", lambda: (randomize(norms_suite.BNThenLayerScale()).eval(), _image()())),
     ("rmsnorm-weight", lambda: (norms_suite.RMSNormBlock().eval(), _tokens())),
     ("not-norms", lambda: (norms_suite.NotNorms().eval(), _tokens())),
+    ("conv-transpose", _model(ConvTransposeBetweenNorms, _image())),
 ]  # fmt: skip
 
 

@@ -192,7 +192,8 @@ class RangeTally:
         A layer whose folds only scale (``LayerKind.pure_scale``): the forward folds' column magnification, the
         same in every row of a group, measured once per group on a one-row all-ones probe (tiny: a stream of
         multi-GB weights pays nothing per block), times each row's backward factors. Otherwise (an embedding
-        table, which a backward fold also shifts) the folds run on an all-ones block with zero shifts."""
+        table, which a backward fold also shifts; a transposed convolution, whose backward fold scales the columns
+        of each group's rows) the folds run on an all-ones block with zero shifts."""
         recipe = self.recipe
         if not recipe.kind.pure_scale:
             probe = torch.ones((rows, *shape[1:]), dtype=torch.float64)
