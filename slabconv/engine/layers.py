@@ -57,6 +57,10 @@ class LayerKind:
     with its rows of the bias. False: the bias is folded whole with every block (``fold_values`` returns all of it;
     a transposed convolution, whose rows are its input channels)."""
 
+    channel_dim = 0
+    """The stored weight's axis of its output channels, along which per-channel int8 steps it
+    (``slabconv.engine.ranges``): 0, its rows; 1 for a transposed convolution (columns, within each group)."""
+
     def claims(self, node: fx.Node) -> bool:
         """True when ``node`` (one of ``ops``) is this kind of layer: of the kinds that share an op
         (``aten.convolution``, transposed or not), the one whose ``claims`` holds (``layer_of``)."""
@@ -270,6 +274,7 @@ class ConvTranspose(LayerKind):
     groups_arg = 6
     pure_scale = False  # a backward fold scales the columns of each group's rows (``ranges`` probes the folds)
     bias_by_rows = False  # the rows are the input channels; the bias is per output channel
+    channel_dim = 1
 
     def groups(self, node: fx.Node) -> int:
         a = node.args
