@@ -278,6 +278,57 @@ def producer_bias(w: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor) 
     return scale.to(b) * b + shift.to(b)
 
 
+def fold_into_conv_transpose(
+    weight: Tensor,
+    bias: Tensor | None,
+    scale: Tensor,
+    shift: Tensor,
+    groups: int = 1,
+    *,
+    first: int = 0,
+    total: int | None = None,
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Backward fold: a transposed convolution (any spatial rank, any stride, padding, output padding, dilation)
+    whose output channels feed the norm.
+
+    ``conv_transpose(x, W, b)[o] = sum_{c, k} W[c, j, k] x[c] (shifted) + b[o]`` with ``o = g * (C_out / groups) + j``
+    for input channel ``c`` of group ``g = c // (C_in / groups)`` (torch's ``ConvTranspose*d`` and ONNX's
+    ``ConvTranspose`` store the weight ``(C_in, C_out / groups, *kernel)``), so ``s * y + t`` is the same layer with
+    ``W'[c, j, ...] = s[o] W[c, j, ...]`` and ``b' = s * b + t``: exact for every output position, each group's
+    output channels being its own.
+
+    Args:
+        weight: rows ``first:first + len(weight)`` (input channels) of a ``(C_in, C_out / groups, *kernel)`` weight
+            with ``total`` rows in all (default: these are all of them).
+        bias: the whole ``(C_out,)`` bias, or None (the fold creates one). It is not split by rows: each call
+            returns the whole folded bias.
+        scale: ``(C_out,)`` per-output-channel scale s.
+        shift: ``(C_out,)`` per-output-channel shift t.
+        groups: the layer's ``groups``.
+        inplace: ``weight`` is float64 and the caller's to overwrite (see the module docstring).
+
+    Returns:
+        ``(W', b')`` in ``weight``'s dtype and device; ``b'`` is ``(C_out,)``.
+
+    Raises:
+        ValueError: ``inplace`` with a weight that is not float64.
+    """
+    w = _widened(weight, inplace)
+    rows, per_group = w.shape[0], w.shape[1]
+    in_per_group = (rows if total is None else total) // groups
+    group_of_row = torch.arange(first, first + rows, device=w.device) // in_per_group
+    chan = group_of_row[:, None] * per_group + torch.arange(per_group, device=w.device)[None, :]
+    s = scale.to(w)[chan].reshape(rows, per_group, *([1] * (w.dim() - 2)))
+    b = (
+        torch.zeros(groups * per_group, dtype=torch.float64, device=w.device)
+        if bias is None
+        else bias.detach().double()
+    )
+    new_b = scale.to(w) * b + shift.to(w)
+    return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
+
+
 def fold_into_embedding(weight: Tensor, scale: Tensor, shift: Tensor, *, inplace: bool = False) -> Tensor:
     """Backward fold into an embedding table whose gathered rows feed the norm: ``s * W[i] + t = W'[i]``.
 

@@ -91,9 +91,9 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def naive_fold(model: nn.Module, norm: str, layer: str, shift_mult: float = 1.0) -> nn.Module:
-    """What a careless tool does: drop ``norm`` and fold its affine into ``layer`` (a Linear or Conv) as if the
-    layer read the norm's output directly, ignoring whatever is in between or beside. In place on a copy; tied
-    weights stay tied (the copy keeps the sharing)."""
+    """What a careless tool does: drop ``norm`` and fold its affine into ``layer`` (a Linear, Conv or ConvTranspose
+    of one group) as if the layer read the norm's output directly, ignoring whatever is in between or beside. In
+    place on a copy; tied weights stay tied (the copy keeps the sharing)."""
     naive = copy.deepcopy(model)
     scale, shift = affine_of(_get(naive, norm))
     _set(naive, norm, nn.Identity())
@@ -101,6 +101,10 @@ def naive_fold(model: nn.Module, norm: str, layer: str, shift_mult: float = 1.0)
     with torch.no_grad():
         if isinstance(target, nn.Linear):
             w, b = fold.fold_into_linear(target.weight, target.bias, scale, shift * shift_mult)
+        elif isinstance(target, nn.modules.conv._ConvTransposeNd):  # as if t reached every output through every tap
+            assert target.groups == 1
+            w, b = fold.fold_into_conv(target.weight.transpose(0, 1), target.bias, scale, shift * shift_mult)
+            w = w.transpose(0, 1)
         else:
             assert isinstance(target, nn.modules.conv._ConvNd)
             w, b = fold.fold_into_conv(target.weight, target.bias, scale, shift * shift_mult, target.groups)

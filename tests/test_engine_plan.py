@@ -167,10 +167,64 @@ def _ids(*shape: int) -> torch.Tensor:
     return ids
 
 
+class ConvTransposeBackward(nn.Module):
+    """``relu(norm(up(x)))`` with ``up`` a transposed conv (stride 2, padding, output padding; ``groups``): its
+    weight is ``(C_in, C_out / groups, *kernel)``, so the norm's output channels are columns of each group's rows.
+    ``two``: a second norm right after the first (two folds into one layer, the created bias updated)."""
+
+    def __init__(self, dims: int, groups: int = 1, bias: bool = True, two: bool = False) -> None:
+        super().__init__()
+        bn = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d][dims - 1]
+        self.fc = [nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d][dims - 1](
+            C, 6, 3, stride=2, padding=1, output_padding=1, groups=groups, bias=bias
+        )
+        self.norm = bn(6)
+        self.norm2 = bn(6) if two else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.fc(x))
+        return F.relu(self.norm2(y) if self.norm2 is not None else y)
+
+
+def _small_grid(dims: int) -> torch.Tensor:
+    return torch.randn(B, C, *([3] * dims), generator=torch.Generator().manual_seed(4)) + 0.5
+
+
 # producer-only kinds -> [(model, input)]
 PRODUCER_ONLY_CASES = {
     "embedding": [(EmbeddingBackward(tokens=False), _ids(B)), (EmbeddingBackward(tokens=True), _ids(B, 6))],
+    "conv_transpose": [
+        (ConvTransposeBackward(1, groups=2), _small_grid(1)),
+        (ConvTransposeBackward(2), _small_grid(2)),
+        (ConvTransposeBackward(2, groups=2, bias=False, two=True), _small_grid(2)),
+        (ConvTransposeBackward(3, groups=2, bias=False), _small_grid(3)),
+    ],
+    "convolution_transposed": [(ConvTransposeBackward(2, groups=2, bias=False), _small_grid(2))],
 }
+
+
+@pytest.mark.parametrize(
+    ("kind", "index"),
+    [(k, i) for k in ("conv_transpose", "convolution_transposed") for i in range(4 if k == "conv_transpose" else 1)],
+)
+def test_a_norm_after_a_transposed_conv_folds_backward_into_its_columns(kind, index):
+    """``s * conv_transpose(x, W, b) + t`` is ``conv_transpose(x, W', s * b + t)`` with output channel
+    ``o = g * (C_out / groups) + j`` scaled in column ``j`` of group ``g``'s rows of ``W``, exact at every output
+    position (borders and between the strides too), whatever the groups; a bias is created where there was none.
+    As ``torch.export`` writes it (``conv_transpose*d``) and in core ATen (``convolution(transposed=True)``)."""
+    model, x = PRODUCER_ONLY_CASES[kind][index]
+    model = randomize(copy.deepcopy(model)).eval()
+    reference = model(x)
+    gm = _decomposed(model, x) if kind == "convolution_transposed" else capture(model, x)
+    wanted = "aten.convolution.default" if kind == "convolution_transposed" else f"conv_transpose{x.dim() - 2}d"
+    assert any(wanted in str(n.target) for n in gm.graph.nodes)
+    decisions = fold_all(gm)
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward", ["fc"])] * len(decisions)
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert rel_err(gm(x[:1]), model(x[:1])) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    weights = fused_state_dict(gm)
+    assert sorted(weights) == ["fc.bias", "fc.weight"] and weights["fc.bias"].shape == (6,)
 
 
 @pytest.mark.parametrize("index", range(2))

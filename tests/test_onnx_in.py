@@ -1110,3 +1110,37 @@ def test_a_weight_the_exporter_computes_is_folded_at_the_files_precision_and_que
     assert report.verification is not None and report.verification.passed
     exact = [c for c in report.verification.exact if c.method == "graph"]
     assert exact and exact[0].error < 1e-12
+
+
+def test_a_norm_after_a_transposed_conv_folds_through_every_door(tmp_path):
+    """The BatchNorm before a grouped ``ConvTranspose`` stays an affine (``transposed-conv-consumer``), the RepBN
+    after it folds into its columns and a created bias, through the ``.pt2`` door and the ONNX door
+    (TorchScript export: a ``ConvTranspose`` of ``group = 2`` without bias), with the same decisions; both folds
+    pass verification (question 1 on the ONNX door runs the float64 ``ConvTranspose`` group by group), and the
+    fused ``model.onnx`` computes the original file's outputs in onnxruntime, the fused ``model.pt2`` the module's."""
+    from tests.test_doors import ConvTransposeBetweenNorms
+
+    model = randomize_norms(ConvTransposeBetweenNorms().eval(), seed=3)
+    x = torch.randn(2, 8, 5, 5)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "model.pt2")
+    original = _export(model, x, tmp_path / "model.onnx", 18)
+    by_program = api.fuse(tmp_path / "model.pt2", tmp_path / "pt2", verify=VerifyOptions(samples=4),
+                          write=WriteOptions(onnx=False))  # fmt: skip
+    by_onnx = api.fuse(original, tmp_path / "onnx", verify=VerifyOptions(samples=4))
+    for report in (by_program, by_onnx):
+        assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == [
+            ("norm", "kept-affine", reasons.TRANSPOSED_CONV_CONSUMER, []),
+            ("norm2", "folded-backward", None, ["fc"]),
+        ]
+        assert report.verification is not None and report.verification.passed
+    assert by_onnx.verification.exact and all(c.passed for c in by_onnx.verification.exact)
+    fused = tmp_path / "onnx" / "model.onnx"
+    assert op_histogram(fused) == collections.Counter({"Mul": 1, "Add": 1, "ConvTranspose": 1, "Relu": 1})
+    (convt,) = [n for n in onnx.load(str(fused)).graph.node if n.op_type == "ConvTranspose"]
+    assert len(convt.input) == 3  # the created bias
+    xs = np.random.default_rng(1).standard_normal((3, 8, 5, 5)).astype(np.float32)
+    y0, y1 = _run(original, xs), _run(fused, xs)
+    assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
+    program = torch.export.load(tmp_path / "pt2" / "model.pt2").module()
+    want = model(torch.from_numpy(xs))
+    assert (program(torch.from_numpy(xs)) - want).abs().max() <= 1e-5 * want.abs().max()

@@ -84,7 +84,7 @@ def _fold(model: nn.Module, x: torch.Tensor) -> tuple[list[engine.Decision], eng
     return decisions, program, original
 
 
-def _scale(bn: nn.BatchNorm1d) -> torch.Tensor:
+def _scale(bn: nn.modules.batchnorm._BatchNorm) -> torch.Tensor:
     return fold.repbn_affine(bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias)[0]
 
 
@@ -232,3 +232,40 @@ def test_an_embedding_table_is_measured_in_the_units_of_its_columns() -> None:
     growth = (w * s + t).abs().amax(1) / w.abs().amax(1)
     assert r.growth_max == pytest.approx(float(growth.max()), rel=1e-12)
     assert r.step_growth == pytest.approx(float((growth / s.abs().min()).max()), rel=1e-12)
+
+
+class UpNorm(nn.Module):
+    """``relu(bn(up(x)))`` with ``up`` a transposed conv of 2 groups: the norm folds backward into the columns of
+    its ``(C_in, C / 2, 2, 2)`` weight, the output channels int8 steps it by (axis 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(6, C, 2, stride=2, groups=2)
+        self.bn = nn.BatchNorm2d(C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.up(x)))
+
+
+def test_a_transposed_conv_is_measured_per_output_channel_where_its_backward_fold_costs_nothing() -> None:
+    """Its rows are its input channels; measured per row, the fold's spread (here 100) would be its cost. Per output
+    channel (each group's columns), as per-channel int8 steps it, the fold scales whole channels: step growth 1, in
+    one block and one row at a time."""
+    model = _statistics(UpNorm())
+    with torch.no_grad():
+        model.bn.weight.copy_(torch.linspace(0.05, 5, C))
+    x = torch.randn(2, 6, 3, 3)
+    decisions, program, original = _fold(model, x)
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward", ["up"])]
+    (r,) = program.ranges.values()
+    s = _scale(model.bn)
+    w = original["up.weight"].double()  # (6, 8, 2, 2): output channel o = (row // 3) * 8 + column
+    channels = torch.stack([w[g * 3 : (g + 1) * 3, j].abs().max() for g in range(2) for j in range(C // 2)])
+    assert r.channels == C and r.step_growth == pytest.approx(1.0, rel=1e-12) and not r.flagged
+    assert r.growth_max == pytest.approx(float(s.abs().max()), rel=1e-12)
+    assert r.tensor_original == pytest.approx(float(channels.max()), rel=1e-12)
+    assert r.step_growth_tensor > 10
+    whole = r.to_dict()
+    program.ranges.clear()
+    evaluate(program, TensorStore(original), block_elements=32)  # one row at a time
+    assert program.ranges["up.weight"].to_dict() == whole

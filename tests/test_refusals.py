@@ -264,6 +264,29 @@ def test_padded_conv_consumer_is_refused_on_that_path_only(with_pointwise):
     assert d.kept_on == ["fc:aten.conv2d"]
 
 
+class ConvTransposeConsumer(nn.Module):
+    """``up(norm(x))``: a transposed conv (kernel 3, stride 2: outputs between the strides and at the borders see
+    fewer taps) reads the norm; the BatchNorm after it folds backward (checked in ``tests/test_engine_plan.py``)."""
+
+    def __init__(self, kernel: int = 3, stride: int = 2) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(C)
+        self.fc = nn.ConvTranspose2d(C, 4, kernel, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+@pytest.mark.parametrize(("kernel", "stride"), [(3, 2), (2, 2), (1, 2)])
+def test_a_transposed_conv_consumer_is_refused(kernel, stride):
+    """The naive forward fold (``W`` scaled on its input rows, ``b + sum_k W t`` as if every output position saw
+    every tap) is wrong even where the windows do not overlap (stride = kernel: each position sees one tap, a
+    different one per position; kernel 1, stride 2: the positions between the strides see none)."""
+    x = torch.randn(B, C, 4, 4) + 0.5
+    gm, d = check_refusal(randomize(ConvTransposeConsumer(kernel, stride)), x, reasons.TRANSPOSED_CONV_CONSUMER)
+    assert d.kept_on == ["fc:aten.conv_transpose2d"]
+
+
 class MaxOverTokens(nn.Module):
     def __init__(self) -> None:
         super().__init__()

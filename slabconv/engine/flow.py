@@ -29,7 +29,7 @@ from torch import fx
 
 from slabconv.engine import reasons
 from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of, static_int
-from slabconv.engine.layers import LAYER_OF, LayerKind, separate_bias
+from slabconv.engine.layers import LayerKind, layer_of, separate_bias
 from slabconv.engine.rules import (
     INDEX_OUTPUTS,
     JOIN_OPS,
@@ -84,7 +84,7 @@ class Flow:
 
 def classify(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """What ``user`` does with the affine arriving on its input ``src`` (channels at ``ch``)."""
-    layer = LAYER_OF.get(user.target)
+    layer = layer_of(user)
     if layer is not None:
         reason = layer.consumer_check(user, src, ch)
         return Absorb(layer) if reason is None else Block(reason)
@@ -307,7 +307,7 @@ def _bias_add_layer(node: fx.Node) -> fx.Node | None:
     if node.target is not aten.add.Tensor:
         return None
     for arg in node.args:
-        kind = LAYER_OF.get(arg.target) if isinstance(arg, fx.Node) else None
+        kind = layer_of(arg)
         if kind is not None and (found := separate_bias(arg, kind)) is not None and found.add is node:  # type: ignore[arg-type]
             return arg  # type: ignore[return-value]
     return None
@@ -413,7 +413,7 @@ class _Up:
                     return why
                 if user.op != "call_function":
                     return why
-                layer = LAYER_OF.get(user.target)
+                layer = layer_of(user)
                 rule = RULE_OF.get(user.target)
                 if user in self.seen and layer is None:
                     return why  # the walk's own tree: two paths to the norm
@@ -450,7 +450,7 @@ class _Up:
             self.found.compensations.append(uses)
         if node.op != "call_function":
             return f"the norm's input is a {node.op}, not a layer's output"
-        layer = LAYER_OF.get(node.target)
+        layer = layer_of(node)
         if layer is not None:
             reason = layer.producer_check(node, ch)
             if reason is not None:
@@ -588,7 +588,7 @@ def reaches_layer(start: fx.Node, chan: Chan, limit: int = 256) -> bool:
             continue
         seen.add(node)
         for user in node.users:
-            layer = LAYER_OF.get(user.target)
+            layer = layer_of(user)
             rule = RULE_OF.get(user.target)
             if layer is not None:
                 if user.args[layer.data_arg] is node and ch.plain and layer.in_axis(user) == ch.axis:

@@ -1,4 +1,4 @@
-"""The layers a norm folds into (``LAYERS``; ``LAYER_OF``: op -> ``LayerKind``), forward as a consumer (SLAB
+"""The layers a norm folds into (``LAYERS``; ``layer_of``: node -> ``LayerKind``), forward as a consumer (SLAB
 Lemma 4.1 then ``W diag(s)``, ``b + W t``) or backward as a producer (``diag(s) W``, ``s b + t``).
 
 Each entry holds where its input, weight and bias are, its exactness check (a reason string, never a silent skip),
@@ -52,6 +52,23 @@ class LayerKind:
     """Its folds only scale stored weight elements, the shift going to the bias: a forward fold scales the input
     columns alike in every row of a group, a backward fold each output row by its own factor
     (``slabconv.engine.ranges`` measures the magnification so)."""
+    bias_by_rows = True
+    """The bias has one value per row of the stored weight (dim 0 is the output channels): a block of rows folds
+    with its rows of the bias. False: the bias is folded whole with every block (``fold_values`` returns all of it;
+    a transposed convolution, whose rows are its input channels)."""
+
+    channel_dim = 0
+    """The stored weight's axis of its output channels, along which per-channel int8 steps it
+    (``slabconv.engine.ranges``): 0, its rows; 1 for a transposed convolution (columns, within each group)."""
+
+    def claims(self, node: fx.Node) -> bool:
+        """True when ``node`` (one of ``ops``) is this kind of layer: of the kinds that share an op
+        (``aten.convolution``, transposed or not), the one whose ``claims`` holds (``layer_of``)."""
+        return True
+
+    def bias_size(self, weight_shape: list[int] | tuple[int, ...], groups: int) -> int:
+        """The length of the layer's ``(C_out,)`` bias, from its stored weight's shape."""
+        return int(weight_shape[0])
 
     def weight(self, node: fx.Node) -> fx.Node | None:
         """The ``get_attr`` of the stored ``(out, in, ...)`` weight, None when it is computed."""
@@ -192,9 +209,6 @@ class Conv(LayerKind):
         a = node.args
         return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
 
-    def transposed(self, node: fx.Node) -> bool:
-        return False
-
     def padded(self, node: fx.Node) -> bool:
         a = node.args
         padding: Any = a[self.padding_arg] if len(a) > self.padding_arg else node.kwargs.get("padding", 0)
@@ -202,9 +216,6 @@ class Conv(LayerKind):
             kernel = shape_of(node.args[1]) or ()
             return padding == "same" and any(int(k) > 1 for k in kernel[2:])
         return any(int(p) != 0 for p in (padding if isinstance(padding, (list, tuple)) else [padding]))
-
-    def _structure(self, node: fx.Node) -> str | None:
-        return reasons.unsupported(node) if self.transposed(node) else super()._structure(node)
 
     def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
         reason = super().consumer_check(node, src, ch)
@@ -230,15 +241,80 @@ class Conv(LayerKind):
 
 
 class Convolution(Conv):
-    """``aten.convolution(x, W, b, stride, padding, dilation, transposed, output_padding, groups)``; transposed
-    convolutions are not folded."""
+    """``aten.convolution(x, W, b, stride, padding, dilation, transposed, output_padding, groups)`` with
+    ``transposed`` False (core ATen's convolution; the transposed one is ``ConvolutionTransposed``)."""
 
     name = "convolution"
     ops = _ops("convolution")
     padding_arg, groups_arg = 4, 8
 
-    def transposed(self, node: fx.Node) -> bool:
-        return bool(node.args[6])
+    def claims(self, node: fx.Node) -> bool:
+        return not _transposed(node)
+
+
+def _transposed(node: fx.Node) -> bool:
+    """The ``transposed`` argument of an ``aten.convolution``."""
+    return bool(node.args[6] if len(node.args) > 6 else node.kwargs.get("transposed", False))
+
+
+class ConvTranspose(LayerKind):
+    """``aten.conv_transpose1d/2d/3d(x, W, b, stride, padding, output_padding, groups, dilation)``
+    (``nn.ConvTranspose*d``): reads and writes axis 1, its weight stored ``(C_in, C_out / groups, *kernel)``.
+
+    A producer only: a norm after it folds backward exactly, each output channel ``o = g * (C_out / groups) + j``
+    being column ``j`` of group ``g``'s rows, scaled by ``s[o]``, and the bias ``s * b + t``
+    (``slabconv.fold.fold_into_conv_transpose``; onnxruntime's and onnxslim's ConvTranspose + BatchNormalization
+    fusion, for every group count). A norm before it is kept (``transposed-conv-consumer``): the layer spreads each
+    input value over a kernel window of the output, so a shift ``t`` of its input reaches each output position
+    through the taps covering it, fewer between the strides and at the borders, a pattern that is no per-channel
+    bias."""
+
+    name = "conv_transpose"
+    ops = _ops("conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input")
+    groups_arg = 6
+    pure_scale = False  # a backward fold scales the columns of each group's rows (``ranges`` probes the folds)
+    bias_by_rows = False  # the rows are the input channels; the bias is per output channel
+    channel_dim = 1
+
+    def groups(self, node: fx.Node) -> int:
+        a = node.args
+        return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
+
+    def bias_size(self, weight_shape: list[int] | tuple[int, ...], groups: int) -> int:
+        return int(weight_shape[1]) * groups
+
+    def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
+        return super().consumer_check(node, src, ch) or reasons.TRANSPOSED_CONV_CONSUMER
+
+    def fold_values(
+        self,
+        forward: bool,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        s: torch.Tensor,
+        t: torch.Tensor,
+        groups: int = 1,
+        first: int = 0,
+        total: int | None = None,
+        inplace: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Backward only (``fold_into_conv_transpose``): ``weight`` rows ``first:first + len(weight)`` of ``total``,
+        ``bias`` and the returned bias whole ``(C_out,)``."""
+        if forward:
+            raise AssertionError("a transposed convolution is never a consumer (consumer_check refuses it)")
+        return fold.fold_into_conv_transpose(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
+
+
+class ConvolutionTransposed(ConvTranspose):
+    """``aten.convolution(x, W, b, stride, padding, dilation, True, output_padding, groups)``: core ATen's
+    transposed convolution, and what an ONNX ``ConvTranspose`` is lowered to (``slabconv.engine.onnx_lower``)."""
+
+    name = "convolution_transposed"
+    ops = _ops("convolution")
+    groups_arg = 8
+
+    def claims(self, node: fx.Node) -> bool:
+        return _transposed(node)
 
 
 class Embedding(LayerKind):
@@ -293,8 +369,21 @@ class Embedding(LayerKind):
         raise AssertionError("an embedding has no bias (its fold_values returns None for it)")
 
 
-LAYERS: tuple[LayerKind, ...] = (Linear(), Addmm(), Mm(), Conv(), Convolution(), Embedding())
-LAYER_OF: dict[Any, LayerKind] = {op: kind for kind in LAYERS for op in kind.ops}
+LAYERS: tuple[LayerKind, ...] = (
+    Linear(), Addmm(), Mm(), Conv(), Convolution(), ConvTranspose(), ConvolutionTransposed(), Embedding()
+)  # fmt: skip
+LAYER_OF: dict[Any, tuple[LayerKind, ...]] = {
+    op: tuple(kind for kind in LAYERS if op in kind.ops) for op in dict.fromkeys(op for k in LAYERS for op in k.ops)
+}
+
+
+def layer_of(node: Any) -> LayerKind | None:
+    """The kind of layer ``node`` is (``LAYER_OF`` by its op, then the kind that ``claims`` it), None when it is no
+    layer."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    return next((kind for kind in LAYER_OF.get(node.target, ()) if kind.claims(node)), None)
+
 
 # Ops that may lie between a stored bias and the ``add`` that applies it: they only change its shape.
 _BIAS_VIEWS = RESHAPE_OPS | PERMUTE_OPS | {op for rule in RULES if rule.name == "identity" for op in rule.ops}
@@ -326,7 +415,7 @@ def separate_bias(node: fx.Node, kind: LayerKind) -> BiasAdd | None:
     bias back in ``b``'s stored shape: both fold directions, no new op.
 
     Args:
-        node: the layer's op (a ``LAYER_OF`` node).
+        node: the layer's op (a ``layer_of`` node).
         kind: its ``LayerKind``.
 
     Returns:
@@ -362,6 +451,6 @@ def separate_bias(node: fx.Node, kind: LayerKind) -> BiasAdd | None:
 
 def layer_name(node: fx.Node) -> str:
     """A readable name for a layer: its weight's dotted path without ``.weight`` (the node's name otherwise)."""
-    kind = LAYER_OF.get(node.target)
+    kind = layer_of(node)
     weight = kind.weight(node) if kind is not None else None
     return str(weight.target).removesuffix(".weight") if weight is not None else node.name

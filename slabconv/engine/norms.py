@@ -49,7 +49,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
 )
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
-from slabconv.engine.layers import LAYER_OF
+from slabconv.engine.layers import layer_of
 from slabconv.engine.norm_affine import affine_kind, split_axis
 from slabconv.engine.rules import VIEW_OPS, Chan
 
@@ -162,7 +162,7 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
         shape = shape_of(node)
         if shape is None or node.op != "call_function":
             return None
-        layer = LAYER_OF.get(node.target)
+        layer = layer_of(node)
         axis: int | None = None
         if layer is not None:
             axis = layer.out_axis(node)

@@ -9,7 +9,7 @@ changed in place, as the plans say:
   tensor receives composed in float64), is written into its initializer (transposed back for a ``MatMul`` weight,
   reshaped back for a ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64
   fold; an initializer that other nodes read too is copied for the node the fold changed (copy on write);
-- a created bias becomes an input of its ``Gemm`` / ``Conv``, or an ``Add`` after its ``MatMul``
+- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose``, or an ``Add`` after its ``MatMul``
   (``<layer>.bias``, a ``.../folded_bias_add`` node);
 - a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads (an ``If`` or
   ``Loop`` reading it inside a subgraph reads the affine there);
@@ -146,7 +146,7 @@ class _Graph:
         bias = self._initializer(target, _numpy(value, dtype))
         self.bindings[target] = Binding(bias.name or target, False, tuple(value.shape))
         self.written[target] = bias
-        if node.op_type in ("Gemm", "Conv"):
+        if node.op_type in ("Gemm", "Conv", "ConvTranspose"):
             node.resize_inputs(3)
             node.replace_input_with(2, bias)
             if node.op_type == "Gemm":  # beta scales C; without a C it did nothing, with this one it must be 1

@@ -1309,6 +1309,18 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("Conv")
 def _conv(lo: _Lowering, node: ir.Node) -> None:
+    _convolution(lo, node, transposed=False)
+
+
+@lowers("ConvTranspose")
+def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
+    _convolution(lo, node, transposed=True)
+
+
+def _convolution(lo: _Lowering, node: ir.Node, transposed: bool) -> None:
+    """``Conv`` / ``ConvTranspose`` as ``aten.convolution`` (``transposed``: the weight is ``(C_in, C_out / group,
+    *kernel)``, ``output_padding`` read). A ``ConvTranspose``'s padding is its ``pads`` (or ``auto_pad``) as given:
+    the rules never ask it (a transposed convolution is no consumer)."""
     x, wv = node.inputs[0], node.inputs[1]
     bv = node.inputs[2] if len(node.inputs) > 2 else None
     w = _const_tensor(wv)
@@ -1320,7 +1332,8 @@ def _conv(lo: _Lowering, node: ir.Node) -> None:
     dilations = [int(d) for d in _attr(node, "dilations") or [1] * spatial]
     groups = int(_attr(node, "group", 1))
     pads = _pads(node, spatial)
-    out_channels = int(w.shape[0])
+    out_channels = int(w.shape[1]) * groups if transposed else int(w.shape[0])
+    output_padding = [int(p) for p in _attr(node, "output_padding") or [0] * spatial] if transposed else [0] * spatial
     weight = _weight(lo, node, wv, "weight", Binding(wv.name or "", False, tuple(w.shape)))
     if bv is None:
         bias, site, out = _bias_add(lo, node, out_channels, spatial + 1)
@@ -1330,14 +1343,9 @@ def _conv(lo: _Lowering, node: ir.Node) -> None:
             raise _Unlowerable
         bias = _weight(lo, node, bv, "bias", Binding(bv.name or "", False, tuple(array.shape)))
         site, out = LayerSite(node.name or ""), node.outputs[0]
-    args = (lo.read(x), weight, bias, strides, pads, dilations, False, [0] * spatial, groups)
+    args = (lo.read(x), weight, bias, strides, pads, dilations, transposed, output_padding, groups)
     layer = lo.emit(node, aten.convolution.default, args, out)
     lo.out.layers[layer.name] = site
-
-
-@lowers("ConvTranspose")
-def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
-    raise _Unlowerable
 
 
 _SAME_SIZES.update(_UNARY.values(), _BINARY.values())

@@ -274,11 +274,24 @@ class LayerRecipe:
             into = scratch.take("read", shape if rows is None else [stop - start, *shape[1:]], store.dtype(self.weight))
         read = store.get(self.weight, rows, out=into)
         b = None
-        if self.bias is not None and self.bias_shape is None:
+        if self.bias is not None and not self.kind.bias_by_rows:  # the whole bias with every block (``_piece``)
+            b = store.get(self.bias).reshape(-1).to(torch.float64)
+        elif self.bias is not None and self.bias_shape is None:
             b = store.get(self.bias, slice(start, stop)).to(torch.float64)
         elif self.bias is not None:  # a separate bias, e.g. (1, C, 1, 1): C values in channel order
             b = store.get(self.bias).reshape(-1)[start:stop].to(torch.float64)
         return read, b, int(shape[0]) if shape else 1
+
+    def _piece(
+        self, w: torch.Tensor, b: torch.Tensor | None, s0: int, s1: int, start: int, total: int
+    ) -> torch.Tensor | None:
+        """Fold the float64 rows ``w`` (in place), rows ``s0:s1`` of the block that starts at row ``start`` of the
+        weight's ``total``, with their part of the block's bias ``b``; return that part of the folded bias. A kind
+        whose bias is not split by rows (``LayerKind.bias_by_rows`` False) folds the whole bias with every piece:
+        the piece holding row 0 of the weight returns it, every other one None (the pieces joined hold it once)."""
+        by_rows = self.kind.bias_by_rows
+        folded = self._fold(w, b[s0:s1] if b is not None and by_rows else b, start + s0, total)[1]
+        return folded if by_rows or start + s0 == 0 else None
 
     def whole_bias(self, parts: list[torch.Tensor | None]) -> torch.Tensor:
         """The stored bias from the pieces ``blocks`` / ``rows`` give one block of rows at a time: joined, in the
@@ -335,7 +348,7 @@ class LayerRecipe:
         del read
         biases = []
         for s0, s1 in row_ranges(list(w.shape), CACHE_BLOCK):
-            biases.append(self._fold(w[s0:s1], b[s0:s1] if b is not None else None, start + s0, total)[1])
+            biases.append(self._piece(w[s0:s1], b, s0, s1, start, total))
             if tally is not None and kept is not None:
                 tally.add(kept[s0:s1], w[s0:s1], start + s0, total)
         return w, _joined(biases)
@@ -397,7 +410,7 @@ class LayerRecipe:
             if tally is not None:  # their ranges, reduced in float32 for half precision: the same values
                 tally.measure("before", wide, start + s0, total)
             w = scratch.take(rows_name, wide.shape, torch.float64).copy_(wide)
-            w, biases[i] = self._fold(w, b[s0:s1] if b is not None else None, start + s0, total)
+            biases[i] = self._piece(w, b, s0, s1, start, total)
             if tally is not None:
                 tally.measure("after", w, start + s0, total)
             stored = out[s0:s1]

@@ -2,8 +2,9 @@
 ranges and int8").
 
 Per-output-channel int8 (onnxruntime's QDQ quantizer with ``per_channel=True``, TensorRT, OpenVINO's NNCF) rounds
-row ``i`` of a weight (output channel ``i``: dim 0 of the stored weight) to multiples of its step
-``range_i / 127``, ``range_i = max_j |W_ij|``. A fold multiplies each stored element by a factor the fold program
+row ``i`` of a weight (output channel ``i``: dim 0 of the stored weight; a transposed convolution's output
+channels are columns of its ``(C_in, C_out / groups, ...)`` weight, ``LayerKind.channel_dim``) to multiples of its
+step ``range_i / 127``, ``range_i = max_j |W_ij|``. A fold multiplies each stored element by a factor the fold program
 knows, its *magnification* ``M_ij``: a forward fold (``W diag(s)``) scales the columns, a backward fold
 (``diag(s) W``) the rows, a backward fold into an embedding the table's columns (``slabconv.fold``). ``M`` is the
 fold of an all-ones weight with zero shift (``LayerKind.fold_values``, so every layer kind and every composition of
@@ -31,6 +32,7 @@ written.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,7 +70,7 @@ class LayerRange:
         layer: the layer (its weight's name without ``.weight``).
         weight: the stored weight.
         folds: ``{"norm": ..., "direction": "forward" | "backward"}`` per fold it receives, in plan order.
-        channels: output channels (rows).
+        channels: output channels (rows; a transposed convolution's: columns of each group's rows).
         tensor_original, tensor_fused: ``max |W|`` of the whole weight before and after.
         growth_min, growth_max: the smallest and largest ``range'_i / range_i`` over the output channels (rows whose
             original range is 0 are left out: int8 stores a zero row exactly).
@@ -140,6 +142,9 @@ class RangeTally:
         self.least: torch.Tensor | None = None  # (total,) float64: ``_least`` of each row measured
         self.columns: torch.Tensor | None = None  # per group: the forward folds' least column magnification
         self.rows_least: torch.Tensor | None = None  # per row of a pure-scale layer: ``_least`` of every row
+        self.by_column = recipe.kind.channel_dim == 1  # output channels in the columns (a transposed convolution)
+        self.column_stats: dict[str, torch.Tensor] = {}  # by_column: "before" / "after" max |x|, "least", per channel
+        self._lock = threading.Lock()  # by_column: sub-blocks measured from several threads update the same channels
 
     def add(self, original: torch.Tensor, fused: torch.Tensor, first: int, total: int) -> None:
         """Rows ``first:first + len(original)`` of the layer's ``total``: ``original`` as stored, ``fused`` the
@@ -157,6 +162,10 @@ class RangeTally:
             self.least = self._least(torch.Size(shape), 0, total, total)  # every row's, made once
         else:
             self.least = torch.empty(total, dtype=torch.float64)
+        if self.by_column:
+            size = self.recipe.kind.bias_size(list(shape), self.recipe.groups)
+            zeros = torch.zeros(size, dtype=torch.float64)
+            self.column_stats = {"before": zeros, "after": zeros.clone(), "least": torch.full_like(zeros, math.inf)}
         self.total = total
 
     def measure(self, which: str, values: torch.Tensor, first: int, total: int) -> None:
@@ -172,7 +181,11 @@ class RangeTally:
         high, low = self.slots(which, first, rows, flat.dtype, total)
         torch.amax(flat, dim=1, out=high).add_(0.0)  # a zero extreme as +0.0, whichever zero torch kept
         torch.amin(flat, dim=1, out=low).add_(0.0)
-        if which == "after" and self.least is not None and not self.recipe.kind.pure_scale:
+        if self.by_column:
+            self._into_columns(which, values.detach().abs().to(torch.float64), first, total, largest=True)
+            if which == "after":
+                self._into_columns("least", self._magnification(values.shape, first, rows, total), first, total)
+        elif which == "after" and self.least is not None and not self.recipe.kind.pure_scale:
             self.least.narrow(0, first, rows).copy_(self._least(values.shape, first, rows, total))
 
     def slots(
@@ -206,16 +219,11 @@ class RangeTally:
         A layer whose folds only scale (``LayerKind.pure_scale``): the forward folds' column magnification, the
         same in every row of a group, measured once per group on a one-row all-ones probe (tiny: a stream of
         multi-GB weights pays nothing per block), times each row's backward factors. Otherwise (an embedding
-        table, which a backward fold also shifts) the folds run on an all-ones block with zero shifts."""
+        table, which a backward fold also shifts; a transposed convolution, whose backward fold scales the columns
+        of each group's rows) the folds run on an all-ones block with zero shifts."""
         recipe = self.recipe
         if not recipe.kind.pure_scale:
-            probe = torch.ones((rows, *shape[1:]), dtype=torch.float64)
-            for f in recipe.folds:
-                probe, _ = recipe.kind.fold_values(
-                    f.forward, probe, None, f.scale, torch.zeros_like(f.shift), recipe.groups, first, total, True
-                )
-            mags = probe.abs_().reshape(rows, -1)
-            return torch.where(mags > 0, mags, math.inf).amin(dim=1)
+            return self._magnification(shape, first, rows, total).reshape(rows, -1).amin(dim=1)
         if self.rows_least is None or len(self.rows_least) != total:  # every row's at once: a slice per block
             per = max(total // recipe.groups, 1)
             per_group = [self._group_least(shape, g * per, total) for g in range(recipe.groups)]
@@ -228,6 +236,38 @@ class RangeTally:
                     least = torch.where(factor > 0, least * factor, math.inf)  # a zeroed row is exact in int8
             self.rows_least = least
         return self.rows_least[first : first + rows]
+
+    def _magnification(self, shape: torch.Size, first: int, rows: int, total: int) -> torch.Tensor:
+        """``|M|`` of the rows ``first:first + rows`` (float64, their shape; ``inf`` where 0): the folds run on an
+        all-ones block with zero shifts."""
+        recipe = self.recipe
+        probe = torch.ones((rows, *shape[1:]), dtype=torch.float64)
+        for f in recipe.folds:
+            probe, _ = recipe.kind.fold_values(
+                f.forward, probe, None, f.scale, torch.zeros_like(f.shift), recipe.groups, first, total, True
+            )
+        mags = probe.abs_()
+        return torch.where(mags > 0, mags, math.inf)
+
+    def _into_columns(self, name: str, values: torch.Tensor, first: int, total: int, largest: bool = False) -> None:
+        """Take ``values`` (float64, the shape of the rows ``first:first + len(values)`` of a ``(C_in, C_out /
+        groups, ...)`` weight with ``total`` rows) into the per-output-channel statistic ``name``: its largest
+        (``largest``) or smallest value over the rows of each group and the kernel, channel ``o = g * (C_out /
+        groups) + j`` being column ``j`` of group ``g``'s rows (``by_column``). Sub-blocks may come from several
+        threads at once."""
+        rows, per_group = int(values.shape[0]), int(values.shape[1])
+        flat = values.reshape(rows, per_group, -1)
+        reduced = flat.amax(dim=2) if largest else flat.amin(dim=2)
+        group = torch.arange(first, first + rows) // max(total // self.recipe.groups, 1)
+        into = self.column_stats[name]
+        with self._lock:
+            for g in group.unique().tolist():
+                part = reduced[group == g]
+                channels = into[g * per_group : (g + 1) * per_group]
+                if largest:
+                    torch.maximum(channels, part.amax(dim=0), out=channels)
+                else:
+                    torch.minimum(channels, part.amin(dim=0), out=channels)
 
     def _group_least(self, shape: torch.Size, row: int, total: int) -> float:
         """The smallest nonzero magnification the forward folds give the columns of ``row`` (inf: none)."""
@@ -252,6 +292,8 @@ class RangeTally:
             raise RuntimeError(f"ranges of {self.recipe.weight}: no block was measured")
         before, after = self.largest("before", 0, self.total), self.largest("after", 0, self.total)
         least = self.least
+        if self.by_column:  # per output channel, the columns of each group's rows
+            before, after, least = (self.column_stats[k] for k in ("before", "after", "least"))
         live = before > 0  # a zero row is exact in int8 whatever its fold
         least = torch.where(torch.isfinite(least), least, torch.ones_like(least))  # an all-zero fold: nothing scaled
         growth = torch.where(live, after / before.clamp_min(1e-300), torch.ones_like(after))

@@ -15,6 +15,7 @@ RESIDUAL_READS_NORM = "residual-reads-norm"
 NONLINEAR = "nonlinear-before-consumer"
 CHANNEL_MIXING_RESHAPE = "channel-mixing-reshape"
 PADDED_CONV_CONSUMER = "padded-conv-consumer"
+TRANSPOSED_CONV_CONSUMER = "transposed-conv-consumer"
 NEGATIVE_SCALE_THROUGH_MAX = "negative-scale-through-max"
 BATCH_STATS_IN_EVAL = "batch-stats-in-eval"
 TRAIN_MODE = "train-mode"
@@ -36,6 +37,7 @@ ALL = (
     NONLINEAR,
     CHANNEL_MIXING_RESHAPE,
     PADDED_CONV_CONSUMER,
+    TRANSPOSED_CONV_CONSUMER,
     NEGATIVE_SCALE_THROUGH_MAX,
     BATCH_STATS_IN_EVAL,
     TRAIN_MODE,

@@ -181,11 +181,16 @@ def _stored_tensors(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 def _stand_ins(plans: list[NormPlan], gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-    """The biases a streamed plan creates, as meta tensors of their shape (the weight's output channels, its
-    dim 0) and dtype: their values are the program's, made as it writes them."""
+    """The biases a streamed plan creates, as meta tensors of their shape (the layer's output channels,
+    ``LayerKind.bias_size``) and dtype: their values are the program's, made as it writes them."""
     created = {nb.layer: nb.target for p in plans if p.remove for nb in p.new_biases}
-    weights = {created[f.layer]: stored(gm, f.weight) for p in plans if p.remove for f in p.folds if f.layer in created}
-    return {target: torch.empty(w.shape[0], dtype=w.dtype, device="meta") for target, w in weights.items()}
+    folds = {created[f.layer]: f for p in plans if p.remove for f in p.folds if f.layer in created}
+    out = {}
+    for target, f in folds.items():
+        w = stored(gm, f.weight)
+        size = f.kind.bias_size(tuple(w.shape), f.kind.groups(f.layer))
+        out[target] = torch.empty(size, dtype=w.dtype, device="meta")
+    return out
 
 
 def fold_all(gm: fx.GraphModule, progress: FoldProgress | None = None, norm_affine: bool = False) -> list[Decision]:

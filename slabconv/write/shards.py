@@ -181,7 +181,13 @@ def write_program_shards(
                     la = program.layers[key]
                     plan.append((key, la.dtype, specs[key][1]))
                     if la.bias_out is not None:
-                        plan.append((la.bias_out, la.bias_dtype, list(la.bias_shape or [specs[key][1][0]])))
+                        plan.append(
+                            (
+                                la.bias_out,
+                                la.bias_dtype,
+                                list(la.bias_shape or [la.kind.bias_size(specs[key][1], la.groups)]),
+                            )
+                        )
                 elif recipe is not None and recipe.op in ("copy", "unit") and key not in biases:
                     plan.append((key, *specs[key]))
             writer = ShardWriter(folder / shard, plan, metadata)
