@@ -46,10 +46,12 @@ TABLE_START, TABLE_END = "<!-- compat table: start -->", "<!-- compat table: end
 
 
 def declared() -> dict[str, str]:
-    """Package name -> declared lower bound, from ``pyproject.toml`` (dependencies and the ``hf`` extra)."""
+    """Package name -> declared lower bound, from ``pyproject.toml`` (dependencies, the ``hf`` and ``fast``
+    extras)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     out: dict[str, str] = {}
-    for requirement in [*project["dependencies"], *project["optional-dependencies"]["hf"]]:
+    extras = project["optional-dependencies"]
+    for requirement in [*project["dependencies"], *extras["hf"], *extras["fast"]]:
         match = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)\s*(?:,.*)?", requirement)
         if match is None:
             raise SystemExit(f"pyproject.toml: {requirement!r} has no lower bound (>=X); compat needs one")
@@ -113,7 +115,7 @@ def steps(python: Path, work: Path) -> list[tuple[str, list[str]]]:
         (
             "deploy tests",
             [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_deploy_llama.py",
-             "tests/test_deploy_pt2.py"],
+             "tests/test_deploy_pt2.py", "tests/test_compiled.py"],
         ),
     ]  # fmt: skip
 

@@ -124,13 +124,21 @@ def _scale_and_round_loop(w64, col, row, out, high, low, shift, rebias, normal, 
 
 @functools.cache
 def _kernels() -> tuple[Any, Any] | None:
-    """The two loops compiled (numba: ``nogil``, so that the fold's lanes run them at once), or None without
-    numba."""
+    """The two loops compiled (numba: ``nogil``, so that the fold's lanes run them at once), or None without a
+    numba that imports (one built for another numpy refuses to: the portable path runs then, the same values).
+    Cached beside this file, or in numba's per-user cache where this folder is read-only, or not at all where
+    neither is writable (compiled in each process then)."""
     if importlib.util.find_spec("numba") is None:
         return None
-    import numba
-
-    return tuple(numba.njit(nogil=True, cache=True)(f) for f in (_widen_loop, _scale_and_round_loop))  # type: ignore[return-value]
+    try:
+        import numba
+    except ImportError:
+        return None
+    loops = (_widen_loop, _scale_and_round_loop)
+    try:
+        return tuple(numba.njit(nogil=True, cache=True)(f) for f in loops)  # type: ignore[return-value]
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return tuple(numba.njit(nogil=True)(f) for f in loops)  # type: ignore[return-value]
 
 
 def available() -> bool:
