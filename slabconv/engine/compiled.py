@@ -2,18 +2,18 @@
 about ten passes of torch and numpy calls over it.
 
 ``engine.program.LayerRecipe`` folds a streamed weight ``CACHE_BLOCK`` elements of rows at a time. For a
-float16 / bfloat16 Linear weight that receives one fold (forward: ``W diag(s)``, backward: ``diag(s) W``;
+float16 / bfloat16 / float32 Linear weight that receives one fold (forward: ``W diag(s)``, backward: ``diag(s) W``;
 ``slabconv.fold``) the portable path widens the rows to float32, takes each row's largest and smallest value,
 widens to float64, folds, takes the folded rows' ranges and rounds once (``fold.rounded``: to float32, to the
 stored dtype, a tie search over every value): each step a pass of its own over the sub-block. Here, after torch's
-widening to float32:
+widening of half precision to float32:
 
 - ``widen``: the rows to float64 (the fold's bias, ``b + W t``, is still torch's product of these rows, as in
   every other fold), and each row's largest and smallest value;
 - ``scale_and_round``: the float64 rows scaled in place by the fold's column or row factors (the same float64
   product as ``Tensor.mul_``), each folded row's largest and smallest value, and every value rounded once to the
-  stored dtype from its float64 bits: to nearest, ties to even, subnormals, overflow to an infinity (which the
-  caller refuses from the ranges, ``engine.program.overflows_from``).
+  stored dtype from its float64 bits (float32: the processor's conversion): to nearest, ties to even,
+  subnormals, overflow to an infinity (which the caller refuses from the ranges, ``engine.program.overflows_from``).
 
 The values are the portable path's bit for bit: the rounding is correct, so unique (tests/test_compiled.py checks
 every float16 and bfloat16 value, every midpoint of two neighbours and the float64 values on either side of each,
@@ -24,8 +24,8 @@ float's bits with the magnitude bits flipped where the sign bit is set order as 
 compiler turns into vector instructions where a float maximum that keeps NaN is not.
 
 numba compiles the loops on first use and keeps them in its cache (``cache=True``: beside this file, or in
-``NUMBA_CACHE_DIR``); without numba (``pip install slabconv[fast]``) the portable path runs. Measured on the
-350M-layout float16 folder: ``docs/performance.md``.
+numba's per-user cache, or ``NUMBA_CACHE_DIR``); without numba (``pip install slabconv[fast]``) the portable path
+runs. Measured on the 350M-layout float16 folder: ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def _rounding(dtype: torch.dtype) -> tuple[int, int, int, int, int, int]:
     return 52 - fraction, (1023 - bias) << 52, normal, zero, overflow, ((1 << (15 - fraction)) - 1) << fraction
 
 
-ROUNDS_TO = (torch.float16, torch.bfloat16)
-"""The stored dtypes ``scale_and_round`` rounds to."""
+ROUNDS_TO = (torch.float16, torch.bfloat16, torch.float32)
+"""The stored dtypes ``scale_and_round`` rounds to (float32: the processor's conversion of each float64, to
+nearest, ties to even, as ``Tensor.to`` and ``fold.rounded`` make it)."""
 
 
 def _widen_loop(wide, w64, high, low):  # type: ignore[no-untyped-def]
@@ -122,8 +123,28 @@ def _scale_and_round_loop(w64, col, row, out, high, low, shift, rebias, normal, 
         low[r] = _NAN64 if nan else (0 if kmin == -1 else kmin ^ ((kmin >> 63) & _ABS64))
 
 
+def _scale_and_round32_loop(w64, col, row, out, high, low):  # type: ignore[no-untyped-def]
+    rows, cols = w64.shape
+    for r in range(rows):
+        factor = row[r]
+        for j in range(cols):
+            w64[r, j] = (w64[r, j] * col[j]) * factor
+        bits = w64[r].view(np.int64)
+        kmax = np.int64(-9223372036854775807 - 1)
+        kmin = np.int64(9223372036854775807)
+        for j in range(cols):
+            b = bits[j]
+            key = b ^ ((b >> 63) & _ABS64)
+            kmax = max(kmax, key)
+            kmin = min(kmin, key)
+            out[r, j] = np.float32(w64[r, j])
+        nan = kmax > _INF64 or kmin < _NEG_INF64_KEY
+        high[r] = _NAN64 if nan else (0 if kmax == -1 else kmax ^ ((kmax >> 63) & _ABS64))
+        low[r] = _NAN64 if nan else (0 if kmin == -1 else kmin ^ ((kmin >> 63) & _ABS64))
+
+
 @functools.cache
-def _kernels() -> tuple[Any, Any] | None:
+def _kernels() -> tuple[Any, Any, Any] | None:
     """The two loops compiled (numba: ``nogil``, so that the fold's lanes run them at once), or None without a
     numba that imports (one built for another numpy refuses to: the portable path runs then, the same values).
     Cached beside this file, or in numba's per-user cache where this folder is read-only, or not at all where
@@ -134,7 +155,7 @@ def _kernels() -> tuple[Any, Any] | None:
         import numba
     except ImportError:
         return None
-    loops = (_widen_loop, _scale_and_round_loop)
+    loops = (_widen_loop, _scale_and_round_loop, _scale_and_round32_loop)
     try:
         return tuple(numba.njit(nogil=True, cache=True)(f) for f in loops)  # type: ignore[return-value]
     except RuntimeError:  # "cannot cache function ...: no locator available"
@@ -155,7 +176,7 @@ def widen(wide: torch.Tensor, w64: torch.Tensor, high: torch.Tensor, low: torch.
     """``w64 = wide`` in float64, and each row's largest and smallest value into ``high`` / ``low``.
 
     Args:
-        wide: ``(rows, cols)`` contiguous float32 (a half-precision sub-block, widened exactly).
+        wide: ``(rows, cols)`` contiguous float32 (a float32 sub-block, or a half-precision one widened exactly).
         w64: ``(rows, cols)`` contiguous float64, written.
         high, low: ``(rows,)`` float32 views, written (NaN for a row holding one; a zero extreme is ``+0.0``).
 
@@ -183,15 +204,15 @@ def scale_and_round(
             the two factors absent: a single fold, the product ``Tensor.mul_`` makes).
         col: ``(cols,)`` float64 column factors (a forward fold's scale), or None.
         row: ``(rows,)`` float64 row factors (a backward fold's scale for these rows), or None.
-        out: ``(rows, cols)`` contiguous float16 / bfloat16 (``ROUNDS_TO``), written: each value rounded once,
-            to nearest, ties to even (``fold.rounded``'s value); a magnitude at or past the largest finite value
-            plus half a unit in the last place is an infinity.
+        out: ``(rows, cols)`` contiguous float16 / bfloat16 / float32 (``ROUNDS_TO``), written: each value
+            rounded once, to nearest, ties to even (``fold.rounded``'s value); a magnitude at or past the largest
+            finite value plus half a unit in the last place is an infinity.
         high, low: ``(rows,)`` float64 views, written: each folded row's largest and smallest value (NaN for a
             row holding one; a zero extreme is ``+0.0``).
 
     Raises:
         RuntimeError: numba is not installed (``available``).
-        KeyError: ``out`` is not float16 or bfloat16.
+        KeyError: ``out`` is not float16, bfloat16 or float32.
     """
     kernels = _kernels()
     if kernels is None:
@@ -200,12 +221,15 @@ def scale_and_round(
     ones = torch.ones(max(rows, cols), dtype=torch.float64)
     col = ones[:cols] if col is None else col.to(torch.float64).contiguous()
     row = ones[:rows] if row is None else row.to(torch.float64).contiguous()
+    ranges = _array(high, torch.int64), _array(low, torch.int64)
+    if out.dtype == torch.float32:
+        kernels[2](_array(w64), _array(col), _array(row), _array(out), *ranges)
+        return
     kernels[1](
         _array(w64),
         _array(col),
         _array(row),
         _array(out, torch.int16).view("uint16"),
-        _array(high, torch.int64),
-        _array(low, torch.int64),
+        *ranges,
         *_rounding(out.dtype),
     )

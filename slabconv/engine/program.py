@@ -425,8 +425,9 @@ class LayerRecipe:
 
     def _compiled(self, read: torch.Tensor) -> bool:
         """True when the compiled pass (``slabconv.engine.compiled``) makes this layer's sub-blocks: numba is
-        installed, the weight is a 2-D float16 / bfloat16 one stored as read, and it receives one fold of a kind
-        whose fold is ``LayerKind.fold_values``'s (a Linear's: columns or rows scaled, the shift to the bias)."""
+        installed, the weight is a 2-D float16 / bfloat16 / float32 one stored as read, and it receives one fold
+        of a kind whose fold is ``LayerKind.fold_values``'s (a Linear's: columns or rows scaled, the shift to the
+        bias)."""
         return (
             compiled.available()
             and read.dim() == 2
