@@ -436,6 +436,8 @@ class LayerRecipe:
             and len(self.folds) == 1
             and self.groups == 1
             and self.kind.pure_scale
+            and self.kind.bias_by_rows
+            and self.kind.channel_dim == 0
             and type(self.kind).fold_values is LayerKind.fold_values
         )
 
