@@ -30,8 +30,8 @@ runs. Measured on the 350M-layout float16 folder: ``docs/performance.md``.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
+import threading
 from typing import Any
 
 import numpy as np
@@ -143,27 +143,56 @@ def _scale_and_round32_loop(w64, col, row, out, high, low):  # type: ignore[no-u
         low[r] = _NAN64 if nan else (0 if kmin == -1 else kmin ^ ((kmin >> 63) & _ABS64))
 
 
-@functools.cache
+_LOCK = threading.Lock()
+_LOADED: list[tuple[Any, Any, Any] | None] = []  # the loops once loaded (one entry), or None: no numba
+
+
 def _kernels() -> tuple[Any, Any, Any] | None:
-    """The two loops compiled (numba: ``nogil``, so that the fold's lanes run them at once), or None without a
-    numba that imports (one built for another numpy refuses to: the portable path runs then, the same values).
-    Cached beside this file, or in numba's per-user cache where this folder is read-only, or not at all where
-    neither is writable (compiled in each process then)."""
+    """The three loops compiled (numba: ``nogil``, so that the fold's lanes run them at once), loaded once per
+    process (a caller that comes while another thread loads them waits), or None without a numba that imports (one
+    built for another numpy refuses to) or compiles them: the portable path runs then, the same values."""
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(_load())
+        return _LOADED[0]
+
+
+def _load() -> tuple[Any, Any, Any] | None:
+    """numba's import and the loops, each compiled (or loaded from numba's cache: beside this file, or in numba's
+    per-user cache where this folder is read-only, or nowhere where neither is writable) for the arrays a fold
+    passes, on one-element ones: about a second from the cache."""
     if importlib.util.find_spec("numba") is None:
         return None
     try:
         import numba
+        from numba.core.errors import NumbaError
     except ImportError:
         return None
     loops = (_widen_loop, _scale_and_round_loop, _scale_and_round32_loop)
     try:
-        return tuple(numba.njit(nogil=True, cache=True)(f) for f in loops)  # type: ignore[return-value]
+        jitted = tuple(numba.njit(nogil=True, cache=True)(f) for f in loops)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return tuple(numba.njit(nogil=True)(f) for f in loops)  # type: ignore[return-value]
+        jitted = tuple(numba.njit(nogil=True)(f) for f in loops)
+    one = np.zeros((1, 1))
+    ranges32, ranges64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+    try:
+        jitted[0](one.astype(np.float32), one, ranges32, ranges32)
+        jitted[1](one, one[0], one[0], one.astype(np.uint16), ranges64, ranges64, *_rounding(torch.float16))
+        jitted[2](one, one[0], one[0], one.astype(np.float32), ranges64, ranges64)
+    except NumbaError:
+        return None
+    return jitted  # type: ignore[return-value]
+
+
+def preload() -> None:
+    """Start loading the loops in a thread of its own (numba's import and its cache, about a second), so that a
+    streamed fold's first sub-block does not wait for them while planning runs; nothing without numba."""
+    if importlib.util.find_spec("numba") is not None:
+        threading.Thread(target=_kernels, name="slabconv-compiled", daemon=True).start()
 
 
 def available() -> bool:
-    """True when numba is installed (the compiled loops are then used)."""
+    """True when the compiled loops are used: numba imports and compiles them (``_kernels``)."""
     return _kernels() is not None
 
 
