@@ -150,8 +150,10 @@ def test_a_fold_that_drops_alpha_is_caught_by_verify_with_exit_1(fixture_ckpt, t
     wrong = tmp_path / "alpha-dropped" / "checkpoint.pth"
     wrong.parent.mkdir()
     torch.save(saved, wrong)
-    proc = _slabconv("fuse", str(wrong), "--out", str(tmp_path / "wrong"), "--no-verify")
-    assert proc.returncode == 0, proc.stderr
+    wrote = CliRunner().invoke(  # the naive fold's files, in process; the verdict below from the console script
+        app, ["fuse", str(wrong), "--out", str(tmp_path / "wrong"), "--no-verify", "--no-pt2"]
+    )
+    assert wrote.exit_code == 0, wrote.output
     verdict = _slabconv("verify", str(fixture_ckpt), str(tmp_path / "wrong" / "model.onnx"), "--json")
     assert verdict.returncode == 1, verdict.stderr
     v = json.loads(verdict.stdout)["verification"]
@@ -199,15 +201,18 @@ def test_list_names_the_fixture_architecture():
 
 def test_a_failed_fuse_names_no_written_file(fixture_ckpt, tmp_path):
     """``--rtol 1e-9`` is tighter than float32 rounding: the fuse fails (exit 1), writes nothing, and neither the
-    text output nor ``--json`` names a file it did not write."""
+    text output nor ``--json`` names a file it did not write. In process (the console script's start-up is
+    checked by the module's ``make demo`` run): the same app, the same stdout and stderr."""
     out = tmp_path / "x"
-    text = _slabconv("fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--samples", "8")
-    assert text.returncode == 1, text.stderr
+    runner = CliRunner()
+    text = runner.invoke(app, ["fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--samples", "8"])
+    assert text.exit_code == 1, text.output
     assert "wrote" not in text.stdout + text.stderr and "nothing was written" in text.stderr
-    as_json = _slabconv(  # the report of the same failure; the ONNX file's fate is the text run's
-        "fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--json", "--samples", "8", "--no-onnx"
+    as_json = runner.invoke(  # the report of the same failure; the ONNX file's fate is the text run's
+        app,
+        ["fuse", str(fixture_ckpt), "--out", str(out), "--rtol", "1e-9", "--json", "--samples", "8", "--no-onnx"],
     )
-    assert as_json.returncode == 1, as_json.stderr
+    assert as_json.exit_code == 1, as_json.output
     report = json.loads(as_json.stdout)
     assert report["outputs"] is None and report["verification"]["passed"] is False
     assert not out.exists()
