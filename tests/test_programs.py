@@ -70,8 +70,8 @@ def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> 
     """An in-memory output folder (model.pt2 + model.safetensors) and a streamed one (shards + index), each as the
     reference and as the candidate; today's main refused the in-memory folder ("folder without config.json").
     The point is the folder layouts, not the ONNX files: neither folder holds one (model.onnx and decoder.onnx
-    cost two exports and their checks in each verify; the text fixture's folder with both is verified in
-    tests/test_text_e2e.py and tests/test_deploy_llama.py)."""
+    cost two exports and their checks in each verify; a folder holding both is verify's candidate in
+    tests/test_deploy_llama.py::test_verify_generate_on_the_command_line)."""
     write_hf_folder(tmp_path / "src", tiny_model().state_dict(), TINY_CONFIG, max_shard_bytes=8192)
     api.fuse(tmp_path / "src", tmp_path / "memory", verify=None, write=WriteOptions(onnx=False))
     assert {"model.pt2", "model.safetensors"} <= {p.name for p in (tmp_path / "memory").iterdir()}
