@@ -821,7 +821,21 @@ def test_an_older_transformers_is_refused_with_the_install_line(monkeypatch):
     assert hf_llama.require_transformers() is transformers
 
 
-def test_verify_generate_on_the_command_line(doc, tmp_path):
+@pytest.fixture(scope="module")
+def verified(doc, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """``slabconv verify ORIGINAL FUSED`` of docs/deploy.md's intact folder with the command's defaults (greedy
+    generation of 32 tokens), as JSON and JUnit: ``(result, junit path)``; the command-line test reads the report,
+    the dropped-bias test its passing side."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    junit = tmp_path_factory.mktemp("verified") / "0.xml"
+    args = ["verify", str(TEXT), str(doc["out"]), "--samples", "2", "--json", "--junit", str(junit)]
+    return CliRunner().invoke(app, args), junit
+
+
+def test_verify_generate_on_the_command_line(doc, verified, tmp_path):
     """``slabconv verify ORIGINAL FUSED``: both questions plus greedy generation of the folder and its decoder ONNX
     against the original (32 tokens by default, as ``fuse``; ``--generate 0`` turns it off, with a note); a
     candidate that is not a fused language-model folder is refused ``--generate`` with exit 2."""
@@ -830,7 +844,7 @@ def test_verify_generate_on_the_command_line(doc, tmp_path):
     from slabconv.cli import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["verify", str(TEXT), str(doc["out"]), "--samples", "2", "--json"])
+    result, _ = verified
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     generation = report["verification"]["generation"]  # a fused folder: checked by default, as fuse does
@@ -908,10 +922,11 @@ def test_language_model_programs_take_any_batch_and_length(doc, original, tmp_pa
         assert str(err.value) == f"{out / 'model.pt2'} takes int64 ids of shape (batch, sequence 1..64); {got}"
 
 
-def test_a_dropped_bias_fails_verify_generate_naming_prompt_step_and_tokens(doc, tmp_path):
+def test_a_dropped_bias_fails_verify_generate_naming_prompt_step_and_tokens(doc, verified, tmp_path):
     """A fused folder whose lm_head bias (the folded final norm) was dropped, i.e. zeroed: ``verify --generate``
     exits 1, its error line names the runtime, the prompt, the first differing step and the two tokens, and the
-    JUnit file counts the generation failure; the intact folder passes with failures="0" and a generation case."""
+    JUnit file counts the generation failure; the intact folder passes with failures="0" and a generation case
+    (``verified``: the same command on it, with the default 32 tokens)."""
     from typer.testing import CliRunner
 
     from slabconv.cli import app
@@ -921,12 +936,11 @@ def test_a_dropped_bias_fails_verify_generate_naming_prompt_step_and_tokens(doc,
     weights = load_file(str(broken / "model.safetensors"))
     weights["lm_head.bias"] = torch.zeros_like(weights["lm_head.bias"])
     save_file(weights, str(broken / "model.safetensors"))
-    runner = CliRunner()
-    for folder, code in ((doc["out"], 0), (broken, 1)):
-        junit = tmp_path / f"{code}.xml"
-        result = runner.invoke(
-            app, ["verify", str(TEXT), str(folder), "--generate", "8", "--samples", "4", "--junit", str(junit)]
-        )
+    failed_junit = tmp_path / "1.xml"
+    failed = CliRunner().invoke(
+        app, ["verify", str(TEXT), str(broken), "--generate", "8", "--samples", "4", "--junit", str(failed_junit)]
+    )
+    for (result, junit), code in ((verified, 0), ((failed, failed_junit), 1)):
         assert result.exit_code == code, result.stderr
         text = junit.read_text()
         cases = text.count("<testcase ")
