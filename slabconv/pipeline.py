@@ -42,7 +42,6 @@ import torch
 from torch import fx
 
 from slabconv import engine
-from slabconv.engine import compiled
 from slabconv.errors import (
     InputError,
     KeptNormsError,
@@ -144,7 +143,6 @@ def open_door(
         loaded = load_model(path, load)
         return InMemory(loaded, plan(loaded, progress, norm_affine=norm_affine))
     return_freed_blocks_to_the_os()
-    compiled.preload()  # the fold's compiled loops load while the folder is planned
     sharded = open_sharded(path, FOLD_BLOCK)
     planning, planned = plan_sharded(
         sharded.shards, sharded.config, load.arch if load else None, sharded.sha256, progress, norm_affine

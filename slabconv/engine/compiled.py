@@ -184,13 +184,6 @@ def _load() -> tuple[Any, Any, Any] | None:
     return jitted  # type: ignore[return-value]
 
 
-def preload() -> None:
-    """Start loading the loops in a thread of its own (numba's import and its cache, about a second), so that a
-    streamed fold's first sub-block does not wait for them while planning runs; nothing without numba."""
-    if importlib.util.find_spec("numba") is not None:
-        threading.Thread(target=_kernels, name="slabconv-compiled", daemon=True).start()
-
-
 def available() -> bool:
     """True when the compiled loops are used: numba imports and compiles them (``_kernels``)."""
     return _kernels() is not None
