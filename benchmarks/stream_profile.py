@@ -4,13 +4,11 @@
                                                 # builds: python -c "from benchmarks.memory_streaming import ...")
     python -m benchmarks.stream_profile         # builds the LLaMA-350M-shaped float16 folder first (minutes)
     python -m benchmarks.stream_profile DIR --lanes 1   # the blocks made in one thread (how the lanes scale)
-    python -m benchmarks.stream_profile DIR --portable  # the torch / numpy passes even where numba is installed
 
 Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_program_shards`` once (torch on one
 thread per lane, as in the stage), timing its parts with ``time.thread_time`` in the thread that runs them: reading
-a block out of the shard, the compiled pass's two loops and the bias (``slabconv.engine.compiled``, where numba is
-installed), or the portable path's widening to float64, folds, overflow check, rounding once to the stored dtype
-and weight ranges, waiting for the writer threads (each part summed over the fold's lanes,
+a block out of the shard, widening it to float64, the folds, the overflow check, rounding once to the stored
+dtype, the weight ranges, waiting for the writer threads (each part summed over the fold's lanes,
 ``write.shards.FOLD_LANES``), and in the writer's threads ``write()`` and the sha256 of every written byte. Prints
 CPU seconds per part and its share of the fold's (the lanes') CPU time. CPU time, not wall time: on a loaded
 machine the wall time of a run moves by a factor of two, its CPU time by a few percent.
@@ -34,9 +32,6 @@ SPENT: dict[str, float] = defaultdict(float)
 _LOCK = threading.Lock()
 
 LANE_PARTS = (
-    "compiled: to float64, the stored rows' ranges",
-    "compiled: fold, the folded rows' ranges, round once",
-    "the bias of the rows (b + W t, torch)",
     "round once to the stored dtype",
     "the weight ranges",
     "the folds in float64",
@@ -91,8 +86,7 @@ def profile(src: Path, out: Path) -> dict[str, float]:
 
     import torch
 
-    from slabconv import fold
-    from slabconv.engine import compiled, program
+    from slabconv.engine import program
     from slabconv.engine.ranges import RangeTally
     from slabconv.load import shards as load_shards
     from slabconv.pipeline import open_sharded, plan_sharded
@@ -103,9 +97,6 @@ def profile(src: Path, out: Path) -> dict[str, float]:
     sharded = open_sharded(src, program.FOLD_BLOCK)
     planned = plan_sharded(sharded.shards, sharded.config, None, sharded.sha256)[1]
     parts: list[tuple[object, str, str]] = [
-        (compiled, "widen", "compiled: to float64, the stored rows' ranges"),
-        (compiled, "scale_and_round", "compiled: fold, the folded rows' ranges, round once"),
-        (fold, "linear_bias", "the bias of the rows (b + W t, torch)"),
         (program, "rounded", "round once to the stored dtype"),
         (program, "_widening", "widen half precision to float32"),
         (program.LayerRecipe, "_fold", "the folds in float64"),
@@ -134,12 +125,6 @@ def profile(src: Path, out: Path) -> dict[str, float]:
     ws.ShardWriter.__init__ = timed_init  # type: ignore[method-assign,assignment]
     ws.hashlib = SimpleNamespace(sha256=_TimedSha256)  # type: ignore[assignment]
     assert planned.program is not None
-    if compiled.available():  # numba's import and the loops' load from its cache: once per process, not per block
-        start = time.perf_counter()
-        one = torch.zeros(1, 1)
-        compiled.widen(one, one.double(), torch.zeros(1), torch.zeros(1))
-        compiled.scale_and_round(one.double(), None, None, one.half(), *torch.zeros(2, 1, dtype=torch.float64))
-        print(f"compiled pass loaded in {time.perf_counter() - start:.2f} s (before the stage)")
     SPENT.clear()
     threads = torch.get_num_threads()
     wall, main, process = time.perf_counter(), time.thread_time(), time.process_time()
@@ -156,12 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, help="a sharded folder (default: build the 350M one)")
     parser.add_argument("--lanes", type=int, default=None, help="fold lanes (default: write.shards.FOLD_LANES)")
-    parser.add_argument("--portable", action="store_true", help="the portable path even where numba is installed")
     args = parser.parse_args(argv)
-    if args.portable:
-        from slabconv.engine import compiled
-
-        compiled.available = lambda: False  # type: ignore[assignment]
     if args.lanes is not None:
         from slabconv.write import shards as ws
 
@@ -185,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for part in LANE_PARTS:
         print(f"    {part:44s} {result.get(part, 0.0):6.2f} CPU-s {result.get(part, 0.0) / lanes:6.1%} of the lanes")
     rest = lanes - sum(result.get(part, 0.0) for part in LANE_PARTS)
-    print(f"    {'the rest (Python between the calls, ...)':44s} {rest:6.2f} CPU-s {rest / lanes:6.1%} of the lanes")
+    print(f"    {'the rest (float32 to float64, Python)':44s} {rest:6.2f} CPU-s {rest / lanes:6.1%} of the lanes")
     print(f"  main thread outside the lanes {outside:.2f} CPU-s")
     for part in MAIN_PARTS:
         print(f"    {part:44s} {result.get(part, 0.0):6.2f} CPU-s")

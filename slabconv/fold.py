@@ -188,17 +188,10 @@ def fold_into_linear(
         ValueError: ``inplace`` with a weight that is not float64.
     """
     w = _widened(weight, inplace)
-    new_b = linear_bias(w, bias, shift)  # before the weight is scaled (in place or not)
-    s = scale.to(w)
-    return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
-
-
-def linear_bias(w: Tensor, bias: Tensor | None, shift: Tensor) -> Tensor:
-    """A forward fold's bias ``b + W t`` in float64: ``w`` the float64 ``(out, in)`` weight before its columns are
-    scaled, ``bias`` ``(out,)`` or None (zeros), ``shift`` ``(in,)``. ``fold_into_linear``'s, and a streamed
-    fold's compiled pass's (``slabconv.engine.compiled``): the same product, so the same bits."""
     b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
-    return b + w @ shift.to(w)
+    s, t = scale.to(w), shift.to(w)
+    new_b = b + w @ t  # before the weight is scaled (in place or not)
+    return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
 
 def fold_into_conv(
@@ -265,17 +258,10 @@ def fold_into_producer(
         ValueError: ``inplace`` with a weight that is not float64.
     """
     w = _widened(weight, inplace)
-    s = scale.to(w)
-    rows = s.reshape(-1, *([1] * (w.dim() - 1)))
-    return _cast(w.mul_(rows) if inplace else w * rows, weight), _cast(producer_bias(w, bias, scale, shift), weight)
-
-
-def producer_bias(w: Tensor, bias: Tensor | None, scale: Tensor, shift: Tensor) -> Tensor:
-    """A backward fold's bias ``s * b + t`` in float64 on ``w``'s device (``w``: the weight's rows, any dtype),
-    ``bias`` ``(out,)`` or None (zeros), ``scale`` and ``shift`` ``(out,)``. ``fold_into_producer``'s, and a
-    streamed fold's compiled pass's (``slabconv.engine.compiled``)."""
     b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
-    return scale.to(b) * b + shift.to(b)
+    s, t = scale.to(w), shift.to(w)
+    rows = s.reshape(-1, *([1] * (w.dim() - 1)))
+    return _cast(w.mul_(rows) if inplace else w * rows, weight), _cast(s * b + t, weight)
 
 
 def fold_into_conv_transpose(

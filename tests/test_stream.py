@@ -178,8 +178,8 @@ def test_streamed_fold_with_a_wrong_fold_writes_nothing(folded, tmp_path, monkey
     from slabconv import fold
     from slabconv.errors import VerificationError
 
-    real = fold.linear_bias  # b + W t, in the portable fold and the compiled pass alike
-    monkeypatch.setattr(fold, "linear_bias", lambda w, b, t: real(w, b, torch.zeros_like(t)))
+    real = fold.fold_into_linear
+    monkeypatch.setattr(fold, "fold_into_linear", lambda w, b, s, t, **kw: real(w, b, s, torch.zeros_like(t), **kw))
     with pytest.raises(VerificationError, match="not equivalent") as caught:
         fuse_streamed(folded[0] / "src", tmp_path / "o")
     v = caught.value.report.verification

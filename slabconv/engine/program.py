@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import fx
 
-from slabconv import fold
-from slabconv.engine import compiled
 from slabconv.engine.capture import stored
 from slabconv.engine.layers import LayerKind
 from slabconv.engine.ranges import LayerRange, RangeTally
@@ -397,16 +395,11 @@ class LayerRecipe:
         by_ranges = tally is not None and self.dtype in _ROUNDED_ONCE  # the overflow check from the ranges
         half = read.dtype in _HALF
         names = [(f"wide{lane}", f"rows{lane}") for lane in range(scratch.lanes)]
-        fast = tally is not None and self._compiled(read)
 
         def fold_piece(i: int, lane: int) -> None:
             s0, s1 = pieces[i]
             wide_name, rows_name = names[lane]
             wide = _widening(scratch, read[s0:s1], wide_name)  # the stored rows, exactly (half precision: float32)
-            if fast and tally is not None:
-                part = b[s0:s1] if b is not None else None
-                biases[i] = self._compiled_piece(wide, part, start + s0, total, scratch, rows_name, out[s0:s1], tally)
-                return
             if tally is not None:  # their ranges, reduced in float32 for half precision: the same values
                 tally.measure("before", wide, start + s0, total)
             w = scratch.take(rows_name, wide.shape, torch.float64).copy_(wide)
@@ -422,53 +415,6 @@ class LayerRecipe:
         if tally is not None and by_ranges:  # the rows' largest magnitudes, which the ranges took: no extra pass
             self._check_largest(tally.largest("after", start, start + (len(read) if read.dim() else 1)))
         return out, self._stored_bias(_joined(biases))
-
-    def _compiled(self, read: torch.Tensor) -> bool:
-        """True when the compiled pass (``slabconv.engine.compiled``) makes this layer's sub-blocks: numba is
-        installed, the weight is a 2-D float16 / bfloat16 / float32 one stored as read, and it receives one fold
-        of a kind whose fold is ``LayerKind.fold_values``'s (a Linear's: columns or rows scaled, the shift to the
-        bias)."""
-        return (
-            compiled.available()
-            and read.dim() == 2
-            and read.dtype == self.dtype
-            and self.dtype in compiled.ROUNDS_TO
-            and len(self.folds) == 1
-            and self.groups == 1
-            and self.kind.pure_scale
-            and self.kind.bias_by_rows
-            and self.kind.channel_dim == 0
-            and type(self.kind).fold_values is LayerKind.fold_values
-        )
-
-    def _compiled_piece(
-        self,
-        wide: torch.Tensor,
-        b: torch.Tensor | None,
-        first: int,
-        total: int,
-        scratch: Scratch,
-        rows_name: str,
-        stored: torch.Tensor,
-        tally: RangeTally,
-    ) -> torch.Tensor:
-        """One sub-block through the compiled pass: ``wide`` (float32 rows ``first:first + len(wide)`` of the
-        weight's ``total``) and ``b`` (their float64 bias, or None) folded into ``stored`` and measured into
-        ``tally``, the values the portable steps of ``_stored_into`` make; returns the rows' float64 bias
-        (``fold.linear_bias`` / ``fold.producer_bias``, as ``LayerKind.fold_values``)."""
-        rows = wide.shape[0]
-        w = scratch.take(rows_name, wide.shape, torch.float64)
-        compiled.widen(wide, w, *tally.slots("before", first, rows, wide.dtype, total))
-        f = self.folds[0]
-        if f.forward:
-            bias = fold.linear_bias(w, b, f.shift)
-            col, row = f.scale, None
-        else:
-            row = f.scale[first : first + rows]
-            bias = fold.producer_bias(w, b, row, f.shift[first : first + rows])
-            col = None
-        compiled.scale_and_round(w, col, row, stored, *tally.slots("after", first, rows, torch.float64, total))
-        return bias
 
     def blocks(
         self,

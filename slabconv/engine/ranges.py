@@ -178,34 +178,20 @@ class RangeTally:
             self.prepare(values.shape, total)
         rows = int(values.shape[0]) if values.dim() else 1
         flat = values.detach() if values.dim() == 2 else values.detach().reshape(rows, -1)
-        high, low = self.slots(which, first, rows, flat.dtype, total)
-        torch.amax(flat, dim=1, out=high).add_(0.0)  # a zero extreme as +0.0, whichever zero torch kept
-        torch.amin(flat, dim=1, out=low).add_(0.0)
+        extremes = self.extremes.get(which)
+        if extremes is None:  # both threads may make it: the one stored first is kept (dict.setdefault is atomic)
+            made = torch.empty((2, total), dtype=flat.dtype)
+            extremes = self.extremes.setdefault(which, (made[0], made[1]))
+        if extremes[0].dtype != flat.dtype:
+            raise ValueError(f"ranges {which}: a block in {flat.dtype} after one in {extremes[0].dtype}")
+        torch.amax(flat, dim=1, out=extremes[0].narrow(0, first, rows))
+        torch.amin(flat, dim=1, out=extremes[1].narrow(0, first, rows))
         if self.by_column:
             self._into_columns(which, values.detach().abs().to(torch.float64), first, total, largest=True)
             if which == "after":
                 self._into_columns("least", self._magnification(values.shape, first, rows, total), first, total)
         elif which == "after" and self.least is not None and not self.recipe.kind.pure_scale:
             self.least.narrow(0, first, rows).copy_(self._least(values.shape, first, rows, total))
-
-    def slots(
-        self, which: str, first: int, rows: int, dtype: torch.dtype, total: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the largest and smallest value of rows ``first:first + rows`` measured as ``which`` go: two
-        ``(rows,)`` views of ``dtype``, written by ``measure`` or by the compiled pass
-        (``slabconv.engine.compiled``), which keeps the same conventions (NaN for a row holding one, a zero
-        extreme ``+0.0``).
-
-        Raises:
-            ValueError: ``which`` was measured in another dtype before.
-        """
-        extremes = self.extremes.get(which)
-        if extremes is None:  # both threads may make it: the one stored first is kept (dict.setdefault is atomic)
-            made = torch.empty((2, total), dtype=dtype)
-            extremes = self.extremes.setdefault(which, (made[0], made[1]))
-        if extremes[0].dtype != dtype:
-            raise ValueError(f"ranges {which}: a block in {dtype} after one in {extremes[0].dtype}")
-        return extremes[0].narrow(0, first, rows), extremes[1].narrow(0, first, rows)
 
     def largest(self, which: str, first: int, stop: int) -> torch.Tensor:
         """``max |x|`` of each of the rows ``first:stop`` measured as ``which`` (float64; NaN where a row holds
