@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +20,12 @@ from slabconv.zoo.deit import VisionTransformer, norm_factory
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# transformers copies a folder's modeling file into a module cache: keep it out of the user's home, and never
-# let a test reach the network.
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="slabconv-hf-modules-"))
+# transformers copies a folder's modeling file into a module cache: keep it out of the user's home (in a folder the
+# process that made it removes when it exits; xdist's workers and the slabconv processes tests start inherit it),
+# and never let a test reach the network.
+if "HF_MODULES_CACHE" not in os.environ:
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="slabconv-hf-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Under pytest-xdist (`make test` runs one worker per core) each worker and the slabconv processes it starts use one
