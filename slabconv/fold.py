@@ -194,6 +194,16 @@ def fold_into_linear(
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
 
+def _grouped_channels(w: Tensor, groups: int, first: int, total: int | None) -> Tensor:
+    """``(rows, w.shape[1])`` int64: for rows ``first:first + len(w)`` of a grouped weight with ``total`` rows
+    (default ``len(w)``) in ``groups`` equal groups, the channel of each column ``j``: ``g * w.shape[1] + j``, ``g``
+    the row's group. A convolution's rows are its output channels and its columns input channels of their group; a
+    transposed convolution's the other way round."""
+    rows, width = w.shape[0], w.shape[1]
+    group = torch.arange(first, first + rows, device=w.device) // ((rows if total is None else total) // groups)
+    return group[:, None] * width + torch.arange(width, device=w.device)[None, :]
+
+
 def fold_into_conv(
     weight: Tensor,
     bias: Tensor | None,
@@ -229,10 +239,7 @@ def fold_into_conv(
     w = _widened(weight, inplace)
     out_ch, in_per_group = w.shape[0], w.shape[1]
     b = torch.zeros(out_ch, dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
-    # Per output channel, the input channels it reads: (out, in_per_group).
-    per_group = (out_ch if total is None else total) // groups
-    group_of_out = torch.arange(first, first + out_ch, device=w.device) // per_group
-    chan = group_of_out[:, None] * in_per_group + torch.arange(in_per_group, device=w.device)[None, :]
+    chan = _grouped_channels(w, groups, first, total)  # per output channel, the input channels it reads
     s = scale.to(w)[chan].reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
     t = shift.to(w)[chan]
     new_b = b + (w.sum(dim=tuple(range(2, w.dim()))) * t).sum(dim=1)
@@ -302,9 +309,7 @@ def fold_into_conv_transpose(
     """
     w = _widened(weight, inplace)
     rows, per_group = w.shape[0], w.shape[1]
-    in_per_group = (rows if total is None else total) // groups
-    group_of_row = torch.arange(first, first + rows, device=w.device) // in_per_group
-    chan = group_of_row[:, None] * per_group + torch.arange(per_group, device=w.device)[None, :]
+    chan = _grouped_channels(w, groups, first, total)  # per input channel, the output channels it writes
     s = scale.to(w)[chan].reshape(rows, per_group, *([1] * (w.dim() - 2)))
     b = (
         torch.zeros(groups * per_group, dtype=torch.float64, device=w.device)

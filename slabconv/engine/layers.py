@@ -60,6 +60,8 @@ class LayerKind:
     channel_dim = 0
     """The stored weight's axis of its output channels, along which per-channel int8 steps it
     (``slabconv.engine.ranges``): 0, its rows; 1 for a transposed convolution (columns, within each group)."""
+    groups_arg: int | None = None
+    """The position of the op's ``groups`` argument (a convolution's); None: one group."""
 
     def claims(self, node: fx.Node) -> bool:
         """True when ``node`` (one of ``ops``) is this kind of layer: of the kinds that share an op
@@ -86,7 +88,11 @@ class LayerKind:
         return 1
 
     def groups(self, node: fx.Node) -> int:
-        return 1
+        """The layer's ``groups`` (positional at ``groups_arg``, else the keyword, default 1)."""
+        if self.groups_arg is None:
+            return 1
+        a = node.args
+        return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
 
     def _structure(self, node: fx.Node) -> str | None:
         """``computed-weight`` when the weight or bias is not a stored tensor (a weight-normalised layer computes
@@ -205,10 +211,6 @@ class Conv(LayerKind):
     ops = _ops("conv1d", "conv2d", "conv3d", "conv1d.padding", "conv2d.padding", "conv3d.padding")
     padding_arg, groups_arg = 4, 6
 
-    def groups(self, node: fx.Node) -> int:
-        a = node.args
-        return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
-
     def padded(self, node: fx.Node) -> bool:
         a = node.args
         padding: Any = a[self.padding_arg] if len(a) > self.padding_arg else node.kwargs.get("padding", 0)
@@ -275,10 +277,6 @@ class ConvTranspose(LayerKind):
     pure_scale = False  # a backward fold scales the columns of each group's rows (``ranges`` probes the folds)
     bias_by_rows = False  # the rows are the input channels; the bias is per output channel
     channel_dim = 1
-
-    def groups(self, node: fx.Node) -> int:
-        a = node.args
-        return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
 
     def bias_size(self, weight_shape: list[int] | tuple[int, ...], groups: int) -> int:
         return int(weight_shape[1]) * groups
