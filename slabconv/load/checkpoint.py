@@ -241,8 +241,6 @@ def _program_info(text: str | bytes, label: str) -> dict[str, str]:
         return {}
     try:
         info = safety.parse_json(text, label)
-    except InputError as err:
-        if "is not valid JSON" not in str(err):
-            raise
+    except safety.InvalidJSON:
         return {}
     return {str(k): v for k, v in info.items() if isinstance(v, str)} if isinstance(info, dict) else {}

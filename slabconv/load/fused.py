@@ -67,16 +67,13 @@ class FusedMetadata:
             InputError: the ``config`` entry is over the JSON size or depth limits (``safety.parse_json``), naming
                 ``label``.
         """
-        from slabconv.errors import InputError
-        from slabconv.load.safety import parse_json
+        from slabconv.load.safety import InvalidJSON, parse_json
 
         if "slabconv_version" not in metadata:
             return None
         try:
             config = parse_json(metadata.get("config") or "{}", f"{label}: metadata 'config'")
-        except InputError as err:
-            if "is not valid JSON" not in str(err):
-                raise
+        except InvalidJSON:
             config = {}
         return cls(
             version=metadata["slabconv_version"],

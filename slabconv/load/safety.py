@@ -203,6 +203,11 @@ def json_dicts(value: Any, skip: tuple[str, ...] = ()) -> Iterator[dict[Any, Any
             stack.extend(item)
 
 
+class InvalidJSON(InputError):
+    """``parse_json``'s error for text that is not JSON (or not UTF-8), apart from JSON over the limits: a caller
+    that reads an optional entry may take it as absent, never JSON over the limits."""
+
+
 def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """JSON text parsed within the size and depth limits (``MAX_JSON_BYTES``, ``MAX_JSON_DEPTH``).
 
@@ -212,7 +217,8 @@ def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -
         max_bytes: the size limit for this kind of file.
 
     Raises:
-        InputError: too large, too deeply nested, not UTF-8 or not JSON -- one line naming ``label``.
+        InputError: too large or too deeply nested -- one line naming ``label``.
+        InvalidJSON: not UTF-8 or not JSON (an ``InputError`` too).
     """
     if len(data) > max_bytes:
         raise InputError(f"{label}: {_human(len(data))} of JSON, over slabconv's limit of {_human(max_bytes)}; refused")
@@ -223,7 +229,7 @@ def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -
             f"{label}: JSON nested deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused"
         ) from None
     except (ValueError, UnicodeDecodeError) as err:
-        raise InputError(f"{label} is not valid JSON ({str(err)[:120]}); the file is damaged") from None
+        raise InvalidJSON(f"{label} is not valid JSON ({str(err)[:120]}); the file is damaged") from None
     if json_depth(value) > MAX_JSON_DEPTH:
         raise InputError(f"{label}: JSON nested deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused")
     return value
