@@ -79,6 +79,39 @@ ENVIRONMENT_ERRNOS = frozenset(
 links, permissions, a read-only or full file system, a failing disk."""
 
 
+_interrupt = {"requested": False}
+
+
+def request_interrupt() -> None:
+    """Record that a signal asked the run to end (the CLI's handler calls it before raising ``KeyboardInterrupt``).
+
+    Python runs a signal handler between two bytecodes of the main thread, which may be inside a weakref callback
+    or a ``__del__`` (the garbage collector's): a ``KeyboardInterrupt`` raised there is printed as "Exception ignored"
+    and lost, and the run would go on and publish its output. ``raise_if_interrupted`` raises it again at the next
+    point that checks (each progress step, and just before an output is moved into place)."""
+    _interrupt["requested"] = True
+
+
+def clear_interrupt() -> None:
+    """Forget a recorded interrupt (a process that handled it and goes on: a test, an embedding program)."""
+    _interrupt["requested"] = False
+
+
+def interrupt_requested() -> bool:
+    """Whether ``request_interrupt`` was called since the last ``clear_interrupt``."""
+    return _interrupt["requested"]
+
+
+def raise_if_interrupted() -> None:
+    """Raise ``KeyboardInterrupt`` when a signal asked the run to end (``request_interrupt``).
+
+    Raises:
+        KeyboardInterrupt: an interrupt was recorded, whether or not its first ``KeyboardInterrupt`` was lost.
+    """
+    if _interrupt["requested"]:
+        raise KeyboardInterrupt
+
+
 # torch's CPU allocator when the system (or the user's ``ulimit -v`` / cgroup limit) refuses an allocation.
 _ALLOCATION_FAILED = re.compile(r"(?:DefaultCPUAllocator: )?can't allocate memory: you tried to allocate (\d+) bytes")
 

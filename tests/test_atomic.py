@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from slabconv import api, pipeline
 from slabconv.cli import app
+from slabconv.errors import clear_interrupt, raise_if_interrupted
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.util import sha256_file
 from slabconv.write import staging
@@ -119,16 +120,22 @@ def test_a_signal_mid_write_is_an_interruption_that_leaves_nothing(previous, sig
 def test_the_entry_point_turns_hangup_and_quit_into_an_interruption(signame: str) -> None:
     cli_app = importlib.import_module("slabconv.cli.app")  # the module (``slabconv.cli.app`` is the Typer app)
     signum = getattr(signal, signame)
-    saved = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in cli_app.INTERRUPTING_SIGNALS}
+    names = (*cli_app.INTERRUPTING_SIGNALS, "SIGINT")
+    saved = {getattr(signal, name): signal.getsignal(getattr(signal, name)) for name in names}
+    hook = sys.unraisablehook
     try:
         assert signame in cli_app.install_signal_handlers()
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signum)
         for name in cli_app.INTERRUPTING_SIGNALS:  # a second signal cannot cut the cleanup short
             signal.raise_signal(getattr(signal, name))
+        with pytest.raises(KeyboardInterrupt):  # recorded: a later check raises it again
+            raise_if_interrupted()
     finally:
         for num, handler in saved.items():
             signal.signal(num, handler)
+        sys.unraisablehook = hook
+        clear_interrupt()
 
 
 def test_a_swap_cut_short_is_undone_by_the_next_run(previous) -> None:

@@ -77,6 +77,49 @@ def test_an_interrupt_exits_130_and_writes_nothing(tmp_path, sig):
     assert not [p for p in tmp_path.iterdir()], "a staging folder was left behind"
 
 
+LOST_INTERRUPT = """
+import signal, sys
+from slabconv import pipeline
+from slabconv.cli.app import run
+
+class Collected:  # what the garbage collector frees mid-run; its __del__ is where the signal's handler runs
+    def __del__(self):
+        signal.raise_signal(signal.{sig})
+
+save = pipeline.save_safetensors
+
+def save_while_a_signal_lands_in_a_finalizer(*args, **kwargs):
+    Collected()  # dropped at once: the handler's KeyboardInterrupt is raised inside __del__, where Python loses it
+    return save(*args, **kwargs)
+
+pipeline.save_safetensors = save_while_a_signal_lands_in_a_finalizer
+sys.argv = ["slabconv", "fuse", sys.argv[1], "--out", sys.argv[2]]
+run()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_lost_in_a_finalizer_still_exits_130_and_writes_nothing(tmp_path, sig):
+    """Python runs a signal handler between two bytecodes, which may be inside a ``__del__`` or a weakref callback
+    that the garbage collector runs; a KeyboardInterrupt raised there is printed as "Exception ignored" and lost.
+    The run must still end at its next step with 130 and publish nothing (a lost SIGTERM once let a run end 0)."""
+    out = tmp_path / "fused"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-c", LOST_INTERRUPT.format(sig=sig), str(CKPT), str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.splitlines()[-1] == "interrupted; nothing was written"
+    assert "Exception ignored" not in done.stderr
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [], "a staging folder was left behind"
+
+
 def _terminal(width: int) -> tuple[Output, io.StringIO]:
     buf = io.StringIO()
     err = Console(file=buf, width=width, force_terminal=True, no_color=True)

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -31,6 +32,7 @@ from slabconv.cli.fuse import fuse
 from slabconv.cli.inspect import export, inspect
 from slabconv.cli.listing import list_command
 from slabconv.cli.verify import verify
+from slabconv.errors import clear_interrupt, interrupt_requested, request_interrupt
 from slabconv.text import one_line
 from slabconv.version import __version__
 
@@ -267,12 +269,29 @@ app.command("list", cls=PlainUsage)(list_command)
 def _interrupt(signum: int, frame: object) -> None:
     """End the run like Ctrl-C. Further signals of ``INTERRUPTING_SIGNALS`` are ignored from here on, so a second
     one (a CI runner sends SIGTERM, then SIGHUP as it closes the session) cannot cut the removal of the staging
-    folder short; SIGKILL still ends the process, and the next run removes what it left."""
-    for name in INTERRUPTING_SIGNALS:
-        other = getattr(signal, name, None)
-        if other is not None:
-            signal.signal(other, signal.SIG_IGN)
+    folder short; SIGKILL still ends the process, and the next run removes what it left. A second Ctrl-C still
+    raises. The interrupt is recorded first (``errors.request_interrupt``): where the ``KeyboardInterrupt`` lands
+    in a weakref callback or ``__del__`` and is lost, the next progress step or publication raises it again."""
+    request_interrupt()
+    if signum != signal.SIGINT:
+        for name in INTERRUPTING_SIGNALS:
+            other = getattr(signal, name, None)
+            if other is not None:
+                signal.signal(other, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+def _unraisable(hook: Callable[[Any], object]) -> Callable[[Any], object]:
+    """``sys.unraisablehook`` that drops a ``KeyboardInterrupt`` lost in a weakref callback or ``__del__`` once the
+    interrupt is recorded (it is raised again, so its "Exception ignored" traceback would only split stderr's last
+    line from ``interrupted; nothing was written``), and passes everything else to ``hook``."""
+
+    def unraisable(info: Any) -> object:
+        if isinstance(info.exc_value, KeyboardInterrupt) and interrupt_requested():
+            return None
+        return hook(info)
+
+    return unraisable
 
 
 INTERRUPTING_SIGNALS = ("SIGTERM", "SIGHUP", "SIGQUIT")
@@ -283,13 +302,22 @@ CI job), SIGHUP (the terminal closed, an ssh connection dropped), SIGQUIT (Ctrl-
 
 def install_signal_handlers() -> list[str]:
     """Make each of ``INTERRUPTING_SIGNALS`` this system has raise ``KeyboardInterrupt`` in the main thread, so the
-    staging folder is removed on the way out as for Ctrl-C; return the names installed."""
+    staging folder is removed on the way out as for Ctrl-C, and SIGINT too where Python's own handler has it (not
+    where the process was started with SIGINT ignored, as a shell starts a background job); every one of them is
+    recorded (``errors.request_interrupt``) so that none is lost. Returns the names installed."""
+    clear_interrupt()
     installed = []
     for name in INTERRUPTING_SIGNALS:
         signum = getattr(signal, name, None)
         if signum is not None:
             signal.signal(signum, _interrupt)
             installed.append(name)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+        installed.append("SIGINT")
+    if not getattr(sys.unraisablehook, "slabconv", False):
+        sys.unraisablehook = _unraisable(sys.unraisablehook)
+        sys.unraisablehook.slabconv = True  # type: ignore[attr-defined]
     return installed
 
 

@@ -13,6 +13,7 @@ display needs a terminal that can redraw (not ``TERM=dumb``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from slabconv.errors import raise_if_interrupted
 from slabconv.report.data import Report
 from slabconv.report.render import folds_table, summary_lines
 from slabconv.text import one_line
@@ -148,15 +150,20 @@ class Output:
         """A progress callback ``progress(stage, done=None, total=None, detail=None)`` for the API.
 
         A new ``stage`` text starts a new line; ``done``/``total`` move its bar; ``detail`` is shown with
-        ``--verbose`` only.
+        ``--verbose`` only. Every call first raises ``KeyboardInterrupt`` when a signal asked the run to end and its
+        first one was lost (``errors.raise_if_interrupted``), so the run stops at its next step.
         """
         if self.quiet:
-            yield _silent
-            return
-        # The live display only where it can redraw in place: a terminal that is not TERM=dumb (``_console``).
-        progress = self._rich_progress() if self.err.is_interactive else self._plain_progress()
+            progress = contextlib.nullcontext(_silent)
+        else:  # the live display only where it can redraw in place: a terminal that is not TERM=dumb (``_console``)
+            progress = self._rich_progress() if self.err.is_interactive else self._plain_progress()
         with progress as fn:
-            yield fn
+
+            def checked(*args: Any, **kwargs: Any) -> None:
+                raise_if_interrupted()
+                fn(*args, **kwargs)
+
+            yield checked
 
     @contextmanager
     def _rich_progress(self) -> Iterator[ProgressFn]:

@@ -47,7 +47,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from slabconv.errors import SlabconvError, UsageError
+from slabconv.errors import SlabconvError, UsageError, raise_if_interrupted
 from slabconv.text import shown
 from slabconv.write.output_checks import (  # noqa: F401 (the checks are part of this module's face)
     REPORT,
@@ -339,6 +339,7 @@ def staging_dir(final: Path, force: bool) -> Iterator[Path]:
     """
     with _staged(final, force) as (tmp, _):
         yield tmp
+        raise_if_interrupted()  # a signal whose KeyboardInterrupt was lost (errors.request_interrupt) publishes nothing
         _publish_modes(tmp)
         final = Path(os.path.abspath(final))
         try:
@@ -390,6 +391,7 @@ def staging_file(final: Path, force: bool, owned: Callable[[Path], bool] | None 
     """
     with _staged(final, force) as (tmp, _):
         yield tmp
+        raise_if_interrupted()
         final = Path(os.path.abspath(final))
         if not (tmp / final.name).is_file():
             raise RuntimeError(f"nothing was staged for {final}")
