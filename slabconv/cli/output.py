@@ -153,6 +153,7 @@ class Output:
         ``--verbose`` only. Every call first raises ``KeyboardInterrupt`` when a signal asked the run to end and its
         first one was lost (``errors.raise_if_interrupted``), so the run stops at its next step.
         """
+        progress: contextlib.AbstractContextManager[ProgressFn]
         if self.quiet:
             progress = contextlib.nullcontext(_silent)
         else:  # the live display only where it can redraw in place: a terminal that is not TERM=dumb (``_console``)
