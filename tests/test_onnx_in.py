@@ -1144,3 +1144,35 @@ def test_a_norm_after_a_transposed_conv_folds_through_every_door(tmp_path):
     program = torch.export.load(tmp_path / "pt2" / "model.pt2").module()
     want = model(torch.from_numpy(xs))
     assert (program(torch.from_numpy(xs)) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_an_opset_9_batchnorm_listing_its_batch_statistics_is_kept_in_training_mode(tmp_path):
+    """Opsets 9 to 13 have no ``training_mode``: a ``BatchNormalization`` that lists its mean, var, saved mean and
+    saved var outputs (TorchScript's export in training mode) normalises with the batch's statistics in
+    onnxruntime, read or not. Folding its stored statistics into the next conv wrote a file 50% off under
+    ``--no-verify``; it is kept (``train-mode``) and the fused file computes the original's outputs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    info = helper.make_tensor_value_info
+
+    def save(outputs: list[str], name: str) -> Path:
+        nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], outputs, name="bn"),
+                 helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+        graph = helper.make_graph(
+            nodes, "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3])], [info("z", TensorProto.FLOAT, [2, 5, 3, 3])],
+            [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+        )  # fmt: skip
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)]), str(tmp_path / name))
+        return tmp_path / name
+
+    path = save(["y", "rm", "rv", "sm", "sv"], "train.onnx")
+    x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32) * 3 + 1
+    want = _run(path, x)
+    naive = _run(save(["y"], "inference.onnx"), x)  # the stored statistics: what a fold of them computes
+    assert np.abs(naive - want).max() > 0.1 * np.abs(want).max()
+    report = api.fuse(path, tmp_path / "out", verify=None)
+    assert [(d.action, d.reason) for d in report.folds] == [("kept", "train-mode")]
+    np.testing.assert_allclose(_run(tmp_path / "out" / "model.onnx", x), want, rtol=1e-5, atol=1e-6)
