@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -1176,3 +1177,37 @@ def test_an_opset_9_batchnorm_listing_its_batch_statistics_is_kept_in_training_m
     report = api.fuse(path, tmp_path / "out", verify=None)
     assert [(d.action, d.reason) for d in report.folds] == [("kept", "train-mode")]
     np.testing.assert_allclose(_run(tmp_path / "out" / "model.onnx", x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("side", [[1, 4, 1, 1], []], ids=["scale-of-batch-1", "scalar"])
+def test_an_input_without_the_batch_axis_is_refused_in_one_line_and_folds_unverified(tmp_path, side):
+    """A scale fed at run time ``(1, C, 1, 1)`` beside a batch of 2, or a scalar: verification feeds every input N
+    samples along axis 0, which such an input cannot take (onnxruntime refused the call: an internal error after
+    the reference's work). Refused before any work, naming the input; ``--no-verify`` folds the BatchNorm."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("Mul", ["x", "s"], ["xs"], name="scale"),
+             helper.make_node("BatchNormalization", ["xs", "g", "b", "m", "v"], ["y"], name="bn"),
+             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), info("s", TensorProto.FLOAT, side)],
+        [info("z", TensorProto.FLOAT, [2, 5, 3, 3])],
+        [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+    )  # fmt: skip
+    path = tmp_path / "side.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    shown = re.escape(f"{side}".replace(" ", "").replace(",", ", "))
+    with pytest.raises(InputError, match=rf"the input 's' \(shape {shown}\) has no batch axis like the first input "
+                       r"'x' \(axis 0 of size 2\).*verify=None"):  # fmt: skip
+        api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert not (tmp_path / "out").exists()
+    report = api.fuse(path, tmp_path / "out", verify=None)
+    assert [d.action for d in report.folds] == ["folded-forward"]
+    feeds = {"x": rng.standard_normal((2, 4, 3, 3)).astype(np.float32),
+             "s": rng.uniform(0.5, 2, side).astype(np.float32)}  # fmt: skip
+    want, got = (ort.InferenceSession(str(p)).run(None, feeds)[0] for p in (path, tmp_path / "out" / "model.onnx"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -106,11 +106,13 @@ class OnnxFile:
 @dataclass
 class GraphInput:
     """One graph input: ``name``, its numpy ``dtype`` (``bool``, ``int64``, ``float32``...), ``shape`` (one
-    sample's shape without the batch axis, None when an axis besides the batch is dynamic)."""
+    sample's shape without the batch axis, None when an axis besides the batch is dynamic), ``dims`` (the declared
+    shape, a dynamic axis None; ``()`` for a scalar)."""
 
     name: str
     dtype: np.dtype
     shape: tuple[int, ...] | None
+    dims: tuple[int | None, ...] = ()
 
     @property
     def integer(self) -> bool:
@@ -126,7 +128,7 @@ def _graph_input(info: Any) -> GraphInput:
     elem = tensor.elem_type
     dtype = np.dtype(np.float32) if elem == 16 else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
     shape = tuple(int(d or 0) for d in rest) if all(d is not None and d > 0 for d in rest) else None
-    return GraphInput(info.name, dtype, shape if dims else None)
+    return GraphInput(info.name, dtype, shape if dims else None, tuple(d or None for d in dims))
 
 
 # --------------------------------------------------------------------------------------------- every tensor
