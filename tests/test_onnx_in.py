@@ -1211,3 +1211,29 @@ def test_an_input_without_the_batch_axis_is_refused_in_one_line_and_folds_unveri
              "s": rng.uniform(0.5, 2, side).astype(np.float32)}  # fmt: skip
     want, got = (ort.InferenceSession(str(p)).run(None, feeds)[0] for p in (path, tmp_path / "out" / "model.onnx"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
+    """IR version 3 (the TorchScript exporter at opset 7 and 8) requires every initializer to be a graph input: the
+    bias a fold creates for a conv without one was an initializer only, so the fused file failed ``onnx.checker``
+    (exit 2, 'not a valid ONNX model' naming slabconv's own output)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
+             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+    listed = [info(t.name, t.data_type, list(t.dims)) for t in inits]
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), *listed],
+                              [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits)  # fmt: skip
+    path = tmp_path / "ir3.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 7)], ir_version=3), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert report.verification is not None and report.verification.passed
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    conv = next(n for n in fused.graph.node if n.op_type == "Conv")
+    assert fused.ir_version == 3 and len(conv.input) == 3 and conv.input[2] in {i.name for i in fused.graph.input}
+    onnx.checker.check_model(fused)

@@ -60,6 +60,7 @@ class _Graph:
 
     def __init__(self, model: ir.Model, lowered: Lowered, exact: bool):
         self.graph, self.lowered, self.exact = model.graph, lowered, exact
+        self.listed = model.ir_version < 4  # IR 3 (opsets up to 8): every initializer is a graph input too
         self.nodes = {n.name: n for n in self.graph}
         self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs if v.name}
         self.values.update({k: v for k, v in self.graph.initializers.items()})
@@ -127,6 +128,8 @@ class _Graph:
         tensor = ir.tensor(array, name=name)
         value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
         self.graph.register_initializer(value)
+        if self.listed:
+            self.graph.inputs.append(value)
         self.values[name] = value
         if readers is not None:
             init, nodes = readers
