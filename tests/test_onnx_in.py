@@ -1237,3 +1237,37 @@ def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
     conv = next(n for n in fused.graph.node if n.op_type == "Conv")
     assert fused.ir_version == 3 and len(conv.input) == 3 and conv.input[2] in {i.name for i in fused.graph.input}
     onnx.checker.check_model(fused)
+
+
+def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tmp_path):
+    """onnxruntime's ``convert_float_to_float16(model, keep_io_types=True)`` (onnxconverter-common's converter)
+    keeps float32 inputs and outputs, stores float16 weights, and appends the inputs' ``Cast`` after the nodes
+    that read them. ``onnx.checker`` refused the node order (onnxruntime runs it: the nodes are sorted now), and
+    question 2 judged the fold, rounded to float16, at float32's tolerance (exit 1 on a right fold)."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 8), "b": rng.uniform(-1, 1, 8), "m": rng.uniform(-1, 1, 8),
+              "v": rng.uniform(0.5, 2, 8), "k": rng.standard_normal((16, 8, 1, 1))}  # fmt: skip
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
+             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [info("x", TensorProto.FLOAT, [2, 8, 4, 4])], [info("z", TensorProto.FLOAT, [2, 16, 4, 4])],
+        [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+    )  # fmt: skip
+    half = convert_float_to_float16(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                    keep_io_types=True)  # fmt: skip
+    cast = next(i for i, n in enumerate(half.graph.node) if n.input[0] == "x")
+    assert cast > 0 and half.graph.node[0].input[0] == half.graph.node[cast].output[0]  # read before it is made
+    path = tmp_path / "half.onnx"
+    onnx.save(half, str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=16))
+    assert report.verification is not None and report.verification.passed
+    assert [d.action for d in report.folds] == ["folded-forward"]
+    assert {c.dtype for c in report.verification.checks} == {"float16"}
+    assert onnx.load(str(tmp_path / "out" / "model.onnx")).graph.initializer[0].data_type == TensorProto.FLOAT16
+    x = rng.standard_normal((2, 8, 4, 4)).astype(np.float32)
+    want, got = _run(path, x), _run(tmp_path / "out" / "model.onnx", x)
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
