@@ -1216,7 +1216,8 @@ def test_an_input_without_the_batch_axis_is_refused_in_one_line_and_folds_unveri
 def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
     """IR version 3 (the TorchScript exporter at opset 7 and 8) requires every initializer to be a graph input: the
     bias a fold creates for a conv without one was an initializer only, so the fused file failed ``onnx.checker``
-    (exit 2, 'not a valid ONNX model' naming slabconv's own output)."""
+    (exit 2, 'not a valid ONNX model' naming slabconv's own output). The folded norm's statistics, inputs with
+    their stored defaults, stayed listed as inputs nothing read: a value fed to them was silently ignored."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -1237,6 +1238,9 @@ def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
     conv = next(n for n in fused.graph.node if n.op_type == "Conv")
     assert fused.ir_version == 3 and len(conv.input) == 3 and conv.input[2] in {i.name for i in fused.graph.input}
     onnx.checker.check_model(fused)
+    # the statistics were inputs with defaults: the fused file no longer lists them (a value fed would be ignored)
+    assert {i.name for i in fused.graph.input} == {"x", "k", conv.input[2]}
+    assert {t.name for t in fused.graph.initializer} == {"k", conv.input[2]}
 
 
 def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tmp_path):
