@@ -1275,3 +1275,35 @@ def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tm
     x = rng.standard_normal((2, 8, 4, 4)).astype(np.float32)
     want, got = _run(path, x), _run(tmp_path / "out" / "model.onnx", x)
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_a_batchnorm_inside_a_loop_body_is_reported_kept_by_the_loop(tmp_path):
+    """A ``Loop`` is one opaque node to the engine, so the BatchNorm in its body was never seen: the fuse said
+    'nothing to fold: ... has no norms (already fused?)' of a model with a norm. It is now one ``kept`` decision,
+    named by the op that holds it, and the file runs as the original."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((4, 4, 1, 1))}  # fmt: skip
+    info = helper.make_tensor_value_info
+    body = helper.make_graph(
+        [helper.make_node("BatchNormalization", ["v_in", "g", "b", "m", "v"], ["n"], name="body_bn"),
+         helper.make_node("Conv", ["n", "k"], ["v_out"], name="body_conv"),
+         helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body", [info("i", TensorProto.INT64, []), info("c_in", TensorProto.BOOL, []),
+                 info("v_in", TensorProto.FLOAT, [2, 4, 3, 3])],
+        [info("c_out", TensorProto.BOOL, []), info("v_out", TensorProto.FLOAT, [2, 4, 3, 3])],
+    )  # fmt: skip
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    inits.append(numpy_helper.from_array(np.array(2, np.int64), "trip"))
+    graph = helper.make_graph([helper.make_node("Loop", ["trip", "", "x"], ["y"], name="loop", body=body)], "g",
+                              [info("x", TensorProto.FLOAT, [2, 4, 3, 3])],
+                              [info("y", TensorProto.FLOAT, [2, 4, 3, 3])], inits)  # fmt: skip
+    path = tmp_path / "loop.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [(d.norm, d.action, d.reason) for d in report.folds] == [("body_bn", "kept", "unsupported-op:onnx.Loop")]
+    assert report.summary is not None and (report.summary.norms, report.summary.kept) == (1, 1)
+    x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    np.testing.assert_array_equal(_run(tmp_path / "out" / "model.onnx", x), _run(path, x))
