@@ -343,7 +343,7 @@ def _drop_unread_defaults(model: ir.Model, read: list[ir.Value]) -> None:
     for value in read:
         if not value.uses() and not value.is_graph_output():
             model.graph.inputs.remove(value)
-            model.graph.initializers.pop(value.name, None)
+            model.graph.initializers.pop(value.name or "", None)
 
 
 def _cancel_layout_pairs(g: _Graph) -> None:
