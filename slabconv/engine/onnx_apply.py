@@ -60,6 +60,7 @@ class _Graph:
 
     def __init__(self, model: ir.Model, lowered: Lowered, exact: bool):
         self.graph, self.lowered, self.exact = model.graph, lowered, exact
+        self.listed = model.ir_version < 4  # IR 3 (opsets up to 8): every initializer is a graph input too
         self.nodes = {n.name: n for n in self.graph}
         self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs if v.name}
         self.values.update({k: v for k, v in self.graph.initializers.items()})
@@ -127,6 +128,8 @@ class _Graph:
         tensor = ir.tensor(array, name=name)
         value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
         self.graph.register_initializer(value)
+        if self.listed:
+            self.graph.inputs.append(value)
         self.values[name] = value
         if readers is not None:
             init, nodes = readers
@@ -312,6 +315,7 @@ def apply_plans(
     values = folded_values(lowered, plans)[0] if values is None else values
     created = {nb.target for p in plans if p.remove for nb in p.new_biases}
     g = _Graph(model, lowered, exact)
+    read = [v for v in model.graph.inputs if v.name in model.graph.initializers and v.uses()]
     for p in plans:
         if not p.remove:
             continue
@@ -328,6 +332,18 @@ def apply_plans(
     from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 
     RemoveUnusedNodesPass()(model)
+    _drop_unread_defaults(model, read)
+
+
+def _drop_unread_defaults(model: ir.Model, read: list[ir.Value]) -> None:
+    """Remove each graph input of ``read`` (an initializer listed as a graph input: ``keep_initializers_as_inputs``,
+    IR version 3) that nothing reads after the fold, with its initializer. Such an input's stored value is its
+    default, which the fold took as the constant it is; left in the file, a value fed to it (a norm's statistics)
+    would be silently ignored, where onnxruntime now refuses it by name."""
+    for value in read:
+        if not value.uses() and not value.is_graph_output():
+            model.graph.inputs.remove(value)
+            model.graph.initializers.pop(value.name or "", None)
 
 
 def _cancel_layout_pairs(g: _Graph) -> None:

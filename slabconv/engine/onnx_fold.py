@@ -66,7 +66,29 @@ def fold_file(
     if ranges is not None:
         ranges += layer_ranges
         flag_warnings([p.decision for p in plans], ranges)
-    return fold_planned(model, lowered, plans, as_float64, values), [p.decision for p in plans]
+    inner = subgraph_norms(model)
+    return fold_planned(model, lowered, plans, as_float64, values), [p.decision for p in plans] + inner
+
+
+def subgraph_norms(model: Any) -> list[Decision]:
+    """A ``kept`` decision for each ``BatchNormalization`` inside a subgraph (an ``If`` branch, a ``Loop`` or
+    ``Scan`` body): the lowering reads such an op as one opaque node (``onnx.<Op>``), so the planner never sees the
+    norms inside it, and they stay as they are. Listed so that the report, ``inspect`` and the summary count them
+    with the op that holds them (``unsupported-op:onnx.Loop``), rather than saying the model has no norms."""
+    kept = []
+    for holder in model.graph:  # the top-level nodes: the op a norm inside is kept by
+        reason = f"unsupported-op:onnx.{holder.op_type}"
+        for attr in holder.attributes.values():
+            if attr.type not in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+                continue
+            for graph in [attr.value] if attr.type == ir.AttributeType.GRAPH else attr.value:
+                for node in ir.traversal.RecursiveGraphIterator(graph):
+                    if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+                        where = f"{holder.name or holder.op_type}:onnx.{holder.op_type}"
+                        norm = node.name or node.outputs[0].name or "BatchNormalization"
+                        kept.append(Decision(norm, "BatchNorm", "kept", reason=reason,
+                                             paths=[{"before": where, "reason": reason}]))  # fmt: skip
+    return kept
 
 
 def fold_planned(model: Any, lowered: Lowered, plans: list[NormPlan], as_float64: bool, values: Any = None) -> Any:

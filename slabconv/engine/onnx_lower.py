@@ -1113,9 +1113,9 @@ def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
     momentum = _attr(node, "momentum", 0.9)
     if not isinstance(eps, float) or not isinstance(momentum, float):
         raise _Unlowerable
-    training = bool(int(_attr(node, "training_mode", 0))) or any(
-        o.uses() or o.is_graph_output() for o in node.outputs[1:]
-    )
+    # training mode: the attribute (opset 14+), or any output declared besides Y, read or not (opsets 9 to 13 have
+    # no attribute: onnxruntime and the spec normalise with the batch's statistics when the node lists them)
+    training = bool(int(_attr(node, "training_mode", 0))) or len(node.outputs) > 1
     fake = lo.value_meta(aten.alias.default, (x,), node.outputs[0])  # the input's sizes, as every BN output
     val = (fake, fake, fake)
     args: tuple[Any, ...]

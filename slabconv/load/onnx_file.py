@@ -106,11 +106,13 @@ class OnnxFile:
 @dataclass
 class GraphInput:
     """One graph input: ``name``, its numpy ``dtype`` (``bool``, ``int64``, ``float32``...), ``shape`` (one
-    sample's shape without the batch axis, None when an axis besides the batch is dynamic)."""
+    sample's shape without the batch axis, None when an axis besides the batch is dynamic), ``dims`` (the declared
+    shape, a dynamic axis None; ``()`` for a scalar)."""
 
     name: str
     dtype: np.dtype
     shape: tuple[int, ...] | None
+    dims: tuple[int | None, ...] = ()
 
     @property
     def integer(self) -> bool:
@@ -126,7 +128,7 @@ def _graph_input(info: Any) -> GraphInput:
     elem = tensor.elem_type
     dtype = np.dtype(np.float32) if elem == 16 else np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem))
     shape = tuple(int(d or 0) for d in rest) if all(d is not None and d > 0 for d in rest) else None
-    return GraphInput(info.name, dtype, shape if dims else None)
+    return GraphInput(info.name, dtype, shape if dims else None, tuple(d or None for d in dims))
 
 
 # --------------------------------------------------------------------------------------------- every tensor
@@ -590,6 +592,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
     if not proto.graph.node:
         raise InputError(f"{path}: not a readable ONNX model (its graph has no nodes); export it again")
     stored = check_tensors(path, proto)
+    _sort_nodes(proto)
     _check_graph(path, proto)
     digests = _read_external(str(path), stored)
     files = [path, *digests]
@@ -620,6 +623,39 @@ def read_onnx(path: Path | str) -> OnnxFile:
         inputs=[_graph_input(i) for i in inputs],
         proto=proto,
     )
+
+
+def _sort_nodes(proto: Any) -> None:
+    """Put the nodes of ``proto``'s graph in topological order, in place, when they are not (onnx-ir's stable
+    ``Graph.sort``: a sorted graph keeps its order). onnxruntime runs a graph whatever its node order, and
+    onnxruntime's ``float16.convert_float_to_float16(..., keep_io_types=True)`` (as onnxconverter-common writes it)
+    appends the ``Cast`` of each graph input after the nodes that read it; ``onnx.checker`` refused such a file.
+    A graph onnx-ir cannot read or sort (a cycle) is left as it is, for ``onnx.checker`` to name what is wrong."""
+    import onnx_ir as ir
+
+    try:
+        graph = ir.serde.deserialize_graph(proto.graph)
+        index = {node: i for i, node in enumerate(graph)}
+        graph.sort()
+    except Exception:  # noqa: BLE001 - whatever onnx-ir meets in a graph the checker then judges
+        return
+    order = [index[node] for node in graph]
+    if order != sorted(order):
+        nodes = list(proto.graph.node)
+        del proto.graph.node[:]
+        proto.graph.node.extend(nodes[i] for i in order)
+
+
+def computed_dtype(fed: str | None, proto: Any) -> str:
+    """The floating dtype the model ``proto`` computes in: ``fed`` (the dtype of its float inputs or outputs), or
+    that of its float initializers where they are narrower (``float16`` weights behind ``float32`` inputs and
+    outputs, as onnxruntime's ``convert_float_to_float16(..., keep_io_types=True)`` writes them); without ``fed``,
+    the weights' (``_weights_dtype``)."""
+    weights = _weights_dtype(proto)
+    if fed is None:
+        return weights
+    size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+    return weights if size[weights] < size[fed] else fed
 
 
 def _weights_dtype(proto: Any) -> str:

@@ -197,8 +197,9 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
 
     Raises:
         UsageError: a dynamic axis other than the batch, or integer inputs whose range no embedding gives.
-        InputError: an unreadable ``.npz`` or one of the wrong shape.
+        InputError: an unreadable ``.npz`` or one of the wrong shape; an input without the batch axis.
     """
+    check_batch_axes(info)
     if len(info.inputs) > 1:
         return _several_inputs(info, opts)
     if opts.inputs:
@@ -228,6 +229,30 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
             )
         return rng.integers(0, rows, (samples, *info.input_shape), dtype=np.int64), label, None
     return rng.standard_normal((samples, *info.input_shape)).astype(np.float32), label, None
+
+
+def check_batch_axes(info: OnnxFile) -> None:
+    """Refuse a graph input that does not share the first input's batch axis (axis 0: a static size equal to the
+    first input's, or a dynamic one): every input, drawn or from ``--inputs``, is fed N samples along axis 0, split
+    into the calls the graph takes. A scalar (an ``If``'s condition) or an input of static leading size 1 beside a
+    batch of 2 (a scale fed at run time) cannot be split so; onnxruntime refused the call after the reference's
+    work (an internal error).
+
+    Raises:
+        InputError: naming the input, its declared shape and the batch it does not follow.
+    """
+    first = info.inputs[0] if info.inputs else None
+    for graph_input in info.inputs:
+        lead = graph_input.dims[0] if graph_input.dims else "none"
+        if lead != "none" and (lead is None or first is None or lead == first.dims[0]):
+            continue
+        shown = "[" + ", ".join("?" if d is None else str(d) for d in graph_input.dims) + "]"
+        batch = "dynamic" if first is None or not first.dims or first.dims[0] is None else str(first.dims[0])
+        raise InputError(
+            f"{info.path}: the input {graph_input.name!r} (shape {shown}) has no batch axis like the first input "
+            f"{first.name if first else '?'!r} (axis 0 of size {batch}), so slabconv cannot feed it samples; fold it "
+            "with --no-verify and check model.onnx on your own inputs, or export the model with that value inside it"
+        )
 
 
 def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:

@@ -240,6 +240,7 @@ def open_onnxruntime(
         "all-optimizations": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }
     runtimes: list[Runtime] = []
+    stored: Any = None  # the file's proto without external data, read once where its outputs are wider than float16
     for label in levels:
         options = ort.SessionOptions()
         options.graph_optimization_level = graph_levels[label]
@@ -260,6 +261,13 @@ def open_onnxruntime(
             types[port.name] = found[0]
         outputs = session.get_outputs()
         dtype = _ORT_OUTPUT_DTYPES.get(outputs[0].type, "float32") if outputs else "float32"
+        if dtype in ("float32", "float64"):  # float16 weights behind float32 outputs: judged as float16
+            import onnx
+
+            from slabconv.load.onnx_file import computed_dtype
+
+            stored = stored if stored is not None else onnx.load_model(str(path), load_external_data=False)
+            dtype = computed_dtype(dtype, stored)
         batch = inputs[0].shape[0] if inputs[0].shape else None
 
         held = [session]  # emptied by close(): the session (and its arena) is freed once its checks are done
