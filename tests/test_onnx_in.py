@@ -973,7 +973,7 @@ def test_a_quantized_graph_is_refused_in_one_line_and_its_dequantized_weights_ar
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     onnx.save(proto, str(tmp_path / "qdq.onnx"))
-    with pytest.raises(InputError, match=r"a quantized graph \(1 DequantizeLinear / \.\.\. nodes.*fold the float"):
+    with pytest.raises(InputError, match=r"a quantized graph \(1 DequantizeLinear, as .*fold the float"):
         api.inspect(tmp_path / "qdq.onnx")
     with pytest.raises(UnsupportedModelError, match=r"BatchNorm node .*computed, not stored"):
         onnx_fold.plan_file(ir.from_proto(proto))

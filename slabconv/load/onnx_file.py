@@ -30,6 +30,7 @@ import hashlib
 import math
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -444,10 +445,11 @@ def check_foldable(path: Path, proto: Any) -> None:
     Raises:
         InputError: naming the file, the op and what to do.
     """
-    quantized = [n for n in proto.graph.node if n.op_type in _QUANTIZED_OPS]
+    quantized = Counter(n.op_type for n in proto.graph.node if n.op_type in _QUANTIZED_OPS)
     if quantized:
+        ops = ", ".join(f"{count} {op}" for op, count in quantized.most_common())
         raise InputError(
-            f"{path}: a quantized graph ({len(quantized)} {quantized[0].op_type} / ... nodes, as "
+            f"{path}: a quantized graph ({ops}, as "
             "onnxruntime.quantization writes it): its weights are integers and each quantize step rounds, so no "
             "fold of a norm into them is exact; fold the float model, then quantize slabconv's model.onnx"
         )
