@@ -4,7 +4,8 @@ Loading never executes code unless asked: ``torch.load(weights_only=True)``, wit
 reads the official SLAB training config (a yacs ``CfgNode``) as plain data. Checkpoint hygiene follows the
 official training layout (github xinghaochen/SLAB ``classification/utils.py`` ``save_checkpoint``):
 ``{'model', 'optimizer', 'lr_scheduler', 'max_accuracy', 'epoch', 'config'}``, plus ``state_dict_ema`` in EMA
-runs; ``module.`` (DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are stripped.
+runs (``model_ema`` in DeiT's ``main.py``); ``module.`` (DataParallel) and ``_orig_mod.`` (torch.compile)
+prefixes are stripped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from slabconv.util import silenced
 
 _PREFIXES = ("module.", "_orig_mod.")
 _WRAPPER_KEYS = ("model", "state_dict", "model_state", "module")
+_EMA_KEYS = ("state_dict_ema", "model_ema")
+"""Where training scripts keep EMA weights: the official SLAB / Swin and timm ``train.py`` (``state_dict_ema``),
+facebookresearch/deit ``main.py`` (``model_ema``)."""
 
 
 @dataclass
@@ -41,7 +45,8 @@ class Checkpoint:
             ``pickled-module`` (a whole ``nn.Module`` saved with ``torch.save(model)``, read with trust_pickle).
         path: the file.
         sha256: hex digest of the file.
-        extra: ``epoch``, ``max_accuracy`` and which weights were taken (``model`` / ``state_dict_ema``).
+        extra: ``epoch``, ``max_accuracy`` and which weights were taken (``model``, ``state_dict_ema``,
+            ``model_ema``...).
         metadata: safetensors string metadata (fused outputs carry ``arch``).
         program: the ``torch.export.ExportedProgram`` for a ``.pt2``.
         module: the ``nn.Module`` of a ``pickled-module``, or the ``GraphModule`` of a ``.pt2`` program.
@@ -66,16 +71,25 @@ def _is_state_dict(obj: Any) -> bool:
     )
 
 
-def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Remove ``module.`` / ``_orig_mod.`` from every key that has them."""
-    out = {}
-    for key, value in state_dict.items():
-        changed = True
+def strip_prefixes(state_dict: Mapping[str, torch.Tensor], label: str = "the checkpoint") -> dict[str, torch.Tensor]:
+    """Remove ``module.`` / ``_orig_mod.`` from every key that has them.
+
+    Raises:
+        InputError: two keys become one (``module.x`` beside ``x``): keeping either would drop a tensor unseen.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for original, value in state_dict.items():
+        key, changed = original, True
         while changed:
             changed = False
             for prefix in _PREFIXES:
                 if key.startswith(prefix):
                     key, changed = key[len(prefix) :], True
+        if key in out:
+            raise InputError(
+                f"{label}: holds the tensor {key!r} twice, once with a {'/'.join(_PREFIXES)} prefix "
+                f"({original!r}); save the model's own state_dict (model.module / model._orig_mod) alone"
+            )
         out[key] = value
     return out
 
@@ -145,10 +159,10 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     extra: dict[str, Any] = {}
     config: dict[str, Any] = {}
     if isinstance(obj, torch.nn.Module):
-        state = strip_prefixes(obj.state_dict())
+        state = strip_prefixes(obj.state_dict(), str(path))
         return Checkpoint(state, {}, "pickled-module", path, digest, {"weights": "module"}, module=obj)
     if _is_state_dict(obj):
-        return Checkpoint(strip_prefixes(obj), {}, "state_dict", path, digest, {"weights": "state_dict"})
+        return Checkpoint(strip_prefixes(obj, str(path)), {}, "state_dict", path, digest, {"weights": "state_dict"})
     if not isinstance(obj, Mapping):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a checkpoint dict or state_dict")
     if isinstance(obj.get("config"), Mapping):
@@ -156,31 +170,43 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     for key in ("epoch", "max_accuracy"):
         if isinstance(obj.get(key), (int, float)):
             extra[key] = obj[key]
+    ema_key = next((k for k in _EMA_KEYS if _is_state_dict(obj.get(k))), "")
     if ema:
-        if not _is_state_dict(obj.get("state_dict_ema")):
-            raise InputError(f"{path}: --ema was given but the checkpoint has no 'state_dict_ema'; leave out --ema")
-        weights_key = "state_dict_ema"
+        if not ema_key:
+            raise InputError(
+                f"{path}: --ema was given but the checkpoint has no EMA weights ({' or '.join(_EMA_KEYS)}); "
+                "leave out --ema"
+            )
+        weights_key = ema_key
     else:
         weights_key = next((k for k in _WRAPPER_KEYS if _is_state_dict(obj.get(k))), "")
+        if not weights_key and ema_key:
+            raise InputError(
+                f"{path}: the only weights in the checkpoint are the EMA weights under {ema_key!r}; pass --ema to "
+                "fold them"
+            )
         if not weights_key:
             keys = ", ".join(sorted(map(str, obj))[:8])
             raise InputError(
                 f"{path}: no state_dict found (top-level keys: {keys}); expected the weights under one of "
-                f"{', '.join(_WRAPPER_KEYS)} or a bare name -> tensor dict"
+                f"{', '.join(_WRAPPER_KEYS)} (EMA weights: {', '.join(_EMA_KEYS)} with --ema) or a bare "
+                "name -> tensor dict"
             )
     extra["weights"] = weights_key
     fmt = "training-checkpoint" if ("optimizer" in obj or "epoch" in obj or config) else "release"
-    return Checkpoint(strip_prefixes(obj[weights_key]), config, fmt, path, digest, extra)
+    return Checkpoint(strip_prefixes(obj[weights_key], str(path)), config, fmt, path, digest, extra)
 
 
 def load_safetensors(path: Path) -> Checkpoint:
-    """A ``.safetensors`` file read once (``read_safetensors``): the sha256 is of the bytes the tensors came from."""
+    """A ``.safetensors`` file read once (``read_safetensors``): the sha256 is of the bytes the tensors came from.
+    ``module.`` / ``_orig_mod.`` prefixes are stripped as from a pickle (``save_file(model.state_dict())`` of a
+    DataParallel / DDP or ``torch.compile`` model writes them)."""
     from slabconv.load.safetensors_file import read_safetensors
 
     tensors, metadata, digest = read_safetensors(path)
     if not tensors:
         raise InputError(f"{path}: the safetensors file holds no tensors")
-    return Checkpoint(tensors, {}, "safetensors", path, digest, metadata=metadata)
+    return Checkpoint(strip_prefixes(tensors, str(path)), {}, "safetensors", path, digest, metadata=metadata)
 
 
 def load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
