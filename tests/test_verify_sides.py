@@ -54,6 +54,20 @@ def test_an_unfused_export_verifies_like_any_model(tiny_fused: Path, tmp_path: P
     assert any("an unfused export of its source (export --no-fuse)" in n for n in v["notes"])
 
 
+@pytest.mark.parametrize("pair", ["same file", "two fused files"])
+def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, pair: str) -> None:
+    """The same file twice, or a fused file given as the reference of its twin: question 2 only, and the note says
+    which (both said "the candidate records no source" / "folded from another file")."""
+    ckpt, folder = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused"
+    reference, candidate = (ckpt, ckpt) if pair == "same file" else (folder / "model.pt2", folder / "model.safetensors")
+    code, report, stderr = _json(reference, candidate)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None
+    want = "the reference itself (the same bytes)" if pair == "same file" else "the reference is itself a fused file"
+    assert any(want in n for n in v["notes"]), v["notes"]
+
+
 def test_swapped_arguments_are_refused_naming_the_command_meant(tiny_fused: Path) -> None:
     ckpt, fused = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused"
     result = runner.invoke(app, ["verify", str(fused), str(ckpt), "--samples", "4"])

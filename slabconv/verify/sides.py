@@ -377,7 +377,14 @@ def fold_relation(reference: Side, candidate: Side) -> bool:
 
 def why_not_a_fold(reference: Side, candidate: Side) -> str:
     """Why question 1 does not apply to this pair, in words (for the report's note)."""
-    p = candidate.provenance
+    p, r = candidate.provenance, reference.provenance
+    if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
+        return "the candidate is the reference itself (the same bytes); nothing was folded"
+    if p is not None and p.folded and r is not None and r.folded and p.source_sha256 == r.source_sha256:
+        return (
+            "the reference is itself a fused file, folded from the same source as the candidate; give the original "
+            "first to ask whether the fold is exact"
+        )
     if p is None:
         return "the candidate records no source it was folded from"
     if not p.folded:
