@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from slabconv import engine
 from slabconv.errors import InputError, UsageError, first_line
-from slabconv.util import text_path
+from slabconv.util import output_names_of, text_path
 from slabconv.verify.backends import BACKENDS, Backend
 from slabconv.verify.policy import dtype_name
 
@@ -52,7 +52,7 @@ class Runtime:
         label: ``onnxruntime[no-optimizations]``, ``pytorch 2.13.0 float16``, ...
         run: takes an array ``(B, ...)`` (float32 or int64), returns every output as float64 ``(B, ...)``.
         dtype: the dtype the model computes in (``float16``...): it sets the tolerance.
-        output_names: names of the outputs when the format has them (ONNX), else None.
+        output_names: names of the outputs when the format has them (ONNX; a program's output pytree), else None.
         fixed_batch: the batch size the model requires when its batch axis is not dynamic.
         kind: the name of the ``Backend`` it came from (what ``--runtime`` calls it).
         timer: the same model timed (``Timer``).
@@ -174,7 +174,9 @@ def open_torch(
     placed = model if backend.device == "cpu" else to_device(model, backend.device)
     label = torch_label(name, what)
     run = torch_runner(placed, dtype, device=backend.device)
-    return [Runtime(label, run, name, fixed_batch=fixed_batch, kind=backend.name, timer=_torch_timer(placed, backend))]
+    names = output_names_of(getattr(model, "_out_spec", None))  # a program's module: the names its outputs have
+    timer = _torch_timer(placed, backend)
+    return [Runtime(label, run, name, fixed_batch=fixed_batch, kind=backend.name, timer=timer, output_names=names)]
 
 
 def torch_label(dtype: str, what: str) -> str:

@@ -11,7 +11,7 @@ from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.load.onnx_file import PROTOBUF_LIMIT_BYTES
 from slabconv.options import BFLOAT16_OPSET, OPSET_RANGE, check_opset  # noqa: F401 (the opset rules, stated once)
-from slabconv.util import quiet
+from slabconv.util import output_names_of, quiet
 from slabconv.version import __version__
 
 # stay under that. Above this many bytes of weights (the threshold torch's exporter uses), the weights go to
@@ -137,7 +137,9 @@ def export_onnx(
                     dynamo=True,
                     dynamic_shapes=shapes,
                     input_names=["input"],
-                    output_names=["output"],
+                    output_names=(
+                        output_names_of(getattr(source, "call_spec", None) and source.call_spec.out_spec) or ["output"]
+                    ),
                     opset_version=opset or opset_for(model),
                     verbose=False,
                 )
