@@ -54,17 +54,23 @@ def test_an_unfused_export_verifies_like_any_model(tiny_fused: Path, tmp_path: P
     assert any("an unfused export of its source (export --no-fuse)" in n for n in v["notes"])
 
 
-@pytest.mark.parametrize("pair", ["same file", "two fused files"])
-def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, pair: str) -> None:
-    """The same file twice, or a fused file given as the reference of its twin: question 2 only, and the note says
-    which (both said "the candidate records no source" / "folded from another file")."""
+@pytest.mark.parametrize("pair", ["same file", "two fused files", "unfused export first"])
+def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, tmp_path: Path, pair: str) -> None:
+    """The same file twice, a fused file or an unfused export given as the reference of a fold of its source:
+    question 2 only, and the note says which (they said "the candidate records no source" / "folded from another
+    file")."""
     ckpt, folder = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused"
-    reference, candidate = (ckpt, ckpt) if pair == "same file" else (folder / "model.pt2", folder / "model.safetensors")
+    reference, candidate, want = {
+        "same file": (ckpt, ckpt, "the reference itself (the same bytes)"),
+        "two fused files": (folder / "model.pt2", folder / "model.safetensors", "the reference is a fused file"),
+        "unfused export first": (tmp_path / "orig.onnx", folder / "model.onnx", "the reference is an unfused export"),
+    }[pair]
+    if pair == "unfused export first":
+        api.export(ckpt, reference, fuse=False)
     code, report, stderr = _json(reference, candidate)
     assert code == 0, stderr
     v = report["verification"]
     assert v["passed"] and v["question_1_exact"] is None
-    want = "the reference itself (the same bytes)" if pair == "same file" else "the reference is itself a fused file"
     assert any(want in n for n in v["notes"]), v["notes"]
 
 

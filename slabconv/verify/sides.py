@@ -380,10 +380,11 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
     p, r = candidate.provenance, reference.provenance
     if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
         return "the candidate is the reference itself (the same bytes); nothing was folded"
-    if p is not None and p.folded and r is not None and r.folded and p.source_sha256 == r.source_sha256:
+    if p is not None and p.folded and r is not None and p.source_sha256 == r.source_sha256:
+        what = "a fused file, folded" if r.folded else "an unfused export (export --no-fuse)"
         return (
-            "the reference is itself a fused file, folded from the same source as the candidate; give the original "
-            "first to ask whether the fold is exact"
+            f"the reference is {what} from the same source as the candidate; give that source first to ask whether "
+            "the fold is exact"
         )
     if p is None:
         return "the candidate records no source it was folded from"
