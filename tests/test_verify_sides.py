@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -72,6 +73,16 @@ def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, tmp_path: Path
     v = report["verification"]
     assert v["passed"] and v["question_1_exact"] is None
     assert any(want in n for n in v["notes"]), v["notes"]
+
+
+def test_the_command_meant_runs_as_pasted_where_a_path_has_spaces(tiny_fused: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "my models"
+    shutil.copytree(tiny_fused, folder)
+    ckpt, fused = folder / "ckpt.pth", folder / "ckpt-fused"
+    result = runner.invoke(app, ["verify", str(fused), str(ckpt), "--samples", "4"])
+    assert result.exit_code == 2
+    command = result.stderr.strip().rsplit("the original comes first: ", 1)[1]
+    assert shlex.split(command) == ["slabconv", "verify", str(ckpt), str(fused)]
 
 
 def test_swapped_arguments_are_refused_naming_the_command_meant(tiny_fused: Path) -> None:

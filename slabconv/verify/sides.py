@@ -20,6 +20,7 @@ arguments, refused with the command that was meant.
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -363,14 +364,14 @@ def fold_relation(reference: Side, candidate: Side) -> bool:
 
     Raises:
         UsageError: the reference is a fold of the candidate (the arguments are swapped), naming both and the
-            command meant.
+            command meant (its paths quoted for a POSIX shell, so it runs as pasted).
     """
     if folded_from(reference, candidate):
         return True
     if folded_from(candidate, reference):
         raise UsageError(
             f"the arguments are swapped: {reference.path} is a fold of {candidate.path}; the original comes first: "
-            f"slabconv verify {candidate.path} {reference.path}"
+            f"slabconv verify {shlex.quote(str(candidate.path))} {shlex.quote(str(reference.path))}"
         )
     return False
 
