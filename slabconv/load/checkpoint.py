@@ -71,27 +71,19 @@ def _is_state_dict(obj: Any) -> bool:
     )
 
 
-def strip_prefixes(state_dict: Mapping[str, torch.Tensor], label: str = "the checkpoint") -> dict[str, torch.Tensor]:
-    """Remove ``module.`` / ``_orig_mod.`` from every key that has them.
-
-    Raises:
-        InputError: two keys become one (``module.x`` beside ``x``): keeping either would drop a tensor unseen.
-    """
-    out: dict[str, torch.Tensor] = {}
-    for original, value in state_dict.items():
-        key, changed = original, True
-        while changed:
-            changed = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix) :], True
-        if key in out:
-            raise InputError(
-                f"{label}: holds the tensor {key!r} twice, once with a {'/'.join(_PREFIXES)} prefix "
-                f"({original!r}); save the model's own state_dict (model.module / model._orig_mod) alone"
-            )
-        out[key] = value
-    return out
+def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove ``module.`` / ``_orig_mod.`` where every key has it: DataParallel / DDP and ``torch.compile`` wrap the
+    whole model, so each of their keys has the prefix; a model whose own submodule is named ``module`` beside others
+    keeps its names (stripping them would rename its tensors, or make ``module.x`` and ``x`` one). Prefixes nest
+    (``module._orig_mod.``)."""
+    keys = list(state_dict)
+    cut = 0
+    while keys:
+        prefix = next((p for p in _PREFIXES if all(k.startswith(p, cut) for k in keys)), None)
+        if prefix is None:
+            break
+        cut += len(prefix)
+    return {key[cut:]: value for key, value in state_dict.items()}
 
 
 def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
@@ -159,10 +151,10 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     extra: dict[str, Any] = {}
     config: dict[str, Any] = {}
     if isinstance(obj, torch.nn.Module):
-        state = strip_prefixes(obj.state_dict(), str(path))
+        state = strip_prefixes(obj.state_dict())
         return Checkpoint(state, {}, "pickled-module", path, digest, {"weights": "module"}, module=obj)
     if _is_state_dict(obj):
-        return Checkpoint(strip_prefixes(obj, str(path)), {}, "state_dict", path, digest, {"weights": "state_dict"})
+        return Checkpoint(strip_prefixes(obj), {}, "state_dict", path, digest, {"weights": "state_dict"})
     if not isinstance(obj, Mapping):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a checkpoint dict or state_dict")
     if isinstance(obj.get("config"), Mapping):
@@ -194,7 +186,7 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
             )
     extra["weights"] = weights_key
     fmt = "training-checkpoint" if ("optimizer" in obj or "epoch" in obj or config) else "release"
-    return Checkpoint(strip_prefixes(obj[weights_key], str(path)), config, fmt, path, digest, extra)
+    return Checkpoint(strip_prefixes(obj[weights_key]), config, fmt, path, digest, extra)
 
 
 def load_safetensors(path: Path) -> Checkpoint:
@@ -206,7 +198,7 @@ def load_safetensors(path: Path) -> Checkpoint:
     tensors, metadata, digest = read_safetensors(path)
     if not tensors:
         raise InputError(f"{path}: the safetensors file holds no tensors")
-    return Checkpoint(strip_prefixes(tensors, str(path)), {}, "safetensors", path, digest, metadata=metadata)
+    return Checkpoint(strip_prefixes(tensors), {}, "safetensors", path, digest, metadata=metadata)
 
 
 def load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:
