@@ -443,3 +443,20 @@ def test_the_localisation_blames_the_runtime_when_the_weights_are_right(tiny_fus
     found = localize.localize(reference, candidate, VerifyOptions(samples=4))
     assert found.first is None and "comes from the runtime, not from a fold" in found.detail
     assert len(found.boundaries) == 3
+
+
+def test_a_fold_of_the_other_weights_of_the_file_is_named(tmp_path: Path) -> None:
+    """A training checkpoint with EMA weights, fused without --ema and verified with it: question 1 does not apply
+    (the candidate is a fold of the file's other weights) and the note says so; it said "question 1 failed ... the
+    written weights are not the fold of this source; first diverging fold: blocks.0.norm1", blaming a right fold."""
+    from slabconv.options import WriteOptions
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ema.pth", state_dict_ema=tinyckpt.tiny_state_dict(seed=1))
+    api.fuse(ckpt, tmp_path / "fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    plain = api.verify(ckpt, tmp_path / "fused", verify=VerifyOptions(samples=4)).verification
+    assert plain is not None and plain.passed and plain.exact and all(c.passed for c in plain.exact)
+    code, report, _ = _json(ckpt, tmp_path / "fused", "--ema")
+    v = report["verification"]
+    assert code == 1 and v["question_1_exact"] is None
+    assert any("folded from the 'model' weights of this file, the reference is its 'state_dict_ema'" in n
+               for n in v["notes"]), v["notes"]  # fmt: skip

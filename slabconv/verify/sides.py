@@ -43,12 +43,15 @@ class Provenance:
         folded: it is a fold of that source (``fuse``, ``export``); False for ``export --no-fuse``.
         norm_affine: the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
             question 1's float64 fold of the reference does the same.
+        weights: which weights of a training checkpoint were folded (``model``, ``state_dict_ema``...), when it
+            records them.
     """
 
     source_sha256: str
     arch: str | None
     folded: bool
     norm_affine: bool = False
+    weights: str | None = None
 
 
 @dataclass
@@ -148,20 +151,21 @@ def onnx_provenance(proto: Any) -> Provenance | None:
     """The provenance an ``.onnx`` slabconv wrote records in its ``metadata_props`` (``SOURCE_KEY``,
     ``FOLDED_KEY``, ``ARCH_KEY``), else None. A file with a source and no ``FOLDED_KEY`` is a fold (what ``fuse``
     of an ONNX original writes)."""
-    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, NORM_AFFINE_KEY, SOURCE_KEY
+    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, NORM_AFFINE_KEY, SOURCE_KEY, WEIGHTS_KEY
 
     props = {p.key: p.value for p in proto.metadata_props}
     if not props.get(SOURCE_KEY):
         return None
     folded = props.get(FOLDED_KEY, "true") == "true"
-    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, folded, props.get(NORM_AFFINE_KEY) == "true")
+    affine = props.get(NORM_AFFINE_KEY) == "true"
+    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, folded, affine, props.get(WEIGHTS_KEY) or None)
 
 
 def _fused_provenance(metadata: dict[str, str], label: str) -> Provenance | None:
     fused = FusedMetadata.read(metadata, label)
     if fused is None or not fused.source_sha256:
         return None
-    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine)
+    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine, fused.source_weights)
 
 
 def onnx_side(path: Path) -> Side:
@@ -356,6 +360,8 @@ def folded_from(reference: Side, candidate: Side) -> bool:
         return False
     if p.source_sha256 not in reference.digests() and p.source_sha256 not in reference.digests(whole=True):
         return False
+    if p.weights and reference.source.weights and p.weights != reference.source.weights:
+        return False  # the same file, its other weights (--ema on one side only)
     return p.arch is None or reference.arch is None or p.arch == reference.arch
 
 
@@ -393,4 +399,9 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
         return "the candidate is an unfused export of its source (export --no-fuse)"
     if p.source_sha256 not in reference.digests(whole=True):
         return "the candidate was folded from another file (its recorded source sha256 is not the reference's)"
+    if p.weights and reference.source.weights and p.weights != reference.source.weights:
+        return (
+            f"the candidate was folded from the {p.weights!r} weights of this file, the reference is its "
+            f"{reference.source.weights!r} weights: give --ema to both fuse and verify, or to neither"
+        )
     return f"the candidate was folded for architecture {p.arch!r}, the reference is {reference.arch!r}"

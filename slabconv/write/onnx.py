@@ -27,17 +27,24 @@ FOLDED_KEY = "slabconv_folded"
 """``true`` when the file is a fold of its source, ``false`` for ``export --no-fuse`` (absent: a fold)."""
 ARCH_KEY = "slabconv_arch"
 """The architecture of the source, when it has a registered one."""
+WEIGHTS_KEY = "slabconv_source_weights"
+"""Which weights of a training checkpoint were folded (``model``, ``state_dict_ema`` with ``--ema``...)."""
+
 NORM_AFFINE_KEY = "slabconv_norm_affine"
 """``true`` when the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
 ``verify`` folds the reference's norm affines too before it compares the tensors (``slabconv.engine.norm_affine``)."""
 
 
-def provenance(source_sha256: str, arch: str | None, folded: bool, norm_affine: bool = False) -> dict[str, str]:
+def provenance(
+    source_sha256: str, arch: str | None, folded: bool, norm_affine: bool = False, source_weights: str | None = None
+) -> dict[str, str]:
     """The ``metadata_props`` recording where an ``.onnx`` came from (``SOURCE_KEY``, ``FOLDED_KEY``,
-    ``ARCH_KEY``, and ``NORM_AFFINE_KEY`` for a fold with ``--fold-norm-affine``): what ``slabconv.verify.sides``
-    reads to know whether question 1 applies, and how the reference is folded for it."""
+    ``ARCH_KEY``, ``NORM_AFFINE_KEY`` for a fold with ``--fold-norm-affine``, ``WEIGHTS_KEY`` for the weights of a
+    training checkpoint): what ``slabconv.verify.sides`` reads to know whether question 1 applies, and how the
+    reference is folded for it."""
     made = {SOURCE_KEY: source_sha256, FOLDED_KEY: "true" if folded else "false", ARCH_KEY: arch or ""}
-    return {**made, NORM_AFFINE_KEY: "true"} if norm_affine else made
+    made.update({NORM_AFFINE_KEY: "true"} if norm_affine else {})
+    return {**made, WEIGHTS_KEY: source_weights} if source_weights else made
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
