@@ -18,7 +18,7 @@ class LoadOptions:
 
     Attributes:
         arch: a registered architecture name or alias (``slabconv list``); detected from the checkpoint when None.
-        ema: take the EMA weights (``state_dict_ema``) of a training checkpoint.
+        ema: take the EMA weights (``state_dict_ema`` or ``model_ema``) of a training checkpoint.
         trust_pickle: load a pickle that names arbitrary globals (a whole ``nn.Module``): runs code from the file.
         input_shape: one sample's input shape without the batch axis (a pickled module records none).
         image_size: build a zoo vision model for ``image_size`` square inputs.

@@ -475,7 +475,12 @@ def _metadata(loaded: LoadedModel, planned: Planned) -> dict[str, str]:
     an affine, stayed whole in its op."""
     norm_affine = engine.folds_norm_affine(planned.decisions)
     complete = planned.complete or (norm_affine and all(_whole(d) for d in planned.decisions))
-    return fused_metadata(loaded.arch, loaded.checkpoint.sha256, complete, loaded.config, norm_affine)
+    weights = (
+        loaded.checkpoint.extra.get("weights")
+        if loaded.checkpoint.format in ("training-checkpoint", "release")
+        else None
+    )
+    return fused_metadata(loaded.arch, loaded.checkpoint.sha256, complete, loaded.config, norm_affine, weights)
 
 
 def _whole(decision: engine.Decision) -> bool:
@@ -504,7 +509,8 @@ def _write_files(
             # --no-pt2: the ONNX exporter's own capture (it has fallbacks torch.export lacks) gets its chance
     if write.pt2 and exported is not None:
         progress("writing model.pt2")
-        recorded: dict[str, str] = {k: metadata[k] for k in ("arch", "source_sha256", "norm_affine") if k in metadata}
+        kept = ("arch", "source_sha256", "norm_affine", "source_weights")
+        recorded: dict[str, str] = {k: metadata[k] for k in kept if k in metadata}
         save_pt2(exported[0], {**exported[1], **recorded}, folder / "model.pt2")  # its provenance, as the others
         outputs.pt2 = "model.pt2"
         outputs.files.append("model.pt2")
@@ -512,7 +518,8 @@ def _write_files(
         progress("exporting model.onnx")
         release_memory(collect=False)  # what was freed goes back first: the translation does not reuse it
         made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True,
-                          norm_affine=metadata.get("norm_affine") == "true")  # fmt: skip
+                          norm_affine=metadata.get("norm_affine") == "true",
+                          source_weights=metadata.get("source_weights"))  # fmt: skip
         info = export_onnx(
             planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=exported,
             simplify=write.simplify, metadata=made,

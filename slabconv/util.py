@@ -213,3 +213,26 @@ def text_path(path: Path | str) -> Iterator[str]:
         yield f"/proc/self/fd/{fd}/{name}"
     finally:
         os.close(fd)
+
+
+def output_names_of(spec: Any) -> list[str] | None:
+    """The names of a model's flattened outputs from their pytree spec (``ExportedProgram.call_spec.out_spec``, a
+    program module's ``_out_spec``): a dict's keys and a sequence's indices joined by ``.`` (``{"cls": a, "aux":
+    [b, c]}``: ``cls``, ``aux.0``, ``aux.1``; a tuple: ``output.0``, ``output.1``), so ``model.onnx``'s outputs and
+    every check line carry the names the user's code gave them. None for one output, a spec this cannot read, or
+    names that would not be unique."""
+    from torch.utils import _pytree as pytree
+
+    try:
+        count = spec.num_leaves
+        if count <= 1:
+            return None
+        leaves = pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(count)), spec))[0]
+    except Exception:  # noqa: BLE001 - any other spec: the runtime's own names
+        return None
+    names = []
+    for path, _ in leaves:
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", "")))) for k in path]
+        name = ".".join(parts)
+        names.append(f"output.{name}" if path and not isinstance(path[0], pytree.MappingKey) else name)
+    return names if len(set(names)) == len(names) and all(names) else None

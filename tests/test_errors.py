@@ -629,3 +629,17 @@ def test_an_unexpected_bug_is_one_line_too_and_says_it_is_a_bug(tmp_path: Path, 
 def test_usage_errors_exit_2() -> None:
     assert runner.invoke(app, ["fuse"]).exit_code == 2
     assert runner.invoke(app, ["fuse", "x.pth", "--no-such-option"]).exit_code == 2
+
+
+def test_a_wrapped_models_keys_name_the_prefix(tmp_path: Path) -> None:
+    """A Lightning checkpoint keeps the model under its attribute name (``model.blocks.0...``): the refusal names the
+    prefix and how to drop it; the same keys under two first names are no wrapper and keep the general message."""
+    sd = tiny_state_dict()
+    torch.save({"state_dict": {f"model.{k}": v for k, v in sd.items()}, "epoch": 1}, tmp_path / "l.ckpt")
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "l.ckpt")])
+    assert result.exit_code == 2 and "every key starts with 'model.'" in result.stderr
+    assert "k.removeprefix('model.')" in result.stderr
+    mixed = {(f"model.{k}" if i % 2 else f"net.{k}"): v for i, (k, v) in enumerate(sd.items())}
+    torch.save({"state_dict": mixed}, tmp_path / "m.ckpt")
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.ckpt")])
+    assert result.exit_code == 2 and "no registered layout fits" in result.stderr

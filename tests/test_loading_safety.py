@@ -250,3 +250,84 @@ def test_plain_torch_export_load_would_run_that_code(tmp_path: Path) -> None:
     with contextlib.suppress(Exception):
         torch.export.load(evil)
     assert marker.exists()
+
+
+# --------------------------------------------------------------------------------------------- training scripts
+
+
+def _training_layouts(model: dict, ema: dict) -> dict[str, dict]:
+    """How training scripts save: facebookresearch/deit ``main.py``, timm ``train.py`` (CheckpointSaver), a script
+    that keeps its best accuracy as a numpy number."""
+    import argparse
+
+    import numpy as np
+
+    args = argparse.Namespace(model="deit_prepbn", lr=5e-4, model_ema=True, betas=(0.9, 0.999))
+    opt = {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]}
+    return {
+        "deit": {"model": model, "optimizer": opt, "lr_scheduler": {}, "epoch": 5, "model_ema": ema,
+                 "scaler": {"scale": 65536.0}, "args": args, "max_accuracy": np.float64(72.1)},
+        "timm": {"epoch": 5, "arch": "deit_prepbn", "state_dict": model, "optimizer": opt, "version": 2,
+                 "args": args, "state_dict_ema": ema, "metric": np.float32(72.5)},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["deit", "timm"])
+def test_training_scripts_checkpoints_load_with_their_args_and_ema(tmp_path: Path, layout: str) -> None:
+    """The command line (``argparse.Namespace``) and numpy numbers saved beside the weights are read as plain data;
+    ``--ema`` takes the EMA weights under the name that script gives them."""
+    model, ema = tiny_state_dict(seed=0), tiny_state_dict(seed=1)
+    path = tmp_path / "ckpt.pth"
+    torch.save(_training_layouts(model, ema)[layout], path)
+    plain, averaged = load_checkpoint(path), load_checkpoint(path, ema=True)
+    assert plain.extra["weights"] == ("model" if layout == "deit" else "state_dict")
+    assert averaged.extra["weights"] == ("model_ema" if layout == "deit" else "state_dict_ema")
+    for got, want in ((plain, model), (averaged, ema)):
+        assert got.state_dict.keys() == want.keys()
+        assert all(torch.equal(got.state_dict[k], want[k]) for k in want)
+    if layout == "deit":
+        assert plain.extra["max_accuracy"] == 72.1 and type(plain.extra["max_accuracy"]) is float
+
+
+def test_a_namespace_holding_code_is_still_refused(tmp_path: Path) -> None:
+    """The ``argparse.Namespace`` stand-in fills a dict with what the allowlist already read: a value naming another
+    global is refused by name, and its code never runs."""
+    import argparse
+
+    marker = tmp_path / "MARKER"
+    torch.save({"model": tiny_state_dict(), "args": argparse.Namespace(hook=MarkerPayload(marker))}, tmp_path / "a.pth")
+    with pytest.raises(ckpt_io.InputError, match="'builtins.exec'"):
+        load_checkpoint(tmp_path / "a.pth")
+    assert not marker.exists()
+
+
+def test_ema_only_checkpoint_names_the_flag(tmp_path: Path) -> None:
+    torch.save({"model_ema": tiny_state_dict(), "epoch": 3}, tmp_path / "ema.pth")
+    with pytest.raises(ckpt_io.InputError, match="only weights .* EMA weights under 'model_ema'; pass --ema"):
+        load_checkpoint(tmp_path / "ema.pth")
+    assert load_checkpoint(tmp_path / "ema.pth", ema=True).extra["weights"] == "model_ema"
+
+
+def test_prefixed_safetensors_load_like_prefixed_pickles(tmp_path: Path) -> None:
+    """``save_file(model.state_dict())`` of a DDP or ``torch.compile`` model writes ``module.`` / ``_orig_mod.``
+    before every key: stripped as from a ``.pth``. A prefix only some keys have is a submodule's own name (a model
+    with ``self.module = nn.Linear(...)``), kept: stripping it renamed the tensors of such a model's fused file,
+    and question 1 failed its right fold; ``module.x`` beside ``x`` stay two tensors."""
+    from safetensors.torch import save_file
+
+    sd = tiny_state_dict()
+    save_file({f"module._orig_mod.{k}": v.contiguous() for k, v in sd.items()}, str(tmp_path / "ddp.safetensors"))
+    got = load_checkpoint(tmp_path / "ddp.safetensors").state_dict
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    own = {**{k: v.contiguous() for k, v in sd.items()}, "module.head.weight": sd["head.weight"] * 2}
+    save_file(own, str(tmp_path / "own.safetensors"))
+    assert load_checkpoint(tmp_path / "own.safetensors").state_dict.keys() == own.keys()
+
+
+def test_ema_on_weights_with_one_set_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tiny_state_dict().items()}, str(tmp_path / "w.safetensors"))
+    result = runner.invoke(app, ["inspect", str(tmp_path / "w.safetensors"), "--ema"])
+    assert result.exit_code == 2
+    assert "--ema does not apply to a safetensors file" in result.stderr

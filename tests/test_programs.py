@@ -120,3 +120,38 @@ def test_one_program_serves_both_files_and_no_pt2_falls_back_to_the_onnx_exporte
     with pytest.raises(UnsupportedModelError, match="simulated"):
         api.fuse(fixture_ckpt, tmp_path / "pt2", verify=None)
     assert not (tmp_path / "pt2").exists()
+
+
+class _Counting(torch.nn.Module):
+    """A user's model that updates buffers in its forward (a call counter, a running input mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mean_in", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        self.mean_in.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.fc2(self.bn(self.fc1(x)))
+
+
+def test_a_program_that_updates_buffers_is_written_with_its_own_state(tmp_path: Path) -> None:
+    """fuse runs the fused and original graphs on an example before writing (the finiteness probe), and verification
+    runs them on every sample: the buffers a forward updates are written as the program holds them, not as a run
+    left them (the written counter was 1), and each verification run starts from that state (question 1 failed a
+    right fold: the float64 fold's counter had counted the reference's runs)."""
+    model = _Counting().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1), model.bn.running_var.uniform_(0.5, 2), model.bn.weight.uniform_(0.5, 2)
+    program = torch.export.export(model, (torch.randn(2, 6),))
+    torch.export.save(program, tmp_path / "counting.pt2")
+    report = api.fuse(
+        tmp_path / "counting.pt2", tmp_path / "out", verify=VerifyOptions(samples=4), write=WriteOptions(onnx=False)
+    )
+    assert report.verification is not None and report.verification.passed
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert int(written["calls"]) == 0 and torch.equal(written["mean_in"], torch.zeros(6))

@@ -9,9 +9,11 @@ import json
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import numpy_helper
@@ -25,7 +27,7 @@ from slabconv.util import sha256_file
 from slabconv.verify import judge
 from slabconv.write import onnx as onnx_writer
 from tests import tinyckpt
-from tests.conftest import small_vit
+from tests.conftest import randomize_norms, small_vit
 from tests.tinyckpt import INPUT_SHAPE, error_lines, save_ckpt, tiny_state_dict
 
 tiny_fused = tinyckpt.tiny_fused
@@ -353,3 +355,36 @@ def test_a_folder_with_damaged_weights_is_refused_when_it_is_opened(tiny_fused: 
         sides.open_side(folder)
     code, _, err = _verify(tiny_fused / "ckpt.pth", folder)
     assert code == 2 and "model.safetensors: not a readable safetensors file" in err
+
+
+def test_a_dict_outputs_names_are_the_onnx_names_and_the_check_names(tmp_path: Path) -> None:
+    """A program returning ``{"cls": a, "aux": [b, c]}``: model.onnx's outputs are ``cls``, ``aux.0``, ``aux.1`` (the
+    exporter named them ``output``, ``linear_1``, ``mean``), each holds that value, and every check line says it."""
+
+    class DictHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+            self.head, self.aux = nn.Linear(4, 3), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            f = self.bn(self.conv(x)).relu().mean((2, 3))
+            return {"cls": self.head(f), "aux": [self.aux(f), f]}
+
+    model = randomize_norms(DictHeads()).eval()
+    batch = {0: torch.export.Dim("batch")}
+    program = torch.export.export(model, (torch.randn(2, *INPUT_SHAPE),), dynamic_shapes=(batch,))
+    torch.export.save(program, tmp_path / "dict.pt2")
+    report = api.fuse(tmp_path / "dict.pt2", tmp_path / "out", verify=VerifyOptions(samples=3))
+    v = report.verification
+    assert v is not None and v.passed
+    names = ["cls", "aux.0", "aux.1"]
+    assert [c.name.split(" @ ")[0] for c in v.checks if " @ " in c.name] == names * (len(ORT) + 1)
+    session = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"))
+    assert [o.name for o in session.get_outputs()] == names
+    x = torch.randn(3, *INPUT_SHAPE)
+    got = dict(zip(names, session.run(None, {session.get_inputs()[0].name: x.numpy()}), strict=True))
+    with torch.no_grad():
+        want = model(x)
+    for name, value in (("cls", want["cls"]), ("aux.0", want["aux"][0]), ("aux.1", want["aux"][1])):
+        np.testing.assert_allclose(got[name], value.numpy(), rtol=1e-4, atol=1e-5)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -52,6 +53,36 @@ def test_an_unfused_export_verifies_like_any_model(tiny_fused: Path, tmp_path: P
     v = report["verification"]
     assert v["passed"] and v["question_1_exact"] is None and v["checks"]
     assert any("an unfused export of its source (export --no-fuse)" in n for n in v["notes"])
+
+
+@pytest.mark.parametrize("pair", ["same file", "two fused files", "unfused export first"])
+def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, tmp_path: Path, pair: str) -> None:
+    """The same file twice, a fused file or an unfused export given as the reference of a fold of its source:
+    question 2 only, and the note says which (they said "the candidate records no source" / "folded from another
+    file")."""
+    ckpt, folder = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused"
+    reference, candidate, want = {
+        "same file": (ckpt, ckpt, "the reference itself (the same bytes)"),
+        "two fused files": (folder / "model.pt2", folder / "model.safetensors", "the reference is a fused file"),
+        "unfused export first": (tmp_path / "orig.onnx", folder / "model.onnx", "the reference is an unfused export"),
+    }[pair]
+    if pair == "unfused export first":
+        api.export(ckpt, reference, fuse=False)
+    code, report, stderr = _json(reference, candidate)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None
+    assert any(want in n for n in v["notes"]), v["notes"]
+
+
+def test_the_command_meant_runs_as_pasted_where_a_path_has_spaces(tiny_fused: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "my models"
+    shutil.copytree(tiny_fused, folder)
+    ckpt, fused = folder / "ckpt.pth", folder / "ckpt-fused"
+    result = runner.invoke(app, ["verify", str(fused), str(ckpt), "--samples", "4"])
+    assert result.exit_code == 2
+    command = result.stderr.strip().rsplit("the original comes first: ", 1)[1]
+    assert shlex.split(command) == ["slabconv", "verify", str(ckpt), str(fused)]
 
 
 def test_swapped_arguments_are_refused_naming_the_command_meant(tiny_fused: Path) -> None:
@@ -412,3 +443,20 @@ def test_the_localisation_blames_the_runtime_when_the_weights_are_right(tiny_fus
     found = localize.localize(reference, candidate, VerifyOptions(samples=4))
     assert found.first is None and "comes from the runtime, not from a fold" in found.detail
     assert len(found.boundaries) == 3
+
+
+def test_a_fold_of_the_other_weights_of_the_file_is_named(tmp_path: Path) -> None:
+    """A training checkpoint with EMA weights, fused without --ema and verified with it: question 1 does not apply
+    (the candidate is a fold of the file's other weights) and the note says so; it said "question 1 failed ... the
+    written weights are not the fold of this source; first diverging fold: blocks.0.norm1", blaming a right fold."""
+    from slabconv.options import WriteOptions
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ema.pth", state_dict_ema=tinyckpt.tiny_state_dict(seed=1))
+    api.fuse(ckpt, tmp_path / "fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    plain = api.verify(ckpt, tmp_path / "fused", verify=VerifyOptions(samples=4)).verification
+    assert plain is not None and plain.passed and plain.exact and all(c.passed for c in plain.exact)
+    code, report, _ = _json(ckpt, tmp_path / "fused", "--ema")
+    v = report["verification"]
+    assert code == 1 and v["question_1_exact"] is None
+    assert any("folded from the 'model' weights of this file, the reference is its 'state_dict_ema'" in n
+               for n in v["notes"]), v["notes"]  # fmt: skip

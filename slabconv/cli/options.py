@@ -37,7 +37,9 @@ Arch = Annotated[
         autocompletion=complete_arch,
     ),
 ]
-Ema = Annotated[bool, typer.Option("--ema", help="Use the EMA weights (state_dict_ema) of a training checkpoint.")]
+Ema = Annotated[
+    bool, typer.Option("--ema", help="Use the EMA weights (state_dict_ema or model_ema) of a training checkpoint.")
+]
 TrustPickle = Annotated[
     bool,
     typer.Option(

@@ -11,9 +11,10 @@ node's shape, whether two symbolic sizes are equal, which modules enclose a node
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sympy
@@ -139,6 +140,20 @@ def written_tensors(gm: fx.GraphModule) -> set[str]:
         for n in gm.graph.nodes
         if n.op == "get_attr" and isinstance(stored(gm, str(n.target)), torch.Tensor) and _may_write(n)
     }
+
+
+@contextlib.contextmanager
+def state_kept(*gms: fx.GraphModule) -> Iterator[None]:
+    """Run ``gms`` inside and leave the tensors they write (``written_tensors``: a call counter or running
+    statistic a forward updates in place) as they were: a probe run must not change the state a file is written
+    with (the program's own values)."""
+    saved = [(t, t.detach().clone()) for gm in gms for name in written_tensors(gm) for t in [stored(gm, name)]]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in saved:
+                tensor.copy_(value)
 
 
 def copy_sharing(gm: fx.GraphModule) -> fx.GraphModule:

@@ -4,7 +4,8 @@ Loading never executes code unless asked: ``torch.load(weights_only=True)``, wit
 reads the official SLAB training config (a yacs ``CfgNode``) as plain data. Checkpoint hygiene follows the
 official training layout (github xinghaochen/SLAB ``classification/utils.py`` ``save_checkpoint``):
 ``{'model', 'optimizer', 'lr_scheduler', 'max_accuracy', 'epoch', 'config'}``, plus ``state_dict_ema`` in EMA
-runs; ``module.`` (DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are stripped.
+runs (``model_ema`` in DeiT's ``main.py``); ``module.`` (DataParallel) and ``_orig_mod.`` (torch.compile)
+prefixes are stripped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from slabconv.util import silenced
 
 _PREFIXES = ("module.", "_orig_mod.")
 _WRAPPER_KEYS = ("model", "state_dict", "model_state", "module")
+_EMA_KEYS = ("state_dict_ema", "model_ema")
+"""Where training scripts keep EMA weights: the official SLAB / Swin and timm ``train.py`` (``state_dict_ema``),
+facebookresearch/deit ``main.py`` (``model_ema``)."""
 
 
 @dataclass
@@ -41,7 +45,8 @@ class Checkpoint:
             ``pickled-module`` (a whole ``nn.Module`` saved with ``torch.save(model)``, read with trust_pickle).
         path: the file.
         sha256: hex digest of the file.
-        extra: ``epoch``, ``max_accuracy`` and which weights were taken (``model`` / ``state_dict_ema``).
+        extra: ``epoch``, ``max_accuracy`` and which weights were taken (``model``, ``state_dict_ema``,
+            ``model_ema``...).
         metadata: safetensors string metadata (fused outputs carry ``arch``).
         program: the ``torch.export.ExportedProgram`` for a ``.pt2``.
         module: the ``nn.Module`` of a ``pickled-module``, or the ``GraphModule`` of a ``.pt2`` program.
@@ -67,17 +72,18 @@ def _is_state_dict(obj: Any) -> bool:
 
 
 def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Remove ``module.`` / ``_orig_mod.`` from every key that has them."""
-    out = {}
-    for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix) :], True
-        out[key] = value
-    return out
+    """Remove ``module.`` / ``_orig_mod.`` where every key has it: DataParallel / DDP and ``torch.compile`` wrap the
+    whole model, so each of their keys has the prefix; a model whose own submodule is named ``module`` beside others
+    keeps its names (stripping them would rename its tensors, or make ``module.x`` and ``x`` one). Prefixes nest
+    (``module._orig_mod.``)."""
+    keys = list(state_dict)
+    cut = 0
+    while keys:
+        prefix = next((p for p in _PREFIXES if all(k.startswith(p, cut) for k in keys)), None)
+        if prefix is None:
+            break
+        cut += len(prefix)
+    return {key[cut:]: value for key, value in state_dict.items()}
 
 
 def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
@@ -156,17 +162,27 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     for key in ("epoch", "max_accuracy"):
         if isinstance(obj.get(key), (int, float)):
             extra[key] = obj[key]
+    ema_key = next((k for k in _EMA_KEYS if _is_state_dict(obj.get(k))), "")
     if ema:
-        if not _is_state_dict(obj.get("state_dict_ema")):
-            raise InputError(f"{path}: --ema was given but the checkpoint has no 'state_dict_ema'; leave out --ema")
-        weights_key = "state_dict_ema"
+        if not ema_key:
+            raise InputError(
+                f"{path}: --ema was given but the checkpoint has no EMA weights ({' or '.join(_EMA_KEYS)}); "
+                "leave out --ema"
+            )
+        weights_key = ema_key
     else:
         weights_key = next((k for k in _WRAPPER_KEYS if _is_state_dict(obj.get(k))), "")
+        if not weights_key and ema_key:
+            raise InputError(
+                f"{path}: the only weights in the checkpoint are the EMA weights under {ema_key!r}; pass --ema to "
+                "fold them"
+            )
         if not weights_key:
             keys = ", ".join(sorted(map(str, obj))[:8])
             raise InputError(
                 f"{path}: no state_dict found (top-level keys: {keys}); expected the weights under one of "
-                f"{', '.join(_WRAPPER_KEYS)} or a bare name -> tensor dict"
+                f"{', '.join(_WRAPPER_KEYS)} (EMA weights: {', '.join(_EMA_KEYS)} with --ema) or a bare "
+                "name -> tensor dict"
             )
     extra["weights"] = weights_key
     fmt = "training-checkpoint" if ("optimizer" in obj or "epoch" in obj or config) else "release"
@@ -174,13 +190,15 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
 
 
 def load_safetensors(path: Path) -> Checkpoint:
-    """A ``.safetensors`` file read once (``read_safetensors``): the sha256 is of the bytes the tensors came from."""
+    """A ``.safetensors`` file read once (``read_safetensors``): the sha256 is of the bytes the tensors came from.
+    ``module.`` / ``_orig_mod.`` prefixes are stripped as from a pickle (``save_file(model.state_dict())`` of a
+    DataParallel / DDP or ``torch.compile`` model writes them)."""
     from slabconv.load.safetensors_file import read_safetensors
 
     tensors, metadata, digest = read_safetensors(path)
     if not tensors:
         raise InputError(f"{path}: the safetensors file holds no tensors")
-    return Checkpoint(tensors, {}, "safetensors", path, digest, metadata=metadata)
+    return Checkpoint(strip_prefixes(tensors), {}, "safetensors", path, digest, metadata=metadata)
 
 
 def load_program(path: Path, trust_pickle: bool = False) -> Checkpoint:

@@ -155,7 +155,7 @@ def load_checkpoint(path: Path | str, ema: bool = False, trust_pickle: bool = Fa
     Args:
         path: a ``.pth``/``.pt`` checkpoint (training layout, release ``{'model': ...}`` or a bare state_dict),
             a ``.safetensors`` file, a ``.pt2`` program saved by ``torch.export.save``, or a Hugging Face folder.
-        ema: take ``state_dict_ema`` instead of ``model`` from a training checkpoint.
+        ema: take the EMA weights (``state_dict_ema`` or ``model_ema``) instead of ``model`` from a training checkpoint.
         trust_pickle: allow a pickle that names globals outside the allowlist, such as a whole ``nn.Module``
             saved with ``torch.save(model)``; this runs code from the file. Tried only after the weights-only
             reader refused the file.

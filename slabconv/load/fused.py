@@ -25,9 +25,15 @@ from slabconv.version import __version__
 
 
 def fused_metadata(
-    arch: str | None, source_sha256: str, complete: bool, config: Mapping[str, Any], norm_affine: bool = False
+    arch: str | None,
+    source_sha256: str,
+    complete: bool,
+    config: Mapping[str, Any],
+    norm_affine: bool = False,
+    source_weights: str | None = None,
 ) -> dict[str, str]:
-    """The string metadata of a fused safetensors file (see the module docstring)."""
+    """The string metadata of a fused safetensors file (see the module docstring); ``source_weights``: which weights
+    of a training checkpoint were folded (``model``, ``state_dict_ema`` with ``--ema``...)."""
     out = {
         "format": "pt",
         "slabconv_version": __version__,
@@ -38,6 +44,8 @@ def fused_metadata(
     }
     if norm_affine:
         out["norm_affine"] = "true"
+    if source_weights:
+        out["source_weights"] = source_weights
     return out
 
 
@@ -58,6 +66,7 @@ class FusedMetadata:
     complete: bool
     config: dict[str, Any]
     norm_affine: bool = False
+    source_weights: str | None = None
 
     @classmethod
     def read(cls, metadata: Mapping[str, str], label: str = "the safetensors file") -> FusedMetadata | None:
@@ -82,6 +91,7 @@ class FusedMetadata:
             complete=metadata.get("complete") == "true",
             config=config if isinstance(config, dict) else {},
             norm_affine=metadata.get("norm_affine") == "true",
+            source_weights=metadata.get("source_weights") or None,
         )
 
 

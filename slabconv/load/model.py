@@ -175,14 +175,21 @@ def load_strict(
 
 def check_options_apply(path: Path | str, options: LoadOptions | None) -> None:
     """Refuse, before anything is read, the options that build a checkpoint's model (``--arch``, ``--image-size``,
-    ``--ema``) for a ``torch.export`` program, which is its model: they would be ignored. (``verify`` gives one set
-    of options to both sides, so it does not call this.)
+    ``--ema``) for a ``torch.export`` program, which is its model, and ``--ema`` for a safetensors file or a Hugging
+    Face folder, which hold one set of weights: they would be ignored. (``verify`` gives one set of options to both
+    sides, so it does not call this.)
 
     Raises:
         UsageError: naming the first such option.
     """
     opts = options or LoadOptions()
     found = sniff_format(Path(path))
+    if opts.ema and found is not None and found.name in ("safetensors", "hf-folder"):
+        what = "a safetensors file" if found.name == "safetensors" else "a Hugging Face style folder"
+        raise UsageError(
+            f"{path}: --ema does not apply to {what} (it holds one set of weights; --ema takes the EMA weights of "
+            "a .pth training checkpoint); drop it"
+        )
     if found is None or found.name != "torch.export":
         return
     given = [flag for flag, on in (("--arch", opts.arch), ("--image-size", opts.image_size), ("--ema", opts.ema)) if on]

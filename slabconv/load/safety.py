@@ -4,9 +4,10 @@ The threat model (``docs/security.md``): every input file is hostile until this 
 rules hold for every format slabconv reads:
 
 1. **Pickles are read by one weights-only reader** (``torch.load(weights_only=True)``) with one allowlist,
-   ``ALLOWED_GLOBALS``: the official SLAB training config (``yacs.config.CfgNode``) read as plain dicts. The same
-   reader serves ``.pth`` / ``.pt`` checkpoints, ``pytorch_model.bin`` files of Hugging Face folders and the
-   pickles inside ``.pt2`` programs. Only ``--trust-pickle`` lifts it (and runs code from the file).
+   ``ALLOWED_GLOBALS``: the official SLAB training config (``yacs.config.CfgNode``), training scripts' ``args``
+   and numpy numbers, read as plain data. The same reader serves ``.pth`` / ``.pt`` checkpoints,
+   ``pytorch_model.bin`` files of Hugging Face folders and the pickles inside ``.pt2`` programs. Only
+   ``--trust-pickle`` lifts it (and runs code from the file).
 2. **Archives are checked before torch opens them** (``check_zip``): zip entries must be stored uncompressed (as
    ``torch.save`` and ``torch.export.save`` write them; a compressed entry could expand a small file into
    gigabytes), TorchScript archives (code inside) and pre-1.6 pickles (whose storage sizes cannot be checked
@@ -88,9 +89,63 @@ class ConfigNode:
         return collections.OrderedDict()
 
 
-ALLOWED_GLOBALS: dict[str, Any] = {"yacs.config.CfgNode": ConfigNode}
-"""``module.Class`` names the weights-only reader accepts beyond torch's own: the official SLAB training config
-(github xinghaochen/SLAB ``classification/utils.py`` saves ``config``, a yacs ``CfgNode``) and nothing else."""
+class PlainNamespace(dict[str, Any]):
+    """Stand-in for ``argparse.Namespace`` when reading a checkpoint: a plain dict of its attributes.
+
+    Training scripts save their command line with the weights (facebookresearch/deit ``main.py`` and timm
+    ``train.py`` store ``'args': args``). Protocol 2 pickles a Namespace as ``NEWOBJ(Namespace, ())`` and a
+    ``BUILD`` with its ``__dict__``; torch's weights-only unpickler builds an allowlisted type by its
+    ``__setstate__``, so the attributes land in this dict (whose values were themselves read under the allowlist).
+    The name ``argparse.Namespace`` is matched as a string; nothing is imported.
+    """
+
+    def __setstate__(self, state: Any) -> None:  # noqa: D105 - see the class docstring
+        if isinstance(state, Mapping):
+            self.update(state)
+
+
+class NumpyDType:
+    """Stand-in for ``numpy.dtype`` when reading a numpy scalar (``np.float64(72.1)`` saved as an accuracy): keeps
+    the type string (``'f8'``) and the byte order its ``BUILD`` state gives; nothing is imported."""
+
+    def __init__(self, spec: Any = "", align: Any = False, copy: Any = True) -> None:
+        self.spec = spec if isinstance(spec, str) else ""
+        self.order = "<"
+
+    def __setstate__(self, state: Any) -> None:  # noqa: D105 - numpy's state: (version, byte order, ...)
+        if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|", "="):
+            self.order = state[1]
+
+
+_NUMERIC_SPEC = re.compile(r"[biuf][1248]|c(8|16)")
+
+
+def numpy_scalar(dtype: Any, data: Any = None) -> Any:
+    """Stand-in for ``numpy.core.multiarray.scalar(dtype, bytes)``: a bool, int, float or complex scalar as the
+    Python number (numpy's ``frombuffer`` on the stored bytes); anything else as a placeholder string."""
+    import numpy as np
+
+    if not (isinstance(dtype, NumpyDType) and isinstance(data, bytes) and _NUMERIC_SPEC.fullmatch(dtype.spec)):
+        return "<numpy scalar>"
+    order = "<" if dtype.order in ("|", "=") else dtype.order
+    kind = np.dtype(order + dtype.spec)
+    if len(data) != kind.itemsize:
+        return "<numpy scalar>"
+    return np.frombuffer(data, dtype=kind)[0].item()
+
+
+ALLOWED_GLOBALS: dict[str, Any] = {
+    "yacs.config.CfgNode": ConfigNode,
+    "argparse.Namespace": PlainNamespace,
+    "numpy.dtype": NumpyDType,
+    "numpy.core.multiarray.scalar": numpy_scalar,
+    "numpy._core.multiarray.scalar": numpy_scalar,
+}
+"""``module.name`` globals the weights-only reader accepts beyond torch's own, each read by a stand-in that imports
+and runs nothing of the named module: the official SLAB training config (github xinghaochen/SLAB
+``classification/utils.py`` saves ``config``, a yacs ``CfgNode``), the command line other training scripts save
+beside the weights (``args``, an ``argparse.Namespace``: facebookresearch/deit ``main.py``, timm ``train.py``) and
+numpy numbers (``max_accuracy`` as ``np.float64``). Nothing else."""
 
 
 def plain(obj: Any, label: str) -> Any:

@@ -83,11 +83,11 @@ def check_finite(
         NumericError: naming the first non-finite node, the norm whose fold fed it (with its largest scale or
             shift), and whether the original overflows too.
     """
-    with torch.no_grad():
+    with torch.no_grad(), engine.state_kept(original, fused):  # a probe: the state written is the program's own
         if _finite(fused(example)):
             return
         original_finite = _finite(original(example))
-    node = first_non_finite(fused, example)
+        node = first_non_finite(fused, example)
     layer = _layer_of(node) if node is not None else "the output"
     dtype = dtype_name(loaded.dtype)
     extremes = _extremes(original)

@@ -16,6 +16,7 @@ back as float64 numpy arrays.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ import numpy as np
 import torch
 from torch import fx, nn
 
+from slabconv import engine
 from slabconv.errors import InputError, UsageError, first_line
-from slabconv.util import text_path
+from slabconv.util import output_names_of, text_path
 from slabconv.verify.backends import BACKENDS, Backend
 from slabconv.verify.policy import dtype_name
 
@@ -50,7 +52,7 @@ class Runtime:
         label: ``onnxruntime[no-optimizations]``, ``pytorch 2.13.0 float16``, ...
         run: takes an array ``(B, ...)`` (float32 or int64), returns every output as float64 ``(B, ...)``.
         dtype: the dtype the model computes in (``float16``...): it sets the tolerance.
-        output_names: names of the outputs when the format has them (ONNX), else None.
+        output_names: names of the outputs when the format has them (ONNX; a program's output pytree), else None.
         fixed_batch: the batch size the model requires when its batch axis is not dynamic.
         kind: the name of the ``Backend`` it came from (what ``--runtime`` calls it).
         timer: the same model timed (``Timer``).
@@ -105,7 +107,9 @@ def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
 def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | None = None, device: str = "cpu") -> Run:
     """Run ``model`` (on ``device``) on an array: float inputs rounded to ``round_to`` (when given), then cast to
     ``dtype``; integer ids as they are. Every tensor output (tuples, lists and dicts flattened) comes back as
-    float64."""
+    float64. Each call starts from the model's own state: the buffers a graph updates as it runs (a call counter,
+    ``engine.written_tensors``) are put back after it, so no run changes what a later one computes or what question 1
+    reads."""
 
     def run(x: np.ndarray) -> list[np.ndarray]:
         t = torch.from_numpy(x)
@@ -113,7 +117,8 @@ def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | N
             t = t.to(round_to).to(dtype) if round_to is not None else t.to(dtype)
         if device != "cpu":
             t = t.to(device)
-        with torch.no_grad():
+        kept = engine.state_kept(model) if isinstance(model, fx.GraphModule) else contextlib.nullcontext()
+        with torch.no_grad(), kept:
             out = model(t)
         leaves = torch.utils._pytree.tree_leaves(out)
         return [o.detach().cpu().double().numpy() for o in leaves if isinstance(o, torch.Tensor)]
@@ -169,7 +174,9 @@ def open_torch(
     placed = model if backend.device == "cpu" else to_device(model, backend.device)
     label = torch_label(name, what)
     run = torch_runner(placed, dtype, device=backend.device)
-    return [Runtime(label, run, name, fixed_batch=fixed_batch, kind=backend.name, timer=_torch_timer(placed, backend))]
+    names = output_names_of(getattr(model, "_out_spec", None))  # a program's module: the names its outputs have
+    timer = _torch_timer(placed, backend)
+    return [Runtime(label, run, name, fixed_batch=fixed_batch, kind=backend.name, timer=timer, output_names=names)]
 
 
 def torch_label(dtype: str, what: str) -> str:

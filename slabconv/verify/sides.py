@@ -20,6 +20,7 @@ arguments, refused with the command that was meant.
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +43,15 @@ class Provenance:
         folded: it is a fold of that source (``fuse``, ``export``); False for ``export --no-fuse``.
         norm_affine: the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
             question 1's float64 fold of the reference does the same.
+        weights: which weights of a training checkpoint were folded (``model``, ``state_dict_ema``...), when it
+            records them.
     """
 
     source_sha256: str
     arch: str | None
     folded: bool
     norm_affine: bool = False
+    weights: str | None = None
 
 
 @dataclass
@@ -147,20 +151,21 @@ def onnx_provenance(proto: Any) -> Provenance | None:
     """The provenance an ``.onnx`` slabconv wrote records in its ``metadata_props`` (``SOURCE_KEY``,
     ``FOLDED_KEY``, ``ARCH_KEY``), else None. A file with a source and no ``FOLDED_KEY`` is a fold (what ``fuse``
     of an ONNX original writes)."""
-    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, NORM_AFFINE_KEY, SOURCE_KEY
+    from slabconv.write.onnx import ARCH_KEY, FOLDED_KEY, NORM_AFFINE_KEY, SOURCE_KEY, WEIGHTS_KEY
 
     props = {p.key: p.value for p in proto.metadata_props}
     if not props.get(SOURCE_KEY):
         return None
     folded = props.get(FOLDED_KEY, "true") == "true"
-    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, folded, props.get(NORM_AFFINE_KEY) == "true")
+    affine = props.get(NORM_AFFINE_KEY) == "true"
+    return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, folded, affine, props.get(WEIGHTS_KEY) or None)
 
 
 def _fused_provenance(metadata: dict[str, str], label: str) -> Provenance | None:
     fused = FusedMetadata.read(metadata, label)
     if fused is None or not fused.source_sha256:
         return None
-    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine)
+    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine, fused.source_weights)
 
 
 def onnx_side(path: Path) -> Side:
@@ -355,6 +360,8 @@ def folded_from(reference: Side, candidate: Side) -> bool:
         return False
     if p.source_sha256 not in reference.digests() and p.source_sha256 not in reference.digests(whole=True):
         return False
+    if p.weights and reference.source.weights and p.weights != reference.source.weights:
+        return False  # the same file, its other weights (--ema on one side only)
     return p.arch is None or reference.arch is None or p.arch == reference.arch
 
 
@@ -363,25 +370,38 @@ def fold_relation(reference: Side, candidate: Side) -> bool:
 
     Raises:
         UsageError: the reference is a fold of the candidate (the arguments are swapped), naming both and the
-            command meant.
+            command meant (its paths quoted for a POSIX shell, so it runs as pasted).
     """
     if folded_from(reference, candidate):
         return True
     if folded_from(candidate, reference):
         raise UsageError(
             f"the arguments are swapped: {reference.path} is a fold of {candidate.path}; the original comes first: "
-            f"slabconv verify {candidate.path} {reference.path}"
+            f"slabconv verify {shlex.quote(str(candidate.path))} {shlex.quote(str(reference.path))}"
         )
     return False
 
 
 def why_not_a_fold(reference: Side, candidate: Side) -> str:
     """Why question 1 does not apply to this pair, in words (for the report's note)."""
-    p = candidate.provenance
+    p, r = candidate.provenance, reference.provenance
+    if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
+        return "the candidate is the reference itself (the same bytes); nothing was folded"
+    if p is not None and p.folded and r is not None and p.source_sha256 == r.source_sha256:
+        what = "a fused file, folded" if r.folded else "an unfused export (export --no-fuse)"
+        return (
+            f"the reference is {what} from the same source as the candidate; give that source first to ask whether "
+            "the fold is exact"
+        )
     if p is None:
         return "the candidate records no source it was folded from"
     if not p.folded:
         return "the candidate is an unfused export of its source (export --no-fuse)"
     if p.source_sha256 not in reference.digests(whole=True):
         return "the candidate was folded from another file (its recorded source sha256 is not the reference's)"
+    if p.weights and reference.source.weights and p.weights != reference.source.weights:
+        return (
+            f"the candidate was folded from the {p.weights!r} weights of this file, the reference is its "
+            f"{reference.source.weights!r} weights: give --ema to both fuse and verify, or to neither"
+        )
     return f"the candidate was folded for architecture {p.arch!r}, the reference is {reference.arch!r}"

@@ -11,7 +11,7 @@ from slabconv.engine.capture import axis_attempts
 from slabconv.errors import UnsupportedModelError, UsageError, first_line
 from slabconv.load.onnx_file import PROTOBUF_LIMIT_BYTES
 from slabconv.options import BFLOAT16_OPSET, OPSET_RANGE, check_opset  # noqa: F401 (the opset rules, stated once)
-from slabconv.util import quiet
+from slabconv.util import output_names_of, quiet
 from slabconv.version import __version__
 
 # stay under that. Above this many bytes of weights (the threshold torch's exporter uses), the weights go to
@@ -27,17 +27,24 @@ FOLDED_KEY = "slabconv_folded"
 """``true`` when the file is a fold of its source, ``false`` for ``export --no-fuse`` (absent: a fold)."""
 ARCH_KEY = "slabconv_arch"
 """The architecture of the source, when it has a registered one."""
+WEIGHTS_KEY = "slabconv_source_weights"
+"""Which weights of a training checkpoint were folded (``model``, ``state_dict_ema`` with ``--ema``...)."""
+
 NORM_AFFINE_KEY = "slabconv_norm_affine"
 """``true`` when the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
 ``verify`` folds the reference's norm affines too before it compares the tensors (``slabconv.engine.norm_affine``)."""
 
 
-def provenance(source_sha256: str, arch: str | None, folded: bool, norm_affine: bool = False) -> dict[str, str]:
+def provenance(
+    source_sha256: str, arch: str | None, folded: bool, norm_affine: bool = False, source_weights: str | None = None
+) -> dict[str, str]:
     """The ``metadata_props`` recording where an ``.onnx`` came from (``SOURCE_KEY``, ``FOLDED_KEY``,
-    ``ARCH_KEY``, and ``NORM_AFFINE_KEY`` for a fold with ``--fold-norm-affine``): what ``slabconv.verify.sides``
-    reads to know whether question 1 applies, and how the reference is folded for it."""
+    ``ARCH_KEY``, ``NORM_AFFINE_KEY`` for a fold with ``--fold-norm-affine``, ``WEIGHTS_KEY`` for the weights of a
+    training checkpoint): what ``slabconv.verify.sides`` reads to know whether question 1 applies, and how the
+    reference is folded for it."""
     made = {SOURCE_KEY: source_sha256, FOLDED_KEY: "true" if folded else "false", ARCH_KEY: arch or ""}
-    return {**made, NORM_AFFINE_KEY: "true"} if norm_affine else made
+    made.update({NORM_AFFINE_KEY: "true"} if norm_affine else {})
+    return {**made, WEIGHTS_KEY: source_weights} if source_weights else made
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
@@ -137,7 +144,9 @@ def export_onnx(
                     dynamo=True,
                     dynamic_shapes=shapes,
                     input_names=["input"],
-                    output_names=["output"],
+                    output_names=(
+                        output_names_of(getattr(source, "call_spec", None) and source.call_spec.out_spec) or ["output"]
+                    ),
                     opset_version=opset or opset_for(model),
                     verbose=False,
                 )

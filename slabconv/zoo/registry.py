@@ -405,6 +405,17 @@ def config_model_name(config: Mapping[str, Any]) -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _wrapper_prefix(state_dict: StateDict, config: Mapping[str, Any]) -> str:
+    """``'model.'`` when every key starts with that one name and the keys without it are a registered layout (a
+    model kept as an attribute of a training wrapper: Lightning saves ``model.blocks.0...``), else ``''``."""
+    heads = {key.split(".", 1)[0] for key in state_dict}
+    if len(heads) != 1 or any("." not in key for key in state_dict):
+        return ""
+    prefix = f"{heads.pop()}."
+    inner = {key[len(prefix) :]: value for key, value in state_dict.items()}
+    return prefix if any(spec.matches(inner, config) for spec in _REGISTRY.values()) else ""
+
+
 def detect_arch(state_dict: StateDict, config: Mapping[str, Any]) -> ArchSpec:
     """Pick the architecture of a checkpoint from its saved config name, else from its keys and shapes.
 
@@ -429,6 +440,14 @@ def detect_arch(state_dict: StateDict, config: Mapping[str, Any]) -> ArchSpec:
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
+        wrapped = _wrapper_prefix(state_dict, config)
+        if wrapped:
+            raise UnsupportedModelError(
+                f"could not detect the architecture from the checkpoint's keys: every key starts with {wrapped!r} "
+                "(the model saved as an attribute of a wrapper, such as a LightningModule); without it they are "
+                "a registered layout: re-save the weights without the prefix: torch.save({k.removeprefix("
+                f"{wrapped!r}): v for k, v in state_dict.items()}}, 'weights.pth')"
+            )
         raise UnsupportedModelError(
             "could not detect the architecture from the checkpoint's keys and shapes: no registered layout fits "
             f"(`slabconv list`; if it is one of them saved another way, pass --arch NAME); {OWN_MODEL}"
