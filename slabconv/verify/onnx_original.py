@@ -241,16 +241,18 @@ def check_batch_axes(info: OnnxFile) -> None:
     Raises:
         InputError: naming the input, its declared shape and the batch it does not follow.
     """
-    first = info.inputs[0] if info.inputs else None
+    if not info.inputs:
+        return
+    first = info.inputs[0]
+    batch = first.dims[0] if first.dims else None  # None: dynamic (or the first input is itself a scalar)
     for graph_input in info.inputs:
-        lead = graph_input.dims[0] if graph_input.dims else "none"
-        if lead != "none" and (lead is None or first is None or lead == first.dims[0]):
+        if graph_input.dims and graph_input.dims[0] in (None, batch):
             continue
         shown = "[" + ", ".join("?" if d is None else str(d) for d in graph_input.dims) + "]"
-        batch = "dynamic" if first is None or not first.dims or first.dims[0] is None else str(first.dims[0])
         raise InputError(
             f"{info.path}: the input {graph_input.name!r} (shape {shown}) has no batch axis like the first input "
-            f"{first.name if first else '?'!r} (axis 0 of size {batch}), so slabconv cannot feed it samples; fold it "
+            f"{first.name!r} (axis 0 of size {'dynamic' if batch is None else batch}), so slabconv cannot feed it "
+            "samples; fold it "
             "with --no-verify and check model.onnx on your own inputs, or export the model with that value inside it"
         )
 

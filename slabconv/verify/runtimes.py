@@ -111,13 +111,15 @@ def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | N
     ``engine.written_tensors``) are put back after it, so no run changes what a later one computes or what question 1
     reads."""
 
+    stateful = model if isinstance(model, fx.GraphModule) and engine.written_tensors(model) else None  # once
+
     def run(x: np.ndarray) -> list[np.ndarray]:
         t = torch.from_numpy(x)
         if t.is_floating_point():
             t = t.to(round_to).to(dtype) if round_to is not None else t.to(dtype)
         if device != "cpu":
             t = t.to(device)
-        kept = engine.state_kept(model) if isinstance(model, fx.GraphModule) else contextlib.nullcontext()
+        kept = engine.state_kept(stateful) if stateful is not None else contextlib.nullcontext()
         with torch.no_grad(), kept:
             out = model(t)
         leaves = torch.utils._pytree.tree_leaves(out)
