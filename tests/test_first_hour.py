@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import typer
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -118,6 +119,34 @@ def test_an_interrupt_lost_in_a_finalizer_still_exits_130_and_writes_nothing(tmp
     assert "Exception ignored" not in done.stderr
     assert not out.exists()
     assert list(tmp_path.iterdir()) == [], "a staging folder was left behind"
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_an_interrupt_inside_a_printed_line_still_prints_the_interrupted_line(monkeypatch, terminal):
+    """A signal lands between two bytecodes, which may be inside Rich's ``Console.print`` just after it opened its
+    buffer and before its ``with`` block took hold: the block never closes, and every later line through that
+    console stays in the buffer. The interrupted line must still reach stderr, last (a SIGHUP in CI once ended a
+    run with 130 whose stderr stopped at the progress line it landed in)."""
+    from slabconv.cli.errors import errors
+
+    buf = io.StringIO()
+    err = Console(file=buf, width=100, force_terminal=terminal, no_color=True)
+    output = Output(err=err, out=Console(file=io.StringIO()))
+    opened = Console._enter_buffer
+    calls = []
+
+    def signal_lands_here(console: Console) -> None:
+        opened(console)
+        calls.append(1)
+        if len(calls) == 2:  # the second line: the first is already out
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Console, "_enter_buffer", signal_lands_here)
+    with pytest.raises(typer.Exit) as exit_, errors(output, debug=False):
+        output.error("[    3.2s] loading a.pth")
+        output.error("[    3.3s] tracing the model with torch.export")
+    assert exit_.value.exit_code == 130
+    assert buf.getvalue().splitlines() == ["[    3.2s] loading a.pth", "interrupted; nothing was written"]
 
 
 def _terminal(width: int) -> tuple[Output, io.StringIO]:

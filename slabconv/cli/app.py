@@ -31,6 +31,7 @@ from slabconv.cli.bench import bench
 from slabconv.cli.fuse import fuse
 from slabconv.cli.inspect import export, inspect
 from slabconv.cli.listing import list_command
+from slabconv.cli.output import INTERRUPTED
 from slabconv.cli.verify import verify
 from slabconv.errors import clear_interrupt, interrupt_requested, request_interrupt
 from slabconv.text import one_line
@@ -41,7 +42,6 @@ written); 2 bad input, unsupported model or usage error (one line on stderr, not
 traceback); 130 interrupted (Ctrl-C, nothing written); a reader that closes the pipe early (| head) is not an
 error: 0. Loading never runs code from a file unless --trust-pickle is given. Every message: docs/errors.md."""
 
-INTERRUPTED = "interrupted; nothing was written"
 EXIT_INTERRUPTED = 130
 """Exit code after Ctrl-C or SIGTERM: 128 + SIGINT, the shells' convention."""
 

@@ -48,7 +48,7 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
         output.error(one_line(f"error: {err}"))
         raise typer.Exit(err.exit_code) from None
     except KeyboardInterrupt:
-        output.error("interrupted; nothing was written")
+        output.interrupted()
         raise typer.Exit(130) from None
     except BrokenPipeError:
         raise  # stdout's reader went away: the app ends quietly with 0 (``OneLineErrors``)

@@ -33,6 +33,9 @@ from slabconv.text import one_line
 
 ProgressFn = Callable[..., None]
 
+INTERRUPTED = "interrupted; nothing was written"
+"""The last line on stderr of a run that Ctrl-C or a signal ended (exit code 130)."""
+
 
 class PipeConsole(Console):
     """A Rich console whose closed pipe (``slabconv list | head -1``) is a ``BrokenPipeError`` for the app to end
@@ -144,6 +147,14 @@ class Output:
     def error(self, text: str) -> None:
         """One line on stderr (always, whatever the mode), through ``one_line``."""
         self.err.print(one_line(text), markup=False, highlight=False, soft_wrap=True)
+
+    def interrupted(self) -> None:
+        """``INTERRUPTED`` on stderr, written to the stream itself rather than through Rich: a signal's
+        ``KeyboardInterrupt`` can land inside ``Console.print`` after Rich opened its buffer and before the ``with``
+        block that closes it took hold, and every later line through that console then stays in the buffer."""
+        stream = self.err.file
+        stream.write(INTERRUPTED + "\n")
+        stream.flush()
 
     @contextmanager
     def progress(self) -> Iterator[ProgressFn]:
