@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -116,19 +117,29 @@ def release_memory(collect: bool = True) -> None:
     starts from what is alive, not from every earlier stage's leftovers. Inside ``stage_memory`` the collection only
     walks what was made since it began (a full one walks every object torch's imports made: about 0.2-0.5 s).
     """
-    import ctypes
-    import ctypes.util
     import gc
 
     if collect:
         gc.collect()
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def libc() -> Any:
+    """The C library as a ``ctypes.CDLL`` (errno kept, for ``ctypes.get_errno``), or None where ``ctypes`` cannot
+    find one. Looked up once per process: ``ctypes.util.find_library`` runs ``ldconfig -p`` on every call."""
+    import ctypes
+    import ctypes.util
+
     name = ctypes.util.find_library("c")
     if name is None:
-        return
+        return None
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from slabconv.errors import InputError
 from slabconv.load import safety
 from slabconv.load.hf import SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_INDEX, inside, read_index, shard_paths
 from slabconv.load.safetensors_file import read_header
+from slabconv.util import libc
 
 _MMAP_THRESHOLD = 1 << 20
 
@@ -37,17 +38,8 @@ def return_freed_blocks_to_the_os() -> bool:
     Process-wide and harmless for other work (large allocations only). Returns False where it does not apply
     (not glibc).
     """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(-3, _MMAP_THRESHOLD))  # M_MMAP_THRESHOLD = -3 in glibc's malloc.h
-    except (OSError, AttributeError):
-        return False
+    mallopt = getattr(libc(), "mallopt", None)
+    return mallopt is not None and bool(mallopt(-3, _MMAP_THRESHOLD))  # M_MMAP_THRESHOLD = -3 in glibc's malloc.h
 
 
 @dataclass

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
 import json
 import os
@@ -49,6 +48,7 @@ from pathlib import Path
 
 from slabconv.errors import SlabconvError, UsageError, raise_if_interrupted
 from slabconv.text import shown
+from slabconv.util import libc
 from slabconv.write.output_checks import (  # noqa: F401 (the checks are part of this module's face)
     REPORT,
     STAGING_EXTRA,
@@ -77,9 +77,7 @@ _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
 
 def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     """``renameat2(src, dst, flags)``; False when this system lacks it (then the caller falls back)."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name, use_errno=True) if name else None
-    fn = getattr(libc, "renameat2", None)
+    fn = getattr(libc(), "renameat2", None)
     if fn is None:
         return False
     if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), ctypes.c_uint(flags)) == 0:
