@@ -4,6 +4,7 @@ device move they rely on (checked on the meta device: any tensor left on the CPU
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,33 @@ def test_a_language_model_bench_times_greedy_generation_like_for_like(tmp_path):
     assert generation["original_tokens_per_second"] > 0 and generation["fused_tokens_per_second"] > 0
     ratio = generation["fused_tokens_per_second"] / generation["original_tokens_per_second"]
     assert generation["fused_over_original"] == pytest.approx(ratio)
+
+
+def test_bench_reports_the_four_variants_and_the_headline_ratio():
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            str(CKPT),
+            "--batch",
+            "1,4",
+            "--repeats",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    variants = {(t["variant"], t["runtime"], t["batch"]) for t in report["timings"]}
+    for variant in ("original", "fused", "norm-free", "layernorm"):
+        for runtime in ("pytorch", "onnxruntime"):
+            assert {(variant, runtime, 1), (variant, runtime, 4)} <= variants
+    ratios = report["fused_over_norm_free"]
+    assert len(ratios) == 4 and all(r["ratio"] > 0 for r in ratios)
+
+
+def test_bench_refuses_a_bad_batch_list():
+    result = CliRunner().invoke(app, ["bench", str(CKPT), "--batch", "x"])
+    assert result.exit_code == 2 and "--batch" in result.output

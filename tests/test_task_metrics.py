@@ -1,6 +1,7 @@
 """Issue 40, item 4: the task metrics of a language model (``slabconv.verify.task_metrics``): perplexity and
 next-token KL computed as defined, and judged by question 2's rule (twice the original's own, or the dtype's
-floor). The fixture end to end, in every runtime that generates, is in ``tests/test_text_e2e.py``."""
+floor). The fixture end to end, in every runtime that generates, is in ``tests/test_deploy_llama.py``
+(docs/deploy.md's fuse)."""
 
 from __future__ import annotations
 
