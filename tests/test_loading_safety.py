@@ -331,3 +331,21 @@ def test_ema_on_weights_with_one_set_is_refused(tmp_path: Path) -> None:
     result = runner.invoke(app, ["inspect", str(tmp_path / "w.safetensors"), "--ema"])
     assert result.exit_code == 2
     assert "--ema does not apply to a safetensors file" in result.stderr
+
+
+def test_verify_refuses_ema_where_no_side_holds_ema_weights(tmp_path: Path) -> None:
+    """``verify`` gives its options to both sides; ``--ema`` where neither is a ``.pth`` training checkpoint would be
+    ignored by both (a safetensors reference compared as it is, its "EMA weights" never read), so it is refused
+    before anything is read. With a ``.pth`` side it reaches that checkpoint."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tiny_state_dict().items()}, str(tmp_path / "w.safetensors"))
+    result = runner.invoke(app, ["verify", str(tmp_path / "w.safetensors"), str(tmp_path / "w.safetensors"), "--ema"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"error: --ema takes the EMA weights of a .pth training checkpoint, and neither {tmp_path / 'w.safetensors'} "
+        f"nor {tmp_path / 'w.safetensors'} is one; drop it"
+    )
+    torch.save({"model": tiny_state_dict(), "epoch": 3}, tmp_path / "plain.pth")
+    result = runner.invoke(app, ["verify", str(tmp_path / "plain.pth"), str(tmp_path / "w.safetensors"), "--ema"])
+    assert result.exit_code == 2 and "--ema was given but the checkpoint has no EMA weights" in result.stderr

@@ -200,6 +200,22 @@ def check_options_apply(path: Path | str, options: LoadOptions | None) -> None:
         )
 
 
+def check_ema_applies(paths: tuple[Path | str, ...], options: LoadOptions | None) -> None:
+    """Refuse ``--ema`` for a ``verify`` whose sides are none of them a PyTorch pickle (``.pth``): only a training
+    checkpoint holds EMA weights, and every other side would ignore the option.
+
+    Raises:
+        UsageError: ``options.ema`` set and no side is read as a pickle (``FORMATS``' ``pickle`` entry).
+    """
+    if not (options and options.ema):
+        return
+    if not any((found := sniff_format(Path(p))) is not None and found.name == "pickle" for p in paths):
+        raise UsageError(
+            f"--ema takes the EMA weights of a .pth training checkpoint, and neither {paths[0]} nor {paths[1]} is "
+            "one; drop it"
+        )
+
+
 def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 
