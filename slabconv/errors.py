@@ -79,7 +79,8 @@ ENVIRONMENT_ERRNOS = frozenset(
 links, permissions, a read-only or full file system, a failing disk."""
 
 
-_interrupt = {"requested": False}
+_interrupt = {"requested": False, "held": 0}
+_written: list[str] = []
 
 
 def request_interrupt() -> None:
@@ -99,7 +100,7 @@ def clear_interrupt() -> None:
 
 def interrupt_requested() -> bool:
     """Whether ``request_interrupt`` was called since the last ``clear_interrupt``."""
-    return _interrupt["requested"]
+    return bool(_interrupt["requested"])
 
 
 def raise_if_interrupted() -> None:
@@ -110,6 +111,43 @@ def raise_if_interrupted() -> None:
     """
     if _interrupt["requested"]:
         raise KeyboardInterrupt
+
+
+def interrupts_held() -> bool:
+    """Whether a ``HeldInterrupts`` block is running: a signal is then only recorded, and raised when it ends."""
+    return _interrupt["held"] > 0
+
+
+class HeldInterrupts:
+    """A block that a signal does not cut in two: the moves that publish an output and the record of what they
+    published (``record_written``). The CLI's handler only records a signal that lands inside
+    (``request_interrupt``); the block's end raises it (``raise_if_interrupted``), so an interrupted run stops with
+    its output either not moved at all or moved whole, and says which.
+
+    A class, not a generator: a signal landing in ``__enter__`` after the count went up is only recorded too."""
+
+    def __enter__(self) -> None:
+        _interrupt["held"] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _interrupt["held"] -= 1
+        if exc[0] is None and not _interrupt["held"]:
+            raise_if_interrupted()
+
+
+def record_written(path: str) -> None:
+    """Record that ``path`` was moved into place, whole (``write.staging``, inside ``HeldInterrupts``)."""
+    _written.append(path)
+
+
+def written() -> list[str]:
+    """The outputs moved into place since the last ``clear_written``, in order."""
+    return list(_written)
+
+
+def clear_written() -> None:
+    """Forget the outputs recorded (a command starts)."""
+    _written.clear()
 
 
 # torch's CPU allocator when the system (or the user's ``ulimit -v`` / cgroup limit) refuses an allocation.

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,76 @@ def test_the_entry_point_turns_hangup_and_quit_into_an_interruption(signame: str
             signal.signal(num, handler)
         sys.unraisablehook = hook
         clear_interrupt()
+
+
+@pytest.fixture
+def handlers() -> Iterator[None]:
+    """The console script's signal handlers in this process (``install_signal_handlers``), restored after."""
+    cli_app = importlib.import_module("slabconv.cli.app")
+    names = [n for n in (*cli_app.INTERRUPTING_SIGNALS, "SIGINT") if hasattr(signal, n)]
+    saved = {getattr(signal, n): signal.getsignal(getattr(signal, n)) for n in names}
+    hook = sys.unraisablehook
+    cli_app.install_signal_handlers()
+    try:
+        yield
+    finally:
+        for num, handler in saved.items():
+            signal.signal(num, handler)
+        sys.unraisablehook = hook
+        clear_interrupt()
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "swap-with-backup"])
+def test_a_signal_while_the_output_moves_into_place_ends_after_it_and_says_so(
+    previous, handlers, monkeypatch, exchange: bool
+) -> None:
+    """SIGTERM lands while ``fuse --force`` moves its verified folder into place: the move finishes (the folder is
+    never half old, half new), then the run ends with 130 and a last line that names the folder as written in full,
+    not "nothing was written". The old output is gone, replaced."""
+    ckpt, out, before = previous
+    real = staging._renameat2
+
+    def signalled_rename(src: Path, dst: Path, flags: int) -> bool:
+        done = real(src, dst, flags) if exchange else False
+        signal.raise_signal(signal.SIGTERM)  # Python runs the handler here, between this call and the next
+        return done
+
+    monkeypatch.setattr(staging, "_renameat2", signalled_rename)
+    result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "8"])
+    assert result.exit_code == 130, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"interrupted after {out} was written in full; nothing else was written"
+    )
+    assert snapshot(out) != before and sorted(p.name for p in out.iterdir()) == [
+        "model.pt2",
+        "model.safetensors",
+        "report.json",
+    ]
+    assert _staging(out) == []
+
+
+def test_a_signal_between_an_onnx_file_and_its_data_moves_both(tmp_path: Path, handlers, monkeypatch) -> None:
+    """``staging_file`` moves the side files first (``model.onnx.data``), the file last: a signal between the two
+    (with ``--force``, over an older pair) moves both, then ends the run; an ``.onnx`` beside another run's
+    ``.data`` would load wrong weights or none."""
+    final = tmp_path / "model.onnx"
+    final.write_bytes(b"old graph")
+    (tmp_path / "model.onnx.data").write_bytes(b"old weights")
+    real = os.replace
+    moved: list[str] = []
+
+    def signalled_replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        real(src, dst)
+        moved.append(Path(dst).name)
+        if len(moved) == 1:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(staging.os, "replace", signalled_replace)
+    with pytest.raises(KeyboardInterrupt), staging.staging_file(final, True) as tmp:
+        (tmp / "model.onnx").write_bytes(b"new graph")
+        (tmp / "model.onnx.data").write_bytes(b"new weights")
+    assert moved == ["model.onnx.data", "model.onnx"]
+    assert final.read_bytes() == b"new graph" and (tmp_path / "model.onnx.data").read_bytes() == b"new weights"
 
 
 def test_a_swap_cut_short_is_undone_by_the_next_run(previous) -> None:

@@ -31,9 +31,9 @@ from slabconv.cli.bench import bench
 from slabconv.cli.fuse import fuse
 from slabconv.cli.inspect import export, inspect
 from slabconv.cli.listing import list_command
-from slabconv.cli.output import INTERRUPTED
+from slabconv.cli.output import interrupted_line
 from slabconv.cli.verify import verify
-from slabconv.errors import clear_interrupt, interrupt_requested, request_interrupt
+from slabconv.errors import clear_interrupt, interrupt_requested, interrupts_held, request_interrupt
 from slabconv.text import one_line
 from slabconv.version import __version__
 
@@ -59,7 +59,7 @@ def closed_pipe() -> None:
 
 def interrupted() -> None:
     """Ctrl-C outside a command body (while parsing or importing): the same line and code as inside one."""
-    sys.stderr.write(INTERRUPTED + "\n")
+    sys.stderr.write(interrupted_line() + "\n")
     sys.exit(EXIT_INTERRUPTED)
 
 
@@ -119,7 +119,7 @@ class OneLineErrors(TyperGroup):
                 raise ClosedPipe from None
             raise
         except KeyboardInterrupt:
-            sys.stderr.write(INTERRUPTED + "\n")
+            sys.stderr.write(interrupted_line() + "\n")
             raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
@@ -278,6 +278,8 @@ def _interrupt(signum: int, frame: object) -> None:
             other = getattr(signal, name, None)
             if other is not None:
                 signal.signal(other, signal.SIG_IGN)
+    if interrupts_held():  # an output is being moved into place: the block's end raises it (errors.HeldInterrupts)
+        return
     raise KeyboardInterrupt
 
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import typer
 
 from slabconv.cli.output import Output
-from slabconv.errors import SlabconvError, VerificationError, cli_spelling, environment_error
+from slabconv.errors import SlabconvError, VerificationError, clear_written, cli_spelling, environment_error
 from slabconv.text import one_line
 
 
@@ -32,6 +32,7 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
     from slabconv.zoo.registry import checking_names
 
     debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
+    clear_written()  # the interrupted line names what this command moved into place (errors.record_written)
     try:
         with checking_names(), cli_spelling():
             yield

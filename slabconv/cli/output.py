@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from slabconv.errors import raise_if_interrupted
+from slabconv.errors import raise_if_interrupted, written
 from slabconv.report.data import Report
 from slabconv.report.render import folds_table, summary_lines
 from slabconv.text import one_line
@@ -34,7 +34,17 @@ from slabconv.text import one_line
 ProgressFn = Callable[..., None]
 
 INTERRUPTED = "interrupted; nothing was written"
-"""The last line on stderr of a run that Ctrl-C or a signal ended (exit code 130)."""
+"""The last line on stderr of a run that Ctrl-C or a signal ended (exit code 130) before it moved an output into
+place; ``interrupted_line`` names what it had moved otherwise."""
+
+
+def interrupted_line() -> str:
+    """The interrupted run's last line: ``INTERRUPTED``, or the outputs it had already moved into place whole
+    (``errors.written``: an interrupt that lands while an output is being moved takes effect once it is in place)."""
+    done = written()
+    if not done:
+        return INTERRUPTED
+    return one_line(f"interrupted after {', '.join(done)} was written in full; nothing else was written")
 
 
 class PipeConsole(Console):
@@ -149,11 +159,11 @@ class Output:
         self.err.print(one_line(text), markup=False, highlight=False, soft_wrap=True)
 
     def interrupted(self) -> None:
-        """``INTERRUPTED`` on stderr, written to the stream itself rather than through Rich: a signal's
+        """``interrupted_line()`` on stderr, written to the stream itself rather than through Rich: a signal's
         ``KeyboardInterrupt`` can land inside ``Console.print`` after Rich opened its buffer and before the ``with``
         block that closes it took hold, and every later line through that console then stays in the buffer."""
         stream = self.err.file
-        stream.write(INTERRUPTED + "\n")
+        stream.write(interrupted_line() + "\n")
         stream.flush()
 
     @contextmanager

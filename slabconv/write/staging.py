@@ -46,7 +46,7 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from slabconv.errors import SlabconvError, UsageError, raise_if_interrupted
+from slabconv.errors import HeldInterrupts, SlabconvError, UsageError, raise_if_interrupted, record_written
 from slabconv.text import shown
 from slabconv.util import libc
 from slabconv.write.output_checks import (  # noqa: F401 (the checks are part of this module's face)
@@ -341,19 +341,21 @@ def staging_dir(final: Path, force: bool) -> Iterator[Path]:
         _publish_modes(tmp)
         final = Path(os.path.abspath(final))
         try:
-            if not force or not final.exists():
-                rename_noreplace(tmp, final)
-            else:
-                if final.is_symlink():  # a link put in its place while the run worked
-                    raise UsageError(
-                        f"{shown(final)} became a symbolic link while slabconv worked; nothing was written"
-                    )
-                _check_replaceable(final, final)  # checked before the work; again, as the folder may have changed
-                if any(final.iterdir()):
-                    _check_owned(final, final)
-                if not _renameat2(tmp, final, _RENAME_EXCHANGE):
-                    _swap_with_backup(tmp, final)
-                # after the exchange ``tmp`` holds the old output; the staging folder around it is removed on exit
+            with HeldInterrupts():  # a signal here takes effect once the folder is in place and recorded
+                if not force or not final.exists():
+                    rename_noreplace(tmp, final)
+                else:
+                    if final.is_symlink():  # a link put in its place while the run worked
+                        raise UsageError(
+                            f"{shown(final)} became a symbolic link while slabconv worked; nothing was written"
+                        )
+                    _check_replaceable(final, final)  # checked before the work; again, as the folder may have changed
+                    if any(final.iterdir()):
+                        _check_owned(final, final)
+                    if not _renameat2(tmp, final, _RENAME_EXCHANGE):
+                        _swap_with_backup(tmp, final)
+                    # after the exchange ``tmp`` holds the old output; the staging folder around it is removed on exit
+                record_written(shown(final))
         except FileExistsError:
             raise UsageError(
                 f"{shown(final)} already exists (another run wrote it meanwhile); nothing was written"
@@ -402,13 +404,15 @@ def staging_file(final: Path, force: bool, owned: Callable[[Path], bool] | None 
         _publish_modes(tmp)
         placed: list[Path] = []
         try:
-            for item in sorted(tmp.iterdir(), key=lambda p: p.name == final.name):
-                dst = final.parent / item.name
-                if force:
-                    os.replace(item, dst)
-                else:
-                    rename_noreplace(item, dst)
-                placed.append(dst)
+            with HeldInterrupts():  # a signal here takes effect once every file is in place and recorded
+                for item in sorted(tmp.iterdir(), key=lambda p: p.name == final.name):
+                    dst = final.parent / item.name
+                    if force:
+                        os.replace(item, dst)
+                    else:
+                        rename_noreplace(item, dst)
+                    placed.append(dst)
+                record_written(shown(final))
         except FileExistsError as err:
             for dst in placed:
                 _remove(dst)
