@@ -131,11 +131,11 @@ def test_layerwise_reference_chain_is_the_model(tmp_path):
     hfwrite.write_hf_folder(tmp_path / "f", model.state_dict(), TINY_CONFIG, max_shard_bytes=4096)
     side = layerwise.Folder.open(tmp_path / "f", block_elements=100)  # several blocks per weight
     x = tokens(batch=2, seq=8)
-    extra = side.family.layer_inputs(side.cfg, 8, torch.float32)
     with torch.no_grad():
         h, want = side.embed(x, torch.float32), model.model.embed_tokens(x)
         assert torch.equal(h, want)
         for i, layer in enumerate(model.model.layers):
+            extra = side.family.layer_inputs(side.cfg, i, 8, torch.float32)
             h, want = side.layer(i, torch.float32)(h, *extra), layer(want, *extra)
             torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(side.logits(h), model(x), rtol=1e-6, atol=1e-6)
