@@ -183,3 +183,18 @@ def test_the_float64_reference_of_a_sliding_window_model_masks_each_layer_by_its
     with torch.no_grad():
         want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
     assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0
+
+
+def test_a_qwen2_config_without_layer_types_windows_the_layers_transformers_windows():
+    """A Qwen2 ``config.json`` saved before transformers wrote ``layer_types``: with ``use_sliding_window``, only the
+    layers from ``max_window_layers`` on attend through the window (transformers' ``Qwen2Config``); the others are
+    full causal attention (was: every layer windowed, another model than the one transformers runs)."""
+    transformers = pytest.importorskip("transformers")
+    from slabconv.zoo.llama_std import _windows
+
+    saved = transformers.Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2
+    ).to_dict()
+    want = tuple(8 if t == "sliding_attention" else None for t in saved.pop("layer_types"))
+    assert want == (None, None, 8, 8) and _windows(saved, 4) == want
+    assert _windows({**saved, "max_window_layers": 4}, 4) is None  # no layer reaches the window
