@@ -164,3 +164,37 @@ def test_an_arch_of_another_llama_names_the_one_that_fits_without_blaming_the_co
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: --arch {arch} does not fit these weights: ") and phrase in message, message
     assert "fix config.json" not in message, message
+
+
+def test_the_float64_reference_of_a_sliding_window_model_masks_each_layer_by_its_window():
+    """Mistral's ``sliding_window`` (and Qwen2's ``layer_types``): the generation check's float64 pass runs the
+    prompts and the generated tokens, longer than the window, one decoder layer at a time. Each layer must see its
+    own window (was: the plain causal mask in every layer, so a correct Mistral fold failed 'greedy generation' on
+    every prompt whose tokens passed the window, exit 1). Its logits are the whole model's in float64."""
+    from slabconv.verify.generate import ModuleLayers, exact_path
+    from slabconv.zoo.llama_std import norm_factory
+
+    torch.manual_seed(5)
+    cfg = replace(BASE, sliding_windows=(3, None), pad_token_id=None)  # one windowed layer, one full
+    model = randomize_norms(LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps))).eval()
+    gen = torch.Generator().manual_seed(6)
+    prompts, path = torch.randint(0, 61, (2, 6), generator=gen), torch.randint(0, 61, (2, 5), generator=gen)
+    run = exact_path(ModuleLayers(model), prompts, path, "reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
+    assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0
+
+
+def test_a_qwen2_config_without_layer_types_windows_the_layers_transformers_windows():
+    """A Qwen2 ``config.json`` saved before transformers wrote ``layer_types``: with ``use_sliding_window``, only the
+    layers from ``max_window_layers`` on attend through the window (transformers' ``Qwen2Config``); the others are
+    full causal attention (was: every layer windowed, another model than the one transformers runs)."""
+    transformers = pytest.importorskip("transformers")
+    from slabconv.zoo.llama_std import _windows
+
+    saved = transformers.Qwen2Config(
+        num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2
+    ).to_dict()
+    want = tuple(8 if t == "sliding_attention" else None for t in saved.pop("layer_types"))
+    assert want == (None, None, 8, 8) and _windows(saved, 4) == want
+    assert _windows({**saved, "max_window_layers": 4}, 4) is None  # no layer reaches the window

@@ -131,11 +131,11 @@ def test_layerwise_reference_chain_is_the_model(tmp_path):
     hfwrite.write_hf_folder(tmp_path / "f", model.state_dict(), TINY_CONFIG, max_shard_bytes=4096)
     side = layerwise.Folder.open(tmp_path / "f", block_elements=100)  # several blocks per weight
     x = tokens(batch=2, seq=8)
-    extra = side.family.layer_inputs(side.cfg, 8, torch.float32)
     with torch.no_grad():
         h, want = side.embed(x, torch.float32), model.model.embed_tokens(x)
         assert torch.equal(h, want)
         for i, layer in enumerate(model.model.layers):
+            extra = side.family.layer_inputs(side.cfg, i, 8, torch.float32)
             h, want = side.layer(i, torch.float32)(h, *extra), layer(want, *extra)
             torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(side.logits(h), model(x), rtol=1e-6, atol=1e-6)
@@ -546,3 +546,21 @@ def test_a_missing_or_extra_key_is_named_in_one_line_as_in_memory(tmp_path, chan
     kind = "missing keys" if change == "missing" else "unexpected keys"
     assert f"the checkpoint does not fit architecture 'llama_prepbn': {kind} (1): {key}" in message, message
     assert "Error(s)" not in message and not (tmp_path / "out").exists()
+
+
+def test_a_folder_with_both_model_safetensors_and_an_index_streams_what_the_in_memory_door_reads(folded, tmp_path):
+    """A folder holding both ``model.safetensors`` and ``model.safetensors.index.json`` + shards is read from
+    ``model.safetensors``, as transformers' ``from_pretrained`` and the in-memory loader read it (``LAYOUTS``):
+    streamed, it was read from the shards, so ``fuse --stream`` folded another model than ``fuse`` and transformers
+    load from the same folder, and verified it against those shards (PASSED)."""
+    import shutil
+
+    root, _, sd, _, _ = folded
+    shutil.copytree(root / "src", tmp_path / "both")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    other = {**sd, key: -sd[key]}  # the single file differs from the shards in one tensor
+    hfwrite.write_hf_folder(tmp_path / "both", other, CONFIG)  # adds model.safetensors beside the index
+    assert (tmp_path / "both" / hf.SAFETENSORS_INDEX).is_file()
+    in_memory = hf.read_hf_folder(tmp_path / "both")
+    assert torch.equal(in_memory.state_dict[key], -sd[key])
+    assert torch.equal(LazyShards.open(tmp_path / "both").get(key), in_memory.state_dict[key])

@@ -80,8 +80,10 @@ class LazyShards:
 
     @classmethod
     def open(cls, folder: Path | str, block_elements: int = 1 << 22) -> LazyShards:
-        """The reader of a folder with ``model.safetensors.index.json`` + shards (the index read and checked) or
-        one ``model.safetensors`` (only its header is read).
+        """The reader of a folder with one ``model.safetensors`` (only its header is read) or
+        ``model.safetensors.index.json`` + shards (the index read and checked). A folder with both is read from
+        ``model.safetensors``, as transformers' ``from_pretrained`` and ``read_hf_folder`` read it
+        (``paths.LAYOUTS``): the streamed and the in-memory fold of a folder fold the same weights.
 
         Raises:
             InputError: neither file, a damaged index, a missing shard.
@@ -91,12 +93,12 @@ class LazyShards:
         for item in (index, single):
             if item.is_file():
                 inside(folder, item)
-        if index.is_file():
-            shard_paths(index)
-            return cls(folder, read_index(index), block_elements)
         if single.is_file():
             keys, _ = cls(folder, {}, block_elements).header(SAFETENSORS)
             return cls(folder, dict.fromkeys(keys, SAFETENSORS), block_elements)
+        if index.is_file():
+            shard_paths(index)
+            return cls(folder, read_index(index), block_elements)
         raise InputError(f"{folder}: neither {SAFETENSORS_INDEX} nor {SAFETENSORS}; not a safetensors model folder")
 
     def _shard(self, key: str) -> str:

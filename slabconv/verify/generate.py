@@ -462,7 +462,7 @@ class Layers(Protocol):
         ...
 
     def layer(self, i: int, dtype: torch.dtype) -> torch.nn.Module:
-        """Decoder layer ``i`` in ``dtype``: ``layer(h, *family.layer_inputs(cfg, T, dtype))``."""
+        """Decoder layer ``i`` in ``dtype``: ``layer(h, *family.layer_inputs(cfg, i, T, dtype))``."""
         ...
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -524,11 +524,11 @@ def exact_path(layers: Layers, prompts: ArrayLike, path: ArrayLike, name: str) -
         raise UsageError(f"{ids.shape[0]} prompts but a path of {tokens.shape[0]} sequences")
     t = ids.shape[1]
     sequence = torch.cat([ids, tokens[:, :-1]], dim=1)
-    extra = layers.family.layer_inputs(layers.cfg, sequence.shape[1], torch.float64)
     start = time.perf_counter()
     with torch.no_grad():
         h = layers.embed(sequence, torch.float64)
         for i in range(layers.family.num_layers(layers.cfg)):
+            extra = layers.family.layer_inputs(layers.cfg, i, sequence.shape[1], torch.float64)
             h = layers.layer(i, torch.float64)(h, *extra)
         logits = layers.logits(h[:, t - 1 :])
     return GreedyRun(name, tokens.numpy(), time.perf_counter() - start, logits.numpy())

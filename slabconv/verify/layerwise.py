@@ -332,12 +332,12 @@ def verify_folders(
         progress("verifying: question 1, the written tensors against a float64 fold")
         verification.exact.append(exact_streamed(ref.shards, cand.shards, program))
     verification.integrity.append(_keys_check(ref, cand))
-    extra64, extra = family.layer_inputs(cfg, t, torch.float64), family.layer_inputs(cfg, t, dtype)
     layers = family.num_layers(cfg)
     with torch.no_grad():
         h64, h, g = ref.embed(ids, torch.float64), ref.embed(ids, dtype), cand.embed(ids, dtype)
         for i in range(layers):
             progress("verifying: question 2, one decoder layer at a time", i, layers, f"decoder layer {i}")
+            extra64, extra = family.layer_inputs(cfg, i, t, torch.float64), family.layer_inputs(cfg, i, t, dtype)
             both64 = ref.layer(i, torch.float64)(torch.cat([h.double(), h64]), *extra64)
             exact, h64 = both64[:sequences], both64[sequences:]
             original = ref.layer(i, dtype)(h, *extra)
@@ -434,10 +434,10 @@ def localize_folders(reference: Path, candidate: Path, program: FoldProgram, see
     family, cfg = ref.family, ref.cfg
     t = max(1, min(DEFAULT_SEQ_LEN, family.max_positions(cfg)))
     ids = torch.randint(0, family.vocab_size(cfg), (1, t), generator=torch.Generator().manual_seed(seed))
-    extra64 = family.layer_inputs(cfg, t, torch.float64)
     with torch.no_grad():
         h64 = ref.embed(ids, torch.float64)
         for i in range(family.num_layers(cfg)):
+            extra64 = family.layer_inputs(cfg, i, t, torch.float64)
             got, want = (
                 _linear_outputs(cand.layer(i, torch.float64), h64, extra64),
                 _linear_outputs(fold.layer(i, torch.float64), h64, extra64),

@@ -40,8 +40,9 @@ class DecoderFamily:
         build_layer: ``build_layer(cfg) -> nn.Module`` on the meta device, norms as identities (the streamed
             verifier replaces its Linears and norms).
         build_norm: ``build_norm(layout, cfg) -> nn.Module`` for one norm (identity once folded).
-        layer_inputs: ``layer_inputs(cfg, seq_len, dtype) -> tuple``: what ``layer(h, *inputs)`` takes besides
-            the hidden states ``(B, T, C)``.
+        layer_inputs: ``layer_inputs(cfg, i, seq_len, dtype) -> tuple``: what decoder layer ``i`` takes besides
+            the hidden states ``(B, T, C)`` (``layer(h, *inputs)``); layers differ where their attention does
+            (a sliding window in some layers only).
         vocab_size, num_layers, eps: of a ``cfg``.
     """
 
@@ -56,7 +57,7 @@ class DecoderFamily:
     config: Callable[[Mapping[str, torch.Tensor], Mapping[str, Any]], Any]
     build_layer: Callable[[Any], nn.Module]
     build_norm: Callable[[str, Any], nn.Module]
-    layer_inputs: Callable[[Any, int, torch.dtype], tuple[torch.Tensor, ...]]
+    layer_inputs: Callable[[Any, int, int, torch.dtype], tuple[torch.Tensor, ...]]
     vocab_size: Callable[[Any], int]
     num_layers: Callable[[Any], int]
     max_positions: Callable[[Any], int]
@@ -91,12 +92,16 @@ def _llama_norm(layout: str, cfg: Any) -> nn.Module:
     return llama_norm_factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
 
 
-def _llama_inputs(cfg: Any, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Rotary ``cos``, ``sin`` ``(T, d)`` and the causal mask ``(T, T)`` in ``dtype``, as the zoo's forward makes
-    them."""
-    from slabconv.zoo.llama import rope_cos_sin
+def _llama_inputs(cfg: Any, i: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Rotary ``cos``, ``sin`` ``(T, d)`` and the additive mask ``(T, T)`` of decoder layer ``i`` in ``dtype``, as
+    the zoo's forward makes them: causal, or causal over the layer's sliding window (``cfg.sliding_windows``)."""
+    from slabconv.zoo.llama import rope_cos_sin, sliding_mask
 
     cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, dtype)
+    windows = cfg.sliding_windows or ()
+    window = windows[i] if i < len(windows) else None
+    if window is not None:
+        return cos, sin, sliding_mask(seq_len, int(window), dtype)
     mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)
     return cos, sin, mask
 
@@ -146,21 +151,12 @@ def _std_layout(keys: Mapping[str, Any], prefix: str) -> str | None:
     return std_layout(keys, prefix)
 
 
-def _std_positions(cfg: Any) -> int:
-    """The longest sequence a layer-by-layer check runs: ``max_position_embeddings``, and no longer than the
-    shortest sliding window (up to it, windowed attention is plain causal attention, which ``_llama_inputs``
-    masks)."""
-    windows = [int(w) for w in cfg.sliding_windows or () if w]
-    return min([int(cfg.max_position_embeddings), *windows])
-
-
 STANDARD = replace(
     LLAMA,  # the same key layout and layers; plain RMSNorms, and the config of transformers' own classes
     name="llama_std",
     norm_layout=_std_layout,
     config=_std_config,
     build_norm=_std_norm,
-    max_positions=_std_positions,
 )
 
 FAMILIES = (STANDARD, LLAMA)

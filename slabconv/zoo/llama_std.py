@@ -16,8 +16,9 @@ their ``config.json`` keys; written here from those facts, no code copied. The f
 - biases where the weights have them: Qwen2's ``q/k/v_proj.bias`` (``o_proj`` has none), LLaMA's
   ``attention_bias`` (all four) and ``mlp_bias``;
 - ``tie_word_embeddings``: ``lm_head`` reads ``model.embed_tokens.weight`` (then absent from the weights);
-- sliding-window attention (Mistral's ``sliding_window``; Qwen2's ``layer_types`` ``sliding_attention``): query
-  ``i`` sees keys ``i - W < j <= i``.
+- sliding-window attention (Mistral's ``sliding_window``; Qwen2's ``layer_types`` ``sliding_attention``, or where
+  a config has no ``layer_types`` and ``use_sliding_window``, the layers from ``max_window_layers`` on, as
+  transformers' ``Qwen2Config`` reads it): query ``i`` sees keys ``i - W < j <= i``.
 
 Refused (``UnsupportedModelError``): a rope other than the default (``rope_scaling`` / ``rope_parameters`` of
 another ``rope_type``: llama3, yarn, ...), a ``head_dim`` other than ``hidden_size / num_attention_heads``, an
@@ -99,8 +100,9 @@ def _windows(config: Mapping[str, Any], depth: int) -> tuple[int | None, ...] | 
     types = config.get("layer_types")
     if isinstance(types, (list, tuple)) and len(types) == depth:
         windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
-    elif config.get("model_type") == "qwen2":
-        windows = (int(window),) * depth if config.get("use_sliding_window") else (None,) * depth
+    elif config.get("model_type") == "qwen2":  # transformers' Qwen2Config: the layers from max_window_layers on
+        first = int(config.get("max_window_layers", 28)) if config.get("use_sliding_window") else depth
+        windows = tuple(int(window) if i >= first else None for i in range(depth))
     else:  # Mistral: every layer
         windows = (int(window),) * depth
     return windows if any(w is not None for w in windows) else None
