@@ -153,6 +153,7 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
         optimize(model)
     finally:
         chatty.setLevel(level)
+    _register_orphan_constants(model.graph)
     info: dict[str, Any] = {"simplifiers": [f"{ONNXSCRIPT} {onnxscript.__version__}"]}
     wanted = simplifiers is not None and any(s.split()[0] == ONNXSLIM for s in simplifiers)
     if simplifiers is None or wanted:
@@ -168,6 +169,26 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
         else:
             info[ONNXSLIM] = why
     return {"nodes_before": before, "nodes_after": len(list(model.graph)), **info}
+
+
+def _register_orphan_constants(graph: Any) -> None:
+    """Register as an initializer of ``graph`` every constant a node reads that has no producer and is neither a
+    graph input nor an initializer, in place. onnxscript 0.7's ``Flatten`` -> ``Reshape`` rewrite creates the
+    ``Reshape``'s shape with ``op.initializer``, and where two ``Flatten`` nodes read one value (DETR's
+    TorchScript export: the encoder's and the decoder's position masks) the second shape is never registered: the
+    saved file reads a value nothing defines, which ``onnx.checker`` and onnxruntime refuse ("Nodes in a graph
+    must be topologically sorted"). Registering it keeps the value the rewrite computed."""
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for value in node.inputs:
+            if value is None or value.const_value is None or value.producer() is not None:
+                continue
+            if value.is_graph_input() or value.is_initializer() or value.graph is not None:
+                continue
+            name, n = value.name or "constant", 0
+            while value.name is None or value.name in graph.initializers:
+                n += 1
+                value.name = f"{name}_{n}"
+            graph.register_initializer(value)
 
 
 def _onnxslim(model: Any, keep_larger: bool) -> tuple[str | None, str]:
