@@ -14,9 +14,10 @@ import onnx_ir as ir
 
 from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans, folded_values
-from slabconv.engine.onnx_lower import Lowered, lower, prepare
+from slabconv.engine.onnx_lower import Lowered, OnnxOp, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.ranges import LayerRange, flag_warnings
+from slabconv.engine.reasons import UNSUPPORTED_PREFIX
 
 
 def plan_file(model: Any, proto_path: str | None = None, norm_affine: bool = False) -> tuple[Any, list[NormPlan]]:
@@ -66,8 +67,27 @@ def fold_file(
     if ranges is not None:
         ranges += layer_ranges
         flag_warnings([p.decision for p in plans], ranges)
-    inner = subgraph_norms(model)
+    inner = opaque_norms(lowered) + subgraph_norms(model)
     return fold_planned(model, lowered, plans, as_float64, values), [p.decision for p in plans] + inner
+
+
+def opaque_norms(lowered: Lowered) -> list[Decision]:
+    """A ``kept`` decision for each top-level ``BatchNormalization`` the lowering read as an opaque node
+    (``onnx.BatchNormalization``): one whose input's rank no shape inference gives (behind the ``com.microsoft`` ops
+    onnxruntime's optimizer writes, ``FusedMatMul`` and ``BiasGelu``, which neither inference types) or whose
+    attributes have no rule (``spatial = 0``). The planner never sees such a norm and it stays as it is; listed so
+    that the report, ``inspect``, the summary and ``--require-folded`` count it (it went unmentioned: a file with no
+    other norm was reported as having none)."""
+    reason = f"{UNSUPPORTED_PREFIX}onnx.BatchNormalization"
+    kept = []
+    for node in lowered.gm.graph.nodes:
+        target = node.target
+        if not (isinstance(target, OnnxOp) and target.namespace == "onnx" and target.__name__ == "BatchNormalization"):
+            continue
+        norm = node.meta.get("onnx") or node.name
+        where = f"{norm}:onnx.BatchNormalization"
+        kept.append(Decision(norm, "BatchNorm", "kept", reason=reason, paths=[{"before": where, "reason": reason}]))
+    return kept
 
 
 def subgraph_norms(model: Any) -> list[Decision]:
