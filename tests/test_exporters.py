@@ -278,8 +278,9 @@ def test_simplify_registers_the_shape_onnxscripts_flatten_rewrite_leaves_unregis
 
     nodes = [helper.make_node("Relu", ["x"], ["r"])]
     nodes += [helper.make_node("Flatten", ["r"], [f"f{i}"]) for i in range(2)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 3])],
-                              [helper.make_tensor_value_info(f"f{i}", TensorProto.FLOAT, None) for i in range(2)])  # fmt: skip
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["batch", 4, 3])],
+                              [info(f"f{i}", TensorProto.FLOAT, None) for i in range(2)])  # fmt: skip
     proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     model = ir.from_proto(proto)
     onnx_fold.simplify_graph(model)

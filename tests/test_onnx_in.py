@@ -1296,7 +1296,8 @@ def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
     info = helper.make_tensor_value_info
     graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["batch", 4])],
                               [info("y", TensorProto.FLOAT, ["batch", 3])],
-                              [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()])  # fmt: skip
+                              [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+                              )  # fmt: skip
     path = tmp_path / "opaque.onnx"
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("org.example", 1)]
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))

@@ -75,13 +75,12 @@ _OPERATOR = re.compile(
     r"^torch\.ops\.(?:(?:" + "|".join(OPERATOR_NAMESPACES) + r")\.[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)?"
     r"|higher_order\.(?P<hop>[A-Za-z_][A-Za-z0-9_]*))$"
 )
-_RESOLVED_PREFIXES = ("torch", "_operator", "math", "#")
+_RESOLVED_PREFIXES = ("torch", "_operator", "math", "#")  # what deserialize_operator looks up (else kept a string)
 _SOURCE_FUNCTION = re.compile(r"^(?:torch\.(?:nn\.functional\.|_C\._nn\.)?|_operator\.)[a-z][a-z0-9_]*$")
 """A ``source_fn_stack`` entry naming the function a strict ``torch.export`` traced (``torch.nn.functional.batch_norm``,
 ``torch.nn.functional.interpolate``, ``torch._C._nn.gelu``, ``torch.conv2d``, ``torch.cat``, ``_operator.matmul``):
 metadata, which torch's deserializer (``deserialize_meta_func``) only looks up, one public lower-case name in one of
 these modules, and stores; nothing calls it. A module class (``torch.nn.modules.linear.Linear``) is checked below."""
-  # what deserialize_operator looks up (else kept a string)
 
 TREESPEC_TYPES = frozenset(
     {
