@@ -269,6 +269,30 @@ def test_simplify_keeps_onnxslims_graph_only_when_smaller_and_says_so_without_it
         _simplified("torch-block-torchscript.onnx", simplifiers=["onnxscript 0.7.2", "onnxslim 0.1.98"])
 
 
+def test_simplify_registers_the_shape_onnxscripts_flatten_rewrite_leaves_unregistered():
+    """Two ``Flatten`` nodes reading one value (DETR's TorchScript export): onnxscript's optimizer rewrites each
+    into a ``Reshape`` whose shape it creates as an initializer, and registers only the first; the second ``Reshape``
+    read a value nothing defines, so ``fuse --simplify`` wrote a file that ``onnx.checker`` refused. Every constant
+    a node reads is an initializer of the simplified graph, and it computes the two flattens."""
+    import onnxruntime as ort
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"])]
+    nodes += [helper.make_node("Flatten", ["r"], [f"f{i}"]) for i in range(2)]
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["batch", 4, 3])],
+                              [info(f"f{i}", TensorProto.FLOAT, None) for i in range(2)])  # fmt: skip
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model = ir.from_proto(proto)
+    onnx_fold.simplify_graph(model)
+    simplified = ir.to_proto(model)
+    assert [n.op_type for n in simplified.graph.node] == ["Relu", "Reshape", "Reshape"]
+    onnx.checker.check_model(simplified, full_check=True)
+    x = np.random.default_rng(0).standard_normal((2, 4, 3)).astype(np.float32)
+    session = ort.InferenceSession(simplified.SerializeToString(), providers=["CPUExecutionProvider"])
+    for out in session.run(None, {"x": x}):
+        np.testing.assert_array_equal(out, np.maximum(x, 0).reshape(2, 12))
+
+
 def test_question_1_holds_every_tensor_of_a_simplified_file(tmp_path, monkeypatch):
     """A ``model.onnx`` that ``--simplify`` wrote (onnxscript's optimizer and onnxslim: the TorchScript block) with
     one weight one unit in the last place off: question 2 cannot see it, question 1's check of the file against the

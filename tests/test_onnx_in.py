@@ -1277,6 +1277,39 @@ def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tm
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
 
 
+def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
+    """A ``BatchNormalization`` behind an op no shape inference types (the ``com.microsoft`` ops onnxruntime's
+    optimizer writes, here one of another domain) has an input of unknown rank: the lowering reads it as one opaque
+    node, the planner never sees it, and the report counted no norm (the BN of SLAB's block after onnxruntime's
+    ``ORT_ENABLE_EXTENDED``, in front of its head, went unmentioned). It is one ``kept`` decision, and
+    ``--require-folded`` refuses the file."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from slabconv.errors import KeptNormsError
+
+    rng = np.random.default_rng(0)
+    arrays = {"gb": rng.standard_normal(4), "s": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4),
+              "m": rng.uniform(-1, 1, 4), "v": rng.uniform(0.5, 2, 4), "W": rng.standard_normal((3, 4))}  # fmt: skip
+    nodes = [helper.make_node("Mystery", ["x", "gb"], ["g"], domain="org.example"),
+             helper.make_node("BatchNormalization", ["g", "s", "b", "m", "v"], ["n"], name="/norm/BatchNormalization"),
+             helper.make_node("Gemm", ["n", "W"], ["y"], transB=1)]  # fmt: skip
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [info("y", TensorProto.FLOAT, ["batch", 3])],
+                              [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+                              )  # fmt: skip
+    path = tmp_path / "opaque.onnx"
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("org.example", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
+    report = api.inspect(path)
+    want = [("/norm/BatchNormalization", "kept", "unsupported-op:onnx.BatchNormalization")]
+    assert [(d.norm, d.action, d.reason) for d in report.folds] == want
+    assert report.summary is not None and (report.summary.norms, report.summary.kept) == (1, 1)
+    with pytest.raises(KeptNormsError, match="BatchNormalization"):
+        api.fuse(path, tmp_path / "out", verify=None, write=WriteOptions(require_folded=True))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_batchnorm_inside_a_loop_body_is_reported_kept_by_the_loop(tmp_path):
     """A ``Loop`` is one opaque node to the engine, so the BatchNorm in its body was never seen: the fuse said
     'nothing to fold: ... has no norms (already fused?)' of a model with a norm. It is now one ``kept`` decision,

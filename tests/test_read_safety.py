@@ -201,6 +201,42 @@ def test_plain_torch_runs_a_guard_as_python(tmp_path: Path, canary: Path) -> Non
     assert canary.exists()
 
 
+def test_the_functions_a_strict_export_names_in_source_fn_stack_are_read(tmp_path: Path) -> None:
+    """``torch.export.export(..., strict=True)`` records the function each op was traced from in
+    ``source_fn_stack``: ``torch.nn.functional.batch_norm`` (transformers' BiT standardises its conv weights so),
+    ``torch._weight_norm`` (Wav2Vec2's positional conv), ``torch._C._nn.gelu``, ``torch.conv2d``, ``torch.cat``,
+    ``_operator.matmul``. torch only looks these up; such a program loads, while a module (``torch.hub``, a lazily
+    imported ``torch._dynamo``) or a dotted path under a function stays refused."""
+    import torch.nn.functional as F
+
+    class Functional(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4, 1, 1))
+            self.m = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = F.batch_norm(self.w.reshape(1, 4, -1), None, None, training=True, momentum=0.0).reshape_as(self.w)
+            y = F.gelu(torch.conv2d(x, torch._weight_norm(w, self.w[:, :1, :1, :1], 0)))
+            return torch.cat([y, F.interpolate(y, scale_factor=1.0)], 1) @ self.m
+
+    path = tmp_path / "strict.pt2"
+    torch.export.save(torch.export.export(Functional(), (torch.randn(1, 4, 8, 8),), strict=True), path)
+    with zipfile.ZipFile(path) as archive:
+        entry = next(n for n in archive.namelist() if n.endswith("models/model.json"))
+        document = json.loads(archive.read(entry))
+    named = {m.get("source_fn_stack", "").split(",")[-1] for m in (n.get("metadata", {}) for n in nodes(document))}
+    assert {"torch.nn.functional.batch_norm", "torch._weight_norm", "_operator.matmul"} <= named
+    program_checks.check_program_archive(path)
+    load_checkpoint(path)
+    from slabconv.load.program_names import check_program_document
+
+    for bad in ("torch.nn.functional.batch_norm.__globals__", "torch.hub", "torch._dynamo", "_operator.__dict__"):
+        last_node(document)["metadata"]["source_fn_stack"] = f"batch_norm,{bad}"
+        with pytest.raises(InputError, match="source_fn_stack"):
+            check_program_document(document, "strict.pt2", entry)
+
+
 def test_the_guards_torch_export_writes_pass_the_guard_grammar() -> None:
     from slabconv.load import program_names
 

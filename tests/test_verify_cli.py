@@ -67,6 +67,33 @@ def _head_bias(onnx_path: Path) -> str:
 # --------------------------------------------------------------------------------------------- pairs
 
 
+def test_the_float16_reference_of_a_program_casts_its_dtype_arguments_too(tmp_path: Path) -> None:
+    """``fuse --dtype float16`` of a ``.pt2`` holds the candidate to the original cast to float16. A model that calls
+    ``Tensor.to(torch.float32)`` (transformers' Wav2Vec2) is exported with that dtype in its ``aten.to`` and an
+    ``aten._assert_tensor_metadata`` before it: ``Module.to(float16)`` cast only the tensors, and the cast program
+    raised "Tensor dtype mismatch" (an internal error of ``fuse``). The reference computes in float16 throughout."""
+    from slabconv.load.model import load_model
+    from slabconv.verify.run import original_cast
+
+    class Casts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = nn.LayerNorm(4), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.ln(x).to(torch.float32))
+
+    model = Casts().eval()
+    path = tmp_path / "casts.pt2"
+    torch.export.save(torch.export.export(model, (torch.randn(2, 4),)), path)
+    x = torch.randn(5, 4)
+    (got,) = original_cast(load_model(path), torch.float16, x)
+    half = model.half()
+    with torch.no_grad():  # the model's own float32 cast, as float16
+        want = half.fc(half.ln(x.half())).double().numpy()
+    np.testing.assert_array_equal(got, want)
+
+
 def test_checkpoint_against_its_fused_onnx_passes_under_both_onnxruntime_settings(tiny_fused: Path) -> None:
     code, report, err = _verify(tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused" / "model.onnx", "--samples", "24")
     assert code == 0, err

@@ -122,6 +122,9 @@ def fuse(
 
             standard = report.source is not None and report.source.arch in MODEL_TYPES
             why = "no norm that folds without --fold-norm-affine" if standard else "no norms (already fused?)"
-            output.report(report, f"nothing to fold: {ckpt} has {why}; wrote it unchanged into {where}: {verdict}")
+            # an ONNX original is written as prepared: the weights its exporter computed from constants folded
+            onnx = report.source is not None and report.source.format == "onnx"
+            how = f"into {where} with its computed constants folded" if onnx else f"unchanged into {where}"
+            output.report(report, f"nothing to fold: {ckpt} has {why}; wrote it {how}: {verdict}")
             return
         output.report(report, f"fused {counts} into {where}: {verdict}")

@@ -14,9 +14,10 @@ import onnx_ir as ir
 
 from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans, folded_values
-from slabconv.engine.onnx_lower import Lowered, lower, prepare
+from slabconv.engine.onnx_lower import Lowered, OnnxOp, lower, prepare
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.ranges import LayerRange, flag_warnings
+from slabconv.engine.reasons import UNSUPPORTED_PREFIX
 
 
 def plan_file(model: Any, proto_path: str | None = None, norm_affine: bool = False) -> tuple[Any, list[NormPlan]]:
@@ -66,8 +67,27 @@ def fold_file(
     if ranges is not None:
         ranges += layer_ranges
         flag_warnings([p.decision for p in plans], ranges)
-    inner = subgraph_norms(model)
+    inner = opaque_norms(lowered) + subgraph_norms(model)
     return fold_planned(model, lowered, plans, as_float64, values), [p.decision for p in plans] + inner
+
+
+def opaque_norms(lowered: Lowered) -> list[Decision]:
+    """A ``kept`` decision for each top-level ``BatchNormalization`` the lowering read as an opaque node
+    (``onnx.BatchNormalization``): one whose input's rank no shape inference gives (behind the ``com.microsoft`` ops
+    onnxruntime's optimizer writes, ``FusedMatMul`` and ``BiasGelu``, which neither inference types) or whose
+    attributes have no rule (``spatial = 0``). The planner never sees such a norm and it stays as it is; listed so
+    that the report, ``inspect``, the summary and ``--require-folded`` count it (it went unmentioned: a file with no
+    other norm was reported as having none)."""
+    reason = f"{UNSUPPORTED_PREFIX}onnx.BatchNormalization"
+    kept = []
+    for node in lowered.gm.graph.nodes:
+        target = node.target
+        if not (isinstance(target, OnnxOp) and target.namespace == "onnx" and target.__name__ == "BatchNormalization"):
+            continue
+        norm = node.meta.get("onnx") or node.name
+        where = f"{norm}:onnx.BatchNormalization"
+        kept.append(Decision(norm, "BatchNorm", "kept", reason=reason, paths=[{"before": where, "reason": reason}]))
+    return kept
 
 
 def subgraph_norms(model: Any) -> list[Decision]:
@@ -153,6 +173,7 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
         optimize(model)
     finally:
         chatty.setLevel(level)
+    _register_orphan_constants(model.graph)
     info: dict[str, Any] = {"simplifiers": [f"{ONNXSCRIPT} {onnxscript.__version__}"]}
     wanted = simplifiers is not None and any(s.split()[0] == ONNXSLIM for s in simplifiers)
     if simplifiers is None or wanted:
@@ -168,6 +189,26 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
         else:
             info[ONNXSLIM] = why
     return {"nodes_before": before, "nodes_after": len(list(model.graph)), **info}
+
+
+def _register_orphan_constants(graph: Any) -> None:
+    """Register as an initializer of ``graph`` every constant a node reads that has no producer and is neither a
+    graph input nor an initializer, in place. onnxscript 0.7's ``Flatten`` -> ``Reshape`` rewrite creates the
+    ``Reshape``'s shape with ``op.initializer``, and where two ``Flatten`` nodes read one value (DETR's
+    TorchScript export: the encoder's and the decoder's position masks) the second shape is never registered: the
+    saved file reads a value nothing defines, which ``onnx.checker`` and onnxruntime refuse ("Nodes in a graph
+    must be topologically sorted"). Registering it keeps the value the rewrite computed."""
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for value in node.inputs:
+            if value is None or value.const_value is None or value.producer() is not None:
+                continue
+            if value.is_graph_input() or value.is_initializer() or value.graph is not None:
+                continue
+            name, n = value.name or "constant", 0
+            while value.name is None or value.name in graph.initializers:
+                n += 1
+                value.name = f"{name}_{n}"
+            graph.register_initializer(value)
 
 
 def _onnxslim(model: Any, keep_larger: bool) -> tuple[str | None, str]:

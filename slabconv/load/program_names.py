@@ -19,7 +19,8 @@ Python objects in five places, and each can be steered by the file:
 and the higher-order ops in ``HIGHER_ORDER_OPS`` (control flow and grad/autocast wrappers, which hold only
 subgraphs of the same program), the symbolic-integer helpers torch.export writes for shapes (``SYM_OPS``), tree
 spec types of plain containers, no enum or ``defaultdict`` context, guards of the shape grammar (``L['x'].size()[0]``
-compared with integers), and at most ``MAX_GRAPH_NODES`` nodes. Nothing is imported or looked up to check it.
+compared with integers), at most ``MAX_GRAPH_NODES`` nodes, and in ``source_fn_stack`` (metadata torch stores,
+never calls) the functions a strict export records (``_source_function``). Nothing is imported to check it.
 """
 
 from __future__ import annotations
@@ -129,6 +130,31 @@ def operator_problem(name: object) -> str | None:
     return None
 
 
+def _source_function(target: str) -> bool:
+    """True when a ``source_fn_stack`` entry names a function a strict ``torch.export`` traced: one name, a function
+    (not a module or a class) already in the namespace of ``torch.nn.functional``, ``torch._C._nn``, ``torch`` or
+    ``_operator`` (``torch.nn.functional.batch_norm``, ``torch._C._nn.gelu``, ``torch.conv2d``, ``torch._weight_norm``,
+    ``_operator.matmul``). Such an entry is metadata: torch's deserializer (``deserialize_meta_func``) looks it up and
+    stores it; nothing calls it. It is looked up here in the module's ``__dict__`` only, which imports nothing (a
+    ``getattr`` on ``torch`` may import a submodule). A module class (``torch.nn.modules.linear.Linear``) is checked
+    by the caller."""
+    import operator
+    import types
+
+    import torch
+
+    spaces = (("torch.nn.functional.", torch.nn.functional), ("torch._C._nn.", torch._C._nn), ("torch.", torch),
+              ("_operator.", operator))  # fmt: skip
+    for prefix, module in spaces:
+        if target.startswith(prefix):
+            name = target[len(prefix) :]
+            if not re.fullmatch(r"_?[A-Za-z][A-Za-z0-9_]*", name):
+                return False
+            found = vars(module).get(name)
+            return callable(found) and not isinstance(found, (type, types.ModuleType))
+    return False
+
+
 def _resolved(name: object) -> bool:
     """True when torch's deserializer would look ``name`` up (rather than keep it as a string)."""
     return isinstance(name, str) and name.startswith(_RESOLVED_PREFIXES)
@@ -208,6 +234,8 @@ def _check_node(node: Any, label: str) -> None:
                 )
         for part in (metadata.get("source_fn_stack") or "").split(";"):
             target = part.split(",", 1)[1] if "," in part else ""
+            if _source_function(target):
+                continue
             if _resolved(target) and not target.startswith("torch.nn.") and operator_problem(target) is not None:
                 raise _refuse(label, f"the source_fn_stack of {_node_name(node)}", f"names {_shown(target)}")
             if target.startswith("torch.nn.") and not re.match(r"^torch\.nn\.(modules\.\w+\.)?[A-Z]\w*$", target):

@@ -80,6 +80,15 @@ def cast_graph(gm: fx.GraphModule, dtype: torch.dtype) -> fx.GraphModule:
     return _retyped(gm, (torch.float64,), dtype)
 
 
+def cast_from(gm: fx.GraphModule, source: torch.dtype, dtype: torch.dtype) -> fx.GraphModule:
+    """A copy of a graph captured in ``source`` (a ``.pt2`` program's module) that computes in ``dtype``: every
+    floating tensor cast once and every ``source`` dtype argument replaced, as ``cast_graph`` writes the fused
+    model. ``Module.to`` casts only the tensors: a program whose model called ``Tensor.to(torch.float32)``
+    (transformers' Wav2Vec2) keeps that dtype in its ``aten.to`` and ``aten._assert_tensor_metadata`` nodes, and
+    cast to float16 so it raised at its first call."""
+    return _retyped(gm, (source,), dtype)
+
+
 def float64_example(example: torch.Tensor) -> torch.Tensor:
     """``example`` in float64 when it is floating (token ids stay integer)."""
     return example.double() if example.is_floating_point() else example

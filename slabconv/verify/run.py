@@ -118,7 +118,13 @@ class Reference:
 def original_cast(loaded: LoadedModel, dtype: torch.dtype, x: Any) -> list[np.ndarray]:
     """The outputs of ``loaded``'s model cast to ``dtype`` (a copy; the model is left as it is) on ``x`` rounded
     to the model's own dtype first (the inputs every side sees), each as float64 ``(N, ...)``."""
-    cast = copy.deepcopy(loaded.model).to(dtype)
+    from slabconv.verify.reference import cast_from
+
+    model = loaded.model
+    if isinstance(model, fx.GraphModule) and loaded.dtype.is_floating_point:
+        cast: nn.Module = cast_from(model, loaded.dtype, dtype)
+    else:
+        cast = copy.deepcopy(model).to(dtype)
     try:
         return run_batched(torch_runner(cast, dtype, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
     finally:
