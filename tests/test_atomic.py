@@ -175,7 +175,7 @@ def test_a_signal_while_the_output_moves_into_place_ends_after_it_and_says_so(
     result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(out), "--force", "--no-onnx", "--samples", "8"])
     assert result.exit_code == 130, result.output
     assert result.stderr.strip().splitlines()[-1] == (
-        f"interrupted after {out} was written in full; nothing else was written"
+        f"interrupted; written in full before it: {out}; nothing else was written"
     )
     assert snapshot(out) != before and sorted(p.name for p in out.iterdir()) == [
         "model.pt2",

@@ -44,7 +44,7 @@ def interrupted_line() -> str:
     done = written()
     if not done:
         return INTERRUPTED
-    return one_line(f"interrupted after {', '.join(done)} was written in full; nothing else was written")
+    return one_line(f"interrupted; written in full before it: {', '.join(done)}; nothing else was written")
 
 
 class PipeConsole(Console):
