@@ -119,23 +119,31 @@ def test_the_generation_twin_of_an_original_with_its_own_biases_computes_the_ori
     assert float((got - want).abs().max() / want.abs().max()) <= 1e-6  # rotary angles computed in float32 on both
 
 
+def _float64_path_error(model: LlamaForCausalLM, seed: int, steps: int) -> float:
+    """The largest difference between the generation check's float64 pass (``exact_path``, one decoder layer at a
+    time) over 2 random 6-token prompts and a random ``steps``-token path, and the whole model in float64."""
+    from slabconv.verify.generate import ModuleLayers, exact_path
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts, path = torch.randint(0, 61, (2, 6), generator=gen), torch.randint(0, 61, (2, steps), generator=gen)
+    run = exact_path(ModuleLayers(model), prompts, path, "reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
+    assert run.logits64 is not None
+    return float(abs(torch.from_numpy(run.logits64) - want).max())
+
+
 def test_the_float64_reference_of_a_model_with_tied_embeddings_runs_its_head_in_float64():
     """The generation check's float64 pass copies the final norm and the head alone into float64; a tied head reads
     the embedding table, which such a copy does not move (was: a dtype error, exit 2 'internal error', in memory and
     streamed). Its logits are the whole model's in float64."""
-    from slabconv.verify.generate import ModuleLayers, exact_path
     from slabconv.zoo.llama_std import norm_factory
 
     torch.manual_seed(3)
     cfg = replace(BASE, tie_word_embeddings=True, pad_token_id=None)
     model = LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps)).eval()
     assert "lm_head.weight" not in model.state_dict()
-    gen = torch.Generator().manual_seed(4)
-    prompts, path = torch.randint(0, 61, (2, 6), generator=gen), torch.randint(0, 61, (2, 3), generator=gen)
-    run = exact_path(ModuleLayers(model), prompts, path, "reference")
-    with torch.no_grad():
-        want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
-    assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0
+    assert _float64_path_error(model, seed=4, steps=3) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -171,18 +179,12 @@ def test_the_float64_reference_of_a_sliding_window_model_masks_each_layer_by_its
     prompts and the generated tokens, longer than the window, one decoder layer at a time. Each layer must see its
     own window (was: the plain causal mask in every layer, so a correct Mistral fold failed 'greedy generation' on
     every prompt whose tokens passed the window, exit 1). Its logits are the whole model's in float64."""
-    from slabconv.verify.generate import ModuleLayers, exact_path
     from slabconv.zoo.llama_std import norm_factory
 
     torch.manual_seed(5)
     cfg = replace(BASE, sliding_windows=(3, None), pad_token_id=None)  # one windowed layer, one full
     model = randomize_norms(LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps))).eval()
-    gen = torch.Generator().manual_seed(6)
-    prompts, path = torch.randint(0, 61, (2, 6), generator=gen), torch.randint(0, 61, (2, 5), generator=gen)
-    run = exact_path(ModuleLayers(model), prompts, path, "reference")
-    with torch.no_grad():
-        want = copy.deepcopy(model).double()(torch.cat([prompts, path[:, :-1]], dim=1))[:, 5:]
-    assert run.logits64 is not None and float(abs(torch.from_numpy(run.logits64) - want).max()) == 0.0
+    assert _float64_path_error(model, seed=6, steps=5) == 0.0
 
 
 def test_a_qwen2_config_without_layer_types_windows_the_layers_transformers_windows():
