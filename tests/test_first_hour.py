@@ -54,14 +54,17 @@ def test_a_pipe_closed_by_head_keeps_pipefail_green():
     assert done.stdout.strip() == "architectures"
 
 
+def as_at_a_terminal() -> None:
+    """``preexec_fn`` of a child that must take Ctrl-C as a terminal gives it: a shell starts background jobs (and
+    whatever runs under them, the test suite included) with SIGINT ignored, and Python keeps that, so the child's
+    SIGINT would be dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_exits_130_and_writes_nothing(tmp_path, sig):
     out, log = tmp_path / "fused", tmp_path.parent / f"{tmp_path.name}-stderr.txt"
-
-    def as_at_a_terminal() -> None:  # a shell starts background jobs with SIGINT ignored, and Python keeps that
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-
     with open(log, "w") as stderr:
         proc = _slabconv(
             "fuse", str(CKPT), "--out", str(out), stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=as_at_a_terminal
@@ -113,6 +116,7 @@ def test_an_interrupt_lost_in_a_finalizer_still_exits_130_and_writes_nothing(tmp
         capture_output=True,
         text=True,
         timeout=300,
+        preexec_fn=as_at_a_terminal,
     )
     assert done.returncode == 130, done.stderr
     assert done.stderr.splitlines()[-1] == "interrupted; nothing was written"
