@@ -85,9 +85,13 @@ def opaque_norms(lowered: Lowered) -> list[Decision]:
         if not (isinstance(target, OnnxOp) and target.namespace == "onnx" and target.__name__ == "BatchNormalization"):
             continue
         norm = node.meta.get("onnx") or node.name
-        where = f"{norm}:onnx.BatchNormalization"
-        kept.append(Decision(norm, "BatchNorm", "kept", reason=reason, paths=[{"before": where, "reason": reason}]))
+        kept.append(_kept_batchnorm(norm, f"{norm}:onnx.BatchNormalization", reason))
     return kept
+
+
+def _kept_batchnorm(norm: str, where: str, reason: str) -> Decision:
+    """A BatchNorm the planner never sees, ``kept`` with ``reason`` at ``where`` (the op that holds or hides it)."""
+    return Decision(norm, "BatchNorm", "kept", reason=reason, paths=[{"before": where, "reason": reason}])
 
 
 def subgraph_norms(model: Any) -> list[Decision]:
@@ -97,7 +101,7 @@ def subgraph_norms(model: Any) -> list[Decision]:
     with the op that holds them (``unsupported-op:onnx.Loop``), rather than saying the model has no norms."""
     kept = []
     for holder in model.graph:  # the top-level nodes: the op a norm inside is kept by
-        reason = f"unsupported-op:onnx.{holder.op_type}"
+        reason = f"{UNSUPPORTED_PREFIX}onnx.{holder.op_type}"
         for attr in holder.attributes.values():
             if attr.type not in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
                 continue
@@ -106,8 +110,7 @@ def subgraph_norms(model: Any) -> list[Decision]:
                     if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
                         where = f"{holder.name or holder.op_type}:onnx.{holder.op_type}"
                         norm = node.name or node.outputs[0].name or "BatchNormalization"
-                        kept.append(Decision(norm, "BatchNorm", "kept", reason=reason,
-                                             paths=[{"before": where, "reason": reason}]))  # fmt: skip
+                        kept.append(_kept_batchnorm(norm, where, reason))
     return kept
 
 
