@@ -320,6 +320,60 @@ def fold_into_conv_transpose(
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
 
+def fold_into_pointwise_conv_transpose(
+    weight: Tensor,
+    bias: Tensor | None,
+    scale: Tensor,
+    shift: Tensor,
+    groups: int = 1,
+    *,
+    first: int = 0,
+    total: int | None = None,
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Forward fold: a pointwise transposed convolution (every kernel size 1, stride 1, no output padding) that
+    consumes ``s * x + t`` on axis 1.
+
+    Such a layer computes ``y[o] = b[o] + sum_c W[c, j] x[c]`` at every output position (``o = g * (C_out / groups)
+    + j``, ``c`` over the input channels of group ``g``; padding only crops), a Linear over the channels with the
+    weight stored ``(C_in, C_out / groups, 1, ...)``: ``W'[c, j] = s[c] W[c, j]`` (row ``c`` scaled) and
+    ``b'[o] = b[o] + sum_c W[c, j] t[c]``. Any other transposed convolution reaches some output positions through
+    fewer taps (or other ones) than others, and no bias carries ``t`` (``transposed-conv-consumer``).
+
+    Args:
+        weight: rows ``first:first + len(weight)`` (input channels) of a ``(C_in, C_out / groups, 1, ...)`` weight
+            with ``total`` rows in all (default: these are all of them).
+        bias: the whole ``(C_out,)`` bias, or None (the fold creates one).
+        scale: ``(C_in,)`` per-input-channel scale s.
+        shift: ``(C_in,)`` per-input-channel shift t.
+        groups: the layer's ``groups``; input channel ``c`` belongs to group ``c // (C_in / groups)``.
+        inplace: ``weight`` is float64 and the caller's to overwrite (see the module docstring).
+
+    Returns:
+        ``(W', b')`` in ``weight``'s dtype and device; ``b'`` is ``(C_out,)`` and holds the shift of the given rows
+        only: it is the layer's folded bias when they are all of them (``slabconv.engine.program`` folds such a
+        bias over the whole weight).
+
+    Raises:
+        ValueError: a kernel size other than 1, or ``inplace`` with a weight that is not float64.
+    """
+    if any(int(k) != 1 for k in weight.shape[2:]):
+        raise ValueError(f"a forward fold into a transposed convolution needs a 1x1 kernel, got {list(weight.shape)}")
+    w = _widened(weight, inplace)
+    rows, per_group = w.shape[0], w.shape[1]
+    b = (
+        torch.zeros(groups * per_group, dtype=torch.float64, device=w.device)
+        if bias is None
+        else bias.detach().double()
+    )
+    s, t = scale.to(w)[first : first + rows], shift.to(w)[first : first + rows]
+    group = torch.arange(first, first + rows, device=w.device) // ((rows if total is None else total) // groups)
+    taps = w.reshape(rows, per_group) * t[:, None]  # before the weight is scaled (in place or not)
+    new_b = b.reshape(groups, per_group).index_add(0, group, taps).reshape(-1)
+    rows_s = s.reshape(rows, *([1] * (w.dim() - 1)))
+    return _cast(w.mul_(rows_s) if inplace else w * rows_s, weight), _cast(new_b, weight)
+
+
 def fold_into_embedding(weight: Tensor, scale: Tensor, shift: Tensor, *, inplace: bool = False) -> Tensor:
     """Backward fold into an embedding table whose gathered rows feed the norm: ``s * W[i] + t = W'[i]``.
 

@@ -137,6 +137,8 @@ SUITE_CASES: list[tuple[str, Factory]] = [
     ("rmsnorm-weight", lambda: (norms_suite.RMSNormBlock().eval(), _tokens())),
     ("not-norms", lambda: (norms_suite.NotNorms().eval(), _tokens())),
     ("conv-transpose", _model(ConvTransposeBetweenNorms, _image())),
+    ("conv-transpose-pointwise", lambda: (randomize(exact_folds.PointwiseUp(2, 2, 1, 2, False)).eval(),
+                                          exact_folds.grid(2))),
 ]  # fmt: skip
 
 

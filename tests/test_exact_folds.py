@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv.engine import fused_state_dict, onnx_fold, reasons
+from slabconv import engine
+from slabconv.engine import FOLD_BLOCK, fused_state_dict, onnx_fold, reasons
 from slabconv.engine.capture import stored
+from slabconv.engine.rewriter import fold_program
 from slabconv.engine.rules import RULE_OF, RULES
 from slabconv.report.data import Report
 from slabconv.report.render import summary_lines
@@ -330,6 +332,42 @@ def test_a_conv_that_pads_is_refused(kernel, padding):
     gm, decisions = fuse(model, x)
     assert [(d.action, d.reason) for d in decisions] == [("kept-affine", reasons.PADDED_CONV_CONSUMER)]
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+class PointwiseUp(nn.Module):
+    """A BatchNorm read by a pointwise transposed conv (kernel 1, stride 1: one input position per output position,
+    padding only crops, dilation changes nothing), a RepBN after it: the first folds forward into the layer's rows
+    (its input channels), the second backward into its columns, both into its bias."""
+
+    def __init__(self, dims: int, groups: int, padding: int, dilation: int, bias: bool) -> None:
+        super().__init__()
+        conv, bn = (nn.ConvTranspose1d, nn.BatchNorm1d) if dims == 1 else (nn.ConvTranspose2d, nn.BatchNorm2d)
+        self.norm, self.norm2 = bn(C), bn(6)
+        self.fc = conv(C, 6, 1, padding=padding, dilation=dilation, groups=groups, bias=bias)
+        self.alpha = nn.Parameter(torch.full((1,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(self.norm(x))
+        return torch.relu(self.norm2(y) + self.alpha * y)
+
+
+@pytest.mark.parametrize(("dims", "groups", "padding", "dilation", "bias"), [(1, 2, 0, 1, True), (2, 1, 1, 2, False)])
+@pytest.mark.parametrize("one_row_blocks", [False, True])
+def test_a_pointwise_transposed_conv_folds_forward(dims, groups, padding, dilation, bias, one_row_blocks):
+    """The norm before it folds into its rows and its bias ``b + sum_c W[c, j] t[c]``, which takes the shift through
+    every row: folded one row of the weight at a time (as a streamed fold splits a large weight), each block folds
+    its rows and the bias is folded over the whole weight. A kernel of 3 or a stride of 2 is refused
+    (``tests/test_refusals.py``, where the naive fold is wrong)."""
+    model = randomize(PointwiseUp(dims, groups, padding, dilation, bias)).eval()
+    x = grid(dims)
+    gm = engine.capture(model, x)
+    decisions, _ = fold_program(gm, block_elements=1 if one_row_blocks else FOLD_BLOCK)
+    assert [(d.norm, d.action, d.into) for d in decisions] == [
+        ("norm", "folded-forward", ["fc"]),
+        ("norm2", "folded-backward", ["fc"]),
+    ]
+    assert not bn_nodes(gm)
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
 
 
 class SeparateBias(nn.Module):

@@ -1147,6 +1147,34 @@ def test_a_norm_after_a_transposed_conv_folds_through_every_door(tmp_path):
     assert (program(torch.from_numpy(xs)) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_a_norm_before_a_pointwise_transposed_conv_folds_through_every_door(tmp_path):
+    """A BatchNorm before a 1x1, stride-1 ``ConvTranspose`` (group 2, with bias) folds forward into its rows and
+    bias, the RepBN after it backward into its columns, through the ``.pt2`` door and the ONNX door alike; both
+    pass verification (question 1 exact), and the fused ``model.onnx`` has no norm left and computes the original's
+    outputs in onnxruntime."""
+    from tests.test_exact_folds import PointwiseUp
+
+    model = randomize_norms(PointwiseUp(2, 2, 0, 1, True).eval(), seed=4)
+    x = torch.randn(2, 8, 5, 5)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "model.pt2")
+    original = _export(model, x, tmp_path / "model.onnx", 18)
+    by_program = api.fuse(tmp_path / "model.pt2", tmp_path / "pt2", verify=VerifyOptions(samples=4),
+                          write=WriteOptions(onnx=False))  # fmt: skip
+    by_onnx = api.fuse(original, tmp_path / "onnx", verify=VerifyOptions(samples=4))
+    for report in (by_program, by_onnx):
+        assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == [
+            ("norm", "folded-forward", None, ["fc"]),
+            ("norm2", "folded-backward", None, ["fc"]),
+        ]
+        assert report.verification is not None and report.verification.passed
+    assert by_onnx.verification.exact and all(c.passed for c in by_onnx.verification.exact)
+    fused = tmp_path / "onnx" / "model.onnx"
+    assert op_histogram(fused) == collections.Counter({"ConvTranspose": 1, "Relu": 1})
+    xs = np.random.default_rng(1).standard_normal((3, 8, 5, 5)).astype(np.float32)
+    y0, y1 = _run(original, xs), _run(fused, xs)
+    assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
+
+
 def test_an_opset_9_batchnorm_listing_its_batch_statistics_is_kept_in_training_mode(tmp_path):
     """Opsets 9 to 13 have no ``training_mode``: a ``BatchNormalization`` that lists its mean, var, saved mean and
     saved var outputs (TorchScript's export in training mode) normalises with the batch's statistics in

@@ -69,11 +69,14 @@ def _fold(forward: bool, scale: torch.Tensor, shift: torch.Tensor) -> SimpleName
 
 def _recipe(kind_name: str, weight: torch.Tensor, groups: int = 1) -> tuple[LayerRecipe, TensorStore]:
     """A float16 layer that takes a backward fold then a forward fold (a tensor with two folds, composed in
-    float64), with a stored bias; a transposed conv (no forward fold; its bias not split by rows) two backward
-    folds."""
+    float64), with a stored bias; a transposed conv (its bias not split by rows) two backward folds, or with a 1x1
+    kernel a backward then a forward fold (its rows are its input channels, its bias takes the shift through all)."""
     kind = next(k for k in LAYERS if k.name == kind_name)
     gen = torch.Generator().manual_seed(1)
+    pointwise = all(k == 1 for k in weight.shape[2:])
     out, into = kind.bias_size(weight.shape, groups), weight.shape[1] * groups
+    if not kind.bias_by_rows and pointwise:
+        into = weight.shape[0]  # the forward fold's input channels: the rows
     folds = [
         _fold(
             False, torch.rand(out, generator=gen, dtype=torch.float64) + 0.5, torch.randn(out, generator=gen).double()
@@ -82,7 +85,7 @@ def _recipe(kind_name: str, weight: torch.Tensor, groups: int = 1) -> tuple[Laye
             True, torch.rand(into, generator=gen, dtype=torch.float64) + 0.5, torch.randn(into, generator=gen).double()
         ),
     ]
-    if not kind.bias_by_rows:
+    if not kind.bias_by_rows and not pointwise:
         folds[1] = _fold(False, folds[1].scale.flip(0), folds[1].shift)
     store = TensorStore({"w": weight.half(), "b": torch.randn(out, generator=gen).half()})
     return LayerRecipe(kind, "w", "b", "b", torch.float16, torch.float16, groups, folds), store
@@ -133,14 +136,20 @@ class TwoLanes(Scratch):
 
 
 @pytest.mark.parametrize(
-    "kind,shape,groups", [("linear", (37, 24), 1), ("conv", (12, 3, 2, 2), 2), ("conv_transpose", (12, 3, 2, 2), 2)]
+    "kind,shape,groups",
+    [
+        ("linear", (37, 24), 1),
+        ("conv", (12, 3, 2, 2), 2),
+        ("conv_transpose", (12, 3, 2, 2), 2),
+        ("conv_transpose", (12, 3, 1, 1), 2),
+    ],
 )
 def test_cache_sized_sub_blocks_give_the_whole_tensors_fold(monkeypatch, kind, shape, groups) -> None:
     """Blocks of rows, folded ``CACHE_BLOCK`` elements at a time (in memory and into a streamed writer's buffers,
     in one lane or two, with the weight ranges measured or not), give the bits of one fold over the whole tensor:
     the sub-blocks' row offsets reach the backward fold's scale and the conv's groups, each lane's sub-blocks
-    land in their own rows, and a transposed conv's bias (per output channel, not per row) comes once. The ranges
-    are the whole tensor's too."""
+    land in their own rows, and a transposed conv's bias (per output channel, not per row) comes once, a pointwise
+    one's forward fold taking the shift through every row. The ranges are the whole tensor's too."""
     monkeypatch.setattr(program, "CACHE_BLOCK", 2 * shape[1] * (shape[2] * shape[3] if len(shape) == 4 else 1))
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     recipe, store = _recipe(kind, weight, groups)

@@ -268,22 +268,28 @@ class ConvTransposeConsumer(nn.Module):
     """``up(norm(x))``: a transposed conv (kernel 3, stride 2: outputs between the strides and at the borders see
     fewer taps) reads the norm; the BatchNorm after it folds backward (checked in ``tests/test_engine_plan.py``)."""
 
-    def __init__(self, kernel: int = 3, stride: int = 2) -> None:
+    def __init__(self, kernel: int = 3, stride: int = 2, **kw: int) -> None:
         super().__init__()
         self.norm = nn.BatchNorm2d(C)
-        self.fc = nn.ConvTranspose2d(C, 4, kernel, stride=stride)
+        self.fc = nn.ConvTranspose2d(C, 4, kernel, stride=stride, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.norm(x))
 
 
-@pytest.mark.parametrize(("kernel", "stride"), [(3, 2), (2, 2), (1, 2)])
-def test_a_transposed_conv_consumer_is_refused(kernel, stride):
+@pytest.mark.parametrize(
+    ("kernel", "stride", "kw"),
+    [(3, 2, {}), (2, 2, {}), (1, 2, {}), (3, 1, {"padding": 1}), (1, 1, {"dilation": 2, "output_padding": 1})],
+)
+def test_a_transposed_conv_consumer_is_refused(kernel, stride, kw):
     """The naive forward fold (``W`` scaled on its input rows, ``b + sum_k W t`` as if every output position saw
     every tap) is wrong even where the windows do not overlap (stride = kernel: each position sees one tap, a
-    different one per position; kernel 1, stride 2: the positions between the strides see none)."""
+    different one per position; kernel 1, stride 2: the positions between the strides see none; kernel 3, stride 1:
+    the borders see fewer taps); a 1x1 kernel of stride 1 with output padding writes a last row and column that
+    see none. Only the pointwise one folds (``tests/test_exact_folds.py``)."""
     x = torch.randn(B, C, 4, 4) + 0.5
-    gm, d = check_refusal(randomize(ConvTransposeConsumer(kernel, stride)), x, reasons.TRANSPOSED_CONV_CONSUMER)
+    model = randomize(ConvTransposeConsumer(kernel, stride, **kw))
+    gm, d = check_refusal(model, x, reasons.TRANSPOSED_CONV_CONSUMER)
     assert d.kept_on == ["fc:aten.conv_transpose2d"]
 
 

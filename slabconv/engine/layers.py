@@ -18,7 +18,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine import reasons
-from slabconv.engine.capture import is_param, rank, same_shape, shape_of, static_int
+from slabconv.engine.capture import is_param, rank, same_shape, same_size, shape_of, static_int
 from slabconv.engine.rules import PERMUTE_OPS, RESHAPE_OPS, RULES, Chan, _ops, aten, op_name
 
 
@@ -55,7 +55,8 @@ class LayerKind:
     bias_by_rows = True
     """The bias has one value per row of the stored weight (dim 0 is the output channels): a block of rows folds
     with its rows of the bias. False: the bias is folded whole with every block (``fold_values`` returns all of it;
-    a transposed convolution, whose rows are its input channels)."""
+    a transposed convolution, whose rows are its input channels); a forward fold's bias then takes the shift through
+    every row, so the fold program folds the bias over the whole weight (``LayerRecipe.needs_all_rows``)."""
 
     channel_dim = 0
     """The stored weight's axis of its output channels, along which per-channel int8 steps it
@@ -266,13 +267,18 @@ class ConvTranspose(LayerKind):
     A producer only: a norm after it folds backward exactly, each output channel ``o = g * (C_out / groups) + j``
     being column ``j`` of group ``g``'s rows, scaled by ``s[o]``, and the bias ``s * b + t``
     (``slabconv.fold.fold_into_conv_transpose``; onnxruntime's and onnxslim's ConvTranspose + BatchNormalization
-    fusion, for every group count). A norm before it is kept (``transposed-conv-consumer``): the layer spreads each
-    input value over a kernel window of the output, so a shift ``t`` of its input reaches each output position
-    through the taps covering it, fewer between the strides and at the borders, a pattern that is no per-channel
-    bias."""
+    fusion, for every group count).
+
+    A consumer only when pointwise (``pointwise``: every kernel size 1, stride 1, no output padding, each output
+    position one input position, padding only cropping): a Linear over the channels, into whose rows a norm before
+    it folds forward (``slabconv.fold.fold_into_pointwise_conv_transpose``). Any other is refused
+    (``transposed-conv-consumer``): the layer spreads each input value over a kernel window of the output, so a
+    shift ``t`` of its input reaches each output position through the taps covering it, fewer between the strides
+    and at the borders, a pattern that is no per-channel bias."""
 
     name = "conv_transpose"
     ops = _ops("conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input")
+    stride_arg, padding_arg, output_padding_arg = 3, 4, 5
     groups_arg = 6
     pure_scale = False  # a backward fold scales the columns of each group's rows (``ranges`` probes the folds)
     bias_by_rows = False  # the rows are the input channels; the bias is per output channel
@@ -281,8 +287,40 @@ class ConvTranspose(LayerKind):
     def bias_size(self, weight_shape: list[int] | tuple[int, ...], groups: int) -> int:
         return int(weight_shape[1]) * groups
 
+    def _ints(self, node: fx.Node, arg: int, name: str, default: int, spatial: int) -> list[int] | None:
+        """The op's int-or-list argument ``arg`` (keyword ``name``) as one int per spatial axis; None when it is
+        not a static int."""
+        value: Any = node.args[arg] if len(node.args) > arg else node.kwargs.get(name, default)
+        values = list(value) if isinstance(value, (list, tuple)) else [value] * spatial
+        ints = [static_int(v) for v in values]
+        known = [v for v in ints if v is not None]
+        return known if len(known) == len(ints) == spatial else None
+
+    def pointwise(self, node: fx.Node) -> bool:
+        """Every output position of the layer is one input position times the ``(C_in, C_out / groups)`` matrix,
+        plus the bias: a kernel of size 1 (the stored weight's), stride 1, no output padding, and each static output
+        size the input's less the padding at both ends, for every value of a symbolic size (so no position past
+        the input is written: an ONNX
+        ``output_shape`` or asymmetric ``pads`` that the lowering sees otherwise counts as not pointwise)."""
+        weight, x = shape_of(node.args[1]), shape_of(node.args[0])
+        out = shape_of(node)
+        if weight is None or x is None or out is None or len(x) != len(weight) or len(out) != len(x):
+            return False
+        spatial = len(weight) - 2
+        if any(static_int(k) != 1 for k in weight[2:]):
+            return False
+        stride = self._ints(node, self.stride_arg, "stride", 1, spatial)
+        padding = self._ints(node, self.padding_arg, "padding", 0, spatial)
+        extra = self._ints(node, self.output_padding_arg, "output_padding", 0, spatial)
+        if stride is None or padding is None or extra is None or any(s != 1 for s in stride) or any(extra):
+            return False
+        return all(p >= 0 and same_size(m, n - 2 * p) for n, m, p in zip(x[2:], out[2:], padding, strict=True))
+
     def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
-        return super().consumer_check(node, src, ch) or reasons.TRANSPOSED_CONV_CONSUMER
+        reason = super().consumer_check(node, src, ch)
+        if reason is None and not self.pointwise(node):
+            return reasons.TRANSPOSED_CONV_CONSUMER
+        return reason
 
     def fold_values(
         self,
@@ -296,10 +334,14 @@ class ConvTranspose(LayerKind):
         total: int | None = None,
         inplace: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Backward only (``fold_into_conv_transpose``): ``weight`` rows ``first:first + len(weight)`` of ``total``,
-        ``bias`` and the returned bias whole ``(C_out,)``."""
+        """``weight`` rows ``first:first + len(weight)`` of ``total``, ``bias`` and the returned bias whole
+        ``(C_out,)``. Backward: ``fold_into_conv_transpose``; forward (a pointwise layer, ``consumer_check``):
+        ``fold_into_pointwise_conv_transpose``, whose bias takes the shift through the given rows only
+        (``needs_all_rows``)."""
         if forward:
-            raise AssertionError("a transposed convolution is never a consumer (consumer_check refuses it)")
+            return fold.fold_into_pointwise_conv_transpose(
+                weight, bias, s, t, groups, first=first, total=total, inplace=inplace
+            )
         return fold.fold_into_conv_transpose(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
 
 
@@ -309,6 +351,7 @@ class ConvolutionTransposed(ConvTranspose):
 
     name = "convolution_transposed"
     ops = _ops("convolution")
+    stride_arg, padding_arg, output_padding_arg = 3, 4, 7
     groups_arg = 8
 
     def claims(self, node: fx.Node) -> bool:

@@ -1319,8 +1319,10 @@ def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
 
 def _convolution(lo: _Lowering, node: ir.Node, transposed: bool) -> None:
     """``Conv`` / ``ConvTranspose`` as ``aten.convolution`` (``transposed``: the weight is ``(C_in, C_out / group,
-    *kernel)``, ``output_padding`` read). A ``ConvTranspose``'s padding is its ``pads`` (or ``auto_pad``) as given:
-    the rules never ask it (a transposed convolution is no consumer)."""
+    *kernel)``, ``output_padding`` read). A ``ConvTranspose``'s padding is the larger of its begin and end ``pads``
+    (or ``auto_pad``) per axis, as a ``Conv``'s; its ``output_shape`` is not read: the layer folds forward only when
+    the output size inferred for it is the input's less twice that padding (``layers.ConvTranspose.pointwise``),
+    which asymmetric ``pads`` or an ``output_shape`` that crops otherwise never are."""
     x, wv = node.inputs[0], node.inputs[1]
     bv = node.inputs[2] if len(node.inputs) > 2 else None
     w = _const_tensor(wv)

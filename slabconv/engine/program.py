@@ -260,6 +260,21 @@ class LayerRecipe:
     def norms(self) -> list[str]:
         return [f.norm for f in self.folds]
 
+    @property
+    def needs_all_rows(self) -> bool:
+        """The folded bias depends on every row of the weight: a forward fold into a kind whose rows are not its
+        output channels (``LayerKind.bias_by_rows`` False: a pointwise transposed convolution, whose bias takes
+        ``sum_c W[c, j] t[c]`` over its input rows ``c``). ``_read`` then folds the bias over the whole weight, and
+        each block of rows folds only its rows of the weight."""
+        return not self.kind.bias_by_rows and any(f.forward for f in self.folds)
+
+    def _all_rows_bias(self, store: WeightStore) -> torch.Tensor | None:
+        """The folded bias of a ``needs_all_rows`` layer, float64: every fold over the whole weight, in float64
+        (a transposed convolution's weight is ``C_in * C_out / groups`` values: what a block of it would hold)."""
+        w = store.get(self.weight).to(torch.float64, copy=True)
+        b = None if self.bias is None else store.get(self.bias).reshape(-1).to(torch.float64)
+        return self._fold(w, b, 0, int(w.shape[0]) if w.dim() else 1)[1]
+
     def _read(
         self, store: WeightStore, start: int, stop: int, scratch: Scratch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -272,7 +287,9 @@ class LayerRecipe:
             into = scratch.take("read", shape if rows is None else [stop - start, *shape[1:]], store.dtype(self.weight))
         read = store.get(self.weight, rows, out=into)
         b = None
-        if self.bias is not None and not self.kind.bias_by_rows:  # the whole bias with every block (``_piece``)
+        if self.needs_all_rows:  # already folded, over every row (``_piece``)
+            b = self._all_rows_bias(store)
+        elif self.bias is not None and not self.kind.bias_by_rows:  # the whole bias with every block (``_piece``)
             b = store.get(self.bias).reshape(-1).to(torch.float64)
         elif self.bias is not None and self.bias_shape is None:
             b = store.get(self.bias, slice(start, stop)).to(torch.float64)
@@ -286,7 +303,11 @@ class LayerRecipe:
         """Fold the float64 rows ``w`` (in place), rows ``s0:s1`` of the block that starts at row ``start`` of the
         weight's ``total``, with their part of the block's bias ``b``; return that part of the folded bias. A kind
         whose bias is not split by rows (``LayerKind.bias_by_rows`` False) folds the whole bias with every piece:
-        the piece holding row 0 of the weight returns it, every other one None (the pieces joined hold it once)."""
+        the piece holding row 0 of the weight returns it, every other one None (the pieces joined hold it once); a
+        ``needs_all_rows`` layer's ``b`` is already the folded bias (``_read``), which that piece returns as it is."""
+        if self.needs_all_rows:
+            self._fold(w, None, start + s0, total)
+            return b if start + s0 == 0 else None
         by_rows = self.kind.bias_by_rows
         folded = self._fold(w, b[s0:s1] if b is not None and by_rows else b, start + s0, total)[1]
         return folded if by_rows or start + s0 == 0 else None
