@@ -22,8 +22,8 @@ class LoadOptions:
         trust_pickle: load a pickle that names arbitrary globals (a whole ``nn.Module``): runs code from the file.
         input_shape: one sample's input shape without the batch axis (a pickled module records none).
         image_size: build a zoo vision model for ``image_size`` square inputs.
-        fold_norm_affine: also fold the affine (weight and bias) of every LayerNorm, RMSNorm and GroupNorm into
-            the layers that read the norm's output; the normalisation stays, with a unit weight
+        fold_norm_affine: also fold the affine (weight and bias) of every LayerNorm, RMSNorm, GroupNorm and
+            InstanceNorm into the layers that read the norm's output; the normalisation stays, with a unit weight
             (``slabconv.engine.norm_affine``, ``docs/math.md``). ``fuse``, ``inspect``, ``export`` and ``verify``
             (question 1's float64 fold of the reference) take it.
     """

@@ -99,6 +99,28 @@ class ConvTransposeBetweenNorms(nn.Module):
         return torch.relu(self.norm2(self.fc(self.norm(x))))
 
 
+class GroupNormThenConv(nn.Module):
+    """A GroupNorm over ``(B, C, *spatial)`` (``dims`` spatial axes) read by a 1x1 conv: exporters write it as
+    ``Reshape``, ``InstanceNormalization``, ``Reshape``, ``Mul``, ``Add``. Without ``fold_norm_affine`` its affine
+    stays the GroupNorm's in both doors (``tests/test_fold_norm_affine.py`` folds it with the option);
+    ``layerscale``: a per-channel scale after it, a LayerScale in both doors."""
+
+    def __init__(self, dims: int, layerscale: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(2, refusals.C)
+        self.ls = nn.Parameter(torch.linspace(0.5, 1.5, refusals.C).reshape(-1, *[1] * dims)) if layerscale else None
+        self.fc = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1](refusals.C, 5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return self.fc(y * self.ls if self.ls is not None else y)
+
+
+def _volume(dims: int) -> Callable[[], torch.Tensor]:
+    size = (7,) if dims == 1 else (3,) * dims
+    return lambda: torch.randn(refusals.B, refusals.C, *size, generator=torch.Generator().manual_seed(0)) + 0.5
+
+
 SUITE_CASES: list[tuple[str, Factory]] = [
     ("plain", _model(refusals.Plain)),
     ("zero-padding", _model(refusals.PadAfterNorm, lambda: refusals.tokens(9))),
@@ -137,6 +159,10 @@ SUITE_CASES: list[tuple[str, Factory]] = [
     ("rmsnorm-weight", lambda: (norms_suite.RMSNormBlock().eval(), _tokens())),
     ("not-norms", lambda: (norms_suite.NotNorms().eval(), _tokens())),
     ("conv-transpose", _model(ConvTransposeBetweenNorms, _image())),
+    ("groupnorm-1d", _model(lambda: GroupNormThenConv(1), _volume(1))),
+    ("groupnorm-2d", _model(lambda: GroupNormThenConv(2), _volume(2))),
+    ("groupnorm-3d", _model(lambda: GroupNormThenConv(3), _volume(3))),
+    ("groupnorm-layerscale", _model(lambda: GroupNormThenConv(1, layerscale=True), _volume(1))),
     ("conv-transpose-pointwise", lambda: (randomize(exact_folds.PointwiseUp(2, 2, 1, 2, False)).eval(),
                                           exact_folds.grid(2))),
 ]  # fmt: skip

@@ -11,10 +11,14 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from onnx import numpy_helper
 from safetensors.torch import load_file
 from torch import nn
 
@@ -34,7 +38,7 @@ def _randomize(model: nn.Module, seed: int) -> nn.Module:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
+            if isinstance(m, (nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)):
                 m.weight.copy_(torch.rand(m.weight.shape, generator=g) * 1.5 + 0.25)
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.5)
     return model.eval()
@@ -221,6 +225,58 @@ def test_every_door_decides_alike_and_verifies(vision, name, door, tmp_path):
         again = api.verify(source, tmp_path / "out", verify=VerifyOptions(samples=2)).verification
         files = ["tensors", "tensors"] if door == "pt2" else ["tensors"]  # a folder: model.safetensors, model.onnx
         assert again.passed and [e.method for e in again.exact if e.passed] == ["graph", *files]
+
+
+class InstanceNormNet(nn.Module):
+    """``relu(fc(norm(x)))``: an InstanceNorm with an affine over ``(B, C, L)`` or ``(B, C, H, W)``, a 1x1 conv."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        self.norm = (nn.InstanceNorm1d if dims == 1 else nn.InstanceNorm2d)(C, affine=True)
+        self.fc = (nn.Conv1d if dims == 1 else nn.Conv2d)(C, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(self.norm(x)))
+
+
+@pytest.mark.parametrize(("dims", "dynamo"), [(1, False), (2, True)])
+def test_an_instance_norms_affine_folds_alike_through_every_door(dims, dynamo, tmp_path):
+    """``aten.instance_norm`` (the module and its ``.pt2``) and ONNX ``InstanceNormalization`` (the TorchScript
+    exporter for 1-D, the dynamo one for 2-D) split their ``γ``, ``β`` like a GroupNorm (one channel per group): with
+    the option the affine folds into the conv, verified (question 1 exact), the op keeping a unit scale and zero
+    bias; without it nothing is a norm."""
+    from tests.test_doors import _export
+
+    model = _randomize(InstanceNormNet(dims), 6)
+    x = torch.randn(2, C, *([6] if dims == 1 else [4, 4]), generator=torch.Generator().manual_seed(5))
+    assert engine.fold_all(engine.capture(model, x)) == []
+    gm = engine.capture(model, x)
+    decisions = [(d.norm, d.kind, d.action, d.into, d.reason) for d in engine.fold_all(gm, norm_affine=True)]
+    assert decisions == [("norm", "InstanceNorm-affine", "folded-forward", ["fc"], None)]
+    assert rel_err(gm(x), model(x).double()) <= TOL[torch.float32]
+    state = engine.fused_state_dict(gm)
+    assert "norm.bias" not in state and bool((state["norm.weight"] == 1).all())
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "model.pt2")
+    original = _export(model, x, tmp_path / "model.onnx", dynamo)
+    for source in (tmp_path / "model.pt2", original):
+        out = tmp_path / source.suffix[1:]
+        write = WriteOptions(onnx=False) if source.suffix == ".pt2" else WriteOptions()
+        report = api.fuse(source, out, load=AFFINE, verify=VerifyOptions(samples=4), write=write)
+        assert [(f.norm, f.kind, f.action, f.into, f.reason) for f in report.folds] == decisions
+        assert report.verification.passed and report.verification.to_dict()["question_1_exact"]
+    fused = onnx.load(str(tmp_path / "onnx" / "model.onnx"))
+    (node,) = [n for n in fused.graph.node if n.op_type == "InstanceNormalization"]
+    values = {i.name: numpy_helper.to_array(i) for i in fused.graph.initializer}
+    assert (values[node.input[1]] == 1).all() and (values[node.input[2]] == 0).all()
+    xs = np.random.default_rng(1).standard_normal((3, *x.shape[1:])).astype(np.float32)
+    y0 = ort.InferenceSession(str(original)).run(None, _feed(original, xs))[0]
+    y1 = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx")).run(None, _feed(original, xs))[0]
+    assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
+
+
+def _feed(path: Path, xs: np.ndarray) -> dict[str, np.ndarray]:
+    (name,) = [i.name for i in ort.InferenceSession(str(path)).get_inputs()]
+    return {name: xs}
 
 
 # --------------------------------------------------------------------------------------------- LLaMA family

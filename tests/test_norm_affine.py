@@ -168,26 +168,29 @@ def test_a_norm_read_by_a_residual_is_kept_whole_bit_for_bit():
 
 
 class PaddedConv(nn.Module):
-    """A GroupNorm before a 3x3 conv with zero padding: a padded zero would have to become the shift."""
+    """A GroupNorm (or an InstanceNorm with an affine) before a 3x3 conv with zero padding: a padded zero would have
+    to become the shift."""
 
-    def __init__(self) -> None:
+    def __init__(self, instance: bool = False) -> None:
         super().__init__()
-        self.norm = randomize(nn.GroupNorm(2, C))
+        self.norm = randomize(nn.InstanceNorm2d(C, affine=True) if instance else nn.GroupNorm(2, C))
         self.fc = nn.Conv2d(C, 4, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.norm(x))
 
 
-def test_a_group_norm_before_a_padded_conv_is_kept_whole():
-    model = PaddedConv().eval()
+@pytest.mark.parametrize("instance", [False, True])
+def test_a_group_norm_before_a_padded_conv_is_kept_whole(instance):
+    """An InstanceNorm only in its export graph: after ``run_decompositions()`` it is a batch norm over a view,
+    not split (``slabconv.engine.norm_affine``)."""
+    model = PaddedConv(instance).eval()
     x = torch.randn(B, C, 5, 5, generator=gen(4))
-    for core in (False, True):
+    kind = "InstanceNorm-affine" if instance else "GroupNorm-affine"
+    for core in (False,) if instance else (False, True):
         gm = graph(model, x, core)
         decisions = fold_all(gm, norm_affine=True)
-        assert [(d.kind, d.action, d.reason) for d in decisions] == [
-            ("GroupNorm-affine", "kept", reasons.PADDED_CONV_CONSUMER)
-        ]
+        assert [(d.kind, d.action, d.reason) for d in decisions] == [(kind, "kept", reasons.PADDED_CONV_CONSUMER)]
         assert torch.equal(gm(x), model(x))
     assert rel_err(_naive(model, "fc")(x), model(x)) > NAIVE_MIN_ERR
 

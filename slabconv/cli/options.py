@@ -71,9 +71,9 @@ FoldNormAffine = Annotated[
     bool,
     typer.Option(
         "--fold-norm-affine",
-        help="Also fold the weight and bias of every LayerNorm, RMSNorm and GroupNorm into the layers that read the "
-        "norm (the normalisation stays, with weight 1): a Hugging Face LLaMA, Mistral or Qwen2 stays that "
-        "architecture with every norm weight 1. See docs/math.md.",
+        help="Also fold the weight and bias of every LayerNorm, RMSNorm, GroupNorm and InstanceNorm into the layers "
+        "that read the norm (the normalisation stays, with weight 1): a Hugging Face LLaMA, Mistral or Qwen2 stays "
+        "that architecture with every norm weight 1. See docs/math.md.",
     ),
 ]
 Inputs = Annotated[

@@ -1,16 +1,18 @@
-r"""The affine of a LayerNorm, RMSNorm or GroupNorm, split from its normalisation so it folds like any other norm
-(``fold_norm_affine``, issue 41).
+r"""The affine of a LayerNorm, RMSNorm, GroupNorm or InstanceNorm, split from its normalisation so it folds like any
+other norm (``fold_norm_affine``, issue 41).
 
 A LayerNorm computes ``y = γ ⊙ x̂ + β`` with ``x̂`` the normalised input (mean and variance over the normalised
 axes of each sample); an RMSNorm ``y = γ ⊙ x / rms(x)``; a GroupNorm ``y = γ ⊙ x̂ + β`` with ``x̂`` normalised per
-group of channels, ``γ``, ``β`` per channel (axis 1). The normalisation depends on the input and stays; the affine
-``(γ, β)`` is a constant per-channel map, exactly what ``slabconv.engine.norms`` finds and the planner folds.
+group of channels, ``γ``, ``β`` per channel (axis 1); an InstanceNorm the same with one channel per group. The
+normalisation depends on the input and stays; the affine ``(γ, β)`` is a constant per-channel map, exactly what
+``slabconv.engine.norms`` finds and the planner folds.
 
 ``split_norm_affines`` rewrites each such op in the graph into the op without its affine followed by the affine
 as ATen writes it elsewhere (``aten.mul.Tensor`` by the stored ``γ``, then ``aten.add.Tensor`` of the stored
 ``β``), marked so that ``norms.find_norms`` names the norm ``LayerNorm-affine`` / ``RMSNorm-affine`` /
-``GroupNorm-affine``. The split graph computes the same function (the float64 values are equal; a float16 /
-bfloat16 graph rounds ``x̂`` once more). The ops it splits, as ``torch.export`` (2.8 .. 2.13) writes them:
+``GroupNorm-affine`` / ``InstanceNorm-affine``. The split graph computes the same function (the float64 values are
+equal; a float16 / bfloat16 graph rounds ``x̂`` once more). The ops it splits, as ``torch.export`` (2.8 .. 2.13)
+writes them:
 
 =============================  =====================================================  ========================
 op                             written by                                             channels
@@ -20,7 +22,13 @@ op                             written by                                       
 ``aten.rms_norm``              ``nn.RMSNorm``, ``F.rms_norm`` (export graph)          last axis
 ``aten.group_norm``            ``nn.GroupNorm``, ``F.group_norm`` (export graph)      axis 1
 ``aten.native_group_norm``     the same after ``run_decompositions()``                axis 1
+``aten.instance_norm``         ``nn.InstanceNorm1d/2d/3d(affine=True)`` (export       axis 1
+                               graph); ONNX ``InstanceNormalization``
 =============================  =====================================================  ========================
+
+After ``run_decompositions()`` an InstanceNorm is a batch norm with batch statistics over a ``(1, B * C, ...)``
+view, its ``γ`` repeated ``B`` times: not split. An ``instance_norm`` that is a written-out GroupNorm's
+normalisation (``_instance_normed``) is not split either: its affine is the ``Mul`` / ``Add`` after it.
 
 The normalised shape must be the last axis alone (a LayerNorm over several axes has no single channel axis) and
 ``γ`` (and ``β`` where present) a constant of the output's dtype that only norm ops read; a norm with ``β`` but no
@@ -29,8 +37,10 @@ An RMSNorm written out (transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm``: ``γ 
 casts around it, and ``nn.RMSNorm`` after ``run_decompositions()``) already has its ``γ`` as a separate multiply:
 ``split_norm_affines`` only marks that multiply (``_rms_weight``; also ``x / sqrt(...)`` and
 ``x * reciprocal(sqrt(...))``, as ONNX exporters write it). So with a GroupNorm an ONNX exporter wrote as
-``Reshape -> InstanceNormalization -> Reshape -> Mul -> Add`` (``_group_weight``). Without the option such a multiply
-is found as before (a ``LayerScale`` or ``Affine`` where its axis is a channel axis, ``docs/reasons.md``).
+``Reshape -> InstanceNormalization -> Reshape -> Mul -> Add`` (``_group_weight``). Without the option a written-out
+RMSNorm's multiply is found as before (a ``LayerScale`` where its axis is a channel axis, ``docs/reasons.md``); a
+written-out GroupNorm's multiply and add are no norm (``holds_group_norm_weight``), as ``aten.group_norm`` keeps its
+affine.
 
 A folded affine leaves the op with a unit weight (``unit_weight``: the stored ``γ`` replaced by ones under the
 same name, ``β`` dropped), so a Hugging Face LLaMA keeps its layout with every norm weight 1. A norm whose affine
@@ -56,7 +66,7 @@ aten = torch.ops.aten
 MARK = "slabconv_norm_affine"
 """``node.meta`` key on the affine's multiply (value: the norm's kind, ``LayerNorm`` ...) and add (``"shift"``)."""
 
-KINDS = ("LayerNorm-affine", "RMSNorm-affine", "GroupNorm-affine")
+KINDS = ("LayerNorm-affine", "RMSNorm-affine", "GroupNorm-affine", "InstanceNorm-affine")
 """The kinds of these norms in ``Decision.kind`` / ``folds[].kind``."""
 
 
@@ -78,13 +88,15 @@ NORM_OPS: dict[Any, NormOp] = {
     aten.native_layer_norm.default: NormOp("LayerNorm", 2, 3, -1, True, 1),
     aten.group_norm.default: NormOp("GroupNorm", 2, 3, 1, False, None),
     aten.native_group_norm.default: NormOp("GroupNorm", 1, 2, 1, True, None),
+    aten.instance_norm.default: NormOp("InstanceNorm", 1, 2, 1, False, None),
 }
 if hasattr(aten, "rms_norm"):  # torch >= 2.4
     NORM_OPS[aten.rms_norm.default] = NormOp("RMSNorm", 2, None, -1, False, 1)
 
 
 def is_norm_affine(kind: str) -> bool:
-    """True for the kinds this module makes (``LayerNorm-affine``, ``RMSNorm-affine``, ``GroupNorm-affine``)."""
+    """True for the kinds this module makes (``LayerNorm-affine``, ``RMSNorm-affine``, ``GroupNorm-affine``,
+    ``InstanceNorm-affine``)."""
     return kind in KINDS
 
 
@@ -112,7 +124,7 @@ def split_axis(node: fx.Node) -> int | None:
     return _AXES.get(kinds.pop()) if len(kinds) == 1 else None
 
 
-_AXES = {"LayerNorm": -1, "RMSNorm": -1, "GroupNorm": 1}
+_AXES = {"LayerNorm": -1, "RMSNorm": -1, "GroupNorm": 1, "InstanceNorm": 1}
 
 
 def _arg(node: fx.Node, position: int | None) -> Any:
@@ -318,6 +330,14 @@ def _group_weight(node: fx.Node, consts: Constants) -> bool:
     return channels is not None and padded[1] == channels and all(d == 1 for i, d in enumerate(padded) if i != 1)
 
 
+def holds_group_norm_weight(nodes: Any, consts: Constants) -> bool:
+    """One of ``nodes`` multiplies a GroupNorm's normalisation, as ONNX exporters write it (``_group_weight``), by
+    its weight, unmarked (``split_norm_affines`` did not run: no ``fold_norm_affine``). Such an affine is the
+    GroupNorm's own and stays with it, as an ``aten.group_norm`` from a checkpoint keeps its weight and bias
+    (``slabconv.engine.norms`` finds no norm in it)."""
+    return any(MARK not in n.meta and _group_weight(n, consts) for n in nodes)
+
+
 def _after_cast(gm: fx.GraphModule, mul: fx.Node, weight: fx.Node, normed: fx.Node) -> fx.Node:
     """The weight multiply of a written-out RMSNorm, moved after the cast back to the input's dtype where it
     computes in float32 and the cast narrows (``nn.RMSNorm`` in float16 / bfloat16 after ``run_decompositions()``:
@@ -345,14 +365,16 @@ def _after_cast(gm: fx.GraphModule, mul: fx.Node, weight: fx.Node, normed: fx.No
 
 
 def split_norm_affines(gm: fx.GraphModule) -> int:
-    """Split the affine of every LayerNorm, RMSNorm and GroupNorm op of ``gm`` from its normalisation (in place;
-    see the module docstring for which ops and when), and mark the weight multiply of every written-out RMSNorm.
-    ``gm`` computes the same function afterwards; it is recompiled. Returns how many norms were split or marked.
+    """Split the affine of every LayerNorm, RMSNorm, GroupNorm and InstanceNorm op of ``gm`` from its normalisation
+    (in place; see the module docstring for which ops and when), and mark the weight multiply of every written-out
+    RMSNorm. ``gm`` computes the same function afterwards; it is recompiled. Returns how many norms were split or
+    marked.
 
     Source: the op schemas of ``native_functions.yaml`` (``layer_norm(input, normalized_shape, weight, bias, eps,
     cudnn_enable)``, ``native_layer_norm(input, normalized_shape, weight, bias, eps) -> (out, mean, rstd)``,
     ``rms_norm(input, normalized_shape, weight, eps)``, ``group_norm(input, num_groups, weight, bias, eps,
-    cudnn_enabled)``, ``native_group_norm(input, weight, bias, N, C, HxW, group, eps) -> (out, mean, rstd)``).
+    cudnn_enabled)``, ``native_group_norm(input, weight, bias, N, C, HxW, group, eps) -> (out, mean, rstd)``,
+    ``instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled)``).
     """
     consts = Constants(gm)
     count = 0
@@ -360,6 +382,8 @@ def split_norm_affines(gm: fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         op = NORM_OPS.get(node.target)
+        if op is not None and any(_instance_normed(u, consts) for u in node.users):
+            continue  # a written-out GroupNorm's normalisation: its affine is the Mul / Add after it (_group_weight)
         if op is not None:
             out = _splittable(node, op, consts)
             if out is not None:

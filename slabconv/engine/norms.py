@@ -50,7 +50,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
 from slabconv.engine.layers import layer_of
-from slabconv.engine.norm_affine import affine_kind, split_axis
+from slabconv.engine.norm_affine import affine_kind, holds_group_norm_weight, split_axis
 from slabconv.engine.rules import VIEW_OPS, Chan
 
 aten = torch.ops.aten
@@ -194,9 +194,16 @@ def _is_channel_axis(cand: Affine, out: fx.Node, known: Callable[[fx.Node], Chan
     return reaches_layer(out, Chan(cand.axis, channels))
 
 
-def _is_norm(cand: Affine | None, out: fx.Node, claimed: set[fx.Node], known: Callable[[fx.Node], Chan | None]) -> bool:
+def _is_norm(
+    cand: Affine | None,
+    out: fx.Node,
+    claimed: set[fx.Node],
+    known: Callable[[fx.Node], Chan | None],
+    analysis: _Analysis,
+) -> bool:
     """A norm: a BN op or a per-channel constant product (``seeded``) on a channel axis, whose ops nothing outside
-    reads (``_closed``) and no norm chosen before holds."""
+    reads (``_closed``), no norm chosen before holds, and that is not the weight of a GroupNorm an exporter wrote
+    out (``holds_group_norm_weight``: without ``fold_norm_affine`` that affine stays the GroupNorm's)."""
     return (
         cand is not None
         and cand.seeded
@@ -204,6 +211,7 @@ def _is_norm(cand: Affine | None, out: fx.Node, claimed: set[fx.Node], known: Ca
         and not claimed.intersection(cand.nodes)
         and _closed(cand, out)
         and _is_channel_axis(cand, out, known)
+        and not holds_group_norm_weight(cand.nodes, analysis.consts)
     )
 
 
@@ -218,7 +226,7 @@ def _choose(analysis: _Analysis) -> list[tuple[fx.Node, Affine]]:
             (
                 c
                 for c in (analysis.aff.get(node), analysis.back.get(node), analysis.fresh.get(node))
-                if _is_norm(c, node, claimed, known)
+                if _is_norm(c, node, claimed, known, analysis)
             ),
             None,
         )
