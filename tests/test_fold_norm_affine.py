@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -272,6 +273,45 @@ def test_an_instance_norms_affine_folds_alike_through_every_door(dims, dynamo, t
     y0 = ort.InferenceSession(str(original)).run(None, _feed(original, xs))[0]
     y1 = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx")).run(None, _feed(original, xs))[0]
     assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
+
+
+class TokenHead(nn.Module):
+    """``fc(norm(x))`` on tokens ``(B, N, C)``."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.fc = norm, nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+@pytest.mark.parametrize(
+    ("norm", "opset", "dynamo", "kind"),
+    [("rms", 18, True, "RMSNorm-affine"), ("layer", 16, False, "LayerNorm-affine")],
+    ids=["rmsnorm-dynamo-18", "layernorm-torchscript-16"],
+)
+def test_a_norm_an_exporter_writes_out_is_found_as_the_module_is(norm, opset, dynamo, kind, tmp_path):
+    """The dynamo exporter writes ``nn.RMSNorm`` at opset 18 as ``Pow``, ``ReduceMean``, ``Add`` of an ``ε``
+    initializer, ``Sqrt``, ``Reciprocal``, ``Mul``, then the weight's ``Mul``; the TorchScript exporter below opset 17
+    writes ``nn.LayerNorm`` the same way on ``x - ReduceMean(x)``, with ``Div``, then ``Mul`` and ``Add``. With the
+    option both are the norm the module door finds, of the same kind (they were a ``LayerScale`` and an ``Affine``:
+    the ``ε`` is a stored tensor there, not a number), folded and verified."""
+    model = _randomize(TokenHead(nn.RMSNorm(C) if norm == "rms" else nn.LayerNorm(C)), 7)
+    if norm == "rms":
+        with torch.no_grad():
+            model.norm.weight.copy_(torch.rand(C, generator=torch.Generator().manual_seed(8)) * 1.5 + 0.25)
+    x = torch.randn(2, 5, C, generator=torch.Generator().manual_seed(9))
+    program = [(d.norm, d.kind, d.action, d.into) for d in engine.fold_all(engine.capture(model, x), norm_affine=True)]
+    assert program == [("norm", kind, "folded-forward", ["fc"])]
+    path = tmp_path / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), dynamo=dynamo, opset_version=opset, input_names=["x"])
+    assert "Pow" in {n.op_type for n in onnx.load(str(path)).graph.node}  # written out
+    report = api.fuse(path, tmp_path / "out", load=AFFINE, verify=VerifyOptions(samples=4))
+    assert [(f.norm, f.kind, f.action, f.into) for f in report.folds] == program
+    assert report.verification.passed and report.verification.to_dict()["question_1_exact"]
 
 
 def _feed(path: Path, xs: np.ndarray) -> dict[str, np.ndarray]:

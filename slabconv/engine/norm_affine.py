@@ -36,10 +36,12 @@ The normalised shape must be the last axis alone (a LayerNorm over several axes 
 An RMSNorm written out (transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm``: ``γ * (x * rsqrt(mean(x²) + ε))`` with
 casts around it, and ``nn.RMSNorm`` after ``run_decompositions()``) already has its ``γ`` as a separate multiply:
 ``split_norm_affines`` only marks that multiply (``_rms_weight``; also ``x / sqrt(...)`` and
-``x * reciprocal(sqrt(...))``, as ONNX exporters write it). So with a GroupNorm an ONNX exporter wrote as
-``Reshape -> InstanceNormalization -> Reshape -> Mul -> Add`` (``_group_weight``). Without the option a written-out
-RMSNorm's multiply is found as before (a ``LayerScale`` where its axis is a channel axis, ``docs/reasons.md``); a
-written-out GroupNorm's multiply and add are no norm (``holds_group_norm_weight``), as ``aten.group_norm`` keeps its
+``x * reciprocal(sqrt(...))``, ``ε`` a number or a stored one-element tensor, as ONNX exporters write it); on
+``x - mean(x, -1)`` it is a LayerNorm written out (the TorchScript exporter below opset 17, ``_centred``), marked
+so. So with a GroupNorm an ONNX exporter wrote as ``Reshape -> InstanceNormalization -> Reshape -> Mul -> Add``
+(``_group_weight``). Without the option a written-out RMSNorm's multiply (a LayerNorm's multiply and add) is found
+as before (a ``LayerScale``, an ``Affine``, where its axis is a channel axis, ``docs/reasons.md``); a written-out
+GroupNorm's multiply and add are no norm (``holds_group_norm_weight``), as ``aten.group_norm`` keeps its
 affine.
 
 A folded affine leaves the op with a unit weight (``unit_weight``: the stored ``γ`` replaced by ones under the
@@ -241,6 +243,17 @@ def _uncast(node: Any) -> Any:
     return node
 
 
+def _scalar(node: Any) -> bool:
+    """``node`` is a number: a Python int or float, or a stored one-element tensor (an ONNX exporter's ``ε``
+    initializer, lowered to a ``get_attr``)."""
+    if isinstance(node, (int, float)):
+        return True
+    if not (isinstance(node, fx.Node) and node.op == "get_attr"):
+        return False
+    value = stored(node.graph.owning_module, str(node.target))  # type: ignore[arg-type]
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point
+
+
 def _rms_of(node: Any, x: Any, root: Any = aten.rsqrt.default) -> bool:
     """``node`` is ``rsqrt(mean(x ** 2, -1, keepdim=True) + eps)`` of the same ``x`` (through casts), or
     ``reciprocal(sqrt(...))`` of it (an ONNX exporter's ``Reciprocal(Sqrt(...))``), or with ``root`` ``sqrt`` the
@@ -253,7 +266,7 @@ def _rms_of(node: Any, x: Any, root: Any = aten.rsqrt.default) -> bool:
     if not (isinstance(added, fx.Node) and added.target in (aten.add.Tensor, aten.add.Scalar)):
         return False
     mean = added.args[0]
-    if not (isinstance(mean, fx.Node) and mean.target is aten.mean.dim and isinstance(added.args[1], (int, float))):
+    if not (isinstance(mean, fx.Node) and mean.target is aten.mean.dim and _scalar(added.args[1])):
         return False
     dims = mean.args[1] if len(mean.args) > 1 else None
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
@@ -263,6 +276,25 @@ def _rms_of(node: Any, x: Any, root: Any = aten.rsqrt.default) -> bool:
     if not (isinstance(square, fx.Node) and square.target is aten.pow.Tensor_Scalar and square.args[1] == 2):
         return False
     return _uncast(square.args[0]) is _uncast(x)
+
+
+def _centred(normed: fx.Node) -> bool:
+    """The RMS-normalised ``x̂`` (``_rms_weight``) normalises ``x - mean(x, -1, keepdim=True)``: a LayerNorm written
+    out (the TorchScript exporter below opset 17: ``ReduceMean``, ``Sub``, ``Pow``, ``ReduceMean``, ``Add``,
+    ``Sqrt``, ``Div``), not an RMSNorm."""
+    inner = _uncast(normed)
+    for x in inner.args if isinstance(inner, fx.Node) else ():
+        x = _uncast(x)
+        if not (isinstance(x, fx.Node) and x.target is aten.sub.Tensor and len(x.args) == 2):
+            continue
+        y, mean = x.args
+        if not (isinstance(mean, fx.Node) and mean.target is aten.mean.dim and _uncast(mean.args[0]) is _uncast(y)):
+            continue
+        dims = mean.args[1] if len(mean.args) > 1 else None
+        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if isinstance(dims, (list, tuple)) and list(dims) in ([-1], [len(shape_of(mean) or ()) - 1]) and keepdim:
+            return True
+    return False
 
 
 def _rms_weight(node: fx.Node, consts: Constants) -> tuple[fx.Node, fx.Node] | None:
@@ -390,7 +422,7 @@ def split_norm_affines(gm: fx.GraphModule) -> int:
                 _split(gm, node, op, out)
                 count += 1
         elif MARK not in node.meta and (found := _rms_weight(node, consts)) is not None:
-            _after_cast(gm, node, *found).meta[MARK] = "RMSNorm"
+            _after_cast(gm, node, *found).meta[MARK] = "LayerNorm" if _centred(found[1]) else "RMSNorm"
             count += 1
         elif MARK not in node.meta and _group_weight(node, consts):
             node.meta[MARK] = "GroupNorm"
