@@ -275,6 +275,27 @@ def test_an_instance_norms_affine_folds_alike_through_every_door(dims, dynamo, t
     assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
 
 
+@pytest.mark.parametrize(("dims", "dynamo"), [(1, False), (1, True), (3, False), (3, True)])
+def test_a_written_out_group_norm_over_a_line_or_a_volume_is_that_group_norm(dims, dynamo, tmp_path):
+    """Both exporters write ``nn.GroupNorm`` over ``(B, C, L)`` and ``(B, C, D, H, W)`` (opset 18) as ``Reshape``,
+    ``InstanceNormalization``, ``Reshape``, ``Mul``, ``Add``: with the option the ONNX door finds the
+    ``GroupNorm-affine`` the module door finds and folds it alike (without it, neither door finds a norm:
+    ``tests/test_doors.py``)."""
+    from onnx_ir import load
+
+    from slabconv.engine import onnx_fold
+    from tests.test_doors import GroupNormThenConv, _export, _volume
+
+    model = _randomize(GroupNormThenConv(dims), 9)
+    x = _volume(dims)()
+    program = [(d.norm, d.kind, d.action, d.into) for d in engine.fold_all(engine.capture(model, x), norm_affine=True)]
+    assert program == [("norm", "GroupNorm-affine", "folded-forward", ["fc"])]
+    path = _export(model, x, tmp_path / "model.onnx", dynamo)
+    assert "InstanceNormalization" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    _, plans = onnx_fold.plan_file(load(str(path)), str(path), norm_affine=True)
+    assert [(p.decision.norm, p.decision.kind, p.decision.action, p.decision.into) for p in plans] == program
+
+
 class TokenHead(nn.Module):
     """``fc(norm(x))`` on tokens ``(B, N, C)``."""
 
