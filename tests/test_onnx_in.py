@@ -847,6 +847,44 @@ def test_the_float64_reference_runs_a_grouped_conv_transpose_as_torch_does(tmp_p
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
+class _TopKQueries(nn.Module):
+    """RT-DETR's query selection in small: a conv and its BatchNorm, then ``torch.gather`` of the top-k of the 100
+    flattened positions (a ``GatherElements`` on an axis of 100 entries, behind a conv), along ``dim``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1)
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.head(self.bn(self.conv(x))).flatten(2)  # (N, 4, 100)
+        index = tokens[:, :1].topk(5, dim=-1).indices.expand(-1, 4, -1)
+        return torch.gather(tokens, self.dim, index)
+
+
+@pytest.mark.parametrize("dim", [2, -1])
+def test_a_gather_over_more_than_64_entries_behind_a_conv_is_verified(tmp_path, dim):
+    """onnxruntime has no float64 ``Conv``, so the float64 reference falls to onnx's reference evaluator, whose
+    ``GatherElements`` raised on an axis of more than 64 entries (``np.choose``: ``fuse`` of RT-DETR ended in an
+    internal error) and on a negative axis (its shape check slices ``shape[dim + 1:]``). The reference equals
+    torch's ``gather`` in float64, and the norm folds and is verified."""
+    model = randomize_norms(_TopKQueries(dim).eval(), seed=3)
+    x = torch.randn(2, 3, 10, 10)
+    path = tmp_path / "topk.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PRESERVE: the BatchNorm stays a node, not folded into the conv in float32
+        preserve = torch.onnx.TrainingMode.PRESERVE
+        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, training=preserve)
+    (got,), which = onnx_original.float64_reference(path, x.numpy(), "float32", None)
+    assert which.startswith("onnx.reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.norm, d.action) for d in report.folds] == [("bn", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+
+
 @pytest.mark.parametrize("opset", [13, 15])
 def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_statistics(tmp_path, opset):
     """A ``Conv`` (no float64 kernel in onnxruntime) sends the float64 reference to onnx's reference evaluator,

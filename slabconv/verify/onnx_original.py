@@ -64,7 +64,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         ort_error = first_line(err, 160)
     from onnx.reference import ReferenceEvaluator
 
-    fixed = [_grouped_conv_transpose(), _inference_batch_norm(), _torch_average_pool()]  # ops run as the spec says
+    fixed = [_grouped_conv_transpose(), _inference_batch_norm(), _torch_average_pool(), _gather_elements()]  # per spec
     try:
         evaluator = ReferenceEvaluator(proto, new_ops=fixed)
     except NotImplementedError as err:  # an op of another domain (com.microsoft): no reference implementation
@@ -165,6 +165,27 @@ def _torch_average_pool() -> type:
             return (y.numpy(),)
 
     return AveragePool
+
+
+def _gather_elements() -> type:
+    """onnx's reference ``GatherElements`` with numpy's ``take_along_axis``: onnx's (1.23) gathers with
+    ``np.choose``, which takes at most 64 choices, so it raises ``ValueError`` when the gathered axis has more than 64
+    entries (RT-DETR's query selection: ``torch.gather`` of the top-k of a few hundred anchors, behind convs that
+    send the float64 reference here). Per the ONNX spec, ``out[i][j][k] = data[index[i][j][k]][j][k]`` along
+    ``axis``, a negative index counting from the end; the output has the shape of ``indices``, which on the other
+    axes may be shorter than ``data`` (as ``torch.gather`` allows)."""
+    from onnx.reference.ops.op_gather_elements import GatherElements as OnnxGatherElements
+
+    class GatherElements(OnnxGatherElements):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, data: np.ndarray, indices: np.ndarray, axis: int | None = None) -> tuple[np.ndarray]:  # type: ignore[override]
+            axis = int(axis or 0) % data.ndim
+            index = np.where(indices < 0, indices + data.shape[axis], indices).astype(np.int64)
+            window = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))
+            return (np.take_along_axis(data[window], index, axis=axis),)
+
+    return GatherElements
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
