@@ -885,6 +885,40 @@ def test_a_gather_over_more_than_64_entries_behind_a_conv_is_verified(tmp_path, 
     assert report.verification is not None and report.verification.passed
 
 
+@pytest.mark.parametrize(("opset", "mode"), [(16, "bilinear"), (16, "bicubic"), (20, "linear"), (20, "cubic")])
+def test_the_float64_reference_runs_a_grid_sample_of_either_opsets_mode_names(tmp_path, opset, mode):
+    """A ``Conv`` sends the float64 reference to onnx's reference evaluator, whose ``GridSample`` raised on opset
+    16's mode names (``bilinear``, ``bicubic``: the TorchScript exporter's below opset 20, RT-DETR's deformable
+    attention), an internal error of ``fuse``, and computed the grid's coordinates in float32 at opset 20. The
+    reference equals torch's conv and ``grid_sample`` in float64."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w, grid = rng.standard_normal((4, 3, 1, 1)), rng.uniform(-1.2, 1.2, (2, 3, 4, 2))
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["h"]),
+        helper.make_node("GridSample", ["h", "grid"], ["y"], mode=mode, padding_mode="zeros", align_corners=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 3, 4])],
+        [numpy_helper.from_array(w.astype(np.float32), "w"), numpy_helper.from_array(grid.astype(np.float32), "grid")],
+    )
+    path = tmp_path / "grid.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    x = rng.standard_normal((2, 3, 5, 5)).astype(np.float32)
+    (got,), which = onnx_original.float64_reference(path, x, "float32", None)
+    assert which.startswith("onnx.reference")
+    as64 = [torch.tensor(a.astype(np.float32), dtype=torch.float64) for a in (x, w, grid)]
+    torch_mode = {"linear": "bilinear", "cubic": "bicubic"}.get(mode, mode)
+    want = torch.nn.functional.grid_sample(
+        torch.nn.functional.conv2d(as64[0], as64[1]), as64[2], mode=torch_mode, align_corners=False
+    )
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("opset", [13, 15])
 def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_statistics(tmp_path, opset):
     """A ``Conv`` (no float64 kernel in onnxruntime) sends the float64 reference to onnx's reference evaluator,
