@@ -221,7 +221,7 @@ def _grid_sample() -> type:
             torch_mode = torch_modes.get(mode)
             if torch_mode is not None and (X.ndim == 4 or (X.ndim == 5 and torch_mode != "bicubic")):
                 y = torch.nn.functional.grid_sample(
-                    torch.from_numpy(np.ascontiguousarray(X)), torch.from_numpy(np.ascontiguousarray(grid)),
+                    torch.from_numpy(np.array(X)), torch.from_numpy(np.array(grid)),  # copies: onnx's may be read-only
                     mode=torch_mode, padding_mode=padding, align_corners=align,
                 )  # fmt: skip
                 return (y.numpy(),)
