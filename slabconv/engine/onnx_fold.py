@@ -145,9 +145,10 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
     constants up to its default sizes, which leaves weights as they are; dead nodes; its rewrite rules, such as
     cancelling layout pairs) on an onnx-ir ``model``, in place, then onnxslim (``onnxslim.slim``: its constant
     folding, dead nodes, shape-arithmetic and fusion patterns) when it is installed, whose graph replaces the
-    model's only when it has fewer nodes (onnxslim turns a ``MatMul`` on 3-D tokens and its bias ``Add`` into
-    ``Reshape`` -> ``Gemm`` -> ``Reshape``: more nodes). Every constant either folds is computed in the model's own
-    dtypes.
+    model's only when it has fewer nodes. onnxslim runs twice, with all its patterns and without ``FusionGemm``
+    (which turns a ``MatMul`` on 3-D tokens and its bias ``Add`` into ``Reshape`` -> ``Gemm`` -> ``Reshape``: more
+    nodes, where the other patterns shrink the graph), and the smaller graph is kept (all patterns on a tie). Every
+    constant either folds is computed in the model's own dtypes.
 
     Args:
         model: an ``onnx_ir.Model``; its metadata, opset imports and graph input / output names stay.
@@ -180,7 +181,9 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
     info: dict[str, Any] = {"simplifiers": [f"{ONNXSCRIPT} {onnxscript.__version__}"]}
     wanted = simplifiers is not None and any(s.split()[0] == ONNXSLIM for s in simplifiers)
     if simplifiers is None or wanted:
-        slim, why = _onnxslim(model, keep_larger=wanted)
+        recorded = [s for s in simplifiers or [] if s.split()[0] == ONNXSLIM]
+        skips = [_skipped(recorded[0])] if recorded else [(), ("FusionGemm",)]
+        slim, why = _onnxslim(model, keep_larger=wanted, skips=skips)
         if slim is not None:
             info["simplifiers"].append(slim)
         elif wanted:
@@ -214,12 +217,24 @@ def _register_orphan_constants(graph: Any) -> None:
             graph.register_initializer(value)
 
 
-def _onnxslim(model: Any, keep_larger: bool) -> tuple[str | None, str]:
-    """onnxslim on ``model`` (after onnxscript's optimizer), its graph put in place of the model's when it has fewer
-    nodes (or always, with ``keep_larger``).
+_WITHOUT = " without "
+"""What separates onnxslim's name and version from the fusion patterns it skipped, in a recorded simplifier
+(``onnxslim 0.1.98 without FusionGemm``)."""
+
+
+def _skipped(recorded: str) -> tuple[str, ...]:
+    """The onnxslim fusion patterns a recorded simplifier skipped (``()`` for ``onnxslim 0.1.98``)."""
+    return tuple(recorded.split(_WITHOUT, 1)[1].split("+")) if _WITHOUT in recorded else ()
+
+
+def _onnxslim(model: Any, keep_larger: bool, skips: list[tuple[str, ...]]) -> tuple[str | None, str]:
+    """onnxslim on ``model`` (after onnxscript's optimizer), once for each entry of ``skips`` (the fusion patterns
+    it skips: ``onnxslim.slim(..., skip_fusion_patterns=...)``), the graph with the fewest nodes (the first of
+    equals) put in place of the model's when it has fewer nodes than the model (or always, with ``keep_larger``).
 
     Returns:
-        ``("onnxslim <version>", "")`` when its graph was kept, else ``(None, why)``.
+        ``("onnxslim <version>", "")`` or ``("onnxslim <version> without FusionGemm", "")`` when its graph was
+        kept, else ``(None, why)``.
     """
     try:
         import onnxslim
@@ -231,14 +246,20 @@ def _onnxslim(model: Any, keep_larger: bool) -> tuple[str | None, str]:
     import warnings
 
     nodes = len(list(model.graph))
-    with warnings.catch_warnings():  # it prints nothing by default; its dependencies may warn
-        warnings.simplefilter("ignore")
-        slimmed = ir.from_proto(onnxslim.slim(ir.to_proto(model)))
-    after = len(list(slimmed.graph))
+    best: tuple[int, Any, tuple[str, ...]] | None = None
+    for skip in skips:
+        with warnings.catch_warnings():  # it prints nothing by default; its dependencies may warn
+            warnings.simplefilter("ignore")
+            slimmed = ir.from_proto(onnxslim.slim(ir.to_proto(model), skip_fusion_patterns=list(skip) or None))
+        if best is None or len(list(slimmed.graph)) < best[0]:
+            best = (len(list(slimmed.graph)), slimmed, skip)
+    assert best is not None  # skips is never empty
+    after, slimmed, skip = best
+    name = f"{ONNXSLIM} {onnxslim.__version__}" + (_WITHOUT + "+".join(skip) if skip else "")
     if after >= nodes and not keep_larger:
-        return None, f"onnxslim {onnxslim.__version__} gave {after} nodes, not fewer than {nodes}: not kept"
+        return None, f"{name} gave {after} nodes, not fewer than {nodes}: not kept"
     model.graph = slimmed.graph
-    return f"{ONNXSLIM} {onnxslim.__version__}", ""
+    return name, ""
 
 
 def to_float64(model: Any) -> None:

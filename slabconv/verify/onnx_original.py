@@ -64,7 +64,13 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         ort_error = first_line(err, 160)
     from onnx.reference import ReferenceEvaluator
 
-    fixed = [_grouped_conv_transpose(), _inference_batch_norm(), _torch_average_pool()]  # ops run as the spec says
+    fixed = [  # ops run as the spec says
+        _grouped_conv_transpose(),
+        _inference_batch_norm(),
+        _torch_average_pool(),
+        _gather_elements(),
+        _grid_sample(),
+    ]
     try:
         evaluator = ReferenceEvaluator(proto, new_ops=fixed)
     except NotImplementedError as err:  # an op of another domain (com.microsoft): no reference implementation
@@ -165,6 +171,63 @@ def _torch_average_pool() -> type:
             return (y.numpy(),)
 
     return AveragePool
+
+
+def _gather_elements() -> type:
+    """onnx's reference ``GatherElements`` with numpy's ``take_along_axis``: onnx's (1.23) gathers with
+    ``np.choose``, which takes at most 64 choices, so it raises ``ValueError`` when the gathered axis has more than 64
+    entries (RT-DETR's query selection: ``torch.gather`` of the top-k of a few hundred anchors, behind convs that
+    send the float64 reference here). Per the ONNX spec, ``out[i][j][k] = data[index[i][j][k]][j][k]`` along
+    ``axis``, a negative index counting from the end; the output has the shape of ``indices``, which on the other
+    axes may be shorter than ``data`` (as ``torch.gather`` allows)."""
+    from onnx.reference.ops.op_gather_elements import GatherElements as OnnxGatherElements
+
+    class GatherElements(OnnxGatherElements):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, data: np.ndarray, indices: np.ndarray, axis: int | None = None) -> tuple[np.ndarray]:  # type: ignore[override]
+            axis = int(axis or 0) % data.ndim
+            index = np.where(indices < 0, indices + data.shape[axis], indices).astype(np.int64)
+            window = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))
+            return (np.take_along_axis(data[window], index, axis=axis),)
+
+    return GatherElements
+
+
+def _grid_sample() -> type:
+    """onnx's reference ``GridSample`` with torch's ``grid_sample`` for a 4-D or 5-D input (the op was specified
+    after it, and onnxruntime computes it so): onnx's (1.23) knows only opset 20's mode names (``linear``,
+    ``cubic``) and raises on opset 16's (``bilinear``, ``bicubic``), which the TorchScript exporter writes below
+    opset 20 (RT-DETR's deformable attention); it unnormalizes the grid's coordinates into float32 (a relative error
+    near 1e-7 in a float64 graph, above question 1's 1e-9) and interpolates one point at a time in Python. Other
+    ranks go to onnx's with the mode renamed."""
+    from onnx.reference.ops.op_grid_sample import GridSample as OnnxGridSample
+
+    def text(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    torch_modes = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
+                   "cubic": "bicubic"}  # fmt: skip
+    onnx_modes = {"bilinear": "linear", "bicubic": "cubic"}  # opset 16's names -> opset 20's
+
+    class GridSample(OnnxGridSample):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, X: np.ndarray, grid: np.ndarray, mode: Any = None, padding_mode: Any = None,  # type: ignore[override]
+                 align_corners: Any = None) -> tuple[np.ndarray]:  # fmt: skip
+            node = vars(self)  # the node's attributes, set by OpRun
+            mode, padding = text(mode or node["mode"]), text(padding_mode or node["padding_mode"])
+            align = bool(align_corners if align_corners is not None else node["align_corners"])
+            torch_mode = torch_modes.get(mode)
+            if torch_mode is not None and (X.ndim == 4 or (X.ndim == 5 and torch_mode != "bicubic")):
+                y = torch.nn.functional.grid_sample(
+                    torch.from_numpy(np.array(X)), torch.from_numpy(np.array(grid)),  # copies: onnx's may be read-only
+                    mode=torch_mode, padding_mode=padding, align_corners=align,
+                )  # fmt: skip
+                return (y.numpy(),)
+            return super()._run(X, grid, onnx_modes.get(mode, mode), padding, int(align))  # type: ignore[no-any-return]
+
+    return GridSample
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
