@@ -166,6 +166,10 @@ def fuse(
             "CKPT --onnx FILE writes one ONNX file)"
         )
     inputs = [source, *([verify.inputs] if verify and verify.inputs else [])]
+    if verify is not None and verify.inputs is not None:
+        from slabconv.verify.inputs import check_inputs_file
+
+        check_inputs_file(Path(verify.inputs))  # not after the fold and its files
     if _empty_folder(out_dir):  # it holds nothing to lose: filled as a new one, without --force
         write = dataclasses.replace(write, force=True)
     check_output_folder(out_dir, force=write.force, inputs=inputs)

@@ -385,6 +385,14 @@ def inputs_of_the_wrong_shape(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) ->
     return ["verify", str(ckpt), str(ckpt), "--inputs", str(tmp / "x.npz")]
 
 
+def fuse_with_inputs_that_are_no_arrays(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """Refused before the fold: the check used to come when the verification read the file, after the fold and its
+    files (nothing was left behind, but a minute of a larger model was spent first)."""
+    (tmp / "x.npz").write_text("a list of images, one per line\n")
+    mp.setattr("slabconv.pipeline.run_fuse", lambda *a, **k: (tmp / "MARKER").write_text("the fold started"))
+    return ["fuse", str(save_ckpt(tmp / "ckpt.pth")), "--inputs", str(tmp / "x.npz"), "--out", str(tmp / "o")]
+
+
 def junit_onto_an_input(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     ckpt = save_ckpt(tmp / "ckpt.pth")
     return ["verify", str(ckpt), str(ckpt), "--junit", str(ckpt), "--samples", "2"]
@@ -535,6 +543,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (fuse_out_named_like_a_file, "fuse writes a folder (model.safetensors, model.onnx, model.pt2, report.json), not"),
     (no_state_dict_inside, "no state_dict found"),
     (inputs_of_the_wrong_shape, "inputs have shape"),
+    (fuse_with_inputs_that_are_no_arrays, "x.npz: not a readable .npz or .npy file; save the inputs with numpy.savez"),
     (junit_onto_an_input, "is an input of this run"),
     (ema_without_ema_weights, "--ema was given"),
     (stream_a_bin_folder, "--stream reads safetensors (model.safetensors, or"),

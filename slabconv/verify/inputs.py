@@ -117,6 +117,23 @@ def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bo
         return read_inputs(f, path, input_shape, integer)
 
 
+def check_inputs_file(path: Path) -> None:
+    """Refuse ``--inputs`` that is not an ``.npz`` / ``.npy`` before any work (a fold and its files take seconds to
+    minutes; the arrays themselves are checked when the verification reads them, ``read_inputs``): its first bytes
+    must be a zip archive's or numpy's magic.
+
+    Raises:
+        InputError: a missing or non-regular file (``safety.open_regular``), or one that is neither.
+    """
+    with safety.open_regular(path, "--inputs") as f:
+        head = f.read(6)
+    if not (head.startswith(b"PK") or head.startswith(b"\x93NUMPY")):
+        raise InputError(_NOT_ARRAYS.format(path=path))
+
+
+_NOT_ARRAYS = "{path}: not a readable .npz or .npy file; save the inputs with numpy.savez(path, x=x)"
+
+
 def read_inputs(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
     """The inputs array of an open ``.npz`` (``x``, or its only array) or ``.npy``, checked from its header before
     any of it is read.
@@ -140,7 +157,7 @@ def read_inputs(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, i
         f.seek(0)
         x = _load(lambda: np.load(f, allow_pickle=False), path)
     else:
-        raise InputError(f"{path}: not a readable .npz or .npy file; save the inputs with numpy.savez(path, x=x)")
+        raise InputError(_NOT_ARRAYS.format(path=path))
     return np.asarray(x, dtype=np.int64 if integer else np.float32)
 
 
