@@ -271,8 +271,9 @@ def test_the_fold_of_an_onnx_that_slabconv_exported_unfused_answers_question_1(t
 # --------------------------------------------------------------------------------------------- localisation
 
 
-def _broken_folder(tiny_fused: Path, tmp_path: Path, key: str, scale: float) -> Path:
-    """A copy of the fused folder whose model.safetensors has ``key`` scaled by ``scale`` in its first element."""
+def _broken_folder(tiny_fused: Path, tmp_path: Path, key: str, scale: float, add: float = 0.0) -> Path:
+    """A copy of the fused folder whose model.safetensors has ``key`` scaled by ``scale`` in its first element, then
+    ``add`` added to it (the tiny model's unfolded biases are 0)."""
     out = tmp_path / "broken"
     shutil.copytree(tiny_fused / "ckpt-fused", out)
     from safetensors import safe_open
@@ -281,7 +282,7 @@ def _broken_folder(tiny_fused: Path, tmp_path: Path, key: str, scale: float) -> 
         metadata = f.metadata()
     tensors = load_file(out / "model.safetensors")
     tensors[key] = tensors[key].clone()
-    tensors[key].view(-1)[0] *= scale
+    tensors[key].view(-1)[0] = tensors[key].view(-1)[0] * scale + add
     save_file(tensors, out / "model.safetensors", metadata)
     return out
 
@@ -304,6 +305,25 @@ def test_a_broken_fused_file_fails_naming_the_fold_that_broke(
     assert all(b["error"] <= b["bound"] for b in loc["boundaries"][: loc["boundaries"].index(loc["first"])])
     [line] = error_lines(stderr)
     assert f"first diverging fold: {fold} (relative error" in line
+
+
+@pytest.mark.parametrize("key", ["blocks.0.attn.proj.bias", "blocks.0.mlp.fc2.weight"])
+def test_a_changed_tensor_no_fold_wrote_is_named_not_blamed_on_a_fold(
+    tiny_fused: Path, tmp_path: Path, key: str
+) -> None:
+    """A bias or weight of a layer no norm folded into, changed: every fold boundary after it diverges, yet no fold
+    broke. The localisation names the tensor and blames no fold (it said "first diverging fold: blocks.0.norm2 ->
+    blocks.0.mlp.fc1" for the projection's bias, "norm -> head" for fc2's weight)."""
+    broken = _broken_folder(tiny_fused, tmp_path, key, 1.5, add=0.5)
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", broken)
+    assert code == 1, stderr
+    loc = report["verification"]["localization"]
+    assert any(b["error"] > b["bound"] for b in loc["boundaries"])  # the difference does reach a boundary
+    assert all(b["inherited"] == (b["error"] > b["bound"]) for b in loc["boundaries"])
+    assert loc["first"] is None and loc["first_tensor"] == key
+    assert loc["detail"].startswith(f"no fold to blame: the first stored tensor that differs from the fold is {key!r}")
+    [line] = error_lines(stderr)
+    assert "first diverging fold" not in line and "no fold to blame: the first stored tensor that differs" in line
 
 
 def test_the_model_onnx_of_a_fused_folder_is_held_to_the_fold(tiny_fused: Path, tmp_path: Path) -> None:

@@ -284,6 +284,7 @@ def localization_table(v: Verification) -> Table | None:
         return None
     rows = []
     for b in v.localization.boundaries:
-        rows.append([shown(b.norm), shown(b.layer), g3(b.error), g3(b.rounding), "ok" if b.passed else "DIVERGES"])
+        verdict = "ok" if b.passed else "inherited" if b.inherited else "DIVERGES"
+        rows.append([shown(b.norm), shown(b.layer), g3(b.error), g3(b.rounding), verdict])
     columns = {"norm": True, "layer": True, "error": False, "rounding": False, "": False}
     return text_table("fold boundaries (candidate vs the correct fold, float64)", columns, rows)

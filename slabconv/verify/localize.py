@@ -68,7 +68,7 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
 
 
 def _verdict(boundaries: list[Boundary]) -> str:
-    first = next((b for b in boundaries if not b.passed), None)
+    first = next((b for b in boundaries if not b.passed and not b.inherited), None)
     if first is not None:
         return f"first diverging fold: {first.line()}"
     if not boundaries:
@@ -178,10 +178,8 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     fold = {k: v for k, v in engine.fused_state_dict(fused64).items() if v.is_floating_point()}
     unchanged = unchanged_tensors(original64, fold)
     written, by_value = _stored_file(candidate, fold, unchanged)
-    stored = {
-        k: v if k in unchanged and k not in written else _match(k, v, written, by_value).double()
-        for k, v in fold.items()
-    }
+    kept = {k: _match(k, v, written, by_value) for k, v in fold.items() if k not in unchanged or k in written}
+    stored = {k: kept[k].double() if k in kept else v for k, v in fold.items()}
     correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
     cand64 = _with_tensors(fused64, stored)
     x = choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed, limit=opts.samples)[0][
@@ -193,6 +191,7 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     # the three graphs share node names: the fused ones by construction, the original's looked up by node
     got, want = _record(cand64, t, nodes), _record(correct, t, nodes)
     before = _record(original64, t, [b[2] for b in found])
+    differ = _differing(fused64, kept, fold)
     boundaries = []
     for norm, layer, orig, fused in found:
         error = _rel(got[fused.name], want[fused.name]) if fused.name in got else math.inf
@@ -200,8 +199,52 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
         # (Swin's patch norm after the flatten of the conv it folds into): no drift where the shapes differ
         same = orig.name in before and fused.name in want and before[orig.name].shape == want[fused.name].shape
         drift = _rel(want[fused.name], before[orig.name]) if same else None
-        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
-    return Localization(METHOD.format(n=len(t)), boundaries, _verdict(boundaries))
+        inherited = bool(differ) and not error <= policy.EXACT_RTOL and not any(_owned(k, layer) for k, _ in differ)
+        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift, inherited=inherited))
+    loc = Localization(METHOD.format(n=len(t)), boundaries, _verdict(boundaries))
+    loc.first_tensor = differ[0][0] if differ else ""
+    folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
+    outside = next(((k, u) for k, u in differ if not any(_owned(k, layer) for layer in folded)), None)
+    # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
+    if outside is not None and (outside == differ[0] or (loc.first is None and any(b.inherited for b in boundaries))):
+        name, units = outside
+        loc.detail = f"no fold to blame: the first stored tensor that differs from the fold is {name!r} "
+        loc.detail += (
+            f"({units:.3g} units in the last place from the value it is held to), in a layer no norm folded into"
+        )
+        inherited_count = sum(b.inherited for b in boundaries)
+        if inherited_count:
+            loc.detail += (
+                f"; the fold boundaries after it that diverge ({inherited_count}) hold the correct fold's tensors"
+            )
+        if loc.first is not None:
+            loc.detail += f"; the first fold whose own tensors differ too: {loc.first.line()}"
+    return loc
+
+
+def _owned(key: str, layer: str) -> bool:
+    """``key`` is one of ``layer``'s stored tensors (``blocks.0.mlp.fc1.bias`` of ``blocks.0.mlp.fc1``)."""
+    return key.startswith(layer + ".")
+
+
+def _differing(
+    fused64: fx.GraphModule, stored: dict[str, torch.Tensor], fold: dict[str, torch.Tensor]
+) -> list[tuple[str, float]]:
+    """The candidate's stored tensors (``stored``, each in its own dtype) that are not the float64 fold correctly
+    rounded to that dtype (question 1's rule, ``judge.ulps``), each with its distance in units in the last place,
+    in the order the data flows through them: by the first node of ``fused64`` that reads each."""
+    order = {n: i for i, n in enumerate(fused64.graph.nodes)}
+    first_use: dict[str, int] = {}
+    for node in fused64.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            at = min(order[u] for u in node.users)
+            first_use[str(node.target)] = min(at, first_use.get(str(node.target), at))
+    found = []
+    for key, value in stored.items():
+        units = judge._distance(value.detach(), fold[key].detach().double())
+        if not units <= policy.ULPS:
+            found.append((key, units))
+    return sorted(found, key=lambda f: first_use.get(f[0], len(order)))
 
 
 def _stored_file(
