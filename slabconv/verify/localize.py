@@ -30,6 +30,7 @@ onnxruntime in float64.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from torch import fx, nn
 
 from slabconv import engine
 from slabconv.fold import rounded
+from slabconv.load.shards import LazyShards
 from slabconv.options import LoadOptions, VerifyOptions
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, Localization
@@ -191,7 +193,6 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     # the three graphs share node names: the fused ones by construction, the original's looked up by node
     got, want = _record(cand64, t, nodes), _record(correct, t, nodes)
     before = _record(original64, t, [b[2] for b in found])
-    differ = _differing(fused64, kept, fold)
     boundaries = []
     for norm, layer, orig, fused in found:
         error = _rel(got[fused.name], want[fused.name]) if fused.name in got else math.inf
@@ -199,20 +200,32 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
         # (Swin's patch norm after the flatten of the conv it folds into): no drift where the shapes differ
         same = orig.name in before and fused.name in want and before[orig.name].shape == want[fused.name].shape
         drift = _rel(want[fused.name], before[orig.name]) if same else None
-        inherited = bool(differ) and not error <= policy.EXACT_RTOL and not any(_owned(k, layer) for k, _ in differ)
-        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift, inherited=inherited))
-    loc = Localization(METHOD.format(n=len(t)), boundaries, _verdict(boundaries))
-    loc.first_tensor = differ[0][0] if differ else ""
+        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
+    return _blame(Localization(METHOD.format(n=len(t)), boundaries, ""), _differing(fused64, kept, fold), folded)
+
+
+def _blame(loc: Localization, differ: list[tuple[str, float]], folded: set[str]) -> Localization:
+    """``loc`` with its verdict (``detail``), given the stored tensors that are not the correct fold's value
+    (``differ``, ``(key, units in the last place)`` in data-flow order) and the layers norms folded into: a
+    diverging boundary whose layer holds the right values is ``inherited``; where the first differing tensor, or
+    the only one a diverging boundary can have inherited, is of a layer no norm folded into, the verdict names it
+    and blames no fold."""
+    for b in loc.boundaries:
+        b.inherited = bool(differ) and not b.passed and not any(_owned(k, b.layer) for k, _ in differ)
+    loc.detail = _verdict(loc.boundaries)
+    loc.first_tensor = differ[0][0] if differ else ""
     outside = next(((k, u) for k, u in differ if not any(_owned(k, layer) for layer in folded)), None)
     # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
-    if outside is not None and (outside == differ[0] or (loc.first is None and any(b.inherited for b in boundaries))):
+    if outside is not None and (
+        outside == differ[0] or (loc.first is None and any(b.inherited for b in loc.boundaries))
+    ):
         name, units = outside
         loc.detail = f"no fold to blame: the first stored tensor that differs from the fold is {name!r} "
         loc.detail += (
             f"({units:.3g} units in the last place from the value it is held to), in a layer no norm folded into"
         )
-        inherited_count = sum(b.inherited for b in boundaries)
+        inherited_count = sum(b.inherited for b in loc.boundaries)
         if inherited_count:
             loc.detail += (
                 f"; the fold boundaries after it that diverge ({inherited_count}) hold the correct fold's tensors"
@@ -298,7 +311,22 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
     method = (
         "each decoder layer's folded Linears, candidate vs the fold program rounded to the stored dtype, in float64"
     )
-    return Localization(method, boundaries, _verdict(boundaries))
+    worst: dict[str, float] = {}
+    written = LazyShards.open(candidate.path)
+    for key, units in layerwise.tensor_distances(LazyShards.open(reference.path), written, program):
+        worst[key] = max(units, worst.get(key, 0.0))
+    differ = sorted(((k, u) for k, u in worst.items() if not u <= policy.ULPS), key=lambda f: _layer_order(f[0]))
+    folded = {la.removesuffix(".weight") for la in program.layers}
+    return _blame(Localization(method, boundaries, ""), differ, folded)
+
+
+def _layer_order(key: str) -> float:
+    """Where ``key`` of a decoder folder sits in the data flow, layer by layer: an embedding first, then its
+    decoder layer's index, then the rest (the final norm, the head)."""
+    match = re.search(r"\.layers\.(\d+)\.", key)
+    if match is not None:
+        return int(match.group(1))
+    return -1 if "embed" in key else math.inf
 
 
 # --------------------------------------------------------------------------------------------- ONNX
