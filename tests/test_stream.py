@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -439,6 +440,24 @@ def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_pat
     layer = key.rsplit(".", 1)[0]
     assert (v.localization.first.norm, v.localization.first.layer) == (norm, layer)
     assert f"first diverging fold: {norm} -> {layer}" in v.failure_line()
+
+
+def test_swapped_streamed_folders_are_refused_with_a_command_that_streams(folded):
+    """The command meant keeps --stream: without it the folders would be loaded whole, what --stream avoids (it
+    gave "slabconv verify SRC OUT"); the Python API spells it as its own argument, stream=True."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+    from slabconv.errors import UsageError
+    from slabconv.options import VerifyOptions
+
+    root = folded[0]
+    result = CliRunner().invoke(app, ["verify", str(root / "out"), str(root / "src"), "--stream", "--samples", "1"])
+    assert result.exit_code == 2
+    command = result.stderr.strip().splitlines()[-1].split("the original comes first: ", 1)[1]
+    assert shlex.split(command) == ["slabconv", "verify", str(root / "src"), str(root / "out"), "--stream"]
+    with pytest.raises(UsageError, match=r"the original comes first: slabconv verify \S+ \S+ stream=True$"):
+        api.verify(root / "out", root / "src", verify=VerifyOptions(samples=1), stream=True)
 
 
 @pytest.mark.parametrize("key", ["model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"])

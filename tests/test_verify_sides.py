@@ -95,6 +95,21 @@ def test_swapped_arguments_are_refused_naming_the_command_meant(tiny_fused: Path
     )
 
 
+def test_swapped_arguments_keep_the_options_that_read_the_sides(tmp_path: Path) -> None:
+    """A fold of a training checkpoint's EMA weights given first, with --ema: the command meant keeps --ema (without
+    it the checkpoint's other weights are read, and the pair is no fold of each other)."""
+    from slabconv.options import LoadOptions, WriteOptions
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ema.pth", state_dict_ema=tinyckpt.tiny_state_dict(seed=1))
+    fused = tmp_path / "fused"
+    api.fuse(ckpt, fused, verify=None, write=WriteOptions(onnx=False, pt2=False), load=LoadOptions(ema=True))
+    result = runner.invoke(app, ["verify", str(fused), str(ckpt), "--ema", "--samples", "4"])
+    assert result.exit_code == 2
+    [line] = error_lines(result.stderr)
+    command = line.split("the original comes first: ", 1)[1]
+    assert shlex.split(command) == ["slabconv", "verify", str(ckpt), str(fused), "--ema"]
+
+
 def test_the_written_model_pt2_records_its_source_like_the_other_files(tiny_fused: Path) -> None:
     """model.pt2 alone is a fold of the checkpoint (question 1 answered on its own tensors), and given first it is a
     swap (both passed on question 2 alone, without a word, when the .pt2 recorded no source)."""
