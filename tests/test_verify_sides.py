@@ -131,10 +131,17 @@ def test_a_fold_of_another_file_gets_question_2_only(tiny_fused: Path, tmp_path:
     """The candidate's recorded source decides, not the presence of slabconv's metadata: the same architecture
     with other weights is not its source."""
     changed = tinyckpt.save_ckpt(tmp_path / "changed.pth", tinyckpt.tiny_state_dict(seed=1))
-    code, report, _ = _json(changed, tiny_fused / "ckpt-fused")
+    code, report, stderr = _json(changed, tiny_fused / "ckpt-fused")
     v = report["verification"]
     assert v["question_1_exact"] is None
     assert any("folded from another file" in n for n in v["notes"])
+    # another model fails question 2, and the failure line says what the candidate is (it said only "not a fold")
+    assert code == 1 and v["localization"]["first"] is None
+    [line] = error_lines(stderr)
+    assert line.endswith(
+        "not localised: the candidate is not a fold of the reference: the candidate was folded from another file "
+        "(its recorded source sha256 is not the reference's)"
+    )
 
 
 def test_fuse_runs_the_function_verify_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

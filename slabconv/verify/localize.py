@@ -43,7 +43,7 @@ from slabconv.load.shards import LazyShards
 from slabconv.options import LoadOptions, VerifyOptions
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, Localization
-from slabconv.verify.sides import Side, folded_from
+from slabconv.verify.sides import Side, folded_from, why_not_a_fold
 
 METHOD = (
     "the candidate's stored tensors and the float64 fold rounded to their dtype, each in the reference's fused graph "
@@ -59,7 +59,8 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
         why, or why the pass could not run).
     """
     if not folded_from(reference, candidate):
-        return Localization("none", detail="not localised: the candidate is not a fold of the reference")
+        why = why_not_a_fold(reference, candidate)
+        return Localization("none", detail=f"not localised: the candidate is not a fold of the reference: {why}")
     if reference.kind == "streamed":
         return _streamed(reference, candidate, opts)
     if reference.kind == "onnx":
