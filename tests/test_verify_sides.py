@@ -346,6 +346,10 @@ def test_a_changed_tensor_no_fold_wrote_is_named_not_blamed_on_a_fold(
     assert loc["detail"].startswith(f"no fold to blame: the first stored tensor that differs from the fold is {key!r}")
     [line] = error_lines(stderr)
     assert "first diverging fold" not in line and "no fold to blame: the first stored tensor that differs" in line
+    # the terminal's question 1 line names the tensor too (it gave only the distance)
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(broken), "--samples", "4"])
+    assert "FAIL model.safetensors vs a float64 fold of the reference: " in result.stdout
+    assert f"(allowed 0), the largest at {key!r}" in result.stdout
 
 
 def test_the_model_onnx_of_a_fused_folder_is_held_to_the_fold(tiny_fused: Path, tmp_path: Path) -> None:

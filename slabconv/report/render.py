@@ -236,7 +236,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield f"  {QUESTION_1}"
     for c in v.exact:
         unit = "relative error" if c.method == "graph" else "units in the last place"
-        yield f"    {_ok(c.passed)} {c.name}: {g3(c.error)} {unit} (allowed {c.bound:g})"
+        where = f", the largest at {c.worst!r}" if not c.passed and c.method == "tensors" and c.worst else ""
+        yield f"    {_ok(c.passed)} {c.name}: {g3(c.error)} {unit} (allowed {c.bound:g}){where}"
     if v.checks:
         yield f"  {QUESTION_2}"
     for i in v.integrity:
