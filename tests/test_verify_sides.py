@@ -412,6 +412,26 @@ def test_a_broken_fused_onnx_of_an_onnx_original_fails_naming_the_fold_that_brok
     assert failed and all(f"first diverging fold: {fold} (relative error" in m for m in failed)
 
 
+def test_a_changed_constant_of_an_onnx_original_no_fold_wrote_is_named_not_blamed_on_a_fold(tmp_path: Path) -> None:
+    """The fused model.onnx of the Paddle block fixture with its attention scale (``auto.cast.2``, read by a Mul of
+    activations, no layer's weight) changed: every boundary after it diverges with its own initializers right; it
+    said "first diverging fold: layer_scale_0.w_0 -> linear_3.w_0"."""
+    original = Path(__file__).parent.parent / "fixtures" / "onnx-exports" / "paddle-block.onnx"
+    api.fuse(original, tmp_path / "fused", verify=None)
+    model = onnx.load(str(tmp_path / "fused" / "model.onnx"))
+    tensor = next(t for t in model.graph.initializer if t.name == "auto.cast.2")
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.5), tensor.name))
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    code, report, stderr = _json(original, tmp_path / "model.onnx")
+    assert code == 1
+    loc = report["verification"]["localization"]
+    assert loc["first"] is None and loc["first_tensor"] == "auto.cast.2"
+    assert any(b["inherited"] for b in loc["boundaries"])
+    assert all(b["inherited"] == (b["error"] > b["bound"]) for b in loc["boundaries"])
+    [line] = error_lines(stderr)
+    assert "no fold to blame: the first stored tensor that differs from the fold is 'auto.cast.2'" in line
+
+
 def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(
     onnx_fused: Path, tmp_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -203,20 +204,32 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
         drift = _rel(want[fused.name], before[orig.name]) if same else None
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
-    return _blame(Localization(METHOD.format(n=len(t)), boundaries, ""), _differing(fused64, kept, fold), folded)
+    loc = Localization(METHOD.format(n=len(t)), boundaries, "")
+    return _blame(loc, _differing(fused64, kept, fold), folded, set(fold) - unchanged)
 
 
-def _blame(loc: Localization, differ: list[tuple[str, float]], folded: set[str]) -> Localization:
+def _blame(
+    loc: Localization,
+    differ: list[tuple[str, float]],
+    folded: set[str],
+    written: set[str],
+    owned: Callable[[str, str], bool] | None = None,
+) -> Localization:
     """``loc`` with its verdict (``detail``), given the stored tensors that are not the correct fold's value
     (``differ``, ``(key, units in the last place)`` in data-flow order) and the layers norms folded into: a
     diverging boundary whose layer holds the right values is ``inherited``; where the first differing tensor, or
     the only one a diverging boundary can have inherited, is of a layer no norm folded into, the verdict names it
-    and blames no fold."""
+    and blames no fold. ``written``: the tensors a fold wrote (values the original does not hold), never taken
+    for a tensor no fold wrote; ``owned(key, layer)``: ``key`` is one of ``layer``'s tensors (default ``_owned``,
+    by name)."""
+    owns = owned or _owned
     for b in loc.boundaries:
-        b.inherited = bool(differ) and not b.passed and not any(_owned(k, b.layer) for k, _ in differ)
+        b.inherited = bool(differ) and not b.passed and not any(owns(k, b.layer) for k, _ in differ)
     loc.detail = _verdict(loc.boundaries)
     loc.first_tensor = differ[0][0] if differ else ""
-    outside = next(((k, u) for k, u in differ if not any(_owned(k, layer) for layer in folded)), None)
+    outside = next(
+        ((k, u) for k, u in differ if k not in written and not any(owns(k, layer) for layer in folded)), None
+    )
     # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
     if outside is not None and (
         outside == differ[0] or (loc.first is None and any(b.inherited for b in loc.boundaries))
@@ -318,7 +331,8 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
         worst[key] = max(units, worst.get(key, 0.0))
     differ = sorted(((k, u) for k, u in worst.items() if not u <= policy.ULPS), key=lambda f: _layer_order(f[0]))
     folded = {la.removesuffix(".weight") for la in program.layers}
-    return _blame(Localization(method, boundaries, ""), differ, folded)
+    made = set(program.layers) | {la.bias_out for la in program.layers.values() if la.bias_out}
+    return _blame(Localization(method, boundaries, ""), differ, folded, made)
 
 
 def _layer_order(key: str) -> float:
@@ -366,6 +380,10 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     correct = {
         k: rounded(v, default if bool(stored[k].isnan().all()) else stored[k].dtype).double() for k, v in fold.items()
     }
+    differ = [(k, judge._distance(stored[k].detach(), v.detach().double())) for k, v in fold.items()]
+    order = _onnx_first_use(folded.fused)
+    differ = sorted(((k, u) for k, u in differ if not u <= policy.ULPS), key=lambda f: order.get(f[0], len(order)))
+    owned = _onnx_owned(folded)
     stored = {k: v.double() for k, v in stored.items()}
     x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
     x = take(x, 0, min(policy.EXACT_SAMPLES, samples_of(x)))
@@ -387,10 +405,80 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
         if before[orig].shape == want[fused].shape:
             drift = judge.rel_err(want[fused], before[orig])[0]
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
-    verdict = _verdict(boundaries) if boundaries or not lost else "not localised"
+    folded_layers = set(owned)
+    original = onnx_original.ir_tensors(folded.original)
+    made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
+    loc = _blame(Localization(METHOD.format(n=samples_of(x)), boundaries, ""), differ, folded_layers, made,
+                 lambda key, layer: key in owned.get(layer, ()))  # fmt: skip
+    if not boundaries and lost:
+        loc.detail = "not localised"
     if lost:
-        verdict += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
-    return Localization(METHOD.format(n=samples_of(x)), boundaries, verdict)
+        loc.detail += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
+    return loc
+
+
+def _onnx_first_use(model: Any) -> dict[str, int]:
+    """Each initializer of ``model`` (an ``onnx_ir.Model``) -> the index of the first node that reads it."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(model.graph):
+        for value in node.inputs:
+            if value is not None and value.name not in first:
+                first[value.name] = i
+    return first
+
+
+def _onnx_owned(folded: Any) -> dict[str, set[str]]:
+    """Each layer a norm folded into (``onnx_lower.LayerSite``) -> the initializers of the fused graph it reads as
+    constants: those its node, its bias ``Add`` and a ``folded_bias_add`` read, directly or through nodes that read
+    only constants (a ``Transpose`` or ``Reshape`` of a weight)."""
+    from slabconv.engine.layers import layer_name
+
+    graph = folded.fused.graph
+    inits = set(graph.initializers)
+    nodes = {n.name: n for n in graph}
+    lowered = folded.lowered
+    sites = {layer_name(n): lowered.layers[n.name] for n in lowered.gm.graph.nodes if n.name in lowered.layers}
+    memo: dict[int, bool] = {}
+
+    def constant(value: Any) -> bool:
+        if value.name in inits:
+            return True
+        if id(value) not in memo:
+            producer = value.producer()
+            memo[id(value)] = producer is not None and all(v is None or constant(v) for v in producer.inputs)
+        return memo[id(value)]
+
+    def cone(value: Any, into: set[str]) -> None:
+        if value.name in inits:
+            into.add(value.name)
+        elif constant(value):
+            for v in value.producer().inputs:
+                if v is not None:
+                    cone(v, into)
+
+    owned: dict[str, set[str]] = {}
+    for plan in folded.plans:
+        if not plan.decision.action.startswith("folded"):
+            continue
+        for layer in plan.decision.into:
+            site = sites.get(layer)
+            names: set[str] = set()
+            if site is not None:
+                readers = [nodes.get(site.node), nodes.get(site.bias_add or "")]
+                out = readers[0].outputs[0] if readers[0] is not None else None
+                readers += [u.node for u in out.uses()] if out is not None else []
+                for node in readers:
+                    if node is None or (
+                        node is not readers[0]
+                        and node is not readers[1]
+                        and not (node.op_type == "Add" and (node.name or "").startswith(f"{site.node}/folded_bias_add"))
+                    ):
+                        continue
+                    for value in node.inputs:
+                        if value is not None:
+                            cone(value, names)
+            owned[layer] = names
+    return owned
 
 
 def _onnx_boundaries(folded: Any) -> tuple[list[tuple[str, str, str, str]], list[str]]:

@@ -228,8 +228,7 @@ class Localization:
         detail: one line: the first diverging fold, the first stored tensor that differs where no fold wrote it,
             or that none diverges (the difference is the runtime's).
         first_tensor: the first stored tensor, in data-flow order (layer order for two decoder folders), that is
-            not the correct fold's value; "" when every one is, or where the pass does not compare tensors one by
-            one (an ONNX original).
+            not the correct fold's value; "" when every one is.
     """
 
     method: str
