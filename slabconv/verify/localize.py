@@ -16,6 +16,11 @@ rounding (``policy.EXACT_RTOL``); the first boundary where they do not names the
 also shows ``rounding``: how far the correct fold is from the original at that boundary (what storing the fused
 weights in their dtype does there).
 
+A difference flows on, so the pass also compares each stored tensor with the correct fold's value (question 1's
+rule): a diverging boundary whose layer holds the right values is ``inherited`` (``Boundary.inherited``), and where
+the first differing tensor belongs to a layer no norm folded into (and is not a tensor a fold wrote), the verdict
+names it and blames no fold (``_blame``).
+
 Where every boundary agrees and verification failed, the weights are the fold's everywhere: the difference comes
 from the runtime that failed, not from a fold (the detail says so).
 
@@ -212,14 +217,14 @@ def _blame(
     loc: Localization,
     differ: list[tuple[str, float]],
     folded: set[str],
-    written: set[str],
+    made: set[str],
     owned: Callable[[str, str], bool] | None = None,
 ) -> Localization:
     """``loc`` with its verdict (``detail``), given the stored tensors that are not the correct fold's value
     (``differ``, ``(key, units in the last place)`` in data-flow order) and the layers norms folded into: a
     diverging boundary whose layer holds the right values is ``inherited``; where the first differing tensor, or
     the only one a diverging boundary can have inherited, is of a layer no norm folded into, the verdict names it
-    and blames no fold. ``written``: the tensors a fold wrote (values the original does not hold), never taken
+    and blames no fold. ``made``: the tensors a fold wrote (values the original does not hold), never taken
     for a tensor no fold wrote; ``owned(key, layer)``: ``key`` is one of ``layer``'s tensors (default ``_owned``,
     by name)."""
     owns = owned or _owned
@@ -227,9 +232,7 @@ def _blame(
         b.inherited = bool(differ) and not b.passed and not any(owns(k, b.layer) for k, _ in differ)
     loc.detail = _verdict(loc.boundaries)
     loc.first_tensor = differ[0][0] if differ else ""
-    outside = next(
-        ((k, u) for k, u in differ if k not in written and not any(owns(k, layer) for layer in folded)), None
-    )
+    outside = next(((k, u) for k, u in differ if k not in made and not any(owns(k, layer) for layer in folded)), None)
     # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
     if outside is not None and (
         outside == differ[0] or (loc.first is None and any(b.inherited for b in loc.boundaries))
