@@ -249,6 +249,12 @@ def _blame(
             )
         if loc.first is not None:
             loc.detail += f"; the first fold whose own tensors differ too: {loc.first.line()}"
+    elif loc.first is None and any(b.inherited for b in loc.boundaries):
+        # boundaries diverge, none by its own tensors, and what differs is a fold's (a kept norm's affine)
+        name, units = differ[0]
+        loc.detail = f"first differing tensor: {name!r} ({units:.3g} units in the last place from the value it is "
+        loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift); "
+        loc.detail += "the fold boundaries after it diverge only through it"
     return loc
 
 
