@@ -244,7 +244,7 @@ def export(
     return Report("export", source=loaded.source(), folds=folds, outputs=outputs, ranges=ranges)
 
 
-@python_advice()
+@python_advice({"--stream": "stream=True"})
 def verify(
     reference: Path | str,
     candidate: Path | str,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -439,6 +440,53 @@ def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_pat
     layer = key.rsplit(".", 1)[0]
     assert (v.localization.first.norm, v.localization.first.layer) == (norm, layer)
     assert f"first diverging fold: {norm} -> {layer}" in v.failure_line()
+
+
+def test_swapped_streamed_folders_are_refused_with_a_command_that_streams(folded):
+    """The command meant keeps --stream: without it the folders would be loaded whole, what --stream avoids (it
+    gave "slabconv verify SRC OUT"); the Python API spells it as its own argument, stream=True."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+    from slabconv.errors import UsageError
+    from slabconv.options import VerifyOptions
+
+    root = folded[0]
+    result = CliRunner().invoke(app, ["verify", str(root / "out"), str(root / "src"), "--stream", "--samples", "1"])
+    assert result.exit_code == 2
+    command = result.stderr.strip().splitlines()[-1].split("the original comes first: ", 1)[1]
+    assert shlex.split(command) == ["slabconv", "verify", str(root / "src"), str(root / "out"), "--stream"]
+    with pytest.raises(UsageError, match=r"the original comes first: slabconv verify \S+ \S+ stream=True$"):
+        api.verify(root / "out", root / "src", verify=VerifyOptions(samples=1), stream=True)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"])
+def test_a_changed_streamed_tensor_no_fold_wrote_is_named_not_blamed_on_the_runtime(folded, tmp_path, key):
+    """An attention output or MLP down projection changed (no norm folds into either): question 1 names it, and the
+    localisation names it too and blames no fold (it said "no fold boundary diverges ...: a difference comes from
+    the runtime, not from a fold", each decoder layer's boundaries reading the candidate's own copy of it)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from slabconv.options import VerifyOptions
+
+    root = folded[0]
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "out", broken)
+    shard = broken / json.loads((broken / hf.SAFETENSORS_INDEX).read_text())["weight_map"][key]
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(shard))
+    tensors[key] = tensors[key] * 1.5
+    save_file(tensors, str(shard), metadata)
+    v = api.verify(root / "src", broken, verify=VerifyOptions(samples=1), stream=True).verification
+    assert not v.passed and v.localization is not None and v.localization.first is None
+    assert v.localization.first_tensor == key
+    line = v.failure_line()
+    assert f"no fold to blame: the first stored tensor that differs from the fold is {key!r}" in line
+    assert "comes from the runtime" not in line
 
 
 def _without(folder, key, to):

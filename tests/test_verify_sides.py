@@ -95,6 +95,21 @@ def test_swapped_arguments_are_refused_naming_the_command_meant(tiny_fused: Path
     )
 
 
+def test_swapped_arguments_keep_the_options_that_read_the_sides(tmp_path: Path) -> None:
+    """A fold of a training checkpoint's EMA weights given first, with --ema: the command meant keeps --ema (without
+    it the checkpoint's other weights are read, and the pair is no fold of each other)."""
+    from slabconv.options import LoadOptions, WriteOptions
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ema.pth", state_dict_ema=tinyckpt.tiny_state_dict(seed=1))
+    fused = tmp_path / "fused"
+    api.fuse(ckpt, fused, verify=None, write=WriteOptions(onnx=False, pt2=False), load=LoadOptions(ema=True))
+    result = runner.invoke(app, ["verify", str(fused), str(ckpt), "--ema", "--samples", "4"])
+    assert result.exit_code == 2
+    [line] = error_lines(result.stderr)
+    command = line.split("the original comes first: ", 1)[1]
+    assert shlex.split(command) == ["slabconv", "verify", str(ckpt), str(fused), "--ema"]
+
+
 def test_the_written_model_pt2_records_its_source_like_the_other_files(tiny_fused: Path) -> None:
     """model.pt2 alone is a fold of the checkpoint (question 1 answered on its own tensors), and given first it is a
     swap (both passed on question 2 alone, without a word, when the .pt2 recorded no source)."""
@@ -116,10 +131,17 @@ def test_a_fold_of_another_file_gets_question_2_only(tiny_fused: Path, tmp_path:
     """The candidate's recorded source decides, not the presence of slabconv's metadata: the same architecture
     with other weights is not its source."""
     changed = tinyckpt.save_ckpt(tmp_path / "changed.pth", tinyckpt.tiny_state_dict(seed=1))
-    code, report, _ = _json(changed, tiny_fused / "ckpt-fused")
+    code, report, stderr = _json(changed, tiny_fused / "ckpt-fused")
     v = report["verification"]
     assert v["question_1_exact"] is None
     assert any("folded from another file" in n for n in v["notes"])
+    # another model fails question 2, and the failure line says what the candidate is (it said only "not a fold")
+    assert code == 1 and v["localization"]["first"] is None
+    [line] = error_lines(stderr)
+    assert line.endswith(
+        "not localised: the candidate is not a fold of the reference: the candidate was folded from another file "
+        "(its recorded source sha256 is not the reference's)"
+    )
 
 
 def test_fuse_runs_the_function_verify_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -271,8 +293,9 @@ def test_the_fold_of_an_onnx_that_slabconv_exported_unfused_answers_question_1(t
 # --------------------------------------------------------------------------------------------- localisation
 
 
-def _broken_folder(tiny_fused: Path, tmp_path: Path, key: str, scale: float) -> Path:
-    """A copy of the fused folder whose model.safetensors has ``key`` scaled by ``scale`` in its first element."""
+def _broken_folder(tiny_fused: Path, tmp_path: Path, key: str, scale: float, add: float = 0.0) -> Path:
+    """A copy of the fused folder whose model.safetensors has ``key`` scaled by ``scale`` in its first element, then
+    ``add`` added to it (the tiny model's unfolded biases are 0)."""
     out = tmp_path / "broken"
     shutil.copytree(tiny_fused / "ckpt-fused", out)
     from safetensors import safe_open
@@ -281,7 +304,7 @@ def _broken_folder(tiny_fused: Path, tmp_path: Path, key: str, scale: float) -> 
         metadata = f.metadata()
     tensors = load_file(out / "model.safetensors")
     tensors[key] = tensors[key].clone()
-    tensors[key].view(-1)[0] *= scale
+    tensors[key].view(-1)[0] = tensors[key].view(-1)[0] * scale + add
     save_file(tensors, out / "model.safetensors", metadata)
     return out
 
@@ -304,6 +327,29 @@ def test_a_broken_fused_file_fails_naming_the_fold_that_broke(
     assert all(b["error"] <= b["bound"] for b in loc["boundaries"][: loc["boundaries"].index(loc["first"])])
     [line] = error_lines(stderr)
     assert f"first diverging fold: {fold} (relative error" in line
+
+
+@pytest.mark.parametrize("key", ["blocks.0.attn.proj.bias", "blocks.0.mlp.fc2.weight"])
+def test_a_changed_tensor_no_fold_wrote_is_named_not_blamed_on_a_fold(
+    tiny_fused: Path, tmp_path: Path, key: str
+) -> None:
+    """A bias or weight of a layer no norm folded into, changed: every fold boundary after it diverges, yet no fold
+    broke. The localisation names the tensor and blames no fold (it said "first diverging fold: blocks.0.norm2 ->
+    blocks.0.mlp.fc1" for the projection's bias, "norm -> head" for fc2's weight)."""
+    broken = _broken_folder(tiny_fused, tmp_path, key, 1.5, add=0.5)
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", broken)
+    assert code == 1, stderr
+    loc = report["verification"]["localization"]
+    assert any(b["error"] > b["bound"] for b in loc["boundaries"])  # the difference does reach a boundary
+    assert all(b["inherited"] == (b["error"] > b["bound"]) for b in loc["boundaries"])
+    assert loc["first"] is None and loc["first_tensor"] == key
+    assert loc["detail"].startswith(f"no fold to blame: the first stored tensor that differs from the fold is {key!r}")
+    [line] = error_lines(stderr)
+    assert "first diverging fold" not in line and "no fold to blame: the first stored tensor that differs" in line
+    # the terminal's question 1 line names the tensor too (it gave only the distance)
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(broken), "--samples", "4"])
+    assert "FAIL model.safetensors vs a float64 fold of the reference: " in result.stdout
+    assert f"(allowed 0), the largest at {key!r}" in result.stdout
 
 
 def test_the_model_onnx_of_a_fused_folder_is_held_to_the_fold(tiny_fused: Path, tmp_path: Path) -> None:
@@ -364,6 +410,26 @@ def test_a_broken_fused_onnx_of_an_onnx_original_fails_naming_the_fold_that_brok
     assert f"first diverging fold: {fold} (relative error" in line
     failed = [f.get("message") for f in ET.parse(junit).getroot().iter("failure")]
     assert failed and all(f"first diverging fold: {fold} (relative error" in m for m in failed)
+
+
+def test_a_changed_constant_of_an_onnx_original_no_fold_wrote_is_named_not_blamed_on_a_fold(tmp_path: Path) -> None:
+    """The fused model.onnx of the Paddle block fixture with its attention scale (``auto.cast.2``, read by a Mul of
+    activations, no layer's weight) changed: every boundary after it diverges with its own initializers right; it
+    said "first diverging fold: layer_scale_0.w_0 -> linear_3.w_0"."""
+    original = Path(__file__).parent.parent / "fixtures" / "onnx-exports" / "paddle-block.onnx"
+    api.fuse(original, tmp_path / "fused", verify=None)
+    model = onnx.load(str(tmp_path / "fused" / "model.onnx"))
+    tensor = next(t for t in model.graph.initializer if t.name == "auto.cast.2")
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * np.float32(1.5), tensor.name))
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    code, report, stderr = _json(original, tmp_path / "model.onnx")
+    assert code == 1
+    loc = report["verification"]["localization"]
+    assert loc["first"] is None and loc["first_tensor"] == "auto.cast.2"
+    assert any(b["inherited"] for b in loc["boundaries"])
+    assert all(b["inherited"] == (b["error"] > b["bound"]) for b in loc["boundaries"])
+    [line] = error_lines(stderr)
+    assert "no fold to blame: the first stored tensor that differs from the fold is 'auto.cast.2'" in line
 
 
 def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(

@@ -85,6 +85,7 @@ def test_swin_image_size_that_needs_padding_keeps_an_affine_on_that_path_only(tm
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     # a folded weight changed: not equivalent, localised to its fold (the localisation crashed on the backward
     # fold's boundary, the patch norm's output reshaped by a view, and on the relative-position index buffer)
+    right = tensors["layers.1.blocks.0.mlp.fc1.weight"].clone()
     tensors["layers.1.blocks.0.mlp.fc1.weight"].view(-1)[0] *= 1.01
     save_file(tensors, str(tmp_path / "out" / "model.safetensors"), metadata)
     result = CliRunner().invoke(app, ["verify", str(ckpt), str(tmp_path / "out"), "--arch", _any_size(tiny.arch),
@@ -92,6 +93,18 @@ def test_swin_image_size_that_needs_padding_keeps_an_affine_on_that_path_only(tm
     assert result.exit_code == 1, result.output
     first = json.loads(result.stdout)["verification"]["localization"]["first"]
     assert (first["norm"], first["layer"]) == ("layers.1.blocks.0.norm2", "layers.1.blocks.0.mlp.fc1")
+    # a kept norm's shift changed instead: the fold boundaries after it diverge with their own tensors right, and
+    # the verdict names the shift (it said "first diverging fold: layers.1.blocks.0.norm2 -> ...mlp.fc1")
+    tensors["layers.1.blocks.0.mlp.fc1.weight"] = right
+    tensors["layers.1.blocks.0.norm1.shift"].view(-1)[0] += 0.5
+    save_file(tensors, str(tmp_path / "out" / "model.safetensors"), metadata)
+    result = CliRunner().invoke(app, ["verify", str(ckpt), str(tmp_path / "out"), "--arch", _any_size(tiny.arch),
+                                      "--image-size", "12", "--samples", "4", "--json"])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    loc = json.loads(result.stdout)["verification"]["localization"]
+    assert loc["first"] is None and loc["first_tensor"] == "layers.1.blocks.0.norm1.shift"
+    assert any(b["inherited"] for b in loc["boundaries"])
+    assert loc["detail"].startswith("first differing tensor: 'layers.1.blocks.0.norm1.shift'")
 
 
 def test_a_model_whose_weights_fix_the_resolution_refuses_another_image_size(tmp_path):

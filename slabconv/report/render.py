@@ -236,7 +236,8 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
         yield f"  {QUESTION_1}"
     for c in v.exact:
         unit = "relative error" if c.method == "graph" else "units in the last place"
-        yield f"    {_ok(c.passed)} {c.name}: {g3(c.error)} {unit} (allowed {c.bound:g})"
+        where = f", the largest at {c.worst!r}" if not c.passed and c.method == "tensors" and c.worst else ""
+        yield f"    {_ok(c.passed)} {c.name}: {g3(c.error)} {unit} (allowed {c.bound:g}){where}"
     if v.checks:
         yield f"  {QUESTION_2}"
     for i in v.integrity:
@@ -284,6 +285,7 @@ def localization_table(v: Verification) -> Table | None:
         return None
     rows = []
     for b in v.localization.boundaries:
-        rows.append([shown(b.norm), shown(b.layer), g3(b.error), g3(b.rounding), "ok" if b.passed else "DIVERGES"])
+        verdict = "ok" if b.passed else "inherited" if b.inherited else "DIVERGES"
+        rows.append([shown(b.norm), shown(b.layer), g3(b.error), g3(b.rounding), verdict])
     columns = {"norm": True, "layer": True, "error": False, "rounding": False, "": False}
     return text_table("fold boundaries (candidate vs the correct fold, float64)", columns, rows)

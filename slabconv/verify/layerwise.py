@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,11 +189,17 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram
         An ``ExactCheck`` (method ``tensors``) over every tensor of ``written``.
     """
     worst, worst_name = 0.0, ""
-
-    def note(distance: float, key: str) -> None:
-        nonlocal worst, worst_name
+    for key, distance in tensor_distances(source, written, program):
         worst, worst_name = max((worst, worst_name), (distance, key))
+    label = f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block"
+    return judge.tensors_check(label, len(written.weight_map), worst, worst_name)
 
+
+def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgram) -> Iterator[tuple[str, float]]:
+    """``(key, distance)`` of every tensor of ``written`` from its recipe in the fold ``program`` over ``source``
+    (``exact_streamed``'s rule: units in the last place from a folded weight's or bias's float64 rows rounded
+    once, 0 or ``inf`` for a copy bit for bit or not, ``inf`` for a tensor with no recipe), in ``written``'s order,
+    one block at a time: a key may come several times (its blocks), its distance the largest."""
     layer_biases = {la.bias_out for la in program.layers.values() if la.bias_out}
     scratch = Scratch()
 
@@ -214,27 +220,25 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram
             parts = []
             for start, stop in row_ranges(source.shape(key), written.block_elements):
                 w, b = la.rows(source, start, stop, scratch)
-                note(distance(written.get(key, slice(start, stop)), w), key)
+                yield key, distance(written.get(key, slice(start, stop)), w)
                 parts.append(b)
             if la.bias_out is not None:
                 bias = la.whole_bias(parts)
                 present = la.bias_out in written.weight_map
-                note(judge.ulps(written.get(la.bias_out), bias) if present else math.inf, la.bias_out)
+                yield la.bias_out, judge.ulps(written.get(la.bias_out), bias) if present else math.inf
         elif key in layer_biases:
             continue  # checked with its weight
         elif recipe is not None and recipe.op == "unit" and recipe.source in source.weight_map:
             value = written.get(key)  # a norm weight whose affine folded: ones of the source's dtype
             same = value.dtype == source.dtype(recipe.source) and bool((value == 1).all())
-            note(0.0 if same and list(value.shape) == source.shape(recipe.source) else math.inf, key)
+            yield key, 0.0 if same and list(value.shape) == source.shape(recipe.source) else math.inf
         elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
             src = recipe.source
             for start, stop in row_ranges(source.shape(src), written.block_elements):
                 rows = slice(start, stop) if len(source.shape(src)) > 1 else None
-                note(0.0 if torch.equal(written.get(key, rows), source.get(src, rows)) else math.inf, key)
+                yield key, 0.0 if torch.equal(written.get(key, rows), source.get(src, rows)) else math.inf
         else:
-            note(math.inf, key)  # a tensor neither copied nor made by a fold
-    label = f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block"
-    return judge.tensors_check(label, len(written.weight_map), worst, worst_name)
+            yield key, math.inf  # a tensor neither copied nor made by a fold
 
 
 def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:

@@ -16,6 +16,11 @@ rounding (``policy.EXACT_RTOL``); the first boundary where they do not names the
 also shows ``rounding``: how far the correct fold is from the original at that boundary (what storing the fused
 weights in their dtype does there).
 
+A difference flows on, so the pass also compares each stored tensor with the correct fold's value (question 1's
+rule): a diverging boundary whose layer holds the right values is ``inherited`` (``Boundary.inherited``), and where
+the first differing tensor belongs to a layer no norm folded into (and is not a tensor a fold wrote), the verdict
+names it and blames no fold (``_blame``).
+
 Where every boundary agrees and verification failed, the weights are the fold's everywhere: the difference comes
 from the runtime that failed, not from a fold (the detail says so).
 
@@ -30,6 +35,8 @@ onnxruntime in float64.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,10 +45,11 @@ from torch import fx, nn
 
 from slabconv import engine
 from slabconv.fold import rounded
+from slabconv.load.shards import LazyShards
 from slabconv.options import LoadOptions, VerifyOptions
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, Localization
-from slabconv.verify.sides import Side, folded_from
+from slabconv.verify.sides import Side, folded_from, why_not_a_fold
 
 METHOD = (
     "the candidate's stored tensors and the float64 fold rounded to their dtype, each in the reference's fused graph "
@@ -57,7 +65,8 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
         why, or why the pass could not run).
     """
     if not folded_from(reference, candidate):
-        return Localization("none", detail="not localised: the candidate is not a fold of the reference")
+        why = why_not_a_fold(reference, candidate)
+        return Localization("none", detail=f"not localised: the candidate is not a fold of the reference: {why}")
     if reference.kind == "streamed":
         return _streamed(reference, candidate, opts)
     if reference.kind == "onnx":
@@ -68,7 +77,7 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
 
 
 def _verdict(boundaries: list[Boundary]) -> str:
-    first = next((b for b in boundaries if not b.passed), None)
+    first = next((b for b in boundaries if not b.passed and not b.inherited), None)
     if first is not None:
         return f"first diverging fold: {first.line()}"
     if not boundaries:
@@ -178,10 +187,8 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     fold = {k: v for k, v in engine.fused_state_dict(fused64).items() if v.is_floating_point()}
     unchanged = unchanged_tensors(original64, fold)
     written, by_value = _stored_file(candidate, fold, unchanged)
-    stored = {
-        k: v if k in unchanged and k not in written else _match(k, v, written, by_value).double()
-        for k, v in fold.items()
-    }
+    kept = {k: _match(k, v, written, by_value) for k, v in fold.items() if k not in unchanged or k in written}
+    stored = {k: kept[k].double() if k in kept else v for k, v in fold.items()}
     correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
     cand64 = _with_tensors(fused64, stored)
     x = choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed, limit=opts.samples)[0][
@@ -201,7 +208,79 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
         same = orig.name in before and fused.name in want and before[orig.name].shape == want[fused.name].shape
         drift = _rel(want[fused.name], before[orig.name]) if same else None
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
-    return Localization(METHOD.format(n=len(t)), boundaries, _verdict(boundaries))
+    folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
+    loc = Localization(METHOD.format(n=len(t)), boundaries, "")
+    return _blame(loc, _differing(fused64, kept, fold), folded, set(fold) - unchanged)
+
+
+def _blame(
+    loc: Localization,
+    differ: list[tuple[str, float]],
+    folded: set[str],
+    made: set[str],
+    owned: Callable[[str, str], bool] | None = None,
+) -> Localization:
+    """``loc`` with its verdict (``detail``), given the stored tensors that are not the correct fold's value
+    (``differ``, ``(key, units in the last place)`` in data-flow order) and the layers norms folded into: a
+    diverging boundary whose layer holds the right values is ``inherited``; where the first differing tensor, or
+    the only one a diverging boundary can have inherited, is of a layer no norm folded into, the verdict names it
+    and blames no fold. ``made``: the tensors a fold wrote (values the original does not hold), never taken
+    for a tensor no fold wrote; ``owned(key, layer)``: ``key`` is one of ``layer``'s tensors (default ``_owned``,
+    by name)."""
+    owns = owned or _owned
+    for b in loc.boundaries:
+        b.inherited = bool(differ) and not b.passed and not any(owns(k, b.layer) for k, _ in differ)
+    loc.detail = _verdict(loc.boundaries)
+    loc.first_tensor = differ[0][0] if differ else ""
+    outside = next(((k, u) for k, u in differ if k not in made and not any(owns(k, layer) for layer in folded)), None)
+    # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
+    if outside is not None and (
+        outside == differ[0] or (loc.first is None and any(b.inherited for b in loc.boundaries))
+    ):
+        name, units = outside
+        loc.detail = f"no fold to blame: the first stored tensor that differs from the fold is {name!r} "
+        loc.detail += (
+            f"({units:.3g} units in the last place from the value it is held to), in a layer no norm folded into"
+        )
+        inherited_count = sum(b.inherited for b in loc.boundaries)
+        if inherited_count:
+            loc.detail += (
+                f"; the fold boundaries after it that diverge ({inherited_count}) hold the correct fold's tensors"
+            )
+        if loc.first is not None:
+            loc.detail += f"; the first fold whose own tensors differ too: {loc.first.line()}"
+    elif loc.first is None and any(b.inherited for b in loc.boundaries):
+        # boundaries diverge, none by its own tensors, and what differs is a fold's (a kept norm's affine)
+        name, units = differ[0]
+        loc.detail = f"first differing tensor: {name!r} ({units:.3g} units in the last place from the value it is "
+        loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift); "
+        loc.detail += "the fold boundaries after it diverge only through it"
+    return loc
+
+
+def _owned(key: str, layer: str) -> bool:
+    """``key`` is one of ``layer``'s stored tensors (``blocks.0.mlp.fc1.bias`` of ``blocks.0.mlp.fc1``)."""
+    return key.startswith(layer + ".")
+
+
+def _differing(
+    fused64: fx.GraphModule, stored: dict[str, torch.Tensor], fold: dict[str, torch.Tensor]
+) -> list[tuple[str, float]]:
+    """The candidate's stored tensors (``stored``, each in its own dtype) that are not the float64 fold correctly
+    rounded to that dtype (question 1's rule, ``judge.ulps``), each with its distance in units in the last place,
+    in the order the data flows through them: by the first node of ``fused64`` that reads each."""
+    order = {n: i for i, n in enumerate(fused64.graph.nodes)}
+    first_use: dict[str, int] = {}
+    for node in fused64.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            at = min(order[u] for u in node.users)
+            first_use[str(node.target)] = min(at, first_use.get(str(node.target), at))
+    found = []
+    for key, value in stored.items():
+        units = judge._distance(value.detach(), fold[key].detach().double())
+        if not units <= policy.ULPS:
+            found.append((key, units))
+    return sorted(found, key=lambda f: first_use.get(f[0], len(order)))
 
 
 def _stored_file(
@@ -255,7 +334,23 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
     method = (
         "each decoder layer's folded Linears, candidate vs the fold program rounded to the stored dtype, in float64"
     )
-    return Localization(method, boundaries, _verdict(boundaries))
+    worst: dict[str, float] = {}
+    written = LazyShards.open(candidate.path)
+    for key, units in layerwise.tensor_distances(LazyShards.open(reference.path), written, program):
+        worst[key] = max(units, worst.get(key, 0.0))
+    differ = sorted(((k, u) for k, u in worst.items() if not u <= policy.ULPS), key=lambda f: _layer_order(f[0]))
+    folded = {la.removesuffix(".weight") for la in program.layers}
+    made = set(program.layers) | {la.bias_out for la in program.layers.values() if la.bias_out}
+    return _blame(Localization(method, boundaries, ""), differ, folded, made)
+
+
+def _layer_order(key: str) -> float:
+    """Where ``key`` of a decoder folder sits in the data flow, layer by layer: an embedding first, then its
+    decoder layer's index, then the rest (the final norm, the head)."""
+    match = re.search(r"\.layers\.(\d+)\.", key)
+    if match is not None:
+        return int(match.group(1))
+    return -1 if "embed" in key else math.inf
 
 
 # --------------------------------------------------------------------------------------------- ONNX
@@ -294,6 +389,10 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     correct = {
         k: rounded(v, default if bool(stored[k].isnan().all()) else stored[k].dtype).double() for k, v in fold.items()
     }
+    differ = [(k, judge._distance(stored[k].detach(), v.detach().double())) for k, v in fold.items()]
+    order = _onnx_first_use(folded.fused)
+    differ = sorted(((k, u) for k, u in differ if not u <= policy.ULPS), key=lambda f: order.get(f[0], len(order)))
+    owned = _onnx_owned(folded)
     stored = {k: v.double() for k, v in stored.items()}
     x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
     x = take(x, 0, min(policy.EXACT_SAMPLES, samples_of(x)))
@@ -315,10 +414,80 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
         if before[orig].shape == want[fused].shape:
             drift = judge.rel_err(want[fused], before[orig])[0]
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
-    verdict = _verdict(boundaries) if boundaries or not lost else "not localised"
+    folded_layers = set(owned)
+    original = onnx_original.ir_tensors(folded.original)
+    made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
+    loc = _blame(Localization(METHOD.format(n=samples_of(x)), boundaries, ""), differ, folded_layers, made,
+                 lambda key, layer: key in owned.get(layer, ()))  # fmt: skip
+    if not boundaries and lost:
+        loc.detail = "not localised"
     if lost:
-        verdict += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
-    return Localization(METHOD.format(n=samples_of(x)), boundaries, verdict)
+        loc.detail += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"
+    return loc
+
+
+def _onnx_first_use(model: Any) -> dict[str, int]:
+    """Each initializer of ``model`` (an ``onnx_ir.Model``) -> the index of the first node that reads it."""
+    first: dict[str, int] = {}
+    for i, node in enumerate(model.graph):
+        for value in node.inputs:
+            if value is not None and value.name not in first:
+                first[value.name] = i
+    return first
+
+
+def _onnx_owned(folded: Any) -> dict[str, set[str]]:
+    """Each layer a norm folded into (``onnx_lower.LayerSite``) -> the initializers of the fused graph it reads as
+    constants: those its node, its bias ``Add`` and a ``folded_bias_add`` read, directly or through nodes that read
+    only constants (a ``Transpose`` or ``Reshape`` of a weight)."""
+    from slabconv.engine.layers import layer_name
+
+    graph = folded.fused.graph
+    inits = set(graph.initializers)
+    nodes = {n.name: n for n in graph}
+    lowered = folded.lowered
+    sites = {layer_name(n): lowered.layers[n.name] for n in lowered.gm.graph.nodes if n.name in lowered.layers}
+    memo: dict[int, bool] = {}
+
+    def constant(value: Any) -> bool:
+        if value.name in inits:
+            return True
+        if id(value) not in memo:
+            producer = value.producer()
+            memo[id(value)] = producer is not None and all(v is None or constant(v) for v in producer.inputs)
+        return memo[id(value)]
+
+    def cone(value: Any, into: set[str]) -> None:
+        if value.name in inits:
+            into.add(value.name)
+        elif constant(value):
+            for v in value.producer().inputs:
+                if v is not None:
+                    cone(v, into)
+
+    owned: dict[str, set[str]] = {}
+    for plan in folded.plans:
+        if not plan.decision.action.startswith("folded"):
+            continue
+        for layer in plan.decision.into:
+            site = sites.get(layer)
+            names: set[str] = set()
+            if site is not None:
+                readers = [nodes.get(site.node), nodes.get(site.bias_add or "")]
+                out = readers[0].outputs[0] if readers[0] is not None else None
+                readers += [u.node for u in out.uses()] if out is not None else []
+                for node in readers:
+                    if node is None or (
+                        node is not readers[0]
+                        and node is not readers[1]
+                        and not (node.op_type == "Add" and (node.name or "").startswith(f"{site.node}/folded_bias_add"))
+                    ):
+                        continue
+                    for value in node.inputs:
+                        if value is not None:
+                            cone(value, names)
+            owned[layer] = names
+    return owned
 
 
 def _onnx_boundaries(folded: Any) -> tuple[list[tuple[str, str, str, str]], list[str]]:

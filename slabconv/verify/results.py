@@ -199,6 +199,8 @@ class Boundary:
         bound: the most allowed (``policy.EXACT_RTOL``).
         rounding: relative error of the correct fold against the original at this boundary (what storing the
             fused weights in their dtype does there), when measured.
+        inherited: the boundary diverges, but its layer holds the correct fold's values: the difference reached it
+            from a stored tensor before it (``Localization.first_tensor``), so this fold is not to blame.
     """
 
     norm: str
@@ -206,6 +208,7 @@ class Boundary:
     error: float
     bound: float
     rounding: float | None = None
+    inherited: bool = False
 
     @property
     def passed(self) -> bool:
@@ -222,23 +225,28 @@ class Localization:
     Attributes:
         method: how the boundaries were compared, in words.
         boundaries: every fold boundary, in the order the data flows through them.
-        detail: one line: the first diverging fold, or that none diverges (the difference is the runtime's).
+        detail: one line: the first diverging fold, the first stored tensor that differs where no fold wrote it,
+            or that none diverges (the difference is the runtime's).
+        first_tensor: the first stored tensor, in data-flow order (layer order for two decoder folders), that is
+            not the correct fold's value; "" when every one is.
     """
 
     method: str
     boundaries: list[Boundary] = field(default_factory=list)
     detail: str = ""
+    first_tensor: str = ""
 
     @property
     def first(self) -> Boundary | None:
-        """The first boundary that diverges, or None."""
-        return next((b for b in self.boundaries if not b.passed), None)
+        """The first boundary that diverges by its own layer's values (``Boundary.inherited`` aside), or None."""
+        return next((b for b in self.boundaries if not b.passed and not b.inherited), None)
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first
         return {
             "method": self.method,
             "first": asdict(first) if first is not None else None,
+            "first_tensor": self.first_tensor or None,
             "boundaries": [asdict(b) for b in self.boundaries],
             "detail": self.detail,
         }
@@ -450,8 +458,7 @@ class Verification:
         """The localisation's verdict in words, for failure lines: the first diverging fold, or that none does."""
         if self.localization is None:
             return ""
-        first = self.localization.first
-        return f"first diverging fold: {first.line()}" if first is not None else self.localization.detail
+        return self.localization.detail
 
     def headline(self) -> str:
         """``PASSED``, ``FAILED``, or ``PASSED for what ran; model.onnx: not run: ...`` (a file no runtime ran

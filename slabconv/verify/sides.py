@@ -365,8 +365,12 @@ def folded_from(reference: Side, candidate: Side) -> bool:
     return p.arch is None or reference.arch is None or p.arch == reference.arch
 
 
-def fold_relation(reference: Side, candidate: Side) -> bool:
+def fold_relation(reference: Side, candidate: Side, load: LoadOptions | None = None) -> bool:
     """Whether question 1 applies: the candidate is a fold of the reference (``folded_from``).
+
+    Args:
+        load: how the sides were read (``--arch``, ``--ema``...): the command meant keeps these options, and
+            ``--stream`` for streamed sides, since without them the sides read are others (or do not fit in memory).
 
     Raises:
         UsageError: the reference is a fold of the candidate (the arguments are swapped), naming both and the
@@ -375,11 +379,25 @@ def fold_relation(reference: Side, candidate: Side) -> bool:
     if folded_from(reference, candidate):
         return True
     if folded_from(candidate, reference):
+        words = ["slabconv", "verify", str(candidate.path), str(reference.path)]
+        words += ["--stream"] if reference.kind == "streamed" else []
+        words += _load_options(load) if load is not None else []
         raise UsageError(
             f"the arguments are swapped: {reference.path} is a fold of {candidate.path}; the original comes first: "
-            f"slabconv verify {shlex.quote(str(candidate.path))} {shlex.quote(str(reference.path))}"
+            + shlex.join(words)
         )
     return False
+
+
+def _load_options(load: LoadOptions) -> list[str]:
+    """The command-line options that give ``load``."""
+    words = ["--arch", load.arch] if load.arch else []
+    words += ["--ema"] if load.ema else []
+    words += ["--fold-norm-affine"] if load.fold_norm_affine else []
+    words += ["--trust-pickle"] if load.trust_pickle else []
+    words += ["--input-shape", ",".join(map(str, load.input_shape))] if load.input_shape else []
+    words += ["--image-size", str(load.image_size)] if load.image_size else []
+    return words
 
 
 def why_not_a_fold(reference: Side, candidate: Side) -> str:

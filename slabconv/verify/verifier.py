@@ -511,7 +511,7 @@ def verify(
             candidate does); sides that are not the same model.
     """
     started = time.monotonic()
-    related = sides.fold_relation(reference, candidate)
+    related = sides.fold_relation(reference, candidate, load)
     if opts.generate and not candidate.language_model:
         raise UsageError(
             f"--generate needs a fused language-model folder as the candidate; {candidate.path} is not one"
