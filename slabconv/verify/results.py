@@ -115,7 +115,7 @@ class OutputCheck:
         against = "the float64 reference" if self.reference == "float64" else "the original"
         text = f"{self.name}: error {g3(self.e_fused)} against {against} (allowed {self.tolerance:.3g}, {self._why()})"
         if self.e_orig is not None:
-            text += f"; original's own error {g3(self.e_orig)}; fused vs original {g3(self.e_pair)}"
+            text += f"; original's own error {g3(self.e_orig)}; this file vs original {g3(self.e_pair)}"
         if self.top1_agreement is not None:
             text += f"; top-1 {self.top1_agreement:.2%} of {self.decisive} decisive"
             text += f", {count(self.near_ties, 'near-tie')} not judged" if self.near_ties else ""
