@@ -188,7 +188,7 @@ def fold_into_linear(
         ValueError: ``inplace`` with a weight that is not float64.
     """
     w = _widened(weight, inplace)
-    b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
+    b = _bias64(bias, w.shape[0], w)
     s, t = scale.to(w), shift.to(w)
     new_b = b + w @ t  # before the weight is scaled (in place or not)
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
@@ -199,9 +199,20 @@ def _grouped_channels(w: Tensor, groups: int, first: int, total: int | None) -> 
     (default ``len(w)``) in ``groups`` equal groups, the channel of each column ``j``: ``g * w.shape[1] + j``, ``g``
     the row's group. A convolution's rows are its output channels and its columns input channels of their group; a
     transposed convolution's the other way round."""
-    rows, width = w.shape[0], w.shape[1]
-    group = torch.arange(first, first + rows, device=w.device) // ((rows if total is None else total) // groups)
-    return group[:, None] * width + torch.arange(width, device=w.device)[None, :]
+    width = w.shape[1]
+    return _row_groups(w, groups, first, total)[:, None] * width + torch.arange(width, device=w.device)[None, :]
+
+
+def _row_groups(w: Tensor, groups: int, first: int, total: int | None) -> Tensor:
+    """``(rows,)`` int64: the group of each of the rows ``first:first + len(w)`` of a weight with ``total`` rows
+    (default ``len(w)``) in ``groups`` equal groups."""
+    rows = w.shape[0]
+    return torch.arange(first, first + rows, device=w.device) // ((rows if total is None else total) // groups)
+
+
+def _bias64(bias: Tensor | None, size: int, w: Tensor) -> Tensor:
+    """A layer's bias in float64 on ``w``'s device, or zeros of ``size`` where it has none (a fold creates one)."""
+    return torch.zeros(size, dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
 
 
 def fold_into_conv(
@@ -238,7 +249,7 @@ def fold_into_conv(
     """
     w = _widened(weight, inplace)
     out_ch, in_per_group = w.shape[0], w.shape[1]
-    b = torch.zeros(out_ch, dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
+    b = _bias64(bias, out_ch, w)
     chan = _grouped_channels(w, groups, first, total)  # per output channel, the input channels it reads
     s = scale.to(w)[chan].reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
     t = shift.to(w)[chan]
@@ -265,7 +276,7 @@ def fold_into_producer(
         ValueError: ``inplace`` with a weight that is not float64.
     """
     w = _widened(weight, inplace)
-    b = torch.zeros(w.shape[0], dtype=torch.float64, device=w.device) if bias is None else bias.detach().double()
+    b = _bias64(bias, w.shape[0], w)
     s, t = scale.to(w), shift.to(w)
     rows = s.reshape(-1, *([1] * (w.dim() - 1)))
     return _cast(w.mul_(rows) if inplace else w * rows, weight), _cast(s * b + t, weight)
@@ -311,11 +322,7 @@ def fold_into_conv_transpose(
     rows, per_group = w.shape[0], w.shape[1]
     chan = _grouped_channels(w, groups, first, total)  # per input channel, the output channels it writes
     s = scale.to(w)[chan].reshape(rows, per_group, *([1] * (w.dim() - 2)))
-    b = (
-        torch.zeros(groups * per_group, dtype=torch.float64, device=w.device)
-        if bias is None
-        else bias.detach().double()
-    )
+    b = _bias64(bias, groups * per_group, w)
     new_b = scale.to(w) * b + shift.to(w)
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
@@ -361,13 +368,9 @@ def fold_into_pointwise_conv_transpose(
         raise ValueError(f"a forward fold into a transposed convolution needs a 1x1 kernel, got {list(weight.shape)}")
     w = _widened(weight, inplace)
     rows, per_group = w.shape[0], w.shape[1]
-    b = (
-        torch.zeros(groups * per_group, dtype=torch.float64, device=w.device)
-        if bias is None
-        else bias.detach().double()
-    )
+    b = _bias64(bias, groups * per_group, w)
     s, t = scale.to(w)[first : first + rows], shift.to(w)[first : first + rows]
-    group = torch.arange(first, first + rows, device=w.device) // ((rows if total is None else total) // groups)
+    group = _row_groups(w, groups, first, total)
     taps = w.reshape(rows, per_group) * t[:, None]  # before the weight is scaled (in place or not)
     new_b = b.reshape(groups, per_group).index_add(0, group, taps).reshape(-1)
     rows_s = s.reshape(rows, *([1] * (w.dim() - 1)))
