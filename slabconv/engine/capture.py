@@ -186,6 +186,12 @@ def is_param(node: Any) -> bool:
     return node is None or (isinstance(node, fx.Node) and node.op == "get_attr")
 
 
+def op_arg(node: fx.Node, position: int, name: str, default: Any = None) -> Any:
+    """An op's argument as ``torch.export`` may record it: positional at ``position``, else the keyword ``name``,
+    else the schema's ``default``."""
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+
 def shape_of(node: Any) -> tuple[Any, ...] | None:
     """The (possibly symbolic) shape of a node's value, None when it is not a tensor."""
     val = node.meta.get("val") if isinstance(node, fx.Node) else None

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import is_float, norm_dim, rank, same_shape, same_size, shape_of, static_int
+from slabconv.engine.capture import is_float, norm_dim, op_arg, rank, same_shape, same_size, shape_of, static_int
 from slabconv.engine.layers import LayerKind, layer_of, separate_bias
 from slabconv.engine.rules import (
     INDEX_OUTPUTS,
@@ -112,7 +112,7 @@ def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outco
     if len({(c.axis, c.channels, c.inner, m) for c, m in states}) != 1:
         return unsupported(user)  # pieces with different channel layouts or shift multipliers
     ch, _ = next(iter(states))
-    dim = norm_dim(user.args[1] if len(user.args) > 1 else user.kwargs.get("dim", 0), rank(user))  # type: ignore[arg-type]
+    dim = norm_dim(op_arg(user, 1, "dim", 0), rank(user))  # type: ignore[arg-type]
     if user.target is aten.stack.default or dim != ch.axis:
         if None in pieces:
             return Block(reasons.CONCAT_WITH_UNNORMALIZED)
@@ -364,7 +364,7 @@ def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] 
     if node.target is not aten.cat.default or not ch.plain or not isinstance(node.args[0], (list, tuple)):
         return None
     tensors = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = op_arg(node, 1, "dim", 0)
     if not isinstance(dim, int) or norm_dim(dim, rank(node)) != ch.axis:
         return None
     out: list[tuple[fx.Node, Chan, int]] = []

@@ -18,7 +18,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine import reasons
-from slabconv.engine.capture import is_param, rank, same_shape, same_size, shape_of, static_int
+from slabconv.engine.capture import is_param, op_arg, rank, same_shape, same_size, shape_of, static_int
 from slabconv.engine.rules import PERMUTE_OPS, RESHAPE_OPS, RULES, Chan, _ops, aten, op_name
 
 
@@ -80,7 +80,7 @@ class LayerKind:
 
     def bias(self, node: fx.Node) -> Any:
         """The bias argument: None, a ``get_attr`` node, or something else (then no fold)."""
-        return node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return op_arg(node, 2, "bias")
 
     def in_axis(self, node: fx.Node) -> int:
         return 1
@@ -92,8 +92,7 @@ class LayerKind:
         """The layer's ``groups`` (positional at ``groups_arg``, else the keyword, default 1)."""
         if self.groups_arg is None:
             return 1
-        a = node.args
-        return int(a[self.groups_arg] if len(a) > self.groups_arg else node.kwargs.get("groups", 1))  # type: ignore[arg-type]
+        return int(op_arg(node, self.groups_arg, "groups", 1))
 
     def _structure(self, node: fx.Node) -> str | None:
         """``computed-weight`` when the weight or bias is not a stored tensor (a weight-normalised layer computes
@@ -213,8 +212,7 @@ class Conv(LayerKind):
     padding_arg, groups_arg = 4, 6
 
     def padded(self, node: fx.Node) -> bool:
-        a = node.args
-        padding: Any = a[self.padding_arg] if len(a) > self.padding_arg else node.kwargs.get("padding", 0)
+        padding: Any = op_arg(node, self.padding_arg, "padding", 0)
         if isinstance(padding, str):
             kernel = shape_of(node.args[1]) or ()
             return padding == "same" and any(int(k) > 1 for k in kernel[2:])
@@ -257,7 +255,7 @@ class Convolution(Conv):
 
 def _transposed(node: fx.Node) -> bool:
     """The ``transposed`` argument of an ``aten.convolution``."""
-    return bool(node.args[6] if len(node.args) > 6 else node.kwargs.get("transposed", False))
+    return bool(op_arg(node, 6, "transposed", False))
 
 
 class ConvTranspose(LayerKind):
@@ -290,7 +288,7 @@ class ConvTranspose(LayerKind):
     def _ints(self, node: fx.Node, arg: int, name: str, default: int, spatial: int) -> list[int] | None:
         """The op's int-or-list argument ``arg`` (keyword ``name``) as one int per spatial axis; None when it is
         not a static int."""
-        value: Any = node.args[arg] if len(node.args) > arg else node.kwargs.get(name, default)
+        value: Any = op_arg(node, arg, name, default)
         values = list(value) if isinstance(value, (list, tuple)) else [value] * spatial
         ints = [static_int(v) for v in values]
         known = [v for v in ints if v is not None]

@@ -60,7 +60,7 @@ import torch
 from torch import fx
 
 from slabconv.engine.affine_values import Constants
-from slabconv.engine.capture import shape_of, static_int, stored
+from slabconv.engine.capture import op_arg, shape_of, static_int, stored
 from slabconv.engine.rules import RESHAPE_OPS
 
 aten = torch.ops.aten
@@ -268,10 +268,8 @@ def _rms_of(node: Any, x: Any, root: Any = aten.rsqrt.default) -> bool:
     mean = added.args[0]
     if not (isinstance(mean, fx.Node) and mean.target is aten.mean.dim and _scalar(added.args[1])):
         return False
-    dims = mean.args[1] if len(mean.args) > 1 else None
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     square = mean.args[0]
-    if not (isinstance(dims, (list, tuple)) and list(dims) in ([-1], [len(shape_of(mean) or ()) - 1]) and keepdim):
+    if not _over_last_axis(mean):
         return False
     if not (isinstance(square, fx.Node) and square.target is aten.pow.Tensor_Scalar and square.args[1] == 2):
         return False
@@ -290,11 +288,16 @@ def _centred(normed: fx.Node) -> bool:
         y, mean = x.args
         if not (isinstance(mean, fx.Node) and mean.target is aten.mean.dim and _uncast(mean.args[0]) is _uncast(y)):
             continue
-        dims = mean.args[1] if len(mean.args) > 1 else None
-        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-        if isinstance(dims, (list, tuple)) and list(dims) in ([-1], [len(shape_of(mean) or ()) - 1]) and keepdim:
+        if _over_last_axis(mean):
             return True
     return False
+
+
+def _over_last_axis(mean: fx.Node) -> bool:
+    """An ``aten.mean.dim`` over the last axis alone, the axis kept (``keepdim=True``): a norm's statistic."""
+    dims = op_arg(mean, 1, "dim")
+    keepdim = op_arg(mean, 2, "keepdim", False)
+    return isinstance(dims, (list, tuple)) and list(dims) in ([-1], [len(shape_of(mean) or ()) - 1]) and bool(keepdim)
 
 
 def _rms_weight(node: fx.Node, consts: Constants) -> tuple[fx.Node, fx.Node] | None:

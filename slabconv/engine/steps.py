@@ -15,7 +15,17 @@ import torch
 from torch import fx
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import expr, norm_dim, rank, same_size, shape_of, static_int, stored, written_tensors
+from slabconv.engine.capture import (
+    expr,
+    norm_dim,
+    op_arg,
+    rank,
+    same_size,
+    shape_of,
+    static_int,
+    stored,
+    written_tensors,
+)
 from slabconv.engine.chan import Block, Chan, Outcome, Pass, _ops, unsupported
 
 aten = torch.ops.aten
@@ -94,7 +104,7 @@ def _cast(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 
 def _dropout(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    train = user.args[2] if len(user.args) > 2 else user.kwargs.get("train", False)
+    train = op_arg(user, 2, "train", False)
     return Block(reasons.TRAIN_MODE) if train else Pass(ch)
 
 
@@ -286,7 +296,7 @@ def _pad(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     (a crop) of token axes is a slice."""
     pad = list(user.args[1])  # type: ignore[arg-type]
     n = rank(src)
-    mode = user.args[2] if len(user.args) > 2 else user.kwargs.get("mode", "constant")
+    mode = op_arg(user, 2, "mode", "constant")
     constant = user.target is aten.constant_pad_nd.default or (user.target is aten.pad.default and mode == "constant")
     for i, amount in enumerate(pad):
         dim, size = n - 1 - i // 2, static_int(amount)
@@ -304,7 +314,7 @@ def _split(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     if user.target is aten.unbind.int:
         dim = norm_dim(user.args[1] if len(user.args) > 1 else 0, n)  # type: ignore[arg-type]
         return unsupported(user) if dim == ch.axis else Pass(ch.at(ch.axis - 1 if dim < ch.axis else ch.axis))
-    split_dim: Any = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+    split_dim: Any = op_arg(user, 2, "dim", 0)
     return unsupported(user) if norm_dim(split_dim, n) == ch.axis else Pass(ch)
 
 
@@ -314,11 +324,11 @@ def _split(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 def reduce_dims(user: fx.Node, src: fx.Node) -> tuple[list[int], bool]:
     """The reduced axes (sorted, non-negative) and ``keepdim`` of a reduction node."""
     n = rank(src)
-    dims: Any = user.args[1] if len(user.args) > 1 else user.kwargs.get("dim")
+    dims: Any = op_arg(user, 1, "dim")
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = list(range(n))
     dims = [dims] if isinstance(dims, int) else list(dims)
-    keepdim = bool(user.args[2]) if len(user.args) > 2 else bool(user.kwargs.get("keepdim", False))
+    keepdim = bool(op_arg(user, 2, "keepdim", False))
     return sorted(norm_dim(d, n) for d in dims), keepdim
 
 
@@ -402,7 +412,7 @@ def _grid_sample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     a normalised grid is a nonlinear use."""
     if user.args[0] is not src:
         return Block(reasons.NONLINEAR)
-    padding_mode = user.args[3] if len(user.args) > 3 else user.kwargs.get("padding_mode")
+    padding_mode = op_arg(user, 3, "padding_mode")
     if not _on_leading_axis(user, src, ch):
         return unsupported(user)
     return Pass(ch) if padding_mode in (1, 2) else Block(reasons.ZERO_PADDING_AFTER_NORM)
