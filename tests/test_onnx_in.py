@@ -1223,26 +1223,14 @@ def test_a_norm_after_a_transposed_conv_folds_through_every_door(tmp_path):
     from tests.test_doors import ConvTransposeBetweenNorms
 
     model = randomize_norms(ConvTransposeBetweenNorms().eval(), seed=3)
-    x = torch.randn(2, 8, 5, 5)
-    torch.export.save(torch.export.export(model, (x,)), tmp_path / "model.pt2")
-    original = _export(model, x, tmp_path / "model.onnx", 18)
-    by_program = api.fuse(tmp_path / "model.pt2", tmp_path / "pt2", verify=VerifyOptions(samples=4),
-                          write=WriteOptions(onnx=False))  # fmt: skip
-    by_onnx = api.fuse(original, tmp_path / "onnx", verify=VerifyOptions(samples=4))
-    for report in (by_program, by_onnx):
-        assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == [
-            ("norm", "kept-affine", reasons.TRANSPOSED_CONV_CONSUMER, []),
-            ("norm2", "folded-backward", None, ["fc"]),
-        ]
-        assert report.verification is not None and report.verification.passed
-    assert by_onnx.verification.exact and all(c.passed for c in by_onnx.verification.exact)
-    fused = tmp_path / "onnx" / "model.onnx"
+    decisions = [
+        ("norm", "kept-affine", reasons.TRANSPOSED_CONV_CONSUMER, []),
+        ("norm2", "folded-backward", None, ["fc"]),
+    ]
+    fused, xs = _through_both_doors(model, torch.randn(2, 8, 5, 5), tmp_path, decisions)
     assert op_histogram(fused) == collections.Counter({"Mul": 1, "Add": 1, "ConvTranspose": 1, "Relu": 1})
     (convt,) = [n for n in onnx.load(str(fused)).graph.node if n.op_type == "ConvTranspose"]
     assert len(convt.input) == 3  # the created bias
-    xs = np.random.default_rng(1).standard_normal((3, 8, 5, 5)).astype(np.float32)
-    y0, y1 = _run(original, xs), _run(fused, xs)
-    assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
     program = torch.export.load(tmp_path / "pt2" / "model.pt2").module()
     want = model(torch.from_numpy(xs))
     assert (program(torch.from_numpy(xs)) - want).abs().max() <= 1e-5 * want.abs().max()
@@ -1256,24 +1244,30 @@ def test_a_norm_before_a_pointwise_transposed_conv_folds_through_every_door(tmp_
     from tests.test_exact_folds import PointwiseUp
 
     model = randomize_norms(PointwiseUp(2, 2, 0, 1, True).eval(), seed=4)
-    x = torch.randn(2, 8, 5, 5)
+    decisions = [("norm", "folded-forward", None, ["fc"]), ("norm2", "folded-backward", None, ["fc"])]
+    fused, _ = _through_both_doors(model, torch.randn(2, 8, 5, 5), tmp_path, decisions)
+    assert op_histogram(fused) == collections.Counter({"ConvTranspose": 1, "Relu": 1})
+
+
+def _through_both_doors(model, x, tmp_path, decisions):
+    """``model`` fused as a ``.pt2`` program and as its TorchScript ONNX export (opset 18): both get ``decisions``
+    (``(norm, action, reason, into)`` each) and pass verification, question 1 exact on the ONNX door, and the fused
+    ``model.onnx`` computes the original file's outputs in onnxruntime on 3 other samples. Returns that file and
+    those samples."""
     torch.export.save(torch.export.export(model, (x,)), tmp_path / "model.pt2")
     original = _export(model, x, tmp_path / "model.onnx", 18)
     by_program = api.fuse(tmp_path / "model.pt2", tmp_path / "pt2", verify=VerifyOptions(samples=4),
                           write=WriteOptions(onnx=False))  # fmt: skip
     by_onnx = api.fuse(original, tmp_path / "onnx", verify=VerifyOptions(samples=4))
     for report in (by_program, by_onnx):
-        assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == [
-            ("norm", "folded-forward", None, ["fc"]),
-            ("norm2", "folded-backward", None, ["fc"]),
-        ]
+        assert [(d.norm, d.action, d.reason, d.into) for d in report.folds] == decisions
         assert report.verification is not None and report.verification.passed
     assert by_onnx.verification.exact and all(c.passed for c in by_onnx.verification.exact)
     fused = tmp_path / "onnx" / "model.onnx"
-    assert op_histogram(fused) == collections.Counter({"ConvTranspose": 1, "Relu": 1})
-    xs = np.random.default_rng(1).standard_normal((3, 8, 5, 5)).astype(np.float32)
+    xs = np.random.default_rng(1).standard_normal((3, *x.shape[1:])).astype(np.float32)
     y0, y1 = _run(original, xs), _run(fused, xs)
     assert np.abs(y1 - y0).max() <= 1e-5 * np.abs(y0).max()
+    return fused, xs
 
 
 def test_an_opset_9_batchnorm_listing_its_batch_statistics_is_kept_in_training_mode(tmp_path):

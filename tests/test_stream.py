@@ -418,23 +418,16 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
 def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm):
     """verify --stream localises the failure layer by layer: the first folded Linear whose output differs from the
     fold program's, rounded to the stored dtype."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from slabconv.options import VerifyOptions
 
     root = folded[0]
-    broken = tmp_path / "broken"
-    shutil.copytree(root / "out", broken)
-    shard = broken / json.loads((broken / hf.SAFETENSORS_INDEX).read_text())["weight_map"][key]
-    with safe_open(str(shard), framework="pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(str(shard))
-    tensors[key] = tensors[key].clone()
-    tensors[key].view(-1)[0] += 0.5
-    save_file(tensors, str(shard), metadata)
+
+    def nudged(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        t.view(-1)[0] += 0.5
+        return t
+
+    broken = _changed(root / "out", key, tmp_path / "broken", nudged)
     v = api.verify(root / "src", broken, verify=VerifyOptions(samples=1), stream=True).verification
     assert not v.passed and v.localization is not None and v.localization.first is not None
     layer = key.rsplit(".", 1)[0]
@@ -465,28 +458,34 @@ def test_a_changed_streamed_tensor_no_fold_wrote_is_named_not_blamed_on_the_runt
     """An attention output or MLP down projection changed (no norm folds into either): question 1 names it, and the
     localisation names it too and blames no fold (it said "no fold boundary diverges ...: a difference comes from
     the runtime, not from a fold", each decoder layer's boundaries reading the candidate's own copy of it)."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from slabconv.options import VerifyOptions
 
     root = folded[0]
-    broken = tmp_path / "broken"
-    shutil.copytree(root / "out", broken)
-    shard = broken / json.loads((broken / hf.SAFETENSORS_INDEX).read_text())["weight_map"][key]
-    with safe_open(str(shard), framework="pt") as f:
-        metadata = f.metadata()
-    tensors = load_file(str(shard))
-    tensors[key] = tensors[key] * 1.5
-    save_file(tensors, str(shard), metadata)
+    broken = _changed(root / "out", key, tmp_path / "broken", lambda t: t * 1.5)
     v = api.verify(root / "src", broken, verify=VerifyOptions(samples=1), stream=True).verification
     assert not v.passed and v.localization is not None and v.localization.first is None
     assert v.localization.first_tensor == key
     line = v.failure_line()
     assert f"no fold to blame: the first stored tensor that differs from the fold is {key!r}" in line
     assert "comes from the runtime" not in line
+
+
+def _changed(folder, key, to, change):
+    """A copy of ``folder`` at ``to`` with the tensor ``key`` replaced by ``change(tensor)`` in its shard (the
+    shard's metadata kept)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(folder, to)
+    shard = to / json.loads((to / hf.SAFETENSORS_INDEX).read_text())["weight_map"][key]
+    with safe_open(str(shard), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(shard))
+    tensors[key] = change(tensors[key])
+    save_file(tensors, str(shard), metadata)
+    return to
 
 
 def _without(folder, key, to):
