@@ -376,7 +376,7 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
         return
     from slabconv.load.hf import hf_weights_file
     from slabconv.load.shards import LazyShards
-    from slabconv.zoo.decoder import family_of
+    from slabconv.zoo.decoder import decoder_layout, family_of
 
     if write.onnx:
         raise UsageError(
@@ -389,9 +389,12 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
     found = hf_weights_file(path) if path.is_dir() else None
     if found is not None and found[1] in ("hf-safetensors-sharded", "hf-safetensors"):
+        weight_map = LazyShards.open(path).weight_map
         try:
-            family_of(LazyShards.open(path).weight_map)
+            family_of(weight_map)
         except UnsupportedModelError:
+            if decoder_layout(weight_map):  # a decoder streamed mode refuses for a reason of its own: loading names it
+                return
             raise UsageError(
                 f"--stream verifies decoder language models one layer at a time; {path} has no streamed question 2: "
                 "fold it in memory, or pass --no-verify and run slabconv verify on the two folders"

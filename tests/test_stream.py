@@ -237,6 +237,24 @@ def test_refusals(folded, tmp_path):
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o*"))
 
 
+def test_a_prepbn_folder_with_tied_embeddings_is_refused_for_its_head_through_every_streamed_command(folded, tmp_path):
+    """No ``lm_head.weight`` (saved with tied embeddings): the fold would rescale the embedding table. ``fuse
+    --stream`` with its checks and ``verify --stream`` say so, as the in-memory fold and ``--no-verify`` do; not that
+    the folder is no decoder language model."""
+    root, _, _, _, _ = folded
+    tied = _without(root / "src", "lm_head.weight", tmp_path / "tied")
+    for run in (
+        lambda: fuse_streamed(tied, tmp_path / "o"),
+        lambda: api.fuse(tied, tmp_path / "o", verify=None, write=STREAM),
+        lambda: api.fuse(tied, tmp_path / "o", write=WriteOptions(onnx=False, pt2=False)),
+        lambda: api.verify(tied, root / "out", stream=True),
+    ):
+        with pytest.raises(UnsupportedModelError, match=r"no lm_head\.weight: tied word embeddings") as err:
+            run()
+        assert "decoder" not in str(err.value)
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_stream_implies_what_it_can_write(folded, tmp_path):
     """On the command line --stream writes no ONNX file and no .pt2 without being told (the API's
     WriteOptions(stream=True) keeps onnx=True and is refused above); an option for the ONNX file is refused."""

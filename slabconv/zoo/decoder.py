@@ -162,6 +162,12 @@ STANDARD = replace(
 FAMILIES = (STANDARD, LLAMA)
 
 
+def decoder_layout(keys: Mapping[str, Any]) -> bool:
+    """Whether ``keys`` hold a family's token embedding and decoder layers: a decoder language model, also where
+    ``family_of`` matches none (a LLaMA-PRepBN with tied embeddings has no head of its own, which loading names)."""
+    return any(f.embed in keys and any(f.layer_key.match(k) for k in keys) for f in FAMILIES)
+
+
 def family_of(keys: Mapping[str, Any]) -> DecoderFamily:
     """The decoder family of a folder: the standard decoders by their plain RMSNorm weights, LLaMA-PRepBN (its
     norms, or none once folded) by its embedding and head keys.
@@ -175,6 +181,10 @@ def family_of(keys: Mapping[str, Any]) -> DecoderFamily:
     for family in FAMILIES:
         if family is not STANDARD and family.embed in keys and f"{family.head}.weight" in keys:
             return family
+    if decoder_layout(keys):  # LLaMA-PRepBN's layers without a head of its own
+        from slabconv.zoo.llama import TIED_HEAD
+
+        raise UnsupportedModelError(TIED_HEAD)
     raise UnsupportedModelError(
         "the streamed mode handles decoder-only language models of a known family (LLaMA layout: "
         "model.embed_tokens, model.layers.N, lm_head); fold this model in memory without --stream"

@@ -392,6 +392,14 @@ _CASTS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
 )
 
 
+TIED_HEAD = (
+    "no lm_head.weight: tied word embeddings (tie_word_embeddings), which LLaMA-PRepBN does not use: its final norm "
+    "folds into lm_head, and a tied head would rescale the embedding table; save the model with its own "
+    "lm_head.weight (a copy of model.embed_tokens.weight) to fold it"
+)
+"""Why a LLaMA-PRepBN folder without ``lm_head.weight`` is refused, in memory and streamed."""
+
+
 def llama_signature(state_dict: StateDict) -> tuple[int, int, int, int] | None:
     """``(hidden_size, num_hidden_layers, intermediate_size, vocab_size)`` from the weights, None when they are not
     LLaMA-layout. Reads only keys the fused weights keep too."""
@@ -420,11 +428,7 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
     hidden, depth, inter, vocab = sig
     config = config if isinstance(config, Mapping) else {}
     if "lm_head.weight" not in state_dict:
-        raise UnsupportedSetting(
-            "no lm_head.weight: tied word embeddings (tie_word_embeddings), which LLaMA-PRepBN does not use: its "
-            "final norm folds into lm_head, and a tied head would rescale the embedding table; save the model with "
-            "its own lm_head.weight (a copy of model.embed_tokens.weight) to fold it"
-        )
+        raise UnsupportedSetting(TIED_HEAD)
     if config.get("num_attention_heads") is None and defaults is None:
         raise UnsupportedModelError(
             "the LLaMA weights do not show the attention head count; read the model from its folder with "
