@@ -2,7 +2,8 @@
 
 Two fresh virtual environments under ``build/compat/``:
 
-- ``floor``: every dependency of ``pyproject.toml`` (the package's own and the ``hf`` extra) at its declared lower
+- ``floor``: every dependency of ``pyproject.toml`` (the package's own, the ``hf`` and ``simplify`` extras) at its
+  declared lower
   bound (``>=X`` installed as ``==X``); what they pull in resolves as pip resolves it today.
 - ``newest``: every dependency at its newest release. pip on some machines reads a constraints file that caps
   torch below its newest release; this environment's installs run with ``PIP_CONFIG_FILE=/dev/null`` so the cap
@@ -11,7 +12,9 @@ Two fresh virtual environments under ``build/compat/``:
 In each, the repository (on ``PYTHONPATH``, not installed) runs: ``fuse`` of the digits and the text fixtures,
 ``verify --generate`` of the text fixture against its fused folder, and the deploy tests
 (``tests/test_deploy_llama.py``, ``tests/test_deploy_pt2.py``: the Hugging Face folder in transformers, the
-decoder ONNX, a streamed fold of a sharded copy, ``model.pt2`` and ``model.onnx`` loaded without slabconv).
+decoder ONNX, a streamed fold of a sharded copy, ``model.pt2`` and ``model.onnx`` loaded without slabconv), and the
+ONNX door's tests (``tests/test_onnx_in.py``, ``tests/test_doors.py``: ONNX files folded through onnx-ir and
+onnxscript's optimizer, ``--simplify`` with onnxslim, the same decisions as the checkpoint door).
 
 The results go to ``build/compat/<env>/result.json`` and, with ``--write-docs``, to the table of
 ``docs/compat.md``. Usage::
@@ -46,10 +49,12 @@ TABLE_START, TABLE_END = "<!-- compat table: start -->", "<!-- compat table: end
 
 
 def declared() -> dict[str, str]:
-    """Package name -> declared lower bound, from ``pyproject.toml`` (dependencies and the ``hf`` extra)."""
+    """Package name -> declared lower bound, from ``pyproject.toml`` (dependencies, the ``hf`` and ``simplify``
+    extras)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     out: dict[str, str] = {}
-    for requirement in [*project["dependencies"], *project["optional-dependencies"]["hf"]]:
+    extras = project["optional-dependencies"]
+    for requirement in [*project["dependencies"], *extras["hf"], *extras["simplify"]]:
         match = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)\s*(?:,.*)?", requirement)
         if match is None:
             raise SystemExit(f"pyproject.toml: {requirement!r} has no lower bound (>=X); compat needs one")
@@ -115,6 +120,11 @@ def steps(python: Path, work: Path) -> list[tuple[str, list[str]]]:
             [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_deploy_llama.py",
              "tests/test_deploy_pt2.py"],
         ),
+        (
+            "ONNX door tests",
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_onnx_in.py",
+             "tests/test_doors.py"],
+        ),
     ]  # fmt: skip
 
 
@@ -167,7 +177,7 @@ def table(floors: dict[str, str], results: dict[str, dict]) -> str:
         lines.append(f"| {pkg} | {low} | {at_floor} | {at_newest} |")
     lines += [
         "",
-        "| environment | date | Python | fuse digits, fuse text, verify --generate, deploy tests |",
+        "| environment | date | Python | fuse digits, fuse text, verify --generate, deploy tests, ONNX door tests |",
         "|---|---|---|---|",
     ]
     for name, r in (("floor", floor), ("newest", newest)):
