@@ -1404,8 +1404,9 @@ def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
     """A ``BatchNormalization`` behind an op no shape inference types (the ``com.microsoft`` ops onnxruntime's
     optimizer writes, here one of another domain) has an input of unknown rank: the lowering reads it as one opaque
     node, the planner never sees it, and the report counted no norm (the BN of SLAB's block after onnxruntime's
-    ``ORT_ENABLE_EXTENDED``, in front of its head, went unmentioned). It is one ``kept`` decision, and
-    ``--require-folded`` refuses the file."""
+    ``ORT_ENABLE_EXTENDED``, in front of its head, went unmentioned). It is one ``kept`` decision, whose reason
+    names the op that hides the input's shape (it named the norm itself, ``unsupported-op:onnx.BatchNormalization``),
+    and ``--require-folded`` refuses the file."""
     from onnx import TensorProto, helper, numpy_helper
 
     from slabconv.errors import KeptNormsError
@@ -1425,7 +1426,7 @@ def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("org.example", 1)]
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
     report = api.inspect(path)
-    want = [("/norm/BatchNormalization", "kept", "unsupported-op:onnx.BatchNormalization")]
+    want = [("/norm/BatchNormalization", "kept", "unsupported-op:org.example.Mystery")]
     assert [(d.norm, d.action, d.reason) for d in report.folds] == want
     assert report.summary is not None and (report.summary.norms, report.summary.kept) == (1, 1)
     with pytest.raises(KeptNormsError, match="BatchNormalization"):
