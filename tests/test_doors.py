@@ -297,3 +297,40 @@ def test_a_model_gets_the_same_decisions_as_a_program_and_as_onnx(factory, dynam
         assert onnx != program, f"{case}: the doors now agree; drop it from _DIFFERENT"
         return
     assert onnx == program
+
+
+class LayerNormThenBatchNorm(nn.Module):
+    """A LayerNorm before a BatchNorm: with ``fold_norm_affine`` the LayerNorm's affine meets the other norm, and is
+    kept with the reason naming its BatchNorm op. ``tokens``: the BatchNorm runs over the tokens' channels between
+    two transposes (a RepBN's layout), which the norm's region starts with."""
+
+    def __init__(self, tokens: bool) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.ln = nn.LayerNorm(refusals.C)
+        self.bn = nn.BatchNorm1d(refusals.C)
+        self.fc = nn.Linear(refusals.C, refusals.C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln(x)
+        y = self.bn(y.transpose(1, 2)).transpose(1, 2) if self.tokens else self.bn(y)
+        return self.fc(y)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("tokens", [False, True], ids=["flat", "tokens"])
+def test_with_fold_norm_affine_a_norm_blocked_by_a_batchnorm_gets_one_reason_through_both_doors(
+    tokens, dynamo, tmp_path
+):
+    """The same model, the same decisions and the same reason text through both doors with ``fold_norm_affine``:
+    the LayerNorm's affine is kept by the BatchNorm after it, named ``aten.batch_norm`` whichever form of the op a
+    door holds (the program's ``aten.batch_norm``, the lowered ``BatchNormalization``'s
+    ``aten._native_batch_norm_legit_no_training``), and not by the transpose the BatchNorm's region starts with (the
+    program's ``aten.transpose``, the lowered ``Transpose``'s ``aten.permute``)."""
+    model, x = randomize(LayerNormThenBatchNorm(tokens)).eval(), _tokens() if tokens else _flat()
+    program = _summary(engine.fold_all(engine.capture(model, x), norm_affine=True))
+    path = _export(model, x, tmp_path / "model.onnx", dynamo)
+    _, plans = onnx_fold.plan_file(ir.load(str(path)), str(path), norm_affine=True)
+    assert _summary([p.decision for p in plans]) == program
+    assert program == [("ln", "LayerNorm-affine", "kept", "unsupported-op:aten.batch_norm", ()),
+                       ("bn", "BatchNorm", "folded-forward", None, ("fc",))]  # fmt: skip

@@ -1404,8 +1404,9 @@ def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
     """A ``BatchNormalization`` behind an op no shape inference types (the ``com.microsoft`` ops onnxruntime's
     optimizer writes, here one of another domain) has an input of unknown rank: the lowering reads it as one opaque
     node, the planner never sees it, and the report counted no norm (the BN of SLAB's block after onnxruntime's
-    ``ORT_ENABLE_EXTENDED``, in front of its head, went unmentioned). It is one ``kept`` decision, and
-    ``--require-folded`` refuses the file."""
+    ``ORT_ENABLE_EXTENDED``, in front of its head, went unmentioned). It is one ``kept`` decision, whose reason
+    names the op that hides the input's shape (it named the norm itself, ``unsupported-op:onnx.BatchNormalization``),
+    and ``--require-folded`` refuses the file."""
     from onnx import TensorProto, helper, numpy_helper
 
     from slabconv.errors import KeptNormsError
@@ -1425,7 +1426,7 @@ def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("org.example", 1)]
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
     report = api.inspect(path)
-    want = [("/norm/BatchNormalization", "kept", "unsupported-op:onnx.BatchNormalization")]
+    want = [("/norm/BatchNormalization", "kept", "unsupported-op:org.example.Mystery")]
     assert [(d.norm, d.action, d.reason) for d in report.folds] == want
     assert report.summary is not None and (report.summary.norms, report.summary.kept) == (1, 1)
     with pytest.raises(KeptNormsError, match="BatchNormalization"):
@@ -1463,3 +1464,44 @@ def test_a_batchnorm_inside_a_loop_body_is_reported_kept_by_the_loop(tmp_path):
     assert report.summary is not None and (report.summary.norms, report.summary.kept) == (1, 1)
     x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
     np.testing.assert_array_equal(_run(tmp_path / "out" / "model.onnx", x), _run(path, x))
+
+
+@pytest.mark.parametrize("omitted", ["cond", "trip_count"])
+def test_a_batchnorm_after_a_loop_that_omits_an_optional_input_folds(tmp_path, omitted):
+    """A ``Loop`` may omit its trip count or its initial condition (the input name is ""). onnxruntime's symbolic
+    shape inference raised ``KeyError: ''`` on it and ONNX's own gives a loop-carried output no shape, so the
+    BatchNormalization after the loop had an input of unknown rank and was kept as
+    ``unsupported-op:onnx.BatchNormalization``, a reason naming the norm, where the fold is exact: the body passes the
+    tensor through. Shape inference now reads the omitted input as a typed scalar; the norm folds into the conv after
+    it and the file runs as the original."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((3, 4, 1, 1))}  # fmt: skip
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    inits += [numpy_helper.from_array(np.array(2, np.int64), "two"), numpy_helper.from_array(np.array(True), "yes")]
+    info = helper.make_tensor_value_info
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["v_in"], ["v_out"]), helper.make_node("Less", ["i", "two"], ["c_out"])],
+        "body", [info("i", TensorProto.INT64, []), info("c_in", TensorProto.BOOL, []),
+                 info("v_in", TensorProto.FLOAT, [2, 4, 3, 3])],
+        [info("c_out", TensorProto.BOOL, []), info("v_out", TensorProto.FLOAT, [2, 4, 3, 3])],
+    )  # fmt: skip
+    loop_in = ["two", "", "x"] if omitted == "cond" else ["", "yes", "x"]
+    nodes = [helper.make_node("Loop", loop_in, ["carried"], name="loop", body=body),
+             helper.make_node("BatchNormalization", ["carried", "g", "b", "m", "v"], ["n"], name="bn"),
+             helper.make_node("Conv", ["n", "k"], ["y"], name="conv")]  # fmt: skip
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3])],
+                              [info("y", TensorProto.FLOAT, [2, 3, 3, 3])], inits)  # fmt: skip
+    path = tmp_path / "loop.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [(d.norm, d.action, d.into) for d in report.folds] == [("bn", "folded-forward", ["k"])]
+    assert report.verification is not None and report.verification.passed
+    out = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert "BatchNormalization" not in op_histogram(tmp_path / "out" / "model.onnx")
+    assert [n.input[:2] for n in out.graph.node if n.op_type == "Loop"] == [loop_in[:2]]
+    x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    want, got = _run(path, x), _run(tmp_path / "out" / "model.onnx", x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

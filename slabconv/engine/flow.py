@@ -179,7 +179,8 @@ class _Walk:
         else:
             outcome = classify(user, node, ch)
             if user in self.stop and not isinstance(outcome, Block):
-                outcome = unsupported(user)  # another norm's own op: each norm is decided on its own
+                named = self.stop[user] if isinstance(self.stop, Mapping) else user
+                outcome = unsupported(named)  # another norm's own op: each norm is decided on its own
             self.settle(node, user, ch, mult, outcome)
 
     def drain(self) -> None:
@@ -218,7 +219,9 @@ def follow(start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collec
     (``cat``/``stack``) is decided once all its inputs are known: it passes only when every input derives from
     ``start`` through commuting ops with the same channel state and shift multiplier; otherwise each normalised
     input is blocked. The ops in ``stop`` (other norms' own ops) always block: an affine never flows through
-    another norm, whose own decision covers it.
+    another norm, whose own decision covers it. The reason names the op itself, or, where ``stop`` maps each op to
+    one, the op it maps to (the other norm's BatchNorm op: the transpose a RepBN starts with is spelled
+    ``aten.transpose`` in a program and ``aten.permute`` in a lowered ONNX graph).
     """
     walk = _Walk(start, chan, positive_scale, stop)
     walk.drain()

@@ -6,11 +6,13 @@ vocabulary (``slabconv.engine.onnx_lower``), plans every norm with the same code
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+import torch
 
 from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans, folded_values
@@ -77,16 +79,27 @@ def opaque_norms(lowered: Lowered) -> list[Decision]:
     onnxruntime's optimizer writes, ``FusedMatMul`` and ``BiasGelu``, which neither inference types) or whose
     attributes have no rule (``spatial = 0``). The planner never sees such a norm and it stays as it is; listed so
     that the report, ``inspect``, the summary and ``--require-folded`` count it (it went unmentioned: a file with no
-    other norm was reported as having none)."""
-    reason = f"{UNSUPPORTED_PREFIX}onnx.BatchNormalization"
+    other norm was reported as having none). The reason names the blocker: the opaque op whose output, the norm's
+    input, no inference types (``unsupported-op:com.microsoft.FusedMatMul``), else ``onnx.BatchNormalization``."""
     kept = []
     for node in lowered.gm.graph.nodes:
         target = node.target
         if not (isinstance(target, OnnxOp) and target.namespace == "onnx" and target.__name__ == "BatchNormalization"):
             continue
         norm = node.meta.get("onnx") or node.name
-        kept.append(_kept_batchnorm(norm, f"{norm}:onnx.BatchNormalization", reason))
+        kept.append(_kept_batchnorm(norm, f"{norm}:onnx.BatchNormalization", UNSUPPORTED_PREFIX + _blocker(node)))
     return kept
+
+
+def _blocker(node: Any) -> str:
+    """What keeps the opaque BatchNorm ``node`` unread: the opaque op (``<domain>.<Op>``) that makes its untyped
+    input, else the BatchNorm itself (``onnx.BatchNormalization``)."""
+    x = node.args[0] if node.args else None
+    if x is not None and x.target is operator.getitem:  # an output of an op of several
+        x = x.args[0]
+    if x is not None and isinstance(x.target, OnnxOp) and not isinstance(x.meta.get("val"), torch.Tensor):
+        return repr(x.target)
+    return repr(node.target)
 
 
 def _kept_batchnorm(norm: str, where: str, reason: str) -> Decision:

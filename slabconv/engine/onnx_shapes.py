@@ -7,6 +7,7 @@ value's type and shape into the fake tensor an fx node of ``slabconv.engine.onnx
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import warnings
@@ -71,6 +72,7 @@ def _infer_symbolic(proto: Any) -> Any:
     opset = get_opset(proto)
     if not opset or opset < 7:
         raise RuntimeError("symbolic shape inference needs opset 7 or above")
+    proto = _named_loop_inputs(proto)
     inference = SymbolicShapeInference(2**31 - 1, True, False, 0)  # int_max, auto_merge, guess_output_rank, verbose
     complete = False
     with warnings.catch_warnings():
@@ -82,6 +84,46 @@ def _infer_symbolic(proto: Any) -> Any:
     if not complete:
         raise RuntimeError("incomplete symbolic shape inference")
     return inference.out_mp_
+
+
+def _named_loop_inputs(proto: Any) -> Any:
+    """``proto``, or a copy of it where each ``Loop`` (in any graph) that omits its optional trip count or initial
+    condition (the input name is "", as the spec allows) reads a graph input of that input's type (an int64 or a bool
+    scalar) instead. onnxruntime's ``SymbolicShapeInference`` types a ``Loop`` body's inputs from the node's and
+    raises ``KeyError: ''`` on an omitted one, so every value after such a ``Loop`` would stay untyped (ONNX's own
+    inference gives its loop-carried outputs a type but no shape). The input only types the body's iteration count
+    and condition: the shapes inferred for the loop-carried values come from the body and are those of any trip count
+    and condition (a dim the body changes becomes a symbol of its own). The copy is for shape inference only."""
+    import onnx
+
+    def loops(graph: Any) -> list[Any]:
+        return [n for n in _all_nodes(graph) if n.op_type == "Loop" and n.domain in ("", "ai.onnx")]
+
+    if not any("" in list(node.input[:2]) for node in loops(proto.graph)):
+        return proto
+    proto = copy.deepcopy(proto)
+    taken = {name for node in _all_nodes(proto.graph) for name in [*node.input, *node.output]}
+    taken |= {v.name for v in [*proto.graph.input, *proto.graph.initializer]}
+    named = []
+    for stem, elem in [("trip_count", onnx.TensorProto.INT64), ("cond", onnx.TensorProto.BOOL)]:
+        name = f"slabconv.loop.{stem}"
+        while name in taken:
+            name += "_"
+        named.append(name)
+        proto.graph.input.append(onnx.helper.make_tensor_value_info(name, elem, []))
+    for node in loops(proto.graph):
+        for i in range(min(2, len(node.input))):
+            if not node.input[i]:
+                node.input[i] = named[i]
+    return proto
+
+
+def _all_nodes(graph: Any) -> Iterable[Any]:
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else attr.graphs:
+                yield from _all_nodes(sub)
 
 
 def _infer_onnx(proto: Any) -> Any:

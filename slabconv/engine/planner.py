@@ -613,7 +613,7 @@ def plan_folds(
     weights, graph = _Weights(gm, unknown, owner), VirtualGraph()
     plans = []
     for i, site in enumerate(sites[:until]):
-        stop = {n for n, j in owner.items() if j != i}
+        stop = {n: sites[j].bn or n for n, j in owner.items() if j != i}  # a BN kind is blocked by its BN op
         p = weights.commit(plan_norm(gm, site, weights, graph, stop))
         if p.decision.action in (FOLDED_FORWARD, FOLDED_BACKWARD):
             graph.remove(site.output, site.input, site.region)

@@ -54,11 +54,28 @@ ALL = (
 )
 
 
+SAME_OP = {
+    f"aten.{name}": "aten.batch_norm"
+    for name in (
+        "_native_batch_norm_legit_no_training",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional",
+        "native_batch_norm",
+        "_batch_norm_with_update",
+        "_batch_norm_no_update",
+    )
+}
+"""Ops named by the op they are a form of: the batch norm ``torch.export`` writes as ``aten.batch_norm``, its core
+ATen forms after ``run_decompositions()`` and the form a lowered ONNX ``BatchNormalization`` takes, so one model
+gets one reason through every door."""
+
+
 def unsupported(node: Any) -> str:
-    """``unsupported-op:aten.<name>`` for an fx node whose op has no rule."""
+    """``unsupported-op:aten.<name>`` for an fx node whose op has no rule (``SAME_OP``: one name for the forms of
+    one op; no overload)."""
     target = node.target
     name = getattr(target, "__name__", str(target))
     namespace = getattr(target, "namespace", None)
     if namespace:
         name = f"{namespace}.{name.split('.')[0]}"
-    return UNSUPPORTED_PREFIX + name
+    return UNSUPPORTED_PREFIX + SAME_OP.get(name, name)

@@ -76,16 +76,39 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
     return _torch(reference, candidate, opts, load)
 
 
-def _verdict(boundaries: list[Boundary]) -> str:
+def _verdict(boundaries: list[Boundary], rounded_to: tuple[str, str] | None = None) -> str:
+    """The verdict when no stored tensor outside the folds is to blame. ``rounded_to``: ``(candidate's dtype,
+    reference's dtype)`` where the candidate stores its weights in another dtype than the reference (``fuse --dtype
+    float16`` of a float32 checkpoint): with every boundary holding the fold's values, a difference then comes from
+    that dtype (the weights' rounding to it, the largest ``Boundary.rounding`` said, and a runtime computing in it),
+    not from the runtime alone."""
     first = next((b for b in boundaries if not b.passed and not b.inherited), None)
     if first is not None:
         return f"first diverging fold: {first.line()}"
     if not boundaries:
         return "no fold boundary to compare (no norm was folded away)"
-    return (
-        f"no fold boundary diverges ({len(boundaries)} compared): the stored weights are the fold's at every "
-        "boundary; a difference comes from the runtime, not from a fold"
+    verdict = (
+        f"no fold boundary diverges ({len(boundaries)} compared): the stored weights are the fold's at every boundary"
     )
+    if rounded_to is None:
+        return verdict + "; a difference comes from the runtime, not from a fold"
+    stored, original = rounded_to
+    verdict += (
+        f", rounded to {stored} where the original is {original}; a difference comes from {stored}, not from a fold"
+    )
+    drifts = [b.rounding for b in boundaries if b.rounding is not None]
+    if not drifts:
+        return f"{verdict}: the rounding of the stored weights to it and any computation in it"
+    return (
+        f"{verdict}: the rounding of the stored weights to it (up to {max(drifts):.3g} at a boundary, against the "
+        "original) and any computation in it"
+    )
+
+
+def _rounded_to(reference: Side, candidate: Side) -> tuple[str, str] | None:
+    """``(candidate's dtype, reference's dtype)`` where they differ (the candidate's weights are stored rounded to
+    another dtype than the reference's), else None."""
+    return (candidate.dtype, reference.dtype) if candidate.dtype != reference.dtype else None
 
 
 # --------------------------------------------------------------------------------------------- in memory
@@ -210,7 +233,9 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
     loc = Localization(METHOD.format(n=len(t)), boundaries, "")
-    return _blame(loc, _differing(fused64, kept, fold), folded, set(fold) - unchanged)
+    return _blame(
+        loc, _differing(fused64, kept, fold), folded, set(fold) - unchanged, None, _rounded_to(reference, candidate)
+    )
 
 
 def _blame(
@@ -219,6 +244,7 @@ def _blame(
     folded: set[str],
     made: set[str],
     owned: Callable[[str, str], bool] | None = None,
+    rounded_to: tuple[str, str] | None = None,
 ) -> Localization:
     """``loc`` with its verdict (``detail``), given the stored tensors that are not the correct fold's value
     (``differ``, ``(key, units in the last place)`` in data-flow order) and the layers norms folded into: a
@@ -226,11 +252,11 @@ def _blame(
     the only one a diverging boundary can have inherited, is of a layer no norm folded into, the verdict names it
     and blames no fold. ``made``: the tensors a fold wrote (values the original does not hold), never taken
     for a tensor no fold wrote; ``owned(key, layer)``: ``key`` is one of ``layer``'s tensors (default ``_owned``,
-    by name)."""
+    by name); ``rounded_to``: as ``_verdict``."""
     owns = owned or _owned
     for b in loc.boundaries:
         b.inherited = bool(differ) and not b.passed and not any(owns(k, b.layer) for k, _ in differ)
-    loc.detail = _verdict(loc.boundaries)
+    loc.detail = _verdict(loc.boundaries, rounded_to)
     loc.first_tensor = differ[0][0] if differ else ""
     outside = next(((k, u) for k, u in differ if k not in made and not any(owns(k, layer) for layer in folded)), None)
     # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
@@ -341,7 +367,7 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
     differ = sorted(((k, u) for k, u in worst.items() if not u <= policy.ULPS), key=lambda f: _layer_order(f[0]))
     folded = {la.removesuffix(".weight") for la in program.layers}
     made = set(program.layers) | {la.bias_out for la in program.layers.values() if la.bias_out}
-    return _blame(Localization(method, boundaries, ""), differ, folded, made)
+    return _blame(Localization(method, boundaries, ""), differ, folded, made, None, _rounded_to(reference, candidate))
 
 
 def _layer_order(key: str) -> float:
@@ -418,7 +444,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     original = onnx_original.ir_tensors(folded.original)
     made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
     loc = _blame(Localization(METHOD.format(n=samples_of(x)), boundaries, ""), differ, folded_layers, made,
-                 lambda key, layer: key in owned.get(layer, ()))  # fmt: skip
+                 lambda key, layer: key in owned.get(layer, ()), _rounded_to(reference, candidate))  # fmt: skip
     if not boundaries and lost:
         loc.detail = "not localised"
     if lost:
