@@ -278,11 +278,18 @@ def _export(model: nn.Module, x: torch.Tensor, path: Path, dynamo: bool) -> Path
     return path
 
 
+_PROGRAM_DECISIONS: dict[str, tuple[tuple[str, str, str, str | None, tuple[str, ...]], ...]] = {}
+"""case -> the program door's decisions: a case exported by both exporters is captured and planned once (by the
+first of its two tests this process runs), from a model its factory builds alike each time."""
+
+
 @pytest.mark.parametrize(("factory", "dynamo"), CASES)
 def test_a_model_gets_the_same_decisions_as_a_program_and_as_onnx(factory, dynamo, tmp_path, request):
     model, x = factory()
-    program = _summary(engine.fold_all(engine.capture(model, x)))
     case, exporter = request.node.callspec.id.rsplit("-", 1)
+    if case not in _PROGRAM_DECISIONS:
+        _PROGRAM_DECISIONS[case] = tuple(_summary(engine.fold_all(engine.capture(model, x))))
+    program = list(_PROGRAM_DECISIONS[case])
     try:
         path = _export(model, x, tmp_path / "model.onnx", dynamo)
     except Exception as err:  # noqa: BLE001 - the exporter's own limits (aten::mT, a BatchNorm without statistics)
