@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import onnx
 import pytest
@@ -34,6 +35,43 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 FIXTURE = ROOT / "fixtures" / "digits-prepbn"
+
+
+def _reuse_the_onnx_exporters_registry() -> None:
+    """Build the dynamo ONNX exporter's op registry once per process and opset, and give each export its own copy.
+
+    ``torch.onnx.export(dynamo=True)`` (the tests' own exports and every ``model.onnx`` that fuse writes) rebuilds
+    the registry of torchlib functions on every call, reading and parsing the source of ~500 functions: 1-1.5 s an
+    export on this machine, hundreds of times a suite. The registry depends only on the installed torch and
+    onnxscript and the opset, so the first build is kept and each call gets a registry whose per-op lists are
+    copies (an export that registers its own ops, ``custom_translation_table``, changes only its copy); the
+    entries, built once, are only read by an export. ``tests/test_onnx_save.py`` holds the copies to a fresh build.
+    A torch whose exporter lacks these internals keeps its own behaviour."""
+    try:
+        from torch.onnx._internal.exporter import _constants, _registration
+    except ImportError:
+        return
+    registry_type = getattr(_registration, "ONNXRegistry", None)
+    build = getattr(getattr(registry_type, "from_torchlib", None), "__func__", None)
+    if registry_type is None or build is None or not hasattr(registry_type(), "functions"):
+        return
+    built: dict[tuple[type, int], Any] = {}
+
+    def from_torchlib(cls: type, opset_version: int = _constants.TORCHLIB_OPSET) -> Any:
+        if (cls, opset_version) not in built:
+            built[cls, opset_version] = build(cls, opset_version)
+        original = built[cls, opset_version]
+        registry = cls()
+        registry.__dict__.update(original.__dict__)
+        registry.functions = {target: list(entries) for target, entries in original.functions.items()}
+        return registry
+
+    from_torchlib.built = built  # type: ignore[attr-defined]
+    from_torchlib.build = build  # type: ignore[attr-defined]
+    registry_type.from_torchlib = classmethod(from_torchlib)
+
+
+_reuse_the_onnx_exporters_registry()
 
 
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:

@@ -5,11 +5,11 @@ same decisions.
 An ONNX original is lowered into the engine's ATen vocabulary (``slabconv.engine.onnx_lower``) and planned by the
 same ``plan_folds``; this file holds the two doors to each other on each case: the norm's name and kind, the action,
 the reason and the layers folded into. Every case is exported by the TorchScript exporter (dynamic batch); the
-dynamo exporter takes two to four seconds a model on two cores, so it exports every refusal and norm case (but
-those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats) and each view rule's block case (where a
-wrong lowering would fold what must not be folded). Ops an exporter writes as something else
-(``_EXPORTED_DIFFERENTLY``: ``roll`` as Slices and a Concat, ``as_strided`` as a Gather) are listed with what it
-wrote, and held to differ, so the list shrinks when the lowering learns them.
+dynamo exporter takes about a second a model on two cores (its op registry built once: tests/conftest.py), so it
+exports every refusal and norm case (but those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats)
+and each view rule's block case (where a wrong lowering would fold what must not be folded). Ops an exporter writes
+as something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as Slices and a Concat, ``as_strided`` as a Gather) are listed
+with what it wrote, and held to differ, so the list shrinks when the lowering learns them.
 
 The one intended difference (``_DIFFERENT``): a weight two layers read. A checkpoint's tied parameter stays tied and
 the fold into one of its readers is refused (``shared-consumer-weight``); an ONNX file cannot tell a tied weight from
@@ -278,11 +278,18 @@ def _export(model: nn.Module, x: torch.Tensor, path: Path, dynamo: bool) -> Path
     return path
 
 
+_PROGRAM_DECISIONS: dict[str, tuple[tuple[str, str, str, str | None, tuple[str, ...]], ...]] = {}
+"""case -> the program door's decisions: a case exported by both exporters is captured and planned once (by the
+first of its two tests this process runs), from a model its factory builds alike each time."""
+
+
 @pytest.mark.parametrize(("factory", "dynamo"), CASES)
 def test_a_model_gets_the_same_decisions_as_a_program_and_as_onnx(factory, dynamo, tmp_path, request):
     model, x = factory()
-    program = _summary(engine.fold_all(engine.capture(model, x)))
     case, exporter = request.node.callspec.id.rsplit("-", 1)
+    if case not in _PROGRAM_DECISIONS:
+        _PROGRAM_DECISIONS[case] = tuple(_summary(engine.fold_all(engine.capture(model, x))))
+    program = list(_PROGRAM_DECISIONS[case])
     try:
         path = _export(model, x, tmp_path / "model.onnx", dynamo)
     except Exception as err:  # noqa: BLE001 - the exporter's own limits (aten::mT, a BatchNorm without statistics)

@@ -122,3 +122,33 @@ def test_simplify_runs_on_the_exported_model_onnx_of_a_checkpoint(tmp_path):
     assert report.outputs is not None and "simplified" in report.outputs.onnx_info
     assert simplified(tmp_path / "out" / "model.onnx") and not simplified(ckpt)
     assert any("onnxruntime" in c.name for c in report.verification.checks)
+
+
+def test_the_exporter_registry_the_tests_reuse_is_a_fresh_builds_and_each_export_gets_its_own_copy():
+    """tests/conftest.py keeps the dynamo exporter's op registry between exports: each copy holds the entries a fresh
+    build holds, an op one export registers stays in its copy, and an export through a copy writes the same model."""
+    from torch.onnx._internal.exporter import _registration
+
+    kept = _registration.ONNXRegistry.__dict__["from_torchlib"]
+    from_torchlib = _registration.ONNXRegistry.from_torchlib
+    build = kept.__func__.build  # the exporter's own build; the conftest's patch names it
+    fresh, first, second = build(_registration.ONNXRegistry, 18), from_torchlib(18), from_torchlib(18)
+
+    def entries(registry) -> dict:
+        return {
+            target: [(m.onnx_function, m.fx_target, m.is_complex, m.is_custom, m.signature) for m in metas]
+            for target, metas in registry.functions.items()
+        }
+
+    assert len(fresh.functions) > 100 and entries(first) == entries(fresh) and first.opset_version == 18
+    target = torch.ops.aten.relu.default
+    first.register_op(target, lambda x: x, is_complex=False)  # what custom_translation_table does to its copy
+    assert len(first.functions[target.name()]) == len(fresh.functions[target.name()]) + 1
+    assert entries(second) == entries(fresh) == entries(from_torchlib(18))
+    cached = _program()[0].model_proto
+    try:
+        _registration.ONNXRegistry.from_torchlib = classmethod(build)
+        rebuilt = _program()[0].model_proto
+    finally:
+        _registration.ONNXRegistry.from_torchlib = kept
+    assert cached == rebuilt
