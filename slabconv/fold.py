@@ -87,8 +87,11 @@ def rounded(values: Tensor, dtype: torch.dtype, out: Tensor | None = None, near:
 
     Only a value whose float32 rounding lies exactly on a midpoint of two ``dtype`` neighbours can round
     differently (its dropped bits ``100...0``: about one in 8,192, found with numpy's bit tests), so the rest go
-    through float32 as torch does and only those are rounded to odd: on a streamed float16 fold, 0.3-0.5 s more
-    per 240 M weights than torch's cast (2 cores, ``docs/performance.md``).
+    through float32 as torch does and only those are rounded again. To float16 on the CPU, every value whose
+    float32 rounding ends in 12 zero bits, as every midpoint does, also a subnormal one (about two in 8,192),
+    takes numpy's float64 -> float16 cast instead, which rounds once, correctly, and costs a few calls
+    a block; NaN and infinities keep torch's cast. To bfloat16 (numpy has none) and off the CPU, the midpoints
+    are rounded to odd at float32 precision first.
 
     Args:
         values: any tensor (the rounding above applies to float64 ones).
@@ -106,6 +109,13 @@ def rounded(values: Tensor, dtype: torch.dtype, out: Tensor | None = None, near:
         near = values.to(torch.float32, memory_format=torch.contiguous_format)
     result = near.to(dtype) if out is None else out.copy_(near)
     nearest = near.detach().cpu().numpy().reshape(-1)
+    if dtype == torch.float16 and values.device.type == "cpu" and result.is_contiguous():
+        at = _candidates(nearest.view(np.int32), _TIE_BITS[dtype][0] >> 1)
+        at = at[np.isfinite(nearest[at])]  # NaN and infinities: torch's cast, as for every other value
+        if at.size:  # numpy's float64 -> float16 cast rounds once, correctly: a few values a block
+            with np.errstate(over="ignore"):  # beyond float16: an infinity, as torch gives
+                result.numpy().reshape(-1)[at] = values.detach().reshape(-1).numpy()[at].astype(np.float16)
+        return result
     at = _ties(nearest.view(np.int32), dtype)
     if at.size:  # those rounded to odd instead (numpy: a few values a block, where torch's per-call cost dominates)
         on_cpu = values.device.type == "cpu"
@@ -137,6 +147,13 @@ sets it to 1 MiB, ``load.shards.return_freed_blocks_to_the_os``), where a fresh 
 comparison itself."""
 
 
+def _candidates(bits: np.ndarray, zeros: int) -> np.ndarray:
+    """Flat positions of the int32 ``bits`` whose bits ``zeros`` are all 0 (sorted)."""
+    if bits.size <= _CHUNK:  # a streamed fold's sub-block: one comparison, no per-chunk bookkeeping
+        return ((bits & zeros) == 0).nonzero()[0]
+    return np.concatenate([((bits[s : s + _CHUNK] & zeros) == 0).nonzero()[0] + s for s in range(0, bits.size, _CHUNK)])
+
+
 def _ties(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     """Flat positions of the float32 values (``bits``: their int32 view) that may lie on a midpoint of two
     ``dtype`` neighbours: the dropped bits ``100...0``; below float16's normal range, where a midpoint drops more
@@ -146,12 +163,7 @@ def _ties(bits: np.ndarray, dtype: torch.dtype) -> np.ndarray:
     value finds the candidates (about 2 in 8,192) and the patterns are told apart on those alone.
     """
     mask, midpoint = _TIE_BITS[dtype]
-    zeros = mask >> 1  # the dropped bits below the highest: 0 in both patterns
-    if bits.size <= _CHUNK:  # a streamed fold's sub-block: one comparison, no per-chunk bookkeeping
-        at = ((bits & zeros) == 0).nonzero()[0]
-    else:
-        parts = [((bits[s : s + _CHUNK] & zeros) == 0).nonzero()[0] + s for s in range(0, bits.size, _CHUNK)]
-        at = np.concatenate(parts)
+    at = _candidates(bits, mask >> 1)  # the dropped bits below the highest: 0 in both patterns
     found = bits[at]
     low = found & mask
     keep = low == midpoint

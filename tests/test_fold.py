@@ -217,3 +217,17 @@ def test_rounded_rounds_once_to_the_nearest_where_torch_rounds_twice() -> None:
     assert torch.isnan(fold.rounded(torch.tensor([float("nan")], dtype=torch.float64), torch.float16)).all()
     x = torch.randn(5, dtype=torch.float32)
     assert torch.equal(fold.rounded(x, torch.float16), x.half())  # from float32 torch rounds once already
+
+
+def test_rounded_gives_torchs_nan_whatever_its_payload() -> None:
+    """A float64 NaN whose float32 rounding ends in 13 zero bits (a tie candidate) rounds to the NaN torch's cast
+    gives (as every other NaN does): a signalling NaN quieted (0x7E01), where numpy's cast keeps it (0x7C01)."""
+    import numpy as np
+
+    nan = torch.from_numpy(np.array([0x7FF0040000000000, 0xFFF0040000000000], dtype=np.uint64).view(np.float64))
+    assert bool(nan.isnan().all())
+    want = nan.to(torch.float16).view(torch.int16)
+    assert not torch.equal(torch.from_numpy(nan.numpy().astype(np.float16)).view(torch.int16), want)
+    assert torch.equal(fold.rounded(nan, torch.float16).view(torch.int16), want)
+    out = torch.empty(2, dtype=torch.float16)
+    assert torch.equal(fold.rounded(nan, torch.float16, out=out, near=torch.empty(2)).view(torch.int16), want)
