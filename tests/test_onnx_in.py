@@ -1505,3 +1505,20 @@ def test_a_batchnorm_after_a_loop_that_omits_an_optional_input_folds(tmp_path, o
     x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
     want, got = _run(path, x), _run(tmp_path / "out" / "model.onnx", x)
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_output(tmp_path):
+    """A hand-built graph (onnx.helper leaves nodes unnamed) whose BatchNormalization mean is a graph input: the
+    refusal names the node by the tensor it writes, not as node ''."""
+    h, c = onnx.helper, 4
+    values = {k: np.full(c, v, np.float32) for k, v in (("scale", 1.5), ("shift", 0.2), ("var", 2.0))}
+    graph = h.make_graph(
+        [h.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["normed"])],
+        "g",
+        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in (("x", [1, c, 3, 3]), ("mean", [c]))],
+        [h.make_tensor_value_info("normed", onnx.TensorProto.FLOAT, [1, c, 3, 3])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in values.items()],
+    )
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "stats.onnx"))
+    with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node writing 'normed' "):
+        api.inspect(tmp_path / "stats.onnx")

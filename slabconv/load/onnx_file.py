@@ -537,9 +537,11 @@ def check_graph_inputs(path: Path, proto: Any) -> None:
         for position in _PARAMETER_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
             name = node.input[position] if position < len(node.input) else ""
             if name in fed:
+                output = node.output[0] if node.output else ""
+                at = repr(node.name[:80]) if node.name else f"writing {output[:80]!r}"  # exporters may leave it unnamed
                 raise InputError(
                     f"{path}: the graph input {name[:80]!r} is a parameter of {node.op_type} node "
-                    f"{node.name[:80]!r} and holds no value (exported with export_params=False?); export the model "
+                    f"{at} and holds no value (exported with export_params=False?); export the model "
                     "with its parameters (torch.onnx.export's default, export_params=True)"
                 )
     for graph_input in proto.graph.input:
