@@ -1522,3 +1522,37 @@ def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_o
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "stats.onnx"))
     with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node writing 'normed' "):
         api.inspect(tmp_path / "stats.onnx")
+
+
+class _Saturated(nn.Module):
+    """Conv -> BatchNorm -> Conv, then ``relu(y - 1e4) + 1``: every output is 1 whatever the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.c2(self.bn(self.c1(x))) - 1e4) + 1
+
+
+def test_outputs_the_same_on_every_sample_are_named_not_taken_for_a_check(digits, tmp_path):
+    """Question 2 on a model whose outputs do not depend on its inputs compares constants: the verdict says so
+    (a fold, where question 1 still holds every tensor; and a candidate judged by question 2 alone). The digits
+    model's varying outputs get no such note."""
+    torch.manual_seed(0)
+    model = randomize_norms(_Saturated()).eval()
+    path = _export(model, torch.randn(2, 3, 5, 5), tmp_path / "flat.onnx", 17)
+    runner = CliRunner()
+    fused = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "4", "--json"])
+    assert fused.exit_code == 0, fused.output
+    notes = json.loads(fused.stdout)["verification"]["notes"]
+    assert any("the same on all 4 samples" in n and "question 1, which holds every stored tensor" in n for n in notes)
+    alone = runner.invoke(app, ["verify", str(path), str(path), "--samples", "4", "--json"])
+    assert alone.exit_code == 0, alone.output
+    notes = json.loads(alone.stdout)["verification"]["notes"]
+    assert any("the same on all 4 samples" in n and "says nothing about the candidate" in n for n in notes)
+    varying, x = digits
+    digits_path = _export(varying, x, tmp_path / "digits.onnx", 17)
+    result = runner.invoke(app, ["verify", str(digits_path), str(digits_path), "--samples", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert not any("the same on all" in n for n in json.loads(result.stdout)["verification"]["notes"])

@@ -65,6 +65,7 @@ from slabconv.verify.runtimes import (
     onnx_runtimes,
     ort_label,
     run_batched,
+    samples_of,
     torch_label,
     torch_runner,
     torch_runtime,
@@ -625,6 +626,7 @@ def _whole(
         )
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
+    _constant_outputs(verification, ref, related)
     for backend in quantizing:
         progress(f"verifying: {backend.name}, the reference and the candidate quantized alike")
         verification.int8.append(_int8(backend, reference, candidate, ref, opts, load).to_dict())
@@ -699,6 +701,29 @@ def _overflowing_inputs(verification: Verification, reference: Reference) -> Non
             "nor is the candidate's: the inputs overflow the model itself (values too large for its dtype?); pass "
             "inputs the model was made for with --inputs NPZ"
         )
+
+
+def _constant_outputs(verification: Verification, reference: Reference, related: bool) -> None:
+    """Note when the original's outputs are the same on every sample (a model saturated on these inputs, or one
+    whose outputs do not depend on them): question 2 then compares constants, and would pass any model with the
+    same constants. Question 1 still holds every stored tensor to the fold; a verification without it says nothing
+    about the candidate beyond those constants.
+    """
+    outputs = reference.exact if reference.exact is not None else reference.original
+    n = samples_of(reference.x)
+    if n < 2 or not outputs or any(o.ndim == 0 or o.shape[0] != n for o in outputs):
+        return  # one sample, or an output without a batch axis: nothing to compare across samples
+    if not all(np.array_equal(o, np.broadcast_to(o[:1], o.shape)) for o in outputs):
+        return
+    which = (
+        "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
+        if related
+        else "this verification says nothing about the candidate beyond them"
+    )
+    verification.notes.append(
+        f"the original's outputs are the same on all {n} samples ({reference.label}): question 2 compares constants "
+        f"here and cannot tell one model from another; {which}; pass inputs the model was made for with --inputs NPZ"
+    )
 
 
 def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
