@@ -629,3 +629,28 @@ def test_a_folder_with_both_model_safetensors_and_an_index_streams_what_the_in_m
     in_memory = hf.read_hf_folder(tmp_path / "both")
     assert torch.equal(in_memory.state_dict[key], -sd[key])
     assert torch.equal(LazyShards.open(tmp_path / "both").get(key), in_memory.state_dict[key])
+
+
+def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_model_has_positions_for(
+    folded, monkeypatch
+):
+    """``--generate`` far past ``max_position_embeddings`` (16 here): the check cuts the prompts and steps to the
+    model's positions (one prompt token, 15 generated), so the memory it needs, and may be refused for, is that of
+    those 16 positions, not of a million tokens. Streamed and in memory; one byte less than that is refused."""
+    from slabconv.engine import FOLD_BLOCK
+    from slabconv.verify import generate_streamed
+
+    src = folded[0] / "src"
+    need = generate_streamed.generation_memory(layerwise.Folder.open(src, FOLD_BLOCK), 2, 1, 15, FOLD_BLOCK)
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate_streamed.check_generation_fits(src, 10**6, 2)  # fits: 16 positions
+    monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
+    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
+        generate_streamed.check_generation_fits(src, 10**6, 2)
+    loaded = SimpleNamespace(model=tiny_model(), input_shape=[16])
+    need = generate.generation_memory(loaded.model, generate.PROMPTS, 1, 15, onnx=False)
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate.check_generation_fits(loaded, 10**6, onnx=False)  # fits: 16 positions
+    monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
+    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
+        generate.check_generation_fits(loaded, 10**6, onnx=False)

@@ -720,14 +720,18 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
 def check_generation_fits(loaded: Any, steps: int, *, onnx: bool) -> None:
     """Refuse, before any work, an in-memory check of the language model ``loaded`` (a ``LoadedModel``:
     ``check_generation`` on ``PROMPTS`` prompts of half its sequence length, as ``prompts_of`` cuts them, ``steps``
-    tokens each; with ``onnx``, ``decoder.onnx`` too) that would need more than this machine's available memory
-    (``generation_memory``).
+    tokens each, both cut to the model's ``max_position_embeddings`` as ``check_generation`` cuts them
+    (``within_positions``); with ``onnx``, ``decoder.onnx`` too) that would need more than this machine's available
+    memory (``generation_memory``).
 
     Raises:
         UsageError: it would not fit (the message says how much it needs and how to skip it).
     """
     length = int(loaded.input_shape[0]) if loaded.input_shape else 1
-    need, have = generation_memory(loaded.model, PROMPTS, max(1, length // 2), steps, onnx), available_memory()
+    positions = getattr(getattr(loaded.model, "cfg", None), "max_position_embeddings", None)
+    prompts, steps, _ = within_positions(torch.zeros(PROMPTS, max(1, length // 2), dtype=torch.int64), steps, positions)
+    need = generation_memory(loaded.model, PROMPTS, prompts.shape[1], steps, onnx)
+    have = available_memory()
     if have is not None and need > have:
         raise UsageError(
             f"the greedy-generation check needs about {need / 2**30:.2f} GiB of memory besides the model "
