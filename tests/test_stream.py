@@ -656,3 +656,31 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
     monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
     with pytest.raises(UsageError, match="the greedy-generation check needs about"):
         generate.check_generation_fits(loaded, 10**6, onnx=False)
+
+
+def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_memory(folded, tmp_path):
+    """A Hugging Face folder's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) is copied byte for byte into
+    the fused folder, which ``AutoTokenizer`` then reads as the original's (the fold keeps the vocabulary); a
+    tokenizer file that is a link, and a tokenizer's code file, are not copied. (The fused folder had no tokenizer.)"""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "a", "b"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
+    tokenizer.save_pretrained(src)
+    (tmp_path / "merges.txt").write_text("elsewhere\n")
+    (src / "merges.txt").symlink_to(tmp_path / "merges.txt")
+    (src / "tokenization_mine.py").write_text("raise SystemExit\n")
+    stream, memory = WriteOptions(stream=True, onnx=False), WriteOptions(onnx=False, pt2=False)
+    for name, write in (("stream", stream), ("memory", memory)):
+        report = api.fuse(src, tmp_path / name, verify=None, write=write)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            assert file in report.outputs.files and (tmp_path / name / file).read_bytes() == (src / file).read_bytes()
+        assert not (tmp_path / name / "merges.txt").exists() and not (tmp_path / name / "tokenization_mine.py").exists()
+        assert AutoTokenizer.from_pretrained(tmp_path / name)("a b")["input_ids"] == [3, 4]

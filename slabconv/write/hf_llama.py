@@ -73,6 +73,20 @@ _DTYPE_NAMES = {
 # Generation settings of the original config.json that go to generation_config.json as well.
 _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The tokenizer files of a Hugging Face folder (data ``AutoTokenizer`` reads; no code) that a fused folder carries
+over from the original (``copy_tokenizer_files``)."""
+
 STANDARD_TYPES = ("llama", "mistral", "qwen2")
 """``model_type`` of the standard decoders written as themselves (``write_hf_standard_metadata``)."""
 
@@ -359,6 +373,29 @@ def write_hf_llama_metadata(
     template = resources.files("slabconv.write.templates").joinpath(MODELING_FILE)
     with resources.as_file(template) as src:
         shutil.copyfile(src, folder / MODELING_FILE)
+    return written
+
+
+def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
+    """Copy the original folder's tokenizer files (``TOKENIZER_FILES``: regular files, not links) into the fused
+    ``folder``, byte for byte, so that ``AutoTokenizer.from_pretrained(folder)`` reads the original's tokenizer. The
+    fold does not change the vocabulary, so the original's token ids are the fused model's. No file is run or parsed.
+
+    Args:
+        source: the original Hugging Face folder (a file: its folder).
+        folder: the fused folder.
+
+    Returns:
+        The files written (none where the original has no tokenizer).
+    """
+    source, folder = Path(source), Path(folder)
+    source = source if source.is_dir() else source.parent
+    written = []
+    for name in TOKENIZER_FILES:
+        found = source / name
+        if found.is_file() and not found.is_symlink():
+            shutil.copyfile(found, folder / name)
+            written.append(folder / name)
     return written
 
 
