@@ -684,3 +684,21 @@ def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_
             assert file in report.outputs.files and (tmp_path / name / file).read_bytes() == (src / file).read_bytes()
         assert not (tmp_path / name / "merges.txt").exists() and not (tmp_path / name / "tokenization_mine.py").exists()
         assert AutoTokenizer.from_pretrained(tmp_path / name)("a b")["input_ids"] == [3, 4]
+
+
+def test_the_fused_folder_keeps_the_token_ids_of_the_originals_generation_config(folded, tmp_path):
+    """transformers' ``generate`` reads the end-of-sequence id from ``generation_config.json`` before
+    ``config.json``: the original's ids (an int or a list of ints) go into the fused folder's, which stays greedy;
+    any other value is not taken. (The fused folder had only ``config.json``'s ids: no eos, generation ran on.)"""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    settings = {"eos_token_id": [3, 5], "bos_token_id": True, "pad_token_id": "0", "do_sample": True, "top_k": 4}
+    (src / "generation_config.json").write_text(json.dumps(settings))
+    stream, memory = WriteOptions(stream=True, onnx=False), WriteOptions(onnx=False, pt2=False)
+    for name, write in (("stream", stream), ("memory", memory)):
+        api.fuse(src, tmp_path / name, verify=None, write=write)
+        written = json.loads((tmp_path / name / "generation_config.json").read_text())
+        assert written["eos_token_id"] == [3, 5] and written["do_sample"] is False, written
+        assert "bos_token_id" not in written and written.get("pad_token_id") != "0" and "top_k" not in written

@@ -376,6 +376,37 @@ def write_hf_llama_metadata(
     return written
 
 
+def original_token_ids(source: Path | str) -> dict[str, Any]:
+    """The bos / eos / pad token ids of the original folder's ``generation_config.json`` (which transformers'
+    ``generate`` reads before ``config.json``): each an int or a list of ints; any other value, or a file that is
+    not a JSON object, gives nothing (the ids of ``config.json`` then stand). Sampling settings are not taken: the
+    fused folder generates greedily by default.
+
+    Args:
+        source: the original Hugging Face folder (a file: its folder).
+
+    Returns:
+        ``{"eos_token_id": 2, ...}``: the ids found (none where the folder has no such file).
+    """
+    source = Path(source)
+    found = (source if source.is_dir() else source.parent) / GENERATION_CONFIG
+    try:
+        data = json.loads(found.read_text(encoding="utf-8")) if found.is_file() and not found.is_symlink() else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+
+    def token_id(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    return {
+        k: v
+        for k in _GENERATION_KEYS
+        if token_id(v := data.get(k)) or (isinstance(v, list) and v and all(token_id(n) for n in v))
+    }
+
+
 def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
     """Copy the original folder's tokenizer files (``TOKENIZER_FILES``: regular files, not links) into the fused
     ``folder``, byte for byte, so that ``AutoTokenizer.from_pretrained(folder)`` reads the original's tokenizer. The
@@ -450,7 +481,12 @@ def standard_layout(weight_shapes: Mapping[str, Sequence[int]], config: Mapping[
 
 
 def write_hf_standard_metadata(
-    folder: Path | str, config: Mapping[str, Any], dtype: torch.dtype | str | None = None, *, folded: bool = True
+    folder: Path | str,
+    config: Mapping[str, Any],
+    dtype: torch.dtype | str | None = None,
+    *,
+    folded: bool = True,
+    generation: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Make a folder of folded standard-decoder weights (LLaMA, Mistral, Qwen2) a Hugging Face model folder of the
     same architecture: ``config.json`` (the original's, ``auto_map`` dropped, ``torch_dtype`` / ``dtype`` set,
@@ -462,6 +498,7 @@ def write_hf_standard_metadata(
         dtype: the weights' dtype; None takes it from the headers.
         folded: the weights hold folded norms (``--fold-norm-affine``); False: the norms are as in the original,
             which the ``slabconv`` entry then says.
+        generation: extra ``generation_config.json`` entries, as ``write_hf_llama_metadata``'s.
 
     Returns:
         The files written: ``config.json``, ``generation_config.json``.
@@ -497,7 +534,7 @@ def write_hf_standard_metadata(
             else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
         },
     )
-    return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, None)]
+    return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, generation)]
 
 
 def _write_json(path: Path, out: dict[str, Any]) -> Path:
