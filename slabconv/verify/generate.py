@@ -298,6 +298,29 @@ def _genai_eos(path: Path) -> set[int]:
     return set(ids)
 
 
+def _not_ending_in_padding(prompts: torch.Tensor, config: Path, notes: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """Prompts int64 ``(B, T)`` none of which ends with the ``model.pad_token_id`` of ``config`` (a
+    ``genai_config.json``): onnxruntime-genai takes a prompt's trailing pad ids for padding and generates from the
+    token before them, so such a prompt is not the same prompt there as in transformers. Each such last token becomes
+    the next id (``(pad + 1) mod V``, ``V`` the vocabulary size of ``config``), for every run of the check; ``notes``
+    gains a line saying how many prompts changed. A config without an int pad id or vocabulary size changes nothing."""
+    try:
+        model = json.loads(config.read_text(encoding="utf-8"))["model"]
+        pad, vocab = model["pad_token_id"], model["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return prompts, notes
+    if not isinstance(pad, int) or not isinstance(vocab, int) or vocab < 2:
+        return prompts, notes
+    ends = prompts[:, -1] == pad
+    if not bool(ends.any()):
+        return prompts, notes
+    prompts = prompts.clone()
+    prompts[ends, -1] = (pad + 1) % vocab
+    count = int(ends.sum())
+    note = f"{count} of {len(prompts)} prompts ended with the pad id {pad}, which onnxruntime-genai takes for padding: "
+    return prompts, [*notes, note + f"their last token is {(pad + 1) % vocab} instead, in every run"]
+
+
 def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int) -> GreedyRun:
     """Greedy tokens of the fused folder in onnxruntime-genai: ``decoder.onnx`` as ``genai_config.json`` describes
     it, the key/value cache managed by onnxruntime-genai itself.
@@ -804,6 +827,8 @@ def check_fused_folder(
     onnx_path = decoder if onnx and decoder.is_file() and dtype != torch.bfloat16 else None
     has_genai_config = onnx_path is not None and (Path(folder) / "genai_config.json").is_file()
     genai = has_genai_config and genai_available()
+    if genai:
+        prompts, notes = _not_ending_in_padding(prompts, Path(folder) / "genai_config.json", notes)
     check = check_generation(original, folder, prompts, steps, onnx_path=onnx_path, genai=genai, threads=1)
     check.notes += notes
     if has_genai_config and not genai:
