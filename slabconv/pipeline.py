@@ -539,16 +539,26 @@ def _write_files(
 def _write_hf_folder(
     folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress, norm_affine: bool = False
 ) -> list[str]:
-    """The Hugging Face model folder files of a fused language model, and with ``onnx`` its decoder ONNX with past
-    key/values (``norm_affine``: a standard decoder's norm weights were folded)."""
+    """The Hugging Face model folder files of a fused language model (with the original's tokenizer files and the
+    token ids of its ``generation_config.json``), and with ``onnx`` its decoder ONNX with past key/values
+    (``norm_affine``: a standard decoder's norm weights were folded)."""
     from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
-    from slabconv.write.hf_llama import STANDARD_TYPES, write_hf_llama_metadata, write_hf_standard_metadata
+    from slabconv.write.hf_llama import (
+        STANDARD_TYPES,
+        copy_tokenizer_files,
+        original_token_ids,
+        write_hf_llama_metadata,
+        write_hf_standard_metadata,
+    )
 
     progress("writing the Hugging Face model folder")
+    ids = original_token_ids(loaded.checkpoint.path)
     if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
-        written = [p.name for p in write_hf_standard_metadata(folder, loaded.config, folded=norm_affine)]
+        standard = write_hf_standard_metadata(folder, loaded.config, folded=norm_affine, generation=ids)
+        written = [p.name for p in standard]
     else:
-        written = [p.name for p in write_hf_llama_metadata(folder, loaded.config)]
+        written = [p.name for p in write_hf_llama_metadata(folder, loaded.config, generation=ids)]
+    written += [p.name for p in copy_tokenizer_files(loaded.checkpoint.path, folder)]
     if onnx:
         progress("exporting decoder.onnx (with past key/values)")
         info = export_decoder_onnx(folder, folder / "decoder.onnx")

@@ -1035,3 +1035,17 @@ def test_a_fused_folder_shared_without_its_report_is_still_a_fused_language_mode
         shutil.copy(doc["out"] / name, shared / name)
     side = sides.open_side(shared)
     assert side.kind == "folder" and side.language_model and side.provenance is not None and side.provenance.folded
+
+
+def test_prompts_ending_with_the_pad_id_are_the_same_prompts_in_onnxruntime_genai(doc, original):
+    """onnxruntime-genai takes a prompt's trailing pad ids for padding and generates from the token before them: a
+    correct fold failed the check's onnxruntime-genai run whenever a random prompt ended with the pad id (the
+    text fixture's: 2). Such a prompt's last token becomes the next id, in every run, and a note says so."""
+    if not genai_available():
+        pytest.skip("onnxruntime-genai is not installed")
+    pad = json.loads((doc["out"] / "genai_config.json").read_text())["model"]["pad_token_id"]
+    ids = np.load(TEXT / "holdout.npz")["x"][::40][:6, :24].copy()
+    ids[:, 11] = pad  # each prompt (the first half, 12 tokens) ends with the pad id
+    check = check_fused_folder(original, doc["out"], ids, 8)
+    assert check["passed"], check
+    assert f"6 of 6 prompts ended with the pad id {pad}" in " ".join(check["notes"])

@@ -431,6 +431,8 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
     [
         ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm"),  # a folded (created) bias
         ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.input_layernorm"),  # a consumer's weight
+        ("lm_head.bias", "model.norm"),  # the head's folded bias: the logits are a boundary too (it said "no fold
+        # boundary diverges: ... a difference comes from the runtime", while question 1 named lm_head.bias)
     ],
 )
 def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm):
@@ -629,3 +631,74 @@ def test_a_folder_with_both_model_safetensors_and_an_index_streams_what_the_in_m
     in_memory = hf.read_hf_folder(tmp_path / "both")
     assert torch.equal(in_memory.state_dict[key], -sd[key])
     assert torch.equal(LazyShards.open(tmp_path / "both").get(key), in_memory.state_dict[key])
+
+
+def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_model_has_positions_for(
+    folded, monkeypatch
+):
+    """``--generate`` far past ``max_position_embeddings`` (16 here): the check cuts the prompts and steps to the
+    model's positions (one prompt token, 15 generated), so the memory it needs, and may be refused for, is that of
+    those 16 positions, not of a million tokens. Streamed and in memory; one byte less than that is refused."""
+    from slabconv.engine import FOLD_BLOCK
+    from slabconv.verify import generate_streamed
+
+    src = folded[0] / "src"
+    need = generate_streamed.generation_memory(layerwise.Folder.open(src, FOLD_BLOCK), 2, 1, 15, FOLD_BLOCK)
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate_streamed.check_generation_fits(src, 10**6, 2)  # fits: 16 positions
+    monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
+    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
+        generate_streamed.check_generation_fits(src, 10**6, 2)
+    loaded = SimpleNamespace(model=tiny_model(), input_shape=[16])
+    need = generate.generation_memory(loaded.model, generate.PROMPTS, 1, 15, onnx=False)
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate.check_generation_fits(loaded, 10**6, onnx=False)  # fits: 16 positions
+    monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
+    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
+        generate.check_generation_fits(loaded, 10**6, onnx=False)
+
+
+def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_memory(folded, tmp_path):
+    """A Hugging Face folder's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) is copied byte for byte into
+    the fused folder, which ``AutoTokenizer`` then reads as the original's (the fold keeps the vocabulary); a
+    tokenizer file that is a link, and a tokenizer's code file, are not copied. (The fused folder had no tokenizer.)"""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "a", "b"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
+    tokenizer.save_pretrained(src)
+    (tmp_path / "merges.txt").write_text("elsewhere\n")
+    (src / "merges.txt").symlink_to(tmp_path / "merges.txt")
+    (src / "tokenization_mine.py").write_text("raise SystemExit\n")
+    stream, memory = WriteOptions(stream=True, onnx=False), WriteOptions(onnx=False, pt2=False)
+    for name, write in (("stream", stream), ("memory", memory)):
+        report = api.fuse(src, tmp_path / name, verify=None, write=write)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            assert file in report.outputs.files and (tmp_path / name / file).read_bytes() == (src / file).read_bytes()
+        assert not (tmp_path / name / "merges.txt").exists() and not (tmp_path / name / "tokenization_mine.py").exists()
+        assert AutoTokenizer.from_pretrained(tmp_path / name)("a b")["input_ids"] == [3, 4]
+
+
+def test_the_fused_folder_keeps_the_token_ids_of_the_originals_generation_config(folded, tmp_path):
+    """transformers' ``generate`` reads the end-of-sequence id from ``generation_config.json`` before
+    ``config.json``: the original's ids (an int or a list of ints) go into the fused folder's, which stays greedy;
+    any other value is not taken. (The fused folder had only ``config.json``'s ids: no eos, generation ran on.)"""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    settings = {"eos_token_id": [3, 5], "bos_token_id": True, "pad_token_id": "0", "do_sample": True, "top_k": 4}
+    (src / "generation_config.json").write_text(json.dumps(settings))
+    stream, memory = WriteOptions(stream=True, onnx=False), WriteOptions(onnx=False, pt2=False)
+    for name, write in (("stream", stream), ("memory", memory)):
+        api.fuse(src, tmp_path / name, verify=None, write=write)
+        written = json.loads((tmp_path / name / "generation_config.json").read_text())
+        assert written["eos_token_id"] == [3, 5] and written["do_sample"] is False, written
+        assert "bos_token_id" not in written and written.get("pad_token_id") != "0" and "top_k" not in written

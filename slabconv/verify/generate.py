@@ -298,6 +298,29 @@ def _genai_eos(path: Path) -> set[int]:
     return set(ids)
 
 
+def _not_ending_in_padding(prompts: torch.Tensor, config: Path, notes: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """Prompts int64 ``(B, T)`` none of which ends with the ``model.pad_token_id`` of ``config`` (a
+    ``genai_config.json``): onnxruntime-genai takes a prompt's trailing pad ids for padding and generates from the
+    token before them, so such a prompt is not the same prompt there as in transformers. Each such last token becomes
+    the next id (``(pad + 1) mod V``, ``V`` the vocabulary size of ``config``), for every run of the check; ``notes``
+    gains a line saying how many prompts changed. A config without an int pad id or vocabulary size changes nothing."""
+    try:
+        model = json.loads(config.read_text(encoding="utf-8"))["model"]
+        pad, vocab = model["pad_token_id"], model["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return prompts, notes
+    if not isinstance(pad, int) or not isinstance(vocab, int) or vocab < 2:
+        return prompts, notes
+    ends = prompts[:, -1] == pad
+    if not bool(ends.any()):
+        return prompts, notes
+    prompts = prompts.clone()
+    prompts[ends, -1] = (pad + 1) % vocab
+    count = int(ends.sum())
+    note = f"{count} of {len(prompts)} prompts ended with the pad id {pad}, which onnxruntime-genai takes for padding: "
+    return prompts, [*notes, note + f"their last token is {(pad + 1) % vocab} instead, in every run"]
+
+
 def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int) -> GreedyRun:
     """Greedy tokens of the fused folder in onnxruntime-genai: ``decoder.onnx`` as ``genai_config.json`` describes
     it, the key/value cache managed by onnxruntime-genai itself.
@@ -720,14 +743,18 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
 def check_generation_fits(loaded: Any, steps: int, *, onnx: bool) -> None:
     """Refuse, before any work, an in-memory check of the language model ``loaded`` (a ``LoadedModel``:
     ``check_generation`` on ``PROMPTS`` prompts of half its sequence length, as ``prompts_of`` cuts them, ``steps``
-    tokens each; with ``onnx``, ``decoder.onnx`` too) that would need more than this machine's available memory
-    (``generation_memory``).
+    tokens each, both cut to the model's ``max_position_embeddings`` as ``check_generation`` cuts them
+    (``within_positions``); with ``onnx``, ``decoder.onnx`` too) that would need more than this machine's available
+    memory (``generation_memory``).
 
     Raises:
         UsageError: it would not fit (the message says how much it needs and how to skip it).
     """
     length = int(loaded.input_shape[0]) if loaded.input_shape else 1
-    need, have = generation_memory(loaded.model, PROMPTS, max(1, length // 2), steps, onnx), available_memory()
+    positions = getattr(getattr(loaded.model, "cfg", None), "max_position_embeddings", None)
+    prompts, steps, _ = within_positions(torch.zeros(PROMPTS, max(1, length // 2), dtype=torch.int64), steps, positions)
+    need = generation_memory(loaded.model, PROMPTS, prompts.shape[1], steps, onnx)
+    have = available_memory()
     if have is not None and need > have:
         raise UsageError(
             f"the greedy-generation check needs about {need / 2**30:.2f} GiB of memory besides the model "
@@ -800,6 +827,8 @@ def check_fused_folder(
     onnx_path = decoder if onnx and decoder.is_file() and dtype != torch.bfloat16 else None
     has_genai_config = onnx_path is not None and (Path(folder) / "genai_config.json").is_file()
     genai = has_genai_config and genai_available()
+    if genai:
+        prompts, notes = _not_ending_in_padding(prompts, Path(folder) / "genai_config.json", notes)
     check = check_generation(original, folder, prompts, steps, onnx_path=onnx_path, genai=genai, threads=1)
     check.notes += notes
     if has_genai_config and not genai:

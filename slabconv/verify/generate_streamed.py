@@ -175,7 +175,8 @@ def check_generation_fits(
 ) -> None:
     """Refuse, before any work, a streamed check of ``steps`` tokens (None or 0: no check) on ``sequences`` prompts
     (``streamed_prompts``) of the original ``folder`` that cannot fit this machine's available memory
-    (``generation_memory``; ``generate.available_memory``).
+    (``generation_memory``; ``generate.available_memory``). The prompts and steps are those the check runs, cut to
+    the model's ``max_position_embeddings`` (``generate.within_positions``).
 
     Raises:
         UsageError: the check would need more than the available memory (the message says how much, and how to skip
@@ -186,8 +187,10 @@ def check_generation_fits(
     from slabconv.verify.generate import available_memory
 
     original = Folder.open(Path(folder), block_elements)
-    if streams(original):
-        count, length = streamed_prompts(original, sequences, seed).shape
+    if streams(original):  # the prompts and steps the check will run: cut to the model's positions as it cuts them
+        positions = original.family.max_positions(original.cfg)
+        prompts, steps, _ = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
+        count, length = prompts.shape
         need = generation_memory(original, count, length, steps, block_elements)
     else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
         need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())

@@ -425,7 +425,8 @@ class _FoldShards:
 def localize_folders(reference: Path, candidate: Path, program: FoldProgram, seed: int = 0) -> Any:
     """The fold boundaries of a streamed fold, in data-flow order (``slabconv.verify.localize``): for each decoder
     layer, on the reference's float64 hidden states of one seeded token sequence, the candidate layer and the
-    correct fold's layer (``_FoldShards``) run in float64, and each folded Linear's output is compared.
+    correct fold's layer (``_FoldShards``) run in float64, and each folded Linear's output is compared; then, where
+    the final norm folded into the head, the logits of both on the reference's last hidden states.
 
     Yields:
         A ``Boundary`` per folded Linear: the norms folded into it, its name, the relative error between the two.
@@ -452,6 +453,11 @@ def localize_folders(reference: Path, candidate: Path, program: FoldProgram, see
                     error = judge.rel_err(value.numpy(), want[name].numpy())[0]
                     yield Boundary(", ".join(dict.fromkeys(la.norms)), name, error, policy.EXACT_RTOL)
             h64 = ref.layer(i, torch.float64)(h64, *extra64)
+        head = family.head_key(cand.shards.weight_map)
+        la = program.layers.get(head + ".weight")
+        if la is not None:  # the final norm folded into the head: its boundary is the logits
+            error = judge.rel_err(cand.logits(h64).numpy(), fold.logits(h64).numpy())[0]
+            yield Boundary(", ".join(dict.fromkeys(la.norms)), head, error, policy.EXACT_RTOL)
 
 
 def _linear_outputs(layer: nn.Module, h: torch.Tensor, extra: Any) -> dict[str, torch.Tensor]:

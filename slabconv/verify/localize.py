@@ -350,7 +350,7 @@ def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_v
 def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
     """Two decoder folders, one layer at a time: each decoder layer of the candidate and of the correct fold (the
     program's rows rounded to the stored dtype) run in float64 on the reference's float64 hidden states, their
-    folded Linears' outputs compared."""
+    folded Linears' outputs compared; then the head's logits, where the final norm folded into it."""
     from slabconv.verify import layerwise
 
     program = reference.program
@@ -358,7 +358,8 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
         return Localization("none", detail="not localised: no fold program of the reference was given")
     boundaries = list(layerwise.localize_folders(reference.path, candidate.path, program, opts.seed))
     method = (
-        "each decoder layer's folded Linears, candidate vs the fold program rounded to the stored dtype, in float64"
+        "each decoder layer's folded Linears and the head, candidate vs the fold program rounded to the stored dtype, "
+        "in float64"
     )
     worst: dict[str, float] = {}
     written = LazyShards.open(candidate.path)

@@ -73,6 +73,20 @@ _DTYPE_NAMES = {
 # Generation settings of the original config.json that go to generation_config.json as well.
 _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The tokenizer files of a Hugging Face folder (data ``AutoTokenizer`` reads; no code) that a fused folder carries
+over from the original (``copy_tokenizer_files``)."""
+
 STANDARD_TYPES = ("llama", "mistral", "qwen2")
 """``model_type`` of the standard decoders written as themselves (``write_hf_standard_metadata``)."""
 
@@ -362,6 +376,60 @@ def write_hf_llama_metadata(
     return written
 
 
+def original_token_ids(source: Path | str) -> dict[str, Any]:
+    """The bos / eos / pad token ids of the original folder's ``generation_config.json`` (which transformers'
+    ``generate`` reads before ``config.json``): each an int or a list of ints; any other value, or a file that is
+    not a JSON object, gives nothing (the ids of ``config.json`` then stand). Sampling settings are not taken: the
+    fused folder generates greedily by default.
+
+    Args:
+        source: the original Hugging Face folder (a file: its folder).
+
+    Returns:
+        ``{"eos_token_id": 2, ...}``: the ids found (none where the folder has no such file).
+    """
+    source = Path(source)
+    found = (source if source.is_dir() else source.parent) / GENERATION_CONFIG
+    try:
+        data = json.loads(found.read_text(encoding="utf-8")) if found.is_file() and not found.is_symlink() else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+
+    def token_id(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    return {
+        k: v
+        for k in _GENERATION_KEYS
+        if token_id(v := data.get(k)) or (isinstance(v, list) and v and all(token_id(n) for n in v))
+    }
+
+
+def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
+    """Copy the original folder's tokenizer files (``TOKENIZER_FILES``: regular files, not links) into the fused
+    ``folder``, byte for byte, so that ``AutoTokenizer.from_pretrained(folder)`` reads the original's tokenizer. The
+    fold does not change the vocabulary, so the original's token ids are the fused model's. No file is run or parsed.
+
+    Args:
+        source: the original Hugging Face folder (a file: its folder).
+        folder: the fused folder.
+
+    Returns:
+        The files written (none where the original has no tokenizer).
+    """
+    source, folder = Path(source), Path(folder)
+    source = source if source.is_dir() else source.parent
+    written = []
+    for name in TOKENIZER_FILES:
+        found = source / name
+        if found.is_file() and not found.is_symlink():
+            shutil.copyfile(found, folder / name)
+            written.append(folder / name)
+    return written
+
+
 def standard_biases(config: Mapping[str, Any]) -> dict[str, bool]:
     """Which projections carry a bias in the standard architecture ``config`` describes (transformers 5):
     LLaMA q/k/v/o with ``attention_bias`` and gate/up/down with ``mlp_bias``; Qwen2 q/k/v; Mistral none;
@@ -413,7 +481,12 @@ def standard_layout(weight_shapes: Mapping[str, Sequence[int]], config: Mapping[
 
 
 def write_hf_standard_metadata(
-    folder: Path | str, config: Mapping[str, Any], dtype: torch.dtype | str | None = None, *, folded: bool = True
+    folder: Path | str,
+    config: Mapping[str, Any],
+    dtype: torch.dtype | str | None = None,
+    *,
+    folded: bool = True,
+    generation: Mapping[str, Any] | None = None,
 ) -> list[Path]:
     """Make a folder of folded standard-decoder weights (LLaMA, Mistral, Qwen2) a Hugging Face model folder of the
     same architecture: ``config.json`` (the original's, ``auto_map`` dropped, ``torch_dtype`` / ``dtype`` set,
@@ -425,6 +498,7 @@ def write_hf_standard_metadata(
         dtype: the weights' dtype; None takes it from the headers.
         folded: the weights hold folded norms (``--fold-norm-affine``); False: the norms are as in the original,
             which the ``slabconv`` entry then says.
+        generation: extra ``generation_config.json`` entries, as ``write_hf_llama_metadata``'s.
 
     Returns:
         The files written: ``config.json``, ``generation_config.json``.
@@ -460,7 +534,7 @@ def write_hf_standard_metadata(
             else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
         },
     )
-    return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, None)]
+    return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, generation)]
 
 
 def _write_json(path: Path, out: dict[str, Any]) -> Path:
