@@ -751,7 +751,7 @@ def check_generation_fits(loaded: Any, steps: int, *, onnx: bool) -> None:
         UsageError: it would not fit (the message says how much it needs and how to skip it).
     """
     length = int(loaded.input_shape[0]) if loaded.input_shape else 1
-    positions = getattr(getattr(loaded.model, "cfg", None), "max_position_embeddings", None)
+    positions = _positions_of(loaded.model)
     prompts, steps, _ = within_positions(torch.zeros(PROMPTS, max(1, length // 2), dtype=torch.int64), steps, positions)
     need = generation_memory(loaded.model, PROMPTS, prompts.shape[1], steps, onnx)
     have = available_memory()
@@ -772,6 +772,11 @@ def prompts_of(token_ids: ArrayLike) -> torch.Tensor:
     (at least one token)."""
     ids = _as_ids(token_ids)[:PROMPTS]
     return ids[:, : max(1, ids.shape[1] // 2)]
+
+
+def _positions_of(model: Any) -> int | None:
+    """The ``max_position_embeddings`` of a slabconv language model's config (``model.cfg``), or None."""
+    return getattr(getattr(model, "cfg", None), "max_position_embeddings", None)
 
 
 def within_positions(prompts: torch.Tensor, steps: int, positions: int | None) -> tuple[torch.Tensor, int, list[str]]:
@@ -820,7 +825,7 @@ def check_fused_folder(
         UsageError: transformers is not installed; bad ids or steps.
         UnsupportedModelError: the original is not a zoo LLaMA language model.
     """
-    positions = getattr(getattr(original, "cfg", None), "max_position_embeddings", None)
+    positions = _positions_of(original)
     prompts, steps, notes = within_positions(prompts_of(token_ids), steps, positions)
     decoder = Path(folder) / "decoder.onnx"
     dtype = next(original.parameters()).dtype

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
+from slabconv.load import safety
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX
 from slabconv.load.shards import LazyShards
 
@@ -379,8 +380,8 @@ def write_hf_llama_metadata(
 def original_token_ids(source: Path | str) -> dict[str, Any]:
     """The bos / eos / pad token ids of the original folder's ``generation_config.json`` (which transformers'
     ``generate`` reads before ``config.json``): each an int or a list of ints; any other value, or a file that is
-    not a JSON object, gives nothing (the ids of ``config.json`` then stand). Sampling settings are not taken: the
-    fused folder generates greedily by default.
+    not a JSON object or is over ``load.safety``'s JSON limits, gives nothing (the ids of ``config.json`` then
+    stand). Sampling settings are not taken: the fused folder generates greedily by default.
 
     Args:
         source: the original Hugging Face folder (a file: its folder).
@@ -390,9 +391,9 @@ def original_token_ids(source: Path | str) -> dict[str, Any]:
     """
     source = Path(source)
     found = (source if source.is_dir() else source.parent) / GENERATION_CONFIG
-    try:
-        data = json.loads(found.read_text(encoding="utf-8")) if found.is_file() and not found.is_symlink() else {}
-    except (OSError, UnicodeDecodeError, ValueError):
+    try:  # read as every JSON input is (a regular file, size and depth bounded before parsing)
+        data = safety.read_json(found) if found.is_file() and not found.is_symlink() else {}
+    except InputError:  # damaged, over the limits: the ids of config.json stand
         return {}
     if not isinstance(data, dict):
         return {}
