@@ -118,7 +118,8 @@ def permuted_input() -> torch.Tensor:
 def test_a_permute_that_does_not_undo_the_first_leaves_the_batchnorm_a_norm_of_its_own():
     """``(0, 3, 1, 2)`` twice is not the identity: the RepBN reading of the sum (the BN's affine on ``x``'s last
     axis, plus alpha) is far off, so the BN stays a BatchNorm kept before the sum (``residual-reads-norm``); with
-    the inverse ``(0, 2, 3, 1)`` the same model is one RepBN, folded forward."""
+    the inverse ``(0, 2, 3, 1)`` the same model is one RepBN, folded forward. ``alpha x`` alone is then a learned
+    scalar affine before the same sum, kept for the same reason."""
     from slabconv.fold import fold_into_linear, repbn_affine
 
     x = permuted_input()
@@ -135,8 +136,14 @@ def test_a_permute_that_does_not_undo_the_first_leaves_the_batchnorm_a_norm_of_i
         naive_err = rel_err(naive(x.double()), model.double()(x.double()))
         model.float()
         gm, decisions, reference = fold(model, x)
-        (d,) = decisions
-        assert (d.kind, d.action) == expected
+        d = decisions[0]
+        assert (d.norm, d.kind, d.action) == ("bn", *expected)
+        if back == (0, 3, 1, 2):  # alpha x alone: a learned scalar beside the BN's output, kept as that BN is
+            assert [(e.norm, e.kind, e.action, e.reason) for e in decisions[1:]] == [
+                ("alpha", "LayerScale", "kept-affine", reasons.RESIDUAL_READS_NORM)
+            ]
+        else:
+            assert len(decisions) == 1
         assert rel_err(gm(x), reference) <= TOL[torch.float32]
         if d.action == "kept-affine":
             assert d.reason == reasons.RESIDUAL_READS_NORM
@@ -451,6 +458,134 @@ def test_the_weight_of_a_hand_written_rmsnorm_folds_forward():
 
 
 # --------------------------------------------------------------------------------------------- not norms
+
+
+# --------------------------------------------------------------------------------------------- learned scalars
+
+
+class LearnableAffine(nn.Module):
+    """HGNetV2's ``LearnableAffineBlock``: ``scale * x + bias`` with one-element parameters."""
+
+    def __init__(self, scale: float = 1.3, bias: float = 0.4) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([scale]))
+        self.bias = nn.Parameter(torch.tensor([bias]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x + self.bias
+
+
+class ConvLab(nn.Module):
+    """HGNetV2's ``ConvBNAct`` with ``use_lab``: conv -> BN -> ReLU -> LearnableAffineBlock, then a conv of
+    ``kernel`` (1: unpadded, the fold is exact; 3: zero-padded, where the affine's bias is not what the padding
+    adds). ``bn=False``: no BN (an exporter folds an eval-mode BN into its conv itself)."""
+
+    def __init__(self, kernel: int, bn: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, C, 3, padding=1)
+        self.bn = nn.BatchNorm2d(C) if bn else nn.Identity()
+        self.lab = LearnableAffine()
+        self.out = nn.Conv2d(C, 4, kernel, padding=kernel // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lab(F.relu(self.bn(self.conv(x)))))
+
+
+class ReZero(nn.Module):
+    """``x + alpha * mlp(x)`` with a one-element ``alpha`` (ReZero, SkipInit): the branch ends in a private Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = nn.Linear(C, 2 * C), nn.Linear(2 * C, C), nn.Linear(C, 3)
+        self.alpha = nn.Parameter(torch.tensor(0.37))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.alpha * self.fc2(F.gelu(self.fc1(x))))
+
+
+class ScalarsNotLearned(nn.Module):
+    """Products with one-element tensors that are not the model's state, and a learned scalar no layer reads along
+    a channel axis: none is a norm. ``torch.tensor([0.5])`` made in the forward is a constant ``torch.export``
+    lifts (``lifted_tensor_0``); ``temperature`` scales attention logits before a softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.fc = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C)
+        self.temperature = nn.Parameter(torch.tensor([2.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x) * torch.tensor([0.5]) * 0.25
+        attn = (h @ self.k(x).transpose(1, 2) * self.temperature).softmax(-1)
+        return self.fc(attn @ x)
+
+
+def image(seed: int = 0) -> torch.Tensor:
+    return torch.randn(B, 3, 6, 6, generator=gen(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_learned_scalar_affine_before_an_unpadded_conv_folds_into_it(dtype):
+    """``scale * x + bias`` after the activation is a per-channel affine on every channel alike: it folds into the
+    1x1 conv after it (the BN folds backward into its conv), and both disappear."""
+    model = randomize(ConvLab(1)).to(dtype)
+    x = image().to(dtype)
+    gm, decisions, reference = fold(model, x)
+    assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == [
+        ("bn", "BatchNorm", "folded-backward", ["conv"]),
+        ("lab.scale", "Affine", "folded-forward", ["out"]),
+    ]
+    assert rel_err(gm(x), reference) <= (TOL[torch.float32] if dtype == torch.float32 else F64)
+    assert not {"lab.scale", "lab.bias"} & set(fused_state_dict(gm))
+    assert aten_ops(gm) == {"conv2d.default": 2, "relu.default": 1}
+
+
+def test_a_learned_scalar_affine_before_a_padded_conv_is_kept():
+    """At the border a zero-padded conv reads zeros where the original read ``bias`` (the affine of the padding's
+    zero): the naive fold is wrong there, and the affine stays."""
+    from slabconv.fold import fold_into_conv
+
+    model = randomize(ConvLab(3)).eval()
+    x = image()
+    reference = model(x)
+    naive = copy.deepcopy(model)
+    scale = model.lab.scale.detach().double().expand(C)
+    shift = model.lab.bias.detach().double().expand(C)
+    with torch.no_grad():
+        w, b = fold_into_conv(model.out.weight.double(), model.out.bias.double(), scale, shift)
+        naive.out.weight.copy_(w)
+        naive.out.bias.copy_(b)
+        naive.lab.scale.fill_(1.0)
+        naive.lab.bias.zero_()
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+    gm, decisions, _ = fold(model, x)
+    assert [(d.norm, d.kind, d.action, d.reason) for d in decisions] == [
+        ("bn", "BatchNorm", "folded-backward", None),
+        ("lab.scale", "Affine", "kept-affine", reasons.PADDED_CONV_CONSUMER),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+def test_a_learned_scalar_after_a_private_linear_folds_backward():
+    model = ReZero()
+    x = tokens()
+    gm, decisions, reference = fold(model, x)
+    assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == [
+        ("alpha", "LayerScale", "folded-backward", ["fc2"])
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    assert "alpha" not in fused_state_dict(gm)
+
+
+def test_scalars_that_are_not_learned_or_not_on_channels_are_not_norms():
+    model = ScalarsNotLearned().eval()
+    x = tokens()
+    reference = model(x)
+    gm = capture(model, x)
+    before = aten_ops(gm)
+    assert find_norms(gm) == []
+    assert fold_all(gm) == []
+    assert aten_ops(gm) == before
+    assert torch.equal(gm(x), reference)
 
 
 class NotNorms(nn.Module):

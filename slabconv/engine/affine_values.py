@@ -17,8 +17,8 @@ from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
 from torch.utils._pytree import tree_map
 
 from slabconv import fold
-from slabconv.engine.capture import attr, same_size, shape_of, static_int, stored
-from slabconv.engine.rules import PERMUTE_OPS, permutation
+from slabconv.engine.capture import attr, is_state, same_size, shape_of, static_int, stored
+from slabconv.engine.rules import PERMUTE_OPS, VIEW_OPS, permutation
 from slabconv.errors import UnsupportedModelError
 
 aten = torch.ops.aten
@@ -169,8 +169,9 @@ class Affine:
     """``node = scale * base + shift`` per channel on ``axis`` of ``base`` (``axis`` None: scalars only).
 
     ``scale`` / ``shift`` are float64 scalars or ``(C,)`` vectors (None when not constant: a BN in train mode).
-    ``nodes`` compute it from ``base``; ``bns`` are the BN ops among them; ``seeded``: a BN op or a product with
-    a per-channel constant (a norm, not a mere rescaling); ``base_term``: a multiple of ``base`` is added beside
+    ``nodes`` compute it from ``base``; ``bns`` are the BN ops among them; ``seeded``: a BN op, a product with
+    a per-channel constant, or a product with a one-element tensor of the model's state (a learned scalar:
+    ``stored_scalar``) (a norm, not a mere rescaling by a number); ``base_term``: a multiple of ``base`` is added beside
     a BN (RepBN's ``eta x``, ``eta`` in ``eta``); ``shifted``: a constant is added; ``consts``: the constant
     operands; ``dups``: other nodes with ``base``'s value that the nodes read; ``core``: the nodes that name the
     norm (a BN op and RepBN's ``eta x`` term; all nodes without a BN op).
@@ -329,6 +330,7 @@ class _Analysis:
             value = 1.0 / value
         vector = axis is not None
         base = self.get(a)
+        learned = not vector and stored_scalar(c)
         common = _axis(base.axis, axis)
         if common is not False:
             self.aff[node] = replace(
@@ -337,7 +339,7 @@ class _Analysis:
                 scale=_mul(base.scale, value),
                 shift=_mul(base.shift, value),
                 nodes=(*base.nodes, node),
-                seeded=base.seeded or vector,
+                seeded=base.seeded or vector or learned,
                 consts=(*base.consts, c),
             )
         if vector and (common is False or a in self.aff):
@@ -422,6 +424,15 @@ class _Analysis:
             eta,
             core,
         )
+
+
+def stored_scalar(c: Any) -> bool:
+    """True when ``c`` reads (through view-like ops) a one-element tensor of the model's state: a learned scale
+    such as HGNetV2's ``LearnableAffineBlock.scale`` or a ReZero ``alpha``, not a Python number or a constant
+    the forward made (``capture.is_state``)."""
+    while isinstance(c, fx.Node) and c.op == "call_function" and c.target in VIEW_OPS and c.args:
+        c = c.args[0]
+    return isinstance(c, fx.Node) and is_state(c)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -124,6 +125,28 @@ def stored(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         value = getattr(value, part)
     return value
+
+
+STATE = "slabconv_state"
+"""``get_attr`` node meta: True when its tensor is the model's own state, False when it is a constant the
+exporter computed or wrote (set by the ONNX lowering, whose graph module holds every initializer as a buffer)."""
+
+LIFTED = re.compile(r"(c_)?(lifted_tensor|_tensor_constant)_?\d+")
+"""How ``torch.export`` names a tensor the forward made (``torch.tensor([0.5])``) when it lifts it as a constant
+(``lifted_tensor_0``; ``_tensor_constant0`` in older releases; ``c_`` as a program input)."""
+
+
+def is_state(node: fx.Node) -> bool:
+    """True when ``node`` is a ``get_attr`` of a tensor the model holds: a parameter, a buffer, or a tensor
+    attribute (``self.scale = torch.tensor([0.5])``, which ``torch.export`` keeps under its name), not a tensor its
+    forward made (a lifted constant, ``LIFTED``). ONNX stores both as named initializers, so the model's own
+    names are what both doors can tell apart; an ONNX original's ``get_attr`` says so in ``node.meta[STATE]``
+    (``slabconv.engine.onnx_lower``)."""
+    if node.op != "get_attr":
+        return False
+    if STATE in node.meta:
+        return bool(node.meta[STATE])
+    return not LIFTED.fullmatch(str(node.target).rsplit(".", 1)[-1])
 
 
 def written_tensors(gm: fx.GraphModule) -> set[str]:

@@ -20,8 +20,11 @@ Which patterns count (``docs/reasons.md``, "Which patterns count"):
    be a channel axis: the channel axis of the Linear / conv / norm that produced ``x`` (through view-like and
    elementwise ops), or an axis that a Linear / conv downstream contracts. A vector over a token axis is not a
    norm.
+4. A product with a learned scalar, a one-element tensor the model holds (``capture.is_state``: HGNetV2's
+   ``LearnableAffineBlock``, ReZero's ``alpha``), starts a norm as a vector does, on the channel axis it can fold
+   along (``_on_channels``).
 
-Not norms: products with Python scalars or one-element constants alone (attention's ``q * scale``), constant
+Not norms: products with Python scalars or other one-element constants alone (attention's ``q * scale``), constant
 additions alone (a bias, a position embedding), anything that reads the input twice (``x * x``). "Constant" means
 computed from parameters, buffers and constants only, never from the model's input; such subgraphs are evaluated
 once, in float64.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -194,6 +197,27 @@ def _is_channel_axis(cand: Affine, out: fx.Node, known: Callable[[fx.Node], Chan
     return reaches_layer(out, Chan(cand.axis, channels))
 
 
+def _on_channels(cand: Affine | None, out: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Affine | None:
+    """A learned scalar affine (``Affine.seeded`` by a one-element tensor of the model's state, no BN op, no
+    vector) on the channel axis it may fold along: the output-channel axis of the layer that produced its input
+    (through view-like and elementwise ops), else the last or the second axis when a Linear / conv downstream
+    contracts it. A scalar is the same affine on every axis; the axis only says where the fold puts it. ``cand``
+    unchanged when it has an axis or a BN op; None when no channel axis is found (not a norm)."""
+    if cand is None or cand.axis is not None or cand.bns or not cand.seeded:
+        return cand
+    shape = shape_of(cand.base)
+    if not shape:
+        return None
+    source = source_chan(cand.base, known)
+    if source is not None and source.plain and static_int(shape[source.axis]) == source.channels:
+        return replace(cand, axis=source.axis)
+    for axis in dict.fromkeys((len(shape) - 1, min(1, len(shape) - 1))):
+        size = static_int(shape[axis])
+        if size is not None and reaches_layer(out, Chan(axis, size)):
+            return replace(cand, axis=axis)
+    return None
+
+
 def _is_norm(
     cand: Affine | None,
     out: fx.Node,
@@ -222,14 +246,9 @@ def _choose(analysis: _Analysis) -> list[tuple[fx.Node, Affine]]:
     claimed: set[fx.Node] = set()
     chosen: list[tuple[fx.Node, Affine]] = []
     for node in reversed(analysis.gm.graph.nodes):
-        cand = next(
-            (
-                c
-                for c in (analysis.aff.get(node), analysis.back.get(node), analysis.fresh.get(node))
-                if _is_norm(c, node, claimed, known, analysis)
-            ),
-            None,
-        )
+        cands = [_on_channels(c, node, known) for c in (analysis.aff.get(node), analysis.back.get(node))]
+        cands.append(analysis.fresh.get(node))
+        cand = next((c for c in cands if _is_norm(c, node, claimed, known, analysis)), None)
         if cand is not None:
             claimed.update(cand.nodes)
             chosen.append((node, cand))
@@ -289,7 +308,8 @@ def _params(
 ) -> tuple[dict[str, Tensor | None], dict[str, str | None], float]:
     """``params``, ``param_names`` and ``eps`` of a norm (see ``NormSite``)."""
     if not cand.bns:
-        c = cand.scale.shape[0] if cand.scale is not None and cand.scale.dim() else 1
+        # a learned scalar broadcast over every channel (a vector has the channels' size already)
+        c = int(static_int(shape_of(cand.base)[cand.axis]))  # type: ignore[arg-type,index]
         scale, shift = (torch.broadcast_to(t, (c,)) if t is not None else None for t in (cand.scale, cand.shift))
         ops = [n.target for n in region]
         names: dict[str, str | None] = {"scale": None, "shift": None}

@@ -44,6 +44,7 @@ import onnx_ir as ir
 import torch
 from torch import fx, nn
 
+from slabconv.engine.capture import LIFTED, STATE
 from slabconv.engine.onnx_shapes import Dims, infer_shapes, known_elements, merge_shapes, unknowns
 
 aten = torch.ops.aten
@@ -357,6 +358,7 @@ class _Lowering:
         target = self.store(wanted, tensor, value.name if value.is_initializer() else None)
         node = self.graph.get_attr(target)
         node.meta["val"] = tensor
+        node.meta[STATE] = _state_like(value)
         if binding is not None:
             self.out.bindings[target] = binding
         elif value.is_initializer():
@@ -558,7 +560,7 @@ def _scope_path(outer: str, part: str) -> str:
 
 
 _PARAMETER = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
-_ANONYMOUS = re.compile(r"(val|_val|const|constant)_?\d*", re.IGNORECASE)
+_ANONYMOUS = re.compile(rf"(val|_val|const|constant)_?\d*|{LIFTED.pattern}", re.IGNORECASE)
 
 
 _PARAMETER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
@@ -576,6 +578,14 @@ def _parameter_like(value: ir.Value) -> bool:
     if _PARAMETER_KIND in props:
         return True
     return bool(_PARAMETER.fullmatch(name)) and not _ANONYMOUS.fullmatch(name)
+
+
+def _state_like(value: ir.Value) -> bool:
+    """An initializer that holds the model's own state (``capture.is_state``): named as a parameter is
+    (``_parameter_like``), and not as paddle2onnx names the constants it writes, with a number for the last part
+    (``helper.constant.11``, ``auto.cast.5``, ``p2o.pd_op.full_int_array.1.0``), where a parameter ends in a name
+    (``blocks.0.lab.scale``; paddle's ``rep_bn_0.w_0``)."""
+    return value.is_initializer() and _parameter_like(value) and not (value.name or "").rsplit(".", 1)[-1].isdigit()
 
 
 def _constant_name(value: ir.Value, reader: ir.Node | None) -> str:
