@@ -1524,6 +1524,51 @@ def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_o
         api.inspect(tmp_path / "stats.onnx")
 
 
+class _LosesItsOwnDtype(nn.Module):
+    """Conv -> ReLU -> BatchNorm -> Conv -> ``h = 0.9 tanh``, then ``((h + 2**24) - 2**24) + h / 2``: float32's
+    spacing at 2**24 is 2, so the bracket is 0 there for every ``|h| < 1`` and the output ``h / 2``, while in float64
+    it is ``1.5 h``: the original is 2/3 of its output's scale away from its float64 self on every input."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 0.9 * torch.tanh(self.c2(self.bn(torch.relu(self.c1(x)))))
+        return ((h + 2.0**24) - 2.0**24) + h / 2
+
+
+def test_a_bound_that_admits_an_all_zero_output_is_named_not_taken_for_a_check(tmp_path):
+    """An original 2/3 away from its float64 self gives question 2 a bound of 4/3, which an all-zero output (error
+    1) meets: the verdict says so (a fold, where question 1 still holds every tensor; and a candidate judged by
+    question 2 alone, which such a candidate passes). The same network without the cancellation gets no such
+    note."""
+    torch.manual_seed(0)
+    model = randomize_norms(_LosesItsOwnDtype()).eval()
+    path = _export(model, torch.randn(2, 3, 5, 5), tmp_path / "loses.onnx", 17)
+    runner = CliRunner()
+    fused = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "4", "--json"])
+    assert fused.exit_code == 0, fused.output
+    verification = json.loads(fused.stdout)["verification"]
+    assert [c["tolerance_from"] for c in verification["checks"]] == ["2*e_orig"] * 2
+    notes = verification["notes"]
+    assert any("admits an all-zero output" in n and "question 1, which holds every stored tensor" in n for n in notes)
+    zeros = onnx.load(str(path))  # a candidate that computes nothing: y = 0 * y
+    zeros.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero"))
+    zeros.graph.node[-1].output[0] = "y_before"
+    zeros.graph.node.append(onnx.helper.make_node("Mul", ["y_before", "zero"], ["y"]))
+    onnx.save(zeros, str(tmp_path / "zeros.onnx"))
+    alone = runner.invoke(app, ["verify", str(path), str(tmp_path / "zeros.onnx"), "--samples", "4", "--json"])
+    assert alone.exit_code == 0, alone.output
+    notes = json.loads(alone.stdout)["verification"]["notes"]
+    assert any("admits an all-zero output" in n and "says nothing about the candidate's values" in n for n in notes)
+    model.forward = lambda x: 0.9 * torch.tanh(model.c2(model.bn(torch.relu(model.c1(x)))))  # type: ignore[method-assign]
+    plain = _export(model, torch.randn(2, 3, 5, 5), tmp_path / "plain.onnx", 17)
+    result = runner.invoke(app, ["verify", str(plain), str(plain), "--samples", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert not any("admits an all-zero" in n for n in json.loads(result.stdout)["verification"]["notes"])
+
+
 class _Saturated(nn.Module):
     """Conv -> BatchNorm -> Conv, then ``relu(y - 1e4) + 1``: every output is 1 whatever the input."""
 
