@@ -876,6 +876,58 @@ def test_the_float64_reference_runs_a_grouped_conv_transpose_as_torch_does(tmp_p
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("shape", "attrs"),
+    [
+        ((2, 4, 5, 5), {"strides": [2, 2], "pads": [1, 0, 2, 1], "output_padding": [1, 0]}),
+        ((2, 4, 5, 6), {"strides": [2, 3], "dilations": [2, 1], "pads": [0, 1, 0, 1]}),
+        ((2, 4, 7), {"strides": [2], "pads": [1, 1], "output_padding": [1]}),
+        ((1, 4, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1, 1, 1, 0, 0, 0]}),
+    ],
+)
+def test_the_float64_reference_runs_a_conv_transpose_by_torch_as_onnx_defines_it(tmp_path, monkeypatch, shape, attrs):
+    """The float64 reference's ``ConvTranspose`` (onnxruntime has no float64 kernel) is torch's
+    ``conv_transpose1d/2d/3d``, not onnx's reference, which scatters in Python (minutes for a fold of ViTPose's small
+    deconvolution head); with asymmetric pads, output padding and dilation it equals onnx's own ``group = 1``
+    reference, the spec's definition, in float64."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(0)
+    spatial = len(shape) - 2
+    w, b = rng.standard_normal((4, 3, *[3] * spatial)), rng.standard_normal(3)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    get = {"strides": [1] * spatial, "dilations": [1] * spatial, "output_padding": [0] * spatial, **attrs}.__getitem__
+    sizes = [  # the spec's output size: s (n - 1) + output_padding + d (k - 1) + 1 - pads at both ends
+        s * (n - 1) + o + d * 2 + 1 - p - e
+        for n, s, o, d, p, e in zip(
+            shape[2:], get("strides"), get("output_padding"), get("dilations"), get("pads")[:spatial],
+            get("pads")[spatial:], strict=True,
+        )
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, *shape[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3, *sizes])],
+        [numpy_helper.from_array(w.astype(np.float32), "w"), numpy_helper.from_array(b.astype(np.float32), "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "convt.onnx"))
+    x = rng.standard_normal(shape).astype(np.float32)
+    name = f"conv_transpose{spatial}d"
+    calls, plain = [], getattr(torch.nn.functional, name)
+    monkeypatch.setattr(torch.nn.functional, name, lambda *a, **k: calls.append(1) or plain(*a, **k))
+    (got,), which = onnx_original.float64_reference(tmp_path / "convt.onnx", x, "float32", None)
+    assert which.startswith("onnx.reference") and calls
+    for t in graph.initializer:  # the spec's own reference in float64: onnx's evaluator, group 1
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+    graph.input[0].type.tensor_type.elem_type = graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x.astype(np.float64)})
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 class _TopKQueries(nn.Module):
     """RT-DETR's query selection in small: a conv and its BatchNorm, then ``torch.gather`` of the top-k of the 100
     flattened positions (a ``GatherElements`` on an axis of 100 entries, behind a conv), along ``dim``."""
