@@ -1576,6 +1576,32 @@ def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_o
         api.inspect(tmp_path / "stats.onnx")
 
 
+class _BatchOfOne(nn.Module):
+    """Conv -> ReLU -> BatchNorm -> Conv, then a reshape to ``(1, 50)``: exported with a dynamic batch axis, the
+    graph still fixes the batch at 1 (the ``Reshape`` target is a constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.bn(torch.relu(self.c1(x)))).reshape(1, 50)
+
+
+def test_an_original_whose_graph_fixes_a_declared_dynamic_batch_is_named_not_an_internal_error(tmp_path):
+    """onnxruntime runs the original on one sample and fails on several: one line naming the file and what to do
+    (exit 2), not an internal error; with ``--samples 1`` it folds and verifies."""
+    torch.manual_seed(0)
+    path = _export(randomize_norms(_BatchOfOne()).eval(), torch.randn(1, 3, 5, 5), tmp_path / "one.onnx", 17)
+    runner = CliRunner()
+    result = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "4"])
+    assert result.exit_code == 2, result.output
+    assert "onnxruntime runs the original on one sample but not on 4 at once" in result.output
+    assert "internal error" not in result.output and not (tmp_path / "out").exists()
+    one = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "1"])
+    assert one.exit_code == 0, one.output
+
+
 class _LosesItsOwnDtype(nn.Module):
     """Conv -> ReLU -> BatchNorm -> Conv -> ``h = 0.9 tanh``, then ``((h + 2**24) - 2**24) + h / 2``: float32's
     spacing at 2**24 is 2, so the bracket is 0 there for every ``|h| < 1`` and the output ``h / 2``, while in float64

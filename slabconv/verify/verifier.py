@@ -337,13 +337,41 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
             ) from None
         raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
     batch = runtime.fixed_batch
-    original = run_batched(runtime.run, x, fixed_batch=batch)
+    try:
+        original = run_batched(runtime.run, x, fixed_batch=batch)
+    except Exception as err:  # noqa: BLE001 - onnxruntime's Fail, InvalidArgument, RuntimeException
+        _batch_fixed_in_graph(info.path, runtime, x, batch, err)
+        raise
     names = output_names(len(original), runtime.output_names)
     runtime.close()
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
     ref = Reference(x, label, digest, info.dtype, original, exact, names)
     check_reference(ref)
     return ref, which, batch
+
+
+def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | None, err: Exception) -> None:
+    """An ONNX original whose batch axis is declared dynamic but that onnxruntime runs only one sample at a time
+    (an exporter traced a batch of 1 into a ``Split`` or ``Reshape``: transformers' ZoeDepth under the TorchScript
+    exporter) is an input problem, not slabconv's: said so, with what to do. Returns (the caller re-raises ``err``)
+    when the batch is fixed by the file, there is one sample, or one sample fails too.
+
+    Raises:
+        InputError: the original runs on the first sample alone but not on several at once.
+    """
+    n = samples_of(x)
+    if batch is not None or n < 2:
+        return
+    try:
+        run_batched(runtime.run, x[:1] if isinstance(x, np.ndarray) else {k: a[:1] for k, a in x.items()})
+    except Exception:  # noqa: BLE001 - one sample fails too: not the batch
+        return
+    raise InputError(
+        f"{path}: onnxruntime runs the original on one sample but not on {min(n, 16)} at once "
+        f"({first_line(err, 200)}): its batch axis is declared dynamic, but the graph fixes it at 1 (an exporter "
+        "traced a batch of 1 into a Split or Reshape); verify it one sample a call with --samples 1 (or --inputs NPZ "
+        "of one sample), or export it with a batch its graph follows"
+    ) from None
 
 
 # --------------------------------------------------------------------------------------------- question 1
