@@ -172,6 +172,21 @@ SUITE_CASES: list[tuple[str, Factory]] = [
 ]  # fmt: skip
 
 
+class ConcatSpelled(nn.Module):
+    """A BatchNorm after a ReLU (no layer to fold back into), concatenated along the channels with the input and
+    read by a 1x1 conv, the concatenation spelled ``torch.cat``, ``torch.concat`` or ``torch.concatenate``:
+    ``torch.export`` keeps each spelling as its own op (D-FINE's and RT-DETRv2's encoders call ``torch.concat``);
+    ONNX has one ``Concat``."""
+
+    def __init__(self, spelling: str) -> None:
+        super().__init__()
+        self.join = getattr(torch, spelling)
+        self.bn, self.conv = nn.BatchNorm2d(refusals.C), nn.Conv2d(2 * refusals.C, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.join([self.bn(torch.relu(x)), x], dim=1))
+
+
 def _concat(shared: str) -> tuple[nn.Module, torch.Tensor]:
     return randomize(exact_folds.ConcatThenNorm("conv", shared)).eval(), exact_folds.concat_input("conv")
 
@@ -184,6 +199,9 @@ EXACT_FOLD_CASES: list[tuple[str, Factory]] = [
     ("aifi-upsample-concat", lambda: exact_folds._aifi("cv1", False)[:2]),
     ("concat-backward", lambda: _concat("")),
     ("concat-piece-shared", lambda: _concat("tanh")),
+    # the program keeps torch.concat / torch.concatenate as ops of their own: each is a cat
+    ("concat-spelled-concat", lambda: (randomize(ConcatSpelled("concat")).eval(), _image()())),
+    ("concat-spelled-concatenate", lambda: (randomize(ConcatSpelled("concatenate")).eval(), _image()())),
     # tests/test_engine_norms.py: a RepBN with its transpose back before the sum (jax2onnx's layout; the committed
     # jax2onnx export is tests/test_exporters.py's), and a permute pair that does not cancel
     ("repbn-after-pair", _model(lambda: norms_suite.RepBNWritten("after_pair"))),

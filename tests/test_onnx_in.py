@@ -876,6 +876,58 @@ def test_the_float64_reference_runs_a_grouped_conv_transpose_as_torch_does(tmp_p
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("shape", "attrs"),
+    [
+        ((2, 4, 5, 5), {"strides": [2, 2], "pads": [1, 0, 2, 1], "output_padding": [1, 0]}),
+        ((2, 4, 5, 6), {"strides": [2, 3], "dilations": [2, 1], "pads": [0, 1, 0, 1]}),
+        ((2, 4, 7), {"strides": [2], "pads": [1, 1], "output_padding": [1]}),
+        ((1, 4, 3, 3, 3), {"strides": [2, 2, 2], "pads": [1, 1, 1, 0, 0, 0]}),
+    ],
+)
+def test_the_float64_reference_runs_a_conv_transpose_by_torch_as_onnx_defines_it(tmp_path, monkeypatch, shape, attrs):
+    """The float64 reference's ``ConvTranspose`` (onnxruntime has no float64 kernel) is torch's
+    ``conv_transpose1d/2d/3d``, not onnx's reference, which scatters in Python (minutes for a fold of ViTPose's small
+    deconvolution head); with asymmetric pads, output padding and dilation it equals onnx's own ``group = 1``
+    reference, the spec's definition, in float64."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    rng = np.random.default_rng(0)
+    spatial = len(shape) - 2
+    w, b = rng.standard_normal((4, 3, *[3] * spatial)), rng.standard_normal(3)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    get = {"strides": [1] * spatial, "dilations": [1] * spatial, "output_padding": [0] * spatial, **attrs}.__getitem__
+    sizes = [  # the spec's output size: s (n - 1) + output_padding + d (k - 1) + 1 - pads at both ends
+        s * (n - 1) + o + d * 2 + 1 - p - e
+        for n, s, o, d, p, e in zip(
+            shape[2:], get("strides"), get("output_padding"), get("dilations"), get("pads")[:spatial],
+            get("pads")[spatial:], strict=True,
+        )
+    ]  # fmt: skip
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, *shape[1:]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 3, *sizes])],
+        [numpy_helper.from_array(w.astype(np.float32), "w"), numpy_helper.from_array(b.astype(np.float32), "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "convt.onnx"))
+    x = rng.standard_normal(shape).astype(np.float32)
+    name = f"conv_transpose{spatial}d"
+    calls, plain = [], getattr(torch.nn.functional, name)
+    monkeypatch.setattr(torch.nn.functional, name, lambda *a, **k: calls.append(1) or plain(*a, **k))
+    (got,), which = onnx_original.float64_reference(tmp_path / "convt.onnx", x, "float32", None)
+    assert which.startswith("onnx.reference") and calls
+    for t in graph.initializer:  # the spec's own reference in float64: onnx's evaluator, group 1
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+    graph.input[0].type.tensor_type.elem_type = graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x.astype(np.float64)})
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 class _TopKQueries(nn.Module):
     """RT-DETR's query selection in small: a conv and its BatchNorm, then ``torch.gather`` of the top-k of the 100
     flattened positions (a ``GatherElements`` on an axis of 100 entries, behind a conv), along ``dim``."""
@@ -1522,6 +1574,77 @@ def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_o
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "stats.onnx"))
     with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node writing 'normed' "):
         api.inspect(tmp_path / "stats.onnx")
+
+
+class _BatchOfOne(nn.Module):
+    """Conv -> ReLU -> BatchNorm -> Conv, then a reshape to ``(1, 50)``: exported with a dynamic batch axis, the
+    graph still fixes the batch at 1 (the ``Reshape`` target is a constant)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(self.bn(torch.relu(self.c1(x)))).reshape(1, 50)
+
+
+def test_an_original_whose_graph_fixes_a_declared_dynamic_batch_is_named_not_an_internal_error(tmp_path):
+    """onnxruntime runs the original on one sample and fails on several: one line naming the file and what to do
+    (exit 2), not an internal error; with ``--samples 1`` it folds and verifies."""
+    torch.manual_seed(0)
+    path = _export(randomize_norms(_BatchOfOne()).eval(), torch.randn(1, 3, 5, 5), tmp_path / "one.onnx", 17)
+    runner = CliRunner()
+    result = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "4"])
+    assert result.exit_code == 2, result.output
+    assert "onnxruntime runs the original on one sample but not on 4 at once" in result.output
+    assert "internal error" not in result.output and not (tmp_path / "out").exists()
+    one = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "1"])
+    assert one.exit_code == 0, one.output
+
+
+class _LosesItsOwnDtype(nn.Module):
+    """Conv -> ReLU -> BatchNorm -> Conv -> ``h = 0.9 tanh``, then ``((h + 2**24) - 2**24) + h / 2``: float32's
+    spacing at 2**24 is 2, so the bracket is 0 there for every ``|h| < 1`` and the output ``h / 2``, while in float64
+    it is ``1.5 h``: the original is 2/3 of its output's scale away from its float64 self on every input."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn, self.c2 = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = 0.9 * torch.tanh(self.c2(self.bn(torch.relu(self.c1(x)))))
+        return ((h + 2.0**24) - 2.0**24) + h / 2
+
+
+def test_a_bound_that_admits_an_all_zero_output_is_named_not_taken_for_a_check(tmp_path):
+    """An original 2/3 away from its float64 self gives question 2 a bound of 4/3, which an all-zero output (error
+    1) meets: the verdict says so (a fold, where question 1 still holds every tensor; and a candidate judged by
+    question 2 alone, which such a candidate passes). The same network without the cancellation gets no such
+    note."""
+    torch.manual_seed(0)
+    model = randomize_norms(_LosesItsOwnDtype()).eval()
+    path = _export(model, torch.randn(2, 3, 5, 5), tmp_path / "loses.onnx", 17)
+    runner = CliRunner()
+    fused = runner.invoke(app, ["fuse", str(path), "--out", str(tmp_path / "out"), "--samples", "4", "--json"])
+    assert fused.exit_code == 0, fused.output
+    verification = json.loads(fused.stdout)["verification"]
+    assert [c["tolerance_from"] for c in verification["checks"]] == ["2*e_orig"] * 2
+    notes = verification["notes"]
+    assert any("admits an all-zero output" in n and "question 1, which holds every stored tensor" in n for n in notes)
+    zeros = onnx.load(str(path))  # a candidate that computes nothing: y = 0 * y
+    zeros.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero"))
+    zeros.graph.node[-1].output[0] = "y_before"
+    zeros.graph.node.append(onnx.helper.make_node("Mul", ["y_before", "zero"], ["y"]))
+    onnx.save(zeros, str(tmp_path / "zeros.onnx"))
+    alone = runner.invoke(app, ["verify", str(path), str(tmp_path / "zeros.onnx"), "--samples", "4", "--json"])
+    assert alone.exit_code == 0, alone.output
+    notes = json.loads(alone.stdout)["verification"]["notes"]
+    assert any("admits an all-zero output" in n and "says nothing about the candidate's values" in n for n in notes)
+    model.forward = lambda x: 0.9 * torch.tanh(model.c2(model.bn(torch.relu(model.c1(x)))))  # type: ignore[method-assign]
+    plain = _export(model, torch.randn(2, 3, 5, 5), tmp_path / "plain.onnx", 17)
+    result = runner.invoke(app, ["verify", str(plain), str(plain), "--samples", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert not any("admits an all-zero" in n for n in json.loads(result.stdout)["verification"]["notes"])
 
 
 class _Saturated(nn.Module):

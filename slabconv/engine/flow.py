@@ -31,6 +31,7 @@ from slabconv.engine import reasons
 from slabconv.engine.capture import is_float, norm_dim, op_arg, rank, same_shape, same_size, shape_of, static_int
 from slabconv.engine.layers import LayerKind, layer_of, separate_bias
 from slabconv.engine.rules import (
+    CAT_OPS,
     INDEX_OUTPUTS,
     JOIN_OPS,
     RULE_OF,
@@ -364,7 +365,7 @@ def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
 def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] | None:
     """``(piece, where its channels sit, its first channel)`` for each piece of a ``cat`` along the (plain)
     channel axis ``ch``, when every piece is a float tensor of the same rank with a static size there; else None."""
-    if node.target is not aten.cat.default or not ch.plain or not isinstance(node.args[0], (list, tuple)):
+    if node.target not in CAT_OPS or not ch.plain or not isinstance(node.args[0], (list, tuple)):
         return None
     tensors = node.args[0]
     dim = op_arg(node, 1, "dim", 0)

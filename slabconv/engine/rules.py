@@ -177,7 +177,8 @@ SHAPE_ONLY = set(_ops("sym_size.int", "sym_numel", "sym_stride.int", "sym_storag
 # Outputs of tuple ops that are integer indices: with every scale > 0 (which a Pass through these ops
 # requires) they are the same for ``s x + t`` as for ``x``, so no affine flows into them.
 INDEX_OUTPUTS = {op: 1 for op in _ops("max.dim", "min.dim", *_MAX_POOL_INDICES)}
-JOIN_OPS = set(_ops("cat", "stack"))
+CAT_OPS = set(_ops("cat", "concat", "concatenate"))  # torch.export keeps torch.concat / torch.concatenate as named
+JOIN_OPS = CAT_OPS | set(_ops("stack"))
 VIEW_OPS = {op for rule in RULES if rule.view_like for op in rule.ops}
 PERMUTE_OPS = set(_ops(*_PERMUTES))
 RESHAPE_OPS = {op for rule in RULES if rule.name in ("reshape", "reshape_as", "flatten", "squeeze") for op in rule.ops}

@@ -44,7 +44,7 @@ from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.policy import dtype_name
 from slabconv.verify.reference import float64_graph, fold64
-from slabconv.verify.results import IntegrityCheck, NotRun, OutputCheck, Verification
+from slabconv.verify.results import IntegrityCheck, NotRun, OutputCheck, Verification, g3
 from slabconv.verify.run import (
     FLOAT64_BATCH,
     Reference,
@@ -337,13 +337,41 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
             ) from None
         raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
     batch = runtime.fixed_batch
-    original = run_batched(runtime.run, x, fixed_batch=batch)
+    try:
+        original = run_batched(runtime.run, x, fixed_batch=batch)
+    except Exception as err:  # noqa: BLE001 - onnxruntime's Fail, InvalidArgument, RuntimeException
+        _batch_fixed_in_graph(info.path, runtime, x, batch, err)
+        raise
     names = output_names(len(original), runtime.output_names)
     runtime.close()
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
     ref = Reference(x, label, digest, info.dtype, original, exact, names)
     check_reference(ref)
     return ref, which, batch
+
+
+def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | None, err: Exception) -> None:
+    """An ONNX original whose batch axis is declared dynamic but that onnxruntime runs only one sample at a time
+    (an exporter traced a batch of 1 into a ``Split`` or ``Reshape``: transformers' ZoeDepth under the TorchScript
+    exporter) is an input problem, not slabconv's: said so, with what to do. Returns (the caller re-raises ``err``)
+    when the batch is fixed by the file, there is one sample, or one sample fails too.
+
+    Raises:
+        InputError: the original runs on the first sample alone but not on several at once.
+    """
+    n = samples_of(x)
+    if batch is not None or n < 2:
+        return
+    try:
+        run_batched(runtime.run, x[:1] if isinstance(x, np.ndarray) else {k: a[:1] for k, a in x.items()})
+    except Exception:  # noqa: BLE001 - one sample fails too: not the batch
+        return
+    raise InputError(
+        f"{path}: onnxruntime runs the original on one sample but not on {min(n, 16)} at once "
+        f"({first_line(err, 200)}): its batch axis is declared dynamic, but the graph fixes it at 1 (an exporter "
+        "traced a batch of 1 into a Split or Reshape); verify it one sample a call with --samples 1 (or --inputs NPZ "
+        "of one sample), or export it with a batch its graph follows"
+    ) from None
 
 
 # --------------------------------------------------------------------------------------------- question 1
@@ -627,6 +655,7 @@ def _whole(
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
     _constant_outputs(verification, ref, related)
+    _bound_admits_zero(verification, related)
     for backend in quantizing:
         progress(f"verifying: {backend.name}, the reference and the candidate quantized alike")
         verification.int8.append(_int8(backend, reference, candidate, ref, opts, load).to_dict())
@@ -723,6 +752,30 @@ def _constant_outputs(verification: Verification, reference: Reference, related:
     verification.notes.append(
         f"the original's outputs are the same on all {n} samples ({reference.label}): question 2 compares constants "
         f"here and cannot tell one model from another; {which}; pass inputs the model was made for with --inputs NPZ"
+    )
+
+
+def _bound_admits_zero(verification: Verification, related: bool) -> None:
+    """Note each output whose passed question 2 bound, twice the original's own error, is 1 or more: the original
+    in its own dtype is at least half its output's scale away from its float64 self on these inputs (an overflow, a
+    cancellation, a ``TopK`` or ``ArgMax`` that decides otherwise), and an error of 1 is what an all-zero output has
+    (``max |0 - ref| / max |ref|``): the check would pass a candidate that computes nothing. Question 1 still holds
+    every stored tensor of a fold; a verification without it says nothing about that output.
+    """
+    vacuous = [c for c in verification.checks if c.passed and c.tolerance_from == "2*e_orig" and c.tolerance >= 1]
+    if not vacuous:
+        return
+    which = (
+        "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
+        if related
+        else "this verification says nothing about the candidate's values there"
+    )
+    worst = max(vacuous, key=lambda c: c.tolerance)
+    names = ", ".join(dict.fromkeys(c.name for c in vacuous))
+    verification.notes.append(
+        f"the original is itself {g3(worst.e_orig)} of its output's scale away from its float64 reference on these "
+        f"inputs ({names}): question 2's bound, twice that ({worst.tolerance:.3g}), admits an all-zero output and "
+        f"cannot tell one model from another there; {which}; pass inputs the model was made for with --inputs NPZ"
     )
 
 
