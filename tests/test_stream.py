@@ -702,3 +702,35 @@ def test_the_fused_folder_keeps_the_token_ids_of_the_originals_generation_config
         written = json.loads((tmp_path / name / "generation_config.json").read_text())
         assert written["eos_token_id"] == [3, 5] and written["do_sample"] is False, written
         assert "bos_token_id" not in written and written.get("pad_token_id") != "0" and "top_k" not in written
+
+
+def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_streamed(folded, tmp_path):
+    """The streamed fold's folder loaded by transformers and saved again (``save_pretrained`` with small shards: the
+    safetensors files lose slabconv's metadata, the config keeps ``model_type: slabconv_llama``) is still the
+    norm-free LLaMA: ``verify ORIGINAL FOLDER`` in memory builds it and passes, as ``--stream`` does (was: exit 2
+    'could not detect the architecture' after the reference had run), and a dropped folded bias in it fails."""
+    from transformers import AutoModelForCausalLM
+
+    from slabconv.load.model import load_model
+    from slabconv.options import VerifyOptions
+
+    root, model, *_ = folded
+    resaved = tmp_path / "resaved"
+    fused = AutoModelForCausalLM.from_pretrained(root / "out", trust_remote_code=True)
+    fused.save_pretrained(resaved, safe_serialization=True, max_shard_size="8KB")
+    assert len(list(resaved.glob("model-*.safetensors"))) > 2 and not (resaved / "report.json").exists()
+    loaded = load_model(resaved)
+    assert loaded.arch == "llama_prepbn" and not any("norm" in k for k in loaded.model.state_dict())
+    ids = tokens()
+    with torch.no_grad():
+        assert rel_err(loaded.model.float()(ids), model.float()(ids)) < 1e-2
+    options = VerifyOptions(samples=2, generate=4)
+    assert api.verify(root / "src", resaved, verify=options).verification.passed
+    index = json.loads((resaved / hf.SAFETENSORS_INDEX).read_text())["weight_map"]
+    shard = resaved / index["lm_head.bias"]
+    tensors = load_file(str(shard))
+    tensors["lm_head.bias"].zero_()
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(shard), {"format": "pt"})
+    assert not api.verify(root / "src", resaved, verify=options).verification.passed

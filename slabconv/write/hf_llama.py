@@ -41,10 +41,11 @@ import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
+from slabconv.load.fused import FUSED_LLAMA_TYPE
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX
 from slabconv.load.shards import LazyShards
 
-MODEL_TYPE = "slabconv_llama"
+MODEL_TYPE = FUSED_LLAMA_TYPE
 """``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms)."""
 
 MODELING_FILE = "modeling_slabconv_llama.py"
