@@ -734,3 +734,24 @@ def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_stream
 
     save_file(tensors, str(shard), {"format": "pt"})
     assert not api.verify(root / "src", resaved, verify=options).verification.passed
+
+
+def test_verify_in_memory_against_a_fused_folder_of_other_sizes_is_refused_before_any_work(folded, tmp_path):
+    """``verify ORIGINAL FOLDER`` in memory, the folder a fold of a LLaMA of other widths or depth (here one more
+    layer: the same vocabulary, so the logits have the same shape): refused before any work, naming what differs, as
+    ``--stream`` refuses it (was: question 2 ran, then exit 2 with torch's multi-line state_dict error from the
+    generation check, hiding question 2's verdict)."""
+    from dataclasses import replace
+
+    from slabconv.errors import InputError
+    from slabconv.options import VerifyOptions
+    from slabconv.zoo.llama import LlamaForCausalLM, llama_norm_factory
+    from tests.conftest import randomize_norms
+
+    root, *_ = folded
+    deeper = LlamaForCausalLM(replace(TINY, num_hidden_layers=3), llama_norm_factory("linearnorm", TINY.rms_norm_eps))
+    hfwrite.write_hf_folder(tmp_path / "src3", randomize_norms(deeper).half().state_dict(), CONFIG)
+    api.fuse(tmp_path / "src3", tmp_path / "out3", verify=None, write=STREAM)
+    for options in (VerifyOptions(samples=2, generate=2), VerifyOptions(samples=2, generate=0)):
+        with pytest.raises(InputError, match=r"differ in the number of decoder layers \(2 vs 3\).*not the same model"):
+            api.verify(root / "src", tmp_path / "out3", verify=options)
