@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import re
 import shlex
 from types import SimpleNamespace
 
@@ -755,3 +756,25 @@ def test_verify_in_memory_against_a_fused_folder_of_other_sizes_is_refused_befor
     for options in (VerifyOptions(samples=2, generate=2), VerifyOptions(samples=2, generate=0)):
         with pytest.raises(InputError, match=r"differ in the number of decoder layers \(2 vs 3\).*not the same model"):
             api.verify(root / "src", tmp_path / "out3", verify=options)
+
+
+def test_the_generation_twin_of_an_original_of_other_sizes_is_refused_in_one_line(folded):
+    """``original_twin`` given an original whose weights do not fit the fused folder's config: one line naming the
+    first weight that does not fit (was: torch's whole multi-line state_dict report inside the message)."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from slabconv.zoo.llama import LlamaForCausalLM, llama_norm_factory
+
+    root, *_ = folded
+    config = AutoConfig.from_pretrained(root / "out", trust_remote_code=True)
+    narrower = replace(TINY, hidden_size=16, num_attention_heads=2)
+    other = LlamaForCausalLM(narrower, llama_norm_factory("linearnorm", TINY.rms_norm_eps)).eval()
+    with pytest.raises(UnsupportedModelError) as err:
+        generate.original_twin(other, config, torch.float32)
+    message = str(err.value)
+    assert "\n" not in message and "\\n" not in message and "size mismatch for model.embed_tokens.weight" in message, (
+        message
+    )
+    assert re.search(r"and \d+ more\)$", message), message
