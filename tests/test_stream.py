@@ -712,9 +712,12 @@ def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_stream
     'could not detect the architecture' after the reference had run), and a dropped folded bias in it fails."""
     from transformers import AutoModelForCausalLM
 
+    from slabconv.load.fused import FUSED_LLAMA_TYPE
     from slabconv.load.model import load_model
     from slabconv.options import VerifyOptions
+    from slabconv.write.hf_llama import MODEL_TYPE
 
+    assert MODEL_TYPE == FUSED_LLAMA_TYPE  # the writer's model_type is the one the loader reads
     root, model, *_ = folded
     resaved = tmp_path / "resaved"
     fused = AutoModelForCausalLM.from_pretrained(root / "out", trust_remote_code=True)

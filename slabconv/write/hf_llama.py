@@ -41,12 +41,12 @@ import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
-from slabconv.load.fused import FUSED_LLAMA_TYPE
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX
 from slabconv.load.shards import LazyShards
 
-MODEL_TYPE = FUSED_LLAMA_TYPE
-"""``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms)."""
+MODEL_TYPE = "slabconv_llama"
+"""``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms); the loader reads it as
+``slabconv.load.fused.FUSED_LLAMA_TYPE`` (the same string: tests/test_stream.py)."""
 
 MODELING_FILE = "modeling_slabconv_llama.py"
 """The modeling file copied into the folder (from ``slabconv/write/templates``)."""
