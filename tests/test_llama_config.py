@@ -200,3 +200,25 @@ def test_a_qwen2_config_without_layer_types_windows_the_layers_transformers_wind
     want = tuple(8 if t == "sliding_attention" else None for t in saved.pop("layer_types"))
     assert want == (None, None, 8, 8) and _windows(saved, 4) == want
     assert _windows({**saved, "max_window_layers": 4}, 4) is None  # no layer reaches the window
+
+
+def test_a_folder_whose_config_lacks_the_head_count_is_told_to_add_it(prepbn, tmp_path):
+    """A folder whose config.json has no ``num_attention_heads`` (the weights do not show it) is told to add it, in
+    memory and streamed (was: 'read the model from its folder with config.json', which it was)."""
+    from slabconv import api
+    from slabconv.options import WriteOptions
+
+    write_hf_folder(
+        tmp_path / "src", prepbn.state_dict(), {k: v for k, v in CONFIG.items() if k != "num_attention_heads"}
+    )
+    wanted = (
+        "config.json has no num_attention_heads, and the LLaMA weights do not show the attention head count: add it"
+    )
+    with pytest.raises(UnsupportedModelError) as err:
+        load_model(tmp_path / "src")
+    assert wanted in str(err.value) and "read the model from its folder" not in str(err.value), str(err.value)
+    with pytest.raises(UnsupportedModelError) as err:
+        api.fuse(tmp_path / "src", tmp_path / "out", write=WriteOptions(stream=True, onnx=False))
+    assert wanted in str(err.value) and not (tmp_path / "out").exists(), str(err.value)
+    with pytest.raises(UnsupportedModelError, match="read the model from its folder with config.json"):
+        llama_config(prepbn.state_dict(), {})  # weights alone (no folder): the head count is what is missing

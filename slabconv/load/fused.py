@@ -49,6 +49,15 @@ def fused_metadata(
     return out
 
 
+FUSED_LLAMA_TYPE = "slabconv_llama"
+"""``model_type`` in the ``config.json`` of a fused LLaMA-PRepBN folder (``slabconv.write.hf_llama`` writes it): the
+norm-free LLaMA (architecture ``llama_prepbn`` without norms). ``load_model`` builds that model from such a folder
+whose weights lost slabconv's metadata (saved again by transformers' ``save_pretrained``)."""
+
+FUSED_LLAMA_ARCH = "llama_prepbn"
+"""The registered architecture whose norm-free model a ``FUSED_LLAMA_TYPE`` folder holds."""
+
+
 PROGRAM_INFO = "slabconv.json"
 """The extra file (``torch.export.save(..., extra_files=)``) of a ``.pt2`` slabconv wrote: a JSON object with
 ``slabconv_version``, the program's dynamic axes and the provenance keys of ``fused_metadata`` (``arch``,

@@ -19,7 +19,7 @@ from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
 from slabconv.load.checkpoint import Checkpoint
 from slabconv.load.formats import load_checkpoint, sniff_format
-from slabconv.load.fused import FusedMetadata, is_output_folder
+from slabconv.load.fused import FUSED_LLAMA_ARCH, FUSED_LLAMA_TYPE, FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
 from slabconv.util import upper_bound
@@ -264,6 +264,10 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
         # normalisation, and a standard decoder's fused weights are its own architecture's (norms included)
         standard = arch is not None and get_arch(arch).family == STANDARD_FAMILY
         norm = "checkpoint" if fused.norm_affine or standard else "identity"
+    elif ckpt.format.startswith("hf-") and isinstance(config, dict) and config.get("model_type") == FUSED_LLAMA_TYPE:
+        # a fused LLaMA folder whose weights lost slabconv's metadata (saved again by transformers): its config
+        # names the norm-free model; weights with a norm left in them fail load_strict below
+        arch, norm = arch or FUSED_LLAMA_ARCH, "identity"
     if image_size is not None:
         config = with_image_size(config, image_size)
     # A Hugging Face folder's sizes come from its config.json: name that file in what the config gets blamed for.

@@ -448,7 +448,9 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
     try:
         missing, unexpected = twin.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as err:
-        raise UnsupportedModelError(f"the original does not have the LLaMA layout the twin needs ({err})") from None
+        raise UnsupportedModelError(
+            f"the original does not have the LLaMA layout the twin needs ({_load_error(err)})"
+        ) from None
     if missing or unexpected:
         raise UnsupportedModelError(
             f"the original does not have the LLaMA layout the twin needs ({(missing or unexpected)[0]})"
@@ -463,6 +465,16 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
         raise UnsupportedModelError(f"the original does not have the LLaMA layout the twin needs ({err})") from None
     _real_rotary(twin, config)
     return twin.eval()
+
+
+def _load_error(err: RuntimeError) -> str:
+    """torch's ``load_state_dict`` report (a heading, then one line per weight, its line breaks sometimes written
+    as the two characters ``\\n``) as one line: the first weight's line, and how many more there are."""
+    lines = [line.strip() for line in str(err).replace("\\n", "\n").replace("\\t", "").splitlines() if line.strip()]
+    if len(lines) < 2:
+        return lines[0] if lines else type(err).__name__
+    more = f" and {len(lines) - 2} more" if len(lines) > 2 else ""
+    return f"{lines[1].rstrip('.')}{more}"
 
 
 def _real_rotary(model: Any, config: Any) -> None:

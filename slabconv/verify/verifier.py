@@ -545,6 +545,7 @@ def verify(
         raise UsageError(
             f"--generate needs a fused language-model folder as the candidate; {candidate.path} is not one"
         )
+    _same_decoder(reference, candidate)
     if opts.generate:
         _generation_fits(reference, candidate, opts.generate)
     if "streamed" in (reference.kind, candidate.kind):
@@ -777,6 +778,46 @@ def _bound_admits_zero(verification: Verification, related: bool) -> None:
         f"inputs ({names}): question 2's bound, twice that ({worst.tolerance:.3g}), admits an all-zero output and "
         f"cannot tell one model from another there; {which}; pass inputs the model was made for with --inputs NPZ"
     )
+
+
+def _same_decoder(reference: Side, candidate: Side) -> None:
+    """Refuse, before any work, a fused language-model folder whose weights are not the reference model's sizes: a
+    weight both name with other shapes, or another number of decoder layers (``model.layers.{i}``), read from the
+    folder's safetensors headers only. ``verify --stream`` refuses the same pair (``layerwise``'s config check);
+    without this, a fold of another LLaMA of the same vocabulary would reach question 2 and the generation check.
+
+    Raises:
+        InputError: the sizes differ (``REF and CAND differ in ...; they are not the same model``).
+    """
+    if reference.kind != "model" or reference.loaded is None or candidate.kind != "folder":
+        return
+    if not candidate.language_model:
+        return
+    from slabconv.errors import SlabconvError
+    from slabconv.write.hf_llama import folder_weight_specs
+
+    try:
+        specs = folder_weight_specs(candidate.path)
+    except SlabconvError:  # no weights to read here: the checks that open the folder say why
+        return
+    ref = {k: tuple(v.shape) for k, v in reference.loaded.model.state_dict().items()}
+    if not any(k in ref for k in specs):
+        return  # another naming (a program's): nothing to compare by name
+
+    def layers(keys: Any) -> int:
+        return len({k.split(".")[2] for k in keys if k.startswith("model.layers.") and k.count(".") > 2})
+
+    differ = ""
+    if layers(ref) != layers(specs):
+        differ = f"the number of decoder layers ({layers(ref)} vs {layers(specs)})"
+    else:
+        shapes = [(k, ref[k], tuple(shape)) for k, (_, shape) in specs.items() if k in ref and ref[k] != tuple(shape)]
+        if shapes:
+            key, a, b = shapes[0]
+            more = f" and {len(shapes) - 1} more" if len(shapes) > 1 else ""
+            differ = f"{key} ({list(a)} vs {list(b)}){more}"
+    if differ:
+        raise InputError(f"{reference.path} and {candidate.path} differ in {differ}; they are not the same model")
 
 
 def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:

@@ -45,7 +45,8 @@ from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX
 from slabconv.load.shards import LazyShards
 
 MODEL_TYPE = "slabconv_llama"
-"""``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms)."""
+"""``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms); the loader reads it as
+``slabconv.load.fused.FUSED_LLAMA_TYPE`` (the same string: tests/test_stream.py)."""
 
 MODELING_FILE = "modeling_slabconv_llama.py"
 """The modeling file copied into the folder (from ``slabconv/write/templates``)."""

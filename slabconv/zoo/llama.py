@@ -417,8 +417,8 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
 
     Raises:
         UnsupportedModelError: not LLaMA-layout weights; no head count known (the weights do not show it: give the
-            config.json); a ``num_key_value_heads`` that disagrees with the k_proj weight, or does not divide the
-            head count.
+            config.json, or add ``num_attention_heads`` to the one given); a ``num_key_value_heads`` that disagrees
+            with the k_proj weight, or does not divide the head count.
         UnsupportedSetting: a scaled rope (``rope_theta``), a ``head_dim`` other than ``hidden_size /
             num_attention_heads`` (``check_head_dim``), no ``lm_head.weight`` (tied embeddings).
     """
@@ -430,6 +430,11 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
     if "lm_head.weight" not in state_dict:
         raise UnsupportedSetting(TIED_HEAD)
     if config.get("num_attention_heads") is None and defaults is None:
+        if config:  # a folder's config.json, without the one field the weights cannot give
+            raise UnsupportedModelError(
+                "config.json has no num_attention_heads, and the LLaMA weights do not show the attention head "
+                "count: add it to config.json"
+            )
         raise UnsupportedModelError(
             "the LLaMA weights do not show the attention head count; read the model from its folder with "
             "config.json (num_attention_heads)"
