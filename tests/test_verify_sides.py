@@ -193,6 +193,21 @@ def test_a_file_no_runtime_ran_is_named_in_the_verdict(tmp_path: Path, monkeypat
     assert line.endswith("; name another runtime, or leave out --runtime to run it in every runtime that can")
 
 
+def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that_can(
+    tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--runtime pytorch for an .onnx: the runtimes that can run it include OpenVINO where it is installed, though it
+    runs only when named (the line said "runtimes that can: onnxruntime")."""
+    from slabconv.errors import UsageError
+    from slabconv.verify import sides
+
+    openvino = backends.BACKENDS["openvino"]
+    monkeypatch.setitem(backends.BACKENDS, "openvino", type(openvino)(**{**vars(openvino), "package": ""}))
+    candidate = sides.open_side(tiny_fused / "ckpt-fused" / "model.onnx")
+    with pytest.raises(UsageError, match=r"\(runtimes that can: onnxruntime, openvino\); choose one of those$"):
+        verifier.candidate_runs(candidate, ("pytorch",))
+
+
 def test_a_runtime_computing_below_the_files_dtype_is_held_to_the_original_in_that_precision(
     tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -134,9 +134,16 @@ def candidate_runs(
         opener = functools.partial(_folder_module, candidate, dtype, what, load)
         fallback = Pending(what, torch_label(candidate.dtype, what), opener, "pytorch")
     if names is not None:
+        # the opt-in runtimes installed here run an .onnx too, though only when named (OpenVINO)
+        opt_in = [
+            b.name
+            for b in BACKENDS.values()
+            if candidate.onnx is not None and b.opt_in and "verify" in b.commands and not b.quantized
+            and b.unavailable() is None
+        ]  # fmt: skip
         for name in dict.fromkeys(names):
             if not any(p.backend == name for p in pending) and not (fallback and fallback.backend == name):
-                have = ", ".join(dict.fromkeys(p.backend for p in pending)) or "none"
+                have = ", ".join(dict.fromkeys([*(p.backend for p in pending), *opt_in])) or "none"
                 raise UsageError(
                     f"--runtime {name} cannot run {candidate.path} (runtimes that can: {have}); choose one of those"
                 )
