@@ -234,6 +234,33 @@ def test_a_runtime_computing_below_the_files_dtype_is_held_to_the_original_in_th
         in " ".join(report["verification"]["notes"])  # fmt: skip
 
 
+def test_an_onnx_original_is_run_by_the_runtime_that_computed_below_the_files_dtype(
+    onnx_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ONNX original has no PyTorch model to cast: where a runtime computes its fused model.onnx in a narrower
+    precision (OpenVINO's bfloat16), the original's own error there is the original .onnx run by that runtime. It
+    stayed the original's float32 error, so the bound fell to bfloat16's 1e-2: the digits fixture exported with
+    export --no-fuse and fused as an ONNX original failed in OpenVINO (0.014 against 0.01) while its original,
+    compiled alike, was 0.0107 off. The stand-in runtime is 2% off whatever it runs."""
+    from slabconv.verify import runtimes
+
+    def two_percent_off(backend, path, **how):  # noqa: ANN001, ANN003, ANN202 - the opener's signature
+        [exact] = runtimes.onnx_runtimes(path, several=True, levels=runtimes.ORT_LEVELS[:1])
+        return [runtimes.Runtime("computes in bfloat16", lambda x: [o * 1.02 for o in exact.run(x)], "bfloat16",
+                                 exact.output_names, exact.fixed_batch, kind="openvino")]  # fmt: skip
+
+    monkeypatch.setattr(runtimes, "two_percent_off", two_percent_off, raising=False)
+    openvino = backends.BACKENDS["openvino"]
+    fake = type(openvino)(**{**vars(openvino), "package": "", "opener": "two_percent_off"})
+    monkeypatch.setitem(backends.BACKENDS, "openvino", fake)
+    code, report, stderr = _json(onnx_fused / "original.onnx", onnx_fused / "fused", "--runtime", "openvino")
+    assert code == 0, stderr
+    [check] = report["verification"]["checks"]
+    assert check["dtype"] == "bfloat16" and check["e_orig"] == pytest.approx(0.02, rel=1e-3)
+    assert ("computes in bfloat16 computed in bfloat16: the original's own error there is that of the reference "
+            "original.onnx run by the same runtime") in report["verification"]["notes"]  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------- input problems
 
 

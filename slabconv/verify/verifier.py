@@ -348,7 +348,7 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
     names = output_names(len(original), runtime.output_names)
     runtime.close()
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
-    ref = Reference(x, label, digest, info.dtype, original, exact, names)
+    ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path)
     check_reference(ref)
     return ref, which, batch
 
@@ -626,11 +626,9 @@ def _whole(
         raise InputError(f"{candidate.path}: no runtime here can run it ({why})")
     verification.checks += checks
     verification.not_run += not_run
-    for dtype in ref.cast:
-        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype)
-        verification.notes.append(
-            f"{labels} computed in {dtype}: the original's own error there is that of the reference cast to {dtype}"
-        )
+    for dtype, backend, how in ref.cast_by.values():
+        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype and backend in ("", rt.kind))
+        verification.notes.append(f"{labels} computed in {dtype}: the original's own error there is that of {how}")
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
     _constant_outputs(verification, ref, related)
