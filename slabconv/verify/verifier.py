@@ -409,19 +409,26 @@ def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozens
 
 def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]:
     """The candidate's files question 1 reads, each with a reader of its stored tensors (``_written_tensors``):
-    a folder's weights and its ``model.onnx``; another side's own file (the localisation reads the same). A
-    folder's ``model.pt2`` is not read here: ``torch.export.load`` costs seconds, and it holds the program that
-    ``model.onnx`` was translated from (``verify CKPT FOLDER/model.pt2`` reads its tensors)."""
-    from slabconv.verify import onnx_original
-
+    a folder's weights, its ``model.onnx`` and a fused language model's ``decoder.onnx`` (its weights under the
+    transformers module's names, Linear weights transposed: read by value); another side's own file (the
+    localisation reads the same). A folder's ``model.pt2`` is not read here: ``torch.export.load`` costs seconds,
+    and it holds the program that ``model.onnx`` was translated from (``verify CKPT FOLDER/model.pt2`` reads its
+    tensors)."""
     if candidate.kind != "folder" or candidate.weights is None:
         return [(candidate.path.name, functools.partial(_written_tensors, candidate))]
     files: list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]
     files = [(candidate.weights.name, functools.partial(_written_tensors, candidate))]
-    if candidate.onnx is not None:
-        path = candidate.onnx.path
-        files.append((path.name, lambda: (onnx_original.float_tensors(path), True)))
+    for path in (candidate.onnx.path if candidate.onnx is not None else None, candidate.path / "decoder.onnx"):
+        if path is not None and path.is_file():
+            files.append((path.name, functools.partial(_onnx_tensors, path)))
     return files
+
+
+def _onnx_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """An ``.onnx``'s floating initializers for question 1, matched by value (``written_files``)."""
+    from slabconv.verify import onnx_original
+
+    return onnx_original.float_tensors(path), True
 
 
 def _question_1_onnx(
