@@ -486,6 +486,22 @@ def test_a_broken_fused_onnx_of_an_onnx_original_fails_naming_the_fold_that_brok
     assert failed and all(f"first diverging fold: {fold} (relative error" in m for m in failed)
 
 
+@pytest.mark.parametrize("option", [["--arch", "deit_prepbn"], ["--image-size", "16"]])
+def test_options_that_build_a_checkpoints_model_are_refused_for_two_onnx_graphs(
+    onnx_fused: Path, option: list[str]
+) -> None:
+    """An ONNX original and its fold (the folder holds model.onnx alone): neither side is built, so --arch and
+    --image-size would be ignored; refused before any work, as every option that would do nothing (they ran and
+    passed)."""
+    for candidate in (onnx_fused / "fused", onnx_fused / "fused" / "model.onnx"):
+        result = runner.invoke(app, ["verify", str(onnx_fused / "original.onnx"), str(candidate), *option])
+        assert result.exit_code == 2
+        assert error_lines(result.stderr) == [
+            f"error: {option[0]} says how to build a checkpoint's model, and neither {onnx_fused / 'original.onnx'} "
+            f"nor {candidate} is built (an ONNX graph is its own model); drop it"
+        ]
+
+
 def test_a_changed_constant_of_an_onnx_original_no_fold_wrote_is_named_not_blamed_on_a_fold(tmp_path: Path) -> None:
     """The fused model.onnx of the Paddle block fixture with its attention scale (``auto.cast.2``, read by a Mul of
     activations, no layer's weight) changed: every boundary after it diverges with its own initializers right; it
