@@ -55,19 +55,27 @@ def test_an_unfused_export_verifies_like_any_model(tiny_fused: Path, tmp_path: P
     assert any("an unfused export of its source (export --no-fuse)" in n for n in v["notes"])
 
 
-@pytest.mark.parametrize("pair", ["same file", "same folder", "two fused files", "unfused export first"])
+@pytest.mark.parametrize(
+    "pair", ["same file", "same folder", "two fused files", "unfused export first", "unfused export of the candidate"]
+)
 def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, tmp_path: Path, pair: str) -> None:
     """The same file or folder twice, a fused file or an unfused export given as the reference of a fold of its
-    source: question 2 only, and the note says which (they said "the candidate records no source" / "folded from
-    another file"; the same folder twice "the reference is a fused file, folded from the same source")."""
+    source, an unfused export given as the reference of its own source: question 2 only, and the note says which
+    (they said "the candidate records no source" / "folded from another file"; the same folder twice "the reference
+    is a fused file, folded from the same source")."""
     ckpt, folder = tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused"
     reference, candidate, want = {
         "same file": (ckpt, ckpt, "the reference itself (the same bytes)"),
         "same folder": (folder, folder, "the reference itself (the same bytes)"),
         "two fused files": (folder / "model.pt2", folder / "model.safetensors", "the reference is a fused file"),
         "unfused export first": (tmp_path / "orig.onnx", folder / "model.onnx", "the reference is an unfused export"),
+        "unfused export of the candidate": (
+            tmp_path / "orig.onnx",
+            ckpt,
+            "the reference is an unfused export (export --no-fuse) of the candidate",
+        ),
     }[pair]
-    if pair == "unfused export first":
+    if pair.startswith("unfused export"):
         api.export(ckpt, reference, fuse=False)
     code, report, stderr = _json(reference, candidate)
     assert code == 0, stderr
