@@ -285,7 +285,8 @@ def _blame(
         # boundaries diverge, none by its own tensors, and what differs is a fold's (a kept norm's affine)
         name, units = differ[0]
         loc.detail = f"first differing tensor: {name!r} ({units:.3g} units in the last place from the value it is "
-        loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift); "
+        loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift, or "
+        loc.detail += "the weight of 1 a norm keeps when --fold-norm-affine folded its affine); "
         loc.detail += "the fold boundaries after it diverge only through it"
     return loc
 
