@@ -276,10 +276,11 @@ def verify(
     check_input(reference, folders=False)
     check_input(candidate, folders=False)
     _check_runtimes(verify, stream)
-    from slabconv.load.model import check_ema_applies
+    from slabconv.load.model import check_build_options_apply, check_ema_applies
     from slabconv.verify import sides, verifier  # torch: after the path checks, which answer without it
 
     check_ema_applies((reference, candidate), load)
+    check_build_options_apply((reference, candidate), load)
 
     ref_path, cand_path = Path(reference), Path(candidate)
     opts = _generation_default(verify or VerifyOptions(), ref_path, cand_path)

@@ -427,6 +427,27 @@ def test_a_standard_decoder_folds_into_its_own_architecture(decoders, fused, kin
     assert torch.equal(got, want)
 
 
+def test_a_changed_norm_weight_of_one_is_named_as_what_the_fold_wrote(decoders, fused, tmp_path):
+    """A norm weight --fold-norm-affine set to 1, changed in model.safetensors: question 1 names it, and the
+    localisation says what wrote it (the norm folded; it said "a kept norm's scale or shift", no norm being kept)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    key = "model.layers.1.input_layernorm.weight"
+    broken = tmp_path / "broken"
+    shutil.copytree(fused["qwen2"][1], broken)
+    with safe_open(str(broken / "model.safetensors"), framework="pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key][3] = 1.25
+    save_file(tensors, str(broken / "model.safetensors"), metadata)
+    v = api.verify(decoders["qwen2"][1], broken, verify=VerifyOptions(samples=2, generate=0)).verification
+    assert not v.passed and v.localization is not None and v.localization.first_tensor == key
+    assert "the weight of 1 a norm keeps when --fold-norm-affine folded its affine" in v.localization.detail
+    assert "a kept norm's scale or shift, or" in v.localization.detail
+
+
 def test_the_streamed_fold_writes_the_in_memory_tensors(decoders, fused, tmp_path):
     _, folder = decoders["llama"]
     report = api.fuse(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import math
 import re
 import shlex
 from types import SimpleNamespace
@@ -489,6 +490,10 @@ def test_a_changed_streamed_tensor_no_fold_wrote_is_named_not_blamed_on_the_runt
     line = v.failure_line()
     assert f"no fold to blame: the first stored tensor that differs from the fold is {key!r}" in line
     assert "comes from the runtime" not in line
+    # how far it moved, in units in the last place as in memory (a copy that differed read "inf units")
+    [exact] = v.exact
+    assert not exact.passed and exact.worst == key and 1 < exact.error < math.inf
+    assert "(inf units in the last place" not in line
 
 
 def _changed(folder, key, to, change):

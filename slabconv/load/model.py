@@ -216,6 +216,32 @@ def check_ema_applies(paths: tuple[Path | str, ...], options: LoadOptions | None
         )
 
 
+def check_build_options_apply(paths: tuple[Path | str, ...], options: LoadOptions | None) -> None:
+    """Refuse ``--arch`` and ``--image-size`` for a ``verify`` whose sides are all ONNX graphs (an ``.onnx``, or a
+    folder ``fuse`` wrote from one: its ``model.onnx`` without fused weights or a program): they say how to build a
+    checkpoint's model, and an ONNX graph is its own model, so every side would ignore them.
+
+    Raises:
+        UsageError: naming the first such option given.
+    """
+    opts = options or LoadOptions()
+    given = [flag for flag, on in (("--arch", opts.arch), ("--image-size", opts.image_size)) if on]
+    if given and all(_onnx_graph_side(Path(p)) for p in paths):
+        raise UsageError(
+            f"{given[0]} says how to build a checkpoint's model, and neither {paths[0]} nor {paths[1]} is built "
+            "(an ONNX graph is its own model); drop it"
+        )
+
+
+def _onnx_graph_side(path: Path) -> bool:
+    """An ``.onnx`` file, or a folder ``fuse`` wrote holding only ``model.onnx`` (the fold of an ONNX original)."""
+    if path.is_dir():
+        built = any((path / n).exists() for n in ("model.pt2", "model.safetensors", "config.json"))
+        return is_output_folder(path) and (path / "model.onnx").is_file() and not built
+    found = sniff_format(path)
+    return found is not None and found.engine == "onnx"
+
+
 def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 

@@ -198,8 +198,11 @@ def exact_tensors(
         against: what ``fold64`` is, for the detail (``fuse --simplify``'s candidates are held to the fold in their
             dtypes, simplified).
         unchanged: with ``by_value``, the fold's tensors that are the original's own (no fold wrote them): one the
-            file does not hold by name is not looked for by value, nor counted (an exporter stores what it computes
-            from such a constant, e.g. a Swin relative-position bias gathered by its index); question 2 judges it.
+            file does not hold by name is looked for by value like the others (an exporter stores a Linear weight
+            no fold wrote transposed under a generated name too), but is not counted where the file holds no
+            floating tensor of its shape or transposed shape at all (an exporter stores what it computes from such a
+            constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), nor where it
+            is an integer buffer (an index: ``written`` holds floating tensors).
     """
     pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
     if by_value:
@@ -211,8 +214,6 @@ def exact_tensors(
         got = written.get(key)
         if got is not None:
             distance = _distance(got.detach().cpu(), exact64)
-        elif by_value and key in unchanged:
-            continue
         elif by_value:
             same = [_distance(t, exact64) for t in pool.get(tuple(exact64.shape), [])]
             flipped = (
@@ -220,6 +221,8 @@ def exact_tensors(
                 if exact64.dim() == 2
                 else []
             )
+            if key in unchanged and (not exact.is_floating_point() or not (same or flipped)):
+                continue
             distance = min([*same, *flipped], default=math.inf)
         else:
             distance = math.inf

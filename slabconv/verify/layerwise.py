@@ -198,8 +198,9 @@ def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram
 def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgram) -> Iterator[tuple[str, float]]:
     """``(key, distance)`` of every tensor of ``written`` from its recipe in the fold ``program`` over ``source``
     (``exact_streamed``'s rule: units in the last place from a folded weight's or bias's float64 rows rounded
-    once, 0 or ``inf`` for a copy bit for bit or not, ``inf`` for a tensor with no recipe), in ``written``'s order,
-    one block at a time: a key may come several times (its blocks), its distance the largest."""
+    once, a copy's units in the last place from its source (``_copy_distance``: 0 bit for bit), ``inf`` for a
+    tensor with no recipe), in ``written``'s order, one block at a time: a key may come several times (its blocks),
+    its distance the largest."""
     layer_biases = {la.bias_out for la in program.layers.values() if la.bias_out}
     scratch = Scratch()
 
@@ -236,9 +237,20 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
             src = recipe.source
             for start, stop in row_ranges(source.shape(src), written.block_elements):
                 rows = slice(start, stop) if len(source.shape(src)) > 1 else None
-                yield key, 0.0 if torch.equal(written.get(key, rows), source.get(src, rows)) else math.inf
+                yield key, _copy_distance(written.get(key, rows), source.get(src, rows))
         else:
             yield key, math.inf  # a tensor neither copied nor made by a fold
+
+
+def _copy_distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    """How far a copied block is from its source block: 0 bit for bit; else, in the same floating dtype and shape,
+    its units in the last place from the source (``judge.ulps``, the distance question 1 gives every other
+    tensor, so a changed copy reads as how far it moved, not as "not finite"); ``inf`` otherwise."""
+    if torch.equal(got, want):
+        return 0.0
+    if got.shape == want.shape and got.dtype == want.dtype and got.dtype.is_floating_point:
+        return judge.ulps(got, want.double())
+    return math.inf
 
 
 def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:

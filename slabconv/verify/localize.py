@@ -224,7 +224,13 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     fold = {k: v for k, v in engine.fused_state_dict(fused64).items() if v.is_floating_point()}
     unchanged = unchanged_tensors(original64, fold)
     written, by_value = _stored_file(candidate, fold, unchanged)
-    kept = {k: _match(k, v, written, by_value) for k, v in fold.items() if k not in unchanged or k in written}
+    # a tensor no fold wrote is read where question 1 reads it: by name, or by value where the file holds a
+    # tensor of its shape (judge.exact_tensors)
+    kept = {
+        k: _match(k, v, written, by_value)
+        for k, v in fold.items()
+        if k not in unchanged or k in written or (by_value and _shaped_like(v, written))
+    }
     stored = {k: kept[k].double() if k in kept else v for k, v in fold.items()}
     correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
     cand64 = _with_tensors(fused64, stored)
@@ -293,7 +299,8 @@ def _blame(
         # boundaries diverge, none by its own tensors, and what differs is a fold's (a kept norm's affine)
         name, units = differ[0]
         loc.detail = f"first differing tensor: {name!r} ({units:.3g} units in the last place from the value it is "
-        loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift); "
+        loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift, or "
+        loc.detail += "the weight of 1 a norm keeps when --fold-norm-affine folded its affine); "
         loc.detail += "the fold boundaries after it diverge only through it"
     return loc
 
@@ -337,6 +344,12 @@ def _stored_file(
             return written, by_value
         del written
     return files[0][1]()
+
+
+def _shaped_like(exact: torch.Tensor, written: dict[str, torch.Tensor]) -> bool:
+    """``written`` holds a tensor of ``exact``'s shape, or (a matrix) of its transposed shape."""
+    shapes = {tuple(exact.shape)} | ({tuple(exact.shape)[::-1]} if exact.dim() == 2 else set())
+    return any(tuple(t.shape) in shapes for t in written.values())
 
 
 def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_value: bool) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,10 @@ class Reference:
         original_dtype: the precision ``original`` was computed in, when not ``dtype`` (a candidate stored in a
             narrower dtype: the reference cast to it).
         cast: the original's outputs in each narrower precision a runtime computed in (``original_in``).
+        onnx: the path of an ONNX original (no PyTorch model): ``original_in`` runs it in the runtime that computed
+            in a narrower precision.
+        cast_by: for each entry of ``cast``, ``(dtype, backend, how)``: the precision, the backend that computed
+            it (empty: PyTorch, the reference cast) and how, in words, for the report's note.
     """
 
     x: Any
@@ -80,22 +85,55 @@ class Reference:
     model: LoadedModel | None = None
     original_dtype: str | None = None
     cast: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
+    onnx: Path | None = None
+    cast_by: dict[str, tuple[str, str, str]] = field(default_factory=dict, repr=False)
 
-    def original_in(self, dtype: str) -> tuple[list[np.ndarray], str]:
+    def original_in(self, dtype: str, runtime: Runtime | None = None) -> tuple[list[np.ndarray], str]:
         """The original's outputs in the precision a runtime computed in, and that precision: ``original`` (in
         ``original_dtype``), or, where ``dtype`` keeps fewer mantissa bits (OpenVINO computing a float32 file in
         bfloat16 on CPUs with bfloat16), the reference model cast to ``dtype`` in PyTorch on the same inputs
         (``original_cast``; computed once per dtype): the error any model has in that precision, as for a file
-        stored in it (docs/verification.md). Without a PyTorch model (an ONNX original), ``original``."""
+        stored in it (docs/verification.md). An ONNX original (no PyTorch model) is run by ``runtime``'s backend
+        instead (``original_onnx_in``), where it computes the original in that precision too; else ``original``."""
         have = self.original_dtype or self.dtype
         want = getattr(torch, dtype, None)
-        if self.model is None or not isinstance(want, torch.dtype) or not want.is_floating_point:
+        if not isinstance(want, torch.dtype) or not want.is_floating_point:
             return self.original, have
         if torch.finfo(want).eps <= torch.finfo(getattr(torch, have)).eps:
             return self.original, have
+        if self.model is None:
+            found = self.original_onnx_in(dtype, runtime)
+            return found if found is not None else (self.original, have)
         if dtype not in self.cast:
             self.cast[dtype] = original_cast(self.model, want, self.x)
+            self.cast_by[dtype] = (dtype, "", f"the reference cast to {dtype}")
         return self.cast[dtype], dtype
+
+    def original_onnx_in(self, dtype: str, runtime: Runtime | None) -> tuple[list[np.ndarray], str] | None:
+        """An ONNX original's outputs computed in ``dtype`` by the backend of ``runtime`` (``runtime.kind``: OpenVINO
+        compiles the original as it compiled the candidate, in bfloat16 on CPUs with bfloat16), or None where it
+        cannot (no ONNX original, a runtime of no backend, one that cannot run the original or computes it in
+        another precision). Computed once per backend and dtype."""
+        from slabconv.verify.backends import BACKENDS
+        from slabconv.verify.runtimes import RuntimeUnavailable
+
+        backend = BACKENDS.get(runtime.kind) if runtime is not None else None
+        if self.onnx is None or backend is None or backend.takes != "onnx" or backend.quantized:
+            return None
+        key = f"{dtype} ({backend.name})"
+        if key not in self.cast:
+            try:
+                [original] = backend.open(self.onnx)
+            except RuntimeUnavailable:
+                return None
+            try:
+                if original.dtype != dtype:
+                    return None
+                self.cast[key] = run_batched(original.run, self.x, fixed_batch=original.fixed_batch)
+                self.cast_by[key] = (dtype, backend.name, f"the reference {self.onnx.name} run by the same runtime")
+            finally:
+                original.close()
+        return self.cast[key], dtype
 
     def at_length(self, loaded: LoadedModel, length: int) -> Reference:
         """The same reference on the first ``length`` tokens of every input (a language model whose graphs take
@@ -171,7 +209,7 @@ def question_2(
             "compare two versions of the same model"
         )
     labels = output_names(len(outputs), names or runtime.output_names)
-    baseline, _ = reference.original_in(runtime.dtype)
+    baseline, _ = reference.original_in(runtime.dtype, runtime)
     checks = []
     for i, (label, cand) in enumerate(zip(labels, outputs, strict=True)):
         ref = baseline[i]

@@ -411,6 +411,8 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
             f"the reference is {what} from the same source as the candidate; give that source first to ask whether "
             "the fold is exact"
         )
+    if p is None and r is not None and not r.folded and r.source_sha256 in candidate.digests(whole=True):
+        return "the reference is an unfused export (export --no-fuse) of the candidate; nothing was folded"
     if p is None:
         return "the candidate records no source it was folded from"
     if not p.folded:

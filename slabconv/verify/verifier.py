@@ -134,9 +134,16 @@ def candidate_runs(
         opener = functools.partial(_folder_module, candidate, dtype, what, load)
         fallback = Pending(what, torch_label(candidate.dtype, what), opener, "pytorch")
     if names is not None:
+        # the opt-in runtimes installed here run an .onnx too, though only when named (OpenVINO)
+        opt_in = [
+            b.name
+            for b in BACKENDS.values()
+            if candidate.onnx is not None and b.opt_in and "verify" in b.commands and not b.quantized
+            and b.unavailable() is None
+        ]  # fmt: skip
         for name in dict.fromkeys(names):
             if not any(p.backend == name for p in pending) and not (fallback and fallback.backend == name):
-                have = ", ".join(dict.fromkeys(p.backend for p in pending)) or "none"
+                have = ", ".join(dict.fromkeys([*(p.backend for p in pending), *opt_in])) or "none"
                 raise UsageError(
                     f"--runtime {name} cannot run {candidate.path} (runtimes that can: {have}); choose one of those"
                 )
@@ -345,7 +352,7 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
     names = output_names(len(original), runtime.output_names)
     runtime.close()
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
-    ref = Reference(x, label, digest, info.dtype, original, exact, names)
+    ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path)
     check_reference(ref)
     return ref, which, batch
 
@@ -430,19 +437,26 @@ def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozens
 
 def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]:
     """The candidate's files question 1 reads, each with a reader of its stored tensors (``_written_tensors``):
-    a folder's weights and its ``model.onnx``; another side's own file (the localisation reads the same). A
-    folder's ``model.pt2`` is not read here: ``torch.export.load`` costs seconds, and it holds the program that
-    ``model.onnx`` was translated from (``verify CKPT FOLDER/model.pt2`` reads its tensors)."""
-    from slabconv.verify import onnx_original
-
+    a folder's weights, its ``model.onnx`` and a fused language model's ``decoder.onnx`` (its weights under the
+    transformers module's names, Linear weights transposed: read by value); another side's own file (the
+    localisation reads the same). A folder's ``model.pt2`` is not read here: ``torch.export.load`` costs seconds,
+    and it holds the program that ``model.onnx`` was translated from (``verify CKPT FOLDER/model.pt2`` reads its
+    tensors)."""
     if candidate.kind != "folder" or candidate.weights is None:
         return [(candidate.path.name, functools.partial(_written_tensors, candidate))]
     files: list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]
     files = [(candidate.weights.name, functools.partial(_written_tensors, candidate))]
-    if candidate.onnx is not None:
-        path = candidate.onnx.path
-        files.append((path.name, lambda: (onnx_original.float_tensors(path), True)))
+    for path in (candidate.onnx.path if candidate.onnx is not None else None, candidate.path / "decoder.onnx"):
+        if path is not None and path.is_file():
+            files.append((path.name, functools.partial(_onnx_tensors, path)))
     return files
+
+
+def _onnx_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
+    """An ``.onnx``'s floating initializers for question 1, matched by value (``written_files``)."""
+    from slabconv.verify import onnx_original
+
+    return onnx_original.float_tensors(path), True
 
 
 def _question_1_onnx(
@@ -584,6 +598,9 @@ def _whole(
         )
     if opts.calibration is not None and not quantizing:
         raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")
+    # why question 1 does not apply, said of the sides as given (a folder's fused model is built from its model.pt2,
+    # whose bytes are not the folder's weights: the same folder on both sides would not read as itself)
+    unrelated = None if related else sides.why_not_a_fold(reference, candidate)
     if reference.kind == "folder":
         reference = sides.model_side(reference.built(), reference.path)  # a folder fuse wrote: its fused model
     a, b = reference.source.input_shape, candidate.source.input_shape
@@ -620,10 +637,7 @@ def _whole(
             verification.exact += _question_1_torch(ref, fused64, candidate, batch, progress)
         del fused64
     else:
-        verification.notes.append(
-            f"question 1 (is the fold exact?) not answered: {sides.why_not_a_fold(reference, candidate)}; question 2 "
-            "only"
-        )
+        verification.notes.append(f"question 1 (is the fold exact?) not answered: {unrelated}; question 2 only")
     release_memory()
     check = checker_check(candidate, reference)
     if check is not None:
@@ -648,11 +662,9 @@ def _whole(
         raise InputError(f"{candidate.path}: no runtime here can run it ({why})")
     verification.checks += checks
     verification.not_run += not_run
-    for dtype in ref.cast:
-        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype)
-        verification.notes.append(
-            f"{labels} computed in {dtype}: the original's own error there is that of the reference cast to {dtype}"
-        )
+    for dtype, backend, how in ref.cast_by.values():
+        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype and backend in ("", rt.kind))
+        verification.notes.append(f"{labels} computed in {dtype}: the original's own error there is that of {how}")
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
     _constant_outputs(verification, ref, related)
