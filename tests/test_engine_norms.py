@@ -576,25 +576,13 @@ def test_a_learned_scalar_after_a_private_linear_folds_backward():
     assert "alpha" not in fused_state_dict(gm)
 
 
-def test_scalars_that_are_not_learned_or_not_on_channels_are_not_norms():
-    model = ScalarsNotLearned().eval()
-    x = tokens()
-    reference = model(x)
-    gm = capture(model, x)
-    before = aten_ops(gm)
-    assert find_norms(gm) == []
-    assert fold_all(gm) == []
-    assert aten_ops(gm) == before
-    assert torch.equal(gm(x), reference)
-
-
 class NotNorms(nn.Module):
     """Products and sums that are not per-channel affines of a channel axis."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("per_token", torch.randn(N, 1, generator=gen(11)))  # a vector over the token axis
-        self.scale = nn.Parameter(torch.tensor([0.3]))  # a one-element parameter
+        self.scale = nn.Parameter(torch.tensor([0.3]))  # a learned scalar, on the token-axis product
         self.bias = nn.Parameter(torch.randn(C, generator=gen(12)))  # a constant vector added alone
         self.pos = nn.Parameter(torch.randn(1, N, C, generator=gen(13)))  # varies over tokens and channels
         self.fc = nn.Linear(C, C)
@@ -607,8 +595,9 @@ class NotNorms(nn.Module):
         return self.fc2(h * h)
 
 
-def test_products_that_are_not_channel_affines_are_not_norms():
-    model = NotNorms().eval()
+@pytest.mark.parametrize("cls", [NotNorms, ScalarsNotLearned])
+def test_products_that_are_not_channel_affines_are_not_norms(cls):
+    model = cls().eval()
     x = tokens()
     reference = model(x)
     gm = capture(model, x)
