@@ -180,6 +180,7 @@ def exact_tensors(
     by_value: bool = False,
     against: str = "the float64 fold",
     unchanged: frozenset[str] = frozenset(),
+    rewritten: bool = False,
 ) -> ExactCheck:
     """Question 1 for written files: every tensor of the float64 fold, rounded to the written dtype, equals the
     written tensor within ``ulp_bound`` units in the last place (a tensor the file lacks fails).
@@ -201,8 +202,11 @@ def exact_tensors(
             file does not hold by name is looked for by value like the others (an exporter stores a Linear weight
             no fold wrote transposed under a generated name too), but is not counted where the file holds no
             floating tensor of its shape or transposed shape at all (an exporter stores what it computes from such a
-            constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), nor where it
-            is an integer buffer (an index: ``written`` holds floating tensors).
+            constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), where it
+            is an integer buffer (an index: ``written`` holds floating tensors), nor at all where the file was
+            ``rewritten``.
+        rewritten: a simplifier rewrote the file (``fuse --simplify``: onnxscript's optimizer drops an ``Add`` of a
+            zero bias, and may merge constants): an unchanged tensor it does not hold by name is left to question 2.
     """
     pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
     if by_value:
@@ -221,7 +225,7 @@ def exact_tensors(
                 if exact64.dim() == 2
                 else []
             )
-            if key in unchanged and (not exact.is_floating_point() or not (same or flipped)):
+            if key in unchanged and (rewritten or not exact.is_floating_point() or not (same or flipped)):
                 continue
             distance = min([*same, *flipped], default=math.inf)
         else:

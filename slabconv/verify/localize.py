@@ -335,12 +335,15 @@ def _stored_file(
 ) -> tuple[dict[str, torch.Tensor], bool]:
     """The tensors of the candidate's first file that are not the fold (question 1's files, ``written_files``),
     else of its first file, and whether they are matched by value."""
-    from slabconv.verify.verifier import written_files
+    from slabconv.verify.verifier import rewritten, written_files
 
     files = written_files(candidate)
     for name, read in files:
         written, by_value = read()
-        if not judge.exact_tensors(name, written, fold, by_value=by_value, unchanged=unchanged).passed:
+        check = judge.exact_tensors(
+            name, written, fold, by_value=by_value, unchanged=unchanged, rewritten=rewritten(candidate, name)
+        )
+        if not check.passed:
             return written, by_value
         del written
     return files[0][1]()

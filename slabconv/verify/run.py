@@ -113,26 +113,29 @@ class Reference:
         """An ONNX original's outputs computed in ``dtype`` by the backend of ``runtime`` (``runtime.kind``: OpenVINO
         compiles the original as it compiled the candidate, in bfloat16 on CPUs with bfloat16), or None where it
         cannot (no ONNX original, a runtime of no backend, one that cannot run the original or computes it in
-        another precision). Computed once per backend and dtype."""
+        another precision). Computed once per runtime (its label) and dtype."""
         from slabconv.verify.backends import BACKENDS
         from slabconv.verify.runtimes import RuntimeUnavailable
 
         backend = BACKENDS.get(runtime.kind) if runtime is not None else None
         if self.onnx is None or backend is None or backend.takes != "onnx" or backend.quantized:
             return None
-        key = f"{dtype} ({backend.name})"
+        assert runtime is not None
+        key = f"{dtype} ({runtime.label})"
         if key not in self.cast:
             try:
-                [original] = backend.open(self.onnx)
+                opened = backend.open(self.onnx)
             except RuntimeUnavailable:
                 return None
-            try:
+            try:  # the same settings as the candidate's runtime (onnxruntime opens one per optimisation level)
+                original = next((r for r in opened if r.label == runtime.label), opened[0])
                 if original.dtype != dtype:
                     return None
                 self.cast[key] = run_batched(original.run, self.x, fixed_batch=original.fixed_batch)
                 self.cast_by[key] = (dtype, backend.name, f"the reference {self.onnx.name} run by the same runtime")
             finally:
-                original.close()
+                for r in opened:
+                    r.close()
         return self.cast[key], dtype
 
     def at_length(self, loaded: LoadedModel, length: int) -> Reference:

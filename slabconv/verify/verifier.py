@@ -415,7 +415,8 @@ def _question_1_torch(
         written, by_value = read()
         unchanged = unchanged_tensors(reference.original64, fold) if by_value else frozenset()
         checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold,
-                                          by_value=by_value, unchanged=unchanged))  # fmt: skip
+                                          by_value=by_value, unchanged=unchanged,
+                                          rewritten=rewritten(candidate, name)))  # fmt: skip
         del written
     return checks
 
@@ -450,6 +451,14 @@ def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[st
         if path is not None and path.is_file():
             files.append((path.name, functools.partial(_onnx_tensors, path)))
     return files
+
+
+def rewritten(candidate: Side, name: str) -> bool:
+    """The candidate's file ``name`` (of ``written_files``) is an ``.onnx`` that ``fuse --simplify`` rewrote."""
+    from slabconv.write.onnx import simplified
+
+    path = candidate.path / name if candidate.kind == "folder" else candidate.path
+    return path.suffix == ".onnx" and path.is_file() and simplified(path) is not None
 
 
 def _onnx_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
@@ -662,7 +671,7 @@ def _whole(
         raise InputError(f"{candidate.path}: no runtime here can run it ({why})")
     verification.checks += checks
     verification.not_run += not_run
-    for dtype, backend, how in ref.cast_by.values():
+    for dtype, backend, how in dict.fromkeys(ref.cast_by.values()):
         labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype and backend in ("", rt.kind))
         verification.notes.append(f"{labels} computed in {dtype}: the original's own error there is that of {how}")
     verification.runtime = runtime_summary(ran)
