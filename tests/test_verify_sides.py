@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 
 from slabconv import api
 from slabconv.cli import app
-from slabconv.options import VerifyOptions
+from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify import backends, verifier
 from tests import onnxcases, tinyckpt
 from tests.tinyckpt import error_lines
@@ -452,6 +452,35 @@ def test_a_changed_weight_of_model_onnx_no_fold_wrote_fails_question_1(
     assert v["localization"]["first"] is None and v["localization"]["first_tensor"] == key
     assert v["localization"]["detail"].startswith(f"no fold to blame: the first stored tensor that differs from the "
                                                   f"fold is {key!r}")  # fmt: skip
+
+
+def test_a_simplified_model_onnx_passes_without_its_zero_biases_and_fails_with_a_changed_weight(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """``fuse --simplify``: onnxscript's optimizer drops the ``Add`` of each zero bias (the tiny model's
+    ``attn.proj.bias`` and ``mlp.fc2.bias``), so the file holds those tensors in no initializer: a correct file
+    passes question 1. A Linear weight no fold wrote, one unit in the last place off, still fails it by value."""
+    from onnx import numpy_helper
+
+    out = tmp_path / "simplified"
+    api.fuse(tiny_fused / "ckpt.pth", out, verify=None, write=WriteOptions(simplify=True))
+    held = {numpy_helper.to_array(t).tobytes() for t in onnx.load(str(out / "model.onnx")).graph.initializer}
+    zeros = load_file(str(out / "model.safetensors"))["blocks.0.attn.proj.bias"]
+    assert not zeros.any() and zeros.numpy().tobytes() not in held  # dropped by the simplifier
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
+    assert code == 0, stderr
+    key = "blocks.0.attn.proj.weight"
+    want = load_file(str(out / "model.safetensors"))[key].numpy().T
+    model = onnx.load(str(out / "model.onnx"))
+    [init] = [t for t in model.graph.initializer if np.array_equal(numpy_helper.to_array(t), want)]
+    array = numpy_helper.to_array(init).copy()
+    array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+    onnx.save(model, str(out / "model.onnx"))
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
+    assert code == 1, stderr
+    [failed] = [c for c in report["verification"]["exact"] if not c["passed"]]
+    assert failed["worst"] == key
 
 
 @pytest.fixture(scope="module")

@@ -203,10 +203,10 @@ def exact_tensors(
             no fold wrote transposed under a generated name too), but is not counted where the file holds no
             floating tensor of its shape or transposed shape at all (an exporter stores what it computes from such a
             constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), where it
-            is an integer buffer (an index: ``written`` holds floating tensors), nor at all where the file was
-            ``rewritten``.
-        rewritten: a simplifier rewrote the file (``fuse --simplify``: onnxscript's optimizer drops an ``Add`` of a
-            zero bias, and may merge constants): an unchanged tensor it does not hold by name is left to question 2.
+            is an integer buffer (an index: ``written`` holds floating tensors), nor where it is all zeros and the
+            file was ``rewritten``.
+        rewritten: a simplifier rewrote the file (``fuse --simplify``: onnxscript's optimizer drops the ``Add`` of a
+            zero bias): an all-zero unchanged tensor it does not hold by name is left to question 2.
     """
     pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
     if by_value:
@@ -225,7 +225,8 @@ def exact_tensors(
                 if exact64.dim() == 2
                 else []
             )
-            if key in unchanged and (rewritten or not exact.is_floating_point() or not (same or flipped)):
+            dropped = rewritten and not bool(exact64.any())  # a zero bias whose Add a simplifier removed
+            if key in unchanged and (dropped or not exact.is_floating_point() or not (same or flipped)):
                 continue
             distance = min([*same, *flipped], default=math.inf)
         else:
