@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ from slabconv.tolerances import TOL_DTYPE
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, Localization
 from slabconv.verify.sides import Side, folded_from, why_not_a_fold
+
+if TYPE_CHECKING:
+    from slabconv.verify.verifier import Written
 
 METHOD = (
     "the candidate's stored tensors and the float64 fold rounded to their dtype, each in the reference's fused graph "
@@ -223,7 +226,7 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
     # the floating tensors only: an integer buffer (an index) is the original's, and stays integer
     fold = {k: v for k, v in engine.fused_state_dict(fused64).items() if v.is_floating_point()}
     unchanged = unchanged_tensors(original64, fold)
-    written, by_value = _stored_file(candidate, fold, unchanged)
+    written, by_value, _ = _stored_file(candidate, fold, unchanged)
     # a tensor no fold wrote is read where question 1 reads it: by name, or by value where the file holds a
     # tensor of its shape (judge.exact_tensors)
     kept = {
@@ -330,21 +333,19 @@ def _differing(
     return sorted(found, key=lambda f: first_use.get(f[0], len(order)))
 
 
-def _stored_file(
-    candidate: Side, fold: dict[str, torch.Tensor], unchanged: frozenset[str]
-) -> tuple[dict[str, torch.Tensor], bool]:
+def _stored_file(candidate: Side, fold: dict[str, torch.Tensor], unchanged: frozenset[str]) -> Written:
     """The tensors of the candidate's first file that are not the fold (question 1's files, ``written_files``),
-    else of its first file, and whether they are matched by value."""
-    from slabconv.verify.verifier import rewritten, written_files
+    else of its first file."""
+    from slabconv.verify.verifier import written_files
 
     files = written_files(candidate)
     for name, read in files:
-        written, by_value = read()
+        written = read()
         check = judge.exact_tensors(
-            name, written, fold, by_value=by_value, unchanged=unchanged, rewritten=rewritten(candidate, name)
+            name, written.tensors, fold, by_value=written.by_value, unchanged=unchanged, rewritten=written.rewritten
         )
         if not check.passed:
-            return written, by_value
+            return written
         del written
     return files[0][1]()
 

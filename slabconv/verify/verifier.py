@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -384,20 +384,29 @@ def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | 
 # --------------------------------------------------------------------------------------------- question 1
 
 
-def _written_tensors(candidate: Side) -> tuple[dict[str, torch.Tensor], bool]:
-    """The candidate's stored tensors for question 1, and whether they are matched by value (an ``.onnx`` from
-    the exporter stores Linear weights transposed under generated names) rather than by name."""
+class Written(NamedTuple):
+    """One file's stored tensors for question 1 (``written_files``)."""
+
+    tensors: dict[str, torch.Tensor]
+    by_value: bool
+    """Matched by value rather than by name: an ``.onnx`` (the exporter stores Linear weights transposed under
+    generated names)."""
+    rewritten: bool = False
+    """An ``.onnx`` that ``fuse --simplify`` rewrote (``judge.exact_tensors``)."""
+
+
+def _written_tensors(candidate: Side) -> Written:
+    """The candidate's stored tensors for question 1."""
     from slabconv.load.formats import load_checkpoint
 
     if candidate.kind == "folder" and candidate.weights is not None:
         target = candidate.weights if candidate.weights.suffix == ".safetensors" else candidate.path
-        return dict(load_checkpoint(target).state_dict), False
+        return Written(dict(load_checkpoint(target).state_dict), False)
     if candidate.kind == "model":
         checkpoint = candidate.loaded.checkpoint
-        return _program_tensors(checkpoint) if checkpoint.program is not None else dict(checkpoint.state_dict), False
-    from slabconv.verify import onnx_original
-
-    return onnx_original.float_tensors(candidate.onnx.path), True
+        tensors = _program_tensors(checkpoint) if checkpoint.program is not None else dict(checkpoint.state_dict)
+        return Written(tensors, False)
+    return _onnx_tensors(candidate.onnx.path)
 
 
 def _question_1_torch(
@@ -412,11 +421,11 @@ def _question_1_torch(
     fold = engine.fused_state_dict(fused64)
     checks = [graph]
     for name, read in written_files(candidate):
-        written, by_value = read()
-        unchanged = unchanged_tensors(reference.original64, fold) if by_value else frozenset()
-        checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold,
-                                          by_value=by_value, unchanged=unchanged,
-                                          rewritten=rewritten(candidate, name)))  # fmt: skip
+        written = read()
+        unchanged = unchanged_tensors(reference.original64, fold) if written.by_value else frozenset()
+        checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
+                                          by_value=written.by_value, unchanged=unchanged,
+                                          rewritten=written.rewritten))  # fmt: skip
         del written
     return checks
 
@@ -436,7 +445,7 @@ def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozens
     return frozenset(k for k, v in fold.items() if k in original and torch.equal(original[k], v))
 
 
-def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]:
+def written_files(candidate: Side) -> list[tuple[str, Callable[[], Written]]]:
     """The candidate's files question 1 reads, each with a reader of its stored tensors (``_written_tensors``):
     a folder's weights, its ``model.onnx`` and a fused language model's ``decoder.onnx`` (its weights under the
     transformers module's names, Linear weights transposed: read by value); another side's own file (the
@@ -445,7 +454,7 @@ def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[st
     tensors)."""
     if candidate.kind != "folder" or candidate.weights is None:
         return [(candidate.path.name, functools.partial(_written_tensors, candidate))]
-    files: list[tuple[str, Callable[[], tuple[dict[str, torch.Tensor], bool]]]]
+    files: list[tuple[str, Callable[[], Written]]]
     files = [(candidate.weights.name, functools.partial(_written_tensors, candidate))]
     for path in (candidate.onnx.path if candidate.onnx is not None else None, candidate.path / "decoder.onnx"):
         if path is not None and path.is_file():
@@ -453,19 +462,16 @@ def written_files(candidate: Side) -> list[tuple[str, Callable[[], tuple[dict[st
     return files
 
 
-def rewritten(candidate: Side, name: str) -> bool:
-    """The candidate's file ``name`` (of ``written_files``) is an ``.onnx`` that ``fuse --simplify`` rewrote."""
-    from slabconv.write.onnx import simplified
+def _onnx_tensors(path: Path) -> Written:
+    """An ``.onnx``'s floating initializers for question 1, matched by value, and whether ``--simplify`` rewrote
+    it (its ``metadata_props``), from one read of the file."""
+    import onnx_ir as ir
 
-    path = candidate.path / name if candidate.kind == "folder" else candidate.path
-    return path.suffix == ".onnx" and path.is_file() and simplified(path) is not None
-
-
-def _onnx_tensors(path: Path) -> tuple[dict[str, torch.Tensor], bool]:
-    """An ``.onnx``'s floating initializers for question 1, matched by value (``written_files``)."""
     from slabconv.verify import onnx_original
+    from slabconv.write.onnx import SIMPLIFIED_KEY
 
-    return onnx_original.float_tensors(path), True
+    model = ir.load(str(path))
+    return Written(onnx_original.stored_tensors(model), True, SIMPLIFIED_KEY in model.metadata_props)
 
 
 def _question_1_onnx(
