@@ -190,3 +190,19 @@ def watched_fifos(folder: Path) -> Iterator[list[str]]:
     finally:
         stop.set()
         thread.join()
+
+
+def nudge_initializer(path: Path, value: np.ndarray | None = None) -> str:
+    """Raise element 0 of one float32 initializer of the ``.onnx`` at ``path`` by one unit in the last place, in
+    place: the one equal to ``value`` (an exporter stores a Linear weight transposed under a generated name: pass
+    the weight transposed), else the first 2-D one. Returns its name."""
+    model = onnx.load(str(path))
+    if value is None:
+        init = next(t for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 2)
+    else:
+        [init] = [t for t in model.graph.initializer if np.array_equal(numpy_helper.to_array(t), value)]
+    array = numpy_helper.to_array(init).copy()
+    array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+    onnx.save(model, str(path))
+    return init.name

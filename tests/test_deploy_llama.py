@@ -42,6 +42,7 @@ from slabconv.verify.policy import fused_bound
 from slabconv.write.decoder_onnx import export_decoder_onnx, special_tokens, write_genai_config
 from slabconv.write.hf_llama import MODELING_FILE, load_fused_llama, write_hf_llama_metadata
 from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, llama_norm_factory
+from tests import onnxcases
 from tests.conftest import ROOT, randomize_norms
 from tests.hfwrite import write_hf_folder
 
@@ -1057,7 +1058,6 @@ def test_a_changed_weight_of_decoder_onnx_fails_question_1_naming_it(doc, tmp_pa
     model.onnx intact: question 1 fails on decoder.onnx naming the tensor. Question 1 read model.safetensors and
     model.onnx only; a weight of it changed by 5% of the tensor's largest magnitude failed the task metrics only,
     and the localisation blamed the runtime ("the stored weights are the fold's at every boundary")."""
-    from onnx import numpy_helper
     from typer.testing import CliRunner
 
     from slabconv.cli import app
@@ -1065,13 +1065,7 @@ def test_a_changed_weight_of_decoder_onnx_fails_question_1_naming_it(doc, tmp_pa
     key = "model.layers.0.self_attn.o_proj.weight"
     broken = tmp_path / "broken"
     shutil.copytree(doc["out"], broken)
-    want = load_file(str(broken / "model.safetensors"))[key].numpy().T
-    model = onnx.load(str(broken / "decoder.onnx"))
-    [init] = [t for t in model.graph.initializer if np.array_equal(numpy_helper.to_array(t), want)]
-    array = numpy_helper.to_array(init).copy()
-    array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
-    init.CopyFrom(numpy_helper.from_array(array, init.name))
-    onnx.save(model, str(broken / "decoder.onnx"))
+    onnxcases.nudge_initializer(broken / "decoder.onnx", load_file(str(broken / "model.safetensors"))[key].numpy().T)
     args = ["verify", str(TEXT), str(broken), "--samples", "2", "--generate", "0", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.stderr

@@ -17,6 +17,7 @@ import shlex
 import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -216,6 +217,17 @@ def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that
         verifier.candidate_runs(candidate, ("pytorch",))
 
 
+def _openvino_opened_by(monkeypatch: pytest.MonkeyPatch, opener: Any) -> None:
+    """``--runtime openvino`` runs ``opener`` (a ``Backend.opener``: ``(backend, path, **how) -> [Runtime]``),
+    whether OpenVINO is installed or not."""
+    from slabconv.verify import runtimes
+
+    monkeypatch.setattr(runtimes, opener.__name__, opener, raising=False)
+    openvino = backends.BACKENDS["openvino"]
+    fake = type(openvino)(**{**vars(openvino), "package": "", "opener": opener.__name__})
+    monkeypatch.setitem(backends.BACKENDS, "openvino", fake)
+
+
 def test_a_runtime_computing_below_the_files_dtype_is_held_to_the_original_in_that_precision(
     tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -230,10 +242,7 @@ def test_a_runtime_computing_below_the_files_dtype_is_held_to_the_original_in_th
         model = load_model(path.parent).model.to(torch.bfloat16)
         return [runtimes.Runtime("computes in bfloat16", runtimes.torch_runner(model, torch.bfloat16), "bfloat16")]
 
-    monkeypatch.setattr(runtimes, "bfloat16_runtime", bfloat16_runtime, raising=False)
-    openvino = backends.BACKENDS["openvino"]
-    fake = type(openvino)(**{**vars(openvino), "package": "", "opener": "bfloat16_runtime"})
-    monkeypatch.setitem(backends.BACKENDS, "openvino", fake)
+    _openvino_opened_by(monkeypatch, bfloat16_runtime)
     code, report, stderr = _json(tiny_fused / "ckpt.pth", tiny_fused / "ckpt-fused", "--runtime", "openvino")
     assert code == 0, stderr
     [check] = report["verification"]["checks"]
@@ -257,10 +266,7 @@ def test_an_onnx_original_is_run_by_the_runtime_that_computed_below_the_files_dt
         return [runtimes.Runtime("computes in bfloat16", lambda x: [o * 1.02 for o in exact.run(x)], "bfloat16",
                                  exact.output_names, exact.fixed_batch, kind="openvino")]  # fmt: skip
 
-    monkeypatch.setattr(runtimes, "two_percent_off", two_percent_off, raising=False)
-    openvino = backends.BACKENDS["openvino"]
-    fake = type(openvino)(**{**vars(openvino), "package": "", "opener": "two_percent_off"})
-    monkeypatch.setitem(backends.BACKENDS, "openvino", fake)
+    _openvino_opened_by(monkeypatch, two_percent_off)
     code, report, stderr = _json(onnx_fused / "original.onnx", onnx_fused / "fused", "--runtime", "openvino")
     assert code == 0, stderr
     [check] = report["verification"]["checks"]
@@ -407,16 +413,9 @@ def test_the_model_onnx_of_a_fused_folder_is_held_to_the_fold(tiny_fused: Path, 
     """One weight of the folder's model.onnx one unit in the last place off, model.safetensors intact: question 1
     reads the ONNX file too, not the weights alone (question 2 passes such a file, and in OpenVINO's bfloat16 even
     a weight changed by half: each file is deployed on its own)."""
-    from onnx import numpy_helper
-
     out = tmp_path / "changed"
     shutil.copytree(tiny_fused / "ckpt-fused", out)
-    model = onnx.load(str(out / "model.onnx"))
-    init = next(t for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2)
-    array = numpy_helper.to_array(init).copy()
-    array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
-    init.CopyFrom(numpy_helper.from_array(array, init.name))
-    onnx.save(model, str(out / "model.onnx"))
+    onnxcases.nudge_initializer(out / "model.onnx")
     code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
     assert code == 1, stderr
     failed = [c["name"] for c in report["verification"]["exact"] if not c["passed"]]
@@ -432,18 +431,10 @@ def test_a_changed_weight_of_model_onnx_no_fold_wrote_fails_question_1(
     localisation names it instead of blaming the runtime. Question 1 looked by value only for the tensors a fold
     wrote, so it said "model.onnx ... 0 units in the last place"; a bfloat16 folder's model.onnx with one element of
     blocks.2.mlp.fc2.weight raised by half the tensor's largest magnitude then PASSED in OpenVINO."""
-    from onnx import numpy_helper
-
     want = load_file(str(tiny_fused / "ckpt-fused" / "model.safetensors"))[key].numpy().T
     out = tmp_path / "changed"
     shutil.copytree(tiny_fused / "ckpt-fused", out)
-    model = onnx.load(str(out / "model.onnx"))
-    [init] = [t for t in model.graph.initializer if np.array_equal(numpy_helper.to_array(t), want)]
-    assert init.name != key  # stored under a generated name: found by value only
-    array = numpy_helper.to_array(init).copy()
-    array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
-    init.CopyFrom(numpy_helper.from_array(array, init.name))
-    onnx.save(model, str(out / "model.onnx"))
+    assert onnxcases.nudge_initializer(out / "model.onnx", want) != key  # a generated name: found by value only
     code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
     assert code == 1, stderr
     v = report["verification"]
@@ -470,13 +461,7 @@ def test_a_simplified_model_onnx_passes_without_its_zero_biases_and_fails_with_a
     code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
     assert code == 0, stderr
     key = "blocks.0.attn.proj.weight"
-    want = load_file(str(out / "model.safetensors"))[key].numpy().T
-    model = onnx.load(str(out / "model.onnx"))
-    [init] = [t for t in model.graph.initializer if np.array_equal(numpy_helper.to_array(t), want)]
-    array = numpy_helper.to_array(init).copy()
-    array.flat[0] = np.nextafter(array.flat[0], np.float32(np.inf))
-    init.CopyFrom(numpy_helper.from_array(array, init.name))
-    onnx.save(model, str(out / "model.onnx"))
+    onnxcases.nudge_initializer(out / "model.onnx", load_file(str(out / "model.safetensors"))[key].numpy().T)
     code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
     assert code == 1, stderr
     [failed] = [c for c in report["verification"]["exact"] if not c["passed"]]
