@@ -280,16 +280,25 @@ def genai_available() -> bool:
     return True
 
 
+def _genai_model(path: Path) -> dict[str, Any]:
+    """The ``model`` object of a ``genai_config.json``, read as every JSON input is (``load.safety.read_json``: a
+    regular file, size and depth bounded before parsing); empty where the file is not such JSON or has none."""
+    from slabconv.load.safety import read_json
+
+    try:
+        model = read_json(path).get("model")
+    except (InputError, OSError, AttributeError):
+        return {}
+    return model if isinstance(model, dict) else {}
+
+
 def _genai_eos(path: Path) -> set[int]:
     """The end-of-sequence ids of a ``genai_config.json`` (``model.eos_token_id``: an id or a list of them).
 
     Raises:
         InputError: the file is not JSON or has no such ids.
     """
-    try:
-        eos = json.loads(path.read_text(encoding="utf-8"))["model"]["eos_token_id"]
-    except (ValueError, KeyError, TypeError):
-        eos = None
+    eos = _genai_model(path).get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise InputError(
@@ -304,11 +313,8 @@ def _not_ending_in_padding(prompts: torch.Tensor, config: Path, notes: list[str]
     token before them, so such a prompt is not the same prompt there as in transformers. Each such last token becomes
     the next id (``(pad + 1) mod V``, ``V`` the vocabulary size of ``config``), for every run of the check; ``notes``
     gains a line saying how many prompts changed. A config without an int pad id or vocabulary size changes nothing."""
-    try:
-        model = json.loads(config.read_text(encoding="utf-8"))["model"]
-        pad, vocab = model["pad_token_id"], model["vocab_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return prompts, notes
+    model = _genai_model(config)
+    pad, vocab = model.get("pad_token_id"), model.get("vocab_size")
     if not isinstance(pad, int) or not isinstance(vocab, int) or vocab < 2:
         return prompts, notes
     ends = prompts[:, -1] == pad
