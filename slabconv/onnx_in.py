@@ -215,7 +215,7 @@ class OnnxGraph:
         from slabconv.verify import sides, verifier
 
         candidate = sides.output_side(folder, Source(str(folder), None, "slabconv-output"))
-        return verifier.verify(sides.onnx_side(self.info.path), candidate, opts, progress=progress)
+        return verifier.verify(sides.onnx_side(self.info.path), candidate, opts, just_folded=True, progress=progress)
 
 
 __all__ = ["OnnxGraph", "check_options", "fold_onnx", "open_onnx"]

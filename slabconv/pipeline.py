@@ -648,7 +648,7 @@ class InMemory(_TorchDoor):
                                      decisions=planned.decisions)  # fmt: skip
         candidate = sides.output_side(folder, Source(str(folder), None, "slabconv-output"))
         candidate.module = planned.fused  # what PyTorch runs when no program was written (--no-onnx --no-pt2)
-        return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), progress=progress)
+        return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), just_folded=True, progress=progress)
 
 
 @dataclass
@@ -721,7 +721,7 @@ class Streamed(_TorchDoor):
 
         reference = sides.streamed_side(self.sharded.shards.folder, self.planned.program)
         candidate = sides.streamed_side(folder)
-        return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), progress=progress)
+        return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), just_folded=True, progress=progress)
 
 
 def _steps(opts: VerifyOptions, language_model: bool) -> VerifyOptions:

@@ -18,7 +18,7 @@ from slabconv import api, engine, pipeline
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards
-from slabconv.options import WriteOptions
+from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.util import sha256_file
 from slabconv.verify import generate, layerwise
 from slabconv.zoo import get_arch
@@ -786,3 +786,31 @@ def test_the_generation_twin_of_an_original_of_other_sizes_is_refused_in_one_lin
         message
     )
     assert re.search(r"and \d+ more\)$", message), message
+
+
+@pytest.mark.parametrize(
+    ("arch", "asked"), [("llama_350m_prepbn", True), ("llama_prepbn", True), ("deit_prepbn", False)]
+)
+def test_question_1_is_asked_of_a_fold_made_with_any_entry_of_the_folders_family(folded, tmp_path, arch, asked):
+    """A streamed folder is named by its family's any-size entry (``llama_prepbn``); a fold made with
+    ``--arch llama_350m_prepbn`` (the documented command for the 350M layout) records that entry. Both read the
+    folder as one model, so question 1 is asked: comparing the names alone skipped it, and `fuse --stream --arch
+    llama_350m_prepbn` ended PASSED on question 2 only. Another family's name still is not a fold of this folder."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    root = folded[0]
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    for shard in sorted(out.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            metadata = dict(f.metadata())
+        tensors = load_file(str(shard))
+        save_file(tensors, str(shard), {**metadata, "arch": arch})
+    report = api.verify(root / "src", out, verify=VerifyOptions(samples=1, generate=0), stream=True)
+    assert bool(report.verification.exact) is asked, report.verification.notes
+    assert report.verification.passed
+    if not asked:
+        assert any("folded for architecture 'deit_prepbn'" in n for n in report.verification.notes)

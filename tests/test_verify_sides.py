@@ -170,6 +170,18 @@ def test_fuse_runs_the_function_verify_runs(tmp_path: Path, monkeypatch: pytest.
     assert calls == [("model", "folder"), ("model", "folder")]
 
 
+def test_fuse_never_passes_its_own_fold_on_question_2_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fuse verifies the fold it has just written: sides that do not read as a fold of the original (two names of
+    one architecture compared as strings made a streamed fold's question 1 skip, and the run ended PASSED on question
+    2) are a bug raised, not a verdict that skipped question 1."""
+    from slabconv.verify import sides
+
+    monkeypatch.setattr(sides, "fold_relation", lambda *args, **kwargs: False)
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    with pytest.raises(RuntimeError, match="question 1 does not apply to the fold just written"):
+        api.fuse(ckpt, tmp_path / "out", verify=VerifyOptions(samples=4))
+
+
 # --------------------------------------------------------------------------------------------- files not run
 
 

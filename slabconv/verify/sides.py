@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slabconv.errors import SlabconvError, UsageError
+from slabconv.errors import SlabconvError, UnsupportedModelError, UsageError
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
@@ -362,7 +362,23 @@ def folded_from(reference: Side, candidate: Side) -> bool:
         return False
     if p.weights and reference.source.weights and p.weights != reference.source.weights:
         return False  # the same file, its other weights (--ema on one side only)
-    return p.arch is None or reference.arch is None or p.arch == reference.arch
+    return p.arch is None or reference.arch is None or same_architecture(p.arch, reference.arch)
+
+
+def same_architecture(a: str, b: str) -> bool:
+    """Whether two architecture names read a file as the same model: the same name, an alias of it, or entries of
+    one zoo family (``ArchSpec.family``: ``llama_350m_prepbn`` and ``llama_prepbn`` read the same decoder folder,
+    its sizes from its config.json). A streamed decoder folder is named by its family's any-size entry
+    (``streamed_side``), whichever ``--arch`` folded it. A family's entries that would fold one file differently
+    (another default a file does not override) make question 1 fail, never skip it."""
+    if a == b:
+        return True
+    from slabconv.zoo.registry import get_arch
+
+    try:
+        return get_arch(a).family == get_arch(b).family
+    except UnsupportedModelError:  # a name this version does not know (another version's output): not the same
+        return False
 
 
 def fold_relation(reference: Side, candidate: Side, load: LoadOptions | None = None) -> bool:

@@ -552,6 +552,7 @@ def verify(
     *,
     load: LoadOptions | None = None,
     localize: bool = False,
+    just_folded: bool = False,
     progress: Progress = no_progress,
 ) -> Verification:
     """Both questions for ``candidate`` against ``reference`` (see the module docstring).
@@ -561,15 +562,21 @@ def verify(
             language-model folder (None or 0: not checked).
         load: how to build a side's model (``--arch``, ``--input-shape``...).
         localize: run the localisation pass even when everything passed (``verify --localize``).
+        just_folded: the candidate is the fold ``fuse`` has just written of the reference, so question 1 must apply:
+            where the sides do not say so, that is a bug, raised, never a verdict on question 2 alone.
 
     Raises:
         UsageError: swapped arguments; a runtime that cannot run the candidate; ``--generate`` without a fused
             language-model folder; no input shape known.
         InputError: unusable inputs (a non-finite float64 output, an original that overflows its dtype as the
             candidate does); sides that are not the same model.
+        RuntimeError: ``just_folded`` and question 1 does not apply (a bug in slabconv).
     """
     started = time.monotonic()
     related = sides.fold_relation(reference, candidate, load)
+    if just_folded and not related:
+        why = sides.why_not_a_fold(reference, candidate)
+        raise RuntimeError(f"question 1 does not apply to the fold just written ({why})")
     if opts.generate and not candidate.language_model:
         raise UsageError(
             f"--generate needs a fused language-model folder as the candidate; {candidate.path} is not one"
