@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from slabconv import api, engine, pipeline
-from slabconv.errors import UnsupportedModelError, UsageError
+from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.options import VerifyOptions, WriteOptions
@@ -333,6 +333,40 @@ def test_reused_row_blocks_are_the_tensor_rows(folded):
     small, large = read(by_size[0]), read(by_size[-1])
     assert len(small) == 1 and torch.equal(small[0], shards.get(by_size[0]))
     assert torch.equal(torch.cat(large), shards.get(by_size[-1]))
+
+
+def test_read_ahead_serves_every_block_as_read_directly_through_cycles_and_changes(folded, tmp_path):
+    """``read_ahead``: the next block is read in a thread while the caller holds the last; each block served is the
+    tensor's rows, while the order repeats (learned from the first pass), when a pass breaks it (another tensor
+    asked first, a shorter pass), and a shard changed under a read in flight is the caller's InputError."""
+    import shutil
+
+    root = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", root)
+    shards = LazyShards.open(root, block_elements=100)
+    direct = LazyShards.open(root, block_elements=100)
+    specs = shards.specs()
+    keys = [k for k, (_, shape) in specs.items() if len(shape) == 2][:5]
+    keys.append(next(k for k, (_, shape) in specs.items() if len(shape) == 1))  # a vector: one whole block
+    shards.read_ahead()
+
+    def one_pass(order: list[str]) -> None:
+        for key in order:
+            want = list(direct.row_blocks(key, direct.shape(key)))
+            got = [block.clone() for block in shards.row_blocks(key, shards.shape(key), reuse=True)]
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), key
+
+    for order in [keys, keys, keys, keys[2:], keys, keys[::-1], keys[::-1], keys[:1] * 3]:
+        one_pass(order)
+    assert shards._ahead is not None and not shards._ahead.learning  # the last order was learned and read ahead
+    one_pass(keys)
+    one_pass(keys)
+    shard = root / shards.weight_map[keys[1]]
+    shard.write_bytes(shard.read_bytes() + b"x")  # the read of keys[1]'s first block is in flight or done
+    with pytest.raises(InputError, match="the file changed while slabconv read it"):
+        one_pass(keys)
+    shards.close()
+    assert shards._ahead is None
 
 
 def test_unfinished_schedule_is_reported_and_a_single_file_streams_as_one_shard(folded, tmp_path):

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 
@@ -77,6 +77,7 @@ class LazyShards:
         self._specs: dict[str, tuple[torch.dtype, list[int]]] = {}  # from each shard's header, read once
         self._layouts: dict[str, _Layout] = {}
         self._reused = torch.empty(0, dtype=torch.uint8)  # ``row_blocks(reuse=True)``'s one buffer
+        self._ahead: _ReadAhead | None = None  # ``read_ahead()``
 
     @classmethod
     def open(cls, folder: Path | str, block_elements: int = 1 << 22) -> LazyShards:
@@ -218,11 +219,30 @@ class LazyShards:
         the reads and the products together (``docs/performance.md``, "Checks of a streamed fold")."""
         rows = max(1, self.block_elements // max(1, _numel(shape[1:])))
         if len(shape) < 2 or shape[0] <= rows:
-            yield self.get(key, out=self._reused_block(key, list(shape)) if reuse else None)
+            yield self._reused_read(key, None, list(shape)) if reuse else self.get(key)
             return
         for r in range(0, shape[0], rows):
             block = [min(rows, shape[0] - r), *shape[1:]]
-            yield self.get(key, slice(r, r + rows), out=self._reused_block(key, block) if reuse else None)
+            yield self._reused_read(key, slice(r, r + rows), block) if reuse else self.get(key, slice(r, r + rows))
+
+    def read_ahead(self) -> None:
+        """From now on, ``row_blocks(reuse=True)`` reads the block it will be asked for next in a thread of its own
+        while the caller computes on the last one (``_ReadAhead``), for a caller that asks for the same blocks in the
+        same order again and again (a generation: every weight, once per token). Its blocks then live in two buffers
+        in turn, each valid until the next ``reuse`` read, as without it. ``close`` ends it."""
+        if self._ahead is None:
+            self._ahead = _ReadAhead(self)
+
+    def close(self) -> None:
+        """End ``read_ahead`` (waits for the read in flight; its error, if any, is dropped: nobody asked for it)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+
+    def _reused_read(self, key: str, rows: slice | None, shape: list[int]) -> torch.Tensor:
+        if self._ahead is not None:
+            return self._ahead.block(key, rows, shape)
+        return self.get(key, rows, out=self._reused_block(key, shape))
 
     def _reused_block(self, key: str, shape: list[int]) -> torch.Tensor:
         """A tensor of ``shape`` and ``key``'s dtype in the reader's one buffer (``row_blocks(reuse=True)``), grown
@@ -274,6 +294,87 @@ class LazyShards:
         for shard in dict.fromkeys(self.weight_map.values()):
             out.update(self.header(shard)[1])
         return {k: out[k] for k in self.weight_map if k in out}
+
+
+_Request = tuple[str, int | None, int | None]  # a block: the tensor, and its rows (None, None: whole)
+
+
+class _ReadAhead:
+    """``LazyShards.read_ahead``: the next block read in a worker thread while the caller computes on the last.
+
+    The order of the blocks is learned, not told: the requests are recorded until one repeats the first recorded,
+    and from then on the block after the one just served is read ahead into the other of two buffers (a generation
+    asks for every weight block in the same order at every token, so its first token teaches the cycle). A request
+    that is not the expected one is read at once, and the order is learned again from it. The read in flight is
+    always waited for before its buffer is used again, and its error (a shard changed) is raised to the caller that
+    asks for its block, as a direct read would raise it.
+    """
+
+    def __init__(self, shards: LazyShards):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.shards = shards
+        self.order: list[_Request] = []
+        self.learning, self.next = True, 0  # the cycle is known once learning is False; next: its next position
+        self.buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.served = 0  # the buffer of the block the caller holds
+        self.pending: tuple[_Request, Any] | None = None  # (request, Future) read into buffers[1 - served]
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="slabconv-read-ahead")
+
+    def _into(self, index: int, key: str, shape: list[int]) -> torch.Tensor:
+        dtype = self.shards.dtype(key)
+        nbytes = _numel(shape) * dtype.itemsize
+        if self.buffers[index].numel() < nbytes:
+            self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffers[index][:nbytes].view(dtype).view(shape)
+
+    def _read(self, index: int, request: _Request, shape: list[int]) -> torch.Tensor:
+        key, start, stop = request
+        rows = None if start is None else slice(start, stop)
+        return self.shards.get(key, rows, out=self._into(index, key, shape))
+
+    def _drain(self) -> None:
+        if self.pending is not None:
+            with contextlib.suppress(Exception):
+                self.pending[1].result()
+            self.pending = None
+
+    def block(self, key: str, rows: slice | None, shape: list[int]) -> torch.Tensor:
+        """The block ``rows`` of ``key`` (``shape``), read ahead when it was the one expected."""
+        request: _Request = (key, None, None) if rows is None else (key, rows.start, rows.stop)
+        other = 1 - self.served
+        if self.pending is not None and self.pending[0] == request:
+            future, self.pending = self.pending[1], None
+            tensor = future.result()
+        else:
+            self._drain()
+            tensor = self._read(other, request, shape)
+        self.served = other
+        self._learn(request)
+        if not self.learning:
+            ahead = self.order[self.next]
+            full = self.shards.shape(ahead[0])
+            start, stop = ahead[1], ahead[2]
+            shape = full if start is None or stop is None else [min(stop, full[0]) - start, *full[1:]]
+            self.pending = (ahead, self.pool.submit(self._read, 1 - self.served, ahead, shape))
+        return tensor
+
+    def _learn(self, request: _Request) -> None:
+        """Record ``request`` while the cycle is being learned; once known, advance ``next`` past it, or learn the
+        order again from it when it is not the one expected."""
+        if self.learning:
+            if self.order and request == self.order[0]:
+                self.learning, self.next = False, 1 % len(self.order)
+            else:
+                self.order.append(request)
+        elif request == self.order[self.next]:
+            self.next = (self.next + 1) % len(self.order)
+        else:
+            self.learning, self.order = True, [request]
+
+    def close(self) -> None:
+        self._drain()
+        self.pool.shutdown(wait=True)
 
 
 def _changed(path: Path, detail: str = "it is not the file whose header was read") -> InputError:

@@ -6,7 +6,9 @@
   ``layerwise.StreamedLinear`` that reads its weight from the shards one block of rows at a time whenever it runs,
   the embedding reading only the rows of the tokens it is given (``streamed_fused_llama``). Each generated token
   reads every weight once, in the checkpoint's dtype where the CPU computes it natively (``compute_dtype``): no
-  copy of a weight in another dtype is made.
+  copy of a weight in another dtype is made. Every token asks for the weight blocks in the same order, so a thread
+  reads the next block while torch computes on the last one (``LazyShards.read_ahead``), torch keeping the other
+  cores.
 - The original in float64 runs once over the prompts and the folder's tokens, one decoder layer at a time
   (``exact_path`` over ``layerwise.Folder``): its greedy token and exact margin at every step.
 - Unlike in memory, the original as transformers' LLaMA does not generate as a baseline here: it would read every
@@ -36,6 +38,7 @@ from slabconv.verify.generate import (
     exact_path,
     greedy_fused,
     judged_dtype,
+    torch_threads,
     within_positions,
 )
 from slabconv.verify.greedy import compare_greedy, not_loaded_check
@@ -245,7 +248,15 @@ def check_streamed_folder(
     except UnsupportedModelError as err:  # a tensor missing, one too many, a shape: a difference, not bad input
         judged = judged_dtype(original.dtype, computed)
         return not_loaded_check(label, str(err), judged, steps, int(prompts.shape[0]), computed).to_dict()
-    fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
+    # every token asks for every weight block in the same order: one core reads the next block
+    # (``LazyShards.read_ahead``) while torch computes on the others
+    shards = model.lm_head.shards  # the reader every StreamedLinear shares
+    shards.read_ahead()
+    try:
+        with torch_threads(max(1, torch.get_num_threads() - 1)):
+            fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
+    finally:
+        shards.close()
     progress("verifying: greedy generation, the original in float64 over the generated tokens")
     reference = exact_path(original, prompts, fused.tokens, REFERENCE)
     check = compare_greedy(
