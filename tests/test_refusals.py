@@ -513,6 +513,48 @@ def test_narrowing_cast_after_norm():
     assert only(fuse(widening, x)[1]).action == "folded-forward"
 
 
+class WideningCastBeforeNorm(nn.Module):
+    """A float16 Linear whose output is cast to float32 for a float32 norm (a mixed-precision block; a float16
+    ONNX conv between ``Cast`` nodes), the norm's output read through a ReLU (no forward fold)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(C, C).to(dtype)
+        self.norm = RepBN(C)
+        self.head = nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.fc(x.to(self.fc.weight.dtype)).float())))
+
+
+def test_no_backward_fold_into_a_narrower_producer():
+    """The original computes ``s y + t`` in float32 (about 1e5 here); a backward fold into the float16 Linear would
+    compute it in float16 (inf). The norm is kept, the backward walk saying why; the same model in float32 folds
+    backward."""
+    model = randomize(WideningCastBeforeNorm()).eval()
+    with torch.no_grad():
+        model.norm.bn.running_var.fill_(1e-6)
+    x = tokens() * 100
+    reference = model(x)
+    assert torch.isfinite(reference).all()
+    naive = copy.deepcopy(model)
+    scale, shift = affine_of(model.norm)
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        w, b = fold.fold_into_producer(naive.fc.weight, naive.fc.bias, scale, shift)
+        naive.fc.weight.copy_(w)
+        naive.fc.bias.copy_(b)
+    assert not torch.isfinite(naive(x)).all()
+    gm, decisions = fuse(model, x)
+    d = only(decisions)
+    assert (d.action, d.reason, d.into) == ("kept-affine", reasons.NONLINEAR, [])
+    assert d.no_backward is not None and "compute the norm's affine in float16" in d.no_backward
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    wide = WideningCastBeforeNorm(torch.float32)  # the same weights in float32: the casts hold every value
+    wide.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    assert only(fuse(wide.eval(), x)[1]).action == "folded-backward"
+
+
 class ConcatWithNonlinearBranch(nn.Module):
     """``cat([y, relu(y)])``: both pieces come from the norm, but one is no longer an affine of the input."""
 

@@ -41,6 +41,7 @@ from slabconv.engine.rules import (
     Chan,
     Outcome,
     Pass,
+    holds_every_value,
     op_name,
     reads_data,
     unsupported,
@@ -294,6 +295,10 @@ def _through(node: fx.Node, ch: Chan) -> tuple[fx.Node, Chan] | str:
     src = node.args[0]
     if not isinstance(src, fx.Node) or not is_float(src):
         return f"{op_name(node)} does not read a float tensor"
+    if rule.name in ("cast", "type_as"):
+        narrower = _widening_before_norm(node, src)
+        if narrower is not None:
+            return narrower
     sizes = shape_of(src) or ()
     want = Pass(ch)
     found = [
@@ -304,6 +309,23 @@ def _through(node: fx.Node, ch: Chan) -> tuple[fx.Node, Chan] | str:
     if len(found) != 1:
         return f"the norm's channels are not one axis before {op_name(node)}"
     return src, Chan(found[0], ch.channels)
+
+
+def _widening_before_norm(cast: fx.Node, src: fx.Node) -> str | None:
+    """Why no backward fold crosses ``cast``, a widening of the producer's output (a float16 Linear / conv whose
+    output is cast to float32 for the norm), else None: the fold would compute ``s y + t`` in the producer's
+    narrower dtype, where the original computes it in the wider one (a value ``s y + t`` past 65504 is ``inf`` in
+    float16 where ``y`` was not); the mirror of ``narrowing-cast-after-norm`` (``steps.cast_outcome``)."""
+    before, after = (n.meta.get("val") for n in (src, cast))
+    if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return None
+    if holds_every_value(before.dtype, after.dtype):
+        return None
+    narrow, wide = (str(d).removeprefix("torch.") for d in (before.dtype, after.dtype))
+    return (
+        f"{op_name(cast)} casts the producer's {narrow} output to {wide} for the norm: a backward fold would "
+        f"compute the norm's affine in {narrow}"
+    )
 
 
 def _bias_add_layer(node: fx.Node) -> fx.Node | None:

@@ -47,7 +47,6 @@ from slabconv import engine
 from slabconv.fold import rounded
 from slabconv.load.shards import LazyShards
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.tolerances import TOL_DTYPE
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, Localization
 from slabconv.verify.sides import Side, folded_from, why_not_a_fold
@@ -80,13 +79,6 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
     return _torch(reference, candidate, opts, load)
 
 
-ROUNDING_NOTED = TOL_DTYPE["float32"]
-"""A correct fold whose rounding to the stored dtypes moves a boundary further from the original than float32's
-tolerance is named as the cause where no fold diverges: the weights a fold scaled are stored in float16 or
-bfloat16 while the original computes the norm in float32 (an ONNX file with float16 convolutions between
-``Cast``s and float32 BatchNorms); a float32 fold's rounding stays near 1e-7."""
-
-
 def _verdict(boundaries: list[Boundary], rounded_to: tuple[str, str] | None = None) -> str:
     """The verdict when no stored tensor outside the folds is to blame. ``rounded_to``: ``(candidate's dtype,
     reference's dtype)`` where the candidate stores its weights in another dtype than the reference (``fuse --dtype
@@ -101,15 +93,9 @@ def _verdict(boundaries: list[Boundary], rounded_to: tuple[str, str] | None = No
     verdict = (
         f"no fold boundary diverges ({len(boundaries)} compared): the stored weights are the fold's at every boundary"
     )
-    drifts = [b.rounding for b in boundaries if b.rounding is not None]
     if rounded_to is None:
-        if drifts and max(drifts) > ROUNDING_NOTED:  # the fold's own rounding: weights narrower than the arithmetic
-            return (
-                f"{verdict}; the correct fold, rounded to the weights' stored dtypes, is up to {max(drifts):.3g} from "
-                "the original at a boundary: a difference comes from that rounding (the fold scaled weights stored "
-                "in a narrower dtype than the original computes the norm in), not from a fold's values"
-            )
         return verdict + "; a difference comes from the runtime, not from a fold"
+    drifts = [b.rounding for b in boundaries if b.rounding is not None]
     stored, original = rounded_to
     verdict += (
         f", rounded to {stored} where the original is {original}; a difference comes from {stored}, not from a fold"
