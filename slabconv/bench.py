@@ -224,15 +224,15 @@ NOISY_WIDTH = 0.2
 """A ratio's spread (``high - low``) above this is reported as too noisy to read."""
 
 
-def ratios(timings: list[Timing], numerator: str = "fused", denominator: str = "norm-free") -> list[dict[str, Any]]:
-    """``median(numerator) / median(denominator)`` per runtime and batch size (1.00 = the bound is reached), with
-    its spread: ``low = p25(numerator) / p75(denominator)``, ``high = p75(numerator) / p25(denominator)``, and
-    ``noisy`` when that spread is wider than ``NOISY_WIDTH`` (the machine was busy: rerun with more repeats)."""
+def ratios(timings: list[Timing]) -> list[dict[str, Any]]:
+    """``median(fused) / median(norm-free)`` per runtime and batch size (1.00 = the bound is reached), with its
+    spread: ``low = p25(fused) / p75(norm-free)``, ``high = p75(fused) / p25(norm-free)``, and ``noisy`` when that
+    spread is wider than ``NOISY_WIDTH`` (the machine was busy: rerun with more repeats)."""
     table = {(t.variant, t.runtime, t.batch): t for t in timings}
     out = []
     for (variant, runtime, batch), t in table.items():
-        other = table.get((denominator, runtime, batch))
-        if variant != numerator or other is None:
+        other = table.get(("norm-free", runtime, batch))
+        if variant != "fused" or other is None:
             continue
         low, high = t.p25_ms / other.p75_ms, t.p75_ms / other.p25_ms
         out.append(
