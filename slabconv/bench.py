@@ -288,6 +288,19 @@ def check_plot_path(path: Path, force: bool, inputs: list[Path]) -> None:
         raise UsageError(f"--plot {err}") from None
 
 
+def _save_plot(fig: Any, path: Path) -> None:
+    """``fig`` written to ``path`` (its folders made), marked ``PLOT_MARK``, staged as ``check_plot_path`` allowed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
+    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:
+        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
+    plt.close(fig)
+
+
 def plot(timings: list[Timing], path: Path) -> None:
     """Bar chart of median latency per variant, one panel per runtime, error bars from p25 to p75 (matplotlib, Agg
     backend).
@@ -328,13 +341,7 @@ def plot(timings: list[Timing], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_title(runtime)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
-    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:  # as check_plot_path allowed
-        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
-    plt.close(fig)
+    _save_plot(fig, path)
 
 
 def source_of_output(folder: Path, options: Any) -> tuple[Path, Any]:
@@ -406,10 +413,4 @@ def plot_boundaries(localization: Any, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("relative error at the boundary")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
-    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:
-        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
-    plt.close(fig)
+    _save_plot(fig, path)
