@@ -224,15 +224,15 @@ NOISY_WIDTH = 0.2
 """A ratio's spread (``high - low``) above this is reported as too noisy to read."""
 
 
-def ratios(timings: list[Timing], numerator: str = "fused", denominator: str = "norm-free") -> list[dict[str, Any]]:
-    """``median(numerator) / median(denominator)`` per runtime and batch size (1.00 = the bound is reached), with
-    its spread: ``low = p25(numerator) / p75(denominator)``, ``high = p75(numerator) / p25(denominator)``, and
-    ``noisy`` when that spread is wider than ``NOISY_WIDTH`` (the machine was busy: rerun with more repeats)."""
+def ratios(timings: list[Timing]) -> list[dict[str, Any]]:
+    """``median(fused) / median(norm-free)`` per runtime and batch size (1.00 = the bound is reached), with its
+    spread: ``low = p25(fused) / p75(norm-free)``, ``high = p75(fused) / p25(norm-free)``, and ``noisy`` when that
+    spread is wider than ``NOISY_WIDTH`` (the machine was busy: rerun with more repeats)."""
     table = {(t.variant, t.runtime, t.batch): t for t in timings}
     out = []
     for (variant, runtime, batch), t in table.items():
-        other = table.get((denominator, runtime, batch))
-        if variant != numerator or other is None:
+        other = table.get(("norm-free", runtime, batch))
+        if variant != "fused" or other is None:
             continue
         low, high = t.p25_ms / other.p75_ms, t.p75_ms / other.p25_ms
         out.append(
@@ -288,6 +288,19 @@ def check_plot_path(path: Path, force: bool, inputs: list[Path]) -> None:
         raise UsageError(f"--plot {err}") from None
 
 
+def _save_plot(fig: Any, path: Path) -> None:
+    """``fig`` written to ``path`` (its folders made), marked ``PLOT_MARK``, staged as ``check_plot_path`` allowed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
+    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:
+        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
+    plt.close(fig)
+
+
 def plot(timings: list[Timing], path: Path) -> None:
     """Bar chart of median latency per variant, one panel per runtime, error bars from p25 to p75 (matplotlib, Agg
     backend).
@@ -328,13 +341,7 @@ def plot(timings: list[Timing], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_title(runtime)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
-    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:  # as check_plot_path allowed
-        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
-    plt.close(fig)
+    _save_plot(fig, path)
 
 
 def source_of_output(folder: Path, options: Any) -> tuple[Path, Any]:
@@ -406,10 +413,4 @@ def plot_boundaries(localization: Any, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("relative error at the boundary")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = PLOT_FORMATS.get(path.suffix.lower().removeprefix("."), "Creator")
-    with staging_file(path, force=True, owned=plot_written_by_slabconv) as tmp:
-        fig.savefig(tmp / path.name, dpi=120, metadata={key: PLOT_MARK})
-    plt.close(fig)
+    _save_plot(fig, path)

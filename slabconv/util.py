@@ -10,7 +10,7 @@ import logging
 import re
 import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,12 +37,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def files_sha256(files: list[Path]) -> str:
+def files_sha256(files: list[Path], digests: Mapping[Path, str] | None = None) -> str:
     """sha256 over one ``<file name> <hex sha256 of its bytes>\\n`` line per file, in the given order (one digest
-    for a folder of several files, e.g. a sharded checkpoint)."""
+    for a folder of several files, e.g. a sharded checkpoint). A file's own sha256 is taken from ``digests`` where
+    it has one (the digest of the bytes already read from it), else hashed here."""
+    known = digests or {}
     outer = hashlib.sha256()
     for path in files:
-        outer.update(f"{path.name} {sha256_file(path)}\n".encode())
+        outer.update(f"{path.name} {known.get(path) or sha256_file(path)}\n".encode())
     return outer.hexdigest()
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from slabconv.cli import app
-from slabconv.verify import integrity
+from slabconv.load import onnx_file
 from slabconv.zoo.deit import VisionTransformer, norm_factory
 from tests import errordoc, tinyckpt
 from tests.conftest import ROOT, randomize_norms, small_vit
@@ -258,7 +258,7 @@ def existing_onnx_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) 
 
 def onnx_over_2gb_in_one_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     shutil.copy(fused / "ckpt-fused" / "model.onnx", tmp / "big.onnx")
-    mp.setattr(integrity, "PROTOBUF_LIMIT_BYTES", (tmp / "big.onnx").stat().st_size - 1)  # this file is "over 2 GiB"
+    mp.setattr(onnx_file, "PROTOBUF_LIMIT_BYTES", (tmp / "big.onnx").stat().st_size - 1)  # this file is "over 2 GiB"
     return ["verify", str(tmp / "big.onnx"), str(tmp / "big.onnx"), "--samples", "2"]
 
 

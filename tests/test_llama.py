@@ -19,6 +19,8 @@ from slabconv import engine
 from slabconv.engine.norms import BN_OPS
 from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.load import hf
+from slabconv.load.source import Source
+from slabconv.verify import sides
 from slabconv.write.onnx import export_onnx
 from slabconv.zoo import detect_arch, get_arch
 from slabconv.zoo.llama import LlamaConfig, LlamaForCausalLM, LlamaLinearNorm, llama_norm_factory
@@ -417,6 +419,9 @@ def test_hf_folder_round_trips(tmp_path, weights, shard, fmt, entry):
     if shard is not None:
         assert len(loaded.files) > 3  # config, index, several shards
     assert len(loaded.sha256()) == 64
+    if weights == "safetensors":  # verify finds the folder digest an in-memory fold records as its source
+        side = sides.Side(tmp_path, Source(str(tmp_path), None, fmt), "model")
+        assert loaded.sha256() not in side.digests() and loaded.sha256() in side.digests(whole=True)
     model = detect_arch(loaded.state_dict, loaded.config).build(loaded.state_dict, loaded.config, "checkpoint")
     model.to(torch.float16).load_state_dict(loaded.state_dict, strict=True)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -683,3 +684,21 @@ def test_real_fixture_is_detected_built_strictly_and_folds(path: Path):
     reference = model(x)
     assert _rel_err(gm(x), reference) <= 1e-5
     assert math.isclose(float((gm(x).argmax(-1) == reference.argmax(-1)).float().mean()), 1.0)
+
+
+@pytest.mark.parametrize(
+    ("key", "prefix"),
+    [
+        ("slab_deit", "blocks.0.norm1"),
+        ("swin", "layers.0.blocks.0.norm1"),
+        ("pvt", "block1.0.norm1"),
+        ("slab_cswin", "stage1.0.norm1"),
+    ],
+)
+def test_a_family_named_for_weights_without_prepbn_norms_refuses_to_build(key, prefix):
+    """``--arch`` names the family, but its first block holds no RepBN / LinearNorm statistics (a plain LayerNorm
+    model): nothing to fold, and building it would read norms that are not there."""
+    tiny = TINY[key]
+    sd = {k: v for k, v in tiny.model(tiny.layout).state_dict().items() if ".bn." not in k}
+    with pytest.raises(UnsupportedModelError, match=f"no RepBN / LinearNorm keys under {re.escape(prefix)}$"):
+        get_arch(tiny.arch).build(sd, tiny.config, "checkpoint")

@@ -42,7 +42,6 @@ for _name, _layout in (
     if hasattr(aten, _name):
         BN_LAYOUT[getattr(aten, _name).default] = _layout  # type: ignore[assignment]
 BN_OPS = set(BN_LAYOUT)
-_BN_ROLES = ("weight", "bias", "running_mean", "running_var")
 
 
 def _reads_input(node: fx.Node) -> bool:

@@ -16,7 +16,6 @@ plain file names inside the folder.
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 import re
 from collections.abc import Mapping
@@ -38,7 +37,7 @@ from slabconv.load.paths import (  # noqa: F401 (what a Hugging Face folder is: 
     hf_weights_file,
     is_hf_folder,
 )
-from slabconv.util import sha256_file as files_digest
+from slabconv.util import files_sha256
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -82,10 +81,7 @@ class HFFolder:
     def sha256(self) -> str:
         """One digest of the folder's contents: sha256 over ``<name> <sha256 of file>`` lines of ``files``, each
         file's sha256 taken from the bytes that were read from it (``digests``; a file not read here is hashed)."""
-        outer = hashlib.sha256()
-        for path in self.files:
-            outer.update(f"{path.name} {self.digests.get(path) or files_digest(path)}\n".encode())
-        return outer.hexdigest()
+        return files_sha256(self.files, self.digests)
 
 
 def inside(folder: Path, path: Path) -> Path:

@@ -578,12 +578,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file")
-    size = safety.regular_file(path, "the ONNX file").st_size
-    if size > PROTOBUF_LIMIT_BYTES:
-        raise InputError(
-            f"{path}: one ONNX file of {size / 2**30:.1f} GiB is over protobuf's 2 GiB limit and cannot be read; "
-            "re-save it with its weights as external data: onnx.save_model(model, path, save_as_external_data=True)"
-        )
+    check_protobuf_size(path)
     with safety.open_regular(path, "the ONNX file") as f:
         data = f.read(min(os.fstat(f.fileno()).st_size, PROTOBUF_LIMIT_BYTES) + 1)
     try:
@@ -648,6 +643,20 @@ def _sort_nodes(proto: Any) -> None:
         nodes = list(proto.graph.node)
         del proto.graph.node[:]
         proto.graph.node.extend(nodes[i] for i in order)
+
+
+def check_protobuf_size(path: Path) -> None:
+    """``path`` is a regular file protobuf can parse whole (at most ``PROTOBUF_LIMIT_BYTES``).
+
+    Raises:
+        InputError: as ``safety.regular_file``; one file over protobuf's 2 GiB limit (weights not in external data).
+    """
+    size = safety.regular_file(path, "the ONNX file").st_size  # a FIFO or device is refused before anything opens it
+    if size > PROTOBUF_LIMIT_BYTES:
+        raise InputError(
+            f"{path}: one ONNX file of {size / 2**30:.1f} GiB is over protobuf's 2 GiB limit and cannot be read; "
+            "re-save it with its weights as external data: onnx.save_model(model, path, save_as_external_data=True)"
+        )
 
 
 def computed_dtype(fed: str | None, proto: Any) -> str:

@@ -290,12 +290,12 @@ def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -
     return value
 
 
-def read_json(path: Path | str, max_bytes: int | None = None, digests: dict[Path, str] | None = None) -> Any:
-    """A JSON file read as ``parse_json`` does, after ``regular_file`` and a size check before reading.
+def read_json(path: Path | str, digests: dict[Path, str] | None = None) -> Any:
+    """A JSON file read as ``parse_json`` does, after ``regular_file`` and a size check (``MAX_JSON_BYTES``) before
+    reading.
 
     Args:
         path: the file.
-        max_bytes: the size limit for this kind of file (default ``MAX_JSON_BYTES``).
         digests: when given, ``digests[path]`` is set to the sha256 of the bytes parsed (one read, one digest).
 
     Raises:
@@ -303,15 +303,14 @@ def read_json(path: Path | str, max_bytes: int | None = None, digests: dict[Path
     """
     import hashlib
 
-    max_bytes = MAX_JSON_BYTES if max_bytes is None else max_bytes
     info = regular_file(path, "a JSON file")
-    if info.st_size > max_bytes:
+    if info.st_size > MAX_JSON_BYTES:
         raise InputError(
-            f"{path}: {_human(info.st_size)} of JSON, over slabconv's limit of {_human(max_bytes)}; refused"
+            f"{path}: {_human(info.st_size)} of JSON, over slabconv's limit of {_human(MAX_JSON_BYTES)}; refused"
         )
     with open_regular(path, "a JSON file") as f:
-        data = f.read(max_bytes + 1)
-    value = parse_json(data, str(path), max_bytes)
+        data = f.read(MAX_JSON_BYTES + 1)
+    value = parse_json(data, str(path), MAX_JSON_BYTES)
     if digests is not None:
         digests[Path(path)] = hashlib.sha256(data).hexdigest()
     return value

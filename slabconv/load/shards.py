@@ -9,6 +9,7 @@ the freed blocks.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -131,7 +132,7 @@ class LazyShards:
         if key not in layout.specs:
             raise InputError(f"{path}: tensor {key!r} is missing from the file")
         dtype, shape = layout.specs[key]
-        row = _numel(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
+        row = math.prod(shape[1:]) * dtype.itemsize if shape else dtype.itemsize
         count = shape[0] if shape else 1
         start, stop, _ = (rows or slice(None)).indices(count)
         stop = max(start, stop)
@@ -217,7 +218,7 @@ class LazyShards:
         reads every weight once per token: into fresh memory, each block is a new ``mmap`` whose pages the kernel
         faults in and zeroes before the read fills them (``return_freed_blocks_to_the_os``), which took longer than
         the reads and the products together (``docs/performance.md``, "Checks of a streamed fold")."""
-        rows = max(1, self.block_elements // max(1, _numel(shape[1:])))
+        rows = max(1, self.block_elements // max(1, math.prod(shape[1:])))
         if len(shape) < 2 or shape[0] <= rows:
             yield self._reused_read(key, None, list(shape)) if reuse else self.get(key)
             return
@@ -248,7 +249,7 @@ class LazyShards:
         """A tensor of ``shape`` and ``key``'s dtype in the reader's one buffer (``row_blocks(reuse=True)``), grown
         as needed."""
         dtype = self.dtype(key)
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if self._reused.numel() < nbytes:
             self._reused = torch.empty(nbytes, dtype=torch.uint8)
         return self._reused[:nbytes].view(dtype).view(shape)
@@ -382,10 +383,3 @@ def _changed(path: Path, detail: str = "it is not the file whose header was read
         f"{path}: the file changed while slabconv read it ({detail}); nothing was written: rerun once nothing is "
         "writing it"
     )
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

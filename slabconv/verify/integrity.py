@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from slabconv.errors import InputError, SlabconvError, first_line
-from slabconv.load.onnx_file import check_graph_inputs, check_tensors
+from slabconv.load.onnx_file import check_graph_inputs, check_protobuf_size, check_tensors
 from slabconv.util import text_path
-from slabconv.write.onnx import PROTOBUF_LIMIT_BYTES
 
 
 def check_onnx_file(path: Path) -> tuple[bool, str]:
@@ -25,14 +24,7 @@ def check_onnx_file(path: Path) -> tuple[bool, str]:
     """
     import onnx
 
-    from slabconv.load.safety import regular_file
-
-    size = regular_file(path, "the ONNX file").st_size  # a FIFO or device is refused before anything opens it
-    if size > PROTOBUF_LIMIT_BYTES:
-        raise InputError(
-            f"{path}: one ONNX file of {size / 2**30:.1f} GiB is over protobuf's 2 GiB limit and cannot be read; "
-            "re-save it with its weights as external data: onnx.save_model(model, path, save_as_external_data=True)"
-        )
+    check_protobuf_size(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends

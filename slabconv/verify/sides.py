@@ -19,7 +19,6 @@ arguments, refused with the command that was meant.
 
 from __future__ import annotations
 
-import hashlib
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from slabconv.errors import SlabconvError, UnsupportedModelError, UsageError
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
-from slabconv.util import sha256_file
+from slabconv.util import files_sha256, sha256_file
 from slabconv.write.hf_llama import MODELING_FILE
 
 
@@ -128,10 +127,7 @@ class Side:
                     entry, fmt = weights
                     files = [self.path / hf.CONFIG, entry]
                     files += hf.shard_paths(entry) if fmt.endswith("-sharded") else []
-                    outer = hashlib.sha256()
-                    for path in files:
-                        outer.update(f"{path.name} {sha256_file(path)}\n".encode())
-                    found.add(outer.hexdigest())
+                    found.add(files_sha256(files))
         return found - {""}
 
     def built(self, load: LoadOptions | None = None) -> Any:

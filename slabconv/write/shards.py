@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from collections import deque
 from collections.abc import Iterator
@@ -47,7 +48,7 @@ class ShardWriter:
         offset = 0
         self.expected: list[tuple[str, torch.dtype, list[int], int]] = []
         for name, dtype, shape in specs:
-            nbytes = numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {
                 "dtype": SAFETENSORS_DTYPES[dtype],
                 "shape": shape,
@@ -110,13 +111,6 @@ class ShardWriter:
         if self.index != len(self.expected):
             raise RuntimeError(f"shard writer: wrote {self.index} of {len(self.expected)} tensors")
         return self.digest.hexdigest()
-
-
-def numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 @contextmanager
@@ -214,7 +208,7 @@ def write_program_shards(
             finally:
                 writer.close()
             digests[shard] = writer.finish()
-            total += sum(numel(s) * torch.empty((), dtype=d).element_size() for _, d, s in plan)
+            total += sum(math.prod(s) * d.itemsize for _, d, s in plan)
     missing = sorted(set(program.tensors) - set(new_map))
     if missing:
         raise UnsupportedModelError(

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import (
     Mlp,
     NormFactory,
     cfg_get,
+    checkpoint_norm,
     depths_of,
     init_linears,
     linear_attention,
@@ -390,10 +390,7 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
     hp = hparams(preset, sd, config)
     resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
     if norm == "checkpoint":
-        layout = norm_layout(sd, "stage1.0.norm1")
-        if layout is None:
-            raise UnsupportedModelError(f"{preset.name}: no RepBN / LinearNorm keys under stage1.0.norm1")
-        return CSWinTransformer(**hp, norm_layer=norm_factory(layout, ln_eps=1e-5))
+        return CSWinTransformer(**hp, norm_layer=checkpoint_norm(sd, "stage1.0.norm1", preset.name, 1e-5))
     keep_scale = any(k.endswith(".scale") and ".attns." in k for k in sd)
     return CSWinTransformer(**hp, norm_layer=norm_factory(norm), keep_scale=keep_scale)
 

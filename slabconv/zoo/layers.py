@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.norms import LinearNorm, RepBN
 
 NormFactory = Callable[[int], nn.Module]
@@ -99,6 +100,19 @@ def norm_layout(state_dict: Mapping[str, Any], prefix: str) -> str | None:
     if f"{prefix}.bn.running_mean" in state_dict:
         return "repbn"
     return None
+
+
+def checkpoint_norm(state_dict: Mapping[str, Any], prefix: str, what: str, ln_eps: float) -> NormFactory:
+    """The norm constructor of the layout the keys under ``prefix`` hold (``norm_layout``; ``ln_eps`` for
+    LinearNorm's LayerNorm), for the family ``what`` building the checkpoint's own norms.
+
+    Raises:
+        UnsupportedModelError: no RepBN / LinearNorm keys under ``prefix`` (a plain LayerNorm model).
+    """
+    layout = norm_layout(state_dict, prefix)
+    if layout is None:
+        raise UnsupportedModelError(f"{what}: no RepBN / LinearNorm keys under {prefix}")
+    return norm_factory(layout, ln_eps=ln_eps)
 
 
 def cfg_get(config: Mapping[str, Any] | None, *path: str, default: Any = None) -> Any:

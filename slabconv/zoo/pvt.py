@@ -44,6 +44,7 @@ from slabconv.zoo.layers import (
     NormFactory,
     PatchEmbed,
     cfg_get,
+    checkpoint_norm,
     depths_of,
     init_linears,
     linear_attention,
@@ -281,10 +282,7 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
     hp = hparams(preset, sd, config)
     run = _run_size(preset, hp, config)
     if norm == "checkpoint":
-        layout = norm_layout(sd, "block1.0.norm1")
-        if layout is None:
-            raise UnsupportedModelError(f"{preset.name}: no RepBN / LinearNorm keys under block1.0.norm1")
-        norm_layer = norm_factory(layout, ln_eps=1e-6)
+        norm_layer = checkpoint_norm(sd, "block1.0.norm1", preset.name, 1e-6)
     else:
         norm_layer = norm_factory(norm)
     return PyramidVisionTransformer(**hp, norm_layer=norm_layer, run_img_size=run)

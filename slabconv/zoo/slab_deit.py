@@ -29,12 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from slabconv.errors import UnsupportedModelError
 from slabconv.zoo.layers import (
     Block,
     NormFactory,
     PatchEmbed,
     SimplifiedLinearAttention,
+    checkpoint_norm,
     init_linears,
     key_indices,
     norm_factory,
@@ -138,10 +138,7 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
     hp = hparams(sd)
     resolve_image_size(hp["img_size"], config, resizable=False, what=preset.name)
     if norm == "checkpoint":
-        layout = norm_layout(sd, "blocks.0.norm1")
-        if layout is None:
-            raise UnsupportedModelError(f"{preset.name}: no RepBN / LinearNorm keys under blocks.0.norm1")
-        return SlabVisionTransformer(**hp, norm_layer=norm_factory(layout, ln_eps=1e-6))
+        return SlabVisionTransformer(**hp, norm_layer=checkpoint_norm(sd, "blocks.0.norm1", preset.name, 1e-6))
     return SlabVisionTransformer(**hp, norm_layer=norm_factory(norm), keep_cls_token="cls_token" in sd)
 
 

@@ -56,6 +56,7 @@ from slabconv.zoo.layers import (
     PatchEmbed,
     SimplifiedLinearAttention,
     cfg_get,
+    checkpoint_norm,
     depths_of,
     init_linears,
     key_indices,
@@ -446,12 +447,9 @@ def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -
     hp = hparams(preset, sd, config)
     run = _run_size(preset, hp, config)
     if norm == "checkpoint":
-        layout = norm_layout(sd, "layers.0.blocks.0.norm1")
-        if layout is None:
-            raise UnsupportedModelError(f"{preset.name}: no RepBN / LinearNorm keys under layers.0.blocks.0.norm1")
         return SwinTransformer(
             **hp,
-            norm_layer=norm_factory(layout, ln_eps=1e-5),
+            norm_layer=checkpoint_norm(sd, "layers.0.blocks.0.norm1", preset.name, 1e-5),
             patch_norm=norm_layout(sd, "patch_embed.norm") is not None,
             run_img_size=run,
         )
