@@ -327,3 +327,81 @@ def test_a_legitimate_program_still_loads_with_its_symbolic_batch(tmp_path: Path
     result = runner.invoke(app, ["inspect", str(program(tmp_path / "ok.pt2")), "--json", "--quiet"])
     assert result.exit_code == 0, result.stderr
     assert result.stderr == ""
+
+
+# --------------------------------------------------------------------------------------------- the hub cache
+
+
+def hub_snapshot(root: Path, files: dict[str, bytes], repo: str = "models--org--tiny") -> Path:
+    """A folder as huggingface_hub's cache keeps a download: ``REPO/snapshots/REV/NAME`` links to
+    ``../../blobs/HASH`` (relative, as huggingface_hub writes them)."""
+    import hashlib
+
+    snapshot = root / repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (root / repo / "blobs").mkdir(exist_ok=True)
+    for name, data in files.items():
+        digest = hashlib.sha256(data).hexdigest()
+        (root / repo / "blobs" / digest).write_bytes(data)
+        os.symlink(f"../../blobs/{digest}", snapshot / name)
+    return snapshot
+
+
+def _llama_files(tmp: Path) -> dict[str, bytes]:
+    from tests.test_llama import TINY_CONFIG, tiny_model
+
+    write_hf_folder(tmp / "plain", tiny_model().half().state_dict(), TINY_CONFIG)
+    (tmp / "plain" / "tokenizer.json").write_text('{"model": {"type": "WordLevel"}}')
+    (tmp / "plain" / "generation_config.json").write_text('{"eos_token_id": 7, "pad_token_id": 3}')
+    return {p.name: p.read_bytes() for p in (tmp / "plain").iterdir()}
+
+
+def test_a_hub_cache_snapshot_is_read_as_its_folder(tmp_path: Path) -> None:
+    """transformers reads ``snapshot_download``'s folder, every file a link into the repository's blobs; slabconv
+    refused it as links leaving the folder. Its weights, tokenizer and generation ids are the folder's own."""
+    from slabconv.load.shards import LazyShards
+    from slabconv.write.hf_llama import copy_tokenizer_files, original_token_ids
+
+    snapshot = hub_snapshot(tmp_path / "hub", _llama_files(tmp_path))
+    result = runner.invoke(app, ["inspect", str(snapshot)])
+    assert result.exit_code == 0, result.stderr
+    plain, linked = LazyShards.open(tmp_path / "plain"), LazyShards.open(snapshot)
+    assert sorted(linked.weight_map) == sorted(plain.weight_map)
+    key = "lm_head.weight"
+    assert torch.equal(linked.get(key), plain.get(key))
+    assert original_token_ids(snapshot) == {"eos_token_id": 7, "pad_token_id": 3}
+    (tmp_path / "out").mkdir()
+    assert [p.name for p in copy_tokenizer_files(snapshot, tmp_path / "out")] == ["tokenizer.json"]
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "plain" / "tokenizer.json").read_bytes()
+
+
+def hub_link_into_another_repository(tmp: Path) -> list[str]:
+    """A snapshot's link into another repository's blobs leaves the folder."""
+    snapshot = hub_snapshot(tmp / "hub", {"config.json": b'{"model_type": "llama"}'})
+    other = tmp / "hub" / "models--else--where" / "blobs"
+    other.mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(other / "h"))
+    os.symlink("../../../models--else--where/blobs/h", snapshot / "model.safetensors")
+    return ["inspect", str(snapshot)]
+
+
+def hub_blobs_a_link_elsewhere(tmp: Path) -> list[str]:
+    """``blobs`` itself a link: the snapshot's links would reach wherever it points."""
+    secret = tmp / "elsewhere"
+    secret.mkdir()
+    save_file({"w": torch.ones(2)}, str(secret / "h"))
+    (secret / "c").write_text('{"model_type": "llama"}')
+    snapshot = tmp / "hub" / "models--org--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    os.symlink(secret, tmp / "hub" / "models--org--tiny" / "blobs")
+    os.symlink("../../blobs/c", snapshot / "config.json")
+    os.symlink("../../blobs/h", snapshot / "model.safetensors")
+    return ["inspect", str(snapshot)]
+
+
+@pytest.mark.parametrize("case", [hub_link_into_another_repository, hub_blobs_a_link_elsewhere])
+def test_a_hub_snapshot_link_leaving_its_own_blobs_is_refused(
+    case: Callable[[Path], list[str]], tmp_path: Path
+) -> None:
+    result = runner.invoke(app, case(tmp_path))
+    assert result.exit_code == 2 and "outside the folder" in result.stderr, result.stderr

@@ -84,15 +84,43 @@ class HFFolder:
         return files_sha256(self.files, self.digests)
 
 
+def hub_blobs(folder: Path) -> Path | None:
+    """The ``blobs`` folder of the Hugging Face hub cache entry ``folder`` is a snapshot of, or None.
+
+    huggingface_hub's cache (``hf download``, ``snapshot_download``, ``from_pretrained`` of a hub id) keeps a
+    model as ``models--ORG--NAME/snapshots/REVISION/FILE``, each ``FILE`` a symbolic link to
+    ``../../blobs/HASH`` (https://huggingface.co/docs/huggingface_hub/guides/manage-cache). The blobs are that
+    repository's own files: a link of a snapshot into them is the folder's file, not one outside it. Only a real
+    folder counts (``blobs`` itself a link would let the snapshot reach anywhere).
+    """
+    snapshot = folder.resolve()
+    repo = snapshot.parent.parent
+    blobs = repo / "blobs"
+    if snapshot.parent.name != "snapshots" or not repo.name.startswith("models--"):
+        return None
+    return blobs if blobs.is_dir() and not blobs.is_symlink() else None
+
+
+def resolves_inside(folder: Path, path: Path) -> bool:
+    """Whether ``path`` (after every link) is in ``folder``, or in the ``blobs`` of the hub cache entry ``folder``
+    is a snapshot of (``hub_blobs``)."""
+    real = path.resolve()
+    if real.is_relative_to(folder.resolve()):
+        return True
+    blobs = hub_blobs(folder)
+    return blobs is not None and real.is_relative_to(blobs)
+
+
 def inside(folder: Path, path: Path) -> Path:
     """``path`` after checking that it resolves inside ``folder`` (a symlink that leaves the folder is refused
-    like an index entry that names a path: the folder's files are the only ones slabconv reads).
+    like an index entry that names a path: the folder's files are the only ones slabconv reads). A snapshot of the
+    Hugging Face hub cache links each file to its repository's ``blobs``: those links stay inside (``hub_blobs``).
 
     Raises:
         InputError: naming the file and where it points.
     """
-    real, root = path.resolve(), folder.resolve()
-    if not real.is_relative_to(root):
+    if not resolves_inside(folder, path):
+        real = path.resolve()
         raise InputError(f"{path}: a link to {real}, outside the folder {folder}; refused (copy the file in instead)")
     return path
 

@@ -41,7 +41,7 @@ import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
-from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX
+from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, resolves_inside
 from slabconv.load.shards import LazyShards
 
 MODEL_TYPE = "slabconv_llama"
@@ -393,7 +393,7 @@ def original_token_ids(source: Path | str) -> dict[str, Any]:
     source = Path(source)
     found = (source if source.is_dir() else source.parent) / GENERATION_CONFIG
     try:  # read as every JSON input is (a regular file, size and depth bounded before parsing)
-        data = safety.read_json(found) if found.is_file() and not found.is_symlink() else {}
+        data = safety.read_json(found) if found.is_file() and resolves_inside(found.parent, found) else {}
     except InputError:  # damaged, over the limits: the ids of config.json stand
         return {}
     if not isinstance(data, dict):
@@ -410,9 +410,10 @@ def original_token_ids(source: Path | str) -> dict[str, Any]:
 
 
 def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
-    """Copy the original folder's tokenizer files (``TOKENIZER_FILES``: regular files, not links) into the fused
-    ``folder``, byte for byte, so that ``AutoTokenizer.from_pretrained(folder)`` reads the original's tokenizer. The
-    fold does not change the vocabulary, so the original's token ids are the fused model's. No file is run or parsed.
+    """Copy the original folder's tokenizer files (``TOKENIZER_FILES``: regular files, or links that stay inside the
+    folder or its hub cache entry: ``load.hf.resolves_inside``) into the fused ``folder``, byte for byte, so that
+    ``AutoTokenizer.from_pretrained(folder)`` reads the original's tokenizer. The fold does not change the
+    vocabulary, so the original's token ids are the fused model's. No file is run or parsed.
 
     Args:
         source: the original Hugging Face folder (a file: its folder).
@@ -426,7 +427,7 @@ def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
     written = []
     for name in TOKENIZER_FILES:
         found = source / name
-        if found.is_file() and not found.is_symlink():
+        if found.is_file() and resolves_inside(source, found):
             shutil.copyfile(found, folder / name)
             written.append(folder / name)
     return written
