@@ -324,7 +324,7 @@ class _ReadAhead:
 
     def _into(self, index: int, key: str, shape: list[int]) -> torch.Tensor:
         dtype = self.shards.dtype(key)
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if self.buffers[index].numel() < nbytes:
             self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
         return self.buffers[index][:nbytes].view(dtype).view(shape)
