@@ -160,7 +160,7 @@ def out_of_memory(asked: int | None = None) -> InputError:
     return InputError(
         f"out of memory{size}: this machine (or its memory limit: ulimit -v, a container's or cgroup's limit) has "
         "less than the run needs; nothing was written: run with more memory, fold a LLaMA-layout folder with --stream "
-        "(bounded memory), or check less (--generate 0, --samples N, --no-verify)"
+        "(bounded memory) where this run did not, or check less (--generate 0, --samples N, --no-verify)"
     )
 
 
