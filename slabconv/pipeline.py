@@ -270,12 +270,18 @@ def plan_sharded(
     Raises:
         UnsupportedModelError, InputError: as ``load.lazy.planning_model`` and ``plan``.
     """
+    from slabconv.zoo.registry import ArchMismatch, checked_against
+
     progress("building the full-size architecture with stand-in weights")
     stack = _stack(shards)
     if stack is not None:
         prefix, depth = stack
+        whole = {k: torch.zeros((), dtype=d).expand(shape) for k, (d, shape) in shards.specs().items()}
         try:
-            planning = planning_model(BlockSlots(shards, prefix, (0, 1, depth - 1)), config, arch, sha256)
+            with checked_against(arch, whole, config):  # --arch names the whole depth (llama_350m_prepbn: 18)
+                planning = planning_model(BlockSlots(shards, prefix, (0, 1, depth - 1)), config, arch, sha256)
+        except ArchMismatch:
+            raise
         except (InputError, UnsupportedModelError):
             pass  # the architecture is not built from the layers it is given: trace every layer
         else:

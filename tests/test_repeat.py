@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from slabconv import api, pipeline
 from slabconv.engine import repeat as engine_repeat
+from slabconv.errors import UnsupportedModelError
 from slabconv.load.lazy import BlockSlots, planning_model, stack_depth
 from slabconv.load.shards import LazyShards
 from slabconv.options import WriteOptions
@@ -152,3 +153,24 @@ def test_stack_depth_and_block_slots(folder):
         got["model.layers.1.input_layernorm.norm2.alpha"], shards.get("model.layers.3.input_layernorm.norm2.alpha")
     )
     assert torch.equal(got["lm_head.weight"], shards.get("lm_head.weight"))
+
+
+def test_a_preset_named_with_arch_is_planned_from_three_layers_and_checked_on_the_whole_depth(folder, monkeypatch):
+    """``--arch`` naming a fixed-size preset (``llama_350m_prepbn``, the documented command for that layout) is
+    checked against the whole folder, not the three layers planned: the check refused the three-layer model (3
+    layers are not the preset's depth) and every layer was traced instead (10 s of 16 for the 350M folder). A
+    name that does not fit the folder is still refused."""
+    from slabconv.zoo import llama, registry
+
+    shards = LazyShards.open(folder / "src")
+    whole = {k: torch.zeros((), dtype=d).expand(shape) for k, (d, shape) in shards.specs().items()}
+    sized = registry.get_arch("llama_350m_prepbn")
+    here = llama.signature(whole)  # the preset's widths and depths made this folder's
+    monkeypatch.setitem(
+        registry._REGISTRY, sized.name, replace(sized, matches=lambda sd, cfg: llama.signature(sd) == here)
+    )
+    with registry.checking_names():
+        _, planned = pipeline.plan_sharded(shards, dict(CONFIG), "llama_350m_prepbn", "")
+        assert planned.traced_blocks == (3, DEPTH)
+        with pytest.raises(UnsupportedModelError, match="(?i)deit"):
+            pipeline.plan_sharded(shards, dict(CONFIG), "deit_prepbn", "")

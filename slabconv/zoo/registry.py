@@ -281,6 +281,27 @@ def checking_names() -> Iterator[None]:
         _CHECK_NAMES.reset(token)
 
 
+@contextmanager
+def checked_against(name: str | None, state_dict: StateDict, config: Mapping[str, Any]) -> Iterator[None]:
+    """Inside ``checking_names``: check ``--arch name`` against ``state_dict`` now (``check_arch``), then build
+    unchecked inside the block, from part of those weights (a decoder planned from three of its layers,
+    ``pipeline.plan_sharded``, is the preset its whole depth is). Outside it, or without a name: nothing.
+
+    Raises:
+        ArchMismatch: as ``check_arch``.
+        UnsupportedModelError: an unknown name.
+    """
+    if not name or not _CHECK_NAMES.get():
+        yield
+        return
+    token = _CHECK_NAMES.set(False)
+    try:
+        check_arch(get_arch(name), state_dict, config)
+        yield
+    finally:
+        _CHECK_NAMES.reset(token)
+
+
 def _checked(spec: ArchSpec) -> ArchSpec:
     build = spec.build
 
