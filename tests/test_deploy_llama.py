@@ -291,9 +291,14 @@ def _run_isolated(script: str, args: dict, tmp_path: Path) -> dict:
 
 
 def _sharded_copy(fused: Path, dest: Path, config: dict) -> Path:
+    """The fused weights as shards, made a fused folder again, recording the fused file's provenance as it does."""
+    from safetensors import safe_open
+
     write_hf_folder(dest, load_file(str(fused / "model.safetensors")), config, max_shard_bytes=200_000)
     assert (dest / "model.safetensors.index.json").is_file() and len(list(dest.glob("model-*.safetensors"))) > 2
-    write_hf_llama_metadata(dest, config)
+    with safe_open(str(fused / "model.safetensors"), "pt") as f:
+        provenance = f.metadata()
+    write_hf_llama_metadata(dest, config, provenance=provenance)
     return dest
 
 
