@@ -807,8 +807,8 @@ def test_a_fused_folder_saved_again_by_transformers_is_still_held_to_the_fold(fo
     metadata but ``format`` and ``config``), which ``save_pretrained`` keeps while it drops the safetensors
     metadata: ``verify ORIGINAL RESAVED`` in memory still asks question 1 (every written tensor equals the fold's
     value), passes the re-saved folder, and fails one whose folded q_proj bias of layer 0 was zeroed, naming that
-    tensor. (Was: question 1 not asked, "the candidate records no source it was folded from", and the zeroed bias
-    PASSED on question 2's tolerance.)"""
+    tensor; so does ``verify --stream``. (Was: question 1 not asked, "the candidate records no source it was folded
+    from", and the zeroed bias PASSED on question 2's tolerance; --stream refused both folders, pad_token_id.)"""
     from slabconv.options import VerifyOptions
 
     root = folded[0]
@@ -822,9 +822,16 @@ def test_a_fused_folder_saved_again_by_transformers_is_still_held_to_the_fold(fo
     assert good.passed and [e.method for e in good.exact] == ["graph", "tensors"], good.notes
     assert all(e.passed for e in good.exact) and not [n for n in good.notes if "question 1" in n]
     key = "model.layers.0.self_attn.q_proj.bias"
-    broken = api.verify(root / "src", _resaved_copy(resaved, tmp_path, zero=key), verify=options).verification
+    copy = _resaved_copy(resaved, tmp_path, zero=key)
+    broken = api.verify(root / "src", copy, verify=options).verification
     tensors = [e for e in broken.exact if e.method == "tensors"]
     assert not broken.passed and len(tensors) == 1 and not tensors[0].passed and tensors[0].worst == key
+    # --stream too: the re-saved config.json says pad_token_id null where the original had none (the zoo's default
+    # 0), which does not change the forward; it was refused as "not the same model"
+    good = api.verify(root / "src", resaved, verify=options, stream=True).verification
+    assert good.passed and [e.method for e in good.exact] == ["tensors"] and good.exact[0].passed, good.notes
+    broken = api.verify(root / "src", copy, verify=options, stream=True).verification
+    assert not broken.passed and not broken.exact[0].passed and broken.exact[0].worst == key
 
 
 def test_a_resaved_fused_folder_without_provenance_says_question_1_was_not_asked_and_where_it_looked(
