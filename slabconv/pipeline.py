@@ -543,11 +543,17 @@ def _write_files(
 
 
 def _write_hf_folder(
-    folder: Path, loaded: LoadedModel, onnx: bool, progress: Progress, norm_affine: bool = False
+    folder: Path,
+    loaded: LoadedModel,
+    onnx: bool,
+    progress: Progress,
+    metadata: dict[str, str],
+    norm_affine: bool = False,
 ) -> list[str]:
     """The Hugging Face model folder files of a fused language model (with the original's tokenizer files and the
     token ids of its ``generation_config.json``), and with ``onnx`` its decoder ONNX with past key/values
-    (``norm_affine``: a standard decoder's norm weights were folded)."""
+    (``norm_affine``: a standard decoder's norm weights were folded). ``config.json`` records the weights' fused
+    ``metadata`` too (its provenance: what transformers' ``save_pretrained`` keeps)."""
     from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
     from slabconv.write.hf_llama import (
         STANDARD_TYPES,
@@ -560,10 +566,13 @@ def _write_hf_folder(
     progress("writing the Hugging Face model folder")
     ids = original_token_ids(loaded.checkpoint.path)
     if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
-        standard = write_hf_standard_metadata(folder, loaded.config, folded=norm_affine, generation=ids)
+        standard = write_hf_standard_metadata(
+            folder, loaded.config, folded=norm_affine, generation=ids, provenance=metadata
+        )
         written = [p.name for p in standard]
     else:
-        written = [p.name for p in write_hf_llama_metadata(folder, loaded.config, generation=ids)]
+        made = write_hf_llama_metadata(folder, loaded.config, generation=ids, provenance=metadata)
+        written = [p.name for p in made]
     written += [p.name for p in copy_tokenizer_files(loaded.checkpoint.path, folder)]
     if onnx:
         progress("exporting decoder.onnx (with past key/values)")
@@ -640,7 +649,7 @@ class InMemory(_TorchDoor):
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             onnx, folded = write.onnx, engine.folds_norm_affine(planned.decisions)
-            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, folded)
+            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, metadata, folded)
             outputs.hf_folder = True
             outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
         return outputs, {}
@@ -717,7 +726,7 @@ class Streamed(_TorchDoor):
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             folded = engine.folds_norm_affine(planned.decisions)
-            outputs.files += _write_hf_folder(folder, loaded, False, progress, folded)
+            outputs.files += _write_hf_folder(folder, loaded, False, progress, metadata, folded)
             outputs.hf_folder = True
         return outputs, digests
 

@@ -291,9 +291,14 @@ def _run_isolated(script: str, args: dict, tmp_path: Path) -> dict:
 
 
 def _sharded_copy(fused: Path, dest: Path, config: dict) -> Path:
+    """The fused weights as shards, made a fused folder again, recording the fused file's provenance as it does."""
+    from safetensors import safe_open
+
     write_hf_folder(dest, load_file(str(fused / "model.safetensors")), config, max_shard_bytes=200_000)
     assert (dest / "model.safetensors.index.json").is_file() and len(list(dest.glob("model-*.safetensors"))) > 2
-    write_hf_llama_metadata(dest, config)
+    with safe_open(str(fused / "model.safetensors"), "pt") as f:
+        provenance = f.metadata()
+    write_hf_llama_metadata(dest, config, provenance=provenance)
     return dest
 
 
@@ -1050,6 +1055,29 @@ def test_prompts_ending_with_the_pad_id_are_the_same_prompts_in_onnxruntime_gena
     check = check_fused_folder(original, doc["out"], ids, 8)
     assert check["passed"], check
     assert f"6 of 6 prompts ended with the pad id {pad}" in " ".join(check["notes"])
+
+
+def test_the_onnxruntime_genai_run_reads_config_json_as_every_json_input(doc, tmp_path):
+    """The onnxruntime-genai run's label takes the dtype from the folder's config.json, read as every JSON input is
+    (``load.safety.read_json``): a ``torch_dtype`` that is not a string is not put in the label (float32), and a
+    file nested past the depth limit is refused in one line. (It was parsed with plain json.loads, unbounded.)"""
+    from slabconv.verify.generate import greedy_genai
+
+    if not genai_available():
+        pytest.skip("onnxruntime-genai is not installed")
+    folder = tmp_path / "out"
+    shutil.copytree(doc["out"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    prompts = torch.tensor([[5, 6, 7, 8]])
+    config["torch_dtype"] = ["float16"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert greedy_genai(folder, prompts, 2).name.startswith("fused float32 (onnxruntime-genai ")
+    deep: list = []
+    for _ in range(200):
+        deep = [deep]
+    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32", "deep": deep}))
+    with pytest.raises(InputError, match="JSON nested deeper than slabconv's limit"):
+        greedy_genai(folder, prompts, 2)
 
 
 def test_a_changed_weight_of_decoder_onnx_fails_question_1_naming_it(doc, tmp_path):

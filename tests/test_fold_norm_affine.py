@@ -448,6 +448,27 @@ def test_a_changed_norm_weight_of_one_is_named_as_what_the_fold_wrote(decoders, 
     assert "a kept norm's scale or shift, or" in v.localization.detail
 
 
+def test_a_standard_decoder_fold_saved_again_by_transformers_is_still_held_to_the_fold(decoders, fused, tmp_path):
+    """The Qwen2 fold loaded by transformers (its own class) and saved again: the safetensors lose slabconv's
+    metadata, the config.json keeps ``slabconv.provenance``, so ``verify ORIGINAL RESAVED`` still asks question 1
+    (with the norm affines folded, as recorded) and passes; a norm weight of 1 changed in it fails question 1,
+    named. (Was: question 1 not asked, the candidate recording no source.)"""
+    from safetensors.torch import save_file
+
+    resaved = tmp_path / "resaved"
+    transformers.AutoModelForCausalLM.from_pretrained(fused["qwen2"][1]).save_pretrained(resaved)
+    tensors = load_file(str(resaved / "model.safetensors"))
+    options = VerifyOptions(samples=2, generate=0)
+    v = api.verify(decoders["qwen2"][1], resaved, verify=options).verification
+    assert v.passed and [e.method for e in v.exact] == ["graph", "tensors"], v.notes
+    key = "model.layers.1.input_layernorm.weight"
+    tensors[key][3] = 1.25
+    save_file(tensors, str(resaved / "model.safetensors"), {"format": "pt"})
+    v = api.verify(decoders["qwen2"][1], resaved, verify=options).verification
+    [written] = [e for e in v.exact if e.method == "tensors"]
+    assert not v.passed and not written.passed and written.worst == key
+
+
 def test_the_streamed_fold_writes_the_in_memory_tensors(decoders, fused, tmp_path):
     _, folder = decoders["llama"]
     report = api.fuse(

@@ -57,8 +57,24 @@ def test_streaming_output_equals_the_in_memory_fold(folded):
     # the weight ranges (issue 40): measured as the writer folds each block, as the in-memory fold measures them
     streamed = {r.weight: r.to_dict() for r in report.ranges or []}
     assert streamed and streamed == {r.weight: r.to_dict() for r in memory.ranges or []}
-    for name in ("config.json", "generation_config.json", "modeling_slabconv_llama.py"):  # the same folder
+    for name in ("generation_config.json", "modeling_slabconv_llama.py"):  # the same folder
         assert (root / "out" / name).read_bytes() == (root / "mem" / name).read_bytes(), name
+    # config.json too, but for the provenance it records: each folder's weights' (the streamed fold records the
+    # sha256 of the index it read, the in-memory fold that of the whole folder; verify takes either)
+    configs = [json.loads((root / name / "config.json").read_text()) for name in ("out", "mem")]
+    recorded = [c["slabconv"].pop("provenance") for c in configs]
+    assert configs[0] == configs[1]
+    for name, provenance in zip(("out", "mem"), recorded, strict=True):
+        weights = _header_metadata(sorted((root / name).glob("*.safetensors"))[0])
+        assert provenance == {k: v for k, v in weights.items() if k not in ("format", "config")}, name
+
+
+def _header_metadata(path):
+    """The string metadata of a safetensors file's header."""
+    from slabconv.load.safetensors_file import read_header
+
+    with open(path, "rb") as f:
+        return read_header(f, str(path))[0]
 
 
 def test_layout_index_metadata_and_config(folded):
@@ -588,9 +604,11 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
 
 
 def test_a_fused_folder_without_its_source_record_missing_one_layers_bias_fails_question_2(folded, tmp_path):
-    """Without the source record question 1 is not asked, and layer 1's folded q_proj bias moves this tiny model's
-    outputs less than float16's tolerance: only the tensor layout shows the damage. Every layer of a fold holds the
-    same tensors, so a layer lacking one its siblings have fails ``verify --stream`` (exit 1), named."""
+    """Without the source record (neither in the weights' metadata nor in config.json) question 1 is not asked, and
+    layer 1's folded q_proj bias moves this tiny model's outputs less than float16's tolerance: only the tensor
+    layout shows the damage. Every layer of a fold holds the same tensors, so a layer lacking one its siblings have
+    fails ``verify --stream`` (exit 1), named. With the record left in config.json alone (the weights' metadata
+    gone), question 1 is asked, and fails naming the tensor."""
     from safetensors.torch import save_file
     from typer.testing import CliRunner
 
@@ -602,6 +620,13 @@ def test_a_fused_folder_without_its_source_record_missing_one_layers_bias_fails_
     for shard in broken.glob("model-*.safetensors"):  # the fold's metadata (its source record) gone
         save_file(load_file(str(shard)), str(shard), metadata={"format": "pt"})
     args = ["verify", str(root / "src"), str(broken), "--generate", "0", "--stream"]
+    result = CliRunner().invoke(app, args)  # config.json still records the source: question 1 is asked
+    assert result.exit_code == 1, result.output
+    assert "question 1 (is the fold exact?) not answered" not in result.output
+    assert re.search(r"question 1 \(is the fold exact\?\)\n    FAIL [^\n]*" + re.escape(repr(key)), result.output)
+    config = json.loads((broken / "config.json").read_text())
+    del config["slabconv"]["provenance"]  # and there too: no source record at all
+    (broken / "config.json").write_text(json.dumps(config))
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.output
     assert "question 1 (is the fold exact?) not answered" in result.output
@@ -777,6 +802,96 @@ def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_stream
 
     save_file(tensors, str(shard), {"format": "pt"})
     assert not api.verify(root / "src", resaved, verify=options).verification.passed
+
+
+@pytest.fixture(scope="module")
+def resaved(folded, tmp_path_factory):
+    """The in-memory fold's folder loaded by transformers and saved again (``save_pretrained``: one
+    ``model.safetensors`` whose metadata is only ``format``; ``config.json`` keeps the keys transformers does not
+    know, slabconv's among them)."""
+    from transformers import AutoModelForCausalLM
+
+    root = folded[0]
+    out = tmp_path_factory.mktemp("resaved") / "resaved"
+    AutoModelForCausalLM.from_pretrained(root / "mem", trust_remote_code=True).save_pretrained(out)
+    return out
+
+
+def _resaved_copy(resaved, tmp_path, config=None, zero=None):
+    """A copy of the re-saved folder, its ``config.json`` given by ``config(dict)`` and the tensor ``zero`` zeroed."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(resaved, copy)
+    if config is not None:
+        data = json.loads((copy / "config.json").read_text())
+        config(data)
+        (copy / "config.json").write_text(json.dumps(data))
+    if zero is not None:
+        tensors = load_file(str(copy / "model.safetensors"))
+        tensors[zero].zero_()
+        save_file(tensors, str(copy / "model.safetensors"), {"format": "pt"})
+    return copy
+
+
+def test_a_fused_folder_saved_again_by_transformers_is_still_held_to_the_fold(folded, resaved, tmp_path):
+    """The fused folder records its provenance in ``config.json`` too (``slabconv.provenance``: the weights'
+    metadata but ``format`` and ``config``), which ``save_pretrained`` keeps while it drops the safetensors
+    metadata: ``verify ORIGINAL RESAVED`` in memory still asks question 1 (every written tensor equals the fold's
+    value), passes the re-saved folder, and fails one whose folded q_proj bias of layer 0 was zeroed, naming that
+    tensor; so does ``verify --stream``. (Was: question 1 not asked, "the candidate records no source it was folded
+    from", and the zeroed bias PASSED on question 2's tolerance; --stream refused both folders, pad_token_id.)"""
+    from slabconv.options import VerifyOptions
+
+    root = folded[0]
+    assert "slabconv_version" not in _header_metadata(resaved / "model.safetensors")  # transformers: format only
+    written = json.loads((root / "mem" / "config.json").read_text())["slabconv"]["provenance"]
+    assert written == {k: v for k, v in _header_metadata(root / "mem" / "model.safetensors").items()
+                       if k not in ("format", "config")}  # fmt: skip
+    assert json.loads((resaved / "config.json").read_text())["slabconv"]["provenance"] == written
+    options = VerifyOptions(samples=2, generate=0)
+    good = api.verify(root / "src", resaved, verify=options).verification
+    assert good.passed and [e.method for e in good.exact] == ["graph", "tensors"], good.notes
+    assert all(e.passed for e in good.exact) and not [n for n in good.notes if "question 1" in n]
+    key = "model.layers.0.self_attn.q_proj.bias"
+    copy = _resaved_copy(resaved, tmp_path, zero=key)
+    broken = api.verify(root / "src", copy, verify=options).verification
+    tensors = [e for e in broken.exact if e.method == "tensors"]
+    assert not broken.passed and len(tensors) == 1 and not tensors[0].passed and tensors[0].worst == key
+    # --stream too: the re-saved config.json says pad_token_id null where the original had none (the zoo's default
+    # 0), which does not change the forward; it was refused as "not the same model"
+    good = api.verify(root / "src", resaved, verify=options, stream=True).verification
+    assert good.passed and [e.method for e in good.exact] == ["tensors"] and good.exact[0].passed, good.notes
+    broken = api.verify(root / "src", copy, verify=options, stream=True).verification
+    assert not broken.passed and not broken.exact[0].passed and broken.exact[0].worst == key
+
+
+def test_a_resaved_fused_folder_without_provenance_says_question_1_was_not_asked_and_where_it_looked(
+    folded, resaved, tmp_path
+):
+    """A re-saved fused folder whose ``config.json`` records no provenance either (slabconv.provenance removed):
+    question 1 cannot be asked, and the verdict says so, naming both places looked in; a ``slabconv.provenance``
+    that is not an object of strings (hostile or damaged) is refused in one line naming the entry, no traceback."""
+    from slabconv.errors import InputError
+    from slabconv.options import VerifyOptions
+
+    root = folded[0]
+    options = VerifyOptions(samples=2, generate=0)
+    bare = _resaved_copy(resaved, tmp_path, config=lambda c: c["slabconv"].pop("provenance"))
+    v = api.verify(root / "src", bare, verify=options).verification
+    assert not v.exact
+    [note] = [n for n in v.notes if n.startswith("question 1 (is the fold exact?) not answered")]
+    assert "slabconv.provenance entry of its config.json" in note and "safetensors metadata" in note, note
+    for bad, entry in (([1], "slabconv.provenance is an array"), ({"source_sha256": 7}, "source_sha256 is a number")):
+
+        def damage(c, bad=bad):
+            c["slabconv"]["provenance"] = bad
+
+        damaged = _resaved_copy(resaved, tmp_path / entry.replace(" ", "_"), config=damage)
+        with pytest.raises(InputError, match=re.escape(entry)):
+            api.verify(root / "src", damaged, verify=options)
 
 
 def test_verify_in_memory_against_a_fused_folder_of_other_sizes_is_refused_before_any_work(folded, tmp_path):

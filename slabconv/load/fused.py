@@ -7,6 +7,11 @@ weights load into the norm-free model of the architecture) and ``config`` (the J
 ``--fold-norm-affine`` also ``norm_affine`` ``true``: the fold took the affine of the LayerNorms / RMSNorms /
 GroupNorms and their normalisations stay (``complete`` then means every norm folded or was kept whole in its op,
 and the weights load into the architecture with its norms, each weight 1 where it folded).
+
+A fused Hugging Face model folder records the same provenance in its ``config.json`` too (``config_provenance``:
+the ``slabconv`` object's ``provenance`` object, ``fused_metadata`` without ``format`` and ``config``), which
+transformers keeps when it loads the folder and saves it again (``save_pretrained`` writes safetensors whose
+metadata is only ``format``, and keeps a config's keys it does not know); ``FusedMetadata.from_config`` reads it.
 """
 
 from __future__ import annotations
@@ -49,6 +54,19 @@ def fused_metadata(
     return out
 
 
+CONFIG_KEY = "slabconv"
+"""The object of a fused folder's ``config.json`` that says what slabconv did (``slabconv.write.hf_llama``)."""
+
+PROVENANCE_KEY = "provenance"
+"""The object under ``CONFIG_KEY`` holding the fused metadata's provenance (``config_provenance``)."""
+
+
+def config_provenance(metadata: Mapping[str, str]) -> dict[str, str]:
+    """What a fused folder's ``config.json`` records under ``CONFIG_KEY`` / ``PROVENANCE_KEY``: the fused metadata
+    (``fused_metadata``) without ``format`` and ``config`` (the config is the file itself)."""
+    return {k: v for k, v in metadata.items() if k not in ("format", "config")}
+
+
 FUSED_LLAMA_TYPE = "slabconv_llama"
 """``model_type`` in the ``config.json`` of a fused LLaMA-PRepBN folder (``slabconv.write.hf_llama`` writes it): the
 norm-free LLaMA (architecture ``llama_prepbn`` without norms). ``load_model`` builds that model from such a folder
@@ -65,6 +83,16 @@ PROGRAM_INFO = "slabconv.json"
 ``metadata`` (its string values)."""
 
 
+def _json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (``an array``, ``a number``, ``null``...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), f"a {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class FusedMetadata:
     """The metadata of a safetensors file slabconv wrote (``read`` gives None for any other file)."""
@@ -76,6 +104,43 @@ class FusedMetadata:
     config: dict[str, Any]
     norm_affine: bool = False
     source_weights: str | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, label: str) -> FusedMetadata | None:
+        """The provenance a fused folder's ``config.json`` (parsed: ``config``) records (``config_provenance``),
+        with the config itself as ``config``; None when it records none (no ``slabconv`` object, or one without
+        ``provenance``: a folder slabconv did not write, or wrote before it recorded this).
+
+        Raises:
+            InputError: ``slabconv.provenance`` is there but is not an object of strings, naming ``label`` (the
+                file) and the first wrong entry.
+        """
+        from slabconv.errors import InputError
+
+        ours = config.get(CONFIG_KEY) if isinstance(config, dict) else None
+        if not isinstance(ours, dict) or PROVENANCE_KEY not in ours:
+            return None
+        recorded = ours[PROVENANCE_KEY]
+        if not isinstance(recorded, dict):
+            kind = _json_kind(recorded)
+            raise InputError(
+                f"{label}: {CONFIG_KEY}.{PROVENANCE_KEY} is {kind}, not an object; the file is damaged: fix or "
+                "remove that entry"
+            )
+        for key, value in recorded.items():
+            if not isinstance(value, str):
+                kind = _json_kind(value)
+                raise InputError(
+                    f"{label}: {CONFIG_KEY}.{PROVENANCE_KEY}.{key} is {kind}, not a string; the file is damaged: "
+                    "fix or remove that entry"
+                )
+        fields = {**recorded, "config": "{}"}
+        found = cls.read(fields, label)
+        if found is None:
+            return None
+        body = {k: v for k, v in config.items() if k != CONFIG_KEY}
+        return cls(found.version, found.arch, found.source_sha256, found.complete, body, found.norm_affine,
+                   found.source_weights)  # fmt: skip
 
     @classmethod
     def read(cls, metadata: Mapping[str, str], label: str = "the safetensors file") -> FusedMetadata | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,7 +343,8 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int) -> GreedyRu
     Raises:
         UsageError: onnxruntime-genai is not installed (``pip install slabconv[genai]``), no ``genai_config.json``,
             bad prompts or steps.
-        InputError: ``genai_config.json`` names no end-of-sequence id.
+        InputError: ``genai_config.json`` names no end-of-sequence id; ``config.json`` is over the JSON limits or
+            not JSON (``load.safety.read_json``).
     """
     try:
         import onnxruntime_genai as og
@@ -356,7 +356,12 @@ def greedy_genai(folder: Path | str, prompts: ArrayLike, steps: int) -> GreedyRu
         raise UsageError(f"{folder}: no genai_config.json; fuse the model again to write it")
     ids = _as_ids(prompts).numpy().astype(np.int32)
     model = og.Model(str(folder))
-    dtype = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("torch_dtype", "float32")
+    from slabconv.load.safety import read_json
+
+    # read as every JSON input is (size and depth bounded); the dtype names the run: a string, else float32
+    config = read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    dtype = config.get("torch_dtype") if isinstance(config, dict) else None
+    dtype = dtype if isinstance(dtype, str) else "float32"
     label = f"fused {dtype} (onnxruntime-genai {og.__version__}, KV cache)"
 
     ends = _genai_eos(folder / "genai_config.json")

@@ -281,11 +281,22 @@ def _count(keys: list[str]) -> str:
     return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
 
 
+def _forward_config(cfg: Any) -> Any:
+    """A decoder config less what does not change its forward: ``pad_token_id`` (the embedding's padding row is
+    read as any other; it only keeps that row's gradient at zero). transformers' ``save_pretrained`` writes
+    ``pad_token_id: null`` where a config had none, which the zoo reads as no padding row, where the original's
+    default is 0: the same model."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type) and hasattr(cfg, "pad_token_id"):
+        return dataclasses.replace(cfg, pad_token_id=None)
+    return cfg
+
+
 def _config_difference(ref: Any, cand: Any) -> str:
     """What differs between two decoder configs (dataclasses), for the message: ``differ in rope_theta (10000.0 vs
     500000.0)``; ``have different sizes`` for configs of no dataclass."""
     if not (dataclasses.is_dataclass(ref) and dataclasses.is_dataclass(cand)):
         return "have different sizes"
+    ref, cand = _forward_config(ref), _forward_config(cand)
     names = [f.name for f in dataclasses.fields(ref) if getattr(ref, f.name) != getattr(cand, f.name, None)]
     if not names:
         return "have different sizes"
@@ -330,7 +341,7 @@ def verify_folders(
         raise UsageError(f"--samples must be at least 1 (got {sequences}); seq_len too (got {seq_len})")
     ref, cand = Folder.open(Path(reference), block_elements), Folder.open(Path(candidate), block_elements)
     return_freed_blocks_to_the_os()
-    if cand.cfg != ref.cfg:
+    if _forward_config(cand.cfg) != _forward_config(ref.cfg):
         raise InputError(
             f"{reference} and {candidate} {_config_difference(ref.cfg, cand.cfg)}; they are not the same model"
         )

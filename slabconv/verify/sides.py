@@ -157,8 +157,36 @@ def onnx_provenance(proto: Any) -> Provenance | None:
     return Provenance(props[SOURCE_KEY], props.get(ARCH_KEY) or None, folded, affine, props.get(WEIGHTS_KEY) or None)
 
 
-def _fused_provenance(metadata: dict[str, str], label: str) -> Provenance | None:
-    fused = FusedMetadata.read(metadata, label)
+def _fused_provenance(metadata: dict[str, str], label: str, folder: Path | None = None) -> Provenance | None:
+    """The provenance a fused safetensors file's ``metadata`` records, else (``folder`` given) the one its folder's
+    ``config.json`` records (``config_provenance``: a fused folder transformers loaded and saved again has
+    safetensors without slabconv's metadata and keeps it there), else None.
+
+    Raises:
+        InputError: as ``FusedMetadata.read`` and ``config_provenance``.
+    """
+    fused = FusedMetadata.read(metadata, label) if metadata else None
+    if fused is None and folder is not None:
+        return config_provenance(folder)
+    if fused is None or not fused.source_sha256:
+        return None
+    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine, fused.source_weights)
+
+
+def config_provenance(folder: Path) -> Provenance | None:
+    """The provenance a Hugging Face folder's ``config.json`` records (``FusedMetadata.from_config``): None when it
+    has no ``config.json`` (or it is a link), or records none.
+
+    Raises:
+        InputError: ``config.json`` is over the JSON limits or not JSON (``load.safety.read_json``), or its
+            ``slabconv.provenance`` is not an object of strings.
+    """
+    from slabconv.load.safety import read_json
+
+    path = folder / "config.json"
+    if not path.is_file() or path.is_symlink():
+        return None
+    fused = FusedMetadata.from_config(read_json(path), str(path))
     if fused is None or not fused.source_sha256:
         return None
     return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine, fused.source_weights)
@@ -214,7 +242,7 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     side = Side(folder, source or Source(str(folder), None, "slabconv-output"), "folder", onnx=info,
                 pt2=pt2 if pt2.is_file() else None, weights=weights)  # fmt: skip
     dtype, metadata = _weights_header(weights) if weights is not None else (None, {})
-    side.provenance = _fused_provenance(metadata, str(weights)) if metadata else None
+    side.provenance = _fused_provenance(metadata, str(weights), folder) if weights is not None else None
     side.language_model = fused_language_model(folder, side.provenance)
     if info is not None:
         proto = onnx.load(str(onnx_path), load_external_data=False)
@@ -268,8 +296,10 @@ def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
     checkpoint = loaded.checkpoint
     source = loaded.source(path)
     provenance = None
-    if checkpoint.metadata:  # a fused model.safetensors, or a model.pt2 (its extra file: load.fused.PROGRAM_INFO)
-        provenance = _fused_provenance(dict(checkpoint.metadata), str(checkpoint.path))
+    folder = Path(checkpoint.path) if checkpoint.format.startswith("hf-") else None  # its config.json
+    if checkpoint.metadata or folder is not None:  # a fused model.safetensors, a model.pt2 (its extra file:
+        # load.fused.PROGRAM_INFO), or a Hugging Face folder (a fused one records its source in config.json too)
+        provenance = _fused_provenance(dict(checkpoint.metadata), str(checkpoint.path), folder)
     dtype = str(loaded.dtype).removeprefix("torch.")
     return Side(Path(path or checkpoint.path), source, "model", loaded=loaded, provenance=provenance, dtype=dtype,
                 **given)  # fmt: skip
@@ -316,7 +346,7 @@ def streamed_side(folder: Path, program: Any = None) -> Side:
         arch = str(config.get("model_type") or arch)
     source = Source(str(folder), digest, found[1], arch, extra={"index_sha256": digest})
     dtype, metadata = _weights_header(found[0])
-    provenance = _fused_provenance(metadata, str(found[0])) if metadata else None
+    provenance = _fused_provenance(metadata, str(found[0]), folder)
     return Side(folder, source, "streamed", provenance=provenance, dtype=dtype or "float32", program=program,
                 language_model=fused_language_model(folder, provenance))  # fmt: skip
 
@@ -326,8 +356,9 @@ def is_fused_language_model(folder: Path) -> bool:
     from slabconv.load.hf import SAFETENSORS_INDEX
 
     weights = next((folder / n for n in ("model.safetensors", SAFETENSORS_INDEX) if (folder / n).is_file()), None)
-    metadata = _weights_header(weights)[1] if weights is not None else {}
-    return fused_language_model(folder, _fused_provenance(metadata, str(weights)) if metadata else None)
+    if weights is None:
+        return fused_language_model(folder, None)
+    return fused_language_model(folder, _fused_provenance(_weights_header(weights)[1], str(weights), folder))
 
 
 def fused_language_model(folder: Path, provenance: Provenance | None) -> bool:
@@ -425,6 +456,11 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
         )
     if p is None and r is not None and not r.folded and r.source_sha256 in candidate.digests(whole=True):
         return "the reference is an unfused export (export --no-fuse) of the candidate; nothing was folded"
+    if p is None and (candidate.path / "config.json").is_file():  # a Hugging Face folder: both places looked in
+        return (
+            "the candidate records no source it was folded from (neither its safetensors metadata nor the "
+            "slabconv.provenance entry of its config.json names one)"
+        )
     if p is None:
         return "the candidate records no source it was folded from"
     if not p.folded:

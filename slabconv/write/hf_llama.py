@@ -41,6 +41,7 @@ import torch
 
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
+from slabconv.load.fused import CONFIG_KEY, PROVENANCE_KEY, config_provenance
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, resolves_inside
 from slabconv.load.shards import LazyShards
 
@@ -315,6 +316,7 @@ def write_hf_llama_metadata(
     dtype: torch.dtype | str | None = None,
     *,
     generation: Mapping[str, Any] | None = None,
+    provenance: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Make a folder of fused LLaMA-PRepBN weights a Hugging Face model folder.
 
@@ -332,6 +334,9 @@ def write_hf_llama_metadata(
         dtype: the weights' dtype, recorded as ``torch_dtype``; None takes it from the headers.
         generation: extra ``generation_config.json`` entries (default: the config's bos/eos/pad token ids and
             ``do_sample`` false, i.e. greedy).
+        provenance: the weights' fused metadata (``load.fused.fused_metadata``), recorded in ``config.json`` as
+            ``slabconv.provenance`` (``load.fused.config_provenance``): transformers' ``save_pretrained`` keeps it
+            there when it drops the safetensors metadata, so ``verify`` still knows what the folder is a fold of.
 
     Returns:
         The files written: ``config.json``, ``generation_config.json``, the modeling file.
@@ -368,7 +373,7 @@ def write_hf_llama_metadata(
             f"rope {rope.get('rope_type', rope.get('type'))!r}: the LLaMA-PRepBN forward uses plain rotary positions"
         )
     written = [
-        _write_config(folder, config, layout, dtype_name),
+        _write_config(folder, config, layout, dtype_name, provenance),
         _write_generation_config(folder, config, generation),
         folder / MODELING_FILE,
     ]
@@ -490,6 +495,7 @@ def write_hf_standard_metadata(
     *,
     folded: bool = True,
     generation: Mapping[str, Any] | None = None,
+    provenance: Mapping[str, str] | None = None,
 ) -> list[Path]:
     """Make a folder of folded standard-decoder weights (LLaMA, Mistral, Qwen2) a Hugging Face model folder of the
     same architecture: ``config.json`` (the original's, ``auto_map`` dropped, ``torch_dtype`` / ``dtype`` set,
@@ -502,6 +508,8 @@ def write_hf_standard_metadata(
         folded: the weights hold folded norms (``--fold-norm-affine``); False: the norms are as in the original,
             which the ``slabconv`` entry then says.
         generation: extra ``generation_config.json`` entries, as ``write_hf_llama_metadata``'s.
+        provenance: the weights' fused metadata, recorded in the ``slabconv`` entry as ``write_hf_llama_metadata``
+            records it.
 
     Returns:
         The files written: ``config.json``, ``generation_config.json``.
@@ -526,17 +534,16 @@ def write_hf_standard_metadata(
         dtype = floats.pop()
     name = _dtype_name(dtype)
     out: dict[str, Any] = {k: v for k, v in config.items() if k != "auto_map"}
-    out.update(
-        torch_dtype=name,
-        dtype=name,
-        slabconv={
-            "norm_affine": "folded: each RMSNorm weight that is 1 went into the projections that read its norm "
-            "(input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, model.norm -> lm_head); "
-            "report.json lists every norm"
-            if folded
-            else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
-        },
-    )
+    ours: dict[str, Any] = {
+        "norm_affine": "folded: each RMSNorm weight that is 1 went into the projections that read its norm "
+        "(input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, model.norm -> lm_head); "
+        "report.json lists every norm"
+        if folded
+        else "not folded: every norm weight is the original's (fold with --fold-norm-affine)",
+    }
+    if provenance is not None:
+        ours[PROVENANCE_KEY] = config_provenance(provenance)
+    out.update(torch_dtype=name, dtype=name, **{CONFIG_KEY: ours})
     return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, generation)]
 
 
@@ -553,7 +560,13 @@ def _write_json(path: Path, out: dict[str, Any]) -> Path:
     return path
 
 
-def _write_config(folder: Path, config: Mapping[str, Any], layout: dict[str, Any], dtype: str) -> Path:
+def _write_config(
+    folder: Path,
+    config: Mapping[str, Any],
+    layout: dict[str, Any],
+    dtype: str,
+    provenance: Mapping[str, str] | None = None,
+) -> Path:
     out: dict[str, Any] = {k: v for k, v in config.items() if k not in ("auto_map", "rope_scaling")}
     theta = float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
     out.update(
@@ -571,13 +584,16 @@ def _write_config(folder: Path, config: Mapping[str, Any], layout: dict[str, Any
         use_cache=True,  # deployment generates with the key/value cache (training configs often turn it off)
         torch_dtype=dtype,
         dtype=dtype,  # the transformers 5 name of torch_dtype
-        slabconv={
-            "source_model_type": config.get("model_type", "llama"),
-            "norms": "none: input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, "
-            "model.norm -> lm_head (folded)",
-            "layer": "x + attn(x); x + mlp(x)",
-        },
     )
+    ours: dict[str, Any] = {
+        "source_model_type": config.get("model_type", "llama"),
+        "norms": "none: input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, "
+        "model.norm -> lm_head (folded)",
+        "layer": "x + attn(x); x + mlp(x)",
+    }
+    if provenance is not None:
+        ours[PROVENANCE_KEY] = config_provenance(provenance)
+    out[CONFIG_KEY] = ours
     return _write_json(folder / CONFIG, out)
 
 
