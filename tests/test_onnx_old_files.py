@@ -15,9 +15,10 @@ from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify import onnx_original
 
 
-def _cnn(opset: int, mode: str = "nearest", listed: bool = True) -> onnx.ModelProto:
+def _cnn(opset: int, mode: str = "nearest", listed: bool = True, ir_version: int = 3) -> onnx.ModelProto:
     """Conv -> BatchNorm -> Upsample (x2, ``mode``) -> BatchNorm -> 1x1 Conv, an IR version 3 file at ``opset`` (7
-    or 8: ``scales`` an attribute) with every initializer listed as a graph input (``listed``)."""
+    or 8: ``scales`` an attribute) with every initializer listed as a graph input (``listed``); ``ir_version``
+    4 or later where not listed."""
     rng = np.random.default_rng(0)
     arrays = {"w1": rng.standard_normal((4, 3, 3, 3)) * 0.3, "w2": rng.standard_normal((5, 4, 1, 1)) * 0.3}
     for bn in ("bn1", "bn2"):
@@ -35,7 +36,7 @@ def _cnn(opset: int, mode: str = "nearest", listed: bool = True) -> onnx.ModelPr
     inputs = [info("x", TensorProto.FLOAT, ["N", 3, 4, 4])]
     inputs += [info(t.name, t.data_type, list(t.dims)) for t in inits] if listed else []
     graph = helper.make_graph(nodes, "g", inputs, [info("y", TensorProto.FLOAT, ["N", 5, 8, 8])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=3)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir_version)
     onnx.checker.check_model(model)
     return model
 
@@ -114,4 +115,23 @@ def test_initializers_listed_before_the_data_input_are_not_taken_for_it(tmp_path
     onnx.save(model, str(path))
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
     assert report.verification is not None and report.verification.passed
+    _same_outputs(path, tmp_path / "out" / "model.onnx")
+
+
+def test_a_stale_value_info_does_not_override_the_shapes_inference_computes(tmp_path):
+    """A ``value_info`` that disagrees with the graph (a hand-edited or merged file; onnxruntime ignores it) was
+    taken over the inferred shapes: the conv's output declared with 7 channels met a BatchNorm of 4 statistics, an
+    internal error in ``inspect`` and ``fuse``. The inferred shapes win; the fused file declares them."""
+    model = _cnn(8, listed=False, ir_version=4)
+    model.graph.value_info.extend([helper.make_tensor_value_info("c1", TensorProto.FLOAT, ["N", 7, 4, 4]),
+                                   helper.make_tensor_value_info("u", TensorProto.FLOAT, ["N", 4, 3, 3])])  # fmt: skip
+    path = tmp_path / "stale.onnx"
+    onnx.save(model, str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert report.verification is not None and report.verification.passed
+    assert [d.action for d in report.folds] == ["folded-backward", "folded-forward"]
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    shapes = fused.graph.value_info
+    declared = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim][1:] for v in shapes}
+    assert declared.get("c1", [4, 4, 4]) == [4, 4, 4] and declared.get("u", [4, 8, 8]) == [4, 8, 8]
     _same_outputs(path, tmp_path / "out" / "model.onnx")

@@ -89,11 +89,39 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     NameFixPass()(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
+    declared = _forget_declared_shapes(model)
     merge_shapes(model, infer_shapes(model, proto_path))
+    for value, shape in declared:  # an annotation adds what inference left unknown, never contradicts it
+        if value.shape is None or (_agree(value.shape, shape) and unknowns(shape) < unknowns(value.shape)):
+            value.shape = shape
     _static_sizes(model)
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
+
+
+def _forget_declared_shapes(model: ir.Model) -> list[tuple[ir.Value, ir.Shape]]:
+    """Take from each intermediate value of the main graph (a node's output that is not a graph output) the shape
+    the file declares for it (its ``value_info``), and return them. A declaration is an annotation onnxruntime
+    ignores, and may be stale (a hand-edited or merged file): taken over the shapes inference computes from the
+    inputs and weights, a wrong channel count reached the engine (an internal error where a ``BatchNormalization``'s
+    statistics did not match it), and a wrong size could mislead a rule. ``prepare`` gives a value back its
+    declared shape where no inference types it, or where the declaration knows more sizes and contradicts none."""
+    outputs = {id(v) for v in model.graph.outputs}
+    declared = []
+    for node in model.graph:
+        for value in node.outputs:
+            if value.shape is not None and id(value) not in outputs:
+                declared.append((value, value.shape))
+                value.shape = None
+    return declared
+
+
+def _agree(inferred: ir.Shape, declared: ir.Shape) -> bool:
+    """The same rank, and no axis whose size both give as a number with two different numbers."""
+    return len(inferred) == len(declared) and all(
+        not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(inferred, declared, strict=True)
+    )
 
 
 def _static_sizes(model: ir.Model) -> None:
