@@ -135,3 +135,39 @@ def test_a_stale_value_info_does_not_override_the_shapes_inference_computes(tmp_
     declared = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim][1:] for v in shapes}
     assert declared.get("c1", [4, 4, 4]) == [4, 4, 4] and declared.get("u", [4, 8, 8]) == [4, 8, 8]
     _same_outputs(path, tmp_path / "out" / "model.onnx")
+
+
+def test_a_batchnorm_inside_a_model_local_function_is_found_and_folded(tmp_path):
+    """The TorchScript exporter's ``export_modules_as_functions={nn.BatchNorm2d}`` writes each BatchNorm as a call
+    of a model-local function whose body is the ``BatchNormalization``: the call was an opaque node and the norm
+    was not even listed ('0 norms'), where onnxruntime inlines the function and runs the norm. The body is inlined
+    before planning, and the norm folds into the conv after it."""
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    body = helper.make_function(
+        "torch.nn.modules.batchnorm", "BatchNorm2d", ["x", "g", "b", "m", "v"], ["y"],
+        [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], epsilon=1e-5)],
+        opset_imports=[helper.make_opsetid("", 17)],
+    )  # fmt: skip
+    nodes = [helper.make_node("BatchNorm2d", ["x", "g", "b", "m", "v"], ["n"], name="/bn/BatchNorm2d",
+                              domain="torch.nn.modules.batchnorm"),
+             helper.make_node("Conv", ["n", "k"], ["z"], name="/conv/Conv")]  # fmt: skip
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["N", 4, 3, 3])],
+                              [info("z", TensorProto.FLOAT, ["N", 5, 3, 3])], inits)  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("torch.nn.modules.batchnorm", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, functions=[body])
+    onnx.checker.check_model(model)
+    path = tmp_path / "fn.onnx"
+    onnx.save(model, str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert report.verification is not None and report.verification.passed
+    assert [d.action for d in report.folds] == ["folded-forward"]
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert [n.op_type for n in fused.graph.node] == ["Conv"] and not fused.functions
+    x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    want, got = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                 for p in (path, tmp_path / "out" / "model.onnx"))  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

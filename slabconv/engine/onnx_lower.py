@@ -72,7 +72,9 @@ FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 
 
 def prepare(model: ir.Model, proto_path: str | None = None) -> None:
-    """Make ``model`` ready to lower, in place: unique node and value names, external data read into memory, every
+    """Make ``model`` ready to lower, in place: every call of a model-local function (the TorchScript exporter's
+    ``export_modules_as_functions``) replaced by the function's body (onnx-ir's ``InlinePass``), unique node and
+    value names, external data read into memory, every
     ``Constant`` node's tensor an initializer (onnx-ir's ``LiftConstantsToInitializersPass``), shapes
     (symbolic where known) on every value inference can type, weights computed from constants folded into
     initializers, nodes nothing reads dropped, and shapes inferred once more on the folded graph (the shape arithmetic
@@ -82,10 +84,12 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
         model: the graph as read (``slabconv.load.onnx_file.load_ir``).
         proto_path: the file it was read from; shape inference reads it without its external data.
     """
-    from onnx_ir.passes.common import LiftConstantsToInitializersPass
+    from onnx_ir.passes.common import InlinePass, LiftConstantsToInitializersPass, RemoveUnusedFunctionsPass
     from onnx_ir.passes.common.naming import NameFixPass
     from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 
+    InlinePass()(model)  # a model-local function's call is its body: a norm inside one is a norm of the graph
+    RemoveUnusedFunctionsPass()(model)
     NameFixPass()(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
