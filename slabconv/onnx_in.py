@@ -194,6 +194,9 @@ class OnnxGraph:
         model.metadata_props.pop(NORM_AFFINE_KEY, None)
         if folds_norm_affine(self.decisions):  # verify folds the original's norm affines too
             model.metadata_props[NORM_AFFINE_KEY] = "true"
+        from slabconv.engine.onnx_apply import list_initializers
+
+        list_initializers(model)  # IR 3: the constants the preparation and the simplifiers made are inputs too
         progress(f"writing {FUSED_NAME}")
         size = sum(f.stat().st_size for f in info.files)
         external = save_onnx(model, folder / FUSED_NAME, info.external or size > ONNX_EXTERNAL_DATA_BYTES)

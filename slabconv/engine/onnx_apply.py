@@ -335,6 +335,20 @@ def apply_plans(
     _drop_unread_defaults(model, read)
 
 
+def list_initializers(model: ir.Model) -> None:
+    """In an IR version 3 model (opsets up to 8, and files ``onnx.version_converter`` raised to a later opset,
+    which keeps the IR version), list every initializer of the main graph that is not a graph input as one, in
+    place: IR 3 requires it, and ``onnx.checker`` refuses the file otherwise. The constants the preparation folds
+    (an ``Upsample``'s ``Constant`` scales) and those ``--simplify`` creates are initializers no fold wrote.
+    Later IR versions are left as they are."""
+    if model.ir_version >= 4:
+        return
+    listed = {id(v) for v in model.graph.inputs}
+    for value in list(model.graph.initializers.values()):
+        if id(value) not in listed:
+            model.graph.inputs.append(value)
+
+
 def _drop_unread_defaults(model: ir.Model, read: list[ir.Value]) -> None:
     """Remove each graph input of ``read`` (an initializer listed as a graph input: ``keep_initializers_as_inputs``,
     IR version 3) that nothing reads after the fold, with its initializer. Such an input's stored value is its

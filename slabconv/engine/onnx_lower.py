@@ -72,7 +72,9 @@ FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16
 
 
 def prepare(model: ir.Model, proto_path: str | None = None) -> None:
-    """Make ``model`` ready to lower, in place: unique node and value names, external data read into memory, every
+    """Make ``model`` ready to lower, in place: every call of a model-local function (the TorchScript exporter's
+    ``export_modules_as_functions``) replaced by the function's body (onnx-ir's ``InlinePass``), unique node and
+    value names, external data read into memory, every
     ``Constant`` node's tensor an initializer (onnx-ir's ``LiftConstantsToInitializersPass``), shapes
     (symbolic where known) on every value inference can type, weights computed from constants folded into
     initializers, nodes nothing reads dropped, and shapes inferred once more on the folded graph (the shape arithmetic
@@ -82,18 +84,48 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
         model: the graph as read (``slabconv.load.onnx_file.load_ir``).
         proto_path: the file it was read from; shape inference reads it without its external data.
     """
-    from onnx_ir.passes.common import LiftConstantsToInitializersPass
+    from onnx_ir.passes.common import InlinePass, LiftConstantsToInitializersPass, RemoveUnusedFunctionsPass
     from onnx_ir.passes.common.naming import NameFixPass
     from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 
+    InlinePass()(model)  # a model-local function's call is its body: a norm inside one is a norm of the graph
+    RemoveUnusedFunctionsPass()(model)
     NameFixPass()(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
+    declared = _forget_declared_shapes(model)
     merge_shapes(model, infer_shapes(model, proto_path))
+    for value, shape in declared:  # an annotation adds what inference left unknown, never contradicts it
+        if value.shape is None or (_agree(value.shape, shape) and unknowns(shape) < unknowns(value.shape)):
+            value.shape = shape
     _static_sizes(model)
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
+
+
+def _forget_declared_shapes(model: ir.Model) -> list[tuple[ir.Value, ir.Shape]]:
+    """Take from each intermediate value of the main graph (a node's output that is not a graph output) the shape
+    the file declares for it (its ``value_info``), and return them. A declaration is an annotation onnxruntime
+    ignores, and may be stale (a hand-edited or merged file): taken over the shapes inference computes from the
+    inputs and weights, a wrong channel count reached the engine (an internal error where a ``BatchNormalization``'s
+    statistics did not match it), and a wrong size could mislead a rule. ``prepare`` gives a value back its
+    declared shape where no inference types it, or where the declaration knows more sizes and contradicts none."""
+    outputs = {id(v) for v in model.graph.outputs}
+    declared = []
+    for node in model.graph:
+        for value in node.outputs:
+            if value.shape is not None and id(value) not in outputs:
+                declared.append((value, value.shape))
+                value.shape = None
+    return declared
+
+
+def _agree(inferred: ir.Shape, declared: ir.Shape) -> bool:
+    """The same rank, and no axis whose size both give as a number with two different numbers."""
+    return len(inferred) == len(declared) and all(
+        not (isinstance(a, int) and isinstance(b, int)) or a == b for a, b in zip(inferred, declared, strict=True)
+    )
 
 
 def _static_sizes(model: ir.Model) -> None:

@@ -158,13 +158,15 @@ computed from small constants only, and the weights are not copied."""
 
 def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
     """The model as a ``ModelProto`` for shape inference, its large initializers (``SMALL_CONSTANT``) as graph inputs
-    of their type and shape: read from ``proto_path`` without external data, or serialised from ``model`` (whose
-    large initializers are set aside meanwhile, so their data is not copied)."""
+    of their type and shape: read from ``proto_path`` without external data and without the shapes the file
+    declares for intermediate values (``value_info``), or serialised from ``model`` (whose large initializers are set
+    aside meanwhile, so their data is not copied)."""
     import onnx
     from onnx.external_data_helper import uses_external_data
 
     if proto_path is not None:
         proto = onnx.load(proto_path, load_external_data=False)
+        del proto.graph.value_info[:]  # declared, not inferred: a stale one would stand (``prepare`` sets them aside)
         big = [t for t in proto.graph.initializer if uses_external_data(t) or math.prod(t.dims) > SMALL_CONSTANT]
         for tensor in big:
             info = onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))

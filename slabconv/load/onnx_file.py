@@ -50,6 +50,11 @@ PROTOBUF_LIMIT_BYTES = 2**31 - 1
 MAX_LOCATION_CHARS = 4096
 """The longest external data ``location`` (Linux's PATH_MAX); each of its parts at most 255 characters."""
 
+MAX_INLINED_NODES = 1_000_000
+"""The most nodes a graph may have once every call of a model-local function is replaced by the function's body
+(``onnx_lower.prepare`` inlines them): a function that calls another twice, nested, doubles the count at each
+level, so a small file could ask for billions of nodes."""
+
 _FLOAT_TYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64"}
 """ONNX ``TensorProto`` element types of floats, by name (onnx/onnx.proto)."""
 
@@ -479,6 +484,12 @@ def _check_graph(path: Path, proto: Any) -> None:
         raise InputError(
             f"{path}: not a valid ONNX model (onnx.checker: {first_line(err, 160)}); export it again"
         ) from None
+    inlined = _inlined_nodes(proto)
+    if inlined > MAX_INLINED_NODES:
+        raise InputError(
+            f"{path}: the graph has {inlined:,} nodes once its model-local functions are inlined (at most "
+            f"{MAX_INLINED_NODES:,}); slabconv (and shape inference) inlines them to find the norms inside"
+        )
     try:
         with _without_annotations(proto):  # a stale declared shape is an annotation, not a graph that cannot run
             onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
@@ -488,6 +499,31 @@ def _check_graph(path: Path, proto: Any) -> None:
             f"{path}: the graph does not type-check (onnx shape inference: {text[:200]}); export it again"
         ) from None
     check_graph_inputs(path, proto)
+
+
+def _inlined_nodes(proto: Any) -> int:
+    """The nodes of ``proto``'s graph (its subgraphs included) once every call of a model-local function is
+    replaced by its body, counted without building them (each function's count once; ``onnx.checker`` has refused
+    recursive functions)."""
+    functions = {(f.domain, f.name, getattr(f, "overload", "")): f for f in proto.functions}
+    counts: dict[tuple[str, str, str], int] = {}
+
+    def nodes(items: Any) -> int:
+        total = 0
+        for node in items:
+            key = (node.domain, node.op_type, getattr(node, "overload", ""))
+            if key in functions:
+                if key not in counts:
+                    counts[key] = 0  # a cycle the checker missed counts as nothing, not forever
+                    counts[key] = nodes(functions[key].node)
+                total += counts[key]
+            else:
+                total += 1
+            for attr in node.attribute:
+                total += sum(nodes(g.node) for g in [*([attr.g] if attr.HasField("g") else []), *attr.graphs])
+        return total
+
+    return nodes(proto.graph.node)
 
 
 @contextlib.contextmanager

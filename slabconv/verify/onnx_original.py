@@ -41,7 +41,8 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
     import onnx_ir as ir
 
     proto = ir.to_proto(model)
-    first = proto.graph.input[0].name
+    stored = {t.name for t in proto.graph.initializer}  # an initializer listed as an input too is not fed
+    first = next(i.name for i in proto.graph.input if i.name not in stored)
     declared = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in proto.graph.input}
 
     def feed(x: Inputs) -> dict[str, np.ndarray]:
@@ -70,6 +71,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         _torch_average_pool(),
         _gather_elements(),
         _grid_sample(),
+        _upsample(),
     ]
     try:
         evaluator = ReferenceEvaluator(proto, new_ops=fixed)
@@ -271,6 +273,46 @@ def _grid_sample() -> type:
             return super()._run(X, grid, onnx_modes.get(mode, mode), padding, int(align))  # type: ignore[no-any-return]
 
     return GridSample
+
+
+def _upsample() -> type:
+    """onnx's reference ``Upsample`` (opsets 7 to 9) as onnxruntime computes it: the ``scales`` an attribute
+    (opsets 7 and 8) or an input (opset 9), ``mode`` ``nearest`` or ``linear``, on any rank. onnx's (1.23) takes
+    ``scales`` as an input only (a ``TypeError`` on an opset 7 or 8 node) and computes ``nearest`` with whole scales
+    only. Per axis ``d`` of size ``n`` and scale ``s``, the output has ``floor(n * s)`` entries and entry ``o`` reads
+    the input at ``x = o / s`` (the ``asymmetric`` coordinates of ``Resize``): ``nearest`` takes ``floor(x)``,
+    ``linear`` interpolates between ``floor(x)`` and the entry after it, ``x`` held to ``[0, n - 1]``: onnxruntime's
+    ``Upsample`` (which refuses a scale below 1)."""
+    from onnx.reference.ops.op_upsample import Upsample as OnnxUpsample
+
+    def text(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value or "nearest")
+
+    class Upsample(OnnxUpsample):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, x: np.ndarray, scale: np.ndarray | None = None, mode: Any = None,  # type: ignore[override]
+                 scales: Any = None) -> tuple[np.ndarray]:  # fmt: skip
+            factors = [float(f) for f in (scale if scale is not None else scales)]
+            how = text(mode)
+            if how not in ("nearest", "linear") or len(factors) != x.ndim:
+                raise ValueError(f"Upsample: mode {how!r} with scales {factors} on a rank-{x.ndim} input")
+            y = x
+            for axis, factor in enumerate(factors):
+                n = y.shape[axis]
+                at = np.arange(int(np.floor(n * factor))) / factor
+                if how == "nearest":
+                    index = np.floor(at).astype(np.int64).clip(0, n - 1)
+                    y = np.take(y, index, axis=axis)
+                    continue
+                at = at.clip(0, n - 1)
+                low = np.floor(at).astype(np.int64)
+                high = np.minimum(low + 1, n - 1)
+                weight = (at - low).reshape([-1 if d == axis else 1 for d in range(y.ndim)]).astype(y.dtype)
+                y = np.take(y, low, axis=axis) * (1 - weight) + np.take(y, high, axis=axis) * weight
+            return (y.astype(x.dtype),)
+
+    return Upsample
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
