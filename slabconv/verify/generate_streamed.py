@@ -141,8 +141,9 @@ def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
 def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
     """Bytes the streamed check holds at once, besides the interpreter: the largest of its stages.
 
-    - generation: a block of weight rows in its stored dtype and in the compute dtype (and its outputs), the
-      key/value cache of every layer (``2 L B (T + N) K d`` values) and the logits of one step;
+    - generation: two blocks of weight rows in their stored dtype (the one computed on, the next one read ahead:
+      ``LazyShards.read_ahead``) and one in the compute dtype (and its outputs), the key/value cache of every layer
+      (``2 L B (T + N) K d`` values) and the logits of one step;
     - the float64 pass: a block of rows in float64 (and float32, on its way from half precision), the hidden
       states and the widest activations of one layer (the MLP's intermediate size, the attention scores
       ``B H (T+N)^2``) in float64, the logits ``(B, N, V)``.
@@ -156,7 +157,7 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     length = prompt_len + steps
     stored = source.dtype.itemsize
     computed = compute_dtype(source.dtype).itemsize
-    block = block_elements * (stored + computed)
+    block = block_elements * (2 * stored + computed)
     cache = 2 * layers * prompts * length * kv * computed
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
