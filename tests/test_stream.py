@@ -749,6 +749,16 @@ def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_
             assert file in report.outputs.files and (tmp_path / name / file).read_bytes() == (src / file).read_bytes()
         assert not (tmp_path / name / "merges.txt").exists() and not (tmp_path / name / "tokenization_mine.py").exists()
         assert AutoTokenizer.from_pretrained(tmp_path / name)("a b")["input_ids"] == [3, 4]
+    quiet = VerifyOptions(samples=1, generate=0)
+    assert not [
+        n
+        for n in api.verify(src, tmp_path / "stream", verify=quiet, stream=True).verification.notes
+        if "tokenizer" in n
+    ]
+    (tmp_path / "stream" / "tokenizer.json").unlink()  # a fused folder shared without it: every check still passes
+    report = api.verify(src, tmp_path / "stream", verify=quiet, stream=True)
+    assert report.verification.passed
+    assert any("lacks the original's tokenizer files (tokenizer.json)" in n for n in report.verification.notes)
 
 
 def test_the_fused_folder_keeps_the_token_ids_of_the_originals_generation_config(folded, tmp_path):

@@ -593,6 +593,8 @@ def verify(
         _language_checks(reference, candidate, opts, verification, progress)
     elif candidate.language_model and opts.generate == 0:
         verification.notes.append("greedy generation not checked (--generate 0)")
+    if candidate.language_model:
+        verification.notes += _tokenizer_notes(reference, candidate)
     if localize or not verification.passed:
         from slabconv.verify import localize as localizer
 
@@ -600,6 +602,22 @@ def verify(
         verification.localization = localizer.localize(reference, candidate, opts, load)
     verification.seconds = time.monotonic() - started
     return verification
+
+
+def _tokenizer_notes(reference: Side, candidate: Side) -> list[str]:
+    """A note naming the tokenizer files the original folder holds and the fused language-model folder lacks
+    (``hf_llama.tokenizer_files``, what ``fuse`` copies): the weights may pass every check while
+    ``AutoTokenizer.from_pretrained`` of the folder fails or reads another tokenizer."""
+    from slabconv.write.hf_llama import tokenizer_files
+
+    source = reference.path if reference.path.is_dir() else reference.path.parent
+    missing = [n for n in tokenizer_files(source) if n not in tokenizer_files(candidate.path)]
+    if not missing:
+        return []
+    return [
+        f"{candidate.path} lacks the original's tokenizer files ({', '.join(missing)}): AutoTokenizer cannot read "
+        f"the original's tokenizer there; copy them from {source}"
+    ]
 
 
 def _whole(

@@ -430,12 +430,16 @@ def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
     source, folder = Path(source), Path(folder)
     source = source if source.is_dir() else source.parent
     written = []
-    for name in TOKENIZER_FILES:
-        found = source / name
-        if found.is_file() and resolves_inside(source, found):
-            shutil.copyfile(found, folder / name)
-            written.append(folder / name)
+    for name in tokenizer_files(source):
+        shutil.copyfile(source / name, folder / name)
+        written.append(folder / name)
     return written
+
+
+def tokenizer_files(folder: Path) -> list[str]:
+    """The names of ``TOKENIZER_FILES`` that ``folder`` holds as a fused folder carries them: regular files, or
+    links that stay inside the folder or its hub cache entry (``load.hf.resolves_inside``)."""
+    return [n for n in TOKENIZER_FILES if (folder / n).is_file() and resolves_inside(folder, folder / n)]
 
 
 def standard_biases(config: Mapping[str, Any]) -> dict[str, bool]:
