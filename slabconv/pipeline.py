@@ -276,7 +276,8 @@ def plan_sharded(
     stack = _stack(shards)
     if stack is not None:
         prefix, depth = stack
-        whole = {k: torch.zeros((), dtype=d).expand(shape) for k, (d, shape) in shards.specs().items()}
+        # stand-ins of every tensor, for the --arch check only (shapes are what names a preset)
+        whole = {k: torch.zeros((), dtype=d).expand(shape) for k, (d, shape) in shards.specs().items()} if arch else {}
         try:
             with checked_against(arch, whole, config):  # --arch names the whole depth (llama_350m_prepbn: 18)
                 planning = planning_model(BlockSlots(shards, prefix, (0, 1, depth - 1)), config, arch, sha256)

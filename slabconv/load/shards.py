@@ -248,11 +248,8 @@ class LazyShards:
     def _reused_block(self, key: str, shape: list[int]) -> torch.Tensor:
         """A tensor of ``shape`` and ``key``'s dtype in the reader's one buffer (``row_blocks(reuse=True)``), grown
         as needed."""
-        dtype = self.dtype(key)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self._reused.numel() < nbytes:
-            self._reused = torch.empty(nbytes, dtype=torch.uint8)
-        return self._reused[:nbytes].view(dtype).view(shape)
+        self._reused, block = _in_buffer(self._reused, self.dtype(key), shape)
+        return block
 
     def shape(self, key: str) -> list[int]:
         """The tensor's shape, from its shard's header."""
@@ -297,6 +294,15 @@ class LazyShards:
         return {k: out[k] for k in self.weight_map if k in out}
 
 
+def _in_buffer(buffer: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(buffer, block)``: a uint8 ``buffer`` grown to hold ``shape`` of ``dtype`` where it is too small, and the
+    block of that shape and dtype at its start (a view: valid until the buffer is written again)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if buffer.numel() < nbytes:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer, buffer[:nbytes].view(dtype).view(shape)
+
+
 _Request = tuple[str, int | None, int | None]  # a block: the tensor, and its rows (None, None: whole)
 
 
@@ -323,11 +329,8 @@ class _ReadAhead:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="slabconv-read-ahead")
 
     def _into(self, index: int, key: str, shape: list[int]) -> torch.Tensor:
-        dtype = self.shards.dtype(key)
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self.buffers[index].numel() < nbytes:
-            self.buffers[index] = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffers[index][:nbytes].view(dtype).view(shape)
+        self.buffers[index], block = _in_buffer(self.buffers[index], self.shards.dtype(key), shape)
+        return block
 
     def _read(self, index: int, request: _Request, shape: list[int]) -> torch.Tensor:
         key, start, stop = request

@@ -611,7 +611,8 @@ def _tokenizer_notes(reference: Side, candidate: Side) -> list[str]:
     from slabconv.write.hf_llama import tokenizer_files
 
     source = reference.path if reference.path.is_dir() else reference.path.parent
-    missing = [n for n in tokenizer_files(source) if n not in tokenizer_files(candidate.path)]
+    present = set(tokenizer_files(candidate.path))
+    missing = [n for n in tokenizer_files(source) if n not in present]
     if not missing:
         return []
     return [
