@@ -20,7 +20,7 @@ from slabconv.load import hf
 from slabconv.load.shards import LazyShards
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.util import sha256_file
-from slabconv.verify import generate, layerwise
+from slabconv.verify import generate, judge, layerwise
 from slabconv.zoo import get_arch
 from tests import hfwrite
 from tests.test_llama import TINY, TINY_CONFIG, rel_err, tiny_model, tokens
@@ -122,7 +122,8 @@ def test_layer_by_layer_verification_passes(folded):
 
 def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path):
     """Question 1 of a streamed fold compares every written block with the float64 fold rounded once; a folded
-    weight or a created bias one unit in the last place off fails it, by one unit, naming the tensor."""
+    weight, a created bias or a copied tensor one unit in the last place off fails it, by one unit, naming the
+    tensor."""
     from safetensors.torch import save_file
 
     root = folded[0]
@@ -130,7 +131,11 @@ def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path):
     intact = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(root / "out"), plan.program)
     assert intact.passed and intact.error == 0.0
     index = json.loads((root / "out" / hf.SAFETENSORS_INDEX).read_text())
-    for key in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.bias"):
+    for key in (
+        "model.layers.1.mlp.up_proj.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+        "model.embed_tokens.weight",
+    ):
         out = tmp_path / key
         out.mkdir()
         for name in [*{*index["weight_map"].values()}, hf.SAFETENSORS_INDEX]:
@@ -142,6 +147,28 @@ def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path):
         save_file(tensors, str(shard))
         q1 = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(out), plan.program)
         assert not q1.passed and q1.error == 1.0 and q1.worst == key, q1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_same_bits_is_equality_of_numbers_bit_for_bit(dtype):
+    """Question 1's fast path: the integer view says "equal" exactly where the numbers are equal bit for bit; a
+    NaN is never equal (so a NaN written where the fold has one is measured, as ``torch.equal`` would have it),
+    and a difference of one unit in the last place in any element, or another shape or dtype, is not equal."""
+    a = torch.linspace(-3, 3, 24, dtype=torch.float64).reshape(4, 6).to(dtype)
+    assert judge.same_bits(a, a.clone()) and judge.same_bits(a.t(), a.clone().t())
+    for i in range(a.numel()):
+        b = a.clone().reshape(-1)
+        b[i] = torch.nextafter(b[i], torch.tensor(float("inf"), dtype=dtype))
+        assert not judge.same_bits(a, b.reshape(4, 6)), i
+    nan = a.clone()
+    nan[1, 2] = float("nan")
+    assert torch.equal(nan.view(torch.uint8), nan.clone().view(torch.uint8)) and not judge.same_bits(nan, nan.clone())
+    assert not judge.same_bits(a, a.reshape(6, 4)) and not judge.same_bits(
+        a, a.double() if dtype != torch.float64 else a.float()
+    )
+    assert judge.same_bits(torch.arange(5), torch.arange(5)) and not judge.same_bits(
+        torch.arange(5), torch.arange(1, 6)
+    )
 
 
 def test_layerwise_reference_chain_is_the_model(tmp_path):

@@ -151,6 +151,30 @@ def _first(outputs: Sequence[np.ndarray], of: int | None) -> str:
     return f", on the first {n} of {of} samples" if of is not None and n < of else ""
 
 
+_SAME_WIDTH_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same numbers bit for bit: same shape and dtype, every element's bits equal,
+    and no NaN (a NaN is no number, as ``torch.equal`` has it; ``-0.0`` and ``0.0`` differ here, so the caller's
+    slower comparison answers them).
+
+    A floating tensor is compared through an integer view of its width (``Tensor.view(dtype)``): several times
+    faster on a CPU than ``torch.equal`` on float16, whose comparison widens each element; the NaN test is one
+    reduction (``sum`` is NaN where an element is, and may be NaN otherwise only from ``inf - inf``, which sends an
+    equal pair to the slower comparison, never a different one to this answer).
+
+    Args:
+        a, b: tensors of any shape and dtype.
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    ints = _SAME_WIDTH_INTS[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints)) and not bool(torch.isnan(a.sum()))
+
+
 def ulps(candidate: torch.Tensor, exact: torch.Tensor) -> float:
     """How many units in the last place ``candidate`` is from ``exact`` (float64) correctly rounded to the
     candidate's dtype, at most over all elements: 0 when every element is that rounding (or, where ``exact`` is on

@@ -210,7 +210,7 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
         if got.shape == exact.shape and got.dtype.is_floating_point and got.dtype != torch.float64:
             near = scratch.take("near", exact.shape, torch.float32)
             want = rounded(exact, got.dtype, out=scratch.take("want", exact.shape, got.dtype), near=near)
-            if torch.equal(got, want):
+            if judge.same_bits(got, want):
                 return 0.0
         return judge.ulps(got, exact)
 
@@ -245,12 +245,13 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
 def _copy_distance(got: torch.Tensor, want: torch.Tensor) -> float:
     """How far a copied block is from its source block: 0 bit for bit; else, in the same floating dtype and shape,
     its units in the last place from the source (``judge.ulps``, the distance question 1 gives every other
-    tensor, so a changed copy reads as how far it moved, not as "not finite"); ``inf`` otherwise."""
-    if torch.equal(got, want):
+    tensor, so a changed copy reads as how far it moved, not as "not finite"); 0 for the same values in another
+    dtype (``torch.equal``); ``inf`` otherwise."""
+    if judge.same_bits(got, want):
         return 0.0
     if got.shape == want.shape and got.dtype == want.dtype and got.dtype.is_floating_point:
         return judge.ulps(got, want.double())
-    return math.inf
+    return 0.0 if torch.equal(got, want) else math.inf
 
 
 def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:
