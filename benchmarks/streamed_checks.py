@@ -60,15 +60,13 @@ SIZES = {
 }
 LLAMA_7B = {"hidden": 4096, "layers": 32, "intermediate": 11008, "vocab": 32000, "heads": 32}
 MODES = {"no-verify": ["--no-verify"], "generate 0": ["--generate", "0"], "default": []}
-STAGES = (  # (name, the progress line that starts it); each ends where the next present one starts
+STAGES = (  # (name, the progress line that starts it); each ends where the next one in time starts
     ("plan", "building the full-size architecture"),
     ("fold and write", "folding and writing shards"),
     ("folder files", "writing the Hugging Face model folder"),
+    ("generation: fused", "verifying: greedy generation, the fused folder"),
     ("question 1", "verifying: question 1"),
     ("question 2", "verifying: question 2"),
-    ("generation: fused", "verifying: greedy generation, the fused folder"),
-    ("generation: original", "verifying: greedy generation, the original in transformers"),
-    ("generation: float64", "verifying: greedy generation, the original in float64"),
 )
 
 
@@ -79,13 +77,14 @@ def weight_bytes(shape: dict[str, int]) -> int:
 
 
 def stages(stderr: str, wall: float) -> dict[str, float]:
-    """Seconds of each stage in ``STAGES`` from the ``[   t s] line`` progress lines (the last one runs to
-    ``wall``, the process's whole time, which also holds the interpreter's start)."""
+    """Seconds of each stage in ``STAGES`` from the ``[   t s] line`` progress lines, in the order they started
+    (the last one runs to ``wall``, the process's whole time, which also holds the interpreter's start)."""
     found = []
     for name, line in STAGES:
         m = re.search(rf"^\[\s*([\d.]+)s\] {re.escape(line)}", stderr, re.M)
         if m:
             found.append((name, float(m.group(1))))
+    found.sort(key=lambda stage: stage[1])
     return {name: (found[k + 1][1] if k + 1 < len(found) else wall) - t for k, (name, t) in enumerate(found)}
 
 

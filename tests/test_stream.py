@@ -457,6 +457,41 @@ def test_streamed_generation_check_is_run_skipped_only_when_asked_and_refused_wh
         api.verify(root / "src", root / "out", verify=VerifyOptions(generate=2), stream=True)
 
 
+def test_the_streamed_generation_is_judged_by_question_2s_float64_chain(folded):
+    """A streamed fold runs the original in float64 once for both checks: question 2 runs on the prompts followed
+    by the fused folder's tokens (the report says so), and its float64 chain's logits from the prompt's last
+    position on are the generation check's reference: a separate float64 pass over the path (``exact_path``) gives
+    the same logits, step for step, and the same verdict."""
+    from slabconv.engine import FOLD_BLOCK
+    from slabconv.verify import generate_streamed
+
+    root, _, _, report, _ = folded
+    assert report.verification.inputs == (
+        "2 sequences of length 15: seeded random prompts of 1 token and the fused folder's greedy tokens after them"
+    )
+    run = generate_streamed.generate_fused(root / "src", root / "out", 32, sequences=2, seed=0)
+    kept: list[torch.Tensor] = []
+    on_exact_logits = lambda logits, seconds: kept.append(logits)  # noqa: E731
+    ids = run.sequences()
+    assert ids is not None and ids.shape == (2, 15)
+    question_2 = layerwise.verify_folders(
+        root / "src", root / "out", ids=ids, inputs=run.inputs(), on_exact_logits=on_exact_logits
+    )
+    assert question_2.passed and question_2.inputs_sha256 == report.verification.inputs_sha256
+    assert run.run is not None and kept[0].dtype == torch.float64 and kept[0].shape[:2] == (2, 15)
+    separate = generate.exact_path(layerwise.Folder.open(root / "src", FOLD_BLOCK), run.prompts, run.run.tokens, "")
+    steps = torch.from_numpy(run.reference(kept[0], 1.0).logits64)
+    scale = float(steps.abs().max())
+    torch.testing.assert_close(steps, torch.from_numpy(separate.logits64), rtol=1e-12, atol=1e-12 * scale)
+
+    def untimed(block):  # the verdict, every tokens/second (a wall-clock measure) left out
+        if isinstance(block, dict):
+            return {k: untimed(v) for k, v in block.items() if k != "tokens_per_second"}
+        return [untimed(v) for v in block] if isinstance(block, list) else block
+
+    assert untimed(run.judged(kept[0], 1.0)) == untimed(report.verification.generation)
+
+
 def tiny_swin() -> torch.nn.Module:
     """Swin-T-PRepBN's classes at tiny widths, at the sizes a folder without config.json implies (224 pixels,
     patch 4, window 7): its patch-embedding norm folds backward into the patch conv."""

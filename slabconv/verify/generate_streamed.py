@@ -9,18 +9,20 @@
   copy of a weight in another dtype is made. Every token asks for the weight blocks in the same order, so a thread
   reads the next block while torch computes on the last one (``LazyShards.read_ahead``), torch keeping the other
   cores.
-- The original in float64 runs once over the prompts and the folder's tokens, one decoder layer at a time
-  (``exact_path`` over ``layerwise.Folder``): its greedy token and exact margin at every step.
+- Question 2 (``layerwise.verify_folders``) then runs on the prompts followed by the folder's tokens
+  (``FusedRun.sequences``), one decoder layer at a time: its float64 chain's logits give the original's greedy
+  token and exact margin at every step (``FusedRun.judged``), so the original runs in float64 once for both checks.
 - Unlike in memory, the original as transformers' LLaMA does not generate as a baseline here: it would read every
   weight once more per token, doubling the cost of the check, and it decides nothing.
 
-Memory: one block of one weight in two dtypes, the key/value cache of the prompts and the activations of the
-float64 pass (``generation_memory``), checked before any work (``check_generation_fits``).
+Memory: one block of one weight in two dtypes, the key/value cache of the prompts, and question 2's activations
+and logits on those sequences (``generation_memory``), checked before any work (``check_generation_fits``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +32,17 @@ from torch import nn
 from slabconv.engine import FOLD_BLOCK
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
+from slabconv.text import count
 from slabconv.util import Progress, no_progress
 from slabconv.verify.generate import (
     PROMPTS,
-    REFERENCE,
     compute_dtype,
-    exact_path,
     greedy_fused,
     judged_dtype,
     torch_threads,
     within_positions,
 )
-from slabconv.verify.greedy import compare_greedy, not_loaded_check
+from slabconv.verify.greedy import GreedyRun, compare_greedy, not_loaded_check
 from slabconv.verify.layerwise import DEFAULT_SEQ_LEN, Folder, StreamedEmbedding, StreamedLinear, stream_linears
 from slabconv.verify.policy import dtype_name
 
@@ -144,9 +145,11 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     - generation: two blocks of weight rows in their stored dtype (the one computed on, the next one read ahead:
       ``LazyShards.read_ahead``) and one in the compute dtype (and its outputs), the key/value cache of every layer
       (``2 L B (T + N) K d`` values) and the logits of one step;
-    - the float64 pass: a block of rows in float64 (and float32, on its way from half precision), the hidden
-      states and the widest activations of one layer (the MLP's intermediate size, the attention scores
-      ``B H (T+N)^2``) in float64, the logits ``(B, N, V)``.
+    - question 2 on the prompts and the generated tokens (its float64 chain is the generation's reference): a
+      block of rows in float64 (and float32, on its way from half precision); the hidden states of its chains;
+      the widest activations of one layer (the MLP's intermediate size, the attention scores ``B H (T+N)^2``) in
+      float64 for twice the prompts (the float64 chain and the original's input beside it); the logits
+      ``(B, T+N, V)`` of the three chains in float64 and the comparison's temporaries (six such arrays).
     """
     cfg, fam = source.cfg, source.family
     layers, vocab = fam.num_layers(cfg), fam.vocab_size(cfg)
@@ -161,7 +164,8 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     cache = 2 * layers * prompts * length * kv * computed
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
-    exact = block_elements * (stored + 4 + 8) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
+    logits = 6 * prompts * length * vocab
+    exact = block_elements * (stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
     return max(generating, exact)
 
 
@@ -194,8 +198,8 @@ def check_generation_fits(
     if streams(original):  # the prompts and steps the check will run: cut to the model's positions as it cuts them
         positions = original.family.max_positions(original.cfg)
         prompts, steps, _ = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
-        count, length = prompts.shape
-        need = generation_memory(original, count, length, steps, block_elements)
+        batch, length = prompts.shape
+        need = generation_memory(original, batch, length, steps, block_elements)
     else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
         need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())
     have = available_memory()
@@ -207,7 +211,87 @@ def check_generation_fits(
         )
 
 
-def check_streamed_folder(
+REFERENCE_STREAMED = (
+    "original float64 (question 2's float64 chain, one decoder layer at a time, over the prompts and the fused "
+    "folder's tokens)"
+)
+"""The reference run's name in a streamed report: question 2's float64 chain (``layerwise.verify_folders``) runs on
+the sequences the fused folder generated, so its logits are the generation check's reference; its tokens/second
+count question 2's whole time (the original and the fused folder in their dtype ran beside it)."""
+
+
+@dataclass
+class FusedRun:
+    """The fused folder's greedy run in a streamed check (``generate_fused``), judged once question 2's float64
+    chain has run over ``sequences()`` (``judged``).
+
+    Attributes:
+        prompts: int64 ``(B, T)``: the prompts it continued (``streamed_prompts`` cut by ``within_positions``).
+        steps: N, tokens generated per prompt (cut to the model's positions).
+        run: its greedy tokens ``(B, N)``; None where the folder did not load as the norm-free model.
+        failed: the failed check of a folder that did not load (``greedy.not_loaded_check``), else None.
+        notes: the report's notes (the cuts to the model's positions; ``decoder.onnx`` not run).
+        dtype: the original's dtype.
+        computed: the dtype the run computed in (``compute_dtype``).
+    """
+
+    prompts: torch.Tensor
+    steps: int
+    run: GreedyRun | None
+    failed: dict[str, Any] | None
+    notes: list[str]
+    dtype: torch.dtype
+    computed: torch.dtype
+
+    def sequences(self) -> torch.Tensor | None:
+        """The sequences whose float64 logits judge the run: the prompts followed by every generated token but the
+        last, int64 ``(B, T + N - 1)`` (the logits at position ``T - 1 + s`` are the next-token logits of step
+        ``s``); None where the folder did not load."""
+        if self.run is None:
+            return None
+        return torch.cat([self.prompts, torch.as_tensor(self.run.tokens)[:, :-1]], dim=1)
+
+    def inputs(self) -> str:
+        """How question 2's inputs are described in the report when they are ``sequences()``."""
+        b, t = self.prompts.shape
+        return (
+            f"{b} sequence{'s' if b != 1 else ''} of length {t + self.steps - 1}: seeded random prompts of "
+            f"{count(t, 'token')} and the fused folder's greedy tokens after them"
+        )
+
+    def reference(self, logits64: torch.Tensor, seconds: float) -> GreedyRun:
+        """The original's float64 run along the fused folder's path, from its logits over ``sequences()``
+        (float64 ``(B, T + N - 1, V)``): ``logits64`` ``(B, N, V)``, step ``s`` at position ``T - 1 + s``."""
+        assert self.run is not None
+        t = self.prompts.shape[1]
+        return GreedyRun(REFERENCE_STREAMED, self.run.tokens, seconds, logits64[:, t - 1 :].numpy())
+
+    def judged(self, logits64: torch.Tensor | None, seconds: float) -> dict[str, Any]:
+        """The report's ``verification.generation`` block (``GenerationCheck.to_dict()``, as in memory).
+
+        Args:
+            logits64: float64 ``(B, T + N - 1, V)``: the original's logits over ``sequences()`` (question 2's float64
+                chain); None only where the folder did not load.
+            seconds: the time of the pass that computed them (the reference's tokens/second).
+
+        Raises:
+            UsageError: ``logits64`` does not follow ``sequences()``.
+        """
+        if self.failed is not None:
+            return self.failed
+        assert self.run is not None and logits64 is not None
+        check = compare_greedy(
+            self.reference(logits64, seconds),
+            [self.run],
+            judged_dtype(self.dtype, self.computed),
+            prompts=self.prompts,
+            compute_dtype=self.computed,
+        )
+        check.notes += self.notes
+        return check.to_dict()
+
+
+def generate_fused(
     source: Path,
     folder: Path,
     steps: int,
@@ -216,8 +300,9 @@ def check_streamed_folder(
     seed: int,
     block_elements: int = 1 << 22,
     progress: Progress = no_progress,
-) -> dict[str, Any]:
-    """The greedy-generation check of ``fuse --stream`` and ``verify --stream`` (module docstring).
+) -> FusedRun:
+    """The fused folder's greedy generation of ``fuse --stream`` and ``verify --stream`` (module docstring): judged
+    by ``FusedRun.judged`` on question 2's float64 logits over ``FusedRun.sequences()``.
 
     Args:
         source: the original folder.
@@ -225,10 +310,7 @@ def check_streamed_folder(
         steps: N, tokens generated per prompt.
         sequences, seed: the prompts (``streamed_prompts``).
         block_elements: elements per block of weight rows read at a time.
-        progress: told when each run starts.
-
-    Returns:
-        ``GenerationCheck.to_dict()``: the report's ``verification.generation`` block, as in memory.
+        progress: told when the run starts.
 
     Raises:
         UsageError: transformers is not installed; bad steps; the fused folder is not a fused LLaMA folder.
@@ -242,13 +324,19 @@ def check_streamed_folder(
     positions = original.family.max_positions(original.cfg)
     prompts, steps, notes = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
     computed = compute_dtype(original.dtype)
+    if (Path(folder) / "decoder.onnx").is_file():
+        notes.append(
+            "decoder.onnx not run: the streamed check runs the folder in transformers one block of weights at a "
+            "time (slabconv verify without --stream runs decoder.onnx too)"
+        )
     progress("verifying: greedy generation, the fused folder in transformers (weights read as it runs)")
     label = f"fused {dtype_name(computed)} (transformers {transformers.__version__}, KV cache, streamed)"
     try:
         model = streamed_fused_llama(folder, computed, block_elements)
     except UnsupportedModelError as err:  # a tensor missing, one too many, a shape: a difference, not bad input
         judged = judged_dtype(original.dtype, computed)
-        return not_loaded_check(label, str(err), judged, steps, int(prompts.shape[0]), computed).to_dict()
+        failed = not_loaded_check(label, str(err), judged, steps, int(prompts.shape[0]), computed).to_dict()
+        return FusedRun(prompts, steps, None, failed, notes, original.dtype, computed)
     # every token asks for every weight block in the same order: one core reads the next block
     # (``LazyShards.read_ahead``) while torch computes on the others
     shards = model.lm_head.shards  # the reader every StreamedLinear shares
@@ -258,19 +346,4 @@ def check_streamed_folder(
             fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
     finally:
         shards.close()
-    progress("verifying: greedy generation, the original in float64 over the generated tokens")
-    reference = exact_path(original, prompts, fused.tokens, REFERENCE)
-    check = compare_greedy(
-        reference,
-        [fused],
-        judged_dtype(original.dtype, computed),
-        prompts=prompts,
-        compute_dtype=computed,
-    )
-    check.notes += notes
-    if (Path(folder) / "decoder.onnx").is_file():
-        check.notes.append(
-            "decoder.onnx not run: the streamed check runs the folder in transformers one block of weights at a "
-            "time (slabconv verify without --stream runs decoder.onnx too)"
-        )
-    return check.to_dict()
+    return FusedRun(prompts, steps, fused, None, notes, original.dtype, computed)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +319,9 @@ def verify_folders(
     strict: bool = False,
     program: FoldProgram | None = None,
     block_elements: int = 1 << 22,
+    ids: torch.Tensor | None = None,
+    inputs: str = "",
+    on_exact_logits: Callable[[torch.Tensor, float], None] | None = None,
     progress: Progress = no_progress,
 ) -> Verification:
     """Both questions for two decoder folders (sharded or single safetensors), one decoder layer at a time.
@@ -329,6 +333,11 @@ def verify_folders(
         rtol, atol, strict: as ``judge.judge_output``.
         program: the fold program, for question 1; None: question 1 is not answered.
         block_elements: elements per weight block read (the memory bound).
+        ids: int64 ``(B, T <= positions)``: the inputs instead of random ones (the streamed generation check's
+            prompts and the fused folder's tokens: ``generate_streamed.FusedRun.sequences``), described in the
+            report by ``inputs``.
+        on_exact_logits: called with the float64 chain's logits, float64 ``(B, T, V)``, and question 2's seconds (the
+            streamed generation check's reference).
         progress: called once per layer.
 
     Returns:
@@ -348,10 +357,13 @@ def verify_folders(
         )
     family, cfg, dtype = ref.family, ref.cfg, ref.dtype
     name = policy.dtype_name(dtype)
-    t = max(1, min(seq_len, family.max_positions(cfg)))
-    ids = torch.randint(0, family.vocab_size(cfg), (sequences, t), generator=torch.Generator().manual_seed(seed))
+    if ids is None:
+        t = max(1, min(seq_len, family.max_positions(cfg)))
+        ids = torch.randint(0, family.vocab_size(cfg), (sequences, t), generator=torch.Generator().manual_seed(seed))
+        inputs = f"{sequences} random token sequences of length {t}, seed {seed}"
+    sequences, t = ids.shape
     verification = Verification(
-        inputs=f"{sequences} random token sequences of length {t}, seed {seed}",
+        inputs=inputs,
         inputs_sha256=hashlib.sha256(np.ascontiguousarray(ids.numpy()).tobytes()).hexdigest(),
         reference="the original model in float64 (pytorch), one decoder layer at a time",
         runtime=f"pytorch {torch.__version__} {name}, one decoder layer at a time",
@@ -361,6 +373,7 @@ def verify_folders(
         verification.exact.append(exact_streamed(ref.shards, cand.shards, program))
     verification.integrity.append(_keys_check(ref, cand))
     layers = family.num_layers(cfg)
+    started = time.perf_counter()
     with torch.no_grad():
         h64, h, g = ref.embed(ids, torch.float64), ref.embed(ids, dtype), cand.embed(ids, dtype)
         for i in range(layers):
@@ -385,7 +398,10 @@ def verify_folders(
             )
             h = original
         progress("verifying: question 2, one decoder layer at a time", layers, layers, "final norm and head")
-        verification.checks.append(_logits_check(ref, cand, (h64, h, g), name, rtol, atol, strict))
+        logits64 = ref.logits(h64)
+        verification.checks.append(_logits_check(ref, cand, (logits64, h, g), name, rtol, atol, strict))
+    if on_exact_logits is not None:
+        on_exact_logits(logits64, time.perf_counter() - started)
     return verification
 
 
@@ -398,14 +414,15 @@ def _logits_check(
     atol: float,
     strict: bool,
 ) -> Any:
-    """The logits of the three chains (float64 original, original, fused), judged end to end with top-1."""
-    h64, h, g = chains
+    """The logits of the three chains judged end to end with top-1: ``chains`` are the float64 original's logits
+    and the original's and the fused folder's last hidden states."""
+    logits64, h, g = chains
     return judge.judge_output(
         f"logits @ pytorch {name}",
         cand.logits(g).double().numpy(),
         dtype=name,
         original=ref.logits(h).double().numpy(),
-        reference64=ref.logits(h64).numpy(),
+        reference64=logits64.numpy(),
         rtol=rtol,
         atol=atol,
         strict=strict,

@@ -893,8 +893,8 @@ def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
 def _language_checks(
     reference: Side, candidate: Side, opts: VerifyOptions, verification: Verification, progress: Progress
 ) -> None:
-    """Greedy generation of the reference model against the candidate folder (``verify.generate``; two streamed
-    sides: ``verify.generate_streamed``, every weight read from the shards one block of rows at a time), then, on
+    """Greedy generation of the reference model against the candidate folder (``verify.generate``; where two
+    streamed sides were checked beside question 2 by ``_layerwise``, already in ``verification``), then, on
     the same sequences and runtimes, the task metrics (``verify.task_metrics``: teacher-forced perplexity and
     next-token KL of the original and the fused folder), into ``verification``. The task metrics are not measured
     (a note says why) where the fused folder does not load as a model (the generation check failed on it already)
@@ -903,22 +903,14 @@ def _language_checks(
     Raises:
         UsageError: the reference is not a language model slabconv builds; transformers is missing.
     """
-    from slabconv.verify.generate import check_fused_folder, torch_threads
-    from slabconv.verify.generate_streamed import check_streamed_folder, streams
-    from slabconv.verify.layerwise import Folder
+    from slabconv.verify.generate import check_fused_folder
     from slabconv.verify.task_metrics import check_task_metrics
     from slabconv.write.hf_llama import require_transformers
 
     assert opts.generate
     require_transformers()
     loaded = None
-    if reference.kind == candidate.kind == "streamed" and streams(Folder.open(reference.path, engine.FOLD_BLOCK)):
-        with torch_threads(1):  # as _layerwise
-            verification.generation = check_streamed_folder(
-                reference.path, candidate.path, opts.generate, sequences=opts.sample_count(streamed=True),
-                seed=opts.seed, block_elements=engine.FOLD_BLOCK, progress=progress,
-            )  # fmt: skip
-    else:
+    if verification.generation is None:  # not checked streamed beside question 2 (``_layerwise``)
         loaded = reference.built() if reference.kind in ("model", "streamed") else None
         if loaded is None or not loaded.token_input:
             raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
@@ -948,7 +940,10 @@ def _language_checks(
 def _layerwise(
     reference: Side, candidate: Side, related: bool, opts: VerifyOptions, progress: Progress
 ) -> Verification:
-    """Both questions one decoder layer at a time, in bounded memory (``layerwise.verify_folders``)."""
+    """Both questions one decoder layer at a time, in bounded memory (``layerwise.verify_folders``), and the greedy
+    generation check of a streamed fold (``generate_streamed``): the fused folder generates first, and question 2
+    runs on its prompts and tokens, so that question 2's float64 chain is also the generation check's reference
+    (the only float64 pass of the original)."""
     from slabconv.verify import layerwise
 
     if reference.kind != "streamed" or candidate.kind != "streamed":
@@ -956,13 +951,28 @@ def _layerwise(
     if opts.inputs is not None:
         raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
     from slabconv.verify.generate import torch_threads
+    from slabconv.verify.generate_streamed import generate_fused, streams
+    from slabconv.write.hf_llama import require_transformers
 
     program = reference.program if related else None
+    exact: list[tuple[torch.Tensor, float]] = []
+    run = None
     with torch_threads(1):  # each layer reads its weights a block at a time; more threads than cores slowed it
+        if opts.generate and streams(layerwise.Folder.open(reference.path, engine.FOLD_BLOCK)):
+            require_transformers()
+            run = generate_fused(
+                reference.path, candidate.path, opts.generate, sequences=opts.sample_count(streamed=True),
+                seed=opts.seed, block_elements=engine.FOLD_BLOCK, progress=progress,
+            )  # fmt: skip
+        ids = run.sequences() if run is not None else None
         verification = layerwise.verify_folders(
             reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed, rtol=opts.rtol,
-            atol=opts.atol, strict=opts.strict, program=program, block_elements=engine.FOLD_BLOCK, progress=progress,
+            atol=opts.atol, strict=opts.strict, program=program, block_elements=engine.FOLD_BLOCK, ids=ids,
+            inputs=run.inputs() if run is not None else "", progress=progress,
+            on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
         )  # fmt: skip
+    if run is not None:
+        verification.generation = run.judged(*(exact[0] if ids is not None else (None, 0.0)))
     if program is None:
         why = sides.why_not_a_fold(reference, candidate) if not related else "no fold program was given"
         verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
