@@ -490,6 +490,10 @@ def test_the_streamed_generation_is_judged_by_question_2s_float64_chain(folded):
         return [untimed(v) for v in block] if isinstance(block, list) else block
 
     assert untimed(run.judged(kept[0], 1.0)) == untimed(report.verification.generation)
+    # question 2 runs as many sequences as --samples asks, each a prompt of the generation check
+    many = api.verify(root / "src", root / "out", verify=VerifyOptions(samples=20, generate=2), stream=True)
+    assert many.verification.passed and many.verification.generation["sequences"] == 20
+    assert many.verification.inputs.startswith("20 sequences of length 15: seeded random prompts of 14 tokens and")
 
 
 def tiny_swin() -> torch.nn.Module:

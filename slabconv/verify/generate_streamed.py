@@ -35,7 +35,6 @@ from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.text import count
 from slabconv.util import Progress, no_progress
 from slabconv.verify.generate import (
-    PROMPTS,
     compute_dtype,
     greedy_fused,
     judged_dtype,
@@ -132,11 +131,12 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
 
 
 def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
-    """The prompts of a streamed check: ``min(sequences, PROMPTS)`` seeded random token sequences of ``PROMPT_LEN``
-    tokens, int64 ``(B, T)`` (``generate.within_positions`` fits them to the model's positions)."""
-    count = max(1, min(sequences, PROMPTS))
+    """The prompts of a streamed check: ``sequences`` (at least one) seeded random token sequences of ``PROMPT_LEN``
+    tokens, int64 ``(B, T)`` (``generate.within_positions`` fits them to the model's positions). One per sequence
+    question 2 runs (``--samples``), since question 2 runs on them and the tokens generated after them; a token
+    step reads every weight once whatever the batch, so more prompts cost little more."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, source.family.vocab_size(source.cfg), (count, PROMPT_LEN), generator=generator)
+    return torch.randint(0, source.family.vocab_size(source.cfg), (max(1, sequences), PROMPT_LEN), generator=generator)
 
 
 def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
