@@ -229,6 +229,21 @@ def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that
         verifier.candidate_runs(candidate, ("pytorch",))
 
 
+def test_a_folder_without_onnx_names_pytorch_as_the_runtime_that_can(tiny_fused: Path, tmp_path: Path) -> None:
+    """--runtime openvino for a fused folder holding only model.safetensors (a streamed fold, fuse --no-onnx
+    --no-pt2): PyTorch runs its fused weights, and the line said "(runtimes that can: none); choose one of those"."""
+    from slabconv.errors import UsageError
+    from slabconv.verify import sides
+
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "fused")
+    for name in ("model.onnx", "model.pt2"):
+        (tmp_path / "fused" / name).unlink(missing_ok=True)
+    candidate = sides.open_side(tmp_path / "fused")
+    assert candidate.kind == "folder" and candidate.onnx is None and candidate.pt2 is None
+    with pytest.raises(UsageError, match=r"\(runtimes that can: pytorch\); choose one of those$"):
+        verifier.candidate_runs(candidate, ("openvino",))
+
+
 def _openvino_opened_by(monkeypatch: pytest.MonkeyPatch, opener: Any) -> None:
     """``--runtime openvino`` runs ``opener`` (a ``Backend.opener``: ``(backend, path, **how) -> [Runtime]``),
     whether OpenVINO is installed or not."""

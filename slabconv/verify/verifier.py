@@ -143,7 +143,8 @@ def candidate_runs(
         ]  # fmt: skip
         for name in dict.fromkeys(names):
             if not any(p.backend == name for p in pending) and not (fallback and fallback.backend == name):
-                have = ", ".join(dict.fromkeys([*(p.backend for p in pending), *opt_in])) or "none"
+                can = [*(p.backend for p in pending), *opt_in, *([fallback.backend] if fallback else [])]
+                have = ", ".join(dict.fromkeys(can)) or "none"
                 raise UsageError(
                     f"--runtime {name} cannot run {candidate.path} (runtimes that can: {have}); choose one of those"
                 )
