@@ -244,6 +244,38 @@ def test_a_folder_without_onnx_names_pytorch_as_the_runtime_that_can(tiny_fused:
         verifier.candidate_runs(candidate, ("openvino",))
 
 
+def test_a_candidate_taking_inputs_the_reference_does_not_feed_is_refused_before_any_work(
+    tiny_fused: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An .onnx candidate whose graph takes inputs besides the reference's one (a fused language model's
+    decoder.onnx: attention_mask, position_ids, the key/value cache) is bad input, said before the reference's work:
+    it ran the reference, then ended as an internal error from onnxruntime ('Required inputs ... are missing')."""
+    ckpt = tiny_fused / "ckpt.pth"
+    model = onnx.load(str(tiny_fused / "ckpt-fused" / "model.onnx"))
+    first = model.graph.input[0]
+    for name in ("attention_mask", "past_key_values.0.key"):
+        extra = onnx.ValueInfoProto()
+        extra.CopyFrom(first)
+        extra.name = name
+        model.graph.input.append(extra)
+        model.graph.node.append(onnx.helper.make_node("Identity", [name], [f"{name}_out"]))
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(extra)
+        out.name = f"{name}_out"
+        model.graph.output.append(out)
+    onnx.save(model, str(tmp_path / "decoder.onnx"))
+    monkeypatch.setattr(verifier, "_torch_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    result = runner.invoke(app, ["verify", str(ckpt), str(tmp_path / "decoder.onnx"), "--samples", "2"])
+    assert result.exit_code == 2, result.output
+    [line] = error_lines(result.stderr)
+    assert line == (
+        f"error: {tmp_path / 'decoder.onnx'}: it takes 3 inputs (input, attention_mask, past_key_values.0.key), "
+        "the reference gives one; verify feeds both sides the reference's inputs: give a candidate that takes "
+        "them (of a fused language model: its folder or model.onnx; decoder.onnx, which takes the key/value cache, "
+        "is run by the folder's generation check)"
+    )
+
+
 def _openvino_opened_by(monkeypatch: pytest.MonkeyPatch, opener: Any) -> None:
     """``--runtime openvino`` runs ``opener`` (a ``Backend.opener``: ``(backend, path, **how) -> [Runtime]``),
     whether OpenVINO is installed or not."""
