@@ -85,6 +85,21 @@ def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, tmp_path: Path
     assert any(want in n for n in v["notes"]), v["notes"]
 
 
+def test_two_folds_of_different_sources_say_both_are_folds(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder given as the reference of a fold of another checkpoint: question 1 is not answered, and the
+    note says the reference is a fold too with another recorded source, not 'the candidate was folded from another
+    file (its recorded source sha256 is not the reference's)', which said the same of two folds of one Hugging Face
+    folder (in memory and --stream record different digests of it)."""
+    other = tinyckpt.save_ckpt(tmp_path / "other.pth", tinyckpt.tiny_state_dict(seed=1))
+    api.fuse(other, tmp_path / "other-fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    code, report, _ = _json(tiny_fused / "ckpt-fused", tmp_path / "other-fused")
+    v = report["verification"]
+    assert code == 1 and v["question_1_exact"] is None
+    [note] = [n for n in v["notes"] if n.startswith("question 1")]
+    assert "not answered: the reference is a fused file too, and the two record different sources (sha256 " in note
+    assert note.endswith("; give the original first to ask whether the fold is exact; question 2 only")
+
+
 def test_the_command_meant_runs_as_pasted_where_a_path_has_spaces(tiny_fused: Path, tmp_path: Path) -> None:
     folder = tmp_path / "my models"
     shutil.copytree(tiny_fused, folder)
