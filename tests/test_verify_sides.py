@@ -85,6 +85,21 @@ def test_a_pair_that_is_no_fold_says_what_it_is(tiny_fused: Path, tmp_path: Path
     assert any(want in n for n in v["notes"]), v["notes"]
 
 
+def test_two_folds_of_different_sources_say_both_are_folds(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder given as the reference of a fold of another checkpoint: question 1 is not answered, and the
+    note says the reference is a fold too with another recorded source, not 'the candidate was folded from another
+    file (its recorded source sha256 is not the reference's)', which said the same of two folds of one Hugging Face
+    folder (in memory and --stream record different digests of it)."""
+    other = tinyckpt.save_ckpt(tmp_path / "other.pth", tinyckpt.tiny_state_dict(seed=1))
+    api.fuse(other, tmp_path / "other-fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    code, report, _ = _json(tiny_fused / "ckpt-fused", tmp_path / "other-fused")
+    v = report["verification"]
+    assert code == 1 and v["question_1_exact"] is None
+    [note] = [n for n in v["notes"] if n.startswith("question 1")]
+    assert "not answered: the reference is a fused file too, and the two record different sources (sha256 " in note
+    assert note.endswith("; give the original first to ask whether the fold is exact; question 2 only")
+
+
 def test_the_command_meant_runs_as_pasted_where_a_path_has_spaces(tiny_fused: Path, tmp_path: Path) -> None:
     folder = tmp_path / "my models"
     shutil.copytree(tiny_fused, folder)
@@ -227,6 +242,53 @@ def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that
     candidate = sides.open_side(tiny_fused / "ckpt-fused" / "model.onnx")
     with pytest.raises(UsageError, match=r"\(runtimes that can: onnxruntime, openvino\); choose one of those$"):
         verifier.candidate_runs(candidate, ("pytorch",))
+
+
+def test_a_folder_without_onnx_names_pytorch_as_the_runtime_that_can(tiny_fused: Path, tmp_path: Path) -> None:
+    """--runtime openvino for a fused folder holding only model.safetensors (a streamed fold, fuse --no-onnx
+    --no-pt2): PyTorch runs its fused weights, and the line said "(runtimes that can: none); choose one of those"."""
+    from slabconv.errors import UsageError
+    from slabconv.verify import sides
+
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "fused")
+    for name in ("model.onnx", "model.pt2"):
+        (tmp_path / "fused" / name).unlink(missing_ok=True)
+    candidate = sides.open_side(tmp_path / "fused")
+    assert candidate.kind == "folder" and candidate.onnx is None and candidate.pt2 is None
+    with pytest.raises(UsageError, match=r"\(runtimes that can: pytorch\); choose one of those$"):
+        verifier.candidate_runs(candidate, ("openvino",))
+
+
+def test_a_candidate_taking_inputs_the_reference_does_not_feed_is_refused_before_any_work(
+    tiny_fused: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An .onnx candidate whose graph takes inputs besides the reference's one (a fused language model's
+    decoder.onnx: attention_mask, position_ids, the key/value cache) is bad input, said before the reference's work:
+    it ran the reference, then ended as an internal error from onnxruntime ('Required inputs ... are missing')."""
+    ckpt = tiny_fused / "ckpt.pth"
+    model = onnx.load(str(tiny_fused / "ckpt-fused" / "model.onnx"))
+    first = model.graph.input[0]
+    for name in ("attention_mask", "past_key_values.0.key"):
+        extra = onnx.ValueInfoProto()
+        extra.CopyFrom(first)
+        extra.name = name
+        model.graph.input.append(extra)
+        model.graph.node.append(onnx.helper.make_node("Identity", [name], [f"{name}_out"]))
+        out = onnx.ValueInfoProto()
+        out.CopyFrom(extra)
+        out.name = f"{name}_out"
+        model.graph.output.append(out)
+    onnx.save(model, str(tmp_path / "decoder.onnx"))
+    monkeypatch.setattr(verifier, "_torch_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    result = runner.invoke(app, ["verify", str(ckpt), str(tmp_path / "decoder.onnx"), "--samples", "2"])
+    assert result.exit_code == 2, result.output
+    [line] = error_lines(result.stderr)
+    assert line == (
+        f"error: {tmp_path / 'decoder.onnx'}: it takes 3 inputs (input, attention_mask, past_key_values.0.key), "
+        "the reference gives one; verify feeds both sides the reference's inputs: give a candidate that takes "
+        "them (of a fused language model: its folder or model.onnx; decoder.onnx, which takes the key/value cache, "
+        "is run by the folder's generation check)"
+    )
 
 
 def _openvino_opened_by(monkeypatch: pytest.MonkeyPatch, opener: Any) -> None:

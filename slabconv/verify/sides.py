@@ -454,6 +454,17 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
             f"the reference is {what} from the same source as the candidate; give that source first to ask whether "
             "the fold is exact"
         )
+    if p is not None and p.folded and r is not None and r.folded:
+        why = (
+            f"the reference is a fused file too, and the two record different sources (sha256 "
+            f"{r.source_sha256[:12]}... and {p.source_sha256[:12]}...)"
+        )
+        if all((side.path / "config.json").is_file() for side in (reference, candidate)):
+            why += (
+                ": other files, or one Hugging Face folder fused both in memory, which records the digest of its "
+                "files, and with --stream, which records that of its weights file or index"
+            )
+        return why + "; give the original first to ask whether the fold is exact"
     if p is None and r is not None and not r.folded and r.source_sha256 in candidate.digests(whole=True):
         return "the reference is an unfused export (export --no-fuse) of the candidate; nothing was folded"
     if p is None and (candidate.path / "config.json").is_file():  # a Hugging Face folder: both places looked in

@@ -143,7 +143,8 @@ def candidate_runs(
         ]  # fmt: skip
         for name in dict.fromkeys(names):
             if not any(p.backend == name for p in pending) and not (fallback and fallback.backend == name):
-                have = ", ".join(dict.fromkeys([*(p.backend for p in pending), *opt_in])) or "none"
+                can = [*(p.backend for p in pending), *opt_in, *([fallback.backend] if fallback else [])]
+                have = ", ".join(dict.fromkeys(can)) or "none"
                 raise UsageError(
                     f"--runtime {name} cannot run {candidate.path} (runtimes that can: {have}); choose one of those"
                 )
@@ -582,6 +583,7 @@ def verify(
             f"--generate needs a fused language-model folder as the candidate; {candidate.path} is not one"
         )
     _same_decoder(reference, candidate)
+    _same_inputs(reference, candidate)
     if opts.generate:
         _generation_fits(reference, candidate, opts.generate)
     if "streamed" in (reference.kind, candidate.kind):
@@ -830,6 +832,29 @@ def _bound_admits_zero(verification: Verification, related: bool) -> None:
         f"the original is itself {g3(worst.e_orig)} of its output's scale away from its float64 reference on these "
         f"inputs ({names}): question 2's bound, twice that ({worst.tolerance:.3g}), admits an all-zero output and "
         f"cannot tell one model from another there; {which}; pass inputs the model was made for with --inputs NPZ"
+    )
+
+
+def _same_inputs(reference: Side, candidate: Side) -> None:
+    """Refuse, before any work, an ``.onnx`` candidate that takes inputs the reference does not give: both sides are
+    fed the reference's inputs (one array; an ONNX reference's graph inputs by name), so such a candidate cannot
+    run on them (a fused language model's ``decoder.onnx`` takes the attention mask, positions and key/value cache).
+
+    Raises:
+        InputError: naming the candidate's inputs and what the reference gives.
+    """
+    if candidate.onnx is None or len(candidate.onnx.inputs) < 2:
+        return
+    names = [i.name for i in candidate.onnx.inputs]
+    given = [i.name for i in reference.onnx.inputs] if reference.kind == "onnx" and reference.onnx is not None else []
+    if len(given) > 1 and set(names) <= set(given):
+        return
+    shown = ", ".join(n[:80] for n in names[:8]) + (f", ... ({len(names) - 8} more)" if len(names) > 8 else "")
+    gives = f"{len(given)} ({', '.join(n[:80] for n in given[:8])})" if len(given) > 1 else "one"
+    raise InputError(
+        f"{candidate.onnx.path}: it takes {len(names)} inputs ({shown}), the reference gives {gives}; verify feeds "
+        "both sides the reference's inputs: give a candidate that takes them (of a fused language model: its folder "
+        "or model.onnx; decoder.onnx, which takes the key/value cache, is run by the folder's generation check)"
     )
 
 
