@@ -285,8 +285,18 @@ def test_folds_backward_through_the_op(case):
 
 @pytest.mark.parametrize(
     ("case", "why"),
-    [pytest.param(block, "", id=f"{name}-{block.aten}") for name, (_, block) in RESAMPLING.items() if block]
+    [
+        pytest.param(
+            block,
+            "only when every scale is > 0" if block.positive is False else "with zeros",
+            id=f"{name}-{block.aten}",
+        )
+        for name, (_, block) in RESAMPLING.items()
+        if block
+    ]
     + [
+        # a zero border stays 0 where the producer's shifted output would carry t into it
+        pytest.param(Case(lambda y: F.pad(y, (1, 1, 1, 1)), "pad"), "with zeros", id="zero-pad"),
         # sum(s y + t) = s sum(y) + N t: the producer would need t / N; no backward fold scales the shift
         pytest.param(Case(lambda y: y.sum((2, 3)), "sum", linear=True), "aten.sum", id="sum-static-tokens"),
         pytest.param(
@@ -298,9 +308,9 @@ def test_folds_backward_through_the_op(case):
 )
 def test_no_backward_fold_through_the_op_where_it_would_be_wrong(case, why):
     """A padded average pool that counts the padded zeros (they stay 0 where ``t`` would be averaged in), sampling
-    outside the input with zeros, a max with a negative scale (the max becomes a min), a sum over tokens (its shift
-    is ``N t``): the norm stays, kept as an affine at the model's output, and folding it into the producer anyway
-    is wrong."""
+    outside the input with zeros, a zero border, a max with a negative scale (the max becomes a min), a sum over
+    tokens (its shift is ``N t``): the norm stays, kept as an affine at the model's output, and folding it into the
+    producer anyway is wrong."""
     model = randomize(PooledOutput(case.op, case.dims, case.linear), seed=3, positive=case.positive).eval()
     x = grid(case.dims)
     reference = model(x)

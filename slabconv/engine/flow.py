@@ -316,6 +316,8 @@ def _through(node: fx.Node, ch: Chan, positive_scale: bool) -> tuple[fx.Node, Ch
     if len(found) != 1:
         if not found and Pass(ch, needs_positive_scale=True) in outcomes.values():
             return f"{op_name(node)} commutes with the norm's affine only when every scale is > 0"
+        if not found and Block(reasons.ZERO_PADDING_AFTER_NORM) in outcomes.values():
+            return f"{op_name(node)} pads or samples with zeros, which would become the shift t"
         if not found and not rule.view_like and not any(isinstance(o, Pass) for o in outcomes.values()):
             return f"no Linear/conv before the norm: {op_name(node)} produces its input"
         return f"the norm's channels are not one axis before {op_name(node)}"
