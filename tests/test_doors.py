@@ -6,10 +6,11 @@ An ONNX original is lowered into the engine's ATen vocabulary (``slabconv.engine
 same ``plan_folds``; this file holds the two doors to each other on each case: the norm's name and kind, the action,
 the reason and the layers folded into. Every case is exported by the TorchScript exporter (dynamic batch); the
 dynamo exporter takes about a second a model on two cores (its op registry built once: tests/conftest.py), so it
-exports every refusal and norm case (but those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats)
-and each view rule's block case (where a wrong lowering would fold what must not be folded). Ops an exporter writes
-as something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as Slices and a Concat, ``as_strided`` as a Gather) are listed
-with what it wrote, and held to differ, so the list shrinks when the lowering learns them.
+exports every refusal and norm case (but those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats),
+the pools a backward fold passes or stops at (``POOL_CASES``) and each view rule's block case (where a wrong lowering
+would fold what must not be folded). Ops an exporter writes as something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as
+Slices and a Concat, ``as_strided`` as a Gather) are listed with what it wrote, and held to differ, so the list
+shrinks when the lowering learns them.
 
 The one intended difference (``_DIFFERENT``): a weight two layers read. A checkpoint's tied parameter stays tied and
 the fold into one of its readers is refused (``shared-consumer-weight``); an ONNX file cannot tell a tied weight from
