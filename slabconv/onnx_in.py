@@ -92,6 +92,7 @@ def source_of(info: OnnxFile) -> Source:
         extra={
             "opset": info.opset,
             "producer": info.producer,
+            "exporter": info.exporter,
             "domains": info.domains,
             "external_data": info.external,
             "files_sha256": info.files_sha256,

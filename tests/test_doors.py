@@ -6,10 +6,11 @@ An ONNX original is lowered into the engine's ATen vocabulary (``slabconv.engine
 same ``plan_folds``; this file holds the two doors to each other on each case: the norm's name and kind, the action,
 the reason and the layers folded into. Every case is exported by the TorchScript exporter (dynamic batch); the
 dynamo exporter takes about a second a model on two cores (its op registry built once: tests/conftest.py), so it
-exports every refusal and norm case (but those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats)
-and each view rule's block case (where a wrong lowering would fold what must not be folded). Ops an exporter writes
-as something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as Slices and a Concat, ``as_strided`` as a Gather) are listed
-with what it wrote, and held to differ, so the list shrinks when the lowering learns them.
+exports every refusal and norm case (but those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats),
+the pools a backward fold passes or stops at (``POOL_CASES``) and each view rule's block case (where a wrong lowering
+would fold what must not be folded). Ops an exporter writes as something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as
+Slices and a Concat, ``as_strided`` as a Gather) are listed with what it wrote, and held to differ, so the list
+shrinks when the lowering learns them.
 
 The one intended difference (``_DIFFERENT``): a weight two layers read. A checkpoint's tied parameter stays tied and
 the fold into one of its readers is refused (``shared-consumer-weight``); an ONNX file cannot tell a tied weight from
@@ -27,6 +28,7 @@ from pathlib import Path
 import onnx_ir as ir
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slabconv import engine
@@ -211,6 +213,25 @@ EXACT_FOLD_CASES: list[tuple[str, Factory]] = [
 ]
 
 
+def _pooled(op: exact_folds.Op, flat: bool = False, positive: bool | None = None) -> Factory:
+    """``tests/test_exact_folds.py``'s ``PooledOutput``: a norm after a 1x1 conv and a pool, at the model's output."""
+    return lambda: (
+        randomize(exact_folds.PooledOutput(op, 2, flat), seed=3, positive=positive).eval(),
+        exact_folds.grid(2),
+    )
+
+
+POOL_CASES: list[tuple[str, Factory]] = [
+    # the backward walk up a pool (tests/test_exact_folds.py): a classifier's global average pool and flatten
+    # (GlobalAveragePool, Flatten), a max pool (every scale > 0 or not), a padded average pool counting the zeros
+    ("global-pool-flatten-backward", _pooled(lambda y: F.adaptive_avg_pool2d(y, 1).flatten(1), flat=True)),
+    ("mean-backward", _pooled(lambda y: y.mean((2, 3), keepdim=True))),
+    ("max-pool-positive-backward", _pooled(lambda y: F.max_pool2d(y, 2), positive=True)),
+    ("max-pool-negative-backward", _pooled(lambda y: F.max_pool2d(y, 2), positive=False)),
+    ("avg-pool-counting-pads-backward", _pooled(lambda y: F.avg_pool2d(y, 3, 1, 1))),
+]
+
+
 class _NestedBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -246,6 +267,11 @@ _TORCHSCRIPT_ONLY = {
     "padded-conv": "padded-conv-and-pointwise's dynamo export holds the same padded conv after the same norm",
 }
 CASES += [pytest.param(f, True, id=f"{i}-dynamo") for i, f in SUITE_CASES if i not in _TORCHSCRIPT_ONLY]
+CASES += [
+    pytest.param(f, dynamo, id=f"{i}-{e}")
+    for i, f in POOL_CASES
+    for dynamo, e in ((False, "torchscript"), (True, "dynamo"))
+]
 for _id, _factory, _dynamo in _view_cases():
     CASES.append(pytest.param(_factory, False, id=f"{_id}-torchscript"))
     if _dynamo:

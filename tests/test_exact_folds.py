@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv import engine
+from slabconv import engine, fold
 from slabconv.engine import FOLD_BLOCK, fused_state_dict, onnx_fold, reasons
 from slabconv.engine.capture import stored
 from slabconv.engine.rewriter import fold_program
@@ -231,6 +231,119 @@ def test_refused_where_the_naive_fold_is_wrong(case):
     reference = model(x)
     assert rel_err(naive_fold(model, "norm", "fc")(x), reference) > NAIVE_MIN_ERR
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+class PooledOutput(nn.Module):
+    """``norm(op(producer(x)))`` returned as the model's output (a classifier's head: a conv, a global average pool,
+    a flatten, a BatchNorm1d): no layer after the norm, so only a backward fold into ``producer`` (a 1x1 conv)
+    removes it. ``flat``: the op leaves ``(B, C)`` (a BatchNorm1d)."""
+
+    def __init__(self, op: Op, dims: int, flat: bool = False) -> None:
+        super().__init__()
+        self.producer = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1](C, C, 1)
+        self.op = op
+        self.norm = nn.BatchNorm1d(C) if flat else [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d][dims - 1](C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.op(self.producer(x)))
+
+
+def _naive_backward(model: PooledOutput) -> nn.Module:
+    """The norm dropped and its affine folded into the producer's output channels as if nothing stood between
+    them."""
+    naive = norm_free(model, ["norm"])
+    scale, shift = affine_of(model.norm)
+    with torch.no_grad():
+        w, b = fold.fold_into_producer(naive.producer.weight, naive.producer.bias, scale, shift)
+        naive.producer.weight.copy_(w)
+        naive.producer.bias.copy_(b)
+    return naive
+
+
+def _backward_cases() -> list:
+    return [
+        pytest.param(c, id=f"{name}-{c.aten}-{i}")
+        for name, (folds, _) in RESAMPLING.items()
+        for i, c in enumerate(folds)
+    ]
+
+
+@pytest.mark.parametrize("case", _backward_cases())
+def test_folds_backward_through_the_op(case):
+    """Every folding case of ``RESAMPLING`` between a producer and a norm that is the model's output: ``op(s y +
+    t) = s op(y) + t`` (the same identity as forward), so the norm folds into the producer's rows, exactly (every
+    scale > 0 where the op is a max)."""
+    model = randomize(PooledOutput(case.op, case.dims, case.linear), seed=3, positive=case.positive).eval()
+    x = grid(case.dims)
+    gm, decisions = fuse(model, x)
+    assert any(str(n.target).startswith(f"aten.{case.aten}.") for n in gm.graph.nodes), case.aten
+    (d,) = decisions
+    assert (d.action, d.into, d.reason) == ("folded-backward", ["producer"], None), d.no_backward
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    assert not bn_nodes(gm) and not kept_affines(gm)
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        pytest.param(
+            block,
+            "only when every scale is > 0" if block.positive is False else "with zeros",
+            id=f"{name}-{block.aten}",
+        )
+        for name, (_, block) in RESAMPLING.items()
+        if block
+    ]
+    + [
+        # a zero border stays 0 where the producer's shifted output would carry t into it
+        pytest.param(Case(lambda y: F.pad(y, (1, 1, 1, 1)), "pad"), "with zeros", id="zero-pad"),
+        # sum(s y + t) = s sum(y) + N t: the producer would need t / N; no backward fold scales the shift
+        pytest.param(Case(lambda y: y.sum((2, 3)), "sum", linear=True), "aten.sum", id="sum-static-tokens"),
+        pytest.param(
+            Case(lambda y: y.amax((2, 3)), "amax", linear=True, positive=False),
+            "only when every scale is > 0",
+            id="amax-negative",
+        ),
+    ],
+)
+def test_no_backward_fold_through_the_op_where_it_would_be_wrong(case, why):
+    """A padded average pool that counts the padded zeros (they stay 0 where ``t`` would be averaged in), sampling
+    outside the input with zeros, a zero border, a max with a negative scale (the max becomes a min), a sum over
+    tokens (its shift is ``N t``): the norm stays, kept as an affine at the model's output, and folding it into the
+    producer anyway is wrong."""
+    model = randomize(PooledOutput(case.op, case.dims, case.linear), seed=3, positive=case.positive).eval()
+    x = grid(case.dims)
+    reference = model(x)
+    gm, decisions = fuse(model, x)
+    assert any(str(n.target).startswith(f"aten.{case.aten}.") for n in gm.graph.nodes), case.aten
+    (d,) = decisions
+    assert (d.action, d.reason) == ("kept-affine", reasons.FEEDS_OUTPUT)
+    assert why in (d.no_backward or ""), d.no_backward
+    assert rel_err(_naive_backward(model)(x), reference) > NAIVE_MIN_ERR
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_a_batchnorm_after_a_global_pool_and_flatten_folds_into_the_conv_in_an_onnx_file(tmp_path, dynamo):
+    """A classifier's head exported to ONNX (``Conv``, ``GlobalAveragePool`` or ``ReduceMean``, ``Flatten`` or
+    ``Reshape``, ``BatchNormalization`` as the graph's output): the ONNX door folds the norm into the conv as the
+    program door does, and the fused file, run by onnxruntime, gives the original's output with no norm left."""
+    model = randomize(PooledOutput(lambda y: F.adaptive_avg_pool2d(y, 1).flatten(1), 2, flat=True), seed=3).eval()
+    x = grid(2)
+    reference = model(x)
+    path = tmp_path / "head.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(path), dynamo=dynamo, opset_version=18, input_names=["x"])
+    original = ir.load(str(path))
+    assert "BatchNormalization" in {n.op_type for n in original.graph}
+    onnx_model, decisions = onnx_fold.fold_file(original, str(path))
+    assert [(d.action, d.into, d.reason) for d in decisions] == [("folded-backward", ["producer"], None)]
+    assert not {"BatchNormalization", "Mul", "Add"} & {n.op_type for n in onnx_model.graph}
+    ir.save(onnx_model, str(tmp_path / "fused.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "fused.onnx"), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert rel_err(torch.from_numpy(out), reference) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize(

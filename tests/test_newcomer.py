@@ -202,10 +202,13 @@ def test_a_program_with_a_static_batch_is_warned_about(tmp_path):
     assert report.source is not None and report.source.batch == 2
     lines = list(summary_lines(report))
     assert lines[0] == (
-        f"warning: {tmp_path / 'static.pt2'} was exported with a static batch of 2, so the fused files take exactly "
-        "2 samples a call; export it with dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch "
+        f"warning: {tmp_path / 'static.pt2'} was exported with a static batch of 2, so the fused files run on "
+        "batches of exactly 2; export it with dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch "
         "(docs/own-model.md)"
     )
+    assert "dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch (docs/own-model.md)" in (
+        errordoc.documented(lines[0]) or ""
+    )  # docs/errors.md lists it
     assert json.loads(report.to_json())["source"]["batch"] == 2
 
 

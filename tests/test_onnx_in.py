@@ -30,8 +30,10 @@ from slabconv.engine import onnx_apply, onnx_fold, reasons
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import load_model
 from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+from slabconv.report.render import summary_lines
 from slabconv.verify import onnx_original
 from slabconv.zoo.norms import RepBN
+from tests import errordoc
 from tests import onnxcases as oc
 from tests.conftest import FIXTURE, ROOT, op_histogram, randomize_norms
 
@@ -110,6 +112,41 @@ def test_digits_export_folds_to_the_norm_free_graph(digits, tmp_path, opset, dyn
     xs = np.random.default_rng(1).standard_normal((2, 1, 8, 8)).astype(np.float32)
     y0, y1 = _run(original, xs), _run(fused, xs)
     assert np.abs(y1 - y0).max() / np.abs(y0).max() < 1e-5
+
+
+_STATIC_ADVICE = {
+    "dynamo": "torch.onnx.export(..., dynamo=True, dynamic_shapes=({0: torch.export.Dim('batch')},))",
+    "torchscript": "torch.onnx.export(..., dynamo=False, input_names=['x'], dynamic_axes={'x': {0: 'batch'}})",
+    None: "a dynamic batch axis (torch.onnx.export: dynamic_shapes with dynamo=True, dynamic_axes with dynamo=False)",
+}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", None])
+def test_a_static_batch_is_warned_about_in_the_spelling_of_the_exporter_that_wrote_the_file(tmp_path, exporter):
+    """An ONNX file with a static batch of 2: the warning says how to export a dynamic batch with the exporter
+    that wrote the file (``dynamic_axes`` for ``torch.onnx.export(..., dynamo=False)``, ``dynamic_shapes`` for
+    ``dynamo=True``), told by its ``producer_version`` and node marks; a file made by another producer (by hand
+    here) gets both spellings."""
+    path = tmp_path / "static.onnx"
+    if exporter is None:
+        model = oc.base_model()
+        model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+        onnx.save(model, str(path))
+    else:
+        torch.manual_seed(0)
+        module = randomize_norms(nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 3)), seed=3).eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(module, (torch.randn(2, 8),), str(path), dynamo=exporter == "dynamo", input_names=["x"])
+    report = api.inspect(path)
+    assert report.source is not None and report.source.batch == 2
+    assert report.to_dict()["source"]["exporter"] == exporter
+    line = next(iter(summary_lines(report)))
+    assert line == (
+        f"warning: {path} was exported with a static batch of 2, so the fused files run on batches of exactly 2; "
+        f"export it with {_STATIC_ADVICE[exporter]} for any batch (docs/onnx.md)"
+    )
+    assert _STATIC_ADVICE[exporter] in (errordoc.documented(line) or ""), line  # docs/errors.md lists it
 
 
 def test_inspect_reports_an_onnx_source(digits, tmp_path):

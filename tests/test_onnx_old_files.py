@@ -11,8 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from slabconv import api
+from slabconv.load.source import Source
 from slabconv.options import VerifyOptions, WriteOptions
-from slabconv.verify import onnx_original
+from slabconv.verify import onnx_original, sides
 
 
 def _cnn(opset: int, mode: str = "nearest", listed: bool = True, ir_version: int = 3) -> onnx.ModelProto:
@@ -171,3 +172,36 @@ def test_a_batchnorm_inside_a_model_local_function_is_found_and_folded(tmp_path)
     want, got = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
                  for p in (path, tmp_path / "out" / "model.onnx"))  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _token_model(listed_first: bool) -> onnx.ModelProto:
+    """``ids (batch, seq) -> Gather(table) -> y``, its ``(10, 4)`` table an initializer also listed as a graph input
+    (``keep_initializers_as_inputs=True``), before the ids (``listed_first``) or after them."""
+    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32), "table")
+    info = helper.make_tensor_value_info
+    ids = info("ids", TensorProto.INT64, ["batch", "seq"])
+    listed = info("table", TensorProto.FLOAT, [10, 4])
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"], name="embed")],
+        "g",
+        [listed, ids] if listed_first else [ids, listed],
+        [info("y", TensorProto.FLOAT, ["batch", "seq", 4])],
+        [table],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=7)
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize("listed_first", [True, False])
+def test_the_sequence_axis_is_read_from_the_first_real_input_not_a_listed_initializer(tmp_path, listed_first):
+    """A side takes any sequence length when its first real input's axis 1 is symbolic (question 2 then runs a
+    shorter length too); an initializer listed as a graph input before it (a ``(10, 4)`` table, static) was taken
+    for that input, and the second length was never checked."""
+    path = tmp_path / "tokens.onnx"
+    onnx.save(_token_model(listed_first), str(path))
+    assert sides.onnx_side(path).dynamic_sequence
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    onnx.save(_token_model(listed_first), str(folder / "model.onnx"))
+    assert sides.output_side(folder, Source(str(folder), None, "slabconv-output")).dynamic_sequence

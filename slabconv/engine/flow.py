@@ -5,10 +5,10 @@ Three walks, all read-only:
 - ``follow(start, chan)``: forward from a norm's output. In: the node and where its channels sit. Out: a
   ``Flow``: every consumer that can absorb the affine (``ConsumerUse``) and every edge where it is blocked
   (``BlockedEdge``, with a reason). Every user of every tensor on the way is classified; nothing is skipped.
-- ``find_producers(start, chan, owned, graph, stop)``: backward from a norm's input through view-like ops, a
-  layer's separate bias add and sums, to the Linears / convs / embeddings whose outputs make it, every tensor on
-  the way read by the way alone or by layers that can take the inverse affine. Out: a ``Backward``, or the
-  plain-text reason there is none.
+- ``find_producers(start, chan, owned, graph, stop)``: backward from a norm's input through view-like ops, means
+  and pools that keep the shift, a layer's separate bias add and sums, to the Linears / convs / embeddings whose
+  outputs make it, every tensor on the way read by the way alone or by layers that can take the inverse affine.
+  Out: a ``Backward``, or the plain-text reason there is none.
 - ``source_chan(node, known)`` and ``reaches_layer(start, chan)``: layout only (no affine flows): where the channel
   axis of the nearest layer or norm upstream sits on ``node``, and whether a layer downstream contracts a given
   axis. Used to tell a per-channel constant on a channel axis from one on a token axis.
@@ -287,10 +287,18 @@ class VirtualGraph:
         return out
 
 
-def _through(node: fx.Node, ch: Chan) -> tuple[fx.Node, Chan] | str:
-    """One step up a view-like op: its data input and where the channels sit there."""
+def _through(node: fx.Node, ch: Chan, positive_scale: bool) -> tuple[fx.Node, Chan] | str:
+    """One step up an op whose rule passes the affine with the shift unchanged: its data input (the first argument)
+    and where the channels sit there.
+
+    A rule's ``Pass(chan)`` (``mult`` 1) says ``op(s y + t) = s op(y) + t`` for the affine on that input, which is
+    what a backward fold needs: the producer's output scaled and shifted makes the norm's output. So the walk goes
+    up view-like ops and also up the means and pools of the forward table (``mean`` over tokens, adaptive / global
+    average pooling, average pooling that does not count padded zeros, interpolation), and up max / min and max
+    pooling when every scale is > 0 (``positive_scale``). A rule that scales the shift (``sum`` over N tokens,
+    ``x * c``) or blocks stops the walk."""
     rule = RULE_OF.get(node.target)
-    if rule is None or not rule.view_like:
+    if rule is None:
         return f"no Linear/conv before the norm: {op_name(node)} produces its input"
     src = node.args[0]
     if not isinstance(src, fx.Node) or not is_float(src):
@@ -300,13 +308,18 @@ def _through(node: fx.Node, ch: Chan) -> tuple[fx.Node, Chan] | str:
         if narrower is not None:
             return narrower
     sizes = shape_of(src) or ()
-    want = Pass(ch)
-    found = [
-        a
-        for a, size in enumerate(sizes)
-        if same_size(size, ch.channels) and rule.step(node, src, Chan(a, ch.channels)) == want
-    ]
+    wanted = (Pass(ch), Pass(ch, needs_positive_scale=True)) if positive_scale else (Pass(ch),)
+    outcomes = {
+        a: rule.step(node, src, Chan(a, ch.channels)) for a, size in enumerate(sizes) if same_size(size, ch.channels)
+    }
+    found = [a for a, outcome in outcomes.items() if outcome in wanted]
     if len(found) != 1:
+        if not found and Pass(ch, needs_positive_scale=True) in outcomes.values():
+            return f"{op_name(node)} commutes with the norm's affine only when every scale is > 0"
+        if not found and Block(reasons.ZERO_PADDING_AFTER_NORM) in outcomes.values():
+            return f"{op_name(node)} pads or samples with zeros, which would become the shift t"
+        if not found and not rule.view_like and not any(isinstance(o, Pass) for o in outcomes.values()):
+            return f"no Linear/conv before the norm: {op_name(node)} produces its input"
         return f"the norm's channels are not one axis before {op_name(node)}"
     return src, Chan(found[0], ch.channels)
 
@@ -413,8 +426,8 @@ def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] 
 class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
-    def __init__(self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool) -> None:
-        self.graph, self.stop, self.inverse = graph, stop, inverse
+    def __init__(self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, positive_scale: bool) -> None:
+        self.graph, self.stop, self.inverse, self.positive_scale = graph, stop, inverse, positive_scale
         self.found = Backward()
         self.seen: set[fx.Node] = set()
         self.rows: tuple[int, int] | None = None  # under a piece of a channel concatenation: its channels
@@ -514,7 +527,7 @@ class _Up:
                 if (reason := self.walk(a, a_ch, {node}, shared)) is not None:
                     return reason
             return None
-        step = _through(node, ch)
+        step = _through(node, ch, self.positive_scale)
         if isinstance(step, str):
             return step
         if (step[0], node) in self.graph.kept:
@@ -529,12 +542,14 @@ def find_producers(
     graph: VirtualGraph | None = None,
     stop: Collection[fx.Node] = (),
     inverse: bool = True,
+    positive_scale: bool = False,
 ) -> Backward | str:
     """The layers whose outputs make ``start`` (the norm's input, channels at ``chan``): a Linear / conv /
-    embedding through view-like ops, or the addends of a sum of such (a residual add of two layers' outputs, the
-    sum of MobileBERT's ``embedding_transformation`` and its position and token-type embeddings). Scaling their
-    output channels by ``s`` (and one of them shifting by ``t``) makes ``start`` equal to the norm's output: a
-    backward fold (``slabconv.fold.fold_into_producer``), exact on every path at once.
+    embedding through view-like ops and the means and pools ``_through`` passes, or the addends of a sum of such (a
+    residual add of two layers' outputs, the sum of MobileBERT's ``embedding_transformation`` and its position and
+    token-type embeddings). Scaling their output channels by ``s`` (and one of them shifting by ``t``) makes
+    ``start`` equal to the norm's output: a backward fold (``slabconv.fold.fold_into_producer``), exact on every path
+    at once.
 
     Every tensor on the way changes value, so each must be read by the way alone, or (``inverse``) only by
     layers on the channel axis through view-like ops, which then take the inverse affine (``Backward``): in
@@ -549,6 +564,7 @@ def find_producers(
         graph: the graph as earlier planned removals leave it (default: as it is).
         stop: the other norms' ops (a tensor they read cannot change).
         inverse: allow compensation by the inverse affine (the norm's scale has no zero).
+        positive_scale: every channel's scale is > 0: the walk may go up max / min and max pooling.
 
     Returns:
         The ``Backward``, or why there is none (plain text).
@@ -557,7 +573,7 @@ def find_producers(
     allowed = set(owned)
     if any((start, o) in graph.kept for o in allowed):
         return "an earlier norm keeps an affine before this one"
-    up = _Up(graph, stop, inverse)
+    up = _Up(graph, stop, inverse, positive_scale)
     reason = up.walk(start, chan, allowed, ())
     return reason if reason is not None else up.found
 

@@ -379,7 +379,13 @@ def _backward(
     tensor takes the inverse affine ``(1 / s, -t' / s)`` forward (``t' = t`` when the carriers lie under that
     tensor)."""
     found = find_producers(
-        site.input, Chan(site.channel_axis, site.channels), site.region, graph, stop, bool((scale != 0).all())
+        site.input,
+        Chan(site.channel_axis, site.channels),
+        site.region,
+        graph,
+        stop,
+        bool((scale != 0).all()),
+        bool((scale > 0).all()),
     )
     if isinstance(found, str):
         return found

@@ -11,8 +11,11 @@ In: an fx node (``user``), the input that carries the affine (``src``) and where
 The table, one entry per kind of op: ``RULES`` (``RULE_OF``: op -> ``OpRule``; the step functions are in
 ``slabconv.engine.steps``). A rule with ``view_like=True`` only moves or copies elements (each output element is one
 input element of the same channel, whenever its step passes); those rules serve both the forward walk from a norm's
-output and the backward walk from its input to a producer (``slabconv.engine.flow``). The other rules (reductions,
-pools, scalar multiplies, nonlinearities, residual adds, masks) serve the forward walk only. ``shape_args`` names
+output and the backward walk from its input to a producer (``slabconv.engine.flow``). Of the other rules
+(reductions, pools, scalar multiplies, nonlinearities, residual adds, masks) the backward walk passes those whose
+step passes with the shift unchanged (``mult`` 1: means, average and max pools, interpolation; a max only when
+every scale is > 0), since ``op(s y + t) = s op(y) + t`` read backward is what a fold into the producer needs; the
+rest serve the forward walk only. ``shape_args`` names
 the arguments read for their shape or dtype only (``reshape_as(x, other)``): no data flows from them. The layers a
 norm folds into (``LAYERS``) are the other table, in ``slabconv.engine.layers``.
 
@@ -154,7 +157,7 @@ RULES: tuple[OpRule, ...] = (
     OpRule("pad", _ops("constant_pad_nd", "pad", *_COPY_PADS), _pad, True),
     OpRule("split", _ops(*_SPLITS), _split, True, tuple_out=True),
     OpRule("upsample_nearest", _ops(*_NEAREST), _resample, True),
-    # arithmetic: forward walk only
+    # arithmetic: forward walk, and the backward walk where a step passes with the shift unchanged
     OpRule("mean", _ops("mean.dim", "mean"), _mean),
     OpRule("sum", _ops("sum.dim_IntList", "sum"), _sum),
     OpRule("max", _ops("amax", "amin"), _max_like),

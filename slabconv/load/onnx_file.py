@@ -81,6 +81,8 @@ class OnnxFile:
         external: its tensors live (partly) in external data files.
         opset: the default-domain opset; ``domains``: every imported domain and version.
         producer: ``producer_name producer_version``.
+        exporter: which of torch's ONNX exporters wrote it (``torch_exporter``): ``dynamo``, ``torchscript``, or
+            None (another producer, or a file that does not tell).
         dtype: the floating dtype of its first float input (else of its largest float initializer): ``float32``,
             ``float16``, ``bfloat16`` or ``float64``.
         input_name: its first graph input.
@@ -104,6 +106,7 @@ class OnnxFile:
     input_shape: tuple[int, ...] | None
     batch: int | None
     token_input: bool
+    exporter: str | None = None
     files_sha256: dict[str, str] = field(default_factory=dict)
     inputs: list[GraphInput] = field(default_factory=list)
     proto: Any = field(default=None, repr=False)
@@ -654,10 +657,42 @@ def read_onnx(path: Path | str) -> OnnxFile:
         input_shape=tuple(int(d or 0) for d in rest) if rest and all(d is not None and d > 0 for d in rest) else None,
         batch=dims[0] if dims and dims[0] else None,
         token_input=token_input,
+        exporter=torch_exporter(proto),
         files_sha256={path.name: sha256, **{f.name: digest for f, digest in digests.items()}},
         inputs=[_graph_input(i) for i in inputs],
         proto=proto,
     )
+
+
+TORCH_METADATA_PREFIX = "pkg.torch.onnx."
+"""The prefix of the metadata the dynamo exporter writes on each node (``pkg.torch.onnx.name_scopes``,
+``pkg.torch.onnx.stack_trace``...); the TorchScript exporter writes none."""
+
+
+def torch_exporter(proto: Any) -> str | None:
+    """Which of torch's exporters wrote ``proto`` (an ``onnx.ModelProto``), read from what each writes.
+
+    Both write ``producer_name`` ``pytorch``. The dynamo exporter (``torch.onnx.export(..., dynamo=True)``, the
+    default since torch 2.9) writes ``torch.__version__`` as ``producer_version``, local tag included
+    (``2.13.0+cpu``), and ``pkg.torch.onnx.*`` metadata on its nodes; the TorchScript exporter
+    (``dynamo=False``) writes the bare release (``torch._C._onnx.PRODUCER_VERSION``: ``2.13.0``) and names its
+    nodes by module scope (``/conv/Conv``). Sources: ``torch/onnx/_internal/exporter/_core.py``,
+    ``torch/onnx/__init__.py``.
+
+    Returns:
+        ``"dynamo"``, ``"torchscript"``, or None: another producer (tf2onnx, a file made by hand), or a torch
+        file whose marks are gone (an optimizer that renamed the nodes and dropped their metadata).
+    """
+    if proto.producer_name != "pytorch":
+        return None
+    nodes = proto.graph.node
+    if "+" in proto.producer_version or any(
+        p.key.startswith(TORCH_METADATA_PREFIX) for n in nodes for p in n.metadata_props
+    ):
+        return "dynamo"
+    if any(n.name.startswith("/") for n in nodes):
+        return "torchscript"
+    return None
 
 
 def _sort_nodes(proto: Any) -> None:

@@ -163,8 +163,7 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
     if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
         yield (
             f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused files "
-            f"take exactly {count(source.batch, 'sample')} a call; export it with "
-            "dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch (docs/own-model.md)"
+            f"run on batches of exactly {source.batch}; export it with {dynamic_batch_spelling(source)}"
         )
     if report.folds is not None and report.summary is not None:
         s = report.summary
@@ -187,6 +186,33 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
                 yield f"  {shown(name)}: sha256 {digest}"
     if report.command in ("fuse", "verify"):
         yield from verification_lines(report.verification)
+
+
+_DIM = "{0: torch.export.Dim('batch')}"
+_DYNAMIC_BATCH = {
+    "program": f"dynamic_shapes=({_DIM},) for any batch (docs/own-model.md)",
+    "dynamo": f"torch.onnx.export(..., dynamo=True, dynamic_shapes=({_DIM},)) for any batch (docs/onnx.md)",
+    "torchscript": (
+        "torch.onnx.export(..., dynamo=False, input_names=['x'], dynamic_axes={'x': {0: 'batch'}}) for any batch "
+        "(docs/onnx.md)"
+    ),
+    None: (
+        "a dynamic batch axis (torch.onnx.export: dynamic_shapes with dynamo=True, dynamic_axes with dynamo=False) "
+        "for any batch (docs/onnx.md)"
+    ),
+}
+"""How to export a dynamic batch, in the spelling of what wrote the file: ``torch.export`` for a program, the ONNX
+exporter ``source.exporter`` names for an ONNX file (``slabconv.load.onnx_file.torch_exporter``), both spellings
+when the file does not tell."""
+
+
+def dynamic_batch_spelling(source: Source) -> str:
+    """The advice of the static-batch warning for ``source``: ``dynamic_shapes`` for a ``torch.export`` program
+    and a dynamo ONNX export, ``dynamic_axes`` for a TorchScript one (``torch.onnx.export(..., dynamo=False)``),
+    both for an ONNX file that does not say which exporter wrote it."""
+    if source.format != "onnx":
+        return _DYNAMIC_BATCH["program"]
+    return _DYNAMIC_BATCH.get(source.extra.get("exporter"), _DYNAMIC_BATCH[None])
 
 
 def source_line(name: str, side: Source) -> str:

@@ -219,8 +219,12 @@ def onnx_side(path: Path) -> Side:
 
 
 def _dynamic_sequence(proto: Any) -> bool:
-    """The first graph input's axis 1 is symbolic (a language model's sequence)."""
-    dims = proto.graph.input[0].type.tensor_type.shape.dim if proto.graph.input else []
+    """The first real graph input's axis 1 is symbolic (a language model's sequence). An initializer listed as a
+    graph input (IR version 3 files, ``keep_initializers_as_inputs=True``), before the data input or not, is
+    not a real input: it is skipped, as ``slabconv.load.onnx_file.read_onnx`` skips it."""
+    initializers = {t.name for t in proto.graph.initializer}
+    first = next((i for i in proto.graph.input if i.name not in initializers), None)
+    dims = first.type.tensor_type.shape.dim if first is not None else []
     return len(dims) == 2 and bool(dims[1].dim_param) and not dims[1].HasField("dim_value")
 
 
