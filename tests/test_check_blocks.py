@@ -138,3 +138,35 @@ def test_the_comparisons_hold_blocks_not_float64_copies_of_the_logits() -> None:
     held = 8 * n * (t - 1) * v + 4 * n * (t - 1) * v  # the reference's log-probabilities, the baseline's logits
     peak = _peak(lambda: score(reference, ("original", candidate), [("fused", candidate)], ids, "float32", chunk))
     assert peak < held + (1 << 20)
+
+
+def test_outputs_are_stacked_in_place_and_the_reference_keeps_its_own_dtype() -> None:
+    """``run_batched`` writes each chunk's outputs into one array per output (no second copy of the logits), the
+    same as stacking them, and a chunk unlike the first is stacked as given; ``torch_runner(narrow=True)`` gives a
+    float32 model's outputs as float32 (exact), a float64 one's and integer outputs as float64."""
+    import torch
+
+    from slabconv.verify.runtimes import run_batched, torch_runner
+
+    x = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+    calls = []
+
+    def run(chunk: np.ndarray) -> list[np.ndarray]:
+        calls.append(len(chunk))
+        return [chunk * 2.0, chunk.sum(axis=1).astype(np.int64)]
+
+    out = run_batched(run, x, batch=4)
+    assert calls == [4, 4, 2] and [o.dtype for o in out] == [np.float32, np.int64]
+    assert np.array_equal(out[0], x * 2.0) and np.array_equal(out[1], x.sum(axis=1))
+    widths = iter([3, 5, 3])  # a second chunk of another width: stacked as given, which numpy refuses
+    with pytest.raises(ValueError):
+        run_batched(lambda c: [np.zeros((len(c), next(widths)))], x, batch=4)
+
+    class Model(torch.nn.Module):
+        def forward(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return t * 3, t.argmax(-1)
+
+    for dtype, want in [(torch.float32, np.float32), (torch.bfloat16, np.float32), (torch.float64, np.float64)]:
+        got = torch_runner(Model(), dtype, narrow=True)(x)
+        assert [g.dtype for g in got] == [want, np.float64], dtype
+        assert np.array_equal(got[0], torch_runner(Model(), dtype)(x)[0]), dtype  # the same values

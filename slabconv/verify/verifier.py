@@ -309,7 +309,7 @@ def _torch_reference(
             f"original's own error is that of the reference cast to {candidate.dtype}"
         )
     else:
-        original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
     graph, example = reference.traced()
     original64 = float64_graph(graph, example)
     runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
