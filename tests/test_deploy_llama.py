@@ -869,7 +869,10 @@ def test_checks_that_cannot_fit_are_refused_before_any_work_naming_each_checks_n
     q2 = parts["question 2"]  # question 2 alone: refused with --generate 0 too, where it does not fit
     monkeypatch.setattr(generate, "available_memory", lambda: q2 - 1)
     alone = VerifyOptions(samples=8, generate=0)
-    with pytest.raises(UsageError, match=r"question 2 about \d+\.\d\d GiB, mostly its logits \(8 sequences, a vocab"):
+    with pytest.raises(
+        UsageError,
+        match=r"question 2 about \d+\.\d\d GiB, mostly its logits \(a vocabulary of 256 per token, in float64, on 8 ",
+    ):
         api.verify(TEXT, doc["out"] / "model.onnx", verify=alone)
     fits = max(
         n for n in range(1, 8) if max(generate.language_checks_memory(loaded, alone, onnx=False)[1](n).values()) < q2

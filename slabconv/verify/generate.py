@@ -882,10 +882,10 @@ def check_language_checks_fit(loaded: Any, opts: Any, *, onnx: bool) -> None:
     def gib(n: int) -> str:
         return f"{n / 2**30:.2f} GiB"
 
-    said = [f"question 2 about {gib(parts['question 2'])}"]
+    generation = ""
     ways = []
     if "generation" in parts:
-        said.append(f"greedy generation and the task metrics about {gib(parts['generation'])}")
+        generation = f", greedy generation and the task metrics about {gib(parts['generation'])}"
         if parts["question 2"] <= have:
             ways.append("--generate 0 skips greedy generation and the task metrics (the report then says so)")
     fewer = next((n for n in range(samples - 1, 0, -1) if max(parts_of(n).values()) <= have), None)
@@ -894,8 +894,8 @@ def check_language_checks_fit(loaded: Any, opts: Any, *, onnx: bool) -> None:
     ways.append("--no-verify writes without checking (then run slabconv verify where there is more memory)")
     raise UsageError(
         f"the checks of this language model need about {gib(need)} of memory besides the model ({gib(have)} "
-        f"available): {', '.join(said)}, mostly its logits ({count(samples, 'sequence')}, a vocabulary of "
-        f"{_sizes(loaded.model)[1]} per token, in float64); {'; '.join(ways)}"
+        f"available): question 2 about {gib(parts['question 2'])}{generation}, mostly its logits (a vocabulary of "
+        f"{_sizes(loaded.model)[1]} per token, in float64, on {count(samples, 'sequence')}); {'; '.join(ways)}"
     )
 
 
