@@ -78,6 +78,9 @@ def test_near_ties_are_judged_at_the_whole_arrays_scale_in_every_block_size(logi
     got = policy.decisive(reference, "float32", bound=bound, chunk_bytes=chunk)
     assert got.shape == (B, T) and np.array_equal(got, want)
     assert policy.decisive(reference[0, 0], "float32", bound=bound, chunk_bytes=chunk).shape == ()
+    broken = reference.copy()
+    broken[4, 6, 0] = np.nan  # a NaN anywhere makes the whole array's scale NaN: no position is decisive
+    assert not policy.decisive(broken, "float32", bound=bound, chunk_bytes=chunk).any()
 
 
 @pytest.mark.parametrize("chunk", [ROW, 3 * ROW])

@@ -77,10 +77,11 @@ def decisive(
         return np.zeros(logits64.shape[:-1], dtype=bool)
     rows = logits64.reshape(-1, logits64.shape[-1])  # one row per position (a view where contiguous)
     margin = np.empty(rows.shape[0], dtype=np.float64)
-    scale = 0.0
+    maxima = []  # of each block: their max is the whole array's, NaN included
     for block in row_blocks(rows.shape[0], rows.shape[1], chunk_bytes):
         x = rows[block].astype(np.float64)
         top2 = np.partition(x, -2, axis=-1)[:, -2:]
         margin[block] = top2[:, 1] - top2[:, 0]
-        scale = max(scale, float(np.abs(x).max()))
+        maxima.append(np.abs(x).max())
+    scale = float(np.max(maxima))
     return (margin > (tol_dtype(dtype) if bound is None else bound) * scale).reshape(logits64.shape[:-1])

@@ -174,7 +174,7 @@ class Scorer:
         def last_positions(batches: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
             for logits in batches:  # the last position predicts nothing, but its logits set the floors' scale too
                 if logits.ndim == 3 and logits.size:
-                    self.scale = max(self.scale, float(np.abs(logits[:, -1]).max()))
+                    self.scale = float(np.max([self.scale, np.abs(logits[:, -1]).max()]))  # NaN stays
                 yield logits
 
         for row, block, logits in self._rows("reference", last_positions(batches)):
@@ -183,7 +183,7 @@ class Scorer:
             logp = log_softmax(logits)
             self.ref_logp[row, block] = logp
             self.ref_nll[row, block] = nll(logp, self.targets[row, block])
-            self.scale = max(self.scale, float(np.abs(logits).max()))
+            self.scale = float(np.max([self.scale, np.abs(logits).max()]))
 
     def run(self, name: str, batches: Iterable[np.ndarray], decides: bool = True) -> None:
         """One run's logits ``(b, T, V)``, batch by batch (the baseline first, ``decides=False``)."""
