@@ -622,19 +622,24 @@ class InMemory(_TorchDoor):
     mode: str = "in-memory"
 
     def check(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
-        """transformers where a language model needs it; a generation check that fits in memory; a fused output
-        that is finite (named norm otherwise); then the fused model cast to ``--dtype``.
+        """transformers where a language model needs it; a language model's checks (question 2, greedy generation,
+        the task metrics) that fit in memory; a fused output that is finite (named norm otherwise); then the fused
+        model cast to ``--dtype``.
 
         Raises:
-            UsageError: transformers missing for ``decoder.onnx`` or the generation check; a generation check too big
-                for the memory available; ``--dtype`` on a language model.
+            UsageError: transformers missing for ``decoder.onnx`` or the generation check; a language model's checks
+                too big for the memory available; ``--dtype`` on a language model.
             NumericError: the fused model's output is not finite on the example, or overflows ``--dtype``.
         """
         _require_transformers(self.loaded, self.planned, verify, write)
-        if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
-            from slabconv.verify.generate import check_generation_fits
+        if verify is not None and self.loaded.token_input:
+            import dataclasses
 
-            check_generation_fits(self.loaded, verify.fuse_steps(), onnx=write.onnx)
+            from slabconv.verify.generate import check_language_checks_fit
+
+            folder = writes_hf_folder(self.loaded, self.planned)  # greedy generation checks the folder it writes
+            opts = verify if folder else dataclasses.replace(verify, generate=0)
+            check_language_checks_fit(self.loaded, opts, onnx=write.onnx and folder)
         assert self.planned.original is not None
         faults.check_finite(
             self.loaded, self.planned.original, self.planned.fused, self.planned.decisions, self.planned.example

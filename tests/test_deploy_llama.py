@@ -811,16 +811,16 @@ def test_without_transformers_every_runner_says_what_to_install(doc, original, m
 def test_a_generation_check_that_cannot_fit_is_refused_before_any_work_saying_how_much_it_needs(
     doc, original, monkeypatch, tmp_path
 ):
-    """In memory, ``fuse`` and ``verify --generate`` refuse a language model whose generation check needs more
-    memory than is available, before anything is computed or written, naming the memory it needs; the estimate holds
-    the fused model in the dtype the check computes in (the text fixture: 4 bytes per weight)."""
+    """In memory, ``fuse`` and ``verify --generate`` refuse a language model whose checks need more memory than is
+    available, before anything is computed or written, naming the memory they need; the generation check's estimate
+    holds the fused model in the dtype the check computes in (the text fixture: 4 bytes per weight)."""
     from slabconv.verify import generate
 
     need = generate.generation_memory(original, 16, 64, 32, onnx=False)
     weights = sum(p.numel() for p in original.parameters())
     assert 4 * weights <= need <= 4 * weights + 64 * 2**20
     monkeypatch.setattr(generate, "available_memory", lambda: 1024)
-    message = r"the greedy-generation check needs about \d+\.\d\d GiB of memory besides the model \(0\.00 GiB"
+    message = r"the checks of this language model need about \d+\.\d\d GiB of memory besides the model \(0\.00 GiB"
     with pytest.raises(UsageError, match=message):
         api.fuse(TEXT, tmp_path / "out", write=WriteOptions(pt2=False))
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
@@ -831,6 +831,56 @@ def test_a_generation_check_that_cannot_fit_is_refused_before_any_work_saying_ho
     assert not calls
     monkeypatch.setattr(generate, "available_memory", lambda: need + 1)
     generate.check_generation_fits(SimpleNamespace(model=original, input_shape=[128]), 32, onnx=False)  # fits
+
+
+def test_checks_that_cannot_fit_are_refused_before_any_work_naming_each_checks_need_and_what_fits(
+    doc, monkeypatch, tmp_path
+):
+    """Issue 38, item 4: the memory estimate counts what each check of a language model holds (question 2's logits
+    of every sequence in the original's dtype and in float64, at two lengths, and a runtime's; generation's and the
+    task metrics'), so one byte less than the need is refused before any work, even with ``--generate 0`` (question
+    2 alone), and the message names each check's need and the most ``--samples`` that fit; the need itself fits."""
+    from slabconv.load.model import load_model
+    from slabconv.verify import generate, verifier
+
+    loaded = load_model(TEXT)
+    opts = VerifyOptions(samples=8)
+    count, parts_of = generate.language_checks_memory(loaded, opts, onnx=True)
+    parts = parts_of(count)
+    vocab, length = 256, 64
+    logits = 8 * length * vocab * (4 + 8) * 3 // 2  # question 2's reference: 8 sequences, two lengths, two dtypes
+    assert count == 8 and parts["question 2"] >= logits + 8 * 8 * length * vocab  # and one runtime's, in float64
+    assert parts_of(4)["question 2"] < parts["question 2"]  # fewer sequences, less memory
+    need = max(parts.values())
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate.check_language_checks_fit(loaded, opts, onnx=True)  # fits
+    ran = []
+    monkeypatch.setattr(verifier, "_whole", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
+    with pytest.raises(UsageError) as err:
+        api.fuse(TEXT, tmp_path / "out", verify=opts, write=WriteOptions(pt2=False))
+    said = str(err.value)
+    assert f"need about {need / 2**30:.2f} GiB of memory besides the model" in said
+    assert f"question 2 about {parts['question 2'] / 2**30:.2f} GiB" in said
+    assert f"greedy generation and the task metrics about {parts['generation'] / 2**30:.2f} GiB" in said
+    # the fixture's holdout.npz: the task metrics score all its sequences, whatever --samples says
+    assert parts["generation"] > parts["question 2"] and "VerifyOptions(generate=0) skips greedy generation" in said
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*")) and not ran
+    q2 = parts["question 2"]  # question 2 alone: refused with --generate 0 too, where it does not fit
+    monkeypatch.setattr(generate, "available_memory", lambda: q2 - 1)
+    alone = VerifyOptions(samples=8, generate=0)
+    with pytest.raises(
+        UsageError,
+        match=r"question 2 about \d+\.\d\d GiB, mostly its logits \(a vocabulary of 256 per token, in float64, on 8 ",
+    ):
+        api.verify(TEXT, doc["out"] / "model.onnx", verify=alone)
+    fits = max(
+        n for n in range(1, 8) if max(generate.language_checks_memory(loaded, alone, onnx=False)[1](n).values()) < q2
+    )
+    assert fits == 7
+    with pytest.raises(UsageError, match="--samples 7 checks 7 sequences"):
+        generate.check_language_checks_fit(loaded, alone, onnx=False)
+    assert not ran
 
 
 def test_left_padded_float16_batches_stay_finite_and_match_unpadded_runs(doc):

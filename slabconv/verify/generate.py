@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -741,7 +741,8 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
     One transformers model at a time (the fused folder, then the twin) with every weight in ``compute_dtype``, its
     key/value cache and the logits of one step; the float64 pass's largest part (a decoder layer, or the head) in
     float64 beside its copy, its activations and its logits ``(B, N, V)``; with ``onnx``, ``decoder.onnx`` in
-    onnxruntime (its weights in the checkpoint's dtype, and as much again for the session's arena).
+    onnxruntime (its weights in the checkpoint's dtype, and as much again for the session's arena) beside those
+    float64 logits, and its float32 logits of the prompts ``(B, T, V)``.
     """
     params = [p for p in original.parameters()]
     dtype = params[0].dtype if params else torch.float32
@@ -759,7 +760,8 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
     part = max((total - 2 * vocab * hidden) // max(1, layers), vocab * hidden)
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     exact = part * (8 + dtype.itemsize) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
-    session = 2 * total * dtype.itemsize if onnx else 0
+    # decoder.onnx runs after the float64 pass, whose logits (B, N, V) are held, and returns the prompts' logits
+    session = 2 * total * dtype.itemsize + 8 * prompts * steps * vocab + 4 * prompts * prompt_len * vocab if onnx else 0
     return max(model, exact, session)
 
 
@@ -784,6 +786,117 @@ def check_generation_fits(loaded: Any, steps: int, *, onnx: bool) -> None:
             f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation "
             "was not checked)"
         )
+
+
+def _sizes(original: torch.nn.Module) -> tuple[int, int, int]:
+    """``(weights, vocabulary, bytes a logit of the original's own run is held in)`` of a zoo language model: 4
+    for a float32, float16 or bfloat16 model (``runtimes.torch_runner``'s ``narrow``), 8 for a float64 one."""
+    params = list(original.parameters())
+    dtype = params[0].dtype if params else torch.float32
+    vocab = int(getattr(getattr(original, "cfg", None), "vocab_size", 0))
+    return sum(p.numel() for p in params), vocab, 4 if dtype.itemsize <= 4 else 8
+
+
+def question_2_memory(original: torch.nn.Module, samples: int, length: int) -> int:
+    """Bytes question 2 holds at once on a language model's ``samples`` token sequences of ``length`` tokens,
+    besides the original (``verify.verifier``): the reference's logits ``(S, T, V)`` in the original's dtype (float32
+    for float32 or narrower: ``_sizes``) and in float64, the same at half the length (the programs are checked at a
+    second length), one runtime's logits in float64 and the float32 logits of its last batch (16 sequences) twice
+    (in the runtime's memory arena, and as it returns them), the float64 graph's weights, and the blocks the
+    comparisons convert (``blocks.CHUNK_BYTES``, four at once)."""
+    from slabconv.verify.blocks import CHUNK_BYTES
+
+    weights, vocab, own = _sizes(original)
+    half = length // 2
+    reference = samples * (length + half) * vocab * (own + 8)
+    runtime = samples * length * vocab * 8 + min(samples, 16) * length * vocab * 8  # its last batch, twice
+    return reference + runtime + 8 * weights + 4 * CHUNK_BYTES
+
+
+def task_metrics_memory(original: torch.nn.Module, sequences: int, length: int) -> int:
+    """Bytes the task metrics (``verify.task_metrics.check_task_metrics``) hold at once on ``sequences`` token
+    sequences of ``length`` tokens (at most ``TASK_SEQUENCES``), besides the original: the float64 reference's
+    log-probabilities ``(N, T - 1, V)`` and the original's logits in its dtype, one batch's logits in float64
+    (``task_metrics.BATCH`` sequences), the original's float64 copy (the largest model a pass loads beside the
+    original), and the blocks the scoring converts (``blocks.CHUNK_BYTES``, four at once)."""
+    from slabconv.verify.blocks import CHUNK_BYTES
+    from slabconv.verify.task_metrics import BATCH, TASK_SEQUENCES
+
+    weights, vocab, own = _sizes(original)
+    n = min(sequences, TASK_SEQUENCES)
+    held = n * (length - 1) * vocab * (8 + own)
+    return held + min(n, BATCH) * length * vocab * 8 + 8 * weights + 4 * CHUNK_BYTES
+
+
+def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, Callable[[int], dict[str, int]]]:
+    """The in-memory checks of the language model ``loaded`` (a ``LoadedModel`` taking token ids) on the inputs
+    ``opts`` (``VerifyOptions``) chooses, as the verification will: how many sequences question 2 checks, and the
+    bytes the checks hold at once besides the model, by check, were it that many (``--samples N``):
+    ``question 2`` (``question_2_memory``) and, unless ``opts.generate`` is 0, ``generation``: the greedy check's
+    ``generation_memory`` (with ``decoder.onnx`` when ``onnx``) or the task metrics' ``task_metrics_memory``, the
+    larger. The checks run one after another, so the need is the largest part.
+
+    Raises:
+        UsageError, InputError: as ``verify.inputs.choose_inputs`` (an inputs file that cannot be used).
+    """
+    from slabconv.verify.inputs import choose_inputs
+
+    x, label, _ = choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed)
+    x = np.asarray(x)
+    drawn = label.startswith("random(")  # seeded samples, as many as --samples; else a file's sequences
+    length = int(x.shape[1]) if x.ndim == 2 else 1
+
+    def parts(count: int) -> dict[str, int]:
+        out = {"question 2": question_2_memory(loaded.model, count, length)}
+        if opts.generate != 0:
+            every = count if drawn else len(x)  # the task metrics and the prompts take a file's sequences unlimited
+            prompts, steps, _ = within_positions(
+                torch.zeros(min(every, PROMPTS), max(1, length // 2), dtype=torch.int64),
+                opts.fuse_steps(),
+                _positions_of(loaded.model),
+            )
+            generation = generation_memory(loaded.model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx)
+            out["generation"] = max(generation, task_metrics_memory(loaded.model, every, length))
+        return out
+
+    return (len(x) if opts.samples is None else min(opts.samples, len(x))), parts
+
+
+def check_language_checks_fit(loaded: Any, opts: Any, *, onnx: bool) -> None:
+    """Refuse, before any work, an in-memory verification of the language model ``loaded`` whose checks need more
+    memory than this machine has available (``language_checks_memory``, ``available_memory``). Nothing for a model
+    that does not take token ids.
+
+    Raises:
+        UsageError: it would not fit: the message says how much each check needs and how to check less
+            (``--generate 0``, ``--samples N`` with the most sequences that fit, or ``--no-verify``).
+    """
+    if not getattr(loaded, "token_input", False):
+        return
+    samples, parts_of = language_checks_memory(loaded, opts, onnx=onnx)
+    parts = parts_of(samples)
+    need, have = max(parts.values()), available_memory()
+    if have is None or need <= have:
+        return
+
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB"
+
+    generation = ""
+    ways = []
+    if "generation" in parts:
+        generation = f", greedy generation and the task metrics about {gib(parts['generation'])}"
+        if parts["question 2"] <= have:
+            ways.append("--generate 0 skips greedy generation and the task metrics (the report then says so)")
+    fewer = next((n for n in range(samples - 1, 0, -1) if max(parts_of(n).values()) <= have), None)
+    if fewer is not None:
+        ways.append(f"--samples {fewer} checks {count(fewer, 'sequence')}")
+    ways.append("--no-verify writes without checking (then run slabconv verify where there is more memory)")
+    raise UsageError(
+        f"the checks of this language model need about {gib(need)} of memory besides the model ({gib(have)} "
+        f"available): question 2 about {gib(parts['question 2'])}{generation}, mostly its logits (a vocabulary of "
+        f"{_sizes(loaded.model)[1]} per token, in float64, on {count(samples, 'sequence')}); {'; '.join(ways)}"
+    )
 
 
 REFERENCE = "original float64 (pytorch, one pass over the prompts and the fused folder's tokens)"

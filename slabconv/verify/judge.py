@@ -14,35 +14,46 @@ import torch
 
 from slabconv.fold import rounded as round_once
 from slabconv.verify import policy
+from slabconv.verify.blocks import row_blocks, rows_of
 from slabconv.verify.results import ExactCheck, OutputCheck
 
 
-def rel_err(candidate: np.ndarray, reference: np.ndarray) -> tuple[float, float, float, int]:
+def rel_err(
+    candidate: np.ndarray, reference: np.ndarray, chunk_bytes: int | None = None
+) -> tuple[float, float, float, int]:
     """``(relative error, max abs error, mean abs error, worst sample)`` of two arrays ``(B, ...)``.
 
-    A non-finite candidate where the reference is finite gives an infinite error (never NaN); the relative error
-    of two all-zero outputs is 0.
+    Computed in float64 a block of rows (``blocks.rows_of``) at a time, at most ``chunk_bytes``
+    (``blocks.CHUNK_BYTES``) of each operand: the maxima are those of the whole arrays, and the mean is the sum of
+    per-row sums (each row summed whole), so every block size gives the same numbers, bit for bit. A non-finite
+    candidate where the reference is finite gives an infinite error (never NaN; the worst sample is the first
+    such); the relative error of two all-zero outputs is 0.
 
     Raises:
         ValueError: the shapes differ.
     """
     if candidate.shape != reference.shape:
         raise ValueError(f"shapes differ: {candidate.shape} vs {reference.shape}")
-    ref = reference.astype(np.float64)
-    cand = candidate.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(cand - ref)
-    if not np.isfinite(diff).all():
-        bad = ~np.isfinite(diff)
-        worst = int(bad.reshape(bad.shape[0], -1).any(axis=1).argmax()) if diff.ndim else 0
-        return math.inf, math.inf, math.inf, worst
-    if not diff.size:
+    if not reference.size:
         return 0.0, 0.0, 0.0, 0
-    max_abs = float(diff.max())
-    scale = float(np.abs(ref).max())
+    ref_rows, cand_rows = rows_of(reference), rows_of(candidate)
+    per_sample = ref_rows.shape[0] // (reference.shape[0] if reference.ndim else 1)
+    row_max, row_sum, scale = [], [], 0.0
+    for block in row_blocks(ref_rows.shape[0], ref_rows.shape[1], chunk_bytes):
+        ref = ref_rows[block].astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(cand_rows[block].astype(np.float64) - ref)
+        finite = np.isfinite(diff)
+        if not finite.all():
+            first = block.start + int((~finite).any(axis=1).argmax())
+            return math.inf, math.inf, math.inf, first // per_sample
+        row_max.append(diff.max(axis=1))
+        row_sum.append(diff.sum(axis=1))
+        scale = max(scale, float(np.abs(ref).max()))
+    maxima = np.concatenate(row_max).reshape(-1, per_sample).max(axis=1)
+    max_abs = float(maxima.max())
     rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
-    per_sample = diff.reshape(diff.shape[0], -1).max(axis=1) if diff.ndim else diff.reshape(1)
-    return rel, max_abs, float(diff.mean()), int(per_sample.argmax())
+    return rel, max_abs, float(np.concatenate(row_sum).sum() / reference.size), int(maxima.argmax())
 
 
 def is_logits(output: np.ndarray, token_logits: bool) -> bool:
@@ -98,7 +109,7 @@ def judge_output(
         if pair_mode:
             mask = np.ones(reference.shape[:-1], dtype=bool)
         else:
-            mask = policy.decisive(reference.astype(np.float64), dtype, bound=bound)
+            mask = policy.decisive(reference, dtype, bound=bound)
         decisive_count = int(mask.sum())
         near = int(mask.size - decisive_count)
         agree = candidate.argmax(axis=-1) == reference.argmax(axis=-1)

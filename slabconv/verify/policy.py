@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from slabconv.tolerances import TOL_DTYPE, dtype_name, tol_dtype  # noqa: F401 (the policy's own names too)
+from slabconv.verify.blocks import row_blocks
 
 EXACT_RTOL = 1e-9
 """Question 1: the fused graph vs the original, both in float64 (float64 rounding is ~1e-16 per op)."""
@@ -56,7 +57,9 @@ def fused_bound(dtype: object, e_orig: float, rtol: float | None = None) -> tupl
     return (doubled, "2*e_orig") if doubled > base else (base, "tol_dtype")
 
 
-def decisive(logits64: np.ndarray, dtype: object, bound: float | None = None) -> np.ndarray:
+def decisive(
+    logits64: np.ndarray, dtype: object, bound: float | None = None, chunk_bytes: int | None = None
+) -> np.ndarray:
     """Which positions of exact (float64) logits ``(..., K)`` have a top-1 that a ``dtype`` model must keep.
 
     A position is decisive when its margin between the largest and second-largest logit exceeds
@@ -64,14 +67,21 @@ def decisive(logits64: np.ndarray, dtype: object, bound: float | None = None) ->
     relative error the policy allows (``fused_bound`` without ``--rtol``), ``tol_dtype(dtype)`` when not given:
     where the original is itself further from the exact output than the dtype's tolerance (a runtime computing a
     float32 file in bfloat16), the artifact may be as far, and a margin below that distance is one the original's
-    own precision does not order either.
+    own precision does not order either. Computed in float64 a block of positions at a time (at most
+    ``chunk_bytes``, ``blocks.CHUNK_BYTES`` when None): the same for every block size.
 
     Returns:
         A boolean array of shape ``logits64.shape[:-1]``.
     """
-    if logits64.shape[-1] < 2:
+    if logits64.shape[-1] < 2 or not logits64.size:
         return np.zeros(logits64.shape[:-1], dtype=bool)
-    top2 = np.partition(logits64, -2, axis=-1)[..., -2:]
-    margin = top2[..., 1] - top2[..., 0]
-    scale = float(np.abs(logits64).max()) if logits64.size else 0.0
-    return margin > (tol_dtype(dtype) if bound is None else bound) * scale
+    rows = logits64.reshape(-1, logits64.shape[-1])  # one row per position (a view where contiguous)
+    margin = np.empty(rows.shape[0], dtype=np.float64)
+    maxima = []  # of each block: their max is the whole array's, NaN included
+    for block in row_blocks(rows.shape[0], rows.shape[1], chunk_bytes):
+        x = rows[block].astype(np.float64)
+        top2 = np.partition(x, -2, axis=-1)[:, -2:]
+        margin[block] = top2[:, 1] - top2[:, 0]
+        maxima.append(np.abs(x).max())
+    scale = float(np.max(maxima))
+    return (margin > (tol_dtype(dtype) if bound is None else bound) * scale).reshape(logits64.shape[:-1])

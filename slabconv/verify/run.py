@@ -56,7 +56,8 @@ class Reference:
             such arrays by input name (``slabconv.verify.runtimes.Inputs``).
         label, sha256: where they came from (``.npz`` path or ``random(...)``) and the file's digest.
         dtype: the checkpoint's dtype name.
-        original: every output of the original model in its dtype.
+        original: every output of the original model in its dtype (float32 for a float32, float16 or bfloat16
+            model: exact, and half the memory of float64; ``judge`` compares in float64).
         exact: every output of the original graph in float64 (None when there is no float64 graph).
         names: the output names.
         notes: what the reference says about the model (an original that overflows its dtype).
@@ -148,7 +149,7 @@ class Reference:
         if self.original64 is None:
             raise UsageError("this reference has no float64 graph to run at another length")
         x = self.x[:, :length]
-        original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
         runner = torch_runner(self.original64, torch.float64, round_to=loaded.dtype)
         exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
         names = [f"{name}, length {length}" for name in self.names]
@@ -158,7 +159,8 @@ class Reference:
 
 def original_cast(loaded: LoadedModel, dtype: torch.dtype, x: Any) -> list[np.ndarray]:
     """The outputs of ``loaded``'s model cast to ``dtype`` (a copy; the model is left as it is) on ``x`` rounded
-    to the model's own dtype first (the inputs every side sees), each as float64 ``(N, ...)``."""
+    to the model's own dtype first (the inputs every side sees), each ``(N, ...)`` as float32 (which holds a
+    float32, float16 or bfloat16 output exactly; ``torch_runner``'s ``narrow``)."""
     from slabconv.verify.reference import cast_from
 
     model = loaded.model
@@ -167,7 +169,7 @@ def original_cast(loaded: LoadedModel, dtype: torch.dtype, x: Any) -> list[np.nd
     else:
         cast = copy.deepcopy(model).to(dtype)
     try:
-        return run_batched(torch_runner(cast, dtype, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
+        return run_batched(torch_runner(cast, dtype, round_to=loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
     finally:
         del cast
 

@@ -104,10 +104,19 @@ def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
     return out
 
 
-def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | None = None, device: str = "cpu") -> Run:
+def torch_runner(
+    model: nn.Module,
+    dtype: torch.dtype,
+    round_to: torch.dtype | None = None,
+    device: str = "cpu",
+    *,
+    narrow: bool = False,
+) -> Run:
     """Run ``model`` (on ``device``) on an array: float inputs rounded to ``round_to`` (when given), then cast to
     ``dtype``; integer ids as they are. Every tensor output (tuples, lists and dicts flattened) comes back as
-    float64. Each call starts from the model's own state: the buffers a graph updates as it runs (a call counter,
+    float64; with ``narrow``, a floating output computed in float32 or narrower comes back as float32, which holds
+    it exactly (half the memory: the reference's outputs in its own dtype, held through question 2). Each call
+    starts from the model's own state: the buffers a graph updates as it runs (a call counter,
     ``engine.written_tensors``) are put back after it, so no run changes what a later one computes or what question 1
     reads."""
 
@@ -123,9 +132,16 @@ def torch_runner(model: nn.Module, dtype: torch.dtype, round_to: torch.dtype | N
         with torch.no_grad(), kept:
             out = model(t)
         leaves = torch.utils._pytree.tree_leaves(out)
-        return [o.detach().cpu().double().numpy() for o in leaves if isinstance(o, torch.Tensor)]
+        return [_as_numpy(o.detach().cpu(), narrow) for o in leaves if isinstance(o, torch.Tensor)]
 
     return run
+
+
+def _as_numpy(tensor: torch.Tensor, narrow: bool) -> np.ndarray:
+    """``tensor`` as float64, or (``narrow``) a float32-or-narrower floating one as float32."""
+    if narrow and tensor.is_floating_point() and tensor.dtype.itemsize <= 4:
+        return tensor.float().numpy()
+    return tensor.double().numpy()
 
 
 def _torch_timer(model: nn.Module, backend: Backend) -> Timer:
@@ -451,13 +467,29 @@ def _chunk(inputs: Inputs, start: int, step: int, fixed_batch: int | None) -> tu
 def run_batched(run: Run, inputs: Inputs, batch: int = 16, fixed_batch: int | None = None) -> list[np.ndarray]:
     """Run ``run`` over ``inputs`` (an array, or a dict of arrays by input name) in chunks of ``batch`` samples
     (or exactly ``fixed_batch``, padding the last chunk with copies of its first sample and dropping their
-    outputs) and stack each output over the chunks."""
+    outputs) and stack each output over the chunks: written into one array per output as the chunks come (every
+    output with a batch axis, of one dtype), so the outputs are never held twice (a language model's logits
+    ``(N, T, V)`` are the largest arrays of a verification); one chunk is returned as it is."""
     step = fixed_batch or batch
-    chunks: list[list[np.ndarray]] = []
-    for start in range(0, samples_of(inputs), step):
+    total = samples_of(inputs)
+    filled: list[np.ndarray] | None = None
+    parts: list[list[np.ndarray]] = []
+    for start in range(0, total, step):
         chunk, n = _chunk(inputs, start, step, fixed_batch)
-        chunks.append([np.asarray(o)[:n] for o in run(chunk)])
-    return [np.concatenate(parts) for parts in zip(*chunks, strict=True)]
+        outs = [np.asarray(o)[:n] for o in run(chunk)]
+        if start == 0 and n < total and outs and all(o.ndim and len(o) == n for o in outs):
+            filled = [np.empty((total, *o.shape[1:]), o.dtype) for o in outs]
+        if filled is not None and len(outs) == len(filled):
+            if all(o.shape == (n, *f.shape[1:]) and o.dtype == f.dtype for o, f in zip(outs, filled, strict=True)):
+                for f, o in zip(filled, outs, strict=True):
+                    f[start : start + n] = o
+                continue
+        if filled is not None:  # a chunk unlike the first: stacked as given
+            parts, filled = [[f[:start] for f in filled]], None
+        parts.append(outs)
+    if filled is not None:
+        return filled
+    return parts[0] if len(parts) == 1 else [np.concatenate(p) for p in zip(*parts, strict=True)]
 
 
 def onnxruntime_version() -> str:

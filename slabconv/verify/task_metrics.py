@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slabconv.verify.blocks import row_blocks
 from slabconv.verify.greedy import ArrayLike, _as_ids
 from slabconv.verify.policy import ORIGINAL_ERROR_FACTOR, dtype_name, tol_dtype
 
@@ -42,7 +43,8 @@ BATCH = 16
 """Sequences per forward pass."""
 
 Logits = Callable[[np.ndarray], np.ndarray]
-"""Token ids int64 ``(B, T)`` -> next-token logits ``(B, T, V)`` as float64."""
+"""Token ids int64 ``(B, T)`` -> next-token logits ``(B, T, V)`` in the dtype the runtime computed them in (bfloat16
+as float32, which holds it exactly): the scoring converts a block at a time to float64 (``Scorer``)."""
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -118,15 +120,140 @@ class TaskMetrics:
         return out
 
 
+class Scorer:
+    """The task metrics accumulated a batch of sequences at a time, so that no run's logits are held whole but the
+    float64 reference's log-probabilities ``(N, T - 1, V)`` and the baseline's logits in their own dtype (the
+    original's, e.g. float32): each run's next-token distributions are reduced to per-position numbers (NLL, KL)
+    as its batches come, a block of positions at a time (``blocks.CHUNK_BYTES`` of float64 per operand). Every
+    per-position number is computed row by row as ``log_softmax``, ``nll`` and ``kl`` compute it on whole arrays,
+    and the means and maxima are taken over the whole ``(N, T - 1)`` arrays, so the results are those of the whole
+    arrays (``score``), bit for bit, for every batch and block size.
+
+    Use: ``reference`` once (the float64 original), then ``run`` for the baseline (``decides=False``, first: its
+    logits are kept for ``kl_to_original_*``) and for each fused run, then ``metrics``.
+
+    Args:
+        ids: int64 ``(N, T)``, ``T >= 2``: the sequences; position ``t`` predicts ``ids[:, t + 1]``.
+        dtype: the checkpoint's dtype (its tolerance sets the floors).
+        chunk_bytes: the float64 bytes of each operand converted at once (``blocks.CHUNK_BYTES`` when None).
+
+    Raises:
+        ValueError: sequences shorter than 2 tokens.
+    """
+
+    def __init__(self, ids: np.ndarray, dtype: object, chunk_bytes: int | None = None):
+        if ids.ndim != 2 or ids.shape[1] < 2:
+            raise ValueError("task metrics need sequences of at least 2 tokens")
+        self.ids, self.targets, self.dtype, self.chunk_bytes = ids, ids[:, 1:], dtype, chunk_bytes
+        self.ref_logp: np.ndarray | None = None
+        self.ref_nll = np.empty(self.targets.shape)
+        self.scale = 0.0
+        self.base: np.ndarray | None = None
+        self.runs: list[tuple[str, bool, np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def _rows(self, name: str, batches: Iterable[np.ndarray]) -> Iterator[tuple[int, slice, np.ndarray]]:
+        """``(sequence, block of positions, logits (positions, V))`` over ``batches`` (logits ``(b, T, V)`` of the
+        sequences in order), checked against the sequences' count and length and the reference's vocabulary."""
+        n, length = self.ids.shape
+        vocab = self.ref_logp.shape[-1] if self.ref_logp is not None else None
+        row = 0
+        for logits in batches:
+            want = (min(len(logits), n - row), length, vocab if vocab is not None else logits.shape[-1])
+            if logits.ndim != 3 or logits.shape != want or not len(logits):
+                raise ValueError(f"{name}: logits of shape {logits.shape} for sequences {row}.., expected {want}")
+            for j in range(len(logits)):
+                for block in row_blocks(length - 1, logits.shape[-1], self.chunk_bytes):
+                    yield row + j, block, logits[j, block]
+            row += len(logits)
+        if row != n:
+            raise ValueError(f"{name}: logits of {row} sequences, expected {n}")
+
+    def reference(self, batches: Iterable[np.ndarray]) -> None:
+        """The float64 original's logits ``(b, T, V)``, batch by batch: its log-probabilities are kept."""
+
+        def last_positions(batches: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+            for logits in batches:  # the last position predicts nothing, but its logits set the floors' scale too
+                if logits.ndim == 3 and logits.size:
+                    self.scale = float(np.max([self.scale, np.abs(logits[:, -1]).max()]))  # NaN stays
+                yield logits
+
+        for row, block, logits in self._rows("reference", last_positions(batches)):
+            if self.ref_logp is None:
+                self.ref_logp = np.empty((*self.targets.shape, logits.shape[-1]))
+            logp = log_softmax(logits)
+            self.ref_logp[row, block] = logp
+            self.ref_nll[row, block] = nll(logp, self.targets[row, block])
+            self.scale = float(np.max([self.scale, np.abs(logits).max()]))
+
+    def run(self, name: str, batches: Iterable[np.ndarray], decides: bool = True) -> None:
+        """One run's logits ``(b, T, V)``, batch by batch (the baseline first, ``decides=False``)."""
+        if self.ref_logp is None:
+            raise ValueError("the reference's logits come first")
+        baseline = not self.runs
+        shape = self.targets.shape
+        nlls, div, to_original = np.empty(shape), np.empty(shape), np.empty(shape)
+        for row, block, logits in self._rows(name, batches):
+            if baseline:
+                if self.base is None:
+                    self.base = np.empty((*shape, logits.shape[-1]), dtype=logits.dtype)
+                self.base[row, block] = logits
+            assert self.base is not None
+            logq = log_softmax(logits)
+            base = logq if baseline else log_softmax(self.base[row, block])
+            nlls[row, block] = nll(logq, self.targets[row, block])
+            div[row, block] = kl(self.ref_logp[row, block], logq)
+            to_original[row, block] = kl(base, logq)
+        self.runs.append((name, decides, nlls, div, to_original))
+
+    def metrics(self) -> TaskMetrics:
+        """The metrics of every run (module docstring gives the rule)."""
+        ref_ppl = float(np.exp(self.ref_nll.mean()))
+        delta = tol_dtype(self.dtype) * self.scale
+        runs = [
+            TaskRun(
+                name,
+                float(np.exp(nlls.mean())),
+                float(div.mean()),
+                float(div.max()),
+                float(to_original.mean()),
+                float(to_original.max()),
+                decides=decides,
+            )
+            for name, decides, nlls, div, to_original in self.runs
+        ]
+        baseline = runs[0]
+        own = {
+            "log_perplexity": abs(math.log(baseline.perplexity) - math.log(ref_ppl)),
+            "kl_mean": baseline.kl_mean,
+            "kl_max": baseline.kl_max,
+        }
+        floors = {"log_perplexity": 2 * delta, "kl_mean": 2 * delta**2, "kl_max": 2 * delta**2}
+        bounds = {k: max(floors[k], ORIGINAL_ERROR_FACTOR * own[k]) for k in own}
+        for run in runs:
+            run.bounds = dict(bounds)
+            if run.decides:
+                drift = abs(math.log(run.perplexity) - math.log(ref_ppl))
+                values = {"log_perplexity": drift, "kl_mean": run.kl_mean, "kl_max": run.kl_max}
+                run.passed = all(values[k] <= bounds[k] for k in bounds)  # False for NaN
+        return TaskMetrics(
+            sequences=int(self.ids.shape[0]),
+            positions=int(self.targets.size),
+            dtype=dtype_name(self.dtype),
+            reference={"name": "original float64 (pytorch, reference)", "perplexity": ref_ppl},
+            runs=runs,
+        )
+
+
 def score(
     reference: np.ndarray,
     original: tuple[str, np.ndarray],
     candidates: list[tuple[str, np.ndarray]],
     ids: np.ndarray,
     dtype: object,
+    chunk_bytes: int | None = None,
 ) -> TaskMetrics:
     """The task metrics of ``candidates`` against the float64 ``reference`` logits, with the original in its own
-    dtype as the baseline (the module docstring gives the rule).
+    dtype as the baseline (the module docstring gives the rule): ``Scorer`` on whole arrays.
 
     Args:
         reference: float64 logits ``(N, T, V)`` of the original in float64.
@@ -134,60 +261,24 @@ def score(
         candidates: ``(name, logits)`` of each fused run, ``(N, T, V)``.
         ids: the token ids ``(N, T)`` the logits were computed on; position ``t`` predicts ``ids[:, t + 1]``.
         dtype: the checkpoint's dtype (its tolerance sets the floors).
+        chunk_bytes: as ``Scorer``'s (the results do not depend on it).
 
     Raises:
         ValueError: logits of another shape than the reference's, or sequences shorter than 2 tokens.
     """
-    if ids.shape[1] < 2:
-        raise ValueError("task metrics need sequences of at least 2 tokens")
-    targets = ids[:, 1:]
-    cut = slice(None, -1)
-    ref = log_softmax(reference[:, cut])
-    ref_ppl = float(np.exp(nll(ref, targets).mean()))
-    delta = tol_dtype(dtype) * float(np.abs(reference).max())
-    runs = []
-    base = log_softmax(original[1][:, cut])
+    scorer = Scorer(ids, dtype, chunk_bytes)
+    scorer.reference([reference])
     for name, logits, decides in [(original[0], original[1], False), *((n, lg, True) for n, lg in candidates)]:
         if logits.shape != reference.shape:
             raise ValueError(f"{name}: logits of shape {logits.shape}, the reference has {reference.shape}")
-        logq = log_softmax(logits[:, cut])
-        div, to_original = kl(ref, logq), kl(base, logq)
-        runs.append(
-            TaskRun(
-                name,
-                float(np.exp(nll(logq, targets).mean())),
-                float(div.mean()),
-                float(div.max()),
-                float(to_original.mean()),
-                float(to_original.max()),
-                decides=decides,
-            )
-        )
-    baseline = runs[0]
-    own = {
-        "log_perplexity": abs(math.log(baseline.perplexity) - math.log(ref_ppl)),
-        "kl_mean": baseline.kl_mean,
-        "kl_max": baseline.kl_max,
-    }
-    floors = {"log_perplexity": 2 * delta, "kl_mean": 2 * delta**2, "kl_max": 2 * delta**2}
-    bounds = {k: max(floors[k], ORIGINAL_ERROR_FACTOR * own[k]) for k in own}
-    for run in runs:
-        run.bounds = dict(bounds)
-        if run.decides:
-            drift = abs(math.log(run.perplexity) - math.log(ref_ppl))
-            values = {"log_perplexity": drift, "kl_mean": run.kl_mean, "kl_max": run.kl_max}
-            run.passed = all(values[k] <= bounds[k] for k in bounds)  # False for NaN
-    return TaskMetrics(
-        sequences=int(ids.shape[0]),
-        positions=int(targets.size),
-        dtype=dtype_name(dtype),
-        reference={"name": "original float64 (pytorch, reference)", "perplexity": ref_ppl},
-        runs=runs,
-    )
+        scorer.run(name, [logits], decides)
+    return scorer.metrics()
 
 
-def _batched(fn: Logits, ids: np.ndarray) -> np.ndarray:
-    return np.concatenate([fn(ids[i : i + BATCH]) for i in range(0, len(ids), BATCH)])
+def _batches(fn: Logits, ids: np.ndarray) -> Iterator[np.ndarray]:
+    """``fn``'s logits on ``ids``, ``BATCH`` sequences at a time."""
+    for i in range(0, len(ids), BATCH):
+        yield fn(ids[i : i + BATCH])
 
 
 def torch_logits(model: torch.nn.Module) -> Logits:
@@ -196,8 +287,8 @@ def torch_logits(model: torch.nn.Module) -> Logits:
     def run(ids: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             out = model(torch.from_numpy(ids))
-        logits = out.logits if hasattr(out, "logits") else out
-        return logits.detach().to(torch.float64).cpu().numpy()
+        logits = (out.logits if hasattr(out, "logits") else out).detach().cpu()
+        return (logits.float() if logits.dtype == torch.bfloat16 else logits).numpy()  # numpy has no bfloat16
 
     return run
 
@@ -223,7 +314,7 @@ def onnx_logits(path: Path) -> Logits:
         for p in pasts:
             feeds[p.name] = np.zeros((b, int(p.shape[1]), 0, int(p.shape[3])), float_type)
         (logits,) = session.run(["logits"], feeds)
-        return np.asarray(logits, dtype=np.float64)
+        return np.asarray(logits)
 
     return run
 
@@ -240,7 +331,7 @@ def genai_logits(folder: Path) -> Logits:
         params.set_search_options(max_length=ids.shape[1], do_sample=False, batch_size=ids.shape[0])
         generator = og.Generator(model, params)
         generator.append_tokens(ids.astype(np.int32))
-        return np.asarray(generator.get_output("logits"), dtype=np.float64)
+        return np.asarray(generator.get_output("logits"))
 
     return run
 
@@ -271,28 +362,29 @@ def check_task_metrics(
     transformers = require_transformers()
     ids = _as_ids(token_ids)[:TASK_SEQUENCES].numpy()
     dtype = next(original.parameters()).dtype
+    scorer = Scorer(ids, dtype)
     exact = copy.deepcopy(original).to(torch.float64).eval()
-    reference = _batched(torch_logits(exact), ids)
+    scorer.reference(_batches(torch_logits(exact), ids))
     del exact
-    baseline = (f"original {dtype_name(dtype)} (pytorch)", _batched(torch_logits(original), ids))
+    scorer.run(f"original {dtype_name(dtype)} (pytorch)", _batches(torch_logits(original), ids), decides=False)
     fused = load_fused_llama(folder)
-    name = f"fused {dtype_name(fused.dtype)} (transformers {transformers.__version__})"
-    candidates = [(name, _batched(torch_logits(fused), ids))]
+    scorer.run(f"fused {dtype_name(fused.dtype)} (transformers {transformers.__version__})",
+               _batches(torch_logits(fused), ids))  # fmt: skip
     del fused
     notes = []
     decoder = Path(folder) / "decoder.onnx"
     if onnx and decoder.is_file() and dtype != torch.bfloat16:
         import onnxruntime as ort
 
-        candidates.append((f"decoder.onnx (onnxruntime {ort.__version__})", _batched(onnx_logits(decoder), ids)))
+        scorer.run(f"decoder.onnx (onnxruntime {ort.__version__})", _batches(onnx_logits(decoder), ids))
         if (Path(folder) / "genai_config.json").is_file():
             if genai_available():
                 import onnxruntime_genai as og
 
-                logits = _batched(genai_logits(Path(folder)), ids)
-                candidates.append((f"fused folder (onnxruntime-genai {og.__version__})", logits))
+                name = f"fused folder (onnxruntime-genai {og.__version__})"
+                scorer.run(name, _batches(genai_logits(Path(folder)), ids))
             else:
                 notes.append("onnxruntime-genai is not installed: its task metrics were not measured")
-    metrics = score(reference, baseline, candidates, ids, dtype)
+    metrics = scorer.metrics()
     metrics.notes += notes
     return metrics.to_dict()

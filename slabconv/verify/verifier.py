@@ -24,6 +24,7 @@ Two decoder folders compared one layer at a time (``streamed`` sides) take the s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -310,7 +311,7 @@ def _torch_reference(
             f"original's own error is that of the reference cast to {candidate.dtype}"
         )
     else:
-        original = run_batched(torch_runner(loaded.model, loaded.dtype), x, fixed_batch=loaded.batch)
+        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
     graph, example = reference.traced()
     original64 = float64_graph(graph, example)
     runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
@@ -584,8 +585,7 @@ def verify(
         )
     _same_decoder(reference, candidate)
     _same_inputs(reference, candidate)
-    if opts.generate:
-        _generation_fits(reference, candidate, opts.generate)
+    _checks_fit(reference, candidate, opts)
     if "streamed" in (reference.kind, candidate.kind):
         verification = _layerwise(reference, candidate, related, opts, progress)
     else:
@@ -898,21 +898,22 @@ def _same_decoder(reference: Side, candidate: Side) -> None:
         raise InputError(f"{reference.path} and {candidate.path} differ in {differ}; they are not the same model")
 
 
-def _generation_fits(reference: Side, candidate: Side, steps: int) -> None:
-    """Refuse, before any work, a greedy-generation check of ``steps`` tokens that cannot fit this machine's
-    memory: in memory ``verify.generate.check_generation_fits`` (a model side), streamed
-    ``verify.generate_streamed.check_generation_fits`` (``verify --stream`` and ``fuse --stream`` check it earlier,
-    before planning or writing).
+def _checks_fit(reference: Side, candidate: Side, opts: VerifyOptions) -> None:
+    """Refuse, before any work, the checks of a language model that cannot fit this machine's memory: in memory
+    ``verify.generate.check_language_checks_fit`` (a model side: question 2, and with ``--generate`` greedy
+    generation and the task metrics), streamed ``verify.generate_streamed.check_generation_fits`` (``verify
+    --stream`` and ``fuse --stream`` check it earlier, before planning or writing).
 
     Raises:
-        UsageError: the check needs more memory than is available (the message says how much).
+        UsageError: the checks need more memory than is available (the message says how much).
     """
     loaded = reference.loaded if reference.kind == "model" else None
     if loaded is None or not loaded.token_input:
         return
-    from slabconv.verify.generate import check_generation_fits
+    from slabconv.verify.generate import check_language_checks_fit
 
-    check_generation_fits(loaded, steps, onnx=(candidate.path / "decoder.onnx").is_file())
+    checked = opts if opts.generate else dataclasses.replace(opts, generate=0)  # verify generates when asked to
+    check_language_checks_fit(loaded, checked, onnx=(candidate.path / "decoder.onnx").is_file())
 
 
 def _language_checks(
