@@ -390,6 +390,31 @@ def test_no_backward_fold_when_another_node_reads_the_norms_input(tmp_path):
     assert report.verification is not None and report.verification.passed
 
 
+class _AffineIntoBatchNorm(nn.Module):
+    """PP-LCNetV3's rep layer: a learned scalar affine read by an identity-branch BatchNorm and by a 1x1 conv,
+    the BatchNorm's output added to the conv's (so both norms keep an affine, the BatchNorm's read by the add)."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.stem, self.bn, self.conv = nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.Conv2d(c, c, 1)
+        self.scale, self.shift = nn.Parameter(torch.tensor([1.7])), nn.Parameter(torch.tensor([0.4]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.scale * torch.relu(self.stem(x)) + self.shift
+        return torch.relu(self.bn(a) + self.conv(a))
+
+
+def test_a_norm_kept_before_a_kept_batchnorm_is_what_that_batchnorm_reads(tmp_path):
+    """The BatchNorm's kept affine is applied to the scalar affine's kept output, not to the relu under it."""
+    model = randomize_norms(_AffineIntoBatchNorm().eval(), seed=3)
+    x = torch.randn(2, 3, 6, 6)
+    path = _export(model, x, tmp_path / "model.onnx", 18)
+    report = api.fuse(path, tmp_path / "out", verify=None)
+    assert sorted(d.action for d in report.folds) == ["kept-affine", "kept-affine"]
+    fused = _run(tmp_path / "out" / "model.onnx", x.numpy())
+    np.testing.assert_allclose(fused, model(x).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
 class _TwoInputs(nn.Module):
     """``input_ids`` through an embedding and a RepBN into a Linear, ``attention_mask`` zeroing padded tokens."""
 

@@ -69,6 +69,8 @@ class _Graph:
         self.bindings: dict[str, Binding] = dict(lowered.bindings)
         self.written: dict[str, ir.Value] = {}  # target -> the initializer it writes now
         self.replaced: dict[str, ir.Value] = {}  # value name -> what stands for it now (a removed norm's input)
+        # (reading node's name, value name) -> the kept affine that node reads instead of that value
+        self.rerouted: dict[tuple[str, str], ir.Value] = {}
         self.touched: list[ir.Value] = []  # values whose layout neighbours may cancel
 
     # ------------------------------------------------------------------ names
@@ -222,6 +224,7 @@ class _Graph:
             for use in list(normed.uses()):  # its inputs, and the reads of its subgraphs (an If's branches)
                 if use.node in within:
                     use.node.replace_input_with(use.idx, made[key])
+                    self.rerouted[(use.node.name or "", normed.name or "")] = made[key]
 
     def _replace_output(self, old: ir.Value, new: ir.Value) -> None:
         outputs = self.graph.outputs
@@ -247,10 +250,24 @@ class _Graph:
             shape = self.bindings[str(bias.target)].shape or p.site.channels
             self.write(str(bias.target), torch.zeros(shape, dtype=torch.float64))
 
+    def _norm_input(self, p: NormPlan) -> ir.Value:
+        """The value the norm's nodes read: where an earlier norm's kept affine was put in front of them (that
+        norm blocked at this one), that affine's output, not the earlier norm's input its other readers now read."""
+        current: fx.Node = p.site.input
+        while current.meta.get("onnx_value") is None:
+            current = current.args[0]  # type: ignore[assignment]
+        raw = str(current.meta["onnx_value"])
+        for n in p.site.region:
+            if n.meta.get("onnx"):
+                kept = self.rerouted.get((str(n.meta["onnx"]), raw))
+                if kept is not None:
+                    return kept
+        return self.value_of(p.site.input)
+
     def remove(self, p: NormPlan) -> None:
         """The norm's readers read its input (or its kept affine); its nodes go."""
         site = p.site
-        base = self.value_of(site.input)
+        base = self._norm_input(p)
         out = self.value_of(site.output)
         self.keep(p, base)
         self._replace_uses(out, base)
