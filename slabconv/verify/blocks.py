@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 """The float64 bytes of each operand a comparison converts at once: a block of rows of this size or one row."""
 
 

@@ -149,8 +149,11 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
       block of rows in float64 (and float32, on its way from half precision); the hidden states of its chains;
       the widest activations of one layer (the MLP's intermediate size, the attention scores ``B H (T+N)^2``) in
       float64 for twice the prompts (the float64 chain and the original's input beside it); the logits
-      ``(B, T+N, V)`` of the three chains in float64 and the comparison's temporaries (six such arrays).
+      ``(B, T+N, V)`` of the three chains (the float64 chain's in float64, the half-precision chains' in float32,
+      which holds them exactly) and the blocks the comparisons convert (``blocks.CHUNK_BYTES``, four at once).
     """
+    from slabconv.verify.blocks import CHUNK_BYTES
+
     cfg, fam = source.cfg, source.family
     layers, vocab = fam.num_layers(cfg), fam.vocab_size(cfg)
     hidden = int(getattr(cfg, "hidden_size", 0))
@@ -164,7 +167,7 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     cache = 2 * layers * prompts * length * kv * computed
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
-    logits = 6 * prompts * length * vocab
+    logits = 2 * prompts * length * vocab + 4 * CHUNK_BYTES // 8
     exact = block_elements * (stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
     return max(generating, exact)
 

@@ -40,16 +40,18 @@ def rel_err(
     per_sample = ref_rows.shape[0] // (reference.shape[0] if reference.ndim else 1)
     row_max, row_sum, scale = [], [], 0.0
     for block in row_blocks(ref_rows.shape[0], ref_rows.shape[1], chunk_bytes):
-        ref = ref_rows[block].astype(np.float64)
+        ref = ref_rows[block].astype(np.float64, copy=False)
+        diff = cand_rows[block].astype(np.float64)  # a fresh block: the differences are made in it, in place
         with np.errstate(invalid="ignore", over="ignore"):
-            diff = np.abs(cand_rows[block].astype(np.float64) - ref)
+            np.subtract(diff, ref, out=diff)
+        np.abs(diff, out=diff)
         finite = np.isfinite(diff)
         if not finite.all():
             first = block.start + int((~finite).any(axis=1).argmax())
             return math.inf, math.inf, math.inf, first // per_sample
         row_max.append(diff.max(axis=1))
         row_sum.append(diff.sum(axis=1))
-        scale = max(scale, float(np.abs(ref).max()))
+        scale = max(scale, float(np.maximum(np.abs(ref.max()), np.abs(ref.min()))))
     maxima = np.concatenate(row_max).reshape(-1, per_sample).max(axis=1)
     max_abs = float(maxima.max())
     rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else math.inf)
