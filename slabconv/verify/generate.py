@@ -16,7 +16,7 @@ CPU computes it natively); the original in float64 runs once over the prompts an
 ``compare_greedy`` (``slabconv.verify.greedy``) then requires every candidate to produce the original's tokens,
 except where the original's margin is a near-tie by the policy. The original as transformers' LLaMA in the same
 dtype generates too, as the baseline (reported, not deciding). The streamed mode runs the same check one decoder
-layer at a time (``slabconv.verify.generate_streamed``).
+layer at a time (``slabconv.verify.generate_streamed``), its float64 pass being question 2's.
 """
 
 from __future__ import annotations
@@ -945,7 +945,8 @@ def check_fused_folder(
     ``decoder.onnx`` in onnxruntime and, with onnxruntime-genai installed and a ``genai_config.json`` beside it, in
     onnxruntime-genai (not for bfloat16: onnxruntime's CPU provider has no bfloat16 kernels). Where the folder
     has a ``genai_config.json`` but onnxruntime-genai is not installed, the returned block's ``notes`` says so.
-    The streamed mode's is ``slabconv.verify.generate_streamed.check_streamed_folder``.
+    The streamed mode's is ``slabconv.verify.generate_streamed.generate_fused``, judged on question 2's float64
+    chain (``FusedRun.judged``).
 
     Args:
         original: the zoo's ``LlamaForCausalLM``, eval mode.
