@@ -1416,6 +1416,51 @@ def test_an_opset_9_batchnorm_listing_its_batch_statistics_is_kept_in_training_m
     np.testing.assert_allclose(_run(tmp_path / "out" / "model.onnx", x), want, rtol=1e-5, atol=1e-6)
 
 
+def test_simplify_leaves_a_training_mode_batchnorm_to_the_simplifiers_that_keep_it(tmp_path):
+    """A ``BatchNormalization`` with ``training_mode=1`` after a Conv normalises by the batch's statistics:
+    onnxscript's optimizer folds its running statistics into the Conv (its rewrite rule does not read the mode),
+    which changes the outputs. ``fuse --simplify`` does not run it on such a graph (the report says why), so the
+    simplified file computes the original's outputs and verification passes."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxscript.optimizer import optimize
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "k": rng.standard_normal((4, 3, 1, 1)), "g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4),
+        "m": rng.uniform(-1, 1, 4), "v": rng.uniform(0.5, 2, 4), "k2": rng.standard_normal((5, 4, 1, 1)),
+    }  # fmt: skip
+    info = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Conv", ["x", "k"], ["c"], name="conv"),
+        helper.make_node(
+            "BatchNormalization", ["c", "g", "b", "m", "v"], ["y", "rm", "rv"], name="bn", training_mode=1
+        ),
+        helper.make_node("Conv", ["y", "k2"], ["z"], name="conv2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [info("x", TensorProto.FLOAT, [2, 3, 4, 4])],
+        [info("z", TensorProto.FLOAT, [2, 5, 4, 4])],
+        [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+    )
+    path = tmp_path / "train.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]), str(path))
+    x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32) * 3 + 1
+    want = _run(path, x)
+    naive = ir.load(path)
+    optimize(naive)  # what onnxscript's optimizer alone makes of it
+    ir.save(naive, tmp_path / "naive.onnx")
+    assert np.abs(_run(tmp_path / "naive.onnx", x) - want).max() > 0.1 * np.abs(want).max()
+    report = api.fuse(path, tmp_path / "out", write=WriteOptions(simplify=True), verify=VerifyOptions(samples=2))
+    assert report.verification.passed and [(d.action, d.reason) for d in report.folds] == [("kept", "train-mode")]
+    simplified = report.outputs.onnx_info["simplified"]
+    assert "onnxscript 0.7" not in " ".join(simplified["simplifiers"])
+    assert simplified["onnxscript"].startswith("onnxscript's optimizer not run: bn is a BatchNormalization in training")
+    np.testing.assert_allclose(_run(tmp_path / "out" / "model.onnx", x), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("side", [[1, 4, 1, 1], []], ids=["scale-of-batch-1", "scalar"])
 def test_an_input_without_the_batch_axis_is_refused_in_one_line_and_folds_unverified(tmp_path, side):
     """A scale fed at run time ``(1, C, 1, 1)`` beside a batch of 2, or a scalar: verification feeds every input N

@@ -161,7 +161,9 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
     model's only when it has fewer nodes. onnxslim runs twice, with all its patterns and without ``FusionGemm``
     (which turns a ``MatMul`` on 3-D tokens and its bias ``Add`` into ``Reshape`` -> ``Gemm`` -> ``Reshape``: more
     nodes, where the other patterns shrink the graph), and the smaller graph is kept (all patterns on a tie). Every
-    constant either folds is computed in the model's own dtypes.
+    constant either folds is computed in the model's own dtypes. onnxscript's optimizer does not run on a graph
+    holding a ``BatchNormalization`` in training mode: its ``FuseBatchNormIntoConv`` rule folds the running
+    statistics of such a norm (which normalises by the batch's) into the Conv before it.
 
     Args:
         model: an ``onnx_ir.Model``; its metadata, opset imports and graph input / output names stay.
@@ -171,8 +173,9 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
 
     Returns:
         ``{"nodes_before": n, "nodes_after": m, "simplifiers": ["onnxscript 0.7.2", ...]}`` (nodes of the main
-        graph; the simplifiers whose output was kept, in order), and ``"onnxslim"``, a line saying why onnxslim's
-        output was not kept, when it was not.
+        graph; the simplifiers whose output was kept, in order), ``"onnxslim"``, a line saying why onnxslim's
+        output was not kept, when it was not, and ``"onnxscript"``, why onnxscript's optimizer did not run, when it
+        did not.
 
     Raises:
         UsageError: ``simplifiers`` names onnxslim and it is not installed.
@@ -183,15 +186,27 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
     from onnxscript.optimizer import optimize
 
     before = len(list(model.graph))
-    chatty = logging.getLogger("onnxscript")
-    level = chatty.level
-    chatty.setLevel(logging.ERROR)  # it logs each node it leaves as it is
-    try:
-        optimize(model)
-    finally:
-        chatty.setLevel(level)
-    _register_orphan_constants(model.graph)
-    info: dict[str, Any] = {"simplifiers": [f"{ONNXSCRIPT} {onnxscript.__version__}"]}
+    info: dict[str, Any] = {"simplifiers": []}
+    training = [
+        node.name or node.op_type
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if node.op_type == "BatchNormalization" and node.attributes.get_int("training_mode")
+    ]
+    if simplifiers is None and training:
+        info[ONNXSCRIPT] = (
+            f"onnxscript's optimizer not run: {training[0]} is a BatchNormalization in training mode (it normalises "
+            "by the batch's statistics), whose running statistics its rewrite rules fold into the Conv before it"
+        )
+    elif simplifiers is None or any(s.split()[0] == ONNXSCRIPT for s in simplifiers):
+        chatty = logging.getLogger("onnxscript")
+        level = chatty.level
+        chatty.setLevel(logging.ERROR)  # it logs each node it leaves as it is
+        try:
+            optimize(model)
+        finally:
+            chatty.setLevel(level)
+        _register_orphan_constants(model.graph)
+        info["simplifiers"].append(f"{ONNXSCRIPT} {onnxscript.__version__}")
     wanted = simplifiers is not None and any(s.split()[0] == ONNXSLIM for s in simplifiers)
     if simplifiers is None or wanted:
         recorded = [s for s in simplifiers or [] if s.split()[0] == ONNXSLIM]

@@ -194,7 +194,8 @@ def simplify_model(model: Any) -> dict[str, Any]:
 
     Returns:
         ``simplify_graph``'s info: ``{"nodes_before", "nodes_after", "simplifiers"}`` (and ``"onnxslim"``, why its
-        output was not kept, when it was not).
+        output was not kept, when it was not; ``"onnxscript"``, why onnxscript's optimizer did not run, when it did
+        not).
     """
     from slabconv.engine.onnx_fold import simplify_graph
 
