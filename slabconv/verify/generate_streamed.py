@@ -217,7 +217,8 @@ def check_generation_fits(
 REFERENCE_STREAMED = "original float64 (question 2's float64 chain over the prompts and the fused folder's tokens)"
 """The reference run's name in a streamed report: question 2's float64 chain (``layerwise.verify_folders``) runs on
 the sequences the fused folder generated, so its logits are the generation check's reference; its tokens/second
-count question 2's whole time (the original and the fused folder in their dtype ran beside it)."""
+count question 2's three chains (the original and the fused folder in their dtype ran beside it; question 1 not
+counted)."""
 
 
 @dataclass
