@@ -209,3 +209,45 @@ def test_an_allocation_the_system_refuses_is_one_line_exit_2_and_nothing_is_writ
         assert line.startswith(f"error: out of memory{asked}: this machine (or its memory limit: ulimit -v"), line
         assert "--stream" in line and "internal error" not in line
         assert snapshot(tmp_path) == before
+
+
+SIGNAL_WHILE_TORCH_WRITES = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from slabconv.cli.app import install_signal_handlers
+from slabconv.write import pt2
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal (a test runner may ignore SIGINT)
+install_signal_handlers()
+program = torch.export.export(torch.nn.Linear(4, 4).eval(), (torch.randn(2, 4),))
+real, sent = pt2._Guarded.write, []
+def write(self, data):  # Ctrl-C while torch's zip writer is writing the file
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(self, data)
+pt2._Guarded.write = write
+try:
+    pt2.save_pt2(program, {}, Path(sys.argv[1]))
+except KeyboardInterrupt:
+    torch.export.load(sys.argv[1])
+    print("interrupted after the file was written whole")
+    sys.exit(130)
+"""
+
+
+def test_a_signal_while_torch_writes_model_pt2_ends_the_run_once_the_file_is_whole(tmp_path):
+    """A ``KeyboardInterrupt`` unwinding through torch's zip writer leaves a broken file or aborts the process (its
+    destructor throws "unexpected pos": SIGABRT, the staging folder left behind). The interrupt is held while
+    torch writes (``errors.HeldInterrupts``) and raised once the file is whole, so the run ends as any interrupted
+    run does."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", SIGNAL_WHILE_TORCH_WRITES, str(tmp_path / "model.pt2")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stdout.strip() == "interrupted after the file was written whole"

@@ -13,7 +13,7 @@ from torch import fx
 
 from slabconv.engine import lift_program
 from slabconv.engine.capture import axis_attempts, graph_axes
-from slabconv.errors import UnsupportedModelError, first_line
+from slabconv.errors import HeldInterrupts, UnsupportedModelError, first_line
 from slabconv.load.fused import PROGRAM_INFO
 from slabconv.util import quiet
 from slabconv.version import __version__
@@ -126,7 +126,10 @@ def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: 
 
     torch writes into a file opened here, through ``_Guarded``: a full disk or an I/O error is an ``OSError``
     raised here (the staging folder maps it to one line and removes itself), never a C++ abort; a path whose name
-    is not UTF-8 is opened by Python, which torch's own writer cannot do.
+    is not UTF-8 is opened by Python, which torch's own writer cannot do. A signal that lands while torch writes
+    is held until the file is whole (``errors.HeldInterrupts``): a ``KeyboardInterrupt`` unwinding through torch's
+    zip writer makes its destructor throw ("unexpected pos"), which aborts the process (SIGABRT) and leaves the
+    staging folder behind.
 
     Raises:
         OSError: the file cannot be written (ENOSPC, EIO, EACCES, ...).
@@ -134,7 +137,7 @@ def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: 
     extra = {MARK: json.dumps({"slabconv_version": __version__, **info})}
     with open(path, "wb") as file:
         guarded = _Guarded(file)
-        with quiet():
+        with quiet(), HeldInterrupts():
             torch.export.save(program, guarded, extra_files=extra)  # type: ignore[arg-type] # a RawIOBase
         guarded.flush()
         if guarded.error is not None:
