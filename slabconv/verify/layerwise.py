@@ -47,6 +47,7 @@ from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.util import Progress, no_progress
 from slabconv.verify import judge, policy
 from slabconv.verify.results import ExactCheck, IntegrityCheck, Verification
+from slabconv.verify.runtimes import as_numpy
 from slabconv.zoo.decoder import DecoderFamily, family_of
 
 DEFAULT_SEQUENCES = 2
@@ -428,22 +429,15 @@ def _logits_check(
     logits64, h, g = chains
     return judge.judge_output(
         f"logits @ pytorch {name}",
-        _exact_numpy(cand.logits(g)),
+        as_numpy(cand.logits(g), narrow=True),
         dtype=name,
-        original=_exact_numpy(ref.logits(h)),
+        original=as_numpy(ref.logits(h), narrow=True),
         reference64=logits64.numpy(),
         rtol=rtol,
         atol=atol,
         strict=strict,
         token_logits=True,
     )
-
-
-def _exact_numpy(x: torch.Tensor) -> np.ndarray:
-    """``x`` as a numpy array that holds it exactly in the narrowest dtype numpy has for it: half precision as
-    float32 (the comparisons convert a block of rows at a time to float64: ``blocks``), not a float64 copy of the
-    whole logits."""
-    return (x.float() if x.dtype in (torch.float16, torch.bfloat16) else x).numpy()
 
 
 class _FoldShards:

@@ -132,13 +132,14 @@ def torch_runner(
         with torch.no_grad(), kept:
             out = model(t)
         leaves = torch.utils._pytree.tree_leaves(out)
-        return [_as_numpy(o.detach().cpu(), narrow) for o in leaves if isinstance(o, torch.Tensor)]
+        return [as_numpy(o.detach().cpu(), narrow) for o in leaves if isinstance(o, torch.Tensor)]
 
     return run
 
 
-def _as_numpy(tensor: torch.Tensor, narrow: bool) -> np.ndarray:
-    """``tensor`` as float64, or (``narrow``) a float32-or-narrower floating one as float32."""
+def as_numpy(tensor: torch.Tensor, narrow: bool) -> np.ndarray:
+    """``tensor`` as float64, or (``narrow``) a float32-or-narrower floating one as float32, which holds it exactly
+    (the comparisons convert a block of rows at a time to float64: ``verify.blocks``)."""
     if narrow and tensor.is_floating_point() and tensor.dtype.itemsize <= 4:
         return tensor.float().numpy()
     return tensor.double().numpy()
