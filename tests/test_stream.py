@@ -156,10 +156,15 @@ def test_same_bits_is_equality_of_numbers_bit_for_bit(dtype):
     and a difference of one unit in the last place in any element, or another shape or dtype, is not equal."""
     a = torch.linspace(-3, 3, 24, dtype=torch.float64).reshape(4, 6).to(dtype)
     assert judge.same_bits(a, a.clone()) and judge.same_bits(a.t(), a.clone().t())
+    assert judge.same_bits(a, a.clone().t().contiguous().t())  # one laid out as 8-byte words, one not
+    flat = a.reshape(-1)
+    for part in (flat[1:], flat[:3], flat[2:]):  # misaligned, a length not a multiple of 8 bytes, a row slice
+        assert judge.same_bits(part, part.clone())
     for i in range(a.numel()):
         b = a.clone().reshape(-1)
         b[i] = torch.nextafter(b[i], torch.tensor(float("inf"), dtype=dtype))
         assert not judge.same_bits(a, b.reshape(4, 6)), i
+        assert not judge.same_bits(flat[1:], b[1:]) or i == 0, i
     nan = a.clone()
     nan[1, 2] = float("nan")
     assert torch.equal(nan.view(torch.uint8), nan.clone().view(torch.uint8)) and not judge.same_bits(nan, nan.clone())

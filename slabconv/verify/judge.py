@@ -172,10 +172,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     and no NaN (a NaN is no number, as ``torch.equal`` has it; ``-0.0`` and ``0.0`` differ here, so the caller's
     slower comparison answers them).
 
-    A floating tensor is compared through an integer view of its width (``Tensor.view(dtype)``): several times
-    faster on a CPU than ``torch.equal`` on float16, whose comparison widens each element; the NaN test is one
-    reduction (``sum`` is NaN where an element is, and may be NaN otherwise only from ``inf - inf``, which sends an
-    equal pair to the slower comparison, never a different one to this answer).
+    A floating tensor is compared through an integer view (``Tensor.view(dtype)``), of 8 bytes where both tensors'
+    bytes allow it, else of its own width: several times faster on a CPU than ``torch.equal`` on float16, whose
+    comparison widens each element (and 8-byte integers 3x faster than 2-byte ones); equal bytes are equal bits
+    whatever the grouping. The NaN test is one reduction (``sum`` is NaN where an element is, and may be NaN
+    otherwise only from ``inf - inf``, which sends an equal pair to the slower comparison, never a different one to
+    this answer).
 
     Args:
         a, b: tensors of any shape and dtype.
@@ -184,8 +186,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if not a.dtype.is_floating_point:
         return torch.equal(a, b)
-    ints = _SAME_WIDTH_INTS[a.element_size()]
-    return torch.equal(a.view(ints), b.view(ints)) and not bool(torch.isnan(a.sum()))
+    if _words(a) and _words(b):
+        same = torch.equal(a.reshape(-1).view(torch.int64), b.reshape(-1).view(torch.int64))
+    else:
+        ints = _SAME_WIDTH_INTS[a.element_size()]
+        same = torch.equal(a.view(ints), b.view(ints))
+    return same and not bool(torch.isnan(a.sum()))
+
+
+def _words(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be read as 8-byte integers: contiguous, a multiple of 8 bytes, aligned to 8 (a
+    whole block, or a block of rows of a buffer)."""
+    return t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0 and t.data_ptr() % 8 == 0
 
 
 def ulps(candidate: torch.Tensor, exact: torch.Tensor) -> float:

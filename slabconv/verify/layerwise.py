@@ -232,7 +232,7 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
             parts = []
             for start, stop in row_ranges(source.shape(key), written.block_elements):
                 w, b = la.rows(source, start, stop, scratch)
-                yield key, distance(written.get(key, slice(start, stop)), w)
+                yield key, distance(_rows(written, key, start, stop, scratch, "written"), w)
                 parts.append(b)
             if la.bias_out is not None:
                 bias = la.whole_bias(parts)
@@ -247,10 +247,21 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
         elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
             src = recipe.source
             for start, stop in row_ranges(source.shape(src), written.block_elements):
-                rows = slice(start, stop) if len(source.shape(src)) > 1 else None
-                yield key, _copy_distance(written.get(key, rows), source.get(src, rows))
+                got = _rows(written, key, start, stop, scratch, "written")
+                yield key, _copy_distance(got, _rows(source, src, start, stop, scratch, "source"))
         else:
             yield key, math.inf  # a tensor neither copied nor made by a fold
+
+
+def _rows(shards: LazyShards, key: str, start: int, stop: int, scratch: Scratch, name: str) -> torch.Tensor:
+    """Rows ``start:stop`` of ``key`` (whole when it has fewer than two dimensions), read into ``scratch``'s buffer
+    ``name`` (valid until its next use): question 1 reads every written tensor once, and a block read into fresh
+    memory costs the kernel's page faults on top of the read (``LazyShards.row_blocks``)."""
+    shape = shards.shape(key)
+    if len(shape) < 2:
+        return shards.get(key)
+    block = [max(0, min(stop, shape[0]) - start), *shape[1:]]
+    return shards.get(key, slice(start, stop), out=scratch.take(name, block, shards.dtype(key)))
 
 
 def _copy_distance(got: torch.Tensor, want: torch.Tensor) -> float:
