@@ -120,12 +120,17 @@ def test_layer_by_layer_verification_passes(folded):
     assert v.exact[0].error <= 0.5  # every written tensor is the float64 fold, rounded once
 
 
-def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path):
+@pytest.mark.parametrize("cache_block", [None, 256])
+def test_streamed_question_1_finds_one_unit_in_the_last_place(folded, tmp_path, monkeypatch, cache_block):
     """Question 1 of a streamed fold compares every written block with the float64 fold rounded once; a folded
     weight, a created bias or a copied tensor one unit in the last place off fails it, by one unit, naming the
-    tensor."""
+    tensor. With sub-blocks of 256 values the tiny model's blocks are spread over the lanes too."""
     from safetensors.torch import save_file
 
+    from slabconv.engine import program as engine_program
+
+    if cache_block is not None:
+        monkeypatch.setattr(engine_program, "CACHE_BLOCK", cache_block)
     root = folded[0]
     plan = pipeline.plan_sharded(LazyShards.open(root / "src"), CONFIG, None, "")[1]
     intact = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(root / "out"), plan.program)

@@ -399,13 +399,31 @@ class LayerRecipe:
         self._check_fits(self.bias_out, bias)
         return bias
 
+    def rounded_block(
+        self, scratch: Scratch, store: WeightStore, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows ``start:stop`` of the folded weight rounded once to its dtype, made as the streamed writer makes
+        them (``blocks`` with ``scratch``: in its buffers, over its lanes; the same values as ``rows`` rounded by
+        ``slabconv.fold.rounded``), and their part of the folded bias in float64, not rounded (None where the
+        block holds none; ``whole_bias`` joins the parts). Nothing is checked: a value that overflows is the
+        infinity the rounding gives. Question 1 of a streamed fold compares each written block with it
+        (``slabconv.verify.layerwise.tensor_distances``)."""
+        return self._stored_into(scratch, store, start, stop, exact_bias=True)
+
     def _stored_into(
-        self, scratch: Scratch, store: WeightStore, start: int, stop: int, tally: RangeTally | None = None
+        self,
+        scratch: Scratch,
+        store: WeightStore,
+        start: int,
+        stop: int,
+        tally: RangeTally | None = None,
+        exact_bias: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``stored(*rows(...))`` made in ``scratch``'s buffers: each ``CACHE_BLOCK`` of rows is widened, folded,
         checked and rounded while its float64 values are still in the processor's cache (the same values), and
         its ranges added to ``tally``; the sub-blocks are spread over ``scratch``'s lanes (``Scratch.spread``:
-        rows are independent, so the values do not depend on which lane folds which)."""
+        rows are independent, so the values do not depend on which lane folds which). ``exact_bias``
+        (``rounded_block``): no overflow check, and the bias part in float64."""
         read, b, total = self._read(store, start, stop, scratch)
         out = scratch.take(scratch.alternate("stored"), read.shape, self.dtype)  # the writer may hold the last ones
         pieces = list(row_ranges(list(read.shape), CACHE_BLOCK))
@@ -429,10 +447,12 @@ class LayerRecipe:
                 tally.measure("after", w, start + s0, total)
             stored = out[s0:s1]
             rounded(w, self.dtype, out=stored, near=wide if half else None)  # float32 buffer, free again: the rounding
-            if not by_ranges:
+            if not by_ranges and not exact_bias:
                 self._check_fits(self.weight, stored)
 
         scratch.spread(len(pieces), fold_piece)
+        if exact_bias:
+            return out, _joined(biases)
         if tally is not None and by_ranges:  # the rows' largest magnitudes, which the ranges took: no extra pass
             self._check_largest(tally.largest("after", start, start + (len(read) if read.dim() else 1)))
         return out, self._stored_bias(_joined(biases))

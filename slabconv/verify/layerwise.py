@@ -30,6 +30,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,15 +40,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from slabconv.engine import FoldProgram, Scratch, cast_into, row_ranges
+from slabconv.engine import FoldProgram, LayerRecipe, Scratch, cast_into, row_ranges
 from slabconv.errors import InputError, UsageError
 from slabconv.fold import rounded
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.util import Progress, no_progress
 from slabconv.verify import judge, policy
+from slabconv.verify.generate import torch_threads
 from slabconv.verify.results import ExactCheck, IntegrityCheck, Verification
 from slabconv.verify.runtimes import as_numpy
+from slabconv.write.shards import FOLD_LANES
 from slabconv.zoo.decoder import DecoderFamily, family_of
 
 DEFAULT_SEQUENCES = 2
@@ -213,17 +216,24 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
     tensor with no recipe), in ``written``'s order, one block at a time: a key may come several times (its blocks),
     its distance the largest."""
     layer_biases = {la.bias_out for la in program.layers.values() if la.bias_out}
-    scratch = Scratch()
+    # the writer's lanes, each on one torch thread (``write.shards.write_program_shards``)
+    with closing(Scratch(lanes=FOLD_LANES)) as scratch, torch_threads(1):
+        yield from _distances(source, written, program, layer_biases, scratch)
 
-    def distance(got: torch.Tensor, exact: torch.Tensor) -> float:
-        """``judge.ulps``, its common case first in ``scratch``'s buffers: the written block equals the float64
-        rows rounded once (0 units); only a block that does not is measured in units."""
-        if got.shape == exact.shape and got.dtype.is_floating_point and got.dtype != torch.float64:
-            near = scratch.take("near", exact.shape, torch.float32)
-            want = rounded(exact, got.dtype, out=scratch.take("want", exact.shape, got.dtype), near=near)
-            if judge.same_bits(got, want):
-                return 0.0
-        return judge.ulps(got, exact)
+
+def _distances(
+    source: LazyShards, written: LazyShards, program: FoldProgram, layer_biases: set[str], scratch: Scratch
+) -> Iterator[tuple[str, float]]:
+    def distance(la: LayerRecipe, got: torch.Tensor, start: int, stop: int) -> tuple[float, torch.Tensor | None]:
+        """The written block's units in the last place from the float64 rows rounded once, and the block's part
+        of the float64 bias. The common case first: the rounded rows made as the writer makes them, over the
+        lanes (``LayerRecipe.rounded_block``), equal to the written block bit for bit (0 units); only a block that
+        is not is measured in units (``judge.ulps``, from the float64 rows)."""
+        want, b = la.rounded_block(scratch, source, start, stop)
+        if want.dtype == got.dtype and want.dtype.is_floating_point and judge.same_bits(got, want):
+            return 0.0, b
+        w, b = la.rows(source, start, stop, scratch)
+        return judge.ulps(got, w), b
 
     for key in written.weight_map:
         recipe = program.tensors.get(key)
@@ -231,8 +241,8 @@ def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgr
             la = program.layers[key]
             parts = []
             for start, stop in row_ranges(source.shape(key), written.block_elements):
-                w, b = la.rows(source, start, stop, scratch)
-                yield key, distance(_rows(written, key, start, stop, scratch, "written"), w)
+                d, b = distance(la, _rows(written, key, start, stop, scratch, "written"), start, stop)
+                yield key, d
                 parts.append(b)
             if la.bias_out is not None:
                 bias = la.whole_bias(parts)
