@@ -65,7 +65,11 @@ STAGES = (  # (name, the progress line that starts it); each ends where the next
     ("fold and write", "folding and writing shards"),
     ("folder files", "writing the Hugging Face model folder"),
     ("generation: fused", "verifying: greedy generation, the fused folder"),
-    ("question 1", "verifying: question 1"),
+    (
+        "question 1 starts (then runs beside the others)",
+        "verifying: question 1, the written tensors against a float64 fold (beside",
+    ),
+    ("question 1 ends", "verifying: question 1, the written tensors against a float64 fold (finishing)"),
     ("question 2", "verifying: question 2"),
 )
 

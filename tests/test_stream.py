@@ -601,6 +601,38 @@ def test_swapped_streamed_folders_are_refused_with_a_command_that_streams(folded
         api.verify(root / "out", root / "src", verify=VerifyOptions(samples=1), stream=True)
 
 
+def test_question_1_beside_the_other_checks_gives_its_verdict_and_stops_when_closed(folded, monkeypatch):
+    """``fuse`` and ``verify`` run question 1 in a thread beside the generation and question 2
+    (``layerwise.ExactBeside``): its verdict is ``exact_streamed``'s, and ``close`` stops it at the next block (an
+    interrupt of the run does not wait for the whole check); ``result`` then raises instead of passing."""
+    import threading
+
+    root = folded[0]
+    plan = pipeline.plan_sharded(LazyShards.open(root / "src"), CONFIG, None, "")[1]
+    alone = layerwise.exact_streamed(LazyShards.open(root / "src"), LazyShards.open(root / "out"), plan.program)
+    with layerwise.ExactBeside(root / "src", root / "out", plan.program, 1 << 22) as beside:
+        assert beside.result() == alone and alone.passed
+
+    held, go, reads = threading.Event(), threading.Event(), []
+    rows = layerwise._rows
+
+    def slow_rows(*args):
+        reads.append(args[1])
+        held.set()
+        go.wait(30)
+        return rows(*args)
+
+    monkeypatch.setattr(layerwise, "_rows", slow_rows)
+    beside = layerwise.ExactBeside(root / "src", root / "out", plan.program, 1 << 22)
+    assert held.wait(30)
+    beside.stop.set()
+    go.set()
+    beside.close()
+    assert beside.done() and len(reads) <= 2  # the block in hand (and its source), no further one
+    with pytest.raises(RuntimeError, match="question 1 was stopped"):
+        beside.result()
+
+
 @pytest.mark.parametrize("key", ["model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight"])
 def test_a_changed_streamed_tensor_no_fold_wrote_is_named_not_blamed_on_the_runtime(folded, tmp_path, key):
     """An attention output or MLP down projection changed (no norm folds into either): question 1 names it, and the

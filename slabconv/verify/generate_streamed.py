@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from slabconv.engine import FOLD_BLOCK
+from slabconv.engine.program import CACHE_BLOCK
 from slabconv.errors import UnsupportedModelError, UsageError
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
 from slabconv.text import count
@@ -150,7 +151,10 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
       the widest activations of one layer (the MLP's intermediate size, the attention scores ``B H (T+N)^2``) in
       float64 for twice the prompts (the float64 chain and the original's input beside it); the logits
       ``(B, T+N, V)`` of the three chains (the float64 chain's in float64, the half-precision chains' in float32,
-      which holds them exactly) and the blocks the comparisons convert (``blocks.CHUNK_BYTES``, four at once).
+      which holds them exactly) and the blocks the comparisons convert (``blocks.CHUNK_BYTES``, four at once);
+    - besides either, question 1 in its thread (``layerwise.ExactBeside``): a block of the original's rows, of the
+      written ones and of the rows rounded once, in the stored dtype, one cache-sized piece in float64 and float32,
+      and the float64 rows (and their float32 widening) of a block that differs from the fold.
     """
     from slabconv.verify.blocks import CHUNK_BYTES
 
@@ -169,7 +173,8 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     logits = 2 * prompts * length * vocab + 4 * CHUNK_BYTES // 8
     exact = block_elements * (stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
-    return max(generating, exact)
+    question_1 = block_elements * (3 * stored + 8 + 4) + CACHE_BLOCK * (8 + 4 + stored)
+    return max(generating, exact) + question_1
 
 
 def streams(source: Folder) -> bool:

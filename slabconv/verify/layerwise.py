@@ -9,7 +9,8 @@ The same two questions as an in-memory verification (``docs/verification.md``), 
 
 - **question 1** (``exact_streamed``): every written tensor equals its recipe in the fold program
   (``slabconv.engine.program``) run afresh in float64 over the source, block by block (at most ``policy.ULPS``
-  units in the last place); a tensor the fold does not reach must be the source's, bit for bit;
+  units in the last place); a tensor the fold does not reach must be the source's, bit for bit. ``fuse`` and
+  ``verify`` run it in a thread beside question 2 and the greedy generation (``ExactBeside``);
 - **question 2**: on seeded random token sequences, three chains run side by side:
 
       exact     h64[i+1] = layer_i(h64[i])  the original layer in float64     (the reference)
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -194,45 +196,128 @@ class Folder:
         return head(self.norm(self.family.final_norm, h.dtype)(h))
 
 
-def exact_streamed(source: LazyShards, written: LazyShards, program: FoldProgram) -> ExactCheck:
+def exact_streamed(
+    source: LazyShards,
+    written: LazyShards,
+    program: FoldProgram,
+    *,
+    lanes: int = FOLD_LANES,
+    stop: threading.Event | None = None,
+) -> ExactCheck:
     """Question 1 for a streamed output: every tensor of ``written`` against its recipe in the fold ``program``
     evaluated afresh in float64 over ``source``, block by block (``LayerRecipe.rows``): a folded weight or bias
     within ``policy.ULPS`` units in the last place of it, a copy bit for bit; a tensor with no recipe fails.
 
+    Args:
+        lanes, stop: as ``tensor_distances``.
+
     Returns:
         An ``ExactCheck`` (method ``tensors``) over every tensor of ``written``.
+
+    Raises:
+        InputError: a shard changed or ends early.
+        RuntimeError: ``stop`` was set.
     """
     worst, worst_name = 0.0, ""
-    for key, distance in tensor_distances(source, written, program):
+    for key, distance in tensor_distances(source, written, program, lanes=lanes, stop=stop):
         worst, worst_name = max((worst, worst_name), (distance, key))
     label = f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block"
     return judge.tensors_check(label, len(written.weight_map), worst, worst_name)
 
 
-def tensor_distances(source: LazyShards, written: LazyShards, program: FoldProgram) -> Iterator[tuple[str, float]]:
+class ExactBeside:
+    """Question 1 of a streamed fold (``exact_streamed``, on one lane) in a thread of its own while the caller runs
+    the other checks (``verify.verifier``): they leave a core idle -- importing transformers' model code before the
+    greedy generation, question 2's layers on one torch thread -- and question 1 needs nothing from them. The
+    thread reads the folders through readers of its own (``LazyShards`` opens a shard per read).
+
+    ``result`` waits for the check and raises its error; ``close`` (also after ``result``; use ``with``) stops it
+    after the block in hand and waits for the thread.
+
+    Args:
+        source, written: the original and the fused folder.
+        program: the fold program of ``written``.
+        block_elements: elements per block of rows read.
+    """
+
+    def __init__(self, source: Path, written: Path, program: FoldProgram, block_elements: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        src, out = LazyShards.open(source, block_elements), LazyShards.open(written, block_elements)
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="slabconv-question-1")
+        self.future = self.pool.submit(exact_streamed, src, out, program, lanes=1, stop=self.stop)
+
+    def done(self) -> bool:
+        """Whether the check has ended."""
+        return self.future.done()
+
+    def result(self) -> ExactCheck:
+        """The check, once it has ended.
+
+        Raises:
+            InputError: a shard changed or ends early (``exact_streamed``).
+        """
+        return self.future.result()
+
+    def close(self) -> None:
+        """Stop the check after the block in hand (when it still runs) and wait for its thread."""
+        self.stop.set()
+        self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> ExactBeside:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def tensor_distances(
+    source: LazyShards,
+    written: LazyShards,
+    program: FoldProgram,
+    *,
+    lanes: int = FOLD_LANES,
+    stop: threading.Event | None = None,
+) -> Iterator[tuple[str, float]]:
     """``(key, distance)`` of every tensor of ``written`` from its recipe in the fold ``program`` over ``source``
     (``exact_streamed``'s rule: units in the last place from a folded weight's or bias's float64 rows rounded
     once, a copy's units in the last place from its source (``_copy_distance``: 0 bit for bit), ``inf`` for a
     tensor with no recipe), in ``written``'s order, one block at a time: a key may come several times (its blocks),
-    its distance the largest."""
+    its distance the largest.
+
+    Args:
+        lanes: threads each block's cache-sized pieces are spread over (the writer's, ``write.shards.FOLD_LANES``,
+            each on one torch thread); 1 beside other work (``ExactBeside``).
+        stop: when set, the next block raises ``RuntimeError`` (``ExactBeside.close``).
+    """
     layer_biases = {la.bias_out for la in program.layers.values() if la.bias_out}
-    # the writer's lanes, each on one torch thread (``write.shards.write_program_shards``)
-    with closing(Scratch(lanes=FOLD_LANES)) as scratch, torch_threads(1):
-        yield from _distances(source, written, program, layer_biases, scratch)
+    with closing(Scratch(lanes=lanes)) as scratch, torch_threads(1):
+        yield from _distances(source, written, program, layer_biases, scratch, stop)
 
 
 def _distances(
-    source: LazyShards, written: LazyShards, program: FoldProgram, layer_biases: set[str], scratch: Scratch
+    source: LazyShards,
+    written: LazyShards,
+    program: FoldProgram,
+    layer_biases: set[str],
+    scratch: Scratch,
+    stop: threading.Event | None,
 ) -> Iterator[tuple[str, float]]:
-    def distance(la: LayerRecipe, got: torch.Tensor, start: int, stop: int) -> tuple[float, torch.Tensor | None]:
+    def block_rows(shards: LazyShards, key: str, start: int, end: int, name: str) -> torch.Tensor:
+        if stop is not None and stop.is_set():
+            raise RuntimeError("question 1 was stopped")
+        return _rows(shards, key, start, end, scratch, name)
+
+    def distance(la: LayerRecipe, got: torch.Tensor, start: int, end: int) -> tuple[float, torch.Tensor | None]:
         """The written block's units in the last place from the float64 rows rounded once, and the block's part
         of the float64 bias. The common case first: the rounded rows made as the writer makes them, over the
         lanes (``LayerRecipe.rounded_block``), equal to the written block bit for bit (0 units); only a block that
         is not is measured in units (``judge.ulps``, from the float64 rows)."""
-        want, b = la.rounded_block(scratch, source, start, stop)
+        want, b = la.rounded_block(scratch, source, start, end)
         if want.dtype == got.dtype and want.dtype.is_floating_point and judge.same_bits(got, want):
             return 0.0, b
-        w, b = la.rows(source, start, stop, scratch)
+        w, b = la.rows(source, start, end, scratch)
         return judge.ulps(got, w), b
 
     for key in written.weight_map:
@@ -240,8 +325,8 @@ def _distances(
         if key in program.layers:
             la = program.layers[key]
             parts = []
-            for start, stop in row_ranges(source.shape(key), written.block_elements):
-                d, b = distance(la, _rows(written, key, start, stop, scratch, "written"), start, stop)
+            for start, end in row_ranges(source.shape(key), written.block_elements):
+                d, b = distance(la, block_rows(written, key, start, end, "written"), start, end)
                 yield key, d
                 parts.append(b)
             if la.bias_out is not None:
@@ -256,9 +341,9 @@ def _distances(
             yield key, 0.0 if same and list(value.shape) == source.shape(recipe.source) else math.inf
         elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
             src = recipe.source
-            for start, stop in row_ranges(source.shape(src), written.block_elements):
-                got = _rows(written, key, start, stop, scratch, "written")
-                yield key, _copy_distance(got, _rows(source, src, start, stop, scratch, "source"))
+            for start, end in row_ranges(source.shape(src), written.block_elements):
+                got = block_rows(written, key, start, end, "written")
+                yield key, _copy_distance(got, _rows(source, src, start, end, scratch, "source"))
         else:
             yield key, math.inf  # a tensor neither copied nor made by a fold
 
@@ -348,21 +433,20 @@ def verify_folders(
     rtol: float | None = None,
     atol: float = 0.0,
     strict: bool = False,
-    program: FoldProgram | None = None,
     block_elements: int = 1 << 22,
     ids: torch.Tensor | None = None,
     inputs: str = "",
     on_exact_logits: Callable[[torch.Tensor, float], None] | None = None,
     progress: Progress = no_progress,
 ) -> Verification:
-    """Both questions for two decoder folders (sharded or single safetensors), one decoder layer at a time.
+    """Question 2 for two decoder folders (sharded or single safetensors), one decoder layer at a time (question 1:
+    ``exact_streamed``, or ``ExactBeside`` beside this).
 
     Args:
         reference: the original folder (RepBN norms).
         candidate: the fused folder (or any folder of the same model; each side runs with its own norms).
         sequences, seq_len, seed: the inputs: seeded random token ids ``(sequences, seq_len <= positions)``.
         rtol, atol, strict: as ``judge.judge_output``.
-        program: the fold program, for question 1; None: question 1 is not answered.
         block_elements: elements per weight block read (the memory bound).
         ids: int64 ``(B, T <= positions)``: the inputs instead of random ones (the streamed generation check's
             prompts and the fused folder's tokens: ``generate_streamed.FusedRun.sequences``), described in the
@@ -372,7 +456,7 @@ def verify_folders(
         progress: called once per layer.
 
     Returns:
-        A ``Verification``: question 1 (when ``program``), a check per decoder layer, the logits, the names.
+        A ``Verification``: the folders' tensor names compared, a check per decoder layer, the logits.
 
     Raises:
         InputError, UnsupportedModelError: not decoder folders of a known family, different sizes.
@@ -399,9 +483,6 @@ def verify_folders(
         reference="the original model in float64 (pytorch), one decoder layer at a time",
         runtime=f"pytorch {torch.__version__} {name}, one decoder layer at a time",
     )
-    if program is not None:
-        progress("verifying: question 1, the written tensors against a float64 fold")
-        verification.exact.append(exact_streamed(ref.shards, cand.shards, program))
     verification.integrity.append(_keys_check(ref, cand))
     layers = family.num_layers(cfg)
     started = time.perf_counter()

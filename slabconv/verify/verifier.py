@@ -24,6 +24,7 @@ Two decoder folders compared one layer at a time (``streamed`` sides) take the s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -983,7 +984,15 @@ def _layerwise(
     program = reference.program if related else None
     exact: list[tuple[torch.Tensor, float]] = []
     run = None
-    with torch_threads(1):  # each layer reads its weights a block at a time; more threads than cores slowed it
+    # each layer reads its weights a block at a time; more threads than cores slowed it. Question 1 runs in a thread
+    # of its own beside the generation and question 2, which leave a core idle (``layerwise.ExactBeside``)
+    with torch_threads(1), contextlib.ExitStack() as stack:
+        beside = None
+        if program is not None:
+            progress("verifying: question 1, the written tensors against a float64 fold (beside the other checks)")
+            beside = stack.enter_context(
+                layerwise.ExactBeside(reference.path, candidate.path, program, engine.FOLD_BLOCK)
+            )
         if opts.generate and streams(layerwise.Folder.open(reference.path, engine.FOLD_BLOCK)):
             require_transformers()
             run = generate_fused(
@@ -993,10 +1002,14 @@ def _layerwise(
         ids = run.sequences() if run is not None else None
         verification = layerwise.verify_folders(
             reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed, rtol=opts.rtol,
-            atol=opts.atol, strict=opts.strict, program=program, block_elements=engine.FOLD_BLOCK, ids=ids,
+            atol=opts.atol, strict=opts.strict, block_elements=engine.FOLD_BLOCK, ids=ids,
             inputs=run.inputs() if run is not None else "", progress=progress,
             on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
         )  # fmt: skip
+        if beside is not None:
+            if not beside.done():
+                progress("verifying: question 1, the written tensors against a float64 fold (finishing)")
+            verification.exact.insert(0, beside.result())
     if run is not None:
         verification.generation = run.judged(*(exact[0] if ids is not None else (None, 0.0)))
     if program is None:
