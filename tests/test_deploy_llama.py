@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -829,8 +828,6 @@ def test_a_generation_check_that_cannot_fit_is_refused_before_any_work_saying_ho
     with pytest.raises(UsageError, match=message):
         api.verify(TEXT, doc["out"], verify=VerifyOptions(generate=2))
     assert not calls
-    monkeypatch.setattr(generate, "available_memory", lambda: need + 1)
-    generate.check_generation_fits(SimpleNamespace(model=original, input_shape=[128]), 32, onnx=False)  # fits
 
 
 def test_checks_that_cannot_fit_are_refused_before_any_work_naming_each_checks_need_and_what_fits(
