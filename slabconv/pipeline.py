@@ -584,9 +584,6 @@ def _write_hf_folder(
     return written
 
 
-# --------------------------------------------------------------------------------------------- verify, finish
-
-
 # --------------------------------------------------------------------------------------------- the doors
 
 
@@ -766,6 +763,9 @@ def _require_transformers(
         from slabconv.write.hf_llama import require_transformers
 
         require_transformers(fusing=True)
+
+
+# --------------------------------------------------------------------------------------------- finish
 
 
 def finish(

@@ -813,6 +813,7 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
     model's positions (one prompt token, 15 generated), so the memory it needs, and may be refused for, is that of
     those 16 positions, not of a million tokens. Streamed and in memory; one byte less than that is refused."""
     from slabconv.engine import FOLD_BLOCK
+    from slabconv.load.model import load_model
     from slabconv.verify import generate_streamed
 
     src = folded[0] / "src"
@@ -822,13 +823,19 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
     monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
     with pytest.raises(UsageError, match="the greedy-generation check needs about"):
         generate_streamed.check_generation_fits(src, 10**6, 2)
-    loaded = SimpleNamespace(model=tiny_model(), input_shape=[16])
-    need = generate.generation_memory(loaded.model, generate.PROMPTS, 1, 15, onnx=False)
+    loaded = load_model(src)  # in memory: the generation part of the checks' need, at 16 positions
+    opts = VerifyOptions(generate=10**6)
+    sequences, parts_of = generate.language_checks_memory(loaded, opts, onnx=False)
+    parts = parts_of(sequences)
+    prompts = min(sequences, generate.PROMPTS)
+    at_16 = generate.generation_memory(loaded.model, prompts, 1, 15, onnx=False)
+    assert parts["generation"] == max(at_16, generate.task_metrics_memory(loaded.model, sequences, 16))
+    need = max(parts.values())
     monkeypatch.setattr(generate, "available_memory", lambda: need)
-    generate.check_generation_fits(loaded, 10**6, onnx=False)  # fits: 16 positions
+    generate.check_language_checks_fit(loaded, opts, onnx=False)  # fits
     monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
-    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
-        generate.check_generation_fits(loaded, 10**6, onnx=False)
+    with pytest.raises(UsageError, match="the checks of this language model need about"):
+        generate.check_language_checks_fit(loaded, opts, onnx=False)
 
 
 def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_memory(folded, tmp_path):

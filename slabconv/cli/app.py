@@ -76,11 +76,7 @@ class OneLineErrors(TyperGroup):
             result = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[misc]
             if standalone:
                 sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's last flush
-        except ClosedPipe:
-            if not standalone:
-                raise
-            closed_pipe()
-        except BrokenPipeError:
+        except (ClosedPipe, BrokenPipeError):
             if not standalone:
                 raise
             closed_pipe()
@@ -92,7 +88,6 @@ class OneLineErrors(TyperGroup):
         except click_errors.UsageError as err:
             if not standalone:
                 raise
-            argv = kwargs.get("args") if kwargs.get("args") is not None else (args[0] if args else sys.argv[1:])
             command = (
                 err.ctx.info_name
                 if err.ctx and err.ctx.parent

@@ -536,12 +536,6 @@ class FoldProgram:
     layers: dict[str, LayerRecipe]
     ranges: dict[str, LayerRange] = field(default_factory=dict)
 
-    def dropped(self, stored_keys: list[str]) -> list[str]:
-        """The stored tensors the fused model no longer reads (the folded norms' parameters, ...)."""
-        sources = {r.source for r in self.tensors.values()} | set(self.layers)
-        sources |= {la.bias for la in self.layers.values() if la.bias}
-        return [k for k in stored_keys if k not in sources]
-
 
 def _not_flat(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
     return shape if shape is not None and len(shape) != 1 else None

@@ -214,13 +214,12 @@ def _damaged(label: str, what: str, detail: str) -> InputError:
     return InputError(f"{label}: {what} {detail}; the file is damaged")
 
 
-def check_tensors(path: Path, model: Any, label: str | None = None) -> list[_Stored]:
+def check_tensors(path: Path, model: Any) -> list[_Stored]:
     """Check every tensor of ``model`` (``tensors``) before anything reads its data; nothing is opened.
 
     Args:
         path: the ``.onnx`` file (its folder is where external data must be).
         model: its ``onnx.ModelProto`` parsed without external data.
-        label: how errors name the file (default ``path``).
 
     Returns:
         The tensors whose bytes are in external data files, checked (``_read_external`` reads them).
@@ -232,7 +231,7 @@ def check_tensors(path: Path, model: Any, label: str | None = None) -> list[_Sto
             plain file inside the model's folder (empty, a NUL byte, too long, absolute, ``..``, a link, a FIFO
             or device, missing), an ``offset`` / ``length`` that is not a byte count or leaves the file.
     """
-    label = label or str(path)
+    label = str(path)
     folder = path.parent.resolve()
     sizes: dict[Path, int] = {}
     total = path.stat().st_size

@@ -765,29 +765,6 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
     return max(model, exact, session)
 
 
-def check_generation_fits(loaded: Any, steps: int, *, onnx: bool) -> None:
-    """Refuse, before any work, an in-memory check of the language model ``loaded`` (a ``LoadedModel``:
-    ``check_generation`` on ``PROMPTS`` prompts of half its sequence length, as ``prompts_of`` cuts them, ``steps``
-    tokens each, both cut to the model's ``max_position_embeddings`` as ``check_generation`` cuts them
-    (``within_positions``); with ``onnx``, ``decoder.onnx`` too) that would need more than this machine's available
-    memory (``generation_memory``).
-
-    Raises:
-        UsageError: it would not fit (the message says how much it needs and how to skip it).
-    """
-    length = int(loaded.input_shape[0]) if loaded.input_shape else 1
-    positions = _positions_of(loaded.model)
-    prompts, steps, _ = within_positions(torch.zeros(PROMPTS, max(1, length // 2), dtype=torch.int64), steps, positions)
-    need = generation_memory(loaded.model, PROMPTS, prompts.shape[1], steps, onnx)
-    have = available_memory()
-    if have is not None and need > have:
-        raise UsageError(
-            f"the greedy-generation check needs about {need / 2**30:.2f} GiB of memory besides the model "
-            f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation "
-            "was not checked)"
-        )
-
-
 def _sizes(original: torch.nn.Module) -> tuple[int, int, int]:
     """``(weights, vocabulary, bytes a logit of the original's own run is held in)`` of a zoo language model: 4
     for a float32, float16 or bfloat16 model (``runtimes.torch_runner``'s ``narrow``), 8 for a float64 one."""

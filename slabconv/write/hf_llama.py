@@ -284,12 +284,17 @@ def _check_shapes(
     return found, head_dim
 
 
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name not in _DTYPE_NAMES.values():
-            raise UsageError(f"dtype {dtype!r} is not a float dtype the model can run (float32, float16, bfloat16)")
-        return name
+def _weights_dtype(folder: Path, specs: Mapping[str, tuple[torch.dtype, list[int]]]) -> str:
+    """The name (``torch_dtype``) of the one float dtype of a folder's weights (``folder_weight_specs``), rotary
+    ``inv_freq`` buffers aside (the model recomputes them in float32).
+
+    Raises:
+        UsageError: the weights mix float dtypes, or theirs is not one the model runs (float32, float16, bfloat16).
+    """
+    floats = {d for k, (d, _) in specs.items() if d.is_floating_point and not k.endswith("inv_freq")}
+    if len(floats) != 1:
+        raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; the folder has one dtype")
+    dtype = floats.pop()
     if dtype not in _DTYPE_NAMES:
         raise UsageError(f"dtype {dtype} is not a float dtype the model can run (float32, float16, bfloat16)")
     return _DTYPE_NAMES[dtype]
@@ -312,8 +317,6 @@ def folder_weight_specs(folder: Path | str) -> dict[str, tuple[torch.dtype, list
 def write_hf_llama_metadata(
     folder: Path | str,
     config: Mapping[str, Any],
-    weight_keys: Mapping[str, Sequence[int] | None] | Iterable[str] | None = None,
-    dtype: torch.dtype | str | None = None,
     *,
     generation: Mapping[str, Any] | None = None,
     provenance: Mapping[str, str] | None = None,
@@ -329,9 +332,6 @@ def write_hf_llama_metadata(
     Args:
         folder: the folder holding the fused weights.
         config: the original ``config.json`` (``model_type`` ``llama``; sizes, heads, ``rope_theta``, token ids).
-        weight_keys: the tensor names the caller wrote (or name -> shape): the folder's safetensors headers must
-            hold exactly these. None: whatever the headers hold. The layout and shapes are checked either way.
-        dtype: the weights' dtype, recorded as ``torch_dtype``; None takes it from the headers.
         generation: extra ``generation_config.json`` entries (default: the config's bos/eos/pad token ids and
             ``do_sample`` false, i.e. greedy).
         provenance: the weights' fused metadata (``load.fused.fused_metadata``), recorded in ``config.json`` as
@@ -344,27 +344,14 @@ def write_hf_llama_metadata(
     Raises:
         UnsupportedModelError: a norm was not folded (e.g. a kept affine), the weights are not the LLaMA layout,
             or the config asks for what the model does not implement (scaled rotary embeddings, another activation).
-        UsageError: no weights in the folder, or a dtype that is not a float dtype.
+        UsageError: no weights in the folder, weights of mixed or non-float dtypes.
         InputError: a damaged safetensors header or index.
     """
     folder = Path(folder)
     specs = folder_weight_specs(folder)
     shapes = {k: [int(n) for n in shape] for k, (_, shape) in specs.items()}
-    if weight_keys is not None:
-        expected = weight_keys if isinstance(weight_keys, Mapping) else dict.fromkeys(weight_keys)
-        differ = sorted(set(expected) ^ set(shapes))
-        if differ:
-            raise InputError(f"{folder}: tensor {differ[0]} is in the weights or in weight_keys, not in both")
-        for key, shape in expected.items():
-            if shape is not None and [int(n) for n in shape] != shapes[key]:
-                raise InputError(f"{folder}: {key} has shape {shapes[key]} in the file, {list(shape)} in weight_keys")
     layout = norm_free_layout(shapes, config)
-    if dtype is None:
-        floats = {d for k, (d, _) in specs.items() if d.is_floating_point and not k.endswith("inv_freq")}
-        if len(floats) != 1:
-            raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; pass dtype")
-        dtype = floats.pop()
-    dtype_name = _dtype_name(dtype)
+    dtype_name = _weights_dtype(folder, specs)
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r}: the LLaMA-PRepBN MLP uses silu")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -495,7 +482,6 @@ def standard_layout(weight_shapes: Mapping[str, Sequence[int]], config: Mapping[
 def write_hf_standard_metadata(
     folder: Path | str,
     config: Mapping[str, Any],
-    dtype: torch.dtype | str | None = None,
     *,
     folded: bool = True,
     generation: Mapping[str, Any] | None = None,
@@ -508,7 +494,6 @@ def write_hf_standard_metadata(
     Args:
         folder: the folder holding the weights (``model.safetensors``, or shards plus their index).
         config: the original ``config.json`` (``model_type`` in ``STANDARD_TYPES``).
-        dtype: the weights' dtype; None takes it from the headers.
         folded: the weights hold folded norms (``--fold-norm-affine``); False: the norms are as in the original,
             which the ``slabconv`` entry then says.
         generation: extra ``generation_config.json`` entries, as ``write_hf_llama_metadata``'s.
@@ -531,12 +516,7 @@ def write_hf_standard_metadata(
         )
     specs = folder_weight_specs(folder)
     standard_layout({k: shape for k, (_, shape) in specs.items()}, config)
-    if dtype is None:
-        floats = {d for d, _ in specs.values() if d.is_floating_point}
-        if len(floats) != 1:
-            raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; pass dtype")
-        dtype = floats.pop()
-    name = _dtype_name(dtype)
+    name = _weights_dtype(folder, specs)
     out: dict[str, Any] = {k: v for k, v in config.items() if k != "auto_map"}
     ours: dict[str, Any] = {
         "norm_affine": "folded: each RMSNorm weight that is 1 went into the projections that read its norm "
