@@ -32,6 +32,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,16 +487,20 @@ def verify_folders(
     verification.integrity.append(_keys_check(ref, cand))
     layers = family.num_layers(cfg)
     started = time.perf_counter()
-    with torch.no_grad():
+    # the float64 chain in a thread of its own, on a reader of its own (a reader's reused buffer serves one thread),
+    # while this one runs the half-precision chains: each layer's runs need only the last layer's outputs
+    ref64 = Folder.open(Path(reference), block_elements)
+    with torch.no_grad(), ThreadPoolExecutor(1, thread_name_prefix="slabconv-float64-chain") as chain64:
         h64, h, g = ref.embed(ids, torch.float64), ref.embed(ids, dtype), cand.embed(ids, dtype)
         for i in range(layers):
             progress("verifying: question 2, one decoder layer at a time", i, layers, f"decoder layer {i}")
             extra64, extra = family.layer_inputs(cfg, i, t, torch.float64), family.layer_inputs(cfg, i, t, dtype)
-            both64 = ref.layer(i, torch.float64)(torch.cat([h.double(), h64]), *extra64)
-            exact, h64 = both64[:sequences], both64[sequences:]
+            running = chain64.submit(_run_layer, ref64, i, torch.cat([h.double(), h64]), extra64)
             original = ref.layer(i, dtype)(h, *extra)
             both = cand.layer(i, dtype)(torch.cat([h, g]), *extra)
             fused, g = both[:sequences], both[sequences:]
+            both64 = running.result()
+            exact, h64 = both64[:sequences], both64[sequences:]
             verification.checks.append(
                 judge.judge_output(
                     f"model.layers.{i} @ pytorch {name}",
@@ -510,30 +515,43 @@ def verify_folders(
             )
             h = original
         progress("verifying: question 2, one decoder layer at a time", layers, layers, "final norm and head")
-        logits64 = ref.logits(h64)
-        verification.checks.append(_logits_check(ref, cand, (logits64, h, g), name, rtol, atol, strict))
+        running = chain64.submit(_head, ref64, h64)
+        fused_logits, original_logits = as_numpy(cand.logits(g), narrow=True), as_numpy(ref.logits(h), narrow=True)
+        logits64 = running.result()
+        verification.checks.append(_logits_check((logits64, original_logits, fused_logits), name, rtol, atol, strict))
     if on_exact_logits is not None:
         on_exact_logits(logits64, time.perf_counter() - started)
     return verification
 
 
+def _run_layer(folder: Folder, i: int, h: torch.Tensor, extra: Any) -> torch.Tensor:
+    """Decoder layer ``i`` of ``folder`` in ``h``'s dtype on ``h``, in question 2's float64 thread (``no_grad`` is
+    per thread)."""
+    with torch.no_grad():
+        return folder.layer(i, h.dtype)(h, *extra)
+
+
+def _head(folder: Folder, h: torch.Tensor) -> torch.Tensor:
+    """``folder.logits(h)`` in question 2's float64 thread."""
+    with torch.no_grad():
+        return folder.logits(h)
+
+
 def _logits_check(
-    ref: Folder,
-    cand: Folder,
-    chains: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    chains: tuple[torch.Tensor, np.ndarray, np.ndarray],
     name: str,
     rtol: float | None,
     atol: float,
     strict: bool,
 ) -> Any:
     """The logits of the three chains judged end to end with top-1: ``chains`` are the float64 original's logits
-    and the original's and the fused folder's last hidden states."""
-    logits64, h, g = chains
+    and the original's and the fused folder's (half precision kept in float32: ``runtimes.as_numpy``)."""
+    logits64, original, fused = chains
     return judge.judge_output(
         f"logits @ pytorch {name}",
-        as_numpy(cand.logits(g), narrow=True),
+        fused,
         dtype=name,
-        original=as_numpy(ref.logits(h), narrow=True),
+        original=original,
         reference64=logits64.numpy(),
         rtol=rtol,
         atol=atol,
