@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -104,7 +104,8 @@ def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outco
       result carries the norm's affine on the norm's pieces and the identity (scale 1, shift 0) on the others,
       recorded as ``Chan.segments``; a layer contracting that axis folds the norm into its slice of input channels.
       The norm's pieces must agree on the axis, ``inner`` and shift multiplier; the other pieces' sizes along the
-      axis must be static.
+      axis must be static. Pieces of the channel axis (slices, a split) join the same way, each with its channels:
+      put back in order they are the whole axis again, in another order a permutation of it.
     - Anything else with a piece the norm did not produce (along a token axis: the naive fold would scale and
       shift those tokens too; a ``stack``): ``concat-with-unnormalized``.
     """
@@ -123,20 +124,16 @@ def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outco
         return Pass(ch.at(ch.axis + 1 if dim <= ch.axis else ch.axis) if user.target is aten.stack.default else ch)
     if None not in pieces and len(states) == 1 and not ch.segments:
         return Pass(ch)  # along the channel axis each piece holds whole channel blocks (its size is k * C * inner)
-    segments: list[tuple[int, int]] = []
+    segments: list[tuple[int, int, int]] = []
     offset = 0
     for t, piece in zip(tensors, pieces, strict=True):
         size = static_int(shape_of(t)[dim])  # type: ignore[index]
         if size is None:
             return unsupported(user)
         if piece is not None:
-            for start, length in piece[0].segments or ((0, size),):
-                if segments and segments[-1][0] + segments[-1][1] == offset + start:
-                    segments[-1] = (segments[-1][0], segments[-1][1] + length)  # adjacent blocks: one segment
-                else:
-                    segments.append((offset + start, length))
+            segments += [(offset + start, length, phase) for start, length, phase in piece[0].spans(size)]
         offset += size
-    return Pass(replace(ch, segments=tuple(segments)))
+    return Pass(ch.with_segments(segments, offset))  # the pieces of a split put back in order: the whole axis again
 
 
 class _Walk:
@@ -152,6 +149,7 @@ class _Walk:
         self.todo: list[tuple[fx.Node, Chan, float]] = [(start, chan, 1.0)]
         self.order: dict[fx.Node, int] | None = None
         self.decided: set[fx.Node] = set()
+        self.items: dict[fx.Node, Pass] = {}  # an op of several outputs whose outputs hold different channels
 
     def settle(self, src: fx.Node, user: fx.Node, ch: Chan, mult: float, outcome: Outcome) -> None:
         rule = RULE_OF.get(user.target)
@@ -160,6 +158,8 @@ class _Walk:
         if isinstance(outcome, Pass) and not (rule and rule.tuple_out) and not is_float(user):
             outcome = unsupported(user)  # e.g. a cast to an integer type
         if isinstance(outcome, Pass):
+            if outcome.items is not None:
+                self.items[user] = outcome
             self.todo.append((user, outcome.chan, mult * outcome.mult))
         elif isinstance(outcome, Absorb):
             self.flow.consumers.append(ConsumerUse(user, src, outcome.layer, ch, mult))
@@ -173,8 +173,10 @@ class _Walk:
         elif not reads_data(user, node):
             return
         elif user.target is operator.getitem:
-            if INDEX_OUTPUTS.get(node.target) != user.args[1]:  # integer indices: unchanged by s > 0
-                self.todo.append((user, ch, mult))
+            item = self.items[node].item(user.args[1]) if node in self.items else ch  # type: ignore[arg-type]
+            # integer indices are unchanged by s > 0; a piece holding none of the norm's channels is not its output
+            if INDEX_OUTPUTS.get(node.target) != user.args[1] and item is not None:
+                self.todo.append((user, item, mult))
         elif user.target in JOIN_OPS:
             assert user not in self.decided, f"{user.name} was decided before all its pieces arrived"
             self.arrivals.setdefault(user, {})[node] = (ch, mult)
@@ -440,6 +442,7 @@ class _Up:
         they can take the inverse of the affine ``node`` will carry. A reason when anything else reads it."""
         uses: list[ConsumerUse] = []
         todo: list[tuple[fx.Node, Chan, Collection[fx.Node]]] = [(node, ch, path)]
+        items: dict[fx.Node, Pass] = {}
         while todo:
             n, c, skip = todo.pop()
             for src, user in self.graph.read_edges(n):
@@ -461,11 +464,15 @@ class _Up:
                         return why
                     uses.append(ConsumerUse(user, src, layer, c, 1.0))
                 elif user.target is operator.getitem:
-                    todo.append((user, c, ()))
+                    item = items[n].item(user.args[1]) if n in items else c  # type: ignore[arg-type]
+                    if item is not None:  # a piece without the norm's channels is unchanged
+                        todo.append((user, item, ()))
                 elif rule is not None and rule.view_like and user.args and user.args[0] is src:
                     outcome = rule.step(user, src, c)
                     if not isinstance(outcome, Pass) or not (rule.tuple_out or is_float(user)):
                         return why
+                    if outcome.items is not None:
+                        items[user] = outcome
                     todo.append((user, outcome.chan, ()))
                 else:
                     return why
@@ -609,13 +616,20 @@ def source_chan(node: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Chan 
             cur = _layout_input(cur)
     if cur is None or ch is None:
         return None
+    items: Pass | None = None  # the op of several outputs just passed, when its outputs hold different channels
     for down in reversed(path):
         rule = RULE_OF.get(down.target)
-        if down.target is not operator.getitem and rule is not None and rule.view_like:
+        if down.target is operator.getitem:
+            if items is not None and (ch := items.item(down.args[1])) is None:  # type: ignore[arg-type]
+                return None
+            items = None
+        elif rule is not None and rule.view_like:
             outcome = rule.step(down, cur, ch)
             if not isinstance(outcome, Pass):
                 return None
-            ch = outcome.chan
+            ch, items = outcome.chan, outcome if outcome.items is not None else None
+        else:
+            items = None
         cur = down  # getitem: a tuple op's state is that of each output; layout-keeping ops: unchanged
     return ch
 
