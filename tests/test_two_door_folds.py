@@ -1,4 +1,4 @@
-"""Exact folds through parts of the channel axis, each through both doors: the model
+"""Exact folds through parts of the channel axis and back through constants, each through both doors: the model
 planned as a ``torch.export`` program (what ``slabconv fuse model.pt2`` plans) and as its ONNX exports by both
 exporters (TorchScript and dynamo), with the same decisions, the fused graph and the fused ONNX file each computing
 the original, and a refusal where the naive fold is wrong.
@@ -7,6 +7,8 @@ the original, and a refusal where the naive fold is wrong.
   part holds its part of the channels, so a layer reading it folds the norm's scale and shift of those channels;
   parts put back together (``cat``, in order or permuted) are a layout of the norm's channels again. A strided
   slice of the channel axis is refused.
+- Back through a constant: ``norm(conv(x) + c)`` folds into the conv with the shift ``t + (s - 1) c`` (the add
+  stays); a product with a per-channel constant is a LayerScale of its own; a sum of two convs gives ``t`` to one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 import onnxruntime as ort
+import pytest
 import torch
 from torch import nn
 
@@ -175,3 +178,108 @@ def test_an_affine_kept_after_a_slice_holds_the_slices_channels(tmp_path):
     kept_scale = stored(gm, mul.args[1].target).flatten().double()
     s, _ = affine_of(model.norm)
     assert torch.allclose(kept_scale, s[2:5]) and not torch.allclose(kept_scale, s[:3])
+
+
+# --------------------------------------------------------------------------------------------- back through constants
+
+
+class ConstantBeforeNorm(nn.Module):
+    """``relu(norm(z))`` (no layer after the norm: only a backward fold removes it) with ``z`` made by a conv (with
+    its own bias) and a constant or a second conv:
+
+    - ``plus``: ``conv(x) + c``, ``c`` a stored ``(1, C, 1, 1)`` buffer; ``minus``: ``conv(x) - 0.7``;
+    - ``times``: ``conv(x) * k``, ``k`` a stored per-channel buffer (a LayerScale of its own, folded first);
+    - ``two``: ``conv(x) + conv2(x)``: both take ``s``, one of them ``t``;
+    - ``shared``: ``conv(x) + c`` where ``conv(x)`` is also read by ``side`` (refused).
+    """
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.conv, self.conv2, self.side = nn.Conv2d(4, C, 3), nn.Conv2d(4, C, 3), nn.Conv2d(C, 3, 1)
+        self.norm = nn.BatchNorm2d(C)
+        gen = torch.Generator().manual_seed(5)
+        self.register_buffer("c", torch.randn(1, C, 1, 1, generator=gen) * 2)
+        self.register_buffer("k", torch.rand(1, C, 1, 1, generator=gen) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        z = {"plus": lambda: h + self.c, "minus": lambda: h - 0.7, "times": lambda: h * self.k}.get(
+            self.how, lambda: h + (self.conv2(x) if self.how == "two" else self.c)
+        )()
+        out = torch.relu(self.norm(z))
+        return out + self.side(h).mean(1, keepdim=True) if self.how == "shared" else out
+
+
+def _constant_model(how: str) -> tuple[ConstantBeforeNorm, torch.Tensor]:
+    return randomize(ConstantBeforeNorm(how), seed=3).eval(), image(4, 6)
+
+
+def _into_rows(model: ConstantBeforeNorm, layers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
+    """``model`` without its norm, each named conv's rows scaled by ``s`` and its bias made ``s b + shift``."""
+    naive = copy.deepcopy(model).double()
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        for name, (s, shift) in layers.items():
+            conv = getattr(naive, name)
+            w, b = fold.fold_into_producer(conv.weight, conv.bias, s, shift)
+            conv.weight.copy_(w)
+            conv.bias.copy_(b)
+    return naive
+
+
+@pytest.mark.parametrize(("how", "value"), [("plus", None), ("minus", -0.7)])
+def test_a_norm_after_a_constant_add_folds_back_into_the_conv(how, value, tmp_path):
+    """``s (conv(x) + c) + t``: the conv takes ``s`` and the shift ``t + (s - 1) c``, and the add of ``c`` stays.
+    Done by hand in float64 it is exact; the plain backward fold (shift ``t``, as if ``c`` were not there) is
+    wrong."""
+    model, x = _constant_model(how)
+    s, t = affine_of(model.norm)
+    c = model.c.flatten().double() if value is None else torch.full((C,), value, dtype=torch.float64)
+    reference = model.double()(x.double())
+    assert rel_err(_into_rows(model, {"conv": (s, t + (s - 1) * c)})(x.double()), reference) < 1e-12
+    assert rel_err(_into_rows(model, {"conv": (s, t)})(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-backward", None, ("conv",))]
+
+
+def test_a_norm_after_a_per_channel_product_folds_back_through_the_product(tmp_path):
+    """``s (conv(x) k) + t``: the product is a LayerScale of its own, folded into the conv first; the norm then
+    folds into the same conv."""
+    model, x = _constant_model("times")
+    assert both_doors(model, x, tmp_path) == [
+        ("k", "LayerScale", "folded-backward", None, ("conv",)),
+        ("norm", "BatchNorm", "folded-backward", None, ("conv",)),
+    ]
+
+
+def test_a_norm_after_a_sum_of_two_convs_gives_its_shift_to_one(tmp_path):
+    """``s (a + b) + t = (s a + t) + s b``: both convs take ``s``, one of them ``t``; ``t`` in both (each addend
+    folded as if it were the norm's only input) is wrong."""
+    model, x = _constant_model("two")
+    s, t = affine_of(model.norm)
+    reference = model.double()(x.double())
+    assert rel_err(_into_rows(model, {"conv": (s, t), "conv2": (s, 0 * t)})(x.double()), reference) < 1e-12
+    assert rel_err(_into_rows(model, {"conv": (s, t), "conv2": (s, t)})(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-backward", None, ("conv", "conv2"))]
+
+
+def test_no_backward_fold_through_a_constant_add_when_another_layer_reads_the_conv(tmp_path):
+    """``conv(x)`` also feeds ``side``: a backward fold must give ``side`` the inverse of what ``conv``'s output
+    becomes, which depends on which side of the constant's add the shared tensor lies; refused (the norm stays an
+    affine before the ReLU), and the fold that forgets the constant (``side`` taking ``(1 / s, -t / s)``) is wrong."""
+    model, x = _constant_model("shared")
+    s, t = affine_of(model.norm)
+    reference = model.double()(x.double())
+    naive = _into_rows(model, {"conv": (s, t)})
+    with torch.no_grad():
+        w, b = fold.fold_into_conv(naive.side.weight, naive.side.bias, 1 / s, -t / s)
+        naive.side.weight.copy_(w)
+        naive.side.bias.copy_(b)
+    assert rel_err(naive(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "kept-affine", reasons.NONLINEAR, ())]
+    gm = engine.capture(model, x)
+    (d,) = engine.fold_all(gm)
+    assert d.no_backward == "a constant is added on the way and another layer reads a tensor there"

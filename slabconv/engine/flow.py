@@ -28,6 +28,7 @@ import torch
 from torch import fx
 
 from slabconv.engine import reasons
+from slabconv.engine.affine_values import Constants
 from slabconv.engine.capture import is_float, norm_dim, op_arg, rank, same_shape, same_size, shape_of, static_int
 from slabconv.engine.layers import LayerKind, layer_of, separate_bias
 from slabconv.engine.rules import (
@@ -372,6 +373,21 @@ class Backward:
     producers: list[Producer] = field(default_factory=list)
     shared: list[tuple[int, ...]] = field(default_factory=list)
     compensations: list[list[ConsumerUse]] = field(default_factory=list)
+    constants: list[ConstantAddend] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ConstantAddend:
+    """A constant added on the way from the producers to the norm (``conv(x) + c``, ``h - 0.5``): ``value``, a
+    Python number or a constant node (stored tensors and literals only) broadcast along every axis but the
+    channels (``chan``: where they sit on it, None for a number or a single value), added with ``sign`` (-1 for a
+    subtraction) to the norm's channels ``rows`` (None: all). It stays in the graph: the producers' shift makes up
+    for the norm's scale of it, ``s (y + c) + t = s y + (t + (s - 1) c) + c``."""
+
+    value: Any
+    sign: float
+    chan: Chan | None
+    rows: tuple[int, int] | None
 
 
 def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
@@ -397,6 +413,49 @@ def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
             return None
         out.append((t, ch.at(ch.axis - lead)))
     return out
+
+
+_CONSTANT_ADDS: dict[Any, float] = {
+    aten.add.Tensor: 1.0,
+    aten.add.Scalar: 1.0,
+    aten.sub.Tensor: -1.0,
+    aten.sub.Scalar: -1.0,
+}
+
+
+def _constant_addend(node: fx.Node, ch: Chan, constants: Constants) -> tuple[fx.Node, Any, float, Chan | None] | None:
+    """``(data, constant, sign, where the channels sit on the constant)`` when ``node`` is ``data + c`` (or
+    ``c + data``, ``data - c``) with ``data`` a float tensor of the node's shape and dtype and ``c`` a constant
+    (a number, or a node of stored tensors and literals) broadcast along every axis but the (plain) channel axis
+    ``ch``; else None."""
+    sign = _CONSTANT_ADDS.get(node.target)
+    if sign is None or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or not ch.plain:
+        return None
+    a, b = node.args
+    data, const = (a, b) if isinstance(a, fx.Node) and not constants.is_const(a) else (b, a)
+    if sign < 0 and data is not a:
+        return None  # ``c - data`` negates the data
+    if not isinstance(data, fx.Node) or not is_float(data) or constants.is_const(data):
+        return None
+    out, val = shape_of(node), node.meta.get("val")
+    if not same_shape(shape_of(data), out) or not isinstance(val, torch.Tensor):
+        return None
+    if val.dtype != data.meta["val"].dtype:
+        return None
+    if isinstance(const, (int, float)) and not isinstance(const, bool):
+        return data, float(const), sign, None
+    if not isinstance(const, fx.Node) or not constants.is_const(const) or not is_float(const):
+        return None
+    sizes = shape_of(const)
+    assert sizes is not None and out is not None
+    lead = len(out) - len(sizes)
+    if lead < 0 or any(static_int(n) != 1 for i, n in enumerate(sizes) if i + lead != ch.axis):
+        return None
+    if ch.axis < lead or static_int(sizes[ch.axis - lead]) == 1:
+        return data, const, sign, None  # one value for every channel
+    if not same_size(sizes[ch.axis - lead], ch.channels):
+        return None
+    return data, const, sign, ch.at(ch.axis - lead)
 
 
 def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] | None:
@@ -428,8 +487,11 @@ def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] 
 class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
-    def __init__(self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, positive_scale: bool) -> None:
+    def __init__(
+        self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, positive_scale: bool, gm: fx.GraphModule
+    ) -> None:
         self.graph, self.stop, self.inverse, self.positive_scale = graph, stop, inverse, positive_scale
+        self.constants = Constants(gm)
         self.found = Backward()
         self.seen: set[fx.Node] = set()
         self.rows: tuple[int, int] | None = None  # under a piece of a channel concatenation: its channels
@@ -526,6 +588,13 @@ class _Up:
                 if reason is not None:
                     return reason
             return None
+        added = _constant_addend(node, ch, self.constants)
+        if added is not None:  # s (y + c) + t = s y + (t + (s - 1) c) + c: the producers make up for s c
+            data, const, sign, const_ch = added
+            if (data, node) in self.graph.kept:
+                return f"an earlier norm keeps an affine before {op_name(node)}"
+            self.found.constants.append(ConstantAddend(const, sign, const_ch, self.rows))
+            return self.walk(data, ch, {node}, shared)
         addends = _sum_operands(node, ch)
         if addends is not None:  # s (a + b) + t = (s a + t) + s b: each addend's producers take s
             for a, a_ch in addends:
@@ -580,7 +649,7 @@ def find_producers(
     allowed = set(owned)
     if any((start, o) in graph.kept for o in allowed):
         return "an earlier norm keeps an affine before this one"
-    up = _Up(graph, stop, inverse, positive_scale)
+    up = _Up(graph, stop, inverse, positive_scale, start.graph.owning_module)  # type: ignore[arg-type]
     reason = up.walk(start, chan, allowed, ())
     return reason if reason is not None else up.found
 
