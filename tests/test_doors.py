@@ -286,7 +286,7 @@ _EXPORTED_DIFFERENTLY = {
     ("train-mode", "*"): "both exporters export the model in eval mode",
     ("bn-then-layerscale", "*"): "the exporter (or its optimizer) folds the BatchNorm into the conv itself",
     ("type_as-block-type_as.default-2", "*"): "type_as is written as a Cast: the reason names aten.to",
-    ("split-block-chunk.default-9", "*"): "chunk is written as Slices / a Split: the reason names that op",
+    ("split-block-unbind.int-10", "*"): "unbind is written as a Split and Squeezes: the reason names the squeeze",
     ("as_strided-fwd-as_strided.default-0", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-bwd-as_strided.default-1", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-block-as_strided.default-2", "*"): "as_strided is written as a Gather of flat indices",

@@ -224,11 +224,14 @@ CASES: dict[str, tuple[list[Case], list[Case], Case | None]] = {
             Case(lambda y, x: y[:, 1:4], "slice.Tensor"),
             Case(lambda y, x: y.narrow(1, 0, 3), "narrow.default"),
             Case(lambda y, x: y[:, 0], "select.int"),
+            # a contiguous part of the channel axis: its channels' scale and shift (tests/test_two_door_folds.py)
+            Case(lambda y, x: y[..., 2:6], "slice.Tensor", consumer=lambda: nn.Linear(4, 5)),
         ],
         [Case(lambda h, x: h[:, 1:], "slice.Tensor"), Case(lambda h, x: h.select(1, 2), "select.int")],
-        # a part of the channel axis: not supported (the naive fold does not even have the right shapes)
+        # a strided part of the channel axis: not supported (the naive fold does not even have the right shapes;
+        # tests/test_two_door_folds.py folds the first channels' affine instead, which is wrong)
         Case(
-            lambda y, x: y[..., : C // 2],
+            lambda y, x: y[..., ::2],
             "slice.Tensor",
             consumer=lambda: nn.Linear(C // 2, 5),
             reason=UNSUPPORTED + "aten.slice",
@@ -289,13 +292,16 @@ CASES: dict[str, tuple[list[Case], list[Case], Case | None]] = {
             Case(lambda y, x: torch.stack(y.unbind(1)[::-1], 1), "unbind.int"),
             Case(lambda y, x: torch.cat(y.tensor_split(2, 1)[::-1], 1), "tensor_split.sections"),
             Case(lambda y, x: torch.cat(y.tensor_split([2], 1)[::-1], 1), "tensor_split.indices"),
+            # the channel axis in two halves, put back swapped: a permutation of the norm's channels
+            Case(lambda y, x: torch.cat(y.chunk(2, -1)[::-1], -1), "chunk.default"),
         ],
         [
             Case(lambda h, x: h.chunk(2, 1)[0], "chunk.default"),
             Case(lambda h, x: h.split([2, N - 2], 1)[1], "split_with_sizes.default"),
             Case(lambda h, x: h.unbind(1)[0], "unbind.int", norm=lambda: nn.BatchNorm1d(C)),
         ],
-        Case(lambda y, x: torch.cat(y.chunk(2, -1)[::-1], -1), "chunk.default", reason=UNSUPPORTED + "aten.chunk"),
+        # the channel axis in single channels (unbind removes the axis), stacked back reversed
+        Case(lambda y, x: torch.stack(y.unbind(-1)[::-1], -1), "unbind.int", reason=UNSUPPORTED + "aten.unbind"),
     ),
     "upsample_nearest": (
         [

@@ -33,16 +33,18 @@ class Chan:
     ``(B, C, P)`` gives ``inner = P``; of ``(B, P, C)`` the axis has size ``P * C``, ``inner = 1``): the scale
     and shift are then tiled along that axis (``slabconv.fold.tile_channels``).
 
-    ``segments``: after a concatenation along the channel axis with tensors the norm did not produce
-    (``cat([up(norm(x)), skip], 1)``), the norm's channels fill only the index ranges ``(start, length)`` of the
-    axis (each a whole number of ``channels * inner`` blocks, the pattern starting again at each ``start``); the
-    other indices carry the identity affine (scale 1, shift 0). Empty: the pattern fills the whole axis.
+    ``segments``: where the norm's channels fill only part of the axis, the index ranges ``(start, length, phase)``
+    they fill, index ``start + j`` holding channel ``((phase + j) // inner) % channels``; the other indices carry
+    the identity affine (scale 1, shift 0). A concatenation along the channel axis with tensors the norm did not
+    produce (``cat([up(norm(x)), skip], 1)``) makes them, and so does a slice or split of the channel axis
+    (``y[:, 2:5]`` holds channels 2 to 4: ``((0, 3, 2),)``). Empty: the pattern fills the whole axis, a whole
+    number of ``channels * inner`` blocks.
     """
 
     axis: int
     channels: int
     inner: int = 1
-    segments: tuple[tuple[int, int], ...] = ()
+    segments: tuple[tuple[int, int, int], ...] = ()
 
     def at(self, axis: int) -> Chan:
         return replace(self, axis=axis)
@@ -53,27 +55,71 @@ class Chan:
 
     def lay_out(self, values: torch.Tensor, size: int, fill: float) -> torch.Tensor:
         """Per-channel ``values`` (``(C,)``) along an axis of ``size`` indices laid out as this layout says:
-        tiled over the whole axis, or over each segment with ``fill`` elsewhere (1 for a scale, 0 for a shift).
+        tiled over the whole axis, or over each segment from its phase with ``fill`` elsewhere (1 for a scale, 0
+        for a shift).
 
         Raises:
-            ValueError: an axis or segment that is not a whole number of ``channels * inner`` blocks.
+            ValueError: an axis without segments that is not a whole number of ``channels * inner`` blocks.
         """
         if not self.segments:
             return fold.tile_channels(values, self.inner, size)
         out = torch.full((size,), fill, dtype=values.dtype, device=values.device)
-        for start, length in self.segments:
-            out[start : start + length] = fold.tile_channels(values, self.inner, length)
+        for start, length, phase in self.segments:
+            index = torch.arange(phase, phase + length, device=values.device)
+            out[start : start + length] = values[(index // self.inner) % self.channels]
         return out
+
+    def spans(self, size: int) -> tuple[tuple[int, int, int], ...]:
+        """The segments of an axis of ``size`` indices (the whole axis from phase 0 when there are none)."""
+        return self.segments or ((0, size, 0),)
+
+    def with_segments(self, segments: list[tuple[int, int, int]], size: int) -> Chan:
+        """This layout with ``segments`` on an axis of ``size`` indices: adjacent ones whose phases continue are
+        merged, and one that fills the whole axis with whole channel blocks from phase 0 is no segment at all."""
+        period = self.channels * self.inner
+        assert any(length for _, length, _ in segments), "a layout with segments holds some of the norm's channels"
+        merged: list[tuple[int, int, int]] = []
+        for start, length, phase in segments:
+            if not length:
+                continue
+            if merged:
+                s0, l0, p0 = merged[-1]
+                if s0 + l0 == start and (p0 + l0 - phase) % period == 0:
+                    merged[-1] = (s0, l0 + length, p0)
+                    continue
+            merged.append((start, length, phase % period))
+        if len(merged) == 1 and merged[0][:2] == (0, size) and merged[0][2] == 0 and size % period == 0:
+            merged = []
+        return replace(self, segments=tuple(merged))
+
+    def part(self, start: int, length: int, size: int) -> Chan | None:
+        """The layout of indices ``[start, start + length)`` of this axis (of ``size`` indices): a slice or a
+        split piece of it. None when no index of the part holds a channel of the norm."""
+        out = []
+        for s0, l0, p0 in self.spans(size):
+            lo, hi = max(s0, start), min(s0 + l0, start + length)
+            if lo < hi:
+                out.append((lo - start, hi - lo, p0 + lo - s0))
+        return self.with_segments(out, length) if out else None
 
 
 @dataclass(frozen=True)
 class Pass:
     """The op commutes with the affine: the channels are now at ``chan``; the shift is multiplied by ``mult``;
-    with ``needs_positive_scale`` it commutes only when every channel's scale is > 0 (max / min)."""
+    with ``needs_positive_scale`` it commutes only when every channel's scale is > 0 (max / min).
+
+    ``items``: for an op of several outputs whose outputs hold different parts of the channels (a split of the
+    channel axis), the state of each output (``getitem`` ``i`` reads ``items[i]``; None: that output holds none
+    of the norm's channels); ``chan`` is then the input's. None: every output has the state ``chan``."""
 
     chan: Chan
     mult: float = 1.0
     needs_positive_scale: bool = False
+    items: tuple[Chan | None, ...] | None = None
+
+    def item(self, index: int) -> Chan | None:
+        """The state of output ``index`` of an op of several outputs."""
+        return self.chan if self.items is None else self.items[index]
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
 
 from slabconv.engine import reasons
+from slabconv.engine.affine_values import Constants
 from slabconv.engine.capture import is_float, norm_dim, op_arg, rank, same_shape, same_size, shape_of, static_int
 from slabconv.engine.layers import LayerKind, layer_of, separate_bias
 from slabconv.engine.rules import (
@@ -104,7 +105,8 @@ def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outco
       result carries the norm's affine on the norm's pieces and the identity (scale 1, shift 0) on the others,
       recorded as ``Chan.segments``; a layer contracting that axis folds the norm into its slice of input channels.
       The norm's pieces must agree on the axis, ``inner`` and shift multiplier; the other pieces' sizes along the
-      axis must be static.
+      axis must be static. Pieces of the channel axis (slices, a split) join the same way, each with its channels:
+      put back in order they are the whole axis again, in another order a permutation of it.
     - Anything else with a piece the norm did not produce (along a token axis: the naive fold would scale and
       shift those tokens too; a ``stack``): ``concat-with-unnormalized``.
     """
@@ -123,20 +125,16 @@ def _join(user: fx.Node, arrived: Mapping[fx.Node, tuple[Chan, float]]) -> Outco
         return Pass(ch.at(ch.axis + 1 if dim <= ch.axis else ch.axis) if user.target is aten.stack.default else ch)
     if None not in pieces and len(states) == 1 and not ch.segments:
         return Pass(ch)  # along the channel axis each piece holds whole channel blocks (its size is k * C * inner)
-    segments: list[tuple[int, int]] = []
+    segments: list[tuple[int, int, int]] = []
     offset = 0
     for t, piece in zip(tensors, pieces, strict=True):
         size = static_int(shape_of(t)[dim])  # type: ignore[index]
         if size is None:
             return unsupported(user)
         if piece is not None:
-            for start, length in piece[0].segments or ((0, size),):
-                if segments and segments[-1][0] + segments[-1][1] == offset + start:
-                    segments[-1] = (segments[-1][0], segments[-1][1] + length)  # adjacent blocks: one segment
-                else:
-                    segments.append((offset + start, length))
+            segments += [(offset + start, length, phase) for start, length, phase in piece[0].spans(size)]
         offset += size
-    return Pass(replace(ch, segments=tuple(segments)))
+    return Pass(ch.with_segments(segments, offset))  # the pieces of a split put back in order: the whole axis again
 
 
 class _Walk:
@@ -152,6 +150,7 @@ class _Walk:
         self.todo: list[tuple[fx.Node, Chan, float]] = [(start, chan, 1.0)]
         self.order: dict[fx.Node, int] | None = None
         self.decided: set[fx.Node] = set()
+        self.items: dict[fx.Node, Pass] = {}  # an op of several outputs whose outputs hold different channels
 
     def settle(self, src: fx.Node, user: fx.Node, ch: Chan, mult: float, outcome: Outcome) -> None:
         rule = RULE_OF.get(user.target)
@@ -160,6 +159,8 @@ class _Walk:
         if isinstance(outcome, Pass) and not (rule and rule.tuple_out) and not is_float(user):
             outcome = unsupported(user)  # e.g. a cast to an integer type
         if isinstance(outcome, Pass):
+            if outcome.items is not None:
+                self.items[user] = outcome
             self.todo.append((user, outcome.chan, mult * outcome.mult))
         elif isinstance(outcome, Absorb):
             self.flow.consumers.append(ConsumerUse(user, src, outcome.layer, ch, mult))
@@ -173,8 +174,10 @@ class _Walk:
         elif not reads_data(user, node):
             return
         elif user.target is operator.getitem:
-            if INDEX_OUTPUTS.get(node.target) != user.args[1]:  # integer indices: unchanged by s > 0
-                self.todo.append((user, ch, mult))
+            item = self.items[node].item(user.args[1]) if node in self.items else ch  # type: ignore[arg-type]
+            # integer indices are unchanged by s > 0; a piece holding none of the norm's channels is not its output
+            if INDEX_OUTPUTS.get(node.target) != user.args[1] and item is not None:
+                self.todo.append((user, item, mult))
         elif user.target in JOIN_OPS:
             assert user not in self.decided, f"{user.name} was decided before all its pieces arrived"
             self.arrivals.setdefault(user, {})[node] = (ch, mult)
@@ -370,6 +373,21 @@ class Backward:
     producers: list[Producer] = field(default_factory=list)
     shared: list[tuple[int, ...]] = field(default_factory=list)
     compensations: list[list[ConsumerUse]] = field(default_factory=list)
+    constants: list[ConstantAddend] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ConstantAddend:
+    """A constant added on the way from the producers to the norm (``conv(x) + c``, ``h - 0.5``): ``value``, a
+    Python number or a constant node (stored tensors and literals only) broadcast along every axis but the
+    channels (``chan``: where they sit on it, None for a number or a single value), added with ``sign`` (-1 for a
+    subtraction) to the norm's channels ``rows`` (None: all). It stays in the graph: the producers' shift makes up
+    for the norm's scale of it, ``s (y + c) + t = s y + (t + (s - 1) c) + c``."""
+
+    value: Any
+    sign: float
+    chan: Chan | None
+    rows: tuple[int, int] | None
 
 
 def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
@@ -395,6 +413,49 @@ def _sum_operands(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan]] | None:
             return None
         out.append((t, ch.at(ch.axis - lead)))
     return out
+
+
+_CONSTANT_ADDS: dict[Any, float] = {
+    aten.add.Tensor: 1.0,
+    aten.add.Scalar: 1.0,
+    aten.sub.Tensor: -1.0,
+    aten.sub.Scalar: -1.0,
+}
+
+
+def _constant_addend(node: fx.Node, ch: Chan, constants: Constants) -> tuple[fx.Node, Any, float, Chan | None] | None:
+    """``(data, constant, sign, where the channels sit on the constant)`` when ``node`` is ``data + c`` (or
+    ``c + data``, ``data - c``) with ``data`` a float tensor of the node's shape and dtype and ``c`` a constant
+    (a number, or a node of stored tensors and literals) broadcast along every axis but the (plain) channel axis
+    ``ch``; else None."""
+    sign = _CONSTANT_ADDS.get(node.target)
+    if sign is None or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or not ch.plain:
+        return None
+    a, b = node.args
+    data, const = (a, b) if isinstance(a, fx.Node) and not constants.is_const(a) else (b, a)
+    if sign < 0 and data is not a:
+        return None  # ``c - data`` negates the data
+    if not isinstance(data, fx.Node) or not is_float(data) or constants.is_const(data):
+        return None
+    out, val = shape_of(node), node.meta.get("val")
+    if not same_shape(shape_of(data), out) or not isinstance(val, torch.Tensor):
+        return None
+    if val.dtype != data.meta["val"].dtype:
+        return None
+    if isinstance(const, (int, float)) and not isinstance(const, bool):
+        return data, float(const), sign, None
+    if not isinstance(const, fx.Node) or not constants.is_const(const) or not is_float(const):
+        return None
+    sizes = shape_of(const)
+    assert sizes is not None and out is not None
+    lead = len(out) - len(sizes)
+    if lead < 0 or any(static_int(n) != 1 for i, n in enumerate(sizes) if i + lead != ch.axis):
+        return None
+    if ch.axis < lead or static_int(sizes[ch.axis - lead]) == 1:
+        return data, const, sign, None  # one value for every channel
+    if not same_size(sizes[ch.axis - lead], ch.channels):
+        return None
+    return data, const, sign, ch.at(ch.axis - lead)
 
 
 def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] | None:
@@ -426,8 +487,11 @@ def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] 
 class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
-    def __init__(self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, positive_scale: bool) -> None:
+    def __init__(
+        self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, positive_scale: bool, gm: fx.GraphModule
+    ) -> None:
         self.graph, self.stop, self.inverse, self.positive_scale = graph, stop, inverse, positive_scale
+        self.constants = Constants(gm)
         self.found = Backward()
         self.seen: set[fx.Node] = set()
         self.rows: tuple[int, int] | None = None  # under a piece of a channel concatenation: its channels
@@ -440,6 +504,7 @@ class _Up:
         they can take the inverse of the affine ``node`` will carry. A reason when anything else reads it."""
         uses: list[ConsumerUse] = []
         todo: list[tuple[fx.Node, Chan, Collection[fx.Node]]] = [(node, ch, path)]
+        items: dict[fx.Node, Pass] = {}
         while todo:
             n, c, skip = todo.pop()
             for src, user in self.graph.read_edges(n):
@@ -461,11 +526,15 @@ class _Up:
                         return why
                     uses.append(ConsumerUse(user, src, layer, c, 1.0))
                 elif user.target is operator.getitem:
-                    todo.append((user, c, ()))
+                    item = items[n].item(user.args[1]) if n in items else c  # type: ignore[arg-type]
+                    if item is not None:  # a piece without the norm's channels is unchanged
+                        todo.append((user, item, ()))
                 elif rule is not None and rule.view_like and user.args and user.args[0] is src:
                     outcome = rule.step(user, src, c)
                     if not isinstance(outcome, Pass) or not (rule.tuple_out or is_float(user)):
                         return why
+                    if outcome.items is not None:
+                        items[user] = outcome
                     todo.append((user, outcome.chan, ()))
                 else:
                     return why
@@ -519,6 +588,13 @@ class _Up:
                 if reason is not None:
                     return reason
             return None
+        added = _constant_addend(node, ch, self.constants)
+        if added is not None:  # s (y + c) + t = s y + (t + (s - 1) c) + c: the producers make up for s c
+            data, const, sign, const_ch = added
+            if (data, node) in self.graph.kept:
+                return f"an earlier norm keeps an affine before {op_name(node)}"
+            self.found.constants.append(ConstantAddend(const, sign, const_ch, self.rows))
+            return self.walk(data, ch, {node}, shared)
         addends = _sum_operands(node, ch)
         if addends is not None:  # s (a + b) + t = (s a + t) + s b: each addend's producers take s
             for a, a_ch in addends:
@@ -573,7 +649,7 @@ def find_producers(
     allowed = set(owned)
     if any((start, o) in graph.kept for o in allowed):
         return "an earlier norm keeps an affine before this one"
-    up = _Up(graph, stop, inverse, positive_scale)
+    up = _Up(graph, stop, inverse, positive_scale, start.graph.owning_module)  # type: ignore[arg-type]
     reason = up.walk(start, chan, allowed, ())
     return reason if reason is not None else up.found
 
@@ -609,13 +685,20 @@ def source_chan(node: fx.Node, known: Callable[[fx.Node], Chan | None]) -> Chan 
             cur = _layout_input(cur)
     if cur is None or ch is None:
         return None
+    items: Pass | None = None  # the op of several outputs just passed, when its outputs hold different channels
     for down in reversed(path):
         rule = RULE_OF.get(down.target)
-        if down.target is not operator.getitem and rule is not None and rule.view_like:
+        if down.target is operator.getitem:
+            if items is not None and (ch := items.item(down.args[1])) is None:  # type: ignore[arg-type]
+                return None
+            items = None
+        elif rule is not None and rule.view_like:
             outcome = rule.step(down, cur, ch)
             if not isinstance(outcome, Pass):
                 return None
-            ch = outcome.chan
+            ch, items = outcome.chan, outcome if outcome.items is not None else None
+        else:
+            items = None
         cur = down  # getitem: a tuple op's state is that of each output; layout-keeping ops: unchanged
     return ch
 

@@ -41,6 +41,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine import reasons
+from slabconv.engine.affine_values import Constants
 from slabconv.engine.capture import module_path, shape_of, stored, written_tensors
 from slabconv.engine.flow import Backward, BlockedEdge, ConsumerUse, VirtualGraph, find_producers, follow
 from slabconv.engine.layers import LayerKind, layer_name, separate_bias
@@ -389,6 +390,11 @@ def _backward(
     )
     if isinstance(found, str):
         return found
+    if found.constants:
+        added = _constants_added(weights, found, site.channels, scale.dtype)
+        if isinstance(added, str):
+            return added
+        shift = shift + (scale - 1) * added  # s (y + c) + t = s y + (t + (s - 1) c) + c: c stays in the graph
     layers = [p.node for p in found.producers] + [u.node for uses in found.compensations for u in uses]
     if len(set(layers)) != len(layers):
         return "a layer would take two folds of this norm"
@@ -397,7 +403,7 @@ def _backward(
     ]:
         if not (weights.private(kind.weight(node)) and weights.private(weights.bias_node(node, kind))):
             return f"the weight of {layer_name(node)} is shared"
-    shifts = _shifts(site)
+    shifts = _shifts(site) or bool(found.constants)
     carriers = _carriers(weights, found, site.channels) if shifts else []
     if isinstance(carriers, str):
         return carriers
@@ -421,6 +427,29 @@ def _backward(
         if not weights.fits(f):
             return f"{reasons.DTYPE_OVERFLOW} in {layer_name(node)}"
     return list(dict.fromkeys(layer_name(n) for n in layers)), folds
+
+
+def _constants_added(weights: _Weights, found: Backward, channels: int, dtype: torch.dtype) -> torch.Tensor | str:
+    """The constants added on the way from the producers to the norm (``Backward.constants``), summed per channel
+    of the norm (``(C,)``, float64), or why a backward fold cannot make up for them: a compensated tensor on the way
+    (its readers' inverse would depend on which side of the add it lies), a constant the plan does not hold (a
+    streamed plan's stand-in)."""
+    if found.compensations:
+        return "a constant is added on the way and another layer reads a tensor there"
+    constants = Constants(weights.gm)
+    total = torch.zeros(channels, dtype=dtype)
+    for c in found.constants:
+        if isinstance(c.value, fx.Node):
+            reads = {str(n.target) for n in Constants.ancestors(c.value) if n.op == "get_attr"}
+            if reads & weights.unknown:
+                return f"the constant added before the norm ({sorted(reads)[0]}) is not read in this plan"
+            value = torch.as_tensor(constants.value(c.value), dtype=dtype)
+            value = value.reshape(-1) if c.chan is None else value.movedim(c.chan.axis, 0).reshape(c.chan.channels)
+        else:
+            value = torch.tensor([float(c.value)], dtype=dtype)
+        rows = slice(*c.rows) if c.rows is not None else slice(None)
+        total[rows] += c.sign * value.expand_as(total[rows])
+    return total
 
 
 def _carriers(weights: _Weights, found: Backward, channels: int) -> list[int] | str:

@@ -223,13 +223,44 @@ def _repeat(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 
 def _slice(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """``select`` / ``slice`` / ``narrow`` of token axes; a part of the channel axis is not the norm's layout."""
+    """``select`` / ``slice`` / ``narrow`` of token axes pass the layout on. A contiguous part of the channel axis
+    (``y[:, 2:5]``, ``narrow``; step 1, static bounds) holds its part of the channels (``Chan.part``): a layer
+    reading it folds the norm's scale and shift of those channels. A strided slice of the channel axis
+    (``y[:, ::2]``), a ``select`` of one channel or a part that holds none of the norm's channels blocks
+    (``unsupported-op``)."""
     dim = norm_dim(user.args[1] if len(user.args) > 1 else 0, rank(src))  # type: ignore[arg-type]
     if user.target is aten.select.int:
         return unsupported(user) if dim == ch.axis else Pass(ch.at(ch.axis - 1 if dim < ch.axis else ch.axis))
     ins, outs = shape_of(src), shape_of(user)
     assert ins is not None and outs is not None
-    return unsupported(user) if dim == ch.axis and not same_size(outs[dim], ins[dim]) else Pass(ch)
+    if dim != ch.axis or same_size(outs[dim], ins[dim]):
+        return Pass(ch)
+    part = channel_part(user, src)
+    if part is None:
+        return unsupported(user)
+    piece = ch.part(*part)
+    return Pass(piece) if piece is not None else unsupported(user)
+
+
+def channel_part(user: fx.Node, src: fx.Node) -> tuple[int, int, int] | None:
+    """``(start, length, size)`` of a contiguous ``slice`` (step 1) or ``narrow`` of an axis of ``src`` with static
+    bounds: the part starts at index ``start`` of the axis's ``size`` and holds ``length`` of them. None for
+    anything else."""
+    dim = norm_dim(user.args[1] if len(user.args) > 1 else 0, rank(src))  # type: ignore[arg-type]
+    size, length = static_int(shape_of(src)[dim]), static_int(shape_of(user)[dim])  # type: ignore[index]
+    if size is None or length is None:
+        return None
+    if user.target is aten.narrow.default:
+        start = static_int(op_arg(user, 2, "start"))
+    else:
+        if static_int(op_arg(user, 4, "step", 1)) != 1:
+            return None
+        first = op_arg(user, 2, "start", None)
+        start = 0 if first is None else static_int(first)
+    if start is None:
+        return None
+    start = min(max(start + size if start < 0 else start, 0), size)
+    return (start, length, size) if start + length <= size else None
 
 
 def _index(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
@@ -309,13 +340,29 @@ def _pad(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 def _split(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """``split`` / ``split_with_sizes`` / ``chunk`` / ``tensor_split`` / ``unbind`` along a token axis: every
-    piece holds the whole channel axis (``unbind`` removes its axis). The state applies to each ``getitem``."""
+    piece holds the whole channel axis (``unbind`` removes its axis). The state applies to each ``getitem``.
+
+    Along the channel axis (static sizes) the pieces are consecutive parts of it, each holding its part of the
+    channels (``Chan.part``): ``Pass.items`` gives each ``getitem`` its own state (None for a piece that holds
+    none of the norm's channels). ``unbind`` of the channel axis blocks (``unsupported-op``)."""
     n = rank(src)
     if user.target is aten.unbind.int:
         dim = norm_dim(user.args[1] if len(user.args) > 1 else 0, n)  # type: ignore[arg-type]
         return unsupported(user) if dim == ch.axis else Pass(ch.at(ch.axis - 1 if dim < ch.axis else ch.axis))
-    split_dim: Any = op_arg(user, 2, "dim", 0)
-    return unsupported(user) if norm_dim(split_dim, n) == ch.axis else Pass(ch)
+    if norm_dim(op_arg(user, 2, "dim", 0), n) != ch.axis:
+        return Pass(ch)
+    outs, size = user.meta.get("val"), static_int(shape_of(src)[ch.axis])  # type: ignore[index]
+    if not isinstance(outs, (list, tuple)) or size is None:
+        return unsupported(user)
+    items: list[Chan | None] = []
+    start = 0
+    for out in outs:
+        length = static_int(out.shape[ch.axis]) if isinstance(out, torch.Tensor) else None
+        if length is None:
+            return unsupported(user)
+        items.append(ch.part(start, length, size) if length else None)
+        start += length
+    return Pass(ch, items=tuple(items)) if start == size else unsupported(user)
 
 
 # --------------------------------------------------------------------------------------------- arithmetic steps

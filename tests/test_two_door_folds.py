@@ -1,0 +1,285 @@
+"""Exact folds through parts of the channel axis and back through constants, each through both doors: the model
+planned as a ``torch.export`` program (what ``slabconv fuse model.pt2`` plans) and as its ONNX exports by both
+exporters (TorchScript and dynamo), with the same decisions, the fused graph and the fused ONNX file each computing
+the original, and a refusal where the naive fold is wrong.
+
+- Channel slices and splits (``y[:, a:b]``, ``narrow``, ``split`` / ``chunk``, ONNX ``Slice`` / ``Split``): each
+  part holds its part of the channels, so a layer reading it folds the norm's scale and shift of those channels;
+  parts put back together (``cat``, in order or permuted) are a layout of the norm's channels again. A strided
+  slice of the channel axis is refused.
+- Back through a constant: ``norm(conv(x) + c)`` folds into the conv with the shift ``t + (s - 1) c`` (the add
+  stays); a product with a per-channel constant is a LayerScale of its own; a sum of two convs gives ``t`` to one.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from slabconv import engine, fold
+from slabconv.engine import onnx_fold, reasons
+from slabconv.engine.capture import stored
+from tests.foldcheck import NAIVE_MIN_ERR, TOL, affine_of, bn_nodes, kept_affines, randomize, rel_err
+
+C, B = 8, 2
+
+
+def image(c: int = C, hw: int = 5) -> torch.Tensor:
+    return torch.randn(B, c, hw, hw, generator=torch.Generator().manual_seed(0)) * 2 + 0.5
+
+
+Summary = list[tuple[str, str, str, str | None, tuple[str, ...]]]
+
+
+def both_doors(model: nn.Module, x: torch.Tensor, tmp_path: Path) -> Summary:
+    """The program door's decisions, held equal to each ONNX export's; the fused graph and each fused ONNX file
+    compute the original within the float32 tolerance."""
+    from tests.test_doors import _export, _summary  # (tests/test_doors.py imports the exact-fold suites)
+
+    reference = model(x)
+    gm = engine.capture(model, x)
+    program = _summary(engine.fold_all(gm))
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    for dynamo in (False, True):
+        path = _export(model, x, tmp_path / f"model-{dynamo}.onnx", dynamo)
+        fused, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+        assert _summary(decisions) == program, f"dynamo={dynamo}"
+        ir.save(fused, str(tmp_path / f"fused-{dynamo}.onnx"))
+        session = ort.InferenceSession(str(tmp_path / f"fused-{dynamo}.onnx"), providers=["CPUExecutionProvider"])
+        (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        assert rel_err(torch.from_numpy(out), reference) <= TOL[torch.float32], f"dynamo={dynamo}"
+    return program
+
+
+# --------------------------------------------------------------------------------------------- channel parts
+
+
+class ChannelParts(nn.Module):
+    """A BatchNorm after a ReLU (no layer before it to fold into) whose output is read in parts of its channel
+    axis, each part by its own 1x1 conv: ``y[:, :3]``, ``y[:, 3:]``, ``narrow(1, 2, 5)``, ``split([3, 5])``,
+    ``chunk(2)``, and a split put back together in order and permuted (``cat([b, a])``): every layer folds the
+    norm's scale and shift of the channels it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm2d(C)
+        self.head, self.tail, self.mid = nn.Conv2d(3, 4, 1), nn.Conv2d(5, 4, 1), nn.Conv2d(5, 4, 1)
+        self.first, self.second = nn.Conv2d(3, 4, 1), nn.Conv2d(5, 4, 1)
+        self.half0, self.half1 = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+        self.inorder, self.permuted = nn.Conv2d(C, 4, 1), nn.Conv2d(C, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x))
+        a, b = torch.split(y, [3, 5], 1)
+        h0, h1 = y.chunk(2, 1)
+        out = self.head(y[:, :3]) + self.tail(y[:, 3:]) + self.mid(y.narrow(1, 2, 5))
+        out = out + self.first(a) + self.second(b) + self.half0(h0) + self.half1(h1)
+        return out + self.inorder(torch.cat([a, b], 1)) + self.permuted(torch.cat([b, a], 1))
+
+
+class TokenParts(nn.Module):
+    """A RepBN-style BatchNorm over the channels of ``(B, N, C)`` tokens (between two transposes) read in two
+    parts of the last axis, ``y[..., :3]`` and ``y.split([3, 5], -1)[1]``, each by a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(C)
+        self.fa, self.fb = nn.Linear(3, 4), nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(torch.relu(x).transpose(1, 2)).transpose(1, 2)
+        return self.fa(y[..., :3]) + self.fb(y.split([3, 5], -1)[1])
+
+
+def test_a_norm_read_in_parts_of_its_channels_folds_into_each_parts_layer(tmp_path):
+    model = randomize(ChannelParts(), seed=3).eval()
+    x = image()
+    program = both_doors(model, x, tmp_path)
+    layers = ("first", "half0", "half1", "head", "inorder", "mid", "permuted", "second", "tail")
+    assert program == [("norm", "BatchNorm", "folded-forward", None, layers)]
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
+    assert not bn_nodes(gm) and not kept_affines(gm)
+
+
+def test_a_norm_over_tokens_read_in_parts_of_its_channels_folds_into_each_parts_layer(tmp_path):
+    model = randomize(TokenParts(), seed=3).eval()
+    x = torch.randn(B, 6, C, generator=torch.Generator().manual_seed(0))
+    assert both_doors(model, x, tmp_path) == [("bn", "BatchNorm", "folded-forward", None, ("fa", "fb"))]
+
+
+class OnePart(nn.Module):
+    """``conv(norm(relu(x))[part])`` for one part of the channel axis: ``tail`` ``y[:, 3:]``, ``strided``
+    ``y[:, ::2]`` (every other channel), ``padded`` ``y[:, 2:5]`` read by a padded 3x3 conv."""
+
+    def __init__(self, part: str) -> None:
+        super().__init__()
+        self.part = part
+        self.norm = nn.BatchNorm2d(C)
+        width = {"tail": C - 3, "strided": 4, "padded": 3}[part]
+        self.conv = nn.Conv2d(width, 4, 3, padding=1) if part == "padded" else nn.Conv2d(width, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x))
+        if self.part == "tail":
+            return self.conv(y[:, 3:])
+        return self.conv(y[:, ::2] if self.part == "strided" else y[:, 2:5])
+
+
+def _by_hand(model: OnePart, rows: slice) -> nn.Module:
+    """``model`` without its norm, the norm's scale and shift of channels ``rows`` folded into ``conv``."""
+    s, t = affine_of(model.norm)
+    naive = copy.deepcopy(model)
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        w, b = fold.fold_into_conv(model.conv.weight.double(), model.conv.bias.double(), s[rows], t[rows])
+        naive.conv.weight.copy_(w)
+        naive.conv.bias.copy_(b)
+    return naive
+
+
+def test_a_part_takes_the_affine_of_its_own_channels(tmp_path):
+    """``y[:, 3:]`` folds into the conv with channels 3 to 7's scale and shift, exactly; with the first five
+    channels' (a fold blind to where the part starts) it would be wrong."""
+    model = randomize(OnePart("tail"), seed=3).eval()
+    x = image()
+    reference = model(x)
+    assert rel_err(_by_hand(model, slice(3, 8))(x.double().float()), reference) <= TOL[torch.float32]
+    assert rel_err(_by_hand(model, slice(0, 5))(x), reference) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-forward", None, ("conv",))]
+
+
+def test_a_strided_slice_of_the_channels_is_refused(tmp_path):
+    """Channels 0, 2, 4, 6: a fold with the first four channels' scale and shift (a contiguous part's) is wrong.
+    The layout of a part cannot say a stride, so the affine stays before the slice."""
+    model = randomize(OnePart("strided"), seed=3).eval()
+    x = image()
+    assert rel_err(_by_hand(model, slice(0, 4))(x), model(x)) > NAIVE_MIN_ERR
+    program = both_doors(model, x, tmp_path)
+    assert program == [("norm", "BatchNorm", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.slice", ())]
+
+
+def test_an_affine_kept_after_a_slice_holds_the_slices_channels(tmp_path):
+    """``y[:, 2:5]`` before a padded conv (``padded-conv-consumer``): the affine kept in front of the conv is that
+    of channels 2 to 4, not of the first three."""
+    model = randomize(OnePart("padded"), seed=3).eval()
+    x = image()
+    program = both_doors(model, x, tmp_path)
+    assert program == [("norm", "BatchNorm", "kept-affine", reasons.PADDED_CONV_CONSUMER, ())]
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
+    (mul,) = kept_affines(gm)
+    kept_scale = stored(gm, mul.args[1].target).flatten().double()
+    s, _ = affine_of(model.norm)
+    assert torch.allclose(kept_scale, s[2:5]) and not torch.allclose(kept_scale, s[:3])
+
+
+# --------------------------------------------------------------------------------------------- back through constants
+
+
+class ConstantBeforeNorm(nn.Module):
+    """``relu(norm(z))`` (no layer after the norm: only a backward fold removes it) with ``z`` made by a conv (with
+    its own bias) and a constant or a second conv:
+
+    - ``plus``: ``conv(x) + c``, ``c`` a stored ``(1, C, 1, 1)`` buffer; ``minus``: ``conv(x) - 0.7``;
+    - ``times``: ``conv(x) * k``, ``k`` a stored per-channel buffer (a LayerScale of its own, folded first);
+    - ``two``: ``conv(x) + conv2(x)``: both take ``s``, one of them ``t``;
+    - ``shared``: ``conv(x) + c`` where ``conv(x)`` is also read by ``side`` (refused).
+    """
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.conv, self.conv2, self.side = nn.Conv2d(4, C, 3), nn.Conv2d(4, C, 3), nn.Conv2d(C, 3, 1)
+        self.norm = nn.BatchNorm2d(C)
+        gen = torch.Generator().manual_seed(5)
+        self.register_buffer("c", torch.randn(1, C, 1, 1, generator=gen) * 2)
+        self.register_buffer("k", torch.rand(1, C, 1, 1, generator=gen) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        z = {"plus": lambda: h + self.c, "minus": lambda: h - 0.7, "times": lambda: h * self.k}.get(
+            self.how, lambda: h + (self.conv2(x) if self.how == "two" else self.c)
+        )()
+        out = torch.relu(self.norm(z))
+        return out + self.side(h).mean(1, keepdim=True) if self.how == "shared" else out
+
+
+def _constant_model(how: str) -> tuple[ConstantBeforeNorm, torch.Tensor]:
+    return randomize(ConstantBeforeNorm(how), seed=3).eval(), image(4, 6)
+
+
+def _into_rows(model: ConstantBeforeNorm, layers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
+    """``model`` without its norm, each named conv's rows scaled by ``s`` and its bias made ``s b + shift``."""
+    naive = copy.deepcopy(model).double()
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        for name, (s, shift) in layers.items():
+            conv = getattr(naive, name)
+            w, b = fold.fold_into_producer(conv.weight, conv.bias, s, shift)
+            conv.weight.copy_(w)
+            conv.bias.copy_(b)
+    return naive
+
+
+@pytest.mark.parametrize(("how", "value"), [("plus", None), ("minus", -0.7)])
+def test_a_norm_after_a_constant_add_folds_back_into_the_conv(how, value, tmp_path):
+    """``s (conv(x) + c) + t``: the conv takes ``s`` and the shift ``t + (s - 1) c``, and the add of ``c`` stays.
+    Done by hand in float64 it is exact; the plain backward fold (shift ``t``, as if ``c`` were not there) is
+    wrong."""
+    model, x = _constant_model(how)
+    s, t = affine_of(model.norm)
+    c = model.c.flatten().double() if value is None else torch.full((C,), value, dtype=torch.float64)
+    reference = model.double()(x.double())
+    assert rel_err(_into_rows(model, {"conv": (s, t + (s - 1) * c)})(x.double()), reference) < 1e-12
+    assert rel_err(_into_rows(model, {"conv": (s, t)})(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-backward", None, ("conv",))]
+
+
+def test_a_norm_after_a_per_channel_product_folds_back_through_the_product(tmp_path):
+    """``s (conv(x) k) + t``: the product is a LayerScale of its own, folded into the conv first; the norm then
+    folds into the same conv."""
+    model, x = _constant_model("times")
+    assert both_doors(model, x, tmp_path) == [
+        ("k", "LayerScale", "folded-backward", None, ("conv",)),
+        ("norm", "BatchNorm", "folded-backward", None, ("conv",)),
+    ]
+
+
+def test_a_norm_after_a_sum_of_two_convs_gives_its_shift_to_one(tmp_path):
+    """``s (a + b) + t = (s a + t) + s b``: both convs take ``s``, one of them ``t``; ``t`` in both (each addend
+    folded as if it were the norm's only input) is wrong."""
+    model, x = _constant_model("two")
+    s, t = affine_of(model.norm)
+    reference = model.double()(x.double())
+    assert rel_err(_into_rows(model, {"conv": (s, t), "conv2": (s, 0 * t)})(x.double()), reference) < 1e-12
+    assert rel_err(_into_rows(model, {"conv": (s, t), "conv2": (s, t)})(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-backward", None, ("conv", "conv2"))]
+
+
+def test_no_backward_fold_through_a_constant_add_when_another_layer_reads_the_conv(tmp_path):
+    """``conv(x)`` also feeds ``side``: a backward fold must give ``side`` the inverse of what ``conv``'s output
+    becomes, which depends on which side of the constant's add the shared tensor lies; refused (the norm stays an
+    affine before the ReLU), and the fold that forgets the constant (``side`` taking ``(1 / s, -t / s)``) is wrong."""
+    model, x = _constant_model("shared")
+    s, t = affine_of(model.norm)
+    reference = model.double()(x.double())
+    naive = _into_rows(model, {"conv": (s, t)})
+    with torch.no_grad():
+        w, b = fold.fold_into_conv(naive.side.weight, naive.side.bias, 1 / s, -t / s)
+        naive.side.weight.copy_(w)
+        naive.side.bias.copy_(b)
+    assert rel_err(naive(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "kept-affine", reasons.NONLINEAR, ())]
+    gm = engine.capture(model, x)
+    (d,) = engine.fold_all(gm)
+    assert d.no_backward == "a constant is added on the way and another layer reads a tensor there"
