@@ -147,7 +147,8 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
       ``LazyShards.read_ahead``) and one in the compute dtype (and its outputs), the key/value cache of every layer
       (``2 L B (T + N) K d`` values) and the logits of one step;
     - question 2 on the prompts and the generated tokens (its float64 chain is the generation's reference): a
-      block of rows in float64 (and float32, on its way from half precision); the hidden states of its chains;
+      block of rows in float64 (and float32, on its way from half precision) and, read beside it for the
+      half-precision chains, one in the stored dtype; the hidden states of its chains;
       the widest activations of one layer (the MLP's intermediate size, the attention scores ``B H (T+N)^2``) in
       float64 for twice the prompts (the float64 chain and the original's input beside it); the logits
       ``(B, T+N, V)`` of the three chains (the float64 chain's in float64, the half-precision chains' in float32,
@@ -172,7 +173,7 @@ def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int,
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
     widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     logits = 2 * prompts * length * vocab + 4 * CHUNK_BYTES // 8
-    exact = block_elements * (stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
+    exact = block_elements * (2 * stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
     question_1 = block_elements * (3 * stored + 8 + 4) + CACHE_BLOCK * (8 + 4 + stored)
     return max(generating, exact) + question_1
 
