@@ -283,3 +283,40 @@ def test_no_backward_fold_through_a_constant_add_when_another_layer_reads_the_co
     gm = engine.capture(model, x)
     (d,) = engine.fold_all(gm)
     assert d.no_backward == "a constant is added on the way and another layer reads a tensor there"
+
+
+class ConstantAfterNorm(nn.Module):
+    """``fc(bn(relu(x)) + c)`` over tokens: a number or a stored per-channel constant added to the norm's output
+    before the layer that reads it (the ReLU: no layer before the norm to fold into)."""
+
+    def __init__(self, stored_constant: bool) -> None:
+        super().__init__()
+        self.stored_constant = stored_constant
+        self.norm, self.fc = nn.BatchNorm1d(C), nn.Linear(C, 4)
+        self.register_buffer("c", torch.randn(C, generator=torch.Generator().manual_seed(7)) * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x).transpose(1, 2)).transpose(1, 2)
+        return self.fc(y + (self.c if self.stored_constant else 0.5))
+
+
+@pytest.mark.parametrize("stored_constant", [False, True])
+def test_a_constant_added_after_the_norm_keeps_it_with_its_own_reason(stored_constant, tmp_path):
+    """The norm's output plus a constant before ``fc``: removing the norm leaves the add, so ``fc`` would need the
+    shift ``t + (1 - s) c``; the naive forward fold (``fc`` taking ``(s, t)``) is wrong. Every door keeps the affine
+    and names the constant, not a residual (it said ``residual-reads-norm``)."""
+    model = randomize(ConstantAfterNorm(stored_constant), seed=4).eval()
+    x = torch.randn(B, 6, C, generator=torch.Generator().manual_seed(1))
+    s, t = affine_of(model.norm)
+    reference = model.double()(x.double())
+    naive = copy.deepcopy(model).double()
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        w, b = fold.fold_into_linear(naive.fc.weight, naive.fc.bias, s, t)
+        naive.fc.weight.copy_(w)
+        naive.fc.bias.copy_(b)
+    assert rel_err(naive(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [
+        ("norm", "BatchNorm", "kept-affine", reasons.CONSTANT_ADDED_AFTER_NORM, ())
+    ]

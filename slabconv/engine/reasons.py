@@ -12,6 +12,7 @@ from typing import Any
 ZERO_PADDING_AFTER_NORM = "zero-padding-after-norm"
 MASKED_AFTER_NORM = "masked-after-norm"
 RESIDUAL_READS_NORM = "residual-reads-norm"
+CONSTANT_ADDED_AFTER_NORM = "constant-added-after-norm"
 NONLINEAR = "nonlinear-before-consumer"
 CHANNEL_MIXING_RESHAPE = "channel-mixing-reshape"
 PADDED_CONV_CONSUMER = "padded-conv-consumer"
@@ -34,6 +35,7 @@ ALL = (
     ZERO_PADDING_AFTER_NORM,
     MASKED_AFTER_NORM,
     RESIDUAL_READS_NORM,
+    CONSTANT_ADDED_AFTER_NORM,
     NONLINEAR,
     CHANNEL_MIXING_RESHAPE,
     PADDED_CONV_CONSUMER,
