@@ -550,11 +550,13 @@ def _write_hf_folder(
     progress: Progress,
     metadata: dict[str, str],
     norm_affine: bool = False,
+    opset: int | None = None,
 ) -> list[str]:
     """The Hugging Face model folder files of a fused language model (with the original's tokenizer files and the
-    token ids of its ``generation_config.json``), and with ``onnx`` its decoder ONNX with past key/values
-    (``norm_affine``: a standard decoder's norm weights were folded). ``config.json`` records the weights' fused
-    ``metadata`` too (its provenance: what transformers' ``save_pretrained`` keeps)."""
+    token ids of its ``generation_config.json``), and with ``onnx`` its decoder ONNX with past key/values in
+    ``opset`` (``--opset``; None: the exporter's); ``norm_affine``: a standard decoder's norm weights were folded.
+    ``config.json`` records the weights' fused ``metadata`` too (its provenance: what transformers'
+    ``save_pretrained`` keeps)."""
     from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
     from slabconv.write.hf_llama import (
         STANDARD_TYPES,
@@ -577,7 +579,7 @@ def _write_hf_folder(
     written += [p.name for p in copy_tokenizer_files(loaded.checkpoint.path, folder)]
     if onnx:
         progress("exporting decoder.onnx (with past key/values)")
-        info = export_decoder_onnx(folder, folder / "decoder.onnx")
+        info = export_decoder_onnx(folder, folder / "decoder.onnx", opset=opset)
         written += [f.name for f in onnx_files(folder / "decoder.onnx")]
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         written.append(write_genai_config(folder, info, config).name)
@@ -652,7 +654,7 @@ class InMemory(_TorchDoor):
         self.hf_folder = writes_hf_folder(loaded, planned)
         if self.hf_folder:
             onnx, folded = write.onnx, engine.folds_norm_affine(planned.decisions)
-            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, metadata, folded)
+            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, metadata, folded, write.opset)
             outputs.hf_folder = True
             outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
         return outputs, {}

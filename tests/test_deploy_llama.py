@@ -1159,3 +1159,12 @@ def test_a_changed_weight_of_decoder_onnx_fails_question_1_naming_it(doc, tmp_pa
         ("decoder.onnx vs a float64 fold of the reference", key)
     ]
     assert verification["localization"]["first_tensor"] == key
+
+
+def test_fuse_opset_reaches_decoder_onnx_too(tmp_path):
+    """``fuse --opset N`` of a language model writes ``model.onnx`` and ``decoder.onnx`` in opset N (the decoder
+    was written in the exporter's default whatever was asked)."""
+    api.fuse(TEXT, tmp_path / "out", verify=None, write=WriteOptions(pt2=False, opset=19))
+    for name in ("model.onnx", "decoder.onnx"):
+        model = onnx.load(str(tmp_path / "out" / name), load_external_data=False)
+        assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [19], name

@@ -153,7 +153,8 @@ Opset = Annotated[
     typer.Option(
         "--opset",
         metavar="N",
-        help="ONNX opset of the file written, 17 to 25 (default: the exporter's; 22 for bfloat16).",
+        help="ONNX opset of the files written (model.onnx; a language model's decoder.onnx too), 17 to 25 "
+        "(default: the exporter's; 22 for bfloat16).",
     ),
 ]
 RequireFolded = Annotated[
