@@ -282,8 +282,9 @@ def _networks() -> Iterator[tuple[str, Callable[[], tuple[nn.Module, torch.Tenso
         with torch.no_grad():  # learned scalar affines away from their init (1, 0), which a simplifier drops
             for mod in model.modules():
                 if type(mod).__name__ == "PPLCNetV3LearnableAffineBlock":
-                    mod.scale.copy_(torch.rand(1, generator=gen) + 0.5)
-                    mod.bias.copy_(torch.randn(1, generator=gen) * 0.2)
+                    scale, bias = mod.get_parameter("scale"), mod.get_parameter("bias")
+                    scale.copy_(torch.rand(1, generator=gen) + 0.5)
+                    bias.copy_(torch.randn(1, generator=gen) * 0.2)
         return model, torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
 
     every = list(TORCH_SETTINGS)
