@@ -11,6 +11,10 @@ Files:
   folding), Keras via tf2onnx, PaddlePaddle via paddle2onnx and Flax via jax2onnx, each beside its norm-free twin;
 - exported here with ``torch.onnx.export`` (opset 18) under the same four torch settings: the digits fixture
   (DeiT-PRepBN, 9 RepBN) and the text fixture (LLaMA-PRepBN, 7 RepBN);
+- exported here with the dynamo exporter and the TorchScript exporter: transformers' PP-LCNetV3 backbone (its
+  default config, random init, BatchNorm statistics calibrated on random 64 x 64 images and perturbed, each learned
+  scalar affine ``scale * x + bias`` drawn away from its init; its last feature map), whose RepVGG blocks keep an
+  identity-branch BatchNorm a residual reads;
 - exported here with the dynamo exporter and the TorchScript exporter: the official DeiT-T-PRepBN and
   SLAB-DeiT-Tiny at full size (the zoo's ``deit_tiny_prepbn`` and ``slab_deit_tiny``: their own initialisation,
   BatchNorm statistics calibrated on random images and perturbed, ``benchmarks.zoo_fullsize.calibrate``).
@@ -119,8 +123,9 @@ def histogram(path: Path) -> collections.Counter[str]:
 
 def norm_constants(path: Path) -> dict[str, list[np.ndarray]]:
     """``norm name -> its per-channel constants`` (every stored tensor of more than one element its nodes read: a
-    BatchNorm's weight, bias and statistics, a decomposed norm's scale and shift, a LayerScale's gamma), for every
-    norm slabconv finds in ``path``, in graph order."""
+    BatchNorm's weight, bias and statistics, a decomposed norm's scale and shift, a LayerScale's gamma; for a norm
+    that reads none, a learned scalar affine, its one-element tensors), for every norm slabconv finds in ``path``, in
+    graph order."""
     from slabconv.engine import onnx_fold
     from slabconv.load.onnx_file import load_ir
 
@@ -132,14 +137,15 @@ def norm_constants(path: Path) -> dict[str, list[np.ndarray]]:
             for arg in node.all_input_nodes:
                 if arg.op == "get_attr":
                     value = operator.attrgetter(str(arg.target))(lowered.gm)
-                    if value.numel() > 1:
-                        arrays.append(value.detach().double().reshape(-1).numpy())
-        out[p.decision.norm] = arrays
+                    arrays.append(value.detach().double().reshape(-1).numpy())
+        vectors = [a for a in arrays if a.size > 1]
+        out[p.decision.norm] = vectors or [a for a in arrays if a.size == 1]
     return out
 
 
 def _graph_constants(path: Path) -> list[np.ndarray]:
-    """Every floating initializer and ``Constant`` value of ``path``'s main graph, flattened, as float64."""
+    """Every floating initializer and ``Constant`` value of ``path``'s main graph, flattened, as float64 (one-element
+    ones too: a learned scalar affine's)."""
     model = onnx.load(str(path))
     tensors = list(model.graph.initializer)
     for node in model.graph.node:
@@ -150,7 +156,7 @@ def _graph_constants(path: Path) -> list[np.ndarray]:
             array = onnx.numpy_helper.to_array(t)
         except Exception:  # noqa: BLE001 - a type numpy cannot hold is no norm's constant
             continue
-        if array.dtype.kind == "f" and array.size > 1:
+        if array.dtype.kind == "f" and array.size >= 1:
             out.append(np.asarray(array, dtype=np.float64).reshape(-1))
     return out
 
@@ -216,6 +222,15 @@ class _Logits(nn.Module):
         return out.logits if hasattr(out, "logits") else out
 
 
+class _LastFeatureMap(nn.Module):
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone(x).feature_maps[-1]
+
+
 def _norm_free(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with every RepBN and BatchNorm replaced by an identity."""
     from slabconv.zoo.norms import RepBN
@@ -255,9 +270,27 @@ def _networks() -> Iterator[tuple[str, Callable[[], tuple[nn.Module, torch.Tenso
 
         return build
 
+    def lcnet() -> tuple[nn.Module, torch.Tensor]:
+        import transformers
+
+        from benchmarks.zoo_fullsize import calibrate
+
+        torch.manual_seed(0)
+        model = _LastFeatureMap(transformers.PPLCNetV3Backbone(transformers.PPLCNetV3Config()).eval())
+        calibrate(model, 64, 0)
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():  # learned scalar affines away from their init (1, 0), which a simplifier drops
+            for mod in model.modules():
+                if type(mod).__name__ == "PPLCNetV3LearnableAffineBlock":
+                    scale, bias = mod.get_parameter("scale"), mod.get_parameter("bias")
+                    scale.copy_(torch.rand(1, generator=gen) + 0.5)
+                    bias.copy_(torch.randn(1, generator=gen) * 0.2)
+        return model, torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+
     every = list(TORCH_SETTINGS)
     yield "digits fixture (DeiT-PRepBN)", digits, every
     yield "text fixture (LLaMA-PRepBN)", text, every
+    yield "PP-LCNetV3 (transformers)", lcnet, ["dynamo", "TorchScript"]
     yield "DeiT-T-PRepBN", zoo("deit_tiny_prepbn"), ["dynamo", "TorchScript"]
     yield "SLAB-DeiT-Tiny", zoo("slab_deit_tiny"), ["dynamo", "TorchScript"]
 

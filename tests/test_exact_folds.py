@@ -700,8 +700,9 @@ def test_an_affine_kept_after_a_concat_is_the_identity_on_the_other_channels():
 
 def test_an_affine_kept_after_a_concat_is_laid_out_the_same_in_an_onnx_file(tmp_path):
     """The same model through the ONNX door (the TorchScript exporter, what ``yolo export`` runs): the same
-    decision, and the kept ``Mul`` written in front of the padded conv carries the norm's scale on the norm's
-    channels and 1 on the backbone's. Tiling the ``C`` scales over the ``C + 4`` channels cannot be written."""
+    decision, and the kept affine written in front of the padded conv (one ``BatchNormalization``: the channels are
+    at axis 1) carries the norm's scale on the norm's channels and 1 on the backbone's. Tiling the ``C`` scales over
+    the ``C + 4`` channels cannot be written."""
     model, x, reference = _aifi("padded")
     path = tmp_path / "aifi.onnx"
     with warnings.catch_warnings():
@@ -713,8 +714,9 @@ def test_an_affine_kept_after_a_concat_is_laid_out_the_same_in_an_onnx_file(tmp_
     session = ort.InferenceSession(str(tmp_path / "fused.onnx"), providers=["CPUExecutionProvider"])
     (out,) = session.run(None, {"x": x.numpy()})
     assert rel_err(torch.from_numpy(out), reference) <= TOL[torch.float32]
-    (mul,) = [n for n in onnx_model.graph if n.op_type == "Mul" and n.inputs[0].producer().op_type == "Concat"]
-    kept_scale = torch.from_numpy(mul.inputs[1].const_value.numpy()).flatten()
+    (kept,) = [n for n in onnx_model.graph if n.op_type == "BatchNormalization"]
+    assert kept.inputs[0].producer().op_type == "Concat"
+    kept_scale = torch.from_numpy(kept.inputs[1].const_value.numpy()).flatten()
     assert torch.equal(kept_scale[C:], torch.ones(4))
     assert torch.allclose(kept_scale[:C].double(), affine_of(model.norm)[0])
 

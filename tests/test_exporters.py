@@ -112,6 +112,41 @@ def test_norms_left_sees_a_norm_a_tool_kept_and_not_one_it_folded(tmp_path):
     assert "bn3" in bench.norms_left(constants, tmp_path / "reshaped.onnx")
 
 
+def test_norms_left_sees_a_learned_scalar_affine_by_its_one_element_tensors(tmp_path):
+    """A learned scalar affine (``scale * x + bias``, PP-LCNetV3's and HGNetV2's learnable affine block) has no
+    per-channel constant: its one-element tensors are its constants, so a tool that keeps it is counted as leaving
+    it (with vectors only, every tool counted it as folded), and one whose graph no longer holds them is not."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    class _Scalar(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+            self.scale, self.bias = nn.Parameter(torch.tensor([0.7])), nn.Parameter(torch.tensor([0.3]))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.c2(nn.functional.hardswish(self.scale * self.c1(x) + self.bias))
+
+    path = tmp_path / "scalar.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Scalar().eval(), (torch.randn(1, 3, 8, 8),), str(path), dynamo=False, opset_version=18)
+    constants = bench.norm_constants(path)
+    assert [(k, [a.tolist() for a in v]) for k, v in constants.items()] == [
+        ("scale", [[pytest.approx(0.7)], [pytest.approx(0.3)]])
+    ]
+    assert bench.norms_left(constants, path) == ["scale"]
+    model = onnx.load(str(path))
+    for init in model.graph.initializer:
+        if numpy_helper.to_array(init).size == 1:  # what a tool that folded it leaves: neither value
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * 2, init.name))
+    onnx.save(model, str(tmp_path / "gone.onnx"))
+    assert bench.norms_left(constants, tmp_path / "gone.onnx") == []
+
+
 # --------------------------------------------------------------------------------------------- the lowering's fixes
 
 

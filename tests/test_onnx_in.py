@@ -224,8 +224,11 @@ def test_small_models_fold_or_keep_with_the_reason(tmp_path, kind, action, reaso
     assert (decision.action, decision.reason) == (action, reason)
     assert report.verification is not None and report.verification.passed
     fused = op_histogram(tmp_path / "out" / "model.onnx")
-    assert fused["BatchNormalization"] == 0  # a kept norm stays as one Mul (+ Add) on its blocked paths only
-    assert fused["Mul"] == op_histogram(path)["Mul"] - 1 + (action == "kept-affine")  # alpha * x gone, s * x kept
+    # a kept norm stays on its blocked paths only: one BatchNormalization on the conv's (B, C, N) input (channels at
+    # axis 1), else one Mul and one Add on the tokens (B, N, C)
+    on_axis_1 = kind == "padded-conv"
+    assert fused["BatchNormalization"] == on_axis_1
+    assert fused["Mul"] == op_histogram(path)["Mul"] - 1 + (action == "kept-affine" and not on_axis_1)  # alpha * x
 
 
 def test_a_naive_fold_of_a_refused_norm_would_be_wrong(tmp_path):
@@ -870,6 +873,55 @@ def test_simplify_is_no_larger_than_onnxslim_on_the_original(tmp_path):
     assert report.outputs.onnx_info["simplified"]["simplifiers"][-1].endswith(" without FusionGemm"), (ours, theirs)
 
 
+class _RepVGG(nn.Module):
+    """A RepVGG block (PP-LCNetV3's): ``relu(bn1(conv3x3(x)) + bn2(conv1x1(x)) + bn3(x))``, whose identity-branch
+    ``bn3`` reads ``x`` that both convs read too (the exporter folds ``bn1`` and ``bn2`` into their convs), then a
+    BatchNorm read by a 1x1 conv and by the residual around it (``pw(z) + z``)."""
+
+    def __init__(self, c: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.c3, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.c1, self.bn2 = nn.Conv2d(c, c, 1, bias=False), nn.BatchNorm2d(c)
+        self.bn3, self.bn, self.pw = nn.BatchNorm2d(c), nn.BatchNorm2d(c), nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        z = self.bn(torch.relu(self.bn1(self.c3(x)) + self.bn2(self.c1(x)) + self.bn3(x)))
+        return self.pw(z) + z
+
+
+def test_a_kept_batchnorm_on_nchw_stays_one_node_no_larger_than_onnxslim(tmp_path):
+    """A kept affine on the channel axis 1 of an NCHW tensor is one ``BatchNormalization`` (scale ``s``, bias ``t``,
+    mean 0, variance 1, epsilon 0: exactly ``x * s + t``), not a ``Mul`` and an ``Add``: the RepVGG block's
+    identity-branch BatchNorm (kept whole, ``residual-reads-norm``) and the BatchNorm the residual reads beside the
+    conv it folds into were each two nodes where the export and onnxslim have one, and ``fuse --simplify`` of
+    PP-LCNetV3 was larger than onnxslim's output of the export by one node per such BatchNorm."""
+    import onnxslim
+
+    torch.manual_seed(0)
+    model = randomize_norms(_RepVGG().eval(), seed=5)
+    path = _export(model, torch.randn(2, 3, 8, 8), tmp_path / "repvgg.onnx", 17)
+    original = op_histogram(path)
+    assert original["BatchNormalization"] == 2 and original["Mul"] == 0  # bn1, bn2 are in their convs already
+    theirs = len(onnxslim.slim(onnx.load(str(path))).graph.node)
+    for simplify in (False, True):
+        out = tmp_path / f"out-{simplify}"
+        report = api.fuse(path, out, verify=VerifyOptions(samples=4), write=WriteOptions(simplify=simplify))
+        assert report.verification is not None and report.verification.passed
+        assert report.verification.exact and all(c.passed for c in report.verification.exact)
+        actions = {d.norm.rsplit(".", 1)[-1]: (d.action, d.reason) for d in report.folds}
+        assert actions == {"bn3": ("kept-affine", reasons.RESIDUAL_READS_NORM),
+                           "bn": ("kept-affine", reasons.RESIDUAL_READS_NORM)}, actions  # fmt: skip
+        fused = op_histogram(out / "model.onnx")
+        assert fused == original, (simplify, fused, original)  # bn's affine is in pw now, each kept one a node
+        assert sum(fused.values()) <= theirs
+        bn = [n for n in onnx.load(str(out / "model.onnx")).graph.node if n.op_type == "BatchNormalization"]
+        assert [a.f for n in bn for a in n.attribute if a.name == "epsilon"] == [0.0, 0.0]
+        x = np.random.default_rng(0).standard_normal((3, 3, 8, 8)).astype(np.float32)
+        np.testing.assert_allclose(_run(out / "model.onnx", x), _run(path, x), rtol=1e-5, atol=1e-5)
+
+
 class _AIFI(nn.Module):
     """RT-DETR's AIFI encoder layer with RepBN norms, as the RT-DETR / YOLO repositories copy it from the SLAB code
     (``src.permute(0, 2, 1).view([-1, c, h, w])`` back to the feature map), then the neck's 1x1 conv."""
@@ -1144,7 +1196,10 @@ def test_a_norm_an_if_branch_reads_keeps_its_affine_inside_the_branch(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     report = api.fuse(path, tmp_path / "out", verify=None)
     assert [(d.action, d.reason) for d in report.folds] == [("kept-affine", "unsupported-op:onnx.If")]
-    assert "BatchNormalization" not in op_histogram(tmp_path / "out" / "model.onnx")
+    (kept,) = [
+        n for n in onnx.load(str(tmp_path / "out" / "model.onnx")).graph.node if n.op_type == "BatchNormalization"
+    ]
+    assert kept.name == "bn/kept_affine"  # the norm's own node went, the kept affine reads its input
     x = rng.standard_normal((2, 3, 3, 3)).astype(np.float32)
     for sample in (x, -x):  # one input down each branch
         want, got = _run(path, sample), _run(tmp_path / "out" / "model.onnx", sample)
@@ -1342,7 +1397,7 @@ def test_a_norm_after_a_transposed_conv_folds_through_every_door(tmp_path):
         ("norm2", "folded-backward", None, ["fc"]),
     ]
     fused, xs = _through_both_doors(model, torch.randn(2, 8, 5, 5), tmp_path, decisions)
-    assert op_histogram(fused) == collections.Counter({"Mul": 1, "Add": 1, "ConvTranspose": 1, "Relu": 1})
+    assert op_histogram(fused) == collections.Counter({"BatchNormalization": 1, "ConvTranspose": 1, "Relu": 1})
     (convt,) = [n for n in onnx.load(str(fused)).graph.node if n.op_type == "ConvTranspose"]
     assert len(convt.input) == 3  # the created bias
     program = torch.export.load(tmp_path / "pt2" / "model.pt2").module()

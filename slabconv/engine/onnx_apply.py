@@ -11,7 +11,9 @@ changed in place, as the plans say:
   fold; an initializer that other nodes read too is copied for the node the fold changed (copy on write);
 - a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose``, or an ``Add`` after its ``MatMul``
   (``<layer>.bias``, a ``.../folded_bias_add`` node);
-- a kept affine becomes ``Mul`` (and ``Add``) in front of each blocked node, on the value it reads (an ``If`` or
+- a kept affine becomes one ``BatchNormalization`` (mean 0, variance 1, epsilon 0: exactly ``x * s + t``) where its
+  channels are at axis 1 and it has a shift, else ``Mul`` (and ``Add``), in front of each blocked node, on the
+  value it reads (an ``If`` or
   ``Loop`` reading it inside a subgraph reads the affine there);
 - the norm op of a LayerNorm / RMSNorm / GroupNorm whose affine folded (``--fold-norm-affine``) keeps its inputs,
   its scale initializer holding ones and its bias zeros;
@@ -55,12 +57,19 @@ def _numpy(tensor: torch.Tensor, dtype: ir.DataType) -> np.ndarray:
     return fold.rounded(tensor, target).contiguous().numpy()
 
 
+_BATCHNORM_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
+"""The dtypes in which a kept affine is written as a ``BatchNormalization`` (those onnxruntime's CPU provider
+runs it in; a bfloat16 one stays ``Mul`` and ``Add``)."""
+
+
 class _Graph:
     """The model being rewritten, with its nodes and values by name and what the plans changed so far."""
 
     def __init__(self, model: ir.Model, lowered: Lowered, exact: bool):
         self.graph, self.lowered, self.exact = model.graph, lowered, exact
         self.listed = model.ir_version < 4  # IR 3 (opsets up to 8): every initializer is a graph input too
+        # BatchNormalization 9 on: inference mode unless training_mode says otherwise, no `spatial` / `is_test`
+        self.bn = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) >= 9
         self.nodes = {n.name: n for n in self.graph}
         self.values: dict[str, ir.Value] = {v.name: v for v in self.graph.inputs if v.name}
         self.values.update({k: v for k, v in self.graph.initializers.items()})
@@ -181,23 +190,43 @@ class _Graph:
             self.values[old.name] = old  # type: ignore[index]
 
     def affine(self, p: NormPlan, edge: BlockedEdge, base: ir.Value) -> ir.Value:
-        """``base * scale + shift`` with the per-channel values laid out on ``edge.chan`` (the kept affine)."""
+        """``base * scale + shift`` with the per-channel values laid out on ``edge.chan`` (the kept affine): one
+        ``BatchNormalization`` where that is axis 1 and there is a shift (``_batchnorm``), else ``Mul`` (and
+        ``Add``)."""
         assert base.shape is not None
         size = base.shape[edge.chan.axis]
         size = int(size) if isinstance(size, int) else edge.chan.channels * edge.chan.inner
         trailing = [1] * (len(base.shape) - 1 - edge.chan.axis)
         dtype = ir.DataType.DOUBLE if self.exact else base.dtype
         assert dtype is not None
-        s, t = (v.reshape(-1, *trailing) for v in kept_affine(p, edge, size))
+        s, t = kept_affine(p, edge, size)
         stem = p.site.name
-        out = self._op("Mul", base, self._initializer(f"{stem}.scale", _numpy(s, dtype)), f"{stem}/kept_affine_mul")
+        if edge.chan.axis == 1 and len(base.shape) >= 2 and bool(t.any()) and dtype in _BATCHNORM_DTYPES and self.bn:
+            return self._batchnorm(stem, base, _numpy(s, dtype), _numpy(t, dtype))
+        s, t = (v.reshape(-1, *trailing) for v in (s, t))
+        out = self._op(
+            "Mul", base, self._initializer(f"{stem}.scale", _numpy(s, dtype)), wanted=f"{stem}/kept_affine_mul"
+        )
         if bool(t.any()):
-            out = self._op("Add", out, self._initializer(f"{stem}.shift", _numpy(t, dtype)), f"{stem}/kept_affine_add")
+            shift = self._initializer(f"{stem}.shift", _numpy(t, dtype))
+            out = self._op("Add", out, shift, wanted=f"{stem}/kept_affine_add")
         return out
 
-    def _op(self, op: str, a: ir.Value, b: ir.Value, wanted: str) -> ir.Value:
+    def _batchnorm(self, stem: str, base: ir.Value, s: np.ndarray, t: np.ndarray) -> ir.Value:
+        """``BatchNormalization(base, scale=s, B=t, mean=0, var=1, epsilon=0)``: ``(base - 0) / sqrt(1 + 0) * s +
+        t``, which is ``base * s + t`` exactly (the division by 1 rounds nothing), as one node (onnxruntime computes
+        it as ``base * s + t``; what the export and onnxslim have for a BatchNorm that stays)."""
+        zeros, ones = np.zeros_like(t), np.ones_like(s)
+        inputs = [base] + [
+            self._initializer(f"{stem}.{name}", array)
+            for name, array in (("scale", s), ("shift", t), ("zero_mean", zeros), ("unit_var", ones))
+        ]
+        return self._op("BatchNormalization", *inputs, wanted=f"{stem}/kept_affine", epsilon=0.0)
+
+    def _op(self, op: str, a: ir.Value, *others: ir.Value, wanted: str, epsilon: float | None = None) -> ir.Value:
         out = ir.Value(name=self.fresh(f"{wanted}_output"), shape=a.shape, type=a.type)
-        node = ir.Node("", op, [a, b], outputs=[out], name=self.fresh_node(wanted))
+        attributes = [] if epsilon is None else [ir.AttrFloat32("epsilon", epsilon)]
+        node = ir.Node("", op, [a, *others], attributes=attributes, outputs=[out], name=self.fresh_node(wanted))
         producer = a.producer()
         if producer is not None and producer.graph is self.graph:
             self.graph.insert_after(producer, node)

@@ -14,7 +14,8 @@ For each norm, in order of preference:
    produced by a Linear/conv that nothing else reads: scale its output rows (``diag(s) W``, ``s b + t``), drop the
    norm. Exact on every path at once.
 3. ``kept-affine``: neither is possible. Layers that can absorb the affine still get it; on each blocked path one
-   per-channel ``x * scale + shift`` stays (no BN op, no transposes), with the reason.
+   per-channel ``x * scale + shift`` stays (no transposes; ``slabconv.engine.onnx_apply`` writes it), with the
+   reason.
 4. ``kept``: the norm is not a fixed affine (batch statistics, train mode), or its affine does not fit the model's
    dtype; its ops are left as they are.
 
