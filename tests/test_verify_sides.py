@@ -56,6 +56,86 @@ def test_an_unfused_export_verifies_like_any_model(tiny_fused: Path, tmp_path: P
     assert any("an unfused export of its source (export --no-fuse)" in n for n in v["notes"])
 
 
+def _with_metadata_of(path: Path, donor: Path, rename: bool = False) -> Path:
+    """``path`` (an ``.onnx``) with the ``metadata_props`` of ``donor`` copied onto it, by hand as a person would;
+    ``rename``: every initializer renamed too (``init_0``, ...), as another exporter names them."""
+    model = onnx.load(str(path))
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, {p.key: p.value for p in onnx.load(str(donor)).metadata_props})
+    if rename:
+        names = {t.name: f"init_{i}" for i, t in enumerate(model.graph.initializer)}
+        for tensor in model.graph.initializer:
+            tensor.name = names[tensor.name]
+        for node in model.graph.node:
+            node.input[:] = [names.get(i, i) for i in node.input]
+    out = path.with_name(f"forged-{path.name}")
+    onnx.save(model, str(out))
+    return out
+
+
+@pytest.mark.parametrize("rename", [False, True], ids=["names kept", "initializers renamed"])
+def test_a_folds_metadata_copied_onto_an_unfused_export_verifies_it_as_unfused(
+    tiny_fused: Path, tmp_path: Path, rename: bool
+) -> None:
+    """The fused file's slabconv metadata copied by hand onto ``export --no-fuse``'s file: it records a fold of the
+    reference, yet it holds every folded norm's tensors (by name, or by value where another exporter renamed them),
+    so it is verified as the unfused model it is: question 2 passes, and the note says why question 1 was not asked
+    (question 1 applied on the metadata alone and failed, 5.25e+10 units off, the localisation blaming a fold)."""
+    ckpt = tiny_fused / "ckpt.pth"
+    api.export(ckpt, tmp_path / "orig.onnx", fuse=False)
+    forged = _with_metadata_of(tmp_path / "orig.onnx", tiny_fused / "ckpt-fused" / "model.onnx", rename)
+    code, report, stderr = _json(ckpt, forged)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None and v["exact"] == [] and v["checks"]
+    [note] = [n for n in v["notes"] if n.startswith("question 1 (is the fold exact?) not answered")]
+    assert (
+        "records that it is a fold of the reference, but it holds the tensors of every norm that fold removes" in note
+    )
+
+
+def test_an_onnx_originals_metadata_copied_from_its_fold_verifies_it_as_unfused(
+    onnx_fused: Path, tmp_path: Path
+) -> None:
+    """The same for an ONNX original: its own file with its fold's metadata is not a fold of it."""
+    shutil.copy(onnx_fused / "original.onnx", tmp_path / "original.onnx")
+    forged = _with_metadata_of(tmp_path / "original.onnx", onnx_fused / "fused" / "model.onnx")
+    code, report, stderr = _json(onnx_fused / "original.onnx", forged)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None
+    assert any("holds the tensors of every norm that fold removes" in n for n in v["notes"])
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "model.onnx"])
+def test_a_real_fold_still_gets_question_1_and_fails_it_at_a_changed_folded_weight(
+    tiny_fused: Path, tmp_path: Path, file: str
+) -> None:
+    """The test of a forged fold leaves a real one held to question 1: the folded qkv weight of one file changed by
+    one part in a thousand fails question 1 naming that tensor."""
+    key = "blocks.0.attn.qkv.weight"
+    if file == "model.safetensors":
+        out = _broken_folder(tiny_fused, tmp_path, key, 1.001)
+    else:
+        out = tmp_path / "changed"
+        shutil.copytree(tiny_fused / "ckpt-fused", out)
+        want = load_file(str(out / "model.safetensors"))[key].numpy()
+        model = onnx.load(str(out / "model.onnx"))
+        [tensor] = [t for t in model.graph.initializer
+                    if onnx.numpy_helper.to_array(t).shape == want.T.shape
+                    and np.array_equal(onnx.numpy_helper.to_array(t), want.T)]  # fmt: skip
+        array = onnx.numpy_helper.to_array(tensor).copy()
+        array.flat[0] *= np.float32(1.001)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+        onnx.save(model, str(out / "model.onnx"))
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
+    assert code == 1, stderr
+    v = report["verification"]
+    assert v["question_1_exact"] is False
+    [failed] = [c for c in v["exact"] if not c["passed"]]
+    assert failed["name"] == f"{file} vs a float64 fold of the reference" and failed["worst"] == key
+
+
 @pytest.mark.parametrize(
     "pair", ["same file", "same folder", "two fused files", "unfused export first", "unfused export of the candidate"]
 )

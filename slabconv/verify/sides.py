@@ -75,6 +75,8 @@ class Side:
         program: the fold program of a ``streamed`` reference (question 1 of a streamed fold), made by the caller.
         language_model: a fused language-model folder (greedy generation is checked on it).
         notes: what was not checked on this side, and why.
+        unfused: of a candidate whose provenance records a fold of the reference: the tensors of the norms that
+            fold removes which it holds all the same (``kept_norm_tensors``): it is no fold (``folded_from``).
     """
 
     path: Path
@@ -94,6 +96,7 @@ class Side:
     program: Any = None
     language_model: bool = False
     notes: list[str] = field(default_factory=list)
+    unfused: tuple[str, ...] = ()
 
     @property
     def arch(self) -> str | None:
@@ -387,13 +390,62 @@ def folded_from(reference: Side, candidate: Side) -> bool:
     """``candidate`` records that it is a fold of ``reference``: its source's sha256 is one of the reference's
     (``Side.digests``), for the same architecture where both name one."""
     p = candidate.provenance
-    if p is None or not p.folded:
+    if p is None or not p.folded or candidate.unfused:
         return False
     if p.source_sha256 not in reference.digests() and p.source_sha256 not in reference.digests(whole=True):
         return False
     if p.weights and reference.source.weights and p.weights != reference.source.weights:
         return False  # the same file, its other weights (--ema on one side only)
     return p.arch is None or reference.arch is None or same_architecture(p.arch, reference.arch)
+
+
+def kept_norm_tensors(
+    written: dict[str, Any], removed: list[dict[str, Any]], fold: dict[str, Any], by_value: bool = False
+) -> tuple[str, ...]:
+    """The tensors of the norms a fold removes that a file holds, when it holds some of every such norm's (else
+    ``()``): a file whose metadata records a fold of the reference and that holds them is the unfused model
+    (metadata copied by hand onto an export), not a fold. A fold never writes a tensor under a removed norm's name,
+    and each of its tensors is a fold value rounded to its dtype, so a fold holds none of them; an export of the
+    unfused model holds each norm's live parameters (an exporter may drop the dead ones, such as a progressive
+    norm's finished LayerNorm branch, or merge some, hence some of every norm's rather than all).
+
+    Args:
+        written: the file's stored tensors by name (each in its stored dtype).
+        removed: one entry per norm the fold removes: its parameters and statistics (``NormSite.param_names``)
+            that the fold does not keep, by name.
+        fold: the fold's tensors by name (float64).
+        by_value: names may differ (an ``.onnx`` from another exporter): a removed tensor not held by name is
+            also found as a stored tensor of its shape equal to it rounded to that tensor's dtype, where it holds
+            two different values (a constant such as a fresh norm's weight of ones matches too much) and that
+            stored tensor is no fold value of its shape rounded alike.
+
+    Returns:
+        the removed tensors the file holds, in ``removed``'s order, or ``()``.
+    """
+    import torch
+
+    from slabconv.fold import rounded
+
+    def held(name: str, tensor: Any) -> bool:
+        got = written.get(name)
+        if got is not None and tuple(got.shape) == tuple(tensor.shape):
+            return True
+        if not by_value or tensor.numel() < 2 or bool((tensor == tensor.flatten()[0]).all()):
+            return False
+        shape = tuple(tensor.shape)
+        alike = [f for f in fold.values() if tuple(f.shape) == shape]
+        return any(
+            torch.equal(got, rounded(tensor, got.dtype))
+            and not any(torch.equal(got, rounded(f, got.dtype)) for f in alike)
+            for got in written.values()
+            if tuple(got.shape) == shape and got.is_floating_point()
+        )
+
+    groups = [g for g in removed if g]
+    found = [[name for name, tensor in g.items() if held(name, tensor)] for g in groups]
+    if not groups or not all(found):
+        return ()
+    return tuple(name for names in found for name in names)
 
 
 def same_architecture(a: str, b: str) -> bool:
@@ -450,6 +502,12 @@ def _load_options(load: LoadOptions) -> list[str]:
 def why_not_a_fold(reference: Side, candidate: Side) -> str:
     """Why question 1 does not apply to this pair, in words (for the report's note)."""
     p, r = candidate.provenance, reference.provenance
+    if candidate.unfused:
+        shown = ", ".join(repr(k) for k in candidate.unfused[:3]) + (", ..." if len(candidate.unfused) > 3 else "")
+        return (
+            "the candidate records that it is a fold of the reference, but it holds the tensors of every norm that "
+            f"fold removes ({len(candidate.unfused)}: {shown}): it is the unfused model, whatever its metadata says"
+        )
     if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
         return "the candidate is the reference itself (the same bytes); nothing was folded"
     if p is not None and p.folded and r is not None and p.source_sha256 == r.source_sha256:
