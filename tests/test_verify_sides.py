@@ -857,3 +857,55 @@ def test_a_float16_fuse_failing_strict_is_localised_to_float16_not_to_the_runtim
     rounding = float(verdict.split("(up to ", 1)[1].split(" ", 1)[0])
     assert 1e-5 < rounding < 1e-2  # float16's rounding of the weights, not float32's (about 1e-7)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_wrong_fold_the_stored_weights_hold_is_localised_to_that_fold_not_to_the_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fold bug (one column of every folded Linear weight 0.1% off) is in the float64 fold too, so the written
+    weights hold the fold's values at every boundary: question 1's graph check fails, and the localisation said "a
+    difference comes from the runtime". It names the first fold where the float64 fold itself leaves the original."""
+    from slabconv import fold
+    from slabconv.errors import VerificationError
+
+    real = fold.fold_into_linear
+
+    def wrong(weight, bias, scale, shift, **kw):  # type: ignore[no-untyped-def]
+        w, b = real(weight, bias, scale, shift, **kw)
+        w = w.clone()
+        w[:, 0] = (w[:, 0].double() * 1.001).to(w.dtype)
+        return w, b
+
+    monkeypatch.setattr(fold, "fold_into_linear", wrong)
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    with pytest.raises(VerificationError) as caught:
+        api.fuse(ckpt, tmp_path / "out", verify=VerifyOptions(samples=4))
+    v = caught.value.report.verification
+    assert v is not None and v.exact[0].method == "graph" and not v.exact[0].passed
+    detail = v.localization.detail
+    assert "comes from the runtime" not in detail
+    assert "the float64 fold itself first differs from the original at blocks.0.norm1 -> blocks.0.attn.qkv" in detail
+    assert detail.endswith("a difference comes from the fold, not from the runtime")
+
+
+def test_a_failed_question_1_never_leaves_the_difference_to_the_runtime() -> None:
+    """Where every boundary agrees and no tensor the pass reads differs, yet question 1 failed at a stored tensor, the
+    verdict names that tensor instead of the runtime (question 1 runs in float64, no runtime takes part)."""
+    from slabconv.verify import localize
+    from slabconv.verify.results import Boundary, ExactCheck, Localization
+
+    def agreeing() -> Localization:
+        loc = Localization("m", [Boundary("norm", "head", 0.0, 1e-9)])
+        loc.detail = localize._verdict(loc.boundaries)
+        return loc
+
+    assert agreeing().detail.endswith("a difference comes from the runtime, not from a fold")
+    passed = ExactCheck("model.safetensors vs a float64 fold of the reference", True, "tensors", 0.0, 0.0)
+    assert localize._after_question_1(agreeing(), [passed]).detail.endswith("from the runtime, not from a fold")
+    failed = ExactCheck("model.onnx vs a float64 fold of the reference", False, "tensors", 1.0, 0.0, "pos_embed")
+    detail = localize._after_question_1(agreeing(), [passed, failed]).detail
+    assert "comes from the runtime" not in detail
+    assert "question 1 found 'pos_embed' 1 unit in the last place from the fold (model.onnx vs a float64 fold" in detail
+    loc = agreeing()
+    loc.first_tensor = "head.weight"  # a folded layer's tensor differs, but no boundary shows it on these samples
+    assert "comes from the runtime" not in localize._after_question_1(loc, [failed]).detail

@@ -636,7 +636,7 @@ def verify(
         from slabconv.verify import localize as localizer
 
         progress("verifying: localising, fold by fold")
-        verification.localization = localizer.localize(reference, candidate, opts, load)
+        verification.localization = localizer.localize(reference, candidate, opts, load, verification.exact)
     verification.seconds = time.monotonic() - started
     return verification
 
