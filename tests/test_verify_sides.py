@@ -909,3 +909,16 @@ def test_a_failed_question_1_never_leaves_the_difference_to_the_runtime() -> Non
     loc = agreeing()
     loc.first_tensor = "head.weight"  # a folded layer's tensor differs, but no boundary shows it on these samples
     assert "comes from the runtime" not in localize._after_question_1(loc, [failed]).detail
+
+
+def test_one_unit_in_the_last_place_is_said_in_the_singular(tiny_fused: Path, tmp_path: Path) -> None:
+    """A weight of model.onnx one unit in the last place off: the question 1 line, the failure line and the
+    localisation say "1 unit in the last place" (they said "1 units")."""
+    out = tmp_path / "changed"
+    shutil.copytree(tiny_fused / "ckpt-fused", out)
+    onnxcases.nudge_initializer(out / "model.onnx")
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(out), "--samples", "4"])
+    assert result.exit_code == 1, result.stderr
+    assert "FAIL model.onnx vs a float64 fold of the reference: 1 unit in the last place (allowed 0)" in result.stdout
+    assert "is 1 unit in the last place away from the value it is held to" in result.stderr
+    assert "1 units" not in result.stdout + result.stderr

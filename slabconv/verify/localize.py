@@ -331,9 +331,7 @@ def _blame(
     ):
         name, units = outside
         loc.detail = f"no fold to blame: the first stored tensor that differs from the fold is {name!r} "
-        loc.detail += (
-            f"({units:.3g} units in the last place from the value it is held to), in a layer no norm folded into"
-        )
+        loc.detail += f"({units_in_last_place(units)} from the value it is held to), in a layer no norm folded into"
         inherited_count = sum(b.inherited for b in loc.boundaries)
         if inherited_count:
             loc.detail += (
@@ -344,7 +342,7 @@ def _blame(
     elif loc.first is None and any(b.inherited for b in loc.boundaries):
         # boundaries diverge, none by its own tensors, and what differs is a fold's (a kept norm's affine)
         name, units = differ[0]
-        loc.detail = f"first differing tensor: {name!r} ({units:.3g} units in the last place from the value it is "
+        loc.detail = f"first differing tensor: {name!r} ({units_in_last_place(units)} from the value it is "
         loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift, or "
         loc.detail += "the weight of 1 a norm keeps when --fold-norm-affine folded its affine); "
         loc.detail += "the fold boundaries after it diverge only through it"
