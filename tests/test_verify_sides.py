@@ -922,3 +922,15 @@ def test_one_unit_in_the_last_place_is_said_in_the_singular(tiny_fused: Path, tm
     assert "FAIL model.onnx vs a float64 fold of the reference: 1 unit in the last place (allowed 0)" in result.stdout
     assert "is 1 unit in the last place away from the value it is held to" in result.stderr
     assert "1 units" not in result.stdout + result.stderr
+
+
+def test_a_bfloat16_onnx_reference_gets_advice_for_verify(tiny_fused: Path, tmp_path: Path) -> None:
+    """``verify`` given a bfloat16 ``.onnx`` as the reference (``fuse --dtype bfloat16``'s model.onnx): onnxruntime
+    cannot run it, and the advice fits ``verify`` (it said "fold it with --no-verify ...", which is ``fuse``'s)."""
+    out = tmp_path / "bf16"
+    api.fuse(tiny_fused / "ckpt.pth", out, verify=None, write=WriteOptions(dtype="bfloat16", pt2=False))
+    code, _, stderr = _json(out / "model.onnx", out)
+    assert code == 2
+    [line] = error_lines(stderr)
+    assert "onnxruntime cannot run this bfloat16 model as the reference" in line
+    assert "give as the reference the model it was made from" in line and "--no-verify" not in line

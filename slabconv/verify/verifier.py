@@ -325,8 +325,14 @@ def _torch_reference(
     return ref, fused64, decisions64, notes
 
 
-def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) -> tuple[Reference, str, int | None]:
+def _onnx_reference(
+    reference: Side, x: Inputs, label: str, digest: str | None, fusing: bool = False
+) -> tuple[Reference, str, int | None]:
     """An ONNX original in its dtype (onnxruntime) and its graph in float64.
+
+    Args:
+        fusing: ``fuse`` verifies the fold it has just written (the advice for an original onnxruntime cannot run
+            is ``fuse``'s); else ``verify`` was given this reference (its advice is ``verify``'s).
 
     Raises:
         InputError: a graph that draws random numbers; an original onnxruntime cannot run (a bfloat16 one).
@@ -338,11 +344,18 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
     try:
         runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
     except RuntimeUnavailable as err:
-        if info.dtype == "bfloat16":  # the CPU provider lacks bfloat16 kernels for most ops (BatchNorm, MatMul)
+        if info.dtype == "bfloat16" and fusing:  # the CPU provider lacks bfloat16 kernels (BatchNorm, MatMul)
             raise InputError(
                 f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
                 "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
                 "kernels, or fold a float32 or float16 export"
+            ) from None
+        if info.dtype == "bfloat16":  # verify: the reference runs in onnxruntime, whatever --runtime names
+            raise InputError(
+                f"{info.path}: onnxruntime cannot run this bfloat16 model as the reference ({first_line(err, 160)}); "
+                "verify runs its reference in onnxruntime (--runtime chooses the candidate's runtimes only): give as "
+                "the reference the model it was made from (a checkpoint or folder, which PyTorch runs in bfloat16), "
+                "or a float32 or float16 export of it"
             ) from None
         raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
     batch = runtime.fixed_batch
@@ -700,7 +713,7 @@ def _whole(
     )
     first: Written | None = None
     if reference.kind == "onnx":
-        ref, which, batch = _onnx_reference(reference, x, label, digest)
+        ref, which, batch = _onnx_reference(reference, x, label, digest, fusing=just_folded)
         verification.reference = f"the reference ONNX graph in float64 ({which})"
         fused64 = folded = None
         if related:
