@@ -934,3 +934,33 @@ def test_a_bfloat16_onnx_reference_gets_advice_for_verify(tiny_fused: Path, tmp_
     [line] = error_lines(stderr)
     assert "onnxruntime cannot run this bfloat16 model as the reference" in line
     assert "give as the reference the model it was made from" in line and "--no-verify" not in line
+
+
+def test_a_fused_safetensors_whose_metadata_was_stripped_is_verified_as_the_reference_architectures_fused_weights(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """A fused model.safetensors saved again without its metadata (``save_file(load_file(...))``) names no
+    architecture: it was refused ("could not detect the architecture"). It is read as the fused weights of the
+    reference's architecture, verified on question 2, and the note says why question 1 was not asked; the original's
+    weights stripped alike are refused naming both readings."""
+    stripped = tmp_path / "model.safetensors"
+    save_file(load_file(tiny_fused / "ckpt-fused" / "model.safetensors"), stripped)
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", stripped)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None and v["checks"]
+    assert any(
+        "records no source it was folded from (model.safetensors has no slabconv metadata, so it was read as the fused "
+        "weights of the reference's architecture 'deit_prepbn')" in n
+        for n in v["notes"]
+    )
+    changed = load_file(stripped)  # a wrong weight in it still fails question 2
+    changed["head.weight"] = changed["head.weight"] * 1.5
+    save_file(changed, stripped)
+    assert _json(tiny_fused / "ckpt.pth", stripped)[0] == 1
+    wrong = tmp_path / "other.safetensors"
+    save_file({"x": load_file(stripped)["head.weight"]}, wrong)
+    code, _, stderr = _json(tiny_fused / "ckpt.pth", wrong)
+    assert code == 2
+    [line] = error_lines(stderr)
+    assert "nor is it the fused weights of the reference's architecture 'deit_prepbn'" in line

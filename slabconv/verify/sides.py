@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slabconv.errors import SlabconvError, UnsupportedModelError, UsageError
+from slabconv.errors import InputError, SlabconvError, UnsupportedModelError, UsageError, first_line
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
@@ -74,7 +74,7 @@ class Side:
         dynamic_sequence: its programs take any sequence length (question 2 then runs a shorter one too).
         program: the fold program of a ``streamed`` reference (question 1 of a streamed fold), made by the caller.
         language_model: a fused language-model folder (greedy generation is checked on it).
-        notes: what was not checked on this side, and why.
+        notes: what the verdict should say about how this side was read (``why_not_a_fold`` adds them).
         unfused: of a candidate whose provenance records a fold of the reference: the tensors of the norms that
             fold removes which it holds all the same (``kept_norm_tensors``): it is no fold (``folded_from``).
     """
@@ -312,12 +312,19 @@ def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
                 **given)  # fmt: skip
 
 
-def open_side(path: Path, load: LoadOptions | None = None) -> Side:
+def open_side(path: Path, load: LoadOptions | None = None, reference: Side | None = None) -> Side:
     """The side at ``path``: an ``.onnx`` file, a folder ``fuse`` wrote (its ``report.json``, or a fused language
     model's Hugging Face files without it), else a model slabconv builds.
 
+    Args:
+        reference: given for a candidate: a ``.safetensors`` file slabconv cannot build on its own (a fused
+            ``model.safetensors`` whose metadata was stripped, so nothing names its architecture) is read as the
+            fused weights of the reference's architecture and config (``load_model``'s ``fused_like``); it records
+            no source, so question 1 is not asked (the report's note says so).
+
     Raises:
-        InputError, UnsupportedModelError, UsageError: as ``read_onnx`` / ``load_model``.
+        InputError, UnsupportedModelError, UsageError: as ``read_onnx`` / ``load_model``; for such a candidate,
+            naming both readings that failed.
     """
     from slabconv.load.formats import engine_of
     from slabconv.load.model import load_model
@@ -326,7 +333,27 @@ def open_side(path: Path, load: LoadOptions | None = None) -> Side:
         return onnx_side(path)
     if is_output_folder(path) or (path.is_dir() and is_fused_language_model(path)):  # report.json, or a fused LM's
         return output_side(path)  # Hugging Face folder as shared without it (config.json, modeling file, weights)
-    return model_side(load_model(path, load), path)
+    try:
+        return model_side(load_model(path, load), path)
+    except (InputError, UnsupportedModelError) as err:
+        like = reference.loaded if reference is not None and reference.kind == "model" else None
+        if like is None or like.arch is None or path.suffix != ".safetensors" or not path.is_file():
+            raise
+        if FusedMetadata.read(_weights_header(path)[1], str(path)) is not None:
+            raise  # it has slabconv's metadata: the reason is about what it records
+        try:
+            side = model_side(load_model(path, load, fused_like=(like.arch, like.config)), path)
+        except (InputError, UnsupportedModelError) as fused_err:
+            raise InputError(
+                f"{err}; nor is it the fused weights of the reference's architecture {like.arch!r} "
+                f"({first_line(fused_err, 200)}): verify a folder fuse wrote, or a model.safetensors with its "
+                "slabconv metadata"
+            ) from None
+        side.notes.append(
+            f"{path.name} has no slabconv metadata, so it was read as the fused weights of the reference's "
+            f"architecture {like.arch!r}"
+        )
+        return side
 
 
 def streamed_side(folder: Path, program: Any = None) -> Side:
@@ -535,7 +562,7 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
             "slabconv.provenance entry of its config.json names one)"
         )
     if p is None:
-        return "the candidate records no source it was folded from"
+        return "the candidate records no source it was folded from" + "".join(f" ({n})" for n in candidate.notes)
     if not p.folded:
         return "the candidate is an unfused export of its source (export --no-fuse)"
     if p.source_sha256 not in reference.digests(whole=True):
