@@ -964,3 +964,14 @@ def test_a_fused_safetensors_whose_metadata_was_stripped_is_verified_as_the_refe
     assert code == 2
     [line] = error_lines(stderr)
     assert "nor is it the fused weights of the reference's architecture 'deit_prepbn'" in line
+
+
+def test_two_folders_holding_the_same_bytes_are_not_called_one_file(tiny_fused: Path, tmp_path: Path) -> None:
+    """A copy of the fused folder (or a --fold-norm-affine fold of a model without LayerNorms beside the default
+    fold: the same weights) against the folder: the note said "the candidate is the reference itself", of two
+    folders."""
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "copy")
+    code, report, stderr = _json(tiny_fused / "ckpt-fused", tmp_path / "copy")
+    assert code == 0, stderr
+    [note] = [n for n in report["verification"]["notes"] if n.startswith("question 1")]
+    assert "the candidate holds the same bytes as the reference (sha256 " in note and "itself" not in note

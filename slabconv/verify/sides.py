@@ -536,7 +536,12 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
             f"fold removes ({len(candidate.unfused)}: {shown}): it is the unfused model, whatever its metadata says"
         )
     if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
-        return "the candidate is the reference itself (the same bytes); nothing was folded"
+        if candidate.path.resolve() == reference.path.resolve():
+            return "the candidate is the reference itself (the same bytes); nothing was folded"
+        return (
+            f"the candidate holds the same bytes as the reference (sha256 {candidate.source.sha256[:12]}..., a copy "
+            "or the same fold written twice); nothing was folded between them"
+        )
     if p is not None and p.folded and r is not None and p.source_sha256 == r.source_sha256:
         what = "a fused file, folded" if r.folded else "an unfused export (export --no-fuse)"
         return (
