@@ -975,3 +975,24 @@ def test_two_folders_holding_the_same_bytes_are_not_called_one_file(tiny_fused: 
     assert code == 0, stderr
     [note] = [n for n in report["verification"]["notes"] if n.startswith("question 1")]
     assert "the candidate holds the same bytes as the reference (sha256 " in note and "itself" not in note
+
+
+def test_a_folds_metadata_copied_onto_the_unfused_weights_verifies_them_as_unfused(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """The original's weights saved as safetensors with the fused file's metadata copied onto them: the metadata names
+    the norm-free model, which the weights do not fill (it was refused: "unexpected keys"). They are read as plain
+    weights of the reference's architecture, hold every folded norm's tensors, and pass question 2 alone."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_fused / "ckpt-fused" / "model.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+    state = torch.load(tiny_fused / "ckpt.pth", weights_only=True)["model"]
+    forged = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, forged, metadata)
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", forged)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None
+    assert any("holds the tensors of every norm that fold removes" in n for n in v["notes"])

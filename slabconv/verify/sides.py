@@ -340,7 +340,12 @@ def open_side(path: Path, load: LoadOptions | None = None, reference: Side | Non
         if like is None or like.arch is None or path.suffix != ".safetensors" or not path.is_file():
             raise
         if FusedMetadata.read(_weights_header(path)[1], str(path)) is not None:
-            raise  # it has slabconv's metadata: the reason is about what it records
+            # slabconv's metadata names a fused model these weights do not fill: the unfused weights with a fold's
+            # metadata copied onto them are read as plain weights (the verifier then finds the norms it holds)
+            try:
+                return model_side(load_model(path, load, fused_like=(like.arch, like.config)), path)
+            except (InputError, UnsupportedModelError):
+                raise err from None
         try:
             side = model_side(load_model(path, load, fused_like=(like.arch, like.config)), path)
         except (InputError, UnsupportedModelError) as fused_err:
