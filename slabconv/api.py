@@ -290,7 +290,8 @@ def verify(
         ref, cand = streaming.streamed_sides(ref_path, cand_path, opts, progress, bool(load and load.fold_norm_affine))
     else:
         progress("opening the reference and the candidate")
-        ref, cand = sides.open_side(ref_path, load), sides.open_side(cand_path, load)
+        ref = sides.open_side(ref_path, load)
+        cand = sides.open_side(cand_path, load, reference=ref)
     verification = verifier.verify(ref, cand, opts, load=load, localize=localize, progress=progress)
     ref.source.extra.setdefault("runtime", None)
     return Report("verify", reference=ref.source, candidate=cand.source, verification=verification)

@@ -82,6 +82,14 @@ def one_line(text: str, limit: int = LINE_LIMIT) -> str:
     return escaped if len(escaped) <= limit else one_line(escaped, limit)
 
 
+def units_in_last_place(value: float) -> str:
+    """A distance in units in the last place, as the report's lines show a number (three significant digits), in
+    the number that agrees with it: ``0 units in the last place``, ``1 unit in the last place``, ``2.5 units in the
+    last place``, ``inf units in the last place``."""
+    shown = f"{value:.3g}"
+    return f"{shown} {'unit' if shown == '1' else 'units'} in the last place"
+
+
 def count(n: int, noun: str, plural: str | None = None) -> str:
     """``n`` and ``noun`` in the number that agrees with it: ``1 norm``, ``2 norms``, ``0 near-ties``
     (``plural``, default ``noun + "s"``)."""

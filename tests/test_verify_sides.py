@@ -56,6 +56,86 @@ def test_an_unfused_export_verifies_like_any_model(tiny_fused: Path, tmp_path: P
     assert any("an unfused export of its source (export --no-fuse)" in n for n in v["notes"])
 
 
+def _with_metadata_of(path: Path, donor: Path, rename: bool = False) -> Path:
+    """``path`` (an ``.onnx``) with the ``metadata_props`` of ``donor`` copied onto it, by hand as a person would;
+    ``rename``: every initializer renamed too (``init_0``, ...), as another exporter names them."""
+    model = onnx.load(str(path))
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, {p.key: p.value for p in onnx.load(str(donor)).metadata_props})
+    if rename:
+        names = {t.name: f"init_{i}" for i, t in enumerate(model.graph.initializer)}
+        for tensor in model.graph.initializer:
+            tensor.name = names[tensor.name]
+        for node in model.graph.node:
+            node.input[:] = [names.get(i, i) for i in node.input]
+    out = path.with_name(f"forged-{path.name}")
+    onnx.save(model, str(out))
+    return out
+
+
+@pytest.mark.parametrize("rename", [False, True], ids=["names kept", "initializers renamed"])
+def test_a_folds_metadata_copied_onto_an_unfused_export_verifies_it_as_unfused(
+    tiny_fused: Path, tmp_path: Path, rename: bool
+) -> None:
+    """The fused file's slabconv metadata copied by hand onto ``export --no-fuse``'s file: it records a fold of the
+    reference, yet it holds every folded norm's tensors (by name, or by value where another exporter renamed them),
+    so it is verified as the unfused model it is: question 2 passes, and the note says why question 1 was not asked
+    (question 1 applied on the metadata alone and failed, 5.25e+10 units off, the localisation blaming a fold)."""
+    ckpt = tiny_fused / "ckpt.pth"
+    api.export(ckpt, tmp_path / "orig.onnx", fuse=False)
+    forged = _with_metadata_of(tmp_path / "orig.onnx", tiny_fused / "ckpt-fused" / "model.onnx", rename)
+    code, report, stderr = _json(ckpt, forged)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None and v["exact"] == [] and v["checks"]
+    [note] = [n for n in v["notes"] if n.startswith("question 1 (is the fold exact?) not answered")]
+    assert (
+        "records that it is a fold of the reference, but it holds the tensors of every norm that fold removes" in note
+    )
+
+
+def test_an_onnx_originals_metadata_copied_from_its_fold_verifies_it_as_unfused(
+    onnx_fused: Path, tmp_path: Path
+) -> None:
+    """The same for an ONNX original: its own file with its fold's metadata is not a fold of it."""
+    shutil.copy(onnx_fused / "original.onnx", tmp_path / "original.onnx")
+    forged = _with_metadata_of(tmp_path / "original.onnx", onnx_fused / "fused" / "model.onnx")
+    code, report, stderr = _json(onnx_fused / "original.onnx", forged)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None
+    assert any("holds the tensors of every norm that fold removes" in n for n in v["notes"])
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "model.onnx"])
+def test_a_real_fold_still_gets_question_1_and_fails_it_at_a_changed_folded_weight(
+    tiny_fused: Path, tmp_path: Path, file: str
+) -> None:
+    """The test of a forged fold leaves a real one held to question 1: the folded qkv weight of one file changed by
+    one part in a thousand fails question 1 naming that tensor."""
+    key = "blocks.0.attn.qkv.weight"
+    if file == "model.safetensors":
+        out = _broken_folder(tiny_fused, tmp_path, key, 1.001)
+    else:
+        out = tmp_path / "changed"
+        shutil.copytree(tiny_fused / "ckpt-fused", out)
+        want = load_file(str(out / "model.safetensors"))[key].numpy()
+        model = onnx.load(str(out / "model.onnx"))
+        [tensor] = [t for t in model.graph.initializer
+                    if onnx.numpy_helper.to_array(t).shape == want.T.shape
+                    and np.array_equal(onnx.numpy_helper.to_array(t), want.T)]  # fmt: skip
+        array = onnx.numpy_helper.to_array(tensor).copy()
+        array.flat[0] *= np.float32(1.001)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(array, tensor.name))
+        onnx.save(model, str(out / "model.onnx"))
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", out)
+    assert code == 1, stderr
+    v = report["verification"]
+    assert v["question_1_exact"] is False
+    [failed] = [c for c in v["exact"] if not c["passed"]]
+    assert failed["name"] == f"{file} vs a float64 fold of the reference" and failed["worst"] == key
+
+
 @pytest.mark.parametrize(
     "pair", ["same file", "same folder", "two fused files", "unfused export first", "unfused export of the candidate"]
 )
@@ -777,3 +857,142 @@ def test_a_float16_fuse_failing_strict_is_localised_to_float16_not_to_the_runtim
     rounding = float(verdict.split("(up to ", 1)[1].split(" ", 1)[0])
     assert 1e-5 < rounding < 1e-2  # float16's rounding of the weights, not float32's (about 1e-7)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_wrong_fold_the_stored_weights_hold_is_localised_to_that_fold_not_to_the_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fold bug (one column of every folded Linear weight 0.1% off) is in the float64 fold too, so the written
+    weights hold the fold's values at every boundary: question 1's graph check fails, and the localisation said "a
+    difference comes from the runtime". It names the first fold where the float64 fold itself leaves the original."""
+    from slabconv import fold
+    from slabconv.errors import VerificationError
+
+    real = fold.fold_into_linear
+
+    def wrong(weight, bias, scale, shift, **kw):  # type: ignore[no-untyped-def]
+        w, b = real(weight, bias, scale, shift, **kw)
+        w = w.clone()
+        w[:, 0] = (w[:, 0].double() * 1.001).to(w.dtype)
+        return w, b
+
+    monkeypatch.setattr(fold, "fold_into_linear", wrong)
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    with pytest.raises(VerificationError) as caught:
+        api.fuse(ckpt, tmp_path / "out", verify=VerifyOptions(samples=4))
+    v = caught.value.report.verification
+    assert v is not None and v.exact[0].method == "graph" and not v.exact[0].passed
+    detail = v.localization.detail
+    assert "comes from the runtime" not in detail
+    assert "the float64 fold itself first differs from the original at blocks.0.norm1 -> blocks.0.attn.qkv" in detail
+    assert detail.endswith("a difference comes from the fold, not from the runtime")
+
+
+def test_a_failed_question_1_never_leaves_the_difference_to_the_runtime() -> None:
+    """Where every boundary agrees and no tensor the pass reads differs, yet question 1 failed at a stored tensor, the
+    verdict names that tensor instead of the runtime (question 1 runs in float64, no runtime takes part)."""
+    from slabconv.verify import localize
+    from slabconv.verify.results import Boundary, ExactCheck, Localization
+
+    def agreeing() -> Localization:
+        loc = Localization("m", [Boundary("norm", "head", 0.0, 1e-9)])
+        loc.detail = localize._verdict(loc.boundaries)
+        return loc
+
+    assert agreeing().detail.endswith("a difference comes from the runtime, not from a fold")
+    passed = ExactCheck("model.safetensors vs a float64 fold of the reference", True, "tensors", 0.0, 0.0)
+    assert localize._after_question_1(agreeing(), [passed]).detail.endswith("from the runtime, not from a fold")
+    failed = ExactCheck("model.onnx vs a float64 fold of the reference", False, "tensors", 1.0, 0.0, "pos_embed")
+    detail = localize._after_question_1(agreeing(), [passed, failed]).detail
+    assert "comes from the runtime" not in detail
+    assert "question 1 found 'pos_embed' 1 unit in the last place from the fold (model.onnx vs a float64 fold" in detail
+    loc = agreeing()
+    loc.first_tensor = "head.weight"  # a folded layer's tensor differs, but no boundary shows it on these samples
+    assert "comes from the runtime" not in localize._after_question_1(loc, [failed]).detail
+
+
+def test_one_unit_in_the_last_place_is_said_in_the_singular(tiny_fused: Path, tmp_path: Path) -> None:
+    """A weight of model.onnx one unit in the last place off: the question 1 line, the failure line and the
+    localisation say "1 unit in the last place" (they said "1 units")."""
+    out = tmp_path / "changed"
+    shutil.copytree(tiny_fused / "ckpt-fused", out)
+    onnxcases.nudge_initializer(out / "model.onnx")
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(out), "--samples", "4"])
+    assert result.exit_code == 1, result.stderr
+    assert "FAIL model.onnx vs a float64 fold of the reference: 1 unit in the last place (allowed 0)" in result.stdout
+    assert "is 1 unit in the last place away from the value it is held to" in result.stderr
+    assert "1 units" not in result.stdout + result.stderr
+
+
+def test_a_bfloat16_onnx_reference_gets_advice_for_verify(tiny_fused: Path, tmp_path: Path) -> None:
+    """``verify`` given a bfloat16 ``.onnx`` as the reference (``fuse --dtype bfloat16``'s model.onnx): onnxruntime
+    cannot run it, and the advice fits ``verify`` (it said "fold it with --no-verify ...", which is ``fuse``'s)."""
+    out = tmp_path / "bf16"
+    api.fuse(tiny_fused / "ckpt.pth", out, verify=None, write=WriteOptions(dtype="bfloat16", pt2=False))
+    code, _, stderr = _json(out / "model.onnx", out)
+    assert code == 2
+    [line] = error_lines(stderr)
+    assert "onnxruntime cannot run this bfloat16 model as the reference" in line
+    assert "give as the reference the model it was made from" in line and "--no-verify" not in line
+
+
+def test_a_fused_safetensors_whose_metadata_was_stripped_is_verified_as_the_reference_architectures_fused_weights(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """A fused model.safetensors saved again without its metadata (``save_file(load_file(...))``) names no
+    architecture: it was refused ("could not detect the architecture"). It is read as the fused weights of the
+    reference's architecture, verified on question 2, and the note says why question 1 was not asked; the original's
+    weights stripped alike are refused naming both readings."""
+    stripped = tmp_path / "model.safetensors"
+    save_file(load_file(tiny_fused / "ckpt-fused" / "model.safetensors"), stripped)
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", stripped)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None and v["checks"]
+    assert any(
+        "records no source it was folded from (model.safetensors has no slabconv metadata, so it was read as the fused "
+        "weights of the reference's architecture 'deit_prepbn')" in n
+        for n in v["notes"]
+    )
+    changed = load_file(stripped)  # a wrong weight in it still fails question 2
+    changed["head.weight"] = changed["head.weight"] * 1.5
+    save_file(changed, stripped)
+    assert _json(tiny_fused / "ckpt.pth", stripped)[0] == 1
+    wrong = tmp_path / "other.safetensors"
+    save_file({"x": load_file(stripped)["head.weight"]}, wrong)
+    code, _, stderr = _json(tiny_fused / "ckpt.pth", wrong)
+    assert code == 2
+    [line] = error_lines(stderr)
+    assert "nor is it the fused weights of the reference's architecture 'deit_prepbn'" in line
+
+
+def test_two_folders_holding_the_same_bytes_are_not_called_one_file(tiny_fused: Path, tmp_path: Path) -> None:
+    """A copy of the fused folder (or a --fold-norm-affine fold of a model without LayerNorms beside the default
+    fold: the same weights) against the folder: the note said "the candidate is the reference itself", of two
+    folders."""
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "copy")
+    code, report, stderr = _json(tiny_fused / "ckpt-fused", tmp_path / "copy")
+    assert code == 0, stderr
+    [note] = [n for n in report["verification"]["notes"] if n.startswith("question 1")]
+    assert "the candidate holds the same bytes as the reference (sha256 " in note and "itself" not in note
+
+
+def test_a_folds_metadata_copied_onto_the_unfused_weights_verifies_them_as_unfused(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """The original's weights saved as safetensors with the fused file's metadata copied onto them: the metadata names
+    the norm-free model, which the weights do not fill (it was refused: "unexpected keys"). They are read as plain
+    weights of the reference's architecture, hold every folded norm's tensors, and pass question 2 alone."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_fused / "ckpt-fused" / "model.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+    state = torch.load(tiny_fused / "ckpt.pth", weights_only=True)["model"]
+    forged = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, forged, metadata)
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", forged)
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"] is None
+    assert any("holds the tensors of every norm that fold removes" in n for n in v["notes"])

@@ -242,13 +242,19 @@ def _onnx_graph_side(path: Path) -> bool:
     return found is not None and found.engine == "onnx"
 
 
-def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedModel:
+def load_model(
+    path: Path | str, options: LoadOptions | None = None, fused_like: tuple[str, dict[str, Any]] | None = None
+) -> LoadedModel:
     """Read a checkpoint and build the model it holds, in eval mode.
 
     Args:
         path: a checkpoint (``.pth``), a ``.pt2`` program, a Hugging Face folder, a fused ``model.safetensors``,
             or a folder ``fuse`` wrote (its ``model.pt2``, else its fused weights in the norm-free model).
         options: ``LoadOptions`` (architecture, EMA weights, ``--trust-pickle``, input shape, image size).
+        fused_like: ``(arch, config)`` of a reference model: a safetensors file without slabconv's metadata is
+            read as the fused weights of that model (its norm-free model, as a fused file's metadata would say:
+            ``verify`` of a fused ``model.safetensors`` whose metadata was stripped); one with it is read as plain
+            weights, its metadata set aside (a fold's metadata copied onto the unfused weights).
 
     Raises:
         InputError: unreadable or unsafe file, weights that do not fit the architecture, a pickled module in
@@ -278,6 +284,10 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
     fused = (
         FusedMetadata.read(ckpt.metadata, str(ckpt.path)) if ckpt.format.endswith(("safetensors", "-sharded")) else None
     )
+    plain = fused_like is not None and fused is not None  # read as plain weights, whatever its metadata says
+    if fused_like is not None and plain:  # the reference's architecture and config, its norms as the weights hold
+        fused = None
+        arch, config = arch or fused_like[0], dict(fused_like[1])
     if fused is not None:
         if not fused.complete:
             raise UnsupportedModelError(
@@ -290,6 +300,9 @@ def load_model(path: Path | str, options: LoadOptions | None = None) -> LoadedMo
         # normalisation, and a standard decoder's fused weights are its own architecture's (norms included)
         standard = arch is not None and get_arch(arch).family == STANDARD_FAMILY
         norm = "checkpoint" if fused.norm_affine or standard else "identity"
+    elif fused_like is not None and not plain and ckpt.format == "safetensors":  # a fused file, metadata stripped
+        arch, config = arch or fused_like[0], dict(fused_like[1])
+        norm = "checkpoint" if get_arch(arch).family == STANDARD_FAMILY else "identity"
     elif ckpt.format.startswith("hf-") and isinstance(config, dict) and config.get("model_type") == FUSED_LLAMA_TYPE:
         # a fused LLaMA folder whose weights lost slabconv's metadata (saved again by transformers): its config
         # names the norm-free model; weights with a norm left in them fail load_strict below

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from slabconv.load.source import Source
 from slabconv.report.data import Report
-from slabconv.text import count, one_line, shown
+from slabconv.text import count, one_line, shown, units_in_last_place
 from slabconv.verify.results import (
     QUESTION_1,
     QUESTION_2,
@@ -261,9 +261,9 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
     if v.exact:
         yield f"  {QUESTION_1}"
     for c in v.exact:
-        unit = "relative error" if c.method == "graph" else "units in the last place"
+        shown = f"{g3(c.error)} relative error" if c.method == "graph" else units_in_last_place(c.error)
         where = f", the largest at {c.worst!r}" if not c.passed and c.method == "tensors" and c.worst else ""
-        yield f"    {_ok(c.passed)} {c.name}: {g3(c.error)} {unit} (allowed {c.bound:g}){where}"
+        yield f"    {_ok(c.passed)} {c.name}: {shown} (allowed {c.bound:g}){where}"
     if v.checks:
         yield f"  {QUESTION_2}"
     for i in v.integrity:

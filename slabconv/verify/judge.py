@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from slabconv.fold import rounded as round_once
+from slabconv.text import count as count_of
 from slabconv.verify import policy
 from slabconv.verify.blocks import row_blocks, rows_of
 from slabconv.verify.results import ExactCheck, OutputCheck
@@ -300,7 +301,7 @@ def tensors_check(
         bound=bound,
         worst=worst_name,
         detail=(
-            f"{count} tensors within {worst:.2g} ulps of {against}"
+            f"{count_of(count, 'tensor')} within {worst:.2g} ulps of {against}"
             if worst <= bound
             else "the written weights are not the fold of this source"
             if against == "the float64 fold"

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,12 +47,16 @@ from slabconv import engine
 from slabconv.fold import rounded
 from slabconv.load.shards import LazyShards
 from slabconv.options import LoadOptions, VerifyOptions
+from slabconv.text import units_in_last_place
 from slabconv.verify import judge, policy
-from slabconv.verify.results import Boundary, Localization
+from slabconv.verify.results import Boundary, ExactCheck, Localization
 from slabconv.verify.sides import Side, folded_from, why_not_a_fold
 
 if TYPE_CHECKING:
     from slabconv.verify.verifier import Written
+
+RUNTIME = "; a difference comes from the runtime, not from a fold"
+"""The end of the verdict where every boundary holds the fold's values and nothing else differs."""
 
 METHOD = (
     "the candidate's stored tensors and the float64 fold rounded to their dtype, each in the reference's fused graph "
@@ -60,8 +64,18 @@ METHOD = (
 )
 
 
-def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None = None) -> Localization:
+def localize(
+    reference: Side,
+    candidate: Side,
+    opts: VerifyOptions,
+    load: LoadOptions | None = None,
+    exact: Sequence[ExactCheck] = (),
+) -> Localization:
     """The localisation of ``candidate`` against ``reference`` (see the module docstring).
+
+    Args:
+        exact: question 1's checks of this pair, when it was asked: where one failed, the verdict never puts the
+            difference on the runtime (``_after_question_1``).
 
     Returns:
         A ``Localization`` whose ``first`` is the first diverging boundary (None: none diverges; ``detail`` says
@@ -71,12 +85,37 @@ def localize(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOp
         why = why_not_a_fold(reference, candidate)
         return Localization("none", detail=f"not localised: the candidate is not a fold of the reference: {why}")
     if reference.kind == "streamed":
-        return _streamed(reference, candidate, opts)
-    if reference.kind == "onnx":
-        return _onnx(reference, candidate, opts)
-    if reference.kind != "model" or candidate.kind not in ("model", "folder", "onnx"):
+        loc = _streamed(reference, candidate, opts)
+    elif reference.kind == "onnx":
+        loc = _onnx(reference, candidate, opts)
+    elif reference.kind != "model" or candidate.kind not in ("model", "folder", "onnx"):
         return Localization("none", detail=f"not localised: no fold boundaries for a {candidate.kind} candidate")
-    return _torch(reference, candidate, opts, load)
+    else:
+        fold_wrong = any(c.method == "graph" and not c.passed for c in exact)
+        loc = _torch(reference, candidate, opts, load, fold_wrong)
+    return _after_question_1(loc, exact)
+
+
+def _after_question_1(loc: Localization, exact: Sequence[ExactCheck]) -> Localization:
+    """``loc`` whose verdict puts the difference on the runtime (no boundary diverges), with that verdict replaced
+    where question 1 failed: question 1 runs in float64, no runtime takes part in it, so the difference is what it
+    named (the fold itself, or a stored tensor whose wrong values no boundary shows on these samples)."""
+    failed = next((c for c in exact if not c.passed), None)
+    if failed is None or loc.first is not None or not loc.detail.endswith(RUNTIME):
+        return loc
+    head = loc.detail[: -len(RUNTIME)]
+    if failed.method == "graph":
+        loc.detail = (
+            f"{head}; question 1 found the float64 fold itself {failed.error:.3g} (relative) from the original: "
+            "the fold is wrong, and the stored weights hold it; a difference comes from the fold, not from the runtime"
+        )
+    else:
+        loc.detail = (
+            f"{head} on these samples; question 1 found {failed.worst!r} {units_in_last_place(failed.error)} from "
+            f"the fold ({failed.name}), a value no boundary shows here (nothing on these samples reaches it, or this "
+            "pass does not read it): a difference comes from that stored tensor, not from the runtime"
+        )
+    return loc
 
 
 def _verdict(boundaries: list[Boundary], rounded_to: tuple[str, str] | None = None) -> str:
@@ -94,7 +133,7 @@ def _verdict(boundaries: list[Boundary], rounded_to: tuple[str, str] | None = No
         f"no fold boundary diverges ({len(boundaries)} compared): the stored weights are the fold's at every boundary"
     )
     if rounded_to is None:
-        return verdict + "; a difference comes from the runtime, not from a fold"
+        return verdict + RUNTIME
     drifts = [b.rounding for b in boundaries if b.rounding is not None]
     stored, original = rounded_to
     verdict += (
@@ -199,7 +238,12 @@ def _rel(candidate: torch.Tensor, reference: torch.Tensor) -> float:
     return judge.rel_err(candidate.numpy(), reference.numpy())[0]
 
 
-def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None) -> Localization:
+def _torch(
+    reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None, fold_wrong: bool = False
+) -> Localization:
+    """The pass for a model slabconv traces as the reference. ``fold_wrong``: question 1 found the float64 fold
+    itself off the original; where the stored weights hold that fold at every boundary, the verdict names the first
+    boundary where the float64 fold, unrounded, differs from the original (the fold that is wrong)."""
     from slabconv.verify.inputs import choose_inputs
     from slabconv.verify.reference import float64_example, float64_graph, fold64
     from slabconv.verify.verifier import norm_affine, unchanged_tensors
@@ -242,9 +286,22 @@ def _torch(reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOpti
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
     loc = Localization(METHOD.format(n=len(t)), boundaries, "")
-    return _blame(
+    loc = _blame(
         loc, _differing(fused64, kept, fold), folded, set(fold) - unchanged, None, _rounded_to(reference, candidate)
     )
+    if fold_wrong and loc.first is None and not loc.first_tensor and loc.detail.endswith(RUNTIME):
+        exact = _record(fused64, t, nodes)  # the float64 fold, unrounded, at each boundary
+        for norm, layer, orig, fused in found:
+            if orig.name in before and fused.name in exact and before[orig.name].shape == exact[fused.name].shape:
+                error = _rel(exact[fused.name], before[orig.name])
+                if not error <= policy.EXACT_RTOL:
+                    loc.detail = (
+                        f"{loc.detail[: -len(RUNTIME)]}; the float64 fold itself first differs from the original at "
+                        f"{Boundary(norm, layer, error, policy.EXACT_RTOL).line()}: that fold is wrong, and the "
+                        "stored weights hold it; a difference comes from the fold, not from the runtime"
+                    )
+                    break
+    return loc
 
 
 def _blame(
@@ -274,9 +331,7 @@ def _blame(
     ):
         name, units = outside
         loc.detail = f"no fold to blame: the first stored tensor that differs from the fold is {name!r} "
-        loc.detail += (
-            f"({units:.3g} units in the last place from the value it is held to), in a layer no norm folded into"
-        )
+        loc.detail += f"({units_in_last_place(units)} from the value it is held to), in a layer no norm folded into"
         inherited_count = sum(b.inherited for b in loc.boundaries)
         if inherited_count:
             loc.detail += (
@@ -287,7 +342,7 @@ def _blame(
     elif loc.first is None and any(b.inherited for b in loc.boundaries):
         # boundaries diverge, none by its own tensors, and what differs is a fold's (a kept norm's affine)
         name, units = differ[0]
-        loc.detail = f"first differing tensor: {name!r} ({units:.3g} units in the last place from the value it is "
+        loc.detail = f"first differing tensor: {name!r} ({units_in_last_place(units)} from the value it is "
         loc.detail += "held to), written by a fold outside the layers it folded into (a kept norm's scale or shift, or "
         loc.detail += "the weight of 1 a norm keeps when --fold-norm-affine folded its affine); "
         loc.detail += "the fold boundaries after it diverge only through it"

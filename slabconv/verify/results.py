@@ -19,7 +19,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from slabconv.text import count
+from slabconv.text import count, units_in_last_place
 
 QUESTION_1 = "question 1 (is the fold exact?)"
 QUESTION_2 = "question 2 (are the written files as good as the original?)"
@@ -58,7 +58,7 @@ class ExactCheck:
                 "the fold is wrong"
             )
         return (
-            f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r} is {self.error:.3g} units in the last place "
+            f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r} is {units_in_last_place(self.error)} "
             f"away from the value it is held to, rounded to its dtype (a correct file is {self.bound:g} away): "
             f"{self.detail}"
         )

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slabconv.errors import SlabconvError, UnsupportedModelError, UsageError
+from slabconv.errors import InputError, SlabconvError, UnsupportedModelError, UsageError, first_line
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
@@ -74,7 +74,9 @@ class Side:
         dynamic_sequence: its programs take any sequence length (question 2 then runs a shorter one too).
         program: the fold program of a ``streamed`` reference (question 1 of a streamed fold), made by the caller.
         language_model: a fused language-model folder (greedy generation is checked on it).
-        notes: what was not checked on this side, and why.
+        notes: what the verdict should say about how this side was read (``why_not_a_fold`` adds them).
+        unfused: of a candidate whose provenance records a fold of the reference: the tensors of the norms that
+            fold removes which it holds all the same (``kept_norm_tensors``): it is no fold (``folded_from``).
     """
 
     path: Path
@@ -94,6 +96,7 @@ class Side:
     program: Any = None
     language_model: bool = False
     notes: list[str] = field(default_factory=list)
+    unfused: tuple[str, ...] = ()
 
     @property
     def arch(self) -> str | None:
@@ -309,12 +312,19 @@ def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
                 **given)  # fmt: skip
 
 
-def open_side(path: Path, load: LoadOptions | None = None) -> Side:
+def open_side(path: Path, load: LoadOptions | None = None, reference: Side | None = None) -> Side:
     """The side at ``path``: an ``.onnx`` file, a folder ``fuse`` wrote (its ``report.json``, or a fused language
     model's Hugging Face files without it), else a model slabconv builds.
 
+    Args:
+        reference: given for a candidate: a ``.safetensors`` file slabconv cannot build on its own (a fused
+            ``model.safetensors`` whose metadata was stripped, so nothing names its architecture) is read as the
+            fused weights of the reference's architecture and config (``load_model``'s ``fused_like``); it records
+            no source, so question 1 is not asked (the report's note says so).
+
     Raises:
-        InputError, UnsupportedModelError, UsageError: as ``read_onnx`` / ``load_model``.
+        InputError, UnsupportedModelError, UsageError: as ``read_onnx`` / ``load_model``; for such a candidate,
+            naming both readings that failed.
     """
     from slabconv.load.formats import engine_of
     from slabconv.load.model import load_model
@@ -323,7 +333,32 @@ def open_side(path: Path, load: LoadOptions | None = None) -> Side:
         return onnx_side(path)
     if is_output_folder(path) or (path.is_dir() and is_fused_language_model(path)):  # report.json, or a fused LM's
         return output_side(path)  # Hugging Face folder as shared without it (config.json, modeling file, weights)
-    return model_side(load_model(path, load), path)
+    try:
+        return model_side(load_model(path, load), path)
+    except (InputError, UnsupportedModelError) as err:
+        like = reference.loaded if reference is not None and reference.kind == "model" else None
+        if like is None or like.arch is None or path.suffix != ".safetensors" or not path.is_file():
+            raise
+        if FusedMetadata.read(_weights_header(path)[1], str(path)) is not None:
+            # slabconv's metadata names a fused model these weights do not fill: the unfused weights with a fold's
+            # metadata copied onto them are read as plain weights (the verifier then finds the norms it holds)
+            try:
+                return model_side(load_model(path, load, fused_like=(like.arch, like.config)), path)
+            except (InputError, UnsupportedModelError):
+                raise err from None
+        try:
+            side = model_side(load_model(path, load, fused_like=(like.arch, like.config)), path)
+        except (InputError, UnsupportedModelError) as fused_err:
+            raise InputError(
+                f"{err}; nor is it the fused weights of the reference's architecture {like.arch!r} "
+                f"({first_line(fused_err, 200)}): verify a folder fuse wrote, or a model.safetensors with its "
+                "slabconv metadata"
+            ) from None
+        side.notes.append(
+            f"{path.name} has no slabconv metadata, so it was read as the fused weights of the reference's "
+            f"architecture {like.arch!r}"
+        )
+        return side
 
 
 def streamed_side(folder: Path, program: Any = None) -> Side:
@@ -387,13 +422,62 @@ def folded_from(reference: Side, candidate: Side) -> bool:
     """``candidate`` records that it is a fold of ``reference``: its source's sha256 is one of the reference's
     (``Side.digests``), for the same architecture where both name one."""
     p = candidate.provenance
-    if p is None or not p.folded:
+    if p is None or not p.folded or candidate.unfused:
         return False
     if p.source_sha256 not in reference.digests() and p.source_sha256 not in reference.digests(whole=True):
         return False
     if p.weights and reference.source.weights and p.weights != reference.source.weights:
         return False  # the same file, its other weights (--ema on one side only)
     return p.arch is None or reference.arch is None or same_architecture(p.arch, reference.arch)
+
+
+def kept_norm_tensors(
+    written: dict[str, Any], removed: list[dict[str, Any]], fold: dict[str, Any], by_value: bool = False
+) -> tuple[str, ...]:
+    """The tensors of the norms a fold removes that a file holds, when it holds some of every such norm's (else
+    ``()``): a file whose metadata records a fold of the reference and that holds them is the unfused model
+    (metadata copied by hand onto an export), not a fold. A fold never writes a tensor under a removed norm's name,
+    and each of its tensors is a fold value rounded to its dtype, so a fold holds none of them; an export of the
+    unfused model holds each norm's live parameters (an exporter may drop the dead ones, such as a progressive
+    norm's finished LayerNorm branch, or merge some, hence some of every norm's rather than all).
+
+    Args:
+        written: the file's stored tensors by name (each in its stored dtype).
+        removed: one entry per norm the fold removes: its parameters and statistics (``NormSite.param_names``)
+            that the fold does not keep, by name.
+        fold: the fold's tensors by name (float64).
+        by_value: names may differ (an ``.onnx`` from another exporter): a removed tensor not held by name is
+            also found as a stored tensor of its shape equal to it rounded to that tensor's dtype, where it holds
+            two different values (a constant such as a fresh norm's weight of ones matches too much) and that
+            stored tensor is no fold value of its shape rounded alike.
+
+    Returns:
+        the removed tensors the file holds, in ``removed``'s order, or ``()``.
+    """
+    import torch
+
+    from slabconv.fold import rounded
+
+    def held(name: str, tensor: Any) -> bool:
+        got = written.get(name)
+        if got is not None and tuple(got.shape) == tuple(tensor.shape):
+            return True
+        if not by_value or tensor.numel() < 2 or bool((tensor == tensor.flatten()[0]).all()):
+            return False
+        shape = tuple(tensor.shape)
+        alike = [f for f in fold.values() if tuple(f.shape) == shape]
+        return any(
+            torch.equal(got, rounded(tensor, got.dtype))
+            and not any(torch.equal(got, rounded(f, got.dtype)) for f in alike)
+            for got in written.values()
+            if tuple(got.shape) == shape and got.is_floating_point()
+        )
+
+    groups = [g for g in removed if g]
+    found = [[name for name, tensor in g.items() if held(name, tensor)] for g in groups]
+    if not groups or not all(found):
+        return ()
+    return tuple(name for names in found for name in names)
 
 
 def same_architecture(a: str, b: str) -> bool:
@@ -450,8 +534,19 @@ def _load_options(load: LoadOptions) -> list[str]:
 def why_not_a_fold(reference: Side, candidate: Side) -> str:
     """Why question 1 does not apply to this pair, in words (for the report's note)."""
     p, r = candidate.provenance, reference.provenance
+    if candidate.unfused:
+        shown = ", ".join(repr(k) for k in candidate.unfused[:3]) + (", ..." if len(candidate.unfused) > 3 else "")
+        return (
+            "the candidate records that it is a fold of the reference, but it holds the tensors of every norm that "
+            f"fold removes ({len(candidate.unfused)}: {shown}): it is the unfused model, whatever its metadata says"
+        )
     if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
-        return "the candidate is the reference itself (the same bytes); nothing was folded"
+        if candidate.path.resolve() == reference.path.resolve():
+            return "the candidate is the reference itself (the same bytes); nothing was folded"
+        return (
+            f"the candidate holds the same bytes as the reference (sha256 {candidate.source.sha256[:12]}..., a copy "
+            "or the same fold written twice); nothing was folded between them"
+        )
     if p is not None and p.folded and r is not None and p.source_sha256 == r.source_sha256:
         what = "a fused file, folded" if r.folded else "an unfused export (export --no-fuse)"
         return (
@@ -477,7 +572,7 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
             "slabconv.provenance entry of its config.json names one)"
         )
     if p is None:
-        return "the candidate records no source it was folded from"
+        return "the candidate records no source it was folded from" + "".join(f" ({n})" for n in candidate.notes)
     if not p.folded:
         return "the candidate is an unfused export of its source (export --no-fuse)"
     if p.source_sha256 not in reference.digests(whole=True):

@@ -326,8 +326,14 @@ def _torch_reference(
     return ref, fused64, decisions64, notes
 
 
-def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) -> tuple[Reference, str, int | None]:
+def _onnx_reference(
+    reference: Side, x: Inputs, label: str, digest: str | None, fusing: bool = False
+) -> tuple[Reference, str, int | None]:
     """An ONNX original in its dtype (onnxruntime) and its graph in float64.
+
+    Args:
+        fusing: ``fuse`` verifies the fold it has just written (the advice for an original onnxruntime cannot run
+            is ``fuse``'s); else ``verify`` was given this reference (its advice is ``verify``'s).
 
     Raises:
         InputError: a graph that draws random numbers; an original onnxruntime cannot run (a bfloat16 one).
@@ -339,11 +345,18 @@ def _onnx_reference(reference: Side, x: Inputs, label: str, digest: str | None) 
     try:
         runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
     except RuntimeUnavailable as err:
-        if info.dtype == "bfloat16":  # the CPU provider lacks bfloat16 kernels for most ops (BatchNorm, MatMul)
+        if info.dtype == "bfloat16" and fusing:  # the CPU provider lacks bfloat16 kernels (BatchNorm, MatMul)
             raise InputError(
                 f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
                 "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
                 "kernels, or fold a float32 or float16 export"
+            ) from None
+        if info.dtype == "bfloat16":  # verify: the reference runs in onnxruntime, whatever --runtime names
+            raise InputError(
+                f"{info.path}: onnxruntime cannot run this bfloat16 model as the reference ({first_line(err, 160)}); "
+                "verify runs its reference in onnxruntime (--runtime chooses the candidate's runtimes only): give as "
+                "the reference the model it was made from (a checkpoint or folder, which PyTorch runs in bfloat16), "
+                "or a float32 or float16 export of it"
             ) from None
         raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
     batch = runtime.fixed_batch
@@ -412,19 +425,54 @@ def _written_tensors(candidate: Side) -> Written:
     return _onnx_tensors(candidate.onnx.path)
 
 
+def _a_fold_lacks_its_norms(
+    candidate: Side,
+    first: Written,
+    sites: list[Any],
+    original: dict[str, torch.Tensor],
+    fold: dict[str, torch.Tensor],
+    just_folded: bool,
+) -> bool:
+    """Whether a candidate whose provenance records a fold of the reference is one: its first file (``first``, the
+    one question 1 reads first) lacks the norms that fold removes: of each norm folded away (``sites``, its
+    ``NormSite``), the tensors behind its parameters (``param_names``) that ``original`` (the reference's graph, by
+    name) holds and ``fold`` does not (``sides.kept_norm_tensors``). One that holds some of every such norm's is the
+    unfused model with a fold's metadata (copied by hand): ``candidate.unfused`` names them, and the pair is verified
+    as two models (question 2 only, ``sides.why_not_a_fold`` says why).
+
+    Raises:
+        RuntimeError: ``just_folded`` (``fuse``'s own fold) and it holds them: a bug in slabconv.
+    """
+    removed = [
+        {
+            n: original[n]
+            for n in site.param_names.values()
+            if n in original and n not in fold and original[n].is_floating_point()
+        }
+        for site in sites
+    ]
+    candidate.unfused = sides.kept_norm_tensors(first.tensors, removed, fold, first.by_value)
+    if candidate.unfused and just_folded:
+        raise RuntimeError(
+            f"the fold just written holds the tensors of the norms it removes ({candidate.unfused[0]}...)"
+        )
+    return not candidate.unfused
+
+
 def _question_1_torch(
-    reference: Reference, fused64: Any, candidate: Side, batch: int | None, progress: Progress
+    reference: Reference, fused64: Any, candidate: Side, first: Written, batch: int | None, progress: Progress
 ) -> list[Any]:
     """Question 1 for a torch reference: the float64 fold's graph, then the tensors of every file the candidate
-    holds against that fold rounded to their dtypes (``written_files``): a folder's weights, and its ``model.onnx``
-    too (by value where the exporter renamed a tensor), one file at a time: each is deployed on its own, and a
-    runtime's rounding (OpenVINO's bfloat16) can hide a changed weight from question 2."""
+    holds against that fold rounded to their dtypes (``written_files``; ``first``: the first file's, read already):
+    a folder's weights, and its ``model.onnx`` too (by value where the exporter renamed a tensor), one file at a
+    time: each is deployed on its own, and a runtime's rounding (OpenVINO's bfloat16) can hide a changed weight
+    from question 2."""
     progress("verifying: question 1, is the fold exact?")
     graph = question_1_graph(reference, fused64, batch)
     fold = engine.fused_state_dict(fused64)
     checks = [graph]
-    for name, read in written_files(candidate):
-        written = read()
+    for i, (name, read) in enumerate(written_files(candidate)):
+        written = first if i == 0 else read()
         unchanged = unchanged_tensors(reference.original64, fold) if written.by_value else frozenset()
         checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
                                           by_value=written.by_value, unchanged=unchanged,
@@ -478,11 +526,12 @@ def _onnx_tensors(path: Path) -> Written:
 
 
 def _question_1_onnx(
-    reference_side: Side, reference: Reference, candidate: Side, batch: int | None, progress: Progress
+    folded: Any, reference: Reference, candidate: Side, first: Written, batch: int | None, progress: Progress
 ) -> list[Any]:
-    """Question 1 for an ONNX reference: its float64 fold against it in float64 (the fold alone, never simplified),
-    and the candidate's tensors against that fold rounded to their dtypes. The original it is held to is the graph
-    the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
+    """Question 1 for an ONNX reference: its float64 fold (``folded``: ``onnx_original.fold64`` of the reference for
+    this candidate) against it in float64 (the fold alone, never simplified), and the candidate's tensors
+    (``first``: its ``.onnx``'s, read already) against that fold rounded to their dtypes. The original it is held
+    to is the graph the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
     ``weight_norm``'s ``g * v / ||v||``, folded into a constant at the file's precision, as its runtime computes it
     on every call), in float64: the fold alone is judged, and question 2 holds the written file to the original as
     the file was. A candidate ``fuse --simplify`` wrote is
@@ -492,12 +541,11 @@ def _question_1_onnx(
     from slabconv.verify import onnx_original
 
     progress("verifying: question 1, is the fold exact?")
-    folded = onnx_original.fold64(reference_side.onnx.path, candidate.onnx.path, keep_original=True)
     assert reference.exact is not None
     x1, _, total = exact_samples(reference.x, reference.exact)
     outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, batch)
     exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, batch)
-    written = onnx_original.float_tensors(candidate.onnx.path)
+    written = first.tensors
     name = candidate.onnx.path.name
     fold = onnx_original.ir_tensors(folded.fused)
     checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
@@ -591,7 +639,7 @@ def verify(
         verification = _layerwise(reference, candidate, related, opts, progress)
     else:
         with stage_memory():  # one full collection, then each stage's release_memory walks only what it made
-            verification = _whole(reference, candidate, related, opts, load, progress)
+            verification = _whole(reference, candidate, related, opts, load, progress, just_folded)
     if opts.generate:
         _language_checks(reference, candidate, opts, verification, progress)
     elif candidate.language_model and opts.generate == 0:
@@ -602,7 +650,7 @@ def verify(
         from slabconv.verify import localize as localizer
 
         progress("verifying: localising, fold by fold")
-        verification.localization = localizer.localize(reference, candidate, opts, load)
+        verification.localization = localizer.localize(reference, candidate, opts, load, verification.exact)
     verification.seconds = time.monotonic() - started
     return verification
 
@@ -631,8 +679,11 @@ def _whole(
     opts: VerifyOptions,
     load: LoadOptions | None,
     progress: Progress,
+    just_folded: bool = False,
 ) -> Verification:
-    """Both questions with whole models (every side but ``streamed``), and the int8 check when asked."""
+    """Both questions with whole models (every side but ``streamed``), and the int8 check when asked. A candidate
+    whose provenance records a fold of the reference but that holds the norms the fold removes is verified as
+    another model (``_a_fold_lacks_its_norms``); with ``just_folded`` that raises RuntimeError."""
     pending, fallback = candidate_runs(candidate, opts.runtimes, load)
     quantizing = int8_backends(opts)
     if quantizing and candidate.onnx is None:
@@ -661,26 +712,44 @@ def _whole(
         if reference.loaded is not None
         else bool(reference.onnx and reference.onnx.token_input)
     )
+    first: Written | None = None
     if reference.kind == "onnx":
-        ref, which, batch = _onnx_reference(reference, x, label, digest)
+        ref, which, batch = _onnx_reference(reference, x, label, digest, fusing=just_folded)
         verification.reference = f"the reference ONNX graph in float64 ({which})"
-        fused64 = None
+        fused64 = folded = None
+        if related:
+            from slabconv.verify import onnx_original
+
+            folded = onnx_original.fold64(reference.onnx.path, candidate.onnx.path, keep_original=True)
+            first = Written(onnx_original.float_tensors(candidate.onnx.path), True)
+            original, fold = onnx_original.ir_tensors(folded.original), onnx_original.ir_tensors(folded.fused)
+            removed = [p.site for p in folded.plans if p.decision.action.startswith("folded")]
+            related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
     else:
         affine = norm_affine(reference, candidate, load)
         ref, fused64, decisions64, notes = _torch_reference(reference, candidate, x, label, digest, related, affine)
         verification.reference = "the reference model in float64 (pytorch)"
         verification.notes += notes
+        if related:
+            assert ref.original64 is not None
+            first = written_files(candidate)[0][1]()
+            original, fold = engine.fused_state_dict(ref.original64), engine.fused_state_dict(fused64)
+            folded_away = {d.norm for d in decisions64 if d.action.startswith("folded")}
+            removed = [site for site in engine.find_norms(ref.original64) if site.name in folded_away]
+            related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
         if reference.decisions is not None and related:
             verification.notes += decisions_note(reference.decisions, decisions64)
         batch = reference.loaded.batch
     verification.notes += ref.notes
     if related:
+        assert first is not None
         if reference.kind == "onnx":
-            verification.exact += _question_1_onnx(reference, ref, candidate, batch, progress)
+            verification.exact += _question_1_onnx(folded, ref, candidate, first, batch, progress)
         else:
-            verification.exact += _question_1_torch(ref, fused64, candidate, batch, progress)
-        del fused64
+            verification.exact += _question_1_torch(ref, fused64, candidate, first, batch, progress)
+        del fused64, first
     else:
+        unrelated = unrelated if not candidate.unfused else sides.why_not_a_fold(reference, candidate)
         verification.notes.append(f"question 1 (is the fold exact?) not answered: {unrelated}; question 2 only")
     release_memory()
     check = checker_check(candidate, reference)
