@@ -228,9 +228,10 @@ def exact_streamed(
 
 class ExactBeside:
     """Question 1 of a streamed fold (``exact_streamed``, on one lane) in a thread of its own while the caller runs
-    the other checks (``verify.verifier``): they leave a core idle -- importing transformers' model code before the
-    greedy generation, question 2's layers on one torch thread -- and question 1 needs nothing from them. The
-    thread reads the folders through readers of its own (``LazyShards`` opens a shard per read).
+    the other checks (``verify.verifier``): they leave a core idle at times (importing transformers' model code
+    before the greedy generation takes one; with ``--generate 0`` question 2 starts at once), and question 1 needs
+    nothing from them. The thread reads the folders through readers of its own (``LazyShards`` opens a shard per
+    read).
 
     ``result`` waits for the check and raises its error; ``close`` (also after ``result``; use ``with``) stops it
     after the block in hand and waits for the thread.
@@ -242,8 +243,6 @@ class ExactBeside:
     """
 
     def __init__(self, source: Path, written: Path, program: FoldProgram, block_elements: int):
-        from concurrent.futures import ThreadPoolExecutor
-
         src, out = LazyShards.open(source, block_elements), LazyShards.open(written, block_elements)
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="slabconv-question-1")

@@ -1054,7 +1054,7 @@ def _layerwise(
     exact: list[tuple[torch.Tensor, float]] = []
     run = None
     # each layer reads its weights a block at a time; more threads than cores slowed it. Question 1 runs in a thread
-    # of its own beside the generation and question 2, which leave a core idle (``layerwise.ExactBeside``)
+    # of its own beside the generation and question 2, which leave a core idle at times (``layerwise.ExactBeside``)
     with torch_threads(1), contextlib.ExitStack() as stack:
         beside = None
         if program is not None:
