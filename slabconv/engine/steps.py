@@ -517,21 +517,16 @@ def _scalar_mul(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 def _residual(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """An add/sub reading the norm's output: a residual (``residual-reads-norm``), or, where the other operand is a
-    constant (a number, a stored tensor the graph never writes), ``constant-added-after-norm``: after the norm is
-    removed the add would need ``(1 - s) c`` more shift, which no step carries."""
+    constant (a number, or a node of stored tensors and literals: ``affine_values.Constants``, what a constant added
+    before a norm is too), ``constant-added-after-norm``: after the norm is removed the add would need
+    ``(1 - s) c`` more shift, which no step carries."""
+    from slabconv.engine.affine_values import Constants  # (it imports the rule table, which imports this module)
+
     others = [a for a in user.args[:2] if a is not src]
-    if others and _constant(others[0]):
+    gm = user.graph.owning_module
+    if others and (not isinstance(others[0], fx.Node) or (gm is not None and Constants(gm).is_const(others[0]))):
         return Block(reasons.CONSTANT_ADDED_AFTER_NORM)
     return Block(reasons.RESIDUAL_READS_NORM)
-
-
-def _constant(value: Any) -> bool:
-    """A Python number, or a stored tensor the graph never writes (``get_attr``)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return True
-    if not isinstance(value, fx.Node) or value.op != "get_attr" or value.graph.owning_module is None:
-        return False
-    return str(value.target) not in written_tensors(value.graph.owning_module)
 
 
 def _masked(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
