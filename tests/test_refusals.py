@@ -528,12 +528,13 @@ class WideningCastBeforeNorm(nn.Module):
 
 
 def test_no_backward_fold_into_a_narrower_producer():
-    """The original computes ``s y + t`` in float32 (about 1e5 here); a backward fold into the float16 Linear would
+    """The original computes ``s y + t`` in float32 (up to 1e7 here); a backward fold into the float16 Linear would
     compute it in float16 (inf). The norm is kept, the backward walk saying why; the same model in float32 folds
     backward."""
     model = randomize(WideningCastBeforeNorm()).eval()
     with torch.no_grad():
         model.norm.bn.running_var.fill_(1e-6)
+        model.norm.bn.weight.copy_(model.norm.bn.weight.sign() * 100)  # every |s| > 3e4, whatever fc's init drew
     x = tokens() * 100
     reference = model(x)
     assert torch.isfinite(reference).all()
