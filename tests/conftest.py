@@ -133,6 +133,13 @@ REPORT_SCHEMA = json.loads((ROOT / "docs" / "report.schema.json").read_text())
 VALIDATED: list[str] = []
 
 
+@pytest.fixture(autouse=True)
+def seeded_torch() -> None:
+    """Every test starts from torch's global random state at seed 0, whatever ran before it in its worker: a module
+    built with its default init draws the same weights under any order pytest-xdist runs the suite in."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def every_report_matches_the_schema() -> Iterator[None]:
     """Every report any test produces (in memory, streamed, verify, bench, inspect, export) is checked against
