@@ -162,34 +162,20 @@ def onnx_provenance(proto: Any) -> Provenance | None:
 
 def _fused_provenance(metadata: dict[str, str], label: str, folder: Path | None = None) -> Provenance | None:
     """The provenance a fused safetensors file's ``metadata`` records, else (``folder`` given) the one its folder's
-    ``config.json`` records (``config_provenance``: a fused folder transformers loaded and saved again has
-    safetensors without slabconv's metadata and keeps it there), else None.
+    ``config.json`` records (``FusedMetadata.from_config``; a fused folder transformers loaded and saved again has
+    safetensors without slabconv's metadata and keeps it there; a ``config.json`` that is a link is not read), else
+    None.
 
     Raises:
-        InputError: as ``FusedMetadata.read`` and ``config_provenance``.
-    """
-    fused = FusedMetadata.read(metadata, label) if metadata else None
-    if fused is None and folder is not None:
-        return config_provenance(folder)
-    if fused is None or not fused.source_sha256:
-        return None
-    return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine, fused.source_weights)
-
-
-def config_provenance(folder: Path) -> Provenance | None:
-    """The provenance a Hugging Face folder's ``config.json`` records (``FusedMetadata.from_config``): None when it
-    has no ``config.json`` (or it is a link), or records none.
-
-    Raises:
-        InputError: ``config.json`` is over the JSON limits or not JSON (``load.safety.read_json``), or its
-            ``slabconv.provenance`` is not an object of strings.
+        InputError: as ``FusedMetadata.read``; ``config.json`` is over the JSON limits or not JSON
+            (``load.safety.read_json``), or its ``slabconv.provenance`` is not an object of strings.
     """
     from slabconv.load.safety import read_json
 
-    path = folder / "config.json"
-    if not path.is_file() or path.is_symlink():
-        return None
-    fused = FusedMetadata.from_config(read_json(path), str(path))
+    fused = FusedMetadata.read(metadata, label) if metadata else None
+    config = folder / "config.json" if folder is not None else None
+    if fused is None and config is not None and config.is_file() and not config.is_symlink():
+        fused = FusedMetadata.from_config(read_json(config), str(config))
     if fused is None or not fused.source_sha256:
         return None
     return Provenance(fused.source_sha256, fused.arch, True, fused.norm_affine, fused.source_weights)
