@@ -817,7 +817,7 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
     from slabconv.verify import generate_streamed
 
     src = folded[0] / "src"
-    need = generate_streamed.generation_memory(layerwise.Folder.open(src, FOLD_BLOCK), 2, 1, 15, FOLD_BLOCK)
+    need = generate_streamed.streamed_generation_memory(layerwise.Folder.open(src, FOLD_BLOCK), 2, 1, 15, FOLD_BLOCK)
     monkeypatch.setattr(generate, "available_memory", lambda: need)
     generate_streamed.check_generation_fits(src, 10**6, 2)  # fits: 16 positions
     monkeypatch.setattr(generate, "available_memory", lambda: need - 1)

@@ -169,7 +169,7 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
         model: an ``onnx_ir.Model``; its metadata, opset imports and graph input / output names stay.
         simplifiers: None to choose as above (what ``fuse --simplify`` runs), else the ``"<name> <version>"`` list a
             ``fuse --simplify`` recorded (``SIMPLIFIED_KEY``), run in that order, each kept (what question 1 repeats
-            on its reference, ``slabconv.verify.onnx_original.fold64``).
+            on its reference, ``slabconv.verify.onnx_original.onnx_fold64``).
 
     Returns:
         ``{"nodes_before": n, "nodes_after": m, "simplifiers": ["onnxscript 0.7.2", ...]}`` (nodes of the main

@@ -16,7 +16,7 @@
   weight once more per token, doubling the cost of the check, and it decides nothing.
 
 Memory: one block of one weight in two dtypes, the key/value cache of the prompts, and question 2's activations
-and logits on those sequences (``generation_memory``), checked before any work (``check_generation_fits``).
+and logits on those sequences (``streamed_generation_memory``), checked before any work (``check_generation_fits``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
     return torch.randint(0, source.family.vocab_size(source.cfg), (max(1, sequences), PROMPT_LEN), generator=generator)
 
 
-def generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
+def streamed_generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
     """Bytes the streamed check holds at once, besides the interpreter: the largest of its stages.
 
     - generation: two blocks of weight rows in their stored dtype (the one computed on, the next one read ahead:
@@ -192,8 +192,8 @@ def check_generation_fits(
 ) -> None:
     """Refuse, before any work, a streamed check of ``steps`` tokens (None or 0: no check) on ``sequences`` prompts
     (``streamed_prompts``) of the original ``folder`` that cannot fit this machine's available memory
-    (``generation_memory``; ``generate.available_memory``). The prompts and steps are those the check runs, cut to
-    the model's ``max_position_embeddings`` (``generate.within_positions``).
+    (``streamed_generation_memory``; ``generate.available_memory``). The prompts and steps are those the check
+    runs, cut to the model's ``max_position_embeddings`` (``generate.within_positions``).
 
     Raises:
         UsageError: the check would need more than the available memory (the message says how much, and how to skip
@@ -208,7 +208,7 @@ def check_generation_fits(
         positions = original.family.max_positions(original.cfg)
         prompts, steps, _ = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
         batch, length = prompts.shape
-        need = generation_memory(original, batch, length, steps, block_elements)
+        need = streamed_generation_memory(original, batch, length, steps, block_elements)
     else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
         need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())
     have = available_memory()

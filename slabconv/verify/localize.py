@@ -27,7 +27,7 @@ from the runtime that failed, not from a fold (the detail says so).
 The sides: a model slabconv traces as the reference (``fuse`` and ``verify`` of checkpoints, folders, ``.pt2``),
 in memory (``_torch``); two decoder folders layer by layer (``streamed``), where the correct fold is the fold
 program's rows rounded to the stored dtype, read block by block; an ONNX original (``_onnx``), whose fused graph is
-question 1's float64 fold of it (``onnx_original.fold64``) and whose boundaries are ONNX values of that graph, found
+question 1's float64 fold of it (``onnx_fold64``) and whose boundaries are ONNX values of that graph, found
 through the ONNX nodes each lowered layer stands for (``onnx_lower.LayerSite``), made graph outputs and run by
 onnxruntime in float64.
 """
@@ -459,7 +459,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     """An ONNX original: the same pass on ONNX graphs, run in float64 by onnxruntime (onnx's reference evaluator where
     onnxruntime lacks a float64 kernel: ``onnx_original.run_float64``).
 
-    The reference's float64 fold (``onnx_original.fold64``, the one question 1 holds the candidate to; for a candidate
+    The reference's float64 fold (``onnx_fold64``, the one question 1 holds the candidate to; for a candidate
     ``fuse --simplify`` wrote, that fold in the file's dtypes simplified alike, cast to float64) holds, by
     initializer name (by value where the names differ), the candidate's stored tensors, then the fold rounded once
     to each tensor's stored dtype; the prepared original in float64 gives ``rounding``. Each fold boundary is an
@@ -471,7 +471,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     if candidate.onnx is None:
         return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")
     info = reference.onnx
-    folded = onnx_original.fold64(info.path, candidate.onnx.path, keep_original=True)
+    folded = onnx_original.onnx_fold64(info.path, candidate.onnx.path, keep_original=True)
     if folded.simplified is not None:  # the candidate's own graph (fuse --simplify), its tensors, run in float64
         import onnx_ir as ir
 

@@ -1,7 +1,7 @@
 """An ONNX original as the reference of a verification (``docs/onnx.md``, policy: ``slabconv.verify.policy``):
 its graph evaluated in float64 (every floating tensor and type cast to float64, run by onnxruntime, or onnx's
 reference evaluator where onnxruntime has no float64 kernel), its float64 fold for question 1 and the localisation
-(``fold64``), and the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``;
+(``onnx_fold64``), and the inputs drawn from its graph's input types and shapes (``choose_onnx_inputs``;
 ``--inputs`` with one array per graph input). ``slabconv.verify.verifier`` runs both questions with them.
 """
 
@@ -487,7 +487,7 @@ def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> t
 
 @dataclass
 class Fold64:
-    """The float64 fold of an ONNX original (``fold64``) and what it was made from.
+    """The float64 fold of an ONNX original (``onnx_fold64``) and what it was made from.
 
     Attributes:
         fused: the fold, an ``onnx_ir.Model`` whose floating tensors and types are float64, never simplified: what
@@ -515,7 +515,7 @@ class Fold64:
     simplified_by: list[str] | None = None
 
 
-def fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
+def onnx_fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
     """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
     cast to float64 (``onnx_fold.plan_file`` then ``onnx_fold.fold_planned(..., as_float64=True)``: what
     ``onnx_fold.fold_file`` does, the contract ``slabconv.onnx_in.fold_onnx`` keeps), with the affines of the norm

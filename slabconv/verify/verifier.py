@@ -528,7 +528,7 @@ def _onnx_tensors(path: Path) -> Written:
 def _question_1_onnx(
     folded: Any, reference: Reference, candidate: Side, first: Written, batch: int | None, progress: Progress
 ) -> list[Any]:
-    """Question 1 for an ONNX reference: its float64 fold (``folded``: ``onnx_original.fold64`` of the reference for
+    """Question 1 for an ONNX reference: its float64 fold (``folded``: ``onnx_fold64`` of the reference for
     this candidate) against it in float64 (the fold alone, never simplified), and the candidate's tensors
     (``first``: its ``.onnx``'s, read already) against that fold rounded to their dtypes. The original it is held
     to is the graph the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
@@ -536,7 +536,7 @@ def _question_1_onnx(
     on every call), in float64: the fold alone is judged, and question 2 holds the written file to the original as
     the file was. A candidate ``fuse --simplify`` wrote is
     held to the fold in the file's dtypes simplified by the same simplifiers at that precision, and that fold, before
-    simplification, to the float64 fold (``onnx_original.fold64``): every written tensor is checked, the ones the
+    simplification, to the float64 fold (``onnx_original.onnx_fold64``): every written tensor is checked, the ones the
     simplifiers computed against the simplifiers' own result (their numbers are question 2's to judge)."""
     from slabconv.verify import onnx_original
 
@@ -720,7 +720,7 @@ def _whole(
         if related:
             from slabconv.verify import onnx_original
 
-            folded = onnx_original.fold64(reference.onnx.path, candidate.onnx.path, keep_original=True)
+            folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx.path, keep_original=True)
             first = Written(onnx_original.float_tensors(candidate.onnx.path), True)
             original, fold = onnx_original.ir_tensors(folded.original), onnx_original.ir_tensors(folded.fused)
             removed = [p.site for p in folded.plans if p.decision.action.startswith("folded")]

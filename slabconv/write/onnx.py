@@ -185,7 +185,7 @@ def export_onnx(
 SIMPLIFIED_KEY = "slabconv_simplified"
 """Metadata of a ``model.onnx`` that ``--simplify`` simplified: the simplifiers whose output it kept, in order,
 ``"onnxscript 0.7.2, onnxslim 0.1.98"`` (``verify`` simplifies the fold of the original, rounded to the file's
-dtypes, with the same ones before it compares the tensors: ``slabconv.verify.onnx_original.fold64``)."""
+dtypes, with the same ones before it compares the tensors: ``slabconv.verify.onnx_original.onnx_fold64``)."""
 
 
 def simplify_model(model: Any) -> dict[str, Any]:
