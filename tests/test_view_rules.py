@@ -226,15 +226,18 @@ CASES: dict[str, tuple[list[Case], list[Case], Case | None]] = {
             Case(lambda y, x: y[:, 0], "select.int"),
             # a contiguous part of the channel axis: its channels' scale and shift (tests/test_two_door_folds.py)
             Case(lambda y, x: y[..., 2:6], "slice.Tensor", consumer=lambda: nn.Linear(4, 5)),
+            # strided parts: the channels they pick (tests/test_two_door_folds.py shows a contiguous part's wrong)
+            Case(lambda y, x: y[..., ::2], "slice.Tensor", consumer=lambda: nn.Linear(C // 2, 5)),
+            Case(lambda y, x: y[..., -7:-1:3], "slice.Tensor", consumer=lambda: nn.Linear(2, 5)),
         ],
         [Case(lambda h, x: h[:, 1:], "slice.Tensor"), Case(lambda h, x: h.select(1, 2), "select.int")],
-        # a strided part of the channel axis: not supported (the naive fold does not even have the right shapes;
-        # tests/test_two_door_folds.py folds the first channels' affine instead, which is wrong)
+        # one channel selected: its axis is gone, and no layout holds one channel without it (the naive fold does
+        # not even have the right shapes)
         Case(
-            lambda y, x: y[..., ::2],
-            "slice.Tensor",
-            consumer=lambda: nn.Linear(C // 2, 5),
-            reason=UNSUPPORTED + "aten.slice",
+            lambda y, x: y[..., 2].unsqueeze(-1),
+            "select.int",
+            consumer=lambda: nn.Linear(1, 5),
+            reason=UNSUPPORTED + "aten.select",
             naive_wrong=False,
         ),
     ),

@@ -4,7 +4,7 @@ pass them on (``Pass``), absorb the affine (``Absorb``) or stop the walk with a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -95,12 +95,16 @@ class Chan:
     def part(self, start: int, length: int, size: int) -> Chan | None:
         """The layout of indices ``[start, start + length)`` of this axis (of ``size`` indices): a slice or a
         split piece of it. None when no index of the part holds a channel of the norm."""
-        out = []
-        for s0, l0, p0 in self.spans(size):
-            lo, hi = max(s0, start), min(s0 + l0, start + length)
-            if lo < hi:
-                out.append((lo - start, hi - lo, p0 + lo - s0))
-        return self.with_segments(out, length) if out else None
+        return self.pick(range(start, start + length), size)
+
+    def pick(self, indices: Sequence[int], size: int) -> Chan | None:
+        """The layout of an axis whose index ``j`` is index ``indices[j]`` of this axis (of ``size`` indices): a
+        part, a strided slice (``y[:, 1::2]``: ``range(1, size, 2)``). None when no index picked holds a channel
+        of the norm."""
+        out = [
+            (j, 1, p0 + i - s0) for j, i in enumerate(indices) for s0, l0, p0 in self.spans(size) if s0 <= i < s0 + l0
+        ]
+        return self.with_segments(out, len(indices)) if out else None
 
 
 @dataclass(frozen=True)

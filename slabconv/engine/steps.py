@@ -223,11 +223,10 @@ def _repeat(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 
 def _slice(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """``select`` / ``slice`` / ``narrow`` of token axes pass the layout on. A contiguous part of the channel axis
-    (``y[:, 2:5]``, ``narrow``; step 1, static bounds) holds its part of the channels (``Chan.part``): a layer
-    reading it folds the norm's scale and shift of those channels. A strided slice of the channel axis
-    (``y[:, ::2]``), a ``select`` of one channel or a part that holds none of the norm's channels blocks
-    (``unsupported-op``)."""
+    """``select`` / ``slice`` / ``narrow`` of token axes pass the layout on. A part of the channel axis with static
+    bounds (``y[:, 2:5]``, ``narrow``, a strided ``y[:, 1::2]``) holds the channels it picks (``Chan.pick``): a
+    layer reading it folds the norm's scale and shift of those channels. A ``select`` of one channel or a part that
+    holds none of the norm's channels blocks (``unsupported-op``)."""
     dim = norm_dim(user.args[1] if len(user.args) > 1 else 0, rank(src))  # type: ignore[arg-type]
     if user.target is aten.select.int:
         return unsupported(user) if dim == ch.axis else Pass(ch.at(ch.axis - 1 if dim < ch.axis else ch.axis))
@@ -235,32 +234,33 @@ def _slice(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     assert ins is not None and outs is not None
     if dim != ch.axis or same_size(outs[dim], ins[dim]):
         return Pass(ch)
-    part = channel_part(user, src)
-    if part is None:
-        return unsupported(user)
-    piece = ch.part(*part)
+    picked = channel_indices(user, src)
+    piece = ch.pick(*picked) if picked is not None else None
     return Pass(piece) if piece is not None else unsupported(user)
 
 
-def channel_part(user: fx.Node, src: fx.Node) -> tuple[int, int, int] | None:
-    """``(start, length, size)`` of a contiguous ``slice`` (step 1) or ``narrow`` of an axis of ``src`` with static
-    bounds: the part starts at index ``start`` of the axis's ``size`` and holds ``length`` of them. None for
-    anything else."""
+def channel_indices(user: fx.Node, src: fx.Node) -> tuple[range, int] | None:
+    """``(indices, size)``: the indices of an axis of ``src`` (of ``size``) that a ``slice`` (any step > 0) or
+    ``narrow`` with static bounds keeps, in order (Python's slice semantics: negative bounds count from the end,
+    bounds past the axis are clamped), checked against the output's size. None for anything else."""
     dim = norm_dim(user.args[1] if len(user.args) > 1 else 0, rank(src))  # type: ignore[arg-type]
     size, length = static_int(shape_of(src)[dim]), static_int(shape_of(user)[dim])  # type: ignore[index]
     if size is None or length is None:
         return None
     if user.target is aten.narrow.default:
-        start = static_int(op_arg(user, 2, "start"))
-    else:
-        if static_int(op_arg(user, 4, "step", 1)) != 1:
+        first = static_int(op_arg(user, 2, "start"))
+        if first is None:
             return None
-        first = op_arg(user, 2, "start", None)
-        start = 0 if first is None else static_int(first)
-    if start is None:
-        return None
-    start = min(max(start + size if start < 0 else start, 0), size)
-    return (start, length, size) if start + length <= size else None
+        first = first + size if first < 0 else first
+        picked = range(first, first + length) if 0 <= first and first + length <= size else range(0)
+    else:
+        bounds = [op_arg(user, i, name, None) for i, name in ((2, "start"), (3, "end"))]
+        ints = [None if b is None else static_int(b) for b in bounds]
+        step = static_int(op_arg(user, 4, "step", 1))
+        if step is None or step < 1 or any(b is not None and i is None for b, i in zip(bounds, ints, strict=True)):
+            return None
+        picked = range(size)[slice(ints[0], ints[1], step)]
+    return (picked, size) if len(picked) == length else None
 
 
 def _index(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
