@@ -6,7 +6,7 @@ the original, and a refusal where the naive fold is wrong.
 - Channel slices and splits (``y[:, a:b]``, ``narrow``, ``split`` / ``chunk``, ONNX ``Slice`` / ``Split``): each
   part holds its part of the channels, so a layer reading it folds the norm's scale and shift of those channels;
   parts put back together (``cat``, in order or permuted) are a layout of the norm's channels again; a strided
-  slice (``y[:, ::2]``) holds the channels it picks.
+  slice (``y[:, ::2]``) and a constant index (``index_select``) hold the channels they pick.
 - Back through a constant: ``norm(conv(x) + c)`` folds into the conv with the shift ``t + (s - 1) c`` (the add
   stays); a product with a per-channel constant is a LayerScale of its own; a sum of two convs gives ``t`` to one.
 """
@@ -132,7 +132,7 @@ class OnePart(nn.Module):
         return self.conv(y[:, ::2] if self.part == "strided" else y[:, 2:5])
 
 
-def _by_hand(model: OnePart, rows: slice) -> nn.Module:
+def _by_hand(model: OnePart, rows: slice | torch.Tensor) -> nn.Module:
     """``model`` without its norm, the norm's scale and shift of channels ``rows`` folded into ``conv``."""
     s, t = affine_of(model.norm)
     naive = copy.deepcopy(model)
@@ -162,6 +162,28 @@ def test_a_strided_slice_takes_the_affine_of_the_channels_it_picks(tmp_path):
     x = image()
     reference = model(x)
     assert rel_err(_by_hand(model, slice(0, 8, 2))(x), reference) <= TOL[torch.float32]
+    assert rel_err(_by_hand(model, slice(0, 4))(x), reference) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-forward", None, ("conv",))]
+
+
+class Picked(OnePart):
+    """``conv(norm(relu(x)).index_select(1, idx))`` with a constant ``idx`` that reorders and repeats channels."""
+
+    def __init__(self) -> None:
+        super().__init__("strided")
+        self.register_buffer("idx", torch.tensor([5, 0, 7, 0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.norm(torch.relu(x)).index_select(1, self.idx))
+
+
+def test_channels_picked_by_a_constant_index_take_their_own_affine(tmp_path):
+    """Channels 5, 0, 7, 0: the conv folds their scale and shift, in that order, exactly; the first four channels'
+    (a fold blind to the index) would be wrong."""
+    model = randomize(Picked(), seed=3).eval()
+    x = image()
+    reference = model(x)
+    assert rel_err(_by_hand(model, model.idx)(x), reference) <= TOL[torch.float32]
     assert rel_err(_by_hand(model, slice(0, 4))(x), reference) > NAIVE_MIN_ERR
     assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-forward", None, ("conv",))]
 

@@ -246,6 +246,13 @@ CASES: dict[str, tuple[list[Case], list[Case], Case | None]] = {
             Case(lambda y, x: y[:, _idx()], "index.Tensor"),
             Case(lambda y, x: y.index_select(1, _idx()), "index_select.default"),
             Case(lambda y, x: torch.gather(y, 1, _idx().view(1, 3, 1).expand(y.shape[0], 3, C)), "gather.default"),
+            # constant channel indices: the channels they pick, in their order (a repeat too)
+            Case(lambda y, x: y[..., _idx()], "index.Tensor", consumer=lambda: nn.Linear(3, 5)),
+            Case(
+                lambda y, x: y.index_select(-1, _perm()[:5]),
+                "index_select.default",
+                consumer=lambda: nn.Linear(5, 5),
+            ),
         ],
         [
             Case(lambda h, x: h[:, _idx()], "index.Tensor"),

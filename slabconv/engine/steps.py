@@ -267,12 +267,14 @@ def _index(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """``x[idx]`` with index tensors on token axes only; the channel axis is found by its place counted from
     the end (PyTorch puts the broadcast index dims where the first indexed axis was when they are adjacent;
     a boolean mask over several axes counts as one index entry). ``index_select`` / ``gather`` over a token
-    axis, the gather index keeping the whole channel axis."""
+    axis, the gather index keeping the whole channel axis. Channels picked by a constant 1-D integer index
+    (``y.index_select(1, idx)``, ``y[:, idx]``) hold the channels they pick (``Chan.pick``, ``_picked``)."""
     if user.args[0] is not src:
         return unsupported(user)
     if user.target is not aten.index.Tensor:
         if norm_dim(user.args[1], rank(src)) == ch.axis:  # type: ignore[arg-type]
-            return unsupported(user)
+            picked = _picked(user, src, ch, user.args[2]) if user.target is aten.index_select.default else None
+            return Pass(picked) if picked is not None else unsupported(user)
         if user.target is aten.gather.default:
             idx, ins = shape_of(user.args[2]), shape_of(src)
             if idx is None or ins is None or not same_size(idx[ch.axis], ins[ch.axis]):
@@ -280,6 +282,9 @@ def _index(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
         return Pass(ch)
     indices = list(user.args[1])  # type: ignore[arg-type]
     used = [i for i, ix in enumerate(indices) if ix is not None]
+    if used == [ch.axis]:
+        picked = _picked(user, src, ch, indices[ch.axis])
+        return Pass(picked) if picked is not None else unsupported(user)
     if not used or used != list(range(used[0], used[-1] + 1)):
         return unsupported(user)
     ins, outs = shape_of(src), shape_of(user)
@@ -294,6 +299,30 @@ def _index(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     if first <= ch.axis < last:
         return unsupported(user)
     return Pass(ch) if ch.axis < first else Pass(ch.at(len(outs) - (len(ins) - ch.axis)))
+
+
+def _picked(user: fx.Node, src: fx.Node, ch: Chan, index: Any) -> Chan | None:
+    """The layout after ``user`` picks indices of the channel axis of ``src`` (channels at ``ch``) by ``index``: a
+    1-D integer tensor that is a constant of the graph (``affine_values.Constants``: stored tensors the graph never
+    writes and ops on them), each index in range (negative ones count from the end); None otherwise."""
+    from slabconv.engine.affine_values import Constants  # (it imports the rule table, which imports this module)
+
+    gm = user.graph.owning_module
+    size = static_int(shape_of(src)[ch.axis])  # type: ignore[index]
+    if gm is None or size is None or not isinstance(index, fx.Node) or not Constants(gm).is_const(index):
+        return None
+    if any(n.op == "get_attr" and str(n.target) in written_tensors(gm) for n in Constants.ancestors(index)):
+        return None
+    value = Constants(gm).value(index)
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() != 1
+        or value.is_floating_point()
+        or value.dtype == torch.bool
+    ):
+        return None
+    picked = [int(i) + size if int(i) < 0 else int(i) for i in value.tolist()]
+    return ch.pick(picked, size) if all(0 <= i < size for i in picked) else None
 
 
 def _roll_or_flip(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
