@@ -309,11 +309,14 @@ def _picked(user: fx.Node, src: fx.Node, ch: Chan, index: Any) -> Chan | None:
 
     gm = user.graph.owning_module
     size = static_int(shape_of(src)[ch.axis])  # type: ignore[index]
-    if gm is None or size is None or not isinstance(index, fx.Node) or not Constants(gm).is_const(index):
+    if gm is None or size is None or not isinstance(index, fx.Node):
+        return None
+    constants = Constants(gm)
+    if not constants.is_const(index):
         return None
     if any(n.op == "get_attr" and str(n.target) in written_tensors(gm) for n in Constants.ancestors(index)):
         return None
-    value = Constants(gm).value(index)
+    value = constants.value(index)
     if (
         not isinstance(value, torch.Tensor)
         or value.dim() != 1
