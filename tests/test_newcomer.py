@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import nn
 from typer.testing import CliRunner
 
 from slabconv import api
@@ -210,6 +211,33 @@ def test_a_program_with_a_static_batch_is_warned_about(tmp_path):
         errordoc.documented(lines[0]) or ""
     )  # docs/errors.md lists it
     assert json.loads(report.to_json())["source"]["batch"] == 2
+
+
+class _BatchCentred(nn.Module):
+    """A BatchNorm before a Linear, and an output centred over the whole batch: each sample's output depends on the
+    other samples of its batch, so a file run on batches of another size computes other numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.bn, self.fc1 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.bn(self.fc0(x)))
+        return h - h.mean()
+
+
+def test_fused_files_of_a_static_batch_program_are_verified_on_the_originals_batches(tmp_path):
+    model = randomize_norms(_BatchCentred(), seed=5).eval()
+    torch.export.save(torch.export.export(model, (torch.randn(2, 8),)), tmp_path / "static.pt2")
+    report = api.fuse(tmp_path / "static.pt2", tmp_path / "out")  # raises NotEquivalentError on a false FAIL
+    assert report.verification is not None and report.verification.passed
+    assert len([c for c in report.verification.checks if c.name.startswith("output @ ")]) == 3  # every file ran
+    info = report.outputs.onnx_info if report.outputs is not None else None
+    assert info is not None and info["dynamic_batch"] and info["pt2_dynamic_batch"]  # the files take any batch
+    warning = next(line for line in summary_lines(report) if line.startswith("warning:"))
+    assert warning.endswith("the fused files take any batch (the model's code allows it); verification runs them "
+                            "on batches of 2, as the original runs")  # fmt: skip
+    assert errordoc.documented(warning) is not None
 
 
 # --------------------------------------------------------------------------------------------- --verbose

@@ -161,10 +161,19 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
             if side is not None:
                 yield source_line(name, side)
     if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
-        yield (
-            f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused files "
-            f"run on batches of exactly {source.batch}; export it with {dynamic_batch_spelling(source)}"
-        )
+        info = report.outputs.onnx_info if report.outputs is not None else None
+        dynamic = [k for k in ("dynamic_batch", "pt2_dynamic_batch") if info and k in info]
+        if dynamic and all(info[k] for k in dynamic):  # type: ignore[index]
+            yield (
+                f"warning: {shown(source.path)} was exported with a static batch of {source.batch}; the fused files "
+                f"take any batch (the model's code allows it); verification runs them on batches of {source.batch}, as "
+                "the original runs"
+            )
+        else:
+            yield (
+                f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused "
+                f"files run on batches of exactly {source.batch}; export it with {dynamic_batch_spelling(source)}"
+            )
     if report.folds is not None and report.summary is not None:
         s = report.summary
         if report.command != "inspect":  # inspect's final line gives the count, as a plan

@@ -71,6 +71,9 @@ class Reference:
             in a narrower precision.
         cast_by: for each entry of ``cast``, ``(dtype, backend, how)``: the precision, the backend that computed
             it (empty: PyTorch, the reference cast) and how, in words, for the report's note.
+        batch: the batch the original runs in when its batch is fixed (a program or ONNX file recorded with a
+            static batch); every candidate is then run in the same batches, since an output may depend on the
+            other samples of its batch (``h - h.mean()``).
     """
 
     x: Any
@@ -88,6 +91,7 @@ class Reference:
     cast: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
     onnx: Path | None = None
     cast_by: dict[str, tuple[str, str, str]] = field(default_factory=dict, repr=False)
+    batch: int | None = None
 
     def original_in(self, dtype: str, runtime: Runtime | None = None) -> tuple[list[np.ndarray], str]:
         """The original's outputs in the precision a runtime computed in, and that precision: ``original`` (in
@@ -154,7 +158,7 @@ class Reference:
         exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
         names = [f"{name}, length {length}" for name in self.names]
         return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64,
-                         model=self.model)  # fmt: skip
+                         model=self.model, batch=self.batch)  # fmt: skip
 
 
 def original_cast(loaded: LoadedModel, dtype: torch.dtype, x: Any) -> list[np.ndarray]:
@@ -207,7 +211,7 @@ def question_2(
     Raises:
         InputError: the runtime gives another number of outputs or other shapes (not the same model).
     """
-    outputs = run_batched(runtime.run, reference.x, fixed_batch=runtime.fixed_batch)
+    outputs = run_batched(runtime.run, reference.x, fixed_batch=runtime.fixed_batch or reference.batch)
     if len(outputs) != len(reference.original):
         raise InputError(
             f"the reference has {len(reference.original)} outputs but {runtime.label} gives {len(outputs)}; "

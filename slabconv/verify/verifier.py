@@ -321,7 +321,7 @@ def _torch_reference(
     fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
     names = output_names(len(original))
     ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64,
-                    model=loaded, original_dtype=original_dtype)  # fmt: skip
+                    model=loaded, original_dtype=original_dtype, batch=loaded.batch)  # fmt: skip
     check_reference(ref)
     return ref, fused64, decisions64, notes
 
@@ -368,7 +368,7 @@ def _onnx_reference(
     names = output_names(len(original), runtime.output_names)
     runtime.close()
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
-    ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path)
+    ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
     check_reference(ref)
     return ref, which, batch
 
