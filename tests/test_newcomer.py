@@ -240,6 +240,18 @@ def test_fused_files_of_a_static_batch_program_are_verified_on_the_originals_bat
     assert errordoc.documented(warning) is not None
 
 
+def test_every_side_of_a_verification_runs_in_the_same_batches(tmp_path):
+    """The float64 reference ran 4 samples a call and the original 16: on a batch-centred output the original's own
+    "error" was 0.15, and question 2 allowed twice that: a check that passes anything close."""
+    model = randomize_norms(_BatchCentred(), seed=5).eval()
+    dynamic = ({0: torch.export.Dim("batch")},)
+    torch.export.save(torch.export.export(model, (torch.randn(2, 8),), dynamic_shapes=dynamic), tmp_path / "d.pt2")
+    report = api.fuse(tmp_path / "d.pt2", tmp_path / "out")
+    assert report.verification is not None
+    checks = [c for c in report.verification.checks if c.name.startswith("output @ ")]
+    assert len(checks) == 3 and all(c.e_orig < 1e-6 and c.tolerance == 1e-5 for c in checks), checks
+
+
 # --------------------------------------------------------------------------------------------- --verbose
 
 

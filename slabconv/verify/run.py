@@ -34,11 +34,6 @@ from slabconv.verify.runtimes import (
     torch_runner,
 )
 
-FLOAT64_BATCH = 4
-"""Samples per call of a float64 graph (the reference, question 1): its activations take twice float32's, and at
-16 samples a call they set verification's peak memory (a DeiT-Tiny at 224x224: about 10 MiB a sample). Batches
-of 4 took no more CPU time (``docs/performance.md``)."""
-
 
 def output_names(count: int, names: Sequence[str] | None = None) -> list[str]:
     """The names used in check names: the ONNX names when known, else ``output`` / ``output.<i>``."""
@@ -155,7 +150,7 @@ class Reference:
         x = self.x[:, :length]
         original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
         runner = torch_runner(self.original64, torch.float64, round_to=loaded.dtype)
-        exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
+        exact = run_batched(runner, x, fixed_batch=loaded.batch)
         names = [f"{name}, length {length}" for name in self.names]
         return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64,
                          model=self.model, batch=self.batch)  # fmt: skip
@@ -257,9 +252,7 @@ def question_1_graph(reference: Reference, fused64: nn.Module, batch: int | None
     assert reference.exact is not None
     dtype = getattr(torch, reference.dtype)
     x, exact, total = exact_samples(reference.x, reference.exact)
-    outputs = run_batched(
-        torch_runner(fused64, torch.float64, round_to=dtype), x, batch=FLOAT64_BATCH, fixed_batch=batch
-    )
+    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), x, fixed_batch=batch)
     return judge.exact_graphs(reference.names, outputs, exact, of=total)
 
 

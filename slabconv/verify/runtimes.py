@@ -454,6 +454,14 @@ def take(inputs: Inputs, start: int, stop: int) -> Inputs:
     return inputs[start:stop]
 
 
+BATCH = 4
+"""Samples per call of every run of a verification: the original, its float64 graph, the fold's and each written
+file alike, since an output may depend on the other samples of its batch (``h - h.mean()``) and each side must
+compute the same numbers. Float64 activations take twice float32's, and at 16 samples a call they set
+verification's peak memory (a DeiT-Tiny at 224x224: about 10 MiB a sample); batches of 4 took no more CPU time
+(``docs/performance.md``)."""
+
+
 def _chunk(inputs: Inputs, start: int, step: int, fixed_batch: int | None) -> tuple[Inputs, int]:
     def one(a: np.ndarray) -> np.ndarray:
         chunk = a[start : start + step]
@@ -465,7 +473,7 @@ def _chunk(inputs: Inputs, start: int, step: int, fixed_batch: int | None) -> tu
     return ({k: one(a) for k, a in inputs.items()} if isinstance(inputs, dict) else one(inputs)), n
 
 
-def run_batched(run: Run, inputs: Inputs, batch: int = 16, fixed_batch: int | None = None) -> list[np.ndarray]:
+def run_batched(run: Run, inputs: Inputs, batch: int = BATCH, fixed_batch: int | None = None) -> list[np.ndarray]:
     """Run ``run`` over ``inputs`` (an array, or a dict of arrays by input name) in chunks of ``batch`` samples
     (or exactly ``fixed_batch``, padding the last chunk with copies of its first sample and dropping their
     outputs) and stack each output over the chunks: written into one array per output as the chunks come (every

@@ -48,7 +48,6 @@ from slabconv.verify.policy import dtype_name
 from slabconv.verify.reference import float64_graph, fold64
 from slabconv.verify.results import IntegrityCheck, NotRun, OutputCheck, Verification, g3
 from slabconv.verify.run import (
-    FLOAT64_BATCH,
     Reference,
     check_reference,
     decisions_note,
@@ -316,7 +315,7 @@ def _torch_reference(
     graph, example = reference.traced()
     original64 = float64_graph(graph, example)
     runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
-    exact = run_batched(runner, x, batch=FLOAT64_BATCH, fixed_batch=loaded.batch)
+    exact = run_batched(runner, x, fixed_batch=loaded.batch)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
     fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
     names = output_names(len(original))
