@@ -9,7 +9,7 @@ Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_progr
 thread per lane, as in the stage), timing its parts with ``time.thread_time`` in the thread that runs them: reading
 a block out of the shard, widening it to float64, the folds, the overflow check, rounding once to the stored
 dtype, the weight ranges, waiting for the writer threads (each part summed over the fold's lanes,
-``write.shards.FOLD_LANES``), and in the writer's threads ``write()`` and the sha256 of every written byte. Prints
+``write.shards.fold_lanes``), and in the writer's threads ``write()`` and the sha256 of every written byte. Prints
 CPU seconds per part and its share of the fold's (the lanes') CPU time. CPU time, not wall time: on a loaded
 machine the wall time of a run moves by a factor of two, its CPU time by a few percent.
 """
@@ -140,12 +140,13 @@ def profile(src: Path, out: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, help="a sharded folder (default: build the 350M one)")
-    parser.add_argument("--lanes", type=int, default=None, help="fold lanes (default: write.shards.FOLD_LANES)")
+    parser.add_argument("--lanes", type=int, default=None, help="fold lanes (default: write.shards.fold_lanes())")
     args = parser.parse_args(argv)
     if args.lanes is not None:
         from slabconv.write import shards as ws
 
-        ws.FOLD_LANES = args.lanes
+        lanes = args.lanes
+        ws.fold_lanes = lambda: lanes
     with tempfile.TemporaryDirectory(prefix="slabconv-profile-") as tmp:
         src = args.folder
         if src is None:

@@ -340,6 +340,7 @@ def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
     root, report_whole = folded[0], folded[3]
     monkeypatch.setattr(pipeline, "FOLD_BLOCK", 256)
     monkeypatch.setattr(engine.program, "CACHE_BLOCK", 32)  # one row of the hidden size 32: several a block
+    monkeypatch.setattr(ws, "fold_lanes", lambda: 2)  # two lanes, also on a machine with two cores
     opened = ws.ShardWriter.__init__
 
     def late_writes(self, *args):
@@ -355,6 +356,24 @@ def test_row_blocks_give_the_same_tensors(folded, tmp_path, monkeypatch):
     for k, v in whole.items():
         assert torch.equal(blocks[k].view(torch.int16), v.view(torch.int16)), k
     assert [r.to_dict() for r in report.ranges or []] == [r.to_dict() for r in report_whole.ranges or []]
+
+
+@pytest.mark.parametrize(("cores", "lanes"), [(1, 1), (2, 1), (3, 2), (16, 2)])
+def test_the_writer_folds_in_one_lane_on_two_cores_or_fewer(monkeypatch, tmp_path, cores, lanes):
+    """``write.shards.fold_lanes``: on two cores a second lane beside the writer's two threads costs CPU time and
+    gains none (``docs/performance.md``); with more, ``FOLD_LANES``."""
+    import os
+
+    from slabconv.util import no_progress
+    from slabconv.write import shards as ws
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert ws.fold_lanes() == lanes
+    made = []
+    scratch = engine.program.Scratch
+    monkeypatch.setattr(ws, "Scratch", lambda lanes: made.append(lanes) or scratch(lanes))
+    ws.write_program_shards(tmp_path, SimpleNamespace(weight_map={}), [], engine.FoldProgram({}, {}), {}, no_progress)
+    assert made == [lanes]
 
 
 def test_rows_read_into_a_buffer_are_the_rows_and_a_buffer_of_another_shape_is_refused(folded):

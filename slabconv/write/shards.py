@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import struct
 from collections import deque
 from collections.abc import Iterator
@@ -25,8 +26,19 @@ from slabconv.util import Progress
 
 FOLD_LANES = 2
 """Threads a folded layer's blocks are made in (``engine.program.Scratch.spread``: each block's sub-blocks, claimed
-in turn), beside the writer's two: on 2 cores, making the blocks is the larger part of the stage's CPU time, and
-with one thread a core was left to the writer's hash alone (``docs/performance.md``, "Streamed fold throughput")."""
+in turn) where the process may run on more than two cores (``fold_lanes``), beside the writer's two."""
+
+
+def fold_lanes() -> int:
+    """The lanes the stage makes the folded blocks in: ``FOLD_LANES``, or 1 where this process may run on two
+    cores or fewer (``os.sched_getaffinity``; ``os.cpu_count`` where it is missing). There a second lane beside
+    the writer's two threads gains no wall time and costs CPU time: two lanes at once each take longer per
+    sub-block (the caches and memory bandwidth the cores share, the GIL between their calls); on the 350M float16
+    folder the stage took 7% less time and 11% less CPU time with one (``docs/performance.md``, "Streamed fold
+    throughput")."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return FOLD_LANES if cores > 2 else 1
 
 
 class ShardWriter:
@@ -115,7 +127,7 @@ class ShardWriter:
 
 @contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """torch's arithmetic on one thread per lane (``FOLD_LANES``; the lanes' threads are made inside, so they start
+    """torch's arithmetic on one thread per lane (``fold_lanes``; the lanes' threads are made inside, so they start
     with one) while the writer's threads write and hash: the fold works on cache-sized pieces, where torch's own
     threads gain little, and more busy threads than cores slowed the fold-and-write stage (701 MB folder, 2 cores,
     five interleaved rounds in one process, with the hash alone beside the fold: median 1.49 s and 2.3 CPU-s on one
@@ -143,7 +155,7 @@ def write_program_shards(
 
     Each output shard holds, in the input shard's order, its tensors the program keeps: a copy block by block, a
     folded layer's weight block by block (``LayerRecipe.blocks``: every fold composed in float64, rounded once, in
-    ``FOLD_LANES`` threads; its ranges before and after go into ``program.ranges``, ``slabconv.engine.ranges``)
+    ``fold_lanes()`` threads; its ranges before and after go into ``program.ranges``, ``slabconv.engine.ranges``)
     followed by the bias the layer stores (its stored bias, moved beside the weight, or a created one). Each input
     tensor is read once, into reused buffers (``engine.program.Scratch``). Tensors the fused model does not read
     (the folded norms') are dropped.
@@ -162,7 +174,7 @@ def write_program_shards(
     new_map: dict[str, str] = {}
     digests: dict[str, str] = {}
     total = 0
-    with closing(Scratch(lanes=FOLD_LANES)) as scratch:  # its lanes' threads stop on the way out
+    with closing(Scratch(lanes=fold_lanes())) as scratch:  # its lanes' threads stop on the way out
         for n, shard in enumerate(shard_names):
             progress("folding and writing shards", n, len(shard_names), shard)
             order, specs = reader.header(shard)
