@@ -8,6 +8,7 @@ import json
 import math
 import re
 import shlex
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -1107,3 +1108,33 @@ def test_question_1_is_asked_of_a_fold_made_with_any_entry_of_the_folders_family
     assert report.verification.passed
     if not asked:
         assert any("folded for architecture 'deit_prepbn'" in n for n in report.verification.notes)
+
+
+def test_scratch_buffers_grow_while_other_lanes_take_theirs():
+    """``Scratch.take`` drops the views of a buffer it grows while the other lanes add views of their own: the
+    drop must not iterate a dict another thread changes (RuntimeError: dictionary changed size during iteration,
+    in 3 of 4 runs before it copied the items first)."""
+    import threading
+
+    scratch, errors = engine.program.Scratch(), []
+
+    def lane(k: int) -> None:
+        try:
+            for i in range(3000):
+                for j in range(20):  # many small views: a long dict to rebuild
+                    scratch.take(f"view{k}", [j + 1], torch.float32)
+                scratch.take(f"grown{k}", [i + 1], torch.float32)  # grows every call: its old views go
+        except RuntimeError as error:
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=lane, args=(k,)) for k in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[0]

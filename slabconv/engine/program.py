@@ -217,7 +217,9 @@ class Scratch:
         flat = self.flat.get((name, dtype))
         if flat is None or flat.numel() < n:
             flat = self.flat[name, dtype] = torch.empty(n, dtype=dtype)
-            self.views = {k: v for k, v in self.views.items() if k[:2] != (name, dtype)}  # views of the old buffer
+            # views of the old buffer go; list() copies the items in one call, so another lane adding its own view
+            # meanwhile cannot change the dict during the iteration
+            self.views = {k: v for k, v in list(self.views.items()) if k[:2] != (name, dtype)}
         made = self.views[name, dtype, dims] = flat[:n].view(dims)
         return made
 
