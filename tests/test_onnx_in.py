@@ -737,6 +737,66 @@ def test_a_same_padded_conv_pads_by_its_kernel_whether_or_not_kernel_shape_is_wr
         assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
 
 
+def _gather_nd(path: Path, indices: list[list[int]], channels_first: bool) -> Path:
+    """``x (6, 4) -> BatchNormalization -> GatherND(indices) -> MatMul``, as the dynamo exporter writes ``y[:, idx]``
+    (``channels_first``: the ``GatherND`` between two ``Transpose``s, picking along the channels)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    index = np.array(indices, dtype=np.int64)
+    k = len(indices) if index.shape[1] > 1 or channels_first else 4
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": 3 * rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+        "fc.weight": rng.standard_normal((k, 5)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits.append(numpy_helper.from_array(index, "idx"))
+    picked = ["t"] if channels_first else ["n"]
+    nodes = [helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn")]
+    nodes += [helper.make_node("Transpose", ["n"], ["t"], perm=[1, 0])] if channels_first else []
+    nodes += [helper.make_node("GatherND", [*picked, "idx"], ["g"], name="gather")]
+    nodes += [helper.make_node("Transpose", ["g"], ["gt"], perm=[1, 0])] if channels_first else []
+    nodes += [helper.make_node("MatMul", ["gt" if channels_first else "g", "fc.weight"], ["y"], name="fc")]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [6, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+GATHER_ND = [
+    # rows (tokens) picked: the channels pass whole
+    ("tokens", [[4], [0], [2]], False, "folded-forward", None),
+    # channels picked, in their order (a repeat too): the affine of the channels picked
+    ("channels", [[3], [1], [3]], True, "folded-forward", None),
+    # (token, channel) pairs: each output element from its own channel, mixed along one axis
+    ("mixed", [[4, 1], [0, 3], [2, 2], [1, 0]], False, "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.index"),
+]
+
+
+@pytest.mark.parametrize(("indices", "channels_first", "action", "reason"), [c[1:] for c in GATHER_ND],
+                         ids=[c[0] for c in GATHER_ND])  # fmt: skip
+def test_a_gather_nd_folds_what_it_picks_and_keeps_what_it_mixes(tmp_path, indices, channels_first, action, reason):
+    """A ``GatherND`` is ``aten.index`` over its first axes: picked tokens or channels fold; indices that pair
+    tokens with channels put elements of different channels on one axis, and the norm is kept (the naive fold,
+    which takes the gathered axis for channels, is far off)."""
+    import onnx_ir as ir
+
+    path = _gather_nd(tmp_path / "model.onnx", indices, channels_first)
+    model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.reason, d.into) for d in decisions] == [(action, reason, ["fc"] if reason is None else [])]
+    ir.save(model, str(tmp_path / "fused.onnx"))
+    x = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32) * 2 + 1
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "fused.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+    if action == "kept-affine":
+        y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
+        assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
 @pytest.mark.parametrize(("kind", "action", "reason"), JOINED, ids=[c[0] for c in JOINED])
 def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, kind, action, reason):
     torch.manual_seed(0)

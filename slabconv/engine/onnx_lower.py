@@ -966,6 +966,27 @@ def _gather(lo: _Lowering, node: ir.Node) -> None:
         lo.emit(node, aten.index.Tensor, (lo.read(data), index), node.outputs[0])
 
 
+@lowers("GatherND")
+def _gather_nd(lo: _Lowering, node: ir.Node) -> None:
+    """``GatherND`` with ``batch_dims = 0`` and indices ``(*K, m)``: ``data[i_0, ..., i_{m-1}]`` with ``i_j =
+    indices[..., j]`` (each ``(*K)``), which is ``aten.index.Tensor`` over the first ``m`` axes (the dynamo
+    exporter's ``y[:, idx]``: a ``GatherND`` of ``(k, 1)`` indices between two ``Transpose``s). Each ``i_j`` is an
+    ``aten.select`` of the indices: a constant where they are one (``steps._picked`` reads the channels it picks)."""
+    data, indices = node.inputs
+    dims = _dims(indices)
+    if int(_attr(node, "batch_dims", 0)) or not isinstance(dims[-1], int) or not 0 < dims[-1] <= _rank(data):
+        raise _Unlowerable
+    index = lo.read(indices)
+    found = index.meta.get("val")
+    if not isinstance(found, torch.Tensor):
+        raise _Unlowerable
+    each = []
+    for j in range(dims[-1]):
+        val = lo.dims.fake(found.dtype, dims[:-1])
+        each.append(lo.emit(node, aten.select.int, (index, -1, j), None, val=val))
+    lo.emit(node, aten.index.Tensor, (lo.read(data), each), node.outputs[0])
+
+
 @lowers("GatherElements")
 def _gather_elements(lo: _Lowering, node: ir.Node) -> None:
     axis = int(_attr(node, "axis", 0)) % _rank(node.inputs[0])
