@@ -299,7 +299,6 @@ _EXPORTED_DIFFERENTLY = {
     ("as_strided-bwd-as_strided.default-1", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-block-as_strided.default-2", "*"): "as_strided is written as a Gather of flat indices",
     ("roll_flip-bwd-roll.default-2", "torchscript"): "roll is written as Slices and a Concat: no backward walk",
-    ("split-fwd-tensor_split.sections-4", "torchscript"): "tensor_split is written as a SplitToSequence",
     ("split-fwd-tensor_split.indices-5", "torchscript"): "tensor_split is written as a Loop",
 }
 _KIND = {"FrozenBatchNorm": "Affine"}

@@ -639,13 +639,14 @@ def test_levit_batchnorms_after_linears_fold_backward(tmp_path):
 
 
 class _Joined(nn.Module):
-    """A RepBN whose output goes through ``Concat`` or ``Cast`` before the Linear that absorbs it."""
+    """A RepBN whose output goes through ``Concat``, ``Cast`` or a split (the TorchScript exporter's
+    ``SplitToSequence`` of ``tensor_split``) before the Linear that absorbs it."""
 
     def __init__(self, kind: str, c: int = 8):
         super().__init__()
         self.kind = kind
         self.norm = RepBN(c)
-        self.fc = nn.Linear(2 * c if kind == "channel-cat" else c, c)
+        self.fc = nn.Linear({"channel-cat": 2 * c, "channel-split": c // 2}.get(kind, c), c)
         self.cls_token = nn.Parameter(torch.randn(1, 1, c))
         if kind == "widen":
             self.fc = self.fc.double()
@@ -660,6 +661,8 @@ class _Joined(nn.Module):
             return self.fc(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), z], dim=1))
         if self.kind == "channel-cat":
             return self.fc(torch.cat([z, z], dim=-1))
+        if self.kind == "channel-split":
+            return self.fc(z.tensor_split(2, -1)[1])
         if self.kind == "widen":
             return self.fc(z.double())
         return self.fc(z.half()).float()  # narrow
@@ -669,6 +672,7 @@ JOINED = [
     ("token-cat", "folded-forward", None),
     ("cls-cat", "kept-affine", reasons.CONCAT_WITH_UNNORMALIZED),
     ("channel-cat", "folded-forward", None),  # each piece holds whole channel blocks: the affine tiles
+    ("channel-split", "folded-forward", None),  # the second half of the channels: their affine, not the first's
     ("widen", "folded-forward", None),
     ("narrow", "kept-affine", reasons.NARROWING_CAST),
 ]
@@ -808,7 +812,9 @@ def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, k
             model.norm.alpha.fill_(1e-4)
         x = x * 3e4
     path = _export(model, x, tmp_path / "model.onnx", 17)
-    assert op_histogram(path)["Cast" if kind in ("widen", "narrow") else "Concat"] >= 1
+    assert op_histogram(path)[
+        {"widen": "Cast", "narrow": "Cast", "channel-split": "SplitToSequence"}.get(kind, "Concat")
+    ]
     inputs = tmp_path / "x.npz"
     np.savez(inputs, x=np.concatenate([x.numpy(), x.numpy() * 0.5]))
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(inputs=inputs))

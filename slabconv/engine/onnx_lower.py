@@ -194,8 +194,10 @@ def _fold_constants(model: ir.Model) -> None:
     ``Transpose(W)``, ``Reshape(b)``, ``Cast(W)``, ``Identity(W)``, a ``Constant``) becomes an initializer, and the
     folder's own exact simplifications apply (a ``Cast`` to the dtype its input has goes, a ``Shape`` of static sizes
     becomes a constant; integer arithmetic on constants, such as the pads the TorchScript exporter computes, becomes
-    one constant). A node is folded only when its outputs' sizes are known and they hold no more elements than its
-    inputs and ``FOLD_OUTPUT_LIMIT`` together: nothing is computed that the file did not already hold. A graph the
+    one constant; a ``SplitToSequence`` of constant sizes, which the TorchScript exporter writes for ``tensor_split``,
+    becomes a ``Split``). A node is folded only when its outputs' sizes are known (a ``Concat``'s: its inputs'; a
+    folded value's: its constant's) and they hold no more elements than its inputs and ``FOLD_OUTPUT_LIMIT``
+    together: nothing is computed that the file did not already hold. A graph the
     folder cannot process is lowered as it is (its computed weights then block their folds)."""
     from onnxscript.optimizer import fold_constants
 
@@ -204,15 +206,16 @@ def _fold_constants(model: ir.Model) -> None:
         for v in values:
             if v is None:
                 continue
-            if v.shape is None or unknowns(v.shape):
+            shape = v.const_value.shape if v.const_value is not None else v.shape  # a folded value's shape is stale
+            if shape is None or unknowns(shape):
                 return None
-            total += known_elements(v.shape)
+            total += known_elements(shape)
         return total
 
     def should_fold(node: ir.Node) -> bool | None:
         out, into = elements(node.outputs), elements(node.inputs)
         if out is None:
-            out = _grown_elements(node)
+            out = into if node.op_type == "Concat" else _grown_elements(node)
         if out is None or out > (into or 0) + FOLD_OUTPUT_LIMIT:
             return False
         return True if node.op_type in _GROWING else None  # else the folder's own choice
