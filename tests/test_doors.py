@@ -9,9 +9,9 @@ dynamo exporter takes about a second a model on two cores (its op registry built
 exports every refusal and norm case (but those of ``_TORCHSCRIPT_ONLY``, whose dynamo export another case repeats),
 the pools a backward fold passes or stops at (``POOL_CASES``) and each view rule's block case (where a wrong lowering
 would fold what must not be folded), and the view cases the dynamo exporter writes with ops of its own
-(``_DYNAMO_WRITES_OTHERWISE``). Ops an exporter writes as something else (``_EXPORTED_DIFFERENTLY``: ``roll`` as
-Slices and a Concat, ``as_strided`` as a Gather) are listed with what it wrote, and held to differ, so the list
-shrinks when the lowering learns them.
+(``_DYNAMO_WRITES_OTHERWISE``). Ops an exporter writes as something else (``_EXPORTED_DIFFERENTLY``: ``as_strided`` as
+a Gather of flat indices, ``tensor_split`` by indices as a Loop) are listed with what it wrote, and held to differ,
+so the list shrinks when the lowering learns them.
 
 The one intended difference (``_DIFFERENT``): a weight two layers read. A checkpoint's tied parameter stays tied and
 the fold into one of its readers is refused (``shared-consumer-weight``); an ONNX file cannot tell a tied weight from
@@ -298,7 +298,6 @@ _EXPORTED_DIFFERENTLY = {
     ("as_strided-fwd-as_strided.default-0", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-bwd-as_strided.default-1", "*"): "as_strided is written as a Gather of flat indices",
     ("as_strided-block-as_strided.default-2", "*"): "as_strided is written as a Gather of flat indices",
-    ("roll_flip-bwd-roll.default-2", "torchscript"): "roll is written as Slices and a Concat: no backward walk",
     ("split-fwd-tensor_split.indices-5", "torchscript"): "tensor_split is written as a Loop",
 }
 _KIND = {"FrozenBatchNorm": "Affine"}

@@ -193,6 +193,9 @@ class _Model(nn.Module):
         if self.kind in ("backward", "backward-nobias"):  # a residual reads the norm, a Linear produces its input
             z = self.norm(self.lin(x))
             return self.fc(z) + z
+        if self.kind == "backward-roll":  # ... through a roll of the tokens (TorchScript: two Slices and a Concat)
+            z = self.norm(self.lin(x).roll(2, 1))
+            return self.fc(z) + z
         if self.kind == "input-reused":  # blocked forward, and a backward fold would change y for the residual
             y = self.lin(x)
             z = self.norm(y)
@@ -209,6 +212,7 @@ CASES = [
     ("shared", "folded-forward", None),  # the shared initializer is copied for the layer the fold changes
     ("backward", "folded-backward", None),
     ("backward-nobias", "folded-backward", None),
+    ("backward-roll", "folded-backward", None),
     ("input-reused", "kept-affine", reasons.RESIDUAL_READS_NORM),
     ("plain", "folded-forward", None),
 ]
@@ -646,7 +650,7 @@ class _Joined(nn.Module):
         super().__init__()
         self.kind = kind
         self.norm = RepBN(c)
-        self.fc = nn.Linear({"channel-cat": 2 * c, "channel-split": c // 2}.get(kind, c), c)
+        self.fc = nn.Linear({"channel-cat": 2 * c, "channel-split": c // 2, "crossed-roll": c // 2}.get(kind, c), c)
         self.cls_token = nn.Parameter(torch.randn(1, 1, c))
         if kind == "widen":
             self.fc = self.fc.double()
@@ -661,6 +665,10 @@ class _Joined(nn.Module):
             return self.fc(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), z], dim=1))
         if self.kind == "channel-cat":
             return self.fc(torch.cat([z, z], dim=-1))
+        if self.kind == "channel-roll":  # the channels rotated by slices put back together
+            return self.fc(torch.cat([z[..., 3:], z[..., :3]], dim=-1))
+        if self.kind == "crossed-roll":  # channel halves put one after the other on the token axis
+            return self.fc(torch.cat([z[..., 4:], z[..., :4]], dim=1))
         if self.kind == "channel-split":
             return self.fc(z.tensor_split(2, -1)[1])
         if self.kind == "widen":
@@ -673,6 +681,8 @@ JOINED = [
     ("cls-cat", "kept-affine", reasons.CONCAT_WITH_UNNORMALIZED),
     ("channel-cat", "folded-forward", None),  # each piece holds whole channel blocks: the affine tiles
     ("channel-split", "folded-forward", None),  # the second half of the channels: their affine, not the first's
+    ("channel-roll", "folded-forward", None),  # the affine of the channels each index holds, rotated
+    ("crossed-roll", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.cat"),  # two channel sets on one axis
     ("widen", "folded-forward", None),
     ("narrow", "kept-affine", reasons.NARROWING_CAST),
 ]

@@ -883,9 +883,42 @@ def _tile(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("Concat")
 def _concat(lo: _Lowering, node: ir.Node) -> None:
+    """``aten.cat``; a ``Concat`` of ``Slice``s of one tensor along its own axis, read by nothing else (the
+    TorchScript exporter's ``roll``: ``cat([x[:, -k:], x[:, :-k]], 1)``), is ``aten.index_select`` of the indices
+    they pick, in order: one op reading the tensor once (a backward walk then reaches the layer that made it)."""
     rank = _rank(node.outputs[0])
     axis = int(_attr(node, "axis", 0)) % rank
-    lo.emit(node, aten.cat.default, ([lo.read(v) for v in node.inputs], axis), node.outputs[0])
+    picked = _picked_by_slices(node, axis)
+    if picked is None:
+        lo.emit(node, aten.cat.default, ([lo.read(v) for v in node.inputs], axis), node.outputs[0])
+        return
+    src, index = picked
+    indices = ir.Value(name=f"{node.name}.index", const_value=ir.tensor(np.array(index, dtype=np.int64)))
+    args = (lo.read(src), axis, lo.read(indices))
+    for value in node.inputs:  # each Slice's node: this Concat read it, and it reads nothing now
+        lo.graph.erase_node(lo.env.pop(value))  # type: ignore[arg-type]
+    lo.emit(node, aten.index_select.default, args, node.outputs[0])
+
+
+def _picked_by_slices(node: ir.Node, axis: int) -> tuple[ir.Value, list[int]] | None:
+    """``(x, indices)`` when every input of the ``Concat`` ``node`` (two or more) is a ``Slice`` of the same ``x``
+    along ``axis`` only, of constant bounds, whose output nothing else reads, and the size of that axis of ``x`` is
+    static: the ``Concat`` is then ``x`` indexed by ``indices`` along ``axis``."""
+    slices = [v.producer() if v is not None and _sole_reader(v) is node else None for v in node.inputs]
+    if len(slices) < 2 or any(s is None or s.op_type != "Slice" or s.domain not in ONNX_DOMAINS for s in slices):
+        return None
+    src = slices[0].inputs[0]  # type: ignore[union-attr]
+    index: list[int] = []
+    for s in slices:
+        try:
+            starts, ends, axes, steps = _slice_args(s, _rank(src))  # type: ignore[arg-type]
+        except _Unlowerable:
+            return None
+        size = _dims(src)[axis] if s.inputs[0] is src else None  # type: ignore[union-attr]
+        if not isinstance(size, int) or axes != [axis] or len(s.outputs) != 1:  # type: ignore[union-attr]
+            return None
+        index += range(size)[slice(starts[0], ends[0], steps[0])]
+    return src, index  # type: ignore[return-value]
 
 
 @lowers("Split")
@@ -901,10 +934,9 @@ def _split(lo: _Lowering, node: ir.Node) -> None:
     lo.emit_outputs(node, aten.split_with_sizes.default, (lo.read(node.inputs[0]), sizes, axis))
 
 
-@lowers("Slice")
-def _slice(lo: _Lowering, node: ir.Node) -> None:
-    src, out = node.inputs[0], node.outputs[0]
-    rank = _rank(src)
+def _slice_args(node: ir.Node, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A ``Slice``'s constant ``(starts, ends, axes, steps)``, axes non-negative (inputs from opset 10, attributes
+    before); raises ``_Unlowerable`` for a bound that is not a constant."""
     if len(node.inputs) > 1:  # opset 10+: starts, ends, axes, steps as inputs
         starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
         axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
@@ -917,8 +949,18 @@ def _slice(lo: _Lowering, node: ir.Node) -> None:
         starts, ends, axes, steps = _attr(node, "starts"), _attr(node, "ends"), _attr(node, "axes"), None
         if starts is None or ends is None:
             raise _Unlowerable
-    axes = list(axes) if axes is not None else list(range(len(starts)))
+    axes = [int(a) % rank for a in axes] if axes is not None else list(range(len(starts)))
     steps = list(steps) if steps is not None else [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps) or 0 in steps:
+        raise _Unlowerable
+    return [int(v) for v in starts], [int(v) for v in ends], axes, [int(v) for v in steps]
+
+
+@lowers("Slice")
+def _slice(lo: _Lowering, node: ir.Node) -> None:
+    src, out = node.inputs[0], node.outputs[0]
+    rank = _rank(src)
+    starts, ends, axes, steps = _slice_args(node, rank)
     current = lo.read(src)
     shape = _dims(src)
     final = _dims(out)
