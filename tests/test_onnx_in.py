@@ -193,6 +193,9 @@ class _Model(nn.Module):
         if self.kind in ("backward", "backward-nobias"):  # a residual reads the norm, a Linear produces its input
             z = self.norm(self.lin(x))
             return self.fc(z) + z
+        if self.kind == "backward-roll":  # ... through a roll of the tokens (TorchScript: two Slices and a Concat)
+            z = self.norm(self.lin(x).roll(2, 1))
+            return self.fc(z) + z
         if self.kind == "input-reused":  # blocked forward, and a backward fold would change y for the residual
             y = self.lin(x)
             z = self.norm(y)
@@ -209,6 +212,7 @@ CASES = [
     ("shared", "folded-forward", None),  # the shared initializer is copied for the layer the fold changes
     ("backward", "folded-backward", None),
     ("backward-nobias", "folded-backward", None),
+    ("backward-roll", "folded-backward", None),
     ("input-reused", "kept-affine", reasons.RESIDUAL_READS_NORM),
     ("plain", "folded-forward", None),
 ]
@@ -639,13 +643,14 @@ def test_levit_batchnorms_after_linears_fold_backward(tmp_path):
 
 
 class _Joined(nn.Module):
-    """A RepBN whose output goes through ``Concat`` or ``Cast`` before the Linear that absorbs it."""
+    """A RepBN whose output goes through ``Concat``, ``Cast`` or a split (the TorchScript exporter's
+    ``SplitToSequence`` of ``tensor_split``) before the Linear that absorbs it."""
 
     def __init__(self, kind: str, c: int = 8):
         super().__init__()
         self.kind = kind
         self.norm = RepBN(c)
-        self.fc = nn.Linear(2 * c if kind == "channel-cat" else c, c)
+        self.fc = nn.Linear({"channel-cat": 2 * c, "channel-split": c // 2, "crossed-roll": c // 2}.get(kind, c), c)
         self.cls_token = nn.Parameter(torch.randn(1, 1, c))
         if kind == "widen":
             self.fc = self.fc.double()
@@ -660,6 +665,12 @@ class _Joined(nn.Module):
             return self.fc(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), z], dim=1))
         if self.kind == "channel-cat":
             return self.fc(torch.cat([z, z], dim=-1))
+        if self.kind == "channel-roll":  # the channels rotated by slices put back together
+            return self.fc(torch.cat([z[..., 3:], z[..., :3]], dim=-1))
+        if self.kind == "crossed-roll":  # channel halves put one after the other on the token axis
+            return self.fc(torch.cat([z[..., 4:], z[..., :4]], dim=1))
+        if self.kind == "channel-split":
+            return self.fc(z.tensor_split(2, -1)[1])
         if self.kind == "widen":
             return self.fc(z.double())
         return self.fc(z.half()).float()  # narrow
@@ -669,6 +680,9 @@ JOINED = [
     ("token-cat", "folded-forward", None),
     ("cls-cat", "kept-affine", reasons.CONCAT_WITH_UNNORMALIZED),
     ("channel-cat", "folded-forward", None),  # each piece holds whole channel blocks: the affine tiles
+    ("channel-split", "folded-forward", None),  # the second half of the channels: their affine, not the first's
+    ("channel-roll", "folded-forward", None),  # the affine of the channels each index holds, rotated
+    ("crossed-roll", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.cat"),  # two channel sets on one axis
     ("widen", "folded-forward", None),
     ("narrow", "kept-affine", reasons.NARROWING_CAST),
 ]
@@ -737,6 +751,66 @@ def test_a_same_padded_conv_pads_by_its_kernel_whether_or_not_kernel_shape_is_wr
         assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
 
 
+def _gather_nd(path: Path, indices: list[list[int]], channels_first: bool) -> Path:
+    """``x (6, 4) -> BatchNormalization -> GatherND(indices) -> MatMul``, as the dynamo exporter writes ``y[:, idx]``
+    (``channels_first``: the ``GatherND`` between two ``Transpose``s, picking along the channels)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    index = np.array(indices, dtype=np.int64)
+    k = len(indices) if index.shape[1] > 1 or channels_first else 4
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": 3 * rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+        "fc.weight": rng.standard_normal((k, 5)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits.append(numpy_helper.from_array(index, "idx"))
+    picked = ["t"] if channels_first else ["n"]
+    nodes = [helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn")]
+    nodes += [helper.make_node("Transpose", ["n"], ["t"], perm=[1, 0])] if channels_first else []
+    nodes += [helper.make_node("GatherND", [*picked, "idx"], ["g"], name="gather")]
+    nodes += [helper.make_node("Transpose", ["g"], ["gt"], perm=[1, 0])] if channels_first else []
+    nodes += [helper.make_node("MatMul", ["gt" if channels_first else "g", "fc.weight"], ["y"], name="fc")]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [6, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+GATHER_ND = [
+    # rows (tokens) picked: the channels pass whole
+    ("tokens", [[4], [0], [2]], False, "folded-forward", None),
+    # channels picked, in their order (a repeat too): the affine of the channels picked
+    ("channels", [[3], [1], [3]], True, "folded-forward", None),
+    # (token, channel) pairs: each output element from its own channel, mixed along one axis
+    ("mixed", [[4, 1], [0, 3], [2, 2], [1, 0]], False, "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.index"),
+]
+
+
+@pytest.mark.parametrize(("indices", "channels_first", "action", "reason"), [c[1:] for c in GATHER_ND],
+                         ids=[c[0] for c in GATHER_ND])  # fmt: skip
+def test_a_gather_nd_folds_what_it_picks_and_keeps_what_it_mixes(tmp_path, indices, channels_first, action, reason):
+    """A ``GatherND`` is ``aten.index`` over its first axes: picked tokens or channels fold; indices that pair
+    tokens with channels put elements of different channels on one axis, and the norm is kept (the naive fold,
+    which takes the gathered axis for channels, is far off)."""
+    import onnx_ir as ir
+
+    path = _gather_nd(tmp_path / "model.onnx", indices, channels_first)
+    model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.reason, d.into) for d in decisions] == [(action, reason, ["fc"] if reason is None else [])]
+    ir.save(model, str(tmp_path / "fused.onnx"))
+    x = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32) * 2 + 1
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "fused.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+    if action == "kept-affine":
+        y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
+        assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
 @pytest.mark.parametrize(("kind", "action", "reason"), JOINED, ids=[c[0] for c in JOINED])
 def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, kind, action, reason):
     torch.manual_seed(0)
@@ -748,7 +822,9 @@ def test_concat_and_cast_pass_where_they_commute_and_block_where_not(tmp_path, k
             model.norm.alpha.fill_(1e-4)
         x = x * 3e4
     path = _export(model, x, tmp_path / "model.onnx", 17)
-    assert op_histogram(path)["Cast" if kind in ("widen", "narrow") else "Concat"] >= 1
+    assert op_histogram(path)[
+        {"widen": "Cast", "narrow": "Cast", "channel-split": "SplitToSequence"}.get(kind, "Concat")
+    ]
     inputs = tmp_path / "x.npz"
     np.savez(inputs, x=np.concatenate([x.numpy(), x.numpy() * 0.5]))
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(inputs=inputs))

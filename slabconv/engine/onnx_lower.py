@@ -194,8 +194,10 @@ def _fold_constants(model: ir.Model) -> None:
     ``Transpose(W)``, ``Reshape(b)``, ``Cast(W)``, ``Identity(W)``, a ``Constant``) becomes an initializer, and the
     folder's own exact simplifications apply (a ``Cast`` to the dtype its input has goes, a ``Shape`` of static sizes
     becomes a constant; integer arithmetic on constants, such as the pads the TorchScript exporter computes, becomes
-    one constant). A node is folded only when its outputs' sizes are known and they hold no more elements than its
-    inputs and ``FOLD_OUTPUT_LIMIT`` together: nothing is computed that the file did not already hold. A graph the
+    one constant; a ``SplitToSequence`` of constant sizes, which the TorchScript exporter writes for ``tensor_split``,
+    becomes a ``Split``). A node is folded only when its outputs' sizes are known (a ``Concat``'s: its inputs'; a
+    folded value's: its constant's) and they hold no more elements than its inputs and ``FOLD_OUTPUT_LIMIT``
+    together: nothing is computed that the file did not already hold. A graph the
     folder cannot process is lowered as it is (its computed weights then block their folds)."""
     from onnxscript.optimizer import fold_constants
 
@@ -204,15 +206,16 @@ def _fold_constants(model: ir.Model) -> None:
         for v in values:
             if v is None:
                 continue
-            if v.shape is None or unknowns(v.shape):
+            shape = v.const_value.shape if v.const_value is not None else v.shape  # a folded value's shape is stale
+            if shape is None or unknowns(shape):
                 return None
-            total += known_elements(v.shape)
+            total += known_elements(shape)
         return total
 
     def should_fold(node: ir.Node) -> bool | None:
         out, into = elements(node.outputs), elements(node.inputs)
         if out is None:
-            out = _grown_elements(node)
+            out = into if node.op_type == "Concat" else _grown_elements(node)
         if out is None or out > (into or 0) + FOLD_OUTPUT_LIMIT:
             return False
         return True if node.op_type in _GROWING else None  # else the folder's own choice
@@ -880,9 +883,42 @@ def _tile(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("Concat")
 def _concat(lo: _Lowering, node: ir.Node) -> None:
+    """``aten.cat``; a ``Concat`` of ``Slice``s of one tensor along its own axis, read by nothing else (the
+    TorchScript exporter's ``roll``: ``cat([x[:, -k:], x[:, :-k]], 1)``), is ``aten.index_select`` of the indices
+    they pick, in order: one op reading the tensor once (a backward walk then reaches the layer that made it)."""
     rank = _rank(node.outputs[0])
     axis = int(_attr(node, "axis", 0)) % rank
-    lo.emit(node, aten.cat.default, ([lo.read(v) for v in node.inputs], axis), node.outputs[0])
+    picked = _picked_by_slices(node, axis)
+    if picked is None:
+        lo.emit(node, aten.cat.default, ([lo.read(v) for v in node.inputs], axis), node.outputs[0])
+        return
+    src, index = picked
+    indices = ir.Value(name=f"{node.name}.index", const_value=ir.tensor(np.array(index, dtype=np.int64)))
+    args = (lo.read(src), axis, lo.read(indices))
+    for value in node.inputs:  # each Slice's node: this Concat read it, and it reads nothing now
+        lo.graph.erase_node(lo.env.pop(value))  # type: ignore[arg-type]
+    lo.emit(node, aten.index_select.default, args, node.outputs[0])
+
+
+def _picked_by_slices(node: ir.Node, axis: int) -> tuple[ir.Value, list[int]] | None:
+    """``(x, indices)`` when every input of the ``Concat`` ``node`` (two or more) is a ``Slice`` of the same ``x``
+    along ``axis`` only, of constant bounds, whose output nothing else reads, and the size of that axis of ``x`` is
+    static: the ``Concat`` is then ``x`` indexed by ``indices`` along ``axis``."""
+    slices = [v.producer() if v is not None and _sole_reader(v) is node else None for v in node.inputs]
+    if len(slices) < 2 or any(s is None or s.op_type != "Slice" or s.domain not in ONNX_DOMAINS for s in slices):
+        return None
+    src = slices[0].inputs[0]  # type: ignore[union-attr]
+    index: list[int] = []
+    for s in slices:
+        try:
+            starts, ends, axes, steps = _slice_args(s, _rank(src))  # type: ignore[arg-type]
+        except _Unlowerable:
+            return None
+        size = _dims(src)[axis] if s.inputs[0] is src else None  # type: ignore[union-attr]
+        if not isinstance(size, int) or axes != [axis] or len(s.outputs) != 1:  # type: ignore[union-attr]
+            return None
+        index += range(size)[slice(starts[0], ends[0], steps[0])]
+    return src, index  # type: ignore[return-value]
 
 
 @lowers("Split")
@@ -898,10 +934,9 @@ def _split(lo: _Lowering, node: ir.Node) -> None:
     lo.emit_outputs(node, aten.split_with_sizes.default, (lo.read(node.inputs[0]), sizes, axis))
 
 
-@lowers("Slice")
-def _slice(lo: _Lowering, node: ir.Node) -> None:
-    src, out = node.inputs[0], node.outputs[0]
-    rank = _rank(src)
+def _slice_args(node: ir.Node, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """A ``Slice``'s constant ``(starts, ends, axes, steps)``, axes non-negative (inputs from opset 10, attributes
+    before); raises ``_Unlowerable`` for a bound that is not a constant."""
     if len(node.inputs) > 1:  # opset 10+: starts, ends, axes, steps as inputs
         starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
         axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
@@ -914,8 +949,18 @@ def _slice(lo: _Lowering, node: ir.Node) -> None:
         starts, ends, axes, steps = _attr(node, "starts"), _attr(node, "ends"), _attr(node, "axes"), None
         if starts is None or ends is None:
             raise _Unlowerable
-    axes = list(axes) if axes is not None else list(range(len(starts)))
+    axes = [int(a) % rank for a in axes] if axes is not None else list(range(len(starts)))
     steps = list(steps) if steps is not None else [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps) or 0 in steps:
+        raise _Unlowerable
+    return [int(v) for v in starts], [int(v) for v in ends], axes, [int(v) for v in steps]
+
+
+@lowers("Slice")
+def _slice(lo: _Lowering, node: ir.Node) -> None:
+    src, out = node.inputs[0], node.outputs[0]
+    rank = _rank(src)
+    starts, ends, axes, steps = _slice_args(node, rank)
     current = lo.read(src)
     shape = _dims(src)
     final = _dims(out)
@@ -964,6 +1009,27 @@ def _gather(lo: _Lowering, node: ir.Node) -> None:
     else:
         index = [None] * axis + [lo.read(indices)]
         lo.emit(node, aten.index.Tensor, (lo.read(data), index), node.outputs[0])
+
+
+@lowers("GatherND")
+def _gather_nd(lo: _Lowering, node: ir.Node) -> None:
+    """``GatherND`` with ``batch_dims = 0`` and indices ``(*K, m)``: ``data[i_0, ..., i_{m-1}]`` with ``i_j =
+    indices[..., j]`` (each ``(*K)``), which is ``aten.index.Tensor`` over the first ``m`` axes (the dynamo
+    exporter's ``y[:, idx]``: a ``GatherND`` of ``(k, 1)`` indices between two ``Transpose``s). Each ``i_j`` is an
+    ``aten.select`` of the indices: a constant where they are one (``steps._picked`` reads the channels it picks)."""
+    data, indices = node.inputs
+    dims = _dims(indices)
+    if int(_attr(node, "batch_dims", 0)) or not isinstance(dims[-1], int) or not 0 < dims[-1] <= _rank(data):
+        raise _Unlowerable
+    index = lo.read(indices)
+    found = index.meta.get("val")
+    if not isinstance(found, torch.Tensor):
+        raise _Unlowerable
+    each = []
+    for j in range(dims[-1]):
+        val = lo.dims.fake(found.dtype, dims[:-1])
+        each.append(lo.emit(node, aten.select.int, (index, -1, j), None, val=val))
+    lo.emit(node, aten.index.Tensor, (lo.read(data), each), node.outputs[0])
 
 
 @lowers("GatherElements")
