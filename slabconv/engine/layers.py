@@ -148,7 +148,13 @@ class LayerKind:
         bias. Forward: ``s``, ``t`` along the input axis (whole); backward: along the output channels (whole; the
         rows' part is taken here). Rows are independent, so a block folds exactly as the whole weight would. With
         ``inplace`` the float64 ``weight`` is the caller's to overwrite (``slabconv.fold``: a streamed block).
-        A kind with ``grouped_forward`` / ``grouped_backward`` hands the block and its place to that fold."""
+        A kind with ``grouped_forward`` / ``grouped_backward`` hands the block and its place to that fold; one with
+        ``shift_in_weight`` (an embedding, backward only) returns ``(W * s + t, None)``, the table (any rows of it)
+        with the whole affine in its columns, and no bias."""
+        if self.shift_in_weight:
+            if forward:
+                raise AssertionError(f"a {self.name} is never a consumer (consumer_check refuses it)")
+            return fold.fold_into_embedding(weight, s, t, inplace=inplace), None
         grouped = self.grouped_forward if forward else self.grouped_backward
         if grouped is not None:
             return grouped(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
@@ -367,24 +373,6 @@ class Embedding(LayerKind):
 
     def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
         return reasons.unsupported(node)
-
-    def fold_values(
-        self,
-        forward: bool,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        s: torch.Tensor,
-        t: torch.Tensor,
-        groups: int = 1,
-        first: int = 0,
-        total: int | None = None,
-        inplace: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Backward only: ``(W * s + t, None)``, the table (any rows of it) with the whole affine in its columns;
-        there is no bias."""
-        if forward:
-            raise AssertionError("an embedding is never a consumer (consumer_check refuses it)")
-        return fold.fold_into_embedding(weight, s, t, inplace=inplace), None
 
     def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
         raise AssertionError("an embedding has no bias (its fold_values returns None for it)")
