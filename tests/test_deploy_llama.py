@@ -420,7 +420,14 @@ def test_a_float16_copy_generates_the_originals_tokens(tmp_path):
     api.fuse(source, out, verify=None, write=WriteOptions(onnx=False, pt2=False))
     write_hf_llama_metadata(out, config)
     info = export_decoder_onnx(out)
-    assert info["dtype"] == "float16" and load_fused_llama(out).dtype == torch.float16
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_info()  # a caller's own settings: loading quiets transformers, then gives them back
+    try:
+        assert info["dtype"] == "float16" and load_fused_llama(out).dtype == torch.float16
+        assert hf_logging.get_verbosity() == hf_logging.INFO and hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.set_verbosity_warning()
     original = load_model(source).model.eval()
     assert next(original.parameters()).dtype == torch.float16
     e_fused, e_orig = _logit_errors(original, out, torch.from_numpy(np.load(TEXT / "holdout.npz")["x"][:16]))

@@ -388,6 +388,9 @@ def test_report_and_model_files_are_checked_before_the_work(tmp_path, no_work, a
             "--runtime tensorrt: choose from onnxruntime, pytorch, openvino",
         ),
         (["fuse", "x", "--stream", "--no-onnx", "--dtype", "float16"], "--dtype does not stream"),
+        # an empty --runtime is no request for the default: the run would check other runtimes than the ones asked
+        (["verify", str(CKPT), str(CKPT), "--runtime", ","], "--runtime ',' names no runtime: choose from onnx"),
+        (["bench", str(CKPT), "--runtime", ""], "--runtime '' names no runtime: choose from pytorch,"),
     ],
 )
 def test_converter_options_are_refused_before_the_work(no_work, args, expected):
@@ -399,6 +402,7 @@ def test_converter_options_are_refused_before_the_work(no_work, args, expected):
 def test_verify_runtime_values_complete():
     assert _complete("slabconv verify a b --runtime onnx") == ["onnxruntime", "onnxruntime-int8"]
     assert _complete("slabconv verify a b --runtime open") == ["openvino"]
+    assert _complete("slabconv verify a b --runtime pytorch,onnxruntime-") == ["pytorch,onnxruntime-int8"]
     assert _complete("slabconv fuse a --dtype b") == ["bfloat16"]
 
 

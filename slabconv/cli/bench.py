@@ -14,21 +14,6 @@ from slabconv.cli.output import Output
 from slabconv.errors import UsageError
 from slabconv.report.data import Report
 from slabconv.report.render import text_table
-from slabconv.verify.backends import BACKENDS, backend_names
-
-
-def complete_bench_runtime(incomplete: str) -> list[str]:
-    """Shell completion of ``bench --runtime``: the runtime names, after the last comma of a list."""
-    head, _, last = incomplete.rpartition(",")
-    return [f"{head},{name}" if head else name for name in backend_names("bench") if name.startswith(last)]
-
-
-def bench_runtime_help() -> str:
-    """``bench --runtime``'s help: the names of the ``BACKENDS`` entries ``bench`` takes, CPU ones first."""
-    names = backend_names("bench")
-    cpu = ", ".join(n for n in names if BACKENDS[n].device == "cpu")
-    gpu = ", ".join(n for n in names if BACKENDS[n].device != "cpu")
-    return f"{cpu} (CPU); {gpu} (GPU). Repeat it, or separate names by commas. Default: all this machine has."
 
 
 def bench(
@@ -38,15 +23,7 @@ def bench(
     ],
     arch: o.Arch = None,
     batch: Annotated[str, typer.Option("--batch", metavar="SIZES", help="Comma-separated batch sizes.")] = "1,8,64",
-    runtime: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--runtime",
-            metavar="NAME",
-            help=bench_runtime_help(),
-            autocompletion=complete_bench_runtime,
-        ),
-    ] = None,
+    runtime: o.BenchRuntime = None,
     warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, help="Untimed calls per variant first.")] = 5,
     repeats: Annotated[
         int, typer.Option("--repeats", metavar="N", min=1, help="Timed calls per variant (interleaved).")
@@ -88,8 +65,7 @@ def bench(
 
         if plot is not None:  # before minutes of timing
             check_plot_path(plot, force, [ckpt])
-        given = tuple(name.strip() for value in runtime or [] for name in value.split(",") if name.strip())
-        runtimes = given if runtime else tuple(default_runtimes())  # --runtime "" is refused, not the default
+        runtimes = o.runtime_names(runtime, "bench") or tuple(default_runtimes())
         check_runtimes(list(runtimes))
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size)
         with output.progress() as progress:

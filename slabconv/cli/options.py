@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,7 @@ import typer
 
 from slabconv.errors import UsageError
 from slabconv.options import LoadOptions, VerifyOptions
+from slabconv.verify.backends import BACKENDS, RUNTIME_NAMES, backend_names
 
 Ckpt = Annotated[
     Path,
@@ -93,6 +95,61 @@ Samples = Annotated[
         help="Random samples when no inputs are given (default 16; 2 token sequences with --stream); with an .npz "
         "(--inputs, or holdout.npz beside the checkpoint), its first N samples.",
     ),
+]
+
+
+def complete_runtime(command: str) -> Callable[[str], list[str]]:
+    """Shell completion of ``command``'s ``--runtime``: the names it takes (``backend_names``), after the last comma
+    of a list."""
+
+    def complete(incomplete: str) -> list[str]:
+        head, _, last = incomplete.rpartition(",")
+        return [f"{head},{name}" if head else name for name in backend_names(command) if name.startswith(last)]
+
+    return complete
+
+
+def runtime_names(values: list[str] | None, command: str) -> tuple[str, ...] | None:
+    """The runtimes ``command``'s ``--runtime`` names, each value one name or several separated by commas, in the
+    order given; None when it is not given (the command's default).
+
+    Raises:
+        UsageError: it is given and names none (``--runtime ""``): the default is not run in its place.
+    """
+    if not values:
+        return None
+    names = tuple(name.strip() for value in values for name in value.split(",") if name.strip())
+    if not names:
+        raise UsageError(f"--runtime '{values[0]}' names no runtime: choose from {', '.join(backend_names(command))}")
+    return names
+
+
+def _verify_runtime_help() -> str:
+    """``verify --runtime``'s help: the names of the ``BACKENDS`` entries ``verify`` takes."""
+    *first, last = RUNTIME_NAMES
+    return (
+        f"Run the candidate in this runtime only: {', '.join(first)} or {last} (OpenVINO when installed; the report "
+        "names the precision it ran). Repeat it, or separate names by commas. Default: every runtime that can run "
+        "the candidate, except OpenVINO. onnxruntime-int8 adds the int8 check: both sides quantized alike, the "
+        "candidate's top-1 agreement not worse than the reference's beyond noise (docs/verification.md)."
+    )
+
+
+def _bench_runtime_help() -> str:
+    """``bench --runtime``'s help: the names of the ``BACKENDS`` entries ``bench`` takes, CPU ones first."""
+    names = backend_names("bench")
+    cpu = ", ".join(n for n in names if BACKENDS[n].device == "cpu")
+    gpu = ", ".join(n for n in names if BACKENDS[n].device != "cpu")
+    return f"{cpu} (CPU); {gpu} (GPU). Repeat it, or separate names by commas. Default: all this machine has."
+
+
+VerifyRuntime = Annotated[
+    list[str] | None,
+    typer.Option("--runtime", metavar="NAME", help=_verify_runtime_help(), autocompletion=complete_runtime("verify")),
+]
+BenchRuntime = Annotated[
+    list[str] | None,
+    typer.Option("--runtime", metavar="NAME", help=_bench_runtime_help(), autocompletion=complete_runtime("bench")),
 ]
 Seed = Annotated[int, typer.Option("--seed", metavar="N", help="Seed of the random inputs.")]
 Rtol = Annotated[

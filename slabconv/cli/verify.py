@@ -10,23 +10,6 @@ import typer
 from slabconv.cli import options as o
 from slabconv.cli.errors import errors
 from slabconv.cli.output import Output
-from slabconv.verify.backends import RUNTIME_NAMES
-
-
-def complete_runtime(incomplete: str) -> list[str]:
-    """Shell completion of ``verify --runtime``."""
-    return [name for name in RUNTIME_NAMES if name.startswith(incomplete)]
-
-
-def verify_runtime_help() -> str:
-    """``verify --runtime``'s help: the names of the ``BACKENDS`` entries ``verify`` takes."""
-    *first, last = RUNTIME_NAMES
-    return (
-        f"Run the candidate in this runtime only: {', '.join(first)} or {last} (OpenVINO when installed; the report "
-        "names the precision it ran). Repeat it, or separate names by commas. Default: every runtime that can run "
-        "the candidate, except OpenVINO. onnxruntime-int8 adds the int8 check: both sides quantized alike, the "
-        "candidate's top-1 agreement not worse than the reference's beyond noise (docs/verification.md)."
-    )
 
 
 def verify(
@@ -50,15 +33,7 @@ def verify(
     atol: o.Atol = 0.0,
     strict: o.Strict = False,
     generate: o.VerifyGenerate = None,
-    runtime: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--runtime",
-            metavar="NAME",
-            help=verify_runtime_help(),
-            autocompletion=complete_runtime,
-        ),
-    ] = None,
+    runtime: o.VerifyRuntime = None,
     calibration: Annotated[
         Path | None,
         typer.Option(
@@ -132,7 +107,7 @@ def verify(
                 raise UsageError("--plot draws the fold boundaries of --localize; add --localize")
             check_plot_path(plot, force, [reference, candidate])
         load = o.load_options(arch, ema, trust_pickle, input_shape, image_size, fold_norm_affine)
-        names = tuple(n.strip() for r in runtime or [] for n in r.split(",") if n.strip()) or None
+        names = o.runtime_names(runtime, "verify")
         check = o.verify_options(inputs, samples, seed, rtol, atol, strict, generate, names, calibration)
         with output.progress() as progress:
             report = api.verify(

@@ -10,8 +10,9 @@ layer kind is one entry and one test (``tests/test_engine_plan.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import fx
@@ -31,6 +32,10 @@ def _transposed_weight(node: Any) -> fx.Node | None:
         if isinstance(w, fx.Node) and w.op == "get_attr":
             return w
     return None
+
+
+GroupedFold = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""A ``slabconv.fold`` function of ``(weight, bias, s, t, groups, *, first, total, inplace)``."""
 
 
 class LayerKind:
@@ -63,6 +68,11 @@ class LayerKind:
     (``slabconv.engine.ranges``): 0, its rows; 1 for a transposed convolution (columns, within each group)."""
     groups_arg: int | None = None
     """The position of the op's ``groups`` argument (a convolution's); None: one group."""
+    grouped_forward: ClassVar[GroupedFold | None] = None
+    """The forward fold of a kind whose weight's rows fall into ``groups``; None: ``fold_into_linear``, ``s`` and
+    ``t`` whole."""
+    grouped_backward: ClassVar[GroupedFold | None] = None
+    """The backward fold of such a kind; None: ``fold_into_producer`` on the block's rows of ``s`` and ``t``."""
 
     def claims(self, node: fx.Node) -> bool:
         """True when ``node`` (one of ``ops``) is this kind of layer: of the kinds that share an op
@@ -137,7 +147,17 @@ class LayerKind:
         the stored weight (dim 0, its output channels; ``total`` rows in all, default ``len(weight)``) and of the
         bias. Forward: ``s``, ``t`` along the input axis (whole); backward: along the output channels (whole; the
         rows' part is taken here). Rows are independent, so a block folds exactly as the whole weight would. With
-        ``inplace`` the float64 ``weight`` is the caller's to overwrite (``slabconv.fold``: a streamed block)."""
+        ``inplace`` the float64 ``weight`` is the caller's to overwrite (``slabconv.fold``: a streamed block).
+        A kind with ``grouped_forward`` / ``grouped_backward`` hands the block and its place to that fold; one with
+        ``shift_in_weight`` (an embedding, backward only) returns ``(W * s + t, None)``, the table (any rows of it)
+        with the whole affine in its columns, and no bias."""
+        if self.shift_in_weight:
+            if forward:
+                raise AssertionError(f"a {self.name} is never a consumer (consumer_check refuses it)")
+            return fold.fold_into_embedding(weight, s, t, inplace=inplace), None
+        grouped = self.grouped_forward if forward else self.grouped_backward
+        if grouped is not None:
+            return grouped(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
         if forward:
             return fold.fold_into_linear(weight, bias, s, t, inplace=inplace)
         rows = slice(first, first + weight.shape[0])
@@ -210,6 +230,7 @@ class Conv(LayerKind):
     name = "conv"
     ops = _ops("conv1d", "conv2d", "conv3d", "conv1d.padding", "conv2d.padding", "conv3d.padding")
     padding_arg, groups_arg = 4, 6
+    grouped_forward = staticmethod(fold.fold_into_conv)
 
     def padded(self, node: fx.Node) -> bool:
         padding: Any = op_arg(node, self.padding_arg, "padding", 0)
@@ -223,22 +244,6 @@ class Conv(LayerKind):
         if reason is None and self.padded(node):
             return reasons.PADDED_CONV_CONSUMER
         return reason
-
-    def fold_values(
-        self,
-        forward: bool,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        s: torch.Tensor,
-        t: torch.Tensor,
-        groups: int = 1,
-        first: int = 0,
-        total: int | None = None,
-        inplace: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if forward:
-            return fold.fold_into_conv(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
-        return super().fold_values(forward, weight, bias, s, t, groups, first, total, inplace)
 
 
 class Convolution(Conv):
@@ -281,6 +286,11 @@ class ConvTranspose(LayerKind):
     pure_scale = False  # a backward fold scales the columns of each group's rows (``ranges`` probes the folds)
     bias_by_rows = False  # the rows are the input channels; the bias is per output channel
     channel_dim = 1
+    # ``weight``: rows ``first:first + len(weight)`` of ``total``; ``bias`` and the returned bias whole ``(C_out,)``.
+    # A forward fold (a pointwise layer, ``consumer_check``) gives a bias that takes the shift through the given
+    # rows only (``needs_all_rows``).
+    grouped_forward = staticmethod(fold.fold_into_pointwise_conv_transpose)
+    grouped_backward = staticmethod(fold.fold_into_conv_transpose)
 
     def bias_size(self, weight_shape: list[int] | tuple[int, ...], groups: int) -> int:
         return int(weight_shape[1]) * groups
@@ -319,28 +329,6 @@ class ConvTranspose(LayerKind):
         if reason is None and not self.pointwise(node):
             return reasons.TRANSPOSED_CONV_CONSUMER
         return reason
-
-    def fold_values(
-        self,
-        forward: bool,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        s: torch.Tensor,
-        t: torch.Tensor,
-        groups: int = 1,
-        first: int = 0,
-        total: int | None = None,
-        inplace: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``weight`` rows ``first:first + len(weight)`` of ``total``, ``bias`` and the returned bias whole
-        ``(C_out,)``. Backward: ``fold_into_conv_transpose``; forward (a pointwise layer, ``consumer_check``):
-        ``fold_into_pointwise_conv_transpose``, whose bias takes the shift through the given rows only
-        (``needs_all_rows``)."""
-        if forward:
-            return fold.fold_into_pointwise_conv_transpose(
-                weight, bias, s, t, groups, first=first, total=total, inplace=inplace
-            )
-        return fold.fold_into_conv_transpose(weight, bias, s, t, groups, first=first, total=total, inplace=inplace)
 
 
 class ConvolutionTransposed(ConvTranspose):
@@ -385,24 +373,6 @@ class Embedding(LayerKind):
 
     def consumer_check(self, node: fx.Node, src: fx.Node, ch: Chan) -> str | None:
         return reasons.unsupported(node)
-
-    def fold_values(
-        self,
-        forward: bool,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        s: torch.Tensor,
-        t: torch.Tensor,
-        groups: int = 1,
-        first: int = 0,
-        total: int | None = None,
-        inplace: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Backward only: ``(W * s + t, None)``, the table (any rows of it) with the whole affine in its columns;
-        there is no bias."""
-        if forward:
-            raise AssertionError("an embedding is never a consumer (consumer_check refuses it)")
-        return fold.fold_into_embedding(weight, s, t, inplace=inplace), None
 
     def attach_bias(self, node: fx.Node, bias: fx.Node) -> None:
         raise AssertionError("an embedding has no bias (its fold_values returns None for it)")

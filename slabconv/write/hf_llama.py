@@ -619,42 +619,35 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
     if model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {model_type!r}, not {MODEL_TYPE!r}; run write_hf_llama_metadata on it")
     norm_free_layout(list(folder_weight_specs(folder)), {})  # refuse kept norms even in a folder written by hand
+    return _from_pretrained(SlabconvLlamaForCausalLM, folder, dtype).eval()
+
+
+def _from_pretrained(model_class: Any, folder: Path, dtype: torch.dtype | None, **kwargs: Any) -> Any:
+    """``model_class.from_pretrained(folder, **kwargs)`` in ``dtype`` (None: the folder's own, ``"auto"``), with
+    transformers' log below errors and its progress bars off while it runs, both as they were after."""
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model = SlabconvLlamaForCausalLM.from_pretrained(folder, dtype=dtype if dtype is not None else "auto")
+        return model_class.from_pretrained(folder, dtype=dtype if dtype is not None else "auto", **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-    return model.eval()
 
 
 def _load_standard(folder: Path, dtype: torch.dtype | None) -> Any:
     """A standard decoder folder in transformers (``AutoModelForCausalLM``, no remote code), refusing weights that do
     not fill the model exactly (a missing tensor would be left initialised)."""
     import transformers
-    from transformers.utils import logging as hf_logging
 
     standard_layout(
         {k: shape for k, (_, shape) in folder_weight_specs(folder).items()},
         json.loads((folder / CONFIG).read_text(encoding="utf-8")),
     )
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype if dtype is not None else "auto", output_loading_info=True
-        )
-        model, info = loaded
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+    model, info = _from_pretrained(transformers.AutoModelForCausalLM, folder, dtype, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         keys = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(what) or ())
         if keys:
