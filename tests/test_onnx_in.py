@@ -850,7 +850,7 @@ def test_a_bfloat16_original_is_refused_with_its_dtype_named_and_folds_unverifie
     assert [d.action for d in report.folds] == ["folded-forward"]
     fused64, _ = onnx_in.fold_onnx(path, as_float64=True)
     written = onnx_original.float_tensors(tmp_path / "out" / "model.onnx")
-    want = onnx_original.ir_tensors(fused64)
+    want = onnx_original.stored_tensors(fused64, float64=True)
     assert written and all(t.dtype == torch.bfloat16 for t in written.values())
     for name, tensor in written.items():
         assert torch.equal(tensor, want[name].to(torch.bfloat16)), name

@@ -258,10 +258,7 @@ def exact_tensors(
         rewritten: a simplifier rewrote the file (``fuse --simplify``: onnxscript's optimizer drops the ``Add`` of a
             zero bias): an all-zero unchanged tensor it does not hold by name is left to question 2.
     """
-    pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    if by_value:
-        for tensor in written.values():
-            pool.setdefault(tuple(tensor.shape), []).append(tensor)
+    pool = by_shape(written) if by_value else {}
     worst, worst_name, count = 0.0, "", 0
     for key, exact in fold64.items():
         exact64 = exact.detach().cpu().double()
@@ -269,16 +266,10 @@ def exact_tensors(
         if got is not None:
             distance = _distance(got.detach().cpu(), exact64)
         elif by_value:
-            same = [_distance(t, exact64) for t in pool.get(tuple(exact64.shape), [])]
-            flipped = (
-                [_distance(t.T, exact64) for t in pool.get(tuple(exact64.shape)[::-1], [])]
-                if exact64.dim() == 2
-                else []
-            )
+            nearest_one, distance = nearest(exact64, pool)
             dropped = rewritten and not bool(exact64.any())  # a zero bias whose Add a simplifier removed
-            if key in unchanged and (dropped or not exact.is_floating_point() or not (same or flipped)):
+            if key in unchanged and (dropped or not exact.is_floating_point() or nearest_one is None):
                 continue
-            distance = min([*same, *flipped], default=math.inf)
         else:
             distance = math.inf
         count += 1
@@ -308,6 +299,31 @@ def tensors_check(
             else f"the written tensors are not {against}"
         ),
     )
+
+
+def by_shape(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """``tensors`` grouped by shape, for ``nearest``."""
+    pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for tensor in tensors.values():
+        pool.setdefault(tuple(tensor.shape), []).append(tensor)
+    return pool
+
+
+def nearest(
+    exact64: torch.Tensor, pool: Mapping[tuple[int, ...], list[torch.Tensor]]
+) -> tuple[torch.Tensor | None, float]:
+    """A tensor matched by value (an ONNX exporter stores Linear weights transposed under generated names): of the
+    tensors of ``pool`` (``by_shape``) of ``exact64``'s shape, and (a matrix) the transposes of those of its
+    transposed shape, the first nearest ``exact64`` (float64) in units in the last place (``_distance``), and its
+    distance; ``(None, inf)`` where the pool holds none of either shape."""
+    shape = tuple(exact64.shape)
+    views = [*pool.get(shape, []), *(t.T for t in (pool.get(shape[::-1], []) if exact64.dim() == 2 else []))]
+    best, distance = None, math.inf
+    for view in views:
+        d = _distance(view, exact64)
+        if best is None or d < distance:
+            best, distance = view, d
+    return best, distance
 
 
 def _distance(got: torch.Tensor, exact64: torch.Tensor) -> float:

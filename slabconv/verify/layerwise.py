@@ -292,18 +292,8 @@ def tensor_distances(
         stop: when set, the next block raises ``RuntimeError`` (``ExactBeside.close``).
     """
     layer_biases = {la.bias_out for la in program.layers.values() if la.bias_out}
-    with closing(Scratch(lanes=lanes)) as scratch, torch_threads(1):
-        yield from _distances(source, written, program, layer_biases, scratch, stop)
+    scratch = Scratch(lanes=lanes)
 
-
-def _distances(
-    source: LazyShards,
-    written: LazyShards,
-    program: FoldProgram,
-    layer_biases: set[str],
-    scratch: Scratch,
-    stop: threading.Event | None,
-) -> Iterator[tuple[str, float]]:
     def block_rows(shards: LazyShards, key: str, start: int, end: int, name: str) -> torch.Tensor:
         if stop is not None and stop.is_set():
             raise RuntimeError("question 1 was stopped")
@@ -320,32 +310,33 @@ def _distances(
         w, b = la.rows(source, start, end, scratch)
         return judge.ulps(got, w), b
 
-    for key in written.weight_map:
-        recipe = program.tensors.get(key)
-        if key in program.layers:
-            la = program.layers[key]
-            parts = []
-            for start, end in row_ranges(source.shape(key), written.block_elements):
-                d, b = distance(la, block_rows(written, key, start, end, "written"), start, end)
-                yield key, d
-                parts.append(b)
-            if la.bias_out is not None:
-                bias = la.whole_bias(parts)
-                present = la.bias_out in written.weight_map
-                yield la.bias_out, judge.ulps(written.get(la.bias_out), bias) if present else math.inf
-        elif key in layer_biases:
-            continue  # checked with its weight
-        elif recipe is not None and recipe.op == "unit" and recipe.source in source.weight_map:
-            value = written.get(key)  # a norm weight whose affine folded: ones of the source's dtype
-            same = value.dtype == source.dtype(recipe.source) and bool((value == 1).all())
-            yield key, 0.0 if same and list(value.shape) == source.shape(recipe.source) else math.inf
-        elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
-            src = recipe.source
-            for start, end in row_ranges(source.shape(src), written.block_elements):
-                got = block_rows(written, key, start, end, "written")
-                yield key, _copy_distance(got, _rows(source, src, start, end, scratch, "source"))
-        else:
-            yield key, math.inf  # a tensor neither copied nor made by a fold
+    with closing(scratch), torch_threads(1):
+        for key in written.weight_map:
+            recipe = program.tensors.get(key)
+            if key in program.layers:
+                la = program.layers[key]
+                parts = []
+                for start, end in row_ranges(source.shape(key), written.block_elements):
+                    d, b = distance(la, block_rows(written, key, start, end, "written"), start, end)
+                    yield key, d
+                    parts.append(b)
+                if la.bias_out is not None:
+                    bias = la.whole_bias(parts)
+                    present = la.bias_out in written.weight_map
+                    yield la.bias_out, judge.ulps(written.get(la.bias_out), bias) if present else math.inf
+            elif key in layer_biases:
+                continue  # checked with its weight
+            elif recipe is not None and recipe.op == "unit" and recipe.source in source.weight_map:
+                value = written.get(key)  # a norm weight whose affine folded: ones of the source's dtype
+                same = value.dtype == source.dtype(recipe.source) and bool((value == 1).all())
+                yield key, 0.0 if same and list(value.shape) == source.shape(recipe.source) else math.inf
+            elif recipe is not None and recipe.op == "copy" and recipe.source in source.weight_map:
+                src = recipe.source
+                for start, end in row_ranges(source.shape(src), written.block_elements):
+                    got = block_rows(written, key, start, end, "written")
+                    yield key, _copy_distance(got, _rows(source, src, start, end, scratch, "source"))
+            else:
+                yield key, math.inf  # a tensor neither copied nor made by a fold
 
 
 def _rows(shards: LazyShards, key: str, start: int, stop: int, scratch: Scratch, name: str) -> torch.Tensor:

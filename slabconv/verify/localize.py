@@ -286,9 +286,8 @@ def _torch(
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
     loc = Localization(METHOD.format(n=len(t)), boundaries, "")
-    loc = _blame(
-        loc, _differing(fused64, kept, fold), folded, set(fold) - unchanged, None, _rounded_to(reference, candidate)
-    )
+    differ = _differing(kept, fold, _first_uses(fused64))
+    loc = _blame(loc, differ, folded, set(fold) - unchanged, None, _rounded_to(reference, candidate))
     if fold_wrong and loc.first is None and not loc.first_tensor and loc.detail.endswith(RUNTIME):
         exact = _record(fused64, t, nodes)  # the float64 fold, unrounded, at each boundary
         for norm, layer, orig, fused in found:
@@ -354,24 +353,30 @@ def _owned(key: str, layer: str) -> bool:
     return key.startswith(layer + ".")
 
 
-def _differing(
-    fused64: fx.GraphModule, stored: dict[str, torch.Tensor], fold: dict[str, torch.Tensor]
-) -> list[tuple[str, float]]:
-    """The candidate's stored tensors (``stored``, each in its own dtype) that are not the float64 fold correctly
-    rounded to that dtype (question 1's rule, ``judge.ulps``), each with its distance in units in the last place,
-    in the order the data flows through them: by the first node of ``fused64`` that reads each."""
+def _first_uses(fused64: fx.GraphModule) -> dict[str, int]:
+    """Each stored tensor of ``fused64`` -> the index of the first node that reads it."""
     order = {n: i for i, n in enumerate(fused64.graph.nodes)}
     first_use: dict[str, int] = {}
     for node in fused64.graph.nodes:
         if node.op == "get_attr" and node.users:
             at = min(order[u] for u in node.users)
             first_use[str(node.target)] = min(at, first_use.get(str(node.target), at))
+    return first_use
+
+
+def _differing(
+    stored: dict[str, torch.Tensor], fold: dict[str, torch.Tensor], first_use: dict[str, int]
+) -> list[tuple[str, float]]:
+    """The candidate's stored tensors (``stored``, each in its own dtype) that are not the float64 fold correctly
+    rounded to that dtype (question 1's rule, ``judge.ulps``), each with its distance in units in the last place,
+    in the order the data flows through them: by the first node that reads each (``first_use``: ``_first_uses``,
+    ``_onnx_first_use``), those no node reads last."""
     found = []
     for key, value in stored.items():
         units = judge._distance(value.detach(), fold[key].detach().double())
         if not units <= policy.ULPS:
             found.append((key, units))
-    return sorted(found, key=lambda f: first_use.get(f[0], len(order)))
+    return sorted(found, key=lambda f: first_use.get(f[0], math.inf))
 
 
 def _stored_file(candidate: Side, fold: dict[str, torch.Tensor], unchanged: frozenset[str]) -> Written:
@@ -404,14 +409,8 @@ def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_v
     if got is not None and tuple(got.shape) == tuple(exact.shape):
         return got.detach()
     if by_value:
-        best, distance = None, math.inf
-        for tensor in written.values():
-            for view in (tensor, tensor.T if tensor.dim() == 2 else None):
-                if view is not None and tuple(view.shape) == tuple(exact.shape):
-                    d = judge._distance(view, exact.double())
-                    if d < distance:
-                        best, distance = view, d
-        if best is not None:
+        best, distance = judge.nearest(exact.double(), judge.by_shape(written))
+        if best is not None and distance < math.inf:
             return best.detach()
     return torch.full_like(exact, math.nan)
 
@@ -480,7 +479,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
         folded.fused = ir.from_proto(ir.to_proto(folded.simplified))
         onnx_fold.to_float64(folded.fused)
     found, lost = _onnx_boundaries(folded)
-    fold = onnx_original.ir_tensors(folded.fused)
+    fold = onnx_original.stored_tensors(folded.fused, float64=True)
     written = onnx_original.float_tensors(candidate.onnx.path)
     default = getattr(torch, candidate.dtype, torch.float32)
     stored = {k: _match(k, v, written, True) for k, v in fold.items()}
@@ -488,9 +487,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     correct = {
         k: rounded(v, default if bool(stored[k].isnan().all()) else stored[k].dtype).double() for k, v in fold.items()
     }
-    differ = [(k, judge._distance(stored[k].detach(), v.detach().double())) for k, v in fold.items()]
-    order = _onnx_first_use(folded.fused)
-    differ = sorted(((k, u) for k, u in differ if not u <= policy.ULPS), key=lambda f: order.get(f[0], len(order)))
+    differ = _differing(stored, fold, _onnx_first_use(folded.fused))
     owned = _onnx_owned(folded)
     stored = {k: v.double() for k, v in stored.items()}
     x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
@@ -514,7 +511,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
             drift = judge.rel_err(want[fused], before[orig])[0]
         boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
     folded_layers = set(owned)
-    original = onnx_original.ir_tensors(folded.original)
+    original = onnx_original.stored_tensors(folded.original, float64=True)
     made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
     loc = _blame(Localization(METHOD.format(n=samples_of(x)), boundaries, ""), differ, folded_layers, made,
                  lambda key, layer: key in owned.get(layer, ()), _rounded_to(reference, candidate))  # fmt: skip

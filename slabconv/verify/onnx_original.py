@@ -49,6 +49,10 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         pairs = x.items() if isinstance(x, dict) else [(first, x)]
         return {n: _round(a, round_to) if a.dtype.kind == "f" else a.astype(declared[n]) for n, a in pairs}
 
+    def runner(evaluator: Any) -> Callable[[Inputs], list[np.ndarray]]:
+        """Every output of ``evaluator`` (an onnxruntime session or onnx's reference evaluator) as float64."""
+        return lambda x: [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
+
     try:
         import onnxruntime as ort
 
@@ -56,11 +60,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         options.log_severity_level = 3
         session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-        def run(x: Inputs) -> list[np.ndarray]:
-            return [np.asarray(o, dtype=np.float64) for o in session.run(None, feed(x))]
-
-        return run, "onnxruntime"
+        return runner(session), "onnxruntime"
     except Exception as err:  # noqa: BLE001 - onnxruntime lacks some float64 kernels: the reference evaluator has all
         ort_error = first_line(err, 160)
     from onnx.reference import ReferenceEvaluator
@@ -81,11 +81,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
             f"({first_line(err, 160)}), so question 1 cannot be answered; fold the model as it was exported, before "
             "an optimizer wrote its runtime's own ops into it, or pass --no-verify"
         ) from None
-
-    def run_reference(x: Inputs) -> list[np.ndarray]:
-        return [np.asarray(o, dtype=np.float64) for o in evaluator.run(None, feed(x))]
-
-    return run_reference, "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
+    return runner(evaluator), "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 
 
 def _grouped_conv_transpose() -> type:
@@ -570,21 +566,14 @@ def float_tensors(path: Path) -> dict[str, torch.Tensor]:
     return stored_tensors(ir.load(str(path)))
 
 
-def stored_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Every floating initializer of an in-memory ``onnx_ir.Model``, by name, in its stored dtype."""
+def stored_tensors(model: Any, float64: bool = False) -> dict[str, torch.Tensor]:
+    """Every floating initializer of an in-memory ``onnx_ir.Model``, by name, in its stored dtype (``float64``: cast
+    to float64, which holds every value of a narrower floating dtype exactly)."""
     from slabconv.engine.onnx_lower import to_torch
 
     out = {}
     for name, value in model.graph.initializers.items():
         if value.const_value is not None and value.dtype is not None and value.dtype.is_floating_point():
-            out[name] = to_torch(np.asarray(value.const_value.numpy()))
-    return out
-
-
-def ir_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Every floating initializer of an in-memory ``onnx_ir.Model``, by name."""
-    out = {}
-    for name, value in model.graph.initializers.items():
-        if value.const_value is not None and value.dtype is not None and value.dtype.is_floating_point():
-            out[name] = torch.from_numpy(np.asarray(value.const_value.numpy(), dtype=np.float64))
+            array = np.asarray(value.const_value.numpy())
+            out[name] = torch.from_numpy(array.astype(np.float64)) if float64 else to_torch(array)
     return out

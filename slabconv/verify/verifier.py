@@ -114,12 +114,11 @@ def candidate_runs(
             Pending(path.name, ort_label(level), functools.partial(_ort_level, path, level), "onnxruntime")
             for level in ORT_LEVELS
         ]
-        for backend in BACKENDS.values():
-            if backend.opt_in and "verify" in backend.commands and not backend.quantized:
-                asked = names is not None and backend.name in names
-                if asked or (names is None and backend.unavailable() is None):
-                    pending.append(Pending(path.name, backend.name, functools.partial(_first, backend, path),
-                                           backend.name, rescue=not asked))  # fmt: skip
+        for backend in _opt_in():
+            asked = names is not None and backend.name in names
+            if asked or (names is None and backend.unavailable() is None):
+                pending.append(Pending(path.name, backend.name, functools.partial(_first, backend, path),
+                                       backend.name, rescue=not asked))  # fmt: skip
     if candidate.pt2 is not None:
         pt2, batch = candidate.pt2, candidate.source.batch
         opener = functools.partial(_pt2_runtime, pt2, dtype, batch)
@@ -136,12 +135,7 @@ def candidate_runs(
         fallback = Pending(what, torch_label(candidate.dtype, what), opener, "pytorch")
     if names is not None:
         # the opt-in runtimes installed here run an .onnx too, though only when named (OpenVINO)
-        opt_in = [
-            b.name
-            for b in BACKENDS.values()
-            if candidate.onnx is not None and b.opt_in and "verify" in b.commands and not b.quantized
-            and b.unavailable() is None
-        ]  # fmt: skip
+        opt_in = [b.name for b in _opt_in() if candidate.onnx is not None and b.unavailable() is None]
         for name in dict.fromkeys(names):
             if not any(p.backend == name for p in pending) and not (fallback and fallback.backend == name):
                 can = [*(p.backend for p in pending), *opt_in, *([fallback.backend] if fallback else [])]
@@ -152,6 +146,12 @@ def candidate_runs(
         pending = [p for p in pending if p.backend in names]
         fallback = fallback if fallback is not None and fallback.backend in names else None
     return pending, fallback
+
+
+def _opt_in() -> list[Any]:
+    """The runtimes of question 2 that run an ``.onnx`` besides onnxruntime (OpenVINO): opt-in ``BACKENDS`` of
+    ``verify`` that do not quantize."""
+    return [b for b in BACKENDS.values() if b.opt_in and "verify" in b.commands and not b.quantized]
 
 
 def question_2_names(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
@@ -546,7 +546,7 @@ def _question_1_onnx(
     exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, batch)
     written = first.tensors
     name = candidate.onnx.path.name
-    fold = onnx_original.ir_tensors(folded.fused)
+    fold = onnx_original.stored_tensors(folded.fused, float64=True)
     checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
     if folded.simplified is None:
         return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold)]
@@ -560,7 +560,7 @@ def _question_1_onnx(
                             rounded, fold),
         judge.exact_tensors(
             f"{name} vs that fold simplified at the file's precision ({simplifiers})",
-            written, onnx_original.ir_tensors(folded.simplified), against="that fold, simplified",
+            written, onnx_original.stored_tensors(folded.simplified, float64=True), against="that fold, simplified",
         ),
     ]  # fmt: skip
 
@@ -720,8 +720,9 @@ def _whole(
             from slabconv.verify import onnx_original
 
             folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx.path, keep_original=True)
-            first = Written(onnx_original.float_tensors(candidate.onnx.path), True)
-            original, fold = onnx_original.ir_tensors(folded.original), onnx_original.ir_tensors(folded.fused)
+            first = _onnx_tensors(candidate.onnx.path)
+            original = onnx_original.stored_tensors(folded.original, float64=True)
+            fold = onnx_original.stored_tensors(folded.fused, float64=True)
             removed = [p.site for p in folded.plans if p.decision.action.startswith("folded")]
             related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
     else:
