@@ -6,6 +6,7 @@ updated by the next, a norm whose input is another norm's kept affine."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from slabconv.engine import apply_folds, capture, fold_all, fused_state_dict, plan_folds, reasons
+from slabconv.engine.affine_values import Constants
 from slabconv.engine.layers import LAYERS
 from slabconv.zoo.norms import RepBN
 from tests.foldcheck import TOL, RepBN_NLP, bn_nodes, kept_affines, randomize, rel_err
@@ -430,3 +432,21 @@ def test_a_norm_module_called_twice_is_two_norms():
         ("norm", "folded-forward", ["fc2"]),
     ]
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+def test_constants_are_found_through_a_graph_deeper_than_the_recursion_limit():
+    """Whether a value is constant is asked of values thousands of nodes deep (a residual stream: timm's RepViT
+    exported by the TorchScript exporter without constant folding ended in a RecursionError)."""
+    graph = fx.Graph()
+    ends = {}
+    for start in (graph.placeholder("x"), graph.get_attr("w")):
+        h = start
+        for _ in range(3 * sys.getrecursionlimit()):
+            h = graph.call_function(torch.neg, (h,))
+        ends[start.name] = h
+    graph.output((ends["x"], ends["w"]))
+    root = nn.Module()
+    root.register_buffer("w", torch.ones(C))
+    gm = fx.GraphModule(root, graph)
+    constants = Constants(gm)
+    assert (constants.is_const(ends["x"]), constants.is_const(ends["w"])) == (False, True)

@@ -78,13 +78,36 @@ class Constants:
         self._value: dict[fx.Node, Any] = {}
 
     def is_const(self, node: Any) -> bool:
+        """Whether ``node`` is computed from stored tensors and literals only. Walked with a stack, not recursion:
+        a value's inputs may go back thousands of nodes (a deep network's residual stream)."""
         if not isinstance(node, fx.Node):
             return True
-        if node not in self._const:
-            self._const[node] = self._check(node)
+        todo = [node]
+        while todo:
+            n = todo[-1]
+            if n in self._const:
+                todo.pop()
+                continue
+            own = self._own(n)
+            if own is not None:
+                self._const[n] = own
+                todo.pop()
+                continue
+            for a in n.all_input_nodes:  # the first input not yet known is walked first; a non-constant one ends it
+                if a not in self._const:
+                    todo.append(a)
+                    break
+                if not self._const[a]:
+                    self._const[n] = False
+                    todo.pop()
+                    break
+            else:
+                self._const[n] = True
+                todo.pop()
         return self._const[node]
 
-    def _check(self, node: fx.Node) -> bool:
+    def _own(self, node: fx.Node) -> bool | None:
+        """Whether ``node`` is constant whatever its inputs are (``None``: as constant as its inputs)."""
         if node.op == "get_attr":  # a stored tensor; not a submodule (the body of a higher-order op)
             return isinstance(stored(self.gm, str(node.target)), torch.Tensor)
         if node.op != "call_function" or getattr(node.target, "overloadpacket", None) in self._BANNED:
@@ -93,7 +116,7 @@ class Constants:
             return False
         if getattr(node.target, "runs", True) is False:  # an op the engine cannot run (an opaque ONNX node)
             return False
-        return all(self.is_const(a) for a in node.all_input_nodes)
+        return None
 
     def value(self, node: Any) -> Any:
         """The value of a constant (tensors read from the model in float64, then the ops run on them)."""
