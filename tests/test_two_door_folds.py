@@ -8,7 +8,9 @@ the original, and a refusal where the naive fold is wrong.
   parts put back together (``cat``, in order or permuted) are a layout of the norm's channels again; a strided
   slice (``y[:, ::2]``) and a constant index (``index_select``) hold the channels they pick.
 - Back through a constant: ``norm(conv(x) + c)`` folds into the conv with the shift ``t + (s - 1) c`` (the add
-  stays); a product with a per-channel constant is a LayerScale of its own; a sum of two convs gives ``t`` to one.
+  stays); a product with a per-channel constant is one affine with the norm; a sum of two convs gives ``t`` to one.
+- An affine read by a BatchNorm alone: ``bn(w x + b)`` with stored statistics is one affine of ``x`` and folds
+  whole; before a BatchNorm of batch statistics the affine is kept.
 """
 
 from __future__ import annotations
@@ -267,13 +269,10 @@ def test_a_norm_after_a_constant_add_folds_back_into_the_conv(how, value, tmp_pa
 
 
 def test_a_norm_after_a_per_channel_product_folds_back_through_the_product(tmp_path):
-    """``s (conv(x) k) + t``: the product is a LayerScale of its own, folded into the conv first; the norm then
-    folds into the same conv."""
+    """``s (conv(x) k) + t``: the product, read by the norm alone, is one affine with it (scale ``s k``), folded into
+    the conv."""
     model, x = _constant_model("times")
-    assert both_doors(model, x, tmp_path) == [
-        ("k", "LayerScale", "folded-backward", None, ("conv",)),
-        ("norm", "BatchNorm", "folded-backward", None, ("conv",)),
-    ]
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-backward", None, ("conv",))]
 
 
 def test_a_norm_after_a_sum_of_two_convs_gives_its_shift_to_one(tmp_path):
@@ -343,3 +342,74 @@ def test_a_constant_added_after_the_norm_keeps_it_with_its_own_reason(stored_con
     assert both_doors(model, x, tmp_path) == [
         ("norm", "BatchNorm", "kept-affine", reasons.CONSTANT_ADDED_AFTER_NORM, ())
     ]
+
+
+# --------------------------------------------------------------------------------------------- affine then BN
+
+
+class AffineThenBN(nn.Module):
+    """``conv(bn(lab(relu(pre(x)))))``: an affine after a ReLU (no layer it can fold back into) read by a BatchNorm
+    alone, as PP-LCNetV3's ``LearnableAffineBlock`` (a learned scalar scale and bias, ``per_channel`` False) or a
+    MobileBERT ``NoNorm`` (``x * w + b`` per channel) before a ``BatchNorm2d``. ``batch_stats``: the BN has no
+    running statistics (it normalises by each batch's)."""
+
+    def __init__(self, per_channel: bool, batch_stats: bool = False) -> None:
+        super().__init__()
+        size = C if per_channel else 1
+        self.pre, self.conv = nn.Conv2d(C, C, 1), nn.Conv2d(C, 4, 1)
+        gen = torch.Generator().manual_seed(5)
+        self.w = nn.Parameter(torch.rand(size, generator=gen).view(-1, 1, 1) + 1.5)
+        self.b = nn.Parameter(torch.randn(size, generator=gen).view(-1, 1, 1))
+        self.bn = nn.BatchNorm2d(C, track_running_stats=not batch_stats)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.bn(torch.relu(self.pre(x)) * self.w + self.b))
+
+
+def _affine_bn_naive(model: AffineThenBN, mean: torch.Tensor, var: torch.Tensor) -> nn.Module:
+    """``model`` without its affine, the BN (as one with statistics ``mean`` / ``var``) folded into ``conv``."""
+    naive = copy.deepcopy(model)
+    bn = naive.bn
+    s = bn.weight.double() / torch.sqrt(var.double() + bn.eps)
+    t = bn.bias.double() - s * mean.double()
+    with torch.no_grad():
+        naive.w.fill_(1.0)
+        naive.b.zero_()
+        naive.bn = nn.Identity()
+        w, b = fold.fold_into_conv(model.conv.weight.double(), model.conv.bias.double(), s, t)
+        naive.conv.weight.copy_(w)
+        naive.conv.bias.copy_(b)
+    return naive
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_an_affine_read_by_a_batchnorm_alone_folds_with_it(per_channel, tmp_path):
+    """``bn(w x + b)`` with stored statistics is one affine of ``x`` (``w`` times the BN's scale, the BN's scale
+    times ``b`` plus its shift): it folds into ``conv`` and neither the affine nor the BN is left. It said
+    ``unsupported-op:aten.batch_norm`` and kept the affine; the BN's fold without the affine is wrong."""
+    model = randomize(AffineThenBN(per_channel), seed=3).eval()
+    x = image()
+    reference = model(x)
+    assert rel_err(_affine_bn_naive(model, model.bn.running_mean, model.bn.running_var)(x), reference) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [("bn", "BatchNorm", "folded-forward", None, ("conv",))]
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor)]
+
+
+def test_an_affine_read_by_a_batchnorm_of_batch_statistics_is_kept():
+    """A BN without running statistics is no fixed affine: composing the affine with it (as a BN of mean 0 and
+    variance 1) is wrong, so the affine stays before the BN (``unsupported-op:aten.batch_norm``) and the BN is
+    kept; the graph computes the original."""
+    model = randomize(AffineThenBN(per_channel=True, batch_stats=True), seed=3).eval()
+    x = image()
+    reference = model(x)
+    assert rel_err(_affine_bn_naive(model, torch.zeros(C), torch.ones(C))(x), reference) > NAIVE_MIN_ERR
+    gm = engine.capture(model, x)
+    summary = [(d.kind, d.action, d.reason) for d in engine.fold_all(gm)]
+    assert summary == [
+        ("Affine", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm"),
+        ("BatchNorm", "kept", reasons.BATCH_STATS_IN_EVAL),
+    ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]

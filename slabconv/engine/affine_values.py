@@ -63,6 +63,10 @@ def bn_args(node: fx.Node) -> tuple[Any, ...]:
     return (*tensors, flag, float(a[eps]))  # type: ignore[arg-type]
 
 
+MARK = "slabconv_norm_affine"
+"""``node.meta`` key on the multiply (value: the norm's kind, ``LayerNorm`` ...) and add (``"shift"``) of a
+LayerNorm / RMSNorm / GroupNorm affine split from its op (``slabconv.engine.norm_affine``)."""
+
 # --------------------------------------------------------------------------------------------- constants
 
 
@@ -284,7 +288,34 @@ class _Analysis:
         if not training and mean is not None and var is not None:
             v = {k: self.consts.value(n) for k, n in tensors.items()}
             scale, shift = fold.repbn_affine(v["running_mean"], v["running_var"], eps, v["weight"], v["bias"])
+        inner = self.aff.get(x) if isinstance(x, fx.Node) else None
+        if scale is not None and shift is not None and inner is not None and self._feeds_only(inner, node):
+            # bn(s x + t) with stored statistics: one affine of x, composed in float64 (PP-LCNetV3's
+            # LearnableAffineBlock -> BatchNorm2d); the BN names it and its statistics stay its params
+            self.aff[out] = replace(
+                inner,
+                axis=1,
+                scale=inner.scale * scale,  # type: ignore[operator]
+                shift=inner.shift * scale + shift,  # type: ignore[operator]
+                nodes=(*inner.nodes, *nodes),
+                bns=(node,),
+                shifted=True,
+                core=tuple(nodes),
+            )
+            return
         self.aff[out] = Affine(x, 1, scale, shift, tuple(nodes), (node,), seeded=True, core=tuple(nodes))
+
+    @staticmethod
+    def _feeds_only(inner: Affine, bn: fx.Node) -> bool:
+        """True when ``inner`` is a norm of its own without a BN op (``seeded``: a per-channel or learned product,
+        not a norm op's split affine) on the BN's channel axis (or scalar), with constant values, whose nodes nothing
+        but ``inner`` and ``bn`` reads: the BN's affine composed with it stays as closed as the BN alone."""
+        if not inner.seeded or inner.bns or inner.axis not in (None, 1) or inner.scale is None or inner.shift is None:
+            return False
+        if any(MARK in n.meta for n in inner.nodes):
+            return False  # the affine of a LayerNorm / RMSNorm / GroupNorm op: it stays that norm's own
+        inside = {*inner.nodes, bn}
+        return all(set(n.users) <= inside for n in inner.nodes)
 
     def _permuted_back(self, node: fx.Node) -> None:
         """``permute(a, q)`` where ``a = scale * b + shift`` on axis ``k`` of ``b = permute(y, p)`` and ``q``
