@@ -324,8 +324,9 @@ class _Analysis:
         the same, only its axis moves). A permute that leaves another layout is no affine of any node; nor is one
         whose affine reads a second node computing ``b`` (``dups``: the norm would read that node, not ``y``).
 
-        Kept apart (``back``), not as the node's affine: a sum may read it (``BN(x^T)^T + alpha x``) and a norm may
-        end at it, but ops after it start from the node itself, so a RepBN that reads this node (Swin's ``norm1``
+        Kept apart (``back``), not as the node's affine: a sum may read it (``BN(x^T)^T + alpha x``; a constant
+        added, ``BN(x^T)^T + c``, is kept apart with it) and a norm may end at it, but ops after it start from the
+        node itself, so a RepBN that reads this node (Swin's ``norm1``
         after its patch embedding's norm) still sees its ``alpha x`` term as a multiple of its own input."""
         inner = self.aff[node.args[0]]  # type: ignore[index]
         first = inner.base
@@ -392,18 +393,23 @@ class _Analysis:
                         self._combine(node, left, self._scaled(right, k), k == 1.0)
         elif live[0] and node.target is not aten.rsub.Scalar:
             self._shift(node, self.get(x), y, k)  # type: ignore[arg-type]
+            if x in self.back:  # ``bn(y^T)^T + c``: the constant joins the affine the transpose pair computes
+                self._shift(node, self.back[x], y, k, self.back)  # type: ignore[index]
         elif live[1]:
             self._shift(node, self._scaled(self.get(y), k), x, 1.0)  # type: ignore[arg-type]
+            if y in self.back:
+                self._shift(node, self._scaled(self.back[y], k), x, 1.0, self.back)  # type: ignore[index]
 
-    def _shift(self, node: fx.Node, left: Affine, c: Any, k: float) -> None:
-        """``left + k c`` for a constant ``c``."""
+    def _shift(self, node: fx.Node, left: Affine, c: Any, k: float, into: dict[fx.Node, Affine] | None = None) -> None:
+        """``left + k c`` for a constant ``c`` (a scalar or a vector on ``left``'s axis), as ``node``'s affine in
+        ``into`` (``aff`` unless told)."""
         found = self._constant(c, left.base, node)
         if found is None:
             return
         value, axis = found
         common = _axis(left.axis, axis)
         if common is not False:
-            self.aff[node] = replace(
+            (self.aff if into is None else into)[node] = replace(
                 left,
                 axis=common,
                 shift=_add(left.shift, value * k),

@@ -13,7 +13,8 @@ Which patterns count (``docs/reasons.md``, "Which patterns count"):
    affine of the BN's input on its channel axis: ``+ / - / *`` by a constant scalar or a constant vector on that
    axis, and ``+ / -`` of another affine of the same input, which is how RepBN writes ``BN(x) + alpha * x``
    (SLAB eq. 4): ``RepBN``. Two ops that compute the same value are the same input (``x.transpose(1, 2)``
-   written twice; ``value_numbers`` is common-subexpression analysis on the graph).
+   written twice; ``value_numbers`` is common-subexpression analysis on the graph). A constant added after the
+   transpose pair around a BN over tokens extends it too (``bn(x^T)^T + c``).
 3. Without a BN op, a multiplication of a tensor ``x`` by a constant vector along one channel axis of ``x``
    starts a norm, extended as in 2: ``FrozenBatchNorm`` when its constants normalise by a stored variance
    (``rsqrt`` / ``sqrt`` of stored tensors, torchvision's ``FrozenBatchNorm2d``), else ``Affine`` when a constant
