@@ -8,7 +8,11 @@ the original, and a refusal where the naive fold is wrong.
   parts put back together (``cat``, in order or permuted) are a layout of the norm's channels again; a strided
   slice (``y[:, ::2]``) and a constant index (``index_select``) hold the channels they pick.
 - Back through a constant: ``norm(conv(x) + c)`` folds into the conv with the shift ``t + (s - 1) c`` (the add
-  stays); a product with a per-channel constant is a LayerScale of its own; a sum of two convs gives ``t`` to one.
+  stays); a product with a per-channel constant is one affine with the norm; a sum of two convs gives ``t`` to one.
+- A constant added after a norm (``bn(y^T)^T + c``): a number or a per-channel constant joins the norm's shift;
+  one along the token axis, or a sum a residual also reads, keeps the affine.
+- An affine read by a BatchNorm alone: ``bn(w x + b)`` with stored statistics is one affine of ``x`` and folds
+  whole; before a BatchNorm of batch statistics the affine is kept.
 """
 
 from __future__ import annotations
@@ -267,13 +271,10 @@ def test_a_norm_after_a_constant_add_folds_back_into_the_conv(how, value, tmp_pa
 
 
 def test_a_norm_after_a_per_channel_product_folds_back_through_the_product(tmp_path):
-    """``s (conv(x) k) + t``: the product is a LayerScale of its own, folded into the conv first; the norm then
-    folds into the same conv."""
+    """``s (conv(x) k) + t``: the product, read by the norm alone, is one affine with it (scale ``s k``), folded into
+    the conv."""
     model, x = _constant_model("times")
-    assert both_doors(model, x, tmp_path) == [
-        ("k", "LayerScale", "folded-backward", None, ("conv",)),
-        ("norm", "BatchNorm", "folded-backward", None, ("conv",)),
-    ]
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-backward", None, ("conv",))]
 
 
 def test_a_norm_after_a_sum_of_two_convs_gives_its_shift_to_one(tmp_path):
@@ -309,26 +310,30 @@ def test_no_backward_fold_through_a_constant_add_when_another_layer_reads_the_co
 
 
 class ConstantAfterNorm(nn.Module):
-    """``fc(bn(relu(x)) + c)`` over tokens: a number or a stored per-channel constant added to the norm's output
-    before the layer that reads it (the ReLU: no layer before the norm to fold into)."""
+    """``fc(bn(relu(x)) + c)`` over tokens (the BN between two transposes; the ReLU: no layer before the norm to fold
+    into), ``c`` added to the norm's output before the layer that reads it: ``number`` 0.5, ``stored`` a stored
+    per-channel constant, ``tokens`` a stored constant that varies along the token axis, ``residual`` the stored
+    per-channel one with ``bn(...) + c`` also added to ``fc``'s output."""
 
-    def __init__(self, stored_constant: bool) -> None:
+    def __init__(self, how: str) -> None:
         super().__init__()
-        self.stored_constant = stored_constant
-        self.norm, self.fc = nn.BatchNorm1d(C), nn.Linear(C, 4)
-        self.register_buffer("c", torch.randn(C, generator=torch.Generator().manual_seed(7)) * 2)
+        self.how = how
+        self.norm, self.fc = nn.BatchNorm1d(C), nn.Linear(C, C)
+        gen = torch.Generator().manual_seed(7)
+        self.register_buffer("c", torch.randn(C, generator=gen) * 2)
+        self.register_buffer("per_token", torch.randn(6, 1, generator=gen) * 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.norm(torch.relu(x).transpose(1, 2)).transpose(1, 2)
-        return self.fc(y + (self.c if self.stored_constant else 0.5))
+        c = {"number": 0.5, "tokens": self.per_token}.get(self.how, self.c)
+        z = y + c
+        return self.fc(z) + z if self.how == "residual" else self.fc(z)
 
 
-@pytest.mark.parametrize("stored_constant", [False, True])
-def test_a_constant_added_after_the_norm_keeps_it_with_its_own_reason(stored_constant, tmp_path):
-    """The norm's output plus a constant before ``fc``: removing the norm leaves the add, so ``fc`` would need the
-    shift ``t + (1 - s) c``; the naive forward fold (``fc`` taking ``(s, t)``) is wrong. Every door keeps the affine
-    and names the constant, not a residual (it said ``residual-reads-norm``)."""
-    model = randomize(ConstantAfterNorm(stored_constant), seed=4).eval()
+def _constant_after(how: str) -> tuple[ConstantAfterNorm, torch.Tensor, torch.Tensor, nn.Module]:
+    """The model, its input, its output in float64 and the naive forward fold (``fc`` taking ``(s, t)``, the add
+    left in place), in float64."""
+    model = randomize(ConstantAfterNorm(how), seed=4).eval()
     x = torch.randn(B, 6, C, generator=torch.Generator().manual_seed(1))
     s, t = affine_of(model.norm)
     reference = model.double()(x.double())
@@ -338,8 +343,101 @@ def test_a_constant_added_after_the_norm_keeps_it_with_its_own_reason(stored_con
         w, b = fold.fold_into_linear(naive.fc.weight, naive.fc.bias, s, t)
         naive.fc.weight.copy_(w)
         naive.fc.bias.copy_(b)
-    assert rel_err(naive(x.double()), reference) > NAIVE_MIN_ERR
     model.float()
-    assert both_doors(model, x, tmp_path) == [
-        ("norm", "BatchNorm", "kept-affine", reasons.CONSTANT_ADDED_AFTER_NORM, ())
+    return model, x, reference, naive
+
+
+@pytest.mark.parametrize("how", ["number", "stored"])
+def test_a_constant_added_after_the_norm_joins_it(how, tmp_path):
+    """``bn(y^T)^T + c`` with ``c`` a number or a per-channel constant is one affine of ``y`` (shift ``t + c``): the
+    add is part of the norm and ``fc`` takes ``(s, t + c)``; the naive forward fold (``fc`` taking ``(s, t)``, the
+    add left in place) is wrong. It was kept with ``constant-added-after-norm``."""
+    model, x, reference, naive = _constant_after(how)
+    assert rel_err(naive(x.double()), reference) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-forward", None, ("fc",))]
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+
+
+@pytest.mark.parametrize(("how", "reason", "into"), [("tokens", reasons.CONSTANT_ADDED_AFTER_NORM, ()),
+                                                     ("residual", reasons.RESIDUAL_READS_NORM, ("fc",))])  # fmt: skip
+def test_a_constant_added_after_the_norm_along_tokens_or_before_a_residual_keeps_it(how, reason, into, tmp_path):
+    """A constant that varies along the token axis is no per-channel shift, and ``bn(...) + c`` read by ``fc`` and
+    by the residual sum has no layer for the residual's share: both keep the affine (the residual's share, ``fc``
+    folding its own; the naive forward fold is wrong), and the fused graph and files compute the original."""
+    model, x, reference, naive = _constant_after(how)
+    assert rel_err(naive(x.double()), reference) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "kept-affine", reason, into)]
+
+
+# --------------------------------------------------------------------------------------------- affine then BN
+
+
+class AffineThenBN(nn.Module):
+    """``conv(bn(lab(relu(pre(x)))))``: an affine after a ReLU (no layer it can fold back into) read by a BatchNorm
+    alone, as PP-LCNetV3's ``LearnableAffineBlock`` (a learned scalar scale and bias, ``per_channel`` False) or a
+    MobileBERT ``NoNorm`` (``x * w + b`` per channel) before a ``BatchNorm2d``. ``batch_stats``: the BN has no
+    running statistics (it normalises by each batch's)."""
+
+    def __init__(self, per_channel: bool, batch_stats: bool = False) -> None:
+        super().__init__()
+        size = C if per_channel else 1
+        self.pre, self.conv = nn.Conv2d(C, C, 1), nn.Conv2d(C, 4, 1)
+        gen = torch.Generator().manual_seed(5)
+        self.w = nn.Parameter(torch.rand(size, generator=gen).view(-1, 1, 1) + 1.5)
+        self.b = nn.Parameter(torch.randn(size, generator=gen).view(-1, 1, 1))
+        self.bn = nn.BatchNorm2d(C, track_running_stats=not batch_stats)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.bn(torch.relu(self.pre(x)) * self.w + self.b))
+
+
+def _affine_bn_naive(model: AffineThenBN, mean: torch.Tensor, var: torch.Tensor) -> nn.Module:
+    """``model`` without its affine, the BN (as one with statistics ``mean`` / ``var``) folded into ``conv``."""
+    naive = copy.deepcopy(model)
+    bn = naive.bn
+    s = bn.weight.double() / torch.sqrt(var.double() + bn.eps)
+    t = bn.bias.double() - s * mean.double()
+    with torch.no_grad():
+        naive.w.fill_(1.0)
+        naive.b.zero_()
+        naive.bn = nn.Identity()
+        w, b = fold.fold_into_conv(model.conv.weight.double(), model.conv.bias.double(), s, t)
+        naive.conv.weight.copy_(w)
+        naive.conv.bias.copy_(b)
+    return naive
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_an_affine_read_by_a_batchnorm_alone_folds_with_it(per_channel, tmp_path):
+    """``bn(w x + b)`` with stored statistics is one affine of ``x`` (``w`` times the BN's scale, the BN's scale
+    times ``b`` plus its shift): it folds into ``conv`` and neither the affine nor the BN is left. It said
+    ``unsupported-op:aten.batch_norm`` and kept the affine; the BN's fold without the affine is wrong."""
+    model = randomize(AffineThenBN(per_channel), seed=3).eval()
+    x = image()
+    reference = model(x)
+    assert rel_err(_affine_bn_naive(model, model.bn.running_mean, model.bn.running_var)(x), reference) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [("bn", "BatchNorm", "folded-forward", None, ("conv",))]
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
+    assert not bn_nodes(gm) and not kept_affines(gm)
+    assert not [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor)]
+
+
+def test_an_affine_read_by_a_batchnorm_of_batch_statistics_is_kept():
+    """A BN without running statistics is no fixed affine: composing the affine with it (as a BN of mean 0 and
+    variance 1) is wrong, so the affine stays before the BN (``unsupported-op:aten.batch_norm``) and the BN is
+    kept; the graph computes the original."""
+    model = randomize(AffineThenBN(per_channel=True, batch_stats=True), seed=3).eval()
+    x = image()
+    reference = model(x)
+    assert rel_err(_affine_bn_naive(model, torch.zeros(C), torch.ones(C))(x), reference) > NAIVE_MIN_ERR
+    gm = engine.capture(model, x)
+    summary = [(d.kind, d.action, d.reason) for d in engine.fold_all(gm)]
+    assert summary == [
+        ("Affine", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm"),
+        ("BatchNorm", "kept", reasons.BATCH_STATS_IN_EVAL),
     ]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]

@@ -63,6 +63,10 @@ def bn_args(node: fx.Node) -> tuple[Any, ...]:
     return (*tensors, flag, float(a[eps]))  # type: ignore[arg-type]
 
 
+MARK = "slabconv_norm_affine"
+"""``node.meta`` key on the multiply (value: the norm's kind, ``LayerNorm`` ...) and add (``"shift"``) of a
+LayerNorm / RMSNorm / GroupNorm affine split from its op (``slabconv.engine.norm_affine``)."""
+
 # --------------------------------------------------------------------------------------------- constants
 
 
@@ -307,7 +311,34 @@ class _Analysis:
         if not training and mean is not None and var is not None:
             v = {k: self.consts.value(n) for k, n in tensors.items()}
             scale, shift = fold.repbn_affine(v["running_mean"], v["running_var"], eps, v["weight"], v["bias"])
+        inner = self.aff.get(x) if isinstance(x, fx.Node) else None
+        if scale is not None and shift is not None and inner is not None and self._feeds_only(inner, node):
+            # bn(s x + t) with stored statistics: one affine of x, composed in float64 (PP-LCNetV3's
+            # LearnableAffineBlock -> BatchNorm2d); the BN names it and its statistics stay its params
+            self.aff[out] = replace(
+                inner,
+                axis=1,
+                scale=inner.scale * scale,  # type: ignore[operator]
+                shift=inner.shift * scale + shift,  # type: ignore[operator]
+                nodes=(*inner.nodes, *nodes),
+                bns=(node,),
+                shifted=True,
+                core=tuple(nodes),
+            )
+            return
         self.aff[out] = Affine(x, 1, scale, shift, tuple(nodes), (node,), seeded=True, core=tuple(nodes))
+
+    @staticmethod
+    def _feeds_only(inner: Affine, bn: fx.Node) -> bool:
+        """True when ``inner`` is a norm of its own without a BN op (``seeded``: a per-channel or learned product,
+        not a norm op's split affine) on the BN's channel axis (or scalar), with constant values, whose nodes nothing
+        but ``inner`` and ``bn`` reads: the BN's affine composed with it stays as closed as the BN alone."""
+        if not inner.seeded or inner.bns or inner.axis not in (None, 1) or inner.scale is None or inner.shift is None:
+            return False
+        if any(MARK in n.meta for n in inner.nodes):
+            return False  # the affine of a LayerNorm / RMSNorm / GroupNorm op: it stays that norm's own
+        inside = {*inner.nodes, bn}
+        return all(set(n.users) <= inside for n in inner.nodes)
 
     def _permuted_back(self, node: fx.Node) -> None:
         """``permute(a, q)`` where ``a = scale * b + shift`` on axis ``k`` of ``b = permute(y, p)`` and ``q``
@@ -316,8 +347,9 @@ class _Analysis:
         the same, only its axis moves). A permute that leaves another layout is no affine of any node; nor is one
         whose affine reads a second node computing ``b`` (``dups``: the norm would read that node, not ``y``).
 
-        Kept apart (``back``), not as the node's affine: a sum may read it (``BN(x^T)^T + alpha x``) and a norm may
-        end at it, but ops after it start from the node itself, so a RepBN that reads this node (Swin's ``norm1``
+        Kept apart (``back``), not as the node's affine: a sum may read it (``BN(x^T)^T + alpha x``; a constant
+        added, ``BN(x^T)^T + c``, is kept apart with it) and a norm may end at it, but ops after it start from the
+        node itself, so a RepBN that reads this node (Swin's ``norm1``
         after its patch embedding's norm) still sees its ``alpha x`` term as a multiple of its own input."""
         inner = self.aff[node.args[0]]  # type: ignore[index]
         first = inner.base
@@ -384,18 +416,23 @@ class _Analysis:
                         self._combine(node, left, self._scaled(right, k), k == 1.0)
         elif live[0] and node.target is not aten.rsub.Scalar:
             self._shift(node, self.get(x), y, k)  # type: ignore[arg-type]
+            if x in self.back:  # ``bn(y^T)^T + c``: the constant joins the affine the transpose pair computes
+                self._shift(node, self.back[x], y, k, self.back)  # type: ignore[index]
         elif live[1]:
             self._shift(node, self._scaled(self.get(y), k), x, 1.0)  # type: ignore[arg-type]
+            if y in self.back:
+                self._shift(node, self._scaled(self.back[y], k), x, 1.0, self.back)  # type: ignore[index]
 
-    def _shift(self, node: fx.Node, left: Affine, c: Any, k: float) -> None:
-        """``left + k c`` for a constant ``c``."""
+    def _shift(self, node: fx.Node, left: Affine, c: Any, k: float, into: dict[fx.Node, Affine] | None = None) -> None:
+        """``left + k c`` for a constant ``c`` (a scalar or a vector on ``left``'s axis), as ``node``'s affine in
+        ``into`` (``aff`` unless told)."""
         found = self._constant(c, left.base, node)
         if found is None:
             return
         value, axis = found
         common = _axis(left.axis, axis)
         if common is not False:
-            self.aff[node] = replace(
+            (self.aff if into is None else into)[node] = replace(
                 left,
                 axis=common,
                 shift=_add(left.shift, value * k),

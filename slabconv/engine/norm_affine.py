@@ -59,14 +59,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from slabconv.engine.affine_values import Constants
+from slabconv.engine.affine_values import MARK, Constants
 from slabconv.engine.capture import op_arg, shape_of, static_int, stored
 from slabconv.engine.rules import RESHAPE_OPS
 
 aten = torch.ops.aten
 
-MARK = "slabconv_norm_affine"
-"""``node.meta`` key on the affine's multiply (value: the norm's kind, ``LayerNorm`` ...) and add (``"shift"``)."""
 
 KINDS = ("LayerNorm-affine", "RMSNorm-affine", "GroupNorm-affine", "InstanceNorm-affine")
 """The kinds of these norms in ``Decision.kind`` / ``folds[].kind``."""

@@ -7,12 +7,14 @@ In: an export graph (``slabconv.engine.capture``). Out: one ``NormSite`` per nor
 Which patterns count (``docs/reasons.md``, "Which patterns count"):
 
 1. Every BatchNorm op (``aten.batch_norm`` and its core-ATen forms, ``BN_LAYOUT``), in eval or train mode, is a
-   norm of its own: ``BatchNorm``. Its statistics may be stored or computed from stored tensors only.
+   norm of its own: ``BatchNorm``. Its statistics may be stored or computed from stored tensors only. With stored
+   statistics in eval mode, a norm of kind 3 or 4 that only the BN reads joins it (``bn(w x + b)``, composed).
 2. Ops that follow it elementwise with constants keep extending it while the result is still one per-channel
    affine of the BN's input on its channel axis: ``+ / - / *`` by a constant scalar or a constant vector on that
    axis, and ``+ / -`` of another affine of the same input, which is how RepBN writes ``BN(x) + alpha * x``
    (SLAB eq. 4): ``RepBN``. Two ops that compute the same value are the same input (``x.transpose(1, 2)``
-   written twice; ``value_numbers`` is common-subexpression analysis on the graph).
+   written twice; ``value_numbers`` is common-subexpression analysis on the graph). A constant added after the
+   transpose pair around a BN over tokens extends it too (``bn(x^T)^T + c``).
 3. Without a BN op, a multiplication of a tensor ``x`` by a constant vector along one channel axis of ``x``
    starts a norm, extended as in 2: ``FrozenBatchNorm`` when its constants normalise by a stored variance
    (``rsqrt`` / ``sqrt`` of stored tensors, torchvision's ``FrozenBatchNorm2d``), else ``Affine`` when a constant
