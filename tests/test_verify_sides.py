@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 import onnx
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 from typer.testing import CliRunner
 
 from slabconv import api
@@ -30,6 +32,7 @@ from slabconv.cli import app
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify import backends, verifier
 from tests import onnxcases, tinyckpt
+from tests.conftest import randomize_norms
 from tests.tinyckpt import error_lines
 
 tiny_fused = tinyckpt.tiny_fused
@@ -996,3 +999,59 @@ def test_a_folds_metadata_copied_onto_the_unfused_weights_verifies_them_as_unfus
     v = report["verification"]
     assert v["passed"] and v["question_1_exact"] is None
     assert any("holds the tensors of every norm that fold removes" in n for n in v["notes"])
+
+
+class _ZeroBiases(nn.Module):
+    """A conv net whose 1x1 convs have zero biases, one of them changed by a fold (``gamma`` folds backward into
+    ``c1``: its bias stays ``gamma * 0 = 0``): what onnxscript's optimizer (the dynamo exporter's default) drops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c1, self.c2 = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 4, 1)
+        self.gamma = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c0(x)
+        h = h + self.gamma[:, None, None] * self.c1(torch.relu(self.bn(h)))
+        return self.c2(h)
+
+
+def test_a_zero_bias_the_onnx_file_does_not_hold_is_no_question_1_failure(tmp_path: Path) -> None:
+    """An exporter's optimizer drops a zero bias (a Conv without its bias input): question 1 failed such a correct
+    model.onnx (the zero bias, missing by name, was held to the nearest other tensor of its shape: 1e44 units in the
+    last place), also on timm's ConvNeXt, FastViT and MobileNetV3 programs. A bias a fold makes nonzero, dropped,
+    still fails."""
+    model = randomize_norms(_ZeroBiases(), seed=2).eval()
+    with torch.no_grad():
+        model.c1.bias.zero_()
+        model.c2.bias.zero_()
+    dynamic = ({0: torch.export.Dim("batch")},)
+    program = tmp_path / "zero.pt2"
+    torch.export.save(torch.export.export(model, (torch.randn(2, 3, 8, 8),), dynamic_shapes=dynamic), program)
+    report = api.fuse(program, tmp_path / "out", verify=None)
+    assert {(d.norm, d.action) for d in report.folds or []} >= {("gamma", "folded-backward")}
+
+    def without_bias(name: str, into: Path) -> Path:
+        model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+        for bias in [t for t in model.graph.initializer if t.name == name]:  # the exporter may have dropped it
+            model.graph.initializer.remove(bias)
+        for node in model.graph.node:
+            if node.op_type == "Conv" and len(node.input) == 3 and node.input[2] == name:
+                del node.input[2]
+        assert not [t for t in model.graph.initializer if t.name == name]
+        assert not [n for n in model.graph.node if name in n.input]
+        onnx.save(model, str(into))
+        return into
+
+    for name in ("c1.bias", "c2.bias"):  # c1's written by the fold, c2's the original's: both zeros
+        found = api.verify(program, without_bias(name, tmp_path / f"no-{name}.onnx"), verify=VerifyOptions(samples=4))
+        assert found.verification is not None and found.verification.passed, found.verification
+    with torch.no_grad():
+        model.c1.bias.fill_(0.5)  # a fold now makes c1's bias gamma * 0.5: dropping it is wrong
+    torch.export.save(torch.export.export(model, (torch.randn(2, 3, 8, 8),), dynamic_shapes=dynamic), program)
+    api.fuse(program, tmp_path / "out", verify=None, write=WriteOptions(force=True))
+    wrong = api.verify(program, without_bias("c1.bias", tmp_path / "wrong.onnx"), verify=VerifyOptions(samples=4))
+    assert wrong.verification is not None and not wrong.verification.passed
+    failed = [c.name for c in wrong.verification.exact if not c.passed]
+    assert failed == ["wrong.onnx vs a float64 fold of the reference"], failed

@@ -230,7 +230,6 @@ def exact_tensors(
     by_value: bool = False,
     against: str = "the float64 fold",
     unchanged: frozenset[str] = frozenset(),
-    rewritten: bool = False,
 ) -> ExactCheck:
     """Question 1 for written files: every tensor of the float64 fold, rounded to the written dtype, equals the
     written tensor within ``ulp_bound`` units in the last place (a tensor the file lacks fails).
@@ -252,11 +251,13 @@ def exact_tensors(
             file does not hold by name is looked for by value like the others (an exporter stores a Linear weight
             no fold wrote transposed under a generated name too), but is not counted where the file holds no
             floating tensor of its shape or transposed shape at all (an exporter stores what it computes from such a
-            constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), where it
-            is an integer buffer (an index: ``written`` holds floating tensors), nor where it is all zeros and the
-            file was ``rewritten``.
-        rewritten: a simplifier rewrote the file (``fuse --simplify``: onnxscript's optimizer drops the ``Add`` of a
-            zero bias): an all-zero unchanged tensor it does not hold by name is left to question 2.
+            constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), nor where
+            it is an integer buffer (an index: ``written`` holds floating tensors).
+
+    With ``by_value``, a fold tensor that is all zeros and that the file does not hold by name is not counted,
+    whether a fold wrote it or not: onnxscript's optimizer (the dynamo exporter's default, and ``fuse --simplify``)
+    drops a zero bias (a ``Conv`` without its bias input, no ``Add``), and an op without it adds what the zeros
+    add. A tensor the fold makes nonzero is always counted.
     """
     pool = by_shape(written) if by_value else {}
     worst, worst_name, count = 0.0, "", 0
@@ -266,9 +267,10 @@ def exact_tensors(
         if got is not None:
             distance = _distance(got.detach().cpu(), exact64)
         elif by_value:
+            if not bool(exact64.any()):  # a zero bias the exporter's optimizer dropped
+                continue
             nearest_one, distance = nearest(exact64, pool)
-            dropped = rewritten and not bool(exact64.any())  # a zero bias whose Add a simplifier removed
-            if key in unchanged and (dropped or not exact.is_floating_point() or nearest_one is None):
+            if key in unchanged and (not exact.is_floating_point() or nearest_one is None):
                 continue
         else:
             distance = math.inf

@@ -406,8 +406,6 @@ class Written(NamedTuple):
     by_value: bool
     """Matched by value rather than by name: an ``.onnx`` (the exporter stores Linear weights transposed under
     generated names)."""
-    rewritten: bool = False
-    """An ``.onnx`` that ``fuse --simplify`` rewrote (``judge.exact_tensors``)."""
 
 
 def _written_tensors(candidate: Side) -> Written:
@@ -474,8 +472,7 @@ def _question_1_torch(
         written = first if i == 0 else read()
         unchanged = unchanged_tensors(reference.original64, fold) if written.by_value else frozenset()
         checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
-                                          by_value=written.by_value, unchanged=unchanged,
-                                          rewritten=written.rewritten))  # fmt: skip
+                                          by_value=written.by_value, unchanged=unchanged))  # fmt: skip
         del written
     return checks
 
@@ -513,15 +510,13 @@ def written_files(candidate: Side) -> list[tuple[str, Callable[[], Written]]]:
 
 
 def _onnx_tensors(path: Path) -> Written:
-    """An ``.onnx``'s floating initializers for question 1, matched by value, and whether ``--simplify`` rewrote
-    it (its ``metadata_props``), from one read of the file."""
+    """An ``.onnx``'s floating initializers for question 1, matched by value."""
     import onnx_ir as ir
 
     from slabconv.verify import onnx_original
-    from slabconv.write.onnx import SIMPLIFIED_KEY
 
     model = ir.load(str(path))
-    return Written(onnx_original.stored_tensors(model), True, SIMPLIFIED_KEY in model.metadata_props)
+    return Written(onnx_original.stored_tensors(model), True)
 
 
 def _question_1_onnx(
