@@ -14,7 +14,7 @@ from slabconv import api, pipeline
 from slabconv.cli import app
 from slabconv.errors import UnsupportedModelError
 from slabconv.options import VerifyOptions, WriteOptions
-from tests.conftest import small_vit
+from tests.conftest import randomize_norms, small_vit
 from tests.hfwrite import write_hf_folder
 from tests.test_llama import TINY_CONFIG, tiny_model
 
@@ -155,3 +155,31 @@ def test_a_program_that_updates_buffers_is_written_with_its_own_state(tmp_path: 
 
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert int(written["calls"]) == 0 and torch.equal(written["mean_in"], torch.zeros(6))
+
+
+class _AutocastHead(torch.nn.Module):
+    """A head computed in an autocast region that casts to float32 (timm's EfficientViT attention): the program
+    holds it as a ``wrap_with_autocast`` op whose body is a graph of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.bn, self.fc1 = torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.fc0(x))
+        with torch.autocast(device_type="cpu", enabled=False):
+            return self.fc1(h.float())
+
+
+def test_a_program_with_an_autocast_region_is_verified_in_float64(tmp_path):
+    """The float64 reference retypes the body of an autocast region too: its ``h.float()`` stayed float32 against
+    float64 weights, and fuse ended in an internal error (``Tensor dtype mismatch``), on timm's EfficientViT-B0."""
+    model = randomize_norms(_AutocastHead(), seed=4).eval()
+    dynamic = ({0: torch.export.Dim("batch")},)
+    program = torch.export.export(model, (torch.randn(2, 8),), dynamic_shapes=dynamic)
+    assert any("autocast" in type(n.target).__name__.lower() for n in program.graph.nodes)
+    torch.export.save(program, tmp_path / "autocast.pt2")
+    report = api.fuse(tmp_path / "autocast.pt2", tmp_path / "out")
+    assert report.verification is not None and report.verification.passed
+    assert [(d.norm, d.action) for d in report.folds or []] == [("bn", "folded-backward")]
+    assert all(c.passed for c in report.verification.exact) and len(report.verification.exact) >= 3

@@ -39,7 +39,8 @@ def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.d
     """A copy of ``gm`` computing in ``dtype``: the dtype arguments of ``source`` replaced by it, and every floating
     parameter, buffer and constant cast to it once."""
     out = engine.copy_sharing(gm)  # every floating tensor is replaced below, never written into
-    for node in out.graph.nodes:
+    graphs = [m for m in out.modules() if isinstance(m, fx.GraphModule)]  # with the bodies of higher-order ops
+    for node in (n for m in graphs for n in m.graph.nodes):  # (torch.autocast regions: ``wrap_with_autocast``)
         node.args = _retype_arg(node.args, source, dtype)
         node.kwargs = _retype_arg(node.kwargs, source, dtype)
     for module in out.modules():
@@ -52,7 +53,8 @@ def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.d
     for name, value in list(vars(out).items()):
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             setattr(out, name, rounded(value, dtype))
-    out.recompile()
+    for m in graphs:
+        m.recompile()
     return out
 
 
