@@ -13,6 +13,9 @@ the original, and a refusal where the naive fold is wrong.
   one along the token axis, or a sum a residual also reads, keeps the affine.
 - An affine read by a BatchNorm alone: ``bn(w x + b)`` with stored statistics is one affine of ``x`` and folds
   whole; before a BatchNorm of batch statistics the affine is kept.
+- A norm read by a BatchNorm alone (BN -> BN, RepBN -> BN, over tokens through the transposes between them) is one
+  affine composed in float64; a residual that also reads the first norm, a BatchNorm of batch statistics or in
+  train mode, or a transpose that puts the channels on another axis keep each norm apart.
 """
 
 from __future__ import annotations
@@ -29,7 +32,17 @@ from torch import nn
 from slabconv import engine, fold
 from slabconv.engine import onnx_fold, reasons
 from slabconv.engine.capture import stored
-from tests.foldcheck import NAIVE_MIN_ERR, TOL, affine_of, bn_nodes, kept_affines, randomize, rel_err
+from tests.foldcheck import (
+    NAIVE_MIN_ERR,
+    TOL,
+    RepBN_NLP,
+    affine_of,
+    bn_nodes,
+    kept_affines,
+    patchtst_norm,
+    randomize,
+    rel_err,
+)
 
 C, B = 8, 2
 
@@ -441,3 +454,172 @@ def test_an_affine_read_by_a_batchnorm_of_batch_statistics_is_kept():
         ("BatchNorm", "kept", reasons.BATCH_STATS_IN_EVAL),
     ]
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+# --------------------------------------------------------------------------------------------- norm then BN
+
+
+class RepBN2d(nn.Module):
+    """SLAB's RepBN on images: ``bn(x) + alpha x``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1))
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x) + self.alpha * x
+
+
+class NormThenBN(nn.Module):
+    """``layer(second(first(relu(x))))``: a norm after a ReLU (no layer it can fold back into) read by a BatchNorm
+    alone. ``first``: ``bn`` a BatchNorm2d, ``repbn`` a RepBN (``RepBN2d``), ``tokens`` a BatchNorm1d over the
+    channels of ``(B, N, C)`` tokens between two transposes (PatchTST's), ``repbn_tokens`` the seed's ``RepBN_NLP``;
+    ``second`` is a BatchNorm2d before a 1x1 conv on images, the tokens' BatchNorm1d (between its own two transposes:
+    ``y.transpose(1, 2).transpose(1, 2)`` between the two BNs) before a Linear on tokens. ``residual``: ``first``'s
+    output is also read by ``side`` (images). ``batch_stats``: ``second`` has no running statistics."""
+
+    def __init__(self, first: str, residual: bool = False, batch_stats: bool = False) -> None:
+        super().__init__()
+        self.tokens = first in ("tokens", "repbn_tokens")
+        self.residual = residual
+        make = {"bn": lambda: nn.BatchNorm2d(C), "repbn": lambda: RepBN2d(C), "tokens": lambda: patchtst_norm(C)}
+        self.first = make.get(first, lambda: RepBN_NLP(C))()
+        self.second = patchtst_norm(C) if self.tokens else nn.BatchNorm2d(C, track_running_stats=not batch_stats)
+        self.layer = nn.Linear(C, 4) if self.tokens else nn.Conv2d(C, 4, 1)
+        self.side = nn.Conv2d(C, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.first(torch.relu(x))
+        out = self.layer(self.second(y))
+        return out + self.side(y) if self.residual else out
+
+
+def _norm_then_bn(first: str, **how: bool) -> tuple[NormThenBN, torch.Tensor]:
+    model = randomize(NormThenBN(first, **how), seed=3).eval()
+    x = torch.randn(B, 6, C, generator=torch.Generator().manual_seed(1)) if model.tokens else image()
+    return model, x
+
+
+def _into_layer(model: NormThenBN, s: torch.Tensor, t: torch.Tensor) -> nn.Module:
+    """``model`` without its two norms, ``(s, t)`` folded into ``layer``, in float64."""
+    naive = copy.deepcopy(model).double()
+    naive.first, naive.second = nn.Identity(), nn.Identity()
+    into = fold.fold_into_linear if model.tokens else fold.fold_into_conv
+    with torch.no_grad():
+        w, b = into(naive.layer.weight, naive.layer.bias, s, t)
+        naive.layer.weight.copy_(w)
+        naive.layer.bias.copy_(b)
+    return naive
+
+
+@pytest.mark.parametrize("first", ["bn", "repbn", "tokens", "repbn_tokens"])
+def test_a_norm_read_by_a_batchnorm_alone_folds_with_it(first, tmp_path):
+    """``second(first(y))``, both in eval mode with stored statistics, is one affine of ``y``: scale ``s2 s1``, shift
+    ``s2 t1 + t2`` (composed in float64), folded into the layer; no norm and no affine is left (each used to keep
+    ``first`` with ``unsupported-op:aten.batch_norm``). Done by hand it is exact; composed in the other order
+    (shift ``s1 t2 + t1``) it is wrong."""
+    model, x = _norm_then_bn(first)
+    (s1, t1), (s2, t2) = affine_of(model.first), affine_of(model.second)
+    reference = model.double()(x.double())
+    assert rel_err(_into_layer(model, s2 * s1, s2 * t1 + t2)(x.double()), reference) < 1e-12
+    assert rel_err(_into_layer(model, s2 * s1, s1 * t2 + t1)(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("second", "BatchNorm", "folded-forward", None, ("layer",))]
+    gm = engine.capture(model, x)
+    engine.fold_all(gm)
+    assert not bn_nodes(gm) and not kept_affines(gm)
+
+
+def test_a_norm_read_by_a_batchnorm_and_a_residual_is_not_composed(tmp_path):
+    """``first``'s output also feeds ``side``: the composed affine is not what ``side`` reads, so composing and
+    removing both norms (``side`` then reading the ReLU's output) is wrong; ``first`` keeps its affine in front of
+    the BatchNorm (``side`` folds its share) and ``second`` folds into ``layer`` on its own."""
+    model, x = _norm_then_bn("bn", residual=True)
+    (s1, t1), (s2, t2) = affine_of(model.first), affine_of(model.second)
+    reference = model.double()(x.double())
+    assert rel_err(_into_layer(model, s2 * s1, s2 * t1 + t2)(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    assert both_doors(model, x, tmp_path) == [
+        ("first", "BatchNorm", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm", ("side",)),
+        ("second", "BatchNorm", "folded-forward", None, ("layer",)),
+    ]
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_a_norm_read_by_a_batchnorm_of_batch_statistics_is_not_composed(train):
+    """A second BatchNorm without running statistics (or in train mode) normalises by each batch's own: composing
+    it with ``first`` as a fixed affine (mean 0 and variance 1, or its running statistics) is wrong, so ``first``
+    keeps its affine in front of it and the BatchNorm is kept; the graph computes the original."""
+    model, x = _norm_then_bn("bn", batch_stats=not train)
+    (s1, t1), (s2, t2) = affine_of(model.first), affine_of(model.second)
+    if train:
+        model.second.train()
+    reference = copy.deepcopy(model).double()(x.double())
+    assert rel_err(_into_layer(model, s2 * s1, s2 * t1 + t2)(x.double()), reference) > NAIVE_MIN_ERR
+    model.float()
+    gm = engine.capture(copy.deepcopy(model), x)
+    summary = [(d.kind, d.action, d.reason) for d in engine.fold_all(gm)]
+    assert summary == [
+        ("BatchNorm", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm"),
+        ("BatchNorm", "kept", reasons.TRAIN_MODE if train else reasons.BATCH_STATS_IN_EVAL),
+    ]
+    assert rel_err(gm(x), copy.deepcopy(model)(x)) <= TOL[torch.float32]
+
+
+class BNOverRows(nn.Module):
+    """``conv(second(first(relu(x)).transpose(1, 2)).transpose(1, 2))`` on square images of ``C`` rows: ``second``
+    normalises the rows (the second axis after the transpose), not ``first``'s channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.conv = nn.BatchNorm2d(C), nn.BatchNorm2d(C), nn.Conv2d(C, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.second(self.first(torch.relu(x)).transpose(1, 2)).transpose(1, 2))
+
+
+def test_a_batchnorm_over_another_axis_of_a_norms_output_is_not_composed(tmp_path):
+    """A transpose that does not give back ``first``'s layout puts its channels on another axis than ``second``'s:
+    ``second(first(y)^T)`` is no per-channel affine of ``y``, and the product of the two per-channel vectors (the
+    same size here) is wrong; each norm is decided on its own."""
+    model = randomize(BNOverRows(), seed=3).eval()
+    x = image(hw=C)
+    (s1, t1), (s2, t2) = affine_of(model.first), affine_of(model.second)
+    naive = copy.deepcopy(model).double()
+    naive.first, naive.second = nn.Identity(), nn.Identity()
+    with torch.no_grad():
+        w, b = fold.fold_into_conv(naive.conv.weight, naive.conv.bias, s2 * s1, s2 * t1 + t2)
+        naive.conv.weight.copy_(w)
+        naive.conv.bias.copy_(b)
+    assert rel_err(naive(x.double()), model.double()(x.double())) > NAIVE_MIN_ERR
+    model.float()
+    program = both_doors(model, x, tmp_path)
+    assert [(d[0], d[2]) for d in program] == [("first", "kept-affine"), ("second", "kept-affine")]
+
+
+class ReshapedChain(nn.Module):
+    """LeViT's BatchNorm over tokens twice in a row: ``fc(bn2(bn1(h.flatten(0, 1)).reshape_as(h).flatten(0, 1))
+    .reshape_as(h))`` with ``h = relu(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.fc = nn.BatchNorm1d(C), nn.BatchNorm1d(C), nn.Linear(C, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x)
+        y = self.first(h.flatten(0, 1)).reshape_as(h)
+        return self.fc(self.second(y.flatten(0, 1)).reshape_as(y))
+
+
+def test_norms_read_through_a_reshape_and_back_are_decided_alike_by_every_door(tmp_path):
+    """Between two BatchNorms a reshape and its inverse: the TorchScript exporter reads the reshaped value's shape
+    back (``Shape``, as the program's ``reshape_as`` reads its template), so the first norm's ops would stay for a
+    shape alone; no door composes them (the first keeps its affine before the second, which folds), and each
+    fused graph computes the original."""
+    model = randomize(ReshapedChain(), seed=3).eval()
+    x = torch.randn(B, 6, C, generator=torch.Generator().manual_seed(1))
+    assert both_doors(model, x, tmp_path) == [
+        ("first", "BatchNorm", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm", ()),
+        ("second", "BatchNorm", "folded-forward", None, ("fc",)),
+    ]

@@ -311,10 +311,11 @@ class _Analysis:
         if not training and mean is not None and var is not None:
             v = {k: self.consts.value(n) for k, n in tensors.items()}
             scale, shift = fold.repbn_affine(v["running_mean"], v["running_var"], eps, v["weight"], v["bias"])
-        inner = self.aff.get(x) if isinstance(x, fx.Node) else None
+        inner = self._same_layout(x) if isinstance(x, fx.Node) else None
         if scale is not None and shift is not None and inner is not None and self._feeds_only(inner, node):
             # bn(s x + t) with stored statistics: one affine of x, composed in float64 (PP-LCNetV3's
-            # LearnableAffineBlock -> BatchNorm2d); the BN names it and its statistics stay its params
+            # LearnableAffineBlock -> BatchNorm2d, BN -> BN, RepBN -> BN); the BN names it and its statistics
+            # stay its params
             self.aff[out] = replace(
                 inner,
                 axis=1,
@@ -322,18 +323,37 @@ class _Analysis:
                 shift=inner.shift * scale + shift,  # type: ignore[operator]
                 nodes=(*inner.nodes, *nodes),
                 bns=(node,),
+                base_term=False,
                 shifted=True,
+                eta=None,
                 core=tuple(nodes),
             )
             return
         self.aff[out] = Affine(x, 1, scale, shift, tuple(nodes), (node,), seeded=True, core=tuple(nodes))
 
+    def _same_layout(self, x: fx.Node) -> Affine | None:
+        """The affine of ``x`` (``aff``, or ``back`` after a transpose pair), also where ``x`` is that affine's
+        node read through permutes that give back its layout (``y.transpose(1, 2)`` of ``y = bn(z).transpose(1,
+        2)``, between two BatchNorms over tokens): ``x`` then holds the same elements in the same places, and the
+        permutes join the affine's nodes. None when no such affine is found."""
+        chain: list[fx.Node] = []
+        a = x
+        while True:
+            for inner in (self.aff.get(a), self.back.get(a)):
+                if inner is not None and _gives_back(chain, a):
+                    return replace(inner, nodes=(*inner.nodes, *reversed(chain)))
+            if a.target not in PERMUTE_OPS or not isinstance(a.args[0], fx.Node):
+                return None
+            chain.append(a)
+            a = a.args[0]
+
     @staticmethod
     def _feeds_only(inner: Affine, bn: fx.Node) -> bool:
-        """True when ``inner`` is a norm of its own without a BN op (``seeded``: a per-channel or learned product,
-        not a norm op's split affine) on the BN's channel axis (or scalar), with constant values, whose nodes nothing
-        but ``inner`` and ``bn`` reads: the BN's affine composed with it stays as closed as the BN alone."""
-        if not inner.seeded or inner.bns or inner.axis not in (None, 1) or inner.scale is None or inner.shift is None:
+        """True when ``inner`` is a norm of its own (``seeded``: a BN op in eval mode with stored statistics, a
+        per-channel or learned product; not a norm op's split affine) on the BN's channel axis (or scalar), with
+        constant values, whose nodes nothing but ``inner`` and ``bn`` reads: the BN's affine composed with it stays
+        as closed as the BN alone."""
+        if not inner.seeded or inner.axis not in (None, 1) or inner.scale is None or inner.shift is None:
             return False
         if any(MARK in n.meta for n in inner.nodes):
             return False  # the affine of a LayerNorm / RMSNorm / GroupNorm op: it stays that norm's own
@@ -492,6 +512,18 @@ def stored_scalar(c: Any) -> bool:
     while isinstance(c, fx.Node) and c.op == "call_function" and c.target in VIEW_OPS and c.args:
         c = c.args[0]
     return isinstance(c, fx.Node) and is_state(c)
+
+
+def _gives_back(chain: list[fx.Node], a: fx.Node) -> bool:
+    """True when ``chain`` (each op reading the next, the last reading ``a``) computes ``a`` again: permutes
+    alone whose axis orders compose to the identity (none at all included)."""
+    order = list(range(len(shape_of(a) or ())))
+    for n in reversed(chain):
+        p = permutation(n) if n.target in PERMUTE_OPS else None
+        if p is None or len(p) != len(order):
+            return False
+        order = [order[i] for i in p]
+    return order == sorted(order)
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -8,7 +8,8 @@ Which patterns count (``docs/reasons.md``, "Which patterns count"):
 
 1. Every BatchNorm op (``aten.batch_norm`` and its core-ATen forms, ``BN_LAYOUT``), in eval or train mode, is a
    norm of its own: ``BatchNorm``. Its statistics may be stored or computed from stored tensors only. With stored
-   statistics in eval mode, a norm of kind 3 or 4 that only the BN reads joins it (``bn(w x + b)``, composed).
+   statistics in eval mode, a norm that only the BN reads joins it (``bn(w x + b)`` of kind 3 or 4, another BN or
+   RepBN in eval mode, also through permutes that give back its layout), composed.
 2. Ops that follow it elementwise with constants keep extending it while the result is still one per-channel
    affine of the BN's input on its channel axis: ``+ / - / *`` by a constant scalar or a constant vector on that
    axis, and ``+ / -`` of another affine of the same input, which is how RepBN writes ``BN(x) + alpha * x``
