@@ -773,6 +773,7 @@ def _whole(
     for dtype, backend, how in dict.fromkeys(ref.cast_by.values()):
         labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype and backend in ("", rt.kind))
         verification.notes.append(f"{labels} computed in {dtype}: the original's own error there is that of {how}")
+    verification.notes += ref.runtime_notes + (shorter.runtime_notes if shorter is not None else [])
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
     _constant_outputs(verification, ref, related)
