@@ -817,7 +817,7 @@ def _int8(
         try:
             return check_int8(
                 name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
-                calibration_label=label,
+                calibration_label=label, fixed_batch=ref.batch,
             )  # fmt: skip
         except RuntimeUnavailable as err:
             raise InputError(f"{name}: {err}") from None
@@ -1025,7 +1025,9 @@ def _language_checks(
         )
     else:
         progress("verifying: task metrics (perplexity, next-token KL), original vs fused folder")
-        verification.task_metrics = check_task_metrics(loaded.model, candidate.path, x[0], onnx=onnx)
+        verification.task_metrics = check_task_metrics(
+            loaded.model, candidate.path, x[0], onnx=onnx, batch=loaded.batch
+        )
 
 
 def _layerwise(
