@@ -432,6 +432,29 @@ def test_an_onnx_original_is_run_by_the_runtime_that_computed_below_the_files_dt
             "original.onnx run by the same runtime") in report["verification"]["notes"]  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_onnx_original_is_held_to_its_own_error_in_a_narrower_candidates_dtype(
+    tiny_fused: Path, tmp_path: Path, dtype: str
+) -> None:
+    """``export --no-fuse`` then ``verify orig.onnx FOLDER`` of a ``fuse --dtype float16`` / ``bfloat16`` folder:
+    the original's own error is that of the ONNX graph cast to that dtype (onnxruntime in float16, onnx's reference
+    evaluator in bfloat16), as a checkpoint reference is cast. It stayed float32's 1e-7, the bound fell to the
+    dtype's tolerance, and a correct float16 fold of the digits fixture failed (0.0019 against 0.001)."""
+    ckpt = tiny_fused / "ckpt.pth"
+    api.export(ckpt, tmp_path / "orig.onnx", fuse=False)
+    api.fuse(ckpt, tmp_path / "narrow", verify=None, write=WriteOptions(dtype=dtype, pt2=False))
+    code, report, stderr = _json(tmp_path / "orig.onnx", tmp_path / "narrow", "--runtime", "pytorch")
+    assert code == 0, stderr
+    v = report["verification"]
+    [check] = v["checks"]
+    assert check["dtype"] == dtype and check["e_orig"] > 1e-4  # float32's own error is about 1e-7
+    evaluator = "onnxruntime" if dtype == "float16" else "onnx.reference"
+    assert (
+        f"the original's own error there is that of the reference orig.onnx cast to {dtype} ({evaluator})"
+        in " ".join(v["notes"])
+    )
+
+
 # --------------------------------------------------------------------------------------------- input problems
 
 

@@ -771,7 +771,10 @@ def _whole(
     verification.checks += checks
     verification.not_run += not_run
     for dtype, backend, how in dict.fromkeys(ref.cast_by.values()):
-        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype and backend in ("", rt.kind))
+        own = {b for d, b, _ in ref.cast_by.values() if d == dtype and b}  # runtimes that ran the original themselves
+        labels = ", ".join(
+            rt.label for rt in ran if rt.dtype == dtype and backend == (rt.kind if rt.kind in own else "")
+        )
         verification.notes.append(f"{labels} computed in {dtype}: the original's own error there is that of {how}")
     verification.runtime = runtime_summary(ran)
     _overflowing_inputs(verification, ref)
