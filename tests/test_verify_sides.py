@@ -1003,6 +1003,25 @@ def test_two_folders_holding_the_same_bytes_are_not_called_one_file(tiny_fused: 
     assert "the candidate holds the same bytes as the reference (sha256 " in note and "itself" not in note
 
 
+def test_one_fold_written_again_with_another_model_onnx_names_the_files_that_differ(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """The same fold written again with other options (``--simplify`` rewrites model.onnx only): the folders' weights
+    are the same bytes, their model.onnx not; the note said "the candidate holds the same bytes as the reference",
+    of two folders whose model.onnx differ."""
+    import onnx
+
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "again")
+    proto = onnx.load(str(tmp_path / "again" / "model.onnx"))
+    proto.producer_version += "+again"
+    onnx.save(proto, str(tmp_path / "again" / "model.onnx"))
+    code, report, stderr = _json(tiny_fused / "ckpt-fused", tmp_path / "again")
+    assert code == 0, stderr
+    [note] = [n for n in report["verification"]["notes"] if n.startswith("question 1")]
+    assert "the candidate's weights hold the same bytes as the reference's (sha256 " in note
+    assert "and its model.onnx differs: the same fold, written again with other options" in note
+
+
 def test_a_folds_metadata_copied_onto_the_unfused_weights_verifies_them_as_unfused(
     tiny_fused: Path, tmp_path: Path
 ) -> None:
