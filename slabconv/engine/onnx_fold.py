@@ -1,7 +1,8 @@
 """The engine's entry for an ONNX original: ``fold_file`` prepares the graph, lowers it into the engine's ATen
 vocabulary (``slabconv.engine.onnx_lower``), plans every norm with the same code as a checkpoint
 (``slabconv.engine.planner.plan_folds``) and carries the plans back into the ONNX graph
-(``slabconv.engine.onnx_apply``). ``to_float64`` casts a graph to float64 for question 1.
+(``slabconv.engine.onnx_apply``). ``to_float64`` casts a graph to float64 for question 1, ``cast_floats`` to any
+float dtype (an ONNX reference in a narrower candidate's dtype).
 """
 
 from __future__ import annotations
