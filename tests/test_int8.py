@@ -8,6 +8,7 @@ The models are tiny and their ONNX files come from the TorchScript exporter (a f
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
@@ -284,3 +285,40 @@ def test_calibration_without_an_int8_runtime_is_refused(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(app, ["verify", "a.pth", "b", "--calibration", str(tmp_path / "c.npz")])
     assert result.exit_code == 2 and "--runtime onnxruntime-int8" in result.output
+
+
+class _BatchRelative(nn.Module):
+    """A BatchNorm between Linears, and each class score taken relative to its mean over the batch: a sample's
+    top-1 depends on the other samples of its batch, so a file run on batches of another size decides otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc0, self.bn, self.fc1 = nn.Linear(64, C), nn.BatchNorm1d(C), nn.Linear(C, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.bn(self.fc0(x)))
+        return h - h.mean(dim=0, keepdim=True)
+
+
+def test_the_int8_check_runs_a_static_batch_original_and_its_fold_in_the_originals_batches(
+    tmp_path: Path, digits: np.ndarray
+) -> None:
+    """A ``.pt2`` exported with a static batch of 2 whose fused files take any batch: the int8 check runs both
+    quantized sides on the original's batches of 2, as question 2 runs every file, so its top-1 is the original's
+    (on batches of 16 the fused side decides for other batches and fails the check)."""
+    from typer.testing import CliRunner
+
+    from slabconv import api
+    from slabconv.cli import app
+    from slabconv.options import VerifyOptions
+
+    torch.manual_seed(0)
+    model = _calibrated(_BatchRelative(), digits)
+    torch.export.save(torch.export.export(model, (torch.from_numpy(digits[:2]),)), str(tmp_path / "static.pt2"))
+    np.savez(tmp_path / "x.npz", x=digits[:128])
+    api.fuse(tmp_path / "static.pt2", tmp_path / "out", verify=VerifyOptions(inputs=tmp_path / "x.npz"))
+    args = ["verify", str(tmp_path / "static.pt2"), str(tmp_path / "out"), "--runtime", "onnxruntime-int8"]
+    result = CliRunner().invoke(app, [*args, "--inputs", str(tmp_path / "x.npz"), "--json"])
+    (check,) = json.loads(result.stdout)["verification"]["int8"]
+    assert result.exit_code == 0 and check["passed"], result.output
+    assert check["fused"]["agreement"] > 0.9 and check["original"]["agreement"] > 0.9  # 0.55 on batches of 16

@@ -6,9 +6,11 @@ floor). The fixture end to end, in every runtime that generates, is in ``tests/t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from slabconv.report.data import Report
 from slabconv.report.junit import junit_tree
@@ -71,3 +73,36 @@ def test_the_floor_is_question_2s_tolerance(case) -> None:
     metrics = score(reference, ("exact", reference), [("within", within), ("beyond", beyond)], ids, "float32")
     assert [r.passed for r in metrics.runs[1:]] == [True, False]
     assert metrics.runs[1].bounds["kl_max"] == pytest.approx(2 * delta**2)
+
+
+class _StaticBatch(torch.nn.Module):
+    """A language model that takes exactly ``batch`` sequences, as the module of a ``torch.export`` program recorded
+    with a static batch does (``Expected input at *args[0].shape[0] to be equal to 2``)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int) -> None:
+        super().__init__()
+        self.model, self.batch = model, batch
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[0] != self.batch:
+            raise RuntimeError(f"Expected input at *args[0].shape[0] to be equal to {self.batch}, got {ids.shape[0]}")
+        return self.model(ids)
+
+
+def test_a_static_batch_original_is_scored_in_its_recorded_batch(tmp_path: Path) -> None:
+    """An original that runs in a recorded static batch of 2 (``LoadedModel.batch``): the task metrics run it, and
+    every other run, in batches of 2 (the last one padded, its copies dropped), as question 2 runs such an original,
+    and give the numbers of the same model in any batch; in batches of 16 it refuses the input."""
+    from slabconv import api
+    from slabconv.load.model import load_model
+    from slabconv.options import WriteOptions
+    from slabconv.verify.task_metrics import check_task_metrics
+
+    text = Path(__file__).resolve().parent.parent / "fixtures" / "text-prepbn"
+    api.fuse(text, tmp_path / "fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    model = load_model(text).model.eval()
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 256, size=(5, 16)))
+    t = check_task_metrics(_StaticBatch(model, 2), tmp_path / "fused", ids, onnx=False, batch=2)
+    assert t["passed"] and t["sequences"] == 5 and len(t["runs"]) == 2
+    whole = check_task_metrics(model, tmp_path / "fused", ids, onnx=False)
+    assert [r["perplexity"] for r in t["runs"]] == pytest.approx([r["perplexity"] for r in whole["runs"]], rel=1e-9)

@@ -432,6 +432,29 @@ def test_an_onnx_original_is_run_by_the_runtime_that_computed_below_the_files_dt
             "original.onnx run by the same runtime") in report["verification"]["notes"]  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_onnx_original_is_held_to_its_own_error_in_a_narrower_candidates_dtype(
+    tiny_fused: Path, tmp_path: Path, dtype: str
+) -> None:
+    """``export --no-fuse`` then ``verify orig.onnx FOLDER`` of a ``fuse --dtype float16`` / ``bfloat16`` folder:
+    the original's own error is that of the ONNX graph cast to that dtype (onnxruntime in float16, onnx's reference
+    evaluator in bfloat16), as a checkpoint reference is cast. It stayed float32's 1e-7, the bound fell to the
+    dtype's tolerance, and a correct float16 fold of the digits fixture failed (0.0019 against 0.001)."""
+    ckpt = tiny_fused / "ckpt.pth"
+    api.export(ckpt, tmp_path / "orig.onnx", fuse=False)
+    api.fuse(ckpt, tmp_path / "narrow", verify=None, write=WriteOptions(dtype=dtype, pt2=False))
+    code, report, stderr = _json(tmp_path / "orig.onnx", tmp_path / "narrow", "--runtime", "pytorch")
+    assert code == 0, stderr
+    v = report["verification"]
+    [check] = v["checks"]
+    assert check["dtype"] == dtype and check["e_orig"] > 1e-4  # float32's own error is about 1e-7
+    evaluator = "onnxruntime" if dtype == "float16" else "onnx.reference"
+    assert (
+        f"the original's own error there is that of the reference orig.onnx cast to {dtype} ({evaluator})"
+        in " ".join(v["notes"])
+    )
+
+
 # --------------------------------------------------------------------------------------------- input problems
 
 
@@ -978,6 +1001,25 @@ def test_two_folders_holding_the_same_bytes_are_not_called_one_file(tiny_fused: 
     assert code == 0, stderr
     [note] = [n for n in report["verification"]["notes"] if n.startswith("question 1")]
     assert "the candidate holds the same bytes as the reference (sha256 " in note and "itself" not in note
+
+
+def test_one_fold_written_again_with_another_model_onnx_names_the_files_that_differ(
+    tiny_fused: Path, tmp_path: Path
+) -> None:
+    """The same fold written again with other options (``--simplify`` rewrites model.onnx only): the folders' weights
+    are the same bytes, their model.onnx not; the note said "the candidate holds the same bytes as the reference",
+    of two folders whose model.onnx differ."""
+    import onnx
+
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "again")
+    proto = onnx.load(str(tmp_path / "again" / "model.onnx"))
+    proto.producer_version += "+again"
+    onnx.save(proto, str(tmp_path / "again" / "model.onnx"))
+    code, report, stderr = _json(tiny_fused / "ckpt-fused", tmp_path / "again")
+    assert code == 0, stderr
+    [note] = [n for n in report["verification"]["notes"] if n.startswith("question 1")]
+    assert "the candidate's weights hold the same bytes as the reference's (sha256 " in note
+    assert "and its model.onnx differs: the same fold, written again with other options" in note
 
 
 def test_a_folds_metadata_copied_onto_the_unfused_weights_verifies_them_as_unfused(

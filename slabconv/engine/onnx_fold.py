@@ -1,7 +1,8 @@
 """The engine's entry for an ONNX original: ``fold_file`` prepares the graph, lowers it into the engine's ATen
 vocabulary (``slabconv.engine.onnx_lower``), plans every norm with the same code as a checkpoint
 (``slabconv.engine.planner.plan_folds``) and carries the plans back into the ONNX graph
-(``slabconv.engine.onnx_apply``). ``to_float64`` casts a graph to float64 for question 1.
+(``slabconv.engine.onnx_apply``). ``to_float64`` casts a graph to float64 for question 1, ``cast_floats`` to any
+float dtype (an ONNX reference in a narrower candidate's dtype).
 """
 
 from __future__ import annotations
@@ -293,13 +294,20 @@ def _onnxslim(model: Any, keep_larger: bool, skips: list[tuple[str, ...]]) -> tu
 def to_float64(model: Any) -> None:
     """Cast every floating tensor, value type and ``Cast``/``Constant`` target of ``model`` to float64, in place (the
     float64 evaluation of question 1). Integer tensors (ids, shapes) stay as they are."""
-    floats = {ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+    cast_floats(model, ir.DataType.DOUBLE)
+
+
+def cast_floats(model: Any, to: ir.DataType) -> None:
+    """Cast every floating tensor, value type and ``Cast``/``Constant`` target of ``model`` (an ``onnx_ir.Model``)
+    to ``to`` (DOUBLE, FLOAT, FLOAT16 or BFLOAT16), in place, each value rounded once; integer tensors (ids, shapes)
+    stay as they are. The float64 evaluation of question 1, and an ONNX original in a candidate's narrower dtype."""
+    floats = {ir.DataType.DOUBLE, ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
     graph = model.graph
 
     def cast_tensor(tensor: ir.TensorProtocol | None) -> ir.TensorProtocol | None:
         if tensor is None or tensor.dtype not in floats:
             return None
-        return ir.tensor(np.asarray(tensor.numpy(), dtype=np.float64), name=tensor.name)
+        return ir.tensor(np.asarray(tensor.numpy(), dtype=to.numpy()), name=tensor.name)
 
     values = [*graph.inputs, *graph.outputs, *graph.initializers.values()]
     for node in graph.all_nodes():
@@ -311,20 +319,21 @@ def to_float64(model: Any) -> None:
                     node.attributes[name] = ir.AttrTensor(name, new)
         if node.op_type == "Cast" and node.attributes.get("to") is not None:
             if ir.DataType(node.attributes["to"].value) in floats:
-                node.attributes["to"] = ir.AttrInt64("to", ir.DataType.DOUBLE.value)
+                node.attributes["to"] = ir.AttrInt64("to", to.value)
     for value in values:
         if value.const_value is not None:
             new = cast_tensor(value.const_value)
             if new is not None:
                 value.const_value = new
         if value.dtype in floats:
-            value.dtype = ir.DataType.DOUBLE
+            value.dtype = to
 
 
 __all__ = [
     "ONNXSCRIPT",
     "ONNXSLIM",
     "SIMPLIFY_EXTRA",
+    "cast_floats",
     "fold_file",
     "fold_planned",
     "plan_file",

@@ -84,6 +84,7 @@ def quantize_int8(
     *,
     op_types: Sequence[str] = QUANTIZED_OPS,
     batch: int = CALIBRATION_BATCH,
+    fixed_batch: int | None = None,
 ) -> Path:
     """Quantize the ``.onnx`` at ``path`` statically into ``out`` with ``onnxruntime.quantization.quantize_static``.
 
@@ -102,6 +103,9 @@ def quantize_int8(
             input name; all ``N`` are used, ``batch`` at a time (or the model's static batch).
         op_types: the ONNX op types to quantize.
         batch: samples per calibration call.
+        fixed_batch: the batch the original runs in when its batch is fixed (``Reference.batch``): calibrated in
+            batches of exactly that many, as the file's own static batch would (an activation may depend on the
+            other samples of its batch).
 
     Returns:
         ``out``.
@@ -120,9 +124,12 @@ def quantize_int8(
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     ports = session.get_inputs()
     shape = ports[0].shape
-    fixed = shape[0] if shape and isinstance(shape[0], int) and shape[0] > 0 else None
+    fixed = shape[0] if shape and isinstance(shape[0], int) and shape[0] > 0 else fixed_batch
     if fixed and samples_of(calibration) < fixed:
-        raise InputError(f"{path.name} has a static batch of {fixed}: int8 calibration needs at least {fixed} samples")
+        raise InputError(
+            f"{path.name} runs in batches of exactly {fixed} (a static batch, its own or the original's): int8 "
+            f"calibration needs at least {fixed} samples"
+        )
     del session
     external = any(
         t.data_location == onnx.TensorProto.EXTERNAL
@@ -327,18 +334,21 @@ def compare_int8(
     )
 
 
-def run_int8(path: Path, calibration: Inputs, inputs: Inputs, folder: Path) -> list[np.ndarray]:
+def run_int8(
+    path: Path, calibration: Inputs, inputs: Inputs, folder: Path, fixed_batch: int | None = None
+) -> list[np.ndarray]:
     """``path`` quantized (``quantize_int8``, calibrated on ``calibration``) into ``folder`` and run on ``inputs``
     in onnxruntime with every graph optimisation (which turns the QDQ pairs into int8 kernels, as deployed);
-    every output as float64 ``(N, ...)``.
+    every output as float64 ``(N, ...)``. ``fixed_batch``: the batch the original runs in when its batch is fixed
+    (``Reference.batch``): calibrated and run in batches of exactly that many, whatever batch the file takes.
 
     Raises:
         RuntimeUnavailable: onnxruntime cannot quantize or run it.
     """
-    out = quantize_int8(path, folder / f"{path.stem}.int8.onnx", calibration)
+    out = quantize_int8(path, folder / f"{path.stem}.int8.onnx", calibration, fixed_batch=fixed_batch)
     runtime = onnx_runtimes(out, several=isinstance(inputs, dict), levels=("all-optimizations",))[0]
     try:
-        return run_batched(runtime.run, inputs, fixed_batch=runtime.fixed_batch)
+        return run_batched(runtime.run, inputs, fixed_batch=runtime.fixed_batch or fixed_batch)
     finally:
         runtime.close()
 
@@ -354,10 +364,13 @@ def check_int8(
     calibration: Inputs | None = None,
     calibration_label: str = "the verification inputs",
     alpha: float = ALPHA,
+    fixed_batch: int | None = None,
 ) -> Int8Check:
     """The int8 check of two ``.onnx`` files: the original and the fused model, each quantized alike
     (``quantize_int8``; calibrated on ``calibration``, default ``inputs``) and run on ``inputs``, then
-    ``compare_int8`` against the float original's outputs.
+    ``compare_int8`` against the float original's outputs. ``fixed_batch``: the batch the original runs in when its
+    batch is fixed (``Reference.batch``): both sides are calibrated and run in batches of exactly that many, as
+    ``float_original`` was computed (an output may depend on the other samples of its batch).
 
     Raises:
         RuntimeUnavailable: onnxruntime cannot quantize or run one of them.
@@ -371,7 +384,7 @@ def check_int8(
         for tag, path in (("original", original), ("fused", fused)):
             folder = Path(tmp) / tag
             folder.mkdir()
-            sides.append(run_int8(path, calibration, inputs, folder))
+            sides.append(run_int8(path, calibration, inputs, folder, fixed_batch))
     return compare_int8(
         name, sides[0], sides[1], float_original, reference64, calibration=calibration_label, alpha=alpha
     )

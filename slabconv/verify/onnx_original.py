@@ -28,7 +28,8 @@ _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float6
 
 
 def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], list[np.ndarray]], str]:
-    """Run a float64 ``onnx_ir.Model``: onnxruntime, else onnx's reference evaluator (every op, in numpy).
+    """Run an ``onnx_ir.Model`` in float64 (or cast to a narrower dtype: ``cast_reference``), its float inputs rounded
+    to ``round_to`` first: onnxruntime, else onnx's reference evaluator (every op, in numpy); outputs as float64.
 
     Returns:
         ``(run, which)``: ``which`` names the evaluator (``onnxruntime`` or ``onnx.reference``).
@@ -47,7 +48,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
 
     def feed(x: Inputs) -> dict[str, np.ndarray]:
         pairs = x.items() if isinstance(x, dict) else [(first, x)]
-        return {n: _round(a, round_to) if a.dtype.kind == "f" else a.astype(declared[n]) for n, a in pairs}
+        return {n: (_round(a, round_to) if a.dtype.kind == "f" else a).astype(declared[n]) for n, a in pairs}
 
     def runner(evaluator: Any) -> Callable[[Inputs], list[np.ndarray]]:
         """Every output of ``evaluator`` (an onnxruntime session or onnx's reference evaluator) as float64."""
@@ -479,6 +480,23 @@ def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> t
     onnx_fold.to_float64(model)
     run, which = _float64_runner(model, _NP_DTYPES.get(dtype))
     return run_batched(run, x, fixed_batch=batch), which
+
+
+def cast_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str] | None:
+    """The outputs of the ONNX graph at ``path`` cast to ``dtype`` (float16 or bfloat16: every floating tensor and
+    type, ``onnx_fold.cast_floats``) on ``x`` rounded to it, as float64, and which evaluator ran it (onnxruntime,
+    else onnx's reference evaluator): the original's own error in a narrower candidate's precision, as
+    ``run.original_cast`` gives it for a PyTorch original. None where neither runs the cast graph.
+    """
+    import onnx_ir as ir
+
+    model: Any = load_ir(path)
+    onnx_fold.cast_floats(model, {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[dtype])
+    try:
+        run, which = _float64_runner(model, getattr(ir.DataType, dtype.upper()).numpy())
+        return run_batched(run, x, fixed_batch=batch), which.split(":")[0]
+    except Exception:  # noqa: BLE001 - onnxruntime and onnx's evaluator lack a kernel of this dtype
+        return None
 
 
 @dataclass

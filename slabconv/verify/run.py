@@ -110,7 +110,7 @@ class Reference:
         if torch.finfo(want).eps <= torch.finfo(getattr(torch, have)).eps:
             return self.original, have
         if self.model is None:
-            found = self.original_onnx_in(dtype, runtime)
+            found = self.original_onnx_in(dtype, runtime) or self.original_onnx_cast(dtype)
             return found if found is not None else (self.original, have)
         if dtype not in self.cast:
             self.cast[dtype] = original_cast(self.model, want, self.x)
@@ -144,6 +144,22 @@ class Reference:
             found = run_original(path, runtime, self.x) if path is not None else None
             self.in_runtime[runtime.label] = found
         return self.in_runtime[runtime.label]
+
+    def original_onnx_cast(self, dtype: str) -> tuple[list[np.ndarray], str] | None:
+        """An ONNX original cast to ``dtype`` (``onnx_original.cast_reference``: every floating tensor and type), as
+        ``original_cast`` casts a PyTorch original, or None where no evaluator here runs it. Computed once per
+        dtype."""
+        from slabconv.verify import onnx_original
+
+        if self.onnx is None or dtype not in ("float16", "bfloat16"):
+            return None
+        if dtype not in self.cast:
+            found = onnx_original.cast_reference(self.onnx, self.x, dtype, self.batch)
+            if found is None:
+                return None
+            self.cast[dtype] = found[0]
+            self.cast_by[dtype] = (dtype, "", f"the reference {self.onnx.name} cast to {dtype} ({found[1]})")
+        return self.cast[dtype], dtype
 
     def at_length(self, loaded: LoadedModel, length: int) -> Reference:
         """The same reference on the first ``length`` tokens of every input (a language model whose graphs take

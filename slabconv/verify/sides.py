@@ -529,6 +529,14 @@ def why_not_a_fold(reference: Side, candidate: Side) -> str:
     if candidate.source.sha256 and candidate.source.sha256 == reference.source.sha256:
         if candidate.path.resolve() == reference.path.resolve():
             return "the candidate is the reference itself (the same bytes); nothing was folded"
+        ours, theirs = (dict((side.source.extra or {}).get("files_sha256") or {}) for side in (candidate, reference))
+        differ = sorted(n for n, digest in ours.items() if theirs.get(n) not in (None, digest))
+        if differ:  # one fold written twice with other options (--simplify, --opset): its weights alike
+            return (
+                f"the candidate's weights hold the same bytes as the reference's (sha256 {candidate.source.sha256[:12]}"
+                f"...) and its {', '.join(differ)} differ{'s' if len(differ) == 1 else ''}: the same fold, written "
+                "again with other options (--simplify, --opset); nothing was folded between them"
+            )
         return (
             f"the candidate holds the same bytes as the reference (sha256 {candidate.source.sha256[:12]}..., a copy "
             "or the same fold written twice); nothing was folded between them"

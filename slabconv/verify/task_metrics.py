@@ -275,10 +275,16 @@ def score(
     return scorer.metrics()
 
 
-def _batches(fn: Logits, ids: np.ndarray) -> Iterator[np.ndarray]:
-    """``fn``'s logits on ``ids``, ``BATCH`` sequences at a time."""
-    for i in range(0, len(ids), BATCH):
-        yield fn(ids[i : i + BATCH])
+def _batches(fn: Logits, ids: np.ndarray, fixed_batch: int | None = None) -> Iterator[np.ndarray]:
+    """``fn``'s logits on ``ids``, ``BATCH`` sequences at a time, or exactly ``fixed_batch`` (the last batch padded
+    with copies of its first sequence, whose logits are dropped)."""
+    step = fixed_batch or BATCH
+    for i in range(0, len(ids), step):
+        chunk = ids[i : i + step]
+        n = len(chunk)
+        if fixed_batch and n < step:
+            chunk = np.concatenate([chunk, np.repeat(chunk[:1], step - n, axis=0)])
+        yield fn(chunk)[:n]
 
 
 def torch_logits(model: torch.nn.Module) -> Logits:
@@ -337,7 +343,7 @@ def genai_logits(folder: Path) -> Logits:
 
 
 def check_task_metrics(
-    original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, *, onnx: bool = True
+    original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, *, onnx: bool = True, batch: int | None = None
 ) -> dict[str, Any]:
     """The task metrics of ``fuse`` and ``verify --generate``, beside the greedy-generation check and over the same
     runtimes (``generate.check_fused_folder``): the original in float64 (the reference) and in its dtype, the fused
@@ -349,6 +355,9 @@ def check_task_metrics(
         folder: the fused Hugging Face folder.
         token_ids: int64 ``(S, T)`` verification sequences; the first ``TASK_SEQUENCES`` are scored.
         onnx: also run ``folder/decoder.onnx`` when it exists.
+        batch: the batch the original runs in when its batch is fixed (a program recorded with a static batch,
+            ``LoadedModel.batch``): every run is scored in batches of exactly that many, as question 2 runs such an
+            original; None: ``BATCH`` sequences at a time.
 
     Returns:
         ``TaskMetrics.to_dict()``: the report's ``verification.task_metrics`` block.
@@ -364,25 +373,25 @@ def check_task_metrics(
     dtype = next(original.parameters()).dtype
     scorer = Scorer(ids, dtype)
     exact = copy.deepcopy(original).to(torch.float64).eval()
-    scorer.reference(_batches(torch_logits(exact), ids))
+    scorer.reference(_batches(torch_logits(exact), ids, batch))
     del exact
-    scorer.run(f"original {dtype_name(dtype)} (pytorch)", _batches(torch_logits(original), ids), decides=False)
+    scorer.run(f"original {dtype_name(dtype)} (pytorch)", _batches(torch_logits(original), ids, batch), decides=False)
     fused = load_fused_llama(folder)
     scorer.run(f"fused {dtype_name(fused.dtype)} (transformers {transformers.__version__})",
-               _batches(torch_logits(fused), ids))  # fmt: skip
+               _batches(torch_logits(fused), ids, batch))  # fmt: skip
     del fused
     notes = []
     decoder = Path(folder) / "decoder.onnx"
     if onnx and decoder.is_file() and dtype != torch.bfloat16:
         import onnxruntime as ort
 
-        scorer.run(f"decoder.onnx (onnxruntime {ort.__version__})", _batches(onnx_logits(decoder), ids))
+        scorer.run(f"decoder.onnx (onnxruntime {ort.__version__})", _batches(onnx_logits(decoder), ids, batch))
         if (Path(folder) / "genai_config.json").is_file():
             if genai_available():
                 import onnxruntime_genai as og
 
                 name = f"fused folder (onnxruntime-genai {og.__version__})"
-                scorer.run(name, _batches(genai_logits(Path(folder)), ids))
+                scorer.run(name, _batches(genai_logits(Path(folder)), ids, batch))
             else:
                 notes.append("onnxruntime-genai is not installed: its task metrics were not measured")
     metrics = scorer.metrics()

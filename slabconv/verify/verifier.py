@@ -771,7 +771,10 @@ def _whole(
     verification.checks += checks
     verification.not_run += not_run
     for dtype, backend, how in dict.fromkeys(ref.cast_by.values()):
-        labels = ", ".join(rt.label for rt in ran if rt.dtype == dtype and backend in ("", rt.kind))
+        own = {b for d, b, _ in ref.cast_by.values() if d == dtype and b}  # runtimes that ran the original themselves
+        labels = ", ".join(
+            rt.label for rt in ran if rt.dtype == dtype and backend == (rt.kind if rt.kind in own else "")
+        )
         verification.notes.append(f"{labels} computed in {dtype}: the original's own error there is that of {how}")
     verification.notes += ref.runtime_notes + (shorter.runtime_notes if shorter is not None else [])
     verification.runtime = runtime_summary(ran)
@@ -818,7 +821,7 @@ def _int8(
         try:
             return check_int8(
                 name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
-                calibration_label=label,
+                calibration_label=label, fixed_batch=ref.batch,
             )  # fmt: skip
         except RuntimeUnavailable as err:
             raise InputError(f"{name}: {err}") from None
@@ -1026,7 +1029,9 @@ def _language_checks(
         )
     else:
         progress("verifying: task metrics (perplexity, next-token KL), original vs fused folder")
-        verification.task_metrics = check_task_metrics(loaded.model, candidate.path, x[0], onnx=onnx)
+        verification.task_metrics = check_task_metrics(
+            loaded.model, candidate.path, x[0], onnx=onnx, batch=loaded.batch
+        )
 
 
 def _layerwise(
