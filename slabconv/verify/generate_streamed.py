@@ -37,6 +37,7 @@ from slabconv.text import count
 from slabconv.util import Progress, no_progress
 from slabconv.verify.generate import (
     compute_dtype,
+    decoder_sizes,
     greedy_fused,
     judged_dtype,
     torch_threads,
@@ -161,17 +162,13 @@ def streamed_generation_memory(source: Folder, prompts: int, prompt_len: int, st
 
     cfg, fam = source.cfg, source.family
     layers, vocab = fam.num_layers(cfg), fam.vocab_size(cfg)
-    hidden = int(getattr(cfg, "hidden_size", 0))
-    inter = int(getattr(cfg, "intermediate_size", hidden * 4))
-    heads = int(getattr(cfg, "num_attention_heads", 1))
-    kv = int(getattr(cfg, "kv_heads", heads)) * (hidden // max(1, heads))
     length = prompt_len + steps
+    hidden, inter, kv, widest = decoder_sizes(cfg, prompts, length)
     stored = source.dtype.itemsize
     computed = compute_dtype(source.dtype).itemsize
     block = block_elements * (2 * stored + computed)
     cache = 2 * layers * prompts * length * kv * computed
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
-    widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     logits = 2 * prompts * length * vocab + 4 * CHUNK_BYTES // 8
     exact = block_elements * (2 * stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
     question_1 = block_elements * (3 * stored + 8 + 4) + CACHE_BLOCK * (8 + 4 + stored)
