@@ -376,8 +376,9 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
     """What a streamed fold cannot do, refused before any work.
 
     Raises:
-        UsageError: ``onnx`` (a streamed fold writes safetensors only); ``--inputs`` (it draws seeded token
-            sequences); verification of a model that is not a decoder language model (no streamed question 2).
+        UsageError: ``onnx`` (a streamed fold writes safetensors only); verify options a streamed verification
+            cannot take (``VerifyOptions.check_streamed``: ``--inputs``, a runtime other than pytorch); verification
+            of a model that is not a decoder language model (no streamed question 2).
     """
     if not write.stream:
         return
@@ -392,8 +393,7 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
         )
     if verify is None:
         return
-    if verify.inputs is not None:
-        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    verify.check_streamed()
     found = hf_weights_file(path) if path.is_dir() else None
     if found is not None and found[1] in ("hf-safetensors-sharded", "hf-safetensors"):
         weight_map = LazyShards.open(path).weight_map
