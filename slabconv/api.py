@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from slabconv.load.model import LoadedModel
+    from slabconv.verify.sides import Side
 
 # --------------------------------------------------------------------------------------------- commands
 
@@ -73,20 +74,6 @@ def _check_types(**given: tuple[Any, type]) -> None:
                 f"{name} must be a {cls.__name__} (from slabconv.options), e.g. {name}={_OPTION_EXAMPLES[cls]}; "
                 f"got {type(value).__name__}"
             )
-
-
-def _check_runtimes(verify: VerifyOptions | None, stream: bool) -> None:
-    """``VerifyOptions.runtimes`` names known, installed runtimes; a streamed run compares in PyTorch only.
-
-    Raises:
-        UsageError: as ``verify.backends.check_runtime_names``; a runtime other than pytorch with ``stream``.
-    """
-    from slabconv.verify.backends import check_runtime_names
-
-    names = verify.runtimes if verify is not None else None
-    check_runtime_names(names)
-    if stream and names and set(names) != {"pytorch"}:
-        raise UsageError("--stream compares two folders layer by layer in PyTorch; leave out --runtime or give pytorch")
 
 
 def architectures() -> list[dict[str, Any]]:
@@ -275,7 +262,11 @@ def verify(
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions))
     check_input(reference, folders=False)
     check_input(candidate, folders=False)
-    _check_runtimes(verify, stream)
+    from slabconv.verify.backends import check_runtime_names
+
+    check_runtime_names(verify.runtimes if verify is not None else None)
+    if stream and verify is not None:
+        verify.check_streamed()
     from slabconv.load.model import check_build_options_apply, check_ema_applies
     from slabconv.verify import sides, verifier  # torch: after the path checks, which answer without it
 
@@ -285,9 +276,7 @@ def verify(
     ref_path, cand_path = Path(reference), Path(candidate)
     opts = _generation_default(verify or VerifyOptions(), ref_path, cand_path)
     if stream:
-        from slabconv import stream as streaming
-
-        ref, cand = streaming.streamed_sides(ref_path, cand_path, opts, progress, bool(load and load.fold_norm_affine))
+        ref, cand = _streamed_sides(ref_path, cand_path, opts, progress, bool(load and load.fold_norm_affine))
     else:
         progress("opening the reference and the candidate")
         ref = sides.open_side(ref_path, load)
@@ -295,6 +284,38 @@ def verify(
     verification = verifier.verify(ref, cand, opts, load=load, localize=localize, progress=progress)
     ref.source.extra.setdefault("runtime", None)
     return Report("verify", reference=ref.source, candidate=cand.source, verification=verification)
+
+
+def _streamed_sides(
+    reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress, norm_affine: bool
+) -> tuple[Side, Side]:
+    """The two sides of ``verify --stream`` (decoder folders compared one layer at a time, in bounded memory:
+    ``slabconv.verify.layerwise``); when the candidate is a fold of the reference, the reference carries its fold
+    program (a fresh streamed plan, ``pipeline.plan_sharded``; with the norms' affines folded too when
+    ``norm_affine`` or the candidate records a fold made so) for question 1.
+
+    Raises:
+        UsageError: a side that is a file, a generation check that cannot fit in memory.
+        UnsupportedModelError: a side is not a decoder folder of a family slabconv streams.
+    """
+    from slabconv.load import hf
+    from slabconv.load.shards import LazyShards
+    from slabconv.pipeline import plan_sharded
+    from slabconv.util import sha256_file
+    from slabconv.verify import sides
+    from slabconv.verify.generate_streamed import check_generation_fits
+
+    ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
+    if opts.generate:
+        check_generation_fits(reference, opts.generate, opts.sample_count(streamed=True), opts.seed)
+    if sides.folded_from(ref, cand):
+        progress("planning the reference's fold, for question 1")
+        found = hf.hf_weights_file(reference)
+        sha = sha256_file(found[0]) if found else ""
+        affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
+        shards, config = LazyShards.open(reference), hf.read_hf_config(reference)
+        ref.program = plan_sharded(shards, config, None, sha, norm_affine=affine)[1].program
+    return ref, cand
 
 
 def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:

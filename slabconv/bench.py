@@ -45,6 +45,7 @@ from slabconv.verify.backends import BACKENDS, Backend, backend_names
 from slabconv.verify.runtimes import ORT_LEVELS, Runtime
 from slabconv.verify.runtimes import to_device as to_device  # bench.to_device: moving the variants, in one place
 from slabconv.write.onnx import export_onnx
+from slabconv.write.output_checks import holds_mark
 from slabconv.write.staging import check_output_file, staging_file
 from slabconv.zoo.norms import LinearNorm
 
@@ -255,13 +256,8 @@ PLOT_MARK = "slabconv bench"
 
 
 def plot_written_by_slabconv(path: Path) -> bool:
-    """True when ``path`` is a chart ``plot`` wrote (its metadata names ``PLOT_MARK``)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(8 << 20)
-    except OSError:
-        return False
-    return PLOT_MARK.encode() in data
+    """True when ``path`` is a chart ``plot`` wrote (its metadata, in its first 8 MiB, names ``PLOT_MARK``)."""
+    return holds_mark(path, PLOT_MARK.encode(), 8 << 20)
 
 
 def check_plot_path(path: Path, force: bool, inputs: list[Path]) -> None:

@@ -83,6 +83,22 @@ class VerifyOptions:
         run."""
         return self.samples if self.samples is not None else (2 if streamed else DEFAULT_SAMPLES)
 
+    def check_streamed(self) -> None:
+        """What a streamed (layer-by-layer) verification cannot take, refused before any work.
+
+        Raises:
+            UsageError: ``inputs`` (it draws ``samples`` seeded token sequences); a runtime other than pytorch (it
+                compares the two folders layer by layer in PyTorch).
+        """
+        if self.inputs is not None:
+            raise UsageError(
+                "--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported"
+            )
+        if self.runtimes and set(self.runtimes) != {"pytorch"}:
+            raise UsageError(
+                "--stream compares two folders layer by layer in PyTorch; leave out --runtime or give pytorch"
+            )
+
 
 DTYPE_SPELLINGS: dict[str, str] = {
     "float16": "float16",

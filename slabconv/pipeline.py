@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -376,8 +376,9 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
     """What a streamed fold cannot do, refused before any work.
 
     Raises:
-        UsageError: ``onnx`` (a streamed fold writes safetensors only); ``--inputs`` (it draws seeded token
-            sequences); verification of a model that is not a decoder language model (no streamed question 2).
+        UsageError: ``onnx`` (a streamed fold writes safetensors only); verify options a streamed verification
+            cannot take (``VerifyOptions.check_streamed``: ``--inputs``, a runtime other than pytorch); verification
+            of a model that is not a decoder language model (no streamed question 2).
     """
     if not write.stream:
         return
@@ -392,8 +393,7 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
         )
     if verify is None:
         return
-    if verify.inputs is not None:
-        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    verify.check_streamed()
     found = hf_weights_file(path) if path.is_dir() else None
     if found is not None and found[1] in ("hf-safetensors-sharded", "hf-safetensors"):
         weight_map = LazyShards.open(path).weight_map
@@ -543,60 +543,70 @@ def _write_files(
     return outputs
 
 
-def _write_hf_folder(
-    folder: Path,
-    loaded: LoadedModel,
-    onnx: bool,
-    progress: Progress,
-    metadata: dict[str, str],
-    norm_affine: bool = False,
-    opset: int | None = None,
-) -> list[str]:
-    """The Hugging Face model folder files of a fused language model (with the original's tokenizer files and the
-    token ids of its ``generation_config.json``), and with ``onnx`` its decoder ONNX with past key/values in
-    ``opset`` (``--opset``; None: the exporter's); ``norm_affine``: a standard decoder's norm weights were folded.
-    ``config.json`` records the weights' fused ``metadata`` too (its provenance: what transformers'
-    ``save_pretrained`` keeps)."""
-    from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
-    from slabconv.write.hf_llama import (
-        STANDARD_TYPES,
-        copy_tokenizer_files,
-        original_token_ids,
-        write_hf_llama_metadata,
-        write_hf_standard_metadata,
-    )
-
-    progress("writing the Hugging Face model folder")
-    ids = original_token_ids(loaded.checkpoint.path)
-    if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
-        standard = write_hf_standard_metadata(
-            folder, loaded.config, folded=norm_affine, generation=ids, provenance=metadata
-        )
-        written = [p.name for p in standard]
-    else:
-        made = write_hf_llama_metadata(folder, loaded.config, generation=ids, provenance=metadata)
-        written = [p.name for p in made]
-    written += [p.name for p in copy_tokenizer_files(loaded.checkpoint.path, folder)]
-    if onnx:
-        progress("exporting decoder.onnx (with past key/values)")
-        info = export_decoder_onnx(folder, folder / "decoder.onnx", opset=opset)
-        written += [f.name for f in onnx_files(folder / "decoder.onnx")]
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        written.append(write_genai_config(folder, info, config).name)
-    return written
-
-
 # --------------------------------------------------------------------------------------------- the doors
 
 
 @dataclass
 class _TorchDoor:
     """What the two doors of a model planned from its PyTorch graph share (``InMemory``, ``Streamed``): the model,
-    its plan, and (once written) whether the fused model went out as a Hugging Face folder."""
+    its plan, whether the fused model goes out as a Hugging Face folder, and the writing of that folder."""
 
     loaded: LoadedModel
     planned: Planned
-    hf_folder: bool = field(default=False, kw_only=True)
+
+    @property
+    def hf_folder(self) -> bool:
+        """The fused model goes out as a Hugging Face folder (``writes_hf_folder``)."""
+        return writes_hf_folder(self.loaded, self.planned)
+
+    def require_transformers(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
+        """transformers, where a language model's ``decoder.onnx`` or its generation check needs it: said before
+        writing.
+
+        Raises:
+            UsageError: transformers is not installed.
+        """
+        if self.hf_folder and (write.onnx or (verify is not None and verify.generate != 0)):
+            from slabconv.write.hf_llama import require_transformers
+
+            require_transformers(fusing=True)
+
+    def write_hf_folder(
+        self, folder: Path, outputs: Outputs, metadata: dict[str, str], progress: Progress, write: WriteOptions
+    ) -> None:
+        """Where the fused model goes out as a Hugging Face folder, its files written into ``folder`` and named in
+        ``outputs``: the Hugging Face model folder files of a fused language model (with the original's tokenizer
+        files and the token ids of its ``generation_config.json``), and with ``write.onnx`` its decoder ONNX with
+        past key/values in ``write.opset`` (None: the exporter's). ``config.json`` records the weights' fused
+        ``metadata`` too (its provenance: what transformers' ``save_pretrained`` keeps)."""
+        from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
+        from slabconv.write.hf_llama import (
+            STANDARD_TYPES,
+            copy_tokenizer_files,
+            original_token_ids,
+            write_hf_llama_metadata,
+            write_hf_standard_metadata,
+        )
+
+        if not self.hf_folder:
+            return
+        loaded = self.loaded
+        progress("writing the Hugging Face model folder")
+        ids = original_token_ids(loaded.checkpoint.path)
+        if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
+            folded = engine.folds_norm_affine(self.planned.decisions)  # the norm weights folded (all 1)
+            made = write_hf_standard_metadata(folder, loaded.config, folded=folded, generation=ids, provenance=metadata)
+        else:
+            made = write_hf_llama_metadata(folder, loaded.config, generation=ids, provenance=metadata)
+        outputs.files += [p.name for p in made] + [p.name for p in copy_tokenizer_files(loaded.checkpoint.path, folder)]
+        outputs.hf_folder = True
+        if write.onnx:
+            progress("exporting decoder.onnx (with past key/values)")
+            info = export_decoder_onnx(folder, folder / "decoder.onnx", opset=write.opset)
+            outputs.files += [f.name for f in onnx_files(folder / "decoder.onnx")]
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            outputs.files.append(write_genai_config(folder, info, config).name)
+            outputs.decoder_onnx = "decoder.onnx"
 
     @property
     def decisions(self) -> list[engine.Decision]:
@@ -630,13 +640,13 @@ class InMemory(_TorchDoor):
                 too big for the memory available; ``--dtype`` on a language model.
             NumericError: the fused model's output is not finite on the example, or overflows ``--dtype``.
         """
-        _require_transformers(self.loaded, self.planned, verify, write)
+        self.require_transformers(verify, write)
         if verify is not None and self.loaded.token_input:
             import dataclasses
 
             from slabconv.verify.generate import check_language_checks_fit
 
-            folder = writes_hf_folder(self.loaded, self.planned)  # greedy generation checks the folder it writes
+            folder = self.hf_folder  # greedy generation checks the folder it writes
             opts = verify if folder else dataclasses.replace(verify, generate=0)
             check_language_checks_fit(self.loaded, opts, onnx=write.onnx and folder)
         assert self.planned.original is not None
@@ -651,12 +661,7 @@ class InMemory(_TorchDoor):
         loaded, planned = self.loaded, self.planned
         metadata = _metadata(loaded, planned)
         outputs = _write_files(folder, planned, write, metadata, progress)
-        self.hf_folder = writes_hf_folder(loaded, planned)
-        if self.hf_folder:
-            onnx, folded = write.onnx, engine.folds_norm_affine(planned.decisions)
-            outputs.files += _write_hf_folder(folder, loaded, onnx, progress, metadata, folded, write.opset)
-            outputs.hf_folder = True
-            outputs.decoder_onnx = "decoder.onnx" if write.onnx else None
+        self.write_hf_folder(folder, outputs, metadata, progress, write)
         return outputs, {}
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
@@ -703,10 +708,10 @@ class Streamed(_TorchDoor):
             UsageError: transformers missing; written tensors of two dtypes; a generation check too big for the
                 memory available.
         """
-        _require_transformers(self.loaded, self.planned, verify, write)
-        if writes_hf_folder(self.loaded, self.planned) and self.planned.program is not None:
+        self.require_transformers(verify, write)
+        if self.hf_folder and self.planned.program is not None:
             _check_one_dtype(self.sharded, self.planned.program)
-        if verify is not None and verify.generate != 0 and writes_hf_folder(self.loaded, self.planned):
+        if verify is not None and verify.generate != 0 and self.hf_folder:
             from slabconv.verify.generate_streamed import check_generation_fits
 
             folder, sequences = self.sharded.shards.folder, verify.sample_count(streamed=True)
@@ -728,11 +733,7 @@ class Streamed(_TorchDoor):
             outputs = Outputs(files=[SAFETENSORS_INDEX, *sharded.shard_names], safetensors=SAFETENSORS_INDEX)
         else:  # one model.safetensors in, one out (no index)
             outputs = Outputs(files=list(sharded.shard_names), safetensors=sharded.shard_names[0])
-        self.hf_folder = writes_hf_folder(loaded, planned)
-        if self.hf_folder:
-            folded = engine.folds_norm_affine(planned.decisions)
-            outputs.files += _write_hf_folder(folder, loaded, False, progress, metadata, folded)
-            outputs.hf_folder = True
+        self.write_hf_folder(folder, outputs, metadata, progress, write)  # write.onnx: never with --stream
         return outputs, digests
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
@@ -750,21 +751,6 @@ def _steps(opts: VerifyOptions, language_model: bool) -> VerifyOptions:
     from dataclasses import replace
 
     return replace(opts, generate=opts.fuse_steps() if language_model else None)
-
-
-def _require_transformers(
-    loaded: LoadedModel, planned: Planned, verify: VerifyOptions | None, write: WriteOptions
-) -> None:
-    """transformers, where a language model's ``decoder.onnx`` or its generation check needs it: said before writing.
-
-    Raises:
-        UsageError: transformers is not installed.
-    """
-    generate = verify is not None and verify.generate != 0
-    if writes_hf_folder(loaded, planned) and (write.onnx or generate):
-        from slabconv.write.hf_llama import require_transformers
-
-        require_transformers(fusing=True)
 
 
 # --------------------------------------------------------------------------------------------- finish

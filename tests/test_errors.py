@@ -557,6 +557,22 @@ CATALOGUE: list[tuple[Case, str]] = [
 ]
 
 
+def test_a_streamed_fuse_is_refused_a_runtime_it_does_not_run_before_any_work(tmp_path: Path) -> None:
+    """A streamed fold is checked one decoder layer at a time in PyTorch: a runtime other than pytorch (through the
+    API; ``fuse`` has no ``--runtime``) is refused before the fold, as ``verify --stream`` refuses it, not left unrun
+    under a verdict of PASSED."""
+    from slabconv import api
+    from slabconv.errors import UsageError
+    from slabconv.options import VerifyOptions, WriteOptions
+
+    src = _llama_folder(tmp_path, "src")
+    before = snapshot(tmp_path)
+    write = WriteOptions(stream=True, onnx=False, pt2=False)
+    with pytest.raises(UsageError, match="compares two folders layer by layer in PyTorch"):
+        api.fuse(src, tmp_path / "o", verify=VerifyOptions(runtimes=("onnxruntime",)), write=write)
+    assert snapshot(tmp_path) == before
+
+
 @pytest.mark.parametrize("case, phrase", CATALOGUE, ids=[c.__name__ for c, _ in CATALOGUE])
 def test_bad_input_exits_2_with_one_clear_line_and_writes_nothing(
     case: Case, phrase: str, tmp_path: Path, tiny_fused: Path, monkeypatch: pytest.MonkeyPatch

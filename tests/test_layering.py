@@ -32,7 +32,6 @@ RANK = {
     "report": 8,
     # the drivers that string stages together, then the faces
     "pipeline": 9,
-    "stream": 9,
     "onnx_in": 9,
     "bench": 9,
     "bench_generation": 9,

@@ -731,6 +731,31 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
     assert result.exit_code == 2, result.output
 
 
+def test_a_fused_folder_whose_config_json_disowns_a_bias_its_weights_hold_does_not_load_streamed(folded, tmp_path):
+    """``config.json``'s ``projection_bias`` says which projections of the model transformers builds have a bias:
+    a bias the weights hold but the config disowns would be dropped there (and one it declares that the weights
+    lack left unset), so the streamed generation check does not load such a folder, as transformers would not run
+    it as folded; the names and shapes are held to the config as well (``hf_llama.norm_free_layout``)."""
+    import shutil
+
+    from slabconv.verify import generate_streamed
+
+    root = folded[0]
+    generate_streamed.streamed_fused_llama(root / "out", torch.float32)  # the fold as written loads
+    broken = tmp_path / "broken"
+    shutil.copytree(root / "out", broken)
+    config = json.loads((broken / "config.json").read_text())
+    assert config["projection_bias"]["q_proj"]  # the fold gave q_proj a bias
+    config["projection_bias"]["q_proj"] = False
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="the weights hold a q_proj bias, unlike config.json's"):
+        generate_streamed.streamed_fused_llama(broken, torch.float32)
+    config["projection_bias"]["q_proj"], config["hidden_size"] = True, config["hidden_size"] * 2
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="config hidden_size"):
+        generate_streamed.streamed_fused_llama(broken, torch.float32)
+
+
 def test_a_fused_folder_without_its_source_record_missing_one_layers_bias_fails_question_2(folded, tmp_path):
     """Without the source record (neither in the weights' metadata nor in config.json) question 1 is not asked, and
     layer 1's folded q_proj bias moves this tiny model's outputs less than float16's tolerance: only the tensor

@@ -415,3 +415,18 @@ def test_a_dict_outputs_names_are_the_onnx_names_and_the_check_names(tmp_path: P
         want = model(x)
     for name, value in (("cls", want["cls"]), ("aux.0", want["aux"][0]), ("aux.1", want["aux"][1])):
         np.testing.assert_allclose(got[name], value.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_rerun_replaces_its_own_junit_report_and_never_a_users_xml(tmp_path: Path) -> None:
+    """``--junit PATH`` of a rerun may replace the report slabconv wrote there (its root names slabconv); an XML file
+    of the user's at that path is refused before the work."""
+    from slabconv.errors import UsageError
+    from slabconv.report.data import Report
+    from slabconv.report.junit import check_report_path, write_junit
+
+    ours, theirs = tmp_path / "equivalence.xml", tmp_path / "theirs.xml"
+    write_junit(Report("verify"), ours)
+    check_report_path(ours, [])
+    theirs.write_text('<?xml version="1.0" encoding="utf-8"?>\n<testsuites name="pytest" tests="0" />\n')
+    with pytest.raises(UsageError, match="slabconv did not write it"):
+        check_report_path(theirs, [])

@@ -10,8 +10,6 @@ Jenkins and Azure Pipelines read: ``testsuites > testsuite > testcase > failure`
 
 from __future__ import annotations
 
-import os
-import stat
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +18,7 @@ from slabconv.errors import UsageError
 from slabconv.report.data import Report
 from slabconv.text import shown
 from slabconv.verify.results import Case
+from slabconv.write.output_checks import holds_mark
 from slabconv.write.staging import check_output_file, staging_file
 
 
@@ -45,16 +44,8 @@ def check_report_path(path: Path, inputs: Iterable[Path]) -> None:
 
 def junit_written_by_slabconv(path: Path) -> bool:
     """True when ``path`` is a regular JUnit XML file that slabconv wrote (its root is
-    ``<testsuites name="slabconv">``); a FIFO or device is never opened (opening a FIFO waits for a writer)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = f.read(4096)
-    return b'<testsuites name="slabconv"' in head
+    ``<testsuites name="slabconv">``, in its first 4 KiB)."""
+    return holds_mark(path, b'<testsuites name="slabconv"', 4096)
 
 
 def fold_cases(report: Report, require_folded: bool = False) -> list[Case]:

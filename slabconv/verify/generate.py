@@ -474,7 +474,7 @@ def original_twin(original: torch.nn.Module, config: Any, dtype: torch.dtype) ->
         twin.model.norm = copy.deepcopy(source.model.norm).to(dtype).eval()
     except AttributeError as err:
         raise UnsupportedModelError(f"the original does not have the LLaMA layout the twin needs ({err})") from None
-    _real_rotary(twin, config)
+    twin.model.rotary_emb = type(twin.model.rotary_emb)(config)  # real, not meta: inv_freq computed from config
     return twin.eval()
 
 
@@ -486,13 +486,6 @@ def _load_error(err: RuntimeError) -> str:
         return lines[0] if lines else type(err).__name__
     more = f" and {len(lines) - 2} more" if len(lines) > 2 else ""
     return f"{lines[1].rstrip('.')}{more}"
-
-
-def _real_rotary(model: Any, config: Any) -> None:
-    """Give a model built on the meta device a real rotary embedding (its ``inv_freq`` computed from ``config``, as
-    transformers does when it loads a checkpoint)."""
-    rotary = type(model.model.rotary_emb)
-    model.model.rotary_emb = rotary(config)
 
 
 class Layers(Protocol):
@@ -744,25 +737,30 @@ def generation_memory(original: torch.nn.Module, prompts: int, prompt_len: int, 
     onnxruntime (its weights in the checkpoint's dtype, and as much again for the session's arena) beside those
     float64 logits, and its float32 logits of the prompts ``(B, T, V)``.
     """
-    params = [p for p in original.parameters()]
-    dtype = params[0].dtype if params else torch.float32
+    total, vocab, _ = _sizes(original)
+    dtype = next(original.parameters(), torch.empty(0)).dtype
     computed = compute_dtype(dtype).itemsize
-    total = sum(p.numel() for p in params)
     cfg = getattr(original, "cfg", None)
     layers = int(getattr(cfg, "num_hidden_layers", 1))
-    hidden = int(getattr(cfg, "hidden_size", 0))
-    inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
-    vocab = int(getattr(cfg, "vocab_size", 0))
-    heads = int(getattr(cfg, "num_attention_heads", 1))
-    kv = int(getattr(cfg, "kv_heads", heads)) * (hidden // max(1, heads))
     length = prompt_len + steps
+    hidden, _, kv, widest = decoder_sizes(cfg, prompts, length)
     model = total * computed + 2 * layers * prompts * length * kv * computed + 2 * prompts * vocab * computed
     part = max((total - 2 * vocab * hidden) // max(1, layers), vocab * hidden)
-    widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     exact = part * (8 + dtype.itemsize) + 8 * (widest + 2 * prompts * length * hidden + prompts * steps * vocab)
     # decoder.onnx runs after the float64 pass, whose logits (B, N, V) are held, and returns the prompts' logits
     session = 2 * total * dtype.itemsize + 8 * prompts * steps * vocab + 4 * prompts * prompt_len * vocab if onnx else 0
     return max(model, exact, session)
+
+
+def decoder_sizes(cfg: Any, batch: int, length: int) -> tuple[int, int, int, int]:
+    """``(hidden size, intermediate size, key/value width, widest activations)`` of a decoder config on ``batch``
+    sequences of ``length`` tokens: the key/value width ``K d`` of one layer's cache per token, and the values of
+    one layer's widest activations (the MLP's intermediate size, the attention scores ``B H T^2``)."""
+    hidden = int(getattr(cfg, "hidden_size", 0))
+    inter = int(getattr(cfg, "intermediate_size", 4 * hidden))
+    heads = int(getattr(cfg, "num_attention_heads", 1))
+    kv = int(getattr(cfg, "kv_heads", heads)) * (hidden // max(1, heads))
+    return hidden, inter, kv, max(3 * inter, 4 * hidden) * batch * length + heads * batch * length * length
 
 
 def _sizes(original: torch.nn.Module) -> tuple[int, int, int]:

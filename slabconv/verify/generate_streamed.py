@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from slabconv.engine import FOLD_BLOCK
 from slabconv.engine.program import CACHE_BLOCK
@@ -37,6 +36,7 @@ from slabconv.text import count
 from slabconv.util import Progress, no_progress
 from slabconv.verify.generate import (
     compute_dtype,
+    decoder_sizes,
     greedy_fused,
     judged_dtype,
     torch_threads,
@@ -64,30 +64,6 @@ def _streamed(model: Any, dtype: torch.dtype) -> Any:
     return model
 
 
-def _stream_linears(model: nn.Module, shards: LazyShards, expected: dict[str, torch.Tensor]) -> None:
-    """Replace every ``nn.Linear`` of ``model`` by a ``StreamedLinear`` over ``shards``, after checking that the
-    shards hold its weight (and bias, where it has one) in its shape.
-
-    Raises:
-        UnsupportedModelError: a weight missing, of another shape, or a bias the model has no place for.
-    """
-
-    def streamed(name: str) -> nn.Module:
-        for what in ("weight", "bias"):
-            key = f"{name}.{what}"
-            want = expected.get(key)
-            if want is None:
-                if key in shards.weight_map:
-                    raise UnsupportedModelError(f"{shards.folder}: {key} has no place in the model")
-                continue
-            if key not in shards.weight_map or shards.shape(key) != list(want.shape):
-                found = shards.shape(key) if key in shards.weight_map else "missing"
-                raise UnsupportedModelError(f"{shards.folder}: {key} is {found}; the model needs {list(want.shape)}")
-        return StreamedLinear(shards, name, keep_bias=True)
-
-    stream_linears(model, streamed)
-
-
 def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements: int = 1 << 22) -> Any:
     """The fused folder in transformers with its weights left in the shards (module docstring).
 
@@ -102,10 +78,12 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
 
     Raises:
         UsageError: transformers is not installed or too old; the folder is not a fused LLaMA folder.
-        UnsupportedModelError: its weights are not norm-free, or do not fill the model exactly.
+        UnsupportedModelError: its weights are not norm-free, or do not fill the model ``config.json`` describes
+            exactly (``hf_llama.norm_free_layout``: every name and shape; a projection's bias as its
+            ``projection_bias`` says).
         InputError: a damaged index or header.
     """
-    from slabconv.write.hf_llama import MODEL_TYPE, norm_free_layout, require_transformers
+    from slabconv.write.hf_llama import MODEL_TYPE, PROJECTIONS, norm_free_layout, require_transformers
 
     require_transformers()
     from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaConfig, SlabconvLlamaForCausalLM
@@ -115,18 +93,18 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     if config.model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {config.model_type!r}, not {MODEL_TYPE!r}")
     shards = LazyShards.open(folder, block_elements)
-    norm_free_layout(list(shards.weight_map), {})
+    layout = norm_free_layout({k: shape for k, (_, shape) in shards.specs().items()}, config.to_dict())
+    declared = dict.fromkeys(PROJECTIONS, False) | dict(config.projection_bias or {})
+    wrong = next((name for name in PROJECTIONS if layout["projection_bias"][name] != declared[name]), None)
+    if wrong is not None:
+        held = "hold" if layout["projection_bias"][wrong] else "lack"
+        raise UnsupportedModelError(
+            f"{folder}: the weights {held} a {wrong} bias, unlike config.json's projection_bias"
+        )
     with torch.device("meta"):
         model = SlabconvLlamaForCausalLM(config)
-    expected = dict(model.state_dict())
-    unknown = sorted(set(shards.weight_map) - set(expected) - {k for k in shards.weight_map if "inv_freq" in k})
-    if unknown:
-        raise UnsupportedModelError(f"{folder}: {unknown[0]} has no place in the norm-free LLaMA")
-    embed = "model.embed_tokens.weight"
-    if shards.shape(embed) != list(expected[embed].shape):
-        raise UnsupportedModelError(f"{folder}: {embed} is {shards.shape(embed)}, not {list(expected[embed].shape)}")
-    _stream_linears(model, shards, expected)
-    model.model.embed_tokens = StreamedEmbedding(shards, embed, dtype)
+    stream_linears(model, lambda name: StreamedLinear(shards, name, keep_bias=True))
+    model.model.embed_tokens = StreamedEmbedding(shards, "model.embed_tokens.weight", dtype)
     model.model.rotary_emb = type(model.model.rotary_emb)(config)
     return _streamed(model, dtype).eval()
 
@@ -161,17 +139,13 @@ def streamed_generation_memory(source: Folder, prompts: int, prompt_len: int, st
 
     cfg, fam = source.cfg, source.family
     layers, vocab = fam.num_layers(cfg), fam.vocab_size(cfg)
-    hidden = int(getattr(cfg, "hidden_size", 0))
-    inter = int(getattr(cfg, "intermediate_size", hidden * 4))
-    heads = int(getattr(cfg, "num_attention_heads", 1))
-    kv = int(getattr(cfg, "kv_heads", heads)) * (hidden // max(1, heads))
     length = prompt_len + steps
+    hidden, inter, kv, widest = decoder_sizes(cfg, prompts, length)
     stored = source.dtype.itemsize
     computed = compute_dtype(source.dtype).itemsize
     block = block_elements * (2 * stored + computed)
     cache = 2 * layers * prompts * length * kv * computed
     generating = block + cache + 2 * prompts * length * max(inter, vocab // 8) * computed
-    widest = max(3 * inter, 4 * hidden) * prompts * length + heads * prompts * length * length
     logits = 2 * prompts * length * vocab + 4 * CHUNK_BYTES // 8
     exact = block_elements * (2 * stored + 4 + 8) + 8 * (2 * widest + 4 * prompts * length * hidden + logits)
     question_1 = block_elements * (3 * stored + 8 + 4) + CACHE_BLOCK * (8 + 4 + stored)

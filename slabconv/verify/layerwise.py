@@ -48,6 +48,7 @@ from slabconv.errors import InputError, UsageError
 from slabconv.fold import rounded
 from slabconv.load import hf
 from slabconv.load.shards import LazyShards, return_freed_blocks_to_the_os
+from slabconv.text import count
 from slabconv.util import Progress, no_progress
 from slabconv.verify import judge, policy
 from slabconv.verify.generate import torch_threads
@@ -374,20 +375,16 @@ def _keys_check(ref: Folder, cand: Folder) -> IntegrityCheck:
         and not (k.endswith(".bias") and k.removesuffix(".bias") + ".weight" in ref.shards.weight_map)
     ]
     if extra:
-        return IntegrityCheck(name, False, f"{_count(extra)} the reference lacks, first {extra[0]!r}")
+        return IntegrityCheck(name, False, f"{count(len(extra), 'tensor')} the reference lacks, first {extra[0]!r}")
     family, layers = cand.family, range(cand.family.num_layers(cand.cfg))
     templates = {family.template(k) for k in cand.shards.weight_map if family.template(k) != k}
     missing = [family.instance(t, i) for t in sorted(templates) for i in layers]
     missing = [k for k in missing if k not in cand.shards.weight_map]
     if missing:
         return IntegrityCheck(
-            name, False, f"{_count(missing)} that other decoder layers have missing, first {missing[0]!r}"
+            name, False, f"{count(len(missing), 'tensor')} that other decoder layers have missing, first {missing[0]!r}"
         )
     return IntegrityCheck(name, True, f"{len(cand.shards.weight_map)} tensors, all known to the reference")
-
-
-def _count(keys: list[str]) -> str:
-    return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
 
 
 def _forward_config(cfg: Any) -> Any:
@@ -485,7 +482,7 @@ def verify_folders(
         for i in range(layers):
             progress("verifying: question 2, one decoder layer at a time", i, layers, f"decoder layer {i}")
             extra64, extra = family.layer_inputs(cfg, i, t, torch.float64), family.layer_inputs(cfg, i, t, dtype)
-            running = chain64.submit(_run_layer, ref64, i, torch.cat([h.double(), h64]), extra64)
+            running = chain64.submit(_no_grad, ref64.layer(i, torch.float64), torch.cat([h.double(), h64]), *extra64)
             original = ref.layer(i, dtype)(h, *extra)
             both = cand.layer(i, dtype)(torch.cat([h, g]), *extra)
             fused, g = both[:sequences], both[sequences:]
@@ -505,7 +502,7 @@ def verify_folders(
             )
             h = original
         progress("verifying: question 2, one decoder layer at a time", layers, layers, "final norm and head")
-        running = chain64.submit(_head, ref64, h64)
+        running = chain64.submit(_no_grad, ref64.logits, h64)
         fused_logits, original_logits = as_numpy(cand.logits(g), narrow=True), as_numpy(ref.logits(h), narrow=True)
         logits64 = running.result()
         verification.checks.append(_logits_check((logits64, original_logits, fused_logits), name, rtol, atol, strict))
@@ -514,17 +511,10 @@ def verify_folders(
     return verification
 
 
-def _run_layer(folder: Folder, i: int, h: torch.Tensor, extra: Any) -> torch.Tensor:
-    """Decoder layer ``i`` of ``folder`` in ``h``'s dtype on ``h``, in question 2's float64 thread (``no_grad`` is
-    per thread)."""
+def _no_grad(run: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``run(*args)`` under ``no_grad``, which is per thread: what question 2's float64 thread runs."""
     with torch.no_grad():
-        return folder.layer(i, h.dtype)(h, *extra)
-
-
-def _head(folder: Folder, h: torch.Tensor) -> torch.Tensor:
-    """``folder.logits(h)`` in question 2's float64 thread."""
-    with torch.no_grad():
-        return folder.logits(h)
+        return run(*args)
 
 
 def _logits_check(

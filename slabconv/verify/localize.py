@@ -234,8 +234,19 @@ def _record(gm: fx.GraphModule, x: torch.Tensor, nodes: list[fx.Node]) -> dict[s
     return recorder.values
 
 
-def _rel(candidate: torch.Tensor, reference: torch.Tensor) -> float:
-    return judge.rel_err(candidate.numpy(), reference.numpy())[0]
+def _rel(candidate: torch.Tensor | np.ndarray, reference: torch.Tensor | np.ndarray) -> float:
+    return judge.rel_err(np.asarray(candidate), np.asarray(reference))[0]
+
+
+def _boundary(norm: str, layer: str, got: Any, want: Any, before: Any) -> Boundary:
+    """The boundary ``norm -> layer`` from the values at it (float64 tensors or arrays; None where a graph has
+    none): the candidate's (``got``) against the correct fold's (``want``), and ``rounding``, the correct fold
+    against the original's value there (``before``). A backward fold's boundary is the norm's output in the
+    original, which a view may have reshaped (Swin's patch norm after the flatten of the conv it folds into): no
+    rounding where the shapes differ."""
+    error = _rel(got, want) if got is not None and want is not None else math.inf
+    same = want is not None and before is not None and tuple(before.shape) == tuple(want.shape)
+    return Boundary(norm, layer, error, policy.EXACT_RTOL, _rel(want, before) if same else None)
 
 
 def _torch(
@@ -276,14 +287,10 @@ def _torch(
     # the three graphs share node names: the fused ones by construction, the original's looked up by node
     got, want = _record(cand64, t, nodes), _record(correct, t, nodes)
     before = _record(original64, t, [b[2] for b in found])
-    boundaries = []
-    for norm, layer, orig, fused in found:
-        error = _rel(got[fused.name], want[fused.name]) if fused.name in got else math.inf
-        # a backward fold's boundary is the norm's output in the original, which a view may have reshaped
-        # (Swin's patch norm after the flatten of the conv it folds into): no drift where the shapes differ
-        same = orig.name in before and fused.name in want and before[orig.name].shape == want[fused.name].shape
-        drift = _rel(want[fused.name], before[orig.name]) if same else None
-        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
+    boundaries = [
+        _boundary(norm, layer, got.get(fused.name), want.get(fused.name), before.get(orig.name))
+        for norm, layer, orig, fused in found
+    ]
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
     loc = Localization(METHOD.format(n=len(t)), boundaries, "")
     differ = _differing(kept, fold, _first_uses(fused64))
@@ -505,13 +512,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     after = [b[3] for b in found]
     got, want = run(folded.fused, after, stored), run(folded.fused, after, correct)
     before = run(folded.original, [b[2] for b in found], None)
-    boundaries = []
-    for norm, layer, orig, fused in found:
-        error = judge.rel_err(got[fused], want[fused])[0]
-        drift = None
-        if before[orig].shape == want[fused].shape:
-            drift = judge.rel_err(want[fused], before[orig])[0]
-        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, drift))
+    boundaries = [_boundary(norm, layer, got[fused], want[fused], before[orig]) for norm, layer, orig, fused in found]
     folded_layers = set(owned)
     original = onnx_original.stored_tensors(folded.original, float64=True)
     made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
@@ -538,13 +539,10 @@ def _onnx_owned(folded: Any) -> dict[str, set[str]]:
     """Each layer a norm folded into (``onnx_lower.LayerSite``) -> the initializers of the fused graph it reads as
     constants: those its node, its bias ``Add`` and a ``folded_bias_add`` read, directly or through nodes that read
     only constants (a ``Transpose`` or ``Reshape`` of a weight)."""
-    from slabconv.engine.layers import layer_name
-
     graph = folded.fused.graph
     inits = set(graph.initializers)
     nodes = {n.name: n for n in graph}
-    lowered = folded.lowered
-    sites = {layer_name(n): lowered.layers[n.name] for n in lowered.gm.graph.nodes if n.name in lowered.layers}
+    sites = _onnx_sites(folded.lowered)
     memo: dict[int, bool] = {}
 
     def constant(value: Any) -> bool:
@@ -575,11 +573,7 @@ def _onnx_owned(folded: Any) -> dict[str, set[str]]:
                 out = readers[0].outputs[0] if readers[0] is not None else None
                 readers += [u.node for u in out.uses()] if out is not None else []
                 for node in readers:
-                    if node is None or (
-                        node is not readers[0]
-                        and node is not readers[1]
-                        and not (node.op_type == "Add" and (node.name or "").startswith(f"{site.node}/folded_bias_add"))
-                    ):
+                    if node is None or (node not in readers[:2] and not _folded_bias_add(node, site)):
                         continue
                     for value in node.inputs:
                         if value is not None:
@@ -598,10 +592,7 @@ def _onnx_boundaries(folded: Any) -> tuple[list[tuple[str, str, str, str]], list
     original the same point is the output of the norm folded backward into that layer (``NormSite.output``), if
     one was, else the layer's own output.
     """
-    from slabconv.engine.layers import layer_name
-
-    lowered = folded.lowered
-    sites = {layer_name(n): lowered.layers[n.name] for n in lowered.gm.graph.nodes if n.name in lowered.layers}
+    sites = _onnx_sites(folded.lowered)
     original = {n.name: n for n in folded.original.graph}
     fused = {n.name: n for n in folded.fused.graph}
     order = {n.name: i for i, n in enumerate(folded.fused.graph)}
@@ -637,15 +628,22 @@ def _site_output(nodes: dict[str, Any], site: Any) -> Any:
     if node is None:
         return None
     out = node.outputs[0]
-    if site.bias_add is None:
-        users = [u.node for u in out.uses()]
-        if (
-            len(users) == 1
-            and users[0].op_type == "Add"
-            and (users[0].name or "").startswith(f"{site.node}/folded_bias_add")
-        ):
-            return users[0].outputs[0]
+    users = [u.node for u in out.uses()]
+    if site.bias_add is None and len(users) == 1 and _folded_bias_add(users[0], site):
+        return users[0].outputs[0]
     return out
+
+
+def _onnx_sites(lowered: Any) -> dict[str, Any]:
+    """Each layer of a lowered ONNX graph (``onnx_lower.Lowered``) by its name -> its ``onnx_lower.LayerSite``."""
+    from slabconv.engine.layers import layer_name
+
+    return {layer_name(n): lowered.layers[n.name] for n in lowered.gm.graph.nodes if n.name in lowered.layers}
+
+
+def _folded_bias_add(node: Any, site: Any) -> bool:
+    """``node`` (an ``onnx_ir.Node``) is the bias ``Add`` a fold put after the layer at ``site``."""
+    return bool(node.op_type == "Add" and (node.name or "").startswith(f"{site.node}/folded_bias_add"))
 
 
 def _onnx_value(node: fx.Node) -> str | None:

@@ -283,6 +283,17 @@ def check_output_file(
     return path
 
 
+def holds_mark(path: Path, mark: bytes, head: int) -> bool:
+    """True when ``path`` is a regular file whose first ``head`` bytes hold ``mark`` (how an output file slabconv
+    wrote is known: ``--junit``, ``--plot``); a FIFO or device is never read (opening a FIFO waits for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and mark in f.read(head)
+
+
 def _check_special(path: Path, target: Path | str) -> None:
     """Refuse, at once, an output file path that names a FIFO, socket or device: checking whether slabconv wrote it
     would open it (a FIFO waits for a writer forever), and writing it would wait for a reader or never end. The one
