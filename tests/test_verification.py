@@ -428,7 +428,10 @@ def test_a_file_is_held_to_the_originals_error_in_its_own_runtime(tmp_path: Path
     of the original would refuse the correct fold's model.onnx (the file is as far as the original in that runtime);
     the original's error in the same runtime is the bound, and the note says so."""
     program = tanh_offsets_program(tmp_path / "tanh.pt2")
-    report = api.fuse(program, tmp_path / "out", verify=VerifyOptions(samples=16))
+    said: list[str] = []
+    report = api.fuse(
+        program, tmp_path / "out", verify=VerifyOptions(samples=16), progress=lambda stage, *_: said.append(stage)
+    )
     v = report.verification
     assert v is not None and v.passed and all(check.passed for check in v.exact)
     (in_pytorch,) = [c for c in v.checks if c.name.endswith("(model.pt2)")]
@@ -439,6 +442,8 @@ def test_a_file_is_held_to_the_originals_error_in_its_own_runtime(tmp_path: Path
         assert check.e_fused > 2 * in_pytorch.e_orig  # the bound PyTorch's error sets refuses the file
         assert check.tolerance_from == "2*e_orig" and check.e_fused <= check.tolerance == 2 * check.e_orig
         assert any(n.startswith(f"{check.name}: held to the original's own error in that runtime") for n in v.notes)
+    exported = [line for line in said if line.endswith("the original exported to ONNX and run by it")]
+    assert len(exported) == 1, said  # a line before the (once) export, which a large model takes a while for
 
 
 def test_a_wrong_fold_fails_question_2_against_the_originals_error_in_its_runtime(

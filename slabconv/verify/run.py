@@ -21,6 +21,7 @@ from torch import fx, nn
 
 from slabconv.errors import InputError, UsageError
 from slabconv.load.model import LoadedModel
+from slabconv.util import Progress, no_progress
 from slabconv.verify import judge
 from slabconv.verify.policy import EXACT_SAMPLES
 from slabconv.verify.results import ExactCheck, OutputCheck, g3
@@ -275,8 +276,10 @@ def question_2(
     strict: bool,
     token_logits: bool,
     names: Sequence[str] | None = None,
+    progress: Progress = no_progress,
 ) -> list[OutputCheck]:
-    """Run ``runtime`` on the reference's inputs and judge each output.
+    """Run ``runtime`` on the reference's inputs and judge each output (``progress``: a line before the original
+    is exported to ONNX for the runtime's own bound, ``_by_runtime``).
 
     Raises:
         InputError: the runtime gives another number of outputs or other shapes (not the same model).
@@ -311,6 +314,8 @@ def question_2(
             )
         )
     if rtol is None and not strict and reference.exact is not None and not all(c.passed for c in checks):
+        if reference.onnx is None and not reference.exported and reference.model is not None:
+            progress(f"verifying: question 2, {runtime.label}: the original exported to ONNX and run by it")
         checks = _by_runtime(reference, runtime, outputs, checks, atol=atol, token_logits=token_logits)
     return checks
 

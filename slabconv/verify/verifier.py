@@ -240,7 +240,9 @@ def question_2_each(
             continue
         ran.append(runtime)
         done.add(one.artifact)
-        run = functools.partial(question_2, runtime=runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict)
+        run = functools.partial(
+            question_2, runtime=runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict, progress=progress
+        )
         checks += run(reference, token_logits=token_logits)
         if shorter is not None:
             progress(f"verifying: question 2, {runtime.label}, length {shorter.x.shape[1]}")
