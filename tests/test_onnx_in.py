@@ -1917,3 +1917,68 @@ def test_outputs_the_same_on_every_sample_are_named_not_taken_for_a_check(digits
     result = runner.invoke(app, ["verify", str(digits_path), str(digits_path), "--samples", "4", "--json"])
     assert result.exit_code == 0, result.output
     assert not any("the same on all" in n for n in json.loads(result.stdout)["verification"]["notes"])
+
+
+def _keras_layer_norm(path: Path) -> Path:
+    """``x (batch, 4) -> BatchNormalization -> MatMul -> LayerNorm -> MatMul`` with the LayerNorm as tf2onnx writes
+    Keras' ``LayerNormalization``: a ``Reshape`` to ``(1, batch, 4, 1)``, then a ``BatchNormalization`` over the
+    batch axis whose mean and variance the graph computes from its input, and whose scale and bias are ones and
+    zeros ``Expand``-ed to the batch size read from ``Shape(x)`` (a symbol under a dynamic batch)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+        "fc1.weight": rng.standard_normal((4, 4)),
+        "fc2.weight": rng.standard_normal((4, 3)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits += [
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array([1, -1, 4, 1], np.int64), "as_4d"),
+        numpy_helper.from_array(np.array([0], np.int64), "start"),
+        numpy_helper.from_array(np.array([1], np.int64), "stop"),
+    ]
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn"),
+        helper.make_node("MatMul", ["n", "fc1.weight"], ["h"], name="fc1"),
+        helper.make_node("Shape", ["h"], ["shape"], name="ln/Shape"),
+        helper.make_node("Slice", ["shape", "start", "stop"], ["rows"], name="ln/Slice"),
+        helper.make_node("Expand", ["one", "rows"], ["ones"], name="ln/ones"),
+        helper.make_node("Expand", ["zero", "rows"], ["zeros"], name="ln/zeros"),
+        helper.make_node("Reshape", ["h", "as_4d"], ["r"], name="ln/Reshape"),
+        helper.make_node("ReduceMean", ["r"], ["mean"], name="ln/mean", axes=[0, 2, 3], keepdims=0),
+        helper.make_node("ReduceMean", ["r"], ["mean4"], name="ln/mean4", axes=[2, 3], keepdims=1),
+        helper.make_node("Sub", ["r", "mean4"], ["d"], name="ln/Sub"),
+        helper.make_node("Mul", ["d", "d"], ["d2"], name="ln/Square"),
+        helper.make_node("ReduceMean", ["d2"], ["var"], name="ln/var", axes=[0, 2, 3], keepdims=0),
+        helper.make_node("BatchNormalization", ["r", "ones", "zeros", "mean", "var"], ["ln"], name="ln/BN"),
+        helper.make_node("Reshape", ["ln", "shape"], ["l"], name="ln/Reshape_1"),
+        helper.make_node("MatMul", ["l", "fc2.weight"], ["y"], name="fc2"),
+    ]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 3])
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="tf2onnx"), path)
+    return path
+
+
+def test_a_keras_layer_norm_as_tf2onnx_writes_it_stays_and_the_norm_before_it_folds(tmp_path):
+    """tf2onnx's Keras ``LayerNormalization`` is a ``BatchNormalization`` over a dynamic axis whose statistics are
+    computed per call and whose ones / zeros are sized by a symbol: it is kept (``batch-stats-in-eval``, no fixed
+    affine), and the BatchNorm before the Dense still folds, verified. (Sizing those ones by the symbol, or the
+    norm's channels, was an internal error.)"""
+    path = _keras_layer_norm(tmp_path / "model.onnx")
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.norm, d.action, d.reason) for d in report.folds or []] == [
+        ("bn", "folded-forward", None),
+        ("ln", "kept", reasons.BATCH_STATS_IN_EVAL),
+    ]
+    assert report.verification is not None and report.verification.passed
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "out" / "model.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
