@@ -1982,3 +1982,48 @@ def test_a_keras_layer_norm_as_tf2onnx_writes_it_stays_and_the_norm_before_it_fo
     x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
     y0 = _run(path, x)
     assert np.abs(_run(tmp_path / "out" / "model.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+
+
+class _GlobalMax(nn.Module):
+    """A conv and its BatchNorm, a global max pool and a Linear, over 1 or 3 spatial axes (a 3-D or 5-D tensor);
+    the exporter writes the pool as a `MaxPool`, which the test rewrites as the `GlobalMaxPool` it is."""
+
+    def __init__(self, spatial: int) -> None:
+        super().__init__()
+        kinds = {
+            1: (nn.Conv1d, nn.BatchNorm1d, nn.AdaptiveMaxPool1d),
+            3: (nn.Conv3d, nn.BatchNorm3d, nn.AdaptiveMaxPool3d),
+        }
+        conv, bn, pool = kinds[spatial]
+        self.conv, self.bn, self.pool, self.fc = conv(3, 4, 1), bn(4), pool(1), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("spatial", [1, 3])
+def test_the_float64_reference_pools_a_global_max_over_every_spatial_axis(tmp_path, spatial):
+    """onnx's reference ``GlobalMaxPool`` (reached behind a conv: onnxruntime has no float64 ``Conv``) took the
+    maximum over the last two axes: over the channels of a 3-D input (tf2onnx's Keras ``GlobalMaxPooling1D``:
+    ``fuse`` ended in an internal error), over two of the three spatial axes of a 5-D one. The reference equals
+    torch's in float64, and the norm folds and is verified."""
+    model = randomize_norms(_GlobalMax(spatial).eval(), seed=3)
+    x = torch.randn(2, 3, *(5,) * spatial)
+    path = tmp_path / "gmp.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PRESERVE: the BatchNorm stays a node, not folded into the conv in float32
+        preserve = torch.onnx.TrainingMode.PRESERVE
+        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, training=preserve)
+    proto = onnx.load(str(path))
+    (pool,) = (n for n in proto.graph.node if n.op_type == "MaxPool")  # the exporter's MaxPool over the whole input
+    pool.op_type = "GlobalMaxPool"
+    del pool.attribute[:]
+    onnx.save(proto, str(path))
+    (got,), which = onnx_original.float64_reference(path, x.numpy(), "float32", None)
+    assert which.startswith("onnx.reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [d.action for d in report.folds or []] == ["folded-backward"]
+    assert report.verification is not None and report.verification.passed
