@@ -702,9 +702,10 @@ def _naive_onnx(path: Path, out: Path) -> Path:
     return out
 
 
-def _same_conv(path: Path, kernel: int, kernel_attr: bool) -> Path:
+def _same_conv(path: Path, kernel: int, kernel_attr: bool, shift: bool = True) -> Path:
     """``x -> BatchNormalization -> Conv(auto_pad=SAME_UPPER)``, a conv as jax2onnx writes it; ``kernel_shape`` is
-    optional in ONNX (the weight's shape says it), so a file may leave it out."""
+    optional in ONNX (the weight's shape says it), so a file may leave it out. Without ``shift`` the norm's bias
+    and mean are 0 (a scale of mixed signs alone)."""
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -715,6 +716,9 @@ def _same_conv(path: Path, kernel: int, kernel_attr: bool) -> Path:
         "bn.running_mean": rng.standard_normal(4),
         "bn.running_var": rng.uniform(0.5, 2, 4),
     }
+    if not shift:
+        arrays["bn.weight"] *= [1, -1, 1, -1]
+        arrays["bn.bias"], arrays["bn.running_mean"] = np.zeros(4), np.zeros(4)
     inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
     attrs = {"kernel_shape": [kernel, kernel]} if kernel_attr else {}
     nodes = [
@@ -749,6 +753,24 @@ def test_a_same_padded_conv_pads_by_its_kernel_whether_or_not_kernel_shape_is_wr
     if action == "kept-affine":  # the refusal is needed: the naive fold is far off
         y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
         assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
+def test_a_norm_without_shift_folds_into_a_padded_conv(tmp_path):
+    """A norm whose every shift is 0 (bias and mean 0: Keras' ``Normalization`` layer before it is adapted, a
+    LayerScale) scales the conv's padded zeros to zeros: it folds into the 3x3 ``SAME_UPPER`` conv, and the fused
+    file computes the original's outputs (the same file with a shift keeps the affine, the test above)."""
+    import onnx_ir as ir
+
+    path = _same_conv(tmp_path / "model.onnx", 3, True, shift=False)
+    model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.into, d.reason) for d in decisions] == [("folded-forward", ["conv"], None)]
+    ir.save(model, str(tmp_path / "fused.onnx"))
+    assert "BatchNormalization" not in op_histogram(tmp_path / "fused.onnx")
+    x = np.random.default_rng(1).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "fused.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.verification is not None and report.verification.passed
 
 
 def _gather_nd(path: Path, indices: list[list[int]], channels_first: bool) -> Path:
