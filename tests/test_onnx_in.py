@@ -2049,3 +2049,42 @@ def test_the_float64_reference_pools_a_global_max_over_every_spatial_axis(tmp_pa
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
     assert [d.action for d in report.folds or []] == ["folded-backward"]
     assert report.verification is not None and report.verification.passed
+
+
+def test_simplify_writes_no_reshape_attribute_an_opset_11_file_cannot_hold(tmp_path):
+    """``x (batch, 4, 1, 1) -> BatchNormalization -> Reshape(Concat(Shape(x)[0], 4)) -> MatMul`` at opset 11, as
+    paddle2onnx writes a ResNet's flatten: onnxscript's optimizer makes the computed shape a constant and writes
+    ``allowzero=1``, an attribute of opset 14 on, which ``onnx.checker`` refused (``fuse --simplify`` failed). The
+    shape holds no 0, so the attribute goes; the file is checked and verified."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+        "fc.weight": rng.standard_normal((4, 3)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits += [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array([4]), "four")]
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn"),
+        helper.make_node("Shape", ["n"], ["shape"], name="Shape"),
+        helper.make_node("Gather", ["shape", "zero"], ["rows"], name="Gather", axis=0),
+        helper.make_node("Unsqueeze", ["rows"], ["rows1"], name="Unsqueeze", axes=[0]),
+        helper.make_node("Concat", ["rows1", "four"], ["flat"], name="Concat", axis=0),
+        helper.make_node("Reshape", ["n", "flat"], ["f"], name="Reshape"),
+        helper.make_node("MatMul", ["f", "fc.weight"], ["y"], name="fc"),
+    ]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4, 1, 1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 3])
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]), path)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4), write=WriteOptions(simplify=True))
+    assert [(d.norm, d.action) for d in report.folds or []] == [("bn", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    onnx.checker.check_model(fused, full_check=True)
+    assert not [a for n in fused.graph.node if n.op_type == "Reshape" for a in n.attribute if a.name == "allowzero"]
