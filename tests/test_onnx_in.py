@@ -118,19 +118,23 @@ _STATIC_ADVICE = {
     "dynamo": "torch.onnx.export(..., dynamo=True, dynamic_shapes=({0: torch.export.Dim('batch')},))",
     "torchscript": "torch.onnx.export(..., dynamo=False, input_names=['x'], dynamic_axes={'x': {0: 'batch'}})",
     None: "a dynamic batch axis (torch.onnx.export: dynamic_shapes with dynamo=True, dynamic_axes with dynamo=False)",
+    "tf2onnx": "tf2onnx.convert.from_keras(..., input_signature=(tf.TensorSpec((None, ...), tf.float32, name='x'),))",
+    "jax2onnx": "jax2onnx.to_onnx(..., [('B', ...)]) (a named batch axis)",
 }
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", None])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", None, "tf2onnx", "jax2onnx"])
 def test_a_static_batch_is_warned_about_in_the_spelling_of_the_exporter_that_wrote_the_file(tmp_path, exporter):
     """An ONNX file with a static batch of 2: the warning says how to export a dynamic batch with the exporter
     that wrote the file (``dynamic_axes`` for ``torch.onnx.export(..., dynamo=False)``, ``dynamic_shapes`` for
-    ``dynamo=True``), told by its ``producer_version`` and node marks; a file made by another producer (by hand
-    here) gets both spellings."""
+    ``dynamo=True``), told by its ``producer_version`` and node marks; tf2onnx's ``input_signature`` and jax2onnx's
+    named axis for their files (their ``producer_name``: a Keras user was told torch's spellings); a file made by
+    another producer (by hand here) gets torch's two spellings."""
     path = tmp_path / "static.onnx"
-    if exporter is None:
+    if exporter in (None, "tf2onnx", "jax2onnx"):
         model = oc.base_model()
         model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+        model.producer_name, model.producer_version = exporter or "hand", "1.17.0 None"
         onnx.save(model, str(path))
     else:
         torch.manual_seed(0)
@@ -140,7 +144,7 @@ def test_a_static_batch_is_warned_about_in_the_spelling_of_the_exporter_that_wro
             torch.onnx.export(module, (torch.randn(2, 8),), str(path), dynamo=exporter == "dynamo", input_names=["x"])
     report = api.inspect(path)
     assert report.source is not None and report.source.batch == 2
-    assert report.to_dict()["source"]["exporter"] == exporter
+    assert report.to_dict()["source"]["exporter"] == (exporter if exporter in ("dynamo", "torchscript") else None)
     line = next(iter(summary_lines(report)))
     assert line == (
         f"warning: {path} was exported with a static batch of 2, so the fused files run on batches of exactly 2; "
