@@ -118,19 +118,23 @@ _STATIC_ADVICE = {
     "dynamo": "torch.onnx.export(..., dynamo=True, dynamic_shapes=({0: torch.export.Dim('batch')},))",
     "torchscript": "torch.onnx.export(..., dynamo=False, input_names=['x'], dynamic_axes={'x': {0: 'batch'}})",
     None: "a dynamic batch axis (torch.onnx.export: dynamic_shapes with dynamo=True, dynamic_axes with dynamo=False)",
+    "tf2onnx": "tf2onnx.convert.from_keras(..., input_signature=(tf.TensorSpec((None, ...), tf.float32, name='x'),))",
+    "jax2onnx": "jax2onnx.to_onnx(..., [('B', ...)]) (a named batch axis)",
 }
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", None])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo", None, "tf2onnx", "jax2onnx"])
 def test_a_static_batch_is_warned_about_in_the_spelling_of_the_exporter_that_wrote_the_file(tmp_path, exporter):
     """An ONNX file with a static batch of 2: the warning says how to export a dynamic batch with the exporter
     that wrote the file (``dynamic_axes`` for ``torch.onnx.export(..., dynamo=False)``, ``dynamic_shapes`` for
-    ``dynamo=True``), told by its ``producer_version`` and node marks; a file made by another producer (by hand
-    here) gets both spellings."""
+    ``dynamo=True``), told by its ``producer_version`` and node marks; tf2onnx's ``input_signature`` and jax2onnx's
+    named axis for their files (their ``producer_name``: a Keras user was told torch's spellings); a file made by
+    another producer (by hand here) gets torch's two spellings."""
     path = tmp_path / "static.onnx"
-    if exporter is None:
+    if exporter in (None, "tf2onnx", "jax2onnx"):
         model = oc.base_model()
         model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+        model.producer_name, model.producer_version = exporter or "hand", "1.17.0 None"
         onnx.save(model, str(path))
     else:
         torch.manual_seed(0)
@@ -140,7 +144,7 @@ def test_a_static_batch_is_warned_about_in_the_spelling_of_the_exporter_that_wro
             torch.onnx.export(module, (torch.randn(2, 8),), str(path), dynamo=exporter == "dynamo", input_names=["x"])
     report = api.inspect(path)
     assert report.source is not None and report.source.batch == 2
-    assert report.to_dict()["source"]["exporter"] == exporter
+    assert report.to_dict()["source"]["exporter"] == (exporter if exporter in ("dynamo", "torchscript") else None)
     line = next(iter(summary_lines(report)))
     assert line == (
         f"warning: {path} was exported with a static batch of 2, so the fused files run on batches of exactly 2; "
@@ -702,9 +706,10 @@ def _naive_onnx(path: Path, out: Path) -> Path:
     return out
 
 
-def _same_conv(path: Path, kernel: int, kernel_attr: bool) -> Path:
+def _same_conv(path: Path, kernel: int, kernel_attr: bool, shift: bool = True) -> Path:
     """``x -> BatchNormalization -> Conv(auto_pad=SAME_UPPER)``, a conv as jax2onnx writes it; ``kernel_shape`` is
-    optional in ONNX (the weight's shape says it), so a file may leave it out."""
+    optional in ONNX (the weight's shape says it), so a file may leave it out. Without ``shift`` the norm's bias
+    and mean are 0 (a scale of mixed signs alone)."""
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
@@ -715,6 +720,9 @@ def _same_conv(path: Path, kernel: int, kernel_attr: bool) -> Path:
         "bn.running_mean": rng.standard_normal(4),
         "bn.running_var": rng.uniform(0.5, 2, 4),
     }
+    if not shift:
+        arrays["bn.weight"] *= [1, -1, 1, -1]
+        arrays["bn.bias"], arrays["bn.running_mean"] = np.zeros(4), np.zeros(4)
     inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
     attrs = {"kernel_shape": [kernel, kernel]} if kernel_attr else {}
     nodes = [
@@ -749,6 +757,24 @@ def test_a_same_padded_conv_pads_by_its_kernel_whether_or_not_kernel_shape_is_wr
     if action == "kept-affine":  # the refusal is needed: the naive fold is far off
         y1 = _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
         assert np.abs(y1 - y0).max() / np.abs(y0).max() > 1e-3
+
+
+def test_a_norm_without_shift_folds_into_a_padded_conv(tmp_path):
+    """A norm whose every shift is 0 (bias and mean 0: Keras' ``Normalization`` layer before it is adapted, a
+    LayerScale) scales the conv's padded zeros to zeros: it folds into the 3x3 ``SAME_UPPER`` conv, and the fused
+    file computes the original's outputs (the same file with a shift keeps the affine, the test above)."""
+    import onnx_ir as ir
+
+    path = _same_conv(tmp_path / "model.onnx", 3, True, shift=False)
+    model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.into, d.reason) for d in decisions] == [("folded-forward", ["conv"], None)]
+    ir.save(model, str(tmp_path / "fused.onnx"))
+    assert "BatchNormalization" not in op_histogram(tmp_path / "fused.onnx")
+    x = np.random.default_rng(1).standard_normal((2, 4, 8, 8)).astype(np.float32)
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "fused.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.verification is not None and report.verification.passed
 
 
 def _gather_nd(path: Path, indices: list[list[int]], channels_first: bool) -> Path:
@@ -1917,3 +1943,152 @@ def test_outputs_the_same_on_every_sample_are_named_not_taken_for_a_check(digits
     result = runner.invoke(app, ["verify", str(digits_path), str(digits_path), "--samples", "4", "--json"])
     assert result.exit_code == 0, result.output
     assert not any("the same on all" in n for n in json.loads(result.stdout)["verification"]["notes"])
+
+
+def _keras_layer_norm(path: Path) -> Path:
+    """``x (batch, 4) -> BatchNormalization -> MatMul -> LayerNorm -> MatMul`` with the LayerNorm as tf2onnx writes
+    Keras' ``LayerNormalization``: a ``Reshape`` to ``(1, batch, 4, 1)``, then a ``BatchNormalization`` over the
+    batch axis whose mean and variance the graph computes from its input, and whose scale and bias are ones and
+    zeros ``Expand``-ed to the batch size read from ``Shape(x)`` (a symbol under a dynamic batch)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+        "fc1.weight": rng.standard_normal((4, 4)),
+        "fc2.weight": rng.standard_normal((4, 3)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits += [
+        numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+        numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
+        numpy_helper.from_array(np.array([1, -1, 4, 1], np.int64), "as_4d"),
+        numpy_helper.from_array(np.array([0], np.int64), "start"),
+        numpy_helper.from_array(np.array([1], np.int64), "stop"),
+    ]
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn"),
+        helper.make_node("MatMul", ["n", "fc1.weight"], ["h"], name="fc1"),
+        helper.make_node("Shape", ["h"], ["shape"], name="ln/Shape"),
+        helper.make_node("Slice", ["shape", "start", "stop"], ["rows"], name="ln/Slice"),
+        helper.make_node("Expand", ["one", "rows"], ["ones"], name="ln/ones"),
+        helper.make_node("Expand", ["zero", "rows"], ["zeros"], name="ln/zeros"),
+        helper.make_node("Reshape", ["h", "as_4d"], ["r"], name="ln/Reshape"),
+        helper.make_node("ReduceMean", ["r"], ["mean"], name="ln/mean", axes=[0, 2, 3], keepdims=0),
+        helper.make_node("ReduceMean", ["r"], ["mean4"], name="ln/mean4", axes=[2, 3], keepdims=1),
+        helper.make_node("Sub", ["r", "mean4"], ["d"], name="ln/Sub"),
+        helper.make_node("Mul", ["d", "d"], ["d2"], name="ln/Square"),
+        helper.make_node("ReduceMean", ["d2"], ["var"], name="ln/var", axes=[0, 2, 3], keepdims=0),
+        helper.make_node("BatchNormalization", ["r", "ones", "zeros", "mean", "var"], ["ln"], name="ln/BN"),
+        helper.make_node("Reshape", ["ln", "shape"], ["l"], name="ln/Reshape_1"),
+        helper.make_node("MatMul", ["l", "fc2.weight"], ["y"], name="fc2"),
+    ]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 3])
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], producer_name="tf2onnx"), path)
+    return path
+
+
+def test_a_keras_layer_norm_as_tf2onnx_writes_it_stays_and_the_norm_before_it_folds(tmp_path):
+    """tf2onnx's Keras ``LayerNormalization`` is a ``BatchNormalization`` over a dynamic axis whose statistics are
+    computed per call and whose ones / zeros are sized by a symbol: it is kept (``batch-stats-in-eval``, no fixed
+    affine), and the BatchNorm before the Dense still folds, verified. (Sizing those ones by the symbol, or the
+    norm's channels, was an internal error.)"""
+    path = _keras_layer_norm(tmp_path / "model.onnx")
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.norm, d.action, d.reason) for d in report.folds or []] == [
+        ("bn", "folded-forward", None),
+        ("ln", "kept", reasons.BATCH_STATS_IN_EVAL),
+    ]
+    assert report.verification is not None and report.verification.passed
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    y0 = _run(path, x)
+    assert np.abs(_run(tmp_path / "out" / "model.onnx", x) - y0).max() <= 1e-5 * np.abs(y0).max()
+
+
+class _GlobalMax(nn.Module):
+    """A conv and its BatchNorm, a global max pool and a Linear, over 1 or 3 spatial axes (a 3-D or 5-D tensor);
+    the exporter writes the pool as a `MaxPool`, which the test rewrites as the `GlobalMaxPool` it is."""
+
+    def __init__(self, spatial: int) -> None:
+        super().__init__()
+        kinds = {
+            1: (nn.Conv1d, nn.BatchNorm1d, nn.AdaptiveMaxPool1d),
+            3: (nn.Conv3d, nn.BatchNorm3d, nn.AdaptiveMaxPool3d),
+        }
+        conv, bn, pool = kinds[spatial]
+        self.conv, self.bn, self.pool, self.fc = conv(3, 4, 1), bn(4), pool(1), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.bn(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("spatial", [1, 3])
+def test_the_float64_reference_pools_a_global_max_over_every_spatial_axis(tmp_path, spatial):
+    """onnx's reference ``GlobalMaxPool`` (reached behind a conv: onnxruntime has no float64 ``Conv``) took the
+    maximum over the last two axes: over the channels of a 3-D input (tf2onnx's Keras ``GlobalMaxPooling1D``:
+    ``fuse`` ended in an internal error), over two of the three spatial axes of a 5-D one. The reference equals
+    torch's in float64, and the norm folds and is verified."""
+    model = randomize_norms(_GlobalMax(spatial).eval(), seed=3)
+    x = torch.randn(2, 3, *(5,) * spatial)
+    path = tmp_path / "gmp.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PRESERVE: the BatchNorm stays a node, not folded into the conv in float32
+        preserve = torch.onnx.TrainingMode.PRESERVE
+        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, training=preserve)
+    proto = onnx.load(str(path))
+    (pool,) = (n for n in proto.graph.node if n.op_type == "MaxPool")  # the exporter's MaxPool over the whole input
+    pool.op_type = "GlobalMaxPool"
+    del pool.attribute[:]
+    onnx.save(proto, str(path))
+    (got,), which = onnx_original.float64_reference(path, x.numpy(), "float32", None)
+    assert which.startswith("onnx.reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [d.action for d in report.folds or []] == ["folded-backward"]
+    assert report.verification is not None and report.verification.passed
+
+
+def test_simplify_writes_no_reshape_attribute_an_opset_11_file_cannot_hold(tmp_path):
+    """``x (batch, 4, 1, 1) -> BatchNormalization -> Reshape(Concat(Shape(x)[0], 4)) -> MatMul`` at opset 11, as
+    paddle2onnx writes a ResNet's flatten: onnxscript's optimizer makes the computed shape a constant and writes
+    ``allowzero=1``, an attribute of opset 14 on, which ``onnx.checker`` refused (``fuse --simplify`` failed). The
+    shape holds no 0, so the attribute goes; the file is checked and verified."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+        "fc.weight": rng.standard_normal((4, 3)),
+    }
+    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits += [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array([4]), "four")]
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn"),
+        helper.make_node("Shape", ["n"], ["shape"], name="Shape"),
+        helper.make_node("Gather", ["shape", "zero"], ["rows"], name="Gather", axis=0),
+        helper.make_node("Unsqueeze", ["rows"], ["rows1"], name="Unsqueeze", axes=[0]),
+        helper.make_node("Concat", ["rows1", "four"], ["flat"], name="Concat", axis=0),
+        helper.make_node("Reshape", ["n", "flat"], ["f"], name="Reshape"),
+        helper.make_node("MatMul", ["f", "fc.weight"], ["y"], name="fc"),
+    ]
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 4, 1, 1])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 3])
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)]), path)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4), write=WriteOptions(simplify=True))
+    assert [(d.norm, d.action) for d in report.folds or []] == [("bn", "folded-forward")]
+    assert report.verification is not None and report.verification.passed
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    onnx.checker.check_model(fused, full_check=True)
+    assert not [a for n in fused.graph.node if n.op_type == "Reshape" for a in n.attribute if a.name == "allowzero"]

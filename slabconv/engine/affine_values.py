@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from slabconv import fold
 from slabconv.engine.capture import attr, is_state, same_size, shape_of, static_int, stored
@@ -120,6 +121,8 @@ class Constants:
             return False
         if getattr(node.target, "runs", True) is False:  # an op the engine cannot run (an opaque ONNX node)
             return False
+        if any(isinstance(a, torch.SymInt) and not is_concrete_int(a) for a in tree_leaves((node.args, node.kwargs))):
+            return False  # sized by a symbol (a lowered ONNX ``Expand`` to a dynamic batch's size): no one value
         return None
 
     def value(self, node: Any) -> Any:

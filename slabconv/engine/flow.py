@@ -85,11 +85,15 @@ class Flow:
     blocked: list[BlockedEdge] = field(default_factory=list)
 
 
-def classify(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """What ``user`` does with the affine arriving on its input ``src`` (channels at ``ch``)."""
+def classify(user: fx.Node, src: fx.Node, ch: Chan, shiftless: bool = False) -> Outcome:
+    """What ``user`` does with the affine arriving on its input ``src`` (channels at ``ch``). ``shiftless``: the
+    affine has no shift (every ``t`` is 0), so a conv's padded zeros stay zeros once scaled, and a padded conv
+    takes the scale into its input columns exactly."""
     layer = layer_of(user)
     if layer is not None:
         reason = layer.consumer_check(user, src, ch)
+        if reason == reasons.PADDED_CONV_CONSUMER and shiftless:
+            reason = None
         return Absorb(layer) if reason is None else Block(reason)
     rule = RULE_OF.get(user.target)
     return rule.step(user, src, ch) if rule is not None else unsupported(user)
@@ -141,9 +145,9 @@ class _Walk:
     """One forward walk (``follow``): a work list of (node, channels, shift multiplier) and the joins waiting
     for all their inputs."""
 
-    def __init__(self, start: fx.Node, chan: Chan, positive_scale: bool, stop: Collection[fx.Node]):
+    def __init__(self, start: fx.Node, chan: Chan, positive_scale: bool, stop: Collection[fx.Node], shiftless: bool):
         self.flow = Flow()
-        self.positive_scale = positive_scale
+        self.positive_scale, self.shiftless = positive_scale, shiftless
         self.stop = stop
         self.states: dict[fx.Node, tuple[Chan, float]] = {}
         self.arrivals: dict[fx.Node, dict[fx.Node, tuple[Chan, float]]] = {}
@@ -182,7 +186,7 @@ class _Walk:
             assert user not in self.decided, f"{user.name} was decided before all its pieces arrived"
             self.arrivals.setdefault(user, {})[node] = (ch, mult)
         else:
-            outcome = classify(user, node, ch)
+            outcome = classify(user, node, ch, self.shiftless)
             if user in self.stop and not isinstance(outcome, Block):
                 named = self.stop[user] if isinstance(self.stop, Mapping) else user
                 outcome = unsupported(named)  # another norm's own op: each norm is decided on its own
@@ -214,11 +218,14 @@ class _Walk:
                 self.flow.blocked.append(BlockedEdge(src, join, ch, mult, outcome.reason))
 
 
-def follow(start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collection[fx.Node] = ()) -> Flow:
+def follow(
+    start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collection[fx.Node] = (), shiftless: bool = False
+) -> Flow:
     """Follow a tensor whose channels are at ``chan`` through every user, to consumers and blockers.
 
     ``positive_scale`` says whether every channel's scale is > 0; max/min over tokens commute with the
-    affine only then (otherwise they block with ``negative-scale-through-max``).
+    affine only then (otherwise they block with ``negative-scale-through-max``). ``shiftless`` says whether every
+    shift is 0: a zero-padded conv then absorbs the scale (``classify``).
 
     Every user of every tensor on the way is classified (``classify``); nothing is skipped. A join
     (``cat``/``stack``) is decided once all its inputs are known: it passes only when every input derives from
@@ -228,7 +235,7 @@ def follow(start: fx.Node, chan: Chan, positive_scale: bool = True, stop: Collec
     one, the op it maps to (the other norm's BatchNorm op: the transpose a RepBN starts with is spelled
     ``aten.transpose`` in a program and ``aten.permute`` in a lowered ONNX graph).
     """
-    walk = _Walk(start, chan, positive_scale, stop)
+    walk = _Walk(start, chan, positive_scale, stop, shiftless)
     walk.drain()
     while walk.arrivals:
         walk.joins()

@@ -347,9 +347,9 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     region = sorted(cand.nodes, key=order.__getitem__)
     params, names, eps = _params(analysis, cand, region)
     core = sorted(cand.core, key=order.__getitem__) if cand.bns else region
-    c = int(static_int(shape_of(base)[cand.axis if cand.axis is not None else 1]))  # type: ignore[arg-type,index]
     scale, shift = cand.scale, cand.shift
-    if scale is not None and shift is not None:
+    if scale is not None and shift is not None:  # (batch statistics: no affine, and channels may be a symbol)
+        c = int(static_int(shape_of(base)[cand.axis if cand.axis is not None else 1]))  # type: ignore[arg-type,index]
         scale, shift = torch.broadcast_to(scale, (c,)).clone(), torch.broadcast_to(shift, (c,)).clone()
     name = _name_norm(analysis.gm, core, "")
     if not name and cand.bns:  # RepBN's eta x written outside any module: the BN's own module names it

@@ -207,6 +207,7 @@ def simplify_graph(model: Any, simplifiers: list[str] | None = None) -> dict[str
         finally:
             chatty.setLevel(level)
         _register_orphan_constants(model.graph)
+        _no_allowzero_before_opset_14(model)
         info["simplifiers"].append(f"{ONNXSCRIPT} {onnxscript.__version__}")
     wanted = simplifiers is not None and any(s.split()[0] == ONNXSLIM for s in simplifiers)
     if simplifiers is None or wanted:
@@ -244,6 +245,27 @@ def _register_orphan_constants(graph: Any) -> None:
                 n += 1
                 value.name = f"{name}_{n}"
             graph.register_initializer(value)
+
+
+def _no_allowzero_before_opset_14(model: Any) -> None:
+    """Take ``allowzero`` off every ``Reshape`` of a model below opset 14 (the attribute came with opset 14) whose
+    shape is a constant without a 0, where it changes nothing; in place. onnxscript 0.7's
+    ``MaterializeReshapeShape`` rewrite writes ``Reshape(x, constant, allowzero=1)`` whatever the opset: the fused
+    opset-11 file of a paddle2onnx ResNet failed ``onnx.checker`` ("Unrecognized attribute: allowzero"). A shape
+    holding a 0 keeps the attribute (and the checker refuses the file) rather than change what the graph
+    computes."""
+    if model.opset_imports.get("", model.opset_imports.get("ai.onnx", 14)) >= 14:
+        return
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or "allowzero" not in node.attributes:
+            continue
+        shape = node.inputs[1] if len(node.inputs) > 1 else None
+        tensor = shape.const_value if shape is not None else None
+        producer = shape.producer() if shape is not None else None
+        if tensor is None and producer is not None and producer.op_type == "Constant":
+            tensor = producer.attributes["value"].value if "value" in producer.attributes else None
+        if tensor is not None and (tensor.numpy() != 0).all():
+            del node.attributes["allowzero"]
 
 
 _WITHOUT = " without "

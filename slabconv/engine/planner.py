@@ -594,7 +594,8 @@ def plan_norm(
     _check_stats(site)
     scale, shift = site.scale, site.shift
     assert scale is not None and shift is not None
-    flow = follow(site.output, Chan(site.channel_axis, site.channels), bool((scale > 0).all()), stop)
+    positive, shiftless = bool((scale > 0).all()), not bool(shift.any())
+    flow = follow(site.output, Chan(site.channel_axis, site.channels), positive, stop, shiftless)
     folds, refused = _forward(weights, flow.consumers, scale, shift, _shifts(site), site.name)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     blocked = sorted(flow.blocked + refused, key=lambda e: (order[e.dst], order[e.src]))

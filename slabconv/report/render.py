@@ -205,23 +205,30 @@ _DYNAMIC_BATCH = {
         "torch.onnx.export(..., dynamo=False, input_names=['x'], dynamic_axes={'x': {0: 'batch'}}) for any batch "
         "(docs/onnx.md)"
     ),
+    "tf2onnx": (
+        "tf2onnx.convert.from_keras(..., input_signature=(tf.TensorSpec((None, ...), tf.float32, name='x'),)) for any "
+        "batch (docs/onnx.md)"
+    ),
+    "jax2onnx": "jax2onnx.to_onnx(..., [('B', ...)]) (a named batch axis) for any batch (docs/onnx.md)",
     None: (
         "a dynamic batch axis (torch.onnx.export: dynamic_shapes with dynamo=True, dynamic_axes with dynamo=False) "
         "for any batch (docs/onnx.md)"
     ),
 }
 """How to export a dynamic batch, in the spelling of what wrote the file: ``torch.export`` for a program, the ONNX
-exporter ``source.exporter`` names for an ONNX file (``slabconv.load.onnx_file.torch_exporter``), both spellings
-when the file does not tell."""
+exporter ``source.exporter`` names for an ONNX file (``slabconv.load.onnx_file.torch_exporter``), else tf2onnx's or
+jax2onnx's where the file's ``producer_name`` is theirs, torch's two spellings when the file does not tell."""
 
 
 def dynamic_batch_spelling(source: Source) -> str:
     """The advice of the static-batch warning for ``source``: ``dynamic_shapes`` for a ``torch.export`` program
     and a dynamo ONNX export, ``dynamic_axes`` for a TorchScript one (``torch.onnx.export(..., dynamo=False)``),
-    both for an ONNX file that does not say which exporter wrote it."""
+    tf2onnx's ``input_signature`` and jax2onnx's named axis for their files (``producer_name``), both torch
+    spellings for an ONNX file that does not say which exporter wrote it."""
     if source.format != "onnx":
         return _DYNAMIC_BATCH["program"]
-    return _DYNAMIC_BATCH.get(source.extra.get("exporter"), _DYNAMIC_BATCH[None])
+    exporter = source.extra.get("exporter") or str(source.extra.get("producer") or "").split(" ")[0] or None
+    return _DYNAMIC_BATCH.get(exporter, _DYNAMIC_BATCH[None])
 
 
 def source_line(name: str, side: Source) -> str:

@@ -71,6 +71,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         _inference_batch_norm(),
         _torch_average_pool(),
         _gather_elements(),
+        _global_max_pool(),
         _grid_sample(),
         _upsample(),
     ]
@@ -234,6 +235,22 @@ def _gather_elements() -> type:
             return (np.take_along_axis(data[window], index, axis=axis),)
 
     return GatherElements
+
+
+def _global_max_pool() -> type:
+    """onnx's reference ``GlobalMaxPool`` as the spec defines it: the maximum over every axis after the first two,
+    each kept with size 1. onnx's (1.23) takes the maximum over axes ``rank - 2`` and ``rank - 1``, right only for a
+    4-D input: over the channels too for a 3-D one (tf2onnx's Keras ``GlobalMaxPooling1D``: a ``(N, 1)`` output,
+    the ``Squeeze`` after it raised), over the last two of three spatial axes for a 5-D one."""
+    from onnx.reference.ops.op_global_max_pool import GlobalMaxPool as OnnxGlobalMaxPool
+
+    class GlobalMaxPool(OnnxGlobalMaxPool):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, x: np.ndarray) -> tuple[np.ndarray]:  # type: ignore[override]
+            return (x.max(axis=tuple(range(2, x.ndim)), keepdims=True),)
+
+    return GlobalMaxPool
 
 
 def _grid_sample() -> type:
