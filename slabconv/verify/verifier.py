@@ -1047,8 +1047,7 @@ def _layerwise(
 
     if reference.kind != "streamed" or candidate.kind != "streamed":
         raise UsageError("--stream compares two Hugging Face style decoder folders; give a folder on both sides")
-    if opts.inputs is not None:
-        raise UsageError("--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported")
+    opts.check_streamed()
     from slabconv.verify.generate import torch_threads
     from slabconv.verify.generate_streamed import generate_fused, streams
     from slabconv.write.hf_llama import require_transformers
