@@ -304,22 +304,31 @@ def tensors_check(
 
 
 def by_shape(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, ...], list[torch.Tensor]]:
-    """``tensors`` grouped by shape, for ``nearest``."""
+    """``tensors`` grouped by shape without its size-1 axes (``squeezed``), for ``nearest``."""
     pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for tensor in tensors.values():
-        pool.setdefault(tuple(tensor.shape), []).append(tensor)
+        pool.setdefault(squeezed(tensor.shape), []).append(tensor)
     return pool
+
+
+def squeezed(shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` without its size-1 axes: an exporter stores a ``(C,)`` parameter it broadcasts as ``(C, 1, 1)``
+    (the dynamo exporter's GroupNorm weight and bias, after its ``InstanceNormalization``)."""
+    return tuple(int(s) for s in shape if s != 1)
 
 
 def nearest(
     exact64: torch.Tensor, pool: Mapping[tuple[int, ...], list[torch.Tensor]]
 ) -> tuple[torch.Tensor | None, float]:
-    """A tensor matched by value (an ONNX exporter stores Linear weights transposed under generated names): of the
-    tensors of ``pool`` (``by_shape``) of ``exact64``'s shape, and (a matrix) the transposes of those of its
-    transposed shape, the first nearest ``exact64`` (float64) in units in the last place (``_distance``), and its
-    distance; ``(None, inf)`` where the pool holds none of either shape."""
+    """A tensor matched by value (an ONNX exporter stores Linear weights transposed under generated names, and a
+    ``(C,)`` parameter it broadcasts as ``(C, 1, 1)``): of the tensors of ``pool`` (``by_shape``) of ``exact64``'s
+    shape up to size-1 axes, and (a matrix) the transposes of those of its transposed shape, the first nearest
+    ``exact64`` (float64) in units in the last place (``_distance``), seen in ``exact64``'s shape, and its distance;
+    ``(None, inf)`` where the pool holds none of either shape."""
     shape = tuple(exact64.shape)
-    views = [*pool.get(shape, []), *(t.T for t in (pool.get(shape[::-1], []) if exact64.dim() == 2 else []))]
+    views = [t.reshape(shape) for t in pool.get(squeezed(shape), [])]
+    if len(squeezed(shape)) == 2 == exact64.dim():  # a matrix (a row or a column is its own transpose's values)
+        views += [t.reshape(shape[::-1]).T for t in pool.get(squeezed(shape[::-1]), [])]
     best, distance = None, math.inf
     for view in views:
         d = _distance(view, exact64)
