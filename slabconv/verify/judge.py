@@ -252,7 +252,9 @@ def exact_tensors(
             no fold wrote transposed under a generated name too), but is not counted where the file holds no
             floating tensor of its shape or transposed shape at all (an exporter stores what it computes from such a
             constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), nor where
-            it is an integer buffer (an index: ``written`` holds floating tensors).
+            it is an integer buffer (an index: ``written`` holds floating tensors). One matched only up to size-1
+            axes is not counted either where none matches it and the file holds none of its very shape (the
+            ``(1, 1, K)`` magnitude of a weight-normed conv, stored only inside the weight the exporter computes).
 
     With ``by_value``, a fold tensor that is all zeros and that the file does not hold by name is not counted,
     whether a fold wrote it or not: onnxscript's optimizer (the dynamo exporter's default, and ``fuse --simplify``)
@@ -270,7 +272,11 @@ def exact_tensors(
             if not bool(exact64.any()):  # a zero bias the exporter's optimizer dropped
                 continue
             nearest_one, distance = nearest(exact64, pool)
-            if key in unchanged and (not exact.is_floating_point() or nearest_one is None):
+            if key in unchanged and (
+                not exact.is_floating_point()
+                or nearest_one is None
+                or (distance > ulp_bound and not _holds_shape(written, tuple(exact64.shape)))
+            ):
                 continue
         else:
             distance = math.inf
@@ -301,6 +307,12 @@ def tensors_check(
             else f"the written tensors are not {against}"
         ),
     )
+
+
+def _holds_shape(written: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> bool:
+    """Whether ``written`` holds a tensor of ``shape`` exactly, or (a matrix) of its transposed shape."""
+    shapes = {tuple(t.shape) for t in written.values()}
+    return shape in shapes or (len(shape) == 2 and shape[::-1] in shapes)
 
 
 def by_shape(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, ...], list[torch.Tensor]]:
