@@ -185,8 +185,17 @@ def environment_error(err: BaseException) -> InputError | None:
     return InputError(f"cannot read or write {shown(path)}: {reason}; nothing was written")
 
 
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+"""A terminal colour code (the ONNX exporter colours its messages)."""
 # The end of a sentence: a full stop, question or exclamation mark before a space, not in "e.g." or "i.e.".
 _SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)[.!?](?=\s)")
+
+
+def root_cause(err: BaseException) -> str:
+    """``Type: first line`` of the innermost exception (torch.onnx wraps torch.export's reason in its own)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return f"{type(err).__name__}: {first_line(err)}"
 
 
 def first_line(err: BaseException | None, limit: int = 200) -> str:
@@ -197,7 +206,7 @@ def first_line(err: BaseException | None, limit: int = 200) -> str:
     """
     if err is None:
         return "unknown error"
-    text = str(err).strip()
+    text = _COLOUR.sub("", str(err)).strip()
     if not text:
         return type(err).__name__
     line = text.splitlines()[0].strip()

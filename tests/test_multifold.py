@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slabconv import api, fold
+from slabconv import api, engine, fold
 from slabconv.engine import capture, fold_all, fused_state_dict
 from slabconv.errors import VerificationError
 from slabconv.options import VerifyOptions
@@ -330,3 +330,27 @@ def test_folded_and_created_parameters_require_grad_as_the_originals_do(frozen: 
     created = set(after) - set(before)
     assert created and set(after) >= {"1.weight", "3.weight"}
     assert {name: p.requires_grad for name, p in after.items()} == dict.fromkeys(after, not frozen)
+
+
+class _DefaultDtypeMask(nn.Module):
+    """SqueezeBERT's mask: ``torch.ones(shape)`` (no dtype argument: torch's default, float32), then
+    ``.to(dtype=torch.float32)``, which ``torch.export`` records as an ``_assert_tensor_metadata`` naming float32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[0], 4).to(dtype=torch.float32)
+        return x * mask
+
+
+def test_a_tensor_created_in_the_default_dtype_is_float64_in_the_float64_graph():
+    """The float64 reference of a program that creates a float tensor without naming its dtype: only dtype arguments
+    were retyped, so the mask stayed float32 while the assertion of its ``.to`` expected float64, and ``fuse`` of
+    transformers' SqueezeBERT ended in "torch.export could not trace the model: Tensor dtype mismatch"."""
+    from slabconv.verify.reference import promote_to_float64
+
+    x = torch.randn(3, 4)
+    program = torch.export.export(_DefaultDtypeMask(), (x,), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    graph = promote_to_float64(engine.capture(program.module(), x))
+    out = graph(x.double())
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, x.double(), rtol=0, atol=0)

@@ -152,3 +152,35 @@ def test_the_exporter_registry_the_tests_reuse_is_a_fresh_builds_and_each_export
     finally:
         _registration.ONNXRegistry.from_torchlib = kept
     assert cached == rebuilt
+
+
+def test_an_onnx_export_the_exporter_fails_says_its_root_cause_and_the_way_around(tmp_path, monkeypatch):
+    """torch's dynamo exporter fails some programs that ``torch.export`` takes (Hugging Face's Swin: "Cannot view a
+    tensor with shape ..." while it decomposes). ``fuse`` said only the exporter's wrapper line, terminal colour codes
+    included, and not that ``--no-onnx`` writes the rest. The error line now names the innermost cause, plain."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+    from tests.tinyckpt import error_lines, save_ckpt
+
+    def failing_export(*args, **kwargs):
+        try:
+            raise ValueError(
+                "Cannot view a tensor with shape torch.Size([8, 16, 2, 16]) as a tensor with shape (8, 16, 32)!"
+            )
+        except ValueError as cause:
+            raise RuntimeError(
+                "Failed to decompose the FX graph. \x1b[96mThis is step 2/3\x1b[0m of exporting"
+            ) from cause
+
+    monkeypatch.setattr(torch.onnx, "export", failing_export)
+    ckpt = save_ckpt(tmp_path / "ckpt.pth")
+    done = CliRunner().invoke(app, ["fuse", str(ckpt), "-o", str(tmp_path / "out"), "--samples", "2", "--no-pt2"])
+    assert done.exit_code == 2, done.output
+    (line,) = error_lines(done.stderr)
+    assert "ValueError: Cannot view a tensor with shape" in line and "--no-onnx" in line, line
+    assert "\x1b" not in line and not (tmp_path / "out").exists()
+    done = CliRunner().invoke(
+        app, ["fuse", str(ckpt), "-o", str(tmp_path / "out"), "--samples", "2", "--no-pt2", "--no-onnx"]
+    )
+    assert done.exit_code == 0, done.output

@@ -1097,3 +1097,47 @@ def test_a_zero_bias_the_onnx_file_does_not_hold_is_no_question_1_failure(tmp_pa
     assert wrong.verification is not None and not wrong.verification.passed
     failed = [c.name for c in wrong.verification.exact if not c.passed]
     assert failed == ["wrong.onnx vs a float64 fold of the reference"], failed
+
+
+class _GroupNormScaled(nn.Module):
+    """PoolFormer's block: ``x + gamma * conv(GroupNorm(x))``. The dynamo exporter writes the GroupNorm as an
+    ``InstanceNormalization`` then a ``Mul`` and an ``Add`` by its weight and bias stored as ``(C, 1, 1)`` tensors
+    under generated names; ``gamma`` folds backward into the conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c0, self.gn, self.c1 = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(1, 8), nn.Conv2d(8, 8, 1)
+        self.gamma = nn.Parameter(torch.rand(8) + 0.5)
+        # Wav2Vec2's positional conv: weight norm over the kernel axis, its magnitude (1, 1, 1, 8) beside (8,) biases
+        self.c2 = nn.utils.parametrizations.weight_norm(nn.Conv2d(8, 8, (1, 8), padding=(0, 4)), dim=3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c0(x)
+        return self.c2(h + self.gamma[:, None, None] * self.c1(self.gn(h)))
+
+
+def test_a_parameter_the_onnx_file_stores_broadcast_is_found_by_value(tmp_path: Path) -> None:
+    """A GroupNorm's ``(C,)`` weight and bias, which the dynamo exporter stores as ``(C, 1, 1)`` under generated
+    names: question 1 held them to the nearest other ``(C,)`` tensor (a conv bias) and failed every correct
+    model.onnx of a model with a GroupNorm (Hugging Face's PoolFormer: 1.7e7 units in the last place). A file whose
+    broadcast copy is wrong still fails. A weight-normed conv's magnitude, which the file holds only inside the weight
+    the exporter computes, is not held to a bias of its size (Wav2Vec2's positional conv, 4e6 units in the last
+    place)."""
+    model = randomize_norms(_GroupNormScaled(), seed=2).eval()
+    program = tmp_path / "gn.pt2"
+    dynamic = ({0: torch.export.Dim("batch")},)
+    torch.export.save(torch.export.export(model, (torch.randn(2, 3, 8, 8),), dynamic_shapes=dynamic), program)
+    report = api.fuse(program, tmp_path / "out")
+    assert {(d.norm, d.action) for d in report.folds or []} >= {("gamma", "folded-backward")}
+    assert report.verification is not None and report.verification.passed, report.verification
+    written = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    broadcast = [t for t in written.graph.initializer if list(t.dims) == [8, 1, 1] and t.name.startswith("val_")]
+    assert broadcast and not {t.name for t in broadcast} & {"gn.weight", "gn.bias"}
+    for tensor in broadcast:
+        array = onnx.numpy_helper.to_array(tensor) * np.float32(1.001)
+        tensor.CopyFrom(onnx.numpy_helper.from_array(array.astype(np.float32), tensor.name))
+    onnx.save(written, str(tmp_path / "wrong.onnx"))
+    wrong = api.verify(program, tmp_path / "wrong.onnx", verify=VerifyOptions(samples=4))
+    assert wrong.verification is not None and not wrong.verification.passed
+    failed = [c.name for c in wrong.verification.exact if not c.passed]
+    assert failed == ["wrong.onnx vs a float64 fold of the reference"], failed

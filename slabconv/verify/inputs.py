@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+import torch
 
 from slabconv.errors import InputError, UsageError
 from slabconv.load import safety
@@ -74,8 +75,7 @@ def choose_inputs(
             x = loaded.example(samples, seed)
             # numpy has no bfloat16: float inputs travel as float32 and each runner casts them to its dtype.
             return (x.float() if x.is_floating_point() else x).numpy(), label, None
-        rng = np.random.default_rng(seed)
-        return rng.standard_normal((samples, *shape)).astype(np.float32), label, None
+        return standard_normal(samples, shape, seed), label, None
     if not path.exists() and not path.is_symlink():
         raise InputError(f"{path}: no such file (--inputs)")
     integer = loaded.token_input if loaded is not None else token_input
@@ -87,6 +87,13 @@ def choose_inputs(
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
+
+
+def standard_normal(samples: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """``(samples, *shape)`` float32 standard-normal samples drawn as ``LoadedModel.example`` draws them
+    (``torch.randn`` from a generator seeded with ``seed``): one model through any door (checkpoint, ``.pt2``,
+    ONNX file) is verified on the same ``random(seed=...)`` inputs."""
+    return torch.randn((samples, *shape), generator=torch.Generator().manual_seed(seed)).numpy()
 
 
 def check_token_ids(arr: np.ndarray, path: Path, id_range: int | None) -> None:

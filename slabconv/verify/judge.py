@@ -252,7 +252,9 @@ def exact_tensors(
             no fold wrote transposed under a generated name too), but is not counted where the file holds no
             floating tensor of its shape or transposed shape at all (an exporter stores what it computes from such a
             constant, e.g. a Swin relative-position bias gathered by its index; question 2 judges it), nor where
-            it is an integer buffer (an index: ``written`` holds floating tensors).
+            it is an integer buffer (an index: ``written`` holds floating tensors). One matched only up to size-1
+            axes is not counted either where none matches it and the file holds none of its very shape (the
+            ``(1, 1, K)`` magnitude of a weight-normed conv, stored only inside the weight the exporter computes).
 
     With ``by_value``, a fold tensor that is all zeros and that the file does not hold by name is not counted,
     whether a fold wrote it or not: onnxscript's optimizer (the dynamo exporter's default, and ``fuse --simplify``)
@@ -270,7 +272,11 @@ def exact_tensors(
             if not bool(exact64.any()):  # a zero bias the exporter's optimizer dropped
                 continue
             nearest_one, distance = nearest(exact64, pool)
-            if key in unchanged and (not exact.is_floating_point() or nearest_one is None):
+            if key in unchanged and (
+                not exact.is_floating_point()
+                or nearest_one is None
+                or (distance > ulp_bound and not _holds_shape(written, tuple(exact64.shape)))
+            ):
                 continue
         else:
             distance = math.inf
@@ -303,23 +309,38 @@ def tensors_check(
     )
 
 
+def _holds_shape(written: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> bool:
+    """Whether ``written`` holds a tensor of ``shape`` exactly, or (a matrix) of its transposed shape."""
+    shapes = {tuple(t.shape) for t in written.values()}
+    return shape in shapes or (len(shape) == 2 and shape[::-1] in shapes)
+
+
 def by_shape(tensors: Mapping[str, torch.Tensor]) -> dict[tuple[int, ...], list[torch.Tensor]]:
-    """``tensors`` grouped by shape, for ``nearest``."""
+    """``tensors`` grouped by shape without its size-1 axes (``squeezed``), for ``nearest``."""
     pool: dict[tuple[int, ...], list[torch.Tensor]] = {}
     for tensor in tensors.values():
-        pool.setdefault(tuple(tensor.shape), []).append(tensor)
+        pool.setdefault(squeezed(tensor.shape), []).append(tensor)
     return pool
+
+
+def squeezed(shape: Sequence[int]) -> tuple[int, ...]:
+    """``shape`` without its size-1 axes: an exporter stores a ``(C,)`` parameter it broadcasts as ``(C, 1, 1)``
+    (the dynamo exporter's GroupNorm weight and bias, after its ``InstanceNormalization``)."""
+    return tuple(int(s) for s in shape if s != 1)
 
 
 def nearest(
     exact64: torch.Tensor, pool: Mapping[tuple[int, ...], list[torch.Tensor]]
 ) -> tuple[torch.Tensor | None, float]:
-    """A tensor matched by value (an ONNX exporter stores Linear weights transposed under generated names): of the
-    tensors of ``pool`` (``by_shape``) of ``exact64``'s shape, and (a matrix) the transposes of those of its
-    transposed shape, the first nearest ``exact64`` (float64) in units in the last place (``_distance``), and its
-    distance; ``(None, inf)`` where the pool holds none of either shape."""
+    """A tensor matched by value (an ONNX exporter stores Linear weights transposed under generated names, and a
+    ``(C,)`` parameter it broadcasts as ``(C, 1, 1)``): of the tensors of ``pool`` (``by_shape``) of ``exact64``'s
+    shape up to size-1 axes, and (a matrix) the transposes of those of its transposed shape, the first nearest
+    ``exact64`` (float64) in units in the last place (``_distance``), seen in ``exact64``'s shape, and its distance;
+    ``(None, inf)`` where the pool holds none of either shape."""
     shape = tuple(exact64.shape)
-    views = [*pool.get(shape, []), *(t.T for t in (pool.get(shape[::-1], []) if exact64.dim() == 2 else []))]
+    views = [t.reshape(shape) for t in pool.get(squeezed(shape), [])]
+    if len(squeezed(shape)) == 2 == exact64.dim():  # a matrix (a row or a column is its own transpose's values)
+        views += [t.reshape(shape[::-1]).T for t in pool.get(squeezed(shape[::-1]), [])]
     best, distance = None, math.inf
     for view in views:
         d = _distance(view, exact64)

@@ -21,7 +21,7 @@ from slabconv.load import safety
 from slabconv.load.onnx_file import OnnxFile, load_ir
 from slabconv.options import VerifyOptions
 from slabconv.util import sha256_file
-from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs
+from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs, standard_normal
 from slabconv.verify.runtimes import Inputs, run_batched
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
@@ -390,7 +390,7 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
                 f"{info.path}: the model takes integer ids whose range it does not show; pass --inputs NPZ"
             )
         return rng.integers(0, rows, (samples, *info.input_shape), dtype=np.int64), label, None
-    return rng.standard_normal((samples, *info.input_shape)).astype(np.float32), label, None
+    return standard_normal(samples, info.input_shape, seed), label, None
 
 
 def check_batch_axes(info: OnnxFile) -> None:

@@ -43,6 +43,8 @@ def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.d
     for node in (n for m in graphs for n in m.graph.nodes):  # (torch.autocast regions: ``wrap_with_autocast``)
         node.args = _retype_arg(node.args, source, dtype)
         node.kwargs = _retype_arg(node.kwargs, source, dtype)
+        if _default_dtype_factory(node, source):  # torch.ones(n): the default dtype, named by no argument
+            node.kwargs = {**node.kwargs, "dtype": dtype}
     for module in out.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point():
@@ -56,6 +58,23 @@ def _retyped(gm: fx.GraphModule, source: tuple[torch.dtype, ...], dtype: torch.d
     for m in graphs:
         m.recompile()
     return out
+
+
+def _default_dtype_factory(node: fx.Node, source: tuple[torch.dtype, ...]) -> bool:
+    """Whether ``node`` creates a tensor from no tensor (``aten.ones``, ``full``, ``arange``...) without a dtype
+    argument, of a ``source`` dtype: torch's default dtype (float32), which a retyped graph must name. SqueezeBERT's
+    ``torch.ones(shape)`` mask, then ``.to(float32)``: retyped, the ``_assert_tensor_metadata`` of that ``.to`` expected
+    float64 and the mask stayed float32 (the float64 reference raised)."""
+    val = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.kwargs.get("dtype"):
+        return False
+    schema = node.target._schema.arguments
+    return (
+        isinstance(val, torch.Tensor)
+        and val.dtype in source
+        and any(a.name == "dtype" for a in schema)
+        and not any(isinstance(a.type, torch.TensorType) for a in schema)
+    )
 
 
 def promote_to_float64(gm: fx.GraphModule) -> fx.GraphModule:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.errors import UnsupportedModelError, UsageError, first_line, root_cause
 from slabconv.util import quiet
 from slabconv.version import __version__
 from slabconv.write.hf_llama import STANDARD_TYPES, load_fused_llama
@@ -86,13 +86,6 @@ def head_size(cfg: Any) -> int:
     return int(found) if found else int(cfg.hidden_size) // int(cfg.num_attention_heads)
 
 
-def _root_cause(err: BaseException) -> str:
-    """``Type: first line`` of the innermost exception (torch.onnx wraps torch.export's reason in its own)."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    return f"{type(err).__name__}: {first_line(err)}"
-
-
 def _example(cfg: Any, dtype: torch.dtype) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Example inputs (batch 2, 3 new tokens, 4 past tokens; ids, mask, positions, past key/values per layer) and
     their dynamic shapes: batch, new-token and past lengths symbolic, past length from 0."""
@@ -147,7 +140,7 @@ def _export(model: Any, inputs: list[str], outputs: list[str], opset: int | None
         assert program is not None
         program.model.metadata_props[MARK] = __version__
     except Exception as err:  # noqa: BLE001 - the exporter raises many types
-        raise UnsupportedModelError(f"decoder ONNX export failed: {_root_cause(err)}") from None
+        raise UnsupportedModelError(f"decoder ONNX export failed: {root_cause(err)}") from None
     return program
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from slabconv.engine.capture import axis_attempts
-from slabconv.errors import UnsupportedModelError, UsageError, first_line
+from slabconv.errors import UnsupportedModelError, UsageError, root_cause
 from slabconv.load.onnx_file import PROTOBUF_LIMIT_BYTES
 from slabconv.options import BFLOAT16_OPSET, OPSET_RANGE, check_opset  # noqa: F401 (the opset rules, stated once)
 from slabconv.util import output_names_of, quiet
@@ -179,7 +179,9 @@ def export_onnx(
             "external_data": f"{path.name}.data" if external else None,
             **({"simplified": simplified} if simplified is not None else {}),
         }
-    raise UnsupportedModelError(f"ONNX export failed: {first_line(last)}")
+    raise UnsupportedModelError(
+        f"ONNX export failed: {root_cause(last) if last else 'unknown error'}; --no-onnx writes the other files"
+    )
 
 
 SIMPLIFIED_KEY = "slabconv_simplified"
