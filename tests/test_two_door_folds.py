@@ -623,3 +623,44 @@ def test_norms_read_through_a_reshape_and_back_are_decided_alike_by_every_door(t
         ("first", "BatchNorm", "kept-affine", reasons.UNSUPPORTED_PREFIX + "aten.batch_norm", ()),
         ("second", "BatchNorm", "folded-forward", None, ("fc",)),
     ]
+
+
+# --------------------------------------------------------------------------------------------- every norm listed
+
+
+class PoolMixerStage(nn.Module):
+    """PoolFormer's last stage (transformers' ``PoolFormerLayer``): a LayerScale on the pooling mixer's output
+    ``pool(y) - y`` of a GroupNorm's output, read by a residual sum that only a GroupNorm and the head read after
+    it. No layer downstream contracts the LayerScale's axis without a GroupNorm first, so only the GroupNorm upstream
+    says that axis holds channels."""
+
+    def __init__(self, c: int = C) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(c, c, 3, padding=1)
+        self.norm1, self.norm2 = nn.GroupNorm(1, c), nn.GroupNorm(1, c)
+        self.pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+        self.scale = nn.Parameter(0.5 + torch.rand(c, 1, 1, generator=torch.Generator().manual_seed(1)))
+        self.head = nn.Linear(c, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        y = self.norm1(x)
+        x = x + self.scale * (self.pool(y) - y)
+        return self.head(self.norm2(x).mean((2, 3)))
+
+
+def test_a_layer_scale_after_a_pooling_mixer_of_a_group_norm_is_listed_by_every_door(tmp_path):
+    """The LayerScale is a per-channel constant product on the channels a GroupNorm gives its axis (through the
+    stride-1 pooling, which keeps the layout): listed, and kept because the residual sum reads its output (it was in
+    no list at all, its ``Mul`` silently left in the fused graph). Folding it into ``head`` regardless is wrong."""
+    torch.manual_seed(0)
+    model = PoolMixerStage().eval()
+    x = image()
+    naive = copy.deepcopy(model)
+    with torch.no_grad():
+        naive.head.weight.mul_(model.scale.view(-1))
+        naive.scale.fill_(1.0)
+    assert rel_err(naive(x), model(x)) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [
+        ("scale", "LayerScale", "kept-affine", reasons.RESIDUAL_READS_NORM, ()),
+    ]

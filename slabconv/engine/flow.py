@@ -662,12 +662,16 @@ def find_producers(
 
 
 _LAYOUT_KEEPING = {
-    op for rule in RULES if rule.name in ("nonlinear", "residual", "scalar_mul", "masked") for op in rule.ops
+    op
+    for rule in RULES
+    if rule.name in ("nonlinear", "residual", "scalar_mul", "masked", "avg_pool", "max_pool")
+    for op in rule.ops
 }
 
 
 def _layout_input(node: fx.Node) -> fx.Node | None:
-    """For an op whose output keeps an input's layout (elementwise ops, residual adds, softmax): that input."""
+    """For an op whose output keeps an input's layout (elementwise ops, residual adds, softmax, a pooling of stride
+    1 whose output has its input's shape: PoolFormer's token mixer): that input."""
     if node.op != "call_function" or node.target not in _LAYOUT_KEEPING:
         return None
     shape = shape_of(node)

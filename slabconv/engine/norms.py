@@ -162,7 +162,7 @@ def _closed(cand: Affine, out: fx.Node) -> bool:
 
 def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
     """Nodes whose channel axis is known: a layer's output, a BN's output, any affine value with an axis, the
-    features of an embedding or a LayerNorm."""
+    features of an embedding or a LayerNorm, the channels of a GroupNorm."""
 
     def known(node: fx.Node) -> Chan | None:
         shape = shape_of(node)
@@ -176,6 +176,8 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
             axis = analysis.aff[node].axis
         elif node.target is aten.layer_norm.default:
             axis = len(shape) - 1
+        elif node.target is aten.group_norm.default:  # (N, C, ...), its weight per channel of axis 1
+            axis = 1
         elif (split := split_axis(node)) is not None:  # a norm op whose affine was split off
             axis = split % len(shape)
         size = static_int(shape[axis]) if axis is not None else None
