@@ -664,3 +664,23 @@ def test_a_layer_scale_after_a_pooling_mixer_of_a_group_norm_is_listed_by_every_
     assert both_doors(model, x, tmp_path) == [
         ("scale", "LayerScale", "kept-affine", reasons.RESIDUAL_READS_NORM, ()),
     ]
+
+
+def test_the_overflow_message_of_a_composed_norm_gives_the_composed_affine(tmp_path):
+    """Two BatchNorms of scale 1e20 each compose into one of scale 1e40, past float32: the fold's weights overflow
+    and fuse stops before writing; the message names the composed norm and the affine it folded (1e40), not the
+    reading BatchNorm's own statistics (1e20)."""
+    from slabconv import api
+    from slabconv.errors import NumericError
+
+    model, x = _norm_then_bn("bn")
+    with torch.no_grad():
+        for bn in (model.first, model.second):
+            bn.weight.fill_(1e20)
+            bn.bias.zero_()
+            bn.running_mean.zero_()
+            bn.running_var.fill_(1.0)
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)), path)
+    with pytest.raises(NumericError, match=r"norm second \(its scale or shift reaches 1e\+40\) makes "):
+        api.fuse(path, tmp_path / "out")

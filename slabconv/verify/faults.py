@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from slabconv import engine, fold
+from slabconv import engine
 from slabconv.errors import NumericError
 from slabconv.load.model import LoadedModel
 from slabconv.verify.policy import dtype_name
@@ -48,15 +48,12 @@ def first_non_finite(gm: fx.GraphModule, example: torch.Tensor) -> fx.Node | Non
 
 
 def _extremes(original: fx.GraphModule) -> dict[str, float]:
-    """Each norm's largest ``|scale|`` or ``|shift|`` (float64), by name."""
+    """Each norm's largest ``|scale|`` or ``|shift|`` (its affine as found, ``NormSite.scale`` / ``shift``, float64:
+    a BatchNorm's Lemma 4.1 affine, a LayerScale's vector, a chain composed into one norm), by name."""
     out: dict[str, float] = {}
     for site in engine.find_norms(original):
-        p = site.params
-        mean, var = p.get("running_mean"), p.get("running_var")
-        if mean is None or var is None:
-            continue
-        scale, shift = fold.repbn_affine(mean, var, site.eps, p.get("weight"), p.get("bias"), p.get("alpha"))
-        out[site.name] = float(torch.cat([scale.abs(), shift.abs()]).max())
+        if site.scale is not None and site.shift is not None:
+            out[site.name] = float(torch.cat([site.scale.abs().reshape(-1), site.shift.abs().reshape(-1)]).max())
     return out
 
 
