@@ -664,3 +664,37 @@ def test_a_layer_scale_after_a_pooling_mixer_of_a_group_norm_is_listed_by_every_
     assert both_doors(model, x, tmp_path) == [
         ("scale", "LayerScale", "kept-affine", reasons.RESIDUAL_READS_NORM, ()),
     ]
+
+
+# --------------------------------------------------------------------------------------------- in-place ops
+
+
+class InPlaceSums(nn.Module):
+    """``+=`` as models write it: a constant added in place to a BatchNorm's output read by a conv (folds forward,
+    the constant joining the shift), and RepVGG's identity-branch BatchNorm added in place to the sum of its two
+    convs (kept: the residual sum reads it)."""
+
+    def __init__(self, c: int = C) -> None:
+        super().__init__()
+        self.norm, self.identity = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
+        self.conv, self.kxk, self.pointwise = nn.Conv2d(c, c, 1), nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x))
+        y += 0.5
+        y = torch.relu(self.conv(y))
+        s = self.kxk(y) + self.pointwise(y)
+        s += self.identity(y)
+        return torch.relu(s)
+
+
+def test_in_place_sums_are_decided_as_their_out_of_place_forms_by_every_door(tmp_path):
+    """``aten.add_`` on a tensor only it reads is planned as ``aten.add`` (the program door named it
+    ``unsupported-op:aten.add_`` and kept both norms, where the ONNX doors, whose ``Add`` is out of place, fold
+    the first)."""
+    torch.manual_seed(0)
+    model = randomize(InPlaceSums()).eval()
+    assert both_doors(model, image(), tmp_path) == [
+        ("norm", "BatchNorm", "folded-forward", None, ("conv",)),
+        ("identity", "BatchNorm", "kept-affine", reasons.RESIDUAL_READS_NORM, ()),
+    ]
