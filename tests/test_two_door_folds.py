@@ -698,3 +698,37 @@ def test_in_place_sums_are_decided_as_their_out_of_place_forms_by_every_door(tmp
         ("norm", "BatchNorm", "folded-forward", None, ("conv",)),
         ("identity", "BatchNorm", "kept-affine", reasons.RESIDUAL_READS_NORM, ()),
     ]
+
+
+class InPlaceThroughAView(nn.Module):
+    """A constant added in place to a view of a BatchNorm's output: it writes the BatchNorm's output itself, which
+    the conv reads after it (and the side conv before it)."""
+
+    def __init__(self, c: int = C) -> None:
+        super().__init__()
+        self.norm, self.conv, self.side = nn.BatchNorm2d(c), nn.Conv2d(c, c, 1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x))
+        z = self.side(y)
+        v = y.view(y.shape)
+        v += 0.5
+        return self.conv(y) + z
+
+
+def test_a_norm_whose_output_is_written_in_place_through_a_view_is_kept_whole():
+    """The op stays ``aten.add_`` (written as an add, its sum would be read by nothing) and the BatchNorm is kept
+    whole: folded into both convs, with its affine kept before the ``add_`` alone, the conv would read the norm's
+    output without the constant the view wrote into it."""
+    torch.manual_seed(0)
+    model = randomize(InPlaceThroughAView()).eval()
+    x = image()
+    with torch.no_grad():
+        reference = model(x)
+        y = model.norm(torch.relu(x))
+        assert rel_err(model.conv(y) + model.side(y), reference) > NAIVE_MIN_ERR  # the write lost
+    gm = engine.capture(model, x)
+    assert any(str(n.target) == "aten.add_.Tensor" for n in gm.graph.nodes)
+    decisions = engine.fold_all(gm)
+    assert [(d.norm, d.action, d.reason) for d in decisions] == [("norm", "kept", "unsupported-op:aten.add_")]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]

@@ -92,6 +92,24 @@ def unlifted(program: torch.export.ExportedProgram) -> fx.GraphModule:
     return gm
 
 
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """The first in-place op (a ``FunctionSchema`` argument with write alias information) that writes ``node``'s
+    tensor or a view of it (through ops whose schema returns alias information: ``view``, ``t``, ``add_``'s
+    result), None when none does: a reader of ``node`` after that op reads the written values."""
+    todo, seen = [node], {node}
+    while todo:
+        for user in todo.pop().users:
+            op = user.target
+            if user.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+                continue
+            if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+                return user
+            if any(r.alias_info is not None for r in op._schema.returns) and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return None
+
+
 def _out_of_place(node: fx.Node) -> Any:
     op = node.target
     if not isinstance(op, torch._ops.OpOverload) or not op.__name__.split(".")[0].endswith("_"):
