@@ -98,11 +98,17 @@ def written_in_place(node: fx.Node) -> fx.Node | None:
     result), None when none does: a reader of ``node`` after that op reads the written values."""
     todo, seen = [node], {node}
     while todo:
-        for user in todo.pop().users:
+        tensor = todo.pop()
+        for user in tensor.users:
             op = user.target
             if user.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
                 continue
-            if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments):
+            written = [
+                user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+                for i, a in enumerate(op._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            ]
+            if any(w is tensor for w in written):
                 return user
             if any(r.alias_info is not None for r in op._schema.returns) and user not in seen:
                 seen.add(user)
