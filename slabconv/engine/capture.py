@@ -1,12 +1,14 @@
 """Capture a model as an export graph, and read what the graph stores.
 
 In: an ``nn.Module`` in the state it should be folded in (eval mode) and one example input. Out: the unlifted
-``torch.export`` graph (``ExportedProgram.module()``): an fx ``GraphModule`` of ATen ops whose parameters and
-buffers are ``get_attr`` nodes and whose nodes carry ``meta["val"]`` (a fake tensor with possibly symbolic sizes)
-and ``meta["nn_module_stack"]`` (the modules that ran the op).
+``torch.export`` graph (``ExportedProgram.module()``, an in-place op on a tensor nothing else reads written as its
+out-of-place form: ``unlifted``): an fx ``GraphModule`` of ATen ops whose parameters and buffers are ``get_attr``
+nodes and whose nodes carry ``meta["val"]`` (a fake tensor with possibly symbolic sizes) and
+``meta["nn_module_stack"]`` (the modules that ran the op).
 
-The helpers here answer questions about that graph without changing it: the tensor behind a ``get_attr``, a
-node's shape, whether two symbolic sizes are equal, which modules enclose a node.
+The other helpers here answer questions about that graph without changing it: the tensor behind a ``get_attr``, a
+node's shape, whether two symbolic sizes are equal, which modules enclose a node, the op that writes a node's
+tensor in place (``written_in_place``).
 """
 
 from __future__ import annotations
