@@ -211,7 +211,7 @@ def plan(
     progress("tracing the model with torch.export")
     with quiet():
         exported = engine.capture_program(loaded.model, example, sequence=loaded.max_sequence)
-        traced = exported.module()
+        traced = engine.unlifted(exported)
     original = None if unknown else traced
     fused = traced if unknown else engine.copy_sharing(traced)  # the weights are not held twice
 

@@ -684,3 +684,71 @@ def test_the_overflow_message_of_a_composed_norm_gives_the_composed_affine(tmp_p
     torch.export.save(torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)), path)
     with pytest.raises(NumericError, match=r"norm second \(its scale or shift reaches 1e\+40\) makes "):
         api.fuse(path, tmp_path / "out")
+
+
+# --------------------------------------------------------------------------------------------- in-place ops
+
+
+class InPlaceSums(nn.Module):
+    """``+=`` as models write it: a constant added in place to a BatchNorm's output read by a conv (folds forward,
+    the constant joining the shift), and RepVGG's identity-branch BatchNorm added in place to the sum of its two
+    convs (kept: the residual sum reads it)."""
+
+    def __init__(self, c: int = C) -> None:
+        super().__init__()
+        self.norm, self.identity = nn.BatchNorm2d(c), nn.BatchNorm2d(c)
+        self.conv, self.kxk, self.pointwise = nn.Conv2d(c, c, 1), nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x))
+        y += 0.5
+        y = torch.relu(self.conv(y))
+        s = self.kxk(y) + self.pointwise(y)
+        s += self.identity(y)
+        return torch.relu(s)
+
+
+def test_in_place_sums_are_decided_as_their_out_of_place_forms_by_every_door(tmp_path):
+    """``aten.add_`` on a tensor only it reads is planned as ``aten.add`` (the program door named it
+    ``unsupported-op:aten.add_`` and kept both norms, where the ONNX doors, whose ``Add`` is out of place, fold
+    the first)."""
+    torch.manual_seed(0)
+    model = randomize(InPlaceSums()).eval()
+    assert both_doors(model, image(), tmp_path) == [
+        ("norm", "BatchNorm", "folded-forward", None, ("conv",)),
+        ("identity", "BatchNorm", "kept-affine", reasons.RESIDUAL_READS_NORM, ()),
+    ]
+
+
+class InPlaceThroughAView(nn.Module):
+    """A constant added in place to a view of a BatchNorm's output: it writes the BatchNorm's output itself, which
+    the conv reads after it (and the side conv before it)."""
+
+    def __init__(self, c: int = C) -> None:
+        super().__init__()
+        self.norm, self.conv, self.side = nn.BatchNorm2d(c), nn.Conv2d(c, c, 1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.relu(x))
+        z = self.side(y)
+        v = y.view(y.shape)
+        v += 0.5
+        return self.conv(y) + z
+
+
+def test_a_norm_whose_output_is_written_in_place_through_a_view_is_kept_whole():
+    """The op stays ``aten.add_`` (written as an add, its sum would be read by nothing) and the BatchNorm is kept
+    whole: folded into both convs, with its affine kept before the ``add_`` alone, the conv would read the norm's
+    output without the constant the view wrote into it."""
+    torch.manual_seed(0)
+    model = randomize(InPlaceThroughAView()).eval()
+    x = image()
+    with torch.no_grad():
+        reference = model(x)
+        y = model.norm(torch.relu(x))
+        assert rel_err(model.conv(y) + model.side(y), reference) > NAIVE_MIN_ERR  # the write lost
+    gm = engine.capture(model, x)
+    assert any(str(n.target) == "aten.add_.Tensor" for n in gm.graph.nodes)
+    decisions = engine.fold_all(gm)
+    assert [(d.norm, d.action, d.reason) for d in decisions] == [("norm", "kept", "unsupported-op:aten.add_")]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]

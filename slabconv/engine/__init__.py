@@ -29,7 +29,7 @@ The names below are the engine's public surface; the other stages import nothing
 """
 
 from slabconv.engine import reasons
-from slabconv.engine.capture import capture, capture_program, copy_sharing, state_kept, written_tensors
+from slabconv.engine.capture import capture, capture_program, copy_sharing, state_kept, unlifted, written_tensors
 from slabconv.engine.cleanup import fused_state_dict, norm_free
 from slabconv.engine.lift import lift_program
 from slabconv.engine.norm_affine import KINDS as NORM_AFFINE_KINDS
@@ -99,5 +99,6 @@ __all__ = [
     "schedule_warnings",
     "split_norm_affines",
     "state_kept",
+    "unlifted",
     "written_tensors",
 ]

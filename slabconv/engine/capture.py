@@ -1,12 +1,14 @@
 """Capture a model as an export graph, and read what the graph stores.
 
 In: an ``nn.Module`` in the state it should be folded in (eval mode) and one example input. Out: the unlifted
-``torch.export`` graph (``ExportedProgram.module()``): an fx ``GraphModule`` of ATen ops whose parameters and
-buffers are ``get_attr`` nodes and whose nodes carry ``meta["val"]`` (a fake tensor with possibly symbolic sizes)
-and ``meta["nn_module_stack"]`` (the modules that ran the op).
+``torch.export`` graph (``ExportedProgram.module()``, an in-place op on a tensor nothing else reads written as its
+out-of-place form: ``unlifted``): an fx ``GraphModule`` of ATen ops whose parameters and buffers are ``get_attr``
+nodes and whose nodes carry ``meta["val"]`` (a fake tensor with possibly symbolic sizes) and
+``meta["nn_module_stack"]`` (the modules that ran the op).
 
-The helpers here answer questions about that graph without changing it: the tensor behind a ``get_attr``, a
-node's shape, whether two symbolic sizes are equal, which modules enclose a node.
+The other helpers here answer questions about that graph without changing it: the tensor behind a ``get_attr``, a
+node's shape, whether two symbolic sizes are equal, which modules enclose a node, the op that writes a node's
+tensor in place (``written_in_place``).
 """
 
 from __future__ import annotations
@@ -74,8 +76,64 @@ def capture(
     model: torch.nn.Module, example: torch.Tensor, dynamic_batch: bool = True, sequence: int | None = None
 ) -> fx.GraphModule:
     """Export ``model`` (eval mode) with ``torch.export`` and return the unlifted fx ``GraphModule``
-    (``capture_program(...).module()``; arguments and errors as there)."""
-    return capture_program(model, example, dynamic_batch, sequence).module()
+    (``unlifted(capture_program(...))``; arguments and errors as there)."""
+    return unlifted(capture_program(model, example, dynamic_batch, sequence))
+
+
+def unlifted(program: torch.export.ExportedProgram) -> fx.GraphModule:
+    """``program.module()`` with every in-place ATen op whose written tensor no other node can read as its
+    out-of-place form (``x += y`` on a sum: ``aten.add_.Tensor`` becomes ``aten.add.Tensor``), so the rules see
+    the op they name; the values are the same. An op stays in place when the tensor it writes is a graph input,
+    a stored tensor, a view or alias of another (its producer's schema returns alias information), or is read by
+    any other node (``FunctionSchema`` of ``torch._ops.OpOverload``)."""
+    gm = program.module()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (functional := _out_of_place(node)) is not None:
+            node.target = functional
+    gm.recompile()
+    return gm
+
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """The first in-place op (a ``FunctionSchema`` argument with write alias information) that writes ``node``'s
+    tensor or a view of it (through ops whose schema returns alias information: ``view``, ``t``, ``add_``'s
+    result), None when none does: a reader of ``node`` after that op reads the written values."""
+    todo, seen = [node], {node}
+    while todo:
+        tensor = todo.pop()
+        for user in tensor.users:
+            op = user.target
+            if user.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
+                continue
+            written = [
+                user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+                for i, a in enumerate(op._schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            ]
+            if any(w is tensor for w in written):
+                return user
+            if any(r.alias_info is not None for r in op._schema.returns) and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return None
+
+
+def _out_of_place(node: fx.Node) -> Any:
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or not op.__name__.split(".")[0].endswith("_"):
+        return None
+    args = op._schema.arguments
+    written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
+    packet = getattr(torch.ops.aten, op.__name__.split(".")[0][:-1], None)
+    src = node.args[0] if node.args else None
+    if packet is None or written != args[:1] or not isinstance(src, fx.Node) or len(src.users) != 1:
+        return None
+    made = src.target
+    if src.op != "call_function" or not isinstance(made, torch._ops.OpOverload) or made._schema.is_mutable:
+        return None
+    if any(r.alias_info is not None for r in made._schema.returns) or op.namespace != "aten":
+        return None
+    return getattr(packet, op._overloadname, None)
 
 
 def capture_program(

@@ -43,7 +43,7 @@ from torch import fx
 from slabconv import fold
 from slabconv.engine import reasons
 from slabconv.engine.affine_values import Constants
-from slabconv.engine.capture import module_path, shape_of, stored, written_tensors
+from slabconv.engine.capture import module_path, shape_of, stored, written_in_place, written_tensors
 from slabconv.engine.flow import Backward, BlockedEdge, ConsumerUse, VirtualGraph, find_producers, follow
 from slabconv.engine.layers import LayerKind, layer_name, separate_bias
 from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
@@ -591,6 +591,8 @@ def plan_norm(
         return _kept(site, decision)
     if _reads(site) & weights.written:  # its affine is what the tensors hold at the time: not one fixed affine
         return _kept(site, decision, reasons.UPDATED_IN_FORWARD)
+    if (writer := written_in_place(site.output)) is not None:  # its readers after the write read other values
+        return _kept(site, decision, reasons.unsupported(writer))
     _check_stats(site)
     scale, shift = site.scale, site.shift
     assert scale is not None and shift is not None
