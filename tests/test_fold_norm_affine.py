@@ -135,7 +135,8 @@ def test_the_vit_folds_every_layer_norm_and_the_poolformer_its_mlp_and_head_norm
     assert pool["blocks.0.norm2"] == ("GroupNorm-affine", "folded-forward", ["blocks.0.fc1"], None)
     assert pool["norm"] == ("GroupNorm-affine", "folded-forward", ["head"], None)
     assert pool["blocks.0.norm1"] == ("GroupNorm-affine", "kept", [], "residual-reads-norm")  # pool(y) - y
-    assert not any(n.endswith("ls1") for n in pool)  # the token mixer's LayerScale is no norm here: it stays
+    for i in (0, 1):  # the token mixer's LayerScale: a norm on the GroupNorm's channels, kept before the residual sum
+        assert pool[f"blocks.{i}.ls1"] == ("LayerScale", "kept-affine", [], "residual-reads-norm")
 
 
 class TokenMixer(nn.Module):
