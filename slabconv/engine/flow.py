@@ -79,10 +79,12 @@ class BlockedEdge:
 
 @dataclass
 class Flow:
-    """Where one norm's output goes: the consumers that can absorb it and the edges where it is blocked."""
+    """Where one norm's output goes: the consumers that can absorb it, the edges where it is blocked, and every
+    node the affine reached on the way (the norm's output first)."""
 
     consumers: list[ConsumerUse] = field(default_factory=list)
     blocked: list[BlockedEdge] = field(default_factory=list)
+    reached: tuple[fx.Node, ...] = ()
 
 
 def classify(user: fx.Node, src: fx.Node, ch: Chan, shiftless: bool = False) -> Outcome:
@@ -240,6 +242,7 @@ def follow(
     while walk.arrivals:
         walk.joins()
         walk.drain()
+    walk.flow.reached = tuple(walk.states)
     return walk.flow
 
 

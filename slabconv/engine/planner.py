@@ -591,13 +591,14 @@ def plan_norm(
         return _kept(site, decision)
     if _reads(site) & weights.written:  # its affine is what the tensors hold at the time: not one fixed affine
         return _kept(site, decision, reasons.UPDATED_IN_FORWARD)
-    if (writer := written_in_place(site.output)) is not None:  # its readers after the write read other values
-        return _kept(site, decision, reasons.unsupported(writer))
     _check_stats(site)
     scale, shift = site.scale, site.shift
     assert scale is not None and shift is not None
     positive, shiftless = bool((scale > 0).all()), not bool(shift.any())
     flow = follow(site.output, Chan(site.channel_axis, site.channels), positive, stop, shiftless)
+    writer = next((w for n in flow.reached if (w := written_in_place(n)) is not None), None)
+    if writer is not None:  # a tensor on the norm's path written in place: its readers after the write read others
+        return _kept(site, decision, reasons.unsupported(writer))
     folds, refused = _forward(weights, flow.consumers, scale, shift, _shifts(site), site.name)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     blocked = sorted(flow.blocked + refused, key=lambda e: (order[e.dst], order[e.src]))
