@@ -777,6 +777,25 @@ def test_a_norm_without_shift_folds_into_a_padded_conv(tmp_path):
     assert report.verification is not None and report.verification.passed
 
 
+def _bn_initializers(rng: np.random.Generator, weights: dict[str, tuple[int, ...]], bias: float = 1.0) -> list:
+    """Float32 initializers of a 4-channel ``BatchNormalization`` named ``bn`` (its weight, bias times ``bias``,
+    running mean and variance, drawn from ``rng`` in that order: the node's inputs after ``x``, ``BN_INPUTS``), then
+    of each of ``weights`` (name -> shape, standard normal, drawn after them)."""
+    from onnx import numpy_helper
+
+    arrays = {
+        "bn.weight": rng.uniform(0.5, 2, 4),
+        "bn.bias": bias * rng.standard_normal(4),
+        "bn.running_mean": rng.standard_normal(4),
+        "bn.running_var": rng.uniform(0.5, 2, 4),
+    }
+    arrays |= {name: rng.standard_normal(shape) for name, shape in weights.items()}
+    return [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+
+
+BN_INPUTS = ["bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"]
+
+
 def _gather_nd(path: Path, indices: list[list[int]], channels_first: bool) -> Path:
     """``x (6, 4) -> BatchNormalization -> GatherND(indices) -> MatMul``, as the dynamo exporter writes ``y[:, idx]``
     (``channels_first``: the ``GatherND`` between two ``Transpose``s, picking along the channels)."""
@@ -785,17 +804,10 @@ def _gather_nd(path: Path, indices: list[list[int]], channels_first: bool) -> Pa
     rng = np.random.default_rng(0)
     index = np.array(indices, dtype=np.int64)
     k = len(indices) if index.shape[1] > 1 or channels_first else 4
-    arrays = {
-        "bn.weight": rng.uniform(0.5, 2, 4),
-        "bn.bias": 3 * rng.standard_normal(4),
-        "bn.running_mean": rng.standard_normal(4),
-        "bn.running_var": rng.uniform(0.5, 2, 4),
-        "fc.weight": rng.standard_normal((k, 5)),
-    }
-    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits = _bn_initializers(rng, {"fc.weight": (k, 5)}, bias=3)
     inits.append(numpy_helper.from_array(index, "idx"))
     picked = ["t"] if channels_first else ["n"]
-    nodes = [helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn")]
+    nodes = [helper.make_node("BatchNormalization", ["x", *BN_INPUTS], ["n"], name="bn")]
     nodes += [helper.make_node("Transpose", ["n"], ["t"], perm=[1, 0])] if channels_first else []
     nodes += [helper.make_node("GatherND", [*picked, "idx"], ["g"], name="gather")]
     nodes += [helper.make_node("Transpose", ["g"], ["gt"], perm=[1, 0])] if channels_first else []
@@ -1953,15 +1965,7 @@ def _keras_layer_norm(path: Path) -> Path:
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    arrays = {
-        "bn.weight": rng.uniform(0.5, 2, 4),
-        "bn.bias": rng.standard_normal(4),
-        "bn.running_mean": rng.standard_normal(4),
-        "bn.running_var": rng.uniform(0.5, 2, 4),
-        "fc1.weight": rng.standard_normal((4, 4)),
-        "fc2.weight": rng.standard_normal((4, 3)),
-    }
-    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits = _bn_initializers(rng, {"fc1.weight": (4, 4), "fc2.weight": (4, 3)})
     inits += [
         numpy_helper.from_array(np.array(1.0, np.float32), "one"),
         numpy_helper.from_array(np.array(0.0, np.float32), "zero"),
@@ -1970,7 +1974,7 @@ def _keras_layer_norm(path: Path) -> Path:
         numpy_helper.from_array(np.array([1], np.int64), "stop"),
     ]
     nodes = [
-        helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn"),
+        helper.make_node("BatchNormalization", ["x", *BN_INPUTS], ["n"], name="bn"),
         helper.make_node("MatMul", ["n", "fc1.weight"], ["h"], name="fc1"),
         helper.make_node("Shape", ["h"], ["shape"], name="ln/Shape"),
         helper.make_node("Slice", ["shape", "start", "stop"], ["rows"], name="ln/Slice"),
@@ -2063,17 +2067,10 @@ def test_simplify_writes_no_reshape_attribute_an_opset_11_file_cannot_hold(tmp_p
     from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    arrays = {
-        "bn.weight": rng.uniform(0.5, 2, 4),
-        "bn.bias": rng.standard_normal(4),
-        "bn.running_mean": rng.standard_normal(4),
-        "bn.running_var": rng.uniform(0.5, 2, 4),
-        "fc.weight": rng.standard_normal((4, 3)),
-    }
-    inits = [numpy_helper.from_array(a.astype(np.float32), name) for name, a in arrays.items()]
+    inits = _bn_initializers(rng, {"fc.weight": (4, 3)})
     inits += [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array([4]), "four")]
     nodes = [
-        helper.make_node("BatchNormalization", ["x", *list(arrays)[:4]], ["n"], name="bn"),
+        helper.make_node("BatchNormalization", ["x", *BN_INPUTS], ["n"], name="bn"),
         helper.make_node("Shape", ["n"], ["shape"], name="Shape"),
         helper.make_node("Gather", ["shape", "zero"], ["rows"], name="Gather", axis=0),
         helper.make_node("Unsqueeze", ["rows"], ["rows1"], name="Unsqueeze", axes=[0]),
