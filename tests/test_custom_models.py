@@ -656,8 +656,46 @@ def test_half_precision_fold_warns_when_channel_means_amplify_rounding(dtype, of
     error = rel_err(gm(x), exact(model, x))
     precision = [w for w in d.warnings if "precision:" in w]  # (random BN weights near 0 also flag it for int8)
     if offset:
-        assert len(precision) == 1 and "|running_mean| / std = 10" in precision[0]
+        assert len(precision) == 1 and "|mean| / std = 10" in precision[0]
         assert error > TOL[dtype]  # the warning is not a false alarm
+    else:
+        assert not precision
+        assert_half_close(gm(x), model, x, dtype)
+
+
+class TwoBNs(nn.Module):
+    """``fc(bn2(bn1(x)))``: the two BatchNorms are composed into one affine of ``x`` (no layer before ``bn1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm1d(32), nn.BatchNorm1d(32)
+        self.fc = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn2(self.bn1(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 20.0])
+def test_half_precision_warning_of_composed_norms_reads_the_first_norms_input(dtype, offset):
+    """Two BNs composed into one fold: ``x`` sits ``offset`` standard deviations from 0, ``bn1`` centres it and
+    ``bn2``'s statistics are those of a centred tensor. The fold computes ``s x`` on the uncentred input, so the
+    rounding grows by about ``offset``: the warning gives ``x``'s ratio (taken back through ``bn1``), not
+    ``bn2``'s (0: no warning), and the error it predicts is really there."""
+    torch.manual_seed(0)
+    model = randomize(TwoBNs())
+    with torch.no_grad():
+        model.bn1.weight.fill_(1.0), model.bn1.bias.zero_(), model.bn1.running_var.fill_(1.0)
+        model.bn1.running_mean.copy_(torch.randn(32).sign() * offset)
+        model.bn2.running_mean.zero_(), model.bn2.running_var.fill_(1.0)
+    x = (model.bn1.running_mean + torch.randn(64, 32)).to(dtype)
+    model = model.eval().to(dtype)
+    gm, (d,) = fuse(model, x)
+    assert (d.action, d.into) == ("folded-forward", ["fc"])
+    precision = [w for w in d.warnings if "precision:" in w]
+    if offset:
+        assert len(precision) == 1 and "|mean| / std = 20" in precision[0]
+        assert rel_err(gm(x), exact(model, x)) > TOL[dtype]  # the warning is not a false alarm
     else:
         assert not precision
         assert_half_close(gm(x), model, x, dtype)

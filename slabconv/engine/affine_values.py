@@ -203,7 +203,9 @@ class Affine:
     ``stored_scalar``) (a norm, not a mere rescaling by a number); ``base_term``: a multiple of ``base`` is added beside
     a BN (RepBN's ``eta x``, ``eta`` in ``eta``); ``shifted``: a constant is added; ``consts``: the constant
     operands; ``dups``: other nodes with ``base``'s value that the nodes read; ``core``: the nodes that name the
-    norm (a BN op and RepBN's ``eta x`` term; all nodes without a BN op).
+    norm (a BN op and RepBN's ``eta x`` term; all nodes without a BN op); ``before``: where the BN op reads an
+    affine of ``base`` composed into this one (``bn(s1 x + t1)``), that affine's ``(s1, t1)``, which maps ``base``
+    to the tensor the BN's running statistics describe (None: the BN reads ``base``).
     """
 
     base: fx.Node
@@ -219,6 +221,7 @@ class Affine:
     dups: tuple[fx.Node, ...] = ()
     eta: Any = None
     core: tuple[fx.Node, ...] = ()
+    before: tuple[Tensor, Tensor] | None = None
 
 
 def _identity(node: fx.Node) -> Affine:
@@ -330,6 +333,7 @@ class _Analysis:
                 shifted=True,
                 eta=None,
                 core=tuple(nodes),
+                before=(inner.scale, inner.shift),  # type: ignore[arg-type]
             )
             return
         self.aff[out] = Affine(x, 1, scale, shift, tuple(nodes), (node,), seeded=True, core=tuple(nodes))

@@ -90,6 +90,9 @@ class NormSite:
             computed).
         shifted: a constant is added (``shift`` may still be 0 where that constant is); a norm kind without a BN
             op and without a shift creates no bias where it folds.
+        before: where the BN op reads an affine of ``input`` composed into this norm (``bn(s1 x + t1)``: BN ->
+            BN, RepBN -> BN, a learned affine -> BN), ``(s1, t1)``, ``(C,)`` float64: the BN's running statistics
+            are those of ``s1 * input + t1``. None when the BN reads ``input``.
     """
 
     name: str
@@ -106,6 +109,7 @@ class NormSite:
     shift: torch.Tensor | None = None
     input_slot: tuple[fx.Node, int] | None = None
     shifted: bool = True
+    before: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def channels(self) -> int:
@@ -349,10 +353,11 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     region = sorted(cand.nodes, key=order.__getitem__)
     params, names, eps = _params(analysis, cand, region)
     core = sorted(cand.core, key=order.__getitem__) if cand.bns else region
-    scale, shift = cand.scale, cand.shift
+    scale, shift, before = cand.scale, cand.shift, cand.before
     if scale is not None and shift is not None:  # (batch statistics: no affine, and channels may be a symbol)
         c = int(static_int(shape_of(base)[cand.axis if cand.axis is not None else 1]))  # type: ignore[arg-type,index]
         scale, shift = torch.broadcast_to(scale, (c,)).clone(), torch.broadcast_to(shift, (c,)).clone()
+        before = tuple(torch.broadcast_to(t, (c,)).clone() for t in before) if before else None  # type: ignore[assignment]
     name = _name_norm(analysis.gm, core, "")
     if not name and cand.bns:  # RepBN's eta x written outside any module: the BN's own module names it
         name = _name_norm(analysis.gm, [n for n in region if n in cand.bns or n.target is operator.getitem], "")
@@ -374,6 +379,7 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
         shift=shift,
         input_slot=_input_slot(region, base),
         shifted=bool(cand.bns) or cand.shifted,
+        before=before,
     )
 
 

@@ -191,17 +191,24 @@ def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor
 
     The original BN computes ``s (x - mu) + E[y]`` (in float32 inside); the fold computes ``s x`` in the model's
     dtype and adds ``t`` (in the consumer's weights or the kept affine). Rounding then scales with ``|s| rms(x)``
-    instead of ``rms(y)``: by ``kappa = |s| sqrt(mu^2 + v) / sqrt((s mu + t)^2 + s^2 v)`` per channel, large
-    when a channel's running mean is many standard deviations from 0. The estimated relative error
-    ``kappa * eps/2`` is compared with the float16 / bfloat16 tolerance of ``slabconv.tolerances``; the fold
-    stays exact in exact arithmetic, so this is a warning with the numbers (verification decides), not a refusal.
-    Norms without a BN op compute ``x * s + t`` themselves: no warning.
+    instead of ``rms(y)``: by ``kappa = |s| sqrt(m^2 + v) / sqrt((s m + t)^2 + s^2 v)`` per channel, large when a
+    channel's mean ``m`` at the norm's input is many standard deviations ``sqrt(v)`` from 0. ``m`` and ``v`` are
+    the BN's running statistics, taken back through the affine ``(s1, t1)`` composed before it
+    (``NormSite.before``: ``m = (mu - t1) / s1``, ``v = var / s1^2``; a channel with ``s1 = 0`` reaches no output).
+    The estimated relative error ``kappa * eps/2`` is compared with the float16 / bfloat16 tolerance of
+    ``slabconv.tolerances``; the fold stays exact in exact arithmetic, so this is a warning with the numbers
+    (verification decides), not a refusal. Norms without a BN op compute ``x * s + t`` themselves: no warning.
     """
     dtype = site.input.meta["val"].dtype
     if dtype not in _HALF or site.bn is None:
         return []
     mean = site.params["running_mean"].detach().double()  # type: ignore[union-attr]
     var = site.params["running_var"].detach().double().clamp_min(0)  # type: ignore[union-attr]
+    if site.before is not None:
+        s1, t1 = site.before
+        live = s1 != 0
+        mean = torch.where(live, (mean - t1) / torch.where(live, s1, 1.0), 0.0)
+        var = torch.where(live, var / torch.where(live, s1, 1.0) ** 2, 0.0)
     rms_sx = scale.abs() * torch.sqrt(mean**2 + var)
     rms_y = torch.sqrt((scale * mean + shift) ** 2 + scale**2 * var).clamp_min(torch.finfo(torch.float64).tiny)
     kappa = rms_sx / rms_y
@@ -212,9 +219,9 @@ def _precision_warnings(site: NormSite, scale: torch.Tensor, shift: torch.Tensor
         return []
     ratio = float(mean[worst].abs() / var[worst].sqrt().clamp_min(1e-30))
     return [
-        f"{name} precision: channel {worst} has |running_mean| / std = {ratio:.3g}; computing s*x + t in {name} "
-        f"amplifies rounding {float(kappa[worst]):.3g}x (estimated relative error {estimate:.2g} > tolerance "
-        f"{tolerance:g}); verification decides"
+        f"{name} precision: channel {worst} of the norm's input has |mean| / std = {ratio:.3g} (from the running "
+        f"statistics); computing s*x + t in {name} amplifies rounding {float(kappa[worst]):.3g}x (estimated "
+        f"relative error {estimate:.2g} > tolerance {tolerance:g}); verification decides"
     ]
 
 
