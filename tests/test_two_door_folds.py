@@ -527,8 +527,9 @@ def test_a_norm_read_by_a_batchnorm_alone_folds_with_it(first, tmp_path):
     model.float()
     assert both_doors(model, x, tmp_path) == [("second", "BatchNorm", "folded-forward", None, ("layer",))]
     gm = engine.capture(model, x)
-    engine.fold_all(gm)
+    (d,) = engine.fold_all(gm)
     assert not bn_nodes(gm) and not kept_affines(gm)
+    assert [w for w in d.warnings if w.startswith("composed")][0].startswith("composed with first:")  # names it
 
 
 def test_a_norm_read_by_a_batchnorm_and_a_residual_is_not_composed(tmp_path):

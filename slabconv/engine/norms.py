@@ -57,7 +57,7 @@ from slabconv.engine.capture import attr, module_path, shape_of, static_int
 from slabconv.engine.flow import reaches_layer, source_chan
 from slabconv.engine.layers import layer_of
 from slabconv.engine.norm_affine import affine_kind, holds_group_norm_weight, split_axis
-from slabconv.engine.rules import VIEW_OPS, Chan
+from slabconv.engine.rules import PERMUTE_OPS, VIEW_OPS, Chan
 
 aten = torch.ops.aten
 Tensor = torch.Tensor
@@ -93,6 +93,7 @@ class NormSite:
         before: where the BN op reads an affine of ``input`` composed into this norm (``bn(s1 x + t1)``: BN ->
             BN, RepBN -> BN, a learned affine -> BN), ``(s1, t1)``, ``(C,)`` float64: the BN's running statistics
             are those of ``s1 * input + t1``. None when the BN reads ``input``.
+        composed: the name of that first norm (its module path, or its first node's name), "" without one.
     """
 
     name: str
@@ -110,6 +111,7 @@ class NormSite:
     input_slot: tuple[fx.Node, int] | None = None
     shifted: bool = True
     before: tuple[torch.Tensor, torch.Tensor] | None = None
+    composed: str = ""
 
     @property
     def channels(self) -> int:
@@ -362,6 +364,7 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
     if not name and cand.bns:  # RepBN's eta x written outside any module: the BN's own module names it
         name = _name_norm(analysis.gm, [n for n in region if n in cand.bns or n.target is operator.getitem], "")
     split = affine_kind(cand.nodes) is not None  # a norm op's affine: the norm's module names it, as it names the op
+    first = [n for n in region if n not in cand.core and n.target not in PERMUTE_OPS] if before else []
     if not cand.bns and names["scale"] and not (split and name):  # a stored scale names its norm (``ls1.gamma``)
         name = names["scale"].removesuffix(".weight")
     return NormSite(
@@ -380,6 +383,7 @@ def _site(analysis: _Analysis, out: fx.Node, cand: Affine, base: fx.Node) -> Nor
         input_slot=_input_slot(region, base),
         shifted=bool(cand.bns) or cand.shifted,
         before=before,
+        composed=_name_norm(analysis.gm, first, first[0].meta.get("onnx") or first[0].name) if first else "",
     )
 
 

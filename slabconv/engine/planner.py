@@ -594,6 +594,11 @@ def plan_norm(
     another norm)."""
     decision = Decision(norm=site.name, kind=site.kind, action=KEPT)
     decision.warnings += _progressive_warnings(gm, site.name)
+    if site.composed:
+        decision.warnings.append(
+            f"composed with {site.composed}: this BatchNorm alone reads it, so the two are one affine of "
+            f"{site.composed}'s input (composed in float64)"
+        )
     if site.training:
         return _kept(site, decision)
     if _reads(site) & weights.written:  # its affine is what the tensors hold at the time: not one fixed affine
