@@ -128,7 +128,9 @@ def open_door(
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``, ``load.lazy.open_sharded``, ``plan``,
-            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading).
+            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading); a
+            language model loaded whole whose question 2 cannot fit the memory available (refused before the trace,
+            ``check_language_checks_fit``).
     """
     from slabconv.load.formats import engine_of
 
@@ -141,6 +143,12 @@ def open_door(
     if not write.stream:
         progress(f"loading {path}")
         loaded = load_model(path, load)
+        if verify is not None and loaded.token_input:  # question 2 before the trace; with generation after the plan
+            from dataclasses import replace
+
+            from slabconv.verify.generate import check_language_checks_fit
+
+            check_language_checks_fit(loaded, replace(verify, generate=0), onnx=False)
         return InMemory(loaded, plan(loaded, progress, norm_affine=norm_affine))
     return_freed_blocks_to_the_os()
     sharded = open_sharded(path, FOLD_BLOCK)

@@ -897,6 +897,21 @@ def test_checks_that_cannot_fit_are_refused_before_any_work_naming_each_checks_n
     assert not ran
 
 
+def test_question_2_that_cannot_fit_is_refused_before_the_model_is_traced(monkeypatch, tmp_path):
+    """A language model loaded whole whose question 2 alone cannot fit the memory available is refused right after
+    loading, before ``torch.export`` traces it and the norms fold (minutes for a deep model); the refusal names
+    question 2's need."""
+    from slabconv import pipeline
+    from slabconv.verify import generate
+
+    planned = []
+    monkeypatch.setattr(pipeline, "plan", lambda *a, **k: planned.append(a))
+    monkeypatch.setattr(generate, "available_memory", lambda: 1024)
+    with pytest.raises(UsageError, match=r"need about \d+\.\d\d GiB of memory besides the model .*question 2 about"):
+        api.fuse(TEXT, tmp_path / "out", verify=VerifyOptions(generate=0), write=WriteOptions(pt2=False))
+    assert not planned and not (tmp_path / "out").exists()
+
+
 def test_left_padded_float16_batches_stay_finite_and_match_unpadded_runs(doc):
     """A left-padding position attends to no real token. In float16 a naive ``score + finfo.min`` overflows and a
     softmax over -inf only is NaN, which would reach the real tokens through the padding positions' keys and values.

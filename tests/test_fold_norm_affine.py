@@ -477,9 +477,11 @@ def test_the_streamed_fold_writes_the_in_memory_tensors(decoders, fused, tmp_pat
         tmp_path / "streamed",
         load=AFFINE,
         write=WriteOptions(stream=True, onnx=False),
-        verify=VerifyOptions(samples=2, generate=4),
+        verify=VerifyOptions(generate=4),
     )
     assert report.mode == "streamed" and report.verification.passed
+    # checked as in memory, on the streamed default of 2 sequences (not the in-memory 16): each a prompt
+    assert report.verification.generation["sequences"] == 2 and report.verification.task_metrics["sequences"] == 2
     assert report.verification.to_dict()["question_1_exact"] and "3 of its 4 decoder layers" in report.plan["planning"]
     assert [f.to_dict() for f in report.folds] == [f.to_dict() for f in fused["llama"][0].folds]
     streamed = read_hf_folder(tmp_path / "streamed").state_dict

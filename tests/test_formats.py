@@ -14,6 +14,7 @@ from slabconv.errors import InputError, UsageError
 from slabconv.load import formats
 from slabconv.load.checkpoint import Checkpoint
 from slabconv.load.formats import load_checkpoint
+from slabconv.load.paths import check_input
 from tests.conftest import ROOT
 from tests.hfwrite import write_hf_folder
 from tests.tinyckpt import save_ckpt, tiny_state_dict
@@ -72,6 +73,23 @@ def test_unknown_inputs_keep_their_messages(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         formats.input_format(tmp_path / "missing.pth")
     with pytest.raises(InputError, match="is a folder without config.json and weights"):
+        formats.input_format(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "suffix, index", [(".safetensors", "model.safetensors.index.json"), (".bin", "pytorch_model.bin.index.json")]
+)
+def test_shards_without_their_index_are_named_so(tmp_path, suffix, index):
+    """A sharded folder that lost its index is not offered one shard as the checkpoint to give: the message names
+    the missing index, at the command line's first check and at the format's."""
+    stem = "model" if suffix == ".safetensors" else "pytorch_model"
+    (tmp_path / "config.json").write_text("{}")
+    for i in (1, 2):
+        (tmp_path / f"{stem}-0000{i}-of-00002{suffix}").write_bytes(b"x")
+    expected = f"holds 2 weight shards ({stem}-00001-of-00002{suffix}, ...) but not {index}"
+    with pytest.raises(InputError, match=re.escape(expected)):
+        check_input(tmp_path)
+    with pytest.raises(InputError, match=re.escape(expected)):
         formats.input_format(tmp_path)
 
 

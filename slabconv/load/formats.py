@@ -21,7 +21,7 @@ from slabconv.errors import InputError, UsageError
 from slabconv.load import hf, safety
 from slabconv.load.checkpoint import Checkpoint, load_pickle, load_program, load_safetensors
 from slabconv.load.onnx_file import ONNX_SUFFIX
-from slabconv.load.paths import check_input
+from slabconv.load.paths import check_input, not_a_model_folder
 
 Read = Callable[[Path, bool, bool], Checkpoint]
 """``read(path, ema, trust_pickle) -> Checkpoint``."""
@@ -141,10 +141,7 @@ def input_format(path: Path | str) -> InputFormat:
     if found is not None:
         return found
     if path.is_dir():
-        raise InputError(
-            f"{path}: is a folder without config.json and weights; give the checkpoint file inside it, or a "
-            "Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
-        )
+        raise not_a_model_folder(path)
     raise InputError(f"{path}: no such file")
 
 

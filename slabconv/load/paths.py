@@ -58,6 +58,30 @@ def is_output_folder(path: Path) -> bool:
     return path.is_dir() and (path / REPORT).is_file()
 
 
+_SHARD = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
+"""A shard's name as ``save_pretrained`` writes it: ``model-00001-of-00004.safetensors``."""
+
+
+def not_a_model_folder(path: Path) -> InputError:
+    """The error for a folder that is neither a Hugging Face style folder nor one ``fuse`` wrote: shards without
+    the index that maps each tensor to its shard are named as such (one shard is a part of the model, never a
+    checkpoint to give instead); otherwise the model files inside it are offered."""
+    files = sorted(p.name for p in path.iterdir() if p.is_file())
+    shards = [name for name in files if _SHARD.fullmatch(name)]
+    if shards:
+        index = SAFETENSORS_INDEX if shards[0].endswith(".safetensors") else BIN_INDEX
+        return InputError(
+            f"{path}: holds {len(shards)} weight shards ({shards[0]}, ...) but not {index}, the index that says "
+            "which shard holds each tensor; copy the folder again with its index"
+        )
+    inside = [name for name in files if Path(name).suffix in MODEL_SUFFIXES][:3]
+    example = f" ({', '.join(str(path / name) for name in inside)})" if inside else ""
+    return InputError(
+        f"{path}: is a folder without config.json and weights; give the checkpoint file inside it{example}, or "
+        "a Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
+    )
+
+
 def check_input(path: Path | str, folders: bool = True) -> Path:
     """Cheap checks of an input path, before anything is read or any output checked: it is given, it exists (a
     Hub id gets the download line), it is not an empty file, and not a numpy ``.npz`` (the verification inputs).
@@ -79,12 +103,7 @@ def check_input(path: Path | str, folders: bool = True) -> Path:
             )
         raise InputError(f"{path}: no such file")
     if folders and path.is_dir() and not (is_hf_folder(path) or is_output_folder(path)):
-        inside = sorted(p.name for p in path.iterdir() if p.suffix in MODEL_SUFFIXES and p.is_file())[:3]
-        example = f" ({', '.join(str(path / name) for name in inside)})" if inside else ""
-        raise InputError(
-            f"{path}: is a folder without config.json and weights; give the checkpoint file inside it{example}, or "
-            "a Hugging Face style folder (config.json + model.safetensors / pytorch_model.bin, sharded or not)"
-        )
+        raise not_a_model_folder(path)
     if path.is_file() and path.stat().st_size == 0:
         raise InputError(f"{path}: the file is empty (an interrupted download or save?); use a complete checkpoint")
     if path.is_file() and is_npz(path):

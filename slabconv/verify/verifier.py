@@ -1012,7 +1012,8 @@ def _language_checks(
         if loaded is None or not loaded.token_input:
             raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
         progress("verifying: greedy generation, original vs fused folder")
-        x = choose_inputs(loaded, opts.inputs if reference.kind == "model" else None, opts.sample_count(), opts.seed)
+        streamed = reference.kind == "streamed"  # a standard decoder's streamed fold: --samples as streamed
+        x = choose_inputs(loaded, None if streamed else opts.inputs, opts.sample_count(streamed), opts.seed)
         onnx = (candidate.path / "decoder.onnx").is_file()
         verification.generation = check_fused_folder(loaded.model, candidate.path, x[0], opts.generate, onnx=onnx)
         if onnx and loaded.dtype == torch.bfloat16:
