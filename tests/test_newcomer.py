@@ -240,6 +240,45 @@ def test_fused_files_of_a_static_batch_program_are_verified_on_the_originals_bat
     assert errordoc.documented(warning) is not None
 
 
+class _Wav2Vec2Logits(nn.Module):
+    """A tiny random transformers Wav2Vec2 classifier, its logits alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+        torch.manual_seed(0)
+        config = Wav2Vec2Config(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+            conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
+            num_labels=4, feat_extract_norm="layer", do_stable_layer_norm=True, classifier_proj_size=16,
+        )  # fmt: skip
+        self.model = Wav2Vec2ForSequenceClassification(config).eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).logits
+
+
+def test_a_failed_verification_of_a_static_batch_program_is_localised_on_the_originals_batches(tmp_path):
+    """The localisation ran the graphs on its 4 samples in one call, which this program, recorded with a static
+    batch of 2, refuses (torch's "Guard failed: x.size()[0] == 2": an internal error where a verdict was due): it
+    runs them 2 at a time, as question 1 does, and finds every boundary of the correct fold in agreement."""
+    from slabconv.errors import VerificationError
+    from slabconv.options import LoadOptions, VerifyOptions
+
+    program = torch.export.export(_Wav2Vec2Logits(), (torch.randn(2, 400),))
+    torch.export.save(program, tmp_path / "static.pt2")
+    verify = VerifyOptions(samples=4, rtol=1e-15)  # a bound no float32 file meets: question 2 fails
+    with pytest.raises(VerificationError) as caught:
+        api.fuse(tmp_path / "static.pt2", tmp_path / "out", load=LoadOptions(fold_norm_affine=True), verify=verify,
+                 write=WriteOptions(onnx=False))  # fmt: skip
+    v = caught.value.report.verification
+    assert v is not None and all(c.passed for c in v.exact) and v.localization is not None
+    loc = v.localization
+    assert loc.first is None and loc.boundaries and all(b.error <= b.bound for b in loc.boundaries), loc
+    assert loc.method.endswith("on the first 4 samples"), loc.method
+
+
 def test_every_side_of_a_verification_runs_in_the_same_batches(tmp_path):
     """The float64 reference ran 4 samples a call and the original 16: on a batch-centred output the original's own
     "error" was 0.15, and question 2 allowed twice that: a check that passes anything close."""

@@ -446,6 +446,48 @@ def test_a_file_is_held_to_the_originals_error_in_its_own_runtime(tmp_path: Path
     assert len(exported) == 1, said  # a line before the (once) export, which a large model takes a while for
 
 
+def _order_check(moved: float) -> tuple[bool, list[str]]:
+    """Question 2 of a file 1e-4 (relative) from float64 in a PyTorch runtime, against an original whose run in
+    batches of 4 stands ``moved`` (relative) away from its run one sample at a time, as another order of its float32
+    sums puts it (an ill-conditioned model); the original's export to ONNX marked failed, so no runtime bound steps in.
+    Returns whether the check passed and the reference's notes."""
+    from types import SimpleNamespace
+
+    from slabconv.verify import run
+    from slabconv.verify.runtimes import Runtime, torch_runner
+
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4).eval()
+    x = torch.randn(8, 16).numpy()
+    with torch.no_grad():
+        exact = nn.Linear(16, 4).double().requires_grad_(False)
+        exact.load_state_dict(model.state_dict())
+        exact64 = exact(torch.from_numpy(x).double()).numpy()
+    scale = np.abs(exact64).max()
+    alone = torch_runner(model, torch.float32)(x)[0]
+    pattern = np.random.default_rng(0).choice([-1.0, 1.0], size=exact64.shape)
+    batched = (alone + moved * scale * pattern).astype(np.float32)
+    reference = run.Reference(x, "random", None, "float32", [batched], [exact64], ["output"],
+                              model=SimpleNamespace(model=model, dtype=torch.float32), exported=[None])  # fmt: skip
+    shifted = torch_runner(exact, torch.float64)  # the file: the float64 output moved by 1e-4 of its scale
+    candidate = Runtime("pytorch (model.pt2)", lambda b: [shifted(b)[0] + 1e-4 * scale], kind="pytorch")
+    (check,) = run.question_2(reference, candidate, rtol=None, atol=0.0, strict=False, token_logits=False)
+    return check.passed, reference.runtime_notes
+
+
+def test_a_failed_check_says_when_the_order_of_the_originals_own_sums_moves_it_past_the_bound() -> None:
+    """timm's TinyNet-E with drawn norm affines: its original is 1.0e-5 from float64 one sample at a time and
+    3.2e-5 in batches of 4, and a correct fold's model.pt2 8.1e-5 (bound 6.5e-5). The check fails, and says that the
+    original itself fails it against itself; an original whose batching does not move it gets no such note."""
+    passed, notes = _order_check(3e-5)
+    assert not passed
+    (note,) = notes
+    assert note.startswith("output: the original itself, run by PyTorch one sample at a time, is ")
+    assert "in batches of 4: held to either run's error, the other would fail question 2" in note
+    passed, notes = _order_check(0.0)
+    assert not passed and notes == []
+
+
 def test_a_wrong_fold_fails_question_2_against_the_originals_error_in_its_runtime(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -227,11 +227,25 @@ class _Recorder(fx.Interpreter):
         return value
 
 
-def _record(gm: fx.GraphModule, x: torch.Tensor, nodes: list[fx.Node]) -> dict[str, torch.Tensor]:
-    recorder = _Recorder(gm, {n.name for n in nodes})
-    with torch.no_grad():
-        recorder.run(x)
-    return recorder.values
+def _record(
+    gm: fx.GraphModule, x: torch.Tensor, nodes: list[fx.Node], batch: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The values of ``nodes`` when ``gm`` runs on ``x``: in one call, or, for a graph recorded with a static
+    ``batch``, in calls of exactly that many samples (the last one padded with copies of its first sample, as
+    ``runtimes.run_batched`` pads it), each value's batch axis cut back to the real samples and joined."""
+    wanted = {n.name for n in nodes}
+    chunks: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, len(x), batch or len(x)):
+        chunk = x[start : start + batch] if batch else x
+        real = len(chunk)
+        if batch and real < batch:
+            chunk = torch.cat([chunk, chunk[:1].expand(batch - real, *chunk.shape[1:])])
+        recorder = _Recorder(gm, wanted)
+        with torch.no_grad():
+            recorder.run(chunk)
+        for name, value in recorder.values.items():
+            chunks.setdefault(name, []).append(value[:real] if value.ndim and len(value) == len(chunk) else value)
+    return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in chunks.items()}
 
 
 def _rel(candidate: torch.Tensor | np.ndarray, reference: torch.Tensor | np.ndarray) -> float:
@@ -285,8 +299,8 @@ def _torch(
     found = _boundaries(decisions64, original64, fused64)
     nodes = [b[3] for b in found]
     # the three graphs share node names: the fused ones by construction, the original's looked up by node
-    got, want = _record(cand64, t, nodes), _record(correct, t, nodes)
-    before = _record(original64, t, [b[2] for b in found])
+    got, want = _record(cand64, t, nodes, loaded.batch), _record(correct, t, nodes, loaded.batch)
+    before = _record(original64, t, [b[2] for b in found], loaded.batch)
     boundaries = [
         _boundary(norm, layer, got.get(fused.name), want.get(fused.name), before.get(orig.name))
         for norm, layer, orig, fused in found
@@ -296,7 +310,7 @@ def _torch(
     differ = _differing(kept, fold, _first_uses(fused64))
     loc = _blame(loc, differ, folded, set(fold) - unchanged, None, _rounded_to(reference, candidate))
     if fold_wrong and loc.first is None and not loc.first_tensor and loc.detail.endswith(RUNTIME):
-        exact = _record(fused64, t, nodes)  # the float64 fold, unrounded, at each boundary
+        exact = _record(fused64, t, nodes, loaded.batch)  # the float64 fold, unrounded, at each boundary
         for norm, layer, orig, fused in found:
             if orig.name in before and fused.name in exact and before[orig.name].shape == exact[fused.name].shape:
                 error = _rel(exact[fused.name], before[orig.name])
