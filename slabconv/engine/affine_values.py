@@ -375,10 +375,15 @@ class _Analysis:
         node itself, so a RepBN that reads this node (Swin's ``norm1``
         after its patch embedding's norm) still sees its ``alpha x`` term as a multiple of its own input."""
         inner = self.aff[node.args[0]]  # type: ignore[index]
-        first = inner.base
-        if inner.axis is None or inner.dups or first.op != "call_function" or first.target not in PERMUTE_OPS:
+        first, q = inner.base, permutation(node)
+        if inner.axis is None or inner.dups or q is None:
             return
-        p, q = permutation(first), permutation(node)
+        if first.op != "call_function" or first.target not in PERMUTE_OPS:
+            twin = self._permuted_twin(first, node, q)
+            if twin is not None:
+                self.back[node] = replace(inner, base=twin, axis=q.index(inner.axis), nodes=(*inner.nodes, node))
+            return
+        p = permutation(first)
         y = first.args[0]
         if p is None or q is None or not isinstance(y, fx.Node) or [p[i] for i in q] != list(range(len(p))):
             return
@@ -390,6 +395,20 @@ class _Analysis:
             axis=p[inner.axis],
             nodes=(first, *inner.nodes, node),  # ``core`` stays: the permutes do not name the norm
         )
+
+    @staticmethod
+    def _permuted_twin(y: fx.Node, node: fx.Node, q: list[int]) -> fx.Node | None:
+        """Another reader of ``y`` that permutes it as ``node`` permutes ``y``'s affine (``q``), when there is one:
+        ``permute(s y + t, q)`` is then the same per-channel affine of it, on its axis ``q.index(k)``. The
+        TorchScript exporter writes RepBN on tokens, ``bn(x^T)^T + alpha x`` with ``x = y^T``, as ``bn(y)^T +
+        alpha y^T``: it drops the transpose pair before the BatchNorm, so the two terms read ``y`` and its
+        transpose."""
+        for z in y.users:
+            if z is node or z.op != "call_function" or z.target not in PERMUTE_OPS or z.args[0] is not y:
+                continue
+            if permutation(z) == q and _same(shape_of(z), shape_of(node)) and _dtype(z) == _dtype(node):
+                return z
+        return None
 
     def _product(self, node: fx.Node, divide: bool) -> None:
         a, c = node.args[0], node.args[1]
