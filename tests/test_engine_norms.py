@@ -104,6 +104,31 @@ def test_repbn_written_with_two_transposes_is_one_repbn(how):
         assert aten_ops(gm) == {"linear.default": 1}
 
 
+class MapReadTwice(nn.Module):
+    """A BatchNorm on a ``(B, C, N)`` map, transposed into ``fc``, and the map transposed alike again into ``fc2``
+    (after it): the BN's transposed affine is also one of that second transpose, but no sum joins them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(C)
+        self.fc, self.fc2 = nn.Linear(C, 5), nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x.transpose(1, 2))
+        return self.fc(self.bn(y).transpose(1, 2)) + self.fc2(y.transpose(1, 2))
+
+
+def test_a_batchnorm_whose_input_another_layer_reads_transposed_folds_forward_alone():
+    """The BN folds forward into ``fc`` through its transpose, ``fc`` reading the transpose of ``y`` that its own
+    path computes: taking the BN as an affine of ``fc2``'s transpose of ``y`` (computed after ``fc``) raised
+    ``AssertionError: no node of [batch_norm, transpose_1] reads transpose_2``."""
+    model = randomize(MapReadTwice()).eval()
+    x = tokens()
+    gm, decisions, reference = fold(model, x)
+    assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == [("bn", "BatchNorm", "folded-forward", ["fc"])]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
 class PermutedNotBack(nn.Module):
     """``permute(BN2d(permute(x, p)), q) + alpha x`` on ``x: (B, S, S, S)`` where ``q`` does not undo ``p``: the
     sum has ``x``'s shape, but its first term reads ``x`` at permuted positions, so it is no affine of ``x``."""

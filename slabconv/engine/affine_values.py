@@ -248,6 +248,7 @@ class _Analysis:
         self.aff: dict[fx.Node, Affine] = {}
         self.fresh: dict[fx.Node, Affine] = {}  # a per-channel product as a norm of its own input
         self.back: dict[fx.Node, Affine] = {}  # a permute undoing the one before an affine (``_permuted_back``)
+        self.twin: dict[fx.Node, Affine] = {}  # a permuted affine as one of a permute beside it, for sums only
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 self._visit(node)
@@ -381,7 +382,7 @@ class _Analysis:
         if first.op != "call_function" or first.target not in PERMUTE_OPS:
             twin = self._permuted_twin(first, node, q)
             if twin is not None:
-                self.back[node] = replace(inner, base=twin, axis=q.index(inner.axis), nodes=(*inner.nodes, node))
+                self.twin[node] = replace(inner, base=twin, axis=q.index(inner.axis), nodes=(*inner.nodes, node))
             return
         p = permutation(first)
         y = first.args[0]
@@ -402,7 +403,8 @@ class _Analysis:
         ``permute(s y + t, q)`` is then the same per-channel affine of it, on its axis ``q.index(k)``. The
         TorchScript exporter writes RepBN on tokens, ``bn(x^T)^T + alpha x`` with ``x = y^T``, as ``bn(y)^T +
         alpha y^T``: it drops the transpose pair before the BatchNorm, so the two terms read ``y`` and its
-        transpose."""
+        transpose. Kept apart (``twin``) and read by a sum only, whose other term reads the permute: a norm that
+        ended at ``node`` would have layers read a permute that no node of it reads, perhaps computed after them."""
         for z in y.users:
             if z is node or z.op != "call_function" or z.target not in PERMUTE_OPS or z.args[0] is not y:
                 continue
@@ -451,9 +453,10 @@ class _Analysis:
             x, y, k = y, x, -k  # c - k x: the affine side is y = x, scaled by -k
         live = [isinstance(a, fx.Node) and not self.consts.is_const(a) for a in (x, y)]
         if all(live):
-            # each operand as it is, else as the affine its transpose pair computes (jax2onnx's RepBN)
-            for left in (self.get(x), self.back.get(x)):  # type: ignore[arg-type]
-                for right in (self.get(y), self.back.get(y)):  # type: ignore[arg-type]
+            # each operand as it is, else as the affine its transpose pair computes (jax2onnx's RepBN), or as that
+            # of the permute beside it the other operand reads (``bn(y)^T + alpha y^T``)
+            for left in (self.get(x), self.back.get(x), self.twin.get(x)):  # type: ignore[arg-type]
+                for right in (self.get(y), self.back.get(y), self.twin.get(y)):  # type: ignore[arg-type]
                     if left is not None and right is not None and node not in self.aff:
                         self._combine(node, left, self._scaled(right, k), k == 1.0)
         elif live[0] and node.target is not aten.rsub.Scalar:
