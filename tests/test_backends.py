@@ -102,6 +102,35 @@ def test_openvino_is_fed_and_read_in_the_bfloat16_its_file_declares(tmp_path):
     assert np.abs(out - exact).max() <= 4 * tol_dtype("bfloat16") * np.abs(exact).max()
 
 
+def test_openvino_feeds_each_input_of_a_model_with_several_by_name(tmp_path):
+    """A model with several inputs (``input_ids`` and ``attention_mask``, two merged models) is fed a dict of arrays
+    by input name, each in its declared dtype, whatever the dict's order (the first input alone was fed: an
+    ``AttributeError`` on the dict)."""
+    pytest.importorskip("openvino")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["xw"]),
+            helper.make_node("Cast", ["k"], ["kf"], to=TensorProto.FLOAT),
+            helper.make_node("Add", ["xw", "kf"], ["y"]),
+        ],
+        "two_inputs",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("k", TensorProto.INT64, ["N", 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(WEIGHT, "w")],
+    )
+    path = tmp_path / "two.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    (runtime,) = bk.BACKENDS["openvino"].open(path)
+    x = np.random.default_rng(2).standard_normal((5, 4))
+    k = np.arange(5).reshape(5, 1)
+    (out,) = runtime.run({"k": k, "x": x})
+    exact = x.astype(np.float32).astype(np.float64) @ WEIGHT.astype(np.float64) + k
+    assert np.abs(out - exact).max() <= 4 * tol_dtype(runtime.dtype) * np.abs(exact).max(), runtime.label
+
+
 def _help(command: str) -> str:
     result = CliRunner().invoke(app, [command, "--help"])
     assert result.exit_code == 0, result.output

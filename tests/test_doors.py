@@ -215,6 +215,9 @@ EXACT_FOLD_CASES: list[tuple[str, Factory]] = [
     # tests/test_engine_norms.py: a RepBN with its transpose back before the sum (jax2onnx's layout; the committed
     # jax2onnx export is tests/test_exporters.py's), and a permute pair that does not cancel
     ("repbn-after-pair", _model(lambda: norms_suite.RepBNWritten("after_pair"))),
+    # and one on tokens that are a transposed map: the TorchScript export's BN reads the map, alpha its transpose
+    ("repbn-tokens-of-a-map", _model(lambda: norms_suite.RepBNWritten("tokens_of_a_map"))),
+    ("bn-map-read-twice", _model(norms_suite.MapReadTwice)),
     ("permuted-not-back", _model(lambda: norms_suite.PermutedNotBack((0, 3, 1, 2)), norms_suite.permuted_input)),
     ("separate-bias", lambda: (randomize(exact_folds.SeparateBias("conv", True, True)).eval(), _image(4, 6)())),
     ("residual-chain", lambda: (exact_folds.ResidualChain().eval(), _tokens())),

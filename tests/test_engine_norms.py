@@ -62,13 +62,19 @@ class RepBNWritten(nn.Module):
             y = self.bn(x.transpose(1, 2)) - self.alpha * x.transpose(1, 2)
         elif self.how == "after_pair":  # jax2onnx's RepBN: alpha x added after the transpose back
             return self.fc(self.bn(x.transpose(1, 2)).transpose(1, 2) + self.alpha * x)
+        elif self.how == "tokens_of_a_map":  # the tokens are a (B, C, N) map transposed: the TorchScript exporter
+            # drops the transpose pair before the BN, which then reads the map, and alpha reads its transpose
+            t = torch.relu(x.transpose(1, 2)).transpose(1, 2)
+            return self.fc(self.bn(t.transpose(1, 2)).transpose(1, 2) + self.alpha * t)
         else:
             assert self.how == "contiguous"
             y = self.bn(x.transpose(1, 2).contiguous()) + self.alpha * x.transpose(1, 2).contiguous()
         return self.fc(y.transpose(1, 2))
 
 
-@pytest.mark.parametrize("how", ["two_transposes", "alpha_first", "times_alpha", "minus", "contiguous", "after_pair"])
+@pytest.mark.parametrize(
+    "how", ["two_transposes", "alpha_first", "times_alpha", "minus", "contiguous", "after_pair", "tokens_of_a_map"]
+)
 def test_repbn_written_with_two_transposes_is_one_repbn(how):
     """Before: two plain BatchNorm decisions were impossible to make exact, the BN was kept with
     ``residual-reads-norm`` before the add. Now one RepBN, folded forward into ``fc``."""
@@ -92,8 +98,35 @@ def test_repbn_written_with_two_transposes_is_one_repbn(how):
     assert (d.kind, d.action, d.into, d.reason) == ("RepBN", "folded-forward", ["fc"], None)
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
     assert aten_ops(gm) == bare  # the norm-free graph: the BN, the alpha term, a transpose pair are gone
-    if how != "contiguous":
+    if how == "tokens_of_a_map":
+        assert aten_ops(gm) == {"linear.default": 1, "relu.default": 1, "permute": 2}
+    elif how != "contiguous":
         assert aten_ops(gm) == {"linear.default": 1}
+
+
+class MapReadTwice(nn.Module):
+    """A BatchNorm on a ``(B, C, N)`` map, transposed into ``fc``, and the map transposed alike again into ``fc2``
+    (after it): the BN's transposed affine is also one of that second transpose, but no sum joins them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(C)
+        self.fc, self.fc2 = nn.Linear(C, 5), nn.Linear(C, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x.transpose(1, 2))
+        return self.fc(self.bn(y).transpose(1, 2)) + self.fc2(y.transpose(1, 2))
+
+
+def test_a_batchnorm_whose_input_another_layer_reads_transposed_folds_forward_alone():
+    """The BN folds forward into ``fc`` through its transpose, ``fc`` reading the transpose of ``y`` that its own
+    path computes: taking the BN as an affine of ``fc2``'s transpose of ``y`` (computed after ``fc``) raised
+    ``AssertionError: no node of [batch_norm, transpose_1] reads transpose_2``."""
+    model = randomize(MapReadTwice()).eval()
+    x = tokens()
+    gm, decisions, reference = fold(model, x)
+    assert [(d.norm, d.kind, d.action, d.into) for d in decisions] == [("bn", "BatchNorm", "folded-forward", ["fc"])]
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
 
 
 class PermutedNotBack(nn.Module):

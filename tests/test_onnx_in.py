@@ -1728,13 +1728,16 @@ def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tm
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
 
 
-def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
+@pytest.mark.parametrize("between", [None, "Relu"])
+def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path, between):
     """A ``BatchNormalization`` behind an op no shape inference types (the ``com.microsoft`` ops onnxruntime's
     optimizer writes, here one of another domain) has an input of unknown rank: the lowering reads it as one opaque
     node, the planner never sees it, and the report counted no norm (the BN of SLAB's block after onnxruntime's
     ``ORT_ENABLE_EXTENDED``, in front of its head, went unmentioned). It is one ``kept`` decision, whose reason
     names the op that hides the input's shape (it named the norm itself, ``unsupported-op:onnx.BatchNormalization``),
-    and ``--require-folded`` refuses the file."""
+    and ``--require-folded`` refuses the file. ``between``: an ONNX op between them, opaque only because its own
+    input is untyped (a ``ReduceMean`` after onnxruntime's ``FusedConv``), is passed for the op that hides it (the
+    reason named it, ``unsupported-op:onnx.Relu``)."""
     from onnx import TensorProto, helper, numpy_helper
 
     from slabconv.errors import KeptNormsError
@@ -1743,7 +1746,9 @@ def test_a_batchnorm_whose_input_no_inference_types_is_reported_kept(tmp_path):
     arrays = {"gb": rng.standard_normal(4), "s": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4),
               "m": rng.uniform(-1, 1, 4), "v": rng.uniform(0.5, 2, 4), "W": rng.standard_normal((3, 4))}  # fmt: skip
     nodes = [helper.make_node("Mystery", ["x", "gb"], ["g"], domain="org.example"),
-             helper.make_node("BatchNormalization", ["g", "s", "b", "m", "v"], ["n"], name="/norm/BatchNormalization"),
+             *([helper.make_node(between, ["g"], ["r"])] if between else []),
+             helper.make_node("BatchNormalization", ["r" if between else "g", "s", "b", "m", "v"], ["n"],
+                              name="/norm/BatchNormalization"),
              helper.make_node("Gemm", ["n", "W"], ["y"], transB=1)]  # fmt: skip
     info = helper.make_tensor_value_info
     graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["batch", 4])],

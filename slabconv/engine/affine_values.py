@@ -251,6 +251,7 @@ class _Analysis:
         self.aff: dict[fx.Node, Affine] = {}
         self.fresh: dict[fx.Node, Affine] = {}  # a per-channel product as a norm of its own input
         self.back: dict[fx.Node, Affine] = {}  # a permute undoing the one before an affine (``_permuted_back``)
+        self.twin: dict[fx.Node, Affine] = {}  # a permuted affine as one of a permute beside it, for sums only
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 self._visit(node)
@@ -379,10 +380,15 @@ class _Analysis:
         node itself, so a RepBN that reads this node (Swin's ``norm1``
         after its patch embedding's norm) still sees its ``alpha x`` term as a multiple of its own input."""
         inner = self.aff[node.args[0]]  # type: ignore[index]
-        first = inner.base
-        if inner.axis is None or inner.dups or first.op != "call_function" or first.target not in PERMUTE_OPS:
+        first, q = inner.base, permutation(node)
+        if inner.axis is None or inner.dups or q is None:
             return
-        p, q = permutation(first), permutation(node)
+        if first.op != "call_function" or first.target not in PERMUTE_OPS:
+            twin = self._permuted_twin(first, node, q)
+            if twin is not None:
+                self.twin[node] = replace(inner, base=twin, axis=q.index(inner.axis), nodes=(*inner.nodes, node))
+            return
+        p = permutation(first)
         y = first.args[0]
         if p is None or q is None or not isinstance(y, fx.Node) or [p[i] for i in q] != list(range(len(p))):
             return
@@ -394,6 +400,21 @@ class _Analysis:
             axis=p[inner.axis],
             nodes=(first, *inner.nodes, node),  # ``core`` stays: the permutes do not name the norm
         )
+
+    @staticmethod
+    def _permuted_twin(y: fx.Node, node: fx.Node, q: list[int]) -> fx.Node | None:
+        """Another reader of ``y`` that permutes it as ``node`` permutes ``y``'s affine (``q``), when there is one:
+        ``permute(s y + t, q)`` is then the same per-channel affine of it, on its axis ``q.index(k)``. The
+        TorchScript exporter writes RepBN on tokens, ``bn(x^T)^T + alpha x`` with ``x = y^T``, as ``bn(y)^T +
+        alpha y^T``: it drops the transpose pair before the BatchNorm, so the two terms read ``y`` and its
+        transpose. Kept apart (``twin``) and read by a sum only, whose other term reads the permute: a norm that
+        ended at ``node`` would have layers read a permute that no node of it reads, perhaps computed after them."""
+        for z in y.users:
+            if z is node or z.op != "call_function" or z.target not in PERMUTE_OPS or z.args[0] is not y:
+                continue
+            if permutation(z) == q and _same(shape_of(z), shape_of(node)) and _dtype(z) == _dtype(node):
+                return z
+        return None
 
     def _product(self, node: fx.Node, divide: bool) -> None:
         a, c = node.args[0], node.args[1]
@@ -436,9 +457,10 @@ class _Analysis:
             x, y, k = y, x, -k  # c - k x: the affine side is y = x, scaled by -k
         live = [isinstance(a, fx.Node) and not self.consts.is_const(a) for a in (x, y)]
         if all(live):
-            # each operand as it is, else as the affine its transpose pair computes (jax2onnx's RepBN)
-            for left in (self.get(x), self.back.get(x)):  # type: ignore[arg-type]
-                for right in (self.get(y), self.back.get(y)):  # type: ignore[arg-type]
+            # each operand as it is, else as the affine its transpose pair computes (jax2onnx's RepBN), or as that
+            # of the permute beside it the other operand reads (``bn(y)^T + alpha y^T``)
+            for left in (self.get(x), self.back.get(x), self.twin.get(x)):  # type: ignore[arg-type]
+                for right in (self.get(y), self.back.get(y), self.twin.get(y)):  # type: ignore[arg-type]
                     if left is not None and right is not None and node not in self.aff:
                         self._combine(node, left, self._scaled(right, k), k == 1.0)
         elif live[0] and node.target is not aten.rsub.Scalar:

@@ -94,13 +94,30 @@ def opaque_norms(lowered: Lowered) -> list[Decision]:
 
 def _blocker(node: Any) -> str:
     """What keeps the opaque BatchNorm ``node`` unread: the opaque op (``<domain>.<Op>``) that makes its untyped
-    input, else the BatchNorm itself (``onnx.BatchNormalization``)."""
-    x = node.args[0] if node.args else None
-    if x is not None and x.target is operator.getitem:  # an output of an op of several
+    input, else the BatchNorm itself (``onnx.BatchNormalization``). An ONNX op that is opaque only because its own
+    input is untyped (a ``ReduceMean`` after onnxruntime's ``FusedConv``) is passed for the op that hides it."""
+    found = None
+    x = _untyped_opaque(node.args[0] if node.args else None)
+    while x is not None and x not in (found, node):
+        found = x
+        if x.target.namespace != "onnx":
+            break
+        x = next((u for u in map(_untyped_opaque, x.args) if u is not None), None)
+    return repr((found or node).target)
+
+
+def _untyped_opaque(x: Any) -> Any:
+    """The opaque node that makes ``x`` (an output of an op of several read through its ``getitem``) when ``x``
+    is untyped, else None."""
+    if isinstance(x, torch.fx.Node) and x.target is operator.getitem:
         x = x.args[0]
-    if x is not None and isinstance(x.target, OnnxOp) and not isinstance(x.meta.get("val"), torch.Tensor):
-        return repr(x.target)
-    return repr(node.target)
+    if (
+        isinstance(x, torch.fx.Node)
+        and isinstance(x.target, OnnxOp)
+        and not isinstance(x.meta.get("val"), torch.Tensor)
+    ):
+        return x
+    return None
 
 
 def _kept_batchnorm(norm: str, where: str, reason: str) -> Decision:

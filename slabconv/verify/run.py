@@ -220,8 +220,6 @@ def run_original(path: Path, runtime: Runtime, x: Inputs) -> list[np.ndarray] | 
     if backend.framework == "onnxruntime":  # the one session of the candidate's level; several inputs by name
         how = {"levels": tuple(level for level in ORT_LEVELS if ort_label(level) == runtime.label) or ORT_LEVELS}
         how["several"] = isinstance(x, dict)
-    elif isinstance(x, dict):
-        return None
     try:
         opened = backend.open(path, **how)
     except (RuntimeUnavailable, InputError):

@@ -361,7 +361,9 @@ _WIDTH = {"bfloat16": 0, "float16": 1, "float32": 2, "float64": 3}
 
 
 def openvino_runtime(path: Path, device: str = "CPU", kind: str = "openvino") -> Runtime:
-    """The ``.onnx`` at ``path`` compiled by OpenVINO for ``device`` with its default settings, as deployed.
+    """The ``.onnx`` at ``path`` compiled by OpenVINO for ``device`` with its default settings, as deployed. Its
+    ``run`` takes an array (the first input) or a dict of arrays by input name (``Inputs``), each fed in the dtype
+    its input declares.
 
     OpenVINO picks its inference precision itself: on CPUs with bfloat16 (AVX-512 BF16, AMX) it runs a float32
     model in bfloat16 (about 6e-3 away from float32). The label names the precision it ran
@@ -384,15 +386,21 @@ def openvino_runtime(path: Path, device: str = "CPU", kind: str = "openvino") ->
     file_dtype = _ov_dtype(compiled.outputs[0].get_element_type()) if compiled.outputs else "float32"
     dtype = min((ran, file_dtype), key=lambda d: _WIDTH.get(d, 2))
     request = compiled.create_infer_request()
-    feed = _ov_feed(ov, port.get_element_type())
+    feeds = {p.get_any_name(): (i, _ov_feed(ov, p.get_element_type())) for i, p in enumerate(compiled.inputs)}
 
-    def run(x: np.ndarray) -> list[np.ndarray]:
-        results = request.infer({0: feed(x)})
+    def fed(x: Inputs) -> dict[int, Any]:
+        """Each input port's array, by position: a dict of arrays goes by input name, an array to the first."""
+        if not isinstance(x, dict):
+            return {0: next(iter(feeds.values()))[1](x)}
+        return {feeds[name][0]: feeds[name][1](a) for name, a in x.items()}
+
+    def run(x: Inputs) -> list[np.ndarray]:
+        results = request.infer(fed(x))
         return [_ov_output(results[out], out.get_element_type()) for out in compiled.outputs]
 
-    def timer(fed_array: np.ndarray) -> Callable[[], Any]:
-        fed = {0: feed(fed_array)}
-        return lambda: request.infer(fed)
+    def timer(fed_array: Inputs) -> Callable[[], Any]:
+        feed = fed(fed_array)
+        return lambda: request.infer(feed)
 
     shape = port.get_partial_shape()
     batch = shape[0].get_length() if shape.rank.is_static and shape[0].is_static else None
