@@ -145,8 +145,10 @@ class Reference:
         runtime, an export that fails, a runtime that computes the original in another precision than the
         candidate). Computed once per runtime (its label)."""
         if runtime.label not in self.in_runtime:
-            path = self.onnx or (export_original(self.model, self.exported) if self.model is not None else None)
-            found = run_original(path, runtime, self.x) if path is not None else None
+            found = None
+            if _onnx_backend(runtime) is not None:  # (a PyTorch runtime: nothing to export for)
+                path = self.onnx or (export_original(self.model, self.exported) if self.model is not None else None)
+                found = run_original(path, runtime, self.x) if path is not None else None
             self.in_runtime[runtime.label] = found
         return self.in_runtime[runtime.label]
 
@@ -206,15 +208,22 @@ def export_original(loaded: LoadedModel, exported: list[Any]) -> Path | None:
     return exported[0][1] if exported[0] is not None else None
 
 
+def _onnx_backend(runtime: Runtime) -> Any:
+    """The ``BACKENDS`` entry that ran ``runtime`` when it runs ``.onnx`` files in floating point, else None."""
+    from slabconv.verify.backends import BACKENDS
+
+    backend = BACKENDS.get(runtime.kind)
+    return backend if backend is not None and backend.takes == "onnx" and not backend.quantized else None
+
+
 def run_original(path: Path, runtime: Runtime, x: Inputs) -> list[np.ndarray] | None:
     """The ``.onnx`` at ``path`` run on ``x`` by ``runtime``'s backend with ``runtime``'s settings (onnxruntime
     opens one session per optimisation level: the one of the same label), or None where it cannot (a runtime of
     no ONNX backend, an int8 one, one that cannot open the file or computes it in another precision)."""
-    from slabconv.verify.backends import BACKENDS
     from slabconv.verify.runtimes import ORT_LEVELS, RuntimeUnavailable, ort_label
 
-    backend = BACKENDS.get(runtime.kind)
-    if backend is None or backend.takes != "onnx" or backend.quantized:
+    backend = _onnx_backend(runtime)
+    if backend is None:
         return None
     how: dict[str, Any] = {}
     if backend.framework == "onnxruntime":  # the one session of the candidate's level; several inputs by name
@@ -316,7 +325,8 @@ def question_2(
             )
         )
     if rtol is None and not strict and reference.exact is not None and not all(c.passed for c in checks):
-        if reference.onnx is None and not reference.exported and reference.model is not None:
+        exports = reference.onnx is None and not reference.exported and reference.model is not None
+        if exports and _onnx_backend(runtime) is not None:
             progress(f"verifying: question 2, {runtime.label}: the original exported to ONNX and run by it")
         checks = _by_runtime(reference, runtime, outputs, checks, atol=atol, token_logits=token_logits)
         if not token_logits and not all(c.passed for c in checks):
