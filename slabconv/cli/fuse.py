@@ -15,6 +15,7 @@ from slabconv.text import count
 
 
 def fuse(
+    ctx: typer.Context,
     ckpt: o.Ckpt,
     arch: o.Arch = None,
     fold_norm_affine: o.FoldNormAffine = False,
@@ -84,11 +85,16 @@ def fuse(
       slabconv fuse qwen2-folder --fold-norm-affine --out qwen2-unit-norms
     """
     from slabconv import api
-    from slabconv.errors import KeptNormsError, VerificationError
+    from slabconv.errors import KeptNormsError, UsageError, VerificationError
     from slabconv.report.junit import check_report_path, write_junit
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
+        unused = o.given(ctx, "inputs", "samples", "seed", "rtol", "atol", "strict", "generate") if no_verify else []
+        if unused:
+            raise UsageError(
+                f"{unused[0]} sets how the result is verified, and --no-verify skips verification; drop one of them"
+            )
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         write = WriteOptions(
             force=force,
