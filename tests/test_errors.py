@@ -344,6 +344,10 @@ def quiet_and_verbose(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[st
     return ["inspect", str(fused / "ckpt.pth"), "-v", "--quiet"]
 
 
+def stream_fuse_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(fused / "ckpt.pth"), "--stream", "--out", str(tmp / "out")]
+
+
 def unsafe_global(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     torch.save({"model": tiny_state_dict(), "config": MarkerPayload(tmp / "MARKER")}, tmp / "evil.pth")
     return ["inspect", str(tmp / "evil.pth")]
@@ -603,6 +607,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (plain_pickle, "weights.pt: is a Python pickle that torch.save did not write (pickle.dump?); save the weight"),
     (verification_options_without_verification, "--seed sets how the result is verified, and --no-verify skips"),
     (quiet_and_verbose, "--quiet prints only errors and the final line, --verbose adds detail: give one of them"),
+    (stream_fuse_of_a_file, "ckpt.pth: --stream folds a Hugging Face style folder (config.json + safetensors) block"),
     (unsafe_global, "which slabconv will not import"),
     (whole_pickled_module, "holds a whole pickled nn.Module"),
     (program_with_pickled_objects, "holds pickled Python objects"),
