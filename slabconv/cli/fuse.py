@@ -31,9 +31,12 @@ def fuse(
         typer.Option(
             "--dtype",
             metavar="DTYPE",
-            help="Write the fused model in float16 or bfloat16 (folded in float64, cast once, verified at that dtype's "
-            "tolerance). Default: the checkpoint's dtype.",
-            autocompletion=lambda incomplete: [d for d in ("float16", "bfloat16") if d.startswith(incomplete)],
+            help="Write the fused model in float16 (fp16, half) or bfloat16 (bf16) (folded in float64, cast once, "
+            "verified at that dtype's tolerance), or float32 (fp32: a float16 or bfloat16 checkpoint's fold in "
+            "float32). Default: the checkpoint's dtype.",
+            autocompletion=lambda incomplete: [
+                d for d in ("float16", "bfloat16", "float32") if d.startswith(incomplete)
+            ],
         ),
     ] = None,
     opset: o.Opset = None,
