@@ -145,6 +145,11 @@ def fuse(
     write = write or WriteOptions()
     write.check()  # a mistyped --dtype is answered before anything is read
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
+    if write.stream and not source.is_dir():
+        raise UsageError(
+            f"{source}: --stream folds a Hugging Face style folder (config.json + safetensors) block by block; give "
+            "the folder, or drop --stream to fold this file in memory"
+        )
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     if out_dir.suffix.lower() in MODEL_SUFFIXES and not os.path.lexists(out_dir):
         raise UsageError(
