@@ -164,7 +164,12 @@ def fuse(
         check_inputs_file(Path(verify.inputs))  # not after the fold and its files
     if _empty_folder(out_dir):  # it holds nothing to lose: filled as a new one, without --force
         write = dataclasses.replace(write, force=True)
-    check_output_folder(out_dir, force=write.force, inputs=inputs)
+    try:
+        check_output_folder(out_dir, force=write.force, inputs=inputs)
+    except UsageError as err:
+        if out is None and str(err).startswith("cannot write to"):  # the user named no folder: say how to
+            raise UsageError(f"{err} with --out DIR (by default the output goes beside the checkpoint)") from None
+        raise
     from slabconv import pipeline
     from slabconv.load.model import check_options_apply
 

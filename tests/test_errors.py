@@ -243,6 +243,16 @@ def output_in_a_read_only_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch)
     return ["fuse", str(ckpt), "--out", str(locked / "out"), "--no-onnx"]
 
 
+def default_output_beside_a_read_only_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    locked = tmp / "locked"
+    locked.mkdir()
+    ckpt = save_ckpt(locked / "ckpt.pth")
+    locked.chmod(0o555)
+    real = os.access  # root ignores folder modes: answer as the kernel would for anyone else
+    mp.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == locked else real(path, mode, **kw))
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
 def existing_output_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     ckpt = save_ckpt(tmp / "ckpt.pth")
     shutil.copytree(fused / "ckpt-fused", tmp / "ckpt-fused")  # slabconv's own output: --force would replace it
@@ -591,6 +601,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (output_folder_contains_the_input, "holds the input"),
     (export_onto_the_input, "is an input of this run"),
     (output_in_a_read_only_folder, "cannot write to"),
+    (default_output_beside_a_read_only_checkpoint, "writable output location with --out DIR (by default the output"),
     (existing_output_without_force, "already exists; pass --force"),
     (existing_folder_of_the_user_without_force, "holds model.safetensors, and no report.json of slabconv: it is not a"),
     (existing_onnx_without_force, "already exists and slabconv did not write it"),
