@@ -358,6 +358,15 @@ def stream_fuse_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> lis
     return ["fuse", str(fused / "ckpt.pth"), "--stream", "--out", str(tmp / "out")]
 
 
+def checkpoint_as_inputs_of_fuse(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(fused / "ckpt.pth"), "--out", str(tmp / "out"), "--inputs", str(fused / "ckpt.pth")]
+
+
+def program_as_inputs_of_verify(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    pt2 = fused / "ckpt-fused" / "model.pt2"
+    return ["verify", str(fused / "ckpt.pth"), str(fused / "ckpt-fused"), "--inputs", str(pt2)]
+
+
 def unsafe_global(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     torch.save({"model": tiny_state_dict(), "config": MarkerPayload(tmp / "MARKER")}, tmp / "evil.pth")
     return ["inspect", str(tmp / "evil.pth")]
@@ -619,6 +628,8 @@ CATALOGUE: list[tuple[Case, str]] = [
     (verification_options_without_verification, "--seed sets how the result is verified, and --no-verify skips"),
     (quiet_and_verbose, "--quiet prints only errors and the final line, --verbose adds detail: give one of them"),
     (stream_fuse_of_a_file, "ckpt.pth: --stream folds a Hugging Face style folder (config.json + safetensors) block"),
+    (checkpoint_as_inputs_of_fuse, "ckpt.pth: is a PyTorch checkpoint, not verification inputs; give it as the mo"),
+    (program_as_inputs_of_verify, "model.pt2: is a torch.export program, not verification inputs; give it as the"),
     (unsafe_global, "which slabconv will not import"),
     (whole_pickled_module, "holds a whole pickled nn.Module"),
     (program_with_pickled_objects, "holds pickled Python objects"),
