@@ -772,3 +772,14 @@ def test_a_wrapped_models_keys_name_the_prefix(tmp_path: Path) -> None:
     torch.save({"state_dict": mixed}, tmp_path / "m.ckpt")
     result = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.ckpt")])
     assert result.exit_code == 2 and "no registered layout fits" in result.stderr
+
+
+def test_a_program_saved_by_an_older_torch_is_not_called_a_foreign_zip() -> None:
+    """torch.export.save before torch 2.6 wrote ``serialized_*`` entries and no ``archive_format``: such a ``.pt2`` is
+    a program (its reader says what is wrong with it), not "a zip archive that neither torch.save nor ... wrote"."""
+    from slabconv.load import safety
+
+    old = ["archive/serialized_exported_program.json", "archive/serialized_state_dict.pt", "archive/version"]
+    assert safety.sniff_contents(b"PK\x03\x04", old) == "torch.export"
+    assert safety.content_error("model.pt2", b"PK\x03\x04", old) is None
+    assert "is a torch.export program, named .pth" in str(safety.content_error("model.pth", b"PK\x03\x04", old))

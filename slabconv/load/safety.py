@@ -425,7 +425,7 @@ def sniff_contents(head: bytes, names: list[str] | None = None) -> str | None:
     """
     if names is not None:
         rel = {n.split("/", 1)[1] if "/" in n else n for n in names}
-        if "archive_format" in rel or "serialized_exported_program.json" in rel:
+        if "archive_format" in rel or any(r.startswith(("models/", "serialized_")) for r in rel):  # (older torch)
             return "torch.export"
         return "pickle" if "data.pkl" in rel else "zip"
     if len(head) >= 262 and head[257:262] == b"ustar":
