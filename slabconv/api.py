@@ -145,6 +145,11 @@ def fuse(
     write = write or WriteOptions()
     write.check()  # a mistyped --dtype is answered before anything is read
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
+    if write.stream and not source.is_dir():
+        raise UsageError(
+            f"{source}: --stream folds a Hugging Face style folder (config.json + safetensors) block by block; give "
+            "the folder, or drop --stream to fold this file in memory"
+        )
     out_dir = Path(out) if out is not None else source.with_name(f"{source.stem}-fused")
     if out_dir.suffix.lower() in MODEL_SUFFIXES and not os.path.lexists(out_dir):
         raise UsageError(
@@ -159,7 +164,12 @@ def fuse(
         check_inputs_file(Path(verify.inputs))  # not after the fold and its files
     if _empty_folder(out_dir):  # it holds nothing to lose: filled as a new one, without --force
         write = dataclasses.replace(write, force=True)
-    check_output_folder(out_dir, force=write.force, inputs=inputs)
+    try:
+        check_output_folder(out_dir, force=write.force, inputs=inputs)
+    except UsageError as err:
+        if out is None and str(err).startswith("cannot write to"):  # the user named no folder: say how to
+            raise UsageError(f"{err} with --out DIR (by default the output goes beside the checkpoint)") from None
+        raise
     from slabconv import pipeline
     from slabconv.load.model import check_options_apply
 

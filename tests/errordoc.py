@@ -139,7 +139,7 @@ def _covered(rest: str, starts: tuple[str, ...], corpus: str) -> bool:
 
 ERROR_CLASSES = frozenset(
     {"SlabconvError", "InputError", "UsageError", "UnsupportedModelError", "NumericError", "VerificationError"}
-    | {"KeptNormsError", "LayoutError"}
+    | {"KeptNormsError", "LayoutError", "WrongKind"}
 )
 """The exception classes whose message a user reads (``slabconv.errors`` and the zoo's ``LayoutError``)."""
 

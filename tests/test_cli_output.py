@@ -219,6 +219,8 @@ def test_help_has_a_plain_usage_line_and_examples(command):
     assert result.exit_code == 0
     usage = result.stdout.splitlines()[0]
     assert usage.startswith(f"Usage: slabconv {command} [OPTIONS]") and not re.search(r"[{}]", usage), usage
+    # every value is named for what it is (NPZ, FILE, DIR...), as --inputs and --junit are, never Typer's <path>
+    assert not re.search(r"<\w+>", result.stdout), re.findall(r"\S+ <\w+>", result.stdout)
     examples = result.stdout.split("Examples:")[1].split("\n\n")[1].splitlines()
     assert examples and all(line.startswith(f"    slabconv {command}") for line in examples), examples
 

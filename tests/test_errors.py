@@ -243,10 +243,26 @@ def output_in_a_read_only_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch)
     return ["fuse", str(ckpt), "--out", str(locked / "out"), "--no-onnx"]
 
 
+def default_output_beside_a_read_only_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    locked = tmp / "locked"
+    locked.mkdir()
+    ckpt = save_ckpt(locked / "ckpt.pth")
+    locked.chmod(0o555)
+    real = os.access  # root ignores folder modes: answer as the kernel would for anyone else
+    mp.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == locked else real(path, mode, **kw))
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
 def existing_output_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     ckpt = save_ckpt(tmp / "ckpt.pth")
+    shutil.copytree(fused / "ckpt-fused", tmp / "ckpt-fused")  # slabconv's own output: --force would replace it
+    return ["fuse", str(ckpt), "--no-onnx"]
+
+
+def existing_folder_of_the_user_without_force(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    ckpt = save_ckpt(tmp / "ckpt.pth")
     (tmp / "ckpt-fused").mkdir()
-    (tmp / "ckpt-fused" / "model.safetensors").write_bytes(b"previous result")
+    (tmp / "ckpt-fused" / "model.safetensors").write_bytes(b"the user's own file")
     return ["fuse", str(ckpt), "--no-onnx"]
 
 
@@ -276,6 +292,79 @@ def onnx_external_data_missing(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -
 def not_an_onnx_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     (tmp / "fake.onnx").write_bytes(b"\xff" * 64)
     return ["verify", str(save_ckpt(tmp / "ckpt.pth")), str(tmp / "fake.onnx"), "--samples", "2"]
+
+
+def _renamed(fused: Path, name: str, tmp: Path, new: str) -> Path:
+    """A copy of the fused folder's ``name`` under another name (the suffix picks the reader)."""
+    shutil.copyfile(fused / "ckpt-fused" / name, tmp / new)
+    return tmp / new
+
+
+def program_named_onnx(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(_renamed(fused, "model.pt2", tmp, "model.onnx"))]
+
+
+def onnx_named_pt2(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(_renamed(fused, "model.onnx", tmp, "model.pt2")), "--no-verify"]
+
+
+def safetensors_named_pth(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(_renamed(fused, "model.safetensors", tmp, "model.pth"))]
+
+
+def program_named_pth(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["verify", str(fused / "ckpt.pth"), str(_renamed(fused, "model.pt2", tmp, "fused.pth"))]
+
+
+def tar_of_a_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import tarfile
+
+    with tarfile.open(tmp / "ckpt.tar", "w") as archive:  # a zip inside: zipfile alone would open it
+        archive.add(fused / "ckpt.pth", arcname="ckpt.pth")
+    return ["fuse", str(tmp / "ckpt.tar"), "--trust-pickle"]
+
+
+def gzipped_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import gzip
+
+    (tmp / "ckpt.pth.gz").write_bytes(gzip.compress((fused / "ckpt.pth").read_bytes()))
+    return ["inspect", str(tmp / "ckpt.pth.gz")]
+
+
+def zip_of_a_checkpoint(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import zipfile
+
+    with zipfile.ZipFile(tmp / "ckpt.zip", "w") as archive:  # stored, as torch.save stores its entries
+        archive.write(fused / "ckpt.pth", "ckpt.pth")
+    return ["inspect", str(tmp / "ckpt.zip")]
+
+
+def plain_pickle(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    import pickle
+
+    (tmp / "weights.pt").write_bytes(pickle.dumps({k: v.numpy() for k, v in tiny_state_dict().items()}))
+    return ["inspect", str(tmp / "weights.pt"), "--trust-pickle"]
+
+
+def verification_options_without_verification(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(fused / "ckpt.pth"), "--out", str(tmp / "out"), "--no-verify", "--seed", "0", "--strict"]
+
+
+def quiet_and_verbose(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["inspect", str(fused / "ckpt.pth"), "-v", "--quiet"]
+
+
+def stream_fuse_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(fused / "ckpt.pth"), "--stream", "--out", str(tmp / "out")]
+
+
+def checkpoint_as_inputs_of_fuse(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    return ["fuse", str(fused / "ckpt.pth"), "--out", str(tmp / "out"), "--inputs", str(fused / "ckpt.pth")]
+
+
+def program_as_inputs_of_verify(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    pt2 = fused / "ckpt-fused" / "model.pt2"
+    return ["verify", str(fused / "ckpt.pth"), str(fused / "ckpt-fused"), "--inputs", str(pt2)]
 
 
 def unsafe_global(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -521,11 +610,26 @@ CATALOGUE: list[tuple[Case, str]] = [
     (output_folder_contains_the_input, "holds the input"),
     (export_onto_the_input, "is an input of this run"),
     (output_in_a_read_only_folder, "cannot write to"),
+    (default_output_beside_a_read_only_checkpoint, "writable output location with --out DIR (by default the output"),
     (existing_output_without_force, "already exists; pass --force"),
+    (existing_folder_of_the_user_without_force, "holds model.safetensors, and no report.json of slabconv: it is not a"),
     (existing_onnx_without_force, "already exists and slabconv did not write it"),
     (onnx_over_2gb_in_one_file, "over protobuf's 2 GiB limit"),
     (onnx_external_data_missing, "its external data file 'ext.onnx.data' is missing"),
     (not_an_onnx_file, "not a readable ONNX model"),
+    (program_named_onnx, "model.onnx: is a torch.export program, named .onnx; slabconv reads a file by its suffix: r"),
+    (onnx_named_pt2, "model.pt2: is an ONNX model, named .pt2; slabconv reads a file by its suffix: rename it to mo"),
+    (safetensors_named_pth, "model.pth: is a safetensors file, named .pth; slabconv reads a file by its suffix: ren"),
+    (program_named_pth, "fused.pth: is a torch.export program, named .pth; slabconv reads a file by its suffix: ren"),
+    (tar_of_a_checkpoint, "ckpt.tar: is a tar archive, not a model file; extract it (tar -xf "),
+    (gzipped_checkpoint, "ckpt.pth.gz: is gzip-compressed, not a model file; decompress it (gunzip, or tar -xzf f"),
+    (zip_of_a_checkpoint, "ckpt.zip: is a zip archive that neither torch.save nor torch.export.save wrote (it hol"),
+    (plain_pickle, "weights.pt: is a Python pickle that torch.save did not write (pickle.dump?); save the weight"),
+    (verification_options_without_verification, "--seed sets how the result is verified, and --no-verify skips"),
+    (quiet_and_verbose, "--quiet prints only errors and the final line, --verbose adds detail: give one of them"),
+    (stream_fuse_of_a_file, "ckpt.pth: --stream folds a Hugging Face style folder (config.json + safetensors) block"),
+    (checkpoint_as_inputs_of_fuse, "ckpt.pth: is a PyTorch checkpoint, not verification inputs; give it as the mo"),
+    (program_as_inputs_of_verify, "model.pt2: is a torch.export program, not verification inputs; give it as the"),
     (unsafe_global, "which slabconv will not import"),
     (whole_pickled_module, "holds a whole pickled nn.Module"),
     (program_with_pickled_objects, "holds pickled Python objects"),
@@ -668,3 +772,14 @@ def test_a_wrapped_models_keys_name_the_prefix(tmp_path: Path) -> None:
     torch.save({"state_dict": mixed}, tmp_path / "m.ckpt")
     result = CliRunner().invoke(app, ["inspect", str(tmp_path / "m.ckpt")])
     assert result.exit_code == 2 and "no registered layout fits" in result.stderr
+
+
+def test_a_program_saved_by_an_older_torch_is_not_called_a_foreign_zip() -> None:
+    """torch.export.save before torch 2.6 wrote ``serialized_*`` entries and no ``archive_format``: such a ``.pt2`` is
+    a program (its reader says what is wrong with it), not "a zip archive that neither torch.save nor ... wrote"."""
+    from slabconv.load import safety
+
+    old = ["archive/serialized_exported_program.json", "archive/serialized_state_dict.pt", "archive/version"]
+    assert safety.sniff_contents(b"PK\x03\x04", old) == "torch.export"
+    assert safety.content_error("model.pt2", b"PK\x03\x04", old) is None
+    assert "is a torch.export program, named .pth" in str(safety.content_error("model.pth", b"PK\x03\x04", old))

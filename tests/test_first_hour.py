@@ -254,15 +254,15 @@ def test_the_api_checks_option_types():
 def test_the_api_gives_its_advice_in_python_and_the_cli_in_flags(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "report.json").write_text("{}")
+    (out / "report.json").write_text("{}")  # not slabconv's report: force would not replace the folder either
     with pytest.raises(UsageError) as err:
         api.fuse(CKPT, out)
-    assert "pass WriteOptions(force=True) to replace it" in str(err.value) and "--force" not in str(err.value)
+    assert "so WriteOptions(force=True) will not replace it" in str(err.value) and "--force" not in str(err.value)
     with pytest.raises(InputError) as err:
         api.fuse(FIXTURE / "holdout.npz")
     assert "give it with VerifyOptions(inputs=...)" in str(err.value)
     result = runner.invoke(app, ["fuse", str(CKPT), "--out", str(out)])
-    assert result.exit_code == 2 and "pass --force to replace it" in result.stderr
+    assert result.exit_code == 2 and "so --force will not replace it" in result.stderr
 
 
 def test_advice_in_python_spelling():
@@ -404,6 +404,8 @@ def test_verify_runtime_values_complete():
     assert _complete("slabconv verify a b --runtime open") == ["openvino"]
     assert _complete("slabconv verify a b --runtime pytorch,onnxruntime-") == ["pytorch,onnxruntime-int8"]
     assert _complete("slabconv fuse a --dtype b") == ["bfloat16"]
+    assert _complete("slabconv fuse a --dtype f") == ["float16", "float32"]  # --dtype float32 is taken, and helped
+    assert "or float32 (fp32" in " ".join(runner.invoke(app, ["fuse", "--help"]).stdout.split())
 
 
 def test_openvino_is_refused_with_the_install_line_when_absent(no_work, monkeypatch):

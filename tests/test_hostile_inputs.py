@@ -266,7 +266,10 @@ CASES: list[tuple[Callable[[Path], list[str]], str]] = [
     (pt2_stride_zero_weight, "more than a"),
     (pt2_compressed, "is compressed"),
     (pt2_truncated, "damaged or truncated"),
-    (pt2_that_is_a_checkpoint, "holds an entry of a kind"),
+    (
+        pt2_that_is_a_checkpoint,
+        "renamed.pt2: is a PyTorch checkpoint (torch.save), named .pt2; slabconv reads a file by",
+    ),
     (pt2_damaged_json, "is not valid JSON"),
     (pth_expanded_view, "blocks.0.attn.qkv.weight' (1000000x1000000 float32)"),
     (pth_compressed, "is compressed"),

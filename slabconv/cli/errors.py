@@ -18,7 +18,14 @@ from contextlib import contextmanager
 import typer
 
 from slabconv.cli.output import Output
-from slabconv.errors import SlabconvError, VerificationError, clear_written, cli_spelling, environment_error
+from slabconv.errors import (
+    SlabconvError,
+    UsageError,
+    VerificationError,
+    clear_written,
+    cli_spelling,
+    environment_error,
+)
 from slabconv.text import one_line
 
 
@@ -34,6 +41,8 @@ def errors(output: Output, debug: bool) -> Iterator[None]:
     debug = debug or bool(os.environ.get("SLABCONV_DEBUG"))
     clear_written()  # the interrupted line names what this command moved into place (errors.record_written)
     try:
+        if output.quiet and output.verbose:
+            raise UsageError("--quiet prints only errors and the final line, --verbose adds detail: give one of them")
         with checking_names(), cli_spelling():
             yield
     except typer.Exit:

@@ -15,6 +15,7 @@ from slabconv.text import count
 
 
 def fuse(
+    ctx: typer.Context,
     ckpt: o.Ckpt,
     arch: o.Arch = None,
     fold_norm_affine: o.FoldNormAffine = False,
@@ -30,9 +31,12 @@ def fuse(
         typer.Option(
             "--dtype",
             metavar="DTYPE",
-            help="Write the fused model in float16 or bfloat16 (folded in float64, cast once, verified at that dtype's "
-            "tolerance). Default: the checkpoint's dtype.",
-            autocompletion=lambda incomplete: [d for d in ("float16", "bfloat16") if d.startswith(incomplete)],
+            help="Write the fused model in float16 (fp16, half) or bfloat16 (bf16) (folded in float64, cast once, "
+            "verified at that dtype's tolerance), or float32 (fp32: a float16 or bfloat16 checkpoint's fold in "
+            "float32). Default: the checkpoint's dtype.",
+            autocompletion=lambda incomplete: [
+                d for d in ("float16", "bfloat16", "float32") if d.startswith(incomplete)
+            ],
         ),
     ] = None,
     opset: o.Opset = None,
@@ -84,11 +88,16 @@ def fuse(
       slabconv fuse qwen2-folder --fold-norm-affine --out qwen2-unit-norms
     """
     from slabconv import api
-    from slabconv.errors import KeptNormsError, VerificationError
+    from slabconv.errors import KeptNormsError, UsageError, VerificationError
     from slabconv.report.junit import check_report_path, write_junit
 
     output = Output(json=as_json, quiet=quiet, verbose=verbose)
     with errors(output, debug):
+        unused = o.given(ctx, "inputs", "samples", "seed", "rtol", "atol", "strict", "generate") if no_verify else []
+        if unused:
+            raise UsageError(
+                f"{unused[0]} sets how the result is verified, and --no-verify skips verification; drop one of them"
+            )
         check = None if no_verify else o.verify_options(inputs, samples, seed, rtol, atol, strict, generate)
         write = WriteOptions(
             force=force,

@@ -285,6 +285,16 @@ def load_options(
     return LoadOptions(arch, ema, trust_pickle, parse_shape(input_shape), image_size, fold_norm_affine)
 
 
+def given(ctx: typer.Context, *names: str) -> list[str]:
+    """The options among ``names`` (parameter names, e.g. ``rtol``) typed on the command line, as their long flag
+    (``--rtol``), in the command's order; one given its default value (``--seed 0``) counts too."""
+    return [
+        max(p.opts, key=len)
+        for p in ctx.command.params
+        if p.name in names and getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"
+    ]
+
+
 def verify_options(
     inputs: Path | None,
     samples: int | None,

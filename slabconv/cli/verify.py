@@ -38,6 +38,7 @@ def verify(
         Path | None,
         typer.Option(
             "--calibration",
+            metavar="NPZ",
             help="With --runtime onnxruntime-int8: calibrate the quantizer on this .npz (its x array, shaped as "
             "--inputs) instead of the verification inputs.",
         ),
@@ -56,6 +57,7 @@ def verify(
         Path | None,
         typer.Option(
             "--plot",
+            metavar="FILE",
             help="With --localize: write the error at every fold boundary as a chart (.png, .svg, "
             ".pdf; needs matplotlib).",
         ),

@@ -91,8 +91,8 @@ def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
     that reader refuses is loaded in full (this runs code from the file). Both read ``f``, the one open file."""
     try:
         return safety.weights_only_load(f, label)
-    except InputError:
-        if not trust_pickle:
+    except InputError as err:
+        if not trust_pickle or isinstance(err, safety.WrongKind):
             raise
     except pickle.UnpicklingError as err:
         if not trust_pickle:

@@ -2,9 +2,11 @@
 
 Every command that takes a model path asks ``input_format`` (or ``engine_of``) which entry it is; nothing else
 looks at suffixes. An entry is tried in table order: ``sniff`` looks at the path only (its suffix, or which files a
-folder holds), never at a file's contents, and never runs anything from it. ``read`` returns a ``Checkpoint``
-(``slabconv.load.checkpoint``) through the readers of ``slabconv.load.safety``; ``load_model`` builds it (a zoo
-model, a program's module or a pickled module, by the ``Checkpoint.format`` the read recorded). An entry whose
+folder holds), never at a file's contents, and never runs anything from it; only the message for a file its reader
+refuses says what its first bytes are (``safety.content_error``: a ``.pt2`` named ``.onnx``, a tar of a
+checkpoint). ``read`` returns a ``Checkpoint`` (``slabconv.load.checkpoint``) through the readers of
+``slabconv.load.safety``; ``load_model`` builds it (a zoo model, a program's module or a pickled module, by the
+``Checkpoint.format`` the read recorded). An entry whose
 ``engine`` is ``onnx`` is not read into a checkpoint: ``slabconv.onnx_in`` folds its graph (docs/onnx.md).
 
 A new format is one entry here and its reader, plus a case in ``tests/test_formats.py`` (and a hostile file in

@@ -603,6 +603,21 @@ def check_graph_inputs(path: Path, proto: Any) -> None:
 # --------------------------------------------------------------------------------------------- the loader
 
 
+def _wrong_kind(path: Path, data: bytes) -> InputError | None:
+    """What a file named ``.onnx`` that is no ONNX model is (``safety.content_error``), when its bytes tell."""
+    import io
+    import zipfile
+
+    names = None
+    if data.startswith(b"PK"):
+        try:
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                names = archive.namelist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+            return None
+    return safety.content_error(str(path), data[:512], names)
+
+
 def read_onnx(path: Path | str) -> OnnxFile:
     """Read and check an ``.onnx`` original (the module docstring): its facts, and the checked model in ``proto``.
 
@@ -622,6 +637,9 @@ def read_onnx(path: Path | str) -> OnnxFile:
     try:
         proto = onnx.ModelProto.FromString(data)
     except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError (and RecursionError, ValueError)
+        wrong = _wrong_kind(path, data)
+        if wrong is not None:
+            raise wrong from None
         raise InputError(
             f"{path}: not a readable ONNX model ({first_line(err, 120)}); export it again, or point at the .pth / "
             ".safetensors / .pt2 file"

@@ -26,6 +26,7 @@ from slabconv.load.safety import (
     MAX_JSON_BYTES,
     MAX_PROGRAM_JSON_BYTES,
     _human,
+    check_archive_kind,
     check_zip,
     json_dicts,
     open_regular,
@@ -233,6 +234,7 @@ def check_program_archive(
     label = label or "program"
     file_bytes = file_bytes if file_bytes is not None else os.fstat(source.fileno()).st_size
     names = check_zip(source, label)
+    check_archive_kind(source, label, names)
     with zipfile.ZipFile(source) as archive:
         sizes = {info.filename: info.file_size for info in archive.infolist()}
         roots = {n.split("/", 1)[0] for n in names if "/" in n}

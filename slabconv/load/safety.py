@@ -337,6 +337,10 @@ def _check_zip(source: Path | bytes | IO[bytes], label: str, read: str | None = 
     """``check_zip``, and the bytes of the first entry whose name ends with ``read`` (when given) from the same
     parse of the archive's directory (parsing a directory of 100,000 entries takes a second)."""
     opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
+    head = _head(opened)
+    wrong = content_error(label, head) if sniff_contents(head) == "tar" else None
+    if wrong is not None:  # a tar of a checkpoint would open as the zip inside it
+        raise wrong
     entries = _declared_entries(opened)
     if entries is not None and entries > MAX_ZIP_ENTRIES:
         raise InputError(f"{label}: the archive has {entries} entries; a checkpoint has far fewer")
@@ -384,28 +388,134 @@ def _declared_entries(f: Any) -> int | None:
     return int(end[zipfile._ECD_ENTRIES_TOTAL]) if end else None  # type: ignore[attr-defined]
 
 
-def _not_a_zip(source: Path | bytes | IO[bytes], label: str, detail: str) -> InputError:
-    """The error for a file ``zipfile`` cannot open, by what its first bytes say it is."""
+def _head(source: Path | bytes | IO[bytes], size: int = 512) -> bytes:
+    """The first ``size`` bytes of ``source``, leaving an open file at its start."""
     if isinstance(source, Path):
         with open(source, "rb") as f:
-            head = f.read(4)
-    elif isinstance(source, (bytes, bytearray)):
-        head = bytes(source[:4])
-    else:
-        source.seek(0)
-        head = source.read(4)
-        source.seek(0)
+            return f.read(size)
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source[:size])
+    source.seek(0)
+    head = source.read(size)
+    source.seek(0)
+    return head
+
+
+_LEGACY_MAGIC = b"\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+"""``torch.serialization.MAGIC_NUMBER`` as pickled (LONG1): the first object of a pre-1.6 ``torch.save`` file."""
+
+_MODEL_FORMATS = {
+    "torch.export": ("a torch.export program", ".pt2"),
+    "onnx": ("an ONNX model", ".onnx"),
+    "safetensors": ("a safetensors file", ".safetensors"),
+    "pickle": ("a PyTorch checkpoint (torch.save)", ".pth"),
+}
+"""The model formats slabconv reads, by the kind ``sniff_contents`` names: how to say it, and the suffix whose reader
+reads it (``slabconv.load.formats`` picks a reader by the suffix; any other suffix is read as a pickle)."""
+
+
+def sniff_contents(head: bytes, names: list[str] | None = None) -> str | None:
+    """What a file is, from its first 512 bytes and, for a zip archive, its entry names; None when unknown.
+
+    Returns:
+        A key of ``_MODEL_FORMATS`` (``torch.export``, ``onnx``, ``safetensors``, ``pickle``), ``tar``, ``gzip``,
+        ``zip`` (an archive neither torch.save nor torch.export.save wrote) or ``plain-pickle`` (a pickle that is not
+        a pre-1.6 torch.save file). Nothing is parsed beyond these bytes: the kind is a guess for the message of a
+        file its reader refused.
+    """
+    if names is not None:
+        rel = {n.split("/", 1)[1] if "/" in n else n for n in names}
+        if "archive_format" in rel or any(r.startswith(("models/", "serialized_")) for r in rel):  # (older torch)
+            return "torch.export"
+        return "pickle" if "data.pkl" in rel else "zip"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if head.startswith(b"\x80"):
+        return "pickle" if _LEGACY_MAGIC in head[:32] else "plain-pickle"
+    header = int.from_bytes(head[:8], "little") if len(head) >= 9 else 0
+    if 2 <= header < 100 << 20 and head[8:9] == b"{":
+        return "safetensors"
+    # ModelProto: field 1 (ir_version, a small varint), then a field of the model (producer, graph, opsets...)
+    if len(head) >= 3 and head[0] == 0x08 and 1 <= head[1] <= 32 and head[2] in b"\x12\x1a\x22\x28\x32\x3a\x42\x72":
+        return "onnx"
+    return None
+
+
+class WrongKind(InputError):
+    """A file that is not of the format its reader reads (``content_error``): final, also with ``--trust-pickle``."""
+
+
+def content_error(label: str, head: bytes, names: list[str] | None = None) -> WrongKind | None:
+    """The error for a file its reader refused, saying what the file is when its first bytes (and a zip's entry
+    names) tell: a model format of another suffix (rename it), an archive to extract, a pickle torch.save did not
+    write. None when they tell nothing, or tell the format its suffix already names (a damaged file of that kind).
+
+    Args:
+        label: the user's path; its suffix says which reader was used.
+        head: the file's first 512 bytes.
+        names: a zip archive's entry names, or None for a file that is not one.
+    """
+    kind = sniff_contents(head, names)
+    path = Path(label)
+    suffix = path.suffix.lower()
+    read_as = next((k for k, (_, s) in _MODEL_FORMATS.items() if s == suffix and k != "pickle"), "pickle")
+    if kind in _MODEL_FORMATS and kind != read_as:
+        what, right = _MODEL_FORMATS[kind]
+        named = f"named {suffix}" if suffix else "without a suffix"
+        return WrongKind(
+            f"{label}: is {what}, {named}; slabconv reads a file by its suffix: rename it to {path.stem}{right}"
+        )
+    if kind == "tar":
+        return WrongKind(
+            f"{label}: is a tar archive, not a model file; extract it (tar -xf {label}) and give the file inside it"
+        )
+    if kind == "gzip":
+        return WrongKind(
+            f"{label}: is gzip-compressed, not a model file; decompress it (gunzip, or tar -xzf for a .tar.gz) and "
+            "give the file inside it"
+        )
+    if kind == "zip" and names is not None:
+        listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return WrongKind(
+            f"{label}: is a zip archive that neither torch.save nor torch.export.save wrote (it holds {listed}); "
+            f"extract it (unzip {label}) and give the file inside it"
+        )
+    if kind == "plain-pickle":
+        return WrongKind(
+            f"{label}: is a Python pickle that torch.save did not write (pickle.dump?); save the weights with "
+            "torch.save(model.state_dict(), 'weights.pth')"
+        )
+    return None
+
+
+def check_archive_kind(source: Path | IO[bytes], label: str, names: list[str]) -> None:
+    """Refuse a zip archive (checked by ``check_zip``, entry ``names``) whose entries say it is another format than
+    its suffix names, or none slabconv reads (``content_error``): a ``.pt2`` named ``.pth``, a zip of files.
+
+    Raises:
+        InputError: saying what the archive is and what to do.
+    """
+    err = content_error(label, _head(source), names)
+    if err is not None:
+        raise err
+
+
+def _not_a_zip(source: Path | bytes | IO[bytes], label: str, detail: str) -> InputError:
+    """The error for a file ``zipfile`` cannot open, by what its first bytes say it is."""
+    head = _head(source)
     if head.startswith(b"PK"):
         return InputError(
             f"{label}: not a readable PyTorch checkpoint (its zip archive is damaged or truncated: {detail}); "
             "use an intact copy"
         )
-    if head.startswith(b"\x80"):
+    if sniff_contents(head) == "pickle":
         return InputError(
             f"{label}: a pickle in the pre-1.6 torch.save format, whose storage sizes cannot be checked before they "
             "are allocated; re-save it with torch.save under torch >= 1.6 (or pass --trust-pickle if you trust it)"
         )
-    return InputError(
+    return content_error(label, head) or InputError(
         f"{label}: not a readable PyTorch checkpoint (not a zip archive); the file is damaged or not a checkpoint"
     )
 
@@ -542,6 +652,8 @@ def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: 
         with open_regular(source, "the checkpoint") as f:
             return weights_only_load(f, label, file_bytes)
     names, pkl = _check_zip(source, label, read="data.pkl")
+    if not isinstance(source, (bytes, bytearray)):  # a file (bytes are a pickle inside a program)
+        check_archive_kind(source, label, names)
     count_pickled_tensors(source, names, label, pkl)
     if isinstance(source, (bytes, bytearray)):
         size = file_bytes if file_bytes is not None else len(source)

@@ -134,8 +134,25 @@ def check_inputs_file(path: Path) -> None:
     """
     with safety.open_regular(path, "--inputs") as f:
         head = f.read(6)
+        if head.startswith(b"PK"):
+            try:
+                with zipfile.ZipFile(f) as archive:
+                    _check_not_a_model(archive, path)
+            except zipfile.BadZipFile:
+                pass  # said when the verification reads it
     if not (head.startswith(b"PK") or head.startswith(b"\x93NUMPY")):
         raise InputError(_NOT_ARRAYS.format(path=path))
+
+
+def _check_not_a_model(archive: zipfile.ZipFile, path: Path) -> None:
+    """Refuse a model file (a torch.save checkpoint or a torch.export program: zip archives too) given as inputs."""
+    kind = safety.sniff_contents(b"", archive.namelist())
+    if kind in ("pickle", "torch.export"):
+        what = "a PyTorch checkpoint" if kind == "pickle" else "a torch.export program"
+        raise InputError(
+            f"{path}: is {what}, not verification inputs; give it as the model argument, and with --inputs an .npz "
+            "of the inputs (numpy.savez(path, x=x))"
+        )
 
 
 _NOT_ARRAYS = "{path}: not a readable .npz or .npy file; save the inputs with numpy.savez(path, x=x)"
@@ -198,6 +215,7 @@ def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> d
 def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key: str | None = None) -> np.ndarray:
     try:
         with zipfile.ZipFile(f) as archive:
+            _check_not_a_model(archive, path)
             infos = {i.filename.removesuffix(".npy"): i for i in archive.infolist()}
             if key is not None and key not in infos:
                 raise InputError(

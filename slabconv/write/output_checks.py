@@ -50,25 +50,7 @@ def _check_owned(target: Path, out: object) -> None:
         UsageError: no slabconv report, a file slabconv did not write, or a file changed since (named).
     """
     entries = sorted(p.name for p in target.iterdir())
-    recorded = _recorded(target)
-    if recorded is None:
-        listed = ", ".join(shown(e, 60) for e in entries[:3]) + (
-            f" and {len(entries) - 3} more" if len(entries) > 3 else ""
-        )
-        raise UsageError(
-            f"--out {shown(out)} holds {listed}, and no report.json of slabconv: it is not a folder slabconv wrote, so "
-            "--force will not replace it; choose a new folder"
-        )
-    owned, hashes = recorded
-    foreign = [e for e in entries if e not in owned]
-    if foreign:
-        listed = ", ".join(shown(e, 60) for e in foreign[:3]) + (
-            f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        )
-        raise UsageError(
-            f"--out {shown(out)} holds {listed}, which slabconv did not write; --force replaces only slabconv's own "
-            "output: move those files or choose a new folder"
-        )
+    hashes = _check_foreign(target, out, entries)
     seen = _unchanged.setdefault(target, {})
     for name in entries:
         if name == REPORT:
@@ -89,6 +71,32 @@ def _check_owned(target: Path, out: object) -> None:
                 "report.json records); --force will not replace an edited file: move it or choose a new folder"
             )
         seen[name] = key
+
+
+def _check_foreign(target: Path, out: object, entries: list[str]) -> dict[str, str]:
+    """Refuse a non-empty ``target`` (its ``entries``) without slabconv's ``report.json``, or holding a file that
+    report does not list: ``--force`` would not replace it either. Returns the sha256 the report records per file.
+
+    Raises:
+        UsageError: naming the first files that are not slabconv's.
+    """
+    recorded = _recorded(target)
+    owned, hashes = recorded if recorded is not None else (set(), {})
+    foreign = entries if recorded is None else [e for e in entries if e not in owned]
+    listed = ", ".join(shown(e, 60) for e in foreign[:3]) + (
+        f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+    )
+    if recorded is None:
+        raise UsageError(
+            f"--out {shown(out)} holds {listed}, and no report.json of slabconv: it is not a folder slabconv wrote, so "
+            "--force will not replace it; choose a new folder"
+        )
+    if foreign:
+        raise UsageError(
+            f"--out {shown(out)} holds {listed}, which slabconv did not write; --force replaces only slabconv's own "
+            "output: move those files or choose a new folder"
+        )
+    return hashes
 
 
 def _check_replaceable(target: Path, out: object) -> None:
@@ -234,6 +242,8 @@ def check_output_folder(out: Path | str, *, force: bool, inputs: Sequence[Path] 
     if not target.is_dir():
         raise UsageError(f"--out {shown(out)} is an existing file, not a folder; slabconv will not replace it")
     if not force:
+        if any(target.iterdir()):  # a folder --force would not replace either is said so now, not after a retry
+            _check_foreign(target, out, sorted(p.name for p in target.iterdir()))
         raise UsageError(f"{shown(out)} already exists; pass --force to replace it (only a folder slabconv wrote)")
     _check_replaceable(target, f"--out {out}")
     if any(target.iterdir()):
