@@ -446,6 +446,29 @@ def test_a_file_is_held_to_the_originals_error_in_its_own_runtime(tmp_path: Path
     assert len(exported) == 1, said  # a line before the (once) export, which a large model takes a while for
 
 
+def test_a_failed_check_in_pytorch_does_not_export_the_original(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The original's error in the candidate's own runtime is measured by exporting the original to ONNX, which a
+    PyTorch runtime does not run: a check that fails there judges nothing again and exports nothing (a large model's
+    export takes minutes)."""
+    from types import SimpleNamespace
+
+    from slabconv.verify import run
+    from slabconv.verify.runtimes import Runtime, torch_runner
+
+    exported: list[object] = []
+    monkeypatch.setattr(run, "export_original", lambda model, folder: exported.append(model))
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4).eval()
+    x = torch.randn(8, 16).numpy()
+    out = torch_runner(model, torch.float32)(x)[0]
+    reference = run.Reference(x, "random", None, "float32", [out], [out.astype(np.float64)], ["output"],
+                              model=SimpleNamespace(model=model, dtype=torch.float32))  # fmt: skip
+    candidate = Runtime("pytorch (model.pt2)", lambda b: [torch_runner(model, torch.float32)(b)[0] + 1.0],
+                        kind="pytorch")  # fmt: skip
+    (check,) = run.question_2(reference, candidate, rtol=None, atol=0.0, strict=False, token_logits=False)
+    assert not check.passed and exported == []
+
+
 def _order_check(moved: float) -> tuple[bool, list[str]]:
     """Question 2 of a file 1e-4 (relative) from float64 in a PyTorch runtime, against an original whose run in
     batches of 4 stands ``moved`` (relative) away from its run one sample at a time, as another order of its float32
