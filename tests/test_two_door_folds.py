@@ -687,6 +687,55 @@ def test_the_overflow_message_of_a_composed_norm_gives_the_composed_affine(tmp_p
         api.fuse(path, tmp_path / "out")
 
 
+class Lab(nn.Module):
+    """HGNetV2's learnable affine block: a learned scalar ``scale * x + bias`` after an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.bias = nn.Parameter(torch.tensor([1.3])), nn.Parameter(torch.tensor([0.2]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x + self.bias
+
+
+class EqualAffines(nn.Module):
+    """Three learnable affine blocks holding equal values, which each exporter stores once: the dynamo exporter as
+    one initializer three ``Mul`` / ``Add`` read, the TorchScript exporter as ``Identity`` copies of it."""
+
+    def __init__(self, c: int = C) -> None:
+        super().__init__()
+        self.c1, self.c2, self.c3, self.c4 = (nn.Conv2d(3 if i == 0 else c, c, 1) for i in range(4))
+        self.lab1, self.lab2, self.lab3 = Lab(), Lab(), Lab()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.lab1(torch.relu(self.c1(x)))
+        x = self.lab2(torch.relu(self.c2(x)))
+        x = self.c3(x) + x
+        return self.c4(self.lab3(torch.relu(x)))
+
+
+def test_affines_whose_equal_parameters_the_exporter_stores_once_are_listed_by_every_door(tmp_path):
+    """The TorchScript exporter writes ``lab2.scale = Identity(lab1.scale)``: the copies are the modules' own
+    parameters, listed and decided as the program lists them (lab2 and lab3 were in no list through that door, their
+    ``Mul`` / ``Add`` silently left in the fused graph), and the affine kept for the residual still reads the values
+    the folds left unchanged. Folding lab2 into ``c3`` regardless is wrong: the residual reads it."""
+    torch.manual_seed(0)
+    model = EqualAffines().eval()
+    x = image(3)
+    naive = copy.deepcopy(model)
+    with torch.no_grad():
+        naive.c3.bias.add_(0.2 * naive.c3.weight.sum((1, 2, 3)))
+        naive.c3.weight.mul_(1.3)
+        naive.lab2.scale.fill_(1.0)
+        naive.lab2.bias.zero_()
+    assert rel_err(naive(x), model(x)) > NAIVE_MIN_ERR
+    assert both_doors(model, x, tmp_path) == [
+        ("lab1.scale", "Affine", "folded-forward", None, ("c2",)),
+        ("lab2.scale", "Affine", "kept-affine", reasons.RESIDUAL_READS_NORM, ("c3",)),
+        ("lab3.scale", "Affine", "folded-forward", None, ("c4",)),
+    ]
+
+
 # --------------------------------------------------------------------------------------------- in-place ops
 
 

@@ -93,6 +93,7 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     NameFixPass()(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
+    _read_shared_initializers(model)
     declared = _forget_declared_shapes(model)
     merge_shapes(model, infer_shapes(model, proto_path))
     for value, shape in declared:  # an annotation adds what inference left unknown, never contradicts it
@@ -102,6 +103,23 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
+
+
+def _read_shared_initializers(model: ir.Model) -> None:
+    """Each ``Identity`` of an initializer in the main graph (the TorchScript exporter's copy of a parameter equal to
+    another, ``l2.scale = Identity(l1.scale)``, after its deduplication of equal initializers) is dropped, its
+    readers reading the initializer itself, as the dynamo exporter writes the same deduplication: the copy is the
+    module's parameter, not a constant computed from one (which the folder would make it, and no fold reads). An
+    ``Identity`` that gives a graph output stays."""
+    outputs = {id(v) for v in model.graph.outputs}
+    for node in list(model.graph):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 1:
+            continue
+        src, (out,) = node.inputs[0], node.outputs
+        if src is None or not src.is_initializer() or id(out) in outputs:
+            continue
+        out.replace_all_uses_with(src)
+        model.graph.remove(node, safe=True)
 
 
 def _forget_declared_shapes(model: ir.Model) -> list[tuple[ir.Value, ir.Shape]]:
