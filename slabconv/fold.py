@@ -206,13 +206,18 @@ def fold_into_linear(
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
 
-def _grouped_channels(w: Tensor, groups: int, first: int, total: int | None) -> Tensor:
-    """``(rows, w.shape[1])`` int64: for rows ``first:first + len(w)`` of a grouped weight with ``total`` rows
-    (default ``len(w)``) in ``groups`` equal groups, the channel of each column ``j``: ``g * w.shape[1] + j``, ``g``
-    the row's group. A convolution's rows are its output channels and its columns input channels of their group; a
-    transposed convolution's the other way round."""
-    width = w.shape[1]
-    return _row_groups(w, groups, first, total)[:, None] * width + torch.arange(width, device=w.device)[None, :]
+def _per_row(w: Tensor, groups: int, first: int, total: int | None, *values: Tensor) -> list[Tensor]:
+    """For each of ``values`` (one per channel, ``groups * w.shape[1]`` of them), ``(rows, w.shape[1])`` float64: the
+    values as each of the rows ``first:first + len(w)`` of a grouped weight with ``total`` rows (default ``len(w)``)
+    in ``groups`` equal groups reads them, ``values[g * w.shape[1] + j]`` at column ``j``, ``g`` the row's group. A
+    convolution's rows are its output channels and its columns input channels of their group; a transposed
+    convolution's the other way round. One group: the values broadcast over the rows (a view); else one row of them
+    per row of ``w``, picked by its group: the values a gather of every element reads, at a per-row cost."""
+    rows, width = w.shape[0], w.shape[1]
+    if groups == 1:
+        return [v.to(w).reshape(1, width).expand(rows, width) for v in values]
+    group = _row_groups(w, groups, first, total)
+    return [v.to(w).reshape(groups, width).index_select(0, group) for v in values]
 
 
 def _row_groups(w: Tensor, groups: int, first: int, total: int | None) -> Tensor:
@@ -262,9 +267,8 @@ def fold_into_conv(
     w = _widened(weight, inplace)
     out_ch, in_per_group = w.shape[0], w.shape[1]
     b = _bias64(bias, out_ch, w)
-    chan = _grouped_channels(w, groups, first, total)  # per output channel, the input channels it reads
-    s = scale.to(w)[chan].reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
-    t = shift.to(w)[chan]
+    s, t = _per_row(w, groups, first, total, scale, shift)  # per output channel, those of the input channels it reads
+    s = s.reshape(out_ch, in_per_group, *([1] * (w.dim() - 2)))
     new_b = b + (w.sum(dim=tuple(range(2, w.dim()))) * t).sum(dim=1)
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)
 
@@ -332,8 +336,8 @@ def fold_into_conv_transpose(
     """
     w = _widened(weight, inplace)
     rows, per_group = w.shape[0], w.shape[1]
-    chan = _grouped_channels(w, groups, first, total)  # per input channel, the output channels it writes
-    s = scale.to(w)[chan].reshape(rows, per_group, *([1] * (w.dim() - 2)))
+    (s,) = _per_row(w, groups, first, total, scale)  # per input channel, the scales of the output channels it writes
+    s = s.reshape(rows, per_group, *([1] * (w.dim() - 2)))
     b = _bias64(bias, groups * per_group, w)
     new_b = scale.to(w) * b + shift.to(w)
     return _cast(w.mul_(s) if inplace else w * s, weight), _cast(new_b, weight)

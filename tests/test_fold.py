@@ -163,6 +163,31 @@ def test_inplace_folds_give_the_same_bits_in_the_callers_buffer():
         assert not torch.equal(buffer, weight), name  # the buffer was overwritten
 
 
+@pytest.mark.parametrize("groups", [1, 3, 12])
+def test_grouped_folds_by_blocks_of_rows_equal_the_whole_fold_bit_for_bit(groups):
+    """A streamed fold hands the conv folds one block of rows at a time (``first``, ``total``), blocks that start
+    and end inside a group: each row must read the scale and shift of its own group's channels, so the blocks
+    joined are the whole fold, bit for bit (a row given another group's channels, or the first group's, differs)."""
+    gen = torch.Generator().manual_seed(11)
+    rows, width = 24, 5  # 24 rows in `groups` groups; blocks of 7 cut every group of 2 or 8
+    s = torch.rand(groups * width, generator=gen, dtype=torch.float64) + 0.5
+    t = torch.randn(groups * width, generator=gen, dtype=torch.float64)
+    conv_bias = torch.randn(rows, generator=gen, dtype=torch.float64)  # a conv's: per row (output channel)
+    transposed_bias = torch.randn(groups * width, generator=gen, dtype=torch.float64)  # per output channel
+    folds = [  # (weight, bias, fold of the rows from `first` on: its weight rows and its part of the bias)
+        (torch.randn(rows, width, 3, 3, generator=gen, dtype=torch.float64), conv_bias,
+         lambda w, b, first: fold.fold_into_conv(w, b[first : first + len(w)], s, t, groups, first=first, total=rows)),
+        (torch.randn(rows, width, 2, 2, generator=gen, dtype=torch.float64), transposed_bias,
+         lambda w, b, first: (fold.fold_into_conv_transpose(w, b, s, t, groups, first=first, total=rows)[0], None)),
+    ]  # fmt: skip
+    for weight, bias, run in folds:
+        whole_w, whole_b = run(weight, bias, 0)
+        parts = [run(weight[i : i + 7], bias, i) for i in range(0, rows, 7)]
+        assert torch.equal(torch.cat([w for w, _ in parts]), whole_w)
+        if whole_b is not None:
+            assert torch.equal(torch.cat([b for _, b in parts]), whole_b)
+
+
 def test_inplace_fold_refuses_a_weight_that_is_not_float64():
     with pytest.raises(ValueError, match="float64"):
         fold.fold_into_linear(torch.ones(2, 3), None, torch.ones(3).double(), torch.zeros(3).double(), inplace=True)
