@@ -583,7 +583,11 @@ CATALOGUE: list[tuple[Case, str]] = [
     (corrupt_safetensors_header, "not a readable safetensors file"),
     (safetensors_header_length_lies, "not a readable safetensors file"),
     (other_architecture, "could not detect the architecture"),
-    (other_architecture_forced, "does not fit these weights: they are a deit model (deit_prepbn), not swin"),
+    (
+        other_architecture_forced,
+        "does not fit these weights: they are deit_prepbn weights, not swin_tiny_prepbn weights; "
+        "pass --arch deit_prepbn",
+    ),
     (preset_of_another_size, "--arch deit_tiny_prepbn does not fit these weights"),
     (preset_of_another_size, "are those of deit_prepbn, not deit_tiny_prepbn; pass --arch deit_prepbn"),
     (misspelt_arch, "unknown architecture 'deit_prebn'; did you mean deit_prepbn, "),
