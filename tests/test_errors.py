@@ -304,6 +304,11 @@ def program_named_onnx(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[s
     return ["inspect", str(_renamed(fused, "model.pt2", tmp, "model.onnx"))]
 
 
+def program_named_onnx_exported(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """``export`` of a ``.pt2`` named ``.onnx``: what the file is, not "an ONNX file is already an export"."""
+    return ["export", str(_renamed(fused, "model.pt2", tmp, "model.onnx")), "--onnx", str(tmp / "out.onnx")]
+
+
 def onnx_named_pt2(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     return ["fuse", str(_renamed(fused, "model.onnx", tmp, "model.pt2")), "--no-verify"]
 
@@ -583,7 +588,11 @@ CATALOGUE: list[tuple[Case, str]] = [
     (corrupt_safetensors_header, "not a readable safetensors file"),
     (safetensors_header_length_lies, "not a readable safetensors file"),
     (other_architecture, "could not detect the architecture"),
-    (other_architecture_forced, "does not fit these weights: they are a deit model (deit_prepbn), not swin"),
+    (
+        other_architecture_forced,
+        "does not fit these weights: they are deit_prepbn weights, not swin_tiny_prepbn weights; "
+        "pass --arch deit_prepbn",
+    ),
     (preset_of_another_size, "--arch deit_tiny_prepbn does not fit these weights"),
     (preset_of_another_size, "are those of deit_prepbn, not deit_tiny_prepbn; pass --arch deit_prepbn"),
     (misspelt_arch, "unknown architecture 'deit_prebn'; did you mean deit_prepbn, "),
@@ -618,6 +627,11 @@ CATALOGUE: list[tuple[Case, str]] = [
     (onnx_external_data_missing, "its external data file 'ext.onnx.data' is missing"),
     (not_an_onnx_file, "not a readable ONNX model"),
     (program_named_onnx, "model.onnx: is a torch.export program, named .onnx; slabconv reads a file by its suffix: r"),
+    (
+        program_named_onnx_exported,
+        "model.onnx: is a torch.export program, named .onnx; slabconv reads a file by its "
+        "suffix: rename it to model.pt2",
+    ),
     (onnx_named_pt2, "model.pt2: is an ONNX model, named .pt2; slabconv reads a file by its suffix: rename it to mo"),
     (safetensors_named_pth, "model.pth: is a safetensors file, named .pth; slabconv reads a file by its suffix: ren"),
     (program_named_pth, "fused.pth: is a torch.export program, named .pth; slabconv reads a file by its suffix: ren"),

@@ -174,6 +174,28 @@ def test_an_arch_of_another_llama_names_the_one_that_fits_without_blaming_the_co
     assert "fix config.json" not in message, message
 
 
+def test_a_prepbn_arch_on_a_mistral_folder_names_arch_values_and_the_model_type_once(prepbn, tmp_path):
+    """``fuse MISTRAL_FOLDER --arch llama_prepbn``: the message names ``--arch`` values the user can pass (the one
+    given and the one that fits) and the folder's ``model_type`` once, not the zoo's family names."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    sd = {k: v for k, v in prepbn.state_dict().items() if "layernorm" not in k and not k.startswith("model.norm")}
+    sd |= {f"model.layers.{i}.{n}.weight": torch.ones(32) for i in range(2) for n in _STD_NORMS}
+    sd = {k: v for k, v in sd.items() if "inv_freq" not in k} | {"model.norm.weight": torch.ones(32)}
+    write_hf_folder(tmp_path / "mistral", sd, CONFIG | {"model_type": "mistral"})
+    result = CliRunner().invoke(
+        app, ["fuse", str(tmp_path / "mistral"), "--arch", "llama_prepbn", "-o", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --arch llama_prepbn does not fit these weights: they are mistral weights, not llama_prepbn weights "
+        "(config.json's model_type is 'mistral'); pass --arch mistral, or leave --arch out to detect it"
+    ), result.stderr
+    assert "llama_std" not in result.stderr
+
+
 def test_the_float64_reference_of_a_sliding_window_model_masks_each_layer_by_its_window():
     """Mistral's ``sliding_window`` (and Qwen2's ``layer_types``): the generation check's float64 pass runs the
     prompts and the generated tokens, longer than the window, one decoder layer at a time. Each layer must see its

@@ -296,6 +296,25 @@ def test_exit_codes_are_documented_in_help() -> None:
 # --------------------------------------------------------------------------------------------- comparison
 
 
+@pytest.mark.parametrize("by_value", [False, True], ids=["by name (.safetensors, .pt2)", "by value (.onnx)"])
+def test_question_1_says_a_tensor_the_fold_writes_is_missing_from_the_file(by_value: bool) -> None:
+    """A tensor of the fold the written file lacks (by name; an ``.onnx``: by name, shape and transposed shape) is
+    named as missing from that file in the failure, the report line and ``missing``: not as a distance."""
+    from slabconv.report.render import verification_lines
+    from slabconv.verify.results import Verification
+
+    fold = {"fc.weight": torch.randn(4, 3, dtype=torch.float64), "fc.bias": torch.randn(4, dtype=torch.float64)}
+    written = {"fc.weight": fold["fc.weight"].float()}
+    check = judge.exact_tensors("w.pt2 vs a float64 fold", written, fold, by_value=by_value, file="w.pt2")
+    assert not check.passed and check.worst == "fc.bias" and check.missing.startswith("w.pt2"), check
+    assert "tensor 'fc.bias', which the fold writes, is missing from w.pt2" in check.failure()
+    lines = "\n".join(verification_lines(Verification(exact=[check])))
+    assert "'fc.bias', which the fold writes, is missing from w.pt2" in lines and "inf" not in lines, lines
+    written["fc.bias"] = fold["fc.bias"].float() + 1  # present but wrong: a distance, as before
+    wrong = judge.exact_tensors("w.pt2 vs a float64 fold", written, fold, by_value=by_value, file="w.pt2")
+    assert not wrong.passed and not wrong.missing and "units in the last place away" in wrong.failure(), wrong
+
+
 def test_relative_error_and_top1_follow_the_policy() -> None:
     """Relative error = max |candidate - reference| / max |reference|; top-1 judged on decisive samples only;
     the bound is max(tol_dtype, 2 * e_orig); NaN fails whatever the tolerance."""

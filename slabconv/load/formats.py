@@ -22,7 +22,7 @@ from pathlib import Path
 from slabconv.errors import InputError, UsageError
 from slabconv.load import hf, safety
 from slabconv.load.checkpoint import Checkpoint, load_pickle, load_program, load_safetensors
-from slabconv.load.onnx_file import ONNX_SUFFIX
+from slabconv.load.onnx_file import ONNX_SUFFIX, wrong_kind
 from slabconv.load.paths import check_input, not_a_model_folder
 
 Read = Callable[[Path, bool, bool], Checkpoint]
@@ -56,7 +56,16 @@ def _is_onnx(path: Path) -> bool:
 
 
 def _export_not_checkpoint(path: Path, ema: bool = False, trust_pickle: bool = False) -> Checkpoint:
-    """An ``.onnx`` is not read into a checkpoint: it is an export, which ``slabconv.onnx_in`` folds as a graph."""
+    """An ``.onnx`` is not read into a checkpoint: it is an export, which ``slabconv.onnx_in`` folds as a graph.
+
+    Raises:
+        InputError: the file is another format by its bytes (``onnx_file.wrong_kind``: a ``.pt2`` renamed), named
+            with the suffix to give it.
+        UsageError: an ONNX file (or one whose bytes tell nothing).
+    """
+    wrong = wrong_kind(path)
+    if wrong is not None:
+        raise wrong
     raise UsageError(
         f"{path}: an ONNX file is already an export, not a checkpoint to build a model from; fold it with "
         "slabconv fuse (docs/onnx.md), or give the checkpoint it was exported from"

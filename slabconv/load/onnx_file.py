@@ -603,19 +603,31 @@ def check_graph_inputs(path: Path, proto: Any) -> None:
 # --------------------------------------------------------------------------------------------- the loader
 
 
-def _wrong_kind(path: Path, data: bytes) -> InputError | None:
-    """What a file named ``.onnx`` that is no ONNX model is (``safety.content_error``), when its bytes tell."""
+def wrong_kind(path: Path, data: bytes | None = None) -> InputError | None:
+    """What a file named ``.onnx`` that is no ONNX model is (``safety.content_error``: a ``.pt2`` renamed says so
+    and names the suffix to give it), when its bytes tell; None when they do not, or say it is an ONNX model.
+
+    Args:
+        path: the file.
+        data: its bytes, when read already; None: its first 512 bytes and, for a zip archive, its entry names are
+            read from ``path``.
+    """
     import io
     import zipfile
 
+    if data is None:
+        with open(path, "rb") as f:
+            head = f.read(512)
+    else:
+        head = data[:512]
     names = None
-    if data.startswith(b"PK"):
+    if head.startswith(b"PK"):
         try:
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            with zipfile.ZipFile(io.BytesIO(data) if data is not None else path) as archive:
                 names = archive.namelist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError):
             return None
-    return safety.content_error(str(path), data[:512], names)
+    return safety.content_error(str(path), head, names)
 
 
 def read_onnx(path: Path | str) -> OnnxFile:
@@ -637,7 +649,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
     try:
         proto = onnx.ModelProto.FromString(data)
     except Exception as err:  # noqa: BLE001 - protobuf raises DecodeError (and RecursionError, ValueError)
-        wrong = _wrong_kind(path, data)
+        wrong = wrong_kind(path, data)
         if wrong is not None:
             raise wrong from None
         raise InputError(

@@ -279,6 +279,9 @@ def verification_lines(v: Verification | None) -> Iterator[str]:
     for c in v.exact:
         shown = f"{g3(c.error)} relative error" if c.method == "graph" else units_in_last_place(c.error)
         where = f", the largest at {c.worst!r}" if not c.passed and c.method == "tensors" and c.worst else ""
+        if c.missing:
+            yield f"    {_ok(c.passed)} {c.name}: {c.worst!r}, which the fold writes, is missing from {c.missing}"
+            continue
         yield f"    {_ok(c.passed)} {c.name}: {shown} (allowed {c.bound:g}){where}"
     if v.checks:
         yield f"  {QUESTION_2}"

@@ -230,6 +230,7 @@ def exact_tensors(
     by_value: bool = False,
     against: str = "the float64 fold",
     unchanged: frozenset[str] = frozenset(),
+    file: str = "the written file",
 ) -> ExactCheck:
     """Question 1 for written files: every tensor of the float64 fold, rounded to the written dtype, equals the
     written tensor within ``ulp_bound`` units in the last place (a tensor the file lacks fails).
@@ -255,6 +256,8 @@ def exact_tensors(
             it is an integer buffer (an index: ``written`` holds floating tensors). One matched only up to size-1
             axes is not counted either where none matches it and the file holds none of its very shape (the
             ``(1, 1, K)`` magnitude of a weight-normed conv, stored only inside the weight the exporter computes).
+        file: the file ``written`` was read from, named where a tensor of the fold is missing from it (by name, or
+            with ``by_value`` by name and shape: ``ExactCheck.missing``).
 
     With ``by_value``, a fold tensor that is all zeros and that the file does not hold by name is not counted,
     whether a fold wrote it or not: onnxscript's optimizer (the dynamo exporter's default, and ``fuse --simplify``)
@@ -262,10 +265,10 @@ def exact_tensors(
     add. A tensor the fold makes nonzero is always counted.
     """
     pool = by_shape(written) if by_value else {}
-    worst, worst_name, count = 0.0, "", 0
+    worst, worst_name, count, missing = 0.0, "", 0, ""
     for key, exact in fold64.items():
         exact64 = exact.detach().cpu().double()
-        got = written.get(key)
+        got, absent = written.get(key), ""
         if got is not None:
             distance = _distance(got.detach().cpu(), exact64)
         elif by_value:
@@ -278,20 +281,28 @@ def exact_tensors(
                 or (distance > ulp_bound and not _holds_shape(written, tuple(exact64.shape)))
             ):
                 continue
+            absent = f"{file} (no tensor of its name, shape or transposed shape)" if nearest_one is None else ""
         else:
-            distance = math.inf
+            distance, absent = math.inf, file
         count += 1
         if distance > worst:
-            worst, worst_name = distance, key
-    return tensors_check(label, count, worst, worst_name, ulp_bound, against)
+            worst, worst_name, missing = distance, key, absent
+    return tensors_check(label, count, worst, worst_name, ulp_bound, against, missing)
 
 
 def tensors_check(
-    label: str, count: int, worst: float, worst_name: str, bound: float = policy.ULPS, against: str = "the float64 fold"
+    label: str,
+    count: int,
+    worst: float,
+    worst_name: str,
+    bound: float = policy.ULPS,
+    against: str = "the float64 fold",
+    missing: str = "",
 ) -> ExactCheck:
     """Question 1's verdict on ``count`` written tensors, the farthest ``worst`` units in the last place from
     ``against`` (``worst_name``): passed within ``bound`` (in memory ``exact_tensors``, streamed
-    ``layerwise.exact_streamed``)."""
+    ``layerwise.exact_streamed``); ``missing``: the file that lacks ``worst_name``, a tensor the fold writes
+    (``ExactCheck.missing``)."""
     return ExactCheck(
         name=label,
         passed=bool(worst <= bound),
@@ -306,6 +317,7 @@ def tensors_check(
             if against == "the float64 fold"
             else f"the written tensors are not {against}"
         ),
+        missing=missing,
     )
 
 

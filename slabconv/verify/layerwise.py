@@ -208,7 +208,8 @@ def exact_streamed(
 ) -> ExactCheck:
     """Question 1 for a streamed output: every tensor of ``written`` against its recipe in the fold ``program``
     evaluated afresh in float64 over ``source``, block by block (``LayerRecipe.rows``): a folded weight or bias
-    within ``policy.ULPS`` units in the last place of it, a copy bit for bit; a tensor with no recipe fails.
+    within ``policy.ULPS`` units in the last place of it, a copy bit for bit; a tensor with no recipe fails, and
+    so does a folded layer's bias ``written`` lacks (``ExactCheck.missing``: the folder's weights).
 
     Args:
         lanes, stop: as ``tensor_distances``.
@@ -224,7 +225,8 @@ def exact_streamed(
     for key, distance in tensor_distances(source, written, program, lanes=lanes, stop=stop):
         worst, worst_name = max((worst, worst_name), (distance, key))
     label = f"{written.folder.name} vs a float64 run of the fold program over {source.folder.name}, block by block"
-    return judge.tensors_check(label, len(written.weight_map), worst, worst_name)
+    missing = "" if not worst_name or worst_name in written.weight_map else f"{written.folder.name}'s weights"
+    return judge.tensors_check(label, len(written.weight_map), worst, worst_name, missing=missing)
 
 
 class ExactBeside:
@@ -284,8 +286,8 @@ def tensor_distances(
     """``(key, distance)`` of every tensor of ``written`` from its recipe in the fold ``program`` over ``source``
     (``exact_streamed``'s rule: units in the last place from a folded weight's or bias's float64 rows rounded
     once, a copy's units in the last place from its source (``_copy_distance``: 0 bit for bit), ``inf`` for a
-    tensor with no recipe), in ``written``'s order, one block at a time: a key may come several times (its blocks),
-    its distance the largest.
+    tensor with no recipe and for a folded layer's bias ``written`` lacks), in ``written``'s order, one
+    block at a time: a key may come several times (its blocks), its distance the largest.
 
     Args:
         lanes: threads each block's cache-sized pieces are spread over (the writer's, ``write.shards.FOLD_LANES``,

@@ -110,9 +110,14 @@ def _after_question_1(loc: Localization, exact: Sequence[ExactCheck]) -> Localiz
             "the fold is wrong, and the stored weights hold it; a difference comes from the fold, not from the runtime"
         )
     else:
+        found = (
+            f"missing from {failed.missing}, a tensor the fold writes"
+            if failed.missing
+            else f"{units_in_last_place(failed.error)} from the fold"
+        )
         loc.detail = (
-            f"{head} on these samples; question 1 found {failed.worst!r} {units_in_last_place(failed.error)} from "
-            f"the fold ({failed.name}), a value no boundary shows here (nothing on these samples reaches it, or this "
+            f"{head} on these samples; question 1 found {failed.worst!r} {found} ({failed.name}), a value no boundary "
+            "shows here (nothing on these samples reaches it, or this "
             "pass does not read it): a difference comes from that stored tensor, not from the runtime"
         )
     return loc

@@ -39,6 +39,8 @@ class ExactCheck:
         bound: the most allowed (``EXACT_RTOL`` or ``ULPS``).
         worst: the output or tensor where ``error`` was measured.
         detail: one line for people.
+        missing: the file (or folder) that lacks ``worst``, a tensor the fold writes (``error`` is then ``inf``);
+            empty when ``worst`` was read.
     """
 
     name: str
@@ -48,6 +50,7 @@ class ExactCheck:
     bound: float
     worst: str = ""
     detail: str = ""
+    missing: str = ""
 
     def failure(self) -> str:
         """The line that says what failed, for a failed check."""
@@ -56,6 +59,11 @@ class ExactCheck:
                 f"{QUESTION_1} failed: the fused graph in float64 differs from the original in float64 by "
                 f"{self.error:.3g} (relative, at {self.worst}), more than float64 rounding allows ({self.bound:g}): "
                 "the fold is wrong"
+            )
+        if self.missing:
+            return (
+                f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r}, which the fold writes, is missing from "
+                f"{self.missing}: {self.detail}"
             )
         return (
             f"{QUESTION_1} failed: {self.name}: tensor {self.worst!r} is {units_in_last_place(self.error)} "

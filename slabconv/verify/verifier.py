@@ -474,7 +474,7 @@ def _question_1_torch(
         written = first if i == 0 else read()
         unchanged = unchanged_tensors(reference.original64, fold) if written.by_value else frozenset()
         checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
-                                          by_value=written.by_value, unchanged=unchanged))  # fmt: skip
+                                          by_value=written.by_value, unchanged=unchanged, file=name))  # fmt: skip
         del written
     return checks
 
@@ -546,7 +546,7 @@ def _question_1_onnx(
     fold = onnx_original.stored_tensors(folded.fused, float64=True)
     checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
     if folded.simplified is None:
-        return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold)]
+        return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold, file=name)]
     rounded = onnx_original.stored_tensors(folded.rounded)
     simplifiers = ", ".join(folded.simplified_by or [])
     if folded.simplified_by != folded.simplifiers:  # another release here than the one that simplified the file
@@ -558,6 +558,7 @@ def _question_1_onnx(
         judge.exact_tensors(
             f"{name} vs that fold simplified at the file's precision ({simplifiers})",
             written, onnx_original.stored_tensors(folded.simplified, float64=True), against="that fold, simplified",
+            file=name,
         ),
     ]  # fmt: skip
 

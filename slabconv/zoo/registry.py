@@ -360,8 +360,10 @@ def check_arch(spec: ArchSpec, state_dict: StateDict, config: Mapping[str, Any])
     side = trained_side(spec, state_dict, config) if spec.matches(state_dict, config) else None
     if side is not None:
         why = f"{spec.name} is for {spec.image_size}x{spec.image_size} inputs, these weights for {side}x{side}"
-    elif found is not None and found.family != spec.family:
-        why = f"they are a {found.family} model ({found.name}), not {spec.family}"
+    elif found is not None and found.family != spec.family:  # --arch values, not the zoo's family names
+        model_type = config.get("model_type")
+        named = f" (config.json's model_type is {model_type!r})" if model_type else ""
+        why = f"they are {found.name} weights, not {spec.name} weights{named}"
     elif found is not None and config.get("model_type") == found.name:  # the same layout, told apart by the config
         why = f"their config.json's model_type is {found.name!r}, not {spec.name!r}"
     elif found is not None:
