@@ -824,3 +824,79 @@ def test_a_norm_whose_output_or_path_is_written_in_place_is_kept_whole(model_cla
     decisions = engine.fold_all(gm)
     assert [(d.norm, d.action, d.reason) for d in decisions] == [("norm", "kept", "unsupported-op:aten.add_")]
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
+
+
+# --------------------------------------------------------------------------------------------- zeros after a norm
+
+
+class ZerosAfterNorm(nn.Module):
+    """``conv(op(bn(x)))`` with an unpadded 3x3 conv, ``op`` adding zeros the norm did not make: ``pad`` an explicit
+    ``F.pad`` (ONNX ``Pad``) of ``value``; ``avg`` a 3x3 average pool counting its padded zeros
+    (``count_include_pad=True``); ``grid`` a bilinear ``grid_sample`` reading zeros outside the input. With
+    ``shift=False`` the BatchNorm's bias and mean are 0 (a scale of mixed signs alone)."""
+
+    def __init__(self, how: str, shift: bool, value: float = 0.0) -> None:
+        super().__init__()
+        self.how, self.value = how, value
+        self.norm, self.conv = nn.BatchNorm2d(C), nn.Conv2d(C, 4, 3)
+        self.register_buffer("grid", torch.rand(B, 6, 6, 2, generator=torch.Generator().manual_seed(1)) * 2.6 - 1.3)
+        randomize(self, seed=3, positive=False)
+        if not shift:
+            with torch.no_grad():
+                self.norm.bias.zero_(), self.norm.running_mean.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        if self.how == "pad":
+            y = nn.functional.pad(y, (1, 1, 1, 1), value=self.value)
+        elif self.how == "avg":
+            y = nn.functional.avg_pool2d(y, 3, 1, 1)
+        else:
+            y = nn.functional.grid_sample(y, self.grid, padding_mode="zeros", align_corners=False)
+        return self.conv(y)
+
+
+def _naive_into_conv(model: ZerosAfterNorm) -> nn.Module:
+    """``model`` with its norm's ``(s, t)`` folded into the conv anyway, in float64."""
+    s, t = affine_of(model.norm)
+    naive = copy.deepcopy(model).double()
+    naive.norm = nn.Identity()
+    with torch.no_grad():
+        w, b = fold.fold_into_conv(naive.conv.weight, naive.conv.bias, s, t)
+        naive.conv.weight.copy_(w)
+        naive.conv.bias.copy_(b)
+    return naive
+
+
+@pytest.mark.parametrize("how", ["pad", "avg", "grid"])
+def test_a_shift_free_norm_folds_through_added_zeros(how, tmp_path):
+    """A norm whose every shift is 0 (a LayerScale, a BatchNorm of bias and mean 0) before an explicit zero pad, an
+    average pool counting padded zeros or a grid sample reading zeros: ``pad(s x, 0) = s pad(x, 0)`` and a weighted
+    sum of ``s x`` and zeros is ``s`` times that of ``x`` and zeros, so the scale folds into the conv after it, by
+    hand exactly, and through every door (a dynamo export merges the pad into the conv, already a padded conv that
+    a shift-free norm folds into)."""
+    model = ZerosAfterNorm(how, shift=False).eval()
+    x = image(hw=6)
+    assert not affine_of(model.norm)[1].any()
+    assert rel_err(_naive_into_conv(model)(x.double()), model.double()(x.double())) < 1e-12
+    model.float()
+    assert both_doors(model, x, tmp_path) == [("norm", "BatchNorm", "folded-forward", None, ("conv",))]
+
+
+@pytest.mark.parametrize(("how", "shift", "value"), [("pad", True, 0.0), ("avg", True, 0.0), ("pad", False, 0.5)])
+def test_added_zeros_after_a_norm_with_a_shift_or_a_non_zero_pad_keep_the_affine(how, shift, value, tmp_path):
+    """The same models with a shift (a padded zero would have to become ``t``), or shift-free before a pad of 0.5
+    (it would have to become ``0.5 / s``): the affine is kept with ``zero-padding-after-norm``, and the naive fold
+    is wrong. A dynamo export merges a zero pad into the conv, which then keeps it as ``padded-conv-consumer``."""
+    model = ZerosAfterNorm(how, shift, value).eval()
+    x = image(hw=6)
+    assert rel_err(_naive_into_conv(model)(x.double()), model.double()(x.double())) > NAIVE_MIN_ERR
+    model.float()
+    kept = [("norm", "BatchNorm", "kept-affine", reasons.ZERO_PADDING_AFTER_NORM, ())]
+    if how != "pad" or value:
+        assert both_doors(model, x, tmp_path) == kept
+        return
+    gm = engine.capture(model, x)
+    decisions = engine.fold_all(gm)
+    assert [(d.action, d.reason) for d in decisions] == [("kept-affine", reasons.ZERO_PADDING_AFTER_NORM)]
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]

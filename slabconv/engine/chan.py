@@ -110,7 +110,9 @@ class Chan:
 @dataclass(frozen=True)
 class Pass:
     """The op commutes with the affine: the channels are now at ``chan``; the shift is multiplied by ``mult``;
-    with ``needs_positive_scale`` it commutes only when every channel's scale is > 0 (max / min).
+    with ``needs_positive_scale`` it commutes only when every channel's scale is > 0 (max / min); with
+    ``needs_zero_shift`` only when every shift is 0 (it pads or samples with zeros: ``s * 0`` is 0, ``s * 0 + t`` is
+    not), else it blocks with ``zero-padding-after-norm``.
 
     ``items``: for an op of several outputs whose outputs hold different parts of the channels (a split of the
     channel axis), the state of each output (``getitem`` ``i`` reads ``items[i]``; None: that output holds none
@@ -119,6 +121,7 @@ class Pass:
     chan: Chan
     mult: float = 1.0
     needs_positive_scale: bool = False
+    needs_zero_shift: bool = False
     items: tuple[Chan | None, ...] | None = None
 
     def item(self, index: int) -> Chan | None:

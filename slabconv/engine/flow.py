@@ -162,6 +162,8 @@ class _Walk:
         rule = RULE_OF.get(user.target)
         if isinstance(outcome, Pass) and outcome.needs_positive_scale and not self.positive_scale:
             outcome = Block(reasons.NEGATIVE_SCALE_THROUGH_MAX)
+        if isinstance(outcome, Pass) and outcome.needs_zero_shift and not self.shiftless:
+            outcome = Block(reasons.ZERO_PADDING_AFTER_NORM)
         if isinstance(outcome, Pass) and not (rule and rule.tuple_out) and not is_float(user):
             outcome = unsupported(user)  # e.g. a cast to an integer type
         if isinstance(outcome, Pass):
@@ -227,7 +229,8 @@ def follow(
 
     ``positive_scale`` says whether every channel's scale is > 0; max/min over tokens commute with the
     affine only then (otherwise they block with ``negative-scale-through-max``). ``shiftless`` says whether every
-    shift is 0: a zero-padded conv then absorbs the scale (``classify``).
+    shift is 0: a zero-padded conv then absorbs the scale (``classify``), and an op that pads or samples with zeros
+    passes it (``Pass.needs_zero_shift``).
 
     Every user of every tensor on the way is classified (``classify``); nothing is skipped. A join
     (``cat``/``stack``) is decided once all its inputs are known: it passes only when every input derives from
@@ -329,7 +332,8 @@ def _through(node: fx.Node, ch: Chan, positive_scale: bool) -> tuple[fx.Node, Ch
     if len(found) != 1:
         if not found and Pass(ch, needs_positive_scale=True) in outcomes.values():
             return f"{op_name(node)} commutes with the norm's affine only when every scale is > 0"
-        if not found and Block(reasons.ZERO_PADDING_AFTER_NORM) in outcomes.values():
+        zeros = [o for o in outcomes.values() if isinstance(o, Pass) and o.needs_zero_shift]
+        if not found and (zeros or Block(reasons.ZERO_PADDING_AFTER_NORM) in outcomes.values()):
             return f"{op_name(node)} pads or samples with zeros, which would become the shift t"
         if not found and not rule.view_like and not any(isinstance(o, Pass) for o in outcomes.values()):
             return f"no Linear/conv before the norm: {op_name(node)} produces its input"
@@ -542,6 +546,8 @@ class _Up:
                 elif rule is not None and rule.view_like and user.args and user.args[0] is src:
                     outcome = rule.step(user, src, c)
                     if not isinstance(outcome, Pass) or not (rule.tuple_out or is_float(user)):
+                        return why
+                    if outcome.needs_zero_shift:  # the inverse affine's shift -t/s would reach the padded zeros
                         return why
                     if outcome.items is not None:
                         items[user] = outcome

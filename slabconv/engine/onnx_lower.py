@@ -1177,8 +1177,12 @@ def _pad(lo: _Lowering, node: ir.Node) -> None:
     torch_pads = [p for d in range(rank - 1, -1, -1) for p in (begin[d], end[d])]
     mode = _text(node, "mode", "constant")
     x = lo.read(src)
-    if mode == "constant":
-        lo.emit(node, aten.constant_pad_nd.default, (x, torch_pads, 0.0), node.outputs[0])
+    if mode == "constant":  # the value: input 2 (opset 11 on, absent: 0), the attribute ``value`` before
+        given = node.inputs[2] if len(node.inputs) > 2 else None
+        value = _array(given) if given is not None else np.asarray(_attr(node, "value", 0.0))
+        if value is None or value.size != 1:
+            raise _Unlowerable
+        lo.emit(node, aten.constant_pad_nd.default, (x, torch_pads, float(value.reshape(()))), node.outputs[0])
         return
     op_name = {"reflect": "reflection_pad", "edge": "replication_pad"}.get(mode)
     spatial = sum(1 for d in range(rank) if begin[d] or end[d])

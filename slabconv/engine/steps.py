@@ -355,19 +355,26 @@ def _as_strided(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 def _pad(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """Reflection / replication / circular padding copies values and commutes unless it pads the channel axis.
-    Constant padding adds values the fold would shift (``zero-padding-after-norm``); a negative constant pad
-    (a crop) of token axes is a slice."""
+    Constant padding adds values the fold would shift (``zero-padding-after-norm``), except zeros when every shift
+    is 0: ``pad(s x, 0) = s pad(x, 0)`` (``Pass.needs_zero_shift``); a non-zero value ``v`` would have to become
+    ``v / s``. A negative constant pad (a crop) of token axes is a slice. ``constant_pad_nd(x, pad, value=0)``,
+    ``pad(x, pad, mode, value=None)`` (None: 0)."""
     pad = list(user.args[1])  # type: ignore[arg-type]
     n = rank(src)
     mode = op_arg(user, 2, "mode", "constant")
     constant = user.target is aten.constant_pad_nd.default or (user.target is aten.pad.default and mode == "constant")
+    value = op_arg(user, 2 if user.target is aten.constant_pad_nd.default else 3, "value", 0)
+    zeros = value is None or (isinstance(value, (int, float)) and float(value) == 0.0)
+    padded = False
     for i, amount in enumerate(pad):
         dim, size = n - 1 - i // 2, static_int(amount)
         if constant and (size is None or size > 0):
-            return Block(reasons.ZERO_PADDING_AFTER_NORM)
+            if not zeros:
+                return Block(reasons.ZERO_PADDING_AFTER_NORM)
+            padded = True
         if dim == ch.axis and size != 0:
             return unsupported(user)
-    return Pass(ch)
+    return Pass(ch, needs_zero_shift=padded)
 
 
 def _split(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
@@ -486,20 +493,23 @@ def _resample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 def _grid_sample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """``F.grid_sample(x, grid, mode, padding_mode, align_corners)`` (``aten.grid_sampler*``): bilinear, nearest or
     bicubic weights that sum to one over the elements sampled, as ``_resample``, when the samples outside the input
-    are border or reflected elements (``padding_mode`` 1, 2). With ``padding_mode="zeros"`` (0) they are zeros,
-    which the fold would shift by ``t``: ``zero-padding-after-norm``. The grid itself holds sampling positions:
-    a normalised grid is a nonlinear use."""
+    are border or reflected elements (``padding_mode`` 1, 2). With ``padding_mode="zeros"`` (0; None: an ONNX
+    ``GridSample``, read as zeros) they are zeros, which the fold would shift by ``t``: ``zero-padding-after-norm``,
+    unless every shift is 0 (``Pass.needs_zero_shift``: the samples are then a weighted sum of ``s x`` and zeros).
+    The grid itself holds sampling positions: a normalised grid is a nonlinear use."""
     if user.args[0] is not src:
         return Block(reasons.NONLINEAR)
     padding_mode = op_arg(user, 3, "padding_mode")
     if not _on_leading_axis(user, src, ch):
         return unsupported(user)
-    return Pass(ch) if padding_mode in (1, 2) else Block(reasons.ZERO_PADDING_AFTER_NORM)
+    return Pass(ch, needs_zero_shift=padding_mode not in (1, 2))
 
 
 def _avg_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """Average pooling is a mean over each window, unless padded zeros count in it or the divisor is forced.
-    (``ceil_mode`` windows that run past the input are divided by the elements they hold: still a mean.)"""
+    """Average pooling is a mean over each window, unless padded zeros count in it (then it commutes only when every
+    shift is 0, ``Pass.needs_zero_shift``: the average of ``s x`` and zeros is ``s`` times that of ``x`` and zeros)
+    or the divisor is forced. (``ceil_mode`` windows that run past the input are divided by the elements they hold:
+    still a mean.)"""
     if not _on_leading_axis(user, src, ch):
         return unsupported(user)
     a: Any = user.args
@@ -509,7 +519,7 @@ def _avg_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     if divisor is not None:
         return unsupported(user)
     padded = any(int(p) != 0 for p in (padding if isinstance(padding, (list, tuple)) else [padding]))
-    return Block(reasons.ZERO_PADDING_AFTER_NORM) if padded and count_include_pad else Pass(ch)
+    return Pass(ch, needs_zero_shift=padded and bool(count_include_pad))
 
 
 def _max_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
