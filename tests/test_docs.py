@@ -61,6 +61,13 @@ def test_every_message_in_errors_md_is_still_in_the_code():
     assert not stale, f"docs/errors.md quotes text the code no longer has: {stale}"
 
 
+def test_every_message_in_errors_md_has_fixed_text():
+    """A quote of placeholders alone (`...`, `NAME`) in the message column would match every line the CLI prints,
+    and ``errordoc.documented`` would call any message documented by it."""
+    empty = [m for m in errordoc.messages() if not errordoc.fragments(m)]
+    assert not empty, f"docs/errors.md quotes messages with no fixed text: {empty}"
+
+
 def test_the_drift_check_catches_a_reworded_message():
     assert errordoc.in_source("not a readable PyTorch checkpoint")
     assert not errordoc.in_source("not a readible PyTorch checkpoint")
