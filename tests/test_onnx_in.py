@@ -1171,6 +1171,26 @@ class _TopKQueries(nn.Module):
         return torch.gather(tokens, self.dim, index)
 
 
+def _preserved_export(model: torch.nn.Module, x: torch.Tensor, path: Path) -> Path:
+    """``model`` exported by the TorchScript exporter at opset 17 with ``training=PRESERVE``: each BatchNorm stays a
+    node, not folded into the conv before it in float32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        preserve = torch.onnx.TrainingMode.PRESERVE
+        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, training=preserve)
+    return path
+
+
+def _assert_onnx_reference_is_torchs(path: Path, model: torch.nn.Module, x: torch.Tensor) -> None:
+    """The float64 reference of the ONNX file at ``path``, run by onnx's reference evaluator (onnxruntime has no
+    float64 ``Conv``), equals ``model`` run by torch in float64 on ``x``."""
+    (got,), which = onnx_original.float64_reference(path, x.numpy(), "float32", None)
+    assert which.startswith("onnx.reference")
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(x.double())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dim", [2, -1])
 def test_a_gather_over_more_than_64_entries_behind_a_conv_is_verified(tmp_path, dim):
     """onnxruntime has no float64 ``Conv``, so the float64 reference falls to onnx's reference evaluator, whose
@@ -1179,16 +1199,8 @@ def test_a_gather_over_more_than_64_entries_behind_a_conv_is_verified(tmp_path, 
     torch's ``gather`` in float64, and the norm folds and is verified."""
     model = randomize_norms(_TopKQueries(dim).eval(), seed=3)
     x = torch.randn(2, 3, 10, 10)
-    path = tmp_path / "topk.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PRESERVE: the BatchNorm stays a node, not folded into the conv in float32
-        preserve = torch.onnx.TrainingMode.PRESERVE
-        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, training=preserve)
-    (got,), which = onnx_original.float64_reference(path, x.numpy(), "float32", None)
-    assert which.startswith("onnx.reference")
-    with torch.no_grad():
-        want = copy.deepcopy(model).double()(x.double())
-    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+    path = _preserved_export(model, x, tmp_path / "topk.onnx")
+    _assert_onnx_reference_is_torchs(path, model, x)
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
     assert [(d.norm, d.action) for d in report.folds] == [("bn", "folded-forward")]
     assert report.verification is not None and report.verification.passed
@@ -2044,21 +2056,13 @@ def test_the_float64_reference_pools_a_global_max_over_every_spatial_axis(tmp_pa
     torch's in float64, and the norm folds and is verified."""
     model = randomize_norms(_GlobalMax(spatial).eval(), seed=3)
     x = torch.randn(2, 3, *(5,) * spatial)
-    path = tmp_path / "gmp.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PRESERVE: the BatchNorm stays a node, not folded into the conv in float32
-        preserve = torch.onnx.TrainingMode.PRESERVE
-        torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, training=preserve)
+    path = _preserved_export(model, x, tmp_path / "gmp.onnx")
     proto = onnx.load(str(path))
     (pool,) = (n for n in proto.graph.node if n.op_type == "MaxPool")  # the exporter's MaxPool over the whole input
     pool.op_type = "GlobalMaxPool"
     del pool.attribute[:]
     onnx.save(proto, str(path))
-    (got,), which = onnx_original.float64_reference(path, x.numpy(), "float32", None)
-    assert which.startswith("onnx.reference")
-    with torch.no_grad():
-        want = copy.deepcopy(model).double()(x.double())
-    np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
+    _assert_onnx_reference_is_torchs(path, model, x)
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
     assert [d.action for d in report.folds or []] == ["folded-backward"]
     assert report.verification is not None and report.verification.passed

@@ -343,6 +343,23 @@ class ConstantAfterNorm(nn.Module):
         return self.fc(z) + z if self.how == "residual" else self.fc(z)
 
 
+def _folded_by_hand(
+    model: nn.Module, norms: tuple[str, ...], layer: str, s: torch.Tensor, t: torch.Tensor
+) -> nn.Module:
+    """``model`` in float64 with its modules ``norms`` replaced by identities and ``(s, t)`` folded into its Linear or
+    conv ``layer`` (``fold.fold_into_linear`` / ``fold_into_conv``): a fold done by hand, right or naive."""
+    naive = copy.deepcopy(model).double()
+    for name in norms:
+        setattr(naive, name, nn.Identity())
+    into = getattr(naive, layer)
+    fold_into = fold.fold_into_linear if isinstance(into, nn.Linear) else fold.fold_into_conv
+    with torch.no_grad():
+        w, b = fold_into(into.weight, into.bias, s, t)
+        into.weight.copy_(w)
+        into.bias.copy_(b)
+    return naive
+
+
 def _constant_after(how: str) -> tuple[ConstantAfterNorm, torch.Tensor, torch.Tensor, nn.Module]:
     """The model, its input, its output in float64 and the naive forward fold (``fc`` taking ``(s, t)``, the add
     left in place), in float64."""
@@ -350,12 +367,7 @@ def _constant_after(how: str) -> tuple[ConstantAfterNorm, torch.Tensor, torch.Te
     x = torch.randn(B, 6, C, generator=torch.Generator().manual_seed(1))
     s, t = affine_of(model.norm)
     reference = model.double()(x.double())
-    naive = copy.deepcopy(model).double()
-    naive.norm = nn.Identity()
-    with torch.no_grad():
-        w, b = fold.fold_into_linear(naive.fc.weight, naive.fc.bias, s, t)
-        naive.fc.weight.copy_(w)
-        naive.fc.bias.copy_(b)
+    naive = _folded_by_hand(model, ("norm",), "fc", s, t)
     model.float()
     return model, x, reference, naive
 
@@ -503,14 +515,7 @@ def _norm_then_bn(first: str, **how: bool) -> tuple[NormThenBN, torch.Tensor]:
 
 def _into_layer(model: NormThenBN, s: torch.Tensor, t: torch.Tensor) -> nn.Module:
     """``model`` without its two norms, ``(s, t)`` folded into ``layer``, in float64."""
-    naive = copy.deepcopy(model).double()
-    naive.first, naive.second = nn.Identity(), nn.Identity()
-    into = fold.fold_into_linear if model.tokens else fold.fold_into_conv
-    with torch.no_grad():
-        w, b = into(naive.layer.weight, naive.layer.bias, s, t)
-        naive.layer.weight.copy_(w)
-        naive.layer.bias.copy_(b)
-    return naive
+    return _folded_by_hand(model, ("first", "second"), "layer", s, t)
 
 
 @pytest.mark.parametrize("first", ["bn", "repbn", "tokens", "repbn_tokens"])
@@ -587,12 +592,7 @@ def test_a_batchnorm_over_another_axis_of_a_norms_output_is_not_composed(tmp_pat
     model = randomize(BNOverRows(), seed=3).eval()
     x = image(hw=C)
     (s1, t1), (s2, t2) = affine_of(model.first), affine_of(model.second)
-    naive = copy.deepcopy(model).double()
-    naive.first, naive.second = nn.Identity(), nn.Identity()
-    with torch.no_grad():
-        w, b = fold.fold_into_conv(naive.conv.weight, naive.conv.bias, s2 * s1, s2 * t1 + t2)
-        naive.conv.weight.copy_(w)
-        naive.conv.bias.copy_(b)
+    naive = _folded_by_hand(model, ("first", "second"), "conv", s2 * s1, s2 * t1 + t2)
     assert rel_err(naive(x.double()), model.double()(x.double())) > NAIVE_MIN_ERR
     model.float()
     program = both_doors(model, x, tmp_path)
@@ -858,14 +858,7 @@ class ZerosAfterNorm(nn.Module):
 
 def _naive_into_conv(model: ZerosAfterNorm) -> nn.Module:
     """``model`` with its norm's ``(s, t)`` folded into the conv anyway, in float64."""
-    s, t = affine_of(model.norm)
-    naive = copy.deepcopy(model).double()
-    naive.norm = nn.Identity()
-    with torch.no_grad():
-        w, b = fold.fold_into_conv(naive.conv.weight, naive.conv.bias, s, t)
-        naive.conv.weight.copy_(w)
-        naive.conv.bias.copy_(b)
-    return naive
+    return _folded_by_hand(model, ("norm",), "conv", *affine_of(model.norm))
 
 
 @pytest.mark.parametrize("how", ["pad", "avg", "grid"])
