@@ -803,6 +803,29 @@ def test_the_localisation_blames_the_runtime_when_the_weights_are_right(tiny_fus
     assert len(found.boundaries) == 3
 
 
+def test_the_localisation_runs_a_static_batch_program_in_its_batch(tmp_path: Path) -> None:
+    """A ``.pt2`` recorded with a static batch of 3, localised on 4 samples: each graph runs in calls of exactly 3
+    (the last padded with copies of its first sample), its values cut back to the 4 real samples, as question 1's
+    runs compute them (``runtimes.run_batched``); every boundary agrees."""
+    from slabconv.verify import localize, sides
+    from slabconv.verify.runtimes import run_batched, torch_runner
+    from tests.conftest import small_vit
+
+    program = torch.export.export(randomize_norms(small_vit(depth=1)), (torch.randn(3, 1, 8, 8),))
+    torch.export.save(program, tmp_path / "static.pt2")
+    api.fuse(tmp_path / "static.pt2", tmp_path / "out", verify=None)
+    reference, candidate = sides.open_side(tmp_path / "static.pt2"), sides.open_side(tmp_path / "out")
+    found = localize.localize(reference, candidate, VerifyOptions(samples=4))
+    assert found.first is None and "comes from the runtime, not from a fold" in found.detail
+    assert len(found.boundaries) == 3 and all(b.rounding is not None for b in found.boundaries)
+    graph = reference.traced()[0].double()
+    x = np.random.default_rng(0).standard_normal((4, 1, 8, 8))
+    last = graph.graph.output_node().all_input_nodes[0]
+    recorded = localize._record(graph, torch.from_numpy(x), [last], batch=3)[last.name]
+    assert recorded.shape[0] == 4
+    np.testing.assert_array_equal(recorded, run_batched(torch_runner(graph, torch.float64), x, fixed_batch=3)[0])
+
+
 def _float16_conv_before_a_float32_batchnorm(path: Path) -> np.ndarray:
     """An ONNX file with a float16 1x1 ``Conv`` between two ``Cast``s before a float32 ``BatchNormalization`` whose
     statistics are its input's (a mean far from zero beside a spread of a few units): a backward fold would put it

@@ -30,7 +30,7 @@ import numpy as np
 
 from slabconv.errors import InputError, first_line
 from slabconv.verify.judge import rel_err
-from slabconv.verify.runtimes import Inputs, RuntimeUnavailable, onnx_runtimes, run_batched, samples_of, take
+from slabconv.verify.runtimes import Inputs, RuntimeUnavailable, chunks, onnx_runtimes, run_batched, samples_of
 
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
 """The op types quantized: the layers a fold writes into (a Linear is ``MatMul`` or ``Gemm`` in ONNX, a convolution
@@ -63,14 +63,10 @@ class _Reader:
 
     def __init__(self, names: list[str], inputs: Inputs, batch: int, fixed_batch: int | None):
         self.feeds: list[dict[str, np.ndarray]] = []
-        step = fixed_batch or batch
-        total = samples_of(inputs)
-        for start in range(0, total, step):
-            if fixed_batch and start + step > total:
+        for _, part, n in chunks(inputs, batch, fixed_batch):
+            if n < samples_of(part):
                 break  # a static batch takes full batches only
-            part = take(inputs, start, start + step)
-            arrays = part if isinstance(part, dict) else {names[0]: part}
-            self.feeds.append({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+            self.feeds.append(part if isinstance(part, dict) else {names[0]: part})
         self.feeds.reverse()
 
     def get_next(self) -> dict[str, np.ndarray] | None:

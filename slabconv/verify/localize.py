@@ -50,6 +50,7 @@ from slabconv.options import LoadOptions, VerifyOptions
 from slabconv.text import units_in_last_place
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, ExactCheck, Localization
+from slabconv.verify.runtimes import run_batched, samples_of, take
 from slabconv.verify.sides import Side, folded_from, why_not_a_fold
 
 if TYPE_CHECKING:
@@ -217,40 +218,29 @@ def _boundaries(
     return sorted(found, key=lambda b: order[b[3]])
 
 
-class _Recorder(fx.Interpreter):
-    """Runs a graph and keeps the values of ``wanted`` nodes (in float64)."""
+def _record(gm: fx.GraphModule, x: torch.Tensor, nodes: list[fx.Node], batch: int | None = None) -> dict[str, Any]:
+    """The float64 values of ``nodes`` when ``gm`` runs on ``x`` (a node without a tensor value: none): in one call,
+    or, for a graph recorded with a static ``batch``, in calls of exactly that many samples
+    (``runtimes.run_batched``: the last one padded, each value's batch axis cut back to the real samples)."""
+    names = [n.name for n in nodes]
+    wanted = set(names)
 
-    def __init__(self, gm: fx.GraphModule, wanted: set[str]):
-        super().__init__(gm)
-        self.wanted: set[str] = wanted
-        self.values: dict[str, torch.Tensor] = {}
+    def run(chunk: np.ndarray) -> list[np.ndarray]:
+        values: dict[str, np.ndarray] = {}
 
-    def run_node(self, n: fx.Node) -> Any:
-        value = super().run_node(n)
-        if n.name in self.wanted and isinstance(value, torch.Tensor):
-            self.values[n.name] = value.detach().double()
-        return value
+        class Recorder(fx.Interpreter):
+            def run_node(self, n: fx.Node) -> Any:
+                value = super().run_node(n)
+                if n.name in wanted and isinstance(value, torch.Tensor):
+                    values[n.name] = value.detach().double().numpy()
+                return value
 
-
-def _record(
-    gm: fx.GraphModule, x: torch.Tensor, nodes: list[fx.Node], batch: int | None = None
-) -> dict[str, torch.Tensor]:
-    """The values of ``nodes`` when ``gm`` runs on ``x``: in one call, or, for a graph recorded with a static
-    ``batch``, in calls of exactly that many samples (the last one padded with copies of its first sample, as
-    ``runtimes.run_batched`` pads it), each value's batch axis cut back to the real samples and joined."""
-    wanted = {n.name for n in nodes}
-    chunks: dict[str, list[torch.Tensor]] = {}
-    for start in range(0, len(x), batch or len(x)):
-        chunk = x[start : start + batch] if batch else x
-        real = len(chunk)
-        if batch and real < batch:
-            chunk = torch.cat([chunk, chunk[:1].expand(batch - real, *chunk.shape[1:])])
-        recorder = _Recorder(gm, wanted)
         with torch.no_grad():
-            recorder.run(chunk)
-        for name, value in recorder.values.items():
-            chunks.setdefault(name, []).append(value[:real] if value.ndim and len(value) == len(chunk) else value)
-    return {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in chunks.items()}
+            Recorder(gm).run(torch.from_numpy(chunk))
+        return [values.get(name, np.empty(0)) for name in names]
+
+    found = run_batched(run, x.numpy(), batch=len(x), fixed_batch=batch)
+    return {name: value for name, value in zip(names, found, strict=True) if value.size}
 
 
 def _rel(candidate: torch.Tensor | np.ndarray, reference: torch.Tensor | np.ndarray) -> float:
@@ -493,7 +483,6 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     ONNX value of those graphs (``_onnx_boundaries``), made a graph output for the pass.
     """
     from slabconv.verify import onnx_original
-    from slabconv.verify.run import samples_of, take
 
     if candidate.onnx is None:
         return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")

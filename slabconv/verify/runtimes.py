@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -470,30 +470,37 @@ verification's peak memory (a DeiT-Tiny at 224x224: about 10 MiB a sample); batc
 (``docs/performance.md``)."""
 
 
-def _chunk(inputs: Inputs, start: int, step: int, fixed_batch: int | None) -> tuple[Inputs, int]:
-    def one(a: np.ndarray) -> np.ndarray:
+def chunks(inputs: Inputs, batch: int = BATCH, fixed_batch: int | None = None) -> Iterator[tuple[int, Inputs, int]]:
+    """``(start, chunk, n)`` over ``inputs`` (an array, or a dict of arrays by input name): samples ``start:start +
+    n`` in chunks of ``batch``, or of exactly ``fixed_batch`` (the last one padded with copies of its first sample:
+    ``n`` of its samples are real), each array contiguous."""
+    step = fixed_batch or batch
+
+    def one(a: np.ndarray, start: int) -> np.ndarray:
         chunk = a[start : start + step]
         if fixed_batch and len(chunk) < fixed_batch:
             chunk = np.concatenate([chunk, np.repeat(chunk[:1], fixed_batch - len(chunk), axis=0)])
         return np.ascontiguousarray(chunk)
 
-    n = min(step, samples_of(inputs) - start)
-    return ({k: one(a) for k, a in inputs.items()} if isinstance(inputs, dict) else one(inputs)), n
+    total = samples_of(inputs)
+    for start in range(0, total, step):
+        chunk = {k: one(a, start) for k, a in inputs.items()} if isinstance(inputs, dict) else one(inputs, start)
+        yield start, chunk, min(step, total - start)
 
 
 def run_batched(run: Run, inputs: Inputs, batch: int = BATCH, fixed_batch: int | None = None) -> list[np.ndarray]:
     """Run ``run`` over ``inputs`` (an array, or a dict of arrays by input name) in chunks of ``batch`` samples
     (or exactly ``fixed_batch``, padding the last chunk with copies of its first sample and dropping their
-    outputs) and stack each output over the chunks: written into one array per output as the chunks come (every
-    output with a batch axis, of one dtype), so the outputs are never held twice (a language model's logits
-    ``(N, T, V)`` are the largest arrays of a verification); one chunk is returned as it is."""
-    step = fixed_batch or batch
+    outputs: an output whose axis 0 is the chunk's rows is cut back to the real samples, any other kept whole) and
+    stack each output over the chunks: written into one array per output as the chunks come (every output with a
+    batch axis, of one dtype), so the outputs are never held twice (a language model's logits ``(N, T, V)`` are the
+    largest arrays of a verification); one chunk is returned as it is."""
     total = samples_of(inputs)
     filled: list[np.ndarray] | None = None
     parts: list[list[np.ndarray]] = []
-    for start in range(0, total, step):
-        chunk, n = _chunk(inputs, start, step, fixed_batch)
-        outs = [np.asarray(o)[:n] for o in run(chunk)]
+    for start, chunk, n in chunks(inputs, batch, fixed_batch):
+        rows = samples_of(chunk)
+        outs = [o[:n] if o.ndim and len(o) == rows else o for o in map(np.asarray, run(chunk))]
         if start == 0 and n < total and outs and all(o.ndim and len(o) == n for o in outs):
             filled = [np.empty((total, *o.shape[1:]), o.dtype) for o in outs]
         if filled is not None and len(outs) == len(filled):

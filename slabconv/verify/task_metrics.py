@@ -26,7 +26,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ import torch
 from slabconv.verify.blocks import row_blocks
 from slabconv.verify.greedy import ArrayLike, _as_ids
 from slabconv.verify.policy import ORIGINAL_ERROR_FACTOR, dtype_name, tol_dtype
+from slabconv.verify.runtimes import chunks
 
 TASK_SEQUENCES = 256
 """At most this many verification sequences are scored (the first ones): each costs a float64 and a dtype pass of
@@ -278,13 +279,8 @@ def score(
 def _batches(fn: Logits, ids: np.ndarray, fixed_batch: int | None = None) -> Iterator[np.ndarray]:
     """``fn``'s logits on ``ids``, ``BATCH`` sequences at a time, or exactly ``fixed_batch`` (the last batch padded
     with copies of its first sequence, whose logits are dropped)."""
-    step = fixed_batch or BATCH
-    for i in range(0, len(ids), step):
-        chunk = ids[i : i + step]
-        n = len(chunk)
-        if fixed_batch and n < step:
-            chunk = np.concatenate([chunk, np.repeat(chunk[:1], step - n, axis=0)])
-        yield fn(chunk)[:n]
+    for _, chunk, n in chunks(ids, BATCH, fixed_batch):
+        yield fn(cast(np.ndarray, chunk))[:n]  # ids: one array
 
 
 def torch_logits(model: torch.nn.Module) -> Logits:
