@@ -507,7 +507,10 @@ def verify_folders(
         running = chain64.submit(_no_grad, ref64.logits, h64)
         fused_logits, original_logits = as_numpy(cand.logits(g), narrow=True), as_numpy(ref.logits(h), narrow=True)
         logits64 = running.result()
-        verification.checks.append(_logits_check((logits64, original_logits, fused_logits), name, rtol, atol, strict))
+        verification.checks.append(
+            judge.judge_output(f"logits @ pytorch {name}", fused_logits, dtype=name, original=original_logits,
+                               reference64=logits64.numpy(), rtol=rtol, atol=atol, strict=strict, token_logits=True)
+        )  # fmt: skip
     if on_exact_logits is not None:
         on_exact_logits(logits64, time.perf_counter() - started)
     return verification
@@ -517,29 +520,6 @@ def _no_grad(run: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """``run(*args)`` under ``no_grad``, which is per thread: what question 2's float64 thread runs."""
     with torch.no_grad():
         return run(*args)
-
-
-def _logits_check(
-    chains: tuple[torch.Tensor, np.ndarray, np.ndarray],
-    name: str,
-    rtol: float | None,
-    atol: float,
-    strict: bool,
-) -> Any:
-    """The logits of the three chains judged end to end with top-1: ``chains`` are the float64 original's logits
-    and the original's and the fused folder's (half precision kept in float32: ``runtimes.as_numpy``)."""
-    logits64, original, fused = chains
-    return judge.judge_output(
-        f"logits @ pytorch {name}",
-        fused,
-        dtype=name,
-        original=original,
-        reference64=logits64.numpy(),
-        rtol=rtol,
-        atol=atol,
-        strict=strict,
-        token_logits=True,
-    )
 
 
 class _FoldShards:
