@@ -110,10 +110,12 @@ def candidate_runs(
     pending: list[Pending] = []
     if candidate.onnx is not None:
         path = candidate.onnx.path
+        ort = BACKENDS["onnxruntime"]
         pending += [
-            Pending(path.name, ort_label(level), functools.partial(_ort_level, path, level), "onnxruntime")
+            Pending(path.name, ort_label(level), functools.partial(_first, ort, path, several=True, levels=(level,)),
+                    "onnxruntime")
             for level in ORT_LEVELS
-        ]
+        ]  # fmt: skip
         for backend in _opt_in():
             asked = names is not None and backend.name in names
             if asked or (names is None and backend.unavailable() is None):
@@ -167,12 +169,9 @@ def int8_backends(opts: VerifyOptions) -> list[Any]:
     return [BACKENDS[n] for n in dict.fromkeys(opts.runtimes or ()) if n in BACKENDS and BACKENDS[n].quantized]
 
 
-def _ort_level(path: Path, level: str) -> Runtime:
-    return onnx_runtimes(path, several=True, levels=(level,))[0]
-
-
-def _first(backend: Any, path: Path) -> Runtime:
-    opened: list[Runtime] = backend.open(path)
+def _first(backend: Any, path: Path, **how: Any) -> Runtime:
+    """The first runtime ``backend.open(path, **how)`` opens."""
+    opened: list[Runtime] = backend.open(path, **how)
     return opened[0]
 
 
@@ -513,12 +512,9 @@ def written_files(candidate: Side) -> list[tuple[str, Callable[[], Written]]]:
 
 def _onnx_tensors(path: Path) -> Written:
     """An ``.onnx``'s floating initializers for question 1, matched by value."""
-    import onnx_ir as ir
+    from slabconv.verify.onnx_original import float_tensors
 
-    from slabconv.verify import onnx_original
-
-    model = ir.load(str(path))
-    return Written(onnx_original.stored_tensors(model), True)
+    return Written(float_tensors(path), True)
 
 
 def _question_1_onnx(
