@@ -278,7 +278,7 @@ def exact_tensors(
             if key in unchanged and (
                 not exact.is_floating_point()
                 or nearest_one is None
-                or (distance > ulp_bound and not _holds_shape(written, tuple(exact64.shape)))
+                or (distance > ulp_bound and not holds_shape(written, tuple(exact64.shape)))
             ):
                 continue
             absent = f"{file} (no tensor of its name, shape or transposed shape)" if nearest_one is None else ""
@@ -321,7 +321,7 @@ def tensors_check(
     )
 
 
-def _holds_shape(written: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> bool:
+def holds_shape(written: Mapping[str, torch.Tensor], shape: tuple[int, ...]) -> bool:
     """Whether ``written`` holds a tensor of ``shape`` exactly, or (a matrix) of its transposed shape."""
     shapes = {tuple(t.shape) for t in written.values()}
     return shape in shapes or (len(shape) == 2 and shape[::-1] in shapes)

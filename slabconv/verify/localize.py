@@ -282,7 +282,7 @@ def _torch(
     kept = {
         k: _match(k, v, written, by_value)
         for k, v in fold.items()
-        if k not in unchanged or k in written or (by_value and _shaped_like(v, written))
+        if k not in unchanged or k in written or (by_value and judge.holds_shape(written, tuple(v.shape)))
     }
     stored = {k: kept[k].double() if k in kept else v for k, v in fold.items()}
     correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
@@ -408,12 +408,6 @@ def _stored_file(candidate: Side, fold: dict[str, torch.Tensor], unchanged: froz
             return written
         del written
     return files[0][1]()
-
-
-def _shaped_like(exact: torch.Tensor, written: dict[str, torch.Tensor]) -> bool:
-    """``written`` holds a tensor of ``exact``'s shape, or (a matrix) of its transposed shape."""
-    shapes = {tuple(exact.shape)} | ({tuple(exact.shape)[::-1]} if exact.dim() == 2 else set())
-    return any(tuple(t.shape) in shapes for t in written.values())
 
 
 def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_value: bool) -> torch.Tensor:
