@@ -126,17 +126,15 @@ class Reference:
         """An ONNX original's outputs computed in ``dtype`` by the backend of ``runtime`` (``runtime.kind``: OpenVINO
         compiles the original as it compiled the candidate, in bfloat16 on CPUs with bfloat16), or None where it
         cannot (no ONNX original, a runtime of no backend, one that cannot run the original or computes it in
-        another precision). Computed once per runtime (its label) and dtype."""
-        if self.onnx is None or runtime is None:
+        another precision): ``original_by_runtime``, computed once per runtime (its label)."""
+        if self.onnx is None or runtime is None or runtime.dtype != dtype:
             return None
-        key = f"{dtype} ({runtime.label})"
-        if key not in self.cast:
-            found = run_original(self.onnx, runtime, self.x)
-            if found is None or runtime.dtype != dtype:
-                return None
-            self.cast[key] = found
-            self.cast_by[key] = (dtype, runtime.kind, f"the reference {self.onnx.name} run by the same runtime")
-        return self.cast[key], dtype
+        found = self.original_by_runtime(runtime)
+        if found is None:
+            return None
+        how = f"the reference {self.onnx.name} run by the same runtime"
+        self.cast_by[f"{dtype} ({runtime.label})"] = (dtype, runtime.kind, how)
+        return found, dtype
 
     def original_by_runtime(self, runtime: Runtime) -> list[np.ndarray] | None:
         """The original's outputs computed by ``runtime`` itself, with its settings (an ONNX runtime: its
