@@ -30,7 +30,7 @@ import numpy as np
 
 from slabconv.errors import InputError, first_line
 from slabconv.verify.judge import rel_err
-from slabconv.verify.runtimes import Inputs, RuntimeUnavailable, chunks, onnx_runtimes, run_batched, samples_of
+from slabconv.verify.runtimes import Inputs, RuntimeUnavailable, chunks, run_batched, samples_of
 
 QUANTIZED_OPS = ("MatMul", "Gemm", "Conv")
 """The op types quantized: the layers a fold writes into (a Linear is ``MatMul`` or ``Gemm`` in ONNX, a convolution
@@ -330,19 +330,20 @@ def compare_int8(
     )
 
 
-def run_int8(
-    path: Path, calibration: Inputs, inputs: Inputs, folder: Path, fixed_batch: int | None = None
-) -> list[np.ndarray]:
-    """``path`` quantized (``quantize_int8``, calibrated on ``calibration``) into ``folder`` and run on ``inputs``
-    in onnxruntime with every graph optimisation (which turns the QDQ pairs into int8 kernels, as deployed);
-    every output as float64 ``(N, ...)``. ``fixed_batch``: the batch the original runs in when its batch is fixed
-    (``Reference.batch``): calibrated and run in batches of exactly that many, whatever batch the file takes.
+def run_int8(path: Path, calibration: Inputs, inputs: Inputs, fixed_batch: int | None = None) -> list[np.ndarray]:
+    """``path`` in the ``onnxruntime-int8`` runtime (``runtimes.open_onnxruntime_int8``: quantized, calibrated on
+    ``calibration``, with every graph optimisation, which turns the QDQ pairs into int8 kernels, as deployed) run on
+    ``inputs``; every output as float64 ``(N, ...)``. ``fixed_batch``: the batch the original runs in when its
+    batch is fixed (``Reference.batch``): calibrated and run in batches of exactly that many, whatever batch the file
+    takes.
 
     Raises:
         RuntimeUnavailable: onnxruntime cannot quantize or run it.
     """
-    out = quantize_int8(path, folder / f"{path.stem}.int8.onnx", calibration, fixed_batch=fixed_batch)
-    runtime = onnx_runtimes(out, several=isinstance(inputs, dict), levels=("all-optimizations",))[0]
+    from slabconv.verify.backends import BACKENDS
+
+    how = {"calibration": calibration, "several": isinstance(inputs, dict), "fixed_batch": fixed_batch}
+    runtime = BACKENDS["onnxruntime-int8"].open(path, **how)[0]
     try:
         return run_batched(runtime.run, inputs, fixed_batch=runtime.fixed_batch or fixed_batch)
     finally:
@@ -372,15 +373,8 @@ def check_int8(
         RuntimeUnavailable: onnxruntime cannot quantize or run one of them.
         InputError: as ``compare_int8``.
     """
-    import tempfile
-
     calibration = inputs if calibration is None else calibration
-    with tempfile.TemporaryDirectory(prefix="slabconv-int8-") as tmp:
-        sides = []
-        for tag, path in (("original", original), ("fused", fused)):
-            folder = Path(tmp) / tag
-            folder.mkdir()
-            sides.append(run_int8(path, calibration, inputs, folder, fixed_batch))
+    sides = [run_int8(path, calibration, inputs, fixed_batch) for path in (original, fused)]
     return compare_int8(
         name, sides[0], sides[1], float_original, reference64, calibration=calibration_label, alpha=alpha
     )

@@ -325,11 +325,13 @@ def open_onnxruntime_int8(
     calibration: Inputs | None = None,
     several: bool = False,
     levels: tuple[str, ...] = ORT_LEVELS[-1:],
+    fixed_batch: int | None = None,
 ) -> list[Runtime]:
     """The ``.onnx`` at ``path`` quantized to int8 as deployed (``slabconv.verify.int8.quantize_int8``: QDQ, int8
-    weights per output channel, int8 activations per tensor, MinMax calibration on ``calibration``) and run in
-    onnxruntime on the CPU (with every graph optimisation by default: the QDQ pairs become int8 kernels), labelled
-    ``onnxruntime-int8[<level>]``. The quantized file lives in a temporary folder until the session is made.
+    weights per output channel, int8 activations per tensor, MinMax calibration on ``calibration``, in batches of
+    exactly ``fixed_batch`` when given) and run in onnxruntime on the CPU (with every graph optimisation by default:
+    the QDQ pairs become int8 kernels), labelled ``onnxruntime-int8[<level>]``. The quantized file lives in a
+    temporary folder until the session is made.
 
     Raises:
         UsageError: no calibration inputs.
@@ -343,7 +345,7 @@ def open_onnxruntime_int8(
     if calibration is None:
         raise UsageError(f"--runtime {backend.name} quantizes {path.name}: it needs calibration inputs")
     with tempfile.TemporaryDirectory(prefix="slabconv-int8-") as tmp:
-        quantized = quantize_int8(path, Path(tmp) / f"{path.stem}.int8.onnx", calibration)
+        quantized = quantize_int8(path, Path(tmp) / f"{path.stem}.int8.onnx", calibration, fixed_batch=fixed_batch)
         opened = open_onnxruntime(backend, quantized, several=several, levels=levels)
     for runtime in opened:
         runtime.label = runtime.label.replace("onnxruntime[", f"{backend.name}[", 1)
