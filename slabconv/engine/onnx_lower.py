@@ -761,7 +761,6 @@ _TWINS = {
     "Trilu": aten.triu.default,
     "ScatterND": aten.index_put.default,
     "ScatterElements": aten.scatter.src,
-    "GridSample": aten.grid_sampler.default,
     "DepthToSpace": aten.pixel_shuffle.default,
     "SpaceToDepth": aten.pixel_unshuffle.default,
 }
@@ -842,6 +841,23 @@ def _every_input(lo: _Lowering, node: ir.Node) -> None:
     if len(node.outputs) != 1 or (node.op_type in _BINARY and len(node.inputs) != 2):
         raise _Unlowerable
     lo.emit(node, _EVERY_INPUT[node.op_type], tuple(lo.read(v) for v in node.inputs), node.outputs[0])
+
+
+_GRID_MODES = {"bilinear": 0, "linear": 0, "nearest": 1, "bicubic": 2, "cubic": 2}
+_GRID_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
+
+
+@lowers("GridSample")
+def _grid_sample(lo: _Lowering, node: ir.Node) -> None:
+    """``aten.grid_sampler(x, grid, mode, padding_mode, align_corners)`` with the node's attributes as torch numbers
+    them (modes of opset 16 and 20 alike), so the rule reads the padding: a border or reflection pads with input
+    elements, which pass a shift."""
+    mode = _GRID_MODES.get(_text(node, "mode", "bilinear"))
+    padding = _GRID_PADDINGS.get(_text(node, "padding_mode", "zeros"))
+    if len(node.outputs) != 1 or len(node.inputs) != 2 or mode is None or padding is None:
+        raise _Unlowerable
+    args = (lo.read(node.inputs[0]), lo.read(node.inputs[1]), mode, padding, bool(_attr(node, "align_corners", 0)))
+    lo.emit(node, aten.grid_sampler.default, args, node.outputs[0])
 
 
 @lowers("Dropout")
