@@ -1240,6 +1240,34 @@ def test_the_float64_reference_runs_a_grid_sample_of_either_opsets_mode_names(tm
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
+def test_initializers_and_modules_named_as_python_keywords_fold(tmp_path):
+    """fx writes each stored tensor's target into Python code (``self.in.weight``): a norm statistic named ``is``
+    and a conv in a module scope named ``in`` (``nn.ModuleDict({"in": ...})``, the TorchScript exporter's
+    ``/in/Conv``) were an internal error (a ``SyntaxError``) before anything was planned. Such a part of a layer's
+    name gets a ``_`` after it."""
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    inits = _bn_initializers(rng, {"onnx::Conv_9": (3, 4, 1, 1)})
+    inits[0].name = "is"
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "is", *BN_INPUTS[1:]], ["n"], name="/lambda/BatchNormalization"),
+        helper.make_node("Conv", ["n", "onnx::Conv_9"], ["y"], name="/in/Conv"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4, 5, 5])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 5, 5])],
+        inits,
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.norm, d.action, d.into) for d in report.folds] == [("lambda", "folded-forward", ["in_"])]
+    assert report.verification is not None and report.verification.passed
+
+
 @pytest.mark.parametrize(
     ("opset", "padding", "action", "reason"),
     [

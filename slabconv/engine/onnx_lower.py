@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import keyword
 import logging
 import math
 import re
@@ -564,9 +565,11 @@ def _captured(node: ir.Node) -> list[ir.Value]:
 
 
 def _identifier(text: str) -> str:
-    """``text`` as a Python identifier (an fx node name)."""
+    """``text`` as a Python identifier (an fx node name, a part of a ``get_attr`` target: fx writes ``self.<target>``
+    into Python code, so a keyword, an initializer or module named ``is`` or ``in``, gets a ``_`` after it)."""
     out = re.sub(r"\W", "_", text)
-    return out if out and not out[0].isdigit() else f"_{out}" if out else "_"
+    out = out if out and not out[0].isdigit() else f"_{out}" if out else "_"
+    return f"{out}_" if keyword.iskeyword(out) else out
 
 
 def _attr_part(text: str) -> str:
