@@ -214,3 +214,32 @@ def test_the_sequence_axis_is_read_from_the_first_real_input_not_a_listed_initia
     folder.mkdir()
     onnx.save(_token_model(listed_first), str(folder / "model.onnx"))
     assert sides.output_side(folder, Source(str(folder), None, "slabconv-output")).dynamic_sequence
+
+
+@pytest.mark.parametrize("opset", [9, 10])
+def test_a_norm_before_an_upsample_of_a_dynamic_batch_folds_at_opsets_9_and_10(tmp_path, opset):
+    """The TorchScript exporter writes ``nn.Upsample`` as ``Upsample`` (opset 9) or ``Resize`` (opset 10) with its
+    ``scales`` the second input, where opset 11's ``Resize`` has them third: under a dynamic batch, inference gives
+    the output a batch of its own, and only the scales (1 on the batch and channels) say the op resizes the spatial
+    axes alone. They were read from the third input only: the op was opaque, and the BatchNorm before it was kept
+    (``unsupported-op:onnx.Resize``) where it folds into the conv after it."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(4, 3, 1))
+    norm = model[0]
+    assert isinstance(norm, nn.BatchNorm2d)
+    norm.running_mean.uniform_(-1, 1)
+    norm.running_var.uniform_(0.5, 2)
+    path = tmp_path / f"op{opset}.onnx"
+    torch.onnx.export(model.eval(), (torch.randn(2, 4, 5, 5),), str(path), dynamo=False, opset_version=opset,
+                      input_names=["x"], dynamic_axes={"x": {0: "batch"}})  # fmt: skip
+    assert any(n.op_type == ("Upsample" if opset == 9 else "Resize") for n in onnx.load(str(path)).graph.node)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [(d.action, d.reason) for d in report.folds] == [("folded-forward", None)]
+    assert report.verification is not None and report.verification.passed
+    x = np.random.default_rng(1).standard_normal((3, 4, 5, 5)).astype(np.float32)
+    want, got = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                 for p in (path, tmp_path / "out" / "model.onnx"))  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1223,6 +1223,8 @@ def _resize(lo: _Lowering, node: ir.Node) -> None:
     ins, outs = _dims(src), _dims(out)
     rank = len(ins)
     scales = _array(node.inputs[2]) if len(node.inputs) > 2 else None
+    if node.op_type == "Upsample" or len(node.inputs) == 2:  # opsets 7 to 10: the attribute, else input 1
+        scales = _array(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(_attr(node, "scales", []))
     unscaled = scales is not None and scales.size == rank and bool((scales[:2] == 1.0).all())  # floor(1.0*batch)
     if rank not in (3, 4, 5) or len(outs) != rank or (ins[:2] != outs[:2] and not unscaled):
         raise _Unlowerable  # only the spatial axes may be resized
