@@ -1240,6 +1240,79 @@ def test_the_float64_reference_runs_a_grid_sample_of_either_opsets_mode_names(tm
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-12, atol=1e-12)
 
 
+def test_initializers_and_modules_named_as_python_keywords_fold(tmp_path):
+    """fx writes each stored tensor's target into Python code (``self.in.weight``): a norm statistic named ``is``
+    and a conv in a module scope named ``in`` (``nn.ModuleDict({"in": ...})``, the TorchScript exporter's
+    ``/in/Conv``) were an internal error (a ``SyntaxError``) before anything was planned. Such a part of a layer's
+    name gets a ``_`` after it."""
+    from onnx import helper
+
+    rng = np.random.default_rng(0)
+    inits = _bn_initializers(rng, {"onnx::Conv_9": (3, 4, 1, 1)})
+    inits[0].name = "is"
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "is", *BN_INPUTS[1:]], ["n"], name="/lambda/BatchNormalization"),
+        helper.make_node("Conv", ["n", "onnx::Conv_9"], ["y"], name="/in/Conv"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4, 5, 5])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 5, 5])],
+        inits,
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.norm, d.action, d.into) for d in report.folds] == [("lambda", "folded-forward", ["in_"])]
+    assert report.verification is not None and report.verification.passed
+
+
+@pytest.mark.parametrize(
+    ("opset", "padding", "action", "reason"),
+    [
+        (16, "border", "folded-forward", None),
+        (20, "reflection", "folded-forward", None),
+        (16, "zeros", "kept-affine", reasons.ZERO_PADDING_AFTER_NORM),
+    ],
+)
+def test_a_grid_sample_passes_a_shift_unless_it_samples_zeros_outside(tmp_path, opset, padding, action, reason):
+    """``x -> BatchNormalization -> GridSample -> 1x1 Conv``, a grid reaching outside the input: border and
+    reflection padding sample input elements there, so the norm's affine commutes and folds into the conv; zeros
+    padding samples zeros, which the folded shift would move (the naive fold is far off). The ``padding_mode``
+    attribute was not read (every ``GridSample`` kept as zeros)."""
+    import onnx_ir as ir
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = _bn_initializers(rng, {"conv.weight": (3, 4, 1, 1)})
+    grid = rng.uniform(-1.4, 1.4, (2, 5, 6, 2)).astype(np.float32)
+    mode = "linear" if opset >= 20 else "bilinear"
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", *BN_INPUTS], ["n"], name="bn"),
+        helper.make_node("GridSample", ["n", "grid"], ["g"], mode=mode, padding_mode=padding, align_corners=0),
+        helper.make_node("Conv", ["g", "conv.weight"], ["y"], name="conv"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4, 4, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3, 5, 6])],
+        [*inits, numpy_helper.from_array(grid, "grid")],
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    model, decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.reason) for d in decisions] == [(action, reason)]
+    x = np.random.default_rng(1).standard_normal((2, 4, 4, 4)).astype(np.float32)
+    y0 = _run(path, x)
+    naive = np.abs(_run(_naive_onnx(path, tmp_path / "naive.onnx"), x) - y0).max() / np.abs(y0).max()
+    assert naive > 1e-3 if action == "kept-affine" else naive < 1e-5
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert [(d.action, d.reason) for d in report.folds] == [(action, reason)]
+    assert report.verification is not None and report.verification.passed
+
+
 @pytest.mark.parametrize("opset", [13, 15])
 def test_the_float64_reference_runs_an_inference_batchnorm_with_its_stored_statistics(tmp_path, opset):
     """A ``Conv`` (no float64 kernel in onnxruntime) sends the float64 reference to onnx's reference evaluator,

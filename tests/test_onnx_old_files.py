@@ -18,18 +18,22 @@ from slabconv.verify import onnx_original, sides
 
 def _cnn(opset: int, mode: str = "nearest", listed: bool = True, ir_version: int = 3) -> onnx.ModelProto:
     """Conv -> BatchNorm -> Upsample (x2, ``mode``) -> BatchNorm -> 1x1 Conv, an IR version 3 file at ``opset`` (7
-    or 8: ``scales`` an attribute) with every initializer listed as a graph input (``listed``); ``ir_version``
-    4 or later where not listed."""
+    or 8: ``scales`` an attribute; 10: a ``Resize`` of ``scales``) with every initializer listed as a graph input
+    (``listed``); ``ir_version`` 4 or later where not listed."""
     rng = np.random.default_rng(0)
     arrays = {"w1": rng.standard_normal((4, 3, 3, 3)) * 0.3, "w2": rng.standard_normal((5, 4, 1, 1)) * 0.3}
     for bn in ("bn1", "bn2"):
         arrays.update({f"{bn}_s": rng.uniform(0.5, 1.5, 4), f"{bn}_b": rng.uniform(-1, 1, 4),
                        f"{bn}_m": rng.uniform(-1, 1, 4), f"{bn}_v": rng.uniform(0.5, 2, 4)})  # fmt: skip
+    if opset == 10:  # Resize (X, scales): opset 9's Upsample renamed
+        arrays["scales"] = np.array([1.0, 1.0, 2.0, 2.0])
     inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    up = (helper.make_node("Resize", ["n1", "scales"], ["u"], name="up", mode=mode) if opset == 10 else
+          helper.make_node("Upsample", ["n1"], ["u"], name="up", mode=mode, scales=[1.0, 1.0, 2.0, 2.0]))  # fmt: skip
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
         helper.make_node("BatchNormalization", ["c1", "bn1_s", "bn1_b", "bn1_m", "bn1_v"], ["n1"], name="bn1"),
-        helper.make_node("Upsample", ["n1"], ["u"], name="up", mode=mode, scales=[1.0, 1.0, 2.0, 2.0]),
+        up,
         helper.make_node("BatchNormalization", ["u", "bn2_s", "bn2_b", "bn2_m", "bn2_v"], ["n2"], name="bn2"),
         helper.make_node("Conv", ["n2", "w2"], ["y"], name="conv2"),
     ]
@@ -49,37 +53,42 @@ def _same_outputs(original, fused) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("opset", [7, 10])
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
-def test_an_opset_7_upsample_with_its_scales_an_attribute_is_verified(tmp_path, mode):
+def test_an_opset_7_upsample_and_an_opset_10_resize_are_verified(tmp_path, mode, opset):
     """onnxruntime has no float64 ``Conv``, so question 1 runs onnx's reference evaluator, whose ``Upsample``
     takes ``scales`` only as an input (opset 9): an opset 7 or 8 node raised ``TypeError`` there, an internal error
-    after the fold was written."""
-    path = tmp_path / "op7.onnx"
-    onnx.save(_cnn(7, mode), str(path))
+    after the fold was written; its ``Resize`` reads opset 10's ``(X, scales)`` as opset 11's ``(X, roi)`` and
+    raised ``ValueError`` (no scales, no sizes), the same internal error."""
+    path = tmp_path / f"op{opset}.onnx"
+    onnx.save(_cnn(opset, mode, listed=opset < 9, ir_version=3 if opset < 9 else 5), str(path))
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
     assert report.verification is not None and report.verification.passed
     assert [d.action for d in report.folds] == ["folded-backward", "folded-forward"]
     _same_outputs(path, tmp_path / "out" / "model.onnx")
 
 
-@pytest.mark.parametrize("opset", [7, 9])
-@pytest.mark.parametrize("scales", [[1, 1, 2, 2], [1, 1, 1.5, 2.5]])
+@pytest.mark.parametrize("opset", [7, 9, 10])
+@pytest.mark.parametrize("scales", [[1, 1, 2, 2], [1, 1, 1.5, 2.5], [1, 1, 0.6, 0.5]])
 @pytest.mark.parametrize("mode", ["nearest", "linear"])
 def test_the_reference_upsample_computes_what_onnxruntime_computes(opset, scales, mode):
-    """The float64 reference's ``Upsample`` (``onnx_original._upsample``) against onnxruntime's, whole and fractional
-    scales, both modes, the scales an attribute (opset 7) or an input (opset 9)."""
+    """The float64 reference's ``Upsample`` and opset 10 ``Resize`` (``onnx_original._upsample``) against
+    onnxruntime's, whole and fractional scales (below 1: opset 10's ``Resize`` only), both modes, the scales an
+    attribute (opset 7) or an input (opsets 9 and 10)."""
     from onnx.reference import ReferenceEvaluator
 
+    if scales[-1] < 1 and opset < 10:
+        pytest.skip("onnxruntime's Upsample refuses a scale below 1")
     info = helper.make_tensor_value_info
     inits = [] if opset < 9 else [numpy_helper.from_array(np.array(scales, np.float32), "s")]
-    node = helper.make_node("Upsample", ["x", *(["s"] if inits else [])], ["y"], mode=mode,
-                            **({} if inits else {"scales": [float(s) for s in scales]}))  # fmt: skip
+    node = helper.make_node("Resize" if opset == 10 else "Upsample", ["x", *(["s"] if inits else [])], ["y"],
+                            mode=mode, **({} if inits else {"scales": [float(s) for s in scales]}))  # fmt: skip
     graph = helper.make_graph([node], "g", [info("x", TensorProto.FLOAT, None)], [info("y", TensorProto.FLOAT, None)],
                               inits)  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=4)
     x = np.random.default_rng(0).standard_normal((2, 3, 5, 4)).astype(np.float32)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    got = ReferenceEvaluator(model, new_ops=[onnx_original._upsample()]).run(None, {"x": x.astype(np.float64)})[0]
+    got = ReferenceEvaluator(model, new_ops=onnx_original._upsample()).run(None, {"x": x.astype(np.float64)})[0]
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
@@ -205,3 +214,32 @@ def test_the_sequence_axis_is_read_from_the_first_real_input_not_a_listed_initia
     folder.mkdir()
     onnx.save(_token_model(listed_first), str(folder / "model.onnx"))
     assert sides.output_side(folder, Source(str(folder), None, "slabconv-output")).dynamic_sequence
+
+
+@pytest.mark.parametrize("opset", [9, 10])
+def test_a_norm_before_an_upsample_of_a_dynamic_batch_folds_at_opsets_9_and_10(tmp_path, opset):
+    """The TorchScript exporter writes ``nn.Upsample`` as ``Upsample`` (opset 9) or ``Resize`` (opset 10) with its
+    ``scales`` the second input, where opset 11's ``Resize`` has them third: under a dynamic batch, inference gives
+    the output a batch of its own, and only the scales (1 on the batch and channels) say the op resizes the spatial
+    axes alone. They were read from the third input only: the op was opaque, and the BatchNorm before it was kept
+    (``unsupported-op:onnx.Resize``) where it folds into the conv after it."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm2d(4), nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(4, 3, 1))
+    norm = model[0]
+    assert isinstance(norm, nn.BatchNorm2d)
+    norm.running_mean.uniform_(-1, 1)
+    norm.running_var.uniform_(0.5, 2)
+    path = tmp_path / f"op{opset}.onnx"
+    torch.onnx.export(model.eval(), (torch.randn(2, 4, 5, 5),), str(path), dynamo=False, opset_version=opset,
+                      input_names=["x"], dynamic_axes={"x": {0: "batch"}})  # fmt: skip
+    assert any(n.op_type == ("Upsample" if opset == 9 else "Resize") for n in onnx.load(str(path)).graph.node)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [(d.action, d.reason) for d in report.folds] == [("folded-forward", None)]
+    assert report.verification is not None and report.verification.passed
+    x = np.random.default_rng(1).standard_normal((3, 4, 5, 5)).astype(np.float32)
+    want, got = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+                 for p in (path, tmp_path / "out" / "model.onnx"))  # fmt: skip
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import keyword
 import logging
 import math
 import re
@@ -564,9 +565,11 @@ def _captured(node: ir.Node) -> list[ir.Value]:
 
 
 def _identifier(text: str) -> str:
-    """``text`` as a Python identifier (an fx node name)."""
+    """``text`` as a Python identifier (an fx node name, a part of a ``get_attr`` target: fx writes ``self.<target>``
+    into Python code, so a keyword, an initializer or module named ``is`` or ``in``, gets a ``_`` after it)."""
     out = re.sub(r"\W", "_", text)
-    return out if out and not out[0].isdigit() else f"_{out}" if out else "_"
+    out = out if out and not out[0].isdigit() else f"_{out}" if out else "_"
+    return f"{out}_" if keyword.iskeyword(out) else out
 
 
 def _attr_part(text: str) -> str:
@@ -761,7 +764,6 @@ _TWINS = {
     "Trilu": aten.triu.default,
     "ScatterND": aten.index_put.default,
     "ScatterElements": aten.scatter.src,
-    "GridSample": aten.grid_sampler.default,
     "DepthToSpace": aten.pixel_shuffle.default,
     "SpaceToDepth": aten.pixel_unshuffle.default,
 }
@@ -842,6 +844,23 @@ def _every_input(lo: _Lowering, node: ir.Node) -> None:
     if len(node.outputs) != 1 or (node.op_type in _BINARY and len(node.inputs) != 2):
         raise _Unlowerable
     lo.emit(node, _EVERY_INPUT[node.op_type], tuple(lo.read(v) for v in node.inputs), node.outputs[0])
+
+
+_GRID_MODES = {"bilinear": 0, "linear": 0, "nearest": 1, "bicubic": 2, "cubic": 2}
+_GRID_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
+
+
+@lowers("GridSample")
+def _grid_sample(lo: _Lowering, node: ir.Node) -> None:
+    """``aten.grid_sampler(x, grid, mode, padding_mode, align_corners)`` with the node's attributes as torch numbers
+    them (modes of opset 16 and 20 alike), so the rule reads the padding: a border or reflection pads with input
+    elements, which pass a shift."""
+    mode = _GRID_MODES.get(_text(node, "mode", "bilinear"))
+    padding = _GRID_PADDINGS.get(_text(node, "padding_mode", "zeros"))
+    if len(node.outputs) != 1 or len(node.inputs) != 2 or mode is None or padding is None:
+        raise _Unlowerable
+    args = (lo.read(node.inputs[0]), lo.read(node.inputs[1]), mode, padding, bool(_attr(node, "align_corners", 0)))
+    lo.emit(node, aten.grid_sampler.default, args, node.outputs[0])
 
 
 @lowers("Dropout")
@@ -1204,6 +1223,8 @@ def _resize(lo: _Lowering, node: ir.Node) -> None:
     ins, outs = _dims(src), _dims(out)
     rank = len(ins)
     scales = _array(node.inputs[2]) if len(node.inputs) > 2 else None
+    if node.op_type == "Upsample" or len(node.inputs) == 2:  # opsets 7 to 10: the attribute, else input 1
+        scales = _array(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(_attr(node, "scales", []))
     unscaled = scales is not None and scales.size == rank and bool((scales[:2] == 1.0).all())  # floor(1.0*batch)
     if rank not in (3, 4, 5) or len(outs) != rank or (ins[:2] != outs[:2] and not unscaled):
         raise _Unlowerable  # only the spatial axes may be resized

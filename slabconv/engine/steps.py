@@ -491,11 +491,12 @@ def _resample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 
 def _grid_sample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
-    """``F.grid_sample(x, grid, mode, padding_mode, align_corners)`` (``aten.grid_sampler*``): bilinear, nearest or
-    bicubic weights that sum to one over the elements sampled, as ``_resample``, when the samples outside the input
-    are border or reflected elements (``padding_mode`` 1, 2). With ``padding_mode="zeros"`` (0; None: an ONNX
-    ``GridSample``, read as zeros) they are zeros, which the fold would shift by ``t``: ``zero-padding-after-norm``,
-    unless every shift is 0 (``Pass.needs_zero_shift``: the samples are then a weighted sum of ``s x`` and zeros).
+    """``F.grid_sample(x, grid, mode, padding_mode, align_corners)`` (``aten.grid_sampler*``; an ONNX ``GridSample``
+    lowered with its attributes as torch's numbers): bilinear, nearest or bicubic weights that sum to one over the
+    elements sampled, as ``_resample``, when the samples outside the input are border or reflected elements
+    (``padding_mode`` 1, 2). With ``padding_mode="zeros"`` (0) they are zeros, which the fold would shift by ``t``:
+    ``zero-padding-after-norm``, unless every shift is 0 (``Pass.needs_zero_shift``: the samples are then a weighted
+    sum of ``s x`` and zeros).
     The grid itself holds sampling positions: a normalised grid is a nonlinear use."""
     if user.args[0] is not src:
         return Block(reasons.NONLINEAR)

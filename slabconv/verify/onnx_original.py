@@ -73,7 +73,7 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         _gather_elements(),
         _global_max_pool(),
         _grid_sample(),
-        _upsample(),
+        *_upsample(),
     ]
     try:
         evaluator = ReferenceEvaluator(proto, new_ops=fixed)
@@ -289,44 +289,57 @@ def _grid_sample() -> type:
     return GridSample
 
 
-def _upsample() -> type:
-    """onnx's reference ``Upsample`` (opsets 7 to 9) as onnxruntime computes it: the ``scales`` an attribute
-    (opsets 7 and 8) or an input (opset 9), ``mode`` ``nearest`` or ``linear``, on any rank. onnx's (1.23) takes
-    ``scales`` as an input only (a ``TypeError`` on an opset 7 or 8 node) and computes ``nearest`` with whole scales
-    only. Per axis ``d`` of size ``n`` and scale ``s``, the output has ``floor(n * s)`` entries and entry ``o`` reads
-    the input at ``x = o / s`` (the ``asymmetric`` coordinates of ``Resize``): ``nearest`` takes ``floor(x)``,
+def _upsample() -> list[type]:
+    """onnx's reference ``Upsample`` (opsets 7 to 9) and opset 10's ``Resize`` (``X`` and ``scales``, the same op
+    renamed) as onnxruntime computes them: the ``scales`` an attribute (opsets 7 and 8) or an input (opsets 9 and
+    10), ``mode`` ``nearest`` or ``linear``, on any rank. onnx's (1.23) ``Upsample`` takes ``scales`` as an input only
+    (a ``TypeError`` on an opset 7 or 8 node) and computes ``nearest`` with whole scales only; its ``Resize`` reads
+    opset 10's ``scales`` as opset 11's ``roi`` (a ``ValueError``: no scales, no sizes). Per axis ``d`` of size
+    ``n`` and scale ``s``, the output has ``floor(n * s)`` entries and entry ``o`` reads the input at ``x = o / s``
+    (the ``asymmetric`` coordinates of ``Resize``): ``nearest`` takes ``floor(x)`` (``ceil(x)`` where ``s < 1``),
     ``linear`` interpolates between ``floor(x)`` and the entry after it, ``x`` held to ``[0, n - 1]``: onnxruntime's
-    ``Upsample`` (which refuses a scale below 1)."""
+    ``Upsample`` (which refuses a scale below 1) and its ``Resize`` below opset 11 (``NearestPixel_SIMPLE``). A
+    ``Resize`` of opset 11 on runs as onnx's."""
+    from onnx.reference.ops.op_resize import Resize as OnnxResize
     from onnx.reference.ops.op_upsample import Upsample as OnnxUpsample
 
     def text(value: Any) -> str:
         return value.decode() if isinstance(value, bytes) else str(value or "nearest")
+
+    def upsampled(x: np.ndarray, factors: list[float], how: str) -> tuple[np.ndarray]:
+        if how not in ("nearest", "linear") or len(factors) != x.ndim:
+            raise ValueError(f"Upsample: mode {how!r} with scales {factors} on a rank-{x.ndim} input")
+        y = x
+        for axis, factor in enumerate(factors):
+            n = y.shape[axis]
+            at = np.arange(int(np.floor(n * factor))) / factor
+            if how == "nearest":
+                index = (np.ceil(at) if factor < 1 else np.floor(at)).astype(np.int64).clip(0, n - 1)
+                y = np.take(y, index, axis=axis)
+                continue
+            at = at.clip(0, n - 1)
+            low = np.floor(at).astype(np.int64)
+            high = np.minimum(low + 1, n - 1)
+            weight = (at - low).reshape([-1 if d == axis else 1 for d in range(y.ndim)]).astype(y.dtype)
+            y = np.take(y, low, axis=axis) * (1 - weight) + np.take(y, high, axis=axis) * weight
+        return (y.astype(x.dtype),)
 
     class Upsample(OnnxUpsample):  # type: ignore[misc]
         op_domain = ""
 
         def _run(self, x: np.ndarray, scale: np.ndarray | None = None, mode: Any = None,  # type: ignore[override]
                  scales: Any = None) -> tuple[np.ndarray]:  # fmt: skip
-            factors = [float(f) for f in (scale if scale is not None else scales)]
-            how = text(mode)
-            if how not in ("nearest", "linear") or len(factors) != x.ndim:
-                raise ValueError(f"Upsample: mode {how!r} with scales {factors} on a rank-{x.ndim} input")
-            y = x
-            for axis, factor in enumerate(factors):
-                n = y.shape[axis]
-                at = np.arange(int(np.floor(n * factor))) / factor
-                if how == "nearest":
-                    index = np.floor(at).astype(np.int64).clip(0, n - 1)
-                    y = np.take(y, index, axis=axis)
-                    continue
-                at = at.clip(0, n - 1)
-                low = np.floor(at).astype(np.int64)
-                high = np.minimum(low + 1, n - 1)
-                weight = (at - low).reshape([-1 if d == axis else 1 for d in range(y.ndim)]).astype(y.dtype)
-                y = np.take(y, low, axis=axis) * (1 - weight) + np.take(y, high, axis=axis) * weight
-            return (y.astype(x.dtype),)
+            return upsampled(x, [float(f) for f in (scale if scale is not None else scales)], text(mode))
 
-    return Upsample
+    class Resize(OnnxResize):  # type: ignore[misc]
+        op_domain = ""
+
+        def _run(self, x: np.ndarray, *inputs: Any, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
+            if len(self.onnx_node.input) == 2:  # opset 10: (X, scales); from 11 on scales or sizes is a third input
+                return upsampled(x, [float(f) for f in inputs[0]], text(attrs.get("mode") or vars(self)["mode"]))
+            return super()._run(x, *inputs, **attrs)  # type: ignore[no-any-return]
+
+    return [Upsample, Resize]
 
 
 def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
