@@ -42,10 +42,14 @@ import torch
 from slabconv.errors import InputError, UnsupportedModelError, UsageError
 from slabconv.load import safety
 from slabconv.load.fused import CONFIG_KEY, PROVENANCE_KEY, config_provenance
-from slabconv.load.fused import FUSED_LLAMA_TYPE as MODEL_TYPE  # a fused LLaMA folder's (its layers have no norms)
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, resolves_inside
 from slabconv.load.shards import LazyShards
 from slabconv.zoo.llama_std import MODEL_TYPES as STANDARD_TYPES  # the standard decoders, written as themselves
+
+MODEL_TYPE = "slabconv_llama"
+"""``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms); the loader reads it as
+``slabconv.load.fused.FUSED_LLAMA_TYPE`` (the same string: tests/test_stream.py; stated here too so that
+docs/errors.md's check reads the message that names it)."""
 
 MODELING_FILE = "modeling_slabconv_llama.py"
 """The modeling file copied into the folder (from ``slabconv/write/templates``)."""

@@ -101,9 +101,10 @@ def hparams(sd: StateDict) -> dict[str, Any]:
     """The SLAB-DeiT hyperparameters the weights determine (``deit.vit_hparams``; heads from the ``dwc`` channel
     count)."""
     hp = vit_hparams(sd, "SLAB-DeiT", cls_slot=False)
-    if "blocks.0.attn.dwc.weight" not in sd:
-        raise LayoutError("not a SLAB-DeiT-layout checkpoint: key 'blocks.0.attn.dwc.weight' is missing")
-    head_dim, _, kernel, _ = sd["blocks.0.attn.dwc.weight"].shape
+    dwc = "blocks.0.attn.dwc.weight"
+    if dwc not in sd:
+        raise LayoutError(f"not a SLAB-DeiT-layout checkpoint: key {dwc!r} is missing")
+    head_dim, _, kernel, _ = sd[dwc].shape
     return {**hp, "num_heads": hp["embed_dim"] // head_dim, "kernel_size": kernel}
 
 
