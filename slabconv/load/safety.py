@@ -795,6 +795,13 @@ def unsafe_globals(source: Path | IO[bytes]) -> list[str]:
     return [n for n in names if n not in ALLOWED_GLOBALS]
 
 
+SAVE_PROGRAM = (
+    "torch.export.save(torch.export.export(model.eval(), (example,), "
+    "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
+)
+"""How to save a model as a program, which loads without its code (docs/own-model.md)."""
+
+
 def refusal(label: str, err: BaseException, path: Path | IO[bytes] | None = None) -> InputError:
     """The one-line error for a pickle that the weights-only reader refused, naming the offending global."""
     from slabconv.errors import first_line
@@ -808,9 +815,7 @@ def refusal(label: str, err: BaseException, path: Path | IO[bytes] | None = None
         if any(n.startswith("torch.nn.modules.") for n in unsafe) or named.startswith("torch.nn.modules."):
             return InputError(
                 f"{label}: holds a whole pickled nn.Module ({named}), and loading one runs code from the file; "
-                "pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: "
-                "torch.export.save(torch.export.export(model.eval(), (example,), "
-                "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
+                f"pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: {SAVE_PROGRAM}"
             )
         others = [n for n in unsafe if n != named][:3]
         also = f" (also: {', '.join(others)})" if others else ""
