@@ -12,7 +12,7 @@ import stat
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 
 class Progress(Protocol):
@@ -30,10 +30,17 @@ def no_progress(stage: str, done: int | None = None, total: int | None = None, d
 
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+        return sha256_open(f)
+
+
+def sha256_open(f: IO[bytes]) -> str:
+    """Hex sha256 of an open binary file from its start, read in 1 MiB blocks (left at its start again)."""
+    digest = hashlib.sha256()
+    f.seek(0)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        digest.update(block)
+    f.seek(0)
     return digest.hexdigest()
 
 

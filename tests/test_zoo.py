@@ -39,7 +39,8 @@ from slabconv.write.onnx import export_onnx
 from slabconv.zoo import detect_arch, get_arch, list_archs
 from slabconv.zoo.cswin import CSWinTransformer
 from slabconv.zoo.deit import VisionTransformer
-from slabconv.zoo.layers import NormFactory, linear_attention, norm_factory
+from slabconv.zoo.layers import NormFactory, SimplifiedLinearAttention, linear_attention, norm_factory
+from slabconv.zoo.pvt import LinearAttention as PvtLinearAttention
 from slabconv.zoo.pvt import PyramidVisionTransformer
 from slabconv.zoo.registry import with_image_size
 from slabconv.zoo.slab_deit import SlabVisionTransformer
@@ -636,6 +637,41 @@ def test_sla_kernel_equals_the_official_einsums_in_both_branches(tokens, dim):
     ours = linear_attention(q, k, v)
     torch.testing.assert_close(ours, _official_sla(q, k, v, branch), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ours, _official_sla(q, k, v, "qk" if branch == "kv" else "kv"), rtol=1e-9, atol=1e-9)
+
+
+def _official_sla_module(attn: Any, x: torch.Tensor) -> torch.Tensor:
+    """The official SLA module's forward step for step (slab_deit.py / slab_pvt.py SimplifiedLinearAttention):
+    ReLU kernel on q and on k + positional_encoding, heads split (einops ``b n (h c) -> (b h) n c``), the kernel,
+    plus dwc over each head's values as a sqrt(N)-square map (``b (w h) c -> b c w h``), heads merged, proj."""
+    b, n, c = x.shape
+    h, d, side = attn.num_heads, c // attn.num_heads, math.isqrt(n)
+    if hasattr(attn, "qkv"):  # SLAB-DeiT / SLAB-Swin: one qkv Linear
+        q, k, v = attn.qkv(x).reshape(b, n, 3, c).permute(2, 0, 1, 3).unbind(0)
+    else:  # SLAB-PVT: q and kv Linears
+        q, (k, v) = attn.q(x), attn.kv(x).reshape(b, n, 2, c).permute(2, 0, 1, 3).unbind(0)
+    q, k = torch.relu(q), torch.relu(k + attn.positional_encoding)
+    q, k, v = (t.reshape(b, n, h, d).permute(0, 2, 1, 3).reshape(b * h, n, d) for t in (q, k, v))
+    out = _official_sla(q, k, v, "kv") + attn.dwc(v.transpose(1, 2).reshape(b * h, d, side, side)).flatten(2).mT
+    return attn.proj(out.reshape(b, h, n, d).permute(0, 2, 1, 3).reshape(b, n, c))
+
+
+@pytest.mark.parametrize(
+    "attn",
+    [
+        SimplifiedLinearAttention(32, 4, 16, kernel_size=3, float32_core=False),
+        PvtLinearAttention(32, 4, 16, qkv_bias=True, kernel_size=3),
+    ],
+    ids=["deit-swin", "pvt"],
+)
+def test_sla_module_equals_the_official_forward(attn):
+    torch.manual_seed(0)
+    attn = attn.double()
+    with torch.no_grad():
+        attn.positional_encoding.normal_()  # zero-initialised: a kernel that ignored it would pass
+    x = torch.randn(3, 16, 32, dtype=torch.float64)
+    with torch.no_grad():
+        ours = attn(x, 4, 4) if isinstance(attn, PvtLinearAttention) else attn(x)  # PVT takes the map's sides
+        torch.testing.assert_close(ours, _official_sla_module(attn, x), rtol=1e-12, atol=1e-12)
 
 
 def test_swin_windows_and_shift_mask_match_the_official_construction():

@@ -114,13 +114,6 @@ def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
         ) from None
 
 
-SAVE_PROGRAM = (
-    "torch.export.save(torch.export.export(model.eval(), (example,), "
-    "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
-)
-"""How to save a model as a program, which loads without its code (docs/own-model.md)."""
-
-
 def _trusted_pickle_advice(err: Exception) -> str:
     """What to do when unpickling a trusted module failed because its code cannot be found: a module Python cannot
     import from here (``PYTHONPATH``), or a class defined in the script that saved it (``__main__``), which no
@@ -131,12 +124,12 @@ def _trusted_pickle_advice(err: Exception) -> str:
         return (
             f"; the pickle imports the module {err.name!r}, which Python cannot find from here: run slabconv where "
             f"it can be imported (PYTHONPATH=DIR, DIR the folder that holds {top}/ or {top}.py), or save a program "
-            f"instead: {SAVE_PROGRAM}"
+            f"instead: {safety.SAVE_PROGRAM}"
         )
     if isinstance(err, AttributeError) and "__main__" in text:
         return (
             "; the model's class was defined in the script that saved it (module __main__), which no other program "
-            f"can import: save a program instead: {SAVE_PROGRAM}"
+            f"can import: save a program instead: {safety.SAVE_PROGRAM}"
         )
     return ""
 

@@ -37,6 +37,7 @@ from slabconv.load.paths import (  # noqa: F401 (what a Hugging Face folder is: 
     hf_weights_file,
     is_hf_folder,
 )
+from slabconv.load.safetensors_file import read_safetensors
 from slabconv.util import files_sha256
 
 SAFETENSORS_DTYPES = {
@@ -183,7 +184,7 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
     metadata: dict[str, str] = {}
     for i, shard in enumerate(shards):
         if shard.suffix == ".safetensors":
-            part, meta, digests[shard] = _read_safetensors(shard)
+            part, meta, digests[shard] = read_safetensors(shard, "a weights file")
         else:
             (part, digests[shard]), meta = _read_bin(shard), {}
         if i == 0:
@@ -265,13 +266,6 @@ def _check_index(index: Path, state: Mapping[str, torch.Tensor], weight_map: dic
         raise InputError(f"{index}: {absent[0]!r} is in the index but not in shard {weight_map[absent[0]]}")
     if extra:
         raise InputError(f"{index}: the shards hold {extra[0]!r}, which the index does not list; the folder is damaged")
-
-
-def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
-    """A weights file read once: its tensors, metadata and the sha256 of the bytes read (``read_safetensors``)."""
-    from slabconv.load.safetensors_file import read_safetensors
-
-    return read_safetensors(path, "a weights file")
 
 
 def _read_bin(path: Path) -> tuple[dict[str, torch.Tensor], str]:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import io
 import json
 import os
 import pickle
@@ -48,7 +50,7 @@ from typing import IO, Any
 import torch
 
 from slabconv.errors import InputError
-from slabconv.util import SPECIAL_FILES
+from slabconv.util import SPECIAL_FILES, sha256_open  # noqa: F401 (safety.sha256_open: the digest of a file read here)
 
 EXPANSION = 4
 """The materialised tensors of a file may take at most this many times its size (tied weights count twice)."""
@@ -217,18 +219,6 @@ def open_regular(path: Path | str, what: str = "the file") -> IO[bytes]:
         raise
 
 
-def sha256_open(f: IO[bytes]) -> str:
-    """Hex sha256 of an open binary file from its start (left at its start again)."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    f.seek(0)
-    for block in iter(lambda: f.read(1 << 20), b""):
-        digest.update(block)
-    f.seek(0)
-    return digest.hexdigest()
-
-
 def json_depth(value: Any) -> int:
     """The nesting depth of parsed JSON (a scalar is 0, ``[]`` is 1), computed without recursion."""
     deepest = 0
@@ -301,8 +291,6 @@ def read_json(path: Path | str, digests: dict[Path, str] | None = None) -> Any:
     Raises:
         InputError: as ``regular_file`` and ``parse_json``.
     """
-    import hashlib
-
     info = regular_file(path, "a JSON file")
     if info.st_size > MAX_JSON_BYTES:
         raise InputError(
@@ -336,7 +324,7 @@ def check_zip(source: Path | bytes | IO[bytes], label: str) -> list[str]:
 def _check_zip(source: Path | bytes | IO[bytes], label: str, read: str | None = None) -> tuple[list[str], bytes | None]:
     """``check_zip``, and the bytes of the first entry whose name ends with ``read`` (when given) from the same
     parse of the archive's directory (parsing a directory of 100,000 entries takes a second)."""
-    opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
+    opened: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
     head = _head(opened)
     wrong = content_error(label, head) if sniff_contents(head) == "tar" else None
     if wrong is not None:  # a tar of a checkpoint would open as the zip inside it
@@ -520,12 +508,6 @@ def _not_a_zip(source: Path | bytes | IO[bytes], label: str, detail: str) -> Inp
     )
 
 
-def _bytes_io(data: bytes) -> Any:
-    import io
-
-    return io.BytesIO(data)
-
-
 # --------------------------------------------------------------------------------------------- tensor sizes
 
 
@@ -645,7 +627,6 @@ def weights_only_load(source: Path | bytes | IO[bytes], label: str, file_bytes: 
         pickle.UnpicklingError: re-raised for the caller to explain (``refusal``) when the weights-only reader
             refuses the pickle.
     """
-    import io
     import warnings
 
     if isinstance(source, Path):
@@ -721,7 +702,7 @@ def count_pickled_tensors(source: bytes | IO[bytes], names: list[str], label: st
         pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
         if pkl is None:
             return 0
-        opened: Any = _bytes_io(source) if isinstance(source, (bytes, bytearray)) else source
+        opened: Any = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
         with zipfile.ZipFile(opened) as archive:
             data = archive.read(pkl)
     tensors = ops = 0
@@ -814,6 +795,13 @@ def unsafe_globals(source: Path | IO[bytes]) -> list[str]:
     return [n for n in names if n not in ALLOWED_GLOBALS]
 
 
+SAVE_PROGRAM = (
+    "torch.export.save(torch.export.export(model.eval(), (example,), "
+    "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
+)
+"""How to save a model as a program, which loads without its code (docs/own-model.md)."""
+
+
 def refusal(label: str, err: BaseException, path: Path | IO[bytes] | None = None) -> InputError:
     """The one-line error for a pickle that the weights-only reader refused, naming the offending global."""
     from slabconv.errors import first_line
@@ -827,9 +815,7 @@ def refusal(label: str, err: BaseException, path: Path | IO[bytes] | None = None
         if any(n.startswith("torch.nn.modules.") for n in unsafe) or named.startswith("torch.nn.modules."):
             return InputError(
                 f"{label}: holds a whole pickled nn.Module ({named}), and loading one runs code from the file; "
-                "pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: "
-                "torch.export.save(torch.export.export(model.eval(), (example,), "
-                "dynamic_shapes=({0: torch.export.Dim('batch')},)), 'model.pt2')"
+                f"pass --trust-pickle --input-shape C,H,W if you trust it, or save a program instead: {SAVE_PROGRAM}"
             )
         others = [n for n in unsafe if n != named][:3]
         also = f" (also: {', '.join(others)})" if others else ""

@@ -44,10 +44,12 @@ from slabconv.load import safety
 from slabconv.load.fused import CONFIG_KEY, PROVENANCE_KEY, config_provenance
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, resolves_inside
 from slabconv.load.shards import LazyShards
+from slabconv.zoo.llama_std import MODEL_TYPES as STANDARD_TYPES  # the standard decoders, written as themselves
 
 MODEL_TYPE = "slabconv_llama"
 """``model_type`` of a fused LLaMA folder (distinct from ``llama``: the layers have no norms); the loader reads it as
-``slabconv.load.fused.FUSED_LLAMA_TYPE`` (the same string: tests/test_stream.py)."""
+``slabconv.load.fused.FUSED_LLAMA_TYPE`` (the same string: tests/test_stream.py; stated here too so that
+docs/errors.md's check reads the message that names it)."""
 
 MODELING_FILE = "modeling_slabconv_llama.py"
 """The modeling file copied into the folder (from ``slabconv/write/templates``)."""
@@ -89,9 +91,6 @@ TOKENIZER_FILES = (
 )
 """The tokenizer files of a Hugging Face folder (data ``AutoTokenizer`` reads; no code) that a fused folder carries
 over from the original (``copy_tokenizer_files``)."""
-
-STANDARD_TYPES = ("llama", "mistral", "qwen2")
-"""``model_type`` of the standard decoders written as themselves (``write_hf_standard_metadata``)."""
 
 _STD_NORMS = ("input_layernorm", "post_attention_layernorm")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,32 +94,27 @@ class _Guarded(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def write(self, data: Any) -> int:
-        size = memoryview(data).nbytes
+    def _guarded(self, call: Callable[[], Any], default: Any) -> Any:
+        """``call()`` until the first ``OSError``, which is kept; ``default`` from then on."""
         if self.error is None:
             try:
-                self.file.write(data)
+                return call()
             except OSError as err:
                 self.error = err
-        return size
+        return default
+
+    def write(self, data: Any) -> int:
+        self._guarded(lambda: self.file.write(data), None)
+        return memoryview(data).nbytes
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        if self.error is None:
-            try:
-                return self.file.seek(offset, whence)
-            except OSError as err:
-                self.error = err
-        return 0
+        return int(self._guarded(lambda: self.file.seek(offset, whence), 0))
 
     def tell(self) -> int:
-        return self.file.tell() if self.error is None else 0
+        return int(self._guarded(self.file.tell, 0))
 
     def flush(self) -> None:
-        if self.error is None:
-            try:
-                self.file.flush()
-            except OSError as err:
-                self.error = err
+        self._guarded(self.file.flush, None)
 
 
 def save_pt2(program: torch.export.ExportedProgram, info: dict[str, Any], path: Path) -> None:

@@ -41,12 +41,11 @@ from slabconv.zoo.layers import (
     checkpoint_norm,
     depths_of,
     init_linears,
-    linear_attention,
     map_to_tokens,
     merge_heads,
     norm_factory,
     norm_layout,
-    split_heads,
+    sla,
     tokens_to_map,
 )
 from slabconv.zoo.registry import (
@@ -154,10 +153,7 @@ class LinearAttention(nn.Module):
         n = h_sp * w_sp
         lepe = self.get_v(v_map).reshape(-1, c // self.num_heads, n).transpose(1, 2)  # (B' * heads, N, C/heads)
         v = v_map.reshape(-1, c, n).transpose(1, 2)
-        q = torch.relu(q)
-        k = torch.relu(k + self.positional_encoding)
-        q, k, v = (split_heads(t, self.num_heads) for t in (q, k, v))
-        x = linear_attention(q, k, v) + map_to_tokens(self.dwc(tokens_to_map(v, h_sp, w_sp))) + lepe
+        x = sla(self, q, k, v, (h_sp, w_sp)) + lepe
         return windows2img(merge_heads(x, self.num_heads), h_sp, w_sp, r, r)
 
 

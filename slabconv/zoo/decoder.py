@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from slabconv.errors import UnsupportedModelError
-from slabconv.zoo.layers import norm_layout
+from slabconv.zoo import llama, llama_std
+from slabconv.zoo.layers import NormFactory, norm_layout
 
 
 @dataclass(frozen=True)
@@ -80,36 +81,25 @@ class DecoderFamily:
 
 
 def _llama_layer(cfg: Any) -> nn.Module:
-    from slabconv.zoo.llama import LlamaDecoderLayer, llama_norm_factory
-
     with torch.device("meta"):
-        return LlamaDecoderLayer(cfg, llama_norm_factory("identity"), persistent_rope=False)
+        return llama.LlamaDecoderLayer(cfg, llama.llama_norm_factory("identity"), persistent_rope=False)
 
 
-def _llama_norm(layout: str, cfg: Any) -> nn.Module:
-    from slabconv.zoo.llama import llama_norm_factory
-
-    return llama_norm_factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
+def _norm(factory: Callable[[str, float], NormFactory]) -> Callable[[str, Any], nn.Module]:
+    """``build_norm`` from a family's norm factory ``factory(layout, eps)``: one norm of ``cfg.hidden_size``."""
+    return lambda layout, cfg: factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
 
 
 def _llama_inputs(cfg: Any, i: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Rotary ``cos``, ``sin`` ``(T, d)`` and the additive mask ``(T, T)`` of decoder layer ``i`` in ``dtype``, as
     the zoo's forward makes them: causal, or causal over the layer's sliding window (``cfg.sliding_windows``)."""
-    from slabconv.zoo.llama import rope_cos_sin, sliding_mask
-
-    cos, sin = rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, dtype)
+    cos, sin = llama.rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, dtype)
     windows = cfg.sliding_windows or ()
     window = windows[i] if i < len(windows) else None
     if window is not None:
-        return cos, sin, sliding_mask(seq_len, int(window), dtype)
+        return cos, sin, llama.sliding_mask(seq_len, int(window), dtype)
     mask = torch.full((seq_len, seq_len), torch.finfo(dtype).min, dtype=dtype).triu(1)
     return cos, sin, mask
-
-
-def _llama_config(meta: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Any:
-    from slabconv.zoo.llama import llama_config
-
-    return llama_config(meta, config)
 
 
 LLAMA = DecoderFamily(
@@ -121,9 +111,9 @@ LLAMA = DecoderFamily(
     final_norm="model.norm",
     layer_norms=("input_layernorm", "post_attention_layernorm"),
     norm_layout=norm_layout,
-    config=_llama_config,
+    config=llama.llama_config,
     build_layer=_llama_layer,
-    build_norm=_llama_norm,
+    build_norm=_norm(llama.llama_norm_factory),
     layer_inputs=_llama_inputs,
     vocab_size=lambda cfg: int(cfg.vocab_size),
     num_layers=lambda cfg: int(cfg.num_hidden_layers),
@@ -133,30 +123,12 @@ LLAMA = DecoderFamily(
 # --------------------------------------------------------------------------------------------- standard decoders
 
 
-def _std_config(meta: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> Any:
-    from slabconv.zoo.llama_std import std_config
-
-    return std_config(meta, config)
-
-
-def _std_norm(layout: str, cfg: Any) -> nn.Module:
-    from slabconv.zoo.llama_std import norm_factory
-
-    return norm_factory(layout, cfg.rms_norm_eps)(cfg.hidden_size)
-
-
-def _std_layout(keys: Mapping[str, Any], prefix: str) -> str | None:
-    from slabconv.zoo.llama_std import norm_layout as std_layout
-
-    return std_layout(keys, prefix)
-
-
 STANDARD = replace(
     LLAMA,  # the same key layout and layers; plain RMSNorms, and the config of transformers' own classes
     name="llama_std",
-    norm_layout=_std_layout,
-    config=_std_config,
-    build_norm=_std_norm,
+    norm_layout=llama_std.norm_layout,
+    config=llama_std.std_config,
+    build_norm=_norm(llama_std.norm_factory),
 )
 
 FAMILIES = (STANDARD, LLAMA)
@@ -182,9 +154,7 @@ def family_of(keys: Mapping[str, Any]) -> DecoderFamily:
         if family is not STANDARD and family.embed in keys and f"{family.head}.weight" in keys:
             return family
     if decoder_layout(keys):  # LLaMA-PRepBN's layers without a head of its own
-        from slabconv.zoo.llama import TIED_HEAD
-
-        raise UnsupportedModelError(TIED_HEAD)
+        raise UnsupportedModelError(llama.TIED_HEAD)
     raise UnsupportedModelError(
         "the streamed mode handles decoder-only language models of a known family (LLaMA layout: "
         "model.embed_tokens, model.layers.N, lm_head); fold this model in memory without --stream"

@@ -19,14 +19,23 @@ The ``*_patch16_224_linear_repbn`` functions are SLAB-DeiT (``slabconv.zoo.slab_
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from slabconv.zoo.layers import Block, Mlp, NormFactory, PatchEmbed, cfg_get, init_linears, norm_factory, norm_layout
+from slabconv.zoo.layers import (
+    Block,
+    Mlp,
+    NormFactory,
+    PatchEmbed,
+    cfg_get,
+    init_linears,
+    key_indices,
+    norm_factory,
+    norm_layout,
+)
 from slabconv.zoo.norms import RepBN
 from slabconv.zoo.registry import (
     LayoutError,
@@ -106,28 +115,30 @@ class VisionTransformer(nn.Module):
         return self.head(x)
 
 
-def vit_hparams(state_dict: StateDict) -> dict[str, Any]:
+def vit_hparams(state_dict: StateDict, what: str = "DeiT", cls_slot: bool = True) -> dict[str, Any]:
     """Read the ViT hyperparameters that the weights determine: embed_dim, depth, patch, image size, ...
+
+    Args:
+        what: the family named in the error (``SLAB-DeiT`` reads its weights here too).
+        cls_slot: ``pos_embed`` has a slot for the cls token (DeiT; not SLAB-DeiT).
 
     Raises:
         UnsupportedModelError: a key the DeiT layout needs is missing.
     """
     try:
         proj = state_dict["patch_embed.proj.weight"]  # (C, in_chans, p, p)
-        pos = state_dict["pos_embed"]  # (1, 1 + N, C)
+        pos = state_dict["pos_embed"]  # (1, cls_slot + N, C)
         head = state_dict["head.weight"]  # (num_classes, C)
         fc1 = state_dict["blocks.0.mlp.fc1.weight"]  # (hidden, C)
     except KeyError as err:
-        raise LayoutError(f"not a DeiT-layout checkpoint: key {err.args[0]!r} is missing") from None
-    depth = len({m.group(1) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.attn\.qkv\.weight$", k))})
+        raise LayoutError(f"not a {what}-layout checkpoint: key {err.args[0]!r} is missing") from None
     embed_dim, in_chans, patch = proj.shape[0], proj.shape[1], proj.shape[2]
-    grid = math.isqrt(pos.shape[1] - 1)
     return {
         "embed_dim": embed_dim,
-        "depth": depth,
+        "depth": len(key_indices(state_dict, r"blocks\.(\d+)\.attn\.qkv\.weight")),
         "patch_size": patch,
         "in_chans": in_chans,
-        "img_size": grid * patch,
+        "img_size": math.isqrt(pos.shape[1] - cls_slot) * patch,
         "num_classes": head.shape[0],
         "mlp_ratio": fc1.shape[0] / embed_dim,
         "qkv_bias": "blocks.0.attn.qkv.bias" in state_dict,

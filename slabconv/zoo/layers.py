@@ -161,6 +161,19 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out * z.unsqueeze(-1)
 
 
+def sla(attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """SLA (the module docstring) on tokens ``(B, N, C)``: ``linear_attention`` per head of ``relu(q)`` and
+    ``relu(k + attn.positional_encoding)``, in float32 where ``attn.float32_core``, plus ``attn.dwc`` over each
+    head's values as a ``grid = (height, width)`` map. Returns ``(B * attn.num_heads, N, C / attn.num_heads)``."""
+    q, k = torch.relu(q), torch.relu(k + attn.positional_encoding)
+    q, k, v = (split_heads(t, attn.num_heads) for t in (q, k, v))
+    if getattr(attn, "float32_core", False):
+        out = linear_attention(q.float(), k.float(), v.float()).to(v.dtype)
+    else:
+        out = linear_attention(q, k, v)
+    return out + map_to_tokens(attn.dwc(tokens_to_map(v, *grid)))
+
+
 def tokens_to_map(x: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``(B, height * width, C) -> (B, C, height, width)``, tokens in row-major order."""
     return x.transpose(1, 2).reshape(-1, x.shape[-1], height, width)
@@ -223,15 +236,7 @@ class SimplifiedLinearAttention(nn.Module):
         """``mask`` is accepted and ignored, as in the official SLA (shifted windows need no mask here)."""
         _, n, c = x.shape
         q, k, v = self.qkv(x).reshape(-1, n, 3, c).permute(2, 0, 1, 3).unbind(0)
-        q = torch.relu(q)
-        k = torch.relu(k + self.positional_encoding)
-        q, k, v = (split_heads(t, self.num_heads) for t in (q, k, v))
-        if self.float32_core:
-            out = linear_attention(q.float(), k.float(), v.float()).to(x.dtype)
-        else:
-            out = linear_attention(q, k, v)
-        out = out + map_to_tokens(self.dwc(tokens_to_map(v, self.side, self.side)))
-        return self.proj(merge_heads(out, self.num_heads))
+        return self.proj(merge_heads(sla(self, q, k, v, (self.side, self.side)), self.num_heads))
 
 
 def key_indices(state_dict: StateDictLike, pattern: str) -> list[tuple[int, ...]]:

@@ -47,12 +47,11 @@ from slabconv.zoo.layers import (
     checkpoint_norm,
     depths_of,
     init_linears,
-    linear_attention,
     map_to_tokens,
     merge_heads,
     norm_factory,
     norm_layout,
-    split_heads,
+    sla,
     tokens_to_map,
 )
 from slabconv.zoo.registry import LayoutError, Preset, StateDict, register_family, resolve_image_size
@@ -111,13 +110,9 @@ class LinearAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         _, n, c = x.shape
-        q = torch.relu(self.q(x))
         k, v = self.kv(x).reshape(-1, n, 2, c).permute(2, 0, 1, 3).unbind(0)
-        k = torch.relu(k + self.positional_encoding)
-        q, k, v = (split_heads(t, self.num_heads) for t in (q, k, v))
         side = math.isqrt(n)  # the official dwc map: sqrt(N) on a side
-        out = linear_attention(q, k, v) + map_to_tokens(self.dwc(tokens_to_map(v, side, side)))
-        return self.proj(merge_heads(out, self.num_heads))
+        return self.proj(merge_heads(sla(self, self.q(x), k, v, (side, side)), self.num_heads))
 
 
 class PyramidVisionTransformer(nn.Module):

@@ -22,13 +22,13 @@ The resolution is fixed by ``pos_embed`` and ``positional_encoding``; the SLA sh
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from slabconv.zoo.deit import vit_hparams
 from slabconv.zoo.layers import (
     Block,
     NormFactory,
@@ -98,32 +98,14 @@ class SlabVisionTransformer(nn.Module):
 
 
 def hparams(sd: StateDict) -> dict[str, Any]:
-    """The SLAB-DeiT hyperparameters the weights determine (heads from the ``dwc`` channel count)."""
-    embed_dim, in_chans, patch, _ = _shape(sd, "patch_embed.proj.weight")
-    num_tokens = _shape(sd, "pos_embed")[1]
-    head_dim, _, kernel, _ = _shape(sd, "blocks.0.attn.dwc.weight")
-    return {
-        "img_size": math.isqrt(num_tokens) * patch,
-        "patch_size": patch,
-        "in_chans": in_chans,
-        "num_classes": _shape(sd, "head.weight")[0],
-        "embed_dim": embed_dim,
-        "depth": _depth(sd),
-        "num_heads": embed_dim // head_dim,
-        "mlp_ratio": _shape(sd, "blocks.0.mlp.fc1.weight")[0] / embed_dim,
-        "qkv_bias": "blocks.0.attn.qkv.bias" in sd,
-        "kernel_size": kernel,
-    }
-
-
-def _depth(sd: StateDict) -> int:
-    return len(key_indices(sd, r"blocks\.(\d+)\.attn\.qkv\.weight"))
-
-
-def _shape(sd: StateDict, key: str) -> tuple[int, ...]:
-    if key not in sd:
-        raise LayoutError(f"not a SLAB-DeiT-layout checkpoint: key {key!r} is missing")
-    return tuple(sd[key].shape)
+    """The SLAB-DeiT hyperparameters the weights determine (``deit.vit_hparams``; heads from the ``dwc`` channel
+    count)."""
+    hp = vit_hparams(sd, "SLAB-DeiT", cls_slot=False)
+    dwc = "blocks.0.attn.dwc.weight"
+    if dwc not in sd:
+        raise LayoutError(f"not a SLAB-DeiT-layout checkpoint: key {dwc!r} is missing")
+    head_dim, _, kernel, _ = sd[dwc].shape
+    return {**hp, "num_heads": hp["embed_dim"] // head_dim, "kernel_size": kernel}
 
 
 def signature(sd: StateDict) -> tuple[int, int] | None:
@@ -131,7 +113,7 @@ def signature(sd: StateDict) -> tuple[int, int] | None:
     needed = ("patch_embed.proj.weight", "pos_embed", "blocks.0.attn.dwc.weight", "blocks.0.attn.qkv.weight")
     if any(k not in sd for k in needed) or norm_layout(sd, "blocks.0.norm1") is None:
         return None
-    return int(sd["patch_embed.proj.weight"].shape[0]), _depth(sd)
+    return int(sd["patch_embed.proj.weight"].shape[0]), len(key_indices(sd, r"blocks\.(\d+)\.attn\.qkv\.weight"))
 
 
 def build(preset: Preset, sd: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
