@@ -14,7 +14,7 @@ Each child prints the wall and CPU time (all threads) of the fuse call alone (im
 calls of `torch.export.export`, `torch.export.load`, `ExportedProgram.run_decompositions` and
 ``LayerRecipe._fold`` (one fold of a layer's rows, all its folds); the "before" path is the code of today with
 those two steps put back by patching. The script checks both paths pass and write the same `model.safetensors`
-and `model.onnx`, byte for byte.
+and `model.onnx`, byte for byte. First, the plan stage alone (``pipeline.plan``) both ways, in this process.
 
 Run: .venv/bin/python benchmarks/pt2_door.py [--arch deit_tiny_prepbn | --pt2 FILE] [--repeats 3]
 """
@@ -95,6 +95,33 @@ def run(mode: str, pt2: Path, out: Path) -> dict[str, float]:
     return result
 
 
+def plan_stage(pt2: Path, repeats: int) -> None:
+    """CPU and wall seconds of the plan alone (``pipeline.plan``: the capture and the fold), both ways alternated in
+    this process: the stage both changes are in, measured without the rest of a fuse's noise."""
+    import time
+    from dataclasses import replace
+
+    from slabconv import pipeline
+    from slabconv.engine import program, rewriter
+    from slabconv.load.model import load_model
+
+    loaded = load_model(pt2)
+    again = replace(loaded, checkpoint=replace(loaded.checkpoint, program=None))
+    evaluate = rewriter.evaluate
+
+    def evaluate_again(folds: program.FoldProgram, *args, **kwargs):  # type: ignore[no-untyped-def]
+        folds.folded = {}
+        return evaluate(folds, *args, **kwargs)
+
+    for i in range(repeats):
+        for mode in ("before", "after") if i % 2 == 0 else ("after", "before"):
+            rewriter.evaluate = evaluate_again if mode == "before" else evaluate  # type: ignore[assignment]
+            cpu, wall = time.process_time(), time.perf_counter()
+            pipeline.plan(again if mode == "before" else loaded)
+            print(f"plan {mode:>6}: {time.process_time() - cpu:.2f} CPU-s, {time.perf_counter() - wall:.2f} s")
+    rewriter.evaluate = evaluate
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="deit_tiny_prepbn")
@@ -103,6 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         pt2 = args.pt2 or save_program(args.arch, Path(tmp) / f"{args.arch}.pt2")
+        plan_stage(pt2, args.repeats)
         results: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
         print(f"{'round':>5} {'path':>6} {'wall s':>7} {'CPU s':>7} " + " ".join(f"{c:>20}" for c in COUNTS))
         for i in range(args.repeats):
