@@ -10,8 +10,8 @@ stage    ``InMemory`` (checkpoint, ``.pt2``,   ``Streamed`` (a sharded folder,  
          Hugging Face folder)                 ``--stream``)                        ``slabconv.onnx_in``)
 =======  ===================================  ===================================  ===================================
 open     ``load_model``, traced by            the full-size model with stand-in    read as data, prepared and lowered
-         ``torch.export``                     weights (``slabconv.load.lazy``); a  into the engine's ATen vocabulary
-                                              deep decoder with three layers       (``slabconv.engine.onnx_lower``)
+         ``torch.export`` (a ``.pt2``: its    weights (``slabconv.load.lazy``); a  into the engine's ATen vocabulary
+         own program)                         deep decoder with three layers       (``slabconv.engine.onnx_lower``)
 plan     ``engine.fold_program``: the         the same call, the program left for  ``plan_folds``, the plans written
          decisions and the fold program,      the writer (every norm must fold     back into the ONNX graph
          evaluated over the graph's tensors   away)                                (``slabconv.engine.onnx_apply``)
@@ -200,7 +200,8 @@ def plan(
     repeat: engine.Repeat | None = None,
     norm_affine: bool = False,
 ) -> Planned:
-    """Trace ``loaded.model`` and fold every norm (the engine's capture, plan and apply).
+    """Trace ``loaded.model`` (a ``.pt2``: its program is the capture, not traced again) and fold every norm (the
+    engine's capture, plan and apply).
 
     Args:
         norm_affine: also fold the affine of every LayerNorm, RMSNorm and GroupNorm
@@ -216,10 +217,12 @@ def plan(
         InputError: a norm in train mode; damaged norm statistics.
     """
     example = loaded.trace_example()
-    progress("tracing the model with torch.export")
-    with quiet():
-        exported = engine.capture_program(loaded.model, example, sequence=loaded.max_sequence)
-        traced = engine.unlifted(exported)
+    exported = loaded.checkpoint.program  # a .pt2 is its own capture, not traced again from the module it loads
+    if exported is None:
+        progress("tracing the model with torch.export")
+        with quiet():
+            exported = engine.capture_program(loaded.model, example, sequence=loaded.max_sequence)
+    traced = engine.unlifted(exported)
     original = None if unknown else traced
     fused = traced if unknown else engine.copy_sharing(traced)  # the weights are not held twice
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from slabconv import engine, pipeline
+from slabconv.load.checkpoint import Checkpoint
 from slabconv.load.model import LoadedModel
 from slabconv.verify.reference import cast_graph, float64_fold
 from slabconv.write.pt2 import export_program
@@ -40,9 +42,10 @@ class ConvBN(nn.Module):
 
 def _loaded(model: nn.Module, shape: tuple[int, ...], tokens: bool = False) -> LoadedModel:
     model = randomize_norms(model).eval()
+    module = Checkpoint({}, {}, "pickled-module", Path("model.pt"), "", module=model)  # a module, not a program
     if tokens:
-        return LoadedModel(model, None, None, shape, torch.float32, input_dtype=torch.int64, sequence=16)  # type: ignore[arg-type]
-    return LoadedModel(model, None, None, shape, torch.float32)  # type: ignore[arg-type]
+        return LoadedModel(model, module, None, shape, torch.float32, input_dtype=torch.int64, sequence=16)
+    return LoadedModel(model, module, None, shape, torch.float32)
 
 
 CASES = {

@@ -132,7 +132,10 @@ def test_the_fused_graph_shares_the_tensors_no_fold_changed_and_the_original_sta
 def test_a_tensor_the_graph_updates_as_it_runs_is_not_shared():
     """A model that updates a buffer (a call counter) and a parameter in its forward: running the fused graph must
     not move the original graph's tensors, which verification runs afterwards."""
+    from pathlib import Path
+
     from slabconv import pipeline
+    from slabconv.load.checkpoint import Checkpoint
     from slabconv.load.model import LoadedModel
 
     class Counting(torch.nn.Module):
@@ -152,7 +155,8 @@ def test_a_tensor_the_graph_updates_as_it_runs_is_not_shared():
     model = Counting().eval()
     model.bn.running_mean.uniform_(-1, 1)
     model.bn.running_var.uniform_(0.5, 2)
-    loaded = LoadedModel(model, None, None, (8,), torch.float32)  # type: ignore[arg-type]  # no checkpoint
+    module = Checkpoint({}, {}, "pickled-module", Path("model.pt"), "", module=model)  # a module, not a program
+    loaded = LoadedModel(model, module, None, (8,), torch.float32)
     planned = pipeline.plan(loaded)
     assert planned.original is not None
     assert [(d.norm, d.action) for d in planned.decisions] == [("bn", "folded-forward"), ("gain", "kept")]

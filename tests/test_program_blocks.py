@@ -268,3 +268,49 @@ def test_the_shard_is_written_and_hashed_while_the_next_block_is_made(tmp_path, 
 
     intact = torch.equal(load_file(path)["w"], torch.cat(blocks)) and digest == written
     assert intact is (buffers == "in turn")
+
+
+def test_each_layer_is_folded_once_the_planners_values_taken_only_for_the_same_folds(monkeypatch) -> None:
+    """``fold_program`` folds each layer once: the planner's overflow check keeps the values it made
+    (``LayerRecipe.folded``) and ``evaluate`` takes them for the recipe of the very same folds, with the same fused
+    tensors and ranges as folding again. Values made for other folds (a candidate the plan dropped) are not
+    taken: copies of the same records are other folds."""
+    from dataclasses import replace
+
+    from slabconv import engine
+    from slabconv.engine import rewriter
+    from tests.conftest import small_vit
+
+    graph = engine.capture(small_vit(layout="repbn", depth=2), torch.randn(2, 1, 8, 8))
+    calls: Counter[str] = Counter()
+    fold = LayerRecipe._fold
+
+    def counted(self: LayerRecipe, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls[self.weight] += 1
+        return fold(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerRecipe, "_fold", counted)
+    once = engine.copy_sharing(graph)
+    _, made = engine.fold_program(once)
+    checks = dict(calls)  # the planner's overflow checks: one per fold planned into the layer
+    calls.clear()
+    def evaluate_again(folds: program.FoldProgram, *args, **kwargs):  # type: ignore[no-untyped-def]
+        folds.folded = {}  # not the values the planner's overflow checks made
+        return program.evaluate(folds, *args, **kwargs)
+
+    monkeypatch.setattr(rewriter, "evaluate", evaluate_again)
+    twice = engine.copy_sharing(graph)
+    _, again = engine.fold_program(twice)
+    assert made.layers and calls == Counter({w: n + 1 for w, n in checks.items()})  # the checks, then evaluate
+    ours, theirs = engine.fused_state_dict(once), engine.fused_state_dict(twice)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert made.ranges == again.ranges
+
+    store = TensorStore(dict(graph.named_parameters()) | dict(graph.named_buffers()))
+    recipe = next(la for la in made.layers.values() if la.bias_out is not None)
+    other = replace(recipe, folds=[replace(f) for f in recipe.folds])  # the same folds, other records
+    stale = other.folded(store)
+    stale = replace(stale, weight=torch.zeros_like(stale.weight), bias=torch.zeros_like(stale.bias))
+    values = program.evaluate(program.FoldProgram({}, {recipe.weight: recipe}, folded={recipe.weight: stale}), store)
+    assert torch.equal(values[recipe.weight], ours[recipe.weight]) and values[recipe.weight].abs().max() > 0
+    assert recipe.bias_out is not None and torch.equal(values[recipe.bias_out], ours[recipe.bias_out])

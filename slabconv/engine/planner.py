@@ -48,10 +48,10 @@ from slabconv.engine.flow import Backward, BlockedEdge, ConsumerUse, VirtualGrap
 from slabconv.engine.layers import LayerKind, layer_name, separate_bias
 from slabconv.engine.norm_affine import MARK, is_norm_affine, unit_weight
 from slabconv.engine.norms import NormSite, find_norms
-from slabconv.engine.program import LayerFold, TensorStore, layer_recipe
+from slabconv.engine.program import Folded, LayerFold, TensorStore, layer_recipe
 from slabconv.engine.ranges import STEP_GROWTH_LIMIT, spread
 from slabconv.engine.rules import Chan, op_name
-from slabconv.errors import InputError
+from slabconv.errors import InputError, UnsupportedModelError
 from slabconv.tolerances import dtype_name, tol_dtype
 
 FOLDED_FORWARD = "folded-forward"
@@ -132,6 +132,7 @@ class NormPlan:
         remove: the norm's ops go (every action but ``kept``).
         unit: the affine of a LayerNorm / RMSNorm / GroupNorm op folded away: ``(norm op, position of its weight,
             the stored weight)``; the op keeps that weight as ones (``slabconv.engine.norm_affine``).
+        folded: the values of the layers it folds into as the overflow checks made them (``program.Folded``).
     """
 
     site: NormSite
@@ -143,6 +144,7 @@ class NormPlan:
     shift: torch.Tensor | None = None
     remove: bool = False
     unit: tuple[fx.Node, int, fx.Node] | None = None
+    folded: dict[str, Folded] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------- warnings, checks
@@ -251,6 +253,7 @@ class _Weights:
         self.taken = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
         self.taken |= set(dict(gm.named_parameters(remove_duplicate=False))) | set(dict(gm.named_buffers()))
         self.written = written_tensors(gm)  # what the graph updates in place as it runs
+        self.folded: dict[str, Folded] = {}  # weight target -> its values as the last ``fits`` made them
 
     def bias_node(self, layer: fx.Node, kind: LayerKind) -> Any:
         """The layer's bias argument (None, a ``get_attr``, or something else), or for a bias-free layer the
@@ -278,15 +281,19 @@ class _Weights:
 
     def fits(self, f: _Fold) -> bool:
         """True when the layer's weight and bias, with every fold planned into it so far and ``f``, round to finite
-        values in their dtypes: the fold program's values (``LayerRecipe.fits``). A streamed plan's stand-ins
-        (``unknown``) are checked when the program writes them."""
+        values in their dtypes: the fold program's values (``LayerRecipe.folded``, kept in ``folded``). A streamed
+        plan's stand-ins (``unknown``) are checked when the program writes them."""
         folds = [*self.folds.get(f.record.weight, []), f.record]
         created = self.created.get(f.record.layer) or next((nb.target for nb in f.new_biases), None)
         recipe = layer_recipe(self.gm, folds, created)
         read = [k for k in (recipe.weight, recipe.bias) if k is not None]
         if set(read) & self.unknown:
             return True
-        return recipe.fits(TensorStore({k: stored(self.gm, k) for k in read}))
+        try:
+            self.folded[recipe.weight] = recipe.folded(TensorStore({k: stored(self.gm, k) for k in read}))
+        except UnsupportedModelError:
+            return False
+        return True
 
     def commit(self, p: NormPlan) -> NormPlan:
         """Record a plan's folds; name the biases it creates (``<layer>.bias``, or with a suffix when taken)."""
@@ -301,7 +308,8 @@ class _Weights:
             named.append(replace(nb, target=target))
         for f in p.folds:
             self.folds.setdefault(f.weight, []).append(f)
-        return replace(p, new_biases=named)
+        made = {f.weight: self.folded[f.weight] for f in p.folds if f.weight in self.folded}
+        return replace(p, new_biases=named, folded=made)
 
 
 @dataclass

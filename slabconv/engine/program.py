@@ -8,7 +8,7 @@ a stored tensor, the weight or bias of a layer recipe, or a constant the rewrite
 Both modes run the same recipes through ``LayerKind.fold_values`` (``slabconv.engine.layers``):
 
 - in memory, ``rewriter.fold_program`` evaluates them over the original graph's tensors and stores the results
-  in the fused graph;
+  in the fused graph (a layer's values are those the planner's overflow check made, ``LayerRecipe.folded``);
 - streamed, ``slabconv.write.shards`` evaluates them one block of rows at a time over the checkpoint's shards,
   and question 1 (``slabconv.verify.layerwise.exact_streamed``) evaluates them again in float64.
 
@@ -384,14 +384,13 @@ class LayerRecipe:
         self._check_fits(self.weight, weight)
         return weight, self._stored_bias(b)
 
-    def fits(self, store: WeightStore) -> bool:
-        """True when the folded weight (and the bias the layer stores) round to finite values in their dtypes:
-        what the planner asks before it plans a fold (a fold that overflows is refused, ``dtype-overflow``)."""
-        try:
-            self.stored(*self.rows(store, 0, (store.shape(self.weight) or [1])[0]))
-        except UnsupportedModelError:
-            return False
-        return True
+    def folded(self, store: WeightStore) -> Folded:
+        """``evaluate``'s values of this recipe, made in one block of rows (rows are independent: the same values):
+        what the planner's overflow check makes (an ``UnsupportedModelError`` refuses the fold, ``dtype-overflow``)
+        and ``evaluate`` then takes."""
+        tally = RangeTally(self)
+        w, b = self.stored(*self.rows(store, 0, (store.shape(self.weight) or [1])[0], tally=tally))
+        return Folded(tuple(self.folds), w, None if b is None else self.whole_bias([b]), tally.result())
 
     def _stored_bias(self, b: torch.Tensor | None) -> torch.Tensor | None:
         """The float64 bias rounded once to its stored dtype; None when the layer stores none."""
@@ -537,6 +536,17 @@ class FoldProgram:
     tensors: dict[str, TensorRecipe]
     layers: dict[str, LayerRecipe]
     ranges: dict[str, LayerRange] = field(default_factory=dict)
+    folded: dict[str, Folded] = field(default_factory=dict)  # for ``evaluate``: the planner's values, by weight
+
+
+@dataclass(frozen=True)
+class Folded:
+    """A layer's stored weight and bias, and its ranges, as ``LayerRecipe.folded`` made them for these ``folds``."""
+
+    folds: tuple[LayerFold, ...]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    ranges: LayerRange
 
 
 def _not_flat(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -604,13 +614,21 @@ def evaluate(
     """Every folded layer's weight and bias (the ``weight`` / ``bias`` recipes), block by block, as whole
     tensors: what the in-memory fold stores, rounded to their dtypes, or with ``exact`` in float64, every fold
     composed and nothing rounded (what the ONNX rewrite rounds to each initializer's dtype, or writes as it is for
-    question 1's float64 fold). Each layer's weight ranges go into ``program.ranges``.
+    question 1's float64 fold). Each layer's weight ranges go into ``program.ranges``. A layer with values in
+    ``program.folded`` made for its very folds (the same records) takes them instead (not with ``exact``).
 
     Raises:
         UnsupportedModelError: a folded value does not fit its dtype (not with ``exact``).
     """
     out: dict[str, torch.Tensor] = {}
     for la in program.layers.values():
+        done = None if exact else program.folded.get(la.weight)
+        same = done is not None and list(map(id, done.folds)) == list(map(id, la.folds))  # the planner's records
+        if done is not None and same and (done.bias is None) == (la.bias_out is None):
+            out[la.weight], program.ranges[la.weight] = done.weight, done.ranges
+            if la.bias_out is not None and done.bias is not None:
+                out[la.bias_out] = done.bias
+            continue
         tally = RangeTally(la)
         if exact:
             ranges = row_ranges(store.shape(la.weight), block_elements)

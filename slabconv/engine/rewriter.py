@@ -236,7 +236,7 @@ def fold_program(
     original = _stored_tensors(gm)
     plans = plan_folds(gm, unknown=unknown) if plans is None else plans
     layers = layer_recipes(gm, plans)
-    evaluated = FoldProgram({}, layers)
+    evaluated = FoldProgram({}, layers, folded={w: v for p in plans for w, v in p.folded.items()})
     if unknown:
         values = _stand_ins(plans, gm)
     else:
