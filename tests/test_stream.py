@@ -733,6 +733,29 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
     assert result.exit_code == 2, result.output
 
 
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_folder_missing_a_q_proj_weight_names_it_rather_than_another_layer_count(folded, tmp_path, layer):
+    """The layer count is read from the keys of every layer (one more than the largest index), so a folder whose
+    layer lacks its q_proj weight is named as missing that tensor, streamed and in memory, fused folder or
+    original; counting the q_proj weights read it as a shallower model (``differ in num_hidden_layers (4 vs 3)``,
+    or the last layer's tensors as unexpected keys)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    key = f"model.layers.{layer}.self_attn.q_proj.weight"
+    for side in ("out", "src"):
+        broken = _without(root / side, key, tmp_path / side)
+        pair = [str(root / "src"), str(broken)] if side == "out" else [str(broken), str(root / "out")]
+        for extra in (["--stream"], []):
+            result = CliRunner().invoke(app, ["verify", *pair, "--generate", "0", *extra])
+            text = " ".join(result.output.split())
+            assert result.exit_code == 2, (side, extra, result.output)
+            assert "num_hidden_layers" not in text and "unexpected keys" not in text, (side, extra, text)
+            assert re.search(rf"(tensor '{re.escape(key)}' is missing|missing keys \(1\): {re.escape(key)})", text)
+
+
 def test_a_fused_folder_whose_config_json_disowns_a_bias_its_weights_hold_does_not_load_streamed(folded, tmp_path):
     """``config.json``'s ``projection_bias`` says which projections of the model transformers builds have a bias:
     a bias the weights hold but the config disowns would be dropped there (and one it declares that the weights
