@@ -575,17 +575,21 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key, norm",
+    "key, norm, dropped",
     [
-        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm"),  # a folded (created) bias
-        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.input_layernorm"),  # a consumer's weight
-        ("lm_head.bias", "model.norm"),  # the head's folded bias: the logits are a boundary too (it said "no fold
-        # boundary diverges: ... a difference comes from the runtime", while question 1 named lm_head.bias)
+        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm", False),  # a folded bias
+        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.input_layernorm", False),  # a consumer's weight
+        ("lm_head.bias", "model.norm", False),  # the head's folded bias: the logits are a boundary too (it said "no
+        # fold boundary diverges: ... a difference comes from the runtime", while question 1 named lm_head.bias)
+        # a folded bias missing: the correct fold's Linear has it (it was built with the candidate's tensors, so
+        # without the bias too, and "no fold boundary diverges" was said)
+        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm", True),
+        ("lm_head.bias", "model.norm", True),
     ],
 )
-def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm):
+def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm, dropped):
     """verify --stream localises the failure layer by layer: the first folded Linear whose output differs from the
-    fold program's, rounded to the stored dtype."""
+    fold program's, rounded to the stored dtype (a tensor changed, or a folded bias dropped)."""
     from slabconv.options import VerifyOptions
 
     root = folded[0]
@@ -595,7 +599,10 @@ def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_pat
         t.view(-1)[0] += 0.5
         return t
 
-    broken = _changed(root / "out", key, tmp_path / "broken", nudged)
+    if dropped:
+        broken = _without(root / "out", key, tmp_path / "broken")
+    else:
+        broken = _changed(root / "out", key, tmp_path / "broken", nudged)
     v = api.verify(root / "src", broken, verify=VerifyOptions(samples=1), stream=True).verification
     assert not v.passed and v.localization is not None and v.localization.first is not None
     layer = key.rsplit(".", 1)[0]
