@@ -915,6 +915,32 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
         generate.check_language_checks_fit(loaded, opts, onnx=False)
 
 
+def test_a_standard_decoders_streamed_check_is_refused_for_the_memory_of_its_logits(tmp_path, monkeypatch):
+    """A standard decoder's streamed fold checks generation and the task metrics as in memory, whose logits
+    (vocabulary x tokens, in float64 and in the original's dtype) outweigh a small model with a large vocabulary:
+    the refusal before any work counts them (it counted the weights alone: a 1 M-weight model with a 32,000-token
+    vocabulary was let through with 100 MiB, where its task metrics' logits alone need about 160 MiB)."""
+    transformers = pytest.importorskip("transformers")
+    from slabconv.engine import FOLD_BLOCK
+    from slabconv.verify import generate_streamed
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).half().save_pretrained(tmp_path / "src")
+    weights = sum(math.prod(s) * 2 for _, s in layerwise.Folder.open(tmp_path / "src", FOLD_BLOCK).specs.values())
+    logits = 2 * 127 * 32000 * (8 + 4)  # the task metrics' float64 log-probabilities and float32 logits, 2 sequences
+    need = generate_streamed._in_memory_check_memory(layerwise.Folder.open(tmp_path / "src", FOLD_BLOCK), 32, 2)
+    assert need > weights + logits
+    monkeypatch.setattr(generate, "available_memory", lambda: 100 << 20)
+    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
+        generate_streamed.check_generation_fits(tmp_path / "src", 32, 2)
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate_streamed.check_generation_fits(tmp_path / "src", 32, 2)  # fits
+    generate_streamed.check_generation_fits(tmp_path / "src", 0, 2)  # no generation: nothing to refuse
+
+
 def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_memory(folded, tmp_path):
     """A Hugging Face folder's tokenizer (``tokenizer.json``, ``tokenizer_config.json``) is copied byte for byte into
     the fused folder, which ``AutoTokenizer`` then reads as the original's (the fold keeps the vocabulary); a

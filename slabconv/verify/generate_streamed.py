@@ -183,8 +183,8 @@ def check_generation_fits(
         prompts, steps, _ = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
         batch, length = prompts.shape
         need = streamed_generation_memory(original, batch, length, steps, block_elements)
-    else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
-        need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())
+    else:  # checked in memory (``streams``): what ``generate.check_fused_folder`` holds on the streamed sequences
+        need = _in_memory_check_memory(original, steps, sequences)
     have = available_memory()
     if have is not None and need > have:
         raise UsageError(
@@ -192,6 +192,29 @@ def check_generation_fits(
             f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation was "
             "not checked)"
         )
+
+
+def _in_memory_check_memory(original: Folder, steps: int, sequences: int) -> int:
+    """Bytes the greedy-generation check and the task metrics of a standard decoder's streamed fold hold at once,
+    checked as in memory (``streams``) on ``sequences`` seeded sequences of the model's length (``zoo.llama.seq_len``,
+    as ``verify.inputs.choose_inputs`` draws them): the original loaded in its dtype, and the larger of
+    ``generate.generation_memory`` (the fused model, its cache, the float64 pass and its logits ``(B, N, V)``) and
+    ``generate.task_metrics_memory`` (the logits of every sequence in float64 and in the original's dtype, the
+    float64 copy): ``generate.language_checks_memory``'s generation part, on the original's shapes (meta device)."""
+    from slabconv.verify.generate import PROMPTS, generation_memory, task_metrics_memory
+    from slabconv.zoo.llama import LlamaForCausalLM, seq_len
+    from slabconv.zoo.llama_std import norm_factory
+
+    cfg = original.cfg
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps)).to(original.dtype)
+    length, n = seq_len(None, cfg), max(1, sequences)
+    prompts, steps, _ = within_positions(
+        torch.zeros(min(n, PROMPTS), max(1, length // 2), dtype=torch.int64), steps, cfg.max_position_embeddings
+    )
+    generation = generation_memory(model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx=False)
+    loaded = sum(math.prod(shape) * dtype.itemsize for dtype, shape in original.specs.values())
+    return loaded + max(generation, task_metrics_memory(model, n, length))
 
 
 REFERENCE_STREAMED = "original float64 (question 2's float64 chain over the prompts and the fused folder's tokens)"
