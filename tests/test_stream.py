@@ -763,6 +763,24 @@ def test_a_folder_missing_a_q_proj_weight_names_it_rather_than_another_layer_cou
             assert re.search(rf"(tensor '{re.escape(key)}' is missing|missing keys \(1\): {re.escape(key)})", text)
 
 
+def test_a_fused_folder_missing_its_heads_folded_bias_fails_generation_in_memory_as_streamed(folded, tmp_path):
+    """``lm_head.bias`` (the final norm's fold; one tensor, so no layer lacks what its siblings have) removed: the
+    fused folder does not load as the model its config.json describes, a difference from the original (exit 1)
+    named alike in memory and streamed; in memory it was transformers' ValueError, an internal error (exit 2)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    broken = _without(root / "out", "lm_head.bias", tmp_path / "broken")
+    for extra in (["--stream"], []):
+        result = CliRunner().invoke(app, ["verify", str(root / "src"), str(broken), "--generate", "2", *extra])
+        assert result.exit_code == 1, (extra, result.output)
+        text = " ".join(result.output.split())
+        assert "internal error" not in text, text
+        assert "does not load as a model: " in text and "the weights lack a lm_head bias" in text, text
+
+
 def test_a_fused_folder_whose_config_json_disowns_a_bias_its_weights_hold_does_not_load_streamed(folded, tmp_path):
     """``config.json``'s ``projection_bias`` says which projections of the model transformers builds have a bias:
     a bias the weights hold but the config disowns would be dropped there (and one it declares that the weights

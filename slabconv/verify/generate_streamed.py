@@ -79,11 +79,11 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     Raises:
         UsageError: transformers is not installed or too old; the folder is not a fused LLaMA folder.
         UnsupportedModelError: its weights are not norm-free, or do not fill the model ``config.json`` describes
-            exactly (``hf_llama.norm_free_layout``: every name and shape; a projection's bias as its
+            exactly (``hf_llama.fused_layout``: every name and shape; a projection's bias as its
             ``projection_bias`` says).
         InputError: a damaged index or header.
     """
-    from slabconv.write.hf_llama import MODEL_TYPE, PROJECTIONS, norm_free_layout, require_transformers
+    from slabconv.write.hf_llama import MODEL_TYPE, fused_layout, require_transformers
 
     require_transformers()
     from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaConfig, SlabconvLlamaForCausalLM
@@ -93,14 +93,7 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     if config.model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {config.model_type!r}, not {MODEL_TYPE!r}")
     shards = LazyShards.open(folder, block_elements)
-    layout = norm_free_layout({k: shape for k, (_, shape) in shards.specs().items()}, config.to_dict())
-    declared = dict.fromkeys(PROJECTIONS, False) | dict(config.projection_bias or {})
-    wrong = next((name for name in PROJECTIONS if layout["projection_bias"][name] != declared[name]), None)
-    if wrong is not None:
-        held = "hold" if layout["projection_bias"][wrong] else "lack"
-        raise UnsupportedModelError(
-            f"{folder}: the weights {held} a {wrong} bias, unlike config.json's projection_bias"
-        )
+    fused_layout(folder, {k: shape for k, (_, shape) in shards.specs().items()}, config.to_dict())
     with torch.device("meta"):
         model = SlabconvLlamaForCausalLM(config)
     stream_linears(model, lambda name: StreamedLinear(shards, name, keep_bias=True))
