@@ -611,14 +611,14 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
 
     folder = Path(folder)
     try:
-        model_type = json.loads((folder / CONFIG).read_text(encoding="utf-8")).get("model_type")
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+        model_type = config.get("model_type")
     except (OSError, ValueError) as err:
         raise UsageError(f"{folder}: no readable {CONFIG} ({err})") from None
     if model_type in STANDARD_TYPES:
         return _load_standard(folder, dtype)
     if model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {model_type!r}, not {MODEL_TYPE!r}; run write_hf_llama_metadata on it")
-    config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     fused_layout(folder, {k: shape for k, (_, shape) in folder_weight_specs(folder).items()}, config)
     return _from_pretrained(SlabconvLlamaForCausalLM, folder, dtype).eval()
 
