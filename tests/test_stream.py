@@ -575,17 +575,21 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key, norm",
+    "key, norm, dropped",
     [
-        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm"),  # a folded (created) bias
-        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.input_layernorm"),  # a consumer's weight
-        ("lm_head.bias", "model.norm"),  # the head's folded bias: the logits are a boundary too (it said "no fold
-        # boundary diverges: ... a difference comes from the runtime", while question 1 named lm_head.bias)
+        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm", False),  # a folded bias
+        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.input_layernorm", False),  # a consumer's weight
+        ("lm_head.bias", "model.norm", False),  # the head's folded bias: the logits are a boundary too (it said "no
+        # fold boundary diverges: ... a difference comes from the runtime", while question 1 named lm_head.bias)
+        # a folded bias missing: the correct fold's Linear has it (it was built with the candidate's tensors, so
+        # without the bias too, and "no fold boundary diverges" was said)
+        ("model.layers.1.mlp.up_proj.bias", "model.layers.1.post_attention_layernorm", True),
+        ("lm_head.bias", "model.norm", True),
     ],
 )
-def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm):
+def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_path, key, norm, dropped):
     """verify --stream localises the failure layer by layer: the first folded Linear whose output differs from the
-    fold program's, rounded to the stored dtype."""
+    fold program's, rounded to the stored dtype (a tensor changed, or a folded bias dropped)."""
     from slabconv.options import VerifyOptions
 
     root = folded[0]
@@ -595,7 +599,10 @@ def test_a_broken_streamed_fold_fails_naming_the_fold_that_broke(folded, tmp_pat
         t.view(-1)[0] += 0.5
         return t
 
-    broken = _changed(root / "out", key, tmp_path / "broken", nudged)
+    if dropped:
+        broken = _without(root / "out", key, tmp_path / "broken")
+    else:
+        broken = _changed(root / "out", key, tmp_path / "broken", nudged)
     v = api.verify(root / "src", broken, verify=VerifyOptions(samples=1), stream=True).verification
     assert not v.passed and v.localization is not None and v.localization.first is not None
     layer = key.rsplit(".", 1)[0]
@@ -731,6 +738,47 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
     source = _without(root / "src", "model.layers.1.self_attn.q_proj.weight", tmp_path / "source")
     result = CliRunner().invoke(app, ["verify", str(source), str(root / "out"), "--generate", "2", "--stream"])
     assert result.exit_code == 2, result.output
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_folder_missing_a_q_proj_weight_names_it_rather_than_another_layer_count(folded, tmp_path, layer):
+    """The layer count is read from the keys of every layer (one more than the largest index), so a folder whose
+    layer lacks its q_proj weight is named as missing that tensor, streamed and in memory, fused folder or
+    original; counting the q_proj weights read it as a shallower model (``differ in num_hidden_layers (4 vs 3)``,
+    or the last layer's tensors as unexpected keys)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    key = f"model.layers.{layer}.self_attn.q_proj.weight"
+    for side in ("out", "src"):
+        broken = _without(root / side, key, tmp_path / side)
+        pair = [str(root / "src"), str(broken)] if side == "out" else [str(broken), str(root / "out")]
+        for extra in (["--stream"], []):
+            result = CliRunner().invoke(app, ["verify", *pair, "--generate", "0", *extra])
+            text = " ".join(result.output.split())
+            assert result.exit_code == 2, (side, extra, result.output)
+            assert "num_hidden_layers" not in text and "unexpected keys" not in text, (side, extra, text)
+            assert re.search(rf"(tensor '{re.escape(key)}' is missing|missing keys \(1\): {re.escape(key)})", text)
+
+
+def test_a_fused_folder_missing_its_heads_folded_bias_fails_generation_in_memory_as_streamed(folded, tmp_path):
+    """``lm_head.bias`` (the final norm's fold; one tensor, so no layer lacks what its siblings have) removed: the
+    fused folder does not load as the model its config.json describes, a difference from the original (exit 1)
+    named alike in memory and streamed; in memory it was transformers' ValueError, an internal error (exit 2)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    broken = _without(root / "out", "lm_head.bias", tmp_path / "broken")
+    for extra in (["--stream"], []):
+        result = CliRunner().invoke(app, ["verify", str(root / "src"), str(broken), "--generate", "2", *extra])
+        assert result.exit_code == 1, (extra, result.output)
+        text = " ".join(result.output.split())
+        assert "internal error" not in text, text
+        assert "does not load as a model: " in text and "the weights lack a lm_head bias" in text, text
 
 
 def test_a_fused_folder_whose_config_json_disowns_a_bias_its_weights_hold_does_not_load_streamed(folded, tmp_path):
@@ -883,6 +931,32 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
     monkeypatch.setattr(generate, "available_memory", lambda: need - 1)
     with pytest.raises(UsageError, match="the checks of this language model need about"):
         generate.check_language_checks_fit(loaded, opts, onnx=False)
+
+
+def test_a_standard_decoders_streamed_check_is_refused_for_the_memory_of_its_logits(tmp_path, monkeypatch):
+    """A standard decoder's streamed fold checks generation and the task metrics as in memory, whose logits
+    (vocabulary x tokens, in float64 and in the original's dtype) outweigh a small model with a large vocabulary:
+    the refusal before any work counts them (it counted the weights alone: a 1 M-weight model with a 32,000-token
+    vocabulary was let through with 100 MiB, where its task metrics' logits alone need about 160 MiB)."""
+    transformers = pytest.importorskip("transformers")
+    from slabconv.engine import FOLD_BLOCK
+    from slabconv.verify import generate_streamed
+
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).half().save_pretrained(tmp_path / "src")
+    weights = sum(math.prod(s) * 2 for _, s in layerwise.Folder.open(tmp_path / "src", FOLD_BLOCK).specs.values())
+    logits = 2 * 127 * 32000 * (8 + 4)  # the task metrics' float64 log-probabilities and float32 logits, 2 sequences
+    need = generate_streamed._in_memory_check_memory(layerwise.Folder.open(tmp_path / "src", FOLD_BLOCK), 32, 2)
+    assert need > weights + logits
+    monkeypatch.setattr(generate, "available_memory", lambda: 100 << 20)
+    with pytest.raises(UsageError, match="the greedy-generation check needs about"):
+        generate_streamed.check_generation_fits(tmp_path / "src", 32, 2)
+    monkeypatch.setattr(generate, "available_memory", lambda: need)
+    generate_streamed.check_generation_fits(tmp_path / "src", 32, 2)  # fits
+    generate_streamed.check_generation_fits(tmp_path / "src", 0, 2)  # no generation: nothing to refuse
 
 
 def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_memory(folded, tmp_path):

@@ -79,11 +79,11 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     Raises:
         UsageError: transformers is not installed or too old; the folder is not a fused LLaMA folder.
         UnsupportedModelError: its weights are not norm-free, or do not fill the model ``config.json`` describes
-            exactly (``hf_llama.norm_free_layout``: every name and shape; a projection's bias as its
+            exactly (``hf_llama.fused_layout``: every name and shape; a projection's bias as its
             ``projection_bias`` says).
         InputError: a damaged index or header.
     """
-    from slabconv.write.hf_llama import MODEL_TYPE, PROJECTIONS, norm_free_layout, require_transformers
+    from slabconv.write.hf_llama import MODEL_TYPE, fused_layout, require_transformers
 
     require_transformers()
     from slabconv.write.templates.modeling_slabconv_llama import SlabconvLlamaConfig, SlabconvLlamaForCausalLM
@@ -93,14 +93,7 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     if config.model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {config.model_type!r}, not {MODEL_TYPE!r}")
     shards = LazyShards.open(folder, block_elements)
-    layout = norm_free_layout({k: shape for k, (_, shape) in shards.specs().items()}, config.to_dict())
-    declared = dict.fromkeys(PROJECTIONS, False) | dict(config.projection_bias or {})
-    wrong = next((name for name in PROJECTIONS if layout["projection_bias"][name] != declared[name]), None)
-    if wrong is not None:
-        held = "hold" if layout["projection_bias"][wrong] else "lack"
-        raise UnsupportedModelError(
-            f"{folder}: the weights {held} a {wrong} bias, unlike config.json's projection_bias"
-        )
+    fused_layout(folder, {k: shape for k, (_, shape) in shards.specs().items()}, config.to_dict())
     with torch.device("meta"):
         model = SlabconvLlamaForCausalLM(config)
     stream_linears(model, lambda name: StreamedLinear(shards, name, keep_bias=True))
@@ -183,8 +176,8 @@ def check_generation_fits(
         prompts, steps, _ = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
         batch, length = prompts.shape
         need = streamed_generation_memory(original, batch, length, steps, block_elements)
-    else:  # checked in memory (``streams``): the original in its dtype and in float64, the fused model
-        need = sum(math.prod(shape) * (2 * dtype.itemsize + 8) for dtype, shape in original.specs.values())
+    else:  # checked in memory (``streams``): what ``generate.check_fused_folder`` holds on the streamed sequences
+        need = _in_memory_check_memory(original, steps, sequences)
     have = available_memory()
     if have is not None and need > have:
         raise UsageError(
@@ -192,6 +185,29 @@ def check_generation_fits(
             f"({have / 2**30:.2f} GiB available): pass --generate 0 to skip it (the report then says generation was "
             "not checked)"
         )
+
+
+def _in_memory_check_memory(original: Folder, steps: int, sequences: int) -> int:
+    """Bytes the greedy-generation check and the task metrics of a standard decoder's streamed fold hold at once,
+    checked as in memory (``streams``) on ``sequences`` seeded sequences of the model's length (``zoo.llama.seq_len``,
+    as ``verify.inputs.choose_inputs`` draws them): the original loaded in its dtype, and the larger of
+    ``generate.generation_memory`` (the fused model, its cache, the float64 pass and its logits ``(B, N, V)``) and
+    ``generate.task_metrics_memory`` (the logits of every sequence in float64 and in the original's dtype, the
+    float64 copy): ``generate.language_checks_memory``'s generation part, on the original's shapes (meta device)."""
+    from slabconv.verify.generate import PROMPTS, generation_memory, task_metrics_memory
+    from slabconv.zoo.llama import LlamaForCausalLM, seq_len
+    from slabconv.zoo.llama_std import norm_factory
+
+    cfg = original.cfg
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps)).to(original.dtype)
+    length, n = seq_len(None, cfg), max(1, sequences)
+    prompts, steps, _ = within_positions(
+        torch.zeros(min(n, PROMPTS), max(1, length // 2), dtype=torch.int64), steps, cfg.max_position_embeddings
+    )
+    generation = generation_memory(model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx=False)
+    loaded = sum(math.prod(shape) * dtype.itemsize for dtype, shape in original.specs.values())
+    return loaded + max(generation, task_metrics_memory(model, n, length))
 
 
 REFERENCE_STREAMED = "original float64 (question 2's float64 chain over the prompts and the fused folder's tokens)"

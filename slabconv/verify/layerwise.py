@@ -529,9 +529,13 @@ class _FoldShards:
 
     def __init__(self, source: LazyShards, written: LazyShards, program: FoldProgram, dtype: torch.dtype):
         self.source, self.written, self.program, self.dtype = source, written, program, dtype
-        self.weight_map = written.weight_map
         self.block_elements = written.block_elements
         self.biases = {la.bias_out: la for la in program.layers.values() if la.bias_out}
+        # every bias the fold makes, also one ``written`` lacks: the correct fold's Linear has it
+        self.weight_map = {
+            **written.weight_map,
+            **{b: written.weight_map.get(la.weight, "") for b, la in self.biases.items()},
+        }
 
     def shape(self, key: str) -> list[int]:
         return self.written.shape(key)

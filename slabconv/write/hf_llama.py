@@ -610,15 +610,37 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
 
     folder = Path(folder)
     try:
-        model_type = json.loads((folder / CONFIG).read_text(encoding="utf-8")).get("model_type")
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+        model_type = config.get("model_type")
     except (OSError, ValueError) as err:
         raise UsageError(f"{folder}: no readable {CONFIG} ({err})") from None
     if model_type in STANDARD_TYPES:
         return _load_standard(folder, dtype)
     if model_type != MODEL_TYPE:
         raise UsageError(f"{folder}: model_type {model_type!r}, not {MODEL_TYPE!r}; run write_hf_llama_metadata on it")
-    norm_free_layout(list(folder_weight_specs(folder)), {})  # refuse kept norms even in a folder written by hand
+    fused_layout(folder, {k: shape for k, (_, shape) in folder_weight_specs(folder).items()}, config)
     return _from_pretrained(SlabconvLlamaForCausalLM, folder, dtype).eval()
+
+
+def fused_layout(folder: Path, shapes: Mapping[str, Sequence[int]], config: Mapping[str, Any]) -> dict[str, Any]:
+    """``norm_free_layout`` of a fused folder's weight ``shapes`` against its ``config.json``, and its projections'
+    biases against the config's ``projection_bias``, which says which Linears of the model transformers builds have
+    one: a bias the weights hold but the config disowns would be dropped, one it declares that the weights lack left
+    unset. Checked before the model is built, in memory and streamed alike.
+
+    Raises:
+        UnsupportedModelError: as ``norm_free_layout``; a projection's bias that the config does not declare as the
+            weights hold it (``FOLDER: the weights lack a lm_head bias, unlike config.json's projection_bias``).
+    """
+    layout = norm_free_layout(shapes, config)
+    declared = dict.fromkeys(PROJECTIONS, False) | dict(config.get("projection_bias") or {})
+    wrong = next((name for name in PROJECTIONS if layout["projection_bias"][name] != declared[name]), None)
+    if wrong is not None:
+        held = "hold" if layout["projection_bias"][wrong] else "lack"
+        raise UnsupportedModelError(
+            f"{folder}: the weights {held} a {wrong} bias, unlike config.json's projection_bias"
+        )
+    return layout
 
 
 def _from_pretrained(model_class: Any, folder: Path, dtype: torch.dtype | None, **kwargs: Any) -> Any:

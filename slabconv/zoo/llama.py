@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -380,7 +380,7 @@ class TiedHead(nn.Module):
 
 # --------------------------------------------------------------------------------------------- reading weights
 
-_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight$")
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 # config.json fields read (the sizes come from the weights), with their types.
 _CASTS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
     ("num_attention_heads", int),
@@ -400,6 +400,12 @@ TIED_HEAD = (
 """Why a LLaMA-PRepBN folder without ``lm_head.weight`` is refused, in memory and streamed."""
 
 
+def decoder_depth(keys: Iterable[str]) -> int:
+    """The number of decoder layers: one more than the largest ``i`` of any ``model.layers.{i}.`` key, so that a
+    layer lacking a tensor (or a whole layer below the last) is named as missing, not read as a shallower model."""
+    return 1 + max((int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))), default=-1)
+
+
 def llama_signature(state_dict: StateDict) -> tuple[int, int, int, int] | None:
     """``(hidden_size, num_hidden_layers, intermediate_size, vocab_size)`` from the weights, None when they are not
     LLaMA-layout. Reads only keys the fused weights keep too."""
@@ -408,8 +414,7 @@ def llama_signature(state_dict: StateDict) -> tuple[int, int, int, int] | None:
         gate = state_dict["model.layers.0.mlp.gate_proj.weight"]  # (I, C)
     except KeyError:
         return None  # (no lm_head.weight: tied embeddings, which llama_config names)
-    depth = len({m.group(1) for k in state_dict if (m := _LAYER_KEY.match(k))})
-    return (int(embed.shape[1]), depth, int(gate.shape[0]), int(embed.shape[0]))
+    return (int(embed.shape[1]), decoder_depth(state_dict), int(gate.shape[0]), int(embed.shape[0]))
 
 
 def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: LlamaConfig | None = None) -> LlamaConfig:

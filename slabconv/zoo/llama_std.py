@@ -32,7 +32,6 @@ Input: int64 token ids ``(B, T)``; output: logits ``(B, T, V)``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import replace
 from functools import partial
@@ -49,6 +48,7 @@ from slabconv.zoo.llama import (
     _add_biases,
     _kv_heads,
     check_head_dim,
+    decoder_depth,
     rope_theta,
     seq_len,
 )
@@ -60,7 +60,6 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 FAMILY = "llama_std"
 NORM_KEY = "model.layers.0.input_layernorm.weight"
-_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight$")
 
 
 class RMSNorm(nn.Module):
@@ -122,7 +121,7 @@ def std_config(state_dict: StateDict, config: Mapping[str, Any]) -> LlamaConfig:
         raise UnsupportedModelError(
             "not a LLaMA-layout checkpoint: model.embed_tokens / mlp.gate_proj missing"
         ) from None
-    depth = len({m.group(1) for k in state_dict if (m := _LAYER_KEY.match(k))})
+    depth = decoder_depth(state_dict)
     vocab, hidden = int(embed.shape[0]), int(embed.shape[1])
     heads = config.get("num_attention_heads")
     if heads is None:
