@@ -138,7 +138,7 @@ def open_door(
         from slabconv.onnx_in import open_onnx
 
         return open_onnx(path, load, write, progress, verify)
-    check_stream_options(path, verify, write)
+    check_stream_options(path, verify, write, load.arch if load else None)
     norm_affine = bool(load and load.fold_norm_affine)
     if not write.stream:
         progress(f"loading {path}")
@@ -383,13 +383,18 @@ def write_dtype(write: WriteOptions) -> torch.dtype | None:
     return None if write.dtype is None else WRITE_DTYPES[write.dtype]
 
 
-def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteOptions) -> None:
+def check_stream_options(
+    path: Path, verify: VerifyOptions | None, write: WriteOptions, arch: str | None = None
+) -> None:
     """What a streamed fold cannot do, refused before any work.
 
     Raises:
         UsageError: ``onnx`` (a streamed fold writes safetensors only); verify options a streamed verification
             cannot take (``VerifyOptions.check_streamed``: ``--inputs``, a runtime other than pytorch); verification
             of a model that is not a decoder language model (no streamed question 2).
+        UnsupportedModelError: that model's architecture is not named (``arch``) and its weights' names and shapes
+            fit no registered layout (``zoo.detect_arch`` on the shard headers): no streamed fold could load it,
+            with or without verification.
     """
     if not write.stream:
         return
@@ -413,10 +418,34 @@ def check_stream_options(path: Path, verify: VerifyOptions | None, write: WriteO
         except UnsupportedModelError:
             if decoder_layout(weight_map):  # a decoder streamed mode refuses for a reason of its own: loading names it
                 return
+            if arch is None:
+                _detectable(path)
             raise UsageError(
                 f"--stream verifies decoder language models one layer at a time; {path} has no streamed question 2: "
                 "fold it in memory, or pass --no-verify and run slabconv verify on the two folders"
             ) from None
+
+
+def _detectable(folder: Path) -> None:
+    """Refuse a folder whose architecture ``zoo.detect_arch`` finds in no registered layout, from its shard headers
+    alone (tensors of their shapes on the meta device: detection reads names and shapes, never values).
+
+    Raises:
+        UnsupportedModelError: ``FOLDER: could not detect the architecture ...``, as loading would.
+    """
+    from slabconv.load import hf
+    from slabconv.load.shards import LazyShards
+    from slabconv.zoo import detect_arch
+
+    specs = LazyShards.open(folder).specs()
+    state = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in specs.items()}
+    config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
+    try:
+        detect_arch(state, config)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(f"{folder}: {err}") from None
+    except Exception:  # noqa: BLE001 - a layout whose detection reads values: loading decides
+        return
 
 
 def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:

@@ -541,6 +541,22 @@ def tiny_swin() -> torch.nn.Module:
     return randomize_norms(model, 0).eval()
 
 
+def test_a_streamed_folder_of_no_known_layout_is_refused_for_its_layout_not_for_its_checks(tmp_path):
+    """A GPT-2-style folder (no registered layout, not a LLaMA-layout decoder) with verification on: the refusal
+    names the architecture, as the same fold with --no-verify does, instead of advising --no-verify (a dead end)."""
+    torch.manual_seed(0)
+    sd = {
+        "transformer.wte.weight": torch.randn(50, 16),
+        "transformer.h.0.ln_1.weight": torch.ones(16),
+        "transformer.h.0.attn.c_attn.weight": torch.randn(16, 48),
+        "lm_head.weight": torch.randn(50, 16),
+    }
+    hfwrite.write_hf_folder(tmp_path / "src", sd, {"model_type": "gpt2"}, max_shard_bytes=4096)
+    for verify in (VerifyOptions(), None):
+        with pytest.raises(UnsupportedModelError, match="could not detect the architecture"):
+            api.fuse(tmp_path / "src", tmp_path / "out", verify=verify, write=STREAM)
+
+
 def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
     """A backward fold into a convolution, streamed: sharded safetensors, no config.json, --arch; the same tensors
     as the in-memory fold, bit for bit, and the same decisions; question 1 checks every written tensor."""
