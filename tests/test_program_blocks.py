@@ -294,6 +294,7 @@ def test_each_layer_is_folded_once_the_planners_values_taken_only_for_the_same_f
     _, made = engine.fold_program(once)
     checks = dict(calls)  # the planner's overflow checks: one per fold planned into the layer
     calls.clear()
+
     def evaluate_again(folds: program.FoldProgram, *args, **kwargs):  # type: ignore[no-untyped-def]
         folds.folded = {}  # not the values the planner's overflow checks made
         return program.evaluate(folds, *args, **kwargs)
