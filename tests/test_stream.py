@@ -761,7 +761,8 @@ def test_a_folder_missing_a_q_proj_weight_names_it_rather_than_another_layer_cou
     """The layer count is read from the keys of every layer (one more than the largest index), so a folder whose
     layer lacks its q_proj weight is named as missing that tensor, streamed and in memory, fused folder or
     original; counting the q_proj weights read it as a shallower model (``differ in num_hidden_layers (4 vs 3)``,
-    or the last layer's tensors as unexpected keys)."""
+    or the last layer's tensors as unexpected keys). A fused folder lacking it fails question 1 (exit 1); an
+    original lacking it is bad input (exit 2)."""
     from typer.testing import CliRunner
 
     from slabconv.cli import app
@@ -774,9 +775,11 @@ def test_a_folder_missing_a_q_proj_weight_names_it_rather_than_another_layer_cou
         for extra in (["--stream"], []):
             result = CliRunner().invoke(app, ["verify", *pair, "--generate", "0", *extra])
             text = " ".join(result.output.split())
-            assert result.exit_code == 2, (side, extra, result.output)
+            # a damaged original is bad input (exit 2); a fused folder lacking a tensor the fold writes, a difference
+            assert result.exit_code == (1 if side == "out" else 2), (side, extra, result.output)
             assert "num_hidden_layers" not in text and "unexpected keys" not in text, (side, extra, text)
-            assert re.search(rf"(tensor '{re.escape(key)}' is missing|missing keys \(1\): {re.escape(key)})", text)
+            assert re.search(rf"tensor '{re.escape(key)}'(, which the fold writes,)? is missing|missing keys \(1\): "
+                             f"{re.escape(key)}", text)  # fmt: skip
 
 
 def test_a_fused_folder_missing_its_heads_folded_bias_fails_generation_in_memory_as_streamed(folded, tmp_path):
@@ -795,6 +798,23 @@ def test_a_fused_folder_missing_its_heads_folded_bias_fails_generation_in_memory
         text = " ".join(result.output.split())
         assert "internal error" not in text, text
         assert "does not load as a model: " in text and "the weights lack a lm_head bias" in text, text
+
+
+def test_a_fused_folder_missing_a_folded_weight_fails_question_1_in_memory_as_streamed(folded, tmp_path):
+    """A folded weight removed: question 1 names it (streamed too: a tensor the fold writes that the folder lacks),
+    and the verify fails (exit 1), though no runtime can build the model and question 2 cannot read the folder:
+    those follow from the difference question 1 found, they are not bad input (exit 2)."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    broken = _without(root / "out", "model.layers.1.mlp.up_proj.weight", tmp_path / "broken")
+    for extra in (["--stream"], []):
+        result = CliRunner().invoke(app, ["verify", str(root / "src"), str(broken), "--generate", "2", *extra])
+        assert result.exit_code == 1, (extra, result.output)
+        text = " ".join(result.output.split())
+        assert "'model.layers.1.mlp.up_proj.weight', which the fold writes, is missing from" in text, (extra, text)
 
 
 def test_a_fused_folder_whose_config_json_disowns_a_bias_its_weights_hold_does_not_load_streamed(folded, tmp_path):

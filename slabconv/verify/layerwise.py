@@ -209,7 +209,7 @@ def exact_streamed(
     """Question 1 for a streamed output: every tensor of ``written`` against its recipe in the fold ``program``
     evaluated afresh in float64 over ``source``, block by block (``LayerRecipe.rows``): a folded weight or bias
     within ``policy.ULPS`` units in the last place of it, a copy bit for bit; a tensor with no recipe fails, and
-    so does a folded layer's bias ``written`` lacks (``ExactCheck.missing``: the folder's weights).
+    so does one the program writes that ``written`` lacks (``ExactCheck.missing``: the folder's weights).
 
     Args:
         lanes, stop: as ``tensor_distances``.
@@ -286,8 +286,9 @@ def tensor_distances(
     """``(key, distance)`` of every tensor of ``written`` from its recipe in the fold ``program`` over ``source``
     (``exact_streamed``'s rule: units in the last place from a folded weight's or bias's float64 rows rounded
     once, a copy's units in the last place from its source (``_copy_distance``: 0 bit for bit), ``inf`` for a
-    tensor with no recipe and for a folded layer's bias ``written`` lacks), in ``written``'s order, one
-    block at a time: a key may come several times (its blocks), its distance the largest.
+    tensor with no recipe and for a tensor the fold writes that ``written`` lacks, a folded layer's bias included),
+    in ``written``'s order (the lacking ones last), one block at a time: a key may come several times (its blocks),
+    its distance the largest.
 
     Args:
         lanes: threads each block's cache-sized pieces are spread over (the writer's, ``write.shards.FOLD_LANES``,
@@ -340,6 +341,9 @@ def tensor_distances(
                     yield key, _copy_distance(got, _rows(source, src, start, end, scratch, "source"))
             else:
                 yield key, math.inf  # a tensor neither copied nor made by a fold
+        for key in program.tensors:
+            if key not in written.weight_map:
+                yield key, math.inf  # a tensor the fold writes that ``written`` lacks
 
 
 def _rows(shards: LazyShards, key: str, start: int, stop: int, scratch: Scratch, name: str) -> torch.Tensor:

@@ -46,7 +46,7 @@ from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.policy import dtype_name
 from slabconv.verify.reference import float64_graph, fold64
-from slabconv.verify.results import IntegrityCheck, NotRun, OutputCheck, Verification, g3
+from slabconv.verify.results import IntegrityCheck, Localization, NotRun, OutputCheck, Verification, g3
 from slabconv.verify.run import (
     Reference,
     check_reference,
@@ -643,7 +643,12 @@ def verify(
         from slabconv.verify import localize as localizer
 
         progress("verifying: localising, fold by fold")
-        verification.localization = localizer.localize(reference, candidate, opts, load, verification.exact)
+        try:
+            verification.localization = localizer.localize(reference, candidate, opts, load, verification.exact)
+        except InputError as err:
+            if verification.passed:
+                raise
+            verification.localization = Localization("none", detail=f"not localised: {first_line(err)}")
     verification.seconds = time.monotonic() - started
     return verification
 
@@ -760,7 +765,7 @@ def _whole(
     checks, ran, not_run = question_2_each(
         ref, shorter, pending, opts=opts, token_logits=token_logits, fallback=fallback, progress=progress
     )
-    if not ran and not_run:
+    if not ran and not_run and all(e.passed for e in verification.exact):  # else question 1 says what differs
         why = "; ".join(n.line() for n in not_run)
         if opts.runtimes:  # the runtimes named: the others may run it
             named = ", ".join(dict.fromkeys(opts.runtimes))
@@ -1069,12 +1074,20 @@ def _layerwise(
                 seed=opts.seed, block_elements=engine.FOLD_BLOCK, progress=progress,
             )  # fmt: skip
         ids = run.sequences() if run is not None else None
-        verification = layerwise.verify_folders(
-            reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed, rtol=opts.rtol,
-            atol=opts.atol, strict=opts.strict, block_elements=engine.FOLD_BLOCK, ids=ids,
-            inputs=run.inputs() if run is not None else "", progress=progress,
-            on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
-        )  # fmt: skip
+        try:
+            verification = layerwise.verify_folders(
+                reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed,
+                rtol=opts.rtol, atol=opts.atol, strict=opts.strict, block_elements=engine.FOLD_BLOCK, ids=ids,
+                inputs=run.inputs() if run is not None else "", progress=progress,
+                on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
+            )  # fmt: skip
+        except InputError as err:  # a candidate that question 1 finds lacking: a difference, which it names
+            first = beside.result() if beside is not None else None
+            if first is None or first.passed:
+                raise
+            verification = Verification(inputs=run.inputs() if run is not None else "", exact=[first])
+            verification.not_run.append(NotRun(candidate.path.name, f"question 2 cannot read it: {err}"))
+            beside = None
         if beside is not None:
             if not beside.done():
                 progress("verifying: question 1, the written tensors against a float64 fold (finishing)")
