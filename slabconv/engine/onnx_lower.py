@@ -1433,10 +1433,13 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     w = _const_tensor(b)
     rank = len(a.shape) if a is not None and a.shape is not None else 0
     batched = w is not None and len(w.shape) == 3 and w.shape[0] == 1 and rank >= 3
-    if w is None or b is None or not b.is_initializer() or (len(w.shape) != 2 and not batched):
-        lo.emit(node, aten.matmul.default, (lo.read(a), lo.read(b)), node.outputs[0])
-        return
-    if _const_tensor(a) is not None:
+    if (
+        w is None
+        or b is None
+        or not b.is_initializer()
+        or (len(w.shape) != 2 and not batched)
+        or _const_tensor(a) is not None
+    ):
         lo.emit(node, aten.matmul.default, (lo.read(a), lo.read(b)), node.outputs[0])
         return
     k, n = (int(d) for d in w.shape[-2:])
