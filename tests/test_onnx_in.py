@@ -2191,3 +2191,94 @@ def test_a_model_as_a_program_and_as_onnx_is_verified_on_the_same_random_inputs(
     assert label == onnx_label == "random(seed=3, samples=8)"
     assert isinstance(from_onnx, np.ndarray) and from_onnx.dtype == drawn.dtype == np.float32
     np.testing.assert_array_equal(from_onnx, drawn)
+
+
+def _gemm_file(path: Path, norm: str, op: str = "Gemm", c: tuple[int, ...] | None = None, **attrs: float) -> Path:
+    """``x (6, 4)`` -> ``norm`` -> ``op`` -> ``y (6, 3)``, or the op first and the norm on the graph output
+    (``norm`` "before" / "after"), the op a ``Gemm`` with ``attrs`` and a C of shape ``c`` (``transA``: a
+    ``Transpose`` gives it ``A`` as ``(4, 6)``), or a ``MatMul`` by a ``(1, 4, 3)`` weight on ``x (2, 6, 4)``. The
+    norm is a ``BatchNormalization`` over ``x``'s axis 1, or a ``Mul`` and ``Add`` on the last axis for the
+    ``MatMul``. "rows": the BatchNorm reads ``x (4, 4)`` and ``transA`` makes its channels the rows of ``A``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    channels = {"before": 4, "after": 3, "rows": 4}[norm]
+    arrays = {"s": rng.uniform(0.5, 1.5, channels), "b": rng.uniform(-1, 1, channels),
+              "m": rng.uniform(-1, 1, channels), "v": rng.uniform(0.5, 2, channels)}  # fmt: skip
+    arrays["W"] = rng.standard_normal((1, 4, 3) if op == "MatMul" else (3, 4) if attrs.get("transB") else (4, 3))
+    flip = bool(attrs.get("transA"))
+    shape = (
+        [2, 6, 4] if op == "MatMul" else [4, 4] if norm == "rows" else [4, 6] if flip and norm == "after" else [6, 4]
+    )
+    reads = ["a", "W"]
+    if c is not None:
+        arrays["C"] = rng.standard_normal(c)
+        reads.append("C")
+    if op == "MatMul":
+        norm_nodes = [helper.make_node("Mul", ["n_in", "s"], ["n_mid"]), helper.make_node("Add", ["n_mid", "b"], ["n"])]
+    else:
+        norm_nodes = [helper.make_node("BatchNormalization", ["n_in", "s", "b", "m", "v"], ["n"], name="bn")]
+    layer = [helper.make_node(op, reads, ["z"], name="layer", **attrs)]
+    if norm == "after":
+        nodes = [helper.make_node("Identity", ["x"], ["a"]), *layer, helper.make_node("Identity", ["z"], ["n_in"]),
+                 *norm_nodes, helper.make_node("Identity", ["n"], ["y"])]  # fmt: skip
+    else:
+        into = helper.make_node("Transpose", ["n"], ["a"], perm=[1, 0]) if flip and norm != "rows" else None
+        nodes = [helper.make_node("Identity", ["x"], ["n_in"]), *norm_nodes,
+                 into or helper.make_node("Identity", ["n"], ["a"]), *layer,
+                 helper.make_node("Identity", ["z"], ["y"])]  # fmt: skip
+    info = helper.make_tensor_value_info
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    rows = 4 if norm == "rows" else 6
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, shape)],
+                              [info("y", TensorProto.FLOAT, [*shape[:-2], rows, 3])], inits)  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _input_shape(path: Path) -> list[int]:
+    return [d.dim_value for d in onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim]
+
+
+@pytest.mark.parametrize(
+    ("norm", "op", "c", "attrs"),
+    [("before", "Gemm", (3,), {"alpha": 0.3}), ("after", "Gemm", (3,), {"alpha": 0.3}),
+     ("before", "Gemm", (1, 3), {"beta": 0.7}), ("after", "Gemm", (1, 3), {"beta": 0.7}),
+     ("before", "Gemm", None, {"alpha": 0.3, "beta": 0.7}), ("after", "Gemm", None, {"alpha": 0.3, "beta": 0.7}),
+     ("before", "Gemm", (3,), {"transA": 1}), ("after", "Gemm", (3,), {"transA": 1, "transB": 1, "alpha": 2.5}),
+     ("before", "Gemm", (6, 3), {"beta": 0.7}), ("before", "Gemm", (6, 1), {}),
+     ("after", "Gemm", (1,), {"beta": 0.7}), ("before", "MatMul", None, {}), ("after", "MatMul", None, {})],
+)  # fmt: skip
+def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c, attrs):
+    """A ``Gemm`` with ``alpha`` or ``beta`` not 1, with ``transA``, or with a C per row (``(M, N)``, ``(M, 1)``)
+    or one number, and a ``MatMul`` by a ``(1, K, N)`` weight, were opaque, which kept the norm beside them though
+    the fold is exact: the engine folds into ``alpha B`` and ``beta C`` (written so, ``alpha`` / ``beta`` then 1),
+    into ``B`` behind ``A``'s transpose, a forward fold's bias added to a C per row. The norm goes and onnxruntime
+    runs the folded file as the original."""
+    path = _gemm_file(tmp_path / "gemm.onnx", norm, op, c, **attrs)
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert report.verification is not None and report.verification.passed
+    assert [d.action for d in report.folds] == ["folded-forward" if norm == "before" else "folded-backward"]
+    out = tmp_path / "out" / "model.onnx"
+    assert not {"BatchNormalization", "Mul"} & set(op_histogram(out))
+    x = np.random.default_rng(1).standard_normal(_input_shape(path)).astype(np.float32)
+    want, got = _run(path, x), _run(out, x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(("norm", "c", "attrs"), [("rows", (3,), {"transA": 1}), ("after", (6, 3), {"beta": 0.7})])
+def test_a_gemm_keeps_a_norm_on_its_rows_or_behind_a_c_per_row_and_dropping_it_would_be_wrong(tmp_path, norm, c, attrs):
+    """Kept, with the true reason: a BatchNorm whose channels ``transA`` makes the rows of ``A`` (the Gemm
+    contracts the other axis), and one after a Gemm whose C is per row, which a backward fold would have to
+    rescale column by column (the engine writes layers' weights and biases, not such a constant: ``backward``
+    names it). The fold that drops the kept affine changes the output."""
+    path = _gemm_file(tmp_path / "gemm.onnx", norm, "Gemm", c, **attrs)
+    (decision,) = api.inspect(path).folds
+    assert decision.action == "kept-affine"
+    if norm == "rows":
+        assert decision.reason == "consumer-not-on-channel-axis"
+    else:
+        assert decision.no_backward == "aten.add adds layer.C, a stored tensor that is not one value per channel"
+    x = np.random.default_rng(1).standard_normal(_input_shape(path)).astype(np.float32)
+    want, got = _run(path, x), _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
+    assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()

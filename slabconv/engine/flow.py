@@ -616,6 +616,8 @@ class _Up:
             for a, a_ch in addends:
                 if (a, node) in self.graph.kept:
                     return f"an earlier norm keeps an affine before {op_name(node)}"
+                if a.op == "get_attr":  # a constant _constant_addend did not take: not one value per channel
+                    return f"{op_name(node)} adds {a.target}, a stored tensor that is not one value per channel"
                 if (reason := self.walk(a, a_ch, {node}, shared)) is not None:
                     return reason
             return None

@@ -8,9 +8,10 @@ changed in place, as the plans say:
 - every folded layer's weight and bias, as the fold program makes them (``slabconv.engine.program``: every fold the
   tensor receives composed in float64), is written into its initializer (transposed back for a ``MatMul`` weight,
   reshaped back for a ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64
-  fold; an initializer that other nodes read too is copied for the node the fold changed (copy on write);
-- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose``, or an ``Add`` after its ``MatMul``
-  (``<layer>.bias``, a ``.../folded_bias_add`` node);
+  fold (a ``Gemm`` weight or C then holds its ``alpha`` / ``beta``, which become 1); an initializer that other nodes
+  read too is copied for the node the fold changed (copy on write);
+- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose`` (a ``Gemm``'s C per row becomes
+  ``beta * C`` plus the bias), or an ``Add`` after its ``MatMul`` (``<layer>.bias``, a ``.../folded_bias_add`` node);
 - a kept affine becomes one ``BatchNormalization`` (mean 0, variance 1, epsilon 0: exactly ``x * s + t``) where its
   channels are at axis 1 and it has a shift, else ``Mul`` (and ``Add``), in front of each blocked node, on the
   value it reads (an ``If`` or
@@ -126,6 +127,9 @@ class _Graph:
             init.const_value = ir.tensor(array, name=init.name)
             init.shape, init.dtype = ir.Shape(array.shape), init.const_value.dtype
         self.written[target] = init
+        if binding.scaled:  # the value holds the node's alpha / beta: the node no longer multiplies by it
+            node, attribute, _ = binding.scaled
+            self.nodes[node].attributes[attribute] = ir.AttrFloat32(attribute, 1.0)
 
     def _shared(self, init: ir.Value, users: tuple[str, ...]) -> bool:
         return any(u.node.name not in users for u in init.uses()) or init.is_graph_output()
@@ -157,6 +161,12 @@ class _Graph:
         assert weight is not None
         dtype = ir.DataType.DOUBLE if self.exact else weight.dtype
         assert dtype is not None
+        if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:  # C per row: bias added
+            beta = node.attributes.get("beta")
+            stored_c = ir.convenience.get_const_tensor(node.inputs[2])
+            assert stored_c is not None  # the lowering read C as a constant
+            c = torch.from_numpy(np.asarray(stored_c.numpy()))
+            value = value + c.to(torch.float64) * (1.0 if beta is None else beta.value)  # (M, N): beta * C + bias
         bias = self._initializer(target, _numpy(value, dtype))
         self.bindings[target] = Binding(bias.name or target, False, tuple(value.shape))
         self.written[target] = bias
@@ -337,8 +347,17 @@ def folded_values(lowered: Lowered, plans: list[NormPlan]) -> tuple[dict[str, to
     layers = layer_recipes(lowered.gm, plans)
     needed = {la.weight for la in layers.values()} | {la.bias for la in layers.values() if la.bias}
     program = FoldProgram({}, layers)
-    values = evaluate(program, TensorStore({k: stored(lowered.gm, k) for k in needed}), exact=True)
+    tensors = {k: _scaled(stored(lowered.gm, k), lowered.bindings.get(k)) for k in needed}
+    values = evaluate(program, TensorStore(tensors), exact=True)
     return values, list(program.ranges.values())
+
+
+def _scaled(tensor: torch.Tensor, binding: Binding | None) -> torch.Tensor:
+    """A stored tensor times the factor its node multiplies it by (``Binding.scaled``: a ``Gemm``'s ``alpha`` or
+    ``beta``), in float64: exact, as a float32 attribute times a tensor of at most 24 significant bits is."""
+    if binding is None or binding.scaled is None:
+        return tensor
+    return tensor.to(torch.float64) * binding.scaled[2]
 
 
 def apply_plans(

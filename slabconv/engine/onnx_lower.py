@@ -30,6 +30,7 @@ graph).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import keyword
 import logging
@@ -288,13 +289,17 @@ class Binding:
         shape: the initializer's own shape (a bias stored ``(1, C, 1, 1)`` is seen as ``(C,)``).
         users: the nodes whose reads this target stands for; a fold writes a copy for them when other nodes read the
             initializer too (copy on write). Empty: every reader.
-        created: the target is a bias a fold creates (no initializer yet).
+        scaled: ``(node, attribute, factor)``: that node multiplies this tensor by its attribute, ``factor`` (a
+            ``Gemm``'s ``alpha`` or ``beta``, not 1). The engine plans on the tensor as stored; the fold program
+            starts from it times ``factor`` in float64 (exact: a float32 times a float32) and a fold writes that,
+            setting the attribute to 1.
     """
 
     initializer: str
     transposed: bool = False
     shape: tuple[int, ...] = ()
     users: tuple[str, ...] = ()
+    scaled: tuple[str, str, float] | None = None
 
 
 @dataclass
@@ -1414,20 +1419,32 @@ def _weight(
     """A ``get_attr`` of a layer's weight or bias: a target of its own when other nodes read the initializer too
     (copy on write), named ``<module path>.<role>``."""
     shared = len({id(u.node) for u in value.uses()}) > 1 or value.is_graph_output()
-    binding = Binding(binding.initializer, binding.transposed, binding.shape, (node.name or "",) if shared else ())
+    binding = dataclasses.replace(binding, users=(node.name or "",) if shared else ())
     scope = _layer_scope(lo, node, value)
     return lo.constant(value, f"{scope}.{role}", view, binding)
 
 
 @lowers("MatMul")
 def _matmul(lo: _Lowering, node: ir.Node) -> None:
+    """``MatMul`` by a constant ``(K, N)`` weight, or a ``(1, K, N)`` one (a batch of one, broadcast) read by an
+    input of rank 3 or more, which the broadcast leaves as it is: ``aten.linear`` (with the bias ``Add`` after it);
+    any other ``MatMul`` is ``aten.matmul``."""
     a, b = node.inputs
     w = _const_tensor(b)
-    if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or _const_tensor(a) is not None:
+    rank = len(a.shape) if a is not None and a.shape is not None else 0
+    batched = w is not None and len(w.shape) == 3 and w.shape[0] == 1 and rank >= 3
+    if (
+        w is None
+        or b is None
+        or not b.is_initializer()
+        or (len(w.shape) != 2 and not batched)
+        or _const_tensor(a) is not None
+    ):
         lo.emit(node, aten.matmul.default, (lo.read(a), lo.read(b)), node.outputs[0])
         return
-    k, n = (int(d) for d in w.shape)
-    weight = _weight(lo, node, b, "weight", Binding(b.name or "", True, (k, n)), torch.Tensor.t)
+    k, n = (int(d) for d in w.shape[-2:])
+    binding = Binding(b.name or "", True, tuple(int(d) for d in w.shape))
+    weight = _weight(lo, node, b, "weight", binding, lambda t: t.reshape(k, n).t())
     bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
     layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
     lo.out.layers[layer.name] = site
@@ -1435,27 +1452,50 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("Gemm")
 def _gemm(lo: _Lowering, node: ir.Node) -> None:
+    """``Gemm``: ``alpha * A' B' + beta * C`` (``A'`` is ``A`` transposed with ``transA``, ``B'`` likewise) as
+    ``aten.linear`` of ``A'`` (``aten.t`` of ``A`` with ``transA``), the weight ``B'`` seen ``(N, K)`` and the bias
+    ``C`` seen ``(N,)`` (a C of ``N`` values), ``alpha`` and ``beta`` in their ``Binding.scaled``. Opaque when ``B``
+    is no initializer or ``alpha`` is 0, or ``C`` is no initializer or per row (``(M, N)``, ``(M, 1)``)."""
     a, b = node.inputs[0], node.inputs[1]
     c = node.inputs[2] if len(node.inputs) > 2 else None
     w = _const_tensor(b)
     alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
     trans_a, trans_b = int(_attr(node, "transA", 0)), int(_attr(node, "transB", 0))
-    if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or trans_a or alpha != 1.0:
+    if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or alpha == 0.0:
         raise _Unlowerable
     n = int(w.shape[0] if trans_b else w.shape[1])
-    weight = _weight(
-        lo, node, b, "weight", Binding(b.name or "", not trans_b, tuple(w.shape)), None if trans_b else torch.Tensor.t
-    )
-    bias = None
+    name = node.name or ""
+    scaled = (name, "alpha", alpha) if alpha != 1.0 else None
+    binding = Binding(b.name or "", not trans_b, tuple(w.shape), scaled=scaled)
+    weight = _weight(lo, node, b, "weight", binding, None if trans_b else torch.Tensor.t)
+    bias = rows = None
     if c is not None:
         array = _array(c)
-        if array is None or not c.is_initializer() or array.size != n or beta != 1.0:
+        if array is None or not c.is_initializer() or array.ndim > 2:
             raise _Unlowerable
-        if array.ndim > 2 or (array.ndim == 2 and array.shape[0] != 1):
-            raise _Unlowerable
-        bias = _weight(lo, node, c, "bias", Binding(c.name or "", False, tuple(array.shape)), torch.Tensor.flatten)
-    layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), node.outputs[0])
-    lo.out.layers[layer.name] = LayerSite(node.name or "")
+        if array.size == n and (array.ndim < 2 or array.shape[0] == 1):
+            scaled = (name, "beta", beta) if beta != 1.0 else None
+            binding = Binding(c.name or "", False, tuple(array.shape), scaled=scaled)
+            bias = _weight(lo, node, c, "bias", binding, torch.Tensor.flatten)
+        else:  # a C per row, (M, N) or (M, 1), or one number: added after the layer
+            rows = lo.constant(c, f"{name or 'Gemm'}.C", lambda t: t if beta == 1.0 else t.double() * beta)
+    x = lo.read(a)
+    if trans_a:
+        val = x.meta.get("val")
+        x = lo.emit(
+            node, aten.t.default, (x,), None, val=val.t() if isinstance(val, torch.Tensor) and val.dim() == 2 else None
+        )
+    out = node.outputs[0]
+    layer = lo.emit(
+        node,
+        aten.linear.default,
+        (x, weight, bias),
+        None if rows is not None else out,
+        val=None if rows is None else lo.fake(out),
+    )
+    lo.out.layers[layer.name] = LayerSite(name)
+    if rows is not None:
+        lo.emit(node, aten.add.Tensor, (layer, rows), out)
 
 
 @lowers("Conv")
