@@ -144,6 +144,10 @@ def fuse(
     _check_types(load=(load, LoadOptions), verify=(verify, VerifyOptions), write=(write, WriteOptions))
     write = write or WriteOptions()
     write.check()  # a mistyped --dtype is answered before anything is read
+    if verify is not None:
+        from slabconv.verify.backends import check_runtime_names
+
+        check_runtime_names(verify.runtimes, verify.calibration)
     source = check_input(path)  # the input first: a mistyped name is not answered with "output exists"
     if write.stream and not source.is_dir():
         raise UsageError(
@@ -274,7 +278,8 @@ def verify(
     check_input(candidate, folders=False)
     from slabconv.verify.backends import check_runtime_names
 
-    check_runtime_names(verify.runtimes if verify is not None else None)
+    if verify is not None:
+        check_runtime_names(verify.runtimes, verify.calibration)
     if stream and verify is not None:
         verify.check_streamed()
     from slabconv.load.model import check_build_options_apply, check_ema_applies

@@ -50,7 +50,8 @@ class VerifyOptions:
     Attributes:
         inputs: an ``.npz`` whose ``x`` array is the input; default ``holdout.npz`` beside the checkpoint, else
             ``samples`` seeded random samples (token ids drawn from the embedding's rows for a language model).
-        samples: how many random samples (token sequences for a streamed fold).
+        samples: how many random samples (token sequences for a streamed fold), at least 1 (else ``UsageError``
+            when the options are made).
         seed: seed of the random inputs.
         rtol: replaces the bound of question 2 (default: ``max(tol_dtype, 2 * e_orig)``).
         atol: an absolute error also accepted (default 0).
@@ -72,6 +73,10 @@ class VerifyOptions:
     generate: int | None = None
     runtimes: tuple[str, ...] | None = None
     calibration: Path | None = None
+
+    def __post_init__(self) -> None:  # refused before any work, for every chooser of inputs alike
+        if self.samples is not None and self.samples < 1:
+            raise UsageError(f"--samples must be at least 1 (got {self.samples})")
 
     def fuse_steps(self) -> int:
         """Greedy tokens per prompt that ``fuse`` (and ``verify`` of a fused folder) of a language model compares:

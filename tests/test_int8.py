@@ -287,6 +287,23 @@ def test_calibration_without_an_int8_runtime_is_refused(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--runtime onnxruntime-int8" in result.output
 
 
+def test_calibration_without_an_int8_runtime_is_refused_by_the_api_before_any_work(tmp_path: Path) -> None:
+    """``fuse`` and ``verify`` through the API take ``--calibration`` on the terms of the CLI, before the fold (a
+    calibration no runtime uses would be silently ignored) and before reading a model."""
+    from slabconv import api
+    from slabconv.errors import UsageError
+    from slabconv.options import VerifyOptions
+    from tests.conftest import FIXTURE
+
+    opts = VerifyOptions(runtimes=("onnxruntime",), calibration=tmp_path / "c.npz")
+    message = r"^--calibration calibrates an int8 runtime; add VerifyOptions\(runtimes=\('onnxruntime-int8',\)\)$"
+    with pytest.raises(UsageError, match=message):
+        api.fuse(tmp_path / "missing.pth", tmp_path / "out", verify=opts)
+    with pytest.raises(UsageError, match=message):
+        api.verify(FIXTURE / "checkpoint.pth", FIXTURE / "checkpoint.pth", verify=opts)
+    assert not (tmp_path / "out").exists()
+
+
 class _BatchRelative(nn.Module):
     """A BatchNorm between Linears, and each class score taken relative to its mean over the batch: a sample's
     top-1 depends on the other samples of its batch, so a file run on batches of another size decides otherwise."""

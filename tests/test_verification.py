@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from slabconv import api, fold
 from slabconv.cli import app
-from slabconv.errors import NumericError, VerificationError
+from slabconv.errors import NumericError, UsageError, VerificationError
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify import policy
 from slabconv.zoo.norms import RepBN
@@ -531,3 +531,13 @@ def test_a_wrong_fold_fails_question_2_against_the_originals_error_in_its_runtim
     assert len(in_ort) == 2 and not v.exact[0].passed
     for check in in_ort:
         assert not check.passed and check.e_fused > 5 * check.tolerance
+
+
+@pytest.mark.parametrize("samples", [0, -3])
+def test_samples_below_one_are_refused_when_the_options_are_made(samples: int) -> None:
+    """Every chooser of inputs (a checkpoint's, an ONNX file's, one of several inputs) relies on this one check:
+    with ``holdout.npz`` beside a checkpoint, ``samples=0`` would take its first 0 samples, an empty verification."""
+    with pytest.raises(UsageError, match=rf"^--samples must be at least 1 \(got {samples}\)$"):
+        VerifyOptions(samples=samples)
+    with pytest.raises(UsageError, match="--samples must be at least 1"):
+        dataclasses.replace(VerifyOptions(), samples=samples)

@@ -1164,3 +1164,20 @@ def test_a_parameter_the_onnx_file_stores_broadcast_is_found_by_value(tmp_path: 
     assert wrong.verification is not None and not wrong.verification.passed
     failed = [c.name for c in wrong.verification.exact if not c.passed]
     assert failed == ["wrong.onnx vs a float64 fold of the reference"], failed
+
+
+def test_an_onnx_side_is_made_from_the_model_read_onnx_read(onnx_fused: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``.onnx`` side, and a folder's ``model.onnx``, take their provenance and sequence axis from the model
+    ``read_onnx`` read and checked, whose sha256 they record: the file is not loaded a second time (a file
+    replaced in between would give one side the facts of two files)."""
+    from slabconv.verify import sides
+
+    def loaded_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the .onnx was loaded a second time")
+
+    monkeypatch.setattr(onnx, "load", loaded_again)
+    side = sides.onnx_side(onnx_fused / "fused" / "model.onnx")
+    folder = sides.output_side(onnx_fused / "fused")
+    original = sides.onnx_side(onnx_fused / "original.onnx").source.sha256
+    assert side.provenance is not None and side.provenance.folded and side.provenance.source_sha256 == original
+    assert folder.provenance == side.provenance and not side.dynamic_sequence and not folder.dynamic_sequence

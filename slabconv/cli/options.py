@@ -312,9 +312,7 @@ def verify_options(
     Raises:
         UsageError: as ``slabconv.verify.backends.check_runtime_names``.
     """
-    from slabconv.verify.backends import BACKENDS, check_runtime_names
+    from slabconv.verify.backends import check_runtime_names
 
-    check_runtime_names(runtimes)
-    if calibration is not None and not any(BACKENDS[n].quantized for n in runtimes or ()):
-        raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")
+    check_runtime_names(runtimes, calibration)
     return VerifyOptions(inputs, samples, seed, rtol, atol, strict, generate, runtimes, calibration)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from slabconv.errors import UsageError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from slabconv.verify.runtimes import Runtime
@@ -154,11 +156,13 @@ RUNTIME_NAMES = backend_names("verify")
 """What ``verify --runtime`` takes (``VerifyOptions(runtimes=...)``): the runtimes that run a candidate."""
 
 
-def check_runtime_names(names: tuple[str, ...] | None) -> None:
-    """Refuse, before any work, a runtime name ``verify`` does not take or one that is not installed.
+def check_runtime_names(names: tuple[str, ...] | None, calibration: Path | None = None) -> None:
+    """Refuse, before any work, a runtime name ``verify`` does not take or one that is not installed, and a
+    ``calibration`` file (``--calibration``) without a runtime that quantizes.
 
     Raises:
-        UsageError: an unknown name (the known ones listed), or a runtime without its package (the install line).
+        UsageError: an unknown name (the known ones listed), a runtime without its package (the install line), or
+            ``--calibration`` without ``--runtime onnxruntime-int8``.
     """
     for name in names or ():
         if name not in RUNTIME_NAMES:
@@ -166,3 +170,5 @@ def check_runtime_names(names: tuple[str, ...] | None) -> None:
         reason = BACKENDS[name].unavailable()
         if reason is not None:
             raise UsageError(f"--runtime {name}: {reason}")
+    if calibration is not None and not any(BACKENDS[n].quantized for n in names or ()):
+        raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")

@@ -66,8 +66,6 @@ def choose_inputs(
     if path is None:
         if shape is None:
             raise UsageError("the input shape is not fixed by the models; pass --inputs NPZ or --input-shape C,H,W")
-        if samples < 1:
-            raise UsageError(f"--samples must be at least 1 (got {samples})")
         label = f"random(seed={seed}, samples={samples})"
         if loaded is not None:
             if loaded.token_input and loaded.make_input is None:
@@ -76,17 +74,30 @@ def choose_inputs(
             # numpy has no bfloat16: float inputs travel as float32 and each runner casts them to its dtype.
             return (x.float() if x.is_floating_point() else x).numpy(), label, None
         return standard_normal(samples, shape, seed), label, None
-    if not path.exists() and not path.is_symlink():
-        raise InputError(f"{path}: no such file (--inputs)")
     integer = loaded.token_input if loaded is not None else token_input
-    with safety.open_regular(path, "--inputs") as f:
-        arr = read_inputs(f, path, shape, integer=integer)
-        digest = safety.sha256_open(f)
-    if integer:
-        check_token_ids(arr, path, loaded.id_range if loaded is not None else None)
+    arr, digest = read_inputs_file(path, shape, integer, loaded.id_range if loaded is not None else None)
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
+
+
+def read_inputs_file(
+    path: Path, input_shape: tuple[int, ...] | None, integer: bool, id_range: int | None
+) -> tuple[np.ndarray, str]:
+    """An ``--inputs`` file's array (``read_inputs``: float32 ``(N, *input_shape)``, int64 with ``integer``) and
+    the sha256 of the file, read through one open (the digest is of the array read); with ``integer`` its token
+    ids are checked against ``id_range`` (``check_token_ids``).
+
+    Raises:
+        InputError: a missing or non-regular file (``safety.open_regular``); as ``read_inputs`` and
+            ``check_token_ids``.
+    """
+    with safety.open_regular(path, "--inputs") as f:
+        arr = read_inputs(f, path, input_shape, integer=integer)
+        digest = safety.sha256_open(f)
+    if integer:
+        check_token_ids(arr, path, id_range)
+    return arr, digest
 
 
 def standard_normal(samples: int, shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -192,12 +203,14 @@ def _load(read, path: Path) -> np.ndarray:  # type: ignore[no-untyped-def]
         raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
 
 
-def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> dict[str, np.ndarray]:
+def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> tuple[dict[str, np.ndarray], str]:
     """One array per name of ``shapes`` from an ``.npz`` (a model with several inputs), each checked as
-    ``read_inputs`` checks ``x`` against its shape, all with the same number of samples.
+    ``read_inputs`` checks ``x`` against its shape, all with the same number of samples; and the sha256 of the
+    file, read through the same open.
 
     Raises:
-        InputError: as ``read_inputs``; a name the file lacks; arrays with different sample counts.
+        InputError: a missing or non-regular file; as ``read_inputs``; a name the file lacks; arrays with
+            different sample counts.
     """
     out: dict[str, np.ndarray] = {}
     with safety.open_regular(path, "--inputs") as f:
@@ -206,10 +219,11 @@ def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> d
         for name, shape in shapes.items():
             f.seek(0)
             out[name] = _read_npz(f, path, shape, key=name)
+        digest = safety.sha256_open(f)
     counts = {name: len(a) for name, a in out.items()}
     if len(set(counts.values())) > 1:
         raise InputError(f"{path}: its arrays hold different numbers of samples ({counts}); give each input N samples")
-    return out
+    return out, digest
 
 
 def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key: str | None = None) -> np.ndarray:

@@ -247,17 +247,6 @@ def _rel(candidate: torch.Tensor | np.ndarray, reference: torch.Tensor | np.ndar
     return judge.rel_err(np.asarray(candidate), np.asarray(reference))[0]
 
 
-def _boundary(norm: str, layer: str, got: Any, want: Any, before: Any) -> Boundary:
-    """The boundary ``norm -> layer`` from the values at it (float64 tensors or arrays; None where a graph has
-    none): the candidate's (``got``) against the correct fold's (``want``), and ``rounding``, the correct fold
-    against the original's value there (``before``). A backward fold's boundary is the norm's output in the
-    original, which a view may have reshaped (Swin's patch norm after the flatten of the conv it folds into): no
-    rounding where the shapes differ."""
-    error = _rel(got, want) if got is not None and want is not None else math.inf
-    same = want is not None and before is not None and tuple(before.shape) == tuple(want.shape)
-    return Boundary(norm, layer, error, policy.EXACT_RTOL, _rel(want, before) if same else None)
-
-
 def _torch(
     reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None, fold_wrong: bool = False
 ) -> Localization:
@@ -296,14 +285,10 @@ def _torch(
     # the three graphs share node names: the fused ones by construction, the original's looked up by node
     got, want = _record(cand64, t, nodes, loaded.batch), _record(correct, t, nodes, loaded.batch)
     before = _record(original64, t, [b[2] for b in found], loaded.batch)
-    boundaries = [
-        _boundary(norm, layer, got.get(fused.name), want.get(fused.name), before.get(orig.name))
-        for norm, layer, orig, fused in found
-    ]
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
-    loc = Localization(METHOD.format(n=len(t)), boundaries, "")
     differ = _differing(kept, fold, _first_uses(fused64))
-    loc = _blame(loc, differ, folded, set(fold) - unchanged, None, _rounded_to(reference, candidate))
+    loc = _judged(found, (got, want, before), len(t), differ, folded, set(fold) - unchanged, None,
+                  _rounded_to(reference, candidate))  # fmt: skip
     if fold_wrong and loc.first is None and not loc.first_tensor and loc.detail.endswith(RUNTIME):
         exact = _record(fused64, t, nodes, loaded.batch)  # the float64 fold, unrounded, at each boundary
         for norm, layer, orig, fused in found:
@@ -317,6 +302,25 @@ def _torch(
                     )
                     break
     return loc
+
+
+def _judged(
+    found: list[tuple[str, str, Any, Any]], values: tuple[Any, Any, Any], samples: int, *blame: Any
+) -> Localization:
+    """The localization of the fold boundaries ``found`` (``(norm, layer, point in the original, point in the
+    fused graph)``, a point an FX node or an ONNX value name), with its verdict (``_blame(loc, *blame)``), from the
+    float64 values recorded at them by name, ``(got, want, before)``: each boundary's error is the candidate's
+    (``got``) against the correct fold's (``want``), and its ``rounding`` the correct fold against the original's
+    value there (``before``; None where a graph has none). A backward fold's boundary is the norm's output in the
+    original, which a view may have reshaped (Swin's patch norm after the flatten of the conv it folds into): no
+    rounding where the shapes differ."""
+    boundaries = []
+    for norm, layer, orig, fused in found:
+        got, want, before = (v.get(getattr(p, "name", p)) for v, p in zip(values, (fused, fused, orig), strict=True))
+        error = _rel(got, want) if got is not None and want is not None else math.inf
+        same = want is not None and before is not None and tuple(before.shape) == tuple(want.shape)
+        boundaries.append(Boundary(norm, layer, error, policy.EXACT_RTOL, _rel(want, before) if same else None))
+    return _blame(Localization(METHOD.format(n=samples), boundaries, ""), *blame)
 
 
 def _blame(
@@ -514,13 +518,11 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     after = [b[3] for b in found]
     got, want = run(folded.fused, after, stored), run(folded.fused, after, correct)
     before = run(folded.original, [b[2] for b in found], None)
-    boundaries = [_boundary(norm, layer, got[fused], want[fused], before[orig]) for norm, layer, orig, fused in found]
-    folded_layers = set(owned)
     original = onnx_original.stored_tensors(folded.original, float64=True)
     made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
-    loc = _blame(Localization(METHOD.format(n=samples_of(x)), boundaries, ""), differ, folded_layers, made,
-                 lambda key, layer: key in owned.get(layer, ()), _rounded_to(reference, candidate))  # fmt: skip
-    if not boundaries and lost:
+    loc = _judged(found, (got, want, before), samples_of(x), differ, set(owned), made,
+                  lambda key, layer: key in owned.get(layer, ()), _rounded_to(reference, candidate))  # fmt: skip
+    if not loc.boundaries and lost:
         loc.detail = "not localised"
     if lost:
         loc.detail += f"; {len(lost)} fold boundaries not found in the fused graph ({', '.join(lost)})"

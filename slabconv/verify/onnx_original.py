@@ -17,11 +17,9 @@ import torch
 
 from slabconv.engine import onnx_fold
 from slabconv.errors import InputError, UsageError, first_line
-from slabconv.load import safety
 from slabconv.load.onnx_file import OnnxFile, load_ir
 from slabconv.options import VerifyOptions
-from slabconv.util import sha256_file
-from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs, standard_normal
+from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs_file, standard_normal
 from slabconv.verify.runtimes import Inputs, run_batched
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
@@ -378,22 +376,14 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
     if len(info.inputs) > 1:
         return _several_inputs(info, opts)
     if opts.inputs:
-        path = Path(opts.inputs)
-        if not path.exists():
-            raise InputError(f"{path}: no such file (--inputs)")
-        with safety.open_regular(path, "--inputs") as f:  # one open: the digest is of the array read
-            x = read_inputs(f, path, info.input_shape, integer=info.token_input)
-            digest = safety.sha256_open(f)
-        if info.token_input:
-            check_token_ids(x, path, embedding_rows(info.path, info.input_name))
-        return x, str(path), digest
+        rows = embedding_rows(info.path, info.input_name) if info.token_input else None
+        x, digest = read_inputs_file(Path(opts.inputs), info.input_shape, info.token_input, rows)
+        return x, str(opts.inputs), digest
     if info.input_shape is None:
         raise UsageError(
             f"{info.path}: the input {info.input_name!r} has dynamic axes besides the batch; pass --inputs NPZ"
         )
     samples, seed = opts.sample_count(), opts.seed
-    if samples < 1:
-        raise UsageError(f"--samples must be at least 1 (got {samples})")
     rng = np.random.default_rng(seed)
     label = f"random(seed={seed}, samples={samples})"
     if info.token_input:
@@ -444,17 +434,13 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
     """
     if opts.inputs:
         path = Path(opts.inputs)
-        if not path.is_file():
-            raise InputError(f"{path}: no such file (--inputs)")
-        arrays = load_npz_members(path, {i.name: i.shape for i in info.inputs})
+        arrays, digest = load_npz_members(path, {i.name: i.shape for i in info.inputs})
         cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
         for graph_input in info.inputs:
             if graph_input.integer and "mask" not in graph_input.name.lower():
                 check_token_ids(cast[graph_input.name], path, embedding_rows(info.path, graph_input.name))
-        return cast, str(path), sha256_file(path)
+        return cast, str(path), digest
     samples, seed = opts.sample_count(), opts.seed
-    if samples < 1:
-        raise UsageError(f"--samples must be at least 1 (got {samples})")
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for graph_input in info.inputs:

@@ -187,12 +187,9 @@ def onnx_side(path: Path) -> Side:
     Raises:
         InputError: as ``slabconv.load.onnx_file.read_onnx``.
     """
-    import onnx
-
     from slabconv.load.onnx_file import read_onnx
 
     info = read_onnx(path)
-    proto = onnx.load(str(path), load_external_data=False)
     source = Source(
         str(path),
         info.sha256,
@@ -202,9 +199,8 @@ def onnx_side(path: Path) -> Side:
         batch=info.batch,
         extra={"files_sha256": info.files_sha256},
     )
-    dynamic = _dynamic_sequence(proto)
-    return Side(path, source, "onnx", onnx=info, provenance=onnx_provenance(proto), dtype=info.dtype,
-                dynamic_sequence=dynamic)  # fmt: skip
+    return Side(path, source, "onnx", onnx=info, provenance=onnx_provenance(info.proto), dtype=info.dtype,
+                dynamic_sequence=_dynamic_sequence(info.proto))  # fmt: skip
 
 
 def _dynamic_sequence(proto: Any) -> bool:
@@ -224,8 +220,6 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     Raises:
         InputError: an unreadable file in it.
     """
-    import onnx
-
     from slabconv.load.hf import SAFETENSORS_INDEX
     from slabconv.load.onnx_file import read_onnx
 
@@ -237,10 +231,9 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     dtype, metadata = _weights_header(weights) if weights is not None else (None, {})
     side.provenance = _fused_provenance(metadata, str(weights), folder) if weights is not None else None
     side.language_model = fused_language_model(folder, side.provenance)
-    if info is not None:
-        proto = onnx.load(str(onnx_path), load_external_data=False)
-        side.provenance = side.provenance or onnx_provenance(proto)
-        side.dynamic_sequence = _dynamic_sequence(proto)
+    if info is not None:  # the model read_onnx read and checked, not the file loaded again
+        side.provenance = side.provenance or onnx_provenance(info.proto)
+        side.dynamic_sequence = _dynamic_sequence(info.proto)
     side.dtype = dtype or (info.dtype if info is not None else "float32")
     if source is None:
         side.source = _folder_source(side)

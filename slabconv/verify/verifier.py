@@ -689,8 +689,6 @@ def _whole(
             f"--runtime {quantizing[0].name} quantizes the candidate's .onnx, and {candidate.path} has none; give "
             "an .onnx or a folder with model.onnx"
         )
-    if opts.calibration is not None and not quantizing:
-        raise UsageError("--calibration calibrates an int8 runtime; add --runtime onnxruntime-int8")
     # why question 1 does not apply, said of the sides as given (a folder's fused model is built from its model.pt2,
     # whose bytes are not the folder's weights: the same folder on both sides would not read as itself)
     unrelated = None if related else sides.why_not_a_fold(reference, candidate)
