@@ -2193,6 +2193,40 @@ def test_a_model_as_a_program_and_as_onnx_is_verified_on_the_same_random_inputs(
     np.testing.assert_array_equal(from_onnx, drawn)
 
 
+def test_samples_takes_the_first_n_of_an_inputs_file_through_the_onnx_door_as_through_a_checkpoint(tmp_path):
+    """``--samples N`` with ``--inputs`` takes the file's first N samples (its help says so): an ONNX original
+    with one input and one with two took every sample of the file."""
+    from slabconv.verify.inputs import choose_inputs
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)).eval()
+    x = torch.randn(2, 3, 6, 6)
+    program, onnx_path = tmp_path / "m.pt2", tmp_path / "m.onnx"
+    torch.export.save(torch.export.export(model, (x,), dynamic_shapes=({0: torch.export.Dim("batch")},)), program)
+    torch.onnx.export(model, (x,), str(onnx_path), dynamo=False, input_names=["x"], dynamic_axes={"x": {0: "b"}})
+    data = np.random.default_rng(0).standard_normal((5, 3, 6, 6)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=data)
+    opts = VerifyOptions(inputs=tmp_path / "in.npz", samples=2)
+    drawn, label, digest = choose_inputs(load_model(program), opts.inputs, 16, 0, limit=opts.samples)
+    from_onnx, onnx_label, onnx_digest = onnx_original.choose_onnx_inputs(onnx_in_read(onnx_path), opts)
+    assert onnx_label == label and "its first 2 of 5 samples" in label and onnx_digest == digest
+    np.testing.assert_array_equal(from_onnx, data[:2])
+    np.testing.assert_array_equal(drawn, data[:2])
+
+    two = tmp_path / "two.onnx"  # a graph of two inputs: x + y
+    from onnx import TensorProto, helper
+
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", 3]) for n in ("x", "y")]
+    graph = helper.make_graph([helper.make_node("Add", ["x", "y"], ["z"])], "g", inputs,
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["b", 3])])  # fmt: skip
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), two)
+    np.savez(tmp_path / "xy.npz", x=data.reshape(5, -1)[:, :3], y=data.reshape(5, -1)[:, 3:6])
+    several, several_label, _ = onnx_original.choose_onnx_inputs(
+        onnx_in_read(two), VerifyOptions(inputs=tmp_path / "xy.npz", samples=3)
+    )
+    assert isinstance(several, dict) and {k: len(v) for k, v in several.items()} == {"x": 3, "y": 3}
+    assert "its first 3 of 5 samples" in several_label
+
+
 def _gemm_file(path: Path, norm: str, op: str = "Gemm", c: tuple[int, ...] | None = None, **attrs: float) -> Path:
     """``x (6, 4)`` -> ``norm`` -> ``op`` -> ``y (6, 3)``, or the op first and the norm on the graph output
     (``norm`` "before" / "after"), the op a ``Gemm`` with ``attrs`` and a C of shape ``c`` (``transA``: a

@@ -20,7 +20,7 @@ from slabconv.errors import InputError, UsageError, first_line
 from slabconv.load.onnx_file import OnnxFile, load_ir
 from slabconv.options import VerifyOptions
 from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs_file, standard_normal
-from slabconv.verify.runtimes import Inputs, run_batched
+from slabconv.verify.runtimes import Inputs, run_batched, samples_of, take
 
 _NP_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64}
 
@@ -366,7 +366,8 @@ def embedding_rows(path: Path, input_name: str) -> int | None:
 def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
     """The verification inputs: ``--inputs`` (an ``.npz``), else seeded samples drawn from the graph's input type
     and shape: standard normal floats, or token ids below the embedding's row count. A model with several inputs
-    gets a dict of arrays by input name (``_several_inputs``).
+    gets a dict of arrays by input name (``_several_inputs``). With ``--samples N`` an ``.npz``'s first ``N``
+    samples only, as ``verify.inputs.choose_inputs`` takes them.
 
     Raises:
         UsageError: a dynamic axis other than the batch, or integer inputs whose range no embedding gives.
@@ -374,11 +375,25 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
     """
     check_batch_axes(info)
     if len(info.inputs) > 1:
-        return _several_inputs(info, opts)
-    if opts.inputs:
+        found, label, digest = _several_inputs(info, opts)
+    elif opts.inputs:
         rows = embedding_rows(info.path, info.input_name) if info.token_input else None
-        x, digest = read_inputs_file(Path(opts.inputs), info.input_shape, info.token_input, rows)
-        return x, str(opts.inputs), digest
+        found, digest = read_inputs_file(Path(opts.inputs), info.input_shape, info.token_input, rows)
+        label = str(opts.inputs)
+    else:
+        return _drawn(info, opts)
+    total = samples_of(found)
+    if digest is not None and opts.samples is not None and opts.samples < total:  # a file's first N samples
+        return (
+            take(found, 0, opts.samples),
+            f"{label} (its first {opts.samples} of {total} samples: --samples {opts.samples})",
+            digest,
+        )
+    return found, label, digest
+
+
+def _drawn(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, None]:
+    """``--samples`` seeded samples of the graph's one input (``choose_onnx_inputs``)."""
     if info.input_shape is None:
         raise UsageError(
             f"{info.path}: the input {info.input_name!r} has dynamic axes besides the batch; pass --inputs NPZ"
