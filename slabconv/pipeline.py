@@ -10,8 +10,8 @@ stage    ``InMemory`` (checkpoint, ``.pt2``,   ``Streamed`` (a sharded folder,  
          Hugging Face folder)                 ``--stream``)                        ``slabconv.onnx_in``)
 =======  ===================================  ===================================  ===================================
 open     ``load_model``, traced by            the full-size model with stand-in    read as data, prepared and lowered
-         ``torch.export`` (a ``.pt2``: its    weights (``slabconv.load.lazy``); a  into the engine's ATen vocabulary
-         own program)                         deep decoder with three layers       (``slabconv.engine.onnx_lower``)
+         ``torch.export`` (a dynamic-batch    weights (``slabconv.load.lazy``); a  into the engine's ATen vocabulary
+         ``.pt2``: its own program)           deep decoder with three layers       (``slabconv.engine.onnx_lower``)
 plan     ``engine.fold_program``: the         the same call, the program left for  ``plan_folds``, the plans written
          decisions and the fold program,      the writer (every norm must fold     back into the ONNX graph
          evaluated over the graph's tensors   away)                                (``slabconv.engine.onnx_apply``)
@@ -200,8 +200,9 @@ def plan(
     repeat: engine.Repeat | None = None,
     norm_affine: bool = False,
 ) -> Planned:
-    """Trace ``loaded.model`` (a ``.pt2``: its program is the capture, not traced again) and fold every norm (the
-    engine's capture, plan and apply).
+    """Trace ``loaded.model`` (a ``.pt2`` of a dynamic batch: its program is the capture, not traced again; one of a
+    static batch is traced again, so that the fused program takes any batch the model's code allows) and fold every
+    norm (the engine's capture, plan and apply).
 
     Args:
         norm_affine: also fold the affine of every LayerNorm, RMSNorm and GroupNorm
@@ -217,7 +218,8 @@ def plan(
         InputError: a norm in train mode; damaged norm statistics.
     """
     example = loaded.trace_example()
-    exported = loaded.checkpoint.program  # a .pt2 is its own capture, not traced again from the module it loads
+    # a .pt2 of a dynamic batch is its own capture, not traced again from the module it loads
+    exported = loaded.checkpoint.program if loaded.batch is None else None
     if exported is None:
         progress("tracing the model with torch.export")
         with quiet():
