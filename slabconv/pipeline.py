@@ -401,7 +401,6 @@ def check_stream_options(
     if not write.stream:
         return
     from slabconv.load.hf import hf_weights_file
-    from slabconv.load.shards import LazyShards
     from slabconv.zoo.decoder import decoder_layout, family_of
 
     if write.onnx:
@@ -414,32 +413,34 @@ def check_stream_options(
     verify.check_streamed()
     found = hf_weights_file(path) if path.is_dir() else None
     if found is not None and found[1] in ("hf-safetensors-sharded", "hf-safetensors"):
-        weight_map = LazyShards.open(path).weight_map
+        shards = LazyShards.open(path)
+        weight_map = shards.weight_map
         try:
             family_of(weight_map)
         except UnsupportedModelError:
             if decoder_layout(weight_map):  # a decoder streamed mode refuses for a reason of its own: loading names it
                 return
             if arch is None:
-                _detectable(path)
+                _detectable(shards)
             raise UsageError(
                 f"--stream verifies decoder language models one layer at a time; {path} has no streamed question 2: "
                 "fold it in memory, or pass --no-verify and run slabconv verify on the two folders"
             ) from None
 
 
-def _detectable(folder: Path) -> None:
+def _detectable(shards: LazyShards) -> None:
     """Refuse a folder whose architecture ``zoo.detect_arch`` finds in no registered layout, from its shard headers
-    alone (tensors of their shapes on the meta device: detection reads names and shapes, never values).
+    alone (``shards``, already open: tensors of their shapes on the meta device; detection reads names and shapes,
+    never values).
 
     Raises:
         UnsupportedModelError: ``FOLDER: could not detect the architecture ...``, as loading would.
     """
     from slabconv.load import hf
-    from slabconv.load.shards import LazyShards
     from slabconv.zoo import detect_arch
 
-    specs = LazyShards.open(folder).specs()
+    folder = shards.folder
+    specs = shards.specs()
     state = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (dtype, shape) in specs.items()}
     config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
     try:
