@@ -4,6 +4,7 @@
                                                 # builds: python -c "from benchmarks.memory_streaming import ...")
     python -m benchmarks.stream_profile         # builds the LLaMA-350M-shaped float16 folder first (minutes)
     python -m benchmarks.stream_profile DIR --lanes 1   # the blocks made in one thread (how the lanes scale)
+    python -m benchmarks.stream_profile DIR --kernels   # also: the lane's kernels alone, on one sub-block in cache
 
 Plans the folder as ``fuse --stream`` does, then runs ``write.shards.write_program_shards`` once (torch on one
 thread per lane, as in the stage), timing its parts with ``time.thread_time`` in the thread that runs them: reading
@@ -12,11 +13,18 @@ dtype, the weight ranges, waiting for the writer threads (each part summed over 
 ``write.shards.fold_lanes``), and in the writer's threads ``write()`` and the sha256 of every written byte. Prints
 CPU seconds per part and its share of the fold's (the lanes') CPU time. CPU time, not wall time: on a loaded
 machine the wall time of a run moves by a factor of two, its CPU time by a few percent.
+
+``--kernels`` also times, on one ``CACHE_BLOCK`` sub-block of float16 rows 1024 wide (one torch thread, each call
+repeated on the same buffers, so its data stay in the core's cache and its code hot), each torch / numpy call the
+lane makes on a sub-block of a forward-folded linear layer (every layer the LLaMA folders fold), scaled to the
+stage's folded weights: the lane's arithmetic with no Python between the calls and nothing evicted, the least any
+lane built of these calls can cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import threading
@@ -133,7 +141,57 @@ def profile(src: Path, out: Path) -> dict[str, float]:
     result["main thread"] = time.thread_time() - main
     result["process"] = time.process_time() - process
     result["stage wall"] = time.perf_counter() - wall
+    result["folded weights"] = float(sum(math.prod(sharded.shards.shape(k)) for k in planned.program.layers))
     assert torch.get_num_threads() == threads
+    return result
+
+
+def kernel_floor(elements: int, repeats: int = 2000) -> dict[str, float]:
+    """CPU seconds of each kernel the lane runs on a sub-block (``engine.program.CACHE_BLOCK`` values, rows 1024
+    wide, one forward fold), timed ``repeats`` times on the same buffers and scaled to ``elements`` folded weights."""
+    import numpy as np
+    import torch
+
+    from slabconv.engine.program import CACHE_BLOCK
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    read = (torch.randn(CACHE_BLOCK // 1024, 1024, generator=gen) * 0.02).half()
+    wide, near = torch.empty(read.shape), torch.empty(read.shape)
+    w, out = torch.empty(read.shape, dtype=torch.float64), torch.empty(read.shape, dtype=torch.float16)
+    scale = torch.rand(1024, generator=gen, dtype=torch.float64) + 0.5
+    shift = torch.rand(1024, generator=gen, dtype=torch.float64)
+    high32, low32 = torch.empty(len(read)), torch.empty(len(read))
+    high, low = torch.empty(len(read), dtype=torch.float64), torch.empty(len(read), dtype=torch.float64)
+    wide.copy_(read)
+    w0 = wide.double()  # the fold reads these (the lane scales its rows in place: the same passes)
+    torch.mul(w0, scale, out=w)
+    near.copy_(w)
+    bits = near.numpy().reshape(-1).view(np.int32)
+    at = ((bits & 0xFFF) == 0).nonzero()[0]
+    calls: dict[str, Callable[[], object]] = {
+        "widen float16 to float32": lambda: wide.copy_(read),
+        "ranges before (amax, amin, float32)": lambda: (
+            torch.amax(wide, 1, out=high32),
+            torch.amin(wide, 1, out=low32),
+        ),
+        "float32 to float64": lambda: w.copy_(wide),
+        "the fold: bias (W t), scale (W s)": lambda: (w0 @ shift, torch.mul(w0, scale, out=w)),
+        "ranges after (amax, amin, float64)": lambda: (torch.amax(w, 1, out=high), torch.amin(w, 1, out=low)),
+        "round: float64 to float32": lambda: near.copy_(w),
+        "round: float32 to float16": lambda: out.copy_(near),
+        "round: the tie candidates (numpy)": lambda: ((bits & 0xFFF) == 0).nonzero(),
+        "round: the candidates cast (numpy)": lambda: (
+            out.numpy().reshape(-1).__setitem__(at, w.numpy().reshape(-1)[at].astype(np.float16))
+        ),
+    }
+    result = {}
+    for name, call in calls.items():
+        call()
+        start = time.thread_time()
+        for _ in range(repeats):
+            call()
+        result[name] = (time.thread_time() - start) / repeats * elements / read.numel()
     return result
 
 
@@ -141,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", type=Path, help="a sharded folder (default: build the 350M one)")
     parser.add_argument("--lanes", type=int, default=None, help="fold lanes (default: write.shards.fold_lanes())")
+    parser.add_argument("--kernels", action="store_true", help="also time the lane's kernels alone (in cache)")
     args = parser.parse_args(argv)
     if args.lanes is not None:
         from slabconv.write import shards as ws
@@ -172,6 +231,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"    {part:44s} {result.get(part, 0.0):6.2f} CPU-s")
     print(f"  writer threads {write + sha:.2f} CPU-s (write() {write:.2f}, sha256 {sha:.2f})")
     print(f"  other threads and start-up {other:.2f} CPU-s")
+    if args.kernels:
+        floor = kernel_floor(int(result["folded weights"]))
+        print(f"the lane's kernels alone, one sub-block in cache, {result['folded weights'] / 1e6:.0f} M weights:")
+        for part, spent in floor.items():
+            print(f"    {part:44s} {spent:6.2f} CPU-s")
+        print(f"    {'all of them':44s} {sum(floor.values()):6.2f} CPU-s (the lanes: {lanes:.2f})")
+        result.update({f"kernel: {k}": v for k, v in floor.items()})
     return result
 
 

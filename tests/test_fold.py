@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from slabconv import fold
@@ -256,3 +258,26 @@ def test_rounded_gives_torchs_nan_whatever_its_payload() -> None:
     assert torch.equal(fold.rounded(nan, torch.float16).view(torch.int16), want)
     out = torch.empty(2, dtype=torch.float16)
     assert torch.equal(fold.rounded(nan, torch.float16, out=out, near=torch.empty(2)).view(torch.int16), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    grid=st.lists(st.integers(0, (1 << 10) - 1), min_size=1, max_size=64),
+    scale=st.integers(-26, 17),
+    nudge=st.floats(-1.0, 1.0),
+    extra=st.lists(st.sampled_from([0.0, -0.0, 65504.0, 65519.99999999999, 65520.0, -65536.0, 1e300, float("inf")])),
+)
+def test_rounded_to_float16_is_numpys_single_rounding(grid: list[int], scale: int, nudge: float, extra: list[float]):
+    """``fold.rounded`` to float16, with and without the streamed fold's buffers, equals numpy's direct float64 ->
+    float16 cast on values placed on and just off midpoints of float16 neighbours at any exponent (subnormal to
+    beyond float16's largest value: those become infinities) and among the largest finite values and infinities."""
+    import numpy as np
+
+    mids = [(1 + (g + 0.5) * 2.0**-10) * 2.0**scale * (1 + nudge * 2.0**-40) for g in grid]
+    values = torch.tensor(mids + extra, dtype=torch.float64)
+    want = torch.from_numpy(_numpy_float16(values)).view(torch.int16)
+    assert torch.equal(fold.rounded(values, torch.float16).view(torch.int16), want)
+    out, near = torch.empty(len(values), dtype=torch.float16), torch.empty(len(values))
+    assert torch.equal(fold.rounded(values, torch.float16, out=out, near=near).view(torch.int16), want)
+    with np.errstate(over="raise"):  # a cast that overflows outside ``rounded``'s own np.errstate raises here
+        fold.rounded(values, torch.float16)
