@@ -243,3 +243,39 @@ def test_a_norm_before_an_upsample_of_a_dynamic_batch_folds_at_opsets_9_and_10(t
     want, got = (ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
                  for p in (path, tmp_path / "out" / "model.onnx"))  # fmt: skip
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("opset", [9, 10])
+@pytest.mark.parametrize("axis", [2, 1])
+def test_a_slice_of_attributes_and_a_slice_of_inputs_are_the_same_aten_slice(opset, axis):
+    """``BatchNormalization -> Slice -> 1x1 Conv``: a ``Slice`` before opset 10 holds its bounds in attributes,
+    from opset 10 in inputs; both are one ``aten.slice`` of the same bounds, and the norm folds forward through
+    either: a crop of a spatial axis passes it whole, a slice of the channels (1 and 2 of 4) passes those channels'
+    scale and shift into the conv's two columns. Read wrongly (the attributes not read, or the axis taken as 0), the
+    slice is opaque or slices the batch, and the channel case is kept."""
+    import onnx_ir as ir
+
+    from slabconv.engine import onnx_fold
+
+    rng = np.random.default_rng(0)
+    arrays = {"s": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "w": rng.standard_normal((5, 4 if axis == 2 else 2, 1, 1))}  # fmt: skip
+    bounds = {"starts": [1], "ends": [3], "axes": [axis]}
+    slice_node = helper.make_node("Slice", ["n"], ["c"], name="crop", **bounds)
+    if opset == 10:
+        arrays.update({k: np.array(v) for k, v in bounds.items()})
+        slice_node = helper.make_node("Slice", ["n", "starts", "ends", "axes"], ["c"], name="crop")
+    inits = [numpy_helper.from_array(a.astype(np.int64 if a.dtype.kind == "i" else np.float32), k)
+             for k, a in arrays.items()]  # fmt: skip
+    nodes = [
+        helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["n"], name="bn"),
+        slice_node,
+        helper.make_node("Conv", ["c", "w"], ["y"], name="conv"),
+    ]
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, ["N", 4, 4, 4])],
+                              [info("y", TensorProto.FLOAT, ["N", 5, None, None])], inits)  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(model, full_check=True)
+    _, plans = onnx_fold.plan_file(ir.from_proto(model))
+    assert [(p.decision.action, p.decision.reason) for p in plans] == [("folded-forward", None)]

@@ -30,32 +30,23 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import torch
+from onnx_ir.tensor_adapters import to_torch_dtype
 from torch import fx
 
 from slabconv import fold
 from slabconv.engine.capture import stored
 from slabconv.engine.flow import BlockedEdge
 from slabconv.engine.norm_affine import MARK
-from slabconv.engine.onnx_lower import Binding, Lowered
+from slabconv.engine.onnx_lower import Binding, Lowered, subgraphs
 from slabconv.engine.planner import NormPlan
 from slabconv.engine.program import FoldProgram, TensorStore, evaluate, kept_affine, layer_recipes
 from slabconv.engine.ranges import LayerRange
 
 
 def _numpy(tensor: torch.Tensor, dtype: ir.DataType) -> np.ndarray:
-    """A float64 ``tensor`` rounded once to the ONNX ``dtype`` (``slabconv.fold.rounded``), as numpy (bfloat16
-    through its bits, as ``ml_dtypes`` holds it)."""
-    if dtype == ir.DataType.BFLOAT16:
-        import ml_dtypes
-
-        bits = fold.rounded(tensor, torch.bfloat16).contiguous().view(torch.int16).numpy()
-        return bits.view(ml_dtypes.bfloat16)
-    target = {
-        ir.DataType.FLOAT: torch.float32,
-        ir.DataType.FLOAT16: torch.float16,
-        ir.DataType.DOUBLE: torch.float64,
-    }[dtype]
-    return fold.rounded(tensor, target).contiguous().numpy()
+    """A float64 ``tensor`` rounded once to the ONNX ``dtype`` (``slabconv.fold.rounded``), as numpy (onnx-ir's
+    ``TorchTensor``: bfloat16 as ``ml_dtypes`` holds it)."""
+    return ir.tensor(fold.rounded(tensor, to_torch_dtype(dtype)).contiguous()).numpy()
 
 
 _BATCHNORM_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE)
@@ -326,13 +317,7 @@ class _Graph:
 def _within(node: ir.Node) -> set[ir.Node]:
     """``node`` and every node of its subgraphs, at any depth (an ``If``'s branches, a ``Loop``'s body): the
     nodes through which it reads a value of the outer graph."""
-    nodes = {node}
-    for attr in node.attributes.values():
-        graphs = [attr.value] if attr.type == ir.AttributeType.GRAPH else []
-        graphs += list(attr.value or ()) if attr.type == ir.AttributeType.GRAPHS else []
-        for sub in graphs:
-            nodes.update(sub.all_nodes())
-    return nodes
+    return {node, *(n for sub in subgraphs(node) for n in sub.all_nodes())}
 
 
 def folded_values(lowered: Lowered, plans: list[NormPlan]) -> tuple[dict[str, torch.Tensor], list[LayerRange]]:

@@ -18,7 +18,7 @@ import torch
 
 from slabconv.engine.norm_affine import split_norm_affines
 from slabconv.engine.onnx_apply import apply_plans, folded_values
-from slabconv.engine.onnx_lower import Lowered, OnnxOp, lower, prepare
+from slabconv.engine.onnx_lower import FLOATS, Lowered, OnnxOp, lower, prepare, subgraphs
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.ranges import LayerRange, flag_warnings
 from slabconv.engine.reasons import UNSUPPORTED_PREFIX
@@ -135,15 +135,12 @@ def subgraph_norms(model: Any) -> list[Decision]:
     kept = []
     for holder in model.graph:  # the top-level nodes: the op a norm inside is kept by
         reason = f"{UNSUPPORTED_PREFIX}onnx.{holder.op_type}"
-        for attr in holder.attributes.values():
-            if attr.type not in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-                continue
-            for graph in [attr.value] if attr.type == ir.AttributeType.GRAPH else attr.value:
-                for node in ir.traversal.RecursiveGraphIterator(graph):
-                    if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
-                        where = f"{holder.name or holder.op_type}:onnx.{holder.op_type}"
-                        norm = node.name or node.outputs[0].name or "BatchNormalization"
-                        kept.append(_kept_batchnorm(norm, where, reason))
+        for graph in subgraphs(holder):
+            for node in graph.all_nodes():
+                if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+                    where = f"{holder.name or holder.op_type}:onnx.{holder.op_type}"
+                    norm = node.name or node.outputs[0].name or "BatchNormalization"
+                    kept.append(_kept_batchnorm(norm, where, reason))
     return kept
 
 
@@ -279,10 +276,7 @@ def _no_allowzero_before_opset_14(model: Any) -> None:
         if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or "allowzero" not in node.attributes:
             continue
         shape = node.inputs[1] if len(node.inputs) > 1 else None
-        tensor = shape.const_value if shape is not None else None
-        producer = shape.producer() if shape is not None else None
-        if tensor is None and producer is not None and producer.op_type == "Constant":
-            tensor = producer.attributes["value"].value if "value" in producer.attributes else None
+        tensor = ir.convenience.get_const_tensor(shape) if shape is not None else None  # an initializer or Constant
         if tensor is not None and (tensor.numpy() != 0).all():
             del node.attributes["allowzero"]
 
@@ -342,11 +336,10 @@ def cast_floats(model: Any, to: ir.DataType) -> None:
     """Cast every floating tensor, value type and ``Cast``/``Constant`` target of ``model`` (an ``onnx_ir.Model``)
     to ``to`` (DOUBLE, FLOAT, FLOAT16 or BFLOAT16), in place, each value rounded once; integer tensors (ids, shapes)
     stay as they are. The float64 evaluation of question 1, and an ONNX original in a candidate's narrower dtype."""
-    floats = {ir.DataType.DOUBLE, ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
     graph = model.graph
 
     def cast_tensor(tensor: ir.TensorProtocol | None) -> ir.TensorProtocol | None:
-        if tensor is None or tensor.dtype not in floats:
+        if tensor is None or tensor.dtype not in FLOATS:
             return None
         return ir.tensor(np.asarray(tensor.numpy(), dtype=to.numpy()), name=tensor.name)
 
@@ -359,14 +352,14 @@ def cast_floats(model: Any, to: ir.DataType) -> None:
                 if new is not None:
                     node.attributes[name] = ir.AttrTensor(name, new)
         if node.op_type == "Cast" and node.attributes.get("to") is not None:
-            if ir.DataType(node.attributes["to"].value) in floats:
+            if ir.DataType(node.attributes["to"].value) in FLOATS:
                 node.attributes["to"] = ir.AttrInt64("to", to.value)
     for value in values:
         if value.const_value is not None:
             new = cast_tensor(value.const_value)
             if new is not None:
                 value.const_value = new
-        if value.dtype in floats:
+        if value.dtype in FLOATS:
             value.dtype = to
 
 

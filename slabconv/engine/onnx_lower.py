@@ -37,13 +37,14 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 import torch
+from onnx_ir.tensor_adapters import to_torch_dtype
 from torch import fx, nn
 
 from slabconv.engine.capture import LIFTED, STATE
@@ -53,21 +54,16 @@ aten = torch.ops.aten
 
 ONNX_DOMAINS = ("", "ai.onnx")
 
-TORCH_DTYPES: dict[ir.DataType, torch.dtype] = {
-    ir.DataType.FLOAT: torch.float32,
-    ir.DataType.FLOAT16: torch.float16,
-    ir.DataType.BFLOAT16: torch.bfloat16,
-    ir.DataType.DOUBLE: torch.float64,
-    ir.DataType.INT64: torch.int64,
-    ir.DataType.INT32: torch.int32,
-    ir.DataType.INT16: torch.int16,
-    ir.DataType.INT8: torch.int8,
-    ir.DataType.UINT8: torch.uint8,
-    ir.DataType.BOOL: torch.bool,
-}
-"""The ONNX element types the engine reads, as torch dtypes; a value of any other type is opaque."""
-
 FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE})
+_INTEGERS = (ir.DataType.INT64, ir.DataType.INT32, ir.DataType.INT16, ir.DataType.INT8, ir.DataType.UINT8)
+READ_DTYPES = FLOATS | {*_INTEGERS, ir.DataType.BOOL}
+"""The ONNX element types the engine reads (as torch's dtypes: ``torch_dtype``); a value of any other type is
+opaque."""
+
+
+def torch_dtype(dtype: ir.DataType | None) -> torch.dtype | None:
+    """The torch dtype of an ONNX element type of ``READ_DTYPES`` (onnx-ir's ``to_torch_dtype``), else None."""
+    return to_torch_dtype(dtype) if dtype in READ_DTYPES else None
 
 
 # --------------------------------------------------------------------------------------------- preparing the model
@@ -161,10 +157,11 @@ def _static_sizes(model: ir.Model) -> None:
         index = node.inputs[1] if len(node.inputs) > 1 else None
         if shape is None or shape.op_type != "Shape" or {shape.domain, node.domain} - set(ONNX_DOMAINS):
             continue
-        if index is None or index.const_value is None or index.const_value.shape != () or _attr(node, "axis", 0) != 0:
+        axis = node.attributes.get_int("axis", 0)
+        if index is None or index.const_value is None or index.const_value.shape != () or axis != 0:
             continue
         dims = list(shape.inputs[0].shape or []) if shape.inputs[0] is not None else []
-        start, end = _attr(shape, "start", 0), _attr(shape, "end", None)
+        start, end = shape.attributes.get_int("start", 0), shape.attributes.get_int("end")
         dims = dims[start:end]
         i = int(index.const_value.numpy())
         out = node.outputs[0]
@@ -377,7 +374,7 @@ class _Lowering:
     # ------------------------------------------------------------------ values
 
     def fake(self, value: ir.Value) -> torch.Tensor | None:
-        dtype = TORCH_DTYPES.get(value.dtype) if value.dtype is not None else None  # type: ignore[call-overload]
+        dtype = torch_dtype(value.dtype)
         if dtype is None or value.shape is None:
             return None
         return self.dims.fake(dtype, list(value.shape))
@@ -537,7 +534,7 @@ class _Lowering:
         if node in self.fused or (node.op_type == "Constant" and node.domain in ONNX_DOMAINS):
             return  # a bias Add taken into its layer; a Constant's value is read where it is used
         rule = LOWER.get(node.op_type) if node.domain in ONNX_DOMAINS else None
-        plain = not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
+        plain = not subgraphs(node)
         floats = any(o.dtype in FLOATS for o in node.outputs) or node.op_type in ("Shape", "Size", "Cast", "CastLike")
         if rule is not None and plain and floats:
             try:
@@ -552,20 +549,24 @@ class _Unlowerable(Exception):
     """This node cannot be written as its ATen op (an argument is not a constant, a shape is unknown...)."""
 
 
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs ``node`` holds in its attributes (an ``If``'s branches, a ``Loop``'s or ``Scan``'s body)."""
+    graphs: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs += attr.value or ()
+    return graphs
+
+
 def _captured(node: ir.Node) -> list[ir.Value]:
     """Values of the outer graphs that the subgraphs of ``node`` read."""
     out: list[ir.Value] = []
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            graphs = [attr.value]
-        elif attr.type == ir.AttributeType.GRAPHS:
-            graphs = list(attr.value or ())
-        else:
-            continue
-        for sub in graphs:
-            nodes = list(sub.all_nodes())
-            inner = set(sub.inputs) | set(sub.initializers.values()) | {o for n in nodes for o in n.outputs}
-            out += [v for n in nodes for v in n.inputs if v is not None and v not in inner and v not in out]
+    for sub in subgraphs(node):
+        nodes = list(sub.all_nodes())
+        inner = set(sub.inputs) | set(sub.initializers.values()) | {o for n in nodes for o in n.outputs}
+        out += [v for n in nodes for v in n.inputs if v is not None and v not in inner and v not in out]
     return out
 
 
@@ -680,7 +681,7 @@ def _const_tensor(value: ir.Value | None) -> Any:
 def _as_torch(tensor: Any) -> torch.Tensor | None:
     """An ONNX tensor's array as a torch tensor (a view: ``to_torch(copy=False)``); None for element types torch has
     no dtype for."""
-    if tensor is None or tensor.dtype not in TORCH_DTYPES:
+    if tensor is None or tensor.dtype not in READ_DTYPES:
         return None
     return to_torch(tensor.numpy(), copy=False)
 
@@ -713,21 +714,8 @@ def _ints(value: ir.Value | None) -> list[int] | None:
     return [int(v) for v in array.reshape(-1)]
 
 
-def _attr(node: ir.Node, name: str, default: Any = None) -> Any:
-    found = node.attributes.get(name)
-    return default if found is None else found.value
-
-
-def _text(node: ir.Node, name: str, default: str) -> str:
-    """A string attribute's value (bytes decoded)."""
-    value = _attr(node, name, default)
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _rank(value: ir.Value | None) -> int:
-    if value is None or value.shape is None:
-        raise _Unlowerable
-    return len(value.shape)
+    return len(_dims(value))
 
 
 def _dims(value: ir.Value | None) -> list[Any]:
@@ -817,7 +805,7 @@ def _unary(lo: _Lowering, node: ir.Node) -> None:
 @lowers("Softmax", "LogSoftmax")
 def _softmax(lo: _Lowering, node: ir.Node) -> None:
     op = aten._softmax.default if node.op_type == "Softmax" else aten._log_softmax.default
-    axis = int(_attr(node, "axis", -1))
+    axis = node.attributes.get_int("axis", -1)
     lo.emit(node, op, (lo.read(node.inputs[0]), axis, False), node.outputs[0])
 
 
@@ -860,11 +848,17 @@ def _grid_sample(lo: _Lowering, node: ir.Node) -> None:
     """``aten.grid_sampler(x, grid, mode, padding_mode, align_corners)`` with the node's attributes as torch numbers
     them (modes of opset 16 and 20 alike), so the rule reads the padding: a border or reflection pads with input
     elements, which pass a shift."""
-    mode = _GRID_MODES.get(_text(node, "mode", "bilinear"))
-    padding = _GRID_PADDINGS.get(_text(node, "padding_mode", "zeros"))
+    mode = _GRID_MODES.get(node.attributes.get_string("mode", "bilinear"))
+    padding = _GRID_PADDINGS.get(node.attributes.get_string("padding_mode", "zeros"))
     if len(node.outputs) != 1 or len(node.inputs) != 2 or mode is None or padding is None:
         raise _Unlowerable
-    args = (lo.read(node.inputs[0]), lo.read(node.inputs[1]), mode, padding, bool(_attr(node, "align_corners", 0)))
+    args = (
+        lo.read(node.inputs[0]),
+        lo.read(node.inputs[1]),
+        mode,
+        padding,
+        bool(node.attributes.get_int("align_corners", 0)),
+    )
     lo.emit(node, aten.grid_sampler.default, args, node.outputs[0])
 
 
@@ -877,14 +871,14 @@ def _dropout(lo: _Lowering, node: ir.Node) -> None:
     if len(node.inputs) > 2 and node.inputs[2] is not None and training is None:
         train = True  # decided at run time: it may be on
     ratio = _array(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
-    p = float(ratio.reshape(-1)[0]) if ratio is not None and ratio.size else float(_attr(node, "ratio", 0.5))
+    p = float(ratio.reshape(-1)[0]) if ratio is not None and ratio.size else node.attributes.get_float("ratio", 0.5)
     lo.emit(node, aten.dropout.default, (lo.read(node.inputs[0]), p, train), node.outputs[0])
 
 
 @lowers("Cast", "CastLike")
 def _cast(lo: _Lowering, node: ir.Node) -> None:
     out = node.outputs[0]
-    dtype = TORCH_DTYPES.get(out.dtype) if out.dtype is not None else None  # type: ignore[call-overload]
+    dtype = torch_dtype(out.dtype)
     if dtype is None:
         raise _Unlowerable
     lo.emit(node, aten.to.dtype, (lo.read(node.inputs[0]), dtype), out)
@@ -910,7 +904,7 @@ def _to_sizes(lo: _Lowering, node: ir.Node) -> None:
 @lowers("Transpose")
 def _transpose(lo: _Lowering, node: ir.Node) -> None:
     rank = _rank(node.inputs[0])
-    perm = _attr(node, "perm")
+    perm = node.attributes.get_ints("perm")
     order = [int(p) % rank for p in perm] if perm is not None else list(range(rank - 1, -1, -1))
     lo.emit(node, aten.permute.default, (lo.read(node.inputs[0]), order), node.outputs[0])
 
@@ -929,7 +923,7 @@ def _concat(lo: _Lowering, node: ir.Node) -> None:
     TorchScript exporter's ``roll``: ``cat([x[:, -k:], x[:, :-k]], 1)``), is ``aten.index_select`` of the indices
     they pick, in order: one op reading the tensor once (a backward walk then reaches the layer that made it)."""
     rank = _rank(node.outputs[0])
-    axis = int(_attr(node, "axis", 0)) % rank
+    axis = node.attributes.get_int("axis", 0) % rank
     picked = _picked_by_slices(node, axis)
     if picked is None:
         lo.emit(node, aten.cat.default, ([lo.read(v) for v in node.inputs], axis), node.outputs[0])
@@ -966,7 +960,7 @@ def _picked_by_slices(node: ir.Node, axis: int) -> tuple[ir.Value, list[int]] | 
 @lowers("Split")
 def _split(lo: _Lowering, node: ir.Node) -> None:
     rank = _rank(node.inputs[0])
-    axis = int(_attr(node, "axis", 0)) % rank
+    axis = node.attributes.get_int("axis", 0) % rank
     sizes = []
     for out in node.outputs:
         dims = _dims(out)
@@ -979,18 +973,17 @@ def _split(lo: _Lowering, node: ir.Node) -> None:
 def _slice_args(node: ir.Node, rank: int) -> tuple[list[int], list[int], list[int], list[int]]:
     """A ``Slice``'s constant ``(starts, ends, axes, steps)``, axes non-negative (inputs from opset 10, attributes
     before); raises ``_Unlowerable`` for a bound that is not a constant."""
-    if len(node.inputs) > 1:  # opset 10+: starts, ends, axes, steps as inputs
-        starts, ends = _ints(node.inputs[1]), _ints(node.inputs[2])
-        axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else None
-        steps = _ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else None
-        if starts is None or ends is None or (len(node.inputs) > 3 and node.inputs[3] is not None and axes is None):
+    found: list[Sequence[int] | None]
+    if len(node.inputs) == 1:  # before opset 10: attributes
+        found = [node.attributes.get_ints(k) for k in ("starts", "ends", "axes")] + [None]
+    else:  # opset 10 on: starts, ends, axes, steps as inputs
+        given = [*node.inputs[1:5], None, None][:4]
+        found = [_ints(v) if v is not None else None for v in given]
+        if any(v is not None and f is None for v, f in zip(given, found, strict=True)):
             raise _Unlowerable
-        if len(node.inputs) > 4 and node.inputs[4] is not None and steps is None:
-            raise _Unlowerable
-    else:
-        starts, ends, axes, steps = _attr(node, "starts"), _attr(node, "ends"), _attr(node, "axes"), None
-        if starts is None or ends is None:
-            raise _Unlowerable
+    starts, ends, axes, steps = found
+    if starts is None or ends is None:
+        raise _Unlowerable
     axes = [int(a) % rank for a in axes] if axes is not None else list(range(len(starts)))
     steps = list(steps) if steps is not None else [1] * len(starts)
     if not len(starts) == len(ends) == len(axes) == len(steps) or 0 in steps:
@@ -1022,7 +1015,7 @@ def _slice(lo: _Lowering, node: ir.Node) -> None:
         axis = int(axis) % rank
         shape = [*shape[:axis], final[axis], *shape[axis + 1 :]]
         last = i == len(axes) - 1
-        val = None if last else lo.dims.fake(TORCH_DTYPES.get(out.dtype, torch.float32), shape)  # type: ignore[call-overload,arg-type]
+        val = None if last else lo.dims.fake(torch_dtype(out.dtype) or torch.float32, shape)
         current = lo.emit(
             node, aten.slice.Tensor, (current, axis, int(start), int(end), int(step)), out if last else None, val=val
         )
@@ -1036,7 +1029,7 @@ def _gather(lo: _Lowering, node: ir.Node) -> None:
     if data is None or indices is None:
         raise _Unlowerable
     rank = _rank(data)
-    axis = int(_attr(node, "axis", 0)) % rank
+    axis = node.attributes.get_int("axis", 0) % rank
     table = _const_tensor(data)
     if table is not None and data.is_initializer() and rank == 2 and axis == 0 and _const_tensor(indices) is None:
         weight = _weight(lo, node, data, "weight", Binding(data.name or "", shape=tuple(table.shape)))
@@ -1061,7 +1054,7 @@ def _gather_nd(lo: _Lowering, node: ir.Node) -> None:
     ``aten.select`` of the indices: a constant where they are one (``steps._picked`` reads the channels it picks)."""
     data, indices = node.inputs
     dims = _dims(indices)
-    if int(_attr(node, "batch_dims", 0)) or not isinstance(dims[-1], int) or not 0 < dims[-1] <= _rank(data):
+    if node.attributes.get_int("batch_dims", 0) or not isinstance(dims[-1], int) or not 0 < dims[-1] <= _rank(data):
         raise _Unlowerable
     index = lo.read(indices)
     found = index.meta.get("val")
@@ -1076,7 +1069,7 @@ def _gather_nd(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("GatherElements")
 def _gather_elements(lo: _Lowering, node: ir.Node) -> None:
-    axis = int(_attr(node, "axis", 0)) % _rank(node.inputs[0])
+    axis = node.attributes.get_int("axis", 0) % _rank(node.inputs[0])
     args = (lo.read(node.inputs[0]), axis, lo.read(node.inputs[1]))
     lo.emit(node, aten.gather.default, args, node.outputs[0])
 
@@ -1088,13 +1081,15 @@ def _shape(lo: _Lowering, node: ir.Node) -> None:
 
 def _reduce_axes(node: ir.Node, rank: int) -> list[int] | None:
     """The reduced axes (sorted, non-negative), or None when every axis is reduced; raises for unknown axes."""
-    axes = _attr(node, "axes")
+    if node.op_type.startswith("Global"):
+        return list(range(2, rank))
+    axes = node.attributes.get_ints("axes")
     if axes is None and len(node.inputs) > 1 and node.inputs[1] is not None:
         axes = _ints(node.inputs[1])
         if axes is None:
             raise _Unlowerable
     if not axes:
-        if int(_attr(node, "noop_with_empty_axes", 0)):
+        if node.attributes.get_int("noop_with_empty_axes", 0):
             return []
         return None
     return sorted({int(a) % rank for a in axes})
@@ -1105,14 +1100,17 @@ _REDUCE = {
     "ReduceSum": aten.sum.dim_IntList,
     "ReduceMax": aten.amax.default,
     "ReduceMin": aten.amin.default,
+    "GlobalAveragePool": aten.mean.dim,
+    "GlobalMaxPool": aten.amax.default,
 }
+"""ONNX reductions (a global pool reduces every axis after the channels, keeping them) and their ATen op."""
 
 
 @lowers(*_REDUCE)
 def _reduce(lo: _Lowering, node: ir.Node) -> None:
     rank = _rank(node.inputs[0])
     axes = _reduce_axes(node, rank)
-    keep = bool(int(_attr(node, "keepdims", 1)))
+    keep = bool(node.attributes.get_int("keepdims", 1))
     if axes == []:
         lo.emit(node, aten.alias.default, (lo.read(node.inputs[0]),), node.outputs[0])
         return
@@ -1120,25 +1118,18 @@ def _reduce(lo: _Lowering, node: ir.Node) -> None:
     lo.emit(node, _REDUCE[node.op_type], (lo.read(node.inputs[0]), dims, keep), node.outputs[0])
 
 
-@lowers("GlobalAveragePool", "GlobalMaxPool")
-def _global_pool(lo: _Lowering, node: ir.Node) -> None:
-    rank = _rank(node.inputs[0])
-    op = aten.mean.dim if node.op_type == "GlobalAveragePool" else aten.amax.default
-    lo.emit(node, op, (lo.read(node.inputs[0]), list(range(2, rank)), True), node.outputs[0])
-
-
 def _pads(node: ir.Node, spatial: int) -> list[int]:
     """Per spatial axis, the larger of the begin and end padding (the rules ask only whether a conv or pool pads);
     ``auto_pad`` SAME_* worked out from the kernel (``kernel_shape``, else a Conv's weight: the attribute is
     optional) and the input size where it is static (a 1x1, stride-1 kernel pads nothing); an axis whose kernel or
     size is unknown counts as padded."""
-    auto = _text(node, "auto_pad", "NOTSET")
+    auto = node.attributes.get_string("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
         weight = node.inputs[1] if node.op_type == "Conv" and len(node.inputs) > 1 else None
         shape = weight.shape if weight is not None else None
-        kernel: list[Any] = _attr(node, "kernel_shape") or (list(shape)[2:] if shape is not None else [])
-        strides = _attr(node, "strides") or [1] * spatial
-        dilations = _attr(node, "dilations") or [1] * spatial
+        kernel: Any = node.attributes.get_ints("kernel_shape") or (list(shape)[2:] if shape is not None else [])
+        strides = node.attributes.get_ints("strides") or [1] * spatial
+        dilations = node.attributes.get_ints("dilations") or [1] * spatial
         sizes = list(node.inputs[0].shape)[2:] if node.inputs[0] is not None and node.inputs[0].shape else None
         out = []
         for i in range(spatial):
@@ -1153,8 +1144,7 @@ def _pads(node: ir.Node, spatial: int) -> list[int]:
         return out
     if auto == "VALID":
         return [0] * spatial
-    pads = _attr(node, "pads") or [0] * (2 * spatial)
-    pads = [int(p) for p in pads]
+    pads = node.attributes.get_ints("pads") or [0] * (2 * spatial)
     return [max(pads[i], pads[i + spatial]) for i in range(spatial)]
 
 
@@ -1164,17 +1154,17 @@ def _pool(lo: _Lowering, node: ir.Node) -> None:
     spatial = rank - 2
     if spatial not in (1, 2):
         raise _Unlowerable
-    kernel = [int(k) for k in _attr(node, "kernel_shape") or []]
-    strides = [int(s) for s in _attr(node, "strides") or [1] * spatial]
+    kernel = list(node.attributes.get_ints("kernel_shape", []))
+    strides = list(node.attributes.get_ints("strides") or [1] * spatial)
     pads = _pads(node, spatial)
-    ceil = bool(int(_attr(node, "ceil_mode", 0)))
+    ceil = bool(node.attributes.get_int("ceil_mode", 0))
     x = lo.read(node.inputs[0])
     if node.op_type == "AveragePool":
         op = aten.avg_pool2d.default if spatial == 2 else aten.avg_pool1d.default
-        count_pad = bool(int(_attr(node, "count_include_pad", 0)))
+        count_pad = bool(node.attributes.get_int("count_include_pad", 0))
         lo.emit(node, op, (x, kernel, strides, pads, ceil, count_pad, None), node.outputs[0])
         return
-    dilations = [int(d) for d in _attr(node, "dilations") or [1] * spatial]
+    dilations = list(node.attributes.get_ints("dilations") or [1] * spatial)
     indices = len(node.outputs) > 1 and (node.outputs[1].uses() or node.outputs[1].is_graph_output())
     if indices and spatial == 2:
         lo.emit_outputs(node, aten.max_pool2d_with_indices.default, (x, kernel, strides, pads, dilations, ceil))
@@ -1189,7 +1179,11 @@ def _pool(lo: _Lowering, node: ir.Node) -> None:
 def _pad(lo: _Lowering, node: ir.Node) -> None:
     src = node.inputs[0]
     rank = _rank(src)
-    pads = _ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else _attr(node, "pads")
+    pads = (
+        _ints(node.inputs[1])
+        if len(node.inputs) > 1 and node.inputs[1] is not None
+        else node.attributes.get_ints("pads")
+    )
     if pads is None:
         raise _Unlowerable
     axes = _ints(node.inputs[3]) if len(node.inputs) > 3 and node.inputs[3] is not None else list(range(rank))
@@ -1199,11 +1193,11 @@ def _pad(lo: _Lowering, node: ir.Node) -> None:
     for i, a in enumerate(axes):
         begin[int(a) % rank], end[int(a) % rank] = int(pads[i]), int(pads[i + len(axes)])
     torch_pads = [p for d in range(rank - 1, -1, -1) for p in (begin[d], end[d])]
-    mode = _text(node, "mode", "constant")
+    mode = node.attributes.get_string("mode", "constant")
     x = lo.read(src)
     if mode == "constant":  # the value: input 2 (opset 11 on, absent: 0), the attribute ``value`` before
         given = node.inputs[2] if len(node.inputs) > 2 else None
-        value = _array(given) if given is not None else np.asarray(_attr(node, "value", 0.0))
+        value = _array(given) if given is not None else np.asarray(node.attributes.get_float("value", 0.0))
         if value is None or value.size != 1:
             raise _Unlowerable
         lo.emit(node, aten.constant_pad_nd.default, (x, torch_pads, float(value.reshape(()))), node.outputs[0])
@@ -1229,12 +1223,14 @@ def _resize(lo: _Lowering, node: ir.Node) -> None:
     rank = len(ins)
     scales = _array(node.inputs[2]) if len(node.inputs) > 2 else None
     if node.op_type == "Upsample" or len(node.inputs) == 2:  # opsets 7 to 10: the attribute, else input 1
-        scales = _array(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(_attr(node, "scales", []))
+        scales = (
+            _array(node.inputs[1]) if len(node.inputs) > 1 else np.asarray(node.attributes.get_floats("scales", []))
+        )
     unscaled = scales is not None and scales.size == rank and bool((scales[:2] == 1.0).all())  # floor(1.0*batch)
     if rank not in (3, 4, 5) or len(outs) != rank or (ins[:2] != outs[:2] and not unscaled):
         raise _Unlowerable  # only the spatial axes may be resized
-    mode = _text(node, "mode", "nearest")
-    coords = _text(node, "coordinate_transformation_mode", "half_pixel")
+    mode = node.attributes.get_string("mode", "nearest")
+    coords = node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
     if coords == "tf_crop_and_resize":
         raise _Unlowerable
     sizes = [lo.dims.size(d) for d in outs[2:]]
@@ -1257,7 +1253,7 @@ def _resize(lo: _Lowering, node: ir.Node) -> None:
 def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
     if len(node.inputs) != 5 or any(v is None for v in node.inputs):
         raise _Unlowerable
-    if node.attributes.get("spatial") is not None and not int(_attr(node, "spatial", 1)):
+    if not node.attributes.get_int("spatial", 1):
         raise _Unlowerable  # opset < 9, one statistic per element: not per channel
     x, w, b, mean, var = (lo.read(v) for v in node.inputs)
     xv, wv = x.meta.get("val"), w.meta.get("val")
@@ -1265,13 +1261,10 @@ def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
         raise _Unlowerable
     if not isinstance(xv.shape[1], int):  # a size inference left unknown is the channel count the statistics have
         x.meta["val"] = lo.dims.fake(xv.dtype, [xv.shape[0], wv.numel(), *xv.shape[2:]])
-    eps = _attr(node, "epsilon", 1e-5)
-    momentum = _attr(node, "momentum", 0.9)
-    if not isinstance(eps, float) or not isinstance(momentum, float):
-        raise _Unlowerable
+    eps, momentum = node.attributes.get_float("epsilon", 1e-5), node.attributes.get_float("momentum", 0.9)
     # training mode: the attribute (opset 14+), or any output declared besides Y, read or not (opsets 9 to 13 have
     # no attribute: onnxruntime and the spec normalise with the batch's statistics when the node lists them)
-    training = bool(int(_attr(node, "training_mode", 0))) or len(node.outputs) > 1
+    training = bool(node.attributes.get_int("training_mode", 0)) or len(node.outputs) > 1
     fake = lo.value_meta(aten.alias.default, (x,), node.outputs[0])  # the input's sizes, as every BN output
     val = (fake, fake, fake)
     args: tuple[Any, ...]
@@ -1292,11 +1285,11 @@ def _layer_norm(lo: _Lowering, node: ir.Node) -> None:
     if (rms and not hasattr(aten, "rms_norm")) or any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
         raise _Unlowerable
     dims = _dims(node.inputs[0])
-    shape = dims[int(_attr(node, "axis", -1)) % len(dims) :]
+    shape = dims[node.attributes.get_int("axis", -1) % len(dims) :]
     if not all(isinstance(d, int) for d in shape):
         raise _Unlowerable
     x, w = lo.read(node.inputs[0]), lo.read(node.inputs[1])
-    sizes, eps = [int(d) for d in shape], float(_attr(node, "epsilon", 1e-5))
+    sizes, eps = [int(d) for d in shape], node.attributes.get_float("epsilon", 1e-5)
     if rms:
         lo.emit(node, aten.rms_norm.default, (x, sizes, w, eps), node.outputs[0])
     else:
@@ -1309,8 +1302,8 @@ def _group_norm(lo: _Lowering, node: ir.Node) -> None:
     opset = lo.model.opset_imports.get("", lo.model.opset_imports.get("ai.onnx", 0))
     if opset < 21:
         raise _Unlowerable  # opset 18's scale and bias are per group, not per channel
-    groups = int(_attr(node, "num_groups"))
-    eps = float(_attr(node, "epsilon", 1e-5))
+    groups = node.attributes.get_int("num_groups")
+    eps = node.attributes.get_float("epsilon", 1e-5)
     x, w, b = (lo.read(v) for v in node.inputs[:3])
     lo.emit(node, aten.group_norm.default, (x, groups, w, b, eps), node.outputs[0])
 
@@ -1318,7 +1311,7 @@ def _group_norm(lo: _Lowering, node: ir.Node) -> None:
 @lowers("InstanceNormalization")
 def _instance_norm(lo: _Lowering, node: ir.Node) -> None:
     x, w, b = (lo.read(v) for v in node.inputs[:3])
-    eps = float(_attr(node, "epsilon", 1e-5))
+    eps = node.attributes.get_float("epsilon", 1e-5)
     lo.emit(node, aten.instance_norm.default, (x, w, b, None, None, True, 0.0, eps, False), node.outputs[0])
 
 
@@ -1459,8 +1452,8 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
     a, b = node.inputs[0], node.inputs[1]
     c = node.inputs[2] if len(node.inputs) > 2 else None
     w = _const_tensor(b)
-    alpha, beta = float(_attr(node, "alpha", 1.0)), float(_attr(node, "beta", 1.0))
-    trans_a, trans_b = int(_attr(node, "transA", 0)), int(_attr(node, "transB", 0))
+    alpha, beta = node.attributes.get_float("alpha", 1.0), node.attributes.get_float("beta", 1.0)
+    trans_a, trans_b = node.attributes.get_int("transA", 0), node.attributes.get_int("transB", 0)
     if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or alpha == 0.0:
         raise _Unlowerable
     n = int(w.shape[0] if trans_b else w.shape[1])
@@ -1498,35 +1491,28 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
         lo.emit(node, aten.add.Tensor, (layer, rows), out)
 
 
-@lowers("Conv")
-def _conv(lo: _Lowering, node: ir.Node) -> None:
-    _convolution(lo, node, transposed=False)
-
-
-@lowers("ConvTranspose")
-def _conv_transpose(lo: _Lowering, node: ir.Node) -> None:
-    _convolution(lo, node, transposed=True)
-
-
-def _convolution(lo: _Lowering, node: ir.Node, transposed: bool) -> None:
-    """``Conv`` / ``ConvTranspose`` as ``aten.convolution`` (``transposed``: the weight is ``(C_in, C_out / group,
-    *kernel)``, ``output_padding`` read). A ``ConvTranspose``'s padding is the larger of its begin and end ``pads``
-    (or ``auto_pad``) per axis, as a ``Conv``'s; its ``output_shape`` is not read: the layer folds forward only when
-    the output size inferred for it is the input's less twice that padding (``layers.ConvTranspose.pointwise``),
-    which asymmetric ``pads`` or an ``output_shape`` that crops otherwise never are."""
+@lowers("Conv", "ConvTranspose")
+def _convolution(lo: _Lowering, node: ir.Node) -> None:
+    """``Conv`` / ``ConvTranspose`` as ``aten.convolution`` (``transposed`` for a ``ConvTranspose``: the weight is
+    ``(C_in, C_out / group, *kernel)``, ``output_padding`` read). A ``ConvTranspose``'s padding is the larger of its
+    begin and end ``pads`` (or ``auto_pad``) per axis, as a ``Conv``'s; its ``output_shape`` is not read: the layer
+    folds forward only when the output size inferred for it is the input's less twice that padding
+    (``layers.ConvTranspose.pointwise``), which asymmetric ``pads`` or an ``output_shape`` that crops otherwise never
+    are."""
     x, wv = node.inputs[0], node.inputs[1]
     bv = node.inputs[2] if len(node.inputs) > 2 else None
+    transposed = node.op_type == "ConvTranspose"
     w = _const_tensor(wv)
     rank = _rank(x)
     spatial = rank - 2
     if w is None or wv is None or not wv.is_initializer():
         raise _Unlowerable
-    strides = [int(s) for s in _attr(node, "strides") or [1] * spatial]
-    dilations = [int(d) for d in _attr(node, "dilations") or [1] * spatial]
-    groups = int(_attr(node, "group", 1))
+    strides = list(node.attributes.get_ints("strides") or [1] * spatial)
+    dilations = list(node.attributes.get_ints("dilations") or [1] * spatial)
+    groups = node.attributes.get_int("group", 1)
     pads = _pads(node, spatial)
     out_channels = int(w.shape[1]) * groups if transposed else int(w.shape[0])
-    output_padding = [int(p) for p in _attr(node, "output_padding") or [0] * spatial] if transposed else [0] * spatial
+    output_padding = list(node.attributes.get_ints("output_padding") or [0] * spatial) if transposed else [0] * spatial
     weight = _weight(lo, node, wv, "weight", Binding(wv.name or "", False, tuple(w.shape)))
     if bv is None:
         bias, site, out = _bias_add(lo, node, out_channels, spatial + 1)

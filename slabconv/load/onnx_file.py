@@ -666,11 +666,8 @@ def read_onnx(path: Path | str) -> OnnxFile:
     inputs = [i for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}]
     if not inputs:
         raise InputError(f"{path}: the model has no inputs; slabconv verifies a model on inputs, export it with one")
-    tensor = inputs[0].type.tensor_type
-    dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-    rest = dims[1:]
-    token_input = bool(np.issubdtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type), np.integer))
-    dtype = _FLOAT_TYPES.get(tensor.elem_type) or _weights_dtype(proto)
+    first = _graph_input(inputs[0])
+    dtype = _FLOAT_TYPES.get(inputs[0].type.tensor_type.elem_type) or _weights_dtype(proto)
     domains = {o.domain or "ai.onnx": int(o.version) for o in proto.opset_import}
     sha256 = hashlib.sha256(data).hexdigest()
     return OnnxFile(
@@ -683,9 +680,9 @@ def read_onnx(path: Path | str) -> OnnxFile:
         producer=f"{proto.producer_name} {proto.producer_version}".strip(),
         dtype=dtype,
         input_name=inputs[0].name,
-        input_shape=tuple(int(d or 0) for d in rest) if rest and all(d is not None and d > 0 for d in rest) else None,
-        batch=dims[0] if dims and dims[0] else None,
-        token_input=token_input,
+        input_shape=first.shape or None,
+        batch=first.dims[0] if first.dims else None,
+        token_input=bool(np.issubdtype(first.dtype, np.integer)),
         exporter=torch_exporter(proto),
         files_sha256={path.name: sha256, **{f.name: digest for f, digest in digests.items()}},
         inputs=[_graph_input(i) for i in inputs],
