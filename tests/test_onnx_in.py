@@ -1925,21 +1925,33 @@ def test_a_batchnorm_after_a_loop_that_omits_an_optional_input_folds(tmp_path, o
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_output(tmp_path):
-    """A hand-built graph (onnx.helper leaves nodes unnamed) whose BatchNormalization mean is a graph input: the
-    refusal names the node by the tensor it writes, not as node ''."""
+@pytest.mark.parametrize("mean_fed", [True, False])
+def test_an_unnamed_norm_is_named_by_its_output_in_errors_inspect_and_the_report(tmp_path, mean_fed):
+    """A hand-built graph (onnx.helper leaves nodes unnamed): its BatchNormalization is named by the tensor it
+    writes, as onnxruntime and Netron show it, not as node '' or a name onnx-ir made up: in the refusal of a mean
+    fed as a graph input, and in ``inspect`` and the report of the fused file (kept in front of a ``Relu``)."""
     h, c = onnx.helper, 4
-    values = {k: np.full(c, v, np.float32) for k, v in (("scale", 1.5), ("shift", 0.2), ("var", 2.0))}
+    values = {k: np.full(c, v, np.float32) for k, v in (("scale", 1.5), ("shift", 0.2), ("var", 2.0), ("mean", 0.1))}
+    values["W"] = np.random.default_rng(0).standard_normal((3, c, 1, 1)).astype(np.float32)
+    fed = [("x", [1, c, 3, 3])] + ([("mean", [c])] if mean_fed else [])
     graph = h.make_graph(
-        [h.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["normed"])],
+        [h.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["normed"]),
+         h.make_node("Relu", ["normed"], ["act"]), h.make_node("Conv", ["normed", "W"], ["y"])],
         "g",
-        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in (("x", [1, c, 3, 3]), ("mean", [c]))],
-        [h.make_tensor_value_info("normed", onnx.TensorProto.FLOAT, [1, c, 3, 3])],
-        [onnx.numpy_helper.from_array(v, k) for k, v in values.items()],
-    )
-    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "stats.onnx"))
-    with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node writing 'normed' "):
-        api.inspect(tmp_path / "stats.onnx")
+        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in fed],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 3, 3]),
+         h.make_tensor_value_info("act", onnx.TensorProto.FLOAT, [1, c, 3, 3])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in values.items() if not (mean_fed and k == "mean")],
+    )  # fmt: skip
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "bn.onnx"))
+    if mean_fed:
+        with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node 'normed' "):
+            api.inspect(tmp_path / "bn.onnx")
+        return
+    assert [(d.norm, d.action) for d in api.inspect(tmp_path / "bn.onnx").folds] == [("normed", "kept-affine")]
+    report = api.fuse(tmp_path / "bn.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [d.norm for d in report.folds] == ["normed"] and report.verification is not None
+    assert report.verification.passed
 
 
 class _BatchOfOne(nn.Module):

@@ -3,9 +3,10 @@
 (``find_norms``, ``plan_folds``, the rule table ``RULES`` and the layer table ``LAYERS``).
 
 In: an ``onnx_ir.Model`` (``slabconv.load.onnx_file.load_ir``). ``prepare`` gets it ready in place: unique names for
-every node and value (onnx-ir's ``NameFixPass``), shapes from symbolic shape inference (onnxruntime's
-``SymbolicShapeInference``, else ONNX's own), and weights an exporter computes from constants (``Transpose``,
-``Reshape``, ``Cast`` of an initializer, ``Constant`` nodes) folded into initializers by onnxscript's constant folding.
+every node and value (onnx-ir's ``NameFixPass``; an unnamed node takes its first output's name), shapes from
+symbolic shape inference (onnxruntime's ``SymbolicShapeInference``, else ONNX's own), and weights an exporter
+computes from constants (``Transpose``, ``Reshape``, ``Cast`` of an initializer, ``Constant`` nodes) folded into
+initializers by onnxscript's constant folding.
 ``lower`` then builds:
 
 - one fx node per ONNX node output (``meta["onnx"]``: the node's name, ``meta["onnx_value"]``: the value's name,
@@ -48,6 +49,7 @@ from torch import fx, nn
 
 from slabconv.engine.capture import LIFTED, STATE
 from slabconv.engine.onnx_shapes import Dims, infer_shapes, known_elements, merge_shapes, unknowns
+from slabconv.load.onnx_file import node_label
 
 aten = torch.ops.aten
 
@@ -92,7 +94,7 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
 
     InlinePass()(model)  # a model-local function's call is its body: a norm inside one is a norm of the graph
     RemoveUnusedFunctionsPass()(model)
-    NameFixPass()(model)
+    NameFixPass(_Names())(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
     _read_shared_initializers(model)
@@ -105,6 +107,17 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
+
+
+class _Names:
+    """``NameFixPass``'s names: an unnamed node (``onnx.helper`` writes none) is named by its first output, as
+    onnxruntime's messages and Netron show it: the name a user finds in the file."""
+
+    def generate_node_name(self, node: ir.Node) -> str:
+        return node_label(node)
+
+    def generate_value_name(self, value: ir.Value) -> str:
+        return value.name or "v"
 
 
 def _read_shared_initializers(model: ir.Model) -> None:
