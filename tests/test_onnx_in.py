@@ -1954,6 +1954,33 @@ def test_an_unnamed_norm_is_named_by_its_output_in_errors_inspect_and_the_report
     assert report.verification.passed
 
 
+@pytest.mark.parametrize("opset", [18, 21])
+def test_opset_18s_group_normalization_is_refused_by_name_as_onnx_checker_refuses_it(tmp_path, opset):
+    """ONNX deprecates GroupNormalization-18 (scale and bias one per group, not per channel as opset 21's and
+    PyTorch's): onnx.checker refuses the file, and slabconv says which node and what to do, one line; the same
+    graph at opset 21 is read."""
+    h, c = onnx.helper, 4
+    size = 2 if opset < 21 else c
+    values = {"gs": np.full(size, 1.5, np.float32), "gb": np.full(size, 0.2, np.float32)}
+    graph = h.make_graph(
+        [h.make_node("GroupNormalization", ["x", "gs", "gb"], ["y"], num_groups=2)],
+        "g",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, c, 3, 3])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, c, 3, 3])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in values.items()],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    onnx.save(model, str(tmp_path / "gn.onnx"))
+    if opset == 21:
+        onnx.checker.check_model(model)
+        assert api.inspect(tmp_path / "gn.onnx").folds == []  # no affine to fold without --fold-norm-affine
+        return
+    with pytest.raises(onnx.checker.ValidationError, match="deprecated"):
+        onnx.checker.check_model(model)
+    with pytest.raises(InputError, match=r"GroupNormalization node 'y' is opset 18's, .* at opset 21 or later$"):
+        api.inspect(tmp_path / "gn.onnx")
+
+
 class _BatchOfOne(nn.Module):
     """Conv -> ReLU -> BatchNorm -> Conv, then a reshape to ``(1, 50)``: exported with a dynamic batch axis, the
     graph still fixes the batch at 1 (the ``Reshape`` target is a constant)."""

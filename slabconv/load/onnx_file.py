@@ -472,7 +472,8 @@ def check_foldable(path: Path, proto: Any) -> None:
 
 def _check_graph(path: Path, proto: Any) -> None:
     """The graph against ONNX's own rules (``onnx.checker``; strict shape and type inference), and what slabconv
-    cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, graph inputs that are not tensors of
+    cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, opset 18's deprecated ``GroupNormalization``
+    (scale and bias per group), graph inputs that are not tensors of
     numbers.
 
     Raises:
@@ -480,7 +481,14 @@ def _check_graph(path: Path, proto: Any) -> None:
     """
     import onnx
 
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     for node in proto.graph.node:
+        if node.op_type == "GroupNormalization" and node.domain in ("", "ai.onnx") and opset < 21:
+            raise InputError(
+                f"{path}: GroupNormalization node {node_label(node)[:80]!r} is opset {opset}'s, which ONNX deprecates "
+                "(onnx.checker refuses it): its scale and bias hold one value per group, not one per channel as "
+                "opset 21's and the frameworks' GroupNorm; export the model at opset 21 or later"
+            )
         spatial = next((a for a in node.attribute if a.name == "spatial"), None)
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and spatial and spatial.i == 0:
             raise InputError(
