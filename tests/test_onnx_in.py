@@ -2320,14 +2320,16 @@ def _input_shape(path: Path) -> list[int]:
      ("before", "Gemm", None, {"alpha": 0.3, "beta": 0.7}), ("after", "Gemm", None, {"alpha": 0.3, "beta": 0.7}),
      ("before", "Gemm", (3,), {"transA": 1}), ("after", "Gemm", (3,), {"transA": 1, "transB": 1, "alpha": 2.5}),
      ("before", "Gemm", (6, 3), {"beta": 0.7}), ("before", "Gemm", (6, 1), {}),
+     ("after", "Gemm", (6, 3), {"beta": 0.7}), ("after", "Gemm", (6, 1), {}), ("after", "Gemm", (), {}),
      ("after", "Gemm", (1,), {"beta": 0.7}), ("before", "MatMul", None, {}), ("after", "MatMul", None, {})],
 )  # fmt: skip
 def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c, attrs):
     """A ``Gemm`` with ``alpha`` or ``beta`` not 1, with ``transA``, or with a C per row (``(M, N)``, ``(M, 1)``)
     or one number, and a ``MatMul`` by a ``(1, K, N)`` weight, were opaque, which kept the norm beside them though
     the fold is exact: the engine folds into ``alpha B`` and ``beta C`` (written so, ``alpha`` / ``beta`` then 1),
-    into ``B`` behind ``A``'s transpose, a forward fold's bias added to a C per row. The norm goes and onnxruntime
-    runs the folded file as the original."""
+    into ``B`` behind ``A``'s transpose, a forward fold's bias added to a C per row, a backward fold's ``(s, t)``
+    into ``B`` and a C per row as ``s beta C + t`` (``(M, N)``). The norm goes and onnxruntime runs the folded file
+    as the original."""
     path = _gemm_file(tmp_path / "gemm.onnx", norm, op, c, **attrs)
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
     assert report.verification is not None and report.verification.passed
@@ -2339,19 +2341,69 @@ def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c,
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize(("norm", "c", "attrs"), [("rows", (3,), {"transA": 1}), ("after", (6, 3), {"beta": 0.7})])
-def test_a_gemm_keeps_a_norm_on_its_rows_or_behind_a_c_per_row_and_dropping_it_would_be_wrong(tmp_path, norm, c, attrs):
+@pytest.mark.parametrize("case", ["layerscale", "both", "shared"])
+def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
+    """A ``Gemm`` whose C is per row, ``(6, 3)``, folds backward whatever else its folds are: a LayerScale after
+    it (no shift, no bias created: C becomes ``s C``), a BatchNorm before it (forward) and one after it
+    (backward: C becomes ``s2 (beta C + W t1) + t2``), a C another Gemm reads too (copied for the folded one).
+    onnxruntime runs the fused file as the original, and leaving C as it was would change the output."""
+    h, rng = onnx.helper, np.random.default_rng(0)
+    arrays = {"W": rng.standard_normal((4, 3)), "C": rng.standard_normal((6, 3)), "W2": rng.standard_normal((4, 3))}
+    arrays |= {k: rng.uniform(0.5, 1.5, n) for k, n in (("ls", 3), ("s1", 4), ("s2", 3), ("v1", 4), ("v2", 3))}
+    arrays |= {k: rng.uniform(-1, 1, n) for k, n in (("b1", 4), ("b2", 3), ("m1", 4), ("m2", 3))}
+    bn2 = h.make_node("BatchNormalization", ["z", "s2", "b2", "m2", "v2"], ["n2"], name="bn2")
+    nodes = {
+        "layerscale": [
+            h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
+            h.make_node("Mul", ["z", "ls"], ["n2"], name="ls"),
+        ],
+        "both": [
+            h.make_node("BatchNormalization", ["x", "s1", "b1", "m1", "v1"], ["n1"], name="bn1"),
+            h.make_node("Gemm", ["n1", "W", "C"], ["z"], name="gemm", beta=0.5),
+            bn2,
+        ],
+        "shared": [
+            h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
+            bn2,
+            h.make_node("Gemm", ["x", "W2", "C"], ["z2"], name="gemm2"),
+        ],
+    }[case]
+    nodes.append(h.make_node("Relu", ["n2"], ["y"]) if case != "shared" else h.make_node("Add", ["n2", "z2"], ["y"]))
+    read = {i for n in nodes for i in n.input}
+    info = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [6, k]) for n, k in (("x", 4), ("y", 3))]
+    inits = [onnx.numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items() if k in read]
+    path = tmp_path / "gemm.onnx"
+    onnx.save(h.make_model(h.make_graph(nodes, "g", info[:1], info[1:], inits), opset_imports=[h.make_opsetid("", 17)]),
+              str(path))  # fmt: skip
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert report.verification is not None and report.verification.passed
+    assert {d.norm: d.action for d in report.folds if d.norm != "bn1"} == {
+        "ls" if case == "layerscale" else "bn2": "folded-backward"
+    }
+    out = tmp_path / "out" / "model.onnx"
+    assert set(op_histogram(out)) == {"Gemm", "Add" if case == "shared" else "Relu"}
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    want, got = _run(path, x), _run(out, x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    fused = onnx.load(str(out))
+    for init in fused.graph.initializer:  # C as it was, beside the folded weight: not the original
+        if init.name == next(n.input[2] for n in fused.graph.node if n.name == "gemm"):
+            init.CopyFrom(
+                onnx.numpy_helper.from_array(
+                    (arrays["C"] * (0.5 if case == "both" else 1)).astype(np.float32), init.name
+                )
+            )
+    onnx.save(fused, str(tmp_path / "naive.onnx"))
+    naive = _run(tmp_path / "naive.onnx", x)
+    assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
+
+
+def test_a_gemm_keeps_a_norm_on_its_rows_and_dropping_it_would_be_wrong(tmp_path):
     """Kept, with the true reason: a BatchNorm whose channels ``transA`` makes the rows of ``A`` (the Gemm
-    contracts the other axis), and one after a Gemm whose C is per row, which a backward fold would have to
-    rescale column by column (the engine writes layers' weights and biases, not such a constant: ``backward``
-    names it). The fold that drops the kept affine changes the output."""
-    path = _gemm_file(tmp_path / "gemm.onnx", norm, "Gemm", c, **attrs)
+    contracts the other axis). The fold that drops the kept affine changes the output."""
+    path = _gemm_file(tmp_path / "gemm.onnx", "rows", "Gemm", (3,), transA=1)
     (decision,) = api.inspect(path).folds
-    assert decision.action == "kept-affine"
-    if norm == "rows":
-        assert decision.reason == "consumer-not-on-channel-axis"
-    else:
-        assert decision.no_backward == "aten.add adds layer.C, a stored tensor that is not one value per channel"
+    assert (decision.action, decision.reason) == ("kept-affine", "consumer-not-on-channel-axis")
     x = np.random.default_rng(1).standard_normal(_input_shape(path)).astype(np.float32)
     want, got = _run(path, x), _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
     assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()

@@ -48,6 +48,7 @@ import torch
 from torch import fx, nn
 
 from slabconv.engine.capture import LIFTED, STATE
+from slabconv.engine.flow import ROWS_ADDEND
 from slabconv.engine.onnx_shapes import Dims, infer_shapes, known_elements, merge_shapes, unknowns
 from slabconv.load.onnx_file import node_label
 
@@ -1467,8 +1468,9 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
 def _gemm(lo: _Lowering, node: ir.Node) -> None:
     """``Gemm``: ``alpha * A' B' + beta * C`` (``A'`` is ``A`` transposed with ``transA``, ``B'`` likewise) as
     ``aten.linear`` of ``A'`` (``aten.t`` of ``A`` with ``transA``), the weight ``B'`` seen ``(N, K)`` and the bias
-    ``C`` seen ``(N,)`` (a C of ``N`` values), ``alpha`` and ``beta`` in their ``Binding.scaled``. Opaque when ``B``
-    is no initializer or ``alpha`` is 0, or ``C`` is no initializer or per row (``(M, N)``, ``(M, 1)``)."""
+    ``C`` seen ``(N,)`` (a C of ``N`` values), ``alpha`` and ``beta`` in their ``Binding.scaled``; a C per row
+    (``(M, N)``, ``(M, 1)``) or of one number, ``beta C``, is added after the layer (``ROWS_ADDEND``: a backward
+    fold passes it, ``onnx_apply`` rescales it). Opaque when ``B`` or ``C`` is no initializer or ``alpha`` is 0."""
     a, b = node.inputs[0], node.inputs[1]
     c = node.inputs[2] if len(node.inputs) > 2 else None
     w = _const_tensor(b)
@@ -1508,7 +1510,7 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
     )
     lo.out.layers[layer.name] = LayerSite(name)
     if rows is not None:
-        lo.emit(node, aten.add.Tensor, (layer, rows), out)
+        lo.emit(node, aten.add.Tensor, (layer, rows), out).meta[ROWS_ADDEND] = True
 
 
 @lowers("Conv")
