@@ -2398,6 +2398,45 @@ def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
     assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
 
 
+@pytest.mark.parametrize(
+    ("equation", "w_shape", "bias"),
+    [("btc,cd->btd", (4, 3), True), ("...c,dc->...d", (3, 4), False), ("btc,cd->bdt", (4, 3), False)],
+)
+def test_a_norm_before_an_einsum_linear_layer_folds_into_its_weight(tmp_path, equation, w_shape, bias):
+    """Keras' ``EinsumDense`` (tf2onnx) writes a Linear as ``Einsum`` of the tensor and a 2-D weight contracting the
+    last axis: a ``Mul`` / ``Add`` by per-channel ``Constant`` nodes before it folds into the weight (and the bias
+    ``Add`` after it), with the weight stored ``(K, N)`` or ``(N, K)``; onnxruntime runs the fused file as the
+    original. An equation that moves the axes (``->bdt``) is no Linear: no norm is found there."""
+    h, rng = onnx.helper, np.random.default_rng(0)
+    const = {"s": rng.uniform(0.5, 1.5, 4), "t": rng.uniform(-1, 1, 4)}
+    nodes = [h.make_node("Constant", [], [k], value=onnx.numpy_helper.from_array(v.astype(np.float32)))
+             for k, v in const.items()]  # fmt: skip
+    nodes += [h.make_node("Mul", ["x", "s"], ["xs"]), h.make_node("Add", ["xs", "t"], ["xa"]),
+              h.make_node("Einsum", ["xa", "W"], ["z" if bias else "y"], name="dense", equation=equation)]  # fmt: skip
+    inits = {"W": rng.standard_normal(w_shape), "b": rng.standard_normal(3)}
+    if bias:
+        nodes.append(h.make_node("Add", ["z", "b"], ["y"], name="dense/bias"))
+    out = [2, 3, 5] if equation.endswith("bdt") else [2, 5, 3]
+    graph = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 5, 4])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, out)],
+        [onnx.numpy_helper.from_array(a.astype(np.float32), k) for k, a in inits.items() if k == "W" or bias],
+    )  # fmt: skip
+    path = tmp_path / "einsum.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert report.verification is not None and report.verification.passed
+    fused = tmp_path / "out" / "model.onnx"
+    if equation.endswith("bdt"):
+        assert report.folds == [] and {"Mul", "Einsum"} <= set(op_histogram(fused))
+        return
+    assert [(d.action, d.into) for d in report.folds] == [("folded-forward", ["W"])]
+    assert "Mul" not in op_histogram(fused) and op_histogram(fused)["Add"] == 1  # the bias (kept or created)
+    x = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    want, got = _run(path, x), _run(fused, x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_a_gemm_keeps_a_norm_on_its_rows_and_dropping_it_would_be_wrong(tmp_path):
     """Kept, with the true reason: a BatchNorm whose channels ``transA`` makes the rows of ``A`` (the Gemm
     contracts the other axis). The fold that drops the kept affine changes the output."""

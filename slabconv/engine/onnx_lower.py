@@ -1464,6 +1464,31 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     lo.out.layers[layer.name] = site
 
 
+@lowers("Einsum")
+def _einsum(lo: _Lowering, node: ir.Node) -> None:
+    """``Einsum`` of a tensor and a constant 2-D weight that contracts the tensor's last axis and puts the weight's
+    other axis last (``btc,cd->btd``, ``...c,dc->...d``: Keras' ``EinsumDense``) as ``MatMul`` is lowered:
+    ``aten.linear`` with the weight seen ``(N, K)``, and the bias ``Add`` after it; any other as ``aten.einsum``."""
+    terms = _text(node, "equation", "").replace(" ", "").split("->")
+    inputs = terms[0].split(",")
+    w = _const_tensor(node.inputs[-1]) if len(inputs) == 2 and len(node.inputs) == 2 else None
+    if w is None or len(terms) != 2 or len(inputs[1]) != 2 or not node.inputs[1].is_initializer():  # type: ignore[union-attr]
+        return _every_input(lo, node)
+    (x, weight), out = inputs, terms[1]
+    k = x[-1:]
+    n = weight.replace(k, "", 1)
+    if len(n) != 1 or n in x or k in x[:-1] or out != x[:-1] + n or _const_tensor(node.inputs[0]) is not None:
+        return _every_input(lo, node)
+    b = node.inputs[1]
+    assert b is not None
+    transposed = weight.index(k) == 0  # stored (K, N)
+    binding = Binding(b.name or "", transposed, tuple(int(d) for d in w.shape))
+    read = _weight(lo, node, b, "weight", binding, torch.Tensor.t if transposed else None)
+    bias, site, value = _bias_add(lo, node, int(w.shape[1 if transposed else 0]), 1, reshaped=True)
+    layer = lo.emit(node, aten.linear.default, (lo.read(node.inputs[0]), read, bias), value)
+    lo.out.layers[layer.name] = site
+
+
 @lowers("Gemm")
 def _gemm(lo: _Lowering, node: ir.Node) -> None:
     """``Gemm``: ``alpha * A' B' + beta * C`` (``A'`` is ``A`` transposed with ``transA``, ``B'`` likewise) as
