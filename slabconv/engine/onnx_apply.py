@@ -13,7 +13,7 @@ changed in place, as the plans say:
 - a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose``, or an ``Add`` after its ``MatMul``
   (``<layer>.bias``, a ``.../folded_bias_add`` node); a ``Gemm``'s C per row (``(M, N)``, ``(M, 1)``) or of one
   number becomes ``s * beta * C`` plus the bias, in C's broadcast shape, ``s`` the product of the scales of the
-  Gemm's backward folds (``rows_scales``): ``s (A B + C) + t = A (B s) + (s C + t)``;
+  Gemm's backward folds (``_rows_scales``): ``s (A B + C) + t = A (B s) + (s C + t)``;
 - a kept affine becomes one ``BatchNormalization`` (mean 0, variance 1, epsilon 0: exactly ``x * s + t``) where its
   channels are at axis 1 and it has a shift, else ``Mul`` (and ``Add``), in front of each blocked node, on the
   value it reads (an ``If`` or
@@ -158,7 +158,7 @@ class _Graph:
     def new_bias(self, layer: fx.Node, target: str, value: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Give a layer without bias the bias ``value`` (float64 ``(out,)``) at ``target``; a ``Gemm`` with a C
         per row (``ROWS_ADDEND``) takes ``value + scale * beta * C`` there instead (``scale``: the product of its
-        backward folds' scales, ``rows_scales``)."""
+        backward folds' scales, ``_rows_scales``)."""
         site = self.lowered.layers[layer.name]
         node = self.nodes[site.node]
         weight = next(v for v in node.inputs[1:2])
@@ -357,20 +357,16 @@ def folded_values(lowered: Lowered, plans: list[NormPlan]) -> tuple[dict[str, to
     return values, list(program.ranges.values())
 
 
-def rows_scales(plans: list[NormPlan]) -> dict[fx.Node, tuple[fx.Node, torch.Tensor | None]]:
+def _rows_scales(plans: list[NormPlan]) -> dict[fx.Node, torch.Tensor | None]:
     """Each folded layer whose output an addend of its own follows (``ROWS_ADDEND``: a ``Gemm``'s C per row), with
     the product of the scales of its backward folds in ``plans`` (float64 ``(out,)``; None when it has only forward
     folds): each fold maps the layer's bias ``b`` to ``s b + c`` (a forward fold: ``s = 1``), so the folds map the
     addend ``C`` to that product times ``C`` plus the bias they create from none."""
-    out: dict[fx.Node, tuple[fx.Node, torch.Tensor | None]] = {}
-    for p in plans:
-        for f in p.folds if p.remove else ():
-            if not any(u.meta.get(ROWS_ADDEND) for u in f.layer.users):
-                continue
-            _, scale = out.get(f.layer, (f.layer, None))
-            if not f.forward:
-                scale = f.scale.to(torch.float64) * (1.0 if scale is None else scale)
-            out[f.layer] = (f.layer, scale)
+    out: dict[fx.Node, torch.Tensor | None] = {}
+    for f in (f for p in plans if p.remove for f in p.folds):
+        if any(u.meta.get(ROWS_ADDEND) for u in f.layer.users):
+            s = out.get(f.layer)
+            out[f.layer] = s if f.forward else f.scale.to(torch.float64) * (1.0 if s is None else s)
     return out
 
 
@@ -401,7 +397,7 @@ def apply_plans(
     """
     values = folded_values(lowered, plans)[0] if values is None else values
     created = {nb.target for p in plans if p.remove for nb in p.new_biases}
-    rows = rows_scales(plans)
+    rows = _rows_scales(plans)
     g = _Graph(model, lowered, exact)
     read = [v for v in model.graph.inputs if v.name in model.graph.initializers and v.uses()]
     for p in plans:
@@ -412,11 +408,11 @@ def apply_plans(
                 if target in values and target not in created and target not in g.written:
                     g.write(target, values[target])
         for nb in p.new_biases:
-            g.new_bias(nb.layer, nb.target, values[nb.target], rows.pop(nb.layer, (None,))[-1])
+            g.new_bias(nb.layer, nb.target, values[nb.target], rows.pop(nb.layer, None))
         g.remove(p)
         if p.unit is not None:
             g.unit(p)
-    for layer, scale in rows.values():  # no bias created (a LayerScale's folds): C becomes s beta C all the same
+    for layer, scale in rows.items():  # no bias created (a LayerScale's folds): C becomes s beta C all the same
         if scale is not None:
             g.new_bias(layer, f"{lowered.layers[layer.name].node}.C", torch.zeros_like(scale), scale)
     _cancel_layout_pairs(g)
