@@ -1925,21 +1925,60 @@ def test_a_batchnorm_after_a_loop_that_omits_an_optional_input_folds(tmp_path, o
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_an_unnamed_norm_with_a_statistic_fed_as_a_graph_input_is_named_by_its_output(tmp_path):
-    """A hand-built graph (onnx.helper leaves nodes unnamed) whose BatchNormalization mean is a graph input: the
-    refusal names the node by the tensor it writes, not as node ''."""
+@pytest.mark.parametrize("mean_fed", [True, False])
+def test_an_unnamed_norm_is_named_by_its_output_in_errors_inspect_and_the_report(tmp_path, mean_fed):
+    """A hand-built graph (onnx.helper leaves nodes unnamed): its BatchNormalization is named by the tensor it
+    writes, as onnxruntime and Netron show it, not as node '' or a name onnx-ir made up: in the refusal of a mean
+    fed as a graph input, and in ``inspect`` and the report of the fused file (kept in front of a ``Relu``)."""
     h, c = onnx.helper, 4
-    values = {k: np.full(c, v, np.float32) for k, v in (("scale", 1.5), ("shift", 0.2), ("var", 2.0))}
+    values = {k: np.full(c, v, np.float32) for k, v in (("scale", 1.5), ("shift", 0.2), ("var", 2.0), ("mean", 0.1))}
+    values["W"] = np.random.default_rng(0).standard_normal((3, c, 1, 1)).astype(np.float32)
+    fed = [("x", [1, c, 3, 3])] + ([("mean", [c])] if mean_fed else [])
     graph = h.make_graph(
-        [h.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["normed"])],
+        [h.make_node("BatchNormalization", ["x", "scale", "shift", "mean", "var"], ["normed"]),
+         h.make_node("Relu", ["normed"], ["act"]), h.make_node("Conv", ["normed", "W"], ["y"])],
         "g",
-        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in (("x", [1, c, 3, 3]), ("mean", [c]))],
-        [h.make_tensor_value_info("normed", onnx.TensorProto.FLOAT, [1, c, 3, 3])],
+        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, s) for n, s in fed],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 3, 3, 3]),
+         h.make_tensor_value_info("act", onnx.TensorProto.FLOAT, [1, c, 3, 3])],
+        [onnx.numpy_helper.from_array(v, k) for k, v in values.items() if not (mean_fed and k == "mean")],
+    )  # fmt: skip
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "bn.onnx"))
+    if mean_fed:
+        with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node 'normed' "):
+            api.inspect(tmp_path / "bn.onnx")
+        return
+    assert [(d.norm, d.action) for d in api.inspect(tmp_path / "bn.onnx").folds] == [("normed", "kept-affine")]
+    report = api.fuse(tmp_path / "bn.onnx", tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert [d.norm for d in report.folds] == ["normed"] and report.verification is not None
+    assert report.verification.passed
+
+
+@pytest.mark.parametrize("opset", [18, 21])
+def test_opset_18s_group_normalization_is_refused_by_name_as_onnx_checker_refuses_it(tmp_path, opset):
+    """ONNX deprecates GroupNormalization-18 (scale and bias one per group, not per channel as opset 21's and
+    PyTorch's): onnx.checker refuses the file, and slabconv says which node and what to do, one line; the same
+    graph at opset 21 is read."""
+    h, c = onnx.helper, 4
+    size = 2 if opset < 21 else c
+    values = {"gs": np.full(size, 1.5, np.float32), "gb": np.full(size, 0.2, np.float32)}
+    graph = h.make_graph(
+        [h.make_node("GroupNormalization", ["x", "gs", "gb"], ["y"], num_groups=2)],
+        "g",
+        [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, c, 3, 3])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, c, 3, 3])],
         [onnx.numpy_helper.from_array(v, k) for k, v in values.items()],
     )
-    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(tmp_path / "stats.onnx"))
-    with pytest.raises(InputError, match=r"input 'mean' is a parameter of BatchNormalization node writing 'normed' "):
-        api.inspect(tmp_path / "stats.onnx")
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    onnx.save(model, str(tmp_path / "gn.onnx"))
+    if opset == 21:
+        onnx.checker.check_model(model)
+        assert api.inspect(tmp_path / "gn.onnx").folds == []  # no affine to fold without --fold-norm-affine
+        return
+    with pytest.raises(onnx.checker.ValidationError, match="deprecated"):
+        onnx.checker.check_model(model)
+    with pytest.raises(InputError, match=r"GroupNormalization node 'y' is opset 18's, .* at opset 21 or later$"):
+        api.inspect(tmp_path / "gn.onnx")
 
 
 class _BatchOfOne(nn.Module):
@@ -2281,14 +2320,16 @@ def _input_shape(path: Path) -> list[int]:
      ("before", "Gemm", None, {"alpha": 0.3, "beta": 0.7}), ("after", "Gemm", None, {"alpha": 0.3, "beta": 0.7}),
      ("before", "Gemm", (3,), {"transA": 1}), ("after", "Gemm", (3,), {"transA": 1, "transB": 1, "alpha": 2.5}),
      ("before", "Gemm", (6, 3), {"beta": 0.7}), ("before", "Gemm", (6, 1), {}),
+     ("after", "Gemm", (6, 3), {"beta": 0.7}), ("after", "Gemm", (6, 1), {}), ("after", "Gemm", (), {}),
      ("after", "Gemm", (1,), {"beta": 0.7}), ("before", "MatMul", None, {}), ("after", "MatMul", None, {})],
 )  # fmt: skip
 def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c, attrs):
     """A ``Gemm`` with ``alpha`` or ``beta`` not 1, with ``transA``, or with a C per row (``(M, N)``, ``(M, 1)``)
     or one number, and a ``MatMul`` by a ``(1, K, N)`` weight, were opaque, which kept the norm beside them though
     the fold is exact: the engine folds into ``alpha B`` and ``beta C`` (written so, ``alpha`` / ``beta`` then 1),
-    into ``B`` behind ``A``'s transpose, a forward fold's bias added to a C per row. The norm goes and onnxruntime
-    runs the folded file as the original."""
+    into ``B`` behind ``A``'s transpose, a forward fold's bias added to a C per row, a backward fold's ``(s, t)``
+    into ``B`` and a C per row as ``s beta C + t`` (``(M, N)``). The norm goes and onnxruntime runs the folded file
+    as the original."""
     path = _gemm_file(tmp_path / "gemm.onnx", norm, op, c, **attrs)
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
     assert report.verification is not None and report.verification.passed
@@ -2300,19 +2341,108 @@ def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c,
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize(("norm", "c", "attrs"), [("rows", (3,), {"transA": 1}), ("after", (6, 3), {"beta": 0.7})])
-def test_a_gemm_keeps_a_norm_on_its_rows_or_behind_a_c_per_row_and_dropping_it_would_be_wrong(tmp_path, norm, c, attrs):
+@pytest.mark.parametrize("case", ["layerscale", "both", "shared"])
+def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
+    """A ``Gemm`` whose C is per row, ``(6, 3)``, folds backward whatever else its folds are: a LayerScale after
+    it (no shift, no bias created: C becomes ``s C``), a BatchNorm before it (forward) and one after it
+    (backward: C becomes ``s2 (beta C + W t1) + t2``), a C another Gemm reads too (copied for the folded one).
+    onnxruntime runs the fused file as the original, and leaving C as it was would change the output."""
+    h, rng = onnx.helper, np.random.default_rng(0)
+    arrays = {"W": rng.standard_normal((4, 3)), "C": rng.standard_normal((6, 3)), "W2": rng.standard_normal((4, 3))}
+    arrays |= {k: rng.uniform(0.5, 1.5, n) for k, n in (("ls", 3), ("s1", 4), ("s2", 3), ("v1", 4), ("v2", 3))}
+    arrays |= {k: rng.uniform(-1, 1, n) for k, n in (("b1", 4), ("b2", 3), ("m1", 4), ("m2", 3))}
+    bn2 = h.make_node("BatchNormalization", ["z", "s2", "b2", "m2", "v2"], ["n2"], name="bn2")
+    nodes = {
+        "layerscale": [
+            h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
+            h.make_node("Mul", ["z", "ls"], ["n2"], name="ls"),
+        ],
+        "both": [
+            h.make_node("BatchNormalization", ["x", "s1", "b1", "m1", "v1"], ["n1"], name="bn1"),
+            h.make_node("Gemm", ["n1", "W", "C"], ["z"], name="gemm", beta=0.5),
+            bn2,
+        ],
+        "shared": [
+            h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
+            bn2,
+            h.make_node("Gemm", ["x", "W2", "C"], ["z2"], name="gemm2"),
+        ],
+    }[case]
+    nodes.append(h.make_node("Relu", ["n2"], ["y"]) if case != "shared" else h.make_node("Add", ["n2", "z2"], ["y"]))
+    read = {i for n in nodes for i in n.input}
+    info = [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [6, k]) for n, k in (("x", 4), ("y", 3))]
+    inits = [onnx.numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items() if k in read]
+    path = tmp_path / "gemm.onnx"
+    onnx.save(h.make_model(h.make_graph(nodes, "g", info[:1], info[1:], inits), opset_imports=[h.make_opsetid("", 17)]),
+              str(path))  # fmt: skip
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert report.verification is not None and report.verification.passed
+    assert {d.norm: d.action for d in report.folds if d.norm != "bn1"} == {
+        "ls" if case == "layerscale" else "bn2": "folded-backward"
+    }
+    out = tmp_path / "out" / "model.onnx"
+    assert set(op_histogram(out)) == {"Gemm", "Add" if case == "shared" else "Relu"}
+    x = rng.standard_normal((6, 4)).astype(np.float32)
+    want, got = _run(path, x), _run(out, x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    fused = onnx.load(str(out))
+    for init in fused.graph.initializer:  # C as it was, beside the folded weight: not the original
+        if init.name == next(n.input[2] for n in fused.graph.node if n.name == "gemm"):
+            init.CopyFrom(
+                onnx.numpy_helper.from_array(
+                    (arrays["C"] * (0.5 if case == "both" else 1)).astype(np.float32), init.name
+                )
+            )
+    onnx.save(fused, str(tmp_path / "naive.onnx"))
+    naive = _run(tmp_path / "naive.onnx", x)
+    assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize(
+    ("equation", "w_shape", "bias"),
+    [("btc,cd->btd", (4, 3), True), ("...c,dc->...d", (3, 4), False), ("btc,cd->bdt", (4, 3), False)],
+)
+def test_a_norm_before_an_einsum_linear_layer_folds_into_its_weight(tmp_path, equation, w_shape, bias):
+    """Keras' ``EinsumDense`` (tf2onnx) writes a Linear as ``Einsum`` of the tensor and a 2-D weight contracting the
+    last axis: a ``Mul`` / ``Add`` by per-channel ``Constant`` nodes before it folds into the weight (and the bias
+    ``Add`` after it), with the weight stored ``(K, N)`` or ``(N, K)``; onnxruntime runs the fused file as the
+    original. An equation that moves the axes (``->bdt``) is no Linear: no norm is found there."""
+    h, rng = onnx.helper, np.random.default_rng(0)
+    const = {"s": rng.uniform(0.5, 1.5, 4), "t": rng.uniform(-1, 1, 4)}
+    nodes = [h.make_node("Constant", [], [k], value=onnx.numpy_helper.from_array(v.astype(np.float32)))
+             for k, v in const.items()]  # fmt: skip
+    nodes += [h.make_node("Mul", ["x", "s"], ["xs"]), h.make_node("Add", ["xs", "t"], ["xa"]),
+              h.make_node("Einsum", ["xa", "W"], ["z" if bias else "y"], name="dense", equation=equation)]  # fmt: skip
+    inits = {"W": rng.standard_normal(w_shape), "b": rng.standard_normal(3)}
+    if bias:
+        nodes.append(h.make_node("Add", ["z", "b"], ["y"], name="dense/bias"))
+    out = [2, 3, 5] if equation.endswith("bdt") else [2, 5, 3]
+    graph = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 5, 4])],
+        [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, out)],
+        [onnx.numpy_helper.from_array(a.astype(np.float32), k) for k, a in inits.items() if k == "W" or bias],
+    )  # fmt: skip
+    path = tmp_path / "einsum.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
+    assert report.verification is not None and report.verification.passed
+    fused = tmp_path / "out" / "model.onnx"
+    if equation.endswith("bdt"):
+        assert report.folds == [] and {"Mul", "Einsum"} <= set(op_histogram(fused))
+        return
+    assert [(d.action, d.into) for d in report.folds] == [("folded-forward", ["W"])]
+    assert "Mul" not in op_histogram(fused) and op_histogram(fused)["Add"] == 1  # the bias (kept or created)
+    x = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    want, got = _run(path, x), _run(fused, x)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_gemm_keeps_a_norm_on_its_rows_and_dropping_it_would_be_wrong(tmp_path):
     """Kept, with the true reason: a BatchNorm whose channels ``transA`` makes the rows of ``A`` (the Gemm
-    contracts the other axis), and one after a Gemm whose C is per row, which a backward fold would have to
-    rescale column by column (the engine writes layers' weights and biases, not such a constant: ``backward``
-    names it). The fold that drops the kept affine changes the output."""
-    path = _gemm_file(tmp_path / "gemm.onnx", norm, "Gemm", c, **attrs)
+    contracts the other axis). The fold that drops the kept affine changes the output."""
+    path = _gemm_file(tmp_path / "gemm.onnx", "rows", "Gemm", (3,), transA=1)
     (decision,) = api.inspect(path).folds
-    assert decision.action == "kept-affine"
-    if norm == "rows":
-        assert decision.reason == "consumer-not-on-channel-axis"
-    else:
-        assert decision.no_backward == "aten.add adds layer.C, a stored tensor that is not one value per channel"
+    assert (decision.action, decision.reason) == ("kept-affine", "consumer-not-on-channel-axis")
     x = np.random.default_rng(1).standard_normal(_input_shape(path)).astype(np.float32)
     want, got = _run(path, x), _run(_naive_onnx(path, tmp_path / "naive.onnx"), x)
     assert np.abs(got - want).max() > 1e-2 * np.abs(want).max()

@@ -358,10 +358,19 @@ def _widening_before_norm(cast: fx.Node, src: fx.Node) -> str | None:
     )
 
 
+ROWS_ADDEND = "rows_addend"
+"""``meta`` key of an ``add`` that applies a layer's own addend of another shape than ``(C,)`` (an ONNX ``Gemm``'s C
+per row, ``(M, N)`` or ``(M, 1)``, or one number, lowered ``linear(x, W) + C``): a backward fold passes it to the
+layer, and whoever writes the fold rewrites that addend too (``slabconv.engine.onnx_apply``: ``s C``)."""
+
+
 def _bias_add_layer(node: fx.Node) -> fx.Node | None:
-    """The layer when ``node`` is the ``add`` of its separate bias (``layer(x) + b``, ``separate_bias``)."""
+    """The layer when ``node`` is the ``add`` of its separate bias (``layer(x) + b``, ``separate_bias``) or of its
+    own addend (``ROWS_ADDEND``)."""
     if node.target is not aten.add.Tensor:
         return None
+    if node.meta.get(ROWS_ADDEND):
+        return node.args[0]  # type: ignore[return-value]
     for arg in node.args:
         kind = layer_of(arg)
         if kind is not None and (found := separate_bias(arg, kind)) is not None and found.add is node:  # type: ignore[arg-type]

@@ -10,8 +10,10 @@ changed in place, as the plans say:
   reshaped back for a ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64
   fold (a ``Gemm`` weight or C then holds its ``alpha`` / ``beta``, which become 1); an initializer that other nodes
   read too is copied for the node the fold changed (copy on write);
-- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose`` (a ``Gemm``'s C per row becomes
-  ``beta * C`` plus the bias), or an ``Add`` after its ``MatMul`` (``<layer>.bias``, a ``.../folded_bias_add`` node);
+- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose``, or an ``Add`` after its ``MatMul``
+  (``<layer>.bias``, a ``.../folded_bias_add`` node); a ``Gemm``'s C per row (``(M, N)``, ``(M, 1)``) or of one
+  number becomes ``s * beta * C`` plus the bias, in C's broadcast shape, ``s`` the product of the scales of the
+  Gemm's backward folds (``_rows_scales``): ``s (A B + C) + t = A (B s) + (s C + t)``;
 - a kept affine becomes one ``BatchNormalization`` (mean 0, variance 1, epsilon 0: exactly ``x * s + t``) where its
   channels are at axis 1 and it has a shift, else ``Mul`` (and ``Add``), in front of each blocked node, on the
   value it reads (an ``If`` or
@@ -35,7 +37,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine.capture import stored
-from slabconv.engine.flow import BlockedEdge
+from slabconv.engine.flow import ROWS_ADDEND, BlockedEdge
 from slabconv.engine.norm_affine import MARK
 from slabconv.engine.onnx_lower import Binding, Lowered, subgraphs
 from slabconv.engine.planner import NormPlan
@@ -144,8 +146,10 @@ class _Graph:
                     use.node.replace_input_with(use.idx, value)
         return value
 
-    def new_bias(self, layer: fx.Node, target: str, value: torch.Tensor) -> None:
-        """Give a layer without bias the bias ``value`` (float64 ``(out,)``) at ``target``."""
+    def new_bias(self, layer: fx.Node, target: str, value: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Give a layer without bias the bias ``value`` (float64 ``(out,)``) at ``target``; a ``Gemm`` with a C
+        per row (``ROWS_ADDEND``) takes ``value + scale * beta * C`` there instead (``scale``: the product of its
+        backward folds' scales, ``_rows_scales``)."""
         site = self.lowered.layers[layer.name]
         node = self.nodes[site.node]
         weight = next(v for v in node.inputs[1:2])
@@ -157,7 +161,8 @@ class _Graph:
             stored_c = ir.convenience.get_const_tensor(node.inputs[2])
             assert stored_c is not None  # the lowering read C as a constant
             c = torch.from_numpy(np.asarray(stored_c.numpy()))
-            value = value + c.to(torch.float64) * (1.0 if beta is None else beta.value)  # (M, N): beta * C + bias
+            c = c.to(torch.float64) * (1.0 if beta is None else beta.value)
+            value = value + (c if scale is None else scale * c)  # (M, N): s (y + beta C) + t = s y + (t + s beta C)
         bias = self._initializer(target, _numpy(value, dtype))
         self.bindings[target] = Binding(bias.name or target, False, tuple(value.shape))
         self.written[target] = bias
@@ -337,6 +342,19 @@ def folded_values(lowered: Lowered, plans: list[NormPlan]) -> tuple[dict[str, to
     return values, list(program.ranges.values())
 
 
+def _rows_scales(plans: list[NormPlan]) -> dict[fx.Node, torch.Tensor | None]:
+    """Each folded layer whose output an addend of its own follows (``ROWS_ADDEND``: a ``Gemm``'s C per row), with
+    the product of the scales of its backward folds in ``plans`` (float64 ``(out,)``; None when it has only forward
+    folds): each fold maps the layer's bias ``b`` to ``s b + c`` (a forward fold: ``s = 1``), so the folds map the
+    addend ``C`` to that product times ``C`` plus the bias they create from none."""
+    out: dict[fx.Node, torch.Tensor | None] = {}
+    for f in (f for p in plans if p.remove for f in p.folds):
+        if any(u.meta.get(ROWS_ADDEND) for u in f.layer.users):
+            s = out.get(f.layer)
+            out[f.layer] = s if f.forward else f.scale.to(torch.float64) * (1.0 if s is None else s)
+    return out
+
+
 def _scaled(tensor: torch.Tensor, binding: Binding | None) -> torch.Tensor:
     """A stored tensor times the factor its node multiplies it by (``Binding.scaled``: a ``Gemm``'s ``alpha`` or
     ``beta``), in float64: exact, as a float32 attribute times a tensor of at most 24 significant bits is."""
@@ -364,6 +382,7 @@ def apply_plans(
     """
     values = folded_values(lowered, plans)[0] if values is None else values
     created = {nb.target for p in plans if p.remove for nb in p.new_biases}
+    rows = _rows_scales(plans)
     g = _Graph(model, lowered, exact)
     read = [v for v in model.graph.inputs if v.name in model.graph.initializers and v.uses()]
     for p in plans:
@@ -374,10 +393,13 @@ def apply_plans(
                 if target in values and target not in created and target not in g.written:
                     g.write(target, values[target])
         for nb in p.new_biases:
-            g.new_bias(nb.layer, nb.target, values[nb.target])
+            g.new_bias(nb.layer, nb.target, values[nb.target], rows.pop(nb.layer, None))
         g.remove(p)
         if p.unit is not None:
             g.unit(p)
+    for layer, scale in rows.items():  # no bias created (a LayerScale's folds): C becomes s beta C all the same
+        if scale is not None:
+            g.new_bias(layer, f"{lowered.layers[layer.name].node}.C", torch.zeros_like(scale), scale)
     _cancel_layout_pairs(g)
     from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 

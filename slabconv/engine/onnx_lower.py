@@ -3,9 +3,10 @@
 (``find_norms``, ``plan_folds``, the rule table ``RULES`` and the layer table ``LAYERS``).
 
 In: an ``onnx_ir.Model`` (``slabconv.load.onnx_file.load_ir``). ``prepare`` gets it ready in place: unique names for
-every node and value (onnx-ir's ``NameFixPass``), shapes from symbolic shape inference (onnxruntime's
-``SymbolicShapeInference``, else ONNX's own), and weights an exporter computes from constants (``Transpose``,
-``Reshape``, ``Cast`` of an initializer, ``Constant`` nodes) folded into initializers by onnxscript's constant folding.
+every node and value (onnx-ir's ``NameFixPass``; an unnamed node takes its first output's name), shapes from
+symbolic shape inference (onnxruntime's ``SymbolicShapeInference``, else ONNX's own), and weights an exporter
+computes from constants (``Transpose``, ``Reshape``, ``Cast`` of an initializer, ``Constant`` nodes) folded into
+initializers by onnxscript's constant folding.
 ``lower`` then builds:
 
 - one fx node per ONNX node output (``meta["onnx"]``: the node's name, ``meta["onnx_value"]``: the value's name,
@@ -48,7 +49,9 @@ from onnx_ir.tensor_adapters import to_torch_dtype
 from torch import fx, nn
 
 from slabconv.engine.capture import LIFTED, STATE
+from slabconv.engine.flow import ROWS_ADDEND
 from slabconv.engine.onnx_shapes import Dims, infer_shapes, known_elements, merge_shapes, unknowns
+from slabconv.load.onnx_file import node_label
 
 aten = torch.ops.aten
 
@@ -88,7 +91,7 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
 
     InlinePass()(model)  # a model-local function's call is its body: a norm inside one is a norm of the graph
     RemoveUnusedFunctionsPass()(model)
-    NameFixPass()(model)
+    NameFixPass(_Names())(model)
     ir.external_data.load_to_model(model)  # folded constants may be views of the data: never of a memory map
     LiftConstantsToInitializersPass(size_limit=1)(model)  # a Constant node's tensor is a weight a fold may write
     _read_shared_initializers(model)
@@ -101,6 +104,17 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     _fold_constants(model)
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
+
+
+class _Names:
+    """``NameFixPass``'s names: an unnamed node (``onnx.helper`` writes none) is named by its first output, as
+    onnxruntime's messages and Netron show it: the name a user finds in the file."""
+
+    def generate_node_name(self, node: ir.Node) -> str:
+        return node_label(node)
+
+    def generate_value_name(self, value: ir.Value) -> str:
+        return value.name or "v"
 
 
 def _read_shared_initializers(model: ir.Model) -> None:
@@ -1443,12 +1457,38 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     lo.out.layers[layer.name] = site
 
 
+@lowers("Einsum")
+def _einsum(lo: _Lowering, node: ir.Node) -> None:
+    """``Einsum`` of a tensor and a constant 2-D weight that contracts the tensor's last axis and puts the weight's
+    other axis last (``btc,cd->btd``, ``...c,dc->...d``: Keras' ``EinsumDense``) as ``MatMul`` is lowered:
+    ``aten.linear`` with the weight seen ``(N, K)``, and the bias ``Add`` after it; any other as ``aten.einsum``."""
+    terms = _text(node, "equation", "").replace(" ", "").split("->")
+    inputs = terms[0].split(",")
+    w = _const_tensor(node.inputs[-1]) if len(inputs) == 2 and len(node.inputs) == 2 else None
+    if w is None or len(terms) != 2 or len(inputs[1]) != 2 or not node.inputs[1].is_initializer():  # type: ignore[union-attr]
+        return _every_input(lo, node)
+    (x, weight), out = inputs, terms[1]
+    k = x[-1:]
+    n = weight.replace(k, "", 1)
+    if len(n) != 1 or n in x or k in x[:-1] or out != x[:-1] + n or _const_tensor(node.inputs[0]) is not None:
+        return _every_input(lo, node)
+    b = node.inputs[1]
+    assert b is not None
+    transposed = weight.index(k) == 0  # stored (K, N)
+    binding = Binding(b.name or "", transposed, tuple(int(d) for d in w.shape))
+    read = _weight(lo, node, b, "weight", binding, torch.Tensor.t if transposed else None)
+    bias, site, value = _bias_add(lo, node, int(w.shape[1 if transposed else 0]), 1, reshaped=True)
+    layer = lo.emit(node, aten.linear.default, (lo.read(node.inputs[0]), read, bias), value)
+    lo.out.layers[layer.name] = site
+
+
 @lowers("Gemm")
 def _gemm(lo: _Lowering, node: ir.Node) -> None:
     """``Gemm``: ``alpha * A' B' + beta * C`` (``A'`` is ``A`` transposed with ``transA``, ``B'`` likewise) as
     ``aten.linear`` of ``A'`` (``aten.t`` of ``A`` with ``transA``), the weight ``B'`` seen ``(N, K)`` and the bias
-    ``C`` seen ``(N,)`` (a C of ``N`` values), ``alpha`` and ``beta`` in their ``Binding.scaled``. Opaque when ``B``
-    is no initializer or ``alpha`` is 0, or ``C`` is no initializer or per row (``(M, N)``, ``(M, 1)``)."""
+    ``C`` seen ``(N,)`` (a C of ``N`` values), ``alpha`` and ``beta`` in their ``Binding.scaled``; a C per row
+    (``(M, N)``, ``(M, 1)``) or of one number, ``beta C``, is added after the layer (``ROWS_ADDEND``: a backward
+    fold passes it, ``onnx_apply`` rescales it). Opaque when ``B`` or ``C`` is no initializer or ``alpha`` is 0."""
     a, b = node.inputs[0], node.inputs[1]
     c = node.inputs[2] if len(node.inputs) > 2 else None
     w = _const_tensor(b)
@@ -1488,7 +1528,7 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
     )
     lo.out.layers[layer.name] = LayerSite(name)
     if rows is not None:
-        lo.emit(node, aten.add.Tensor, (layer, rows), out)
+        lo.emit(node, aten.add.Tensor, (layer, rows), out).meta[ROWS_ADDEND] = True
 
 
 @lowers("Conv", "ConvTranspose")

@@ -165,7 +165,7 @@ def tensors(model: Any) -> Iterator[tuple[str, Any, list[int] | None]]:
             for s in item.sparse_initializer:
                 yield from _sparse(f"sparse initializer {s.values.name[:80]!r}{where}", s)
         for node in nodes:
-            at = f"node {(node.name or node.op_type)[:80]!r}{where}"
+            at = f"node {node_label(node)[:80]!r}{where}"
             for a in node.attribute:
                 what = f"the tensor of {at} (attribute {a.name[:40]!r})"
                 if a.HasField("t"):
@@ -197,6 +197,14 @@ class _Stored:
     file_size: int
     offset: int
     size: int
+
+
+def node_label(node: Any) -> str:
+    """A node of an ``onnx.NodeProto`` (or ``onnx_ir.Node``) as the file lets a user find it: its name, or for an
+    unnamed node (``onnx.helper`` writes none) its first output's name, as onnxruntime and Netron show it (its op
+    type when it has neither)."""
+    outputs = list(node.output if hasattr(node, "output") else (o.name for o in node.outputs))
+    return node.name or next((o for o in outputs if o), node.op_type)
 
 
 def _dtype_name(code: int) -> str:
@@ -464,7 +472,8 @@ def check_foldable(path: Path, proto: Any) -> None:
 
 def _check_graph(path: Path, proto: Any) -> None:
     """The graph against ONNX's own rules (``onnx.checker``; strict shape and type inference), and what slabconv
-    cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, graph inputs that are not tensors of
+    cannot fold or feed: a ``BatchNormalization`` with ``spatial=0``, opset 18's deprecated ``GroupNormalization``
+    (scale and bias per group), graph inputs that are not tensors of
     numbers.
 
     Raises:
@@ -472,12 +481,19 @@ def _check_graph(path: Path, proto: Any) -> None:
     """
     import onnx
 
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     for node in proto.graph.node:
+        if node.op_type == "GroupNormalization" and node.domain in ("", "ai.onnx") and opset < 21:
+            raise InputError(
+                f"{path}: GroupNormalization node {node_label(node)[:80]!r} is opset {opset}'s, which ONNX deprecates "
+                "(onnx.checker refuses it): its scale and bias hold one value per group, not one per channel as "
+                "opset 21's and the frameworks' GroupNorm; export the model at opset 21 or later"
+            )
         spatial = next((a for a in node.attribute if a.name == "spatial"), None)
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and spatial and spatial.i == 0:
             raise InputError(
-                f"{path}: BatchNormalization node {node.name[:80]!r} has spatial=0 (statistics per element, ONNX "
-                "opset 8 and earlier), not one affine per channel; export the model at opset 9 or later"
+                f"{path}: BatchNormalization node {node_label(node)[:80]!r} has spatial=0 (statistics per element, "
+                "ONNX opset 8 and earlier), not one affine per channel; export the model at opset 9 or later"
             )
     try:
         with _without_external_data(proto):
@@ -575,12 +591,10 @@ def check_graph_inputs(path: Path, proto: Any) -> None:
         for position in _PARAMETER_INPUTS.get(node.op_type, ()) if node.domain in ("", "ai.onnx") else ():
             name = node.input[position] if position < len(node.input) else ""
             if name in fed:
-                output = node.output[0] if node.output else ""
-                at = repr(node.name[:80]) if node.name else f"writing {output[:80]!r}"  # exporters may leave it unnamed
                 raise InputError(
                     f"{path}: the graph input {name[:80]!r} is a parameter of {node.op_type} node "
-                    f"{at} and holds no value (exported with export_params=False?); export the model "
-                    "with its parameters (torch.onnx.export's default, export_params=True)"
+                    f"{node_label(node)[:80]!r} and holds no value (exported with export_params=False?); export the "
+                    "model with its parameters (torch.onnx.export's default, export_params=True)"
                 )
     for graph_input in proto.graph.input:
         if graph_input.name in initializers:

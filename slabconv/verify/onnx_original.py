@@ -17,7 +17,7 @@ import torch
 
 from slabconv.engine import onnx_fold
 from slabconv.errors import InputError, UsageError, first_line
-from slabconv.load.onnx_file import OnnxFile, load_ir
+from slabconv.load.onnx_file import OnnxFile, load_ir, node_label
 from slabconv.options import VerifyOptions
 from slabconv.verify.inputs import check_token_ids, load_npz_members, read_inputs_file, standard_normal
 from slabconv.verify.runtimes import Inputs, run_batched, samples_of, take
@@ -499,8 +499,9 @@ def check_deterministic(path: Path) -> None:
         training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
         if node.op_type in _RANDOM_OPS or training:
             raise InputError(
-                f"{path}: the graph draws random numbers ({node.op_type} node {node.name!r}: a dropout or batch "
-                "statistics exported in training mode?), so no two runs agree; export the model after model.eval()"
+                f"{path}: the graph draws random numbers ({node.op_type} node {node_label(node)[:80]!r}: a dropout or "
+                "batch statistics exported in training mode?), so no two runs agree; export the model after "
+                "model.eval()"
             )
 
 
