@@ -1462,7 +1462,7 @@ def _einsum(lo: _Lowering, node: ir.Node) -> None:
     """``Einsum`` of a tensor and a constant 2-D weight that contracts the tensor's last axis and puts the weight's
     other axis last (``btc,cd->btd``, ``...c,dc->...d``: Keras' ``EinsumDense``) as ``MatMul`` is lowered:
     ``aten.linear`` with the weight seen ``(N, K)``, and the bias ``Add`` after it; any other as ``aten.einsum``."""
-    terms = _text(node, "equation", "").replace(" ", "").split("->")
+    terms = node.attributes.get_string("equation", "").replace(" ", "").split("->")
     inputs = terms[0].split(",")
     w = _const_tensor(node.inputs[-1]) if len(inputs) == 2 and len(node.inputs) == 2 else None
     if w is None or len(terms) != 2 or len(inputs[1]) != 2 or not node.inputs[1].is_initializer():  # type: ignore[union-attr]
