@@ -893,3 +893,20 @@ def test_added_zeros_after_a_norm_with_a_shift_or_a_non_zero_pad_keep_the_affine
     decisions = engine.fold_all(gm)
     assert [(d.action, d.reason) for d in decisions] == [("kept-affine", reasons.ZERO_PADDING_AFTER_NORM)]
     assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_a_backward_blocker_is_named_by_the_onnx_node_a_user_finds_in_the_file(dynamo, tmp_path):
+    """The concatenation whose piece ``a`` also feeds a tanh (tests/test_exact_folds.py: no backward fold, the
+    blocker named): through the ONNX door the tensor read elsewhere is named by its ONNX node's name, one that is in
+    the file, not by the fx node the engine made of it."""
+    from tests.test_doors import _export
+    from tests.test_exact_folds import ConcatThenNorm, concat_input
+
+    model, x = randomize(ConcatThenNorm("conv", shared="tanh")).eval(), concat_input("conv")
+    path = _export(model, x, tmp_path / "model.onnx", dynamo)
+    graph = ir.load(str(path))
+    names = {node.name for node in graph.graph.all_nodes()}
+    _, (d,) = onnx_fold.fold_file(graph, str(path))
+    assert d.action == "kept-affine" and " is also read by " in (d.no_backward or ""), d.no_backward
+    assert d.no_backward.split(" is also read by ")[0] in names, (d.no_backward, sorted(names))

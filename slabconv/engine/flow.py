@@ -507,6 +507,12 @@ def _channel_pieces(node: fx.Node, ch: Chan) -> list[tuple[fx.Node, Chan, int]] 
     return out if start == ch.channels else None
 
 
+def shown(node: fx.Node) -> str:
+    """The name a reason gives ``node``: its ONNX node's name for an ONNX original (``meta["onnx"]``, what Netron
+    shows), else the fx node's name."""
+    return str(node.meta.get("onnx") or node.name)
+
+
 class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
@@ -533,7 +539,7 @@ class _Up:
             for src, user in self.graph.read_edges(n):
                 if user in skip:
                     continue
-                why = f"{node.name} is also read by {self.reader_name(user)}"
+                why = f"{shown(node)} is also read by {self.reader_name(user)}"
                 if not self.inverse:
                     why += " (and it has no inverse: a channel's scale is 0)"
                 if not self.inverse or (src, user) in self.graph.kept or user in self.stop:
@@ -570,12 +576,12 @@ class _Up:
         ends at one, else why not."""
         node = self.graph.resolve(node)
         if node in self.seen:
-            return f"{node.name} reaches the norm on two paths"
+            return f"{shown(node)} reaches the norm on two paths"
         self.seen.add(node)
         if any(u not in path for u in self.graph.readers(node)):
             if self.rows is not None:  # a piece of a concatenation carries a slice of the affine: no inverse here
                 readers = [self.reader_name(u) for u in self.graph.readers(node) if u not in path]
-                return f"{node.name} is also read by {readers[0]}"
+                return f"{shown(node)} is also read by {readers[0]}"
             uses = self.compensate(node, ch, path)
             if isinstance(uses, str):
                 return uses
