@@ -1310,11 +1310,8 @@ def test_an_index_that_disagrees_with_its_shards_is_named_for_its_tensor_when_th
             key = "model.extra.weight"
         held[key] = torch.zeros(2, dtype=torch.float16)
         save_file(held, str(src / other), metadata={"format": "pt"})
-        expected = (
-            f"{src / other}: holds {key!r}, which the index puts in {home}; the folder is damaged"
-            if damage == "in two shards"
-            else f"{src / hf.SAFETENSORS_INDEX}: the shards hold {key!r}, which the index does not list"
-        )
+        where = f"puts in {home}" if damage == "in two shards" else "does not list"
+        expected = f"{src / other}: holds {key!r}, which the index {where}; the folder is damaged"
     (src / hf.SAFETENSORS_INDEX).write_text(json.dumps(index))
     with pytest.raises(InputError, match=re.escape(expected)):
         api.fuse(src, tmp_path / "out", write=STREAM, verify=None)
