@@ -130,7 +130,7 @@ def open_door(
         InputError, UnsupportedModelError, UsageError: as ``load_model``, ``load.lazy.open_sharded``, ``plan``,
             ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading); a
             language model loaded whole whose question 2 cannot fit the memory available (refused before the trace,
-            ``check_language_checks_fit``).
+            ``check_language_checks_fit``), or given another ``--dtype`` (its folder keeps the checkpoint's).
     """
     from slabconv.load.formats import engine_of
 
@@ -143,6 +143,10 @@ def open_door(
     if not write.stream:
         progress(f"loading {path}")
         loaded = load_model(path, load)
+        if write_dtype(write) not in (None, loaded.dtype) and _family(loaded) in ("llama", "llama_std"):
+            raise UsageError(  # before the trace: a complete fold is written as a Hugging Face folder
+                "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
+            )
         if verify is not None and loaded.token_input:  # question 2 before the trace; with generation after the plan
             from dataclasses import replace
 
@@ -455,11 +459,13 @@ def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
     """A fused language model of a zoo family is written as a Hugging Face folder: LLaMA-PRepBN when every norm
     folded (the norm-free model), a standard decoder (LLaMA, Mistral, Qwen2) always (its own architecture, the norms
     it keeps included)."""
-    from slabconv.zoo import get_arch
-    from slabconv.zoo.llama_std import FAMILY
+    return (_family(loaded) == "llama" and planned.complete) or _family(loaded) == "llama_std"
 
-    family = get_arch(loaded.arch).family if loaded.arch is not None else None
-    return (family == "llama" and planned.complete) or family == FAMILY
+
+def _family(loaded: LoadedModel) -> str | None:
+    from slabconv.zoo import get_arch
+
+    return get_arch(loaded.arch).family if loaded.arch is not None else None
 
 
 def _check_one_dtype(sharded: ShardedFolder, program: engine.FoldProgram) -> None:
@@ -494,16 +500,11 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
     written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
 
     Raises:
-        UsageError: a language model (its Hugging Face folder keeps the checkpoint's dtype).
         NumericError: a fused tensor overflows ``dtype`` (named).
     """
     from slabconv.verify.policy import dtype_name
     from slabconv.verify.reference import cast_graph, float64_fold
 
-    if writes_hf_folder(loaded, planned):
-        raise UsageError(
-            "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
-        )
     if dtype == loaded.dtype:
         return planned
     assert planned.original is not None
@@ -680,7 +681,7 @@ class InMemory(_TorchDoor):
 
         Raises:
             UsageError: transformers missing for ``decoder.onnx`` or the generation check; a language model's checks
-                too big for the memory available; ``--dtype`` on a language model.
+                too big for the memory available.
             NumericError: the fused model's output is not finite on the example, or overflows ``--dtype``.
         """
         self.require_transformers(verify, write)

@@ -244,3 +244,25 @@ def test_a_folder_whose_config_lacks_the_head_count_is_told_to_add_it(prepbn, tm
     assert wanted in str(err.value) and not (tmp_path / "out").exists(), str(err.value)
     with pytest.raises(UnsupportedModelError, match="read the model from its folder with config.json"):
         llama_config(prepbn.state_dict(), {})  # weights alone (no folder): the head count is what is missing
+
+
+@pytest.mark.parametrize("std", [False, True])
+def test_dtype_on_a_language_model_is_refused_before_the_trace(prepbn, tmp_path, monkeypatch, std):
+    """``fuse --dtype bfloat16`` of a float32 LLaMA-PRepBN or standard LLaMA folder (written as a Hugging Face folder
+    in the checkpoint's dtype) is refused once the model is loaded, before the trace and the plan: it was refused
+    after them, a minute of a small model's tracing (much longer for a big one) spent on a command that writes
+    nothing."""
+    from slabconv import api, pipeline
+    from slabconv.errors import UsageError
+    from slabconv.options import WriteOptions
+
+    sd = dict(prepbn.state_dict())
+    if std:  # a standard LLaMA folder: plain RMSNorm weights
+        sd = {k: v for k, v in sd.items() if "layernorm" not in k and not k.startswith("model.norm")}
+        sd |= {f"model.layers.{i}.{n}.weight": torch.ones(32) for i in range(2) for n in _STD_NORMS}
+        sd = {k: v for k, v in sd.items() if "inv_freq" not in k} | {"model.norm.weight": torch.ones(32)}
+    write_hf_folder(tmp_path / "src", sd, CONFIG)
+    monkeypatch.setattr(pipeline, "plan", lambda *a, **k: pytest.fail("traced and planned before refusing --dtype"))
+    with pytest.raises(UsageError, match="a language model's Hugging Face folder keeps the checkpoint's dtype"):
+        api.fuse(tmp_path / "src", tmp_path / "out", write=WriteOptions(dtype="bfloat16", onnx=False, pt2=False))
+    assert not (tmp_path / "out").exists()

@@ -751,6 +751,12 @@ def test_a_fused_folder_missing_a_folded_bias_fails_verify_and_a_broken_original
         # question 1: the missing tensor, named as missing from the folder's weights, not as a distance
         named = f"tensor '{key}', which the fold writes, is missing from {'broken' if extra else 'model.safetensors'}"
         assert named in " ".join(result.output.split()) and "inf units" not in result.output, result.output
+        # the localisation names it too, as a layer without its bias computes (in memory it said "relative error
+        # not finite", its missing values taken for NaN)
+        fold = "model.layers.1.input_layernorm -> model.layers.1.self_attn.q_proj (relative error "
+        text = " ".join(result.output.split())
+        assert f"first diverging fold: {fold}" in text and "not finite" not in text, text
+        assert f"its '{key}', which the fold writes, is missing from the candidate" in text, text
     source = _without(root / "src", "model.layers.1.self_attn.q_proj.weight", tmp_path / "source")
     result = CliRunner().invoke(app, ["verify", str(source), str(root / "out"), "--generate", "2", "--stream"])
     assert result.exit_code == 2, result.output
@@ -1275,3 +1281,38 @@ def test_scratch_buffers_grow_while_other_lanes_take_theirs():
     finally:
         sys.setswitchinterval(interval)
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("damage", ["in two shards", "index points elsewhere", "not in the index"])
+def test_an_index_that_disagrees_with_its_shards_is_named_for_its_tensor_when_the_folder_is_read(
+    folded, tmp_path, damage
+):
+    """A shard that holds a tensor the index puts in another shard (or does not list), or an index entry whose
+    shard lacks the tensor, is refused when the folder is read, naming the tensor and the shards (was: after
+    tracing, the writer's ``FILE: its tensors disagree with the index``, naming neither; or a failed read)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    root = folded[0]
+    src = tmp_path / "src"
+    shutil.copytree(root / "src", src)
+    index = json.loads((src / hf.SAFETENSORS_INDEX).read_text())
+    names = list(dict.fromkeys(index["weight_map"].values()))
+    key = "lm_head.weight"
+    home, other = index["weight_map"][key], next(n for n in names if n != index["weight_map"][key])
+    held = load_file(str(src / other))
+    if damage == "index points elsewhere":  # the tensor where it was, the index naming another shard
+        index["weight_map"][key] = other
+        expected = f"{src / hf.SAFETENSORS_INDEX}: {key!r} is in the index but not in shard {other}"
+    else:  # a copy of the tensor in another shard too; or a tensor no index entry names
+        if damage == "not in the index":
+            key = "model.extra.weight"
+        held[key] = torch.zeros(2, dtype=torch.float16)
+        save_file(held, str(src / other), metadata={"format": "pt"})
+        where = f"puts in {home}" if damage == "in two shards" else "does not list"
+        expected = f"{src / other}: holds {key!r}, which the index {where}; the folder is damaged"
+    (src / hf.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    with pytest.raises(InputError, match=re.escape(expected)):
+        api.fuse(src, tmp_path / "out", write=STREAM, verify=None)
+    assert not (tmp_path / "out").exists()

@@ -287,10 +287,26 @@ class LazyShards:
         return order, typed
 
     def specs(self) -> dict[str, tuple[torch.dtype, list[int]]]:
-        """Every tensor's (dtype, shape), from the shard headers (no tensor data is read)."""
+        """Every tensor's (dtype, shape), from the shard headers (no tensor data is read), each held to the index.
+
+        Raises:
+            InputError: a shard holds a tensor the index puts elsewhere (or nowhere), or lacks one it puts there.
+        """
         out: dict[str, tuple[torch.dtype, list[int]]] = {}
         for shard in dict.fromkeys(self.weight_map.values()):
-            out.update(self.header(shard)[1])
+            typed = self.header(shard)[1]
+            stray = next((k for k in typed if self.weight_map.get(k) != shard), None)
+            if stray is not None:
+                where = f"puts in {self.weight_map[stray]}" if stray in self.weight_map else "does not list"
+                raise InputError(
+                    f"{self.folder / shard}: holds {stray!r}, which the index {where}; the folder is damaged"
+                )
+            absent = next((k for k, v in self.weight_map.items() if v == shard and k not in typed), None)
+            if absent is not None:
+                raise InputError(
+                    f"{self.folder / SAFETENSORS_INDEX}: {absent!r} is in the index but not in shard {shard}"
+                )
+            out.update(typed)
         return {k: out[k] for k in self.weight_map if k in out}
 
 

@@ -268,11 +268,14 @@ def _torch(
     written, by_value = _stored_file(candidate, fold, unchanged)
     # a tensor no fold wrote is read where question 1 reads it: by name, or by value where the file holds a
     # tensor of its shape (judge.exact_tensors)
-    kept = {
+    matched = {
         k: _match(k, v, written, by_value)
         for k, v in fold.items()
         if k not in unchanged or k in written or (by_value and judge.holds_shape(written, tuple(v.shape)))
     }
+    # a tensor the candidate lacks computes as zeros (its layer without it: a dropped bias), and is named missing
+    missing = frozenset(k for k, v in matched.items() if v is None)
+    kept = {k: torch.zeros_like(fold[k]) if v is None else v for k, v in matched.items()}
     stored = {k: kept[k].double() if k in kept else v for k, v in fold.items()}
     correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
     cand64 = _with_tensors(fused64, stored)
@@ -288,7 +291,7 @@ def _torch(
     folded = {layer for d in decisions64 if d.action.startswith("folded") for layer in d.into}
     differ = _differing(kept, fold, _first_uses(fused64))
     loc = _judged(found, (got, want, before), len(t), differ, folded, set(fold) - unchanged, None,
-                  _rounded_to(reference, candidate))  # fmt: skip
+                  _rounded_to(reference, candidate), missing)  # fmt: skip
     if fold_wrong and loc.first is None and not loc.first_tensor and loc.detail.endswith(RUNTIME):
         exact = _record(fused64, t, nodes, loaded.batch)  # the float64 fold, unrounded, at each boundary
         for norm, layer, orig, fused in found:
@@ -330,6 +333,7 @@ def _blame(
     made: set[str],
     owned: Callable[[str, str], bool] | None = None,
     rounded_to: tuple[str, str] | None = None,
+    missing: frozenset[str] = frozenset(),
 ) -> Localization:
     """``loc`` with its verdict (``detail``), given the stored tensors that are not the correct fold's value
     (``differ``, ``(key, units in the last place)`` in data-flow order) and the layers norms folded into: a
@@ -337,11 +341,16 @@ def _blame(
     the only one a diverging boundary can have inherited, is of a layer no norm folded into, the verdict names it
     and blames no fold. ``made``: the tensors a fold wrote (values the original does not hold), never taken
     for a tensor no fold wrote; ``owned(key, layer)``: ``key`` is one of ``layer``'s tensors (default ``_owned``,
-    by name); ``rounded_to``: as ``_verdict``."""
+    by name); ``rounded_to``: as ``_verdict``; ``missing``: the tensors of ``differ`` the candidate lacks (the
+    first diverging fold's is named)."""
     owns = owned or _owned
     for b in loc.boundaries:
         b.inherited = bool(differ) and not b.passed and not any(owns(k, b.layer) for k, _ in differ)
     loc.detail = _verdict(loc.boundaries, rounded_to)
+    first = loc.first
+    lost = next((k for k, _ in differ if k in missing and first is not None and owns(k, first.layer)), None)
+    if lost is not None:
+        loc.detail += f"; its {lost!r}, which the fold writes, is missing from the candidate"
     loc.first_tensor = differ[0][0] if differ else ""
     outside = next(((k, u) for k, u in differ if k not in made and not any(owns(k, layer) for layer in folded)), None)
     # a tensor no fold wrote is to blame when it comes first, or when every boundary that diverges is inherited
@@ -414,9 +423,9 @@ def _stored_file(candidate: Side, fold: dict[str, torch.Tensor], unchanged: froz
     return files[0][1]()
 
 
-def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_value: bool) -> torch.Tensor:
+def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_value: bool) -> torch.Tensor | None:
     """The candidate's tensor for the fold's ``key``: by name, or (``by_value``) the closest stored tensor of the
-    same or the transposed shape; NaN where the candidate has none (its boundary then diverges). An all-zero
+    same or the transposed shape; None where the candidate has none. An all-zero
     tensor an ``.onnx`` does not hold by name is zeros: an exporter's optimizer drops a zero bias (as question 1
     reads it, ``judge.exact_tensors``)."""
     got = written.get(key)
@@ -428,7 +437,7 @@ def _match(key: str, exact: torch.Tensor, written: dict[str, torch.Tensor], by_v
         best, distance = judge.nearest(exact.double(), judge.by_shape(written))
         if best is not None and distance < math.inf:
             return best.detach()
-    return torch.full_like(exact, math.nan)
+    return None
 
 
 # --------------------------------------------------------------------------------------------- streamed
@@ -455,7 +464,10 @@ def _streamed(reference: Side, candidate: Side, opts: VerifyOptions) -> Localiza
     differ = sorted(((k, u) for k, u in worst.items() if not u <= policy.ULPS), key=lambda f: _layer_order(f[0]))
     folded = {la.removesuffix(".weight") for la in program.layers}
     made = set(program.layers) | {la.bias_out for la in program.layers.values() if la.bias_out}
-    return _blame(Localization(method, boundaries, ""), differ, folded, made, None, _rounded_to(reference, candidate))
+    missing = frozenset(k for k, _ in differ if k not in written.weight_map)
+    return _blame(
+        Localization(method, boundaries, ""), differ, folded, made, None, _rounded_to(reference, candidate), missing
+    )
 
 
 def _layer_order(key: str) -> float:
@@ -497,11 +509,11 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     fold = onnx_original.stored_tensors(folded.fused, float64=True)
     written = onnx_original.float_tensors(candidate.onnx.path)
     default = getattr(torch, candidate.dtype, torch.float32)
-    stored = {k: _match(k, v, written, True) for k, v in fold.items()}
-    # each correct value rounded to the dtype its stored tensor has (the candidate's where it has none: NaN there)
-    correct = {
-        k: rounded(v, default if bool(stored[k].isnan().all()) else stored[k].dtype).double() for k, v in fold.items()
-    }
+    matched = {k: _match(k, v, written, True) for k, v in fold.items()}
+    missing = frozenset(k for k, v in matched.items() if v is None)  # computed as zeros, as in memory
+    stored = {k: torch.zeros_like(fold[k]) if v is None else v for k, v in matched.items()}
+    # each correct value rounded to the dtype its stored tensor has (the candidate's where it has none)
+    correct = {k: rounded(v, default if k in missing else stored[k].dtype).double() for k, v in fold.items()}
     differ = _differing(stored, fold, _onnx_first_use(folded.fused))
     owned = _onnx_owned(folded)
     stored = {k: v.double() for k, v in stored.items()}
@@ -521,7 +533,8 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     original = onnx_original.stored_tensors(folded.original, float64=True)
     made = {k for k, v in fold.items() if k not in original or not torch.equal(original[k].double(), v.double())}
     loc = _judged(found, (got, want, before), samples_of(x), differ, set(owned), made,
-                  lambda key, layer: key in owned.get(layer, ()), _rounded_to(reference, candidate))  # fmt: skip
+                  lambda key, layer: key in owned.get(layer, ()),
+                  _rounded_to(reference, candidate), missing)  # fmt: skip
     if not loc.boundaries and lost:
         loc.detail = "not localised"
     if lost:
