@@ -620,14 +620,14 @@ class _TorchDoor:
     ) -> None:
         """Where the fused model goes out as a Hugging Face folder, its files written into ``folder`` and named in
         ``outputs``: the Hugging Face model folder files of a fused language model (with the original's tokenizer
-        files and the token ids of its ``generation_config.json``), and with ``write.onnx`` its decoder ONNX with
+        files and the settings of its ``generation_config.json``), and with ``write.onnx`` its decoder ONNX with
         past key/values in ``write.opset`` (None: the exporter's). ``config.json`` records the weights' fused
         ``metadata`` too (its provenance: what transformers' ``save_pretrained`` keeps)."""
         from slabconv.write.decoder_onnx import export_decoder_onnx, write_genai_config
         from slabconv.write.hf_llama import (
             STANDARD_TYPES,
             copy_tokenizer_files,
-            original_token_ids,
+            original_generation,
             write_hf_llama_metadata,
             write_hf_standard_metadata,
         )
@@ -636,12 +636,14 @@ class _TorchDoor:
             return
         loaded = self.loaded
         progress("writing the Hugging Face model folder")
-        ids = original_token_ids(loaded.checkpoint.path)
+        generation = original_generation(loaded.checkpoint.path)
         if loaded.config.get("model_type") in STANDARD_TYPES and loaded.arch in STANDARD_TYPES:
             folded = engine.folds_norm_affine(self.planned.decisions)  # the norm weights folded (all 1)
-            made = write_hf_standard_metadata(folder, loaded.config, folded=folded, generation=ids, provenance=metadata)
+            made = write_hf_standard_metadata(
+                folder, loaded.config, folded=folded, generation=generation, provenance=metadata
+            )
         else:
-            made = write_hf_llama_metadata(folder, loaded.config, generation=ids, provenance=metadata)
+            made = write_hf_llama_metadata(folder, loaded.config, generation=generation, provenance=metadata)
         outputs.files += [p.name for p in made] + [p.name for p in copy_tokenizer_files(loaded.checkpoint.path, folder)]
         outputs.hf_folder = True
         if write.onnx:

@@ -363,7 +363,7 @@ def test_a_hub_cache_snapshot_is_read_as_its_folder(tmp_path: Path) -> None:
     """transformers reads ``snapshot_download``'s folder, every file a link into the repository's blobs; slabconv
     refused it as links leaving the folder. Its weights, tokenizer and generation ids are the folder's own."""
     from slabconv.load.shards import LazyShards
-    from slabconv.write.hf_llama import copy_tokenizer_files, original_token_ids
+    from slabconv.write.hf_llama import copy_tokenizer_files, original_generation
 
     snapshot = hub_snapshot(tmp_path / "hub", _llama_files(tmp_path))
     result = runner.invoke(app, ["inspect", str(snapshot)])
@@ -372,7 +372,7 @@ def test_a_hub_cache_snapshot_is_read_as_its_folder(tmp_path: Path) -> None:
     assert sorted(linked.weight_map) == sorted(plain.weight_map)
     key = "lm_head.weight"
     assert torch.equal(linked.get(key), plain.get(key))
-    assert original_token_ids(snapshot) == {"eos_token_id": 7, "pad_token_id": 3}
+    assert original_generation(snapshot) == {"eos_token_id": 7, "pad_token_id": 3}
     (tmp_path / "out").mkdir()
     assert [p.name for p in copy_tokenizer_files(snapshot, tmp_path / "out")] == ["tokenizer.json"]
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tmp_path / "plain" / "tokenizer.json").read_bytes()

@@ -1039,22 +1039,30 @@ def test_the_fused_folder_carries_the_originals_tokenizer_files_streamed_and_in_
     assert any("lacks the original's tokenizer files (tokenizer.json)" in n for n in report.verification.notes)
 
 
-def test_the_fused_folder_keeps_the_token_ids_of_the_originals_generation_config(folded, tmp_path):
-    """transformers' ``generate`` reads the end-of-sequence id from ``generation_config.json`` before
-    ``config.json``: the original's ids (an int or a list of ints) go into the fused folder's, which stays greedy;
-    any other value is not taken. (The fused folder had only ``config.json``'s ids: no eos, generation ran on.)"""
+def test_the_fused_folder_keeps_the_originals_generation_config(folded, tmp_path):
+    """transformers' ``generate`` reads ``generation_config.json`` before ``config.json``: the fused folder's carries
+    the original's sampling settings, so it generates as the original does (it wrote ``do_sample`` false and dropped
+    them), and its token ids where each is an int or a list of ints (any other value is not taken: ``config.json``'s
+    stand). Without a ``generation_config.json`` the folder is greedy."""
     import shutil
 
     src = tmp_path / "src"
     shutil.copytree(folded[0] / "src", src)
     settings = {"eos_token_id": [3, 5], "bos_token_id": True, "pad_token_id": "0", "do_sample": True, "top_k": 4}
-    (src / "generation_config.json").write_text(json.dumps(settings))
+    (src / "generation_config.json").write_text(
+        json.dumps(settings | {"temperature": 0.6, "transformers_version": "0"})
+    )
     stream, memory = WriteOptions(stream=True, onnx=False), WriteOptions(onnx=False, pt2=False)
     for name, write in (("stream", stream), ("memory", memory)):
         api.fuse(src, tmp_path / name, verify=None, write=write)
         written = json.loads((tmp_path / name / "generation_config.json").read_text())
-        assert written["eos_token_id"] == [3, 5] and written["do_sample"] is False, written
-        assert "bos_token_id" not in written and written.get("pad_token_id") != "0" and "top_k" not in written
+        assert written["eos_token_id"] == [3, 5] and written["do_sample"] is True, written
+        assert (written["top_k"], written["temperature"]) == (4, 0.6), written
+        assert "bos_token_id" not in written and written.get("pad_token_id") != "0", written
+        assert written["transformers_version"] != "0", written  # the writer's, as transformers writes it
+    (src / "generation_config.json").unlink()
+    api.fuse(src, tmp_path / "plain", verify=None, write=stream)
+    assert json.loads((tmp_path / "plain" / "generation_config.json").read_text())["do_sample"] is False
 
 
 def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_streamed(folded, tmp_path):

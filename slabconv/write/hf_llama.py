@@ -331,8 +331,8 @@ def write_hf_llama_metadata(
     Args:
         folder: the folder holding the fused weights.
         config: the original ``config.json`` (``model_type`` ``llama``; sizes, heads, ``rope_theta``, token ids).
-        generation: extra ``generation_config.json`` entries (default: the config's bos/eos/pad token ids and
-            ``do_sample`` false, i.e. greedy).
+        generation: ``generation_config.json``'s entries beyond the config's bos/eos/pad token ids (the
+            original's, ``original_generation``); without ``do_sample`` there, ``do_sample`` false (greedy).
         provenance: the weights' fused metadata (``load.fused.fused_metadata``), recorded in ``config.json`` as
             ``slabconv.provenance`` (``load.fused.config_provenance``): transformers' ``save_pretrained`` keeps it
             there when it drops the safetensors metadata, so ``verify`` still knows what the folder is a fold of.
@@ -369,17 +369,19 @@ def write_hf_llama_metadata(
     return written
 
 
-def original_token_ids(source: Path | str) -> dict[str, Any]:
-    """The bos / eos / pad token ids of the original folder's ``generation_config.json`` (which transformers'
-    ``generate`` reads before ``config.json``): each an int or a list of ints; any other value, or a file that is
-    not a JSON object or is over ``load.safety``'s JSON limits, gives nothing (the ids of ``config.json`` then
-    stand). Sampling settings are not taken: the fused folder generates greedily by default.
+def original_generation(source: Path | str) -> dict[str, Any]:
+    """The settings of the original folder's ``generation_config.json`` (which transformers' ``generate`` reads
+    before ``config.json``), for the fused folder's: its sampling settings (``do_sample``, ``temperature``,
+    ``top_p``, ...) as they are, so the fused folder generates as the original does; the bos / eos / pad token ids
+    each kept where it is an int or a list of ints (the ids of ``config.json`` then stand); ``transformers_version``
+    left to the writer. A file that is not a JSON object or is over ``load.safety``'s JSON limits gives nothing.
 
     Args:
         source: the original Hugging Face folder (a file: its folder).
 
     Returns:
-        ``{"eos_token_id": 2, ...}``: the ids found (none where the folder has no such file).
+        ``{"eos_token_id": 2, "do_sample": True, "temperature": 0.6, ...}``: the settings found (none where the
+        folder has no such file).
     """
     source = Path(source)
     found = (source if source.is_dir() else source.parent) / GENERATION_CONFIG
@@ -393,11 +395,12 @@ def original_token_ids(source: Path | str) -> dict[str, Any]:
     def token_id(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    return {
-        k: v
-        for k in _GENERATION_KEYS
-        if token_id(v := data.get(k)) or (isinstance(v, list) and v and all(token_id(n) for n in v))
-    }
+    def kept(key: str, v: Any) -> bool:
+        if key in _GENERATION_KEYS:
+            return token_id(v) or (isinstance(v, list) and bool(v) and all(token_id(n) for n in v))
+        return key != "transformers_version"
+
+    return {k: v for k, v in data.items() if kept(k, v)}
 
 
 def copy_tokenizer_files(source: Path | str, folder: Path | str) -> list[Path]:
@@ -582,7 +585,7 @@ def _write_config(
 
 def _write_generation_config(folder: Path, config: Mapping[str, Any], generation: Mapping[str, Any] | None) -> Path:
     out: dict[str, Any] = {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
-    out["do_sample"] = False
+    out["do_sample"] = False  # unless the original's settings say otherwise
     out.update(generation or {})
     return _write_json(folder / GENERATION_CONFIG, out)
 
