@@ -383,6 +383,41 @@ def test_deeply_nested_json_is_one_line_not_a_recursion_error(tmp_path: Path) ->
     refused(["inspect", str(folder)], "nested deeper than")
 
 
+def test_a_json_key_given_twice_is_refused_wherever_slabconv_reads_json(tmp_path: Path) -> None:
+    """A key twice in one JSON object is one value to Python's ``json`` (the last) and another to a reader that
+    keeps the first: a config, a shard index that puts one tensor in two shards, a safetensors header naming one
+    tensor twice are refused, each naming the key and the file, before anything is built from them."""
+    import struct
+
+    from tests.test_llama import TINY_CONFIG, tiny_model
+
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, tiny_model().state_dict(), TINY_CONFIG)
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text.replace("{", '{"num_attention_heads": 8, ', 1))
+    line = refused(["inspect", str(folder)], "'num_attention_heads' is in one JSON object twice")
+    assert "config.json" in line, line
+
+    (folder / "config.json").write_text(text)
+    sharded = tmp_path / "sharded"
+    write_hf_folder(sharded, tiny_model().state_dict(), TINY_CONFIG, max_shard_bytes=20_000)
+    index = sharded / "model.safetensors.index.json"
+    mapping = json.loads(index.read_text())["weight_map"]
+    key, shard = next(iter(mapping.items()))
+    other = next(v for v in mapping.values() if v != shard)
+    entries = ", ".join(json.dumps(k) + ": " + json.dumps(v) for k, v in mapping.items())
+    index.write_text('{"weight_map": {' + entries + ", " + json.dumps(key) + ": " + json.dumps(other) + "}}")
+    refused(["inspect", str(sharded)], f"{key!r} is in one JSON object twice")
+
+    path = tmp_path / "twice.safetensors"
+    save_file({"a": torch.zeros(2), "b": torch.ones(2)}, str(path))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = raw[8 : 8 + n].decode().replace('"b":', '"a":')
+    path.write_bytes(struct.pack("<Q", n) + header.encode() + raw[8 + n :])
+    refused(["inspect", str(path)], "'a' is in one JSON object twice")
+
+
 def test_deeply_nested_program_json_is_refused(tmp_path: Path) -> None:
     def nest(document: dict) -> None:
         document["extra"] = json.loads(deep(500))

@@ -14,7 +14,6 @@ are counted in the raw bytes (one ``data_offsets`` per tensor) before the JSON i
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import sys
@@ -131,17 +130,12 @@ def read_header(f: IO[bytes], label: str, digest: Any = None) -> tuple[dict[str,
 
 
 def _parse_header(raw: bytes, label: str) -> Any:
+    """The header's JSON, parsed as every JSON input is (``safety.parse_json``: its depth bounded, a key twice
+    refused: a tensor named twice would be one tensor to one reader and another to the next)."""
     try:
-        header = json.loads(raw)
-    except RecursionError:
-        header = None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise _damaged(label, f"its header is not JSON: {str(err)[:120]}") from None
-    if header is None or safety.json_depth(header) > safety.MAX_JSON_DEPTH:
-        raise InputError(
-            f"{label}: JSON nested deeper than slabconv's limit of {safety.MAX_JSON_DEPTH} levels; refused"
-        )
-    return header
+        return safety.parse_json(raw, label, len(raw))
+    except safety.InvalidJSON:
+        raise _damaged(label, "its header is not JSON") from None
 
 
 def _read(f: IO[bytes], n: int, digest: Any) -> bytes:

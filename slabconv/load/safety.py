@@ -253,6 +253,19 @@ class InvalidJSON(InputError):
     that reads an optional entry may take it as absent, never JSON over the limits."""
 
 
+class _TwiceError(Exception):
+    """A JSON object holds a key twice (``args[0]``)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: the object as a dict, refused where a key comes twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _TwiceError(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return out
+
+
 def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -> Any:
     """JSON text parsed within the size and depth limits (``MAX_JSON_BYTES``, ``MAX_JSON_DEPTH``).
 
@@ -262,13 +275,20 @@ def parse_json(data: bytes | str, label: str, max_bytes: int = MAX_JSON_BYTES) -
         max_bytes: the size limit for this kind of file.
 
     Raises:
-        InputError: too large or too deeply nested -- one line naming ``label``.
+        InputError: too large, too deeply nested, or an object with a key twice (which of the two counts differs
+            between readers: Python's ``json`` keeps the last, others the first or refuse) -- one line naming
+            ``label``.
         InvalidJSON: not UTF-8 or not JSON (an ``InputError`` too).
     """
     if len(data) > max_bytes:
         raise InputError(f"{label}: {_human(len(data))} of JSON, over slabconv's limit of {_human(max_bytes)}; refused")
     try:
-        value = json.loads(data)
+        value = json.loads(data, object_pairs_hook=_unique_keys)
+    except _TwiceError as twice:
+        raise InputError(
+            f"{label}: the key {twice.args[0]!r} is in one JSON object twice; which one counts depends on the reader;"
+            " refused"
+        ) from None
     except RecursionError:
         raise InputError(
             f"{label}: JSON nested deeper than slabconv's limit of {MAX_JSON_DEPTH} levels; refused"
