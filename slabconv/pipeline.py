@@ -218,8 +218,7 @@ def plan(
         InputError: a norm in train mode; damaged norm statistics.
     """
     example = loaded.trace_example()
-    # a .pt2 of a dynamic batch is its own capture, not traced again from the module it loads
-    exported = loaded.checkpoint.program if loaded.batch is None else None
+    exported = loaded.own_program
     if exported is None:
         progress("tracing the model with torch.export")
         with quiet():

@@ -1181,3 +1181,39 @@ def test_an_onnx_side_is_made_from_the_model_read_onnx_read(onnx_fused: Path, mo
     original = sides.onnx_side(onnx_fused / "original.onnx").source.sha256
     assert side.provenance is not None and side.provenance.folded and side.provenance.source_sha256 == original
     assert folder.provenance == side.provenance and not side.dynamic_sequence and not folder.dynamic_sequence
+
+
+# --------------------------------------------------------------------------------------------- work done once
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[object]:
+    """The calls of ``owner.name`` from now on (each call's first argument), the function still run."""
+    calls: list[object] = []
+    real = getattr(owner, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(args[0] if args else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic batch", "static batch"])
+def test_verify_of_a_pt2_takes_a_dynamic_batch_program_as_its_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dynamic: bool
+) -> None:
+    """``verify X.pt2 FOLDER`` traced the program again (one ``torch.export`` a run) for its float64 graph; a
+    ``.pt2`` of a dynamic batch is its own capture, as ``fuse`` plans it (none), one of a static batch is traced
+    again with a symbolic batch. Both answer question 1."""
+    from tests.conftest import small_vit
+
+    shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    model = randomize_norms(small_vit(depth=1))
+    program = torch.export.export(model, (torch.randn(3, 1, 8, 8),), dynamic_shapes=shapes)
+    torch.export.save(program, tmp_path / "m.pt2")
+    api.fuse(tmp_path / "m.pt2", tmp_path / "out", verify=None)
+    exports = _counting(monkeypatch, torch.export, "export")
+    report = api.verify(tmp_path / "m.pt2", tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.verification is not None and report.verification.passed and report.verification.exact
+    assert (len(exports) == 0) if dynamic else (len(exports) >= 1)  # (a static batch: dynamic first, then static)

@@ -103,13 +103,16 @@ class Side:
         return self.source.arch
 
     def traced(self) -> tuple[Any, Any]:
-        """``(graph, example)`` of a ``model`` side: the traced original ``fuse`` gave, else traced now with
+        """``(graph, example)`` of a ``model`` side: the traced original ``fuse`` gave, else the graph of a ``.pt2``
+        of a dynamic batch (``LoadedModel.own_program``, as ``fuse`` plans it), else traced now with
         ``engine.capture`` (once: question 1 and the localisation share it)."""
         from slabconv import engine
         from slabconv.util import quiet
 
         if self.example is None:
             self.example = self.loaded.trace_example()
+        if self.graph is None and self.loaded.own_program is not None:
+            self.graph = engine.unlifted(self.loaded.own_program)
         if self.graph is None:
             with quiet():
                 self.graph = engine.capture(self.loaded.model, self.example, sequence=self.loaded.max_sequence)
