@@ -1217,3 +1217,26 @@ def test_verify_of_a_pt2_takes_a_dynamic_batch_program_as_its_capture(
     report = api.verify(tmp_path / "m.pt2", tmp_path / "out", verify=VerifyOptions(samples=4))
     assert report.verification is not None and report.verification.passed and report.verification.exact
     assert (len(exports) == 0) if dynamic else (len(exports) >= 1)  # (a static batch: dynamic first, then static)
+
+
+def test_the_int8_check_runs_the_original_question_2_exported(
+    tiny_fused: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint reference is exported to ONNX once: question 2 exports it where a runtime fails the first bound
+    (the original run by that runtime, ``Reference.original_by_runtime``), and the int8 check quantizes that file
+    (it exported the checkpoint a second time)."""
+    from onnx import numpy_helper
+
+    from slabconv.write import onnx as onnx_writer
+
+    out = tmp_path / "changed"
+    shutil.copytree(tiny_fused / "ckpt-fused", out)
+    model = onnx.load(str(out / "model.onnx"))
+    init = next(t for t in model.graph.initializer if len(t.dims) == 2)
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.5), init.name))
+    onnx.save(model, str(out / "model.onnx"))
+    exports = _counting(monkeypatch, onnx_writer, "export_onnx")
+    opts = VerifyOptions(samples=4, runtimes=("onnxruntime", "onnxruntime-int8"))
+    v = api.verify(tiny_fused / "ckpt.pth", out, verify=opts).verification
+    assert v is not None and not v.passed and v.int8  # question 2 failed in onnxruntime, the int8 check ran
+    assert len(exports) == 1

@@ -39,7 +39,7 @@ import torch
 from slabconv import engine
 from slabconv.errors import InputError, UsageError, first_line
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.util import Progress, no_progress, quiet, release_memory, stage_memory
+from slabconv.util import Progress, no_progress, release_memory, stage_memory
 from slabconv.verify import judge, sides
 from slabconv.verify.backends import BACKENDS
 from slabconv.verify.inputs import choose_inputs
@@ -794,39 +794,33 @@ def _int8(
 ) -> Any:
     """The int8 check (``slabconv.verify.int8.check_int8``) of the reference's and the candidate's ``.onnx``,
     quantized alike and calibrated on ``opts.calibration`` or the verification inputs: a reference that is not an
-    ``.onnx`` is exported first (``write.onnx.export_onnx``, in its dtype), into a temporary folder.
+    ``.onnx`` is exported to ONNX in its dtype (``run.export_original``: once, the export question 2's runtimes
+    run the original from too).
 
     Raises:
         InputError: an unreadable calibration file; outputs that cannot be judged (``compare_int8``).
+        UnsupportedModelError, UsageError: the reference cannot be exported to ONNX.
         RuntimeUnavailable: onnxruntime cannot quantize or run a side.
     """
-    import tempfile
-
     from slabconv.verify.int8 import check_int8
-    from slabconv.verify.runtimes import RuntimeUnavailable
+    from slabconv.verify.run import export_original
 
     calibration, label = ref.x, "the verification inputs"
     if opts.calibration is not None:
         calibration = _calibration(ref, opts.calibration)
         label = str(opts.calibration)
     name = f"int8 @ {backend.name}"
-    with tempfile.TemporaryDirectory(prefix="slabconv-int8-") as tmp:
-        if reference.kind == "onnx":
-            original = reference.onnx.path
-        else:
-            from slabconv.write.onnx import export_onnx
-
-            loaded = reference.built(load)
-            original = Path(tmp) / "reference.onnx"
-            with quiet():
-                export_onnx(loaded.model, loaded.trace_example(), original)
-        try:
-            return check_int8(
-                name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
-                calibration_label=label, fixed_batch=ref.batch,
-            )  # fmt: skip
-        except RuntimeUnavailable as err:
-            raise InputError(f"{name}: {err}") from None
+    if reference.kind == "onnx":
+        original = reference.onnx.path
+    else:
+        original = export_original(reference.built(load), ref.exported, required=True)
+    try:
+        return check_int8(
+            name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
+            calibration_label=label, fixed_batch=ref.batch,
+        )  # fmt: skip
+    except RuntimeUnavailable as err:
+        raise InputError(f"{name}: {err}") from None
 
 
 def _calibration(ref: Reference, path: Path) -> Any:
