@@ -177,6 +177,8 @@ class Planned:
             (``engine.repeat``): (layers traced, layers planned); None when every layer was traced.
         exported: the program ``original`` was unlifted from, which the writer lifts ``fused`` back into
             (``engine.lift_program``); None when ``fused`` is not its fold (streamed, ``fuse --dtype``'s cast).
+        fold64: the float64 fold ``fused`` was cast from (``fuse --dtype`` with verification,
+            ``verify.reference.Float64Fold``): question 1 takes it rather than folding again; else None.
     """
 
     original: fx.GraphModule | None
@@ -186,6 +188,7 @@ class Planned:
     program: engine.FoldProgram | None = None
     traced_blocks: tuple[int, int] | None = None
     exported: torch.export.ExportedProgram | None = None
+    fold64: Any = None
 
     @property
     def complete(self) -> bool:
@@ -488,9 +491,10 @@ def _check_one_dtype(sharded: ShardedFolder, program: engine.FoldProgram) -> Non
         )
 
 
-def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
+def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype, keep: bool = False) -> Planned:
     """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
-    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
+    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place). ``keep``:
+    the float64 fold is kept (``Planned.fold64``) for the verification.
 
     Raises:
         UsageError: a language model (its Hugging Face folder keeps the checkpoint's dtype).
@@ -506,8 +510,8 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
     if dtype == loaded.dtype:
         return planned
     assert planned.original is not None
-    _, fused64, _ = float64_fold(planned.original, planned.example, engine.folds_norm_affine(planned.decisions))
-    cast = cast_graph(fused64, dtype)
+    fold64 = float64_fold(planned.original, planned.example, engine.folds_norm_affine(planned.decisions))
+    cast = cast_graph(fold64.fused64, dtype)
     for name, tensor in engine.fused_state_dict(cast).items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise NumericError(
@@ -515,7 +519,7 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
                 "its range); nothing was written: leave out --dtype, or write bfloat16"
             )
     example = planned.example.to(dtype) if planned.example.is_floating_point() else planned.example
-    return Planned(planned.original, cast, planned.decisions, example, planned.program)
+    return Planned(planned.original, cast, planned.decisions, example, planned.program, fold64=fold64 if keep else None)
 
 
 # --------------------------------------------------------------------------------------------- write
@@ -697,7 +701,7 @@ class InMemory(_TorchDoor):
         )
         dtype = write_dtype(write)
         if dtype is not None and dtype != self.loaded.dtype:  # ``--dtype float32`` of a float32 checkpoint: its own
-            self.planned = cast_planned(self.loaded, self.planned, dtype)
+            self.planned = cast_planned(self.loaded, self.planned, dtype, keep=verify is not None)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
@@ -712,7 +716,8 @@ class InMemory(_TorchDoor):
 
         planned = self.planned
         reference = sides.model_side(self.loaded, graph=planned.original, example=planned.example,
-                                     decisions=planned.decisions)  # fmt: skip
+                                     decisions=planned.decisions, fold64=planned.fold64)  # fmt: skip
+        planned.fold64 = None  # held by the side alone: question 1 lets it go
         candidate = sides.output_side(folder, Source(str(folder), None, "slabconv-output"))
         candidate.module = planned.fused  # what PyTorch runs when no program was written (--no-onnx --no-pt2)
         return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), just_folded=True, progress=progress)

@@ -1240,3 +1240,36 @@ def test_the_int8_check_runs_the_original_question_2_exported(
     v = api.verify(tiny_fused / "ckpt.pth", out, verify=opts).verification
     assert v is not None and not v.passed and v.int8  # question 2 failed in onnxruntime, the int8 check ran
     assert len(exports) == 1
+
+
+def test_fuse_dtype_folds_in_float64_once_and_question_1_still_reads_the_written_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fuse --dtype float16`` folds in float64 once (``engine.fold_all``; it folded twice: the cast of the written
+    tensors, then question 1): question 1 takes the fold the written tensors were cast from, still holding the files
+    read back to it, so a float16 weight rounded the wrong way when it is cast fails, naming that file's tensor."""
+    from slabconv import engine
+    from slabconv.errors import VerificationError
+    from slabconv.verify import reference
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    folds = _counting(monkeypatch, engine, "fold_all")
+    report = api.fuse(ckpt, tmp_path / "out", write=WriteOptions(dtype="float16"), verify=VerifyOptions(samples=4))
+    v = report.verification
+    assert v is not None and v.passed and [c.method for c in v.exact] == ["graph", "tensors", "tensors"]
+    assert len(folds) == 1
+    real = reference.cast_graph
+
+    def off_by_one(gm: Any, dtype: torch.dtype) -> Any:  # the writer's cast, one element one unit up
+        cast = real(gm, dtype)
+        weight = cast.get_parameter("blocks.0.attn.qkv.weight")
+        weight.data.view(-1)[0] = torch.nextafter(weight.data.view(-1)[0], torch.tensor(torch.inf, dtype=dtype))
+        return cast
+
+    monkeypatch.setattr(reference, "cast_graph", off_by_one)
+    with pytest.raises(VerificationError) as err:
+        api.fuse(ckpt, tmp_path / "out2", write=WriteOptions(dtype="float16"), verify=VerifyOptions(samples=4))
+    v = err.value.report.verification
+    failed = [(c.name, c.worst) for c in v.exact if not c.passed]
+    assert ("model.safetensors vs a float64 fold of the reference", "blocks.0.attn.qkv.weight") in failed
+    assert len(folds) == 2
