@@ -181,6 +181,8 @@ class Planned:
             (``engine.repeat``): (layers traced, layers planned); None when every layer was traced.
         exported: the program ``original`` was unlifted from, which the writer lifts ``fused`` back into
             (``engine.lift_program``); None when ``fused`` is not its fold (streamed, ``fuse --dtype``'s cast).
+        fold64: the float64 fold ``fused`` was cast from (``fuse --dtype`` with verification,
+            ``verify.reference.Float64Fold``): question 1 takes it rather than folding again; else None.
     """
 
     original: fx.GraphModule | None
@@ -190,6 +192,7 @@ class Planned:
     program: engine.FoldProgram | None = None
     traced_blocks: tuple[int, int] | None = None
     exported: torch.export.ExportedProgram | None = None
+    fold64: Any = None
 
     @property
     def complete(self) -> bool:
@@ -222,8 +225,7 @@ def plan(
         InputError: a norm in train mode; damaged norm statistics.
     """
     example = loaded.trace_example()
-    # a .pt2 of a dynamic batch is its own capture, not traced again from the module it loads
-    exported = loaded.checkpoint.program if loaded.batch is None else None
+    exported = loaded.own_program
     if exported is None:
         progress("tracing the model with torch.export")
         with quiet():
@@ -495,9 +497,10 @@ def _check_one_dtype(sharded: ShardedFolder, program: engine.FoldProgram) -> Non
         )
 
 
-def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> Planned:
+def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype, keep: bool = False) -> Planned:
     """The fused model in ``dtype``: the float64 fold (``verify.reference.float64_fold``) cast once, so each
-    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place).
+    written value is the exact fold correctly rounded (question 1 checks it to 0 units in the last place). ``keep``:
+    the float64 fold is kept (``Planned.fold64``) for the verification.
 
     Raises:
         NumericError: a fused tensor overflows ``dtype`` (named).
@@ -508,8 +511,8 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
     if dtype == loaded.dtype:
         return planned
     assert planned.original is not None
-    _, fused64, _ = float64_fold(planned.original, planned.example, engine.folds_norm_affine(planned.decisions))
-    cast = cast_graph(fused64, dtype)
+    fold64 = float64_fold(planned.original, planned.example, engine.folds_norm_affine(planned.decisions))
+    cast = cast_graph(fold64.fused64, dtype)
     for name, tensor in engine.fused_state_dict(cast).items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise NumericError(
@@ -517,7 +520,7 @@ def cast_planned(loaded: LoadedModel, planned: Planned, dtype: torch.dtype) -> P
                 "its range); nothing was written: leave out --dtype, or write bfloat16"
             )
     example = planned.example.to(dtype) if planned.example.is_floating_point() else planned.example
-    return Planned(planned.original, cast, planned.decisions, example, planned.program)
+    return Planned(planned.original, cast, planned.decisions, example, planned.program, fold64=fold64 if keep else None)
 
 
 # --------------------------------------------------------------------------------------------- write
@@ -701,7 +704,7 @@ class InMemory(_TorchDoor):
         )
         dtype = write_dtype(write)
         if dtype is not None and dtype != self.loaded.dtype:  # ``--dtype float32`` of a float32 checkpoint: its own
-            self.planned = cast_planned(self.loaded, self.planned, dtype)
+            self.planned = cast_planned(self.loaded, self.planned, dtype, keep=verify is not None)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
@@ -716,7 +719,8 @@ class InMemory(_TorchDoor):
 
         planned = self.planned
         reference = sides.model_side(self.loaded, graph=planned.original, example=planned.example,
-                                     decisions=planned.decisions)  # fmt: skip
+                                     decisions=planned.decisions, fold64=planned.fold64)  # fmt: skip
+        planned.fold64 = None  # held by the side alone: question 1 lets it go
         candidate = sides.output_side(folder, Source(str(folder), None, "slabconv-output"))
         candidate.module = planned.fused  # what PyTorch runs when no program was written (--no-onnx --no-pt2)
         return verifier.verify(reference, candidate, _steps(opts, self.hf_folder), just_folded=True, progress=progress)

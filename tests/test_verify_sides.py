@@ -1181,3 +1181,95 @@ def test_an_onnx_side_is_made_from_the_model_read_onnx_read(onnx_fused: Path, mo
     original = sides.onnx_side(onnx_fused / "original.onnx").source.sha256
     assert side.provenance is not None and side.provenance.folded and side.provenance.source_sha256 == original
     assert folder.provenance == side.provenance and not side.dynamic_sequence and not folder.dynamic_sequence
+
+
+# --------------------------------------------------------------------------------------------- work done once
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[object]:
+    """The calls of ``owner.name`` from now on (each call's first argument), the function still run."""
+    calls: list[object] = []
+    real = getattr(owner, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(args[0] if args else None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic batch", "static batch"])
+def test_verify_of_a_pt2_takes_a_dynamic_batch_program_as_its_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dynamic: bool
+) -> None:
+    """``verify X.pt2 FOLDER`` traced the program again (one ``torch.export`` a run) for its float64 graph; a
+    ``.pt2`` of a dynamic batch is its own capture, as ``fuse`` plans it (none), one of a static batch is traced
+    again with a symbolic batch. Both answer question 1."""
+    from tests.conftest import small_vit
+
+    shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
+    model = randomize_norms(small_vit(depth=1))
+    program = torch.export.export(model, (torch.randn(3, 1, 8, 8),), dynamic_shapes=shapes)
+    torch.export.save(program, tmp_path / "m.pt2")
+    api.fuse(tmp_path / "m.pt2", tmp_path / "out", verify=None)
+    exports = _counting(monkeypatch, torch.export, "export")
+    report = api.verify(tmp_path / "m.pt2", tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.verification is not None and report.verification.passed and report.verification.exact
+    assert (len(exports) == 0) if dynamic else (len(exports) >= 1)  # (a static batch: dynamic first, then static)
+
+
+def test_the_int8_check_runs_the_original_question_2_exported(
+    tiny_fused: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint reference is exported to ONNX once: question 2 exports it where a runtime fails the first bound
+    (the original run by that runtime, ``Reference.original_by_runtime``), and the int8 check quantizes that file
+    (it exported the checkpoint a second time)."""
+    from onnx import numpy_helper
+
+    from slabconv.write import onnx as onnx_writer
+
+    out = tmp_path / "changed"
+    shutil.copytree(tiny_fused / "ckpt-fused", out)
+    model = onnx.load(str(out / "model.onnx"))
+    init = next(t for t in model.graph.initializer if len(t.dims) == 2)
+    init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(1.5), init.name))
+    onnx.save(model, str(out / "model.onnx"))
+    exports = _counting(monkeypatch, onnx_writer, "export_onnx")
+    opts = VerifyOptions(samples=4, runtimes=("onnxruntime", "onnxruntime-int8"))
+    v = api.verify(tiny_fused / "ckpt.pth", out, verify=opts).verification
+    assert v is not None and not v.passed and v.int8  # question 2 failed in onnxruntime, the int8 check ran
+    assert len(exports) == 1
+
+
+def test_fuse_dtype_folds_in_float64_once_and_question_1_still_reads_the_written_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fuse --dtype float16`` folds in float64 once (``engine.fold_all``; it folded twice: the cast of the written
+    tensors, then question 1): question 1 takes the fold the written tensors were cast from, still holding the files
+    read back to it, so a float16 weight rounded the wrong way when it is cast fails, naming that file's tensor."""
+    from slabconv import engine
+    from slabconv.errors import VerificationError
+    from slabconv.verify import reference
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    folds = _counting(monkeypatch, engine, "fold_all")
+    report = api.fuse(ckpt, tmp_path / "out", write=WriteOptions(dtype="float16"), verify=VerifyOptions(samples=4))
+    v = report.verification
+    assert v is not None and v.passed and [c.method for c in v.exact] == ["graph", "tensors", "tensors"]
+    assert len(folds) == 1
+    real = reference.cast_graph
+
+    def off_by_one(gm: Any, dtype: torch.dtype) -> Any:  # the writer's cast, one element one unit up
+        cast = real(gm, dtype)
+        weight = cast.get_parameter("blocks.0.attn.qkv.weight")
+        weight.data.view(-1)[0] = torch.nextafter(weight.data.view(-1)[0], torch.tensor(torch.inf, dtype=dtype))
+        return cast
+
+    monkeypatch.setattr(reference, "cast_graph", off_by_one)
+    with pytest.raises(VerificationError) as err:
+        api.fuse(ckpt, tmp_path / "out2", write=WriteOptions(dtype="float16"), verify=VerifyOptions(samples=4))
+    v = err.value.report.verification
+    failed = [(c.name, c.worst) for c in v.exact if not c.passed]
+    assert ("model.safetensors vs a float64 fold of the reference", "blocks.0.attn.qkv.weight") in failed
+    assert len(folds) == 2

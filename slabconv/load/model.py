@@ -91,6 +91,13 @@ class LoadedModel:
         )
 
     @property
+    def own_program(self) -> Any:
+        """The ``torch.export`` program of a ``.pt2`` whose batch is dynamic: it is its own capture, never traced
+        again (one of a static batch is traced again with a symbolic batch, so the fused program takes any batch
+        the model's code allows); None for any other model."""
+        return self.checkpoint.program if self.batch is None else None
+
+    @property
     def example_batch(self) -> int:
         """The batch size to trace and export with: the recorded one of a static program, else 2 (so the batch
         axis can be symbolic)."""

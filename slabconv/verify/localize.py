@@ -254,13 +254,14 @@ def _torch(
     itself off the original; where the stored weights hold that fold at every boundary, the verdict names the first
     boundary where the float64 fold, unrounded, differs from the original (the fold that is wrong)."""
     from slabconv.verify.inputs import choose_inputs
-    from slabconv.verify.reference import float64_example, float64_graph, fold64
+    from slabconv.verify.reference import float64_example, float64_fold
     from slabconv.verify.verifier import norm_affine, unchanged_tensors
 
     loaded = reference.loaded
-    graph, example = reference.traced()
-    original64 = float64_graph(graph, example)
-    fused64, decisions64 = fold64(original64, norm_affine(reference, candidate, load))
+    affine = norm_affine(reference, candidate, load)
+    made = reference.take_fold64(affine) or float64_fold(*reference.traced(), affine)  # question 1's, when it kept it
+    original64, fused64, decisions64 = made.original64, made.fused64, made.decisions64
+    del made
     dtype = getattr(torch, candidate.dtype)
     # the floating tensors only: an integer buffer (an index) is the original's, and stays integer
     fold = {k: v for k, v in engine.fused_state_dict(fused64).items() if v.is_floating_point()}

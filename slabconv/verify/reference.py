@@ -12,7 +12,7 @@ original float64 graph to float64 rounding.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -234,10 +234,18 @@ def fold64(original64: fx.GraphModule, norm_affine: bool = False) -> tuple[fx.Gr
     return fused64, decisions64
 
 
-def float64_fold(
-    original: fx.GraphModule, example: torch.Tensor, norm_affine: bool = False
-) -> tuple[fx.GraphModule, fx.GraphModule, list[Any]]:
-    """The original graph and its fold, both in float64: ``(original64, fused64, decisions64)`` (``float64_graph``
-    then ``fold64``)."""
+class Float64Fold(NamedTuple):
+    """The original graph and its fold, both in float64 (``float64_fold``), and what they were made of: ``graph``
+    (the traced original) and ``norm_affine``."""
+
+    original64: fx.GraphModule
+    fused64: fx.GraphModule
+    decisions64: list[Any]
+    graph: fx.GraphModule
+    norm_affine: bool
+
+
+def float64_fold(original: fx.GraphModule, example: torch.Tensor, norm_affine: bool = False) -> Float64Fold:
+    """The original graph and its fold, both in float64 (``float64_graph`` then ``fold64``)."""
     original64 = float64_graph(original, example)
-    return (original64, *fold64(original64, norm_affine))
+    return Float64Fold(original64, *fold64(original64, norm_affine), original, norm_affine)

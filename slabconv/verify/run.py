@@ -184,26 +184,35 @@ class Reference:
                          model=self.model, batch=self.batch, exported=self.exported)  # fmt: skip
 
 
-def export_original(loaded: LoadedModel, exported: list[Any]) -> Path | None:
+def export_original(loaded: LoadedModel, exported: list[Any], required: bool = False) -> Path | None:
     """The original model exported to ONNX as it is (``slabconv.write.onnx.export_onnx``, as ``export --no-fuse``
-    writes it) into a temporary folder kept in ``exported`` (removed with it), once; None where the exporter
-    cannot export it (the first failure is remembered too)."""
+    writes it) into a temporary folder kept in ``exported`` (removed with it), once, for every check that runs the
+    original in an ONNX runtime (a runtime's own bound, the int8 check); None where the exporter cannot export it
+    (the first failure is remembered too).
+
+    Raises:
+        UnsupportedModelError, UsageError: ``required`` and the exporter cannot export it (its error).
+    """
     import tempfile
 
     from slabconv.errors import UnsupportedModelError
+    from slabconv.util import quiet
     from slabconv.write.onnx import export_onnx
 
     if not exported:
         folder = tempfile.TemporaryDirectory(prefix="slabconv-original-")
         path = Path(folder.name) / "original.onnx"
         try:
-            export_onnx(loaded.model, loaded.trace_example(), path)
-        except (UnsupportedModelError, UsageError):
+            with quiet():
+                export_onnx(loaded.model, loaded.trace_example(), path)
+        except (UnsupportedModelError, UsageError) as err:
             folder.cleanup()
-            exported.append(None)
+            exported.append(err)
         else:
             exported.append((folder, path))
-    return exported[0][1] if exported[0] is not None else None
+    if isinstance(exported[0], Exception) and required:
+        raise exported[0]
+    return exported[0][1] if isinstance(exported[0], tuple) else None
 
 
 def _onnx_backend(runtime: Runtime) -> Any:

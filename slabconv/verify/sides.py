@@ -65,6 +65,9 @@ class Side:
         graph, example: the traced original and the input it was traced with (``fuse`` gives them; otherwise
             the reference traces ``loaded`` when it needs its float64 graph).
         decisions: the fold's decisions (``fuse``), compared with the float64 fold's.
+        fold64: the float64 fold of ``graph`` made already (``verify.reference.Float64Fold``: ``fuse --dtype`` cast
+            the written tensors from it; question 1 hands its own to the localisation), taken where it is the fold
+            the taker would make (``take_fold64``); else None.
         onnx: the ``.onnx`` of this side (its own file, or a folder's ``model.onnx``).
         pt2: a folder's ``model.pt2``.
         weights: a folder's fused weights (``model.safetensors`` or the shards' index).
@@ -86,6 +89,7 @@ class Side:
     graph: Any = None
     example: Any = None
     decisions: list[Any] | None = None
+    fold64: Any = None
     onnx: Any = None
     pt2: Path | None = None
     weights: Path | None = None
@@ -103,17 +107,28 @@ class Side:
         return self.source.arch
 
     def traced(self) -> tuple[Any, Any]:
-        """``(graph, example)`` of a ``model`` side: the traced original ``fuse`` gave, else traced now with
+        """``(graph, example)`` of a ``model`` side: the traced original ``fuse`` gave, else the graph of a ``.pt2``
+        of a dynamic batch (``LoadedModel.own_program``, as ``fuse`` plans it), else traced now with
         ``engine.capture`` (once: question 1 and the localisation share it)."""
         from slabconv import engine
         from slabconv.util import quiet
 
         if self.example is None:
             self.example = self.loaded.trace_example()
+        if self.graph is None and self.loaded.own_program is not None:
+            self.graph = engine.unlifted(self.loaded.own_program)
         if self.graph is None:
             with quiet():
                 self.graph = engine.capture(self.loaded.model, self.example, sequence=self.loaded.max_sequence)
         return self.graph, self.example
+
+    def take_fold64(self, norm_affine: bool) -> Any:
+        """``fold64`` where it was made of ``traced()``'s very graph with ``norm_affine``, so of the same norms, plans
+        and fold records a fresh ``float64_fold`` would make (``fold64`` is deterministic), else None; the side lets
+        go of it either way (the caller holds it only as long as it needs it)."""
+        made, self.fold64 = self.fold64, None
+        same = made is not None and made.graph is self.traced()[0] and made.norm_affine == norm_affine
+        return made if same else None
 
     def digests(self, whole: bool = False) -> set[str]:
         """Every sha256 that names this side as a source: its own, its files', and for a Hugging Face folder the
@@ -277,8 +292,8 @@ def _folder_source(side: Side) -> Source:
 
 
 def model_side(loaded: Any, path: Path | None = None, **given: Any) -> Side:
-    """A model slabconv built (``LoadedModel``) as a side; ``given``: ``graph``, ``example``, ``decisions``
-    (``fuse`` hands over what it traced and planned)."""
+    """A model slabconv built (``LoadedModel``) as a side; ``given``: ``graph``, ``example``, ``decisions``,
+    ``fold64`` (``fuse`` hands over what it traced, planned and folded in float64)."""
     checkpoint = loaded.checkpoint
     source = loaded.source(path)
     provenance = None

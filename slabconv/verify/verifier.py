@@ -39,13 +39,13 @@ import torch
 from slabconv import engine
 from slabconv.errors import InputError, UsageError, first_line
 from slabconv.options import LoadOptions, VerifyOptions
-from slabconv.util import Progress, no_progress, quiet, release_memory, stage_memory
+from slabconv.util import Progress, no_progress, release_memory, stage_memory
 from slabconv.verify import judge, sides
 from slabconv.verify.backends import BACKENDS
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.policy import dtype_name
-from slabconv.verify.reference import float64_graph, fold64
+from slabconv.verify.reference import Float64Fold, float64_graph, fold64
 from slabconv.verify.results import IntegrityCheck, Localization, NotRun, OutputCheck, Verification, g3
 from slabconv.verify.run import (
     Reference,
@@ -292,7 +292,8 @@ def _torch_reference(
     reference: Side, candidate: Side, x: Any, label: str, digest: str | None, fold: bool, affine: bool = False
 ) -> tuple[Reference, Any, list[Any], list[str]]:
     """The reference model in its dtype and its graph in float64 on ``x``, and (``fold``) the float64 fold (of
-    the norms' affines too with ``affine``: ``norm_affine``).
+    the norms' affines too with ``affine``: ``norm_affine``): the one the side holds (``Side.take_fold64``), else
+    made now.
 
     A candidate stored in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint)
     is held to the error of the reference cast to that dtype (``e_orig``): the error any model in that dtype has.
@@ -314,11 +315,16 @@ def _torch_reference(
     else:
         original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
     graph, example = reference.traced()
-    original64 = float64_graph(graph, example)
+    made = reference.take_fold64(affine)
+    original64 = made.original64 if made is not None else float64_graph(graph, example)
     runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
     exact = run_batched(runner, x, fixed_batch=loaded.batch)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
-    fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
+    if made is not None and fold:
+        fused64, decisions64 = made.fused64, made.decisions64
+    else:
+        fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
+    del made
     names = output_names(len(original))
     ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64,
                     model=loaded, original_dtype=original_dtype, batch=loaded.batch)  # fmt: skip
@@ -632,7 +638,7 @@ def verify(
         verification = _layerwise(reference, candidate, related, opts, progress)
     else:
         with stage_memory():  # one full collection, then each stage's release_memory walks only what it made
-            verification = _whole(reference, candidate, related, opts, load, progress, just_folded)
+            verification = _whole(reference, candidate, related, opts, load, progress, just_folded, localize)
     if opts.generate:
         _language_checks(reference, candidate, opts, verification, progress)
     elif candidate.language_model and opts.generate == 0:
@@ -678,10 +684,13 @@ def _whole(
     load: LoadOptions | None,
     progress: Progress,
     just_folded: bool = False,
+    localize: bool = False,
 ) -> Verification:
     """Both questions with whole models (every side but ``streamed``), and the int8 check when asked. A candidate
     whose provenance records a fold of the reference but that holds the norms the fold removes is verified as
-    another model (``_a_fold_lacks_its_norms``); with ``just_folded`` that raises RuntimeError."""
+    another model (``_a_fold_lacks_its_norms``); with ``just_folded`` that raises RuntimeError. A model reference
+    keeps question 1's float64 fold (``Side.fold64``) for the localisation where it will run (``localize``, or a
+    failed question 1)."""
     pending, fallback = candidate_runs(candidate, opts.runtimes, load)
     quantizing = int8_backends(opts)
     if quantizing and candidate.onnx is None:
@@ -744,6 +753,9 @@ def _whole(
             verification.exact += _question_1_onnx(folded, ref, candidate, first, batch, progress)
         else:
             verification.exact += _question_1_torch(ref, fused64, candidate, first, batch, progress)
+            if localize or not all(c.passed for c in verification.exact):
+                assert ref.original64 is not None and fused64 is not None
+                reference.fold64 = Float64Fold(ref.original64, fused64, decisions64, reference.traced()[0], affine)
         del fused64, first
     else:
         unrelated = unrelated if not candidate.unfused else sides.why_not_a_fold(reference, candidate)
@@ -794,39 +806,33 @@ def _int8(
 ) -> Any:
     """The int8 check (``slabconv.verify.int8.check_int8``) of the reference's and the candidate's ``.onnx``,
     quantized alike and calibrated on ``opts.calibration`` or the verification inputs: a reference that is not an
-    ``.onnx`` is exported first (``write.onnx.export_onnx``, in its dtype), into a temporary folder.
+    ``.onnx`` is exported to ONNX in its dtype (``run.export_original``: once, the export question 2's runtimes
+    run the original from too).
 
     Raises:
         InputError: an unreadable calibration file; outputs that cannot be judged (``compare_int8``).
+        UnsupportedModelError, UsageError: the reference cannot be exported to ONNX.
         RuntimeUnavailable: onnxruntime cannot quantize or run a side.
     """
-    import tempfile
-
     from slabconv.verify.int8 import check_int8
-    from slabconv.verify.runtimes import RuntimeUnavailable
+    from slabconv.verify.run import export_original
 
     calibration, label = ref.x, "the verification inputs"
     if opts.calibration is not None:
         calibration = _calibration(ref, opts.calibration)
         label = str(opts.calibration)
     name = f"int8 @ {backend.name}"
-    with tempfile.TemporaryDirectory(prefix="slabconv-int8-") as tmp:
-        if reference.kind == "onnx":
-            original = reference.onnx.path
-        else:
-            from slabconv.write.onnx import export_onnx
-
-            loaded = reference.built(load)
-            original = Path(tmp) / "reference.onnx"
-            with quiet():
-                export_onnx(loaded.model, loaded.trace_example(), original)
-        try:
-            return check_int8(
-                name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
-                calibration_label=label, fixed_batch=ref.batch,
-            )  # fmt: skip
-        except RuntimeUnavailable as err:
-            raise InputError(f"{name}: {err}") from None
+    if reference.kind == "onnx":
+        original = reference.onnx.path
+    else:
+        original = export_original(reference.built(load), ref.exported, required=True)
+    try:
+        return check_int8(
+            name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,
+            calibration_label=label, fixed_batch=ref.batch,
+        )  # fmt: skip
+    except RuntimeUnavailable as err:
+        raise InputError(f"{name}: {err}") from None
 
 
 def _calibration(ref: Reference, path: Path) -> Any:
