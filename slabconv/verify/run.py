@@ -417,12 +417,13 @@ def exact_samples(x: Inputs, exact: Sequence[np.ndarray]) -> tuple[Inputs, list[
     return take(x, 0, n), [e[:n] for e in exact], total
 
 
-def question_1_graph(reference: Reference, fused64: nn.Module, batch: int | None = None) -> ExactCheck:
-    """The fused float64 graph against the original float64 outputs of ``reference`` (on ``exact_samples``)."""
+def question_1_graph(reference: Reference, fused64: nn.Module) -> ExactCheck:
+    """The fused float64 graph against the original float64 outputs of ``reference`` (on ``exact_samples``), in
+    the reference's batches."""
     assert reference.exact is not None
     dtype = getattr(torch, reference.dtype)
     x, exact, total = exact_samples(reference.x, reference.exact)
-    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), x, fixed_batch=batch)
+    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), x, fixed_batch=reference.batch)
     return judge.exact_graphs(reference.names, outputs, exact, of=total)
 
 

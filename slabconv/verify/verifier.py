@@ -334,7 +334,7 @@ def _torch_reference(
 
 def _onnx_reference(
     reference: Side, x: Inputs, label: str, digest: str | None, fusing: bool = False
-) -> tuple[Reference, str, int | None]:
+) -> tuple[Reference, str]:
     """An ONNX original in its dtype (onnxruntime) and its graph in float64.
 
     Args:
@@ -376,7 +376,7 @@ def _onnx_reference(
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
     ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
     check_reference(ref)
-    return ref, which, batch
+    return ref, which
 
 
 def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | None, err: Exception) -> None:
@@ -404,6 +404,9 @@ def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | 
 
 
 # --------------------------------------------------------------------------------------------- question 1
+
+
+Tensors = dict[str, torch.Tensor]
 
 
 class Written(NamedTuple):
@@ -464,20 +467,20 @@ def _a_fold_lacks_its_norms(
 
 
 def _question_1_torch(
-    reference: Reference, fused64: Any, candidate: Side, first: Written, batch: int | None, progress: Progress
+    ref: Reference, fused64: Any, original: Tensors, fold: Tensors, candidate: Side, first: Written, progress: Progress
 ) -> list[Any]:
     """Question 1 for a torch reference: the float64 fold's graph, then the tensors of every file the candidate
     holds against that fold rounded to their dtypes (``written_files``; ``first``: the first file's, read already):
     a folder's weights, and its ``model.onnx`` too (by value where the exporter renamed a tensor), one file at a
     time: each is deployed on its own, and a runtime's rounding (OpenVINO's bfloat16) can hide a changed weight
-    from question 2."""
+    from question 2. ``original``, ``fold``: the float64 original's and the float64 fold's tensors by name
+    (``engine.fused_state_dict`` of ``ref.original64`` and of ``fused64``)."""
     progress("verifying: question 1, is the fold exact?")
-    graph = question_1_graph(reference, fused64, batch)
-    fold = engine.fused_state_dict(fused64)
+    graph = question_1_graph(ref, fused64)
     checks = [graph]
     for i, (name, read) in enumerate(written_files(candidate)):
         written = first if i == 0 else read()
-        unchanged = unchanged_tensors(reference.original64, fold) if written.by_value else frozenset()
+        unchanged = unchanged_tensors(original, fold) if written.by_value else frozenset()
         checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
                                           by_value=written.by_value, unchanged=unchanged, file=name))  # fmt: skip
         del written
@@ -491,11 +494,9 @@ def _program_tensors(checkpoint: Any) -> dict[str, torch.Tensor]:
     return {**constants, **checkpoint.state_dict}
 
 
-def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozenset[str]:
-    """The float64 fold's tensors that are the float64 original graph's own, bit for bit (no fold wrote them)."""
-    if original64 is None:
-        return frozenset()
-    original = engine.fused_state_dict(original64)
+def unchanged_tensors(original: Tensors, fold: Tensors) -> frozenset[str]:
+    """The float64 fold's tensors (``fold``) that are the float64 original graph's own (``original``: its
+    ``engine.fused_state_dict``), bit for bit (no fold wrote them)."""
     return frozenset(k for k, v in fold.items() if k in original and torch.equal(original[k], v))
 
 
@@ -524,11 +525,12 @@ def _onnx_tensors(path: Path) -> Written:
 
 
 def _question_1_onnx(
-    folded: Any, reference: Reference, candidate: Side, first: Written, batch: int | None, progress: Progress
+    folded: Any, fold: Tensors, reference: Reference, candidate: Side, first: Written, progress: Progress
 ) -> list[Any]:
     """Question 1 for an ONNX reference: its float64 fold (``folded``: ``onnx_fold64`` of the reference for
-    this candidate) against it in float64 (the fold alone, never simplified), and the candidate's tensors
-    (``first``: its ``.onnx``'s, read already) against that fold rounded to their dtypes. The original it is held
+    this candidate; ``fold``: its stored tensors in float64, ``onnx_original.stored_tensors``) against it in
+    float64 (the fold alone, never simplified), and the candidate's tensors (``first``: its ``.onnx``'s, read
+    already) against that fold rounded to their dtypes. The original it is held
     to is the graph the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
     ``weight_norm``'s ``g * v / ||v||``, folded into a constant at the file's precision, as its runtime computes it
     on every call), in float64: the fold alone is judged, and question 2 holds the written file to the original as
@@ -541,11 +543,10 @@ def _question_1_onnx(
     progress("verifying: question 1, is the fold exact?")
     assert reference.exact is not None
     x1, _, total = exact_samples(reference.x, reference.exact)
-    outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, batch)
-    exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, batch)
+    outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, reference.batch)
+    exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, reference.batch)
     written = first.tensors
     name = candidate.onnx.path.name
-    fold = onnx_original.stored_tensors(folded.fused, float64=True)
     checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
     if folded.simplified is None:
         return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold, file=name)]
@@ -719,7 +720,7 @@ def _whole(
     )
     first: Written | None = None
     if reference.kind == "onnx":
-        ref, which, batch = _onnx_reference(reference, x, label, digest, fusing=just_folded)
+        ref, which = _onnx_reference(reference, x, label, digest, fusing=just_folded)
         verification.reference = f"the reference ONNX graph in float64 ({which})"
         fused64 = folded = None
         if related:
@@ -745,18 +746,17 @@ def _whole(
             related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
         if reference.decisions is not None and related:
             verification.notes += decisions_note(reference.decisions, decisions64)
-        batch = reference.loaded.batch
     verification.notes += ref.notes
     if related:
         assert first is not None
         if reference.kind == "onnx":
-            verification.exact += _question_1_onnx(folded, ref, candidate, first, batch, progress)
+            verification.exact += _question_1_onnx(folded, fold, ref, candidate, first, progress)
         else:
-            verification.exact += _question_1_torch(ref, fused64, candidate, first, batch, progress)
+            verification.exact += _question_1_torch(ref, fused64, original, fold, candidate, first, progress)
             if localize or not all(c.passed for c in verification.exact):
                 assert ref.original64 is not None and fused64 is not None
                 reference.fold64 = Float64Fold(ref.original64, fused64, decisions64, reference.traced()[0], affine)
-        del fused64, first
+        del fused64, first, original, fold
     else:
         unrelated = unrelated if not candidate.unfused else sides.why_not_a_fold(reference, candidate)
         verification.notes.append(f"question 1 (is the fold exact?) not answered: {unrelated}; question 2 only")
