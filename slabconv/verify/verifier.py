@@ -53,6 +53,7 @@ from slabconv.verify.run import (
     decisions_note,
     exact_samples,
     original_cast,
+    original_runs,
     output_names,
     question_1_graph,
     question_2,
@@ -68,7 +69,6 @@ from slabconv.verify.runtimes import (
     run_batched,
     samples_of,
     torch_label,
-    torch_runner,
     torch_runtime,
 )
 from slabconv.verify.sides import Side
@@ -304,7 +304,7 @@ def _torch_reference(
     loaded = reference.loaded
     notes = []
     written = getattr(torch, candidate.dtype, None)
-    original_dtype = None
+    original = original_dtype = None
     if isinstance(written, torch.dtype) and written.itemsize < loaded.dtype.itemsize and loaded.dtype.is_floating_point:
         original = original_cast(loaded, written, x)
         original_dtype = candidate.dtype
@@ -312,13 +312,10 @@ def _torch_reference(
             f"the candidate is stored in {candidate.dtype}, the reference in {dtype_name(loaded.dtype)}: the "
             f"original's own error is that of the reference cast to {candidate.dtype}"
         )
-    else:
-        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
     graph, example = reference.traced()
     made = reference.take_fold64(affine)
     original64 = made.original64 if made is not None else float64_graph(graph, example)
-    runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
-    exact = run_batched(runner, x, fixed_batch=loaded.batch)
+    original, exact = original_runs(loaded, original64, x, original)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
     if made is not None and fold:
         fused64, decisions64 = made.fused64, made.decisions64
