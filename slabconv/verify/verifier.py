@@ -755,8 +755,8 @@ def _whole(
                 reference.fold64 = Float64Fold(ref.original64, fused64, decisions64, reference.traced()[0], affine)
         del fused64, first, original, fold
     else:
-        unrelated = unrelated if not candidate.unfused else sides.why_not_a_fold(reference, candidate)
-        verification.notes.append(f"question 1 (is the fold exact?) not answered: {unrelated}; question 2 only")
+        # a candidate related as given but lacking its fold's norms (``_a_fold_lacks_its_norms``): said of its norms
+        verification.question_2_only(unrelated or sides.why_not_a_fold(reference, candidate))
     release_memory()
     check = checker_check(candidate, reference)
     if check is not None:
@@ -1097,5 +1097,5 @@ def _layerwise(
         verification.generation = run.judged(*(exact[0] if ids is not None else (None, 0.0)))
     if program is None:
         why = sides.why_not_a_fold(reference, candidate) if not related else "no fold program was given"
-        verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
+        verification.question_2_only(why)
     return verification
