@@ -862,6 +862,10 @@ def _overflowing_inputs(verification: Verification, reference: Reference) -> Non
         )
 
 
+# what a note on a question 2 that cannot tell models apart says where question 1 ran
+_QUESTION_1_SHOWS = "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
+
+
 def _constant_outputs(verification: Verification, reference: Reference, related: bool) -> None:
     """Note when the original's outputs are the same on every sample (a model saturated on these inputs, or one
     whose outputs do not depend on them): question 2 then compares constants, and would pass any model with the
@@ -874,11 +878,7 @@ def _constant_outputs(verification: Verification, reference: Reference, related:
         return  # one sample, or an output without a batch axis: nothing to compare across samples
     if not all(np.array_equal(o, np.broadcast_to(o[:1], o.shape)) for o in outputs):
         return
-    which = (
-        "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
-        if related
-        else "this verification says nothing about the candidate beyond them"
-    )
+    which = _QUESTION_1_SHOWS if related else "this verification says nothing about the candidate beyond them"
     verification.notes.append(
         f"the original's outputs are the same on all {n} samples ({reference.label}): question 2 compares constants "
         f"here and cannot tell one model from another; {which}; pass inputs the model was made for with --inputs NPZ"
@@ -895,11 +895,7 @@ def _bound_admits_zero(verification: Verification, related: bool) -> None:
     vacuous = [c for c in verification.checks if c.passed and c.tolerance_from == "2*e_orig" and c.tolerance >= 1]
     if not vacuous:
         return
-    which = (
-        "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
-        if related
-        else "this verification says nothing about the candidate's values there"
-    )
+    which = _QUESTION_1_SHOWS if related else "this verification says nothing about the candidate's values there"
     worst = max(vacuous, key=lambda c: c.tolerance)
     names = ", ".join(dict.fromkeys(c.name for c in vacuous))
     verification.notes.append(
