@@ -265,7 +265,7 @@ def _torch(
     dtype = getattr(torch, candidate.dtype)
     # the floating tensors only: an integer buffer (an index) is the original's, and stays integer
     fold = {k: v for k, v in engine.fused_state_dict(fused64).items() if v.is_floating_point()}
-    unchanged = unchanged_tensors(original64, fold)
+    unchanged = unchanged_tensors(engine.fused_state_dict(original64), fold)
     written, by_value = _stored_file(candidate, fold, unchanged)
     # a tensor no fold wrote is read where question 1 reads it: by name, or by value where the file holds a
     # tensor of its shape (judge.exact_tensors)

@@ -462,6 +462,10 @@ class Verification:
                 case.message += f"; {where}"
         return out
 
+    def question_2_only(self, why: str) -> None:
+        """Notes that question 1 (is the fold exact?) was not answered, and why (``sides.why_not_a_fold``)."""
+        self.notes.append(f"{QUESTION_1} not answered: {why}; question 2 only")
+
     def where(self) -> str:
         """The localisation's verdict in words, for failure lines: the first diverging fold, or that none does."""
         if self.localization is None:

@@ -176,9 +176,7 @@ class Reference:
         if self.original64 is None:
             raise UsageError("this reference has no float64 graph to run at another length")
         x = self.x[:, :length]
-        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
-        runner = torch_runner(self.original64, torch.float64, round_to=loaded.dtype)
-        exact = run_batched(runner, x, fixed_batch=loaded.batch)
+        original, exact = original_runs(loaded, self.original64, x)
         names = [f"{name}, length {length}" for name in self.names]
         return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64,
                          model=self.model, batch=self.batch, exported=self.exported)  # fmt: skip
@@ -248,6 +246,19 @@ def run_original(path: Path, runtime: Runtime, x: Inputs) -> list[np.ndarray] | 
     finally:
         for r in opened:
             r.close()
+
+
+def original_runs(
+    loaded: LoadedModel, original64: fx.GraphModule, x: Any, original: list[np.ndarray] | None = None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``(original, exact)`` on ``x`` (``(N, ...)``, in ``loaded``'s fixed batch): every output of ``loaded``'s
+    model in its dtype (as float32, ``torch_runner``'s ``narrow``; ``original`` where given, computed already: the
+    reference cast to a narrower dtype) and of its float64 graph ``original64`` (``float64_graph``) on ``x``
+    rounded to the model's dtype (float64): ``Reference.original`` and ``Reference.exact``."""
+    if original is None:
+        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
+    exact = run_batched(torch_runner(original64, torch.float64, round_to=loaded.dtype), x, fixed_batch=loaded.batch)
+    return original, exact
 
 
 def original_cast(loaded: LoadedModel, dtype: torch.dtype, x: Any) -> list[np.ndarray]:
@@ -417,12 +428,13 @@ def exact_samples(x: Inputs, exact: Sequence[np.ndarray]) -> tuple[Inputs, list[
     return take(x, 0, n), [e[:n] for e in exact], total
 
 
-def question_1_graph(reference: Reference, fused64: nn.Module, batch: int | None = None) -> ExactCheck:
-    """The fused float64 graph against the original float64 outputs of ``reference`` (on ``exact_samples``)."""
+def question_1_graph(reference: Reference, fused64: nn.Module) -> ExactCheck:
+    """The fused float64 graph against the original float64 outputs of ``reference`` (on ``exact_samples``), in
+    the reference's batches."""
     assert reference.exact is not None
     dtype = getattr(torch, reference.dtype)
     x, exact, total = exact_samples(reference.x, reference.exact)
-    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), x, fixed_batch=batch)
+    outputs = run_batched(torch_runner(fused64, torch.float64, round_to=dtype), x, fixed_batch=reference.batch)
     return judge.exact_graphs(reference.names, outputs, exact, of=total)
 
 

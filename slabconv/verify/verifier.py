@@ -53,6 +53,7 @@ from slabconv.verify.run import (
     decisions_note,
     exact_samples,
     original_cast,
+    original_runs,
     output_names,
     question_1_graph,
     question_2,
@@ -68,7 +69,6 @@ from slabconv.verify.runtimes import (
     run_batched,
     samples_of,
     torch_label,
-    torch_runner,
     torch_runtime,
 )
 from slabconv.verify.sides import Side
@@ -304,7 +304,7 @@ def _torch_reference(
     loaded = reference.loaded
     notes = []
     written = getattr(torch, candidate.dtype, None)
-    original_dtype = None
+    original = original_dtype = None
     if isinstance(written, torch.dtype) and written.itemsize < loaded.dtype.itemsize and loaded.dtype.is_floating_point:
         original = original_cast(loaded, written, x)
         original_dtype = candidate.dtype
@@ -312,13 +312,10 @@ def _torch_reference(
             f"the candidate is stored in {candidate.dtype}, the reference in {dtype_name(loaded.dtype)}: the "
             f"original's own error is that of the reference cast to {candidate.dtype}"
         )
-    else:
-        original = run_batched(torch_runner(loaded.model, loaded.dtype, narrow=True), x, fixed_batch=loaded.batch)
     graph, example = reference.traced()
     made = reference.take_fold64(affine)
     original64 = made.original64 if made is not None else float64_graph(graph, example)
-    runner = torch_runner(original64, torch.float64, round_to=loaded.dtype)
-    exact = run_batched(runner, x, fixed_batch=loaded.batch)
+    original, exact = original_runs(loaded, original64, x, original)
     release_memory(collect=False)  # the float64 activations, before the float64 fold is made
     if made is not None and fold:
         fused64, decisions64 = made.fused64, made.decisions64
@@ -334,7 +331,7 @@ def _torch_reference(
 
 def _onnx_reference(
     reference: Side, x: Inputs, label: str, digest: str | None, fusing: bool = False
-) -> tuple[Reference, str, int | None]:
+) -> tuple[Reference, str]:
     """An ONNX original in its dtype (onnxruntime) and its graph in float64.
 
     Args:
@@ -376,7 +373,7 @@ def _onnx_reference(
     exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
     ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
     check_reference(ref)
-    return ref, which, batch
+    return ref, which
 
 
 def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | None, err: Exception) -> None:
@@ -404,6 +401,9 @@ def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | 
 
 
 # --------------------------------------------------------------------------------------------- question 1
+
+
+Tensors = dict[str, torch.Tensor]
 
 
 class Written(NamedTuple):
@@ -464,20 +464,20 @@ def _a_fold_lacks_its_norms(
 
 
 def _question_1_torch(
-    reference: Reference, fused64: Any, candidate: Side, first: Written, batch: int | None, progress: Progress
+    ref: Reference, fused64: Any, original: Tensors, fold: Tensors, candidate: Side, first: Written, progress: Progress
 ) -> list[Any]:
     """Question 1 for a torch reference: the float64 fold's graph, then the tensors of every file the candidate
     holds against that fold rounded to their dtypes (``written_files``; ``first``: the first file's, read already):
     a folder's weights, and its ``model.onnx`` too (by value where the exporter renamed a tensor), one file at a
     time: each is deployed on its own, and a runtime's rounding (OpenVINO's bfloat16) can hide a changed weight
-    from question 2."""
+    from question 2. ``original``, ``fold``: the float64 original's and the float64 fold's tensors by name
+    (``engine.fused_state_dict`` of ``ref.original64`` and of ``fused64``)."""
     progress("verifying: question 1, is the fold exact?")
-    graph = question_1_graph(reference, fused64, batch)
-    fold = engine.fused_state_dict(fused64)
+    graph = question_1_graph(ref, fused64)
     checks = [graph]
     for i, (name, read) in enumerate(written_files(candidate)):
         written = first if i == 0 else read()
-        unchanged = unchanged_tensors(reference.original64, fold) if written.by_value else frozenset()
+        unchanged = unchanged_tensors(original, fold) if written.by_value else frozenset()
         checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
                                           by_value=written.by_value, unchanged=unchanged, file=name))  # fmt: skip
         del written
@@ -491,11 +491,9 @@ def _program_tensors(checkpoint: Any) -> dict[str, torch.Tensor]:
     return {**constants, **checkpoint.state_dict}
 
 
-def unchanged_tensors(original64: Any, fold: dict[str, torch.Tensor]) -> frozenset[str]:
-    """The float64 fold's tensors that are the float64 original graph's own, bit for bit (no fold wrote them)."""
-    if original64 is None:
-        return frozenset()
-    original = engine.fused_state_dict(original64)
+def unchanged_tensors(original: Tensors, fold: Tensors) -> frozenset[str]:
+    """The float64 fold's tensors (``fold``) that are the float64 original graph's own (``original``: its
+    ``engine.fused_state_dict``), bit for bit (no fold wrote them)."""
     return frozenset(k for k, v in fold.items() if k in original and torch.equal(original[k], v))
 
 
@@ -524,11 +522,12 @@ def _onnx_tensors(path: Path) -> Written:
 
 
 def _question_1_onnx(
-    folded: Any, reference: Reference, candidate: Side, first: Written, batch: int | None, progress: Progress
+    folded: Any, fold: Tensors, reference: Reference, candidate: Side, first: Written, progress: Progress
 ) -> list[Any]:
     """Question 1 for an ONNX reference: its float64 fold (``folded``: ``onnx_fold64`` of the reference for
-    this candidate) against it in float64 (the fold alone, never simplified), and the candidate's tensors
-    (``first``: its ``.onnx``'s, read already) against that fold rounded to their dtypes. The original it is held
+    this candidate; ``fold``: its stored tensors in float64, ``onnx_original.stored_tensors``) against it in
+    float64 (the fold alone, never simplified), and the candidate's tensors (``first``: its ``.onnx``'s, read
+    already) against that fold rounded to their dtypes. The original it is held
     to is the graph the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
     ``weight_norm``'s ``g * v / ||v||``, folded into a constant at the file's precision, as its runtime computes it
     on every call), in float64: the fold alone is judged, and question 2 holds the written file to the original as
@@ -541,11 +540,10 @@ def _question_1_onnx(
     progress("verifying: question 1, is the fold exact?")
     assert reference.exact is not None
     x1, _, total = exact_samples(reference.x, reference.exact)
-    outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, batch)
-    exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, batch)
+    outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, reference.batch)
+    exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, reference.batch)
     written = first.tensors
     name = candidate.onnx.path.name
-    fold = onnx_original.stored_tensors(folded.fused, float64=True)
     checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
     if folded.simplified is None:
         return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold, file=name)]
@@ -719,7 +717,7 @@ def _whole(
     )
     first: Written | None = None
     if reference.kind == "onnx":
-        ref, which, batch = _onnx_reference(reference, x, label, digest, fusing=just_folded)
+        ref, which = _onnx_reference(reference, x, label, digest, fusing=just_folded)
         verification.reference = f"the reference ONNX graph in float64 ({which})"
         fused64 = folded = None
         if related:
@@ -745,21 +743,20 @@ def _whole(
             related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
         if reference.decisions is not None and related:
             verification.notes += decisions_note(reference.decisions, decisions64)
-        batch = reference.loaded.batch
     verification.notes += ref.notes
     if related:
         assert first is not None
         if reference.kind == "onnx":
-            verification.exact += _question_1_onnx(folded, ref, candidate, first, batch, progress)
+            verification.exact += _question_1_onnx(folded, fold, ref, candidate, first, progress)
         else:
-            verification.exact += _question_1_torch(ref, fused64, candidate, first, batch, progress)
+            verification.exact += _question_1_torch(ref, fused64, original, fold, candidate, first, progress)
             if localize or not all(c.passed for c in verification.exact):
                 assert ref.original64 is not None and fused64 is not None
                 reference.fold64 = Float64Fold(ref.original64, fused64, decisions64, reference.traced()[0], affine)
-        del fused64, first
+        del fused64, first, original, fold
     else:
-        unrelated = unrelated if not candidate.unfused else sides.why_not_a_fold(reference, candidate)
-        verification.notes.append(f"question 1 (is the fold exact?) not answered: {unrelated}; question 2 only")
+        # a candidate related as given but lacking its fold's norms (``_a_fold_lacks_its_norms``): said of its norms
+        verification.question_2_only(unrelated or sides.why_not_a_fold(reference, candidate))
     release_memory()
     check = checker_check(candidate, reference)
     if check is not None:
@@ -865,6 +862,10 @@ def _overflowing_inputs(verification: Verification, reference: Reference) -> Non
         )
 
 
+# what a note on a question 2 that cannot tell models apart says where question 1 ran
+_QUESTION_1_SHOWS = "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
+
+
 def _constant_outputs(verification: Verification, reference: Reference, related: bool) -> None:
     """Note when the original's outputs are the same on every sample (a model saturated on these inputs, or one
     whose outputs do not depend on them): question 2 then compares constants, and would pass any model with the
@@ -877,11 +878,7 @@ def _constant_outputs(verification: Verification, reference: Reference, related:
         return  # one sample, or an output without a batch axis: nothing to compare across samples
     if not all(np.array_equal(o, np.broadcast_to(o[:1], o.shape)) for o in outputs):
         return
-    which = (
-        "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
-        if related
-        else "this verification says nothing about the candidate beyond them"
-    )
+    which = _QUESTION_1_SHOWS if related else "this verification says nothing about the candidate beyond them"
     verification.notes.append(
         f"the original's outputs are the same on all {n} samples ({reference.label}): question 2 compares constants "
         f"here and cannot tell one model from another; {which}; pass inputs the model was made for with --inputs NPZ"
@@ -898,11 +895,7 @@ def _bound_admits_zero(verification: Verification, related: bool) -> None:
     vacuous = [c for c in verification.checks if c.passed and c.tolerance_from == "2*e_orig" and c.tolerance >= 1]
     if not vacuous:
         return
-    which = (
-        "question 1, which holds every stored tensor to the fold, is what shows the fold exact"
-        if related
-        else "this verification says nothing about the candidate's values there"
-    )
+    which = _QUESTION_1_SHOWS if related else "this verification says nothing about the candidate's values there"
     worst = max(vacuous, key=lambda c: c.tolerance)
     names = ", ".join(dict.fromkeys(c.name for c in vacuous))
     verification.notes.append(
@@ -1100,5 +1093,5 @@ def _layerwise(
         verification.generation = run.judged(*(exact[0] if ids is not None else (None, 0.0)))
     if program is None:
         why = sides.why_not_a_fold(reference, candidate) if not related else "no fold program was given"
-        verification.notes.append(f"question 1 (is the fold exact?) not answered: {why}; question 2 only")
+        verification.question_2_only(why)
     return verification
