@@ -64,6 +64,7 @@ from slabconv.write.onnx import export_onnx, onnx_files, provenance
 from slabconv.write.pt2 import export_program, save_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import staging_dir
+from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
 
 FOLD_BLOCK = engine.FOLD_BLOCK
 """Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
@@ -143,7 +144,7 @@ def open_door(
     if not write.stream:
         progress(f"loading {path}")
         loaded = load_model(path, load)
-        if write_dtype(write) not in (None, loaded.dtype) and _family(loaded) in ("llama", "llama_std"):
+        if write_dtype(write) not in (None, loaded.dtype) and _family(loaded) in ("llama", STANDARD_FAMILY):
             raise UsageError(  # before the trace: a complete fold is written as a Hugging Face folder
                 "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
             )
@@ -461,7 +462,8 @@ def writes_hf_folder(loaded: LoadedModel, planned: Planned) -> bool:
     """A fused language model of a zoo family is written as a Hugging Face folder: LLaMA-PRepBN when every norm
     folded (the norm-free model), a standard decoder (LLaMA, Mistral, Qwen2) always (its own architecture, the norms
     it keeps included)."""
-    return (_family(loaded) == "llama" and planned.complete) or _family(loaded) == "llama_std"
+    family = _family(loaded)
+    return (family == "llama" and planned.complete) or family == STANDARD_FAMILY
 
 
 def _family(loaded: LoadedModel) -> str | None:
