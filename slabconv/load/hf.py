@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,12 +189,9 @@ def read_hf_folder(folder: Path | str) -> HFFolder:
             (part, digests[shard]), meta = _read_bin(shard), {}
         if i == 0:
             metadata = meta
-        twice = sorted(set(part) & set(state))
-        if twice:
-            raise InputError(f"{shard}: key {twice[0]!r} is also in an earlier shard; the folder is damaged")
+        if weight_map:  # a tensor in two shards is in one the index does not put it in
+            check_shard_against_index(entry, shard, part, weight_map)
         state.update(part)
-    if fmt.endswith("-sharded"):
-        _check_index(entry, state, weight_map)
     if not state:
         raise InputError(f"{entry}: holds no tensors")
     check_config_fits(config, {k: list(v.shape) for k, v in state.items()}, folder)
@@ -259,13 +256,30 @@ def shard_paths(index: Path, weight_map: dict[str, str] | None = None) -> list[P
     return [inside(index.parent, index.parent / n) for n in names]
 
 
-def _check_index(index: Path, state: Mapping[str, torch.Tensor], weight_map: dict[str, str]) -> None:
-    absent = sorted(set(weight_map) - set(state))
-    extra = sorted(set(state) - set(weight_map))
-    if absent:
-        raise InputError(f"{index}: {absent[0]!r} is in the index but not in shard {weight_map[absent[0]]}")
-    if extra:
-        raise InputError(f"{index}: the shards hold {extra[0]!r}, which the index does not list; the folder is damaged")
+def check_shard_against_index(index: Path, shard: Path, keys: Iterable[str], weight_map: Mapping[str, str]) -> None:
+    """Hold one shard's tensor names to the index: each tensor the shard holds is one the index puts in that shard,
+    and each tensor the index puts there is in it. In memory and ``--stream`` alike, so a folder is one model to
+    slabconv whichever way it is read, and the one transformers loads (which reads each tensor where the index says).
+
+    Args:
+        index: the ``*.index.json`` file (named in the error).
+        shard: the shard file (its name is what the index's ``weight_map`` values say).
+        keys: the tensor names the shard holds (its state_dict's keys or its safetensors header's).
+        weight_map: the index's tensor name -> shard file name.
+
+    Raises:
+        InputError: ``SHARD: holds KEY, which the index puts in NAME; the folder is damaged`` (or ``does not
+            list``), or ``INDEX: KEY is in the index but not in shard NAME``.
+    """
+    held = list(keys)
+    present = set(held)
+    stray = next((k for k in held if weight_map.get(k) != shard.name), None)
+    if stray is not None:
+        where = f"puts in {weight_map[stray]}" if stray in weight_map else "does not list"
+        raise InputError(f"{shard}: holds {stray!r}, which the index {where}; the folder is damaged")
+    absent = next((k for k, v in weight_map.items() if v == shard.name and k not in present), None)
+    if absent is not None:
+        raise InputError(f"{index}: {absent!r} is in the index but not in shard {shard.name}")
 
 
 def _read_bin(path: Path) -> tuple[dict[str, torch.Tensor], str]:

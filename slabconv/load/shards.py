@@ -21,7 +21,15 @@ import torch
 
 from slabconv.errors import InputError
 from slabconv.load import safety
-from slabconv.load.hf import SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_INDEX, inside, read_index, shard_paths
+from slabconv.load.hf import (
+    SAFETENSORS,
+    SAFETENSORS_DTYPES,
+    SAFETENSORS_INDEX,
+    check_shard_against_index,
+    inside,
+    read_index,
+    shard_paths,
+)
 from slabconv.load.safetensors_file import read_header
 from slabconv.util import libc
 
@@ -295,17 +303,7 @@ class LazyShards:
         out: dict[str, tuple[torch.dtype, list[int]]] = {}
         for shard in dict.fromkeys(self.weight_map.values()):
             typed = self.header(shard)[1]
-            stray = next((k for k in typed if self.weight_map.get(k) != shard), None)
-            if stray is not None:
-                where = f"puts in {self.weight_map[stray]}" if stray in self.weight_map else "does not list"
-                raise InputError(
-                    f"{self.folder / shard}: holds {stray!r}, which the index {where}; the folder is damaged"
-                )
-            absent = next((k for k, v in self.weight_map.items() if v == shard and k not in typed), None)
-            if absent is not None:
-                raise InputError(
-                    f"{self.folder / SAFETENSORS_INDEX}: {absent!r} is in the index but not in shard {shard}"
-                )
+            check_shard_against_index(self.folder / SAFETENSORS_INDEX, self.folder / shard, typed, self.weight_map)
             out.update(typed)
         return {k: out[k] for k in self.weight_map if k in out}
 
