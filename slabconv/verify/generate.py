@@ -211,9 +211,8 @@ def greedy_onnx(
 ) -> GreedyRun:
     """Greedy tokens of the decoder ONNX in onnxruntime's CPU provider, the presents fed back as the next step's past.
 
-    Step 1 feeds the prompts with empty pasts ``(B, K, 0, d)`` and a mask of ones; each later step feeds the last
-    token ``(B, 1)``, the mask grown by one column of ones and ``position_ids`` one past the last (positions are
-    ``cumsum(attention_mask) - 1``, as transformers computes them).
+    Step 1 feeds the prompts as ``decoder_session`` has them (empty pasts); each later step feeds the last token
+    ``(B, 1)``, the mask grown by one column of ones and ``position_ids`` one past the last.
 
     Args:
         path: the decoder ONNX (``export_decoder_onnx``).
@@ -225,15 +224,51 @@ def greedy_onnx(
         A ``GreedyRun`` named ``fused <dtype> (onnxruntime <version>, KV cache)``, with tokens ``(B, N)``.
 
     Raises:
-        UsageError: no such file, or bad prompts or steps.
+        UsageError: bad prompts or steps; as ``decoder_session`` (no such file, not a decoder with past key/values).
     """
     import onnxruntime as ort
 
     _check_steps(steps)
+    ids = _as_ids(prompts).numpy()
+    session, dtype, prompt_feeds = decoder_session(path, threads)
+    outputs = [o.name for o in session.get_outputs()]
+    label = f"fused {dtype} (onnxruntime {ort.__version__}, KV cache)"
+
+    def run(count: int, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+        b, feeds = tokens.shape[0], prompt_feeds(tokens)
+        new = np.empty((b, count), np.int64)
+        start = time.perf_counter()
+        for s in range(count):
+            values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+            new[:, s] = values["logits"][:, -1].argmax(-1)
+            feeds = {
+                "input_ids": new[:, s : s + 1],
+                "attention_mask": np.ones((b, feeds["attention_mask"].shape[1] + 1), np.int64),
+                "position_ids": feeds["position_ids"][:, -1:] + 1,
+                **{k: values[k.replace("past_key_values.", "present.")] for k in feeds if k.startswith("past_")},
+            }
+        return new, time.perf_counter() - start
+
+    run(1, ids[:1])  # warm-up, untimed
+    tokens, seconds = run(steps, ids)
+    return GreedyRun(label, tokens, seconds)
+
+
+def decoder_session(path: Path | str, threads: int | None = None) -> tuple[Any, str, Callable[[np.ndarray], Any]]:
+    """The decoder ONNX (``slabconv.write.decoder_onnx``) in an onnxruntime CPU session (``threads`` intra-op
+    threads; None: one per core), the dtype of its past key/values, and the feeds of unpadded ids int64 ``(B, T)``
+    with nothing before them (``greedy_onnx``'s first step, ``task_metrics.onnx_logits``'s one call): a mask of ones,
+    positions ``0 .. T - 1`` (``cumsum(attention_mask) - 1``, as transformers has them), every past empty.
+
+    Raises:
+        UsageError: no such file; threads < 1; no past key/values, or of a type other than float and float16.
+    """
+    import onnxruntime as ort
+
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such ONNX file")
-    ids = _as_ids(prompts).numpy()
     options = ort.SessionOptions()
+    options.log_severity_level = 3
     if threads is not None:
         if threads < 1:
             raise UsageError(f"threads must be at least 1, got {threads}")
@@ -242,32 +277,17 @@ def greedy_onnx(
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     if not pasts:
         raise UsageError(f"{path}: no past_key_values.* inputs; not a decoder with past key/values")
-    float_type = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
     if pasts[0].type not in ("tensor(float16)", "tensor(float)"):
         raise UsageError(f"{path}: past key/values of {pasts[0].type}; onnxruntime runs float and float16 here")
-    kv_heads, head_dim = int(pasts[0].shape[1]), int(pasts[0].shape[3])
-    outputs = [o.name for o in session.get_outputs()]
-    label = f"fused {np.dtype(float_type).name} (onnxruntime {ort.__version__}, KV cache)"
+    float_type = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
 
-    def run(count: int, tokens: np.ndarray) -> tuple[np.ndarray, float]:
-        b, mask = tokens.shape[0], np.ones_like(tokens)
-        past = {i.name: np.zeros((b, kv_heads, 0, head_dim), float_type) for i in pasts}
-        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        new = np.empty((b, count), np.int64)
-        start = time.perf_counter()
-        for s in range(count):
-            feeds = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions, **past}
-            values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
-            new[:, s] = values["logits"][:, -1].argmax(-1)
-            past = {k: values[k.replace("past_key_values.", "present.")] for k in past}
-            tokens = new[:, s : s + 1]
-            mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
-            positions = positions[:, -1:] + 1
-        return new, time.perf_counter() - start
+    def feeds(ids: np.ndarray) -> dict[str, Any]:
+        b, t = ids.shape
+        empty = {p.name: np.zeros((b, int(p.shape[1]), 0, int(p.shape[3])), float_type) for p in pasts}
+        positions = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": positions, **empty}
 
-    run(1, ids[:1])  # warm-up, untimed
-    tokens, seconds = run(steps, ids)
-    return GreedyRun(label, tokens, seconds)
+    return session, np.dtype(float_type).name, feeds
 
 
 def genai_available() -> bool:
