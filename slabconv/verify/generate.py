@@ -823,13 +823,23 @@ def task_metrics_memory(original: torch.nn.Module, sequences: int, length: int) 
     return held + min(n, BATCH) * length * vocab * 8 + 8 * weights + 4 * CHUNK_BYTES
 
 
+def generation_checks_memory(model: torch.nn.Module, sequences: int, length: int, steps: int, onnx: bool) -> int:
+    """Bytes the greedy check (``generation_memory``, with ``decoder.onnx`` when ``onnx``, on the prompts
+    ``prompts_of`` takes from ``sequences`` token sequences of ``length`` tokens, cut by ``within_positions``) or the
+    task metrics (``task_metrics_memory``) of the zoo language model ``model`` hold at once, the larger."""
+    prompts, steps, _ = within_positions(
+        torch.zeros(min(sequences, PROMPTS), max(1, length // 2), dtype=torch.int64), steps, _positions_of(model)
+    )
+    generation = generation_memory(model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx)
+    return max(generation, task_metrics_memory(model, sequences, length))
+
+
 def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, Callable[[int], dict[str, int]]]:
     """The in-memory checks of the language model ``loaded`` (a ``LoadedModel`` taking token ids) on the inputs
     ``opts`` (``VerifyOptions``) chooses, as the verification will: how many sequences question 2 checks, and the
     bytes the checks hold at once besides the model, by check, were it that many (``--samples N``):
-    ``question 2`` (``question_2_memory``) and, unless ``opts.generate`` is 0, ``generation``: the greedy check's
-    ``generation_memory`` (with ``decoder.onnx`` when ``onnx``) or the task metrics' ``task_metrics_memory``, the
-    larger. The checks run one after another, so the need is the largest part.
+    ``question 2`` (``question_2_memory``) and, unless ``opts.generate`` is 0, ``generation``
+    (``generation_checks_memory``). The checks run one after another, so the need is the largest part.
 
     Raises:
         UsageError, InputError: as ``verify.inputs.choose_inputs`` (an inputs file that cannot be used).
@@ -845,13 +855,7 @@ def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, 
         out = {"question 2": question_2_memory(loaded.model, count, length)}
         if opts.generate != 0:
             every = count if drawn else len(x)  # the task metrics and the prompts take a file's sequences unlimited
-            prompts, steps, _ = within_positions(
-                torch.zeros(min(every, PROMPTS), max(1, length // 2), dtype=torch.int64),
-                opts.fuse_steps(),
-                _positions_of(loaded.model),
-            )
-            generation = generation_memory(loaded.model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx)
-            out["generation"] = max(generation, task_metrics_memory(loaded.model, every, length))
+            out["generation"] = generation_checks_memory(loaded.model, every, length, opts.fuse_steps(), onnx)
         return out
 
     return (len(x) if opts.samples is None else min(opts.samples, len(x))), parts
