@@ -211,9 +211,8 @@ def greedy_onnx(
 ) -> GreedyRun:
     """Greedy tokens of the decoder ONNX in onnxruntime's CPU provider, the presents fed back as the next step's past.
 
-    Step 1 feeds the prompts with empty pasts ``(B, K, 0, d)`` and a mask of ones; each later step feeds the last
-    token ``(B, 1)``, the mask grown by one column of ones and ``position_ids`` one past the last (positions are
-    ``cumsum(attention_mask) - 1``, as transformers computes them).
+    Step 1 feeds the prompts as ``decoder_session`` has them (empty pasts); each later step feeds the last token
+    ``(B, 1)``, the mask grown by one column of ones and ``position_ids`` one past the last.
 
     Args:
         path: the decoder ONNX (``export_decoder_onnx``).
@@ -225,15 +224,51 @@ def greedy_onnx(
         A ``GreedyRun`` named ``fused <dtype> (onnxruntime <version>, KV cache)``, with tokens ``(B, N)``.
 
     Raises:
-        UsageError: no such file, or bad prompts or steps.
+        UsageError: bad prompts or steps; as ``decoder_session`` (no such file, not a decoder with past key/values).
     """
     import onnxruntime as ort
 
     _check_steps(steps)
+    ids = _as_ids(prompts).numpy()
+    session, dtype, prompt_feeds = decoder_session(path, threads)
+    outputs = [o.name for o in session.get_outputs()]
+    label = f"fused {dtype} (onnxruntime {ort.__version__}, KV cache)"
+
+    def run(count: int, tokens: np.ndarray) -> tuple[np.ndarray, float]:
+        b, feeds = tokens.shape[0], prompt_feeds(tokens)
+        new = np.empty((b, count), np.int64)
+        start = time.perf_counter()
+        for s in range(count):
+            values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
+            new[:, s] = values["logits"][:, -1].argmax(-1)
+            feeds = {
+                "input_ids": new[:, s : s + 1],
+                "attention_mask": np.ones((b, feeds["attention_mask"].shape[1] + 1), np.int64),
+                "position_ids": feeds["position_ids"][:, -1:] + 1,
+                **{k: values[k.replace("past_key_values.", "present.")] for k in feeds if k.startswith("past_")},
+            }
+        return new, time.perf_counter() - start
+
+    run(1, ids[:1])  # warm-up, untimed
+    tokens, seconds = run(steps, ids)
+    return GreedyRun(label, tokens, seconds)
+
+
+def decoder_session(path: Path | str, threads: int | None = None) -> tuple[Any, str, Callable[[np.ndarray], Any]]:
+    """The decoder ONNX (``slabconv.write.decoder_onnx``) in an onnxruntime CPU session (``threads`` intra-op
+    threads; None: one per core), the dtype of its past key/values, and the feeds of unpadded ids int64 ``(B, T)``
+    with nothing before them (``greedy_onnx``'s first step, ``task_metrics.onnx_logits``'s one call): a mask of ones,
+    positions ``0 .. T - 1`` (``cumsum(attention_mask) - 1``, as transformers has them), every past empty.
+
+    Raises:
+        UsageError: no such file; threads < 1; no past key/values, or of a type other than float and float16.
+    """
+    import onnxruntime as ort
+
     if not Path(path).is_file():
         raise UsageError(f"{path}: no such ONNX file")
-    ids = _as_ids(prompts).numpy()
     options = ort.SessionOptions()
+    options.log_severity_level = 3
     if threads is not None:
         if threads < 1:
             raise UsageError(f"threads must be at least 1, got {threads}")
@@ -242,32 +277,17 @@ def greedy_onnx(
     pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     if not pasts:
         raise UsageError(f"{path}: no past_key_values.* inputs; not a decoder with past key/values")
-    float_type = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
     if pasts[0].type not in ("tensor(float16)", "tensor(float)"):
         raise UsageError(f"{path}: past key/values of {pasts[0].type}; onnxruntime runs float and float16 here")
-    kv_heads, head_dim = int(pasts[0].shape[1]), int(pasts[0].shape[3])
-    outputs = [o.name for o in session.get_outputs()]
-    label = f"fused {np.dtype(float_type).name} (onnxruntime {ort.__version__}, KV cache)"
+    float_type = np.float16 if pasts[0].type == "tensor(float16)" else np.float32
 
-    def run(count: int, tokens: np.ndarray) -> tuple[np.ndarray, float]:
-        b, mask = tokens.shape[0], np.ones_like(tokens)
-        past = {i.name: np.zeros((b, kv_heads, 0, head_dim), float_type) for i in pasts}
-        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        new = np.empty((b, count), np.int64)
-        start = time.perf_counter()
-        for s in range(count):
-            feeds = {"input_ids": tokens, "attention_mask": mask, "position_ids": positions, **past}
-            values = dict(zip(outputs, session.run(outputs, feeds), strict=True))
-            new[:, s] = values["logits"][:, -1].argmax(-1)
-            past = {k: values[k.replace("past_key_values.", "present.")] for k in past}
-            tokens = new[:, s : s + 1]
-            mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
-            positions = positions[:, -1:] + 1
-        return new, time.perf_counter() - start
+    def feeds(ids: np.ndarray) -> dict[str, Any]:
+        b, t = ids.shape
+        empty = {p.name: np.zeros((b, int(p.shape[1]), 0, int(p.shape[3])), float_type) for p in pasts}
+        positions = np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy()
+        return {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": positions, **empty}
 
-    run(1, ids[:1])  # warm-up, untimed
-    tokens, seconds = run(steps, ids)
-    return GreedyRun(label, tokens, seconds)
+    return session, np.dtype(float_type).name, feeds
 
 
 def genai_available() -> bool:
@@ -803,13 +823,23 @@ def task_metrics_memory(original: torch.nn.Module, sequences: int, length: int) 
     return held + min(n, BATCH) * length * vocab * 8 + 8 * weights + 4 * CHUNK_BYTES
 
 
+def generation_checks_memory(model: torch.nn.Module, sequences: int, length: int, steps: int, onnx: bool) -> int:
+    """Bytes the greedy check (``generation_memory``, with ``decoder.onnx`` when ``onnx``, on the prompts
+    ``prompts_of`` takes from ``sequences`` token sequences of ``length`` tokens, cut by ``within_positions``) or the
+    task metrics (``task_metrics_memory``) of the zoo language model ``model`` hold at once, the larger."""
+    prompts, steps, _ = within_positions(
+        torch.zeros(min(sequences, PROMPTS), max(1, length // 2), dtype=torch.int64), steps, _positions_of(model)
+    )
+    generation = generation_memory(model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx)
+    return max(generation, task_metrics_memory(model, sequences, length))
+
+
 def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, Callable[[int], dict[str, int]]]:
     """The in-memory checks of the language model ``loaded`` (a ``LoadedModel`` taking token ids) on the inputs
     ``opts`` (``VerifyOptions``) chooses, as the verification will: how many sequences question 2 checks, and the
     bytes the checks hold at once besides the model, by check, were it that many (``--samples N``):
-    ``question 2`` (``question_2_memory``) and, unless ``opts.generate`` is 0, ``generation``: the greedy check's
-    ``generation_memory`` (with ``decoder.onnx`` when ``onnx``) or the task metrics' ``task_metrics_memory``, the
-    larger. The checks run one after another, so the need is the largest part.
+    ``question 2`` (``question_2_memory``) and, unless ``opts.generate`` is 0, ``generation``
+    (``generation_checks_memory``). The checks run one after another, so the need is the largest part.
 
     Raises:
         UsageError, InputError: as ``verify.inputs.choose_inputs`` (an inputs file that cannot be used).
@@ -825,13 +855,7 @@ def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, 
         out = {"question 2": question_2_memory(loaded.model, count, length)}
         if opts.generate != 0:
             every = count if drawn else len(x)  # the task metrics and the prompts take a file's sequences unlimited
-            prompts, steps, _ = within_positions(
-                torch.zeros(min(every, PROMPTS), max(1, length // 2), dtype=torch.int64),
-                opts.fuse_steps(),
-                _positions_of(loaded.model),
-            )
-            generation = generation_memory(loaded.model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx)
-            out["generation"] = max(generation, task_metrics_memory(loaded.model, every, length))
+            out["generation"] = generation_checks_memory(loaded.model, every, length, opts.fuse_steps(), onnx)
         return out
 
     return (len(x) if opts.samples is None else min(opts.samples, len(x))), parts

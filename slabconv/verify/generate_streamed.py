@@ -190,24 +190,17 @@ def check_generation_fits(
 def _in_memory_check_memory(original: Folder, steps: int, sequences: int) -> int:
     """Bytes the greedy-generation check and the task metrics of a standard decoder's streamed fold hold at once,
     checked as in memory (``streams``) on ``sequences`` seeded sequences of the model's length (``zoo.llama.seq_len``,
-    as ``verify.inputs.choose_inputs`` draws them): the original loaded in its dtype, and the larger of
-    ``generate.generation_memory`` (the fused model, its cache, the float64 pass and its logits ``(B, N, V)``) and
-    ``generate.task_metrics_memory`` (the logits of every sequence in float64 and in the original's dtype, the
-    float64 copy): ``generate.language_checks_memory``'s generation part, on the original's shapes (meta device)."""
-    from slabconv.verify.generate import PROMPTS, generation_memory, task_metrics_memory
+    as ``verify.inputs.choose_inputs`` draws them): the original loaded in its dtype and
+    ``generate.generation_checks_memory`` on its shapes (meta device)."""
+    from slabconv.verify.generate import generation_checks_memory
     from slabconv.zoo.llama import LlamaForCausalLM, seq_len
     from slabconv.zoo.llama_std import norm_factory
 
     cfg = original.cfg
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, norm_factory("rmsnorm", cfg.rms_norm_eps)).to(original.dtype)
-    length, n = seq_len(None, cfg), max(1, sequences)
-    prompts, steps, _ = within_positions(
-        torch.zeros(min(n, PROMPTS), max(1, length // 2), dtype=torch.int64), steps, cfg.max_position_embeddings
-    )
-    generation = generation_memory(model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx=False)
     loaded = sum(math.prod(shape) * dtype.itemsize for dtype, shape in original.specs.values())
-    return loaded + max(generation, task_metrics_memory(model, n, length))
+    return loaded + generation_checks_memory(model, max(1, sequences), seq_len(None, cfg), steps, onnx=False)
 
 
 REFERENCE_STREAMED = "original float64 (question 2's float64 chain over the prompts and the fused folder's tokens)"

@@ -296,29 +296,12 @@ def torch_logits(model: torch.nn.Module) -> Logits:
 
 
 def onnx_logits(path: Path) -> Logits:
-    """Logits of the decoder ONNX (``slabconv.write.decoder_onnx``) in onnxruntime: the whole sequence in one call,
-    with empty pasts, as its first generation step runs it."""
-    import onnxruntime as ort
+    """Logits of the decoder ONNX in onnxruntime: the whole sequence in one call, with empty pasts, as its first
+    generation step runs it (``generate.decoder_session``)."""
+    from slabconv.verify.generate import decoder_session
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    pasts = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
-    float_type = np.float16 if pasts and pasts[0].type == "tensor(float16)" else np.float32
-
-    def run(ids: np.ndarray) -> np.ndarray:
-        b, t = ids.shape
-        feeds: dict[str, np.ndarray] = {
-            "input_ids": ids,
-            "attention_mask": np.ones_like(ids),
-            "position_ids": np.broadcast_to(np.arange(t, dtype=np.int64), (b, t)).copy(),
-        }
-        for p in pasts:
-            feeds[p.name] = np.zeros((b, int(p.shape[1]), 0, int(p.shape[3])), float_type)
-        (logits,) = session.run(["logits"], feeds)
-        return np.asarray(logits)
-
-    return run
+    session, _, feeds = decoder_session(path)
+    return lambda ids: np.asarray(session.run(["logits"], feeds(ids))[0])
 
 
 def genai_logits(folder: Path) -> Logits:
