@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -133,14 +134,23 @@ def test_safetensors_carry_provenance_metadata_and_load_into_the_norm_free_model
     assert not [k for k in keys if ".norm" in k or k.startswith("norm.")]
 
 
-def test_verify_passes_on_the_fused_onnx_and_writes_junit(fused, fixture_ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def verified(fused, fixture_ckpt, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """One ``verify`` of the fused ONNX against the fixture at the default tolerance, with ``--junit``: its result
+    and the JUnit file (read only by the tests below)."""
     out, _, _ = fused
+    junit = tmp_path_factory.mktemp("verified") / "j.xml"
     result = CliRunner().invoke(
-        app, ["verify", str(fixture_ckpt), str(out / "model.onnx"), "--junit", str(tmp_path / "j.xml"), "--json"]
+        app, ["verify", str(fixture_ckpt), str(out / "model.onnx"), "--junit", str(junit), "--json"]
     )
+    return result, junit
+
+
+def test_verify_passes_on_the_fused_onnx_and_writes_junit(verified):
+    result, junit = verified
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verification"]["passed"] is True
-    assert 'failures="0"' in (tmp_path / "j.xml").read_text()
+    assert 'failures="0"' in junit.read_text()
 
 
 def test_a_fold_that_drops_alpha_is_caught_by_verify_with_exit_1(fixture_ckpt, tmp_path):
@@ -218,15 +228,18 @@ def test_a_failed_fuse_names_no_written_file(fixture_ckpt, tmp_path):
     assert not out.exists()
 
 
-def test_the_junit_failure_count_agrees_with_the_exit_code(fused, fixture_ckpt, tmp_path):
-    """The same command passing and failing: exit 0 with failures="0", exit 1 with as many failures as the report
-    has failed checks (every case the JUnit file holds is a check that ran)."""
+def test_the_junit_failure_count_agrees_with_the_exit_code(fused, verified, fixture_ckpt, tmp_path):
+    """The same command passing and failing: exit 0 with failures="0" (the module's run at the default tolerance;
+    an --rtol that makes a run pass: tests/test_verify_cli.py::test_tolerance_overrides_decide_the_verdict), exit 1
+    with as many failures as the report has failed checks (every case the JUnit file holds is a check that ran)."""
     out, _, _ = fused
-    for rtol, code in (("0.01", 0), ("1e-12", 1)):
+    for rtol, code in ((None, 0), ("1e-12", 1)):
         junit = tmp_path / f"{code}.xml"
-        result = CliRunner().invoke(
-            app, ["verify", str(fixture_ckpt), str(out / "model.onnx"), "--rtol", rtol, "--junit", str(junit), "--json"]
-        )
+        if rtol is None:
+            result, junit = verified
+        else:
+            args = ["verify", str(fixture_ckpt), str(out / "model.onnx"), "--rtol", rtol, "--junit", str(junit)]
+            result = CliRunner().invoke(app, [*args, "--json"])
         assert result.exit_code == code, result.output
         v = json.loads(result.stdout)["verification"]
         failed = [c for c in v["exact"] + v["integrity"] + v["checks"] if not c["passed"]]

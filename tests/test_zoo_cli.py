@@ -55,10 +55,11 @@ def test_release_file_detected_and_training_checkpoint_by_name(key, tmp_path):
     if tiny.config:  # weights alone do not say the heads/windows: a release file then needs the saved config
         release = _save(tmp_path / "release" / "model.pth", {"model": state, "config": tiny.config})
     # the first run's model.pt2 is verified (each family's BatchNorm-free ONNX: test_zoo); the second run is about
-    # naming the architecture, its plan is checked and nothing verified
+    # naming the architecture, its plan is checked and nothing verified, nor exported
+    b = tmp_path / "b"
     reports = [
         _fuse(str(release), "--out", str(tmp_path / "a"), "--no-onnx"),
-        _fuse(str(training), "--arch", _any_size(tiny.arch), "--out", str(tmp_path / "b"), "--no-onnx", "--no-verify"),
+        _fuse(str(training), "--arch", _any_size(tiny.arch), "--out", str(b), "--no-onnx", "--no-pt2", "--no-verify"),
     ]
     assert reports[0]["verification"]["passed"] and reports[0]["verification"]["max_rel_err"] <= 1e-5
     assert reports[1]["verification"] is None
