@@ -2341,19 +2341,25 @@ def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c,
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("case", ["layerscale", "both", "shared"])
+@pytest.mark.parametrize("case", ["layerscale", "layerscale-column", "both", "shared"])
 def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
-    """A ``Gemm`` whose C is per row, ``(6, 3)``, folds backward whatever else its folds are: a LayerScale after
-    it (no shift, no bias created: C becomes ``s C``), a BatchNorm before it (forward) and one after it
+    """A ``Gemm`` whose C is per row, ``(6, 3)`` (``(6, 1)`` in "layerscale-column", whose add is on the rows' axis
+    yet the LayerScale after it is on the Gemm's channels), folds backward whatever else its folds are: a LayerScale
+    after it (no shift, no bias created: C becomes ``s C``), a BatchNorm before it (forward) and one after it
     (backward: C becomes ``s2 (beta C + W t1) + t2``), a C another Gemm reads too (copied for the folded one).
     onnxruntime runs the fused file as the original, and leaving C as it was would change the output."""
     h, rng = onnx.helper, np.random.default_rng(0)
-    arrays = {"W": rng.standard_normal((4, 3)), "C": rng.standard_normal((6, 3)), "W2": rng.standard_normal((4, 3))}
+    c_shape = (6, 1) if case == "layerscale-column" else (6, 3)
+    arrays = {"W": rng.standard_normal((4, 3)), "C": rng.standard_normal(c_shape), "W2": rng.standard_normal((4, 3))}
     arrays |= {k: rng.uniform(0.5, 1.5, n) for k, n in (("ls", 3), ("s1", 4), ("s2", 3), ("v1", 4), ("v2", 3))}
     arrays |= {k: rng.uniform(-1, 1, n) for k, n in (("b1", 4), ("b2", 3), ("m1", 4), ("m2", 3))}
     bn2 = h.make_node("BatchNormalization", ["z", "s2", "b2", "m2", "v2"], ["n2"], name="bn2")
     nodes = {
         "layerscale": [
+            h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
+            h.make_node("Mul", ["z", "ls"], ["n2"], name="ls"),
+        ],
+        "layerscale-column": [
             h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
             h.make_node("Mul", ["z", "ls"], ["n2"], name="ls"),
         ],
@@ -2378,7 +2384,7 @@ def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
     assert report.verification is not None and report.verification.passed
     assert {d.norm: d.action for d in report.folds if d.norm != "bn1"} == {
-        "ls" if case == "layerscale" else "bn2": "folded-backward"
+        "ls" if case.startswith("layerscale") else "bn2": "folded-backward"
     }
     out = tmp_path / "out" / "model.onnx"
     assert set(op_histogram(out)) == {"Gemm", "Add" if case == "shared" else "Relu"}

@@ -54,7 +54,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
     value_numbers,
 )
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
-from slabconv.engine.flow import reaches_layer, source_chan
+from slabconv.engine.flow import ROWS_ADDEND, reaches_layer, source_chan
 from slabconv.engine.layers import layer_of
 from slabconv.engine.norm_affine import affine_kind, holds_group_norm_weight, split_axis
 from slabconv.engine.rules import PERMUTE_OPS, VIEW_OPS, Chan
@@ -171,6 +171,8 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
     features of an embedding or a LayerNorm, the channels of a GroupNorm."""
 
     def known(node: fx.Node) -> Chan | None:
+        if node.meta.get(ROWS_ADDEND):  # a layer's own addend per row keeps the layer's channels where they are
+            node = node.args[0]  # type: ignore[assignment]
         shape = shape_of(node)
         if shape is None or node.op != "call_function":
             return None
