@@ -415,7 +415,9 @@ def _merge_duplicates(
 
 
 def find_norms(gm: fx.GraphModule) -> list[NormSite]:
-    """Every norm of the graph (see the module docstring for which patterns count), in graph order.
+    """Every norm of the graph (see the module docstring for which patterns count), in graph order, each of its own
+    name (a module called twice makes two norms: the second is named ``<path>_1``, the TorchScript exporter's name
+    for that call's scope).
 
     The graph computes the same values afterwards; it may change in one way: where a norm reads two nodes that
     compute the same value (``bn(x.transpose(1, 2)) + alpha * x.transpose(1, 2)``), they become one.
@@ -433,4 +435,12 @@ def find_norms(gm: fx.GraphModule) -> list[NormSite]:
             node = replaced[node]
         return node
 
-    return [_site(analysis, out, cand, kept(cand.base)) for out, cand in chosen]
+    sites = [_site(analysis, out, cand, kept(cand.base)) for out, cand in chosen]
+    taken, seen = {s.name for s in sites}, set[str]()
+    for i, site in enumerate(sites):  # a module called twice: its second call's norm is `<path>_1`, as TorchScript's
+        name, k = site.name, 0
+        while name in seen or (k and name in taken):
+            k, name = k + 1, f"{site.name}_{k + 1}"
+        seen.add(name)
+        sites[i] = replace(site, name=name)
+    return sites
