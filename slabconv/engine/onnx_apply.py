@@ -114,8 +114,11 @@ class _Graph:
         dtype = ir.DataType.DOUBLE if self.exact else init.dtype
         assert dtype is not None
         array = _numpy(value.reshape(binding.shape or tuple(value.shape)), dtype)
-        if target not in self.written and binding.users and self._shared(init, binding.users):
-            init = self._initializer(f"{init.name}.folded", array, readers=(init, binding.users))
+        # a default the caller may replace (a graph input, IR 4 on) keeps its meaning: the fold goes to a copy
+        default = not self.listed and init.is_graph_input()
+        if target not in self.written and (default or binding.users and self._shared(init, binding.users)):
+            users = binding.users or tuple(u.node.name or "" for u in init.uses())
+            init = self._initializer(f"{init.name}.folded", array, readers=(init, users))
         else:
             init.const_value = ir.tensor(array, name=init.name)
             init.shape, init.dtype = ir.Shape(array.shape), init.const_value.dtype
