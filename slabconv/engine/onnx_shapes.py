@@ -7,6 +7,7 @@ value's type and shape into the fake tensor an fx node of ``slabconv.engine.onnx
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import re
@@ -198,10 +199,8 @@ def merge_shapes(model: ir.Model, found: dict[str, tuple[int, tuple[Any, ...] | 
             continue
         elem, dims = info
         if value.dtype is None and elem:
-            try:
+            with contextlib.suppress(ValueError):
                 value.dtype = ir.DataType(elem)
-            except ValueError:
-                pass
         if dims is not None and (value.shape is None or unknowns(value.shape) > unknowns(dims)):
             value.shape = ir.Shape(list(dims))
 
