@@ -1268,6 +1268,34 @@ def test_initializers_and_modules_named_as_python_keywords_fold(tmp_path):
     assert report.verification is not None and report.verification.passed
 
 
+@pytest.mark.parametrize("name", ["onnx::Mul_12", "onnx__Mul_12"])
+def test_a_layerscale_of_an_exporters_constant_is_named_by_its_module(tmp_path, name):
+    """The TorchScript exporter stores a LayerScale's ``gamma.view(1, -1, 1, 1)`` as a constant of its own
+    (``onnx::Mul_12``; ``onnx__Mul_12`` once a tool has made the names identifiers) read by ``/ls/Mul``: the norm is
+    ``ls``, as the checkpoint names it, under either spelling (the second was taken for a parameter's path and
+    named the norm)."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"c1.weight": rng.standard_normal((4, 3, 1, 1)), name: rng.uniform(0.5, 1.5, (1, 4, 1, 1))}
+    arrays["c2.weight"] = rng.standard_normal((2, 4, 1, 1))
+    nodes = [
+        helper.make_node("Conv", ["x", "c1.weight"], ["a"], name="/c1/Conv"),
+        helper.make_node("Mul", ["a", name], ["b"], name="/ls/Mul"),
+        helper.make_node("Relu", ["b"], ["r"], name="/Relu"),
+        helper.make_node("Conv", ["r", "c2.weight"], ["y"], name="/c2/Conv"),
+    ]
+    info = [helper.make_tensor_value_info(k, onnx.TensorProto.FLOAT, [2, c, 5, 5]) for k, c in (("x", 3), ("y", 2))]
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    path = tmp_path / "model.onnx"
+    graph = helper.make_graph(nodes, "g", info[:1], info[1:], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.inspect(path)
+    assert [(d.norm, d.kind, d.action, d.into) for d in report.folds] == [
+        ("ls", "LayerScale", "folded-backward", ["c1"])
+    ]
+
+
 @pytest.mark.parametrize(
     ("opset", "padding", "action", "reason"),
     [
@@ -1777,6 +1805,39 @@ def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
     # the statistics were inputs with defaults: the fused file no longer lists them (a value fed would be ignored)
     assert {i.name for i in fused.graph.input} == {"x", "k", conv.input[2]}
     assert {t.name for t in fused.graph.initializer} == {"k", conv.input[2]}
+
+
+def test_a_weight_that_is_an_overridable_graph_input_is_folded_into_a_copy(tmp_path):
+    """From IR version 4 on an initializer listed as a graph input (``keep_initializers_as_inputs=True``) is a
+    default the caller may replace (onnxruntime lets it). The fold wrote the conv's folded weight into that default
+    and left the input listed: a weight fed to it was used as if folded, without the norm (silently wrong). The fold
+    goes to a copy; the input, unread, leaves the file, so a value fed to it is refused by name."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
+             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+    inputs = [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), info("k", TensorProto.FLOAT, [5, 4, 1, 1])]
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    graph = helper.make_graph(nodes, "g", inputs, [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits)
+    path = tmp_path / "listed.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert report.verification is not None and report.verification.passed
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert fused.ir_version >= 4 and [i.name for i in fused.graph.input] == ["x"]
+    feeds = {"x": rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "k": np.ones((5, 4, 1, 1), np.float32)}
+    with pytest.raises(Exception, match="k"):
+        ort.InferenceSession(fused.SerializeToString()).run(None, feeds)
+    fused.graph.input.append(inputs[1])  # the naive file: its folded weight still the input's default
+    conv = next(n for n in fused.graph.node if n.op_type == "Conv")
+    next(t for t in fused.graph.initializer if t.name == conv.input[1]).name = "k"
+    conv.input[1] = "k"
+    want, naive = (ort.InferenceSession(m).run(None, feeds)[0] for m in (str(path), fused.SerializeToString()))
+    assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
 
 
 def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tmp_path):
@@ -2341,19 +2402,25 @@ def test_every_gemm_and_batched_matmul_form_folds_exactly(tmp_path, norm, op, c,
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("case", ["layerscale", "both", "shared"])
+@pytest.mark.parametrize("case", ["layerscale", "layerscale-column", "both", "shared"])
 def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
-    """A ``Gemm`` whose C is per row, ``(6, 3)``, folds backward whatever else its folds are: a LayerScale after
-    it (no shift, no bias created: C becomes ``s C``), a BatchNorm before it (forward) and one after it
+    """A ``Gemm`` whose C is per row, ``(6, 3)`` (``(6, 1)`` in "layerscale-column", whose add is on the rows' axis
+    yet the LayerScale after it is on the Gemm's channels), folds backward whatever else its folds are: a LayerScale
+    after it (no shift, no bias created: C becomes ``s C``), a BatchNorm before it (forward) and one after it
     (backward: C becomes ``s2 (beta C + W t1) + t2``), a C another Gemm reads too (copied for the folded one).
     onnxruntime runs the fused file as the original, and leaving C as it was would change the output."""
     h, rng = onnx.helper, np.random.default_rng(0)
-    arrays = {"W": rng.standard_normal((4, 3)), "C": rng.standard_normal((6, 3)), "W2": rng.standard_normal((4, 3))}
+    c_shape = (6, 1) if case == "layerscale-column" else (6, 3)
+    arrays = {"W": rng.standard_normal((4, 3)), "C": rng.standard_normal(c_shape), "W2": rng.standard_normal((4, 3))}
     arrays |= {k: rng.uniform(0.5, 1.5, n) for k, n in (("ls", 3), ("s1", 4), ("s2", 3), ("v1", 4), ("v2", 3))}
     arrays |= {k: rng.uniform(-1, 1, n) for k, n in (("b1", 4), ("b2", 3), ("m1", 4), ("m2", 3))}
     bn2 = h.make_node("BatchNormalization", ["z", "s2", "b2", "m2", "v2"], ["n2"], name="bn2")
     nodes = {
         "layerscale": [
+            h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
+            h.make_node("Mul", ["z", "ls"], ["n2"], name="ls"),
+        ],
+        "layerscale-column": [
             h.make_node("Gemm", ["x", "W", "C"], ["z"], name="gemm"),
             h.make_node("Mul", ["z", "ls"], ["n2"], name="ls"),
         ],
@@ -2378,7 +2445,7 @@ def test_a_gemms_c_per_row_takes_every_backward_fold_of_it(tmp_path, case):
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=8))
     assert report.verification is not None and report.verification.passed
     assert {d.norm: d.action for d in report.folds if d.norm != "bn1"} == {
-        "ls" if case == "layerscale" else "bn2": "folded-backward"
+        "ls" if case.startswith("layerscale") else "bn2": "folded-backward"
     }
     out = tmp_path / "out" / "model.onnx"
     assert set(op_histogram(out)) == {"Gemm", "Add" if case == "shared" else "Relu"}

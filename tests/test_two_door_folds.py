@@ -910,3 +910,29 @@ def test_a_backward_blocker_is_named_by_the_onnx_node_a_user_finds_in_the_file(d
     _, (d,) = onnx_fold.fold_file(graph, str(path))
     assert d.action == "kept-affine" and " is also read by " in (d.no_backward or ""), d.no_backward
     assert d.no_backward.split(" is also read by ")[0] in names, (d.no_backward, sorted(names))
+
+
+# --------------------------------------------------------------------------------------------- one module, two calls
+
+
+class CalledTwice(nn.Module):
+    """One BatchNorm module called on two branches (after a ReLU each, so no exporter folds it into a conv)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(C, C, 3, padding=1), nn.Conv2d(C, C, 3, padding=1)
+        self.bn, self.h1, self.h2 = nn.BatchNorm2d(C), nn.Conv2d(C, 4, 1), nn.Conv2d(C, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.h1(self.bn(torch.relu(self.c1(x)))) + self.h2(self.bn(torch.relu(self.c2(x))))
+
+
+def test_a_norm_module_called_twice_makes_two_norms_of_their_own_names(tmp_path):
+    """Each call of one norm module is a norm of its own, with its own fold, named apart (``bn``, then ``bn_1`` as
+    the TorchScript exporter names the second call's scope) through every door: the report, ``inspect`` and what
+    is looked up by a norm's name (its int8 step) cannot mix the two up."""
+    program = both_doors(randomize(CalledTwice(), seed=5).eval(), image(), tmp_path)
+    assert program == [
+        ("bn", "BatchNorm", "folded-forward", None, ("h1",)),
+        ("bn_1", "BatchNorm", "folded-forward", None, ("h2",)),
+    ]

@@ -54,7 +54,7 @@ from slabconv.engine.affine_values import (  # noqa: F401 (BN_OPS, BN_LAYOUT: pa
     value_numbers,
 )
 from slabconv.engine.capture import attr, module_path, shape_of, static_int
-from slabconv.engine.flow import reaches_layer, source_chan
+from slabconv.engine.flow import ROWS_ADDEND, reaches_layer, source_chan
 from slabconv.engine.layers import layer_of
 from slabconv.engine.norm_affine import affine_kind, holds_group_norm_weight, split_axis
 from slabconv.engine.rules import PERMUTE_OPS, VIEW_OPS, Chan
@@ -171,6 +171,8 @@ def _known_chan(analysis: _Analysis) -> Callable[[fx.Node], Chan | None]:
     features of an embedding or a LayerNorm, the channels of a GroupNorm."""
 
     def known(node: fx.Node) -> Chan | None:
+        if node.meta.get(ROWS_ADDEND):  # a layer's own addend per row keeps the layer's channels where they are
+            node = node.args[0]  # type: ignore[assignment]
         shape = shape_of(node)
         if shape is None or node.op != "call_function":
             return None
@@ -413,7 +415,9 @@ def _merge_duplicates(
 
 
 def find_norms(gm: fx.GraphModule) -> list[NormSite]:
-    """Every norm of the graph (see the module docstring for which patterns count), in graph order.
+    """Every norm of the graph (see the module docstring for which patterns count), in graph order, each of its own
+    name (a module called twice makes two norms: the second is named ``<path>_1``, the TorchScript exporter's name
+    for that call's scope).
 
     The graph computes the same values afterwards; it may change in one way: where a norm reads two nodes that
     compute the same value (``bn(x.transpose(1, 2)) + alpha * x.transpose(1, 2)``), they become one.
@@ -431,4 +435,12 @@ def find_norms(gm: fx.GraphModule) -> list[NormSite]:
             node = replaced[node]
         return node
 
-    return [_site(analysis, out, cand, kept(cand.base)) for out, cand in chosen]
+    sites = [_site(analysis, out, cand, kept(cand.base)) for out, cand in chosen]
+    taken, seen = {s.name for s in sites}, set[str]()
+    for i, site in enumerate(sites):  # a module called twice: its second call's norm is `<path>_1`, as TorchScript's
+        name, k = site.name, 0
+        while name in seen or (k and name in taken):
+            k, name = k + 1, f"{site.name}_{k + 1}"
+        seen.add(name)
+        sites[i] = replace(site, name=name)
+    return sites

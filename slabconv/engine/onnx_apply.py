@@ -78,15 +78,10 @@ class _Graph:
 
     # ------------------------------------------------------------------ names
 
-    def fresh(self, wanted: str) -> str:
+    def fresh(self, wanted: str, node: bool = False) -> str:
+        """A value name (a node name with ``node``) near ``wanted`` that the graph does not hold yet."""
         name, i = wanted, 1
-        while name in self.values or name in self.graph.initializers:
-            name, i = f"{wanted}_{i}", i + 1
-        return name
-
-    def fresh_node(self, wanted: str) -> str:
-        name, i = wanted, 1
-        while name in self.nodes:
+        while name in self.nodes if node else name in self.values or name in self.graph.initializers:
             name, i = f"{wanted}_{i}", i + 1
         return name
 
@@ -114,8 +109,12 @@ class _Graph:
         dtype = ir.DataType.DOUBLE if self.exact else init.dtype
         assert dtype is not None
         array = _numpy(value.reshape(binding.shape or tuple(value.shape)), dtype)
-        if target not in self.written and binding.users and self._shared(init, binding.users):
-            init = self._initializer(f"{init.name}.folded", array, readers=(init, binding.users))
+        # a copy for the nodes the target stands for when others read it too (copy on write), and for every reader
+        # of a default the caller may replace (a graph input, IR 4 on), which keeps its meaning
+        shared = init.is_graph_output() or any(u.node.name not in binding.users for u in init.uses())
+        if target not in self.written and (not self.listed and init.is_graph_input() or binding.users and shared):
+            users = binding.users or tuple(u.node.name or "" for u in init.uses())
+            init = self._initializer(f"{init.name}.folded", array, readers=(init, users))
         else:
             init.const_value = ir.tensor(array, name=init.name)
             init.shape, init.dtype = ir.Shape(array.shape), init.const_value.dtype
@@ -123,9 +122,6 @@ class _Graph:
         if binding.scaled:  # the value holds the node's alpha / beta: the node no longer multiplies by it
             node, attribute, _ = binding.scaled
             self.nodes[node].attributes[attribute] = ir.AttrFloat32(attribute, 1.0)
-
-    def _shared(self, init: ir.Value, users: tuple[str, ...]) -> bool:
-        return any(u.node.name not in users for u in init.uses()) or init.is_graph_output()
 
     def _initializer(
         self, wanted: str, array: np.ndarray, readers: tuple[ir.Value, tuple[str, ...]] | None = None
@@ -175,7 +171,7 @@ class _Graph:
         out = node.outputs[0]
         added = ir.Value(name=self.fresh(f"{out.name}_biased"), shape=out.shape, type=out.type)
         self._replace_uses(out, added)
-        add = ir.Node("", "Add", [out, bias], outputs=[added], name=self.fresh_node(f"{node.name}/folded_bias_add"))
+        add = ir.Node("", "Add", [out, bias], outputs=[added], name=self.fresh(f"{node.name}/folded_bias_add", True))
         self.graph.insert_after(node, add)
         self.nodes[add.name] = add  # type: ignore[index]
         self.values[added.name] = added  # type: ignore[index]
@@ -232,7 +228,7 @@ class _Graph:
     def _op(self, op: str, a: ir.Value, *others: ir.Value, wanted: str, epsilon: float | None = None) -> ir.Value:
         out = ir.Value(name=self.fresh(f"{wanted}_output"), shape=a.shape, type=a.type)
         attributes = [] if epsilon is None else [ir.AttrFloat32("epsilon", epsilon)]
-        node = ir.Node("", op, [a, *others], attributes=attributes, outputs=[out], name=self.fresh_node(wanted))
+        node = ir.Node("", op, [a, *others], attributes=attributes, outputs=[out], name=self.fresh(wanted, True))
         producer = a.producer()
         if producer is not None and producer.graph is self.graph:
             self.graph.insert_after(producer, node)

@@ -7,6 +7,7 @@ value's type and shape into the fake tensor an fx node of ``slabconv.engine.onnx
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import re
@@ -191,16 +192,15 @@ def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
 
 def merge_shapes(model: ir.Model, found: dict[str, tuple[int, tuple[Any, ...] | None]]) -> None:
     """Give each value of the main graph the inferred type and shape where the file declares none (or less)."""
-    for value in _values(model.graph):
+    g = model.graph
+    for value in (*g.inputs, *g.initializers.values(), *(v for node in g for v in node.outputs)):
         info = found.get(value.name or "")
         if info is None:
             continue
         elem, dims = info
         if value.dtype is None and elem:
-            try:
+            with contextlib.suppress(ValueError):
                 value.dtype = ir.DataType(elem)
-            except ValueError:
-                pass
         if dims is not None and (value.shape is None or unknowns(value.shape) > unknowns(dims)):
             value.shape = ir.Shape(list(dims))
 
@@ -212,13 +212,6 @@ def unknowns(dims: Iterable[Any]) -> int:
 def known_elements(dims: Iterable[Any]) -> int:
     """The product of the known sizes of ``dims`` (an unknown one counts as 1)."""
     return math.prod(d for d in dims if isinstance(d, int))
-
-
-def _values(graph: ir.Graph) -> Iterable[ir.Value]:
-    yield from graph.inputs
-    yield from graph.initializers.values()
-    for node in graph:
-        yield from node.outputs
 
 
 class Dims:
