@@ -729,6 +729,10 @@ def _ints(value: ir.Value | None) -> list[int] | None:
     return [int(v) for v in array.reshape(-1)]
 
 
+def _rank(value: ir.Value | None) -> int:
+    return len(_dims(value))
+
+
 def _dims(value: ir.Value | None) -> list[Any]:
     if value is None or value.shape is None:
         raise _Unlowerable
@@ -914,7 +918,7 @@ def _to_sizes(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("Transpose")
 def _transpose(lo: _Lowering, node: ir.Node) -> None:
-    rank = len(_dims(node.inputs[0]))
+    rank = _rank(node.inputs[0])
     perm = node.attributes.get_ints("perm")
     order = [int(p) % rank for p in perm] if perm is not None else list(range(rank - 1, -1, -1))
     lo.emit(node, aten.permute.default, (lo.read(node.inputs[0]), order), node.outputs[0])
@@ -933,7 +937,7 @@ def _concat(lo: _Lowering, node: ir.Node) -> None:
     """``aten.cat``; a ``Concat`` of ``Slice``s of one tensor along its own axis, read by nothing else (the
     TorchScript exporter's ``roll``: ``cat([x[:, -k:], x[:, :-k]], 1)``), is ``aten.index_select`` of the indices
     they pick, in order: one op reading the tensor once (a backward walk then reaches the layer that made it)."""
-    rank = len(_dims(node.outputs[0]))
+    rank = _rank(node.outputs[0])
     axis = node.attributes.get_int("axis", 0) % rank
     picked = _picked_by_slices(node, axis)
     if picked is None:
@@ -958,7 +962,7 @@ def _picked_by_slices(node: ir.Node, axis: int) -> tuple[ir.Value, list[int]] | 
     index: list[int] = []
     for s in slices:
         try:
-            starts, ends, axes, steps = _slice_args(s, len(_dims(src)))  # type: ignore[arg-type]
+            starts, ends, axes, steps = _slice_args(s, _rank(src))  # type: ignore[arg-type]
         except _Unlowerable:
             return None
         size = _dims(src)[axis] if s.inputs[0] is src else None  # type: ignore[union-attr]
@@ -970,7 +974,7 @@ def _picked_by_slices(node: ir.Node, axis: int) -> tuple[ir.Value, list[int]] | 
 
 @lowers("Split")
 def _split(lo: _Lowering, node: ir.Node) -> None:
-    rank = len(_dims(node.inputs[0]))
+    rank = _rank(node.inputs[0])
     axis = node.attributes.get_int("axis", 0) % rank
     sizes = []
     for out in node.outputs:
@@ -1005,7 +1009,7 @@ def _slice_args(node: ir.Node, rank: int) -> tuple[list[int], list[int], list[in
 @lowers("Slice")
 def _slice(lo: _Lowering, node: ir.Node) -> None:
     src, out = node.inputs[0], node.outputs[0]
-    rank = len(_dims(src))
+    rank = _rank(src)
     starts, ends, axes, steps = _slice_args(node, rank)
     current = lo.read(src)
     shape = _dims(src)
@@ -1039,7 +1043,7 @@ def _gather(lo: _Lowering, node: ir.Node) -> None:
     data, indices = node.inputs
     if data is None or indices is None:
         raise _Unlowerable
-    rank = len(_dims(data))
+    rank = _rank(data)
     axis = node.attributes.get_int("axis", 0) % rank
     table = _const_tensor(data)
     if table is not None and data.is_initializer() and rank == 2 and axis == 0 and _const_tensor(indices) is None:
@@ -1064,7 +1068,7 @@ def _gather_nd(lo: _Lowering, node: ir.Node) -> None:
     exporter's ``y[:, idx]``: a ``GatherND`` of ``(k, 1)`` indices between two ``Transpose``s). Each ``i_j`` is an
     ``aten.select`` of the indices: a constant where they are one (``steps._picked`` reads the channels it picks)."""
     data, indices = node.inputs
-    dims, rank = _dims(indices), len(_dims(data))
+    dims, rank = _dims(indices), _rank(data)
     if node.attributes.get_int("batch_dims", 0) or not isinstance(dims[-1], int) or not 0 < dims[-1] <= rank:
         raise _Unlowerable
     index = lo.read(indices)
@@ -1080,7 +1084,7 @@ def _gather_nd(lo: _Lowering, node: ir.Node) -> None:
 
 @lowers("GatherElements")
 def _gather_elements(lo: _Lowering, node: ir.Node) -> None:
-    axis = node.attributes.get_int("axis", 0) % len(_dims(node.inputs[0]))
+    axis = node.attributes.get_int("axis", 0) % _rank(node.inputs[0])
     args = (lo.read(node.inputs[0]), axis, lo.read(node.inputs[1]))
     lo.emit(node, aten.gather.default, args, node.outputs[0])
 
@@ -1119,7 +1123,7 @@ _REDUCE = {
 
 @lowers(*_REDUCE)
 def _reduce(lo: _Lowering, node: ir.Node) -> None:
-    rank = len(_dims(node.inputs[0]))
+    rank = _rank(node.inputs[0])
     axes = _reduce_axes(node, rank)
     keep = bool(node.attributes.get_int("keepdims", 1))
     if axes == []:
@@ -1161,7 +1165,7 @@ def _pads(node: ir.Node, spatial: int) -> list[int]:
 
 @lowers("MaxPool", "AveragePool")
 def _pool(lo: _Lowering, node: ir.Node) -> None:
-    rank = len(_dims(node.inputs[0]))
+    rank = _rank(node.inputs[0])
     spatial = rank - 2
     if spatial not in (1, 2):
         raise _Unlowerable
@@ -1189,7 +1193,7 @@ def _pool(lo: _Lowering, node: ir.Node) -> None:
 @lowers("Pad")
 def _pad(lo: _Lowering, node: ir.Node) -> None:
     src = node.inputs[0]
-    rank = len(_dims(src))
+    rank = _rank(src)
     pads = (
         _ints(node.inputs[1])
         if len(node.inputs) > 1 and node.inputs[1] is not None
@@ -1540,7 +1544,7 @@ def _convolution(lo: _Lowering, node: ir.Node) -> None:
     bv = node.inputs[2] if len(node.inputs) > 2 else None
     transposed = node.op_type == "ConvTranspose"
     w = _const_tensor(wv)
-    rank = len(_dims(x))
+    rank = _rank(x)
     spatial = rank - 2
     if w is None or wv is None or not wv.is_initializer():
         raise _Unlowerable
