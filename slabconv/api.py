@@ -211,9 +211,9 @@ def export(
     from slabconv import engine
     from slabconv.load.model import check_options_apply
     from slabconv.load.model import load_model as load_checkpoint_model
-    from slabconv.pipeline import measured_ranges, plan
+    from slabconv.pipeline import measured_ranges, onnx_provenance, plan
     from slabconv.util import sha256_file
-    from slabconv.write.onnx import export_onnx, onnx_files, provenance
+    from slabconv.write.onnx import export_onnx, onnx_files
 
     norm_affine = bool(load and load.fold_norm_affine)
     if norm_affine and not fuse:
@@ -231,9 +231,7 @@ def export(
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force, owned=_written_by_slabconv) as tmp:
-        made = provenance(loaded.checkpoint.sha256, loaded.arch, folded=fuse,
-                          norm_affine=fuse and engine.folds_norm_affine(decisions))  # fmt: skip
-        info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=made)
+        info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=onnx_provenance(loaded, folds))
         files = onnx_files(tmp / target.name)
         outputs = Outputs(
             files=[f.name for f in files],
