@@ -311,10 +311,7 @@ def _streamed_sides(
         UsageError: a side that is a file, a generation check that cannot fit in memory.
         UnsupportedModelError: a side is not a decoder folder of a family slabconv streams.
     """
-    from slabconv.load import hf
-    from slabconv.load.shards import LazyShards
-    from slabconv.pipeline import plan_sharded
-    from slabconv.util import sha256_file
+    from slabconv.pipeline import FOLD_BLOCK, open_sharded, plan_sharded
     from slabconv.verify import sides
     from slabconv.verify.generate_streamed import check_generation_fits
 
@@ -323,11 +320,9 @@ def _streamed_sides(
         check_generation_fits(reference, opts.generate, opts.sample_count(streamed=True), opts.seed)
     if sides.folded_from(ref, cand):
         progress("planning the reference's fold, for question 1")
-        found = hf.hf_weights_file(reference)
-        sha = sha256_file(found[0]) if found else ""
         affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
-        shards, config = LazyShards.open(reference), hf.read_hf_config(reference)
-        ref.program = plan_sharded(shards, config, None, sha, norm_affine=affine)[1].program
+        src = open_sharded(reference, FOLD_BLOCK)  # as fuse --stream opens it
+        ref.program = plan_sharded(src.shards, src.config, None, src.sha256, norm_affine=affine)[1].program
     return ref, cand
 
 
