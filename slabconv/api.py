@@ -211,9 +211,9 @@ def export(
     from slabconv import engine
     from slabconv.load.model import check_options_apply
     from slabconv.load.model import load_model as load_checkpoint_model
-    from slabconv.pipeline import measured_ranges, plan
+    from slabconv.pipeline import measured_ranges, onnx_provenance, plan
     from slabconv.util import sha256_file
-    from slabconv.write.onnx import export_onnx, onnx_files, provenance
+    from slabconv.write.onnx import export_onnx, onnx_files
 
     norm_affine = bool(load and load.fold_norm_affine)
     if norm_affine and not fuse:
@@ -231,9 +231,7 @@ def export(
     progress(f"exporting {target.name}")
     folds = decisions if fuse else None  # the original model: no fold plan to report (not "0 norms")
     with staging_file(target, force, owned=_written_by_slabconv) as tmp:
-        made = provenance(loaded.checkpoint.sha256, loaded.arch, folded=fuse,
-                          norm_affine=fuse and engine.folds_norm_affine(decisions))  # fmt: skip
-        info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=made)
+        info = export_onnx(model, example, tmp / target.name, opset=opset, metadata=onnx_provenance(loaded, folds))
         files = onnx_files(tmp / target.name)
         outputs = Outputs(
             files=[f.name for f in files],
@@ -313,10 +311,7 @@ def _streamed_sides(
         UsageError: a side that is a file, a generation check that cannot fit in memory.
         UnsupportedModelError: a side is not a decoder folder of a family slabconv streams.
     """
-    from slabconv.load import hf
-    from slabconv.load.shards import LazyShards
-    from slabconv.pipeline import plan_sharded
-    from slabconv.util import sha256_file
+    from slabconv.pipeline import FOLD_BLOCK, open_sharded, plan_sharded
     from slabconv.verify import sides
     from slabconv.verify.generate_streamed import check_generation_fits
 
@@ -325,11 +320,9 @@ def _streamed_sides(
         check_generation_fits(reference, opts.generate, opts.sample_count(streamed=True), opts.seed)
     if sides.folded_from(ref, cand):
         progress("planning the reference's fold, for question 1")
-        found = hf.hf_weights_file(reference)
-        sha = sha256_file(found[0]) if found else ""
         affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
-        shards, config = LazyShards.open(reference), hf.read_hf_config(reference)
-        ref.program = plan_sharded(shards, config, None, sha, norm_affine=affine)[1].program
+        src = open_sharded(reference, FOLD_BLOCK)  # as fuse --stream opens it
+        ref.program = plan_sharded(src.shards, src.config, None, src.sha256, norm_affine=affine)[1].program
     return ref, cand
 
 

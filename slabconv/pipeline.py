@@ -534,12 +534,23 @@ def _metadata(loaded: LoadedModel, planned: Planned) -> dict[str, str]:
     an affine, stayed whole in its op."""
     norm_affine = engine.folds_norm_affine(planned.decisions)
     complete = planned.complete or (norm_affine and all(_whole(d) for d in planned.decisions))
-    weights = (
-        loaded.checkpoint.extra.get("weights")
-        if loaded.checkpoint.format in ("training-checkpoint", "release")
-        else None
-    )
+    weights = _source_weights(loaded)
     return fused_metadata(loaded.arch, loaded.checkpoint.sha256, complete, loaded.config, norm_affine, weights)
+
+
+def _source_weights(loaded: LoadedModel) -> str | None:
+    """Which weights of a training checkpoint or release were taken (``model``, ``state_dict_ema`` with
+    ``--ema``...); None for any other format."""
+    fmt = loaded.checkpoint.format
+    return loaded.checkpoint.extra.get("weights") if fmt in ("training-checkpoint", "release") else None
+
+
+def onnx_provenance(loaded: LoadedModel, decisions: list[engine.Decision] | None) -> dict[str, str]:
+    """The ``metadata_props`` of an ``.onnx`` made from ``loaded`` (``write.onnx.provenance``): its fold by
+    ``decisions``, or with None the original (``export --no-fuse``)."""
+    folded = decisions is not None
+    norm_affine = folded and engine.folds_norm_affine(decisions or [])
+    return provenance(loaded.checkpoint.sha256, loaded.arch, folded, norm_affine, _source_weights(loaded))
 
 
 def _whole(decision: engine.Decision) -> bool:
@@ -549,10 +560,11 @@ def _whole(decision: engine.Decision) -> bool:
 
 
 def _write_files(
-    folder: Path, planned: Planned, write: WriteOptions, metadata: dict[str, str], progress: Progress
+    folder: Path, loaded: LoadedModel, planned: Planned, write: WriteOptions, progress: Progress
 ) -> Outputs:
     """In memory: ``model.safetensors``, then one ``torch.export`` of the fused graph saved as ``model.pt2`` and
-    translated to ``model.onnx`` (recording its source: ``write.onnx.provenance``)."""
+    translated to ``model.onnx`` (recording its source: ``onnx_provenance``)."""
+    metadata = _metadata(loaded, planned)
     tensors = engine.fused_state_dict(planned.fused)
     progress("writing model.safetensors")
     save_safetensors(tensors, folder / "model.safetensors", metadata)
@@ -576,12 +588,9 @@ def _write_files(
     if write.onnx:
         progress("exporting model.onnx")
         release_memory(collect=False)  # what was freed goes back first: the translation does not reuse it
-        made = provenance(metadata["source_sha256"], metadata["arch"] or None, folded=True,
-                          norm_affine=metadata.get("norm_affine") == "true",
-                          source_weights=metadata.get("source_weights"))  # fmt: skip
         info = export_onnx(
             planned.fused, planned.example, folder / "model.onnx", opset=write.opset, program=exported,
-            simplify=write.simplify, metadata=made,
+            simplify=write.simplify, metadata=onnx_provenance(loaded, planned.decisions),
         )  # fmt: skip
         outputs.onnx = "model.onnx"
         outputs.files += ["model.onnx", *([info["external_data"]] if info["external_data"] else [])]
@@ -710,9 +719,8 @@ class InMemory(_TorchDoor):
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
-        metadata = _metadata(loaded, planned)
-        outputs = _write_files(folder, planned, write, metadata, progress)
-        self.write_hf_folder(folder, outputs, metadata, progress, write)
+        outputs = _write_files(folder, loaded, planned, write, progress)
+        self.write_hf_folder(folder, outputs, _metadata(loaded, planned), progress, write)
         return outputs, {}
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:

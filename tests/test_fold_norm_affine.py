@@ -521,6 +521,21 @@ def test_a_bias_the_architecture_lacks_is_refused():
         standard_layout({**shapes, "model.layers.0.self_attn.q_proj.bias": [4]}, {**config, "model_type": "qwen2"})
 
 
+def test_loading_a_standard_folder_holds_its_weights_to_the_architecture(tmp_path):
+    """``load_fused_llama`` of a standard decoder folder refuses, before transformers builds it, a bias the
+    architecture has no place for (transformers would drop it and compute without it)."""
+    from safetensors.torch import save_file
+
+    from slabconv.write.hf_llama import load_fused_llama
+
+    model = _decoder("llama", 0, layers=1)
+    model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file({**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError, match="gave q_proj a bias, which llama has no place for"):
+        load_fused_llama(tmp_path)
+
+
 def test_options_that_cannot_be_honoured_are_refused_before_any_work(vision, tmp_path):
     _, pt2, _ = vision["vit"]
     with pytest.raises(UsageError, match="--no-fuse exports the original"):

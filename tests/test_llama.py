@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import collections
 import copy
+import io
 import json
 import math
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -465,6 +467,16 @@ def test_hf_reader_refuses_damaged_or_unsafe_folders(tmp_path):
     (unsafe / "config.json").write_text("{}")
     torch.save({"a": collections.Counter()}, unsafe / "pytorch_model.bin")  # a global weights_only refuses
     with pytest.raises(InputError, match=r"pytorch_model\.bin"):
+        hf.read_hf_folder(unsafe)
+    whole = io.BytesIO()
+    torch.save({"w": torch.ones(8)}, whole)
+    with zipfile.ZipFile(whole) as src, zipfile.ZipFile(unsafe / "pytorch_model.bin", "w") as dst:
+        for info in src.infolist():  # a storage record shorter than its tensor: torch.load raises, as for a .pth
+            dst.writestr(info, src.read(info)[: 4 if info.filename.endswith("/data/0") else None])
+    with pytest.raises(InputError, match=r"pytorch_model\.bin: not a readable PyTorch checkpoint"):
+        hf.read_hf_folder(unsafe)
+    torch.save([torch.ones(1)], unsafe / "pytorch_model.bin")
+    with pytest.raises(InputError, match=r"pytorch_model\.bin: expected a state_dict \(name -> tensor\), found list"):
         hf.read_hf_folder(unsafe)
     assert not hf.is_hf_folder(tmp_path / "nothing-here") and hf.is_hf_folder(TEXT_FIXTURE) == TEXT_FIXTURE.exists()
 

@@ -1273,3 +1273,20 @@ def test_fuse_dtype_folds_in_float64_once_and_question_1_still_reads_the_written
     failed = [(c.name, c.worst) for c in v.exact if not c.passed]
     assert ("model.safetensors vs a float64 fold of the reference", "blocks.0.attn.qkv.weight") in failed
     assert len(folds) == 2
+
+
+def test_an_exported_onnx_of_the_ema_weights_is_named_as_their_fold(tmp_path: Path) -> None:
+    """``export --ema`` records which weights of the checkpoint it folded, as ``fuse`` does: verified without
+    ``--ema``, question 1 does not apply and the note names both weights (without the record the pair would be
+    taken for a fold of the file's other weights)."""
+    from slabconv.options import LoadOptions
+    from slabconv.write.onnx import WEIGHTS_KEY
+
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ema.pth", state_dict_ema=tinyckpt.tiny_state_dict(seed=1))
+    api.export(ckpt, tmp_path / "ema.onnx", load=LoadOptions(ema=True))
+    props = {p.key: p.value for p in onnx.load(str(tmp_path / "ema.onnx"), load_external_data=False).metadata_props}
+    assert props[WEIGHTS_KEY] == "state_dict_ema"
+    v = api.verify(ckpt, tmp_path / "ema.onnx", verify=VerifyOptions(samples=4)).verification
+    assert v is not None and not v.passed and not v.exact
+    assert any("folded from the 'state_dict_ema' weights of this file, the reference is its 'model'" in n
+               for n in v.notes), v.notes  # fmt: skip

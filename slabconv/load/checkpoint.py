@@ -63,7 +63,8 @@ class Checkpoint:
     module: Any = None
 
 
-def _is_state_dict(obj: Any) -> bool:
+def is_state_dict(obj: Any) -> bool:
+    """True for a bare state_dict: a non-empty mapping of ``str`` names to tensors."""
     return (
         isinstance(obj, Mapping)
         and len(obj) > 0
@@ -86,9 +87,15 @@ def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return {key[cut:]: value for key, value in state_dict.items()}
 
 
-def _torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
+def torch_load(f: IO[bytes], label: str, trust_pickle: bool = False) -> Any:
     """A ``.pth`` through the one weights-only reader (``safety.weights_only_load``); with ``trust_pickle`` a file
-    that reader refuses is loaded in full (this runs code from the file). Both read ``f``, the one open file."""
+    that reader refuses is loaded in full (this runs code from the file). Both read ``f``, the one open file.
+
+    Raises:
+        InputError: as ``safety.weights_only_load`` and ``safety.refusal`` (a refused pickle, without
+            ``trust_pickle``); ``not a readable PyTorch checkpoint`` for a file torch cannot read; a trusted pickle
+            whose loading failed.
+    """
     try:
         return safety.weights_only_load(f, label)
     except InputError as err:
@@ -140,13 +147,13 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     # one open file: the sha256 the report records is of the file the reader then loads, not of a later open
     with safety.open_regular(path, "the checkpoint") as f:
         digest = safety.sha256_open(f)
-        obj = _torch_load(f, str(path), trust_pickle)
+        obj = torch_load(f, str(path), trust_pickle)
     extra: dict[str, Any] = {}
     config: dict[str, Any] = {}
     if isinstance(obj, torch.nn.Module):
         state = strip_prefixes(obj.state_dict())
         return Checkpoint(state, {}, "pickled-module", path, digest, {"weights": "module"}, module=obj)
-    if _is_state_dict(obj):
+    if is_state_dict(obj):
         return Checkpoint(strip_prefixes(obj), {}, "state_dict", path, digest, {"weights": "state_dict"})
     if not isinstance(obj, Mapping):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a checkpoint dict or state_dict")
@@ -155,7 +162,7 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
     for key in ("epoch", "max_accuracy"):
         if isinstance(obj.get(key), (int, float)):
             extra[key] = obj[key]
-    ema_key = next((k for k in _EMA_KEYS if _is_state_dict(obj.get(k))), "")
+    ema_key = next((k for k in _EMA_KEYS if is_state_dict(obj.get(k))), "")
     if ema:
         if not ema_key:
             raise InputError(
@@ -164,7 +171,7 @@ def load_pickle(path: Path, ema: bool = False, trust_pickle: bool = False) -> Ch
             )
         weights_key = ema_key
     else:
-        weights_key = next((k for k in _WRAPPER_KEYS if _is_state_dict(obj.get(k))), "")
+        weights_key = next((k for k in _WRAPPER_KEYS if is_state_dict(obj.get(k))), "")
         if not weights_key and ema_key:
             raise InputError(
                 f"{path}: the only weights in the checkpoint are the EMA weights under {ema_key!r}; pass --ema to "

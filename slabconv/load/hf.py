@@ -16,7 +16,6 @@ plain file names inside the folder.
 
 from __future__ import annotations
 
-import pickle
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from slabconv.errors import InputError, first_line
+from slabconv.errors import InputError
 from slabconv.load import safety
 from slabconv.load.paths import (  # noqa: F401 (what a Hugging Face folder is: part of this module's face)
     BIN,
@@ -283,20 +282,13 @@ def check_shard_against_index(index: Path, shard: Path, keys: Iterable[str], wei
 
 
 def _read_bin(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """A ``pytorch_model.bin`` state_dict through the one weights-only reader (``safety.weights_only_load``): the
-    same allowlist, archive checks and size checks as a ``.pth``; with the sha256 of the same open file."""
-    try:
-        with safety.open_regular(path, "a weights file") as f:
-            digest = safety.sha256_open(f)
-            obj = safety.weights_only_load(f, str(path))
-    except pickle.UnpicklingError as err:
-        raise safety.refusal(str(path), err, path) from None
-    except InputError:
-        raise
-    except Exception as err:  # noqa: BLE001 - a damaged file can make torch.load raise almost anything
-        raise InputError(f"{path}: not a readable PyTorch weights file ({first_line(err)})") from None
-    if not isinstance(obj, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
-    ):
+    """A ``pytorch_model.bin`` state_dict read as a ``.pth`` is (``checkpoint.torch_load``, never trusting its
+    pickle): the same allowlist, archive checks, size checks and refusals; with the sha256 of the same open file."""
+    from slabconv.load.checkpoint import is_state_dict, torch_load
+
+    with safety.open_regular(path, "a weights file") as f:
+        digest = safety.sha256_open(f)
+        obj = torch_load(f, str(path))
+    if not (is_state_dict(obj) or (isinstance(obj, Mapping) and not obj)):
         raise InputError(f"{path}: expected a state_dict (name -> tensor), found {type(obj).__name__}")
     return dict(obj), digest

@@ -21,10 +21,9 @@ import torch
 
 from slabconv.errors import InputError
 from slabconv.load.safety import (
-    EXPANSION,
-    FLOOR_BYTES,
     MAX_JSON_BYTES,
     MAX_PROGRAM_JSON_BYTES,
+    TensorBudget,
     _human,
     check_archive_kind,
     check_zip,
@@ -287,26 +286,25 @@ def _check_expressions(document: Any, label: str, entry: str) -> None:
             ) from None
 
 
-def _itemsize(code: Any) -> int:
-    """Bytes per element of a torch.export schema ``ScalarType`` code (16, the largest, if unknown)."""
+def _dtype(code: Any) -> tuple[str, int]:
+    """The name and bytes per element of a torch.export schema ``ScalarType`` code (16, the largest, if unknown)."""
     from torch._export.serde.serialize import _SERIALIZE_TO_TORCH_DTYPE
 
     for key, dtype in _SERIALIZE_TO_TORCH_DTYPE.items():
         if int(key) == int(code):
-            return torch.empty((), dtype=dtype).element_size()
-    return 16
+            return str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size()
+    return f"dtype {code}", 16
 
 
 def _check_payloads(
     document: Any, sizes: Mapping[str, int], folder: str, label: str, file_bytes: int, trust_pickle: bool
 ) -> None:
-    """Weights / constants config: every tensor's declared extent fits its stored bytes, the total fits the file,
-    and nothing is a pickled Python object (unless trusted)."""
+    """Weights / constants config: every tensor's declared extent fits its stored bytes, the total fits the file
+    (``safety.TensorBudget``), and nothing is a pickled Python object (unless trusted)."""
     config = document.get("config") if isinstance(document, dict) else None
     if not isinstance(config, dict):
         raise InputError(f"{label}: {folder} has no payload config; the program is damaged")
-    total = 0
-    budget = EXPANSION * file_bytes + FLOOR_BYTES
+    budget = TensorBudget(label, file_bytes)
     for fqn, meta in config.items():
         if not isinstance(meta, dict):
             raise InputError(f"{label}: payload {fqn!r} is not described; the program is damaged")
@@ -325,7 +323,7 @@ def _check_payloads(
             shape = [_as_int(s) for s in tmeta["sizes"]]
             strides = [_as_int(s) for s in tmeta["strides"]]
             offset = _as_int(tmeta["storage_offset"])
-            itemsize = _itemsize(tmeta["dtype"])
+            dtype, itemsize = _dtype(tmeta["dtype"])
         except (KeyError, TypeError, ValueError):
             raise InputError(f"{label}: payload {fqn!r} has no static size; the program is damaged") from None
         if any(s < 0 for s in shape) or any(s < 0 for s in strides) or offset < 0 or len(shape) != len(strides):
@@ -339,12 +337,7 @@ def _check_payloads(
             raise InputError(
                 f"{label}: payload {fqn!r} declares {shape} elements but {path_name!r} stores {stored} bytes; refused"
             )
-        total += numel * itemsize
-        if total > budget:
-            raise InputError(
-                f"{label}: payload {fqn!r} ({shape}) would take {_human(numel * itemsize)} in memory, more than a "
-                f"{_human(file_bytes)} file can hold; refused before allocating it"
-            )
+        budget.add(f"payload {fqn!r}", shape, dtype, numel * itemsize)
 
 
 def _as_int(value: Any) -> int:

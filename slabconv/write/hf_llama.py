@@ -348,8 +348,7 @@ def write_hf_llama_metadata(
     """
     folder = Path(folder)
     specs = folder_weight_specs(folder)
-    shapes = {k: [int(n) for n in shape] for k, (_, shape) in specs.items()}
-    layout = norm_free_layout(shapes, config)
+    layout = norm_free_layout({k: shape for k, (_, shape) in specs.items()}, config)
     dtype_name = _weights_dtype(folder, specs)
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r}: the LLaMA-PRepBN MLP uses silu")
@@ -617,11 +616,13 @@ def load_fused_llama(folder: Path | str, dtype: torch.dtype | None = None) -> An
         model_type = config.get("model_type")
     except (OSError, ValueError) as err:
         raise UsageError(f"{folder}: no readable {CONFIG} ({err})") from None
-    if model_type in STANDARD_TYPES:
-        return _load_standard(folder, dtype)
-    if model_type != MODEL_TYPE:
+    if model_type not in (MODEL_TYPE, *STANDARD_TYPES):
         raise UsageError(f"{folder}: model_type {model_type!r}, not {MODEL_TYPE!r}; run write_hf_llama_metadata on it")
-    fused_layout(folder, {k: shape for k, (_, shape) in folder_weight_specs(folder).items()}, config)
+    shapes = {k: shape for k, (_, shape) in folder_weight_specs(folder).items()}
+    if model_type in STANDARD_TYPES:
+        standard_layout(shapes, config)
+        return _load_standard(folder, dtype)
+    fused_layout(folder, shapes, config)
     return _from_pretrained(SlabconvLlamaForCausalLM, folder, dtype).eval()
 
 
@@ -663,14 +664,11 @@ def _from_pretrained(model_class: Any, folder: Path, dtype: torch.dtype | None, 
 
 
 def _load_standard(folder: Path, dtype: torch.dtype | None) -> Any:
-    """A standard decoder folder in transformers (``AutoModelForCausalLM``, no remote code), refusing weights that do
-    not fill the model exactly (a missing tensor would be left initialised)."""
+    """A standard decoder folder (its weights checked by ``standard_layout``) in transformers
+    (``AutoModelForCausalLM``, no remote code), refusing weights that do not fill the model exactly (a missing tensor
+    would be left initialised)."""
     import transformers
 
-    standard_layout(
-        {k: shape for k, (_, shape) in folder_weight_specs(folder).items()},
-        json.loads((folder / CONFIG).read_text(encoding="utf-8")),
-    )
     model, info = _from_pretrained(transformers.AutoModelForCausalLM, folder, dtype, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         keys = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(what) or ())

@@ -276,9 +276,10 @@ def _is_disk_error(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _staged(final: Path, force: bool) -> Iterator[tuple[Path, list[Path]]]:
+def _staged(final: Path, force: bool) -> Iterator[tuple[Path, Path]]:
     """The shared part of ``staging_dir`` / ``staging_file``: make the staging folder, map errors raised while
-    writing to the user's path, remove everything on failure (including parent folders this run created)."""
+    writing to the user's path, remove everything on failure (including parent folders this run created). Yields
+    the folder to write in and ``final`` made absolute."""
     final = Path(os.path.abspath(final))
     if final.exists() and not force:
         raise UsageError(f"{shown(final)} already exists; pass --force to replace it")
@@ -298,7 +299,7 @@ def _staged(final: Path, force: bool) -> Iterator[tuple[Path, list[Path]]]:
                 f"cannot write to {shown(final.parent)}: {err.strerror or err}; choose a writable location"
             ) from None
         try:
-            yield tmp, created
+            yield tmp, final
             published = True
         except SlabconvError as err:
             raw = err.args[0] if err.args and isinstance(err.args[0], str) else None
@@ -335,11 +336,10 @@ def staging_dir(final: Path, force: bool) -> Iterator[Path]:
         UsageError: ``final`` exists (without ``force``, also when another run created it meanwhile), or its
             folder cannot be written, or the disk is full (naming ``final``).
     """
-    with _staged(final, force) as (tmp, _):
+    with _staged(final, force) as (tmp, final):
         yield tmp
         raise_if_interrupted()  # a signal whose KeyboardInterrupt was lost (errors.request_interrupt) publishes nothing
         _publish_modes(tmp)
-        final = Path(os.path.abspath(final))
         try:
             with HeldInterrupts():  # a signal here takes effect once the folder is in place and recorded
                 if not force or not final.exists():
@@ -389,10 +389,9 @@ def staging_file(final: Path, force: bool, owned: Callable[[Path], bool] | None 
     Raises:
         UsageError: as ``staging_dir``; or ``final`` is no longer a file slabconv wrote.
     """
-    with _staged(final, force) as (tmp, _):
+    with _staged(final, force) as (tmp, final):
         yield tmp
         raise_if_interrupted()
-        final = Path(os.path.abspath(final))
         if not (tmp / final.name).is_file():
             raise RuntimeError(f"nothing was staged for {final}")
         if force and os.path.lexists(final):
