@@ -69,9 +69,11 @@ def test_integer_input_that_is_not_only_a_lookup_asks_for_inputs(tmp_path: Path)
 def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> None:
     """An in-memory output folder (model.pt2 + model.safetensors) and a streamed one (shards + index), each as the
     reference and as the candidate; today's main refused the in-memory folder ("folder without config.json").
-    The point is the folder layouts, not the ONNX files: neither folder holds one (model.onnx and decoder.onnx
-    cost two exports and their checks in each verify; a folder holding both is verify's candidate in
-    tests/test_deploy_llama.py::test_verify_generate_on_the_command_line)."""
+    The point is the folder layouts, not the ONNX files nor greedy generation: neither folder holds an ONNX file
+    (model.onnx and decoder.onnx cost two exports and their checks in each verify; a folder holding both is
+    verify's candidate in tests/test_deploy_llama.py::test_verify_generate_on_the_command_line, which checks its
+    generation by default too) and ``--generate 0`` leaves out the greedy generation and task metrics each verify
+    would run (a streamed folder's: tests/test_stream.py)."""
     write_hf_folder(tmp_path / "src", tiny_model().state_dict(), TINY_CONFIG, max_shard_bytes=8192)
     api.fuse(tmp_path / "src", tmp_path / "memory", verify=None, write=WriteOptions(onnx=False))
     assert {"model.pt2", "model.safetensors"} <= {p.name for p in (tmp_path / "memory").iterdir()}
@@ -82,9 +84,8 @@ def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> 
         ("memory", "streamed"),
         ("streamed", "memory"),
     ]:
-        result = runner.invoke(
-            app, ["verify", str(tmp_path / reference), str(tmp_path / candidate), "--samples", "4", "--json"]
-        )
+        pair = [str(tmp_path / reference), str(tmp_path / candidate)]
+        result = runner.invoke(app, ["verify", *pair, "--samples", "4", "--generate", "0", "--json"])
         assert result.exit_code == 0, (reference, candidate, result.output)
         report = json.loads(result.stdout)
         assert report["verification"]["passed"]
