@@ -37,11 +37,14 @@ def test_a_program_exported_with_torch_exports_defaults_fuses_at_its_batch(tmp_p
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
 def test_a_token_id_program_gets_ids_from_its_embedding_table(tmp_path: Path, dynamic: bool) -> None:
-    """The id range is in the graph (the rows of the embedding the input indexes): no --inputs needed."""
+    """The id range is in the graph (the rows of the embedding the input indexes): no --inputs needed. The point is
+    the inputs, which every runtime is given alike: ``--no-onnx`` (a language model's model.onnx, verified on token
+    ids: tests/test_deploy_llama.py::test_language_model_programs_take_any_batch_and_length)."""
     shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
     program = torch.export.export(tiny_model(), (torch.randint(0, 64, (2, 16)),), dynamic_shapes=shapes)
     torch.export.save(program, tmp_path / "lm.pt2")
-    result = runner.invoke(app, ["fuse", str(tmp_path / "lm.pt2"), "--out", str(tmp_path / "out"), "--samples", "6"])
+    args = ["fuse", str(tmp_path / "lm.pt2"), "--out", str(tmp_path / "out"), "--samples", "6", "--no-onnx"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     v = json.loads((tmp_path / "out" / "report.json").read_text())["verification"]
     assert v["passed"] and v["inputs"] == "random(seed=0, samples=6)"
