@@ -365,9 +365,13 @@ def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates
     assert type(model).__name__ == "SlabconvLlamaForCausalLM"
     check = check_generation(original, out, _holdout_prompts(), STEPS, threads=1)
     assert check.passed, check.to_dict()
-    # The streamed folder's decoder ONNX (written afterwards, as docs/deploy.md says) generates the same tokens in
-    # onnxruntime and, through its genai_config.json, in onnxruntime-genai.
-    info = export_decoder_onnx(out, out / "decoder.onnx")
+    # The streamed folder's decoder ONNX (written afterwards, as docs/deploy.md says; its weights as external data,
+    # as a model past ONNX's 2 GiB has them) generates the same tokens in onnxruntime and, through its
+    # genai_config.json, in onnxruntime-genai.
+    info = export_decoder_onnx(out, out / "decoder.onnx", external_data=True)
+    assert info["external_data"] == "decoder.onnx.data" and (out / "decoder.onnx.data").stat().st_size > 0
+    proto = onnx.load(str(out / "decoder.onnx"), load_external_data=False)
+    assert not any(t.raw_data for t in proto.graph.initializer if t.dims and math.prod(t.dims) > 64)
     write_genai_config(out, info, json.loads((out / "config.json").read_text()))
     both = check_fused_folder(original, out, np.load(TEXT / "holdout.npz")["x"][::40][:6, :48], STEPS)
     names = [r["name"] for r in both["runs"] if r["decides"]]
@@ -479,7 +483,8 @@ def gqa_original(seed: int = 0) -> LlamaForCausalLM:
 
 def test_a_gqa_folder_fuses_and_generates_the_originals_tokens(tmp_path):
     """A grouped-query Hugging Face folder through the whole pipeline: every norm folds, the written folder keeps
-    2 key/value heads, and it (and its decoder ONNX with external data) generate the original's tokens."""
+    2 key/value heads, and it (and the decoder ONNX fuse wrote) generate the original's tokens. (A decoder ONNX
+    with external data: test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates.)"""
     original = gqa_original()
     prompts = torch.randint(0, GQA.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
     config = {
@@ -507,13 +512,9 @@ def test_a_gqa_folder_fuses_and_generates_the_originals_tokens(tmp_path):
     assert (written["hidden_size"], written["intermediate_size"], written["vocab_size"]) == (32, 48, 61)
     model = load_fused_llama(out)
     assert model.model.layers[0].self_attn.k_proj.weight.shape == (2 * 8, 32)
-    info = export_decoder_onnx(out, tmp_path / "gqa.onnx", external_data=True)
-    assert info["external_data"] == "gqa.onnx.data" and (tmp_path / "gqa.onnx.data").stat().st_size > 0
-    proto = onnx.load(str(tmp_path / "gqa.onnx"), load_external_data=False)
-    assert not any(t.raw_data for t in proto.graph.initializer if t.dims and math.prod(t.dims) > 64)
     e_fused, e_orig = _logit_errors(original, out, prompts)
     assert e_fused <= fused_bound(torch.float32, e_orig)[0], (e_fused, e_orig)
-    check = check_generation(original, out, prompts, STEPS, onnx_path=info["path"], threads=1)
+    check = check_generation(original, out, prompts, STEPS, onnx_path=out / "decoder.onnx", threads=1)
     assert check.passed, check.to_dict()
     print(f"\nGQA near-ties met: {[r.near_ties for r in check.runs]}; logits e_fused {e_fused:.2e} e_orig {e_orig:.2e}")
 

@@ -37,11 +37,14 @@ def test_a_program_exported_with_torch_exports_defaults_fuses_at_its_batch(tmp_p
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "static"])
 def test_a_token_id_program_gets_ids_from_its_embedding_table(tmp_path: Path, dynamic: bool) -> None:
-    """The id range is in the graph (the rows of the embedding the input indexes): no --inputs needed."""
+    """The id range is in the graph (the rows of the embedding the input indexes): no --inputs needed. The point is
+    the inputs, which every runtime is given alike: ``--no-onnx`` (a language model's model.onnx, verified on token
+    ids: tests/test_deploy_llama.py::test_language_model_programs_take_any_batch_and_length)."""
     shapes = ({0: torch.export.Dim("batch")},) if dynamic else None
     program = torch.export.export(tiny_model(), (torch.randint(0, 64, (2, 16)),), dynamic_shapes=shapes)
     torch.export.save(program, tmp_path / "lm.pt2")
-    result = runner.invoke(app, ["fuse", str(tmp_path / "lm.pt2"), "--out", str(tmp_path / "out"), "--samples", "6"])
+    args = ["fuse", str(tmp_path / "lm.pt2"), "--out", str(tmp_path / "out"), "--samples", "6", "--no-onnx"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     v = json.loads((tmp_path / "out" / "report.json").read_text())["verification"]
     assert v["passed"] and v["inputs"] == "random(seed=0, samples=6)"
@@ -69,9 +72,11 @@ def test_integer_input_that_is_not_only_a_lookup_asks_for_inputs(tmp_path: Path)
 def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> None:
     """An in-memory output folder (model.pt2 + model.safetensors) and a streamed one (shards + index), each as the
     reference and as the candidate; today's main refused the in-memory folder ("folder without config.json").
-    The point is the folder layouts, not the ONNX files: neither folder holds one (model.onnx and decoder.onnx
-    cost two exports and their checks in each verify; a folder holding both is verify's candidate in
-    tests/test_deploy_llama.py::test_verify_generate_on_the_command_line)."""
+    The point is the folder layouts, not the ONNX files nor greedy generation: neither folder holds an ONNX file
+    (model.onnx and decoder.onnx cost two exports and their checks in each verify; a folder holding both is
+    verify's candidate in tests/test_deploy_llama.py::test_verify_generate_on_the_command_line, which checks its
+    generation by default too) and ``--generate 0`` leaves out the greedy generation and task metrics each verify
+    would run (a streamed folder's: tests/test_stream.py)."""
     write_hf_folder(tmp_path / "src", tiny_model().state_dict(), TINY_CONFIG, max_shard_bytes=8192)
     api.fuse(tmp_path / "src", tmp_path / "memory", verify=None, write=WriteOptions(onnx=False))
     assert {"model.pt2", "model.safetensors"} <= {p.name for p in (tmp_path / "memory").iterdir()}
@@ -82,9 +87,8 @@ def test_verify_takes_every_folder_fuse_wrote_on_either_side(tmp_path: Path) -> 
         ("memory", "streamed"),
         ("streamed", "memory"),
     ]:
-        result = runner.invoke(
-            app, ["verify", str(tmp_path / reference), str(tmp_path / candidate), "--samples", "4", "--json"]
-        )
+        pair = [str(tmp_path / reference), str(tmp_path / candidate)]
+        result = runner.invoke(app, ["verify", *pair, "--samples", "4", "--generate", "0", "--json"])
         assert result.exit_code == 0, (reference, candidate, result.output)
         report = json.loads(result.stdout)
         assert report["verification"]["passed"]
