@@ -10,14 +10,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import onnx
 import pytest
-import torch
-from torch import nn
 
-from slabconv.zoo.deit import VisionTransformer, norm_factory
+if TYPE_CHECKING:
+    from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Under pytest-xdist (`make test` runs one worker per core) each worker and the slabconv processes it starts use one
 # thread: two workers with a thread per core each would only make the cores' OpenMP threads wait on one another.
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 FIXTURE = ROOT / "fixtures" / "digits-prepbn"
@@ -71,12 +71,12 @@ def _reuse_the_onnx_exporters_registry() -> None:
     registry_type.from_torchlib = classmethod(from_torchlib)
 
 
-_reuse_the_onnx_exporters_registry()
-
-
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give every BatchNorm random eval statistics and affine weights, and every RepBN a random alpha,
     so a fold that drops or misplaces any term shows up in the outputs. Progressive counters are set to 0."""
+    import torch
+    from torch import nn
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.modules():
@@ -97,6 +97,10 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def small_vit(layout: str = "linearnorm", global_pool: str = "token", seed: int = 0, depth: int = 2) -> nn.Module:
+    import torch
+
+    from slabconv.zoo.deit import VisionTransformer, norm_factory
+
     torch.manual_seed(seed)
     model = VisionTransformer(
         img_size=8,
@@ -115,6 +119,8 @@ def small_vit(layout: str = "linearnorm", global_pool: str = "token", seed: int 
 
 def op_histogram(path: Path) -> collections.Counter[str]:
     """ONNX op types of the main graph and every local function, counted."""
+    import onnx
+
     model = onnx.load(str(path))
     counts = collections.Counter(n.op_type for n in model.graph.node)
     for fn in model.functions:
@@ -137,6 +143,8 @@ VALIDATED: list[str] = []
 def seeded_torch() -> None:
     """Every test starts from torch's global random state at seed 0, whatever ran before it in its worker: a module
     built with its default init draws the same weights under any order pytest-xdist runs the suite in."""
+    import torch
+
     torch.manual_seed(0)
 
 
@@ -164,3 +172,16 @@ def every_report_matches_the_schema() -> Iterator[None]:
     Report.to_dict = checked  # type: ignore[method-assign]
     yield
     Report.to_dict = real  # type: ignore[method-assign]
+
+
+# --- Start-up of a run ---------------------------------------------------------------------------------------------
+# Under pytest-xdist the controller process loads this file before it starts the workers and runs no test: torch,
+# onnx and the exporter's registry are imported only by the processes that run tests (the functions above import
+# them where they use them, the fixture below patches the exporter once in such a process), so the workers start
+# without waiting on the controller's imports.
+
+
+@pytest.fixture(autouse=True, scope="session")
+def onnx_exporters_registry_reused() -> None:
+    """The process that runs the tests builds the dynamo exporter's registry once (see the function above)."""
+    _reuse_the_onnx_exporters_registry()
