@@ -519,6 +519,13 @@ def stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[
     return ["fuse", str(folder), "--stream", "--out", str(tmp / "o")]
 
 
+def verify_stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """A transformers folder saved as .bin shards, compared with --stream: it said "not a safetensors model folder"
+    and nothing of what to do, where fuse --stream of the same folder says it."""
+    folder = _llama_folder(tmp, "src", sharded=True, weights="bin")
+    return ["verify", "--stream", str(folder), str(fused)]
+
+
 def config_nested_960_levels(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     """A training config nested 960 deep (torch.save itself needs a higher recursion limit to write it)."""
     deep: dict = {}
@@ -665,6 +672,7 @@ CATALOGUE: list[tuple[Case, str]] = [
     (junit_onto_an_input, "is an input of this run"),
     (ema_without_ema_weights, "--ema was given"),
     (stream_a_bin_folder, "--stream reads safetensors (model.safetensors, or"),
+    (verify_stream_a_bin_folder, "found pytorch_model.bin.index.json; run it in memory without --stream"),
     (config_nested_960_levels, "deep.pth: the pickle nests deeper than slabconv's limit of 100 levels"),
     (config_of_a_billion_layers, "src/config.json: config num_hidden_layers = 1000000000 but the weights have 1"),
     (stream_verify_of_a_file, "give the folder, not a file"),
