@@ -618,16 +618,18 @@ class _TorchDoor:
         return writes_hf_folder(self.loaded, self.planned)
 
     def require_transformers(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
-        """transformers, where a language model's ``decoder.onnx`` or its generation check needs it: said before
-        writing.
+        """transformers, where a language model's ``decoder.onnx`` or its generation check needs it, and then an
+        original ``config.json`` that transformers reads (``check_transformers_reads``): said before writing.
 
         Raises:
             UsageError: transformers is not installed.
+            InputError: transformers refuses the original's ``config.json``.
         """
         if self.hf_folder and (write.onnx or (verify is not None and verify.generate != 0)):
-            from slabconv.write.hf_llama import require_transformers
+            from slabconv.write.hf_llama import check_transformers_reads, require_transformers
 
             require_transformers(fusing=True)
+            check_transformers_reads(self.loaded.config, self.loaded.checkpoint.path / "config.json")
 
     def write_hf_folder(
         self, folder: Path, outputs: Outputs, metadata: dict[str, str], progress: Progress, write: WriteOptions
