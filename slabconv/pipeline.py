@@ -32,6 +32,7 @@ composed in float64 and rounded once.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import time
 from dataclasses import dataclass
@@ -618,16 +619,22 @@ class _TorchDoor:
         return writes_hf_folder(self.loaded, self.planned)
 
     def require_transformers(self, verify: VerifyOptions | None, write: WriteOptions) -> None:
-        """transformers, where a language model's ``decoder.onnx`` or its generation check needs it: said before
-        writing.
+        """transformers, where a language model's ``decoder.onnx`` or its generation check needs it; then, where
+        transformers is installed, an original ``config.json`` that it reads (``check_transformers_reads``), as the
+        fused folder must be read: said before writing.
 
         Raises:
             UsageError: transformers is not installed.
+            InputError: transformers refuses the original's ``config.json``.
         """
-        if self.hf_folder and (write.onnx or (verify is not None and verify.generate != 0)):
-            from slabconv.write.hf_llama import require_transformers
+        if not self.hf_folder:
+            return
+        from slabconv.write.hf_llama import check_transformers_reads, require_transformers
 
+        if write.onnx or (verify is not None and verify.generate != 0):
             require_transformers(fusing=True)
+        if importlib.util.find_spec("transformers") is not None:
+            check_transformers_reads(self.loaded.config, self.loaded.checkpoint.path / "config.json")
 
     def write_hf_folder(
         self, folder: Path, outputs: Outputs, metadata: dict[str, str], progress: Progress, write: WriteOptions

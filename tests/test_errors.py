@@ -519,6 +519,31 @@ def stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[
     return ["fuse", str(folder), "--stream", "--out", str(tmp / "o")]
 
 
+def verify_stream_a_bin_folder(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """A transformers folder saved as .bin shards, compared with --stream: it said "not a safetensors model folder"
+    and nothing of what to do, where fuse --stream of the same folder says it."""
+    folder = _llama_folder(tmp, "src", sharded=True, weights="bin")
+    return ["verify", "--stream", str(folder), str(fused)]
+
+
+def _bos_list_folder(tmp: Path) -> Path:
+    folder = _llama_folder(tmp, "src")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"bos_token_id": [1]}))
+    return folder
+
+
+def config_bos_list(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """A bos_token_id list, which transformers' LlamaConfig refuses: the fused folder kept it, and loading it for the
+    generation check failed after the fold with an internal error."""
+    return ["fuse", str(_bos_list_folder(tmp)), "--out", str(tmp / "o")]
+
+
+def config_bos_list_streamed(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """Without the generation check, which loads the folder, too: transformers would not load the folder written."""
+    return ["fuse", str(_bos_list_folder(tmp)), "--stream", "--generate", "0", "--out", str(tmp / "o")]
+
+
 def config_nested_960_levels(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     """A training config nested 960 deep (torch.save itself needs a higher recursion limit to write it)."""
     deep: dict = {}
@@ -665,6 +690,9 @@ CATALOGUE: list[tuple[Case, str]] = [
     (junit_onto_an_input, "is an input of this run"),
     (ema_without_ema_weights, "--ema was given"),
     (stream_a_bin_folder, "--stream reads safetensors (model.safetensors, or"),
+    (config_bos_list, "config.json: transformers"),
+    (config_bos_list_streamed, "does not read it (Field 'bos_token_id' with value [1] doesn't match"),
+    (verify_stream_a_bin_folder, "found pytorch_model.bin.index.json; run it in memory without --stream"),
     (config_nested_960_levels, "deep.pth: the pickle nests deeper than slabconv's limit of 100 levels"),
     (config_of_a_billion_layers, "src/config.json: config num_hidden_layers = 1000000000 but the weights have 1"),
     (stream_verify_of_a_file, "give the folder, not a file"),

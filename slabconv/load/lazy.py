@@ -208,21 +208,14 @@ def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
         InputError: not a folder; a damaged index or config.
         UsageError: the folder's weights are not safetensors (``.bin``).
     """
-    from slabconv.errors import UsageError
     from slabconv.load import hf
     from slabconv.util import sha256_file
 
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder")
-    found = hf.hf_weights_file(folder)
-    if found is None or found[1] not in ("hf-safetensors-sharded", "hf-safetensors"):
-        have = found[0].name if found else "no weights"
-        raise UsageError(
-            f"{folder}: --stream reads safetensors (model.safetensors, or model.safetensors.index.json + shards), "
-            f"found {have}; fold it in memory without --stream"
-        )
+    shards = LazyShards.open(folder, block_elements)  # UsageError for .bin weights
+    entry = folder / (hf.SAFETENSORS if (folder / hf.SAFETENSORS).is_file() else hf.SAFETENSORS_INDEX)  # as it opened
     config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
-    shards = LazyShards.open(folder, block_elements)
     names = list(dict.fromkeys(shards.weight_map.values()))
     hf.check_config_fits(config, {k: shape for k, (_, shape) in shards.specs().items()}, folder)  # headers only
-    return ShardedFolder(shards, names, found[0], config, sha256_file(found[0]))
+    return ShardedFolder(shards, names, entry, config, sha256_file(entry))

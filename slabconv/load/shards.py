@@ -19,13 +19,14 @@ from typing import IO, Any
 
 import torch
 
-from slabconv.errors import InputError
+from slabconv.errors import InputError, UsageError
 from slabconv.load import safety
 from slabconv.load.hf import (
     SAFETENSORS,
     SAFETENSORS_DTYPES,
     SAFETENSORS_INDEX,
     check_shard_against_index,
+    hf_weights_file,
     inside,
     read_index,
     shard_paths,
@@ -96,7 +97,8 @@ class LazyShards:
         (``paths.LAYOUTS``): the streamed and the in-memory fold of a folder fold the same weights.
 
         Raises:
-            InputError: neither file, a damaged index, a missing shard.
+            InputError: a damaged index, a missing shard.
+            UsageError: neither file (``.bin`` weights, or none).
         """
         folder = Path(folder)
         index, single = folder / SAFETENSORS_INDEX, folder / SAFETENSORS
@@ -109,7 +111,11 @@ class LazyShards:
         if index.is_file():
             shard_paths(index)
             return cls(folder, read_index(index), block_elements)
-        raise InputError(f"{folder}: neither {SAFETENSORS_INDEX} nor {SAFETENSORS}; not a safetensors model folder")
+        found = hf_weights_file(folder)
+        raise UsageError(
+            f"{folder}: --stream reads safetensors ({SAFETENSORS}, or {SAFETENSORS_INDEX} + shards), found "
+            f"{found[0].name if found else 'no weights'}; run it in memory without --stream"
+        )
 
     def _shard(self, key: str) -> str:
         if key not in self.weight_map:

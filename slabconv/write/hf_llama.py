@@ -125,6 +125,31 @@ def require_transformers(fusing: bool = False) -> Any:
     return transformers
 
 
+def check_transformers_reads(config: Mapping[str, Any], path: Path) -> None:
+    """Refuse an original ``config.json`` (``path``) that transformers' config class for its ``model_type``
+    (``LlamaConfig`` for a LLaMA-PRepBN) does not read, such as a ``bos_token_id`` list: the fused folder keeps
+    those entries, so its loading would fail after the whole fold (``StrictDataclassError``, or a ``ValueError`` /
+    ``TypeError`` of the class's own checks).
+
+    Raises:
+        UsageError: transformers is missing or too old.
+        InputError: the config class refuses it (the entry and the value named).
+    """
+    from huggingface_hub.errors import StrictDataclassError
+
+    transformers = require_transformers()
+    model_type = config.get("model_type")
+    known = transformers.CONFIG_MAPPING[model_type] if model_type in STANDARD_TYPES else transformers.LlamaConfig
+    try:
+        known.from_dict(dict(config))
+    except (StrictDataclassError, ValueError, TypeError) as error:
+        reason = " ".join(str(error.__cause__ or error).split()).split(" Errors: ")[0].rstrip(".")
+        raise InputError(
+            f"{path}: transformers {transformers.__version__} does not read it ({reason}), and the fused folder "
+            "would keep it; correct that entry"
+        ) from None
+
+
 def _projection_key(layer: int | None, name: str, what: str) -> str:
     if name == "lm_head":
         return f"lm_head.{what}"
