@@ -312,6 +312,21 @@ def test_a_file_no_runtime_ran_is_named_in_the_verdict(tmp_path: Path, monkeypat
     assert line.endswith("; name another runtime, or leave out --runtime to run it in every runtime that can")
 
 
+def test_a_file_missing_from_a_fused_folder_is_named_in_the_verdict(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder whose model.onnx was lost (its report.json lists it): the headline names it (it said a bare
+    "verification PASSED", from the weights alone)."""
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "fused")
+    (tmp_path / "fused" / "model.onnx").unlink()
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", tmp_path / "fused")
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"]
+    assert v["not_run"] == [
+        {"file": "model.onnx", "reason": "missing from the folder, though its report.json lists it among the files "
+                                         "fuse wrote"}
+    ]  # fmt: skip
+
+
 def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that_can(
     tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

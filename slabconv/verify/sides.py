@@ -80,6 +80,8 @@ class Side:
         notes: what the verdict should say about how this side was read (``why_not_a_fold`` adds them).
         unfused: of a candidate whose provenance records a fold of the reference: the tensors of the norms that
             fold removes which it holds all the same (``kept_norm_tensors``): it is no fold (``folded_from``).
+        missing: of a folder ``fuse`` wrote: the files its ``report.json`` lists that are not in it (named in the
+            verdict, never covered by it).
     """
 
     path: Path
@@ -101,6 +103,7 @@ class Side:
     language_model: bool = False
     notes: list[str] = field(default_factory=list)
     unfused: tuple[str, ...] = ()
+    missing: list[str] = field(default_factory=list)
 
     @property
     def arch(self) -> str | None:
@@ -252,7 +255,18 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     side.dtype = dtype or (info.dtype if info is not None else "float32")
     if source is None:
         side.source = _folder_source(side)
+        side.missing = _missing_files(folder)
     return side
+
+
+def _missing_files(folder: Path) -> list[str]:
+    """The files the ``report.json`` of a folder ``fuse`` wrote lists (``outputs.files``) that are not in it."""
+    from slabconv.load.paths import REPORT
+    from slabconv.load.safety import read_json
+
+    report = read_json(folder / REPORT)
+    files = (report.get("outputs") or {}).get("files") if isinstance(report, dict) else None
+    return [n for n in files if not (folder / str(n)).is_file()] if isinstance(files, list) else []
 
 
 def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:

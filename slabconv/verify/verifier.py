@@ -781,6 +781,8 @@ def _whole(
         raise InputError(f"{candidate.path}: no runtime here can run it ({why})")
     verification.checks += checks
     verification.not_run += not_run
+    listed = "missing from the folder, though its report.json lists it among the files fuse wrote"
+    verification.not_run += [NotRun(name, listed) for name in candidate.missing]
     for dtype, backend, how in dict.fromkeys(ref.cast_by.values()):
         own = {b for d, b, _ in ref.cast_by.values() if d == dtype and b}  # runtimes that ran the original themselves
         labels = ", ".join(
