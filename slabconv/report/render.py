@@ -162,14 +162,10 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
             if side is not None:
                 yield source_line(name, side)
     if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
-        info = report.outputs.onnx_info if report.outputs is not None else None
+        out = report.outputs
+        info = out.onnx_info if out is not None else None
         dynamic = [k for k in ("dynamic_batch", "pt2_dynamic_batch") if info and k in info]
-        # export writes one file, fused or not (--no-fuse), and verifies nothing: its warning names that file
-        onnx = (
-            Path(report.outputs.onnx).name
-            if report.command == "export" and report.outputs and report.outputs.onnx
-            else ""
-        )
+        onnx = Path(out.onnx).name if report.command == "export" and out and out.onnx else ""  # export: one file
         static, b = f"warning: {shown(source.path)} was exported with a static batch of {source.batch}", source.batch
         if dynamic and all(info[k] for k in dynamic):  # type: ignore[index]
             yield static + (
