@@ -213,6 +213,20 @@ def test_a_program_with_a_static_batch_is_warned_about(tmp_path):
     assert json.loads(report.to_json())["source"]["batch"] == 2
 
 
+def test_the_static_batch_warning_of_export_names_the_file_it_wrote(tmp_path):
+    """export --no-fuse writes the original and verifies nothing: the warning said "the fused files take any batch
+    ...; verification runs them" of it."""
+    model = randomize_norms(_BatchCentred(), seed=5).eval()
+    torch.export.save(torch.export.export(model, (torch.randn(2, 8),)), tmp_path / "static.pt2")
+    report = api.export(tmp_path / "static.pt2", tmp_path / "orig.onnx", fuse=False)
+    warning = next(line for line in summary_lines(report) if line.startswith("warning:"))
+    assert warning == (
+        f"warning: {tmp_path / 'static.pt2'} was exported with a static batch of 2; orig.onnx takes any batch (the "
+        "model's code allows it); slabconv verify runs it on batches of 2, as the original runs"
+    )
+    assert errordoc.documented(warning) is not None
+
+
 class _BatchCentred(nn.Module):
     """A BatchNorm before a Linear, and an output centred over the whole batch: each sample's output depends on the
     other samples of its batch, so a file run on batches of another size computes other numbers."""

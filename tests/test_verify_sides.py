@@ -312,6 +312,29 @@ def test_a_file_no_runtime_ran_is_named_in_the_verdict(tmp_path: Path, monkeypat
     assert line.endswith("; name another runtime, or leave out --runtime to run it in every runtime that can")
 
 
+def test_a_file_missing_from_a_fused_folder_is_named_in_the_verdict(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder whose model.onnx was lost (its report.json lists it): the headline names it (it said a bare
+    "verification PASSED", from the weights alone); a file that is not the one fuse wrote (report.json records
+    another sha256) gets a note."""
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "fused")
+    (tmp_path / "fused" / "model.onnx").unlink()
+    written = json.loads((tmp_path / "fused" / "report.json").read_text())
+    written["outputs"]["sha256"]["model.safetensors"] = "0" * 64
+    (tmp_path / "fused" / "report.json").write_text(json.dumps(written))
+    code, report, stderr = _json(tiny_fused / "ckpt.pth", tmp_path / "fused")
+    assert code == 0, stderr
+    v = report["verification"]
+    assert v["passed"] and v["question_1_exact"]
+    assert v["not_run"] == [
+        {"file": "model.onnx", "reason": "missing from the folder, though its report.json lists it among the files "
+                                         "fuse wrote"}
+    ]  # fmt: skip
+    assert (
+        "model.safetensors is not the file fuse wrote: its sha256 is not the one report.json records; the checks "
+        "above are of the file as it is"
+    ) in v["notes"]
+
+
 def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that_can(
     tiny_fused: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 from rich import box
 from rich.cells import cell_len
@@ -161,19 +162,25 @@ def summary_lines(report: Report, verbose: bool = False) -> Iterator[str]:
             if side is not None:
                 yield source_line(name, side)
     if source is not None and source.batch is not None and report.command in ("inspect", "fuse", "export"):
-        info = report.outputs.onnx_info if report.outputs is not None else None
+        out = report.outputs
+        info = out.onnx_info if out is not None else None
         dynamic = [k for k in ("dynamic_batch", "pt2_dynamic_batch") if info and k in info]
+        onnx = Path(out.onnx).name if report.command == "export" and out and out.onnx else ""  # export: one file
+        static, b = f"warning: {shown(source.path)} was exported with a static batch of {source.batch}", source.batch
         if dynamic and all(info[k] for k in dynamic):  # type: ignore[index]
-            yield (
-                f"warning: {shown(source.path)} was exported with a static batch of {source.batch}; the fused files "
-                f"take any batch (the model's code allows it); verification runs them on batches of {source.batch}, as "
+            yield static + (
+                f"; {onnx} takes any batch (the model's code allows it); slabconv verify runs it on batches of {b}, as "
                 "the original runs"
+                if onnx
+                else f"; the fused files take any batch (the model's code allows it); verification runs them on "
+                f"batches of {b}, as the original runs"
             )
         else:
             yield (
-                f"warning: {shown(source.path)} was exported with a static batch of {source.batch}, so the fused "
-                f"files run on batches of exactly {source.batch}; export it with {dynamic_batch_spelling(source)}"
-            )
+                f"{static}, so {onnx} runs on batches of exactly {b}"
+                if onnx
+                else f"{static}, so the fused files run on batches of exactly {b}"
+            ) + f"; export it with {dynamic_batch_spelling(source)}"
     if report.folds is not None and report.summary is not None:
         s = report.summary
         if report.command != "inspect":  # inspect's final line gives the count, as a plan

@@ -80,6 +80,8 @@ class Side:
         notes: what the verdict should say about how this side was read (``why_not_a_fold`` adds them).
         unfused: of a candidate whose provenance records a fold of the reference: the tensors of the norms that
             fold removes which it holds all the same (``kept_norm_tensors``): it is no fold (``folded_from``).
+        missing, changed: of a folder ``fuse`` wrote: the files its ``report.json`` lists that are not in it (named
+            in the verdict, never covered by it), and those whose sha256 is not the one it records (a note).
     """
 
     path: Path
@@ -101,6 +103,8 @@ class Side:
     language_model: bool = False
     notes: list[str] = field(default_factory=list)
     unfused: tuple[str, ...] = ()
+    missing: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
 
     @property
     def arch(self) -> str | None:
@@ -252,7 +256,22 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     side.dtype = dtype or (info.dtype if info is not None else "float32")
     if source is None:
         side.source = _folder_source(side)
+        side.missing, side.changed = _unlike_report(folder, side.source.extra["files_sha256"])
     return side
+
+
+def _unlike_report(folder: Path, digests: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Of a folder ``fuse`` wrote: the files its ``report.json`` lists (``outputs.files``) that are not in it, and
+    those whose sha256 (``digests``, by name) is not the one it records (``outputs.sha256``)."""
+    from slabconv.load.paths import REPORT
+    from slabconv.load.safety import read_json
+
+    report = read_json(folder / REPORT)
+    outputs = report.get("outputs") if isinstance(report, dict) else None
+    files, recorded = (outputs.get("files"), outputs.get("sha256")) if isinstance(outputs, dict) else (None, None)
+    missing = [n for n in files if not (folder / str(n)).is_file()] if isinstance(files, list) else []
+    changed = [n for n, d in recorded.items() if digests.get(n, d) != d] if isinstance(recorded, dict) else []
+    return missing, changed
 
 
 def _weights_header(path: Path) -> tuple[str | None, dict[str, str]]:

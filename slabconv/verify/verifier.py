@@ -781,6 +781,10 @@ def _whole(
         raise InputError(f"{candidate.path}: no runtime here can run it ({why})")
     verification.checks += checks
     verification.not_run += not_run
+    listed = "missing from the folder, though its report.json lists it among the files fuse wrote"
+    verification.not_run += [NotRun(name, listed) for name in candidate.missing]
+    verification.notes += [f"{n} is not the file fuse wrote: its sha256 is not the one report.json records; the "
+                           "checks above are of the file as it is" for n in candidate.changed]  # fmt: skip
     for dtype, backend, how in dict.fromkeys(ref.cast_by.values()):
         own = {b for d, b, _ in ref.cast_by.values() if d == dtype and b}  # runtimes that ran the original themselves
         labels = ", ".join(
