@@ -19,7 +19,7 @@ ERRORS_MD = ROOT / "docs" / "errors.md"
 
 PLACEHOLDERS = (
     "FILE DIR PATH KEY NAME NORM OUT REF CAND RUNTIME FOLDER PREFIX LAYOUT LAYER ACTION REASON TARGET WHAT DTYPE Class "
-    "E T N M X I P n a b c d"
+    "VERSION E T N M X I P n a b c d"
 ).split()
 _PLACEHOLDER = re.compile(r"'\.\.\.'|\.\.\.|\b(?:" + "|".join(PLACEHOLDERS) + r")\b")
 

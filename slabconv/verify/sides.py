@@ -266,6 +266,8 @@ def _unlike_report(folder: Path, digests: dict[str, str]) -> tuple[list[str], li
     from slabconv.load.paths import REPORT
     from slabconv.load.safety import read_json
 
+    if not (folder / REPORT).is_file():  # a folder shared or saved again without it: nothing listed to hold it to
+        return [], []
     report = read_json(folder / REPORT)
     outputs = report.get("outputs") if isinstance(report, dict) else None
     files, recorded = (outputs.get("files"), outputs.get("sha256")) if isinstance(outputs, dict) else (None, None)
