@@ -561,11 +561,15 @@ def _whole(decision: engine.Decision) -> bool:
 
 
 def _write_files(
-    folder: Path, loaded: LoadedModel, planned: Planned, write: WriteOptions, progress: Progress
+    folder: Path,
+    loaded: LoadedModel,
+    planned: Planned,
+    write: WriteOptions,
+    metadata: dict[str, str],
+    progress: Progress,
 ) -> Outputs:
-    """In memory: ``model.safetensors``, then one ``torch.export`` of the fused graph saved as ``model.pt2`` and
-    translated to ``model.onnx`` (recording its source: ``onnx_provenance``)."""
-    metadata = _metadata(loaded, planned)
+    """In memory: ``model.safetensors`` (with ``metadata``, ``_metadata``), then one ``torch.export`` of the fused
+    graph saved as ``model.pt2`` and translated to ``model.onnx`` (recording its source: ``onnx_provenance``)."""
     tensors = engine.fused_state_dict(planned.fused)
     progress("writing model.safetensors")
     save_safetensors(tensors, folder / "model.safetensors", metadata)
@@ -726,8 +730,9 @@ class InMemory(_TorchDoor):
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         loaded, planned = self.loaded, self.planned
-        outputs = _write_files(folder, loaded, planned, write, progress)
-        self.write_hf_folder(folder, outputs, _metadata(loaded, planned), progress, write)
+        metadata = _metadata(loaded, planned)
+        outputs = _write_files(folder, loaded, planned, write, metadata, progress)
+        self.write_hf_folder(folder, outputs, metadata, progress, write)
         return outputs, {}
 
     def verify(self, folder: Path, opts: VerifyOptions, write: WriteOptions, progress: Progress) -> Verification:
