@@ -24,7 +24,7 @@ import torch
 from slabconv.errors import UnsupportedModelError, UsageError, first_line, root_cause
 from slabconv.util import quiet
 from slabconv.version import __version__
-from slabconv.write.hf_llama import STANDARD_TYPES, load_fused_llama
+from slabconv.write.hf_llama import STANDARD_TYPES, load_fused_llama, transformers_config
 from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for, save_onnx
 
 DEFAULT_DECODER_ONNX = "decoder.onnx"
@@ -218,17 +218,12 @@ GENAI_CONFIG = "genai_config.json"
 
 def special_tokens(config: dict[str, Any]) -> tuple[int, int | list[int], int]:
     """``(bos_token_id, eos_token_id, pad_token_id)`` of a LLaMA ``config.json`` as transformers reads it
-    (``LlamaConfig.from_dict``, or the config class of a standard ``model_type``: a key left out takes transformers'
-    default, LLaMA's bos 1 and eos 2), for
+    (``hf_llama.transformers_config``: a key left out takes transformers' default, LLaMA's bos 1 and eos 2), for
     ``genai_config.json``: onnxruntime-genai ends a sequence at an end-of-sequence id, so writing another id than
     transformers uses would make it stop where transformers does not. A missing pad id is the (first) eos id, as
     onnxruntime-genai's own model builder writes it; an id transformers leaves unset is 0 (onnxruntime-genai
     needs an id inside the vocabulary)."""
-    import transformers
-
-    model_type = str(config.get("model_type") or "")
-    known = transformers.CONFIG_MAPPING.get(model_type, None) if model_type in STANDARD_TYPES else None
-    read = (known or transformers.LlamaConfig).from_dict(config)
+    read = transformers_config(config)
 
     def ids(value: Any) -> list[int]:
         values = value if isinstance(value, (list, tuple)) else [value]

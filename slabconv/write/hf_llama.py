@@ -125,6 +125,21 @@ def require_transformers(fusing: bool = False) -> Any:
     return transformers
 
 
+def transformers_config(config: Mapping[str, Any]) -> Any:
+    """A LLaMA ``config.json`` as transformers reads it: ``from_dict`` of the config class of its ``model_type``
+    where that is a standard decoder (``STANDARD_TYPES``), else ``LlamaConfig`` (a LLaMA-PRepBN); a key left out
+    takes transformers' default.
+
+    Raises:
+        ValueError, TypeError, huggingface_hub.errors.StrictDataclassError: the class refuses an entry.
+    """
+    import transformers
+
+    model_type = config.get("model_type")
+    known = transformers.CONFIG_MAPPING[model_type] if model_type in STANDARD_TYPES else transformers.LlamaConfig
+    return known.from_dict(dict(config))
+
+
 def check_transformers_reads(config: Mapping[str, Any], path: Path) -> None:
     """Refuse an original ``config.json`` (``path``) that transformers' config class for its ``model_type``
     (``LlamaConfig`` for a LLaMA-PRepBN) does not read, such as a ``bos_token_id`` list: the fused folder keeps
@@ -138,10 +153,8 @@ def check_transformers_reads(config: Mapping[str, Any], path: Path) -> None:
     from huggingface_hub.errors import StrictDataclassError
 
     transformers = require_transformers()
-    model_type = config.get("model_type")
-    known = transformers.CONFIG_MAPPING[model_type] if model_type in STANDARD_TYPES else transformers.LlamaConfig
     try:
-        known.from_dict(dict(config))
+        transformers_config(config)
     except (StrictDataclassError, ValueError, TypeError) as error:
         reason = " ".join(str(error.__cause__ or error).split()).split(" Errors: ")[0].rstrip(".")
         raise InputError(
