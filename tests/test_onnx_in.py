@@ -14,6 +14,7 @@ import copy
 import json
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +73,25 @@ def _prepared_histogram(path: Path) -> collections.Counter[str]:
     counts = op_histogram(path.with_suffix(".prepared.onnx"))
     del counts["Identity"]  # what the exporter writes for the nn.Identity that stands in for a norm
     return counts
+
+
+def _bn_conv(
+    rng: np.random.Generator, channels: int = 4, out: int = 5
+) -> tuple[list[onnx.TensorProto], Callable[..., list[onnx.NodeProto]]]:
+    """A hand-built ``x -> BatchNormalization (g, b, m, v) -> y -> Conv 1x1 (k) -> z``: the float32 initializers,
+    drawn from ``rng`` (scale in [0.5, 1.5], shift and mean in [-1, 1], var in [0.5, 2], ``k`` ``(out, channels, 1,
+    1)``), and ``nodes(bn_outputs)``, the two nodes with the BatchNormalization writing ``bn_outputs``."""
+    from onnx import helper, numpy_helper
+
+    arrays = {"g": rng.uniform(0.5, 1.5, channels), "b": rng.uniform(-1, 1, channels),
+              "m": rng.uniform(-1, 1, channels), "v": rng.uniform(0.5, 2, channels),
+              "k": rng.standard_normal((out, channels, 1, 1))}  # fmt: skip
+
+    def nodes(bn_outputs: tuple[str, ...] = ("y",)) -> list[onnx.NodeProto]:
+        return [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], list(bn_outputs), name="bn"),
+                helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+
+    return [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()], nodes
 
 
 def _run(path: Path, x: np.ndarray) -> np.ndarray:
@@ -1671,27 +1691,24 @@ def test_an_opset_9_batchnorm_listing_its_batch_statistics_is_kept_in_training_m
     saved var outputs (TorchScript's export in training mode) normalises with the batch's statistics in
     onnxruntime, read or not. Folding its stored statistics into the next conv wrote a file 50% off under
     ``--no-verify``; it is kept (``train-mode``) and the fused file computes the original's outputs."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
-    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
-              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    inits, bn_conv = _bn_conv(rng)
     info = helper.make_tensor_value_info
 
-    def save(outputs: list[str], name: str) -> Path:
-        nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], outputs, name="bn"),
-                 helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
+    def save(outputs: tuple[str, ...], name: str) -> Path:
         graph = helper.make_graph(
-            nodes, "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3])], [info("z", TensorProto.FLOAT, [2, 5, 3, 3])],
-            [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+            bn_conv(outputs), "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3])],
+            [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits,
         )  # fmt: skip
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)]), str(tmp_path / name))
         return tmp_path / name
 
-    path = save(["y", "rm", "rv", "sm", "sv"], "train.onnx")
+    path = save(("y", "rm", "rv", "sm", "sv"), "train.onnx")
     x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32) * 3 + 1
     want = _run(path, x)
-    naive = _run(save(["y"], "inference.onnx"), x)  # the stored statistics: what a fold of them computes
+    naive = _run(save(("y",), "inference.onnx"), x)  # the stored statistics: what a fold of them computes
     assert np.abs(naive - want).max() > 0.1 * np.abs(want).max()
     report = api.fuse(path, tmp_path / "out", verify=None)
     assert [(d.action, d.reason) for d in report.folds] == [("kept", "train-mode")]
@@ -1782,15 +1799,12 @@ def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
     bias a fold creates for a conv without one was an initializer only, so the fused file failed ``onnx.checker``
     (exit 2, 'not a valid ONNX model' naming slabconv's own output). The folded norm's statistics, inputs with
     their stored defaults, stayed listed as inputs nothing read: a value fed to them was silently ignored."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
-    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
-              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
-    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    inits, bn_conv = _bn_conv(rng)
+    nodes = bn_conv()
     info = helper.make_tensor_value_info
-    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
-             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
     listed = [info(t.name, t.data_type, list(t.dims)) for t in inits]
     graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), *listed],
                               [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits)  # fmt: skip
@@ -1812,17 +1826,13 @@ def test_a_weight_that_is_an_overridable_graph_input_is_folded_into_a_copy(tmp_p
     default the caller may replace (onnxruntime lets it). The fold wrote the conv's folded weight into that default
     and left the input listed: a weight fed to it was used as if folded, without the norm (silently wrong). The fold
     goes to a copy; the input, unread, leaves the file, so a value fed to it is refused by name."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
-    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
-              "v": rng.uniform(0.5, 2, 4), "k": rng.standard_normal((5, 4, 1, 1))}  # fmt: skip
+    inits, bn_conv = _bn_conv(rng)
     info = helper.make_tensor_value_info
-    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
-             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
     inputs = [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), info("k", TensorProto.FLOAT, [5, 4, 1, 1])]
-    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
-    graph = helper.make_graph(nodes, "g", inputs, [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits)
+    graph = helper.make_graph(bn_conv(), "g", inputs, [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits)
     path = tmp_path / "listed.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
@@ -1845,18 +1855,15 @@ def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tm
     keeps float32 inputs and outputs, stores float16 weights, and appends the inputs' ``Cast`` after the nodes
     that read them. ``onnx.checker`` refused the node order (onnxruntime runs it: the nodes are sorted now), and
     question 2 judged the fold, rounded to float16, at float32's tolerance (exit 1 on a right fold)."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     rng = np.random.default_rng(0)
-    arrays = {"g": rng.uniform(0.5, 1.5, 8), "b": rng.uniform(-1, 1, 8), "m": rng.uniform(-1, 1, 8),
-              "v": rng.uniform(0.5, 2, 8), "k": rng.standard_normal((16, 8, 1, 1))}  # fmt: skip
+    inits, bn_conv = _bn_conv(rng, channels=8, out=16)
     info = helper.make_tensor_value_info
-    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
-             helper.make_node("Conv", ["y", "k"], ["z"], name="conv")]  # fmt: skip
     graph = helper.make_graph(
-        nodes, "g", [info("x", TensorProto.FLOAT, [2, 8, 4, 4])], [info("z", TensorProto.FLOAT, [2, 16, 4, 4])],
-        [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()],
+        bn_conv(), "g", [info("x", TensorProto.FLOAT, [2, 8, 4, 4])], [info("z", TensorProto.FLOAT, [2, 16, 4, 4])],
+        inits,
     )  # fmt: skip
     half = convert_float_to_float16(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
                                     keep_io_types=True)  # fmt: skip
