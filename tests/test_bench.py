@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,11 +13,14 @@ from typer.testing import CliRunner
 from slabconv import api, bench
 from slabconv.cli import app
 from slabconv.errors import UsageError
+from tests import llm_helpers
 from tests.conftest import ROOT, small_vit
 from tests.test_llama import tiny_model, tokens
 
 CKPT = ROOT / "fixtures" / "digits-prepbn" / "checkpoint.pth"
 CUDA = torch.cuda.is_available()
+TEXT = llm_helpers.TEXT
+text_fused_plain = llm_helpers.text_fused_plain
 
 
 def _models():
@@ -96,28 +98,24 @@ def test_cuda_runtimes_time_every_variant():
 
 
 @pytest.mark.slow
-def test_a_language_model_bench_times_greedy_generation_like_for_like(tmp_path):
+def test_a_language_model_bench_times_greedy_generation_like_for_like(text_fused_plain):
     """bench of the text fixture times greedy generation of the original and the fused model in the same runtime
     (transformers, KV cache): the original's transformers twin computes the zoo original's logits, and all three
     runs generate the same tokens."""
     import numpy as np
 
     from slabconv.load.model import load_model
-    from slabconv.options import WriteOptions
     from slabconv.verify.generate import original_twin
     from slabconv.write.hf_llama import load_fused_llama
 
-    text = Path(__file__).resolve().parents[1] / "fixtures" / "text-prepbn"
-    loaded = load_model(text)
-    folder = tmp_path / "fused"
-    api.fuse(text, folder, verify=None, write=WriteOptions(onnx=False, pt2=False))
-    twin = original_twin(loaded.model, load_fused_llama(folder).config, loaded.dtype)
-    ids = torch.from_numpy(np.load(text / "holdout.npz")["x"][:4, :40]).long()
+    loaded = load_model(TEXT)
+    twin = original_twin(loaded.model, load_fused_llama(text_fused_plain).config, loaded.dtype)
+    ids = torch.from_numpy(np.load(TEXT / "holdout.npz")["x"][:4, :40]).long()
     with torch.no_grad():
         want = loaded.model(ids)
         got = twin(input_ids=ids).logits
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
-    report = api.bench(text, batches=(1,), runtimes=("pytorch",), warmup=1, repeats=2)
+    report = api.bench(TEXT, batches=(1,), runtimes=("pytorch",), warmup=1, repeats=2)
     generation = report.bench["generation"]
     assert generation["same_tokens"] is True and generation["steps"] == 32 and generation["prompts"] == 8
     assert generation["original_tokens_per_second"] > 0 and generation["fused_tokens_per_second"] > 0

@@ -16,8 +16,11 @@ from slabconv.report.data import Report
 from slabconv.report.junit import junit_tree
 from slabconv.verify.results import Verification
 from slabconv.verify.task_metrics import kl, log_softmax, score
+from tests import llm_helpers
 
 V, N, T = 50, 8, 12
+TEXT = llm_helpers.TEXT
+text_fused_plain = llm_helpers.text_fused_plain
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +92,16 @@ class _StaticBatch(torch.nn.Module):
         return self.model(ids)
 
 
-def test_a_static_batch_original_is_scored_in_its_recorded_batch(tmp_path: Path) -> None:
+def test_a_static_batch_original_is_scored_in_its_recorded_batch(text_fused_plain: Path) -> None:
     """An original that runs in a recorded static batch of 2 (``LoadedModel.batch``): the task metrics run it, and
     every other run, in batches of 2 (the last one padded, its copies dropped), as question 2 runs such an original,
     and give the numbers of the same model in any batch; in batches of 16 it refuses the input."""
-    from slabconv import api
     from slabconv.load.model import load_model
-    from slabconv.options import WriteOptions
     from slabconv.verify.task_metrics import check_task_metrics
 
-    text = Path(__file__).resolve().parent.parent / "fixtures" / "text-prepbn"
-    api.fuse(text, tmp_path / "fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
-    model = load_model(text).model.eval()
+    model = load_model(TEXT).model.eval()
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 256, size=(5, 16)))
-    t = check_task_metrics(_StaticBatch(model, 2), tmp_path / "fused", ids, onnx=False, batch=2)
+    t = check_task_metrics(_StaticBatch(model, 2), text_fused_plain, ids, onnx=False, batch=2)
     assert t["passed"] and t["sequences"] == 5 and len(t["runs"]) == 2
-    whole = check_task_metrics(model, tmp_path / "fused", ids, onnx=False)
+    whole = check_task_metrics(model, text_fused_plain, ids, onnx=False)
     assert [r["perplexity"] for r in t["runs"]] == pytest.approx([r["perplexity"] for r in whole["runs"]], rel=1e-9)
