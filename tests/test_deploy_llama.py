@@ -343,9 +343,26 @@ def streamed_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
     return source, out, api.fuse(source, out, write=WriteOptions(stream=True, onnx=False))
 
 
-def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates(original, streamed_text, tmp_path):
+@pytest.fixture(scope="module")
+def streamed_verified(streamed_text, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """``slabconv verify SOURCE STREAMED --stream --generate 8`` of the intact streamed fold, with JUnit:
+    ``(result, junit path)``; the streamed-fold test reads its verdict, the dropped-bias test its passing side."""
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    source, out, _ = streamed_text
+    junit = tmp_path_factory.mktemp("streamed-verified") / "0.xml"
+    args = ["verify", str(source), str(out), "--stream", "--generate", "8", "--junit", str(junit)]
+    return CliRunner().invoke(app, args), junit
+
+
+def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates(
+    original, streamed_text, streamed_verified, tmp_path
+):
     """``fuse --stream`` writes shards, an index and the Hugging Face files: AutoModelForCausalLM loads that folder
-    (trust_remote_code) and it generates the original's tokens."""
+    (trust_remote_code) and it generates the original's tokens; ``verify --stream --generate 8`` of it passes,
+    generating 8 tokens (``streamed_verified``)."""
     from transformers import AutoModelForCausalLM
 
     source, out, report = streamed_text
@@ -356,9 +373,10 @@ def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates
     generation = report.verification.generation
     assert generation is not None and generation["passed"] and generation["steps"] == 32
     assert [r["name"].split(" (")[1].split()[0] for r in generation["runs"] if r["decides"]] == ["transformers"]
-    streamed = api.verify(source, out, verify=VerifyOptions(generate=3), stream=True)
-    assert streamed.verification is not None and streamed.verification.generation is not None
-    assert streamed.verification.passed and streamed.verification.generation["steps"] == 3
+    streamed, junit = streamed_verified
+    assert streamed.exit_code == 0, streamed.output
+    assert "generation: 8 greedy tokens x 2 prompts" in streamed.output, streamed.output
+    assert re.findall(r'<testcase [^>]*name="generation: [^"]*"', junit.read_text()), junit.read_text()
     assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 2
     assert (out / MODELING_FILE).is_file() and (out / "generation_config.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
@@ -379,10 +397,13 @@ def test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates
     assert both["passed"] and len(names) == 2 + genai and any("onnxruntime-genai" in n for n in names) == genai, both
 
 
-def test_a_dropped_bias_fails_the_streamed_generation_check_naming_prompt_step_and_tokens(streamed_text, tmp_path):
+def test_a_dropped_bias_fails_the_streamed_generation_check_naming_prompt_step_and_tokens(
+    streamed_text, streamed_verified, tmp_path
+):
     """A streamed fold's folder with one folded bias dropped (zeroed: the gate projection's of the last decoder
     layer): ``verify --stream --generate`` runs the folder in transformers one block of weights at a time and exits
-    1, its error line naming the prompt, the first differing step and the two tokens; the intact folder passes."""
+    1, its error line naming the prompt, the first differing step and the two tokens; the intact folder passes
+    (``streamed_verified``: the same command on it)."""
     from typer.testing import CliRunner
 
     from slabconv.cli import app
@@ -396,12 +417,11 @@ def test_a_dropped_bias_fails_the_streamed_generation_check_naming_prompt_step_a
     assert tensors[key].abs().max() > 0
     tensors[key] = torch.zeros_like(tensors[key])
     save_file(tensors, str(shard))
-    runner = CliRunner()
-    for folder, code in ((out, 0), (broken, 1)):
-        junit = tmp_path / f"{code}.xml"
-        result = runner.invoke(
-            app, ["verify", str(source), str(folder), "--stream", "--generate", "8", "--junit", str(junit)]
-        )
+    failed_junit = tmp_path / "1.xml"
+    failed = CliRunner().invoke(
+        app, ["verify", str(source), str(broken), "--stream", "--generate", "8", "--junit", str(failed_junit)]
+    )
+    for (result, junit), code in ((streamed_verified, 0), ((failed, failed_junit), 1)):
         assert result.exit_code == code, result.output
         assert "generation: 8 greedy tokens x 2 prompts, computed in float32, near-ties within 1e-05" in result.output
         generation_cases = re.findall(
@@ -481,12 +501,11 @@ def gqa_original(seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def test_a_gqa_folder_fuses_and_generates_the_originals_tokens(tmp_path):
-    """A grouped-query Hugging Face folder through the whole pipeline: every norm folds, the written folder keeps
-    2 key/value heads, and it (and the decoder ONNX fuse wrote) generate the original's tokens. (A decoder ONNX
-    with external data: test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates.)"""
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory: pytest.TempPathFactory) -> tuple[nn.Module, Path, Any]:
+    """A grouped-query Hugging Face folder of ``gqa_original`` fused in opset 19 (every check on, no model.pt2):
+    ``(original, fused folder, report)``; the GQA test and the opset test read it."""
     original = gqa_original()
-    prompts = torch.randint(0, GQA.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -502,9 +521,18 @@ def test_a_gqa_folder_fuses_and_generates_the_originals_tokens(tmp_path):
         "vocab_size": GQA.vocab_size,
         "torch_dtype": "float32",
     }
-    source, out = tmp_path / "src", tmp_path / "gqa"
+    tmp = tmp_path_factory.mktemp("gqa")
+    source, out = tmp / "src", tmp / "gqa"
     write_hf_folder(source, original.state_dict(), config)
-    report = api.fuse(source, out, write=WriteOptions(pt2=False))
+    return original, out, api.fuse(source, out, write=WriteOptions(pt2=False, opset=19))
+
+
+def test_a_gqa_folder_fuses_and_generates_the_originals_tokens(gqa):
+    """A grouped-query Hugging Face folder through the whole pipeline: every norm folds, the written folder keeps
+    2 key/value heads, and it (and the decoder ONNX fuse wrote) generate the original's tokens. (A decoder ONNX
+    with external data: test_a_streamed_fold_of_a_sharded_folder_loads_in_transformers_and_generates.)"""
+    original, out, report = gqa
+    prompts = torch.randint(0, GQA.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))
     assert report.verification is not None and report.verification.passed
     assert report.folds is not None and [d.action for d in report.folds] == ["folded-forward"] * 5
     written = json.loads((out / "config.json").read_text())
@@ -1184,10 +1212,10 @@ def test_a_changed_weight_of_decoder_onnx_fails_question_1_naming_it(doc, tmp_pa
     assert verification["localization"]["first_tensor"] == key
 
 
-def test_fuse_opset_reaches_decoder_onnx_too(tmp_path):
+def test_fuse_opset_reaches_decoder_onnx_too(gqa):
     """``fuse --opset N`` of a language model writes ``model.onnx`` and ``decoder.onnx`` in opset N (the decoder
-    was written in the exporter's default whatever was asked)."""
-    api.fuse(TEXT, tmp_path / "out", verify=None, write=WriteOptions(pt2=False, opset=19))
+    was written in the exporter's default whatever was asked): the GQA folder's fuse asked for 19."""
+    _, out, _ = gqa
     for name in ("model.onnx", "decoder.onnx"):
-        model = onnx.load(str(tmp_path / "out" / name), load_external_data=False)
+        model = onnx.load(str(out / name), load_external_data=False)
         assert [o.version for o in model.opset_import if o.domain in ("", "ai.onnx")] == [19], name
