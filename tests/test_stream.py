@@ -566,7 +566,9 @@ def test_streamed_swin_without_config_equals_the_in_memory_fold(tmp_path):
     hfwrite.write_hf_folder(tmp_path / "src", sd, {}, max_shard_bytes=16384)
     (tmp_path / "src" / hf.CONFIG).unlink()
     load = LoadOptions(arch="swin_prepbn")
-    memory = api.fuse(tmp_path / "src", tmp_path / "mem", load=load, verify=None, write=WriteOptions(onnx=False))
+    memory = api.fuse(
+        tmp_path / "src", tmp_path / "mem", load=load, verify=None, write=WriteOptions(onnx=False, pt2=False)
+    )
     with pytest.raises(UsageError, match="no streamed question 2"):  # no layer-by-layer check for an image model
         api.fuse(tmp_path / "src", tmp_path / "out", load=load, write=STREAM)
     streamed = api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=None, write=STREAM)
