@@ -40,6 +40,7 @@ import numpy as np
 
 from slabconv.errors import InputError, first_line
 from slabconv.load import safety
+from slabconv.load.source import Source
 
 ONNX_SUFFIX = ".onnx"
 """How an ONNX original is named (``slabconv.load.formats`` recognises it by this suffix, in any case)."""
@@ -110,6 +111,27 @@ class OnnxFile:
     files_sha256: dict[str, str] = field(default_factory=dict)
     inputs: list[GraphInput] = field(default_factory=list)
     proto: Any = field(default=None, repr=False)
+
+    def source(self) -> Source:
+        """The report's ``source`` block of this file, as ``fuse`` and ``inspect`` report an ONNX original and
+        ``verify`` either side: its format, dtype, input shape and batch, opset, producer, exporter, domains, and
+        the sha256 of each file."""
+        return Source(
+            path=str(self.path),
+            sha256=self.sha256,
+            format="onnx",
+            dtype=self.dtype,
+            input_shape=list(self.input_shape) if self.input_shape else None,
+            batch=self.batch,
+            extra={
+                "opset": self.opset,
+                "producer": self.producer,
+                "exporter": self.exporter,
+                "domains": self.domains,
+                "external_data": self.external,
+                "files_sha256": self.files_sha256,
+            },
+        )
 
 
 @dataclass

@@ -209,16 +209,7 @@ def onnx_side(path: Path) -> Side:
     from slabconv.load.onnx_file import read_onnx
 
     info = read_onnx(path)
-    source = Source(
-        str(path),
-        info.sha256,
-        "onnx",
-        dtype=info.dtype,
-        input_shape=list(info.input_shape) if info.input_shape else None,
-        batch=info.batch,
-        extra={"files_sha256": info.files_sha256},
-    )
-    return Side(path, source, "onnx", onnx=info, provenance=onnx_provenance(info.proto), dtype=info.dtype,
+    return Side(path, info.source(), "onnx", onnx=info, provenance=onnx_provenance(info.proto), dtype=info.dtype,
                 dynamic_sequence=_dynamic_sequence(info.proto))  # fmt: skip
 
 
