@@ -84,6 +84,12 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
     return runner(evaluator), "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 
 
+def _text(value: Any, default: str = "") -> str:
+    """A string attribute as onnx's reference evaluator hands it to an op (``bytes`` or ``str``), as text;
+    ``default`` where it is unset or empty."""
+    return value.decode() if isinstance(value, bytes) and value else str(value or default)
+
+
 def _grouped_conv_transpose() -> type:
     """onnx's reference ``ConvTranspose`` computed by torch's ``conv_transpose1d/2d/3d`` in float64 where the node
     gives its geometry (``auto_pad`` ``NOTSET``, no ``output_shape``), else by onnx's own ``group = 1`` path, group
@@ -101,16 +107,17 @@ def _grouped_conv_transpose() -> type:
     output channels ``[g * C_out / group, (g + 1) * C_out / group)`` with those entries of ``B``."""
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as OnnxConvTranspose
 
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value or "NOTSET")
-
     class ConvTranspose(OnnxConvTranspose):  # type: ignore[misc]
         op_domain = ""
 
         def _run(self, X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
             group, one_group = int(attrs.get("group") or 1), super()._run
             spatial = X.ndim - 2
-            if 1 <= spatial <= 3 and text(attrs.get("auto_pad")) == "NOTSET" and not attrs.get("output_shape"):
+            if (
+                1 <= spatial <= 3
+                and _text(attrs.get("auto_pad"), "NOTSET") == "NOTSET"
+                and not attrs.get("output_shape")
+            ):
                 return (_torch_conv_transpose(X, W, B, group, spatial, attrs),)
             if group == 1:
                 return one_group(X, W, B, **attrs)  # type: ignore[no-any-return]
@@ -191,8 +198,7 @@ def _torch_average_pool() -> type:
             spatial = x.ndim - 2
             kernel = list(attrs.get("kernel_shape") or [])
             pads = list(attrs.get("pads") or [0] * 2 * spatial)
-            auto = attrs.get("auto_pad") or "NOTSET"
-            auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+            auto = _text(attrs.get("auto_pad"), "NOTSET")
             plain = (
                 1 <= spatial <= 3
                 and len(kernel) == spatial
@@ -260,9 +266,6 @@ def _grid_sample() -> type:
     ranks go to onnx's with the mode renamed."""
     from onnx.reference.ops.op_grid_sample import GridSample as OnnxGridSample
 
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value)
-
     torch_modes = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
                    "cubic": "bicubic"}  # fmt: skip
     onnx_modes = {"bilinear": "linear", "bicubic": "cubic"}  # opset 16's names -> opset 20's
@@ -273,7 +276,7 @@ def _grid_sample() -> type:
         def _run(self, X: np.ndarray, grid: np.ndarray, mode: Any = None, padding_mode: Any = None,  # type: ignore[override]
                  align_corners: Any = None) -> tuple[np.ndarray]:  # fmt: skip
             node = vars(self)  # the node's attributes, set by OpRun
-            mode, padding = text(mode or node["mode"]), text(padding_mode or node["padding_mode"])
+            mode, padding = _text(mode or node["mode"]), _text(padding_mode or node["padding_mode"])
             align = bool(align_corners if align_corners is not None else node["align_corners"])
             torch_mode = torch_modes.get(mode)
             if torch_mode is not None and (X.ndim == 4 or (X.ndim == 5 and torch_mode != "bicubic")):
@@ -301,9 +304,6 @@ def _upsample() -> list[type]:
     from onnx.reference.ops.op_resize import Resize as OnnxResize
     from onnx.reference.ops.op_upsample import Upsample as OnnxUpsample
 
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value or "nearest")
-
     def upsampled(x: np.ndarray, factors: list[float], how: str) -> tuple[np.ndarray]:
         if how not in ("nearest", "linear") or len(factors) != x.ndim:
             raise ValueError(f"Upsample: mode {how!r} with scales {factors} on a rank-{x.ndim} input")
@@ -327,14 +327,16 @@ def _upsample() -> list[type]:
 
         def _run(self, x: np.ndarray, scale: np.ndarray | None = None, mode: Any = None,  # type: ignore[override]
                  scales: Any = None) -> tuple[np.ndarray]:  # fmt: skip
-            return upsampled(x, [float(f) for f in (scale if scale is not None else scales)], text(mode))
+            return upsampled(x, [float(f) for f in (scale if scale is not None else scales)], _text(mode, "nearest"))
 
     class Resize(OnnxResize):  # type: ignore[misc]
         op_domain = ""
 
         def _run(self, x: np.ndarray, *inputs: Any, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
             if len(self.onnx_node.input) == 2:  # opset 10: (X, scales); from 11 on scales or sizes is a third input
-                return upsampled(x, [float(f) for f in inputs[0]], text(attrs.get("mode") or vars(self)["mode"]))
+                return upsampled(
+                    x, [float(f) for f in inputs[0]], _text(attrs.get("mode") or vars(self)["mode"], "nearest")
+                )
             return super()._run(x, *inputs, **attrs)  # type: ignore[no-any-return]
 
     return [Upsample, Resize]
