@@ -130,12 +130,15 @@ def open_door(
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``, ``load.lazy.open_sharded``, ``plan``,
-            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading); a
-            language model loaded whole whose question 2 cannot fit the memory available (refused before the trace,
-            ``check_language_checks_fit``), or given another ``--dtype`` (its folder keeps the checkpoint's).
+            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading:
+            ``load.model.check_options_apply``); a language model loaded whole whose question 2 cannot fit the memory
+            available (refused before the trace, ``check_language_checks_fit``), or given another ``--dtype`` (its
+            folder keeps the checkpoint's).
     """
     from slabconv.load.formats import engine_of
+    from slabconv.load.model import check_options_apply
 
+    check_options_apply(path, load)
     if engine_of(path) == "onnx":
         from slabconv.onnx_in import open_onnx
 
