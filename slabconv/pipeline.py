@@ -70,9 +70,6 @@ from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
 FOLD_BLOCK = engine.FOLD_BLOCK
 """Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
 
-WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-"""What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
-
 # --------------------------------------------------------------------------------------------- open
 
 
@@ -387,13 +384,14 @@ KEPT_NAMED = 8
 
 
 def write_dtype(write: WriteOptions) -> torch.dtype | None:
-    """The dtype ``write`` asks the fused model to be written in, checked before any work.
+    """The dtype ``write`` asks the fused model to be written in (``WriteOptions.dtype``: a torch dtype's name),
+    checked before any work.
 
     Raises:
         UsageError: as ``WriteOptions.check`` (an unknown name, ``dtype`` with ``stream``, ...).
     """
     write.check()
-    return None if write.dtype is None else WRITE_DTYPES[write.dtype]
+    return None if write.dtype is None else getattr(torch, write.dtype)
 
 
 def check_stream_options(
