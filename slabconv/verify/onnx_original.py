@@ -349,14 +349,11 @@ def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
     return np.asarray(x, dtype=dtype).astype(np.float64) if dtype is not None else x.astype(np.float64)
 
 
-def embedding_rows(path: Path, input_name: str) -> int | None:
+def embedding_rows(info: OnnxFile, input_name: str) -> int | None:
     """The row count of the embedding table the integer input indexes (``Gather(table, ids)``), or None."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    tables = {t.name: list(t.dims) for t in proto.graph.initializer}
+    tables = {t.name: list(t.dims) for t in info.proto.graph.initializer}
     names = {input_name}
-    for node in proto.graph.node:
+    for node in info.proto.graph.node:
         if node.op_type == "Cast" and node.input and node.input[0] in names:
             names.add(node.output[0])
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in names and node.input[0] in tables:
@@ -379,7 +376,7 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
     if len(info.inputs) > 1:
         found, label, digest = _several_inputs(info, opts)
     elif opts.inputs:
-        rows = embedding_rows(info.path, info.input_name) if info.token_input else None
+        rows = embedding_rows(info, info.input_name) if info.token_input else None
         found, digest = read_inputs_file(Path(opts.inputs), info.input_shape, info.token_input, rows)
         label = str(opts.inputs)
     else:
@@ -404,7 +401,7 @@ def _drawn(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, None]:
     rng = np.random.default_rng(seed)
     label = f"random(seed={seed}, samples={samples})"
     if info.token_input:
-        rows = embedding_rows(info.path, info.input_name)
+        rows = embedding_rows(info, info.input_name)
         if rows is None:
             raise UsageError(
                 f"{info.path}: the model takes integer ids whose range it does not show; pass --inputs NPZ"
@@ -455,7 +452,7 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
         cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
         for graph_input in info.inputs:
             if graph_input.integer and "mask" not in graph_input.name.lower():
-                check_token_ids(cast[graph_input.name], path, embedding_rows(info.path, graph_input.name))
+                check_token_ids(cast[graph_input.name], path, embedding_rows(info, graph_input.name))
         return cast, str(path), digest
     samples, seed = opts.sample_count(), opts.seed
     rng = np.random.default_rng(seed)
@@ -471,7 +468,7 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
         elif "mask" in graph_input.name.lower():
             out[graph_input.name] = np.ones(shape, dtype=np.int64)
         else:
-            rows = embedding_rows(info.path, graph_input.name)
+            rows = embedding_rows(info, graph_input.name)
             out[graph_input.name] = rng.integers(0, rows if rows is not None else 2, shape, dtype=np.int64)
     return out, f"random(seed={seed}, samples={samples})", None
 
@@ -481,7 +478,7 @@ _RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "
 mode), so no two runs can be compared."""
 
 
-def check_deterministic(path: Path) -> None:
+def check_deterministic(info: OnnxFile) -> None:
     """Refuse a graph that draws random numbers: its outputs differ from run to run, so verification would
     blame the fold for the noise.
 
@@ -491,19 +488,16 @@ def check_deterministic(path: Path) -> None:
     """
     import onnx
 
-    proto = onnx.load(str(path), load_external_data=False)
-    false = {
-        t.name
-        for t in proto.graph.initializer
-        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()
-    }  # scalar constants false (a dropout's training_mode); external tensors are weights, never read here
-    for node in proto.graph.node:
+    graph = info.proto.graph  # read_onnx holds every tensor's data inside it
+    # the scalar constants that are false (a dropout's training_mode)
+    false = {t.name for t in graph.initializer if len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()}
+    for node in graph.node:
         training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
         if node.op_type in _RANDOM_OPS or training:
             raise InputError(
-                f"{path}: the graph draws random numbers ({node.op_type} node {node_label(node)[:80]!r}: a dropout or "
-                "batch statistics exported in training mode?), so no two runs agree; export the model after "
-                "model.eval()"
+                f"{info.path}: the graph draws random numbers ({node.op_type} node {node_label(node)[:80]!r}: a "
+                "dropout or batch statistics exported in training mode?), so no two runs agree; export the model "
+                "after model.eval()"
             )
 
 

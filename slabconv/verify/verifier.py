@@ -344,7 +344,7 @@ def _onnx_reference(
     from slabconv.verify import onnx_original
 
     info = reference.onnx
-    onnx_original.check_deterministic(info.path)
+    onnx_original.check_deterministic(info)
     try:
         runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
     except RuntimeUnavailable as err:
