@@ -557,12 +557,12 @@ class Fold64:
     simplified_by: list[str] | None = None
 
 
-def onnx_fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
+def onnx_fold64(path: Path, candidate: OnnxFile, keep_original: bool = False) -> Fold64:
     """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
     cast to float64 (``onnx_fold.plan_file`` then ``onnx_fold.fold_planned(..., as_float64=True)``: what
     ``onnx_fold.fold_file`` does, the contract ``slabconv.onnx_in.fold_onnx`` keeps), with the affines of the norm
-    ops folded as ``candidate`` was (its metadata: ``--fold-norm-affine``). The one place verification folds an ONNX
-    graph.
+    ops folded as ``candidate`` (the ``.onnx`` checked) was (its ``NORM_AFFINE_KEY`` mark: ``--fold-norm-affine``).
+    The one place verification folds an ONNX graph.
 
     A candidate ``fuse --simplify`` wrote (``SIMPLIFIED_KEY``) holds tensors no fold made: the simplifiers fold
     constants (a rotary ``sin`` table, shape arithmetic) in the file's own dtype. Its tensors are held to
@@ -579,15 +579,16 @@ def onnx_fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fol
     """
     import onnx_ir as ir
 
-    from slabconv.write.onnx import norm_affine_of, simplified
+    from slabconv.write.onnx import NORM_AFFINE_KEY, simplified
 
+    affine = any(p.key == NORM_AFFINE_KEY and p.value == "true" for p in candidate.proto.metadata_props)
     model = load_ir(path)
-    lowered, plans = onnx_fold.plan_file(model, str(path), norm_affine=norm_affine_of(candidate))
+    lowered, plans = onnx_fold.plan_file(model, str(path), norm_affine=affine)
     original = None
     if keep_original:
         original = ir.from_proto(ir.to_proto(model))
         onnx_fold.to_float64(original)
-    simplifiers = simplified(candidate)
+    simplifiers = simplified(candidate.path)
     rounded = small = by = values = None
     if simplifiers is not None:
         from slabconv.engine.onnx_apply import folded_values

@@ -723,7 +723,7 @@ def _whole(
         if related:
             from slabconv.verify import onnx_original
 
-            folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx.path, keep_original=True)
+            folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx, keep_original=True)
             first = _onnx_tensors(candidate.onnx.path)
             original = onnx_original.stored_tensors(folded.original, float64=True)
             fold = onnx_original.stored_tensors(folded.fused, float64=True)
