@@ -100,9 +100,7 @@ def inspect(path: Path | str, load: LoadOptions | None = None, progress: Progres
     _check_types(load=(load, LoadOptions))
     source = check_input(path)
     from slabconv import pipeline
-    from slabconv.load.model import check_options_apply
 
-    check_options_apply(source, load)
     return pipeline.run_inspect(source, load, progress)
 
 
@@ -175,9 +173,7 @@ def fuse(
             raise UsageError(f"{err} with --out DIR (by default the output goes beside the checkpoint)") from None
         raise
     from slabconv import pipeline
-    from slabconv.load.model import check_options_apply
 
-    check_options_apply(source, load)
     return pipeline.run_fuse(source, out_dir, load=load, verify=verify, write=write, progress=progress)
 
 

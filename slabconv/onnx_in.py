@@ -80,26 +80,6 @@ def check_options(
         raise UsageError(f"{path}: {given[0]} does not apply to an ONNX original ({reason}); drop it")
 
 
-def source_of(info: OnnxFile) -> Source:
-    """The report's ``source`` block for an ONNX original (format, opset, producer)."""
-    return Source(
-        path=str(info.path),
-        sha256=info.sha256,
-        format="onnx",
-        dtype=info.dtype,
-        input_shape=list(info.input_shape) if info.input_shape else None,
-        batch=info.batch,
-        extra={
-            "opset": info.opset,
-            "producer": info.producer,
-            "exporter": info.exporter,
-            "domains": info.domains,
-            "external_data": info.external,
-            "files_sha256": info.files_sha256,
-        },
-    )
-
-
 def fold_onnx(
     path: Path,
     progress: Progress = no_progress,
@@ -171,7 +151,7 @@ class OnnxGraph:
     mode: str = "in-memory"
 
     def source(self) -> Source:
-        return source_of(self.info)
+        return self.info.source()
 
     def plan_note(self) -> dict[str, str] | None:
         return None

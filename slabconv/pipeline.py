@@ -70,9 +70,6 @@ from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
 FOLD_BLOCK = engine.FOLD_BLOCK
 """Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
 
-WRITE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-"""What ``fuse --dtype`` writes (``WriteOptions(dtype=...)``)."""
-
 # --------------------------------------------------------------------------------------------- open
 
 
@@ -130,12 +127,15 @@ def open_door(
 
     Raises:
         InputError, UnsupportedModelError, UsageError: as ``load_model``, ``load.lazy.open_sharded``, ``plan``,
-            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading); a
-            language model loaded whole whose question 2 cannot fit the memory available (refused before the trace,
-            ``check_language_checks_fit``), or given another ``--dtype`` (its folder keeps the checkpoint's).
+            ``slabconv.onnx_in.open_onnx``, and the options a door cannot honour (refused before loading:
+            ``load.model.check_options_apply``); a language model loaded whole whose question 2 cannot fit the memory
+            available (refused before the trace, ``check_language_checks_fit``), or given another ``--dtype`` (its
+            folder keeps the checkpoint's).
     """
     from slabconv.load.formats import engine_of
+    from slabconv.load.model import check_options_apply
 
+    check_options_apply(path, load)
     if engine_of(path) == "onnx":
         from slabconv.onnx_in import open_onnx
 
@@ -384,13 +384,14 @@ KEPT_NAMED = 8
 
 
 def write_dtype(write: WriteOptions) -> torch.dtype | None:
-    """The dtype ``write`` asks the fused model to be written in, checked before any work.
+    """The dtype ``write`` asks the fused model to be written in (``WriteOptions.dtype``: a torch dtype's name),
+    checked before any work.
 
     Raises:
         UsageError: as ``WriteOptions.check`` (an unknown name, ``dtype`` with ``stream``, ...).
     """
     write.check()
-    return None if write.dtype is None else WRITE_DTYPES[write.dtype]
+    return None if write.dtype is None else getattr(torch, write.dtype)
 
 
 def check_stream_options(

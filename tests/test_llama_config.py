@@ -266,3 +266,18 @@ def test_dtype_on_a_language_model_is_refused_before_the_trace(prepbn, tmp_path,
     with pytest.raises(UsageError, match="a language model's Hugging Face folder keeps the checkpoint's dtype"):
         api.fuse(tmp_path / "src", tmp_path / "out", write=WriteOptions(dtype="bfloat16", onnx=False, pt2=False))
     assert not (tmp_path / "out").exists()
+
+
+def test_the_folder_dtype_is_the_weights_one_float_dtype_and_only_a_dtype_the_model_runs(tmp_path):
+    """``config.json``'s ``torch_dtype`` names the weights' dtype (norm statistics and ``inv_freq`` aside); a
+    float dtype the model does not run (float8) is refused, not written as a name transformers would misread."""
+    from slabconv.errors import UsageError
+    from slabconv.write.hf_llama import _weights_dtype
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        specs = {"w": (dtype, [2, 2]), "rotary.inv_freq": (torch.float32, [1]), "ids": (torch.int64, [2])}
+        assert _weights_dtype(tmp_path, specs) == str(dtype).removeprefix("torch.")
+    with pytest.raises(UsageError, match="float8_e4m3fn is not a float dtype the model can run"):
+        _weights_dtype(tmp_path, {"w": (torch.float8_e4m3fn, [2, 2])})
+    with pytest.raises(UsageError, match="the weights mix dtypes"):
+        _weights_dtype(tmp_path, {"w": (torch.float16, [2]), "v": (torch.float32, [2])})

@@ -535,7 +535,11 @@ def test_verify_an_onnx_original_against_its_fused_folder_answers_both_questions
     runner = CliRunner()
     result = runner.invoke(app, ["verify", str(path), str(tmp_path / "out"), "--samples", "8", "--json"])
     assert result.exit_code == 0, result.output
-    v = json.loads(result.stdout)["verification"]
+    verdict = json.loads(result.stdout)
+    # the reference is described as fuse and inspect describe the same original (one OnnxFile.source)
+    assert {**api.inspect(path).to_dict()["source"], "runtime": None} == verdict["reference"]
+    assert verdict["reference"]["opset"] == 17
+    v = verdict["verification"]
     assert v["question_1_exact"] is True and len(v["exact"]) == 2
     assert v["reference"].startswith("the reference ONNX graph in float64")
     assert all(c["reference"] == "float64" for c in v["checks"])

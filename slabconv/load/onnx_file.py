@@ -40,6 +40,7 @@ import numpy as np
 
 from slabconv.errors import InputError, first_line
 from slabconv.load import safety
+from slabconv.load.source import Source
 
 ONNX_SUFFIX = ".onnx"
 """How an ONNX original is named (``slabconv.load.formats`` recognises it by this suffix, in any case)."""
@@ -88,7 +89,8 @@ class OnnxFile:
         input_name: its first graph input.
         input_shape: one sample's input shape without the batch axis, when every axis but the batch is static.
         batch: the batch size when the batch axis is static, else None.
-        token_input: the first input is integer ids.
+        token_input: the first input is integer ids; ``dynamic_sequence``: it is ``(batch, tokens)`` with a symbolic
+            token axis (a language model's sequence).
         inputs: every graph input (``GraphInput``), in order.
         proto: the checked ``onnx.ModelProto``, every tensor's data inside it (none external): what ``load_ir``
             hands onnx-ir.
@@ -106,10 +108,32 @@ class OnnxFile:
     input_shape: tuple[int, ...] | None
     batch: int | None
     token_input: bool
+    dynamic_sequence: bool = False
     exporter: str | None = None
     files_sha256: dict[str, str] = field(default_factory=dict)
     inputs: list[GraphInput] = field(default_factory=list)
     proto: Any = field(default=None, repr=False)
+
+    def source(self) -> Source:
+        """The report's ``source`` block of this file, as ``fuse`` and ``inspect`` report an ONNX original and
+        ``verify`` either side: its format, dtype, input shape and batch, opset, producer, exporter, domains, and
+        the sha256 of each file."""
+        return Source(
+            path=str(self.path),
+            sha256=self.sha256,
+            format="onnx",
+            dtype=self.dtype,
+            input_shape=list(self.input_shape) if self.input_shape else None,
+            batch=self.batch,
+            extra={
+                "opset": self.opset,
+                "producer": self.producer,
+                "exporter": self.exporter,
+                "domains": self.domains,
+                "external_data": self.external,
+                "files_sha256": self.files_sha256,
+            },
+        )
 
 
 @dataclass
@@ -681,6 +705,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
     if not inputs:
         raise InputError(f"{path}: the model has no inputs; slabconv verifies a model on inputs, export it with one")
     first = _graph_input(inputs[0])
+    axes = inputs[0].type.tensor_type.shape.dim
     dtype = _FLOAT_TYPES.get(inputs[0].type.tensor_type.elem_type) or _weights_dtype(proto)
     domains = {o.domain or "ai.onnx": int(o.version) for o in proto.opset_import}
     sha256 = hashlib.sha256(data).hexdigest()
@@ -697,6 +722,7 @@ def read_onnx(path: Path | str) -> OnnxFile:
         input_shape=first.shape or None,
         batch=first.dims[0] if first.dims else None,
         token_input=bool(np.issubdtype(first.dtype, np.integer)),
+        dynamic_sequence=len(axes) == 2 and bool(axes[1].dim_param) and not axes[1].HasField("dim_value"),
         exporter=torch_exporter(proto),
         files_sha256={path.name: sha256, **{f.name: digest for f, digest in digests.items()}},
         inputs=[_graph_input(i) for i in inputs],

@@ -498,7 +498,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     if candidate.onnx is None:
         return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")
     info = reference.onnx
-    folded = onnx_original.onnx_fold64(info.path, candidate.onnx.path, keep_original=True)
+    folded = onnx_original.onnx_fold64(info.path, candidate.onnx, keep_original=True)
     if folded.simplified is not None:  # the candidate's own graph (fuse --simplify), its tensors, run in float64
         import onnx_ir as ir
 

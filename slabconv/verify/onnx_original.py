@@ -84,6 +84,12 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
     return runner(evaluator), "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 
 
+def _text(value: Any, default: str = "") -> str:
+    """A string attribute as onnx's reference evaluator hands it to an op (``bytes`` or ``str``), as text;
+    ``default`` where it is unset or empty."""
+    return value.decode() if isinstance(value, bytes) and value else str(value or default)
+
+
 def _grouped_conv_transpose() -> type:
     """onnx's reference ``ConvTranspose`` computed by torch's ``conv_transpose1d/2d/3d`` in float64 where the node
     gives its geometry (``auto_pad`` ``NOTSET``, no ``output_shape``), else by onnx's own ``group = 1`` path, group
@@ -101,16 +107,17 @@ def _grouped_conv_transpose() -> type:
     output channels ``[g * C_out / group, (g + 1) * C_out / group)`` with those entries of ``B``."""
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as OnnxConvTranspose
 
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value or "NOTSET")
-
     class ConvTranspose(OnnxConvTranspose):  # type: ignore[misc]
         op_domain = ""
 
         def _run(self, X: np.ndarray, W: np.ndarray, B: np.ndarray | None = None, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
             group, one_group = int(attrs.get("group") or 1), super()._run
             spatial = X.ndim - 2
-            if 1 <= spatial <= 3 and text(attrs.get("auto_pad")) == "NOTSET" and not attrs.get("output_shape"):
+            if (
+                1 <= spatial <= 3
+                and _text(attrs.get("auto_pad"), "NOTSET") == "NOTSET"
+                and not attrs.get("output_shape")
+            ):
                 return (_torch_conv_transpose(X, W, B, group, spatial, attrs),)
             if group == 1:
                 return one_group(X, W, B, **attrs)  # type: ignore[no-any-return]
@@ -191,8 +198,7 @@ def _torch_average_pool() -> type:
             spatial = x.ndim - 2
             kernel = list(attrs.get("kernel_shape") or [])
             pads = list(attrs.get("pads") or [0] * 2 * spatial)
-            auto = attrs.get("auto_pad") or "NOTSET"
-            auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+            auto = _text(attrs.get("auto_pad"), "NOTSET")
             plain = (
                 1 <= spatial <= 3
                 and len(kernel) == spatial
@@ -260,9 +266,6 @@ def _grid_sample() -> type:
     ranks go to onnx's with the mode renamed."""
     from onnx.reference.ops.op_grid_sample import GridSample as OnnxGridSample
 
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value)
-
     torch_modes = {"bilinear": "bilinear", "linear": "bilinear", "nearest": "nearest", "bicubic": "bicubic",
                    "cubic": "bicubic"}  # fmt: skip
     onnx_modes = {"bilinear": "linear", "bicubic": "cubic"}  # opset 16's names -> opset 20's
@@ -273,7 +276,7 @@ def _grid_sample() -> type:
         def _run(self, X: np.ndarray, grid: np.ndarray, mode: Any = None, padding_mode: Any = None,  # type: ignore[override]
                  align_corners: Any = None) -> tuple[np.ndarray]:  # fmt: skip
             node = vars(self)  # the node's attributes, set by OpRun
-            mode, padding = text(mode or node["mode"]), text(padding_mode or node["padding_mode"])
+            mode, padding = _text(mode or node["mode"]), _text(padding_mode or node["padding_mode"])
             align = bool(align_corners if align_corners is not None else node["align_corners"])
             torch_mode = torch_modes.get(mode)
             if torch_mode is not None and (X.ndim == 4 or (X.ndim == 5 and torch_mode != "bicubic")):
@@ -301,9 +304,6 @@ def _upsample() -> list[type]:
     from onnx.reference.ops.op_resize import Resize as OnnxResize
     from onnx.reference.ops.op_upsample import Upsample as OnnxUpsample
 
-    def text(value: Any) -> str:
-        return value.decode() if isinstance(value, bytes) else str(value or "nearest")
-
     def upsampled(x: np.ndarray, factors: list[float], how: str) -> tuple[np.ndarray]:
         if how not in ("nearest", "linear") or len(factors) != x.ndim:
             raise ValueError(f"Upsample: mode {how!r} with scales {factors} on a rank-{x.ndim} input")
@@ -327,14 +327,16 @@ def _upsample() -> list[type]:
 
         def _run(self, x: np.ndarray, scale: np.ndarray | None = None, mode: Any = None,  # type: ignore[override]
                  scales: Any = None) -> tuple[np.ndarray]:  # fmt: skip
-            return upsampled(x, [float(f) for f in (scale if scale is not None else scales)], text(mode))
+            return upsampled(x, [float(f) for f in (scale if scale is not None else scales)], _text(mode, "nearest"))
 
     class Resize(OnnxResize):  # type: ignore[misc]
         op_domain = ""
 
         def _run(self, x: np.ndarray, *inputs: Any, **attrs: Any) -> tuple[np.ndarray]:  # type: ignore[override]
             if len(self.onnx_node.input) == 2:  # opset 10: (X, scales); from 11 on scales or sizes is a third input
-                return upsampled(x, [float(f) for f in inputs[0]], text(attrs.get("mode") or vars(self)["mode"]))
+                return upsampled(
+                    x, [float(f) for f in inputs[0]], _text(attrs.get("mode") or vars(self)["mode"], "nearest")
+                )
             return super()._run(x, *inputs, **attrs)  # type: ignore[no-any-return]
 
     return [Upsample, Resize]
@@ -347,14 +349,11 @@ def _round(x: np.ndarray, dtype: Any) -> np.ndarray:
     return np.asarray(x, dtype=dtype).astype(np.float64) if dtype is not None else x.astype(np.float64)
 
 
-def embedding_rows(path: Path, input_name: str) -> int | None:
+def embedding_rows(info: OnnxFile, input_name: str) -> int | None:
     """The row count of the embedding table the integer input indexes (``Gather(table, ids)``), or None."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    tables = {t.name: list(t.dims) for t in proto.graph.initializer}
+    tables = {t.name: list(t.dims) for t in info.proto.graph.initializer}
     names = {input_name}
-    for node in proto.graph.node:
+    for node in info.proto.graph.node:
         if node.op_type == "Cast" and node.input and node.input[0] in names:
             names.add(node.output[0])
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in names and node.input[0] in tables:
@@ -377,7 +376,7 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
     if len(info.inputs) > 1:
         found, label, digest = _several_inputs(info, opts)
     elif opts.inputs:
-        rows = embedding_rows(info.path, info.input_name) if info.token_input else None
+        rows = embedding_rows(info, info.input_name) if info.token_input else None
         found, digest = read_inputs_file(Path(opts.inputs), info.input_shape, info.token_input, rows)
         label = str(opts.inputs)
     else:
@@ -402,7 +401,7 @@ def _drawn(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, None]:
     rng = np.random.default_rng(seed)
     label = f"random(seed={seed}, samples={samples})"
     if info.token_input:
-        rows = embedding_rows(info.path, info.input_name)
+        rows = embedding_rows(info, info.input_name)
         if rows is None:
             raise UsageError(
                 f"{info.path}: the model takes integer ids whose range it does not show; pass --inputs NPZ"
@@ -453,7 +452,7 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
         cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
         for graph_input in info.inputs:
             if graph_input.integer and "mask" not in graph_input.name.lower():
-                check_token_ids(cast[graph_input.name], path, embedding_rows(info.path, graph_input.name))
+                check_token_ids(cast[graph_input.name], path, embedding_rows(info, graph_input.name))
         return cast, str(path), digest
     samples, seed = opts.sample_count(), opts.seed
     rng = np.random.default_rng(seed)
@@ -469,7 +468,7 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
         elif "mask" in graph_input.name.lower():
             out[graph_input.name] = np.ones(shape, dtype=np.int64)
         else:
-            rows = embedding_rows(info.path, graph_input.name)
+            rows = embedding_rows(info, graph_input.name)
             out[graph_input.name] = rng.integers(0, rows if rows is not None else 2, shape, dtype=np.int64)
     return out, f"random(seed={seed}, samples={samples})", None
 
@@ -479,7 +478,7 @@ _RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "
 mode), so no two runs can be compared."""
 
 
-def check_deterministic(path: Path) -> None:
+def check_deterministic(info: OnnxFile) -> None:
     """Refuse a graph that draws random numbers: its outputs differ from run to run, so verification would
     blame the fold for the noise.
 
@@ -489,19 +488,16 @@ def check_deterministic(path: Path) -> None:
     """
     import onnx
 
-    proto = onnx.load(str(path), load_external_data=False)
-    false = {
-        t.name
-        for t in proto.graph.initializer
-        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()
-    }  # scalar constants false (a dropout's training_mode); external tensors are weights, never read here
-    for node in proto.graph.node:
+    graph = info.proto.graph  # read_onnx holds every tensor's data inside it
+    # the scalar constants that are false (a dropout's training_mode)
+    false = {t.name for t in graph.initializer if len(t.dims) == 0 and not onnx.numpy_helper.to_array(t).any()}
+    for node in graph.node:
         training = node.op_type == "Dropout" and len(node.input) > 2 and node.input[2] not in ("", *false)
         if node.op_type in _RANDOM_OPS or training:
             raise InputError(
-                f"{path}: the graph draws random numbers ({node.op_type} node {node_label(node)[:80]!r}: a dropout or "
-                "batch statistics exported in training mode?), so no two runs agree; export the model after "
-                "model.eval()"
+                f"{info.path}: the graph draws random numbers ({node.op_type} node {node_label(node)[:80]!r}: a "
+                "dropout or batch statistics exported in training mode?), so no two runs agree; export the model "
+                "after model.eval()"
             )
 
 
@@ -561,12 +557,12 @@ class Fold64:
     simplified_by: list[str] | None = None
 
 
-def onnx_fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fold64:
+def onnx_fold64(path: Path, candidate: OnnxFile, keep_original: bool = False) -> Fold64:
     """The float64 fold of the ONNX original at ``path`` (question 1's reference): the engine's fold of the graph
     cast to float64 (``onnx_fold.plan_file`` then ``onnx_fold.fold_planned(..., as_float64=True)``: what
     ``onnx_fold.fold_file`` does, the contract ``slabconv.onnx_in.fold_onnx`` keeps), with the affines of the norm
-    ops folded as ``candidate`` was (its metadata: ``--fold-norm-affine``). The one place verification folds an ONNX
-    graph.
+    ops folded as ``candidate`` (the ``.onnx`` checked) was (its ``NORM_AFFINE_KEY`` mark: ``--fold-norm-affine``).
+    The one place verification folds an ONNX graph.
 
     A candidate ``fuse --simplify`` wrote (``SIMPLIFIED_KEY``) holds tensors no fold made: the simplifiers fold
     constants (a rotary ``sin`` table, shape arithmetic) in the file's own dtype. Its tensors are held to
@@ -583,15 +579,16 @@ def onnx_fold64(path: Path, candidate: Path, keep_original: bool = False) -> Fol
     """
     import onnx_ir as ir
 
-    from slabconv.write.onnx import norm_affine_of, simplified
+    from slabconv.write.onnx import NORM_AFFINE_KEY, simplified
 
+    affine = any(p.key == NORM_AFFINE_KEY and p.value == "true" for p in candidate.proto.metadata_props)
     model = load_ir(path)
-    lowered, plans = onnx_fold.plan_file(model, str(path), norm_affine=norm_affine_of(candidate))
+    lowered, plans = onnx_fold.plan_file(model, str(path), norm_affine=affine)
     original = None
     if keep_original:
         original = ir.from_proto(ir.to_proto(model))
         onnx_fold.to_float64(original)
-    simplifiers = simplified(candidate)
+    simplifiers = simplified(candidate.path)
     rounded = small = by = values = None
     if simplifiers is not None:
         from slabconv.engine.onnx_apply import folded_values

@@ -58,7 +58,8 @@ class Reference:
         exact: every output of the original graph in float64 (None when there is no float64 graph).
         names: the output names.
         notes: what the reference says about the model (an original that overflows its dtype).
-        fused64: the float64 fold of the original graph (for question 1), when there is a graph.
+        original64: the original graph in float64 (``float64_graph``), when there is a graph: what ``at_length``
+            runs again; let go once question 2 no longer needs it.
         model: the reference model in PyTorch (a torch reference; None for an ONNX original): ``original_in`` casts
             it to a runtime's narrower precision.
         original_dtype: the precision ``original`` was computed in, when not ``dtype`` (a candidate stored in a
@@ -88,7 +89,6 @@ class Reference:
     exact: list[np.ndarray] | None
     names: list[str]
     notes: list[str] = field(default_factory=list)
-    fused64: fx.GraphModule | None = None
     original64: fx.GraphModule | None = None
     model: LoadedModel | None = None
     original_dtype: str | None = None

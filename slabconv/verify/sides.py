@@ -209,27 +209,8 @@ def onnx_side(path: Path) -> Side:
     from slabconv.load.onnx_file import read_onnx
 
     info = read_onnx(path)
-    source = Source(
-        str(path),
-        info.sha256,
-        "onnx",
-        dtype=info.dtype,
-        input_shape=list(info.input_shape) if info.input_shape else None,
-        batch=info.batch,
-        extra={"files_sha256": info.files_sha256},
-    )
-    return Side(path, source, "onnx", onnx=info, provenance=onnx_provenance(info.proto), dtype=info.dtype,
-                dynamic_sequence=_dynamic_sequence(info.proto))  # fmt: skip
-
-
-def _dynamic_sequence(proto: Any) -> bool:
-    """The first real graph input's axis 1 is symbolic (a language model's sequence). An initializer listed as a
-    graph input (IR version 3 files, ``keep_initializers_as_inputs=True``), before the data input or not, is
-    not a real input: it is skipped, as ``slabconv.load.onnx_file.read_onnx`` skips it."""
-    initializers = {t.name for t in proto.graph.initializer}
-    first = next((i for i in proto.graph.input if i.name not in initializers), None)
-    dims = first.type.tensor_type.shape.dim if first is not None else []
-    return len(dims) == 2 and bool(dims[1].dim_param) and not dims[1].HasField("dim_value")
+    return Side(path, info.source(), "onnx", onnx=info, provenance=onnx_provenance(info.proto), dtype=info.dtype,
+                dynamic_sequence=info.dynamic_sequence)  # fmt: skip
 
 
 def output_side(folder: Path, source: Source | None = None) -> Side:
@@ -252,7 +233,7 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     side.language_model = fused_language_model(folder, side.provenance)
     if info is not None:  # the model read_onnx read and checked, not the file loaded again
         side.provenance = side.provenance or onnx_provenance(info.proto)
-        side.dynamic_sequence = _dynamic_sequence(info.proto)
+        side.dynamic_sequence = info.dynamic_sequence
     side.dtype = dtype or (info.dtype if info is not None else "float32")
     if source is None:
         side.source = _folder_source(side)

@@ -344,7 +344,7 @@ def _onnx_reference(
     from slabconv.verify import onnx_original
 
     info = reference.onnx
-    onnx_original.check_deterministic(info.path)
+    onnx_original.check_deterministic(info)
     try:
         runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
     except RuntimeUnavailable as err:
@@ -723,7 +723,7 @@ def _whole(
         if related:
             from slabconv.verify import onnx_original
 
-            folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx.path, keep_original=True)
+            folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx, keep_original=True)
             first = _onnx_tensors(candidate.onnx.path)
             original = onnx_original.stored_tensors(folded.original, float64=True)
             fold = onnx_original.stored_tensors(folded.fused, float64=True)

@@ -69,12 +69,6 @@ _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 _NORM = re.compile(r"(model\.norm|model\.layers\.\d+\.(?:input_layernorm|post_attention_layernorm))\.")
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
 # Generation settings of the original config.json that go to generation_config.json as well.
 _GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -332,9 +326,10 @@ def _weights_dtype(folder: Path, specs: Mapping[str, tuple[torch.dtype, list[int
     if len(floats) != 1:
         raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; the folder has one dtype")
     dtype = floats.pop()
-    if dtype not in _DTYPE_NAMES:
+    name = str(dtype).removeprefix("torch.")
+    if name not in safety.FOLDABLE_FLOATS:
         raise UsageError(f"dtype {dtype} is not a float dtype the model can run (float32, float16, bfloat16)")
-    return _DTYPE_NAMES[dtype]
+    return name
 
 
 def folder_weight_specs(folder: Path | str) -> dict[str, tuple[torch.dtype, list[int]]]:

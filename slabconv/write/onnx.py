@@ -225,11 +225,6 @@ def simplified(path: Path) -> list[str] | None:
     return [s.strip() for s in marks.split(",") if s.strip()] if marks else None
 
 
-def norm_affine_of(path: Path) -> bool:
-    """True when the ``.onnx`` file at ``path`` was folded with ``--fold-norm-affine`` (``NORM_AFFINE_KEY``)."""
-    return _metadata(path).get(NORM_AFFINE_KEY) == "true"
-
-
 def save_onnx(model: Any, path: Path, external: bool) -> str | None:
     """Write an onnx-ir ``model`` to ``path``: with ``external``, its initializers to ``<path name>.data`` beside it
     (``onnx_ir.save``, one tensor at a time); otherwise one self-contained file, written without holding it whole.
