@@ -1326,3 +1326,36 @@ def test_an_index_that_disagrees_with_its_shards_is_named_for_its_tensor_when_th
     with pytest.raises(InputError, match=re.escape(expected)):
         api.fuse(src, tmp_path / "out", write=STREAM if mode == "stream" else WriteOptions(onnx=False), verify=None)
     assert not (tmp_path / "out").exists()
+
+
+def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as_streamed(folded, tmp_path):
+    """A language model takes any length up to its ``max_position_embeddings``: ``--inputs`` rows of 6 tokens (16
+    positions) are the checks' inputs in memory and streamed, where in memory they were refused for not being 16
+    tokens long and streamed ``--inputs`` was refused outright. Streamed, question 2 runs on the rows themselves
+    (``--generate 0``: the report's digest is theirs), and the generation check continues their first halves; rows
+    longer than the positions are refused in both modes."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    rows = tokens(batch=3, seq=6, seed=5).numpy()
+    np.savez(tmp_path / "x.npz", x=rows)
+    np.savez(tmp_path / "long.npz", x=tokens(batch=2, seq=17, seed=5).numpy())
+    digest = hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
+    verify = ["verify", str(root / "src"), str(root / "out"), "--json", "--inputs"]
+    for extra in ([], ["--stream"]):
+        result = CliRunner().invoke(app, [*verify, str(tmp_path / "x.npz"), "--generate", "2", *extra])
+        assert result.exit_code == 0, (extra, result.output)
+        checked = json.loads(result.stdout)["verification"]
+        assert checked["passed"] and checked["generation"]["passed"], checked
+        assert checked["generation"]["sequences"] == 3 and checked["generation"]["steps"] == 2, checked["generation"]
+        if extra:
+            assert "3 sequences of length 4: prompts of 3 tokens, the first half of the rows of" in checked["inputs"]
+        long = CliRunner().invoke(app, [*verify, str(tmp_path / "long.npz"), "--generate", "0", *extra])
+        assert long.exit_code == 2 and "the model takes token ids (N, T) with T from 2 to 16" in long.output
+    result = CliRunner().invoke(app, [*verify, str(tmp_path / "x.npz"), "--generate", "0", "--stream"])
+    assert result.exit_code == 0, result.output
+    checked = json.loads(result.stdout)["verification"]
+    assert checked["inputs_sha256"] == digest and checked["inputs"] == str(tmp_path / "x.npz"), checked["inputs"]
