@@ -1043,7 +1043,7 @@ def test_the_fused_folder_keeps_the_originals_generation_config(folded, tmp_path
     """transformers' ``generate`` reads ``generation_config.json`` before ``config.json``: the fused folder's carries
     the original's sampling settings, so it generates as the original does (it wrote ``do_sample`` false and dropped
     them), and its token ids where each is an int or a list of ints (any other value is not taken: ``config.json``'s
-    stand). Without a ``generation_config.json`` the folder is greedy."""
+    stand). Without a ``generation_config.json`` the folder is greedy. The check ignores the settings and says so."""
     import shutil
 
     src = tmp_path / "src"
@@ -1060,9 +1060,15 @@ def test_the_fused_folder_keeps_the_originals_generation_config(folded, tmp_path
         assert (written["top_k"], written["temperature"]) == (4, 0.6), written
         assert "bos_token_id" not in written and written.get("pad_token_id") != "0", written
         assert written["transformers_version"] != "0", written  # the writer's, as transformers writes it
+    for streamed in (True, False):  # the check compares plain greedy tokens whatever the file asks, and says so
+        checked = api.verify(src, tmp_path / "stream", verify=VerifyOptions(generate=2), stream=streamed).verification
+        assert checked is not None and checked.passed and checked.generation is not None, streamed
+        asked = "generation_config.json asks for do_sample true: not applied, the check compares plain greedy tokens"
+        assert any(note.startswith(asked) for note in checked.generation["notes"]), checked.generation["notes"]
     (src / "generation_config.json").unlink()
     api.fuse(src, tmp_path / "plain", verify=None, write=stream)
     assert json.loads((tmp_path / "plain" / "generation_config.json").read_text())["do_sample"] is False
+    assert generate.settings_not_applied(tmp_path / "plain", 2) == []
 
 
 def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_streamed(folded, tmp_path):

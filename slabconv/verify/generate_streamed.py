@@ -40,6 +40,7 @@ from slabconv.verify.generate import (
     greedy_fused,
     judged_dtype,
     prompts_of,
+    settings_not_applied,
     torch_threads,
     within_positions,
 )
@@ -354,6 +355,7 @@ def generate_fused(
     positions = original.family.max_positions(original.cfg)
     drawn = streamed_prompts(original, sequences, seed, given[0] if given else None)
     prompts, steps, notes = within_positions(drawn, steps, positions)
+    notes += settings_not_applied(folder, steps)
     named = given[1] if given else None
     computed = compute_dtype(original.dtype)
     if (Path(folder) / "decoder.onnx").is_file():
