@@ -149,13 +149,6 @@ def check_sequences(arr: np.ndarray, path: Path, longest: int) -> None:
         )
 
 
-def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
-    """The ``x`` array of an ``.npz`` (or its only array), or of an ``.npy``, checked against the model's input
-    shape (see ``read_inputs``)."""
-    with safety.open_regular(path, "--inputs") as f:
-        return read_inputs(f, path, input_shape, integer)
-
-
 def check_inputs_file(path: Path) -> None:
     """Refuse ``--inputs`` that is not an ``.npz`` / ``.npy`` before any work (a fold and its files take seconds to
     minutes; the arrays themselves are checked when the verification reads them, ``read_inputs``): its first bytes

@@ -837,13 +837,13 @@ def _int8(
 
 
 def _calibration(ref: Reference, path: Path) -> Any:
-    """The ``--calibration`` inputs, read as ``--inputs`` are (``verify.inputs.load_npz_inputs``: the ``x`` array,
+    """The ``--calibration`` inputs, read as ``--inputs`` are (``verify.inputs.read_inputs_file``: the ``x`` array,
     sized before it is read), of the verification inputs' shape per sample and integer for token ids."""
-    from slabconv.verify.inputs import load_npz_inputs
+    from slabconv.verify.inputs import read_inputs_file
 
     if not isinstance(ref.x, np.ndarray):
         raise UsageError("--calibration takes one input array; this model takes several inputs")
-    return load_npz_inputs(path, tuple(ref.x.shape[1:]), integer=ref.x.dtype.kind in "iu")
+    return read_inputs_file(path, tuple(ref.x.shape[1:]), ref.x.dtype.kind in "iu", None)[0]
 
 
 def _overflowing_inputs(verification: Verification, reference: Reference) -> None:
