@@ -92,13 +92,8 @@ class VerifyOptions:
         """What a streamed (layer-by-layer) verification cannot take, refused before any work.
 
         Raises:
-            UsageError: ``inputs`` (it draws ``samples`` seeded token sequences); a runtime other than pytorch (it
-                compares the two folders layer by layer in PyTorch).
+            UsageError: a runtime other than pytorch (it compares the two folders layer by layer in PyTorch).
         """
-        if self.inputs is not None:
-            raise UsageError(
-                "--stream draws seeded random token sequences (--samples, --seed); --inputs is not supported"
-            )
         if self.runtimes and set(self.runtimes) != {"pytorch"}:
             raise UsageError(
                 "--stream compares two folders layer by layer in PyTorch; leave out --runtime or give pytorch"

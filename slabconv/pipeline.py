@@ -401,7 +401,7 @@ def check_stream_options(
 
     Raises:
         UsageError: ``onnx`` (a streamed fold writes safetensors only); verify options a streamed verification
-            cannot take (``VerifyOptions.check_streamed``: ``--inputs``, a runtime other than pytorch); verification
+            cannot take (``VerifyOptions.check_streamed``: a runtime other than pytorch); verification
             of a model that is not a decoder language model (no streamed question 2).
         UnsupportedModelError: that model's architecture is not named (``arch``) and its weights' names and shapes
             fit no registered layout (``zoo.detect_arch`` on the shard headers): no streamed fold could load it,
@@ -780,15 +780,17 @@ class Streamed(_TorchDoor):
         Raises:
             UsageError: transformers missing; written tensors of two dtypes; a generation check too big for the
                 memory available.
+            InputError: ``--inputs`` the model cannot take (``generate_streamed.given_sequences``).
         """
         self.require_transformers(verify, write)
         if self.hf_folder and self.planned.program is not None:
             _check_one_dtype(self.sharded, self.planned.program)
-        if verify is not None and verify.generate != 0 and self.hf_folder:
+        if verify is not None and (verify.generate != 0 or verify.inputs is not None) and self.hf_folder:
             from slabconv.verify.generate_streamed import check_generation_fits
 
             folder, sequences = self.sharded.shards.folder, verify.sample_count(streamed=True)
-            check_generation_fits(folder, verify.fuse_steps(), sequences, verify.seed)
+            steps, seed = verify.fuse_steps(), verify.seed
+            check_generation_fits(folder, steps, sequences, seed, inputs=verify.inputs, limit=verify.samples)
 
     def write(self, folder: Path, write: WriteOptions, progress: Progress) -> tuple[Outputs, dict[str, str]]:
         from slabconv.load.hf import SAFETENSORS_INDEX

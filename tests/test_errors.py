@@ -582,16 +582,19 @@ def stream_verify_of_a_file(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> l
     return ["verify", str(src), str(src / "config.json"), "--stream"]
 
 
-def stream_verify_with_inputs(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+def stream_verify_with_rows_too_long(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
     src = _llama_folder(tmp, "src")
-    np.savez(tmp / "x.npz", x=np.zeros((2, 8), np.int64))
+    np.savez(tmp / "x.npz", x=np.zeros((2, 17), np.int64))  # 16 positions
     return ["verify", str(src), str(src), "--stream", "--inputs", str(tmp / "x.npz")]
 
 
-def stream_fuse_with_inputs(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+def stream_fuse_with_rows_too_long(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
+    """Refused before anything is written, with or without generation."""
     src = _llama_folder(tmp, "src")
-    np.savez(tmp / "x.npz", x=np.zeros((2, 8), np.int64))
-    return ["fuse", str(src), "--stream", "--no-onnx", "--inputs", str(tmp / "x.npz"), "--out", str(tmp / "o")]
+    np.savez(tmp / "x.npz", x=np.zeros((2, 17), np.int64))
+    mp.setattr("slabconv.write.shards.write_program_shards", lambda *a, **k: (tmp / "MARKER").write_text("wrote"))
+    out = str(tmp / "o")
+    return ["fuse", str(src), "--stream", "--no-onnx", "--generate", "0", "--inputs", str(tmp / "x.npz"), "--out", out]
 
 
 def stream_verify_of_another_size(tmp: Path, fused: Path, mp: pytest.MonkeyPatch) -> list[str]:
@@ -696,8 +699,8 @@ CATALOGUE: list[tuple[Case, str]] = [
     (config_nested_960_levels, "deep.pth: the pickle nests deeper than slabconv's limit of 100 levels"),
     (config_of_a_billion_layers, "src/config.json: config num_hidden_layers = 1000000000 but the weights have 1"),
     (stream_verify_of_a_file, "give the folder, not a file"),
-    (stream_verify_with_inputs, "--inputs is not supported"),
-    (stream_fuse_with_inputs, "--inputs is not supported"),
+    (stream_verify_with_rows_too_long, "x.npz: inputs have shape (2, 17), the model takes token ids (N, T) with T fro"),
+    (stream_fuse_with_rows_too_long, "x.npz: inputs have shape (2, 17), the model takes token ids (N, T) with T from"),
     (stream_verify_of_another_size, "differ in hidden_size (32 vs 16)"),
     (stream_verify_of_a_vision_folder, "decoder-only language models of a known family"),
 ]

@@ -1045,7 +1045,7 @@ def test_the_fused_folder_keeps_the_originals_generation_config(folded, tmp_path
     """transformers' ``generate`` reads ``generation_config.json`` before ``config.json``: the fused folder's carries
     the original's sampling settings, so it generates as the original does (it wrote ``do_sample`` false and dropped
     them), and its token ids where each is an int or a list of ints (any other value is not taken: ``config.json``'s
-    stand). Without a ``generation_config.json`` the folder is greedy."""
+    stand). Without a ``generation_config.json`` the folder is greedy. The check ignores the settings and says so."""
     import shutil
 
     src = tmp_path / "src"
@@ -1062,9 +1062,15 @@ def test_the_fused_folder_keeps_the_originals_generation_config(folded, tmp_path
         assert (written["top_k"], written["temperature"]) == (4, 0.6), written
         assert "bos_token_id" not in written and written.get("pad_token_id") != "0", written
         assert written["transformers_version"] != "0", written  # the writer's, as transformers writes it
+    for streamed in (True, False):  # the check compares plain greedy tokens whatever the file asks, and says so
+        checked = api.verify(src, tmp_path / "stream", verify=VerifyOptions(generate=2), stream=streamed).verification
+        assert checked is not None and checked.passed and checked.generation is not None, streamed
+        asked = "generation_config.json asks for do_sample true: not applied, the check compares plain greedy tokens"
+        assert any(note.startswith(asked) for note in checked.generation["notes"]), checked.generation["notes"]
     (src / "generation_config.json").unlink()
     api.fuse(src, tmp_path / "plain", verify=None, write=stream)
     assert json.loads((tmp_path / "plain" / "generation_config.json").read_text())["do_sample"] is False
+    assert generate.settings_not_applied(tmp_path / "plain", 2) == []
 
 
 def test_a_fused_folder_saved_again_by_transformers_verifies_in_memory_as_streamed(folded, tmp_path):
@@ -1328,3 +1334,36 @@ def test_an_index_that_disagrees_with_its_shards_is_named_for_its_tensor_when_th
     with pytest.raises(InputError, match=re.escape(expected)):
         api.fuse(src, tmp_path / "out", write=STREAM if mode == "stream" else WriteOptions(onnx=False), verify=None)
     assert not (tmp_path / "out").exists()
+
+
+def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as_streamed(folded, tmp_path):
+    """A language model takes any length up to its ``max_position_embeddings``: ``--inputs`` rows of 6 tokens (16
+    positions) are the checks' inputs in memory and streamed, where in memory they were refused for not being 16
+    tokens long and streamed ``--inputs`` was refused outright. Streamed, question 2 runs on the rows themselves
+    (``--generate 0``: the report's digest is theirs), and the generation check continues their first halves; rows
+    longer than the positions are refused in both modes."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+
+    root = folded[0]
+    rows = tokens(batch=3, seq=6, seed=5).numpy()
+    np.savez(tmp_path / "x.npz", x=rows)
+    np.savez(tmp_path / "long.npz", x=tokens(batch=2, seq=17, seed=5).numpy())
+    digest = hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
+    verify = ["verify", str(root / "src"), str(root / "out"), "--json", "--inputs"]
+    for extra in ([], ["--stream"]):
+        result = CliRunner().invoke(app, [*verify, str(tmp_path / "x.npz"), "--generate", "2", *extra])
+        assert result.exit_code == 0, (extra, result.output)
+        checked = json.loads(result.stdout)["verification"]
+        assert checked["passed"] and checked["generation"]["passed"], checked
+        assert checked["generation"]["sequences"] == 3 and checked["generation"]["steps"] == 2, checked["generation"]
+        if extra:
+            assert "3 sequences of length 4: prompts of 3 tokens, the first half of the rows of" in checked["inputs"]
+        long = CliRunner().invoke(app, [*verify, str(tmp_path / "long.npz"), "--generate", "0", *extra])
+        assert long.exit_code == 2 and "the model takes token ids (N, T) with T from 2 to 16" in long.output
+    result = CliRunner().invoke(app, [*verify, str(tmp_path / "x.npz"), "--generate", "0", "--stream"])
+    assert result.exit_code == 0, result.output
+    checked = json.loads(result.stdout)["verification"]
+    assert checked["inputs_sha256"] == digest and checked["inputs"] == str(tmp_path / "x.npz"), checked["inputs"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -936,6 +937,26 @@ def within_positions(prompts: torch.Tensor, steps: int, positions: int | None) -
     return prompts, steps, notes
 
 
+def settings_not_applied(folder: Path | str, steps: int) -> list[str]:
+    """A note naming what the folder's ``generation_config.json`` asks of ``generate`` that the check does not do (it
+    compares plain greedy tokens, ``steps`` per prompt: ``greedy_fused``): sampling, beams, penalties, a length.
+    Empty where it asks for none of them, or the file is missing or not a JSON object."""
+    try:
+        asked = json.loads((Path(folder) / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    plain = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+    lengths = ("max_new_tokens", "max_length")
+    named = [f"{k} {json.dumps(v)}" for k, v in (asked.items() if isinstance(asked, dict) else ())
+             if (k in plain and v not in (None, plain[k])) or (k in lengths and v is not None)]  # fmt: skip
+    if not named:
+        return []
+    return [
+        f"generation_config.json asks for {', '.join(named)}: not applied, the check compares plain greedy tokens, "
+        f"{count(steps, 'token')} per prompt (--generate), with the original's own greedy choice"
+    ]
+
+
 def check_fused_folder(
     original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, steps: int, *, onnx: bool = True
 ) -> dict[str, Any]:
@@ -971,7 +992,7 @@ def check_fused_folder(
     if genai:
         prompts, notes = _not_ending_in_padding(prompts, Path(folder) / "genai_config.json", notes)
     check = check_generation(original, folder, prompts, steps, onnx_path=onnx_path, genai=genai, threads=1)
-    check.notes += notes
+    check.notes += notes + settings_not_applied(folder, steps)
     if has_genai_config and not genai:
         check.notes.append(
             "onnxruntime-genai is not installed: genai_config.json not run (pip install slabconv[genai])"

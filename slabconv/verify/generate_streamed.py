@@ -39,6 +39,8 @@ from slabconv.verify.generate import (
     decoder_sizes,
     greedy_fused,
     judged_dtype,
+    prompts_of,
+    settings_not_applied,
     torch_threads,
     within_positions,
 )
@@ -102,13 +104,35 @@ def streamed_fused_llama(folder: Path | str, dtype: torch.dtype, block_elements:
     return _streamed(model, dtype).eval()
 
 
-def streamed_prompts(source: Folder, sequences: int, seed: int) -> torch.Tensor:
+def streamed_prompts(source: Folder, sequences: int, seed: int, given: torch.Tensor | None = None) -> torch.Tensor:
     """The prompts of a streamed check: ``sequences`` (at least one) seeded random token sequences of ``PROMPT_LEN``
     tokens, int64 ``(B, T)`` (``generate.within_positions`` fits them to the model's positions). One per sequence
     question 2 runs (``--samples``), since question 2 runs on them and the tokens generated after them; a token
-    step reads every weight once whatever the batch, so more prompts cost little more."""
+    step reads every weight once whatever the batch, so more prompts cost little more. With ``given`` rows
+    (``given_sequences``: ``--inputs``), their prompts as in memory (``generate.prompts_of``)."""
+    if given is not None:
+        return prompts_of(given)
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, source.family.vocab_size(source.cfg), (max(1, sequences), PROMPT_LEN), generator=generator)
+
+
+def given_sequences(source: Folder, inputs: Path | str | None, limit: int | None) -> tuple[torch.Tensor, str] | None:
+    """The token rows of ``--inputs`` for a streamed check of the original ``source``: int64 ``(N, T)``, any ``T``
+    from 2 to the model's positions, ids below its vocabulary; the first ``limit`` rows (an explicit ``--samples``);
+    and the report's name for them. None without ``inputs``.
+
+    Raises:
+        InputError: as ``inputs.read_inputs_file`` and ``inputs.check_sequences``.
+    """
+    if inputs is None:
+        return None
+    from slabconv.verify.inputs import check_sequences, read_inputs_file
+
+    path = Path(inputs)
+    rows, _ = read_inputs_file(path, None, True, source.family.vocab_size(source.cfg))
+    check_sequences(rows, path, source.family.max_positions(source.cfg))
+    label = str(path) if limit is None or limit >= len(rows) else f"{path}, its first {limit} of {len(rows)} rows"
+    return torch.from_numpy(rows[:limit]), label
 
 
 def streamed_generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
@@ -155,25 +179,35 @@ def streams(source: Folder) -> bool:
 
 
 def check_generation_fits(
-    folder: Path, steps: int | None, sequences: int, seed: int = 0, block_elements: int = FOLD_BLOCK
+    folder: Path,
+    steps: int | None,
+    sequences: int,
+    seed: int = 0,
+    block_elements: int = FOLD_BLOCK,
+    inputs: Path | str | None = None,
+    limit: int | None = None,
 ) -> None:
     """Refuse, before any work, a streamed check of ``steps`` tokens (None or 0: no check) on ``sequences`` prompts
-    (``streamed_prompts``) of the original ``folder`` that cannot fit this machine's available memory
+    (``streamed_prompts``; those of ``inputs``' first ``limit`` rows where given: ``given_sequences``) of the original
+    ``folder`` that cannot fit this machine's available memory
     (``streamed_generation_memory``; ``generate.available_memory``). The prompts and steps are those the check
     runs, cut to the model's ``max_position_embeddings`` (``generate.within_positions``).
 
     Raises:
         UsageError: the check would need more than the available memory (the message says how much, and how to skip
             it).
+        InputError: ``inputs`` that the model cannot take (``given_sequences``).
     """
+    original = Folder.open(Path(folder), block_elements)
+    given = given_sequences(original, inputs, limit)  # refused before any work, with or without generation
     if not steps:
         return
     from slabconv.verify.generate import available_memory
 
-    original = Folder.open(Path(folder), block_elements)
     if streams(original):  # the prompts and steps the check will run: cut to the model's positions as it cuts them
         positions = original.family.max_positions(original.cfg)
-        prompts, steps, _ = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
+        drawn = streamed_prompts(original, sequences, seed, given[0] if given else None)
+        prompts, steps, _ = within_positions(drawn, steps, positions)
         batch, length = prompts.shape
         need = streamed_generation_memory(original, batch, length, steps, block_elements)
     else:  # checked in memory (``streams``): what ``generate.check_fused_folder`` holds on the streamed sequences
@@ -223,6 +257,7 @@ class FusedRun:
         notes: the report's notes (the cuts to the model's positions; ``decoder.onnx`` not run).
         dtype: the original's dtype.
         computed: the dtype the run computed in (``compute_dtype``).
+        given: the name of ``--inputs`` where the prompts are the first half of its rows; None: seeded random.
     """
 
     prompts: torch.Tensor
@@ -232,6 +267,7 @@ class FusedRun:
     notes: list[str]
     dtype: torch.dtype
     computed: torch.dtype
+    given: str | None = None
 
     def sequences(self) -> torch.Tensor | None:
         """The sequences whose float64 logits judge the run: the prompts followed by every generated token but the
@@ -244,9 +280,12 @@ class FusedRun:
     def inputs(self) -> str:
         """How question 2's inputs are described in the report when they are ``sequences()``."""
         b, t = self.prompts.shape
+        prompts = f"seeded random prompts of {count(t, 'token')}"
+        if self.given is not None:
+            prompts = f"prompts of {count(t, 'token')}, the first half of the rows of {self.given},"
         return (
-            f"{b} sequence{'s' if b != 1 else ''} of length {t + self.steps - 1}: seeded random prompts of "
-            f"{count(t, 'token')} and the fused folder's greedy tokens after them"
+            f"{b} sequence{'s' if b != 1 else ''} of length {t + self.steps - 1}: {prompts} and the fused folder's "
+            "greedy tokens after them"
         )
 
     def reference(self, logits64: torch.Tensor, seconds: float) -> GreedyRun:
@@ -289,6 +328,7 @@ def generate_fused(
     sequences: int,
     seed: int,
     block_elements: int = 1 << 22,
+    given: tuple[torch.Tensor, str] | None = None,
     progress: Progress = no_progress,
 ) -> FusedRun:
     """The fused folder's greedy generation of ``fuse --stream`` and ``verify --stream`` (module docstring): judged
@@ -300,6 +340,7 @@ def generate_fused(
         steps: N, tokens generated per prompt.
         sequences, seed: the prompts (``streamed_prompts``).
         block_elements: elements per block of weight rows read at a time.
+        given: ``--inputs``' rows and their name (``given_sequences``): the prompts are their first half instead.
         progress: told when the run starts.
 
     Raises:
@@ -312,7 +353,10 @@ def generate_fused(
     original = Folder.open(source, block_elements)
     return_freed_blocks_to_the_os()
     positions = original.family.max_positions(original.cfg)
-    prompts, steps, notes = within_positions(streamed_prompts(original, sequences, seed), steps, positions)
+    drawn = streamed_prompts(original, sequences, seed, given[0] if given else None)
+    prompts, steps, notes = within_positions(drawn, steps, positions)
+    notes += settings_not_applied(folder, steps)
+    named = given[1] if given else None
     computed = compute_dtype(original.dtype)
     if (Path(folder) / "decoder.onnx").is_file():
         notes.append(
@@ -326,7 +370,7 @@ def generate_fused(
     except UnsupportedModelError as err:  # a tensor missing, one too many, a shape: a difference, not bad input
         judged = judged_dtype(original.dtype, computed)
         failed = not_loaded_check(label, str(err), judged, steps, int(prompts.shape[0]), computed).to_dict()
-        return FusedRun(prompts, steps, None, failed, notes, original.dtype, computed)
+        return FusedRun(prompts, steps, None, failed, notes, original.dtype, computed, named)
     # every token asks for every weight block in the same order: one core reads the next block
     # (``LazyShards.read_ahead``) while torch computes on the others
     shards = model.lm_head.shards  # the reader every StreamedLinear shares
@@ -336,4 +380,4 @@ def generate_fused(
             fused = greedy_fused(model, prompts, steps, name=label, warm_up=False)
     finally:
         shards.close()
-    return FusedRun(prompts, steps, fused, None, notes, original.dtype, computed)
+    return FusedRun(prompts, steps, fused, None, notes, original.dtype, computed, named)

@@ -46,6 +46,8 @@ def choose_inputs(
     else ``samples`` seeded standard-normal samples of the model's input shape.
 
     ``limit`` (an explicit ``--samples``) takes the first ``limit`` samples of an ``.npz``; its label says so.
+    A language model's ids (``LoadedModel.max_sequence``) may have any row length from 2 to its positions
+    (``check_sequences``).
     ``token_input``: the model takes token ids, when there is no ``loaded`` model to say so; ids from a file are
     checked against ``loaded``'s ``id_range`` (``check_token_ids``) before anything runs.
 
@@ -75,7 +77,12 @@ def choose_inputs(
             return (x.float() if x.is_floating_point() else x).numpy(), label, None
         return standard_normal(samples, shape, seed), label, None
     integer = loaded.token_input if loaded is not None else token_input
-    arr, digest = read_inputs_file(path, shape, integer, loaded.id_range if loaded is not None else None)
+    longest = loaded.max_sequence if loaded is not None else None
+    arr, digest = read_inputs_file(
+        path, None if longest else shape, integer, loaded.id_range if loaded is not None else None
+    )
+    if longest:
+        check_sequences(arr, path, longest)
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
@@ -128,11 +135,18 @@ def check_token_ids(arr: np.ndarray, path: Path, id_range: int | None) -> None:
         raise InputError(f"{shown(path)}: token id {low} is negative; give ids the model knows (0 or more)")
 
 
-def load_npz_inputs(path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
-    """The ``x`` array of an ``.npz`` (or its only array), or of an ``.npy``, checked against the model's input
-    shape (see ``read_inputs``)."""
-    with safety.open_regular(path, "--inputs") as f:
-        return read_inputs(f, path, input_shape, integer)
+def check_sequences(arr: np.ndarray, path: Path, longest: int) -> None:
+    """Refuse token ids from a file that are not rows ``(N, T)`` with ``2 <= T <= longest``: a language model takes
+    any length up to its ``max_position_embeddings`` (``longest``), and its checks need a next token to predict.
+
+    Raises:
+        InputError: one line naming the file, its shape and the lengths the model takes.
+    """
+    if arr.ndim != 2 or not 2 <= arr.shape[1] <= longest:
+        raise InputError(
+            f"{shown(path)}: inputs have shape {tuple(arr.shape)}, the model takes token ids (N, T) with T from 2 to "
+            f"{longest} (its max_position_embeddings); give N rows of 2 to {longest} tokens"
+        )
 
 
 def check_inputs_file(path: Path) -> None:

@@ -837,13 +837,13 @@ def _int8(
 
 
 def _calibration(ref: Reference, path: Path) -> Any:
-    """The ``--calibration`` inputs, read as ``--inputs`` are (``verify.inputs.load_npz_inputs``: the ``x`` array,
+    """The ``--calibration`` inputs, read as ``--inputs`` are (``verify.inputs.read_inputs_file``: the ``x`` array,
     sized before it is read), of the verification inputs' shape per sample and integer for token ids."""
-    from slabconv.verify.inputs import load_npz_inputs
+    from slabconv.verify.inputs import read_inputs_file
 
     if not isinstance(ref.x, np.ndarray):
         raise UsageError("--calibration takes one input array; this model takes several inputs")
-    return load_npz_inputs(path, tuple(ref.x.shape[1:]), integer=ref.x.dtype.kind in "iu")
+    return read_inputs_file(path, tuple(ref.x.shape[1:]), ref.x.dtype.kind in "iu", None)[0]
 
 
 def _overflowing_inputs(verification: Verification, reference: Reference) -> None:
@@ -1016,7 +1016,7 @@ def _language_checks(
             raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
         progress("verifying: greedy generation, original vs fused folder")
         streamed = reference.kind == "streamed"  # a standard decoder's streamed fold: --samples as streamed
-        x = choose_inputs(loaded, None if streamed else opts.inputs, opts.sample_count(streamed), opts.seed)
+        x = choose_inputs(loaded, opts.inputs, opts.sample_count(streamed), opts.seed, limit=opts.samples)
         onnx = (candidate.path / "decoder.onnx").is_file()
         verification.generation = check_fused_folder(loaded.model, candidate.path, x[0], opts.generate, onnx=onnx)
         if onnx and loaded.dtype == torch.bfloat16:
@@ -1053,7 +1053,7 @@ def _layerwise(
         raise UsageError("--stream compares two Hugging Face style decoder folders; give a folder on both sides")
     opts.check_streamed()
     from slabconv.verify.generate import torch_threads
-    from slabconv.verify.generate_streamed import generate_fused, streams
+    from slabconv.verify.generate_streamed import generate_fused, given_sequences, streams
     from slabconv.write.hf_llama import require_transformers
 
     program = reference.program if related else None
@@ -1068,25 +1068,28 @@ def _layerwise(
             beside = stack.enter_context(
                 layerwise.ExactBeside(reference.path, candidate.path, program, engine.FOLD_BLOCK)
             )
-        if opts.generate and streams(layerwise.Folder.open(reference.path, engine.FOLD_BLOCK)):
+        original = layerwise.Folder.open(reference.path, engine.FOLD_BLOCK)
+        given = given_sequences(original, opts.inputs, opts.samples)  # --inputs: else seeded sequences
+        if opts.generate and streams(original):
             require_transformers()
             run = generate_fused(
                 reference.path, candidate.path, opts.generate, sequences=opts.sample_count(streamed=True),
-                seed=opts.seed, block_elements=engine.FOLD_BLOCK, progress=progress,
+                seed=opts.seed, block_elements=engine.FOLD_BLOCK, given=given, progress=progress,
             )  # fmt: skip
-        ids = run.sequences() if run is not None else None
+        ids = run.sequences() if run is not None else (given[0] if given else None)
+        inputs = run.inputs() if run is not None else (given[1] if given else "")
         try:
             verification = layerwise.verify_folders(
                 reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed,
                 rtol=opts.rtol, atol=opts.atol, strict=opts.strict, block_elements=engine.FOLD_BLOCK, ids=ids,
-                inputs=run.inputs() if run is not None else "", progress=progress,
+                inputs=inputs, progress=progress,
                 on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
             )  # fmt: skip
         except InputError as err:  # a candidate that question 1 finds lacking: a difference, which it names
             first = beside.result() if beside is not None else None
             if first is None or first.passed:
                 raise
-            verification = Verification(inputs=run.inputs() if run is not None else "", exact=[first])
+            verification = Verification(inputs=inputs, exact=[first])
             verification.not_run.append(NotRun(candidate.path.name, f"question 2 cannot read it: {err}"))
             beside = None
         if beside is not None:
