@@ -513,6 +513,30 @@ def test_unfinished_warmup_is_reported_with_its_numbers():
     assert len(d.warnings) == 1 and "warm=7" in d.warnings[0] and "weight 1 " in d.warnings[0]
 
 
+def test_a_linearnorm_called_twice_reports_its_unfinished_schedule_on_both_calls():
+    """The two calls of one ``LinearNorm`` are two norms (``norm``, ``norm_1``); the warning follows the module
+    each norm's ops run in, not the name (``norm_1`` is no attribute of the model)."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = LinearNorm(C, nn.LayerNorm, RepBN, warm=7, step=100)
+            self.fc, self.fc2 = nn.Linear(C, 3), nn.Linear(C, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(x)) + self.fc2(self.norm(x * 2))
+
+    model = randomize(Twice()).eval()
+    with torch.no_grad():
+        model.norm.warm.fill_(7)
+    x = tokens()
+    gm, decisions = fuse(model, x)
+    assert [d.norm for d in decisions] == ["norm", "norm_1"]
+    assert [d.action for d in decisions] == ["folded-forward"] * 2
+    assert all(len(d.warnings) == 1 and "warm=7" in d.warnings[0] for d in decisions), decisions
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+
+
 # --------------------------------------------------------------------------------------------- core ATen programs
 
 
