@@ -312,6 +312,26 @@ def test_a_file_no_runtime_ran_is_named_in_the_verdict(tmp_path: Path, monkeypat
     assert line.endswith("; name another runtime, or leave out --runtime to run it in every runtime that can")
 
 
+def test_a_runtime_another_ran_a_file_in_place_of_is_named_in_the_verdict(tmp_path: Path) -> None:
+    """fuse --dtype bfloat16 with OpenVINO: onnxruntime has no bfloat16 kernels and OpenVINO runs model.onnx in
+    its place; the headline said a bare "PASSED", and a person believed onnxruntime had run it."""
+    pytest.importorskip("openvino")
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(tmp_path / "out"), "--dtype", "bfloat16",
+                                 "--samples", "4"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    final = result.stdout.strip().splitlines()[-1]
+    reason = final.split("model.onnx: onnxruntime: not run: ", 1)[1].removesuffix("; ran in openvino")
+    assert final.endswith(f": verification PASSED for what ran; model.onnx: onnxruntime: not run: {reason}; ran in "
+                          "openvino")  # fmt: skip
+    assert reason.startswith("onnxruntime cannot run model.onnx: ")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["verification"]["not_run"] == [
+        {"file": "model.onnx", "reason": reason, "runtime": "onnxruntime", "ran_in": "openvino"}
+    ]
+    assert any(c["name"].startswith("output @ openvino") for c in report["verification"]["checks"])
+
+
 def test_a_file_missing_from_a_fused_folder_is_named_in_the_verdict(tiny_fused: Path, tmp_path: Path) -> None:
     """A fused folder whose model.onnx was lost (its report.json lists it): the headline names it (it said a bare
     "verification PASSED", from the weights alone); a file that is not the one fuse wrote (report.json records
