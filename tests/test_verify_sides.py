@@ -31,7 +31,7 @@ from slabconv import api
 from slabconv.cli import app
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify import backends, verifier
-from tests import onnxcases, tinyckpt
+from tests import errordoc, onnxcases, tinyckpt
 from tests.conftest import randomize_norms
 from tests.tinyckpt import error_lines
 
@@ -353,6 +353,21 @@ def test_a_file_missing_from_a_fused_folder_is_named_in_the_verdict(tiny_fused: 
         "model.safetensors is not the file fuse wrote: its sha256 is not the one report.json records; the checks "
         "above are of the file as it is"
     ) in v["notes"]
+
+
+def test_a_truncated_model_pt2_in_a_fused_folder_is_refused_before_any_work(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder whose model.pt2 was cut in half: refused when the folder is opened, as an unreadable input is
+    (it was refused only when question 2 reached it, after the reference and question 1 had run)."""
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "fused")
+    pt2 = tmp_path / "fused" / "model.pt2"
+    data = pt2.read_bytes()
+    pt2.write_bytes(data[: len(data) // 2])
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(tmp_path / "fused"), "--samples", "4"])
+    assert result.exit_code == 2, result.output
+    assert not any("verifying" in line for line in result.stderr.splitlines()), result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith(f"error: {pt2}: not a readable PyTorch checkpoint (its zip archive is damaged or truncated")
+    assert line.endswith("); use an intact copy") and errordoc.documented(line) is not None
 
 
 def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that_can(
