@@ -513,6 +513,76 @@ def test_unfinished_warmup_is_reported_with_its_numbers():
     assert len(d.warnings) == 1 and "warm=7" in d.warnings[0] and "weight 1 " in d.warnings[0]
 
 
+def test_a_linearnorm_called_twice_reports_its_unfinished_schedule_on_both_calls():
+    """The two calls of one ``LinearNorm`` are two norms (``norm``, ``norm_1``); the warning follows the module
+    each norm's ops run in, not the name (``norm_1`` is no attribute of the model)."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = LinearNorm(C, nn.LayerNorm, RepBN, warm=7, step=100)
+            self.fc, self.fc2 = nn.Linear(C, 3), nn.Linear(C, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.norm(x)) + self.fc2(self.norm(x * 2))
+
+    model = randomize(Twice()).eval()
+    with torch.no_grad():
+        model.norm.warm.fill_(7)
+    x = tokens()
+    gm, decisions = fuse(model, x)
+    assert [d.norm for d in decisions] == ["norm", "norm_1"]
+    assert [d.action for d in decisions] == ["folded-forward"] * 2
+    assert all(len(d.warnings) == 1 and "warm=7" in d.warnings[0] for d in decisions), decisions
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+
+
+class _ForcedDivisor(nn.Module):
+    """A BatchNorm, an average pooling with a forced divisor (``divisor_override``: the window's sum over it), a
+    1x1 conv."""
+
+    def __init__(self, padding: int = 0, ceil_mode: bool = False) -> None:
+        super().__init__()
+        self.bn, self.conv = nn.BatchNorm2d(C), nn.Conv2d(C, 3, 1)
+        self.pool = (padding, ceil_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding, ceil_mode = self.pool
+        return self.conv(F.avg_pool2d(self.bn(x), 2, 2, padding, ceil_mode, True, divisor_override=3))
+
+
+def test_a_forced_pooling_divisor_folds_with_its_shift_scaled_by_the_window_over_the_divisor():
+    """``avg_pool2d(s x + t, 2, divisor_override=3)`` is ``s avg_pool2d(x) + 4 t / 3`` where every window is whole:
+    the fold is exact with the shift scaled by 4/3 (it was refused as an unsupported op); the fold that keeps the
+    shift as it is (a mean's) is wrong."""
+    model, x = randomize(_ForcedDivisor()).eval(), torch.randn(B, C, 8, 8) * 2 + 0.5
+    gm, (d,) = fuse(model, x)
+    assert (d.action, d.into) == ("folded-forward", ["conv"])
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    assert rel_err(naive_fold(model, "bn", "conv")(x), model(x)) > NAIVE_MIN_ERR
+    assert rel_err(naive_fold(model, "bn", "conv", shift_mult=4 / 3)(x), model(x)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize(("padding", "ceil_mode"), [(1, False), (0, True)], ids=["padded", "ceil_mode"])
+def test_a_forced_pooling_divisor_over_partial_windows_keeps_a_shifted_norm(padding, ceil_mode):
+    """Where windows at the border hold fewer elements (padding, ``ceil_mode`` on an odd size), they hold less of the
+    shift: no one factor scales it, so the norm stays (``zero-padding-after-norm``); the fold with the whole-window
+    factor is wrong there. With every shift 0 the fold is exact and made."""
+    x = torch.randn(B, C, 7, 7) * 2 + 0.5
+    model = randomize(_ForcedDivisor(padding, ceil_mode)).eval()
+    gm, (d,) = fuse(model, x)
+    assert (d.action, d.reason) == ("kept-affine", reasons.ZERO_PADDING_AFTER_NORM)
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+    assert rel_err(naive_fold(model, "bn", "conv", shift_mult=4 / 3)(x), model(x)) > NAIVE_MIN_ERR
+    with torch.no_grad():  # no shift: mean 0, bias 0
+        model.bn.running_mean.zero_()
+        model.bn.bias.zero_()
+    assert not affine_of(model.bn)[1].any()
+    gm, (d,) = fuse(model, x)
+    assert (d.action, d.into) == ("folded-forward", ["conv"])
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32]
+
+
 # --------------------------------------------------------------------------------------------- core ATen programs
 
 

@@ -227,6 +227,37 @@ def test_the_static_batch_warning_of_export_names_the_file_it_wrote(tmp_path):
     assert errordoc.documented(warning) is not None
 
 
+class _ChannelsFirst(nn.Module):
+    """``x (C, N)``: a BatchNorm and a Linear over ``x.t()``, so axis 0 of the input holds the channels (the
+    Linear contracts it) and no file of this model takes another size on that axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.fc = nn.BatchNorm1d(4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(x.t()))
+
+
+def test_the_static_batch_warning_of_export_reads_the_written_file_s_input(tmp_path):
+    """export --no-fuse asks the ONNX exporter for a dynamic axis 0; where the model's code fixes that axis (here
+    the channels) the exporter writes it fixed without failing: the warning said "orig.onnx takes any batch" of a
+    file whose input is ``(4, 6)``. What the file takes is read from its graph input."""
+    model = randomize_norms(_ChannelsFirst(), seed=5).eval()
+    torch.export.save(torch.export.export(model, (torch.randn(4, 6),)), tmp_path / "static.pt2")
+    report = api.export(tmp_path / "static.pt2", tmp_path / "orig.onnx", fuse=False)
+    import onnx
+
+    dims = onnx.load(str(tmp_path / "orig.onnx")).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_value for d in dims] == [4, 6]
+    warning = next(line for line in summary_lines(report) if line.startswith("warning:"))
+    assert warning == (
+        f"warning: {tmp_path / 'static.pt2'} was exported with a static batch of 4, so orig.onnx runs on batches of "
+        "exactly 4; export it with dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch (docs/own-model.md)"
+    )
+    assert errordoc.documented(warning) is not None
+
+
 class _BatchCentred(nn.Module):
     """A BatchNorm before a Linear, and an output centred over the whole batch: each sample's output depends on the
     other samples of its batch, so a file run on batches of another size computes other numbers."""

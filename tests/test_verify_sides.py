@@ -31,7 +31,7 @@ from slabconv import api
 from slabconv.cli import app
 from slabconv.options import VerifyOptions, WriteOptions
 from slabconv.verify import backends, verifier
-from tests import onnxcases, tinyckpt
+from tests import errordoc, onnxcases, tinyckpt
 from tests.conftest import randomize_norms
 from tests.tinyckpt import error_lines
 
@@ -312,6 +312,26 @@ def test_a_file_no_runtime_ran_is_named_in_the_verdict(tmp_path: Path, monkeypat
     assert line.endswith("; name another runtime, or leave out --runtime to run it in every runtime that can")
 
 
+def test_a_runtime_another_ran_a_file_in_place_of_is_named_in_the_verdict(tmp_path: Path) -> None:
+    """fuse --dtype bfloat16 with OpenVINO: onnxruntime has no bfloat16 kernels and OpenVINO runs model.onnx in
+    its place; the headline said a bare "PASSED", and a person believed onnxruntime had run it."""
+    pytest.importorskip("openvino")
+    ckpt = tinyckpt.save_ckpt(tmp_path / "ckpt.pth")
+    result = runner.invoke(app, ["fuse", str(ckpt), "--out", str(tmp_path / "out"), "--dtype", "bfloat16",
+                                 "--samples", "4"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    final = result.stdout.strip().splitlines()[-1]
+    reason = final.split("model.onnx: onnxruntime: not run: ", 1)[1].removesuffix("; ran in openvino")
+    assert final.endswith(f": verification PASSED for what ran; model.onnx: onnxruntime: not run: {reason}; ran in "
+                          "openvino")  # fmt: skip
+    assert reason.startswith("onnxruntime cannot run model.onnx: ")
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["verification"]["not_run"] == [
+        {"file": "model.onnx", "reason": reason, "runtime": "onnxruntime", "ran_in": "openvino"}
+    ]
+    assert any(c["name"].startswith("output @ openvino") for c in report["verification"]["checks"])
+
+
 def test_a_file_missing_from_a_fused_folder_is_named_in_the_verdict(tiny_fused: Path, tmp_path: Path) -> None:
     """A fused folder whose model.onnx was lost (its report.json lists it): the headline names it (it said a bare
     "verification PASSED", from the weights alone); a file that is not the one fuse wrote (report.json records
@@ -333,6 +353,21 @@ def test_a_file_missing_from_a_fused_folder_is_named_in_the_verdict(tiny_fused: 
         "model.safetensors is not the file fuse wrote: its sha256 is not the one report.json records; the checks "
         "above are of the file as it is"
     ) in v["notes"]
+
+
+def test_a_truncated_model_pt2_in_a_fused_folder_is_refused_before_any_work(tiny_fused: Path, tmp_path: Path) -> None:
+    """A fused folder whose model.pt2 was cut in half: refused when the folder is opened, as an unreadable input is
+    (it was refused only when question 2 reached it, after the reference and question 1 had run)."""
+    shutil.copytree(tiny_fused / "ckpt-fused", tmp_path / "fused")
+    pt2 = tmp_path / "fused" / "model.pt2"
+    data = pt2.read_bytes()
+    pt2.write_bytes(data[: len(data) // 2])
+    result = runner.invoke(app, ["verify", str(tiny_fused / "ckpt.pth"), str(tmp_path / "fused"), "--samples", "4"])
+    assert result.exit_code == 2, result.output
+    assert not any("verifying" in line for line in result.stderr.splitlines()), result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith(f"error: {pt2}: not a readable PyTorch checkpoint (its zip archive is damaged or truncated")
+    assert line.endswith("); use an intact copy") and errordoc.documented(line) is not None
 
 
 def test_a_runtime_that_cannot_run_the_candidate_is_answered_with_every_one_that_can(

@@ -29,6 +29,8 @@ Graph inputs and outputs keep their names, dtypes and shapes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx_ir as ir
 import torch
@@ -37,6 +39,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine.capture import stored
+from slabconv.engine.chan import Chan
 from slabconv.engine.flow import ROWS_ADDEND, BlockedEdge
 from slabconv.engine.norm_affine import MARK
 from slabconv.engine.onnx_lower import Binding, Lowered, subgraphs
@@ -246,7 +249,7 @@ class _Graph:
             src = base if edge.src is p.site.output else self.value_of(edge.src)
             key = (edge.src, edge.chan, edge.mult)
             if key not in made:
-                made[key] = self.affine(p, edge, src)
+                made[key] = self.affine(p, dataclasses.replace(edge, chan=_chan_of_value(edge, p)), src)
             normed = self.value_of(edge.src)
             if edge.dst.op == "output":
                 self._replace_output(normed, made[key])
@@ -349,6 +352,21 @@ def _rows_scales(plans: list[NormPlan]) -> dict[fx.Node, torch.Tensor | None]:
             s = out.get(f.layer)
             out[f.layer] = s if f.forward else f.scale.to(torch.float64) * (1.0 if s is None else s)
     return out
+
+
+def _chan_of_value(edge: BlockedEdge, p: NormPlan) -> Chan:
+    """The channel layout of the ONNX value a kept affine multiplies (``value_of(edge.src)``): ``edge.chan`` taken
+    back through the transposes a lowering added within one ONNX node (a ``Gemm``'s ``transA``, a ``FusedMatMul``'s
+    ``transA`` / ``transB``), whose output is no ONNX value: the affine goes on their data input."""
+    node, chan = edge.src, edge.chan
+    while node is not p.site.output and node.meta.get("onnx_value") is None:
+        if node.target is torch.ops.aten.t.default:
+            chan = chan.at(1 - chan.axis)
+        elif node.target is torch.ops.aten.transpose.int:
+            a, b = (int(d) for d in node.args[1:3])  # type: ignore[arg-type]
+            chan = chan.at(b if chan.axis == a else a if chan.axis == b else chan.axis)
+        node = node.args[0]  # type: ignore[assignment]
+    return chan
 
 
 def _scaled(tensor: torch.Tensor, binding: Binding | None) -> torch.Tensor:

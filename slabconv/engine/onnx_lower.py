@@ -547,7 +547,7 @@ class _Lowering:
             return
         if node in self.fused or (node.op_type == "Constant" and node.domain in ONNX_DOMAINS):
             return  # a bias Add taken into its layer; a Constant's value is read where it is used
-        rule = LOWER.get(node.op_type) if node.domain in ONNX_DOMAINS else None
+        rule = LOWER.get(node.op_type if node.domain in ONNX_DOMAINS else f"{node.domain}.{node.op_type}")
         plain = not subgraphs(node)
         floats = any(o.dtype in FLOATS for o in node.outputs) or node.op_type in ("Shape", "Size", "Cast", "CastLike")
         if rule is not None and plain and floats:
@@ -1455,6 +1455,45 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     weight = _weight(lo, node, b, "weight", binding, lambda t: t.reshape(k, n).t())
     bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
     layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
+    lo.out.layers[layer.name] = site
+
+
+@lowers("com.microsoft.FusedMatMul")
+def _fused_matmul(lo: _Lowering, node: ir.Node) -> None:
+    """onnxruntime's ``FusedMatMul`` (its extended-level optimizer's ``MatMul`` with a ``Transpose`` and a scalar
+    ``Mul`` taken in: ``alpha A' B'``, ``'`` the last two axes swapped with ``transA`` / ``transB``): by a constant
+    2-D B as ``Gemm`` is lowered without C, ``aten.linear`` of ``A'`` with the weight ``B'`` seen ``(N, K)``,
+    ``alpha`` in its ``Binding.scaled`` and the bias ``Add`` after it; any other as ``aten.matmul`` of ``A'`` and
+    ``B'`` (times ``alpha``), as ``MatMul``. Opaque with ``transBatchA`` / ``transBatchB`` or ``alpha`` 0."""
+    a, b = node.inputs
+    w = _const_tensor(b)
+    alpha, trans_b = node.attributes.get_float("alpha", 1.0), node.attributes.get_int("transB", 0)
+    if alpha == 0.0 or any(node.attributes.get_int(k, 0) for k in ("transBatchA", "transBatchB")):
+        raise _Unlowerable
+
+    def swapped(x: fx.Node) -> fx.Node:
+        val = x.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 2:
+            raise _Unlowerable
+        rank = val.dim()
+        return lo.emit(node, aten.transpose.int, (x, rank - 2, rank - 1), None, val=val.transpose(-2, -1))
+
+    x = swapped(lo.read(a)) if node.attributes.get_int("transA", 0) else lo.read(a)
+    out = node.outputs[0]
+    if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or _const_tensor(a) is not None:
+        y = swapped(lo.read(b)) if trans_b else lo.read(b)
+        if alpha == 1.0:
+            lo.emit(node, aten.matmul.default, (x, y), out)
+        else:
+            product = lo.emit(node, aten.matmul.default, (x, y), None, val=lo.fake(out))
+            lo.emit(node, aten.mul.Tensor, (product, alpha), out)
+        return
+    n = int(w.shape[0] if trans_b else w.shape[1])
+    scaled = (node.name or "", "alpha", alpha) if alpha != 1.0 else None
+    binding = Binding(b.name or "", not trans_b, tuple(int(d) for d in w.shape), scaled=scaled)
+    weight = _weight(lo, node, b, "weight", binding, None if trans_b else torch.Tensor.t)
+    bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
+    layer = lo.emit(node, aten.linear.default, (x, weight, bias), out)
     lo.out.layers[layer.name] = site
 
 

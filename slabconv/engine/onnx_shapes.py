@@ -128,9 +128,45 @@ def _all_nodes(graph: Any) -> Iterable[Any]:
 
 
 def _infer_onnx(proto: Any) -> Any:
+    """ONNX's inference with data propagation, and the output of each onnxruntime ``FusedMatMul`` typed from its
+    inputs (no inference knows that op: its optimizer's extended level writes it, and everything after it stayed
+    unknown), again until no more are typed."""
     import onnx
 
-    return onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    fused = [n for n in proto.graph.node if (n.domain, n.op_type) == ("com.microsoft", "FusedMatMul")]
+    while fused:
+        known = {v.name: v.type.tensor_type for v in [*inferred.graph.input, *inferred.graph.value_info]}
+        known.update({t.name: onnx.helper.make_tensor_type_proto(t.data_type, t.dims).tensor_type
+                      for t in inferred.graph.initializer})  # fmt: skip
+        typed = [v for v in map(lambda n: _fused_matmul_type(n, known), fused) if v is not None]
+        if not typed:
+            return inferred
+        fused = [n for n in fused if n.output[0] not in {v.name for v in typed}]
+        proto = copy.deepcopy(proto)
+        proto.graph.value_info.extend(typed)
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    return inferred
+
+
+def _fused_matmul_type(node: Any, known: dict[str, Any]) -> Any:
+    """The output's value info of a ``FusedMatMul`` (``alpha A' B'``, ``'`` the last two axes swapped with
+    ``transA`` / ``transB``) of a typed A and a B of no more axes (A's batch axes), batch transposes off; None
+    otherwise."""
+    import onnx
+
+    a, b = (known.get(name) for name in node.input[:2])
+    attrs = {attr.name: attr.i for attr in node.attribute if attr.type == onnx.AttributeProto.INT}
+    if a is None or b is None or not 2 <= len(b.shape.dim) <= len(a.shape.dim) or node.output[0] in known:
+        return None
+    if attrs.get("transBatchA") or attrs.get("transBatchB"):
+        return None
+    dims = list(a.shape.dim)
+    if attrs.get("transA"):
+        dims[-2], dims[-1] = dims[-1], dims[-2]
+    dims[-1] = b.shape.dim[-2 if attrs.get("transB") else -1]
+    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in dims]
+    return onnx.helper.make_tensor_value_info(node.output[0], a.elem_type, shape)
 
 
 _PLACEHOLDER = re.compile(r"(unk__\d+|.*_o\d+__d\d+)")

@@ -170,18 +170,18 @@ def schedule_warnings(warm: int, it: int, total: int) -> list[str]:
     ]
 
 
-def _progressive_warnings(gm: fx.GraphModule, name: str) -> list[str]:
-    """A warning when the norm sits in a ``LinearNorm`` whose schedule had not reached pure RepBN."""
-    owner: Any = gm
-    for part in name.split("."):
-        owner = getattr(owner, part, None)
-        if owner is None:
-            return []
-    counters = {k: getattr(owner, k, None) for k in ("warm", "iter", "total_step")}
-    if any(not isinstance(v, torch.Tensor) for v in counters.values()):
-        return []
-    warm, it, total = (int(counters[k]) for k in ("warm", "iter", "total_step"))  # type: ignore[arg-type]
-    return schedule_warnings(warm, it, total)
+def _progressive_warnings(gm: fx.GraphModule, site: NormSite) -> list[str]:
+    """A warning when the norm's ops run inside a ``LinearNorm`` whose schedule had not reached pure RepBN: the
+    innermost module around the norm's output that holds the counters (each call of a module called twice warns;
+    the second call's name, ``<path>_1``, is no module)."""
+    for path in reversed(module_path(site.output)):
+        owner: Any = gm
+        for part in path.split("."):
+            owner = getattr(owner, part, None)
+        counters = [getattr(owner, k, None) for k in ("warm", "iter", "total_step")]
+        if all(isinstance(v, torch.Tensor) for v in counters):
+            return schedule_warnings(*(int(v) for v in counters))  # type: ignore[arg-type]
+    return []
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -601,7 +601,7 @@ def plan_norm(
     """Decide one norm (see the module docstring); ``stop`` holds the other norms' ops (a walk never crosses
     another norm)."""
     decision = Decision(norm=site.name, kind=site.kind, action=KEPT)
-    decision.warnings += _progressive_warnings(gm, site.name)
+    decision.warnings += _progressive_warnings(gm, site)
     if site.composed:
         decision.warnings.append(
             f"composed with {site.composed}: this BatchNorm alone reads it, so the two are one affine of "

@@ -6,6 +6,7 @@ sums, pools, scalar products, residual adds, masks, nonlinear ops).
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -508,18 +509,26 @@ def _grid_sample(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
 
 def _avg_pool(user: fx.Node, src: fx.Node, ch: Chan) -> Outcome:
     """Average pooling is a mean over each window, unless padded zeros count in it (then it commutes only when every
-    shift is 0, ``Pass.needs_zero_shift``: the average of ``s x`` and zeros is ``s`` times that of ``x`` and zeros)
-    or the divisor is forced. (``ceil_mode`` windows that run past the input are divided by the elements they hold:
-    still a mean.)"""
+    shift is 0, ``Pass.needs_zero_shift``: the average of ``s x`` and zeros is ``s`` times that of ``x`` and zeros).
+    (``ceil_mode`` windows that run past the input are divided by the elements they hold: still a mean.) A forced
+    divisor ``d`` makes it a sum over the window divided by ``d``: the shift is multiplied by ``k / d`` (``k`` the
+    window's elements) where every window is whole (no padding, no ``ceil_mode``), else the shift must be 0 (the
+    windows at the border hold fewer of it)."""
     if not _on_leading_axis(user, src, ch):
         return unsupported(user)
     a: Any = user.args
     padding: Any = a[3] if len(a) > 3 else user.kwargs.get("padding", 0)
+    ceil_mode = a[4] if len(a) > 4 else user.kwargs.get("ceil_mode", False)
     count_include_pad = a[5] if len(a) > 5 else user.kwargs.get("count_include_pad", True)
     divisor = a[6] if len(a) > 6 else user.kwargs.get("divisor_override")
-    if divisor is not None:
-        return unsupported(user)
     padded = any(int(p) != 0 for p in (padding if isinstance(padding, (list, tuple)) else [padding]))
+    if divisor is not None:
+        if padded or ceil_mode:
+            return Pass(ch, needs_zero_shift=True)
+        kernel: Any = a[1]
+        spatial = int(re.search(r"avg_pool(\d)d", str(user.target)).group(1))  # type: ignore[union-attr]
+        sizes = list(kernel) if isinstance(kernel, (list, tuple)) else [kernel] * spatial
+        return Pass(ch, mult=math.prod(int(k) for k in sizes) / int(divisor))  # type: ignore[arg-type]
     return Pass(ch, needs_zero_shift=padded and bool(count_include_pad))
 
 

@@ -79,7 +79,8 @@ def _float64_runner(model: Any, round_to: Any) -> tuple[Callable[[np.ndarray], l
         raise InputError(
             f"the original in float64 runs neither in onnxruntime ({ort_error}) nor in onnx's reference evaluator "
             f"({first_line(err, 160)}), so question 1 cannot be answered; fold the model as it was exported, before "
-            "an optimizer wrote its runtime's own ops into it, or pass --no-verify"
+            "an optimizer wrote its runtime's own ops into it (onnxruntime's basic level, ORT_ENABLE_BASIC, writes "
+            "none), or pass --no-verify"
         ) from None
     return runner(evaluator), "onnx.reference: onnxruntime lacks a float64 kernel for one of its ops"
 

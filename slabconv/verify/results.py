@@ -181,17 +181,24 @@ class IntegrityCheck:
 
 @dataclass
 class NotRun:
-    """A written file that no runtime here could run: named in the verdict, never covered by it.
+    """A written file that no runtime here could run, or that one runtime could not and another ran in its place:
+    named in the verdict, never covered by it.
 
     Attributes:
         file: the file (``model.onnx``).
         reason: why (``onnxruntime cannot run model.onnx: ... bfloat16 ...``).
+        runtime, ran_in: the runtime that could not run it and the one that did (``onnxruntime``, ``openvino``);
+            empty when no runtime ran it.
     """
 
     file: str
     reason: str
+    runtime: str = ""
+    ran_in: str = ""
 
     def line(self) -> str:
+        if self.ran_in:
+            return f"{self.file}: {self.runtime}: not run: {self.reason}; ran in {self.ran_in}"
         return f"{self.file}: not run: {self.reason}"
 
 
@@ -442,7 +449,8 @@ class Verification:
             )
             out.append(Case(f"question 2: {c.name}", c.passed, measured, "" if c.passed else c.failure()))
         for skipped in self.not_run:
-            out.append(Case(f"not run: {skipped.file}", True, skipped.reason, skipped.line(), skipped=True))
+            name = f"not run: {skipped.file}" + (f" in {skipped.runtime}" if skipped.ran_in else "")
+            out.append(Case(name, True, skipped.reason, skipped.line(), skipped=True))
         if not self.checks:
             out.append(Case("no check ran", False, "", "no check ran: no written file was compared"))
         for run in (self.generation or {}).get("runs", []):
@@ -474,7 +482,8 @@ class Verification:
 
     def headline(self) -> str:
         """``PASSED``, ``FAILED``, or ``PASSED for what ran; model.onnx: not run: ...`` (a file no runtime ran
-        is named, never covered by the verdict)."""
+        is named, never covered by the verdict; so is a runtime that could not run a file another ran in its place:
+        ``model.onnx: onnxruntime: not run: ...; ran in openvino``)."""
         if not self.passed:
             return "FAILED"
         if not self.not_run:
@@ -519,6 +528,6 @@ class Verification:
             "task_metrics": self.task_metrics,
             "int8": list(self.int8),
             "seconds": self.seconds,
-            "not_run": [asdict(n) for n in self.not_run],
+            "not_run": [{k: v for k, v in asdict(n).items() if v} for n in self.not_run],
             "localization": self.localization.to_dict() if self.localization is not None else None,
         }

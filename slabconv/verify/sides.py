@@ -218,14 +218,18 @@ def output_side(folder: Path, source: Source | None = None) -> Side:
     made by the caller), as a candidate: its ``model.onnx``, ``model.pt2`` and fused weights.
 
     Raises:
-        InputError: an unreadable file in it.
+        InputError: an unreadable file in it (an ONNX file, a ``model.pt2`` whose zip directory cannot be read, a
+            safetensors header), before any work.
     """
     from slabconv.load.hf import SAFETENSORS_INDEX
     from slabconv.load.onnx_file import read_onnx
+    from slabconv.load.safety import check_zip
 
     onnx_path, pt2 = folder / "model.onnx", folder / "model.pt2"
     weights = next((folder / n for n in ("model.safetensors", SAFETENSORS_INDEX) if (folder / n).is_file()), None)
     info = read_onnx(onnx_path) if onnx_path.is_file() else None
+    if pt2.is_file():  # its archive's directory, so a damaged or truncated one is refused before any work
+        check_zip(pt2, str(pt2))
     side = Side(folder, source or Source(str(folder), None, "slabconv-output"), "folder", onnx=info,
                 pt2=pt2 if pt2.is_file() else None, weights=weights)  # fmt: skip
     dtype, metadata = _weights_header(weights) if weights is not None else (None, {})

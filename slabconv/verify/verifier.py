@@ -212,7 +212,8 @@ def question_2_each(
     One runtime at a time: each is opened when its turn comes and closed (``Runtime.close``) once both its runs are
     done, so the runtimes never hold their memory at once. A runtime that cannot run its artifact
     (``RuntimeUnavailable``) leaves the artifact to a ``rescue`` runtime; an artifact no runtime ran is returned as
-    ``NotRun``. ``fallback`` runs only when nothing else ran.
+    ``NotRun``, and one a rescue ran as a ``NotRun`` of the runtime that could not. ``fallback`` runs only when
+    nothing else ran.
 
     Returns:
         ``(checks, the runtimes that ran, the files not run)``.
@@ -221,6 +222,8 @@ def question_2_each(
     at_length: list[OutputCheck] = []
     ran: list[Runtime] = []
     why: dict[str, str] = {}
+    failed_in: dict[str, str] = {}
+    not_run: list[NotRun] = []
     done: set[str] = set()
     for one in [*pending, fallback]:
         if (
@@ -236,9 +239,12 @@ def question_2_each(
             runtime = one.open()
         except RuntimeUnavailable as err:
             why.setdefault(one.artifact, str(err))
+            failed_in.setdefault(one.artifact, one.backend)
             continue
         ran.append(runtime)
         done.add(one.artifact)
+        if one.rescue:  # the runtime that could not is named beside it: a person would believe it ran
+            not_run.append(NotRun(one.artifact, why[one.artifact], failed_in[one.artifact], one.backend))
         run = functools.partial(
             question_2, runtime=runtime, rtol=opts.rtol, atol=opts.atol, strict=opts.strict, progress=progress
         )
@@ -249,7 +255,7 @@ def question_2_each(
         runtime.close()
         del runtime
         release_memory(collect=False)
-    not_run = [NotRun(artifact, reason) for artifact, reason in why.items() if artifact not in done]
+    not_run += [NotRun(artifact, reason) for artifact, reason in why.items() if artifact not in done]
     return checks + at_length, ran, not_run
 
 

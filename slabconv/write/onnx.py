@@ -172,9 +172,11 @@ def export_onnx(
                 f"--opset {opset}: the ONNX exporter cannot write this model at opset {opset} (it wrote {written}); "
                 f"leave out --opset, or choose {written}"
             )
+        # what the file takes, read from its input: the exporter fixes an axis the program specialised, though asked
+        dims = [not isinstance(d, int) for d in onnx_program.model.graph.inputs[0].shape or ()]  # ir.SymbolicDim
         return {
-            "dynamic_batch": bool(axes),
-            "dynamic_sequence": bool(axes and 1 in axes),
+            "dynamic_batch": bool(axes) and dims[:1] == [True],
+            "dynamic_sequence": bool(axes and 1 in axes) and dims[1:2] == [True],
             "opset": int(written),
             "external_data": f"{path.name}.data" if external else None,
             **({"simplified": simplified} if simplified is not None else {}),
