@@ -185,3 +185,97 @@ def every_report_matches_the_schema() -> Iterator[None]:
 def onnx_exporters_registry_reused() -> None:
     """The process that runs the tests builds the dynamo exporter's registry once (see the function above)."""
     _reuse_the_onnx_exporters_registry()
+
+
+# --- One capture per model in a test file (speed) ------------------------------------------------------------------
+# A file that fuses a model and then verifies it (or verifies one checkpoint several times) traced the same model
+# with torch.export in each command: 10-30 s a trace on two cores. A file that asks for ``captures_shared`` traces
+# each model once: ``slabconv.engine.capture_program`` is memoised, within the file, by the content of what it is
+# given (the pickled model and example: classes, attributes, every tensor's values; the options; grad mode and the
+# default dtype). A repeat gets a deep copy of the program as the first capture made it, whose state tensors are
+# the new model's own (as a fresh capture's are), so no command sees what another did to its program. A test that
+# replaces ``torch.export.export`` (a spy, a refusal) traces for real; a model that does not pickle (a class local to
+# a test) is traced every time.
+
+
+def _objects_by_path(model: Any) -> dict[str, Any]:
+    """Every module and tensor reachable from ``model``'s modules, by its first dotted path."""
+    import torch
+
+    found: dict[str, Any] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        found.setdefault(f"module:{prefix}", module)
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor):
+                found.setdefault(f"{prefix}:{name}", value)
+        for table in ("_parameters", "_buffers"):
+            for name, value in getattr(module, table, {}).items():
+                if value is not None:
+                    found.setdefault(f"{prefix}:{name}", value)
+    return found
+
+
+def _capture_key(model: Any, example: Any, options: tuple) -> str | None:
+    import hashlib
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    try:
+        torch.save((model, example), buffer)
+    except Exception:  # noqa: BLE001 - a model that does not pickle is traced every time
+        return None
+    digest = hashlib.sha256(buffer.getvalue())
+    digest.update(repr((options, torch.is_grad_enabled(), torch.get_default_dtype())).encode())
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def captures_shared() -> Iterator[dict[str, int]]:
+    """Within the module: ``capture_program`` of a model equal to one already captured is a deep copy of that
+    capture (see above). Yields the counts of ``traced`` and ``reused`` captures."""
+    import copy
+    import importlib
+    import warnings
+
+    import torch
+
+    import slabconv.engine
+
+    module = importlib.import_module("slabconv.engine.capture")
+    real, export = module.capture_program, torch.export.export
+    store: dict[str, tuple[Any, dict[int, str]]] = {}
+    counts = {"traced": 0, "reused": 0}
+
+    def deepcopy(program: Any, memo: dict[int, Any]) -> Any:
+        with warnings.catch_warnings():  # torch's own copy of its pytree specs warns about torch's LeafSpec
+            warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)
+            return copy.deepcopy(program, memo)
+
+    def shared(model: Any, example: Any, dynamic_batch: bool = True, sequence: int | None = None) -> Any:
+        key = _capture_key(model, example, (dynamic_batch, sequence)) if torch.export.export is export else None
+        if key is None or key not in store:
+            program = real(model, example, dynamic_batch, sequence)
+            counts["traced"] += 1
+            if key is not None:
+                memo: dict[int, Any] = {}
+                kept = deepcopy(program, memo)
+                paths: dict[int, str] = {}
+                for path, value in {**_objects_by_path(model), "example": example}.items():
+                    paths.setdefault(id(value), path)
+                store[key] = (kept, {id(memo[i]): path for i, path in paths.items() if i in memo})
+            return program
+        kept, where = store[key]
+        mine = {**_objects_by_path(model), "example": example}
+        counts["reused"] += 1
+        return deepcopy(kept, {i: mine[path] for i, path in where.items()})
+
+    owners = (module, slabconv.engine)  # capture's own calls, and the pipeline's engine.capture_program
+    for owner in owners:
+        setattr(owner, "capture_program", shared)  # noqa: B010
+    try:
+        yield counts
+    finally:
+        for owner in owners:
+            setattr(owner, "capture_program", real)  # noqa: B010

@@ -31,7 +31,7 @@ from slabconv.write.onnx import export_onnx
 from slabconv.zoo import get_arch
 from tests.conftest import FIXTURE, op_histogram
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("captures_shared")]  # one trace a model: conftest.py
 
 
 def _slabconv(*args: str) -> subprocess.CompletedProcess[str]:

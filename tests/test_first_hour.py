@@ -27,6 +27,8 @@ from slabconv.report.render import folds_table
 from slabconv.zoo import get_arch
 from tests.conftest import FIXTURE, ROOT
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 CKPT = FIXTURE / "checkpoint.pth"
 
 

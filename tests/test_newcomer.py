@@ -33,6 +33,8 @@ from tests.conftest import randomize_norms
 from tests.test_pt2_e2e import Tagger
 from tests.tinyckpt import save_ckpt, tiny_state_dict
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 runner = CliRunner()
 
 

@@ -18,6 +18,8 @@ from tests.conftest import randomize_norms, small_vit
 from tests.hfwrite import write_hf_folder
 from tests.test_llama import TINY_CONFIG, tiny_model
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 runner = CliRunner()
 
 

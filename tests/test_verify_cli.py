@@ -30,6 +30,7 @@ from tests import tinyckpt
 from tests.conftest import randomize_norms, small_vit
 from tests.tinyckpt import INPUT_SHAPE, error_lines, save_ckpt, tiny_state_dict
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
 tiny_fused = tinyckpt.tiny_fused
 runner = CliRunner()
 ORT = ["output @ onnxruntime[no-optimizations]", "output @ onnxruntime[all-optimizations]"]

@@ -35,6 +35,7 @@ from tests import errordoc, onnxcases, tinyckpt
 from tests.conftest import randomize_norms
 from tests.tinyckpt import error_lines
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
 tiny_fused = tinyckpt.tiny_fused
 runner = CliRunner()
 

@@ -20,7 +20,7 @@ from slabconv.zoo.registry import IMAGE_SIZE_KEY
 from tests.conftest import op_histogram
 from tests.test_zoo import TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("captures_shared")]  # one trace a model: conftest.py
 
 
 def _save(path: Path, obj: dict) -> Path:
