@@ -281,3 +281,34 @@ def test_the_folder_dtype_is_the_weights_one_float_dtype_and_only_a_dtype_the_mo
         _weights_dtype(tmp_path, {"w": (torch.float8_e4m3fn, [2, 2])})
     with pytest.raises(UsageError, match="the weights mix dtypes"):
         _weights_dtype(tmp_path, {"w": (torch.float16, [2]), "v": (torch.float32, [2])})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_standard_decoder_whose_config_leaves_out_its_sizes_gets_them_in_the_fused_config(tmp_path, stream):
+    """A LLaMA folder whose ``config.json`` gives only the heads (the sizes are read from the weights) folds; the
+    fused folder's ``config.json`` gets the weights' sizes, as transformers must read them: without them transformers
+    takes its defaults (LLaMA-7B's hidden size 4096 and 32 layers), builds that model (tens of GB) for the generation
+    check and fails to load the folder into it. Checked on the written config before anything loads it."""
+    import transformers
+
+    from slabconv import api
+    from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+    from slabconv.zoo.llama_std import norm_factory
+
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(BASE, norm_factory("rmsnorm", BASE.rms_norm_eps), persistent_rope=False).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG)
+    assert "hidden_size" not in CONFIG and "num_hidden_layers" not in CONFIG
+    load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False, stream=stream)
+    api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=None, write=write)
+    read = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    sizes = {k: getattr(BASE, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    sizes["num_key_value_heads"] = BASE.num_attention_heads  # k_proj's rows over the head size
+    assert {k: getattr(read, k) for k in sizes} == sizes
+    report = api.verify(tmp_path / "src", tmp_path / "out", verify=VerifyOptions(generate=2), stream=stream)
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.generation is not None and report.verification.generation["passed"]

@@ -549,9 +549,13 @@ def write_hf_standard_metadata(
             f"({', '.join(STANDARD_TYPES)})"
         )
     specs = folder_weight_specs(folder)
-    standard_layout({k: shape for k, (_, shape) in specs.items()}, config)
+    shapes = {k: shape for k, (_, shape) in specs.items()}
+    standard_layout(shapes, config)
     name = _weights_dtype(folder, specs)
     out: dict[str, Any] = {k: v for k, v in config.items() if k != "auto_map"}
+    # the sizes slabconv read from the weights where config.json leaves them out: transformers would take its
+    # defaults (LLaMA-7B's 4096 x 32 layers), build that model and fail to load these weights into it
+    out.update({k: v for k, v in _standard_sizes(shapes, config).items() if config.get(k) is None})
     ours: dict[str, Any] = {
         "norm_affine": "folded: each RMSNorm weight that is 1 went into the projections that read its norm "
         "(input_layernorm -> q/k/v_proj, post_attention_layernorm -> gate/up_proj, model.norm -> lm_head); "
@@ -563,6 +567,25 @@ def write_hf_standard_metadata(
         ours[PROVENANCE_KEY] = config_provenance(provenance)
     out.update(torch_dtype=name, dtype=name, **{CONFIG_KEY: ours})
     return [_write_json(folder / CONFIG, out), _write_generation_config(folder, config, generation)]
+
+
+def _standard_sizes(shapes: Mapping[str, Sequence[int]], config: Mapping[str, Any]) -> dict[str, int]:
+    """A standard decoder's sizes as its weights ``shapes`` hold them (checked by ``standard_layout``):
+    ``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers`` and, where the config gives the
+    heads, ``num_key_value_heads`` (``k_proj``'s rows over the head size: ``head_dim``, else ``hidden_size`` over
+    ``num_attention_heads``)."""
+    vocab, hidden = (int(d) for d in shapes["model.embed_tokens.weight"])
+    sizes = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(shapes[_projection_key(0, "gate_proj", "weight")][0]),
+        "num_hidden_layers": len({int(m.group(1)) for k in shapes if (m := _LAYER.match(k))}),
+    }
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (hidden // int(heads) if heads else None)
+    if head_dim:
+        sizes["num_key_value_heads"] = int(shapes[_projection_key(0, "k_proj", "weight")][0]) // int(head_dim)
+    return sizes
 
 
 def _write_json(path: Path, out: dict[str, Any]) -> Path:
