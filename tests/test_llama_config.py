@@ -312,3 +312,29 @@ def test_a_standard_decoder_whose_config_leaves_out_its_sizes_gets_them_in_the_f
     report = api.verify(tmp_path / "src", tmp_path / "out", verify=VerifyOptions(generate=2), stream=stream)
     assert report.verification is not None and report.verification.passed
     assert report.verification.generation is not None and report.verification.generation["passed"]
+
+
+def test_a_standard_llama_saved_with_its_rotary_buffers_folds_as_transformers_loads_it(tmp_path):
+    """transformers before 4.31 saved each layer's ``rotary_emb.inv_freq`` buffer in LLaMA checkpoints; it still
+    loads such folders (it recomputes the buffer from ``rope_theta``), as slabconv reads LLaMA-PRepBN's. A standard
+    LLaMA with them was refused ('does not fit architecture llama: unexpected keys'); it folds, and the fused folder
+    is transformers' layout, without them."""
+    from safetensors.torch import load_file
+
+    from slabconv import api
+    from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
+    from slabconv.zoo.llama_std import norm_factory
+
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(BASE, norm_factory("rmsnorm", BASE.rms_norm_eps), persistent_rope=True).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    assert sum(k.endswith("rotary_emb.inv_freq") for k in model.state_dict()) == 2
+    write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG)
+    load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False)
+    report = api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=VerifyOptions(generate=2), write=write)
+    assert report.verification is not None and report.verification.passed
+    assert report.verification.generation is not None and report.verification.generation["passed"]
+    assert not [k for k in load_file(str(tmp_path / "out" / "model.safetensors")) if "inv_freq" in k]

@@ -160,10 +160,12 @@ def std_config(state_dict: StateDict, config: Mapping[str, Any]) -> LlamaConfig:
 def build_std(state_dict: StateDict, config: Mapping[str, Any], norm: str) -> nn.Module:
     """``ArchSpec.build``: ``norm`` ``checkpoint`` (RMSNorms with their weights) or ``identity`` (the norm-free
     bound). Linears get the biases the weights hold; the embedding has no padding row (transformers' LLaMA zeroes
-    none at load)."""
+    none at load); each layer's ``rotary_emb.inv_freq`` where the weights hold it (never read: recomputed from
+    ``rope_theta``, as transformers does)."""
     cfg = replace(std_config(state_dict, config), pad_token_id=None)
     layout = "identity" if norm == "identity" else "rmsnorm"
-    model = LlamaForCausalLM(cfg, norm_factory(layout, cfg.rms_norm_eps), persistent_rope=False)
+    persistent = any(k.endswith("rotary_emb.inv_freq") for k in state_dict)  # transformers before 4.31 saved them
+    model = LlamaForCausalLM(cfg, norm_factory(layout, cfg.rms_norm_eps), persistent_rope=persistent)
     _add_biases(model, state_dict)
     return model
 
