@@ -283,6 +283,20 @@ def test_the_folder_dtype_is_the_weights_one_float_dtype_and_only_a_dtype_the_mo
         _weights_dtype(tmp_path, {"w": (torch.float16, [2]), "v": (torch.float32, [2])})
 
 
+def _standard_llama(persistent_rope: bool) -> LlamaForCausalLM:
+    """A standard LLaMA of ``BASE``'s sizes (seed 7; its RMSNorm weights drawn from 0.5 to 1.5), with its
+    ``rotary_emb.inv_freq`` buffers in the state_dict where ``persistent_rope``."""
+    from slabconv.zoo.llama_std import norm_factory
+
+    torch.manual_seed(7)
+    model = LlamaForCausalLM(BASE, norm_factory("rmsnorm", BASE.rms_norm_eps), persistent_rope=persistent_rope)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:
+                weight.uniform_(0.5, 1.5)
+    return model.eval()
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
 def test_a_standard_decoder_whose_config_leaves_out_its_sizes_gets_them_in_the_fused_config(tmp_path, stream):
     """A LLaMA folder whose ``config.json`` gives only the heads (the sizes are read from the weights) folds; the
@@ -293,14 +307,8 @@ def test_a_standard_decoder_whose_config_leaves_out_its_sizes_gets_them_in_the_f
 
     from slabconv import api
     from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
-    from slabconv.zoo.llama_std import norm_factory
 
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(BASE, norm_factory("rmsnorm", BASE.rms_norm_eps), persistent_rope=False).eval()
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name:
-                weight.uniform_(0.5, 1.5)
+    model = _standard_llama(persistent_rope=False)
     write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG)
     assert "hidden_size" not in CONFIG and "num_hidden_layers" not in CONFIG
     load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False, stream=stream)
@@ -323,14 +331,8 @@ def test_a_standard_llama_saved_with_its_rotary_buffers_folds_as_transformers_lo
 
     from slabconv import api
     from slabconv.options import LoadOptions, VerifyOptions, WriteOptions
-    from slabconv.zoo.llama_std import norm_factory
 
-    torch.manual_seed(7)
-    model = LlamaForCausalLM(BASE, norm_factory("rmsnorm", BASE.rms_norm_eps), persistent_rope=True).eval()
-    with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if "norm" in name:
-                weight.uniform_(0.5, 1.5)
+    model = _standard_llama(persistent_rope=True)
     assert sum(k.endswith("rotary_emb.inv_freq") for k in model.state_dict()) == 2
     write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG)
     load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False)
