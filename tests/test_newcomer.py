@@ -215,13 +215,19 @@ def test_a_program_with_a_static_batch_is_warned_about(tmp_path):
     assert json.loads(report.to_json())["source"]["batch"] == 2
 
 
+def _no_fuse_export_warning(model: nn.Module, x: torch.Tensor, tmp_path: Path) -> str:
+    """``model`` (its norms drawn, seed 5) saved as a ``torch.export`` program of the static input ``x``
+    (``static.pt2``), then ``export --no-fuse`` to ``orig.onnx``: the summary's warning line."""
+    model = randomize_norms(model, seed=5).eval()
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "static.pt2")
+    report = api.export(tmp_path / "static.pt2", tmp_path / "orig.onnx", fuse=False)
+    return next(line for line in summary_lines(report) if line.startswith("warning:"))
+
+
 def test_the_static_batch_warning_of_export_names_the_file_it_wrote(tmp_path):
     """export --no-fuse writes the original and verifies nothing: the warning said "the fused files take any batch
     ...; verification runs them" of it."""
-    model = randomize_norms(_BatchCentred(), seed=5).eval()
-    torch.export.save(torch.export.export(model, (torch.randn(2, 8),)), tmp_path / "static.pt2")
-    report = api.export(tmp_path / "static.pt2", tmp_path / "orig.onnx", fuse=False)
-    warning = next(line for line in summary_lines(report) if line.startswith("warning:"))
+    warning = _no_fuse_export_warning(_BatchCentred(), torch.randn(2, 8), tmp_path)
     assert warning == (
         f"warning: {tmp_path / 'static.pt2'} was exported with a static batch of 2; orig.onnx takes any batch (the "
         "model's code allows it); slabconv verify runs it on batches of 2, as the original runs"
@@ -245,14 +251,11 @@ def test_the_static_batch_warning_of_export_reads_the_written_file_s_input(tmp_p
     """export --no-fuse asks the ONNX exporter for a dynamic axis 0; where the model's code fixes that axis (here
     the channels) the exporter writes it fixed without failing: the warning said "orig.onnx takes any batch" of a
     file whose input is ``(4, 6)``. What the file takes is read from its graph input."""
-    model = randomize_norms(_ChannelsFirst(), seed=5).eval()
-    torch.export.save(torch.export.export(model, (torch.randn(4, 6),)), tmp_path / "static.pt2")
-    report = api.export(tmp_path / "static.pt2", tmp_path / "orig.onnx", fuse=False)
+    warning = _no_fuse_export_warning(_ChannelsFirst(), torch.randn(4, 6), tmp_path)
     import onnx
 
     dims = onnx.load(str(tmp_path / "orig.onnx")).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_value for d in dims] == [4, 6]
-    warning = next(line for line in summary_lines(report) if line.startswith("warning:"))
     assert warning == (
         f"warning: {tmp_path / 'static.pt2'} was exported with a static batch of 4, so orig.onnx runs on batches of "
         "exactly 4; export it with dynamic_shapes=({0: torch.export.Dim('batch')},) for any batch (docs/own-model.md)"
