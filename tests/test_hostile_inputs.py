@@ -408,3 +408,21 @@ def test_a_hub_snapshot_link_leaving_its_own_blobs_is_refused(
 ) -> None:
     result = runner.invoke(app, case(tmp_path))
     assert result.exit_code == 2 and "outside the folder" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", ["deep", "fifo"])
+def test_a_hostile_generation_config_in_a_fused_folder_names_no_setting(tmp_path: Path, kind: str) -> None:
+    """The generation check reads the fused folder's ``generation_config.json`` to name the settings it does not
+    apply. A file nested 100,000 deep (``json.loads`` raised RecursionError: an internal error) or a FIFO (reading
+    it blocks until a writer comes) is read within slabconv's JSON limits and names none; a plain one still does."""
+    from slabconv.verify.generate import settings_not_applied
+
+    path = tmp_path / "generation_config.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("[" * 100_000)
+    assert settings_not_applied(tmp_path, 4) == []
+    path.unlink()
+    path.write_text(json.dumps({"do_sample": True}))
+    assert settings_not_applied(tmp_path, 4)[0].startswith("generation_config.json asks for do_sample true")

@@ -940,10 +940,13 @@ def within_positions(prompts: torch.Tensor, steps: int, positions: int | None) -
 def settings_not_applied(folder: Path | str, steps: int) -> list[str]:
     """A note naming what the folder's ``generation_config.json`` asks of ``generate`` that the check does not do (it
     compares plain greedy tokens, ``steps`` per prompt: ``greedy_fused``): sampling, beams, penalties, a length.
-    Empty where it asks for none of them, or the file is missing or not a JSON object."""
+    Empty where it asks for none of them, or the file is missing, unreadable (``safety.read_json``: over its size or
+    depth limits too) or not a JSON object."""
+    from slabconv.load.safety import read_json
+
     try:
-        asked = json.loads((Path(folder) / "generation_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        asked = read_json(Path(folder) / "generation_config.json")
+    except InputError:
         return []
     plain = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
     lengths = ("max_new_tokens", "max_length")
