@@ -1827,32 +1827,34 @@ def test_a_bias_created_in_an_ir_3_graph_is_listed_as_a_graph_input(tmp_path):
     assert {t.name for t in fused.graph.initializer} == {"k", conv.input[2]}
 
 
-def test_a_weight_that_is_an_overridable_graph_input_is_folded_into_a_copy(tmp_path):
+@pytest.mark.parametrize(("listed", "action"), [("m", "kept"), ("g", "kept"), ("k", "kept-affine")])
+def test_a_tensor_the_caller_may_feed_is_not_folded_and_stays_an_input(tmp_path, listed, action):
     """From IR version 4 on an initializer listed as a graph input (``keep_initializers_as_inputs=True``) is a
-    default the caller may replace (onnxruntime lets it). The fold wrote the conv's folded weight into that default
-    and left the input listed: a weight fed to it was used as if folded, without the norm (silently wrong). The fold
-    goes to a copy; the input, unread, leaves the file, so a value fed to it is refused by name."""
+    default the caller may replace (onnxruntime lets it): a BatchNorm statistic or scale (``m``, ``g``) or the
+    consumer's weight (``k``) listed so was folded with its default and the input dropped, so the fused file ignored
+    (or refused) a value the original reads. It is not a constant: the norm stays (``overridable-initializer``),
+    every input of the original stays, and fed, the fused file computes what the original does. A fold with the
+    default (what the fused file computed) is wrong once the input is fed."""
     from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
     inits, bn_conv = _bn_conv(rng)
     info = helper.make_tensor_value_info
-    inputs = [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), info("k", TensorProto.FLOAT, [5, 4, 1, 1])]
+    default = next(onnx.numpy_helper.to_array(t) for t in inits if t.name == listed)
+    inputs = [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), info(listed, TensorProto.FLOAT, list(default.shape))]
     graph = helper.make_graph(bn_conv(), "g", inputs, [info("z", TensorProto.FLOAT, [2, 5, 3, 3])], inits)
     path = tmp_path / "listed.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
     assert report.verification is not None and report.verification.passed
-    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
-    assert fused.ir_version >= 4 and [i.name for i in fused.graph.input] == ["x"]
-    feeds = {"x": rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "k": np.ones((5, 4, 1, 1), np.float32)}
-    with pytest.raises(Exception, match="k"):
-        ort.InferenceSession(fused.SerializeToString()).run(None, feeds)
-    fused.graph.input.append(inputs[1])  # the naive file: its folded weight still the input's default
-    conv = next(n for n in fused.graph.node if n.op_type == "Conv")
-    next(t for t in fused.graph.initializer if t.name == conv.input[1]).name = "k"
-    conv.input[1] = "k"
-    want, naive = (ort.InferenceSession(m).run(None, feeds)[0] for m in (str(path), fused.SerializeToString()))
+    assert [(d.action, d.reason) for d in report.folds] == [(action, reasons.OVERRIDABLE)]
+    fused = tmp_path / "out" / "model.onnx"
+    assert [i.name for i in onnx.load(str(fused)).graph.input] == ["x", listed]
+    x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    feeds = {"x": x, listed: (default + rng.uniform(0.5, 1, default.shape)).astype(np.float32)}
+    want, got = (ort.InferenceSession(str(p)).run(None, feeds)[0] for p in (path, fused))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    naive = _run(path, x)  # the original at the default: what a fold with the default computes, whatever is fed
     assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
 
 

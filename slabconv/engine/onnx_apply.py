@@ -112,12 +112,10 @@ class _Graph:
         dtype = ir.DataType.DOUBLE if self.exact else init.dtype
         assert dtype is not None
         array = _numpy(value.reshape(binding.shape or tuple(value.shape)), dtype)
-        # a copy for the nodes the target stands for when others read it too (copy on write), and for every reader
-        # of a default the caller may replace (a graph input, IR 4 on), which keeps its meaning
+        # a copy for the nodes the target stands for when others read it too (copy on write)
         shared = init.is_graph_output() or any(u.node.name not in binding.users for u in init.uses())
-        if target not in self.written and (not self.listed and init.is_graph_input() or binding.users and shared):
-            users = binding.users or tuple(u.node.name or "" for u in init.uses())
-            init = self._initializer(f"{init.name}.folded", array, readers=(init, users))
+        if target not in self.written and binding.users and shared:
+            init = self._initializer(f"{init.name}.folded", array, readers=(init, binding.users))
         else:
             init.const_value = ir.tensor(array, name=init.name)
             init.shape, init.dtype = ir.Shape(array.shape), init.const_value.dtype
@@ -398,7 +396,7 @@ def apply_plans(
     created = {nb.target for p in plans if p.remove for nb in p.new_biases}
     rows = _rows_scales(plans)
     g = _Graph(model, lowered, exact)
-    read = [v for v in model.graph.inputs if v.name in model.graph.initializers and v.uses()]
+    read = [v for v in model.graph.inputs if v.name in model.graph.initializers and v.uses() and g.listed]
     for p in plans:
         if not p.remove:
             continue
@@ -436,10 +434,10 @@ def list_initializers(model: ir.Model) -> None:
 
 
 def _drop_unread_defaults(model: ir.Model, read: list[ir.Value]) -> None:
-    """Remove each graph input of ``read`` (an initializer listed as a graph input: ``keep_initializers_as_inputs``,
-    IR version 3) that nothing reads after the fold, with its initializer. Such an input's stored value is its
-    default, which the fold took as the constant it is; left in the file, a value fed to it (a norm's statistics)
-    would be silently ignored, where onnxruntime now refuses it by name."""
+    """Remove each graph input of ``read`` (an initializer of an IR version 3 model, where every initializer is
+    listed as a graph input and onnxruntime refuses a value fed to one: a constant) that nothing reads after the
+    fold, with its initializer. From IR version 4 on such an input is a default the caller may replace: the engine
+    never reads it as a constant (``overridable-initializer``), and every graph input stays."""
     for value in read:
         if not value.uses() and not value.is_graph_output():
             model.graph.inputs.remove(value)

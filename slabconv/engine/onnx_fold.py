@@ -21,7 +21,7 @@ from slabconv.engine.onnx_apply import apply_plans, folded_values
 from slabconv.engine.onnx_lower import FLOATS, Lowered, OnnxOp, lower, prepare, subgraphs
 from slabconv.engine.planner import Decision, NormPlan, plan_folds
 from slabconv.engine.ranges import LayerRange, flag_warnings
-from slabconv.engine.reasons import UNSUPPORTED_PREFIX
+from slabconv.engine.reasons import OVERRIDABLE, UNSUPPORTED_PREFIX, unsupported
 
 
 def plan_file(model: Any, proto_path: str | None = None, norm_affine: bool = False) -> tuple[Any, list[NormPlan]]:
@@ -82,15 +82,18 @@ def opaque_norms(lowered: Lowered) -> list[Decision]:
     onnxruntime's optimizer writes, ``FusedMatMul`` and ``BiasGelu``, which neither inference types) or whose
     attributes have no rule (``spatial = 0``). The planner never sees such a norm and it stays as it is; listed so
     that the report, ``inspect``, the summary and ``--require-folded`` count it (it went unmentioned: a file with no
-    other norm was reported as having none). The reason names the blocker: the opaque op whose output, the norm's
-    input, no inference types (``unsupported-op:com.microsoft.FusedMatMul``), else ``onnx.BatchNormalization``."""
+    other norm was reported as having none). The reason names the blocker: ``overridable-initializer`` for a scale,
+    bias or statistic the caller may feed (an initializer that is also a graph input), else the opaque op whose
+    output, the norm's input, no inference types (``unsupported-op:com.microsoft.FusedMatMul``), else
+    ``onnx.BatchNormalization``."""
     kept = []
     for node in lowered.gm.graph.nodes:
         target = node.target
         if not (isinstance(target, OnnxOp) and target.namespace == "onnx" and target.__name__ == "BatchNormalization"):
             continue
         norm = node.meta.get("onnx") or node.name
-        kept.append(_kept_batchnorm(norm, f"{norm}:onnx.BatchNormalization", UNSUPPORTED_PREFIX + _blocker(node)))
+        reason = OVERRIDABLE if unsupported(node) == OVERRIDABLE else UNSUPPORTED_PREFIX + _blocker(node)
+        kept.append(_kept_batchnorm(norm, f"{norm}:onnx.BatchNormalization", reason))
     return kept
 
 

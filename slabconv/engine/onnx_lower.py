@@ -51,6 +51,7 @@ from torch import fx, nn
 from slabconv.engine.capture import LIFTED, STATE
 from slabconv.engine.flow import ROWS_ADDEND
 from slabconv.engine.onnx_shapes import Dims, infer_shapes, known_elements, merge_shapes, unknowns
+from slabconv.engine.reasons import FED_DEFAULT
 from slabconv.load.onnx_file import node_label
 
 aten = torch.ops.aten
@@ -89,6 +90,9 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     from onnx_ir.passes.common.naming import NameFixPass
     from onnx_ir.passes.common.unused_removal import RemoveUnusedNodesPass
 
+    if model.ir_version >= 4:  # an initializer listed as a graph input is a default the caller may replace
+        for value in model.graph.inputs:
+            value.meta[FED_DEFAULT] = value.is_initializer()
     InlinePass()(model)  # a model-local function's call is its body: a norm inside one is a norm of the graph
     RemoveUnusedFunctionsPass()(model)
     NameFixPass(_Names())(model)
@@ -685,7 +689,7 @@ def _constant_name(value: ir.Value, reader: ir.Node | None) -> str:
 
 
 def _const_tensor(value: ir.Value | None) -> Any:
-    if value is None:
+    if value is None or value.meta.get(FED_DEFAULT):  # a default the caller may replace is not a constant
         return None
     try:
         return ir.convenience.get_const_tensor(value)
@@ -1271,6 +1275,8 @@ def _batch_norm(lo: _Lowering, node: ir.Node) -> None:
     if not node.attributes.get_int("spatial", 1):
         raise _Unlowerable  # opset < 9, one statistic per element: not per channel
     x, w, b, mean, var = (lo.read(v) for v in node.inputs)
+    if any(p.meta.get(FED_DEFAULT) for p in (w, b, mean, var)):
+        raise _Unlowerable  # kept (``overridable-initializer``): the caller may feed its scale or statistics
     xv, wv = x.meta.get("val"), w.meta.get("val")
     if not isinstance(xv, torch.Tensor) or xv.dim() < 2 or not isinstance(wv, torch.Tensor):
         raise _Unlowerable
@@ -1631,11 +1637,12 @@ def _lower(model: ir.Model) -> Lowered:
     lo = _Lowering(model)
     graph = model.graph
     for value in graph.inputs:
-        if value.is_initializer():
+        if value.is_initializer() and not value.meta.get(FED_DEFAULT):
             continue
         node = lo.graph.placeholder(_identifier(value.name or "input"))
         node.meta["val"] = lo.fake(value)
         node.meta["onnx_value"] = value.name
+        node.meta[FED_DEFAULT] = bool(value.meta.get(FED_DEFAULT))
         lo.env[value] = node
     for onnx_node in graph:
         lo.lower_node(onnx_node)

@@ -29,6 +29,11 @@ SHARED_WEIGHT = "shared-consumer-weight"
 DTYPE_OVERFLOW = "dtype-overflow"
 CONSUMER_OFF_CHANNEL = "consumer-not-on-channel-axis"
 COMPUTED_WEIGHT = "computed-weight"
+OVERRIDABLE = "overridable-initializer"
+FED_DEFAULT = "slabconv_fed_default"
+"""Placeholder node meta: True for an ONNX initializer that is also a graph input (IR version 4 on), a default the
+caller may replace: an input of the model, never a constant a fold may read or write. An op with no rule that
+reads one is blocked with ``overridable-initializer`` (``unsupported``)."""
 UNSUPPORTED_PREFIX = "unsupported-op:"
 
 ALL = (
@@ -52,6 +57,7 @@ ALL = (
     DTYPE_OVERFLOW,
     CONSUMER_OFF_CHANNEL,
     COMPUTED_WEIGHT,
+    OVERRIDABLE,
     UNSUPPORTED_PREFIX + "<aten op>",
 )
 
@@ -74,7 +80,10 @@ gets one reason through every door."""
 
 def unsupported(node: Any) -> str:
     """``unsupported-op:aten.<name>`` for an fx node whose op has no rule (``SAME_OP``: one name for the forms of
-    one op; no overload)."""
+    one op; no overload); ``overridable-initializer`` when it reads a default the caller may replace (``FED_DEFAULT``:
+    a ``Conv`` or ``MatMul`` whose weight is an ONNX graph input)."""
+    if any(getattr(a, "meta", {}).get(FED_DEFAULT) for a in getattr(node, "args", ())):
+        return OVERRIDABLE
     target = node.target
     name = getattr(target, "__name__", str(target))
     namespace = getattr(target, "namespace", None)
