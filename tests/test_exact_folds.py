@@ -323,6 +323,62 @@ def test_no_backward_fold_through_the_op_where_it_would_be_wrong(case, why):
     assert rel_err(gm(x), reference) <= TOL[torch.float32]
 
 
+def _shiftless(model: PooledOutput) -> PooledOutput:
+    """``model`` with its norm's shift ``t = bias - mean * s`` made 0 (bias and running mean 0)."""
+    with torch.no_grad():
+        model.norm.bias.zero_()
+        model.norm.running_mean.zero_()  # type: ignore[union-attr]
+    return model
+
+
+@pytest.mark.parametrize(
+    "op",
+    [lambda y: F.pad(y, (1, 1, 1, 1)), lambda y: F.avg_pool2d(y, 3, 1, 1, count_include_pad=True)],
+    ids=["zero-pad", "avg-pool-counting-pads"],
+)
+def test_a_norm_without_shift_folds_backward_through_an_op_that_pads_with_zeros(tmp_path, op):
+    """``pad(s y, 0) = s pad(y, 0)``: where every shift is 0 the padded zeros stay zeros, so a norm after a zero
+    border (or a pool that counts padded zeros) folds into the producer's rows, through a checkpoint and an ONNX file
+    alike (it was kept: the walk refused the op whatever the shift). With a shift the same fold is wrong at the
+    border (``test_no_backward_fold_through_the_op_where_it_would_be_wrong``)."""
+    model = _shiftless(randomize(PooledOutput(op, 2), seed=3)).eval()
+    x = grid(2)
+    gm, decisions = fuse(model, x)
+    assert [(d.action, d.into) for d in decisions] == [("folded-backward", ["producer"])], decisions[0].no_backward
+    assert rel_err(gm(x), model(x)) <= TOL[torch.float32] and not bn_nodes(gm) and not kept_affines(gm)
+    path = tmp_path / "padded.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False, input_names=["x"])
+    fused, onnx_decisions = onnx_fold.fold_file(ir.load(str(path)), str(path))
+    assert [(d.action, d.reason) for d in onnx_decisions] == [("folded-backward", None)]
+    assert "BatchNormalization" not in {n.op_type for n in fused.graph}
+    want, got = (ort.InferenceSession(m).run(None, {"x": x.numpy()})[0]
+                 for m in (str(path), ir.to_proto(fused).SerializeToString()))  # fmt: skip
+    assert rel_err(torch.from_numpy(got), torch.from_numpy(want)) <= TOL[torch.float32]
+
+
+def test_no_backward_fold_through_a_zero_pad_when_a_constant_below_it_gives_a_shift():
+    """``norm(pad(producer(x)) + c)`` with no shift of its own: a backward fold writes ``s (y + c) = s y + (s - 1) c
+    + c``, the producer taking ``(s - 1) c``, which the zero border would not carry. The norm stays, and the fold by
+    hand is wrong at the border."""
+    c = 0.75
+    model = _shiftless(randomize(PooledOutput(lambda y: F.pad(y, (1, 1, 1, 1)) + c, 2), seed=3)).eval()
+    x = grid(2)
+    reference = model(x)
+    gm, decisions = fuse(model, x)
+    (d,) = decisions
+    assert (d.action, d.reason) == ("kept-affine", reasons.FEEDS_OUTPUT)
+    assert "with zeros" in (d.no_backward or ""), d.no_backward
+    assert rel_err(gm(x), reference) <= TOL[torch.float32]
+    naive = norm_free(model, ["norm"])
+    scale, _ = affine_of(model.norm)
+    with torch.no_grad():
+        w, b = fold.fold_into_producer(naive.producer.weight, naive.producer.bias, scale, (scale - 1) * c)
+        naive.producer.weight.copy_(w)
+        naive.producer.bias.copy_(b)
+        naive.op = lambda y: F.pad(y, (1, 1, 1, 1)) + c
+    assert rel_err(naive(x), reference) > NAIVE_MIN_ERR
+
+
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_a_batchnorm_after_a_global_pool_and_flatten_folds_into_the_conv_in_an_onnx_file(tmp_path, dynamo):
     """A classifier's head exported to ONNX (``Conv``, ``GlobalAveragePool`` or ``ReduceMean``, ``Flatten`` or

@@ -303,16 +303,17 @@ class VirtualGraph:
         return out
 
 
-def _through(node: fx.Node, ch: Chan, positive_scale: bool) -> tuple[fx.Node, Chan] | str:
-    """One step up an op whose rule passes the affine with the shift unchanged: its data input (the first argument)
-    and where the channels sit there.
+def _through(node: fx.Node, ch: Chan, positive_scale: bool, shiftless: bool) -> tuple[fx.Node, Chan, bool] | str:
+    """One step up an op whose rule passes the affine with the shift unchanged: its data input (the first argument),
+    where the channels sit there, and whether the op pads or samples with zeros.
 
     A rule's ``Pass(chan)`` (``mult`` 1) says ``op(s y + t) = s op(y) + t`` for the affine on that input, which is
     what a backward fold needs: the producer's output scaled and shifted makes the norm's output. So the walk goes
     up view-like ops and also up the means and pools of the forward table (``mean`` over tokens, adaptive / global
     average pooling, average pooling that does not count padded zeros, interpolation), and up max / min and max
-    pooling when every scale is > 0 (``positive_scale``). A rule that scales the shift (``sum`` over N tokens,
-    ``x * c``) or blocks stops the walk."""
+    pooling when every scale is > 0 (``positive_scale``), and up an op that pads or samples with zeros when every
+    shift is 0 (``shiftless``: ``pad(s y, 0) = s pad(y, 0)``). A rule that scales the shift (``sum`` over N
+    tokens, ``x * c``) or blocks stops the walk."""
     rule = RULE_OF.get(node.target)
     if rule is None:
         return f"no Linear/conv before the norm: {op_name(node)} produces its input"
@@ -324,11 +325,17 @@ def _through(node: fx.Node, ch: Chan, positive_scale: bool) -> tuple[fx.Node, Ch
         if narrower is not None:
             return narrower
     sizes = shape_of(src) or ()
-    wanted = (Pass(ch), Pass(ch, needs_positive_scale=True)) if positive_scale else (Pass(ch),)
     outcomes = {
         a: rule.step(node, src, Chan(a, ch.channels)) for a, size in enumerate(sizes) if same_size(size, ch.channels)
     }
-    found = [a for a, outcome in outcomes.items() if outcome in wanted]
+    found = [
+        a
+        for a, o in outcomes.items()
+        if isinstance(o, Pass)
+        and o == Pass(ch, needs_positive_scale=o.needs_positive_scale, needs_zero_shift=o.needs_zero_shift)
+        and (positive_scale or not o.needs_positive_scale)
+        and (shiftless or not o.needs_zero_shift)
+    ]
     if len(found) != 1:
         if not found and Pass(ch, needs_positive_scale=True) in outcomes.values():
             return f"{op_name(node)} commutes with the norm's affine only when every scale is > 0"
@@ -338,7 +345,7 @@ def _through(node: fx.Node, ch: Chan, positive_scale: bool) -> tuple[fx.Node, Ch
         if not found and not rule.view_like and not any(isinstance(o, Pass) for o in outcomes.values()):
             return f"no Linear/conv before the norm: {op_name(node)} produces its input"
         return f"the norm's channels are not one axis before {op_name(node)}"
-    return src, Chan(found[0], ch.channels)
+    return src, Chan(found[0], ch.channels), outcomes[found[0]].needs_zero_shift  # type: ignore[union-attr]
 
 
 def _widening_before_norm(cast: fx.Node, src: fx.Node) -> str | None:
@@ -517,9 +524,17 @@ class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
     def __init__(
-        self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, positive_scale: bool, gm: fx.GraphModule
+        self,
+        graph: VirtualGraph,
+        stop: Collection[fx.Node],
+        inverse: bool,
+        positive_scale: bool,
+        shiftless: bool,
+        gm: fx.GraphModule,
     ) -> None:
         self.graph, self.stop, self.inverse, self.positive_scale = graph, stop, inverse, positive_scale
+        self.shiftless = shiftless
+        self.padded: fx.Node | None = None  # an op passed that pads or samples with zeros (``shiftless`` only)
         self.constants = Constants(gm)
         self.found = Backward()
         self.seen: set[fx.Node] = set()
@@ -636,9 +651,11 @@ class _Up:
                 if (reason := self.walk(a, a_ch, {node}, shared)) is not None:
                     return reason
             return None
-        step = _through(node, ch, self.positive_scale)
+        step = _through(node, ch, self.positive_scale, self.shiftless)
         if isinstance(step, str):
             return step
+        if step[2]:
+            self.padded = node
         if (step[0], node) in self.graph.kept:
             return f"an earlier norm keeps an affine before {op_name(node)}"
         return self.walk(step[0], step[1], {node}, shared)
@@ -652,6 +669,7 @@ def find_producers(
     stop: Collection[fx.Node] = (),
     inverse: bool = True,
     positive_scale: bool = False,
+    shiftless: bool = False,
 ) -> Backward | str:
     """The layers whose outputs make ``start`` (the norm's input, channels at ``chan``): a Linear / conv /
     embedding through view-like ops and the means and pools ``_through`` passes, or the addends of a sum of such (a
@@ -674,6 +692,8 @@ def find_producers(
         stop: the other norms' ops (a tensor they read cannot change).
         inverse: allow compensation by the inverse affine (the norm's scale has no zero).
         positive_scale: every channel's scale is > 0: the walk may go up max / min and max pooling.
+        shiftless: every shift is 0: the walk may go up an op that pads or samples with zeros (``s * 0`` is 0),
+            unless a constant added on the way gives the fold a shift.
 
     Returns:
         The ``Backward``, or why there is none (plain text).
@@ -682,8 +702,10 @@ def find_producers(
     allowed = set(owned)
     if any((start, o) in graph.kept for o in allowed):
         return "an earlier norm keeps an affine before this one"
-    up = _Up(graph, stop, inverse, positive_scale, start.graph.owning_module)  # type: ignore[arg-type]
+    up = _Up(graph, stop, inverse, positive_scale, shiftless, start.graph.owning_module)  # type: ignore[arg-type]
     reason = up.walk(start, chan, allowed, ())
+    if reason is None and up.padded is not None and up.found.constants:
+        reason = f"{op_name(up.padded)} pads or samples with zeros, which would become the shift a constant adds"
     return reason if reason is not None else up.found
 
 

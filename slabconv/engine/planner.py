@@ -403,6 +403,7 @@ def _backward(
         stop,
         bool((scale != 0).all()),
         bool((scale > 0).all()),
+        not bool(shift.any()),
     )
     if isinstance(found, str):
         return found
