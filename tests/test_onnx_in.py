@@ -2536,6 +2536,35 @@ def test_a_gemm_keeps_a_norm_on_its_rows_and_dropping_it_would_be_wrong(tmp_path
     assert np.abs(fused - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_a_kept_affine_on_the_transposed_right_operand_of_a_fused_matmul_is_laid_out_on_its_channels(tmp_path):
+    """A BatchNorm over axis 1 of ``n (2, 4, 3)`` read as the right operand of a ``com.microsoft`` ``FusedMatMul``
+    with ``transB=1`` (``a @ n^T``): the lowering adds the transpose (``aten.transpose``), after which the channels
+    are the last axis. The affine kept before the product goes on ``n`` as the file holds it, on axis 1 (laid out on
+    the transpose's axis, it would scale the wrong axis). ``Gemm`` / ``MatMul`` weights seen transposed are views of
+    a constant: no affine is ever kept on them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"s": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4)}  # fmt: skip
+    nodes = [helper.make_node("BatchNormalization", ["bx", "s", "b", "m", "v"], ["n"], name="bn"),
+             helper.make_node("FusedMatMul", ["a", "n"], ["y"], name="fmm", domain="com.microsoft", transB=1,
+                              alpha=0.5)]  # fmt: skip
+    info = helper.make_tensor_value_info
+    inputs = [info("a", TensorProto.FLOAT, [2, 5, 3]), info("bx", TensorProto.FLOAT, [2, 4, 3])]
+    inits = [numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    graph = helper.make_graph(nodes, "g", inputs, [info("y", TensorProto.FLOAT, [2, 5, 4])], inits)
+    path = tmp_path / "fmm.onnx"
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=None)
+    assert [(d.action, d.reason) for d in report.folds] == [("kept-affine", "unsupported-op:aten.matmul")]
+    feeds = {"a": rng.standard_normal((2, 5, 3)).astype(np.float32),
+             "bx": rng.standard_normal((2, 4, 3)).astype(np.float32)}  # fmt: skip
+    want, got = (ort.InferenceSession(str(p)).run(None, feeds)[0] for p in (path, tmp_path / "out" / "model.onnx"))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _ort_extended(tmp_path: Path) -> Path:
     """A BatchNorm over ``x (B, C, T)``, then a Linear on its transpose scaled by 0.5, a ReLU and a Linear, exported
     by the TorchScript exporter and saved by onnxruntime's extended-level optimizer: the ``Transpose``, ``MatMul``
