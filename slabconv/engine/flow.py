@@ -328,14 +328,9 @@ def _through(node: fx.Node, ch: Chan, positive_scale: bool, shiftless: bool) -> 
     outcomes = {
         a: rule.step(node, src, Chan(a, ch.channels)) for a, size in enumerate(sizes) if same_size(size, ch.channels)
     }
-    found = [
-        a
-        for a, o in outcomes.items()
-        if isinstance(o, Pass)
-        and o == Pass(ch, needs_positive_scale=o.needs_positive_scale, needs_zero_shift=o.needs_zero_shift)
-        and (positive_scale or not o.needs_positive_scale)
-        and (shiftless or not o.needs_zero_shift)
-    ]
+    signs, shifts = {False, positive_scale}, {False, shiftless}
+    wanted = [Pass(ch, needs_positive_scale=p, needs_zero_shift=z) for p in signs for z in shifts]
+    found = [a for a, outcome in outcomes.items() if outcome in wanted]
     if len(found) != 1:
         if not found and Pass(ch, needs_positive_scale=True) in outcomes.values():
             return f"{op_name(node)} commutes with the norm's affine only when every scale is > 0"
@@ -523,17 +518,9 @@ def shown(node: fx.Node) -> str:
 class _Up:
     """One backward walk (``find_producers``): a depth-first walk up from the norm's input."""
 
-    def __init__(
-        self,
-        graph: VirtualGraph,
-        stop: Collection[fx.Node],
-        inverse: bool,
-        positive_scale: bool,
-        shiftless: bool,
-        gm: fx.GraphModule,
-    ) -> None:
-        self.graph, self.stop, self.inverse, self.positive_scale = graph, stop, inverse, positive_scale
-        self.shiftless = shiftless
+    def __init__(self, graph: VirtualGraph, stop: Collection[fx.Node], inverse: bool, gm: fx.GraphModule) -> None:
+        self.graph, self.stop, self.inverse = graph, stop, inverse
+        self.positive_scale = self.shiftless = False  # every scale > 0, every shift 0 (``find_producers``)
         self.padded: fx.Node | None = None  # an op passed that pads or samples with zeros (``shiftless`` only)
         self.constants = Constants(gm)
         self.found = Backward()
@@ -702,7 +689,8 @@ def find_producers(
     allowed = set(owned)
     if any((start, o) in graph.kept for o in allowed):
         return "an earlier norm keeps an affine before this one"
-    up = _Up(graph, stop, inverse, positive_scale, shiftless, start.graph.owning_module)  # type: ignore[arg-type]
+    up = _Up(graph, stop, inverse, start.graph.owning_module)  # type: ignore[arg-type]
+    up.positive_scale, up.shiftless = positive_scale, shiftless
     reason = up.walk(start, chan, allowed, ())
     if reason is None and up.padded is not None and up.found.constants:
         reason = f"{op_name(up.padded)} pads or samples with zeros, which would become the shift a constant adds"
