@@ -1858,6 +1858,35 @@ def test_a_tensor_the_caller_may_feed_is_not_folded_and_stays_an_input(tmp_path,
     assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
 
 
+def test_a_size_computed_from_a_value_the_caller_may_feed_stays_computed(tmp_path):
+    """``Reshape(z, [Shape(z)[i], -1])`` with ``i`` an initializer listed as a graph input (IR 4 on: its value a
+    default the caller may replace). The preparation's constant folding (onnxscript's ``Gather`` of a ``Shape``)
+    read the default 0 and wrote the shape ``(2, -1)`` as a constant: fed ``i = 1``, the original gives ``(5, 18)``
+    and the fused file gave ``(2, 45)``. The size stays computed from the input."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    inits, bn_conv = _bn_conv(rng)
+    inits += [onnx.numpy_helper.from_array(np.array(a, np.int64), k) for k, a in (("i", 0), ("rest", [-1]),
+                                                                                 ("zero", [0]))]  # fmt: skip
+    nodes = [*bn_conv(), helper.make_node("Shape", ["z"], ["s"]), helper.make_node("Gather", ["s", "i"], ["d"]),
+             helper.make_node("Unsqueeze", ["d", "zero"], ["d1"]),
+             helper.make_node("Concat", ["d1", "rest"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["z", "shape"], ["out"])]  # fmt: skip
+    info = helper.make_tensor_value_info
+    inputs = [info("x", TensorProto.FLOAT, [2, 4, 3, 3]), info("i", TensorProto.INT64, [])]
+    graph = helper.make_graph(nodes, "g", inputs, [info("out", TensorProto.FLOAT, ["a", "b"])], inits)
+    path = tmp_path / "size.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert report.verification is not None and report.verification.passed
+    assert [d.action for d in report.folds] == ["folded-forward"]
+    feeds = {"x": rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "i": np.array(1, np.int64)}
+    want, got = (ort.InferenceSession(str(p)).run(None, feeds)[0] for p in (path, tmp_path / "out" / "model.onnx"))
+    assert want.shape == got.shape == (5, 18)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tmp_path):
     """onnxruntime's ``convert_float_to_float16(model, keep_io_types=True)`` (onnxconverter-common's converter)
     keeps float32 inputs and outputs, stores float16 weights, and appends the inputs' ``Cast`` after the nodes

@@ -104,8 +104,14 @@ def prepare(model: ir.Model, proto_path: str | None = None) -> None:
     for value, shape in declared:  # an annotation adds what inference left unknown, never contradicts it
         if value.shape is None or (_agree(value.shape, shape) and unknowns(shape) < unknowns(value.shape)):
             value.shape = shape
+    # a default the caller may feed is no constant to fold with (onnxscript's op evaluators read its value)
+    fed = {v: v.const_value for v in model.graph.inputs if v.meta.get(FED_DEFAULT)}
+    for value in fed:
+        value.const_value = None
     _static_sizes(model)
     _fold_constants(model)
+    for value, tensor in fed.items():
+        value.const_value = tensor
     RemoveUnusedNodesPass()(model)  # what the folder bypassed (a Cast it replaced by its input) reads nothing
     merge_shapes(model, infer_shapes(model))  # the folded shape arithmetic resolves what the file's could not
 
