@@ -423,7 +423,7 @@ def test_openvino_is_refused_with_the_install_line_when_absent(no_work, monkeypa
 def test_a_runtime_that_cannot_run_the_candidate_is_refused_before_the_reference(tmp_path, monkeypatch):
     from slabconv.verify import verifier
 
-    monkeypatch.setattr(verifier, "_torch_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    monkeypatch.setattr(verifier.ModelReference, "run", lambda *a, **k: pytest.fail("the reference ran first"))
     result = runner.invoke(app, ["verify", str(CKPT), str(CKPT), "--runtime", "onnxruntime"])
     assert result.exit_code == 2
     assert "--runtime onnxruntime cannot run" in result.stderr and "(runtimes that can: pytorch)" in result.stderr

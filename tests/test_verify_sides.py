@@ -421,7 +421,7 @@ def test_a_candidate_taking_inputs_the_reference_does_not_feed_is_refused_before
         out.name = f"{name}_out"
         model.graph.output.append(out)
     onnx.save(model, str(tmp_path / "decoder.onnx"))
-    monkeypatch.setattr(verifier, "_torch_reference", lambda *a, **k: pytest.fail("the reference ran first"))
+    monkeypatch.setattr(verifier.ModelReference, "run", lambda *a, **k: pytest.fail("the reference ran first"))
     result = runner.invoke(app, ["verify", str(ckpt), str(tmp_path / "decoder.onnx"), "--samples", "2"])
     assert result.exit_code == 2, result.output
     [line] = error_lines(result.stderr)

@@ -589,7 +589,7 @@ def onnx_fold64(path: Path, candidate: OnnxFile, keep_original: bool = False) ->
     if keep_original:
         original = ir.from_proto(ir.to_proto(model))
         onnx_fold.to_float64(original)
-    simplifiers = simplified(candidate.path)
+    simplifiers = simplified(candidate.proto)
     rounded = small = by = values = None
     if simplifiers is not None:
         from slabconv.engine.onnx_apply import folded_values

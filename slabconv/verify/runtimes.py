@@ -213,13 +213,13 @@ def torch_runtime(model: nn.Module, dtype: torch.dtype, what: str, fixed_batch: 
     return BACKENDS["pytorch"].open(model, dtype=dtype, what=what, fixed_batch=fixed_batch)[0]
 
 
-_ORT_DTYPES = {
-    "tensor(float)": (np.float32, "float32"),
-    "tensor(float16)": (np.float16, "float16"),
-    "tensor(double)": (np.float64, "float64"),
-    "tensor(int64)": (np.int64, None),
-    "tensor(int32)": (np.int32, None),
-    "tensor(bool)": (np.bool_, None),
+_ORT_INPUT_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
 }
 _ORT_OUTPUT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64"}
 _ORT_OUTPUT_DTYPES["tensor(bfloat16)"] = "bfloat16"
@@ -281,10 +281,9 @@ def open_onnxruntime(
             raise InputError(f"{path}: the model has {len(inputs)} inputs; slabconv verifies models with one input")
         types = {}
         for port in inputs:
-            found = _ORT_DTYPES.get(port.type)
-            if found is None:
+            if port.type not in _ORT_INPUT_DTYPES:
                 raise InputError(f"{path}: input type {port.type} is not supported (float32, float16, float64, int64)")
-            types[port.name] = found[0]
+            types[port.name] = _ORT_INPUT_DTYPES[port.type]
         outputs = session.get_outputs()
         dtype = _ORT_OUTPUT_DTYPES.get(outputs[0].type, "float32") if outputs else "float32"
         if dtype in ("float32", "float64"):  # float16 weights behind float32 outputs: judged as float16

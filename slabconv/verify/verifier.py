@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -262,25 +262,6 @@ def question_2_each(
 # --------------------------------------------------------------------------------------------- the reference
 
 
-def _inputs(
-    reference: Side, candidate: Side, load: LoadOptions | None, opts: VerifyOptions
-) -> tuple[Inputs, str, str | None]:
-    """The verification inputs ``(N, ...)`` (a dict by input name for an ONNX original with several inputs),
-    their label and the sha256 of the ``--inputs`` file (None for drawn samples).
-
-    Raises:
-        UsageError, InputError: as ``choose_inputs`` / ``onnx_original.choose_onnx_inputs``.
-    """
-    from slabconv.verify import onnx_original
-
-    if reference.kind == "onnx":
-        return onnx_original.choose_onnx_inputs(reference.onnx, opts)
-    loaded = reference.loaded or (candidate.loaded if candidate.kind == "model" else None)
-    shape = (load.input_shape if load else None) or (tuple(candidate.source.input_shape or ()) or None)
-    return choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed, shape, limit=opts.samples,
-                         token_input=bool(candidate.onnx and candidate.onnx.token_input))  # fmt: skip
-
-
 def norm_affine(reference: Side, candidate: Side, load: LoadOptions | None) -> bool:
     """Whether question 1's float64 fold of the reference folds the affine of its LayerNorms / RMSNorms /
     GroupNorms too: the candidate records a fold made so (``Provenance.norm_affine``), the plan being checked made
@@ -294,92 +275,227 @@ def norm_affine(reference: Side, candidate: Side, load: LoadOptions | None) -> b
     return reference.decisions is not None and engine.folds_norm_affine(reference.decisions)
 
 
-def _torch_reference(
-    reference: Side, candidate: Side, x: Any, label: str, digest: str | None, fold: bool, affine: bool = False
-) -> tuple[Reference, Any, list[Any], list[str]]:
-    """The reference model in its dtype and its graph in float64 on ``x``, and (``fold``) the float64 fold (of
-    the norms' affines too with ``affine``: ``norm_affine``): the one the side holds (``Side.take_fold64``), else
-    made now.
+@dataclass
+class _Reference:
+    """The reference side as ``_whole`` asks it, one class per kind (``REFERENCES``): ``run`` (the verification
+    inputs, the reference on them in its dtype and in float64; with ``fold``, the float64 fold), ``fold`` (what
+    question 1 compares: the candidate's first file's tensors, the float64 original's and fold's by name, the
+    ``NormSite`` of each norm the fold removes) and ``question_1``.
 
-    A candidate stored in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint)
-    is held to the error of the reference cast to that dtype (``e_orig``): the error any model in that dtype has.
-
-    Returns:
-        ``(reference, fused64 or None, decisions64, notes)``.
+    Attributes:
+        side, candidate: the two sides; ``load``: how a side's model is built.
+        headline: the report's ``verification.reference``.
+        notes: what the verdict says of the reference before question 1 (a candidate stored in a narrower dtype).
+        decisions64: the float64 fold's decisions, compared with ``side.decisions`` (``run.decisions_note``).
     """
-    loaded = reference.loaded
-    notes = []
-    written = getattr(torch, candidate.dtype, None)
-    original = original_dtype = None
-    if isinstance(written, torch.dtype) and written.itemsize < loaded.dtype.itemsize and loaded.dtype.is_floating_point:
-        original = original_cast(loaded, written, x)
-        original_dtype = candidate.dtype
-        notes.append(
-            f"the candidate is stored in {candidate.dtype}, the reference in {dtype_name(loaded.dtype)}: the "
-            f"original's own error is that of the reference cast to {candidate.dtype}"
-        )
-    graph, example = reference.traced()
-    made = reference.take_fold64(affine)
-    original64 = made.original64 if made is not None else float64_graph(graph, example)
-    original, exact = original_runs(loaded, original64, x, original)
-    release_memory(collect=False)  # the float64 activations, before the float64 fold is made
-    if made is not None and fold:
-        fused64, decisions64 = made.fused64, made.decisions64
-    else:
-        fused64, decisions64 = fold64(original64, affine) if fold else (None, [])
-    del made
-    names = output_names(len(original))
-    ref = Reference(x, label, digest, dtype_name(loaded.dtype), original, exact, names, original64=original64,
-                    model=loaded, original_dtype=original_dtype, batch=loaded.batch)  # fmt: skip
-    check_reference(ref)
-    return ref, fused64, decisions64, notes
+
+    side: Side
+    candidate: Side
+    load: LoadOptions | None = None
+    headline: str = ""
+    notes: list[str] = field(default_factory=list)
+    decisions64: list[Any] = field(default_factory=list)
 
 
-def _onnx_reference(
-    reference: Side, x: Inputs, label: str, digest: str | None, fusing: bool = False
-) -> tuple[Reference, str]:
-    """An ONNX original in its dtype (onnxruntime) and its graph in float64.
+@dataclass
+class ModelReference(_Reference):
+    """A reference PyTorch runs (a ``model`` side): the model in its dtype, its traced graph promoted to float64
+    (``float64_graph``) and the engine's float64 fold of that graph (``fused64``, of the norms' affines too with
+    ``affine``: ``norm_affine``), kept for the localisation by ``question_1`` where it will run."""
 
-    Args:
-        fusing: ``fuse`` verifies the fold it has just written (the advice for an original onnxruntime cannot run
-            is ``fuse``'s); else ``verify`` was given this reference (its advice is ``verify``'s).
+    headline: str = "the reference model in float64 (pytorch)"
+    fused64: Any = None
+    affine: bool = False
 
-    Raises:
-        InputError: a graph that draws random numbers; an original onnxruntime cannot run (a bfloat16 one).
-    """
-    from slabconv.verify import onnx_original
+    def run(self, opts: VerifyOptions, fold: bool, fusing: bool = False) -> Reference:
+        """The reference model in its dtype and its graph in float64 on the verification inputs (``choose_inputs``),
+        and (``fold``) the float64 fold: the one the side holds (``Side.take_fold64``), else made now.
 
-    info = reference.onnx
-    onnx_original.check_deterministic(info)
-    try:
-        runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
-    except RuntimeUnavailable as err:
-        if info.dtype == "bfloat16" and fusing:  # the CPU provider lacks bfloat16 kernels (BatchNorm, MatMul)
-            raise InputError(
-                f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv verifies "
-                "what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with bfloat16 "
-                "kernels, or fold a float32 or float16 export"
-            ) from None
-        if info.dtype == "bfloat16":  # verify: the reference runs in onnxruntime, whatever --runtime names
-            raise InputError(
-                f"{info.path}: onnxruntime cannot run this bfloat16 model as the reference ({first_line(err, 160)}); "
-                "verify runs its reference in onnxruntime (--runtime chooses the candidate's runtimes only): give as "
-                "the reference the model it was made from (a checkpoint or folder, which PyTorch runs in bfloat16), "
-                "or a float32 or float16 export of it"
-            ) from None
-        raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
-    batch = runtime.fixed_batch
-    try:
-        original = run_batched(runtime.run, x, fixed_batch=batch)
-    except Exception as err:  # noqa: BLE001 - onnxruntime's Fail, InvalidArgument, RuntimeException
-        _batch_fixed_in_graph(info.path, runtime, x, batch, err)
-        raise
-    names = output_names(len(original), runtime.output_names)
-    runtime.close()
-    exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
-    ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
-    check_reference(ref)
-    return ref, which
+        A candidate stored in a narrower dtype than the reference (``fuse --dtype float16`` of a float32 checkpoint)
+        is held to the error of the reference cast to that dtype (``e_orig``): the error any model in that dtype has.
+
+        Raises:
+            UsageError, InputError: as ``choose_inputs``.
+        """
+        reference, candidate, loaded, load = self.side, self.candidate, self.side.loaded, self.load
+        drawn_for = loaded or (candidate.loaded if candidate.kind == "model" else None)
+        shape = (load.input_shape if load else None) or (tuple(candidate.source.input_shape or ()) or None)
+        tokens = bool(candidate.onnx and candidate.onnx.token_input)
+        x, label, digest = choose_inputs(drawn_for, opts.inputs, opts.sample_count(), opts.seed, shape,
+                                         limit=opts.samples, token_input=tokens)  # fmt: skip
+        self.affine = norm_affine(reference, candidate, self.load)
+        written, dtype = getattr(torch, candidate.dtype, None), loaded.dtype
+        original = original_dtype = None
+        if isinstance(written, torch.dtype) and written.itemsize < dtype.itemsize and dtype.is_floating_point:
+            original = original_cast(loaded, written, x)
+            original_dtype = candidate.dtype
+            self.notes.append(
+                f"the candidate is stored in {candidate.dtype}, the reference in {dtype_name(dtype)}: the "
+                f"original's own error is that of the reference cast to {candidate.dtype}"
+            )
+        graph, example = reference.traced()
+        made = reference.take_fold64(self.affine)
+        original64 = made.original64 if made is not None else float64_graph(graph, example)
+        original, exact = original_runs(loaded, original64, x, original)
+        release_memory(collect=False)  # the float64 activations, before the float64 fold is made
+        if made is not None and fold:
+            self.fused64, self.decisions64 = made.fused64, made.decisions64
+        elif fold:
+            self.fused64, self.decisions64 = fold64(original64, self.affine)
+        del made
+        names = output_names(len(original))
+        ref = Reference(x, label, digest, dtype_name(dtype), original, exact, names, original64=original64,
+                        model=loaded, original_dtype=original_dtype, batch=loaded.batch)  # fmt: skip
+        check_reference(ref)
+        return ref
+
+    def fold(self, ref: Reference) -> tuple[Written, Tensors, Tensors, list[Any]]:
+        """Of the candidate's first file (``written_files``) and ``engine.fused_state_dict``."""
+        assert ref.original64 is not None
+        first = written_files(self.candidate)[0][1]()
+        original, fold = engine.fused_state_dict(ref.original64), engine.fused_state_dict(self.fused64)
+        folded_away = {d.norm for d in self.decisions64 if d.action.startswith("folded")}
+        removed = [site for site in engine.find_norms(ref.original64) if site.name in folded_away]
+        return first, original, fold, removed
+
+    def question_1(
+        self, ref: Reference, original: Tensors, fold: Tensors, first: Written, progress: Progress, keep: bool
+    ) -> list[Any]:
+        """Question 1: the float64 fold's graph, then the tensors of every file the candidate holds against that
+        fold rounded to their dtypes (``written_files``; ``first``: the first file's, read already): a folder's
+        weights, and its ``model.onnx`` too (by value where the exporter renamed a tensor), one file at a time: each
+        is deployed on its own, and a runtime's rounding (OpenVINO's bfloat16) can hide a changed weight from
+        question 2. The float64 fold is kept for the localisation (``Side.fold64``) where it will run (``keep``, or
+        a failed check)."""
+        progress("verifying: question 1, is the fold exact?")
+        checks = [question_1_graph(ref, self.fused64)]
+        for i, (name, read) in enumerate(written_files(self.candidate)):
+            written = first if i == 0 else read()
+            unchanged = unchanged_tensors(original, fold) if written.by_value else frozenset()
+            checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
+                                              by_value=written.by_value, unchanged=unchanged, file=name))  # fmt: skip
+            del written
+        if keep or not all(c.passed for c in checks):
+            assert ref.original64 is not None and self.fused64 is not None
+            traced = self.side.traced()[0]
+            self.side.fold64 = Float64Fold(ref.original64, self.fused64, self.decisions64, traced, self.affine)
+        self.fused64 = None
+        return checks
+
+
+@dataclass
+class OnnxReference(_Reference):
+    """An ONNX original (an ``onnx`` side): onnxruntime runs it in its dtype, its graph cast to float64 runs as
+    ``onnx_original.float64_reference`` runs it, and its float64 fold is the engine's fold of that graph
+    (``folded``: ``onnx_original.onnx_fold64``, made by ``fold``)."""
+
+    headline: str = "the reference ONNX graph in float64"
+    folded: Any = None
+
+    def run(self, opts: VerifyOptions, fold: bool, fusing: bool = False) -> Reference:
+        """The original in its dtype (onnxruntime) and its graph in float64 (``headline`` names the evaluator that
+        ran it) on the verification inputs (``onnx_original.choose_onnx_inputs``: a dict by input name for a graph
+        with several inputs); the fold is made by ``fold``.
+
+        Args:
+            fusing: ``fuse`` verifies the fold it has just written (the advice for an original onnxruntime cannot run
+                is ``fuse``'s); else ``verify`` was given this reference (its advice is ``verify``'s).
+
+        Raises:
+            UsageError, InputError: as ``choose_onnx_inputs``; a graph that draws random numbers; an original
+                onnxruntime cannot run (a bfloat16 one).
+        """
+        from slabconv.verify import onnx_original
+
+        info = self.side.onnx
+        x, label, digest = onnx_original.choose_onnx_inputs(info, opts)
+        onnx_original.check_deterministic(info)
+        try:
+            runtime = onnx_runtimes(info.path, several=True, levels=ORT_LEVELS[:1])[0]
+        except RuntimeUnavailable as err:
+            if info.dtype == "bfloat16" and fusing:  # the CPU provider lacks bfloat16 kernels (BatchNorm, MatMul)
+                raise InputError(
+                    f"{info.path}: onnxruntime cannot run this bfloat16 model ({first_line(err, 160)}); slabconv "
+                    "verifies what onnxruntime runs: fold it with --no-verify and check model.onnx in a runtime with "
+                    "bfloat16 kernels, or fold a float32 or float16 export"
+                ) from None
+            if info.dtype == "bfloat16":  # verify: the reference runs in onnxruntime, whatever --runtime names
+                raise InputError(
+                    f"{info.path}: onnxruntime cannot run this bfloat16 model as the reference "
+                    f"({first_line(err, 160)}); verify runs its reference in onnxruntime (--runtime chooses the "
+                    "candidate's runtimes only): give as the reference the model it was made from (a checkpoint or "
+                    "folder, which PyTorch runs in bfloat16), or a float32 or float16 export of it"
+                ) from None
+            raise InputError(f"{info.path}: {err}; slabconv verifies what onnxruntime runs") from None
+        batch = runtime.fixed_batch
+        try:
+            original = run_batched(runtime.run, x, fixed_batch=batch)
+        except Exception as err:  # noqa: BLE001 - onnxruntime's Fail, InvalidArgument, RuntimeException
+            _batch_fixed_in_graph(info.path, runtime, x, batch, err)
+            raise
+        names = output_names(len(original), runtime.output_names)
+        runtime.close()
+        exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
+        self.headline += f" ({which})"
+        ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
+        check_reference(ref)
+        return ref
+
+    def fold(self, ref: Reference) -> tuple[Written, Tensors, Tensors, list[Any]]:
+        """Of the candidate's ``.onnx`` and the prepared original's float64 fold (``onnx_original.stored_tensors``)."""
+        from slabconv.verify import onnx_original
+
+        self.folded = onnx_original.onnx_fold64(self.side.onnx.path, self.candidate.onnx, keep_original=True)
+        original = onnx_original.stored_tensors(self.folded.original, float64=True)
+        fold = onnx_original.stored_tensors(self.folded.fused, float64=True)
+        removed = [p.site for p in self.folded.plans if p.decision.action.startswith("folded")]
+        return _onnx_tensors(self.candidate.onnx.path), original, fold, removed
+
+    def question_1(
+        self, ref: Reference, original: Tensors, fold: Tensors, first: Written, progress: Progress, keep: bool
+    ) -> list[Any]:
+        """Question 1: the float64 fold (``fold``: its stored tensors) against the original in float64 (the fold
+        alone, never simplified), and the candidate's tensors (``first``: its ``.onnx``'s, read already) against
+        that fold rounded to their dtypes. The original it is held to is the graph the engine planned
+        (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a ``weight_norm``'s ``g * v
+        / ||v||``, folded into a constant at the file's precision, as its runtime computes it on every call), in
+        float64: the fold alone is judged, and question 2 holds the written file to the original as the file was. A
+        candidate ``fuse --simplify`` wrote is held to the fold in the file's dtypes simplified by the same
+        simplifiers at that precision, and that fold, before simplification, to the float64 fold
+        (``onnx_original.onnx_fold64``): every written tensor is checked, the ones the simplifiers computed against
+        the simplifiers' own result (their numbers are question 2's to judge). The localisation makes its own fold
+        (``keep`` is ``ModelReference``'s)."""
+        from slabconv.verify import onnx_original
+
+        progress("verifying: question 1, is the fold exact?")
+        folded, self.folded = self.folded, None
+        assert ref.exact is not None
+        x1, _, total = exact_samples(ref.x, ref.exact)
+        outputs = onnx_original.run_float64(folded.fused, x1, ref.dtype, ref.batch)
+        exact1 = onnx_original.run_float64(folded.original, x1, ref.dtype, ref.batch)
+        name = self.candidate.onnx.path.name
+        checks = [judge.exact_graphs(ref.names, outputs, exact1, of=total)]
+        if folded.simplified is None:
+            return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", first.tensors, fold,
+                                                 file=name)]  # fmt: skip
+        rounded = onnx_original.stored_tensors(folded.rounded)
+        simplifiers = ", ".join(folded.simplified_by or [])
+        if folded.simplified_by != folded.simplifiers:  # another release here than the one that simplified the file
+            simplifiers += f"; the file names {', '.join(folded.simplifiers or [])}"
+        return [
+            *checks,
+            judge.exact_tensors("the fold in the file's dtypes, before --simplify, vs a float64 fold of the reference",
+                                rounded, fold),
+            judge.exact_tensors(
+                f"{name} vs that fold simplified at the file's precision ({simplifiers})",
+                first.tensors, onnx_original.stored_tensors(folded.simplified, float64=True),
+                against="that fold, simplified", file=name,
+            ),
+        ]  # fmt: skip
+
+
+REFERENCES: dict[str, type[ModelReference | OnnxReference]] = {"model": ModelReference, "onnx": OnnxReference}
+"""The reference adapter of each kind of reference side (``_whole`` verifies a ``folder`` as its fused model)."""
 
 
 def _batch_fixed_in_graph(path: Path, runtime: Runtime, x: Inputs, batch: int | None, err: Exception) -> None:
@@ -469,27 +585,6 @@ def _a_fold_lacks_its_norms(
     return not candidate.unfused
 
 
-def _question_1_torch(
-    ref: Reference, fused64: Any, original: Tensors, fold: Tensors, candidate: Side, first: Written, progress: Progress
-) -> list[Any]:
-    """Question 1 for a torch reference: the float64 fold's graph, then the tensors of every file the candidate
-    holds against that fold rounded to their dtypes (``written_files``; ``first``: the first file's, read already):
-    a folder's weights, and its ``model.onnx`` too (by value where the exporter renamed a tensor), one file at a
-    time: each is deployed on its own, and a runtime's rounding (OpenVINO's bfloat16) can hide a changed weight
-    from question 2. ``original``, ``fold``: the float64 original's and the float64 fold's tensors by name
-    (``engine.fused_state_dict`` of ``ref.original64`` and of ``fused64``)."""
-    progress("verifying: question 1, is the fold exact?")
-    graph = question_1_graph(ref, fused64)
-    checks = [graph]
-    for i, (name, read) in enumerate(written_files(candidate)):
-        written = first if i == 0 else read()
-        unchanged = unchanged_tensors(original, fold) if written.by_value else frozenset()
-        checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", written.tensors, fold,
-                                          by_value=written.by_value, unchanged=unchanged, file=name))  # fmt: skip
-        del written
-    return checks
-
-
 def _program_tensors(checkpoint: Any) -> dict[str, torch.Tensor]:
     """A ``.pt2``'s stored tensors by name: its state_dict and its constants (the non-persistent buffers, such as
     a Swin block's attention mask, ``torch.export`` keeps among the constants)."""
@@ -525,48 +620,6 @@ def _onnx_tensors(path: Path) -> Written:
     from slabconv.verify.onnx_original import float_tensors
 
     return Written(float_tensors(path), True)
-
-
-def _question_1_onnx(
-    folded: Any, fold: Tensors, reference: Reference, candidate: Side, first: Written, progress: Progress
-) -> list[Any]:
-    """Question 1 for an ONNX reference: its float64 fold (``folded``: ``onnx_fold64`` of the reference for
-    this candidate; ``fold``: its stored tensors in float64, ``onnx_original.stored_tensors``) against it in
-    float64 (the fold alone, never simplified), and the candidate's tensors (``first``: its ``.onnx``'s, read
-    already) against that fold rounded to their dtypes. The original it is held
-    to is the graph the engine planned (``onnx_lower.prepare``: a weight the exporter computes from constants, such as a
-    ``weight_norm``'s ``g * v / ||v||``, folded into a constant at the file's precision, as its runtime computes it
-    on every call), in float64: the fold alone is judged, and question 2 holds the written file to the original as
-    the file was. A candidate ``fuse --simplify`` wrote is
-    held to the fold in the file's dtypes simplified by the same simplifiers at that precision, and that fold, before
-    simplification, to the float64 fold (``onnx_original.onnx_fold64``): every written tensor is checked, the ones the
-    simplifiers computed against the simplifiers' own result (their numbers are question 2's to judge)."""
-    from slabconv.verify import onnx_original
-
-    progress("verifying: question 1, is the fold exact?")
-    assert reference.exact is not None
-    x1, _, total = exact_samples(reference.x, reference.exact)
-    outputs = onnx_original.run_float64(folded.fused, x1, reference.dtype, reference.batch)
-    exact1 = onnx_original.run_float64(folded.original, x1, reference.dtype, reference.batch)
-    written = first.tensors
-    name = candidate.onnx.path.name
-    checks = [judge.exact_graphs(reference.names, outputs, exact1, of=total)]
-    if folded.simplified is None:
-        return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", written, fold, file=name)]
-    rounded = onnx_original.stored_tensors(folded.rounded)
-    simplifiers = ", ".join(folded.simplified_by or [])
-    if folded.simplified_by != folded.simplifiers:  # another release here than the one that simplified the file
-        simplifiers += f"; the file names {', '.join(folded.simplifiers or [])}"
-    return [
-        *checks,
-        judge.exact_tensors("the fold in the file's dtypes, before --simplify, vs a float64 fold of the reference",
-                            rounded, fold),
-        judge.exact_tensors(
-            f"{name} vs that fold simplified at the file's precision ({simplifiers})",
-            written, onnx_original.stored_tensors(folded.simplified, float64=True), against="that fold, simplified",
-            file=name,
-        ),
-    ]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- file checks
@@ -714,52 +767,21 @@ def _whole(
             "are not the same model"
         )
     progress("verifying: the reference in its dtype and in float64")
-    x, label, digest = _inputs(reference, candidate, load, opts)
-    verification = Verification(inputs=label, inputs_sha256=digest)
-    token_logits = (
-        bool(reference.loaded.token_input)
-        if reference.loaded is not None
-        else bool(reference.onnx and reference.onnx.token_input)
-    )
-    first: Written | None = None
-    if reference.kind == "onnx":
-        ref, which = _onnx_reference(reference, x, label, digest, fusing=just_folded)
-        verification.reference = f"the reference ONNX graph in float64 ({which})"
-        fused64 = folded = None
-        if related:
-            from slabconv.verify import onnx_original
-
-            folded = onnx_original.onnx_fold64(reference.onnx.path, candidate.onnx, keep_original=True)
-            first = _onnx_tensors(candidate.onnx.path)
-            original = onnx_original.stored_tensors(folded.original, float64=True)
-            fold = onnx_original.stored_tensors(folded.fused, float64=True)
-            removed = [p.site for p in folded.plans if p.decision.action.startswith("folded")]
-            related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
-    else:
-        affine = norm_affine(reference, candidate, load)
-        ref, fused64, decisions64, notes = _torch_reference(reference, candidate, x, label, digest, related, affine)
-        verification.reference = "the reference model in float64 (pytorch)"
-        verification.notes += notes
-        if related:
-            assert ref.original64 is not None
-            first = written_files(candidate)[0][1]()
-            original, fold = engine.fused_state_dict(ref.original64), engine.fused_state_dict(fused64)
-            folded_away = {d.norm for d in decisions64 if d.action.startswith("folded")}
-            removed = [site for site in engine.find_norms(ref.original64) if site.name in folded_away]
-            related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
-        if reference.decisions is not None and related:
-            verification.notes += decisions_note(reference.decisions, decisions64)
+    adapter = REFERENCES[reference.kind](reference, candidate, load)
+    ref = adapter.run(opts, related, fusing=just_folded)
+    token_logits = bool((reference.loaded or reference.onnx).token_input)
+    verification = Verification(inputs=ref.label, inputs_sha256=ref.sha256)
+    verification.reference = adapter.headline
+    verification.notes += adapter.notes
+    if related:
+        first, original, fold, removed = adapter.fold(ref)
+        related = _a_fold_lacks_its_norms(candidate, first, removed, original, fold, just_folded)
+    if reference.decisions is not None and related:
+        verification.notes += decisions_note(reference.decisions, adapter.decisions64)
     verification.notes += ref.notes
     if related:
-        assert first is not None
-        if reference.kind == "onnx":
-            verification.exact += _question_1_onnx(folded, fold, ref, candidate, first, progress)
-        else:
-            verification.exact += _question_1_torch(ref, fused64, original, fold, candidate, first, progress)
-            if localize or not all(c.passed for c in verification.exact):
-                assert ref.original64 is not None and fused64 is not None
-                reference.fold64 = Float64Fold(ref.original64, fused64, decisions64, reference.traced()[0], affine)
-        del fused64, first, original, fold
+        verification.exact += adapter.question_1(ref, original, fold, first, progress, keep=localize)
+        del first, original, fold
     else:
         # a candidate related as given but lacking its fold's norms (``_a_fold_lacks_its_norms``): said of its norms
         verification.question_2_only(unrelated or sides.why_not_a_fold(reference, candidate))
@@ -813,8 +835,8 @@ def _int8(
 ) -> Any:
     """The int8 check (``slabconv.verify.int8.check_int8``) of the reference's and the candidate's ``.onnx``,
     quantized alike and calibrated on ``opts.calibration`` or the verification inputs: a reference that is not an
-    ``.onnx`` is exported to ONNX in its dtype (``run.export_original``: once, the export question 2's runtimes
-    run the original from too).
+    ``.onnx`` (``ref.onnx``) is exported to ONNX in its dtype (``run.export_original``: once, the export question
+    2's runtimes run the original from too).
 
     Raises:
         InputError: an unreadable calibration file; outputs that cannot be judged (``compare_int8``).
@@ -829,10 +851,8 @@ def _int8(
         calibration = _calibration(ref, opts.calibration)
         label = str(opts.calibration)
     name = f"int8 @ {backend.name}"
-    if reference.kind == "onnx":
-        original = reference.onnx.path
-    else:
-        original = export_original(reference.built(load), ref.exported, required=True)
+    original = ref.onnx or export_original(reference.built(load), ref.exported, required=True)
+    assert original is not None  # required: export_original raises where it cannot export
     try:
         return check_int8(
             name, original, candidate.onnx.path, ref.x, ref.original, ref.exact, calibration=calibration,

@@ -220,10 +220,11 @@ def _metadata(path: Path) -> dict[str, str]:
     return {p.key: p.value for p in proto.metadata_props}
 
 
-def simplified(path: Path) -> list[str] | None:
-    """The simplifiers ``--simplify`` ran on the ``.onnx`` file at ``path`` (``SIMPLIFIED_KEY``: ``["onnxscript
-    0.7.2", "onnxslim 0.1.98"]``), or None when it was not simplified (or is no file slabconv wrote)."""
-    marks = _metadata(path).get(SIMPLIFIED_KEY)
+def simplified(proto: Any) -> list[str] | None:
+    """The simplifiers ``--simplify`` ran on an ``.onnx`` file, read from its ``onnx.ModelProto`` (``proto``, its
+    ``metadata_props``: ``SIMPLIFIED_KEY``, ``["onnxscript 0.7.2", "onnxslim 0.1.98"]``), or None when it was not
+    simplified (or is no file slabconv wrote)."""
+    marks = next((p.value for p in proto.metadata_props if p.key == SIMPLIFIED_KEY), None)
     return [s.strip() for s in marks.split(",") if s.strip()] if marks else None
 
 
