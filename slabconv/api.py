@@ -312,9 +312,8 @@ def _streamed_sides(
     from slabconv.verify.generate_streamed import check_generation_fits
 
     ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
-    if opts.generate or opts.inputs is not None:
-        sequences = opts.sample_count(streamed=True)
-        check_generation_fits(reference, opts.generate, sequences, opts.seed, inputs=opts.inputs, limit=opts.samples)
+    sequences = opts.sample_count(streamed=True)  # the inputs (--inputs, holdout.npz) are read whatever the steps
+    check_generation_fits(reference, opts.generate, sequences, opts.seed, inputs=opts.inputs, limit=opts.samples)
     if sides.folded_from(ref, cand):
         progress("planning the reference's fold, for question 1")
         affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)

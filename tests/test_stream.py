@@ -1367,3 +1367,27 @@ def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as
     assert result.exit_code == 0, result.output
     checked = json.loads(result.stdout)["verification"]
     assert checked["inputs_sha256"] == digest and checked["inputs"] == str(tmp_path / "x.npz"), checked["inputs"]
+
+
+def test_a_holdout_npz_in_the_folder_is_the_inputs_in_memory_as_streamed(folded, tmp_path):
+    """``holdout.npz`` in the original's folder is the checks' inputs whichever mode folds it: in memory it was, and
+    ``fuse --stream`` drew seeded random sequences beside it. A holdout the model cannot take is refused before any
+    work in both modes."""
+    import shutil
+
+    import numpy as np
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    np.savez(src / "holdout.npz", x=tokens(batch=3, seq=6, seed=5).numpy())
+    holdout = str(src / "holdout.npz")
+    for name, write in (("streamed", STREAM), ("memory", WriteOptions(onnx=False, pt2=False))):
+        report = api.fuse(src, tmp_path / name, verify=VerifyOptions(generate=2), write=write)
+        checked = report.verification
+        assert checked is not None and checked.passed and holdout in checked.inputs, (name, checked.inputs)
+        assert checked.generation["sequences"] == 3, (name, checked.generation)
+    np.savez(src / "holdout.npz", x=tokens(batch=3, seq=6, seed=5).numpy() + TINY.vocab_size)
+    for name, write in (("streamed-bad", STREAM), ("memory-bad", WriteOptions(onnx=False, pt2=False))):
+        with pytest.raises(InputError, match="outside the model's vocabulary"):
+            api.fuse(src, tmp_path / name, verify=VerifyOptions(generate=0), write=write)
+        assert not (tmp_path / name).exists()

@@ -62,9 +62,7 @@ def choose_inputs(
     shape = loaded.input_shape if loaded is not None else input_shape
     path = Path(inputs) if inputs else None
     if path is None and loaded is not None:
-        ckpt_path = loaded.checkpoint.path
-        beside = (ckpt_path if ckpt_path.is_dir() else ckpt_path.parent) / "holdout.npz"
-        path = beside if beside.exists() else None
+        path = holdout_beside(loaded.checkpoint.path)
     if path is None:
         if shape is None:
             raise UsageError("the input shape is not fixed by the models; pass --inputs NPZ or --input-shape C,H,W")
@@ -86,6 +84,13 @@ def choose_inputs(
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
+
+
+def holdout_beside(checkpoint: Path) -> Path | None:
+    """The ``holdout.npz`` beside a checkpoint file or in a model folder, the inputs of every mode (in memory and
+    ``--stream``) when ``--inputs`` is not given; None where there is none."""
+    beside = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "holdout.npz"
+    return beside if beside.exists() else None
 
 
 def read_inputs_file(
