@@ -318,7 +318,8 @@ def _streamed_sides(
         progress("planning the reference's fold, for question 1")
         affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
         src = open_sharded(reference, FOLD_BLOCK)  # as fuse --stream opens it
-        ref.program = plan_sharded(src.shards, src.config, None, src.sha256, norm_affine=affine)[1].program
+        digest = ref.source.sha256 or ""  # the folder's, hashed once (``hf.folder_sha256``)
+        ref.program = plan_sharded(src.shards, src.config, None, digest, norm_affine=affine)[1].program
     return ref, cand
 
 

@@ -1391,3 +1391,18 @@ def test_a_holdout_npz_in_the_folder_is_the_inputs_in_memory_as_streamed(folded,
         with pytest.raises(InputError, match="outside the model's vocabulary"):
             api.fuse(src, tmp_path / name, verify=VerifyOptions(generate=0), write=write)
         assert not (tmp_path / name).exists()
+
+
+def test_the_source_digest_is_the_folders_in_memory_as_streamed(folded):
+    """``source.sha256`` of one folder is one digest whichever mode reads it (``hf.folder_sha256``: config.json, the
+    index and every shard): a streamed fold recorded the index's alone, which names no weight value, so the two
+    report.json of one folder disagreed. The index's own digest stays as ``index_sha256``."""
+    root, _, _, report, memory = folded
+    src = root / "src"
+    whole = hf.read_hf_folder(src).sha256()
+    assert report.source.sha256 == memory.source.sha256 == whole
+    assert report.source.extra["index_sha256"] == sha256_file(src / hf.SAFETENSORS_INDEX) != whole
+    written = hf.read_hf_folder(root / "out").metadata["source_sha256"]
+    assert written == hf.read_hf_folder(root / "mem").metadata["source_sha256"] == whole
+    streamed = api.verify(src, root / "out", verify=VerifyOptions(generate=0), stream=True)
+    assert streamed.reference is not None and streamed.reference.sha256 == whole
