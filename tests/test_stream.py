@@ -1406,3 +1406,33 @@ def test_the_source_digest_is_the_folders_in_memory_as_streamed(folded):
     assert written == hf.read_hf_folder(root / "mem").metadata["source_sha256"] == whole
     streamed = api.verify(src, root / "out", verify=VerifyOptions(generate=0), stream=True)
     assert streamed.reference is not None and streamed.reference.sha256 == whole
+
+
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["memory", "stream"])
+def test_shards_in_a_subfolder_are_refused_saying_where_slabconv_reads_them(folded, tmp_path, mode):
+    """An index naming ``sub/model-....safetensors`` (transformers loads it) was refused as 'not a file name inside
+    the folder', which it is: the message now says the shards are in a subfolder and how to lay them out. A path
+    leaving the folder keeps its refusal."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+    from tests import errordoc
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    index = json.loads((src / hf.SAFETENSORS_INDEX).read_text())
+    (src / "sub").mkdir()
+    for name in set(index["weight_map"].values()):
+        (src / name).rename(src / "sub" / name)
+    nested = {k: f"sub/{v}" for k, v in index["weight_map"].items()}
+    leaving = {k: f"../{v}" for k, v in index["weight_map"].items()}
+    cases = ((nested, "is in a subfolder; slabconv reads shards beside their index"),
+             (leaving, "is not a file name inside the folder"))  # fmt: skip
+    for names, said in cases:
+        (src / hf.SAFETENSORS_INDEX).write_text(json.dumps({**index, "weight_map": names}))
+        result = CliRunner().invoke(app, ["fuse", str(src), "--no-onnx", "--out", str(tmp_path / "out"), *mode])
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.exit_code == 2 and len(lines) == 1 and said in lines[0], result.output
+        assert errordoc.documented(lines[0]) and not (tmp_path / "out").exists()

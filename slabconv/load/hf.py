@@ -258,6 +258,12 @@ def read_index(index: Path, digests: dict[Path, str] | None = None) -> dict[str,
         raise InputError(f"{index}: no 'weight_map' (parameter name -> shard file); the index is damaged")
     for key, name in weight_map.items():
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            parts = Path(name).parts if isinstance(name, str) else ()
+            if len(parts) > 1 and not Path(name).is_absolute() and ".." not in parts:  # transformers reads these
+                raise InputError(
+                    f"{index}: shard {name!r} for {key!r} is in a subfolder; slabconv reads shards beside their index, "
+                    "as save_pretrained writes them: move them there and name them by file name in the weight_map"
+                )
             raise InputError(f"{index}: shard {name!r} for {key!r} is not a file name inside the folder; refused")
     return weight_map
 
