@@ -312,14 +312,14 @@ def _streamed_sides(
     from slabconv.verify.generate_streamed import check_generation_fits
 
     ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
-    if opts.generate or opts.inputs is not None:
-        sequences = opts.sample_count(streamed=True)
-        check_generation_fits(reference, opts.generate, sequences, opts.seed, inputs=opts.inputs, limit=opts.samples)
+    sequences = opts.sample_count(streamed=True)  # the inputs (--inputs, holdout.npz) are read whatever the steps
+    check_generation_fits(reference, opts.generate, sequences, opts.seed, inputs=opts.inputs, limit=opts.samples)
     if sides.folded_from(ref, cand):
         progress("planning the reference's fold, for question 1")
         affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
         src = open_sharded(reference, FOLD_BLOCK)  # as fuse --stream opens it
-        ref.program = plan_sharded(src.shards, src.config, None, src.sha256, norm_affine=affine)[1].program
+        digest = ref.source.sha256 or ""  # the folder's, hashed once (``hf.folder_sha256``)
+        ref.program = plan_sharded(src.shards, src.config, None, digest, norm_affine=affine)[1].program
     return ref, cand
 
 

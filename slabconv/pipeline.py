@@ -785,7 +785,7 @@ class Streamed(_TorchDoor):
         self.require_transformers(verify, write)
         if self.hf_folder and self.planned.program is not None:
             _check_one_dtype(self.sharded, self.planned.program)
-        if verify is not None and (verify.generate != 0 or verify.inputs is not None) and self.hf_folder:
+        if verify is not None and self.hf_folder:  # the inputs (--inputs, holdout.npz) are read whatever the steps
             from slabconv.verify.generate_streamed import check_generation_fits
 
             folder, sequences = self.sharded.shards.folder, verify.sample_count(streamed=True)

@@ -322,11 +322,12 @@ def test_a_standard_decoder_whose_config_leaves_out_its_sizes_gets_them_in_the_f
     assert report.verification.generation is not None and report.verification.generation["passed"]
 
 
-def test_a_standard_llama_saved_with_its_rotary_buffers_folds_as_transformers_loads_it(tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["in-memory", "streamed"])
+def test_a_standard_llama_saved_with_its_rotary_buffers_folds_as_transformers_loads_it(tmp_path, stream):
     """transformers before 4.31 saved each layer's ``rotary_emb.inv_freq`` buffer in LLaMA checkpoints; it still
     loads such folders (it recomputes the buffer from ``rope_theta``), as slabconv reads LLaMA-PRepBN's. A standard
-    LLaMA with them was refused ('does not fit architecture llama: unexpected keys'); it folds, and the fused folder
-    is transformers' layout, without them."""
+    LLaMA with them was refused ('does not fit architecture llama: unexpected keys'); it folds, in memory and
+    streamed from shards, and the fused folder is transformers' layout, without them."""
     from safetensors.torch import load_file
 
     from slabconv import api
@@ -334,9 +335,11 @@ def test_a_standard_llama_saved_with_its_rotary_buffers_folds_as_transformers_lo
 
     model = _standard_llama(persistent_rope=True)
     assert sum(k.endswith("rotary_emb.inv_freq") for k in model.state_dict()) == 2
-    write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG)
-    load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False)
+    write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG, max_shard_bytes=16384)
+    load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False, stream=stream)
     report = api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=VerifyOptions(generate=2), write=write)
+    assert report.mode == ("streamed" if stream else "in-memory")
     assert report.verification is not None and report.verification.passed
     assert report.verification.generation is not None and report.verification.generation["passed"]
-    assert not [k for k in load_file(str(tmp_path / "out" / "model.safetensors")) if "inv_freq" in k]
+    written = {k for shard in (tmp_path / "out").glob("*.safetensors") for k in load_file(str(shard))}
+    assert written and not [k for k in written if "inv_freq" in k]

@@ -666,3 +666,32 @@ def test_a_plain_onnx_model_still_verifies(tmp_path: Path) -> None:
 def test_a_fifo_as_an_onnx_side_of_verify_is_not_a_regular_file(tmp_path: Path) -> None:
     model = tiny_onnx(tmp_path / "ok")
     no_hang(["verify", str(model), str(fifo(tmp_path / "cand.onnx"))], "not a regular file (a FIFO", tmp_path)
+
+
+@pytest.mark.parametrize("value", [3.7, 3.0])
+@pytest.mark.parametrize("how", ["in memory", "--stream", "onnx original", "holdout.npz"])
+def test_token_ids_saved_as_floats_are_refused_naming_the_file_the_key_and_the_dtype(
+    tmp_path: Path, how: str, value: float
+) -> None:
+    """Token ids in a float array were cast to int64 unseen (3.7 ran as token 3): refused before anything runs, in
+    every mode and door, whole-valued or not (the message says how to save them)."""
+    from tests.test_read_safety3 import _gather_model
+
+    ids = np.full((2, 8), value, np.float32)
+    npz = save_npz(tmp_path / "ids.npz", x=ids)
+    if how == "onnx original":
+        model = _gather_model(tmp_path / "lm.onnx")
+        args = ["fuse", str(model), "--out", str(tmp_path / "out"), "--inputs", str(npz)]
+    elif how == "holdout.npz":
+        folder = llama_folder(tmp_path)
+        npz = save_npz(folder / "holdout.npz", x=ids)
+        args = ["fuse", str(folder), "--stream", "--no-onnx", "--out", str(tmp_path / "out")]
+    else:
+        folder = llama_folder(tmp_path)
+        args = ["verify", str(folder), str(folder), "--inputs", str(npz), *(["--stream"] if how == "--stream" else [])]
+    result = runner.invoke(app, args)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert "array 'x' has dtype float32, but the model takes integer token ids" in lines[0], lines[0]
+    assert str(npz) in lines[0] and errordoc.documented(lines[0])
+    assert not (tmp_path / "out").exists()

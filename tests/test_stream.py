@@ -1367,3 +1367,72 @@ def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as
     assert result.exit_code == 0, result.output
     checked = json.loads(result.stdout)["verification"]
     assert checked["inputs_sha256"] == digest and checked["inputs"] == str(tmp_path / "x.npz"), checked["inputs"]
+
+
+def test_a_holdout_npz_in_the_folder_is_the_inputs_in_memory_as_streamed(folded, tmp_path):
+    """``holdout.npz`` in the original's folder is the checks' inputs whichever mode folds it: in memory it was, and
+    ``fuse --stream`` drew seeded random sequences beside it. A holdout the model cannot take is refused before any
+    work in both modes."""
+    import shutil
+
+    import numpy as np
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    np.savez(src / "holdout.npz", x=tokens(batch=3, seq=6, seed=5).numpy())
+    holdout = str(src / "holdout.npz")
+    for name, write in (("streamed", STREAM), ("memory", WriteOptions(onnx=False, pt2=False))):
+        report = api.fuse(src, tmp_path / name, verify=VerifyOptions(generate=2), write=write)
+        checked = report.verification
+        assert checked is not None and checked.passed and holdout in checked.inputs, (name, checked.inputs)
+        assert checked.generation["sequences"] == 3, (name, checked.generation)
+    np.savez(src / "holdout.npz", x=tokens(batch=3, seq=6, seed=5).numpy() + TINY.vocab_size)
+    for name, write in (("streamed-bad", STREAM), ("memory-bad", WriteOptions(onnx=False, pt2=False))):
+        with pytest.raises(InputError, match="outside the model's vocabulary"):
+            api.fuse(src, tmp_path / name, verify=VerifyOptions(generate=0), write=write)
+        assert not (tmp_path / name).exists()
+
+
+def test_the_source_digest_is_the_folders_in_memory_as_streamed(folded):
+    """``source.sha256`` of one folder is one digest whichever mode reads it (``hf.folder_sha256``: config.json, the
+    index and every shard): a streamed fold recorded the index's alone, which names no weight value, so the two
+    report.json of one folder disagreed. The index's own digest stays as ``index_sha256``."""
+    root, _, _, report, memory = folded
+    src = root / "src"
+    whole = hf.read_hf_folder(src).sha256()
+    assert report.source.sha256 == memory.source.sha256 == whole
+    assert report.source.extra["index_sha256"] == sha256_file(src / hf.SAFETENSORS_INDEX) != whole
+    written = hf.read_hf_folder(root / "out").metadata["source_sha256"]
+    assert written == hf.read_hf_folder(root / "mem").metadata["source_sha256"] == whole
+    streamed = api.verify(src, root / "out", verify=VerifyOptions(generate=0), stream=True)
+    assert streamed.reference is not None and streamed.reference.sha256 == whole
+
+
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["memory", "stream"])
+def test_shards_in_a_subfolder_are_refused_saying_where_slabconv_reads_them(folded, tmp_path, mode):
+    """An index naming ``sub/model-....safetensors`` (transformers loads it) was refused as 'not a file name inside
+    the folder', which it is: the message now says the shards are in a subfolder and how to lay them out. A path
+    leaving the folder keeps its refusal."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from slabconv.cli import app
+    from tests import errordoc
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    index = json.loads((src / hf.SAFETENSORS_INDEX).read_text())
+    (src / "sub").mkdir()
+    for name in set(index["weight_map"].values()):
+        (src / name).rename(src / "sub" / name)
+    nested = {k: f"sub/{v}" for k, v in index["weight_map"].items()}
+    leaving = {k: f"../{v}" for k, v in index["weight_map"].items()}
+    cases = ((nested, "is in a subfolder; slabconv reads shards beside their index"),
+             (leaving, "is not a file name inside the folder"))  # fmt: skip
+    for names, said in cases:
+        (src / hf.SAFETENSORS_INDEX).write_text(json.dumps({**index, "weight_map": names}))
+        result = CliRunner().invoke(app, ["fuse", str(src), "--no-onnx", "--out", str(tmp_path / "out"), *mode])
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert result.exit_code == 2 and len(lines) == 1 and said in lines[0], result.output
+        assert errordoc.documented(lines[0]) and not (tmp_path / "out").exists()

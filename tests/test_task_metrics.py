@@ -5,6 +5,7 @@ floor). The fixture end to end, in every runtime that generates, is in ``tests/t
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -105,3 +106,30 @@ def test_a_static_batch_original_is_scored_in_its_recorded_batch(text_fused_plai
     assert t["passed"] and t["sequences"] == 5 and len(t["runs"]) == 2
     whole = check_task_metrics(model, text_fused_plain, ids, onnx=False)
     assert [r["perplexity"] for r in t["runs"]] == pytest.approx([r["perplexity"] for r in whole["runs"]], rel=1e-9)
+
+
+def test_a_fused_folder_in_a_narrower_dtype_is_held_to_the_original_cast_to_it(tmp_path):
+    """A float16 fused folder of a float32 original: question 2 holds it to the original cast to float16 (a note
+    says so), and the task metrics held it to the float32 original's own error, so a fold question 2 passed failed
+    its task metrics. Both now judge it by the same rule; the baseline run is named in float16."""
+    from safetensors.torch import load_file, save_file
+
+    from slabconv import api
+    from slabconv.options import VerifyOptions, WriteOptions
+    from tests.hfwrite import write_hf_folder
+    from tests.test_llama import TINY_CONFIG, tiny_model
+
+    write_hf_folder(tmp_path / "src", tiny_model().state_dict(), {**TINY_CONFIG, "torch_dtype": "float32"})
+    api.fuse(tmp_path / "src", tmp_path / "fused", verify=None, write=WriteOptions(onnx=False, pt2=False))
+    weights = tmp_path / "fused" / "model.safetensors"
+    with open(weights, "rb") as f:
+        metadata = json.loads(f.read(int.from_bytes(f.read(8), "little")))["__metadata__"]
+    metadata["source_sha256"] = "0" * 64  # cast by hand, not a fold of src: question 2 alone
+    save_file({k: v.half() for k, v in load_file(str(weights)).items()}, str(weights), metadata=metadata)
+    config = json.loads((tmp_path / "fused" / "config.json").read_text()) | {"torch_dtype": "float16"}
+    (tmp_path / "fused" / "config.json").write_text(json.dumps(config | {"dtype": "float16"}))
+    report = api.verify(tmp_path / "src", tmp_path / "fused", verify=VerifyOptions(generate=2))
+    checked = report.verification
+    assert checked is not None and checked.task_metrics is not None, checked
+    assert checked.task_metrics["passed"] and checked.passed, checked.task_metrics
+    assert [run["name"] for run in checked.task_metrics["runs"]][0] == "original float16 (pytorch)"

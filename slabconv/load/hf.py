@@ -80,8 +80,25 @@ class HFFolder:
 
     def sha256(self) -> str:
         """One digest of the folder's contents: sha256 over ``<name> <sha256 of file>`` lines of ``files``, each
-        file's sha256 taken from the bytes that were read from it (``digests``; a file not read here is hashed)."""
+        file's sha256 taken from the bytes that were read from it (``digests``; a file not read here is hashed).
+        The same digest as ``folder_sha256``, which a streamed fold records."""
         return files_sha256(self.files, self.digests)
+
+
+def folder_sha256(folder: Path) -> str:
+    """The report's ``source.sha256`` of a model folder, in memory (``HFFolder.sha256``) and ``--stream`` alike:
+    sha256 over ``<name> <sha256 of file>`` lines of ``config.json`` (where the folder has one), the index (sharded)
+    and the weight files in the index's first-mention order (``util.files_sha256``). Reads every weight file once.
+
+    Raises:
+        InputError: no weights in the folder; an index naming a missing shard (``shard_paths``).
+    """
+    found = hf_weights_file(folder)
+    if found is None:
+        raise InputError(f"{folder}: no weights found; expected one of {', '.join(name for name, _ in LAYOUTS)}")
+    entry, fmt = found
+    files = [folder / CONFIG] if (folder / CONFIG).is_file() else []
+    return files_sha256([*files, entry, *shard_paths(entry)] if fmt.endswith("-sharded") else [*files, entry])
 
 
 def hub_blobs(folder: Path) -> Path | None:
@@ -241,6 +258,12 @@ def read_index(index: Path, digests: dict[Path, str] | None = None) -> dict[str,
         raise InputError(f"{index}: no 'weight_map' (parameter name -> shard file); the index is damaged")
     for key, name in weight_map.items():
         if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            parts = Path(name).parts if isinstance(name, str) else ()
+            if len(parts) > 1 and not Path(name).is_absolute() and ".." not in parts:  # transformers reads these
+                raise InputError(
+                    f"{index}: shard {name!r} for {key!r} is in a subfolder; slabconv reads shards beside their index, "
+                    "as save_pretrained writes them: move them there and name them by file name in the weight_map"
+                )
             raise InputError(f"{index}: shard {name!r} for {key!r} is not a file name inside the folder; refused")
     return weight_map
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -173,21 +174,28 @@ class ShardedFolder:
         shard_names: the shard files, in index order (``["model.safetensors"]`` for a single file).
         index: ``model.safetensors.index.json``, or the single ``model.safetensors``.
         config: ``config.json`` (empty when the folder has none: the architecture is then detected or ``--arch``).
-        sha256: of the index (the shards are named by it), or of the single file.
     """
 
     shards: LazyShards
     shard_names: list[str]
     index: Path
     config: dict[str, Any]
-    sha256: str
+
+    @cached_property
+    def sha256(self) -> str:
+        """The folder's digest, as an in-memory fold records it (``hf.folder_sha256``: every file read once)."""
+        from slabconv.load.hf import folder_sha256
+
+        return folder_sha256(self.shards.folder)
 
     def source(self, arch: str | None) -> Source:
-        """The report's ``source`` block: format ``hf-safetensors-sharded`` (the index's sha256, the shards) or
-        ``hf-safetensors`` (one file, its sha256)."""
+        """The report's ``source`` block: format ``hf-safetensors-sharded`` (the shards and the index's sha256
+        beside the folder's) or ``hf-safetensors`` (one file)."""
+        from slabconv.util import sha256_file
+
         dtypes = sorted({str(d).removeprefix("torch.") for d, _ in self.shards.specs().values() if d.is_floating_point})
         sharded = self.sharded
-        extra: dict[str, Any] = {"shards": self.shard_names, "index_sha256": self.sha256} if sharded else {}
+        extra: dict[str, Any] = {"shards": self.shard_names, "index_sha256": sha256_file(self.index)} if sharded else {}
         if "num_hidden_layers" in self.config:
             extra["num_hidden_layers"] = self.config["num_hidden_layers"]
         dtype = dtypes[0] if len(dtypes) == 1 else ",".join(dtypes)
@@ -209,7 +217,6 @@ def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
         UsageError: the folder's weights are not safetensors (``.bin``).
     """
     from slabconv.load import hf
-    from slabconv.util import sha256_file
 
     if not folder.is_dir():
         raise InputError(f"{folder}: not a folder")
@@ -218,4 +225,4 @@ def open_sharded(folder: Path, block_elements: int) -> ShardedFolder:
     config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
     names = list(dict.fromkeys(shards.weight_map.values()))
     hf.check_config_fits(config, {k: shape for k, (_, shape) in shards.specs().items()}, folder)  # headers only
-    return ShardedFolder(shards, names, entry, config, sha256_file(entry))
+    return ShardedFolder(shards, names, entry, config)

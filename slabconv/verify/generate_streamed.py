@@ -117,18 +117,19 @@ def streamed_prompts(source: Folder, sequences: int, seed: int, given: torch.Ten
 
 
 def given_sequences(source: Folder, inputs: Path | str | None, limit: int | None) -> tuple[torch.Tensor, str] | None:
-    """The token rows of ``--inputs`` for a streamed check of the original ``source``: int64 ``(N, T)``, any ``T``
-    from 2 to the model's positions, ids below its vocabulary; the first ``limit`` rows (an explicit ``--samples``);
-    and the report's name for them. None without ``inputs``.
+    """The token rows of ``--inputs``, else of the ``holdout.npz`` in the original's folder (as in memory:
+    ``inputs.holdout_beside``), for a streamed check of the original ``source``: int64 ``(N, T)``, any ``T`` from 2
+    to the model's positions, ids below its vocabulary; the first ``limit`` rows (an explicit ``--samples``); and
+    the report's name for them. None where there is neither.
 
     Raises:
         InputError: as ``inputs.read_inputs_file`` and ``inputs.check_sequences``.
     """
-    if inputs is None:
-        return None
-    from slabconv.verify.inputs import check_sequences, read_inputs_file
+    from slabconv.verify.inputs import check_sequences, holdout_beside, read_inputs_file
 
-    path = Path(inputs)
+    path = Path(inputs) if inputs is not None else holdout_beside(source.path)
+    if path is None:
+        return None
     rows, _ = read_inputs_file(path, None, True, source.family.vocab_size(source.cfg))
     check_sequences(rows, path, source.family.max_positions(source.cfg))
     label = str(path) if limit is None or limit >= len(rows) else f"{path}, its first {limit} of {len(rows)} rows"
@@ -188,7 +189,8 @@ def check_generation_fits(
     limit: int | None = None,
 ) -> None:
     """Refuse, before any work, a streamed check of ``steps`` tokens (None or 0: no check) on ``sequences`` prompts
-    (``streamed_prompts``; those of ``inputs``' first ``limit`` rows where given: ``given_sequences``) of the original
+    (``streamed_prompts``; those of ``inputs``' or the folder's ``holdout.npz``'s first ``limit`` rows where there
+    are some: ``given_sequences``) of the original
     ``folder`` that cannot fit this machine's available memory
     (``streamed_generation_memory``; ``generate.available_memory``). The prompts and steps are those the check
     runs, cut to the model's ``max_position_embeddings`` (``generate.within_positions``).

@@ -62,9 +62,7 @@ def choose_inputs(
     shape = loaded.input_shape if loaded is not None else input_shape
     path = Path(inputs) if inputs else None
     if path is None and loaded is not None:
-        ckpt_path = loaded.checkpoint.path
-        beside = (ckpt_path if ckpt_path.is_dir() else ckpt_path.parent) / "holdout.npz"
-        path = beside if beside.exists() else None
+        path = holdout_beside(loaded.checkpoint.path)
     if path is None:
         if shape is None:
             raise UsageError("the input shape is not fixed by the models; pass --inputs NPZ or --input-shape C,H,W")
@@ -86,6 +84,13 @@ def choose_inputs(
     if limit is not None and limit < len(arr):
         return arr[:limit], f"{path} (its first {limit} of {len(arr)} samples: --samples {limit})", digest
     return arr, str(path), digest
+
+
+def holdout_beside(checkpoint: Path) -> Path | None:
+    """The ``holdout.npz`` beside a checkpoint file or in a model folder, the inputs of every mode (in memory and
+    ``--stream``) when ``--inputs`` is not given; None where there is none."""
+    beside = (checkpoint if checkpoint.is_dir() else checkpoint.parent) / "holdout.npz"
+    return beside if beside.exists() else None
 
 
 def read_inputs_file(
@@ -193,16 +198,17 @@ def read_inputs(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, i
     Raises:
         InputError: not an ``.npz`` / ``.npy``, no array ``x``, an object / complex / text dtype, a header whose
             shape does not fit the stored bytes, more than ``MAX_INPUT_BYTES``, a member compressed more than
-            ``MAX_INFLATION`` times, a shape that is not ``(N, *input_shape)``, or no sample.
+            ``MAX_INFLATION`` times, a shape that is not ``(N, *input_shape)``, no sample, or with ``integer`` a dtype
+            that is not an integer one (token ids saved as floats are refused, not rounded).
     """
     size = os.fstat(f.fileno()).st_size
     head = f.read(6)
     f.seek(0)
     if head.startswith(b"PK"):
-        x = _read_npz(f, path, input_shape)
+        x = _read_npz(f, path, input_shape, integer=integer)
     elif head.startswith(b"\x93NUMPY"):
         shape, dtype, offset = _header(f, path, "the array")
-        _check_array(path, "the array", shape, dtype, size - offset, input_shape)
+        _check_array(path, "the array", shape, dtype, size - offset, input_shape, integer)
         f.seek(0)
         x = _load(lambda: np.load(f, allow_pickle=False), path)
     else:
@@ -240,7 +246,9 @@ def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> t
     return out, digest
 
 
-def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key: str | None = None) -> np.ndarray:
+def _read_npz(
+    f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key: str | None = None, integer: bool = False
+) -> np.ndarray:
     try:
         with zipfile.ZipFile(f) as archive:
             _check_not_a_model(archive, path)
@@ -260,7 +268,7 @@ def _read_npz(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key
                 )
             with archive.open(info) as member:
                 shape, dtype, offset = _header(member, path, f"array {key!r}")
-            _check_array(path, f"array {key!r}", shape, dtype, info.file_size - offset, input_shape)
+            _check_array(path, f"array {key!r}", shape, dtype, info.file_size - offset, input_shape, integer)
             with archive.open(info) as member:
                 return _load(lambda: np.lib.format.read_array(member, allow_pickle=False), path)
     except (zipfile.BadZipFile, OSError, EOFError) as err:
@@ -284,14 +292,26 @@ def _header(fp: IO[bytes], path: Path, what: str) -> tuple[tuple[int, ...], np.d
 
 
 def _check_array(
-    path: Path, what: str, shape: tuple[int, ...], dtype: np.dtype, stored: int, input_shape: tuple[int, ...] | None
+    path: Path,
+    what: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    stored: int,
+    input_shape: tuple[int, ...] | None,
+    integer: bool = False,
 ) -> None:
-    """The checks on a header before its data is read (see ``read_inputs``)."""
+    """The checks on a header before its data is read (see ``read_inputs``); with ``integer`` (token ids) the dtype
+    must be an integer one: float ids are refused, whole-valued or not, rather than cast (3.7 would become 3)."""
     if dtype.hasobject or dtype.kind not in "fiub":
         kind = "complex" if dtype.kind == "c" else "not numbers"
         raise InputError(
             f"{path}: {what} has dtype {dtype} ({kind}); give real float or integer inputs (slabconv does not drop "
             "an imaginary part)"
+        )
+    if integer and dtype.kind not in "iu":
+        raise InputError(
+            f"{path}: {what} has dtype {dtype}, but the model takes integer token ids; save the ids as int64 "
+            "(numpy.savez(path, x=ids.astype(numpy.int64)) once they are whole numbers: slabconv does not round them)"
         )
     needed = math.prod(shape) * dtype.itemsize
     if needed > MAX_INPUT_BYTES:

@@ -28,7 +28,7 @@ from slabconv.errors import InputError, SlabconvError, UnsupportedModelError, Us
 from slabconv.load.fused import FusedMetadata, is_output_folder
 from slabconv.load.source import Source
 from slabconv.options import LoadOptions
-from slabconv.util import files_sha256, sha256_file
+from slabconv.util import sha256_file
 from slabconv.write.hf_llama import MODELING_FILE
 
 
@@ -37,7 +37,7 @@ class Provenance:
     """What a file slabconv wrote records about where it came from.
 
     Attributes:
-        source_sha256: the sha256 of the file (or folder index) it was made from.
+        source_sha256: the sha256 of the file (or folder: ``hf.folder_sha256``) it was made from.
         arch: the architecture, when it records one.
         folded: it is a fold of that source (``fuse``, ``export``); False for ``export --no-fuse``.
         norm_affine: the fold took the affine of the LayerNorms / RMSNorms / GroupNorms too (``--fold-norm-affine``):
@@ -135,9 +135,9 @@ class Side:
         return made if same else None
 
     def digests(self, whole: bool = False) -> set[str]:
-        """Every sha256 that names this side as a source: its own, its files', and for a Hugging Face folder the
-        index a streamed fold records; with ``whole``, also the folder digest an in-memory fold records
-        (``slabconv.load.hf.HFFolder.sha256``: every file hashed, so asked for only when the others do not match)."""
+        """Every sha256 that names this side as a source: its own, its files', and for a Hugging Face folder its
+        weights entry file (the index); with ``whole``, also the folder digest every fold records
+        (``slabconv.load.hf.folder_sha256``: every file hashed, so asked for only when the others do not match)."""
         found = {self.source.sha256 or ""} | set((self.source.extra.get("files_sha256") or {}).values())
         if self.path.is_dir():
             from slabconv.load import hf
@@ -145,11 +145,8 @@ class Side:
             weights = hf.hf_weights_file(self.path)
             if weights is not None:
                 found.add(sha256_file(weights[0]))
-                if whole and (self.path / hf.CONFIG).is_file():
-                    entry, fmt = weights
-                    files = [self.path / hf.CONFIG, entry]
-                    files += hf.shard_paths(entry) if fmt.endswith("-sharded") else []
-                    found.add(files_sha256(files))
+                if whole:
+                    found.add(hf.folder_sha256(self.path))
         return found - {""}
 
     def built(self, load: LoadOptions | None = None) -> Any:
@@ -378,12 +375,13 @@ def streamed_side(folder: Path, program: Any = None) -> Side:
     family = family_of(shards.weight_map)
     found = hf.hf_weights_file(folder)
     assert found is not None
-    digest = sha256_file(found[0])
     arch = family.name
     if family is STANDARD:  # a standard decoder's architecture is its config's model_type (llama, mistral, qwen2)
         config = hf.read_hf_config(folder) if (folder / hf.CONFIG).is_file() else {}
         arch = str(config.get("model_type") or arch)
-    source = Source(str(folder), digest, found[1], arch, extra={"index_sha256": digest})
+    source = Source(
+        str(folder), hf.folder_sha256(folder), found[1], arch, extra={"index_sha256": sha256_file(found[0])}
+    )
     dtype, metadata = _weights_header(found[0])
     provenance = _fused_provenance(metadata, str(found[0]), folder)
     return Side(folder, source, "streamed", provenance=provenance, dtype=dtype or "float32", program=program,

@@ -8,7 +8,7 @@ per-token KL). On the verification sequences (the ``holdout.npz`` beside a check
 forced: every position ``t < T - 1`` predicts the sequence's own token ``t + 1``.
 
 - ``perplexity = exp(mean NLL)`` of each run; the original's in float64 is the reference, the original's in its
-  own dtype the baseline;
+  own dtype the baseline (cast to the fused folder's dtype where that is narrower: question 2's rule);
 - ``KL(P_ref || P_run)`` per position, its mean and its maximum: against the float64 reference (what decides) and
   against the original in its own dtype (``kl_to_original_*``: what users compare; for information).
 
@@ -349,13 +349,15 @@ def check_task_metrics(
 
     transformers = require_transformers()
     ids = _as_ids(token_ids)[:TASK_SEQUENCES].numpy()
+    fused = load_fused_llama(folder)
     dtype = next(original.parameters()).dtype
-    scorer = Scorer(ids, dtype)
     exact = copy.deepcopy(original).to(torch.float64).eval()
+    if fused.dtype.itemsize < dtype.itemsize:  # held to the original cast to the folder's dtype, as question 2 holds it
+        original, dtype = copy.deepcopy(original).to(fused.dtype).eval(), fused.dtype
+    scorer = Scorer(ids, dtype)
     scorer.reference(_batches(torch_logits(exact), ids, batch))
     del exact
     scorer.run(f"original {dtype_name(dtype)} (pytorch)", _batches(torch_logits(original), ids, batch), decides=False)
-    fused = load_fused_llama(folder)
     scorer.run(f"fused {dtype_name(fused.dtype)} (transformers {transformers.__version__})",
                _batches(torch_logits(fused), ids, batch))  # fmt: skip
     del fused
