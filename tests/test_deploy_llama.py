@@ -45,6 +45,8 @@ from tests import onnxcases
 from tests.conftest import ROOT, randomize_norms
 from tests.hfwrite import write_hf_folder
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 TEXT = ROOT / "fixtures" / "text-prepbn"
 DOC = ROOT / "docs" / "deploy.md"
 STEPS = 32

@@ -33,6 +33,8 @@ from tests.foldcheck import TOL, rel_err
 AFFINE = LoadOptions(fold_norm_affine=True)
 C = 16
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 
 def _randomize(model: nn.Module, seed: int) -> nn.Module:
     """Non-unit norm weights in [0.25, 1.75] and biases of order 0.5: every fold changes the weights it reaches."""

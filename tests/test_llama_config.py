@@ -18,6 +18,8 @@ from slabconv.zoo.llama_std import std_config
 from tests.conftest import randomize_norms
 from tests.hfwrite import write_hf_folder
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 _STD_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 BASE = LlamaConfig(
@@ -317,7 +319,8 @@ def test_a_standard_decoder_whose_config_leaves_out_its_sizes_gets_them_in_the_f
     sizes = {k: getattr(BASE, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
     sizes["num_key_value_heads"] = BASE.num_attention_heads  # k_proj's rows over the head size
     assert {k: getattr(read, k) for k in sizes} == sizes
-    report = api.verify(tmp_path / "src", tmp_path / "out", verify=VerifyOptions(generate=2), stream=stream)
+    verify = VerifyOptions(samples=2, generate=2)  # in memory too the streamed default of 2 sequences
+    report = api.verify(tmp_path / "src", tmp_path / "out", verify=verify, stream=stream)
     assert report.verification is not None and report.verification.passed
     assert report.verification.generation is not None and report.verification.generation["passed"]
 
@@ -337,7 +340,8 @@ def test_a_standard_llama_saved_with_its_rotary_buffers_folds_as_transformers_lo
     assert sum(k.endswith("rotary_emb.inv_freq") for k in model.state_dict()) == 2
     write_hf_folder(tmp_path / "src", model.state_dict(), CONFIG, max_shard_bytes=16384)
     load, write = LoadOptions(fold_norm_affine=True), WriteOptions(onnx=False, pt2=False, stream=stream)
-    report = api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=VerifyOptions(generate=2), write=write)
+    verify = VerifyOptions(samples=2, generate=2)  # 2 sequences, as a streamed fold checks by default
+    report = api.fuse(tmp_path / "src", tmp_path / "out", load=load, verify=verify, write=write)
     assert report.mode == ("streamed" if stream else "in-memory")
     assert report.verification is not None and report.verification.passed
     assert report.verification.generation is not None and report.verification.generation["passed"]

@@ -26,6 +26,8 @@ from slabconv.zoo import get_arch
 from tests import hfwrite
 from tests.test_llama import TINY, TINY_CONFIG, rel_err, tiny_model, tokens
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 CONFIG = {**TINY_CONFIG, "torch_dtype": "float16"}
 STREAM = WriteOptions(stream=True, onnx=False)
 
@@ -1062,8 +1064,9 @@ def test_the_fused_folder_keeps_the_originals_generation_config(folded, tmp_path
         assert (written["top_k"], written["temperature"]) == (4, 0.6), written
         assert "bos_token_id" not in written and written.get("pad_token_id") != "0", written
         assert written["transformers_version"] != "0", written  # the writer's, as transformers writes it
+    options = VerifyOptions(samples=2, generate=2)  # in memory too the streamed default of 2 sequences: the notes
     for streamed in (True, False):  # the check compares plain greedy tokens whatever the file asks, and says so
-        checked = api.verify(src, tmp_path / "stream", verify=VerifyOptions(generate=2), stream=streamed).verification
+        checked = api.verify(src, tmp_path / "stream", verify=options, stream=streamed).verification
         assert checked is not None and checked.passed and checked.generation is not None, streamed
         asked = "generation_config.json asks for do_sample true: not applied, the check compares plain greedy tokens"
         assert any(note.startswith(asked) for note in checked.generation["notes"]), checked.generation["notes"]
