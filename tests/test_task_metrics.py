@@ -133,3 +133,8 @@ def test_a_fused_folder_in_a_narrower_dtype_is_held_to_the_original_cast_to_it(t
     assert checked is not None and checked.task_metrics is not None, checked
     assert checked.task_metrics["passed"] and checked.passed, checked.task_metrics
     assert [run["name"] for run in checked.task_metrics["runs"]][0] == "original float16 (pytorch)"
+    # streamed, layer by layer: the same rule (it held the float16 folder to float32's tolerance and failed it)
+    streamed = api.verify(tmp_path / "src", tmp_path / "fused", verify=VerifyOptions(generate=0), stream=True)
+    checked = streamed.verification
+    assert checked is not None and checked.passed, [c for c in checked.checks if not c.passed] if checked else None
+    assert any("cast to float16" in note for note in checked.notes) and "float16" in checked.runtime

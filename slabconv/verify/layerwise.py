@@ -438,7 +438,9 @@ def verify_folders(
 
     Args:
         reference: the original folder (RepBN norms).
-        candidate: the fused folder (or any folder of the same model; each side runs with its own norms).
+        candidate: the fused folder (or any folder of the same model; each side runs with its own norms). Both
+            run in the reference's dtype, or in the candidate's where that is narrower (a float16 folder of a
+            float32 original: the original's own error is then that of the original cast to float16, as in memory).
         sequences, seq_len, seed: the inputs: seeded random token ids ``(sequences, seq_len <= positions)``.
         rtol, atol, strict: as ``judge.judge_output``.
         block_elements: elements per weight block read (the memory bound).
@@ -465,6 +467,8 @@ def verify_folders(
             f"{reference} and {candidate} {_config_difference(ref.cfg, cand.cfg)}; they are not the same model"
         )
     family, cfg, dtype = ref.family, ref.cfg, ref.dtype
+    if cand.dtype.itemsize < dtype.itemsize:  # held to the reference cast to the candidate's dtype (as in memory)
+        dtype = cand.dtype
     name = policy.dtype_name(dtype)
     if ids is None:
         t = max(1, min(seq_len, family.max_positions(cfg)))
@@ -477,6 +481,11 @@ def verify_folders(
         reference="the original model in float64 (pytorch), one decoder layer at a time",
         runtime=f"pytorch {torch.__version__} {name}, one decoder layer at a time",
     )
+    if dtype != ref.dtype:
+        verification.notes.append(
+            f"the candidate is stored in {name}, the reference in {policy.dtype_name(ref.dtype)}: the original's own "
+            f"error is that of the reference cast to {name}"
+        )
     verification.integrity.append(_keys_check(ref, cand))
     layers = family.num_layers(cfg)
     started = time.perf_counter()
