@@ -51,14 +51,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _reuse_the_onnx_exporters_registry() -> None:
-    """Build the dynamo ONNX exporter's op registry once per process and opset, and give each export its own copy.
+    """Build the dynamo ONNX exporter's op registry once per process, opset and set of ops; each export gets a copy.
 
     ``torch.onnx.export(dynamo=True)`` (the tests' own exports and every ``model.onnx`` that fuse writes) rebuilds
     the registry of torchlib functions on every call, reading and parsing the source of ~500 functions: 1-1.5 s an
-    export on this machine, hundreds of times a suite. The registry depends only on the installed torch and
-    onnxscript and the opset, so the first build is kept and each call gets a registry whose per-op lists are
-    copies (an export that registers its own ops, ``custom_translation_table``, changes only its copy); the
-    entries, built once, are only read by an export. ``tests/test_onnx_save.py`` holds the copies to a fresh build.
+    export on this machine, hundreds of times a suite. The registry depends on the installed torch and onnxscript,
+    the opset and the ops torch has registered when it is built (an import of ``torch.ao.quantization`` adds the
+    ``quantized_decomposed`` ops, which a later build then holds): so a build is kept per opset and number of
+    registered ops, and each call gets a registry whose per-op lists are copies (an export that registers its own
+    ops, ``custom_translation_table``, changes only its copy); the entries, built once, are only read by an export.
+    ``tests/test_onnx_save.py`` holds the copies to a fresh build.
     A torch whose exporter lacks these internals keeps its own behaviour."""
     try:
         from torch.onnx._internal.exporter import _constants, _registration
@@ -68,12 +70,16 @@ def _reuse_the_onnx_exporters_registry() -> None:
     build = getattr(getattr(registry_type, "from_torchlib", None), "__func__", None)
     if registry_type is None or build is None or not hasattr(registry_type(), "functions"):
         return
-    built: dict[tuple[type, int], Any] = {}
+    built: dict[tuple[type, int, int], Any] = {}
+    import torch
+
+    registered = getattr(torch._C, "_dispatch_get_all_op_names", list)  # 10 ms, where a build takes 1-1.5 s
 
     def from_torchlib(cls: type, opset_version: int = _constants.TORCHLIB_OPSET) -> Any:
-        if (cls, opset_version) not in built:
-            built[cls, opset_version] = build(cls, opset_version)
-        original = built[cls, opset_version]
+        key = (cls, opset_version, len(registered()))
+        if key not in built:
+            built[key] = build(cls, opset_version)
+        original = built[key]
         registry = cls()
         registry.__dict__.update(original.__dict__)
         registry.functions = {target: list(entries) for target, entries in original.functions.items()}
