@@ -24,7 +24,7 @@ test: install
 	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks scripts
 	$(VENV)/bin/ruff format --check slabconv tests fixtures benchmarks scripts
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check slabconv tests fixtures benchmarks scripts

@@ -37,19 +37,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 FIXTURE = ROOT / "fixtures" / "digits-prepbn"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Collect the test files costliest first (tests/durations.json, written by scripts/test_durations.py).
-
-    `make test` hands each file to the next idle worker in the order collected (`--dist loadfile
-    --no-loadscope-reorder`): longest first, the run ends on short files with both workers busy, where a long file
-    taken last keeps one worker going alone. A file missing from the table (a new one) goes first. The tests of a
-    file keep their order (a stable sort on the file's cost); what runs is never changed, only when."""
-    table = ROOT / "tests" / "durations.json"
-    costs: dict[str, float] = json.loads(table.read_text()) if table.is_file() else {}
-    first = max(costs.values(), default=0.0) + 1
-    items.sort(key=lambda item: -costs.get(item.nodeid.split("::")[0], first))
-
-
 def _reuse_the_onnx_exporters_registry() -> None:
     """Build the dynamo ONNX exporter's op registry once per process, opset and set of ops; each export gets a copy.
 
