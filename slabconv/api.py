@@ -325,13 +325,16 @@ def _streamed_sides(
 
 def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
     """``verify`` of a fused language-model folder against its original (a model slabconv builds: not an ``.onnx``,
-    not another folder ``fuse`` wrote) checks greedy generation as ``fuse`` does: ``VerifyOptions.fuse_steps``
-    tokens unless ``generate`` says otherwise."""
+    not a folder ``fuse`` wrote, with its ``report.json`` or without) checks greedy generation as ``fuse`` does:
+    ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
     from slabconv.load.formats import engine_of
     from slabconv.verify import sides
 
-    original = engine_of(reference) != "onnx" and not is_output_folder(reference)  # a model slabconv builds
-    fused = candidate.is_dir() and sides.is_fused_language_model(candidate)  # a folder fuse wrote for one
+    def fused_folder(path: Path) -> bool:  # a folder fuse wrote for a language model (report.json or not)
+        return path.is_dir() and sides.is_fused_language_model(path)
+
+    original = engine_of(reference) != "onnx" and not is_output_folder(reference) and not fused_folder(reference)
+    fused = fused_folder(candidate)
     if opts.generate is None and original and fused:
         return dataclasses.replace(opts, generate=opts.fuse_steps())
     return opts

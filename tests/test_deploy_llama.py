@@ -1153,6 +1153,27 @@ def test_a_fused_folder_shared_without_its_report_is_still_a_fused_language_mode
     assert side.kind == "folder" and side.language_model and side.provenance is not None and side.provenance.folded
 
 
+def test_a_fused_folder_as_the_reference_is_compared_without_generation(doc, tmp_path):
+    """``verify FUSED_FOLDER FUSED_FOLDER`` (the first shared without its report.json) compares the two models; the
+    greedy-generation check, which runs the original, is not asked for by default (was: '--generate needs a language
+    model as the reference', exit 2, with no --generate given). Asked for, the message says what the reference must
+    be."""
+    import shutil
+
+    from slabconv import api
+    from slabconv.errors import UsageError
+    from slabconv.options import VerifyOptions
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for name in ("config.json", "generation_config.json", "modeling_slabconv_llama.py", "model.safetensors"):
+        shutil.copy(doc["out"] / name, shared / name)
+    checked = api.verify(shared, doc["out"], verify=VerifyOptions(samples=4)).verification
+    assert checked is not None and checked.passed and checked.generation is None
+    with pytest.raises(UsageError, match=r"needs an original language model as the reference .*shared is not one"):
+        api.verify(shared, doc["out"], verify=VerifyOptions(samples=4, generate=2))
+
+
 def test_prompts_ending_with_the_pad_id_are_the_same_prompts_in_onnxruntime_genai(doc, original):
     """onnxruntime-genai takes a prompt's trailing pad ids for padding and generates from the token before them: a
     correct fold failed the check's onnxruntime-genai run whenever a random prompt ended with the pad id (the

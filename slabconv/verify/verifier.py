@@ -1039,7 +1039,10 @@ def _language_checks(
     if verification.generation is None:  # not checked streamed beside question 2 (``_layerwise``)
         loaded = reference.built() if reference.kind in ("model", "streamed") else None
         if loaded is None or not loaded.token_input:
-            raise UsageError("--generate needs a language model as the reference (a checkpoint or folder, not .onnx)")
+            raise UsageError(
+                "--generate needs an original language model as the reference (a checkpoint or folder, not .onnx, "
+                f"not a folder fuse wrote); {reference.path} is not one"
+            )
         progress("verifying: greedy generation, original vs fused folder")
         streamed = reference.kind == "streamed"  # a standard decoder's streamed fold: --samples as streamed
         x = choose_inputs(loaded, opts.inputs, opts.sample_count(streamed), opts.seed, limit=opts.samples)
