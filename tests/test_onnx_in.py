@@ -1887,6 +1887,48 @@ def test_a_size_computed_from_a_value_the_caller_may_feed_stays_computed(tmp_pat
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_reshape_to_sizes_the_caller_may_feed_blocks_the_fold(tmp_path):
+    """``BatchNormalization -> Reshape(shape) -> Transpose -> MatMul`` with ``shape`` an initializer listed as a graph
+    input (IR 4 on): its default ``(1, 4, 4)`` keeps the channel axis whole, so a fold into the MatMul is exact for the
+    default only. Shape inference read the default, the norm was folded and the fused file declared the default's
+    sizes: fed ``shape = (2, 4, 2)`` (which mixes channels into the rows the MatMul contracts), the original gives
+    ``(2, 2, 3)`` and the fused file gave ``(1, 4, 3)``. Sizes the caller may feed are unknown: the norm stays
+    (``overridable-initializer``, before the reshape) and fed, the fused file computes what the original does. The
+    fold with the default is wrong once fed."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    arrays = {"g": rng.uniform(0.5, 1.5, 4), "b": rng.uniform(-1, 1, 4), "m": rng.uniform(-1, 1, 4),
+              "v": rng.uniform(0.5, 2, 4), "W": rng.standard_normal((4, 3))}  # fmt: skip
+    inits = [onnx.numpy_helper.from_array(a.astype(np.float32), k) for k, a in arrays.items()]
+    inits.append(onnx.numpy_helper.from_array(np.array([1, 4, 4], np.int64), "shape"))
+    nodes = [helper.make_node("BatchNormalization", ["x", "g", "b", "m", "v"], ["y"], name="bn"),
+             helper.make_node("Reshape", ["y", "shape"], ["r"], name="reshape"),
+             helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1], name="transpose"),
+             helper.make_node("MatMul", ["t", "W"], ["out"], name="matmul")]  # fmt: skip
+    info = helper.make_tensor_value_info
+    inputs = [info("x", TensorProto.FLOAT, [1, 4, 4]), info("shape", TensorProto.INT64, [3])]
+    graph = helper.make_graph(nodes, "g", inputs, [info("out", TensorProto.FLOAT, ["a", "b", 3])], inits)
+    path = tmp_path / "fed_shape.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=2))
+    assert report.verification is not None and report.verification.passed
+    assert [(d.action, d.reason, d.kept_on) for d in report.folds] == [
+        ("kept-affine", reasons.OVERRIDABLE, ["<model>:onnx.Reshape"])
+    ]
+    x = rng.standard_normal((1, 4, 4)).astype(np.float32)
+    feeds = {"x": x, "shape": np.array([2, 4, 2], np.int64)}
+    want, got = (ort.InferenceSession(str(p)).run(None, feeds)[0] for p in (path, tmp_path / "out" / "model.onnx"))
+    assert want.shape == got.shape == (2, 2, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    declared = onnx.load(str(tmp_path / "out" / "model.onnx")).graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_value if d.HasField("dim_value") else None for d in declared] == [None, None, 3]  # not the default's
+    scale = arrays["g"] / np.sqrt(arrays["v"] + 1e-5)  # the fold with the default: W's rows scaled per channel
+    shift = arrays["b"] - arrays["m"] * scale
+    naive = x.reshape(2, 4, 2).transpose(0, 2, 1) @ (scale[:, None] * arrays["W"]) + shift @ arrays["W"]
+    assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
+
+
 def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tmp_path):
     """onnxruntime's ``convert_float_to_float16(model, keep_io_types=True)`` (onnxconverter-common's converter)
     keeps float32 inputs and outputs, stores float16 weights, and appends the inputs' ``Cast`` after the nodes

@@ -13,6 +13,7 @@ from torch import fx
 
 from slabconv import fold
 from slabconv.engine import reasons
+from slabconv.engine.reasons import op_name  # noqa: F401 (the rules' face: rules.py re-exports it)
 
 if TYPE_CHECKING:
     from slabconv.engine.layers import LayerKind
@@ -149,11 +150,6 @@ Step = Callable[[fx.Node, fx.Node, Chan], Outcome]
 
 def unsupported(user: fx.Node) -> Block:
     return Block(reasons.unsupported(user))
-
-
-def op_name(node: fx.Node) -> str:
-    """``aten.<name>`` of an fx node's op."""
-    return reasons.unsupported(node).removeprefix(reasons.UNSUPPORTED_PREFIX)
 
 
 def _ops(*names: str) -> tuple[Any, ...]:

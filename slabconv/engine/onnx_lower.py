@@ -921,6 +921,8 @@ _TO_SIZES = {
 
 @lowers(*_TO_SIZES)
 def _to_sizes(lo: _Lowering, node: ir.Node) -> None:
+    if any(v is not None and v.meta.get(FED_DEFAULT) for v in node.inputs[1:]):
+        raise _Unlowerable  # sizes or axes the caller may feed: the inferred output sizes hold for the default only
     out = node.outputs[0]
     sizes = [lo.dims.size(d) for d in _dims(out)]
     lo.emit(node, _TO_SIZES[node.op_type], (lo.read(node.inputs[0]), sizes), out)

@@ -18,6 +18,8 @@ from typing import Any
 import onnx_ir as ir
 import torch
 
+from slabconv.engine.reasons import FED_DEFAULT
+
 
 def infer_shapes(model: ir.Model, proto_path: str | None = None) -> dict[str, tuple[int, tuple[Any, ...] | None]]:
     """Value name -> ``(ONNX element type, dims)`` from two shape inferences, merged dim by dim: onnxruntime's
@@ -197,13 +199,20 @@ def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
     """The model as a ``ModelProto`` for shape inference, its large initializers (``SMALL_CONSTANT``) as graph inputs
     of their type and shape: read from ``proto_path`` without external data and without the shapes the file
     declares for intermediate values (``value_info``), or serialised from ``model`` (whose large initializers are set
-    aside meanwhile, so their data is not copied)."""
+    aside meanwhile, so their data is not copied).
+
+    An initializer that is also a graph input (IR 4 on: a default the caller may feed, ``FED_DEFAULT``) is given as
+    that input alone, whatever its size: a shape computed from its default (a ``Reshape`` reading it) holds only
+    until the caller feeds another value, so inference must leave what depends on it unknown."""
     import onnx
     from onnx.external_data_helper import uses_external_data
 
     if proto_path is not None:
         proto = onnx.load(proto_path, load_external_data=False)
         del proto.graph.value_info[:]  # declared, not inferred: a stale one would stand (``prepare`` sets them aside)
+        inputs = {i.name for i in proto.graph.input} if proto.ir_version >= 4 else set()
+        for tensor in [t for t in proto.graph.initializer if t.name in inputs]:
+            proto.graph.initializer.remove(tensor)
         big = [t for t in proto.graph.initializer if uses_external_data(t) or math.prod(t.dims) > SMALL_CONSTANT]
         for tensor in big:
             info = onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims))
@@ -211,13 +220,18 @@ def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
             proto.graph.initializer.remove(tensor)
         return proto
     graph = model.graph
-    aside = [v for v in graph.initializers.values() if v.shape is not None and known_elements(v.shape) > SMALL_CONSTANT]
-    for value in aside:
+    fed = [v for v in graph.initializers.values() if v.meta.get(FED_DEFAULT)]
+    aside = [
+        v
+        for v in graph.initializers.values()
+        if not v.meta.get(FED_DEFAULT) and v.shape is not None and known_elements(v.shape) > SMALL_CONSTANT
+    ]
+    for value in [*fed, *aside]:
         graph.initializers.pop(value.name or "")
     try:
         proto = ir.serde.serialize_model(model)
     finally:
-        for value in aside:
+        for value in [*fed, *aside]:
             graph.register_initializer(value)
     for value in aside:
         dtype = value.dtype.value if value.dtype is not None else 0

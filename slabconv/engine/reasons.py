@@ -84,9 +84,15 @@ def unsupported(node: Any) -> str:
     a ``Conv`` or ``MatMul`` whose weight is an ONNX graph input)."""
     if any(getattr(a, "meta", {}).get(FED_DEFAULT) for a in getattr(node, "args", ())):
         return OVERRIDABLE
+    return UNSUPPORTED_PREFIX + op_name(node)
+
+
+def op_name(node: Any) -> str:
+    """``aten.<name>`` (``onnx.<Op>`` for an ONNX op the lowering keeps opaque) of an fx node's op, one name for the
+    forms of one op (``SAME_OP``), no overload."""
     target = node.target
     name = getattr(target, "__name__", str(target))
     namespace = getattr(target, "namespace", None)
     if namespace:
         name = f"{namespace}.{name.split('.')[0]}"
-    return UNSUPPORTED_PREFIX + SAME_OP.get(name, name)
+    return SAME_OP.get(name, name)
