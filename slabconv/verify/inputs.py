@@ -155,23 +155,17 @@ def check_sequences(arr: np.ndarray, path: Path, longest: int) -> None:
 
 
 def check_inputs_file(path: Path) -> None:
-    """Refuse ``--inputs`` that is not an ``.npz`` / ``.npy`` before any work (a fold and its files take seconds to
-    minutes; the arrays themselves are checked when the verification reads them, ``read_inputs``): its first bytes
-    must be a zip archive's or numpy's magic.
+    """Refuse ``--inputs`` that could not be verification inputs before any work (a fold and its files take seconds
+    to minutes): every check ``read_inputs`` makes from the header of the array it reads (``x``, or an ``.npz``'s
+    only array), without reading its data. What needs the model (the input shape, integer ids and their range, the
+    arrays of a model with several inputs) is checked when the verification reads the file.
 
     Raises:
-        InputError: a missing or non-regular file (``safety.open_regular``), or one that is neither.
+        InputError: a missing or non-regular file (``safety.open_regular``); as ``read_inputs`` but for the model's
+            shape and dtype.
     """
     with safety.open_regular(path, "--inputs") as f:
-        head = f.read(6)
-        if head.startswith(b"PK"):
-            try:
-                with zipfile.ZipFile(f) as archive:
-                    _check_not_a_model(archive, path)
-            except zipfile.BadZipFile:
-                pass  # said when the verification reads it
-    if not (head.startswith(b"PK") or head.startswith(b"\x93NUMPY")):
-        raise InputError(_NOT_ARRAYS.format(path=path))
+        read_inputs(f, path, None, check_only=True)
 
 
 def _check_not_a_model(archive: zipfile.ZipFile, path: Path) -> None:
@@ -188,7 +182,9 @@ def _check_not_a_model(archive: zipfile.ZipFile, path: Path) -> None:
 _NOT_ARRAYS = "{path}: not a readable .npz or .npy file; save the inputs with numpy.savez(path, x=x)"
 
 
-def read_inputs(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, integer: bool = False) -> np.ndarray:
+def read_inputs(
+    f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, integer: bool = False, check_only: bool = False
+) -> np.ndarray:
     """The inputs array of an open ``.npz`` (``x``, or its only array) or ``.npy``, checked from its header before
     any of it is read.
 
@@ -200,15 +196,20 @@ def read_inputs(f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, i
             shape does not fit the stored bytes, more than ``MAX_INPUT_BYTES``, a member compressed more than
             ``MAX_INFLATION`` times, a shape that is not ``(N, *input_shape)``, no sample, or with ``integer`` a dtype
             that is not an integer one (token ids saved as floats are refused, not rounded).
+
+    With ``check_only`` nothing but that array's header is read (``check_inputs_file``) and an empty array is
+    returned.
     """
     size = os.fstat(f.fileno()).st_size
     head = f.read(6)
     f.seek(0)
     if head.startswith(b"PK"):
-        x = _read_npz(f, path, input_shape, integer=integer)
+        x = _read_npz(f, path, input_shape, integer=integer, check_only=check_only)
     elif head.startswith(b"\x93NUMPY"):
         shape, dtype, offset = _header(f, path, "the array")
         _check_array(path, "the array", shape, dtype, size - offset, input_shape, integer)
+        if check_only:
+            return np.empty(0)
         f.seek(0)
         x = _load(lambda: np.load(f, allow_pickle=False), path)
     else:
@@ -247,12 +248,19 @@ def load_npz_members(path: Path, shapes: dict[str, tuple[int, ...] | None]) -> t
 
 
 def _read_npz(
-    f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, key: str | None = None, integer: bool = False
+    f: IO[bytes],
+    path: Path,
+    input_shape: tuple[int, ...] | None,
+    key: str | None = None,
+    integer: bool = False,
+    check_only: bool = False,
 ) -> np.ndarray:
     try:
         with zipfile.ZipFile(f) as archive:
             _check_not_a_model(archive, path)
             infos = {i.filename.removesuffix(".npy"): i for i in archive.infolist()}
+            if check_only and key is None and "x" not in infos and len(infos) != 1:
+                return np.empty(0)  # one array per input of a model with several: the model names which are read
             if key is not None and key not in infos:
                 raise InputError(
                     f"{path}: expected an array named {key!r}, one per model input (found {', '.join(list(infos)[:8])})"
@@ -261,18 +269,32 @@ def _read_npz(
             if key is None:
                 raise InputError(f"{path}: expected an array named 'x' (found {', '.join(list(infos)[:8])})")
             info = infos[key]
-            if info.file_size > MAX_INFLATION * info.compress_size + _INFLATION_FLOOR:
-                raise InputError(
-                    f"{path}: array {key!r} expands from {info.compress_size} to {info.file_size} bytes, more than "
-                    f"{MAX_INFLATION} times (slabconv's limit); refused before reading it"
-                )
-            with archive.open(info) as member:
-                shape, dtype, offset = _header(member, path, f"array {key!r}")
-            _check_array(path, f"array {key!r}", shape, dtype, info.file_size - offset, input_shape, integer)
+            _check_member(archive, info, path, key, input_shape, integer)
+            if check_only:
+                return np.empty(0)
             with archive.open(info) as member:
                 return _load(lambda: np.lib.format.read_array(member, allow_pickle=False), path)
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         raise InputError(f"{path}: not a readable .npz file ({str(err).strip()[:200]})") from None
+
+
+def _check_member(
+    archive: zipfile.ZipFile,
+    info: zipfile.ZipInfo,
+    path: Path,
+    key: str,
+    input_shape: tuple[int, ...] | None,
+    integer: bool,
+) -> None:
+    """``_check_array`` on one ``.npz`` member's header, after its compression ratio (``MAX_INFLATION``)."""
+    if info.file_size > MAX_INFLATION * info.compress_size + _INFLATION_FLOOR:
+        raise InputError(
+            f"{path}: array {key!r} expands from {info.compress_size} to {info.file_size} bytes, more than "
+            f"{MAX_INFLATION} times (slabconv's limit); refused before reading it"
+        )
+    with archive.open(info) as member:
+        shape, dtype, offset = _header(member, path, f"array {key!r}")
+    _check_array(path, f"array {key!r}", shape, dtype, info.file_size - offset, input_shape, integer)
 
 
 def _header(fp: IO[bytes], path: Path, what: str) -> tuple[tuple[int, ...], np.dtype, int]:
@@ -303,11 +325,8 @@ def _check_array(
     """The checks on a header before its data is read (see ``read_inputs``); with ``integer`` (token ids) the dtype
     must be an integer one: float ids are refused, whole-valued or not, rather than cast (3.7 would become 3)."""
     if dtype.hasobject or dtype.kind not in "fiub":
-        kind = "complex" if dtype.kind == "c" else "not numbers"
-        raise InputError(
-            f"{path}: {what} has dtype {dtype} ({kind}); give real float or integer inputs (slabconv does not drop "
-            "an imaginary part)"
-        )
+        why = "complex: slabconv does not drop an imaginary part" if dtype.kind == "c" else "not numbers"
+        raise InputError(f"{path}: {what} has dtype {dtype} ({why}); give real float or integer inputs")
     if integer and dtype.kind not in "iu":
         raise InputError(
             f"{path}: {what} has dtype {dtype}, but the model takes integer token ids; save the ids as int64 "
