@@ -274,6 +274,10 @@ def verify(
 
     if verify is not None:
         check_runtime_names(verify.runtimes, verify.calibration)
+    if verify is not None and verify.inputs is not None:
+        from slabconv.verify.inputs import check_inputs_file
+
+        check_inputs_file(Path(verify.inputs))  # before either side is opened
     if stream and verify is not None:
         verify.check_streamed()
     from slabconv.load.model import check_build_options_apply, check_ema_applies

@@ -359,6 +359,21 @@ def test_fuse_refuses_pickled_inputs_before_the_fold(tmp_path: Path, ckpt: Path)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+def test_verify_refuses_pickled_inputs_before_opening_a_side(
+    tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify --inputs`` of Python objects is refused from the array's header before either model is read."""
+    from slabconv.verify import sides
+
+    def opened(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a side was opened before the inputs were checked")
+
+    monkeypatch.setattr(sides, "open_side", opened)
+    npz = save_npz(tmp_path / "o.npz", x=np.array([_Touch(str(tmp_path / "ran"))], dtype=object))
+    refused(["verify", str(ckpt), str(ckpt), "--inputs", str(npz)], "(not numbers)")
+    assert not (tmp_path / "ran").exists()
+
+
 class _Touch:
     def __init__(self, path: str) -> None:
         self.path = path
