@@ -1111,14 +1111,14 @@ def _layerwise(
             verification = layerwise.verify_folders(
                 reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed,
                 rtol=opts.rtol, atol=opts.atol, strict=opts.strict, block_elements=engine.FOLD_BLOCK, ids=ids,
-                inputs=inputs, progress=progress,
+                inputs=inputs, inputs_sha256=given[2] if given else None, progress=progress,
                 on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
             )  # fmt: skip
         except InputError as err:  # a candidate that question 1 finds lacking: a difference, which it names
             first = beside.result() if beside is not None else None
             if first is None or first.passed:
                 raise
-            verification = Verification(inputs=inputs, exact=[first])
+            verification = Verification(inputs=inputs, inputs_sha256=given[2] if given else None, exact=[first])
             verification.not_run.append(NotRun(candidate.path.name, f"question 2 cannot read it: {err}"))
             beside = None
         if beside is not None:
