@@ -981,6 +981,36 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
         generate.check_language_checks_fit(loaded, opts, onnx=False)
 
 
+def test_the_task_metrics_cast_copy_of_the_original_is_in_the_memory_a_check_is_refused_for(
+    folded, tmp_path, monkeypatch
+):
+    """The task metrics hold a float32 original cast to a float16 fused folder's dtype beside the float64 copy
+    (``task_metrics.check_task_metrics``); the estimate that refuses a check before any work left that copy out.
+    It grows by exactly the copy (2 bytes a weight) for a float16 folder, not for one in the original's dtype, and
+    ``verify`` of a float32 original against a float16 folder is refused for it."""
+    from slabconv.load.model import load_model
+    from slabconv.verify.task_metrics import folder_dtype
+
+    hfwrite.write_hf_folder(tmp_path / "src32", tiny_model().state_dict(), TINY_CONFIG)
+    loaded = load_model(tmp_path / "src32")
+    out16 = folded[0] / "out"
+    assert loaded.dtype == torch.float32 and folder_dtype(out16) == torch.float16
+    weights = sum(p.numel() for p in loaded.model.parameters())
+    base = generate.task_metrics_memory(loaded.model, 16, 16)
+    assert generate.task_metrics_memory(loaded.model, 16, 16, torch.float16) == base + 2 * weights
+    assert generate.task_metrics_memory(loaded.model, 16, 16, torch.float32) == base
+    opts = VerifyOptions(generate=2)
+    sequences, parts_of = generate.language_checks_memory(loaded, opts, onnx=False)
+    without = parts_of(sequences)["generation"]
+    sequences, parts_of = generate.language_checks_memory(loaded, opts, onnx=False, stored=torch.float16)
+    assert parts_of(sequences)["generation"] == without + 2 * weights
+    # question 2's part (its comparison blocks) outweighs this tiny model's generation part: set it aside
+    monkeypatch.setattr(generate, "question_2_memory", lambda *args: 0)
+    monkeypatch.setattr(generate, "available_memory", lambda: without)
+    with pytest.raises(UsageError, match="the checks of this language model need about"):
+        api.verify(tmp_path / "src32", out16, verify=opts)
+
+
 def test_a_standard_decoders_streamed_check_is_refused_for_the_memory_of_its_logits(tmp_path, monkeypatch):
     """A standard decoder's streamed fold checks generation and the task metrics as in memory, whose logits
     (vocabulary x tokens, in float64 and in the original's dtype) outweigh a small model with a large vocabulary:
