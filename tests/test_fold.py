@@ -281,3 +281,29 @@ def test_rounded_to_float16_is_numpys_single_rounding(grid: list[int], scale: in
     assert torch.equal(fold.rounded(values, torch.float16, out=out, near=near).view(torch.int16), want)
     with np.errstate(over="raise"):  # a cast that overflows outside ``rounded``'s own np.errstate raises here
         fold.rounded(values, torch.float16)
+
+
+def test_rounded_to_float16_rounds_every_float16_midpoint_once_to_the_nearest() -> None:
+    """Every midpoint of two neighbouring float16 values (0 to the overflow threshold 65520, both signs) and the
+    values 2**-40 of it either side, whose float32 rounding is the midpoint itself: ``fold.rounded`` (alone and with
+    the streamed fold's buffers) gives the nearer neighbour, and the even one on the midpoint, bit for bit, as does
+    numpy's direct float64 -> float16 cast that it takes for the tie candidates. The expected bits come from the
+    neighbours' own bits, no cast: torch's cast through float32 gives the even neighbour on both sides instead."""
+    import numpy as np
+
+    low = np.arange(0, 0x7C00, dtype=np.uint16)  # every finite float16 >= 0; its upper neighbour (0x7C00: infinity)
+    a, b = low.view(np.float16).astype(np.float64), (low + 1).view(np.float16).astype(np.float64)
+    b[-1] = 65536.0  # the overflow threshold's upper "neighbour": 65520 and above round to infinity
+    mid = (a + b) / 2  # exact in float64
+    even = np.where(low % 2 == 0, low, low + 1)
+    values = np.concatenate([mid, mid * (1 - 2.0**-40), mid * (1 + 2.0**-40)])
+    want = np.concatenate([even, low, low + 1]).astype(np.uint16)
+    values, want = np.concatenate([values, -values]), np.concatenate([want, want | 0x8000])
+    assert np.array_equal(values.astype(np.float32).astype(np.float64)[: 3 * len(low)][len(low) :], np.tile(mid, 2))
+    x = torch.from_numpy(values)
+    assert np.array_equal(fold.rounded(x, torch.float16).view(torch.int16).numpy().view(np.uint16), want)
+    out, near = torch.empty(len(x), dtype=torch.float16), torch.empty(len(x))
+    got = fold.rounded(x, torch.float16, out=out, near=near)
+    assert np.array_equal(got.view(torch.int16).numpy().view(np.uint16), want)
+    assert np.array_equal(_numpy_float16(x).view(np.uint16), want)
+    assert not np.array_equal(x.to(torch.float16).view(torch.int16).numpy().view(np.uint16), want)

@@ -489,6 +489,12 @@ def test_a_model_with_several_inputs_is_fed_each_from_its_type_and_shape(tmp_pat
     np.savez(tmp_path / "bad.npz", input_ids=feeds["input_ids"], other=feeds["other"])
     with pytest.raises(InputError, match=r"expected an array named 'attention_mask', one per model input"):
         api.fuse(path, tmp_path / "out3", verify=VerifyOptions(inputs=tmp_path / "bad.npz"))
+    # a uint64 id above int64's range is named as stored (a cast to int64 before the check made it -1)
+    huge = feeds["input_ids"].astype(np.uint64)
+    huge[1, 2] = 2**64 - 1
+    np.savez(tmp_path / "huge.npz", **{**feeds, "input_ids": huge})
+    with pytest.raises(InputError, match=rf"token id {2**64 - 1} is outside the model's vocabulary \(0\.\.10\)"):
+        onnx_original.choose_onnx_inputs(info, VerifyOptions(inputs=tmp_path / "huge.npz"))
 
 
 def onnx_in_read(path: Path):  # noqa: ANN201 - the OnnxFile of path

@@ -346,3 +346,33 @@ def test_negative_token_ids_are_refused_where_the_vocabulary_is_unknown(tmp_path
         check_token_ids(np.array([[3, -2]]), tmp_path / "x.npz", None)
     assert "token id -2 is negative" in str(err.value) and errordoc.documented(str(err.value))
     check_token_ids(np.array([[3, 10**9]]), tmp_path / "x.npz", None)  # unknown bound: only negatives refused
+
+
+@pytest.mark.parametrize("mode", [[], ["--stream"]], ids=["memory", "stream"])
+def test_a_uint64_token_id_above_int64s_range_is_refused_as_stored_not_wrapped(tmp_path: Path, mode: list[str]) -> None:
+    """A uint64 id above int64's largest value was cast to int64 before it was checked: 2**64 - 1 became -1, and
+    the refusal named an id the file does not hold. It is checked in the file's own dtype, in memory and streamed,
+    and where the vocabulary is unknown."""
+    import numpy as np
+
+    from slabconv.errors import InputError
+    from slabconv.verify.inputs import check_token_ids
+    from tests import errordoc
+    from tests.hfwrite import write_hf_folder
+    from tests.test_llama import TINY, TINY_CONFIG, tiny_model
+
+    folder = tmp_path / "hf"
+    write_hf_folder(folder, tiny_model().state_dict(), TINY_CONFIG)
+    ids = np.full((2, 6), 3, np.uint64)
+    ids[1, 2] = 2**64 - 1
+    npz = tmp_path / "ids.npz"
+    np.savez(npz, x=ids)
+    result = runner_invoke(["verify", str(folder), str(folder), "--inputs", str(npz), "--generate", "0", *mode])
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    want = f"token id {2**64 - 1} is outside the model's vocabulary (0..{TINY.vocab_size - 1})"
+    assert want in lines[0] and str(npz) in lines[0], lines[0]
+    with pytest.raises(InputError) as err:
+        check_token_ids(ids, npz, None)
+    assert f"token id {2**64 - 1} is above int64's largest value" in str(err.value), err.value
+    assert errordoc.documented(str(err.value))

@@ -509,7 +509,9 @@ def test_the_streamed_generation_is_judged_by_question_2s_float64_chain(folded):
     question_2 = layerwise.verify_folders(
         root / "src", root / "out", ids=ids, inputs=run.inputs(), on_exact_logits=on_exact_logits
     )
-    assert question_2.passed and question_2.inputs_sha256 == report.verification.inputs_sha256
+    assert question_2.passed and question_2.inputs == report.verification.inputs
+    # the same inputs: the same errors, check for check (seeded inputs have no file digest to compare)
+    assert [(c.name, c.e_fused) for c in question_2.checks] == [(c.name, c.e_fused) for c in report.verification.checks]
     assert run.run is not None and kept[0].dtype == torch.float64 and kept[0].shape[:2] == (2, 15)
     separate = generate.exact_path(layerwise.Folder.open(root / "src", FOLD_BLOCK), run.prompts, run.run.tokens, "")
     steps = torch.from_numpy(run.reference(kept[0], 1.0).logits64)
@@ -979,6 +981,36 @@ def test_the_memory_a_generation_check_is_refused_for_is_that_of_the_tokens_the_
         generate.check_language_checks_fit(loaded, opts, onnx=False)
 
 
+def test_the_task_metrics_cast_copy_of_the_original_is_in_the_memory_a_check_is_refused_for(
+    folded, tmp_path, monkeypatch
+):
+    """The task metrics hold a float32 original cast to a float16 fused folder's dtype beside the float64 copy
+    (``task_metrics.check_task_metrics``); the estimate that refuses a check before any work left that copy out.
+    It grows by exactly the copy (2 bytes a weight) for a float16 folder, not for one in the original's dtype, and
+    ``verify`` of a float32 original against a float16 folder is refused for it."""
+    from slabconv.load.model import load_model
+    from slabconv.verify.task_metrics import folder_dtype
+
+    hfwrite.write_hf_folder(tmp_path / "src32", tiny_model().state_dict(), TINY_CONFIG)
+    loaded = load_model(tmp_path / "src32")
+    out16 = folded[0] / "out"
+    assert loaded.dtype == torch.float32 and folder_dtype(out16) == torch.float16
+    weights = sum(p.numel() for p in loaded.model.parameters())
+    base = generate.task_metrics_memory(loaded.model, 16, 16)
+    assert generate.task_metrics_memory(loaded.model, 16, 16, torch.float16) == base + 2 * weights
+    assert generate.task_metrics_memory(loaded.model, 16, 16, torch.float32) == base
+    opts = VerifyOptions(generate=2)
+    sequences, parts_of = generate.language_checks_memory(loaded, opts, onnx=False)
+    without = parts_of(sequences)["generation"]
+    sequences, parts_of = generate.language_checks_memory(loaded, opts, onnx=False, stored=torch.float16)
+    assert parts_of(sequences)["generation"] == without + 2 * weights
+    # question 2's part (its comparison blocks) outweighs this tiny model's generation part: set it aside
+    monkeypatch.setattr(generate, "question_2_memory", lambda *args: 0)
+    monkeypatch.setattr(generate, "available_memory", lambda: without)
+    with pytest.raises(UsageError, match="the checks of this language model need about"):
+        api.verify(tmp_path / "src32", out16, verify=opts)
+
+
 def test_a_standard_decoders_streamed_check_is_refused_for_the_memory_of_its_logits(tmp_path, monkeypatch):
     """A standard decoder's streamed fold checks generation and the task metrics as in memory, whose logits
     (vocabulary x tokens, in float64 and in the original's dtype) outweigh a small model with a large vocabulary:
@@ -1343,7 +1375,7 @@ def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as
     """A language model takes any length up to its ``max_position_embeddings``: ``--inputs`` rows of 6 tokens (16
     positions) are the checks' inputs in memory and streamed, where in memory they were refused for not being 16
     tokens long and streamed ``--inputs`` was refused outright. Streamed, question 2 runs on the rows themselves
-    (``--generate 0``: the report's digest is theirs), and the generation check continues their first halves; rows
+    (``--generate 0``: the report's digest is the file's), and the generation check continues their first halves; rows
     longer than the positions are refused in both modes."""
     import numpy as np
     from typer.testing import CliRunner
@@ -1354,7 +1386,7 @@ def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as
     rows = tokens(batch=3, seq=6, seed=5).numpy()
     np.savez(tmp_path / "x.npz", x=rows)
     np.savez(tmp_path / "long.npz", x=tokens(batch=2, seq=17, seed=5).numpy())
-    digest = hashlib.sha256(np.ascontiguousarray(rows).tobytes()).hexdigest()
+    digest = sha256_file(tmp_path / "x.npz")
     verify = ["verify", str(root / "src"), str(root / "out"), "--json", "--inputs"]
     for extra in ([], ["--stream"]):
         result = CliRunner().invoke(app, [*verify, str(tmp_path / "x.npz"), "--generate", "2", *extra])
@@ -1370,6 +1402,31 @@ def test_inputs_rows_of_any_length_within_the_positions_are_checked_in_memory_as
     assert result.exit_code == 0, result.output
     checked = json.loads(result.stdout)["verification"]
     assert checked["inputs_sha256"] == digest and checked["inputs"] == str(tmp_path / "x.npz"), checked["inputs"]
+
+
+def test_inputs_sha256_is_the_inputs_files_digest_in_memory_as_streamed(folded, tmp_path):
+    """One checkpoint fused in memory and streamed on the same ``holdout.npz`` records one ``inputs_sha256``, the
+    file's sha256 (``docs/report.md``): the streamed fold hashed the int64 ids array it read instead, so the two
+    report.json of one model and one inputs file disagreed. Seeded inputs have none in either mode."""
+    import shutil
+
+    import numpy as np
+
+    src = tmp_path / "src"
+    shutil.copytree(folded[0] / "src", src)
+    np.savez(src / "holdout.npz", x=tokens(batch=3, seq=6, seed=5).numpy().astype(np.int32))
+    digests = {}
+    for name, write in (("streamed", STREAM), ("memory", WriteOptions(onnx=False, pt2=False))):
+        report = api.fuse(src, tmp_path / name, verify=VerifyOptions(generate=0), write=write)
+        assert report.verification is not None and report.verification.passed, name
+        digests[name] = json.loads((tmp_path / name / "report.json").read_text())["verification"]["inputs_sha256"]
+    assert digests == {"streamed": sha256_file(src / "holdout.npz"), "memory": sha256_file(src / "holdout.npz")}
+    seeded = {}
+    for name, write in (("streamed", STREAM), ("memory", WriteOptions(onnx=False, pt2=False))):
+        report = api.fuse(folded[0] / "src", tmp_path / f"{name}-seeded", verify=VerifyOptions(generate=0), write=write)
+        assert report.verification is not None and report.verification.passed, name
+        seeded[name] = report.verification.inputs_sha256
+    assert seeded == {"streamed": None, "memory": None}
 
 
 def test_a_holdout_npz_in_the_folder_is_the_inputs_in_memory_as_streamed(folded, tmp_path):

@@ -809,38 +809,50 @@ def question_2_memory(original: torch.nn.Module, samples: int, length: int) -> i
     return reference + runtime + 8 * weights + 4 * CHUNK_BYTES
 
 
-def task_metrics_memory(original: torch.nn.Module, sequences: int, length: int) -> int:
+def task_metrics_memory(
+    original: torch.nn.Module, sequences: int, length: int, stored: torch.dtype | None = None
+) -> int:
     """Bytes the task metrics (``verify.task_metrics.check_task_metrics``) hold at once on ``sequences`` token
     sequences of ``length`` tokens (at most ``TASK_SEQUENCES``), besides the original: the float64 reference's
     log-probabilities ``(N, T - 1, V)`` and the original's logits in its dtype, one batch's logits in float64
     (``task_metrics.BATCH`` sequences), the original's float64 copy (the largest model a pass loads beside the
-    original), and the blocks the scoring converts (``blocks.CHUNK_BYTES``, four at once)."""
+    original), the blocks the scoring converts (``blocks.CHUNK_BYTES``, four at once), and where the fused folder
+    is stored in ``stored`` narrower than the original (``task_metrics.folder_dtype``), the original cast to it,
+    made while the float64 copy is held."""
     from slabconv.verify.blocks import CHUNK_BYTES
     from slabconv.verify.task_metrics import BATCH, TASK_SEQUENCES
 
     weights, vocab, own = _sizes(original)
     n = min(sequences, TASK_SEQUENCES)
     held = n * (length - 1) * vocab * (8 + own)
-    return held + min(n, BATCH) * length * vocab * 8 + 8 * weights + 4 * CHUNK_BYTES
+    dtype = next(original.parameters(), torch.empty(0)).dtype
+    cast = weights * stored.itemsize if stored is not None and stored.itemsize < dtype.itemsize else 0
+    return held + min(n, BATCH) * length * vocab * 8 + 8 * weights + cast + 4 * CHUNK_BYTES
 
 
-def generation_checks_memory(model: torch.nn.Module, sequences: int, length: int, steps: int, onnx: bool) -> int:
+def generation_checks_memory(
+    model: torch.nn.Module, sequences: int, length: int, steps: int, onnx: bool, stored: torch.dtype | None = None
+) -> int:
     """Bytes the greedy check (``generation_memory``, with ``decoder.onnx`` when ``onnx``, on the prompts
     ``prompts_of`` takes from ``sequences`` token sequences of ``length`` tokens, cut by ``within_positions``) or the
-    task metrics (``task_metrics_memory``) of the zoo language model ``model`` hold at once, the larger."""
+    task metrics (``task_metrics_memory``, of a fused folder stored in ``stored``) of the zoo language model
+    ``model`` hold at once, the larger."""
     prompts, steps, _ = within_positions(
         torch.zeros(min(sequences, PROMPTS), max(1, length // 2), dtype=torch.int64), steps, _positions_of(model)
     )
     generation = generation_memory(model, int(prompts.shape[0]), int(prompts.shape[1]), steps, onnx)
-    return max(generation, task_metrics_memory(model, sequences, length))
+    return max(generation, task_metrics_memory(model, sequences, length, stored))
 
 
-def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, Callable[[int], dict[str, int]]]:
+def language_checks_memory(
+    loaded: Any, opts: Any, *, onnx: bool, stored: torch.dtype | None = None
+) -> tuple[int, Callable[[int], dict[str, int]]]:
     """The in-memory checks of the language model ``loaded`` (a ``LoadedModel`` taking token ids) on the inputs
     ``opts`` (``VerifyOptions``) chooses, as the verification will: how many sequences question 2 checks, and the
     bytes the checks hold at once besides the model, by check, were it that many (``--samples N``):
     ``question 2`` (``question_2_memory``) and, unless ``opts.generate`` is 0, ``generation``
-    (``generation_checks_memory``). The checks run one after another, so the need is the largest part.
+    (``generation_checks_memory``, of a fused folder stored in ``stored``: None for the original's dtype). The
+    checks run one after another, so the need is the largest part.
 
     Raises:
         UsageError, InputError: as ``verify.inputs.choose_inputs`` (an inputs file that cannot be used).
@@ -856,16 +868,16 @@ def language_checks_memory(loaded: Any, opts: Any, *, onnx: bool) -> tuple[int, 
         out = {"question 2": question_2_memory(loaded.model, count, length)}
         if opts.generate != 0:
             every = count if drawn else len(x)  # the task metrics and the prompts take a file's sequences unlimited
-            out["generation"] = generation_checks_memory(loaded.model, every, length, opts.fuse_steps(), onnx)
+            out["generation"] = generation_checks_memory(loaded.model, every, length, opts.fuse_steps(), onnx, stored)
         return out
 
     return (len(x) if opts.samples is None else min(opts.samples, len(x))), parts
 
 
-def check_language_checks_fit(loaded: Any, opts: Any, *, onnx: bool) -> None:
-    """Refuse, before any work, an in-memory verification of the language model ``loaded`` whose checks need more
-    memory than this machine has available (``language_checks_memory``, ``available_memory``). Nothing for a model
-    that does not take token ids.
+def check_language_checks_fit(loaded: Any, opts: Any, *, onnx: bool, stored: torch.dtype | None = None) -> None:
+    """Refuse, before any work, an in-memory verification of the language model ``loaded`` against a fused folder
+    stored in ``stored`` (None: the original's dtype) whose checks need more memory than this machine has available
+    (``language_checks_memory``, ``available_memory``). Nothing for a model that does not take token ids.
 
     Raises:
         UsageError: it would not fit: the message says how much each check needs and how to check less
@@ -873,7 +885,7 @@ def check_language_checks_fit(loaded: Any, opts: Any, *, onnx: bool) -> None:
     """
     if not getattr(loaded, "token_input", False):
         return
-    samples, parts_of = language_checks_memory(loaded, opts, onnx=onnx)
+    samples, parts_of = language_checks_memory(loaded, opts, onnx=onnx, stored=stored)
     parts = parts_of(samples)
     need, have = max(parts.values()), available_memory()
     if have is None or need <= have:

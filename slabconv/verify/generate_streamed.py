@@ -116,11 +116,14 @@ def streamed_prompts(source: Folder, sequences: int, seed: int, given: torch.Ten
     return torch.randint(0, source.family.vocab_size(source.cfg), (max(1, sequences), PROMPT_LEN), generator=generator)
 
 
-def given_sequences(source: Folder, inputs: Path | str | None, limit: int | None) -> tuple[torch.Tensor, str] | None:
+def given_sequences(
+    source: Folder, inputs: Path | str | None, limit: int | None
+) -> tuple[torch.Tensor, str, str] | None:
     """The token rows of ``--inputs``, else of the ``holdout.npz`` in the original's folder (as in memory:
     ``inputs.holdout_beside``), for a streamed check of the original ``source``: int64 ``(N, T)``, any ``T`` from 2
-    to the model's positions, ids below its vocabulary; the first ``limit`` rows (an explicit ``--samples``); and
-    the report's name for them. None where there is neither.
+    to the model's positions, ids below its vocabulary; the first ``limit`` rows (an explicit ``--samples``); the
+    report's name for them; and the sha256 of the file (the report's ``inputs_sha256``, as in memory). None where
+    there is neither.
 
     Raises:
         InputError: as ``inputs.read_inputs_file`` and ``inputs.check_sequences``.
@@ -130,10 +133,10 @@ def given_sequences(source: Folder, inputs: Path | str | None, limit: int | None
     path = Path(inputs) if inputs is not None else holdout_beside(source.path)
     if path is None:
         return None
-    rows, _ = read_inputs_file(path, None, True, source.family.vocab_size(source.cfg))
+    rows, digest = read_inputs_file(path, None, True, source.family.vocab_size(source.cfg))
     check_sequences(rows, path, source.family.max_positions(source.cfg))
     label = str(path) if limit is None or limit >= len(rows) else f"{path}, its first {limit} of {len(rows)} rows"
-    return torch.from_numpy(rows[:limit]), label
+    return torch.from_numpy(rows[:limit]), label, digest
 
 
 def streamed_generation_memory(source: Folder, prompts: int, prompt_len: int, steps: int, block_elements: int) -> int:
@@ -330,7 +333,7 @@ def generate_fused(
     sequences: int,
     seed: int,
     block_elements: int = 1 << 22,
-    given: tuple[torch.Tensor, str] | None = None,
+    given: tuple[torch.Tensor, str, str] | None = None,
     progress: Progress = no_progress,
 ) -> FusedRun:
     """The fused folder's greedy generation of ``fuse --stream`` and ``verify --stream`` (module docstring): judged

@@ -30,6 +30,7 @@ MAX_INFLATION = 64
 """A compressed ``.npz`` member may expand at most this many times (plus 1 MiB): real inputs compress 1-10x."""
 
 _INFLATION_FLOOR = 1 << 20
+_INT64_MAX = int(np.iinfo(np.int64).max)
 _MAX_HEADER = 10_000  # numpy's own default limit for an .npy header
 
 
@@ -105,10 +106,8 @@ def read_inputs_file(
             ``check_token_ids``.
     """
     with safety.open_regular(path, "--inputs") as f:
-        arr = read_inputs(f, path, input_shape, integer=integer)
+        arr = read_inputs(f, path, input_shape, integer=integer, id_range=id_range)
         digest = safety.sha256_open(f)
-    if integer:
-        check_token_ids(arr, path, id_range)
     return arr, digest
 
 
@@ -122,14 +121,20 @@ def standard_normal(samples: int, shape: tuple[int, ...], seed: int) -> np.ndarr
 def check_token_ids(arr: np.ndarray, path: Path, id_range: int | None) -> None:
     """Refuse token ids from a file that the model cannot look up, before anything runs: a negative id always (an
     embedding has no row -1; ONNX's Gather would even read from the end), an id at or over ``id_range`` (the
-    embedding's row count) when it is known.
+    embedding's row count) when it is known, else one above int64's range. ``arr`` is the file's own integer array,
+    checked before any cast to int64 (which would wrap a uint64 id above int64's range to a negative one).
 
     Raises:
         InputError: one line naming the file, the id and the bound.
     """
     if arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
         return
-    low, high = int(arr.min()), int(arr.max())
+    low, high = int(arr.min()), int(arr.max())  # Python ints: a uint64 id above int64's range keeps its value
+    if id_range is None and high > _INT64_MAX:
+        raise InputError(
+            f"{shown(path)}: token id {high} is above int64's largest value ({_INT64_MAX}), which no model takes; give "
+            "ids the model knows"
+        )
     if id_range is not None and (low < 0 or high >= id_range):
         bad = low if low < 0 else high
         raise InputError(
@@ -183,19 +188,25 @@ _NOT_ARRAYS = "{path}: not a readable .npz or .npy file; save the inputs with nu
 
 
 def read_inputs(
-    f: IO[bytes], path: Path, input_shape: tuple[int, ...] | None, integer: bool = False, check_only: bool = False
+    f: IO[bytes],
+    path: Path,
+    input_shape: tuple[int, ...] | None,
+    integer: bool = False,
+    id_range: int | None = None,
+    check_only: bool = False,
 ) -> np.ndarray:
     """The inputs array of an open ``.npz`` (``x``, or its only array) or ``.npy``, checked from its header before
     any of it is read.
 
     ``x`` is returned as float32 ``(N, *input_shape)``, or as int64 with ``integer`` (token ids of a language
-    model).
+    model: checked against ``id_range`` by ``check_token_ids`` in the file's own dtype before the cast).
 
     Raises:
         InputError: not an ``.npz`` / ``.npy``, no array ``x``, an object / complex / text dtype, a header whose
             shape does not fit the stored bytes, more than ``MAX_INPUT_BYTES``, a member compressed more than
             ``MAX_INFLATION`` times, a shape that is not ``(N, *input_shape)``, no sample, or with ``integer`` a dtype
-            that is not an integer one (token ids saved as floats are refused, not rounded).
+            that is not an integer one (token ids saved as floats are refused, not rounded); with ``integer``, ids
+            ``check_token_ids`` refuses.
 
     With ``check_only`` nothing but that array's header is read (``check_inputs_file``) and an empty array is
     returned.
@@ -214,6 +225,8 @@ def read_inputs(
         x = _load(lambda: np.load(f, allow_pickle=False), path)
     else:
         raise InputError(_NOT_ARRAYS.format(path=path))
+    if integer:
+        check_token_ids(x, path, id_range)
     return np.asarray(x, dtype=np.int64 if integer else np.float32)
 
 

@@ -27,7 +27,6 @@ Memory: one block of one weight (``block_elements`` values) plus the activations
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import threading
 import time
@@ -38,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
@@ -430,6 +428,7 @@ def verify_folders(
     block_elements: int = 1 << 22,
     ids: torch.Tensor | None = None,
     inputs: str = "",
+    inputs_sha256: str | None = None,
     on_exact_logits: Callable[[torch.Tensor, float], None] | None = None,
     progress: Progress = no_progress,
 ) -> Verification:
@@ -446,7 +445,8 @@ def verify_folders(
         block_elements: elements per weight block read (the memory bound).
         ids: int64 ``(B, T <= positions)``: the inputs instead of random ones (the streamed generation check's
             prompts and the fused folder's tokens: ``generate_streamed.FusedRun.sequences``), described in the
-            report by ``inputs``.
+            report by ``inputs``; ``inputs_sha256``: the sha256 of the file they came from (``--inputs``,
+            ``holdout.npz``), None for seeded ones, as in memory.
         on_exact_logits: called with the float64 chain's logits, float64 ``(B, T, V)``, and question 2's seconds (the
             streamed generation check's reference).
         progress: called once per layer.
@@ -477,7 +477,7 @@ def verify_folders(
     sequences, t = ids.shape
     verification = Verification(
         inputs=inputs,
-        inputs_sha256=hashlib.sha256(np.ascontiguousarray(ids.numpy()).tobytes()).hexdigest(),
+        inputs_sha256=inputs_sha256,
         reference="the original model in float64 (pytorch), one decoder layer at a time",
         runtime=f"pytorch {torch.__version__} {name}, one decoder layer at a time",
     )

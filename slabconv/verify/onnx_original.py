@@ -450,10 +450,10 @@ def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, s
     if opts.inputs:
         path = Path(opts.inputs)
         arrays, digest = load_npz_members(path, {i.name: i.shape for i in info.inputs})
-        cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
-        for graph_input in info.inputs:
+        for graph_input in info.inputs:  # in the file's own dtype: a cast to int64 wraps a uint64 id above its range
             if graph_input.integer and "mask" not in graph_input.name.lower():
-                check_token_ids(cast[graph_input.name], path, embedding_rows(info, graph_input.name))
+                check_token_ids(arrays[graph_input.name], path, embedding_rows(info, graph_input.name))
+        cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
         return cast, str(path), digest
     samples, seed = opts.sample_count(), opts.seed
     rng = np.random.default_rng(seed)

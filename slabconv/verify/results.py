@@ -398,7 +398,8 @@ class Verification:
         notes: one line each for what was not checked, and why (a runtime that cannot run an artifact, an
             original that overflows its dtype, question 1 not applicable).
         inputs: the ``.npz`` used, or ``random(seed=S, samples=N)``.
-        inputs_sha256: sha256 of the ``.npz`` (None for random inputs).
+        inputs_sha256: sha256 of the inputs file's bytes (``--inputs``, ``holdout.npz``), in memory and streamed;
+            None for seeded inputs.
         reference: what the reference was (``the reference model in float64 (pytorch)``).
         runtime: the runtime(s) the artifacts ran in, in short (``onnxruntime 1.x``, ``pytorch 2.x``).
         generation: the greedy-generation comparison of a language model (``--generate``), or None.

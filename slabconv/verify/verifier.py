@@ -1001,8 +1001,9 @@ def _same_decoder(reference: Side, candidate: Side) -> None:
 def _checks_fit(reference: Side, candidate: Side, opts: VerifyOptions) -> None:
     """Refuse, before any work, the checks of a language model that cannot fit this machine's memory: in memory
     ``verify.generate.check_language_checks_fit`` (a model side: question 2, and with ``--generate`` greedy
-    generation and the task metrics), streamed ``verify.generate_streamed.check_generation_fits`` (``verify
-    --stream`` and ``fuse --stream`` check it earlier, before planning or writing).
+    generation and the task metrics, with the original cast to the candidate folder's dtype where narrower),
+    streamed ``verify.generate_streamed.check_generation_fits`` (``verify --stream`` and ``fuse --stream`` check it
+    earlier, before planning or writing).
 
     Raises:
         UsageError: the checks need more memory than is available (the message says how much).
@@ -1010,10 +1011,18 @@ def _checks_fit(reference: Side, candidate: Side, opts: VerifyOptions) -> None:
     loaded = reference.loaded if reference.kind == "model" else None
     if loaded is None or not loaded.token_input:
         return
+    from slabconv.errors import SlabconvError
     from slabconv.verify.generate import check_language_checks_fit
+    from slabconv.verify.task_metrics import folder_dtype
 
     checked = opts if opts.generate else dataclasses.replace(opts, generate=0)  # verify generates when asked to
-    check_language_checks_fit(loaded, checked, onnx=(candidate.path / "decoder.onnx").is_file())
+    stored = None
+    if checked.generate and candidate.path.is_dir():  # the task metrics cast the original to a narrower folder's
+        try:
+            stored = folder_dtype(candidate.path)
+        except SlabconvError:  # no weights to read here: the checks that open the folder say why
+            pass
+    check_language_checks_fit(loaded, checked, onnx=(candidate.path / "decoder.onnx").is_file(), stored=stored)
 
 
 def _language_checks(
@@ -1111,14 +1120,14 @@ def _layerwise(
             verification = layerwise.verify_folders(
                 reference.path, candidate.path, sequences=opts.sample_count(streamed=True), seed=opts.seed,
                 rtol=opts.rtol, atol=opts.atol, strict=opts.strict, block_elements=engine.FOLD_BLOCK, ids=ids,
-                inputs=inputs, progress=progress,
+                inputs=inputs, inputs_sha256=given[2] if given else None, progress=progress,
                 on_exact_logits=lambda logits, seconds: exact.append((logits, seconds)),
             )  # fmt: skip
         except InputError as err:  # a candidate that question 1 finds lacking: a difference, which it names
             first = beside.result() if beside is not None else None
             if first is None or first.passed:
                 raise
-            verification = Verification(inputs=inputs, exact=[first])
+            verification = Verification(inputs=inputs, inputs_sha256=given[2] if given else None, exact=[first])
             verification.not_run.append(NotRun(candidate.path.name, f"question 2 cannot read it: {err}"))
             beside = None
         if beside is not None:
