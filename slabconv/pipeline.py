@@ -35,7 +35,7 @@ import functools
 import importlib.util
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -150,8 +150,6 @@ def open_door(
                 "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
             )
         if verify is not None and loaded.token_input:  # question 2 before the trace; with generation after the plan
-            from dataclasses import replace
-
             from slabconv.verify.generate import check_language_checks_fit
 
             check_language_checks_fit(loaded, replace(verify, generate=0), onnx=False)
@@ -714,12 +712,10 @@ class InMemory(_TorchDoor):
         """
         self.require_transformers(verify, write)
         if verify is not None and self.loaded.token_input:
-            import dataclasses
-
             from slabconv.verify.generate import check_language_checks_fit
 
             folder = self.hf_folder  # greedy generation checks the folder it writes
-            opts = verify if folder else dataclasses.replace(verify, generate=0)
+            opts = verify if folder else replace(verify, generate=0)
             check_language_checks_fit(self.loaded, opts, onnx=write.onnx and folder)
         assert self.planned.original is not None
         faults.check_finite(
@@ -823,8 +819,6 @@ class Streamed(_TorchDoor):
 def _steps(opts: VerifyOptions, language_model: bool) -> VerifyOptions:
     """``opts`` with the greedy-generation steps ``fuse`` compares: ``fuse_steps()`` for a language model, none
     otherwise (``verify`` compares them only when asked)."""
-    from dataclasses import replace
-
     return replace(opts, generate=opts.fuse_steps() if language_model else None)
 
 
