@@ -118,8 +118,8 @@ a FIFO waits for a writer, writing one waits for a reader, a device can be endle
 
 def row_ranges(shape: list[int], block_elements: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` blocks of rows of a tensor of ``shape`` with about ``block_elements`` values each (one
-    block for a 0/1-D or small tensor): the blocks the fold program folds (``slabconv.engine.program``) and
-    ``slabconv.load.shards.LazyShards.row_blocks`` reads, so that both modes write the same tensors."""
+    block for a 0/1-D or small tensor): the blocks the fold program folds (``slabconv.engine.program``; the same in
+    memory and streamed) and ``slabconv.load.shards.LazyShards.row_blocks`` reads."""
     inner = 1
     for n in shape[1:]:
         inner *= int(n)
