@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from slabconv.load.model import LoadedModel
-    from slabconv.verify.sides import Side
 
 # --------------------------------------------------------------------------------------------- commands
 
@@ -281,67 +280,16 @@ def verify(
     if stream and verify is not None:
         verify.check_streamed()
     from slabconv.load.model import check_build_options_apply, check_ema_applies
-    from slabconv.verify import sides, verifier  # torch: after the path checks, which answer without it
+    from slabconv.pipeline import open_sides  # torch: after the path checks, which answer without it
+    from slabconv.verify import verifier
 
     check_ema_applies((reference, candidate), load)
     check_build_options_apply((reference, candidate), load)
 
-    ref_path, cand_path = Path(reference), Path(candidate)
-    opts = _generation_default(verify or VerifyOptions(), ref_path, cand_path)
-    if stream:
-        ref, cand = _streamed_sides(ref_path, cand_path, opts, progress, bool(load and load.fold_norm_affine))
-    else:
-        progress("opening the reference and the candidate")
-        ref = sides.open_side(ref_path, load)
-        cand = sides.open_side(cand_path, load, reference=ref)
+    ref, cand, opts = open_sides(Path(reference), Path(candidate), load, verify or VerifyOptions(), stream, progress)
     verification = verifier.verify(ref, cand, opts, load=load, localize=localize, progress=progress)
     ref.source.extra.setdefault("runtime", None)
     return Report("verify", reference=ref.source, candidate=cand.source, verification=verification)
-
-
-def _streamed_sides(
-    reference: Path, candidate: Path, opts: VerifyOptions, progress: Progress, norm_affine: bool
-) -> tuple[Side, Side]:
-    """The two sides of ``verify --stream`` (decoder folders compared one layer at a time, in bounded memory:
-    ``slabconv.verify.layerwise``); when the candidate is a fold of the reference, the reference carries its fold
-    program (a fresh streamed plan, ``pipeline.plan_sharded``; with the norms' affines folded too when
-    ``norm_affine`` or the candidate records a fold made so) for question 1.
-
-    Raises:
-        UsageError: a side that is a file, a generation check that cannot fit in memory.
-        UnsupportedModelError: a side is not a decoder folder of a family slabconv streams.
-    """
-    from slabconv.pipeline import FOLD_BLOCK, open_sharded, plan_sharded
-    from slabconv.verify import sides
-    from slabconv.verify.generate_streamed import check_generation_fits
-
-    ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
-    sequences = opts.sample_count(streamed=True)  # the inputs (--inputs, holdout.npz) are read whatever the steps
-    check_generation_fits(reference, opts.generate, sequences, opts.seed, inputs=opts.inputs, limit=opts.samples)
-    if sides.folded_from(ref, cand):
-        progress("planning the reference's fold, for question 1")
-        affine = norm_affine or (cand.provenance is not None and cand.provenance.norm_affine)
-        src = open_sharded(reference, FOLD_BLOCK)  # as fuse --stream opens it
-        digest = ref.source.sha256 or ""  # the folder's, hashed once (``hf.folder_sha256``)
-        ref.program = plan_sharded(src.shards, src.config, None, digest, norm_affine=affine)[1].program
-    return ref, cand
-
-
-def _generation_default(opts: VerifyOptions, reference: Path, candidate: Path) -> VerifyOptions:
-    """``verify`` of a fused language-model folder against its original (a model slabconv builds: not an ``.onnx``,
-    not a folder ``fuse`` wrote, with its ``report.json`` or without) checks greedy generation as ``fuse`` does:
-    ``VerifyOptions.fuse_steps`` tokens unless ``generate`` says otherwise."""
-    from slabconv.load.formats import engine_of
-    from slabconv.verify import sides
-
-    def fused_folder(path: Path) -> bool:  # a folder fuse wrote for a language model (report.json or not)
-        return path.is_dir() and sides.is_fused_language_model(path)
-
-    original = engine_of(reference) != "onnx" and not is_output_folder(reference) and not fused_folder(reference)
-    fused = fused_folder(candidate)
-    if opts.generate is None and original and fused:
-        return dataclasses.replace(opts, generate=opts.fuse_steps())
-    return opts
 
 
 @python_advice()

@@ -35,9 +35,9 @@ import functools
 import importlib.util
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import fx
@@ -66,6 +66,9 @@ from slabconv.write.pt2 import export_program, save_pt2
 from slabconv.write.safetensors import fused_metadata, save_safetensors
 from slabconv.write.staging import staging_dir
 from slabconv.zoo.llama_std import FAMILY as STANDARD_FAMILY
+
+if TYPE_CHECKING:
+    from slabconv.verify.sides import Side
 
 FOLD_BLOCK = engine.FOLD_BLOCK
 """Elements per row block of a streamed fold: the fold program's float64 temporaries, copies and checks."""
@@ -150,8 +153,6 @@ def open_door(
                 "--dtype: a language model's Hugging Face folder keeps the checkpoint's dtype; leave out --dtype"
             )
         if verify is not None and loaded.token_input:  # question 2 before the trace; with generation after the plan
-            from dataclasses import replace
-
             from slabconv.verify.generate import check_language_checks_fit
 
             check_language_checks_fit(loaded, replace(verify, generate=0), onnx=False)
@@ -714,12 +715,10 @@ class InMemory(_TorchDoor):
         """
         self.require_transformers(verify, write)
         if verify is not None and self.loaded.token_input:
-            import dataclasses
-
             from slabconv.verify.generate import check_language_checks_fit
 
             folder = self.hf_folder  # greedy generation checks the folder it writes
-            opts = verify if folder else dataclasses.replace(verify, generate=0)
+            opts = verify if folder else replace(verify, generate=0)
             check_language_checks_fit(self.loaded, opts, onnx=write.onnx and folder)
         assert self.planned.original is not None
         faults.check_finite(
@@ -823,8 +822,6 @@ class Streamed(_TorchDoor):
 def _steps(opts: VerifyOptions, language_model: bool) -> VerifyOptions:
     """``opts`` with the greedy-generation steps ``fuse`` compares: ``fuse_steps()`` for a language model, none
     otherwise (``verify`` compares them only when asked)."""
-    from dataclasses import replace
-
     return replace(opts, generate=opts.fuse_steps() if language_model else None)
 
 
@@ -854,6 +851,54 @@ def finish(
     outputs.sha256 = {name: known.get(name) or sha256_file(folder / name) for name in outputs.files}
     report.outputs = outputs
     report.write(folder / "report.json")
+
+
+# --------------------------------------------------------------------------------------------- verify
+
+
+def open_sides(
+    reference: Path, candidate: Path, load: LoadOptions | None, opts: VerifyOptions, stream: bool, progress: Progress
+) -> tuple[Side, Side, VerifyOptions]:
+    """The two sides ``api.verify`` compares, and the options the verifier takes: ``opts``, where a fused
+    language-model folder is compared with its original (a model slabconv builds: not an ``.onnx``, not a folder
+    ``fuse`` wrote, with its ``report.json`` or without), with greedy generation checked as ``fuse`` does
+    (``VerifyOptions.fuse_steps`` tokens unless ``opts.generate`` says otherwise). With ``stream``, two decoder
+    folders compared one layer at a time, in bounded memory (``slabconv.verify.layerwise``); when the candidate is a
+    fold of the reference, the reference carries its fold program (a fresh streamed plan, ``plan_sharded``; with the
+    norms' affines folded too when ``load.fold_norm_affine`` or the candidate records a fold made so) for question 1.
+
+    Raises:
+        InputError, UnsupportedModelError, UsageError: as ``verify.sides.open_side`` and ``streamed_side`` (a side
+            that is a file, or no decoder folder of a family slabconv streams, with ``stream``); a generation check
+            that cannot fit in memory.
+    """
+    from slabconv.load.formats import engine_of
+    from slabconv.load.paths import is_output_folder
+    from slabconv.verify import sides
+
+    def fused_folder(path: Path) -> bool:  # a folder fuse wrote for a language model (report.json or not)
+        return path.is_dir() and sides.is_fused_language_model(path)
+
+    original = engine_of(reference) != "onnx" and not is_output_folder(reference) and not fused_folder(reference)
+    fused = fused_folder(candidate)
+    if opts.generate is None and original and fused:
+        opts = replace(opts, generate=opts.fuse_steps())
+    if not stream:
+        progress("opening the reference and the candidate")
+        ref = sides.open_side(reference, load)
+        return ref, sides.open_side(candidate, load, reference=ref), opts
+    from slabconv.verify.generate_streamed import check_generation_fits
+
+    ref, cand = sides.streamed_side(reference), sides.streamed_side(candidate)
+    sequences = opts.sample_count(streamed=True)  # the inputs (--inputs, holdout.npz) are read whatever the steps
+    check_generation_fits(reference, opts.generate, sequences, opts.seed, inputs=opts.inputs, limit=opts.samples)
+    if sides.folded_from(ref, cand):
+        progress("planning the reference's fold, for question 1")
+        affine = bool(load and load.fold_norm_affine) or (cand.provenance is not None and cand.provenance.norm_affine)
+        src = open_sharded(reference, FOLD_BLOCK)  # as fuse --stream opens it
+        digest = ref.source.sha256 or ""  # the folder's, hashed once (``hf.folder_sha256``)
+        ref.program = plan_sharded(src.shards, src.config, None, digest, norm_affine=affine)[1].program
+    return ref, cand, opts
 
 
 # --------------------------------------------------------------------------------------------- the driver

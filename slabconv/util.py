@@ -116,6 +116,21 @@ SPECIAL_FILES = {
 a FIFO waits for a writer, writing one waits for a reader, a device can be endless."""
 
 
+def row_ranges(shape: list[int], block_elements: int) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` blocks of rows of a tensor of ``shape`` with about ``block_elements`` values each (one
+    block for a 0/1-D or small tensor): the blocks the fold program folds (``slabconv.engine.program``; the same in
+    memory and streamed) and ``slabconv.load.shards.LazyShards.row_blocks`` reads."""
+    inner = 1
+    for n in shape[1:]:
+        inner *= int(n)
+    rows = max(1, block_elements // max(1, inner))
+    if len(shape) < 2 or shape[0] <= rows:
+        yield 0, int(shape[0]) if shape else 1
+        return
+    for r in range(0, int(shape[0]), rows):
+        yield r, min(r + rows, int(shape[0]))
+
+
 def release_memory(collect: bool = True) -> None:
     """Collect unreachable objects (traced graphs hold reference cycles; ``collect=False`` where only tensors and
     sessions were dropped, which reference counting frees) and hand the memory the allocator keeps free back to

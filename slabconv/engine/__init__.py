@@ -34,23 +34,20 @@ from slabconv.engine.cleanup import fused_state_dict, norm_free
 from slabconv.engine.lift import lift_program
 from slabconv.engine.norm_affine import KINDS as NORM_AFFINE_KINDS
 from slabconv.engine.norm_affine import folds_norm_affine, split_norm_affines
-from slabconv.engine.norms import NormSite, find_norms
+from slabconv.engine.norms import find_norms
 from slabconv.engine.planner import (
     FOLDED_BACKWARD,
     FOLDED_FORWARD,
     KEPT,
     KEPT_AFFINE,
     Decision,
-    NormPlan,
     plan_folds,
-    schedule_warnings,
 )
 from slabconv.engine.program import (
     FOLD_BLOCK,
     FoldProgram,
     LayerRecipe,
     Scratch,
-    TensorRecipe,
     WeightStore,
     cast_into,
     row_ranges,
@@ -69,15 +66,12 @@ __all__ = [
     "LayerRange",
     "LayerRecipe",
     "NORM_AFFINE_KINDS",
-    "NormPlan",
-    "NormSite",
     "FoldProgram",
     "RangeTally",
     "Repeat",
     "SLOTS",
     "STEP_GROWTH_LIMIT",
     "Scratch",
-    "TensorRecipe",
     "WeightStore",
     "apply_folds",
     "capture",
@@ -96,7 +90,6 @@ __all__ = [
     "plan_folds",
     "reasons",
     "row_ranges",
-    "schedule_warnings",
     "split_norm_affines",
     "state_kept",
     "unlifted",

@@ -1446,6 +1446,30 @@ def _weight(
     return lo.constant(value, f"{scope}.{role}", view, binding)
 
 
+def _linear_weight(
+    lo: _Lowering, node: ir.Node, b: ir.Value, w: Any, transposed: bool, scaled: tuple[str, str, float] | None = None
+) -> tuple[fx.Node, int]:
+    """``(weight, N)``: the ``get_attr`` of the constant weight ``b`` (its array ``w``) of a layer lowered to
+    ``aten.linear``, seen ``(N, K)``; ``w`` is stored ``(K, N)`` (or ``(1, K, N)``, a batch of one) when
+    ``transposed``, else ``(N, K)``. ``scaled``: its ``Binding.scaled``."""
+    shape = tuple(int(d) for d in w.shape)
+    binding = Binding(b.name or "", transposed, shape, scaled=scaled)
+    view = (lambda t: t.reshape(shape[-2:]).t()) if transposed else None
+    return _weight(lo, node, b, "weight", binding, view), shape[-1] if transposed else shape[0]
+
+
+def _linear(
+    lo: _Lowering, node: ir.Node, x: fx.Node, b: ir.Value, w: Any, transposed: bool, alpha: float = 1.0
+) -> None:
+    """``aten.linear`` of ``x`` by the constant weight ``b`` (``_linear_weight``; ``alpha``, not 1, in its
+    ``Binding.scaled``), with the bias ``Add`` after it (or after a reshape that keeps the channels whole) taken in."""
+    scaled = (node.name or "", "alpha", alpha) if alpha != 1.0 else None
+    weight, n = _linear_weight(lo, node, b, w, transposed, scaled)
+    bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
+    layer = lo.emit(node, aten.linear.default, (x, weight, bias), out)
+    lo.out.layers[layer.name] = site
+
+
 @lowers("MatMul")
 def _matmul(lo: _Lowering, node: ir.Node) -> None:
     """``MatMul`` by a constant ``(K, N)`` weight, or a ``(1, K, N)`` one (a batch of one, broadcast) read by an
@@ -1464,12 +1488,7 @@ def _matmul(lo: _Lowering, node: ir.Node) -> None:
     ):
         lo.emit(node, aten.matmul.default, (lo.read(a), lo.read(b)), node.outputs[0])
         return
-    k, n = (int(d) for d in w.shape[-2:])
-    binding = Binding(b.name or "", True, tuple(int(d) for d in w.shape))
-    weight = _weight(lo, node, b, "weight", binding, lambda t: t.reshape(k, n).t())
-    bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
-    layer = lo.emit(node, aten.linear.default, (lo.read(a), weight, bias), out)
-    lo.out.layers[layer.name] = site
+    _linear(lo, node, lo.read(a), b, w, True)
 
 
 @lowers("com.microsoft.FusedMatMul")
@@ -1502,13 +1521,7 @@ def _fused_matmul(lo: _Lowering, node: ir.Node) -> None:
             product = lo.emit(node, aten.matmul.default, (x, y), None, val=lo.fake(out))
             lo.emit(node, aten.mul.Tensor, (product, alpha), out)
         return
-    n = int(w.shape[0] if trans_b else w.shape[1])
-    scaled = (node.name or "", "alpha", alpha) if alpha != 1.0 else None
-    binding = Binding(b.name or "", not trans_b, tuple(int(d) for d in w.shape), scaled=scaled)
-    weight = _weight(lo, node, b, "weight", binding, None if trans_b else torch.Tensor.t)
-    bias, site, out = _bias_add(lo, node, n, 1, reshaped=True)
-    layer = lo.emit(node, aten.linear.default, (x, weight, bias), out)
-    lo.out.layers[layer.name] = site
+    _linear(lo, node, x, b, w, not trans_b, alpha)
 
 
 @lowers("Einsum")
@@ -1518,22 +1531,16 @@ def _einsum(lo: _Lowering, node: ir.Node) -> None:
     ``aten.linear`` with the weight seen ``(N, K)``, and the bias ``Add`` after it; any other as ``aten.einsum``."""
     terms = node.attributes.get_string("equation", "").replace(" ", "").split("->")
     inputs = terms[0].split(",")
-    w = _const_tensor(node.inputs[-1]) if len(inputs) == 2 and len(node.inputs) == 2 else None
-    if w is None or len(terms) != 2 or len(inputs[1]) != 2 or not node.inputs[1].is_initializer():  # type: ignore[union-attr]
+    b = node.inputs[-1]
+    w = _const_tensor(b) if len(inputs) == 2 and len(node.inputs) == 2 else None
+    if w is None or b is None or len(terms) != 2 or len(inputs[1]) != 2 or not b.is_initializer():
         return _every_input(lo, node)
     (x, weight), out = inputs, terms[1]
     k = x[-1:]
     n = weight.replace(k, "", 1)
     if len(n) != 1 or n in x or k in x[:-1] or out != x[:-1] + n or _const_tensor(node.inputs[0]) is not None:
         return _every_input(lo, node)
-    b = node.inputs[1]
-    assert b is not None
-    transposed = weight.index(k) == 0  # stored (K, N)
-    binding = Binding(b.name or "", transposed, tuple(int(d) for d in w.shape))
-    read = _weight(lo, node, b, "weight", binding, torch.Tensor.t if transposed else None)
-    bias, site, value = _bias_add(lo, node, int(w.shape[1 if transposed else 0]), 1, reshaped=True)
-    layer = lo.emit(node, aten.linear.default, (lo.read(node.inputs[0]), read, bias), value)
-    lo.out.layers[layer.name] = site
+    _linear(lo, node, lo.read(node.inputs[0]), b, w, weight.index(k) == 0)  # transposed: stored (K, N)
 
 
 @lowers("Gemm")
@@ -1550,11 +1557,8 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
     trans_a, trans_b = node.attributes.get_int("transA", 0), node.attributes.get_int("transB", 0)
     if w is None or b is None or not b.is_initializer() or len(w.shape) != 2 or alpha == 0.0:
         raise _Unlowerable
-    n = int(w.shape[0] if trans_b else w.shape[1])
     name = node.name or ""
-    scaled = (name, "alpha", alpha) if alpha != 1.0 else None
-    binding = Binding(b.name or "", not trans_b, tuple(w.shape), scaled=scaled)
-    weight = _weight(lo, node, b, "weight", binding, None if trans_b else torch.Tensor.t)
+    weight, n = _linear_weight(lo, node, b, w, not trans_b, (name, "alpha", alpha) if alpha != 1.0 else None)
     bias = rows = None
     if c is not None:
         array = _array(c)
@@ -1574,11 +1578,7 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
         )
     out = node.outputs[0]
     layer = lo.emit(
-        node,
-        aten.linear.default,
-        (x, weight, bias),
-        None if rows is not None else out,
-        val=None if rows is None else lo.fake(out),
+        node, aten.linear.default, (x, weight, bias), *((None, lo.fake(out)) if rows is not None else (out,))
     )
     lo.out.layers[layer.name] = LayerSite(name)
     if rows is not None:

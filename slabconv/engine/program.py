@@ -36,6 +36,7 @@ from slabconv.engine.layers import LayerKind
 from slabconv.engine.ranges import LayerRange, RangeTally
 from slabconv.errors import UnsupportedModelError
 from slabconv.fold import rounded
+from slabconv.util import row_ranges
 
 if TYPE_CHECKING:
     from slabconv.engine.flow import BlockedEdge
@@ -82,20 +83,6 @@ class TensorStore:
 
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].dtype
-
-
-def row_ranges(shape: list[int], block_elements: int = FOLD_BLOCK) -> Iterator[tuple[int, int]]:
-    """``(start, stop)`` blocks of rows of a tensor of ``shape`` with about ``block_elements`` values each (one
-    block for a 0/1-D or small tensor); the same blocks as ``slabconv.load.shards.LazyShards.row_blocks``."""
-    inner = 1
-    for n in shape[1:]:
-        inner *= int(n)
-    rows = max(1, block_elements // max(1, inner))
-    if len(shape) < 2 or shape[0] <= rows:
-        yield 0, int(shape[0]) if shape else 1
-        return
-    for r in range(0, int(shape[0]), rows):
-        yield r, min(r + rows, int(shape[0]))
 
 
 def stored_finite(stored: torch.Tensor) -> bool:

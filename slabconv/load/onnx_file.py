@@ -653,11 +653,7 @@ def wrong_kind(path: Path, data: bytes | None = None) -> InputError | None:
     import io
     import zipfile
 
-    if data is None:
-        with open(path, "rb") as f:
-            head = f.read(512)
-    else:
-        head = data[:512]
+    head = safety._head(path if data is None else data)
     names = None
     if head.startswith(b"PK"):
         try:

@@ -32,7 +32,7 @@ from slabconv.load.hf import (
     shard_paths,
 )
 from slabconv.load.safetensors_file import read_header
-from slabconv.util import libc
+from slabconv.util import libc, row_ranges
 
 _MMAP_THRESHOLD = 1 << 20
 
@@ -232,13 +232,11 @@ class LazyShards:
         reads every weight once per token: into fresh memory, each block is a new ``mmap`` whose pages the kernel
         faults in and zeroes before the read fills them (``return_freed_blocks_to_the_os``), which took longer than
         the reads and the products together (``docs/performance.md``, "Checks of a streamed fold")."""
-        rows = max(1, self.block_elements // max(1, math.prod(shape[1:])))
-        if len(shape) < 2 or shape[0] <= rows:
-            yield self._reused_read(key, None, list(shape)) if reuse else self.get(key)
-            return
-        for r in range(0, shape[0], rows):
-            block = [min(rows, shape[0] - r), *shape[1:]]
-            yield self._reused_read(key, slice(r, r + rows), block) if reuse else self.get(key, slice(r, r + rows))
+        ranges = list(row_ranges(shape, self.block_elements))
+        for start, stop in ranges:
+            rows = slice(start, stop) if len(ranges) > 1 else None  # None: the whole tensor
+            block = [stop - start, *shape[1:]] if rows is not None else list(shape)
+            yield self._reused_read(key, rows, block) if reuse else self.get(key, rows)
 
     def read_ahead(self) -> None:
         """From now on, ``row_blocks(reuse=True)`` reads the block it will be asked for next in a thread of its own

@@ -25,7 +25,7 @@ from slabconv.errors import UnsupportedModelError, UsageError, first_line, root_
 from slabconv.util import quiet
 from slabconv.version import __version__
 from slabconv.write.hf_llama import STANDARD_TYPES, load_fused_llama, transformers_config
-from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for, save_onnx
+from slabconv.write.onnx import MARK, ONNX_EXTERNAL_DATA_BYTES, opset_for, save_onnx, weight_bytes
 
 DEFAULT_DECODER_ONNX = "decoder.onnx"
 MIN_OPSET = 17
@@ -188,8 +188,7 @@ def export_decoder_onnx(
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layers)]
     outputs = ["logits", *present_names(layers)]
     program = _export(model, inputs, outputs, opset if opset is not None else opset_for(model))
-    weight_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    external = weight_bytes > ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
+    external = weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES if external_data is None else external_data
     try:
         with quiet():
             save_onnx(program.model, out, external)

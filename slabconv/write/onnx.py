@@ -47,7 +47,8 @@ def provenance(
     return {**made, WEIGHTS_KEY: source_weights} if source_weights else made
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers, what decides whether its ONNX file stores them outside."""
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
@@ -156,7 +157,7 @@ def export_onnx(
         except Exception as err:  # noqa: BLE001 - the exporter raises many types
             last = err
             continue
-        external = _weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
+        external = weight_bytes(model) > ONNX_EXTERNAL_DATA_BYTES
         simplified = simplify_model(onnx_program.model) if simplify else None
         try:
             with quiet():
