@@ -345,13 +345,13 @@ def check_task_metrics(
         UsageError: transformers is not installed; bad ids.
     """
     from slabconv.verify.generate import genai_available
-    from slabconv.write.hf_llama import folder_weight_specs, load_fused_llama, require_transformers
+    from slabconv.write.hf_llama import load_fused_llama, require_transformers, weights_dtype
 
     transformers = require_transformers()
     ids = _as_ids(token_ids)[:TASK_SEQUENCES].numpy()
     dtype = next(original.parameters()).dtype
     # the folder's dtype from its safetensors headers: the fused model is loaded once the float64 copy is gone
-    stored = min((d for d, _ in folder_weight_specs(folder).values() if d.is_floating_point), key=lambda d: d.itemsize)
+    stored = getattr(torch, weights_dtype(folder))
     exact = copy.deepcopy(original).to(torch.float64).eval()
     if stored.itemsize < dtype.itemsize:  # held to the original cast to the folder's dtype, as question 2 holds it
         original, dtype = copy.deepcopy(original).to(stored).eval(), stored
