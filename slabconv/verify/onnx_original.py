@@ -504,21 +504,25 @@ def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> t
     return run_batched(run, x, fixed_batch=batch), which
 
 
-def cast_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str] | None:
+def cast_reference(path: Path, dtype: str, x: Inputs, batch: int | None) -> tuple[list[np.ndarray], str] | None:
     """The outputs of the ONNX graph at ``path`` cast to ``dtype`` (float16 or bfloat16: every floating tensor and
-    type, ``onnx_fold.cast_floats``) on ``x`` rounded to it, as float64, and which evaluator ran it (onnxruntime,
-    else onnx's reference evaluator): the original's own error in a narrower candidate's precision, as
-    ``run.original_cast`` gives it for a PyTorch original. None where neither runs the cast graph.
+    type, ``onnx_fold.cast_floats``) on ``x`` rounded to it, as float64, and how, in words, naming the evaluator
+    that ran it (onnxruntime, else onnx's reference evaluator): the original's own error in a narrower candidate's
+    precision, as ``run.original_cast`` gives it for a PyTorch original (``run.Reference.cast_to``). None for
+    another dtype, or where neither runs the cast graph.
     """
     import onnx_ir as ir
 
+    if dtype not in ("float16", "bfloat16"):
+        return None
     model: Any = load_ir(path)
-    onnx_fold.cast_floats(model, {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[dtype])
+    onnx_fold.cast_floats(model, getattr(ir.DataType, dtype.upper()))
     try:
         run, which = _float64_runner(model, getattr(ir.DataType, dtype.upper()).numpy())
-        return run_batched(run, x, fixed_batch=batch), which.split(":")[0]
+        outputs = run_batched(run, x, fixed_batch=batch)
     except Exception:  # noqa: BLE001 - onnxruntime and onnx's evaluator lack a kernel of this dtype
         return None
+    return outputs, f"the reference {path.name} cast to {dtype} ({which.split(':')[0]})"
 
 
 @dataclass

@@ -347,8 +347,12 @@ class ModelReference(_Reference):
             self.fused64, self.decisions64 = fold64(original64, self.affine)
         del made
         names = output_names(len(original))
+
+        def cast_to(to: str, x: Any) -> tuple[list[np.ndarray], str]:
+            return original_cast(loaded, getattr(torch, to), x), f"the reference cast to {to}"
+
         ref = Reference(x, label, digest, dtype_name(dtype), original, exact, names, original64=original64,
-                        model=loaded, original_dtype=original_dtype, batch=loaded.batch)  # fmt: skip
+                        model=loaded, original_dtype=original_dtype, batch=loaded.batch, cast_to=cast_to)  # fmt: skip
         check_reference(ref)
         self.x = exact_samples(x, [])[0]
         return ref
@@ -445,7 +449,8 @@ class OnnxReference(_Reference):
         runtime.close()
         exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
         self.headline += f" ({which})"
-        ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
+        ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch,
+                        cast_to=functools.partial(onnx_original.cast_reference, info.path, batch=batch))  # fmt: skip
         check_reference(ref)
         self.x = exact_samples(x, [])[0]
         return ref
