@@ -280,15 +280,15 @@ class _Reference:
     """The reference side as ``_whole`` and the localisation ask it, one class per kind (``REFERENCES``): ``run``
     (the verification inputs, the reference on them in its dtype and in float64; with ``fold``, the float64 fold),
     ``fold`` (what question 1 compares: the candidate's first file's tensors, the float64 original's and fold's by
-    name, the ``NormSite`` of each norm the fold removes), ``question_1`` and ``float64_fold`` (the localisation's
-    fold, ``kept_fold``: question 1's where it kept it).
+    name, the ``NormSite`` of each norm the fold removes), ``question_1`` and ``kept_fold`` (the localisation's
+    float64 fold: question 1's where it kept it).
 
     Attributes:
         side, candidate: the two sides; ``load``: how a side's model is built.
         headline: the report's ``verification.reference``.
         notes: what the verdict says of the reference before question 1 (a candidate stored in a narrower dtype).
         decisions64: the float64 fold's decisions, compared with ``side.decisions`` (``run.decisions_note``).
-        x: the first ``policy.EXACT_SAMPLES`` verification inputs (set by ``run``): what the localisation runs on.
+        x: the first ``policy.EXACT_SAMPLES`` verification inputs (set by ``_whole``): what the localisation runs on.
     """
 
     side: Side
@@ -354,7 +354,6 @@ class ModelReference(_Reference):
         ref = Reference(x, label, digest, dtype_name(dtype), original, exact, names, original64=original64,
                         model=loaded, original_dtype=original_dtype, batch=loaded.batch, cast_to=cast_to)  # fmt: skip
         check_reference(ref)
-        self.x = exact_samples(x, [])[0]
         return ref
 
     def fold(self, ref: Reference) -> tuple[Written, Tensors, Tensors, list[Any]]:
@@ -452,7 +451,6 @@ class OnnxReference(_Reference):
         ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch,
                         cast_to=functools.partial(onnx_original.cast_reference, info.path, batch=batch))  # fmt: skip
         check_reference(ref)
-        self.x = exact_samples(x, [])[0]
         return ref
 
     def fold(self, ref: Reference) -> tuple[Written, Tensors, Tensors, list[Any]]:
@@ -796,6 +794,7 @@ def _whole(
     progress("verifying: the reference in its dtype and in float64")
     adapter = REFERENCES[reference.kind](reference, candidate, load)
     ref = adapter.run(opts, related, fusing=just_folded)
+    adapter.x = exact_samples(ref.x, [])[0]
     token_logits = bool((reference.loaded or reference.onnx).token_input)
     verification = Verification(inputs=ref.label, inputs_sha256=ref.sha256)
     verification.reference = adapter.headline
