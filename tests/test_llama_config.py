@@ -274,15 +274,15 @@ def test_the_folder_dtype_is_the_weights_one_float_dtype_and_only_a_dtype_the_mo
     """``config.json``'s ``torch_dtype`` names the weights' dtype (norm statistics and ``inv_freq`` aside); a
     float dtype the model does not run (float8) is refused, not written as a name transformers would misread."""
     from slabconv.errors import UsageError
-    from slabconv.write.hf_llama import _weights_dtype
+    from slabconv.write.hf_llama import weights_dtype
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         specs = {"w": (dtype, [2, 2]), "rotary.inv_freq": (torch.float32, [1]), "ids": (torch.int64, [2])}
-        assert _weights_dtype(tmp_path, specs) == str(dtype).removeprefix("torch.")
+        assert weights_dtype(tmp_path, specs) == str(dtype).removeprefix("torch.")
     with pytest.raises(UsageError, match="float8_e4m3fn is not a float dtype the model can run"):
-        _weights_dtype(tmp_path, {"w": (torch.float8_e4m3fn, [2, 2])})
+        weights_dtype(tmp_path, {"w": (torch.float8_e4m3fn, [2, 2])})
     with pytest.raises(UsageError, match="the weights mix dtypes"):
-        _weights_dtype(tmp_path, {"w": (torch.float16, [2]), "v": (torch.float32, [2])})
+        weights_dtype(tmp_path, {"w": (torch.float16, [2]), "v": (torch.float32, [2])})
 
 
 def _standard_llama(persistent_rope: bool) -> LlamaForCausalLM:

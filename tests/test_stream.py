@@ -989,12 +989,12 @@ def test_the_task_metrics_cast_copy_of_the_original_is_in_the_memory_a_check_is_
     It grows by exactly the copy (2 bytes a weight) for a float16 folder, not for one in the original's dtype, and
     ``verify`` of a float32 original against a float16 folder is refused for it."""
     from slabconv.load.model import load_model
-    from slabconv.verify.task_metrics import folder_dtype
+    from slabconv.write.hf_llama import weights_dtype
 
     hfwrite.write_hf_folder(tmp_path / "src32", tiny_model().state_dict(), TINY_CONFIG)
     loaded = load_model(tmp_path / "src32")
     out16 = folded[0] / "out"
-    assert loaded.dtype == torch.float32 and folder_dtype(out16) == torch.float16
+    assert loaded.dtype == torch.float32 and weights_dtype(out16) == "float16"
     weights = sum(p.numel() for p in loaded.model.parameters())
     base = generate.task_metrics_memory(loaded.model, 16, 16)
     assert generate.task_metrics_memory(loaded.model, 16, 16, torch.float16) == base + 2 * weights

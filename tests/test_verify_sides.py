@@ -789,7 +789,7 @@ def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(
     """Every initializer renamed (``init_0``, ...) and fc.weight scaled by 1.01: the candidate's tensors are found by
     value, so conv1 and conv2 agree and the fold named is still bn3 -> fc (found by name only, every boundary
     would hold NaN and bn1 -> conv1 would be named)."""
-    from slabconv.verify import localize, sides
+    from slabconv.verify import sides
 
     model = onnx.load(str(onnx_fused / "fused" / "model.onnx"))
     names = {t.name: f"init_{i}" for i, t in enumerate(model.graph.initializer)}
@@ -800,7 +800,7 @@ def test_an_onnx_candidate_whose_initializers_were_renamed_is_matched_by_value(
         node.input[:] = [names.get(i, i) for i in node.input]
     onnx.save(model, str(tmp_path / "model.onnx"))
     reference, candidate = sides.open_side(onnx_fused / "original.onnx"), sides.open_side(tmp_path / "model.onnx")
-    found = localize.localize(reference, candidate, VerifyOptions(samples=4))
+    found = _localized(reference, candidate)
     assert [b.passed for b in found.boundaries] == [True, True, False]
     assert found.first is not None and (found.first.norm, found.first.layer) == ("bn3", "fc")
 
@@ -851,13 +851,48 @@ def test_plot_without_localize_is_refused_before_the_work(tiny_fused: Path, tmp_
     assert error_lines(result.stderr) == ["error: --plot draws the fold boundaries of --localize; add --localize"]
 
 
+def _localized(reference: Any, candidate: Any) -> Any:
+    """The localisation of ``verify --localize`` on 4 samples (``verifier.verify``: the pass asks the reference
+    adapter that verified the pair for its inputs and float64 fold)."""
+    from slabconv.verify import verifier
+
+    return verifier.verify(reference, candidate, VerifyOptions(samples=4), localize=True).localization
+
+
+def test_the_localisation_of_an_onnx_original_reuses_question_1s_fold_and_inputs(
+    onnx_fused: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify --localize`` of an ONNX original folds it once and draws its inputs once: the localisation asks the
+    reference adapter (``OnnxReference.kept_fold``, its ``x``) for what question 1 made, and its boundaries are
+    computed on them."""
+    from slabconv.verify import onnx_original, sides
+
+    calls = {"fold": 0, "inputs": 0}
+    fold, draw = onnx_original.onnx_fold64, onnx_original.choose_onnx_inputs
+
+    def counted_fold(*args: Any, **kwargs: Any) -> Any:
+        calls["fold"] += 1
+        return fold(*args, **kwargs)
+
+    def counted_inputs(*args: Any, **kwargs: Any) -> Any:
+        calls["inputs"] += 1
+        return draw(*args, **kwargs)
+
+    monkeypatch.setattr(onnx_original, "onnx_fold64", counted_fold)
+    monkeypatch.setattr(onnx_original, "choose_onnx_inputs", counted_inputs)
+    reference, candidate = sides.open_side(onnx_fused / "original.onnx"), sides.open_side(onnx_fused / "fused")
+    found = _localized(reference, candidate)
+    assert found.first is None and len(found.boundaries) == 3
+    assert calls == {"fold": 1, "inputs": 1}
+
+
 def test_the_localisation_blames_the_runtime_when_the_weights_are_right(tiny_fused: Path) -> None:
     """Every boundary agrees: the detail says a difference would come from the runtime, not from a fold."""
-    from slabconv.verify import localize, sides
+    from slabconv.verify import sides
 
     reference = sides.open_side(tiny_fused / "ckpt.pth")
     candidate = sides.open_side(tiny_fused / "ckpt-fused")
-    found = localize.localize(reference, candidate, VerifyOptions(samples=4))
+    found = _localized(reference, candidate)
     assert found.first is None and "comes from the runtime, not from a fold" in found.detail
     assert len(found.boundaries) == 3
 
@@ -874,7 +909,7 @@ def test_the_localisation_runs_a_static_batch_program_in_its_batch(tmp_path: Pat
     torch.export.save(program, tmp_path / "static.pt2")
     api.fuse(tmp_path / "static.pt2", tmp_path / "out", verify=None)
     reference, candidate = sides.open_side(tmp_path / "static.pt2"), sides.open_side(tmp_path / "out")
-    found = localize.localize(reference, candidate, VerifyOptions(samples=4))
+    found = _localized(reference, candidate)
     assert found.first is None and "comes from the runtime, not from a fold" in found.detail
     assert len(found.boundaries) == 3 and all(b.rounding is not None for b in found.boundaries)
     graph = reference.traced()[0].double()

@@ -817,7 +817,7 @@ def task_metrics_memory(
     log-probabilities ``(N, T - 1, V)`` and the original's logits in its dtype, one batch's logits in float64
     (``task_metrics.BATCH`` sequences), the original's float64 copy (the largest model a pass loads beside the
     original), the blocks the scoring converts (``blocks.CHUNK_BYTES``, four at once), and where the fused folder
-    is stored in ``stored`` narrower than the original (``task_metrics.folder_dtype``), the original cast to it,
+    is stored in ``stored`` narrower than the original (``write.hf_llama.weights_dtype``), the original cast to it,
     made while the float64 copy is held."""
     from slabconv.verify.blocks import CHUNK_BYTES
     from slabconv.verify.task_metrics import BATCH, TASK_SEQUENCES

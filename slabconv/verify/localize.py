@@ -29,7 +29,8 @@ in memory (``_torch``); two decoder folders layer by layer (``streamed``), where
 program's rows rounded to the stored dtype, read block by block; an ONNX original (``_onnx``), whose fused graph is
 question 1's float64 fold of it (``onnx_fold64``) and whose boundaries are ONNX values of that graph, found
 through the ONNX nodes each lowered layer stands for (``onnx_lower.LayerSite``), made graph outputs and run by
-onnxruntime in float64.
+onnxruntime in float64. A model or ONNX reference is asked through the verifier's reference adapter
+(``verifier.REFERENCES``) for the inputs and the float64 fold (``kept_fold``: question 1's where it kept it).
 """
 
 from __future__ import annotations
@@ -46,15 +47,15 @@ from torch import fx, nn
 from slabconv import engine
 from slabconv.fold import rounded
 from slabconv.load.shards import LazyShards
-from slabconv.options import LoadOptions, VerifyOptions
+from slabconv.options import VerifyOptions
 from slabconv.text import units_in_last_place
 from slabconv.verify import judge, policy
 from slabconv.verify.results import Boundary, ExactCheck, Localization
-from slabconv.verify.runtimes import run_batched, samples_of, take
+from slabconv.verify.runtimes import run_batched, samples_of
 from slabconv.verify.sides import Side, folded_from, why_not_a_fold
 
 if TYPE_CHECKING:
-    from slabconv.verify.verifier import Written
+    from slabconv.verify.verifier import ModelReference, OnnxReference, Written
 
 RUNTIME = "; a difference comes from the runtime, not from a fold"
 """The end of the verdict where every boundary holds the fold's values and nothing else differs."""
@@ -69,14 +70,15 @@ def localize(
     reference: Side,
     candidate: Side,
     opts: VerifyOptions,
-    load: LoadOptions | None = None,
     exact: Sequence[ExactCheck] = (),
+    adapter: ModelReference | OnnxReference | None = None,
 ) -> Localization:
     """The localisation of ``candidate`` against ``reference`` (see the module docstring).
 
     Args:
         exact: question 1's checks of this pair, when it was asked: where one failed, the verdict never puts the
             difference on the runtime (``_after_question_1``).
+        adapter: the reference adapter that verified a model or ONNX reference (its inputs and float64 fold).
 
     Returns:
         A ``Localization`` whose ``first`` is the first diverging boundary (None: none diverges; ``detail`` says
@@ -85,15 +87,21 @@ def localize(
     if not folded_from(reference, candidate):
         why = why_not_a_fold(reference, candidate)
         return Localization("none", detail=f"not localised: the candidate is not a fold of the reference: {why}")
+    from slabconv.verify.verifier import ModelReference, OnnxReference
+
     if reference.kind == "streamed":
         loc = _streamed(reference, candidate, opts)
-    elif reference.kind == "onnx":
-        loc = _onnx(reference, candidate, opts)
-    elif reference.kind != "model" or candidate.kind not in ("model", "folder", "onnx"):
+    elif isinstance(adapter, OnnxReference):
+        loc = _onnx(adapter)
+    elif (
+        reference.kind != "model"
+        or not isinstance(adapter, ModelReference)
+        or candidate.kind not in ("model", "folder", "onnx")
+    ):
         return Localization("none", detail=f"not localised: no fold boundaries for a {candidate.kind} candidate")
     else:
         fold_wrong = any(c.method == "graph" and not c.passed for c in exact)
-        loc = _torch(reference, candidate, opts, load, fold_wrong)
+        loc = _torch(adapter, fold_wrong)
     return _after_question_1(loc, exact)
 
 
@@ -247,19 +255,16 @@ def _rel(candidate: torch.Tensor | np.ndarray, reference: torch.Tensor | np.ndar
     return judge.rel_err(np.asarray(candidate), np.asarray(reference))[0]
 
 
-def _torch(
-    reference: Side, candidate: Side, opts: VerifyOptions, load: LoadOptions | None, fold_wrong: bool = False
-) -> Localization:
-    """The pass for a model slabconv traces as the reference. ``fold_wrong``: question 1 found the float64 fold
-    itself off the original; where the stored weights hold that fold at every boundary, the verdict names the first
-    boundary where the float64 fold, unrounded, differs from the original (the fold that is wrong)."""
-    from slabconv.verify.inputs import choose_inputs
-    from slabconv.verify.reference import float64_example, float64_fold
-    from slabconv.verify.verifier import norm_affine, unchanged_tensors
+def _torch(adapter: ModelReference, fold_wrong: bool = False) -> Localization:
+    """The pass for a model slabconv traces as the reference (``adapter``, a ``verifier.ModelReference``).
+    ``fold_wrong``: question 1 found the float64 fold itself off the original; where the stored weights hold that
+    fold at every boundary, the verdict names the first boundary where the float64 fold, unrounded, differs from the
+    original (the fold that is wrong)."""
+    from slabconv.verify.reference import float64_example
+    from slabconv.verify.verifier import unchanged_tensors
 
-    loaded = reference.loaded
-    affine = norm_affine(reference, candidate, load)
-    made = reference.take_fold64(affine) or float64_fold(*reference.traced(), affine)  # question 1's, when it kept it
+    reference, candidate, loaded = adapter.side, adapter.candidate, adapter.side.loaded
+    made = adapter.kept_fold()
     original64, fused64, decisions64 = made.original64, made.fused64, made.decisions64
     del made
     dtype = getattr(torch, candidate.dtype)
@@ -280,9 +285,7 @@ def _torch(
     stored = {k: kept[k].double() if k in kept else v for k, v in fold.items()}
     correct = _with_tensors(fused64, {k: rounded(v, dtype).double() for k, v in fold.items()})
     cand64 = _with_tensors(fused64, stored)
-    x = choose_inputs(loaded, opts.inputs, opts.sample_count(), opts.seed, limit=opts.samples)[0][
-        : policy.EXACT_SAMPLES
-    ]
+    x = adapter.x
     t = float64_example(torch.from_numpy(x).to(loaded.dtype)) if x.dtype.kind == "f" else torch.from_numpy(x)
     found = _boundaries(decisions64, original64, fused64)
     nodes = [b[3] for b in found]
@@ -483,9 +486,9 @@ def _layer_order(key: str) -> float:
 # --------------------------------------------------------------------------------------------- ONNX
 
 
-def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization:
-    """An ONNX original: the same pass on ONNX graphs, run in float64 by onnxruntime (onnx's reference evaluator where
-    onnxruntime lacks a float64 kernel: ``onnx_original.run_float64``).
+def _onnx(adapter: OnnxReference) -> Localization:
+    """An ONNX original (``adapter``, a ``verifier.OnnxReference``): the same pass on ONNX graphs, run in float64
+    by onnxruntime (onnx's reference evaluator where onnxruntime lacks a float64 kernel: ``onnx_original.run_float64``).
 
     The reference's float64 fold (``onnx_fold64``, the one question 1 holds the candidate to; for a candidate
     ``fuse --simplify`` wrote, that fold in the file's dtypes simplified alike, cast to float64) holds, by
@@ -495,10 +498,11 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     """
     from slabconv.verify import onnx_original
 
+    reference, candidate = adapter.side, adapter.candidate
     if candidate.onnx is None:
         return Localization("none", detail=f"not localised: {candidate.path} holds no .onnx to compare")
     info = reference.onnx
-    folded = onnx_original.onnx_fold64(info.path, candidate.onnx, keep_original=True)
+    folded = adapter.kept_fold()
     if folded.simplified is not None:  # the candidate's own graph (fuse --simplify), its tensors, run in float64
         import onnx_ir as ir
 
@@ -518,8 +522,7 @@ def _onnx(reference: Side, candidate: Side, opts: VerifyOptions) -> Localization
     differ = _differing(stored, fold, _onnx_first_use(folded.fused))
     owned = _onnx_owned(folded)
     stored = {k: v.double() for k, v in stored.items()}
-    x, _, _ = onnx_original.choose_onnx_inputs(info, opts)
-    x = take(x, 0, min(policy.EXACT_SAMPLES, samples_of(x)))
+    x = adapter.x
 
     def run(model: Any, values: list[str], tensors: dict[str, torch.Tensor] | None) -> dict[str, np.ndarray]:
         if tensors is not None:

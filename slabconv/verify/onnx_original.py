@@ -365,8 +365,8 @@ def embedding_rows(info: OnnxFile, input_name: str) -> int | None:
 
 def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
     """The verification inputs: ``--inputs`` (an ``.npz``), else seeded samples drawn from the graph's input type
-    and shape: standard normal floats, or token ids below the embedding's row count. A model with several inputs
-    gets a dict of arrays by input name (``_several_inputs``). With ``--samples N`` an ``.npz``'s first ``N``
+    and shape (``_drawn``). A model with several inputs gets a dict of arrays by input name (``--inputs``: one
+    array per input name, ``_several_inputs``). With ``--samples N`` an ``.npz``'s first ``N``
     samples only, as ``verify.inputs.choose_inputs`` takes them.
 
     Raises:
@@ -374,14 +374,14 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
         InputError: an unreadable ``.npz`` or one of the wrong shape; an input without the batch axis.
     """
     check_batch_axes(info)
+    if not opts.inputs:
+        return _drawn(info, opts)
     if len(info.inputs) > 1:
-        found, label, digest = _several_inputs(info, opts)
-    elif opts.inputs:
+        found, label, digest = _several_inputs(info, Path(opts.inputs))
+    else:
         rows = embedding_rows(info, info.input_name) if info.token_input else None
         found, digest = read_inputs_file(Path(opts.inputs), info.input_shape, info.token_input, rows)
         label = str(opts.inputs)
-    else:
-        return _drawn(info, opts)
     total = samples_of(found)
     if digest is not None and opts.samples is not None and opts.samples < total:  # a file's first N samples
         return (
@@ -393,22 +393,38 @@ def choose_onnx_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str
 
 
 def _drawn(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, None]:
-    """``--samples`` seeded samples of the graph's one input (``choose_onnx_inputs``)."""
-    if info.input_shape is None:
-        raise UsageError(
-            f"{info.path}: the input {info.input_name!r} has dynamic axes besides the batch; pass --inputs NPZ"
-        )
+    """``--samples`` seeded samples of each graph input, drawn from its type and shape: standard normal floats
+    (``standard_normal``, as every door draws them; the ``i``-th input seeded ``seed + i``), integer ids below the
+    row count of the embedding an input indexes, an integer or boolean input named like a mask (``attention_mask``)
+    all ones (every token attended), any other integer input beside others 0 or 1 (``token_type_ids``). One array
+    for a graph of one input, else a dict by input name (``choose_onnx_inputs``).
+
+    Raises:
+        UsageError: an input with dynamic axes besides the batch; a graph whose one input is integer ids whose range
+            no embedding shows.
+    """
     samples, seed = opts.sample_count(), opts.seed
     rng = np.random.default_rng(seed)
-    label = f"random(seed={seed}, samples={samples})"
-    if info.token_input:
-        rows = embedding_rows(info, info.input_name)
-        if rows is None:
+    out: dict[str, np.ndarray] = {}
+    for i, graph_input in enumerate(info.inputs):
+        if graph_input.shape is None:
+            raise UsageError(
+                f"{info.path}: the input {graph_input.name!r} has dynamic axes besides the batch; pass --inputs NPZ"
+            )
+        shape = (samples, *graph_input.shape)
+        rows = embedding_rows(info, graph_input.name) if graph_input.integer else None
+        if not graph_input.integer:
+            out[graph_input.name] = standard_normal(samples, graph_input.shape, seed + i)
+        elif "mask" in graph_input.name.lower():
+            out[graph_input.name] = np.ones(shape, dtype=np.int64)
+        elif rows is None and len(info.inputs) == 1:
             raise UsageError(
                 f"{info.path}: the model takes integer ids whose range it does not show; pass --inputs NPZ"
             )
-        return rng.integers(0, rows, (samples, *info.input_shape), dtype=np.int64), label, None
-    return standard_normal(samples, info.input_shape, seed), label, None
+        else:
+            out[graph_input.name] = rng.integers(0, rows if rows is not None else 2, shape, dtype=np.int64)
+    found = out if len(out) > 1 else next(iter(out.values()))
+    return found, f"random(seed={seed}, samples={samples})", None
 
 
 def check_batch_axes(info: OnnxFile) -> None:
@@ -437,41 +453,18 @@ def check_batch_axes(info: OnnxFile) -> None:
         )
 
 
-def _several_inputs(info: OnnxFile, opts: VerifyOptions) -> tuple[Inputs, str, str | None]:
-    """Inputs of a model with several graph inputs, by name: ``--inputs`` (an ``.npz`` with one array per input
-    name), else seeded samples drawn from each input's type and shape: standard normal floats; integer ids below
-    the row count of the embedding an input indexes; an integer or boolean input named like a mask
-    (``attention_mask``) all ones (every token attended); any other integer input 0 or 1 (``token_type_ids``).
+def _several_inputs(info: OnnxFile, path: Path) -> tuple[Inputs, str, str | None]:
+    """The ``--inputs`` of a model with several graph inputs: an ``.npz`` with one array per input name.
 
     Raises:
-        UsageError: an input with dynamic axes besides the batch and no ``--inputs``.
         InputError: an unreadable ``.npz``, one without an array per input or of the wrong shapes.
     """
-    if opts.inputs:
-        path = Path(opts.inputs)
-        arrays, digest = load_npz_members(path, {i.name: i.shape for i in info.inputs})
-        for graph_input in info.inputs:  # in the file's own dtype: a cast to int64 wraps a uint64 id above its range
-            if graph_input.integer and "mask" not in graph_input.name.lower():
-                check_token_ids(arrays[graph_input.name], path, embedding_rows(info, graph_input.name))
-        cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
-        return cast, str(path), digest
-    samples, seed = opts.sample_count(), opts.seed
-    rng = np.random.default_rng(seed)
-    out: dict[str, np.ndarray] = {}
-    for graph_input in info.inputs:
-        if graph_input.shape is None:
-            raise UsageError(
-                f"{info.path}: the input {graph_input.name!r} has dynamic axes besides the batch; pass --inputs NPZ"
-            )
-        shape = (samples, *graph_input.shape)
-        if not graph_input.integer:
-            out[graph_input.name] = rng.standard_normal(shape).astype(np.float32)
-        elif "mask" in graph_input.name.lower():
-            out[graph_input.name] = np.ones(shape, dtype=np.int64)
-        else:
-            rows = embedding_rows(info, graph_input.name)
-            out[graph_input.name] = rng.integers(0, rows if rows is not None else 2, shape, dtype=np.int64)
-    return out, f"random(seed={seed}, samples={samples})", None
+    arrays, digest = load_npz_members(path, {i.name: i.shape for i in info.inputs})
+    for graph_input in info.inputs:  # in the file's own dtype: a cast to int64 wraps a uint64 id above its range
+        if graph_input.integer and "mask" not in graph_input.name.lower():
+            check_token_ids(arrays[graph_input.name], path, embedding_rows(info, graph_input.name))
+    cast = {i.name: arrays[i.name].astype(np.int64 if i.integer else np.float32) for i in info.inputs}
+    return cast, str(path), digest
 
 
 _RANDOM_OPS = frozenset({"RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Bernoulli"})
@@ -511,21 +504,25 @@ def float64_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> t
     return run_batched(run, x, fixed_batch=batch), which
 
 
-def cast_reference(path: Path, x: Inputs, dtype: str, batch: int | None) -> tuple[list[np.ndarray], str] | None:
+def cast_reference(path: Path, dtype: str, x: Inputs, batch: int | None) -> tuple[list[np.ndarray], str] | None:
     """The outputs of the ONNX graph at ``path`` cast to ``dtype`` (float16 or bfloat16: every floating tensor and
-    type, ``onnx_fold.cast_floats``) on ``x`` rounded to it, as float64, and which evaluator ran it (onnxruntime,
-    else onnx's reference evaluator): the original's own error in a narrower candidate's precision, as
-    ``run.original_cast`` gives it for a PyTorch original. None where neither runs the cast graph.
+    type, ``onnx_fold.cast_floats``) on ``x`` rounded to it, as float64, and how, in words, naming the evaluator
+    that ran it (onnxruntime, else onnx's reference evaluator): the original's own error in a narrower candidate's
+    precision, as ``run.original_cast`` gives it for a PyTorch original (``run.Reference.cast_to``). None for
+    another dtype, or where neither runs the cast graph.
     """
     import onnx_ir as ir
 
+    if dtype not in ("float16", "bfloat16"):
+        return None
     model: Any = load_ir(path)
-    onnx_fold.cast_floats(model, {"float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}[dtype])
+    onnx_fold.cast_floats(model, getattr(ir.DataType, dtype.upper()))
     try:
         run, which = _float64_runner(model, getattr(ir.DataType, dtype.upper()).numpy())
-        return run_batched(run, x, fixed_batch=batch), which.split(":")[0]
+        outputs = run_batched(run, x, fixed_batch=batch)
     except Exception:  # noqa: BLE001 - onnxruntime and onnx's evaluator lack a kernel of this dtype
         return None
+    return outputs, f"the reference {path.name} cast to {dtype} ({which.split(':')[0]})"
 
 
 @dataclass

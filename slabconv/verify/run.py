@@ -10,7 +10,7 @@ of ``slabconv.verify.policy``:
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,13 +60,16 @@ class Reference:
         notes: what the reference says about the model (an original that overflows its dtype).
         original64: the original graph in float64 (``float64_graph``), when there is a graph: what ``at_length``
             runs again; let go once question 2 no longer needs it.
-        model: the reference model in PyTorch (a torch reference; None for an ONNX original): ``original_in`` casts
-            it to a runtime's narrower precision.
+        model: the reference model in PyTorch (a torch reference; None for an ONNX original): what ``at_length``
+            runs, exported to ONNX for a runtime's own bound (``original_by_runtime``).
         original_dtype: the precision ``original`` was computed in, when not ``dtype`` (a candidate stored in a
             narrower dtype: the reference cast to it).
         cast: the original's outputs in each narrower precision a runtime computed in (``original_in``).
         onnx: the path of an ONNX original (no PyTorch model): ``original_in`` runs it in the runtime that computed
             in a narrower precision.
+        cast_to: ``(dtype, x) -> (outputs, how)``: the original cast to a narrower ``dtype`` on ``x`` and how, in
+            words (the reference adapter's: the PyTorch model cast, ``original_cast``; an ONNX original cast,
+            ``onnx_original.cast_reference``), or None where no evaluator here runs it.
         cast_by: for each entry of ``cast``, ``(dtype, backend, how)``: the precision, the backend that computed
             it (empty: PyTorch, the reference cast) and how, in words, for the report's note.
         batch: the batch the original runs in when its batch is fixed (a program or ONNX file recorded with a
@@ -100,27 +103,29 @@ class Reference:
     exported: list[Any] = field(default_factory=list, repr=False)
     runtime_notes: list[str] = field(default_factory=list)
     alone: list[np.ndarray] | None = field(default=None, repr=False)
+    cast_to: Callable[[str, Any], tuple[list[np.ndarray], str] | None] | None = field(default=None, repr=False)
 
     def original_in(self, dtype: str, runtime: Runtime | None = None) -> tuple[list[np.ndarray], str]:
         """The original's outputs in the precision a runtime computed in, and that precision: ``original`` (in
         ``original_dtype``), or, where ``dtype`` keeps fewer mantissa bits (OpenVINO computing a float32 file in
-        bfloat16 on CPUs with bfloat16), the reference model cast to ``dtype`` in PyTorch on the same inputs
-        (``original_cast``; computed once per dtype): the error any model has in that precision, as for a file
-        stored in it (docs/verification.md). An ONNX original (no PyTorch model) is run by ``runtime``'s backend
-        instead (``original_onnx_in``), where it computes the original in that precision too; else ``original``."""
+        bfloat16 on CPUs with bfloat16), the reference cast to ``dtype`` on the same inputs (``cast_to``; computed
+        once per dtype): the error any model has in that precision, as for a file stored in it
+        (docs/verification.md). An ONNX original is run by ``runtime``'s backend first (``original_onnx_in``), where
+        it computes the original in that precision too; ``original`` where neither can be had."""
         have = self.original_dtype or self.dtype
         want = getattr(torch, dtype, None)
         if not isinstance(want, torch.dtype) or not want.is_floating_point:
             return self.original, have
         if torch.finfo(want).eps <= torch.finfo(getattr(torch, have)).eps:
             return self.original, have
-        if self.model is None:
-            found = self.original_onnx_in(dtype, runtime) or self.original_onnx_cast(dtype)
-            return found if found is not None else (self.original, have)
-        if dtype not in self.cast:
-            self.cast[dtype] = original_cast(self.model, want, self.x)
-            self.cast_by[dtype] = (dtype, "", f"the reference cast to {dtype}")
-        return self.cast[dtype], dtype
+        found = self.original_onnx_in(dtype, runtime)
+        if found is not None:
+            return found
+        made = self.cast_to(dtype, self.x) if dtype not in self.cast and self.cast_to is not None else None
+        if made is not None:
+            self.cast[dtype] = made[0]
+            self.cast_by[dtype] = (dtype, "", made[1])
+        return (self.cast[dtype], dtype) if dtype in self.cast else (self.original, have)
 
     def original_onnx_in(self, dtype: str, runtime: Runtime | None) -> tuple[list[np.ndarray], str] | None:
         """An ONNX original's outputs computed in ``dtype`` by the backend of ``runtime`` (``runtime.kind``: OpenVINO
@@ -150,22 +155,6 @@ class Reference:
             self.in_runtime[runtime.label] = found
         return self.in_runtime[runtime.label]
 
-    def original_onnx_cast(self, dtype: str) -> tuple[list[np.ndarray], str] | None:
-        """An ONNX original cast to ``dtype`` (``onnx_original.cast_reference``: every floating tensor and type), as
-        ``original_cast`` casts a PyTorch original, or None where no evaluator here runs it. Computed once per
-        dtype."""
-        from slabconv.verify import onnx_original
-
-        if self.onnx is None or dtype not in ("float16", "bfloat16"):
-            return None
-        if dtype not in self.cast:
-            found = onnx_original.cast_reference(self.onnx, self.x, dtype, self.batch)
-            if found is None:
-                return None
-            self.cast[dtype] = found[0]
-            self.cast_by[dtype] = (dtype, "", f"the reference {self.onnx.name} cast to {dtype} ({found[1]})")
-        return self.cast[dtype], dtype
-
     def at_length(self, loaded: LoadedModel, length: int) -> Reference:
         """The same reference on the first ``length`` tokens of every input (a language model whose graphs take
         any sequence length): the original in its dtype and the float64 graph run again on ``x[:, :length]``.
@@ -179,7 +168,7 @@ class Reference:
         original, exact = original_runs(loaded, self.original64, x)
         names = [f"{name}, length {length}" for name in self.names]
         return Reference(x, self.label, self.sha256, self.dtype, original, exact, names, original64=self.original64,
-                         model=self.model, batch=self.batch, exported=self.exported)  # fmt: skip
+                         model=self.model, batch=self.batch, exported=self.exported, cast_to=self.cast_to)  # fmt: skip
 
 
 def export_original(loaded: LoadedModel, exported: list[Any], required: bool = False) -> Path | None:

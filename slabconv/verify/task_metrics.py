@@ -321,19 +321,6 @@ def genai_logits(folder: Path) -> Logits:
     return run
 
 
-def folder_dtype(folder: Path | str) -> torch.dtype:
-    """The narrowest floating dtype a fused folder stores its weights in, from its safetensors headers (no data
-    read): the dtype the task metrics cast the original to where it is narrower than the original's.
-
-    Raises:
-        UsageError, InputError: as ``write.hf_llama.folder_weight_specs``.
-    """
-    from slabconv.write.hf_llama import folder_weight_specs
-
-    floats = [d for d, _ in folder_weight_specs(folder).values() if d.is_floating_point]
-    return min(floats, key=lambda d: d.itemsize)
-
-
 def check_task_metrics(
     original: torch.nn.Module, folder: Path | str, token_ids: ArrayLike, *, onnx: bool = True, batch: int | None = None
 ) -> dict[str, Any]:
@@ -358,12 +345,13 @@ def check_task_metrics(
         UsageError: transformers is not installed; bad ids.
     """
     from slabconv.verify.generate import genai_available
-    from slabconv.write.hf_llama import load_fused_llama, require_transformers
+    from slabconv.write.hf_llama import load_fused_llama, require_transformers, weights_dtype
 
     transformers = require_transformers()
     ids = _as_ids(token_ids)[:TASK_SEQUENCES].numpy()
     dtype = next(original.parameters()).dtype
-    stored = folder_dtype(folder)  # from its headers: the fused model is loaded once the float64 copy is gone
+    # the folder's dtype from its safetensors headers: the fused model is loaded once the float64 copy is gone
+    stored = getattr(torch, weights_dtype(folder))
     exact = copy.deepcopy(original).to(torch.float64).eval()
     if stored.itemsize < dtype.itemsize:  # held to the original cast to the folder's dtype, as question 2 holds it
         original, dtype = copy.deepcopy(original).to(stored).eval(), stored

@@ -45,7 +45,7 @@ from slabconv.verify.backends import BACKENDS
 from slabconv.verify.inputs import choose_inputs
 from slabconv.verify.integrity import check_onnx_file
 from slabconv.verify.policy import dtype_name
-from slabconv.verify.reference import Float64Fold, float64_graph, fold64
+from slabconv.verify.reference import Float64Fold, float64_fold, float64_graph, fold64
 from slabconv.verify.results import IntegrityCheck, Localization, NotRun, OutputCheck, Verification, g3
 from slabconv.verify.run import (
     Reference,
@@ -277,16 +277,18 @@ def norm_affine(reference: Side, candidate: Side, load: LoadOptions | None) -> b
 
 @dataclass
 class _Reference:
-    """The reference side as ``_whole`` asks it, one class per kind (``REFERENCES``): ``run`` (the verification
-    inputs, the reference on them in its dtype and in float64; with ``fold``, the float64 fold), ``fold`` (what
-    question 1 compares: the candidate's first file's tensors, the float64 original's and fold's by name, the
-    ``NormSite`` of each norm the fold removes) and ``question_1``.
+    """The reference side as ``_whole`` and the localisation ask it, one class per kind (``REFERENCES``): ``run``
+    (the verification inputs, the reference on them in its dtype and in float64; with ``fold``, the float64 fold),
+    ``fold`` (what question 1 compares: the candidate's first file's tensors, the float64 original's and fold's by
+    name, the ``NormSite`` of each norm the fold removes), ``question_1`` and ``kept_fold`` (the localisation's
+    float64 fold: question 1's where it kept it).
 
     Attributes:
         side, candidate: the two sides; ``load``: how a side's model is built.
         headline: the report's ``verification.reference``.
         notes: what the verdict says of the reference before question 1 (a candidate stored in a narrower dtype).
         decisions64: the float64 fold's decisions, compared with ``side.decisions`` (``run.decisions_note``).
+        x: the first ``policy.EXACT_SAMPLES`` verification inputs (set by ``_whole``): what the localisation runs on.
     """
 
     side: Side
@@ -295,6 +297,7 @@ class _Reference:
     headline: str = ""
     notes: list[str] = field(default_factory=list)
     decisions64: list[Any] = field(default_factory=list)
+    x: Any = None
 
 
 @dataclass
@@ -344,8 +347,12 @@ class ModelReference(_Reference):
             self.fused64, self.decisions64 = fold64(original64, self.affine)
         del made
         names = output_names(len(original))
+
+        def cast_to(to: str, x: Any) -> tuple[list[np.ndarray], str]:
+            return original_cast(loaded, getattr(torch, to), x), f"the reference cast to {to}"
+
         ref = Reference(x, label, digest, dtype_name(dtype), original, exact, names, original64=original64,
-                        model=loaded, original_dtype=original_dtype, batch=loaded.batch)  # fmt: skip
+                        model=loaded, original_dtype=original_dtype, batch=loaded.batch, cast_to=cast_to)  # fmt: skip
         check_reference(ref)
         return ref
 
@@ -381,6 +388,10 @@ class ModelReference(_Reference):
             self.side.fold64 = Float64Fold(ref.original64, self.fused64, self.decisions64, traced, self.affine)
         self.fused64 = None
         return checks
+
+    def kept_fold(self) -> Float64Fold:
+        """The localisation's float64 fold: question 1's where it kept it (``Side.take_fold64``), else made now."""
+        return self.side.take_fold64(self.affine) or float64_fold(*self.side.traced(), self.affine)
 
 
 @dataclass
@@ -437,7 +448,8 @@ class OnnxReference(_Reference):
         runtime.close()
         exact, which = onnx_original.float64_reference(info.path, x, info.dtype, batch)
         self.headline += f" ({which})"
-        ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch)
+        ref = Reference(x, label, digest, info.dtype, original, exact, names, onnx=info.path, batch=batch,
+                        cast_to=functools.partial(onnx_original.cast_reference, info.path, batch=batch))  # fmt: skip
         check_reference(ref)
         return ref
 
@@ -463,12 +475,12 @@ class OnnxReference(_Reference):
         candidate ``fuse --simplify`` wrote is held to the fold in the file's dtypes simplified by the same
         simplifiers at that precision, and that fold, before simplification, to the float64 fold
         (``onnx_original.onnx_fold64``): every written tensor is checked, the ones the simplifiers computed against
-        the simplifiers' own result (their numbers are question 2's to judge). The localisation makes its own fold
-        (``keep`` is ``ModelReference``'s)."""
+        the simplifiers' own result (their numbers are question 2's to judge). The float64 fold is kept for the
+        localisation (``kept_fold``) where it will run (``keep``, or a failed check)."""
         from slabconv.verify import onnx_original
 
         progress("verifying: question 1, is the fold exact?")
-        folded, self.folded = self.folded, None
+        folded = self.folded
         assert ref.exact is not None
         x1, _, total = exact_samples(ref.x, ref.exact)
         outputs = onnx_original.run_float64(folded.fused, x1, ref.dtype, ref.batch)
@@ -476,22 +488,33 @@ class OnnxReference(_Reference):
         name = self.candidate.onnx.path.name
         checks = [judge.exact_graphs(ref.names, outputs, exact1, of=total)]
         if folded.simplified is None:
-            return [*checks, judge.exact_tensors(f"{name} vs a float64 fold of the reference", first.tensors, fold,
-                                                 file=name)]  # fmt: skip
-        rounded = onnx_original.stored_tensors(folded.rounded)
-        simplifiers = ", ".join(folded.simplified_by or [])
-        if folded.simplified_by != folded.simplifiers:  # another release here than the one that simplified the file
-            simplifiers += f"; the file names {', '.join(folded.simplifiers or [])}"
-        return [
-            *checks,
-            judge.exact_tensors("the fold in the file's dtypes, before --simplify, vs a float64 fold of the reference",
-                                rounded, fold),
-            judge.exact_tensors(
-                f"{name} vs that fold simplified at the file's precision ({simplifiers})",
-                first.tensors, onnx_original.stored_tensors(folded.simplified, float64=True),
-                against="that fold, simplified", file=name,
-            ),
-        ]  # fmt: skip
+            checks.append(judge.exact_tensors(f"{name} vs a float64 fold of the reference", first.tensors, fold,
+                                              file=name))  # fmt: skip
+        else:
+            rounded = onnx_original.stored_tensors(folded.rounded)
+            simplifiers = ", ".join(folded.simplified_by or [])
+            if folded.simplified_by != folded.simplifiers:  # another release here than the one that simplified it
+                simplifiers += f"; the file names {', '.join(folded.simplifiers or [])}"
+            checks += [
+                judge.exact_tensors("the fold in the file's dtypes, before --simplify, vs a float64 fold of the "
+                                    "reference", rounded, fold),
+                judge.exact_tensors(
+                    f"{name} vs that fold simplified at the file's precision ({simplifiers})",
+                    first.tensors, onnx_original.stored_tensors(folded.simplified, float64=True),
+                    against="that fold, simplified", file=name,
+                ),
+            ]  # fmt: skip
+        if not keep and all(c.passed for c in checks):
+            self.folded = None
+        return checks
+
+    def kept_fold(self) -> Any:
+        """The localisation's float64 fold (``onnx_original.Fold64``, its original kept): question 1's where it kept
+        it, else made now."""
+        from slabconv.verify import onnx_original
+
+        folded, self.folded = self.folded, None
+        return folded or onnx_original.onnx_fold64(self.side.onnx.path, self.candidate.onnx, keep_original=True)
 
 
 REFERENCES: dict[str, type[ModelReference | OnnxReference]] = {"model": ModelReference, "onnx": OnnxReference}
@@ -691,11 +714,12 @@ def verify(
     _same_decoder(reference, candidate)
     _same_inputs(reference, candidate)
     _checks_fit(reference, candidate, opts)
+    adapter = None
     if "streamed" in (reference.kind, candidate.kind):
         verification = _layerwise(reference, candidate, related, opts, progress)
     else:
         with stage_memory():  # one full collection, then each stage's release_memory walks only what it made
-            verification = _whole(reference, candidate, related, opts, load, progress, just_folded, localize)
+            verification, adapter = _whole(reference, candidate, related, opts, load, progress, just_folded, localize)
     if opts.generate:
         _language_checks(reference, candidate, opts, verification, progress)
     elif candidate.language_model and opts.generate == 0:
@@ -707,7 +731,7 @@ def verify(
 
         progress("verifying: localising, fold by fold")
         try:
-            verification.localization = localizer.localize(reference, candidate, opts, load, verification.exact)
+            verification.localization = localizer.localize(reference, candidate, opts, verification.exact, adapter)
         except InputError as err:
             if verification.passed:
                 raise
@@ -742,8 +766,9 @@ def _whole(
     progress: Progress,
     just_folded: bool = False,
     localize: bool = False,
-) -> Verification:
-    """Both questions with whole models (every side but ``streamed``), and the int8 check when asked. A candidate
+) -> tuple[Verification, ModelReference | OnnxReference]:
+    """Both questions with whole models (every side but ``streamed``), and the int8 check when asked, and the
+    reference adapter (``REFERENCES``) that answered them, for the localisation. A candidate
     whose provenance records a fold of the reference but that holds the norms the fold removes is verified as
     another model (``_a_fold_lacks_its_norms``); with ``just_folded`` that raises RuntimeError. A model reference
     keeps question 1's float64 fold (``Side.fold64``) for the localisation where it will run (``localize``, or a
@@ -769,6 +794,7 @@ def _whole(
     progress("verifying: the reference in its dtype and in float64")
     adapter = REFERENCES[reference.kind](reference, candidate, load)
     ref = adapter.run(opts, related, fusing=just_folded)
+    adapter.x = exact_samples(ref.x, [])[0]
     token_logits = bool((reference.loaded or reference.onnx).token_input)
     verification = Verification(inputs=ref.label, inputs_sha256=ref.sha256)
     verification.reference = adapter.headline
@@ -827,7 +853,7 @@ def _whole(
     for backend in quantizing:
         progress(f"verifying: {backend.name}, the reference and the candidate quantized alike")
         verification.int8.append(_int8(backend, reference, candidate, ref, opts, load).to_dict())
-    return verification
+    return verification, adapter
 
 
 def _int8(
@@ -1013,13 +1039,13 @@ def _checks_fit(reference: Side, candidate: Side, opts: VerifyOptions) -> None:
         return
     from slabconv.errors import SlabconvError
     from slabconv.verify.generate import check_language_checks_fit
-    from slabconv.verify.task_metrics import folder_dtype
+    from slabconv.write.hf_llama import weights_dtype
 
     checked = opts if opts.generate else dataclasses.replace(opts, generate=0)  # verify generates when asked to
     stored = None
     if checked.generate and candidate.path.is_dir():  # the task metrics cast the original to a narrower folder's
         try:
-            stored = folder_dtype(candidate.path)
+            stored = getattr(torch, weights_dtype(candidate.path))
         except SlabconvError:  # no weights to read here: the checks that open the folder say why
             pass
     check_language_checks_fit(loaded, checked, onnx=(candidate.path / "decoder.onnx").is_file(), stored=stored)

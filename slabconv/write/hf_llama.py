@@ -315,13 +315,16 @@ def _check_shapes(
     return found, head_dim
 
 
-def _weights_dtype(folder: Path, specs: Mapping[str, tuple[torch.dtype, list[int]]]) -> str:
-    """The name (``torch_dtype``) of the one float dtype of a folder's weights (``folder_weight_specs``), rotary
-    ``inv_freq`` buffers aside (the model recomputes them in float32).
+def weights_dtype(folder: Path | str, specs: Mapping[str, tuple[torch.dtype, list[int]]] | None = None) -> str:
+    """The name (``torch_dtype``: ``float16``) of the one float dtype of a folder's weights (``specs``, read by
+    ``folder_weight_specs`` where not given), rotary ``inv_freq`` buffers aside (the model recomputes them in
+    float32).
 
     Raises:
-        UsageError: the weights mix float dtypes, or theirs is not one the model runs (float32, float16, bfloat16).
+        UsageError: the weights mix float dtypes, or theirs is not one the model runs (float32, float16, bfloat16);
+            as ``folder_weight_specs``.
     """
+    specs = folder_weight_specs(folder) if specs is None else specs
     floats = {d for k, (d, _) in specs.items() if d.is_floating_point and not k.endswith("inv_freq")}
     if len(floats) != 1:
         raise UsageError(f"{folder}: the weights mix dtypes {sorted(map(str, floats))}; the folder has one dtype")
@@ -382,7 +385,7 @@ def write_hf_llama_metadata(
     folder = Path(folder)
     specs = folder_weight_specs(folder)
     layout = norm_free_layout({k: shape for k, (_, shape) in specs.items()}, config)
-    dtype_name = _weights_dtype(folder, specs)
+    dtype_name = weights_dtype(folder, specs)
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r}: the LLaMA-PRepBN MLP uses silu")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -551,7 +554,7 @@ def write_hf_standard_metadata(
     specs = folder_weight_specs(folder)
     shapes = {k: shape for k, (_, shape) in specs.items()}
     standard_layout(shapes, config)
-    name = _weights_dtype(folder, specs)
+    name = weights_dtype(folder, specs)
     out: dict[str, Any] = {k: v for k, v in config.items() if k != "auto_map"}
     # the sizes slabconv read from the weights where config.json leaves them out: transformers would take its
     # defaults (LLaMA-7B's 4096 x 32 layers), build that model and fail to load these weights into it
