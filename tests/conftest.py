@@ -29,10 +29,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # Under pytest-xdist (`make test` runs one worker per core) each worker and the slabconv processes it starts use one
 # thread: two workers with a thread per core each would only make the cores' OpenMP threads wait on one another.
+# Likewise inductor (docs/deploy.md's ``torch.compile``) compiles in the worker itself: its default, a pool of one
+# compile process per core, each importing torch, costs 9 s more CPU time in tests/test_deploy_pt2.py (58 s, not 49 s).
 if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # read when torch.compile first imports inductor
     import torch
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 FIXTURE = ROOT / "fixtures" / "digits-prepbn"
 

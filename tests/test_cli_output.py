@@ -20,7 +20,7 @@ from slabconv.cli import app
 from slabconv.cli.output import Output
 from tests.conftest import FIXTURE, ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("captures_shared")]  # one trace a model: conftest.py
 
 TEXT = ROOT / "fixtures" / "text-prepbn"
 COMMANDS = ("fuse", "inspect", "export", "verify", "bench", "list")

@@ -29,6 +29,8 @@ from tests.tinyckpt import INPUT_SHAPE, MarkerPayload, hostile_program, save_ckp
 tiny_fused = tinyckpt.tiny_fused
 
 runner = CliRunner()
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 PROGRESS = re.compile(r"^\[ *\d+\.\ds\] ")
 """A progress line on stderr (``[   2.1s] verifying: ...``): the stages a run passed before it met the error."""
 

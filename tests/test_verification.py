@@ -32,6 +32,8 @@ from tests.hfwrite import write_hf_folder
 from tests.test_llama import TINY_CONFIG, tiny_model
 from tests.tinyckpt import error_lines, save_ckpt, tiny_state_dict
 
+pytestmark = pytest.mark.usefixtures("captures_shared")  # one trace a model: conftest.py
+
 TEXT = ROOT / "fixtures" / "text-prepbn"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 runner = CliRunner()
