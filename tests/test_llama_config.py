@@ -54,6 +54,7 @@ def test_rope_theta_is_read_where_transformers_5_writes_it(prepbn):
     [
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope 'dynamic'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}}, "rope 'yarn'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5: slabconv's LLaMA forward rotates the whole head"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"tie_word_embeddings": True}, "no lm_head.weight: tied word embeddings (tie_word_embeddings)"),
     ],

@@ -578,12 +578,16 @@ def rope_scaling(config: Mapping[str, Any], max_positions: int | None = None) ->
     ``max_positions`` (``max_position_embeddings``), as transformers falls back.
 
     Raises:
-        UnsupportedSetting: another ``rope_type`` (dynamic, yarn, longrope, ...): the forward does not compute it.
+        UnsupportedSetting: another ``rope_type`` (dynamic, yarn, longrope, ...), or a ``partial_rotary_factor``
+            other than 1: the forward does not compute it.
         UnsupportedModelError: a llama3 / linear rope without its ``factor`` (llama3: ``low_freq_factor``,
             ``high_freq_factor``), a ``factor`` that is not positive, or ``high_freq_factor <= low_freq_factor``.
     """
     rope = _rope_dict(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedSetting(f"partial_rotary_factor {partial}: slabconv's LLaMA forward rotates the whole head")
     if kind == "default":
         return None
     if kind not in SCALED_ROPES:
