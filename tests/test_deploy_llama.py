@@ -818,8 +818,8 @@ def test_shapes_that_disagree_with_the_config_and_an_empty_folder_are_refused(do
     shutil.copy(doc["out"] / "model.safetensors", tmp_path)
     with pytest.raises(UnsupportedModelError, match="num_key_value_heads 1 but k_proj has 3 heads"):
         write_hf_llama_metadata(tmp_path, config | {"num_key_value_heads": 1})
-    with pytest.raises(UnsupportedModelError, match="rope 'linear'"):
-        write_hf_llama_metadata(tmp_path, config | {"rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(UnsupportedModelError, match="rope 'dynamic'"):
+        write_hf_llama_metadata(tmp_path, config | {"rope_scaling": {"type": "dynamic", "factor": 2.0}})
 
 
 def test_weights_of_two_dtypes_are_refused_before_anything_is_written(doc, tmp_path):

@@ -52,24 +52,17 @@ def test_rope_theta_is_read_where_transformers_5_writes_it(prepbn):
 @pytest.mark.parametrize(
     ("setting", "phrase"),
     [
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope 'linear'"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "rope 'llama3'"),
-        ({"head_dim": 16}, "head_dim 16 x 4 heads is not hidden_size 32"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}}, "rope 'yarn'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5: slabconv's LLaMA forward rotates the whole head"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"tie_word_embeddings": True}, "no lm_head.weight: tied word embeddings (tie_word_embeddings)"),
     ],
 )
 def test_a_setting_the_forward_does_not_compute_is_refused_naming_the_config(prepbn, tmp_path, setting, phrase):
-    """A scaled rope, a head_dim other than hidden / heads (q_proj has heads x head_dim rows: the config is right),
-    another activation, tied embeddings (was: 'could not detect the architecture'): refused at load, naming
-    config.json, without asking to fix a config that is right."""
+    """A scaled rope other than llama3 / linear, another activation, tied embeddings (was: 'could not detect the
+    architecture'): refused at load, naming config.json, without asking to fix a config that is right."""
     sd = dict(prepbn.state_dict())
-    if "head_dim" in setting:  # transformers' layout: q/k/v (heads x head_dim, C), o_proj (C, heads x head_dim)
-        for key in list(sd):
-            if key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-                sd[key] = torch.randn(64, 32)
-            elif key.endswith("o_proj.weight"):
-                sd[key] = torch.randn(32, 64)
     if setting.get("tie_word_embeddings"):  # transformers saves the one table once
         del sd["lm_head.weight"]
     write_hf_folder(tmp_path, sd, CONFIG | setting)

@@ -44,6 +44,7 @@ from slabconv.load import safety
 from slabconv.load.fused import CONFIG_KEY, PROVENANCE_KEY, config_provenance
 from slabconv.load.hf import CONFIG, SAFETENSORS, SAFETENSORS_INDEX, resolves_inside
 from slabconv.load.shards import LazyShards
+from slabconv.zoo.llama import LlamaConfig, RopeScaling, rope_parameters, rope_scaling, rope_theta
 from slabconv.zoo.llama_std import MODEL_TYPES as STANDARD_TYPES  # the standard decoders, written as themselves
 
 MODEL_TYPE = "slabconv_llama"
@@ -378,7 +379,8 @@ def write_hf_llama_metadata(
 
     Raises:
         UnsupportedModelError: a norm was not folded (e.g. a kept affine), the weights are not the LLaMA layout,
-            or the config asks for what the model does not implement (scaled rotary embeddings, another activation).
+            or the config asks for what the model does not implement (a scaled rope other than llama3 / linear,
+            another activation).
         UsageError: no weights in the folder, weights of mixed or non-float dtypes.
         InputError: a damaged safetensors header or index.
     """
@@ -388,11 +390,7 @@ def write_hf_llama_metadata(
     dtype_name = weights_dtype(folder, specs)
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {config['hidden_act']!r}: the LLaMA-PRepBN MLP uses silu")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise UnsupportedModelError(
-            f"rope {rope.get('rope_type', rope.get('type'))!r}: the LLaMA-PRepBN forward uses plain rotary positions"
-        )
+    _rope(config)  # a rope the forward computes, else refused
     written = [
         _write_config(folder, config, layout, dtype_name, provenance),
         _write_generation_config(folder, config, generation),
@@ -612,7 +610,8 @@ def _write_config(
     provenance: Mapping[str, str] | None = None,
 ) -> Path:
     out: dict[str, Any] = {k: v for k, v in config.items() if k not in ("auto_map", "rope_scaling")}
-    theta = float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+    theta = rope_theta(config)
+    rope = _rope(config)
     out.update(
         architectures=[ARCHITECTURE],
         auto_map=dict(AUTO_MAP),
@@ -623,7 +622,7 @@ def _write_config(
         head_dim=layout["head_dim"],
         projection_bias=layout["projection_bias"],
         rope_theta=theta,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        rope_parameters=rope_parameters(theta, rope),  # the rope the zoo's forward computed, scaled or not
         tie_word_embeddings=False,  # lm_head absorbed the final norm: it is no longer the embedding
         use_cache=True,  # deployment generates with the key/value cache (training configs often turn it off)
         torch_dtype=dtype,
@@ -639,6 +638,12 @@ def _write_config(
         ours[PROVENANCE_KEY] = config_provenance(provenance)
     out[CONFIG_KEY] = ours
     return _write_json(folder / CONFIG, out)
+
+
+def _rope(config: Mapping[str, Any]) -> RopeScaling | None:
+    """The scaled rope of the original ``config.json`` as the zoo read it (``max_position_embeddings`` where the
+    config leaves it out: the zoo's and transformers' default)."""
+    return rope_scaling(config, int(config.get("max_position_embeddings") or LlamaConfig.max_position_embeddings))
 
 
 def _write_generation_config(folder: Path, config: Mapping[str, Any], generation: Mapping[str, Any] | None) -> Path:

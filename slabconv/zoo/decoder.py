@@ -93,7 +93,7 @@ def _norm(factory: Callable[[str, float], NormFactory]) -> Callable[[str, Any], 
 def _llama_inputs(cfg: Any, i: int, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Rotary ``cos``, ``sin`` ``(T, d)`` and the additive mask ``(T, T)`` of decoder layer ``i`` in ``dtype``, as
     the zoo's forward makes them: causal, or causal over the layer's sliding window (``cfg.sliding_windows``)."""
-    cos, sin = llama.rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, dtype)
+    cos, sin = llama.rope_cos_sin(seq_len, cfg.head_dim, cfg.rope_theta, dtype, cfg.rope)
     windows = cfg.sliding_windows or ()
     window = windows[i] if i < len(windows) else None
     if window is not None:

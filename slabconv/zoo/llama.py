@@ -5,10 +5,12 @@ Layout source: github xinghaochen/SLAB ``llama/modeling/llama-350M/modeling_llam
 ``linearnorm = partial(LinearNorm, norm1=LlamaRMSNorm, norm2=RepBN)``) and ``config.json`` beside it. Written here
 from those facts; no code copied, and a checkpoint folder's ``modeling_*.py`` is never imported or run.
 
-Keys (``i`` = 0 .. num_hidden_layers - 1; C hidden_size, I intermediate_size, V vocab_size, d = C / heads):
+Keys (``i`` = 0 .. num_hidden_layers - 1; C hidden_size, I intermediate_size, V vocab_size, d = C / heads, or
+config.json's ``head_dim`` where it gives one, as transformers' LLaMA allows):
 
 - ``model.embed_tokens.weight`` (V, C), padding row ``pad_token_id``.
-- ``model.layers.{i}.self_attn.{q,o}_proj.weight`` (C, C) and ``{k,v}_proj.weight`` (K d, C), no bias; K =
+- ``model.layers.{i}.self_attn.q_proj.weight`` (H d, C), ``o_proj.weight`` (C, H d) (H = ``num_attention_heads``;
+  H d = C in the official model) and ``{k,v}_proj.weight`` (K d, C), no bias; K =
   ``num_key_value_heads`` (= ``num_attention_heads`` in the official model; fewer heads is grouped-query attention,
   as in Hugging Face LLaMA, each k/v head serving ``num_attention_heads / K`` query heads via ``repeat_kv``).
 - ``model.layers.{i}.self_attn.rotary_emb.inv_freq`` (d/2,): a persistent buffer in the official code (released
@@ -35,7 +37,8 @@ input, never its output, so every norm folds forward and each of those six bias-
 ``model.norm`` into ``lm_head``.
 
 Eval forward, as the official code computes it (no padding mask, positions ``0 .. T-1``): rotary cos/sin from
-``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` in float32, cast to the model dtype; ``q k^T / sqrt(d)`` plus a
+``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` in float32 (rescaled where config.json asks for a llama3 or
+linear rope, as transformers computes them: ``rope_inv_freq``), cast to the model dtype; ``q k^T / sqrt(d)`` plus a
 causal mask of ``finfo(dtype).min``; softmax in float32, cast back (the official clamp of the scores at
 ``finfo.min`` changes no softmax output: a masked score gives exp(...) = 0 with or without it, and the diagonal is
 never masked); SiLU-gated MLP. Input: int64 token ids ``(B, T)``; output: logits ``(B, T, V)``. ``T`` is fixed at
@@ -69,7 +72,11 @@ __all__ = [
     "llama_norm_factory",
     "repeat_kv",
     "check_head_dim",
+    "RopeScaling",
     "rope_cos_sin",
+    "rope_inv_freq",
+    "rope_parameters",
+    "rope_scaling",
     "rope_theta",
     "seq_len",
 ]
@@ -178,10 +185,13 @@ class LlamaConfig:
     num_key_value_heads: int | None = None  # None: one k/v head per query head (the official model)
     tie_word_embeddings: bool = False  # lm_head reads the embedding table (standard families; never LLaMA-PRepBN)
     sliding_windows: tuple[int | None, ...] | None = None  # per layer: attend to the last W positions only
+    rope: RopeScaling | None = None  # a scaled rope (llama3, linear); None: the plain rope
+    head_size: int | None = None  # config.json's head_dim where it is not hidden_size / num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """``head_size`` where the config gives one, else ``hidden_size / num_attention_heads``."""
+        return self.head_size or self.hidden_size // self.num_attention_heads
 
     @property
     def kv_heads(self) -> int:
@@ -189,13 +199,55 @@ class LlamaConfig:
         return self.num_key_value_heads or self.num_attention_heads
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary ``cos``, ``sin`` of shape ``(T, d)`` for positions ``0 .. T-1``, as the official cache holds them.
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled rope of a ``config.json`` (``rope_parameters`` / ``rope_scaling``), as ``rope_inv_freq`` applies it.
 
-    ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` and ``freqs = t * inv_freq`` in float32, duplicated to ``d``
-    columns (``cat(freqs, freqs)``), cos/sin in float32, then cast to ``dtype``.
+    Attributes:
+        kind: ``linear`` (every inverse frequency divided by ``factor``: positions ``t / factor``) or ``llama3``
+            (Meta's Llama 3.1 rescaling, per frequency).
+        factor: the scale (> 0).
+        low_freq_factor, high_freq_factor, original_max_position_embeddings: llama3's (``L``: the pretraining
+            context): a wavelength above ``L / low_freq_factor`` is divided by ``factor``, one below
+            ``L / high_freq_factor`` kept, one between interpolated; unused by ``linear``.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope: RopeScaling | None = None) -> torch.Tensor:
+    """The rotary inverse frequencies ``(d/2,)`` float32: ``1 / theta ** (arange(0, d, 2) / d)``, rescaled by a
+    scaled ``rope``. ``linear``: divided by ``factor``. ``llama3`` (Meta's Llama 3.1 formula, as transformers'
+    ``_compute_llama3_parameters`` computes it; ``L`` = ``original_max_position_embeddings``): with the wavelength
+    ``w = 2 pi / f``, ``f / factor`` where ``w > L / low_freq_factor``, ``f`` where ``w < L / high_freq_factor``,
+    else ``(1 - s) f / factor + s f`` with ``s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope is None:
+        return inv_freq
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    context, low, high = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - low) / (high - low)
+    between = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / rope.factor, between)
+    return torch.where(wavelen < context / high, inv_freq, scaled)
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, dtype: torch.dtype, rope: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary ``cos``, ``sin`` of shape ``(T, d)`` for positions ``0 .. T-1``, as the official cache holds them.
+
+    ``inv_freq`` (``rope_inv_freq``: the plain rope's, rescaled by a scaled ``rope``) and ``freqs = t * inv_freq``
+    in float32, duplicated to ``d`` columns (``cat(freqs, freqs)``), cos/sin in float32, then cast to ``dtype``.
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, rope)
     t = torch.arange(seq_len, dtype=torch.float32)
     freqs = t[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -219,21 +271,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaRotaryEmbedding(nn.Module):
     """Holds the official ``inv_freq`` buffer (key layout only; ``rope_cos_sin`` computes what eval uses)."""
 
-    def __init__(self, head_dim: int, theta: float, persistent: bool = True):
+    def __init__(self, head_dim: int, theta: float, persistent: bool = True, rope: RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=persistent)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, rope), persistent=persistent)
 
 
 class LlamaAttention(nn.Module):
-    """Causal multi-head self-attention with rotary positions on ``(B, T, C)``; q/k/v/o without bias; with
-    ``num_key_value_heads < num_attention_heads`` grouped-query attention (k/v ``(K d, C)``, heads repeated)."""
+    """Causal multi-head self-attention with rotary positions on ``(B, T, C)``; q/k/v/o without bias; q ``(H d, C)``,
+    o ``(C, H d)`` (``H d`` = C unless the config gives ``head_dim``); with ``num_key_value_heads <
+    num_attention_heads`` grouped-query attention (k/v ``(K d, C)``, heads repeated)."""
 
     def __init__(self, cfg: LlamaConfig, persistent_rope: bool = True):
         super().__init__()
         c, self.num_heads, self.head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.kv_heads = cfg.kv_heads
-        if self.head_dim * self.num_heads != c or self.head_dim % 2:
+        if (cfg.head_size is None and self.head_dim * self.num_heads != c) or self.head_dim % 2:
             raise UnsupportedModelError(
                 f"hidden_size {c} must be num_attention_heads {self.num_heads} times an even head size"
             )
@@ -242,11 +294,11 @@ class LlamaAttention(nn.Module):
                 f"grouped-query attention needs num_attention_heads {self.num_heads} to be a multiple of "
                 f"num_key_value_heads {self.kv_heads}"
             )
-        self.q_proj = nn.Linear(c, c, bias=False)
+        self.q_proj = nn.Linear(c, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(c, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(c, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(c, c, bias=False)
-        self.rotary_emb = LlamaRotaryEmbedding(self.head_dim, cfg.rope_theta, persistent_rope)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding(self.head_dim, cfg.rope_theta, persistent_rope, cfg.rope)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``x`` (B, T, C); ``cos``/``sin`` (T, d) in x's dtype; ``mask`` (T, T) additive (0 or finfo.min)."""
@@ -259,7 +311,7 @@ class LlamaAttention(nn.Module):
         k, v = repeat_kv(k, self.num_heads // self.kv_heads), repeat_kv(v, self.num_heads // self.kv_heads)
         scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(self.head_dim) + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, c)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
 
@@ -306,7 +358,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         t = input_ids.shape[1]
-        cos, sin = rope_cos_sin(t, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(t, self.cfg.head_dim, self.cfg.rope_theta, x.dtype, self.cfg.rope)
         mask = torch.full((t, t), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)
         windows = self.cfg.sliding_windows or (None,) * len(self.layers)
         masks = {w: sliding_mask(t, w, x.dtype) for w in set(windows) if w is not None}
@@ -424,8 +476,8 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
         UnsupportedModelError: not LLaMA-layout weights; no head count known (the weights do not show it: give the
             config.json, or add ``num_attention_heads`` to the one given); a ``num_key_value_heads`` that disagrees
             with the k_proj weight, or does not divide the head count.
-        UnsupportedSetting: a scaled rope (``rope_theta``), a ``head_dim`` other than ``hidden_size /
-            num_attention_heads`` (``check_head_dim``), no ``lm_head.weight`` (tied embeddings).
+        UnsupportedSetting: a scaled rope other than llama3 / linear (``rope_scaling``), no ``lm_head.weight``
+            (tied embeddings).
     """
     sig = llama_signature(state_dict)
     if sig is None:
@@ -447,8 +499,11 @@ def llama_config(state_dict: StateDict, config: Mapping[str, Any], defaults: Lla
     base = defaults or LlamaConfig()
     values = {key: cast(config[key]) if config.get(key) is not None else getattr(base, key) for key, cast in _CASTS}
     values["rope_theta"] = rope_theta(config, base.rope_theta)
+    values["rope"] = rope_scaling(config, values["max_position_embeddings"])
     q_proj = state_dict.get("model.layers.0.self_attn.q_proj.weight")
-    check_head_dim(config, hidden, values["num_attention_heads"], None if q_proj is None else int(q_proj.shape[0]))
+    values["head_size"] = check_head_dim(
+        config, hidden, values["num_attention_heads"], None if q_proj is None else int(q_proj.shape[0])
+    )
     if "pad_token_id" in config and config["pad_token_id"] is None:
         values["pad_token_id"] = None  # no padding row (the text fixture: byte 0 is a token like any other)
     values["num_key_value_heads"] = _kv_heads(state_dict, hidden, values)
@@ -462,9 +517,9 @@ def _kv_heads(state_dict: StateDict, hidden: int, values: dict[str, Any]) -> int
     config; else the config's (None: one per query head)."""
     heads, given = values["num_attention_heads"], values.get("num_key_value_heads")
     k_proj = state_dict.get("model.layers.0.self_attn.k_proj.weight")
-    if k_proj is None or not heads or hidden % heads:
+    if k_proj is None or not heads or (hidden % heads and not values.get("head_size")):
         return given
-    rows, head_dim = int(k_proj.shape[0]), hidden // heads
+    rows, head_dim = int(k_proj.shape[0]), values.get("head_size") or hidden // heads
     found = rows // head_dim
     if rows % head_dim or (given is not None and int(given) != found):
         raise UnsupportedModelError(
@@ -478,46 +533,106 @@ def _kv_heads(state_dict: StateDict, hidden: int, values: dict[str, Any]) -> int
     return None if found == heads else found
 
 
-def check_head_dim(config: Mapping[str, Any], hidden: int, heads: int, q_rows: int | None = None) -> None:
-    """Refuse a ``config.json`` ``head_dim`` other than ``hidden_size / num_attention_heads``: transformers' LLaMA
-    allows one (q_proj ``(heads * head_dim, C)``), this forward does not compute it.
+def check_head_dim(config: Mapping[str, Any], hidden: int, heads: int, q_rows: int | None = None) -> int | None:
+    """A ``config.json`` ``head_dim`` other than ``hidden_size / num_attention_heads`` (transformers' LLaMA allows
+    one: q_proj ``(heads * head_dim, C)``, o_proj ``(C, heads * head_dim)``), checked against the q_proj weight.
 
     Args:
         config: ``config.json``; hidden, heads: C and the head count; q_rows: q_proj's rows, when the weights are known.
 
+    Returns:
+        ``head_dim`` where the config gives one other than ``hidden / heads`` (``LlamaConfig.head_size``), else None.
+
     Raises:
-        UnsupportedSetting: ``head_dim`` other than ``hidden / heads``, and the q_proj weight has its rows (the
-            config is right).
-        UnsupportedModelError: q_proj has other rows (the config does not fit the weights).
+        UnsupportedModelError: q_proj has other rows than ``heads * head_dim`` (the config does not fit the
+            weights), or ``head_dim`` is odd (the rotary halves).
     """
     head_dim = config.get("head_dim")
-    if head_dim is None or not heads or int(head_dim) * int(heads) == hidden:
-        return
-    if q_rows is not None and q_rows != int(head_dim) * int(heads):
+    if head_dim is None or not heads:
+        return None
+    head_dim = int(head_dim)
+    if q_rows is not None and q_rows != head_dim * int(heads):
         raise UnsupportedModelError(
-            f"head_dim {head_dim} x {heads} heads is {int(head_dim) * int(heads)}, but q_proj.weight has {q_rows} rows"
+            f"head_dim {head_dim} x {heads} heads is {head_dim * int(heads)}, but q_proj.weight has {q_rows} rows"
         )
-    raise UnsupportedSetting(
-        f"head_dim {head_dim} x {heads} heads is not hidden_size {hidden}: slabconv's LLaMA forward takes "
-        "head_dim = hidden_size / num_attention_heads"
-    )
+    if head_dim * int(heads) == hidden:
+        return None
+    if head_dim < 2 or head_dim % 2:
+        raise UnsupportedModelError(f"head_dim {head_dim}: the rotary positions need an even head size")
+    return head_dim
+
+
+def _rope_dict(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return rope if isinstance(rope, Mapping) else {}
+
+
+SCALED_ROPES = ("linear", "llama3")
+"""The ``rope_type`` values besides ``default`` the LLaMA forward computes (``rope_inv_freq``)."""
+
+
+def rope_scaling(config: Mapping[str, Any], max_positions: int | None = None) -> RopeScaling | None:
+    """The scaled rope of a ``config.json``: ``rope_parameters`` (transformers 5), else ``rope_scaling``
+    (transformers 4, its kind in ``rope_type`` or ``type``); None for the plain rope (``default``, or none given).
+    llama3's ``original_max_position_embeddings``: the rope's, else the config's top-level one, else
+    ``max_positions`` (``max_position_embeddings``), as transformers falls back.
+
+    Raises:
+        UnsupportedSetting: another ``rope_type`` (dynamic, yarn, longrope, ...), or a ``partial_rotary_factor``
+            other than 1: the forward does not compute it.
+        UnsupportedModelError: a llama3 / linear rope without its ``factor`` (llama3: ``low_freq_factor``,
+            ``high_freq_factor``), a ``factor`` that is not positive, or ``high_freq_factor <= low_freq_factor``.
+    """
+    rope = _rope_dict(config)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedSetting(f"partial_rotary_factor {partial}: slabconv's LLaMA forward rotates the whole head")
+    if kind == "default":
+        return None
+    if kind not in SCALED_ROPES:
+        raise UnsupportedSetting(
+            f"rope {kind!r}: slabconv's LLaMA forward computes the plain, llama3 and linear rotary positions only"
+        )
+    names = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [name for name in names if not isinstance(rope.get(name), (int, float))]
+    if missing:
+        raise UnsupportedModelError(f"rope {kind!r} needs a number {missing[0]} in its parameters")
+    factor = float(rope["factor"])
+    if factor <= 0:
+        raise UnsupportedModelError(f"rope {kind!r}: factor {factor} is not positive")
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    context = rope.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    context = context if context is not None else max_positions
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    if context is None or int(context) < 1 or high <= low:
+        raise UnsupportedModelError(
+            f"rope 'llama3' needs original_max_position_embeddings and high_freq_factor {high} > low_freq_factor {low}"
+        )
+    return RopeScaling("llama3", factor, low, high, int(context))
+
+
+def rope_parameters(theta: float, rope: RopeScaling | None) -> dict[str, Any]:
+    """``config.json``'s ``rope_parameters`` (transformers 5's layout) of ``theta`` and a scaled ``rope``: what
+    transformers reads to compute the rope ``rope_inv_freq`` computes."""
+    out: dict[str, Any] = {"rope_type": "default" if rope is None else rope.kind, "rope_theta": float(theta)}
+    if rope is not None:
+        out["factor"] = rope.factor
+    if rope is not None and rope.kind == "llama3":
+        out.update(
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
+    return out
 
 
 def rope_theta(config: Mapping[str, Any], default: float = 10000.0) -> float:
     """``rope_theta`` of a ``config.json``: from ``rope_parameters`` (transformers 5 writes it there, with no
     top-level key), else ``rope_scaling``, else the top level (transformers 4, the official LLaMA-350M config), else
-    ``default``.
-
-    Raises:
-        UnsupportedModelError: a scaled rope (``rope_type`` / ``type`` other than ``default``: linear, dynamic,
-            llama3, yarn, ...): the forward computes plain rotary positions only.
-    """
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope = rope if isinstance(rope, Mapping) else {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise UnsupportedSetting(f"rope {kind!r}: slabconv's LLaMA forward computes plain rotary positions only")
-    theta = rope.get("rope_theta")
+    ``default``. (The rope's kind: ``rope_scaling``.)"""
+    theta = _rope_dict(config).get("rope_theta")
     if theta is None:
         theta = config.get("rope_theta")
     return float(theta) if theta is not None else float(default)

@@ -20,9 +20,14 @@ their ``config.json`` keys; written here from those facts, no code copied. The f
   a config has no ``layer_types`` and ``use_sliding_window``, the layers from ``max_window_layers`` on, as
   transformers' ``Qwen2Config`` reads it): query ``i`` sees keys ``i - W < j <= i``.
 
-Refused (``UnsupportedModelError``): a rope other than the default (``rope_scaling`` / ``rope_parameters`` of
-another ``rope_type``: llama3, yarn, ...), a ``head_dim`` other than ``hidden_size / num_attention_heads``, an
-activation other than SiLU, ``pretraining_tp`` above 1.
+- the rope of ``rope_parameters`` / ``rope_scaling`` (``slabconv.zoo.llama.rope_scaling``): the plain one,
+  ``llama3`` (Llama 3.1 / 3.2: each inverse frequency rescaled from ``factor``, ``low_freq_factor``,
+  ``high_freq_factor``, ``original_max_position_embeddings``) or ``linear`` (divided by ``factor``), as
+  transformers' ``modeling_rope_utils.py`` computes them;
+- an explicit ``head_dim`` (q_proj ``(heads * head_dim, C)``, o_proj ``(C, heads * head_dim)``).
+
+Refused (``UnsupportedModelError``): another rope (``rope_type`` dynamic, yarn, longrope, ...), an activation
+other than SiLU, ``pretraining_tp`` above 1.
 
 Detection: a ``config.json`` with ``model_type`` ``llama`` / ``mistral`` / ``qwen2`` and weights with the plain
 RMSNorm key ``model.layers.0.input_layernorm.weight`` (LLaMA-PRepBN's norms are ``LinearNorm``s:
@@ -49,6 +54,7 @@ from slabconv.zoo.llama import (
     _kv_heads,
     check_head_dim,
     decoder_depth,
+    rope_scaling,
     rope_theta,
     seq_len,
 )
@@ -111,8 +117,9 @@ def std_config(state_dict: StateDict, config: Mapping[str, Any]) -> LlamaConfig:
     """The hyperparameters: sizes from the weights, the rest from ``config.json``.
 
     Raises:
-        UnsupportedModelError: weights that are not this layout, no head count, a ``head_dim`` other than
-            ``hidden_size / num_attention_heads``, a scaled rope, another activation, ``pretraining_tp`` > 1.
+        UnsupportedModelError: weights that are not this layout, no head count, a ``head_dim`` the q_proj weight
+            does not have, a rope other than the plain, llama3 and linear ones, another activation,
+            ``pretraining_tp`` > 1.
     """
     try:
         embed = state_dict["model.embed_tokens.weight"]  # (V, C)
@@ -128,7 +135,7 @@ def std_config(state_dict: StateDict, config: Mapping[str, Any]) -> LlamaConfig:
         raise UnsupportedModelError("the config has no num_attention_heads; the weights do not show it")
     heads = int(heads)
     q_proj = state_dict.get("model.layers.0.self_attn.q_proj.weight")
-    check_head_dim(config, hidden, heads, None if q_proj is None else int(q_proj.shape[0]))
+    head_size = check_head_dim(config, hidden, heads, None if q_proj is None else int(q_proj.shape[0]))
     act = str(config.get("hidden_act", "silu"))
     if act not in ("silu", "swish"):
         raise UnsupportedSetting(f"hidden_act {act!r}: the LLaMA MLP uses silu")
@@ -143,7 +150,9 @@ def std_config(state_dict: StateDict, config: Mapping[str, Any]) -> LlamaConfig:
         "hidden_act": act,
         "pad_token_id": int(config["pad_token_id"]) if isinstance(config.get("pad_token_id"), int) else None,
         "num_key_value_heads": config.get("num_key_value_heads"),
+        "head_size": head_size,
     }
+    values["rope"] = rope_scaling(config, values["max_position_embeddings"])
     values["num_key_value_heads"] = _kv_heads(state_dict, hidden, values)
     return replace(
         LlamaConfig(),
@@ -161,7 +170,7 @@ def build_std(state_dict: StateDict, config: Mapping[str, Any], norm: str) -> nn
     """``ArchSpec.build``: ``norm`` ``checkpoint`` (RMSNorms with their weights) or ``identity`` (the norm-free
     bound). Linears get the biases the weights hold; the embedding has no padding row (transformers' LLaMA zeroes
     none at load); each layer's ``rotary_emb.inv_freq`` where the weights hold it (never read: recomputed from
-    ``rope_theta``, as transformers does)."""
+    ``rope_theta`` and the rope's scaling, as transformers does)."""
     cfg = replace(std_config(state_dict, config), pad_token_id=None)
     layout = "identity" if norm == "identity" else "rmsnorm"
     persistent = any(k.endswith("rotary_emb.inv_freq") for k in state_dict)  # transformers before 4.31 saved them

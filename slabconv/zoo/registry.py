@@ -65,8 +65,8 @@ class ArchMismatch(UnsupportedModelError):
 
 
 class UnsupportedSetting(UnsupportedModelError):
-    """A config setting that fits the weights but that the family's forward does not compute (a scaled rope, a
-    ``head_dim`` other than ``hidden_size / num_attention_heads``, another activation): the config is right, the
+    """A config setting that fits the weights but that the family's forward does not compute (a rope other than the
+    plain, llama3 and linear ones, another activation): the config is right, the
     model is one slabconv does not build. The loader names the config file and does not ask to fix it."""
 
 
