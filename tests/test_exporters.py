@@ -249,18 +249,26 @@ def test_an_expand_larger_than_the_folding_limit_stays_a_node(tmp_path, monkeypa
 def test_preparing_a_graph_shape_inference_cannot_finish_writes_nothing_in_the_working_directory(tmp_path, monkeypatch):
     """onnxruntime's symbolic shape inference saves a partial model (``sym_shape_infer_temp.onnx`` and external
     data files) into the current directory when it cannot type every value (here: the graph onnxruntime's own
-    optimizer wrote, with its contrib ops): slabconv drives the inference without that step, so nothing of the
-    user's is written or replaced, and never changes the working directory (process-wide: the Python API may run in
-    a thread beside others that open relative paths)."""
+    optimizer wrote, its first ``FusedConv`` made an op of another domain that no inference knows): slabconv drives
+    the inference without that step, so nothing of the user's is written or replaced, and never changes the working
+    directory (process-wide: the Python API may run in a thread beside others that open relative paths)."""
     import os
 
     import onnxruntime as ort
+
+    from slabconv.engine import onnx_shapes
 
     optimized = tmp_path / "ort.onnx"
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED  # FusedConv
     options.optimized_model_filepath = str(optimized)
     ort.InferenceSession(str(EXPORTS / "torch-cnn-torchscript.onnx"), options, providers=["CPUExecutionProvider"])
+    proto = onnx.load(str(optimized))
+    proto.graph.node[0].domain = "org.example"
+    proto.opset_import.append(onnx.helper.make_opsetid("org.example", 1))
+    onnx.save(proto, str(optimized))
+    with pytest.raises(RuntimeError, match="incomplete"):  # the inference this test is about does not finish
+        onnx_shapes._infer_symbolic(onnx.load(str(optimized)))
     work = tmp_path / "work"
     work.mkdir()
     (work / "sym_shape_infer_temp.onnx").write_text("the user's file")

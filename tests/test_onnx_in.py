@@ -1507,24 +1507,24 @@ def test_a_quantized_graph_is_refused_in_one_line_and_its_dequantized_weights_ar
 
 
 def test_an_original_no_float64_evaluator_runs_is_named_not_an_internal_error(tmp_path):
-    """onnxruntime's optimizer writes its own ops (``com.microsoft`` ``FusedConv``): onnxruntime has no float64
+    """onnxruntime's optimizer writes its own ops (``com.microsoft`` ``BiasGelu``): onnxruntime has no float64
     kernel for them and onnx's reference evaluator does not know them, so question 1 cannot run; one line says
     so and what to do."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    node = helper.make_node("FusedConv", ["x", "w"], ["y"], domain="com.microsoft", activation="Relu", name="c0")
+    node = helper.make_node("BiasGelu", ["x", "b"], ["y"], domain="com.microsoft", name="c0")
     graph = helper.make_graph(
         [node],
         "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 4, 4])],
-        [numpy_helper.from_array(rng.standard_normal((2, 3, 1, 1)).astype(np.float32), "w")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 4, 4])],
+        [numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")],
     )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     onnx.save(helper.make_model(graph, opset_imports=opsets), str(tmp_path / "ort.onnx"))
     x = rng.standard_normal((1, 3, 4, 4)).astype(np.float32)
-    with pytest.raises(InputError, match=r"runs neither in onnxruntime .*FusedConv.*or pass --no-verify") as err:
+    with pytest.raises(InputError, match=r"runs neither in onnxruntime .*BiasGelu.*or pass --no-verify") as err:
         onnx_original.float64_reference(tmp_path / "ort.onnx", x, "float32", None)
     assert "(onnxruntime's basic level, ORT_ENABLE_BASIC, writes none)" in str(err.value)
     assert errordoc.documented(f"error: {err.value}") is not None
@@ -1933,6 +1933,65 @@ def test_a_reshape_to_sizes_the_caller_may_feed_blocks_the_fold(tmp_path):
     shift = arrays["b"] - arrays["m"] * scale
     naive = x.reshape(2, 4, 2).transpose(0, 2, 1) @ (scale[:, None] * arrays["W"]) + shift @ arrays["W"]
     assert np.abs(naive - want).max() > 1e-2 * np.abs(want).max()
+
+
+class _ReluBnConv(nn.Module):
+    """``conv1 -> ReLU -> BatchNorm -> conv2 (no bias; padded with ``pad``) -> ReLU -> mean -> fc``: onnxruntime's
+    extended optimizer writes each conv and its ReLU as one ``com.microsoft`` ``FusedConv``."""
+
+    def __init__(self, pad: int) -> None:
+        super().__init__()
+        self.conv1, self.bn = nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6)
+        self.conv2, self.fc = nn.Conv2d(6, 8, 3, padding=pad, bias=False), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv2(self.bn(torch.relu(self.conv1(x)))))
+        return self.fc(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("pad", [0, 1])
+def test_a_batchnorm_between_onnxruntimes_fused_convs_folds_into_the_next_one(tmp_path, pad):
+    """onnxruntime's extended optimizer (``ORT_ENABLE_EXTENDED``, saved with ``optimized_model_filepath``) writes
+    ``Conv -> Relu`` as one ``FusedConv``: the BatchNorm between two of them was kept
+    (``unsupported-op:com.microsoft.FusedConv``) and, had it folded, the file could not be verified (no float64
+    ``FusedConv`` in onnxruntime or onnx's reference evaluator). It folds into the next conv's weight, its created
+    bias becomes that ``FusedConv``'s ``B`` (the ReLU reads the biased sum), and question 1 runs the ``FusedConv``s
+    as the ``Conv`` and ReLU they are. Before a padded conv the norm stays: folded forward it would add its shift to
+    the padding's zeros, and folded backward through the ReLU (``relu(z) s + t`` into ``relu(z s + t)``) it is wrong."""
+    torch.manual_seed(0)
+    model = randomize_norms(_ReluBnConv(pad)).eval()
+    x = torch.randn(2, 3, 9, 9)
+    exported = tmp_path / "cnn.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x,), str(exported), dynamo=False, opset_version=17, input_names=["x"])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(tmp_path / "ortext.onnx")
+    ort.InferenceSession(str(exported), options, providers=["CPUExecutionProvider"])
+    path = tmp_path / "ortext.onnx"
+    assert op_histogram(path)["FusedConv"] == 2
+    report = api.fuse(path, tmp_path / "out", verify=VerifyOptions(samples=4))
+    assert report.verification is not None and report.verification.passed
+    [decision] = report.folds
+    fused = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    want, got = _run(path, x.numpy()), _run(tmp_path / "out" / "model.onnx", x.numpy())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if pad == 0:
+        assert decision.action == "folded-forward"
+        assert "BatchNormalization" not in op_histogram(tmp_path / "out" / "model.onnx")
+        second = [n for n in fused.graph.node if n.op_type == "FusedConv"][1]
+        assert len(second.input) == 3 and second.input[2]  # the created bias is its B input
+        return
+    assert decision.action in ("kept", "kept-affine")
+    s = model.bn.weight / torch.sqrt(model.bn.running_var + model.bn.eps)
+    t = model.bn.bias - model.bn.running_mean * s
+    with torch.no_grad():  # the backward fold a naive tool would make: the ReLU between them ignored
+        naive = copy.deepcopy(model)
+        naive.conv1.weight.mul_(s[:, None, None, None])
+        naive.conv1.bias.mul_(s).add_(t)
+        naive.bn = nn.Identity()
+        assert (naive(x) - model(x)).abs().max() > 1e-2 * model(x).abs().max()
 
 
 def test_float16_weights_behind_float32_inputs_fold_and_are_judged_as_float16(tmp_path):

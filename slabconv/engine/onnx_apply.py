@@ -10,10 +10,10 @@ changed in place, as the plans say:
   reshaped back for a ``(1, C, 1, 1)`` bias), rounded once to the initializer's dtype, or in float64 for the float64
   fold (a ``Gemm`` weight or C then holds its ``alpha`` / ``beta``, which become 1); an initializer that other nodes
   read too is copied for the node the fold changed (copy on write);
-- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose``, or an ``Add`` after its ``MatMul``
-  (``<layer>.bias``, a ``.../folded_bias_add`` node); a ``Gemm``'s C per row (``(M, N)``, ``(M, 1)``) or of one
-  number becomes ``s * beta * C`` plus the bias, in C's broadcast shape, ``s`` the product of the scales of the
-  Gemm's backward folds (``_rows_scales``): ``s (A B + C) + t = A (B s) + (s C + t)``;
+- a created bias becomes an input of its ``Gemm`` / ``Conv`` / ``ConvTranspose`` / ``FusedConv``, or an ``Add``
+  after its ``MatMul`` (``<layer>.bias``, a ``.../folded_bias_add`` node); a ``Gemm``'s C per row (``(M, N)``,
+  ``(M, 1)``) or of one number becomes ``s * beta * C`` plus the bias, in C's broadcast shape, ``s`` the product of
+  the scales of the Gemm's backward folds (``_rows_scales``): ``s (A B + C) + t = A (B s) + (s C + t)``;
 - a kept affine becomes one ``BatchNormalization`` (mean 0, variance 1, epsilon 0: exactly ``x * s + t``) where its
   channels are at axis 1 and it has a shift, else ``Mul`` (and ``Add``), in front of each blocked node, on the
   value it reads (an ``If`` or
@@ -163,7 +163,7 @@ class _Graph:
         bias = self._initializer(target, _numpy(value, dtype))
         self.bindings[target] = Binding(bias.name or target, False, tuple(value.shape))
         self.written[target] = bias
-        if node.op_type in ("Gemm", "Conv", "ConvTranspose"):
+        if node.op_type in ("Gemm", "Conv", "ConvTranspose", "FusedConv"):
             node.resize_inputs(3)
             node.replace_input_with(2, bias)
             if node.op_type == "Gemm":  # beta scales C; without a C it did nothing, with this one it must be 1

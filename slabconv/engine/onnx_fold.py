@@ -159,8 +159,10 @@ def fold_planned(model: Any, lowered: Lowered, plans: list[NormPlan], as_float64
         the same model, fused.
     """
     if as_float64:
-        to_float64(model)
+        cast_floats(model, ir.DataType.DOUBLE)
     apply_plans(model, lowered, plans, exact=as_float64, values=values)
+    if as_float64:  # after the plans, which name the nodes as the lowering read them
+        expand_fused_convs(model)
     return model
 
 
@@ -331,8 +333,41 @@ def _onnxslim(model: Any, keep_larger: bool, skips: list[tuple[str, ...]]) -> tu
 
 def to_float64(model: Any) -> None:
     """Cast every floating tensor, value type and ``Cast``/``Constant`` target of ``model`` to float64, in place (the
-    float64 evaluation of question 1). Integer tensors (ids, shapes) stay as they are."""
+    float64 evaluation of question 1). Integer tensors (ids, shapes) stay as they are. An onnxruntime ``FusedConv``
+    (float32 kernels only; onnx's reference evaluator has none) becomes the ``Conv`` and activation it computes
+    (``expand_fused_convs``)."""
+    expand_fused_convs(model)
     cast_floats(model, ir.DataType.DOUBLE)
+
+
+_FUSED_ACTIVATIONS = {"Relu": (), "Sigmoid": (), "Tanh": (), "LeakyRelu": ("alpha",), "HardSigmoid": ("alpha", "beta")}
+"""The ``activation`` values of a ``FusedConv`` that ``expand_fused_convs`` writes as one ONNX op: the names its
+``activation_params`` give, in order (onnxruntime's contrib op schema)."""
+
+
+def expand_fused_convs(model: Any) -> None:
+    """Replace each ``com.microsoft`` ``FusedConv`` (onnxruntime's extended-level optimizer's ``Conv`` with the
+    activation after it taken in: ``activation(Conv(X, W, B))``) of ``model`` (an ``onnx_ir.Model``) by that ``Conv``
+    and that activation, in place; the activation's output keeps the node's output name (onnx-ir's
+    ``replace_nodes_and_values``). One with a ``Z`` input or another activation stays."""
+    for node in list(model.graph.all_nodes()):
+        activation = node.attributes.get_string("activation")
+        if (node.domain, node.op_type) != ("com.microsoft", "FusedConv") or activation not in _FUSED_ACTIVATIONS:
+            continue
+        if node.graph is None or (len(node.inputs) > 3 and node.inputs[3] is not None):
+            continue
+        params = list(node.attributes.get_floats("activation_params") or [])
+        names = _FUSED_ACTIVATIONS[activation]
+        if len(params) < len(names):
+            continue
+        kept = [a for k, a in node.attributes.items() if k not in ("activation", "activation_params")]
+        conv = ir.Node("", "Conv", list(node.inputs[:3]), attributes=kept, name=f"{node.name}/conv")
+        conv.outputs[0].name = f"{node.outputs[0].name}/conv"
+        attributes = [ir.AttrFloat32(name, value) for name, value in zip(names, params[: len(names)], strict=True)]
+        act = ir.Node("", activation, [conv.outputs[0]], attributes=attributes, name=f"{node.name}/{activation}")
+        ir.convenience.replace_nodes_and_values(
+            node.graph, node, [node], [conv, act], [node.outputs[0]], [act.outputs[0]]
+        )
 
 
 def cast_floats(model: Any, to: ir.DataType) -> None:
@@ -371,6 +406,7 @@ __all__ = [
     "ONNXSLIM",
     "SIMPLIFY_EXTRA",
     "cast_floats",
+    "expand_fused_convs",
     "fold_file",
     "fold_planned",
     "plan_file",

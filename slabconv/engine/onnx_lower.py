@@ -1585,16 +1585,25 @@ def _gemm(lo: _Lowering, node: ir.Node) -> None:
         lo.emit(node, aten.add.Tensor, (layer, rows), out).meta[ROWS_ADDEND] = True
 
 
-@lowers("Conv", "ConvTranspose")
+@lowers("Conv", "ConvTranspose", "com.microsoft.FusedConv")
 def _convolution(lo: _Lowering, node: ir.Node) -> None:
     """``Conv`` / ``ConvTranspose`` as ``aten.convolution`` (``transposed`` for a ``ConvTranspose``: the weight is
     ``(C_in, C_out / group, *kernel)``, ``output_padding`` read). A ``ConvTranspose``'s padding is the larger of its
     begin and end ``pads`` (or ``auto_pad``) per axis, as a ``Conv``'s; its ``output_shape`` is not read: the layer
     folds forward only when the output size inferred for it is the input's less twice that padding
     (``layers.ConvTranspose.pointwise``), which asymmetric ``pads`` or an ``output_shape`` that crops otherwise never
-    are."""
+    are.
+
+    onnxruntime's ``FusedConv`` (its extended-level optimizer's ``Conv`` with the activation after it taken in,
+    ``activation`` one of ``_UNARY``'s ops) is that ``aten.convolution`` and the activation after it: a norm before
+    it folds into its weight and bias ``B``; a bias a fold creates becomes ``B`` (the activation reads the biased
+    sum, never an ``Add`` after the node); behind it a norm meets the activation. Opaque with a ``Z`` input (a tensor
+    added before the activation) or another activation."""
     x, wv = node.inputs[0], node.inputs[1]
     bv = node.inputs[2] if len(node.inputs) > 2 else None
+    activation = node.attributes.get_string("activation") if node.op_type == "FusedConv" else None
+    if activation is not None and (activation not in _UNARY or (len(node.inputs) > 3 and node.inputs[3] is not None)):
+        raise _Unlowerable
     transposed = node.op_type == "ConvTranspose"
     w = _const_tensor(wv)
     rank = _rank(x)
@@ -1608,7 +1617,9 @@ def _convolution(lo: _Lowering, node: ir.Node) -> None:
     out_channels = int(w.shape[1]) * groups if transposed else int(w.shape[0])
     output_padding = list(node.attributes.get_ints("output_padding") or [0] * spatial) if transposed else [0] * spatial
     weight = _weight(lo, node, wv, "weight", Binding(wv.name or "", False, tuple(w.shape)))
-    if bv is None:
+    if bv is None and activation is not None:
+        bias, site, out = None, LayerSite(node.name or ""), node.outputs[0]
+    elif bv is None:
         bias, site, out = _bias_add(lo, node, out_channels, spatial + 1)
     else:
         array = _array(bv)
@@ -1617,7 +1628,11 @@ def _convolution(lo: _Lowering, node: ir.Node) -> None:
         bias = _weight(lo, node, bv, "bias", Binding(bv.name or "", False, tuple(array.shape)))
         site, out = LayerSite(node.name or ""), node.outputs[0]
     args = (lo.read(x), weight, bias, strides, pads, dilations, transposed, output_padding, groups)
-    layer = lo.emit(node, aten.convolution.default, args, out)
+    if activation is None:
+        layer = lo.emit(node, aten.convolution.default, args, out)
+    else:
+        layer = lo.emit(node, aten.convolution.default, args, None, val=lo.fake(out))
+        lo.emit(node, _UNARY[activation], (layer,), out)
     lo.out.layers[layer.name] = site
 
 

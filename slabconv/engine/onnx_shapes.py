@@ -35,7 +35,7 @@ def infer_shapes(model: ir.Model, proto_path: str | None = None) -> dict[str, tu
     """
     import onnx
 
-    proto = _shape_proto(model, proto_path)
+    proto = _fused_convs_as_convs(_shape_proto(model, proto_path))
     found: dict[str, tuple[int, tuple[Any, ...] | None]] = {}
     for infer in (_infer_symbolic, _infer_onnx):
         try:
@@ -149,6 +149,21 @@ def _infer_onnx(proto: Any) -> Any:
         proto.graph.value_info.extend(typed)
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     return inferred
+
+
+def _fused_convs_as_convs(proto: Any) -> Any:
+    """``proto`` (a copy for shape inference only) with each onnxruntime ``com.microsoft`` ``FusedConv`` written as
+    the ``Conv`` it starts with (its activation keeps the conv's shape; neither inference knows the op, so every value
+    after one stayed untyped): the activation's attributes and the ``Z`` input dropped."""
+    for node in _all_nodes(proto.graph):
+        if (node.domain, node.op_type) != ("com.microsoft", "FusedConv"):
+            continue
+        node.domain, node.op_type = "", "Conv"
+        del node.input[3:]
+        kept = [a for a in node.attribute if a.name not in ("activation", "activation_params")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+    return proto
 
 
 def _fused_matmul_type(node: Any, known: dict[str, Any]) -> Any:
