@@ -227,3 +227,16 @@ def test_fuse_refuses_a_fold_whose_forward_drops_the_llama3_scaling(tmp_path, mo
     with pytest.raises(VerificationError, match="greedy generation failed for fused float32 .transformers"):
         api.fuse(src, tmp_path / "out", load=load, verify=VerifyOptions(samples=2), write=write)
     assert not (tmp_path / "out").exists()
+
+
+def test_two_streamed_folders_of_other_ropes_are_named_by_the_config_keys():
+    """``verify --stream`` of two folders whose ropes differ says which, in config.json's names (the rope printed as a
+    Python object, ``RopeScaling(kind='llama3', ...)``, before)."""
+    from slabconv.verify.layerwise import _config_difference
+
+    scaled = LlamaConfig(rope=llama.RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+    said = _config_difference(scaled, LlamaConfig())
+    assert said == (
+        "differ in rope (llama3 (factor 8.0, low_freq_factor 1.0, high_freq_factor 4.0, "
+        "original_max_position_embeddings 8192) vs None)"
+    )

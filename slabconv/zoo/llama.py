@@ -218,6 +218,12 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def __str__(self) -> str:
+        """``llama3 (factor 8.0, low_freq_factor 1.0, ...)``, as ``config.json`` names them (for messages)."""
+        names = ["factor"] + (["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+                              if self.kind == "llama3" else [])  # fmt: skip
+        return f"{self.kind} ({', '.join(f'{n} {getattr(self, n)}' for n in names)})"
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope: RopeScaling | None = None) -> torch.Tensor:
     """The rotary inverse frequencies ``(d/2,)`` float32: ``1 / theta ** (arange(0, d, 2) / d)``, rescaled by a
