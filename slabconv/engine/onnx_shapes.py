@@ -225,8 +225,8 @@ def _shape_proto(model: ir.Model, proto_path: str | None) -> Any:
     if proto_path is not None:
         proto = onnx.load(proto_path, load_external_data=False)
         del proto.graph.value_info[:]  # declared, not inferred: a stale one would stand (``prepare`` sets them aside)
-        inputs = {i.name for i in proto.graph.input} if proto.ir_version >= 4 else set()
-        for tensor in [t for t in proto.graph.initializer if t.name in inputs]:
+        fed_names = {v.name for v in model.graph.inputs if v.meta.get(FED_DEFAULT)}
+        for tensor in [t for t in proto.graph.initializer if t.name in fed_names]:
             proto.graph.initializer.remove(tensor)
         big = [t for t in proto.graph.initializer if uses_external_data(t) or math.prod(t.dims) > SMALL_CONSTANT]
         for tensor in big:
